@@ -1,0 +1,49 @@
+"""Signed ActivityPub and webhook deliveries from a queue in the Django database.
+
+The public API is importable from here::
+
+    from django_federation_delivery import send, send_batch, BatchOptions, SenderKey
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Re-exported lazily: this package is imported while Django loads its apps,
+# before models may be.
+_EXPORTS = {
+    "send": "django_federation_delivery.sending",
+    "send_batch": "django_federation_delivery.sending",
+    "BatchOptions": "django_federation_delivery.sending",
+    "SenderKey": "django_federation_delivery.signatures",
+    "Scheme": "django_federation_delivery.signatures",
+    "InvalidDelivery": "django_federation_delivery.exceptions",
+    "SigningError": "django_federation_delivery.exceptions",
+}
+
+if TYPE_CHECKING:
+    from django_federation_delivery.exceptions import InvalidDelivery, SigningError
+    from django_federation_delivery.sending import BatchOptions, send, send_batch
+    from django_federation_delivery.signatures import Scheme, SenderKey
+
+__all__ = [
+    "BatchOptions",
+    "InvalidDelivery",
+    "Scheme",
+    "SenderKey",
+    "SigningError",
+    "__version__",
+    "send",
+    "send_batch",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(module), name)

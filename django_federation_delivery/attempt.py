@@ -1,0 +1,178 @@
+"""One attempt at one delivery: sign, POST, read a bounded answer, classify.
+
+Runs in a worker thread and never touches the database: it is given all it
+needs in an :class:`Job` and reports in an :class:`AttemptResult`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+
+from django_federation_delivery.exceptions import SigningError, TransportError
+from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
+from django_federation_delivery.transport import Answer, Transport, parse_retry_after
+
+#: The answers that mean a knock in the wrong scheme, worth one more in the other.
+KNOCK_AGAIN = frozenset({400, 401})
+
+
+def permanent_status(status: int) -> bool:
+    """The default: every 4xx but 408 (timeout) and 429 (too many requests)
+    says the same request will be refused again."""
+    return 400 <= status < 500 and status not in (408, 429)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What a worker needs for one attempt."""
+
+    delivery_id: int
+    #: Where to POST, in order: the inbox, or a portable inbox's gateways.
+    targets: tuple[str, ...]
+    body: bytes
+    body_sha256: str
+    key: SenderKey | None
+    sender: str
+    #: The scheme to knock in first (the one the host last accepted).
+    scheme: Scheme
+    extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Set when the key could not be had for a reason that may pass.
+    key_error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptResult:
+    job: Job
+    delivered: bool
+    #: The status the inbox answered with, if it answered.
+    status: int | None
+    error: str
+    #: Whether trying again cannot help.
+    permanent: bool
+    retry_after: float | None
+    #: The scheme the inbox accepted, when it accepted one.
+    accepted_scheme: Scheme | None
+    duration: float
+    #: How many requests it took (two when it knocked twice).
+    requests: int = 1
+
+
+def attempt(
+    job: Job,
+    transport: Transport,
+    *,
+    is_permanent: Callable[[int], bool] = permanent_status,
+    error_length: int = 300,
+    clock: Callable[[], float] = time.monotonic,
+) -> AttemptResult:
+    """Make one attempt at ``job``: each target in turn until one accepts."""
+    started = clock()
+
+    def result(**fields: object) -> AttemptResult:
+        fields.setdefault("retry_after", None)
+        fields.setdefault("accepted_scheme", None)
+        error = str(fields.pop("error", ""))[:error_length]
+        return AttemptResult(
+            job=job,
+            error=error,
+            duration=clock() - started,
+            **fields,  # type: ignore[arg-type]
+        )
+
+    if job.key_error:
+        return result(delivered=False, status=None, error=job.key_error, permanent=False)
+    if job.key is None:
+        return result(
+            delivered=False,
+            status=None,
+            error=f"no key for sender {job.sender}",
+            permanent=True,
+        )
+    last: AttemptResult | None = None
+    requests = 0
+    for target in job.targets:
+        outcome, made = _knock(job, job.key, target, transport, is_permanent, error_length)
+        requests += made
+        last = dataclasses.replace(outcome, duration=clock() - started, requests=requests)
+        if last.delivered:
+            return last
+    assert last is not None, "a job has at least one target"
+    return last
+
+
+def _knock(
+    job: Job,
+    key: SenderKey,
+    target: str,
+    transport: Transport,
+    is_permanent: Callable[[int], bool],
+    error_length: int,
+) -> tuple[AttemptResult, int]:
+    """POST to ``target`` in the job's scheme, and once more in the other
+    when the first is answered 400 or 401 ("double knocking")."""
+    scheme = job.scheme
+    if key.algorithm == "ed25519" and scheme is Scheme.CAVAGE:
+        # draft-cavage as Mastodon verifies it has no Ed25519: go straight to RFC 9421.
+        scheme = Scheme.RFC9421
+    made = 0
+    outcome = _post(job, key, target, scheme, transport, is_permanent, error_length)
+    made += 1
+    other = scheme.other()
+    can_sign_other = not (key.algorithm == "ed25519" and other is Scheme.CAVAGE)
+    if outcome.status in KNOCK_AGAIN and can_sign_other:
+        outcome = _post(job, key, target, other, transport, is_permanent, error_length)
+        made += 1
+    return outcome, made
+
+
+def _post(
+    job: Job,
+    key: SenderKey,
+    target: str,
+    scheme: Scheme,
+    transport: Transport,
+    is_permanent: Callable[[int], bool],
+    error_length: int,
+) -> AttemptResult:
+    def result(**fields: object) -> AttemptResult:
+        fields.setdefault("retry_after", None)
+        fields.setdefault("accepted_scheme", None)
+        error = str(fields.pop("error", ""))[:error_length]
+        return AttemptResult(job=job, error=error, duration=0.0, **fields)  # type: ignore[arg-type]
+
+    try:
+        headers = sign_request(
+            scheme,
+            url=target,
+            body_sha256=job.body_sha256,
+            key=key,
+            extra_headers=job.extra_headers,
+        )
+    except SigningError as exc:
+        return result(delivered=False, status=None, error=str(exc), permanent=True)
+    try:
+        answer = transport.post(target, job.body, headers)
+    except TransportError as exc:
+        return result(delivered=False, status=None, error=str(exc), permanent=exc.permanent)
+    if 200 <= answer.status < 300:
+        return result(
+            delivered=True, status=answer.status, error="", permanent=False, accepted_scheme=scheme
+        )
+    return result(
+        delivered=False,
+        status=answer.status,
+        error=describe(answer, error_length),
+        permanent=is_permanent(answer.status),
+        retry_after=parse_retry_after(answer.headers.get("Retry-After")),
+    )
+
+
+def describe(answer: Answer, length: int) -> str:
+    """ "the inbox answered 503: <the start of its body>", cut to ``length``."""
+    text = answer.body[: length * 4].decode("utf-8", "replace").strip()
+    error = f"the inbox answered {answer.status}"
+    if text:
+        error = f"{error}: {' '.join(text.split())}"
+    return error[:length]

@@ -1,0 +1,139 @@
+"""The ``FEDERATION_DELIVERY`` settings: defaults in one place, read lazily.
+
+Every read goes through :data:`app_settings`, which looks at
+``django.conf.settings`` each time, so ``override_settings`` works in tests.
+Misconfiguration is reported by the system checks in ``checks.py``; the
+accessors here raise ``ImproperlyConfigured`` naming the bad value when code
+uses one anyway.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+from django_federation_delivery import __version__
+
+SETTING = "FEDERATION_DELIVERY"
+
+DEFAULTS: dict[str, Any] = {
+    # A dotted path to ``callable(sender: str) -> SenderKey | None``.
+    "SENDER_KEYS": None,
+    # A dotted path to ``callable(sender: str) -> bool``: whether the sender
+    # is gone for good (a deleted account). None: no sender is ever gone.
+    "SENDER_GONE": None,
+    # How long a sender's key is kept in memory before it is asked for again.
+    "KEY_CACHE_SECONDS": 60.0,
+    # A send to at most this many inboxes goes to the priority lane, claimed
+    # before any other. None: no priority lane.
+    "PRIORITY_MAX_INBOXES": None,
+    # A dotted path to ``callable(status: int) -> bool``: which answers are
+    # final. None: every 4xx but 408 and 429.
+    "PERMANENT_STATUS": None,
+    # Statuses that are final when the sender is gone (Mastodon gives up on
+    # a 401 to a deleted account).
+    "PERMANENT_IF_SENDER_GONE": [],
+    # Exponential backoff by default: BASE seconds doubling to CAP, ATTEMPTS
+    # tries in all, each wait up to JITTER shorter at random. SCHEDULE, when
+    # given, is a list of waits in seconds used instead (one try more than
+    # waits).
+    "RETRY": {"BASE": 30.0, "CAP": 3600.0, "ATTEMPTS": 12, "JITTER": 0.25, "SCHEDULE": None},
+    # Whether a retry waits at least as long as Retry-After asks, and the
+    # longest such wait honoured.
+    "WAIT_AS_ASKED": True,
+    "RETRY_AFTER_MAX": 3600.0,
+    # How many due deliveries one claim takes, and for how long.
+    "CLAIM_SIZE": 64,
+    "LEASE_SECONDS": 300.0,
+    # Deliveries in flight at once, in all and to one host.
+    "CONCURRENCY": 16,
+    "PER_HOST": 2,
+    # The longest the loop sleeps with nothing due (jittered by a quarter),
+    # and how often it looks for new work queued by another process.
+    "IDLE_POLL_SECONDS": 30.0,
+    "NEW_WORK_POLL_SECONDS": 0.5,
+    # The wire.
+    "CONNECT_TIMEOUT": 10.0,
+    "ATTEMPT_TIMEOUT": 30.0,
+    "MAX_ANSWER_BYTES": 1 << 20,
+    "ERROR_LENGTH": 300,
+    "CONNECTIONS_PER_HOST": 2,
+    "IDLE_CONNECTION_SECONDS": 10.0,
+    "VERIFY_TLS": True,
+    # Networks deliveries may go to although they are not public, such as
+    # ["127.0.0.0/8"] in tests. Empty: public addresses only.
+    "ALLOWED_NETWORKS": [],
+    "USER_AGENT": f"django-federation-delivery/{__version__}",
+    # "draft-cavage" or "rfc9421": the scheme a host is first tried in.
+    "FIRST_SCHEME": "draft-cavage",
+}
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class AppSettings:
+    """``FEDERATION_DELIVERY`` with its defaults, looked up on every access."""
+
+    def _user(self) -> dict[str, Any]:
+        value = getattr(settings, SETTING, {})
+        if not isinstance(value, dict):
+            raise ImproperlyConfigured(f"{SETTING} must be a dict, not {type(value).__name__}.")
+        return value
+
+    def get(self, name: str) -> Any:
+        if name not in DEFAULTS:
+            raise AttributeError(f"{SETTING} has no setting {name!r}")
+        default = DEFAULTS[name]
+        value = self._user().get(name, default)
+        if isinstance(default, dict) and isinstance(value, dict):
+            return {**default, **value}
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        if name.isupper():
+            return self.get(name)
+        raise AttributeError(name)
+
+    def unknown_keys(self) -> list[str]:
+        return sorted(set(self._user()) - set(DEFAULTS))
+
+    def callable_setting(self, name: str) -> Callable[..., Any] | None:
+        """The callable a setting names (a dotted path, or the callable itself)."""
+        value = self.get(name)
+        if value is None:
+            return None
+        if callable(value):
+            return value  # type: ignore[no-any-return]
+        if not isinstance(value, str):
+            raise ImproperlyConfigured(
+                f"{SETTING}[{name!r}] must be a dotted path to a callable, not {value!r}."
+            )
+        try:
+            found = import_string(value)
+        except ImportError as exc:
+            raise ImproperlyConfigured(
+                f"{SETTING}[{name!r}] = {value!r} cannot be imported: {exc}"
+            ) from exc
+        if not callable(found):
+            raise ImproperlyConfigured(f"{SETTING}[{name!r}] = {value!r} is not callable.")
+        return found  # type: ignore[no-any-return]
+
+    def allowed_networks(self) -> tuple[Network, ...]:
+        networks = []
+        for value in self.get("ALLOWED_NETWORKS"):
+            try:
+                networks.append(ipaddress.ip_network(value, strict=False))
+            except (TypeError, ValueError) as exc:
+                raise ImproperlyConfigured(
+                    f"{SETTING}['ALLOWED_NETWORKS'] has {value!r}, which is not a network "
+                    "such as '127.0.0.0/8'."
+                ) from exc
+        return tuple(networks)
+
+
+app_settings = AppSettings()

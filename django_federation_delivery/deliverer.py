@@ -1,0 +1,575 @@
+"""The claim-and-send loop.
+
+A coordinator (the thread that calls :meth:`Deliverer.run`) owns the
+database: it claims due deliveries a few at a time, settles what came of
+them, and sends the signals. A pool of worker threads owns the sockets: each
+makes one attempt at a time with a pooled transport of its own. A slow or
+silent inbox holds one worker, never a batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime as dt
+import logging
+import queue as threadqueue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, connections
+from django.utils import timezone
+
+from django_federation_delivery import queue, signals, wakeup
+from django_federation_delivery.attempt import AttemptResult, Job, attempt, permanent_status
+from django_federation_delivery.conf import app_settings
+from django_federation_delivery.keys import KeyCache
+from django_federation_delivery.models import Batch, Status
+from django_federation_delivery.retry import RetryPolicy, jitter, wait_before_retry
+from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.transport import Transport, TransportSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Summary:
+    """What a run did, counted as it goes."""
+
+    delivered: int = 0
+    retrying: int = 0
+    refused: int = 0
+    failed: int = 0
+    skipped: int = 0
+    attempts: int = 0
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def rate(self) -> float:
+        """Deliveries settled as delivered per second."""
+        return self.delivered / self.elapsed if self.elapsed > 0 else 0.0
+
+    def line(self) -> str:
+        return (
+            f"delivered {self.delivered}, retrying {self.retrying}, refused {self.refused}, "
+            f"failed {self.failed}, skipped {self.skipped} in {self.elapsed:.1f}s "
+            f"({self.rate:.1f}/s)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatchInfo:
+    """What the loop keeps in memory of a batch while its deliveries are sent."""
+
+    id: int
+    sender: str
+    body: bytes
+    body_sha256: str
+    tag: str
+    deadline: dt.datetime | None
+    max_attempts: int | None
+
+    @classmethod
+    def of(cls, batch: Batch) -> _BatchInfo:
+        return cls(
+            id=batch.id,
+            sender=batch.sender,
+            body=batch.body.encode(),
+            body_sha256=batch.body_sha256,
+            tag=batch.tag,
+            deadline=batch.deadline,
+            max_attempts=batch.max_attempts,
+        )
+
+
+@dataclasses.dataclass
+class _InFlight:
+    claimed: queue.Claimed
+    batch: _BatchInfo
+    job: Job
+
+
+class Deliverer:
+    """Claims due deliveries and sends them until stopped (or, with
+    ``drain``, until nothing is due)."""
+
+    def __init__(
+        self,
+        *,
+        concurrency: int | None = None,
+        per_host: int | None = None,
+        claim_size: int | None = None,
+        lease: float | None = None,
+        using: str = DEFAULT_DB_ALIAS,
+        on_progress: Callable[[Summary], None] | None = None,
+        progress_interval: float = 1.0,
+    ) -> None:
+        get = app_settings.get
+        self.concurrency = max(1, int(concurrency or get("CONCURRENCY")))
+        self.per_host = max(1, int(per_host or get("PER_HOST")))
+        self.claim_size = max(1, int(claim_size or get("CLAIM_SIZE")))
+        self.lease = float(lease or get("LEASE_SECONDS"))
+        self.using = using
+        self.policy = RetryPolicy.from_setting(get("RETRY"))
+        self.wait_as_asked = bool(get("WAIT_AS_ASKED"))
+        self.retry_after_max = float(get("RETRY_AFTER_MAX"))
+        self.idle_poll = float(get("IDLE_POLL_SECONDS"))
+        self.new_work_poll = float(get("NEW_WORK_POLL_SECONDS"))
+        self.error_length = int(get("ERROR_LENGTH"))
+        self.first_scheme = Scheme(get("FIRST_SCHEME"))
+        self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
+        self.sender_gone = app_settings.callable_setting("SENDER_GONE")
+        self.permanent_if_gone = frozenset(int(s) for s in get("PERMANENT_IF_SENDER_GONE"))
+        self.transport_settings = TransportSettings(
+            user_agent=str(get("USER_AGENT")),
+            connect_timeout=float(get("CONNECT_TIMEOUT")),
+            attempt_timeout=float(get("ATTEMPT_TIMEOUT")),
+            max_answer_bytes=int(get("MAX_ANSWER_BYTES")),
+            allowed_networks=app_settings.allowed_networks(),
+            connections_per_host=int(get("CONNECTIONS_PER_HOST")),
+            idle_timeout=float(get("IDLE_CONNECTION_SECONDS")),
+            verify_tls=bool(get("VERIFY_TLS")),
+        )
+        self.on_progress = on_progress
+        self.progress_interval = progress_interval
+        self.summary = Summary()
+        self.keys = KeyCache()
+        #: The scheme each host last accepted.
+        self.schemes: dict[str, Scheme] = {}
+
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._jobs: threadqueue.SimpleQueue[_InFlight | None] = threadqueue.SimpleQueue()
+        self._results: threadqueue.SimpleQueue[tuple[_InFlight, AttemptResult]] = (
+            threadqueue.SimpleQueue()
+        )
+        self._in_flight: dict[int, _InFlight] = {}
+        self._host_busy: collections.Counter[str] = collections.Counter()
+        self._backlog: dict[str, collections.deque[_InFlight]] = {}
+        self._unwritten: list[queue.Settlement] = []
+        self._batches: dict[int, _BatchInfo] = {}
+        self._workers: list[threading.Thread] = []
+        self._dry = False
+        self._db_failing_since: float | None = None
+
+    # The public controls.
+
+    def stop(self) -> None:
+        """Stop claiming, finish what is in flight, then return from :meth:`run`."""
+        self._stopping.set()
+        self._wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def run(self, *, drain: bool = False) -> Summary:
+        """Claim and send until :meth:`stop` (or, with ``drain``, until
+        nothing is due and nothing is in flight). Returns what it did."""
+        wakeup.register(self._wake)
+        listener = None
+        if wakeup.PostgresListener.available(self.using) and not drain:
+            listener = wakeup.PostgresListener(self._wake, using=self.using)
+            listener.start()
+        self._start_workers()
+        next_progress = time.monotonic() + self.progress_interval
+        try:
+            while True:
+                self._settle_finished()
+                if self.stopping and not self._in_flight and not self._unwritten:
+                    break
+                if not self.stopping:
+                    self._claim_more()
+                busy = bool(self._in_flight)
+                if drain and not busy and self._dry and not self._unwritten:
+                    break
+                if self.on_progress is not None and time.monotonic() >= next_progress:
+                    self.on_progress(self.summary)
+                    next_progress = time.monotonic() + self.progress_interval
+                if busy or self._unwritten or not self._dry:
+                    # Woken by the next result; a short bound keeps retrying writes.
+                    self._wait(1.0 if not self._unwritten else 0.5)
+                else:
+                    self._idle(listening=listener is not None)
+        finally:
+            self._stop_workers()
+            if listener is not None:
+                listener.stop()
+            wakeup.unregister(self._wake)
+            # This thread owned the ORM's connections: close them.
+            connections.close_all()
+        if self.on_progress is not None:
+            self.on_progress(self.summary)
+        return self.summary
+
+    # Workers: one attempt at a time each, never the database.
+
+    def _start_workers(self) -> None:
+        for number in range(self.concurrency):
+            worker = threading.Thread(
+                target=self._work, name=f"federation-delivery-{number}", daemon=True
+            )
+            worker.start()
+            self._workers.append(worker)
+
+    def _stop_workers(self) -> None:
+        for _ in self._workers:
+            self._jobs.put(None)
+        for worker in self._workers:
+            worker.join(timeout=self.transport_settings.attempt_timeout + 5)
+        self._workers.clear()
+
+    def _work(self) -> None:
+        transport = Transport(self.transport_settings)
+        try:
+            while (item := self._jobs.get()) is not None:
+                try:
+                    result = attempt(
+                        item.job,
+                        transport,
+                        is_permanent=self.is_permanent,
+                        error_length=self.error_length,
+                    )
+                except Exception as exc:  # a bug must not take a worker down
+                    logger.exception("An attempt at delivery %s raised", item.claimed.id)
+                    result = AttemptResult(
+                        job=item.job,
+                        delivered=False,
+                        status=None,
+                        error=f"internal error: {type(exc).__name__}"[: self.error_length],
+                        permanent=False,
+                        retry_after=None,
+                        accepted_scheme=None,
+                        duration=0.0,
+                    )
+                self._results.put((item, result))
+                self._wake.set()
+        finally:
+            transport.close()
+
+    # The coordinator: claims, hands out, settles.
+
+    def _wait(self, timeout: float) -> None:
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+    def _idle(self, *, listening: bool) -> None:
+        """Sleep until the next due time or the idle poll, whichever is
+        sooner; a send wakes it, and without LISTEN so does a cheap look for
+        new work every ``NEW_WORK_POLL_SECONDS``."""
+        due = self._db(queue.next_due, using=self.using)
+        sleep = jitter(self.idle_poll)
+        if isinstance(due, dt.datetime):
+            sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
+        deadline = time.monotonic() + sleep
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            step = left if listening else min(left, self.new_work_poll)
+            if self._wake.wait(step):
+                break
+            if not listening and self._db(queue.has_due, using=self.using) is True:
+                break
+        self._wake.clear()
+        self._dry = False
+
+    def _claim_more(self) -> None:
+        busy = len(self._in_flight)
+        free = self.concurrency - busy
+        backlog = sum(len(jobs) for jobs in self._backlog.values())
+        refill = max(1, self.concurrency // 4)
+        if free <= 0 or backlog >= self.concurrency or (busy and free < refill and not self._dry):
+            return
+        if self._dry and busy:
+            return
+        saturated = [
+            host
+            for host, count in self._host_busy.items()
+            if count + len(self._backlog.get(host, ())) >= self.per_host
+        ]
+        limit = min(free, self.claim_size)
+        claimed = self._db(
+            queue.claim, limit, self.lease, exclude_hosts=saturated, using=self.using
+        )
+        if not isinstance(claimed, list):
+            self._dry = True
+            return
+        self._dry = len(claimed) < limit
+        if claimed:
+            self._start(claimed)
+
+    def _start(self, claimed: list[queue.Claimed]) -> None:
+        missing = {row.batch_id for row in claimed} - set(self._batches)
+        if missing:
+            found = self._db(queue.batches, missing, using=self.using)
+            if not isinstance(found, dict):
+                return  # the claim's lease lapses and they come due again
+            if len(self._batches) > 1000:
+                self._batches.clear()
+            self._batches.update({id: _BatchInfo.of(batch) for id, batch in found.items()})
+        now = timezone.now()
+        for row in claimed:
+            if row.id in self._in_flight:
+                continue
+            batch = self._batches[row.batch_id]
+            if batch.deadline is not None and now >= batch.deadline:
+                self._give_up_unsent(row, batch, "the batch's deadline passed before it was sent")
+                continue
+            item = _InFlight(claimed=row, batch=batch, job=self._job(row, batch))
+            self._in_flight[row.id] = item
+            if self._host_busy[row.host] < self.per_host:
+                self._host_busy[row.host] += 1
+                self._jobs.put(item)
+            else:
+                self._backlog.setdefault(row.host, collections.deque()).append(item)
+
+    def _job(self, row: queue.Claimed, batch: _BatchInfo) -> Job:
+        key_error = ""
+        key = None
+        try:
+            key = self.keys.get(batch.sender)
+        except Exception as exc:
+            # The key store is the host project's; it being away for a
+            # moment does not make the delivery wrong.
+            logger.warning("Looking up the key of %s failed: %s", batch.sender, type(exc).__name__)
+            key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
+        return Job(
+            delivery_id=row.id,
+            targets=(row.inbox,),
+            body=batch.body,
+            body_sha256=batch.body_sha256,
+            key=key,
+            sender=batch.sender,
+            scheme=self.schemes.get(row.host, self.first_scheme),
+            key_error=key_error,
+        )
+
+    def _settle_finished(self) -> None:
+        settlements = self._unwritten
+        self._unwritten = []
+        while True:
+            try:
+                item, result = self._results.get_nowait()
+            except threadqueue.Empty:
+                break
+            settlements.append(self._outcome(item, result))
+            self._release_slot(item.claimed.host)
+            del self._in_flight[item.claimed.id]
+        if not settlements:
+            return
+        self._dry = False  # a retry may have come due since the last claim
+        written = self._db(
+            queue.settle, settlements, on_finished=self._batches_finished, using=self.using
+        )
+        if written is None:
+            # Not written: written again while the lease holds. After that the
+            # row is another claim's to take, and is sent again: never lost.
+            now = time.time()
+            self._unwritten = [s for s in settlements if s.claimed.leased_until > now]
+
+    def _release_slot(self, host: str) -> None:
+        backlog = self._backlog.get(host)
+        if backlog:
+            self._jobs.put(backlog.popleft())
+            if not backlog:
+                del self._backlog[host]
+        else:
+            self._host_busy[host] -= 1
+            if self._host_busy[host] <= 0:
+                del self._host_busy[host]
+
+    def _outcome(self, item: _InFlight, result: AttemptResult) -> queue.Settlement:
+        """Decide what comes of an attempt, send the signals, and say what to write."""
+        row, batch = item.claimed, item.batch
+        attempts = row.attempts + 1
+        self.summary.attempts += 1
+        now = timezone.now()
+        if result.accepted_scheme is not None:
+            self.schemes[row.host] = result.accepted_scheme
+        if result.delivered:
+            return self._settle(row, batch, result, Status.DELIVERED, attempts, now)
+        permanent = result.permanent or self._gone(batch.sender, result.status)
+        if permanent:
+            return self._settle(row, batch, result, Status.REFUSED, attempts, now)
+        wait = None
+        if batch.max_attempts is None or attempts < batch.max_attempts:
+            wait = self.policy.delay(attempts)
+        if wait is None:
+            error = f"gave up after {attempts} attempts: {result.error}"
+            return self._fail(row, batch, result, attempts, now, error, deadline=False)
+        wait = wait_before_retry(
+            wait,
+            result.retry_after,
+            wait_as_asked=self.wait_as_asked,
+            longest=self.retry_after_max,
+        )
+        due = now + dt.timedelta(seconds=wait)
+        if batch.deadline is not None and due >= batch.deadline:
+            error = f"the batch's deadline passed: {result.error}"
+            return self._fail(row, batch, result, attempts, now, error, deadline=True)
+        self._attempted(row, batch, result, "retrying")
+        self.summary.retrying += 1
+        return queue.Settlement(
+            claimed=row,
+            status=Status.PENDING,
+            attempts=attempts,
+            due_at=due,
+            last_status=result.status,
+            last_error=result.error[: self.error_length],
+            attempted_at=now,
+        )
+
+    def _gone(self, sender: str, status: int | None) -> bool:
+        if status is None or status not in self.permanent_if_gone or self.sender_gone is None:
+            return False
+        try:
+            return bool(self.sender_gone(sender))
+        except Exception:
+            logger.exception("SENDER_GONE raised for %s", sender)
+            return False
+
+    def _attempted(
+        self, row: queue.Claimed, batch: _BatchInfo, result: AttemptResult, outcome: str
+    ) -> None:
+        signals.send_safely(
+            signals.delivery_attempted,
+            attempt=signals.Attempted(
+                delivery_id=row.id,
+                batch_id=row.batch_id,
+                inbox=row.inbox,
+                sender=batch.sender,
+                outcome=outcome,
+                status=result.status,
+                error=result.error,
+                duration=result.duration,
+            ),
+        )
+
+    def _settle(
+        self,
+        row: queue.Claimed,
+        batch: _BatchInfo,
+        result: AttemptResult,
+        status: Status,
+        attempts: int,
+        now: dt.datetime,
+    ) -> queue.Settlement:
+        outcome = str(status)
+        self._attempted(row, batch, result, outcome)
+        signals.send_safely(
+            signals.delivery_settled,
+            settled=signals.Settled(
+                delivery_id=row.id,
+                batch_id=row.batch_id,
+                inbox=row.inbox,
+                sender=batch.sender,
+                tag=batch.tag,
+                outcome=outcome,
+                status=result.status,
+            ),
+        )
+        if status == Status.REFUSED:
+            self.summary.refused += 1
+            self._failed_signal(
+                row, batch, result.status, result.error, deadline=False, refused=True
+            )
+        else:
+            self.summary.delivered += 1
+        return queue.Settlement(
+            claimed=row,
+            status=status,
+            attempts=attempts,
+            last_status=result.status,
+            last_error=result.error[: self.error_length],
+            attempted_at=now,
+        )
+
+    def _fail(
+        self,
+        row: queue.Claimed,
+        batch: _BatchInfo,
+        result: AttemptResult,
+        attempts: int,
+        now: dt.datetime,
+        error: str,
+        *,
+        deadline: bool,
+    ) -> queue.Settlement:
+        self._attempted(row, batch, result, "failed")
+        self._failed_signal(row, batch, result.status, error, deadline=deadline, refused=False)
+        self.summary.failed += 1
+        return queue.Settlement(
+            claimed=row,
+            status=Status.FAILED,
+            attempts=attempts,
+            last_status=result.status,
+            last_error=error[: self.error_length],
+            attempted_at=now,
+        )
+
+    def _failed_signal(
+        self,
+        row: queue.Claimed,
+        batch: _BatchInfo,
+        status: int | None,
+        error: str,
+        *,
+        deadline: bool,
+        refused: bool,
+    ) -> None:
+        signals.send_safely(
+            signals.delivery_failed,
+            failure=signals.Failure(
+                delivery_id=row.id,
+                batch_id=row.batch_id,
+                inbox=row.inbox,
+                sender=batch.sender,
+                tag=batch.tag,
+                status=status,
+                error=error[: self.error_length],
+                deadline=deadline,
+                refused=refused,
+            ),
+        )
+
+    def _give_up_unsent(self, row: queue.Claimed, batch: _BatchInfo, error: str) -> None:
+        self._failed_signal(row, batch, None, error, deadline=True, refused=False)
+        self.summary.failed += 1
+        self._unwritten.append(
+            queue.Settlement(
+                claimed=row,
+                status=Status.FAILED,
+                attempts=row.attempts,
+                last_error=error[: self.error_length],
+            )
+        )
+
+    def _batches_finished(self, batches: list[Batch]) -> None:
+        for batch in batches:
+            signals.send_safely(signals.batch_finished, batch=batch)
+            self._batches.pop(batch.id, None)
+
+    def _db(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a queue query; a database that is away is logged and waited
+        out, never a reason to stop. Returns None when it failed."""
+        try:
+            value = function(*args, **kwargs)
+        except (DatabaseError, InterfaceError) as exc:
+            now = time.monotonic()
+            if self._db_failing_since is None:
+                self._db_failing_since = now
+                logger.warning("The database is unavailable (%s); waiting it out", exc)
+            connections[self.using].close()
+            self._stopping.wait(min(5.0, 0.2 + (now - self._db_failing_since) / 4))
+            return None
+        if self._db_failing_since is not None:
+            logger.warning("The database is back")
+            self._db_failing_since = None
+        return value

@@ -1,0 +1,57 @@
+"""The exceptions this app raises, in one tree.
+
+Nothing here imports Django, so that ``signatures`` and ``transport`` can use
+them and stay free of it.
+"""
+
+from __future__ import annotations
+
+
+class FederationDeliveryError(Exception):
+    """The root of every error this app raises."""
+
+
+class InvalidDelivery(FederationDeliveryError, ValueError):
+    """A ``send*()`` call was given something it cannot queue.
+
+    Raised before anything is written: a bad call queues nothing at all.
+    """
+
+
+class SigningError(FederationDeliveryError):
+    """A request could not be signed: no key, or a key the scheme cannot use.
+
+    Trying again will not help, so a delivery that meets one is refused.
+    """
+
+
+class TransportError(FederationDeliveryError):
+    """An attempt got no usable answer from the inbox."""
+
+    #: Whether trying again cannot help (a bad or refused address).
+    permanent: bool = False
+
+
+class InvalidURL(TransportError):
+    """The target is not an absolute http(s) URL with a host."""
+
+    permanent = True
+
+
+class RefusedAddress(TransportError):
+    """The target resolved to an address deliveries may not go to.
+
+    Loopback, private, link-local and other non-public addresses are refused
+    unless ``ALLOWED_NETWORKS`` names them; the check is made on the address
+    actually connected to, after DNS.
+    """
+
+    permanent = True
+
+
+class AttemptTimeout(TransportError):
+    """Connecting, or the whole attempt, took longer than allowed."""
+
+
+class ConnectionFailed(TransportError):
+    """The connection could not be made, or broke before an answer came."""

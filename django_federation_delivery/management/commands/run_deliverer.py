@@ -1,0 +1,96 @@
+"""``manage.py run_deliverer``: the claim-and-send loop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from django_federation_delivery.checks import sqlite_problems
+from django_federation_delivery.deliverer import Deliverer, Summary
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise CommandError(f"expected a whole number of 1 or more, not {value!r}")
+    return number
+
+
+class Command(BaseCommand):
+    help = (
+        "Send what is queued: claim due deliveries and send them, until stopped "
+        "(SIGTERM or SIGINT finishes what is in flight; a second one exits at once). "
+        "With --drain, stop once nothing is due."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--drain",
+            action="store_true",
+            help="Exit once nothing is due, with progress and a summary.",
+        )
+        parser.add_argument(
+            "--concurrency",
+            type=str,
+            default=None,
+            help="Deliveries in flight at once (default: CONCURRENCY, 16).",
+        )
+        parser.add_argument(
+            "--per-host",
+            type=str,
+            default=None,
+            help="Deliveries in flight at once to one host (default: PER_HOST, 2).",
+        )
+        parser.add_argument(
+            "--database", default=DEFAULT_DB_ALIAS, help="The database alias the queue lives in."
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        concurrency = _positive(options["concurrency"]) if options["concurrency"] else None
+        per_host = _positive(options["per_host"]) if options["per_host"] else None
+        using = options["database"]
+        if using not in connections:
+            raise CommandError(f"no database named {using!r} in DATABASES")
+        if connections[using].vendor == "sqlite":
+            for problem in sqlite_problems(using, connections[using]):
+                self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
+        drain = bool(options["drain"])
+        deliverer = Deliverer(
+            concurrency=concurrency,
+            per_host=per_host,
+            using=using,
+            on_progress=self._progress if drain else None,
+        )
+        self._install_signals(deliverer)
+        mode = "until nothing is due" if drain else "until stopped"
+        self.stdout.write(
+            f"Delivering {mode}: {deliverer.concurrency} in flight, {deliverer.per_host} per host."
+        )
+        summary = deliverer.run(drain=drain)
+        self.stdout.write(self.style.SUCCESS(f"Done: {summary.line()}."))
+
+    def _progress(self, summary: Summary) -> None:
+        self.stdout.write(f"  {summary.line()}")
+
+    def _install_signals(self, deliverer: Deliverer) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def stop(number: int, frame: FrameType | None) -> None:
+            if deliverer.stopping:
+                # A second signal: the operator means it.
+                os._exit(128 + number)
+            self.stderr.write("Stopping: finishing what is in flight (again to exit at once).")
+            deliverer.stop()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)

@@ -1,0 +1,108 @@
+"""The queue's data: a Batch per send, a Delivery per inbox, a Breaker per failing host."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class Lane(models.TextChoices):
+    """Which deliveries are claimed first."""
+
+    # A send to few inboxes (a direct message, a reply): claimed before any other.
+    PRIORITY = "priority", "priority"
+    NORMAL = "normal", "normal"
+    # What can wait: claimed only when nothing else is due.
+    LOW = "low", "low"
+
+
+class Status(models.TextChoices):
+    """Where a delivery stands. Only ``pending`` is still in the queue."""
+
+    # Waiting to be sent, being sent, or waiting to be retried.
+    PENDING = "pending", "pending"
+    # The inbox accepted it (2xx).
+    DELIVERED = "delivered", "delivered"
+    # The inbox answered with a status that will not change, or the URL,
+    # address or signature could not be used: not tried again.
+    REFUSED = "refused", "refused"
+    # Dropped unsent, because the host project said so when it came due.
+    SKIPPED = "skipped", "skipped"
+    # Given up: the retry policy, max attempts or the batch's deadline ran out.
+    FAILED = "failed", "failed"
+
+
+class Batch(models.Model):
+    """One send: one activity from one sender to many inboxes.
+
+    The body is stored once here, with its digest, however many inboxes it
+    goes to.
+    """
+
+    sender = models.CharField(max_length=2048)
+    # The JSON exactly as it is sent; its SHA-256 is computed once, at send.
+    body = models.TextField()
+    body_sha256 = models.CharField(max_length=64)
+    tag = models.CharField(max_length=200, blank=True, default="", db_index=True)
+    deadline = models.DateTimeField(null=True, blank=True)
+    max_attempts = models.PositiveIntegerField(null=True, blank=True)
+    lane = models.CharField(max_length=16, choices=Lane.choices, default=Lane.NORMAL)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    # How many deliveries it queued, and how many are still pending: the
+    # batch is finished when that reaches nought.
+    size = models.PositiveIntegerField(default=0)
+    remaining = models.PositiveIntegerField(default=0)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "batches"
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        label = self.tag or f"batch {self.pk}"
+        return f"{label} from {self.sender}"
+
+
+class Delivery(models.Model):
+    """One inbox of a batch, and how its delivery stands."""
+
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="deliveries")
+    inbox = models.CharField(max_length=2048)
+    host = models.CharField(max_length=255)
+    # The batch's lane, kept here so that one index finds what is due.
+    lane = models.CharField(max_length=16, choices=Lane.choices, default=Lane.NORMAL)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    # When it is next due. A claim pushes it forward by the lease, so a
+    # delivery whose process died comes due again by itself.
+    due_at = models.DateTimeField(null=True, blank=True, default=timezone.now)
+    # Taken with the claim: only its holder may settle the row. NULL while
+    # nobody holds it, which no token can ever match.
+    lease_token = models.CharField(  # noqa: DJ001
+        max_length=32, null=True, blank=True, editable=False
+    )
+    last_attempt_at = models.DateTimeField(null=True, blank=True)
+    last_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    settled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "deliveries"
+        constraints = [
+            models.UniqueConstraint(fields=["batch", "inbox"], name="fd_delivery_once_per_inbox"),
+        ]
+        indexes = [
+            # The claim: pending rows of a lane by due time, and nothing else,
+            # so that it costs the same with a million settled rows.
+            models.Index(
+                fields=["lane", "due_at"],
+                condition=Q(status="pending"),
+                name="fd_delivery_due",
+            ),
+            models.Index(fields=["batch", "status"], name="fd_delivery_batch_status"),
+            models.Index(fields=["host", "status"], name="fd_delivery_host_status"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.inbox} ({self.status})"

@@ -1,0 +1,252 @@
+"""Every query of the queue: enqueue, claim, settle, and what is due when.
+
+This is the one module that knows PostgreSQL from SQLite. On PostgreSQL a
+claim locks with ``FOR UPDATE SKIP LOCKED``, so any number of processes share
+one queue; on SQLite the same claim is a single ``UPDATE … RETURNING``
+statement, which SQLite runs under its one write lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.models import Min
+from django.utils import timezone
+
+from django_federation_delivery.models import Batch, Delivery, Lane, Status
+
+NOTIFY_CHANNEL = "federation_delivery"
+#: Lanes in the order they are claimed; the low lane only when nothing else is due.
+CLAIM_ORDER = (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
+FINAL = frozenset({Status.DELIVERED, Status.REFUSED, Status.SKIPPED, Status.FAILED})
+
+
+@dataclasses.dataclass(frozen=True)
+class Claimed:
+    """A delivery this process holds, until its lease lapses."""
+
+    id: int
+    batch_id: int
+    inbox: str
+    host: str
+    attempts: int
+    token: str
+    #: When the lease lapses, as ``time.time()``.
+    leased_until: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Settlement:
+    """What to write for a claimed delivery once an attempt is over.
+
+    ``status`` pending with a ``due_at`` is a retry; any other status takes
+    the delivery out of the queue.
+    """
+
+    claimed: Claimed
+    status: Status
+    attempts: int
+    due_at: dt.datetime | None = None
+    last_status: int | None = None
+    last_error: str = ""
+    attempted_at: dt.datetime | None = None
+
+
+def _connection(using: str | None) -> Any:
+    return connections[using or DEFAULT_DB_ALIAS]
+
+
+def _table(model: type[Any], connection: Any) -> str:
+    return str(connection.ops.quote_name(model._meta.db_table))
+
+
+def _when(value: dt.datetime | None, connection: Any) -> Any:
+    return connection.ops.adapt_datetimefield_value(value)
+
+
+def enqueue(batch: Batch, inboxes: Sequence[tuple[str, str]], *, using: str | None = None) -> Batch:
+    """Write ``batch`` and one pending delivery per ``(inbox, host)``.
+
+    Run inside the caller's transaction: on commit a deliverer in this process
+    is woken at once, and on PostgreSQL every listening process too.
+    """
+    from django_federation_delivery import wakeup
+
+    alias = using or DEFAULT_DB_ALIAS
+    now = timezone.now()
+    batch.size = batch.remaining = len(inboxes)
+    batch.created_at = now
+    batch.save(using=alias)
+    Delivery.objects.using(alias).bulk_create(
+        (
+            Delivery(batch=batch, inbox=inbox, host=host, lane=batch.lane, due_at=now)
+            for inbox, host in inboxes
+        ),
+        batch_size=500,
+    )
+    connection = _connection(alias)
+    if connection.vendor == "postgresql":
+        # Delivered by PostgreSQL when, and only when, the transaction commits.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
+    transaction.on_commit(wakeup.notify_local, using=alias)
+    return batch
+
+
+def claim(
+    limit: int,
+    lease: float,
+    *,
+    exclude_hosts: Iterable[str] = (),
+    using: str | None = None,
+) -> list[Claimed]:
+    """Take up to ``limit`` due deliveries for ``lease`` seconds, lane by lane.
+
+    The claim pushes each row's due time forward by the lease and stamps it
+    with a fresh token: only the holder of the token may settle it, and a row
+    whose holder died comes due again when the lease lapses.
+    """
+    claimed: list[Claimed] = []
+    excluded = sorted(set(exclude_hosts))[:200]
+    for lane in CLAIM_ORDER:
+        if len(claimed) >= limit:
+            break
+        claimed.extend(_claim_lane(lane, limit - len(claimed), lease, excluded, using))
+    return claimed
+
+
+def _claim_lane(
+    lane: str, limit: int, lease: float, excluded: list[str], using: str | None
+) -> list[Claimed]:
+    connection = _connection(using)
+    table = _table(Delivery, connection)
+    now = timezone.now()
+    token = uuid.uuid4().hex
+    lock = " FOR UPDATE SKIP LOCKED" if connection.vendor == "postgresql" else ""
+    hosts = ""
+    params: list[Any] = [_when(now + dt.timedelta(seconds=lease), connection), token]
+    params += [Status.PENDING, lane, _when(now, connection)]
+    if excluded:
+        hosts = f" AND host NOT IN ({', '.join(['%s'] * len(excluded))})"
+        params += excluded
+    params.append(limit)
+    sql = (
+        f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE id IN ("
+        f"SELECT id FROM {table} WHERE status = %s AND lane = %s AND due_at <= %s{hosts} "
+        f"ORDER BY due_at LIMIT %s{lock}) "
+        "RETURNING id, batch_id, inbox, host, attempts"
+    )
+    with transaction.atomic(using=using), connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    # RETURNING gives no order; keep the queue's.
+    rows.sort(key=lambda row: row[0])
+    until = time.time() + lease
+    return [Claimed(row[0], row[1], row[2], row[3], row[4], token, until) for row in rows]
+
+
+def settle(
+    settlements: Sequence[Settlement],
+    *,
+    on_finished: Callable[[list[Batch]], None] | None = None,
+    using: str | None = None,
+) -> set[int]:
+    """Write the outcome of each settlement whose claim is still held.
+
+    Returns the ids written; a settlement whose lease lapsed and whose row
+    another process now holds is not written. Batches whose last pending
+    delivery this settles are stamped finished, and ``on_finished`` is called
+    with them inside the same transaction.
+    """
+    if not settlements:
+        return set()
+    connection = _connection(using)
+    table = _table(Delivery, connection)
+    now = timezone.now()
+    written: set[int] = set()
+    leaving: Counter[int] = Counter()
+    sql = (
+        f"UPDATE {table} SET status = %s, attempts = %s, due_at = %s, lease_token = NULL, "
+        "last_status = %s, last_error = %s, last_attempt_at = COALESCE(%s, last_attempt_at), "
+        "settled_at = %s WHERE id = %s AND lease_token = %s"
+    )
+    with transaction.atomic(using=using):
+        with connection.cursor() as cursor:
+            for item in settlements:
+                final = item.status in FINAL
+                cursor.execute(
+                    sql,
+                    [
+                        item.status,
+                        item.attempts,
+                        None if final else _when(item.due_at, connection),
+                        item.last_status,
+                        item.last_error,
+                        _when(item.attempted_at, connection),
+                        _when(now, connection) if final else None,
+                        item.claimed.id,
+                        item.claimed.token,
+                    ],
+                )
+                if cursor.rowcount == 1:
+                    written.add(item.claimed.id)
+                    if final:
+                        leaving[item.claimed.batch_id] += 1
+        finished = _count_down(leaving, now, using)
+        if finished and on_finished is not None:
+            on_finished(finished)
+    return written
+
+
+def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> list[Batch]:
+    connection = _connection(using)
+    table = _table(Batch, connection)
+    with connection.cursor() as cursor:
+        for batch_id, count in sorted(leaving.items()):
+            cursor.execute(
+                f"UPDATE {table} SET remaining = CASE WHEN remaining > %s "
+                "THEN remaining - %s ELSE 0 END WHERE id = %s",
+                [count, count, batch_id],
+            )
+    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS)
+    finished = list(manager.filter(id__in=list(leaving), remaining=0, finished_at__isnull=True))
+    if finished:
+        manager.filter(id__in=[batch.id for batch in finished]).update(finished_at=now)
+        for batch in finished:
+            batch.finished_at = now
+    return finished
+
+
+def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, Batch]:
+    return {
+        batch.id: batch
+        for batch in Batch.objects.using(using or DEFAULT_DB_ALIAS).filter(id__in=list(ids))
+    }
+
+
+def next_due(*, using: str | None = None) -> dt.datetime | None:
+    """When the next pending delivery comes due, in any lane (one index read a lane)."""
+    manager = Delivery.objects.using(using or DEFAULT_DB_ALIAS)
+    times = [
+        manager.filter(status=Status.PENDING, lane=lane).aggregate(at=Min("due_at"))["at"]
+        for lane in CLAIM_ORDER
+    ]
+    known = [at for at in times if at is not None]
+    return min(known) if known else None
+
+
+def has_due(*, using: str | None = None) -> bool:
+    """Whether anything is due now: the cheap check for work queued elsewhere."""
+    manager = Delivery.objects.using(using or DEFAULT_DB_ALIAS)
+    now = timezone.now()
+    return any(
+        manager.filter(status=Status.PENDING, lane=lane, due_at__lte=now).exists()
+        for lane in CLAIM_ORDER
+    )

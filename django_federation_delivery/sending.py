@@ -1,0 +1,224 @@
+"""The enqueue side: ``send`` and ``send_batch``.
+
+Everything is checked before anything is written, and what is written goes
+into the caller's transaction: rolled back, nothing is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import SplitResult, urlsplit, urlunsplit
+
+from django.db import transaction
+from django.utils import timezone
+
+from django_federation_delivery import queue
+from django_federation_delivery.conf import app_settings
+from django_federation_delivery.exceptions import InvalidDelivery
+from django_federation_delivery.models import Batch, Lane
+from django_federation_delivery.signatures import body_sha256
+
+TAG_LENGTH = Batch._meta.get_field("tag").max_length or 200
+URL_LENGTH = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOptions:
+    """What the deliveries of one send share."""
+
+    #: A label to follow the batch by (in the admin, in signals).
+    tag: str = ""
+    #: An aware datetime, or a timedelta from now: a delivery not through by
+    #: then is given up, and one that would next be tried after it at once.
+    deadline: dt.datetime | dt.timedelta | None = None
+    #: Each delivery is tried at most this often, when fewer than the retry
+    #: policy allows; the backoff stays the policy's.
+    max_attempts: int | None = None
+    #: Claimed only when nothing else is due.
+    low_priority: bool = False
+
+
+_OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(BatchOptions))
+
+
+def send(sender: str, activity: Mapping[str, Any], inboxes: Iterable[str]) -> Batch | None:
+    """Queue ``activity``, signed by ``sender``, for each of ``inboxes`` once.
+
+    Returns the batch, or None when there was no inbox to send to.
+    """
+    return send_batch(sender, activity, inboxes)
+
+
+def send_batch(
+    sender: str,
+    activity: Mapping[str, Any],
+    inboxes: Iterable[str],
+    options: BatchOptions | Mapping[str, Any] | None = None,
+    *,
+    using: str | None = None,
+) -> Batch | None:
+    """:func:`send`, with the options a batch may carry (see :class:`BatchOptions`)."""
+    opts = _options(options)
+    sender = _sender(sender)
+    body = _body(activity)
+    targets = _inboxes(inboxes)
+    deadline = _deadline(opts.deadline)
+    max_attempts = _max_attempts(opts.max_attempts)
+    tag = _tag(opts.tag)
+    if not targets:
+        return None
+    lane = _lane(len(targets), opts.low_priority)
+    with transaction.atomic(using=using):
+        batch = queue.enqueue(
+            Batch(
+                sender=sender,
+                body=body,
+                body_sha256=body_sha256(body.encode()),
+                tag=tag,
+                deadline=deadline,
+                max_attempts=max_attempts,
+                lane=lane,
+            ),
+            _interleave_hosts(targets),
+            using=using,
+        )
+    return batch
+
+
+def _options(options: BatchOptions | Mapping[str, Any] | None) -> BatchOptions:
+    if options is None:
+        return BatchOptions()
+    if isinstance(options, BatchOptions):
+        return options
+    if not isinstance(options, Mapping):
+        raise InvalidDelivery(f"options must be BatchOptions or a dict, not {options!r}")
+    unknown = sorted(set(options) - _OPTION_NAMES)
+    if unknown:
+        raise InvalidDelivery(
+            f"unknown batch option(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(_OPTION_NAMES))}"
+        )
+    return BatchOptions(**options)
+
+
+def _sender(sender: object) -> str:
+    if not isinstance(sender, str) or not sender.strip():
+        raise InvalidDelivery(f"sender must be a non-empty string, not {sender!r}")
+    if len(sender) > URL_LENGTH:
+        raise InvalidDelivery(f"sender is longer than {URL_LENGTH} characters: {sender[:80]!r}…")
+    return sender.strip()
+
+
+def _body(activity: object) -> str:
+    if not isinstance(activity, Mapping):
+        raise InvalidDelivery(f"activity must be a JSON object (a dict), not {activity!r:.200}")
+    try:
+        return json.dumps(activity, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidDelivery(f"activity cannot be written as JSON: {exc}") from exc
+
+
+def normalize_inbox(inbox: object) -> str:
+    """The inbox as it is queued: an absolute http(s) URL, host lowercased,
+    default port and fragment dropped, so that one inbox spelt two ways is
+    sent to once."""
+    if not isinstance(inbox, str):
+        raise InvalidDelivery(f"inbox must be a URL string, not {inbox!r}")
+    text = inbox.strip()
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidDelivery(f"inbox {inbox!r} is not a valid URL: {exc}") from exc
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidDelivery(f"inbox {inbox!r} is not an absolute http(s) URL")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidDelivery(
+            f"inbox {_without_userinfo(parts)!r} must not carry a user or password"
+        )
+    if len(text) > URL_LENGTH:
+        raise InvalidDelivery(f"inbox is longer than {URL_LENGTH} characters: {text[:80]!r}…")
+    host = parts.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    if port is not None and port != {"http": 80, "https": 443}[scheme]:
+        host = f"{host}:{port}"
+    return urlunsplit((scheme, host, parts.path or "/", parts.query, ""))
+
+
+def _without_userinfo(parts: SplitResult) -> str:
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def host_of(inbox: str) -> str:
+    return urlsplit(inbox).hostname or ""
+
+
+def _inboxes(inboxes: Iterable[str]) -> list[str]:
+    if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
+        raise InvalidDelivery(f"inboxes must be an iterable of URLs, not {inboxes!r:.200}")
+    return list(dict.fromkeys(normalize_inbox(inbox) for inbox in inboxes))
+
+
+def _deadline(deadline: object) -> dt.datetime | None:
+    if deadline is None:
+        return None
+    now = timezone.now()
+    if isinstance(deadline, dt.timedelta):
+        if deadline <= dt.timedelta(0):
+            raise InvalidDelivery(f"deadline {deadline!r} must be a positive timedelta")
+        return now + deadline
+    if not isinstance(deadline, dt.datetime):
+        raise InvalidDelivery(f"deadline must be a datetime or timedelta, not {deadline!r}")
+    if timezone.is_naive(deadline):
+        raise InvalidDelivery(f"deadline {deadline!r} must be timezone-aware")
+    if deadline <= now:
+        raise InvalidDelivery(f"deadline {deadline.isoformat()} is already past")
+    return deadline
+
+
+def _max_attempts(max_attempts: object) -> int | None:
+    if max_attempts is None:
+        return None
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise InvalidDelivery(
+            f"max_attempts must be a whole number of 1 or more, not {max_attempts!r}"
+        )
+    return max_attempts
+
+
+def _tag(tag: object) -> str:
+    if not isinstance(tag, str):
+        raise InvalidDelivery(f"tag must be a string, not {tag!r}")
+    if len(tag) > TAG_LENGTH:
+        raise InvalidDelivery(f"tag is longer than {TAG_LENGTH} characters: {tag[:80]!r}…")
+    return tag
+
+
+def _lane(inboxes: int, low_priority: object) -> str:
+    if not isinstance(low_priority, bool):
+        raise InvalidDelivery(f"low_priority must be True or False, not {low_priority!r}")
+    if low_priority:
+        return Lane.LOW
+    few = app_settings.get("PRIORITY_MAX_INBOXES")
+    if few is not None and inboxes <= few:
+        return Lane.PRIORITY
+    return Lane.NORMAL
+
+
+def _interleave_hosts(inboxes: list[str]) -> list[tuple[str, str]]:
+    """(inbox, host) pairs, hosts taken in turn, so that the first claims of a
+    fan-out spread over many hosts instead of queueing behind one."""
+    rank: dict[str, int] = {}
+    keyed = []
+    for position, inbox in enumerate(inboxes):
+        host = host_of(inbox)
+        turn = rank[host] = rank.get(host, -1) + 1
+        keyed.append((turn, position, inbox, host))
+    return [(inbox, host) for _, _, inbox, host in sorted(keyed)]

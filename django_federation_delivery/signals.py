@@ -1,0 +1,82 @@
+"""Signals the host project receives, with what each carries.
+
+Every one is sent before the row it is about leaves the queue, so a process
+that stops in between sends it again: receivers must be safe to repeat. A
+receiver that raises is logged with its traceback and the loop goes on.
+
+Each is sent with ``sender=Delivery`` (the model class) and one keyword:
+
+- ``delivery_attempted``: ``attempt`` (:class:`Attempted`), after every attempt.
+- ``delivery_settled``: ``settled`` (:class:`Settled`): delivered, refused or skipped.
+- ``delivery_failed``: ``failure`` (:class:`Failure`): refused or given up.
+- ``batch_finished``: ``batch`` (the ``Batch``), when its last delivery leaves the queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from django.dispatch import Signal
+
+delivery_attempted = Signal()
+delivery_settled = Signal()
+delivery_failed = Signal()
+batch_finished = Signal()
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempted:
+    """One attempt, whatever came of it."""
+
+    delivery_id: int
+    batch_id: int
+    inbox: str
+    sender: str
+    #: "delivered", "retrying", "refused" or "failed".
+    outcome: str
+    status: int | None
+    error: str
+    duration: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """A delivery that is done with: ``outcome`` is "delivered", "refused" or "skipped"."""
+
+    delivery_id: int
+    batch_id: int
+    inbox: str
+    sender: str
+    tag: str
+    outcome: str
+    #: The status the inbox last answered with; 410 says it is gone for good.
+    status: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A delivery that will not be tried again without having been delivered."""
+
+    delivery_id: int
+    batch_id: int
+    inbox: str
+    sender: str
+    tag: str
+    #: The status the inbox last answered with, if it answered.
+    status: int | None
+    error: str
+    #: Whether the batch's deadline ended it, rather than the retry policy
+    #: or an answer that will not change.
+    deadline: bool
+    #: Whether an answer that will not change ended it ("refused").
+    refused: bool
+
+
+def send_safely(signal: Signal, **kwargs: Any) -> None:
+    """Send ``signal`` to every receiver. One that raises does not stop the
+    others or the loop: Django logs it, with its traceback, on the
+    ``django.dispatch`` logger."""
+    from django_federation_delivery.models import Delivery
+
+    signal.send_robust(sender=Delivery, **kwargs)

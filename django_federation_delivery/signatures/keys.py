@@ -1,0 +1,94 @@
+"""The sender's private key, wrapped so it can be passed around without leaking."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cryptography.exceptions import InternalError, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
+
+from django_federation_delivery.exceptions import SigningError
+
+__all__ = ["SenderKey"]
+
+# The errors cryptography raises for a key or input it cannot work with.
+_CRYPTO_ERRORS = (ValueError, TypeError, UnsupportedAlgorithm, InternalError)
+
+
+@dataclass(frozen=True, repr=False)
+class SenderKey:
+    """An actor's signing key and the id remote servers fetch its public half by.
+
+    ``repr`` shows only the key id and algorithm, so a key that ends up in a log
+    line, a traceback or a debug page never discloses the private material.
+    """
+
+    key_id: str
+    private_key: RSAPrivateKey | Ed25519PrivateKey
+
+    def __post_init__(self) -> None:
+        # Checked here too, not only in from_pem, so a hand-built key fails early.
+        if not isinstance(self.private_key, RSAPrivateKey | Ed25519PrivateKey):
+            raise SigningError(
+                f"key {self.key_id!r} is a {type(self.private_key).__name__}; "
+                "only RSA and Ed25519 private keys can sign deliveries"
+            )
+
+    @classmethod
+    def from_pem(cls, key_id: str, pem: str | bytes, password: bytes | None = None) -> SenderKey:
+        """Load a PEM private key (PKCS#1 or PKCS#8, optionally encrypted).
+
+        Errors name the key id but never echo the PEM, which may be a real key.
+        """
+        data = pem.encode("utf-8") if isinstance(pem, str) else pem
+        try:
+            loaded = serialization.load_pem_private_key(data, password=password)
+        except _CRYPTO_ERRORS as exc:
+            hint = "is it encrypted?" if password is None else "is the password right?"
+            raise SigningError(
+                f"could not load the private key for {key_id!r}: "
+                f"not a usable PEM private key ({hint})"
+            ) from exc
+        if not isinstance(loaded, RSAPrivateKey | Ed25519PrivateKey):
+            raise SigningError(
+                f"key {key_id!r} is a {type(loaded).__name__}; "
+                "only RSA and Ed25519 private keys can sign deliveries"
+            )
+        return cls(key_id=key_id, private_key=loaded)
+
+    @property
+    def algorithm(self) -> str:
+        """``"rsa"`` or ``"ed25519"``: what each scheme needs to pick its ``alg``."""
+        return "rsa" if isinstance(self.private_key, RSAPrivateKey) else "ed25519"
+
+    def __repr__(self) -> str:
+        return f"SenderKey(key_id={self.key_id!r}, algorithm={self.algorithm!r})"
+
+    def public_key_pem(self) -> str:
+        """The SubjectPublicKeyInfo PEM an actor document publishes as ``publicKeyPem``."""
+        return (
+            self.private_key.public_key()
+            .public_bytes(
+                encoding=serialization.Encoding.PEM,
+                format=serialization.PublicFormat.SubjectPublicKeyInfo,
+            )
+            .decode("ascii")
+        )
+
+    def sign(self, message: bytes) -> bytes:
+        """Sign ``message``: RSASSA-PKCS1-v1_5 with SHA-256, or plain Ed25519.
+
+        Both signature schemes use exactly these primitives, so they live here
+        once; any failure comes out as ``SigningError`` naming only the key id.
+        """
+        try:
+            if isinstance(self.private_key, RSAPrivateKey):
+                return self.private_key.sign(message, padding.PKCS1v15(), hashes.SHA256())
+            return self.private_key.sign(message)
+        except _CRYPTO_ERRORS as exc:
+            raise SigningError(
+                f"key {self.key_id!r} could not sign the request ({type(exc).__name__})"
+            ) from exc

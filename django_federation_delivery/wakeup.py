@@ -1,0 +1,110 @@
+"""Waking an idle deliverer when new work is queued.
+
+In the same process a send wakes every deliverer at once (``notify_local``,
+called on commit). Across processes PostgreSQL's ``LISTEN/NOTIFY`` does it,
+through a connection of its own; elsewhere the deliverer looks for new work
+with a cheap indexed query every ``NEW_WORK_POLL_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+
+logger = logging.getLogger(__name__)
+
+_waiters: weakref.WeakSet[threading.Event] = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def register(event: threading.Event) -> None:
+    with _lock:
+        _waiters.add(event)
+
+
+def unregister(event: threading.Event) -> None:
+    with _lock:
+        _waiters.discard(event)
+
+
+def notify_local() -> None:
+    """Wake every deliverer running in this process."""
+    with _lock:
+        waiters = list(_waiters)
+    for event in waiters:
+        event.set()
+
+
+class PostgresListener:
+    """Sets ``event`` whenever PostgreSQL delivers a notification of new work.
+
+    Runs in a daemon thread with a psycopg 3 connection of its own (not
+    Django's), and reconnects after a failure. ``available`` says whether it
+    could start: without psycopg 3 the deliverer polls instead.
+    """
+
+    def __init__(self, event: threading.Event, *, using: str = DEFAULT_DB_ALIAS) -> None:
+        self.event = event
+        self.using = using
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.listening = threading.Event()
+
+    @staticmethod
+    def available(using: str = DEFAULT_DB_ALIAS) -> bool:
+        if connections[using].vendor != "postgresql":
+            return False
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name="federation-delivery-listen", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _connect(self) -> Any:
+        import psycopg
+
+        from django_federation_delivery.queue import NOTIFY_CHANNEL
+
+        params = connections[self.using].get_connection_params()
+        params.pop("cursor_factory", None)
+        params.pop("context", None)
+        conn = psycopg.connect(**params, autocommit=True)
+        conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        return conn
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            conn = None
+            try:
+                conn = self._connect()
+                self.listening.set()
+                backoff = 0.5
+                # Work queued while this was (re)connecting is not missed.
+                self.event.set()
+                while not self._stop.is_set():
+                    for _ in conn.notifies(timeout=1.0):
+                        self.event.set()
+            except Exception as exc:  # a database that is away: wait and reconnect
+                self.listening.clear()
+                logger.warning("Listening for new deliveries failed (%s); retrying", exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+            finally:
+                if conn is not None:
+                    conn.close()

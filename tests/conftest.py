@@ -1,0 +1,189 @@
+"""Fixtures: real inboxes on loopback, and a deliverer running in a thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.db.backends.signals import connection_created
+from django.dispatch import receiver
+
+from django_federation_delivery.deliverer import Deliverer
+
+ROOT = Path(__file__).resolve().parent.parent
+(ROOT / "tests" / "var").mkdir(exist_ok=True)
+
+
+@receiver(connection_created)
+def _sqlite_wal(sender: Any, connection: Any, **kwargs: Any) -> None:
+    # What a deployment on SQLite runs with (see example_project/settings.py).
+    if connection.vendor == "sqlite":
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    host: str
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+Answer = tuple[int, dict[str, str], bytes]
+
+
+@dataclass
+class Inbox:
+    """A real HTTP server on a loopback address that records what it is sent
+    and answers what ``respond`` says (202 by default)."""
+
+    address: str
+    port: int = 0
+    received: list[Received] = field(default_factory=list)
+    respond: Callable[[Received], Answer] = lambda request: (202, {}, b"")
+    delay: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def url(self, path: str = "/inbox") -> str:
+        return f"http://{self.address}:{self.port}{path}"
+
+    def paths(self) -> list[str]:
+        with self.lock:
+            return [request.path for request in self.received]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    inbox: Inbox
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length)
+        request = Received(self.path, dict(self.headers.items()), body, self.headers["Host"])
+        with self.inbox.lock:
+            self.inbox.received.append(request)
+        if self.inbox.delay:
+            time.sleep(self.inbox.delay)
+        status, headers, answer = self.inbox.respond(request)
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def start_inbox(address: str = "127.0.0.1", **options: Any) -> tuple[Inbox, ThreadingHTTPServer]:
+    inbox = Inbox(address=address, **options)
+    handler = type("Handler", (_Handler,), {"inbox": inbox})
+    server = ThreadingHTTPServer((address, 0), handler)
+    server.daemon_threads = True
+    inbox.port = server.server_address[1]
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    ).start()
+    return inbox, server
+
+
+@pytest.fixture
+def inboxes() -> Iterator[Callable[..., Inbox]]:
+    """Start inboxes on loopback addresses: ``inboxes("127.0.0.2", respond=...)``."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def make(address: str = "127.0.0.1", **options: Any) -> Inbox:
+        inbox, server = start_inbox(address, **options)
+        servers.append(server)
+        return inbox
+
+    yield make
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def inbox(inboxes: Callable[..., Inbox]) -> Inbox:
+    return inboxes()
+
+
+class RunningDeliverer:
+    def __init__(self, deliverer: Deliverer) -> None:
+        self.deliverer = deliverer
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.deliverer.run()
+        except BaseException as exc:  # surfaced by stop()
+            self.error = exc
+
+    def stop(self, timeout: float = 30) -> None:
+        self.deliverer.stop()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the deliverer did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def start_deliverer() -> Iterator[Callable[..., RunningDeliverer]]:
+    """Run deliverers in background threads; each is stopped after the test."""
+    running: list[RunningDeliverer] = []
+
+    def start(**options: Any) -> RunningDeliverer:
+        runner = RunningDeliverer(Deliverer(**options))
+        running.append(runner)
+        return runner
+
+    yield start
+    for runner in running:
+        if runner.thread.is_alive():
+            runner.stop()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0, step: float = 0.02) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not in time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(step)
+    raise AssertionError(f"not within {timeout} s: {condition}")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a ``manage.py`` subprocess that shares this test's database."""
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
+    settings = connection.settings_dict
+    if connection.vendor == "sqlite":
+        env["FD_SQLITE_NAME"] = str(settings["NAME"])
+    else:
+        env["DATABASE_URL"] = (
+            f"postgres://{settings['USER']}:{settings['PASSWORD'] or ''}@{settings['HOST']}:"
+            f"{settings['PORT']}/{settings['NAME']}"
+        )
+    env.update(extra)
+    return env
+
+
+MANAGE = [sys.executable, "-m", "django"]

@@ -1,0 +1,85 @@
+"""Settings for the test suite.
+
+SQLite unless ``DATABASE_URL`` names another database: ``scripts/test`` runs
+the suite once on each, starting a private PostgreSQL for the second run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent
+
+env = environ.Env()
+
+SECRET_KEY = "tests-only-not-secret"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ROOT_URLCONF = "tests.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django_federation_delivery",
+]
+
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+if "DATABASE_URL" in os.environ:
+    DATABASES = {"default": env.db("DATABASE_URL")}
+else:
+    # A file, not memory: the deliverer's threads open connections of their
+    # own, and WAL with a busy timeout is what a real deployment runs.
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            # A subprocess deliverer is pointed at the test database by name.
+            "NAME": os.environ.get("FD_SQLITE_NAME", str(BASE_DIR / "var" / "tests.sqlite3")),
+            "OPTIONS": {"timeout": 20},
+            "TEST": {"NAME": str(BASE_DIR / "var" / "test-tests.sqlite3")},
+        }
+    }
+
+FEDERATION_DELIVERY = {
+    "SENDER_KEYS": "tests.keys.sender_key",
+    # Every test server listens on loopback; nothing else is ever allowed.
+    "ALLOWED_NETWORKS": ["127.0.0.0/8"],
+    # A test sends its whole outcome to a subprocess deliverer this way.
+    **json.loads(os.environ.get("FD_SETTINGS_JSON", "{}")),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django_federation_delivery": {"handlers": ["console"], "level": "WARNING"}},
+}

@@ -1,0 +1,408 @@
+"""The loop end to end: real inboxes on loopback, the real database."""
+
+from __future__ import annotations
+
+import datetime as dt
+import email.utils
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpsig
+import pytest
+from django.db import OperationalError
+from django.utils import timezone
+
+from django_federation_delivery import BatchOptions, queue, send, send_batch, signals
+from django_federation_delivery.models import Batch, Delivery, Status
+
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .keys import ALICE, BROKEN, rsa_key
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NOTE = {"@context": "https://www.w3.org/ns/activitystreams", "type": "Create", "actor": ALICE}
+
+
+def public_pem() -> str:
+    from cryptography.hazmat.primitives import serialization
+
+    return (
+        rsa_key()
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+
+
+def verifies(request: Received, body: bytes | None = None) -> bool:
+    """Checks the draft-cavage signature as a receiving server would, with
+    pyhttpsig, and the Digest against the body."""
+    import base64
+    import hashlib
+
+    body = request.body if body is None else body
+    digest = "SHA-256=" + base64.b64encode(hashlib.sha256(body).digest()).decode()
+    if request.headers.get("Digest") != digest:
+        return False
+    verifier = httpsig.HeaderVerifier(
+        headers=request.headers,
+        secret=public_pem(),
+        method="POST",
+        path=request.path,
+        required_headers=["(request-target)", "host", "date", "digest", "content-type"],
+        sign_header="signature",
+    )
+    return bool(verifier.verify())
+
+
+def status_of(batch: Batch | None) -> list[str]:
+    assert batch is not None
+    return list(
+        Delivery.objects.filter(batch=batch).order_by("id").values_list("status", flat=True)
+    )
+
+
+def settled(batch: Batch | None, count: int | None = None) -> Callable[[], bool]:
+    assert batch is not None
+    expected = count if count is not None else batch.size
+
+    def check() -> bool:
+        return (
+            Delivery.objects.filter(batch=batch).exclude(status=Status.PENDING).count() >= expected
+        )
+
+    return check
+
+
+@pytest.fixture
+def received_signals() -> Iterator[dict[str, list[Any]]]:
+    seen: dict[str, list[Any]] = {"attempted": [], "settled": [], "failed": [], "finished": []}
+
+    def attempted(sender: Any, attempt: Any, **kwargs: Any) -> None:
+        seen["attempted"].append(attempt)
+
+    def settled_(sender: Any, settled: Any, **kwargs: Any) -> None:
+        seen["settled"].append(settled)
+
+    def failed(sender: Any, failure: Any, **kwargs: Any) -> None:
+        seen["failed"].append(failure)
+
+    def finished(sender: Any, batch: Any, **kwargs: Any) -> None:
+        seen["finished"].append(batch.id)
+
+    pairs = [
+        (signals.delivery_attempted, attempted),
+        (signals.delivery_settled, settled_),
+        (signals.delivery_failed, failed),
+        (signals.batch_finished, finished),
+    ]
+    for signal, receiver in pairs:
+        signal.connect(receiver, weak=False)
+    yield seen
+    for signal, receiver in pairs:
+        signal.disconnect(receiver)
+
+
+def fast_retries(settings: Any, **retry: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETRY": {"BASE": 0.1, "CAP": 0.2, "ATTEMPTS": 3, "JITTER": 0, **retry},
+        "NEW_WORK_POLL_SECONDS": 0.05,
+    }
+
+
+def test_an_activity_is_delivered_signed_as_mastodon_signs(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    received_signals: dict[str, list[Any]],
+) -> None:
+    inbox.respond = lambda request: (202, {}, b"") if verifies(request) else (401, {}, b"bad")
+    batch = send(ALICE, NOTE, [inbox.url()])
+    runner = start_deliverer()
+    wait_until(settled(batch))
+    runner.stop()
+    assert status_of(batch) == [Status.DELIVERED]
+    request = inbox.received[0]
+    assert request.json() == NOTE
+    assert request.headers["Content-Type"] == "application/activity+json"
+    assert "application/activity+json" in request.headers["Accept"]
+    assert request.headers["User-Agent"].startswith("django-federation-delivery/")
+    signature = request.headers["Signature"]
+    assert f'keyId="{ALICE}#main-key"' in signature
+    assert 'algorithm="rsa-sha256"' in signature
+    assert 'headers="(request-target) host date digest content-type"' in signature
+    assert verifies(request)
+    assert not verifies(request, body=request.body.replace(b"Create", b"Delete")), (
+        "a tampered body is rejected by the verifier"
+    )
+    row = Delivery.objects.get()
+    assert (row.attempts, row.last_status, row.lease_token) == (1, 202, None)
+    assert [s.outcome for s in received_signals["settled"]] == ["delivered"]
+    assert [a.outcome for a in received_signals["attempted"]] == ["delivered"]
+    assert received_signals["finished"] == [batch.id]
+
+
+def test_a_refusal_is_final_and_reported_with_its_status(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    received_signals: dict[str, list[Any]],
+) -> None:
+    inbox.respond = lambda request: (410, {}, b"Gone " + b"x" * 1000)
+    batch = send(ALICE, NOTE, [inbox.url()])
+    runner = start_deliverer()
+    wait_until(settled(batch))
+    runner.stop()
+    row = Delivery.objects.get()
+    assert (row.status, row.last_status, row.attempts) == (Status.REFUSED, 410, 1)
+    assert row.last_error.startswith("the inbox answered 410: Gone xxx")
+    assert len(row.last_error) == 300
+    assert len(inbox.received) == 1
+    (failure,) = received_signals["failed"]
+    assert (failure.status, failure.refused, failure.deadline) == (410, True, False)
+    assert [(s.outcome, s.status) for s in received_signals["settled"]] == [("refused", 410)]
+
+
+@pytest.mark.parametrize(
+    ("status", "retry_after", "at_least", "at_most"),
+    [
+        (503, "120", 119, 121),
+        (429, None, 0.05, 0.2),
+        (503, "99999", 3599, 3601),
+        (500, "http-date", 295, 301),
+    ],
+)
+def test_a_passing_failure_is_retried_waiting_as_long_as_asked_within_an_hour(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    status: int,
+    retry_after: str | None,
+    at_least: float,
+    at_most: float,
+) -> None:
+    fast_retries(settings, ATTEMPTS=5)
+    if retry_after == "http-date":
+        retry_after = email.utils.formatdate(time.time() + 300, usegmt=True)
+    headers = {"Retry-After": retry_after} if retry_after else {}
+    calls: list[int] = []
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        calls.append(1)
+        return (status, headers, b"later") if len(calls) == 1 else (202, {}, b"")
+
+    inbox.respond = respond
+    batch = send(ALICE, NOTE, [inbox.url()])
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).exists())
+    if at_most > 1:
+        runner.stop()
+        row = Delivery.objects.get()
+        assert (row.status, row.last_status) == (Status.PENDING, status)
+        assert row.last_error == f"the inbox answered {status}: later"
+        assert row.last_attempt_at is not None and row.due_at is not None
+        wait = (row.due_at - row.last_attempt_at).total_seconds()
+        assert at_least <= wait <= at_most
+    else:
+        wait_until(settled(batch))
+        runner.stop()
+        assert status_of(batch) == [Status.DELIVERED]
+        assert Delivery.objects.get().attempts == 2
+
+
+def test_given_up_at_the_end_of_the_policy_and_at_max_attempts(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    received_signals: dict[str, list[Any]],
+) -> None:
+    fast_retries(settings, ATTEMPTS=3)
+    failing = inboxes(respond=lambda request: (503, {}, b""))
+    policy = send(ALICE, NOTE, [failing.url("/policy")])
+    capped = send_batch(ALICE, NOTE, [failing.url("/capped")], BatchOptions(max_attempts=2))
+    runner = start_deliverer()
+    wait_until(settled(policy))
+    wait_until(settled(capped))
+    runner.stop()
+    assert failing.paths().count("/policy") == 3
+    assert failing.paths().count("/capped") == 2
+    rows = {row.inbox.rsplit("/", 1)[1]: row for row in Delivery.objects.all()}
+    assert rows["policy"].status == rows["capped"].status == Status.FAILED
+    assert rows["policy"].last_error.startswith("gave up after 3 attempts: the inbox answered 503")
+    assert {(f.deadline, f.refused, f.status) for f in received_signals["failed"]} == {
+        (False, False, 503)
+    }
+
+
+def test_a_retry_that_would_come_after_the_deadline_is_given_up_at_once(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    received_signals: dict[str, list[Any]],
+) -> None:
+    inbox.respond = lambda request: (503, {"Retry-After": "60"}, b"")
+    batch = send_batch(ALICE, NOTE, [inbox.url()], {"deadline": dt.timedelta(seconds=30)})
+    runner = start_deliverer()
+    wait_until(settled(batch))
+    runner.stop()
+    row = Delivery.objects.get()
+    assert row.status == Status.FAILED and row.attempts == 1
+    assert row.last_error.startswith("the batch's deadline passed")
+    (failure,) = received_signals["failed"]
+    assert failure.deadline is True
+
+
+def test_a_delivery_past_its_deadline_is_given_up_unsent(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    received_signals: dict[str, list[Any]],
+) -> None:
+    batch = send_batch(ALICE, NOTE, [inbox.url()], {"deadline": dt.timedelta(seconds=30)})
+    Batch.objects.update(deadline=timezone.now() - dt.timedelta(seconds=1))
+    runner = start_deliverer()
+    wait_until(settled(batch))
+    runner.stop()
+    assert status_of(batch) == [Status.FAILED]
+    assert inbox.received == []
+    assert received_signals["failed"][0].deadline is True
+
+
+def test_unsendable_deliveries_are_refused_for_good(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "ALLOWED_NETWORKS": []}
+    private = send(ALICE, NOTE, [inbox.url("/private")])
+    unknown = send("https://nobody.example/actor", NOTE, [inbox.url("/nokey")])
+    runner = start_deliverer()
+    wait_until(settled(private))
+    wait_until(settled(unknown))
+    runner.stop()
+    assert inbox.received == [], "nothing reaches a loopback address unless allowed"
+    for batch in (private, unknown):
+        assert status_of(batch) == [Status.REFUSED]
+    errors = dict(Delivery.objects.values_list("inbox", "last_error"))
+    assert "127.0.0.1" in errors[inbox.url("/private")]
+    assert errors[inbox.url("/nokey")] == "no key for sender https://nobody.example/actor"
+
+
+def test_a_key_store_that_fails_is_retried_not_refused(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    fast_retries(settings)
+    batch = send(BROKEN, NOTE, [inbox.url()])
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).exists())
+    runner.stop()
+    row = Delivery.objects.get(batch=batch)
+    assert row.status in (Status.PENDING, Status.FAILED)
+    assert "key could not be looked up" in row.last_error
+    assert "away" not in row.last_error, "the key store's own message is not stored"
+
+
+def test_a_receiver_that_raises_is_logged_and_the_loop_goes_on(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(sender: Any, settled: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a receiver's bug")
+
+    signals.delivery_settled.connect(broken, weak=False)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
+            first = send(ALICE, NOTE, [inbox.url("/1")])
+            runner = start_deliverer()
+            wait_until(settled(first))
+            second = send(ALICE, NOTE, [inbox.url("/2")])
+            wait_until(settled(second))
+            runner.stop()
+    finally:
+        signals.delivery_settled.disconnect(broken)
+    assert status_of(first) == status_of(second) == [Status.DELIVERED]
+    logged = [r for r in caplog.records if r.exc_info and "a receiver's bug" in str(r.exc_info[1])]
+    assert len(logged) == 2
+
+
+def test_no_more_than_per_host_go_to_one_host_at_once(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+) -> None:
+    active = {"now": 0, "most": 0}
+    lock = threading.Lock()
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        with lock:
+            active["now"] += 1
+            active["most"] = max(active["most"], active["now"])
+        time.sleep(0.15)
+        with lock:
+            active["now"] -= 1
+        return 202, {}, b""
+
+    slow = inboxes("127.0.0.2", respond=respond)
+    fast = inboxes("127.0.0.3")
+    batch = send(
+        ALICE, NOTE, [slow.url(f"/{n}") for n in range(8)] + [fast.url(f"/{n}") for n in range(8)]
+    )
+    started = time.monotonic()
+    runner = start_deliverer(concurrency=8, per_host=2)
+    wait_until(lambda: len(fast.received) == 8)
+    fast_done = time.monotonic() - started
+    wait_until(settled(batch))
+    runner.stop()
+    assert active["most"] == 2
+    assert fast_done < 0.15 * 4, "the slow host holds two slots, not the loop"
+
+
+def test_a_database_that_is_away_for_a_moment_is_waited_out(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    failures = {"claim": 2, "settle": 2}
+    real_claim, real_settle = queue.claim, queue.settle
+
+    def claim(*args: Any, **kwargs: Any) -> Any:
+        if failures["claim"]:
+            failures["claim"] -= 1
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_claim(*args, **kwargs)
+
+    def settle(*args: Any, **kwargs: Any) -> Any:
+        if failures["settle"]:
+            failures["settle"] -= 1
+            raise OperationalError("database is locked")
+        return real_settle(*args, **kwargs)
+
+    monkeypatch.setattr(queue, "claim", claim)
+    monkeypatch.setattr(queue, "settle", settle)
+    batch = send(ALICE, NOTE, [inbox.url()])
+    runner = start_deliverer()
+    wait_until(settled(batch))
+    runner.stop()
+    assert failures == {"claim": 0, "settle": 0}
+    assert status_of(batch) == [Status.DELIVERED]
+    assert len(inbox.received) == 1, "an outcome not written at first is written, not re-sent"
+
+
+def test_a_send_wakes_an_idle_deliverer_in_the_same_process_at_once(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "IDLE_POLL_SECONDS": 60,
+        "NEW_WORK_POLL_SECONDS": 60,
+    }
+    runner = start_deliverer()
+    time.sleep(0.3)  # idle by now, for up to a minute
+    batch = send(ALICE, NOTE, [inbox.url()])
+    wait_until(settled(batch), timeout=5)
+    runner.stop()
+    assert status_of(batch) == [Status.DELIVERED]

@@ -1,0 +1,173 @@
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import pytest
+from django.db import connection, connections
+from django.utils import timezone
+
+from django_federation_delivery import queue, send, send_batch
+from django_federation_delivery.models import Batch, Delivery, Lane, Status
+
+from .keys import ALICE
+
+NOTE = {"type": "Note"}
+
+
+def inboxes(count: int, host: str = "a.example") -> list[str]:
+    return [f"https://{host}/u{n}/inbox" for n in range(count)]
+
+
+@pytest.mark.django_db
+def test_a_claim_takes_due_deliveries_for_a_lease_with_a_token() -> None:
+    send(ALICE, NOTE, inboxes(5))
+    before = timezone.now()
+    claimed = queue.claim(3, lease=300)
+    assert len(claimed) == 3
+    assert len({row.token for row in claimed}) == 1
+    rows = Delivery.objects.filter(id__in=[row.id for row in claimed])
+    for row in rows:
+        assert row.lease_token == claimed[0].token
+        assert row.due_at is not None and row.due_at >= before + dt.timedelta(seconds=299)
+    # Held rows are not due: the next claim takes the other two only.
+    assert {row.id for row in queue.claim(10, lease=300)}.isdisjoint(r.id for r in claimed)
+    assert queue.claim(10, lease=300) == []
+
+
+@pytest.mark.django_db
+def test_a_lapsed_lease_comes_due_again_and_fences_out_its_old_holder() -> None:
+    send(ALICE, NOTE, inboxes(1))
+    first = queue.claim(1, lease=300)[0]
+    Delivery.objects.update(due_at=timezone.now() - dt.timedelta(seconds=1))  # the lease lapses
+    second = queue.claim(1, lease=300)[0]
+    assert second.id == first.id and second.token != first.token
+    late = queue.Settlement(claimed=first, status=Status.DELIVERED, attempts=1, last_status=202)
+    assert queue.settle([late]) == set(), "the old holder cannot settle what another holds"
+    assert Delivery.objects.get().status == Status.PENDING
+    current = queue.Settlement(claimed=second, status=Status.DELIVERED, attempts=1, last_status=202)
+    assert queue.settle([current]) == {second.id}
+    row = Delivery.objects.get()
+    assert (row.status, row.attempts, row.lease_token, row.due_at) == (
+        Status.DELIVERED,
+        1,
+        None,
+        None,
+    )
+    assert row.settled_at is not None
+
+
+@pytest.mark.django_db
+def test_a_retry_stays_pending_until_its_due_time() -> None:
+    send(ALICE, NOTE, inboxes(1))
+    row = queue.claim(1, lease=300)[0]
+    due = timezone.now() + dt.timedelta(seconds=60)
+    queue.settle(
+        [
+            queue.Settlement(
+                claimed=row,
+                status=Status.PENDING,
+                attempts=1,
+                due_at=due,
+                last_status=503,
+                last_error="the inbox answered 503",
+            )
+        ]
+    )
+    stored = Delivery.objects.get()
+    assert (stored.status, stored.attempts, stored.last_status) == (Status.PENDING, 1, 503)
+    assert stored.due_at == due and stored.lease_token is None
+    assert queue.claim(1, lease=300) == []
+    assert queue.next_due() == due
+
+
+@pytest.mark.django_db
+def test_a_batch_finishes_when_its_last_delivery_leaves_the_queue() -> None:
+    batch = send(ALICE, NOTE, inboxes(3))
+    assert batch is not None
+    finished: list[Batch] = []
+    rows = queue.claim(3, lease=300)
+    queue.settle(
+        [queue.Settlement(claimed=r, status=Status.DELIVERED, attempts=1) for r in rows[:2]],
+        on_finished=finished.extend,
+    )
+    assert finished == []
+    queue.settle(
+        [queue.Settlement(claimed=rows[2], status=Status.FAILED, attempts=1)],
+        on_finished=finished.extend,
+    )
+    assert [b.id for b in finished] == [batch.id]
+    batch.refresh_from_db()
+    assert batch.remaining == 0 and batch.finished_at is not None
+
+
+@pytest.mark.django_db
+def test_the_priority_lane_is_claimed_first_and_the_low_lane_last(settings: object) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,  # type: ignore[attr-defined]
+        "PRIORITY_MAX_INBOXES": 1,
+    }
+    send_batch(ALICE, NOTE, inboxes(2, "low.example"), {"low_priority": True})
+    send(ALICE, NOTE, inboxes(3, "fanout.example"))
+    send(ALICE, NOTE, inboxes(1, "dm.example"))
+    order = [row.host for row in queue.claim(6, lease=300)]
+    assert order == ["dm.example"] + ["fanout.example"] * 3 + ["low.example"] * 2
+    assert set(Delivery.objects.values_list("lane", flat=True)) == {
+        Lane.PRIORITY,
+        Lane.NORMAL,
+        Lane.LOW,
+    }
+
+
+@pytest.mark.django_db
+def test_a_claim_can_leave_out_busy_hosts() -> None:
+    send(ALICE, NOTE, inboxes(3, "busy.example") + inboxes(2, "idle.example"))
+    hosts = {row.host for row in queue.claim(10, lease=300, exclude_hosts=["busy.example"])}
+    assert hosts == {"idle.example"}
+
+
+@pytest.mark.django_db
+def test_the_claim_reads_pending_rows_through_the_partial_index() -> None:
+    send(ALICE, NOTE, inboxes(50))
+    table = Delivery._meta.db_table
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SET enable_seqscan = off")
+            cursor.execute(
+                f"EXPLAIN SELECT id FROM {table} WHERE status = 'pending' AND lane = 'normal' "
+                "AND due_at <= now() ORDER BY due_at LIMIT 10"
+            )
+        else:
+            cursor.execute(
+                f"EXPLAIN QUERY PLAN SELECT id FROM {table} WHERE status = 'pending' "
+                "AND lane = 'normal' AND due_at <= '2999-01-01' ORDER BY due_at LIMIT 10"
+            )
+        plan = " ".join(str(row) for row in cursor.fetchall())
+    assert "fd_delivery_due" in plan, plan
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_claims_never_take_the_same_delivery() -> None:
+    send(ALICE, NOTE, inboxes(200))
+    taken: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def claim_all() -> None:
+        mine: list[int] = []
+        try:
+            while rows := queue.claim(7, lease=300):
+                mine.extend(row.id for row in rows)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            taken.append(mine)
+            connections.close_all()
+
+    threads = [threading.Thread(target=claim_all) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    every = [id for ids in taken for id in ids]
+    assert len(every) == len(set(every)) == 200

@@ -1,0 +1,186 @@
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import json
+import threading
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+
+from django_federation_delivery import BatchOptions, InvalidDelivery, send, send_batch, wakeup
+from django_federation_delivery.models import Batch, Delivery, Lane, Status
+
+from .keys import ALICE
+
+NOTE = {"type": "Create", "actor": ALICE, "object": {"type": "Note", "content": "héllo"}}
+
+
+def nothing_written() -> bool:
+    return not Batch.objects.exists() and not Delivery.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_send_stores_the_body_once_with_its_digest_and_a_delivery_per_inbox() -> None:
+    inboxes = [f"https://host{n}.example/inbox" for n in range(5)]
+    batch = send(ALICE, NOTE, inboxes)
+    assert batch is not None
+    stored = Batch.objects.get()
+    assert json.loads(stored.body) == NOTE
+    expected = base64.b64encode(hashlib.sha256(stored.body.encode()).digest()).decode()
+    assert stored.body_sha256 == expected
+    assert stored.size == stored.remaining == 5
+    deliveries = Delivery.objects.filter(batch=stored)
+    assert sorted(d.inbox for d in deliveries) == sorted(inboxes)
+    assert {d.status for d in deliveries} == {Status.PENDING}
+    assert all(d.due_at is not None and d.due_at <= timezone.now() for d in deliveries)
+
+
+@pytest.mark.django_db
+def test_duplicate_inboxes_are_sent_to_once_however_they_are_spelt() -> None:
+    send(
+        ALICE,
+        NOTE,
+        [
+            "https://a.example/inbox",
+            "https://A.EXAMPLE:443/inbox",
+            "https://a.example/inbox#x",
+            " https://a.example/inbox ",
+            "https://a.example/other",
+        ],
+    )
+    assert sorted(Delivery.objects.values_list("inbox", flat=True)) == [
+        "https://a.example/inbox",
+        "https://a.example/other",
+    ]
+
+
+@pytest.mark.django_db
+def test_sending_to_no_inbox_writes_nothing() -> None:
+    assert send(ALICE, NOTE, []) is None
+    assert nothing_written()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rolled_back_transaction_queues_nothing() -> None:
+    def caller() -> None:
+        with transaction.atomic():
+            send(ALICE, NOTE, ["https://a.example/inbox"])
+            raise RuntimeError("the caller's own failure")
+
+    with pytest.raises(RuntimeError):
+        caller()
+    assert nothing_written()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_committed_send_wakes_a_deliverer_in_this_process_only_on_commit() -> None:
+    woken = threading.Event()
+    wakeup.register(woken)
+    try:
+        with transaction.atomic():
+            send(ALICE, NOTE, ["https://a.example/inbox"])
+            assert not woken.is_set(), "woken before the rows can be seen"
+        assert woken.is_set()
+    finally:
+        wakeup.unregister(woken)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("sender", "activity", "inboxes", "options", "named"),
+    [
+        ("", NOTE, ["https://a.example/inbox"], None, "''"),
+        ("   ", NOTE, ["https://a.example/inbox"], None, "'   '"),
+        (None, NOTE, ["https://a.example/inbox"], None, "None"),
+        (ALICE, ["not", "an", "object"], ["https://a.example/inbox"], None, "['not'"),
+        (ALICE, "a string", ["https://a.example/inbox"], None, "'a string'"),
+        (ALICE, {"n": float("nan")}, ["https://a.example/inbox"], None, "JSON"),
+        (ALICE, {"when": object()}, ["https://a.example/inbox"], None, "JSON"),
+        (
+            ALICE,
+            NOTE,
+            ["https://a.example/inbox", "ftp://b.example/inbox"],
+            None,
+            "'ftp://b.example/inbox'",
+        ),
+        (ALICE, NOTE, ["/relative/inbox"], None, "'/relative/inbox'"),
+        (ALICE, NOTE, ["https://"], None, "'https://'"),
+        (ALICE, NOTE, ["https://a.example:99999/inbox"], None, "a.example:99999"),
+        (ALICE, NOTE, [42], None, "42"),
+        (ALICE, NOTE, "https://a.example/inbox", None, "'https://a.example/inbox'"),
+        (ALICE, NOTE, ["https://user:pw@a.example/inbox"], None, "user or password"),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"tags": "x"}, "'tags'"),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"max_attempts": 0}, "0"),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"max_attempts": "3"}, "'3'"),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"deadline": "tomorrow"}, "'tomorrow'"),
+        (
+            ALICE,
+            NOTE,
+            ["https://a.example/inbox"],
+            {"deadline": dt.datetime(2030, 1, 1)},
+            "timezone-aware",
+        ),
+        (
+            ALICE,
+            NOTE,
+            ["https://a.example/inbox"],
+            {"deadline": timezone.now() - dt.timedelta(seconds=1)},
+            "already past",
+        ),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"tag": "x" * 201}, "longer than 200"),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"low_priority": "yes"}, "'yes'"),
+        (ALICE, NOTE, ["https://a.example/inbox"], ["tag"], "['tag']"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_value_and_nothing_is_written(
+    sender: object, activity: object, inboxes: object, options: object, named: str
+) -> None:
+    with pytest.raises(InvalidDelivery) as raised:
+        send_batch(sender, activity, inboxes, options)  # type: ignore[arg-type]
+    assert named in str(raised.value)
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+def test_batch_options_are_kept_on_the_batch() -> None:
+    deadline = timezone.now() + dt.timedelta(hours=1)
+    batch = send_batch(
+        ALICE,
+        NOTE,
+        ["https://a.example/inbox"],
+        BatchOptions(tag="move-followers", deadline=deadline, max_attempts=3),
+    )
+    assert batch is not None
+    batch.refresh_from_db()
+    assert (batch.tag, batch.deadline, batch.max_attempts) == ("move-followers", deadline, 3)
+    relative = send_batch(
+        ALICE, NOTE, ["https://a.example/inbox"], {"deadline": dt.timedelta(minutes=5)}
+    )
+    assert relative is not None and relative.deadline is not None
+    assert relative.deadline > timezone.now() + dt.timedelta(minutes=4)
+
+
+@pytest.mark.django_db
+def test_lanes_follow_the_send(settings: object) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,  # type: ignore[attr-defined]
+        "PRIORITY_MAX_INBOXES": 2,
+    }
+    few = send(ALICE, NOTE, ["https://a.example/inbox"])
+    many = send(ALICE, NOTE, [f"https://a.example/{n}" for n in range(3)])
+    low = send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"low_priority": True})
+    assert few is not None and many is not None and low is not None
+    assert (few.lane, many.lane, low.lane) == (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
+    assert set(Delivery.objects.filter(batch=low).values_list("lane", flat=True)) == {Lane.LOW}
+
+
+@pytest.mark.django_db
+def test_a_fan_out_is_queued_with_hosts_taken_in_turn() -> None:
+    inboxes = [f"https://{host}.example/u{n}" for host in "abc" for n in range(3)]
+    send(ALICE, NOTE, inboxes)
+    hosts = list(Delivery.objects.order_by("id").values_list("host", flat=True))
+    assert hosts[:3] == ["a.example", "b.example", "c.example"]
+    assert sorted(hosts) == sorted(h + ".example" for h in "abc" for _ in range(3))
