@@ -24,6 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 (ROOT / "tests" / "var").mkdir(exist_ok=True)
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for leftover in (ROOT / "tests" / "var").glob(f"test-{os.getpid()}.sqlite3*"):
+        leftover.unlink(missing_ok=True)
+
+
 @receiver(connection_created)
 def _sqlite_wal(sender: Any, connection: Any, **kwargs: Any) -> None:
     # What a deployment on SQLite runs with (see example_project/settings.py).

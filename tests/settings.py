@@ -65,7 +65,9 @@ else:
             # A subprocess deliverer is pointed at the test database by name.
             "NAME": os.environ.get("FD_SQLITE_NAME", str(BASE_DIR / "var" / "tests.sqlite3")),
             "OPTIONS": {"timeout": 20},
-            "TEST": {"NAME": str(BASE_DIR / "var" / "test-tests.sqlite3")},
+            # One file per test run, so that runs side by side (tox envs, a
+            # developer's and CI's) never share a database.
+            "TEST": {"NAME": str(BASE_DIR / "var" / f"test-{os.getpid()}.sqlite3")},
         }
     }
 

@@ -406,3 +406,23 @@ def test_a_send_wakes_an_idle_deliverer_in_the_same_process_at_once(
     wait_until(settled(batch), timeout=5)
     runner.stop()
     assert status_of(batch) == [Status.DELIVERED]
+
+
+def test_signals_are_sent_before_the_row_leaves_the_queue(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    seen: list[str] = []
+
+    def look(sender: Any, settled: Any, **kwargs: Any) -> None:
+        seen.append(Delivery.objects.get(id=settled.delivery_id).status)
+
+    signals.delivery_settled.connect(look, weak=False)
+    try:
+        batch = send(ALICE, NOTE, [inbox.url()])
+        runner = start_deliverer()
+        wait_until(settled(batch))
+        runner.stop()
+    finally:
+        signals.delivery_settled.disconnect(look)
+    assert seen == [Status.PENDING]
+    assert status_of(batch) == [Status.DELIVERED]

@@ -70,20 +70,25 @@ class Command(BaseCommand):
             using=using,
             on_progress=self._progress if drain else None,
         )
-        self._install_signals(deliverer)
+        previous = self._install_signals(deliverer)
         mode = "until nothing is due" if drain else "until stopped"
         self.stdout.write(
             f"Delivering {mode}: {deliverer.concurrency} in flight, {deliverer.per_host} per host."
         )
-        summary = deliverer.run(drain=drain)
+        try:
+            summary = deliverer.run(drain=drain)
+        finally:
+            # Called from code (call_command), the caller's handlers come back.
+            for number, handler in previous.items():
+                signal.signal(number, handler)
         self.stdout.write(self.style.SUCCESS(f"Done: {summary.line()}."))
 
     def _progress(self, summary: Summary) -> None:
         self.stdout.write(f"  {summary.line()}")
 
-    def _install_signals(self, deliverer: Deliverer) -> None:
+    def _install_signals(self, deliverer: Deliverer) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
-            return
+            return {}
 
         def stop(number: int, frame: FrameType | None) -> None:
             if deliverer.stopping:
@@ -92,5 +97,4 @@ class Command(BaseCommand):
             self.stderr.write("Stopping: finishing what is in flight (again to exit at once).")
             deliverer.stop()
 
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+        return {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}

@@ -1,0 +1,197 @@
+"""``manage.py run_deliverer`` as an operator runs it: a process of its own."""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connections, transaction
+
+from django_federation_delivery import send
+from django_federation_delivery.models import Delivery, Status
+
+from .conftest import MANAGE, Inbox, subprocess_env, wait_until
+from .keys import ALICE
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+NOTE = {"type": "Create", "actor": ALICE}
+
+
+@pytest.fixture
+def processes() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str, settings: dict[str, Any] | None = None) -> subprocess.Popen[str]:
+        env = subprocess_env(FD_SETTINGS_JSON=json.dumps(settings or {}))
+        process = subprocess.Popen(
+            [*MANAGE, "run_deliverer", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+        if process.stdout:
+            process.stdout.close()
+
+
+def wait_for_line(process: subprocess.Popen[str], text: str, timeout: float = 30) -> str:
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            break
+        seen.append(line)
+        if text in line:
+            return line
+    raise AssertionError(f"{text!r} never came; output was:\n{''.join(seen)}")
+
+
+def statuses() -> collections.Counter[str]:
+    return collections.Counter(Delivery.objects.values_list("status", flat=True))
+
+
+def test_drain_sends_what_is_due_with_progress_and_a_summary(inbox: Inbox) -> None:
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(30)])
+    out = io.StringIO()
+    handler = signal.getsignal(signal.SIGTERM)
+    call_command("run_deliverer", "--drain", stdout=out)
+    assert signal.getsignal(signal.SIGTERM) is handler, "the caller's handler is put back"
+    text = out.getvalue()
+    assert "Done: delivered 30, retrying 0, refused 0, failed 0" in text
+    assert "/s)" in text
+    assert statuses() == {Status.DELIVERED: 30}
+
+
+@pytest.mark.parametrize("option", ["--concurrency", "--per-host"])
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
+    with pytest.raises(CommandError, match=repr(value)):
+        call_command("run_deliverer", "--drain", f"{option}={value}")
+
+
+def test_sigterm_stops_claiming_finishes_what_is_in_flight_and_exits_0(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    slow = inboxes(delay=1.5)
+    send(ALICE, NOTE, [slow.url("/first")])
+    process = processes("--concurrency=1")
+    wait_for_line(process, "Delivering until stopped")
+    wait_until(lambda: len(slow.received) == 1)
+    send(ALICE, NOTE, [slow.url("/second")])  # queued after the stop began: left for later
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(20) == 0
+    assert slow.paths() == ["/first"]
+    delivered = Delivery.objects.get(inbox=slow.url("/first"))
+    assert delivered.status == Status.DELIVERED
+    waiting = Delivery.objects.get(inbox=slow.url("/second"))
+    assert (waiting.status, waiting.attempts, waiting.lease_token) == (Status.PENDING, 0, None)
+
+
+def test_a_second_signal_exits_at_once(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    stuck = inboxes(delay=20)
+    send(ALICE, NOTE, [stuck.url()])
+    process = processes()
+    wait_until(lambda: len(stuck.received) == 1)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    assert process.wait(10) != 0
+    assert time.monotonic() - started < 10
+    assert Delivery.objects.get().status == Status.PENDING, "sent again once its lease lapses"
+
+
+def test_a_send_from_another_process_wakes_an_idle_deliverer(
+    inbox: Inbox, processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    process = processes(settings={"IDLE_POLL_SECONDS": 120})
+    wait_for_line(process, "Delivering until stopped")
+    time.sleep(1.0)  # idle now, for two minutes unless woken
+    send(ALICE, NOTE, [inbox.url()])
+    queued = time.monotonic()
+    wait_until(lambda: len(inbox.received) == 1, timeout=10)
+    took = time.monotonic() - queued
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(20) == 0
+    assert took < 5, f"woken after {took:.1f} s, not by the idle poll"
+
+
+def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in_flight(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    sinks = [inboxes(f"127.0.0.{n}") for n in range(2, 6)]
+    urls = [sink.url(f"/u{n}") for n in range(750) for sink in sinks]
+    send(ALICE, NOTE, urls)
+    concurrency = 8
+    settings = {"LEASE_SECONDS": 2}
+    first = processes("--drain", f"--concurrency={concurrency}", "--per-host=4", settings=settings)
+    wait_until(lambda: sum(len(sink.received) for sink in sinks) >= 1000, timeout=60)
+    first.kill()
+    first.wait(10)
+    at_kill = sum(len(sink.received) for sink in sinks)
+    assert at_kill < len(urls), "killed in the middle, not at the end"
+    time.sleep(2.5)  # the dead process's leases lapse
+    second = processes("--drain", f"--concurrency={concurrency}", settings=settings)
+    assert second.wait(120) == 0
+    assert statuses() == {Status.DELIVERED: len(urls)}
+    counts = collections.Counter(
+        f"http://{request.host}{request.path}" for sink in sinks for request in sink.received
+    )
+    assert set(counts) == set(urls), "every delivery reached its inbox"
+    twice = [url for url, count in counts.items() if count > 1]
+    assert all(counts[url] == 2 for url in twice)
+    assert len(twice) <= concurrency, f"only those in flight at the kill repeat: {len(twice)}"
+
+
+def test_a_web_process_and_the_deliverer_write_at_once_without_database_is_locked(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    sink = inboxes()
+    process = processes("--concurrency=16", settings={"NEW_WORK_POLL_SECONDS": 0.05})
+    wait_for_line(process, "Delivering until stopped")
+    errors: list[BaseException] = []
+
+    def web(worker: int) -> None:
+        try:
+            for request in range(40):
+                with transaction.atomic():
+                    send(ALICE, NOTE, [sink.url(f"/w{worker}/{request}/{n}") for n in range(5)])
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=web, args=(worker,)) for worker in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    wait_until(lambda: statuses() == {Status.DELIVERED: 800}, timeout=60)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(20) == 0
+    output = process.stdout.read() if process.stdout else ""
+    assert "locked" not in output
+    assert "unavailable" not in output

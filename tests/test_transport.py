@@ -1,0 +1,736 @@
+"""The transport against real HTTP servers on loopback; nothing beyond 127.0.0.0/8 and ::1.
+
+No stand-ins for requests or sockets: only a fake resolver for names that must not
+reach real DNS, and one forced verdict to show where the peer check sits.
+
+Needs no Django. Without the project's conftest and settings::
+
+    pytest -p no:django -o addopts="" --noconftest -W ignore::pytest.PytestConfigWarning \
+        tests/test_transport.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import email.utils
+import ipaddress
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from email.message import Message
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from django_federation_delivery import transport as transport_module
+from django_federation_delivery.exceptions import (
+    AttemptTimeout,
+    ConnectionFailed,
+    InvalidURL,
+    RefusedAddress,
+)
+from django_federation_delivery.transport import (
+    DEFAULT_ACCEPT,
+    Transport,
+    TransportSettings,
+    is_public_address,
+    parse_retry_after,
+)
+
+LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+USER_AGENT = "django-federation-delivery/test (+https://sender.example/)"
+
+
+# --- A real inbox ------------------------------------------------------------------------------
+
+
+@dataclass
+class Seen:
+    path: str
+    headers: Message
+    body: bytes
+    port: int  # the client's port: one per TCP connection
+
+
+Reply = Callable[["_Handler", Seen], None]
+
+
+def answer(
+    handler: BaseHTTPRequestHandler,
+    status: int,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+) -> None:
+    handler.send_response(status)
+    for name, value in (headers or {}).items():
+        handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def accepted(handler: _Handler, seen: Seen) -> None:
+    answer(handler, 202, b'{"ok": true}', {"Content-Type": "application/json", "X-Answer": "yes"})
+
+
+class Inbox:
+    """A ThreadingHTTPServer on 127.0.0.1 that records connections and requests."""
+
+    def __init__(
+        self, reply: Reply = accepted, tls: ssl.SSLContext | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self.reply = reply
+        self.seen: list[Seen] = []
+        self.connections: list[int] = []
+        self.closed: list[int] = []
+        self.stopping = threading.Event()
+        self._changed = threading.Condition()
+        handler = type("Handler", (_Handler,), {"inbox": self})
+        server_class = _IPv6Server if ":" in host else ThreadingHTTPServer
+        self.server = server_class((host, 0), handler)
+        self.host = f"[{host}]" if ":" in host else host
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.scheme = "https" if tls else "http"
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def url(self, path: str = "/inbox", host: str | None = None) -> str:
+        return f"{self.scheme}://{host or self.host}:{self.port}{path}"
+
+    def note(self, what: list[Any], item: Any) -> None:
+        with self._changed:
+            what.append(item)
+            self._changed.notify_all()
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 3.0) -> bool:
+        with self._changed:
+            return self._changed.wait_for(condition, timeout)
+
+    def wait_closed(self, port: int) -> bool:
+        return self.wait_until(lambda: port in self.closed)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.server.shutdown()
+        self.server.server_close()  # joins the handler threads
+        self._thread.join(5)
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    timeout = 5  # no handler thread outlives a test by more than this
+    inbox: Inbox
+
+    def setup(self) -> None:
+        super().setup()
+        self.inbox.note(self.inbox.connections, self.client_address[1])
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except OSError:
+            pass  # the client went away mid-answer, as some tests make it
+        finally:
+            self.inbox.note(self.inbox.closed, self.client_address[1])
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except OSError:
+            self.close_connection = True
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        seen = Seen(self.path, self.headers, body, self.client_address[1])
+        self.inbox.note(self.inbox.seen, seen)
+        self.inbox.reply(self, seen)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def inboxes() -> Iterator[Callable[..., Inbox]]:
+    started: list[Inbox] = []
+
+    def start(
+        reply: Reply = accepted, tls: ssl.SSLContext | None = None, host: str = "127.0.0.1"
+    ) -> Inbox:
+        inbox = Inbox(reply, tls, host)
+        started.append(inbox)
+        return inbox
+
+    yield start
+    for inbox in started:
+        inbox.stop()
+
+
+@pytest.fixture
+def inbox(inboxes: Callable[..., Inbox]) -> Inbox:
+    return inboxes()
+
+
+@pytest.fixture
+def transports(inboxes: Callable[..., Inbox]) -> Iterator[Callable[..., Transport]]:
+    # Depends on ``inboxes`` so that transports close (and servers see EOF) first.
+    made: list[Transport] = []
+
+    def make(**overrides: Any) -> Transport:
+        fields: dict[str, Any] = {
+            "user_agent": USER_AGENT,
+            "connect_timeout": 2.0,
+            "attempt_timeout": 5.0,
+            "allowed_networks": (LOOPBACK,),
+        }
+        made.append(Transport(TransportSettings(**(fields | overrides))))
+        return made[-1]
+
+    yield make
+    for transport in made:
+        transport.close()
+
+
+@pytest.fixture
+def transport(transports: Callable[..., Transport]) -> Transport:
+    return transports()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def drip(data: bytes, every: float = 0.2) -> Reply:
+    """An answer written one byte at a time."""
+
+    def reply(handler: _Handler, seen: Seen) -> None:
+        handler.close_connection = True
+        for byte in data:
+            if handler.inbox.stopping.wait(every):
+                return
+            try:
+                handler.wfile.write(bytes([byte]))
+            except OSError:
+                return  # the client hung up
+
+    return reply
+
+
+SIGNED = {
+    "Host": "inbox.example",
+    "Date": "Tue, 07 Jun 2025 20:51:35 GMT",
+    "Digest": "SHA-256=X48E9qOokqqrvdts8nOJRJN3OWDUoyWxBf7kbu9DBPE=",
+    "Content-Type": "application/activity+json",
+    "Signature": 'keyId="https://sender.example/actor#main-key",headers="(request-target) host",'
+    'signature="c2lnbmF0dXJl"',
+}
+
+
+# --- Answers -----------------------------------------------------------------------------------
+
+
+def test_a_202_with_its_headers_and_body(inbox: Inbox, transport: Transport) -> None:
+    got = transport.post(inbox.url(), b'{"type": "Create"}', SIGNED)
+
+    assert got.status == 202
+    assert got.body == b'{"ok": true}'
+    assert got.headers["x-answer"] == "yes"  # case-insensitive
+    assert got.headers["Content-Type"] == "application/json"
+    assert 0 < got.elapsed < 5
+    assert [seen.body for seen in inbox.seen] == [b'{"type": "Create"}']
+
+
+def test_headers_are_sent_as_given(inbox: Inbox, transport: Transport) -> None:
+    transport.post(inbox.url("/users/a/inbox"), b"{}", SIGNED)
+
+    (seen,) = inbox.seen
+    assert seen.path == "/users/a/inbox"
+    for name, value in SIGNED.items():
+        assert seen.headers.get_all(name) == [value], name
+    assert seen.headers.get_all("User-Agent") == [USER_AGENT]
+    assert seen.headers.get_all("Accept") == [DEFAULT_ACCEPT]
+    assert seen.headers.get_all("Content-Length") == ["2"]
+
+
+def test_given_headers_override_the_defaults(inbox: Inbox, transport: Transport) -> None:
+    transport.post(inbox.url(), b"{}", {"Accept": "application/json", "User-Agent": "other"})
+
+    (seen,) = inbox.seen
+    assert seen.headers.get_all("Accept") == ["application/json"]
+    assert seen.headers.get_all("User-Agent") == ["other"]
+    # No Host was given: requests' own, from the URL.
+    assert seen.headers.get_all("Host") == [f"127.0.0.1:{inbox.port}"]
+
+
+def test_a_redirect_is_an_answer_not_followed(
+    inboxes: Callable[..., Inbox], transport: Transport
+) -> None:
+    elsewhere = inboxes()
+
+    def moved(handler: _Handler, seen: Seen) -> None:
+        answer(handler, 302, headers={"Location": elsewhere.url()})
+
+    got = transport.post(inboxes(moved).url(), b"{}", SIGNED)
+
+    assert got.status == 302
+    assert got.headers["Location"] == elsewhere.url()
+    assert elsewhere.seen == []
+    assert elsewhere.connections == []
+
+
+def test_a_huge_body_is_read_only_up_to_the_cap(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    def huge(handler: _Handler, seen: Seen) -> None:
+        size = 5 * 1024 * 1024
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(size))
+        handler.end_headers()
+        chunk = b"x" * 65536
+        try:
+            for _ in range(size // len(chunk)):
+                handler.wfile.write(chunk)
+        except OSError:
+            handler.close_connection = True  # the client stopped reading, as it should
+
+    inbox = inboxes(huge)
+    transport = transports(max_answer_bytes=64 * 1024)
+
+    first = transport.post(inbox.url(), b"{}", SIGNED)
+    second = transport.post(inbox.url(), b"{}", SIGNED)
+
+    assert len(first.body) == len(second.body) == 64 * 1024
+    # Unread data was left: that connection was closed, not pooled for the next post.
+    assert len(set(inbox.connections)) == 2
+
+
+# --- Where it may connect ----------------------------------------------------------------------
+
+
+def test_loopback_is_refused_by_default(inbox: Inbox, transports: Callable[..., Transport]) -> None:
+    transport = transports(allowed_networks=())
+
+    with pytest.raises(RefusedAddress) as refused:
+        transport.post(inbox.url(), b"{}", SIGNED)
+
+    assert "127.0.0.1" in str(refused.value)
+    assert refused.value.permanent
+    assert inbox.connections == []
+    assert inbox.seen == []
+
+
+def test_a_host_name_is_judged_by_the_address_it_resolves_to(
+    inbox: Inbox, transports: Callable[..., Transport]
+) -> None:
+    transport = transports(allowed_networks=(ipaddress.ip_network("10.0.0.0/8"),))
+
+    with pytest.raises(RefusedAddress) as refused:
+        transport.post(inbox.url(host="localhost"), b"{}", SIGNED)
+
+    assert "localhost" in str(refused.value)
+    assert inbox.connections == []
+
+
+def test_loopback_is_allowed_when_allowed(inbox: Inbox, transport: Transport) -> None:
+    assert transport.post(inbox.url(host="localhost"), b"{}", SIGNED).status == 202
+
+
+def test_the_connected_peer_is_checked_before_anything_is_written(
+    inbox: Inbox, transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As if DNS had said one thing and the connect had reached another: the resolved
+    # address passes, the peer of the connected socket does not.
+    verdicts = iter([True, False])
+    monkeypatch.setattr(
+        transport_module._GuardedHTTPConnection,
+        "_allowed",
+        staticmethod(lambda address, attempt: next(verdicts)),
+    )
+
+    with pytest.raises(RefusedAddress, match=r"127\.0\.0\.1"):
+        transport.post(inbox.url(), b"{}", SIGNED)
+
+    # The server accepts (in its own time) a connection that is closed without a request.
+    assert inbox.wait_until(lambda: len(inbox.closed) == 1)
+    assert len(inbox.connections) == 1
+    assert inbox.seen == []
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_ipv6_loopback_refused_by_default_allowed_when_allowed(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    inbox = inboxes(host="::1")
+
+    with pytest.raises(RefusedAddress, match="::1"):
+        transports().post(inbox.url(), b"{}", SIGNED)
+    allowed = transports(allowed_networks=(ipaddress.ip_network("::1/128"),))
+
+    assert allowed.post(inbox.url(), b"{}", SIGNED).status == 202
+    assert len(inbox.seen) == 1
+
+
+@pytest.mark.parametrize(
+    ("address", "public"),
+    [
+        ("93.184.215.14", True),
+        ("2606:2800:21f:cb07:6820:80da:af6b:8b2c", True),
+        ("127.0.0.1", False),
+        ("127.8.9.10", False),
+        ("::1", False),
+        ("10.1.2.3", False),
+        ("172.16.0.1", False),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),
+        ("fe80::1%eth0", False),
+        ("100.64.0.1", False),
+        ("fd12:3456::1", False),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("224.0.0.1", False),
+        ("ff02::1", False),
+        ("240.0.0.1", False),
+        ("255.255.255.255", False),
+        ("192.0.2.1", False),
+        ("::ffff:127.0.0.1", False),
+        ("::ffff:10.0.0.1", False),
+        ("::ffff:93.184.215.14", True),
+        ("2002:7f00:1::1", False),
+        ("64:ff9b::a00:1", False),
+        ("not an address", False),
+        ("", False),
+    ],
+)
+def test_is_public_address(address: str, public: bool) -> None:
+    assert is_public_address(address) is public
+
+
+# --- What goes wrong ---------------------------------------------------------------------------
+
+
+def test_a_closed_port_is_a_connection_failure(transport: Transport) -> None:
+    with pytest.raises(ConnectionFailed, match="connection refused") as failed:
+        transport.post(f"http://127.0.0.1:{closed_port()}/inbox", b"{}", SIGNED)
+
+    assert not failed.value.permanent
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["ftp://x", "/relative", "http://", "https:///inbox", "http://host:99999/", "mailto:a@b.c"],
+)
+def test_invalid_urls(transport: Transport, url: str) -> None:
+    with pytest.raises(InvalidURL) as invalid:
+        transport.post(url, b"{}", SIGNED)
+
+    assert invalid.value.permanent
+
+
+def test_messages_carry_no_userinfo_or_query(
+    inbox: Inbox, transports: Callable[..., Transport]
+) -> None:
+    secret = "user:s3cret@"
+    urls_and_errors: list[tuple[Transport, str, type[Exception]]] = [
+        (
+            transports(),
+            f"http://{secret}127.0.0.1:{closed_port()}/inbox?token=t0ken",
+            ConnectionFailed,
+        ),
+        (transports(), f"ftp://{secret}inbox.example/?token=t0ken", InvalidURL),
+        (transports(), f"http:{secret}inbox.example/?token=t0ken", InvalidURL),
+        (transports(), f"http://{secret}[::1/inbox?token=t0ken", InvalidURL),
+        (transports(allowed_networks=()), inbox.url().replace("//", f"//{secret}"), RefusedAddress),
+    ]
+    for transport, url, error in urls_and_errors:
+        with pytest.raises(error) as raised:
+            transport.post(url, b"{}", SIGNED)
+        message = str(raised.value)
+        assert "s3cret" not in message, message
+        assert "user" not in message, message
+        assert "t0ken" not in message, message
+        assert "\n" not in message, message
+
+
+# --- Time --------------------------------------------------------------------------------------
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fast", "slow"),
+    [
+        pytest.param(b"", HEAD + b"x" * 40, id="headers"),
+        pytest.param(HEAD, b"x" * 40, id="body"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", b"x" * 40, id="unsized"),
+    ],
+)
+def test_a_dripping_answer_is_cut_off_at_the_attempt_timeout(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport], fast: bytes, slow: bytes
+) -> None:
+    def reply(handler: _Handler, seen: Seen) -> None:
+        handler.wfile.write(fast)
+        drip(slow)(handler, seen)
+
+    inbox = inboxes(reply)
+    transport = transports(attempt_timeout=1.5, connect_timeout=1.0)
+
+    start = time.monotonic()
+    with pytest.raises(AttemptTimeout) as late:
+        transport.post(inbox.url() + "?token=t0ken", b"{}", SIGNED)
+    elapsed = time.monotonic() - start
+
+    assert 1.4 < elapsed < 3
+    assert not late.value.permanent
+    assert "t0ken" not in str(late.value)
+    # The transport is still good for the next attempt.
+    assert transport.post(inboxes().url(), b"{}", SIGNED).status == 202
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("connect_timeout", [1.0, 5.0])
+def test_a_server_that_never_reads_is_cut_off_while_sending(
+    transports: Callable[..., Transport], connect_timeout: float
+) -> None:
+    # The kernel completes the handshake; nothing ever reads, so sending blocks once the
+    # socket buffers are full.
+    with socket.create_server(("127.0.0.1", 0)) as deaf:
+        transport = transports(attempt_timeout=1.5, connect_timeout=connect_timeout)
+        start = time.monotonic()
+        with pytest.raises(AttemptTimeout):
+            transport.post(f"http://127.0.0.1:{deaf.getsockname()[1]}/", b"x" * (64 << 20), {})
+
+    assert time.monotonic() - start < 3
+
+
+@pytest.fixture
+def resolver(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Names ending in .example that never resolve: one slowly, one at once. No real DNS."""
+    real = socket.getaddrinfo
+    release = threading.Event()
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow.example":
+            release.wait(10)
+        if str(host).endswith(".example"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield
+    release.set()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("resolver")
+def test_a_slow_name_lookup_is_bounded(transports: Callable[..., Transport]) -> None:
+    transport = transports(attempt_timeout=1.5, connect_timeout=1.0)
+
+    start = time.monotonic()
+    with pytest.raises(AttemptTimeout, match=r"resolving slow\.example"):
+        transport.post("http://slow.example/inbox", b"{}", SIGNED)
+
+    assert time.monotonic() - start < 3
+
+
+@pytest.mark.usefixtures("resolver")
+def test_an_unknown_name_is_a_connection_failure(transport: Transport) -> None:
+    with pytest.raises(ConnectionFailed, match=r"could not resolve nowhere\.example"):
+        transport.post("https://nowhere.example/inbox", b"{}", SIGNED)
+
+
+# --- Pooling -----------------------------------------------------------------------------------
+
+
+def test_keep_alive_reuses_one_connection(inbox: Inbox, transport: Transport) -> None:
+    for _ in range(3):
+        assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+
+    assert len(inbox.seen) == 3
+    assert len(set(inbox.connections)) == 1
+
+
+def test_an_idle_connection_is_closed_after_idle_timeout(
+    inbox: Inbox, transports: Callable[..., Transport]
+) -> None:
+    transport = transports(idle_timeout=0.3)
+    transport.post(inbox.url(), b"{}", SIGNED)
+    transport.close_idle()  # not idle long enough yet
+    (first,) = inbox.connections
+    assert first not in inbox.closed
+
+    time.sleep(0.5)
+    transport.close_idle()
+
+    assert inbox.wait_closed(first)
+    transport.post(inbox.url(), b"{}", SIGNED)
+    assert len(set(inbox.connections)) == 2
+
+
+def test_post_itself_closes_idle_connections(
+    inbox: Inbox, transports: Callable[..., Transport]
+) -> None:
+    transport = transports(idle_timeout=0.3)
+    transport.post(inbox.url(), b"{}", SIGNED)
+    time.sleep(0.5)
+    transport.post(inbox.url(), b"{}", SIGNED)
+
+    assert len(set(inbox.connections)) == 2
+    assert inbox.wait_closed(inbox.connections[0])
+
+
+def test_close_closes_pooled_connections(inbox: Inbox, transport: Transport) -> None:
+    transport.post(inbox.url(), b"{}", SIGNED)
+    transport.close()
+
+    assert inbox.wait_closed(inbox.connections[0])
+    assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+
+
+# --- TLS ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server_context(tmp_path_factory: pytest.TempPathFactory) -> ssl.SSLContext:
+    """A self-signed certificate for 127.0.0.1."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    directory: Path = tmp_path_factory.mktemp("tls")
+    (directory / "cert.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    (directory / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(directory / "cert.pem", directory / "key.pem")
+    return context
+
+
+def test_tls_is_verified(
+    inboxes: Callable[..., Inbox], transport: Transport, tls_server_context: ssl.SSLContext
+) -> None:
+    inbox = inboxes(tls=tls_server_context)
+
+    with pytest.raises(ConnectionFailed, match="TLS certificate not accepted"):
+        transport.post(inbox.url(), b"{}", SIGNED)
+
+    assert inbox.seen == []
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_tls_unverified_when_so_configured_and_kept_alive(
+    inboxes: Callable[..., Inbox],
+    transports: Callable[..., Transport],
+    tls_server_context: ssl.SSLContext,
+) -> None:
+    inbox = inboxes(tls=tls_server_context)
+    transport = transports(verify_tls=False)
+
+    for _ in range(2):
+        assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+
+    assert len(set(inbox.connections)) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_a_dripping_tls_answer_on_a_reused_connection_is_cut_off(
+    inboxes: Callable[..., Inbox],
+    transports: Callable[..., Transport],
+    tls_server_context: ssl.SSLContext,
+) -> None:
+    def second_drips(handler: _Handler, seen: Seen) -> None:
+        if len(handler.inbox.seen) == 1:
+            accepted(handler, seen)
+        else:
+            drip(HEAD + b"x" * 40)(handler, seen)
+
+    inbox = inboxes(second_drips, tls=tls_server_context)
+    transport = transports(verify_tls=False, attempt_timeout=1.5, connect_timeout=1.0)
+    transport.post(inbox.url(), b"{}", SIGNED)
+
+    start = time.monotonic()
+    with pytest.raises(AttemptTimeout):
+        transport.post(inbox.url(), b"{}", SIGNED)
+
+    assert time.monotonic() - start < 3
+    assert len(set(inbox.connections)) == 1  # the pooled connection was the one cut off
+
+
+# --- Retry-After -------------------------------------------------------------------------------
+
+NOW = 1_750_000_000.0
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("120", 120.0),
+        (" 0 ", 0.0),
+        (email.utils.formatdate(NOW + 90, usegmt=True), 90.0),
+        (email.utils.formatdate(NOW - 90, usegmt=True), 0.0),  # in the past: now
+        ("-5", None),
+        ("1.5", None),
+        ("soon", None),
+        ("", None),
+        (None, None),
+        ("9" * 400, None),
+        ("Mon, 99 Foo 2025 99:99:99 GMT", None),
+    ],
+)
+def test_parse_retry_after(value: str | None, seconds: float | None) -> None:
+    assert parse_retry_after(value, now=NOW) == seconds
+
+
+def test_parse_retry_after_counts_from_now_by_default() -> None:
+    later = email.utils.formatdate(time.time() + 60, usegmt=True)
+    waited = parse_retry_after(later)
+    assert waited is not None
+    assert 55 < waited <= 60
