@@ -69,27 +69,10 @@ def attempt(
 ) -> AttemptResult:
     """Make one attempt at ``job``: each target in turn until one accepts."""
     started = clock()
-
-    def result(**fields: object) -> AttemptResult:
-        fields.setdefault("retry_after", None)
-        fields.setdefault("accepted_scheme", None)
-        error = str(fields.pop("error", ""))[:error_length]
-        return AttemptResult(
-            job=job,
-            error=error,
-            duration=clock() - started,
-            **fields,  # type: ignore[arg-type]
-        )
-
     if job.key_error:
-        return result(delivered=False, status=None, error=job.key_error, permanent=False)
+        return _failed(job, job.key_error, permanent=False)
     if job.key is None:
-        return result(
-            delivered=False,
-            status=None,
-            error=f"no key for sender {job.sender}",
-            permanent=True,
-        )
+        return _failed(job, f"no key for sender {job.sender}", permanent=True)
     last: AttemptResult | None = None
     requests = 0
     for target in job.targets:
@@ -136,12 +119,6 @@ def _post(
     is_permanent: Callable[[int], bool],
     error_length: int,
 ) -> AttemptResult:
-    def result(**fields: object) -> AttemptResult:
-        fields.setdefault("retry_after", None)
-        fields.setdefault("accepted_scheme", None)
-        error = str(fields.pop("error", ""))[:error_length]
-        return AttemptResult(job=job, error=error, duration=0.0, **fields)  # type: ignore[arg-type]
-
     try:
         headers = sign_request(
             scheme,
@@ -151,21 +128,35 @@ def _post(
             extra_headers=job.extra_headers,
         )
     except SigningError as exc:
-        return result(delivered=False, status=None, error=str(exc), permanent=True)
+        return _failed(job, str(exc)[:error_length], permanent=True)
     try:
         answer = transport.post(target, job.body, headers)
     except TransportError as exc:
-        return result(delivered=False, status=None, error=str(exc), permanent=exc.permanent)
-    if 200 <= answer.status < 300:
-        return result(
-            delivered=True, status=answer.status, error="", permanent=False, accepted_scheme=scheme
-        )
-    return result(
-        delivered=False,
+        return _failed(job, str(exc)[:error_length], permanent=exc.permanent)
+    delivered = 200 <= answer.status < 300
+    return AttemptResult(
+        job=job,
+        delivered=delivered,
         status=answer.status,
-        error=describe(answer, error_length),
-        permanent=is_permanent(answer.status),
-        retry_after=parse_retry_after(answer.headers.get("Retry-After")),
+        error="" if delivered else describe(answer, error_length),
+        permanent=not delivered and is_permanent(answer.status),
+        retry_after=None if delivered else parse_retry_after(answer.headers.get("Retry-After")),
+        accepted_scheme=scheme if delivered else None,
+        duration=0.0,
+    )
+
+
+def _failed(job: Job, error: str, *, permanent: bool) -> AttemptResult:
+    """An attempt that got no answer from the inbox."""
+    return AttemptResult(
+        job=job,
+        delivered=False,
+        status=None,
+        error=error,
+        permanent=permanent,
+        retry_after=None,
+        accepted_scheme=None,
+        duration=0.0,
     )
 
 

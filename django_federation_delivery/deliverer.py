@@ -228,7 +228,15 @@ class Deliverer:
     def _work(self) -> None:
         transport = Transport(self.transport_settings)
         try:
-            while (item := self._jobs.get()) is not None:
+            while True:
+                try:
+                    item = self._jobs.get(timeout=self.transport_settings.idle_timeout)
+                except threadqueue.Empty:
+                    # Idle: let go of connections nobody has used for a while.
+                    transport.close_idle()
+                    continue
+                if item is None:
+                    break
                 try:
                     result = attempt(
                         item.job,
