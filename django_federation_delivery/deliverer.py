@@ -33,6 +33,11 @@ from django_federation_delivery.transport import Transport, TransportSettings
 
 logger = logging.getLogger(__name__)
 
+#: How long a host's remembered scheme is trusted before it is read again,
+#: so that what another process learnt reaches this one.
+SCHEME_TTL = 60.0
+SCHEMES = frozenset(scheme.value for scheme in Scheme)
+
 
 @dataclasses.dataclass
 class Summary:
@@ -140,8 +145,11 @@ class Deliverer:
         self.progress_interval = progress_interval
         self.summary = Summary()
         self.keys = KeyCache()
-        #: The scheme each host last accepted.
-        self.schemes: dict[str, Scheme] = {}
+        #: The scheme each host last accepted (None: never told), and when
+        #: that was read from the database, which every process shares.
+        self._schemes: dict[str, tuple[float, Scheme | None]] = {}
+        #: Schemes learnt since they were last written.
+        self._learned: dict[str, str] = {}
 
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -322,6 +330,7 @@ class Deliverer:
             if len(self._batches) > 1000:
                 self._batches.clear()
             self._batches.update({id: _BatchInfo.of(batch) for id, batch in found.items()})
+        self._read_schemes({row.host for row in claimed})
         now = timezone.now()
         for row in claimed:
             if row.id in self._in_flight:
@@ -355,7 +364,7 @@ class Deliverer:
             body_sha256=batch.body_sha256,
             key=key,
             sender=batch.sender,
-            scheme=self.schemes.get(row.host, self.first_scheme),
+            scheme=self.scheme_for(row.host),
             key_error=key_error,
         )
 
@@ -376,11 +385,37 @@ class Deliverer:
         written = self._db(
             queue.settle, settlements, on_finished=self._batches_finished, using=self.using
         )
+        if written is not None and self._learned:
+            learned, self._learned = self._learned, {}
+            if self._db(queue.remember_schemes, learned, using=self.using) is None:
+                self._learned = {**learned, **self._learned}  # written next time
         if written is None:
             # Not written: written again while the lease holds. After that the
             # row is another claim's to take, and is sent again: never lost.
             now = time.time()
             self._unwritten = [s for s in settlements if s.claimed.leased_until > now]
+
+    def scheme_for(self, host: str) -> Scheme:
+        """The scheme to knock on ``host`` in first: the one it last accepted."""
+        known = self._schemes.get(host)
+        if known is None or known[1] is None:
+            return self.first_scheme
+        return known[1]
+
+    def _read_schemes(self, hosts: set[str]) -> None:
+        stale = time.monotonic() - SCHEME_TTL
+        unknown = {host for host in hosts if self._schemes.get(host, (stale, None))[0] <= stale}
+        if not unknown:
+            return
+        found = self._db(queue.host_schemes, unknown, using=self.using)
+        if not isinstance(found, dict):
+            return
+        if len(self._schemes) > 50_000:
+            self._schemes.clear()
+        now = time.monotonic()
+        for host in unknown:
+            scheme = found.get(host)
+            self._schemes[host] = (now, Scheme(scheme) if scheme in SCHEMES else None)
 
     def _release_slot(self, host: str) -> None:
         backlog = self._backlog.get(host)
@@ -399,8 +434,11 @@ class Deliverer:
         attempts = row.attempts + 1
         self.summary.attempts += 1
         now = timezone.now()
-        if result.accepted_scheme is not None:
-            self.schemes[row.host] = result.accepted_scheme
+        if result.accepted_scheme is not None and result.accepted_scheme != self.scheme_for(
+            row.host
+        ):
+            self._schemes[row.host] = (time.monotonic(), result.accepted_scheme)
+            self._learned[row.host] = result.accepted_scheme.value
         if result.delivered:
             return self._settle(row, batch, result, Status.DELIVERED, attempts, now)
         permanent = result.permanent or self._gone(batch.sender, result.status)

@@ -106,3 +106,20 @@ class Delivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.inbox} ({self.status})"
+
+
+class Host(models.Model):
+    """What is remembered of a destination host, shared by every process.
+
+    A host has a row only once there is something to remember: the healthy
+    path of a host that takes the first scheme writes nothing here.
+    """
+
+    name = models.CharField(max_length=255, primary_key=True)
+    # The signature scheme the host last accepted, when it is not the one
+    # tried first; blank while unknown.
+    scheme = models.CharField(max_length=16, blank=True, default="")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return self.name

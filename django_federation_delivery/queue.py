@@ -20,7 +20,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import Min
 from django.utils import timezone
 
-from django_federation_delivery.models import Batch, Delivery, Lane, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Lane, Status
 
 NOTIFY_CHANNEL = "federation_delivery"
 #: Lanes in the order they are claimed; the low lane only when nothing else is due.
@@ -250,3 +250,27 @@ def has_due(*, using: str | None = None) -> bool:
         manager.filter(status=Status.PENDING, lane=lane, due_at__lte=now).exists()
         for lane in CLAIM_ORDER
     )
+
+
+def host_schemes(hosts: Iterable[str], *, using: str | None = None) -> dict[str, str]:
+    """The scheme each of ``hosts`` last accepted, for those that have one."""
+    manager = Host.objects.using(using or DEFAULT_DB_ALIAS)
+    return dict(
+        manager.filter(name__in=list(hosts)).exclude(scheme="").values_list("name", "scheme")
+    )
+
+
+def remember_schemes(schemes: dict[str, str], *, using: str | None = None) -> int:
+    """Record the scheme each host accepted, for every process and the next start."""
+    if not schemes:
+        return 0
+    Host.objects.using(using or DEFAULT_DB_ALIAS).bulk_create(
+        [
+            Host(name=name, scheme=scheme, updated_at=timezone.now())
+            for name, scheme in schemes.items()
+        ],
+        update_conflicts=True,
+        unique_fields=["name"],
+        update_fields=["scheme", "updated_at"],
+    )
+    return len(schemes)

@@ -1,0 +1,76 @@
+"""What a fediverse server relies on beyond the core: schemes, lanes, order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
+
+from django_federation_delivery import send
+from django_federation_delivery.models import Delivery, Host, Status
+
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .keys import ALICE, rsa_key
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NOTE = {"type": "Create", "actor": ALICE}
+
+
+class _Keys(HTTPSignatureKeyResolver):
+    def resolve_public_key(self, key_id: str) -> Any:
+        assert key_id == f"{ALICE}#main-key"
+        return rsa_key().public_key()
+
+
+def rfc9421_verifies(request: Received) -> bool:
+    """Checks an RFC 9421 signature with the http-message-signatures package."""
+    import requests
+
+    prepared = requests.Request(
+        "POST", f"http://{request.host}{request.path}", headers=request.headers,
+        data=request.body,
+    ).prepare()
+    try:
+        HTTPMessageVerifier(
+            signature_algorithm=algorithms.RSA_V1_5_SHA256, key_resolver=_Keys()
+        ).verify(prepared)
+    except Exception:
+        return False
+    return True
+
+
+def only_rfc9421(request: Received) -> tuple[int, dict[str, str], bytes]:
+    if "Signature-Input" not in request.headers:
+        return 401, {}, b"draft-cavage is not accepted here"
+    return (202, {}, b"") if rfc9421_verifies(request) else (401, {}, b"bad signature")
+
+
+def schemes_of(inbox: Inbox) -> list[str]:
+    return [
+        "rfc9421" if "Signature-Input" in request.headers else "draft-cavage"
+        for request in inbox.received
+    ]
+
+
+def test_a_host_knocked_on_twice_is_remembered_across_a_restart(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    inbox.respond = only_rfc9421
+    send(ALICE, NOTE, [inbox.url("/first")])
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 1)
+    assert schemes_of(inbox) == ["draft-cavage", "rfc9421"], "the first knocks twice"
+    send(ALICE, NOTE, [inbox.url("/second")])
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 2)
+    runner.stop()
+    assert schemes_of(inbox)[2:] == ["rfc9421"], "later ones once"
+    assert Host.objects.get(name="127.0.0.1").scheme == "rfc9421"
+    send(ALICE, NOTE, [inbox.url("/after-restart")])
+    restarted = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 3)
+    restarted.stop()
+    assert schemes_of(inbox)[3:] == ["rfc9421"], "remembered by the database, not the process"
+    assert Delivery.objects.filter(status=Status.DELIVERED).count() == 3
