@@ -47,6 +47,8 @@ class Batch(models.Model):
     tag = models.CharField(max_length=200, blank=True, default="", db_index=True)
     deadline = models.DateTimeField(null=True, blank=True)
     max_attempts = models.PositiveIntegerField(null=True, blank=True)
+    # Deliveries with one ordering key reach each inbox in the order queued.
+    ordering_key = models.CharField(max_length=500, blank=True, default="")
     lane = models.CharField(max_length=16, choices=Lane.choices, default=Lane.NORMAL)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     # How many deliveries it queued, and how many are still pending: the
@@ -86,6 +88,13 @@ class Delivery(models.Model):
     last_status = models.PositiveSmallIntegerField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
     settled_at = models.DateTimeField(null=True, blank=True)
+    # An ordered delivery's sequence (its ordering key and inbox, hashed),
+    # and the one before it that it waits on, with no due time until that
+    # one settles.
+    sequence = models.CharField(max_length=64, blank=True, default="")
+    after = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
 
     class Meta:
         verbose_name_plural = "deliveries"
@@ -102,6 +111,12 @@ class Delivery(models.Model):
             ),
             models.Index(fields=["batch", "status"], name="fd_delivery_batch_status"),
             models.Index(fields=["host", "status"], name="fd_delivery_host_status"),
+            # The last pending delivery of a sequence, which a new one waits on.
+            models.Index(
+                fields=["sequence"],
+                condition=Q(status="pending") & ~Q(sequence=""),
+                name="fd_delivery_sequence",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import time
 import uuid
 from collections import Counter
@@ -83,10 +84,21 @@ def enqueue(batch: Batch, inboxes: Sequence[tuple[str, str]], *, using: str | No
     now = timezone.now()
     batch.size = batch.remaining = len(inboxes)
     batch.created_at = now
+    # Written first: on SQLite the write lock is taken before anything is read.
     batch.save(using=alias)
+    waits_on = _last_of_sequences(batch, inboxes, alias)
     Delivery.objects.using(alias).bulk_create(
         (
-            Delivery(batch=batch, inbox=inbox, host=host, lane=batch.lane, due_at=now)
+            Delivery(
+                batch=batch,
+                inbox=inbox,
+                host=host,
+                lane=batch.lane,
+                sequence=sequence_of(batch.ordering_key, inbox),
+                after_id=waits_on.get(inbox),
+                # One that waits on another has no due time until that settles.
+                due_at=None if inbox in waits_on else now,
+            )
             for inbox, host in inboxes
         ),
         batch_size=500,
@@ -98,6 +110,41 @@ def enqueue(batch: Batch, inboxes: Sequence[tuple[str, str]], *, using: str | No
             cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
     transaction.on_commit(wakeup.notify_local, using=alias)
     return batch
+
+
+def sequence_of(ordering_key: str, inbox: str) -> str:
+    """The sequence an ordered delivery belongs to: its key, for its inbox."""
+    if not ordering_key:
+        return ""
+    return hashlib.sha256(f"{ordering_key}\n{inbox}".encode()).hexdigest()
+
+
+def _last_of_sequences(
+    batch: Batch, inboxes: Sequence[tuple[str, str]], alias: str
+) -> dict[str, int]:
+    """For each inbox, the last pending delivery queued before with the same
+    ordering key, which the new one is to wait on.
+
+    On PostgreSQL those rows are locked until the caller commits, so that one
+    settling meanwhile waits and then sees, and releases, its successor.
+    """
+    if not batch.ordering_key:
+        return {}
+    by_sequence = {sequence_of(batch.ordering_key, inbox): inbox for inbox, _ in inboxes}
+    manager = Delivery.objects.using(alias)
+    last: dict[str, int] = {}
+    sequences = list(by_sequence)
+    for start in range(0, len(sequences), 500):
+        rows = (
+            manager.select_for_update()
+            .filter(sequence__in=sequences[start : start + 500], status=Status.PENDING)
+            .exclude(batch=batch)
+            .values_list("sequence", "id")
+        )
+        for sequence, id in rows:
+            inbox = by_sequence[sequence]
+            last[inbox] = max(id, last.get(inbox, id))
+    return last
 
 
 def claim(
@@ -171,6 +218,7 @@ def settle(
     table = _table(Delivery, connection)
     now = timezone.now()
     written: set[int] = set()
+    written_final: list[int] = []
     leaving: Counter[int] = Counter()
     sql = (
         f"UPDATE {table} SET status = %s, attempts = %s, due_at = %s, lease_token = NULL, "
@@ -198,11 +246,25 @@ def settle(
                 if cursor.rowcount == 1:
                     written.add(item.claimed.id)
                     if final:
+                        written_final.append(item.claimed.id)
                         leaving[item.claimed.batch_id] += 1
+        _release_next(written_final, now, using)
         finished = _count_down(leaving, now, using)
         if finished and on_finished is not None:
             on_finished(finished)
     return written
+
+
+def _release_next(settled: Sequence[int], now: dt.datetime, using: str | None) -> None:
+    """Make due the deliveries that waited on ``settled`` ones: one indexed
+    update, however long the sequences."""
+    if not settled:
+        return
+    manager = Delivery.objects.using(using or DEFAULT_DB_ALIAS)
+    for start in range(0, len(settled), 500):
+        manager.filter(after_id__in=settled[start : start + 500], status=Status.PENDING).update(
+            due_at=now, after=None
+        )
 
 
 def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> list[Batch]:

@@ -23,6 +23,7 @@ from django_federation_delivery.models import Batch, Lane
 from django_federation_delivery.signatures import body_sha256
 
 TAG_LENGTH = Batch._meta.get_field("tag").max_length or 200
+ORDERING_KEY_LENGTH = Batch._meta.get_field("ordering_key").max_length or 500
 URL_LENGTH = 2048
 
 
@@ -40,6 +41,10 @@ class BatchOptions:
     max_attempts: int | None = None
     #: Claimed only when nothing else is due.
     low_priority: bool = False
+    #: Deliveries sent with the same key reach each inbox in the order they
+    #: were queued: the next waits until the one before it settles. Typically
+    #: the object an activity is about, so its Delete cannot overtake its Create.
+    ordering_key: str = ""
 
 
 _OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(BatchOptions))
@@ -68,7 +73,8 @@ def send_batch(
     targets = _inboxes(inboxes)
     deadline = _deadline(opts.deadline)
     max_attempts = _max_attempts(opts.max_attempts)
-    tag = _tag(opts.tag)
+    tag = _text("tag", opts.tag, TAG_LENGTH)
+    ordering_key = _text("ordering_key", opts.ordering_key, ORDERING_KEY_LENGTH)
     if not targets:
         return None
     lane = _lane(len(targets), opts.low_priority)
@@ -81,6 +87,7 @@ def send_batch(
                 tag=tag,
                 deadline=deadline,
                 max_attempts=max_attempts,
+                ordering_key=ordering_key,
                 lane=lane,
             ),
             _interleave_hosts(targets),
@@ -193,12 +200,12 @@ def _max_attempts(max_attempts: object) -> int | None:
     return max_attempts
 
 
-def _tag(tag: object) -> str:
-    if not isinstance(tag, str):
-        raise InvalidDelivery(f"tag must be a string, not {tag!r}")
-    if len(tag) > TAG_LENGTH:
-        raise InvalidDelivery(f"tag is longer than {TAG_LENGTH} characters: {tag[:80]!r}…")
-    return tag
+def _text(name: str, value: object, length: int) -> str:
+    if not isinstance(value, str):
+        raise InvalidDelivery(f"{name} must be a string, not {value!r}")
+    if len(value) > length:
+        raise InvalidDelivery(f"{name} is longer than {length} characters: {value[:80]!r}…")
+    return value
 
 
 def _lane(inboxes: int, low_priority: object) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
 
-from django_federation_delivery import send
+from django_federation_delivery import send, send_batch
 from django_federation_delivery.models import Delivery, Host, Status
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
@@ -30,7 +30,9 @@ def rfc9421_verifies(request: Received) -> bool:
     import requests
 
     prepared = requests.Request(
-        "POST", f"http://{request.host}{request.path}", headers=request.headers,
+        "POST",
+        f"http://{request.host}{request.path}",
+        headers=request.headers,
         data=request.body,
     ).prepare()
     try:
@@ -74,3 +76,33 @@ def test_a_host_knocked_on_twice_is_remembered_across_a_restart(
     restarted.stop()
     assert schemes_of(inbox)[3:] == ["rfc9421"], "remembered by the database, not the process"
     assert Delivery.objects.filter(status=Status.DELIVERED).count() == 3
+
+
+def test_a_delete_never_overtakes_its_create_while_the_create_is_retried(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETRY": {"BASE": 1.0, "CAP": 1.0, "ATTEMPTS": 5, "JITTER": 0},
+    }
+    creates_refused = {"count": 0}
+
+    def down_at_first(request: Received) -> tuple[int, dict[str, str], bytes]:
+        if request.json()["type"] == "Create" and creates_refused["count"] < 2:
+            creates_refused["count"] += 1
+            return 503, {}, b"busy"
+        return 202, {}, b""
+
+    slow = inboxes("127.0.0.2", respond=down_at_first)
+    well = inboxes("127.0.0.3")
+    targets = [slow.url(), well.url()]
+    send_batch(ALICE, {"type": "Create", "id": "n1"}, targets, {"ordering_key": "n1"})
+    send_batch(ALICE, {"type": "Delete", "id": "n1"}, targets, {"ordering_key": "n1"})
+    runner = start_deliverer()
+    wait_until(lambda: [r.json()["type"] for r in well.received] == ["Create", "Delete"])
+    assert [r.json()["type"] for r in slow.received] == ["Create"], "the others go on"
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 4)
+    runner.stop()
+    assert [r.json()["type"] for r in slow.received] == ["Create", "Create", "Create", "Delete"]

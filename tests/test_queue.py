@@ -171,3 +171,30 @@ def test_concurrent_claims_never_take_the_same_delivery() -> None:
     assert not errors, errors
     every = [id for ids in taken for id in ids]
     assert len(every) == len(set(every)) == 200
+
+
+@pytest.mark.django_db
+def test_an_ordered_delivery_waits_until_the_one_before_it_to_that_inbox_settles() -> None:
+    first = send_batch(
+        ALICE,
+        {"type": "Create"},
+        ["https://a.example/inbox", "https://b.example/inbox"],
+        {"ordering_key": "note-1"},
+    )
+    second = send_batch(
+        ALICE, {"type": "Delete"}, ["https://a.example/inbox"], {"ordering_key": "note-1"}
+    )
+    other_key = send_batch(
+        ALICE, {"type": "Like"}, ["https://a.example/inbox"], {"ordering_key": "note-2"}
+    )
+    assert first is not None and second is not None and other_key is not None
+    held = Delivery.objects.get(batch=second)
+    assert held.due_at is None and held.after is not None
+    assert held.after.batch_id == first.id
+    claimed = queue.claim(10, lease=300)
+    assert {row.batch_id for row in claimed} == {first.id, other_key.id}, "a's Delete waits"
+    for_a = next(row for row in claimed if row.batch_id == first.id and "a.example" in row.inbox)
+    queue.settle([queue.Settlement(claimed=for_a, status=Status.FAILED, attempts=12)])
+    held.refresh_from_db()
+    assert held.due_at is not None and held.after is None, "released by its predecessor's end"
+    assert [row.batch_id for row in queue.claim(10, lease=300)] == [second.id]
