@@ -43,7 +43,13 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 id=f"{PREFIX}.E003",
             )
         )
-    for name in ("SENDER_KEYS", "SENDER_GONE", "PERMANENT_STATUS"):
+    for name in (
+        "SENDER_KEYS",
+        "SENDER_GONE",
+        "PERMANENT_STATUS",
+        "SKIP_IF",
+        "COLLECTION_SYNCHRONIZATION",
+    ):
         try:
             app_settings.callable_setting(name)
         except ImproperlyConfigured as exc:

@@ -32,6 +32,14 @@ DEFAULTS: dict[str, Any] = {
     # A send to at most this many inboxes goes to the priority lane, claimed
     # before any other. None: no priority lane.
     "PRIORITY_MAX_INBOXES": None,
+    # A dotted path to ``callable(inbox: str, activity: dict) -> bool``, asked
+    # as each delivery comes due: True drops it unsent (settled as skipped),
+    # as for a server the project has since marked unavailable.
+    "SKIP_IF": None,
+    # A dotted path to ``callable(sender: str, inbox: str) -> str | None``:
+    # the Collection-Synchronization header (FEP-8fcf) a delivery of a batch
+    # sent with synchronize_collection carries, written when it is sent.
+    "COLLECTION_SYNCHRONIZATION": None,
     # A dotted path to ``callable(status: int) -> bool``: which answers are
     # final. None: every 4xx but 408 and 429.
     "PERMANENT_STATUS": None,

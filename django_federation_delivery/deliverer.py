@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime as dt
+import json
 import logging
 import queue as threadqueue
 import threading
@@ -79,9 +80,12 @@ class _BatchInfo:
     tag: str
     deadline: dt.datetime | None
     max_attempts: int | None
+    synchronize_collection: bool
+    #: The activity, parsed, when SKIP_IF is to be asked about it.
+    activity: Any
 
     @classmethod
-    def of(cls, batch: Batch) -> _BatchInfo:
+    def of(cls, batch: Batch, *, parse: bool) -> _BatchInfo:
         return cls(
             id=batch.id,
             sender=batch.sender,
@@ -90,6 +94,8 @@ class _BatchInfo:
             tag=batch.tag,
             deadline=batch.deadline,
             max_attempts=batch.max_attempts,
+            synchronize_collection=batch.synchronize_collection,
+            activity=json.loads(batch.body) if parse else None,
         )
 
 
@@ -130,6 +136,8 @@ class Deliverer:
         self.first_scheme = Scheme(get("FIRST_SCHEME"))
         self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
         self.sender_gone = app_settings.callable_setting("SENDER_GONE")
+        self.skip_if = app_settings.callable_setting("SKIP_IF")
+        self.synchronization = app_settings.callable_setting("COLLECTION_SYNCHRONIZATION")
         self.permanent_if_gone = frozenset(int(s) for s in get("PERMANENT_IF_SENDER_GONE"))
         self.transport_settings = TransportSettings(
             user_agent=str(get("USER_AGENT")),
@@ -200,9 +208,10 @@ class Deliverer:
                 if self.on_progress is not None and time.monotonic() >= next_progress:
                     self.on_progress(self.summary)
                     next_progress = time.monotonic() + self.progress_interval
-                if busy or self._unwritten or not self._dry:
-                    # Woken by the next result; a short bound keeps retrying writes.
-                    self._wait(1.0 if not self._unwritten else 0.5)
+                if self._unwritten:
+                    continue  # written at once (a failing database is waited out there)
+                if busy or not self._dry:
+                    self._wait(1.0)  # woken by the next result
                 else:
                     self._idle(listening=listener is not None)
         finally:
@@ -329,7 +338,10 @@ class Deliverer:
                 return  # the claim's lease lapses and they come due again
             if len(self._batches) > 1000:
                 self._batches.clear()
-            self._batches.update({id: _BatchInfo.of(batch) for id, batch in found.items()})
+            parse = self.skip_if is not None
+            self._batches.update(
+                {id: _BatchInfo.of(batch, parse=parse) for id, batch in found.items()}
+            )
         self._read_schemes({row.host for row in claimed})
         now = timezone.now()
         for row in claimed:
@@ -338,6 +350,8 @@ class Deliverer:
             batch = self._batches[row.batch_id]
             if batch.deadline is not None and now >= batch.deadline:
                 self._give_up_unsent(row, batch, "the batch's deadline passed before it was sent")
+                continue
+            if self._skipped(row, batch):
                 continue
             item = _InFlight(claimed=row, batch=batch, job=self._job(row, batch))
             self._in_flight[row.id] = item
@@ -357,8 +371,16 @@ class Deliverer:
             # moment does not make the delivery wrong.
             logger.warning("Looking up the key of %s failed: %s", batch.sender, type(exc).__name__)
             key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
+        extra: dict[str, str] = {}
+        if batch.synchronize_collection and self.synchronization is not None and key is not None:
+            header = self._ask(
+                "COLLECTION_SYNCHRONIZATION", self.synchronization, batch.sender, row.inbox
+            )
+            if isinstance(header, str) and header:
+                extra["Collection-Synchronization"] = header
         return Job(
             delivery_id=row.id,
+            extra_headers=extra,
             targets=(row.inbox,),
             body=batch.body,
             body_sha256=batch.body_sha256,
@@ -475,11 +497,7 @@ class Deliverer:
     def _gone(self, sender: str, status: int | None) -> bool:
         if status is None or status not in self.permanent_if_gone or self.sender_gone is None:
             return False
-        try:
-            return bool(self.sender_gone(sender))
-        except Exception:
-            logger.exception("SENDER_GONE raised for %s", sender)
-            return False
+        return bool(self._ask("SENDER_GONE", self.sender_gone, sender))
 
     def _attempted(
         self, row: queue.Claimed, batch: _BatchInfo, result: AttemptResult, outcome: str
@@ -584,6 +602,39 @@ class Deliverer:
                 refused=refused,
             ),
         )
+
+    def _ask(self, setting: str, function: Callable[..., Any], *args: Any) -> Any:
+        """Call one of the host project's callables; one that raises is logged
+        and taken as no answer, never a reason to stop."""
+        try:
+            return function(*args)
+        except Exception:
+            logger.exception("%s raised; taken as no answer", setting)
+            return None
+
+    def _skipped(self, row: queue.Claimed, batch: _BatchInfo) -> bool:
+        """Drop, unsent, a delivery SKIP_IF says no longer to send."""
+        if self.skip_if is None or not self._ask(
+            "SKIP_IF", self.skip_if, row.inbox, batch.activity
+        ):
+            return False
+        signals.send_safely(
+            signals.delivery_settled,
+            settled=signals.Settled(
+                delivery_id=row.id,
+                batch_id=row.batch_id,
+                inbox=row.inbox,
+                sender=batch.sender,
+                tag=batch.tag,
+                outcome=str(Status.SKIPPED),
+                status=None,
+            ),
+        )
+        self.summary.skipped += 1
+        self._unwritten.append(
+            queue.Settlement(claimed=row, status=Status.SKIPPED, attempts=row.attempts)
+        )
+        return True
 
     def _give_up_unsent(self, row: queue.Claimed, batch: _BatchInfo, error: str) -> None:
         self._failed_signal(row, batch, None, error, deadline=True, refused=False)

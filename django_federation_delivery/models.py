@@ -50,6 +50,9 @@ class Batch(models.Model):
     # Deliveries with one ordering key reach each inbox in the order queued.
     ordering_key = models.CharField(max_length=500, blank=True, default="")
     lane = models.CharField(max_length=16, choices=Lane.choices, default=Lane.NORMAL)
+    # Sent with a Collection-Synchronization header (FEP-8fcf) that the host
+    # project's COLLECTION_SYNCHRONIZATION writes for the sender and inbox.
+    synchronize_collection = models.BooleanField(default=False)
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     # How many deliveries it queued, and how many are still pending: the
     # batch is finished when that reaches nought.

@@ -45,6 +45,9 @@ class BatchOptions:
     #: were queued: the next waits until the one before it settles. Typically
     #: the object an activity is about, so its Delete cannot overtake its Create.
     ordering_key: str = ""
+    #: Each delivery carries a Collection-Synchronization header (FEP-8fcf),
+    #: written by the COLLECTION_SYNCHRONIZATION setting's callable.
+    synchronize_collection: bool = False
 
 
 _OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(BatchOptions))
@@ -78,6 +81,7 @@ def send_batch(
     if not targets:
         return None
     lane = _lane(len(targets), opts.low_priority)
+    synchronize = _flag("synchronize_collection", opts.synchronize_collection)
     with transaction.atomic(using=using):
         batch = queue.enqueue(
             Batch(
@@ -89,6 +93,7 @@ def send_batch(
                 max_attempts=max_attempts,
                 ordering_key=ordering_key,
                 lane=lane,
+                synchronize_collection=synchronize,
             ),
             _interleave_hosts(targets),
             using=using,
@@ -208,10 +213,14 @@ def _text(name: str, value: object, length: int) -> str:
     return value
 
 
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidDelivery(f"{name} must be True or False, not {value!r}")
+    return value
+
+
 def _lane(inboxes: int, low_priority: object) -> str:
-    if not isinstance(low_priority, bool):
-        raise InvalidDelivery(f"low_priority must be True or False, not {low_priority!r}")
-    if low_priority:
+    if _flag("low_priority", low_priority):
         return Lane.LOW
     few = app_settings.get("PRIORITY_MAX_INBOXES")
     if few is not None and inboxes <= few:

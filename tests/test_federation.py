@@ -106,3 +106,97 @@ def test_a_delete_never_overtakes_its_create_while_the_create_is_retried(
     wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 4)
     runner.stop()
     assert [r.json()["type"] for r in slow.received] == ["Create", "Create", "Create", "Delete"]
+
+
+def skip_unavailable(inbox: str, activity: dict[str, Any]) -> bool:
+    return "unavailable" in inbox and activity.get("type") != "Follow"
+
+
+def synchronization_header(sender: str, inbox: str) -> str:
+    return f'collectionId="{sender}/followers", url="{sender}/followers_synchronization", digest="{"0" * 64}"'
+
+
+def sender_is_gone(sender: str) -> bool:
+    return sender.endswith("/deleted")
+
+
+def test_skip_if_drops_deliveries_unsent_as_skipped(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], settings: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SKIP_IF": "tests.test_federation.skip_unavailable",
+    }
+    skipped = send(ALICE, {"type": "Create"}, [inbox.url("/unavailable/inbox")])
+    follow = send(ALICE, {"type": "Follow"}, [inbox.url("/unavailable/inbox")])
+    sent = send(ALICE, {"type": "Create"}, [inbox.url("/fine/inbox")])
+    assert skipped and follow and sent
+    runner = start_deliverer()
+    wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists())
+    runner.stop()
+    assert Delivery.objects.get(batch=skipped).status == Status.SKIPPED
+    assert Delivery.objects.get(batch=follow).status == Status.DELIVERED
+    assert sorted(inbox.paths()) == ["/fine/inbox", "/unavailable/inbox"]
+    assert runner.deliverer.summary.skipped == 1
+
+
+def test_a_synchronized_batch_carries_a_signed_collection_synchronization_header(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], settings: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "COLLECTION_SYNCHRONIZATION": "tests.test_federation.synchronization_header",
+    }
+    send_batch(ALICE, NOTE, [inbox.url("/sync")], {"synchronize_collection": True})
+    send(ALICE, NOTE, [inbox.url("/plain")])
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 2)
+    runner.stop()
+    by_path = {request.path: request.headers for request in inbox.received}
+    assert by_path["/sync"]["Collection-Synchronization"] == synchronization_header(
+        ALICE, inbox.url("/sync")
+    )
+    assert "collection-synchronization" in by_path["/sync"]["Signature"]
+    assert "Collection-Synchronization" not in by_path["/plain"]
+
+
+def test_a_401_ends_a_delivery_from_a_sender_that_is_gone(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], settings: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PERMANENT_STATUS": "tests.test_federation.only_404_is_final",
+        "PERMANENT_IF_SENDER_GONE": [401],
+        "SENDER_GONE": "tests.test_federation.sender_is_gone",
+        "RETRY": {"BASE": 60},
+    }
+    inbox.respond = lambda request: (401, {}, b"")
+    gone = send("https://social.example/users/deleted", NOTE, [inbox.url("/a")])
+    alive = send(ALICE, NOTE, [inbox.url("/b")])
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).count() == 2)
+    runner.stop()
+    assert Delivery.objects.get(batch=gone).status == Status.REFUSED
+    assert Delivery.objects.get(batch=alive).status == Status.PENDING, "retried: not gone"
+
+
+def only_404_is_final(status: int) -> bool:
+    return status == 404
+
+
+def test_a_direct_message_is_not_queued_behind_a_fan_out(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 5}
+    crowd = inboxes("127.0.0.2", delay=0.05)
+    friend = inboxes("127.0.0.3")
+    send(ALICE, NOTE, [crowd.url(f"/u{n}") for n in range(400)])
+    runner = start_deliverer(concurrency=4, per_host=4)
+    wait_until(lambda: len(crowd.received) >= 20)
+    send(ALICE, {"type": "Create", "to": "friend"}, [friend.url()])
+    wait_until(lambda: len(friend.received) == 1, timeout=10)
+    waiting = 400 - len(crowd.received)
+    runner.stop()
+    assert waiting > 300, "sent while the fan-out was still draining"

@@ -1,0 +1,161 @@
+"""FEP-ef61 portable inboxes: from an ``ap://`` inbox to the gateway URLs to POST to.
+
+A portable actor's objects are named by ``ap://<did>/<path>`` URIs, which no HTTP client can
+reach; they are served by the gateways the actor lists, each at
+``<gateway>/.well-known/apgateway/<did>/<path>``. Pure functions: no Django, no network.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import quote, unquote, urlsplit
+
+from .exceptions import InvalidDelivery
+from .synchronization import origin
+
+__all__ = [
+    "MAX_GATEWAYS",
+    "PortableInbox",
+    "at_gateway",
+    "canonical",
+    "is_gateway",
+    "parse_ap_uri",
+    "targets",
+]
+
+#: The most gateways one delivery is sent to: an actor may list many, and each is a POST.
+MAX_GATEWAYS = 5
+
+_GATEWAY_PATH = "/.well-known/apgateway/"
+# did:<method>:<id>, with the DID Core characters but no percent-encoding: did:key and most
+# methods never need it, and refusing it keeps one DID from having two spellings.
+_DID = re.compile(r"did:[a-z0-9]+:[A-Za-z0-9._-]+(?::[A-Za-z0-9._-]+)*")
+# urlsplit silently drops tabs and newlines, so a URI carrying them would pass for another.
+_CONTROL_OR_SPACE = re.compile(r"[\x00-\x20\x7f]")
+_ESCAPE = re.compile(r"(%[0-9A-Fa-f]{2})")
+# RFC 3986 pchar (less "%", handled apart) and "/", then what a query adds.
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+_QUERY_SAFE = _PATH_SAFE + "?"
+# host[:port] as a gateway may name it, with no userinfo: a DNS name or IPv4 address, or a
+# bracketed IPv6 address.
+_NETLOC = re.compile(r"(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+_SHOWN_LENGTH = 200
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message may name it: quoted, one line, not too long."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_LENGTH else text[: _SHOWN_LENGTH - 3] + "..."
+
+
+def _encoded(text: str, safe: str) -> str:
+    """``text`` with what a URL cannot carry percent-encoded, its valid escapes kept as they are,
+    so that encoding twice changes nothing."""
+    return "".join(
+        piece if _ESCAPE.fullmatch(piece) else quote(piece, safe=safe)
+        for piece in _ESCAPE.split(text)
+    )
+
+
+def parse_ap_uri(uri: str) -> tuple[str, str, str]:
+    """``(did, path, query)`` of an ``ap://`` URI, the path with its leading "/".
+
+    The DID may be written percent-encoded in the authority (``did%3Akey%3A...``), as RFC 3986
+    allows no ":" in a host; either spelling gives the same DID. The path and query come back
+    with what a URL cannot carry percent-encoded. The fragment is dropped: it names a part of the
+    object, not another one.
+    """
+    if not isinstance(uri, str) or _CONTROL_OR_SPACE.search(uri):
+        raise InvalidDelivery(f"not an ap:// URI: {_shown(uri)}")
+    parts = urlsplit(uri)
+    if parts.scheme.lower() != "ap":
+        raise InvalidDelivery(f"not an ap:// URI: {_shown(uri)}")
+    did = unquote(parts.netloc)
+    if not _DID.fullmatch(did):
+        raise InvalidDelivery(f"the authority of an ap:// URI must be a DID: {_shown(uri)}")
+    path = parts.path
+    if path in ("", "/"):
+        raise InvalidDelivery(f"an ap:// inbox needs a path after the DID: {_shown(uri)}")
+    # A gateway URL is resolved like any other: "/did/../../x" would leave the apgateway prefix.
+    if any(unquote(segment) in (".", "..") for segment in path.split("/")):
+        raise InvalidDelivery(f"an ap:// path may not have '.' or '..' segments: {_shown(uri)}")
+    return did, _encoded(path, _PATH_SAFE), _encoded(parts.query, _QUERY_SAFE)
+
+
+def canonical(uri: str) -> str:
+    """``ap://<did><path>`` without query or fragment, the DID decoded: the one name of an inbox,
+    so that an inbox listed twice in different spellings is delivered to once."""
+    did, path, _query = parse_ap_uri(uri)
+    return f"ap://{did}{path}"
+
+
+def is_gateway(url: str) -> bool:
+    """Whether ``url`` is a bare http(s) origin, as FEP-ef61 requires of an actor's gateways.
+
+    Only ``scheme://host[:port]`` with an optional "/" is accepted: a gateway with a path, a
+    query, a fragment or userinfo is not one the FEP describes, and is not guessed at.
+    """
+    if not isinstance(url, str) or _CONTROL_OR_SPACE.search(url):
+        return False
+    if "?" in url or "#" in url:  # urlsplit cannot tell "x?" from "x"
+        return False
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError for a port out of range
+    except ValueError:
+        return False
+    return (
+        parts.scheme.lower() in ("http", "https")
+        and _NETLOC.fullmatch(parts.netloc) is not None
+        and parts.path in ("", "/")
+    )
+
+
+def at_gateway(uri: str, gateway: str) -> str:
+    """The URL of the ``ap://`` resource ``uri`` at ``gateway``.
+
+    The DID's colons stay literal, as in FEP-ef61's examples (":" is allowed in a URL path);
+    the query is kept, since the gateway passes it on.
+    """
+    did, path, query = parse_ap_uri(uri)
+    if not is_gateway(gateway):
+        raise InvalidDelivery(f"not a gateway (a bare http(s) origin): {_shown(gateway)}")
+    url = f"{origin(gateway)}{_GATEWAY_PATH}{did}{path}"
+    return f"{url}?{query}" if query else url
+
+
+@dataclass(frozen=True)
+class PortableInbox:
+    """A portable inbox and the gateways its actor lists, in the actor's order.
+
+    The inbox is checked when made. A single string for ``gateways`` is taken as a list of one,
+    as JSON-LD compaction writes a one-item list; ``gateways`` is kept as a tuple.
+    """
+
+    inbox: str
+    gateways: Sequence[str]
+
+    def __post_init__(self) -> None:
+        parse_ap_uri(self.inbox)
+        gateways = (self.gateways,) if isinstance(self.gateways, str) else tuple(self.gateways)
+        object.__setattr__(self, "gateways", gateways)
+
+
+def targets(inbox: PortableInbox) -> list[str]:
+    """The URLs to deliver to, in the actor's order: one per usable gateway origin, at most
+    ``MAX_GATEWAYS``. Unusable gateways are skipped; none usable gives an empty list."""
+    seen: set[str] = set()
+    urls: list[str] = []
+    for gateway in inbox.gateways:
+        if len(urls) >= MAX_GATEWAYS:
+            break
+        if not is_gateway(gateway):
+            continue
+        gateway_origin = origin(gateway)
+        if gateway_origin in seen:
+            continue
+        seen.add(gateway_origin)
+        urls.append(at_gateway(inbox.inbox, gateway_origin))
+    return urls
