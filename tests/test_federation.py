@@ -113,7 +113,8 @@ def skip_unavailable(inbox: str, activity: dict[str, Any]) -> bool:
 
 
 def synchronization_header(sender: str, inbox: str) -> str:
-    return f'collectionId="{sender}/followers", url="{sender}/followers_synchronization", digest="{"0" * 64}"'
+    followers = f"{sender}/followers"
+    return f'collectionId="{followers}", url="{followers}?sync", digest="{"0" * 64}"'
 
 
 def sender_is_gone(sender: str) -> bool:
