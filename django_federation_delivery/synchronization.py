@@ -70,6 +70,8 @@ def followers_digest(follower_uris: Iterable[str]) -> str:
         raise InvalidDelivery(f"expected follower URIs, got one string: {_shown(follower_uris)}")
     digest = 0
     for uri in dict.fromkeys(follower_uris):
+        if not isinstance(uri, str):
+            raise InvalidDelivery(f"a follower URI must be a string: {_shown(uri)}")
         digest ^= int.from_bytes(hashlib.sha256(uri.encode("utf-8")).digest(), "big")
     return digest.to_bytes(32, "big").hex()
 
