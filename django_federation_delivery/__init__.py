@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "send": "django_federation_delivery.sending",
     "send_batch": "django_federation_delivery.sending",
+    "send_portable": "django_federation_delivery.sending",
+    "PortableInbox": "django_federation_delivery.portable",
     "BatchOptions": "django_federation_delivery.sending",
     "SenderKey": "django_federation_delivery.signatures",
     "Scheme": "django_federation_delivery.signatures",
@@ -25,18 +27,21 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from django_federation_delivery.exceptions import InvalidDelivery, SigningError
-    from django_federation_delivery.sending import BatchOptions, send, send_batch
+    from django_federation_delivery.portable import PortableInbox
+    from django_federation_delivery.sending import BatchOptions, send, send_batch, send_portable
     from django_federation_delivery.signatures import Scheme, SenderKey
 
 __all__ = [
     "BatchOptions",
     "InvalidDelivery",
+    "PortableInbox",
     "Scheme",
     "SenderKey",
     "SigningError",
     "__version__",
     "send",
     "send_batch",
+    "send_portable",
 ]
 
 

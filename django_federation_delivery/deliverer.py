@@ -381,7 +381,7 @@ class Deliverer:
         return Job(
             delivery_id=row.id,
             extra_headers=extra,
-            targets=(row.inbox,),
+            targets=row.via or (row.inbox,),
             body=batch.body,
             body_sha256=batch.body_sha256,
             key=key,

@@ -75,6 +75,9 @@ class Delivery(models.Model):
     batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="deliveries")
     inbox = models.CharField(max_length=2048)
     host = models.CharField(max_length=255)
+    # Where to POST, in order, when not the inbox itself: the gateways of a
+    # portable inbox (FEP-ef61), tried one after the other within one attempt.
+    via = models.JSONField(default=list, blank=True)
     # The batch's lane, kept here so that one index finds what is due.
     lane = models.CharField(max_length=16, choices=Lane.choices, default=Lane.NORMAL)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
@@ -137,7 +140,39 @@ class Host(models.Model):
     # The signature scheme the host last accepted, when it is not the one
     # tried first; blank while unknown.
     scheme = models.CharField(max_length=16, blank=True, default="")
+    # Paused by an operator: its deliveries are held, not failed, until resumed.
+    paused_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     def __str__(self) -> str:
         return self.name
+
+
+class Breaker(models.Model):
+    """A destination (a host, or an inbox) that is failing.
+
+    Kept in the database so that every deliverer counts failures together and
+    lets one probe through between them all. A healthy destination has no
+    row: the healthy path writes nothing here.
+    """
+
+    key = models.CharField(max_length=2048, primary_key=True)
+    # Failures in a row while closed.
+    failures = models.PositiveIntegerField(default=0)
+    # Open (or half-open once it has passed) until then; NULL while closed.
+    open_until = models.DateTimeField(null=True, blank=True)
+    # The probe under way, and when it stops being waited for.
+    probe_token = models.CharField(max_length=32, blank=True, default="")
+    probe_until = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return self.key
+
+    @property
+    def state(self) -> str:
+        """closed, open or half-open, as of now."""
+        now = timezone.now()
+        if self.open_until is None:
+            return "closed"
+        return "open" if now < self.open_until else "half-open"

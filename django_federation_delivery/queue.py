@@ -11,22 +11,33 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import json
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
-from django.db.models import Min
+from django.db.models import Min, Q
 from django.utils import timezone
 
-from django_federation_delivery.models import Batch, Delivery, Host, Lane, Status
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
 
 NOTIFY_CHANNEL = "federation_delivery"
 #: Lanes in the order they are claimed; the low lane only when nothing else is due.
 CLAIM_ORDER = (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
 FINAL = frozenset({Status.DELIVERED, Status.REFUSED, Status.SKIPPED, Status.FAILED})
+
+
+class Queued(NamedTuple):
+    """A delivery about to be queued."""
+
+    inbox: str
+    host: str
+    #: Where to POST, in order, when not the inbox itself: a portable
+    #: inbox's gateways.
+    via: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +49,7 @@ class Claimed:
     inbox: str
     host: str
     attempts: int
+    via: tuple[str, ...]
     token: str
     #: When the lease lapses, as ``time.time()``.
     leased_until: float
@@ -72,8 +84,8 @@ def _when(value: dt.datetime | None, connection: Any) -> Any:
     return connection.ops.adapt_datetimefield_value(value)
 
 
-def enqueue(batch: Batch, inboxes: Sequence[tuple[str, str]], *, using: str | None = None) -> Batch:
-    """Write ``batch`` and one pending delivery per ``(inbox, host)``.
+def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None) -> Batch:
+    """Write ``batch`` and one pending delivery per inbox.
 
     Run inside the caller's transaction: on commit a deliverer in this process
     is woken at once, and on PostgreSQL every listening process too.
@@ -93,13 +105,14 @@ def enqueue(batch: Batch, inboxes: Sequence[tuple[str, str]], *, using: str | No
                 batch=batch,
                 inbox=inbox,
                 host=host,
+                via=list(via),
                 lane=batch.lane,
                 sequence=sequence_of(batch.ordering_key, inbox),
                 after_id=waits_on.get(inbox),
                 # One that waits on another has no due time until that settles.
                 due_at=None if inbox in waits_on else now,
             )
-            for inbox, host in inboxes
+            for inbox, host, via in inboxes
         ),
         batch_size=500,
     )
@@ -119,9 +132,7 @@ def sequence_of(ordering_key: str, inbox: str) -> str:
     return hashlib.sha256(f"{ordering_key}\n{inbox}".encode()).hexdigest()
 
 
-def _last_of_sequences(
-    batch: Batch, inboxes: Sequence[tuple[str, str]], alias: str
-) -> dict[str, int]:
+def _last_of_sequences(batch: Batch, inboxes: Sequence[Queued], alias: str) -> dict[str, int]:
     """For each inbox, the last pending delivery queued before with the same
     ordering key, which the new one is to wait on.
 
@@ -130,7 +141,9 @@ def _last_of_sequences(
     """
     if not batch.ordering_key:
         return {}
-    by_sequence = {sequence_of(batch.ordering_key, inbox): inbox for inbox, _ in inboxes}
+    by_sequence = {
+        sequence_of(batch.ordering_key, queued.inbox): queued.inbox for queued in inboxes
+    }
     manager = Delivery.objects.using(alias)
     last: dict[str, int] = {}
     sequences = list(by_sequence)
@@ -188,7 +201,7 @@ def _claim_lane(
         f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE id IN ("
         f"SELECT id FROM {table} WHERE status = %s AND lane = %s AND due_at <= %s{hosts} "
         f"ORDER BY due_at LIMIT %s{lock}) "
-        "RETURNING id, batch_id, inbox, host, attempts"
+        "RETURNING id, batch_id, inbox, host, attempts, via"
     )
     with transaction.atomic(using=using), connection.cursor() as cursor:
         cursor.execute(sql, params)
@@ -196,7 +209,17 @@ def _claim_lane(
     # RETURNING gives no order; keep the queue's.
     rows.sort(key=lambda row: row[0])
     until = time.time() + lease
-    return [Claimed(row[0], row[1], row[2], row[3], row[4], token, until) for row in rows]
+    return [
+        Claimed(row[0], row[1], row[2], row[3], row[4], _json_list(row[5]), token, until)
+        for row in rows
+    ]
+
+
+def _json_list(value: Any) -> tuple[str, ...]:
+    # SQLite hands JSON back as text, psycopg as the value itself.
+    if isinstance(value, str | bytes):
+        value = json.loads(value)
+    return tuple(value or ())
 
 
 def settle(
@@ -336,3 +359,95 @@ def remember_schemes(schemes: dict[str, str], *, using: str | None = None) -> in
         update_fields=["scheme", "updated_at"],
     )
     return len(schemes)
+
+
+# Breakers: the database side, shared by every process.
+
+
+def breakers(*, forget_after: float, using: str | None = None) -> list[Breaker]:
+    """Every breaker row, after forgetting closed ones nothing has touched for
+    ``forget_after`` seconds. The table holds what is failing now: small."""
+    manager = Breaker.objects.using(using or DEFAULT_DB_ALIAS)
+    stale = timezone.now() - dt.timedelta(seconds=forget_after)
+    manager.filter(open_until__isnull=True, updated_at__lt=stale).delete()
+    manager.filter(open_until__lt=stale, updated_at__lt=stale, probe_until__isnull=True).delete()
+    return list(manager.all())
+
+
+def record_failures(
+    failures: Counter[str], *, threshold: int, cool_off: float, using: str | None = None
+) -> None:
+    """Count failures in a row, opening a breaker that reaches ``threshold``:
+    one upsert a destination, so that processes count together."""
+    if not failures:
+        return
+    connection = _connection(using)
+    table = _table(Breaker, connection)
+    now = timezone.now()
+    opens = _when(now + dt.timedelta(seconds=cool_off), connection)
+    sql = (
+        f"INSERT INTO {table} (key, failures, open_until, probe_token, probe_until, updated_at) "
+        "VALUES (%s, %s, CASE WHEN %s >= %s THEN %s ELSE NULL END, '', NULL, %s) "
+        "ON CONFLICT (key) DO UPDATE SET "
+        f"failures = {table}.failures + excluded.failures, "
+        f"open_until = CASE WHEN {table}.open_until IS NULL "
+        f"AND {table}.failures + excluded.failures >= %s THEN %s ELSE {table}.open_until END, "
+        "updated_at = excluded.updated_at"
+    )
+    with transaction.atomic(using=using), connection.cursor() as cursor:
+        for key, count in sorted(failures.items()):
+            cursor.execute(
+                sql, [key, count, count, threshold, opens, _when(now, connection), threshold, opens]
+            )
+
+
+def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:
+    """A success while closed starts the count again; one sent before the
+    breaker opened does not close it, as only a probe does."""
+    keys = list(keys)
+    if keys:
+        Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(
+            key__in=keys, open_until__isnull=True
+        ).delete()
+
+
+def take_probe(key: str, *, cool_off: float, using: str | None = None) -> str | None:
+    """Take the probe of a half-open breaker, in one atomic statement: the
+    token when this caller has it, None when it is not to be had."""
+    now = timezone.now()
+    token = uuid.uuid4().hex
+    taken = (
+        Breaker.objects.using(using or DEFAULT_DB_ALIAS)
+        .filter(key=key, open_until__lte=now)
+        .filter(Q(probe_until__isnull=True) | Q(probe_until__lte=now))
+        .update(
+            probe_token=token,
+            probe_until=now + dt.timedelta(seconds=cool_off),
+            # Entering recovery starts the count of failures again.
+            failures=0,
+            updated_at=now,
+        )
+    )
+    return token if taken else None
+
+
+def record_probe(
+    key: str, token: str, *, failed: bool, cool_off: float, using: str | None = None
+) -> None:
+    """A probe's outcome: success closes the breaker, failure opens it for
+    another cool-off. A probe that lost its turn changes nothing."""
+    manager = Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(key=key, probe_token=token)
+    if not failed:
+        manager.delete()
+        return
+    now = timezone.now()
+    manager.update(
+        open_until=now + dt.timedelta(seconds=cool_off),
+        probe_token="",
+        probe_until=None,
+        updated_at=now,
+    )
+
+
+def reset_breaker(key: str, *, using: str | None = None) -> int:
+    return int(Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(key=key).delete()[0])

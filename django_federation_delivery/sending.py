@@ -16,10 +16,11 @@ from urllib.parse import SplitResult, urlsplit, urlunsplit
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery import queue
+from django_federation_delivery import portable, queue
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane
+from django_federation_delivery.portable import PortableInbox
 from django_federation_delivery.signatures import body_sha256
 
 TAG_LENGTH = Batch._meta.get_field("tag").max_length or 200
@@ -70,20 +71,50 @@ def send_batch(
     using: str | None = None,
 ) -> Batch | None:
     """:func:`send`, with the options a batch may carry (see :class:`BatchOptions`)."""
+    return _queue(sender, activity, inboxes, options, portable=False, using=using)
+
+
+def send_portable(
+    sender: str,
+    activity: Mapping[str, Any],
+    inboxes: Iterable[PortableInbox],
+    options: BatchOptions | Mapping[str, Any] | None = None,
+    *,
+    using: str | None = None,
+) -> Batch | None:
+    """Queue ``activity`` for each portable inbox (FEP-ef61), once each.
+
+    Each delivery goes to the inbox at the first of its gateways that
+    accepts it, of the first five that are bare http(s) origins, tried one
+    after the other within one attempt. An inbox with no usable gateway is
+    not queued; one listed twice, differing only in its query, is sent to once.
+    """
+    return _queue(sender, activity, inboxes, options, portable=True, using=using)
+
+
+def _queue(
+    sender: str,
+    activity: Mapping[str, Any],
+    inboxes: Iterable[Any],
+    options: BatchOptions | Mapping[str, Any] | None,
+    *,
+    portable: bool,
+    using: str | None,
+) -> Batch | None:
     opts = _options(options)
     sender = _sender(sender)
     body = _body(activity)
-    targets = _inboxes(inboxes)
+    targets = _portable_inboxes(inboxes) if portable else _inboxes(inboxes)
     deadline = _deadline(opts.deadline)
     max_attempts = _max_attempts(opts.max_attempts)
     tag = _text("tag", opts.tag, TAG_LENGTH)
     ordering_key = _text("ordering_key", opts.ordering_key, ORDERING_KEY_LENGTH)
+    low_priority = _flag("low_priority", opts.low_priority)
+    synchronize = _flag("synchronize_collection", opts.synchronize_collection)
     if not targets:
         return None
-    lane = _lane(len(targets), opts.low_priority)
-    synchronize = _flag("synchronize_collection", opts.synchronize_collection)
     with transaction.atomic(using=using):
-        batch = queue.enqueue(
+        return queue.enqueue(
             Batch(
                 sender=sender,
                 body=body,
@@ -92,13 +123,12 @@ def send_batch(
                 deadline=deadline,
                 max_attempts=max_attempts,
                 ordering_key=ordering_key,
-                lane=lane,
+                lane=_lane(len(targets), low_priority),
                 synchronize_collection=synchronize,
             ),
             _interleave_hosts(targets),
             using=using,
         )
-    return batch
 
 
 def _options(options: BatchOptions | Mapping[str, Any] | None) -> BatchOptions:
@@ -172,10 +202,27 @@ def host_of(inbox: str) -> str:
     return urlsplit(inbox).hostname or ""
 
 
-def _inboxes(inboxes: Iterable[str]) -> list[str]:
+def _inboxes(inboxes: Iterable[str]) -> list[queue.Queued]:
     if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
         raise InvalidDelivery(f"inboxes must be an iterable of URLs, not {inboxes!r:.200}")
-    return list(dict.fromkeys(normalize_inbox(inbox) for inbox in inboxes))
+    unique = dict.fromkeys(normalize_inbox(inbox) for inbox in inboxes)
+    return [queue.Queued(inbox, host_of(inbox)) for inbox in unique]
+
+
+def _portable_inboxes(inboxes: Iterable[PortableInbox]) -> list[queue.Queued]:
+    if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
+        raise InvalidDelivery(f"inboxes must be an iterable of PortableInbox, not {inboxes!r:.200}")
+    queued: dict[str, queue.Queued] = {}
+    for inbox in inboxes:
+        if not isinstance(inbox, PortableInbox):
+            raise InvalidDelivery(f"a portable inbox must be a PortableInbox, not {inbox!r:.200}")
+        name = portable.canonical(inbox.inbox)
+        via = portable.targets(inbox)
+        if name in queued or not via:
+            continue
+        # The first gateway stands for the host: per-host limits and breakers.
+        queued[name] = queue.Queued(name, host_of(via[0]), tuple(via))
+    return list(queued.values())
 
 
 def _deadline(deadline: object) -> dt.datetime | None:
@@ -228,13 +275,12 @@ def _lane(inboxes: int, low_priority: object) -> str:
     return Lane.NORMAL
 
 
-def _interleave_hosts(inboxes: list[str]) -> list[tuple[str, str]]:
-    """(inbox, host) pairs, hosts taken in turn, so that the first claims of a
-    fan-out spread over many hosts instead of queueing behind one."""
-    rank: dict[str, int] = {}
+def _interleave_hosts(targets: list[queue.Queued]) -> list[queue.Queued]:
+    """Hosts taken in turn, so that the first claims of a fan-out spread over
+    many hosts instead of queueing behind one."""
+    turns: dict[str, int] = {}
     keyed = []
-    for position, inbox in enumerate(inboxes):
-        host = host_of(inbox)
-        turn = rank[host] = rank.get(host, -1) + 1
-        keyed.append((turn, position, inbox, host))
-    return [(inbox, host) for _, _, inbox, host in sorted(keyed)]
+    for position, target in enumerate(targets):
+        turn = turns[target.host] = turns.get(target.host, -1) + 1
+        keyed.append((turn, position, target))
+    return [target for _, _, target in sorted(keyed, key=lambda item: item[:2])]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
 
-from django_federation_delivery import send, send_batch
+from django_federation_delivery import PortableInbox, send, send_batch, send_portable
 from django_federation_delivery.models import Delivery, Host, Status
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
@@ -201,3 +201,50 @@ def test_a_direct_message_is_not_queued_behind_a_fan_out(
     waiting = 400 - len(crowd.received)
     runner.stop()
     assert waiting > 300, "sent while the fan-out was still draining"
+
+
+DID = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+
+
+def test_a_portable_inbox_is_delivered_through_its_first_gateway_that_accepts(
+    inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    down = inboxes("127.0.0.2", respond=lambda request: (503, {}, b""))
+    up = inboxes("127.0.0.3")
+    gateways = [down.url(""), "https://gw.example/with/path", up.url("")]
+    batch = send_portable(
+        ALICE,
+        NOTE,
+        [
+            PortableInbox(f"ap://{DID}/actor/inbox", gateways),
+            PortableInbox(f"ap://{DID}/actor/inbox?x=1", gateways),
+            PortableInbox(f"ap://{DID}/other/inbox", ["ftp://nowhere.example"]),
+        ],
+    )
+    assert batch is not None
+    row = Delivery.objects.get()
+    assert row.inbox == f"ap://{DID}/actor/inbox"
+    assert row.via == [
+        down.url(f"/.well-known/apgateway/{DID}/actor/inbox"),
+        up.url(f"/.well-known/apgateway/{DID}/actor/inbox"),
+    ]
+    assert row.host == "127.0.0.2"
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).exists())
+    runner.stop()
+    path = f"/.well-known/apgateway/{DID}/actor/inbox"
+    assert down.paths() == [path] and up.paths() == [path]
+    row.refresh_from_db()
+    assert row.attempts == 1, "the gateways were tried within one attempt"
+    assert verifies_at(up.received[0])
+
+
+def verifies_at(request: Received) -> bool:
+    from .test_deliverer import verifies
+
+    return verifies(request)
+
+
+def test_a_portable_send_with_no_usable_gateway_queues_nothing() -> None:
+    assert send_portable(ALICE, NOTE, [PortableInbox(f"ap://{DID}/inbox", ["https://x/y"])]) is None
+    assert not Delivery.objects.exists()

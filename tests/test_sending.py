@@ -184,3 +184,20 @@ def test_a_fan_out_is_queued_with_hosts_taken_in_turn() -> None:
     hosts = list(Delivery.objects.order_by("id").values_list("host", flat=True))
     assert hosts[:3] == ["a.example", "b.example", "c.example"]
     assert sorted(hosts) == sorted(h + ".example" for h in "abc" for _ in range(3))
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("inboxes", [["ap://did:key:z6Mk/inbox"], "ap://did:key:z6Mk/inbox"])
+def test_send_portable_takes_portable_inboxes_only(inboxes: object) -> None:
+    from django_federation_delivery import send_portable
+
+    with pytest.raises(InvalidDelivery, match="PortableInbox"):
+        send_portable(ALICE, NOTE, inboxes)  # type: ignore[arg-type]
+    assert nothing_written()
+
+
+def test_a_portable_inbox_that_is_not_an_ap_uri_is_refused_naming_it() -> None:
+    from django_federation_delivery import PortableInbox
+
+    with pytest.raises(InvalidDelivery, match="https://a.example/inbox"):
+        PortableInbox("https://a.example/inbox", ["https://gw.example"])
