@@ -55,8 +55,11 @@ class AttemptResult:
     #: The scheme the inbox accepted, when it accepted one.
     accepted_scheme: Scheme | None
     duration: float
-    #: How many requests it took (two when it knocked twice).
+    #: How many requests it took (two when it knocked twice; none when it
+    #: could not be signed or was held).
     requests: int = 1
+    #: Not sent, because the destination's circuit breaker is open.
+    held: bool = False
 
 
 def attempt(
@@ -70,9 +73,9 @@ def attempt(
     """Make one attempt at ``job``: each target in turn until one accepts."""
     started = clock()
     if job.key_error:
-        return _failed(job, job.key_error, permanent=False)
+        return _failed(job, job.key_error, permanent=False, requests=0)
     if job.key is None:
-        return _failed(job, f"no key for sender {job.sender}", permanent=True)
+        return _failed(job, f"no key for sender {job.sender}", permanent=True, requests=0)
     last: AttemptResult | None = None
     requests = 0
     for target in job.targets:
@@ -146,7 +149,14 @@ def _post(
     )
 
 
-def _failed(job: Job, error: str, *, permanent: bool) -> AttemptResult:
+def held(job: Job, error: str, retry_after: float) -> AttemptResult:
+    """A delivery held back, without a request, by an open circuit breaker."""
+    return dataclasses.replace(
+        _failed(job, error, permanent=False, requests=0), retry_after=retry_after, held=True
+    )
+
+
+def _failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> AttemptResult:
     """An attempt that got no answer from the inbox."""
     return AttemptResult(
         job=job,
@@ -157,6 +167,7 @@ def _failed(job: Job, error: str, *, permanent: bool) -> AttemptResult:
         retry_after=None,
         accepted_scheme=None,
         duration=0.0,
+        requests=requests,
     )
 
 

@@ -15,6 +15,7 @@ query. The database side is in ``queue.py``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as dt
 import enum
@@ -69,12 +70,6 @@ def admit(state: State | None, now: dt.datetime) -> tuple[Decision, float]:
     return Decision.PROBE, 0.0
 
 
-def counts_as_failure(status: int | None, permanent: bool) -> bool:
-    """A 5xx, 408, 429 or no answer counts; an answer that will not change is
-    the server working."""
-    return not permanent
-
-
 class BreakerView:
     """The breakers the database holds, as of the last refresh."""
 
@@ -98,3 +93,88 @@ class BreakerView:
 
     def __len__(self) -> int:
         return len(self._states)
+
+
+class Breakers:
+    """The coordinator's breakers: admission answered from memory, outcomes
+    written to the database a batch at a time.
+
+    The database is the truth every process shares; this view of it is
+    refreshed about once a second, and updated at once with what this process
+    learns, so that it holds back a failing destination without waiting.
+    """
+
+    def __init__(self, settings: BreakerSettings, *, using: str | None = None) -> None:
+        self.settings = settings
+        self.using = using
+        self.view = BreakerView()
+        self._failures: collections.Counter[str] = collections.Counter()
+        self._successes: set[str] = set()
+        self._probes: list[tuple[str, str, bool]] = []
+
+    def refresh(self) -> None:
+        from django_federation_delivery import queue
+
+        forget = max(2 * self.settings.cool_off, 600.0)
+        self.view.refresh(queue.breakers(forget_after=forget, using=self.using))
+
+    def admit(self, key: str, now: dt.datetime) -> tuple[Decision, str, float]:
+        """(decision, probe token, seconds to hold). Taking the probe is one
+        atomic statement in the database: one probe among all processes."""
+        from django_federation_delivery import queue
+
+        decision, held = admit(self.view.get(key), now)
+        if decision is not Decision.PROBE:
+            return decision, "", held
+        cool_off = self.settings.cool_off
+        token = queue.take_probe(key, cool_off=cool_off, using=self.using)
+        state = self.view.get(key)
+        until = now + dt.timedelta(seconds=cool_off)
+        self.view.set(key, State(0, state.open_until if state else now, until))
+        if token is None:
+            return Decision.HOLD, "", cool_off
+        return Decision.PROBE, token, 0.0
+
+    def record(self, key: str, *, failed: bool, probe: str, now: dt.datetime) -> None:
+        """Note how a delivery that was let through went."""
+        state = self.view.get(key)
+        if probe:
+            self._probes.append((key, probe, failed))
+            reopened = State(0, now + dt.timedelta(seconds=self.settings.cool_off), None)
+            self.view.set(key, reopened if failed else None)
+        elif failed:
+            self._failures[key] += 1
+            failures = (state.failures if state else 0) + 1
+            open_until = state.open_until if state else None
+            if open_until is None and failures >= self.settings.threshold:
+                open_until = now + dt.timedelta(seconds=self.settings.cool_off)
+            self.view.set(key, State(failures, open_until, state.probe_until if state else None))
+        elif state is not None and state.open_until is None:
+            # The healthy path writes only when there was a count to forget.
+            self._successes.add(key)
+            self.view.set(key, None)
+
+    def flush(self) -> int:
+        """Write what was noted; kept for the next flush if this one fails."""
+        from django_federation_delivery import queue
+
+        written = len(self._failures) + len(self._successes) + len(self._probes)
+        if not written:
+            return 0
+        settings = self.settings
+        queue.record_failures(
+            self._failures,
+            threshold=settings.threshold,
+            cool_off=settings.cool_off,
+            using=self.using,
+        )
+        self._failures = collections.Counter()
+        queue.record_successes(self._successes, using=self.using)
+        self._successes = set()
+        while self._probes:
+            key, token, failed = self._probes[0]
+            queue.record_probe(
+                key, token, failed=failed, cool_off=settings.cool_off, using=self.using
+            )
+            self._probes.pop(0)
+        return written

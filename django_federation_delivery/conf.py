@@ -65,6 +65,9 @@ DEFAULTS: dict[str, Any] = {
     # and how often it looks for new work queued by another process.
     "IDLE_POLL_SECONDS": 30.0,
     "NEW_WORK_POLL_SECONDS": 0.5,
+    # Circuit breakers: THRESHOLD failures in a row open one for COOL_OFF
+    # seconds, then one probe at a time; SCOPE "host" or "inbox". None: off.
+    "BREAKER": {"THRESHOLD": 10, "COOL_OFF": 60.0, "SCOPE": "host"},
     # The wire.
     "CONNECT_TIMEOUT": 10.0,
     "ATTEMPT_TIMEOUT": 30.0,

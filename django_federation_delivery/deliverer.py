@@ -24,7 +24,8 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, connectio
 from django.utils import timezone
 
 from django_federation_delivery import queue, signals, wakeup
-from django_federation_delivery.attempt import AttemptResult, Job, attempt, permanent_status
+from django_federation_delivery.attempt import AttemptResult, Job, attempt, held, permanent_status
+from django_federation_delivery.breakers import Breakers, BreakerSettings, Decision, Scope
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.models import Batch, Status
@@ -49,6 +50,8 @@ class Summary:
     refused: int = 0
     failed: int = 0
     skipped: int = 0
+    #: Held back without a request: an open breaker, or a paused host.
+    held: int = 0
     attempts: int = 0
     started: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -64,7 +67,8 @@ class Summary:
     def line(self) -> str:
         return (
             f"delivered {self.delivered}, retrying {self.retrying}, refused {self.refused}, "
-            f"failed {self.failed}, skipped {self.skipped} in {self.elapsed:.1f}s "
+            f"failed {self.failed}, skipped {self.skipped}, held {self.held} "
+            f"in {self.elapsed:.1f}s "
             f"({self.rate:.1f}/s)"
         )
 
@@ -104,6 +108,9 @@ class _InFlight:
     claimed: queue.Claimed
     batch: _BatchInfo
     job: Job
+    #: The destination's breaker, and the probe this delivery holds, if any.
+    breaker: str = ""
+    probe: str = ""
 
 
 class Deliverer:
@@ -149,6 +156,21 @@ class Deliverer:
             idle_timeout=float(get("IDLE_CONNECTION_SECONDS")),
             verify_tls=bool(get("VERIFY_TLS")),
         )
+        breaker = get("BREAKER")
+        self.breakers = (
+            Breakers(
+                BreakerSettings(
+                    threshold=int(breaker["THRESHOLD"]),
+                    cool_off=float(breaker["COOL_OFF"]),
+                    scope=Scope(breaker["SCOPE"]),
+                ),
+                using=using,
+            )
+            if breaker
+            else None
+        )
+        self._paused: frozenset[str] = frozenset()
+        self._view_read = -1.0
         self.on_progress = on_progress
         self.progress_interval = progress_interval
         self.summary = Summary()
@@ -197,6 +219,7 @@ class Deliverer:
         next_progress = time.monotonic() + self.progress_interval
         try:
             while True:
+                self._refresh_view()
                 self._settle_finished()
                 if self.stopping and not self._in_flight and not self._unwritten:
                     break
@@ -353,7 +376,20 @@ class Deliverer:
                 continue
             if self._skipped(row, batch):
                 continue
+            if row.host in self._paused:
+                self._hold_paused(row)
+                continue
             item = _InFlight(claimed=row, batch=batch, job=self._job(row, batch))
+            if self.breakers is not None:
+                item.breaker = self.breakers.settings.key(row.host, row.inbox)
+                admitted = self._db(self.breakers.admit, item.breaker, now)
+                decision, item.probe, hold_for = admitted or (Decision.HOLD, "", 5.0)
+                if decision is Decision.HOLD:
+                    error = f"held: the circuit breaker for {item.breaker} is open"
+                    self._unwritten.append(
+                        self._outcome(row, batch, held(item.job, error, hold_for))
+                    )
+                    continue
             self._in_flight[row.id] = item
             if self._host_busy[row.host] < self.per_host:
                 self._host_busy[row.host] += 1
@@ -398,7 +434,14 @@ class Deliverer:
                 item, result = self._results.get_nowait()
             except threadqueue.Empty:
                 break
-            settlements.append(self._outcome(item, result))
+            settlements.append(self._outcome(item.claimed, item.batch, result))
+            if self.breakers is not None and item.breaker and result.requests:
+                self.breakers.record(
+                    item.breaker,
+                    failed=not result.delivered and not result.permanent,
+                    probe=item.probe,
+                    now=timezone.now(),
+                )
             self._release_slot(item.claimed.host)
             del self._in_flight[item.claimed.id]
         if not settlements:
@@ -407,6 +450,8 @@ class Deliverer:
         written = self._db(
             queue.settle, settlements, on_finished=self._batches_finished, using=self.using
         )
+        if written is not None and self.breakers is not None:
+            self._db(self.breakers.flush)
         if written is not None and self._learned:
             learned, self._learned = self._learned, {}
             if self._db(queue.remember_schemes, learned, using=self.using) is None:
@@ -450,9 +495,10 @@ class Deliverer:
             if self._host_busy[host] <= 0:
                 del self._host_busy[host]
 
-    def _outcome(self, item: _InFlight, result: AttemptResult) -> queue.Settlement:
+    def _outcome(
+        self, row: queue.Claimed, batch: _BatchInfo, result: AttemptResult
+    ) -> queue.Settlement:
         """Decide what comes of an attempt, send the signals, and say what to write."""
-        row, batch = item.claimed, item.batch
         attempts = row.attempts + 1
         self.summary.attempts += 1
         now = timezone.now()
@@ -482,8 +528,12 @@ class Deliverer:
         if batch.deadline is not None and due >= batch.deadline:
             error = f"the batch's deadline passed: {result.error}"
             return self._fail(row, batch, result, attempts, now, error, deadline=True)
-        self._attempted(row, batch, result, "retrying")
-        self.summary.retrying += 1
+        if result.held:
+            self._attempted(row, batch, result, "held")
+            self.summary.held += 1
+        else:
+            self._attempted(row, batch, result, "retrying")
+            self.summary.retrying += 1
         return queue.Settlement(
             claimed=row,
             status=Status.PENDING,
@@ -635,6 +685,24 @@ class Deliverer:
             queue.Settlement(claimed=row, status=Status.SKIPPED, attempts=row.attempts)
         )
         return True
+
+    def _refresh_view(self) -> None:
+        """Re-read the breakers and the paused hosts, about once a second."""
+        if time.monotonic() - self._view_read < 1.0:
+            return
+        self._view_read = time.monotonic()
+        if self.breakers is not None:
+            self._db(self.breakers.refresh)
+        paused = self._db(queue.paused_hosts, using=self.using)
+        if isinstance(paused, set):
+            self._paused = frozenset(paused)
+
+    def _hold_paused(self, row: queue.Claimed) -> None:
+        """A paused host's delivery waits, unsent and not failed, for its resumption."""
+        self.summary.held += 1
+        self._unwritten.append(
+            queue.Settlement(claimed=row, status=Status.PENDING, attempts=row.attempts, due_at=None)
+        )
 
     def _give_up_unsent(self, row: queue.Claimed, batch: _BatchInfo, error: str) -> None:
         self._failed_signal(row, batch, None, error, deadline=True, refused=False)

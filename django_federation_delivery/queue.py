@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
-from django.db.models import Min, Q
+from django.db.models import F, Min, Q
 from django.utils import timezone
 
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
@@ -99,6 +99,7 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
     # Written first: on SQLite the write lock is taken before anything is read.
     batch.save(using=alias)
     waits_on = _last_of_sequences(batch, inboxes, alias)
+    paused = _paused_among({queued.host for queued in inboxes}, alias)
     Delivery.objects.using(alias).bulk_create(
         (
             Delivery(
@@ -109,8 +110,9 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
                 lane=batch.lane,
                 sequence=sequence_of(batch.ordering_key, inbox),
                 after_id=waits_on.get(inbox),
-                # One that waits on another has no due time until that settles.
-                due_at=None if inbox in waits_on else now,
+                # One that waits on another has no due time until that
+                # settles; one to a paused host, until the host is resumed.
+                due_at=None if inbox in waits_on or host in paused else now,
             )
             for inbox, host, via in inboxes
         ),
@@ -130,6 +132,17 @@ def sequence_of(ordering_key: str, inbox: str) -> str:
     if not ordering_key:
         return ""
     return hashlib.sha256(f"{ordering_key}\n{inbox}".encode()).hexdigest()
+
+
+def _paused_among(hosts: set[str], alias: str) -> set[str]:
+    manager = Host.objects.using(alias).filter(paused_at__isnull=False)
+    found: set[str] = set()
+    names = sorted(hosts)
+    for start in range(0, len(names), 500):
+        found.update(
+            manager.filter(name__in=names[start : start + 500]).values_list("name", flat=True)
+        )
+    return found
 
 
 def _last_of_sequences(batch: Batch, inboxes: Sequence[Queued], alias: str) -> dict[str, int]:
@@ -451,3 +464,105 @@ def record_probe(
 
 def reset_breaker(key: str, *, using: str | None = None) -> int:
     return int(Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(key=key).delete()[0])
+
+
+# Hosts an operator paused.
+
+
+def paused_hosts(*, using: str | None = None) -> set[str]:
+    manager = Host.objects.using(using or DEFAULT_DB_ALIAS)
+    return set(manager.filter(paused_at__isnull=False).values_list("name", flat=True))
+
+
+def pause_host(host: str, *, using: str | None = None) -> int:
+    """Hold a host's deliveries, unsent and not failed: they have no due time
+    until :func:`resume_host`. Returns how many were held now; those in
+    flight finish, and any retry of theirs is held when it comes due."""
+    alias = using or DEFAULT_DB_ALIAS
+    with transaction.atomic(using=alias):
+        Host.objects.using(alias).update_or_create(
+            name=host, defaults={"paused_at": timezone.now()}
+        )
+        return int(
+            Delivery.objects.using(alias)
+            .filter(host=host, status=Status.PENDING, lease_token__isnull=True)
+            .exclude(due_at__isnull=True)
+            .update(due_at=None)
+        )
+
+
+def resume_host(host: str, *, using: str | None = None) -> int:
+    """Make a paused host's held deliveries due now. Returns how many."""
+    alias = using or DEFAULT_DB_ALIAS
+    now = timezone.now()
+    with transaction.atomic(using=alias):
+        Host.objects.using(alias).filter(name=host).update(paused_at=None, updated_at=now)
+        released = (
+            Delivery.objects.using(alias)
+            .filter(host=host, status=Status.PENDING, due_at__isnull=True, after__isnull=True)
+            .update(due_at=now)
+        )
+    transaction.on_commit(_wake, using=alias)
+    return int(released)
+
+
+def _wake() -> None:
+    from django_federation_delivery import wakeup
+
+    wakeup.notify_local()
+
+
+def give_up_rows(
+    ids: Sequence[int],
+    reason: str,
+    *,
+    on_finished: Callable[[list[Batch]], None] | None = None,
+    using: str | None = None,
+) -> list[int]:
+    """Fail pending deliveries for good, whoever holds them: a holder's late
+    outcome is fenced out, as its token is gone. Returns the ids failed."""
+    alias = using or DEFAULT_DB_ALIAS
+    now = timezone.now()
+    manager = Delivery.objects.using(alias)
+    with transaction.atomic(using=alias):
+        rows = list(
+            manager.select_for_update()
+            .filter(id__in=list(ids), status=Status.PENDING)
+            .values_list("id", "batch_id")
+        )
+        failed = [id for id, _ in rows]
+        manager.filter(id__in=failed).update(
+            status=Status.FAILED,
+            due_at=None,
+            lease_token=None,
+            settled_at=now,
+            last_error=reason,
+        )
+        _release_next(failed, now, alias)
+        finished = _count_down(Counter(batch_id for _, batch_id in rows), now, alias)
+        if finished and on_finished is not None:
+            on_finished(finished)
+    return failed
+
+
+def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
+    """Put settled deliveries back in the queue, due now; their attempts so far
+    are kept. Returns how many."""
+    alias = using or DEFAULT_DB_ALIAS
+    now = timezone.now()
+    manager = Delivery.objects.using(alias)
+    with transaction.atomic(using=alias):
+        rows = list(
+            manager.select_for_update()
+            .filter(id__in=list(ids), status__in=list(FINAL - {Status.DELIVERED}))
+            .values_list("id", "batch_id")
+        )
+        manager.filter(id__in=[id for id, _ in rows]).update(
+            status=Status.PENDING, due_at=now, lease_token=None, settled_at=None
+        )
+        for batch_id, count in Counter(batch_id for _, batch_id in rows).items():
+            Batch.objects.using(alias).filter(id=batch_id).update(
+                remaining=F("remaining") + count, finished_at=None
+            )
+    transaction.on_commit(_wake, using=alias)
+    return len(rows)

@@ -1,0 +1,82 @@
+"""An operator's controls: pause, resume, give up, requeue, reset.
+
+The admin's actions call these, as a host project's code may: each sends the
+signals a delivery leaving the queue sends, and returns how many rows it
+changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from django.db.models import QuerySet
+
+from django_federation_delivery import queue, signals
+from django_federation_delivery.models import Batch, Delivery, Status
+
+__all__ = ["give_up", "give_up_host", "pause_host", "requeue", "reset_breaker", "resume_host"]
+
+CHUNK = 500
+
+
+def pause_host(host: str) -> int:
+    """Hold every delivery to ``host``, unsent and not failed, until
+    :func:`resume_host`. Returns how many were held."""
+    return queue.pause_host(host)
+
+
+def resume_host(host: str) -> int:
+    """Make a paused host's held deliveries due now. Returns how many."""
+    return queue.resume_host(host)
+
+
+def reset_breaker(key: str) -> int:
+    """Forget a breaker (a host, or an inbox): closed, its count at nought."""
+    return queue.reset_breaker(key)
+
+
+def give_up_host(host: str, reason: str = "given up by an operator") -> int:
+    """Fail every pending delivery to ``host`` at once, as for a server that is gone."""
+    return give_up(Delivery.objects.filter(host=host, status=Status.PENDING), reason)
+
+
+def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operator") -> int:
+    """Fail the pending ones of ``deliveries`` for good, telling
+    ``delivery_failed`` receivers first. Returns how many."""
+    ids = list(deliveries.filter(status=Status.PENDING).values_list("id", flat=True))
+    failed = 0
+    for start in range(0, len(ids), CHUNK):
+        chunk = Delivery.objects.filter(id__in=ids[start : start + CHUNK]).select_related("batch")
+        for delivery in chunk:
+            signals.send_safely(
+                signals.delivery_failed,
+                failure=signals.Failure(
+                    delivery_id=delivery.id,
+                    batch_id=delivery.batch_id,
+                    inbox=delivery.inbox,
+                    sender=delivery.batch.sender,
+                    tag=delivery.batch.tag,
+                    status=delivery.last_status,
+                    error=reason,
+                    deadline=False,
+                    refused=False,
+                ),
+            )
+        failed += len(
+            queue.give_up_rows([delivery.id for delivery in chunk], reason, on_finished=_finished)
+        )
+    return failed
+
+
+def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
+    """Put failed, refused or skipped deliveries back in the queue, due now;
+    their attempts so far are kept. Others are left alone. Returns how many."""
+    ids = [delivery.id for delivery in deliveries]
+    return sum(
+        queue.requeue_rows(ids[start : start + CHUNK]) for start in range(0, len(ids), CHUNK)
+    )
+
+
+def _finished(batches: list[Batch]) -> None:
+    for batch in batches:
+        signals.send_safely(signals.batch_finished, batch=batch)
