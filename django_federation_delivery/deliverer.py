@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 #: so that what another process learnt reaches this one.
 SCHEME_TTL = 60.0
 SCHEMES = frozenset(scheme.value for scheme in Scheme)
+#: How soon a delivery to a paused host that was not held by the pause
+#: itself is looked at again.
+PAUSED_RECHECK = 5.0
 
 
 @dataclasses.dataclass
@@ -365,7 +368,13 @@ class Deliverer:
             self._batches.update(
                 {id: _BatchInfo.of(batch, parse=parse) for id, batch in found.items()}
             )
-        self._read_schemes({row.host for row in claimed})
+        hosts = {row.host for row in claimed}
+        self._read_schemes(hosts)
+        if hosts & self._paused:
+            # Not a second old, but a host may have been resumed since.
+            paused = self._db(queue.paused_hosts, using=self.using)
+            if isinstance(paused, set):
+                self._paused = frozenset(paused)
         now = timezone.now()
         for row in claimed:
             if row.id in self._in_flight:
@@ -698,10 +707,17 @@ class Deliverer:
             self._paused = frozenset(paused)
 
     def _hold_paused(self, row: queue.Claimed) -> None:
-        """A paused host's delivery waits, unsent and not failed, for its resumption."""
+        """A paused host's delivery waits, unsent and not failed. Pausing took
+        the due time of what was queued; this one (in flight then, or queued
+        since) is looked at again shortly, as the host may be resumed by then."""
         self.summary.held += 1
         self._unwritten.append(
-            queue.Settlement(claimed=row, status=Status.PENDING, attempts=row.attempts, due_at=None)
+            queue.Settlement(
+                claimed=row,
+                status=Status.PENDING,
+                attempts=row.attempts,
+                due_at=timezone.now() + dt.timedelta(seconds=PAUSED_RECHECK),
+            )
         )
 
     def _give_up_unsent(self, row: queue.Claimed, batch: _BatchInfo, error: str) -> None:

@@ -1,0 +1,229 @@
+"""Circuit breakers: the decisions in memory, the shared state in the database."""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import connections
+from django.utils import timezone
+
+from django_federation_delivery import queue, send
+from django_federation_delivery.breakers import (
+    Breakers,
+    BreakerSettings,
+    Decision,
+    Scope,
+    State,
+    admit,
+)
+from django_federation_delivery.models import Breaker, Delivery, Status
+
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .keys import ALICE
+
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+SECOND = dt.timedelta(seconds=1)
+SETTINGS = BreakerSettings(threshold=2, cool_off=60.0)
+
+
+def test_a_destination_with_no_row_passes() -> None:
+    assert admit(None, NOW) == (Decision.PASS, 0.0)
+    assert admit(State(5, None, None), NOW) == (Decision.PASS, 0.0)
+
+
+def test_an_open_breaker_holds_until_its_cool_off_ends_then_offers_a_probe() -> None:
+    state = State(0, NOW + 30 * SECOND, None)
+    assert admit(state, NOW) == (Decision.HOLD, 30.0)
+    assert admit(state, NOW + 30 * SECOND)[0] is Decision.PROBE
+
+
+def test_others_are_held_while_a_probe_is_under_way_and_not_after_it_lapses() -> None:
+    probing = State(0, NOW - SECOND, NOW + 60 * SECOND)
+    assert admit(probing, NOW)[0] is Decision.HOLD
+    assert admit(probing, NOW + 61 * SECOND)[0] is Decision.PROBE, "a silent probe is given up"
+
+
+def test_the_scope_picks_the_key() -> None:
+    assert BreakerSettings(scope=Scope.HOST).key("a.example", "https://a.example/i") == "a.example"
+    assert BreakerSettings(scope=Scope.INBOX).key("a.example", "https://a.example/i") == (
+        "https://a.example/i"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+class TestTheDatabaseSide:
+    def breakers(self) -> Breakers:
+        breakers = Breakers(SETTINGS)
+        breakers.refresh()
+        return breakers
+
+    def fail(self, breakers: Breakers, times: int = 1) -> None:
+        for _ in range(times):
+            breakers.record("a.example", failed=True, probe="", now=timezone.now())
+        breakers.flush()
+
+    def test_failures_in_a_row_open_it_and_a_success_while_closed_starts_again(self) -> None:
+        breakers = self.breakers()
+        self.fail(breakers)
+        breakers.record("a.example", failed=False, probe="", now=timezone.now())
+        breakers.flush()
+        assert not Breaker.objects.exists(), "a success forgets the count"
+        self.fail(breakers)
+        assert Breaker.objects.get().open_until is None
+        self.fail(breakers)
+        assert Breaker.objects.get().open_until is not None
+        assert breakers.admit("a.example", timezone.now())[0] is Decision.HOLD
+
+    def test_a_success_sent_before_it_opened_does_not_close_it(self) -> None:
+        breakers = self.breakers()
+        self.fail(breakers, 2)
+        breakers.record("a.example", failed=False, probe="", now=timezone.now())
+        breakers.flush()
+        assert Breaker.objects.get().open_until is not None
+
+    def test_two_processes_count_failures_together(self) -> None:
+        one, other = self.breakers(), self.breakers()
+        self.fail(one)
+        self.fail(other)
+        assert Breaker.objects.get().open_until is not None
+        one.refresh()
+        assert one.admit("a.example", timezone.now())[0] is Decision.HOLD
+
+    def test_one_probe_at_a_time_among_all_then_its_outcome_decides(self) -> None:
+        self.fail(self.breakers(), 2)
+        Breaker.objects.update(open_until=timezone.now() - SECOND)
+        contenders = [self.breakers() for _ in range(4)]
+        decisions = [b.admit("a.example", timezone.now()) for b in contenders]
+        probes = [d for d in decisions if d[0] is Decision.PROBE]
+        assert len(probes) == 1
+        winner = contenders[[d[0] for d in decisions].index(Decision.PROBE)]
+        winner.record("a.example", failed=True, probe=probes[0][1], now=timezone.now())
+        winner.flush()
+        row = Breaker.objects.get()
+        assert row.open_until is not None and row.open_until > timezone.now() + 50 * SECOND
+        assert row.probe_token == ""
+        Breaker.objects.update(open_until=timezone.now() - SECOND)
+        again = self.breakers()
+        decision, token, _ = again.admit("a.example", timezone.now())
+        assert decision is Decision.PROBE
+        again.record("a.example", failed=False, probe=token, now=timezone.now())
+        again.flush()
+        assert not Breaker.objects.exists(), "a successful probe closes it"
+
+    def test_probes_taken_concurrently_by_threads_go_to_one(self) -> None:
+        self.fail(self.breakers(), 2)
+        Breaker.objects.update(open_until=timezone.now() - SECOND)
+        tokens: list[str | None] = []
+        barrier = threading.Barrier(6)
+
+        def take() -> None:
+            try:
+                barrier.wait()
+                tokens.append(queue.take_probe("a.example", cool_off=60))
+            finally:
+                connections.close_all()
+
+        threads = [threading.Thread(target=take) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len([t for t in tokens if t]) == 1
+
+    def test_closed_rows_nothing_touched_for_a_while_are_forgotten(self) -> None:
+        self.fail(self.breakers())
+        Breaker.objects.update(updated_at=timezone.now() - dt.timedelta(hours=1))
+        assert queue.breakers(forget_after=600) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failing_host_is_held_after_the_threshold_and_probed_after_the_cool_off(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 3, "COOL_OFF": 1.0, "SCOPE": "host"},
+        "RETRY": {"BASE": 0.2, "CAP": 0.2, "ATTEMPTS": 50, "JITTER": 0},
+    }
+    healthy = {"now": False}
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return (202, {}, b"") if healthy["now"] else (503, {}, b"")
+
+    down = inboxes("127.0.0.2", respond=respond)
+    send(ALICE, {"type": "Note"}, [down.url(f"/{n}") for n in range(20)])
+    runner = start_deliverer(concurrency=4, per_host=4)
+    wait_until(lambda: Breaker.objects.filter(open_until__isnull=False).exists())
+    requests_when_opened = len(down.received)
+    wait_until(lambda: runner.deliverer.summary.held >= 20)
+    assert len(down.received) <= requests_when_opened + 2, "held, not sent"
+    healthy["now"] = True
+    wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists(), timeout=30)
+    runner.stop()
+    assert not Breaker.objects.exists(), "closed by a probe's success"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_paused_host_is_held_not_failed_until_resumed(
+    inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    from django_federation_delivery.controls import pause_host, resume_host
+
+    sink = inboxes("127.0.0.2")
+    other = inboxes("127.0.0.3")
+    assert pause_host("127.0.0.2") == 0
+    send(ALICE, {"type": "Note"}, [sink.url("/a"), other.url("/b")])
+    runner = start_deliverer()
+    wait_until(lambda: len(other.received) == 1)
+    paused = Delivery.objects.get(host="127.0.0.2")
+    assert (paused.status, paused.due_at, paused.attempts) == (Status.PENDING, None, 0)
+    assert sink.received == []
+    assert resume_host("127.0.0.2") == 1
+    wait_until(lambda: len(sink.received) == 1, timeout=5)
+    runner.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_giving_up_a_host_fails_its_pending_deliveries_and_tells_receivers() -> None:
+    from django_federation_delivery import signals
+    from django_federation_delivery.controls import give_up, give_up_host, requeue
+
+    batch = send(
+        ALICE,
+        {"type": "Note"},
+        ["https://gone.example/a", "https://gone.example/b", "https://fine.example/c"],
+    )
+    failures: list[Any] = []
+    finished: list[int] = []
+
+    def failed(sender: Any, failure: Any, **kwargs: Any) -> None:
+        failures.append(failure)
+
+    def done(sender: Any, batch: Any, **kwargs: Any) -> None:
+        finished.append(batch.id)
+
+    signals.delivery_failed.connect(failed, weak=False)
+    signals.batch_finished.connect(done, weak=False)
+    try:
+        assert give_up_host("gone.example") == 2
+        counts = collections.Counter(Delivery.objects.values_list("host", "status"))
+        assert counts == {("gone.example", "failed"): 2, ("fine.example", "pending"): 1}
+        assert {f.inbox for f in failures} == {"https://gone.example/a", "https://gone.example/b"}
+        assert finished == []
+        assert requeue(Delivery.objects.filter(host="gone.example")) == 2
+        assert batch is not None
+        batch.refresh_from_db()
+        assert batch.remaining == 3
+        assert give_up_host("gone.example") == 2
+        give_up(Delivery.objects.filter(host="fine.example"))
+        assert finished == [batch.id]
+    finally:
+        signals.delivery_failed.disconnect(failed)
+        signals.batch_finished.disconnect(done)
