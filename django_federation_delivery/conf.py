@@ -61,6 +61,11 @@ DEFAULTS: dict[str, Any] = {
     # Deliveries in flight at once, in all and to one host.
     "CONCURRENCY": 16,
     "PER_HOST": 2,
+    # A delivery in flight this long gives its slot up to the next, so that
+    # silent servers hold threads, not slots; at most SLOW_CONCURRENCY of
+    # them at once beyond CONCURRENCY.
+    "SLOW_AFTER_SECONDS": 2.0,
+    "SLOW_CONCURRENCY": 32,
     # The longest the loop sleeps with nothing due (jittered by a quarter),
     # and how often it looks for new work queued by another process.
     "IDLE_POLL_SECONDS": 30.0,

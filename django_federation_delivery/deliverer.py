@@ -114,6 +114,9 @@ class _InFlight:
     #: The destination's breaker, and the probe this delivery holds, if any.
     breaker: str = ""
     probe: str = ""
+    #: When a worker was given it (``time.monotonic()``); 0 while it waits
+    #: for a free slot on its host.
+    started: float = 0.0
 
 
 class Deliverer:
@@ -134,6 +137,8 @@ class Deliverer:
         get = app_settings.get
         self.concurrency = max(1, int(concurrency or get("CONCURRENCY")))
         self.per_host = max(1, int(per_host or get("PER_HOST")))
+        self.slow_after = float(get("SLOW_AFTER_SECONDS"))
+        self.slow_concurrency = max(0, int(get("SLOW_CONCURRENCY")))
         self.claim_size = max(1, int(claim_size or get("CLAIM_SIZE")))
         self.lease = float(lease or get("LEASE_SECONDS"))
         self.using = using
@@ -237,7 +242,8 @@ class Deliverer:
                 if self._unwritten:
                     continue  # written at once (a failing database is waited out there)
                 if busy or not self._dry:
-                    self._wait(1.0)  # woken by the next result
+                    # Woken by the next result, or when one in flight turns slow.
+                    self._wait(self._until_next_slow())
                 else:
                     self._idle(listening=listener is not None)
         finally:
@@ -254,7 +260,7 @@ class Deliverer:
     # Workers: one attempt at a time each, never the database.
 
     def _start_workers(self) -> None:
-        for number in range(self.concurrency):
+        for number in range(self.concurrency + self.slow_concurrency):
             worker = threading.Thread(
                 target=self._work, name=f"federation-delivery-{number}", daemon=True
             )
@@ -332,8 +338,12 @@ class Deliverer:
         self._dry = False
 
     def _claim_more(self) -> None:
-        busy = len(self._in_flight)
-        free = self.concurrency - busy
+        # A delivery in flight for longer than SLOW_AFTER_SECONDS gives its
+        # slot up to the next: a silent server holds a thread, not a slot.
+        slow = self._slow_count()
+        busy = len(self._in_flight) - slow
+        room = self.concurrency + self.slow_concurrency - len(self._in_flight)
+        free = min(self.concurrency - busy, room)
         backlog = sum(len(jobs) for jobs in self._backlog.values())
         refill = max(1, self.concurrency // 4)
         if free <= 0 or backlog >= self.concurrency or (busy and free < refill and not self._dry):
@@ -402,7 +412,7 @@ class Deliverer:
             self._in_flight[row.id] = item
             if self._host_busy[row.host] < self.per_host:
                 self._host_busy[row.host] += 1
-                self._jobs.put(item)
+                self._dispatch(item)
             else:
                 self._backlog.setdefault(row.host, collections.deque()).append(item)
 
@@ -493,10 +503,24 @@ class Deliverer:
             scheme = found.get(host)
             self._schemes[host] = (now, Scheme(scheme) if scheme in SCHEMES else None)
 
+    def _dispatch(self, item: _InFlight) -> None:
+        item.started = time.monotonic()
+        self._jobs.put(item)
+
+    def _slow_count(self) -> int:
+        cutoff = time.monotonic() - self.slow_after
+        return sum(1 for item in self._in_flight.values() if 0 < item.started <= cutoff)
+
+    def _until_next_slow(self) -> float:
+        """Seconds until the next delivery in flight turns slow (at most 1)."""
+        cutoff = time.monotonic() - self.slow_after
+        fast = [item.started - cutoff for item in self._in_flight.values() if item.started > cutoff]
+        return max(0.01, min([1.0, *fast]))
+
     def _release_slot(self, host: str) -> None:
         backlog = self._backlog.get(host)
         if backlog:
-            self._jobs.put(backlog.popleft())
+            self._dispatch(backlog.popleft())
             if not backlog:
                 del self._backlog[host]
         else:

@@ -426,3 +426,26 @@ def test_signals_are_sent_before_the_row_leaves_the_queue(
         signals.delivery_settled.disconnect(look)
     assert seen == [Status.PENDING]
     assert status_of(batch) == [Status.DELIVERED]
+
+
+def test_a_silent_server_holds_threads_not_the_slots_of_others(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SLOW_AFTER_SECONDS": 0.2,
+        "SLOW_CONCURRENCY": 4,
+    }
+    silent = inboxes("127.0.0.2", delay=4)
+    fast = inboxes("127.0.0.3")
+    send(ALICE, NOTE, [silent.url(f"/{n}") for n in range(2)])
+    runner = start_deliverer(concurrency=2, per_host=2)
+    wait_until(lambda: len(silent.received) == 2)
+    send(ALICE, NOTE, [fast.url(f"/{n}") for n in range(10)])
+    wait_until(lambda: len(fast.received) == 10, timeout=3)
+    assert Delivery.objects.filter(host="127.0.0.2", status=Status.PENDING).count() == 2, (
+        "all sent while the silent server still held its two"
+    )
+    runner.stop()
