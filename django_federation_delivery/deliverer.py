@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime as dt
-import json
 import logging
 import queue as threadqueue
 import threading
@@ -28,8 +27,9 @@ from django_federation_delivery.attempt import AttemptResult, Job, attempt, held
 from django_federation_delivery.breakers import Breakers, BreakerSettings, Decision, Scope
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.keys import KeyCache
-from django_federation_delivery.models import Batch, Status
-from django_federation_delivery.retry import RetryPolicy, jitter, wait_before_retry
+from django_federation_delivery.models import Batch
+from django_federation_delivery.retry import RetryPolicy, jitter
+from django_federation_delivery.settling import BatchInfo, Settler, Summary, ask
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.transport import Transport, TransportSettings
 
@@ -39,77 +39,12 @@ logger = logging.getLogger(__name__)
 #: so that what another process learnt reaches this one.
 SCHEME_TTL = 60.0
 SCHEMES = frozenset(scheme.value for scheme in Scheme)
-#: How soon a delivery to a paused host that was not held by the pause
-#: itself is looked at again.
-PAUSED_RECHECK = 5.0
-
-
-@dataclasses.dataclass
-class Summary:
-    """What a run did, counted as it goes."""
-
-    delivered: int = 0
-    retrying: int = 0
-    refused: int = 0
-    failed: int = 0
-    skipped: int = 0
-    #: Held back without a request: an open breaker, or a paused host.
-    held: int = 0
-    attempts: int = 0
-    started: float = dataclasses.field(default_factory=time.monotonic)
-
-    @property
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-    @property
-    def rate(self) -> float:
-        """Deliveries settled as delivered per second."""
-        return self.delivered / self.elapsed if self.elapsed > 0 else 0.0
-
-    def line(self) -> str:
-        return (
-            f"delivered {self.delivered}, retrying {self.retrying}, refused {self.refused}, "
-            f"failed {self.failed}, skipped {self.skipped}, held {self.held} "
-            f"in {self.elapsed:.1f}s "
-            f"({self.rate:.1f}/s)"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class _BatchInfo:
-    """What the loop keeps in memory of a batch while its deliveries are sent."""
-
-    id: int
-    sender: str
-    body: bytes
-    body_sha256: str
-    tag: str
-    deadline: dt.datetime | None
-    max_attempts: int | None
-    synchronize_collection: bool
-    #: The activity, parsed, when SKIP_IF is to be asked about it.
-    activity: Any
-
-    @classmethod
-    def of(cls, batch: Batch, *, parse: bool) -> _BatchInfo:
-        return cls(
-            id=batch.id,
-            sender=batch.sender,
-            body=batch.body.encode(),
-            body_sha256=batch.body_sha256,
-            tag=batch.tag,
-            deadline=batch.deadline,
-            max_attempts=batch.max_attempts,
-            synchronize_collection=batch.synchronize_collection,
-            activity=json.loads(batch.body) if parse else None,
-        )
 
 
 @dataclasses.dataclass
 class _InFlight:
     claimed: queue.Claimed
-    batch: _BatchInfo
+    batch: BatchInfo
     job: Job
     #: The destination's breaker, and the probe this delivery holds, if any.
     breaker: str = ""
@@ -142,18 +77,13 @@ class Deliverer:
         self.claim_size = max(1, int(claim_size or get("CLAIM_SIZE")))
         self.lease = float(lease or get("LEASE_SECONDS"))
         self.using = using
-        self.policy = RetryPolicy.from_setting(get("RETRY"))
-        self.wait_as_asked = bool(get("WAIT_AS_ASKED"))
-        self.retry_after_max = float(get("RETRY_AFTER_MAX"))
         self.idle_poll = float(get("IDLE_POLL_SECONDS"))
         self.new_work_poll = float(get("NEW_WORK_POLL_SECONDS"))
         self.error_length = int(get("ERROR_LENGTH"))
         self.first_scheme = Scheme(get("FIRST_SCHEME"))
         self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
-        self.sender_gone = app_settings.callable_setting("SENDER_GONE")
         self.skip_if = app_settings.callable_setting("SKIP_IF")
         self.synchronization = app_settings.callable_setting("COLLECTION_SYNCHRONIZATION")
-        self.permanent_if_gone = frozenset(int(s) for s in get("PERMANENT_IF_SENDER_GONE"))
         self.transport_settings = TransportSettings(
             user_agent=str(get("USER_AGENT")),
             connect_timeout=float(get("CONNECT_TIMEOUT")),
@@ -182,6 +112,15 @@ class Deliverer:
         self.on_progress = on_progress
         self.progress_interval = progress_interval
         self.summary = Summary()
+        self.settler = Settler(
+            policy=RetryPolicy.from_setting(get("RETRY")),
+            summary=self.summary,
+            wait_as_asked=bool(get("WAIT_AS_ASKED")),
+            retry_after_max=float(get("RETRY_AFTER_MAX")),
+            error_length=self.error_length,
+            sender_gone=app_settings.callable_setting("SENDER_GONE"),
+            permanent_if_gone=frozenset(int(s) for s in get("PERMANENT_IF_SENDER_GONE")),
+        )
         self.keys = KeyCache()
         #: The scheme each host last accepted (None: never told), and when
         #: that was read from the database, which every process shares.
@@ -199,7 +138,7 @@ class Deliverer:
         self._host_busy: collections.Counter[str] = collections.Counter()
         self._backlog: dict[str, collections.deque[_InFlight]] = {}
         self._unwritten: list[queue.Settlement] = []
-        self._batches: dict[int, _BatchInfo] = {}
+        self._batches: dict[int, BatchInfo] = {}
         self._workers: list[threading.Thread] = []
         self._dry = False
         self._db_failing_since: float | None = None
@@ -376,7 +315,7 @@ class Deliverer:
                 self._batches.clear()
             parse = self.skip_if is not None
             self._batches.update(
-                {id: _BatchInfo.of(batch, parse=parse) for id, batch in found.items()}
+                {id: BatchInfo.of(batch, parse=parse) for id, batch in found.items()}
             )
         hosts = {row.host for row in claimed}
         self._read_schemes(hosts)
@@ -391,12 +330,14 @@ class Deliverer:
                 continue
             batch = self._batches[row.batch_id]
             if batch.deadline is not None and now >= batch.deadline:
-                self._give_up_unsent(row, batch, "the batch's deadline passed before it was sent")
+                error = "the batch's deadline passed before it was sent"
+                self._unwritten.append(self.settler.unsent(row, batch, error))
                 continue
-            if self._skipped(row, batch):
+            if self.skip_if is not None and ask("SKIP_IF", self.skip_if, row.inbox, batch.activity):
+                self._unwritten.append(self.settler.skipped(row, batch))
                 continue
             if row.host in self._paused:
-                self._hold_paused(row)
+                self._unwritten.append(self.settler.paused(row))
                 continue
             item = _InFlight(claimed=row, batch=batch, job=self._job(row, batch))
             if self.breakers is not None:
@@ -406,7 +347,7 @@ class Deliverer:
                 if decision is Decision.HOLD:
                     error = f"held: the circuit breaker for {item.breaker} is open"
                     self._unwritten.append(
-                        self._outcome(row, batch, held(item.job, error, hold_for))
+                        self.settler.attempted(row, batch, held(item.job, error, hold_for))
                     )
                     continue
             self._in_flight[row.id] = item
@@ -416,7 +357,7 @@ class Deliverer:
             else:
                 self._backlog.setdefault(row.host, collections.deque()).append(item)
 
-    def _job(self, row: queue.Claimed, batch: _BatchInfo) -> Job:
+    def _job(self, row: queue.Claimed, batch: BatchInfo) -> Job:
         key_error = ""
         key = None
         try:
@@ -428,7 +369,7 @@ class Deliverer:
             key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
         extra: dict[str, str] = {}
         if batch.synchronize_collection and self.synchronization is not None and key is not None:
-            header = self._ask(
+            header = ask(
                 "COLLECTION_SYNCHRONIZATION", self.synchronization, batch.sender, row.inbox
             )
             if isinstance(header, str) and header:
@@ -453,7 +394,8 @@ class Deliverer:
                 item, result = self._results.get_nowait()
             except threadqueue.Empty:
                 break
-            settlements.append(self._outcome(item.claimed, item.batch, result))
+            self._learn_scheme(item.claimed.host, result)
+            settlements.append(self.settler.attempted(item.claimed, item.batch, result))
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
                     item.breaker,
@@ -528,196 +470,11 @@ class Deliverer:
             if self._host_busy[host] <= 0:
                 del self._host_busy[host]
 
-    def _outcome(
-        self, row: queue.Claimed, batch: _BatchInfo, result: AttemptResult
-    ) -> queue.Settlement:
-        """Decide what comes of an attempt, send the signals, and say what to write."""
-        attempts = row.attempts + 1
-        self.summary.attempts += 1
-        now = timezone.now()
-        if result.accepted_scheme is not None and result.accepted_scheme != self.scheme_for(
-            row.host
-        ):
-            self._schemes[row.host] = (time.monotonic(), result.accepted_scheme)
-            self._learned[row.host] = result.accepted_scheme.value
-        if result.delivered:
-            return self._settle(row, batch, result, Status.DELIVERED, attempts, now)
-        permanent = result.permanent or self._gone(batch.sender, result.status)
-        if permanent:
-            return self._settle(row, batch, result, Status.REFUSED, attempts, now)
-        wait = None
-        if batch.max_attempts is None or attempts < batch.max_attempts:
-            wait = self.policy.delay(attempts)
-        if wait is None:
-            error = f"gave up after {attempts} attempts: {result.error}"
-            return self._fail(row, batch, result, attempts, now, error, deadline=False)
-        wait = wait_before_retry(
-            wait,
-            result.retry_after,
-            wait_as_asked=self.wait_as_asked,
-            longest=self.retry_after_max,
-        )
-        due = now + dt.timedelta(seconds=wait)
-        if batch.deadline is not None and due >= batch.deadline:
-            error = f"the batch's deadline passed: {result.error}"
-            return self._fail(row, batch, result, attempts, now, error, deadline=True)
-        if result.held:
-            self._attempted(row, batch, result, "held")
-            self.summary.held += 1
-        else:
-            self._attempted(row, batch, result, "retrying")
-            self.summary.retrying += 1
-        return queue.Settlement(
-            claimed=row,
-            status=Status.PENDING,
-            attempts=attempts,
-            due_at=due,
-            last_status=result.status,
-            last_error=result.error[: self.error_length],
-            attempted_at=now,
-        )
-
-    def _gone(self, sender: str, status: int | None) -> bool:
-        if status is None or status not in self.permanent_if_gone or self.sender_gone is None:
-            return False
-        return bool(self._ask("SENDER_GONE", self.sender_gone, sender))
-
-    def _attempted(
-        self, row: queue.Claimed, batch: _BatchInfo, result: AttemptResult, outcome: str
-    ) -> None:
-        signals.send_safely(
-            signals.delivery_attempted,
-            attempt=signals.Attempted(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
-                sender=batch.sender,
-                outcome=outcome,
-                status=result.status,
-                error=result.error,
-                duration=result.duration,
-            ),
-        )
-
-    def _settle(
-        self,
-        row: queue.Claimed,
-        batch: _BatchInfo,
-        result: AttemptResult,
-        status: Status,
-        attempts: int,
-        now: dt.datetime,
-    ) -> queue.Settlement:
-        outcome = str(status)
-        self._attempted(row, batch, result, outcome)
-        signals.send_safely(
-            signals.delivery_settled,
-            settled=signals.Settled(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
-                sender=batch.sender,
-                tag=batch.tag,
-                outcome=outcome,
-                status=result.status,
-            ),
-        )
-        if status == Status.REFUSED:
-            self.summary.refused += 1
-            self._failed_signal(
-                row, batch, result.status, result.error, deadline=False, refused=True
-            )
-        else:
-            self.summary.delivered += 1
-        return queue.Settlement(
-            claimed=row,
-            status=status,
-            attempts=attempts,
-            last_status=result.status,
-            last_error=result.error[: self.error_length],
-            attempted_at=now,
-        )
-
-    def _fail(
-        self,
-        row: queue.Claimed,
-        batch: _BatchInfo,
-        result: AttemptResult,
-        attempts: int,
-        now: dt.datetime,
-        error: str,
-        *,
-        deadline: bool,
-    ) -> queue.Settlement:
-        self._attempted(row, batch, result, "failed")
-        self._failed_signal(row, batch, result.status, error, deadline=deadline, refused=False)
-        self.summary.failed += 1
-        return queue.Settlement(
-            claimed=row,
-            status=Status.FAILED,
-            attempts=attempts,
-            last_status=result.status,
-            last_error=error[: self.error_length],
-            attempted_at=now,
-        )
-
-    def _failed_signal(
-        self,
-        row: queue.Claimed,
-        batch: _BatchInfo,
-        status: int | None,
-        error: str,
-        *,
-        deadline: bool,
-        refused: bool,
-    ) -> None:
-        signals.send_safely(
-            signals.delivery_failed,
-            failure=signals.Failure(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
-                sender=batch.sender,
-                tag=batch.tag,
-                status=status,
-                error=error[: self.error_length],
-                deadline=deadline,
-                refused=refused,
-            ),
-        )
-
-    def _ask(self, setting: str, function: Callable[..., Any], *args: Any) -> Any:
-        """Call one of the host project's callables; one that raises is logged
-        and taken as no answer, never a reason to stop."""
-        try:
-            return function(*args)
-        except Exception:
-            logger.exception("%s raised; taken as no answer", setting)
-            return None
-
-    def _skipped(self, row: queue.Claimed, batch: _BatchInfo) -> bool:
-        """Drop, unsent, a delivery SKIP_IF says no longer to send."""
-        if self.skip_if is None or not self._ask(
-            "SKIP_IF", self.skip_if, row.inbox, batch.activity
-        ):
-            return False
-        signals.send_safely(
-            signals.delivery_settled,
-            settled=signals.Settled(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
-                sender=batch.sender,
-                tag=batch.tag,
-                outcome=str(Status.SKIPPED),
-                status=None,
-            ),
-        )
-        self.summary.skipped += 1
-        self._unwritten.append(
-            queue.Settlement(claimed=row, status=Status.SKIPPED, attempts=row.attempts)
-        )
-        return True
+    def _learn_scheme(self, host: str, result: AttemptResult) -> None:
+        accepted = result.accepted_scheme
+        if accepted is not None and accepted != self.scheme_for(host):
+            self._schemes[host] = (time.monotonic(), accepted)
+            self._learned[host] = accepted.value
 
     def _refresh_view(self) -> None:
         """Re-read the breakers and the paused hosts, about once a second."""
@@ -729,32 +486,6 @@ class Deliverer:
         paused = self._db(queue.paused_hosts, using=self.using)
         if isinstance(paused, set):
             self._paused = frozenset(paused)
-
-    def _hold_paused(self, row: queue.Claimed) -> None:
-        """A paused host's delivery waits, unsent and not failed. Pausing took
-        the due time of what was queued; this one (in flight then, or queued
-        since) is looked at again shortly, as the host may be resumed by then."""
-        self.summary.held += 1
-        self._unwritten.append(
-            queue.Settlement(
-                claimed=row,
-                status=Status.PENDING,
-                attempts=row.attempts,
-                due_at=timezone.now() + dt.timedelta(seconds=PAUSED_RECHECK),
-            )
-        )
-
-    def _give_up_unsent(self, row: queue.Claimed, batch: _BatchInfo, error: str) -> None:
-        self._failed_signal(row, batch, None, error, deadline=True, refused=False)
-        self.summary.failed += 1
-        self._unwritten.append(
-            queue.Settlement(
-                claimed=row,
-                status=Status.FAILED,
-                attempts=row.attempts,
-                last_error=error[: self.error_length],
-            )
-        )
 
     def _batches_finished(self, batches: list[Batch]) -> None:
         for batch in batches:

@@ -12,7 +12,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_federation_delivery.checks import sqlite_problems
-from django_federation_delivery.deliverer import Deliverer, Summary
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.settling import Summary
 
 
 def _positive(value: str) -> int:
