@@ -227,3 +227,28 @@ def test_giving_up_a_host_fails_its_pending_deliveries_and_tells_receivers() -> 
     finally:
         signals.delivery_failed.disconnect(failed)
         signals.batch_finished.disconnect(done)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_down_for_a_while_gets_everything_once_it_is_back(
+    inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 10, "COOL_OFF": 0.5, "SCOPE": "host"},
+        "RETRY": {"BASE": 0.3, "CAP": 0.6, "ATTEMPTS": 100, "JITTER": 0.25},
+    }
+    answered = {"count": 0}
+
+    def down_for_a_while(request: Received) -> tuple[int, dict[str, str], bytes]:
+        answered["count"] += 1
+        return (503, {}, b"") if answered["count"] <= 15 else (202, {}, b"")
+
+    server = inboxes("127.0.0.2", respond=down_for_a_while)
+    send(ALICE, {"type": "Note"}, [server.url(f"/{n}") for n in range(50)])
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 50,
+               timeout=30)
+    runner.stop()
+    assert answered["count"] <= 15 + 50 + 2, "held while down, not sent to fail"

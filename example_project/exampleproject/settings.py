@@ -1,0 +1,103 @@
+"""Settings for the example project, read from the environment (django-environ).
+
+Every setting has a default good for trying the project out on one machine;
+see example_project/README.rst for the variables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import django
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent  # example_project/
+VAR_DIR = BASE_DIR / "var"  # the SQLite database and the demo actors' keys
+VAR_DIR.mkdir(exist_ok=True)
+
+env = environ.Env()
+
+# The default is for development only: set SECRET_KEY for anything else.
+SECRET_KEY = env.str("SECRET_KEY", default="django-insecure-example-project-dev-only")
+DEBUG = env.bool("DEBUG", default=True)
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_federation_delivery",
+    "federation_demo",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "exampleproject.urls"
+WSGI_APPLICATION = "exampleproject.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}")}
+
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # A web process and run_deliverer write to the same file at once. Without
+    # these, one of them soon fails with "database is locked":
+    # - timeout: wait up to 20 s for the other's write instead of failing;
+    # - WAL: readers do not block the writer, nor the writer readers;
+    # - IMMEDIATE: a transaction takes the write lock when it begins, so it
+    #   waits (timeout) rather than failing when it first writes.
+    sqlite_options: dict[str, Any] = {"timeout": 20}
+    if django.VERSION >= (5, 1):
+        sqlite_options["init_command"] = "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
+        sqlite_options["transaction_mode"] = "IMMEDIATE"
+    # On Django 4.2, federation_demo.apps sets WAL when a connection opens.
+    DATABASES["default"]["OPTIONS"] = {**sqlite_options, **DATABASES["default"].get("OPTIONS", {})}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+FEDERATION_DELIVERY = {
+    "SENDER_KEYS": "federation_demo.keys.sender_key",
+    # Deliveries go to public addresses only, unless networks are listed here
+    # (a comma list, e.g. "127.0.0.0/8": scripts/demo sets it for its run).
+    "ALLOWED_NETWORKS": env.list("FEDERATION_DELIVERY_ALLOWED_NETWORKS", default=[]),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django_federation_delivery": {"handlers": ["console"], "level": "WARNING"}},
+}
