@@ -29,8 +29,12 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",
     "django_federation_delivery",
 ]
+
+# The admin's CSS, served by the live server of the browser tests.
+STATIC_URL = "static/"
 
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
