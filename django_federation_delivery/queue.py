@@ -340,6 +340,16 @@ def next_due(*, using: str | None = None) -> dt.datetime | None:
     return min(known) if known else None
 
 
+def count_due(*, using: str | None = None) -> int:
+    """How many pending deliveries are due now (the partial index, lane by lane)."""
+    manager = Delivery.objects.using(using or DEFAULT_DB_ALIAS)
+    now = timezone.now()
+    return sum(
+        manager.filter(status=Status.PENDING, lane=lane, due_at__lte=now).count()
+        for lane in CLAIM_ORDER
+    )
+
+
 def has_due(*, using: str | None = None) -> bool:
     """Whether anything is due now: the cheap check for work queued elsewhere."""
     manager = Delivery.objects.using(using or DEFAULT_DB_ALIAS)

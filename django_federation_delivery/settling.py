@@ -46,6 +46,13 @@ class Summary:
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
+    def done(self) -> int:
+        """Deliveries dealt with: settled, or put back for later."""
+        return (
+            self.delivered + self.retrying + self.refused + self.failed + self.skipped + self.held
+        )
+
+    @property
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import logging
 import signal
 import subprocess
 import threading
@@ -78,6 +79,7 @@ def test_drain_sends_what_is_due_with_progress_and_a_summary(inbox: Inbox) -> No
     assert signal.getsignal(signal.SIGTERM) is handler, "the caller's handler is put back"
     text = out.getvalue()
     assert "Done: delivered 30, retrying 0, refused 0, failed 0" in text
+    assert "[##############################] 30/30" in text, "a progress bar of what was due"
     assert "/s)" in text
     assert statuses() == {Status.DELIVERED: 30}
 
@@ -195,3 +197,16 @@ def test_a_web_process_and_the_deliverer_write_at_once_without_database_is_locke
     output = process.stdout.read() if process.stdout else ""
     assert "locked" not in output
     assert "unavailable" not in output
+
+
+def test_a_running_deliverer_logs_its_rates_and_counts(caplog: pytest.LogCaptureFixture) -> None:
+    from django_federation_delivery.management.commands.run_deliverer import _log_rates
+    from django_federation_delivery.settling import Summary
+
+    log = _log_rates(60)
+    summary = Summary(delivered=120, retrying=3)
+    with caplog.at_level(logging.INFO, logger="django_federation_delivery.deliverer"):
+        log(summary)
+    (record,) = caplog.records
+    assert "delivered 120, retrying 3" in record.getMessage()
+    assert "delivered/s" in record.getMessage()

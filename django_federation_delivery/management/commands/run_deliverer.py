@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 
+from django_federation_delivery import queue
 from django_federation_delivery.checks import sqlite_problems
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.settling import Summary
+
+logger = logging.getLogger("django_federation_delivery.deliverer")
 
 
 def _positive(value: str) -> int:
@@ -24,6 +30,29 @@ def _positive(value: str) -> int:
     if number < 1:
         raise CommandError(f"expected a whole number of 1 or more, not {value!r}")
     return number
+
+
+BAR = 30
+
+
+def _log_rates(interval: float) -> Callable[[Summary], None]:
+    """A log line every ``interval`` seconds: what was done since the last one."""
+    last = {"done": 0, "delivered": 0, "at": time.monotonic()}
+
+    def log(summary: Summary) -> None:
+        now = time.monotonic()
+        elapsed = max(now - last["at"], 1e-9)
+        rate = (summary.delivered - last["delivered"]) / elapsed
+        logger.info(
+            "%s; %.1f delivered/s and %.1f attempts/s in the last %.0f s",
+            summary.line(),
+            rate,
+            (summary.done - last["done"]) / elapsed,
+            elapsed,
+        )
+        last.update(done=summary.done, delivered=summary.delivered, at=now)
+
+    return log
 
 
 class Command(BaseCommand):
@@ -54,6 +83,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--database", default=DEFAULT_DB_ALIAS, help="The database alias the queue lives in."
         )
+        parser.add_argument(
+            "--log-interval",
+            type=str,
+            default="60",
+            help="Seconds between the log lines with rates and counts (default 60).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         concurrency = _positive(options["concurrency"]) if options["concurrency"] else None
@@ -65,11 +100,14 @@ class Command(BaseCommand):
             for problem in sqlite_problems(using, connections[using]):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
         drain = bool(options["drain"])
+        interval = float(_positive(options["log_interval"]))
+        self._due = queue.count_due(using=using) if drain else 0
         deliverer = Deliverer(
             concurrency=concurrency,
             per_host=per_host,
             using=using,
-            on_progress=self._progress if drain else None,
+            on_progress=self._progress if drain else _log_rates(interval),
+            progress_interval=1.0 if drain else interval,
         )
         previous = self._install_signals(deliverer)
         mode = "until nothing is due" if drain else "until stopped"
@@ -85,7 +123,12 @@ class Command(BaseCommand):
         self.stdout.write(self.style.SUCCESS(f"Done: {summary.line()}."))
 
     def _progress(self, summary: Summary) -> None:
-        self.stdout.write(f"  {summary.line()}")
+        """A bar of what was due at the start and has been dealt with since."""
+        done = summary.done
+        total = max(self._due, done, 1)
+        filled = round(BAR * done / total)
+        bar = "#" * filled + "." * (BAR - filled)
+        self.stdout.write(f"  [{bar}] {done}/{total}  {summary.line()}")
 
     def _install_signals(self, deliverer: Deliverer) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():

@@ -1,0 +1,331 @@
+"""The queues at a glance: what the admin's queues page and ``delivery_status`` show.
+
+Every query here is bounded whatever the size of the table. Pending rows are
+counted, as they are the live queue and the partial index ``fd_delivery_due``
+holds only them; settled rows are only ever counted within a recent window of
+``settled_at``, and the hosts failing most come with a LIMIT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS
+from django.db.models import Count, F, Max, Min, Q
+from django.utils import timezone
+
+from django_federation_delivery.models import Breaker, Delivery, Host, Lane, Status
+
+__all__ = [
+    "FailingHost",
+    "LaneStats",
+    "OpenBreaker",
+    "Overview",
+    "format_duration",
+    "lag",
+    "open_breakers",
+    "overview",
+]
+
+DELIVERED_WINDOW = dt.timedelta(hours=1)
+FAILED_WINDOW = dt.timedelta(days=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneStats:
+    """One lane of the queue, or all of them (``lane`` "all")."""
+
+    lane: str
+    #: Pending and due now, a lapsed lease included: waiting for a deliverer.
+    due: int
+    #: Pending and due later: retries waiting out their backoff.
+    scheduled: int
+    #: Claimed by a deliverer whose lease has not lapsed.
+    in_flight: int
+    #: Pending with no due time: to a paused host, or waiting on an ordered predecessor.
+    held: int
+    #: When the longest-waiting due delivery came due.
+    oldest_due_at: dt.datetime | None
+    #: Seconds since then: how far behind the deliverers are (0 when nothing is due).
+    lag: float
+    delivered_last_hour: int
+    failed_last_day: int
+
+    @property
+    def pending(self) -> int:
+        return self.due + self.scheduled + self.in_flight + self.held
+
+
+@dataclasses.dataclass(frozen=True)
+class FailingHost:
+    host: str
+    #: Pending deliveries to it that have failed at least once.
+    retrying: int
+    #: The highest status among those (None: no answer, such as a timeout).
+    last_status: int | None
+    #: Its breaker's state ("closed", "open", "half-open"), or "" with no breaker row.
+    breaker: str
+    #: Failures in a row its breaker counts.
+    failures: int
+    open_until: dt.datetime | None
+    paused: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenBreaker:
+    """A breaker that is open or half-open: its destination's deliveries are held."""
+
+    key: str
+    state: str
+    failures: int
+    open_until: dt.datetime
+    #: Whether a probe is under way.
+    probing: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Overview:
+    at: dt.datetime
+    lanes: tuple[LaneStats, ...]
+    failing_hosts: tuple[FailingHost, ...]
+    open_breakers: tuple[OpenBreaker, ...]
+    #: How many breakers are open, when there are more than are listed.
+    open_breaker_count: int
+    paused_hosts: tuple[str, ...]
+
+    @property
+    def total(self) -> LaneStats:
+        due_times = [lane.oldest_due_at for lane in self.lanes if lane.oldest_due_at]
+        return LaneStats(
+            lane="all",
+            due=sum(lane.due for lane in self.lanes),
+            scheduled=sum(lane.scheduled for lane in self.lanes),
+            in_flight=sum(lane.in_flight for lane in self.lanes),
+            held=sum(lane.held for lane in self.lanes),
+            oldest_due_at=min(due_times) if due_times else None,
+            lag=max((lane.lag for lane in self.lanes), default=0.0),
+            delivered_last_hour=sum(lane.delivered_last_hour for lane in self.lanes),
+            failed_last_day=sum(lane.failed_last_day for lane in self.lanes),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-ready dict: datetimes as ISO 8601 strings."""
+        return {
+            "at": self.at.isoformat(),
+            "lanes": [_jsonable(lane) for lane in self.lanes],
+            "total": _jsonable(self.total),
+            "failing_hosts": [_jsonable(host) for host in self.failing_hosts],
+            "open_breakers": [_jsonable(breaker) for breaker in self.open_breakers],
+            "open_breaker_count": self.open_breaker_count,
+            "paused_hosts": list(self.paused_hosts),
+        }
+
+
+def _jsonable(item: Any) -> dict[str, Any]:
+    fields = dataclasses.asdict(item)
+    if isinstance(item, LaneStats):
+        fields["pending"] = item.pending
+    return {
+        name: value.isoformat() if isinstance(value, dt.datetime) else value
+        for name, value in fields.items()
+    }
+
+
+def format_duration(seconds: float) -> str:
+    """A duration for people: "42s", "4m 12s", "3h 5m", "2d 1h"."""
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{secs}s"
+
+
+def overview(
+    *,
+    hosts: int = 10,
+    breakers: int = 50,
+    now: dt.datetime | None = None,
+    using: str | None = None,
+) -> Overview:
+    """The queues as of ``now``, with the ``hosts`` failing most and up to
+    ``breakers`` open breakers. A fixed number of queries, each bounded."""
+    now = now or timezone.now()
+    alias = using or DEFAULT_DB_ALIAS
+    paused = _paused_hosts(alias)
+    open_list, open_count = _open_breakers(now, breakers, alias)
+    return Overview(
+        at=now,
+        lanes=_lanes(now, alias),
+        failing_hosts=_failing_hosts(now, hosts, set(paused), alias),
+        open_breakers=open_list,
+        open_breaker_count=open_count,
+        paused_hosts=paused,
+    )
+
+
+def lag(*, now: dt.datetime | None = None, using: str | None = None) -> float:
+    """Seconds the longest-waiting due delivery has waited: one index read a lane."""
+    now = now or timezone.now()
+    manager = Delivery.objects.using(using or DEFAULT_DB_ALIAS)
+    oldest = [
+        manager.filter(status=Status.PENDING, lane=lane, due_at__lte=now).aggregate(
+            at=Min("due_at")
+        )["at"]
+        for lane in Lane
+    ]
+    return max(((now - at).total_seconds() for at in oldest if at is not None), default=0.0)
+
+
+def open_breakers(*, using: str | None = None) -> int:
+    """How many breakers are open or half-open: not closed either way."""
+    return Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(open_until__isnull=False).count()
+
+
+def _lanes(now: dt.datetime, alias: str) -> tuple[LaneStats, ...]:
+    manager = Delivery.objects.using(alias)
+    leased = Q(lease_token__isnull=False)
+    due = Q(due_at__lte=now)
+    later = Q(due_at__gt=now)
+    # status = pending: the partial index fd_delivery_due holds exactly these rows.
+    pending = {
+        row["lane"]: row
+        for row in manager.filter(status=Status.PENDING)
+        .values("lane")
+        .annotate(
+            due=Count("id", filter=due),
+            scheduled=Count("id", filter=later & ~leased),
+            in_flight=Count("id", filter=later & leased),
+            held=Count("id", filter=Q(due_at__isnull=True)),
+            oldest=Min("due_at", filter=due),
+        )
+        .order_by()
+    }
+    hour_ago, day_ago = now - DELIVERED_WINDOW, now - FAILED_WINDOW
+    delivered = Q(status=Status.DELIVERED, settled_at__gte=hour_ago)
+    failed = Q(status=Status.FAILED, settled_at__gte=day_ago)
+    # Settled rows are never counted over the whole table, only in their window.
+    settled = {
+        row["lane"]: row
+        for row in manager.filter(delivered | failed)
+        .values("lane")
+        .annotate(delivered=Count("id", filter=delivered), failed=Count("id", filter=failed))
+        .order_by()
+    }
+    lanes = []
+    for lane in Lane:
+        counts: Mapping[str, Any] = pending.get(lane.value, {})
+        done: Mapping[str, Any] = settled.get(lane.value, {})
+        oldest = counts.get("oldest")
+        lanes.append(
+            LaneStats(
+                lane=lane.value,
+                due=counts.get("due", 0),
+                scheduled=counts.get("scheduled", 0),
+                in_flight=counts.get("in_flight", 0),
+                held=counts.get("held", 0),
+                oldest_due_at=oldest,
+                lag=max((now - oldest).total_seconds(), 0.0) if oldest else 0.0,
+                delivered_last_hour=done.get("delivered", 0),
+                failed_last_day=done.get("failed", 0),
+            )
+        )
+    return tuple(lanes)
+
+
+def _paused_hosts(alias: str) -> tuple[str, ...]:
+    return tuple(
+        Host.objects.using(alias)
+        .filter(paused_at__isnull=False)
+        .order_by("name")
+        .values_list("name", flat=True)
+    )
+
+
+def _open_breakers(now: dt.datetime, limit: int, alias: str) -> tuple[tuple[OpenBreaker, ...], int]:
+    manager = Breaker.objects.using(alias).filter(open_until__isnull=False)
+    rows = list(manager.order_by("open_until", "key")[:limit])
+    count = manager.count()
+    return (
+        tuple(
+            OpenBreaker(
+                key=row.key,
+                state=_state(row, now),
+                failures=row.failures,
+                open_until=row.open_until,
+                probing=row.probe_until is not None and row.probe_until > now,
+            )
+            for row in rows
+            if row.open_until is not None
+        ),
+        count,
+    )
+
+
+def _failing_hosts(
+    now: dt.datetime, limit: int, paused: set[str], alias: str
+) -> tuple[FailingHost, ...]:
+    if limit < 1:
+        return ()
+    deliveries = Delivery.objects.using(alias).filter(status=Status.PENDING, attempts__gt=0)
+    by_retrying = (
+        deliveries.values("host")
+        .annotate(retrying=Count("id"), last_status=Max("last_status"))
+        .order_by("-retrying", "host")
+    )
+    # The hosts whose breakers count the most failures, open ones first. A
+    # key with "://" is an inbox (SCOPE "inbox"), not a host.
+    worst_breakers = (
+        Breaker.objects.using(alias)
+        .exclude(key__contains="://")
+        .order_by(F("open_until").asc(nulls_last=True), "-failures", "key")
+        .values("key")[:limit]
+    )
+    # Three queries whatever the data: the hosts with the most retrying
+    # deliveries (pending rows, LIMITed); the breakers of those and of the
+    # worst; the retrying deliveries of the worst breakers' hosts.
+    retrying = {row["host"]: (row["retrying"], row["last_status"]) for row in by_retrying[:limit]}
+    by_host = {
+        row.key: row
+        for row in Breaker.objects.using(alias).filter(
+            Q(key__in=worst_breakers) | Q(key__in=sorted(retrying))
+        )
+    }
+    retrying.update(
+        (row["host"], (row["retrying"], row["last_status"]))
+        for row in by_retrying.filter(host__in=worst_breakers).order_by()
+    )
+    found = []
+    for host in set(retrying) | set(by_host):
+        count, last_status = retrying.get(host, (0, None))
+        breaker = by_host.get(host)
+        found.append(
+            FailingHost(
+                host=host,
+                retrying=count,
+                last_status=last_status,
+                breaker=_state(breaker, now) if breaker else "",
+                failures=breaker.failures if breaker else 0,
+                open_until=breaker.open_until if breaker else None,
+                paused=host in paused,
+            )
+        )
+    found.sort(
+        key=lambda item: (item.open_until is None, -item.retrying, -item.failures, item.host)
+    )
+    return tuple(found[:limit])
+
+
+def _state(breaker: Breaker, now: dt.datetime) -> str:
+    # Breaker.state, as of the overview's now rather than the clock's.
+    if breaker.open_until is None:
+        return "closed"
+    return "open" if now < breaker.open_until else "half-open"
