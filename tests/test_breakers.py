@@ -231,7 +231,8 @@ def test_giving_up_a_host_fails_its_pending_deliveries_and_tells_receivers() -> 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_host_down_for_a_while_gets_everything_once_it_is_back(
-    inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer],
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
     settings: Any,
 ) -> None:
     settings.FEDERATION_DELIVERY = {
@@ -248,7 +249,6 @@ def test_a_host_down_for_a_while_gets_everything_once_it_is_back(
     server = inboxes("127.0.0.2", respond=down_for_a_while)
     send(ALICE, {"type": "Note"}, [server.url(f"/{n}") for n in range(50)])
     runner = start_deliverer()
-    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 50,
-               timeout=30)
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 50, timeout=30)
     runner.stop()
     assert answered["count"] <= 15 + 50 + 2, "held while down, not sent to fail"
