@@ -6,6 +6,7 @@ import collections
 import io
 import json
 import logging
+import queue
 import signal
 import subprocess
 import threading
@@ -54,12 +55,28 @@ def processes() -> Iterator[Callable[..., subprocess.Popen[str]]]:
 
 
 def wait_for_line(process: subprocess.Popen[str], text: str, timeout: float = 30) -> str:
+    """The first line of the process's output holding ``text``; fails after
+    ``timeout`` seconds rather than waiting on a silent process for ever."""
     assert process.stdout is not None
+    lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line)
+            if text in line:
+                return
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
     deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line and process.poll() is not None:
+    seen: list[str] = []
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
             break
         seen.append(line)
         if text in line:
