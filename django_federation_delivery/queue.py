@@ -70,6 +70,9 @@ class Settlement:
     last_status: int | None = None
     last_error: str = ""
     attempted_at: dt.datetime | None = None
+    #: Whether its batch has an ordering key, so that settling it may
+    #: release the next of its sequence.
+    ordered: bool = False
 
 
 def _connection(using: str | None) -> Any:
@@ -180,50 +183,39 @@ def claim(
     exclude_hosts: Iterable[str] = (),
     using: str | None = None,
 ) -> list[Claimed]:
-    """Take up to ``limit`` due deliveries for ``lease`` seconds, lane by lane.
+    """Take up to ``limit`` due deliveries for ``lease`` seconds, lane by lane,
+    in one transaction.
 
     The claim pushes each row's due time forward by the lease and stamps it
     with a fresh token: only the holder of the token may settle it, and a row
     whose holder died comes due again when the lease lapses.
     """
-    claimed: list[Claimed] = []
-    excluded = sorted(set(exclude_hosts))[:200]
-    for lane in CLAIM_ORDER:
-        if len(claimed) >= limit:
-            break
-        claimed.extend(_claim_lane(lane, limit - len(claimed), lease, excluded, using))
-    return claimed
-
-
-def _claim_lane(
-    lane: str, limit: int, lease: float, excluded: list[str], using: str | None
-) -> list[Claimed]:
     connection = _connection(using)
     table = _table(Delivery, connection)
-    now = timezone.now()
-    token = uuid.uuid4().hex
+    excluded = sorted(set(exclude_hosts))[:200]
     lock = " FOR UPDATE SKIP LOCKED" if connection.vendor == "postgresql" else ""
-    hosts = ""
-    params: list[Any] = [_when(now + dt.timedelta(seconds=lease), connection), token]
-    params += [Status.PENDING, lane, _when(now, connection)]
-    if excluded:
-        hosts = f" AND host NOT IN ({', '.join(['%s'] * len(excluded))})"
-        params += excluded
-    params.append(limit)
+    hosts = f" AND host NOT IN ({', '.join(['%s'] * len(excluded))})" if excluded else ""
     sql = (
         f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE id IN ("
         f"SELECT id FROM {table} WHERE status = %s AND lane = %s AND due_at <= %s{hosts} "
         f"ORDER BY due_at LIMIT %s{lock}) "
         "RETURNING id, batch_id, inbox, host, attempts, via"
     )
+    now = timezone.now()
+    token = uuid.uuid4().hex
+    until = _when(now + dt.timedelta(seconds=lease), connection)
+    rows: list[Any] = []
     with transaction.atomic(using=using), connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        rows = cursor.fetchall()
-    # RETURNING gives no order; keep the queue's.
-    rows.sort(key=lambda row: row[0])
-    until = time.time() + lease
+        for lane in CLAIM_ORDER:
+            if len(rows) >= limit:
+                break
+            params = [until, token, Status.PENDING, lane, _when(now, connection), *excluded]
+            cursor.execute(sql, [*params, limit - len(rows)])
+            # RETURNING gives no order; keep the queue's within each lane.
+            rows.extend(sorted(cursor.fetchall(), key=lambda row: row[0]))
+    expires = time.time() + lease
     return [
-        Claimed(row[0], row[1], row[2], row[3], row[4], _json_list(row[5]), token, until)
+        Claimed(row[0], row[1], row[2], row[3], row[4], _json_list(row[5]), token, expires)
         for row in rows
     ]
 
@@ -241,7 +233,8 @@ def settle(
     on_finished: Callable[[list[Batch]], None] | None = None,
     using: str | None = None,
 ) -> set[int]:
-    """Write the outcome of each settlement whose claim is still held.
+    """Write the outcome of each settlement whose claim is still held, in one
+    statement.
 
     Returns the ids written; a settlement whose lease lapsed and whose row
     another process now holds is not written. Batches whose last pending
@@ -251,44 +244,63 @@ def settle(
     if not settlements:
         return set()
     connection = _connection(using)
-    table = _table(Delivery, connection)
     now = timezone.now()
-    written: set[int] = set()
-    written_final: list[int] = []
-    leaving: Counter[int] = Counter()
-    sql = (
-        f"UPDATE {table} SET status = %s, attempts = %s, due_at = %s, lease_token = NULL, "
-        "last_status = %s, last_error = %s, last_attempt_at = COALESCE(%s, last_attempt_at), "
-        "settled_at = %s WHERE id = %s AND lease_token = %s"
-    )
+    settled_at = _when(now, connection)
+    values: list[Any] = []
+    for item in settlements:
+        final = item.status in FINAL
+        values += [
+            item.claimed.id,
+            item.claimed.token,
+            str(item.status),
+            item.attempts,
+            None if final else _when(item.due_at, connection),
+            item.last_status,
+            item.last_error,
+            _when(item.attempted_at, connection),
+            settled_at if final else None,
+        ]
     with transaction.atomic(using=using):
         with connection.cursor() as cursor:
-            for item in settlements:
-                final = item.status in FINAL
-                cursor.execute(
-                    sql,
-                    [
-                        item.status,
-                        item.attempts,
-                        None if final else _when(item.due_at, connection),
-                        item.last_status,
-                        item.last_error,
-                        _when(item.attempted_at, connection),
-                        _when(now, connection) if final else None,
-                        item.claimed.id,
-                        item.claimed.token,
-                    ],
-                )
-                if cursor.rowcount == 1:
-                    written.add(item.claimed.id)
-                    if final:
-                        written_final.append(item.claimed.id)
-                        leaving[item.claimed.batch_id] += 1
-        _release_next(written_final, now, using)
-        finished = _count_down(leaving, now, using)
+            cursor.execute(_settle_sql(connection, len(settlements)), values)
+            written = {row[0] for row in cursor.fetchall()}
+        final_rows = [s for s in settlements if s.status in FINAL and s.claimed.id in written]
+        _release_next([s.claimed.id for s in final_rows if s.ordered], now, using)
+        finished = _count_down(Counter(s.claimed.batch_id for s in final_rows), now, using)
         if finished and on_finished is not None:
             on_finished(finished)
     return written
+
+
+def _settle_sql(connection: Any, rows: int) -> str:
+    table = _table(Delivery, connection)
+    # PostgreSQL types a VALUES list by its values, and a column of NULLs
+    # would be text: say what each is.
+    casts = (
+        (
+            "::bigint",
+            "::varchar",
+            "::varchar",
+            "::integer",
+            "::timestamptz",
+            "::integer",
+            "::text",
+            "::timestamptz",
+            "::timestamptz",
+        )
+        if connection.vendor == "postgresql"
+        else ("",) * 9
+    )
+    row = "(" + ", ".join(f"%s{cast}" for cast in casts) + ")"
+    return (
+        "WITH v(id, token, status, attempts, due_at, last_status, last_error, attempted_at, "
+        f"settled_at) AS (VALUES {', '.join([row] * rows)}) "
+        f"UPDATE {table} SET status = v.status, attempts = v.attempts, due_at = v.due_at, "
+        "lease_token = NULL, last_status = v.last_status, last_error = v.last_error, "
+        f"last_attempt_at = COALESCE(v.attempted_at, {table}.last_attempt_at), "
+        f"settled_at = v.settled_at FROM v WHERE {table}.id = v.id "
+        f"AND {table}.lease_token = v.token RETURNING {table}.id"
+    )
 
 
 def _release_next(settled: Sequence[int], now: dt.datetime, using: str | None) -> None:
@@ -304,22 +316,29 @@ def _release_next(settled: Sequence[int], now: dt.datetime, using: str | None) -
 
 
 def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> list[Batch]:
+    """Take the settled deliveries off their batches' counts; the batches
+    that reach nought are finished now, and returned."""
+    if not leaving:
+        return []
     connection = _connection(using)
     table = _table(Batch, connection)
+    done: list[int] = []
     with connection.cursor() as cursor:
         for batch_id, count in sorted(leaving.items()):
             cursor.execute(
                 f"UPDATE {table} SET remaining = CASE WHEN remaining > %s "
-                "THEN remaining - %s ELSE 0 END WHERE id = %s",
+                "THEN remaining - %s ELSE 0 END WHERE id = %s AND finished_at IS NULL "
+                "RETURNING remaining",
                 [count, count, batch_id],
             )
-    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS)
-    finished = list(manager.filter(id__in=list(leaving), remaining=0, finished_at__isnull=True))
-    if finished:
-        manager.filter(id__in=[batch.id for batch in finished]).update(finished_at=now)
-        for batch in finished:
-            batch.finished_at = now
-    return finished
+            row = cursor.fetchone()
+            if row is not None and row[0] == 0:
+                done.append(batch_id)
+    if not done:
+        return []
+    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS).order_by()
+    manager.filter(id__in=done).update(finished_at=now)
+    return list(manager.filter(id__in=done))
 
 
 def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, Batch]:

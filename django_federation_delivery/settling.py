@@ -82,6 +82,8 @@ class BatchInfo:
     deadline: dt.datetime | None
     max_attempts: int | None
     synchronize_collection: bool
+    #: Whether it has an ordering key, whose next delivery its settling releases.
+    ordered: bool
     #: The activity, parsed, when SKIP_IF is to be asked about it.
     activity: Any
 
@@ -96,6 +98,7 @@ class BatchInfo:
             deadline=batch.deadline,
             max_attempts=batch.max_attempts,
             synchronize_collection=batch.synchronize_collection,
+            ordered=bool(batch.ordering_key),
             activity=json.loads(batch.body) if parse else None,
         )
 
@@ -156,6 +159,7 @@ class Settler:
             self.summary.retrying += 1
         return queue.Settlement(
             claimed=row,
+            ordered=batch.ordered,
             status=Status.PENDING,
             attempts=attempts,
             due_at=due,
@@ -218,6 +222,7 @@ class Settler:
             self.summary.delivered += 1
         return queue.Settlement(
             claimed=row,
+            ordered=batch.ordered,
             status=status,
             attempts=attempts,
             last_status=result.status,
@@ -241,6 +246,7 @@ class Settler:
         self.summary.failed += 1
         return queue.Settlement(
             claimed=row,
+            ordered=batch.ordered,
             status=Status.FAILED,
             attempts=attempts,
             last_status=result.status,
@@ -288,7 +294,9 @@ class Settler:
             ),
         )
         self.summary.skipped += 1
-        return queue.Settlement(claimed=row, status=Status.SKIPPED, attempts=row.attempts)
+        return queue.Settlement(
+            claimed=row, status=Status.SKIPPED, attempts=row.attempts, ordered=batch.ordered
+        )
 
     def paused(self, row: queue.Claimed) -> queue.Settlement:
         """A paused host's delivery waits, unsent and not failed. Pausing took
@@ -308,6 +316,7 @@ class Settler:
         self.summary.failed += 1
         return queue.Settlement(
             claimed=row,
+            ordered=batch.ordered,
             status=Status.FAILED,
             attempts=row.attempts,
             last_error=error[: self.error_length],

@@ -194,7 +194,7 @@ def test_an_ordered_delivery_waits_until_the_one_before_it_to_that_inbox_settles
     claimed = queue.claim(10, lease=300)
     assert {row.batch_id for row in claimed} == {first.id, other_key.id}, "a's Delete waits"
     for_a = next(row for row in claimed if row.batch_id == first.id and "a.example" in row.inbox)
-    queue.settle([queue.Settlement(claimed=for_a, status=Status.FAILED, attempts=12)])
+    queue.settle([queue.Settlement(claimed=for_a, status=Status.FAILED, attempts=12, ordered=True)])
     held.refresh_from_db()
     assert held.due_at is not None and held.after is None, "released by its predecessor's end"
     assert [row.batch_id for row in queue.claim(10, lease=300)] == [second.id]
