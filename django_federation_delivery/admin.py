@@ -32,6 +32,7 @@ from django.utils.timesince import timesince, timeuntil
 
 from django_federation_delivery import controls, overview
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+from django_federation_delivery.sending import host_of
 
 _M = TypeVar("_M", bound=Model)
 
@@ -62,8 +63,6 @@ def _plural(count: int, singular: str, plural: str) -> str:
 
 def host_of_key(key: str) -> str:
     """The host a breaker is about: its key, or the host of an inbox key."""
-    from django_federation_delivery.sending import host_of
-
     return host_of(key) if "://" in key else key
 
 
@@ -76,7 +75,7 @@ class OperatorAdmin(_ModelAdmin[_M]):
         # Facets are a COUNT per filter choice over the whole table.
         show_facets = admin.ShowFacets.NEVER
 
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
     def has_delete_permission(self, request: HttpRequest, obj: _M | None = None) -> bool:
@@ -94,7 +93,7 @@ class OperatorAdmin(_ModelAdmin[_M]):
     def has_change_host_permission(self, request: HttpRequest) -> bool:
         return _can(request, "change", Host)
 
-    def get_readonly_fields(self, request: HttpRequest, obj: _M | None = None) -> Any:
+    def get_readonly_fields(self, request: HttpRequest, obj: _M | None = None) -> list[str]:
         return flatten_fieldsets(self.get_fieldsets(request, obj))
 
     def changelist_view(
@@ -135,9 +134,9 @@ def _pretty_json(text: str) -> SafeString:
     return format_html('<pre class="fd-body">{}</pre>', text)
 
 
-def _changelist_url(model: type[Model], **params: Any) -> str:
+def _changelist_url(model: type[Model], site: admin.AdminSite, **params: Any) -> str:
     opts = model._meta
-    url = reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist")
+    url = reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist", current_app=site.name)
     return f"{url}?{urlencode(params)}" if params else url
 
 
@@ -267,13 +266,17 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     def queues_view(self, request: HttpRequest) -> TemplateResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
+        request.current_app = self.admin_site.name
         status = overview.overview()
-        deliveries = _changelist_url(Delivery)
+        site = self.admin_site
+
+        def deliveries(**params: str) -> str:
+            return _changelist_url(Delivery, site, **params)
 
         def lane_links(lane: str) -> dict[str, str]:
             lane_filter = {"lane__exact": lane} if lane != "all" else {}
             return {
-                state: _changelist_url(Delivery, queue=state, **lane_filter)
+                state: deliveries(queue=state, **lane_filter)
                 for state in ("due", "scheduled", "in_flight", "held")
             }
 
@@ -291,12 +294,12 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
             "opts": self.opts,
             "overview": status,
             "lanes": lanes,
-            "deliveries_url": deliveries,
-            "batches_url": _changelist_url(Batch),
-            "breakers_url": _changelist_url(Breaker),
-            "hosts_url": _changelist_url(Host),
+            "deliveries_url": deliveries(),
+            "batches_url": _changelist_url(Batch, site),
+            "breakers_url": _changelist_url(Breaker, site),
+            "hosts_url": _changelist_url(Host, site),
             "failing_hosts": [
-                (host, _changelist_url(Delivery, host=host.host, status__exact=Status.PENDING))
+                (host, deliveries(host=host.host, status__exact=Status.PENDING))
                 for host in status.failing_hosts
             ],
             "open_breakers": [
@@ -305,17 +308,16 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
                     reverse(
                         "admin:federation_delivery_breaker_change",
                         args=[quote(breaker.key)],
-                        current_app=self.admin_site.name,
+                        current_app=site.name,
                     ),
                 )
                 for breaker in status.open_breakers
             ],
             "paused_hosts": [
-                (name, _changelist_url(Delivery, host=name, status__exact=Status.PENDING))
+                (name, deliveries(host=name, status__exact=Status.PENDING))
                 for name in status.paused_hosts
             ],
         }
-        request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/federation_delivery/queues.html", context)
 
     @admin.display(description="sender", ordering="batch__sender")
@@ -497,7 +499,7 @@ class BatchAdmin(OperatorAdmin[Batch]):
 
     @admin.display(description="deliveries")
     def deliveries(self, obj: Batch) -> SafeString:
-        url = _changelist_url(Delivery, batch__id__exact=obj.id)
+        url = _changelist_url(Delivery, self.admin_site, batch__id__exact=obj.id)
         return format_html('<a href="{}">{}</a>', url, _plural(obj.size, "delivery", "deliveries"))
 
     @admin.display(description="body")
@@ -580,14 +582,39 @@ class BreakerStateFilter(admin.SimpleListFilter):
         return queryset
 
 
+def _paused(hosts: Iterable[str]) -> set[str]:
+    return set(
+        Host.objects.filter(name__in=list(hosts), paused_at__isnull=False).values_list(
+            "name", flat=True
+        )
+    )
+
+
 def _pause(model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]) -> None:
-    held = sum(controls.pause_host(host) for host in hosts)
+    already = _paused(hosts)
+    pausing = [host for host in hosts if host not in already]
+    held = sum(controls.pause_host(host) for host in pausing)
     _report(
         model_admin,
         request,
-        len(hosts),
-        f"Paused {_plural(len(hosts), 'host', 'hosts')}: "
-        f"{_plural(held, 'pending delivery', 'pending deliveries')} held until resumed.",
+        len(pausing),
+        f"Paused {_plural(len(pausing), 'host', 'hosts')}: "
+        f"{_plural(held, 'pending delivery', 'pending deliveries')} held until resumed."
+        + (
+            f" {_plural(len(already), 'host was', 'hosts were')} paused already." if already else ""
+        ),
+    )
+
+
+def _resume(model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]) -> None:
+    paused = sorted(_paused(hosts))
+    released = sum(controls.resume_host(host) for host in paused)
+    _report(
+        model_admin,
+        request,
+        len(paused),
+        f"Resumed {_plural(len(paused), 'host', 'hosts')}: "
+        f"{_plural(released, 'held delivery', 'held deliveries')} due now.",
     )
 
 
@@ -610,7 +637,7 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
     list_filter = (BreakerStateFilter,)
     search_fields = ("key",)
     ordering = ("-updated_at",)
-    actions = ("reset", "pause_hosts", "give_up_hosts")
+    actions = ("reset", "pause_hosts", "resume_hosts", "give_up_hosts")
     fieldsets = (
         (None, {"fields": ("key", "state", "failures", "open_until", "probe", "updated_at")}),
     )
@@ -635,6 +662,12 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
     )
     def pause_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
         _pause(self, request, _hosts_of(queryset))
+
+    @admin.action(
+        permissions=["change_host"], description="Resume the paused hosts of the selected breakers"
+    )
+    def resume_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
+        _resume(self, request, _hosts_of(queryset))
 
     @admin.action(
         permissions=["change_delivery"],
@@ -708,15 +741,7 @@ class HostAdmin(OperatorAdmin[Host]):
 
     @admin.action(permissions=["change"], description="Resume the selected paused hosts")
     def resume(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
-        hosts = list(queryset.filter(paused_at__isnull=False).values_list("name", flat=True))
-        released = sum(controls.resume_host(host) for host in hosts)
-        _report(
-            self,
-            request,
-            len(hosts),
-            f"Resumed {_plural(len(hosts), 'host', 'hosts')}: "
-            f"{_plural(released, 'held delivery', 'held deliveries')} due now.",
-        )
+        _resume(self, request, list(queryset.values_list("name", flat=True)))
 
     @admin.action(
         permissions=["change_delivery"],

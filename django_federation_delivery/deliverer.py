@@ -27,7 +27,7 @@ from django_federation_delivery.attempt import AttemptResult, Job, attempt, held
 from django_federation_delivery.breakers import Breakers, BreakerSettings, Decision, Scope
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.keys import KeyCache
-from django_federation_delivery.models import Batch
+from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.retry import RetryPolicy, jitter
 from django_federation_delivery.settling import BatchInfo, Settler, Summary, ask
 from django_federation_delivery.signatures import Scheme
@@ -134,9 +134,12 @@ class Deliverer:
         self._results: threadqueue.SimpleQueue[tuple[_InFlight, AttemptResult]] = (
             threadqueue.SimpleQueue()
         )
+        #: Claimed and admitted, waiting for a slot (and a slot on its host).
+        self._ready: collections.deque[_InFlight] = collections.deque()
+        self._ready_hosts: collections.Counter[str] = collections.Counter()
+        #: Handed to the workers: queued for one, or being sent.
         self._in_flight: dict[int, _InFlight] = {}
         self._host_busy: collections.Counter[str] = collections.Counter()
-        self._backlog: dict[str, collections.deque[_InFlight]] = {}
         self._unwritten: list[queue.Settlement] = []
         self._batches: dict[int, BatchInfo] = {}
         self._workers: list[threading.Thread] = []
@@ -162,17 +165,25 @@ class Deliverer:
         if wakeup.PostgresListener.available(self.using) and not drain:
             listener = wakeup.PostgresListener(self._wake, using=self.using)
             listener.start()
-        self._start_workers()
+        self.summary.started = time.monotonic()
+        self._start_workers(self.concurrency)
         next_progress = time.monotonic() + self.progress_interval
         try:
             while True:
                 self._refresh_view()
-                self._settle_finished()
-                if self.stopping and not self._in_flight and not self._unwritten:
-                    break
-                if not self.stopping:
+                done = self._collect()
+                # Workers first, the database after: a free slot is not kept
+                # waiting on a write.
+                self._dispatch()
+                self._write(done)
+                if self.stopping:
+                    self._release_ready()
+                    if not self._in_flight and not self._unwritten:
+                        break
+                else:
                     self._claim_more()
-                busy = bool(self._in_flight)
+                    self._dispatch()
+                busy = bool(self._in_flight or self._ready)
                 if drain and not busy and self._dry and not self._unwritten:
                     break
                 if self.on_progress is not None and time.monotonic() >= next_progress:
@@ -186,6 +197,7 @@ class Deliverer:
                 else:
                     self._idle(listening=listener is not None)
         finally:
+            self.summary.stopped = time.monotonic()
             self._stop_workers()
             if listener is not None:
                 listener.stop()
@@ -198,10 +210,12 @@ class Deliverer:
 
     # Workers: one attempt at a time each, never the database.
 
-    def _start_workers(self) -> None:
-        for number in range(self.concurrency + self.slow_concurrency):
+    def _start_workers(self, wanted: int) -> None:
+        """Have ``wanted`` workers: CONCURRENCY at first, more only while
+        slow deliveries hold some, so that idle threads hold no connections."""
+        while len(self._workers) < wanted:
             worker = threading.Thread(
-                target=self._work, name=f"federation-delivery-{number}", daemon=True
+                target=self._work, name=f"federation-delivery-{len(self._workers)}", daemon=True
             )
             worker.start()
             self._workers.append(worker)
@@ -225,6 +239,7 @@ class Deliverer:
                     continue
                 if item is None:
                     break
+                item.started = time.monotonic()
                 try:
                     result = attempt(
                         item.job,
@@ -252,7 +267,9 @@ class Deliverer:
     # The coordinator: claims, hands out, settles.
 
     def _wait(self, timeout: float) -> None:
-        self._wake.wait(timeout)
+        if self._wake.wait(timeout):
+            # A result, or new work queued: either may mean something is due.
+            self._dry = False
         self._wake.clear()
 
     def _idle(self, *, listening: bool) -> None:
@@ -277,24 +294,18 @@ class Deliverer:
         self._dry = False
 
     def _claim_more(self) -> None:
-        # A delivery in flight for longer than SLOW_AFTER_SECONDS gives its
-        # slot up to the next: a silent server holds a thread, not a slot.
-        slow = self._slow_count()
-        busy = len(self._in_flight) - slow
-        room = self.concurrency + self.slow_concurrency - len(self._in_flight)
-        free = min(self.concurrency - busy, room)
-        backlog = sum(len(jobs) for jobs in self._backlog.values())
-        refill = max(1, self.concurrency // 4)
-        if free <= 0 or backlog >= self.concurrency or (busy and free < refill and not self._dry):
+        """Keep a few claimed deliveries ready for the next free slots,
+        claimed many at a time rather than one round trip a delivery."""
+        if len(self._ready) >= max(1, self.concurrency // 2):
             return
-        if self._dry and busy:
-            return
+        if self._dry and (self._in_flight or self._ready):
+            return  # nothing more was due: the next result or a wake says when to look
         saturated = [
             host
-            for host, count in self._host_busy.items()
-            if count + len(self._backlog.get(host, ())) >= self.per_host
+            for host, busy in (self._host_busy + self._ready_hosts).items()
+            if busy >= self.per_host
         ]
-        limit = min(free, self.claim_size)
+        limit = max(1, self.claim_size - len(self._ready))
         claimed = self._db(
             queue.claim, limit, self.lease, exclude_hosts=saturated, using=self.using
         )
@@ -325,8 +336,9 @@ class Deliverer:
             if isinstance(paused, set):
                 self._paused = frozenset(paused)
         now = timezone.now()
+        holding = set(self._in_flight) | {item.claimed.id for item in self._ready}
         for row in claimed:
-            if row.id in self._in_flight:
+            if row.id in holding:
                 continue
             batch = self._batches[row.batch_id]
             if batch.deadline is not None and now >= batch.deadline:
@@ -342,20 +354,8 @@ class Deliverer:
             item = _InFlight(claimed=row, batch=batch, job=self._job(row, batch))
             if self.breakers is not None:
                 item.breaker = self.breakers.settings.key(row.host, row.inbox)
-                admitted = self._db(self.breakers.admit, item.breaker, now)
-                decision, item.probe, hold_for = admitted or (Decision.HOLD, "", 5.0)
-                if decision is Decision.HOLD:
-                    error = f"held: the circuit breaker for {item.breaker} is open"
-                    self._unwritten.append(
-                        self.settler.attempted(row, batch, held(item.job, error, hold_for))
-                    )
-                    continue
-            self._in_flight[row.id] = item
-            if self._host_busy[row.host] < self.per_host:
-                self._host_busy[row.host] += 1
-                self._dispatch(item)
-            else:
-                self._backlog.setdefault(row.host, collections.deque()).append(item)
+            self._ready.append(item)
+            self._ready_hosts[row.host] += 1
 
     def _job(self, row: queue.Claimed, batch: BatchInfo) -> Job:
         key_error = ""
@@ -386,7 +386,8 @@ class Deliverer:
             key_error=key_error,
         )
 
-    def _settle_finished(self) -> None:
+    def _collect(self) -> list[queue.Settlement]:
+        """What came of the attempts that finished since the last look."""
         settlements = self._unwritten
         self._unwritten = []
         while True:
@@ -403,25 +404,91 @@ class Deliverer:
                     probe=item.probe,
                     now=timezone.now(),
                 )
-            self._release_slot(item.claimed.host)
             del self._in_flight[item.claimed.id]
+            self._host_busy[item.claimed.host] -= 1
+            if self._host_busy[item.claimed.host] <= 0:
+                del self._host_busy[item.claimed.host]
+            self._dry = False  # a retry may have come due since the last claim
+        return settlements
+
+    def _write(self, settlements: list[queue.Settlement]) -> None:
         if not settlements:
             return
-        self._dry = False  # a retry may have come due since the last claim
         written = self._db(
             queue.settle, settlements, on_finished=self._batches_finished, using=self.using
         )
-        if written is not None and self.breakers is not None:
-            self._db(self.breakers.flush)
-        if written is not None and self._learned:
-            learned, self._learned = self._learned, {}
-            if self._db(queue.remember_schemes, learned, using=self.using) is None:
-                self._learned = {**learned, **self._learned}  # written next time
         if written is None:
             # Not written: written again while the lease holds. After that the
             # row is another claim's to take, and is sent again: never lost.
             now = time.time()
             self._unwritten = [s for s in settlements if s.claimed.leased_until > now]
+            return
+        if self.breakers is not None:
+            self._db(self.breakers.flush)
+        if self._learned:
+            learned, self._learned = self._learned, {}
+            if self._db(queue.remember_schemes, learned, using=self.using) is None:
+                self._learned = {**learned, **self._learned}  # written next time
+
+    def _dispatch(self) -> None:
+        """Hand ready deliveries to the workers while there are free slots:
+        CONCURRENCY at once, PER_HOST to one host. A delivery in flight past
+        SLOW_AFTER_SECONDS gives its slot up to the next, so that a silent
+        server holds a thread, not a slot."""
+        if not self._ready:
+            return
+        most = self.concurrency + self.slow_concurrency
+        slow = self._slow_count()
+        skipped: list[_InFlight] = []
+        while self._ready and len(self._in_flight) - slow < self.concurrency:
+            if len(self._in_flight) >= most:
+                break
+            item = self._ready.popleft()
+            host = item.claimed.host
+            if self._host_busy[host] >= self.per_host:
+                skipped.append(item)
+                continue
+            self._ready_hosts[host] -= 1
+            if self._ready_hosts[host] <= 0:
+                del self._ready_hosts[host]
+            if not self._admitted(item):
+                continue
+            self._host_busy[host] += 1
+            self._in_flight[item.claimed.id] = item
+            self._jobs.put(item)
+        self._ready.extendleft(reversed(skipped))
+        self._start_workers(min(most, max(self.concurrency, len(self._in_flight))))
+
+    def _admitted(self, item: _InFlight) -> bool:
+        """Whether the destination's breaker lets the delivery through now
+        (as the probe, perhaps); one it holds is settled as held."""
+        if self.breakers is None or not item.breaker:
+            return True
+        now = timezone.now()
+        admitted = self._db(self.breakers.admit, item.breaker, now)
+        decision, item.probe, hold_for = admitted or (Decision.HOLD, "", 5.0)
+        if decision is not Decision.HOLD:
+            return True
+        error = f"held: the circuit breaker for {item.breaker} is open"
+        self._unwritten.append(
+            self.settler.attempted(item.claimed, item.batch, held(item.job, error, hold_for))
+        )
+        return False
+
+    def _release_ready(self) -> None:
+        """Stopping: put back what was claimed and not sent, due now, for
+        another deliverer to take without waiting out the lease."""
+        while self._ready:
+            item = self._ready.popleft()
+            self._unwritten.append(
+                queue.Settlement(
+                    claimed=item.claimed,
+                    status=Status.PENDING,
+                    attempts=item.claimed.attempts,
+                    due_at=timezone.now(),
+                )
+            )
+        self._ready_hosts.clear()
 
     def scheme_for(self, host: str) -> Scheme:
         """The scheme to knock on ``host`` in first: the one it last accepted."""
@@ -445,10 +512,6 @@ class Deliverer:
             scheme = found.get(host)
             self._schemes[host] = (now, Scheme(scheme) if scheme in SCHEMES else None)
 
-    def _dispatch(self, item: _InFlight) -> None:
-        item.started = time.monotonic()
-        self._jobs.put(item)
-
     def _slow_count(self) -> int:
         cutoff = time.monotonic() - self.slow_after
         return sum(1 for item in self._in_flight.values() if 0 < item.started <= cutoff)
@@ -458,17 +521,6 @@ class Deliverer:
         cutoff = time.monotonic() - self.slow_after
         fast = [item.started - cutoff for item in self._in_flight.values() if item.started > cutoff]
         return max(0.01, min([1.0, *fast]))
-
-    def _release_slot(self, host: str) -> None:
-        backlog = self._backlog.get(host)
-        if backlog:
-            self._dispatch(backlog.popleft())
-            if not backlog:
-                del self._backlog[host]
-        else:
-            self._host_busy[host] -= 1
-            if self._host_busy[host] <= 0:
-                del self._host_busy[host]
 
     def _learn_scheme(self, host: str, result: AttemptResult) -> None:
         accepted = result.accepted_scheme

@@ -44,6 +44,8 @@ class Summary:
     held: int = 0
     attempts: int = 0
     started: float = dataclasses.field(default_factory=time.monotonic)
+    #: When the run ended, once it has.
+    stopped: float | None = None
 
     @property
     def done(self) -> int:
@@ -54,7 +56,7 @@ class Summary:
 
     @property
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        return (self.stopped or time.monotonic()) - self.started
 
     @property
     def rate(self) -> float:

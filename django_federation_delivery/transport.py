@@ -278,6 +278,8 @@ class _Watchdog:
         self._cond = threading.Condition()
         self._active: set[_Attempt] = set()
         self._thread: threading.Thread | None = None
+        #: When the thread wakes next on its own (None: only when notified).
+        self._wakes_at: float | None = None
 
     def start(self, attempt: _Attempt) -> None:
         with self._cond:
@@ -287,7 +289,10 @@ class _Watchdog:
                     target=self._run, name="federation-delivery-watchdog", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            # Attempts share one timeout, so a new deadline is rarely the
+            # earliest: wake the thread only when it is.
+            if self._wakes_at is None or attempt.deadline < self._wakes_at:
+                self._cond.notify()
 
     def register(self, attempt: _Attempt, sock: socket.socket) -> bool:
         """Watch ``sock`` for ``attempt``; ``False`` if the attempt is already late."""
@@ -318,8 +323,8 @@ class _Watchdog:
                         # OSError: already closed by the peer, so nothing is blocked on it.
                         with contextlib.suppress(OSError):
                             dup.shutdown(socket.SHUT_RDWR)
-                next_deadline = min((a.deadline for a in self._active), default=None)
-                self._cond.wait(None if next_deadline is None else next_deadline - now)
+                self._wakes_at = min((a.deadline for a in self._active), default=None)
+                self._cond.wait(None if self._wakes_at is None else self._wakes_at - now)
 
 
 _WATCHDOG = _Watchdog()
