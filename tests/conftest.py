@@ -179,6 +179,8 @@ def wait_until(condition: Callable[[], bool], timeout: float = 20.0, step: float
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a ``manage.py`` subprocess that shares this test's database."""
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT))
+    # As a supervisor runs it: output through a pipe, buffered unless flushed.
+    env.pop("PYTHONUNBUFFERED", None)
     settings = connection.settings_dict
     if connection.vendor == "sqlite":
         env["FD_SQLITE_NAME"] = str(settings["NAME"])

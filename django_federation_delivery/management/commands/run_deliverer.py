@@ -111,7 +111,7 @@ class Command(BaseCommand):
         )
         previous = self._install_signals(deliverer)
         mode = "until nothing is due" if drain else "until stopped"
-        self.stdout.write(
+        self._say(
             f"Delivering {mode}: {deliverer.concurrency} in flight, {deliverer.per_host} per host."
         )
         try:
@@ -120,7 +120,7 @@ class Command(BaseCommand):
             # Called from code (call_command), the caller's handlers come back.
             for number, handler in previous.items():
                 signal.signal(number, handler)
-        self.stdout.write(self.style.SUCCESS(f"Done: {summary.line()}."))
+        self._say(self.style.SUCCESS(f"Done: {summary.line()}."))
 
     def _progress(self, summary: Summary) -> None:
         """A bar of what was due at the start and has been dealt with since."""
@@ -128,7 +128,13 @@ class Command(BaseCommand):
         total = max(self._due, done, 1)
         filled = round(BAR * done / total)
         bar = "#" * filled + "." * (BAR - filled)
-        self.stdout.write(f"  [{bar}] {done}/{total}  {summary.line()}")
+        self._say(f"  [{bar}] {done}/{total}  {summary.line()}")
+
+    def _say(self, line: str) -> None:
+        # Flushed: an operator (or a supervisor reading a pipe) sees it now,
+        # not when a buffer fills.
+        self.stdout.write(line)
+        self.stdout.flush()
 
     def _install_signals(self, deliverer: Deliverer) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
