@@ -22,7 +22,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, connections
 from django.utils import timezone
 
-from django_federation_delivery import queue, signals, wakeup
+from django_federation_delivery import metrics, queue, signals, wakeup
 from django_federation_delivery.attempt import AttemptResult, Job, attempt, held, permanent_status
 from django_federation_delivery.breakers import Breakers, BreakerSettings, Decision, Scope
 from django_federation_delivery.conf import app_settings
@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 #: so that what another process learnt reaches this one.
 SCHEME_TTL = 60.0
 SCHEMES = frozenset(scheme.value for scheme in Scheme)
+#: How often the lag and open-breaker gauges are read from the database.
+GAUGES_EVERY = 5.0
 
 
 @dataclasses.dataclass
@@ -68,6 +70,7 @@ class Deliverer:
         using: str = DEFAULT_DB_ALIAS,
         on_progress: Callable[[Summary], None] | None = None,
         progress_interval: float = 1.0,
+        metrics: bool = False,
     ) -> None:
         get = app_settings.get
         self.concurrency = max(1, int(concurrency or get("CONCURRENCY")))
@@ -109,6 +112,9 @@ class Deliverer:
         )
         self._paused: frozenset[str] = frozenset()
         self._view_read = -1.0
+        #: Whether to keep the queue's gauges (lag, open breakers) up to date.
+        self.metrics = metrics
+        self._gauges_read = -1.0
         self.on_progress = on_progress
         self.progress_interval = progress_interval
         self.summary = Summary()
@@ -529,7 +535,11 @@ class Deliverer:
             self._learned[host] = accepted.value
 
     def _refresh_view(self) -> None:
-        """Re-read the breakers and the paused hosts, about once a second."""
+        """Re-read the breakers and the paused hosts, about once a second
+        (and the queue's gauges every few seconds, when metrics are served)."""
+        if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
+            self._gauges_read = time.monotonic()
+            self._db(metrics.observe_queue, using=self.using)
         if time.monotonic() - self._view_read < 1.0:
             return
         self._view_read = time.monotonic()

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: What an attempt can come to, as ``delivery_attempted`` reports it.
-OUTCOMES = ("delivered", "retrying", "refused", "failed")
+OUTCOMES = ("delivered", "retrying", "held", "refused", "failed")
 #: Attempt durations in seconds: from a fast local inbox to ATTEMPT_TIMEOUT.
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "federation_delivery"

@@ -117,6 +117,9 @@ class Delivery(models.Model):
             ),
             models.Index(fields=["batch", "status"], name="fd_delivery_batch_status"),
             models.Index(fields=["host", "status"], name="fd_delivery_host_status"),
+            # What settled in a window (the last hour, the last day), for the
+            # overview, without reading every settled row.
+            models.Index(fields=["status", "settled_at"], name="fd_delivery_settled"),
             # The last pending delivery of a sequence, which a new one waits on.
             models.Index(
                 fields=["sequence"],

@@ -19,7 +19,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from django_federation_delivery import queue, signals
+from django_federation_delivery import metrics, queue, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.retry import RetryPolicy, wait_before_retry
@@ -178,6 +178,7 @@ class Settler:
     def _signal_attempt(
         self, row: queue.Claimed, batch: BatchInfo, result: AttemptResult, outcome: str
     ) -> None:
+        metrics.record_attempt(outcome, result.duration)
         signals.send_safely(
             signals.delivery_attempted,
             attempt=signals.Attempted(

@@ -229,3 +229,35 @@ def test_a_running_deliverer_logs_its_rates_and_counts(caplog: pytest.LogCapture
     (record,) = caplog.records
     assert "delivered 120, retrying 3" in record.getMessage()
     assert "delivered/s" in record.getMessage()
+
+
+def test_metrics_are_served_on_the_port_named(
+    inbox: Inbox, processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = processes(f"--metrics-port={port}")
+    wait_for_line(process, "Delivering until stopped")
+    send(ALICE, NOTE, [inbox.url()])
+    wait_until(lambda: statuses() == {Status.DELIVERED: 1})
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            return str(answer.read().decode())
+
+    wait_until(lambda: "federation_delivery_lag_seconds" in scrape())
+    text = scrape()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(20) == 0
+    assert 'federation_delivery_attempts_total{outcome="delivered"} 1.0' in text
+    assert "federation_delivery_attempt_duration_seconds_count 1.0" in text
+    assert "federation_delivery_open_breakers 0.0" in text
+
+
+def test_a_bad_metrics_port_is_refused_naming_it() -> None:
+    with pytest.raises(CommandError, match="70000"):
+        call_command("run_deliverer", "--drain", "--metrics-port=70000")

@@ -11,10 +11,11 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from django_federation_delivery import queue
+from django_federation_delivery import metrics, queue
 from django_federation_delivery.checks import sqlite_problems
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.settling import Summary
@@ -84,6 +85,12 @@ class Command(BaseCommand):
             "--database", default=DEFAULT_DB_ALIAS, help="The database alias the queue lives in."
         )
         parser.add_argument(
+            "--metrics-port",
+            type=str,
+            default=None,
+            help="Serve Prometheus metrics on this port (needs the 'prometheus' extra).",
+        )
+        parser.add_argument(
             "--log-interval",
             type=str,
             default="60",
@@ -101,6 +108,18 @@ class Command(BaseCommand):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
         drain = bool(options["drain"])
         interval = float(_positive(options["log_interval"]))
+        port = options["metrics_port"]
+        if port is not None:
+            number = _positive(port)
+            if number > 65535:
+                raise CommandError(f"expected a port from 1 to 65535, not {port!r}")
+            try:
+                server = metrics.start_server(number)
+            except ImproperlyConfigured as exc:
+                raise CommandError(str(exc)) from exc
+            except OSError as exc:
+                raise CommandError(f"cannot serve metrics on port {number}: {exc}") from exc
+            self._say(f"Metrics at http://0.0.0.0:{server.server_port}/metrics")
         self._due = queue.count_due(using=using) if drain else 0
         deliverer = Deliverer(
             concurrency=concurrency,
@@ -108,6 +127,7 @@ class Command(BaseCommand):
             using=using,
             on_progress=self._progress if drain else _log_rates(interval),
             progress_interval=1.0 if drain else interval,
+            metrics=port is not None,
         )
         previous = self._install_signals(deliverer)
         mode = "until nothing is due" if drain else "until stopped"

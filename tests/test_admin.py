@@ -1,0 +1,508 @@
+"""The admin: pages, actions through ``controls``, permissions, and bounded queries."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+from django.utils import timezone
+
+from django_federation_delivery import controls
+from django_federation_delivery.admin import next_due
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
+
+from . import operators
+from .operators import open_breaker, queue, settle
+
+pytestmark = pytest.mark.django_db
+
+#: The queues page's queries, whatever the row count: the session, the user
+#: and their permissions, and the overview's own (about eight).
+QUEUES_QUERY_BOUND = 14
+
+
+def url(model: str, view: str = "changelist", *args: Any) -> str:
+    return reverse(f"admin:federation_delivery_{model}_{view}", args=args)
+
+
+def login(username: str, actions: tuple[str, ...] = ("view", "change")) -> Client:
+    client = Client()
+    client.force_login(operators.user(username, actions))
+    return client
+
+
+@pytest.fixture
+def operator() -> Client:
+    """Staff with view and change permissions on every model of the app."""
+    return login("operator")
+
+
+@pytest.fixture
+def viewer() -> Client:
+    """Staff with view permissions only."""
+    return login("viewer", ("view",))
+
+
+def act(client: Client, model: str, action: str, ids: list[Any]) -> list[str]:
+    """Run an admin action on rows, as its form does; the messages it left."""
+    response = client.post(
+        url(model),
+        {"action": action, ACTION_CHECKBOX_NAME: [str(id) for id in ids], "index": "0"},
+        follow=True,
+    )
+    # Back on the list, which shows (and so consumes) the messages.
+    assert response.redirect_chain == [(url(model), 302)], response.content[:500]
+    return [str(message) for message in response.context["messages"]]
+
+
+def html(client: Client, address: str) -> str:
+    response = client.get(address)
+    assert response.status_code == 200, address
+    return response.content.decode()
+
+
+# Pages.
+
+
+def test_every_page_shows_for_an_operator(operator: Client) -> None:
+    batch = queue(tag="greeting")
+    delivery = batch.deliveries.order_by("id").first()
+    assert delivery is not None
+    open_breaker("a.example")
+    controls.pause_host("b.example")
+    for model, key in (
+        ("batch", batch.pk),
+        ("delivery", delivery.pk),
+        ("breaker", "a.example"),
+        ("host", "b.example"),
+    ):
+        html(operator, url(model))
+        page = html(operator, url(model, "change", key))
+        # Read-only: nothing to save, add or delete.
+        assert 'name="_save"' not in page
+        assert "deletelink" not in page
+    assert html(operator, url("delivery", "queues")).count('<div class="module" id="fd-') == 4
+    assert url("delivery", "queues") in html(operator, url("delivery"))
+
+
+def test_a_delivery_shows_its_body_pretty_printed_and_read_only(operator: Client) -> None:
+    delivery = queue().deliveries.first()
+    assert delivery is not None
+    page = html(operator, url("delivery", "change", delivery.pk))
+    assert '<pre class="fd-body">{\n  &quot;@context&quot;' in page
+    assert "<textarea" not in page
+    # The list shows no body.
+    assert "fd-body" not in html(operator, url("delivery"))
+
+
+def test_the_change_form_of_a_row_cannot_be_posted(operator: Client) -> None:
+    delivery = queue().deliveries.first()
+    assert delivery is not None
+    response = operator.post(url("delivery", "change", delivery.pk), {"status": "delivered"})
+    assert response.status_code == 403
+    assert Delivery.objects.get(pk=delivery.pk).status == Status.PENDING
+
+
+def test_next_due_is_relative() -> None:
+    now = timezone.now()
+    batch = Batch(sender="s", body="{}")
+    minute = dt.timedelta(minutes=1)
+    assert next_due(Delivery(batch=batch, due_at=now), now) == "due now"
+    assert next_due(Delivery(batch=batch, due_at=now - 5 * minute), now) == "due 5\xa0minutes ago"
+    assert next_due(Delivery(batch=batch, due_at=now + 5 * minute), now) == "in 5\xa0minutes"
+    leased = Delivery(batch=batch, due_at=now + 5 * minute, lease_token="t")
+    assert next_due(leased, now) == "in flight (lease ends in 5\xa0minutes)"
+    assert next_due(Delivery(batch=batch, due_at=None), now) == "held: host paused"
+    assert next_due(Delivery(batch=batch, due_at=None, after_id=7), now) == "held: waits on #7"
+    assert next_due(Delivery(batch=batch, status=Status.DELIVERED), now) == "—"
+
+
+def test_a_batch_shows_its_progress_from_one_query_for_the_page(operator: Client) -> None:
+    first = queue(per_host=3)
+    rows = list(first.deliveries.order_by("id"))
+    settle(rows[0], Status.DELIVERED, last_status=202)
+    settle(rows[1], Status.DELIVERED, last_status=202)
+    settle(rows[2], Status.REFUSED, last_status=403)
+    settle(rows[3], Status.FAILED, last_status=500)
+    settle(rows[4], Status.SKIPPED)
+    page = html(operator, url("batch"))
+    assert "2 delivered · 1 refused · 1 failed · 1 skipped · 1 pending" in page
+    with CaptureQueriesContext(connection) as few:
+        html(operator, url("batch"))
+    for _ in range(10):
+        queue()
+    with CaptureQueriesContext(connection) as many:
+        html(operator, url("batch"))
+    assert len(many) == len(few), "one query for the page's progress, not one a batch"
+
+
+# The queues page.
+
+
+def test_the_queues_page_shows_the_overview(operator: Client) -> None:
+    batch = queue(hosts=["a.example", "b.example", "c.example"], per_host=2)
+    rows = list(batch.deliveries.order_by("id"))
+    now = timezone.now()
+    Delivery.objects.filter(pk=rows[0].pk).update(due_at=now - dt.timedelta(minutes=5))
+    Delivery.objects.filter(pk=rows[1].pk).update(
+        due_at=now + dt.timedelta(minutes=5), attempts=1, last_status=503
+    )
+    Delivery.objects.filter(pk=rows[2].pk).update(
+        due_at=now + dt.timedelta(minutes=5), lease_token="held-by-a-deliverer"
+    )
+    settle(rows[3], Status.DELIVERED, last_status=202)
+    settle(rows[4], Status.FAILED, last_status=500, ago=dt.timedelta(hours=3))
+    open_breaker(rows[1].host)
+    controls.pause_host("c.example")
+    page = html(operator, url("delivery", "queues"))
+    assert "Queues at a glance" in page
+    normal = page.split('data-lane="normal"')[1].split("</tr>")[0]
+    cells = {
+        column: normal.split(f'data-column="{column}">')[1].split("</td>")[0]
+        for column in (
+            "due",
+            "scheduled",
+            "in_flight",
+            "held",
+            "lag",
+            "delivered_last_hour",
+            "failed_last_day",
+        )
+    }
+    assert ">1</a>" in cells["due"] and "queue=due" in cells["due"]
+    assert ">1</a>" in cells["scheduled"]
+    assert ">1</a>" in cells["in_flight"]
+    assert ">1</a>" in cells["held"]
+    assert cells["lag"].startswith("5m ")
+    assert cells["delivered_last_hour"] == "1"
+    assert cells["failed_last_day"] == "1"
+    assert rows[1].host in page.split('id="fd-failing-hosts"')[1].split("</table>")[0]
+    assert rows[1].host in page.split('id="fd-open-breakers"')[1].split("</table>")[0]
+    assert "c.example" in page.split('id="fd-paused-hosts"')[1]
+
+
+def _fill(count: int) -> None:
+    """``count`` deliveries in every state the page counts, over many hosts."""
+    hosts = [f"h{n}.example" for n in range(8)]
+    inboxes = [f"https://{hosts[n % len(hosts)]}/u{n}/inbox" for n in range(count)]
+    from django_federation_delivery import send
+
+    send(operators.ALICE, operators.NOTE, inboxes)
+    now = timezone.now()
+    ids = list(Delivery.objects.order_by("id").values_list("id", flat=True))
+    quarter = len(ids) // 4
+    Delivery.objects.filter(id__in=ids[:quarter]).update(
+        status=Status.DELIVERED, due_at=None, settled_at=now, last_status=202, attempts=1
+    )
+    Delivery.objects.filter(id__in=ids[quarter : 2 * quarter]).update(
+        status=Status.FAILED, due_at=None, settled_at=now, last_status=500, attempts=5
+    )
+    Delivery.objects.filter(id__in=ids[2 * quarter : 3 * quarter]).update(
+        due_at=now + dt.timedelta(minutes=10), attempts=2, last_status=502
+    )
+    Delivery.objects.filter(id__in=ids[3 * quarter :][:3]).update(lease_token="t", lane=Lane.LOW)
+    retrying = Delivery.objects.filter(id__in=ids[2 * quarter : 3 * quarter])
+    for host in sorted(set(retrying.values_list("host", flat=True)))[:2]:
+        open_breaker(host)
+    open_breaker(inboxes[-1])  # SCOPE "inbox"
+    controls.pause_host(hosts[-1])
+
+
+@pytest.mark.parametrize("rows", [10, 2000])
+def test_the_queues_page_makes_a_bounded_number_of_queries(
+    operator: Client, rows: int, django_assert_max_num_queries: Any
+) -> None:
+    _fill(rows)
+    assert Delivery.objects.count() == rows
+    html(operator, url("delivery", "queues"))  # the session and such, settled once
+    with django_assert_max_num_queries(QUEUES_QUERY_BOUND) as captured:
+        html(operator, url("delivery", "queues"))
+    # Nothing reads the whole table: pending rows (the live queue, in the
+    # partial index) or settled ones within a window of settled_at.
+    for query in captured.captured_queries:
+        sql = query["sql"]
+        if 'FROM "federation_delivery_delivery"' in sql:
+            where = sql.partition(" WHERE ")[2]
+            assert "'pending'" in where or '"settled_at" >=' in where, sql
+
+
+def test_the_queues_page_makes_as_many_queries_for_2000_rows_as_for_10(
+    operator: Client,
+) -> None:
+    counts = []
+    for rows in (10, 1990):
+        _fill(rows)
+        html(operator, url("delivery", "queues"))
+        with CaptureQueriesContext(connection) as captured:
+            html(operator, url("delivery", "queues"))
+        counts.append([query["sql"] for query in captured])
+    assert len(counts[0]) == len(counts[1]) <= QUEUES_QUERY_BOUND, counts
+
+
+# Actions, each through controls, each reporting what it did.
+
+
+def test_requeue_puts_failed_refused_and_skipped_back_due_now_keeping_attempts(
+    operator: Client,
+) -> None:
+    rows = list(queue(per_host=2).deliveries.order_by("id"))
+    settle(rows[0], Status.FAILED, last_status=500, attempts=12)
+    settle(rows[1], Status.REFUSED, last_status=403, attempts=1)
+    settle(rows[2], Status.DELIVERED, last_status=202, attempts=1)
+    before = timezone.now()
+    messages = act(operator, "delivery", "requeue", [row.pk for row in rows])
+    assert messages == ["Requeued 2 deliveries, due now; pending or delivered ones are left alone."]
+    requeued = Delivery.objects.filter(pk__in=[rows[0].pk, rows[1].pk]).order_by("id")
+    assert [(row.status, row.attempts) for row in requeued] == [
+        (Status.PENDING, 12),
+        (Status.PENDING, 1),
+    ]
+    assert all(row.due_at is not None and row.due_at >= before for row in requeued)
+    assert Delivery.objects.get(pk=rows[2].pk).status == Status.DELIVERED
+    assert Delivery.objects.get(pk=rows[3].pk).attempts == 0, "a pending one is left alone"
+
+
+def test_give_up_fails_only_the_pending_ones(operator: Client) -> None:
+    rows = list(queue().deliveries.order_by("id"))
+    settle(rows[0], Status.DELIVERED, last_status=202)
+    messages = act(operator, "delivery", "give_up", [rows[0].pk, rows[1].pk])
+    assert messages == ["Gave up 1 pending delivery; settled ones are left alone."]
+    assert Delivery.objects.get(pk=rows[0].pk).status == Status.DELIVERED
+    failed = Delivery.objects.get(pk=rows[1].pk)
+    assert (failed.status, failed.last_error) == (Status.FAILED, "given up by an operator")
+
+
+def test_pausing_the_hosts_of_deliveries_holds_them(operator: Client) -> None:
+    rows = list(queue().deliveries.filter(host="a.example"))
+    messages = act(operator, "delivery", "pause_hosts", [rows[0].pk])
+    assert messages == ["Paused 1 host: 2 pending deliveries held until resumed."]
+    assert Host.objects.get(name="a.example").paused_at is not None
+    assert all(row.due_at is None for row in Delivery.objects.filter(host="a.example"))
+    assert Delivery.objects.filter(host="b.example", due_at__isnull=True).count() == 0
+
+
+def test_a_batch_requeues_its_failed_deliveries_and_cancels_what_is_pending(
+    operator: Client,
+) -> None:
+    batch = queue()
+    other = queue()
+    rows = list(batch.deliveries.order_by("id"))
+    settle(rows[0], Status.FAILED, last_status=500)
+    settle(rows[1], Status.REFUSED, last_status=410)
+    messages = act(operator, "batch", "requeue_failed", [batch.pk])
+    assert messages == ["Requeued 1 failed delivery of 1 batch, due now."]
+    assert Delivery.objects.get(pk=rows[0].pk).status == Status.PENDING
+    assert Delivery.objects.get(pk=rows[1].pk).status == Status.REFUSED, "refused is final"
+
+    messages = act(operator, "batch", "cancel_pending", [batch.pk])
+    assert messages == ["Cancelled 3 pending deliveries of 1 batch."]
+    assert set(batch.deliveries.values_list("status", flat=True)) == {
+        Status.FAILED,
+        Status.REFUSED,
+    }
+    batch.refresh_from_db()
+    assert (batch.remaining, batch.finished_at is not None) == (0, True)
+    assert set(other.deliveries.values_list("status", flat=True)) == {Status.PENDING}
+
+    messages = act(operator, "batch", "cancel_pending", [batch.pk])
+    assert messages == ["Cancelled 0 pending deliveries of 1 batch."]
+
+
+def test_breaker_actions_reset_pause_and_give_up_the_host(operator: Client) -> None:
+    queue(hosts=["a.example", "b.example", "c.example"])
+    open_breaker("a.example")
+    open_breaker("https://b.example/users/u0/inbox")  # SCOPE "inbox"
+    open_breaker("c.example")
+
+    assert act(operator, "breaker", "reset", ["c.example"]) == ["Reset 1 breaker."]
+    assert not Breaker.objects.filter(key="c.example").exists()
+
+    messages = act(operator, "breaker", "pause_hosts", ["https://b.example/users/u0/inbox"])
+    assert messages == ["Paused 1 host: 2 pending deliveries held until resumed."]
+    assert Host.objects.get(name="b.example").paused_at is not None
+
+    messages = act(operator, "breaker", "pause_hosts", ["https://b.example/users/u0/inbox"])
+    assert messages == [
+        "Paused 0 hosts: 0 pending deliveries held until resumed. 1 host was paused already."
+    ]
+
+    messages = act(operator, "breaker", "resume_hosts", ["https://b.example/users/u0/inbox"])
+    assert messages == ["Resumed 1 host: 2 held deliveries due now."]
+    assert Host.objects.get(name="b.example").paused_at is None
+    assert not Delivery.objects.filter(due_at__isnull=True).exists()
+
+    messages = act(operator, "breaker", "give_up_hosts", ["a.example"])
+    assert messages == ["Gave up 2 pending deliveries to 1 host."]
+    assert set(Delivery.objects.filter(host="a.example").values_list("status", flat=True)) == {
+        Status.FAILED
+    }
+    assert Delivery.objects.filter(host="c.example", status=Status.PENDING).count() == 2
+
+
+def test_host_actions_pause_resume_and_give_up(operator: Client) -> None:
+    queue()
+    controls.pause_host("a.example")
+    Host.objects.create(name="b.example", scheme="rfc9421")
+
+    messages = act(operator, "host", "resume", ["a.example", "b.example"])
+    assert messages == ["Resumed 1 host: 2 held deliveries due now."]
+    assert Delivery.objects.filter(due_at__isnull=True).count() == 0
+
+    messages = act(operator, "host", "pause", ["b.example"])
+    assert messages == ["Paused 1 host: 2 pending deliveries held until resumed."]
+    assert "2 (2 held)" in html(operator, url("host"))
+
+    messages = act(operator, "host", "pause", ["a.example", "b.example"])
+    assert messages == [
+        "Paused 1 host: 2 pending deliveries held until resumed. 1 host was paused already."
+    ]
+    act(operator, "host", "resume", ["a.example"])
+
+    messages = act(operator, "host", "give_up", ["b.example"])
+    assert messages == ["Gave up 2 pending deliveries to 1 host."]
+    assert Delivery.objects.filter(status=Status.PENDING).count() == 2
+
+
+def test_an_action_that_applies_to_nothing_says_so_as_a_warning(operator: Client) -> None:
+    row = queue().deliveries.first()
+    assert row is not None
+    response = operator.post(
+        url("delivery"),
+        {"action": "requeue", ACTION_CHECKBOX_NAME: [str(row.pk)], "index": "0"},
+        follow=True,
+    )
+    [message] = list(response.context["messages"])
+    assert message.level_tag == "warning"
+    assert str(message).startswith("Requeued 0 deliveries")
+
+
+# Permissions.
+
+
+def test_a_viewer_sees_everything_and_is_offered_no_action(viewer: Client) -> None:
+    batch = queue()
+    open_breaker("a.example")
+    controls.pause_host("b.example")
+    for model in ("batch", "delivery", "breaker", "host"):
+        page = html(viewer, url(model))
+        assert 'name="action"' not in page, model
+    page = html(viewer, url("delivery", "change", batch.deliveries.values_list("pk")[0][0]))
+    assert "&quot;Create&quot;" in page
+    assert 'name="_save"' not in page
+    assert "Queues at a glance" in html(viewer, url("delivery", "queues"))
+
+
+@pytest.mark.parametrize(
+    ("model", "action", "key"),
+    [
+        ("delivery", "requeue", None),
+        ("delivery", "give_up", None),
+        ("delivery", "pause_hosts", None),
+        ("batch", "cancel_pending", None),
+        ("breaker", "reset", "a.example"),
+        ("breaker", "pause_hosts", "a.example"),
+        ("breaker", "resume_hosts", "a.example"),
+        ("breaker", "give_up_hosts", "a.example"),
+        ("batch", "requeue_failed", None),
+        ("host", "pause", "b.example"),
+        ("host", "resume", "b.example"),
+        ("host", "give_up", "b.example"),
+    ],
+)
+def test_a_viewer_is_refused_every_action(
+    viewer: Client, model: str, action: str, key: str | None
+) -> None:
+    batch = queue()
+    open_breaker("a.example")
+    Host.objects.create(name="b.example")
+    row = batch.deliveries.first()
+    assert row is not None
+    settle(row, Status.FAILED, last_status=500)
+    ids = {"delivery": row.pk, "batch": batch.pk}
+    response = viewer.post(
+        url(model),
+        {"action": action, ACTION_CHECKBOX_NAME: [str(key or ids[model])], "index": "0"},
+    )
+    assert response.status_code == 403
+    assert Delivery.objects.filter(status=Status.PENDING).count() == 3
+    assert Breaker.objects.filter(key="a.example").exists()
+    assert Host.objects.get(name="b.example").paused_at is None
+
+
+def test_each_action_needs_the_change_permission_of_what_it_changes() -> None:
+    queue()
+    client = login("deliveries_only", ("view", "change_delivery"))
+    page = html(client, url("delivery"))
+    assert 'value="requeue"' in page and 'value="give_up"' in page
+    assert 'value="pause_hosts"' not in page, "pausing needs change_host"
+    assert 'value="reset"' not in html(client, url("breaker"))
+    host_page = html(client, url("host"))
+    assert 'value="give_up"' in host_page and 'value="pause"' not in host_page
+
+
+def test_the_queues_page_needs_the_view_permission() -> None:
+    client = login("nobody", ())
+    assert client.get(url("delivery", "queues")).status_code == 403
+    anonymous = Client().get(url("delivery", "queues"))
+    assert anonymous.status_code == 302 and "/login/" in anonymous["Location"]
+
+
+# Filters and search.
+
+
+def test_filters_and_search(operator: Client) -> None:
+    batch = queue(tag="welcome")
+    queue(hosts=["c.example"], sender="https://social.example/users/bob", tag="boost")
+    rows = list(batch.deliveries.order_by("id"))
+    settle(rows[0], Status.DELIVERED, last_status=202)
+    settle(rows[1], Status.FAILED, last_status=503)
+    settle(rows[2], Status.REFUSED, last_status=404)
+    Delivery.objects.filter(pk=rows[3].pk).update(last_status=None)
+    controls.pause_host("c.example")
+
+    def listed(query: str) -> int:
+        response = operator.get(f"{url('delivery')}?{query}")
+        assert response.status_code == 200
+        return int(response.context["cl"].result_count)
+
+    assert listed("status__exact=failed") == 1
+    assert listed(f"lane__exact={Lane.NORMAL}") == 6
+    assert listed("last_status_class=2xx") == 1
+    assert listed("last_status_class=4xx") == 1
+    assert listed("last_status_class=5xx") == 1
+    assert listed("last_status_class=none") == 3
+    assert listed("host=c.example") == 2
+    assert listed("queue=held") == 2
+    assert listed("queue=due") == 1
+    assert listed("q=users/bob") == 2
+    assert listed("q=welcome") == 4
+    assert listed("q=a.example/users/u1") == 1
+    assert listed(f"batch__id__exact={batch.pk}") == 4
+    assert "c.example" in html(operator, url("delivery"))  # offered: it is paused
+
+    def batches(query: str) -> int:
+        return int(operator.get(f"{url('batch')}?{query}").context["cl"].result_count)
+
+    assert batches("tag=boost") == 1
+    assert batches("state=failures") == 1
+    assert batches("state=pending") == 2
+    assert batches("state=finished") == 0
+
+    open_breaker("a.example")
+    Breaker.objects.create(key="d.example", failures=3)
+    breakers = operator.get(f"{url('breaker')}?state=open").context["cl"]
+    assert [row.key for row in breakers.result_list] == ["a.example"]
+    assert operator.get(f"{url('host')}?paused=yes").context["cl"].result_count == 1
+
+
+def test_a_body_that_is_not_json_is_shown_as_it_is(operator: Client) -> None:
+    batch = queue()
+    Batch.objects.filter(pk=batch.pk).update(body="<not json>")
+    page = html(operator, url("batch", "change", batch.pk))
+    assert '<pre class="fd-body">&lt;not json&gt;</pre>' in page

@@ -1,0 +1,215 @@
+"""The admin in a real browser: Playwright driving Debian's Chromium.
+
+Each test saves screenshots to tests/var/screenshots/, from which those in
+docs/ are taken. Only a missing Chromium skips these tests; ``scripts/test``
+installs it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from django_federation_delivery import controls
+from django_federation_delivery.models import Delivery, Host, Status
+
+from .conftest import ROOT
+from .operators import PASSWORD, open_breaker, queue, settle, user
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    # Containers often have a small /dev/shm, which crashes tabs otherwise.
+    "--disable-dev-shm-usage",
+]
+SCREENSHOTS = ROOT / "tests" / "var" / "screenshots"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="no Chromium: apt-get install chromium (scripts/test does)"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    # Playwright's sync API runs an event loop in this thread, which Django
+    # takes for async code and refuses ORM calls in: the documented way out.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            yield browser
+            browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    # Wide enough for the lists' columns, with the admin's nav sidebar closed.
+    context = browser.new_context(viewport={"width": 1600, "height": 900})
+    context.add_init_script("localStorage.setItem('django.admin.navSidebarIsOpen', 'false')")
+    context.set_default_timeout(15_000)
+    yield context.new_page()
+    context.close()
+
+
+def log_in(page: Page, server: Any, person: User) -> None:
+    page.goto(f"{server.url}/admin/login/?next=/admin/")
+    page.fill("#id_username", person.username)
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    expect(page.locator("#user-tools")).to_contain_text(person.username)
+
+
+def screenshot(page: Page, name: str) -> Path:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def run_action(page: Page, row_text: str, action: str) -> None:
+    """Tick the row showing ``row_text``, pick ``action`` and press Go."""
+    row = page.locator("#result_list tbody tr", has_text=row_text)
+    row.locator("input.action-select").check()
+    page.select_option("select[name=action]", action)
+    page.click("button[name=index]")
+
+
+def fill_queue() -> dict[str, Any]:
+    """A queue to look at: a few hosts, one failing, one paused, some settled."""
+    welcome = queue(hosts=["mastodon.example", "pixelfed.example"], per_host=3, tag="welcome")
+    batch = queue(hosts=["down.example", "mastodon.example", "lemmy.example"], tag="post")
+    rows = {row.inbox: row for row in batch.deliveries.all()}
+    now = timezone.now()
+    # Down: retried in a while. One due for two minutes: the lag. One in flight.
+    Delivery.objects.filter(host="down.example").update(
+        attempts=4, last_status=503, last_error="HTTP 503", due_at=now + dt.timedelta(minutes=10)
+    )
+    Delivery.objects.filter(inbox="https://lemmy.example/users/u1/inbox").update(
+        due_at=now - dt.timedelta(minutes=2)
+    )
+    welcome.deliveries.filter(inbox="https://mastodon.example/users/u0/inbox").update(
+        lease_token="a-deliverer", due_at=now + dt.timedelta(minutes=5)
+    )
+    settle(rows["https://mastodon.example/users/u0/inbox"], Status.DELIVERED, last_status=202)
+    settle(rows["https://lemmy.example/users/u0/inbox"], Status.FAILED, last_status=500)
+    open_breaker("down.example", failures=10)
+    controls.pause_host("pixelfed.example")
+    return {"batch": batch, "failed": rows["https://lemmy.example/users/u0/inbox"]}
+
+
+def test_staff_open_the_queues_page_and_every_list(page: Page, live_server: Any) -> None:
+    fill_queue()
+    log_in(page, live_server, user("operator"))
+    page.goto(f"{live_server.url}/admin/federation_delivery/delivery/")
+    page.click("text=Queues at a glance")
+    expect(page.get_by_role("heading", name="Queues at a glance")).to_be_visible()
+    normal = page.locator('tr[data-lane="normal"]')
+    expect(normal.locator('[data-column="due"]')).to_have_text("4")
+    expect(normal.locator('[data-column="scheduled"]')).to_have_text("2")
+    expect(normal.locator('[data-column="in_flight"]')).to_have_text("1")
+    expect(normal.locator('[data-column="lag"]')).to_contain_text("2m")
+    expect(normal.locator('[data-column="held"]')).to_have_text("3")
+    expect(normal.locator('[data-column="failed_last_day"]')).to_have_text("1")
+    expect(page.locator("#fd-failing-hosts")).to_contain_text("down.example")
+    expect(page.locator("#fd-open-breakers")).to_contain_text("down.example")
+    expect(page.locator("#fd-paused-hosts")).to_contain_text("pixelfed.example")
+    screenshot(page, "queues")
+
+    for model, text in (
+        ("batch", "1 delivered · 1 failed · 4 pending"),
+        ("breaker", "down.example"),
+        ("host", "pixelfed.example"),
+    ):
+        page.goto(f"{live_server.url}/admin/federation_delivery/{model}/")
+        expect(page.locator("#result_list")).to_contain_text(text)
+        screenshot(page, "batches" if model == "batch" else f"{model}s")
+
+    page.goto(f"{live_server.url}/admin/federation_delivery/delivery/?host=down.example")
+    page.locator("#result_list tbody tr a", has_text="down.example").first.click()
+    expect(page.locator("pre.fd-body")).to_contain_text('"type": "Create"')
+    screenshot(page, "delivery")
+
+
+def test_staff_requeue_a_failed_delivery_and_see_it_pending(page: Page, live_server: Any) -> None:
+    failed = fill_queue()["failed"]
+    log_in(page, live_server, user("operator"))
+    page.goto(f"{live_server.url}/admin/federation_delivery/delivery/?status__exact=failed")
+    expect(page.locator("#result_list tbody tr")).to_have_count(1)
+    run_action(page, failed.inbox, "requeue")
+    expect(page.locator(".messagelist")).to_contain_text("Requeued 1 delivery, due now")
+    page.goto(f"{live_server.url}/admin/federation_delivery/delivery/?q=lemmy.example")
+    row = page.locator("#result_list tbody tr", has_text=failed.inbox)
+    expect(row.locator("td.field-status")).to_have_text("pending")
+    expect(row.locator("td.field-next_due")).to_have_text("due now")
+    expect(row.locator("td.field-attempts")).to_have_text("3")
+    screenshot(page, "deliveries")
+    assert Delivery.objects.get(pk=failed.pk).status == Status.PENDING
+
+
+def test_staff_pause_a_host_and_see_its_deliveries_held(page: Page, live_server: Any) -> None:
+    fill_queue()
+    log_in(page, live_server, user("operator"))
+    page.goto(f"{live_server.url}/admin/federation_delivery/breaker/")
+    run_action(page, "down.example", "pause_hosts")
+    expect(page.locator(".messagelist")).to_contain_text(
+        "Paused 1 host: 2 pending deliveries held until resumed."
+    )
+    page.goto(f"{live_server.url}/admin/federation_delivery/delivery/?host=down.example")
+    expect(page.locator("td.field-next_due")).to_have_text(["held: host paused"] * 2)
+    page.goto(f"{live_server.url}/admin/federation_delivery/host/?paused=yes")
+    expect(page.locator("#result_list")).to_contain_text("down.example")
+    assert Host.objects.get(name="down.example").paused_at is not None
+
+
+def test_a_viewer_sees_but_is_refused_an_action(page: Page, live_server: Any) -> None:
+    failed = fill_queue()["failed"]
+    log_in(page, live_server, user("viewer", ("view",)))
+    page.goto(f"{live_server.url}/admin/federation_delivery/delivery/?status__exact=failed")
+    expect(page.locator("#result_list")).to_contain_text(failed.inbox)
+    expect(page.locator("select[name=action]")).to_have_count(0)
+    # Forge the action the page does not offer: the admin answers 403.
+    page.evaluate(
+        """(id) => {
+            const form = document.getElementById("changelist-form");
+            for (const [name, value] of [
+                ["action", "requeue"], ["_selected_action", id], ["index", "0"],
+            ]) {
+                const input = document.createElement("input");
+                Object.assign(input, {type: "hidden", name, value});
+                form.appendChild(input);
+            }
+            form.submit();
+        }""",
+        str(failed.pk),
+    )
+    expect(page.get_by_role("heading", name="403 Forbidden")).to_be_visible()
+    screenshot(page, "refused")
+    assert Delivery.objects.get(pk=failed.pk).status == Status.FAILED
+    page.goto(f"{live_server.url}/admin/federation_delivery/delivery/{failed.pk}/change/")
+    expect(page.locator("pre.fd-body")).to_be_visible()
+    expect(page.locator("input[name=_save]")).to_have_count(0)
+
+
+def test_chromium_is_where_scripts_test_puts_it() -> None:
+    assert CHROMIUM is not None
+    assert os.access(CHROMIUM, os.X_OK)

@@ -1,0 +1,196 @@
+"""The overview behind the queues page, and ``manage.py delivery_status``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from django_federation_delivery import controls, overview
+from django_federation_delivery.models import Breaker, Delivery, Lane, Status
+
+from .operators import open_breaker, queue, settle
+
+pytestmark = pytest.mark.django_db
+
+MINUTE = dt.timedelta(minutes=1)
+
+
+@pytest.fixture
+def busy() -> dict[str, int]:
+    """A queue with one delivery in each state the overview tells apart."""
+    rows = list(
+        queue(
+            hosts=["a.example", "b.example", "c.example", "d.example"], per_host=2
+        ).deliveries.order_by("id")
+    )
+    now = timezone.now()
+    Delivery.objects.filter(pk=rows[0].pk).update(due_at=now - 7 * MINUTE)  # lagging
+    Delivery.objects.filter(pk=rows[1].pk).update(  # retrying later
+        due_at=now + 30 * MINUTE, attempts=2, last_status=503, last_error="HTTP 503"
+    )
+    Delivery.objects.filter(pk=rows[2].pk).update(  # in flight
+        due_at=now + 5 * MINUTE, lease_token="a-deliverer", lane=Lane.PRIORITY
+    )
+    settle(rows[3], Status.DELIVERED, last_status=202, ago=10 * MINUTE)
+    settle(rows[4], Status.DELIVERED, last_status=202, ago=2 * 60 * MINUTE)  # too long ago
+    settle(rows[5], Status.FAILED, last_status=500, ago=3 * 60 * MINUTE)
+    settle(rows[6], Status.FAILED, last_status=500, ago=2 * 24 * 60 * MINUTE)  # too long ago
+    open_breaker(rows[1].host, failures=4)
+    Breaker.objects.create(key="https://e.example/inbox", failures=2)  # closed
+    controls.pause_host(rows[7].host)
+    return {"retrying_host": rows[1].pk}
+
+
+def test_the_overview_counts_each_lane(busy: dict[str, int]) -> None:
+    status = overview.overview()
+    normal, priority, low = (
+        {lane.lane: lane for lane in status.lanes}[name]
+        for name in (Lane.NORMAL, Lane.PRIORITY, Lane.LOW)
+    )
+    assert (normal.due, normal.scheduled, normal.in_flight, normal.held) == (1, 1, 0, 1)
+    assert (priority.due, priority.scheduled, priority.in_flight, priority.held) == (0, 0, 1, 0)
+    assert low.pending == 0 and low.lag == 0 and low.oldest_due_at is None
+    assert 7 * 60 <= normal.lag < 7 * 60 + 30
+    assert (normal.delivered_last_hour, normal.failed_last_day) == (1, 1)
+    total = status.total
+    assert (total.lane, total.pending, total.lag) == ("all", 4, normal.lag)
+
+
+def test_the_overview_names_failing_hosts_open_breakers_and_paused_hosts(
+    busy: dict[str, int],
+) -> None:
+    status = overview.overview()
+    retrying = Delivery.objects.get(pk=busy["retrying_host"]).host
+    [failing] = status.failing_hosts
+    assert (failing.host, failing.retrying, failing.last_status) == (retrying, 1, 503)
+    assert (failing.breaker, failing.failures, failing.paused) == ("open", 4, False)
+    [breaker] = status.open_breakers
+    assert (breaker.key, breaker.state, breaker.probing) == (retrying, "open", False)
+    assert status.open_breaker_count == 1
+    assert status.paused_hosts == ("d.example",)
+
+
+def test_a_breaker_past_its_cool_off_is_half_open() -> None:
+    Breaker.objects.create(key="a.example", failures=0, open_until=timezone.now() - MINUTE)
+    [breaker] = overview.overview().open_breakers
+    assert breaker.state == "half-open"
+    assert overview.open_breakers() == 1
+
+
+def test_lag_is_the_wait_of_the_oldest_due_delivery() -> None:
+    assert overview.lag() == 0.0
+    queue()
+    Delivery.objects.filter(pk=Delivery.objects.order_by("id")[0].pk).update(
+        due_at=timezone.now() - 3 * MINUTE
+    )
+    assert 180 <= overview.lag() < 200
+
+
+def test_an_empty_queue() -> None:
+    status = overview.overview()
+    assert [lane.lane for lane in status.lanes] == ["priority", "normal", "low"]
+    assert status.total.pending == 0
+    assert status.failing_hosts == status.open_breakers == status.paused_hosts == ()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0s"), (42.9, "42s"), (252, "4m 12s"), (3 * 3600 + 300, "3h 5m"), (90000, "1d 1h")],
+)
+def test_format_duration(seconds: float, text: str) -> None:
+    assert overview.format_duration(seconds) == text
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    call_command("delivery_status", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_delivery_status_prints_the_overview_as_tables(busy: dict[str, int]) -> None:
+    text = run()
+    lines = text.splitlines()
+    assert lines[0].startswith("Queues at ")
+    header = lines[2].split()
+    assert header[:3] == ["lane", "due", "scheduled"]
+    rows = {line.split()[0]: line.split() for line in lines[3:7]}
+    assert set(rows) == {"priority", "normal", "low", "all"}
+    # lane, due, scheduled, in flight, held, lag (two words), delivered 1h, failed 24h
+    assert rows["normal"][:5] == ["normal", "1", "1", "0", "1"]
+    assert rows["normal"][5] == "7m" and rows["normal"][-2:] == ["1", "1"]
+    assert rows["low"] == ["low", "0", "0", "0", "0", "—", "0", "0"]
+    assert rows["all"][:5] == ["all", "1", "1", "1", "1"]
+    retrying = Delivery.objects.get(pk=busy["retrying_host"]).host
+    failing = text.split("Hosts failing most\n")[1].splitlines()
+    assert failing[0].split() == [
+        "host",
+        "retrying",
+        "last",
+        "status",
+        "breaker",
+        "failures",
+        "open",
+        "until",
+        "paused",
+    ]
+    assert failing[1].split()[:5] == [retrying, "1", "503", "open", "4"]
+    assert "Breakers open now: 1" in text
+    assert "Paused hosts: d.example" in text
+
+
+def test_delivery_status_columns_line_up() -> None:
+    queue(hosts=[f"h{n}.example" for n in range(12)], per_host=1)
+    lines = run().splitlines()[2:7]
+    # Right-aligned numbers: every row is as wide as the header.
+    assert len({len(line) for line in lines}) == 1, lines
+
+
+def test_delivery_status_json_is_for_scripts(busy: dict[str, int]) -> None:
+    data = json.loads(run("--json"))
+    assert set(data) == {
+        "at",
+        "lanes",
+        "total",
+        "failing_hosts",
+        "open_breakers",
+        "open_breaker_count",
+        "paused_hosts",
+    }
+    dt.datetime.fromisoformat(data["at"])
+    normal = next(lane for lane in data["lanes"] if lane["lane"] == "normal")
+    assert {key: normal[key] for key in ("due", "scheduled", "in_flight", "held", "pending")} == {
+        "due": 1,
+        "scheduled": 1,
+        "in_flight": 0,
+        "held": 1,
+        "pending": 3,
+    }
+    assert 7 * 60 <= normal["lag"] < 7 * 60 + 30
+    dt.datetime.fromisoformat(normal["oldest_due_at"])
+    assert data["total"]["pending"] == 4
+    assert data["failing_hosts"][0]["breaker"] == "open"
+    assert data["open_breakers"][0]["state"] == "open"
+    assert data["paused_hosts"] == ["d.example"]
+
+
+def test_delivery_status_hosts_limits_the_failing_hosts(busy: dict[str, int]) -> None:
+    assert json.loads(run("--json", "--hosts", "0"))["failing_hosts"] == []
+    assert "Hosts failing most\n  none" in run("--hosts", "0")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--hosts", "many"], "expected a whole number of 0 or more, not 'many'"),
+        (["--hosts", "-1"], "expected a whole number of 0 or more, not '-1'"),
+        (["--database", "elsewhere"], "no database named 'elsewhere' in DATABASES"),
+    ],
+)
+def test_delivery_status_refuses_bad_arguments(args: list[str], message: str) -> None:
+    with pytest.raises(CommandError, match=message):
+        run(*args)

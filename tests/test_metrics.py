@@ -1,0 +1,135 @@
+"""Prometheus metrics: what the deliverer records, and the endpoint that serves it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
+from prometheus_client import REGISTRY
+
+from django_federation_delivery import metrics
+from django_federation_delivery.models import Delivery
+
+from .conftest import ROOT
+from .operators import open_breaker, queue
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_attempts_are_counted_by_outcome_and_timed() -> None:
+    delivered = sample("federation_delivery_attempts_total", outcome="delivered")
+    retrying = sample("federation_delivery_attempts_total", outcome="retrying")
+    timed = sample("federation_delivery_attempt_duration_seconds_count")
+    fast = sample("federation_delivery_attempt_duration_seconds_bucket", le="0.1")
+    metrics.record_attempt("delivered", 0.08)
+    metrics.record_attempt("delivered", 0.3)
+    metrics.record_attempt("retrying", 12.0)
+    assert sample("federation_delivery_attempts_total", outcome="delivered") == delivered + 2
+    assert sample("federation_delivery_attempts_total", outcome="retrying") == retrying + 1
+    assert sample("federation_delivery_attempt_duration_seconds_count") == timed + 3
+    assert sample("federation_delivery_attempt_duration_seconds_bucket", le="0.1") == fast + 1
+
+
+def test_every_outcome_is_exposed_from_the_start() -> None:
+    for outcome in metrics.OUTCOMES:
+        assert (
+            REGISTRY.get_sample_value("federation_delivery_attempts_total", {"outcome": outcome})
+            is not None
+        )
+
+
+def test_an_unknown_outcome_is_an_error_not_a_new_series() -> None:
+    with pytest.raises(ValueError, match="unknown outcome 'deliverd'"):
+        metrics.record_attempt("deliverd", 0.1)
+    assert (
+        REGISTRY.get_sample_value("federation_delivery_attempts_total", {"outcome": "deliverd"})
+        is None
+    )
+
+
+def test_the_gauges_are_set() -> None:
+    metrics.set_lag(12.5)
+    metrics.set_open_breakers(3)
+    assert sample("federation_delivery_lag_seconds") == 12.5
+    assert sample("federation_delivery_open_breakers") == 3
+    metrics.set_lag(-1)  # a clock step: never negative
+    assert sample("federation_delivery_lag_seconds") == 0
+
+
+@pytest.mark.django_db
+def test_observe_queue_reads_the_gauges_from_the_database() -> None:
+    queue()
+    first = Delivery.objects.order_by("id")[0]
+    Delivery.objects.filter(pk=first.pk).update(due_at=timezone.now() - dt.timedelta(minutes=2))
+    open_breaker("a.example")
+    open_breaker("https://b.example/inbox")
+    metrics.observe_queue()
+    assert 120 <= sample("federation_delivery_lag_seconds") < 150
+    assert sample("federation_delivery_open_breakers") == 2
+
+
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    server = metrics.start_server(0, addr="127.0.0.1")
+    yield f"http://127.0.0.1:{server.server_port}/metrics"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_endpoint_serves_the_metrics(endpoint: str) -> None:
+    metrics.record_attempt("refused", 0.2)
+    metrics.set_open_breakers(1)
+    with urllib.request.urlopen(endpoint, timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    assert 'federation_delivery_attempts_total{outcome="refused"}' in text
+    assert "# TYPE federation_delivery_attempt_duration_seconds histogram" in text
+    assert "federation_delivery_lag_seconds " in text
+    assert "federation_delivery_open_breakers 1.0" in text
+
+
+def test_without_prometheus_client_recording_does_nothing_and_serving_says_why() -> None:
+    # A fresh interpreter in which prometheus_client cannot be imported.
+    script = "\n".join(
+        [
+            "import sys",
+            "sys.modules['prometheus_client'] = None",
+            "from django_federation_delivery import metrics",
+            "assert not metrics.available()",
+            "metrics.record_attempt('delivered', 0.1)",
+            "metrics.set_lag(1.0)",
+            "metrics.set_open_breakers(1)",
+            "metrics.observe_queue()",
+            "try:",
+            "    metrics.start_server(0)",
+            "except Exception as exc:",
+            "    print(type(exc).__name__, exc)",
+        ]
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert result.stdout.strip() == (
+        "ImproperlyConfigured Serving metrics needs prometheus_client: "
+        "pip install 'django-federation-delivery[prometheus]'."
+    )
+
+
+def test_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics, "prometheus_client", None)
+    with pytest.raises(ImproperlyConfigured, match=r"django-federation-delivery\[prometheus\]"):
+        metrics.start_server(0)
