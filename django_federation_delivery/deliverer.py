@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 #: so that what another process learnt reaches this one.
 SCHEME_TTL = 60.0
 SCHEMES = frozenset(scheme.value for scheme in Scheme)
+#: The longest an outcome waits to be written with others.
+WRITE_WITHIN = 0.05
 #: How often the lag and open-breaker gauges are read from the database.
 GAUGES_EVERY = 5.0
 
@@ -147,8 +149,13 @@ class Deliverer:
         self._in_flight: dict[int, _InFlight] = {}
         self._host_busy: collections.Counter[str] = collections.Counter()
         self._unwritten: list[queue.Settlement] = []
+        self._unwritten_since = 0.0
+        #: Outcomes written together, at most WRITE_WITHIN seconds late.
+        self.write_batch = max(1, self.concurrency // 2)
         self._batches: dict[int, BatchInfo] = {}
         self._workers: list[threading.Thread] = []
+        self._workers_lock = threading.Lock()
+        self._started = 0
         self._dry = False
         self._db_failing_since: float | None = None
 
@@ -177,15 +184,18 @@ class Deliverer:
         try:
             while True:
                 self._refresh_view()
-                done = self._collect()
+                self._collect()
                 # Workers first, the database after: a free slot is not kept
                 # waiting on a write.
                 self._dispatch()
-                self._write(done)
+                if self._time_to_write():
+                    self._write()
                 if self.stopping:
                     self._release_ready()
-                    if not self._in_flight and not self._unwritten:
-                        break
+                    if not self._in_flight:
+                        self._write()
+                        if not self._unwritten:
+                            break
                 else:
                     self._claim_more()
                     self._dispatch()
@@ -195,11 +205,13 @@ class Deliverer:
                 if self.on_progress is not None and time.monotonic() >= next_progress:
                     self.on_progress(self.summary)
                     next_progress = time.monotonic() + self.progress_interval
-                if self._unwritten:
-                    continue  # written at once (a failing database is waited out there)
+                if self._unwritten and (not busy or self._time_to_write()):
+                    self._write()  # a failing database is waited out in there
+                    continue
                 if busy or not self._dry:
-                    # Woken by the next result, or when one in flight turns slow.
-                    self._wait(self._until_next_slow())
+                    # Woken by the next result, when one in flight turns slow,
+                    # or when what is unwritten is due to be written.
+                    self._wait(min(self._until_next_slow(), self._until_write()))
                 else:
                     self._idle(listening=listener is not None)
         finally:
@@ -219,19 +231,33 @@ class Deliverer:
     def _start_workers(self, wanted: int) -> None:
         """Have ``wanted`` workers: CONCURRENCY at first, more only while
         slow deliveries hold some, so that idle threads hold no connections."""
-        while len(self._workers) < wanted:
-            worker = threading.Thread(
-                target=self._work, name=f"federation-delivery-{len(self._workers)}", daemon=True
-            )
-            worker.start()
-            self._workers.append(worker)
+        with self._workers_lock:
+            while len(self._workers) < wanted:
+                worker = threading.Thread(
+                    target=self._work, name=f"federation-delivery-{self._started}", daemon=True
+                )
+                self._started += 1
+                worker.start()
+                self._workers.append(worker)
+
+    def _surplus(self) -> bool:
+        """Whether the calling worker is one more than the slow deliveries
+        still need: it then ends, and its connections with it."""
+        with self._workers_lock:
+            if len(self._workers) <= self.concurrency + self._slow_count():
+                return False
+            self._workers.remove(threading.current_thread())
+            return True
 
     def _stop_workers(self) -> None:
-        for _ in self._workers:
+        with self._workers_lock:
+            workers = list(self._workers)
+        for _ in workers:
             self._jobs.put(None)
-        for worker in self._workers:
+        for worker in workers:
             worker.join(timeout=self.transport_settings.attempt_timeout + 5)
-        self._workers.clear()
+        with self._workers_lock:
+            self._workers.clear()
 
     def _work(self) -> None:
         transport = Transport(self.transport_settings)
@@ -267,6 +293,8 @@ class Deliverer:
                     )
                 self._results.put((item, result))
                 self._wake.set()
+                if self._surplus():
+                    break
         finally:
             transport.close()
 
@@ -349,13 +377,13 @@ class Deliverer:
             batch = self._batches[row.batch_id]
             if batch.deadline is not None and now >= batch.deadline:
                 error = "the batch's deadline passed before it was sent"
-                self._unwritten.append(self.settler.unsent(row, batch, error))
+                self._keep(self.settler.unsent(row, batch, error))
                 continue
             if self.skip_if is not None and ask("SKIP_IF", self.skip_if, row.inbox, batch.activity):
-                self._unwritten.append(self.settler.skipped(row, batch))
+                self._keep(self.settler.skipped(row, batch))
                 continue
             if row.host in self._paused:
-                self._unwritten.append(self.settler.paused(row))
+                self._keep(self.settler.paused(row))
                 continue
             item = _InFlight(claimed=row, batch=batch, job=self._job(row, batch))
             if self.breakers is not None:
@@ -392,17 +420,37 @@ class Deliverer:
             key_error=key_error,
         )
 
-    def _collect(self) -> list[queue.Settlement]:
-        """What came of the attempts that finished since the last look."""
-        settlements = self._unwritten
-        self._unwritten = []
+    def _keep(self, settlement: queue.Settlement) -> None:
+        """Keep what to write, to write many at once (see ``_time_to_write``)."""
+        if not self._unwritten:
+            self._unwritten_since = time.monotonic()
+        self._unwritten.append(settlement)
+
+    def _time_to_write(self) -> bool:
+        """Write once a few outcomes are waiting, or the first has waited a
+        moment: every statement gives the other threads the interpreter, and
+        getting it back costs more than the statement itself."""
+        if not self._unwritten:
+            return False
+        return (
+            len(self._unwritten) >= self.write_batch
+            or time.monotonic() - self._unwritten_since >= WRITE_WITHIN
+        )
+
+    def _until_write(self) -> float:
+        if not self._unwritten:
+            return 1.0
+        return max(0.0, self._unwritten_since + WRITE_WITHIN - time.monotonic())
+
+    def _collect(self) -> None:
+        """Take in what came of the attempts that finished since the last look."""
         while True:
             try:
                 item, result = self._results.get_nowait()
             except threadqueue.Empty:
                 break
             self._learn_scheme(item.claimed.host, result)
-            settlements.append(self.settler.attempted(item.claimed, item.batch, result))
+            self._keep(self.settler.attempted(item.claimed, item.batch, result))
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
                     item.breaker,
@@ -415,9 +463,9 @@ class Deliverer:
             if self._host_busy[item.claimed.host] <= 0:
                 del self._host_busy[item.claimed.host]
             self._dry = False  # a retry may have come due since the last claim
-        return settlements
 
-    def _write(self, settlements: list[queue.Settlement]) -> None:
+    def _write(self) -> None:
+        settlements, self._unwritten = self._unwritten, []
         if not settlements:
             return
         written = self._db(
@@ -427,7 +475,9 @@ class Deliverer:
             # Not written: written again while the lease holds. After that the
             # row is another claim's to take, and is sent again: never lost.
             now = time.time()
-            self._unwritten = [s for s in settlements if s.claimed.leased_until > now]
+            for settlement in settlements:
+                if settlement.claimed.leased_until > now:
+                    self._keep(settlement)
             return
         if self.breakers is not None:
             self._db(self.breakers.flush)
@@ -445,9 +495,13 @@ class Deliverer:
             return
         most = self.concurrency + self.slow_concurrency
         slow = self._slow_count()
+        # As many again as there are slots wait in the workers' queue, so
+        # that a worker that is done takes the next at once rather than
+        # when this thread next gets to run.
+        queued = self.concurrency
         skipped: list[_InFlight] = []
-        while self._ready and len(self._in_flight) - slow < self.concurrency:
-            if len(self._in_flight) >= most:
+        while self._ready and len(self._in_flight) - slow < self.concurrency + queued:
+            if len(self._in_flight) >= most + queued:
                 break
             item = self._ready.popleft()
             host = item.claimed.host
@@ -463,7 +517,7 @@ class Deliverer:
             self._in_flight[item.claimed.id] = item
             self._jobs.put(item)
         self._ready.extendleft(reversed(skipped))
-        self._start_workers(min(most, max(self.concurrency, len(self._in_flight))))
+        self._start_workers(min(most, self.concurrency + slow))
 
     def _admitted(self, item: _InFlight) -> bool:
         """Whether the destination's breaker lets the delivery through now
@@ -476,7 +530,7 @@ class Deliverer:
         if decision is not Decision.HOLD:
             return True
         error = f"held: the circuit breaker for {item.breaker} is open"
-        self._unwritten.append(
+        self._keep(
             self.settler.attempted(item.claimed, item.batch, held(item.job, error, hold_for))
         )
         return False
@@ -486,7 +540,7 @@ class Deliverer:
         another deliverer to take without waiting out the lease."""
         while self._ready:
             item = self._ready.popleft()
-            self._unwritten.append(
+            self._keep(
                 queue.Settlement(
                     claimed=item.claimed,
                     status=Status.PENDING,
@@ -520,7 +574,9 @@ class Deliverer:
 
     def _slow_count(self) -> int:
         cutoff = time.monotonic() - self.slow_after
-        return sum(1 for item in self._in_flight.values() if 0 < item.started <= cutoff)
+        # A copy taken at once: workers ask too, while this thread changes it.
+        items = list(self._in_flight.values())
+        return sum(1 for item in items if 0 < item.started <= cutoff)
 
     def _until_next_slow(self) -> float:
         """Seconds until the next delivery in flight turns slow (at most 1)."""
