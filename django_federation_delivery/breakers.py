@@ -162,13 +162,19 @@ class Breakers:
         if not written:
             return 0
         settings = self.settings
-        queue.record_failures(
+        standing = queue.record_failures(
             self._failures,
             threshold=settings.threshold,
             cool_off=settings.cool_off,
             using=self.using,
         )
         self._failures = collections.Counter()
+        # What every process counted together, so that this one holds back as
+        # soon as the breaker opens, not at its next refresh.
+        for key, (failures, open_until) in standing.items():
+            state = self.view.get(key)
+            probe_until = state.probe_until if state else None
+            self.view.set(key, State(failures, open_until, probe_until))
         queue.record_successes(self._successes, using=self.using)
         self._successes = set()
         while self._probes:

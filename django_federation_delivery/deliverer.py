@@ -341,7 +341,12 @@ class Deliverer:
         ]
         limit = max(1, self.claim_size - len(self._ready))
         claimed = self._db(
-            queue.claim, limit, self.lease, exclude_hosts=saturated, using=self.using
+            queue.claim,
+            limit,
+            self.lease,
+            per_host=self.per_host,
+            exclude_hosts=saturated,
+            using=self.using,
         )
         if not isinstance(claimed, list):
             self._dry = True

@@ -27,6 +27,9 @@ from django_federation_delivery.models import Batch, Breaker, Delivery, Host, La
 NOTIFY_CHANNEL = "federation_delivery"
 #: Lanes in the order they are claimed; the low lane only when nothing else is due.
 CLAIM_ORDER = (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
+#: How many due rows a claim looks at for each it takes, so that a few hosts
+#: at the head of the queue do not leave it short.
+CANDIDATES = 4
 FINAL = frozenset({Status.DELIVERED, Status.REFUSED, Status.SKIPPED, Status.FAILED})
 
 
@@ -85,6 +88,17 @@ def _table(model: type[Any], connection: Any) -> str:
 
 def _when(value: dt.datetime | None, connection: Any) -> Any:
     return connection.ops.adapt_datetimefield_value(value)
+
+
+def _read_when(value: Any) -> dt.datetime | None:
+    """A datetime a raw query returned: SQLite gives text in UTC."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = dt.datetime.fromisoformat(value)
+    if timezone.is_naive(value):
+        value = value.replace(tzinfo=dt.UTC)
+    return value  # type: ignore[no-any-return]
 
 
 def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None) -> Batch:
@@ -180,37 +194,50 @@ def claim(
     limit: int,
     lease: float,
     *,
+    per_host: int | None = None,
     exclude_hosts: Iterable[str] = (),
     using: str | None = None,
 ) -> list[Claimed]:
     """Take up to ``limit`` due deliveries for ``lease`` seconds, lane by lane,
-    in one transaction.
+    in one transaction, and at most ``per_host`` to any one host.
 
     The claim pushes each row's due time forward by the lease and stamps it
     with a fresh token: only the holder of the token may settle it, and a row
-    whose holder died comes due again when the lease lapses.
+    whose holder died comes due again when the lease lapses. Taking no more
+    to a host than can be sent to it soon keeps one busy host's backlog from
+    waiting out its lease in a single process, and leaves it to the others.
     """
     connection = _connection(using)
     table = _table(Delivery, connection)
     excluded = sorted(set(exclude_hosts))[:200]
     lock = " FOR UPDATE SKIP LOCKED" if connection.vendor == "postgresql" else ""
     hosts = f" AND host NOT IN ({', '.join(['%s'] * len(excluded))})" if excluded else ""
+    # The oldest due rows of the lane, then the first few of each host among them.
+    candidates = (
+        f"SELECT id, host, due_at FROM {table} WHERE status = %s AND lane = %s "
+        f"AND due_at <= %s{hosts} ORDER BY due_at LIMIT %s{lock}"
+    )
+    ranked = (
+        "SELECT id, due_at, ROW_NUMBER() OVER (PARTITION BY host ORDER BY due_at, id) AS turn "
+        f"FROM ({candidates}) AS candidates"
+    )
     sql = (
         f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE id IN ("
-        f"SELECT id FROM {table} WHERE status = %s AND lane = %s AND due_at <= %s{hosts} "
-        f"ORDER BY due_at LIMIT %s{lock}) "
+        f"SELECT id FROM ({ranked}) AS ranked WHERE turn <= %s ORDER BY due_at, id LIMIT %s) "
         "RETURNING id, batch_id, inbox, host, attempts, via"
     )
     now = timezone.now()
     token = uuid.uuid4().hex
     until = _when(now + dt.timedelta(seconds=lease), connection)
+    cap = per_host or limit
     rows: list[Any] = []
     with transaction.atomic(using=using), connection.cursor() as cursor:
         for lane in CLAIM_ORDER:
             if len(rows) >= limit:
                 break
+            wanted = limit - len(rows)
             params = [until, token, Status.PENDING, lane, _when(now, connection), *excluded]
-            cursor.execute(sql, [*params, limit - len(rows)])
+            cursor.execute(sql, [*params, wanted * CANDIDATES, cap, wanted])
             # RETURNING gives no order; keep the queue's within each lane.
             rows.extend(sorted(cursor.fetchall(), key=lambda row: row[0]))
     expires = time.time() + lease
@@ -418,11 +445,12 @@ def breakers(*, forget_after: float, using: str | None = None) -> list[Breaker]:
 
 def record_failures(
     failures: Counter[str], *, threshold: int, cool_off: float, using: str | None = None
-) -> None:
+) -> dict[str, tuple[int, dt.datetime | None]]:
     """Count failures in a row, opening a breaker that reaches ``threshold``:
-    one upsert a destination, so that processes count together."""
+    one upsert a destination, so that processes count together. Returns each
+    destination's count and open time as they now stand, all processes' together."""
     if not failures:
-        return
+        return {}
     connection = _connection(using)
     table = _table(Breaker, connection)
     now = timezone.now()
@@ -434,13 +462,19 @@ def record_failures(
         f"failures = {table}.failures + excluded.failures, "
         f"open_until = CASE WHEN {table}.open_until IS NULL "
         f"AND {table}.failures + excluded.failures >= %s THEN %s ELSE {table}.open_until END, "
-        "updated_at = excluded.updated_at"
+        "updated_at = excluded.updated_at "
+        f"RETURNING {table}.failures, {table}.open_until"
     )
+    standing: dict[str, tuple[int, dt.datetime | None]] = {}
     with transaction.atomic(using=using), connection.cursor() as cursor:
         for key, count in sorted(failures.items()):
             cursor.execute(
                 sql, [key, count, count, threshold, opens, _when(now, connection), threshold, opens]
             )
+            row = cursor.fetchone()
+            if row is not None:
+                standing[key] = (int(row[0]), _read_when(row[1]))
+    return standing
 
 
 def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:

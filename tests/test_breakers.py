@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -252,3 +253,51 @@ def test_a_host_down_for_a_while_gets_everything_once_it_is_back(
     wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 50, timeout=30)
     runner.stop()
     assert answered["count"] <= 15 + 50 + 2, "held while down, not sent to fail"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_deliverers_count_failures_together_and_probe_one_at_a_time(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 6, "COOL_OFF": 0.5, "SCOPE": "host"},
+        "RETRY": {"BASE": 0.2, "CAP": 0.2, "ATTEMPTS": 100, "JITTER": 0},
+    }
+    lock = threading.Lock()
+    load = {"now": 0, "most": 0, "opened": False, "most_after": 0}
+
+    def slow_503(request: Received) -> tuple[int, dict[str, str], bytes]:
+        with lock:
+            load["now"] += 1
+            load["most"] = max(load["most"], load["now"])
+            if load["opened"]:
+                load["most_after"] = max(load["most_after"], load["now"])
+        time.sleep(0.05)
+        with lock:
+            load["now"] -= 1
+        return 503, {}, b""
+
+    down = inboxes("127.0.0.2", respond=slow_503)
+    send(ALICE, {"type": "Note"}, [down.url(f"/{n}") for n in range(40)])
+    first = start_deliverer(concurrency=4, per_host=2)
+    second = start_deliverer(concurrency=4, per_host=2)
+    wait_until(lambda: Breaker.objects.filter(open_until__isnull=False).exists())
+    opened_after = len(down.received)
+    with lock:
+        load["opened"] = True
+    time.sleep(3)  # six cool-offs: probes, one at a time among both
+    probes = len(down.received) - opened_after
+    first.stop()
+    second.stop()
+    assert load["most"] == 4, "both deliverers were sending (two per host each)"
+    # Opened by both deliverers' failures counted together: no more than the
+    # threshold, and what each had in flight or was writing (two per host,
+    # written at most one batch late) as it happened.
+    assert opened_after <= 6 + 2 * (2 * 2), "opened by the failures of both, counted together"
+    assert load["most_after"] <= 1 + 4, "after opening: what was in flight, then one probe"
+    assert 1 <= probes <= 4 + 3 / 0.5 + 1, f"{probes} probes in six cool-offs"
+    held = first.deliverer.summary.held + second.deliverer.summary.held
+    assert held > 20, "the rest were held by both, without a request"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import threading
 
@@ -198,3 +199,10 @@ def test_an_ordered_delivery_waits_until_the_one_before_it_to_that_inbox_settles
     held.refresh_from_db()
     assert held.due_at is not None and held.after is None, "released by its predecessor's end"
     assert [row.batch_id for row in queue.claim(10, lease=300)] == [second.id]
+
+
+@pytest.mark.django_db
+def test_a_claim_takes_no_more_than_per_host_of_one_host() -> None:
+    send(ALICE, NOTE, inboxes(50, "busy.example") + inboxes(3, "quiet.example"))
+    hosts = collections.Counter(row.host for row in queue.claim(64, lease=300, per_host=2))
+    assert hosts == {"busy.example": 2, "quiet.example": 2}
