@@ -496,10 +496,13 @@ class Deliverer:
         CONCURRENCY at once, PER_HOST to one host. A delivery in flight past
         SLOW_AFTER_SECONDS gives its slot up to the next, so that a silent
         server holds a thread, not a slot."""
-        if not self._ready:
-            return
         most = self.concurrency + self.slow_concurrency
         slow = self._slow_count()
+        # A thread for each slow delivery beyond CONCURRENCY, for what is
+        # queued behind them.
+        self._start_workers(min(most, self.concurrency + slow))
+        if not self._ready:
+            return
         # As many again as there are slots wait in the workers' queue, so
         # that a worker that is done takes the next at once rather than
         # when this thread next gets to run.
@@ -522,7 +525,6 @@ class Deliverer:
             self._in_flight[item.claimed.id] = item
             self._jobs.put(item)
         self._ready.extendleft(reversed(skipped))
-        self._start_workers(min(most, self.concurrency + slow))
 
     def _admitted(self, item: _InFlight) -> bool:
         """Whether the destination's breaker lets the delivery through now
