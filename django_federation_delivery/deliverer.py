@@ -157,6 +157,7 @@ class Deliverer:
         self._workers_lock = threading.Lock()
         self._started = 0
         self._dry = False
+        self._dry_since = 0.0
         self._db_failing_since: float | None = None
 
     # The public controls.
@@ -211,7 +212,9 @@ class Deliverer:
                 if busy or not self._dry:
                     # Woken by the next result, when one in flight turns slow,
                     # or when what is unwritten is due to be written.
-                    self._wait(min(self._until_next_slow(), self._until_write()))
+                    self._wait(
+                        min(self._until_next_slow(), self._until_write(), self.new_work_poll)
+                    )
                 else:
                     self._idle(listening=listener is not None)
         finally:
@@ -332,8 +335,14 @@ class Deliverer:
         claimed many at a time rather than one round trip a delivery."""
         if len(self._ready) >= max(1, self.concurrency // 2):
             return
-        if self._dry and (self._in_flight or self._ready):
-            return  # nothing more was due: the next result or a wake says when to look
+        if (
+            self._dry
+            and (self._in_flight or self._ready)
+            and time.monotonic() - self._dry_since < self.new_work_poll
+        ):
+            # Nothing more was due: the next result, a wake, or (for work
+            # queued by another process without NOTIFY) a moment says when to look.
+            return
         saturated = [
             host
             for host, busy in (self._host_busy + self._ready_hosts).items()
@@ -352,6 +361,7 @@ class Deliverer:
             self._dry = True
             return
         self._dry = len(claimed) < limit
+        self._dry_since = time.monotonic()
         if claimed:
             self._start(claimed)
 
@@ -544,7 +554,20 @@ class Deliverer:
 
     def _release_ready(self) -> None:
         """Stopping: put back what was claimed and not sent, due now, for
-        another deliverer to take without waiting out the lease."""
+        another deliverer to take without waiting out the lease: what is
+        ready, and what waits in the workers' queue for one to be free."""
+        while True:
+            try:
+                queued = self._jobs.get_nowait()
+            except threadqueue.Empty:
+                break
+            if queued is None:
+                continue
+            self._ready.append(queued)
+            del self._in_flight[queued.claimed.id]
+            self._host_busy[queued.claimed.host] -= 1
+            if self._host_busy[queued.claimed.host] <= 0:
+                del self._host_busy[queued.claimed.host]
         while self._ready:
             item = self._ready.popleft()
             self._keep(

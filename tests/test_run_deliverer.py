@@ -116,7 +116,9 @@ def test_sigterm_stops_claiming_finishes_what_is_in_flight_and_exits_0(
     process = processes("--concurrency=1")
     wait_for_line(process, "Delivering until stopped")
     wait_until(lambda: len(slow.received) == 1)
-    send(ALICE, NOTE, [slow.url("/second")])  # queued after the stop began: left for later
+    # Claimed, but waiting for the one busy slot when the stop comes: put back.
+    send(ALICE, NOTE, [slow.url("/second")])
+    wait_until(lambda: Delivery.objects.filter(lease_token__isnull=False).count() == 2)
     process.send_signal(signal.SIGTERM)
     assert process.wait(20) == 0
     assert slow.paths() == ["/first"]
