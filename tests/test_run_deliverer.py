@@ -263,3 +263,49 @@ def test_metrics_are_served_on_the_port_named(
 def test_a_bad_metrics_port_is_refused_naming_it() -> None:
     with pytest.raises(CommandError, match="70000"):
         call_command("run_deliverer", "--drain", "--metrics-port=70000")
+
+
+def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    from django_federation_delivery.models import Breaker
+
+    lock = threading.Lock()
+    load = {"now": 0, "most": 0, "probing": False, "most_probing": 0}
+
+    def slow_503(request: Any) -> tuple[int, dict[str, str], bytes]:
+        with lock:
+            load["now"] += 1
+            load["most"] = max(load["most"], load["now"])
+            if load["probing"]:
+                load["most_probing"] = max(load["most_probing"], load["now"])
+        time.sleep(0.3)
+        with lock:
+            load["now"] -= 1
+        return 503, {}, b""
+
+    down = inboxes("127.0.0.2", respond=slow_503)
+    shared = {
+        "BREAKER": {"THRESHOLD": 6, "COOL_OFF": 0.5, "SCOPE": "host"},
+        "RETRY": {"BASE": 0.2, "CAP": 0.2, "ATTEMPTS": 100, "JITTER": 0},
+    }
+    first = processes("--concurrency=4", "--per-host=2", settings=shared)
+    second = processes("--concurrency=4", "--per-host=2", settings=shared)
+    for process in (first, second):
+        wait_for_line(process, "Delivering until stopped")
+    send(ALICE, NOTE, [down.url(f"/{n}") for n in range(60)])
+    wait_until(lambda: Breaker.objects.filter(open_until__isnull=False).exists())
+    opened_after = len(down.received)
+    time.sleep(1.0)  # what was in flight when it opened has come back by now
+    with lock:
+        load["probing"] = True
+    before = len(down.received)
+    time.sleep(3.0)  # six cool-offs: a probe each at most, among both processes
+    probes = len(down.received) - before
+    for process in (first, second):
+        process.send_signal(signal.SIGTERM)
+    assert first.wait(20) == 0 and second.wait(20) == 0
+    assert load["most"] >= 3, "both processes were sending at first (two per host each)"
+    assert opened_after <= 6 + 2 * (2 * 2), "opened by both processes' failures, counted together"
+    assert load["most_probing"] == 1, "one probe at a time between the two processes"
+    assert 1 <= probes <= 3 / 0.5 + 1, f"{probes} probes in six cool-offs"
