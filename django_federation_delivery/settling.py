@@ -193,6 +193,22 @@ class Settler:
             ),
         )
 
+    def _settled_signal(
+        self, row: queue.Claimed, batch: BatchInfo, outcome: str, status: int | None
+    ) -> None:
+        signals.send_safely(
+            signals.delivery_settled,
+            settled=signals.Settled(
+                delivery_id=row.id,
+                batch_id=row.batch_id,
+                inbox=row.inbox,
+                sender=batch.sender,
+                tag=batch.tag,
+                outcome=outcome,
+                status=status,
+            ),
+        )
+
     def _settle(
         self,
         row: queue.Claimed,
@@ -204,18 +220,7 @@ class Settler:
     ) -> queue.Settlement:
         outcome = str(status)
         self._signal_attempt(row, batch, result, outcome)
-        signals.send_safely(
-            signals.delivery_settled,
-            settled=signals.Settled(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
-                sender=batch.sender,
-                tag=batch.tag,
-                outcome=outcome,
-                status=result.status,
-            ),
-        )
+        self._settled_signal(row, batch, outcome, result.status)
         if status == Status.REFUSED:
             self.summary.refused += 1
             self._failed_signal(
@@ -284,18 +289,7 @@ class Settler:
 
     def skipped(self, row: queue.Claimed, batch: BatchInfo) -> queue.Settlement:
         """A delivery SKIP_IF dropped unsent."""
-        signals.send_safely(
-            signals.delivery_settled,
-            settled=signals.Settled(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
-                sender=batch.sender,
-                tag=batch.tag,
-                outcome=str(Status.SKIPPED),
-                status=None,
-            ),
-        )
+        self._settled_signal(row, batch, str(Status.SKIPPED), None)
         self.summary.skipped += 1
         return queue.Settlement(
             claimed=row, status=Status.SKIPPED, attempts=row.attempts, ordered=batch.ordered
