@@ -333,7 +333,13 @@ class Deliverer:
     def _claim_more(self) -> None:
         """Keep a few claimed deliveries ready for the next free slots,
         claimed many at a time rather than one round trip a delivery."""
-        if len(self._ready) >= max(1, self.concurrency // 2):
+        # Only what can go as soon as a slot is free counts as ready: a claimed
+        # delivery waiting for a host already at PER_HOST (a silent one, say)
+        # must not keep the others from being claimed.
+        sendable = sum(
+            1 for item in self._ready if self._host_busy[item.claimed.host] < self.per_host
+        )
+        if sendable >= max(1, self.concurrency // 2):
             return
         if (
             self._dry
@@ -360,7 +366,10 @@ class Deliverer:
         if not isinstance(claimed, list):
             self._dry = True
             return
-        self._dry = len(claimed) < limit
+        # Fewer than asked may only mean the hosts at the head of the queue
+        # had their share (a claim takes at most PER_HOST to one host); nothing
+        # at all means nothing more is due.
+        self._dry = not claimed
         self._dry_since = time.monotonic()
         if claimed:
             self._start(claimed)
