@@ -482,11 +482,16 @@ class Deliverer:
                     probe=item.probe,
                     now=timezone.now(),
                 )
-            del self._in_flight[item.claimed.id]
-            self._host_busy[item.claimed.host] -= 1
-            if self._host_busy[item.claimed.host] <= 0:
-                del self._host_busy[item.claimed.host]
+            self._take_back(item)
             self._dry = False  # a retry may have come due since the last claim
+
+    def _take_back(self, item: _InFlight) -> None:
+        """The delivery no longer holds a slot, nor one of its host's."""
+        del self._in_flight[item.claimed.id]
+        host = item.claimed.host
+        self._host_busy[host] -= 1
+        if self._host_busy[host] <= 0:
+            del self._host_busy[host]
 
     def _write(self) -> None:
         settlements, self._unwritten = self._unwritten, []
@@ -573,10 +578,7 @@ class Deliverer:
             if queued is None:
                 continue
             self._ready.append(queued)
-            del self._in_flight[queued.claimed.id]
-            self._host_busy[queued.claimed.host] -= 1
-            if self._host_busy[queued.claimed.host] <= 0:
-                del self._host_busy[queued.claimed.host]
+            self._take_back(queued)
         while self._ready:
             item = self._ready.popleft()
             self._keep(
