@@ -1,0 +1,161 @@
+"""What every admin page of the app shares: read-only rows, acted on through actions."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlencode
+
+from django.contrib import admin, messages
+from django.contrib.admin.utils import flatten_fieldsets
+from django.core.exceptions import PermissionDenied
+from django.db.models import Model
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from django_federation_delivery import controls
+from django_federation_delivery.models import Delivery, Host
+
+_M = TypeVar("_M", bound=Model)
+
+if TYPE_CHECKING:
+    _ModelAdmin = admin.ModelAdmin
+else:
+
+    class _ModelAdmin(admin.ModelAdmin):
+        # django-stubs makes ModelAdmin generic; Django does not, at run time.
+        def __class_getitem__(cls, item: Any) -> Any:
+            return cls
+
+
+def plural(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
+
+
+class OperatorAdmin(_ModelAdmin[_M]):
+    """Read-only rows, acted on only through actions that call ``controls``."""
+
+    # The full count is a second COUNT(*) per filtered page: not on big tables.
+    show_full_result_count = False
+    if hasattr(admin, "ShowFacets"):  # Django 5.0+
+        # Facets are a COUNT per filter choice over the whole table.
+        show_facets = admin.ShowFacets.NEVER
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: _M | None = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: _M | None = None) -> bool:
+        # Asked with no object, for the actions; a row's own change form is
+        # shown read-only, as a save would write the whole row back over what
+        # a deliverer wrote meanwhile.
+        return obj is None and super().has_change_permission(request)
+
+    def has_change_delivery_permission(self, request: HttpRequest) -> bool:
+        return can(request, "change", Delivery)
+
+    def has_change_host_permission(self, request: HttpRequest) -> bool:
+        return can(request, "change", Host)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: _M | None = None) -> list[str]:
+        return flatten_fieldsets(self.get_fieldsets(request, obj))
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # An action this user may not run is refused outright, rather than
+        # ignored as the admin does when it offers none at all.
+        action = request.POST.get("action", "") if request.method == "POST" else ""
+        if action and action not in self.get_actions(request):
+            raise PermissionDenied
+        response = super().changelist_view(request, extra_context)
+        changelist = getattr(response, "context_data", None) or {}
+        if "cl" in changelist:
+            # One query for the whole page, rather than one a row.
+            self.annotate_page(list(changelist["cl"].result_list))
+        return response
+
+    def annotate_page(self, rows: list[_M]) -> None:
+        """Attach what the columns show to the page's rows, in one query."""
+
+
+def can(request: HttpRequest, action: str, model: type[Model]) -> bool:
+    opts = model._meta
+    return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
+
+
+def report(
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, count: int, message: str
+) -> None:
+    level = messages.SUCCESS if count else messages.WARNING
+    model_admin.message_user(request, message, level)
+
+
+def pretty_json(text: str) -> SafeString:
+    # A body that is not JSON is shown as it is stored.
+    with contextlib.suppress(ValueError):
+        text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    return format_html('<pre class="fd-body">{}</pre>', text)
+
+
+def changelist_url(model: type[Model], site: admin.AdminSite, **params: Any) -> str:
+    opts = model._meta
+    url = reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist", current_app=site.name)
+    return f"{url}?{urlencode(params)}" if params else url
+
+
+def paused_hosts(hosts: Iterable[str]) -> set[str]:
+    return set(
+        Host.objects.filter(name__in=list(hosts), paused_at__isnull=False).values_list(
+            "name", flat=True
+        )
+    )
+
+
+def pause_and_report(
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]
+) -> None:
+    already = paused_hosts(hosts)
+    pausing = [host for host in hosts if host not in already]
+    held = sum(controls.pause_host(host) for host in pausing)
+    report(
+        model_admin,
+        request,
+        len(pausing),
+        f"Paused {plural(len(pausing), 'host', 'hosts')}: "
+        f"{plural(held, 'pending delivery', 'pending deliveries')} held until resumed."
+        + (f" {plural(len(already), 'host was', 'hosts were')} paused already." if already else ""),
+    )
+
+
+def resume_and_report(
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]
+) -> None:
+    paused = sorted(paused_hosts(hosts))
+    released = sum(controls.resume_host(host) for host in paused)
+    report(
+        model_admin,
+        request,
+        len(paused),
+        f"Resumed {plural(len(paused), 'host', 'hosts')}: "
+        f"{plural(released, 'held delivery', 'held deliveries')} due now.",
+    )
+
+
+def give_up_and_report(
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]
+) -> None:
+    count = sum(controls.give_up_host(host) for host in hosts)
+    report(
+        model_admin,
+        request,
+        count,
+        f"Gave up {plural(count, 'pending delivery', 'pending deliveries')} "
+        f"to {plural(len(hosts), 'host', 'hosts')}.",
+    )

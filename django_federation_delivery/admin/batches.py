@@ -1,0 +1,192 @@
+"""Batches: one row per send, its progress drawn as a bar."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import Count, Exists, OuterRef, QuerySet
+from django.http import HttpRequest
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+
+from django_federation_delivery import controls
+from django_federation_delivery.admin.base import (
+    OperatorAdmin,
+    changelist_url,
+    plural,
+    pretty_json,
+    report,
+)
+from django_federation_delivery.models import Batch, Delivery, Status
+
+CANCELLED = "cancelled by an operator"
+#: Colours of a batch's progress bar, in the order drawn.
+PROGRESS = (
+    (Status.DELIVERED, "#3a9a4a"),
+    (Status.REFUSED, "#d9822b"),
+    (Status.FAILED, "#c83232"),
+    (Status.SKIPPED, "#9a9a9a"),
+    (Status.PENDING, "#7aa9d6"),
+)
+
+
+class TagFilter(admin.SimpleListFilter):
+    """Offers the tags of recent batches (a bounded read); any tag works as ``?tag=``."""
+
+    title = "tag"
+    parameter_name = "tag"
+    recent = 500
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        tags = set(
+            Batch.objects.order_by("-created_at").values_list("tag", flat=True)[: self.recent]
+        )
+        if self.value():
+            tags.add(str(self.value()))
+        return [(tag, tag) for tag in sorted(tags - {""})]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(tag=value) if value else queryset
+
+
+class BatchStateFilter(admin.SimpleListFilter):
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [
+            ("pending", "in progress"),
+            ("finished", "finished"),
+            ("failures", "with failures"),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        match self.value():
+            case "pending":
+                return queryset.filter(finished_at__isnull=True)
+            case "finished":
+                return queryset.filter(finished_at__isnull=False)
+            case "failures":
+                # One index probe a batch, on (batch, status).
+                failed = Delivery.objects.filter(
+                    batch=OuterRef("pk"), status__in=[Status.FAILED, Status.REFUSED]
+                )
+                return queryset.filter(Exists(failed))
+        return queryset
+
+
+def batch_progress(batch_ids: Iterable[int]) -> dict[int, dict[str, int]]:
+    """How many deliveries of each batch stand at each status: one grouped query."""
+    counts: dict[int, dict[str, int]] = {id: dict.fromkeys(Status.values, 0) for id in batch_ids}
+    if counts:
+        rows = (
+            Delivery.objects.filter(batch_id__in=list(counts))
+            .values_list("batch_id", "status")
+            .annotate(count=Count("id"))
+            .order_by()
+        )
+        for batch_id, status, count in rows:
+            counts[batch_id][status] = count
+    return counts
+
+
+@admin.register(Batch)
+class BatchAdmin(OperatorAdmin[Batch]):
+    list_display = ("id", "tag", "sender", "created_at", "deadline", "lane", "progress")
+    list_filter = (TagFilter, BatchStateFilter, "lane")
+    search_fields = ("tag", "sender")
+    ordering = ("-created_at",)
+    actions = ("requeue_failed", "cancel_pending")
+    fieldsets = (
+        (None, {"fields": ("tag", "sender", "lane", "created_at", "deadline", "finished_at")}),
+        ("Deliveries", {"fields": ("progress", "deliveries", "size", "remaining")}),
+        (
+            "Options",
+            {
+                "fields": ("max_attempts", "ordering_key", "synchronize_collection"),
+                "classes": ("collapse",),
+            },
+        ),
+        ("Body", {"fields": ("pretty_body", "body_sha256")}),
+    )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Batch]:
+        # The list shows no body; the change page fetches it when it shows it.
+        return super().get_queryset(request).defer("body")
+
+    def annotate_page(self, rows: list[Batch]) -> None:
+        counts = batch_progress(row.id for row in rows)
+        for row in rows:
+            row._fd_progress = counts[row.id]  # type: ignore[attr-defined]
+
+    @admin.display(description="progress")
+    def progress(self, obj: Batch) -> SafeString:
+        counts: dict[str, int] = (
+            getattr(obj, "_fd_progress", None) or batch_progress([obj.id])[obj.id]
+        )
+        return progress_bar(counts)
+
+    @admin.display(description="deliveries")
+    def deliveries(self, obj: Batch) -> SafeString:
+        url = changelist_url(Delivery, self.admin_site, batch__id__exact=obj.id)
+        return format_html('<a href="{}">{}</a>', url, plural(obj.size, "delivery", "deliveries"))
+
+    @admin.display(description="body")
+    def pretty_body(self, obj: Batch) -> SafeString:
+        return pretty_json(obj.body)
+
+    @admin.action(
+        permissions=["change_delivery"],
+        description="Requeue the failed deliveries of the selected batches",
+    )
+    def requeue_failed(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
+        failed = Delivery.objects.filter(batch__in=queryset.values("id"), status=Status.FAILED)
+        count = controls.requeue(failed.only("id"))
+        report(
+            self,
+            request,
+            count,
+            f"Requeued {plural(count, 'failed delivery', 'failed deliveries')} "
+            f"of {plural(queryset.count(), 'batch', 'batches')}, due now.",
+        )
+
+    @admin.action(
+        permissions=["change_delivery"],
+        description="Cancel the pending deliveries of the selected batches",
+    )
+    def cancel_pending(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
+        pending = Delivery.objects.filter(batch__in=queryset.values("id"), status=Status.PENDING)
+        count = controls.give_up(pending, CANCELLED)
+        report(
+            self,
+            request,
+            count,
+            f"Cancelled {plural(count, 'pending delivery', 'pending deliveries')} "
+            f"of {plural(queryset.count(), 'batch', 'batches')}.",
+        )
+
+
+def progress_bar(counts: dict[str, int]) -> SafeString:
+    """A batch's deliveries by status, drawn as a bar with its counts beneath."""
+    total = sum(counts.values()) or 1
+    parts = [(status, colour, counts.get(status, 0)) for status, colour in PROGRESS]
+    bar = format_html_join(
+        "",
+        '<span style="width:{}%;background:{}" title="{} {}"></span>',
+        (
+            (f"{100 * count / total:.2f}", colour, count, status)
+            for status, colour, count in parts
+            if count
+        ),
+    )
+    legend = " · ".join(f"{count} {status}" for status, _, count in parts if count)
+    return format_html(
+        '<div class="fd-progress" style="display:flex;width:14em;height:0.8em;'
+        'border-radius:3px;overflow:hidden;background:#ddd">{}</div>'
+        '<div class="fd-progress-legend" style="font-size:0.85em">{}</div>',
+        bar,
+        legend or "no deliveries",
+    )

@@ -1,0 +1,228 @@
+"""Deliveries: one row per inbox, with the actions that requeue and give up."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.text import Truncator
+from django.utils.timesince import timesince, timeuntil
+
+from django_federation_delivery import controls
+from django_federation_delivery.admin.base import (
+    OperatorAdmin,
+    pause_and_report,
+    plural,
+    pretty_json,
+    report,
+)
+from django_federation_delivery.admin.queues import queues_page
+from django_federation_delivery.models import Breaker, Delivery, Host, Status
+
+
+class LastStatusClassFilter(admin.SimpleListFilter):
+    title = "last status"
+    parameter_name = "last_status_class"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("2xx", "2xx"), ("3xx", "3xx"), ("4xx", "4xx"), ("5xx", "5xx"), ("none", "none")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value == "none":
+            return queryset.filter(last_status__isnull=True)
+        if value in ("2xx", "3xx", "4xx", "5xx"):
+            low = int(value[0]) * 100
+            return queryset.filter(last_status__gte=low, last_status__lt=low + 100)
+        return queryset
+
+
+class QueueFilter(admin.SimpleListFilter):
+    """Where a pending delivery stands: the columns of the queues page."""
+
+    title = "queue"
+    parameter_name = "queue"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [
+            ("due", "due now"),
+            ("scheduled", "scheduled"),
+            ("in_flight", "in flight"),
+            ("held", "held"),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        now = timezone.now()
+        pending = queryset.filter(status=Status.PENDING)
+        match self.value():
+            case "due":
+                return pending.filter(due_at__lte=now)
+            case "scheduled":
+                return pending.filter(due_at__gt=now, lease_token__isnull=True)
+            case "in_flight":
+                return pending.filter(due_at__gt=now, lease_token__isnull=False)
+            case "held":
+                return pending.filter(due_at__isnull=True)
+        return queryset
+
+
+class HostFilter(admin.SimpleListFilter):
+    """Offers the paused hosts and those with breakers (small tables); any
+    other host is filtered by ``?host=`` all the same."""
+
+    title = "host"
+    parameter_name = "host"
+    offered = 20
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        paused = Host.objects.filter(paused_at__isnull=False).values_list("name", flat=True)
+        failing = Breaker.objects.exclude(key__contains="://").order_by("-failures")
+        names = {*paused[: self.offered], *failing.values_list("key", flat=True)[: self.offered]}
+        if self.value():
+            names.add(str(self.value()))
+        return [(name, name) for name in sorted(names)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(host=value) if value else queryset
+
+
+@admin.register(Delivery)
+class DeliveryAdmin(OperatorAdmin[Delivery]):
+    list_display = (
+        "id",
+        "host",
+        "inbox",
+        "sender",
+        "status",
+        "attempts",
+        "next_due",
+        "last_status",
+        "short_error",
+    )
+    list_display_links = ("id", "inbox")
+    list_filter = ("status", "lane", QueueFilter, LastStatusClassFilter, HostFilter)
+    search_fields = ("inbox", "batch__sender", "batch__tag")
+    list_select_related = ("batch",)
+    ordering = ("-id",)
+    actions = ("requeue", "give_up", "pause_hosts")
+    fieldsets = (
+        (None, {"fields": ("batch_link", "inbox", "host", "via", "lane", "status")}),
+        (
+            "Attempts",
+            {
+                "fields": (
+                    "attempts",
+                    "next_due",
+                    "due_at",
+                    "last_attempt_at",
+                    "last_status",
+                    "last_error",
+                    "settled_at",
+                )
+            },
+        ),
+        ("Ordering", {"fields": ("sequence", "after"), "classes": ("collapse",)}),
+        ("Body", {"fields": ("body",)}),
+    )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Delivery]:
+        # A list shows no body: 100 rows need not fetch 100 of them.
+        return super().get_queryset(request).select_related("batch").defer("batch__body")
+
+    def get_urls(self) -> list[URLPattern]:
+        opts = self.opts
+        queues = path(
+            "queues/",
+            self.admin_site.admin_view(self.queues_view),
+            name=f"{opts.app_label}_{opts.model_name}_queues",
+        )
+        # Before the model's own, whose "<path:object_id>/" would take it.
+        return [queues, *super().get_urls()]
+
+    def queues_view(self, request: HttpRequest) -> TemplateResponse:
+        return queues_page(self, request)
+
+    @admin.display(description="sender", ordering="batch__sender")
+    def sender(self, obj: Delivery) -> str:
+        return obj.batch.sender
+
+    @admin.display(description="next due", ordering="due_at")
+    def next_due(self, obj: Delivery) -> str:
+        return next_due(obj, timezone.now())
+
+    @admin.display(description="last error")
+    def short_error(self, obj: Delivery) -> str:
+        return Truncator(obj.last_error).chars(80)
+
+    @admin.display(description="batch")
+    def batch_link(self, obj: Delivery) -> SafeString:
+        url = reverse(
+            "admin:federation_delivery_batch_change",
+            args=[obj.batch_id],
+            current_app=self.admin_site.name,
+        )
+        return format_html('<a href="{}">{}</a>', url, obj.batch)
+
+    @admin.display(description="body (the batch's, as sent)")
+    def body(self, obj: Delivery) -> SafeString:
+        return pretty_json(obj.batch.body)
+
+    @admin.action(
+        permissions=["change"],
+        description="Requeue the selected failed, refused or skipped deliveries (due now)",
+    )
+    def requeue(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
+        eligible = queryset.filter(status__in=[Status.FAILED, Status.REFUSED, Status.SKIPPED])
+        # Only the ids are needed, not the rows and their batches.
+        count = controls.requeue(eligible.select_related(None).only("id"))
+        report(
+            self,
+            request,
+            count,
+            f"Requeued {plural(count, 'delivery', 'deliveries')}, due now; "
+            "pending or delivered ones are left alone.",
+        )
+
+    @admin.action(permissions=["change"], description="Give up the selected pending deliveries")
+    def give_up(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
+        count = controls.give_up(queryset)
+        report(
+            self,
+            request,
+            count,
+            f"Gave up {plural(count, 'pending delivery', 'pending deliveries')}; "
+            "settled ones are left alone.",
+        )
+
+    @admin.action(
+        permissions=["change_host"], description="Pause the hosts of the selected deliveries"
+    )
+    def pause_hosts(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
+        hosts = sorted(set(queryset.values_list("host", flat=True)))
+        pause_and_report(self, request, hosts)
+
+
+def next_due(delivery: Delivery, now: dt.datetime) -> str:
+    """When a delivery is next due, relative to ``now``."""
+    if delivery.status != Status.PENDING:
+        return "—"
+    if delivery.due_at is None:
+        if delivery.after_id is not None:
+            return f"held: waits on #{delivery.after_id}"
+        return "held: host paused"
+    if delivery.due_at > now:
+        if delivery.lease_token:
+            return f"in flight (lease ends in {timeuntil(delivery.due_at, now)})"
+        return f"in {timeuntil(delivery.due_at, now)}"
+    if now - delivery.due_at < dt.timedelta(minutes=1):
+        return "due now"
+    return f"due {timesince(delivery.due_at, now)} ago"

@@ -1,0 +1,167 @@
+"""Breakers and hosts: a destination's state, and the controls that act on it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from django.contrib import admin
+from django.db.models import Count, Q, QuerySet
+from django.http import HttpRequest
+from django.utils import timezone
+
+from django_federation_delivery import controls
+from django_federation_delivery.admin.base import (
+    OperatorAdmin,
+    give_up_and_report,
+    pause_and_report,
+    plural,
+    report,
+    resume_and_report,
+)
+from django_federation_delivery.models import Breaker, Delivery, Host, Status
+from django_federation_delivery.sending import host_of
+
+
+class BreakerStateFilter(admin.SimpleListFilter):
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("closed", "closed"), ("open", "open"), ("half-open", "half-open")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        now = timezone.now()
+        match self.value():
+            case "closed":
+                return queryset.filter(open_until__isnull=True)
+            case "open":
+                return queryset.filter(open_until__gt=now)
+            case "half-open":
+                return queryset.filter(open_until__lte=now)
+        return queryset
+
+
+@admin.register(Breaker)
+class BreakerAdmin(OperatorAdmin[Breaker]):
+    list_display = ("key", "state", "failures", "open_until", "probe", "updated_at")
+    list_filter = (BreakerStateFilter,)
+    search_fields = ("key",)
+    ordering = ("-updated_at",)
+    actions = ("reset", "pause_hosts", "resume_hosts", "give_up_hosts")
+    fieldsets = (
+        (None, {"fields": ("key", "state", "failures", "open_until", "probe", "updated_at")}),
+    )
+
+    @admin.display(description="state")
+    def state(self, obj: Breaker) -> str:
+        return obj.state
+
+    @admin.display(description="probe")
+    def probe(self, obj: Breaker) -> str:
+        if obj.probe_until is None or obj.probe_until <= timezone.now():
+            return "—"
+        return f"under way, waited for until {obj.probe_until:%Y-%m-%d %H:%M:%S}"
+
+    @admin.action(permissions=["change"], description="Reset the selected breakers (closed)")
+    def reset(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
+        count = sum(controls.reset_breaker(key) for key in queryset.values_list("key", flat=True))
+        report(self, request, count, f"Reset {plural(count, 'breaker', 'breakers')}.")
+
+    @admin.action(
+        permissions=["change_host"], description="Pause the hosts of the selected breakers"
+    )
+    def pause_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
+        pause_and_report(self, request, hosts_of(queryset))
+
+    @admin.action(
+        permissions=["change_host"], description="Resume the paused hosts of the selected breakers"
+    )
+    def resume_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
+        resume_and_report(self, request, hosts_of(queryset))
+
+    @admin.action(
+        permissions=["change_delivery"],
+        description="Give up everything pending for the hosts of the selected breakers",
+    )
+    def give_up_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
+        give_up_and_report(self, request, hosts_of(queryset))
+
+
+def host_of_key(key: str) -> str:
+    """The host a breaker is about: its key, or the host of an inbox key."""
+    return host_of(key) if "://" in key else key
+
+
+def hosts_of(breakers: QuerySet[Breaker]) -> list[str]:
+    return sorted({host_of_key(key) for key in breakers.values_list("key", flat=True)} - {""})
+
+
+class PausedFilter(admin.SimpleListFilter):
+    title = "paused"
+    parameter_name = "paused"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "paused"), ("no", "not paused")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        match self.value():
+            case "yes":
+                return queryset.filter(paused_at__isnull=False)
+            case "no":
+                return queryset.filter(paused_at__isnull=True)
+        return queryset
+
+
+def host_pending(names: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """Pending and held deliveries to each host: one query on (host, status)."""
+    names = list(names)
+    found: dict[str, tuple[int, int]] = dict.fromkeys(names, (0, 0))
+    if names:
+        rows = (
+            Delivery.objects.filter(host__in=names, status=Status.PENDING)
+            .values_list("host")
+            .annotate(pending=Count("id"), held=Count("id", filter=Q(due_at__isnull=True)))
+            .order_by()
+        )
+        found.update((host, (pending, held)) for host, pending, held in rows)
+    return found
+
+
+@admin.register(Host)
+class HostAdmin(OperatorAdmin[Host]):
+    list_display = ("name", "paused", "paused_at", "pending", "scheme", "updated_at")
+    list_filter = (PausedFilter,)
+    search_fields = ("name",)
+    ordering = ("name",)
+    actions = ("pause", "resume", "give_up")
+    fieldsets = ((None, {"fields": ("name", "paused_at", "pending", "scheme", "updated_at")}),)
+
+    def annotate_page(self, rows: list[Host]) -> None:
+        counts = host_pending(row.name for row in rows)
+        for row in rows:
+            row._fd_pending = counts[row.name]  # type: ignore[attr-defined]
+
+    @admin.display(description="paused", boolean=True, ordering="paused_at")
+    def paused(self, obj: Host) -> bool:
+        return obj.paused_at is not None
+
+    @admin.display(description="pending (held)")
+    def pending(self, obj: Host) -> str:
+        pending, held = getattr(obj, "_fd_pending", None) or host_pending([obj.name])[obj.name]
+        return f"{pending} ({held} held)" if held else str(pending)
+
+    @admin.action(permissions=["change"], description="Pause the selected hosts")
+    def pause(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
+        pause_and_report(self, request, list(queryset.values_list("name", flat=True)))
+
+    @admin.action(permissions=["change"], description="Resume the selected paused hosts")
+    def resume(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
+        resume_and_report(self, request, list(queryset.values_list("name", flat=True)))
+
+    @admin.action(
+        permissions=["change_delivery"],
+        description="Give up everything pending for the selected hosts",
+    )
+    def give_up(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
+        give_up_and_report(self, request, list(queryset.values_list("name", flat=True)))

@@ -1,0 +1,74 @@
+"""The queues page: the whole delivery system at a glance, in a bounded number of queries."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.contrib.admin.utils import quote
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.urls import reverse
+
+from django_federation_delivery import overview
+from django_federation_delivery.admin.base import changelist_url
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+
+
+def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -> TemplateResponse:
+    """The queues at a glance: each lane's due, scheduled, in-flight and held
+    deliveries, the hosts failing most, the open breakers and the paused hosts."""
+    if not model_admin.has_view_permission(request):
+        raise PermissionDenied
+    request.current_app = model_admin.admin_site.name
+    status = overview.overview()
+    site = model_admin.admin_site
+
+    def deliveries(**params: str) -> str:
+        return changelist_url(Delivery, site, **params)
+
+    def lane_links(lane: str) -> dict[str, str]:
+        lane_filter = {"lane__exact": lane} if lane != "all" else {}
+        return {
+            state: deliveries(queue=state, **lane_filter)
+            for state in ("due", "scheduled", "in_flight", "held")
+        }
+
+    lanes = [
+        (
+            lane,
+            lane_links(lane.lane),
+            overview.format_duration(lane.lag) if lane.oldest_due_at else "—",
+        )
+        for lane in (*status.lanes, status.total)
+    ]
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "title": "Queues at a glance",
+        "opts": model_admin.opts,
+        "overview": status,
+        "lanes": lanes,
+        "deliveries_url": deliveries(),
+        "batches_url": changelist_url(Batch, site),
+        "breakers_url": changelist_url(Breaker, site),
+        "hosts_url": changelist_url(Host, site),
+        "failing_hosts": [
+            (host, deliveries(host=host.host, status__exact=Status.PENDING))
+            for host in status.failing_hosts
+        ],
+        "open_breakers": [
+            (
+                breaker,
+                reverse(
+                    "admin:federation_delivery_breaker_change",
+                    args=[quote(breaker.key)],
+                    current_app=site.name,
+                ),
+            )
+            for breaker in status.open_breakers
+        ],
+        "paused_hosts": [
+            (name, deliveries(host=name, status__exact=Status.PENDING))
+            for name in status.paused_hosts
+        ],
+    }
+    return TemplateResponse(request, "admin/federation_delivery/queues.html", context)
