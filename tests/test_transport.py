@@ -27,7 +27,6 @@ from typing import Any
 
 import pytest
 
-from django_federation_delivery import transport as transport_module
 from django_federation_delivery.exceptions import (
     AttemptTimeout,
     ConnectionFailed,
@@ -38,6 +37,7 @@ from django_federation_delivery.transport import (
     DEFAULT_ACCEPT,
     Transport,
     TransportSettings,
+    guard,
     is_public_address,
     parse_retry_after,
 )
@@ -357,7 +357,7 @@ def test_the_connected_peer_is_checked_before_anything_is_written(
     # address passes, the peer of the connected socket does not.
     verdicts = iter([True, False])
     monkeypatch.setattr(
-        transport_module._GuardedHTTPConnection,
+        guard.GuardedHTTPConnection,
         "_allowed",
         staticmethod(lambda address, attempt: next(verdicts)),
     )

@@ -1,0 +1,258 @@
+"""One delivery attempt over HTTP: a single signed POST and what came of it.
+
+Nothing here imports Django or touches a database. A :class:`Transport` makes
+one POST at a time on a pooled ``requests`` session and returns an
+:class:`Answer`, or raises one of the :class:`TransportError` subclasses; every
+lower-level error (requests, urllib3, socket, ssl) is translated here.
+
+Two guarantees need more than plain ``requests``:
+
+* **Only public addresses.** The connections are made by our own urllib3
+  connection class, which resolves the host itself, connects only to allowed
+  addresses and checks the peer of the connected socket again before a byte is
+  written. The address judged is the one actually used, so DNS rebinding (a
+  public answer to a check, a private one to the connect) gains nothing.
+* **A bound on the whole attempt.** Socket timeouts bound each ``recv``, not
+  their sum: a server that drips one byte a second would hold a worker for
+  ever. Every socket an attempt uses is registered with a watchdog thread that
+  shuts it down at the attempt's deadline, which unblocks whatever is waiting
+  on it; DNS and TCP connects are bounded by the time left.
+"""
+
+from __future__ import annotations
+
+import datetime
+import email.utils
+import http.client
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from http.cookiejar import DefaultCookiePolicy
+from types import TracebackType
+from typing import Self
+
+import requests
+import requests.adapters
+import urllib3.exceptions
+
+from django_federation_delivery.exceptions import (
+    AttemptTimeout,
+    TransportError,
+)
+from django_federation_delivery.transport.addresses import IPNetwork, is_public_address
+from django_federation_delivery.transport.failures import check_url, translate
+from django_federation_delivery.transport.guard import (
+    WATCHDOG,
+    Attempt,
+    GuardedAdapter,
+    this_thread,
+)
+
+__all__ = [
+    "DEFAULT_ACCEPT",
+    "Answer",
+    "Transport",
+    "TransportSettings",
+    "is_public_address",
+    "parse_retry_after",
+]
+
+#: What an ActivityPub inbox is asked to answer in, unless the caller says otherwise.
+DEFAULT_ACCEPT = (
+    "application/activity+json, "
+    'application/ld+json; profile="https://www.w3.org/ns/activitystreams"'
+)
+
+#: How many per-host pools a transport keeps; urllib3 evicts the least recently used.
+POOLS_PER_TRANSPORT = 64
+
+_READ_CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """How a :class:`Transport` behaves; built once from the app's settings."""
+
+    user_agent: str
+    connect_timeout: float = 10.0
+    #: The whole attempt: DNS, connect, TLS, sending, the answer's headers and body.
+    attempt_timeout: float = 30.0
+    #: At most this much of an answer's body is read; the rest is dropped.
+    max_answer_bytes: int = 1 << 20
+    #: Non-public networks deliveries may go to all the same (tests, intranets).
+    allowed_networks: tuple[IPNetwork, ...] = ()
+    #: Idle keep-alive connections kept per host.
+    connections_per_host: int = 2
+    #: An idle pooled connection unused this long is closed.
+    idle_timeout: float = 10.0
+    verify_tls: bool = True
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the inbox answered. A 3xx is an answer like any other: never followed."""
+
+    status: int
+    #: Case-insensitive.
+    headers: Mapping[str, str]
+    #: At most ``max_answer_bytes`` of it.
+    body: bytes
+    #: Seconds from the start of the attempt to the end of reading the body.
+    elapsed: float
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait that a ``Retry-After`` value asks for, never below 0.
+
+    Takes delay-seconds (``"120"``) or an HTTP-date (a date in the past means
+    0). ``None`` when the header is absent or not understood, including a
+    negative number of seconds. ``now`` is the Unix time to count from.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        return None
+    if value.isdigit() and value.isascii():
+        seconds = int(value)
+        # float() of a thousand-digit number overflows; nobody means it.
+        return float(seconds) if seconds < 10**12 else None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000": UTC, by RFC 5322
+        when = when.replace(tzinfo=datetime.UTC)
+    try:
+        target = when.timestamp()
+    except (OverflowError, OSError, ValueError):
+        return None
+    return max(0.0, target - (time.time() if now is None else now))
+
+
+class Transport:
+    """One per worker thread: owns a pooled requests.Session. Not thread-safe by design."""
+
+    def __init__(self, settings: TransportSettings) -> None:
+        self.settings = settings
+        session = requests.Session()
+        # No proxies, .netrc or CA bundle from the environment: what is sent where must
+        # not depend on the worker's shell.
+        session.trust_env = False
+        # Nor cookies: an inbox's Set-Cookie must not follow later deliveries around.
+        session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+        # Replaces requests' defaults (python-requests UA, gzip): a plain body is all we
+        # read, and a compressed one could inflate far past max_answer_bytes.
+        session.headers = requests.structures.CaseInsensitiveDict(
+            {
+                "User-Agent": settings.user_agent,
+                "Accept": DEFAULT_ACCEPT,
+                "Accept-Encoding": "identity",
+            }
+        )
+        self._adapter = GuardedAdapter(
+            pool_connections=POOLS_PER_TRANSPORT,
+            pool_maxsize=settings.connections_per_host,
+            max_retries=0,
+            pool_block=False,
+        )
+        session.mount("http://", self._adapter)
+        session.mount("https://", self._adapter)
+        self._session = session
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+        """POST ``body`` to ``url`` with ``headers`` (sent as given, Host included).
+
+        Returns whatever status came back, redirects included. Raises
+        ``InvalidURL``, ``RefusedAddress``, ``AttemptTimeout`` or
+        ``ConnectionFailed``.
+        """
+        target = check_url(url)
+        self.close_idle()
+        settings = self.settings
+        pools = self._adapter.poolmanager
+        start = time.monotonic()
+        attempt = Attempt(start + settings.attempt_timeout, settings.allowed_networks)
+        WATCHDOG.start(attempt)
+        this_thread.attempt = attempt
+        response: requests.Response | None = None
+        try:
+            response = self._session.post(
+                url,
+                data=body,
+                headers=dict(headers),
+                allow_redirects=False,
+                stream=True,
+                verify=settings.verify_tls,
+                # Per connect and per recv; the watchdog bounds their sum.
+                timeout=(
+                    min(settings.connect_timeout, settings.attempt_timeout),
+                    settings.attempt_timeout,
+                ),
+            )
+            content = _read_at_most(response, settings.max_answer_bytes)
+        except TransportError as exc:
+            if attempt.expired and not isinstance(exc, AttemptTimeout):
+                raise translate(exc, attempt, target, settings.attempt_timeout) from exc
+            raise
+        except (
+            requests.exceptions.RequestException,
+            urllib3.exceptions.HTTPError,
+            http.client.HTTPException,
+            OSError,
+            UnicodeEncodeError,  # a header value http.client cannot send as Latin-1
+        ) as exc:
+            raise translate(exc, attempt, target, settings.attempt_timeout) from exc
+        finally:
+            if response is not None:
+                # Unread data left: this closes the connection instead of pooling it.
+                response.close()
+            this_thread.attempt = None
+            WATCHDOG.finish(attempt)
+            key = pools.current
+            pools.touch()
+            if attempt.expired and key is not None:
+                # The socket was shut down under it: no connection to that host is trusted.
+                pools.drop(key)
+        if attempt.expired:
+            # Late, if only just: a close-delimited body may have been cut short silently.
+            raise AttemptTimeout(
+                f"{target.display}: no complete answer within {settings.attempt_timeout:g}s"
+            )
+        return Answer(
+            status=response.status_code,
+            headers=response.headers,
+            body=content,
+            elapsed=time.monotonic() - start,
+        )
+
+    def close_idle(self) -> None:
+        """Close the pools of hosts not used for ``idle_timeout``; call it while idle."""
+        self._adapter.poolmanager.drop_idle(self.settings.idle_timeout)
+
+    def close(self) -> None:
+        """Close every pooled connection. The transport may still be used afterwards."""
+        self._session.close()
+        self._adapter.poolmanager.last_used.clear()
+
+
+def _read_at_most(response: requests.Response, limit: int) -> bytes:
+    if limit <= 0:
+        return b""
+    body = bytearray()
+    for chunk in response.iter_content(chunk_size=min(limit, _READ_CHUNK)):
+        body += chunk
+        if len(body) >= limit:
+            break  # the rest stays unread; closing the response discards the connection
+    return bytes(body[:limit])

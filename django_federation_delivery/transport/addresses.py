@@ -1,0 +1,69 @@
+"""Which addresses a delivery may connect to: public unicast ones, and named networks."""
+
+from __future__ import annotations
+
+import ipaddress
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def parse_ip(address: str) -> IPAddress | None:
+    try:
+        # getaddrinfo and getpeername may add an IPv6 zone ("fe80::1%eth0").
+        return ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+
+
+def _embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one leads to, where the prefix says it does."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return None
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def _is_public(ip: IPAddress) -> bool:
+    embedded = _embedded_ipv4(ip)
+    if embedded is not None and not _is_public(embedded):
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        # ::ffff:0:0/96 is "private" as a block, but only says "this IPv4 address".
+        return embedded is not None
+    return ip.is_global and not (
+        ip.is_multicast
+        or ip.is_private
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_reserved
+        or ip.is_unspecified
+        or (isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local)
+    )
+
+
+def is_public_address(address: str) -> bool:
+    """Whether ``address`` (an IP literal) is a public unicast address.
+
+    Loopback, RFC 1918, link-local, CGNAT, unique-local, unspecified,
+    multicast, reserved and documentation addresses are not; nor is an IPv6
+    address that embeds one of those (IPv4-mapped, 6to4, Teredo, NAT64). A
+    string that is not an IP address is not.
+    """
+    ip = parse_ip(address)
+    return ip is not None and _is_public(ip)
+
+
+def allowed(ip: IPAddress, networks: tuple[IPNetwork, ...]) -> bool:
+    if _is_public(ip):
+        return True
+    embedded = _embedded_ipv4(ip)
+    return any(ip in net or (embedded is not None and embedded in net) for net in networks)

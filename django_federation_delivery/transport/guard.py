@@ -1,0 +1,305 @@
+"""Connections that go only where they may, and only for as long as an attempt may last.
+
+Each ``Transport.post`` is an :class:`Attempt`. Its connections resolve the host
+themselves, connect only to allowed addresses, check the connected peer again, and
+register their sockets with the watchdog, which shuts them down at the deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+import requests.adapters
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.poolmanager import PoolKey, PoolManager
+from urllib3.util.connection import allowed_gai_family
+
+from django_federation_delivery.exceptions import (
+    AttemptTimeout,
+    ConnectionFailed,
+    RefusedAddress,
+)
+from django_federation_delivery.transport.addresses import IPNetwork, allowed, parse_ip
+from django_federation_delivery.transport.failures import reason
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One ``post``: its deadline, where it may connect, and the sockets it uses."""
+
+    deadline: float
+    allowed_networks: tuple[IPNetwork, ...]
+    # Duplicates of the attempt's socket descriptors, owned by the watchdog: shutting one down
+    # shuts the shared socket down, and as only we close them, a descriptor number can never
+    # have been reused for something else when the watchdog acts.
+    sockets: list[socket.socket] = field(default_factory=list)
+    expired: bool = False
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class _Watchdog:
+    """One daemon thread for the process that shuts down the sockets of late attempts."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._active: set[Attempt] = set()
+        self._thread: threading.Thread | None = None
+        #: When the thread wakes next on its own (None: only when notified).
+        self._wakes_at: float | None = None
+
+    def start(self, attempt: Attempt) -> None:
+        with self._cond:
+            self._active.add(attempt)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="federation-delivery-watchdog", daemon=True
+                )
+                self._thread.start()
+            # Attempts share one timeout, so a new deadline is rarely the
+            # earliest: wake the thread only when it is.
+            if self._wakes_at is None or attempt.deadline < self._wakes_at:
+                self._cond.notify()
+
+    def register(self, attempt: Attempt, sock: socket.socket) -> bool:
+        """Watch ``sock`` for ``attempt``; ``False`` if the attempt is already late."""
+        with self._cond:
+            if attempt.expired or attempt not in self._active:
+                return False
+            attempt.sockets.append(
+                socket.socket(sock.family, sock.type, sock.proto, os.dup(sock.fileno()))
+            )
+            return True
+
+    def finish(self, attempt: Attempt) -> None:
+        with self._cond:
+            self._active.discard(attempt)
+            sockets, attempt.sockets = attempt.sockets, []
+        for dup in sockets:
+            dup.close()
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                late = [a for a in self._active if a.deadline <= now]
+                for attempt in late:
+                    self._active.discard(attempt)
+                    attempt.expired = True
+                    for dup in attempt.sockets:
+                        # OSError: already closed by the peer, so nothing is blocked on it.
+                        with contextlib.suppress(OSError):
+                            dup.shutdown(socket.SHUT_RDWR)
+                self._wakes_at = min((a.deadline for a in self._active), default=None)
+                self._cond.wait(None if self._wakes_at is None else self._wakes_at - now)
+
+
+WATCHDOG = _Watchdog()
+# The thread does not survive a fork, and its lock may have been held when it happened.
+os.register_at_fork(after_in_child=WATCHDOG._reset)
+
+this_thread = threading.local()
+
+
+def current_attempt() -> Attempt:
+    attempt: Attempt | None = getattr(this_thread, "attempt", None)
+    if attempt is None:
+        # Only Transport.post opens connections; anything else is a bug, and must not
+        # get past the address check by accident.
+        raise RuntimeError("a federation delivery connection was used outside Transport.post")
+    return attempt
+
+
+def _resolve(host: str, port: int, timeout: float) -> list[tuple[Any, ...]]:
+    """getaddrinfo, bounded: it cannot be interrupted, so a slow lookup runs in a thread."""
+    family = allowed_gai_family()
+    if parse_ip(host) is not None:
+        try:
+            return socket.getaddrinfo(
+                host, port, family, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST
+            )
+        except OSError as exc:
+            raise ConnectionFailed(f"cannot connect to {host}") from exc
+    results: list[tuple[Any, ...]] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            results.extend(socket.getaddrinfo(host, port, family, socket.SOCK_STREAM))
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=lookup, name="federation-delivery-dns", daemon=True).start()
+    if not done.wait(max(timeout, 0.0)):
+        raise AttemptTimeout(f"timed out resolving {host}")
+    if errors:
+        raise ConnectionFailed(f"could not resolve {host}") from errors[0]
+    return results
+
+
+class GuardedHTTPConnection(HTTPConnection):
+    """Connects only to allowed addresses, and only within the attempt's time."""
+
+    # The attempt this connection's socket is registered with, if any.
+    _watched_by: Attempt | None = None
+
+    def _new_conn(self) -> socket.socket:
+        attempt = current_attempt()
+        host = self._dns_host.strip("[]")
+        port = self.port
+        limit = self.timeout if isinstance(self.timeout, int | float) else None
+        where = f"{host}:{port}"
+
+        remaining = attempt.remaining()
+        infos = _resolve(host, port, remaining if limit is None else min(limit, remaining))
+        usable = [info for info in infos if self._allowed(info[4][0], attempt)]
+        if not usable:
+            addresses = ", ".join(dict.fromkeys(str(info[4][0]) for info in infos))
+            raise RefusedAddress(
+                f"refused to connect to {host} ({addresses}): not a public address"
+            )
+
+        error: OSError | None = None
+        for family, type_, proto, _name, sockaddr in usable:
+            remaining = attempt.remaining()
+            if remaining <= 0:
+                break
+            sock = socket.socket(family, type_, proto)
+            try:
+                for option in self.socket_options or ():
+                    sock.setsockopt(*option)
+                sock.settimeout(min(limit, remaining) if limit is not None else remaining)
+                if self.source_address:
+                    sock.bind(self.source_address)
+                sock.connect(sockaddr)
+                # Judge the peer of the connected socket too, before anything is written.
+                peer = sock.getpeername()[0]
+                if not self._allowed(peer, attempt):
+                    raise RefusedAddress(
+                        f"refused to connect to {host} ({peer}): not a public address"
+                    )
+                if not WATCHDOG.register(attempt, sock):
+                    raise AttemptTimeout(f"timed out connecting to {where}")
+            except OSError as exc:
+                sock.close()
+                error = exc
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self._watched_by = attempt
+            sys.audit("http.client.connect", self, self.host, self.port)
+            return sock
+
+        if error is None or isinstance(error, TimeoutError):
+            raise AttemptTimeout(f"timed out connecting to {where}") from error
+        raise ConnectionFailed(f"could not connect to {where}: {reason(error)}") from error
+
+    @staticmethod
+    def _allowed(address: str, attempt: Attempt) -> bool:
+        ip = parse_ip(address)
+        return ip is not None and allowed(ip, attempt.allowed_networks)
+
+    def putrequest(
+        self,
+        method: str,
+        url: str,
+        skip_host: bool = False,
+        skip_accept_encoding: bool = False,
+    ) -> None:
+        # A pooled connection's socket is watched for this attempt too. (A new one was
+        # registered by _new_conn; over plain HTTP it is only connected later, on send.)
+        attempt = current_attempt()
+        if self.sock is not None and self._watched_by is not attempt:
+            if not WATCHDOG.register(attempt, self.sock):
+                raise AttemptTimeout("timed out before sending")
+            self._watched_by = attempt
+        super().putrequest(
+            method, url, skip_host=skip_host, skip_accept_encoding=skip_accept_encoding
+        )
+
+    def close(self) -> None:
+        self._watched_by = None
+        super().close()
+
+
+class GuardedHTTPSConnection(GuardedHTTPConnection, HTTPSConnection):
+    """The same, for TLS: the socket is checked and watched before the handshake."""
+
+
+class GuardedHTTPConnectionPool(HTTPConnectionPool):
+    ConnectionCls = GuardedHTTPConnection
+
+
+class GuardedHTTPSConnectionPool(HTTPSConnectionPool):
+    ConnectionCls = GuardedHTTPSConnection
+
+
+class GuardedPoolManager(PoolManager):
+    """Guarded pools, and when each was last used, so idle ones can be closed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pool_classes_by_scheme = {
+            "http": GuardedHTTPConnectionPool,
+            "https": GuardedHTTPSConnectionPool,
+        }
+        self.last_used: dict[PoolKey, float] = {}
+        self.current: PoolKey | None = None
+
+    def connection_from_pool_key(
+        self, pool_key: PoolKey, request_context: dict[str, Any]
+    ) -> HTTPConnectionPool:
+        self.current = pool_key
+        self.last_used[pool_key] = time.monotonic()
+        return super().connection_from_pool_key(pool_key, request_context)
+
+    def touch(self) -> None:
+        if self.current is not None:
+            self.last_used[self.current] = time.monotonic()
+            self.current = None
+
+    def drop(self, key: PoolKey) -> None:
+        """Close the pool for ``key`` and every idle connection in it."""
+        self.last_used.pop(key, None)
+        with contextlib.suppress(KeyError):  # already evicted
+            del self.pools[key]  # disposing of a pool closes it
+
+    def drop_idle(self, idle_timeout: float) -> None:
+        cutoff = time.monotonic() - idle_timeout
+        for key in [k for k, used in self.last_used.items() if used <= cutoff]:
+            self.drop(key)
+
+
+class GuardedAdapter(requests.adapters.HTTPAdapter):
+    poolmanager: GuardedPoolManager
+
+    def init_poolmanager(
+        self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
+    ) -> None:
+        self._pool_connections = connections
+        self._pool_maxsize = maxsize
+        self._pool_block = block
+        self.poolmanager = GuardedPoolManager(
+            num_pools=connections, maxsize=maxsize, block=block, **pool_kwargs
+        )
+
+    def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
+        # Through a proxy, the address checked would be the proxy's, not the inbox's.
+        raise ConnectionFailed("proxies are not supported")
