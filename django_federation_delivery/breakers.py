@@ -10,20 +10,30 @@ stops being one after the cool-off.
 The decisions here are plain functions of a breaker's state and the time;
 :class:`BreakerView` keeps what the database holds in memory, refreshed about
 once a second, so that admitting a delivery to a healthy destination costs no
-query. The database side is in ``queue.py``.
+query. The rows live in the database, so that every process counts failures
+together and only one probe goes through among them all.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime as dt
 import enum
+import uuid
+from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from django_federation_delivery.models import Breaker
+from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from django_federation_delivery.models import Breaker
+from django_federation_delivery.queue import (
+    connection_for,
+    db_datetime,
+    quoted_table,
+    read_datetime,
+)
 
 
 class Scope(enum.StrEnum):
@@ -95,6 +105,115 @@ class BreakerView:
         return len(self._states)
 
 
+# The rows, shared by every process.
+
+
+def breaker_rows(*, forget_after: float, using: str | None = None) -> list[Breaker]:
+    """Every breaker row, after forgetting closed ones nothing has touched for
+    ``forget_after`` seconds. The table holds what is failing now: small."""
+    manager = Breaker.objects.using(using or DEFAULT_DB_ALIAS)
+    stale = timezone.now() - dt.timedelta(seconds=forget_after)
+    manager.filter(open_until__isnull=True, updated_at__lt=stale).delete()
+    manager.filter(open_until__lt=stale, updated_at__lt=stale, probe_until__isnull=True).delete()
+    return list(manager.all())
+
+
+def record_failures(
+    failures: Counter[str], *, threshold: int, cool_off: float, using: str | None = None
+) -> dict[str, tuple[int, dt.datetime | None]]:
+    """Count failures in a row, opening a breaker that reaches ``threshold``:
+    one upsert a destination, so that processes count together. Returns each
+    destination's count and open time as they now stand, all processes' together."""
+    if not failures:
+        return {}
+    connection = connection_for(using)
+    table = quoted_table(Breaker, connection)
+    now = timezone.now()
+    opens = db_datetime(now + dt.timedelta(seconds=cool_off), connection)
+    sql = (
+        f"INSERT INTO {table} (key, failures, open_until, probe_token, probe_until, updated_at) "
+        "VALUES (%s, %s, CASE WHEN %s >= %s THEN %s ELSE NULL END, '', NULL, %s) "
+        "ON CONFLICT (key) DO UPDATE SET "
+        f"failures = {table}.failures + excluded.failures, "
+        f"open_until = CASE WHEN {table}.open_until IS NULL "
+        f"AND {table}.failures + excluded.failures >= %s THEN %s ELSE {table}.open_until END, "
+        "updated_at = excluded.updated_at "
+        f"RETURNING {table}.failures, {table}.open_until"
+    )
+    standing: dict[str, tuple[int, dt.datetime | None]] = {}
+    with transaction.atomic(using=using), connection.cursor() as cursor:
+        for key, count in sorted(failures.items()):
+            cursor.execute(
+                sql,
+                [
+                    key,
+                    count,
+                    count,
+                    threshold,
+                    opens,
+                    db_datetime(now, connection),
+                    threshold,
+                    opens,
+                ],
+            )
+            row = cursor.fetchone()
+            if row is not None:
+                standing[key] = (int(row[0]), read_datetime(row[1]))
+    return standing
+
+
+def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:
+    """A success while closed starts the count again; one sent before the
+    breaker opened does not close it, as only a probe does."""
+    keys = list(keys)
+    if keys:
+        Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(
+            key__in=keys, open_until__isnull=True
+        ).delete()
+
+
+def take_probe(key: str, *, cool_off: float, using: str | None = None) -> str | None:
+    """Take the probe of a half-open breaker, in one atomic statement: the
+    token when this caller has it, None when it is not to be had."""
+    now = timezone.now()
+    token = uuid.uuid4().hex
+    taken = (
+        Breaker.objects.using(using or DEFAULT_DB_ALIAS)
+        .filter(key=key, open_until__lte=now)
+        .filter(Q(probe_until__isnull=True) | Q(probe_until__lte=now))
+        .update(
+            probe_token=token,
+            probe_until=now + dt.timedelta(seconds=cool_off),
+            # Entering recovery starts the count of failures again.
+            failures=0,
+            updated_at=now,
+        )
+    )
+    return token if taken else None
+
+
+def record_probe(
+    key: str, token: str, *, failed: bool, cool_off: float, using: str | None = None
+) -> None:
+    """A probe's outcome: success closes the breaker, failure opens it for
+    another cool-off. A probe that lost its turn changes nothing."""
+    manager = Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(key=key, probe_token=token)
+    if not failed:
+        manager.delete()
+        return
+    now = timezone.now()
+    manager.update(
+        open_until=now + dt.timedelta(seconds=cool_off),
+        probe_token="",
+        probe_until=None,
+        updated_at=now,
+    )
+
+
+def reset_breaker(key: str, *, using: str | None = None) -> int:
+    return int(Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(key=key).delete()[0])
+
+
 class Breakers:
     """The coordinator's breakers: admission answered from memory, outcomes
     written to the database a batch at a time.
@@ -108,26 +227,22 @@ class Breakers:
         self.settings = settings
         self.using = using
         self.view = BreakerView()
-        self._failures: collections.Counter[str] = collections.Counter()
+        self._failures: Counter[str] = Counter()
         self._successes: set[str] = set()
         self._probes: list[tuple[str, str, bool]] = []
 
     def refresh(self) -> None:
-        from django_federation_delivery import queue
-
         forget = max(2 * self.settings.cool_off, 600.0)
-        self.view.refresh(queue.breakers(forget_after=forget, using=self.using))
+        self.view.refresh(breaker_rows(forget_after=forget, using=self.using))
 
     def admit(self, key: str, now: dt.datetime) -> tuple[Decision, str, float]:
         """(decision, probe token, seconds to hold). Taking the probe is one
         atomic statement in the database: one probe among all processes."""
-        from django_federation_delivery import queue
-
         decision, held = admit(self.view.get(key), now)
         if decision is not Decision.PROBE:
             return decision, "", held
         cool_off = self.settings.cool_off
-        token = queue.take_probe(key, cool_off=cool_off, using=self.using)
+        token = take_probe(key, cool_off=cool_off, using=self.using)
         state = self.view.get(key)
         until = now + dt.timedelta(seconds=cool_off)
         self.view.set(key, State(0, state.open_until if state else now, until))
@@ -156,31 +271,27 @@ class Breakers:
 
     def flush(self) -> int:
         """Write what was noted; kept for the next flush if this one fails."""
-        from django_federation_delivery import queue
-
         written = len(self._failures) + len(self._successes) + len(self._probes)
         if not written:
             return 0
         settings = self.settings
-        standing = queue.record_failures(
+        standing = record_failures(
             self._failures,
             threshold=settings.threshold,
             cool_off=settings.cool_off,
             using=self.using,
         )
-        self._failures = collections.Counter()
+        self._failures = Counter()
         # What every process counted together, so that this one holds back as
         # soon as the breaker opens, not at its next refresh.
         for key, (failures, open_until) in standing.items():
             state = self.view.get(key)
             probe_until = state.probe_until if state else None
             self.view.set(key, State(failures, open_until, probe_until))
-        queue.record_successes(self._successes, using=self.using)
+        record_successes(self._successes, using=self.using)
         self._successes = set()
         while self._probes:
             key, token, failed = self._probes[0]
-            queue.record_probe(
-                key, token, failed=failed, cool_off=settings.cool_off, using=self.using
-            )
+            record_probe(key, token, failed=failed, cool_off=settings.cool_off, using=self.using)
             self._probes.pop(0)
         return written

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from django.db.models import QuerySet
 
-from django_federation_delivery import queue, signals
+from django_federation_delivery import breakers, hosts, queue, signals
 from django_federation_delivery.models import Batch, Delivery, Status
 
 __all__ = ["give_up", "give_up_host", "pause_host", "requeue", "reset_breaker", "resume_host"]
@@ -22,17 +22,17 @@ CHUNK = 500
 def pause_host(host: str) -> int:
     """Hold every delivery to ``host``, unsent and not failed, until
     :func:`resume_host`. Returns how many were held."""
-    return queue.pause_host(host)
+    return hosts.pause_host(host)
 
 
 def resume_host(host: str) -> int:
     """Make a paused host's held deliveries due now. Returns how many."""
-    return queue.resume_host(host)
+    return hosts.resume_host(host)
 
 
 def reset_breaker(key: str) -> int:
     """Forget a breaker (a host, or an inbox): closed, its count at nought."""
-    return queue.reset_breaker(key)
+    return breakers.reset_breaker(key)
 
 
 def give_up_host(host: str, reason: str = "given up by an operator") -> int:

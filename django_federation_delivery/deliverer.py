@@ -26,6 +26,7 @@ from django_federation_delivery import metrics, queue, signals, wakeup
 from django_federation_delivery.attempt import AttemptResult, Job, attempt, held, permanent_status
 from django_federation_delivery.breakers import Breakers, BreakerSettings, Decision, Scope
 from django_federation_delivery.conf import app_settings
+from django_federation_delivery.hosts import host_schemes, paused_hosts, remember_schemes
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.retry import RetryPolicy, jitter
@@ -390,7 +391,7 @@ class Deliverer:
         self._read_schemes(hosts)
         if hosts & self._paused:
             # Not a second old, but a host may have been resumed since.
-            paused = self._db(queue.paused_hosts, using=self.using)
+            paused = self._db(paused_hosts, using=self.using)
             if isinstance(paused, set):
                 self._paused = frozenset(paused)
         now = timezone.now()
@@ -512,7 +513,7 @@ class Deliverer:
             self._db(self.breakers.flush)
         if self._learned:
             learned, self._learned = self._learned, {}
-            if self._db(queue.remember_schemes, learned, using=self.using) is None:
+            if self._db(remember_schemes, learned, using=self.using) is None:
                 self._learned = {**learned, **self._learned}  # written next time
 
     def _dispatch(self) -> None:
@@ -603,7 +604,7 @@ class Deliverer:
         unknown = {host for host in hosts if self._schemes.get(host, (stale, None))[0] <= stale}
         if not unknown:
             return
-        found = self._db(queue.host_schemes, unknown, using=self.using)
+        found = self._db(host_schemes, unknown, using=self.using)
         if not isinstance(found, dict):
             return
         if len(self._schemes) > 50_000:
@@ -642,7 +643,7 @@ class Deliverer:
         self._view_read = time.monotonic()
         if self.breakers is not None:
             self._db(self.breakers.refresh)
-        paused = self._db(queue.paused_hosts, using=self.using)
+        paused = self._db(paused_hosts, using=self.using)
         if isinstance(paused, set):
             self._paused = frozenset(paused)
 

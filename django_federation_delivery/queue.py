@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
-from django.db.models import F, Min, Q
+from django.db.models import F, Min
 from django.utils import timezone
 
-from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Lane, Status
 
 NOTIFY_CHANNEL = "federation_delivery"
 #: Lanes in the order they are claimed; the low lane only when nothing else is due.
@@ -78,19 +78,19 @@ class Settlement:
     ordered: bool = False
 
 
-def _connection(using: str | None) -> Any:
+def connection_for(using: str | None) -> Any:
     return connections[using or DEFAULT_DB_ALIAS]
 
 
-def _table(model: type[Any], connection: Any) -> str:
+def quoted_table(model: type[Any], connection: Any) -> str:
     return str(connection.ops.quote_name(model._meta.db_table))
 
 
-def _when(value: dt.datetime | None, connection: Any) -> Any:
+def db_datetime(value: dt.datetime | None, connection: Any) -> Any:
     return connection.ops.adapt_datetimefield_value(value)
 
 
-def _read_when(value: Any) -> dt.datetime | None:
+def read_datetime(value: Any) -> dt.datetime | None:
     """A datetime a raw query returned: SQLite gives text in UTC."""
     if value is None:
         return None
@@ -135,7 +135,7 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
         ),
         batch_size=500,
     )
-    connection = _connection(alias)
+    connection = connection_for(alias)
     if connection.vendor == "postgresql":
         # Delivered by PostgreSQL when, and only when, the transaction commits.
         with connection.cursor() as cursor:
@@ -207,8 +207,8 @@ def claim(
     to a host than can be sent to it soon keeps one busy host's backlog from
     waiting out its lease in a single process, and leaves it to the others.
     """
-    connection = _connection(using)
-    table = _table(Delivery, connection)
+    connection = connection_for(using)
+    table = quoted_table(Delivery, connection)
     excluded = sorted(set(exclude_hosts))[:200]
     lock = " FOR UPDATE SKIP LOCKED" if connection.vendor == "postgresql" else ""
     hosts = f" AND host NOT IN ({', '.join(['%s'] * len(excluded))})" if excluded else ""
@@ -228,7 +228,7 @@ def claim(
     )
     now = timezone.now()
     token = uuid.uuid4().hex
-    until = _when(now + dt.timedelta(seconds=lease), connection)
+    until = db_datetime(now + dt.timedelta(seconds=lease), connection)
     cap = per_host or limit
     rows: list[Any] = []
     with transaction.atomic(using=using), connection.cursor() as cursor:
@@ -236,7 +236,7 @@ def claim(
             if len(rows) >= limit:
                 break
             wanted = limit - len(rows)
-            params = [until, token, Status.PENDING, lane, _when(now, connection), *excluded]
+            params = [until, token, Status.PENDING, lane, db_datetime(now, connection), *excluded]
             cursor.execute(sql, [*params, wanted * CANDIDATES, cap, wanted])
             # RETURNING gives no order; keep the queue's within each lane.
             rows.extend(sorted(cursor.fetchall(), key=lambda row: row[0]))
@@ -270,9 +270,9 @@ def settle(
     """
     if not settlements:
         return set()
-    connection = _connection(using)
+    connection = connection_for(using)
     now = timezone.now()
-    settled_at = _when(now, connection)
+    settled_at = db_datetime(now, connection)
     values: list[Any] = []
     for item in settlements:
         final = item.status in FINAL
@@ -281,10 +281,10 @@ def settle(
             item.claimed.token,
             str(item.status),
             item.attempts,
-            None if final else _when(item.due_at, connection),
+            None if final else db_datetime(item.due_at, connection),
             item.last_status,
             item.last_error,
-            _when(item.attempted_at, connection),
+            db_datetime(item.attempted_at, connection),
             settled_at if final else None,
         ]
     with transaction.atomic(using=using):
@@ -300,7 +300,7 @@ def settle(
 
 
 def _settle_sql(connection: Any, rows: int) -> str:
-    table = _table(Delivery, connection)
+    table = quoted_table(Delivery, connection)
     # PostgreSQL types a VALUES list by its values, and a column of NULLs
     # would be text: say what each is.
     casts = (
@@ -347,8 +347,8 @@ def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> l
     that reach nought are finished now, and returned."""
     if not leaving:
         return []
-    connection = _connection(using)
-    table = _table(Batch, connection)
+    connection = connection_for(using)
+    table = quoted_table(Batch, connection)
     done: list[int] = []
     with connection.cursor() as cursor:
         for batch_id, count in sorted(leaving.items()):
@@ -404,169 +404,6 @@ def has_due(*, using: str | None = None) -> bool:
         manager.filter(status=Status.PENDING, lane=lane, due_at__lte=now).exists()
         for lane in CLAIM_ORDER
     )
-
-
-def host_schemes(hosts: Iterable[str], *, using: str | None = None) -> dict[str, str]:
-    """The scheme each of ``hosts`` last accepted, for those that have one."""
-    manager = Host.objects.using(using or DEFAULT_DB_ALIAS)
-    return dict(
-        manager.filter(name__in=list(hosts)).exclude(scheme="").values_list("name", "scheme")
-    )
-
-
-def remember_schemes(schemes: dict[str, str], *, using: str | None = None) -> int:
-    """Record the scheme each host accepted, for every process and the next start."""
-    if not schemes:
-        return 0
-    Host.objects.using(using or DEFAULT_DB_ALIAS).bulk_create(
-        [
-            Host(name=name, scheme=scheme, updated_at=timezone.now())
-            for name, scheme in schemes.items()
-        ],
-        update_conflicts=True,
-        unique_fields=["name"],
-        update_fields=["scheme", "updated_at"],
-    )
-    return len(schemes)
-
-
-# Breakers: the database side, shared by every process.
-
-
-def breakers(*, forget_after: float, using: str | None = None) -> list[Breaker]:
-    """Every breaker row, after forgetting closed ones nothing has touched for
-    ``forget_after`` seconds. The table holds what is failing now: small."""
-    manager = Breaker.objects.using(using or DEFAULT_DB_ALIAS)
-    stale = timezone.now() - dt.timedelta(seconds=forget_after)
-    manager.filter(open_until__isnull=True, updated_at__lt=stale).delete()
-    manager.filter(open_until__lt=stale, updated_at__lt=stale, probe_until__isnull=True).delete()
-    return list(manager.all())
-
-
-def record_failures(
-    failures: Counter[str], *, threshold: int, cool_off: float, using: str | None = None
-) -> dict[str, tuple[int, dt.datetime | None]]:
-    """Count failures in a row, opening a breaker that reaches ``threshold``:
-    one upsert a destination, so that processes count together. Returns each
-    destination's count and open time as they now stand, all processes' together."""
-    if not failures:
-        return {}
-    connection = _connection(using)
-    table = _table(Breaker, connection)
-    now = timezone.now()
-    opens = _when(now + dt.timedelta(seconds=cool_off), connection)
-    sql = (
-        f"INSERT INTO {table} (key, failures, open_until, probe_token, probe_until, updated_at) "
-        "VALUES (%s, %s, CASE WHEN %s >= %s THEN %s ELSE NULL END, '', NULL, %s) "
-        "ON CONFLICT (key) DO UPDATE SET "
-        f"failures = {table}.failures + excluded.failures, "
-        f"open_until = CASE WHEN {table}.open_until IS NULL "
-        f"AND {table}.failures + excluded.failures >= %s THEN %s ELSE {table}.open_until END, "
-        "updated_at = excluded.updated_at "
-        f"RETURNING {table}.failures, {table}.open_until"
-    )
-    standing: dict[str, tuple[int, dt.datetime | None]] = {}
-    with transaction.atomic(using=using), connection.cursor() as cursor:
-        for key, count in sorted(failures.items()):
-            cursor.execute(
-                sql, [key, count, count, threshold, opens, _when(now, connection), threshold, opens]
-            )
-            row = cursor.fetchone()
-            if row is not None:
-                standing[key] = (int(row[0]), _read_when(row[1]))
-    return standing
-
-
-def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:
-    """A success while closed starts the count again; one sent before the
-    breaker opened does not close it, as only a probe does."""
-    keys = list(keys)
-    if keys:
-        Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(
-            key__in=keys, open_until__isnull=True
-        ).delete()
-
-
-def take_probe(key: str, *, cool_off: float, using: str | None = None) -> str | None:
-    """Take the probe of a half-open breaker, in one atomic statement: the
-    token when this caller has it, None when it is not to be had."""
-    now = timezone.now()
-    token = uuid.uuid4().hex
-    taken = (
-        Breaker.objects.using(using or DEFAULT_DB_ALIAS)
-        .filter(key=key, open_until__lte=now)
-        .filter(Q(probe_until__isnull=True) | Q(probe_until__lte=now))
-        .update(
-            probe_token=token,
-            probe_until=now + dt.timedelta(seconds=cool_off),
-            # Entering recovery starts the count of failures again.
-            failures=0,
-            updated_at=now,
-        )
-    )
-    return token if taken else None
-
-
-def record_probe(
-    key: str, token: str, *, failed: bool, cool_off: float, using: str | None = None
-) -> None:
-    """A probe's outcome: success closes the breaker, failure opens it for
-    another cool-off. A probe that lost its turn changes nothing."""
-    manager = Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(key=key, probe_token=token)
-    if not failed:
-        manager.delete()
-        return
-    now = timezone.now()
-    manager.update(
-        open_until=now + dt.timedelta(seconds=cool_off),
-        probe_token="",
-        probe_until=None,
-        updated_at=now,
-    )
-
-
-def reset_breaker(key: str, *, using: str | None = None) -> int:
-    return int(Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(key=key).delete()[0])
-
-
-# Hosts an operator paused.
-
-
-def paused_hosts(*, using: str | None = None) -> set[str]:
-    manager = Host.objects.using(using or DEFAULT_DB_ALIAS)
-    return set(manager.filter(paused_at__isnull=False).values_list("name", flat=True))
-
-
-def pause_host(host: str, *, using: str | None = None) -> int:
-    """Hold a host's deliveries, unsent and not failed: they have no due time
-    until :func:`resume_host`. Returns how many were held now; those in
-    flight finish, and any retry of theirs is held when it comes due."""
-    alias = using or DEFAULT_DB_ALIAS
-    with transaction.atomic(using=alias):
-        Host.objects.using(alias).update_or_create(
-            name=host, defaults={"paused_at": timezone.now()}
-        )
-        return int(
-            Delivery.objects.using(alias)
-            .filter(host=host, status=Status.PENDING, lease_token__isnull=True)
-            .exclude(due_at__isnull=True)
-            .update(due_at=None)
-        )
-
-
-def resume_host(host: str, *, using: str | None = None) -> int:
-    """Make a paused host's held deliveries due now. Returns how many."""
-    alias = using or DEFAULT_DB_ALIAS
-    now = timezone.now()
-    with transaction.atomic(using=alias):
-        Host.objects.using(alias).filter(name=host).update(paused_at=None, updated_at=now)
-        released = (
-            Delivery.objects.using(alias)
-            .filter(host=host, status=Status.PENDING, due_at__isnull=True, after__isnull=True)
-            .update(due_at=now)
-        )
-    transaction.on_commit(_wake, using=alias)
-    return int(released)
 
 
 def _wake() -> None:

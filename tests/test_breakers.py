@@ -13,7 +13,7 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
-from django_federation_delivery import queue, send
+from django_federation_delivery import breakers, send
 from django_federation_delivery.breakers import (
     Breakers,
     BreakerSettings,
@@ -125,7 +125,7 @@ class TestTheDatabaseSide:
         def take() -> None:
             try:
                 barrier.wait()
-                tokens.append(queue.take_probe("a.example", cool_off=60))
+                tokens.append(breakers.take_probe("a.example", cool_off=60))
             finally:
                 connections.close_all()
 
@@ -139,7 +139,7 @@ class TestTheDatabaseSide:
     def test_closed_rows_nothing_touched_for_a_while_are_forgotten(self) -> None:
         self.fail(self.breakers())
         Breaker.objects.update(updated_at=timezone.now() - dt.timedelta(hours=1))
-        assert queue.breakers(forget_after=600) == []
+        assert breakers.breaker_rows(forget_after=600) == []
 
 
 @pytest.mark.django_db(transaction=True)
