@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_federation_delivery import __version__
+
+if TYPE_CHECKING:
+    from django_federation_delivery.breakers import BreakerSettings
+    from django_federation_delivery.transport import TransportSettings
 
 SETTING = "FEDERATION_DELIVERY"
 
@@ -150,6 +154,34 @@ class AppSettings:
                     "such as '127.0.0.0/8'."
                 ) from exc
         return tuple(networks)
+
+    def transport_settings(self) -> TransportSettings:
+        from django_federation_delivery.transport import TransportSettings
+
+        get = self.get
+        return TransportSettings(
+            user_agent=str(get("USER_AGENT")),
+            connect_timeout=float(get("CONNECT_TIMEOUT")),
+            attempt_timeout=float(get("ATTEMPT_TIMEOUT")),
+            max_answer_bytes=int(get("MAX_ANSWER_BYTES")),
+            allowed_networks=self.allowed_networks(),
+            connections_per_host=int(get("CONNECTIONS_PER_HOST")),
+            idle_timeout=float(get("IDLE_CONNECTION_SECONDS")),
+            verify_tls=bool(get("VERIFY_TLS")),
+        )
+
+    def breaker_settings(self) -> BreakerSettings | None:
+        """None when breakers are turned off (``BREAKER`` set to None or {})."""
+        from django_federation_delivery.breakers import BreakerSettings, Scope
+
+        breaker = self.get("BREAKER")
+        if not breaker:
+            return None
+        return BreakerSettings(
+            threshold=int(breaker["THRESHOLD"]),
+            cool_off=float(breaker["COOL_OFF"]),
+            scope=Scope(breaker["SCOPE"]),
+        )
 
 
 app_settings = AppSettings()

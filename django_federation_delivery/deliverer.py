@@ -10,7 +10,6 @@ silent inbox holds one worker, never a batch.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import datetime as dt
 import logging
 import queue as threadqueue
@@ -23,40 +22,23 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, connectio
 from django.utils import timezone
 
 from django_federation_delivery import metrics, queue, signals, wakeup
-from django_federation_delivery.attempt import AttemptResult, Job, attempt, held, permanent_status
-from django_federation_delivery.breakers import Breakers, BreakerSettings, Decision, Scope
+from django_federation_delivery.attempt import Job, held, permanent_status
+from django_federation_delivery.breakers import Breakers, Decision
 from django_federation_delivery.conf import app_settings
-from django_federation_delivery.hosts import host_schemes, paused_hosts, remember_schemes
+from django_federation_delivery.hosts import KnownSchemes, paused_hosts
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.retry import RetryPolicy, jitter
 from django_federation_delivery.settling import BatchInfo, Settler, Summary, ask
 from django_federation_delivery.signatures import Scheme
-from django_federation_delivery.transport import Transport, TransportSettings
+from django_federation_delivery.workers import InFlight, Workers
 
 logger = logging.getLogger(__name__)
 
-#: How long a host's remembered scheme is trusted before it is read again,
-#: so that what another process learnt reaches this one.
-SCHEME_TTL = 60.0
-SCHEMES = frozenset(scheme.value for scheme in Scheme)
 #: The longest an outcome waits to be written with others.
 WRITE_WITHIN = 0.05
 #: How often the lag and open-breaker gauges are read from the database.
 GAUGES_EVERY = 5.0
-
-
-@dataclasses.dataclass
-class _InFlight:
-    claimed: queue.Claimed
-    batch: BatchInfo
-    job: Job
-    #: The destination's breaker, and the probe this delivery holds, if any.
-    breaker: str = ""
-    probe: str = ""
-    #: When a worker was given it (``time.monotonic()``); 0 while it waits
-    #: for a free slot on its host.
-    started: float = 0.0
 
 
 class Deliverer:
@@ -86,32 +68,14 @@ class Deliverer:
         self.idle_poll = float(get("IDLE_POLL_SECONDS"))
         self.new_work_poll = float(get("NEW_WORK_POLL_SECONDS"))
         self.error_length = int(get("ERROR_LENGTH"))
-        self.first_scheme = Scheme(get("FIRST_SCHEME"))
+        self.schemes = KnownSchemes(Scheme(get("FIRST_SCHEME")), self._db, using=using)
         self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
         self.skip_if = app_settings.callable_setting("SKIP_IF")
         self.synchronization = app_settings.callable_setting("COLLECTION_SYNCHRONIZATION")
-        self.transport_settings = TransportSettings(
-            user_agent=str(get("USER_AGENT")),
-            connect_timeout=float(get("CONNECT_TIMEOUT")),
-            attempt_timeout=float(get("ATTEMPT_TIMEOUT")),
-            max_answer_bytes=int(get("MAX_ANSWER_BYTES")),
-            allowed_networks=app_settings.allowed_networks(),
-            connections_per_host=int(get("CONNECTIONS_PER_HOST")),
-            idle_timeout=float(get("IDLE_CONNECTION_SECONDS")),
-            verify_tls=bool(get("VERIFY_TLS")),
-        )
-        breaker = get("BREAKER")
+        self.transport_settings = app_settings.transport_settings()
+        breaker_settings = app_settings.breaker_settings()
         self.breakers = (
-            Breakers(
-                BreakerSettings(
-                    threshold=int(breaker["THRESHOLD"]),
-                    cool_off=float(breaker["COOL_OFF"]),
-                    scope=Scope(breaker["SCOPE"]),
-                ),
-                using=using,
-            )
-            if breaker
-            else None
+            Breakers(breaker_settings, using=using) if breaker_settings is not None else None
         )
         self._paused: frozenset[str] = frozenset()
         self._view_read = -1.0
@@ -131,32 +95,26 @@ class Deliverer:
             permanent_if_gone=frozenset(int(s) for s in get("PERMANENT_IF_SENDER_GONE")),
         )
         self.keys = KeyCache()
-        #: The scheme each host last accepted (None: never told), and when
-        #: that was read from the database, which every process shares.
-        self._schemes: dict[str, tuple[float, Scheme | None]] = {}
-        #: Schemes learnt since they were last written.
-        self._learned: dict[str, str] = {}
-
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._jobs: threadqueue.SimpleQueue[_InFlight | None] = threadqueue.SimpleQueue()
-        self._results: threadqueue.SimpleQueue[tuple[_InFlight, AttemptResult]] = (
-            threadqueue.SimpleQueue()
+        self.workers = Workers(
+            self.transport_settings,
+            is_permanent=self.is_permanent,
+            error_length=self.error_length,
+            wake=self._wake,
+            needed=lambda: self.concurrency + self._slow_count(),
         )
         #: Claimed and admitted, waiting for a slot (and a slot on its host).
-        self._ready: collections.deque[_InFlight] = collections.deque()
+        self._ready: collections.deque[InFlight] = collections.deque()
         self._ready_hosts: collections.Counter[str] = collections.Counter()
         #: Handed to the workers: queued for one, or being sent.
-        self._in_flight: dict[int, _InFlight] = {}
+        self._in_flight: dict[int, InFlight] = {}
         self._host_busy: collections.Counter[str] = collections.Counter()
         self._unwritten: list[queue.Settlement] = []
         self._unwritten_since = 0.0
         #: Outcomes written together, at most WRITE_WITHIN seconds late.
         self.write_batch = max(1, self.concurrency // 2)
         self._batches: dict[int, BatchInfo] = {}
-        self._workers: list[threading.Thread] = []
-        self._workers_lock = threading.Lock()
-        self._started = 0
         self._dry = False
         self._dry_since = 0.0
         self._db_failing_since: float | None = None
@@ -181,7 +139,7 @@ class Deliverer:
             listener = wakeup.PostgresListener(self._wake, using=self.using)
             listener.start()
         self.summary.started = time.monotonic()
-        self._start_workers(self.concurrency)
+        self.workers.grow_to(self.concurrency)
         next_progress = time.monotonic() + self.progress_interval
         try:
             while True:
@@ -220,7 +178,7 @@ class Deliverer:
                     self._idle(listening=listener is not None)
         finally:
             self.summary.stopped = time.monotonic()
-            self._stop_workers()
+            self.workers.stop()
             if listener is not None:
                 listener.stop()
             wakeup.unregister(self._wake)
@@ -229,78 +187,6 @@ class Deliverer:
         if self.on_progress is not None:
             self.on_progress(self.summary)
         return self.summary
-
-    # Workers: one attempt at a time each, never the database.
-
-    def _start_workers(self, wanted: int) -> None:
-        """Have ``wanted`` workers: CONCURRENCY at first, more only while
-        slow deliveries hold some, so that idle threads hold no connections."""
-        with self._workers_lock:
-            while len(self._workers) < wanted:
-                worker = threading.Thread(
-                    target=self._work, name=f"federation-delivery-{self._started}", daemon=True
-                )
-                self._started += 1
-                worker.start()
-                self._workers.append(worker)
-
-    def _surplus(self) -> bool:
-        """Whether the calling worker is one more than the slow deliveries
-        still need: it then ends, and its connections with it."""
-        with self._workers_lock:
-            if len(self._workers) <= self.concurrency + self._slow_count():
-                return False
-            self._workers.remove(threading.current_thread())
-            return True
-
-    def _stop_workers(self) -> None:
-        with self._workers_lock:
-            workers = list(self._workers)
-        for _ in workers:
-            self._jobs.put(None)
-        for worker in workers:
-            worker.join(timeout=self.transport_settings.attempt_timeout + 5)
-        with self._workers_lock:
-            self._workers.clear()
-
-    def _work(self) -> None:
-        transport = Transport(self.transport_settings)
-        try:
-            while True:
-                try:
-                    item = self._jobs.get(timeout=self.transport_settings.idle_timeout)
-                except threadqueue.Empty:
-                    # Idle: let go of connections nobody has used for a while.
-                    transport.close_idle()
-                    continue
-                if item is None:
-                    break
-                item.started = time.monotonic()
-                try:
-                    result = attempt(
-                        item.job,
-                        transport,
-                        is_permanent=self.is_permanent,
-                        error_length=self.error_length,
-                    )
-                except Exception as exc:  # a bug must not take a worker down
-                    logger.exception("An attempt at delivery %s raised", item.claimed.id)
-                    result = AttemptResult(
-                        job=item.job,
-                        delivered=False,
-                        status=None,
-                        error=f"internal error: {type(exc).__name__}"[: self.error_length],
-                        permanent=False,
-                        retry_after=None,
-                        accepted_scheme=None,
-                        duration=0.0,
-                    )
-                self._results.put((item, result))
-                self._wake.set()
-                if self._surplus():
-                    break
-        finally:
-            transport.close()
 
     # The coordinator: claims, hands out, settles.
 
@@ -388,7 +274,7 @@ class Deliverer:
                 {id: BatchInfo.of(batch, parse=parse) for id, batch in found.items()}
             )
         hosts = {row.host for row in claimed}
-        self._read_schemes(hosts)
+        self.schemes.read(hosts)
         if hosts & self._paused:
             # Not a second old, but a host may have been resumed since.
             paused = self._db(paused_hosts, using=self.using)
@@ -410,7 +296,7 @@ class Deliverer:
             if row.host in self._paused:
                 self._keep(self.settler.paused(row))
                 continue
-            item = _InFlight(claimed=row, batch=batch, job=self._job(row, batch))
+            item = InFlight(claimed=row, batch=batch, job=self._job(row, batch))
             if self.breakers is not None:
                 item.breaker = self.breakers.settings.key(row.host, row.inbox)
             self._ready.append(item)
@@ -441,7 +327,7 @@ class Deliverer:
             body_sha256=batch.body_sha256,
             key=key,
             sender=batch.sender,
-            scheme=self.scheme_for(row.host),
+            scheme=self.schemes.scheme_for(row.host),
             key_error=key_error,
         )
 
@@ -471,10 +357,10 @@ class Deliverer:
         """Take in what came of the attempts that finished since the last look."""
         while True:
             try:
-                item, result = self._results.get_nowait()
+                item, result = self.workers.results.get_nowait()
             except threadqueue.Empty:
                 break
-            self._learn_scheme(item.claimed.host, result)
+            self.schemes.learn(item.claimed.host, result.accepted_scheme)
             self._keep(self.settler.attempted(item.claimed, item.batch, result))
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
@@ -486,7 +372,7 @@ class Deliverer:
             self._take_back(item)
             self._dry = False  # a retry may have come due since the last claim
 
-    def _take_back(self, item: _InFlight) -> None:
+    def _take_back(self, item: InFlight) -> None:
         """The delivery no longer holds a slot, nor one of its host's."""
         del self._in_flight[item.claimed.id]
         host = item.claimed.host
@@ -511,10 +397,7 @@ class Deliverer:
             return
         if self.breakers is not None:
             self._db(self.breakers.flush)
-        if self._learned:
-            learned, self._learned = self._learned, {}
-            if self._db(remember_schemes, learned, using=self.using) is None:
-                self._learned = {**learned, **self._learned}  # written next time
+        self.schemes.write()
 
     def _dispatch(self) -> None:
         """Hand ready deliveries to the workers while there are free slots:
@@ -525,14 +408,14 @@ class Deliverer:
         slow = self._slow_count()
         # A thread for each slow delivery beyond CONCURRENCY, for what is
         # queued behind them.
-        self._start_workers(min(most, self.concurrency + slow))
+        self.workers.grow_to(min(most, self.concurrency + slow))
         if not self._ready:
             return
         # As many again as there are slots wait in the workers' queue, so
         # that a worker that is done takes the next at once rather than
         # when this thread next gets to run.
         queued = self.concurrency
-        skipped: list[_InFlight] = []
+        skipped: list[InFlight] = []
         while self._ready and len(self._in_flight) - slow < self.concurrency + queued:
             if len(self._in_flight) >= most + queued:
                 break
@@ -548,10 +431,10 @@ class Deliverer:
                 continue
             self._host_busy[host] += 1
             self._in_flight[item.claimed.id] = item
-            self._jobs.put(item)
+            self.workers.put(item)
         self._ready.extendleft(reversed(skipped))
 
-    def _admitted(self, item: _InFlight) -> bool:
+    def _admitted(self, item: InFlight) -> bool:
         """Whether the destination's breaker lets the delivery through now
         (as the probe, perhaps); one it holds is settled as held."""
         if self.breakers is None or not item.breaker:
@@ -571,13 +454,7 @@ class Deliverer:
         """Stopping: put back what was claimed and not sent, due now, for
         another deliverer to take without waiting out the lease: what is
         ready, and what waits in the workers' queue for one to be free."""
-        while True:
-            try:
-                queued = self._jobs.get_nowait()
-            except threadqueue.Empty:
-                break
-            if queued is None:
-                continue
+        for queued in self.workers.take_queued():
             self._ready.append(queued)
             self._take_back(queued)
         while self._ready:
@@ -592,28 +469,6 @@ class Deliverer:
             )
         self._ready_hosts.clear()
 
-    def scheme_for(self, host: str) -> Scheme:
-        """The scheme to knock on ``host`` in first: the one it last accepted."""
-        known = self._schemes.get(host)
-        if known is None or known[1] is None:
-            return self.first_scheme
-        return known[1]
-
-    def _read_schemes(self, hosts: set[str]) -> None:
-        stale = time.monotonic() - SCHEME_TTL
-        unknown = {host for host in hosts if self._schemes.get(host, (stale, None))[0] <= stale}
-        if not unknown:
-            return
-        found = self._db(host_schemes, unknown, using=self.using)
-        if not isinstance(found, dict):
-            return
-        if len(self._schemes) > 50_000:
-            self._schemes.clear()
-        now = time.monotonic()
-        for host in unknown:
-            scheme = found.get(host)
-            self._schemes[host] = (now, Scheme(scheme) if scheme in SCHEMES else None)
-
     def _slow_count(self) -> int:
         cutoff = time.monotonic() - self.slow_after
         # A copy taken at once: workers ask too, while this thread changes it.
@@ -625,12 +480,6 @@ class Deliverer:
         cutoff = time.monotonic() - self.slow_after
         fast = [item.started - cutoff for item in self._in_flight.values() if item.started > cutoff]
         return max(0.01, min([1.0, *fast]))
-
-    def _learn_scheme(self, host: str, result: AttemptResult) -> None:
-        accepted = result.accepted_scheme
-        if accepted is not None and accepted != self.scheme_for(host):
-            self._schemes[host] = (time.monotonic(), accepted)
-            self._learned[host] = accepted.value
 
     def _refresh_view(self) -> None:
         """Re-read the breakers and the paused hosts, about once a second

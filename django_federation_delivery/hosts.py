@@ -7,13 +7,21 @@ every process, and the next start, knocks in it first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
 from django_federation_delivery import wakeup
 from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.signatures import Scheme
+
+#: How long a host's remembered scheme is trusted before it is read again,
+#: so that what another process learnt reaches this one.
+SCHEME_TTL = 60.0
+_SCHEMES = frozenset(scheme.value for scheme in Scheme)
 
 
 def paused_hosts(*, using: str | None = None) -> set[str]:
@@ -75,3 +83,56 @@ def remember_schemes(schemes: dict[str, str], *, using: str | None = None) -> in
         update_fields=["scheme", "updated_at"],
     )
     return len(schemes)
+
+
+class KnownSchemes:
+    """The scheme each host last accepted, as one deliverer knows it: read from
+    the table every process shares, trusted for ``SCHEME_TTL``, and what this
+    process learns written back with its outcomes.
+
+    ``db`` runs a query and returns None when the database is away, so that a
+    scheme not written now is written next time.
+    """
+
+    def __init__(self, first: Scheme, db: Callable[..., Any], *, using: str) -> None:
+        self.first = first
+        self._db = db
+        self.using = using
+        #: host -> (when read or learnt, the scheme; None: never told).
+        self._known: dict[str, tuple[float, Scheme | None]] = {}
+        #: Learnt since last written.
+        self._learned: dict[str, str] = {}
+
+    def scheme_for(self, host: str) -> Scheme:
+        """The scheme to knock on ``host`` in first: the one it last accepted."""
+        known = self._known.get(host)
+        if known is None or known[1] is None:
+            return self.first
+        return known[1]
+
+    def read(self, hosts: set[str]) -> None:
+        """Read what is not known of ``hosts``, or known too long ago."""
+        stale = time.monotonic() - SCHEME_TTL
+        unknown = {host for host in hosts if self._known.get(host, (stale, None))[0] <= stale}
+        if not unknown:
+            return
+        found = self._db(host_schemes, unknown, using=self.using)
+        if not isinstance(found, dict):
+            return
+        if len(self._known) > 50_000:
+            self._known.clear()
+        now = time.monotonic()
+        for host in unknown:
+            scheme = found.get(host)
+            self._known[host] = (now, Scheme(scheme) if scheme in _SCHEMES else None)
+
+    def learn(self, host: str, accepted: Scheme | None) -> None:
+        if accepted is not None and accepted != self.scheme_for(host):
+            self._known[host] = (time.monotonic(), accepted)
+            self._learned[host] = accepted.value
+
+    def write(self) -> None:
+        if self._learned:
+            learned, self._learned = self._learned, {}
+            if self._db(remember_schemes, learned, using=self.using) is None:
+                self._learned = {**learned, **self._learned}  # written next time

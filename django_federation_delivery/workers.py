@@ -1,0 +1,152 @@
+"""The worker threads: each makes one attempt at a time, and never touches the database.
+
+The coordinator puts :class:`InFlight` deliveries on the pool's job queue and
+takes ``(delivery, result)`` pairs off its result queue. A worker owns a
+pooled transport of its own, closes the connections nobody used for a while
+when idle, and ends itself when the pool has more threads than it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue as threadqueue
+import threading
+import time
+from collections.abc import Callable
+
+from django_federation_delivery.attempt import AttemptResult, Job, attempt
+from django_federation_delivery.queue import Claimed
+from django_federation_delivery.settling import BatchInfo
+from django_federation_delivery.transport import Transport, TransportSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A claimed delivery on its way: waiting for a slot, queued for a worker, or being sent."""
+
+    claimed: Claimed
+    batch: BatchInfo
+    job: Job
+    #: The destination's breaker, and the probe this delivery holds, if any.
+    breaker: str = ""
+    probe: str = ""
+    #: When a worker took it (``time.monotonic()``); 0 until then.
+    started: float = 0.0
+
+
+class Workers:
+    """A pool of worker threads that grows on demand and shrinks on its own."""
+
+    def __init__(
+        self,
+        transport_settings: TransportSettings,
+        *,
+        is_permanent: Callable[[int], bool],
+        error_length: int,
+        wake: threading.Event,
+        needed: Callable[[], int],
+    ) -> None:
+        self.transport_settings = transport_settings
+        self.is_permanent = is_permanent
+        self.error_length = error_length
+        #: Set when a result is ready, to wake the coordinator.
+        self.wake = wake
+        #: How many threads the coordinator needs now; one more ends itself.
+        self.needed = needed
+        self.jobs: threadqueue.SimpleQueue[InFlight | None] = threadqueue.SimpleQueue()
+        self.results: threadqueue.SimpleQueue[tuple[InFlight, AttemptResult]] = (
+            threadqueue.SimpleQueue()
+        )
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._started = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._threads)
+
+    def grow_to(self, wanted: int) -> None:
+        """Have at least ``wanted`` threads; idle ones hold no connections for long."""
+        with self._lock:
+            while len(self._threads) < wanted:
+                worker = threading.Thread(
+                    target=self._work, name=f"federation-delivery-{self._started}", daemon=True
+                )
+                self._started += 1
+                worker.start()
+                self._threads.append(worker)
+
+    def put(self, item: InFlight) -> None:
+        self.jobs.put(item)
+
+    def take_queued(self) -> list[InFlight]:
+        """What waits in the job queue for a free worker, taken back."""
+        taken: list[InFlight] = []
+        while True:
+            try:
+                item = self.jobs.get_nowait()
+            except threadqueue.Empty:
+                return taken
+            if item is not None:
+                taken.append(item)
+
+    def stop(self) -> None:
+        """End every thread once it has finished its attempt."""
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self.jobs.put(None)
+        for thread in threads:
+            thread.join(timeout=self.transport_settings.attempt_timeout + 5)
+        with self._lock:
+            self._threads.clear()
+
+    def _surplus(self) -> bool:
+        """Whether the calling thread is one more than needed: it then ends,
+        and its connections with it."""
+        with self._lock:
+            if len(self._threads) <= self.needed():
+                return False
+            self._threads.remove(threading.current_thread())
+            return True
+
+    def _work(self) -> None:
+        transport = Transport(self.transport_settings)
+        try:
+            while True:
+                try:
+                    item = self.jobs.get(timeout=self.transport_settings.idle_timeout)
+                except threadqueue.Empty:
+                    # Idle: let go of connections nobody has used for a while.
+                    transport.close_idle()
+                    continue
+                if item is None:
+                    break
+                item.started = time.monotonic()
+                self.results.put((item, self._attempt(item, transport)))
+                self.wake.set()
+                if self._surplus():
+                    break
+        finally:
+            transport.close()
+
+    def _attempt(self, item: InFlight, transport: Transport) -> AttemptResult:
+        try:
+            return attempt(
+                item.job, transport, is_permanent=self.is_permanent, error_length=self.error_length
+            )
+        except Exception as exc:  # a bug must not take a worker down
+            logger.exception("An attempt at delivery %s raised", item.claimed.id)
+            return AttemptResult(
+                job=item.job,
+                delivered=False,
+                status=None,
+                error=f"internal error: {type(exc).__name__}"[: self.error_length],
+                permanent=False,
+                retry_after=None,
+                accepted_scheme=None,
+                duration=0.0,
+            )
