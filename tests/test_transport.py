@@ -477,16 +477,18 @@ def test_messages_carry_no_userinfo_or_query(
 
 # --- Time --------------------------------------------------------------------------------------
 
-HEAD = b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n"
+# Dripped at 0.2 s a byte, the answers below take 20 s or more: far past any
+# bound the tests assert, however busy the machine.
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("fast", "slow"),
     [
-        pytest.param(b"", HEAD + b"x" * 40, id="headers"),
-        pytest.param(HEAD, b"x" * 40, id="body"),
-        pytest.param(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", b"x" * 40, id="unsized"),
+        pytest.param(b"", HEAD + b"x" * 100, id="headers"),
+        pytest.param(HEAD, b"x" * 100, id="body"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", b"x" * 100, id="unsized"),
     ],
 )
 def test_a_dripping_answer_is_cut_off_at_the_attempt_timeout(
@@ -504,7 +506,7 @@ def test_a_dripping_answer_is_cut_off_at_the_attempt_timeout(
         transport.post(inbox.url() + "?token=t0ken", b"{}", SIGNED)
     elapsed = time.monotonic() - start
 
-    assert 1.4 < elapsed < 3
+    assert 1.4 < elapsed < 8
     assert not late.value.permanent
     assert "t0ken" not in str(late.value)
     # The transport is still good for the next attempt.
@@ -512,7 +514,7 @@ def test_a_dripping_answer_is_cut_off_at_the_attempt_timeout(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("connect_timeout", [1.0, 5.0])
+@pytest.mark.parametrize("connect_timeout", [1.0, 10.0])
 def test_a_server_that_never_reads_is_cut_off_while_sending(
     transports: Callable[..., Transport], connect_timeout: float
 ) -> None:
@@ -524,7 +526,7 @@ def test_a_server_that_never_reads_is_cut_off_while_sending(
         with pytest.raises(AttemptTimeout):
             transport.post(f"http://127.0.0.1:{deaf.getsockname()[1]}/", b"x" * (64 << 20), {})
 
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 8
 
 
 @pytest.fixture
@@ -535,7 +537,7 @@ def resolver(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
         if host == "slow.example":
-            release.wait(10)
+            release.wait(30)
         if str(host).endswith(".example"):
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return real(host, *args, **kwargs)
@@ -554,7 +556,7 @@ def test_a_slow_name_lookup_is_bounded(transports: Callable[..., Transport]) -> 
     with pytest.raises(AttemptTimeout, match=r"resolving slow\.example"):
         transport.post("http://slow.example/inbox", b"{}", SIGNED)
 
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 8
 
 
 @pytest.mark.usefixtures("resolver")
@@ -690,7 +692,7 @@ def test_a_dripping_tls_answer_on_a_reused_connection_is_cut_off(
         if len(handler.inbox.seen) == 1:
             accepted(handler, seen)
         else:
-            drip(HEAD + b"x" * 40)(handler, seen)
+            drip(HEAD + b"x" * 100)(handler, seen)
 
     inbox = inboxes(second_drips, tls=tls_server_context)
     transport = transports(verify_tls=False, attempt_timeout=1.5, connect_timeout=1.0)
@@ -700,7 +702,7 @@ def test_a_dripping_tls_answer_on_a_reused_connection_is_cut_off(
     with pytest.raises(AttemptTimeout):
         transport.post(inbox.url(), b"{}", SIGNED)
 
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 8
     assert len(set(inbox.connections)) == 1  # the pooled connection was the one cut off
 
 
