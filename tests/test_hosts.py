@@ -1,0 +1,85 @@
+"""Hosts: the scheme each last accepted, shared by every process through the Host table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from django_federation_delivery.hosts import (
+    KnownSchemes,
+    host_schemes,
+    pause_host,
+    remember_schemes,
+)
+from django_federation_delivery.models import Host
+from django_federation_delivery.signatures import Scheme
+
+
+def run(function: Any, *args: Any, **kwargs: Any) -> Any:
+    return function(*args, **kwargs)
+
+
+def known(first: Scheme = Scheme.CAVAGE, db: Any = run) -> KnownSchemes:
+    return KnownSchemes(first, db, using="default")
+
+
+@pytest.mark.django_db
+def test_a_host_never_heard_of_is_knocked_on_in_the_first_scheme() -> None:
+    schemes = known(Scheme.RFC9421)
+    schemes.read({"new.example"})
+    assert schemes.scheme_for("new.example") is Scheme.RFC9421
+
+
+@pytest.mark.django_db
+def test_what_one_deliverer_learns_another_reads() -> None:
+    one, other = known(), known()
+    one.learn("strict.example", Scheme.RFC9421)
+    assert one.scheme_for("strict.example") is Scheme.RFC9421
+    one.write()
+
+    other.read({"strict.example", "plain.example"})
+
+    assert other.scheme_for("strict.example") is Scheme.RFC9421
+    assert other.scheme_for("plain.example") is Scheme.CAVAGE
+    assert host_schemes(["strict.example", "plain.example"]) == {"strict.example": "rfc9421"}
+
+
+@pytest.mark.django_db
+def test_the_scheme_a_host_is_known_to_accept_is_not_written_again() -> None:
+    schemes = known()
+    schemes.learn("plain.example", Scheme.CAVAGE)
+    schemes.learn("plain.example", None)  # it answered, in no scheme
+    schemes.write()
+    assert not Host.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_scheme_that_could_not_be_written_is_written_next_time() -> None:
+    away = [True]
+
+    def db(function: Any, *args: Any, **kwargs: Any) -> Any:
+        return None if away[0] else function(*args, **kwargs)
+
+    schemes = known(db=db)
+    schemes.learn("strict.example", Scheme.RFC9421)
+    schemes.write()
+    assert not Host.objects.exists()
+
+    away[0] = False
+    schemes.learn("other.example", Scheme.RFC9421)
+    schemes.write()
+    assert host_schemes(["strict.example", "other.example"]) == {
+        "strict.example": "rfc9421",
+        "other.example": "rfc9421",
+    }
+
+
+@pytest.mark.django_db
+def test_remembering_a_scheme_keeps_a_paused_host_paused() -> None:
+    pause_host("paused.example")
+    remember_schemes({"paused.example": "rfc9421"})
+
+    host = Host.objects.get(name="paused.example")
+    assert host.scheme == "rfc9421"
+    assert host.paused_at is not None

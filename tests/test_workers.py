@@ -1,0 +1,168 @@
+"""The worker pool: attempts on threads that never touch the database (HTTP faked)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import responses
+
+from django_federation_delivery import workers as workers_module
+from django_federation_delivery.attempt import AttemptResult, Job
+from django_federation_delivery.queue import Claimed
+from django_federation_delivery.settling import BatchInfo
+from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
+from django_federation_delivery.transport import TransportSettings
+from django_federation_delivery.workers import InFlight, Workers
+
+from .keys import rsa_key
+
+INBOX = "https://remote.example/inbox"
+BODY = b'{"type":"Create"}'
+
+
+def in_flight(number: int) -> InFlight:
+    sender = "https://social.example/users/alice"
+    return InFlight(
+        claimed=Claimed(
+            id=number,
+            batch_id=1,
+            inbox=INBOX,
+            host="remote.example",
+            attempts=0,
+            via=(),
+            token="t",
+            leased_until=time.time() + 300,
+        ),
+        batch=BatchInfo(
+            id=1,
+            sender=sender,
+            body=BODY,
+            body_sha256=body_sha256(BODY),
+            tag="",
+            deadline=None,
+            max_attempts=None,
+            synchronize_collection=False,
+            ordered=False,
+            activity=None,
+        ),
+        job=Job(
+            delivery_id=number,
+            targets=(INBOX,),
+            body=BODY,
+            body_sha256=body_sha256(BODY),
+            key=SenderKey(f"{sender}#main-key", rsa_key()),
+            sender=sender,
+            scheme=Scheme.CAVAGE,
+        ),
+    )
+
+
+@pytest.fixture
+def mocked() -> Iterator[responses.RequestsMock]:
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        mock.post(INBOX, status=202)
+        yield mock
+
+
+@pytest.fixture
+def pool() -> Iterator[Callable[..., Workers]]:
+    made: list[Workers] = []
+
+    def make(needed: int = 2) -> Workers:
+        workers = Workers(
+            TransportSettings(user_agent="tests", idle_timeout=0.2),
+            is_permanent=lambda status: 400 <= status < 500,
+            error_length=300,
+            wake=threading.Event(),
+            needed=lambda: needed,
+        )
+        made.append(workers)
+        return workers
+
+    yield make
+    for workers in made:
+        workers.stop()
+
+
+def results(workers: Workers, count: int) -> list[tuple[InFlight, AttemptResult]]:
+    return [workers.results.get(timeout=10) for _ in range(count)]
+
+
+@pytest.mark.usefixtures("mocked")
+def test_each_delivery_handed_over_comes_back_with_its_result(
+    pool: Callable[..., Workers],
+) -> None:
+    workers = pool()
+    workers.grow_to(2)
+    for number in range(1, 6):
+        workers.put(in_flight(number))
+
+    done = results(workers, 5)
+
+    assert sorted(item.claimed.id for item, _ in done) == [1, 2, 3, 4, 5]
+    assert all(result.delivered and result.status == 202 for _, result in done)
+    assert all(item.started > 0 for item, _ in done)
+    assert workers.wake.is_set()
+
+
+@pytest.mark.usefixtures("mocked")
+def test_an_attempt_that_raises_is_a_passing_failure_and_the_worker_goes_on(
+    pool: Callable[..., Workers],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = workers_module.attempt
+
+    def attempt(job: Job, *args: Any, **kwargs: Any) -> AttemptResult:
+        if job.delivery_id == 1:
+            raise KeyError("a bug")
+        return real(job, *args, **kwargs)
+
+    monkeypatch.setattr(workers_module, "attempt", attempt)
+    workers = pool(needed=1)
+    workers.grow_to(1)
+    workers.put(in_flight(1))
+    workers.put(in_flight(2))
+
+    (first, broken), (second, fine) = results(workers, 2)
+
+    assert (first.claimed.id, second.claimed.id) == (1, 2)
+    assert not broken.delivered and not broken.permanent
+    assert broken.error == "internal error: KeyError"
+    assert "An attempt at delivery 1 raised" in caplog.text
+    assert fine.delivered
+    assert len(workers) == 1
+
+
+@pytest.mark.usefixtures("mocked")
+def test_a_thread_beyond_what_is_needed_ends_after_its_attempt(
+    pool: Callable[..., Workers],
+) -> None:
+    needed = [4]
+    workers = pool()
+    workers.needed = lambda: needed[0]
+    workers.grow_to(4)
+    assert len(workers) == 4
+
+    needed[0] = 1
+    for number in range(1, 4):
+        workers.put(in_flight(number))
+    results(workers, 3)
+
+    deadline = time.monotonic() + 10
+    while len(workers) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(workers) == 1
+
+
+def test_what_waits_for_a_free_worker_can_be_taken_back(pool: Callable[..., Workers]) -> None:
+    workers = pool()  # no thread started: everything put waits
+    for number in range(1, 4):
+        workers.put(in_flight(number))
+
+    assert [item.claimed.id for item in workers.take_queued()] == [1, 2, 3]
+    assert workers.take_queued() == []
