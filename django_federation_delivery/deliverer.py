@@ -2,9 +2,9 @@
 
 A coordinator (the thread that calls :meth:`Deliverer.run`) owns the
 database: it claims due deliveries a few at a time, settles what came of
-them, and sends the signals. A pool of worker threads owns the sockets: each
-makes one attempt at a time with a pooled transport of its own. A slow or
-silent inbox holds one worker, never a batch.
+them, and sends the signals. A pool of worker threads (``workers.py``) owns
+the sockets: each makes one attempt at a time with a pooled transport of its
+own. A slow or silent inbox holds one worker, never a batch.
 """
 
 from __future__ import annotations
