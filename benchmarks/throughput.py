@@ -181,13 +181,19 @@ def run_loop(concurrency: int, per_host: int, profile: Path | None = None) -> tu
 
     # The coordinator is this thread, and this is its connection (BEGINs are
     # counted, COMMITs are not: they are no statement).
+    coordinator_cpu = time.thread_time()
     with connection.execute_wrapper(count):
         if profile is None:
             summary = Deliverer(concurrency=concurrency, per_host=per_host).run(drain=True)
         else:
             summary = profiled_run(concurrency, per_host, profile)
     others = summary.retrying + summary.refused + summary.failed + summary.skipped
-    note = f", {statements / max(1, summary.attempts):.2f} SQL statements/delivery"
+    coordinator_cpu = time.thread_time() - coordinator_cpu
+    attempts = max(1, summary.attempts)
+    note = (
+        f", {statements / attempts:.2f} SQL statements/delivery"
+        f", coordinator cpu {1000 * coordinator_cpu / attempts:.2f} ms/delivery"
+    )
     if others:
         note += f"   NOT delivered: {summary.line()}"
     return summary.delivered, note
@@ -197,11 +203,12 @@ def profiled_run(concurrency: int, per_host: int, directory: Path) -> Any:
     """Deliverer.run under cProfile: the coordinator (this thread) and every
     worker thread each profiled, written to DIRECTORY as pstats files."""
     from django_federation_delivery.deliverer import Deliverer
+    from django_federation_delivery.workers import Workers
 
     workers: list[cProfile.Profile] = []
     lock = threading.Lock()
 
-    class ProfiledDeliverer(Deliverer):
+    class ProfiledWorkers(Workers):
         def _work(self) -> None:
             profile = cProfile.Profile()
             with lock:
@@ -213,7 +220,8 @@ def profiled_run(concurrency: int, per_host: int, directory: Path) -> Any:
                 profile.disable()
 
     coordinator = cProfile.Profile()
-    deliverer = ProfiledDeliverer(concurrency=concurrency, per_host=per_host)
+    deliverer = Deliverer(concurrency=concurrency, per_host=per_host)
+    deliverer.workers.__class__ = ProfiledWorkers
     coordinator.enable()
     try:
         summary = deliverer.run(drain=True)

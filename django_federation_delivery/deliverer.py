@@ -35,8 +35,9 @@ from django_federation_delivery.workers import InFlight, Workers
 
 logger = logging.getLogger(__name__)
 
-#: The longest an outcome waits to be written with others.
-WRITE_WITHIN = 0.05
+#: The longest an outcome waits to be written with others. Its signals are
+#: sent before, and its lease outlasts the wait many times over.
+WRITE_WITHIN = 0.1
 #: How often the lag and open-breaker gauges are read from the database.
 GAUGES_EVERY = 5.0
 
@@ -112,8 +113,9 @@ class Deliverer:
         self._host_busy: collections.Counter[str] = collections.Counter()
         self._unwritten: list[queue.Settlement] = []
         self._unwritten_since = 0.0
-        #: Outcomes written together, at most WRITE_WITHIN seconds late.
-        self.write_batch = max(1, self.concurrency // 2)
+        #: Outcomes written together (one for each slot), at most WRITE_WITHIN
+        #: seconds late: one statement and one commit for all of them.
+        self.write_batch = max(1, self.concurrency)
         self._batches: dict[int, BatchInfo] = {}
         self._dry = False
         self._dry_since = 0.0
@@ -371,6 +373,10 @@ class Deliverer:
                 )
             self._take_back(item)
             self._dry = False  # a retry may have come due since the last claim
+            if len(self._unwritten) >= self.write_batch and self._db_failing_since is None:
+                # Never more unwritten than a write's worth: what a crash
+                # would send again is bounded by it.
+                self._write()
 
     def _take_back(self, item: InFlight) -> None:
         """The delivery no longer holds a slot, nor one of its host's."""
