@@ -384,8 +384,8 @@ def trace_line(runner: DelivererThread, layout: Layout, delivered: int) -> str:
     deliverer: Any = runner.deliverer
     for _ in range(5):
         try:
-            ready = [item.claimed.host for item in list(deliverer._ready)]
-            flight = list(deliverer._in_flight.values())
+            ready = [item.claimed.host for item in list(deliverer.slots.ready)]
+            flight = list(deliverer.slots.in_flight.values())
             break
         except RuntimeError:  # changed while copied: the coordinator's, not locked
             continue

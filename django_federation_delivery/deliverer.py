@@ -9,7 +9,6 @@ own. A slow or silent inbox holds one worker, never a batch.
 
 from __future__ import annotations
 
-import collections
 import datetime as dt
 import logging
 import queue as threadqueue
@@ -31,6 +30,7 @@ from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.retry import RetryPolicy, jitter
 from django_federation_delivery.settling import BatchInfo, Settler, Summary, ask
 from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.slots import Slots
 from django_federation_delivery.workers import InFlight, Workers
 
 logger = logging.getLogger(__name__)
@@ -103,14 +103,11 @@ class Deliverer:
             is_permanent=self.is_permanent,
             error_length=self.error_length,
             wake=self._wake,
-            needed=lambda: self.concurrency + self._slow_count(),
+            needed=lambda: self.concurrency + self.slots.slow_count(),
         )
-        #: Claimed and admitted, waiting for a slot (and a slot on its host).
-        self._ready: collections.deque[InFlight] = collections.deque()
-        self._ready_hosts: collections.Counter[str] = collections.Counter()
-        #: Handed to the workers: queued for one, or being sent.
-        self._in_flight: dict[int, InFlight] = {}
-        self._host_busy: collections.Counter[str] = collections.Counter()
+        self.slots = Slots(
+            concurrency=self.concurrency, per_host=self.per_host, slow_after=self.slow_after
+        )
         self._unwritten: list[queue.Settlement] = []
         self._unwritten_since = 0.0
         #: Outcomes written together (one for each slot), at most WRITE_WITHIN
@@ -154,14 +151,14 @@ class Deliverer:
                     self._write()
                 if self.stopping:
                     self._release_ready()
-                    if not self._in_flight:
+                    if not self.slots.in_flight:
                         self._write()
                         if not self._unwritten:
                             break
                 else:
                     self._claim_more()
                     self._dispatch()
-                busy = bool(self._in_flight or self._ready)
+                busy = self.slots.busy
                 if drain and not busy and self._dry and not self._unwritten:
                     break
                 if self.on_progress is not None and time.monotonic() >= next_progress:
@@ -174,7 +171,7 @@ class Deliverer:
                     # Woken by the next result, when one in flight turns slow,
                     # or when what is unwritten is due to be written.
                     self._wait(
-                        min(self._until_next_slow(), self._until_write(), self.new_work_poll)
+                        min(self.slots.until_next_slow(), self._until_write(), self.new_work_poll)
                     )
                 else:
                     self._idle(listening=listener is not None)
@@ -225,25 +222,18 @@ class Deliverer:
         # Only what can go as soon as a slot is free counts as ready: a claimed
         # delivery waiting for a host already at PER_HOST (a silent one, say)
         # must not keep the others from being claimed.
-        sendable = sum(
-            1 for item in self._ready if self._host_busy[item.claimed.host] < self.per_host
-        )
-        if sendable >= max(1, self.concurrency // 2):
+        if self.slots.sendable(max(1, self.concurrency // 2)):
             return
         if (
             self._dry
-            and (self._in_flight or self._ready)
+            and self.slots.busy
             and time.monotonic() - self._dry_since < self.new_work_poll
         ):
             # Nothing more was due: the next result, a wake, or (for work
             # queued by another process without NOTIFY) a moment says when to look.
             return
-        saturated = [
-            host
-            for host, busy in (self._host_busy + self._ready_hosts).items()
-            if busy >= self.per_host
-        ]
-        limit = max(1, self.claim_size - len(self._ready))
+        saturated = self.slots.saturated_hosts()
+        limit = max(1, self.claim_size - len(self.slots.ready))
         claimed = self._db(
             queue.claim,
             limit,
@@ -283,7 +273,7 @@ class Deliverer:
             if isinstance(paused, set):
                 self._paused = frozenset(paused)
         now = timezone.now()
-        holding = set(self._in_flight) | {item.claimed.id for item in self._ready}
+        holding = self.slots.holding()
         for row in claimed:
             if row.id in holding:
                 continue
@@ -301,8 +291,7 @@ class Deliverer:
             item = InFlight(claimed=row, batch=batch, job=self._job(row, batch))
             if self.breakers is not None:
                 item.breaker = self.breakers.settings.key(row.host, row.inbox)
-            self._ready.append(item)
-            self._ready_hosts[row.host] += 1
+            self.slots.add(item)
 
     def _job(self, row: queue.Claimed, batch: BatchInfo) -> Job:
         key_error = ""
@@ -371,20 +360,12 @@ class Deliverer:
                     probe=item.probe,
                     now=timezone.now(),
                 )
-            self._take_back(item)
+            self.slots.take_back(item)
             self._dry = False  # a retry may have come due since the last claim
             if len(self._unwritten) >= self.write_batch and self._db_failing_since is None:
                 # Never more unwritten than a write's worth: what a crash
                 # would send again is bounded by it.
                 self._write()
-
-    def _take_back(self, item: InFlight) -> None:
-        """The delivery no longer holds a slot, nor one of its host's."""
-        del self._in_flight[item.claimed.id]
-        host = item.claimed.host
-        self._host_busy[host] -= 1
-        if self._host_busy[host] <= 0:
-            del self._host_busy[host]
 
     def _write(self) -> None:
         settlements, self._unwritten = self._unwritten, []
@@ -406,39 +387,21 @@ class Deliverer:
         self.schemes.write()
 
     def _dispatch(self) -> None:
-        """Hand ready deliveries to the workers while there are free slots:
-        CONCURRENCY at once, PER_HOST to one host. A delivery in flight past
-        SLOW_AFTER_SECONDS gives its slot up to the next, so that a silent
-        server holds a thread, not a slot."""
+        """Hand ready deliveries to the workers while there are free slots."""
         most = self.concurrency + self.slow_concurrency
-        slow = self._slow_count()
+        slow = self.slots.slow_count()
         # A thread for each slow delivery beyond CONCURRENCY, for what is
         # queued behind them.
         self.workers.grow_to(min(most, self.concurrency + slow))
-        if not self._ready:
+        if not self.slots.ready:
             return
         # As many again as there are slots wait in the workers' queue, so
         # that a worker that is done takes the next at once rather than
         # when this thread next gets to run.
-        queued = self.concurrency
-        skipped: list[InFlight] = []
-        while self._ready and len(self._in_flight) - slow < self.concurrency + queued:
-            if len(self._in_flight) >= most + queued:
-                break
-            item = self._ready.popleft()
-            host = item.claimed.host
-            if self._host_busy[host] >= self.per_host:
-                skipped.append(item)
-                continue
-            self._ready_hosts[host] -= 1
-            if self._ready_hosts[host] <= 0:
-                del self._ready_hosts[host]
-            if not self._admitted(item):
-                continue
-            self._host_busy[host] += 1
-            self._in_flight[item.claimed.id] = item
+        for item in self.slots.hand_out(
+            self._admitted, slow=slow, queued=self.concurrency, most=most
+        ):
             self.workers.put(item)
-        self._ready.extendleft(reversed(skipped))
 
     def _admitted(self, item: InFlight) -> bool:
         """Whether the destination's breaker lets the delivery through now
@@ -460,11 +423,7 @@ class Deliverer:
         """Stopping: put back what was claimed and not sent, due now, for
         another deliverer to take without waiting out the lease: what is
         ready, and what waits in the workers' queue for one to be free."""
-        for queued in self.workers.take_queued():
-            self._ready.append(queued)
-            self._take_back(queued)
-        while self._ready:
-            item = self._ready.popleft()
+        for item in self.slots.release(self.workers.take_queued()):
             self._keep(
                 queue.Settlement(
                     claimed=item.claimed,
@@ -473,19 +432,6 @@ class Deliverer:
                     due_at=timezone.now(),
                 )
             )
-        self._ready_hosts.clear()
-
-    def _slow_count(self) -> int:
-        cutoff = time.monotonic() - self.slow_after
-        # A copy taken at once: workers ask too, while this thread changes it.
-        items = list(self._in_flight.values())
-        return sum(1 for item in items if 0 < item.started <= cutoff)
-
-    def _until_next_slow(self) -> float:
-        """Seconds until the next delivery in flight turns slow (at most 1)."""
-        cutoff = time.monotonic() - self.slow_after
-        fast = [item.started - cutoff for item in self._in_flight.values() if item.started > cutoff]
-        return max(0.01, min([1.0, *fast]))
 
     def _refresh_view(self) -> None:
         """Re-read the breakers and the paused hosts, about once a second

@@ -1,0 +1,116 @@
+"""Where each delivery a deliverer has claimed stands: ready for a slot, or in flight.
+
+``CONCURRENCY`` slots in all and ``PER_HOST`` to one host. A delivery in flight
+for longer than ``SLOW_AFTER_SECONDS`` gives its slot up to the next, so that a
+silent server holds a worker thread, not a slot. Only the coordinator changes
+what is here; workers only count the slow deliveries.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterable
+
+from django_federation_delivery.workers import InFlight
+
+
+class Slots:
+    def __init__(self, *, concurrency: int, per_host: int, slow_after: float) -> None:
+        self.concurrency = concurrency
+        self.per_host = per_host
+        self.slow_after = slow_after
+        #: Claimed and admitted, waiting for a slot (and a slot on its host).
+        self.ready: collections.deque[InFlight] = collections.deque()
+        self._ready_hosts: collections.Counter[str] = collections.Counter()
+        #: Handed to the workers: queued for one, or being sent.
+        self.in_flight: dict[int, InFlight] = {}
+        self._host_busy: collections.Counter[str] = collections.Counter()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_flight or self.ready)
+
+    def holding(self) -> set[int]:
+        """The ids of every delivery ready or in flight."""
+        return set(self.in_flight) | {item.claimed.id for item in self.ready}
+
+    def add(self, item: InFlight) -> None:
+        self.ready.append(item)
+        self._ready_hosts[item.claimed.host] += 1
+
+    def sendable(self, enough: int) -> bool:
+        """Whether at least ``enough`` ready deliveries could go as soon as a
+        slot is free: one waiting for a host already at ``PER_HOST`` (a silent
+        one, say) cannot."""
+        count = 0
+        for item in self.ready:
+            if self._host_busy[item.claimed.host] < self.per_host:
+                count += 1
+                if count >= enough:
+                    return True
+        return False
+
+    def saturated_hosts(self) -> list[str]:
+        """Hosts with ``PER_HOST`` deliveries in flight or ready: no use claiming more."""
+        held = self._host_busy + self._ready_hosts
+        return [host for host, count in held.items() if count >= self.per_host]
+
+    def hand_out(
+        self, admit: Callable[[InFlight], bool], *, slow: int, queued: int, most: int
+    ) -> list[InFlight]:
+        """Take ready deliveries into flight while there are free slots, and
+        ``queued`` more to wait in the workers' queue, never more than ``most``
+        threads' worth: those ``admit`` lets through. ``slow`` deliveries in
+        flight hold no slot."""
+        out: list[InFlight] = []
+        skipped: list[InFlight] = []
+        while self.ready and len(self.in_flight) - slow < self.concurrency + queued:
+            if len(self.in_flight) >= most + queued:
+                break
+            item = self.ready.popleft()
+            host = item.claimed.host
+            if self._host_busy[host] >= self.per_host:
+                skipped.append(item)
+                continue
+            self._ready_hosts[host] -= 1
+            if self._ready_hosts[host] <= 0:
+                del self._ready_hosts[host]
+            if not admit(item):
+                continue
+            self._host_busy[host] += 1
+            self.in_flight[item.claimed.id] = item
+            out.append(item)
+        self.ready.extendleft(reversed(skipped))
+        return out
+
+    def take_back(self, item: InFlight) -> None:
+        """The delivery no longer holds a slot, nor one of its host's."""
+        del self.in_flight[item.claimed.id]
+        host = item.claimed.host
+        self._host_busy[host] -= 1
+        if self._host_busy[host] <= 0:
+            del self._host_busy[host]
+
+    def release(self, unsent: Iterable[InFlight]) -> list[InFlight]:
+        """Stopping: everything not sent, ``unsent`` taken back from the
+        workers' queue and every ready one, and nothing left ready."""
+        for item in unsent:
+            self.take_back(item)
+            self.ready.append(item)
+        released = list(self.ready)
+        self.ready.clear()
+        self._ready_hosts.clear()
+        return released
+
+    def slow_count(self) -> int:
+        cutoff = time.monotonic() - self.slow_after
+        # A copy taken at once: workers ask too, while the coordinator changes it.
+        items = list(self.in_flight.values())
+        return sum(1 for item in items if 0 < item.started <= cutoff)
+
+    def until_next_slow(self) -> float:
+        """Seconds until the next delivery in flight turns slow (at most 1)."""
+        cutoff = time.monotonic() - self.slow_after
+        fast = [item.started - cutoff for item in self.in_flight.values() if item.started > cutoff]
+        return max(0.01, min([1.0, *fast]))

@@ -1,0 +1,103 @@
+"""Slots: CONCURRENCY in all, PER_HOST to one host, and none held by a slow delivery."""
+
+from __future__ import annotations
+
+import time
+
+from django_federation_delivery.queue import Claimed
+from django_federation_delivery.slots import Slots
+from django_federation_delivery.workers import InFlight
+
+
+def item(number: int, host: str) -> InFlight:
+    claimed = Claimed(
+        id=number,
+        batch_id=1,
+        inbox=f"https://{host}/inbox",
+        host=host,
+        attempts=0,
+        via=(),
+        token="t",
+        leased_until=time.time() + 300,
+    )
+    return InFlight(claimed=claimed, batch=None, job=None)  # type: ignore[arg-type]
+
+
+def slots(concurrency: int = 4, per_host: int = 2) -> Slots:
+    return Slots(concurrency=concurrency, per_host=per_host, slow_after=2.0)
+
+
+def admit_all(item: InFlight) -> bool:
+    return True
+
+
+def hosts(items: list[InFlight]) -> list[str]:
+    return [i.claimed.host for i in items]
+
+
+def test_no_more_than_per_host_go_to_one_host_and_the_others_keep_their_place() -> None:
+    place = slots(concurrency=10)
+    for number, host in enumerate(["a", "a", "a", "b", "a", "c"]):
+        place.add(item(number, host))
+
+    handed = place.hand_out(admit_all, slow=0, queued=0, most=10)
+
+    assert hosts(handed) == ["a", "a", "b", "c"]
+    assert [i.claimed.id for i in place.ready] == [2, 4]  # in the order claimed
+    assert place.saturated_hosts() == ["a"]
+    assert not place.sendable(1)
+
+    place.take_back(handed[0])
+    assert place.sendable(1)
+    assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["a"]
+
+
+def test_concurrency_and_the_workers_queue_bound_what_is_handed_out() -> None:
+    place = slots(concurrency=2, per_host=10)
+    for number in range(10):
+        place.add(item(number, "a"))
+
+    assert len(place.hand_out(admit_all, slow=0, queued=0, most=2)) == 2
+    assert len(place.hand_out(admit_all, slow=0, queued=0, most=2)) == 0
+    assert len(place.hand_out(admit_all, slow=0, queued=2, most=2)) == 2
+    assert len(place.in_flight) == 4
+
+
+def test_a_slow_delivery_gives_up_its_slot_but_not_past_the_most_threads() -> None:
+    place = slots(concurrency=2, per_host=10)
+    for number in range(10):
+        place.add(item(number, "a"))
+    first = place.hand_out(admit_all, slow=0, queued=0, most=3)
+    for slow in first:
+        slow.started = time.monotonic() - 5  # in flight past SLOW_AFTER_SECONDS
+
+    assert place.slow_count() == 2
+    # Two slow ones hold no slot; three threads at most: one more goes.
+    assert len(place.hand_out(admit_all, slow=place.slow_count(), queued=0, most=3)) == 1
+
+
+def test_one_the_breaker_holds_leaves_the_ready_deliveries_without_a_slot() -> None:
+    place = slots()
+    place.add(item(1, "down"))
+    place.add(item(2, "up"))
+
+    handed = place.hand_out(lambda i: i.claimed.host != "down", slow=0, queued=0, most=4)
+
+    assert hosts(handed) == ["up"]
+    assert not place.ready
+    assert place.saturated_hosts() == []
+
+
+def test_stopping_releases_what_is_ready_and_what_the_workers_had_not_taken() -> None:
+    place = slots()
+    for number, host in enumerate(["a", "b", "c"]):
+        place.add(item(number, host))
+    queued = place.hand_out(admit_all, slow=0, queued=0, most=4)[1:]  # b and c never started
+    place.add(item(3, "d"))
+
+    released = place.release(queued)
+
+    assert hosts(released) == ["d", "b", "c"]
+    assert hosts(list(place.in_flight.values())) == ["a"]
+    assert not place.ready
+    assert place.holding() == {0}
