@@ -156,6 +156,12 @@ def held(job: Job, error: str, retry_after: float) -> AttemptResult:
     )
 
 
+def crashed(job: Job, error: str) -> AttemptResult:
+    """An attempt that raised (a bug, not the inbox's doing): a passing
+    failure, tried again by the retry policy."""
+    return _failed(job, error, permanent=False)
+
+
 def _failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> AttemptResult:
     """An attempt that got no answer from the inbox."""
     return AttemptResult(

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from django_federation_delivery.attempt import AttemptResult, Job, attempt
+from django_federation_delivery.attempt import AttemptResult, Job, attempt, crashed
 from django_federation_delivery.queue import Claimed
 from django_federation_delivery.settling import BatchInfo
 from django_federation_delivery.transport import Transport, TransportSettings
@@ -140,13 +140,4 @@ class Workers:
             )
         except Exception as exc:  # a bug must not take a worker down
             logger.exception("An attempt at delivery %s raised", item.claimed.id)
-            return AttemptResult(
-                job=item.job,
-                delivered=False,
-                status=None,
-                error=f"internal error: {type(exc).__name__}"[: self.error_length],
-                permanent=False,
-                retry_after=None,
-                accepted_scheme=None,
-                duration=0.0,
-            )
+            return crashed(item.job, f"internal error: {type(exc).__name__}"[: self.error_length])

@@ -52,6 +52,36 @@ class Received:
 Answer = tuple[int, dict[str, str], bytes]
 
 
+class Overlap:
+    """A ``respond`` that answers ``status`` after ``delay`` seconds, and counts
+    how many requests were being answered at once: at most, and at most since
+    :meth:`mark`."""
+
+    def __init__(self, status: int, delay: float) -> None:
+        self.status = status
+        self.delay = delay
+        self._lock = threading.Lock()
+        self._now = 0
+        self._marked = False
+        self.most = 0
+        self.most_since_mark = 0
+
+    def __call__(self, request: Received) -> Answer:
+        with self._lock:
+            self._now += 1
+            self.most = max(self.most, self._now)
+            if self._marked:
+                self.most_since_mark = max(self.most_since_mark, self._now)
+        time.sleep(self.delay)
+        with self._lock:
+            self._now -= 1
+        return self.status, {}, b""
+
+    def mark(self) -> None:
+        with self._lock:
+            self._marked = True
+
+
 @dataclass
 class Inbox:
     """A real HTTP server on a loopback address that records what it is sent

@@ -24,7 +24,7 @@ from django_federation_delivery.breakers import (
 )
 from django_federation_delivery.models import Breaker, Delivery, Status
 
-from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .conftest import Inbox, Overlap, Received, RunningDeliverer, wait_until
 from .keys import ALICE
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -266,38 +266,24 @@ def test_two_deliverers_count_failures_together_and_probe_one_at_a_time(
         "BREAKER": {"THRESHOLD": 6, "COOL_OFF": 0.5, "SCOPE": "host"},
         "RETRY": {"BASE": 0.2, "CAP": 0.2, "ATTEMPTS": 100, "JITTER": 0},
     }
-    lock = threading.Lock()
-    load = {"now": 0, "most": 0, "opened": False, "most_after": 0}
-
-    def slow_503(request: Received) -> tuple[int, dict[str, str], bytes]:
-        with lock:
-            load["now"] += 1
-            load["most"] = max(load["most"], load["now"])
-            if load["opened"]:
-                load["most_after"] = max(load["most_after"], load["now"])
-        time.sleep(0.05)
-        with lock:
-            load["now"] -= 1
-        return 503, {}, b""
-
+    slow_503 = Overlap(503, delay=0.05)
     down = inboxes("127.0.0.2", respond=slow_503)
     send(ALICE, {"type": "Note"}, [down.url(f"/{n}") for n in range(40)])
     first = start_deliverer(concurrency=4, per_host=2)
     second = start_deliverer(concurrency=4, per_host=2)
     wait_until(lambda: Breaker.objects.filter(open_until__isnull=False).exists())
     opened_after = len(down.received)
-    with lock:
-        load["opened"] = True
+    slow_503.mark()
     time.sleep(3)  # six cool-offs: probes, one at a time among both
     probes = len(down.received) - opened_after
     first.stop()
     second.stop()
-    assert load["most"] == 4, "both deliverers were sending (two per host each)"
+    assert slow_503.most == 4, "both deliverers were sending (two per host each)"
     # Opened by both deliverers' failures counted together: no more than the
     # threshold, and what each had in flight or was writing (two per host,
     # written at most one batch late) as it happened.
     assert opened_after <= 6 + 2 * (2 * 2), "opened by the failures of both, counted together"
-    assert load["most_after"] <= 1 + 4, "after opening: what was in flight, then one probe"
+    assert slow_503.most_since_mark <= 1 + 4, "after opening: what was in flight, then one probe"
     assert 1 <= probes <= 4 + 3 / 0.5 + 1, f"{probes} probes in six cool-offs"
     held = first.deliverer.summary.held + second.deliverer.summary.held
     assert held > 20, "the rest were held by both, without a request"

@@ -21,7 +21,7 @@ from django.db import connections, transaction
 from django_federation_delivery import send
 from django_federation_delivery.models import Delivery, Status
 
-from .conftest import MANAGE, Inbox, subprocess_env, wait_until
+from .conftest import MANAGE, Inbox, Overlap, subprocess_env, wait_until
 from .keys import ALICE
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -272,20 +272,7 @@ def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
 ) -> None:
     from django_federation_delivery.models import Breaker
 
-    lock = threading.Lock()
-    load = {"now": 0, "most": 0, "probing": False, "most_probing": 0}
-
-    def slow_503(request: Any) -> tuple[int, dict[str, str], bytes]:
-        with lock:
-            load["now"] += 1
-            load["most"] = max(load["most"], load["now"])
-            if load["probing"]:
-                load["most_probing"] = max(load["most_probing"], load["now"])
-        time.sleep(0.3)
-        with lock:
-            load["now"] -= 1
-        return 503, {}, b""
-
+    slow_503 = Overlap(503, delay=0.3)
     down = inboxes("127.0.0.2", respond=slow_503)
     shared = {
         "BREAKER": {"THRESHOLD": 6, "COOL_OFF": 0.5, "SCOPE": "host"},
@@ -299,15 +286,14 @@ def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
     wait_until(lambda: Breaker.objects.filter(open_until__isnull=False).exists())
     opened_after = len(down.received)
     time.sleep(1.0)  # what was in flight when it opened has come back by now
-    with lock:
-        load["probing"] = True
+    slow_503.mark()
     before = len(down.received)
     time.sleep(3.0)  # six cool-offs: a probe each at most, among both processes
     probes = len(down.received) - before
     for process in (first, second):
         process.send_signal(signal.SIGTERM)
     assert first.wait(20) == 0 and second.wait(20) == 0
-    assert load["most"] >= 3, "both processes were sending at first (two per host each)"
+    assert slow_503.most >= 3, "both processes were sending at first (two per host each)"
     assert opened_after <= 6 + 2 * (2 * 2), "opened by both processes' failures, counted together"
-    assert load["most_probing"] == 1, "one probe at a time between the two processes"
+    assert slow_503.most_since_mark == 1, "one probe at a time between the two processes"
     assert 1 <= probes <= 3 / 0.5 + 1, f"{probes} probes in six cool-offs"
