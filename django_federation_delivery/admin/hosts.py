@@ -20,7 +20,7 @@ from django_federation_delivery.admin.base import (
     resume_and_report,
 )
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
-from django_federation_delivery.sending import host_of
+from django_federation_delivery.urls import host_of
 
 
 class BreakerStateFilter(admin.SimpleListFilter):
