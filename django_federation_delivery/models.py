@@ -182,7 +182,7 @@ class Breaker(models.Model):
     updated_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:
-        return self.key
+        return redact(self.key)
 
     @property
     def state(self) -> str:

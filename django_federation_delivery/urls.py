@@ -52,7 +52,7 @@ _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 _PORT = re.compile(r"[0-9]{1,5}")
 _ASCII_LABEL = re.compile(r"[a-z0-9_-]+")
 # What a message may show of a URL.
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?(//)?[^/\\]*@")
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?(//)?[^/]*@")
 _ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?[^/\\?#]*")
 _MESSAGE_URL_LENGTH = 200
 # A part of a query or userinfo shorter than this ("a=1") is not worth hiding on its own.
@@ -223,7 +223,7 @@ def redact(url: str, *, whole_path: bool = False) -> str:
         text = matched.group(0) if matched else ""
     else:
         text = re.split(r"[?#]", text, maxsplit=1)[0]
-    text = text[:_MESSAGE_URL_LENGTH]
+    text = text[: _MESSAGE_URL_LENGTH + 1]
     # Escaped as repr() escapes: one line, and nothing that prints as something else.
     text = repr(text)[1:-1]
     if len(text) > _MESSAGE_URL_LENGTH:
