@@ -23,6 +23,8 @@ _EXPORTS = {
     "Scheme": "django_federation_delivery.signatures",
     "InvalidDelivery": "django_federation_delivery.exceptions",
     "SigningError": "django_federation_delivery.exceptions",
+    "normalize_inbox": "django_federation_delivery.urls",
+    "validate_inbox": "django_federation_delivery.urls",
 }
 
 if TYPE_CHECKING:
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from django_federation_delivery.portable import PortableInbox
     from django_federation_delivery.sending import BatchOptions, send, send_batch, send_portable
     from django_federation_delivery.signatures import Scheme, SenderKey
+    from django_federation_delivery.urls import normalize_inbox, validate_inbox
 
 __all__ = [
     "BatchOptions",
@@ -39,9 +42,11 @@ __all__ = [
     "SenderKey",
     "SigningError",
     "__version__",
+    "normalize_inbox",
     "send",
     "send_batch",
     "send_portable",
+    "validate_inbox",
 ]
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping
 
+from django_federation_delivery import urls
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
 from django_federation_delivery.transport import Answer, Transport, parse_retry_after
@@ -123,9 +124,15 @@ def _post(
     error_length: int,
 ) -> AttemptResult:
     try:
+        # Signed and sent in one spelling: the signature covers the very target requested.
+        url = urls.split(target).url
+    except urls.UnusableURL as exc:
+        error = f"cannot deliver to '{exc.redacted}': it {exc.reason}"
+        return _failed(job, error[:error_length], permanent=True, requests=0)
+    try:
         headers = sign_request(
             scheme,
-            url=target,
+            url=url,
             body_sha256=job.body_sha256,
             key=key,
             extra_headers=job.extra_headers,
@@ -133,7 +140,7 @@ def _post(
     except SigningError as exc:
         return _failed(job, str(exc)[:error_length], permanent=True)
     try:
-        answer = transport.post(target, job.body, headers)
+        answer = transport.post(url, job.body, headers)
     except TransportError as exc:
         return _failed(job, str(exc)[:error_length], permanent=exc.permanent)
     delivered = 200 <= answer.status < 300
@@ -141,7 +148,7 @@ def _post(
         job=job,
         delivered=delivered,
         status=answer.status,
-        error="" if delivered else describe(answer, error_length),
+        error="" if delivered else describe(answer, error_length, target),
         permanent=not delivered and is_permanent(answer.status),
         retry_after=None if delivered else parse_retry_after(answer.headers.get("Retry-After")),
         accepted_scheme=scheme if delivered else None,
@@ -177,9 +184,19 @@ def _failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> Atte
     )
 
 
-def describe(answer: Answer, length: int) -> str:
-    """ "the inbox answered 503: <the start of its body>", cut to ``length``."""
-    text = answer.body[: length * 4].decode("utf-8", "replace").strip()
+def describe(answer: Answer, length: int, target: str = "") -> str:
+    """ "the inbox answered 503: <the start of its body>", cut to ``length``, with the
+    target's userinfo and query (which an inbox may echo) replaced."""
+    secrets = urls.credentials(target) if target else []
+    longest = max(map(len, secrets), default=0)
+    window = answer.body[: (length + longest) * 4]
+    text = window.decode("utf-8", "replace")
+    for secret in secrets:
+        text = text.replace(secret, "[redacted]")
+    if longest and len(window) < len(answer.body):
+        # Cut short: a secret may begin near the end without ending there.
+        text = text[:-longest]
+    text = text.strip()
     error = f"the inbox answered {answer.status}"
     if text:
         error = f"{error}: {' '.join(text.split())}"

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+
+from django_federation_delivery.urls import redact
+
+if TYPE_CHECKING:
+    from django_federation_delivery.sending import SkippedInbox
 
 
 class Lane(models.TextChoices):
@@ -59,6 +67,9 @@ class Batch(models.Model):
     size = models.PositiveIntegerField(default=0)
     remaining = models.PositiveIntegerField(default=0)
     finished_at = models.DateTimeField(null=True, blank=True)
+
+    #: Not stored: on the batch a send returns, the inboxes it left out and why.
+    skipped: Sequence[SkippedInbox] = ()
 
     class Meta:
         verbose_name_plural = "batches"
@@ -129,7 +140,8 @@ class Delivery(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.inbox} ({self.status})"
+        # Shown in the admin's titles and links: the inbox's query stays out of them.
+        return f"{redact(self.inbox)} ({self.status})"
 
 
 class Host(models.Model):
@@ -170,7 +182,7 @@ class Breaker(models.Model):
     updated_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:
-        return self.key
+        return redact(self.key)
 
     @property
     def state(self) -> str:

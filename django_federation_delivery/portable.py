@@ -10,10 +10,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
+from . import urls
 from .exceptions import InvalidDelivery
-from .synchronization import origin
+from .urls import origin
 
 __all__ = [
     "MAX_GATEWAYS",
@@ -34,13 +35,6 @@ _GATEWAY_PATH = "/.well-known/apgateway/"
 _DID = re.compile(r"did:[a-z0-9]+:[A-Za-z0-9._-]+(?::[A-Za-z0-9._-]+)*")
 # urlsplit silently drops tabs and newlines, so a URI carrying them would pass for another.
 _CONTROL_OR_SPACE = re.compile(r"[\x00-\x20\x7f]")
-_ESCAPE = re.compile(r"(%[0-9A-Fa-f]{2})")
-# RFC 3986 pchar (less "%", handled apart) and "/", then what a query adds.
-_PATH_SAFE = "/:@!$&'()*+,;=-._~"
-_QUERY_SAFE = _PATH_SAFE + "?"
-# host[:port] as a gateway may name it, with no userinfo: a DNS name or IPv4 address, or a
-# bracketed IPv6 address.
-_NETLOC = re.compile(r"(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
 _SHOWN_LENGTH = 200
 
 
@@ -48,15 +42,6 @@ def _shown(value: object) -> str:
     """``value`` as an error message may name it: quoted, one line, not too long."""
     text = repr(value)
     return text if len(text) <= _SHOWN_LENGTH else text[: _SHOWN_LENGTH - 3] + "..."
-
-
-def _encoded(text: str, safe: str) -> str:
-    """``text`` with what a URL cannot carry percent-encoded, its valid escapes kept as they are,
-    so that encoding twice changes nothing."""
-    return "".join(
-        piece if _ESCAPE.fullmatch(piece) else quote(piece, safe=safe)
-        for piece in _ESCAPE.split(text)
-    )
 
 
 def parse_ap_uri(uri: str) -> tuple[str, str, str]:
@@ -81,7 +66,7 @@ def parse_ap_uri(uri: str) -> tuple[str, str, str]:
     # A gateway URL is resolved like any other: "/did/../../x" would leave the apgateway prefix.
     if any(unquote(segment) in (".", "..") for segment in path.split("/")):
         raise InvalidDelivery(f"an ap:// path may not have '.' or '..' segments: {_shown(uri)}")
-    return did, _encoded(path, _PATH_SAFE), _encoded(parts.query, _QUERY_SAFE)
+    return did, urls.encode_path(path), urls.encode_query(parts.query)
 
 
 def canonical(uri: str) -> str:
@@ -97,20 +82,14 @@ def is_gateway(url: str) -> bool:
     Only ``scheme://host[:port]`` with an optional "/" is accepted: a gateway with a path, a
     query, a fragment or userinfo is not one the FEP describes, and is not guessed at.
     """
-    if not isinstance(url, str) or _CONTROL_OR_SPACE.search(url):
-        return False
-    if "?" in url or "#" in url:  # urlsplit cannot tell "x?" from "x"
+    if not isinstance(url, str) or "?" in url or "#" in url:  # "x?" parses as "x"
         return False
     try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 -- raises ValueError for a port out of range
-    except ValueError:
+        parts = urls.split(url)
+    except urls.UnusableURL:
         return False
-    return (
-        parts.scheme.lower() in ("http", "https")
-        and _NETLOC.fullmatch(parts.netloc) is not None
-        and parts.path in ("", "/")
-    )
+    # Nothing after the "/" that ends the authority, not even "." or another "/".
+    return parts.path == "/" and not url.partition("//")[2].partition("/")[2]
 
 
 def at_gateway(uri: str, gateway: str) -> str:
@@ -123,7 +102,8 @@ def at_gateway(uri: str, gateway: str) -> str:
     if not is_gateway(gateway):
         raise InvalidDelivery(f"not a gateway (a bare http(s) origin): {_shown(gateway)}")
     url = f"{origin(gateway)}{_GATEWAY_PATH}{did}{path}"
-    return f"{url}?{query}" if query else url
+    # In canonical form, as every URL delivered to (see urls.py); raises when too long.
+    return urls.split(f"{url}?{query}" if query else url).url
 
 
 @dataclass(frozen=True)
@@ -147,9 +127,9 @@ def targets(inbox: PortableInbox) -> list[str]:
     """The URLs to deliver to, in the actor's order: one per usable gateway origin, at most
     ``MAX_GATEWAYS``. Unusable gateways are skipped; none usable gives an empty list."""
     seen: set[str] = set()
-    urls: list[str] = []
+    found: list[str] = []
     for gateway in inbox.gateways:
-        if len(urls) >= MAX_GATEWAYS:
+        if len(found) >= MAX_GATEWAYS:
             break
         if not is_gateway(gateway):
             continue
@@ -157,5 +137,8 @@ def targets(inbox: PortableInbox) -> list[str]:
         if gateway_origin in seen:
             continue
         seen.add(gateway_origin)
-        urls.append(at_gateway(inbox.inbox, gateway_origin))
-    return urls
+        try:
+            found.append(at_gateway(inbox.inbox, gateway_origin))
+        except InvalidDelivery:
+            continue  # too long at this gateway
+    return found

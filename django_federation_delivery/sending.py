@@ -9,19 +9,32 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
-from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery import portable, queue
+from django_federation_delivery import portable, queue, urls
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane
 from django_federation_delivery.portable import PortableInbox
 from django_federation_delivery.signatures import body_sha256
+from django_federation_delivery.urls import host_of, normalize_inbox
+
+__all__ = [
+    "BatchOptions",
+    "SkippedInbox",
+    "host_of",
+    "normalize_inbox",
+    "send",
+    "send_batch",
+    "send_portable",
+]
+
+logger = logging.getLogger(__name__)
 
 TAG_LENGTH = Batch._meta.get_field("tag").max_length or 200
 ORDERING_KEY_LENGTH = Batch._meta.get_field("ordering_key").max_length or 500
@@ -54,10 +67,20 @@ class BatchOptions:
 _OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(BatchOptions))
 
 
+@dataclasses.dataclass(frozen=True)
+class SkippedInbox:
+    """An inbox a send left out, as a message may show it (see ``urls.redact``), and why."""
+
+    inbox: str
+    reason: str
+
+
 def send(sender: str, activity: Mapping[str, Any], inboxes: Iterable[str]) -> Batch | None:
     """Queue ``activity``, signed by ``sender``, for each of ``inboxes`` once.
 
-    Returns the batch, or None when there was no inbox to send to.
+    An inbox that cannot be delivered to is skipped, never fatal: the batch's
+    ``skipped`` lists each, redacted, with the reason. Returns the batch, or
+    None when there was no inbox to send to.
     """
     return send_batch(sender, activity, inboxes)
 
@@ -104,17 +127,19 @@ def _queue(
     opts = _options(options)
     sender = _sender(sender)
     body = _body(activity)
-    targets = _portable_inboxes(inboxes) if portable else _inboxes(inboxes)
+    targets, skipped = _portable_inboxes(inboxes) if portable else _inboxes(inboxes)
     deadline = _deadline(opts.deadline)
     max_attempts = _max_attempts(opts.max_attempts)
     tag = _text("tag", opts.tag, TAG_LENGTH)
     ordering_key = _text("ordering_key", opts.ordering_key, ORDERING_KEY_LENGTH)
     low_priority = _flag("low_priority", opts.low_priority)
     synchronize = _flag("synchronize_collection", opts.synchronize_collection)
+    if skipped:
+        _log_skipped(skipped, queued=len(targets))
     if not targets:
         return None
     with transaction.atomic(using=using):
-        return queue.enqueue(
+        batch = queue.enqueue(
             Batch(
                 sender=sender,
                 body=body,
@@ -129,6 +154,8 @@ def _queue(
             _interleave_hosts(targets),
             using=using,
         )
+    batch.skipped = skipped
+    return batch
 
 
 def _options(options: BatchOptions | Mapping[str, Any] | None) -> BatchOptions:
@@ -164,65 +191,64 @@ def _body(activity: object) -> str:
         raise InvalidDelivery(f"activity cannot be written as JSON: {exc}") from exc
 
 
-def normalize_inbox(inbox: object) -> str:
-    """The inbox as it is queued: an absolute http(s) URL, host lowercased,
-    default port and fragment dropped, so that one inbox spelt two ways is
-    sent to once."""
-    if not isinstance(inbox, str):
-        raise InvalidDelivery(f"inbox must be a URL string, not {inbox!r}")
-    text = inbox.strip()
-    try:
-        parts = urlsplit(text)
-        port = parts.port
-    except ValueError as exc:
-        raise InvalidDelivery(f"inbox {inbox!r} is not a valid URL: {exc}") from exc
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidDelivery(f"inbox {inbox!r} is not an absolute http(s) URL")
-    if parts.username is not None or parts.password is not None:
-        raise InvalidDelivery(
-            f"inbox {_without_userinfo(parts)!r} must not carry a user or password"
-        )
-    if len(text) > URL_LENGTH:
-        raise InvalidDelivery(f"inbox is longer than {URL_LENGTH} characters: {text[:80]!r}…")
-    host = parts.hostname.lower()
-    if ":" in host:
-        host = f"[{host}]"
-    if port is not None and port != {"http": 80, "https": 443}[scheme]:
-        host = f"{host}:{port}"
-    return urlunsplit((scheme, host, parts.path or "/", parts.query, ""))
-
-
-def _without_userinfo(parts: SplitResult) -> str:
-    netloc = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-def host_of(inbox: str) -> str:
-    return urlsplit(inbox).hostname or ""
-
-
-def _inboxes(inboxes: Iterable[str]) -> list[queue.Queued]:
+def _inboxes(inboxes: Iterable[str]) -> tuple[list[queue.Queued], list[SkippedInbox]]:
     if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
         raise InvalidDelivery(f"inboxes must be an iterable of URLs, not {inboxes!r:.200}")
-    unique = dict.fromkeys(normalize_inbox(inbox) for inbox in inboxes)
-    return [queue.Queued(inbox, host_of(inbox)) for inbox in unique]
+    # Remote actors choose their inboxes: one that cannot be sent to is left
+    # out, never allowed to stop the send (and roll back the caller's post).
+    unique: dict[str, str] = {}
+    skipped: list[SkippedInbox] = []
+    for inbox in inboxes:
+        try:
+            parts = urls.split(inbox)
+        except urls.UnusableURL as exc:
+            skipped.append(SkippedInbox(exc.redacted, exc.reason))
+            continue
+        unique.setdefault(parts.url, parts.host)
+    return [queue.Queued(inbox, host) for inbox, host in unique.items()], skipped
 
 
-def _portable_inboxes(inboxes: Iterable[PortableInbox]) -> list[queue.Queued]:
+def _portable_inboxes(
+    inboxes: Iterable[PortableInbox],
+) -> tuple[list[queue.Queued], list[SkippedInbox]]:
     if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
         raise InvalidDelivery(f"inboxes must be an iterable of PortableInbox, not {inboxes!r:.200}")
     queued: dict[str, queue.Queued] = {}
+    skipped: list[SkippedInbox] = []
     for inbox in inboxes:
         if not isinstance(inbox, PortableInbox):
-            raise InvalidDelivery(f"a portable inbox must be a PortableInbox, not {inbox!r:.200}")
+            shown = urls.redact(inbox) if isinstance(inbox, str) else ""
+            reason = f"is not a PortableInbox but {type(inbox).__name__}"
+            skipped.append(SkippedInbox(shown, reason))
+            continue
         name = portable.canonical(inbox.inbox)
+        if name in queued:
+            continue
         via = portable.targets(inbox)
-        if name in queued or not via:
+        if not via:
+            skipped.append(SkippedInbox(urls.redact(name), "has no usable gateway"))
             continue
         # The first gateway stands for the host: per-host limits and breakers.
         queued[name] = queue.Queued(name, host_of(via[0]), tuple(via))
-    return list(queued.values())
+    return list(queued.values()), skipped
+
+
+def _log_skipped(skipped: list[SkippedInbox], *, queued: int) -> None:
+    first = skipped[0]
+    example = f"{first.inbox!r} {first.reason}" if first.inbox else first.reason
+    if queued:
+        logger.warning(
+            "Skipped %d inbox(es) that cannot be delivered to, queued %d; the first: %s",
+            len(skipped),
+            queued,
+            example,
+        )
+    else:
+        logger.warning(
+            "Nothing queued: all %d inbox(es) were skipped as undeliverable; the first: %s",
+            len(skipped),
+            example,
+        )
 
 
 def _deadline(deadline: object) -> dt.datetime | None:

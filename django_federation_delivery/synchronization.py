@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
-from urllib.parse import urlsplit
 
 from .exceptions import InvalidDelivery
+from .urls import origin
 
 __all__ = [
     "collection_synchronization",
@@ -22,9 +22,6 @@ __all__ = [
     "origin",
 ]
 
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-# urlsplit silently drops tabs and newlines, so a URL carrying them would pass for another.
-_CONTROL_OR_SPACE = re.compile(r"[\x00-\x20\x7f]")
 # What a quoted header parameter can carry without escaping: printable ASCII but '"' and '\'.
 _QUOTABLE = re.compile(r"[\x20\x21\x23-\x5b\x5d-\x7e]+")
 _HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
@@ -35,29 +32,6 @@ def _shown(value: object) -> str:
     """``value`` as an error message may name it: quoted, one line, not too long."""
     text = repr(value)
     return text if len(text) <= _SHOWN_LENGTH else text[: _SHOWN_LENGTH - 3] + "..."
-
-
-def origin(url: str) -> str:
-    """``scheme://host[:port]`` of ``url``, so that two spellings of one server compare equal.
-
-    Scheme and host are lowercased and a default port dropped; userinfo, path, query and
-    fragment are left out. Anything but an absolute http(s) URL with a host is refused.
-    """
-    if not isinstance(url, str) or _CONTROL_OR_SPACE.search(url):
-        raise InvalidDelivery(f"not an absolute http(s) URL: {_shown(url)}")
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # raises ValueError for a bad port
-    except ValueError as exc:
-        raise InvalidDelivery(f"not a valid URL: {_shown(url)}") from exc
-    scheme = parts.scheme.lower()
-    host = parts.hostname
-    if scheme not in _DEFAULT_PORTS or not host:
-        raise InvalidDelivery(f"not an absolute http(s) URL with a host: {_shown(url)}")
-    netloc = f"[{host}]" if ":" in host else host
-    if port is not None and port != _DEFAULT_PORTS[scheme]:
-        netloc = f"{netloc}:{port}"
-    return f"{scheme}://{netloc}"
 
 
 def followers_digest(follower_uris: Iterable[str]) -> str:

@@ -109,7 +109,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length)
-        request = Received(self.path, dict(self.headers.items()), body, self.headers["Host"])
+        # The target as it came on the wire: http.server turns a leading "//" into "/".
+        target = self.requestline.split(" ")[1]
+        request = Received(target, dict(self.headers.items()), body, self.headers["Host"])
         with self.inbox.lock:
             self.inbox.received.append(request)
         if self.inbox.delay:

@@ -135,12 +135,20 @@ def test_a_bare_http_origin_is_a_gateway(url: str) -> None:
         "https://gw.example:99999",
         "https://gw example",
         "https://gw.example\n",
-        "https://gw\u00e9.example",
+        "https://gw_\u00e9.example",
+        "https://xn--zz.example",
         "",
     ],
 )
 def test_anything_but_a_bare_http_origin_is_not_a_gateway(url: str) -> None:
     assert not is_gateway(url)
+
+
+def test_a_gateway_with_an_internationalised_name_is_used_idna_encoded() -> None:
+    assert is_gateway("https://gw\u00e9.example")
+    assert at_gateway(INBOX, "https://GW\u00c9.example") == (
+        "https://xn--gw-cja.example/.well-known/apgateway/did:key:z6MkABC/actor/inbox"
+    )
 
 
 def test_a_gateway_that_is_not_a_string_is_not_a_gateway() -> None:

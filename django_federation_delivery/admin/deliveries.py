@@ -26,6 +26,7 @@ from django_federation_delivery.admin.base import (
 )
 from django_federation_delivery.admin.queues import queues_page
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
+from django_federation_delivery.urls import redact
 
 
 class LastStatusClassFilter(admin.SimpleListFilter):
@@ -100,7 +101,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     list_display = (
         "id",
         "host",
-        "inbox",
+        "shown_inbox",
         "sender",
         "status",
         "attempts",
@@ -108,14 +109,14 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
         "last_status",
         "short_error",
     )
-    list_display_links = ("id", "inbox")
+    list_display_links = ("id", "shown_inbox")
     list_filter = ("status", "lane", QueueFilter, LastStatusClassFilter, HostFilter)
     search_fields = ("inbox", "batch__sender", "batch__tag")
     list_select_related = ("batch",)
     ordering = ("-id",)
     actions = ("requeue", "give_up", "pause_hosts")
     fieldsets = (
-        (None, {"fields": ("batch_link", "inbox", "host", "via", "lane", "status")}),
+        (None, {"fields": ("batch_link", "shown_inbox", "host", "shown_via", "lane", "status")}),
         (
             "Attempts",
             {
@@ -150,6 +151,15 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
 
     def queues_view(self, request: HttpRequest) -> TemplateResponse:
         return queues_page(self, request)
+
+    # An inbox's query may be a credential: the admin shows none (see urls.redact).
+    @admin.display(description="inbox", ordering="inbox")
+    def shown_inbox(self, obj: Delivery) -> str:
+        return redact(obj.inbox)
+
+    @admin.display(description="via")
+    def shown_via(self, obj: Delivery) -> str:
+        return ", ".join(redact(url) for url in obj.via or ())
 
     @admin.display(description="sender", ordering="batch__sender")
     def sender(self, obj: Delivery) -> str:

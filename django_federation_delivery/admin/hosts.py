@@ -20,7 +20,7 @@ from django_federation_delivery.admin.base import (
     resume_and_report,
 )
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
-from django_federation_delivery.sending import host_of
+from django_federation_delivery.urls import host_of, redact
 
 
 class BreakerStateFilter(admin.SimpleListFilter):
@@ -44,14 +44,19 @@ class BreakerStateFilter(admin.SimpleListFilter):
 
 @admin.register(Breaker)
 class BreakerAdmin(OperatorAdmin[Breaker]):
-    list_display = ("key", "state", "failures", "open_until", "probe", "updated_at")
+    list_display = ("shown_key", "state", "failures", "open_until", "probe", "updated_at")
     list_filter = (BreakerStateFilter,)
     search_fields = ("key",)
     ordering = ("-updated_at",)
     actions = ("reset", "pause_hosts", "resume_hosts", "give_up_hosts")
     fieldsets = (
-        (None, {"fields": ("key", "state", "failures", "open_until", "probe", "updated_at")}),
+        (None, {"fields": ("shown_key", "state", "failures", "open_until", "probe", "updated_at")}),
     )
+
+    # A host, or an inbox (whose query may be a credential) when breakers are per inbox.
+    @admin.display(description="key", ordering="key")
+    def shown_key(self, obj: Breaker) -> str:
+        return redact(obj.key)
 
     @admin.display(description="state")
     def state(self, obj: Breaker) -> str:

@@ -12,8 +12,8 @@ import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 from email.utils import formatdate
-from urllib.parse import urlsplit
 
+from django_federation_delivery import urls
 from django_federation_delivery.exceptions import SigningError
 
 from .digest import check_sha256_b64, digest_header
@@ -36,7 +36,6 @@ CAVAGE_ALGORITHM = "rsa-sha256"
 #: Headers every draft-cavage signature covers, in this order.
 CAVAGE_COVERED = ("(request-target)", "host", "date", "digest", "content-type")
 
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 # RFC 9110 "tchar": what a header name or method may be made of.
 _TCHARS = frozenset(string.ascii_letters + string.digits + "!#$%&'*+-.^_`|~")
 # Headers the signers set themselves; an extra header must not shadow them.
@@ -62,26 +61,18 @@ class Target:
 
 
 def parse_target(url: str) -> Target:
-    """Split an absolute http(s) URL, refusing anything a signature cannot describe.
+    """Split an absolute http(s) URL into what a signature covers, in its canonical
+    form (:func:`django_federation_delivery.urls.split`).
 
-    Non-ASCII and whitespace are refused rather than encoded: quietly encoding
-    here could sign a different URL from the one the transport requests.
+    The canonical form is what the transport sends (``requests`` leaves it as it is),
+    so the signed target is the one on the wire; a URL with no canonical form is
+    refused rather than signed for something else than will be requested.
     """
-    if not url.isascii() or any(ch <= " " or ch == "\x7f" for ch in url):
-        raise SigningError(f"cannot sign for {url!r}: the URL must be encoded, printable ASCII")
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        raise SigningError(f"cannot sign for {url!r}: not an absolute http(s) URL with a host")
     try:
-        port = parts.port
-    except ValueError as exc:
-        raise SigningError(f"cannot sign for {url!r}: the port is not valid") from exc
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    if port is not None and port != _DEFAULT_PORTS[scheme]:
-        host = f"{host}:{port}"
-    path_query = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return Target(scheme=scheme, host=host, path_query=path_query)
+        parts = urls.split(url)
+    except urls.UnusableURL as exc:
+        raise SigningError(f"cannot sign for '{exc.redacted}': it {exc.reason}") from None
+    return Target(scheme=parts.scheme, host=parts.hostport, path_query=parts.target)
 
 
 def http_date(now: float) -> str:

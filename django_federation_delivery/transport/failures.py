@@ -3,42 +3,44 @@
 from __future__ import annotations
 
 import http.client
-import re
+import logging
 import socket
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 import requests
 import requests.adapters
 import urllib3.exceptions
 
+from django_federation_delivery import urls
 from django_federation_delivery.exceptions import (
     AttemptTimeout,
     ConnectionFailed,
     InvalidURL,
     TransportError,
 )
+from django_federation_delivery.urls import redact
 
 if TYPE_CHECKING:
     from django_federation_delivery.transport.guard import Attempt
 
-# Everything up to the last "@" of the authority, "//" or not ("http:user:pw@host").
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?(//)?[^/?#]*@")
-_CONTROL_OR_SPACE = re.compile(r"[\x00-\x20\x7f]")
-_MESSAGE_URL_LENGTH = 200
+__all__ = ["Target", "check_url", "reason", "redact", "translate"]
 
 
-def redact(url: str) -> str:
-    """The URL as it may appear in a message: no userinfo, no query, one line, short."""
-    text = _CONTROL_OR_SPACE.sub("", url)  # as urlsplit ignores them
-    text = _USERINFO.sub(r"\1\2", text.split("?", 1)[0].split("#", 1)[0])
-    text = "".join(c if c.isprintable() else "?" for c in text)
-    if len(text) > _MESSAGE_URL_LENGTH:
-        text = text[: _MESSAGE_URL_LENGTH - 3] + "..."
-    return text
+class _WithoutQueries(logging.Filter):
+    """urllib3 logs every request line at DEBUG, query and all; a query may be a credential."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                arg.partition("?")[0] if isinstance(arg, str) else arg for arg in record.args
+            )
+        return True
+
+
+logging.getLogger("urllib3.connectionpool").addFilter(_WithoutQueries())
 
 
 @dataclass(frozen=True)
@@ -50,18 +52,10 @@ class Target:
 
 def check_url(url: str) -> Target:
     try:
-        parts = urlsplit(url)
-        port = parts.port  # raises ValueError for a bad port
-    except ValueError as exc:
-        raise InvalidURL(f"not a valid URL: {redact(url)!r}") from exc
-    scheme = parts.scheme.lower()
-    host = parts.hostname
-    if scheme not in ("http", "https") or not host:
-        raise InvalidURL(f"not an absolute http(s) URL with a host: {redact(url)!r}")
-    netloc = f"[{host}]" if ":" in host else host
-    if port is not None:
-        netloc = f"{netloc}:{port}"
-    return Target(display=redact(f"{scheme}://{netloc}{parts.path}"), scheme=scheme, host=host)
+        parts = urls.split(url, userinfo=True)
+    except urls.UnusableURL as exc:
+        raise InvalidURL(f"not a usable URL: '{exc.redacted}' {exc.reason}") from None
+    return Target(display=redact(parts.origin + parts.path), scheme=parts.scheme, host=parts.host)
 
 
 _REASONS: tuple[tuple[type[BaseException], str], ...] = (

@@ -1,0 +1,363 @@
+"""The one canonical form of a URL: parse, IDNA, quote once, host, origin, redaction.
+
+Inbox URLs come from remote actors' documents, so anyone chooses them. A URL is
+taken in one canonical form, or refused with a reason, never quietly mended:
+what the signature covers must be, byte for byte, what goes on the wire, and
+``requests`` rewrites a URL it finds badly quoted (after it is signed). Every
+result is a fixed point of :func:`normalize_inbox` and of
+``requests.utils.requote_uri``.
+
+Pure: no Django, no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+import unicodedata
+from urllib.parse import quote, unquote, unquote_plus
+
+import idna
+
+from django_federation_delivery.exceptions import InvalidDelivery
+
+__all__ = [
+    "MAX_HOST_LENGTH",
+    "MAX_LABEL_LENGTH",
+    "MAX_URL_LENGTH",
+    "Parts",
+    "UnusableURL",
+    "credentials",
+    "host_of",
+    "normalize_inbox",
+    "origin",
+    "redact",
+    "split",
+    "validate_inbox",
+]
+
+MAX_URL_LENGTH = 2048
+#: A DNS name, without its trailing dot (RFC 1035 with RFC 2181's reading).
+MAX_HOST_LENGTH = 253
+MAX_LABEL_LENGTH = 63
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+# RFC 3986: what a path and a query may carry as they are; anything else is percent-encoded.
+_UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+_PATH_SAFE = "!$&'()*+,;=:@/"
+_QUERY_SAFE = _PATH_SAFE + "?"
+_ESCAPE = re.compile(r"(%[0-9A-Fa-f]{2})")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+_PORT = re.compile(r"[0-9]{1,5}")
+_ASCII_LABEL = re.compile(r"[a-z0-9_-]+")
+# What a message may show of a URL.
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?(//)?[^/]*@")
+_ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?[^/\\?#]*")
+_MESSAGE_URL_LENGTH = 200
+# A part of a query or userinfo shorter than this ("a=1") is not worth hiding on its own.
+_PART_LENGTH = 4
+
+
+class UnusableURL(InvalidDelivery):
+    """A URL refused, with what may be shown of it and why."""
+
+    def __init__(self, url: object, reason: str, *, what: str = "URL") -> None:
+        #: The URL as a message may show it (see :func:`redact`); "" when not a string.
+        self.redacted = redact(url) if isinstance(url, str) else ""
+        self.reason = reason
+        shown = f" '{self.redacted}'" if isinstance(url, str) else ""
+        super().__init__(f"{what}{shown} {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """A URL in canonical form, split."""
+
+    scheme: str
+    #: IDNA-encoded and lowercased, no trailing dot; an IPv6 address without brackets.
+    host: str
+    #: None for the scheme's default port.
+    port: int | None
+    #: Percent-encoded once, "/" at least.
+    path: str
+    #: Percent-encoded once, "" when there is none.
+    query: str
+
+    @property
+    def hostport(self) -> str:
+        """The ``Host`` header's value: the host, bracketed if IPv6, and a non-default port."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port is None else f"{host}:{self.port}"
+
+    @property
+    def origin(self) -> str:
+        return f"{self.scheme}://{self.hostport}"
+
+    @property
+    def target(self) -> str:
+        """What the request line carries: the path and the query."""
+        return f"{self.path}?{self.query}" if self.query else self.path
+
+    @property
+    def url(self) -> str:
+        return self.origin + self.target
+
+
+def normalize_inbox(url: object) -> str:
+    """``url`` in its canonical form, or :class:`UnusableURL` (an ``InvalidDelivery``)
+    naming it, redacted, and the reason.
+
+    Control characters and whitespace are refused, not stripped; the scheme must be
+    http or https; userinfo is refused; the host is IDNA-encoded (UTS #46),
+    lowercased, its trailing dot dropped; IP literals are normalised; a default
+    port is dropped; path and query are percent-encoded exactly once, with dot
+    segments resolved; the fragment is dropped.
+    """
+    try:
+        return split(url).url
+    except UnusableURL as exc:
+        raise UnusableURL(url, exc.reason, what="inbox") from None
+
+
+def validate_inbox(url: object) -> None:
+    """Raise what :func:`normalize_inbox` would, for an inbox a host project stores."""
+    normalize_inbox(url)
+
+
+def host_of(url: str) -> str:
+    """The canonical host of ``url``, or "" for a URL that has none."""
+    try:
+        return split(url, userinfo=True).host
+    except UnusableURL:
+        return ""
+
+
+def origin(url: object) -> str:
+    """``scheme://host[:port]``, canonical, so that two spellings of one server compare equal.
+
+    Userinfo, path, query and fragment are left out, whatever they are.
+    """
+    return split(url, userinfo=True).origin
+
+
+def split(url: object, *, userinfo: bool = False) -> Parts:
+    """``url`` parsed into its canonical parts, or :class:`UnusableURL`.
+
+    With ``userinfo``, a user and password are dropped rather than refused.
+    """
+    if not isinstance(url, str):
+        raise UnusableURL(url, f"is not a string but {type(url).__name__}")
+    if not url:
+        raise UnusableURL(url, "is empty")
+    if len(url) > MAX_URL_LENGTH:
+        raise UnusableURL(url, f"is longer than {MAX_URL_LENGTH} characters")
+    # Before parsing: urlsplit and requests strip some of them silently, so that
+    # "/in\r\nX: 1" would be queued as another URL.
+    plain = url.isascii() and url.isprintable() and " " not in url
+    for char in "" if plain else url:
+        if _is_control_or_space(char):
+            raise UnusableURL(url, f"has a control or whitespace character (U+{ord(char):04X})")
+    scheme_match = _SCHEME.match(url)
+    rest = url[scheme_match.end() :] if scheme_match else ""
+    if scheme_match is None or not rest.startswith("//"):
+        raise UnusableURL(url, "is not an absolute http(s) URL")
+    scheme = scheme_match.group(1).lower()
+    if scheme not in DEFAULT_PORTS:
+        raise UnusableURL(url, f"has scheme {scheme[:20]!r}, not http or https")
+    rest = rest[2:]
+    end = len(rest)
+    for delimiter in "/?#":
+        found = rest.find(delimiter)
+        if found != -1:
+            end = min(end, found)
+    authority, rest = rest[:end], rest[end:]
+    if "@" in authority:
+        if not userinfo:
+            raise UnusableURL(url, "carries a user or password")
+        authority = authority.rpartition("@")[2]
+    host, port = _host_and_port(url, authority, scheme)
+    rest = rest.partition("#")[0]
+    path, question, query = rest.partition("?")
+    path = _without_dot_segments(encode(path or "/", _PATH_SAFE))
+    query = encode(query, _QUERY_SAFE) if question else ""
+    parts = Parts(scheme=scheme, host=host, port=port, path=path, query=query)
+    if len(parts.url) > MAX_URL_LENGTH:
+        raise UnusableURL(url, f"is longer than {MAX_URL_LENGTH} characters once encoded")
+    return parts
+
+
+def encode(text: str, safe: str) -> str:
+    """``text`` percent-encoded exactly once: valid escapes kept (uppercase hex, and
+    decoded when they stand for an unreserved character, as RFC 3986 section 6.2.2
+    and ``requests`` do), a stray "%" encoded, and anything else a URL may not
+    carry there encoded as UTF-8."""
+    pieces = []
+    for piece in _ESCAPE.split(text):
+        if _ESCAPE.fullmatch(piece):
+            char = chr(int(piece[1:], 16))
+            pieces.append(char if char in _UNRESERVED else piece.upper())
+        elif piece:
+            pieces.append(quote(piece, safe=safe))
+    return "".join(pieces)
+
+
+def encode_path(text: str) -> str:
+    return encode(text, _PATH_SAFE)
+
+
+def encode_query(text: str) -> str:
+    return encode(text, _QUERY_SAFE)
+
+
+def redact(url: str, *, whole_path: bool = False) -> str:
+    """The URL as a message may show it: no userinfo, query or fragment, one printable
+    line, short. With ``whole_path``, only ``scheme://host[:port]`` (for a URL whose
+    path is itself the credential). Never raises."""
+    text = str(url)
+    # Up to the last "@" before the path, "//" or not ("http:user:pw@host"), even when
+    # a "?" comes first: a password may hold one.
+    text = _USERINFO.sub(r"\1\2", text)
+    if whole_path:
+        matched = _ORIGIN_ONLY.match(text)
+        text = matched.group(0) if matched else ""
+    else:
+        text = re.split(r"[?#]", text, maxsplit=1)[0]
+    text = text[: _MESSAGE_URL_LENGTH + 1]
+    # Escaped as repr() escapes: one line, and nothing that prints as something else.
+    text = repr(text)[1:-1]
+    if len(text) > _MESSAGE_URL_LENGTH:
+        text = text[: _MESSAGE_URL_LENGTH - 3] + "..."
+    return text
+
+
+def credentials(url: str) -> list[str]:
+    """What of ``url`` no message may hold: its userinfo and query, whole and in parts
+    (user, password, each parameter and its value), as written and decoded; longest
+    first, so that replacing them in turn leaves no piece of a longer one."""
+    text = str(url)
+    found: set[str] = set()
+    matched = _USERINFO.match(text)
+    if matched:
+        userinfo = matched.group(0)[len(matched.group(1) or "") + len(matched.group(2) or "") : -1]
+        found.add(userinfo)
+        found.update(piece for piece in userinfo.split(":") if len(piece) >= _PART_LENGTH)
+        text = text[matched.end() :]
+    query = text.partition("#")[0].partition("?")[2]
+    if query:
+        found.add(query)
+        for parameter in re.split(r"[&;]", query):
+            value = parameter.partition("=")[2]
+            found.update(part for part in (parameter, value) if len(part) >= _PART_LENGTH)
+    decoded = {decode(secret) for secret in found for decode in (unquote, unquote_plus)}
+    return sorted((found | decoded) - {""}, key=lambda secret: (-len(secret), secret))
+
+
+def _is_control_or_space(char: str) -> bool:
+    # C0, DEL, C1 (Cc), lone surrogates (Cs), and every kind of whitespace.
+    return char.isspace() or unicodedata.category(char) in ("Cc", "Cs", "Zs", "Zl", "Zp")
+
+
+def _host_and_port(url: str, authority: str, scheme: str) -> tuple[str, int | None]:
+    if authority.startswith("["):
+        literal, bracket, after = authority[1:].partition("]")
+        if not bracket or (after and not after.startswith(":")):
+            raise UnusableURL(url, "has an unterminated or malformed IPv6 address")
+        host = _ipv6(url, literal)
+    else:
+        name, colon, port_text = authority.partition(":")
+        host = _name_or_ipv4(url, name)
+        after = colon + port_text
+    port = _port(url, after[1:]) if after else None
+    return host, None if port == DEFAULT_PORTS[scheme] else port
+
+
+def _port(url: str, text: str) -> int:
+    if not _PORT.fullmatch(text):
+        raise UnusableURL(url, "has a port that is not a number from 1 to 65535")
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise UnusableURL(url, f"has port {port}, not from 1 to 65535")
+    return port
+
+
+def _ipv6(url: str, literal: str) -> str:
+    # No zone ("%25eth0"): it names an interface of this machine, not a destination.
+    if "%" in literal:
+        raise UnusableURL(url, "has an IPv6 address with a zone")
+    try:
+        return ipaddress.IPv6Address(literal).compressed
+    except ValueError:
+        raise UnusableURL(url, "has an invalid IPv6 address") from None
+
+
+def _name_or_ipv4(url: str, text: str) -> str:
+    if not text:
+        raise UnusableURL(url, "has no host")
+    if "%" in text:
+        raise UnusableURL(url, "has a percent-encoded host")
+    if not text.isascii():
+        try:
+            text = idna.uts46_remap(text, std3_rules=False, transitional=False)
+        except (idna.IDNAError, UnicodeError, ValueError):
+            raise UnusableURL(url, "has a host that is not a valid IDNA name") from None
+    text = text.lower()
+    if text.endswith("."):
+        text = text[:-1]
+    labels = text.split(".")
+    # As browsers read it, a host ending in a number is an IPv4 address, which
+    # resolvers also take in forms such as "127.1" or "0x7f.1": only the dotted
+    # quad is accepted, so that one address has one spelling.
+    if re.fullmatch(r"[0-9]+|0x[0-9a-f]*", labels[-1]):
+        try:
+            return str(ipaddress.IPv4Address(text))
+        except ValueError:
+            raise UnusableURL(
+                url, "has a host ending in a number that is not a dotted-quad IPv4 address"
+            ) from None
+    return _dns_name(url, labels)
+
+
+def _dns_name(url: str, labels: list[str]) -> str:
+    encoded = []
+    for label in labels:
+        if not label:
+            raise UnusableURL(url, "has a host with an empty label")
+        if label.isascii() and not label.startswith("xn--"):
+            if not _ASCII_LABEL.fullmatch(label):
+                raise UnusableURL(url, "has a host with a character a DNS name cannot carry")
+        else:
+            try:
+                label = idna.alabel(label).decode("ascii")
+            except (idna.IDNAError, UnicodeError, ValueError):
+                raise UnusableURL(url, "has a host that is not a valid IDNA name") from None
+        if len(label) > MAX_LABEL_LENGTH:
+            raise UnusableURL(
+                url, f"has a host with a label longer than {MAX_LABEL_LENGTH} characters"
+            )
+        encoded.append(label)
+    host = ".".join(encoded)
+    if len(host) > MAX_HOST_LENGTH:
+        raise UnusableURL(url, f"has a host longer than {MAX_HOST_LENGTH} characters")
+    return host
+
+
+def _without_dot_segments(path: str) -> str:
+    """RFC 3986 section 5.2.4, as urllib3 applies it before sending: "/a/../b" is "/b"."""
+    if "." not in path:
+        return path
+    segments = path.split("/")[1:]
+    kept: list[str] = []
+    for position, segment in enumerate(segments):
+        last = position == len(segments) - 1
+        if segment == "..":
+            if kept:
+                kept.pop()
+            if last:
+                kept.append("")
+        elif segment == ".":
+            if last:
+                kept.append("")
+        else:
+            kept.append(segment)
+    return "/" + "/".join(kept)

@@ -1,0 +1,217 @@
+"""No secret of an inbox URL in any message, row, log, signal or admin page.
+
+An inbox's userinfo is refused when queued; its query (``?token=...``) is queued,
+and then driven through every failure reachable on loopback by a real deliverer.
+The query may be in the inbox column (and the signals' ``inbox``, which names the
+delivery to the host project): nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db.models import CharField, JSONField, TextField
+from django.test import Client
+from django.urls import reverse
+
+from django_federation_delivery import send, signals
+from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.signatures import SenderKey, body_sha256
+
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .keys import ALICE, rsa_key
+from .test_transport import closed_port
+
+SECRET = "t0ken-S3CRET-value"
+QUERY = f"?token={SECRET}"
+#: Its key id cannot be put between a signature's quotes: every scheme refuses it.
+UNSIGNABLE = "https://social.example/users/unsignable"
+
+
+def sender_key(sender: str) -> SenderKey | None:
+    if sender == UNSIGNABLE:
+        return SenderKey('https://social.example/users/"unsignable"', rsa_key())
+    return SenderKey(f"{sender}#main-key", rsa_key())
+
+
+def echo(status: int) -> Callable[[Received], tuple[int, dict[str, str], bytes]]:
+    """An inbox that answers ``status`` and echoes the URL it was sent to, query and all."""
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        url = f"http://{request.host}{request.path}"
+        return status, {}, f"<p>no inbox at {url} ({request.path})</p>".encode()
+
+    return respond
+
+
+@pytest.fixture
+def silent() -> Iterator[int]:
+    """A port that takes connections and never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield listener.getsockname()[1]
+
+
+@pytest.fixture
+def received() -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """What the four signals carry."""
+    payloads: list[tuple[str, dict[str, Any]]] = []
+    names = ("delivery_attempted", "delivery_settled", "delivery_failed", "batch_finished")
+    receivers = []
+    for name in names:
+
+        def receiver(sender: Any, name: str = name, **kwargs: Any) -> None:
+            payloads.append((name, kwargs))
+
+        getattr(signals, name).connect(receiver, weak=False)
+        receivers.append((name, receiver))
+    yield payloads
+    for name, receiver in receivers:
+        getattr(signals, name).disconnect(receiver)
+
+
+def without_inbox(payload: Any) -> str:
+    if dataclasses.is_dataclass(payload) and not isinstance(payload, type):
+        return repr(dataclasses.replace(payload, inbox=""))  # type: ignore[type-var]
+    if isinstance(payload, Batch):
+        return repr([getattr(payload, field.attname) for field in Batch._meta.fields])
+    return repr(payload)
+
+
+def text_fields(model: type[Any]) -> list[str]:
+    return [
+        field.attname
+        for field in model._meta.fields
+        if isinstance(field, CharField | TextField | JSONField)
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_inbox_secret_is_in_no_message_row_log_signal_or_admin_page(
+    settings: Any,
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    silent: int,
+    received: list[tuple[str, dict[str, Any]]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SENDER_KEYS": f"{__name__}.sender_key",
+        # 127.0.0.5 is loopback but not allowed: a refused address.
+        "ALLOWED_NETWORKS": ["127.0.0.1/32"],
+        "ATTEMPT_TIMEOUT": 1.0,
+        "CONNECT_TIMEOUT": 1.0,
+        "RETRY": {"BASE": 0.1, "CAP": 0.1, "ATTEMPTS": 2, "JITTER": 0},
+    }
+    refusing = inboxes(respond=echo(403))
+    failing = inboxes(respond=echo(503))
+    accepting = inboxes()
+    targets = {
+        "connection refused": f"http://127.0.0.1:{closed_port()}/inbox{QUERY}",
+        "refused address": f"http://127.0.0.5:{accepting.port}/inbox{QUERY}",
+        "timeout": f"http://127.0.0.1:{silent}/inbox{QUERY}",
+        "4xx echoing the URL": refusing.url(f"/inbox{QUERY}"),
+        "5xx echoing the URL": failing.url(f"/inbox{QUERY}"),
+    }
+    with caplog.at_level(logging.DEBUG):
+        batch = send(
+            ALICE,
+            {"type": "Create"},
+            [*targets.values(), f"http://user:{SECRET}@127.0.0.1:{accepting.port}/inbox"],
+        )
+        assert batch is not None
+        assert [skipped.reason for skipped in batch.skipped] == ["carries a user or password"]
+        unsignable = send(UNSIGNABLE, {"type": "Create"}, [accepting.url(f"/inbox{QUERY}")])
+        assert unsignable is not None
+        # Queued before inboxes were canonical: refused when it comes due.
+        stale = Batch.objects.create(
+            sender=ALICE, body="{}", body_sha256=body_sha256(b"{}"), size=1, remaining=1
+        )
+        Delivery.objects.create(
+            batch=stale, inbox=accepting.url(f"/in box{QUERY}"), host="127.0.0.1"
+        )
+        runner = start_deliverer()
+        wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists())
+        runner.stop()
+
+    # Every failure path was taken, and each says what went wrong.
+    errors = dict(Delivery.objects.values_list("inbox", "last_error"))
+    assert "connection refused" in errors[targets["connection refused"]]
+    assert "127.0.0.5" in errors[targets["refused address"]]
+    assert "no complete answer" in errors[targets["timeout"]]
+    assert "answered 403" in errors[targets["4xx echoing the URL"]]
+    assert "[redacted]" in errors[targets["4xx echoing the URL"]]
+    assert "answered 503" in errors[targets["5xx echoing the URL"]]
+    assert "key id" in errors[accepting.url(f"/inbox{QUERY}")]
+    assert "cannot deliver to" in errors[accepting.url(f"/in box{QUERY}")]
+    assert set(Delivery.objects.values_list("status", flat=True)) <= {
+        Status.REFUSED,
+        Status.FAILED,
+    }
+    assert accepting.received == [], "nothing reached the accepting inbox"
+
+    # Rows: the secret is in the inbox column and nowhere else.
+    for delivery in Delivery.objects.all():
+        for name in text_fields(Delivery):
+            if name != "inbox":
+                assert SECRET not in str(getattr(delivery, name)), (name, delivery.id)
+    for stored in Batch.objects.all():
+        for name in text_fields(Batch):
+            assert SECRET not in str(getattr(stored, name)), name
+
+    # Logs, from every thread, at DEBUG.
+    assert caplog.records
+    for record in caplog.records:
+        assert SECRET not in record.getMessage(), record.getMessage()
+        assert SECRET not in (record.exc_text or "")
+
+    # Signals: all four were sent, and none carries it outside ``inbox``.
+    assert {name for name, _ in received} == {
+        "delivery_attempted",
+        "delivery_settled",
+        "delivery_failed",
+        "batch_finished",
+    }
+    for name, payload in received:
+        for value in payload.values():
+            assert SECRET not in without_inbox(value), name
+
+    # The admin's delivery pages.
+    user = get_user_model().objects.create_superuser("root", "root@example.com", "pw")
+    client = Client()
+    client.force_login(user)
+    pages = [reverse("admin:federation_delivery_delivery_changelist")]
+    pages += [
+        reverse("admin:federation_delivery_delivery_change", args=[pk])
+        for pk in Delivery.objects.values_list("pk", flat=True)
+    ]
+    pages.append(reverse("admin:federation_delivery_batch_changelist"))
+    for page in pages:
+        response = client.get(page)
+        assert response.status_code == 200, page
+        assert SECRET not in response.content.decode(), page
+
+
+def test_an_answer_echoing_the_query_is_kept_without_it_even_when_cut_short() -> None:
+    from django_federation_delivery.attempt import describe
+    from django_federation_delivery.transport import Answer
+
+    target = f"https://remote.example/inbox{QUERY}&page=2"
+    for body in [
+        f"unknown inbox {target}",
+        f"unknown: token={SECRET}&page=2 and {SECRET}",
+        " " * 1200 + f"token={SECRET}",
+        "x" * 1190 + " " + SECRET,
+    ]:
+        error = describe(Answer(404, {}, body.encode(), 0.0), 300, target)
+        assert error.startswith("the inbox answered 404")
+        for cut in range(6, len(SECRET) + 1):
+            assert SECRET[:cut] not in error, (body[:40], error)

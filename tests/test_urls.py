@@ -1,0 +1,452 @@
+"""The one canonical form of a URL: a table of spellings, its properties, and the wire.
+
+End to end, a URL is either refused when queued, with a reason, or sent to a real
+local inbox whose received path is the one both independent verifiers (pyhttpsig
+for draft-cavage, http-message-signatures for RFC 9421) accept.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import logging
+from collections.abc import Iterator
+
+import pytest
+import requests.utils
+
+import django_federation_delivery
+from django_federation_delivery import send, urls
+from django_federation_delivery.attempt import Job, attempt
+from django_federation_delivery.exceptions import InvalidDelivery
+from django_federation_delivery.models import Batch, Delivery
+from django_federation_delivery.signatures import Scheme, SenderKey
+from django_federation_delivery.transport import Transport, TransportSettings
+from django_federation_delivery.urls import (
+    credentials,
+    host_of,
+    normalize_inbox,
+    origin,
+    redact,
+    validate_inbox,
+)
+
+from .conftest import Inbox, Received
+from .keys import ALICE, rsa_key
+from .test_signatures import cavage_verifies, prepared, rfc9421_verify
+
+CANONICAL = [
+    ("https://a.example/inbox", "https://a.example/inbox"),
+    ("HTTPS://A.Example:443/inbox", "https://a.example/inbox"),
+    ("http://a.example:80", "http://a.example/"),
+    ("http://a.example:443/", "http://a.example:443/"),
+    ("https://a.example:08443/x", "https://a.example:8443/x"),
+    ("https://a.example./inbox", "https://a.example/inbox"),
+    ("https://a.example?x=1", "https://a.example/?x=1"),
+    ("https://a.example/inbox?", "https://a.example/inbox"),
+    ("https://a.example/inbox#frag", "https://a.example/inbox"),
+    ("https://a.example/inbox?q=1#frag", "https://a.example/inbox?q=1"),
+    # IDNA (UTS #46): mapped, lowercased, punycoded.
+    ("https://exämple.com/inbox", "https://xn--exmple-cua.com/inbox"),
+    ("https://EXÄMPLE.com/inbox", "https://xn--exmple-cua.com/inbox"),
+    ("https://xn--exmple-cua.com/inbox", "https://xn--exmple-cua.com/inbox"),
+    ("https://faß.de/", "https://xn--fa-hia.de/"),
+    ("https://ｅｘａｍｐｌｅ。com/", "https://example.com/"),
+    ("https://ex_ample.com/", "https://ex_ample.com/"),
+    # IP literals.
+    ("http://127.0.0.1:8080/inbox", "http://127.0.0.1:8080/inbox"),
+    ("http://127.0.0.1./inbox", "http://127.0.0.1/inbox"),
+    ("http://１２７.０.０.１/", "http://127.0.0.1/"),
+    ("https://[2001:DB8:0:0::1]:8443/inbox", "https://[2001:db8::1]:8443/inbox"),
+    ("https://[::FFFF:127.0.0.1]/", "https://[::ffff:7f00:1]/"),
+    # Path and query, percent-encoded exactly once.
+    ("https://a.example/ïnbox/é", "https://a.example/%C3%AFnbox/%C3%A9"),
+    ("https://a.example/%c3%a9", "https://a.example/%C3%A9"),
+    ("https://a.example/%7e%41%2D", "https://a.example/~A-"),
+    ("https://a.example/%2f%3F", "https://a.example/%2F%3F"),
+    ("https://a.example/%zz/100%", "https://a.example/%25zz/100%25"),
+    ("https://a.example/%4", "https://a.example/%254"),
+    ('https://a.example/|<>"{}^\\`', "https://a.example/%7C%3C%3E%22%7B%7D%5E%5C%60"),
+    ("https://a.example/[x]", "https://a.example/%5Bx%5D"),
+    ("https://a.example/~u/!$&'()*+,;=:@", "https://a.example/~u/!$&'()*+,;=:@"),
+    ("https://a.example/@alice/inbox", "https://a.example/@alice/inbox"),
+    ("https://a.example/a/../b/./c", "https://a.example/b/c"),
+    ("https://a.example/a/%2E%2E/b", "https://a.example/b"),
+    ("https://a.example/../..", "https://a.example/"),
+    ("https://a.example/a/b/..", "https://a.example/a/"),
+    ("https://a.example//x//", "https://a.example//x//"),
+    ("https://a.example/x?a=1&b=|é&c=%zz?/", "https://a.example/x?a=1&b=%7C%C3%A9&c=%25zz?/"),
+    ("https://a.example/x?a[]=1", "https://a.example/x?a%5B%5D=1"),
+    ("https://a.example/\u202eevil", "https://a.example/%E2%80%AEevil"),
+]
+
+REFUSED = [
+    ("", "is empty"),
+    ("/inbox", "not an absolute http(s) URL"),
+    ("a.example/inbox", "not an absolute http(s) URL"),
+    ("https:a.example/inbox", "not an absolute http(s) URL"),
+    ("https:/a.example/inbox", "not an absolute http(s) URL"),
+    ("ftp://a.example/inbox", "has scheme 'ftp'"),
+    ("javascript://a.example/%0Aalert(1)", "has scheme 'javascript'"),
+    ("https://", "has no host"),
+    ("https:///inbox", "has no host"),
+    ("https://u:p@a.example/inbox", "carries a user or password"),
+    ("https://u@a.example/inbox", "carries a user or password"),
+    ("https://@a.example/inbox", "carries a user or password"),
+    ("https://a.example\\@b.example/", "carries a user or password"),
+    ("https://a.example\\b.example/", "DNS name cannot carry"),
+    ("https://a.example:0/inbox", "port 0"),
+    ("https://a.example:99999/inbox", "port 99999"),
+    ("https://a.example:123456/inbox", "not a number from 1 to 65535"),
+    ("https://a.example:/inbox", "not a number"),
+    ("https://a.example:+80/inbox", "not a number"),
+    ("https://a.example:http/inbox", "not a number"),
+    ("https://a.example/in\r\nX-Injected: 1", "(U+000D)"),
+    ("https://a.example/in\tbox", "(U+0009)"),
+    ("https://a.example/in box", "(U+0020)"),
+    (" https://a.example/inbox", "(U+0020)"),
+    ("https://a.example/inbox\n", "(U+000A)"),
+    ("https://a.example/\x00", "(U+0000)"),
+    ("https://a.example/\x7f", "(U+007F)"),
+    ("https://a.example/\x85", "(U+0085)"),
+    ("https://a.example/\u00a0", "(U+00A0)"),
+    ("https://a.example/\u2028", "(U+2028)"),
+    ("https://a.example/\u3000", "(U+3000)"),
+    ("https://a.example/\ud800", "(U+D800)"),
+    ("https://a..example/", "empty label"),
+    ("https://.a.example/", "empty label"),
+    ("https://a.example../", "empty label"),
+    ("https://a%2Eexample/", "percent-encoded host"),
+    ("https://a*.example/", "DNS name cannot carry"),
+    ("https://xn--zz.example/", "not a valid IDNA name"),
+    ("https://a\u200db.example/", "not a valid IDNA name"),
+    ("https://" + "a" * 64 + ".example/", "label longer than 63"),
+    ("https://" + ("a" * 60 + ".") * 5 + "example/", "host longer than 253"),
+    ("https://127.1/", "dotted-quad"),
+    ("https://2130706433/", "dotted-quad"),
+    ("https://0x7f.0.0.1/", "dotted-quad"),
+    ("https://127.000.000.001/", "dotted-quad"),
+    ("https://a.example.1/", "dotted-quad"),
+    ("https://[::1/inbox", "malformed IPv6"),
+    ("https://[::1]x/inbox", "malformed IPv6"),
+    ("https://[::1%25eth0]/", "IPv6 address with a zone"),
+    ("https://[1:2:3]/", "invalid IPv6"),
+    ("https://a.example/" + "x" * 2100, "longer than 2048 characters"),
+    ("https://a.example/" + "é" * 400, "longer than 2048 characters once encoded"),
+]
+
+
+@pytest.mark.parametrize(("url", "canonical"), CANONICAL)
+def test_a_url_has_one_canonical_form(url: str, canonical: str) -> None:
+    assert normalize_inbox(url) == canonical
+
+
+@pytest.mark.parametrize(("url", "reason"), REFUSED)
+def test_a_url_without_one_is_refused_naming_it_and_why(url: str, reason: str) -> None:
+    with pytest.raises(InvalidDelivery) as refused:
+        normalize_inbox(url)
+    assert reason in refused.value.reason  # type: ignore[attr-defined]
+    message = str(refused.value)
+    assert message.startswith(f"inbox '{redact(url)}' ")
+    assert message.isprintable(), message
+
+
+@pytest.mark.parametrize("value", [None, 42, b"https://a.example/inbox", ["https://a.example/"]])
+def test_only_a_string_is_a_url(value: object) -> None:
+    with pytest.raises(InvalidDelivery, match=f"not a string but {type(value).__name__}"):
+        validate_inbox(value)
+
+
+@pytest.mark.parametrize("url", [canonical for _, canonical in CANONICAL])
+def test_the_canonical_form_is_a_fixed_point_and_left_alone_by_requests(url: str) -> None:
+    assert normalize_inbox(url) == url
+    assert requests.utils.requote_uri(url) == url
+    request = requests.Request("POST", url).prepare()
+    assert request.url == url
+    assert request.path_url == urls.split(url).target
+
+
+def test_validate_inbox_and_normalize_inbox_are_the_packages_own() -> None:
+    assert django_federation_delivery.validate_inbox is validate_inbox
+    assert django_federation_delivery.normalize_inbox is normalize_inbox
+    assert {"validate_inbox", "normalize_inbox"} <= set(django_federation_delivery.__all__)
+    assert validate_inbox("https://a.example/inbox") is None
+
+
+def test_host_and_origin_are_canonical_and_ignore_userinfo() -> None:
+    assert host_of("https://U:P@EXÄMPLE.com:8443/x?y") == "xn--exmple-cua.com"
+    assert host_of("https://[2001:DB8::1]/") == "2001:db8::1"
+    assert host_of("not a url") == ""
+    assert origin("https://U:P@EXÄMPLE.com:8443/x?y") == "https://xn--exmple-cua.com:8443"
+    assert origin("http://[2001:DB8::1]:80/") == "http://[2001:db8::1]"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://a.example/inbox?token=SECRET#frag", "https://a.example/inbox"),
+        ("https://user:SECRET@a.example/inbox", "https://a.example/inbox"),
+        ("http:user:SECRET@a.example/inbox", "http:a.example/inbox"),
+        # A "?" in the password does not hide the "@" that ends it.
+        ("https://user:SE?CRET@a.example/", "https://a.example/"),
+        ("https://a.example/@alice/inbox", "https://a.example/@alice/inbox"),
+        ("https://a.example/in\r\nX: 1", "https://a.example/in\\r\\nX: 1"),
+        ("https://a.example/\u202e\x00\ud800", "https://a.example/\\u202e\\x00\\ud800"),
+        ("https://a.example/" + "x" * 300, "https://a.example/" + "x" * 179 + "..."),
+    ],
+)
+def test_redact_shows_no_userinfo_query_or_fragment_on_one_short_line(url: str, shown: str) -> None:
+    assert redact(url) == shown
+
+
+def test_redact_can_keep_only_the_origin() -> None:
+    url = "https://user:pw@hooks.example:8443/services/T000/B000/SECRET?x=1"
+    assert redact(url, whole_path=True) == "https://hooks.example:8443"
+    assert redact("https://hooks.example?SECRET", whole_path=True) == "https://hooks.example"
+
+
+def test_credentials_are_the_userinfo_and_query_whole_in_parts_and_decoded() -> None:
+    found = credentials("https://u:pa%20ss@a.example/x?token=SE%2BCRET&a=1#f")
+    assert found == sorted(found, key=lambda secret: -len(secret))
+    for secret in ("u:pa%20ss", "pa ss", "token=SE%2BCRET&a=1", "SE+CRET", "SE%2BCRET"):
+        assert secret in found
+    assert "a=1" not in found, "too short to be worth hiding on its own"
+    assert credentials("https://a.example/inbox") == []
+
+
+# --- On the wire ---------------------------------------------------------------------------
+
+KEY = SenderKey(f"{ALICE}#main-key", rsa_key())
+LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+
+
+@pytest.fixture
+def transport() -> Iterator[Transport]:
+    transport = Transport(
+        TransportSettings(
+            user_agent="tests", connect_timeout=2, attempt_timeout=5, allowed_networks=(LOOPBACK,)
+        )
+    )
+    yield transport
+    transport.close()
+
+
+def verified(request: Received, scheme: Scheme) -> bool:
+    """Whether the request's signature verifies for the path the server received."""
+    if scheme is Scheme.CAVAGE:
+        return cavage_verifies(request.headers, KEY, path=request.path)
+    url = f"http://{request.host}{request.path}"
+    message = prepared(url, request.headers, request.body)
+    assert message.url == url, "the verifier sees the received URL as it is"
+    (result,) = rfc9421_verify(message, KEY, body=request.body)
+    return result.covered_components['"@target-uri"'] == url
+
+
+def sent_once(url: object, inbox: Inbox, transport: Transport, scheme: Scheme) -> str:
+    """Queue ``url`` with send() and make one attempt at it: "verified", or the skip reason."""
+    Batch.objects.all().delete()
+    before = len(inbox.received)
+    batch = send(ALICE, {"type": "Create"}, [url])  # type: ignore[list-item]
+    if batch is None:
+        # Not queued: there must be a reason, and no row.
+        assert not Delivery.objects.exists()
+        return "skipped"
+    if batch.skipped:
+        (skipped,) = batch.skipped
+        assert skipped.reason
+        return "skipped"
+    delivery = Delivery.objects.get()
+    job = Job(
+        delivery_id=delivery.id,
+        targets=(delivery.inbox,),
+        body=batch.body.encode(),
+        body_sha256=batch.body_sha256,
+        key=KEY,
+        sender=ALICE,
+        scheme=scheme,
+    )
+    result = attempt(job, transport)
+    assert result.delivered, (url, result.error)
+    (request,) = inbox.received[before:]
+    assert verified(request, scheme), (url, request.path)
+    assert request.path == urls.split(delivery.inbox).target
+    return "verified"
+
+
+# Each case of what strangers' inboxes carry, on a real local server.
+WIRE_CASES = [
+    ("/in\r\nX-Injected: 1", "skipped"),
+    ("/in\tbox", "skipped"),
+    ("/in box", "skipped"),
+    ("/in\x00box", "skipped"),
+    ("/in\x1bbox", "skipped"),
+    ("/ïnbox/é?q=ü", "verified"),
+    ('/|<>"{}^\\`', "verified"),
+    ("/%zz?x=%zz", "verified"),
+    ("/%7e%41%2f", "verified"),
+    ("/a/../b/./c", "verified"),
+    ("/x?a[]=1&b=|", "verified"),
+    ("/\u202eevil", "verified"),
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize(("path", "outcome"), WIRE_CASES)
+def test_what_is_signed_is_what_goes_on_the_wire_or_it_is_refused_when_queued(
+    path: str, outcome: str, scheme: Scheme, inbox: Inbox, transport: Transport
+) -> None:
+    assert sent_once(inbox.url(path), inbox, transport, scheme) == outcome
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("host", "outcome"),
+    [
+        ("127.0.0.1.", "verified"),
+        ("１２７.０.０.１", "verified"),
+        ("127.1", "skipped"),
+        ("127.000.0.1", "skipped"),
+    ],
+)
+def test_a_host_spelt_otherwise_is_sent_to_as_its_canonical_self(
+    host: str, outcome: str, inbox: Inbox, transport: Transport
+) -> None:
+    url = f"http://{host}:{inbox.port}/inbox"
+    assert sent_once(url, inbox, transport, Scheme.RFC9421) == outcome
+
+
+@pytest.mark.django_db
+def test_a_port_of_0_or_a_host_too_long_for_its_column_is_skipped(
+    inbox: Inbox, transport: Transport
+) -> None:
+    assert sent_once("http://127.0.0.1:0/inbox", inbox, transport, Scheme.CAVAGE) == "skipped"
+    long_host = ("a" * 60 + ".") * 5 + "example"
+    assert len(long_host) == 312
+    assert sent_once(f"http://{long_host}/", inbox, transport, Scheme.CAVAGE) == "skipped"
+
+
+# --- Fuzz ----------------------------------------------------------------------------------
+
+SECRET = "S3CRET"
+SCHEMES = ["http", "HTTP", "hTtP", "https:", "ftp", "", "h ttp", "http\n"]
+USERINFO = ["", f"u:{SECRET}@", f"{SECRET}@", ":@", f"u:{SECRET}?x@", f"u%40:{SECRET}@"]
+HOSTS = [
+    "127.0.0.1",
+    "127.0.0.1.",
+    "１２７.０.０.１",
+    "127.1",
+    "127.000.000.001",
+    "0x7f.0.0.1",
+    "2130706433",
+    "xn--zz",
+    "a..b",
+    "a" * 64 + ".example",
+    ("a" * 60 + ".") * 5 + "example",
+    "ex ample",
+    "exa\x00mple",
+    "[::1%25lo]",
+    "[::1",
+    "ex%41mple",
+    "exa\\mple",
+]
+PORTS = ["{port}", "0{port}", "0", "99999", "", "-1", "+80", "{port}x", "{port}:{port}"]
+PATHS = [
+    "",
+    "/",
+    "/inbox",
+    "/in box",
+    "/in\r\nX-Injected: 1",
+    "/in\tbox",
+    "/ïnbox/é",
+    "/%zz",
+    "/%7e%41%7E",
+    "/%C3%a9",
+    '/|<>"{}^\\`',
+    "/a/../b",
+    "/./%2E%2E/c",
+    "/%2F%2f",
+    "//double//",
+    "/@alice/inbox",
+    "/\u202eevil",
+    "/\x7f",
+    "/\x85",
+    "/\u2028",
+    "/\ud800",
+    "/" + "x" * 2100,
+    "/" + "é" * 500,
+    "/;p=1",
+    "/~u/!$&'()*+,;=:@",
+    "/%",
+    "/%%41",
+    "/\u3000",
+]
+QUERIES = [
+    "",
+    "?",
+    f"?token={SECRET}",
+    f"?token={SECRET}&a=%zz|",
+    "?q=é",
+    "?q=é ",
+    "?x=%41%2541",
+    "?a[]=1",
+    "??",
+    "?/?:@",
+]
+FRAGMENTS = ["", "#frag", "#a b", "#\r\n", f"#{SECRET}"]
+
+
+def corpus(port: int) -> list[str]:
+    """A few hundred hostile URLs, the same every run: each path with each query, on a
+    good authority; then each other piece in turn with a few paths."""
+    good = f"http://127.0.0.1:{port}"
+    cases = [good + path + query for path, query in itertools.product(PATHS, QUERIES)]
+    some_paths = ["/inbox", "/ïnbox?token=" + SECRET, "/%zz|"]
+    for path in some_paths:
+        cases += [f"{scheme}://127.0.0.1:{port}{path}" for scheme in SCHEMES]
+        cases += [f"http://{userinfo}127.0.0.1:{port}{path}" for userinfo in USERINFO]
+        cases += [f"http://{host}:{port}{path}" for host in HOSTS]
+        cases += [f"http://127.0.0.1:{p.format(port=port)}{path}" for p in PORTS]
+        cases += [good + path + fragment for fragment in FRAGMENTS]
+    return cases
+
+
+@pytest.mark.django_db
+def test_a_corpus_of_hostile_urls_is_either_delivered_verified_or_skipped_with_a_reason(
+    inbox: Inbox, transport: Transport, caplog: pytest.LogCaptureFixture
+) -> None:
+    cases = corpus(inbox.port)
+    assert len(cases) > 300
+    outcomes: dict[str, int] = {"verified": 0, "skipped": 0}
+    with caplog.at_level(logging.DEBUG):
+        for number, url in enumerate(cases):
+            scheme = (Scheme.CAVAGE, Scheme.RFC9421)[number % 2]
+            outcomes[sent_once(url, inbox, transport, scheme)] += 1
+    assert outcomes["verified"] > 100 and outcomes["skipped"] > 100, outcomes
+    for record in caplog.records:
+        assert SECRET not in record.getMessage()
+    # The secret reaches the inbox only as the inbox's own query, never a message.
+    assert any(SECRET in request.path for request in inbox.received)
+
+
+def test_the_skip_reasons_of_the_corpus_hold_no_secret() -> None:
+    messages = []
+    for url in corpus(8080):
+        try:
+            normalize_inbox(url)
+        except InvalidDelivery as exc:
+            messages.append(str(exc))
+    assert len(messages) > 100
+    for message in messages:
+        assert SECRET not in message
+        assert message.isprintable(), message
+
+
+def test_normalizing_is_a_fixed_point_over_the_corpus() -> None:
+    for url in corpus(8080):
+        try:
+            canonical = normalize_inbox(url)
+        except InvalidDelivery:
+            continue
+        assert normalize_inbox(canonical) == canonical, url
+        assert requests.utils.requote_uri(canonical) == canonical, url
