@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import email.utils
+import errno
 import ipaddress
 import socket
 import ssl
@@ -37,6 +38,7 @@ from django_federation_delivery.transport import (
     DEFAULT_ACCEPT,
     Transport,
     TransportSettings,
+    addresses,
     guard,
     is_public_address,
     parse_retry_after,
@@ -421,12 +423,110 @@ def test_ipv6_loopback_refused_by_default_allowed_when_allowed(
         ("::ffff:93.184.215.14", True),
         ("2002:7f00:1::1", False),
         ("64:ff9b::a00:1", False),
+        # NAT64 (RFC 6052): 93.184.216.34 as DNS64 gives it to an IPv6-only server.
+        ("64:ff9b::5db8:d822", True),
+        ("64:ff9b::93.184.216.34", True),
+        ("64:ff9b::7f00:1", False),
+        ("64:ff9b::c0a8:101", False),
+        ("64:ff9b::a9fe:a9fe", False),
+        ("64:ff9b::", False),
+        # The local-use NAT64 prefix (RFC 8215) is a network's own, whatever it carries.
+        ("64:ff9b:1::5db8:d822", False),
+        ("64:ff9b:1:ffff::5db8:d822", False),
         ("not an address", False),
         ("", False),
     ],
 )
 def test_is_public_address(address: str, public: bool) -> None:
     assert is_public_address(address) is public
+
+
+@pytest.mark.parametrize(
+    ("address", "networks", "verdict"),
+    [
+        ("64:ff9b::5db8:d822", (), True),
+        ("64:ff9b::7f00:1", (), False),
+        ("64:ff9b::7f00:1", ("127.0.0.0/8",), True),
+        ("64:ff9b::7f00:1", ("10.0.0.0/8",), False),
+        ("64:ff9b::a00:1", ("10.0.0.0/8",), True),
+        ("::ffff:127.0.0.1", ("127.0.0.0/8",), True),
+        ("64:ff9b:1::5db8:d822", (), False),
+        ("64:ff9b:1::7f00:1", ("127.0.0.0/8",), False),
+        ("64:ff9b:1::7f00:1", ("64:ff9b:1::/48",), True),
+    ],
+)
+def test_an_embedded_ipv4_address_is_allowed_by_its_network(
+    address: str, networks: tuple[str, ...], verdict: bool
+) -> None:
+    allowed = tuple(ipaddress.ip_network(network) for network in networks)
+    assert addresses.allowed(ipaddress.ip_address(address), allowed) is verdict
+
+
+class _NoNAT64Route(socket.socket):
+    """A socket that reaches nothing in 64:ff9b::/96, as on a host without NAT64: what
+    the guard tries to connect to is noted, and no packet leaves."""
+
+    tried: list[str] = []
+
+    def connect(self, address: Any) -> None:
+        if str(address[0]).startswith("64:ff9b:"):
+            self.tried.append(address[0])
+            raise OSError(errno.ENETUNREACH, "Network is unreachable")
+        super().connect(address)
+
+
+#: What DNS64 would answer for these names: the IPv4 address of the host inside 64:ff9b::/96.
+NAT64_NAMES = {
+    "public.nat64.example": "64:ff9b::5db8:d822",  # 93.184.216.34
+    "private.nat64.example": "64:ff9b::a00:1",  # 10.0.0.1
+    "loopback.nat64.example": "64:ff9b::7f00:1",  # 127.0.0.1
+    "local-use.nat64.example": "64:ff9b:1::5db8:d822",  # RFC 8215
+}
+
+
+@pytest.fixture
+def nat64(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of ``NAT64_NAMES`` resolve to their NAT64 address alone, as DNS64 answers
+    for an IPv4-only host; the addresses the guard tries to connect to are listed."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host in NAT64_NAMES:
+            sockaddr = (NAT64_NAMES[host], port, 0, 0)
+            return [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
+        return real(host, port, *args, **kwargs)
+
+    tried: list[str] = []
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(_NoNAT64Route, "tried", tried)
+    monkeypatch.setattr(socket, "socket", _NoNAT64Route)
+    return tried
+
+
+def test_a_public_host_through_nat64_is_connected_to(
+    nat64: list[str], transports: Callable[..., Transport]
+) -> None:
+    transport = transports(allowed_networks=())
+
+    with pytest.raises(ConnectionFailed, match="unreachable"):
+        transport.post("http://public.nat64.example/inbox", b"{}", SIGNED)
+
+    assert nat64 == ["64:ff9b::5db8:d822"]
+
+
+@pytest.mark.parametrize(
+    "name", ["private.nat64.example", "loopback.nat64.example", "local-use.nat64.example"]
+)
+def test_a_private_host_through_nat64_is_refused_before_connecting(
+    nat64: list[str], transports: Callable[..., Transport], name: str
+) -> None:
+    transport = transports(allowed_networks=())
+
+    with pytest.raises(RefusedAddress) as refused:
+        transport.post(f"http://{name}/inbox", b"{}", SIGNED)
+
+    assert NAT64_NAMES[name] in str(refused.value)
+    assert nat64 == []
 
 
 # --- What goes wrong ---------------------------------------------------------------------------
