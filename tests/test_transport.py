@@ -40,6 +40,7 @@ from django_federation_delivery.transport import (
     TransportSettings,
     addresses,
     guard,
+    idle,
     is_public_address,
     parse_retry_after,
 )
@@ -711,6 +712,98 @@ def test_close_closes_pooled_connections(inbox: Inbox, transport: Transport) -> 
 
     assert inbox.wait_closed(inbox.connections[0])
     assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+
+
+def test_idle_connections_past_the_limit_are_closed_least_recently_used_first(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    transport = transports(max_idle_connections=2)
+    first, second, third = (inboxes() for _ in range(3))
+    for inbox in (first, second, first, third):
+        assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+
+    # first was used again after second: second goes, first and third stay.
+    assert second.wait_closed(second.connections[0])
+    assert len(first.connections) == 1, "first's connection was reused, not opened again"
+    assert not first.wait_until(lambda: bool(first.closed), timeout=0.3)
+    assert third.closed == []
+    assert len(idle.IDLE) == 2
+
+
+def test_the_bound_holds_across_transports_and_a_closed_one_connects_again(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    # One transport to a worker thread; the bound is the process's.
+    one, other = transports(max_idle_connections=1), transports(max_idle_connections=1)
+    near, far = inboxes(), inboxes()
+    one.post(near.url(), b"{}", SIGNED)
+    other.post(far.url(), b"{}", SIGNED)
+
+    assert near.wait_closed(near.connections[0]), "closed although another transport's"
+    assert one.post(near.url(), b"{}", SIGNED).status == 202
+    assert len(near.connections) == 2
+    assert far.wait_closed(far.connections[0])
+
+
+def test_a_connection_in_use_is_never_closed_as_idle(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    def second_slowly(handler: _Handler, seen: Seen) -> None:
+        if len(handler.inbox.seen) > 1:
+            time.sleep(1.0)
+        accepted(handler, seen)
+
+    slow = inboxes(second_slowly)
+    busy, other = transports(max_idle_connections=1), transports(max_idle_connections=1)
+    busy.post(slow.url(), b"{}", SIGNED)  # idle a moment, then taken to send on again
+    statuses: list[int] = []
+    sending = threading.Thread(
+        target=lambda: statuses.append(busy.post(slow.url(), b"{}", SIGNED).status)
+    )
+    sending.start()
+    assert slow.wait_until(lambda: len(slow.seen) == 2)
+    fast = inboxes()
+    for _ in range(3):
+        assert other.post(fast.url(), b"{}", SIGNED).status == 202
+    assert len(fast.connections) == 1, "kept: the one in use does not count as idle"
+    sending.join(10)
+
+    assert statuses == [202]
+    assert len(slow.connections) == 1
+    # Put back last, the busy one is kept, and the other, now past the bound, closed.
+    assert fast.wait_closed(fast.connections[0])
+    assert slow.closed == []
+    assert len(idle.IDLE) == 1
+
+
+def test_threads_sharing_a_small_bound_all_get_their_answers(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    # Each thread's idle connections are closed by the others all the time; none of
+    # them may be closed while a thread has taken it to send on.
+    targets = [inboxes() for _ in range(4)]
+    statuses: list[int] = []
+    errors: list[Exception] = []
+
+    def send(transport: Transport) -> None:
+        try:
+            for number in range(25):
+                inbox = targets[number % len(targets)]
+                statuses.append(transport.post(inbox.url(), b"{}", SIGNED).status)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=send, args=(transports(max_idle_connections=1),)) for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert errors == []
+    assert statuses == [202] * 100
+    assert len(idle.IDLE) <= 1
 
 
 # --- TLS ---------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ Two guarantees need more than plain ``requests``:
   addresses and checks the peer of the connected socket again before a byte is
   written. The address judged is the one actually used, so DNS rebinding (a
   public answer to a check, a private one to the connect) gains nothing.
+* **A bound on open sockets.** Idle keep-alive connections are bounded for the
+  whole process, across every transport, least recently used closed first
+  (``idle.py``); a worker's only other socket is the one it is sending on.
 * **A bound on the whole attempt.** Socket timeouts bound each ``recv``, not
   their sum: a server that drips one byte a second would hold a worker for
   ever. Every socket an attempt uses is registered with a watchdog thread that
@@ -64,6 +67,7 @@ DEFAULT_ACCEPT = (
 )
 
 #: How many per-host pools a transport keeps; urllib3 evicts the least recently used.
+#: Their idle connections are bounded for the whole process by ``max_idle_connections``.
 POOLS_PER_TRANSPORT = 64
 
 _READ_CHUNK = 64 * 1024
@@ -83,6 +87,9 @@ class TransportSettings:
     allowed_networks: tuple[IPNetwork, ...] = ()
     #: Idle keep-alive connections kept per host.
     connections_per_host: int = 2
+    #: Idle keep-alive connections kept in the whole process, across every transport;
+    #: past it the least recently used are closed (see ``idle.py``).
+    max_idle_connections: int = 32
     #: An idle pooled connection unused this long is closed.
     idle_timeout: float = 10.0
     verify_tls: bool = True
@@ -155,6 +162,7 @@ class Transport:
             pool_maxsize=settings.connections_per_host,
             max_retries=0,
             pool_block=False,
+            max_idle=settings.max_idle_connections,
         )
         session.mount("http://", self._adapter)
         session.mount("https://", self._adapter)
