@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from django_federation_delivery.transport import TransportSettings
 
 SETTING = "FEDERATION_DELIVERY"
+LEASE_MARGIN_SECONDS = 10.0
 
 DEFAULTS: dict[str, Any] = {
     # A dotted path to ``callable(sender: str) -> SenderKey | None``.

@@ -179,19 +179,35 @@ class Transport:
     ) -> None:
         self.close()
 
-    def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+    def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        deadline: float | None = None,
+    ) -> Answer:
         """POST ``body`` to ``url`` with ``headers`` (sent as given, Host included).
 
-        Returns whatever status came back, redirects included. Raises
-        ``InvalidURL``, ``RefusedAddress``, ``AttemptTimeout`` or
-        ``ConnectionFailed``.
+        Over within ``attempt_timeout``, and by ``deadline`` (a ``time.monotonic()``
+        value) when that is sooner: one deadline shared by the requests of one
+        delivery attempt. Returns whatever status came back, redirects included.
+        Raises ``InvalidURL``, ``RefusedAddress``, ``AttemptTimeout`` (at once,
+        without a connection, when the deadline has passed) or ``ConnectionFailed``.
         """
         target = check_url(url)
-        self.close_idle()
         settings = self.settings
-        pools = self._adapter.poolmanager
         start = time.monotonic()
-        attempt = Attempt(start + settings.attempt_timeout, settings.allowed_networks)
+        ends = start + settings.attempt_timeout
+        if deadline is not None and deadline < ends:
+            ends = deadline
+        # For messages: the time this request had, to a tenth of a second.
+        limit = max(0.1, round(ends - start, 1))
+        if ends <= start:
+            raise AttemptTimeout(f"{target.display}: no time left for the request")
+        self.close_idle()
+        pools = self._adapter.poolmanager
+        attempt = Attempt(ends, settings.allowed_networks)
         WATCHDOG.start(attempt)
         this_thread.attempt = attempt
         response: requests.Response | None = None
@@ -204,15 +220,12 @@ class Transport:
                 stream=True,
                 verify=settings.verify_tls,
                 # Per connect and per recv; the watchdog bounds their sum.
-                timeout=(
-                    min(settings.connect_timeout, settings.attempt_timeout),
-                    settings.attempt_timeout,
-                ),
+                timeout=(min(settings.connect_timeout, ends - start), ends - start),
             )
             content = _read_at_most(response, settings.max_answer_bytes)
         except TransportError as exc:
             if attempt.expired and not isinstance(exc, AttemptTimeout):
-                raise translate(exc, attempt, target, settings.attempt_timeout) from exc
+                raise translate(exc, attempt, target, limit) from exc
             raise
         except (
             requests.exceptions.RequestException,
@@ -221,7 +234,7 @@ class Transport:
             OSError,
             UnicodeEncodeError,  # a header value http.client cannot send as Latin-1
         ) as exc:
-            raise translate(exc, attempt, target, settings.attempt_timeout) from exc
+            raise translate(exc, attempt, target, limit) from exc
         finally:
             if response is not None:
                 # Unread data left: this closes the connection instead of pooling it.
@@ -235,9 +248,7 @@ class Transport:
                 pools.drop(key)
         if attempt.expired:
             # Late, if only just: a close-delimited body may have been cut short silently.
-            raise AttemptTimeout(
-                f"{target.display}: no complete answer within {settings.attempt_timeout:g}s"
-            )
+            raise AttemptTimeout(f"{target.display}: no complete answer within {limit:g}s")
         return Answer(
             status=response.status_code,
             headers=response.headers,
