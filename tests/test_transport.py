@@ -615,6 +615,30 @@ def test_a_dripping_answer_is_cut_off_at_the_attempt_timeout(
 
 
 @pytest.mark.slow
+def test_a_deadline_sooner_than_the_attempt_timeout_cuts_the_answer_off_there(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    inbox = inboxes(drip(HEAD + b"x" * 100))
+    transport = transports(attempt_timeout=30.0)
+
+    start = time.monotonic()
+    with pytest.raises(AttemptTimeout, match=r"within 1\.5s"):
+        transport.post(inbox.url(), b"{}", SIGNED, deadline=start + 1.5)
+
+    assert 1.4 < time.monotonic() - start < 8
+
+
+def test_a_deadline_already_past_is_a_timeout_without_a_connection(
+    inbox: Inbox, transport: Transport
+) -> None:
+    with pytest.raises(AttemptTimeout, match="no time left") as late:
+        transport.post(inbox.url(), b"{}", SIGNED, deadline=time.monotonic())
+
+    assert not late.value.permanent
+    assert inbox.connections == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("connect_timeout", [1.0, 10.0])
 def test_a_server_that_never_reads_is_cut_off_while_sending(
     transports: Callable[..., Transport], connect_timeout: float

@@ -14,7 +14,7 @@ Two guarantees need more than plain ``requests``:
   public answer to a check, a private one to the connect) gains nothing.
 * **A bound on open sockets.** Idle keep-alive connections are bounded for the
   whole process, across every transport, least recently used closed first
-  (``idle.py``); a worker's only other socket is the one it is sending on.
+  (``idle.py``); the others are those of the attempts in flight.
 * **A bound on the whole attempt.** Socket timeouts bound each ``recv``, not
   their sum: a server that drips one byte a second would hold a worker for
   ever. Every socket an attempt uses is registered with a watchdog thread that
