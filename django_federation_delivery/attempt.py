@@ -41,6 +41,9 @@ class Job:
     extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: Set when the key could not be had for a reason that may pass.
     key_error: str = ""
+    #: When its lease ends, less ``LEASE_MARGIN_SECONDS`` to write the outcome, as
+    #: ``time.monotonic()``: the attempt is over by then, or not made. None: no lease.
+    lease_deadline: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +62,7 @@ class AttemptResult:
     #: How many requests it took (two when it knocked twice; none when it
     #: could not be signed or was held).
     requests: int = 1
-    #: Not sent, because the destination's circuit breaker is open.
+    #: Not sent: the destination's circuit breaker is open, or the lease ran out first.
     held: bool = False
 
 
@@ -71,8 +74,19 @@ def attempt(
     error_length: int = 300,
     clock: Callable[[], float] = time.monotonic,
 ) -> AttemptResult:
-    """Make one attempt at ``job``: each target in turn until one accepts."""
+    """Make one attempt at ``job``: each target in turn until one accepts.
+
+    The whole attempt, every gateway of a portable inbox and both knocks of
+    double knocking, is over within the transport's ``attempt_timeout``, and
+    before the job's lease ends: another process may take the delivery then.
+    """
     started = clock()
+    now = time.monotonic()
+    if job.lease_deadline is not None and now >= job.lease_deadline:
+        return lapsed(job)
+    deadline = now + transport.settings.attempt_timeout
+    if job.lease_deadline is not None:
+        deadline = min(deadline, job.lease_deadline)
     if job.key_error:
         return _failed(job, job.key_error, permanent=False, requests=0)
     if job.key is None:
@@ -80,7 +94,13 @@ def attempt(
     last: AttemptResult | None = None
     requests = 0
     for target in job.targets:
-        outcome, made = _knock(job, job.key, target, transport, is_permanent, error_length)
+        if last is not None and time.monotonic() >= deadline:
+            # Out of time with gateways untried: one of them may yet accept,
+            # whatever the last one said.
+            return dataclasses.replace(last, permanent=False)
+        outcome, made = _knock(
+            job, job.key, target, transport, is_permanent, error_length, deadline
+        )
         requests += made
         last = dataclasses.replace(outcome, duration=clock() - started, requests=requests)
         if last.delivered:
@@ -96,20 +116,23 @@ def _knock(
     transport: Transport,
     is_permanent: Callable[[int], bool],
     error_length: int,
+    deadline: float,
 ) -> tuple[AttemptResult, int]:
     """POST to ``target`` in the job's scheme, and once more in the other
-    when the first is answered 400 or 401 ("double knocking")."""
+    when the first is answered 400 or 401 ("double knocking"), both by
+    ``deadline``: a second knock with no time left is a passing failure, never
+    the first one's refusal."""
     scheme = job.scheme
     if key.algorithm == "ed25519" and scheme is Scheme.CAVAGE:
         # draft-cavage as Mastodon verifies it has no Ed25519: go straight to RFC 9421.
         scheme = Scheme.RFC9421
     made = 0
-    outcome = _post(job, key, target, scheme, transport, is_permanent, error_length)
+    outcome = _post(job, key, target, scheme, transport, is_permanent, error_length, deadline)
     made += 1
     other = scheme.other()
     can_sign_other = not (key.algorithm == "ed25519" and other is Scheme.CAVAGE)
     if outcome.status in KNOCK_AGAIN and can_sign_other:
-        outcome = _post(job, key, target, other, transport, is_permanent, error_length)
+        outcome = _post(job, key, target, other, transport, is_permanent, error_length, deadline)
         made += 1
     return outcome, made
 
@@ -122,6 +145,7 @@ def _post(
     transport: Transport,
     is_permanent: Callable[[int], bool],
     error_length: int,
+    deadline: float,
 ) -> AttemptResult:
     try:
         # Signed and sent in one spelling: the signature covers the very target requested.
@@ -140,7 +164,7 @@ def _post(
     except SigningError as exc:
         return _failed(job, str(exc)[:error_length], permanent=True)
     try:
-        answer = transport.post(url, job.body, headers)
+        answer = transport.post(url, job.body, headers, deadline=deadline)
     except TransportError as exc:
         return _failed(job, str(exc)[:error_length], permanent=exc.permanent)
     delivered = 200 <= answer.status < 300
@@ -161,6 +185,19 @@ def held(job: Job, error: str, retry_after: float) -> AttemptResult:
     return dataclasses.replace(
         _failed(job, error, permanent=False, requests=0), retry_after=retry_after, held=True
     )
+
+
+def lapsed(job: Job) -> AttemptResult:
+    """A delivery not sent because its lease was spent (but for the margin to
+    write the outcome) before a worker took it."""
+    # Sent now, it could still be in flight when the lease lapses and another
+    # process takes the row and sends it too. Not sent, it can never arrive
+    # twice: handed back as a passing failure without a request, it is written
+    # under the claim's token, which a process that took the row since has
+    # replaced, so the write changes nothing there; otherwise the retry policy
+    # brings it round again.
+    error = "not sent: its lease ran out before a worker was free"
+    return dataclasses.replace(_failed(job, error, permanent=False, requests=0), held=True)
 
 
 def crashed(job: Job, error: str) -> AttemptResult:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from django_federation_delivery.transport import TransportSettings
 
 SETTING = "FEDERATION_DELIVERY"
+LEASE_MARGIN_SECONDS = 10.0
 
 DEFAULTS: dict[str, Any] = {
     # A dotted path to ``callable(sender: str) -> SenderKey | None``.
@@ -84,6 +85,10 @@ DEFAULTS: dict[str, Any] = {
     "ERROR_LENGTH": 300,
     "CONNECTIONS_PER_HOST": 2,
     "IDLE_CONNECTION_SECONDS": 10.0,
+    # Idle keep-alive connections kept open in the whole process, across
+    # every worker; past it the least recently used are closed. Each is a
+    # file descriptor (see "File descriptors" in the README).
+    "MAX_IDLE_CONNECTIONS": 32,
     "VERIFY_TLS": True,
     # Networks deliveries may go to although they are not public, such as
     # ["127.0.0.0/8"] in tests. Empty: public addresses only.
@@ -167,6 +172,7 @@ class AppSettings:
             allowed_networks=self.allowed_networks(),
             connections_per_host=int(get("CONNECTIONS_PER_HOST")),
             idle_timeout=float(get("IDLE_CONNECTION_SECONDS")),
+            max_idle_connections=int(get("MAX_IDLE_CONNECTIONS")),
             verify_tls=bool(get("VERIFY_TLS")),
         )
 

@@ -23,7 +23,7 @@ from django.utils import timezone
 from django_federation_delivery import metrics, queue, signals, wakeup
 from django_federation_delivery.attempt import Job, held, permanent_status
 from django_federation_delivery.breakers import Breakers, Decision
-from django_federation_delivery.conf import app_settings
+from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings
 from django_federation_delivery.hosts import KnownSchemes, paused_hosts
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.models import Batch, Status
@@ -310,6 +310,10 @@ class Deliverer:
             )
             if isinstance(header, str) and header:
                 extra["Collection-Synchronization"] = header
+        # The attempt ends, or is not made, while the claim's lease holds, with
+        # time to spare to write what came of it: after that the row is any
+        # process's to take and send again.
+        lease_left = row.leased_until - time.time()
         return Job(
             delivery_id=row.id,
             extra_headers=extra,
@@ -320,6 +324,7 @@ class Deliverer:
             sender=batch.sender,
             scheme=self.schemes.scheme_for(row.host),
             key_error=key_error,
+            lease_deadline=time.monotonic() + lease_left - LEASE_MARGIN_SECONDS,
         )
 
     def _keep(self, settlement: queue.Settlement) -> None:

@@ -12,7 +12,6 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -240,7 +239,8 @@ def claim(
             cursor.execute(sql, [*params, wanted * CANDIDATES, cap, wanted])
             # RETURNING gives no order; keep the queue's within each lane.
             rows.extend(sorted(cursor.fetchall(), key=lambda row: row[0]))
-    expires = time.time() + lease
+    # The lease as written (from before the claim), not from now: never later.
+    expires = now.timestamp() + lease
     return [
         Claimed(row[0], row[1], row[2], row[3], row[4], _json_list(row[5]), token, expires)
         for row in rows

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import ipaddress
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 import responses
 
 from django_federation_delivery.attempt import Job, attempt, permanent_status
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
-from django_federation_delivery.transport import Transport, TransportSettings
+from django_federation_delivery.transport import Answer, Transport, TransportSettings
 
+from .conftest import Inbox
 from .keys import ed25519_key, rsa_key
 
 INBOX = "https://remote.example/users/bob/inbox"
@@ -174,3 +180,174 @@ def test_a_connection_failure_is_worth_another_try(
 def test_an_invalid_url_is_refused_for_good(transport: Transport) -> None:
     result = attempt(job(targets=("ftp://remote.example/inbox",)), transport)
     assert (result.delivered, result.permanent) == (False, True)
+
+
+# --- One deadline for the whole attempt, within the lease: real servers on loopback ---
+
+
+class Recording(Transport):
+    """A transport that notes the deadline each request is given, and may take
+    its time after an answer (as a slow close would) where told to."""
+
+    def __init__(self, settings: TransportSettings, linger: Mapping[str, float] = {}) -> None:
+        super().__init__(settings)
+        self.deadlines: list[float | None] = []
+        self.linger = linger
+
+    def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        deadline: float | None = None,
+    ) -> Answer:
+        self.deadlines.append(deadline)
+        answer = super().post(url, body, headers, deadline=deadline)
+        time.sleep(self.linger.get(url, 0.0))
+        return answer
+
+
+@pytest.fixture
+def loopback() -> Iterator[Callable[..., Recording]]:
+    made: list[Recording] = []
+
+    def make(attempt_timeout: float = 30.0, **options: Any) -> Recording:
+        settings = TransportSettings(
+            user_agent="tests",
+            attempt_timeout=attempt_timeout,
+            allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),),
+        )
+        made.append(Recording(settings, **options))
+        return made[-1]
+
+    yield make
+    for transport in made:
+        transport.close()
+
+
+@pytest.fixture
+def silent() -> Iterator[Callable[[], str]]:
+    """Servers that accept connections (the kernel does) and never answer."""
+    servers: list[socket.socket] = []
+
+    def make() -> str:
+        servers.append(socket.create_server(("127.0.0.1", 0)))
+        return f"http://127.0.0.1:{servers[-1].getsockname()[1]}/inbox"
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.mark.slow
+def test_a_portable_inbox_whose_gateways_are_all_silent_ends_within_one_attempt_timeout(
+    silent: Callable[[], str], loopback: Callable[..., Recording]
+) -> None:
+    gateways = tuple(silent() for _ in range(5))
+    transport = loopback(attempt_timeout=2.0)
+
+    start = time.monotonic()
+    result = attempt(job(targets=gateways), transport)
+    elapsed = time.monotonic() - start
+
+    assert 1.9 < elapsed < 7, "one attempt timeout for all five, not one each"
+    assert (result.delivered, result.permanent, result.status) == (False, False, None)
+    assert len(set(transport.deadlines)) == 1
+
+
+def test_both_knocks_are_given_the_attempt_s_one_deadline(
+    inbox: Inbox, loopback: Callable[..., Recording]
+) -> None:
+    inbox.respond = lambda request: (401 if len(inbox.received) == 1 else 202, {}, b"")
+    transport = loopback(attempt_timeout=30.0)
+
+    before = time.monotonic()
+    result = attempt(job(targets=(inbox.url(),)), transport)
+    after = time.monotonic()
+
+    assert (result.delivered, result.requests) == (True, 2)
+    first, second = transport.deadlines
+    assert first == second
+    assert first is not None and before + 30.0 <= first <= after + 30.0
+
+
+@pytest.mark.slow
+def test_a_second_knock_has_only_what_the_first_left_and_ends_a_passing_failure(
+    loopback: Callable[..., Recording],
+) -> None:
+    released = threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        # A 401 after 3 s to the first knock; silence to the second (on this
+        # connection, kept alive, or on another the kernel accepts for it).
+        connection, _ = server.accept()
+        with connection:
+            connection.recv(65536)
+            time.sleep(3.0)
+            connection.sendall(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
+            released.wait(30)
+
+    threading.Thread(target=serve, daemon=True).start()
+    transport = loopback(attempt_timeout=4.0)
+    try:
+        start = time.monotonic()
+        result = attempt(job(targets=(f"http://127.0.0.1:{server.getsockname()[1]}/",)), transport)
+        elapsed = time.monotonic() - start
+    finally:
+        released.set()
+        server.close()
+
+    assert len(transport.deadlines) == 2, "knocked twice"
+    assert elapsed < 6.5, "the second knock had an attempt timeout of its own"
+    assert (result.delivered, result.permanent, result.status) == (False, False, None)
+
+
+def test_a_job_whose_lease_is_spent_is_not_sent(
+    inbox: Inbox, loopback: Callable[..., Recording]
+) -> None:
+    result = attempt(
+        job(targets=(inbox.url(),), lease_deadline=time.monotonic() - 0.01), loopback()
+    )
+
+    assert inbox.received == []
+    assert (result.delivered, result.permanent, result.held, result.requests) == (
+        False,
+        False,
+        True,
+        0,
+    )
+    assert result.error == "not sent: its lease ran out before a worker was free"
+
+
+@pytest.mark.slow
+def test_an_attempt_ends_when_its_lease_does_however_long_the_attempt_timeout(
+    silent: Callable[[], str], loopback: Callable[..., Recording]
+) -> None:
+    transport = loopback(attempt_timeout=30.0)
+
+    start = time.monotonic()
+    result = attempt(job(targets=(silent(),), lease_deadline=start + 1.5), transport)
+    elapsed = time.monotonic() - start
+
+    assert 1.4 < elapsed < 8
+    assert (result.delivered, result.permanent, result.status) == (False, False, None)
+    assert "1.5s" in result.error
+
+
+def test_gateways_left_untried_for_want_of_time_make_a_passing_failure(
+    inboxes: Callable[..., Inbox], loopback: Callable[..., Recording]
+) -> None:
+    gone, other = inboxes(respond=lambda request: (410, {}, b"gone")), inboxes()
+    # The first answers at once, then takes the rest of the lease to let go.
+    transport = loopback(linger={gone.url(): 0.6})
+
+    result = attempt(
+        job(targets=(gone.url(), other.url()), lease_deadline=time.monotonic() + 0.5),
+        transport,
+    )
+
+    assert len(gone.received) == 1
+    assert other.received == [], "no time left for it"
+    assert (result.status, result.permanent) == (410, False), "the other might have accepted"

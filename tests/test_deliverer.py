@@ -16,6 +16,7 @@ from django.db import OperationalError
 from django.utils import timezone
 
 from django_federation_delivery import BatchOptions, queue, send, send_batch, signals
+from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.models import Batch, Delivery, Status
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
@@ -266,6 +267,25 @@ def test_a_delivery_past_its_deadline_is_given_up_unsent(
     assert status_of(batch) == [Status.FAILED]
     assert inbox.received == []
     assert received_signals["failed"][0].deadline is True
+
+
+def test_a_delivery_whose_lease_would_lapse_before_it_could_be_sent_is_not_sent(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    received_signals: dict[str, list[Any]],
+) -> None:
+    # A lease shorter than the margin kept to write an outcome is spent at the claim.
+    assert LEASE_MARGIN_SECONDS > 5.0
+    batch = send(ALICE, NOTE, [inbox.url()])
+    runner = start_deliverer(lease=5.0)
+    wait_until(lambda: Delivery.objects.filter(attempts=1).exists())
+    runner.stop()
+    assert inbox.received == []
+    row = Delivery.objects.get(batch=batch)
+    assert (row.status, row.last_status, row.lease_token) == (Status.PENDING, None, None)
+    assert row.last_error == "not sent: its lease ran out before a worker was free"
+    assert row.due_at > timezone.now(), "retried later, by the policy"
+    assert [a.outcome for a in received_signals["attempted"]] == ["held"]
 
 
 def test_unsendable_deliveries_are_refused_for_good(

@@ -166,14 +166,16 @@ def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in
     urls = [sink.url(f"/u{n}") for n in range(750) for sink in sinks]
     send(ALICE, NOTE, urls)
     concurrency = 8
-    settings = {"LEASE_SECONDS": 2}
+    # A short lease that still holds an attempt, the margin to write what came of
+    # it (LEASE_MARGIN_SECONDS) and a few seconds of waiting for a worker.
+    settings = {"LEASE_SECONDS": 15, "ATTEMPT_TIMEOUT": 1}
     first = processes("--drain", f"--concurrency={concurrency}", "--per-host=4", settings=settings)
     wait_until(lambda: sum(len(sink.received) for sink in sinks) >= 1000, timeout=60)
     first.kill()
     first.wait(10)
     at_kill = sum(len(sink.received) for sink in sinks)
     assert at_kill < len(urls), "killed in the middle, not at the end"
-    time.sleep(2.5)  # the dead process's leases lapse
+    time.sleep(15.5)  # the dead process's leases lapse
     second = processes("--drain", f"--concurrency={concurrency}", settings=settings)
     assert second.wait(120) == 0
     assert statuses() == {Status.DELIVERED: len(urls)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import email.utils
+import errno
 import ipaddress
 import socket
 import ssl
@@ -37,7 +38,9 @@ from django_federation_delivery.transport import (
     DEFAULT_ACCEPT,
     Transport,
     TransportSettings,
+    addresses,
     guard,
+    idle,
     is_public_address,
     parse_retry_after,
 )
@@ -421,12 +424,110 @@ def test_ipv6_loopback_refused_by_default_allowed_when_allowed(
         ("::ffff:93.184.215.14", True),
         ("2002:7f00:1::1", False),
         ("64:ff9b::a00:1", False),
+        # NAT64 (RFC 6052): 93.184.216.34 as DNS64 gives it to an IPv6-only server.
+        ("64:ff9b::5db8:d822", True),
+        ("64:ff9b::93.184.216.34", True),
+        ("64:ff9b::7f00:1", False),
+        ("64:ff9b::c0a8:101", False),
+        ("64:ff9b::a9fe:a9fe", False),
+        ("64:ff9b::", False),
+        # The local-use NAT64 prefix (RFC 8215) is a network's own, whatever it carries.
+        ("64:ff9b:1::5db8:d822", False),
+        ("64:ff9b:1:ffff::5db8:d822", False),
         ("not an address", False),
         ("", False),
     ],
 )
 def test_is_public_address(address: str, public: bool) -> None:
     assert is_public_address(address) is public
+
+
+@pytest.mark.parametrize(
+    ("address", "networks", "verdict"),
+    [
+        ("64:ff9b::5db8:d822", (), True),
+        ("64:ff9b::7f00:1", (), False),
+        ("64:ff9b::7f00:1", ("127.0.0.0/8",), True),
+        ("64:ff9b::7f00:1", ("10.0.0.0/8",), False),
+        ("64:ff9b::a00:1", ("10.0.0.0/8",), True),
+        ("::ffff:127.0.0.1", ("127.0.0.0/8",), True),
+        ("64:ff9b:1::5db8:d822", (), False),
+        ("64:ff9b:1::7f00:1", ("127.0.0.0/8",), False),
+        ("64:ff9b:1::7f00:1", ("64:ff9b:1::/48",), True),
+    ],
+)
+def test_an_embedded_ipv4_address_is_allowed_by_its_network(
+    address: str, networks: tuple[str, ...], verdict: bool
+) -> None:
+    allowed = tuple(ipaddress.ip_network(network) for network in networks)
+    assert addresses.allowed(ipaddress.ip_address(address), allowed) is verdict
+
+
+class _NoNAT64Route(socket.socket):
+    """A socket that reaches nothing in 64:ff9b::/96, as on a host without NAT64: what
+    the guard tries to connect to is noted, and no packet leaves."""
+
+    tried: list[str] = []
+
+    def connect(self, address: Any) -> None:
+        if str(address[0]).startswith("64:ff9b:"):
+            self.tried.append(address[0])
+            raise OSError(errno.ENETUNREACH, "Network is unreachable")
+        super().connect(address)
+
+
+#: What DNS64 would answer for these names: the IPv4 address of the host inside 64:ff9b::/96.
+NAT64_NAMES = {
+    "public.nat64.example": "64:ff9b::5db8:d822",  # 93.184.216.34
+    "private.nat64.example": "64:ff9b::a00:1",  # 10.0.0.1
+    "loopback.nat64.example": "64:ff9b::7f00:1",  # 127.0.0.1
+    "local-use.nat64.example": "64:ff9b:1::5db8:d822",  # RFC 8215
+}
+
+
+@pytest.fixture
+def nat64(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of ``NAT64_NAMES`` resolve to their NAT64 address alone, as DNS64 answers
+    for an IPv4-only host; the addresses the guard tries to connect to are listed."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host in NAT64_NAMES:
+            sockaddr = (NAT64_NAMES[host], port, 0, 0)
+            return [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr)]
+        return real(host, port, *args, **kwargs)
+
+    tried: list[str] = []
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(_NoNAT64Route, "tried", tried)
+    monkeypatch.setattr(socket, "socket", _NoNAT64Route)
+    return tried
+
+
+def test_a_public_host_through_nat64_is_connected_to(
+    nat64: list[str], transports: Callable[..., Transport]
+) -> None:
+    transport = transports(allowed_networks=())
+
+    with pytest.raises(ConnectionFailed, match="unreachable"):
+        transport.post("http://public.nat64.example/inbox", b"{}", SIGNED)
+
+    assert nat64 == ["64:ff9b::5db8:d822"]
+
+
+@pytest.mark.parametrize(
+    "name", ["private.nat64.example", "loopback.nat64.example", "local-use.nat64.example"]
+)
+def test_a_private_host_through_nat64_is_refused_before_connecting(
+    nat64: list[str], transports: Callable[..., Transport], name: str
+) -> None:
+    transport = transports(allowed_networks=())
+
+    with pytest.raises(RefusedAddress) as refused:
+        transport.post(f"http://{name}/inbox", b"{}", SIGNED)
+
+    assert NAT64_NAMES[name] in str(refused.value)
+    assert nat64 == []
 
 
 # --- What goes wrong ---------------------------------------------------------------------------
@@ -511,6 +612,30 @@ def test_a_dripping_answer_is_cut_off_at_the_attempt_timeout(
     assert "t0ken" not in str(late.value)
     # The transport is still good for the next attempt.
     assert transport.post(inboxes().url(), b"{}", SIGNED).status == 202
+
+
+@pytest.mark.slow
+def test_a_deadline_sooner_than_the_attempt_timeout_cuts_the_answer_off_there(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    inbox = inboxes(drip(HEAD + b"x" * 100))
+    transport = transports(attempt_timeout=30.0)
+
+    start = time.monotonic()
+    with pytest.raises(AttemptTimeout, match=r"within 1\.5s"):
+        transport.post(inbox.url(), b"{}", SIGNED, deadline=start + 1.5)
+
+    assert 1.4 < time.monotonic() - start < 8
+
+
+def test_a_deadline_already_past_is_a_timeout_without_a_connection(
+    inbox: Inbox, transport: Transport
+) -> None:
+    with pytest.raises(AttemptTimeout, match="no time left") as late:
+        transport.post(inbox.url(), b"{}", SIGNED, deadline=time.monotonic())
+
+    assert not late.value.permanent
+    assert inbox.connections == []
 
 
 @pytest.mark.slow
@@ -611,6 +736,98 @@ def test_close_closes_pooled_connections(inbox: Inbox, transport: Transport) -> 
 
     assert inbox.wait_closed(inbox.connections[0])
     assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+
+
+def test_idle_connections_past_the_limit_are_closed_least_recently_used_first(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    transport = transports(max_idle_connections=2)
+    first, second, third = (inboxes() for _ in range(3))
+    for inbox in (first, second, first, third):
+        assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+
+    # first was used again after second: second goes, first and third stay.
+    assert second.wait_closed(second.connections[0])
+    assert len(first.connections) == 1, "first's connection was reused, not opened again"
+    assert not first.wait_until(lambda: bool(first.closed), timeout=0.3)
+    assert third.closed == []
+    assert len(idle.IDLE) == 2
+
+
+def test_the_bound_holds_across_transports_and_a_closed_one_connects_again(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    # One transport to a worker thread; the bound is the process's.
+    one, other = transports(max_idle_connections=1), transports(max_idle_connections=1)
+    near, far = inboxes(), inboxes()
+    one.post(near.url(), b"{}", SIGNED)
+    other.post(far.url(), b"{}", SIGNED)
+
+    assert near.wait_closed(near.connections[0]), "closed although another transport's"
+    assert one.post(near.url(), b"{}", SIGNED).status == 202
+    assert len(near.connections) == 2
+    assert far.wait_closed(far.connections[0])
+
+
+def test_a_connection_in_use_is_never_closed_as_idle(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    def second_slowly(handler: _Handler, seen: Seen) -> None:
+        if len(handler.inbox.seen) > 1:
+            time.sleep(1.0)
+        accepted(handler, seen)
+
+    slow = inboxes(second_slowly)
+    busy, other = transports(max_idle_connections=1), transports(max_idle_connections=1)
+    busy.post(slow.url(), b"{}", SIGNED)  # idle a moment, then taken to send on again
+    statuses: list[int] = []
+    sending = threading.Thread(
+        target=lambda: statuses.append(busy.post(slow.url(), b"{}", SIGNED).status)
+    )
+    sending.start()
+    assert slow.wait_until(lambda: len(slow.seen) == 2)
+    fast = inboxes()
+    for _ in range(3):
+        assert other.post(fast.url(), b"{}", SIGNED).status == 202
+    assert len(fast.connections) == 1, "kept: the one in use does not count as idle"
+    sending.join(10)
+
+    assert statuses == [202]
+    assert len(slow.connections) == 1
+    # Put back last, the busy one is kept, and the other, now past the bound, closed.
+    assert fast.wait_closed(fast.connections[0])
+    assert slow.closed == []
+    assert len(idle.IDLE) == 1
+
+
+def test_threads_sharing_a_small_bound_all_get_their_answers(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    # Each thread's idle connections are closed by the others all the time; none of
+    # them may be closed while a thread has taken it to send on.
+    targets = [inboxes() for _ in range(4)]
+    statuses: list[int] = []
+    errors: list[Exception] = []
+
+    def send(transport: Transport) -> None:
+        try:
+            for number in range(25):
+                inbox = targets[number % len(targets)]
+                statuses.append(transport.post(inbox.url(), b"{}", SIGNED).status)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=send, args=(transports(max_idle_connections=1),)) for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert errors == []
+    assert statuses == [202] * 100
+    assert len(idle.IDLE) <= 1
 
 
 # --- TLS ---------------------------------------------------------------------------------------

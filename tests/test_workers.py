@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +20,7 @@ from django_federation_delivery.attempt import AttemptResult, Job
 from django_federation_delivery.queue import Claimed
 from django_federation_delivery.settling import BatchInfo
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
-from django_federation_delivery.transport import TransportSettings
+from django_federation_delivery.transport import TransportSettings, idle
 from django_federation_delivery.workers import InFlight, Workers
 
 from .keys import rsa_key
@@ -166,3 +171,103 @@ def test_what_waits_for_a_free_worker_can_be_taken_back(pool: Callable[..., Work
 
     assert [item.claimed.id for item in workers.take_queued()] == [1, 2, 3]
     assert workers.take_queued() == []
+
+
+# Keep-alive inboxes on many ports, in a process of their own so that only the
+# client's sockets are this process's.
+SERVERS = """
+import sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 60
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(202)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(int(sys.argv[1]))]
+for server in servers:
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+print(" ".join(str(server.server_address[1]) for server in servers), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def ports() -> Iterator[list[int]]:
+    """200 inboxes on 127.0.0.1, each on a port (a connection pool) of its own."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVERS, "200"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdin is not None
+    try:
+        yield [int(port) for port in process.stdout.readline().split()]
+    finally:
+        process.stdin.close()  # it reads to the end, then exits
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+
+
+def open_sockets() -> set[str]:
+    """This process's open sockets, as /proc names them ("socket:[inode]")."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile, or the directory's own descriptor
+        if link.startswith("socket:"):
+            found.add(link)
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts sockets in /proc")
+def test_sending_to_many_hosts_leaves_no_more_sockets_open_than_the_bound(
+    ports: list[int],
+) -> None:
+    limit = 8
+    workers = Workers(
+        TransportSettings(
+            user_agent="tests",
+            allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),),
+            # Nothing closed for being idle long: only the bound can close them.
+            idle_timeout=300,
+            max_idle_connections=limit,
+        ),
+        is_permanent=lambda status: 400 <= status < 500,
+        error_length=300,
+        wake=threading.Event(),
+        needed=lambda: 16,
+    )
+    before = open_sockets()
+    try:
+        workers.grow_to(16)
+        for number, port in enumerate(ports, start=1):
+            item = in_flight(number)
+            item.job = dataclasses.replace(item.job, targets=(f"http://127.0.0.1:{port}/inbox",))
+            workers.put(item)
+        done = results(workers, len(ports))
+
+        # Every attempt is over once its result is in: what is left open is idle.
+        left = open_sockets() - before
+    finally:
+        workers.stop()
+
+    assert [result.status for _, result in done] == [202] * len(ports)
+    assert 0 < len(left) <= limit
+    assert len(idle.IDLE) == 0, "closed with the workers"

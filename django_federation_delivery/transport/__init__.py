@@ -12,6 +12,9 @@ Two guarantees need more than plain ``requests``:
   addresses and checks the peer of the connected socket again before a byte is
   written. The address judged is the one actually used, so DNS rebinding (a
   public answer to a check, a private one to the connect) gains nothing.
+* **A bound on open sockets.** Idle keep-alive connections are bounded for the
+  whole process, across every transport, least recently used closed first
+  (``idle.py``); the others are those of the attempts in flight.
 * **A bound on the whole attempt.** Socket timeouts bound each ``recv``, not
   their sum: a server that drips one byte a second would hold a worker for
   ever. Every socket an attempt uses is registered with a watchdog thread that
@@ -64,6 +67,7 @@ DEFAULT_ACCEPT = (
 )
 
 #: How many per-host pools a transport keeps; urllib3 evicts the least recently used.
+#: Their idle connections are bounded for the whole process by ``max_idle_connections``.
 POOLS_PER_TRANSPORT = 64
 
 _READ_CHUNK = 64 * 1024
@@ -83,6 +87,9 @@ class TransportSettings:
     allowed_networks: tuple[IPNetwork, ...] = ()
     #: Idle keep-alive connections kept per host.
     connections_per_host: int = 2
+    #: Idle keep-alive connections kept in the whole process, across every transport;
+    #: past it the least recently used are closed (see ``idle.py``).
+    max_idle_connections: int = 32
     #: An idle pooled connection unused this long is closed.
     idle_timeout: float = 10.0
     verify_tls: bool = True
@@ -155,6 +162,7 @@ class Transport:
             pool_maxsize=settings.connections_per_host,
             max_retries=0,
             pool_block=False,
+            max_idle=settings.max_idle_connections,
         )
         session.mount("http://", self._adapter)
         session.mount("https://", self._adapter)
@@ -171,19 +179,35 @@ class Transport:
     ) -> None:
         self.close()
 
-    def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> Answer:
+    def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        deadline: float | None = None,
+    ) -> Answer:
         """POST ``body`` to ``url`` with ``headers`` (sent as given, Host included).
 
-        Returns whatever status came back, redirects included. Raises
-        ``InvalidURL``, ``RefusedAddress``, ``AttemptTimeout`` or
-        ``ConnectionFailed``.
+        Over within ``attempt_timeout``, and by ``deadline`` (a ``time.monotonic()``
+        value) when that is sooner: one deadline shared by the requests of one
+        delivery attempt. Returns whatever status came back, redirects included.
+        Raises ``InvalidURL``, ``RefusedAddress``, ``AttemptTimeout`` (at once,
+        without a connection, when the deadline has passed) or ``ConnectionFailed``.
         """
         target = check_url(url)
-        self.close_idle()
         settings = self.settings
-        pools = self._adapter.poolmanager
         start = time.monotonic()
-        attempt = Attempt(start + settings.attempt_timeout, settings.allowed_networks)
+        ends = start + settings.attempt_timeout
+        if deadline is not None and deadline < ends:
+            ends = deadline
+        # For messages: the time this request had, to a tenth of a second.
+        limit = max(0.1, round(ends - start, 1))
+        if ends <= start:
+            raise AttemptTimeout(f"{target.display}: no time left for the request")
+        self.close_idle()
+        pools = self._adapter.poolmanager
+        attempt = Attempt(ends, settings.allowed_networks)
         WATCHDOG.start(attempt)
         this_thread.attempt = attempt
         response: requests.Response | None = None
@@ -196,15 +220,12 @@ class Transport:
                 stream=True,
                 verify=settings.verify_tls,
                 # Per connect and per recv; the watchdog bounds their sum.
-                timeout=(
-                    min(settings.connect_timeout, settings.attempt_timeout),
-                    settings.attempt_timeout,
-                ),
+                timeout=(min(settings.connect_timeout, ends - start), ends - start),
             )
             content = _read_at_most(response, settings.max_answer_bytes)
         except TransportError as exc:
             if attempt.expired and not isinstance(exc, AttemptTimeout):
-                raise translate(exc, attempt, target, settings.attempt_timeout) from exc
+                raise translate(exc, attempt, target, limit) from exc
             raise
         except (
             requests.exceptions.RequestException,
@@ -213,7 +234,7 @@ class Transport:
             OSError,
             UnicodeEncodeError,  # a header value http.client cannot send as Latin-1
         ) as exc:
-            raise translate(exc, attempt, target, settings.attempt_timeout) from exc
+            raise translate(exc, attempt, target, limit) from exc
         finally:
             if response is not None:
                 # Unread data left: this closes the connection instead of pooling it.
@@ -227,9 +248,7 @@ class Transport:
                 pools.drop(key)
         if attempt.expired:
             # Late, if only just: a close-delimited body may have been cut short silently.
-            raise AttemptTimeout(
-                f"{target.display}: no complete answer within {settings.attempt_timeout:g}s"
-            )
+            raise AttemptTimeout(f"{target.display}: no complete answer within {limit:g}s")
         return Answer(
             status=response.status_code,
             headers=response.headers,

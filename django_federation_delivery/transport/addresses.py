@@ -6,7 +6,10 @@ import ipaddress
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+#: The well-known NAT64 prefix (RFC 6052): DNS64 answers with the IPv4 address inside it.
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+#: The local-use NAT64 prefix (RFC 8215): a network's own translators, never a public host.
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 
 
 def parse_ip(address: str) -> IPAddress | None:
@@ -33,11 +36,17 @@ def _embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
 
 
 def _is_public(ip: IPAddress) -> bool:
+    if isinstance(ip, ipaddress.IPv6Address) and ip in _NAT64_LOCAL:
+        return False
     embedded = _embedded_ipv4(ip)
     if embedded is not None and not _is_public(embedded):
         return False
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         # ::ffff:0:0/96 is "private" as a block, but only says "this IPv4 address".
+        return embedded is not None
+    if ip in _NAT64:
+        # Inside ::/8, "reserved"; but on an IPv6-only server it is how every IPv4-only
+        # host is reached, so it is judged by the IPv4 address it carries, as above.
         return embedded is not None
     return ip.is_global and not (
         ip.is_multicast
@@ -56,7 +65,9 @@ def is_public_address(address: str) -> bool:
     Loopback, RFC 1918, link-local, CGNAT, unique-local, unspecified,
     multicast, reserved and documentation addresses are not; nor is an IPv6
     address that embeds one of those (IPv4-mapped, 6to4, Teredo, NAT64). A
-    string that is not an IP address is not.
+    NAT64 address (``64:ff9b::/96``) is judged by the IPv4 address it embeds;
+    the local-use NAT64 prefix ``64:ff9b:1::/48`` is never public. A string
+    that is not an IP address is not.
     """
     ip = parse_ip(address)
     return ip is not None and _is_public(ip)

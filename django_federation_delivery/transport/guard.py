@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 import requests.adapters
@@ -30,6 +30,10 @@ from django_federation_delivery.exceptions import (
 )
 from django_federation_delivery.transport.addresses import IPNetwork, allowed, parse_ip
 from django_federation_delivery.transport.failures import reason
+from django_federation_delivery.transport.idle import IDLE
+
+if TYPE_CHECKING:
+    from urllib3._base_connection import BaseHTTPConnection
 
 
 @dataclass(eq=False)
@@ -235,6 +239,7 @@ class GuardedHTTPConnection(HTTPConnection):
         )
 
     def close(self) -> None:
+        IDLE.taken(self)
         self._watched_by = None
         super().close()
 
@@ -244,24 +249,60 @@ class GuardedHTTPSConnection(GuardedHTTPConnection, HTTPSConnection):
 
 
 class GuardedHTTPConnectionPool(HTTPConnectionPool):
+    """Guarded connections, whose idle ones count against the process's bound
+    (see ``idle.py``): taken out, put back and closed under its lock."""
+
     ConnectionCls = GuardedHTTPConnection
+    #: Idle connections kept in the whole process; set by the pool manager.
+    max_idle = 32
+
+    def _get_conn(self, timeout: float | None = None) -> BaseHTTPConnection:
+        with IDLE.lock:
+            conn = super()._get_conn(timeout)
+            if isinstance(conn, HTTPConnection):
+                IDLE.taken(conn)
+        return conn
+
+    def _put_conn(self, conn: BaseHTTPConnection | None) -> None:
+        with IDLE.lock:
+            super()._put_conn(conn)
+            # Closed instead when the pool is full or closed, or the answer left unread.
+            if isinstance(conn, HTTPConnection) and conn.sock is not None:
+                IDLE.pooled(conn, self.max_idle)
+
+    def close(self) -> None:
+        with IDLE.lock:
+            super().close()
 
 
-class GuardedHTTPSConnectionPool(HTTPSConnectionPool):
+class GuardedHTTPSConnectionPool(GuardedHTTPConnectionPool, HTTPSConnectionPool):
     ConnectionCls = GuardedHTTPSConnection
 
 
 class GuardedPoolManager(PoolManager):
     """Guarded pools, and when each was last used, so idle ones can be closed."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_idle: int = 32, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pool_classes_by_scheme = {
             "http": GuardedHTTPConnectionPool,
             "https": GuardedHTTPSConnectionPool,
         }
+        self.max_idle = max_idle
         self.last_used: dict[PoolKey, float] = {}
         self.current: PoolKey | None = None
+
+    def _new_pool(
+        self,
+        scheme: str,
+        host: str,
+        port: int,
+        request_context: dict[str, Any] | None = None,
+    ) -> HTTPConnectionPool:
+        pool = super()._new_pool(scheme, host, port, request_context)
+        if isinstance(pool, GuardedHTTPConnectionPool):
+            pool.max_idle = self.max_idle
+        return pool
 
     def connection_from_pool_key(
         self, pool_key: PoolKey, request_context: dict[str, Any]
@@ -290,6 +331,10 @@ class GuardedPoolManager(PoolManager):
 class GuardedAdapter(requests.adapters.HTTPAdapter):
     poolmanager: GuardedPoolManager
 
+    def __init__(self, *args: Any, max_idle: int = 32, **kwargs: Any) -> None:
+        self._max_idle = max_idle  # read by init_poolmanager, called by the base's __init__
+        super().__init__(*args, **kwargs)
+
     def init_poolmanager(
         self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
     ) -> None:
@@ -297,7 +342,11 @@ class GuardedAdapter(requests.adapters.HTTPAdapter):
         self._pool_maxsize = maxsize
         self._pool_block = block
         self.poolmanager = GuardedPoolManager(
-            num_pools=connections, maxsize=maxsize, block=block, **pool_kwargs
+            num_pools=connections,
+            maxsize=maxsize,
+            block=block,
+            max_idle=self._max_idle,
+            **pool_kwargs,
         )
 
     def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
