@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from django_federation_delivery.transport import TransportSettings
 
 SETTING = "FEDERATION_DELIVERY"
+# Time an attempt leaves its lease for the outcome to be written before it lapses.
+LEASE_MARGIN_SECONDS = 10.0
 
 DEFAULTS: dict[str, Any] = {
     # A dotted path to ``callable(sender: str) -> SenderKey | None``.
@@ -36,6 +38,10 @@ DEFAULTS: dict[str, Any] = {
     # A send to at most this many inboxes goes to the priority lane, claimed
     # before any other. None: no priority lane.
     "PRIORITY_MAX_INBOXES": None,
+    # The most one send may queue: inboxes (after duplicates are dropped),
+    # and the activity's size as JSON encoded in UTF-8, as it is sent.
+    "MAX_INBOXES": 100_000,
+    "MAX_BODY_BYTES": 1 << 20,
     # A dotted path to ``callable(inbox: str, activity: dict) -> bool``, asked
     # as each delivery comes due: True drops it unsent (settled as skipped),
     # as for a server the project has since marked unavailable.

@@ -30,6 +30,8 @@ CLAIM_ORDER = (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
 #: How many due rows a claim looks at for each it takes, so that a few hosts
 #: at the head of the queue do not leave it short.
 CANDIDATES = 4
+#: Rows written, or looked up, in one statement.
+CHUNK = 500
 FINAL = frozenset({Status.DELIVERED, Status.REFUSED, Status.SKIPPED, Status.FAILED})
 
 
@@ -115,26 +117,32 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
     batch.created_at = now
     # Written first: on SQLite the write lock is taken before anything is read.
     batch.save(using=alias)
-    waits_on = _last_of_sequences(batch, inboxes, alias)
     paused = _paused_among({queued.host for queued in inboxes}, alias)
-    Delivery.objects.using(alias).bulk_create(
-        (
-            Delivery(
-                batch=batch,
-                inbox=inbox,
-                host=host,
-                via=list(via),
-                lane=batch.lane,
-                sequence=sequence_of(batch.ordering_key, inbox),
-                after_id=waits_on.get(inbox),
-                # One that waits on another has no due time until that
-                # settles; one to a paused host, until the host is resumed.
-                due_at=None if inbox in waits_on or host in paused else now,
-            )
-            for inbox, host, via in inboxes
-        ),
-        batch_size=500,
-    )
+    manager = Delivery.objects.using(alias)
+    # A chunk at a time, in the caller's transaction: bulk_create makes a list
+    # of whatever it is given, and 100,000 model instances at once is memory
+    # a fan-out does not need.
+    for start in range(0, len(inboxes), CHUNK):
+        chunk = inboxes[start : start + CHUNK]
+        waits_on = _last_of_sequences(batch, chunk, alias)
+        manager.bulk_create(
+            [
+                Delivery(
+                    batch=batch,
+                    inbox=inbox,
+                    host=host,
+                    via=list(via),
+                    lane=batch.lane,
+                    sequence=sequence_of(batch.ordering_key, inbox),
+                    after_id=waits_on.get(inbox),
+                    # One that waits on another has no due time until that
+                    # settles; one to a paused host, until the host is resumed.
+                    due_at=None if inbox in waits_on or host in paused else now,
+                )
+                for inbox, host, via in chunk
+            ],
+            batch_size=CHUNK,
+        )
     connection = connection_for(alias)
     if connection.vendor == "postgresql":
         # Delivered by PostgreSQL when, and only when, the transaction commits.
