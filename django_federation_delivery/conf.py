@@ -81,7 +81,7 @@ DEFAULTS: dict[str, Any] = {
     "IDLE_POLL_SECONDS": 30.0,
     "NEW_WORK_POLL_SECONDS": 0.5,
     # Circuit breakers: THRESHOLD failures in a row open one for COOL_OFF
-    # seconds, then one probe at a time; SCOPE "host" or "inbox". None: off.
+    # seconds, then one probe at a time; SCOPE "host" or "inbox". None or {}: off.
     "BREAKER": {"THRESHOLD": 10, "COOL_OFF": 60.0, "SCOPE": "host"},
     # The wire.
     "CONNECT_TIMEOUT": 10.0,
@@ -151,7 +151,12 @@ class AppSettings:
 
     def allowed_networks(self) -> tuple[Network, ...]:
         networks = []
-        for value in self.get("ALLOWED_NETWORKS"):
+        values = self.get("ALLOWED_NETWORKS")
+        if not isinstance(values, list | tuple):
+            raise ImproperlyConfigured(
+                f"{SETTING}['ALLOWED_NETWORKS'] must be a list of networks, not {values!r:.200}."
+            )
+        for value in values:
             try:
                 networks.append(ipaddress.ip_network(value, strict=False))
             except (TypeError, ValueError) as exc:
@@ -180,14 +185,21 @@ class AppSettings:
         """None when breakers are turned off (``BREAKER`` set to None or {})."""
         from django_federation_delivery.breakers import BreakerSettings, Scope
 
-        breaker = self.get("BREAKER")
-        if not breaker:
+        # As written, not merged with the defaults: {} means off, not "the defaults".
+        if not self._user().get("BREAKER", DEFAULTS["BREAKER"]):
             return None
-        return BreakerSettings(
-            threshold=int(breaker["THRESHOLD"]),
-            cool_off=float(breaker["COOL_OFF"]),
-            scope=Scope(breaker["SCOPE"]),
-        )
+        breaker = self.get("BREAKER")
+        try:
+            return BreakerSettings(
+                threshold=int(breaker["THRESHOLD"]),
+                cool_off=float(breaker["COOL_OFF"]),
+                scope=Scope(breaker["SCOPE"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(
+                f"{SETTING}['BREAKER'] = {breaker!r:.200} cannot be used: {exc!r}. "
+                "Run manage.py check for what to write instead."
+            ) from exc
 
 
 app_settings = AppSettings()
