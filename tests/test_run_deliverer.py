@@ -166,14 +166,15 @@ def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in
     urls = [sink.url(f"/u{n}") for n in range(750) for sink in sinks]
     send(ALICE, NOTE, urls)
     concurrency = 8
-    settings = {"LEASE_SECONDS": 2}
+    # As short a lease as an attempt fits in (see federation_delivery.E015).
+    settings = {"LEASE_SECONDS": 12, "ATTEMPT_TIMEOUT": 2}
     first = processes("--drain", f"--concurrency={concurrency}", "--per-host=4", settings=settings)
     wait_until(lambda: sum(len(sink.received) for sink in sinks) >= 1000, timeout=60)
     first.kill()
     first.wait(10)
     at_kill = sum(len(sink.received) for sink in sinks)
     assert at_kill < len(urls), "killed in the middle, not at the end"
-    time.sleep(2.5)  # the dead process's leases lapse
+    time.sleep(12.5)  # the dead process's leases lapse
     second = processes("--drain", f"--concurrency={concurrency}", settings=settings)
     assert second.wait(120) == 0
     assert statuses() == {Status.DELIVERED: len(urls)}
@@ -245,6 +246,7 @@ def test_metrics_are_served_on_the_port_named(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     process = processes(f"--metrics-port={port}")
+    assert f"Metrics at http://127.0.0.1:{port}/metrics" in wait_for_line(process, "Metrics at")
     wait_for_line(process, "Delivering until stopped")
     send(ALICE, NOTE, [inbox.url()])
     wait_until(lambda: statuses() == {Status.DELIVERED: 1})
@@ -255,6 +257,10 @@ def test_metrics_are_served_on_the_port_named(
 
     wait_until(lambda: "federation_delivery_lag_seconds" in scrape())
     text = scrape()
+    # Served on 127.0.0.1 only, unless --metrics-addr says otherwise.
+    elsewhere = ("127.0.0.2", port)
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(elsewhere, timeout=5):
+        pass
     process.send_signal(signal.SIGTERM)
     assert process.wait(20) == 0
     assert 'federation_delivery_attempts_total{outcome="delivered"} 1.0' in text
@@ -265,6 +271,27 @@ def test_metrics_are_served_on_the_port_named(
 def test_a_bad_metrics_port_is_refused_naming_it() -> None:
     with pytest.raises(CommandError, match="70000"):
         call_command("run_deliverer", "--drain", "--metrics-port=70000")
+
+
+def test_a_bad_metrics_address_is_refused_naming_it() -> None:
+    with pytest.raises(CommandError, match="'everywhere'"):
+        call_command("run_deliverer", "--drain", "--metrics-port=9108", "--metrics-addr=everywhere")
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"BREAKER": {"SCOPE": "domain"}}, "federation_delivery.E012: .*'domain'"),
+        ({"RETRY_AFTER_MAX": float("inf")}, "federation_delivery.E006: .*inf"),
+        ({"FIRST_SCHEME": "cavage"}, "federation_delivery.E009: .*'cavage'"),
+    ],
+)
+def test_a_misconfigured_deliverer_does_not_start_and_says_why(
+    settings: Any, setting: dict[str, Any], named: str
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **setting}
+    with pytest.raises(CommandError, match=named):
+        call_command("run_deliverer", "--drain")
 
 
 def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -16,7 +17,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_federation_delivery import metrics, queue
-from django_federation_delivery.checks import sqlite_problems
+from django_federation_delivery.checks import check_settings, sqlite_problems
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.settling import Summary
 
@@ -31,6 +32,15 @@ def _positive(value: str) -> int:
     if number < 1:
         raise CommandError(f"expected a whole number of 1 or more, not {value!r}")
     return number
+
+
+def _address(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value.strip().strip("[]")))
+    except ValueError:
+        raise CommandError(
+            f"expected an IP address to serve metrics on, such as 127.0.0.1, not {value!r}"
+        ) from None
 
 
 BAR = 30
@@ -91,6 +101,13 @@ class Command(BaseCommand):
             help="Serve Prometheus metrics on this port (needs the 'prometheus' extra).",
         )
         parser.add_argument(
+            "--metrics-addr",
+            type=str,
+            default="127.0.0.1",
+            help="The address the metrics are served on (default 127.0.0.1, this machine "
+            "only; 0.0.0.0 or :: for every interface).",
+        )
+        parser.add_argument(
             "--log-interval",
             type=str,
             default="60",
@@ -108,27 +125,40 @@ class Command(BaseCommand):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
         drain = bool(options["drain"])
         interval = float(_positive(options["log_interval"]))
+        # Run from call_command, or with --skip-checks, the system checks have
+        # not run: a bad setting is still an error that says what to write,
+        # not a traceback from deep in the loop.
+        problems = [message for message in check_settings() if message.is_serious()]
+        if problems:
+            raise CommandError(
+                "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
+            )
         port = options["metrics_port"]
         if port is not None:
             number = _positive(port)
             if number > 65535:
                 raise CommandError(f"expected a port from 1 to 65535, not {port!r}")
+            addr = _address(options["metrics_addr"])
             try:
-                server = metrics.start_server(number)
+                server = metrics.start_server(number, addr=addr)
             except ImproperlyConfigured as exc:
                 raise CommandError(str(exc)) from exc
             except OSError as exc:
-                raise CommandError(f"cannot serve metrics on port {number}: {exc}") from exc
-            self._say(f"Metrics at http://0.0.0.0:{server.server_port}/metrics")
+                raise CommandError(f"cannot serve metrics on {addr} port {number}: {exc}") from exc
+            shown = f"[{addr}]" if ":" in addr else addr
+            self._say(f"Metrics at http://{shown}:{server.server_port}/metrics")
         self._due = queue.count_due(using=using) if drain else 0
-        deliverer = Deliverer(
-            concurrency=concurrency,
-            per_host=per_host,
-            using=using,
-            on_progress=self._progress if drain else _log_rates(interval),
-            progress_interval=1.0 if drain else interval,
-            metrics=port is not None,
-        )
+        try:
+            deliverer = Deliverer(
+                concurrency=concurrency,
+                per_host=per_host,
+                using=using,
+                on_progress=self._progress if drain else _log_rates(interval),
+                progress_interval=1.0 if drain else interval,
+                metrics=port is not None,
+            )
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
         previous = self._install_signals(deliverer)
         mode = "until nothing is due" if drain else "until stopped"
         self._say(
