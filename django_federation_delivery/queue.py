@@ -420,34 +420,55 @@ def _wake() -> None:
     wakeup.notify_local()
 
 
+class GivenUp(NamedTuple):
+    """A delivery :func:`give_up_rows` failed: what its signal tells."""
+
+    id: int
+    batch_id: int
+    inbox: str
+    last_status: int | None
+
+
 def give_up_rows(
     ids: Sequence[int],
     reason: str,
     *,
+    on_failing: Callable[[list[GivenUp]], None] | None = None,
     on_finished: Callable[[list[Batch]], None] | None = None,
     using: str | None = None,
 ) -> list[int]:
     """Fail pending deliveries for good, whoever holds them: a holder's late
-    outcome is fenced out, as its token is gone. Returns the ids failed."""
+    outcome is fenced out, as its token is gone. Returns the ids failed.
+
+    ``on_failing`` is called with exactly the rows this changed, inside the
+    transaction, before it commits: a row another process settled in the
+    meantime is not among them, and a crash before the commit leaves the
+    rows pending, to be given up (and told about) again.
+    """
+    if not ids:
+        return []
     alias = using or DEFAULT_DB_ALIAS
+    connection = connection_for(alias)
+    table = quoted_table(Delivery, connection)
     now = timezone.now()
-    manager = Delivery.objects.using(alias)
+    # One statement that both picks and changes the rows: what it returns is
+    # what it changed, whatever another process did a moment before.
+    sql = (
+        f"UPDATE {table} SET status = %s, due_at = NULL, lease_token = NULL, "
+        f"settled_at = %s, last_error = %s WHERE status = %s "
+        f"AND id IN ({', '.join(['%s'] * len(ids))}) "
+        "RETURNING id, batch_id, inbox, last_status"
+    )
+    params = [str(Status.FAILED), db_datetime(now, connection), reason, str(Status.PENDING)]
     with transaction.atomic(using=alias):
-        rows = list(
-            manager.select_for_update()
-            .filter(id__in=list(ids), status=Status.PENDING)
-            .values_list("id", "batch_id")
-        )
-        failed = [id for id, _ in rows]
-        manager.filter(id__in=failed).update(
-            status=Status.FAILED,
-            due_at=None,
-            lease_token=None,
-            settled_at=now,
-            last_error=reason,
-        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [*params, *ids])
+            rows = sorted(GivenUp(*row) for row in cursor.fetchall())
+        if rows and on_failing is not None:
+            on_failing(rows)
+        failed = [row.id for row in rows]
         _release_next(failed, now, alias)
-        finished = _count_down(Counter(batch_id for _, batch_id in rows), now, alias)
+        finished = _count_down(Counter(row.batch_id for row in rows), now, alias)
         if finished and on_finished is not None:
             on_finished(finished)
     return failed
