@@ -10,6 +10,7 @@ uses one anyway.
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -190,11 +191,15 @@ class AppSettings:
             return None
         breaker = self.get("BREAKER")
         try:
-            return BreakerSettings(
+            found = BreakerSettings(
                 threshold=int(breaker["THRESHOLD"]),
                 cool_off=float(breaker["COOL_OFF"]),
                 scope=Scope(breaker["SCOPE"]),
             )
+            # An endless cool-off would overflow the datetime it opens a breaker until.
+            if found.threshold < 1 or not 0 < found.cool_off < math.inf:
+                raise ValueError("THRESHOLD must be 1 or more and COOL_OFF finite, above 0")
+            return found
         except (KeyError, TypeError, ValueError) as exc:
             raise ImproperlyConfigured(
                 f"{SETTING}['BREAKER'] = {breaker!r:.200} cannot be used: {exc!r}. "

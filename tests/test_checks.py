@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from django.core.checks import run_checks
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections
 
 from django_federation_delivery.breakers import BreakerSettings, Scope
@@ -163,3 +165,14 @@ def test_sqlite_without_wal_or_a_busy_timeout_is_warned_about(settings: Any) -> 
     assert set(found) == {"federation_delivery.W001", "federation_delivery.W002"}
     assert "timeout" in (found["federation_delivery.W001"].hint or "")
     assert "journal_mode=WAL" in (found["federation_delivery.W002"].hint or "")
+
+
+@pytest.mark.parametrize(
+    "breaker", [{"SCOPE": "domain"}, {"COOL_OFF": float("inf")}, {"THRESHOLD": "many"}]
+)
+def test_a_bad_breaker_used_anyway_is_improperly_configured_naming_it(
+    settings: Any, breaker: dict[str, Any]
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": breaker}
+    with pytest.raises(ImproperlyConfigured, match=re.escape(repr(next(iter(breaker.values()))))):
+        app_settings.breaker_settings()
