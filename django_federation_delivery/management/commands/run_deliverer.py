@@ -17,20 +17,20 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_federation_delivery import metrics, queue
-from django_federation_delivery.checks import check_settings, sqlite_problems
+from django_federation_delivery.checks import WHOLE_NUMBERS, check_settings, sqlite_problems
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.settling import Summary
 
 logger = logging.getLogger("django_federation_delivery.deliverer")
 
 
-def _positive(value: str) -> int:
+def _positive(value: str, most: int = 10**9) -> int:
     try:
         number = int(value)
     except ValueError:
         number = 0
-    if number < 1:
-        raise CommandError(f"expected a whole number of 1 or more, not {value!r}")
+    if not 1 <= number <= most:
+        raise CommandError(f"expected a whole number from 1 to {most}, not {value!r}")
     return number
 
 
@@ -115,8 +115,17 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        concurrency = _positive(options["concurrency"]) if options["concurrency"] else None
-        per_host = _positive(options["per_host"]) if options["per_host"] else None
+        # Held to what the settings may say (checks.WHOLE_NUMBERS): a thread a slot.
+        concurrency = (
+            _positive(options["concurrency"], WHOLE_NUMBERS["CONCURRENCY"][1])
+            if options["concurrency"]
+            else None
+        )
+        per_host = (
+            _positive(options["per_host"], WHOLE_NUMBERS["PER_HOST"][1])
+            if options["per_host"]
+            else None
+        )
         using = options["database"]
         if using not in connections:
             raise CommandError(f"no database named {using!r} in DATABASES")
@@ -124,7 +133,7 @@ class Command(BaseCommand):
             for problem in sqlite_problems(using, connections[using]):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
         drain = bool(options["drain"])
-        interval = float(_positive(options["log_interval"]))
+        interval = float(_positive(options["log_interval"], 86_400))
         # Run from call_command, or with --skip-checks, the system checks have
         # not run: a bad setting is still an error that says what to write,
         # not a traceback from deep in the loop.
@@ -135,9 +144,7 @@ class Command(BaseCommand):
             )
         port = options["metrics_port"]
         if port is not None:
-            number = _positive(port)
-            if number > 65535:
-                raise CommandError(f"expected a port from 1 to 65535, not {port!r}")
+            number = _positive(port, 65535)
             addr = _address(options["metrics_addr"])
             try:
                 server = metrics.start_server(number, addr=addr)
