@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sqlite3
 from collections.abc import Sequence
 from typing import Any
@@ -10,10 +11,46 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 
-from django_federation_delivery.conf import DEFAULTS, SETTING, app_settings
+from django_federation_delivery.breakers import Scope
+from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS, SETTING, app_settings
+from django_federation_delivery.retry import LONGEST_WAIT
 from django_federation_delivery.signatures import Scheme
 
 PREFIX = "federation_delivery"
+
+
+#: Whole-number settings: the least and the most each may be. The most is
+#: far past any real need, and keeps a typo from starving the machine.
+WHOLE_NUMBERS: dict[str, tuple[int, int]] = {
+    "CLAIM_SIZE": (1, 10_000),
+    "CONCURRENCY": (1, 1_000),
+    "PER_HOST": (1, 1_000),
+    "SLOW_CONCURRENCY": (0, 10_000),
+    "MAX_ANSWER_BYTES": (1, 64 << 20),
+    "ERROR_LENGTH": (1, 100_000),
+    "CONNECTIONS_PER_HOST": (1, 1_000),
+    # 0: no keep-alive at all.
+    "MAX_IDLE_CONNECTIONS": (0, 10_000),
+    "MAX_INBOXES": (1, 10_000_000),
+    "MAX_BODY_BYTES": (1, 16 << 20),
+}
+HOUR = 3600.0
+DAY = 24 * HOUR
+#: Settings in seconds: each above 0, finite, and at most this.
+SECONDS: dict[str, float] = {
+    "KEY_CACHE_SECONDS": DAY,
+    "RETRY_AFTER_MAX": LONGEST_WAIT,
+    "LEASE_SECONDS": DAY,
+    "IDLE_POLL_SECONDS": HOUR,
+    "NEW_WORK_POLL_SECONDS": 60.0,
+    "SLOW_AFTER_SECONDS": HOUR,
+    "CONNECT_TIMEOUT": 600.0,
+    "ATTEMPT_TIMEOUT": HOUR,
+    "IDLE_CONNECTION_SECONDS": HOUR,
+}
+MOST_ATTEMPTS = 10_000
+MOST_THRESHOLD = 1_000_000
+USER_AGENT_LENGTH = 500
 
 
 @register()
@@ -23,7 +60,9 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     if not isinstance(value, dict):
         return [
             Error(
-                f"{SETTING} must be a dict.", hint="Write {SETTING} = {{...}}.", id=f"{PREFIX}.E001"
+                f"{SETTING} must be a dict, not {_shown(value)}.",
+                hint=f"Write {SETTING} = {{...}}.",
+                id=f"{PREFIX}.E001",
             )
         ]
     for name in app_settings.unknown_keys():
@@ -53,38 +92,32 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         try:
             app_settings.callable_setting(name)
         except ImproperlyConfigured as exc:
-            errors.append(Error(str(exc), id=f"{PREFIX}.E004"))
-    for name in (
-        "CLAIM_SIZE",
-        "CONCURRENCY",
-        "PER_HOST",
-        "MAX_ANSWER_BYTES",
-        "ERROR_LENGTH",
-        "CONNECTIONS_PER_HOST",
-    ):
-        number = app_settings.get(name)
-        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
             errors.append(
                 Error(
-                    f"{SETTING}[{name!r}] must be a whole number of 1 or more, not {number!r}.",
+                    str(exc),
+                    hint="Write a dotted path such as 'myapp.federation.function', or None.",
+                    id=f"{PREFIX}.E004",
+                )
+            )
+    for name, (least, most) in WHOLE_NUMBERS.items():
+        number = app_settings.get(name)
+        if not _whole(number, least, most):
+            errors.append(
+                Error(
+                    f"{SETTING}[{name!r}] must be a whole number from {least} to {most}, "
+                    f"not {_shown(number)}.",
+                    hint=f"Leave it out for the default, {DEFAULTS[name]!r}.",
                     id=f"{PREFIX}.E005",
                 )
             )
-    for name in (
-        "KEY_CACHE_SECONDS",
-        "RETRY_AFTER_MAX",
-        "LEASE_SECONDS",
-        "IDLE_POLL_SECONDS",
-        "NEW_WORK_POLL_SECONDS",
-        "CONNECT_TIMEOUT",
-        "ATTEMPT_TIMEOUT",
-        "IDLE_CONNECTION_SECONDS",
-    ):
+    for name, longest in SECONDS.items():
         number = app_settings.get(name)
-        if isinstance(number, bool) or not isinstance(number, int | float) or number <= 0:
+        if not _seconds(number, longest):
             errors.append(
                 Error(
-                    f"{SETTING}[{name!r}] must be a number of seconds above 0, not {number!r}.",
+                    f"{SETTING}[{name!r}] must be a number of seconds above 0 and at most "
+                    f"{longest:.0f}, not {_shown(number)}.",
+                    hint=f"Leave it out for the default, {DEFAULTS[name]!r}.",
                     id=f"{PREFIX}.E006",
                 )
             )
@@ -92,64 +125,196 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     try:
         app_settings.allowed_networks()
     except ImproperlyConfigured as exc:
-        errors.append(Error(str(exc), id=f"{PREFIX}.E008"))
-    if app_settings.get("FIRST_SCHEME") not in {scheme.value for scheme in Scheme}:
         errors.append(
             Error(
-                f"{SETTING}['FIRST_SCHEME'] is {app_settings.get('FIRST_SCHEME')!r}.",
+                str(exc),
+                hint="A list of networks, such as ['127.0.0.0/8'], or [] for none.",
+                id=f"{PREFIX}.E008",
+            )
+        )
+    first = app_settings.get("FIRST_SCHEME")
+    if not isinstance(first, str) or first not in {scheme.value for scheme in Scheme}:
+        errors.append(
+            Error(
+                f"{SETTING}['FIRST_SCHEME'] is {_shown(first)}.",
                 hint=f"Use one of {', '.join(repr(s.value) for s in Scheme)}.",
                 id=f"{PREFIX}.E009",
             )
         )
     gone = app_settings.get("PERMANENT_IF_SENDER_GONE")
-    if not isinstance(gone, list | tuple) or not all(
-        isinstance(s, int) and 100 <= s <= 599 for s in gone
-    ):
+    if not isinstance(gone, list | tuple) or not all(_whole(s, 100, 599) for s in gone):
         errors.append(
             Error(
                 f"{SETTING}['PERMANENT_IF_SENDER_GONE'] must be a list of HTTP "
-                f"statuses such as [401], not {gone!r}.",
+                f"statuses such as [401], not {_shown(gone)}.",
+                hint="Statuses from 100 to 599; [] for none.",
                 id=f"{PREFIX}.E010",
             )
         )
     few = app_settings.get("PRIORITY_MAX_INBOXES")
-    if few is not None and (isinstance(few, bool) or not isinstance(few, int) or few < 1):
+    if few is not None and not _whole(few, 1, WHOLE_NUMBERS["MAX_INBOXES"][1]):
         errors.append(
             Error(
                 f"{SETTING}['PRIORITY_MAX_INBOXES'] must be None or a whole number "
-                f"of 1 or more, not {few!r}.",
+                f"from 1 to {WHOLE_NUMBERS['MAX_INBOXES'][1]}, not {_shown(few)}.",
+                hint="A few, such as 5: sends to that many inboxes or fewer go first.",
                 id=f"{PREFIX}.E011",
+            )
+        )
+    errors += _check_breaker(app_settings.get("BREAKER"), value.get("BREAKER", ...))
+    for name in ("VERIFY_TLS", "WAIT_AS_ASKED"):
+        flag = app_settings.get(name)
+        if not isinstance(flag, bool):
+            errors.append(
+                Error(
+                    f"{SETTING}[{name!r}] must be True or False, not {_shown(flag)}.",
+                    hint=f"Leave it out for the default, {DEFAULTS[name]!r}.",
+                    id=f"{PREFIX}.E013",
+                )
+            )
+    agent = app_settings.get("USER_AGENT")
+    if (
+        not isinstance(agent, str)
+        or not agent.strip()
+        or len(agent) > USER_AGENT_LENGTH
+        or not (agent.isascii() and agent.isprintable())
+    ):
+        errors.append(
+            Error(
+                f"{SETTING}['USER_AGENT'] must be a non-empty line of printable ASCII "
+                f"of at most {USER_AGENT_LENGTH} characters, not {_shown(agent)}.",
+                hint="Something like 'myserver/1.0 (+https://myserver.example)': it is "
+                "sent as a header, which a line break or a NUL would corrupt.",
+                id=f"{PREFIX}.E014",
+            )
+        )
+    lease, timeout = app_settings.get("LEASE_SECONDS"), app_settings.get("ATTEMPT_TIMEOUT")
+    if (
+        _seconds(lease, SECONDS["LEASE_SECONDS"])
+        and _seconds(timeout, SECONDS["ATTEMPT_TIMEOUT"])
+        and timeout + LEASE_MARGIN_SECONDS > lease
+    ):
+        errors.append(
+            Error(
+                f"{SETTING}['ATTEMPT_TIMEOUT'] ({timeout!r}) and {LEASE_MARGIN_SECONDS:g} s to "
+                f"write its outcome do not fit in LEASE_SECONDS ({lease!r}): an attempt could "
+                "outlast its lease and the delivery be sent twice.",
+                hint=f"Make LEASE_SECONDS at least ATTEMPT_TIMEOUT + {LEASE_MARGIN_SECONDS:g}.",
+                id=f"{PREFIX}.E015",
             )
         )
     return errors
 
 
+def _whole(value: Any, least: int, most: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
+
+
+def _seconds(value: Any, longest: float) -> bool:
+    # inf and nan are floats too: a wait of either overflows a datetime.
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= longest
+    )
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
 def _check_retry(retry: Any) -> list[CheckMessage]:
     if not isinstance(retry, dict):
-        return [Error(f"{SETTING}['RETRY'] must be a dict, not {retry!r}.", id=f"{PREFIX}.E007")]
+        return [
+            Error(
+                f"{SETTING}['RETRY'] must be a dict, not {_shown(retry)}.",
+                hint="For example {'BASE': 30, 'CAP': 3600, 'ATTEMPTS': 12, 'JITTER': 0.25}.",
+                id=f"{PREFIX}.E007",
+            )
+        ]
     problems = []
     schedule = retry.get("SCHEDULE")
     if schedule is not None and (
         not isinstance(schedule, list | tuple)
         or not schedule
-        or not all(isinstance(w, int | float) and w > 0 for w in schedule)
+        or len(schedule) >= MOST_ATTEMPTS
+        or not all(_seconds(wait, LONGEST_WAIT) for wait in schedule)
     ):
         problems.append(
-            f"SCHEDULE must be None or a non-empty list of waits in seconds, not {schedule!r}"
+            "SCHEDULE must be None or a non-empty list of waits in seconds, each above 0 and "
+            f"at most {LONGEST_WAIT:.0f}, not {_shown(schedule)}"
         )
     attempts = retry.get("ATTEMPTS")
-    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-        problems.append(f"ATTEMPTS must be a whole number of 1 or more, not {attempts!r}")
+    if not _whole(attempts, 1, MOST_ATTEMPTS):
+        problems.append(
+            f"ATTEMPTS must be a whole number from 1 to {MOST_ATTEMPTS}, not {_shown(attempts)}"
+        )
     for name in ("BASE", "CAP"):
-        if not isinstance(retry.get(name), int | float) or retry[name] <= 0:
-            problems.append(f"{name} must be a number of seconds above 0, not {retry.get(name)!r}")
+        if not _seconds(retry.get(name), LONGEST_WAIT):
+            problems.append(
+                f"{name} must be a number of seconds above 0 and at most {LONGEST_WAIT:.0f}, "
+                f"not {_shown(retry.get(name))}"
+            )
     jitter = retry.get("JITTER")
-    if not isinstance(jitter, int | float) or not 0 <= jitter < 1:
-        problems.append(f"JITTER must be a fraction from 0 up to 1, not {jitter!r}")
+    if isinstance(jitter, bool) or not isinstance(jitter, int | float) or not 0 <= jitter < 1:
+        problems.append(f"JITTER must be a fraction from 0 up to 1, not {_shown(jitter)}")
     unknown = sorted(set(retry) - set(DEFAULTS["RETRY"]))
     if unknown:
         problems.append(f"unknown key(s) {', '.join(map(repr, unknown))}")
-    return [Error(f"{SETTING}['RETRY']: {problem}.", id=f"{PREFIX}.E007") for problem in problems]
+    return [
+        Error(
+            f"{SETTING}['RETRY']: {problem}.",
+            hint=f"Known keys: {', '.join(DEFAULTS['RETRY'])}; leave one out for its default.",
+            id=f"{PREFIX}.E007",
+        )
+        for problem in problems
+    ]
+
+
+def _check_breaker(breaker: Any, given: Any) -> list[CheckMessage]:
+    """``breaker`` as merged with the defaults; ``given`` as written (``...``
+    when not written at all)."""
+    if given is None or given == {}:
+        return []  # breakers off
+    if not isinstance(given, dict) and given is not ...:
+        return [
+            Error(
+                f"{SETTING}['BREAKER'] must be a dict or None, not {_shown(given)}.",
+                hint="For example {'THRESHOLD': 10, 'COOL_OFF': 60, 'SCOPE': 'host'}; "
+                "None turns breakers off.",
+                id=f"{PREFIX}.E012",
+            )
+        ]
+    problems = []
+    threshold = breaker.get("THRESHOLD")
+    if not _whole(threshold, 1, MOST_THRESHOLD):
+        problems.append(
+            f"THRESHOLD must be a whole number from 1 to {MOST_THRESHOLD}, not {_shown(threshold)}"
+        )
+    cool_off = breaker.get("COOL_OFF")
+    if not _seconds(cool_off, DAY):
+        problems.append(
+            f"COOL_OFF must be a number of seconds above 0 and at most {DAY:.0f}, "
+            f"not {_shown(cool_off)}"
+        )
+    scope = breaker.get("SCOPE")
+    if not isinstance(scope, str) or scope not in {s.value for s in Scope}:
+        problems.append(
+            f"SCOPE must be one of {', '.join(repr(s.value) for s in Scope)}, not {_shown(scope)}"
+        )
+    unknown = sorted(set(breaker) - set(DEFAULTS["BREAKER"]))
+    if unknown:
+        problems.append(f"unknown key(s) {', '.join(map(repr, unknown))}")
+    return [
+        Error(
+            f"{SETTING}['BREAKER']: {problem}.",
+            hint=f"Known keys: {', '.join(DEFAULTS['BREAKER'])}; None turns breakers off.",
+            id=f"{PREFIX}.E012",
+        )
+        for problem in problems
+    ]
 
 
 @register(Tags.database)

@@ -10,6 +10,7 @@ uses one anyway.
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from django_federation_delivery.transport import TransportSettings
 
 SETTING = "FEDERATION_DELIVERY"
+# Time an attempt leaves its lease for the outcome to be written before it lapses.
 LEASE_MARGIN_SECONDS = 10.0
 
 DEFAULTS: dict[str, Any] = {
@@ -37,6 +39,10 @@ DEFAULTS: dict[str, Any] = {
     # A send to at most this many inboxes goes to the priority lane, claimed
     # before any other. None: no priority lane.
     "PRIORITY_MAX_INBOXES": None,
+    # The most one send may queue: inboxes (after duplicates are dropped),
+    # and the activity's size as JSON encoded in UTF-8, as it is sent.
+    "MAX_INBOXES": 100_000,
+    "MAX_BODY_BYTES": 1 << 20,
     # A dotted path to ``callable(inbox: str, activity: dict) -> bool``, asked
     # as each delivery comes due: True drops it unsent (settled as skipped),
     # as for a server the project has since marked unavailable.
@@ -76,7 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "IDLE_POLL_SECONDS": 30.0,
     "NEW_WORK_POLL_SECONDS": 0.5,
     # Circuit breakers: THRESHOLD failures in a row open one for COOL_OFF
-    # seconds, then one probe at a time; SCOPE "host" or "inbox". None: off.
+    # seconds, then one probe at a time; SCOPE "host" or "inbox". None or {}: off.
     "BREAKER": {"THRESHOLD": 10, "COOL_OFF": 60.0, "SCOPE": "host"},
     # The wire.
     "CONNECT_TIMEOUT": 10.0,
@@ -150,7 +156,12 @@ class AppSettings:
 
     def allowed_networks(self) -> tuple[Network, ...]:
         networks = []
-        for value in self.get("ALLOWED_NETWORKS"):
+        values = self.get("ALLOWED_NETWORKS")
+        if not isinstance(values, list | tuple):
+            raise ImproperlyConfigured(
+                f"{SETTING}['ALLOWED_NETWORKS'] must be a list of networks, not {values!r:.200}."
+            )
+        for value in values:
             try:
                 networks.append(ipaddress.ip_network(value, strict=False))
             except (TypeError, ValueError) as exc:
@@ -180,14 +191,25 @@ class AppSettings:
         """None when breakers are turned off (``BREAKER`` set to None or {})."""
         from django_federation_delivery.breakers import BreakerSettings, Scope
 
-        breaker = self.get("BREAKER")
-        if not breaker:
+        # As written, not merged with the defaults: {} means off, not "the defaults".
+        if not self._user().get("BREAKER", DEFAULTS["BREAKER"]):
             return None
-        return BreakerSettings(
-            threshold=int(breaker["THRESHOLD"]),
-            cool_off=float(breaker["COOL_OFF"]),
-            scope=Scope(breaker["SCOPE"]),
-        )
+        breaker = self.get("BREAKER")
+        try:
+            found = BreakerSettings(
+                threshold=int(breaker["THRESHOLD"]),
+                cool_off=float(breaker["COOL_OFF"]),
+                scope=Scope(breaker["SCOPE"]),
+            )
+            # An endless cool-off would overflow the datetime it opens a breaker until.
+            if found.threshold < 1 or not 0 < found.cool_off < math.inf:
+                raise ValueError("THRESHOLD must be 1 or more and COOL_OFF finite, above 0")
+            return found
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(
+                f"{SETTING}['BREAKER'] = {breaker!r:.200} cannot be used: {exc!r}. "
+                "Run manage.py check for what to write instead."
+            ) from exc
 
 
 app_settings = AppSettings()

@@ -42,30 +42,48 @@ def give_up_host(host: str, reason: str = "given up by an operator") -> int:
 
 def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operator") -> int:
     """Fail the pending ones of ``deliveries`` for good, telling
-    ``delivery_failed`` receivers first. Returns how many."""
+    ``delivery_failed`` receivers before it is committed. Returns how many.
+
+    Only what this call changed is told about: a delivery another process
+    settled in the meantime keeps its outcome and sends no signal here.
+    """
     ids = list(deliveries.filter(status=Status.PENDING).values_list("id", flat=True))
     failed = 0
     for start in range(0, len(ids), CHUNK):
-        chunk = Delivery.objects.filter(id__in=ids[start : start + CHUNK]).select_related("batch")
-        for delivery in chunk:
-            signals.send_safely(
-                signals.delivery_failed,
-                failure=signals.Failure(
-                    delivery_id=delivery.id,
-                    batch_id=delivery.batch_id,
-                    inbox=delivery.inbox,
-                    sender=delivery.batch.sender,
-                    tag=delivery.batch.tag,
-                    status=delivery.last_status,
-                    error=reason,
-                    deadline=False,
-                    refused=False,
-                ),
-            )
         failed += len(
-            queue.give_up_rows([delivery.id for delivery in chunk], reason, on_finished=_finished)
+            queue.give_up_rows(
+                ids[start : start + CHUNK],
+                reason,
+                on_failing=lambda rows: _tell_failed(rows, reason),
+                on_finished=_finished,
+            )
         )
     return failed
+
+
+def _tell_failed(rows: list[queue.GivenUp], reason: str) -> None:
+    batches = {
+        id: (sender, tag)
+        for id, sender, tag in Batch.objects.filter(
+            id__in={row.batch_id for row in rows}
+        ).values_list("id", "sender", "tag")
+    }
+    for row in rows:
+        sender, tag = batches.get(row.batch_id, ("", ""))
+        signals.send_safely(
+            signals.delivery_failed,
+            failure=signals.Failure(
+                delivery_id=row.id,
+                batch_id=row.batch_id,
+                inbox=row.inbox,
+                sender=sender,
+                tag=tag,
+                status=row.last_status,
+                error=reason,
+                deadline=False,
+                refused=False,
+            ),
+        )
 
 
 def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:

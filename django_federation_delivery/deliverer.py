@@ -254,17 +254,31 @@ class Deliverer:
             self._start(claimed)
 
     def _start(self, claimed: list[queue.Claimed]) -> None:
+        if len(self._batches) > 1000:
+            # Forgotten before the look-up, not after: what this claim needs
+            # stays. Those in flight keep their own.
+            self._batches.clear()
         missing = {row.batch_id for row in claimed} - set(self._batches)
         if missing:
             found = self._db(queue.batches, missing, using=self.using)
             if not isinstance(found, dict):
                 return  # the claim's lease lapses and they come due again
-            if len(self._batches) > 1000:
-                self._batches.clear()
             parse = self.skip_if is not None
             self._batches.update(
                 {id: BatchInfo.of(batch, parse=parse) for id, batch in found.items()}
             )
+            vanished = missing - set(found)
+            if vanished:
+                # Deleted since the claim (by an operator, or a purge), and its
+                # deliveries with it by the cascade: nothing is left to send or
+                # to settle. Dropped, not settled: a settle would match no row,
+                # and a signal would speak of a delivery that no longer exists.
+                logger.warning(
+                    "Batch(es) %s were deleted after their deliveries were claimed; "
+                    "those deliveries are dropped",
+                    ", ".join(map(str, sorted(vanished))),
+                )
+                claimed = [row for row in claimed if row.batch_id not in vanished]
         hosts = {row.host for row in claimed}
         self.schemes.read(hosts)
         if hosts & self._paused:

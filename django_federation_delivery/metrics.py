@@ -111,11 +111,13 @@ def observe_queue(*, using: str | None = None) -> None:
     set_open_breakers(overview.open_breakers(using=using))
 
 
-def start_server(port: int, addr: str = "0.0.0.0") -> WSGIServer:
+def start_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
     """Serve the metrics at ``http://addr:port/metrics`` from a daemon thread.
 
     Returns the server: ``shutdown()`` it to stop. Port 0 takes a free port,
-    which the server's ``server_port`` tells.
+    which the server's ``server_port`` tells. This machine only unless
+    ``addr`` says otherwise: the figures name no secret, but hosts and rates
+    are nobody else's business.
     """
     if prometheus_client is None:
         raise ImproperlyConfigured(

@@ -29,6 +29,8 @@ CLAIM_ORDER = (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
 #: How many due rows a claim looks at for each it takes, so that a few hosts
 #: at the head of the queue do not leave it short.
 CANDIDATES = 4
+#: Rows written, or looked up, in one statement.
+CHUNK = 500
 FINAL = frozenset({Status.DELIVERED, Status.REFUSED, Status.SKIPPED, Status.FAILED})
 
 
@@ -114,26 +116,32 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
     batch.created_at = now
     # Written first: on SQLite the write lock is taken before anything is read.
     batch.save(using=alias)
-    waits_on = _last_of_sequences(batch, inboxes, alias)
     paused = _paused_among({queued.host for queued in inboxes}, alias)
-    Delivery.objects.using(alias).bulk_create(
-        (
-            Delivery(
-                batch=batch,
-                inbox=inbox,
-                host=host,
-                via=list(via),
-                lane=batch.lane,
-                sequence=sequence_of(batch.ordering_key, inbox),
-                after_id=waits_on.get(inbox),
-                # One that waits on another has no due time until that
-                # settles; one to a paused host, until the host is resumed.
-                due_at=None if inbox in waits_on or host in paused else now,
-            )
-            for inbox, host, via in inboxes
-        ),
-        batch_size=500,
-    )
+    manager = Delivery.objects.using(alias)
+    # A chunk at a time, in the caller's transaction: bulk_create makes a list
+    # of whatever it is given, and 100,000 model instances at once is memory
+    # a fan-out does not need.
+    for start in range(0, len(inboxes), CHUNK):
+        chunk = inboxes[start : start + CHUNK]
+        waits_on = _last_of_sequences(batch, chunk, alias)
+        manager.bulk_create(
+            [
+                Delivery(
+                    batch=batch,
+                    inbox=inbox,
+                    host=host,
+                    via=list(via),
+                    lane=batch.lane,
+                    sequence=sequence_of(batch.ordering_key, inbox),
+                    after_id=waits_on.get(inbox),
+                    # One that waits on another has no due time until that
+                    # settles; one to a paused host, until the host is resumed.
+                    due_at=None if inbox in waits_on or host in paused else now,
+                )
+                for inbox, host, via in chunk
+            ],
+            batch_size=CHUNK,
+        )
     connection = connection_for(alias)
     if connection.vendor == "postgresql":
         # Delivered by PostgreSQL when, and only when, the transaction commits.
@@ -412,34 +420,55 @@ def _wake() -> None:
     wakeup.notify_local()
 
 
+class GivenUp(NamedTuple):
+    """A delivery :func:`give_up_rows` failed: what its signal tells."""
+
+    id: int
+    batch_id: int
+    inbox: str
+    last_status: int | None
+
+
 def give_up_rows(
     ids: Sequence[int],
     reason: str,
     *,
+    on_failing: Callable[[list[GivenUp]], None] | None = None,
     on_finished: Callable[[list[Batch]], None] | None = None,
     using: str | None = None,
 ) -> list[int]:
     """Fail pending deliveries for good, whoever holds them: a holder's late
-    outcome is fenced out, as its token is gone. Returns the ids failed."""
+    outcome is fenced out, as its token is gone. Returns the ids failed.
+
+    ``on_failing`` is called with exactly the rows this changed, inside the
+    transaction, before it commits: a row another process settled in the
+    meantime is not among them, and a crash before the commit leaves the
+    rows pending, to be given up (and told about) again.
+    """
+    if not ids:
+        return []
     alias = using or DEFAULT_DB_ALIAS
+    connection = connection_for(alias)
+    table = quoted_table(Delivery, connection)
     now = timezone.now()
-    manager = Delivery.objects.using(alias)
+    # One statement that both picks and changes the rows: what it returns is
+    # what it changed, whatever another process did a moment before.
+    sql = (
+        f"UPDATE {table} SET status = %s, due_at = NULL, lease_token = NULL, "
+        f"settled_at = %s, last_error = %s WHERE status = %s "
+        f"AND id IN ({', '.join(['%s'] * len(ids))}) "
+        "RETURNING id, batch_id, inbox, last_status"
+    )
+    params = [str(Status.FAILED), db_datetime(now, connection), reason, str(Status.PENDING)]
     with transaction.atomic(using=alias):
-        rows = list(
-            manager.select_for_update()
-            .filter(id__in=list(ids), status=Status.PENDING)
-            .values_list("id", "batch_id")
-        )
-        failed = [id for id, _ in rows]
-        manager.filter(id__in=failed).update(
-            status=Status.FAILED,
-            due_at=None,
-            lease_token=None,
-            settled_at=now,
-            last_error=reason,
-        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [*params, *ids])
+            rows = sorted(GivenUp(*row) for row in cursor.fetchall())
+        if rows and on_failing is not None:
+            on_failing(rows)
+        failed = [row.id for row in rows]
         _release_next(failed, now, alias)
-        finished = _count_down(Counter(batch_id for _, batch_id in rows), now, alias)
+        finished = _count_down(Counter(row.batch_id for row in rows), now, alias)
         if finished and on_finished is not None:
             on_finished(finished)
     return failed

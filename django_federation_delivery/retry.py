@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -10,6 +11,9 @@ from typing import Any
 #: The waits of the fixed schedule a webhook sender typically wants: nine
 #: tries across about a day.
 DAY_SCHEDULE = (30.0, 120.0, 600.0, 1800.0, 3600.0, 10800.0, 21600.0, 43200.0)
+#: No wait is ever longer, whatever the settings or an inbox say: 30 days.
+#: The checks hold RETRY_AFTER_MAX and the policy's waits to it as well.
+LONGEST_WAIT = 30 * 24 * 3600.0
 
 
 def jitter(
@@ -54,7 +58,8 @@ class RetryPolicy:
             return None
         if self.schedule is not None:
             return self.schedule[made - 1]
-        wait = min(self.cap, self.base * 2.0 ** (made - 1))
+        # 2.0 ** 1024 raises OverflowError; by then every wait is the cap.
+        wait = min(self.cap, self.base * 2.0 ** min(made - 1, 1023))
         return jitter(wait, self.jitter, rand)
 
 
@@ -62,7 +67,18 @@ def wait_before_retry(
     policy_wait: float, retry_after: float | None, *, wait_as_asked: bool, longest: float
 ) -> float:
     """The policy's wait, or longer when the inbox asked for longer, but never
-    longer than ``longest`` on the inbox's word alone."""
-    if retry_after is None or not wait_as_asked:
-        return policy_wait
-    return max(policy_wait, min(retry_after, longest))
+    longer than ``longest`` on the inbox's word alone, nor than
+    :data:`LONGEST_WAIT` at all: what comes back is always a finite number of
+    seconds that a datetime can be moved by."""
+    wait = policy_wait
+    if retry_after is not None and wait_as_asked and math.isfinite(retry_after):
+        wait = max(policy_wait, min(retry_after, longest))
+    return bounded(wait)
+
+
+def bounded(seconds: float) -> float:
+    """``seconds`` within 0 and :data:`LONGEST_WAIT`; what is not a number
+    waits the longest rather than not at all."""
+    if math.isnan(seconds):
+        return LONGEST_WAIT
+    return min(max(seconds, 0.0), LONGEST_WAIT)

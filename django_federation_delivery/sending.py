@@ -10,6 +10,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 TAG_LENGTH = Batch._meta.get_field("tag").max_length or 200
 ORDERING_KEY_LENGTH = Batch._meta.get_field("ordering_key").max_length or 500
 URL_LENGTH = 2048
+#: The most ``max_attempts`` can be: what the column holds on every database.
+MAX_ATTEMPTS = 2**31 - 1
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +130,7 @@ def _queue(
 ) -> Batch | None:
     opts = _options(options)
     sender = _sender(sender)
-    body = _body(activity)
+    body, encoded = _body(activity)
     targets, skipped = _portable_inboxes(inboxes) if portable else _inboxes(inboxes)
     deadline = _deadline(opts.deadline)
     max_attempts = _max_attempts(opts.max_attempts)
@@ -138,12 +142,17 @@ def _queue(
         _log_skipped(skipped, queued=len(targets))
     if not targets:
         return None
+    most = int(app_settings.get("MAX_INBOXES"))
+    if len(targets) > most:
+        raise InvalidDelivery(
+            f"{len(targets)} inboxes is more than MAX_INBOXES ({most}) for one send"
+        )
     with transaction.atomic(using=using):
         batch = queue.enqueue(
             Batch(
                 sender=sender,
                 body=body,
-                body_sha256=body_sha256(body.encode()),
+                body_sha256=body_sha256(encoded),
                 tag=tag,
                 deadline=deadline,
                 max_attempts=max_attempts,
@@ -176,19 +185,40 @@ def _options(options: BatchOptions | Mapping[str, Any] | None) -> BatchOptions:
 
 def _sender(sender: object) -> str:
     if not isinstance(sender, str) or not sender.strip():
-        raise InvalidDelivery(f"sender must be a non-empty string, not {sender!r}")
+        raise InvalidDelivery(f"sender must be a non-empty string, not {_shown(sender)}")
     if len(sender) > URL_LENGTH:
-        raise InvalidDelivery(f"sender is longer than {URL_LENGTH} characters: {sender[:80]!r}…")
-    return sender.strip()
+        raise InvalidDelivery(f"sender is longer than {URL_LENGTH} characters: {_shown(sender)}")
+    sender = _storable("sender", sender.strip())
+    if _CONTROL.search(sender):
+        raise InvalidDelivery(f"sender must not contain control characters: {_shown(sender)}")
+    return sender
 
 
-def _body(activity: object) -> str:
+def _body(activity: object) -> tuple[str, bytes]:
+    """The activity as it is stored and as it is sent, within MAX_BODY_BYTES."""
     if not isinstance(activity, Mapping):
-        raise InvalidDelivery(f"activity must be a JSON object (a dict), not {activity!r:.200}")
+        raise InvalidDelivery(f"activity must be a JSON object (a dict), not {_shown(activity)}")
     try:
-        return json.dumps(activity, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(activity, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidDelivery(f"activity cannot be written as JSON: {exc}") from exc
+    except RecursionError as exc:
+        # The encoder recurses once a level: past the interpreter's limit,
+        # what is nested that deep is no activity anyone reads.
+        raise InvalidDelivery("activity is nested too deeply to be written as JSON") from exc
+    try:
+        encoded = text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidDelivery(
+            "activity holds text that is not valid Unicode (a lone surrogate) near "
+            f"{_shown(text[max(0, exc.start - 20) : exc.end + 20])}"
+        ) from exc
+    limit = int(app_settings.get("MAX_BODY_BYTES"))
+    if len(encoded) > limit:
+        raise InvalidDelivery(
+            f"activity is {len(encoded)} bytes as JSON, more than MAX_BODY_BYTES ({limit})"
+        )
+    return text, encoded
 
 
 def _inboxes(inboxes: Iterable[str]) -> tuple[list[queue.Queued], list[SkippedInbox]]:
@@ -258,11 +288,19 @@ def _deadline(deadline: object) -> dt.datetime | None:
     if isinstance(deadline, dt.timedelta):
         if deadline <= dt.timedelta(0):
             raise InvalidDelivery(f"deadline {deadline!r} must be a positive timedelta")
-        return now + deadline
+        try:
+            return now + deadline
+        except OverflowError as exc:
+            raise InvalidDelivery(f"deadline {deadline!r} is too far ahead") from exc
     if not isinstance(deadline, dt.datetime):
-        raise InvalidDelivery(f"deadline must be a datetime or timedelta, not {deadline!r}")
+        raise InvalidDelivery(f"deadline must be a datetime or timedelta, not {_shown(deadline)}")
     if timezone.is_naive(deadline):
         raise InvalidDelivery(f"deadline {deadline!r} must be timezone-aware")
+    try:
+        # Stored in UTC: a time zone ahead of it can push the year past 9999.
+        deadline = deadline.astimezone(dt.UTC)
+    except OverflowError as exc:
+        raise InvalidDelivery(f"deadline {deadline.isoformat()} is too far ahead") from exc
     if deadline <= now:
         raise InvalidDelivery(f"deadline {deadline.isoformat()} is already past")
     return deadline
@@ -271,19 +309,44 @@ def _deadline(deadline: object) -> dt.datetime | None:
 def _max_attempts(max_attempts: object) -> int | None:
     if max_attempts is None:
         return None
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+    if (
+        isinstance(max_attempts, bool)
+        or not isinstance(max_attempts, int)
+        or not 1 <= max_attempts <= MAX_ATTEMPTS
+    ):
         raise InvalidDelivery(
-            f"max_attempts must be a whole number of 1 or more, not {max_attempts!r}"
+            f"max_attempts must be a whole number from 1 to {MAX_ATTEMPTS}, "
+            f"not {_shown(max_attempts)}"
         )
     return max_attempts
 
 
 def _text(name: str, value: object, length: int) -> str:
     if not isinstance(value, str):
-        raise InvalidDelivery(f"{name} must be a string, not {value!r}")
+        raise InvalidDelivery(f"{name} must be a string, not {_shown(value)}")
     if len(value) > length:
-        raise InvalidDelivery(f"{name} is longer than {length} characters: {value[:80]!r}…")
+        raise InvalidDelivery(f"{name} is longer than {length} characters: {_shown(value)}")
+    return _storable(name, value)
+
+
+def _storable(name: str, value: str) -> str:
+    """``value``, when every database can store it: no NUL (PostgreSQL's text
+    refuses it), no lone surrogate (not UTF-8)."""
+    if "\x00" in value:
+        raise InvalidDelivery(f"{name} must not contain NUL characters: {_shown(value)}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidDelivery(
+            f"{name} holds text that is not valid Unicode (a lone surrogate): {_shown(value)}"
+        ) from exc
     return value
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``value`` as a message names it: its repr, shortened."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}…"
 
 
 def _flag(name: str, value: object) -> bool:

@@ -1,46 +1,137 @@
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from django.core.checks import run_checks
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections
 
+from django_federation_delivery.breakers import BreakerSettings, Scope
 from django_federation_delivery.checks import check_settings, sqlite_problems
-
-
-def ids(settings: Any, **overrides: Any) -> list[str]:
-    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **overrides}
-    return [message.id for message in check_settings()]
+from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS, app_settings
+from django_federation_delivery.deliverer import Deliverer
 
 
 def test_the_test_settings_pass() -> None:
     assert [m.id for m in run_checks() if m.id and m.id.startswith("federation")] == []
 
 
-@pytest.mark.parametrize(
-    ("overrides", "expected"),
-    [
-        ({"SENDR_KEYS": "x"}, "federation_delivery.E002"),
-        ({"SENDER_KEYS": None}, "federation_delivery.E003"),
-        ({"SENDER_KEYS": "tests.keys.no_such_thing"}, "federation_delivery.E004"),
-        ({"PERMANENT_STATUS": 42}, "federation_delivery.E004"),
-        ({"CONCURRENCY": 0}, "federation_delivery.E005"),
-        ({"PER_HOST": "2"}, "federation_delivery.E005"),
-        ({"LEASE_SECONDS": -1}, "federation_delivery.E006"),
-        ({"RETRY": {"SCHEDULE": []}}, "federation_delivery.E007"),
-        ({"RETRY": {"JITTER": 1.5}}, "federation_delivery.E007"),
-        ({"RETRY": {"BACKOFF": 2}}, "federation_delivery.E007"),
-        ({"ALLOWED_NETWORKS": ["loopback"]}, "federation_delivery.E008"),
-        ({"FIRST_SCHEME": "cavage"}, "federation_delivery.E009"),
-        ({"PERMANENT_IF_SENDER_GONE": [1000]}, "federation_delivery.E010"),
-        ({"PRIORITY_MAX_INBOXES": 0}, "federation_delivery.E011"),
+INF = float("inf")
+NAN = float("nan")
+
+#: For every setting, a bad value, the id of the error it gets and what of
+#: the value the message names.
+BAD: dict[str, list[tuple[Any, str, str]]] = {
+    "SENDER_KEYS": [
+        (None, "E003", "SENDER_KEYS"),
+        ("tests.keys.no_such_thing", "E004", "'tests.keys.no_such_thing'"),
     ],
+    "SENDER_GONE": [(42, "E004", "42")],
+    "PERMANENT_STATUS": [(42, "E004", "42")],
+    "SKIP_IF": [("tests.keys.no_such_thing", "E004", "no_such_thing")],
+    "COLLECTION_SYNCHRONIZATION": [(3.5, "E004", "3.5")],
+    "KEY_CACHE_SECONDS": [(NAN, "E006", "nan"), (10**9, "E006", "1000000000")],
+    "PRIORITY_MAX_INBOXES": [(0, "E011", "0"), (10**12, "E011", "1000000000000")],
+    "MAX_INBOXES": [(0, "E005", "0"), (10**12, "E005", "1000000000000")],
+    "MAX_BODY_BYTES": [(-1, "E005", "-1"), (1 << 40, "E005", str(1 << 40))],
+    "PERMANENT_IF_SENDER_GONE": [([1000], "E010", "[1000]"), ([True], "E010", "[True]")],
+    "RETRY": [
+        ({"SCHEDULE": []}, "E007", "[]"),
+        ({"SCHEDULE": [30, INF]}, "E007", "[30, inf]"),
+        ({"JITTER": 1.5}, "E007", "1.5"),
+        ({"BACKOFF": 2}, "E007", "'BACKOFF'"),
+        ({"CAP": INF}, "E007", "inf"),
+        ({"BASE": NAN}, "E007", "nan"),
+        ({"ATTEMPTS": 10**30}, "E007", str(10**30)),
+        ("often", "E007", "'often'"),
+    ],
+    "WAIT_AS_ASKED": [("yes", "E013", "'yes'")],
+    "RETRY_AFTER_MAX": [(INF, "E006", "inf"), (NAN, "E006", "nan"), (-1, "E006", "-1")],
+    "CLAIM_SIZE": [(0, "E005", "0"), (10**9, "E005", "1000000000")],
+    "LEASE_SECONDS": [(-1, "E006", "-1"), (INF, "E006", "inf")],
+    "CONCURRENCY": [(0, "E005", "0"), (10**6, "E005", "1000000")],
+    "PER_HOST": [("2", "E005", "'2'")],
+    "SLOW_AFTER_SECONDS": [(0, "E006", "0"), (INF, "E006", "inf")],
+    "SLOW_CONCURRENCY": [(-1, "E005", "-1"), (2.5, "E005", "2.5")],
+    "IDLE_POLL_SECONDS": [(NAN, "E006", "nan")],
+    "NEW_WORK_POLL_SECONDS": [(True, "E006", "True")],
+    "BREAKER": [
+        ({"SCOPE": "domain"}, "E012", "'domain'"),
+        ({"THRESHOLD": 0}, "E012", "0"),
+        ({"THRESHOLD": "10"}, "E012", "'10'"),
+        ({"COOL_OFF": INF}, "E012", "inf"),
+        ({"COOL_OFF": -5}, "E012", "-5"),
+        ({"PROBES": 2}, "E012", "'PROBES'"),
+        ("on", "E012", "'on'"),
+    ],
+    "CONNECT_TIMEOUT": [(INF, "E006", "inf")],
+    "ATTEMPT_TIMEOUT": [(0, "E006", "0"), (295, "E015", "295")],
+    "MAX_ANSWER_BYTES": [(0, "E005", "0")],
+    "ERROR_LENGTH": [(10**9, "E005", "1000000000")],
+    "CONNECTIONS_PER_HOST": [(0, "E005", "0")],
+    "MAX_IDLE_CONNECTIONS": [(-1, "E005", "-1"), (1.5, "E005", "1.5")],
+    "IDLE_CONNECTION_SECONDS": [(NAN, "E006", "nan")],
+    "VERIFY_TLS": [("false", "E013", "'false'"), (0, "E013", "0")],
+    "ALLOWED_NETWORKS": [(["loopback"], "E008", "'loopback'"), ("127.0.0.0/8", "E008", "'127")],
+    "USER_AGENT": [
+        ("", "E014", "''"),
+        ("bot/1.0\r\nX-Evil: 1", "E014", "'bot/1.0\\r\\nX-Evil: 1'"),
+        ("bot\x00", "E014", "'bot\\x00'"),
+        ("bøt/1.0", "E014", "'bøt/1.0'"),
+        (None, "E014", "None"),
+    ],
+    "FIRST_SCHEME": [("cavage", "E009", "'cavage'"), (["rfc9421"], "E009", "['rfc9421']")],
+}
+
+
+def test_every_setting_has_a_check() -> None:
+    assert set(BAD) == set(DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "expected", "named"),
+    [(name, *case) for name, cases in BAD.items() for case in cases],
 )
-def test_each_misconfiguration_is_an_error_with_its_own_id(
-    settings: Any, overrides: dict[str, Any], expected: str
+def test_each_misconfiguration_is_an_error_with_its_id_naming_the_value(
+    settings: Any, name: str, bad: Any, expected: str, named: str
 ) -> None:
-    assert expected in ids(settings, **overrides)
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, name: bad}
+    found = [m for m in check_settings() if m.id == f"federation_delivery.{expected}"]
+    assert found, [m.id for m in check_settings()]
+    assert any(named in m.msg for m in found), [m.msg for m in found]
+    assert all(m.hint for m in found)
+
+
+def test_an_unknown_setting_is_an_error_naming_it(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "SENDR_KEYS": "x"}
+    (message,) = check_settings()
+    assert message.id == "federation_delivery.E002"
+    assert "'SENDR_KEYS'" in message.msg
+
+
+@pytest.mark.parametrize("off", [None, {}])
+def test_breakers_are_turned_off_by_none_or_an_empty_dict(settings: Any, off: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": off}
+    assert check_settings() == []
+    assert app_settings.breaker_settings() is None
+    assert Deliverer().breakers is None
+
+
+def test_a_partial_breaker_takes_the_rest_from_the_defaults(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": {"THRESHOLD": 3}}
+    assert check_settings() == []
+    assert app_settings.breaker_settings() == BreakerSettings(3, 60.0, Scope.HOST)
+
+
+def test_an_attempt_that_fits_in_its_lease_with_the_margin_passes(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "ATTEMPT_TIMEOUT": 290.0,
+        "LEASE_SECONDS": 290.0 + LEASE_MARGIN_SECONDS,
+    }
+    assert check_settings() == []
 
 
 def test_an_error_says_what_to_write_instead(settings: Any) -> None:
@@ -52,7 +143,10 @@ def test_an_error_says_what_to_write_instead(settings: Any) -> None:
 
 def test_a_setting_that_is_not_a_dict_is_an_error(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = ["SENDER_KEYS"]
-    assert [m.id for m in check_settings()] == ["federation_delivery.E001"]
+    (message,) = check_settings()
+    assert message.id == "federation_delivery.E001"
+    assert "['SENDER_KEYS']" in message.msg
+    assert message.hint == "Write FEDERATION_DELIVERY = {...}."
 
 
 @pytest.mark.django_db(transaction=True)
@@ -72,3 +166,14 @@ def test_sqlite_without_wal_or_a_busy_timeout_is_warned_about(settings: Any) -> 
     assert set(found) == {"federation_delivery.W001", "federation_delivery.W002"}
     assert "timeout" in (found["federation_delivery.W001"].hint or "")
     assert "journal_mode=WAL" in (found["federation_delivery.W002"].hint or "")
+
+
+@pytest.mark.parametrize(
+    "breaker", [{"SCOPE": "domain"}, {"COOL_OFF": float("inf")}, {"THRESHOLD": "many"}]
+)
+def test_a_bad_breaker_used_anyway_is_improperly_configured_naming_it(
+    settings: Any, breaker: dict[str, Any]
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": breaker}
+    with pytest.raises(ImproperlyConfigured, match=re.escape(repr(next(iter(breaker.values()))))):
+        app_settings.breaker_settings()

@@ -18,6 +18,7 @@ from django.utils import timezone
 from django_federation_delivery import BatchOptions, queue, send, send_batch, signals
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.retry import LONGEST_WAIT
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE, BROKEN, rsa_key
@@ -469,3 +470,59 @@ def test_a_silent_server_holds_threads_not_the_slots_of_others(
         "all sent while the silent server still held its two"
     )
     runner.stop()
+
+
+def test_an_endless_retry_after_is_bounded_and_the_loop_goes_on(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], settings: Any
+) -> None:
+    # An unchecked RETRY_AFTER_MAX (the checks refuse inf) and the longest
+    # Retry-After the parser takes: a due time past the year 9999 unless bounded.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETRY_AFTER_MAX": float("inf"),
+        "NEW_WORK_POLL_SECONDS": 0.05,
+    }
+    inbox.respond = lambda request: (
+        (503, {"Retry-After": "999999999999"}, b"") if request.path == "/slow" else (202, {}, b"")
+    )
+    runner = start_deliverer()
+    send(ALICE, NOTE, [inbox.url("/slow")])
+    wait_until(lambda: Delivery.objects.filter(attempts=1).exists())
+    later = send(ALICE, NOTE, [inbox.url("/next")])
+    wait_until(settled(later))
+    assert runner.thread.is_alive(), "the loop is still running"
+    runner.stop()
+    row = Delivery.objects.get(inbox=inbox.url("/slow"))
+    assert row.status == Status.PENDING and row.due_at is not None
+    assert row.due_at <= timezone.now() + dt.timedelta(seconds=LONGEST_WAIT)
+    assert row.due_at >= timezone.now() + dt.timedelta(seconds=LONGEST_WAIT - 60)
+
+
+def test_a_batch_deleted_between_claim_and_read_is_dropped_and_the_loop_goes_on(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    doomed = send(ALICE, NOTE, [inbox.url("/doomed")])
+    kept = send(ALICE, NOTE, [inbox.url("/kept")])
+    assert doomed is not None and kept is not None
+    read_batches = queue.batches
+
+    def deleted_meanwhile(ids: Any, **kwargs: Any) -> dict[int, Batch]:
+        # An operator deletes the batch, its deliveries with it, just after
+        # the deliverer claimed them and just before it reads the batch.
+        Batch.objects.filter(pk=doomed.pk).delete()
+        return read_batches(ids, **kwargs)
+
+    monkeypatch.setattr(queue, "batches", deleted_meanwhile)
+    with caplog.at_level(logging.WARNING, logger="django_federation_delivery.deliverer"):
+        runner = start_deliverer()
+        wait_until(settled(kept))
+        monkeypatch.setattr(queue, "batches", read_batches)
+        after = send(ALICE, NOTE, [inbox.url("/after")])
+        wait_until(settled(after))
+        runner.stop()
+    assert sorted(inbox.paths()) == ["/after", "/kept"]
+    assert not Delivery.objects.filter(batch_id=doomed.pk).exists()
+    assert f"Batch(es) {doomed.pk} were deleted" in caplog.text

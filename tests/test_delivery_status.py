@@ -194,3 +194,20 @@ def test_delivery_status_hosts_limits_the_failing_hosts(busy: dict[str, int]) ->
 def test_delivery_status_refuses_bad_arguments(args: list[str], message: str) -> None:
     with pytest.raises(CommandError, match=message):
         run(*args)
+
+
+def test_delivery_status_escapes_what_a_terminal_would_act_on() -> None:
+    # Hosts and inboxes come from the network: a hostile one must not clear
+    # the operator's screen, retitle the window or reorder what is shown.
+    hostile = "evil\x1b[2J\u202e.example"
+    (row, *_) = queue(hosts=["a.example"], per_host=1).deliveries.all()
+    Delivery.objects.filter(pk=row.pk).update(host=hostile, attempts=1, last_status=503)
+    open_breaker(hostile, failures=4)
+    open_breaker("https://b.example/\x1b]0;owned\x07inbox", failures=12)
+    controls.pause_host("paused\r\n.example")
+    text = run()
+    assert not any(char in text for char in "\x1b\x07\r\u202e"), repr(text)
+    assert "evil\\x1b[2J\\u202e.example" in text
+    assert "https://b.example/\\x1b]0;owned\\x07inbox" in text
+    assert "Paused hosts: paused\\r\\n.example" in text
+    assert json.loads(run("--json"))["paused_hosts"] == ["paused\r\n.example"]

@@ -97,6 +97,15 @@ def test_the_endpoint_serves_the_metrics(endpoint: str) -> None:
     assert "federation_delivery_open_breakers 1.0" in text
 
 
+def test_the_endpoint_listens_on_this_machine_only_by_default() -> None:
+    server = metrics.start_server(0)
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_without_prometheus_client_recording_does_nothing_and_serving_says_why() -> None:
     # A fresh interpreter in which prometheus_client cannot be imported.
     script = "\n".join(

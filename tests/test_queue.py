@@ -3,9 +3,12 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import threading
+import tracemalloc
+from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connection, connections, transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from django_federation_delivery import queue, send, send_batch
@@ -211,3 +214,46 @@ def test_a_claim_takes_no_more_than_per_host_of_one_host() -> None:
     send(ALICE, NOTE, inboxes(50, "busy.example") + inboxes(3, "quiet.example"))
     hosts = collections.Counter(row.host for row in queue.claim(64, lease=300, per_host=2))
     assert hosts == {"busy.example": 2, "quiet.example": 2}
+
+
+def a_batch() -> Batch:
+    return Batch(sender=ALICE, body="{}", body_sha256="x")
+
+
+@pytest.mark.django_db
+def test_a_fan_out_is_inserted_a_bounded_chunk_at_a_time(monkeypatch: Any) -> None:
+    monkeypatch.setattr(queue, "CHUNK", 100)
+    sizes: list[int] = []
+    bulk_create = QuerySet.bulk_create
+
+    def counting(self: QuerySet[Any], objs: Any, *args: Any, **kwargs: Any) -> Any:
+        objs = list(objs)
+        sizes.append(len(objs))
+        return bulk_create(self, objs, *args, **kwargs)
+
+    monkeypatch.setattr(QuerySet, "bulk_create", counting)
+    targets = [queue.Queued(inbox, "a.example") for inbox in inboxes(250)]
+    with transaction.atomic():
+        batch = queue.enqueue(a_batch(), targets)
+    assert sizes == [100, 100, 50]
+    assert Delivery.objects.filter(batch=batch).count() == batch.size == 250
+
+
+def peak_of_enqueue(count: int) -> int:
+    targets = [queue.Queued(inbox, "a.example") for inbox in inboxes(count)]
+    tracemalloc.start()
+    try:
+        with transaction.atomic():
+            queue.enqueue(a_batch(), targets)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.django_db
+def test_the_memory_a_fan_out_takes_does_not_grow_with_it() -> None:
+    peak_of_enqueue(600)  # what is allocated once: compiled queries, caches
+    small, large = peak_of_enqueue(1_500), peak_of_enqueue(6_000)
+    # One chunk of rows at a time: four times the inboxes, not twice the peak
+    # (all the rows at once would be over three times).
+    assert large < small * 2, (small, large)

@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy, jitter, wait_before_retry
+from django_federation_delivery.retry import (
+    DAY_SCHEDULE,
+    LONGEST_WAIT,
+    RetryPolicy,
+    jitter,
+    wait_before_retry,
+)
 
 
 def test_the_default_doubles_from_30_seconds_to_an_hour_over_12_attempts() -> None:
@@ -46,3 +52,29 @@ def test_the_setting_builds_the_policy() -> None:
         {"BASE": 1, "CAP": 4, "ATTEMPTS": 3, "JITTER": 0, "SCHEDULE": [5, 7]}
     )
     assert [scheduled.delay(n) for n in (1, 2, 3)] == [5, 7, None]
+
+
+@pytest.mark.parametrize(
+    ("policy_wait", "retry_after", "longest"),
+    [
+        (30, 999_999_999_999, float("inf")),
+        (30, float("inf"), float("inf")),
+        (float("inf"), None, 3600),
+        (float("nan"), None, 3600),
+        (30, 999_999_999_999, float("nan")),
+    ],
+)
+def test_no_wait_is_past_the_longest_whatever_the_server_or_the_settings_say(
+    policy_wait: float, retry_after: float | None, longest: float
+) -> None:
+    wait = wait_before_retry(policy_wait, retry_after, wait_as_asked=True, longest=longest)
+    assert 0 <= wait <= LONGEST_WAIT
+
+
+def test_a_nan_retry_after_is_not_waited_for() -> None:
+    assert wait_before_retry(30, float("nan"), wait_as_asked=True, longest=3600) == 30
+
+
+def test_the_backoff_reaches_its_cap_without_overflowing_after_many_attempts() -> None:
+    policy = RetryPolicy(attempts=10_000, jitter=0)
+    assert policy.delay(1025) == policy.delay(9_999) == 3600

@@ -102,7 +102,7 @@ def test_drain_sends_what_is_due_with_progress_and_a_summary(inbox: Inbox) -> No
 
 
 @pytest.mark.parametrize("option", ["--concurrency", "--per-host"])
-@pytest.mark.parametrize("value", ["0", "-3", "many"])
+@pytest.mark.parametrize("value", ["0", "-3", "many", "100000"])
 def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
     with pytest.raises(CommandError, match=repr(value)):
         call_command("run_deliverer", "--drain", f"{option}={value}")
@@ -247,6 +247,7 @@ def test_metrics_are_served_on_the_port_named(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     process = processes(f"--metrics-port={port}")
+    assert f"Metrics at http://127.0.0.1:{port}/metrics" in wait_for_line(process, "Metrics at")
     wait_for_line(process, "Delivering until stopped")
     send(ALICE, NOTE, [inbox.url()])
     wait_until(lambda: statuses() == {Status.DELIVERED: 1})
@@ -257,6 +258,10 @@ def test_metrics_are_served_on_the_port_named(
 
     wait_until(lambda: "federation_delivery_lag_seconds" in scrape())
     text = scrape()
+    # Served on 127.0.0.1 only, unless --metrics-addr says otherwise.
+    elsewhere = ("127.0.0.2", port)
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(elsewhere, timeout=5):
+        pass
     process.send_signal(signal.SIGTERM)
     assert process.wait(20) == 0
     assert 'federation_delivery_attempts_total{outcome="delivered"} 1.0' in text
@@ -267,6 +272,27 @@ def test_metrics_are_served_on_the_port_named(
 def test_a_bad_metrics_port_is_refused_naming_it() -> None:
     with pytest.raises(CommandError, match="70000"):
         call_command("run_deliverer", "--drain", "--metrics-port=70000")
+
+
+def test_a_bad_metrics_address_is_refused_naming_it() -> None:
+    with pytest.raises(CommandError, match="'everywhere'"):
+        call_command("run_deliverer", "--drain", "--metrics-port=9108", "--metrics-addr=everywhere")
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"BREAKER": {"SCOPE": "domain"}}, "federation_delivery.E012: .*'domain'"),
+        ({"RETRY_AFTER_MAX": float("inf")}, "federation_delivery.E006: .*inf"),
+        ({"FIRST_SCHEME": "cavage"}, "federation_delivery.E009: .*'cavage'"),
+    ],
+)
+def test_a_misconfigured_deliverer_does_not_start_and_says_why(
+    settings: Any, setting: dict[str, Any], named: str
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **setting}
+    with pytest.raises(CommandError, match=named):
+        call_command("run_deliverer", "--drain")
 
 
 def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(

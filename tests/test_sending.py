@@ -23,6 +23,16 @@ from .keys import ALICE
 NOTE = {"type": "Create", "actor": ALICE, "object": {"type": "Note", "content": "héllo"}}
 
 
+def nested(depth: int) -> list[object]:
+    value: list[object] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+DEEP = nested(100_000)
+
+
 def nothing_written() -> bool:
     return not Batch.objects.exists() and not Delivery.objects.exists()
 
@@ -195,6 +205,28 @@ def test_a_committed_send_wakes_a_deliverer_in_this_process_only_on_commit() -> 
         (ALICE, NOTE, ["https://a.example/inbox"], {"tag": "x" * 201}, "longer than 200"),
         (ALICE, NOTE, ["https://a.example/inbox"], {"low_priority": "yes"}, "'yes'"),
         (ALICE, NOTE, ["https://a.example/inbox"], ["tag"], "['tag']"),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"max_attempts": 10**30}, "1000000000000"),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"tag": "a\x00b"}, "'a\\x00b'"),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"ordering_key": "k\x00"}, "'k\\x00'"),
+        (ALICE, NOTE, ["https://a.example/inbox"], {"tag": "\ud800"}, "'\\ud800'"),
+        (ALICE + "\x00", NOTE, ["https://a.example/inbox"], None, "NUL"),
+        (ALICE + "\r\nX: y", NOTE, ["https://a.example/inbox"], None, "alice\\r\\nX: y'"),
+        (ALICE, {"content": "a\ud800b"}, ["https://a.example/inbox"], None, '"a\\ud800b"'),
+        (ALICE, {"deep": DEEP}, ["https://a.example/inbox"], None, "nested too deeply"),
+        (
+            ALICE,
+            NOTE,
+            ["https://a.example/inbox"],
+            {"deadline": dt.timedelta.max},
+            "days=999999999",
+        ),
+        (
+            ALICE,
+            NOTE,
+            ["https://a.example/inbox"],
+            {"deadline": dt.datetime.max.replace(tzinfo=dt.timezone(-dt.timedelta(hours=5)))},
+            "9999-12-31",
+        ),
     ],
 )
 def test_bad_input_is_refused_naming_the_value_and_nothing_is_written(
@@ -203,7 +235,39 @@ def test_bad_input_is_refused_naming_the_value_and_nothing_is_written(
     with pytest.raises(InvalidDelivery) as raised:
         send_batch(sender, activity, inboxes, options)  # type: ignore[arg-type]
     assert named in str(raised.value)
+    assert len(str(raised.value)) < 300, "the value is named, shortened"
     assert nothing_written()
+
+
+@pytest.mark.django_db
+def test_a_body_past_max_body_bytes_is_refused_as_encoded(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "MAX_BODY_BYTES": 100}
+    # 59 characters, 104 bytes in UTF-8: the limit is on what is sent.
+    activity = {"content": "é" * 45}
+    assert len(json.dumps(activity, ensure_ascii=False, separators=(",", ":"))) == 59
+    with pytest.raises(InvalidDelivery, match=r"is 104 bytes as JSON, more than MAX_BODY_BYTES"):
+        send(ALICE, activity, ["https://a.example/inbox"])
+    assert nothing_written()
+    assert send(ALICE, {"content": "é" * 30}, ["https://a.example/inbox"]) is not None
+
+
+@pytest.mark.django_db
+def test_more_inboxes_than_max_inboxes_are_refused_counted_once_each(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "MAX_INBOXES": 3}
+    with pytest.raises(InvalidDelivery, match=r"4 inboxes is more than MAX_INBOXES \(3\)"):
+        send(ALICE, NOTE, [f"https://a.example/{n}" for n in range(4)])
+    assert nothing_written()
+    # A duplicate is one inbox.
+    assert send(ALICE, NOTE, [f"https://a.example/{n % 3}" for n in range(6)]) is not None
+
+
+@pytest.mark.django_db
+def test_the_defaults_take_a_large_body_and_fan_out() -> None:
+    body = {"content": "x" * 500_000}
+    inboxes = [f"https://h{n % 50}.example/u{n}" for n in range(2_000)]
+    batch = send(ALICE, body, inboxes)
+    assert batch is not None and batch.size == 2_000
+    assert Delivery.objects.filter(batch=batch).count() == 2_000
 
 
 @pytest.mark.django_db

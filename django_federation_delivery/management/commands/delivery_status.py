@@ -22,13 +22,26 @@ def _count(value: str) -> int:
     return number
 
 
+def printable(value: object) -> str:
+    """``value`` as text safe to print to a terminal: what is not printable
+    (an escape sequence, a line break, a bidi override) in a host or inbox
+    that came from the network is shown escaped, never acted on."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        for char in text
+    )
+
+
 def _when(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "—"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, numeric: int = 1) -> str:
     """Columns padded to their widest cell; those from ``numeric`` on right-aligned."""
-    cells = [list(map(str, headers)), *([str(cell) for cell in row] for row in rows)]
+    cells = [list(map(printable, headers)), *([printable(cell) for cell in row] for row in rows)]
     widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
     lines = []
     for row in cells:
@@ -98,7 +111,8 @@ def render(status: Overview) -> str:
                 numeric=2,
             )
         )
-    parts += ["", f"Paused hosts: {', '.join(status.paused_hosts) or 'none'}"]
+    paused = ", ".join(printable(host) for host in status.paused_hosts)
+    parts += ["", f"Paused hosts: {paused or 'none'}"]
     return "\n".join(parts)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -16,21 +17,30 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_federation_delivery import metrics, queue
-from django_federation_delivery.checks import sqlite_problems
+from django_federation_delivery.checks import WHOLE_NUMBERS, check_settings, sqlite_problems
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.settling import Summary
 
 logger = logging.getLogger("django_federation_delivery.deliverer")
 
 
-def _positive(value: str) -> int:
+def _positive(value: str, most: int = 10**9) -> int:
     try:
         number = int(value)
     except ValueError:
         number = 0
-    if number < 1:
-        raise CommandError(f"expected a whole number of 1 or more, not {value!r}")
+    if not 1 <= number <= most:
+        raise CommandError(f"expected a whole number from 1 to {most}, not {value!r}")
     return number
+
+
+def _address(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value.strip().strip("[]")))
+    except ValueError:
+        raise CommandError(
+            f"expected an IP address to serve metrics on, such as 127.0.0.1, not {value!r}"
+        ) from None
 
 
 BAR = 30
@@ -91,6 +101,13 @@ class Command(BaseCommand):
             help="Serve Prometheus metrics on this port (needs the 'prometheus' extra).",
         )
         parser.add_argument(
+            "--metrics-addr",
+            type=str,
+            default="127.0.0.1",
+            help="The address the metrics are served on (default 127.0.0.1, this machine "
+            "only; 0.0.0.0 or :: for every interface).",
+        )
+        parser.add_argument(
             "--log-interval",
             type=str,
             default="60",
@@ -98,8 +115,17 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        concurrency = _positive(options["concurrency"]) if options["concurrency"] else None
-        per_host = _positive(options["per_host"]) if options["per_host"] else None
+        # Held to what the settings may say (checks.WHOLE_NUMBERS): a thread a slot.
+        concurrency = (
+            _positive(options["concurrency"], WHOLE_NUMBERS["CONCURRENCY"][1])
+            if options["concurrency"]
+            else None
+        )
+        per_host = (
+            _positive(options["per_host"], WHOLE_NUMBERS["PER_HOST"][1])
+            if options["per_host"]
+            else None
+        )
         using = options["database"]
         if using not in connections:
             raise CommandError(f"no database named {using!r} in DATABASES")
@@ -107,28 +133,39 @@ class Command(BaseCommand):
             for problem in sqlite_problems(using, connections[using]):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
         drain = bool(options["drain"])
-        interval = float(_positive(options["log_interval"]))
+        interval = float(_positive(options["log_interval"], 86_400))
+        # Run from call_command, or with --skip-checks, the system checks have
+        # not run: a bad setting is still an error that says what to write,
+        # not a traceback from deep in the loop.
+        problems = [message for message in check_settings() if message.is_serious()]
+        if problems:
+            raise CommandError(
+                "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
+            )
         port = options["metrics_port"]
         if port is not None:
-            number = _positive(port)
-            if number > 65535:
-                raise CommandError(f"expected a port from 1 to 65535, not {port!r}")
+            number = _positive(port, 65535)
+            addr = _address(options["metrics_addr"])
             try:
-                server = metrics.start_server(number)
+                server = metrics.start_server(number, addr=addr)
             except ImproperlyConfigured as exc:
                 raise CommandError(str(exc)) from exc
             except OSError as exc:
-                raise CommandError(f"cannot serve metrics on port {number}: {exc}") from exc
-            self._say(f"Metrics at http://0.0.0.0:{server.server_port}/metrics")
+                raise CommandError(f"cannot serve metrics on {addr} port {number}: {exc}") from exc
+            shown = f"[{addr}]" if ":" in addr else addr
+            self._say(f"Metrics at http://{shown}:{server.server_port}/metrics")
         self._due = queue.count_due(using=using) if drain else 0
-        deliverer = Deliverer(
-            concurrency=concurrency,
-            per_host=per_host,
-            using=using,
-            on_progress=self._progress if drain else _log_rates(interval),
-            progress_interval=1.0 if drain else interval,
-            metrics=port is not None,
-        )
+        try:
+            deliverer = Deliverer(
+                concurrency=concurrency,
+                per_host=per_host,
+                using=using,
+                on_progress=self._progress if drain else _log_rates(interval),
+                progress_interval=1.0 if drain else interval,
+                metrics=port is not None,
+            )
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
         previous = self._install_signals(deliverer)
         mode = "until nothing is due" if drain else "until stopped"
         self._say(
