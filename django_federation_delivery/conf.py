@@ -91,6 +91,8 @@ DEFAULTS: dict[str, Any] = {
     "USER_AGENT": f"django-federation-delivery/{__version__}",
     # "draft-cavage" or "rfc9421": the scheme a host is first tried in.
     "FIRST_SCHEME": "draft-cavage",
+    # Webhook destinations, {"name": URL}: see django_federation_delivery.webhooks.
+    "WEBHOOKS": {},
 }
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
