@@ -9,10 +9,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
 from django_federation_delivery.transport import Answer, Transport, parse_retry_after
+
+if TYPE_CHECKING:
+    from django_federation_delivery.webhooks.attempt import WebhookCall
 
 #: The answers that mean a knock in the wrong scheme, worth one more in the other.
 KNOCK_AGAIN = frozenset({400, 401})
@@ -40,6 +44,9 @@ class Job:
     extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: Set when the key could not be had for a reason that may pass.
     key_error: str = ""
+    #: A webhook delivery: sent by ``webhooks.attempt`` instead, unsigned by
+    #: HTTP signatures, to the destination's URL (the fields above unused).
+    webhook: WebhookCall | None = None
 
 
 @dataclasses.dataclass(frozen=True)

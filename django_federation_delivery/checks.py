@@ -235,4 +235,10 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                     id=f"{PREFIX}.E031",
                 )
             )
+    from django_federation_delivery.webhooks.policy import settings_problems
+
+    if isinstance(getattr(settings, SETTING, {}), dict):
+        errors += [
+            Error(f"{SETTING}: {problem}.", id=f"{PREFIX}.E032") for problem in settings_problems()
+        ]
     return errors

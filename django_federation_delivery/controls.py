@@ -13,6 +13,7 @@ from django.db.models import QuerySet
 
 from django_federation_delivery import breakers, hosts, queue, signals
 from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.webhooks.destinations import destination_name
 
 __all__ = ["give_up", "give_up_host", "pause_host", "requeue", "reset_breaker", "resume_host"]
 
@@ -60,6 +61,8 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
                     error=reason,
                     deadline=False,
                     refused=False,
+                    destination=destination_name(delivery.inbox),
+                    event_type=delivery.batch.event_type,
                 ),
             )
         failed += len(

@@ -20,9 +20,12 @@ from urllib.parse import quote, unquote, urlsplit
 from django.core.exceptions import ImproperlyConfigured
 
 __all__ = [
+    "KEY_PREFIX",
     "Destination",
     "Kind",
     "configured_destinations",
+    "delivery_key",
+    "destination_name",
     "parse_destination",
     "webhooks_from_env",
 ]
@@ -63,6 +66,19 @@ _MIN_SECRET_BYTES = 24
 # Parts of a URL shorter than this are too common to take out of text.
 _MIN_REDACTED = 6
 REDACTED = "[redacted]"
+#: What a webhook delivery's ``inbox`` and ``host`` hold: the destination's
+#: name, never its URL, which is looked up in the settings when it is sent.
+KEY_PREFIX = "webhook:"
+
+
+def delivery_key(name: str) -> str:
+    """The ``inbox`` and ``host`` of a delivery to destination ``name``."""
+    return KEY_PREFIX + name
+
+
+def destination_name(key: str) -> str:
+    """The destination a delivery's ``inbox`` or ``host`` names; "" for an inbox URL."""
+    return key[len(KEY_PREFIX) :] if key.startswith(KEY_PREFIX) else ""
 
 
 @dataclass(frozen=True, eq=False)

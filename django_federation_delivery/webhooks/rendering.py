@@ -87,6 +87,19 @@ class Event:
             ) from None
         return cls(event_type, event_id, timestamp.astimezone(datetime.UTC), data)
 
+    @classmethod
+    def read(cls, body: str | bytes) -> Event:
+        """The event :meth:`as_json` wrote, exactly: sent again, and signed
+        again, it gives the same bytes. ``InvalidDelivery`` if it is not one."""
+        try:
+            document = json.loads(body)
+            timestamp = datetime.datetime.fromisoformat(document["timestamp"])
+            return cls.of(document["type"], document["id"], timestamp, document["data"])
+        except (ValueError, TypeError, KeyError) as exc:
+            if isinstance(exc, InvalidDelivery):
+                raise
+            raise InvalidDelivery(f"not a stored event: {type(exc).__name__}") from None
+
     @property
     def unix_time(self) -> int:
         return int(self.timestamp.timestamp())
