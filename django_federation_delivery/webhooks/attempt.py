@@ -101,7 +101,7 @@ def _judged(
     text = " ".join(destination.redact(answer.body.decode("utf-8", "replace")).split())
     error = f"the receiver answered {answer.status}"
     if text:
-        error = f"{error}: {text[: policy.body_length]}"
+        error = f"{error}: {text[: policy.body_length].rstrip()}"
     return AttemptResult(
         job=job,
         delivered=False,
