@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -150,3 +151,32 @@ def test_a_rolled_back_transaction_queues_nothing() -> None:
     assert batch is not None
     delivery = Delivery.objects.get()
     assert delivery.status == Status.PENDING and delivery.after_id is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sends_at_once_to_one_destination_still_make_one_line_of_waits() -> None:
+    from django.db import connections
+
+    errors: list[BaseException] = []
+
+    def sender() -> None:
+        try:
+            for n in range(8):
+                send_webhook("ops", "alert.raised", {"n": n})
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=sender) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    waits = list(Delivery.objects.filter(host="webhook:ops").values_list("after_id", flat=True))
+    assert len(waits) == 24
+    # One head, and every other delivery waits on a different one: none is
+    # released beside another when the one before it settles.
+    assert waits.count(None) == 1
+    assert len(set(waits)) == 24
