@@ -29,7 +29,9 @@ send over plain HTTP, for development and tests. No address is refused here:
 the transport refuses private ones unless ``ALLOWED_NETWORKS`` allows them.
 
 :func:`build_request` turns a destination and an :class:`Event` into the exact
-POST to make; sending it through the queue is not part of this package yet.
+POST to make. ``send_webhook`` (``webhooks/sending.py``, re-exported by the
+package) queues an event; the deliverer sends it (``webhooks/deliveries.py``,
+``webhooks/attempt.py``) by the rules of ``webhooks/policy.py``.
 """
 
 from __future__ import annotations
