@@ -3,6 +3,7 @@
 The public API is importable from here::
 
     from django_federation_delivery import send, send_batch, BatchOptions, SenderKey
+    from django_federation_delivery import send_webhook
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ _EXPORTS = {
     "send": "django_federation_delivery.sending",
     "send_batch": "django_federation_delivery.sending",
     "send_portable": "django_federation_delivery.sending",
+    "send_webhook": "django_federation_delivery.webhooks.sending",
     "PortableInbox": "django_federation_delivery.portable",
     "BatchOptions": "django_federation_delivery.sending",
     "SenderKey": "django_federation_delivery.signatures",
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from django_federation_delivery.sending import BatchOptions, send, send_batch, send_portable
     from django_federation_delivery.signatures import Scheme, SenderKey
     from django_federation_delivery.urls import normalize_inbox, validate_inbox
+    from django_federation_delivery.webhooks.sending import send_webhook
 
 __all__ = [
     "BatchOptions",
@@ -46,6 +49,7 @@ __all__ = [
     "send",
     "send_batch",
     "send_portable",
+    "send_webhook",
     "validate_inbox",
 ]
 

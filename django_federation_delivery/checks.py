@@ -367,3 +367,43 @@ def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:
             )
         )
     return messages
+
+
+@register()
+def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """Each webhook destination parses; a message names it, never its URL (a credential)."""
+    from django_federation_delivery.webhooks import parse_destination
+
+    webhooks = (
+        app_settings.get("WEBHOOKS") if isinstance(getattr(settings, SETTING, {}), dict) else {}
+    )
+    if not isinstance(webhooks, dict) or not all(isinstance(name, str) for name in webhooks):
+        return [
+            Error(
+                f"{SETTING}['WEBHOOKS'] must be a dict of destination names to URLs.",
+                hint='Write "WEBHOOKS": webhooks_from_env(env), which reads every WEBHOOK_<NAME> '
+                "variable (from django_federation_delivery.webhooks).",
+                id=f"{PREFIX}.E030",
+            )
+        ]
+    errors: list[CheckMessage] = []
+    for name, url in webhooks.items():
+        try:
+            parse_destination(name, url)
+        except ImproperlyConfigured as exc:
+            errors.append(
+                Error(
+                    str(exc),
+                    hint=f"Set WEBHOOK_{name.upper()} (read by webhooks_from_env) to a URL of one "
+                    "of the forms in the README's 'Webhooks (destinations)': slack://, "
+                    "discord://, markdown://, telegram://, or https://…?secret=whsec_….",
+                    id=f"{PREFIX}.E031",
+                )
+            )
+    from django_federation_delivery.webhooks.policy import settings_problems
+
+    if isinstance(getattr(settings, SETTING, {}), dict):
+        errors += [
+            Error(f"{SETTING}: {problem}.", id=f"{PREFIX}.E032") for problem in settings_problems()
+        ]
+    return errors

@@ -102,6 +102,14 @@ DEFAULTS: dict[str, Any] = {
     "USER_AGENT": f"django-federation-delivery/{__version__}",
     # "draft-cavage" or "rfc9421": the scheme a host is first tried in.
     "FIRST_SCHEME": "draft-cavage",
+    # Webhook destinations, {"name": URL}: see django_federation_delivery.webhooks.
+    "WEBHOOKS": {},
+    # Webhook deliveries: the waits between tries (nine tries across a day),
+    # the longest Retry-After honoured unless the scheduled wait is longer,
+    # and the time one request may take.
+    "WEBHOOK_RETRY": [30, 120, 600, 1800, 3600, 10800, 21600, 43200],
+    "WEBHOOK_RETRY_AFTER_MAX": 3600.0,
+    "WEBHOOK_TIMEOUT": 10.0,
 }
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

@@ -13,6 +13,7 @@ from django.db.models import QuerySet
 
 from django_federation_delivery import breakers, hosts, queue, signals
 from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.webhooks.destinations import destination_name
 
 __all__ = ["give_up", "give_up_host", "pause_host", "requeue", "reset_breaker", "resume_host"]
 
@@ -63,13 +64,13 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
 
 def _tell_failed(rows: list[queue.GivenUp], reason: str) -> None:
     batches = {
-        id: (sender, tag)
-        for id, sender, tag in Batch.objects.filter(
+        id: (sender, tag, event_type)
+        for id, sender, tag, event_type in Batch.objects.filter(
             id__in={row.batch_id for row in rows}
-        ).values_list("id", "sender", "tag")
+        ).values_list("id", "sender", "tag", "event_type")
     }
     for row in rows:
-        sender, tag = batches.get(row.batch_id, ("", ""))
+        sender, tag, event_type = batches.get(row.batch_id, ("", "", ""))
         signals.send_safely(
             signals.delivery_failed,
             failure=signals.Failure(
@@ -82,6 +83,8 @@ def _tell_failed(rows: list[queue.GivenUp], reason: str) -> None:
                 error=reason,
                 deadline=False,
                 refused=False,
+                destination=destination_name(row.inbox),
+                event_type=event_type,
             ),
         )
 

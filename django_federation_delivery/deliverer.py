@@ -31,6 +31,8 @@ from django_federation_delivery.retry import RetryPolicy, jitter
 from django_federation_delivery.settling import BatchInfo, Settler, Summary, ask
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.slots import Slots
+from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
+from django_federation_delivery.webhooks.policy import WebhookPolicy
 from django_federation_delivery.workers import InFlight, Workers
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,17 @@ class Deliverer:
             sender_gone=app_settings.callable_setting("SENDER_GONE"),
             permanent_if_gone=frozenset(int(s) for s in get("PERMANENT_IF_SENDER_GONE")),
         )
+        # Webhook deliveries: the same loop, with the seed dispatcher's rules.
+        self.webhook_policy = WebhookPolicy.from_settings()
+        self.webhook_settler = Settler(
+            policy=self.webhook_policy.retry,
+            summary=self.summary,
+            retry_after_max=self.webhook_policy.retry_after_max,
+            error_length=self.webhook_policy.message_length,
+        )
+        self.webhooks = WebhookDeliveries(
+            self.webhook_settler, using=using, on_finished=self._batches_finished
+        )
         self.keys = KeyCache()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -104,6 +117,7 @@ class Deliverer:
             error_length=self.error_length,
             wake=self._wake,
             needed=lambda: self.concurrency + self.slots.slow_count(),
+            webhook_policy=self.webhook_policy,
         )
         self.slots = Slots(
             concurrency=self.concurrency, per_host=self.per_host, slow_after=self.slow_after
@@ -141,6 +155,7 @@ class Deliverer:
         self.workers.grow_to(self.concurrency)
         next_progress = time.monotonic() + self.progress_interval
         try:
+            self._db(self.webhooks.give_up_removed)
             while True:
                 self._refresh_view()
                 self._collect()
@@ -286,17 +301,26 @@ class Deliverer:
             paused = self._db(paused_hosts, using=self.using)
             if isinstance(paused, set):
                 self._paused = frozenset(paused)
+        # Webhooks to a destination no longer configured: given up, with every
+        # other pending event to it.
+        removed = self.webhooks.removed(claimed)
+        if removed:
+            self._db(self.webhooks.give_up, removed)
         now = timezone.now()
         holding = self.slots.holding()
         for row in claimed:
-            if row.id in holding:
+            if row.id in holding or row.host in removed:
                 continue
             batch = self._batches[row.batch_id]
             if batch.deadline is not None and now >= batch.deadline:
                 error = "the batch's deadline passed before it was sent"
                 self._keep(self.settler.unsent(row, batch, error))
                 continue
-            if self.skip_if is not None and ask("SKIP_IF", self.skip_if, row.inbox, batch.activity):
+            if (
+                self.skip_if is not None
+                and not batch.event_type
+                and ask("SKIP_IF", self.skip_if, row.inbox, batch.activity)
+            ):
                 self._keep(self.settler.skipped(row, batch))
                 continue
             if row.host in self._paused:
@@ -308,6 +332,8 @@ class Deliverer:
             self.slots.add(item)
 
     def _job(self, row: queue.Claimed, batch: BatchInfo) -> Job:
+        if batch.event_type:
+            return self.webhooks.job(row, batch)
         key_error = ""
         key = None
         try:
@@ -341,6 +367,10 @@ class Deliverer:
             lease_deadline=time.monotonic() + lease_left - LEASE_MARGIN_SECONDS,
         )
 
+    def _settler(self, batch: BatchInfo) -> Settler:
+        """Webhook deliveries are retried and judged by the webhook policy."""
+        return self.webhook_settler if batch.event_type else self.settler
+
     def _keep(self, settlement: queue.Settlement) -> None:
         """Keep what to write, to write many at once (see ``_time_to_write``)."""
         if not self._unwritten:
@@ -371,7 +401,7 @@ class Deliverer:
             except threadqueue.Empty:
                 break
             self.schemes.learn(item.claimed.host, result.accepted_scheme)
-            self._keep(self.settler.attempted(item.claimed, item.batch, result))
+            self._keep(self._settler(item.batch).attempted(item.claimed, item.batch, result))
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
                     item.breaker,
@@ -434,7 +464,9 @@ class Deliverer:
             return True
         error = f"held: the circuit breaker for {item.breaker} is open"
         self._keep(
-            self.settler.attempted(item.claimed, item.batch, held(item.job, error, hold_for))
+            self._settler(item.batch).attempted(
+                item.claimed, item.batch, held(item.job, error, hold_for)
+            )
         )
         return False
 

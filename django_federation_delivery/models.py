@@ -61,6 +61,12 @@ class Batch(models.Model):
     # Sent with a Collection-Synchronization header (FEP-8fcf) that the host
     # project's COLLECTION_SYNCHRONIZATION writes for the sender and inbox.
     synchronize_collection = models.BooleanField(default=False)
+    # A webhook event (see webhooks/): its type and id, blank for an activity.
+    # The body is then the event as JSON, timestamp included, so that every
+    # retry sends, and signs, the very same bytes. Its deliveries' inbox and
+    # host are "webhook:<destination name>", never the URL.
+    event_type = models.CharField(max_length=100, blank=True, default="")
+    event_id = models.CharField(max_length=200, blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now, db_index=True)
     # How many deliveries it queued, and how many are still pending: the
     # batch is finished when that reaches nought.
@@ -77,6 +83,8 @@ class Batch(models.Model):
 
     def __str__(self) -> str:
         label = self.tag or f"batch {self.pk}"
+        if self.event_type:
+            return f"{label}: webhook event {self.event_type}"
         return f"{label} from {self.sender}"
 
 

@@ -23,6 +23,8 @@ from django_federation_delivery import metrics, queue, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.retry import RetryPolicy, wait_before_retry
+from django_federation_delivery.webhooks.destinations import destination_name
+from django_federation_delivery.webhooks.rendering import Event
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +90,15 @@ class BatchInfo:
     ordered: bool
     #: The activity, parsed, when SKIP_IF is to be asked about it.
     activity: Any
+    #: A webhook event's type ("" for an activity), and the event, read back
+    #: from the body (None if it cannot be: see webhooks/deliveries.py).
+    event_type: str = ""
+    event: Event | None = None
 
     @classmethod
     def of(cls, batch: Batch, *, parse: bool) -> BatchInfo:
+        if batch.event_type:
+            return cls._webhook(batch)
         return cls(
             id=batch.id,
             sender=batch.sender,
@@ -102,6 +110,27 @@ class BatchInfo:
             synchronize_collection=batch.synchronize_collection,
             ordered=bool(batch.ordering_key),
             activity=json.loads(batch.body) if parse else None,
+        )
+
+    @classmethod
+    def _webhook(cls, batch: Batch) -> BatchInfo:
+        try:
+            event: Event | None = Event.read(batch.body)
+        except ValueError:
+            event = None
+        return cls(
+            id=batch.id,
+            sender=batch.sender,
+            body=b"",
+            body_sha256=batch.body_sha256,
+            tag=batch.tag,
+            deadline=batch.deadline,
+            max_attempts=batch.max_attempts,
+            synchronize_collection=False,
+            ordered=bool(batch.ordering_key),
+            activity=None,
+            event_type=batch.event_type,
+            event=event,
         )
 
 
@@ -190,6 +219,8 @@ class Settler:
                 status=result.status,
                 error=result.error,
                 duration=result.duration,
+                destination=destination_name(row.inbox),
+                event_type=batch.event_type,
             ),
         )
 
@@ -206,6 +237,8 @@ class Settler:
                 tag=batch.tag,
                 outcome=outcome,
                 status=status,
+                destination=destination_name(row.inbox),
+                event_type=batch.event_type,
             ),
         )
 
@@ -284,6 +317,8 @@ class Settler:
                 error=error[: self.error_length],
                 deadline=deadline,
                 refused=refused,
+                destination=destination_name(row.inbox),
+                event_type=batch.event_type,
             ),
         )
 
@@ -306,6 +341,14 @@ class Settler:
             attempts=row.attempts,
             due_at=timezone.now() + dt.timedelta(seconds=PAUSED_RECHECK),
         )
+
+    def abandoned(
+        self, row: queue.Claimed, batch: BatchInfo, status: int | None, error: str
+    ) -> None:
+        """A delivery failed for good, unsent, by whoever writes it (a webhook
+        destination no longer configured): its signal and its count."""
+        self._failed_signal(row, batch, status, error, deadline=False, refused=False)
+        self.summary.failed += 1
 
     def unsent(self, row: queue.Claimed, batch: BatchInfo, error: str) -> queue.Settlement:
         """Given up before it was sent: the batch's deadline passed."""

@@ -10,6 +10,13 @@ Each is sent with ``sender=Delivery`` (the model class) and one keyword:
 - ``delivery_settled``: ``settled`` (:class:`Settled`): delivered, refused or skipped.
 - ``delivery_failed``: ``failure`` (:class:`Failure`): refused or given up.
 - ``batch_finished``: ``batch`` (the ``Batch``), when its last delivery leaves the queue.
+
+They are sent for webhook deliveries too: then ``destination`` and
+``event_type`` say which destination (by name) and which event, ``inbox`` is
+``webhook:<name>`` (never the URL, which is the credential), ``sender`` is
+blank, and ``error`` has been through the destination's redaction. A
+delivery given up because its destination is no longer configured sends
+``delivery_failed`` alone, with no attempt.
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ class Attempted:
     status: int | None
     error: str
     duration: float
+    #: A webhook delivery's destination (its name: never the URL) and event
+    #: type; "" for an activity, whose ``inbox`` is then a URL.
+    destination: str = ""
+    event_type: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +63,10 @@ class Settled:
     outcome: str
     #: The status the inbox last answered with; 410 says it is gone for good.
     status: int | None
+    #: A webhook delivery's destination (its name: never the URL) and event
+    #: type; "" for an activity, whose ``inbox`` is then a URL.
+    destination: str = ""
+    event_type: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +86,10 @@ class Failure:
     deadline: bool
     #: Whether an answer that will not change ended it ("refused").
     refused: bool
+    #: A webhook delivery's destination (its name: never the URL) and event
+    #: type; "" for an activity, whose ``inbox`` is then a URL.
+    destination: str = ""
+    event_type: str = ""
 
 
 def send_safely(signal: Signal, **kwargs: Any) -> None:

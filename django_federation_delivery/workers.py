@@ -19,6 +19,8 @@ from django_federation_delivery.attempt import AttemptResult, Job, attempt, cras
 from django_federation_delivery.queue import Claimed
 from django_federation_delivery.settling import BatchInfo
 from django_federation_delivery.transport import Transport, TransportSettings
+from django_federation_delivery.webhooks.attempt import WebhookTransport, attempt_webhook
+from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,10 @@ class Workers:
         error_length: int,
         wake: threading.Event,
         needed: Callable[[], int],
+        webhook_policy: WebhookPolicy | None = None,
     ) -> None:
         self.transport_settings = transport_settings
+        self.webhook_policy = webhook_policy or WebhookPolicy()
         self.is_permanent = is_permanent
         self.error_length = error_length
         #: Set when a result is ready, to wake the coordinator.
@@ -100,7 +104,8 @@ class Workers:
         for _ in threads:
             self.jobs.put(None)
         for thread in threads:
-            thread.join(timeout=self.transport_settings.attempt_timeout + 5)
+            longest = max(self.transport_settings.attempt_timeout, self.webhook_policy.timeout)
+            thread.join(timeout=longest + 5)
         with self._lock:
             self._threads.clear()
 
@@ -115,6 +120,7 @@ class Workers:
 
     def _work(self) -> None:
         transport = Transport(self.transport_settings)
+        webhooks = WebhookTransport(self.transport_settings, self.webhook_policy)
         try:
             while True:
                 try:
@@ -122,22 +128,36 @@ class Workers:
                 except threadqueue.Empty:
                     # Idle: let go of connections nobody has used for a while.
                     transport.close_idle()
+                    webhooks.close_idle()
                     continue
                 if item is None:
                     break
                 item.started = time.monotonic()
-                self.results.put((item, self._attempt(item, transport)))
+                self.results.put((item, self._attempt(item, transport, webhooks)))
                 self.wake.set()
                 if self._surplus():
                     break
         finally:
             transport.close()
+            webhooks.close()
 
-    def _attempt(self, item: InFlight, transport: Transport) -> AttemptResult:
+    def _attempt(
+        self, item: InFlight, transport: Transport, webhooks: WebhookTransport
+    ) -> AttemptResult:
         try:
+            if item.job.webhook is not None:
+                return attempt_webhook(item.job, webhooks.get(), self.webhook_policy)
             return attempt(
                 item.job, transport, is_permanent=self.is_permanent, error_length=self.error_length
             )
         except Exception as exc:  # a bug must not take a worker down
-            logger.exception("An attempt at delivery %s raised", item.claimed.id)
+            if item.job.webhook is not None:
+                # Its message and traceback may hold the URL, a credential.
+                logger.error(
+                    "An attempt at webhook delivery %s raised %s",
+                    item.claimed.id,
+                    type(exc).__name__,
+                )
+            else:
+                logger.exception("An attempt at delivery %s raised", item.claimed.id)
             return crashed(item.job, f"internal error: {type(exc).__name__}"[: self.error_length])

@@ -12,6 +12,8 @@ from typing import Any
 import django
 import environ
 
+from django_federation_delivery.webhooks import webhooks_from_env
+
 BASE_DIR = Path(__file__).resolve().parent.parent  # example_project/
 VAR_DIR = BASE_DIR / "var"  # the SQLite database and the demo actors' keys
 VAR_DIR.mkdir(exist_ok=True)
@@ -93,6 +95,9 @@ FEDERATION_DELIVERY = {
     # Deliveries go to public addresses only, unless networks are listed here
     # (a comma list, e.g. "127.0.0.0/8": scripts/demo sets it for its run).
     "ALLOWED_NETWORKS": env.list("FEDERATION_DELIVERY_ALLOWED_NETWORKS", default=[]),
+    # Webhook destinations, one WEBHOOK_<NAME> variable each (none by default),
+    # e.g. WEBHOOK_OPS=slack://hooks.slack.com/services/… ; the URL is a secret.
+    "WEBHOOKS": webhooks_from_env(env),
 }
 
 LOGGING = {

@@ -1,0 +1,216 @@
+"""One attempt at one webhook delivery, in a worker thread, as the seed's dispatcher judges it.
+
+The request is built here (the event's template rendered, signed JSON
+signed), POSTed with no HTTP signature and no double knocking, within the
+webhook time limit, and what came of it is an
+:class:`~django_federation_delivery.attempt.AttemptResult` like any other:
+2xx delivered, 4xx but 408 and 429 refused, everything else retried.
+
+The URL is the credential, so every text that leaves here has been through
+the destination's :meth:`~Destination.redact` (and the transport's
+``scheme://host/path`` cut to ``scheme://host``), a receiver echoing the URL
+included; urllib3's debug log lines are redacted while a webhook is sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from django_federation_delivery.attempt import AttemptResult, Job
+from django_federation_delivery.exceptions import TransportError
+from django_federation_delivery.transport import Answer, Transport, TransportSettings
+from django_federation_delivery.transport.failures import check_url
+from django_federation_delivery.webhooks.destinations import Destination
+from django_federation_delivery.webhooks.policy import WebhookPolicy, is_refusal
+from django_federation_delivery.webhooks.rendering import Event, build_request
+
+__all__ = ["WebhookCall", "WebhookTransport", "attempt_webhook", "safe_text"]
+
+logger = logging.getLogger(__name__)
+
+#: What a webhook receiver is asked to answer in: anything, it is only read
+#: for an error.
+ACCEPT = "application/json, */*;q=0.5"
+
+
+@dataclasses.dataclass(frozen=True)
+class WebhookCall:
+    """What a worker needs to send one event to one destination."""
+
+    destination: Destination | None
+    event: Event | None
+    #: Why it cannot be sent as it is (a destination that does not parse, an
+    #: event that cannot be read back), and whether that can pass.
+    problem: str = ""
+    permanent: bool = False
+
+
+def attempt_webhook(
+    job: Job,
+    transport: Transport,
+    policy: WebhookPolicy,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> AttemptResult:
+    """Make one attempt at the webhook ``job`` carries."""
+    call = job.webhook
+    assert call is not None, "a webhook job carries its call"
+    started = clock()
+    if call.problem or call.destination is None or call.event is None:
+        return _result(job, call.problem, permanent=call.permanent, requests=0)
+    destination = call.destination
+    try:
+        request = build_request(destination, call.event)
+    except Exception as exc:
+        # The project's template, most likely; fixed, the retry sends it.
+        logger.warning(
+            "The event %s for %s could not be written: %s",
+            call.event.type,
+            destination.display,
+            type(exc).__name__,
+        )
+        error = f"the event could not be written for {destination.name}: {type(exc).__name__}"
+        return _result(job, error, permanent=False, requests=0)
+    headers = {"Accept": ACCEPT, **request.headers}
+    try:
+        with _redacting(destination):
+            answer = transport.post(request.url, request.body, headers)
+    except TransportError as exc:
+        error = safe_text(destination, request.url, str(exc))[: policy.message_length]
+        result = _result(job, error, permanent=False)
+    else:
+        result = _judged(job, answer, destination, policy)
+    return dataclasses.replace(result, duration=clock() - started)
+
+
+def _judged(
+    job: Job, answer: Answer, destination: Destination, policy: WebhookPolicy
+) -> AttemptResult:
+    delivered = 200 <= answer.status < 300
+    if delivered:
+        return dataclasses.replace(
+            _result(job, "", permanent=False), delivered=True, status=answer.status
+        )
+    # The whole of what was read is redacted before any of it is cut: a cut
+    # secret would no longer be recognised.
+    text = " ".join(destination.redact(answer.body.decode("utf-8", "replace")).split())
+    error = f"the receiver answered {answer.status}"
+    if text:
+        error = f"{error}: {text[: policy.body_length].rstrip()}"
+    return AttemptResult(
+        job=job,
+        delivered=False,
+        status=answer.status,
+        error=error,
+        permanent=is_refusal(answer.status),
+        retry_after=_retry_after_seconds(answer.headers.get("Retry-After")),
+        accepted_scheme=None,
+        duration=0.0,
+    )
+
+
+def _retry_after_seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` in seconds. An HTTP date is not taken: no chat service
+    sends one, and a date read wrongly is a wait of years."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not (value.isdigit() and value.isascii()) or len(value) > 12:
+        return None
+    return float(int(value))
+
+
+def _result(job: Job, error: str, *, permanent: bool, requests: int = 1) -> AttemptResult:
+    return AttemptResult(
+        job=job,
+        delivered=False,
+        status=None,
+        error=error,
+        permanent=permanent,
+        retry_after=None,
+        accepted_scheme=None,
+        duration=0.0,
+        requests=requests,
+    )
+
+
+def safe_text(destination: Destination, url: str, text: str) -> str:
+    """``text`` (a transport's error) in one line with nothing of the URL but
+    its scheme and host: the path of a Slack or Discord hook, and a bot
+    token, are the credential."""
+    try:
+        target = check_url(url)
+    except TransportError:
+        pass
+    else:
+        origin = target.display.split("://", 1)
+        host = origin[1].split("/", 1)[0] if len(origin) == 2 else ""
+        if host:
+            text = text.replace(target.display, f"{origin[0]}://{host}")
+    return " ".join(destination.redact(text).split())
+
+
+class WebhookTransport:
+    """A worker's transport for webhooks, made when first needed: the webhook
+    time limit, and a pool of its own."""
+
+    def __init__(self, settings: TransportSettings, policy: WebhookPolicy) -> None:
+        self.settings = dataclasses.replace(
+            settings,
+            attempt_timeout=policy.timeout,
+            connect_timeout=min(settings.connect_timeout, policy.timeout),
+        )
+        self._transport: Transport | None = None
+
+    def get(self) -> Transport:
+        if self._transport is None:
+            self._transport = Transport(self.settings)
+        return self._transport
+
+    def close_idle(self) -> None:
+        if self._transport is not None:
+            self._transport.close_idle()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+# urllib3 logs the path it POSTs to at DEBUG, and for a webhook the path is
+# the credential: while a worker sends one, its lines are redacted.
+_sending = threading.local()
+_URLLIB3_LOGGERS = (
+    "urllib3.connectionpool",
+    "urllib3.connection",
+    "urllib3.poolmanager",
+    "urllib3.response",
+    "urllib3.util.retry",
+)
+
+
+@contextlib.contextmanager
+def _redacting(destination: Destination) -> Iterator[None]:
+    _sending.destination = destination
+    try:
+        yield
+    finally:
+        _sending.destination = None
+
+
+class _RedactFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        destination: Destination | None = getattr(_sending, "destination", None)
+        if destination is not None:
+            record.msg = destination.redact(record.getMessage())
+            record.args = None
+        return True
+
+
+_FILTER = _RedactFilter()
+for _name in _URLLIB3_LOGGERS:
+    logging.getLogger(_name).addFilter(_FILTER)

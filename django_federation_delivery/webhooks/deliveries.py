@@ -1,0 +1,169 @@
+"""The loop's side of webhook deliveries: the job for a claimed one, and giving
+up on destinations no longer configured.
+
+A delivery names its destination (``webhook:<name>``); the URL is looked up
+in ``FEDERATION_DELIVERY["WEBHOOKS"]`` when it is sent. One whose destination
+was removed is given up in writing, with every other pending event to that
+destination and ``delivery_failed`` for each, rather than left pending where
+it would read as "still trying": when the loop starts, and when one is
+claimed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS
+
+from django_federation_delivery import queue
+from django_federation_delivery.attempt import Job
+from django_federation_delivery.conf import SETTING, app_settings
+from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.settling import BatchInfo, Settler
+from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.webhooks.attempt import WebhookCall
+from django_federation_delivery.webhooks.destinations import (
+    KEY_PREFIX,
+    Destination,
+    destination_name,
+    parse_destination,
+)
+
+__all__ = ["WebhookDeliveries", "removed_reason"]
+
+CHUNK = 500
+
+
+def removed_reason(name: str) -> str:
+    return f"no destination named `{name}` is configured any more"
+
+
+class WebhookDeliveries:
+    """What a deliverer does for its webhook deliveries, beside its activities."""
+
+    def __init__(
+        self,
+        settler: Settler,
+        *,
+        using: str = DEFAULT_DB_ALIAS,
+        on_finished: Callable[[list[Batch]], None] | None = None,
+    ) -> None:
+        self.settler = settler
+        self.using = using
+        self.on_finished = on_finished
+        #: (name, URL) -> the destination, or what is wrong with it.
+        self._parsed: dict[tuple[str, str], Destination | str] = {}
+
+    def lookup(self, name: str) -> Destination | str | None:
+        """The destination ``name``: None when it is not configured (any more),
+        text saying what is wrong when it does not parse (retried: fixed, the
+        next try sends)."""
+        configured = app_settings.get("WEBHOOKS")
+        if not isinstance(configured, Mapping):
+            return f"{SETTING}['WEBHOOKS'] is not a dict of names to URLs"
+        url = configured.get(name)
+        if url is None:
+            return None
+        key = (name, str(url))
+        if key not in self._parsed:
+            if len(self._parsed) > 1000:
+                self._parsed.clear()
+            try:
+                self._parsed[key] = parse_destination(name, url)
+            except ImproperlyConfigured as exc:  # names the destination, never its URL
+                self._parsed[key] = str(exc)
+        return self._parsed[key]
+
+    def job(self, row: queue.Claimed, batch: BatchInfo) -> Job:
+        """The job for a claimed webhook delivery: the destination as configured
+        now, and the event as queued."""
+        name = destination_name(row.inbox)
+        destination = self.lookup(name)
+        if destination is None:
+            call = WebhookCall(None, None, problem=removed_reason(name), permanent=True)
+        elif isinstance(destination, str):
+            call = WebhookCall(None, None, problem=destination)
+        elif batch.event is None:
+            problem = f"the stored event of batch {batch.id} cannot be read"
+            call = WebhookCall(None, None, problem=problem, permanent=True)
+        else:
+            call = WebhookCall(destination, batch.event)
+        return Job(
+            delivery_id=row.id,
+            targets=(),
+            body=b"",
+            body_sha256="",
+            key=None,
+            sender="",
+            scheme=Scheme.CAVAGE,
+            webhook=call,
+        )
+
+    def removed(self, claimed: Iterable[queue.Claimed]) -> set[str]:
+        """The hosts (``webhook:<name>``) among ``claimed`` whose destination is
+        no longer configured."""
+        return {
+            row.host
+            for row in claimed
+            if row.host.startswith(KEY_PREFIX) and self.lookup(destination_name(row.host)) is None
+        }
+
+    def give_up_removed(self) -> int:
+        """Give up every pending delivery to a destination no longer configured.
+        Returns how many."""
+        pending = (
+            Delivery.objects.using(self.using)
+            .filter(status=Status.PENDING, host__startswith=KEY_PREFIX)
+            .values_list("host", flat=True)
+            .distinct()
+        )
+        return self.give_up(
+            {host for host in pending if self.lookup(destination_name(host)) is None}
+        )
+
+    def give_up(self, hosts: Iterable[str]) -> int:
+        """Fail every pending delivery to ``hosts`` for good, whoever holds
+        them, each with ``delivery_failed`` sent first. Returns how many."""
+        failed = 0
+        manager = Delivery.objects.using(self.using)
+        for host in sorted(hosts):
+            reason = removed_reason(destination_name(host))
+            ids = list(
+                manager.filter(host=host, status=Status.PENDING)
+                .order_by("id")
+                .values_list("id", flat=True)
+            )
+            for start in range(0, len(ids), CHUNK):
+                rows = list(manager.filter(id__in=ids[start : start + CHUNK]))
+                batches = queue.batches({row.batch_id for row in rows}, using=self.using)
+                for row in rows:
+                    self.settler.abandoned(
+                        _claimed(row),
+                        BatchInfo.of(batches[row.batch_id], parse=False),
+                        row.last_status,
+                        reason,
+                    )
+                failed += len(
+                    queue.give_up_rows(
+                        [row.id for row in rows],
+                        reason,
+                        on_finished=self.on_finished,
+                        using=self.using,
+                    )
+                )
+        return failed
+
+
+def _claimed(row: Delivery) -> queue.Claimed:
+    """A delivery as the settler's signals read it, held by nobody."""
+    return queue.Claimed(
+        id=row.id,
+        batch_id=row.batch_id,
+        inbox=row.inbox,
+        host=row.host,
+        attempts=row.attempts,
+        via=(),
+        token="",
+        leased_until=0.0,
+    )

@@ -1,0 +1,96 @@
+"""How webhook deliveries are retried and judged: the nine-try schedule across a day.
+
+Webhooks get their own defaults, whatever the ActivityPub ones are: a chat
+service's bad night is ridden out, and an alert is not delivered on Thursday
+about Monday.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
+
+__all__ = ["WebhookPolicy", "is_refusal", "settings_problems"]
+
+#: Room beyond the body kept for what a message says around it
+#: ("gave up after 9 attempts: the receiver answered 503: …").
+MESSAGE_ROOM = 100
+
+
+def is_refusal(status: int) -> bool:
+    """A 4xx says the request itself is wrong (a hook deleted, a bot removed, a
+    token revoked) and will be wrong in an hour too; 408 and 429 only say "not
+    now". Every other failure is the receiver's bad moment."""
+    return 400 <= status < 500 and status not in (408, 429)
+
+
+@dataclasses.dataclass(frozen=True)
+class WebhookPolicy:
+    """What a webhook attempt may take and what comes of it."""
+
+    #: The waits between tries: one try more than waits.
+    schedule: tuple[float, ...] = DAY_SCHEDULE
+    #: The longest a receiver's ``Retry-After`` is taken at its word, unless
+    #: the schedule's own wait is longer.
+    retry_after_max: float = 3600.0
+    #: One request, from connecting to the end of the answer.
+    timeout: float = 10.0
+    #: How much of a refusal's body is kept.
+    body_length: int = 300
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(schedule=self.schedule, jitter=0.0)
+
+    @property
+    def message_length(self) -> int:
+        return self.body_length + MESSAGE_ROOM
+
+    @classmethod
+    def from_settings(cls) -> WebhookPolicy:
+        from django_federation_delivery.conf import SETTING, app_settings
+
+        problems = settings_problems()
+        if problems:
+            raise ImproperlyConfigured(f"{SETTING}: {problems[0]}.")
+        return cls(
+            schedule=tuple(float(wait) for wait in app_settings.get("WEBHOOK_RETRY")),
+            retry_after_max=float(app_settings.get("WEBHOOK_RETRY_AFTER_MAX")),
+            timeout=float(app_settings.get("WEBHOOK_TIMEOUT")),
+            body_length=int(app_settings.get("ERROR_LENGTH")),
+        )
+
+
+def settings_problems() -> list[str]:
+    """What is wrong with the webhook settings, each naming the setting."""
+    from django_federation_delivery.conf import app_settings
+
+    problems = []
+    schedule: Any = app_settings.get("WEBHOOK_RETRY")
+    if not _waits(schedule):
+        problems.append(
+            f"WEBHOOK_RETRY must be a non-empty list of waits in seconds, such as "
+            f"{list(map(int, DAY_SCHEDULE))}, not {schedule!r}"
+        )
+    for name in ("WEBHOOK_RETRY_AFTER_MAX", "WEBHOOK_TIMEOUT"):
+        value = app_settings.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            problems.append(f"{name} must be a number of seconds above 0, not {value!r}")
+    return problems
+
+
+def _waits(schedule: Any) -> bool:
+    return (
+        isinstance(schedule, Sequence)
+        and not isinstance(schedule, str)
+        and bool(schedule)
+        and all(
+            isinstance(wait, int | float) and not isinstance(wait, bool) and wait > 0
+            for wait in schedule
+        )
+    )

@@ -1,0 +1,123 @@
+"""``send_webhook``: an event queued for configured destinations, strictly in order.
+
+One batch an event: its body is the event as JSON (type, id, timestamp,
+data), written once, so that every retry sends and signs the same bytes. One
+delivery a destination, whose inbox and host are ``webhook:<name>``: the URL
+is the credential and is never written, only looked up in the settings when
+the delivery is sent. Per-host slots, breakers and pauses then apply per
+destination.
+
+All webhook deliveries to one destination share one sequence of the queue's
+ordering: each waits until the one queued before it is delivered or given up,
+so "resolved" never overtakes "raised", and a failing event holds the later
+ones to its destination, and nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+from django.utils import timezone
+
+from django_federation_delivery import queue
+from django_federation_delivery.conf import SETTING, app_settings
+from django_federation_delivery.exceptions import InvalidDelivery
+from django_federation_delivery.models import Batch
+from django_federation_delivery.signatures import body_sha256
+from django_federation_delivery.webhooks.destinations import delivery_key, parse_destination
+from django_federation_delivery.webhooks.rendering import Event
+
+__all__ = ["ORDERING_KEY", "send_webhook"]
+
+#: The ordering key of every webhook batch: with the destination as the
+#: "inbox", one sequence a destination.
+ORDERING_KEY = "webhook"
+
+
+def send_webhook(
+    destination: str | Iterable[str],
+    event_type: str,
+    data: Any,
+    *,
+    event_id: str | uuid.UUID | None = None,
+    using: str | None = None,
+) -> Batch | None:
+    """Queue the event ``event_type`` with ``data`` (anything JSON can write)
+    for ``destination``, a configured destination's name or a list of them.
+
+    Written in the caller's transaction: rolled back, nothing is queued. An
+    unknown destination, an empty or path-like event type, or data JSON
+    cannot write raises ``InvalidDelivery`` naming it, with nothing written.
+    ``event_id`` (a new UUID by default) is the ``webhook-id`` a receiver
+    de-duplicates by. Returns the batch, or None for an empty list.
+    """
+    names = _names(destination)
+    event = Event.of(event_type, event_id or str(uuid.uuid4()), timezone.now(), data)
+    if not names:
+        return None
+    body = event.as_json().decode()
+    from django_federation_delivery.sending import _lane
+
+    alias = using or DEFAULT_DB_ALIAS
+    with transaction.atomic(using=alias):
+        _lock_sequences(names, alias)
+        return queue.enqueue(
+            Batch(
+                sender="",
+                body=body,
+                body_sha256=body_sha256(body.encode()),
+                ordering_key=ORDERING_KEY,
+                lane=_lane(len(names), False),
+                event_type=event.type,
+                event_id=event.id,
+            ),
+            [queue.Queued(delivery_key(name), delivery_key(name)) for name in names],
+            using=alias,
+        )
+
+
+def _names(destination: object) -> list[str]:
+    """The destinations named, each once, each configured (its URL parsed, so
+    that a bad one is reported now by its name)."""
+    if isinstance(destination, str):
+        given: list[object] = [destination]
+    elif isinstance(destination, bytes) or not isinstance(destination, Iterable):
+        raise InvalidDelivery(
+            f"destination must be a destination's name or a list of names, not {destination!r:.200}"
+        )
+    else:
+        given = list(destination)
+    configured = app_settings.get("WEBHOOKS")
+    names: list[str] = []
+    for name in given:
+        if not isinstance(name, str):
+            raise InvalidDelivery(f"a destination is named by a string, not {name!r:.200}")
+        if not isinstance(configured, dict) or name not in configured:
+            known = ", ".join(sorted(configured)) if isinstance(configured, dict) else ""
+            raise InvalidDelivery(
+                f"no webhook destination named {name!r:.100} is configured in "
+                f"{SETTING}['WEBHOOKS'] (configured: {known or 'none'})"
+            )
+        parse_destination(name, configured[name])
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _lock_sequences(names: list[str], alias: str) -> None:
+    """On PostgreSQL, queue for one destination one transaction at a time,
+    until commit: two sends at once would otherwise both wait on the same
+    earlier delivery, and be sent side by side. (SQLite writes one at a time.)"""
+    connection = queue.connection_for(alias)
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        for name in sorted(names):  # one order, so two sends never deadlock
+            digest = hashlib.sha256(f"{ORDERING_KEY}\n{name}".encode()).digest()
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(%s)", [int.from_bytes(digest[:8], "big", signed=True)]
+            )

@@ -1,0 +1,167 @@
+"""One webhook attempt, with HTTP faked by ``responses``: what is sent, and how
+each answer is judged and told without the URL."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterator
+
+import pytest
+import requests
+import responses
+
+from django_federation_delivery.attempt import Job
+from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.transport import Transport, TransportSettings
+from django_federation_delivery.webhooks import Event, parse_destination
+from django_federation_delivery.webhooks.attempt import WebhookCall, attempt_webhook, safe_text
+from django_federation_delivery.webhooks.policy import WebhookPolicy, is_refusal
+
+SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+SENT_TO = "https://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+SECRETS = ("T0AAAA1", "B0BBBB2", "s3cretT0kenV4lue9", "/services/")
+EVENT = Event.of("alert.raised", "evt-1", dt.datetime(2026, 1, 2, tzinfo=dt.UTC), {"host": "db1"})
+
+
+@pytest.fixture
+def transport() -> Iterator[Transport]:
+    transport = Transport(TransportSettings(user_agent="tests"))
+    yield transport
+    transport.close()
+
+
+@pytest.fixture
+def mocked() -> Iterator[responses.RequestsMock]:
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        yield mock
+
+
+def job(url: str = SLACK, **call: object) -> Job:
+    values: dict[str, object] = {"destination": parse_destination("ops", url), "event": EVENT}
+    values.update(call)
+    return Job(
+        delivery_id=1,
+        targets=(),
+        body=b"",
+        body_sha256="",
+        key=None,
+        sender="",
+        scheme=Scheme.CAVAGE,
+        webhook=WebhookCall(**values),  # type: ignore[arg-type]
+    )
+
+
+def no_secret(text: str) -> bool:
+    return not any(secret in text for secret in SECRETS)
+
+
+def test_a_2xx_is_delivered_with_the_destinations_request_unsigned(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.post(SENT_TO, status=200, body="ok")
+    result = attempt_webhook(job(), transport, WebhookPolicy())
+    assert result.delivered and result.status == 200 and result.error == ""
+    request = mocked.calls[0].request
+    assert json.loads(request.body) == {"text": "alert.raised\nhost: db1"}
+    assert "Signature" not in request.headers and "Signature-Input" not in request.headers
+    assert len(mocked.calls) == 1
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 410, 422])
+def test_a_4xx_is_refused_for_good_and_its_body_kept_without_the_url(
+    mocked: responses.RequestsMock, transport: Transport, status: int
+) -> None:
+    mocked.post(SENT_TO, status=status, body=f"no_service\n  at {SENT_TO}\n")
+    result = attempt_webhook(job(), transport, WebhookPolicy())
+    assert not result.delivered and result.permanent and result.status == status
+    assert result.error == f"the receiver answered {status}: no_service at [redacted]"
+    assert len(mocked.calls) == 1  # no double knocking
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504, 301, 302])
+def test_408_429_5xx_and_redirects_are_retried(
+    mocked: responses.RequestsMock, transport: Transport, status: int
+) -> None:
+    mocked.post(SENT_TO, status=status, headers={"Location": "https://elsewhere.example/"})
+    result = attempt_webhook(job(), transport, WebhookPolicy())
+    assert not result.delivered and not result.permanent
+    assert result.error == f"the receiver answered {status}"
+    assert len(mocked.calls) == 1
+
+
+def test_the_seeds_refusals_are_4xx_but_408_and_429() -> None:
+    assert [code for code in range(100, 600) if is_refusal(code)] == [
+        code for code in range(400, 500) if code not in (408, 429)
+    ]
+
+
+def test_the_first_300_characters_of_a_refusals_body_are_kept_in_one_line(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.post(SENT_TO, status=404, body="word\n" * 200)
+    result = attempt_webhook(job(), transport, WebhookPolicy())
+    kept = " ".join(["word"] * 200)[:300]
+    assert len(kept) == 300
+    assert result.error == "the receiver answered 404: " + kept.rstrip()
+    assert "\n" not in result.error
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"), [("120", 120.0), (" 0 ", 0.0), ("-5", None), ("soon", None)]
+)
+def test_retry_after_is_taken_in_seconds_only(
+    mocked: responses.RequestsMock, transport: Transport, header: str, expected: float | None
+) -> None:
+    mocked.post(SENT_TO, status=429, headers={"Retry-After": header})
+    assert attempt_webhook(job(), transport, WebhookPolicy()).retry_after == expected
+
+
+def test_an_http_date_in_retry_after_is_not_taken(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.post(SENT_TO, status=503, headers={"Retry-After": "Wed, 21 Oct 2099 07:28:00 GMT"})
+    assert attempt_webhook(job(), transport, WebhookPolicy()).retry_after is None
+
+
+def test_a_network_error_is_retried_and_told_with_the_scheme_and_host_only(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.post(SENT_TO, body=requests.ConnectionError(f"boom talking to {SENT_TO}"))
+    result = attempt_webhook(job(), transport, WebhookPolicy())
+    assert not result.delivered and not result.permanent and result.status is None
+    assert result.error.startswith("https://hooks.slack.com: ")
+    assert no_secret(result.error)
+
+
+def test_safe_text_leaves_scheme_and_host_of_a_telegram_bot_url() -> None:
+    destination = parse_destination("tg", "telegram://123456:ABCdefSECRET_tok@-1001")
+    url = destination.url
+    text = safe_text(destination, url, f"{url.split('/sendMessage')[0]}/sendMessage: timed out")
+    assert text == "https://api.telegram.org: timed out"
+
+
+def test_a_destination_that_does_not_parse_is_retried_without_a_request(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    result = attempt_webhook(
+        job(destination=None, problem="Webhook destination 'ops': its URL has no host."),
+        transport,
+        WebhookPolicy(),
+    )
+    assert not result.permanent and result.requests == 0 and not mocked.calls
+    assert result.error == "Webhook destination 'ops': its URL has no host."
+
+
+def test_a_template_that_raises_is_retried_and_named_by_its_type_only(
+    mocked: responses.RequestsMock, transport: Transport, settings: object
+) -> None:
+    from unittest import mock
+
+    with mock.patch(
+        "django_federation_delivery.webhooks.attempt.build_request",
+        side_effect=RuntimeError(SENT_TO),
+    ):
+        result = attempt_webhook(job(), transport, WebhookPolicy())
+    assert result.error == "the event could not be written for ops: RuntimeError"
+    assert not result.permanent and result.requests == 0 and not mocked.calls

@@ -1,0 +1,385 @@
+"""Webhook deliveries end to end: real receivers on loopback, the real loop and database."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from standardwebhooks import Webhook
+
+from django_federation_delivery import send, send_webhook, signals
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.models import Batch, Delivery, Status
+
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .keys import ALICE
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
+NOTE = {"@context": "https://www.w3.org/ns/activitystreams", "type": "Create", "actor": ALICE}
+
+
+def configure(settings: Any, webhooks: dict[str, str], **extra: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": webhooks,
+        "WEBHOOK_RETRY": [0.1] * 8,
+        **extra,
+    }
+
+
+def signed(inbox: Inbox, path: str = "/hook") -> str:
+    return f"http://{inbox.address}:{inbox.port}{path}?secret={SECRET}"
+
+
+def event_n(request: Received) -> int:
+    document = request.json()
+    if "data" in document:  # signed JSON
+        return int(document["data"]["n"])
+    text = document.get("text") or document["content"]  # a chat message: "type\nn: 3"
+    return int(text.rsplit("n: ", 1)[1])
+
+
+def deliveries(host: str) -> list[Delivery]:
+    return list(Delivery.objects.filter(host=host).order_by("id"))
+
+
+def all_settled(host: str) -> Callable[[], bool]:
+    return lambda: not Delivery.objects.filter(host=host, status=Status.PENDING).exists()
+
+
+@pytest.fixture
+def caught() -> Iterator[list[tuple[str, Any]]]:
+    """Every signal's payload, by signal name."""
+    seen: list[tuple[str, Any]] = []
+    lock = threading.Lock()
+    receivers = []
+    for name in ("delivery_attempted", "delivery_settled", "delivery_failed", "batch_finished"):
+
+        def receive(sender: Any, name: str = name, **kwargs: Any) -> None:
+            with lock:
+                seen.extend((name, value) for key, value in kwargs.items() if key != "signal")
+
+        getattr(signals, name).connect(receive, weak=False)
+        receivers.append((name, receive))
+    yield seen
+    for name, receive in receivers:
+        getattr(signals, name).disconnect(receive)
+
+
+def test_a_failing_destination_gets_its_events_strictly_in_order_and_holds_nothing_else(
+    inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer], settings: Any
+) -> None:
+    others_done = threading.Event()
+    failed: list[int] = []
+
+    def down_for_a_while(request: Received) -> tuple[int, dict[str, str], bytes]:
+        # Down until the other destination and the inbox have everything, and
+        # at least twice: their deliveries cannot have waited on this one.
+        if len(failed) < 2 or not others_done.is_set():
+            failed.append(event_n(request))
+            return 503, {}, b"down"
+        return 200, {}, b""
+
+    flaky = inboxes("127.0.0.1", respond=down_for_a_while)
+    healthy = inboxes("127.0.0.2")
+    inbox = inboxes("127.0.0.3")
+    configure(
+        settings,
+        {
+            "flaky": signed(flaky),
+            "healthy": f"markdown+http://127.0.0.2:{healthy.port}/hooks/k3y",
+        },
+        WEBHOOK_RETRY=[0.5] * 8,
+    )
+    for n in range(5):
+        send_webhook(["flaky", "healthy"], "alert.raised", {"n": n})
+    send(ALICE, NOTE, [inbox.url()])
+    runner = start_deliverer()
+    wait_until(lambda: len(healthy.received) == 5 and len(inbox.received) == 1)
+    others_done.set()
+    wait_until(all_settled("webhook:flaky"))
+    runner.stop()
+
+    assert [event_n(request) for request in healthy.received] == [0, 1, 2, 3, 4]
+    sent = [event_n(request) for request in flaky.received]
+    assert len(failed) >= 2 and failed == [0] * len(failed)
+    assert sent == [0] * len(failed) + [0, 1, 2, 3, 4]
+    assert {d.status for d in deliveries("webhook:flaky")} == {Status.DELIVERED}
+    assert deliveries("webhook:flaky")[0].attempts == len(failed) + 1
+
+
+def test_signed_json_verifies_at_the_receiver_and_is_signed_alike_on_every_retry(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    verified: list[Any] = []
+
+    def verify(request: Received) -> tuple[int, dict[str, str], bytes]:
+        verified.append(Webhook(SECRET).verify(request.body, request.headers))
+        return (503 if len(verified) == 1 else 204), {}, b""
+
+    receiver = inboxes("127.0.0.1", respond=verify)
+    configure(settings, {"audit": signed(receiver)})
+    batch = send_webhook("audit", "user.created", {"name": "Zoë"}, event_id="evt_1")
+    assert batch is not None
+    wait_for_drains(lambda: len(verified) == 2)
+    first, second = receiver.received
+    assert verified[0] == {
+        "type": "user.created",
+        "id": "evt_1",
+        "timestamp": json.loads(Batch.objects.get().body)["timestamp"],
+        "data": {"name": "Zoë"},
+    }
+    assert first.path == "/hook"  # the secret is taken out of the URL sent
+    assert first.body == second.body and first.headers["X-Webhook-Event"] == "user.created"
+    for header in ("webhook-id", "webhook-timestamp", "webhook-signature"):
+        assert first.headers[header] == second.headers[header]
+    assert Delivery.objects.get().status == Status.DELIVERED
+
+
+def wait_for_drains(condition: Callable[[], bool], rounds: int = 40) -> None:
+    """Drain the queue again and again (each until nothing is due) until ``condition``."""
+    for _ in range(rounds):
+        Deliverer().run(drain=True)
+        if condition():
+            return
+        threading.Event().wait(0.1)  # the retry's 0.1 s
+    raise AssertionError(f"not after {rounds} drains: {condition}")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "retry_after", "waited"),
+    [
+        ([30], None, 30),
+        ([30], "5", 30),  # never sooner than the schedule
+        ([30], "600", 600),  # as long as asked
+        ([30], "99999", 3600),  # but no more than an hour
+        ([7200], "99999", 7200),  # or the schedule's own wait, when longer
+    ],
+)
+def test_retry_after_is_waited_within_the_schedule_and_an_hour(
+    inboxes: Callable[..., Inbox],
+    settings: Any,
+    schedule: list[float],
+    retry_after: str | None,
+    waited: float,
+) -> None:
+    headers = {} if retry_after is None else {"Retry-After": retry_after}
+    receiver = inboxes("127.0.0.1", respond=lambda request: (429, headers, b"slow down"))
+    configure(settings, {"chat": f"slack+http://127.0.0.1:{receiver.port}/services/T1/B1/x1"})
+    settings.FEDERATION_DELIVERY["WEBHOOK_RETRY"] = schedule
+    send_webhook("chat", "alert.raised", {"n": 0})
+    Deliverer().run(drain=True)
+    delivery = Delivery.objects.get()
+    assert delivery.status == Status.PENDING and delivery.attempts == 1
+    assert delivery.last_status == 429
+    assert delivery.last_error == "the receiver answered 429: slow down"
+    assert delivery.due_at is not None and delivery.last_attempt_at is not None
+    assert (delivery.due_at - delivery.last_attempt_at).total_seconds() == pytest.approx(
+        waited, abs=1
+    )
+
+
+def test_a_4xx_is_refused_for_good_and_the_next_event_goes(
+    inboxes: Callable[..., Inbox], settings: Any, caught: list[tuple[str, Any]]
+) -> None:
+    def gone_then_back(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return (404, {}, b"no_service") if event_n(request) == 0 else (200, {}, b"ok")
+
+    receiver = inboxes("127.0.0.1", respond=gone_then_back)
+    configure(settings, {"ops": f"slack+http://127.0.0.1:{receiver.port}/services/T1/B1/x1"})
+    send_webhook("ops", "alert.raised", {"n": 0})
+    send_webhook("ops", "alert.resolved", {"n": 1})
+    Deliverer().run(drain=True)
+    refused, delivered = deliveries("webhook:ops")
+    assert (refused.status, refused.attempts, refused.last_status) == (Status.REFUSED, 1, 404)
+    assert refused.last_error == "the receiver answered 404: no_service"
+    assert delivered.status == Status.DELIVERED
+    assert [event_n(request) for request in receiver.received] == [0, 1]
+    failures = [value for name, value in caught if name == "delivery_failed"]
+    assert len(failures) == 1
+    failure = failures[0]
+    assert (failure.destination, failure.event_type, failure.inbox) == (
+        "ops",
+        "alert.raised",
+        "webhook:ops",
+    )
+    assert failure.refused and failure.status == 404 and failure.sender == ""
+    settled = [value for name, value in caught if name == "delivery_settled"]
+    assert [(s.destination, s.event_type, s.outcome) for s in settled] == [
+        ("ops", "alert.raised", "refused"),
+        ("ops", "alert.resolved", "delivered"),
+    ]
+    attempted = [value for name, value in caught if name == "delivery_attempted"]
+    assert {(a.destination, a.outcome) for a in attempted} == {
+        ("ops", "refused"),
+        ("ops", "delivered"),
+    }
+
+
+def test_after_nine_tries_an_event_is_given_up_and_the_next_goes(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caught: list[tuple[str, Any]],
+) -> None:
+    def busy_for_the_first(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return (503, {}, b"busy") if event_n(request) == 0 else (200, {}, b"")
+
+    receiver = inboxes("127.0.0.1", respond=busy_for_the_first)
+    configure(
+        settings,
+        {"ops": f"discord+http://127.0.0.1:{receiver.port}/api/webhooks/1/t0ken"},
+        WEBHOOK_RETRY=[0.05] * 8,
+    )
+    send_webhook("ops", "alert.raised", {"n": 0})
+    send_webhook("ops", "alert.raised", {"n": 1})
+    runner = start_deliverer()
+    wait_until(all_settled("webhook:ops"))
+    runner.stop()
+    failed, delivered = deliveries("webhook:ops")
+    assert (failed.status, failed.attempts, failed.last_status) == (Status.FAILED, 9, 503)
+    assert failed.last_error == "gave up after 9 attempts: the receiver answered 503: busy"
+    assert delivered.status == Status.DELIVERED
+    assert [event_n(request) for request in receiver.received] == [0] * 9 + [1]
+    (failure,) = [value for name, value in caught if name == "delivery_failed"]
+    assert failure.error == failed.last_error and not failure.refused
+
+
+def test_a_removed_destinations_events_are_given_up_in_writing_when_the_loop_starts(
+    inboxes: Callable[..., Inbox], settings: Any, caught: list[tuple[str, Any]]
+) -> None:
+    receiver = inboxes("127.0.0.1")
+    kept = f"slack+http://127.0.0.1:{receiver.port}/services/T1/B1/x1"
+    configure(settings, {"kept": kept, "gone": kept.replace("x1", "x2")})
+    for n in range(3):
+        send_webhook(["gone", "kept"], "alert.raised", {"n": n})
+    configure(settings, {"kept": kept})
+    Deliverer().run(drain=True)
+    gone = deliveries("webhook:gone")
+    assert {d.status for d in gone} == {Status.FAILED}
+    assert {d.last_error for d in gone} == {"no destination named `gone` is configured any more"}
+    assert {d.status for d in deliveries("webhook:kept")} == {Status.DELIVERED}
+    assert [request.path for request in receiver.received] == ["/services/T1/B1/x1"] * 3
+    failures = [value for name, value in caught if name == "delivery_failed"]
+    assert sorted(f.delivery_id for f in failures) == [d.id for d in gone]
+    assert {(f.destination, f.error) for f in failures} == {
+        ("gone", "no destination named `gone` is configured any more")
+    }
+    assert Batch.objects.filter(finished_at__isnull=True).count() == 0
+
+
+def test_a_destination_removed_while_its_event_waits_to_be_retried_is_given_up_when_it_comes_due(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caught: list[tuple[str, Any]],
+) -> None:
+    receiver = inboxes("127.0.0.1", respond=lambda request: (503, {}, b""))
+    configure(
+        settings,
+        {"ops": f"slack+http://127.0.0.1:{receiver.port}/services/T1/B1/x1"},
+        WEBHOOK_RETRY=[1.0] * 8,
+    )
+    send_webhook("ops", "alert.raised", {"n": 0})
+    send_webhook("ops", "alert.raised", {"n": 1})
+    runner = start_deliverer()
+    wait_until(lambda: deliveries("webhook:ops")[0].attempts == 1)
+    configure(settings, {}, WEBHOOK_RETRY=[1.0] * 8)
+    wait_until(all_settled("webhook:ops"))
+    runner.stop()
+    assert {d.last_error for d in deliveries("webhook:ops")} == {
+        "no destination named `ops` is configured any more"
+    }
+    assert len(receiver.received) == 1
+    failures = [value for name, value in caught if name == "delivery_failed"]
+    assert len(failures) == 2 and {f.destination for f in failures} == {"ops"}
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caught: list[tuple[str, Any]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def echo(status: int) -> Callable[[Received], tuple[int, dict[str, str], bytes]]:
+        def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
+            url = f"http://{request.host}{request.path}"
+            text = f"no hook at {url} ({request.path}); {json.dumps({'url': url})}"
+            return status, {}, text.encode()
+
+        return answer
+
+    slow = inboxes("127.0.0.1", delay=1.0)
+    echo404 = inboxes("127.0.0.1", respond=echo(404))
+    echo500 = inboxes("127.0.0.1", respond=echo(500))
+    bot = "123456:ABCsecretBotToken_x"
+    webhooks = {
+        "refused": f"slack+http://127.0.0.1:{closed_port()}/services/T0SECRETA/B0SECRETB/rTOKEN1",
+        "slow": f"slack+http://127.0.0.1:{slow.port}/services/T0SECRETC/B0SECRETD/sTOKEN2",
+        "echo4xx": f"discord+http://127.0.0.1:{echo404.port}/api/webhooks/998877/eTOKEN3",
+        "echo5xx": f"telegram://{bot}@-1001?api=http://127.0.0.1:{echo500.port}",
+        "private": f"http://127.0.0.9:{echo404.port}/hook?secret={SECRET}",
+    }
+    secrets = [
+        "T0SECRET",
+        "B0SECRET",
+        "TOKEN1",
+        "TOKEN2",
+        "TOKEN3",
+        "998877",
+        "ABCsecretBotToken",
+        "123456",
+        SECRET[6:20],
+        "/services/",
+        "/api/webhooks/",
+    ]
+    configure(
+        settings,
+        webhooks,
+        WEBHOOK_RETRY=[0.05] * 8,
+        WEBHOOK_TIMEOUT=0.3,
+        ALLOWED_NETWORKS=["127.0.0.1/32"],
+    )
+    caplog.set_level(logging.DEBUG)
+    send_webhook(list(webhooks), "alert.raised", {"n": 0})
+    runner = start_deliverer()
+    wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists(), timeout=60)
+    runner.stop()
+
+    errors = dict(Delivery.objects.values_list("inbox", "last_error"))
+    assert "connection refused" in errors["webhook:refused"]
+    assert "0.3s" in errors["webhook:slow"] or "timed out" in errors["webhook:slow"]
+    assert errors["webhook:echo4xx"].startswith("the receiver answered 404: no hook at [redacted]")
+    assert errors["webhook:echo5xx"].startswith(
+        "gave up after 9 attempts: the receiver answered 500: no hook at [redacted]"
+    )
+    assert "not a public address" in errors["webhook:private"]
+    status = StringIO()
+    call_command("delivery_status", stdout=status)
+    places = {
+        "rows": json.dumps([*Delivery.objects.values(), *Batch.objects.values()], default=str),
+        "logs": caplog.text + "".join(str(record.args) for record in caplog.records),
+        "signals": repr(caught),
+        "delivery_status": status.getvalue(),
+    }
+    assert caplog.records and caught
+    for place, text in places.items():
+        leaked = [secret for secret in secrets if secret in text]
+        assert not leaked, f"{leaked} in the {place}"

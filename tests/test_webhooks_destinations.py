@@ -1,0 +1,252 @@
+"""Webhook destinations: the URL forms, the environment, redaction and the system check."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import environ
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from django_federation_delivery.checks import check_webhooks
+from django_federation_delivery.webhooks import (
+    Destination,
+    Kind,
+    configured_destinations,
+    parse_destination,
+    webhooks_from_env,
+)
+
+KEY = bytes(range(32))
+SECRET = "whsec_" + base64.b64encode(KEY).decode()
+OTHER_KEY = bytes(range(100, 132))
+OTHER_SECRET = "whsec_" + base64.b64encode(OTHER_KEY).decode()
+
+SLACK = "slack://hooks.slack.com/services/T0001/B0001/XXXXXXXXXXXXXXXXXXXXXXXX"
+DISCORD = "discord://discord.com/api/webhooks/123456789012345678/DiscordTokenDiscordToken"
+MARKDOWN = "markdown://chat.example/hooks/mattermostkey123456789"
+TELEGRAM = "telegram://123456:ABC-telegram_token@-1001234567890"
+
+
+@pytest.mark.parametrize(
+    ("url", "kind", "sent_to"),
+    [
+        (
+            SLACK,
+            Kind.SLACK,
+            "https://hooks.slack.com/services/T0001/B0001/XXXXXXXXXXXXXXXXXXXXXXXX",
+        ),
+        (
+            "slack+http://127.0.0.1:8000/services/T/B/X",
+            Kind.SLACK,
+            "http://127.0.0.1:8000/services/T/B/X",
+        ),
+        (
+            DISCORD,
+            Kind.DISCORD,
+            "https://discord.com/api/webhooks/123456789012345678/DiscordTokenDiscordToken",
+        ),
+        (
+            "discord+http://127.0.0.1/api/webhooks/1/t",
+            Kind.DISCORD,
+            "http://127.0.0.1/api/webhooks/1/t",
+        ),
+        (MARKDOWN, Kind.MARKDOWN, "https://chat.example/hooks/mattermostkey123456789"),
+        ("MARKDOWN+HTTP://chat.example/hooks/k", Kind.MARKDOWN, "http://chat.example/hooks/k"),
+        (
+            TELEGRAM,
+            Kind.TELEGRAM,
+            "https://api.telegram.org/bot123456:ABC-telegram_token/sendMessage",
+        ),
+        (
+            "telegram://1:t@@my_channel?api=http://127.0.0.1:8081/",
+            Kind.TELEGRAM,
+            "http://127.0.0.1:8081/bot1:t/sendMessage",
+        ),
+        (
+            f"https://audit.example/hooks/kasl?secret={SECRET}",
+            Kind.SIGNED_JSON,
+            "https://audit.example/hooks/kasl",
+        ),
+        (
+            f"http://127.0.0.1:9000/in?a=1&secret={SECRET}&b=2&secret={OTHER_SECRET}",
+            Kind.SIGNED_JSON,
+            "http://127.0.0.1:9000/in?a=1&b=2",
+        ),
+    ],
+)
+def test_each_form_gives_its_kind_and_the_url_requests_go_to(
+    url: str, kind: Kind, sent_to: str
+) -> None:
+    destination = parse_destination("ops", url)
+    assert destination.kind is kind
+    assert destination.url == sent_to
+
+
+def test_a_telegram_chat_is_a_number_or_a_username() -> None:
+    assert parse_destination("t", TELEGRAM).chat_id == -1001234567890
+    assert parse_destination("t", "telegram://1:t@@my_channel").chat_id == "@my_channel"
+
+
+def test_signed_json_keeps_every_secret_decoded_in_order() -> None:
+    url = f"https://a.example/h?secret={SECRET}&secret={OTHER_SECRET}"
+    assert parse_destination("audit", url).secrets == (KEY, OTHER_KEY)
+
+
+def test_a_plus_in_a_secret_is_base64_not_a_space() -> None:
+    key = bytes([0xFB] * 30)  # base64 "+/v7…": both of base64's own symbols
+    secret = "whsec_" + base64.b64encode(key).decode()
+    assert "+" in secret
+    assert parse_destination("a", f"https://a.example/h?secret={secret}").secrets == (key,)
+    percent_encoded = secret.replace("+", "%2B").replace("/", "%2F")
+    assert parse_destination("a", f"https://a.example/h?secret={percent_encoded}").secrets == (key,)
+
+
+BAD = [
+    ("", "empty"),
+    ("hooks.slack.com/services/T/B/XXXXXXXXXXXXSECRET", "no scheme"),
+    ("ftp://example.com/XXXXXXXXXXXXSECRET", "'ftp'"),
+    ("slack+https://hooks.slack.com/services/XXXXXXXXXXXXSECRET", "'slack+https'"),
+    ("slack://hooks.slack.com", "path"),
+    ("slack://hooks.slack.com/", "path"),
+    ("slack:///services/XXXXXXXXXXXXSECRET", "no host"),
+    ("slack://hooks.slack.com:99999/XXXXXXXXXXXXSECRET", "not a valid URL"),
+    ("slack://hooks.slack.com/services/XXXXXXXXXXXXSECRET#x", "fragment"),
+    ("slack://hooks.slack.com/services/XXXXXXXXXXXX SECRET", "spaces"),
+    ("telegram://XXXXXXXXXXXXSECRET", "telegram://<bot token>@<chat id>"),
+    ("telegram://123:XXXXXXXXXXXXSECRET@", "chat"),
+    ("telegram://123:XXXXXXXXXXXXSECRET@general", "chat"),
+    ("telegram://123:XXXXXXXXXXXXSECRET@-100?thread=5", "'thread'"),
+    ("telegram://123:XXXXXXXXXXXXSECRET@-100?api=ftp://127.0.0.1", "api"),
+    ("https://audit.example/hooks/XXXXXXXXXXXXSECRET", "needs a secret"),
+    ("https://audit.example/hooks?secret=XXXXXXXXXXXXSECRET", "whsec_"),
+    ("https://audit.example/hooks?secret=whsec_XXXXXXXXXXXXSECRET!", "base64"),
+    ("https://audit.example/hooks?secret=whsec_" + base64.b64encode(b"short").decode(), "5 bytes"),
+]
+
+
+@pytest.mark.parametrize(("url", "says"), BAD)
+def test_a_bad_url_is_an_error_naming_the_destination_and_not_its_secret(
+    url: str, says: str
+) -> None:
+    with pytest.raises(ImproperlyConfigured) as raised:
+        parse_destination("oncall", url)
+    message = str(raised.value)
+    assert "'oncall'" in message
+    assert says in message
+    assert "SECRET" not in message
+    assert raised.value.__cause__ is None or "SECRET" not in str(raised.value.__cause__)
+    assert raised.value.__suppress_context__ or raised.value.__context__ is None
+
+
+@pytest.mark.parametrize("name", ["", "Ops", "on call", "a/b", "x" * 65, 3])
+def test_a_bad_name_is_an_error(name: Any) -> None:
+    with pytest.raises(ImproperlyConfigured, match="name"):
+        parse_destination(name, SLACK)
+
+
+@pytest.mark.parametrize(
+    "url", [SLACK, DISCORD, MARKDOWN, TELEGRAM, f"https://a.example/h?secret={SECRET}"]
+)
+def test_repr_and_str_show_the_name_and_kind_only(url: str) -> None:
+    destination = parse_destination("ops", url)
+    shown = repr(destination) + str(destination) + destination.display
+    assert "ops" in shown
+    assert destination.kind.label in shown
+    assert "://" not in shown
+    assert "token" not in shown.lower()
+    assert "whsec" not in shown
+
+
+@pytest.mark.parametrize(
+    ("url", "leaks"),
+    [
+        (SLACK, ["XXXXXXXXXXXXXXXXXXXXXXXX", "/services/T0001/B0001/XXXXXXXXXXXXXXXXXXXXXXXX"]),
+        (DISCORD, ["DiscordTokenDiscordToken", "123456789012345678/DiscordTokenDiscordToken"]),
+        (MARKDOWN, ["mattermostkey123456789"]),
+        (
+            TELEGRAM,
+            ["123456:ABC-telegram_token", "ABC-telegram_token", "bot123456:ABC-telegram_token"],
+        ),
+        (f"https://a.example/h?secret={SECRET}", [SECRET, SECRET[len("whsec_") :]]),
+    ],
+)
+def test_redact_takes_every_secret_part_out_of_a_text(url: str, leaks: list[str]) -> None:
+    destination = parse_destination("ops", url)
+    texts = [
+        f"POST {url} failed",
+        f"POST {destination.url} failed",
+        # The transport's own message: the URL without its query, host lowercased.
+        f"{destination.url.split('?')[0]}: connection refused",
+        # An answer that echoes the request, JSON-escaped.
+        '{"error": "' + destination.url.replace("/", "\\/") + '"}',
+        *(f"bad token {leak}!" for leak in leaks),
+    ]
+    for text in texts:
+        redacted = destination.redact(text)
+        assert "[redacted]" in redacted
+        for leak in leaks:
+            assert leak not in redacted, (text, redacted)
+
+
+def test_redact_leaves_the_rest_of_a_text_alone() -> None:
+    destination = parse_destination("ops", SLACK)
+    text = "the receiver answered 404: no_service (services are down)"
+    assert destination.redact(text) == text
+
+
+def test_webhooks_from_env_reads_every_prefixed_variable_lowercased() -> None:
+    env = environ.Env()
+    env.ENVIRON = {
+        "WEBHOOK_OPS": SLACK,
+        "WEBHOOK_ONCALL": f" {TELEGRAM} ",
+        "WEBHOOK_EMPTY": "  ",
+        "WEBHOOK_": "slack://nameless.example/x",
+        "WEBHOOKS": "not one",
+        "DATABASE_URL": "sqlite://",
+    }
+    assert webhooks_from_env(env) == {"ops": SLACK, "oncall": TELEGRAM}
+
+
+def test_webhooks_from_env_takes_a_mapping_and_another_prefix() -> None:
+    found = webhooks_from_env({"HOOK_AUDIT": MARKDOWN, "WEBHOOK_OPS": SLACK}, prefix="HOOK_")
+    assert found == {"audit": MARKDOWN}
+
+
+def test_configured_destinations_parses_the_setting(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": SLACK}}
+    (destination,) = configured_destinations().values()
+    assert isinstance(destination, Destination)
+    assert destination.display == "ops (Slack)"
+
+
+def test_the_check_passes_good_destinations(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": SLACK, "tg": TELEGRAM, "audit": f"https://a.example/?secret={SECRET}"},
+    }
+    assert check_webhooks() == []
+
+
+def test_the_check_names_a_bad_destination_and_its_variable_not_its_secret(
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": SLACK, "oncall": "slack://hooks.slack.com/services/SECRET#here"},
+    }
+    (message,) = check_webhooks()
+    assert message.id == "federation_delivery.E031"
+    assert "'oncall'" in message.msg
+    assert "WEBHOOK_ONCALL" in (message.hint or "")
+    assert "SECRET" not in message.msg + (message.hint or "")
+
+
+@pytest.mark.parametrize("webhooks", [["slack://x.example/y"], "slack://x.example/y", {1: "x"}])
+def test_the_check_refuses_a_setting_that_is_not_names_to_urls(
+    settings: Any, webhooks: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": webhooks}
+    assert [m.id for m in check_webhooks()] == ["federation_delivery.E030"]
+    assert "slack://" not in check_webhooks()[0].msg

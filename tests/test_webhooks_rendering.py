@@ -1,0 +1,266 @@
+"""What each kind of destination receives, sent through ``requests`` to ``responses``."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import json
+import math
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import responses
+from standardwebhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError
+
+from django_federation_delivery.exceptions import InvalidDelivery
+from django_federation_delivery.webhooks import (
+    Destination,
+    Event,
+    WebhookRequest,
+    build_request,
+    parse_destination,
+)
+from django_federation_delivery.webhooks.rendering import DISCORD_LIMIT, TELEGRAM_LIMIT
+
+SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+OTHER_SECRET = "whsec_" + base64.b64encode(bytes(range(50, 82))).decode()
+WRONG_SECRET = "whsec_" + base64.b64encode(bytes(range(1, 33))).decode()
+
+SLACK = "slack://hooks.slack.com/services/T0001/B0001/XXXXXXXXXXXXXXXXXXXXXXXX"
+DISCORD = "discord://discord.com/api/webhooks/1234/token-token-token"
+MARKDOWN = "markdown+http://127.0.0.1:8065/hooks/mattermostkey"
+TELEGRAM = "telegram://123456:ABC-token@-1001234567890?api=http://127.0.0.1:8081"
+SIGNED = f"https://audit.example/hooks/kasl?source=alerts&secret={SECRET}"
+
+
+def event(data: Any = None, event_type: str = "alert.raised", **fields: Any) -> Event:
+    values: dict[str, Any] = {
+        "event_id": "evt_01",
+        "timestamp": datetime.datetime.now(datetime.UTC),
+        "data": {"host": "db-1", "load": 7.5} if data is None else data,
+    }
+    values.update(fields)
+    return Event.of(event_type, **values)
+
+
+@pytest.fixture
+def mocked() -> Iterator[responses.RequestsMock]:
+    with responses.RequestsMock() as mock:
+        yield mock
+
+
+def sent(mocked: responses.RequestsMock, url: str, request: WebhookRequest) -> Any:
+    """POST ``request`` as the queue will, and what the receiver got."""
+    mocked.post(url, status=200)
+    answer = requests.post(request.url, data=request.body, headers=request.headers, timeout=5)
+    assert answer.status_code == 200
+    (call,) = mocked.calls
+    assert call.request.headers["Content-Type"] == "application/json"
+    return call.request
+
+
+def test_slack_gets_text_with_the_fields_and_its_markup_escaped(
+    mocked: responses.RequestsMock,
+) -> None:
+    destination = parse_destination("ops", SLACK)
+    request = build_request(destination, event({"host": "<!channel> db & co", "load": 7.5}))
+    received = sent(
+        mocked, "https://hooks.slack.com/services/T0001/B0001/XXXXXXXXXXXXXXXXXXXXXXXX", request
+    )
+    assert json.loads(received.body) == {
+        "text": "alert.raised\nhost: &lt;!channel&gt; db &amp; co\nload: 7.5"
+    }
+
+
+def test_a_markdown_hook_gets_the_text_as_it_is(mocked: responses.RequestsMock) -> None:
+    destination = parse_destination("chat", MARKDOWN)
+    request = build_request(destination, event({"host": "a < b & c", "tags": ["x", 1]}))
+    received = sent(mocked, "http://127.0.0.1:8065/hooks/mattermostkey", request)
+    assert json.loads(received.body) == {"text": 'alert.raised\nhost: a < b & c\ntags: ["x",1]'}
+
+
+def test_discord_gets_content_and_pings_nobody(mocked: responses.RequestsMock) -> None:
+    destination = parse_destination("discord", DISCORD)
+    request = build_request(destination, event({"who": "@everyone"}))
+    received = sent(mocked, "https://discord.com/api/webhooks/1234/token-token-token", request)
+    assert json.loads(received.body) == {
+        "content": "alert.raised\nwho: @everyone",
+        "allowed_mentions": {"parse": []},
+    }
+
+
+def test_telegram_gets_the_chat_escaped_html_and_parse_mode(
+    mocked: responses.RequestsMock,
+) -> None:
+    destination = parse_destination("tg", TELEGRAM)
+    request = build_request(destination, event({"host": "<b>db</b> & co"}))
+    received = sent(mocked, "http://127.0.0.1:8081/bot123456:ABC-token/sendMessage", request)
+    assert json.loads(received.body) == {
+        "chat_id": -1001234567890,
+        "text": "alert.raised\nhost: &lt;b&gt;db&lt;/b&gt; &amp; co",
+        "parse_mode": "HTML",
+    }
+
+
+def test_signed_json_is_the_event_with_its_headers(mocked: responses.RequestsMock) -> None:
+    destination = parse_destination("audit", SIGNED)
+    when = datetime.datetime.now(datetime.UTC).replace(microsecond=250000)
+    request = build_request(destination, event({"host": "db-1"}, event_id="evt_42", timestamp=when))
+    received = sent(mocked, "https://audit.example/hooks/kasl?source=alerts", request)
+    assert "secret" not in received.url
+    assert json.loads(received.body) == {
+        "type": "alert.raised",
+        "id": "evt_42",
+        "timestamp": when.isoformat().replace("+00:00", "Z"),
+        "data": {"host": "db-1"},
+    }
+    assert received.headers["X-Webhook-Event"] == "alert.raised"
+    assert received.headers["webhook-id"] == "evt_42"
+    assert received.headers["webhook-timestamp"] == str(int(when.timestamp()))
+    verified = Webhook(SECRET).verify(received.body, dict(received.headers))
+    assert verified["data"] == {"host": "db-1"}
+
+
+def test_several_secrets_each_sign_and_a_wrong_one_fails() -> None:
+    destination = parse_destination(
+        "audit", f"https://audit.example/h?secret={SECRET}&secret={OTHER_SECRET}"
+    )
+    request = build_request(destination, event())
+    assert len(request.headers["webhook-signature"].split(" ")) == 2
+    for secret in (SECRET, OTHER_SECRET):
+        Webhook(secret).verify(request.body, request.headers)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(WRONG_SECRET).verify(request.body, request.headers)
+
+
+def test_a_changed_body_no_longer_verifies() -> None:
+    request = build_request(parse_destination("audit", SIGNED), event())
+    with pytest.raises(WebhookVerificationError):
+        Webhook(SECRET).verify(request.body.replace(b"db-1", b"db-2"), request.headers)
+
+
+def test_a_uuid_is_taken_as_the_event_id() -> None:
+    event_id = uuid.uuid4()
+    request = build_request(parse_destination("audit", SIGNED), event(event_id=event_id))
+    assert request.headers["webhook-id"] == str(event_id)
+    Webhook(SECRET).verify(request.body, request.headers)
+
+
+def test_a_request_shows_the_destination_not_its_url() -> None:
+    for url in (SLACK, TELEGRAM, SIGNED):
+        request = build_request(parse_destination("ops", url), event())
+        assert "://" not in repr(request)
+        assert "ops (" in repr(request)
+
+
+def test_data_that_is_not_an_object_is_shown_as_json() -> None:
+    request = build_request(parse_destination("chat", MARKDOWN), event(["a", 2]))
+    assert json.loads(request.body) == {"text": 'alert.raised\n["a",2]'}
+
+
+def test_discord_text_past_its_limit_is_cut_with_an_ellipsis() -> None:
+    destination = parse_destination("discord", DISCORD)
+    request = build_request(destination, event({"log": "x" * 5000}))
+    content = json.loads(request.body)["content"]
+    assert len(content) == DISCORD_LIMIT
+    assert content.endswith("x…")
+
+
+def test_telegram_text_is_cut_before_escaping_and_never_inside_an_entity() -> None:
+    destination = parse_destination("tg", TELEGRAM)
+    request = build_request(destination, event({"log": "&" * 5000}))
+    text = json.loads(request.body)["text"]
+    unescaped = text.replace("&amp;", "&")
+    assert len(unescaped) == TELEGRAM_LIMIT
+    assert text.endswith("&amp;…")
+
+
+def test_a_cut_never_splits_a_character_counted_as_two() -> None:
+    destination = parse_destination("discord", DISCORD)
+    request = build_request(destination, event({"log": "🔥" * 1500}))
+    content = json.loads(request.body)["content"]
+    assert content.endswith("🔥…")
+    assert len(content.encode("utf-16-le")) // 2 <= DISCORD_LIMIT
+
+
+def test_text_within_the_limit_is_left_whole() -> None:
+    destination = parse_destination("discord", DISCORD)
+    text = json.loads(build_request(destination, event({"a": "b"})).body)["content"]
+    assert "…" not in text
+
+
+@pytest.mark.parametrize(
+    ("event_type", "says"),
+    [
+        ("", "non-empty"),
+        ("../../etc/passwd", "simple name"),
+        ("alert/raised", "simple name"),
+        ("alert..raised", "simple name"),
+        (".hidden", "simple name"),
+        ("x" * 101, "simple name"),
+        (None, "non-empty"),
+    ],
+)
+def test_an_event_type_that_is_not_a_simple_name_is_refused(event_type: Any, says: str) -> None:
+    with pytest.raises(InvalidDelivery, match=says):
+        event(event_type=event_type)
+
+
+@pytest.mark.parametrize(
+    "data", [{"when": datetime.date(2025, 1, 1)}, {"n": math.nan}, {"raw": b"bytes"}, {(1, 2): 3}]
+)
+def test_data_that_is_not_json_is_refused_naming_the_event(data: Any) -> None:
+    with pytest.raises(InvalidDelivery, match=r"'alert\.raised' cannot be written as JSON"):
+        event(data)
+
+
+def test_a_lone_surrogate_is_refused_as_not_json() -> None:
+    with pytest.raises(InvalidDelivery, match="JSON"):
+        event({"text": "\ud800"})
+
+
+@pytest.mark.parametrize("event_id", ["", "has space", "line\nbreak", "é", 42])
+def test_an_event_id_that_cannot_be_a_header_is_refused(event_id: Any) -> None:
+    with pytest.raises(InvalidDelivery, match="event id"):
+        event(event_id=event_id)
+
+
+def test_a_naive_timestamp_is_refused() -> None:
+    with pytest.raises(InvalidDelivery, match="aware datetime"):
+        event(timestamp=datetime.datetime(2025, 1, 1))
+
+
+def test_a_template_named_after_the_event_type_is_used(settings: Any, tmp_path: Path) -> None:
+    folder = tmp_path / "django_federation_delivery" / "webhooks"
+    folder.mkdir(parents=True)
+    (folder / "alert.raised.txt").write_text(
+        "{{ data.host }} is on fire for {{ destination.name }} <{{ event_id }}> & more\n"
+    )
+    settings.TEMPLATES = [{**settings.TEMPLATES[0], "DIRS": [tmp_path]}]
+    slack = build_request(parse_destination("ops", SLACK), event())
+    assert json.loads(slack.body) == {"text": "db-1 is on fire for ops &lt;evt_01&gt; &amp; more"}
+    # Another type still gets the default.
+    other = build_request(parse_destination("ops", MARKDOWN), event(event_type="alert.resolved"))
+    assert json.loads(other.body)["text"].startswith("alert.resolved\nhost: db-1")
+
+
+def test_a_template_that_renders_nothing_sends_the_event_type(
+    settings: Any, tmp_path: Path
+) -> None:
+    folder = tmp_path / "django_federation_delivery" / "webhooks"
+    folder.mkdir(parents=True)
+    (folder / "quiet.txt").write_text("{# nothing #}\n\n")
+    settings.TEMPLATES = [{**settings.TEMPLATES[0], "DIRS": [tmp_path]}]
+    request = build_request(parse_destination("tg", TELEGRAM), event(event_type="quiet"))
+    assert json.loads(request.body)["text"] == "quiet"
+
+
+def test_the_destination_object_is_what_build_request_takes() -> None:
+    destination = parse_destination("ops", SLACK)
+    assert isinstance(destination, Destination)
+    assert build_request(destination, event()).display == "ops (Slack)"

@@ -1,0 +1,182 @@
+"""send_webhook: what it writes (never a URL), what it refuses, and the order it sets up."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
+
+from django_federation_delivery import InvalidDelivery, send_webhook
+from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.webhooks import Event
+
+SECRET = "whsec_" + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODk="
+WEBHOOKS = {
+    "ops": "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9",
+    "audit": f"https://receiver.example/hooks?secret={SECRET}",
+}
+
+
+@pytest.fixture(autouse=True)
+def destinations(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": WEBHOOKS}
+
+
+def nothing_written() -> bool:
+    return not Batch.objects.exists() and not Delivery.objects.exists()
+
+
+def every_value_written() -> str:
+    rows = [*Batch.objects.values(), *Delivery.objects.values()]
+    return json.dumps(rows, default=str)
+
+
+@pytest.mark.django_db
+def test_an_event_is_one_batch_with_one_delivery_a_destination_and_no_url() -> None:
+    batch = send_webhook(["ops", "audit", "ops"], "alert.raised", {"host": "db1"}, event_id="e1")
+    assert batch is not None
+    stored = Batch.objects.get()
+    event = Event.read(stored.body)
+    assert (event.type, event.id, event.data) == ("alert.raised", "e1", {"host": "db1"})
+    assert (stored.event_type, stored.event_id, stored.size) == ("alert.raised", "e1", 2)
+    deliveries = Delivery.objects.order_by("id")
+    assert [(d.inbox, d.host) for d in deliveries] == [
+        ("webhook:ops", "webhook:ops"),
+        ("webhook:audit", "webhook:audit"),
+    ]
+    written = every_value_written()
+    for secret in ("hooks.slack.com", "s3cretT0kenV4lue9", "receiver.example", SECRET[6:]):
+        assert secret not in written
+
+
+@pytest.mark.django_db
+def test_an_event_gets_a_fresh_id_and_an_aware_timestamp_kept_to_the_microsecond() -> None:
+    first = send_webhook("ops", "alert.raised", None)
+    second = send_webhook("ops", "alert.raised", None)
+    assert first is not None and second is not None
+    assert first.event_id != second.event_id and len(first.event_id) == 36
+    event = Event.read(Batch.objects.get(id=first.id).body)
+    assert event.timestamp.utcoffset() is not None
+    # Read back, it writes the very bytes it was stored as: the same signature every retry.
+    assert event.as_json().decode() == Batch.objects.get(id=first.id).body
+
+
+@pytest.mark.django_db
+def test_events_to_one_destination_wait_each_on_the_one_before() -> None:
+    for n in range(3):
+        send_webhook("ops", "alert.raised", {"n": n})
+    send_webhook("audit", "alert.raised", {"n": 0})
+    ops = list(Delivery.objects.filter(host="webhook:ops").order_by("id"))
+    assert ops[0].after_id is None and ops[0].due_at is not None
+    assert [d.after_id for d in ops[1:]] == [ops[0].id, ops[1].id]
+    assert all(d.due_at is None for d in ops[1:])
+    assert len({d.sequence for d in ops}) == 1
+    audit = Delivery.objects.get(host="webhook:audit")
+    assert audit.after_id is None and audit.due_at is not None
+    assert audit.sequence != ops[0].sequence
+
+
+@pytest.mark.django_db
+def test_an_unknown_destination_is_named_and_nothing_written() -> None:
+    with pytest.raises(InvalidDelivery, match=r"no webhook destination named 'opz'.*audit, ops"):
+        send_webhook(["ops", "opz"], "alert.raised", {})
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("event_type", "data", "message"),
+    [
+        ("", {}, "An event type must be a non-empty string"),
+        ("../etc/passwd", {}, "is not a simple name"),
+        ("alert.raised", {"when": {1, 2}}, "cannot be written as JSON: Object of type set"),
+        ("alert.raised", float("nan"), "cannot be written as JSON"),
+    ],
+)
+def test_bad_input_is_named_and_nothing_written(event_type: str, data: Any, message: str) -> None:
+    with pytest.raises(InvalidDelivery, match=message):
+        send_webhook("ops", event_type, data)
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("destination", [None, 3, b"ops", [3]])
+def test_a_destination_that_is_not_a_name_is_refused(destination: Any) -> None:
+    with pytest.raises(InvalidDelivery, match="destination"):
+        send_webhook(destination, "alert.raised", {})
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+def test_a_bad_event_id_is_refused() -> None:
+    with pytest.raises(InvalidDelivery, match="An event id"):
+        send_webhook("ops", "alert.raised", {}, event_id="has space")
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+def test_a_misconfigured_destination_is_reported_by_its_name_only(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com"},
+    }
+    with pytest.raises(ImproperlyConfigured, match="'ops'") as raised:
+        send_webhook("ops", "alert.raised", {})
+    assert "hooks.slack.com" not in str(raised.value)
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+def test_an_empty_list_of_destinations_queues_nothing() -> None:
+    assert send_webhook([], "alert.raised", {}) is None
+    assert nothing_written()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rolled_back_transaction_queues_nothing() -> None:
+    def caller() -> None:
+        with transaction.atomic():
+            send_webhook("ops", "alert.raised", {})
+            assert Delivery.objects.count() == 1
+            raise RuntimeError("the caller's own failure")
+
+    with pytest.raises(RuntimeError):
+        caller()
+    assert nothing_written()
+    batch = send_webhook("ops", "alert.raised", {})
+    assert batch is not None
+    delivery = Delivery.objects.get()
+    assert delivery.status == Status.PENDING and delivery.after_id is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_sends_at_once_to_one_destination_still_make_one_line_of_waits() -> None:
+    from django.db import connections
+
+    errors: list[BaseException] = []
+
+    def sender() -> None:
+        try:
+            for n in range(8):
+                send_webhook("ops", "alert.raised", {"n": n})
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=sender) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    waits = list(Delivery.objects.filter(host="webhook:ops").values_list("after_id", flat=True))
+    assert len(waits) == 24
+    # One head, and every other delivery waits on a different one: none is
+    # released beside another when the one before it settles.
+    assert waits.count(None) == 1
+    assert len(set(waits)) == 24
