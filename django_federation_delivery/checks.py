@@ -404,6 +404,12 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
 
     if isinstance(getattr(settings, SETTING, {}), dict):
         errors += [
-            Error(f"{SETTING}: {problem}.", id=f"{PREFIX}.E032") for problem in settings_problems()
+            Error(
+                f"{SETTING}: {problem}.",
+                hint="Leave it out for the default: the nine tries across a day, "
+                "Retry-After honoured up to an hour, 10 s a request.",
+                id=f"{PREFIX}.E032",
+            )
+            for problem in settings_problems()
         ]
     return errors

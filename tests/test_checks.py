@@ -9,7 +9,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections
 
 from django_federation_delivery.breakers import BreakerSettings, Scope
-from django_federation_delivery.checks import check_settings, sqlite_problems
+from django_federation_delivery.checks import check_settings, check_webhooks, sqlite_problems
 from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS, app_settings
 from django_federation_delivery.deliverer import Deliverer
 
@@ -83,7 +83,15 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
         (None, "E014", "None"),
     ],
     "FIRST_SCHEME": [("cavage", "E009", "'cavage'"), (["rfc9421"], "E009", "['rfc9421']")],
+    "WEBHOOKS": [(["ops"], "E030", "'WEBHOOKS'"), ({"ops": "ftp://x"}, "E031", "'ops'")],
+    "WEBHOOK_RETRY": [([], "E032", "[]"), ([30, INF], "E032", "inf")],
+    "WEBHOOK_RETRY_AFTER_MAX": [(INF, "E032", "inf"), (0, "E032", "0")],
+    "WEBHOOK_TIMEOUT": [(NAN, "E032", "nan"), ("10", "E032", "'10'")],
 }
+
+
+def checked() -> list[Any]:
+    return [*check_settings(), *check_webhooks()]
 
 
 def test_every_setting_has_a_check() -> None:
@@ -98,8 +106,8 @@ def test_each_misconfiguration_is_an_error_with_its_id_naming_the_value(
     settings: Any, name: str, bad: Any, expected: str, named: str
 ) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, name: bad}
-    found = [m for m in check_settings() if m.id == f"federation_delivery.{expected}"]
-    assert found, [m.id for m in check_settings()]
+    found = [m for m in checked() if m.id == f"federation_delivery.{expected}"]
+    assert found, [m.id for m in checked()]
     assert any(named in m.msg for m in found), [m.msg for m in found]
     assert all(m.hint for m in found)
 

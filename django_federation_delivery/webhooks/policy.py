@@ -8,12 +8,14 @@ about Monday.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
-from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
+from django_federation_delivery.attempt import permanent_status
+from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
 
 __all__ = ["WebhookPolicy", "is_refusal", "settings_problems"]
 
@@ -22,11 +24,11 @@ __all__ = ["WebhookPolicy", "is_refusal", "settings_problems"]
 MESSAGE_ROOM = 100
 
 
-def is_refusal(status: int) -> bool:
-    """A 4xx says the request itself is wrong (a hook deleted, a bot removed, a
-    token revoked) and will be wrong in an hour too; 408 and 429 only say "not
-    now". Every other failure is the receiver's bad moment."""
-    return 400 <= status < 500 and status not in (408, 429)
+#: A 4xx says the request itself is wrong (a hook deleted, a bot removed, a
+#: token revoked) and will be wrong in an hour too; 408 and 429 only say "not
+#: now". Every other failure is the receiver's bad moment. The same rule as
+#: ActivityPub's default, and one function for both.
+is_refusal = permanent_status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +81,11 @@ def settings_problems() -> list[str]:
         )
     for name in ("WEBHOOK_RETRY_AFTER_MAX", "WEBHOOK_TIMEOUT"):
         value = app_settings.get(name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            problems.append(f"{name} must be a number of seconds above 0, not {value!r}")
+        if not _wait(value):
+            problems.append(
+                f"{name} must be a number of seconds above 0 and at most "
+                f"{LONGEST_WAIT:g}, not {value!r}"
+            )
     return problems
 
 
@@ -89,8 +94,15 @@ def _waits(schedule: Any) -> bool:
         isinstance(schedule, Sequence)
         and not isinstance(schedule, str)
         and bool(schedule)
-        and all(
-            isinstance(wait, int | float) and not isinstance(wait, bool) and wait > 0
-            for wait in schedule
-        )
+        and all(_wait(wait) for wait in schedule)
+    )
+
+
+def _wait(value: Any) -> bool:
+    # inf and nan are floats too: a wait of either overflows a datetime.
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= LONGEST_WAIT
     )
