@@ -7,8 +7,10 @@ for draft-cavage, http-message-signatures for RFC 9421) accept.
 
 from __future__ import annotations
 
+import datetime as dt
 import ipaddress
 import itertools
+import json
 import logging
 from collections.abc import Iterator
 
@@ -450,3 +452,70 @@ def test_normalizing_is_a_fixed_point_over_the_corpus() -> None:
             continue
         assert normalize_inbox(canonical) == canonical, url
         assert requests.utils.requote_uri(canonical) == canonical, url
+
+
+def deep(depth: int) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = {"a": [value]}
+    return value
+
+
+# What a remote document can put in an activity that is forwarded or quoted.
+HOSTILE_ACTIVITIES: list[object] = [
+    {"type": "Create", "content": "\x00\x1b[31m\r\n\u202e\u2028"},
+    {"type": "Create", "content": "é" * 1000, "emoji": "\U0001f600" * 100},
+    {"type": "Create", "content": "\ud800"},
+    {"\udfff": "key"},
+    {"type": "Create", "n": float("nan")},
+    {"type": "Create", "n": float("inf")},
+    {"type": "Create", "b": b"bytes"},
+    {"type": "Create", "s": {1, 2}},
+    {"type": "Create", "when": dt.datetime(2026, 1, 1)},
+    {1: "int key", None: "none key"},
+    {"type": "Create", "deep": deep(50)},
+    {"type": "Create", "deep": deep(100_000)},
+    {"type": "Create", "big": "x" * (2 << 20)},
+    ["not", "an", "object"],
+    "a string",
+    None,
+    42,
+]
+
+
+@pytest.mark.django_db
+def test_a_corpus_of_hostile_activities_is_either_delivered_verified_or_refused_by_name(
+    inbox: Inbox, transport: Transport
+) -> None:
+    outcomes: list[str] = []
+    for number, activity in enumerate(HOSTILE_ACTIVITIES):
+        Batch.objects.all().delete()
+        before = len(inbox.received)
+        try:
+            batch = send(ALICE, activity, [inbox.url(f"/a{number}")])  # type: ignore[arg-type]
+        except InvalidDelivery as exc:
+            message = str(exc)
+            assert message and message.isprintable(), repr(exc)  # noqa: PT017
+            assert not Batch.objects.exists() and not Delivery.objects.exists()
+            outcomes.append("refused")
+            continue
+        assert batch is not None
+        delivery = Delivery.objects.get()
+        scheme = (Scheme.CAVAGE, Scheme.RFC9421)[number % 2]
+        job = Job(
+            delivery_id=delivery.id,
+            targets=(delivery.inbox,),
+            body=batch.body.encode(),
+            body_sha256=batch.body_sha256,
+            key=KEY,
+            sender=ALICE,
+            scheme=scheme,
+        )
+        result = attempt(job, transport)
+        assert result.delivered, (number, result.error)
+        (request,) = inbox.received[before:]
+        assert verified(request, scheme), number
+        assert request.body == batch.body.encode(), "the body as stored is the body as sent"
+        assert json.loads(request.body) == json.loads(json.dumps(activity)), number
+        outcomes.append("verified")
+    assert outcomes.count("verified") == 4 and outcomes.count("refused") == 13, outcomes
