@@ -87,7 +87,7 @@ def test_the_queues_page_shows_each_destination_beside_the_lanes(
     assert cell(ops, "head") == "alert.raised"
     assert f'href="{url("delivery", "change", first.pk)}"' in ops
     assert cell(ops, "attempts") == "2"
-    assert cell(ops, "last_error") == "503 the receiver answered 503: busy"
+    assert cell(ops, "last_error") == "the receiver answered 503: busy"
     assert cell(ops, "next_try").startswith("in 9\xa0minutes") or cell(ops, "next_try").startswith(
         "in 10\xa0minutes"
     )
