@@ -135,13 +135,7 @@ def destination_status(
         found.append(
             DestinationStatus(
                 name=name,
-                kind=(
-                    ""
-                    if name not in configured
-                    else destination.kind.label
-                    if destination is not None
-                    else MISCONFIGURED
-                ),
+                kind=_kind(name, configured),
                 configured=name in configured,
                 pending=group.get("count", 0),
                 oldest_queued_at=oldest,
@@ -164,6 +158,13 @@ def _configured() -> dict[str, Destination | None]:
         except ImproperlyConfigured:
             found[str(name)] = None
     return found
+
+
+def _kind(name: str, configured: Mapping[str, Destination | None]) -> str:
+    if name not in configured:
+        return ""
+    destination = configured[name]
+    return destination.kind.label if destination is not None else MISCONFIGURED
 
 
 def _head(
