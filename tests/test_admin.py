@@ -87,7 +87,7 @@ def test_every_page_shows_for_an_operator(operator: Client) -> None:
         # Read-only: nothing to save, add or delete.
         assert 'name="_save"' not in page
         assert "deletelink" not in page
-    assert html(operator, url("delivery", "queues")).count('<div class="module" id="fd-') == 4
+    assert html(operator, url("delivery", "queues")).count('<div class="module" id="fd-') == 5
     assert url("delivery", "queues") in html(operator, url("delivery"))
 
 

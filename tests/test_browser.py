@@ -19,7 +19,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from django_federation_delivery import controls
+from django_federation_delivery import controls, send_webhook
 from django_federation_delivery.models import Delivery, Host, Status
 
 from .conftest import ROOT
@@ -117,8 +117,37 @@ def fill_queue() -> dict[str, Any]:
     return {"batch": batch, "failed": rows["https://lemmy.example/users/u0/inbox"]}
 
 
-def test_staff_open_the_queues_page_and_every_list(page: Page, live_server: Any) -> None:
+def fill_webhooks(settings: Any) -> None:
+    """Two webhook destinations: one whose first event keeps failing, holding
+    two more; and one with an event due now. Nothing is sent: no deliverer runs.
+    Events to one destination go in the priority lane, apart from the activities."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PRIORITY_MAX_INBOXES": 1,
+        "WEBHOOKS": {
+            "alerts": "slack://hooks.slack.com/services/T0BROWSER/B0BROWSER/notARealToken1",
+            "audit": "https://receiver.example/hooks?secret=whsec_"
+            "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODk=",
+        },
+    }
+    for n, event in enumerate(("alert.raised", "alert.updated", "alert.resolved")):
+        send_webhook("alerts", event, {"host": "db1", "n": n})
+    send_webhook("audit", "user.created", {"name": "Zoë"})
+    first = Delivery.objects.filter(host="webhook:alerts").order_by("id").first()
+    assert first is not None
+    Delivery.objects.filter(pk=first.pk).update(
+        attempts=3,
+        last_status=503,
+        last_error="the receiver answered 503: upstream timeout",
+        due_at=timezone.now() + dt.timedelta(minutes=8),
+    )
+
+
+def test_staff_open_the_queues_page_and_every_list(
+    page: Page, live_server: Any, settings: Any
+) -> None:
     fill_queue()
+    fill_webhooks(settings)
     log_in(page, live_server, user("operator"))
     page.goto(f"{live_server.url}/admin/federation_delivery/delivery/")
     page.click("text=Queues at a glance")
@@ -133,6 +162,14 @@ def test_staff_open_the_queues_page_and_every_list(page: Page, live_server: Any)
     expect(page.locator("#fd-failing-hosts")).to_contain_text("down.example")
     expect(page.locator("#fd-open-breakers")).to_contain_text("down.example")
     expect(page.locator("#fd-paused-hosts")).to_contain_text("pixelfed.example")
+    alerts = page.locator('#fd-destinations tr[data-destination="alerts"]')
+    expect(alerts.locator('[data-column="kind"]')).to_have_text("Slack")
+    expect(alerts.locator('[data-column="pending"]')).to_have_text("3")
+    expect(alerts.locator('[data-column="head"]')).to_have_text("alert.raised")
+    expect(alerts.locator('[data-column="last_error"]')).to_contain_text(
+        "the receiver answered 503"
+    )
+    expect(page.locator("#fd-destinations")).not_to_contain_text("hooks.slack.com")
     screenshot(page, "queues")
 
     for model, text in (
@@ -148,6 +185,35 @@ def test_staff_open_the_queues_page_and_every_list(page: Page, live_server: Any)
     page.locator("#result_list tbody tr a", has_text="down.example").first.click()
     expect(page.locator("pre.fd-body")).to_contain_text('"type": "Create"')
     screenshot(page, "delivery")
+
+
+def test_staff_follow_a_webhook_destination_to_its_deliveries(
+    page: Page, live_server: Any, settings: Any
+) -> None:
+    fill_queue()
+    fill_webhooks(settings)
+    log_in(page, live_server, user("operator"))
+    page.goto(f"{live_server.url}/admin/federation_delivery/delivery/")
+    page.click("text=Webhook destinations")
+    expect(page.get_by_role("heading", name="Webhook destinations")).to_be_visible()
+    audit = page.locator('tr[data-destination="audit"]')
+    expect(audit.locator('[data-column="kind"]')).to_have_text("Signed JSON")
+    expect(audit.locator('[data-column="next_try"]')).to_have_text("due now")
+    expect(page.locator("#content-main")).not_to_contain_text("receiver.example")
+    screenshot(page, "destinations")
+
+    page.locator('tr[data-destination="alerts"] th a').click()
+    rows = page.locator("#result_list tbody tr")
+    expect(rows).to_have_count(3)
+    expect(rows.locator("td.field-event")).to_have_text(
+        ["alert.resolved", "alert.updated", "alert.raised"]
+    )
+    expect(rows.last.locator("td.field-next_due")).to_contain_text("in 7")
+    expect(rows.first.locator("td.field-next_due")).to_contain_text("held: waits on #")
+    rows.last.locator("th a, td a").first.click()
+    expect(page.locator("div.field-destination")).to_contain_text("alerts")
+    expect(page.locator("pre.fd-body")).to_contain_text('"type": "alert.raised"')
+    expect(page.locator("#content-main")).not_to_contain_text("hooks.slack.com")
 
 
 def test_staff_requeue_a_failed_delivery_and_see_it_pending(page: Page, live_server: Any) -> None:

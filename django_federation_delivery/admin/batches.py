@@ -95,9 +95,9 @@ def batch_progress(batch_ids: Iterable[int]) -> dict[int, dict[str, int]]:
 
 @admin.register(Batch)
 class BatchAdmin(OperatorAdmin[Batch]):
-    list_display = ("id", "tag", "sender", "created_at", "deadline", "lane", "progress")
+    list_display = ("id", "tag", "sender", "event", "created_at", "deadline", "lane", "progress")
     list_filter = (TagFilter, BatchStateFilter, "lane")
-    search_fields = ("tag", "sender")
+    search_fields = ("tag", "sender", "event_type")
     ordering = ("-created_at",)
     actions = ("requeue_failed", "cancel_pending")
     fieldsets = (
@@ -112,6 +112,30 @@ class BatchAdmin(OperatorAdmin[Batch]):
         ),
         ("Body", {"fields": ("pretty_body", "body_sha256")}),
     )
+    # A webhook event's batch: its type and id, and no sender.
+    webhook_fieldsets = (
+        (
+            None,
+            {
+                "fields": (
+                    "tag",
+                    "event_type",
+                    "event_id",
+                    "lane",
+                    "created_at",
+                    "deadline",
+                    "finished_at",
+                )
+            },
+        ),
+        *fieldsets[1:3],
+        ("Event", {"fields": ("pretty_body", "body_sha256")}),
+    )
+
+    def get_fieldsets(self, request: HttpRequest, obj: Batch | None = None) -> Any:
+        if obj is not None and obj.event_type:
+            return self.webhook_fieldsets
+        return self.fieldsets
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Batch]:
         # The list shows no body; the change page fetches it when it shows it.
@@ -128,6 +152,10 @@ class BatchAdmin(OperatorAdmin[Batch]):
             getattr(obj, "_fd_progress", None) or batch_progress([obj.id])[obj.id]
         )
         return progress_bar(counts)
+
+    @admin.display(description="event", ordering="event_type")
+    def event(self, obj: Batch) -> str:
+        return obj.event_type or "—"
 
     @admin.display(description="deliveries")
     def deliveries(self, obj: Batch) -> SafeString:

@@ -24,9 +24,16 @@ from django_federation_delivery.admin.base import (
     pretty_json,
     report,
 )
+from django_federation_delivery.admin.destinations import destinations_page
 from django_federation_delivery.admin.queues import queues_page
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.urls import redact
+from django_federation_delivery.webhooks.destinations import (
+    KEY_PREFIX,
+    delivery_key,
+    destination_name,
+)
 
 
 class LastStatusClassFilter(admin.SimpleListFilter):
@@ -96,6 +103,44 @@ class HostFilter(admin.SimpleListFilter):
         return queryset.filter(host=value) if value else queryset
 
 
+class KindFilter(admin.SimpleListFilter):
+    """ActivityPub activities, or webhook events (whose host is ``webhook:<name>``)."""
+
+    title = "kind"
+    parameter_name = "kind"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("activitypub", "ActivityPub"), ("webhook", "webhook")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        match self.value():
+            case "activitypub":
+                return queryset.exclude(host__startswith=KEY_PREFIX)
+            case "webhook":
+                return queryset.filter(host__startswith=KEY_PREFIX)
+        return queryset
+
+
+class DestinationFilter(admin.SimpleListFilter):
+    """Offers the configured webhook destinations (from the settings: no query);
+    one configured no more is filtered by ``?destination=`` all the same."""
+
+    title = "webhook destination"
+    parameter_name = "destination"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        configured = app_settings.get("WEBHOOKS")
+        names = {str(name) for name in configured} if isinstance(configured, dict) else set()
+        if self.value():
+            names.add(str(self.value()))
+        return [(name, name) for name in sorted(names)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        # The host is the inbox, and (host, status) is indexed.
+        return queryset.filter(host=delivery_key(str(value))) if value else queryset
+
+
 @admin.register(Delivery)
 class DeliveryAdmin(OperatorAdmin[Delivery]):
     list_display = (
@@ -103,6 +148,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
         "host",
         "shown_inbox",
         "sender",
+        "event",
         "status",
         "attempts",
         "next_due",
@@ -110,8 +156,16 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
         "short_error",
     )
     list_display_links = ("id", "shown_inbox")
-    list_filter = ("status", "lane", QueueFilter, LastStatusClassFilter, HostFilter)
-    search_fields = ("inbox", "batch__sender", "batch__tag")
+    list_filter = (
+        "status",
+        "lane",
+        QueueFilter,
+        LastStatusClassFilter,
+        KindFilter,
+        DestinationFilter,
+        HostFilter,
+    )
+    search_fields = ("inbox", "batch__sender", "batch__tag", "batch__event_type")
     list_select_related = ("batch",)
     ordering = ("-id",)
     actions = ("requeue", "give_up", "pause_hosts")
@@ -134,6 +188,16 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
         ("Ordering", {"fields": ("sequence", "after"), "classes": ("collapse",)}),
         ("Body", {"fields": ("body",)}),
     )
+    webhook_fieldsets = (
+        (None, {"fields": ("batch_link", "destination", "event", "event_id", "lane", "status")}),
+        *fieldsets[1:3],
+        ("Event (the batch's, as sent)", {"fields": ("body",)}),
+    )
+
+    def get_fieldsets(self, request: HttpRequest, obj: Delivery | None = None) -> Any:
+        if obj is not None and obj.host.startswith(KEY_PREFIX):
+            return self.webhook_fieldsets
+        return self.fieldsets
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Delivery]:
         # A list shows no body: 100 rows need not fetch 100 of them.
@@ -146,16 +210,37 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
             self.admin_site.admin_view(self.queues_view),
             name=f"{opts.app_label}_{opts.model_name}_queues",
         )
-        # Before the model's own, whose "<path:object_id>/" would take it.
-        return [queues, *super().get_urls()]
+        destinations = path(
+            "destinations/",
+            self.admin_site.admin_view(self.destinations_view),
+            name=f"{opts.app_label}_{opts.model_name}_destinations",
+        )
+        # Before the model's own, whose "<path:object_id>/" would take them.
+        return [queues, destinations, *super().get_urls()]
 
     def queues_view(self, request: HttpRequest) -> TemplateResponse:
         return queues_page(self, request)
+
+    def destinations_view(self, request: HttpRequest) -> TemplateResponse:
+        return destinations_page(self, request)
 
     # An inbox's query may be a credential: the admin shows none (see urls.redact).
     @admin.display(description="inbox", ordering="inbox")
     def shown_inbox(self, obj: Delivery) -> str:
         return redact(obj.inbox)
+
+    # A webhook delivery names its destination, whose URL is never shown.
+    @admin.display(description="webhook destination")
+    def destination(self, obj: Delivery) -> str:
+        return destination_name(obj.host) or "—"
+
+    @admin.display(description="event", ordering="batch__event_type")
+    def event(self, obj: Delivery) -> str:
+        return obj.batch.event_type or "—"
+
+    @admin.display(description="event id")
+    def event_id(self, obj: Delivery) -> str:
+        return obj.batch.event_id or "—"
 
     @admin.display(description="via")
     def shown_via(self, obj: Delivery) -> str:

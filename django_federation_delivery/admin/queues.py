@@ -11,12 +11,14 @@ from django.urls import reverse
 
 from django_federation_delivery import overview
 from django_federation_delivery.admin.base import changelist_url
+from django_federation_delivery.admin.destinations import destination_rows
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 
 
 def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -> TemplateResponse:
     """The queues at a glance: each lane's due, scheduled, in-flight and held
-    deliveries, the hosts failing most, the open breakers and the paused hosts."""
+    deliveries, the webhook destinations, the hosts failing most, the open
+    breakers and the paused hosts."""
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
     request.current_app = model_admin.admin_site.name
@@ -51,6 +53,10 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
         "batches_url": changelist_url(Batch, site),
         "breakers_url": changelist_url(Breaker, site),
         "hosts_url": changelist_url(Host, site),
+        "destinations_url": reverse(
+            "admin:federation_delivery_delivery_destinations", current_app=site.name
+        ),
+        "destinations": destination_rows(site, status.at),
         "failing_hosts": [
             (host, deliveries(host=host.host, status__exact=Status.PENDING))
             for host in status.failing_hosts

@@ -1,0 +1,95 @@
+"""Webhook destinations: from the settings, not a model, as their URLs are credentials."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+
+from django.contrib import admin
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.text import Truncator
+
+from django_federation_delivery import overview
+from django_federation_delivery.admin.base import changelist_url
+from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
+
+
+@dataclasses.dataclass(frozen=True)
+class DestinationRow:
+    """A destination as a row of the admin's table: what it shows, and its links."""
+
+    status: DestinationStatus
+    age: str
+    next_try: str
+    short_error: str
+    deliveries_url: str
+    pending_url: str
+    head_url: str
+
+
+def destination_rows(site: admin.AdminSite, now: dt.datetime | None = None) -> list[DestinationRow]:
+    """Every destination's row: two queries, however many there are."""
+    # Imported here: deliveries.py imports this module for its view.
+    from django_federation_delivery.admin.deliveries import next_due
+
+    now = now or timezone.now()
+    rows = []
+    for status in destination_status(now=now):
+        head = status.head
+        head_url = ""
+        next_try = "—"
+        if head is not None:
+            head_url = reverse(
+                "admin:federation_delivery_delivery_change",
+                args=[head.delivery_id],
+                current_app=site.name,
+            )
+            next_try = next_due(
+                Delivery(
+                    status=Status.PENDING,
+                    due_at=head.due_at,
+                    lease_token="held" if head.in_flight else None,
+                ),
+                now,
+            )
+        rows.append(
+            DestinationRow(
+                status=status,
+                age=overview.format_duration(status.age) if status.oldest_queued_at else "—",
+                next_try=next_try,
+                short_error=Truncator(head.last_error).chars(120) if head else "",
+                deliveries_url=changelist_url(Delivery, site, destination=status.name),
+                pending_url=changelist_url(
+                    Delivery, site, destination=status.name, status__exact=Status.PENDING
+                ),
+                head_url=head_url,
+            )
+        )
+    return rows
+
+
+def destinations_page(
+    model_admin: admin.ModelAdmin[Delivery], request: HttpRequest
+) -> TemplateResponse:
+    """The webhook destinations: each one's name, kind and pending events, and
+    where the first of those stands."""
+    if not model_admin.has_view_permission(request):
+        raise PermissionDenied
+    request.current_app = model_admin.admin_site.name
+    site = model_admin.admin_site
+    now = timezone.now()
+    context = {
+        **site.each_context(request),
+        "title": "Webhook destinations",
+        "opts": model_admin.opts,
+        "at": now,
+        "destinations": destination_rows(site, now),
+        "deliveries_url": changelist_url(Delivery, site),
+        "queues_url": reverse("admin:federation_delivery_delivery_queues", current_app=site.name),
+    }
+    return TemplateResponse(request, "admin/federation_delivery/destinations.html", context)

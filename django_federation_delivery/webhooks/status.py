@@ -1,0 +1,187 @@
+"""Webhook destinations at a glance: what the admin shows of each, in two queries.
+
+A destination is not a row but a name and a URL in the settings, and the URL
+is the credential: what is shown here is the name and the kind, never the
+URL. Each configured destination is listed, and so is each one that still
+has pending deliveries but is configured no more (the loop gives those up).
+
+Two queries whatever the number of destinations or rows, each over pending
+rows only: the counts and the oldest of each destination, grouped; then the
+head of each, the delivery the others wait on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS
+from django.db.models import Count, Min, Q
+from django.utils import timezone
+
+from django_federation_delivery.conf import app_settings
+from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.webhooks.destinations import (
+    KEY_PREFIX,
+    Destination,
+    delivery_key,
+    destination_name,
+    parse_destination,
+)
+
+__all__ = ["DestinationHead", "DestinationStatus", "destination_status"]
+
+#: What the list says of a destination whose URL does not parse; never why, in
+#: case the reason quotes part of it: ``manage.py check`` says.
+MISCONFIGURED = "misconfigured (see manage.py check)"
+
+
+@dataclasses.dataclass(frozen=True)
+class DestinationHead:
+    """The oldest pending event to a destination: the one the others wait on."""
+
+    delivery_id: int
+    event_type: str
+    event_id: str
+    attempts: int
+    last_status: int | None
+    #: Its last error, with the destination's secret parts taken out.
+    last_error: str
+    #: When it is next tried; None while its host (``webhook:<name>``) is paused.
+    due_at: dt.datetime | None
+    #: Claimed by a deliverer whose lease has not lapsed.
+    in_flight: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DestinationStatus:
+    name: str
+    #: Its kind's label ("Slack", "Signed JSON"), :data:`MISCONFIGURED`, or ""
+    #: when it is configured no more.
+    kind: str
+    configured: bool
+    pending: int
+    #: When the oldest pending event was queued.
+    oldest_queued_at: dt.datetime | None
+    #: How long ago, in seconds (0 with nothing pending).
+    age: float
+    head: DestinationHead | None
+
+    @property
+    def key(self) -> str:
+        """Its deliveries' ``inbox`` and ``host``."""
+        return delivery_key(self.name)
+
+
+def destination_status(
+    *, now: dt.datetime | None = None, using: str | None = None
+) -> tuple[DestinationStatus, ...]:
+    """Every configured destination, then those configured no more that still
+    have pending deliveries; each by name."""
+    now = now or timezone.now()
+    alias = using or DEFAULT_DB_ALIAS
+    configured = _configured()
+    pending = Delivery.objects.using(alias).filter(
+        status=Status.PENDING, host__startswith=KEY_PREFIX
+    )
+    groups = {
+        row["host"]: row
+        for row in pending.values("host")
+        .annotate(
+            count=Count("id"),
+            oldest=Min("batch__created_at"),
+            # The head: of those waiting on nothing, the first queued. (A
+            # requeued one waits on nothing either, and is older.)
+            head=Min("id", filter=Q(after__isnull=True)),
+            first=Min("id"),
+        )
+        .order_by()
+    }
+    head_ids = [row["head"] or row["first"] for row in groups.values()]
+    heads = (
+        {
+            row["host"]: row
+            for row in Delivery.objects.using(alias)
+            .filter(id__in=head_ids, status=Status.PENDING)
+            .values(
+                "id",
+                "host",
+                "attempts",
+                "last_status",
+                "last_error",
+                "due_at",
+                "lease_token",
+                "batch__event_type",
+                "batch__event_id",
+            )
+        }
+        if head_ids
+        else {}
+    )
+    names = sorted(configured) + sorted(
+        name
+        for name in (destination_name(host) for host in groups)
+        if name and name not in configured
+    )
+    found = []
+    for name in names:
+        destination = configured.get(name)
+        group: Mapping[str, Any] = groups.get(delivery_key(name), {})
+        oldest = group.get("oldest")
+        head = heads.get(delivery_key(name))
+        found.append(
+            DestinationStatus(
+                name=name,
+                kind=_kind(name, configured),
+                configured=name in configured,
+                pending=group.get("count", 0),
+                oldest_queued_at=oldest,
+                age=max((now - oldest).total_seconds(), 0.0) if oldest else 0.0,
+                head=_head(head, destination, now) if head else None,
+            )
+        )
+    return tuple(found)
+
+
+def _configured() -> dict[str, Destination | None]:
+    """The configured destinations by name; None for one whose URL does not parse."""
+    webhooks = app_settings.get("WEBHOOKS")
+    if not isinstance(webhooks, Mapping):
+        return {}
+    found: dict[str, Destination | None] = {}
+    for name, url in webhooks.items():
+        try:
+            found[str(name)] = parse_destination(name, url)
+        except ImproperlyConfigured:
+            found[str(name)] = None
+    return found
+
+
+def _kind(name: str, configured: Mapping[str, Destination | None]) -> str:
+    if name not in configured:
+        return ""
+    destination = configured[name]
+    return destination.kind.label if destination is not None else MISCONFIGURED
+
+
+def _head(
+    row: Mapping[str, Any], destination: Destination | None, now: dt.datetime
+) -> DestinationHead:
+    error: str = row["last_error"]
+    # Stored errors hold no credential already; this is a second lock.
+    if destination is not None:
+        error = destination.redact(error)
+    due_at: dt.datetime | None = row["due_at"]
+    return DestinationHead(
+        delivery_id=row["id"],
+        event_type=row["batch__event_type"],
+        event_id=row["batch__event_id"],
+        attempts=row["attempts"],
+        last_status=row["last_status"],
+        last_error=error,
+        due_at=due_at,
+        in_flight=bool(row["lease_token"]) and due_at is not None and due_at > now,
+    )
