@@ -24,7 +24,8 @@ from django_federation_delivery.models import Delivery, Status
 from .conftest import MANAGE, Inbox, Overlap, subprocess_env, wait_until
 from .keys import ALICE
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+# The tests that start a deliverer process are marked slow; the rest run in-process.
+pytestmark = pytest.mark.django_db(transaction=True)
 
 NOTE = {"type": "Create", "actor": ALICE}
 
@@ -108,6 +109,7 @@ def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
         call_command("run_deliverer", "--drain", f"{option}={value}")
 
 
+@pytest.mark.slow
 def test_sigterm_stops_claiming_finishes_what_is_in_flight_and_exits_0(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -128,6 +130,7 @@ def test_sigterm_stops_claiming_finishes_what_is_in_flight_and_exits_0(
     assert (waiting.status, waiting.attempts, waiting.lease_token) == (Status.PENDING, 0, None)
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -144,6 +147,7 @@ def test_a_second_signal_exits_at_once(
     assert Delivery.objects.get().status == Status.PENDING, "sent again once its lease lapses"
 
 
+@pytest.mark.slow
 def test_a_send_from_another_process_wakes_an_idle_deliverer(
     inbox: Inbox, processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -159,6 +163,7 @@ def test_a_send_from_another_process_wakes_an_idle_deliverer(
     assert took < 5, f"woken after {took:.1f} s, not by the idle poll"
 
 
+@pytest.mark.slow
 def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in_flight(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -190,6 +195,7 @@ def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in
     assert len(twice) <= 3 * concurrency, f"only those in flight at the kill repeat: {len(twice)}"
 
 
+@pytest.mark.slow
 def test_a_web_process_and_the_deliverer_write_at_once_without_database_is_locked(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -235,6 +241,7 @@ def test_a_running_deliverer_logs_its_rates_and_counts(caplog: pytest.LogCapture
     assert "delivered/s" in record.getMessage()
 
 
+@pytest.mark.slow
 def test_metrics_are_served_on_the_port_named(
     inbox: Inbox, processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -267,6 +274,7 @@ def test_a_bad_metrics_port_is_refused_naming_it() -> None:
         call_command("run_deliverer", "--drain", "--metrics-port=70000")
 
 
+@pytest.mark.slow
 def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
