@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connections, transaction
+from django.utils import timezone
 
 from django_federation_delivery import send
 from django_federation_delivery.models import Delivery, Status
@@ -139,7 +140,7 @@ def test_a_second_signal_exits_at_once(
     process = processes()
     wait_until(lambda: len(stuck.received) == 1)
     process.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    wait_for_line(process, "Stopping: finishing what is in flight")
     started = time.monotonic()
     process.send_signal(signal.SIGINT)
     assert process.wait(10) != 0
@@ -178,7 +179,10 @@ def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in
     first.wait(10)
     at_kill = sum(len(sink.received) for sink in sinks)
     assert at_kill < len(urls), "killed in the middle, not at the end"
-    time.sleep(2.5)  # the dead process's leases lapse
+    # The dead process's leases lapse (a claim leases a delivery by pushing
+    # its due time forward).
+    leased = Delivery.objects.filter(status=Status.PENDING, lease_token__isnull=False)
+    wait_until(lambda: not leased.filter(due_at__gt=timezone.now()).exists())
     second = processes("--drain", f"--concurrency={concurrency}", settings=settings)
     assert second.wait(120) == 0
     assert statuses() == {Status.DELIVERED: len(urls)}
