@@ -158,7 +158,12 @@ def main() -> int:
 
     print(f"\n----- {len(runs)} runs, {options.jobs} at once -----", flush=True)
     for index, run in enumerate(runs):
-        verdict = f"FAILED: {failed[index]}" if index in failed else "ok"
+        if index in failed:
+            verdict = f"FAILED: {failed[index]}"
+        elif run.code == NO_TESTS_COLLECTED:
+            verdict = "none selected"
+        else:
+            verdict = "ok"
         print(f"{run.seconds:5.0f} s  {run.name:55}  {run.summary}  [{verdict}]")
     took = time.monotonic() - started
     if failed:
