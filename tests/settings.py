@@ -60,6 +60,9 @@ TEMPLATES = [
 
 if "DATABASE_URL" in os.environ:
     DATABASES = {"default": env.db("DATABASE_URL")}
+    # One test database per run, as with SQLite below: scripts/test runs
+    # several at once on one server.
+    DATABASES["default"]["TEST"] = {"NAME": f"test_{DATABASES['default']['NAME']}_{os.getpid()}"}
 else:
     # A file, not memory: the deliverer's threads open connections of their
     # own, and WAL with a busy timeout is what a real deployment runs.
@@ -74,6 +77,9 @@ else:
             "TEST": {"NAME": str(BASE_DIR / "var" / f"test-{os.getpid()}.sqlite3")},
         }
     }
+
+# Logging in is most of what the admin tests do: a hasher that takes no time.
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 FEDERATION_DELIVERY = {
     "SENDER_KEYS": "tests.keys.sender_key",

@@ -14,6 +14,9 @@ from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS, app_
 from django_federation_delivery.deliverer import Deliverer
 
 
+# Since Django 6.1, run_checks() runs the model checks against every
+# database, and on SQLite the one of JSONField asks the database.
+@pytest.mark.django_db
 def test_the_test_settings_pass() -> None:
     assert [m.id for m in run_checks() if m.id and m.id.startswith("federation")] == []
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connections, transaction
+from django.utils import timezone
 
 from django_federation_delivery import send
 from django_federation_delivery.models import Delivery, Status
@@ -24,7 +25,8 @@ from django_federation_delivery.models import Delivery, Status
 from .conftest import MANAGE, Inbox, Overlap, subprocess_env, wait_until
 from .keys import ALICE
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+# The tests that start a deliverer process are marked slow; the rest run in-process.
+pytestmark = pytest.mark.django_db(transaction=True)
 
 NOTE = {"type": "Create", "actor": ALICE}
 
@@ -108,6 +110,7 @@ def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
         call_command("run_deliverer", "--drain", f"{option}={value}")
 
 
+@pytest.mark.slow
 def test_sigterm_stops_claiming_finishes_what_is_in_flight_and_exits_0(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -128,6 +131,7 @@ def test_sigterm_stops_claiming_finishes_what_is_in_flight_and_exits_0(
     assert (waiting.status, waiting.attempts, waiting.lease_token) == (Status.PENDING, 0, None)
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -136,7 +140,7 @@ def test_a_second_signal_exits_at_once(
     process = processes()
     wait_until(lambda: len(stuck.received) == 1)
     process.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    wait_for_line(process, "Stopping: finishing what is in flight")
     started = time.monotonic()
     process.send_signal(signal.SIGINT)
     assert process.wait(10) != 0
@@ -144,6 +148,7 @@ def test_a_second_signal_exits_at_once(
     assert Delivery.objects.get().status == Status.PENDING, "sent again once its lease lapses"
 
 
+@pytest.mark.slow
 def test_a_send_from_another_process_wakes_an_idle_deliverer(
     inbox: Inbox, processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -159,6 +164,7 @@ def test_a_send_from_another_process_wakes_an_idle_deliverer(
     assert took < 5, f"woken after {took:.1f} s, not by the idle poll"
 
 
+@pytest.mark.slow
 def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in_flight(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -175,7 +181,10 @@ def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in
     first.wait(10)
     at_kill = sum(len(sink.received) for sink in sinks)
     assert at_kill < len(urls), "killed in the middle, not at the end"
-    time.sleep(15.5)  # the dead process's leases lapse
+    # The dead process's leases lapse (a claim leases a delivery by pushing
+    # its due time forward).
+    leased = Delivery.objects.filter(status=Status.PENDING, lease_token__isnull=False)
+    wait_until(lambda: not leased.filter(due_at__gt=timezone.now()).exists())
     second = processes("--drain", f"--concurrency={concurrency}", settings=settings)
     assert second.wait(120) == 0
     assert statuses() == {Status.DELIVERED: len(urls)}
@@ -192,6 +201,7 @@ def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in
     assert len(twice) <= 3 * concurrency, f"only those in flight at the kill repeat: {len(twice)}"
 
 
+@pytest.mark.slow
 def test_a_web_process_and_the_deliverer_write_at_once_without_database_is_locked(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -237,6 +247,7 @@ def test_a_running_deliverer_logs_its_rates_and_counts(caplog: pytest.LogCapture
     assert "delivered/s" in record.getMessage()
 
 
+@pytest.mark.slow
 def test_metrics_are_served_on_the_port_named(
     inbox: Inbox, processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -295,6 +306,7 @@ def test_a_misconfigured_deliverer_does_not_start_and_says_why(
         call_command("run_deliverer", "--drain")
 
 
+@pytest.mark.slow
 def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:

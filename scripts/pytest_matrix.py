@@ -1,0 +1,177 @@
+"""Run the suite in tox environments, on SQLite and PostgreSQL, several runs at once.
+
+    python scripts/pytest_matrix.py [--jobs N] ENV [ENV ...] [-- pytest arguments]
+
+Each ENV is a tox environment already built (``tox run --notest``; inside
+tox, the running one). In each, the suite runs on SQLite and, if
+FD_POSTGRES_URL is set, on PostgreSQL: ``-m "not slow"``, and in SLOW_ENV the
+slow tests (subprocesses, Chromium) too, as runs of their own, so that the
+longest runs start first and no run waits for another. At most N runs go at
+once (default 3, or FD_TEST_JOBS): they share nothing (each has a database
+of its own: see tests/settings.py) and mostly wait on sockets, subprocesses
+and timers, but the suite has timing assertions that a machine loaded far
+past its cores would break.
+
+Each run's output is printed whole when it ends, under its name, then a
+table of every run. Exits 0 only if every run passed; a run that selects no
+test (pytest's exit status 5) passes only if another run of the same
+environment and database ran tests, so that nothing passes having tested
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright there only
+NO_TESTS_COLLECTED = 5
+
+
+@dataclass
+class Run:
+    env: str
+    database: str
+    marks: str
+    python: str
+    environ: dict[str, str]
+    args: list[str]
+    code: int | None = None
+    seconds: float = 0.0
+    summary: str = ""
+    output: bytes = field(default=b"", repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.env} on {self.database}, -m {self.marks!r}"
+
+    def start_and_wait(self) -> None:
+        started = time.monotonic()
+        with tempfile.TemporaryFile() as output:
+            self.code = subprocess.call(
+                [self.python, "-m", "pytest", "-m", self.marks, *self.args],
+                cwd=ROOT,
+                env=self.environ,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
+            output.seek(0)
+            self.output = output.read()
+        self.seconds = time.monotonic() - started
+        lines = self.output.decode(errors="replace").strip().splitlines()
+        self.summary = lines[-1].strip("= ") if lines else "(no output)"
+
+
+def interpreter(env: str) -> str:
+    if os.environ.get("TOX_ENV_NAME") == env:
+        return sys.executable
+    python = ROOT / ".tox" / env / "bin" / "python"
+    if not python.exists():
+        sys.exit(f"{python} does not exist: build it first with tox run -e {env} --notest")
+    return str(python)
+
+
+def plan(envs: list[str], args: list[str]) -> list[Run]:
+    base = {key: value for key, value in os.environ.items() if key != "DATABASE_URL"}
+    databases = {"SQLite": base}
+    if postgres_url := os.environ.get("FD_POSTGRES_URL"):
+        databases = {"PostgreSQL": {**base, "DATABASE_URL": postgres_url}, **databases}
+    else:
+        print("FD_POSTGRES_URL is not set: the suite runs on SQLite only", flush=True)
+    # Every run shows its slowest tests; parallel runs would race on one cache.
+    args = ["--durations=15", "-p", "no:cacheprovider", *args]
+    runs = []
+    # The longest first: the slow tests, then PostgreSQL, then SQLite.
+    if SLOW_ENV in envs:
+        for database, environ in databases.items():
+            runs.append(Run(SLOW_ENV, database, "slow", interpreter(SLOW_ENV), environ, args))
+    for database, environ in databases.items():
+        for env in envs:
+            runs.append(Run(env, database, "not slow", interpreter(env), environ, args))
+    return runs
+
+
+def run_all(runs: list[Run], jobs: int) -> None:
+    free = threading.Semaphore(jobs)
+    printing = threading.Lock()
+
+    def one(run: Run) -> None:
+        try:
+            run.start_and_wait()
+        finally:
+            free.release()
+        with printing:
+            print(f"\n----- {run.name}: {run.seconds:.0f} s -----", flush=True)
+            sys.stdout.buffer.write(run.output)
+            sys.stdout.flush()
+
+    threads = []
+    for run in runs:
+        free.acquire()
+        thread = threading.Thread(target=one, args=(run,))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+
+
+def verdicts(runs: list[Run]) -> dict[int, str]:
+    """What failed, by the index of its run: a pytest failure, or a run that
+    selected no test where no other run of its environment and database did."""
+    tested = {(r.env, r.database) for r in runs if r.code in (0, 1)}
+    failed = {}
+    for index, run in enumerate(runs):
+        if run.code == NO_TESTS_COLLECTED:
+            if (run.env, run.database) not in tested:
+                failed[index] = "no test ran in this environment on this database"
+        elif run.code != 0:
+            failed[index] = f"pytest exit status {run.code}"
+    return failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("FD_TEST_JOBS", 3)))
+    parser.add_argument("envs", nargs="+", metavar="ENV")
+    argv = sys.argv[1:]
+    pytest_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, pytest_args = argv[:split], argv[split + 1 :]
+    options = parser.parse_args(argv)
+    if options.jobs < 1:
+        parser.error(f"--jobs must be at least 1, not {options.jobs}")
+
+    started = time.monotonic()
+    runs = plan(options.envs, pytest_args)
+    run_all(runs, options.jobs)
+    failed = verdicts(runs)
+
+    print(f"\n----- {len(runs)} runs, {options.jobs} at once -----", flush=True)
+    for index, run in enumerate(runs):
+        if index in failed:
+            verdict = f"FAILED: {failed[index]}"
+        elif run.code == NO_TESTS_COLLECTED:
+            verdict = "none selected"
+        else:
+            verdict = "ok"
+        print(f"{run.seconds:5.0f} s  {run.name:55}  {run.summary}  [{verdict}]")
+    took = time.monotonic() - started
+    if failed:
+        print(f"FAILED: {len(failed)} of {len(runs)} runs ({took:.0f} s)", flush=True)
+        return 1
+    print(f"passed: {len(runs)} runs ({took:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
