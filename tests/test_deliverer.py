@@ -317,7 +317,8 @@ def test_a_key_store_that_fails_is_retried_not_refused(
     fast_retries(settings)
     batch = send(BROKEN, NOTE, [inbox.url()])
     runner = start_deliverer()
-    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).exists())
+    # Until the first attempt's outcome is written, not only counted.
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).exclude(last_error="").exists())
     runner.stop()
     row = Delivery.objects.get(batch=batch)
     assert row.status in (Status.PENDING, Status.FAILED)
@@ -370,14 +371,16 @@ def test_no_more_than_per_host_go_to_one_host_at_once(
     batch = send(
         ALICE, NOTE, [slow.url(f"/{n}") for n in range(8)] + [fast.url(f"/{n}") for n in range(8)]
     )
-    started = time.monotonic()
     runner = start_deliverer(concurrency=8, per_host=2)
     wait_until(lambda: len(fast.received) == 8)
-    fast_done = time.monotonic() - started
+    # Counted in the slow host's own time, not the wall clock's, so that a busy
+    # machine's slow start cannot fail it: the fast host was done before the
+    # slow one began its last round of two.
+    slow_begun = len(slow.received)
     wait_until(settled(batch))
     runner.stop()
     assert active["most"] == 2
-    assert fast_done < 0.15 * 4, "the slow host holds two slots, not the loop"
+    assert slow_begun <= 2 * 3, "the slow host holds two slots, not the loop"
 
 
 def test_a_database_that_is_away_for_a_moment_is_waited_out(
