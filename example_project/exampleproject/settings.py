@@ -11,6 +11,7 @@ from typing import Any
 
 import django
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 from django_federation_delivery.webhooks import webhooks_from_env
 
@@ -99,6 +100,18 @@ FEDERATION_DELIVERY = {
     # e.g. WEBHOOK_OPS=slack://hooks.slack.com/services/… ; the URL is a secret.
     "WEBHOOKS": webhooks_from_env(env),
 }
+
+# The waits between a webhook's tries, a comma list of seconds (scripts/demo
+# sets short ones); unset, the package's nine tries across a day.
+_webhook_retry = env.str("FEDERATION_DELIVERY_WEBHOOK_RETRY", default="")
+if _webhook_retry.strip():
+    try:
+        FEDERATION_DELIVERY["WEBHOOK_RETRY"] = [float(wait) for wait in _webhook_retry.split(",")]
+    except ValueError:
+        raise ImproperlyConfigured(
+            "FEDERATION_DELIVERY_WEBHOOK_RETRY must be a comma list of seconds, such as "
+            f"30,120,600, not {_webhook_retry!r}."
+        ) from None
 
 LOGGING = {
     "version": 1,

@@ -4,6 +4,13 @@ Starts inbox servers on loopback addresses, queues a few hundred deliveries
 with ``django_federation_delivery.send``, drains them with ``run_deliverer
 --drain`` (again for the retries), and reports what each inbox saw and how
 every delivery ended.
+
+Then the webhooks: for each destination configured (``WEBHOOK_<NAME>``) on a
+loopback address, a stand-in receiver where it points (a Slack incoming
+webhook, or a signed-JSON receiver verifying with ``standardwebhooks``, down
+for its first two requests); two alerts raised, then resolved, with
+``send_webhook``, drained the same way, and what each destination received,
+in order, reported.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
@@ -26,11 +35,27 @@ from django.db.models import Count, Min
 from django.test.utils import override_settings
 from django.utils import timezone
 
-from django_federation_delivery import BatchOptions, send, send_batch
+from django_federation_delivery import BatchOptions, send, send_batch, send_webhook
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.webhooks import (
+    Destination,
+    Event,
+    Kind,
+    configured_destinations,
+)
+from django_federation_delivery.webhooks.destinations import delivery_key
+from django_federation_delivery.webhooks.policy import WebhookPolicy
+from django_federation_delivery.webhooks.rendering import render_text
 from federation_demo.inbox import Behaviour, InboxServer
 from federation_demo.keys import ALICE, BOB
+from federation_demo.receivers import (
+    KINDS,
+    SIGNED_JSON_DOWN_FOR,
+    Arrival,
+    WebhookReceiver,
+    secret_of,
+)
 
 #: The servers: an address each, and how each answers (None: nothing listens).
 PLAN: list[tuple[str, Behaviour | None]] = [
@@ -57,6 +82,14 @@ RETRY_BUDGET_SECONDS = 30.0
 MAX_DRAINS = 100
 #: The fan-out's deadline.
 DEADLINE = dt.timedelta(seconds=8)
+#: The webhook events: two alerts raised, then resolved, each to every destination.
+ALERTS: list[tuple[str, dict[str, str]]] = [
+    ("alert.raised", {"alert": "A-1", "host": "db1", "summary": "disk 91% full"}),
+    ("alert.raised", {"alert": "A-2", "host": "web2", "summary": "5xx on 4% of requests"}),
+    ("alert.resolved", {"alert": "A-1", "host": "db1"}),
+    ("alert.resolved", {"alert": "A-2", "host": "web2"}),
+]
+ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
 
 
 class Command(BaseCommand):
@@ -91,6 +124,7 @@ class Command(BaseCommand):
             batches = self._queue(servers, inboxes)
             self._drain(batches)
             self._report(servers, batches)
+            self._webhooks()
 
     def _queue(self, servers: list[tuple[str, InboxServer | None]], count: int) -> list[Batch]:
         netlocs = [netloc for netloc, _ in servers]
@@ -204,6 +238,139 @@ class Command(BaseCommand):
                 )
                 example = f"  (e.g. {error})" if error else ""
             write(f"  {row['status']:<10}{row['count']:>5}{example}")
+
+    def _webhooks(self) -> None:
+        """Events to every local webhook destination configured, drained, and
+        what each received, in arrival order."""
+        write = self.stdout.write
+        write(self.style.MIGRATE_HEADING("\nWebhooks"))
+        try:
+            configured = configured_destinations()
+            policy = WebhookPolicy.from_settings()
+        except ImproperlyConfigured as exc:  # names the destination, never its URL
+            raise CommandError(str(exc)) from None
+        local = [d for d in configured.values() if d.kind in KINDS and _on_loopback(d)]
+        for destination in configured.values():
+            if destination not in local:
+                write(
+                    f"  {destination.display}: left alone (the demo sends only to Slack or "
+                    "signed JSON destinations on a loopback address, to its own stand-ins)"
+                )
+        if not local:
+            write(
+                "  No webhook destination on a loopback address is configured: set "
+                "WEBHOOK_<NAME> variables (scripts/demo does; see example_project/README.rst)."
+            )
+            return
+        waits = ", ".join(f"{wait:g} s" for wait in policy.schedule)
+        write(f"  Destinations from WEBHOOK_<NAME>; retried after {waits} (WEBHOOK_RETRY).")
+        with _receivers(local) as receivers:
+            batches = []
+            for event_type, data in ALERTS:
+                # Each in its own transaction, as an application would send them.
+                batch = send_webhook([d.name for d in local], event_type, data)
+                assert batch is not None
+                batches.append(batch)
+            sent = ", ".join(f"{event_type} {data['alert']}" for event_type, data in ALERTS)
+            write(f"Queued {len(batches)} events for {len(local)} destinations: {sent}.")
+            self._drain(batches)
+            self._report_webhooks(receivers, batches)
+
+    def _report_webhooks(self, receivers: list[WebhookReceiver], batches: list[Batch]) -> None:
+        write = self.stdout.write
+        write(self.style.MIGRATE_HEADING("\nWhat each webhook destination received"))
+        events = [Event.read(batch.body) for batch in batches]
+        for receiver in receivers:
+            destination = receiver.destination
+            write(f"  {destination.display} at {receiver.netloc}: {receiver.behaviour}")
+            write(
+                f"    {'arrived':<9}{'event':<16}{'alert':<7}{'check':<13}{'attempts':>8}  answered"
+            )
+            rows = {
+                row.batch_id: row
+                for row in Delivery.objects.filter(
+                    batch__in=batches, host=delivery_key(destination.name)
+                )
+            }
+            # Which queued event each request was: by its id, or for Slack by its text.
+            keys = [_arrival_key(destination, event) for event in events]
+            arrivals = list(receiver.arrivals)
+            accepted = [keys.index(key) for key in map(_key, receiver.accepted()) if key in keys]
+            for place, index in enumerate(accepted, 1):
+                event, row = events[index], rows.get(batches[index].id)
+                answered = [a for a in arrivals if _key(a) == keys[index]]
+                write(
+                    f"    {ORDINALS.get(place, f'{place}th'):<9}{event.type:<16}"
+                    f"{event.data['alert']:<7}{answered[-1].check:<13}"
+                    f"{row.attempts if row else '-':>8}  "
+                    + ", ".join(str(a.status) for a in answered)
+                )
+            in_order = accepted == list(range(len(events)))
+            checked = sum(a.ok for a in arrivals)
+            summary = (
+                f"    in order: {'yes' if in_order else 'NO'}; {len(accepted)} of {len(events)} "
+                f"events accepted; {checked} of {len(arrivals)} requests "
+                + ("verified" if destination.kind is Kind.SIGNED_JSON else "well-formed")
+            )
+            style = (
+                self.style.SUCCESS if in_order and checked == len(arrivals) else self.style.ERROR
+            )
+            write(style(summary))
+            for arrival in arrivals:
+                if not arrival.ok:
+                    write(self.style.ERROR(f"    {arrival.status}: {arrival.check}"))
+            if destination.kind is not Kind.SIGNED_JSON:
+                for index in accepted[:2]:
+                    write(f"    e.g. {keys[index]}")
+        deliveries = Delivery.objects.filter(batch__in=batches)
+        by_status = ", ".join(
+            f"{row['status']} {row['count']}"
+            for row in deliveries.values("status").annotate(count=Count("id")).order_by("status")
+        )
+        write(f"  Webhook deliveries by status: {by_status}")
+
+
+def _arrival_key(destination: Destination, event: Event) -> str:
+    """What identifies ``event`` among the requests ``destination`` received."""
+    if destination.kind is Kind.SIGNED_JSON:
+        return event.id
+    return render_text(destination, event)
+
+
+def _key(arrival: Arrival) -> str:
+    return arrival.event_id or arrival.text
+
+
+def _on_loopback(destination: Destination) -> bool:
+    try:
+        return ipaddress.ip_address(urlsplit(destination.url).hostname or "").is_loopback
+    except ValueError:
+        return False
+
+
+@contextmanager
+def _receivers(destinations: list[Destination]) -> Iterator[list[WebhookReceiver]]:
+    """A stand-in where each destination points, stopped on the way out."""
+    started: list[WebhookReceiver] = []
+    try:
+        for destination in destinations:
+            try:
+                receiver = WebhookReceiver(
+                    destination,
+                    secret=secret_of(str(app_settings.get("WEBHOOKS")[destination.name])),
+                    down_for=SIGNED_JSON_DOWN_FOR if destination.kind is Kind.SIGNED_JSON else 0,
+                )
+            except OSError as exc:
+                host = urlsplit(destination.url).netloc
+                raise CommandError(
+                    f"Cannot start the stand-in for {destination.display} on {host}: "
+                    f"{exc.strerror}."
+                ) from None
+            started.append(receiver)
+        yield started
+    finally:
+        for receiver in started:
+            receiver.stop()
 
 
 @contextmanager
