@@ -286,9 +286,15 @@ def _ipv6(url: str, literal: str) -> str:
     if "%" in literal:
         raise UnusableURL(url, "has an IPv6 address with a zone")
     try:
-        return ipaddress.IPv6Address(literal).compressed
+        address = ipaddress.IPv6Address(literal)
     except ValueError:
         raise UnusableURL(url, "has an invalid IPv6 address") from None
+    if address.ipv4_mapped is not None:
+        # RFC 5952 §5's mixed notation, spelt here rather than by the interpreter:
+        # Python 3.13 writes it so and older ones do not, and the canonical form
+        # must not depend on which Python queued it.
+        return f"::ffff:{address.ipv4_mapped}"
+    return address.compressed
 
 
 def _name_or_ipv4(url: str, text: str) -> str:

@@ -60,7 +60,8 @@ CANONICAL = [
     ("http://127.0.0.1./inbox", "http://127.0.0.1/inbox"),
     ("http://１２７.０.０.１/", "http://127.0.0.1/"),
     ("https://[2001:DB8:0:0::1]:8443/inbox", "https://[2001:db8::1]:8443/inbox"),
-    ("https://[::FFFF:127.0.0.1]/", "https://[::ffff:7f00:1]/"),
+    ("https://[::FFFF:127.0.0.1]/", "https://[::ffff:127.0.0.1]/"),
+    ("https://[::ffff:7f00:1]/", "https://[::ffff:127.0.0.1]/"),
     # Path and query, percent-encoded exactly once.
     ("https://a.example/ïnbox/é", "https://a.example/%C3%AFnbox/%C3%A9"),
     ("https://a.example/%c3%a9", "https://a.example/%C3%A9"),
