@@ -398,11 +398,19 @@ class Gate:
 
 
 def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie left to an init that does
+    not reap counts: it runs nothing)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
         return True
-    return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
 
 
 CHILD = r"\[deliverer (\d+)/2 pid (\d+)\]"
@@ -487,6 +495,40 @@ def test_a_child_killed_is_restarted_with_a_log_line_and_the_work_completes(
         f"http://{request.host}{request.path}" for sink in sinks for request in sink.received
     }
     assert received == set(urls)
+
+
+def test_a_second_signal_to_the_supervisor_kills_the_children_at_once(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    stuck = inboxes(delay=20)
+    send(ALICE, NOTE, [stuck.url(f"/{n}") for n in range(4)])
+    process = processes("--processes=2", "--concurrency=1")
+    output = Output(process)
+    wait_until(lambda: len(stuck.received) >= 2)
+    pids = {int(output.wait_for(rf"\[deliverer {n}/2 pid (\d+)\]")[1]) for n in (1, 2)}
+    process.send_signal(signal.SIGINT)
+    output.wait_for(r"Stopping: 2 deliverer\(s\) finishing what is in flight")
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    assert process.wait(10) == 128 + signal.SIGINT
+    assert time.monotonic() - started < 10
+    wait_until(lambda: all(gone(pid) for pid in pids), timeout=10)
+    assert set(Delivery.objects.values_list("status", flat=True)) == {Status.PENDING}
+
+
+def test_children_stop_when_their_supervisor_is_killed(
+    processes: Callable[..., subprocess.Popen[str]],
+) -> None:
+    process = processes("--processes=2")
+    output = Output(process)
+    pids = {
+        int(output.wait_for(rf"\[deliverer {n}/2 pid (\d+)\] Delivering until stopped")[1])
+        for n in (1, 2)
+    }
+    process.kill()
+    process.wait(10)
+    wait_until(lambda: all(gone(pid) for pid in pids), timeout=30)
+    assert output.finish().count("The supervisor is gone: stopping") == 2
 
 
 def free_ports(count: int) -> int:
