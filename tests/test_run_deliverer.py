@@ -601,3 +601,13 @@ def test_a_bad_number_of_processes_is_refused_naming_it(value: str) -> None:
 def test_metrics_ports_past_the_last_for_the_processes_are_refused() -> None:
     with pytest.raises(CommandError, match="'65535' with --processes 2 needs ports 65535 to 65536"):
         call_command("run_deliverer", "--drain", "--processes=2", "--metrics-port=65535")
+
+
+def test_metrics_for_processes_without_prometheus_are_refused_before_any_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django_federation_delivery import metrics
+
+    monkeypatch.setattr(metrics, "_metrics", None)
+    with pytest.raises(CommandError, match=r"django-federation-delivery\[prometheus\]"):
+        call_command("run_deliverer", "--processes=2", "--metrics-port=9108")

@@ -219,8 +219,11 @@ class Command(BaseCommand):
             )
         port = options["metrics_port"]
         number = _positive(port, 65535) if port is not None else 0
-        addr = _address(options["metrics_addr"])
+        addr = _address(options["metrics_addr"]) if port is not None else ""
         if processes > 1:
+            # Refused here, once, rather than by every child dying at once.
+            if port is not None and not metrics.available():
+                raise CommandError(metrics.NEEDS_CLIENT)
             if number + processes - 1 > 65535:
                 raise CommandError(
                     f"--metrics-port {port!r} with --processes {processes} needs ports "
