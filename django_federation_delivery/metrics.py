@@ -37,6 +37,9 @@ OUTCOMES = ("delivered", "retrying", "held", "refused", "failed")
 #: Attempt durations in seconds: from a fast local inbox to ATTEMPT_TIMEOUT.
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "federation_delivery"
+NEEDS_CLIENT = (
+    "Serving metrics needs prometheus_client: pip install 'django-federation-delivery[prometheus]'."
+)
 
 
 class _Metrics:
@@ -120,9 +123,6 @@ def start_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
     are nobody else's business.
     """
     if prometheus_client is None:
-        raise ImproperlyConfigured(
-            "Serving metrics needs prometheus_client: "
-            "pip install 'django-federation-delivery[prometheus]'."
-        )
+        raise ImproperlyConfigured(NEEDS_CLIENT)
     server, _thread = prometheus_client.start_http_server(port, addr=addr)
     return server

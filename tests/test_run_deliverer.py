@@ -6,8 +6,11 @@ import collections
 import io
 import json
 import logging
+import os
 import queue
+import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -22,7 +25,7 @@ from django.utils import timezone
 from django_federation_delivery import send
 from django_federation_delivery.models import Delivery, Status
 
-from .conftest import MANAGE, Inbox, Overlap, subprocess_env, wait_until
+from .conftest import MANAGE, Inbox, Overlap, Received, subprocess_env, wait_until
 from .keys import ALICE
 
 # The tests that start a deliverer process are marked slow; the rest run in-process.
@@ -337,3 +340,286 @@ def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
     assert opened_after <= 6 + 2 * (2 * 2), "opened by both processes' failures, counted together"
     assert slow_503.most_since_mark == 1, "one probe at a time between the two processes"
     assert 1 <= probes <= 3 / 0.5 + 1, f"{probes} probes in six cool-offs"
+
+
+# --processes N: N deliverers under one supervisor.
+
+
+class Output:
+    """Everything a process writes, read as it comes by a thread of its own."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        self._stdout = process.stdout
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._stdout:
+            with self._lock:
+                self._lines.append(line)
+
+    def text(self) -> str:
+        with self._lock:
+            return "".join(self._lines)
+
+    def wait_for(self, pattern: str, timeout: float = 30) -> re.Match[str]:
+        """The first match of the regular expression ``pattern`` in what was written."""
+        found: list[re.Match[str]] = []
+
+        def seen() -> bool:
+            match = re.search(pattern, self.text())
+            if match:
+                found.append(match)
+            return match is not None
+
+        try:
+            wait_until(seen, timeout=timeout)
+        except AssertionError:
+            raise AssertionError(f"{pattern!r} never came; output was:\n{self.text()}") from None
+        return found[0]
+
+    def finish(self) -> str:
+        """All of it, once the process has exited."""
+        self._thread.join(10)
+        return self.text()
+
+
+class Gate:
+    """A ``respond`` that holds every request until ``needed`` are being
+    answered at once (or ``timeout`` passes), then lets all through."""
+
+    def __init__(self, needed: int, timeout: float = 30) -> None:
+        self.needed = needed
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._now = 0
+        self.opened = threading.Event()
+
+    def __call__(self, request: Received) -> tuple[int, dict[str, str], bytes]:
+        with self._lock:
+            self._now += 1
+            if self._now >= self.needed:
+                self.opened.set()
+        self.opened.wait(self.timeout)
+        with self._lock:
+            self._now -= 1
+        return 202, {}, b""
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie left to an init that does
+    not reap counts: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+CHILD = r"\[deliverer (\d+)/2 pid (\d+)\]"
+
+
+def test_two_processes_drain_a_fan_out_each_delivery_once_both_doing_part_of_it(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # Two in flight at most for one deliverer (--concurrency=2): three at once
+    # at the inbox means both are sending.
+    gate = Gate(needed=3)
+    sink = inboxes(respond=gate)
+    urls = [sink.url(f"/{n}") for n in range(100)]
+    send(ALICE, NOTE, urls)
+    process = processes("--processes=2", "--drain", "--concurrency=2")
+    output = Output(process)
+    assert process.wait(120) == 0, output.finish()
+    text = output.finish()
+    assert gate.opened.is_set(), "both deliverers were sending at once"
+    assert statuses() == {Status.DELIVERED: 100}
+    assert collections.Counter(sink.paths()) == {f"/{n}": 1 for n in range(100)}
+    done = {
+        int(index): int(delivered)
+        for index, _, delivered in re.findall(CHILD + r" Done: delivered (\d+)", text)
+    }
+    assert set(done) == {1, 2}, text
+    assert all(done.values()), f"each did part of the work: {done}"
+    assert sum(done.values()) == 100
+    assert "Done: all 2 deliverer processes finished." in text
+
+
+def test_sigterm_to_the_supervisor_stops_both_children_and_exits_0_losing_nothing(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    slow = inboxes(delay=1.5)
+    send(ALICE, NOTE, [slow.url(f"/{n}") for n in range(20)])
+    process = processes("--processes=2", "--concurrency=1")
+    output = Output(process)
+    # One at a time each: two at the inbox means both children are mid-send.
+    wait_until(lambda: len(slow.received) >= 2)
+    pids = {int(output.wait_for(rf"\[deliverer {n}/2 pid (\d+)\]")[1]) for n in (1, 2)}
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0, output.finish()
+    text = output.finish()
+    assert "Done: all 2 deliverer processes stopped." in text
+    assert all(gone(pid) for pid in pids), "both children stopped and were waited for"
+    sent = slow.paths()
+    assert len(sent) == len(set(sent)) >= 2
+    # What was in flight finished; the rest waits, unclaimed, for the next deliverer.
+    delivered = Delivery.objects.filter(status=Status.DELIVERED)
+    assert {slow.url(path) for path in sent} == set(delivered.values_list("inbox", flat=True))
+    waiting = Delivery.objects.exclude(status=Status.DELIVERED)
+    assert set(waiting.values_list("status", "attempts", "lease_token")) == {
+        (Status.PENDING, 0, None)
+    }
+    assert waiting.count() == 20 - len(sent)
+
+
+def test_a_child_killed_is_restarted_with_a_log_line_and_the_work_completes(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    sinks = [inboxes(f"127.0.0.{n}", delay=0.1) for n in (2, 3)]
+    urls = [sink.url(f"/k{n}") for n in range(200) for sink in sinks]
+    send(ALICE, NOTE, urls)
+    # What the killed child had claimed comes due again once its lease lapses.
+    settings = {"LEASE_SECONDS": 11, "ATTEMPT_TIMEOUT": 1}
+    process = processes("--processes=2", "--concurrency=4", settings=settings)
+    output = Output(process)
+    pid = int(output.wait_for(r"\[deliverer 1/2 pid (\d+)\] Delivering until stopped")[1])
+    wait_until(lambda: sum(len(sink.received) for sink in sinks) >= 50)
+    os.kill(pid, signal.SIGKILL)
+    at_kill = sum(len(sink.received) for sink in sinks)
+    output.wait_for(rf"Deliverer 1 \(pid {pid}\) was killed by SIGKILL after [\d.]+ s; restarting")
+    new = int(output.wait_for(rf"Restarted deliverer 1: pid (\d+) \(was pid {pid}\)")[1])
+    assert new != pid
+    output.wait_for(rf"\[deliverer 1/2 pid {new}\] Delivering until stopped")
+    wait_until(lambda: statuses() == {Status.DELIVERED: len(urls)}, timeout=90)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0, output.finish()
+    assert at_kill < len(urls), "killed in the middle, not at the end"
+    received = {
+        f"http://{request.host}{request.path}" for sink in sinks for request in sink.received
+    }
+    assert received == set(urls)
+
+
+def test_a_second_signal_to_the_supervisor_kills_the_children_at_once(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    stuck = inboxes(delay=20)
+    send(ALICE, NOTE, [stuck.url(f"/{n}") for n in range(4)])
+    process = processes("--processes=2", "--concurrency=1")
+    output = Output(process)
+    wait_until(lambda: len(stuck.received) >= 2)
+    pids = {int(output.wait_for(rf"\[deliverer {n}/2 pid (\d+)\]")[1]) for n in (1, 2)}
+    process.send_signal(signal.SIGINT)
+    output.wait_for(r"Stopping: 2 deliverer\(s\) finishing what is in flight")
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    assert process.wait(10) == 128 + signal.SIGINT
+    assert time.monotonic() - started < 10
+    wait_until(lambda: all(gone(pid) for pid in pids), timeout=10)
+    assert set(Delivery.objects.values_list("status", flat=True)) == {Status.PENDING}
+
+
+def test_children_stop_when_their_supervisor_is_killed(
+    processes: Callable[..., subprocess.Popen[str]],
+) -> None:
+    process = processes("--processes=2")
+    output = Output(process)
+    pids = {
+        int(output.wait_for(rf"\[deliverer {n}/2 pid (\d+)\] Delivering until stopped")[1])
+        for n in (1, 2)
+    }
+    process.kill()
+    process.wait(10)
+    wait_until(lambda: all(gone(pid) for pid in pids), timeout=30)
+    assert output.finish().count("The supervisor is gone: stopping") == 2
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1, below the
+    ephemeral range: the machine's own outgoing connections (to PostgreSQL,
+    to the inboxes) never take them between this look and the bind."""
+    import random
+
+    for _ in range(100):
+        first = random.randrange(20_000, 30_000)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise AssertionError("no free ports in a row")
+
+
+def test_each_child_serves_its_metrics_on_the_port_after_the_last(
+    processes: Callable[..., subprocess.Popen[str]],
+) -> None:
+    import urllib.request
+
+    port = free_ports(2)
+    process = processes("--processes=2", f"--metrics-port={port}")
+    output = Output(process)
+    output.wait_for(rf"metrics on ports {port} to {port + 1}")
+    for index, served in ((1, port), (2, port + 1)):
+        output.wait_for(rf"\[deliverer {index}/2 pid \d+\] Metrics at http://127.0.0.1:{served}/")
+        with urllib.request.urlopen(f"http://127.0.0.1:{served}/metrics", timeout=5) as answer:
+            assert b"federation_delivery_attempts_total" in answer.read()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0, output.finish()
+
+
+def test_a_child_that_dies_at_once_every_time_is_given_up_with_a_clear_message(
+    processes: Callable[..., subprocess.Popen[str]],
+) -> None:
+    port = free_ports(2)
+    with socket.socket() as taken:
+        # The second child's port is somebody else's: it cannot start.
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        process = processes("--processes=2", f"--metrics-port={port}")
+        output = Output(process)
+        first = int(output.wait_for(r"\[deliverer 1/2 pid (\d+)\] Delivering until stopped")[1])
+        assert process.wait(60) == 1, output.finish()
+    text = output.finish()
+    assert f"cannot serve metrics on 127.0.0.1 port {port + 1}" in text
+    assert "Deliverer 2 (pid " in text and "exited with status 1" in text
+    assert "restarting it in 0.5 s" in text and "restarting it in 4 s" in text, "backing off"
+    assert re.search(
+        r"CommandError: deliverer 2 \(pid \d+\) exited with status 1, 5 times in a row "
+        r"within 30 s of starting: giving up",
+        text,
+    )
+    assert gone(first), "the healthy one was stopped too"
+    assert re.search(r"\[deliverer 1/2 pid \d+\] Done:", text), "and it stopped cleanly"
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many", "1000"])
+def test_a_bad_number_of_processes_is_refused_naming_it(value: str) -> None:
+    with pytest.raises(CommandError, match=repr(value)):
+        call_command("run_deliverer", "--drain", f"--processes={value}")
+    assert not Delivery.objects.exists()
+
+
+def test_metrics_ports_past_the_last_for_the_processes_are_refused() -> None:
+    with pytest.raises(CommandError, match="'65535' with --processes 2 needs ports 65535 to 65536"):
+        call_command("run_deliverer", "--drain", "--processes=2", "--metrics-port=65535")
+
+
+def test_metrics_for_processes_without_prometheus_are_refused_before_any_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django_federation_delivery import metrics
+
+    monkeypatch.setattr(metrics, "_metrics", None)
+    with pytest.raises(CommandError, match=r"django-federation-delivery\[prometheus\]"):
+        call_command("run_deliverer", "--processes=2", "--metrics-port=9108")

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -16,12 +20,29 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from django_federation_delivery import metrics, queue
+from django_federation_delivery import metrics, queue, supervisor
 from django_federation_delivery.checks import WHOLE_NUMBERS, check_settings, sqlite_problems
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.settling import Summary
+from django_federation_delivery.supervisor import GaveUp, Supervisor
 
 logger = logging.getLogger("django_federation_delivery.deliverer")
+
+#: ``--processes``: one a core is the point; past a few hundred, a mistake.
+MOST_PROCESSES = 256
+#: The options a child is started with (the rest are the supervisor's).
+CHILD_OPTIONS = (
+    "drain",
+    "concurrency",
+    "per_host",
+    "database",
+    "metrics_port",
+    "metrics_addr",
+    "log_interval",
+    "verbosity",
+    "no_color",
+    "force_color",
+)
 
 
 def _positive(value: str, most: int = 10**9) -> int:
@@ -66,12 +87,58 @@ def _log_rates(interval: float) -> Callable[[Summary], None]:
     return log
 
 
+@dataclass
+class _Child:
+    """What a deliverer started by ``--processes`` knows of its place."""
+
+    index: int
+    count: int
+    #: Set by a stop that came before the deliverer was made.
+    stopped: threading.Event
+
+    @property
+    def prefix(self) -> str:
+        return f"[deliverer {self.index}/{self.count} pid {os.getpid()}] "
+
+
+def _prefix_log_records(prefix: str) -> None:
+    """Every log record of this process starts with ``prefix``: the lines of
+    N deliverers sharing a terminal or a journal say whose they are."""
+    make = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        record.msg = f"{prefix}{record.msg}"
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+def run_child(index: int, count: int, options: dict[str, Any]) -> None:
+    """One of ``run_deliverer --processes N``, in a spawned process of its own."""
+    child = _Child(index, count, supervisor.stop_requested)
+    _prefix_log_records(child.prefix)
+    command = Command(no_color=options["no_color"], force_color=options["force_color"])
+    command.child = child
+    if options["metrics_port"] is not None:
+        # Checked by the supervisor: every child's port is within 1 to 65535.
+        options = {**options, "metrics_port": str(int(options["metrics_port"]) + index - 1)}
+    try:
+        command.handle(**options, processes="1")
+    except CommandError as exc:
+        command.stderr.write(f"{child.prefix}CommandError: {exc}")
+        sys.exit(1)
+
+
 class Command(BaseCommand):
     help = (
         "Send what is queued: claim due deliveries and send them, until stopped "
         "(SIGTERM or SIGINT finishes what is in flight; a second one exits at once). "
-        "With --drain, stop once nothing is due."
+        "With --drain, stop once nothing is due. With --processes N, N deliverers "
+        "in processes of their own under this one."
     )
+    #: Set in a process started by ``--processes``.
+    child: _Child | None = None
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
@@ -108,6 +175,13 @@ class Command(BaseCommand):
             "only; 0.0.0.0 or :: for every interface).",
         )
         parser.add_argument(
+            "--processes",
+            type=str,
+            default="1",
+            help="Deliverers to run, each in a process of its own, under this one "
+            "(default 1: this process delivers). One a core; restarted if they die.",
+        )
+        parser.add_argument(
             "--log-interval",
             type=str,
             default="60",
@@ -115,6 +189,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        processes = _positive(options["processes"], MOST_PROCESSES)
         # Held to what the settings may say (checks.WHOLE_NUMBERS): a thread a slot.
         concurrency = (
             _positive(options["concurrency"], WHOLE_NUMBERS["CONCURRENCY"][1])
@@ -129,7 +204,7 @@ class Command(BaseCommand):
         using = options["database"]
         if using not in connections:
             raise CommandError(f"no database named {using!r} in DATABASES")
-        if connections[using].vendor == "sqlite":
+        if connections[using].vendor == "sqlite" and self.child is None:
             for problem in sqlite_problems(using, connections[using]):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
         drain = bool(options["drain"])
@@ -143,9 +218,20 @@ class Command(BaseCommand):
                 "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
             )
         port = options["metrics_port"]
+        number = _positive(port, 65535) if port is not None else 0
+        addr = _address(options["metrics_addr"]) if port is not None else ""
+        if processes > 1:
+            # Refused here, once, rather than by every child dying at once.
+            if port is not None and not metrics.available():
+                raise CommandError(metrics.NEEDS_CLIENT)
+            if number + processes - 1 > 65535:
+                raise CommandError(
+                    f"--metrics-port {port!r} with --processes {processes} needs ports "
+                    f"{number} to {number + processes - 1}, past 65535"
+                )
+            self._supervise(processes, {name: options[name] for name in CHILD_OPTIONS})
+            return
         if port is not None:
-            number = _positive(port, 65535)
-            addr = _address(options["metrics_addr"])
             try:
                 server = metrics.start_server(number, addr=addr)
             except ImproperlyConfigured as exc:
@@ -167,6 +253,7 @@ class Command(BaseCommand):
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
         previous = self._install_signals(deliverer)
+        self._watch_supervisor(deliverer)
         mode = "until nothing is due" if drain else "until stopped"
         self._say(
             f"Delivering {mode}: {deliverer.concurrency} in flight, {deliverer.per_host} per host."
@@ -179,6 +266,26 @@ class Command(BaseCommand):
                 signal.signal(number, handler)
         self._say(self.style.SUCCESS(f"Done: {summary.line()}."))
 
+    def _supervise(self, processes: int, options: dict[str, Any]) -> None:
+        # The children open their own: nothing of this process's is shared or kept.
+        connections.close_all()
+        drain = bool(options["drain"])
+        mode = "until nothing is due" if drain else "until stopped"
+        ports = ""
+        if options["metrics_port"] is not None:
+            first = int(options["metrics_port"])
+            ports = f", metrics on ports {first} to {first + processes - 1}"
+        self._say(f"Starting {processes} deliverer processes {mode}{ports}.")
+        children = Supervisor(
+            processes, f"{__name__}.run_child", (options,), drain=drain, say=self._warn
+        )
+        try:
+            children.run()
+        except GaveUp as exc:
+            raise CommandError(str(exc)) from exc
+        ended = "finished" if drain and not children.stopping else "stopped"
+        self._say(self.style.SUCCESS(f"Done: all {processes} deliverer processes {ended}."))
+
     def _progress(self, summary: Summary) -> None:
         """A bar of what was due at the start and has been dealt with since."""
         done = summary.done
@@ -190,18 +297,53 @@ class Command(BaseCommand):
     def _say(self, line: str) -> None:
         # Flushed: an operator (or a supervisor reading a pipe) sees it now,
         # not when a buffer fills.
-        self.stdout.write(line)
+        self.stdout.write(f"{self.child.prefix}{line}" if self.child else line)
         self.stdout.flush()
+
+    def _warn(self, line: str) -> None:
+        self.stderr.write(f"{self.child.prefix}{line}" if self.child else line)
+        self.stderr.flush()
+
+    def _watch_supervisor(self, deliverer: Deliverer) -> None:
+        """A child stops when its supervisor is gone (killed, say), rather
+        than deliver on unwatched with nobody to stop it."""
+        parent = multiprocessing.parent_process() if self.child else None
+        if parent is None:
+            return
+
+        def watch() -> None:
+            multiprocessing.connection.wait([parent.sentinel])
+            if not deliverer.stopping:
+                logger.warning("The supervisor is gone: stopping")
+                deliverer.stop()
+
+        threading.Thread(target=watch, name="federation-delivery-supervisor", daemon=True).start()
 
     def _install_signals(self, deliverer: Deliverer) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
 
+        child = self.child
+
         def stop(number: int, frame: FrameType | None) -> None:
+            if child is not None:
+                # Under a supervisor, a signal only ever stops: Ctrl-C in a
+                # terminal (or systemd's stop) reaches this process and the
+                # supervisor both, and the supervisor passes it on. A forced
+                # stop is the supervisor's SIGKILL.
+                if not deliverer.stopping:
+                    self._warn("Stopping: finishing what is in flight.")
+                    deliverer.stop()
+                return
             if deliverer.stopping:
                 # A second signal: the operator means it.
                 os._exit(128 + number)
-            self.stderr.write("Stopping: finishing what is in flight (again to exit at once).")
+            self._warn("Stopping: finishing what is in flight (again to exit at once).")
             deliverer.stop()
 
-        return {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
+        previous: dict[int, Any] = {
+            number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)
+        }
+        if child is not None and child.stopped.is_set():
+            stop(signal.SIGTERM, None)
+        return previous

@@ -1,0 +1,263 @@
+"""Several deliverer processes under one: ``run_deliverer --processes N``.
+
+Each child is a whole deliverer in a fresh interpreter, started with
+multiprocessing's *spawn* context. Fork would hand every child a copy of the
+parent's database connections (one socket, used by N processes at once) and
+of whatever lock another thread held at that instant; re-running the command
+line with ``subprocess`` would have to rebuild how it was started (manage.py,
+django-admin, ``python -m django``, ``--pythonpath``), which spawn carries
+over by itself: the main module, ``sys.path`` and the environment.
+
+The supervisor owns no database connection. It forwards a stop to every
+child, restarts a child that dies, and gives up on one that dies at once
+every time rather than spin.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+logger = logging.getLogger("django_federation_delivery.deliverer")
+
+#: A child that dies sooner than this after starting died "at once".
+QUICK_DEATH = 30.0
+#: Deaths at once in a row, for one child, before the supervisor gives up.
+GIVE_UP_AFTER = 5
+#: The wait before a restart after deaths at once: doubled each time.
+FIRST_BACKOFF = 0.5
+MOST_BACKOFF = 30.0
+
+
+#: Set in a child by a SIGTERM or SIGINT that came before its target took
+#: over the signals: the target stops as soon as it starts.
+stop_requested = threading.Event()
+
+
+def _bootstrap(target: str, *args: Any) -> None:
+    """A child's first steps: listen for a stop, set Django up, then run
+    ``target`` (a dotted path: a module that defines models can only be
+    imported once Django is set up, so it cannot be pickled by reference)."""
+
+    def early(number: int, frame: FrameType | None) -> None:
+        stop_requested.set()
+
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, early)
+    import django
+    from django.utils.module_loading import import_string
+
+    django.setup()
+    import_string(target)(*args)
+
+
+class GaveUp(Exception):
+    """The supervisor stopped: a child kept dying, or did not stop cleanly."""
+
+
+def describe_exit(code: int | None) -> str:
+    """A child's end, as an operator reads it: ``was killed by SIGKILL``."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with status {code}"
+
+
+@dataclass
+class _Child:
+    index: int
+    process: multiprocessing.process.BaseProcess | None = None
+    pid: int = 0
+    started: float = 0.0
+    quick_deaths: int = 0
+    restart_at: float | None = None
+    exitcode: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.exitcode is None
+
+
+class Supervisor:
+    """Runs ``target(index, count, *args)`` in ``count`` child processes
+    (``index`` from 1) until they stop; ``target`` is a dotted path.
+
+    SIGTERM or SIGINT stops them all (each finishes what it has in flight); a
+    second one kills them. A child that dies is restarted; with ``drain``, a
+    child that exits 0 has finished and is not.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        target: str,
+        args: tuple[Any, ...] = (),
+        *,
+        drain: bool = False,
+        say: Callable[[str], None] = print,
+        quick_death: float = QUICK_DEATH,
+        give_up_after: int = GIVE_UP_AFTER,
+    ) -> None:
+        self.context = multiprocessing.get_context("spawn")
+        self.children = [_Child(index) for index in range(1, count + 1)]
+        self.target = target
+        self.args = args
+        self.drain = drain
+        self.say = say
+        self.quick_death = quick_death
+        self.give_up_after = give_up_after
+        self._stopping = threading.Event()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def run(self) -> None:
+        """Start the children and wait for them all to stop. Raises
+        :class:`GaveUp` when a child kept dying or did not stop cleanly."""
+        previous = self._install_signals()
+        try:
+            for child in self.children:
+                self._start(child)
+            self._watch()
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+        unclean = [
+            child
+            for child in self.children
+            # Killed by the stop itself while still starting: it had claimed nothing.
+            if child.exitcode not in (0, -signal.SIGTERM, -signal.SIGINT)
+        ]
+        if unclean:
+            raise GaveUp(
+                "; ".join(
+                    f"deliverer {child.index} (pid {child.pid}) {describe_exit(child.exitcode)}"
+                    for child in unclean
+                )
+            )
+
+    def stop(self) -> None:
+        """Ask every child to finish what is in flight and exit."""
+        self._stopping.set()
+        for child in self.children:
+            child.restart_at = None
+            if child.running and child.process is not None:
+                child.process.terminate()  # SIGTERM
+
+    def kill(self) -> None:
+        """Kill every child at once; what they had in flight is sent again
+        once its lease lapses."""
+        self._stopping.set()
+        for child in self.children:
+            if child.running and child.process is not None:
+                child.process.kill()
+        for child in self.children:
+            if child.running and child.process is not None:
+                child.process.join(5)
+
+    def _start(self, child: _Child) -> None:
+        process = self.context.Process(
+            target=_bootstrap,
+            args=(self.target, child.index, len(self.children), *self.args),
+            name=f"deliverer-{child.index}",
+        )
+        process.start()
+        before = child.pid
+        child.process, child.pid = process, process.pid or 0
+        child.started, child.restart_at, child.exitcode = time.monotonic(), None, None
+        if before:
+            logger.warning(
+                "Restarted deliverer %d: pid %d (was pid %d)", child.index, child.pid, before
+            )
+        if self.stopping:
+            # The stop came while this one was being started.
+            process.terminate()
+
+    def _watch(self) -> None:
+        while True:
+            running = [child for child in self.children if child.running]
+            waiting = [child for child in self.children if child.restart_at is not None]
+            if not running and not waiting:
+                return
+            now = time.monotonic()
+            timeout = min([1.0, *(child.restart_at - now for child in waiting if child.restart_at)])
+            sentinels = [child.process.sentinel for child in running if child.process]
+            if sentinels:
+                multiprocessing.connection.wait(sentinels, max(0.0, timeout))
+            else:
+                self._stopping.wait(max(0.0, timeout))
+            for child in running:
+                assert child.process is not None
+                if child.process.exitcode is not None:
+                    self._ended(child)
+            now = time.monotonic()
+            for child in self.children:
+                if not self.stopping and child.restart_at is not None and child.restart_at <= now:
+                    self._start(child)
+
+    def _ended(self, child: _Child) -> None:
+        assert child.process is not None
+        child.process.join()
+        child.exitcode = child.process.exitcode
+        lived = time.monotonic() - child.started
+        if self.stopping or (self.drain and child.exitcode == 0):
+            return
+        child.quick_deaths = child.quick_deaths + 1 if lived < self.quick_death else 0
+        ended = describe_exit(child.exitcode)
+        if child.quick_deaths >= self.give_up_after:
+            message = (
+                f"deliverer {child.index} (pid {child.pid}) {ended}, "
+                f"{child.quick_deaths} times in a row within {self.quick_death:g} s of starting: "
+                "giving up (its output above says why)"
+            )
+            logger.error("Stopping every deliverer: %s", message)
+            self.stop()
+            self._watch()
+            raise GaveUp(message)
+        backoff = (
+            min(MOST_BACKOFF, FIRST_BACKOFF * 2 ** (child.quick_deaths - 1))
+            if child.quick_deaths
+            else 0.0
+        )
+        logger.warning(
+            "Deliverer %d (pid %d) %s after %.1f s; restarting it%s",
+            child.index,
+            child.pid,
+            ended,
+            lived,
+            f" in {backoff:g} s" if backoff else "",
+        )
+        child.restart_at = time.monotonic() + backoff
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def stop(number: int, frame: FrameType | None) -> None:
+            if self.stopping:
+                # A second signal: the operator means it.
+                self.kill()
+                os._exit(128 + number)
+            running = sum(child.running for child in self.children)
+            self.say(
+                f"Stopping: {running} deliverer(s) finishing what is in flight "
+                "(again to kill them at once)."
+            )
+            self.stop()
+
+        return {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
