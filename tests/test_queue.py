@@ -250,6 +250,7 @@ def peak_of_enqueue(count: int) -> int:
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db
 def test_the_memory_a_fan_out_takes_does_not_grow_with_it() -> None:
     peak_of_enqueue(600)  # what is allocated once: compiled queries, caches

@@ -414,6 +414,7 @@ def corpus(port: int) -> list[str]:
     return cases
 
 
+@pytest.mark.slow
 @pytest.mark.django_db
 def test_a_corpus_of_hostile_urls_is_either_delivered_verified_or_skipped_with_a_reason(
     inbox: Inbox, transport: Transport, caplog: pytest.LogCaptureFixture
