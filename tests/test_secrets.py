@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -146,7 +147,8 @@ def test_an_inbox_secret_is_in_no_message_row_log_signal_or_admin_page(
     errors = dict(Delivery.objects.values_list("inbox", "last_error"))
     assert "connection refused" in errors[targets["connection refused"]]
     assert "127.0.0.5" in errors[targets["refused address"]]
-    assert "no complete answer" in errors[targets["timeout"]]
+    # The watchdog or the socket's own timeout, whichever fires first on a busy machine.
+    assert re.search("no complete answer|timed out", errors[targets["timeout"]])
     assert "answered 403" in errors[targets["4xx echoing the URL"]]
     assert "[redacted]" in errors[targets["4xx echoing the URL"]]
     assert "answered 503" in errors[targets["5xx echoing the URL"]]
