@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, models, transaction
 from django.db.models import F, Min
 from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
@@ -121,11 +121,8 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
     now = timezone.now()
     batch.size = batch.remaining = len(inboxes)
     batch.created_at = now
-    fields = [field for field in Batch._meta.concrete_fields if not field.primary_key]
     pre_save.send(sender=Batch, instance=batch, raw=False, using=alias, update_fields=None)
-    batch_values = [
-        field.get_db_prep_save(field.pre_save(batch, True), connection) for field in fields
-    ]
+    batch_values = _batch_values(batch, connection)
     due = db_datetime(now, connection)
     per_statement = _rows_per_statement(connection)
     postgres = connection.vendor == "postgresql"
@@ -193,6 +190,32 @@ def _statement(connection: Any, kind: str, rows: int, write: Callable[[], str]) 
         if rows <= _KEPT_ROWS or rows == CHUNK:
             _SQL[key] = sql
     return sql
+
+
+#: Fields whose values every database takes as Python has them (strings,
+#: numbers, booleans, None), once the sending side has checked them.
+_PLAIN_FIELDS = (
+    models.BooleanField,
+    models.CharField,
+    models.IntegerField,
+    models.TextField,
+)
+
+
+def _batch_values(batch: Batch, connection: Any) -> list[Any]:
+    """The batch's columns as the INSERT takes them: what ``Model.save`` would
+    write, without the field-by-field preparation a plain value needs none of."""
+    values = []
+    for field in Batch._meta.concrete_fields:
+        if field.primary_key:
+            continue
+        value = getattr(batch, field.attname)
+        if isinstance(field, models.DateTimeField):
+            value = connection.ops.adapt_datetimefield_value(value)
+        elif not isinstance(field, _PLAIN_FIELDS):
+            value = field.get_db_prep_save(field.pre_save(batch, True), connection)
+        values.append(value)
+    return values
 
 
 def _rows_per_statement(connection: Any) -> int:
