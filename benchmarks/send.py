@@ -26,7 +26,9 @@ See benchmarks/README.rst.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import dataclasses
 import io
 import os
 import pstats
@@ -36,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,37 +121,35 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
             for n in (next(counter) for _ in range(count))
         ]
 
-    def own_transaction(count: int) -> Callable[[], float]:
-        def one() -> float:
+    def own_transaction(count: int) -> Callable[[], Timing]:
+        def one() -> Timing:
             inboxes = small(count)
-            start = time.perf_counter()
-            send(ALICE, activity, inboxes)
-            return time.perf_counter() - start
+            with timed() as took:
+                send(ALICE, activity, inboxes)
+            return took
 
         return one
 
-    def open_transaction() -> float:
+    def open_transaction() -> Timing:
         inboxes = small(1)
-        with transaction.atomic():
-            start = time.perf_counter()
+        with transaction.atomic(), timed() as took:
             send(ALICE, activity, inboxes)
-            took = time.perf_counter() - start
         return took
 
-    def fan_out(same_host: bool) -> Callable[[], float]:
-        def one() -> float:
+    def fan_out(same_host: bool) -> Callable[[], Timing]:
+        def one() -> Timing:
             n = next(counter)
             if same_host:
                 inboxes = [f"https://big.example/users/u{n}-{i}/inbox" for i in range(args.fan_out)]
             else:
                 inboxes = [f"https://h{n}-{i}.example/users/u/inbox" for i in range(args.fan_out)]
-            start = time.perf_counter()
-            send(ALICE, activity, inboxes)
-            return time.perf_counter() - start
+            with timed() as took:
+                send(ALICE, activity, inboxes)
+            return took
 
         return one
 
-    cases: list[tuple[str, Callable[[], float], int]] = [
+    cases: list[tuple[str, Callable[[], Timing], int]] = [
         ("1 inbox, own transaction", own_transaction(1), args.sends),
         ("1 inbox, open transaction", open_transaction, args.sends),
         ("20 inboxes, 20 hosts", own_transaction(20), max(1, args.sends // 4)),
@@ -169,7 +169,7 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
             run()
     clear_queue()
 
-    timings: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    timings: dict[str, list[Timing]] = {name: [] for name, _, _ in cases}
     for number in range(1, args.rounds + 1):
         for name, run, times in cases:
             timings[name].extend(run() for _ in range(times))
@@ -184,16 +184,22 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
     clear_queue()
 
     print()
-    print(f"{'case':<32} {'sends':>6} {'median ms':>10} {'p90 ms':>10} {'statements':>11}")
+    print(
+        f"{'case':<32} {'sends':>6} {'median ms':>10} {'p90 ms':>10} {'cpu ms':>8} "
+        f"{'statements':>11}"
+    )
     for name, _, _ in cases:
-        values = timings[name]
+        wall = [timing.wall for timing in timings[name]]
+        cpu = [timing.cpu for timing in timings[name]]
         print(
-            f"{name:<32} {len(values):>6} {statistics.median(values) * 1000:>10.3f} "
-            f"{percentile(values, 0.9) * 1000:>10.3f} {statements[name]:>11}"
+            f"{name:<32} {len(wall):>6} {statistics.median(wall) * 1000:>10.3f} "
+            f"{percentile(wall, 0.9) * 1000:>10.3f} {statistics.median(cpu) * 1000:>8.3f} "
+            f"{statements[name]:>11}"
         )
     print(
         "\n(statements: as Django's CaptureQueriesContext counts them, BEGIN, COMMIT and "
-        "savepoints included: each a round trip on PostgreSQL)"
+        "savepoints included: each a round trip on PostgreSQL; cpu ms: the median of this "
+        "thread's CPU time, which other work on the machine disturbs less)"
     )
     print(f"load average at the end: {load_average()}")
 
@@ -202,6 +208,23 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
         profile(cases[3][0], cases[3][1])
         clear_queue()
     return 0
+
+
+@dataclasses.dataclass
+class Timing:
+    wall: float = 0.0
+    cpu: float = 0.0
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[Timing]:
+    took = Timing()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    try:
+        yield took
+    finally:
+        took.wall = time.perf_counter() - wall
+        took.cpu = time.thread_time() - cpu
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:

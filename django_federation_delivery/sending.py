@@ -366,10 +366,13 @@ def _lane(inboxes: int, low_priority: object) -> str:
 
 def _interleave_hosts(targets: list[queue.Queued]) -> list[queue.Queued]:
     """Hosts taken in turn, so that the first claims of a fan-out spread over
-    many hosts instead of queueing behind one."""
+    many hosts instead of queueing behind one: each host's first inbox in the
+    order given, then each one's second, and so on."""
     turns: dict[str, int] = {}
-    keyed = []
-    for position, target in enumerate(targets):
+    rounds: list[list[queue.Queued]] = []
+    for target in targets:
         turn = turns[target.host] = turns.get(target.host, -1) + 1
-        keyed.append((turn, position, target))
-    return [target for _, _, target in sorted(keyed, key=lambda item: item[:2])]
+        if turn == len(rounds):
+            rounds.append([])
+        rounds[turn].append(target)
+    return [target for round_ in rounds for target in round_]
