@@ -134,10 +134,10 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
             first = inboxes[:per_statement]
             waits_on = _last_of_sequences(batch.ordering_key, None, first, alias)
             cursor.execute(
-                _first_statement_sql(connection, len(first)),
+                _first_statement_sql(connection),
                 [
                     *batch_values,
-                    *_delivery_params(batch, first, waits_on, due),
+                    *_delivery_params(connection, batch, first, waits_on, due),
                     NOTIFY_CHANNEL,
                 ],
             )
@@ -156,7 +156,7 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
             waits_on = _last_of_sequences(batch.ordering_key, batch.id, chunk, alias)
             cursor.execute(
                 _deliveries_sql(connection, len(chunk), batch="%s"),
-                [batch.id, *_delivery_params(batch, chunk, waits_on, due)],
+                [batch.id, *_delivery_params(connection, batch, chunk, waits_on, due)],
             )
     post_save.send(
         sender=Batch, instance=batch, created=True, update_fields=None, raw=False, using=alias
@@ -219,32 +219,36 @@ def _batch_values(batch: Batch, connection: Any) -> list[Any]:
 
 
 def _rows_per_statement(connection: Any) -> int:
-    """CHUNK, or fewer where the database takes fewer parameters in a statement."""
-    limit = 65535
-    if connection.vendor == "sqlite":
-        connection.ensure_connection()
-        # An SQLite built with the old default takes 999.
-        limit = connection.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-    # What else a statement takes: the batch's values (with PostgreSQL's first
-    # rows), the notification's channel, and the constants.
-    reserved = len(Batch._meta.concrete_fields) + 1 + _CONSTANTS
-    return max(1, min(CHUNK, (limit - reserved) // len(_ROW)))
+    """CHUNK, or fewer where SQLite takes fewer parameters in a statement (on
+    PostgreSQL a statement takes an array a column, whatever its rows)."""
+    if connection.vendor != "sqlite":
+        return CHUNK
+    connection.ensure_connection()
+    # An SQLite built with the old default takes 999.
+    limit: int = connection.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    return max(1, min(CHUNK, (limit - _CONSTANTS) // len(_ROW)))
 
 
 def _delivery_params(
-    batch: Batch, chunk: Sequence[Queued], waits_on: dict[str, int], due: Any
+    connection: Any, batch: Batch, chunk: Sequence[Queued], waits_on: dict[str, int], due: Any
 ) -> list[Any]:
-    params: list[Any] = [batch.lane, str(Status.PENDING), due]
+    """What :func:`_deliveries_sql` takes: the constants, then the rows' values,
+    row after row on SQLite, and column by column (an array each) on PostgreSQL."""
     key = batch.ordering_key
-    for inbox, host, via in chunk:
-        params += (
+    rows = [
+        (
             inbox,
             host,
             json.dumps(list(via)) if via else "[]",
             sequence_of(key, inbox) if key else "",
             waits_on.get(inbox),
         )
-    return params
+        for inbox, host, via in chunk
+    ]
+    constants = [batch.lane, str(Status.PENDING), due]
+    if connection.vendor == "postgresql":
+        return [*constants, *(list(column) for column in zip(*rows, strict=True))]
+    return [*constants, *(value for row in rows for value in row)]
 
 
 def _deliveries_sql(connection: Any, rows: int, *, batch: str, join: str = "") -> str:
@@ -254,25 +258,32 @@ def _deliveries_sql(connection: Any, rows: int, *, batch: str, join: str = "") -
     paused host, until the host is resumed: the host table is read by the
     statement that writes, so that a send costs no query of its own for it.
     """
+    postgres = connection.vendor == "postgresql"
 
     def write() -> str:
-        postgres = connection.vendor == "postgresql"
         table = quoted_table(Delivery, connection)
         hosts = quoted_table(Host, connection)
-        row = "(" + ", ".join(f"%s::{cast}" if postgres else "%s" for _, cast in _ROW) + ")"
+        names = ", ".join(name for name, _ in _ROW)
+        if postgres:
+            # An array a column: one short statement whatever the rows, which
+            # psycopg reads once, not a placeholder a value.
+            arrays = ", ".join(f"%s::{cast}[]" for _, cast in _ROW)
+            rows_from = f"unnest({arrays}) AS v({names})"
+        else:
+            values = ", ".join(["(" + ", ".join(["%s"] * len(_ROW)) + ")"] * rows)
+            # A VALUES list's columns are column1, column2, …: named here.
+            named = ", ".join(f"column{n} AS {name}" for n, (name, _) in enumerate(_ROW, 1))
+            rows_from = f"(SELECT {named} FROM (VALUES {values})) AS v"
         due = "%s::timestamptz" if postgres else "%s"
-        # A VALUES list's columns are column1, column2, … on both databases.
-        inbox, host, via, sequence, after = (f"v.column{n}" for n in range(1, len(_ROW) + 1))
         return (
-            f"INSERT INTO {table} (batch_id, inbox, host, via, lane, status, attempts, due_at, "
-            "last_error, sequence, after_id) "
-            f"SELECT {batch}, {inbox}, {host}, {via}, %s, %s, 0, "
-            f"CASE WHEN {after} IS NULL AND NOT EXISTS (SELECT 1 FROM {hosts} AS h "
-            f"WHERE h.name = {host} AND h.paused_at IS NOT NULL) THEN {due} END, "
-            f"'', {sequence}, {after} FROM (VALUES {', '.join([row] * rows)}) AS v{join}"
+            f"INSERT INTO {table} (batch_id, {names}, lane, status, attempts, due_at, "
+            f"last_error) SELECT {batch}, v.inbox, v.host, v.via, v.sequence, v.after_id, "
+            f"%s, %s, 0, CASE WHEN v.after_id IS NULL AND NOT EXISTS (SELECT 1 FROM {hosts} "
+            f"AS h WHERE h.name = v.host AND h.paused_at IS NOT NULL) THEN {due} END, '' "
+            f"FROM {rows_from}{join}"
         )
 
-    return _statement(connection, f"deliveries {batch}{join}", rows, write)
+    return _statement(connection, f"deliveries {batch}{join}", 0 if postgres else rows, write)
 
 
 def _batch_sql(connection: Any) -> str:
@@ -287,17 +298,17 @@ def _batch_sql(connection: Any) -> str:
     return _statement(connection, "batch", 0, write)
 
 
-def _first_statement_sql(connection: Any, rows: int) -> str:
-    """PostgreSQL's: the batch, its first ``rows`` deliveries and the notification."""
+def _first_statement_sql(connection: Any) -> str:
+    """PostgreSQL's: the batch, its first deliveries and the notification."""
 
     def write() -> str:
-        deliveries = _deliveries_sql(connection, rows, batch="new_batch.id", join=", new_batch")
+        deliveries = _deliveries_sql(connection, 0, batch="new_batch.id", join=", new_batch")
         return (
             f"WITH new_batch AS ({_batch_sql(connection)}), new_deliveries AS ({deliveries}) "
             "SELECT id, pg_notify(%s, '') FROM new_batch"
         )
 
-    return _statement(connection, "first", rows, write)
+    return _statement(connection, "first", 0, write)
 
 
 def sequence_of(ordering_key: str, inbox: str) -> str:

@@ -226,9 +226,9 @@ def test_a_fan_out_is_inserted_a_bounded_chunk_at_a_time(monkeypatch: Any) -> No
     sizes: list[int] = []
     delivery_params = queue._delivery_params
 
-    def counting(batch: Batch, chunk: Any, *args: Any) -> Any:
+    def counting(connection: Any, batch: Batch, chunk: Any, *args: Any) -> Any:
         sizes.append(len(chunk))
-        return delivery_params(batch, chunk, *args)
+        return delivery_params(connection, batch, chunk, *args)
 
     monkeypatch.setattr(queue, "_delivery_params", counting)
     targets = [queue.Queued(inbox, "a.example") for inbox in inboxes(250)]
@@ -290,3 +290,19 @@ def test_a_send_runs_the_same_few_statements_for_one_inbox_as_for_a_whole_chunk(
     else:
         assert one == ["SAVEPOINT", "INSERT", "INSERT", "RELEASE"]
     assert len(statements(queue.CHUNK + 1)) == len(one) + 1
+
+
+@pytest.mark.django_db
+def test_what_a_row_holds_is_written_as_it_is_whatever_its_characters() -> None:
+    # PostgreSQL takes a statement's rows as arrays: nothing in a value may
+    # be read as the array's own syntax.
+    odd = ["https://a.example/a,b{c}\"d'e\\f", "NULL", "", "{}", "é\u202e"]
+    targets = [
+        queue.Queued(inbox, "a.example", (f"https://g.example/{inbox}", "NULL")) for inbox in odd
+    ]
+    with transaction.atomic():
+        batch = queue.enqueue(a_batch(), targets)
+    stored = Delivery.objects.filter(batch=batch).order_by("id")
+    assert [(row.inbox, row.via) for row in stored] == [
+        (target.inbox, list(target.via)) for target in targets
+    ]
