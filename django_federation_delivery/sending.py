@@ -230,11 +230,11 @@ def _inboxes(inboxes: Iterable[str]) -> tuple[list[queue.Queued], list[SkippedIn
     skipped: list[SkippedInbox] = []
     for inbox in inboxes:
         try:
-            parts = urls.split(inbox)
+            url, host = urls.canonical_and_host(inbox)
         except urls.UnusableURL as exc:
             skipped.append(SkippedInbox(exc.redacted, exc.reason))
             continue
-        unique.setdefault(parts.url, parts.host)
+        unique.setdefault(url, host)
     return [queue.Queued(inbox, host) for inbox, host in unique.items()], skipped
 
 

@@ -199,6 +199,17 @@ def split(url: object, *, userinfo: bool = False) -> Parts:
     return parts
 
 
+def canonical_and_host(url: object) -> tuple[str, str]:
+    """``split(url)``'s URL and host, or the :class:`UnusableURL` it raises: what a
+    send keeps of each inbox, read off a URL already canonical without splitting it."""
+    if isinstance(url, str) and len(url) <= MAX_URL_LENGTH:
+        matched = _canonical_match(url)
+        if matched is not None:
+            return url, matched.group(2)
+    parts = split(url)
+    return parts.url, parts.host
+
+
 def _already_canonical(url: str) -> Parts | None:
     """``url``'s parts when it is in canonical form already, which the steps of
     :func:`split` would each leave as it is; None when it may not be.
@@ -206,10 +217,24 @@ def _already_canonical(url: str) -> Parts | None:
     A send splits every inbox of a fan-out: this takes a few microseconds, the
     whole way some tens.
     """
+    matched = _canonical_match(url)
+    if matched is None:
+        return None
+    scheme, host, port, path, query = matched.groups()
+    return Parts(
+        scheme=scheme,
+        host=host,
+        port=None if port is None else int(port),
+        path=path,
+        query=query or "",
+    )
+
+
+def _canonical_match(url: str) -> re.Match[str] | None:
     matched = _CANONICAL.fullmatch(url)
     if matched is None:
         return None
-    scheme, host, port_text, path, query = matched.groups()
+    scheme, host, port, path, _ = matched.groups()
     if (
         len(host) > MAX_HOST_LENGTH
         # An A-label is checked by IDNA; a last label starting with a digit
@@ -217,14 +242,11 @@ def _already_canonical(url: str) -> Parts | None:
         or "xn--" in host
         or host.rpartition(".")[2][0].isdigit()
         or _DOT_SEGMENT.search(path)
+        # Past 65535, or the scheme's own: refused, or left out.
+        or (port is not None and (int(port) > 65535 or int(port) == DEFAULT_PORTS[scheme]))
     ):
         return None
-    port = None
-    if port_text is not None:
-        port = int(port_text)
-        if port > 65535 or port == DEFAULT_PORTS[scheme]:
-            return None
-    return Parts(scheme=scheme, host=host, port=port, path=path, query=query or "")
+    return matched
 
 
 def encode(text: str, safe: str) -> str:

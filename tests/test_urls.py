@@ -180,29 +180,24 @@ def spellings() -> Iterator[str]:
         "xn--zz.example",
         "127.0.0.1",
         "a.example.1",
-        "1a.example",
         "a.0x1f",
         "a..example",
-        "exämple.com",
         "a" * 63 + ".example",
         "a" * 64 + ".example",
-        ("a" * 62 + ".") * 4,
         ("a" * 62 + ".") * 3 + "a" * 61,
         ("a" * 62 + ".") * 3 + "a" * 62,
         "[::1]",
         "u@a.example",
     ]
-    ports = ["", ":443", ":80", ":8443", ":0", ":08443", ":65535", ":65536", ":"]
+    ports = ["", ":443", ":80", ":08443", ":65535", ":65536"]
     paths = [
         "",
         "/",
         "/users/Alice/inbox",
-        "/a/./b",
         "/a/../b",
         "/.well-known/x",
         "/a/.",
         "/a/..",
-        "/..",
         "/a.b/.c/..d",
         "/%41",
         "/é",
@@ -211,7 +206,7 @@ def spellings() -> Iterator[str]:
         "/[x]",
         "/a\\b",
     ]
-    queries = ["", "?", "?a=1&b=2?/:@", "?a=%zz", "?a[]=1", "?é"]
+    queries = ["", "?", "?a=1&b=2?/:@", "?a=%zz", "?a[]=1"]
     fragments = ["", "#f"]
     for parts in itertools.product(schemes, hosts, ports, paths, queries, fragments):
         yield parts[0] + "://" + "".join(parts[1:])
@@ -220,19 +215,35 @@ def spellings() -> Iterator[str]:
 def test_the_short_way_for_a_canonical_url_gives_what_the_whole_way_gives(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    short = urls._already_canonical
-    monkeypatch.setattr(urls, "_already_canonical", lambda url: None)
+    short, canonical_and_host = urls._already_canonical, urls.canonical_and_host
     cases = [*spellings(), *(url for url, _ in CANONICAL), *(url for url, _ in REFUSED)]
     taken = 0
+    with monkeypatch.context() as patched:
+        patched.setattr(urls, "_canonical_match", lambda url: None)
+        patched.setattr(urls, "_already_canonical", lambda url: None)
+        whole = {}
+        for url in cases:
+            try:
+                whole[url] = urls.split(url)
+            except urls.UnusableURL as exc:
+                whole[url] = exc.reason
     for url in cases:
+        expected = whole[url]
+        try:
+            got: object = canonical_and_host(url)
+        except urls.UnusableURL as exc:
+            got = exc.reason
+        if isinstance(expected, str):
+            assert got == expected, url
+            continue
+        assert got == (expected.url, expected.host), url
         # split() refuses what is too long before it looks for the short way.
         parts = short(url) if len(url) <= urls.MAX_URL_LENGTH else None
-        if parts is None:
-            continue
-        taken += 1
-        assert parts == urls.split(url), url
-        assert parts.url == url, "only what is canonical already"
-    assert taken > 500, "every plain spelling takes the short way"
+        if parts is not None:
+            taken += 1
+            assert parts == expected, url
+            assert parts.url == url, "only what is canonical already"
+    assert taken > 300, "every plain spelling takes the short way"
     assert short("https://a.example/users/alice/inbox") is not None
 
 
