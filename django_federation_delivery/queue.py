@@ -12,13 +12,15 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
+import sqlite3
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, models, transaction
 from django.db.models import F, Min
+from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
 
 from django_federation_delivery.models import Batch, Delivery, Host, Lane, Status
@@ -107,48 +109,206 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
 
     Run inside the caller's transaction: on commit a deliverer in this process
     is woken at once, and on PostgreSQL every listening process too.
+
+    Written with a few plain statements rather than the ORM's: a send is on
+    the caller's request path, and building a model and a compiled query per
+    row cost more than the database took to write them.
     """
     from django_federation_delivery import wakeup
 
     alias = using or DEFAULT_DB_ALIAS
+    connection = connection_for(alias)
     now = timezone.now()
     batch.size = batch.remaining = len(inboxes)
     batch.created_at = now
-    # Written first: on SQLite the write lock is taken before anything is read.
-    batch.save(using=alias)
-    paused = _paused_among({queued.host for queued in inboxes}, alias)
-    manager = Delivery.objects.using(alias)
-    # A chunk at a time, in the caller's transaction: bulk_create makes a list
-    # of whatever it is given, and 100,000 model instances at once is memory
-    # a fan-out does not need.
-    for start in range(0, len(inboxes), CHUNK):
-        chunk = inboxes[start : start + CHUNK]
-        waits_on = _last_of_sequences(batch, chunk, alias)
-        manager.bulk_create(
-            [
-                Delivery(
-                    batch=batch,
-                    inbox=inbox,
-                    host=host,
-                    via=list(via),
-                    lane=batch.lane,
-                    sequence=sequence_of(batch.ordering_key, inbox),
-                    after_id=waits_on.get(inbox),
-                    # One that waits on another has no due time until that
-                    # settles; one to a paused host, until the host is resumed.
-                    due_at=None if inbox in waits_on or host in paused else now,
-                )
-                for inbox, host, via in chunk
-            ],
-            batch_size=CHUNK,
-        )
-    connection = connection_for(alias)
-    if connection.vendor == "postgresql":
-        # Delivered by PostgreSQL when, and only when, the transaction commits.
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
+    pre_save.send(sender=Batch, instance=batch, raw=False, using=alias, update_fields=None)
+    batch_values = _batch_values(batch, connection)
+    due = db_datetime(now, connection)
+    per_statement = _rows_per_statement(connection)
+    postgres = connection.vendor == "postgresql"
+    with connection.cursor() as cursor:
+        if postgres and inboxes:
+            # The batch, its first deliveries and the wake-up of every listening
+            # process in one round trip. The notification is delivered by
+            # PostgreSQL when, and only when, the transaction commits.
+            first = inboxes[:per_statement]
+            waits_on = _last_of_sequences(batch.ordering_key, None, first, alias)
+            cursor.execute(
+                _first_statement_sql(connection),
+                [
+                    *batch_values,
+                    *_delivery_params(connection, batch, first, waits_on, due),
+                    NOTIFY_CHANNEL,
+                ],
+            )
+            done = len(first)
+        else:
+            # Written first: on SQLite the write lock is taken before anything is read.
+            cursor.execute(_batch_sql(connection), batch_values)
+            done = 0
+        batch.id = cursor.fetchone()[0]
+        batch._state.adding = False
+        batch._state.db = alias
+        # A statement at a time, each a bounded chunk: 100,000 rows' values at
+        # once is memory a fan-out does not need.
+        for start in range(done, len(inboxes), per_statement):
+            chunk = inboxes[start : start + per_statement]
+            waits_on = _last_of_sequences(batch.ordering_key, batch.id, chunk, alias)
+            cursor.execute(
+                _deliveries_sql(connection, len(chunk), batch="%s"),
+                [batch.id, *_delivery_params(connection, batch, chunk, waits_on, due)],
+            )
+    post_save.send(
+        sender=Batch, instance=batch, created=True, update_fields=None, raw=False, using=alias
+    )
     transaction.on_commit(wakeup.notify_local, using=alias)
     return batch
+
+
+#: A delivery's values that differ from one row to the next, as the statements
+#: below take them, with the type PostgreSQL is to read each as.
+_ROW = (
+    ("inbox", "varchar"),
+    ("host", "varchar"),
+    ("via", "jsonb"),
+    ("sequence", "varchar"),
+    ("after_id", "bigint"),
+)
+#: Values the statement takes once, whatever its rows: batch, lane, status, due.
+_CONSTANTS = 4
+#: Statements already written out, for the sizes most sends have: a few
+#: rows, or a whole chunk. Any other is written when needed, not kept.
+_SQL: dict[tuple[str, str, int], str] = {}
+_KEPT_ROWS = 16
+
+
+def _statement(connection: Any, kind: str, rows: int, write: Callable[[], str]) -> str:
+    key = (connection.vendor, kind, rows)
+    sql = _SQL.get(key)
+    if sql is None:
+        sql = write()
+        if rows <= _KEPT_ROWS or rows == CHUNK:
+            _SQL[key] = sql
+    return sql
+
+
+#: Fields whose values every database takes as Python has them (strings,
+#: numbers, booleans, None), once the sending side has checked them.
+_PLAIN_FIELDS = (
+    models.BooleanField,
+    models.CharField,
+    models.IntegerField,
+    models.TextField,
+)
+
+
+def _batch_values(batch: Batch, connection: Any) -> list[Any]:
+    """The batch's columns as the INSERT takes them: what ``Model.save`` would
+    write, without the field-by-field preparation a plain value needs none of."""
+    values = []
+    for field in Batch._meta.concrete_fields:
+        if field.primary_key:
+            continue
+        value = getattr(batch, field.attname)
+        if isinstance(field, models.DateTimeField):
+            value = connection.ops.adapt_datetimefield_value(value)
+        elif not isinstance(field, _PLAIN_FIELDS):
+            value = field.get_db_prep_save(field.pre_save(batch, True), connection)
+        values.append(value)
+    return values
+
+
+def _rows_per_statement(connection: Any) -> int:
+    """CHUNK, or fewer where SQLite takes fewer parameters in a statement (on
+    PostgreSQL a statement takes an array a column, whatever its rows)."""
+    if connection.vendor != "sqlite":
+        return CHUNK
+    connection.ensure_connection()
+    # An SQLite built with the old default takes 999.
+    limit: int = connection.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    return max(1, min(CHUNK, (limit - _CONSTANTS) // len(_ROW)))
+
+
+def _delivery_params(
+    connection: Any, batch: Batch, chunk: Sequence[Queued], waits_on: dict[str, int], due: Any
+) -> list[Any]:
+    """What :func:`_deliveries_sql` takes: the constants, then the rows' values,
+    row after row on SQLite, and column by column (an array each) on PostgreSQL."""
+    key = batch.ordering_key
+    rows = [
+        (
+            inbox,
+            host,
+            json.dumps(list(via)) if via else "[]",
+            sequence_of(key, inbox) if key else "",
+            waits_on.get(inbox),
+        )
+        for inbox, host, via in chunk
+    ]
+    constants = [batch.lane, str(Status.PENDING), due]
+    if connection.vendor == "postgresql":
+        return [*constants, *(list(column) for column in zip(*rows, strict=True))]
+    return [*constants, *(value for row in rows for value in row)]
+
+
+def _deliveries_sql(connection: Any, rows: int, *, batch: str, join: str = "") -> str:
+    """``INSERT … SELECT`` of ``rows`` deliveries of one batch.
+
+    One that waits on another has no due time until that settles; one to a
+    paused host, until the host is resumed: the host table is read by the
+    statement that writes, so that a send costs no query of its own for it.
+    """
+    postgres = connection.vendor == "postgresql"
+
+    def write() -> str:
+        table = quoted_table(Delivery, connection)
+        hosts = quoted_table(Host, connection)
+        names = ", ".join(name for name, _ in _ROW)
+        if postgres:
+            # An array a column: one short statement whatever the rows, which
+            # psycopg reads once, not a placeholder a value.
+            arrays = ", ".join(f"%s::{cast}[]" for _, cast in _ROW)
+            rows_from = f"unnest({arrays}) AS v({names})"
+        else:
+            values = ", ".join(["(" + ", ".join(["%s"] * len(_ROW)) + ")"] * rows)
+            # A VALUES list's columns are column1, column2, …: named here.
+            named = ", ".join(f"column{n} AS {name}" for n, (name, _) in enumerate(_ROW, 1))
+            rows_from = f"(SELECT {named} FROM (VALUES {values})) AS v"
+        due = "%s::timestamptz" if postgres else "%s"
+        return (
+            f"INSERT INTO {table} (batch_id, {names}, lane, status, attempts, due_at, "
+            f"last_error) SELECT {batch}, v.inbox, v.host, v.via, v.sequence, v.after_id, "
+            f"%s, %s, 0, CASE WHEN v.after_id IS NULL AND NOT EXISTS (SELECT 1 FROM {hosts} "
+            f"AS h WHERE h.name = v.host AND h.paused_at IS NOT NULL) THEN {due} END, '' "
+            f"FROM {rows_from}{join}"
+        )
+
+    return _statement(connection, f"deliveries {batch}{join}", 0 if postgres else rows, write)
+
+
+def _batch_sql(connection: Any) -> str:
+    def write() -> str:
+        fields = [field for field in Batch._meta.concrete_fields if not field.primary_key]
+        columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
+        return (
+            f"INSERT INTO {quoted_table(Batch, connection)} ({columns}) "
+            f"VALUES ({', '.join(['%s'] * len(fields))}) RETURNING id"
+        )
+
+    return _statement(connection, "batch", 0, write)
+
+
+def _first_statement_sql(connection: Any) -> str:
+    """PostgreSQL's: the batch, its first deliveries and the notification."""
+
+    def write() -> str:
+        deliveries = _deliveries_sql(connection, 0, batch="new_batch.id", join=", new_batch")
+        return (
+            f"WITH new_batch AS ({_batch_sql(connection)}), new_deliveries AS ({deliveries}) "
+            "SELECT id, pg_notify(%s, '') FROM new_batch"
+        )
+
+    return _statement(connection, "first", 0, write)
 
 
 def sequence_of(ordering_key: str, inbox: str) -> str:
@@ -158,39 +318,27 @@ def sequence_of(ordering_key: str, inbox: str) -> str:
     return hashlib.sha256(f"{ordering_key}\n{inbox}".encode()).hexdigest()
 
 
-def _paused_among(hosts: set[str], alias: str) -> set[str]:
-    manager = Host.objects.using(alias).filter(paused_at__isnull=False)
-    found: set[str] = set()
-    names = sorted(hosts)
-    for start in range(0, len(names), 500):
-        found.update(
-            manager.filter(name__in=names[start : start + 500]).values_list("name", flat=True)
-        )
-    return found
-
-
-def _last_of_sequences(batch: Batch, inboxes: Sequence[Queued], alias: str) -> dict[str, int]:
+def _last_of_sequences(
+    ordering_key: str, batch_id: int | None, inboxes: Sequence[Queued], alias: str
+) -> dict[str, int]:
     """For each inbox, the last pending delivery queued before with the same
-    ordering key, which the new one is to wait on.
+    ordering key (not of batch ``batch_id``), which the new one is to wait on.
 
     On PostgreSQL those rows are locked until the caller commits, so that one
     settling meanwhile waits and then sees, and releases, its successor.
     """
-    if not batch.ordering_key:
+    if not ordering_key:
         return {}
-    by_sequence = {
-        sequence_of(batch.ordering_key, queued.inbox): queued.inbox for queued in inboxes
-    }
-    manager = Delivery.objects.using(alias)
+    by_sequence = {sequence_of(ordering_key, queued.inbox): queued.inbox for queued in inboxes}
+    manager = Delivery.objects.using(alias).select_for_update()
+    if batch_id is not None:
+        manager = manager.exclude(batch_id=batch_id)
     last: dict[str, int] = {}
     sequences = list(by_sequence)
     for start in range(0, len(sequences), 500):
-        rows = (
-            manager.select_for_update()
-            .filter(sequence__in=sequences[start : start + 500], status=Status.PENDING)
-            .exclude(batch=batch)
-            .values_list("sequence", "id")
-        )
+        rows = manager.filter(
+            sequence__in=sequences[start : start + 500], status=Status.PENDING
+        ).values_list("sequence", "id")
         for sequence, id in rows:
             inbox = by_sequence[sequence]
             last[inbox] = max(id, last.get(inbox, id))

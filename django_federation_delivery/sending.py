@@ -230,11 +230,11 @@ def _inboxes(inboxes: Iterable[str]) -> tuple[list[queue.Queued], list[SkippedIn
     skipped: list[SkippedInbox] = []
     for inbox in inboxes:
         try:
-            parts = urls.split(inbox)
+            url, host = urls.canonical_and_host(inbox)
         except urls.UnusableURL as exc:
             skipped.append(SkippedInbox(exc.redacted, exc.reason))
             continue
-        unique.setdefault(parts.url, parts.host)
+        unique.setdefault(url, host)
     return [queue.Queued(inbox, host) for inbox, host in unique.items()], skipped
 
 
@@ -366,10 +366,13 @@ def _lane(inboxes: int, low_priority: object) -> str:
 
 def _interleave_hosts(targets: list[queue.Queued]) -> list[queue.Queued]:
     """Hosts taken in turn, so that the first claims of a fan-out spread over
-    many hosts instead of queueing behind one."""
+    many hosts instead of queueing behind one: each host's first inbox in the
+    order given, then each one's second, and so on."""
     turns: dict[str, int] = {}
-    keyed = []
-    for position, target in enumerate(targets):
+    rounds: list[list[queue.Queued]] = []
+    for target in targets:
         turn = turns[target.host] = turns.get(target.host, -1) + 1
-        keyed.append((turn, position, target))
-    return [target for _, _, target in sorted(keyed, key=lambda item: item[:2])]
+        if turn == len(rounds):
+            rounds.append([])
+        rounds[turn].append(target)
+    return [target for round_ in rounds for target in round_]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
-from django.db.models import QuerySet
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_federation_delivery import queue, send, send_batch
@@ -224,18 +224,19 @@ def a_batch() -> Batch:
 def test_a_fan_out_is_inserted_a_bounded_chunk_at_a_time(monkeypatch: Any) -> None:
     monkeypatch.setattr(queue, "CHUNK", 100)
     sizes: list[int] = []
-    bulk_create = QuerySet.bulk_create
+    delivery_params = queue._delivery_params
 
-    def counting(self: QuerySet[Any], objs: Any, *args: Any, **kwargs: Any) -> Any:
-        objs = list(objs)
-        sizes.append(len(objs))
-        return bulk_create(self, objs, *args, **kwargs)
+    def counting(connection: Any, batch: Batch, chunk: Any, *args: Any) -> Any:
+        sizes.append(len(chunk))
+        return delivery_params(connection, batch, chunk, *args)
 
-    monkeypatch.setattr(QuerySet, "bulk_create", counting)
+    monkeypatch.setattr(queue, "_delivery_params", counting)
     targets = [queue.Queued(inbox, "a.example") for inbox in inboxes(250)]
-    with transaction.atomic():
+    with transaction.atomic(), CaptureQueriesContext(connection) as captured:
         batch = queue.enqueue(a_batch(), targets)
     assert sizes == [100, 100, 50]
+    insert = f'INSERT INTO "{Delivery._meta.db_table}"'
+    assert sum(query["sql"].count(insert) for query in captured) == 3, "a statement a chunk"
     assert Delivery.objects.filter(batch=batch).count() == batch.size == 250
 
 
@@ -258,3 +259,51 @@ def test_the_memory_a_fan_out_takes_does_not_grow_with_it() -> None:
     # One chunk of rows at a time: four times the inboxes, not twice the peak
     # (all the rows at once would be over three times).
     assert large < small * 2, (small, large)
+
+
+@pytest.mark.django_db
+def test_a_delivery_to_a_paused_host_is_queued_with_no_due_time_in_every_chunk(
+    monkeypatch: Any,
+) -> None:
+    from django_federation_delivery.controls import pause_host
+
+    monkeypatch.setattr(queue, "CHUNK", 3)
+    pause_host("paused.example")
+    send(ALICE, NOTE, inboxes(4, "paused.example") + inboxes(4, "open.example"))
+    held = Delivery.objects.filter(host="paused.example")
+    assert [row.due_at for row in held] == [None] * 4
+    assert Delivery.objects.filter(host="open.example", due_at__isnull=False).count() == 4
+    assert {row.host for row in queue.claim(10, lease=300)} == {"open.example"}
+
+
+@pytest.mark.django_db
+def test_a_send_runs_the_same_few_statements_for_one_inbox_as_for_a_whole_chunk() -> None:
+    def statements(count: int) -> list[str]:
+        with CaptureQueriesContext(connection) as captured:
+            send(ALICE, NOTE, inboxes(count, f"h{count}.example"))
+        return [query["sql"].split(" ", 1)[0] for query in captured]
+
+    one, chunk = statements(1), statements(queue.CHUNK)
+    assert one == chunk
+    if connection.vendor == "postgresql":
+        # The batch, its deliveries and the notification in one round trip.
+        assert one == ["SAVEPOINT", "WITH", "RELEASE"]
+    else:
+        assert one == ["SAVEPOINT", "INSERT", "INSERT", "RELEASE"]
+    assert len(statements(queue.CHUNK + 1)) == len(one) + 1
+
+
+@pytest.mark.django_db
+def test_what_a_row_holds_is_written_as_it_is_whatever_its_characters() -> None:
+    # PostgreSQL takes a statement's rows as arrays: nothing in a value may
+    # be read as the array's own syntax.
+    odd = ["https://a.example/a,b{c}\"d'e\\f", "NULL", "", "{}", "é\u202e"]
+    targets = [
+        queue.Queued(inbox, "a.example", (f"https://g.example/{inbox}", "NULL")) for inbox in odd
+    ]
+    with transaction.atomic():
+        batch = queue.enqueue(a_batch(), targets)
+    stored = Delivery.objects.filter(batch=batch).order_by("id")
+    assert [(row.inbox, row.via) for row in stored] == [
+        (target.inbox, list(target.via)) for target in targets
+    ]

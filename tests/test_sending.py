@@ -346,3 +346,29 @@ def test_a_portable_inbox_that_is_not_an_ap_uri_is_refused_naming_it() -> None:
 
     with pytest.raises(InvalidDelivery, match=re.escape("https://a.example/inbox")):
         PortableInbox("https://a.example/inbox", ["https://gw.example"])
+
+
+@pytest.mark.django_db
+def test_the_batch_a_send_returns_is_saved_as_the_orm_saves_one() -> None:
+    from django.db.models.signals import post_save
+
+    saved: list[tuple[Batch, bool]] = []
+
+    def receiver(sender: Any, instance: Batch, created: bool, **kwargs: Any) -> None:
+        saved.append((instance, created))
+
+    post_save.connect(receiver, sender=Batch)
+    try:
+        batch = send(ALICE, NOTE, ["https://a.example/inbox"])
+    finally:
+        post_save.disconnect(receiver, sender=Batch)
+    assert batch is not None and saved == [(batch, True)]
+    assert not batch._state.adding and batch._state.db == "default"
+    stored = Batch.objects.get(pk=batch.pk)
+    assert (stored.size, stored.remaining, stored.body, stored.created_at) == (
+        1,
+        1,
+        batch.body,
+        batch.created_at,
+    )
+    assert [d.batch_id for d in Delivery.objects.all()] == [batch.pk]

@@ -169,6 +169,85 @@ def test_the_canonical_form_is_a_fixed_point_and_left_alone_by_requests(url: str
     assert request.path_url == urls.split(url).target
 
 
+def spellings() -> Iterator[str]:
+    """URLs put together from parts, each canonical or near it in one way."""
+    schemes = ["https", "http", "HTTPS"]
+    hosts = [
+        "a.example",
+        "A.example",
+        "a.example.",
+        "a_b-c.d-.example",
+        "xn--exmple-cua.com",
+        "xn--zz.example",
+        "127.0.0.1",
+        "a.example.1",
+        "a.0x1f",
+        "a..example",
+        "a" * 63 + ".example",
+        "a" * 64 + ".example",
+        ("a" * 62 + ".") * 3 + "a" * 61,
+        ("a" * 62 + ".") * 3 + "a" * 62,
+        "[::1]",
+        "u@a.example",
+    ]
+    ports = ["", ":443", ":80", ":08443", ":65535", ":65536"]
+    paths = [
+        "",
+        "/",
+        "/users/Alice/inbox",
+        "/a/../b",
+        "/.well-known/x",
+        "/a/.",
+        "/a/..",
+        "/a.b/.c/..d",
+        "/%41",
+        "/é",
+        "/~u/!$&'()*+,;=:@-_",
+        "//x//",
+        "/[x]",
+        "/a\\b",
+    ]
+    queries = ["", "?", "?a=1&b=2?/:@", "?a=%zz", "?a[]=1"]
+    fragments = ["", "#f"]
+    for parts in itertools.product(schemes, hosts, ports, paths, queries, fragments):
+        yield parts[0] + "://" + "".join(parts[1:])
+
+
+def test_the_short_way_for_a_canonical_url_gives_what_the_whole_way_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    short, canonical_and_host = urls._already_canonical, urls.canonical_and_host
+    cases = [*spellings(), *(url for url, _ in CANONICAL), *(url for url, _ in REFUSED)]
+    taken = 0
+    with monkeypatch.context() as patched:
+        patched.setattr(urls, "_canonical_match", lambda url: None)
+        patched.setattr(urls, "_already_canonical", lambda url: None)
+        whole = {}
+        for url in cases:
+            try:
+                whole[url] = urls.split(url)
+            except urls.UnusableURL as exc:
+                whole[url] = exc.reason
+    for url in cases:
+        expected = whole[url]
+        try:
+            got: object = canonical_and_host(url)
+        except urls.UnusableURL as exc:
+            got = exc.reason
+        if isinstance(expected, str):
+            assert got == expected, url
+            continue
+        assert got == (expected.url, expected.host), url
+        # split() refuses what is too long before it looks for the short way.
+        parts = short(url) if len(url) <= urls.MAX_URL_LENGTH else None
+        if parts is not None:
+            taken += 1
+            assert parts == expected, url
+            assert parts.url == url, "only what is canonical already"
+    assert taken > 300, "every plain spelling takes the short way"
+    assert short("https://a.example/users/alice/inbox") is not None
+
+
 def test_validate_inbox_and_normalize_inbox_are_the_packages_own() -> None:
     assert django_federation_delivery.validate_inbox is validate_inbox
     assert django_federation_delivery.normalize_inbox is normalize_inbox

@@ -1,0 +1,247 @@
+#!/usr/bin/env python
+"""What ``send()`` costs the caller: one inbox, twenty, ten thousand.
+
+Times ``send()`` on a fresh SQLite file (WAL, ``synchronous=NORMAL``,
+``transaction_mode`` IMMEDIATE and a busy timeout: the example project's
+settings), or with ``--database-url`` on a throwaway PostgreSQL:
+
+* one inbox, each send its own transaction (as a web request in autocommit
+  would send);
+* one inbox, inside a transaction already open (``ATOMIC_REQUESTS``, or the
+  caller's own ``transaction.atomic()``): the send alone is timed, not the
+  commit;
+* twenty inboxes on twenty hosts, each its own transaction;
+* ten thousand inboxes, on ten thousand hosts and on one host.
+
+It prints the median and 90th percentile of each, and the SQL statements one
+send runs; with ``--profile``, the top of a cProfile of the one-inbox and the
+ten-thousand-inbox sends. It asserts nothing.
+
+    python benchmarks/send.py [--rounds 5] [--sends 200] [--fan-out 10000]
+        [--profile] [--database-url URL]
+
+See benchmarks/README.rst.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import dataclasses
+import io
+import os
+import pstats
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a script: benchmarks/ is on the path, the repository is not
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (
+    clear_queue,
+    environment_lines,
+    load_average,
+    make_activity,
+    positive,
+    setup_django,
+    sigterm_interrupts,
+)
+
+#: Hosts the small sends go to, in turn: a queue that already knows a few.
+SMALL_HOSTS = 50
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=positive, default=5, help="rounds of every case (5)")
+    parser.add_argument(
+        "--sends", type=positive, default=200, help="small sends timed per case and round (200)"
+    )
+    parser.add_argument(
+        "--fan-out", type=positive, default=10_000, help="inboxes of the big send (10000)"
+    )
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("DATABASE_URL", ""),
+        help="a THROWAWAY PostgreSQL (default: $DATABASE_URL; without it, SQLite)",
+    )
+    parser.add_argument("--profile", action="store_true", help="print the top of a cProfile")
+    parser.add_argument("--tmpdir", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, sigterm_interrupts)
+    workdir = Path(tempfile.mkdtemp(prefix="fd-send-", dir=args.tmpdir))
+    try:
+        return benchmark(args, workdir)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def benchmark(args: argparse.Namespace, workdir: Path) -> int:
+    database = setup_django(workdir, database_url=args.database_url or None)
+
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from django_federation_delivery import send
+    from tests.keys import ALICE
+
+    if connection.vendor == "sqlite":
+        # What the example project (and README) recommend, on every connection.
+        connection.close()
+        connection.settings_dict["OPTIONS"].update(
+            {
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "transaction_mode": "IMMEDIATE",
+            }
+        )
+        database += ", transaction_mode=IMMEDIATE"
+
+    activity = make_activity(ALICE)
+    counter = iter(range(10**9))
+
+    def small(count: int) -> list[str]:
+        return [
+            f"https://h{n % SMALL_HOSTS}.example/users/u{n}/inbox"
+            for n in (next(counter) for _ in range(count))
+        ]
+
+    def own_transaction(count: int) -> Callable[[], Timing]:
+        def one() -> Timing:
+            inboxes = small(count)
+            with timed() as took:
+                send(ALICE, activity, inboxes)
+            return took
+
+        return one
+
+    def open_transaction() -> Timing:
+        inboxes = small(1)
+        with transaction.atomic(), timed() as took:
+            send(ALICE, activity, inboxes)
+        return took
+
+    def fan_out(same_host: bool) -> Callable[[], Timing]:
+        def one() -> Timing:
+            n = next(counter)
+            if same_host:
+                inboxes = [f"https://big.example/users/u{n}-{i}/inbox" for i in range(args.fan_out)]
+            else:
+                inboxes = [f"https://h{n}-{i}.example/users/u/inbox" for i in range(args.fan_out)]
+            with timed() as took:
+                send(ALICE, activity, inboxes)
+            return took
+
+        return one
+
+    cases: list[tuple[str, Callable[[], Timing], int]] = [
+        ("1 inbox, own transaction", own_transaction(1), args.sends),
+        ("1 inbox, open transaction", open_transaction, args.sends),
+        ("20 inboxes, 20 hosts", own_transaction(20), max(1, args.sends // 4)),
+        (f"{args.fan_out} inboxes, {args.fan_out} hosts", fan_out(False), 1),
+        (f"{args.fan_out} inboxes, 1 host", fan_out(True), 1),
+    ]
+
+    print("django-federation-delivery: what send() costs the caller")
+    for line in environment_lines():
+        print(f"  {line}")
+    print(f"  database: {database}")
+    print(f"  rounds {args.rounds}; small sends per case and round {args.sends}")
+
+    # Warm up: compiled queries, imports, the database's caches.
+    for _, run, _ in cases[:3]:
+        for _ in range(20):
+            run()
+    clear_queue()
+
+    timings: dict[str, list[Timing]] = {name: [] for name, _, _ in cases}
+    for number in range(1, args.rounds + 1):
+        for name, run, times in cases:
+            timings[name].extend(run() for _ in range(times))
+        clear_queue()
+        print(f"  round {number} done, load average {load_average()}", flush=True)
+
+    statements: dict[str, int] = {}
+    for name, run, _ in cases:
+        with CaptureQueriesContext(connection) as captured:
+            run()
+        statements[name] = len(captured)
+    clear_queue()
+
+    print()
+    print(
+        f"{'case':<32} {'sends':>6} {'median ms':>10} {'p90 ms':>10} {'cpu ms':>8} "
+        f"{'statements':>11}"
+    )
+    for name, _, _ in cases:
+        wall = [timing.wall for timing in timings[name]]
+        cpu = [timing.cpu for timing in timings[name]]
+        print(
+            f"{name:<32} {len(wall):>6} {statistics.median(wall) * 1000:>10.3f} "
+            f"{percentile(wall, 0.9) * 1000:>10.3f} {statistics.median(cpu) * 1000:>8.3f} "
+            f"{statements[name]:>11}"
+        )
+    print(
+        "\n(statements: as Django's CaptureQueriesContext counts them, BEGIN, COMMIT and "
+        "savepoints included: each a round trip on PostgreSQL; cpu ms: the median of this "
+        "thread's CPU time, which other work on the machine disturbs less)"
+    )
+    print(f"load average at the end: {load_average()}")
+
+    if args.profile:
+        profile("1 inbox, own transaction, x1000", lambda: [cases[0][1]() for _ in range(1000)])
+        profile(cases[3][0], cases[3][1])
+        clear_queue()
+    return 0
+
+
+@dataclasses.dataclass
+class Timing:
+    wall: float = 0.0
+    cpu: float = 0.0
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[Timing]:
+    took = Timing()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    try:
+        yield took
+    finally:
+        took.wall = time.perf_counter() - wall
+        took.cpu = time.thread_time() - cpu
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def profile(title: str, run: Callable[[], Any]) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    print(f"\n--- cProfile: {title}, by own time ---")
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
