@@ -139,9 +139,10 @@ class Delivery(models.Model):
             # What settled in a window (the last hour, the last day), for the
             # overview, without reading every settled row.
             models.Index(fields=["status", "settled_at"], name="fd_delivery_settled"),
-            # The last pending delivery of a sequence, which a new one waits on.
+            # The last pending delivery of a sequence, which a new one waits on:
+            # its highest id, read from the index however long the backlog.
             models.Index(
-                fields=["sequence"],
+                fields=["sequence", "id"],
                 condition=Q(status="pending") & ~Q(sequence=""),
                 name="fd_delivery_sequence",
             ),

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, connections, models, transaction
-from django.db.models import F, Min
+from django.db.models import F, Max, Min
 from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
 
@@ -324,24 +324,42 @@ def _last_of_sequences(
     """For each inbox, the last pending delivery queued before with the same
     ordering key (not of batch ``batch_id``), which the new one is to wait on.
 
-    On PostgreSQL those rows are locked until the caller commits, so that one
-    settling meanwhile waits and then sees, and releases, its successor.
+    Found by the highest pending id of each sequence, one indexed look however
+    long its backlog (a webhook destination after an outage). On PostgreSQL
+    that row is locked until the caller commits, so that its settling
+    meanwhile waits and then sees, and releases, its successor; one settled
+    between the look and the lock is looked past.
     """
     if not ordering_key:
         return {}
     by_sequence = {sequence_of(ordering_key, queued.inbox): queued.inbox for queued in inboxes}
-    manager = Delivery.objects.using(alias).select_for_update()
+    pending = Delivery.objects.using(alias).filter(status=Status.PENDING)
     if batch_id is not None:
-        manager = manager.exclude(batch_id=batch_id)
+        pending = pending.exclude(batch_id=batch_id)
+    locks = connection_for(alias).features.has_select_for_update
     last: dict[str, int] = {}
     sequences = list(by_sequence)
     for start in range(0, len(sequences), 500):
-        rows = manager.filter(
-            sequence__in=sequences[start : start + 500], status=Status.PENDING
-        ).values_list("sequence", "id")
-        for sequence, id in rows:
-            inbox = by_sequence[sequence]
-            last[inbox] = max(id, last.get(inbox, id))
+        todo = sequences[start : start + 500]
+        while todo:
+            found = dict(
+                pending.filter(sequence__in=todo)
+                .values("sequence")
+                .annotate(last=Max("id"))
+                .values_list("sequence", "last")
+            )
+            held = set(found.values())
+            if locks and found:
+                held = set(
+                    pending.select_for_update()
+                    .filter(id__in=list(found.values()))
+                    .values_list("id", flat=True)
+                )
+            for sequence, id in found.items():
+                if id in held:
+                    last[by_sequence[sequence]] = id
+            # What settled in between: look again for what is pending before it.
+            todo = [sequence for sequence, id in found.items() if id not in held]
     return last
 
 

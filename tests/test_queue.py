@@ -210,6 +210,30 @@ def test_an_ordered_delivery_waits_until_the_one_before_it_to_that_inbox_settles
 
 
 @pytest.mark.django_db
+def test_an_ordered_send_waits_on_the_last_of_a_long_backlog_in_as_many_statements() -> None:
+    def queued(type: str) -> Batch:
+        batch = send_batch(
+            ALICE, {"type": type}, ["https://a.example/inbox"], {"ordering_key": "alerts"}
+        )
+        assert batch is not None
+        return batch
+
+    def statements(type: str) -> tuple[int, int | None]:
+        with CaptureQueriesContext(connection) as queries:
+            batch = queued(type)
+        return len(queries), Delivery.objects.get(batch=batch).after_id
+
+    for _ in range(3):
+        queued("Backlog")
+    few, _ = statements("Fourth")
+    for _ in range(200):
+        last = queued("Backlog")
+    many, after = statements("Last")
+    assert after == Delivery.objects.get(batch=last).id, "it waits on the one queued just before"
+    assert many == few
+
+
+@pytest.mark.django_db
 def test_a_claim_takes_no_more_than_per_host_of_one_host() -> None:
     send(ALICE, NOTE, inboxes(50, "busy.example") + inboxes(3, "quiet.example"))
     hosts = collections.Counter(row.host for row in queue.claim(64, lease=300, per_host=2))
