@@ -227,7 +227,7 @@ def insert_pending(start: int, end: int, hosts: int) -> None:
             "THEN now() + (1 + g %% 86400) * interval '1 second' "
             "ELSE now() - interval '1 hour' + (g %% 3600000) * interval '1 millisecond' END, "
             "'', '' FROM (SELECT g, 'h' || CASE WHEN g %% 5 = 0 THEN g %% 10 "
-            "ELSE (g * 7919) %% %s END || '.example' AS h "
+            "ELSE (g::bigint * 7919) %% %s END || '.example' AS h "
             "FROM generate_series(%s, %s) AS g) AS s",
             [new_batch(f"pending {chunk}"), hosts, chunk, last],
         )
@@ -239,8 +239,8 @@ def insert_settled(count: int, hosts: int) -> None:
         execute(
             f"INSERT INTO {table()} (batch_id, inbox, host, via, lane, status, attempts, "
             "due_at, last_error, sequence, settled_at, last_attempt_at, last_status) "
-            "SELECT %s, 'https://h' || ((g * 7919) %% %s) || '.example/users/s' || g || '/inbox', "
-            "'h' || ((g * 7919) %% %s) || '.example', '[]'::jsonb, 'normal', "
+            "SELECT %s, 'https://h' || ((g::bigint * 7919) %% %s) || '.example/users/s' || g || '/inbox', "
+            "'h' || ((g::bigint * 7919) %% %s) || '.example', '[]'::jsonb, 'normal', "
             "CASE WHEN g %% 20 = 0 THEN 'failed' WHEN g %% 20 = 1 THEN 'refused' "
             "ELSE 'delivered' END, 1, NULL, '', '', now() - (g %% 86400) * interval '1 second', "
             "now() - (g %% 86400) * interval '1 second', 202 FROM generate_series(%s, %s) AS g",
