@@ -239,7 +239,8 @@ def insert_settled(count: int, hosts: int) -> None:
         execute(
             f"INSERT INTO {table()} (batch_id, inbox, host, via, lane, status, attempts, "
             "due_at, last_error, sequence, settled_at, last_attempt_at, last_status) "
-            "SELECT %s, 'https://h' || ((g::bigint * 7919) %% %s) || '.example/users/s' || g || '/inbox', "
+            "SELECT %s, 'https://h' || ((g::bigint * 7919) %% %s) || '.example/users/s' "
+            "|| g || '/inbox', "
             "'h' || ((g::bigint * 7919) %% %s) || '.example', '[]'::jsonb, 'normal', "
             "CASE WHEN g %% 20 = 0 THEN 'failed' WHEN g %% 20 = 1 THEN 'refused' "
             "ELSE 'delivered' END, 1, NULL, '', '', now() - (g %% 86400) * interval '1 second', "
