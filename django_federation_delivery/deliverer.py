@@ -17,7 +17,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, connections
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    InterfaceError,
+    close_old_connections,
+    connections,
+)
 from django.utils import timezone
 
 from django_federation_delivery import metrics, queue, signals, wakeup
@@ -258,7 +264,9 @@ class Deliverer:
             using=self.using,
         )
         if not isinstance(claimed, list):
-            self._dry = True
+            # The database is away (and was waited on in ``_db``): that says
+            # nothing about what is due, and a drain must not end on it.
+            self._dry = False
             return
         # Fewer than asked may only mean the hosts at the head of the queue
         # had their share (a claim takes at most PER_HOST to one host); nothing
@@ -493,6 +501,10 @@ class Deliverer:
         if time.monotonic() - self._view_read < 1.0:
             return
         self._view_read = time.monotonic()
+        # CONN_MAX_AGE and CONN_HEALTH_CHECKS, as a request would honour them,
+        # a second standing for a request: every round would reconnect at
+        # every claim with the default CONN_MAX_AGE of 0.
+        close_old_connections()
         if self.breakers is not None:
             self._db(self.breakers.refresh)
         paused = self._db(paused_hosts, using=self.using)

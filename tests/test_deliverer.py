@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from django_federation_delivery import BatchOptions, queue, send, send_batch, signals
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.retry import LONGEST_WAIT
 
@@ -412,6 +413,52 @@ def test_a_database_that_is_away_for_a_moment_is_waited_out(
     assert failures == {"claim": 0, "settle": 0}
     assert status_of(batch) == [Status.DELIVERED]
     assert len(inbox.received) == 1, "an outcome not written at first is written, not re-sent"
+
+
+def test_a_drain_does_not_end_while_the_database_is_away(
+    inbox: Inbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    from django.db import connection
+
+    batch = send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(3)])
+    refused: list[str] = []
+    away_until = time.monotonic() + 1.5
+
+    def away(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        # Every statement fails for a while, as when the server restarts.
+        if time.monotonic() < away_until:
+            refused.append(sql)
+            raise OperationalError("terminating connection due to administrator command")
+        return execute(sql, *args)
+
+    # The deliverer's coordinator is this thread: its connection is this one.
+    with (
+        connection.execute_wrapper(away),
+        caplog.at_level(logging.WARNING, logger="django_federation_delivery.deliverer"),
+    ):
+        summary = Deliverer().run(drain=True)
+    assert refused, "the database was away when the drain began"
+    assert summary.delivered == 3, "a claim that failed is not an empty queue"
+    assert status_of(batch) == [Status.DELIVERED] * 3
+    lines = [record.getMessage() for record in caplog.records]
+    assert len([line for line in lines if "unavailable" in line]) == 1, "one line an outage"
+    assert lines[-1] == "The database is back"
+
+
+def test_the_loop_closes_old_connections_as_a_request_would(
+    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django_federation_delivery import deliverer as module
+
+    calls: list[float] = []
+    real = module.close_old_connections
+    monkeypatch.setattr(
+        module, "close_old_connections", lambda: (calls.append(time.monotonic()), real())
+    )
+    batch = send(ALICE, NOTE, [inbox.url()])
+    Deliverer().run(drain=True)
+    assert status_of(batch) == [Status.DELIVERED]
+    assert calls, "CONN_MAX_AGE and CONN_HEALTH_CHECKS are honoured"
 
 
 def test_a_send_wakes_an_idle_deliverer_in_the_same_process_at_once(
