@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
@@ -280,3 +281,55 @@ def _delete_hosts(names: list[str], cutoff: dt.datetime, alias: str) -> int:
 def purge_by_setting(**options: Any) -> Purged:
     """A purge by the ``RETENTION`` setting: what a periodic task calls."""
     return purge(cutoffs_for(retention_seconds()), **options)
+
+
+class PeriodicPurge:
+    """``run_deliverer --purge``: :func:`purge_by_setting` every ``interval``
+    seconds, the first ``first`` seconds after :meth:`start`.
+
+    A thread of its own, with its own database connections (closed after
+    each purge), rather than chunks in the loop's idle time: a busy
+    deliverer may have no idle time for days, and a purge must not wait for
+    one. It never stalls deliveries: on PostgreSQL it locks only the rows it
+    deletes, which no claim wants; on SQLite, whose one write lock it shares
+    with the loop, each chunk is a short transaction of its own and it
+    pauses ``pause`` seconds between chunks, so that the loop's claims and
+    settlements, waiting under the busy timeout, go in between.
+    """
+
+    def __init__(
+        self, interval: float, *, first: float, using: str | None = None, pause: float = 0.05
+    ) -> None:
+        self.interval = interval
+        self.first = first
+        self.using = using or DEFAULT_DB_ALIAS
+        self.pause = pause
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="federation-delivery-purge", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop, a purge under way at the end of its chunk."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        delay = self.first
+        while not self._stop.wait(delay):
+            delay = self.interval
+            try:
+                purged = purge_by_setting(
+                    using=self.using, pause=self.pause, should_stop=self._stop.is_set
+                )
+            except Exception:
+                # A database away now is there at the next; the loop goes on.
+                logger.exception("The purge failed; the next in %.0f s", self.interval)
+            else:
+                logger.info("Purge: %s", purged.line())
+            finally:
+                connections.close_all()
