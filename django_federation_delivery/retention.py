@@ -192,16 +192,19 @@ def _delete_settled(status: Status, cutoff: dt.datetime, chunk: int, alias: str)
             # rather than read first and find the lock taken.
             cursor.execute(sql, params)
             rows = cursor.fetchall()
-            ids = [row[0] for row in rows]
+            ids = sorted(row[0] for row in rows)
             # A delivery waiting on (or, settled, once waiting on) one of
             # these would point at nothing: the foreign key is checked at
-            # commit, by then cleared.
+            # commit, by then cleared. The range is what makes SQLite use
+            # the index on after_id: once ANALYZE has seen a column of NULLs
+            # (no ordering used), it takes "after_id IN (…)" alone for a
+            # full scan of the table, every chunk.
             for start in range(0, len(ids), CHUNK):
                 part = ids[start : start + CHUNK]
                 cursor.execute(
-                    f"UPDATE {table} SET after_id = NULL WHERE after_id IN "
-                    f"({', '.join(['%s'] * len(part))})",
-                    part,
+                    f"UPDATE {table} SET after_id = NULL WHERE after_id >= %s AND after_id <= %s "
+                    f"AND after_id IN ({', '.join(['%s'] * len(part))})",
+                    [part[0], part[-1], *part],
                 )
         if rows:
             since = max(row[1] for row in rows)
