@@ -48,6 +48,8 @@ SECONDS: dict[str, float] = {
     "ATTEMPT_TIMEOUT": HOUR,
     "IDLE_CONNECTION_SECONDS": HOUR,
 }
+#: The longest RETENTION of a status: past it, None (for ever) says it better.
+LONGEST_RETENTION = 100 * 365 * DAY
 MOST_ATTEMPTS = 10_000
 MOST_THRESHOLD = 1_000_000
 USER_AGENT_LENGTH = 500
@@ -203,6 +205,7 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 id=f"{PREFIX}.E015",
             )
         )
+    errors += _check_retention(app_settings.get("RETENTION"))
     return errors
 
 
@@ -269,6 +272,37 @@ def _check_retry(retry: Any) -> list[CheckMessage]:
             hint=f"Known keys: {', '.join(DEFAULTS['RETRY'])}; leave one out for its default.",
             id=f"{PREFIX}.E007",
         )
+        for problem in problems
+    ]
+
+
+def _check_retention(retention: Any) -> list[CheckMessage]:
+    if retention is None:
+        return []  # everything kept
+    hint = (
+        "Seconds by settled status, such as {'DELIVERED': 7 * 86400, 'SKIPPED': 7 * 86400, "
+        "'FAILED': 30 * 86400, 'REFUSED': 30 * 86400}; None for a status keeps it for ever, "
+        "and RETENTION None keeps everything."
+    )
+    if not isinstance(retention, dict):
+        return [
+            Error(
+                f"{SETTING}['RETENTION'] must be a dict or None, not {_shown(retention)}.",
+                hint=hint,
+                id=f"{PREFIX}.E033",
+            )
+        ]
+    problems = []
+    for name, seconds in retention.items():
+        if name not in DEFAULTS["RETENTION"]:
+            problems.append(f"unknown status {_shown(name)} (pending rows are never purged)")
+        elif seconds is not None and not _seconds(seconds, LONGEST_RETENTION):
+            problems.append(
+                f"{name} must be None or a number of seconds above 0 and at most "
+                f"{LONGEST_RETENTION:.0f}, not {_shown(seconds)}"
+            )
+    return [
+        Error(f"{SETTING}['RETENTION']: {problem}.", hint=hint, id=f"{PREFIX}.E033")
         for problem in problems
     ]
 

@@ -110,6 +110,15 @@ DEFAULTS: dict[str, Any] = {
     "WEBHOOK_RETRY": [30, 120, 600, 1800, 3600, 10800, 21600, 43200],
     "WEBHOOK_RETRY_AFTER_MAX": 3600.0,
     "WEBHOOK_TIMEOUT": 10.0,
+    # How long settled deliveries are kept, in seconds, by status, before
+    # purge_deliveries (or run_deliverer --purge) deletes them; a status set
+    # to None is kept for ever, and RETENTION None keeps everything.
+    "RETENTION": {
+        "DELIVERED": 7 * 86400.0,
+        "SKIPPED": 7 * 86400.0,
+        "FAILED": 30 * 86400.0,
+        "REFUSED": 30 * 86400.0,
+    },
 }
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

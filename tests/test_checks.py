@@ -90,6 +90,13 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "WEBHOOK_RETRY": [([], "E032", "[]"), ([30, INF], "E032", "inf")],
     "WEBHOOK_RETRY_AFTER_MAX": [(INF, "E032", "inf"), (0, "E032", "0")],
     "WEBHOOK_TIMEOUT": [(NAN, "E032", "nan"), ("10", "E032", "'10'")],
+    "RETENTION": [
+        ("7d", "E033", "'7d'"),
+        ({"DELIVERED": INF}, "E033", "inf"),
+        ({"FAILED": 0}, "E033", "0"),
+        ({"DELIVERED": "7d"}, "E033", "'7d'"),
+        ({"PENDING": 3600}, "E033", "'PENDING'"),
+    ],
 }
 
 
@@ -134,6 +141,12 @@ def test_a_partial_breaker_takes_the_rest_from_the_defaults(settings: Any) -> No
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": {"THRESHOLD": 3}}
     assert check_settings() == []
     assert app_settings.breaker_settings() == BreakerSettings(3, 60.0, Scope.HOST)
+
+
+@pytest.mark.parametrize("retention", [None, {"DELIVERED": None}, {"FAILED": 86400}])
+def test_a_retention_of_none_or_seconds_by_status_passes(settings: Any, retention: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "RETENTION": retention}
+    assert check_settings() == []
 
 
 def test_an_attempt_that_fits_in_its_lease_with_the_margin_passes(settings: Any) -> None:

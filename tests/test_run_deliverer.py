@@ -623,3 +623,63 @@ def test_metrics_for_processes_without_prometheus_are_refused_before_any_starts(
     monkeypatch.setattr(metrics, "_metrics", None)
     with pytest.raises(CommandError, match=r"django-federation-delivery\[prometheus\]"):
         call_command("run_deliverer", "--processes=2", "--metrics-port=9108")
+
+
+def test_purge_runs_a_purge_in_the_deliverer_and_logs_it(
+    inbox: Inbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    import datetime as dt
+
+    from django_federation_delivery.models import Batch
+
+    old = send(ALICE, NOTE, [inbox.url("/old")])
+    Delivery.objects.filter(batch=old).update(
+        status=Status.DELIVERED, settled_at=timezone.now() - dt.timedelta(days=8)
+    )
+    Batch.objects.filter(id=old.id).update(created_at=timezone.now() - dt.timedelta(days=8))
+    fresh = send(ALICE, NOTE, [inbox.url("/fresh")])
+
+    def stop_once_purged() -> None:
+        try:
+            wait_until(lambda: not Batch.objects.filter(id=old.id).exists(), timeout=30)
+            wait_until(lambda: len(inbox.received) == 1, timeout=30)
+        finally:
+            connections.close_all()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    watcher = threading.Thread(target=stop_once_purged)
+    watcher.start()
+    out = io.StringIO()
+    with caplog.at_level(logging.INFO, logger="django_federation_delivery"):
+        call_command("run_deliverer", "--purge", "--purge-interval=1", stdout=out, stderr=out)
+    watcher.join()
+    assert "Purging what is past RETENTION every 1 s." in out.getvalue()
+    assert not Delivery.objects.filter(batch_id=old.id).exists()
+    # The fresh one was delivered meanwhile, and is kept.
+    assert Delivery.objects.get(batch=fresh).status == Status.DELIVERED
+    purges = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Purge: ")]
+    assert any("deleted 1 deliveries (delivered 1," in line for line in purges), purges
+    assert not any(t.name == "federation-delivery-purge" for t in threading.enumerate())
+
+
+def test_under_processes_only_the_first_child_purges(monkeypatch: pytest.MonkeyPatch) -> None:
+    from django_federation_delivery.management.commands import run_deliverer
+
+    seen: dict[int, bool] = {}
+
+    def handle(self: Any, *args: Any, **options: Any) -> None:
+        seen[self.child.index] = options["purge"]
+
+    monkeypatch.setattr(run_deliverer.Command, "handle", handle)
+    # Not this test process's log records: they would keep the prefix.
+    monkeypatch.setattr(run_deliverer, "_prefix_log_records", lambda prefix: None)
+    options = {name: None for name in run_deliverer.CHILD_OPTIONS}
+    for index in (1, 2, 3):
+        run_deliverer.run_child(index, 3, {**options, "purge": True, "no_color": False})
+    assert seen == {1: True, 2: False, 3: False}
+
+
+@pytest.mark.parametrize("value", ["0", "soon", "604801"])
+def test_a_bad_purge_interval_is_refused_naming_it(value: str) -> None:
+    with pytest.raises(CommandError, match=repr(value)):
+        call_command("run_deliverer", "--drain", "--purge", f"--purge-interval={value}")

@@ -23,6 +23,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django_federation_delivery import metrics, queue, supervisor
 from django_federation_delivery.checks import WHOLE_NUMBERS, check_settings, sqlite_problems
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.retention import PeriodicPurge
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.supervisor import GaveUp, Supervisor
 
@@ -30,6 +31,9 @@ logger = logging.getLogger("django_federation_delivery.deliverer")
 
 #: ``--processes``: one a core is the point; past a few hundred, a mistake.
 MOST_PROCESSES = 256
+#: ``--purge``: the first purge this long after the start (or after the
+#: interval, if shorter), the deliverer's own start done by then.
+FIRST_PURGE = 60.0
 #: The options a child is started with (the rest are the supervisor's).
 CHILD_OPTIONS = (
     "drain",
@@ -39,6 +43,8 @@ CHILD_OPTIONS = (
     "metrics_port",
     "metrics_addr",
     "log_interval",
+    "purge",
+    "purge_interval",
     "verbosity",
     "no_color",
     "force_color",
@@ -123,6 +129,9 @@ def run_child(index: int, count: int, options: dict[str, Any]) -> None:
     if options["metrics_port"] is not None:
         # Checked by the supervisor: every child's port is within 1 to 65535.
         options = {**options, "metrics_port": str(int(options["metrics_port"]) + index - 1)}
+    if index != 1:
+        # One purge is enough: the first child's (the supervisor owns no database).
+        options = {**options, "purge": False}
     try:
         command.handle(**options, processes="1")
     except CommandError as exc:
@@ -187,6 +196,19 @@ class Command(BaseCommand):
             default="60",
             help="Seconds between the log lines with rates and counts (default 60).",
         )
+        parser.add_argument(
+            "--purge",
+            action="store_true",
+            help="Also delete settled deliveries past RETENTION, as purge_deliveries does, "
+            "in a thread of its own: shortly after the start, then every --purge-interval "
+            "(with --processes, the first deliverer only).",
+        )
+        parser.add_argument(
+            "--purge-interval",
+            type=str,
+            default="3600",
+            help="Seconds between purges with --purge (default 3600).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         processes = _positive(options["processes"], MOST_PROCESSES)
@@ -209,6 +231,7 @@ class Command(BaseCommand):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
         drain = bool(options["drain"])
         interval = float(_positive(options["log_interval"], 86_400))
+        purge_every = float(_positive(options["purge_interval"], 7 * 86_400))
         # Run from call_command, or with --skip-checks, the system checks have
         # not run: a bad setting is still an error that says what to write,
         # not a traceback from deep in the loop.
@@ -258,9 +281,16 @@ class Command(BaseCommand):
         self._say(
             f"Delivering {mode}: {deliverer.concurrency} in flight, {deliverer.per_host} per host."
         )
+        purging = None
+        if options["purge"]:
+            purging = PeriodicPurge(purge_every, first=min(FIRST_PURGE, purge_every), using=using)
+            purging.start()
+            self._say(f"Purging what is past RETENTION every {purge_every:.0f} s.")
         try:
             summary = deliverer.run(drain=drain)
         finally:
+            if purging is not None:
+                purging.stop()
             # Called from code (call_command), the caller's handlers come back.
             for number, handler in previous.items():
                 signal.signal(number, handler)

@@ -1,0 +1,85 @@
+"""``manage.py purge_deliveries``: delete settled deliveries past their retention."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from django_federation_delivery import retention
+from django_federation_delivery.checks import LONGEST_RETENTION
+
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+#: How often the progress line is written, at most.
+PROGRESS_EVERY = 1.0
+
+
+def parse_age(value: str) -> float:
+    """``7d``, ``12h``, ``90m`` or ``3600s`` as seconds; a CommandError naming
+    anything else."""
+    found = re.fullmatch(r"\s*(\d{1,12})\s*([smhd])\s*", value)
+    seconds = int(found[1]) * UNITS[found[2]] if found else 0
+    if not 0 < seconds <= LONGEST_RETENTION:
+        raise CommandError(
+            f"--older-than expects an age such as 7d, 12h, 90m or 3600s "
+            f"(above 0, at most {LONGEST_RETENTION / 86400:.0f}d), not {value!r}"
+        )
+    return float(seconds)
+
+
+class Command(BaseCommand):
+    help = (
+        "Delete settled deliveries past their retention (the RETENTION setting, or "
+        "--older-than for every settled status), a chunk at a time, then the batches "
+        "left with no delivery and the hosts not seen since. Pending deliveries are "
+        "never touched."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--older-than",
+            default=None,
+            help="Delete every settled delivery older than this (7d, 12h, 90m, 3600s) "
+            "instead of by RETENTION.",
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Count what would be deleted; delete nothing."
+        )
+        parser.add_argument(
+            "--database", default=DEFAULT_DB_ALIAS, help="The database alias the queue lives in."
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        using = options["database"]
+        if using not in connections:
+            raise CommandError(f"no database named {using!r} in DATABASES")
+        if options["older_than"] is not None:
+            age = parse_age(options["older_than"])
+            seconds = dict.fromkeys(retention.SETTLED, age)
+        else:
+            try:
+                seconds = retention.retention_seconds()
+            except ImproperlyConfigured as exc:
+                raise CommandError(str(exc)) from exc
+            if not seconds:
+                self.stdout.write("RETENTION keeps every settled delivery: nothing to purge.")
+                return
+        dry_run = bool(options["dry_run"])
+        last = [time.monotonic()]
+
+        def progress(deleted: int, elapsed: float) -> None:
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_EVERY:
+                last[0] = now
+                rate = deleted / max(elapsed, 1e-9)
+                self.stdout.write(f"  {deleted} deleted so far, {rate:.0f}/s")
+                self.stdout.flush()
+
+        purged = retention.purge(
+            retention.cutoffs_for(seconds), dry_run=dry_run, on_progress=progress, using=using
+        )
+        self.stdout.write(self.style.SUCCESS(f"{'Dry run: ' if dry_run else ''}{purged.line()}."))

@@ -1,0 +1,338 @@
+"""Retention: settled deliveries, emptied batches and forgotten hosts are deleted.
+
+A fan-out to 5,000 inboxes a few hundred times a day settles a million rows
+a day; kept for ever, they fill the disk. :func:`purge` deletes what is past
+``RETENTION``, a chunk at a time, each chunk its own short transaction: on
+SQLite the write lock is held for one chunk, never for the whole purge, and
+on PostgreSQL no transaction lasts long enough to hold back vacuum. The
+command ``purge_deliveries``, ``run_deliverer --purge`` and a periodic task
+all call it.
+
+A pending delivery is never touched (every statement names the settled
+status it deletes), nor a batch that still has a delivery, nor a paused host
+or one with a breaker.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.models import Exists, OuterRef, Q
+from django.utils import timezone
+
+from django_federation_delivery.conf import app_settings
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+from django_federation_delivery.queue import CHUNK, connection_for, quoted_table
+from django_federation_delivery.urls import host_of
+
+logger = logging.getLogger(__name__)
+
+#: Rows deleted by one statement, in one transaction.
+PURGE_CHUNK = 5_000
+#: The statuses that can be purged, in the order they are.
+SETTLED = (Status.DELIVERED, Status.SKIPPED, Status.FAILED, Status.REFUSED)
+
+
+def retention_seconds(setting: Any = ...) -> dict[Status, float]:
+    """The ``RETENTION`` setting as {status: seconds}, the statuses kept for
+    ever left out (all of them when the setting is None)."""
+    from django_federation_delivery.checks import _check_retention
+
+    value = app_settings.get("RETENTION") if setting is ... else setting
+    problems = _check_retention(value)
+    if problems:
+        raise ImproperlyConfigured(f"{problems[0].msg} {problems[0].hint}")
+    if value is None:
+        return {}
+    return {
+        status: float(value[status.name])
+        for status in SETTLED
+        if value.get(status.name) is not None
+    }
+
+
+def cutoffs_for(
+    retention: Mapping[Status, float], now: dt.datetime | None = None
+) -> dict[Status, dt.datetime]:
+    now = now or timezone.now()
+    return {status: now - dt.timedelta(seconds=seconds) for status, seconds in retention.items()}
+
+
+@dataclass
+class Purged:
+    """What a purge deleted (or, dry, would delete)."""
+
+    deliveries: dict[str, int] = field(default_factory=dict)
+    batches: int = 0
+    hosts: int = 0
+    seconds: float = 0.0
+    #: Delivery statements run: one a chunk, and one more for each status
+    #: to find that nothing is left.
+    chunks: int = 0
+    dry_run: bool = False
+
+    @property
+    def deleted(self) -> int:
+        return sum(self.deliveries.values())
+
+    def line(self) -> str:
+        verb = "would delete" if self.dry_run else "deleted"
+        per_status = ", ".join(f"{status} {count}" for status, count in self.deliveries.items())
+        return (
+            f"{verb} {self.deleted} deliveries ({per_status or 'none'}), "
+            f"{self.batches} batches, {self.hosts} hosts in {self.seconds:.1f} s"
+        )
+
+
+#: Told after each chunk: deliveries deleted so far, seconds since the start.
+Progress = Callable[[int, float], None]
+
+
+def purge(
+    cutoffs: Mapping[Status, dt.datetime],
+    *,
+    dry_run: bool = False,
+    chunk: int = PURGE_CHUNK,
+    pause: float = 0.0,
+    on_progress: Progress | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    using: str | None = None,
+) -> Purged:
+    """Delete the deliveries of each status in ``cutoffs`` settled before its
+    cutoff, then the batches left with no delivery and the hosts not seen
+    since (see :func:`_forgotten_hosts`). ``pause`` seconds between chunks
+    leave SQLite's one write lock to the deliverer; ``should_stop`` is asked
+    between chunks, and a purge stopped early has deleted only whole chunks."""
+    alias = using or DEFAULT_DB_ALIAS
+    started = time.monotonic()
+    purged = Purged(dry_run=dry_run)
+    if not cutoffs:
+        return purged
+    cutoffs = {Status(status): cutoff for status, cutoff in cutoffs.items()}
+    if Status.PENDING in cutoffs:
+        raise ValueError("pending deliveries are never purged")
+    # A batch created after the newest cutoff, or a host written to after
+    # the oldest, is kept whatever else holds: nothing of theirs is that old.
+    batch_cutoff = max(cutoffs.values())
+    host_cutoff = min(cutoffs.values())
+    if dry_run:
+        manager = Delivery.objects.using(alias)
+        for status, cutoff in cutoffs.items():
+            purged.deliveries[status.value] = manager.filter(
+                status=status, settled_at__lt=cutoff
+            ).count()
+        purgeable = Q()
+        for status, cutoff in cutoffs.items():
+            purgeable |= Q(status=status, settled_at__lt=cutoff)
+        kept = manager.filter(batch=OuterRef("pk")).exclude(purgeable)
+        purged.batches = (
+            Batch.objects.using(alias)
+            .filter(created_at__lt=batch_cutoff)
+            .exclude(Exists(kept))
+            .count()
+        )
+        kept_for_host = manager.filter(host=OuterRef("name")).exclude(purgeable)
+        purged.hosts = len(_forgotten_hosts(host_cutoff, kept_for_host, alias))
+        purged.seconds = time.monotonic() - started
+        return purged
+    for status, cutoff in cutoffs.items():
+        purged.deliveries[status.value] = 0
+        for count in _delete_settled(status, cutoff, chunk, alias):
+            purged.chunks += 1
+            purged.deliveries[status.value] += count
+            if on_progress is not None:
+                on_progress(purged.deleted, time.monotonic() - started)
+            if should_stop():
+                purged.seconds = time.monotonic() - started
+                return purged
+            if pause:
+                time.sleep(pause)
+    purged.batches = _delete_empty_batches(batch_cutoff, chunk, alias, should_stop)
+    if not should_stop():
+        remaining = Delivery.objects.using(alias).filter(host=OuterRef("name"))
+        hosts = _forgotten_hosts(host_cutoff, remaining, alias)
+        for start in range(0, len(hosts), CHUNK):
+            purged.hosts += _delete_hosts(hosts[start : start + CHUNK], host_cutoff, alias)
+    purged.seconds = time.monotonic() - started
+    return purged
+
+
+def _delete_settled(status: Status, cutoff: dt.datetime, chunk: int, alias: str) -> Iterator[int]:
+    """Delete, a chunk at a time, the deliveries of ``status`` settled before
+    ``cutoff``; yields each chunk's count, the last one short."""
+    connection = connection_for(alias)
+    table = quoted_table(Delivery, connection)
+    cutoff_value = connection.ops.adapt_datetimefield_value(cutoff)
+    # The chunks walk the (status, settled_at) index from the oldest up,
+    # each starting where the last ended, rather than from the start again
+    # past the index entries of rows just deleted (PostgreSQL keeps them
+    # until vacuum).
+    since: Any = None
+    while True:
+        floor = "" if since is None else "AND settled_at >= %s "
+        params = [str(status), cutoff_value, *([] if since is None else [since]), chunk]
+        # The status is named in the DELETE itself, not only where the ids
+        # were found: a row requeued in between is pending, and kept.
+        sql = (
+            f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
+            f"WHERE status = %s AND settled_at < %s {floor}ORDER BY settled_at LIMIT %s) "
+            "RETURNING id, settled_at"
+        )
+        with transaction.atomic(using=alias), connection.cursor() as cursor:
+            # The DELETE comes first in the transaction: on SQLite it takes
+            # the write lock at once, waiting its turn under the busy timeout,
+            # rather than read first and find the lock taken.
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
+            ids = sorted(row[0] for row in rows)
+            # A delivery waiting on (or, settled, once waiting on) one of
+            # these would point at nothing: the foreign key is checked at
+            # commit, by then cleared. The range is what makes SQLite use
+            # the index on after_id: once ANALYZE has seen a column of NULLs
+            # (no ordering used), it takes "after_id IN (…)" alone for a
+            # full scan of the table, every chunk.
+            for start in range(0, len(ids), CHUNK):
+                part = ids[start : start + CHUNK]
+                cursor.execute(
+                    f"UPDATE {table} SET after_id = NULL WHERE after_id >= %s AND after_id <= %s "
+                    f"AND after_id IN ({', '.join(['%s'] * len(part))})",
+                    [part[0], part[-1], *part],
+                )
+        if rows:
+            since = max(row[1] for row in rows)
+        yield len(rows)
+        if len(rows) < chunk:
+            return
+
+
+def _delete_empty_batches(
+    cutoff: dt.datetime, chunk: int, alias: str, should_stop: Callable[[], bool]
+) -> int:
+    """Delete the batches created before ``cutoff`` that have no delivery
+    left, walking them by id a chunk at a time."""
+    connection = connection_for(alias)
+    batches = quoted_table(Batch, connection)
+    deliveries = quoted_table(Delivery, connection)
+    cutoff_value = connection.ops.adapt_datetimefield_value(cutoff)
+    deleted, last = 0, 0
+    while not should_stop():
+        ids = list(
+            Batch.objects.using(alias)
+            .filter(id__gt=last, created_at__lt=cutoff)
+            .order_by("id")
+            .values_list("id", flat=True)[:chunk]
+        )
+        if not ids:
+            return deleted
+        # Whether a delivery is left is asked by the DELETE itself, so that
+        # one queued since the page was read keeps its batch.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"DELETE FROM {batches} WHERE id > %s AND id <= %s AND created_at < %s "
+                f"AND NOT EXISTS (SELECT 1 FROM {deliveries} d WHERE d.batch_id = {batches}.id)",
+                [last, ids[-1], cutoff_value],
+            )
+            deleted += max(cursor.rowcount, 0)
+        last = ids[-1]
+    return deleted
+
+
+def _forgotten_hosts(cutoff: dt.datetime, deliveries: Any, alias: str) -> list[str]:
+    """Hosts not seen since ``cutoff``: no delivery of theirs is kept (one
+    pending, or settled within its retention, is a sign of life) and their
+    row was last written before it (a scheme learnt, a pause or resume).
+    A paused host, and one with a breaker, are kept whatever their age:
+    they are an operator's or the breaker's doing, not history."""
+    candidates = list(
+        Host.objects.using(alias)
+        .filter(paused_at__isnull=True, updated_at__lt=cutoff)
+        .exclude(Exists(deliveries))
+        .values_list("name", flat=True)
+    )
+    if not candidates:
+        return []
+    # Breakers are few (only failing destinations have one); their key is a
+    # host, or an inbox URL under scope "inbox".
+    broken: set[str] = set()
+    for key in Breaker.objects.using(alias).values_list("key", flat=True):
+        broken.add(key)
+        if "://" in key:
+            broken.add(host_of(key))
+    return [name for name in candidates if name not in broken]
+
+
+def _delete_hosts(names: list[str], cutoff: dt.datetime, alias: str) -> int:
+    # The conditions again, in the DELETE: a host paused, written to or
+    # sent to since they were read is kept.
+    deliveries = Delivery.objects.using(alias).filter(host=OuterRef("name"))
+    return int(
+        Host.objects.using(alias)
+        .filter(name__in=names, paused_at__isnull=True, updated_at__lt=cutoff)
+        .exclude(Exists(deliveries))
+        .delete()[0]
+    )
+
+
+def purge_by_setting(**options: Any) -> Purged:
+    """A purge by the ``RETENTION`` setting: what a periodic task calls."""
+    return purge(cutoffs_for(retention_seconds()), **options)
+
+
+class PeriodicPurge:
+    """``run_deliverer --purge``: :func:`purge_by_setting` every ``interval``
+    seconds, the first ``first`` seconds after :meth:`start`.
+
+    A thread of its own, with its own database connections (closed after
+    each purge), rather than chunks in the loop's idle time: a busy
+    deliverer may have no idle time for days, and a purge must not wait for
+    one. It never stalls deliveries: on PostgreSQL it locks only the rows it
+    deletes, which no claim wants; on SQLite, whose one write lock it shares
+    with the loop, each chunk is a short transaction of its own and it
+    pauses ``pause`` seconds between chunks, so that the loop's claims and
+    settlements, waiting under the busy timeout, go in between.
+    """
+
+    def __init__(
+        self, interval: float, *, first: float, using: str | None = None, pause: float = 0.05
+    ) -> None:
+        self.interval = interval
+        self.first = first
+        self.using = using or DEFAULT_DB_ALIAS
+        self.pause = pause
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="federation-delivery-purge", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop, a purge under way at the end of its chunk."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        delay = self.first
+        while not self._stop.wait(delay):
+            delay = self.interval
+            try:
+                purged = purge_by_setting(
+                    using=self.using, pause=self.pause, should_stop=self._stop.is_set
+                )
+            except Exception:
+                # A database away now is there at the next; the loop goes on.
+                logger.exception("The purge failed; the next in %.0f s", self.interval)
+            else:
+                logger.info("Purge: %s", purged.line())
+            finally:
+                connections.close_all()

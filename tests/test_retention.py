@@ -1,0 +1,225 @@
+"""Retention: what a purge deletes, and above all what it keeps."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from django_federation_delivery import retention
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+from django_federation_delivery.queue import quoted_table
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DAY = 86400.0
+STATUSES = [Status.DELIVERED, Status.SKIPPED, Status.FAILED, Status.REFUSED]
+#: Ages of the settled rows, in days: past every default retention, past
+#: only the 7 days of delivered and skipped, within every one.
+AGES = [40, 10, 1]
+DEFAULT_DAYS = {Status.DELIVERED: 7, Status.SKIPPED: 7, Status.FAILED: 30, Status.REFUSED: 30}
+PER_BATCH = 5_000
+
+
+def fill(count: int, now: dt.datetime, *, first_batch: int) -> None:
+    """``count`` settled rows in one statement: row i has status STATUSES[i % 4];
+    the first half is 40 days old, the rest AGES[i % 3] days old; PER_BATCH
+    rows to a batch, from ``first_batch`` on."""
+    table = quoted_table(Delivery, connection)
+    adapt = connection.ops.adapt_datetimefield_value
+    status = "CASE i %% 4 " + " ".join(f"WHEN {n} THEN %s" for n in range(4)) + " END"
+    settled = (
+        f"CASE WHEN i <= {count // 2} THEN %s ELSE CASE i %% 3 "
+        + " ".join(f"WHEN {n} THEN %s" for n in range(3))
+        + " END END"
+    )
+    ages = [adapt(now - dt.timedelta(days=days)) for days in AGES]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (batch_id, inbox, host, via, lane, status, attempts, "
+            "due_at, lease_token, last_attempt_at, last_status, last_error, settled_at, "
+            "sequence, after_id) "
+            f"WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {count}) "
+            f"SELECT {first_batch} + (i - 1) / {PER_BATCH}, 'https://h' || (i %% 50) || "
+            "'.example/inbox/' || i, 'h' || (i %% 50) || '.example', '[]', 'normal', "
+            f"{status}, 1, NULL, NULL, NULL, 200, '', {settled}, '', NULL FROM n",
+            [*map(str, STATUSES), ages[0], *ages],
+        )
+
+
+def expected(count: int, days: dict[Status, int]) -> dict[str, int]:
+    """What a purge keeping each status ``days`` deletes of :func:`fill`'s rows."""
+    gone = dict.fromkeys((s.value for s in STATUSES), 0)
+    for i in range(1, count + 1):
+        status = STATUSES[i % 4]
+        age = AGES[0] if i <= count // 2 else AGES[i % 3]
+        if age > days[status]:
+            gone[status.value] += 1
+    return gone
+
+
+def batches(count: int, now: dt.datetime) -> list[Batch]:
+    created = now - dt.timedelta(days=41)
+    return Batch.objects.bulk_create(
+        [Batch(sender="https://a.example/u", body="{}", created_at=created) for _ in range(count)]
+    )
+
+
+def pending(batch: Batch, count: int, **fields: Any) -> list[Delivery]:
+    return Delivery.objects.bulk_create(
+        [
+            Delivery(batch=batch, inbox=f"https://p.example/{n}", host="p.example", **fields)
+            for n in range(count)
+        ]
+    )
+
+
+@pytest.mark.slow
+def test_a_purge_deletes_exactly_the_settled_rows_past_retention_in_chunks_keeping_pending_ones(
+    settings: Any,
+) -> None:
+    count = 100_000
+    now = timezone.now()
+    made = batches(count // PER_BATCH + 1, now)
+    fill(count, now, first_batch=made[0].id)
+    # Pending rows, in a batch of their own and among old settled ones; one
+    # carries a stray old settled_at, which must not make it purgeable.
+    alone, mixed = made[-1], made[0]
+    pending(alone, 300)
+    (stray,) = pending(mixed, 1, settled_at=now - dt.timedelta(days=400))
+    before = Delivery.objects.count()
+
+    steps: list[int] = []
+    with CaptureQueriesContext(connection) as queries:
+        purged = retention.purge_by_setting(on_progress=lambda deleted, _: steps.append(deleted))
+
+    assert purged.deliveries == expected(count, DEFAULT_DAYS)
+    assert Delivery.objects.count() == before - purged.deleted
+    assert Delivery.objects.filter(status=Status.PENDING).count() == 301
+    assert Delivery.objects.filter(id=stray.id).exists()
+    # What is left is what is within its retention.
+    for status in STATUSES:
+        oldest = now - dt.timedelta(days=DEFAULT_DAYS[status])
+        assert not Delivery.objects.filter(status=status, settled_at__lt=oldest).exists()
+    # In chunks of at most PURGE_CHUNK rows, each a statement of its own.
+    sizes = [b - a for a, b in zip([0, *steps], steps, strict=False)]
+    assert max(sizes) == retention.PURGE_CHUNK
+    assert purged.chunks == len(steps) >= purged.deleted // retention.PURGE_CHUNK
+    deletes = [q for q in queries.captured_queries if q["sql"].startswith("DELETE")]
+    assert len([q for q in deletes if "settled_at" in q["sql"]]) == purged.chunks
+    # The first half of the batches held only 40-day-old rows: emptied, and gone.
+    emptied = {b.id for b in made[: count // 2 // PER_BATCH]} - {mixed.id}
+    assert purged.batches == len(emptied)
+    assert not Batch.objects.filter(id__in=emptied).exists()
+    assert Batch.objects.filter(id__in=[alone.id, mixed.id]).count() == 2
+    assert Delivery.objects.filter(batch=alone).count() == 300
+
+
+def test_a_dry_run_counts_what_would_go_and_deletes_nothing() -> None:
+    now = timezone.now()
+    made = batches(2, now)
+    fill(2 * PER_BATCH, now, first_batch=made[0].id)
+    Host.objects.create(name="gone.example")
+    Host.objects.filter(name="gone.example").update(updated_at=now - dt.timedelta(days=90))
+    before = Delivery.objects.count()
+
+    dry = retention.purge_by_setting(dry_run=True)
+
+    assert Delivery.objects.count() == before
+    assert Batch.objects.count() == 2 and Host.objects.count() == 1
+    done = retention.purge_by_setting()
+    assert dry.deliveries == done.deliveries == expected(2 * PER_BATCH, DEFAULT_DAYS)
+    assert (dry.batches, dry.hosts) == (done.batches, done.hosts) == (1, 1)
+
+
+def test_a_status_set_to_none_is_kept_and_none_keeps_everything(settings: Any) -> None:
+    now = timezone.now()
+    made = batches(1, now)
+    fill(400, now, first_batch=made[0].id)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETENTION": {"DELIVERED": None, "FAILED": DAY},
+    }
+    purged = retention.purge_by_setting()
+    # SKIPPED and REFUSED keep their defaults (7 and 30 days).
+    days = {**DEFAULT_DAYS, Status.DELIVERED: 10**6, Status.FAILED: 0}
+    assert purged.deliveries == {
+        s: n for s, n in expected(400, days).items() if s != Status.DELIVERED
+    }
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "RETENTION": None}
+    assert retention.purge_by_setting().deleted == 0
+    assert Delivery.objects.count() == 400 - purged.deleted
+
+
+def test_a_row_another_one_waits_on_is_purged_and_the_wait_cleared() -> None:
+    now = timezone.now()
+    (batch,) = batches(1, now)
+    old = Delivery.objects.create(
+        batch=batch,
+        inbox="https://a.example/1",
+        host="a.example",
+        status=Status.DELIVERED,
+        settled_at=now - dt.timedelta(days=40),
+    )
+    # Settled within its retention, and once after the old one.
+    kept = Delivery.objects.create(
+        batch=batch,
+        inbox="https://a.example/2",
+        host="a.example",
+        status=Status.FAILED,
+        settled_at=now - dt.timedelta(days=1),
+        after=old,
+    )
+    assert retention.purge_by_setting().deliveries[Status.DELIVERED] == 1
+    kept.refresh_from_db()
+    assert kept.after_id is None
+    assert not Delivery.objects.filter(id=old.id).exists()
+
+
+def test_only_hosts_not_seen_since_and_neither_paused_nor_broken_are_deleted() -> None:
+    now = timezone.now()
+    long_ago = now - dt.timedelta(days=90)
+    (batch,) = batches(1, now)
+    names = ["gone", "paused", "broken-host", "broken-inbox", "sending", "recent"]
+    Host.objects.bulk_create([Host(name=f"{name}.example") for name in names])
+    Host.objects.exclude(name="recent.example").update(updated_at=long_ago)
+    Host.objects.filter(name="recent.example").update(updated_at=now - dt.timedelta(days=1))
+    Host.objects.filter(name="paused.example").update(paused_at=long_ago)
+    Breaker.objects.create(key="broken-host.example", failures=3)
+    Breaker.objects.create(key="https://broken-inbox.example/users/a/inbox", failures=3)
+    Delivery.objects.create(batch=batch, inbox="https://sending.example/i", host="sending.example")
+
+    purged = retention.purge_by_setting()
+
+    assert purged.hosts == 1
+    assert set(Host.objects.values_list("name", flat=True)) == {
+        f"{name}.example" for name in names if name != "gone"
+    }
+
+
+def test_a_purge_asked_to_stop_stops_between_chunks() -> None:
+    now = timezone.now()
+    made = batches(1, now)
+    fill(1_000, now, first_batch=made[0].id)
+    cutoffs = retention.cutoffs_for(dict.fromkeys(STATUSES, DAY), now)
+    purged = retention.purge(cutoffs, chunk=100, should_stop=lambda: True)
+    assert (purged.chunks, purged.deleted, purged.batches) == (1, 100, 0)
+
+
+def test_pending_deliveries_cannot_be_asked_for() -> None:
+    with pytest.raises(ValueError, match="pending"):
+        retention.purge({Status.PENDING: timezone.now()})
+
+
+@pytest.mark.parametrize("bad", ["weekly", {"DELIVERED": -1}, {"PENDING": DAY}])
+def test_a_bad_retention_used_anyway_is_improperly_configured_naming_it(
+    settings: Any, bad: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "RETENTION": bad}
+    with pytest.raises(ImproperlyConfigured, match="RETENTION"):
+        retention.retention_seconds()
