@@ -219,6 +219,9 @@ class Deliverer:
         if isinstance(due, dt.datetime):
             sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
         deadline = time.monotonic() + sleep
+        if not self._wake.is_set():
+            # Only when nothing has woken it already: what follows wakes it.
+            logger.debug("Nothing to do: idle for up to %.1f s", sleep)
         while not self.stopping:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpsig
 import pytest
-from django.db import OperationalError
+from django.db import OperationalError, connection
 from django.utils import timezone
 
 from django_federation_delivery import BatchOptions, queue, send, send_batch, signals
@@ -414,22 +414,57 @@ def test_a_database_that_is_away_for_a_moment_is_waited_out(
     assert len(inbox.received) == 1, "an outcome not written at first is written, not re-sent"
 
 
+LISTENING = "Listening for new deliveries"
+
+
+def wait_until_idle(caplog: pytest.LogCaptureFixture) -> None:
+    """Until the loop sleeps with nothing to do, on PostgreSQL once LISTEN
+    is in place (getting there wakes it, once)."""
+    listens = connection.vendor == "postgresql"
+
+    def idle() -> bool:
+        messages = [record.getMessage() for record in list(caplog.records)]
+        if listens:
+            if LISTENING not in messages:
+                return False
+            messages = messages[messages.index(LISTENING) + 1 :]
+        return any(message.startswith("Nothing to do") for message in messages)
+
+    wait_until(idle, timeout=10)
+
+
 def test_a_send_wakes_an_idle_deliverer_in_the_same_process_at_once(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],
     settings: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
         "IDLE_POLL_SECONDS": 60,
         "NEW_WORK_POLL_SECONDS": 60,
     }
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
     runner = start_deliverer()
-    time.sleep(0.3)  # idle by now, for up to a minute
+    wait_until_idle(caplog)  # for up to a minute
     batch = send(ALICE, NOTE, [inbox.url()])
     wait_until(settled(batch), timeout=5)
     runner.stop()
     assert status_of(batch) == [Status.DELIVERED]
+
+
+def test_a_deliverer_on_postgresql_stops_at_once_when_idle(
+    start_deliverer: Callable[..., RunningDeliverer], caplog: pytest.LogCaptureFixture
+) -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("only PostgreSQL has a listener to stop")
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
+    runner = start_deliverer()
+    wait_until_idle(caplog)  # the listener waits on its connection by now
+    started = time.monotonic()
+    runner.stop()
+    took = time.monotonic() - started
+    assert took < 0.5, f"stopped after {took:.2f} s: not at once"
 
 
 def test_signals_are_sent_before_the_row_leaves_the_queue(
