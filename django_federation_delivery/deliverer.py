@@ -17,7 +17,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, InterfaceError, connections
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    InterfaceError,
+    close_old_connections,
+    connections,
+)
 from django.utils import timezone
 
 from django_federation_delivery import metrics, queue, signals, wakeup
@@ -42,6 +48,10 @@ logger = logging.getLogger(__name__)
 WRITE_WITHIN = 0.1
 #: How often the lag and open-breaker gauges are read from the database.
 GAUGES_EVERY = 5.0
+#: How often CONN_MAX_AGE and CONN_HEALTH_CHECKS are applied, as Django does
+#: between requests: not every round, which with the default CONN_MAX_AGE of
+#: 0 would be a new connection for each.
+RECYCLE_EVERY = 1.0
 
 
 class Deliverer:
@@ -131,6 +141,7 @@ class Deliverer:
         self._dry = False
         self._dry_since = 0.0
         self._db_failing_since: float | None = None
+        self._recycled = time.monotonic()
 
     # The public controls.
 
@@ -157,6 +168,7 @@ class Deliverer:
         try:
             self._db(self.webhooks.give_up_removed)
             while True:
+                self._recycle_connections()
                 self._refresh_view()
                 self._collect()
                 # Workers first, the database after: a free slot is not kept
@@ -486,6 +498,15 @@ class Deliverer:
                     due_at=timezone.now(),
                 )
             )
+
+    def _recycle_connections(self) -> None:
+        """Close a connection past CONN_MAX_AGE, or one that failed, and have
+        the next query check it first with CONN_HEALTH_CHECKS: one lost while
+        idle is replaced, not found broken by the next claim."""
+        if time.monotonic() - self._recycled < RECYCLE_EVERY:
+            return
+        self._recycled = time.monotonic()
+        self._db(close_old_connections)
 
     def _refresh_view(self) -> None:
         """Re-read the breakers and the paused hosts, about once a second

@@ -13,10 +13,12 @@ from typing import Any
 import httpsig
 import pytest
 from django.db import OperationalError, connection
+from django.db.backends.signals import connection_created
 from django.utils import timezone
 
 from django_federation_delivery import BatchOptions, queue, send, send_batch, signals
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
+from django_federation_delivery.deliverer import RECYCLE_EVERY
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.retry import LONGEST_WAIT
 
@@ -465,6 +467,52 @@ def test_a_deliverer_on_postgresql_stops_at_once_when_idle(
     runner.stop()
     took = time.monotonic() - started
     assert took < 0.5, f"stopped after {took:.2f} s: not at once"
+
+
+def test_a_connection_lost_while_idle_is_replaced_before_the_next_send(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "IDLE_POLL_SECONDS": 60,
+        "NEW_WORK_POLL_SECONDS": 60,
+    }
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
+    opened: list[tuple[int, Any]] = []
+
+    def note(sender: Any, connection: Any, **kwargs: Any) -> None:
+        opened.append((threading.get_ident(), connection))
+
+    connection_created.connect(note, weak=False)
+    try:
+        runner = start_deliverer()
+        wait_until_idle(caplog)
+    finally:
+        connection_created.disconnect(note)
+    theirs = [wrapper for ident, wrapper in opened if ident == runner.thread.ident][-1]
+    if connection.vendor == "postgresql":
+        pid = theirs.connection.info.backend_pid
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+        def gone() -> bool:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+                return cursor.fetchone() == (0,)
+
+        wait_until(gone)
+    else:
+        theirs.connection.close()
+    time.sleep(RECYCLE_EVERY)  # the next round recycles its connections
+    batch = send(ALICE, NOTE, [inbox.url()])
+    wait_until(settled(batch), timeout=10)
+    runner.stop()
+    assert status_of(batch) == [Status.DELIVERED]
+    unavailable = [m for m in caplog.messages if "database is unavailable" in m]
+    assert not unavailable, "replaced before use, not found broken"
 
 
 def test_signals_are_sent_before_the_row_leaves_the_queue(
