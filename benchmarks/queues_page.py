@@ -11,11 +11,10 @@ each overview query's plan (SQLite's EXPLAIN QUERY PLAN, PostgreSQL's
 EXPLAIN). It asserts nothing.
 
     python benchmarks/queues_page.py [--deliveries 100000] [--hosts 2000]
-        [--rounds 5] [--settled-index] [--database-url URL]
+        [--rounds 5] [--database-url URL]
 
---settled-index adds an index on (status, settled_at) first, to compare
-(and without it, drops it). Without --database-url it runs on a temporary
-SQLite file, or on --sqlite PATH, filled once and kept for the next run.
+Without --database-url it runs on a temporary SQLite file, or on --sqlite
+PATH, filled once and kept for the next run.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ def main() -> None:
     parser.add_argument("--deliveries", type=int, default=100_000)
     parser.add_argument("--hosts", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--settled-index", action="store_true")
     parser.add_argument("--database-url", default="")
     parser.add_argument(
         "--sqlite", default="", help="Use (and keep) this SQLite file; filled only when empty."
@@ -73,13 +71,8 @@ def main() -> None:
     if not Delivery.objects.exists():
         fill(args.deliveries, args.hosts)
     with connection.cursor() as cursor:
-        if args.settled_index:
-            cursor.execute(
-                "CREATE INDEX IF NOT EXISTS fd_bench_settled "
-                "ON federation_delivery_delivery (status, settled_at)"
-            )
-        else:
-            cursor.execute("DROP INDEX IF EXISTS fd_bench_settled")
+        # Left by a run from before migration 0007 made it fd_delivery_settled.
+        cursor.execute("DROP INDEX IF EXISTS fd_bench_settled")
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
 
@@ -104,8 +97,7 @@ def main() -> None:
     with CaptureQueriesContext(connection) as captured:
         assert client.get(page).status_code == 200
     print(
-        f"{connection.vendor}, {Delivery.objects.count()} deliveries"
-        f"{', index on (status, settled_at)' if args.settled_index else ''}:\n"
+        f"{connection.vendor}, {Delivery.objects.count()} deliveries:\n"
         f"  overview() median {statistics.median(overview_times) * 1000:.1f} ms\n"
         f"  queues page median {statistics.median(page_times) * 1000:.1f} ms, "
         f"{len(captured)} queries"

@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 WRITE_WITHIN = 0.1
 #: How often the lag and open-breaker gauges are read from the database.
 GAUGES_EVERY = 5.0
+#: How often CONN_MAX_AGE and CONN_HEALTH_CHECKS are applied, as Django does
+#: between requests: not every round, which with the default CONN_MAX_AGE of
+#: 0 would be a new connection for each.
+RECYCLE_EVERY = 1.0
 
 
 class Deliverer:
@@ -137,6 +141,7 @@ class Deliverer:
         self._dry = False
         self._dry_since = 0.0
         self._db_failing_since: float | None = None
+        self._recycled = time.monotonic()
 
     # The public controls.
 
@@ -163,6 +168,7 @@ class Deliverer:
         try:
             self._db(self.webhooks.give_up_removed)
             while True:
+                self._recycle_connections()
                 self._refresh_view()
                 self._collect()
                 # Workers first, the database after: a free slot is not kept
@@ -225,6 +231,9 @@ class Deliverer:
         if isinstance(due, dt.datetime):
             sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
         deadline = time.monotonic() + sleep
+        if not self._wake.is_set():
+            # Only when nothing has woken it already: what follows wakes it.
+            logger.debug("Nothing to do: idle for up to %.1f s", sleep)
         while not self.stopping:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -492,6 +501,17 @@ class Deliverer:
                 )
             )
 
+    def _recycle_connections(self) -> None:
+        """Close a connection past CONN_MAX_AGE, or one that failed, and have
+        the next query check it first with CONN_HEALTH_CHECKS: one lost while
+        idle is replaced, not found broken by the next claim. A second stands
+        for a request: every round would reconnect at every claim with the
+        default CONN_MAX_AGE of 0."""
+        if time.monotonic() - self._recycled < RECYCLE_EVERY:
+            return
+        self._recycled = time.monotonic()
+        self._db(close_old_connections)
+
     def _refresh_view(self) -> None:
         """Re-read the breakers and the paused hosts, about once a second
         (and the queue's gauges every few seconds, when metrics are served)."""
@@ -501,10 +521,6 @@ class Deliverer:
         if time.monotonic() - self._view_read < 1.0:
             return
         self._view_read = time.monotonic()
-        # CONN_MAX_AGE and CONN_HEALTH_CHECKS, as a request would honour them,
-        # a second standing for a request: every round would reconnect at
-        # every claim with the default CONN_MAX_AGE of 0.
-        close_old_connections()
         if self.breakers is not None:
             self._db(self.breakers.refresh)
         paused = self._db(paused_hosts, using=self.using)

@@ -6,7 +6,8 @@ receiver that raises is logged with its traceback and the loop goes on.
 
 Each is sent with ``sender=Delivery`` (the model class) and one keyword:
 
-- ``delivery_attempted``: ``attempt`` (:class:`Attempted`), after every attempt.
+- ``delivery_attempted``: ``attempt`` (:class:`Attempted`), after every attempt,
+  and for a delivery held back without a request (outcome "held").
 - ``delivery_settled``: ``settled`` (:class:`Settled`): delivered, refused or skipped.
 - ``delivery_failed``: ``failure`` (:class:`Failure`): refused or given up.
 - ``batch_finished``: ``batch`` (the ``Batch``), when its last delivery leaves the queue.
@@ -40,7 +41,9 @@ class Attempted:
     batch_id: int
     inbox: str
     sender: str
-    #: "delivered", "retrying", "refused" or "failed".
+    #: "delivered", "retrying", "refused" or "failed"; "held" when no request
+    #: was made (an open circuit breaker, or a lease that ran out before a
+    #: worker was free) and it will be tried again.
     outcome: str
     status: int | None
     error: str

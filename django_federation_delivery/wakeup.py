@@ -8,7 +8,10 @@ with a cheap indexed query every ``NEW_WORK_POLL_SECONDS``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import select
+import socket
 import threading
 import weakref
 from typing import Any
@@ -44,15 +47,22 @@ class PostgresListener:
 
     Runs in a daemon thread with a psycopg 3 connection of its own (not
     Django's), and reconnects after a failure. ``available`` says whether it
-    could start: without psycopg 3 the deliverer polls instead.
+    could start: without psycopg 3 the deliverer polls instead. It waits on
+    the connection's socket and on one of its own, which :meth:`stop` writes
+    to: a deliverer stops at once, not at the end of a wait.
     """
+
+    #: How long one wait lasts at most; :meth:`stop` ends it sooner.
+    WAIT = 5.0
 
     def __init__(self, event: threading.Event, *, using: str = DEFAULT_DB_ALIAS) -> None:
         self.event = event
         self.using = using
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.listening = threading.Event()
+        # What stop() writes to, to end a wait at once. A socket pair, not a
+        # pipe: select() takes only sockets on Windows.
+        self._stop_reader, self._stop_writer = socket.socketpair()
 
     @staticmethod
     def available(using: str = DEFAULT_DB_ALIAS) -> bool:
@@ -72,8 +82,14 @@ class PostgresListener:
 
     def stop(self) -> None:
         self._stop.set()
+        with contextlib.suppress(OSError):  # closed: stopped before
+            self._stop_writer.send(b"\0")
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                return  # its sockets are left to it
+        self._stop_writer.close()
+        self._stop_reader.close()
 
     def _connect(self) -> Any:
         import psycopg
@@ -93,15 +109,22 @@ class PostgresListener:
             conn = None
             try:
                 conn = self._connect()
-                self.listening.set()
                 backoff = 0.5
                 # Work queued while this was (re)connecting is not missed.
                 self.event.set()
+                logger.debug("Listening for new deliveries")
                 while not self._stop.is_set():
-                    for _ in conn.notifies(timeout=1.0):
-                        self.event.set()
+                    readable, _, _ = select.select(
+                        [conn.fileno(), self._stop_reader], [], [], self.WAIT
+                    )
+                    if self._stop_reader in readable:
+                        break
+                    if readable:
+                        # What came: read without waiting (a part of a message
+                        # waits for the next turn).
+                        for _ in conn.notifies(timeout=0):
+                            self.event.set()
             except Exception as exc:  # a database that is away: wait and reconnect
-                self.listening.clear()
                 logger.warning("Listening for new deliveries failed (%s); retrying", exc)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)

@@ -64,12 +64,18 @@ Answer = tuple[int, dict[str, str], bytes]
 class Overlap:
     """A ``respond`` that answers ``status`` after ``delay`` seconds, and counts
     how many requests were being answered at once: at most, and at most since
-    :meth:`mark`."""
+    :meth:`mark` (or :meth:`mark_if_idle`). With ``together``, the first
+    ``together`` requests are answered only once they have all come (or after
+    ``wait`` seconds): a test sees its clients send at once, whatever the load."""
 
-    def __init__(self, status: int, delay: float) -> None:
+    def __init__(self, status: int, delay: float, *, together: int = 0, wait: float = 20) -> None:
         self.status = status
         self.delay = delay
+        self.together = together
+        self.wait = wait
         self._lock = threading.Lock()
+        self._all_came = threading.Condition(self._lock)
+        self._came = 0
         self._now = 0
         self._marked = False
         self.most = 0
@@ -77,10 +83,14 @@ class Overlap:
 
     def __call__(self, request: Received) -> Answer:
         with self._lock:
+            self._came += 1
             self._now += 1
             self.most = max(self.most, self._now)
             if self._marked:
                 self.most_since_mark = max(self.most_since_mark, self._now)
+            if self._came <= self.together:
+                self._all_came.notify_all()
+                self._all_came.wait_for(lambda: self._came >= self.together, self.wait)
         time.sleep(self.delay)
         with self._lock:
             self._now -= 1
@@ -89,6 +99,13 @@ class Overlap:
     def mark(self) -> None:
         with self._lock:
             self._marked = True
+
+    def mark_if_idle(self) -> bool:
+        """Mark, if no request is being answered: whether it did."""
+        with self._lock:
+            if self._now == 0:
+                self._marked = True
+            return self._marked
 
 
 @dataclass

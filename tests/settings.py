@@ -93,5 +93,11 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"django_federation_delivery": {"handlers": ["console"], "level": "WARNING"}},
+    "loggers": {
+        "django_federation_delivery": {
+            "handlers": ["console"],
+            # DEBUG in a subprocess deliverer whose test waits for its idle line.
+            "level": os.environ.get("FD_LOG_LEVEL", "WARNING"),
+        }
+    },
 }

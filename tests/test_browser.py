@@ -8,7 +8,6 @@ installs it.
 from __future__ import annotations
 
 import datetime as dt
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,8 +273,3 @@ def test_a_viewer_sees_but_is_refused_an_action(page: Page, live_server: Any) ->
     page.goto(f"{live_server.url}/admin/federation_delivery/delivery/{failed.pk}/change/")
     expect(page.locator("pre.fd-body")).to_be_visible()
     expect(page.locator("input[name=_save]")).to_have_count(0)
-
-
-def test_chromium_is_where_scripts_test_puts_it() -> None:
-    assert CHROMIUM is not None
-    assert os.access(CHROMIUM, os.X_OK)

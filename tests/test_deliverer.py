@@ -12,12 +12,13 @@ from typing import Any
 
 import httpsig
 import pytest
-from django.db import OperationalError
+from django.db import OperationalError, connection
+from django.db.backends.signals import connection_created
 from django.utils import timezone
 
 from django_federation_delivery import BatchOptions, queue, send, send_batch, signals
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
-from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.deliverer import RECYCLE_EVERY, Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.retry import LONGEST_WAIT
 
@@ -315,14 +316,15 @@ def test_a_key_store_that_fails_is_retried_not_refused(
     start_deliverer: Callable[..., RunningDeliverer],
     settings: Any,
 ) -> None:
-    fast_retries(settings)
+    fast_retries(settings, ATTEMPTS=1000)  # never given up while the test runs
     batch = send(BROKEN, NOTE, [inbox.url()])
     runner = start_deliverer()
-    # Until the first attempt's outcome is written, not only counted.
-    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).exclude(last_error="").exists())
+    # Until a retry's outcome is written, not only counted.
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=2).exclude(last_error="").exists())
     runner.stop()
     row = Delivery.objects.get(batch=batch)
-    assert row.status in (Status.PENDING, Status.FAILED)
+    assert row.status == Status.PENDING
+    assert inbox.received == [], "nothing is sent unsigned"
     assert "key could not be looked up" in row.last_error
     assert "away" not in row.last_error, "the key store's own message is not stored"
 
@@ -445,38 +447,103 @@ def test_a_drain_does_not_end_while_the_database_is_away(
     assert lines[-1] == "The database is back"
 
 
-def test_the_loop_closes_old_connections_as_a_request_would(
-    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from django_federation_delivery import deliverer as module
+LISTENING = "Listening for new deliveries"
 
-    calls: list[float] = []
-    real = module.close_old_connections
-    monkeypatch.setattr(
-        module, "close_old_connections", lambda: (calls.append(time.monotonic()), real())
-    )
-    batch = send(ALICE, NOTE, [inbox.url()])
-    Deliverer().run(drain=True)
-    assert status_of(batch) == [Status.DELIVERED]
-    assert calls, "CONN_MAX_AGE and CONN_HEALTH_CHECKS are honoured"
+
+def wait_until_idle(caplog: pytest.LogCaptureFixture) -> None:
+    """Until the loop sleeps with nothing to do, on PostgreSQL once LISTEN
+    is in place (getting there wakes it, once)."""
+    listens = connection.vendor == "postgresql"
+
+    def idle() -> bool:
+        messages = [record.getMessage() for record in list(caplog.records)]
+        if listens:
+            if LISTENING not in messages:
+                return False
+            messages = messages[messages.index(LISTENING) + 1 :]
+        return any(message.startswith("Nothing to do") for message in messages)
+
+    wait_until(idle, timeout=10)
 
 
 def test_a_send_wakes_an_idle_deliverer_in_the_same_process_at_once(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],
     settings: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
         "IDLE_POLL_SECONDS": 60,
         "NEW_WORK_POLL_SECONDS": 60,
     }
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
     runner = start_deliverer()
-    time.sleep(0.3)  # idle by now, for up to a minute
+    wait_until_idle(caplog)  # for up to a minute
     batch = send(ALICE, NOTE, [inbox.url()])
     wait_until(settled(batch), timeout=5)
     runner.stop()
     assert status_of(batch) == [Status.DELIVERED]
+
+
+def test_a_deliverer_on_postgresql_stops_at_once_when_idle(
+    start_deliverer: Callable[..., RunningDeliverer], caplog: pytest.LogCaptureFixture
+) -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("only PostgreSQL has a listener to stop")
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
+    runner = start_deliverer()
+    wait_until_idle(caplog)  # the listener waits on its connection by now
+    started = time.monotonic()
+    runner.stop()
+    took = time.monotonic() - started
+    assert took < 0.5, f"stopped after {took:.2f} s: not at once"
+
+
+def test_a_connection_lost_while_idle_is_replaced_before_the_next_send(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "IDLE_POLL_SECONDS": 60,
+        "NEW_WORK_POLL_SECONDS": 60,
+    }
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
+    opened: list[tuple[int, Any]] = []
+
+    def note(sender: Any, connection: Any, **kwargs: Any) -> None:
+        opened.append((threading.get_ident(), connection))
+
+    connection_created.connect(note, weak=False)
+    try:
+        runner = start_deliverer()
+        wait_until_idle(caplog)
+    finally:
+        connection_created.disconnect(note)
+    theirs = [wrapper for ident, wrapper in opened if ident == runner.thread.ident][-1]
+    if connection.vendor == "postgresql":
+        pid = theirs.connection.info.backend_pid
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+        def gone() -> bool:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+                return cursor.fetchone() == (0,)
+
+        wait_until(gone)
+    else:
+        theirs.connection.close()
+    time.sleep(RECYCLE_EVERY)  # the next round recycles its connections
+    batch = send(ALICE, NOTE, [inbox.url()])
+    wait_until(settled(batch), timeout=10)
+    runner.stop()
+    assert status_of(batch) == [Status.DELIVERED]
+    unavailable = [m for m in caplog.messages if "database is unavailable" in m]
+    assert not unavailable, "replaced before use, not found broken"
 
 
 def test_signals_are_sent_before_the_row_leaves_the_queue(

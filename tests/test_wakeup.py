@@ -1,0 +1,56 @@
+"""Waking an idle deliverer: PostgreSQL's LISTEN/NOTIFY, through a connection of its own."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+from django.db import connection
+
+from django_federation_delivery import wakeup
+from django_federation_delivery.queue import NOTIFY_CHANNEL
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def listener(caplog: pytest.LogCaptureFixture) -> wakeup.PostgresListener:
+    if not wakeup.PostgresListener.available():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's (with psycopg 3)")
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
+    woken = threading.Event()
+    listener = wakeup.PostgresListener(woken)
+    listener.start()
+    wait_until(lambda: "Listening for new deliveries" in caplog.messages, timeout=10)
+    assert woken.is_set(), "what was queued while it connected is looked for"
+    woken.clear()
+    return listener
+
+
+def test_a_notification_from_another_connection_wakes_the_listener(
+    listener: wakeup.PostgresListener,
+) -> None:
+    try:
+        time.sleep(0.2)
+        assert not listener.event.is_set()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
+        assert listener.event.wait(5), "not woken by the notification"
+        listener.event.clear()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
+        assert listener.event.wait(5), "not woken by a second one"
+    finally:
+        listener.stop()
+
+
+def test_a_waiting_listener_stops_at_once(listener: wakeup.PostgresListener) -> None:
+    started = time.monotonic()
+    listener.stop()
+    took = time.monotonic() - started
+    assert took < 0.5, f"stopped after {took:.2f} s: not at once"
+    assert listener._thread is not None and not listener._thread.is_alive()
