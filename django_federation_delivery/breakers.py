@@ -113,9 +113,25 @@ def breaker_rows(*, forget_after: float, using: str | None = None) -> list[Break
     ``forget_after`` seconds. The table holds what is failing now: small."""
     manager = Breaker.objects.using(using or DEFAULT_DB_ALIAS)
     stale = timezone.now() - dt.timedelta(seconds=forget_after)
+    rows = list(manager.all())
+    # Read first, deleted only when something is stale: a delete is a write,
+    # and on SQLite every write waits its turn for the lock behind the web
+    # processes' sends, once a second for nothing when no host is failing.
+    if not any(_forgettable(row, stale) for row in rows):
+        return rows
     manager.filter(open_until__isnull=True, updated_at__lt=stale).delete()
     manager.filter(open_until__lt=stale, updated_at__lt=stale, probe_until__isnull=True).delete()
     return list(manager.all())
+
+
+def _forgettable(row: Breaker, stale: dt.datetime) -> bool:
+    """What ``breaker_rows`` deletes: closed and untouched, or open long ago
+    with no probe under way, and untouched."""
+    if row.updated_at >= stale:
+        return False
+    if row.open_until is None:
+        return True
+    return row.open_until < stale and row.probe_until is None
 
 
 def record_failures(

@@ -142,6 +142,27 @@ class TestTheDatabaseSide:
         Breaker.objects.update(updated_at=timezone.now() - dt.timedelta(hours=1))
         assert breakers.breaker_rows(forget_after=600) == []
 
+    def test_reading_the_rows_writes_nothing_while_none_is_stale(
+        self, django_assert_num_queries: Any
+    ) -> None:
+        self.fail(self.breakers())
+        Breaker.objects.create(
+            key="probed.example",
+            failures=10,
+            open_until=timezone.now() - dt.timedelta(hours=1),
+            probe_until=timezone.now() + dt.timedelta(seconds=30),
+            updated_at=timezone.now() - dt.timedelta(hours=1),
+        )
+        with django_assert_num_queries(1):  # one SELECT: no DELETE, no lock taken
+            rows = breakers.breaker_rows(forget_after=600)
+        assert sorted(row.key for row in rows) == ["a.example", "probed.example"]
+
+    def test_an_empty_table_is_read_with_one_statement(
+        self, django_assert_num_queries: Any
+    ) -> None:
+        with django_assert_num_queries(1):
+            assert breakers.breaker_rows(forget_after=600) == []
+
 
 @pytest.mark.django_db(transaction=True)
 def test_a_failing_host_is_held_after_the_threshold_and_probed_after_the_cool_off(
