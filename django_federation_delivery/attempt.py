@@ -95,9 +95,9 @@ def attempt(
     if job.lease_deadline is not None:
         deadline = min(deadline, job.lease_deadline)
     if job.key_error:
-        return _failed(job, job.key_error, permanent=False, requests=0)
+        return failed(job, job.key_error, permanent=False, requests=0)
     if job.key is None:
-        return _failed(job, f"no key for sender {job.sender}", permanent=True, requests=0)
+        return failed(job, f"no key for sender {job.sender}", permanent=True, requests=0)
     last: AttemptResult | None = None
     requests = 0
     for target in job.targets:
@@ -159,7 +159,7 @@ def _post(
         url = urls.split(target).url
     except urls.UnusableURL as exc:
         error = f"cannot deliver to '{exc.redacted}': it {exc.reason}"
-        return _failed(job, error[:error_length], permanent=True, requests=0)
+        return failed(job, error[:error_length], permanent=True, requests=0)
     try:
         headers = sign_request(
             scheme,
@@ -169,11 +169,11 @@ def _post(
             extra_headers=job.extra_headers,
         )
     except SigningError as exc:
-        return _failed(job, str(exc)[:error_length], permanent=True)
+        return failed(job, str(exc)[:error_length], permanent=True)
     try:
         answer = transport.post(url, job.body, headers, deadline=deadline)
     except TransportError as exc:
-        return _failed(job, str(exc)[:error_length], permanent=exc.permanent)
+        return failed(job, str(exc)[:error_length], permanent=exc.permanent)
     delivered = 200 <= answer.status < 300
     return AttemptResult(
         job=job,
@@ -190,7 +190,7 @@ def _post(
 def held(job: Job, error: str, retry_after: float) -> AttemptResult:
     """A delivery held back, without a request, by an open circuit breaker."""
     return dataclasses.replace(
-        _failed(job, error, permanent=False, requests=0), retry_after=retry_after, held=True
+        failed(job, error, permanent=False, requests=0), retry_after=retry_after, held=True
     )
 
 
@@ -204,16 +204,16 @@ def lapsed(job: Job) -> AttemptResult:
     # replaced, so the write changes nothing there; otherwise the retry policy
     # brings it round again.
     error = "not sent: its lease ran out before a worker was free"
-    return dataclasses.replace(_failed(job, error, permanent=False, requests=0), held=True)
+    return dataclasses.replace(failed(job, error, permanent=False, requests=0), held=True)
 
 
 def crashed(job: Job, error: str) -> AttemptResult:
     """An attempt that raised (a bug, not the inbox's doing): a passing
     failure, tried again by the retry policy."""
-    return _failed(job, error, permanent=False)
+    return failed(job, error, permanent=False)
 
 
-def _failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> AttemptResult:
+def failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> AttemptResult:
     """An attempt that got no answer from the inbox."""
     return AttemptResult(
         job=job,

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from django_federation_delivery.attempt import AttemptResult, Job
+from django_federation_delivery.attempt import AttemptResult, Job, failed
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.transport import Answer, Transport, TransportSettings
 from django_federation_delivery.transport.failures import check_url
@@ -62,7 +62,7 @@ def attempt_webhook(
     assert call is not None, "a webhook job carries its call"
     started = clock()
     if call.problem or call.destination is None or call.event is None:
-        return _result(job, call.problem, permanent=call.permanent, requests=0)
+        return failed(job, call.problem, permanent=call.permanent, requests=0)
     destination = call.destination
     try:
         request = build_request(destination, call.event)
@@ -75,14 +75,14 @@ def attempt_webhook(
             type(exc).__name__,
         )
         error = f"the event could not be written for {destination.name}: {type(exc).__name__}"
-        return _result(job, error, permanent=False, requests=0)
+        return failed(job, error, permanent=False, requests=0)
     headers = {"Accept": ACCEPT, **request.headers}
     try:
         with _redacting(destination):
             answer = transport.post(request.url, request.body, headers)
     except TransportError as exc:
         error = safe_text(destination, request.url, str(exc))[: policy.message_length]
-        result = _result(job, error, permanent=False)
+        result = failed(job, error, permanent=False)
     else:
         result = _judged(job, answer, destination, policy)
     return dataclasses.replace(result, duration=clock() - started)
@@ -94,7 +94,7 @@ def _judged(
     delivered = 200 <= answer.status < 300
     if delivered:
         return dataclasses.replace(
-            _result(job, "", permanent=False), delivered=True, status=answer.status
+            failed(job, "", permanent=False), delivered=True, status=answer.status
         )
     # The whole of what was read is redacted before any of it is cut: a cut
     # secret would no longer be recognised.
@@ -123,20 +123,6 @@ def _retry_after_seconds(value: str | None) -> float | None:
     if not (value.isdigit() and value.isascii()) or len(value) > 12:
         return None
     return float(int(value))
-
-
-def _result(job: Job, error: str, *, permanent: bool, requests: int = 1) -> AttemptResult:
-    return AttemptResult(
-        job=job,
-        delivered=False,
-        status=None,
-        error=error,
-        permanent=permanent,
-        retry_after=None,
-        accepted_scheme=None,
-        duration=0.0,
-        requests=requests,
-    )
 
 
 def safe_text(destination: Destination, url: str, text: str) -> str:
