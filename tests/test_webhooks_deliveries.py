@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import socket
@@ -317,7 +318,30 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
     settings: Any,
     caught: list[tuple[str, Any]],
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    real_getaddrinfo = socket.getaddrinfo
+
+    def no_such_host(host: Any, *args: Any, **kwargs: Any) -> Any:
+        # A name that does not resolve, answered here: no query leaves the machine.
+        if host == "hooks.nowhere.invalid":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
+    plain = socket.create_server(("127.0.0.1", 0))
+    plain.settimeout(30)
+
+    def answer_in_plain_text() -> None:
+        # What a TLS client meets at a port that does not speak TLS.
+        with plain, contextlib.suppress(OSError):
+            while True:
+                peer, _ = plain.accept()
+                with peer:
+                    peer.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=answer_in_plain_text, daemon=True).start()
+
     def echo(status: int) -> Callable[[Received], tuple[int, dict[str, str], bytes]]:
         def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
             url = f"http://{request.host}{request.path}"
@@ -336,6 +360,9 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
         "echo4xx": f"discord+http://127.0.0.1:{echo404.port}/api/webhooks/998877/eTOKEN3",
         "echo5xx": f"telegram://{bot}@-1001?api=http://127.0.0.1:{echo500.port}",
         "private": f"http://127.0.0.9:{echo404.port}/hook?secret={SECRET}",
+        # TLS to a server that speaks plain HTTP: the handshake fails.
+        "tls": f"slack://127.0.0.1:{plain.getsockname()[1]}/services/T0SECRETE/B0SECRETF/tTOKEN4",
+        "dns": "slack://hooks.nowhere.invalid/services/T0SECRETG/B0SECRETH/dTOKEN5",
     }
     secrets = [
         "T0SECRET",
@@ -343,6 +370,8 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
         "TOKEN1",
         "TOKEN2",
         "TOKEN3",
+        "TOKEN4",
+        "TOKEN5",
         "998877",
         "ABCsecretBotToken",
         "123456",
@@ -371,6 +400,8 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
         "gave up after 9 attempts: the receiver answered 500: no hook at [redacted]"
     )
     assert "not a public address" in errors["webhook:private"]
+    assert "TLS" in errors["webhook:tls"], errors["webhook:tls"]
+    assert "resolve" in errors["webhook:dns"], errors["webhook:dns"]
     status = StringIO()
     call_command("delivery_status", stdout=status)
     places = {
