@@ -340,6 +340,13 @@ def test_the_command_refuses_a_round_that_would_not_fit() -> None:
         call_command("delivery_schedule", "--round-seconds=40")
 
 
+@pytest.mark.parametrize("remove", [False, True])
+def test_without_django_q_installed_the_command_says_to_add_it(settings: Any, remove: bool) -> None:
+    settings.INSTALLED_APPS = [app for app in settings.INSTALLED_APPS if app != "django_q"]
+    with pytest.raises(CommandError, match='"django_q" in INSTALLED_APPS'):
+        call_command("delivery_schedule", *(["--remove"] if remove else []))
+
+
 def test_without_django_q2_the_import_says_which_extra_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -278,14 +278,7 @@ def ensure_schedules(
     purge every hour. Safe to run again: gives each schedule's name and
     "created", "updated" or "unchanged". ``model`` is the Schedule model to
     use, ``apps.get_model("django_q", "Schedule")`` in a data migration."""
-    if model is None:
-        if not apps.is_installed("django_q"):
-            raise ImproperlyConfigured(
-                'django-q2 schedules need "django_q" in INSTALLED_APPS (and its migrations run).'
-            )
-        from django_q.models import Schedule
-
-        model = Schedule
+    model = model or _schedule_model()
     round_seconds(seconds)  # a round that cannot fit is refused now, not every minute
     wanted: dict[str, dict[str, Any]] = {
         ROUND_SCHEDULE: {
@@ -322,9 +315,16 @@ def ensure_schedules(
 
 def remove_schedules(*, model: Any = None) -> int:
     """Delete the schedules :func:`ensure_schedules` writes; gives how many."""
-    if model is None:
-        from django_q.models import Schedule
-
-        model = Schedule
+    model = model or _schedule_model()
     deleted, _ = model.objects.filter(name__in=[ROUND_SCHEDULE, PURGE_SCHEDULE]).delete()
     return int(deleted)
+
+
+def _schedule_model() -> Any:
+    if not apps.is_installed("django_q"):
+        raise ImproperlyConfigured(
+            'django-q2 schedules need "django_q" in INSTALLED_APPS (and its migrations run).'
+        )
+    from django_q.models import Schedule
+
+    return Schedule

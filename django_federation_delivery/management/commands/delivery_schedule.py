@@ -33,7 +33,10 @@ class Command(BaseCommand):
         except ImportError as exc:
             raise CommandError(str(exc)) from exc
         if options["remove"]:
-            deleted = django_q.remove_schedules()
+            try:
+                deleted = django_q.remove_schedules()
+            except ImproperlyConfigured as exc:
+                raise CommandError(str(exc)) from exc
             self.stdout.write(f"Deleted {deleted} schedule(s).")
             return
         seconds = None
