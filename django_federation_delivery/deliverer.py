@@ -154,9 +154,13 @@ class Deliverer:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
-    def run(self, *, drain: bool = False) -> Summary:
+    def run(self, *, drain: bool = False, stop_after: float | None = None) -> Summary:
         """Claim and send until :meth:`stop` (or, with ``drain``, until
-        nothing is due and nothing is in flight). Returns what it did."""
+        nothing is due and nothing is in flight). With ``stop_after``, stop
+        as :meth:`stop` does that many seconds after the start: what is in
+        flight then is finished before it returns. Returns what it did."""
+        if stop_after is not None and not stop_after > 0:
+            raise ValueError(f"stop_after must be a positive number of seconds, not {stop_after!r}")
         wakeup.register(self._wake)
         listener = None
         if wakeup.PostgresListener.available(self.using) and not drain:
@@ -165,6 +169,13 @@ class Deliverer:
         self.summary.started = time.monotonic()
         self.workers.grow_to(self.concurrency)
         next_progress = time.monotonic() + self.progress_interval
+        timer = None
+        if stop_after is not None:
+            # The stop an operator's signal makes, from a timer: it ends the
+            # loop's every wait, so that none outlasts the bound.
+            timer = threading.Timer(stop_after, self.stop)
+            timer.daemon = True
+            timer.start()
         try:
             self._db(self.webhooks.give_up_removed)
             while True:
@@ -203,6 +214,8 @@ class Deliverer:
                 else:
                     self._idle(listening=listener is not None)
         finally:
+            if timer is not None:
+                timer.cancel()
             self.summary.stopped = time.monotonic()
             self.workers.stop()
             if listener is not None:

@@ -31,7 +31,23 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_federation_delivery",
+    # contrib.django_q: its tests run rounds in a real qcluster.
+    "django_q",
 ]
+
+# The cluster of contrib.django_q's tests: the ORM broker on the test
+# database, a timeout that leaves a round room, and a retry past it.
+Q_CLUSTER = {
+    "name": "federation-delivery-tests",
+    "orm": "default",
+    "workers": 2,
+    "timeout": 60,
+    "retry": 90,
+    "poll": 0.2,
+    "catch_up": False,
+    "save_limit": 100,
+    "log_level": "WARNING",
+}
 
 # The admin's CSS, served by the live server of the browser tests.
 STATIC_URL = "static/"

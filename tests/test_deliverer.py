@@ -643,3 +643,48 @@ def test_a_batch_deleted_between_claim_and_read_is_dropped_and_the_loop_goes_on(
     assert sorted(inbox.paths()) == ["/after", "/kept"]
     assert not Delivery.objects.filter(batch_id=doomed.pk).exists()
     assert f"Batch(es) {doomed.pk} were deleted" in caplog.text
+
+
+def test_a_run_with_stop_after_stops_claiming_then_and_finishes_what_is_in_flight(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    slow = inboxes(delay=2.0)
+    first = send(ALICE, NOTE, [slow.url("/first")])
+    deliverer = Deliverer()
+    later: list[Batch] = []
+
+    def send_once_stopping() -> None:
+        wait_until(lambda: deliverer.stopping, timeout=10)
+        later.append(send(ALICE, NOTE, [slow.url("/second")]))
+
+    thread = threading.Thread(target=send_once_stopping)
+    thread.start()
+    started = time.monotonic()
+    summary = deliverer.run(stop_after=0.5)
+    took = time.monotonic() - started
+    thread.join(10)
+    assert took >= 2.0, f"returned after {took:.1f} s, before what was in flight was done"
+    assert took < 8, f"returned after {took:.1f} s"
+    assert summary.delivered == 1
+    assert status_of(first) == [Status.DELIVERED]
+    assert slow.paths() == ["/first"], "nothing was claimed once stopping"
+    waiting = Delivery.objects.get(batch=later[0])
+    assert (waiting.status, waiting.attempts) == (Status.PENDING, 0)
+
+
+def test_an_idle_run_with_stop_after_returns_then_not_at_the_idle_poll(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "IDLE_POLL_SECONDS": 60,
+        "NEW_WORK_POLL_SECONDS": 60,
+    }
+    started = time.monotonic()
+    Deliverer().run(stop_after=0.3)
+    took = time.monotonic() - started
+    assert 0.3 <= took < 3, f"returned after {took:.1f} s"
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan")])
+def test_a_stop_after_that_is_not_a_positive_number_is_refused_naming_it(value: float) -> None:
+    with pytest.raises(ValueError, match=f"not {value!r}"):
+        Deliverer().run(stop_after=value)

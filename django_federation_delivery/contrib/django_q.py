@@ -1,0 +1,330 @@
+"""Rounds of the deliverer, and the purge, run by a django-q2 cluster.
+
+A project that already runs ``qcluster`` needs no ``run_deliverer`` beside
+it: a schedule runs :func:`deliver_round` every minute, each round the same
+claim-and-send loop for a bounded time, and :func:`purge_task` every hour.
+:func:`ensure_schedules` (or ``manage.py delivery_schedule``) writes the two
+``Schedule`` rows.
+
+A round must be over before the cluster gives up on it: django-q2 kills a
+worker past ``Q_CLUSTER["timeout"]`` and, with the ORM broker among others,
+hands a task not acknowledged within ``retry`` to another worker. So a round
+claims for its bound only, then finishes what is in flight (an attempt lasts
+at most ``ATTEMPT_TIMEOUT``) before it returns, and a bound that would not
+fit is refused, naming the settings. Nothing is lost if it is killed all the
+same: what it had claimed comes due again when its lease lapses.
+
+Two rounds never run at once (a round still going when the next minute
+comes, two clusters, a task handed on past ``retry``): a round takes a lock
+first, and returns at once if another holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+try:
+    import django_q  # noqa: F401
+except ImportError as exc:
+    raise ImportError(
+        "django_federation_delivery.contrib.django_q needs django-q2: "
+        'pip install "django-federation-delivery[django-q]"'
+    ) from exc
+
+from django.apps import apps
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from django_federation_delivery.checks import check_settings
+from django_federation_delivery.conf import app_settings
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.retention import purge_by_setting
+
+logger = logging.getLogger(__name__)
+
+#: A round's bound when none is given, if the cluster's limits leave room.
+ROUND_SECONDS = 50.0
+#: Beyond the longest attempt, what finishing a round takes: writing the
+#: outcomes, ending the threads.
+FINISH_MARGIN = 5.0
+#: What a purge leaves of the cluster's limit for its last chunk.
+PURGE_MARGIN = 10.0
+#: django-q2's ``retry`` when Q_CLUSTER does not set one.
+DJANGO_Q_RETRY = 60
+
+ROUND_TASK = f"{__name__}.deliver_round"
+PURGE_TASK = f"{__name__}.purge_task"
+ROUND_SCHEDULE = "django_federation_delivery: deliver round"
+PURGE_SCHEDULE = "django_federation_delivery: purge"
+ANOTHER_ROUND = "another round is running"
+
+#: The PostgreSQL advisory lock a round holds: a fixed 64-bit key from a name.
+ADVISORY_KEY = int.from_bytes(
+    hashlib.sha256(b"django_federation_delivery.contrib.django_q.round").digest()[:8],
+    "big",
+    signed=True,
+)
+#: Beside an SQLite database, the file whose lock a round holds.
+LOCK_SUFFIX = "-delivery-round.lock"
+
+
+def cluster_limit() -> float | None:
+    """The seconds a task may take under ``Q_CLUSTER``: its ``timeout``, and
+    ``retry`` (django-q2's default 60 when unset), whichever is shorter.
+    None: no limit (no timeout, and a retry of 0)."""
+    conf = getattr(settings, "Q_CLUSTER", None) or {}
+    if not isinstance(conf, dict):
+        raise ImproperlyConfigured(f"Q_CLUSTER must be a dict, not {type(conf).__name__}.")
+    limits = []
+    for name, default in (("timeout", None), ("retry", DJANGO_Q_RETRY)):
+        value = conf.get(name, default)
+        if value is None or (name == "timeout" and value == -1) or (name == "retry" and not value):
+            continue  # no timeout; a retry of 0 is never handed on
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ImproperlyConfigured(
+                f"Q_CLUSTER[{name!r}] must be a positive number of seconds, not {value!r}."
+            )
+        limits.append(float(value))
+    return min(limits) if limits else None
+
+
+def finish_seconds() -> float:
+    """The longest a round takes to finish what is in flight once it stops
+    claiming: the longest attempt, and a margin to write what came of it."""
+    longest = max(
+        float(app_settings.get("ATTEMPT_TIMEOUT")), float(app_settings.get("WEBHOOK_TIMEOUT"))
+    )
+    return longest + FINISH_MARGIN
+
+
+def round_seconds(seconds: float | None = None) -> float:
+    """The bound of a round: ``seconds``, or ROUND_SECONDS made shorter if
+    the cluster's limit needs it. A bound that, with the time to finish what
+    is in flight, would not fit in the cluster's limit is refused, naming
+    the settings to change."""
+    limit = cluster_limit()
+    finish = finish_seconds()
+    if seconds is None:
+        seconds = ROUND_SECONDS if limit is None else min(ROUND_SECONDS, limit - finish)
+        if seconds < 1:
+            raise ImproperlyConfigured(
+                f"Q_CLUSTER's timeout and retry allow a task {limit:g} s, and a round needs "
+                f"{finish:g} s to finish what is in flight (ATTEMPT_TIMEOUT or WEBHOOK_TIMEOUT, "
+                f"and {FINISH_MARGIN:g} s) beyond the time it claims: set Q_CLUSTER's timeout "
+                f"to at least {finish + ROUND_SECONDS:g} and retry above it."
+            )
+        return seconds
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
+        raise ValueError(f"a round's seconds must be a positive number, not {seconds!r}")
+    if limit is not None and seconds + finish > limit:
+        raise ImproperlyConfigured(
+            f"A round of {seconds:g} s, and {finish:g} s to finish what is in flight "
+            f"(ATTEMPT_TIMEOUT or WEBHOOK_TIMEOUT, and {FINISH_MARGIN:g} s), do not fit in the "
+            f"{limit:g} s Q_CLUSTER's timeout and retry allow a task: make the round at most "
+            f"{max(limit - finish, 0):g} s, or Q_CLUSTER's timeout at least "
+            f"{seconds + finish:g} and retry above it."
+        )
+    return float(seconds)
+
+
+@contextlib.contextmanager
+def round_lock(using: str = DEFAULT_DB_ALIAS) -> Iterator[bool]:
+    """Held by one round at a time, across processes and machines; gives
+    whether this one holds it. Released when the round ends, or at once
+    when its process dies (killed by the cluster, say): nothing to expire.
+
+    PostgreSQL: a session advisory lock, on a connection of its own (the
+    loop closes and reopens its connections as it goes). SQLite: a lock on
+    a file beside the database, which only processes of one machine share,
+    as they share the database itself.
+    """
+    connection = connections[using]
+    if connection.vendor == "postgresql":
+        with _advisory_lock(using) as held:
+            yield held
+    elif connection.vendor == "sqlite":
+        with _file_lock(connection.settings_dict["NAME"]) as held:
+            yield held
+    else:
+        raise ImproperlyConfigured(
+            f"Rounds run by django-q2 need PostgreSQL or SQLite, not {connection.vendor} "
+            f"(database {using!r})."
+        )
+
+
+@contextlib.contextmanager
+def _advisory_lock(using: str) -> Iterator[bool]:
+    connection = connections.create_connection(using)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_lock(%s)", [ADVISORY_KEY])
+            held = bool(cursor.fetchone()[0])
+        try:
+            yield held
+        finally:
+            if held:
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_advisory_unlock(%s)", [ADVISORY_KEY])
+    finally:
+        # Closing the session releases the lock too, should the unlock fail.
+        connection.close()
+
+
+@contextlib.contextmanager
+def _file_lock(name: Any) -> Iterator[bool]:
+    path = str(name)
+    if not path or path == ":memory:" or "mode=memory" in path:
+        raise ImproperlyConfigured(
+            "Rounds run by django-q2 need an SQLite database in a file, which the cluster's "
+            "processes share, not one in memory."
+        )
+    try:
+        import fcntl
+    except ImportError:
+        raise ImproperlyConfigured(
+            "Rounds run by django-q2 on SQLite need fcntl (Linux, macOS, BSD)."
+        ) from None
+    lock_path = Path(path.removeprefix("file:").split("?")[0] + LOCK_SUFFIX)
+    # flock, not fcntl's record locks: it is held by the open file, so two
+    # rounds in one process exclude each other too, and SQLite's own record
+    # locks on the database are left alone.
+    with open(lock_path, "a+b") as file:
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+
+
+def deliver_round(seconds: float | None = None, *, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
+    """A task: claim and send for ``seconds`` (see :func:`round_seconds`),
+    then finish what is in flight and return what was done. Returns at once,
+    saying so, when another round is running."""
+    problems = [message for message in check_settings() if message.is_serious()]
+    if problems:
+        raise ImproperlyConfigured(
+            "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
+        )
+    bound = round_seconds(seconds)
+    with round_lock(using) as held:
+        if not held:
+            logger.info("A round was not started: %s", ANOTHER_ROUND)
+            return {"ran": False, "reason": ANOTHER_ROUND}
+        summary = Deliverer(using=using).run(stop_after=bound)
+    logger.info("Round: %s", summary.line())
+    return {
+        "ran": True,
+        "delivered": summary.delivered,
+        "retrying": summary.retrying,
+        "refused": summary.refused,
+        "failed": summary.failed,
+        "skipped": summary.skipped,
+        "held": summary.held,
+        "attempts": summary.attempts,
+        "seconds": round(summary.elapsed, 1),
+    }
+
+
+def purge_task(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
+    """A task: :func:`retention.purge_by_setting`, a chunk at a time, stopped
+    between chunks in time to return before the cluster's limit (the next
+    purge goes on where it stopped). Returns what it deleted."""
+    limit = cluster_limit()
+    deadline = None if limit is None else time.monotonic() + max(limit - PURGE_MARGIN, 1.0)
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.monotonic() >= deadline
+
+    sqlite = connections[using].vendor == "sqlite"
+    # On SQLite the pause leaves the one write lock to a round between chunks.
+    purged = purge_by_setting(using=using, pause=0.05 if sqlite else 0.0, should_stop=out_of_time)
+    logger.info("Purge: %s", purged.line())
+    return {
+        "deliveries": dict(purged.deliveries),
+        "batches": purged.batches,
+        "hosts": purged.hosts,
+        "seconds": round(purged.seconds, 1),
+        "finished": not out_of_time(),
+    }
+
+
+def ensure_schedules(
+    *, seconds: float | None = None, model: Any = None, purge: bool = True
+) -> dict[str, str]:
+    """Create, or bring up to date, the ``Schedule`` rows: a round every
+    minute (of ``seconds``, or the default bound) and, with ``purge``, the
+    purge every hour. Safe to run again: gives each schedule's name and
+    "created", "updated" or "unchanged". ``model`` is the Schedule model to
+    use, ``apps.get_model("django_q", "Schedule")`` in a data migration."""
+    model = model or _schedule_model()
+    round_seconds(seconds)  # a round that cannot fit is refused now, not every minute
+    wanted: dict[str, dict[str, Any]] = {
+        ROUND_SCHEDULE: {
+            "func": ROUND_TASK,
+            "schedule_type": "I",  # Schedule.MINUTES
+            "minutes": 1,
+            # As django-q2 reads them: a dict's literal.
+            "kwargs": "" if seconds is None else repr({"seconds": float(seconds)}),
+        },
+        PURGE_SCHEDULE: {"func": PURGE_TASK, "schedule_type": "H"},  # Schedule.HOURLY
+    }
+    if not purge:
+        del wanted[PURGE_SCHEDULE]
+    done: dict[str, str] = {}
+    for name, fields in wanted.items():
+        fields = {"args": "", "kwargs": "", "minutes": None, "repeats": -1, **fields}
+        rows = list(model.objects.filter(name=name).order_by("pk"))
+        if not rows:
+            model.objects.create(name=name, **fields)
+            done[name] = "created"
+            continue
+        schedule, extra = rows[0], rows[1:]
+        for row in extra:
+            row.delete()
+        changed = [field for field, value in fields.items() if getattr(schedule, field) != value]
+        for field in changed:
+            setattr(schedule, field, fields[field])
+        if changed:
+            # The next run is kept: the schedule goes on where it was.
+            schedule.save(update_fields=changed)
+        done[name] = "updated" if changed or extra else "unchanged"
+    return done
+
+
+def remove_schedules(*, model: Any = None) -> int:
+    """Delete the schedules :func:`ensure_schedules` writes; gives how many."""
+    model = model or _schedule_model()
+    deleted, _ = model.objects.filter(name__in=[ROUND_SCHEDULE, PURGE_SCHEDULE]).delete()
+    return int(deleted)
+
+
+def _schedule_model() -> Any:
+    if not apps.is_installed("django_q"):
+        raise ImproperlyConfigured(
+            'django-q2 schedules need "django_q" in INSTALLED_APPS (and its migrations run).'
+        )
+    from django_q.models import Schedule
+
+    return Schedule

@@ -1,0 +1,66 @@
+"""``manage.py delivery_schedule``: the django-q2 schedules of contrib.django_q."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+
+class Command(BaseCommand):
+    help = (
+        "Create or bring up to date the django-q2 schedules that deliver from a "
+        "qcluster instead of run_deliverer: a round of the deliverer every minute "
+        "and a purge every hour. Safe to run again. Needs the 'django-q' extra."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--round-seconds",
+            default=None,
+            help="How long each round claims and sends before it finishes what is in "
+            "flight (default: 50, or less if Q_CLUSTER's timeout and retry need it).",
+        )
+        parser.add_argument(
+            "--no-purge", action="store_true", help="Schedule the rounds only, not the purge."
+        )
+        parser.add_argument("--remove", action="store_true", help="Delete both schedules instead.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            from django_federation_delivery.contrib import django_q
+        except ImportError as exc:
+            raise CommandError(str(exc)) from exc
+        if options["remove"]:
+            try:
+                deleted = django_q.remove_schedules()
+            except ImproperlyConfigured as exc:
+                raise CommandError(str(exc)) from exc
+            self.stdout.write(f"Deleted {deleted} schedule(s).")
+            return
+        seconds = None
+        if options["round_seconds"] is not None:
+            value = options["round_seconds"]
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = 0.0
+            if not 0 < seconds < float("inf"):
+                raise CommandError(
+                    f"--round-seconds expects a positive number of seconds, not {value!r}"
+                )
+        try:
+            done = django_q.ensure_schedules(seconds=seconds, purge=not options["no_purge"])
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
+        bound = django_q.round_seconds(seconds)
+        for name, what in done.items():
+            self.stdout.write(f"{name}: {what}")
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"A round of {bound:g} s every minute"
+                + ("" if options["no_purge"] else ", a purge every hour")
+                + ": run qcluster to start them."
+            )
+        )

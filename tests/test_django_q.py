@@ -1,0 +1,479 @@
+"""contrib.django_q: rounds of the deliverer and the purge as django-q2 tasks,
+in-process and in a real ``qcluster`` (its ORM broker, the test database);
+and ``manage.py delivery_schedule``, which writes their schedules."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime as dt
+import importlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import CommandError, call_command
+from django.db import connection
+from django.utils import timezone
+from django_q.models import Schedule, Task
+from django_q.tasks import async_task
+
+from django_federation_delivery import contrib, send
+from django_federation_delivery.contrib import django_q
+from django_federation_delivery.contrib.django_q import (
+    ANOTHER_ROUND,
+    PURGE_SCHEDULE,
+    PURGE_TASK,
+    ROUND_SCHEDULE,
+    ROUND_TASK,
+    cluster_limit,
+    deliver_round,
+    ensure_schedules,
+    purge_task,
+    round_lock,
+    round_seconds,
+)
+from django_federation_delivery.models import Delivery, Status
+
+from .conftest import MANAGE, Inbox, subprocess_env, wait_until
+from .keys import ALICE
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NOTE = {"type": "Create", "actor": ALICE}
+
+
+def cluster(settings: Any, **conf: Any) -> None:
+    settings.Q_CLUSTER = {"orm": "default", **conf}
+
+
+def statuses() -> collections.Counter[str]:
+    return collections.Counter(Delivery.objects.values_list("status", flat=True))
+
+
+# The cluster's limits, and the bound of a round.
+
+
+def test_the_limit_is_the_shorter_of_timeout_and_retry(settings: Any) -> None:
+    cluster(settings, timeout=90, retry=120)
+    assert cluster_limit() == 90
+    cluster(settings, timeout=300, retry=120)
+    assert cluster_limit() == 120
+
+
+def test_without_a_timeout_the_limit_is_retry_or_its_default_of_60_s(settings: Any) -> None:
+    cluster(settings, retry=200)
+    assert cluster_limit() == 200
+    cluster(settings, timeout=-1)
+    assert cluster_limit() == 60
+    cluster(settings, timeout=None, retry=0)
+    assert cluster_limit() is None
+
+
+@pytest.mark.parametrize(("name", "value"), [("timeout", "90"), ("retry", -5), ("timeout", True)])
+def test_a_limit_that_is_not_a_positive_number_is_refused_naming_it(
+    settings: Any, name: str, value: Any
+) -> None:
+    cluster(settings, **{name: value})
+    with pytest.raises(ImproperlyConfigured, match=rf"Q_CLUSTER\['{name}'\].*not {value!r}"):
+        cluster_limit()
+
+
+def test_the_default_round_is_50_s_when_the_cluster_leaves_room(settings: Any) -> None:
+    cluster(settings, timeout=90, retry=120)
+    assert round_seconds() == 50
+
+
+def test_the_default_round_is_shortened_to_leave_time_to_finish_what_is_in_flight(
+    settings: Any,
+) -> None:
+    # The defaults: 60 s of retry; 30 s of ATTEMPT_TIMEOUT and 5 s to write.
+    cluster(settings)
+    assert round_seconds() == 60 - 30 - 5
+
+
+def test_a_round_that_would_not_fit_in_the_cluster_is_refused_saying_what_would(
+    settings: Any,
+) -> None:
+    cluster(settings, timeout=60, retry=90)
+    with pytest.raises(ImproperlyConfigured) as raised:
+        round_seconds(50)
+    message = str(raised.value)
+    assert "A round of 50 s, and 35 s to finish" in message
+    assert "at most 25 s" in message
+    assert "timeout at least 85" in message
+    assert round_seconds(25) == 25
+
+
+def test_a_cluster_that_leaves_no_room_for_a_round_is_refused(settings: Any) -> None:
+    cluster(settings, timeout=30, retry=40)
+    with pytest.raises(ImproperlyConfigured, match="timeout to at least 85"):
+        round_seconds()
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "10"])
+def test_a_round_of_no_positive_number_of_seconds_is_refused_naming_it(value: Any) -> None:
+    with pytest.raises(ValueError, match=f"not {value!r}"):
+        round_seconds(value)
+
+
+# The lock.
+
+
+def test_one_round_holds_the_lock_at_a_time_and_the_next_takes_it_after() -> None:
+    with round_lock() as first:
+        assert first
+        with round_lock() as second:
+            assert not second, "held by the first"
+    with round_lock() as third:
+        assert third, "released by the first"
+
+
+def test_the_lock_is_held_across_threads_each_with_its_own_connections() -> None:
+    outcome: list[bool] = []
+
+    def other() -> None:
+        with round_lock() as held:
+            outcome.append(held)
+        connection.close()
+
+    with round_lock() as held:
+        assert held
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(10)
+    assert outcome == [False]
+
+
+@pytest.mark.slow
+def test_the_lock_of_a_killed_process_is_released_at_once() -> None:
+    code = (
+        "import time\n"
+        "from django_federation_delivery.contrib.django_q import round_lock\n"
+        "with round_lock() as held:\n"
+        "    print('held' if held else 'not held', flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    holder = subprocess.Popen(
+        [*MANAGE, "shell", "-c", code],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        # After whatever the shell says first (Django 5.2 lists its imports).
+        said = next(line.strip() for line in holder.stdout if "held" in line)
+        assert said == "held"
+        with round_lock() as held:
+            assert not held, "held by the other process"
+        holder.kill()
+        holder.wait(10)
+        # The database notices a dead session at once, the kernel a dead file's lock.
+        wait_until(lambda: _takes_the_lock(), timeout=10, step=0.1)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(10)
+        if holder.stdout:
+            holder.stdout.close()
+
+
+def _takes_the_lock() -> bool:
+    with round_lock() as held:
+        return held
+
+
+# A round, in-process.
+
+
+def test_a_round_delivers_what_is_due_and_says_what_it_did(inbox: Inbox, settings: Any) -> None:
+    cluster(settings, timeout=90, retry=120)
+    send(ALICE, NOTE, [inbox.url("/a"), inbox.url("/b")])
+    result = deliver_round(1)
+    assert result["ran"] is True
+    assert (result["delivered"], result["retrying"], result["failed"]) == (2, 0, 0)
+    assert statuses() == {Status.DELIVERED: 2}
+    assert 1 <= result["seconds"] < 5
+
+
+def test_a_round_with_a_silent_server_returns_within_its_bound_and_one_attempt(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    silent = inboxes(delay=20)
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "ATTEMPT_TIMEOUT": 2}
+    cluster(settings, timeout=90, retry=120)
+    send(ALICE, NOTE, [silent.url()])
+    started = time.monotonic()
+    result = deliver_round(1)
+    took = time.monotonic() - started
+    # The bound, one attempt's timeout, and the time to finish.
+    assert took < 1 + 2 + django_q.FINISH_MARGIN, f"returned after {took:.1f} s"
+    assert (result["ran"], result["retrying"], result["delivered"]) == (True, 1, 0)
+    delivery = Delivery.objects.get()
+    assert (delivery.status, delivery.attempts) == (Status.PENDING, 1)
+
+
+def test_a_round_while_another_runs_returns_at_once_saying_so(inbox: Inbox, settings: Any) -> None:
+    cluster(settings, timeout=90, retry=120)
+    send(ALICE, NOTE, [inbox.url()])
+    with round_lock() as held:
+        assert held
+        started = time.monotonic()
+        result = deliver_round(5)
+        assert time.monotonic() - started < 1
+    assert result == {"ran": False, "reason": ANOTHER_ROUND}
+    assert inbox.received == []
+    assert statuses() == {Status.PENDING: 1}
+
+
+def test_a_round_that_would_not_fit_sends_nothing(inbox: Inbox, settings: Any) -> None:
+    cluster(settings, timeout=60, retry=90)
+    send(ALICE, NOTE, [inbox.url()])
+    with pytest.raises(ImproperlyConfigured, match="A round of 40 s"):
+        deliver_round(40)
+    assert inbox.received == []
+
+
+def test_a_round_under_bad_settings_says_what_to_write_and_sends_nothing(
+    inbox: Inbox, settings: Any
+) -> None:
+    send(ALICE, NOTE, [inbox.url()])
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "CONCURRENCY": 0}
+    with pytest.raises(ImproperlyConfigured, match="CONCURRENCY"):
+        deliver_round(1)
+    assert inbox.received == []
+
+
+# The purge.
+
+
+def test_the_purge_task_deletes_what_is_past_retention_and_gives_the_counts(
+    inbox: Inbox, settings: Any
+) -> None:
+    cluster(settings, timeout=90, retry=120)
+    send(ALICE, NOTE, [inbox.url("/old"), inbox.url("/new")])
+    deliver_round(1)
+    Delivery.objects.filter(inbox=inbox.url("/old")).update(
+        settled_at=timezone.now() - dt.timedelta(days=8)
+    )
+    result = purge_task()
+    assert result["deliveries"]["delivered"] == 1
+    assert result["finished"] is True
+    assert list(Delivery.objects.values_list("inbox", flat=True)) == [inbox.url("/new")]
+
+
+# The schedules.
+
+
+def test_the_schedules_are_created_once_and_then_left_as_they_are() -> None:
+    assert ensure_schedules() == {ROUND_SCHEDULE: "created", PURGE_SCHEDULE: "created"}
+    round_ = Schedule.objects.get(name=ROUND_SCHEDULE)
+    assert (round_.func, round_.schedule_type, round_.minutes, round_.repeats) == (
+        ROUND_TASK,
+        Schedule.MINUTES,
+        1,
+        -1,
+    )
+    purge = Schedule.objects.get(name=PURGE_SCHEDULE)
+    assert (purge.func, purge.schedule_type, purge.repeats) == (PURGE_TASK, Schedule.HOURLY, -1)
+    assert ensure_schedules() == {ROUND_SCHEDULE: "unchanged", PURGE_SCHEDULE: "unchanged"}
+    assert Schedule.objects.count() == 2
+
+
+def test_a_schedule_changed_by_hand_is_brought_back_keeping_its_next_run(settings: Any) -> None:
+    cluster(settings, timeout=90, retry=120)
+    ensure_schedules()
+    next_run = timezone.now() + dt.timedelta(seconds=42)
+    Schedule.objects.filter(name=ROUND_SCHEDULE).update(minutes=10, next_run=next_run)
+    Schedule.objects.create(name=ROUND_SCHEDULE, func=ROUND_TASK)  # a second one
+    assert ensure_schedules(seconds=20)[ROUND_SCHEDULE] == "updated"
+    schedule = Schedule.objects.get(name=ROUND_SCHEDULE)
+    assert (schedule.minutes, schedule.kwargs, schedule.next_run) == (
+        1,
+        "{'seconds': 20.0}",
+        next_run,
+    )
+
+
+def test_a_schedule_for_a_round_that_would_not_fit_is_refused_and_nothing_written(
+    settings: Any,
+) -> None:
+    cluster(settings, timeout=60, retry=90)
+    with pytest.raises(ImproperlyConfigured, match="A round of 50 s"):
+        ensure_schedules(seconds=50)
+    assert not Schedule.objects.exists()
+
+
+def test_the_command_writes_the_schedules_and_says_what_they_do() -> None:
+    out = io.StringIO()
+    call_command("delivery_schedule", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert f"{ROUND_SCHEDULE}: created" in lines
+    assert f"{PURGE_SCHEDULE}: created" in lines
+    # The test cluster: 60 s of timeout, 30 s of ATTEMPT_TIMEOUT and 5 s to write.
+    assert "A round of 25 s every minute, a purge every hour" in lines[-1]
+    call_command("delivery_schedule", "--remove", stdout=out)
+    assert not Schedule.objects.exists()
+
+
+@pytest.mark.parametrize("value", ["0", "soon", "nan", "-3"])
+def test_the_command_refuses_a_bad_round_naming_it(value: str) -> None:
+    with pytest.raises(CommandError, match=f"not {value!r}"):
+        call_command("delivery_schedule", f"--round-seconds={value}")
+    assert not Schedule.objects.exists()
+
+
+def test_the_command_refuses_a_round_that_would_not_fit() -> None:
+    with pytest.raises(CommandError, match="at most 25 s"):
+        call_command("delivery_schedule", "--round-seconds=40")
+
+
+@pytest.mark.parametrize("remove", [False, True])
+def test_without_django_q_installed_the_command_says_to_add_it(settings: Any, remove: bool) -> None:
+    settings.INSTALLED_APPS = [app for app in settings.INSTALLED_APPS if app != "django_q"]
+    with pytest.raises(CommandError, match='"django_q" in INSTALLED_APPS'):
+        call_command("delivery_schedule", *(["--remove"] if remove else []))
+
+
+def test_without_django_q2_the_import_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "django_q", None)  # an import of it fails
+    monkeypatch.delitem(sys.modules, "django_federation_delivery.contrib.django_q")
+    monkeypatch.delattr(contrib, "django_q")  # as if never imported
+    with pytest.raises(ImportError, match=r'pip install "django-federation-delivery\[django-q\]"'):
+        importlib.import_module("django_federation_delivery.contrib.django_q")
+    with pytest.raises(CommandError, match="django-q2"):
+        call_command("delivery_schedule")
+
+
+# In a real cluster: ``manage.py qcluster`` with the ORM broker on the test database.
+
+
+@dataclass
+class Cluster:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def kill(self) -> None:
+        """SIGKILL to qcluster and every process under it (its own group)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+
+@pytest.fixture
+def clusters(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    started: list[Cluster] = []
+
+    def start(settings: dict[str, Any] | None = None) -> Cluster:
+        log = tmp_path / f"qcluster-{len(started)}.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                [*MANAGE, "qcluster"],
+                env=subprocess_env(FD_SETTINGS_JSON=json.dumps(settings or {})),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                # A group of its own: the test kills it and its workers at once.
+                start_new_session=True,
+            )
+        started.append(Cluster(process, log))
+        return started[-1]
+
+    yield start
+    for cluster_ in started:
+        cluster_.kill()
+        # Shown when the test failed: what the cluster said.
+        print(f"--- {cluster_.log.name}:\n{cluster_.log.read_text(errors='replace')}")
+
+
+def results(func: str) -> list[Any]:
+    return [task.result for task in Task.objects.filter(func=func).order_by("stopped")]
+
+
+@pytest.mark.slow
+def test_a_send_is_delivered_by_the_scheduled_round_of_a_cluster(
+    inbox: Inbox, clusters: Callable[..., Cluster]
+) -> None:
+    assert ensure_schedules(seconds=5) == {ROUND_SCHEDULE: "created", PURGE_SCHEDULE: "created"}
+    send(ALICE, NOTE, [inbox.url()])
+    clusters()
+    # django-q2's scheduler first looks at the schedules 30 s after the start,
+    # and then every 30 s: within a minute (and a busy machine's start-up).
+    wait_until(lambda: statuses() == {Status.DELIVERED: 1}, timeout=120, step=0.2)
+    assert inbox.paths() == ["/inbox"]
+    wait_until(lambda: results(ROUND_TASK) and results(PURGE_TASK), timeout=30, step=0.2)
+    assert results(ROUND_TASK)[0]["ran"] is True
+    assert results(ROUND_TASK)[0]["delivered"] == 1
+    assert results(PURGE_TASK)[0]["finished"] is True
+    round_ = Schedule.objects.get(name=ROUND_SCHEDULE)
+    assert round_.next_run > timezone.now(), "the next round is scheduled"
+
+
+@pytest.mark.slow
+def test_two_rounds_enqueued_at_once_in_a_cluster_never_overlap(
+    inbox: Inbox, clusters: Callable[..., Cluster]
+) -> None:
+    send(ALICE, NOTE, [inbox.url()])
+    # Two workers in the test cluster: one each, at once.
+    async_task(ROUND_TASK, 4)
+    async_task(ROUND_TASK, 4)
+    clusters()
+    wait_until(lambda: len(results(ROUND_TASK)) == 2, timeout=90, step=0.2)
+    first, second = results(ROUND_TASK)
+    # Had it started after the other ended, it would have run: it came while
+    # the other held the lock, and ended first.
+    assert first == {"ran": False, "reason": ANOTHER_ROUND}
+    assert second["ran"] is True
+    assert second["delivered"] == 1
+    assert second["seconds"] >= 4
+    assert inbox.paths() == ["/inbox"]
+
+
+@pytest.mark.slow
+def test_a_cluster_killed_mid_round_loses_nothing_and_repeats_only_what_was_in_flight(
+    inboxes: Callable[..., Inbox], clusters: Callable[..., Cluster]
+) -> None:
+    sinks = [inboxes(f"127.0.0.{n}", delay=0.2) for n in range(2, 6)]
+    urls = [sink.url(f"/u{n}") for n in range(100) for sink in sinks]
+    send(ALICE, NOTE, urls)
+
+    def received() -> int:
+        return sum(len(sink.received) for sink in sinks)
+
+    concurrency = 8
+    # A short lease that still holds an attempt and the margin to write it.
+    settings = {"LEASE_SECONDS": 15, "ATTEMPT_TIMEOUT": 1, "CONCURRENCY": concurrency}
+    first = clusters(settings)
+    async_task(ROUND_TASK, 20)
+    wait_until(lambda: received() >= 40, timeout=90)
+    first.kill()
+    assert received() < len(urls), "killed in the middle of the round, not at its end"
+    assert statuses()[Status.PENDING] > 0
+    # The killed round's leases lapse; its lock went with its process.
+    leased = Delivery.objects.filter(status=Status.PENDING, lease_token__isnull=False)
+    wait_until(lambda: not leased.filter(due_at__gt=timezone.now()).exists(), timeout=30)
+    clusters(settings)
+    async_task(ROUND_TASK, 20)
+    wait_until(lambda: statuses() == {Status.DELIVERED: len(urls)}, timeout=120, step=0.2)
+    counts = collections.Counter(
+        f"http://{request.host}{request.path}" for sink in sinks for request in sink.received
+    )
+    assert set(counts) == set(urls), "every delivery reached its inbox"
+    twice = [url for url, count in counts.items() if count > 1]
+    assert all(counts[url] == 2 for url in twice)
+    # In flight at the kill: sent or being sent, queued for the next free
+    # worker, or sent with the outcome not yet written. Nothing else twice.
+    assert len(twice) <= 3 * concurrency, f"only those in flight at the kill repeat: {len(twice)}"
