@@ -60,6 +60,14 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "SLOW_CONCURRENCY": [(-1, "E005", "-1"), (2.5, "E005", "2.5")],
     "IDLE_POLL_SECONDS": [(NAN, "E006", "nan")],
     "NEW_WORK_POLL_SECONDS": [(True, "E006", "True")],
+    "HEARTBEAT_SECONDS": [
+        (0.1, "E034", "0.1"),
+        (INF, "E034", "inf"),
+        (NAN, "E034", "nan"),
+        (601, "E034", "601"),
+        ("5", "E034", "'5'"),
+        (False, "E034", "False"),
+    ],
     "BREAKER": [
         ({"SCOPE": "domain"}, "E012", "'domain'"),
         ({"THRESHOLD": 0}, "E012", "0"),

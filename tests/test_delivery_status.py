@@ -160,6 +160,9 @@ def test_delivery_status_json_is_for_scripts(busy: dict[str, int]) -> None:
         "open_breakers",
         "open_breaker_count",
         "paused_hosts",
+        "deliverers",
+        "deliverer_last_seen",
+        "stalled",
     }
     dt.datetime.fromisoformat(data["at"])
     normal = next(lane for lane in data["lanes"] if lane["lane"] == "normal")
