@@ -157,6 +157,12 @@ def test_a_retention_of_none_or_seconds_by_status_passes(settings: Any, retentio
     assert check_settings() == []
 
 
+@pytest.mark.parametrize("seconds", [1, 2.5, 600])
+def test_a_heartbeat_from_one_second_to_ten_minutes_passes(settings: Any, seconds: float) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "HEARTBEAT_SECONDS": seconds}
+    assert check_settings() == []
+
+
 def test_an_attempt_that_fits_in_its_lease_with_the_margin_passes(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
