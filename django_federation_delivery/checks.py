@@ -50,6 +50,9 @@ SECONDS: dict[str, float] = {
 }
 #: The longest RETENTION of a status: past it, None (for ever) says it better.
 LONGEST_RETENTION = 100 * 365 * DAY
+#: HEARTBEAT_SECONDS: more often is a write a second for nothing; less, a
+#: dead deliverer unnoticed for half an hour.
+HEARTBEAT_RANGE = (1.0, 600.0)
 MOST_ATTEMPTS = 10_000
 MOST_THRESHOLD = 1_000_000
 USER_AGENT_LENGTH = 500
@@ -206,6 +209,18 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             )
         )
     errors += _check_retention(app_settings.get("RETENTION"))
+    heartbeat = app_settings.get("HEARTBEAT_SECONDS")
+    fewest, longest = HEARTBEAT_RANGE
+    if not _seconds(heartbeat, longest) or heartbeat < fewest:
+        errors.append(
+            Error(
+                f"{SETTING}['HEARTBEAT_SECONDS'] must be a number of seconds from {fewest:g} "
+                f"to {longest:g}, not {_shown(heartbeat)}.",
+                hint="Leave it out for the default, 5: each run_deliverer process writes its "
+                "heartbeat that often, and is taken for dead after three missed.",
+                id=f"{PREFIX}.E034",
+            )
+        )
     return errors
 
 

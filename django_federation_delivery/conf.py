@@ -81,6 +81,9 @@ DEFAULTS: dict[str, Any] = {
     # and how often it looks for new work queued by another process.
     "IDLE_POLL_SECONDS": 30.0,
     "NEW_WORK_POLL_SECONDS": 0.5,
+    # How often a run_deliverer process records that it is alive (one small
+    # write each time): three intervals without one and it is taken for dead.
+    "HEARTBEAT_SECONDS": 5.0,
     # Circuit breakers: THRESHOLD failures in a row open one for COOL_OFF
     # seconds, then one probe at a time; SCOPE "host" or "inbox". None or {}: off.
     "BREAKER": {"THRESHOLD": 10, "COOL_OFF": 60.0, "SCOPE": "host"},

@@ -30,6 +30,7 @@ from django_federation_delivery import metrics, queue, signals, wakeup
 from django_federation_delivery.attempt import Job, held, permanent_status
 from django_federation_delivery.breakers import Breakers, Decision
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings
+from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes, paused_hosts
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.models import Batch, Status
@@ -69,6 +70,7 @@ class Deliverer:
         on_progress: Callable[[Summary], None] | None = None,
         progress_interval: float = 1.0,
         metrics: bool = False,
+        heartbeat: bool = False,
     ) -> None:
         get = app_settings.get
         self.concurrency = max(1, int(concurrency or get("CONCURRENCY")))
@@ -95,6 +97,10 @@ class Deliverer:
         #: Whether to keep the queue's gauges (lag, open breakers) up to date.
         self.metrics = metrics
         self._gauges_read = -1.0
+        #: Whether it records a heartbeat (run_deliverer's do; see heartbeats.py).
+        self.heartbeat = (
+            Heartbeat(float(get("HEARTBEAT_SECONDS")), using=using) if heartbeat else None
+        )
         self.on_progress = on_progress
         self.progress_interval = progress_interval
         self.summary = Summary()
@@ -220,6 +226,10 @@ class Deliverer:
             self.workers.stop()
             if listener is not None:
                 listener.stop()
+            if self.heartbeat is not None:
+                # Stopped cleanly (or on an error it could not wait out): no
+                # longer listed as alive.
+                self._db(self.heartbeat.remove)
             wakeup.unregister(self._wake)
             # This thread owned the ORM's connections: close them.
             connections.close_all()
@@ -252,8 +262,12 @@ class Deliverer:
             if left <= 0:
                 break
             step = left if listening else min(left, self.new_work_poll)
+            if self.heartbeat is not None:
+                # An idle deliverer is alive too.
+                step = min(step, self.heartbeat.until_due())
             if self._wake.wait(step):
                 break
+            self._beat()
             if not listening and self._db(queue.has_due, using=self.using) is True:
                 break
         self._wake.clear()
@@ -525,9 +539,20 @@ class Deliverer:
         self._recycled = time.monotonic()
         self._db(close_old_connections)
 
+    def _beat(self) -> None:
+        """Record the heartbeat when it is due: every HEARTBEAT_SECONDS, not every round."""
+        if self.heartbeat is not None and self.heartbeat.due():
+            self._db(
+                self.heartbeat.beat,
+                in_flight=len(self.slots.in_flight),
+                delivered=self.summary.delivered,
+            )
+
     def _refresh_view(self) -> None:
         """Re-read the breakers and the paused hosts, about once a second
-        (and the queue's gauges every few seconds, when metrics are served)."""
+        (and the queue's gauges every few seconds, when metrics are served);
+        record the heartbeat every HEARTBEAT_SECONDS."""
+        self._beat()
         if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
             self._gauges_read = time.monotonic()
             self._db(metrics.observe_queue, using=self.using)

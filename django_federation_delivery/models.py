@@ -200,3 +200,28 @@ class Breaker(models.Model):
         if self.open_until is None:
             return "closed"
         return "open" if now < self.open_until else "half-open"
+
+
+class DelivererHeartbeat(models.Model):
+    """A running deliverer, as it last said: one row a ``run_deliverer``
+    process, written every ``HEARTBEAT_SECONDS`` and deleted when it stops.
+
+    A killed deliverer leaves its row behind, no longer refreshed: it counts
+    as dead once three of its intervals have passed, and is deleted after a
+    day by the next deliverer to start (or to beat an hour later).
+    """
+
+    host = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    version = models.CharField(max_length=50, blank=True, default="")
+    started_at = models.DateTimeField()
+    last_seen = models.DateTimeField(db_index=True)
+    # Seconds between its heartbeats: what "three intervals" means for this row.
+    interval = models.FloatField()
+    # Deliveries handed to its workers when it last beat.
+    in_flight = models.PositiveIntegerField(default=0)
+    # Delivered per second over the interval before its last beat.
+    rate = models.FloatField(default=0.0)
+
+    def __str__(self) -> str:
+        return f"deliverer pid {self.pid} on {self.host}"

@@ -17,6 +17,8 @@ from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, F, Max, Min, Q
 from django.utils import timezone
 
+from django_federation_delivery import heartbeats
+from django_federation_delivery.heartbeats import SeenDeliverer
 from django_federation_delivery.models import Breaker, Delivery, Host, Lane, Status
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "LaneStats",
     "OpenBreaker",
     "Overview",
+    "SeenDeliverer",
     "format_duration",
     "lag",
     "open_breakers",
@@ -95,6 +98,15 @@ class Overview:
     #: How many breakers are open, when there are more than are listed.
     open_breaker_count: int
     paused_hosts: tuple[str, ...]
+    #: The deliverers alive (see heartbeats.py), and when any last beat.
+    deliverers: tuple[SeenDeliverer, ...] = ()
+    deliverer_last_seen: dt.datetime | None = None
+
+    @property
+    def stalled(self) -> str:
+        """Why nothing is being delivered although work is due ("" when it is)."""
+        seen = heartbeats.Seen(live=self.deliverers, last_seen=self.deliverer_last_seen)
+        return heartbeats.stalled(seen, self.total.due, self.at)
 
     @property
     def total(self) -> LaneStats:
@@ -121,6 +133,9 @@ class Overview:
             "open_breakers": [_jsonable(breaker) for breaker in self.open_breakers],
             "open_breaker_count": self.open_breaker_count,
             "paused_hosts": list(self.paused_hosts),
+            "deliverers": [_jsonable(deliverer) for deliverer in self.deliverers],
+            "deliverer_last_seen": _iso(self.deliverer_last_seen),
+            "stalled": self.stalled,
         }
 
 
@@ -132,6 +147,10 @@ def _jsonable(item: Any) -> dict[str, Any]:
         name: value.isoformat() if isinstance(value, dt.datetime) else value
         for name, value in fields.items()
     }
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
 
 
 def format_duration(seconds: float) -> str:
@@ -157,11 +176,13 @@ def overview(
     using: str | None = None,
 ) -> Overview:
     """The queues as of ``now``, with the ``hosts`` failing most and up to
-    ``breakers`` open breakers. A fixed number of queries, each bounded."""
+    ``breakers`` open breakers, and the live deliverers. A fixed number of
+    queries, each bounded."""
     now = now or timezone.now()
     alias = using or DEFAULT_DB_ALIAS
     paused = _paused_hosts(alias)
     open_list, open_count = _open_breakers(now, breakers, alias)
+    seen = heartbeats.seen(now=now, using=alias)
     return Overview(
         at=now,
         lanes=_lanes(now, alias),
@@ -169,6 +190,8 @@ def overview(
         open_breakers=open_list,
         open_breaker_count=open_count,
         paused_hosts=paused,
+        deliverers=seen.live,
+        deliverer_last_seen=seen.last_seen,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import Any
 
 import pytest
@@ -15,7 +16,15 @@ from django.utils import timezone
 
 from django_federation_delivery import controls
 from django_federation_delivery.admin import next_due
-from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
+from django_federation_delivery.models import (
+    Batch,
+    Breaker,
+    DelivererHeartbeat,
+    Delivery,
+    Host,
+    Lane,
+    Status,
+)
 
 from . import operators
 from .operators import open_breaker, queue, settle
@@ -23,8 +32,9 @@ from .operators import open_breaker, queue, settle
 pytestmark = pytest.mark.django_db
 
 #: The queues page's queries, whatever the row count: the session, the user
-#: and their permissions, and the overview's own (about eight).
-QUEUES_QUERY_BOUND = 14
+#: and their permissions, and the overview's own (about eight), one of them
+#: the live deliverers' heartbeats.
+QUEUES_QUERY_BOUND = 15
 
 
 def url(model: str, view: str = "changelist", *args: Any) -> str:
@@ -87,7 +97,7 @@ def test_every_page_shows_for_an_operator(operator: Client) -> None:
         # Read-only: nothing to save, add or delete.
         assert 'name="_save"' not in page
         assert "deletelink" not in page
-    assert html(operator, url("delivery", "queues")).count('<div class="module" id="fd-') == 5
+    assert html(operator, url("delivery", "queues")).count('<div class="module" id="fd-') == 6
     assert url("delivery", "queues") in html(operator, url("delivery"))
 
 
@@ -187,6 +197,58 @@ def test_the_queues_page_shows_the_overview(operator: Client) -> None:
     assert "c.example" in page.split('id="fd-paused-hosts"')[1]
 
 
+def heartbeat(seconds_ago: float, *, pid: int, host: str = "worker-1") -> DelivererHeartbeat:
+    seen = timezone.now() - dt.timedelta(seconds=seconds_ago)
+    return DelivererHeartbeat.objects.create(
+        host=host,
+        pid=pid,
+        version="1.2.3",
+        started_at=seen - dt.timedelta(hours=2),
+        last_seen=seen,
+        interval=5.0,
+        in_flight=7,
+        rate=12.345,
+    )
+
+
+def test_the_queues_page_lists_the_live_deliverers(operator: Client) -> None:
+    queue(hosts=["a.example"], per_host=3)
+    heartbeat(2, pid=1111)
+    heartbeat(3, pid=2222, host="worker-2")
+    heartbeat(240, pid=3333)  # killed four minutes ago
+    page = html(operator, url("delivery", "queues"))
+    table = page.split('id="fd-deliverers"')[1].split("</table>")[0]
+    assert "<caption>Deliverers</caption>" in table
+    first = table.split('data-pid="1111">')[1].split("</tr>")[0]
+    cells = re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", first)
+    assert cells[:3] == ["worker-1", "1111", "1.2.3"]
+    assert cells[5:] == ["7", "12.3"]
+    assert 'data-pid="2222"' in table and "worker-2" in table
+    assert "3333" not in table, "a dead deliverer is not listed"
+    assert 'id="fd-stalled"' not in page
+
+
+def test_the_queues_page_warns_in_words_when_work_is_due_and_no_deliverer_was_seen(
+    operator: Client,
+) -> None:
+    queue(hosts=["a.example", "b.example"], per_host=60)
+    page = html(operator, url("delivery", "queues"))
+    warning = page.split('id="fd-stalled"')[1].split("</p>")[0]
+    assert "No deliverer has been seen in the last day while 120 deliveries are due" in warning
+    assert 'class="fd-stalled"' in page.split('id="fd-stalled"')[0][-60:]
+    assert "No deliverer is running." in page
+    heartbeat(252, pid=1111)
+    page = html(operator, url("delivery", "queues"))
+    assert "No deliverer seen for 4m 12s while 120 deliveries are due" in page
+    assert "(one was last seen at " in page
+    heartbeat(1, pid=2222)
+    assert 'id="fd-stalled"' not in html(operator, url("delivery", "queues"))
+
+
+def test_the_queues_page_does_not_warn_with_nothing_due(operator: Client) -> None:
+    assert 'id="fd-stalled"' not in html(operator, url("delivery", "queues"))
+
+
 def _fill(count: int) -> None:
     """``count`` deliveries in every state the page counts, over many hosts."""
     hosts = [f"h{n}.example" for n in range(8)]
@@ -212,6 +274,8 @@ def _fill(count: int) -> None:
         open_breaker(host)
     open_breaker(inboxes[-1])  # SCOPE "inbox"
     controls.pause_host(hosts[-1])
+    heartbeat(1, pid=count)
+    heartbeat(600, pid=count + 1)
 
 
 @pytest.mark.parametrize("rows", [10, 2000])

@@ -60,6 +60,14 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "SLOW_CONCURRENCY": [(-1, "E005", "-1"), (2.5, "E005", "2.5")],
     "IDLE_POLL_SECONDS": [(NAN, "E006", "nan")],
     "NEW_WORK_POLL_SECONDS": [(True, "E006", "True")],
+    "HEARTBEAT_SECONDS": [
+        (0.1, "E034", "0.1"),
+        (INF, "E034", "inf"),
+        (NAN, "E034", "nan"),
+        (601, "E034", "601"),
+        ("5", "E034", "'5'"),
+        (False, "E034", "False"),
+    ],
     "BREAKER": [
         ({"SCOPE": "domain"}, "E012", "'domain'"),
         ({"THRESHOLD": 0}, "E012", "0"),
@@ -146,6 +154,12 @@ def test_a_partial_breaker_takes_the_rest_from_the_defaults(settings: Any) -> No
 @pytest.mark.parametrize("retention", [None, {"DELIVERED": None}, {"FAILED": 86400}])
 def test_a_retention_of_none_or_seconds_by_status_passes(settings: Any, retention: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "RETENTION": retention}
+    assert check_settings() == []
+
+
+@pytest.mark.parametrize("seconds", [1, 2.5, 600])
+def test_a_heartbeat_from_one_second_to_ten_minutes_passes(settings: Any, seconds: float) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "HEARTBEAT_SECONDS": seconds}
     assert check_settings() == []
 
 

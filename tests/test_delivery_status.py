@@ -11,7 +11,7 @@ from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from django_federation_delivery import controls, overview
-from django_federation_delivery.models import Breaker, Delivery, Lane, Status
+from django_federation_delivery.models import Breaker, DelivererHeartbeat, Delivery, Lane, Status
 
 from .operators import open_breaker, queue, settle
 
@@ -160,6 +160,9 @@ def test_delivery_status_json_is_for_scripts(busy: dict[str, int]) -> None:
         "open_breakers",
         "open_breaker_count",
         "paused_hosts",
+        "deliverers",
+        "deliverer_last_seen",
+        "stalled",
     }
     dt.datetime.fromisoformat(data["at"])
     normal = next(lane for lane in data["lanes"] if lane["lane"] == "normal")
@@ -211,3 +214,139 @@ def test_delivery_status_escapes_what_a_terminal_would_act_on() -> None:
     assert "https://b.example/\\x1b]0;owned\\x07inbox" in text
     assert "Paused hosts: paused\\r\\n.example" in text
     assert json.loads(run("--json"))["paused_hosts"] == ["paused\r\n.example"]
+
+
+# Deliverers, and --check.
+
+
+def heartbeat(seconds_ago: float, *, pid: int, host: str = "worker-1") -> DelivererHeartbeat:
+    seen = timezone.now() - dt.timedelta(seconds=seconds_ago)
+    return DelivererHeartbeat.objects.create(
+        host=host,
+        pid=pid,
+        version="1.2.3",
+        started_at=seen - 2 * 60 * MINUTE,
+        last_seen=seen,
+        interval=5.0,
+        in_flight=3,
+        rate=2.5,
+    )
+
+
+def test_delivery_status_lists_the_live_deliverers_and_warns_last_when_none_is() -> None:
+    queue(hosts=["a.example"], per_host=4)
+    heartbeat(1, pid=1111)
+    heartbeat(600, pid=2222)
+    text = run()
+    deliverers = text.split("Deliverers\n")[1].split("\n\n")[0].splitlines()
+    assert deliverers[0].split()[:3] == ["host", "pid", "version"]
+    [line] = deliverers[1:]
+    assert line.split()[:3] == ["worker-1", "1111", "1.2.3"]
+    assert line.split()[-2:] == ["3", "2.5"]
+    assert "WARNING" not in text
+    DelivererHeartbeat.objects.filter(pid=1111).delete()
+    text = run()
+    assert "Deliverers\n  none running (last seen " in text
+    assert text.splitlines()[-1] == (
+        "WARNING: No deliverer seen for 10m 0s while 4 deliveries are due."
+    )
+
+
+def test_delivery_status_json_lists_the_live_deliverers() -> None:
+    queue(hosts=["a.example"], per_host=2)
+    alive = heartbeat(1, pid=1111)
+    data = json.loads(run("--json"))
+    [deliverer] = data["deliverers"]
+    assert deliverer["pid"] == 1111 and deliverer["host"] == "worker-1"
+    assert deliverer["in_flight"] == 3 and deliverer["rate"] == 2.5
+    assert dt.datetime.fromisoformat(deliverer["last_seen"]) == alive.last_seen
+    assert data["deliverer_last_seen"] == alive.last_seen.isoformat()
+    assert data["stalled"] == ""
+    alive.delete()
+    data = json.loads(run("--json"))
+    assert (data["deliverers"], data["deliverer_last_seen"]) == ([], None)
+    assert (
+        data["stalled"] == "No deliverer has been seen in the last day while 2 deliveries are due"
+    )
+
+
+def check(*args: str) -> tuple[int, str]:
+    """``delivery_status --check``: its exit status and its one line."""
+    out = io.StringIO()
+    try:
+        call_command("delivery_status", "--check", *args, stdout=out)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, out.getvalue()
+
+
+def test_check_is_healthy_with_nothing_due_and_no_deliverer() -> None:
+    assert check() == (0, "OK: 0 deliverer(s) alive, 0 due, lag 0s\n")
+
+
+def test_check_is_healthy_with_a_live_deliverer_and_a_short_lag() -> None:
+    (row, *_) = queue(hosts=["a.example"], per_host=3).deliveries.all()
+    Delivery.objects.filter(pk=row.pk).update(due_at=timezone.now() - 2 * MINUTE)
+    heartbeat(1, pid=1111)
+    code, line = check()
+    assert code == 0
+    assert line.startswith("OK: 1 deliverer(s) alive, 3 due, lag 2m ")
+
+
+def test_check_fails_when_work_is_due_and_no_deliverer_was_ever_seen() -> None:
+    queue(hosts=["a.example"], per_host=3)
+    assert check() == (
+        2,
+        "CRITICAL: No deliverer has been seen in the last day while 3 deliveries are due\n",
+    )
+
+
+def test_check_fails_when_work_is_due_and_the_deliverer_died() -> None:
+    queue(hosts=["a.example"], per_host=1)
+    heartbeat(252, pid=1111)  # killed: it stopped beating four minutes ago
+    assert check() == (2, "CRITICAL: No deliverer seen for 4m 12s while 1 delivery is due\n")
+
+
+def test_check_gives_a_deliverer_that_just_died_a_minute_to_come_back() -> None:
+    queue(hosts=["a.example"], per_host=1)
+    heartbeat(30, pid=1111)
+    code, line = check()
+    assert (code, line.split(",")[0]) == (0, "OK: 0 deliverer(s) alive")
+
+
+def test_check_fails_when_the_oldest_due_delivery_waited_longer_than_max_lag() -> None:
+    (row, *_) = queue(hosts=["a.example"], per_host=2).deliveries.all()
+    Delivery.objects.filter(pk=row.pk).update(due_at=timezone.now() - 7 * MINUTE)
+    heartbeat(1, pid=1111)
+    code, line = check()
+    assert code == 2
+    assert line.startswith("CRITICAL: the oldest due delivery has waited 7m ")
+    assert line.endswith(", longer than --max-lag 300 s (2 due, 1 deliverer(s) alive)\n")
+    assert check("--max-lag", "600")[0] == 0
+    assert check("--max-lag", "0")[0] == 0, "0: the lag is not checked"
+    assert check("--max-lag", "60")[0] == 2
+
+
+def test_check_on_this_host_counts_only_its_own_deliverers() -> None:
+    import socket
+
+    queue(hosts=["a.example"], per_host=1)
+    heartbeat(1, pid=1111, host="elsewhere")
+    assert check()[0] == 0
+    assert check("--this-host") == (
+        2,
+        f"CRITICAL: No deliverer on {socket.gethostname()} has been seen in the last day "
+        "while 1 delivery is due\n",
+    )
+    heartbeat(1, pid=2222, host=socket.gethostname())
+    assert check("--this-host") == (
+        0,
+        f"OK: 1 deliverer(s) alive on {socket.gethostname()}, 1 due, lag 0s\n",
+    )
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "1e9999"])
+def test_check_refuses_a_bad_max_lag_naming_it(value: str) -> None:
+    with pytest.raises(CommandError, match=f"not {value!r}"):
+        check("--max-lag", value)

@@ -688,3 +688,45 @@ def test_under_processes_only_the_first_child_purges(monkeypatch: pytest.MonkeyP
 def test_a_bad_purge_interval_is_refused_naming_it(value: str) -> None:
     with pytest.raises(CommandError, match=repr(value)):
         call_command("run_deliverer", "--drain", "--purge", f"--purge-interval={value}")
+
+
+# Heartbeats: who is alive, as the queues page and delivery_status --check see it.
+
+
+@pytest.mark.slow
+def test_a_deliverer_process_beats_while_it_runs_and_removes_its_row_when_stopped(
+    processes: Callable[..., subprocess.Popen[str]],
+) -> None:
+    from django_federation_delivery.models import DelivererHeartbeat
+
+    process = processes(settings={"HEARTBEAT_SECONDS": 1})
+    wait_until(lambda: DelivererHeartbeat.objects.filter(pid=process.pid).exists(), timeout=90)
+    row = DelivererHeartbeat.objects.get()
+    assert (row.host, row.interval) == (socket.gethostname(), 1.0)
+    # Idle, it beats all the same: last_seen moves on, one UPDATE of one row.
+    wait_until(lambda: DelivererHeartbeat.objects.get().last_seen > row.last_seen, timeout=10)
+    assert DelivererHeartbeat.objects.count() == 1
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(20) == 0
+    assert not DelivererHeartbeat.objects.exists()
+
+
+@pytest.mark.slow
+def test_two_deliverer_processes_show_as_two_live_deliverers(
+    processes: Callable[..., subprocess.Popen[str]],
+) -> None:
+    from django_federation_delivery import heartbeats
+    from django_federation_delivery.models import DelivererHeartbeat
+
+    process = processes("--processes=2", settings={"HEARTBEAT_SECONDS": 1})
+    output = Output(process)
+    pids = {
+        int(output.wait_for(rf"\[deliverer {n}/2 pid (\d+)\] Delivering until stopped", 90)[1])
+        for n in (1, 2)
+    }
+    wait_until(lambda: DelivererHeartbeat.objects.count() == 2)
+    assert {deliverer.pid for deliverer in heartbeats.seen().live} == pids
+    assert process.pid not in pids, "the supervisor delivers nothing, and beats for nothing"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0, output.finish()
+    assert not DelivererHeartbeat.objects.exists()

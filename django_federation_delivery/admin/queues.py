@@ -17,8 +17,8 @@ from django_federation_delivery.models import Batch, Breaker, Delivery, Host, St
 
 def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -> TemplateResponse:
     """The queues at a glance: each lane's due, scheduled, in-flight and held
-    deliveries, the webhook destinations, the hosts failing most, the open
-    breakers and the paused hosts."""
+    deliveries, the live deliverers, the webhook destinations, the hosts
+    failing most, the open breakers and the paused hosts."""
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
     request.current_app = model_admin.admin_site.name
@@ -49,6 +49,9 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
         "opts": model_admin.opts,
         "overview": status,
         "lanes": lanes,
+        # Their heartbeats are shown here only: no admin of their own.
+        "deliverers": status.deliverers,
+        "stalled": status.stalled,
         "deliveries_url": deliveries(),
         "batches_url": changelist_url(Batch, site),
         "breakers_url": changelist_url(Breaker, site),

@@ -1,15 +1,25 @@
-"""``manage.py delivery_status``: the admin's queues page, in a terminal."""
+"""``manage.py delivery_status``: the admin's queues page, in a terminal;
+with ``--check``, a health check for a probe (Kubernetes, Nagios, cron)."""
 
 from __future__ import annotations
 
 import json
+import socket
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from django_federation_delivery.overview import Overview, format_duration, overview
+from django_federation_delivery import heartbeats, queue
+from django_federation_delivery.overview import Overview, format_duration, lag, overview
+
+#: ``--check`` exits with this when unhealthy: Nagios's CRITICAL; any
+#: non-zero status fails a Kubernetes exec probe.
+UNHEALTHY = 2
+#: ``--max-lag`` by default, in seconds.
+MAX_LAG = 300
 
 
 def _count(value: str) -> int:
@@ -19,6 +29,16 @@ def _count(value: str) -> int:
         number = -1
     if number < 0:
         raise CommandError(f"expected a whole number of 0 or more, not {value!r}")
+    return number
+
+
+def _seconds(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 10**9:
+        raise CommandError(f"expected a whole number of seconds, 0 or more, not {value!r}")
     return number
 
 
@@ -71,7 +91,30 @@ def render(status: Overview) -> str:
             for lane in (*status.lanes, status.total)
         ],
     )
-    parts = [f"Queues at {_when(status.at)} UTC", "", lanes, "", "Hosts failing most"]
+    parts = [f"Queues at {_when(status.at)} UTC", "", lanes, "", "Deliverers"]
+    if status.deliverers:
+        parts.append(
+            table(
+                ["host", "pid", "version", "up since", "last seen", "in flight", "delivered/s"],
+                [
+                    [
+                        deliverer.host,
+                        deliverer.pid,
+                        deliverer.version,
+                        _when(deliverer.started_at),
+                        _when(deliverer.last_seen),
+                        deliverer.in_flight,
+                        f"{deliverer.rate:.1f}",
+                    ]
+                    for deliverer in status.deliverers
+                ],
+                numeric=5,
+            )
+        )
+    else:
+        last = status.deliverer_last_seen
+        parts.append(f"  none running{f' (last seen {_when(last)})' if last else ''}")
+    parts += ["", "Hosts failing most"]
     if status.failing_hosts:
         parts.append(
             table(
@@ -113,6 +156,9 @@ def render(status: Overview) -> str:
         )
     paused = ", ".join(printable(host) for host in status.paused_hosts)
     parts += ["", f"Paused hosts: {paused or 'none'}"]
+    if status.stalled:
+        # Last, where a terminal leaves the eye.
+        parts += ["", f"WARNING: {status.stalled}."]
     return "\n".join(parts)
 
 
@@ -120,7 +166,9 @@ class Command(BaseCommand):
     help = (
         "Show the delivery queues: each lane's due, scheduled, in-flight and held "
         "deliveries and its lag, recent outcomes, the hosts failing most and the "
-        "open breakers. --json for scripts."
+        "open breakers, the live deliverers. --json for scripts; --check for a probe: "
+        f"exits {UNHEALTHY} with one line saying why when work is due and no deliverer is "
+        "alive, or the oldest due delivery has waited longer than --max-lag."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -134,14 +182,70 @@ class Command(BaseCommand):
         parser.add_argument(
             "--database", default=DEFAULT_DB_ALIAS, help="The database alias the queue lives in."
         )
+        parser.add_argument(
+            "--check",
+            action="store_true",
+            help=f"Print one line and exit 0 when healthy, {UNHEALTHY} when work is due and "
+            f"no deliverer has been seen for {heartbeats.NO_DELIVERER_AFTER:g} s, or the oldest "
+            "due delivery has waited longer than --max-lag.",
+        )
+        parser.add_argument(
+            "--max-lag",
+            type=str,
+            default=str(MAX_LAG),
+            help=f"With --check: the longest a due delivery may wait, in seconds (default "
+            f"{MAX_LAG}; 0 to not check the lag).",
+        )
+        parser.add_argument(
+            "--this-host",
+            action="store_true",
+            help="With --check: count only the deliverers on this machine (its host name), "
+            "as a probe beside one deliverer wants.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         hosts = _count(options["hosts"])
         using = options["database"]
         if using not in connections:
             raise CommandError(f"no database named {using!r} in DATABASES")
+        if options["check"]:
+            healthy, line = check(
+                max_lag=_seconds(options["max_lag"]),
+                host=socket.gethostname() if options["this_host"] else None,
+                using=using,
+            )
+            self.stdout.write(line)
+            if not healthy:
+                self.stdout.flush()
+                sys.exit(UNHEALTHY)
+            return
         status = overview(hosts=hosts, using=using)
         if options["json"]:
             self.stdout.write(json.dumps(status.as_json(), indent=2))
         else:
             self.stdout.write(render(status))
+
+
+def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, str]:
+    """Whether the queue is being worked, and one line saying so or why not:
+    a few index reads and one small query, cheap enough for a probe every
+    few seconds."""
+    from django.utils import timezone
+
+    now = timezone.now()
+    due = queue.count_due(using=using)
+    seen = heartbeats.seen(now=now, host=host, using=using)
+    where = f" on {printable(host)}" if host is not None else ""
+    stalled = heartbeats.stalled(seen, due, now, where=where)
+    if stalled:
+        return False, f"CRITICAL: {stalled}"
+    waited = lag(now=now, using=using)
+    if max_lag and waited > max_lag:
+        return False, (
+            f"CRITICAL: the oldest due delivery has waited {format_duration(waited)}, "
+            f"longer than --max-lag {max_lag} s ({due} due, {len(seen.live)} deliverer(s) "
+            f"alive{where})"
+        )
+    return True, (
+        f"OK: {len(seen.live)} deliverer(s) alive{where}, {due} due, lag {format_duration(waited)}"
+    )

@@ -272,6 +272,7 @@ class Command(BaseCommand):
                 on_progress=self._progress if drain else _log_rates(interval),
                 progress_interval=1.0 if drain else interval,
                 metrics=port is not None,
+                heartbeat=True,
             )
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc

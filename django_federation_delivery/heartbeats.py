@@ -1,0 +1,160 @@
+"""Heartbeats: each running deliverer says it is alive, so that a dead one shows.
+
+Every ``run_deliverer`` process (each child under ``--processes``) keeps one
+``DelivererHeartbeat`` row up to date: inserted at its first beat, then one
+UPDATE every ``HEARTBEAT_SECONDS`` (never more often, on SQLite least of all),
+and deleted when it stops cleanly. A killed deliverer's row is no longer
+refreshed: it is dead once :data:`DEAD_AFTER` of its own intervals have
+passed, and deleted once a day old by the next deliverer to beat (at its
+first beat, and hourly after).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import os
+import socket
+import time
+
+from django.db import DEFAULT_DB_ALIAS
+from django.utils import timezone
+
+from django_federation_delivery import __version__
+from django_federation_delivery.models import DelivererHeartbeat
+
+__all__ = ["Heartbeat", "Seen", "SeenDeliverer", "seen", "stalled"]
+
+#: Intervals without a beat after which a deliverer is taken for dead.
+DEAD_AFTER = 3
+#: A row not refreshed for this long is deleted.
+FORGET_AFTER = dt.timedelta(days=1)
+#: How often a live deliverer deletes such rows.
+FORGET_EVERY = 3600.0
+#: Work due and no deliverer seen for this long: the warning, and ``--check``.
+NO_DELIVERER_AFTER = 60.0
+#: The most rows one look reads: the live ones come first.
+MOST_LISTED = 100
+
+
+class Heartbeat:
+    """One deliverer's row. :meth:`beat` when :meth:`due`; :meth:`remove` on
+    a clean stop. Database errors are the caller's (the deliverer's ``_db``
+    waits them out): a failed beat is tried again at the next interval."""
+
+    def __init__(self, interval: float, *, using: str = DEFAULT_DB_ALIAS) -> None:
+        self.interval = interval
+        self.using = using
+        self.pk: int | None = None
+        self.started_at = timezone.now()
+        self.next_at = time.monotonic()
+        self._delivered = 0
+        self._counted_at = time.monotonic()
+        self._forgot_at = -FORGET_EVERY
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def until_due(self) -> float:
+        return max(0.0, self.next_at - time.monotonic())
+
+    def beat(self, *, in_flight: int, delivered: int) -> None:
+        """Say this deliverer is alive, with ``delivered`` the count since it started."""
+        clock = time.monotonic()
+        # Set first: a beat the database refused waits for the next interval.
+        self.next_at = clock + self.interval
+        elapsed = clock - self._counted_at
+        rate = (delivered - self._delivered) / elapsed if elapsed > 0 else 0.0
+        self._delivered, self._counted_at = delivered, clock
+        now = timezone.now()
+        fields = {"last_seen": now, "in_flight": in_flight, "rate": round(rate, 3)}
+        rows = DelivererHeartbeat.objects.using(self.using)
+        # One UPDATE; an INSERT the first time, or when the row was deleted
+        # meanwhile (the database was away for a day, say).
+        if self.pk is None or not rows.filter(pk=self.pk).update(**fields):
+            self.pk = rows.create(
+                host=socket.gethostname()[:255],
+                pid=os.getpid(),
+                version=__version__[:50],
+                started_at=self.started_at,
+                interval=self.interval,
+                **fields,
+            ).pk
+        if clock - self._forgot_at >= FORGET_EVERY:
+            self._forgot_at = clock
+            rows.filter(last_seen__lt=now - FORGET_AFTER).delete()
+
+    def remove(self) -> None:
+        """This deliverer stopped: it is no longer listed."""
+        if self.pk is not None:
+            DelivererHeartbeat.objects.using(self.using).filter(pk=self.pk).delete()
+            self.pk = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SeenDeliverer:
+    host: str
+    pid: int
+    version: str
+    started_at: dt.datetime
+    last_seen: dt.datetime
+    in_flight: int
+    #: Delivered per second over the interval before its last beat.
+    rate: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """The live deliverers, and when any deliverer (dead ones too) last beat."""
+
+    live: tuple[SeenDeliverer, ...]
+    #: None: none in the last day.
+    last_seen: dt.datetime | None
+
+
+def seen(
+    *, now: dt.datetime | None = None, host: str | None = None, using: str | None = None
+) -> Seen:
+    """The deliverers alive as of ``now`` (on ``host`` only, if given): one query."""
+    now = now or timezone.now()
+    rows = DelivererHeartbeat.objects.using(using or DEFAULT_DB_ALIAS).filter(
+        last_seen__gte=now - FORGET_AFTER
+    )
+    if host is not None:
+        rows = rows.filter(host=host)
+    found = list(rows.order_by("-last_seen", "host", "pid")[:MOST_LISTED])
+    live = [
+        row for row in found if (now - row.last_seen).total_seconds() <= DEAD_AFTER * row.interval
+    ]
+    return Seen(
+        live=tuple(
+            SeenDeliverer(
+                host=row.host,
+                pid=row.pid,
+                version=row.version,
+                started_at=row.started_at,
+                last_seen=row.last_seen,
+                in_flight=row.in_flight,
+                rate=row.rate,
+            )
+            for row in sorted(live, key=lambda row: (row.host, row.pid))
+        ),
+        last_seen=found[0].last_seen if found else None,
+    )
+
+
+def stalled(deliverers: Seen, due: int, now: dt.datetime, *, where: str = "") -> str:
+    """Why the queue is stalled, for people: work is due and no deliverer
+    (``where``, such as " on web-1") is alive, nor was seen for
+    :data:`NO_DELIVERER_AFTER`; else ""."""
+    from django_federation_delivery.overview import format_duration
+
+    if due <= 0 or deliverers.live:
+        return ""
+    work = f"{due} deliver{'y is' if due == 1 else 'ies are'} due"
+    if deliverers.last_seen is None:
+        return f"No deliverer{where} has been seen in the last day while {work}"
+    quiet = (now - deliverers.last_seen).total_seconds()
+    if quiet < NO_DELIVERER_AFTER:
+        return ""  # one restarting, most likely
+    return f"No deliverer{where} seen for {format_duration(quiet)} while {work}"

@@ -1,0 +1,199 @@
+"""Heartbeats: a deliverer that records itself, ages out when killed, and is gone when stopped."""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import OperationalError
+from django.utils import timezone
+
+from django_federation_delivery import __version__, heartbeats, send
+from django_federation_delivery.heartbeats import Heartbeat, Seen
+from django_federation_delivery.models import DelivererHeartbeat, Delivery, Status
+
+from .conftest import Inbox, RunningDeliverer, wait_until
+from .keys import ALICE
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NOTE = {"type": "Create", "actor": ALICE}
+SECOND = dt.timedelta(seconds=1)
+
+
+@pytest.fixture
+def every_second(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "HEARTBEAT_SECONDS": 1.0}
+
+
+@pytest.fixture
+def beats(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The monotonic times every heartbeat was begun at, as they are."""
+    import time
+
+    written: list[float] = []
+    beat = Heartbeat.beat
+
+    def counted(self: Heartbeat, **kwargs: Any) -> None:
+        written.append(time.monotonic())
+        beat(self, **kwargs)
+
+    monkeypatch.setattr(Heartbeat, "beat", counted)
+    return written
+
+
+def row(
+    seconds_ago: float, *, interval: float = 5.0, pid: int = 4242, host: str = "old.host"
+) -> Any:
+    seen = timezone.now() - seconds_ago * SECOND
+    return DelivererHeartbeat.objects.create(
+        host=host,
+        pid=pid,
+        version="0.1",
+        started_at=seen - 3600 * SECOND,
+        last_seen=seen,
+        interval=interval,
+    )
+
+
+# The writer.
+
+
+@pytest.mark.usefixtures("every_second")
+def test_a_deliverer_beats_at_its_interval_idle_or_busy_and_removes_its_row_when_it_stops(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], beats: list[float]
+) -> None:
+    running = start_deliverer(heartbeat=True)
+    wait_until(lambda: DelivererHeartbeat.objects.exists())
+    [found] = DelivererHeartbeat.objects.all()
+    assert (found.host, found.pid, found.version) == (
+        socket.gethostname(),
+        os.getpid(),
+        __version__,
+    )
+    assert found.interval == 1.0
+    first_seen = found.last_seen
+    # Idle (nothing is due): it beats all the same, on PostgreSQL's LISTEN too.
+    wait_until(lambda: len(beats) >= 3, timeout=30)
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(5)])
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 5)
+    wait_until(lambda: len(beats) >= 5, timeout=30)
+    assert DelivererHeartbeat.objects.get().last_seen > first_seen, "one row, brought up to date"
+    running.stop()
+    # Never more than one a second, however many rounds the loop made.
+    gaps = [later - earlier for earlier, later in itertools.pairwise(beats)]
+    assert min(gaps) >= 1.0, gaps
+    assert DelivererHeartbeat.objects.count() == 0, "a clean stop removes the row"
+
+
+def test_a_deliverer_made_in_code_records_no_heartbeat_unless_asked(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    running = start_deliverer()
+    send(ALICE, NOTE, [inbox.url("/1")])
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).exists())
+    running.stop()
+    assert not DelivererHeartbeat.objects.exists()
+
+
+@pytest.mark.usefixtures("every_second")
+def test_a_heartbeat_the_database_refuses_does_not_stop_the_loop(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    refused = threading.Event()
+    beat = Heartbeat.beat
+
+    def once_refused(self: Heartbeat, **kwargs: Any) -> None:
+        if not refused.is_set():
+            refused.set()
+            self.next_at = 0.0  # as beat() does first: the next one at its interval
+            raise OperationalError("the database is away")
+        beat(self, **kwargs)
+
+    monkeypatch.setattr(Heartbeat, "beat", once_refused)
+    running = start_deliverer(heartbeat=True)
+    wait_until(refused.is_set)
+    send(ALICE, NOTE, [inbox.url("/1")])
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).exists())
+    wait_until(lambda: DelivererHeartbeat.objects.exists())
+    running.stop()
+    assert not DelivererHeartbeat.objects.exists()
+
+
+def test_a_beat_records_what_is_in_flight_and_the_rate_since_the_last() -> None:
+    heartbeat = Heartbeat(5.0)
+    heartbeat.beat(in_flight=3, delivered=0)
+    [found] = DelivererHeartbeat.objects.all()
+    assert (found.in_flight, found.rate) == (3, 0.0)
+    heartbeat._counted_at -= 2.0  # two seconds since that beat
+    heartbeat.beat(in_flight=1, delivered=10)
+    found.refresh_from_db()
+    assert found.in_flight == 1
+    assert 4.0 <= found.rate <= 5.0
+    assert DelivererHeartbeat.objects.count() == 1, "an UPDATE, not a row a beat"
+
+
+def test_a_row_deleted_meanwhile_is_written_again() -> None:
+    heartbeat = Heartbeat(5.0)
+    heartbeat.beat(in_flight=0, delivered=0)
+    DelivererHeartbeat.objects.all().delete()
+    heartbeat.beat(in_flight=0, delivered=0)
+    assert DelivererHeartbeat.objects.count() == 1
+    heartbeat.remove()
+    assert not DelivererHeartbeat.objects.exists()
+
+
+def test_rows_a_day_old_are_deleted_by_the_next_deliverer_to_beat() -> None:
+    forgotten = row(86400 + 60)
+    dead = row(600, pid=4343)
+    Heartbeat(5.0).beat(in_flight=0, delivered=0)
+    pids = set(DelivererHeartbeat.objects.values_list("pid", flat=True))
+    assert forgotten.pid not in pids
+    assert pids == {dead.pid, os.getpid()}
+
+
+# The reader.
+
+
+def test_a_killed_deliverer_ages_out_after_three_of_its_intervals() -> None:
+    alive = row(14, interval=5.0, pid=1)
+    row(16, interval=5.0, pid=2)  # three intervals and a second: dead
+    row(100, interval=60.0, pid=3)  # a slower one, still within its three
+    found = heartbeats.seen()
+    assert [deliverer.pid for deliverer in found.live] == [1, 3]
+    assert found.last_seen == alive.last_seen
+
+
+def test_this_host_counts_only_its_own_deliverers() -> None:
+    row(1, host="a.host", pid=1)
+    row(1, host="b.host", pid=2)
+    assert [d.pid for d in heartbeats.seen(host="b.host").live] == [2]
+    assert heartbeats.seen(host="c.host") == Seen(live=(), last_seen=None)
+
+
+@pytest.mark.parametrize(
+    ("live", "last_seen_ago", "due", "message"),
+    [
+        (False, None, 3, "No deliverer has been seen in the last day while 3 deliveries are due"),
+        (False, 252, 1, "No deliverer seen for 4m 12s while 1 delivery is due"),
+        (False, 30, 120, ""),  # dead, but a restart takes a moment
+        (True, 1, 120, ""),
+        (False, None, 0, ""),  # nothing to do
+    ],
+)
+def test_work_due_with_no_deliverer_seen_for_a_minute_is_stalled(
+    live: bool, last_seen_ago: float | None, due: int, message: str
+) -> None:
+    now = timezone.now()
+    last_seen = now - last_seen_ago * SECOND if last_seen_ago is not None else None
+    deliverer = heartbeats.SeenDeliverer("h", 1, "0.1", now, now, 0, 0.0)
+    seen = Seen(live=(deliverer,) if live else (), last_seen=last_seen)
+    assert heartbeats.stalled(seen, due, now) == message
