@@ -433,6 +433,7 @@ def gone(pid: int) -> bool:
 CHILD = r"\[deliverer (\d+)/2 pid (\d+)\]"
 
 
+@pytest.mark.slow
 def test_two_processes_drain_a_fan_out_each_delivery_once_both_doing_part_of_it(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -459,6 +460,7 @@ def test_two_processes_drain_a_fan_out_each_delivery_once_both_doing_part_of_it(
     assert "Done: all 2 deliverer processes finished." in text
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_supervisor_stops_both_children_and_exits_0_losing_nothing(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -486,6 +488,7 @@ def test_sigterm_to_the_supervisor_stops_both_children_and_exits_0_losing_nothin
     assert waiting.count() == 20 - len(sent)
 
 
+@pytest.mark.slow
 def test_a_child_killed_is_restarted_with_a_log_line_and_the_work_completes(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -514,6 +517,7 @@ def test_a_child_killed_is_restarted_with_a_log_line_and_the_work_completes(
     assert received == set(urls)
 
 
+@pytest.mark.slow
 def test_a_second_signal_to_the_supervisor_kills_the_children_at_once(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -521,7 +525,7 @@ def test_a_second_signal_to_the_supervisor_kills_the_children_at_once(
     send(ALICE, NOTE, [stuck.url(f"/{n}") for n in range(4)])
     process = processes("--processes=2", "--concurrency=1")
     output = Output(process)
-    wait_until(lambda: len(stuck.received) >= 2)
+    wait_until(lambda: len(stuck.received) >= 2, timeout=90)
     pids = {int(output.wait_for(rf"\[deliverer {n}/2 pid (\d+)\]")[1]) for n in (1, 2)}
     process.send_signal(signal.SIGINT)
     output.wait_for(r"Stopping: 2 deliverer\(s\) finishing what is in flight")
@@ -533,6 +537,7 @@ def test_a_second_signal_to_the_supervisor_kills_the_children_at_once(
     assert set(Delivery.objects.values_list("status", flat=True)) == {Status.PENDING}
 
 
+@pytest.mark.slow
 def test_children_stop_when_their_supervisor_is_killed(
     processes: Callable[..., subprocess.Popen[str]],
 ) -> None:
@@ -566,6 +571,7 @@ def free_ports(count: int) -> int:
     raise AssertionError("no free ports in a row")
 
 
+@pytest.mark.slow
 def test_each_child_serves_its_metrics_on_the_port_after_the_last(
     processes: Callable[..., subprocess.Popen[str]],
 ) -> None:
@@ -583,6 +589,7 @@ def test_each_child_serves_its_metrics_on_the_port_after_the_last(
     assert process.wait(30) == 0, output.finish()
 
 
+@pytest.mark.slow
 def test_a_child_that_dies_at_once_every_time_is_given_up_with_a_clear_message(
     processes: Callable[..., subprocess.Popen[str]],
 ) -> None:
