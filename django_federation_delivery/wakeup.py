@@ -54,6 +54,8 @@ class PostgresListener:
 
     #: How long one wait lasts at most; :meth:`stop` ends it sooner.
     WAIT = 5.0
+    #: How long :meth:`stop` waits for a listener still connecting.
+    STOP_WAIT = 30.0
 
     def __init__(self, event: threading.Event, *, using: str = DEFAULT_DB_ALIAS) -> None:
         self.event = event
@@ -85,7 +87,9 @@ class PostgresListener:
         with contextlib.suppress(OSError):  # closed: stopped before
             self._stop_writer.send(b"\0")
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            # At once, unless it is still connecting (which nothing can
+            # interrupt): then until the connection is made, and closed.
+            self._thread.join(timeout=self.STOP_WAIT)
             if self._thread.is_alive():
                 return  # its sockets are left to it
         self._stop_writer.close()
@@ -100,7 +104,11 @@ class PostgresListener:
         params.pop("cursor_factory", None)
         params.pop("context", None)
         conn = psycopg.connect(**params, autocommit=True)
-        conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        try:
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _run(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpsig
 import pytest
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, connections
 from django.db.backends.signals import connection_created
 from django.utils import timezone
 
@@ -654,8 +654,12 @@ def test_a_run_with_stop_after_stops_claiming_then_and_finishes_what_is_in_fligh
     later: list[Batch] = []
 
     def send_once_stopping() -> None:
-        wait_until(lambda: deliverer.stopping, timeout=10)
-        later.append(send(ALICE, NOTE, [slow.url("/second")]))
+        try:
+            wait_until(lambda: deliverer.stopping, timeout=10)
+            later.append(send(ALICE, NOTE, [slow.url("/second")]))
+        finally:
+            # This thread's own connection, as a web request would close it.
+            connections.close_all()
 
     thread = threading.Thread(target=send_once_stopping)
     thread.start()
