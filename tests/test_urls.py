@@ -19,7 +19,7 @@ import requests.utils
 
 import django_federation_delivery
 from django_federation_delivery import send, urls
-from django_federation_delivery.attempt import Job, attempt
+from django_federation_delivery.attempt import AttemptResult, Job, attempt
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery
 from django_federation_delivery.signatures import Scheme, SenderKey
@@ -324,6 +324,22 @@ def verified(request: Received, scheme: Scheme) -> bool:
     return result.covered_components['"@target-uri"'] == url
 
 
+def attempt_once(
+    delivery: Delivery, batch: Batch, scheme: Scheme, transport: Transport
+) -> AttemptResult:
+    """One attempt at a queued delivery, signed by ALICE in ``scheme``."""
+    job = Job(
+        delivery_id=delivery.id,
+        targets=(delivery.inbox,),
+        body=batch.body.encode(),
+        body_sha256=batch.body_sha256,
+        key=KEY,
+        sender=ALICE,
+        scheme=scheme,
+    )
+    return attempt(job, transport)
+
+
 def sent_once(url: object, inbox: Inbox, transport: Transport, scheme: Scheme) -> str:
     """Queue ``url`` with send() and make one attempt at it: "verified", or the skip reason."""
     Batch.objects.all().delete()
@@ -338,16 +354,7 @@ def sent_once(url: object, inbox: Inbox, transport: Transport, scheme: Scheme) -
         assert skipped.reason
         return "skipped"
     delivery = Delivery.objects.get()
-    job = Job(
-        delivery_id=delivery.id,
-        targets=(delivery.inbox,),
-        body=batch.body.encode(),
-        body_sha256=batch.body_sha256,
-        key=KEY,
-        sender=ALICE,
-        scheme=scheme,
-    )
-    result = attempt(job, transport)
+    result = attempt_once(delivery, batch, scheme, transport)
     assert result.delivered, (url, result.error)
     (request,) = inbox.received[before:]
     assert verified(request, scheme), (url, request.path)
@@ -583,16 +590,7 @@ def test_a_corpus_of_hostile_activities_is_either_delivered_verified_or_refused_
         assert batch is not None
         delivery = Delivery.objects.get()
         scheme = (Scheme.CAVAGE, Scheme.RFC9421)[number % 2]
-        job = Job(
-            delivery_id=delivery.id,
-            targets=(delivery.inbox,),
-            body=batch.body.encode(),
-            body_sha256=batch.body_sha256,
-            key=KEY,
-            sender=ALICE,
-            scheme=scheme,
-        )
-        result = attempt(job, transport)
+        result = attempt_once(delivery, batch, scheme, transport)
         assert result.delivered, (number, result.error)
         (request,) = inbox.received[before:]
         assert verified(request, scheme), number
