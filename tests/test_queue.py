@@ -218,7 +218,7 @@ def test_an_ordered_delivery_waits_until_the_one_before_it_to_that_inbox_settles
 
 
 @pytest.mark.django_db
-def test_an_ordered_send_waits_on_the_last_of_a_long_backlog_in_as_many_statements() -> None:
+def test_an_ordered_send_waits_on_the_last_of_a_long_backlog() -> None:
     def queued(type: str) -> Batch:
         batch = send_batch(
             ALICE, {"type": type}, ["https://a.example/inbox"], {"ordering_key": "alerts"}
@@ -238,7 +238,7 @@ def test_an_ordered_send_waits_on_the_last_of_a_long_backlog_in_as_many_statemen
         last = queued("Backlog")
     many, after = statements("Last")
     assert after == Delivery.objects.get(batch=last).id, "it waits on the one queued just before"
-    assert many == few
+    assert many == few, "no statement more for a longer backlog"
 
 
 @pytest.mark.django_db
