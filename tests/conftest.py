@@ -47,6 +47,93 @@ def _sqlite_wal(sender: Any, connection: Any, **kwargs: Any) -> None:
             cursor.execute("PRAGMA synchronous=NORMAL")
 
 
+#: Sessions of an earlier test still on the test database, ended before the
+#: next test began: shown at the end of the run.
+LEFT_OVER: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_session_left_over(request: pytest.FixtureRequest) -> None:
+    """On PostgreSQL, a test that uses the database starts alone on it.
+
+    A process a test killed can leave its server session running a
+    statement, holding its locks, until the server notices; a later test's
+    DELETE or flush would wait on them. Any such session is ended here and
+    named in the run's summary.
+    """
+    if request.node.get_closest_marker("django_db") is None or connection.vendor != "postgresql":
+        return
+    blocker = request.getfixturevalue("django_db_blocker")
+    with blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid, application_name, state, wait_event_type, wait_event, "
+            "round(extract(epoch FROM now() - state_change)), left(query, 200), "
+            "pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND backend_type = 'client backend'"
+        )
+        for pid, app, state, kind, event, age, query, _ in cursor.fetchall():
+            LEFT_OVER.append(
+                f"before {request.node.nodeid}: ended session {pid} ({app or 'no name'}), "
+                f"{state} for {age} s, waiting on {kind}/{event}: {query!r}"
+            )
+
+
+#: After this long in one test, what every session on PostgreSQL is doing
+#: (and waiting on) is recorded once for the run's summary: a test stuck on
+#: a lock names the lock's holder before the timeout ends it.
+STUCK_AFTER = 120.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    if connection.vendor != "postgresql" or item.get_closest_marker("django_db") is None:
+        yield
+        return
+    done = threading.Event()
+
+    def look() -> None:
+        if done.wait(STUCK_AFTER):
+            return
+        from django.db import connections
+
+        other = connections.create_connection("default")
+        try:
+            with other.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pid, pg_blocking_pids(pid), application_name, state, "
+                    "wait_event_type, wait_event, round(extract(epoch FROM now() - query_start)), "
+                    "left(query, 300) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+                rows = cursor.fetchall()
+        except Exception as error:  # a report, not a test: it must not fail one
+            rows = [("?", "?", f"could not look: {error}", "", "", "", "", "")]
+        finally:
+            other.close()
+        LEFT_OVER.append(f"{item.nodeid} still running after {STUCK_AFTER:g} s; sessions:")
+        LEFT_OVER.extend(
+            f"  {pid} blocked by {blockers} ({app or 'no name'}), {state}, waiting on "
+            f"{kind}/{event}, for {age} s: {query!r}"
+            for pid, blockers, app, state, kind, event, age, query in rows
+        )
+
+    watcher = threading.Thread(target=look, name="stuck-test-watcher", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if LEFT_OVER:
+        terminalreporter.section("PostgreSQL sessions left over by a test, or holding one up")
+        for line in LEFT_OVER:
+            terminalreporter.write_line(line)
+
+
 @dataclass
 class Received:
     path: str
