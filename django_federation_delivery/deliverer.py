@@ -70,7 +70,7 @@ class Deliverer:
         on_progress: Callable[[Summary], None] | None = None,
         progress_interval: float = 1.0,
         metrics: bool = False,
-        heartbeat: bool = False,
+        heartbeat: bool | Heartbeat = False,
     ) -> None:
         get = app_settings.get
         self.concurrency = max(1, int(concurrency or get("CONCURRENCY")))
@@ -97,9 +97,14 @@ class Deliverer:
         #: Whether to keep the queue's gauges (lag, open breakers) up to date.
         self.metrics = metrics
         self._gauges_read = -1.0
-        #: Whether it records a heartbeat (run_deliverer's do; see heartbeats.py).
-        self.heartbeat = (
-            Heartbeat(float(get("HEARTBEAT_SECONDS")), using=using) if heartbeat else None
+        #: Whether it records a heartbeat (run_deliverer's do; see heartbeats.py),
+        #: or the one it keeps up (a round's, carried from one round to the next).
+        self.heartbeat: Heartbeat | None = (
+            heartbeat
+            if isinstance(heartbeat, Heartbeat)
+            else Heartbeat(float(get("HEARTBEAT_SECONDS")), using=using)
+            if heartbeat
+            else None
         )
         self.on_progress = on_progress
         self.progress_interval = progress_interval
@@ -173,6 +178,8 @@ class Deliverer:
             listener = wakeup.PostgresListener(self._wake, using=self.using)
             listener.start()
         self.summary.started = time.monotonic()
+        if self.heartbeat is not None:
+            self.heartbeat.begin()
         self.workers.grow_to(self.concurrency)
         next_progress = time.monotonic() + self.progress_interval
         timer = None

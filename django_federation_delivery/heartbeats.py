@@ -40,17 +40,41 @@ MOST_LISTED = 100
 class Heartbeat:
     """One deliverer's row. :meth:`beat` when :meth:`due`; :meth:`remove` on
     a clean stop. Database errors are the caller's (the deliverer's ``_db``
-    waits them out): a failed beat is tried again at the next interval."""
+    waits them out): a failed beat is tried again at the next interval.
 
-    def __init__(self, interval: float, *, using: str = DEFAULT_DB_ALIAS) -> None:
+    ``alive_for`` is the longest a live deliverer goes between beats, stored
+    in its row (``interval``): it is taken for dead :data:`DEAD_AFTER` of
+    those after its last beat. It is ``interval`` for ``run_deliverer``;
+    for rounds run by a scheduler (see ``contrib.django_q``), which beat
+    while they run and not between, the schedule's period, and ``kept``:
+    the row stays when a round ends, and the process's next round takes it
+    up again (:meth:`begin`).
+    """
+
+    def __init__(
+        self,
+        interval: float,
+        *,
+        using: str = DEFAULT_DB_ALIAS,
+        alive_for: float | None = None,
+        kept: bool = False,
+    ) -> None:
         self.interval = interval
+        self.alive_for = max(interval, alive_for or interval)
+        self.kept = kept
         self.using = using
+        self.pid = os.getpid()
         self.pk: int | None = None
         self.started_at = timezone.now()
         self.next_at = time.monotonic()
         self._delivered = 0
         self._counted_at = time.monotonic()
         self._forgot_at = -FORGET_EVERY
+
+    def begin(self) -> None:
+        """A run starts: beat at once, counting what it delivers from zero."""
+        self.next_at = self._counted_at = time.monotonic()
+        self._delivered = 0
 
     def due(self) -> bool:
         return time.monotonic() >= self.next_at
@@ -74,10 +98,10 @@ class Heartbeat:
         if self.pk is None or not rows.filter(pk=self.pk).update(**fields):
             self.pk = rows.create(
                 host=socket.gethostname()[:255],
-                pid=os.getpid(),
+                pid=self.pid,
                 version=__version__[:50],
                 started_at=self.started_at,
-                interval=self.interval,
+                interval=self.alive_for,
                 **fields,
             ).pk
         if clock - self._forgot_at >= FORGET_EVERY:
@@ -85,8 +109,8 @@ class Heartbeat:
             rows.filter(last_seen__lt=now - FORGET_AFTER).delete()
 
     def remove(self) -> None:
-        """This deliverer stopped: it is no longer listed."""
-        if self.pk is not None:
+        """This deliverer stopped: it is no longer listed (unless ``kept``)."""
+        if self.pk is not None and not self.kept:
             DelivererHeartbeat.objects.using(self.using).filter(pk=self.pk).delete()
             self.pk = None
 

@@ -29,7 +29,7 @@ from django.utils import timezone
 from django_q.models import Schedule, Task
 from django_q.tasks import async_task
 
-from django_federation_delivery import contrib, send
+from django_federation_delivery import contrib, heartbeats, send
 from django_federation_delivery.contrib import django_q
 from django_federation_delivery.contrib.django_q import (
     ANOTHER_ROUND,
@@ -44,7 +44,7 @@ from django_federation_delivery.contrib.django_q import (
     round_lock,
     round_seconds,
 )
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.models import DelivererHeartbeat, Delivery, Status
 
 from .conftest import MANAGE, Inbox, subprocess_env, wait_until
 from .keys import ALICE
@@ -206,6 +206,29 @@ def test_a_round_delivers_what_is_due_and_says_what_it_did(inbox: Inbox, setting
     assert (result["delivered"], result["retrying"], result["failed"]) == (2, 0, 0)
     assert statuses() == {Status.DELIVERED: 2}
     assert 1 <= result["seconds"] < 5
+
+
+def test_rounds_keep_one_heartbeat_alive_between_them_so_the_status_check_passes(
+    inbox: Inbox, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster(settings, timeout=90, retry=120)
+    monkeypatch.setattr(django_q, "_heartbeats", {})
+    send(ALICE, NOTE, [inbox.url("/a")])
+    deliver_round(1)
+    (row,) = DelivererHeartbeat.objects.all()
+    # Left when the round ended, with the schedule's period as its interval:
+    # alive until three periods pass without another round.
+    assert (row.pid, row.interval) == (os.getpid(), django_q.ROUND_PERIOD)
+    assert [d.pid for d in heartbeats.seen().live] == [os.getpid()]
+    first_seen = row.last_seen
+    send(ALICE, NOTE, [inbox.url("/b")])
+    deliver_round(1)
+    (again,) = DelivererHeartbeat.objects.all()
+    assert again.pk == row.pk and again.last_seen > first_seen
+    call_command("delivery_status", "--check", stdout=io.StringIO())
+    # Three periods without a round: taken for dead.
+    later = timezone.now() + dt.timedelta(seconds=3 * django_q.ROUND_PERIOD + 1)
+    assert heartbeats.seen(now=later).live == ()
 
 
 def test_a_round_with_a_silent_server_returns_within_its_bound_and_one_attempt(

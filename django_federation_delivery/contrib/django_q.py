@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django_federation_delivery.checks import check_settings
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.retention import purge_by_setting
 
 logger = logging.getLogger(__name__)
@@ -218,6 +220,28 @@ def _file_lock(name: Any) -> Iterator[bool]:
             fcntl.flock(file.fileno(), fcntl.LOCK_UN)
 
 
+#: This process's heartbeat, by database: its rounds keep one row up to date.
+_heartbeats: dict[str, Heartbeat] = {}
+#: The round schedule's period: between two rounds, a process is still alive.
+ROUND_PERIOD = 60.0
+
+
+def _heartbeat(using: str) -> Heartbeat:
+    """The heartbeat this process's rounds keep (a new one in a forked child):
+    beating every HEARTBEAT_SECONDS while a round runs, and left in place
+    between rounds, alive for three periods of the schedule after the last."""
+    heartbeat = _heartbeats.get(using)
+    if heartbeat is None or heartbeat.pid != os.getpid():
+        heartbeat = Heartbeat(
+            float(app_settings.get("HEARTBEAT_SECONDS")),
+            using=using,
+            alive_for=ROUND_PERIOD,
+            kept=True,
+        )
+        _heartbeats[using] = heartbeat
+    return heartbeat
+
+
 def deliver_round(seconds: float | None = None, *, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
     """A task: claim and send for ``seconds`` (see :func:`round_seconds`),
     then finish what is in flight and return what was done. Returns at once,
@@ -232,7 +256,7 @@ def deliver_round(seconds: float | None = None, *, using: str = DEFAULT_DB_ALIAS
         if not held:
             logger.info("A round was not started: %s", ANOTHER_ROUND)
             return {"ran": False, "reason": ANOTHER_ROUND}
-        summary = Deliverer(using=using).run(stop_after=bound)
+        summary = Deliverer(using=using, heartbeat=_heartbeat(using)).run(stop_after=bound)
     logger.info("Round: %s", summary.line())
     return {
         "ran": True,
