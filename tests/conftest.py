@@ -47,19 +47,19 @@ def _sqlite_wal(sender: Any, connection: Any, **kwargs: Any) -> None:
             cursor.execute("PRAGMA synchronous=NORMAL")
 
 
-#: Sessions of an earlier test still on the test database, ended before the
-#: next test began: shown at the end of the run.
+#: Sessions of an earlier test still on the test database when the next
+#: began, and what held up a test: shown at the end of the run.
 LEFT_OVER: list[str] = []
 
 
 @pytest.fixture(autouse=True)
 def _no_session_left_over(request: pytest.FixtureRequest) -> None:
-    """On PostgreSQL, a test that uses the database starts alone on it.
+    """On PostgreSQL, a test that uses the database should start alone on it.
 
     A process a test killed can leave its server session running a
     statement, holding its locks, until the server notices; a later test's
-    DELETE or flush would wait on them. Any such session is ended here and
-    named in the run's summary.
+    DELETE or flush would wait on them. Any such session is named in the
+    run's summary (not ended: it may be one this process still uses).
     """
     if request.node.get_closest_marker("django_db") is None or connection.vendor != "postgresql":
         return
@@ -67,14 +67,14 @@ def _no_session_left_over(request: pytest.FixtureRequest) -> None:
     with blocker.unblock(), connection.cursor() as cursor:
         cursor.execute(
             "SELECT pid, application_name, state, wait_event_type, wait_event, "
-            "round(extract(epoch FROM now() - state_change)), left(query, 200), "
-            "pg_terminate_backend(pid) FROM pg_stat_activity "
+            "round(extract(epoch FROM now() - state_change)), left(query, 200) "
+            "FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid() "
             "AND backend_type = 'client backend'"
         )
-        for pid, app, state, kind, event, age, query, _ in cursor.fetchall():
+        for pid, app, state, kind, event, age, query in cursor.fetchall():
             LEFT_OVER.append(
-                f"before {request.node.nodeid}: ended session {pid} ({app or 'no name'}), "
+                f"before {request.node.nodeid}: session {pid} ({app or 'no name'}), "
                 f"{state} for {age} s, waiting on {kind}/{event}: {query!r}"
             )
 
