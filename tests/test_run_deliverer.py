@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import json
 import logging
@@ -362,16 +363,20 @@ class Output:
         self._thread.start()
 
     def _read(self) -> None:
-        for line in self._stdout:
-            with self._lock:
-                self._lines.append(line)
+        # The pipe is closed under it when a failed test's fixture kills the process.
+        with contextlib.suppress(ValueError):
+            for line in self._stdout:
+                with self._lock:
+                    self._lines.append(line)
 
     def text(self) -> str:
         with self._lock:
             return "".join(self._lines)
 
-    def wait_for(self, pattern: str, timeout: float = 30) -> re.Match[str]:
-        """The first match of the regular expression ``pattern`` in what was written."""
+    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match[str]:
+        """The first match of the regular expression ``pattern`` in what was
+        written. The default wait allows for a machine so loaded that starting
+        a child (a fresh interpreter importing Django) takes half a minute."""
         found: list[re.Match[str]] = []
 
         def seen() -> bool:
