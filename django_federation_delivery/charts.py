@@ -63,7 +63,7 @@ BREAKER_COLOUR = "#ba2121"
 
 WIDTH = 760
 HEIGHT = 260
-LEFT, RIGHT, TOP, BOTTOM = 48, 16, 34, 52
+LEFT, RIGHT, TOP, BOTTOM = 48, 36, 34, 52
 #: Steps up the count axis, at most.
 STEPS = 5
 
