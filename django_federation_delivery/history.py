@@ -111,17 +111,22 @@ def recent(
         .filter(minute__gte=first_hour, minute__lte=this_minute)
         .values_list("minute", *COUNTS)
     )
-    starts = [this_minute - dt.timedelta(minutes=n) for n in range(MINUTES)]
-    minutes = {start: Bucket(start) for start in starts}
-    hours = {
-        start: Bucket(start) for start in (first_hour + dt.timedelta(hours=n) for n in range(HOURS))
-    }
+    first_minute = this_minute - dt.timedelta(minutes=MINUTES - 1)
+    # Summed as plain lists, a bucket an index: 2,880 rows in a few milliseconds.
+    by_minute = [[0] * len(COUNTS) for _ in range(MINUTES)]
+    by_hour = [[0] * len(COUNTS) for _ in range(HOURS)]
     for minute, *values in rows:
-        bucket = Bucket(minute_of(minute), *values)
-        if bucket.start in minutes:
-            minutes[bucket.start] += bucket
-        hours[hour_of(bucket.start)] += bucket
-    return [minutes[at] for at in sorted(minutes)], [hours[at] for at in sorted(hours)]
+        at = minute_of(minute)
+        sums = [by_hour[int((at - first_hour).total_seconds()) // 3600]]
+        if at >= first_minute:
+            sums.append(by_minute[int((at - first_minute).total_seconds()) // 60])
+        for counts in sums:
+            for n, value in enumerate(values):
+                counts[n] += value
+    return (
+        [Bucket(first_minute + dt.timedelta(minutes=n), *by_minute[n]) for n in range(MINUTES)],
+        [Bucket(first_hour + dt.timedelta(hours=n), *by_hour[n]) for n in range(HOURS)],
+    )
 
 
 def purge(
