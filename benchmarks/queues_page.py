@@ -4,10 +4,11 @@
 Fills a fresh database with N deliveries shaped like a busy server's table:
 most delivered over the last month, some failed or refused, a few percent
 pending (due, scheduled, in flight, held), spread over H hosts, with a few
-open breakers and a paused host. Then times, over R rounds, the overview's
-queries alone and a GET of the queues page through the test client (as a
-logged-in superuser), and prints their medians, the page's query count, and
-each overview query's plan (SQLite's EXPLAIN QUERY PLAN, PostgreSQL's
+open breakers and a paused host, and two days of history (2,880 minutes, for
+the page's charts). Then times, over R rounds, the overview's queries alone,
+the history's read and charts alone, and a GET of the queues page through the
+test client (as a logged-in superuser), and prints their medians, the page's
+query count, and each overview and history query's plan (SQLite's EXPLAIN QUERY PLAN, PostgreSQL's
 EXPLAIN). It asserts nothing.
 
     python benchmarks/queues_page.py [--deliveries 100000] [--hosts 2000]
@@ -66,10 +67,13 @@ def main() -> None:
         with connection.cursor() as cursor:
             cursor.execute("PRAGMA journal_mode=WAL")
 
-    from django_federation_delivery.models import Delivery
+    from django_federation_delivery.models import Delivery, DeliveryHistory
 
     if not Delivery.objects.exists():
         fill(args.deliveries, args.hosts)
+    # Refilled each run, so that the two days shown end now.
+    DeliveryHistory.objects.all().delete()
+    fill_history()
     with connection.cursor() as cursor:
         # Left by a run from before migration 0007 made it fd_delivery_settled.
         cursor.execute("DROP INDEX IF EXISTS fd_bench_settled")
@@ -79,6 +83,8 @@ def main() -> None:
     from django.contrib.auth.models import User
 
     from django_federation_delivery import overview
+    from django_federation_delivery.admin.queues import history_charts
+    from django_federation_delivery.history import recent
 
     User.objects.filter(username="bench").delete()
     User.objects.create_superuser("bench", password="bench")
@@ -93,17 +99,25 @@ def main() -> None:
 
     client.get(page)
     overview_times = [timed(overview.overview) for _ in range(args.rounds)]
+    history_times = [timed(recent) for _ in range(args.rounds)]
+    charts_times = [
+        timed(lambda: history_charts(dt.datetime.now(dt.UTC))) for _ in range(args.rounds)
+    ]
     page_times = [timed(lambda: client.get(page)) for _ in range(args.rounds)]
     with CaptureQueriesContext(connection) as captured:
         assert client.get(page).status_code == 200
     print(
         f"{connection.vendor}, {Delivery.objects.count()} deliveries:\n"
         f"  overview() median {statistics.median(overview_times) * 1000:.1f} ms\n"
+        f"  history.recent() median {statistics.median(history_times) * 1000:.1f} ms, "
+        f"with both charts drawn {statistics.median(charts_times) * 1000:.1f} ms "
+        f"({DeliveryHistory.objects.count()} history minutes)\n"
         f"  queues page median {statistics.median(page_times) * 1000:.1f} ms, "
         f"{len(captured)} queries"
     )
     with CaptureQueriesContext(connection) as captured:
         overview.overview()
+        recent()
     explain = "EXPLAIN QUERY PLAN " if connection.vendor == "sqlite" else "EXPLAIN "
     with connection.cursor() as cursor:
         for query in captured.captured_queries:
@@ -116,6 +130,28 @@ def main() -> None:
             for row in cursor.fetchall():
                 print("           ", row[-1])
     scratch.cleanup()
+
+
+def fill_history() -> None:
+    """Two days of history, a row a minute up to now, as a busy server's."""
+    from django.utils import timezone
+
+    from django_federation_delivery.history import minute_of
+    from django_federation_delivery.models import DeliveryHistory
+
+    rng = random.Random(11)
+    now = minute_of(timezone.now())
+    DeliveryHistory.objects.bulk_create(
+        DeliveryHistory(
+            minute=now - dt.timedelta(minutes=n),
+            delivered=rng.randint(200, 900),
+            retried=rng.randint(0, 60),
+            refused=rng.randint(0, 10),
+            failed=rng.randint(0, 5),
+            breakers_opened=1 if rng.random() < 0.01 else 0,
+        )
+        for n in range(2 * 24 * 60)
+    )
 
 
 def fill(count: int, hosts: int) -> None:

@@ -27,6 +27,7 @@ from django.db import DEFAULT_DB_ALIAS, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from django_federation_delivery import history
 from django_federation_delivery.models import Breaker
 from django_federation_delivery.queue import (
     connection_for,
@@ -157,6 +158,7 @@ def record_failures(
         f"RETURNING {table}.failures, {table}.open_until"
     )
     standing: dict[str, tuple[int, dt.datetime | None]] = {}
+    opened = 0
     with transaction.atomic(using=using), connection.cursor() as cursor:
         for key, count in sorted(failures.items()):
             cursor.execute(
@@ -175,6 +177,9 @@ def record_failures(
             row = cursor.fetchone()
             if row is not None:
                 standing[key] = (int(row[0]), read_datetime(row[1]))
+                # Opened by this statement: open until the time it wrote.
+                opened += standing[key][1] == now + dt.timedelta(seconds=cool_off)
+        history.record({now: {"breakers_opened": opened}}, using=using)
     return standing
 
 

@@ -225,3 +225,29 @@ class DelivererHeartbeat(models.Model):
 
     def __str__(self) -> str:
         return f"deliverer pid {self.pid} on {self.host}"
+
+
+class DeliveryHistory(models.Model):
+    """What came of deliveries in one UTC minute, for the queues page's charts.
+
+    One row a minute that saw anything, added to by whoever settles
+    deliveries (see history.py): the charts read at most two days of these,
+    however many deliveries the table holds.
+    """
+
+    minute = models.DateTimeField(unique=True)
+    delivered = models.PositiveIntegerField(default=0)
+    # Attempts that failed and were rescheduled; not those held unsent by
+    # an open breaker or a paused host.
+    retried = models.PositiveIntegerField(default=0)
+    refused = models.PositiveIntegerField(default=0)
+    # Given up: out of attempts or past the deadline, or by an operator.
+    failed = models.PositiveIntegerField(default=0)
+    # Breakers that opened: a destination's failures in a row reached the threshold.
+    breakers_opened = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        verbose_name_plural = "delivery history"
+
+    def __str__(self) -> str:
+        return f"{self.minute:%Y-%m-%d %H:%M} UTC"

@@ -23,6 +23,7 @@ from django.db.models import F, Max, Min
 from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
 
+from django_federation_delivery import history
 from django_federation_delivery.models import Batch, Delivery, Host, Lane, Status
 
 NOTIFY_CHANNEL = "federation_delivery"
@@ -79,6 +80,9 @@ class Settlement:
     #: Whether its batch has an ordering key, so that settling it may
     #: release the next of its sequence.
     ordered: bool = False
+    #: A pending one's attempt failed and is to be tried again: counted as
+    #: retried in the history (one held unsent by a breaker or a pause is not).
+    retried: bool = False
 
 
 def connection_for(using: str | None) -> Any:
@@ -466,11 +470,32 @@ def settle(
             cursor.execute(_settle_sql(connection, len(settlements)), values)
             written = {row[0] for row in cursor.fetchall()}
         final_rows = [s for s in settlements if s.status in FINAL and s.claimed.id in written]
+        history.record(_history_of(settlements, written, now), using=using)
         _release_next([s.claimed.id for s in final_rows if s.ordered], now, using)
         finished = _count_down(Counter(s.claimed.batch_id for s in final_rows), now, using)
         if finished and on_finished is not None:
             on_finished(finished)
     return written
+
+
+#: The history's count of each status a settlement leaves a delivery in.
+_COUNTED = {
+    Status.DELIVERED: "delivered",
+    Status.REFUSED: "refused",
+    Status.FAILED: "failed",
+}
+
+
+def _history_of(
+    settlements: Sequence[Settlement], written: set[int], now: dt.datetime
+) -> dict[dt.datetime, dict[str, int]]:
+    """What the written settlements add to the history, in the minute of
+    each attempt (or of the write, for one given up unsent)."""
+    return history.counted(
+        (item.attempted_at or now, "retried" if item.retried else _COUNTED[item.status])
+        for item in settlements
+        if item.claimed.id in written and (item.retried or item.status in _COUNTED)
+    )
 
 
 def _settle_sql(connection: Any, rows: int) -> str:
@@ -632,6 +657,7 @@ def give_up_rows(
             rows = sorted(GivenUp(*row) for row in cursor.fetchall())
         if rows and on_failing is not None:
             on_failing(rows)
+        history.record({now: {"failed": len(rows)}}, using=alias)
         failed = [row.id for row in rows]
         _release_next(failed, now, alias)
         finished = _count_down(Counter(row.batch_id for row in rows), now, alias)

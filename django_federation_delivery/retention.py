@@ -1,4 +1,4 @@
-"""Retention: settled deliveries, emptied batches and forgotten hosts are deleted.
+"""Retention: settled deliveries, emptied batches, forgotten hosts and old history are deleted.
 
 A fan-out to 5,000 inboxes a few hundred times a day settles a million rows
 a day; kept for ever, they fill the disk. :func:`purge` deletes what is past
@@ -7,6 +7,9 @@ SQLite the write lock is held for one chunk, never for the whole purge, and
 on PostgreSQL no transaction lasts long enough to hold back vacuum. The
 command ``purge_deliveries``, ``run_deliverer --purge`` and a periodic task
 all call it.
+
+The queue's history (history.py) is kept for ``history.KEPT`` (7 days),
+whatever ``RETENTION`` says: a few thousand small rows, not the table's size.
 
 A pending delivery is never touched (every statement names the settled
 status it deletes), nor a batch that still has a delivery, nor a paused host
@@ -28,6 +31,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
+from django_federation_delivery import history
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.queue import CHUNK, connection_for, quoted_table
@@ -73,6 +77,8 @@ class Purged:
     deliveries: dict[str, int] = field(default_factory=dict)
     batches: int = 0
     hosts: int = 0
+    #: Minutes of history older than ``history.KEPT``.
+    history: int = 0
     seconds: float = 0.0
     #: Delivery statements run: one a chunk, and one more for each status
     #: to find that nothing is left.
@@ -88,7 +94,8 @@ class Purged:
         per_status = ", ".join(f"{status} {count}" for status, count in self.deliveries.items())
         return (
             f"{verb} {self.deleted} deliveries ({per_status or 'none'}), "
-            f"{self.batches} batches, {self.hosts} hosts in {self.seconds:.1f} s"
+            f"{self.batches} batches, {self.hosts} hosts, {self.history} history minutes "
+            f"in {self.seconds:.1f} s"
         )
 
 
@@ -110,11 +117,14 @@ def purge(
     cutoff, then the batches left with no delivery and the hosts not seen
     since (see :func:`_forgotten_hosts`). ``pause`` seconds between chunks
     leave SQLite's one write lock to the deliverer; ``should_stop`` is asked
-    between chunks, and a purge stopped early has deleted only whole chunks."""
+    between chunks, and a purge stopped early has deleted only whole chunks.
+    The history's old minutes go first, by ``history.KEPT``, whatever the cutoffs."""
     alias = using or DEFAULT_DB_ALIAS
     started = time.monotonic()
     purged = Purged(dry_run=dry_run)
+    purged.history = history.purge(dry_run=dry_run, using=alias)
     if not cutoffs:
+        purged.seconds = time.monotonic() - started
         return purged
     cutoffs = {Status(status): cutoff for status, cutoff in cutoffs.items()}
     if Status.PENDING in cutoffs:

@@ -197,6 +197,7 @@ class Settler:
             last_status=result.status,
             last_error=result.error[: self.error_length],
             attempted_at=now,
+            retried=not result.held,
         )
 
     def _gone(self, sender: str, status: int | None) -> bool:

@@ -14,13 +14,14 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_federation_delivery import controls
+from django_federation_delivery import controls, history
 from django_federation_delivery.admin import next_due
 from django_federation_delivery.models import (
     Batch,
     Breaker,
     DelivererHeartbeat,
     Delivery,
+    DeliveryHistory,
     Host,
     Lane,
     Status,
@@ -32,9 +33,9 @@ from .operators import open_breaker, queue, settle
 pytestmark = pytest.mark.django_db
 
 #: The queues page's queries, whatever the row count: the session, the user
-#: and their permissions, and the overview's own (about eight), one of them
-#: the live deliverers' heartbeats.
-QUEUES_QUERY_BOUND = 15
+#: and their permissions, the overview's own (about eight), one of them
+#: the live deliverers' heartbeats, and one for the history's charts.
+QUEUES_QUERY_BOUND = 16
 
 
 def url(model: str, view: str = "changelist", *args: Any) -> str:
@@ -97,7 +98,7 @@ def test_every_page_shows_for_an_operator(operator: Client) -> None:
         # Read-only: nothing to save, add or delete.
         assert 'name="_save"' not in page
         assert "deletelink" not in page
-    assert html(operator, url("delivery", "queues")).count('<div class="module" id="fd-') == 6
+    assert html(operator, url("delivery", "queues")).count('<div class="module" id="fd-') == 7
     assert url("delivery", "queues") in html(operator, url("delivery"))
 
 
@@ -197,6 +198,49 @@ def test_the_queues_page_shows_the_overview(operator: Client) -> None:
     assert "c.example" in page.split('id="fd-paused-hosts"')[1]
 
 
+def record_history(minutes: int) -> None:
+    """A minute of history for each of the last ``minutes``, a breaker opened in the latest."""
+    now = history.minute_of(timezone.now())
+    DeliveryHistory.objects.bulk_create(
+        DeliveryHistory(
+            minute=now - dt.timedelta(minutes=n),
+            delivered=20 + n % 7,
+            retried=n % 5,
+            refused=n % 2,
+            failed=n % 3,
+            breakers_opened=2 if n == 0 else 0,
+        )
+        for n in range(minutes)
+    )
+
+
+def test_the_queues_page_draws_the_last_hour_and_the_last_two_days(operator: Client) -> None:
+    record_history(3)
+    page = html(operator, url("delivery", "queues"))
+    section = page.split('id="fd-history"')[1].split("</div>\n\n")[0]
+    for chart, title in (
+        ("fd-history-minutes", "Last hour, by minute"),
+        ("fd-history-hours", "Last two days, by hour"),
+    ):
+        svg = section.split(f'id="{chart}"')[1].split("</svg>")[0]
+        assert 'role="img"' in section.split(f'id="{chart}"')[0].rsplit("<svg", 1)[1]
+        summary = svg.split("</title>")[0]
+        # Three minutes: 20 + 21 + 22 delivered, 0 + 1 + 2 retried, and so on.
+        assert f"{title}: 63 delivered, 3 retried, 1 refused, 3 failed; 2 breakers opened" in (
+            summary
+        )
+        for series in ("delivered", "retried", "refused", "failed", "breakers_opened"):
+            assert f'data-series="{series}"' in svg
+        assert "2 breakers opened at " in svg
+    assert "history is kept for 7 days" in section
+
+
+def test_the_queues_page_draws_empty_charts_with_no_history(operator: Client) -> None:
+    page = html(operator, url("delivery", "queues"))
+    assert "Last hour, by minute: 0 delivered, 0 retried, 0 refused, 0 failed; " in page
+    assert "fd-breaker-mark" not in page
+
+
 def heartbeat(seconds_ago: float, *, pid: int, host: str = "worker-1") -> DelivererHeartbeat:
     seen = timezone.now() - dt.timedelta(seconds=seconds_ago)
     return DelivererHeartbeat.objects.create(
@@ -276,6 +320,8 @@ def _fill(count: int) -> None:
     controls.pause_host(hosts[-1])
     heartbeat(1, pid=count)
     heartbeat(600, pid=count + 1)
+    if not DeliveryHistory.objects.exists():
+        record_history(2 * 24 * 60)
 
 
 @pytest.mark.parametrize("rows", [10, 2000])

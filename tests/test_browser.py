@@ -18,8 +18,8 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from django_federation_delivery import controls, send_webhook
-from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery import controls, history, send_webhook
+from django_federation_delivery.models import Delivery, DeliveryHistory, Host, Status
 
 from .conftest import ROOT
 from .operators import PASSWORD, open_breaker, queue, settle, user
@@ -113,7 +113,31 @@ def fill_queue() -> dict[str, Any]:
     settle(rows["https://lemmy.example/users/u0/inbox"], Status.FAILED, last_status=500)
     open_breaker("down.example", failures=10)
     controls.pause_host("pixelfed.example")
+    fill_history()
     return {"batch": batch, "failed": rows["https://lemmy.example/users/u0/inbox"]}
+
+
+def fill_history() -> None:
+    """Two days of a server's history: busier by day, an outage of down.example
+    three hours ago (retries, then failures, and its breaker opening), and a
+    few refusals."""
+    now = history.minute_of(timezone.now())
+    rows = []
+    for n in range(2 * 24 * 60):
+        minute = now - dt.timedelta(minutes=n)
+        busy = 30 if 8 <= minute.hour < 22 else 12
+        outage = 170 <= n < 200
+        rows.append(
+            DeliveryHistory(
+                minute=minute,
+                delivered=busy + n % 7,
+                retried=(6 if outage else 0) + n % 3,
+                refused=1 if n % 11 == 0 else 0,
+                failed=2 if outage and n % 4 == 0 else 0,
+                breakers_opened=1 if n in (5, 190) else 0,
+            )
+        )
+    DeliveryHistory.objects.bulk_create(rows)
 
 
 def fill_webhooks(settings: Any) -> None:
@@ -169,6 +193,19 @@ def test_staff_open_the_queues_page_and_every_list(
         "the receiver answered 503"
     )
     expect(page.locator("#fd-destinations")).not_to_contain_text("hooks.slack.com")
+    for chart, title in (
+        ("#fd-history-minutes", "Last hour, by minute"),
+        ("#fd-history-hours", "Last two days, by hour"),
+    ):
+        svg = page.locator(chart)
+        expect(svg).to_be_visible()
+        expect(svg).to_have_attribute("role", "img")
+        expect(svg.locator("title").first).to_contain_text(title)
+        for label in ("delivered", "retried", "refused", "failed", "breaker opened"):
+            expect(svg.locator(".fd-legend-item", has_text=label)).to_be_visible()
+        expect(svg.locator(".fd-breaker-mark").first).to_be_visible()
+        box = svg.bounding_box()
+        assert box is not None and box["width"] > 600 and box["height"] > 200, box
     screenshot(page, "queues")
 
     for model, text in (

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 from django.contrib import admin
 from django.contrib.admin.utils import quote
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import reverse
+from django.utils.safestring import SafeString, mark_safe
 
-from django_federation_delivery import overview
+from django_federation_delivery import charts, history, overview
 from django_federation_delivery.admin.base import changelist_url
 from django_federation_delivery.admin.destinations import destination_rows
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
@@ -18,7 +21,8 @@ from django_federation_delivery.models import Batch, Breaker, Delivery, Host, St
 def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -> TemplateResponse:
     """The queues at a glance: each lane's due, scheduled, in-flight and held
     deliveries, the live deliverers, the webhook destinations, the hosts
-    failing most, the open breakers and the paused hosts."""
+    failing most, the open breakers and the paused hosts; and the history's
+    charts, the last hour by minute and the last two days by hour."""
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
     request.current_app = model_admin.admin_site.name
@@ -60,6 +64,7 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
             "admin:federation_delivery_delivery_destinations", current_app=site.name
         ),
         "destinations": destination_rows(site, status.at),
+        "history_charts": history_charts(status.at),
         "failing_hosts": [
             (host, deliveries(host=host.host, status__exact=Status.PENDING))
             for host in status.failing_hosts
@@ -81,3 +86,31 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
         ],
     }
     return TemplateResponse(request, "admin/federation_delivery/queues.html", context)
+
+
+def history_charts(now: dt.datetime) -> list[SafeString]:
+    """The two charts, as inline SVG: one query, of at most two days of minutes."""
+    minutes, hours = history.recent(now=now)
+    return [
+        # charts.chart escapes all it writes.
+        mark_safe(
+            charts.chart(
+                minutes,
+                title="Last hour, by minute",
+                id="fd-history-minutes",
+                unit="minute",
+                time_format="%H:%M",
+                label_every=10,
+            )
+        ),
+        mark_safe(
+            charts.chart(
+                hours,
+                title="Last two days, by hour",
+                id="fd-history-hours",
+                unit="hour",
+                time_format="%a %H:%M",
+                label_every=6,
+            )
+        ),
+    ]

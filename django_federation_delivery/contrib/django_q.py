@@ -289,6 +289,7 @@ def purge_task(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
         "deliveries": dict(purged.deliveries),
         "batches": purged.batches,
         "hosts": purged.hosts,
+        "history": purged.history,
         "seconds": round(purged.seconds, 1),
         "finished": not out_of_time(),
     }

@@ -35,8 +35,8 @@ class Command(BaseCommand):
     help = (
         "Delete settled deliveries past their retention (the RETENTION setting, or "
         "--older-than for every settled status), a chunk at a time, then the batches "
-        "left with no delivery and the hosts not seen since. Pending deliveries are "
-        "never touched."
+        "left with no delivery and the hosts not seen since, and the history's minutes "
+        "older than 7 days. Pending deliveries are never touched."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -66,7 +66,12 @@ class Command(BaseCommand):
             except ImproperlyConfigured as exc:
                 raise CommandError(str(exc)) from exc
             if not seconds:
-                self.stdout.write("RETENTION keeps every settled delivery: nothing to purge.")
+                # The history has a retention of its own.
+                kept = retention.purge({}, dry_run=bool(options["dry_run"]), using=using)
+                self.stdout.write(
+                    "RETENTION keeps every settled delivery: nothing to purge "
+                    f"but {kept.history} history minutes."
+                )
                 return
         dry_run = bool(options["dry_run"])
         last = [time.monotonic()]
