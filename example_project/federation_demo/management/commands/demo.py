@@ -129,6 +129,8 @@ class Command(BaseCommand):
                 "(scripts/demo does)."
             )
         self.cluster = bool(options["django_q"])
+        #: --django-q: the rounds queued, the last maybe still running.
+        self.rounds: list[str] = []
         if self.cluster:
             self._wait_for_cluster()
         keys = public_keys()  # the demo's actors, made with their keys if need be
@@ -211,7 +213,8 @@ class Command(BaseCommand):
             )
         )
         stop_at = time.monotonic() + CLUSTER_BUDGET_SECONDS
-        rounds: list[str] = []
+        rounds = self.rounds
+        queued = len(rounds)
         while pending.exists():
             if time.monotonic() > stop_at:
                 raise CommandError(
@@ -220,6 +223,8 @@ class Command(BaseCommand):
                     "on this database? (its log says why a round failed)"
                 )
             # A round's result is saved when it ends: then the next is queued.
+            # (One queued while another runs would return at once: "another
+            # round is running".)
             if not rounds or task_model.objects.filter(id=rounds[-1]).exists():
                 rounds.append(async_task(ROUND_TASK, CLUSTER_ROUND_SECONDS))
             time.sleep(0.1)
@@ -228,7 +233,7 @@ class Command(BaseCommand):
             f"{row['count']} {row['status']}"
             for row in done.annotate(count=Count("id")).order_by("status")
         )
-        self.stdout.write(f"  Done, within {len(rounds)} round(s): {by_status}.")
+        self.stdout.write(f"  Done, {len(rounds) - queued} more round(s) queued: {by_status}.")
 
     def _drain_here(self, batches: list[Batch]) -> None:
         """Drain with progress, then drain again as the retries come due.
@@ -320,9 +325,9 @@ class Command(BaseCommand):
         first = (times["first"] - fan_out.created_at).total_seconds()
         last = (times["last"] - fan_out.created_at).total_seconds()
         how = (
-            "qcluster rounds (the demo, the inboxes and a qcluster: 2 processes, and its workers)"
+            "rounds in a qcluster, started before the send"
             if self.cluster
-            else "run_deliverer --drain (in this process: 1 process)"
+            else "run_deliverer --drain, started after the send in this process"
         )
         self.stdout.write(self.style.MIGRATE_HEADING("\nFan-out timing"))
         self.stdout.write(
