@@ -6,6 +6,7 @@ see example_project/README.rst for the variables.
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django_federation_delivery.webhooks import webhooks_from_env
 
 BASE_DIR = Path(__file__).resolve().parent.parent  # example_project/
-VAR_DIR = BASE_DIR / "var"  # the SQLite database and the demo actors' keys
+VAR_DIR = BASE_DIR / "var"  # the SQLite database
 VAR_DIR.mkdir(exist_ok=True)
 
 env = environ.Env()
@@ -36,6 +37,25 @@ INSTALLED_APPS = [
     "django_federation_delivery",
     "federation_demo",
 ]
+
+# django-q2, when installed (the package's "django-q" or "test" extra): its
+# cluster can run the deliverer's rounds instead of run_deliverer
+# (scripts/demo --django-q). The ORM broker: its queue is this database.
+if find_spec("django_q") is not None:
+    INSTALLED_APPS.append("django_q")
+    Q_CLUSTER = {
+        "name": "example-project",
+        "orm": "default",
+        "workers": env.int("Q_CLUSTER_WORKERS", default=2),
+        # A round must end within both: contrib.django_q's rounds fit their
+        # bound to them (here 90 s, less 35 s to finish what is in flight).
+        "timeout": 90,
+        "retry": 120,
+        # How often the ORM broker looks for a task: a round starts this soon.
+        "poll": 0.2,
+        "catch_up": False,
+        "log_level": "WARNING",
+    }
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -91,6 +111,19 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 
+
+def _days(variable: str, default: float) -> float:
+    """``variable``, a number of days, in seconds (RETENTION's unit)."""
+    text = env.str(variable, default=str(default))
+    try:
+        days = float(text)
+    except ValueError:
+        days = float("nan")
+    if not 0 < days < float("inf"):
+        raise ImproperlyConfigured(f"{variable} must be a positive number of days, not {text!r}.")
+    return days * 86400
+
+
 FEDERATION_DELIVERY = {
     "SENDER_KEYS": "federation_demo.keys.sender_key",
     # Deliveries go to public addresses only, unless networks are listed here
@@ -99,6 +132,15 @@ FEDERATION_DELIVERY = {
     # Webhook destinations, one WEBHOOK_<NAME> variable each (none by default),
     # e.g. WEBHOOK_OPS=slack://hooks.slack.com/services/… ; the URL is a secret.
     "WEBHOOKS": webhooks_from_env(env),
+    # How long settled deliveries are kept before a purge deletes them
+    # (run_deliverer --purge, purge_deliveries, or django-q2's purge task):
+    # in days, delivered and skipped ones, and failed and refused ones.
+    "RETENTION": {
+        "DELIVERED": _days("FEDERATION_DELIVERY_RETENTION_DAYS", 7),
+        "SKIPPED": _days("FEDERATION_DELIVERY_RETENTION_DAYS", 7),
+        "FAILED": _days("FEDERATION_DELIVERY_RETENTION_FAILED_DAYS", 30),
+        "REFUSED": _days("FEDERATION_DELIVERY_RETENTION_FAILED_DAYS", 30),
+    },
 }
 
 # The waits between a webhook's tries, a comma list of seconds (scripts/demo

@@ -24,8 +24,6 @@ from typing import Any
 from httpsig import HeaderVerifier
 from httpsig.utils import parse_signature_header
 
-from federation_demo.keys import public_key_pem
-
 #: What every signature must cover for the inbox to trust the request.
 REQUIRED_HEADERS = ["(request-target)", "host", "date", "digest"]
 #: How far the signed Date may be from the inbox's clock.
@@ -56,10 +54,11 @@ def check_request(
     path: str,
     headers: dict[str, str],
     body: bytes,
-    public_key: Callable[[str], str | None] = public_key_pem,
+    public_key: Callable[[str], str | None],
     host: str | None = None,
 ) -> str | None:
-    """Why the request is not properly signed, or None when it is."""
+    """Why the request is not properly signed, or None when it is; ``public_key``
+    gives a key id's public key PEM, or None for a key it does not know."""
     lower = {name.lower(): value for name, value in headers.items()}
     signature = lower.get("signature")
     if "signature-input" in lower:
@@ -124,10 +123,16 @@ class InboxStats:
 
 
 class InboxServer:
-    """An inbox server on ``host``, on a free port, until :meth:`stop`."""
+    """An inbox server on ``host``, on a free port, until :meth:`stop`, which
+    knows the senders' public keys ``public_keys`` (by key id)."""
 
-    def __init__(self, host: str, behaviour: Behaviour = Behaviour.ACCEPT) -> None:
+    def __init__(
+        self, host: str, public_keys: dict[str, str], behaviour: Behaviour = Behaviour.ACCEPT
+    ) -> None:
         self.behaviour = behaviour
+        # A copy: a real server fetches a key once and keeps it, and the
+        # request threads never touch the database.
+        self._public_keys = dict(public_keys)
         self.stats = InboxStats()
         self._lock = threading.Lock()
         self._seen: set[str] = set()
@@ -153,7 +158,9 @@ class InboxServer:
 
     def answer(self, method: str, path: str, headers: dict[str, str], body: bytes) -> int:
         """The status to answer a POST with, counting what came in."""
-        problem = check_request(method, path, headers, body, host=self.netloc)
+        problem = check_request(
+            method, path, headers, body, self._public_keys.get, host=self.netloc
+        )
         with self._lock:
             self.stats.received += 1
             if problem is not None:

@@ -1,79 +1,39 @@
-"""The demo actors' signing keys: the ``SENDER_KEYS`` provider, and no model.
+"""The ``SENDER_KEYS`` provider: each local actor's key, read from its
+:class:`~federation_demo.models.Actor` row.
 
-Each actor's RSA key is a PEM file under ``example_project/var/keys/``,
-made (mode 0600) the first time it is asked for. A real project would keep
-its actors' keys in its own models instead.
+The demo's two actors, alice and bob, are made (with a fresh RSA key) the
+first time they are asked for; any other sender with no row has no key. The
+package keeps what this returns for ``KEY_CACHE_SECONDS``, so a key costs a
+query now and then, not one a delivery.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-import threading
-from pathlib import Path
-
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
-from django.conf import settings
-
 from django_federation_delivery.signatures import SenderKey
+from federation_demo.models import ORIGIN, Actor
 
-ORIGIN = "http://example.test"
 ACTORS = ("alice", "bob")
 ALICE = f"{ORIGIN}/users/alice"
 BOB = f"{ORIGIN}/users/bob"
 
-_lock = threading.Lock()
-_keys: dict[str, SenderKey] = {}
-
-
-def key_dir() -> Path:
-    return Path(settings.BASE_DIR) / "var" / "keys"
-
 
 def sender_key(sender: str) -> SenderKey | None:
-    """The key ``sender`` signs with, or None when it is not a demo actor."""
-    slug = sender.removeprefix(f"{ORIGIN}/users/")
-    if slug == sender or slug not in ACTORS:
-        return None
-    with _lock:
-        key = _keys.get(slug)
-        if key is None:
-            key = SenderKey.from_pem(f"{sender}#main-key", _load_or_make_pem(slug))
-            _keys[slug] = key
-    return key
+    """The key ``sender`` signs with, or None when it is no local actor."""
+    actor = Actor.objects.filter(uri=sender).first()
+    if actor is None:
+        username = sender.removeprefix(f"{ORIGIN}/users/")
+        if username == sender or username not in ACTORS:
+            return None
+        actor = Actor.objects.get_or_make(username)
+    return SenderKey.from_pem(actor.key_id, actor.private_key_pem)
 
 
-def public_key_pem(key_id: str) -> str | None:
-    """The public key a remote server would fetch for ``key_id``, or None."""
-    actor, _, _ = key_id.partition("#")
-    key = sender_key(actor)
-    if key is None or key.key_id != key_id:
-        return None
-    return key.public_key_pem()
-
-
-def _load_or_make_pem(slug: str) -> bytes:
-    path = key_dir() / f"{slug}.pem"
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
+def public_keys() -> dict[str, str]:
+    """Every local actor's public key by its key id, as a remote server would
+    fetch it from the actor's document: the demo's inboxes check with these."""
+    for username in ACTORS:
+        Actor.objects.get_or_make(username)
+    return dict(
+        (actor.key_id, actor.public_key_pem)
+        for actor in Actor.objects.only("uri", "public_key_pem")
     )
-    # Written aside (mkstemp makes it 0600), then linked into place: another
-    # process that made the key first wins, and its key is the one used.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{slug}-", suffix=".pem")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(pem)
-        os.link(tmp, path)
-    except FileExistsError:
-        return path.read_bytes()
-    finally:
-        os.unlink(tmp)
-    return pem

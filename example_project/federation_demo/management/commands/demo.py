@@ -2,8 +2,10 @@
 
 Starts inbox servers on loopback addresses, queues a few hundred deliveries
 with ``django_federation_delivery.send``, drains them with ``run_deliverer
---drain`` (again for the retries), and reports what each inbox saw and how
-every delivery ended.
+--drain --purge`` (again for the retries) or, with ``--django-q``, has a
+running ``qcluster`` deliver them in rounds; and reports what each inbox saw,
+how every delivery ended, how long the fan-out took, and what the signal
+receivers recorded of each remote server.
 
 Then the webhooks: for each destination configured (``WEBHOOK_<NAME>``) on a
 loopback address, a stand-in receiver where it points (a Slack incoming
@@ -31,9 +33,10 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
-from django.db.models import Count, Min
+from django.db.models import Count, Max, Min
 from django.test.utils import override_settings
 from django.utils import timezone
+from django.utils.module_loading import import_string
 
 from django_federation_delivery import BatchOptions, send, send_batch, send_webhook
 from django_federation_delivery.conf import app_settings
@@ -48,7 +51,8 @@ from django_federation_delivery.webhooks.destinations import delivery_key
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 from django_federation_delivery.webhooks.rendering import render_text
 from federation_demo.inbox import Behaviour, InboxServer
-from federation_demo.keys import ALICE, BOB
+from federation_demo.keys import ALICE, BOB, public_keys
+from federation_demo.models import RemoteServer
 from federation_demo.receivers import (
     KINDS,
     SIGNED_JSON_DOWN_FOR,
@@ -56,6 +60,7 @@ from federation_demo.receivers import (
     WebhookReceiver,
     secret_of,
 )
+from federation_demo.rounds import PING_TASK, ROUND_TASK, demo_settings
 
 #: The servers: an address each, and how each answers (None: nothing listens).
 PLAN: list[tuple[str, Behaviour | None]] = [
@@ -73,12 +78,14 @@ DESCRIPTIONS = {
     Behaviour.BAD_REQUEST: "always 400",
     None: "closed port: refused",
 }
-#: Retries 1 s, then 2 s apart, and a breaker that cools off in a second,
-#: so the demo ends in seconds.
-DEMO_RETRY = {"BASE": 1.0, "CAP": 2.0, "ATTEMPTS": 10, "JITTER": 0.25, "SCHEDULE": None}
-DEMO_BREAKER = {"THRESHOLD": 10, "COOL_OFF": 1.0, "SCOPE": "host"}
 #: The longest the demo waits for retries before it reports anyway.
 RETRY_BUDGET_SECONDS = 30.0
+#: --django-q: the longest the cluster may take to run a first task, and to
+#: deliver what was queued, before the demo fails saying so.
+CLUSTER_START_SECONDS = 60.0
+CLUSTER_BUDGET_SECONDS = 60.0
+#: --django-q: each round's bound; the next is queued when one ends.
+CLUSTER_ROUND_SECONDS = 5.0
 MAX_DRAINS = 100
 #: The fan-out's deadline.
 DEADLINE = dt.timedelta(seconds=8)
@@ -103,6 +110,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--inboxes", type=int, default=300, help="How many inboxes the fan-out goes to."
         )
+        parser.add_argument(
+            "--django-q",
+            action="store_true",
+            help="Have a running qcluster deliver (rounds queued with async_task) instead of "
+            "run_deliverer in this process (scripts/demo --django-q starts one).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         inboxes = int(options["inboxes"])
@@ -115,12 +128,13 @@ class Command(BaseCommand):
                 "Run with FEDERATION_DELIVERY_ALLOWED_NETWORKS=127.0.0.0/8 "
                 "(scripts/demo does)."
             )
-        demo_settings = {
-            **settings.FEDERATION_DELIVERY,
-            "RETRY": DEMO_RETRY,
-            "BREAKER": DEMO_BREAKER,
-        }
-        with _servers() as servers, override_settings(FEDERATION_DELIVERY=demo_settings):
+        self.cluster = bool(options["django_q"])
+        #: --django-q: the rounds queued, the last maybe still running.
+        self.rounds: list[str] = []
+        if self.cluster:
+            self._wait_for_cluster()
+        keys = public_keys()  # the demo's actors, made with their keys if need be
+        with _servers(keys) as servers, override_settings(FEDERATION_DELIVERY=demo_settings()):
             batches = self._queue(servers, inboxes)
             self._drain(batches)
             self._report(servers, batches)
@@ -162,6 +176,66 @@ class Command(BaseCommand):
         return batches
 
     def _drain(self, batches: list[Batch]) -> None:
+        if self.cluster:
+            self._drain_in_cluster(batches)
+        else:
+            self._drain_here(batches)
+
+    def _wait_for_cluster(self) -> None:
+        """Until a task queued now has run: the cluster is up, and a round
+        queued later starts as soon as the broker is polled."""
+        if "django_q" not in settings.INSTALLED_APPS:
+            raise CommandError(
+                '--django-q needs django-q2: pip install "django-federation-delivery[django-q]"'
+            )
+        async_task, result = (
+            import_string("django_q.tasks.async_task"),
+            import_string("django_q.tasks.result"),
+        )
+        self.stdout.write("Waiting for the qcluster to run a first task...")
+        started = time.monotonic()
+        if result(async_task(PING_TASK), wait=int(CLUSTER_START_SECONDS * 1000)) != "pong":
+            raise CommandError(
+                f"No qcluster ran a task within {CLUSTER_START_SECONDS:g} s: start one "
+                "(python example_project/manage.py qcluster), as scripts/demo --django-q does."
+            )
+        self.stdout.write(f"  it did, {time.monotonic() - started:.1f} s later.")
+
+    def _drain_in_cluster(self, batches: list[Batch]) -> None:
+        """Rounds in the cluster, one after another, until nothing is pending;
+        a failure, naming what is left, past CLUSTER_BUDGET_SECONDS."""
+        async_task = import_string("django_q.tasks.async_task")
+        task_model = import_string("django_q.models.Task")
+        pending = Delivery.objects.filter(batch__in=batches, status=Status.PENDING)
+        self.stdout.write(
+            self.style.MIGRATE_HEADING(
+                f"\nqcluster: rounds of {CLUSTER_ROUND_SECONDS:g} s (async_task {ROUND_TASK})"
+            )
+        )
+        stop_at = time.monotonic() + CLUSTER_BUDGET_SECONDS
+        rounds = self.rounds
+        queued = len(rounds)
+        while pending.exists():
+            if time.monotonic() > stop_at:
+                raise CommandError(
+                    f"{_deliveries(pending.count())} still pending after "
+                    f"{CLUSTER_BUDGET_SECONDS:g} s of rounds in the qcluster: is it running, "
+                    "on this database? (its log says why a round failed)"
+                )
+            # A round's result is saved when it ends: then the next is queued.
+            # (One queued while another runs would return at once: "another
+            # round is running".)
+            if not rounds or task_model.objects.filter(id=rounds[-1]).exists():
+                rounds.append(async_task(ROUND_TASK, CLUSTER_ROUND_SECONDS))
+            time.sleep(0.1)
+        done = Delivery.objects.filter(batch__in=batches).values("status")
+        by_status = ", ".join(
+            f"{row['count']} {row['status']}"
+            for row in done.annotate(count=Count("id")).order_by("status")
+        )
+        self.stdout.write(f"  Done, {len(rounds) - queued} more round(s) queued: {by_status}.")
+
+    def _drain_here(self, batches: list[Batch]) -> None:
         """Drain with progress, then drain again as the retries come due.
 
         ``run_deliverer --drain`` stops once nothing is due *now*; a delivery
@@ -225,6 +299,7 @@ class Command(BaseCommand):
         for reason, times in sorted(refusals.items()):
             write(self.style.ERROR(f"  {times}x refused with 401: {reason}"))
 
+        self._report_timing(batches[0])
         deliveries = Delivery.objects.filter(batch__in=batches)
         write(self.style.MIGRATE_HEADING("\nDeliveries by status"))
         for row in deliveries.values("status").annotate(count=Count("id")).order_by("status"):
@@ -238,6 +313,48 @@ class Command(BaseCommand):
                 )
                 example = f"  (e.g. {error})" if error else ""
             write(f"  {row['status']:<10}{row['count']:>5}{example}")
+        self._report_remote_servers()
+
+    def _report_timing(self, fan_out: Batch) -> None:
+        """From the send to the first and the last delivery of the fan-out."""
+        times = Delivery.objects.filter(batch=fan_out, status=Status.DELIVERED).aggregate(
+            first=Min("settled_at"), last=Max("settled_at")
+        )
+        if times["first"] is None:
+            return
+        first = (times["first"] - fan_out.created_at).total_seconds()
+        last = (times["last"] - fan_out.created_at).total_seconds()
+        how = (
+            "rounds in a qcluster, started before the send"
+            if self.cluster
+            else "run_deliverer --drain, started after the send in this process"
+        )
+        self.stdout.write(self.style.MIGRATE_HEADING("\nFan-out timing"))
+        self.stdout.write(
+            f"  From the send to the first delivery {first:.2f} s, to the last {last:.2f} s; "
+            f"delivered by {how}."
+        )
+
+    def _report_remote_servers(self) -> None:
+        """The RemoteServer rows the project's signal receivers filled."""
+        write = self.stdout.write
+        write(
+            self.style.MIGRATE_HEADING(
+                "\nRemote servers, as the project's signal receivers recorded them"
+            )
+        )
+        write(f"  {'host':<16}{'delivered':>10}{'failures':>10}  {'last failure':<14}gone")
+        for server in RemoteServer.objects.all():
+            failure = "-"
+            if server.last_failure_at is not None:
+                failure = str(server.last_failure_status or "no answer")
+            gone = "-"
+            if server.gone and server.gone_at is not None:
+                gone = f"yes, since {server.gone_at:%H:%M:%S}"
+            write(
+                f"  {server.host:<16}{server.delivered:>10}{server.failures:>10}  "
+                f"{failure:<14}{gone}"
+            )
 
     def _webhooks(self) -> None:
         """Events to every local webhook destination configured, drained, and
@@ -374,8 +491,9 @@ def _receivers(destinations: list[Destination]) -> Iterator[list[WebhookReceiver
 
 
 @contextmanager
-def _servers() -> Iterator[list[tuple[str, InboxServer | None]]]:
-    """The plan's servers as (host:port, server or None), stopped on the way out.
+def _servers(keys: dict[str, str]) -> Iterator[list[tuple[str, InboxServer | None]]]:
+    """The plan's servers as (host:port, server or None), each knowing the
+    actors' public ``keys``, stopped on the way out.
 
     Where only 127.0.0.1 can be bound (macOS by default), every server listens
     there on a port of its own instead.
@@ -387,7 +505,7 @@ def _servers() -> Iterator[list[tuple[str, InboxServer | None]]]:
             if behaviour is None:
                 started.append((f"{address}:{_closed_port(address)}", None))
                 continue
-            inbox = InboxServer(address, behaviour)
+            inbox = InboxServer(address, keys, behaviour)
             started.append((inbox.netloc, inbox))
         yield started
     finally:
@@ -418,11 +536,13 @@ def _closed_port(host: str) -> int:
 
 
 def _run_deliverer(stdout: Any) -> None:
-    """``run_deliverer --drain``, leaving Ctrl-C as it was once it is done
-    (the command takes SIGINT and SIGTERM over while it runs)."""
+    """``run_deliverer --drain --purge``, leaving Ctrl-C as it was once it is
+    done (the command takes SIGINT and SIGTERM over while it runs). A
+    deployment runs ``run_deliverer --purge``: the purge thread deletes what
+    is past RETENTION, first a minute after the start, then hourly."""
     handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
-        call_command("run_deliverer", "--drain", stdout=stdout)
+        call_command("run_deliverer", "--drain", "--purge", stdout=stdout)
     finally:
         for number, handler in handlers.items():
             signal.signal(number, handler)

@@ -1,0 +1,247 @@
+"""example_project: its signal receivers (RemoteServer), its key provider
+(Actor), its admin, and ``manage.py demo`` end to end.
+
+The example app is not one of the suite's apps (its receivers would count
+every delivery of every test), so each test runs ``example_project/manage.py``
+in a subprocess, on a database of its own made for this module: a file on
+SQLite, a fresh database on the suite's PostgreSQL server. All are slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE_MANAGE = [sys.executable, str(ROOT / "example_project" / "manage.py")]
+ALICE = "http://example.test/users/alice"
+
+
+@pytest.fixture(scope="module")
+def example_env(
+    tmp_path_factory: pytest.TempPathFactory, django_db_blocker: Any
+) -> Iterator[dict[str, str]]:
+    """The example project's environment, on its own database, migrated."""
+    if connection.vendor == "postgresql":
+        settings = connection.settings_dict
+        name = f"example_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        with django_db_blocker.unblock(), connection.cursor() as cursor:
+            cursor.execute(f'CREATE DATABASE "{name}"')
+        url = (
+            f"postgres://{settings['USER']}:{settings['PASSWORD'] or ''}@{settings['HOST']}:"
+            f"{settings['PORT']}/{name}"
+        )
+    else:
+        name = ""
+        url = f"sqlite:///{tmp_path_factory.mktemp('example') / 'db.sqlite3'}"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("WEBHOOK_")},
+        "DATABASE_URL": url,
+        "DJANGO_SETTINGS_MODULE": "exampleproject.settings",
+        "FEDERATION_DELIVERY_ALLOWED_NETWORKS": "127.0.0.0/8",
+        "PYTHONPATH": str(ROOT),
+    }
+    try:
+        migrate = subprocess.run(
+            [*EXAMPLE_MANAGE, "migrate", "--noinput", "-v0"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert migrate.returncode == 0, migrate.stderr
+        yield env
+    finally:
+        if name:
+            with django_db_blocker.unblock(), connection.cursor() as cursor:
+                cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def run(env: dict[str, str], code: str) -> Any:
+    """``code`` run by ``manage.py shell`` in the example project; what it
+    printed last, read as JSON."""
+    done = subprocess.run(
+        [*EXAMPLE_MANAGE, "shell", "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+SIGNALS = """
+import json
+from django_federation_delivery.signals import (
+    Failure, Settled, delivery_failed, delivery_settled, send_safely,
+)
+from federation_demo.models import RemoteServer
+
+def failed(inbox, status, refused=False, deadline=False, destination=""):
+    send_safely(delivery_failed, failure=Failure(
+        delivery_id=1, batch_id=1, inbox=inbox, sender="", tag="", status=status,
+        error="", deadline=deadline, refused=refused, destination=destination))
+
+def settled(inbox, outcome="delivered", status=202, destination=""):
+    send_safely(delivery_settled, settled=Settled(
+        delivery_id=1, batch_id=1, inbox=inbox, sender="", tag="", outcome=outcome,
+        status=status, destination=destination))
+
+def rows():
+    return {
+        row.host: [row.gone, row.gone_at is not None, row.failures,
+                   row.last_failure_status, row.delivered,
+                   row.gone_at.isoformat() if row.gone_at else None]
+        for row in RemoteServer.objects.all()
+    }
+"""
+
+
+def test_a_410_refusal_marks_the_server_gone_once_and_counts_each_failure(
+    example_env: dict[str, str],
+) -> None:
+    rows = run(
+        example_env,
+        SIGNALS
+        + """
+failed("https://gone.example/users/a/inbox", 410, refused=True)
+first = rows()["gone.example"][5]
+failed("https://gone.example/users/b/inbox", 410, refused=True)
+settled("https://gone.example/users/c/inbox", outcome="refused", status=410)
+print(json.dumps({"rows": rows(), "first": first}))
+""",
+    )
+    gone, has_gone_at, failures, status, delivered, gone_at = rows["rows"]["gone.example"]
+    assert (gone, has_gone_at, failures, status, delivered) == (True, True, 2, 410, 0)
+    assert gone_at == rows["first"], "gone since the first 410, not the last"
+
+
+def test_failures_without_a_410_count_against_the_server_and_leave_it_not_gone(
+    example_env: dict[str, str],
+) -> None:
+    rows = run(
+        example_env,
+        SIGNALS
+        + """
+failed("https://down.example/inbox", None, deadline=True)
+failed("https://down.example:8443/other/inbox", 503)
+failed("https://strict.example/inbox", 400, refused=True)
+print(json.dumps(rows()))
+""",
+    )
+    # One row a host, whatever the port: as the package's breakers count.
+    assert rows["down.example"][:5] == [False, False, 2, 503, 0]
+    assert rows["strict.example"][:5] == [False, False, 1, 400, 0]
+
+
+def test_each_delivery_counts_as_delivered_and_webhook_deliveries_are_left_out(
+    example_env: dict[str, str],
+) -> None:
+    rows = run(
+        example_env,
+        SIGNALS
+        + """
+for n in range(3):
+    settled(f"https://busy.example/users/{n}/inbox")
+settled("https://busy.example/users/x/inbox", outcome="skipped", status=None)
+settled("webhook:ops", destination="ops")
+failed("webhook:ops", 410, refused=True, destination="ops")
+print(json.dumps(rows()))
+""",
+    )
+    assert rows["busy.example"][:5] == [False, False, 0, None, 3]
+    assert not [host for host in rows if "ops" in host]
+
+
+def test_the_key_provider_makes_a_demo_actor_once_and_reads_its_key_from_the_row(
+    example_env: dict[str, str],
+) -> None:
+    found = run(
+        example_env,
+        f"""
+import json
+from federation_demo.keys import sender_key
+from federation_demo.models import Actor
+first, again = sender_key({ALICE!r}), sender_key({ALICE!r})
+row = Actor.objects.get(uri={ALICE!r})
+print(json.dumps({{
+    "key_ids": [first.key_id, again.key_id],
+    "same_key": first.public_key_pem() == again.public_key_pem() == row.public_key_pem,
+    "actors": Actor.objects.filter(uri={ALICE!r}).count(),
+    "private_in_str": "PRIVATE" in str(row) + repr(row),
+    "stranger": repr(sender_key("http://example.test/users/mallory")),
+    "elsewhere": repr(sender_key("https://other.example/users/alice")),
+}}))
+""",
+    )
+    assert found["key_ids"] == [f"{ALICE}#main-key"] * 2
+    assert found["same_key"] is True
+    assert found["actors"] == 1
+    assert found["private_in_str"] is False
+    assert (found["stranger"], found["elsewhere"]) == ("None", "None")
+
+
+def test_the_admin_shows_actors_keys_by_id_and_public_half_only(
+    example_env: dict[str, str],
+) -> None:
+    page = run(
+        example_env,
+        f"""
+import json
+from django.contrib.auth.models import User
+from django.test import Client
+from federation_demo.keys import sender_key
+from federation_demo.models import Actor, RemoteServer
+sender_key({ALICE!r})
+actor = Actor.objects.get(uri={ALICE!r})
+RemoteServer.objects.get_or_create(host="gone.example", defaults={{"gone": True}})
+User.objects.filter(username="admin").delete()
+client = Client()
+client.force_login(User.objects.create_superuser("admin", "", "x"))
+change = client.get(f"/admin/federation_demo/actor/{{actor.pk}}/change/", HTTP_HOST="localhost")
+servers = client.get("/admin/federation_demo/remoteserver/?gone__exact=1", HTTP_HOST="localhost")
+text = change.content.decode()
+print(json.dumps({{
+    "status": [change.status_code, servers.status_code],
+    "key_id": actor.key_id in text,
+    "public": actor.public_key_pem.splitlines()[1] in text,
+    "private": actor.private_key_pem.splitlines()[1] in text or "PRIVATE KEY" in text,
+    "gone_listed": "gone.example" in servers.content.decode(),
+}}))
+""",
+    )
+    assert page["status"] == [200, 200]
+    assert (page["key_id"], page["public"], page["gone_listed"]) == (True, True, True)
+    assert page["private"] is False
+
+
+def test_the_demo_fills_the_remote_servers_table_from_a_real_fan_out(
+    example_env: dict[str, str], tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        [*EXAMPLE_MANAGE, "demo", "--inboxes", "12"],
+        env=example_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "All " in out and "signatures and digests verified." in out
+    table = out.split("as the project's signal receivers recorded them")[1].split("\n\n")[0]
+    lines = {line.split()[0]: line.split() for line in table.splitlines()[2:] if line.strip()}
+    # The 410 inbox (127.0.0.6) is gone; the closed port (127.0.0.7) failed
+    # without an answer; an accepting one (127.0.0.2) took its two.
+    assert lines["127.0.0.6"][1:5] == ["0", "2", "410", "yes,"]
+    assert lines["127.0.0.7"][1:6] == ["0", "2", "no", "answer", "-"]
+    assert lines["127.0.0.2"][1:4] == ["2", "0", "-"]
+    assert "From the send to the first delivery" in out
