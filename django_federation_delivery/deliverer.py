@@ -14,28 +14,23 @@ import queue as threadqueue
 import threading
 import time
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
 
-from django.db import (
-    DEFAULT_DB_ALIAS,
-    DatabaseError,
-    InterfaceError,
-    close_old_connections,
-    connections,
-)
+from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections
 from django.utils import timezone
 
 from django_federation_delivery import metrics, queue, signals, wakeup
-from django_federation_delivery.attempt import Job, held, permanent_status
+from django_federation_delivery.attempt import held, permanent_status
+from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
-from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes, paused_hosts
-from django_federation_delivery.keys import KeyCache
+from django_federation_delivery.jobs import Jobs
 from django_federation_delivery.models import Batch, Status
+from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.retry import RetryPolicy, jitter
-from django_federation_delivery.settling import BatchInfo, Settler, Summary, ask
+from django_federation_delivery.settling import Settler, Summary, ask
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
@@ -50,9 +45,6 @@ GAUGES_EVERY = 5.0
 #: between requests: not every round, which with the default CONN_MAX_AGE of
 #: 0 would be a new connection for each.
 RECYCLE_EVERY = 1.0
-
-P = ParamSpec("P")
-T = TypeVar("T")
 
 
 class Deliverer:
@@ -80,13 +72,15 @@ class Deliverer:
         self.claim_size = max(1, int(claim_size or get("CLAIM_SIZE")))
         self.lease = float(lease or get("LEASE_SECONDS"))
         self.using = using
+        self._stopping = threading.Event()
+        #: Runs a query; None when the database was away (and waited out).
+        self._db = Database(using, self._stopping, logger=logger)
         self.idle_poll = float(get("IDLE_POLL_SECONDS"))
         self.new_work_poll = float(get("NEW_WORK_POLL_SECONDS"))
         self.error_length = int(get("ERROR_LENGTH"))
         self.schemes = KnownSchemes(Scheme(get("FIRST_SCHEME")), self._db, using=using)
         self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
         self.skip_if = app_settings.callable_setting("SKIP_IF")
-        self.synchronization = app_settings.callable_setting("COLLECTION_SYNCHRONIZATION")
         self.transport_settings = app_settings.transport_settings()
         breaker_settings = app_settings.breaker_settings()
         self.breakers = (
@@ -129,9 +123,12 @@ class Deliverer:
         self.webhooks = WebhookDeliveries(
             self.webhook_settler, using=using, on_finished=self._batches_finished
         )
-        self.keys = KeyCache()
+        self.jobs = Jobs(
+            self.schemes,
+            self.webhooks,
+            synchronization=app_settings.callable_setting("COLLECTION_SYNCHRONIZATION"),
+        )
         self._wake = threading.Event()
-        self._stopping = threading.Event()
         self.workers = Workers(
             self.transport_settings,
             is_permanent=self.is_permanent,
@@ -146,10 +143,9 @@ class Deliverer:
         #: Outcomes written together (one for each slot), at most WRITE_WITHIN
         #: seconds late: one statement and one commit for all of them.
         self.outbox = Outbox(self._settle, size=max(1, self.concurrency))
-        self._batches: dict[int, BatchInfo] = {}
+        self._batches = KnownBatches(self._db, parse=self.skip_if is not None, using=using)
         self._dry = False
         self._dry_since = 0.0
-        self._db_failing_since: float | None = None
         self._recycled = time.monotonic()
 
     # The public controls.
@@ -322,31 +318,10 @@ class Deliverer:
             self._start(claimed)
 
     def _start(self, claimed: list[queue.Claimed]) -> None:
-        if len(self._batches) > 1000:
-            # Forgotten before the look-up, not after: what this claim needs
-            # stays. Those in flight keep their own.
-            self._batches.clear()
-        missing = {row.batch_id for row in claimed} - set(self._batches)
-        if missing:
-            found = self._db(queue.batches, missing, using=self.using)
-            if found is None:
-                return  # the claim's lease lapses and they come due again
-            parse = self.skip_if is not None
-            self._batches.update(
-                {id: BatchInfo.of(batch, parse=parse) for id, batch in found.items()}
-            )
-            vanished = missing - set(found)
-            if vanished:
-                # Deleted since the claim (by an operator, or a purge), and its
-                # deliveries with it by the cascade: nothing is left to send or
-                # to settle. Dropped, not settled: a settle would match no row,
-                # and a signal would speak of a delivery that no longer exists.
-                logger.warning(
-                    "Batch(es) %s were deleted after their deliveries were claimed; "
-                    "those deliveries are dropped",
-                    ", ".join(map(str, sorted(vanished))),
-                )
-                claimed = [row for row in claimed if row.batch_id not in vanished]
+        known = self._batches.read(claimed)
+        if known is None:
+            return  # the claim's lease lapses and they come due again
+        claimed = known
         hosts = {row.host for row in claimed}
         self.schemes.read(hosts)
         if hosts & self._paused:
@@ -379,46 +354,10 @@ class Deliverer:
             if row.host in self._paused:
                 self.outbox.add(self.settler.paused(row))
                 continue
-            item = InFlight(claimed=row, batch=batch, job=self._job(row, batch))
+            item = InFlight(claimed=row, batch=batch, job=self.jobs.make(row, batch))
             if self.breakers is not None:
                 item.breaker = self.breakers.settings.key(row.host, row.inbox)
             self.slots.add(item)
-
-    def _job(self, row: queue.Claimed, batch: BatchInfo) -> Job:
-        if batch.event_type:
-            return self.webhooks.job(row, batch)
-        key_error = ""
-        key = None
-        try:
-            key = self.keys.get(batch.sender)
-        except Exception as exc:
-            # The key store is the host project's; it being away for a
-            # moment does not make the delivery wrong.
-            logger.warning("Looking up the key of %s failed: %s", batch.sender, type(exc).__name__)
-            key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
-        extra: dict[str, str] = {}
-        if batch.synchronize_collection and self.synchronization is not None and key is not None:
-            header = ask(
-                "COLLECTION_SYNCHRONIZATION", self.synchronization, batch.sender, row.inbox
-            )
-            if isinstance(header, str) and header:
-                extra["Collection-Synchronization"] = header
-        # The attempt ends, or is not made, while the claim's lease holds, with
-        # time to spare to write what came of it: after that the row is any
-        # process's to take and send again.
-        lease_left = row.leased_until - time.time()
-        return Job(
-            delivery_id=row.id,
-            extra_headers=extra,
-            targets=row.via or (row.inbox,),
-            body=batch.body,
-            body_sha256=batch.body_sha256,
-            key=key,
-            sender=batch.sender,
-            scheme=self.schemes.scheme_for(row.host),
-            key_error=key_error,
-            lease_deadline=time.monotonic() + lease_left - LEASE_MARGIN_SECONDS,
-        )
 
     def _settler(self, batch: BatchInfo) -> Settler:
         """Webhook deliveries are retried and judged by the webhook policy."""
@@ -442,7 +381,7 @@ class Deliverer:
                 )
             self.slots.take_back(item)
             self._dry = False  # a retry may have come due since the last claim
-            if self.outbox.full() and self._db_failing_since is None:
+            if self.outbox.full() and not self._db.failing:
                 # Never more unwritten than a write's worth: what a crash
                 # would send again is bounded by it.
                 self._write()
@@ -549,23 +488,4 @@ class Deliverer:
     def _batches_finished(self, batches: list[Batch]) -> None:
         for batch in batches:
             signals.send_safely(signals.batch_finished, batch=batch)
-            self._batches.pop(batch.id, None)
-
-    def _db(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
-        """Run a queue query; a database that is away is logged and waited
-        out, never a reason to stop. Returns None when it failed: a query whose
-        failure its caller must tell apart answers something else than None."""
-        try:
-            value = function(*args, **kwargs)
-        except (DatabaseError, InterfaceError) as exc:
-            now = time.monotonic()
-            if self._db_failing_since is None:
-                self._db_failing_since = now
-                logger.warning("The database is unavailable (%s); waiting it out", exc)
-            connections[self.using].close()
-            self._stopping.wait(min(5.0, 0.2 + (now - self._db_failing_since) / 4))
-            return None
-        if self._db_failing_since is not None:
-            logger.warning("The database is back")
-            self._db_failing_since = None
-        return value
+            self._batches.forget(batch.id)

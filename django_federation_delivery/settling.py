@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import logging
 import random
 import time
@@ -23,11 +22,11 @@ from django.utils import timezone
 
 from django_federation_delivery import metrics, queue, signals
 from django_federation_delivery.attempt import AttemptResult
-from django_federation_delivery.models import Batch, Status
+from django_federation_delivery.batches import BatchInfo as BatchInfo  # its home before
+from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy, wait_before_retry
 from django_federation_delivery.signals import Outcome
 from django_federation_delivery.webhooks.destinations import destination_name
-from django_federation_delivery.webhooks.rendering import Event
 
 logger = logging.getLogger(__name__)
 
@@ -78,66 +77,6 @@ class Summary:
             f"failed {self.failed}, skipped {self.skipped}, held {self.held} "
             f"in {self.elapsed:.1f}s "
             f"({self.rate:.1f}/s)"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchInfo:
-    """What the loop keeps in memory of a batch while its deliveries are sent."""
-
-    id: int
-    sender: str
-    body: bytes
-    body_sha256: str
-    tag: str
-    deadline: dt.datetime | None
-    max_attempts: int | None
-    synchronize_collection: bool
-    #: Whether it has an ordering key, whose next delivery its settling releases.
-    ordered: bool
-    #: The activity, parsed, when SKIP_IF is to be asked about it.
-    activity: Any
-    #: A webhook event's type ("" for an activity), and the event, read back
-    #: from the body (None if it cannot be: see webhooks/deliveries.py).
-    event_type: str = ""
-    event: Event | None = None
-
-    @classmethod
-    def of(cls, batch: Batch, *, parse: bool) -> BatchInfo:
-        if batch.event_type:
-            return cls._webhook(batch)
-        return cls(
-            id=batch.id,
-            sender=batch.sender,
-            body=batch.body.encode(),
-            body_sha256=batch.body_sha256,
-            tag=batch.tag,
-            deadline=batch.deadline,
-            max_attempts=batch.max_attempts,
-            synchronize_collection=batch.synchronize_collection,
-            ordered=bool(batch.ordering_key),
-            activity=json.loads(batch.body) if parse else None,
-        )
-
-    @classmethod
-    def _webhook(cls, batch: Batch) -> BatchInfo:
-        try:
-            event: Event | None = Event.read(batch.body)
-        except ValueError:
-            event = None
-        return cls(
-            id=batch.id,
-            sender=batch.sender,
-            body=b"",
-            body_sha256=batch.body_sha256,
-            tag=batch.tag,
-            deadline=batch.deadline,
-            max_attempts=batch.max_attempts,
-            synchronize_collection=False,
-            ordered=bool(batch.ordering_key),
-            activity=None,
-            event_type=batch.event_type,
-            event=event,
         )
 
 
