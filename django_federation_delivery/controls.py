@@ -13,7 +13,7 @@ from django.db.models import QuerySet
 
 from django_federation_delivery import breakers, hosts, queue, signals
 from django_federation_delivery.models import Batch, Delivery, Status
-from django_federation_delivery.webhooks.destinations import destination_name
+from django_federation_delivery.settling import failure
 
 __all__ = ["give_up", "give_up_host", "pause_host", "requeue", "reset_breaker", "resume_host"]
 
@@ -73,18 +73,13 @@ def _tell_failed(rows: list[queue.GivenUp], reason: str) -> None:
         sender, tag, event_type = batches.get(row.batch_id, ("", "", ""))
         signals.send_safely(
             signals.delivery_failed,
-            failure=signals.Failure(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
+            failure=failure(
+                row,
                 sender=sender,
                 tag=tag,
+                event_type=event_type,
                 status=row.last_status,
                 error=reason,
-                deadline=False,
-                refused=False,
-                destination=destination_name(row.inbox),
-                event_type=event_type,
             ),
         )
 

@@ -9,33 +9,28 @@ own. A slow or silent inbox holds one worker, never a batch.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import queue as threadqueue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-from django.db import (
-    DEFAULT_DB_ALIAS,
-    DatabaseError,
-    InterfaceError,
-    close_old_connections,
-    connections,
-)
+from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections
 from django.utils import timezone
 
 from django_federation_delivery import metrics, queue, signals, wakeup
-from django_federation_delivery.attempt import Job, held, permanent_status
+from django_federation_delivery.attempt import held, permanent_status
+from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
-from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes, paused_hosts
-from django_federation_delivery.keys import KeyCache
+from django_federation_delivery.jobs import Jobs
 from django_federation_delivery.models import Batch, Status
+from django_federation_delivery.outages import Database
+from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.retry import RetryPolicy, jitter
-from django_federation_delivery.settling import BatchInfo, Settler, Summary, ask
+from django_federation_delivery.settling import Settler, Summary, ask
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
@@ -44,9 +39,6 @@ from django_federation_delivery.workers import InFlight, Workers
 
 logger = logging.getLogger(__name__)
 
-#: The longest an outcome waits to be written with others. Its signals are
-#: sent before, and its lease outlasts the wait many times over.
-WRITE_WITHIN = 0.1
 #: How often the lag and open-breaker gauges are read from the database.
 GAUGES_EVERY = 5.0
 #: How often CONN_MAX_AGE and CONN_HEALTH_CHECKS are applied, as Django does
@@ -80,13 +72,15 @@ class Deliverer:
         self.claim_size = max(1, int(claim_size or get("CLAIM_SIZE")))
         self.lease = float(lease or get("LEASE_SECONDS"))
         self.using = using
+        self._stopping = threading.Event()
+        #: Runs a query; None when the database was away (and waited out).
+        self._db = Database(using, self._stopping, logger=logger)
         self.idle_poll = float(get("IDLE_POLL_SECONDS"))
         self.new_work_poll = float(get("NEW_WORK_POLL_SECONDS"))
         self.error_length = int(get("ERROR_LENGTH"))
         self.schemes = KnownSchemes(Scheme(get("FIRST_SCHEME")), self._db, using=using)
         self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
         self.skip_if = app_settings.callable_setting("SKIP_IF")
-        self.synchronization = app_settings.callable_setting("COLLECTION_SYNCHRONIZATION")
         self.transport_settings = app_settings.transport_settings()
         breaker_settings = app_settings.breaker_settings()
         self.breakers = (
@@ -129,9 +123,12 @@ class Deliverer:
         self.webhooks = WebhookDeliveries(
             self.webhook_settler, using=using, on_finished=self._batches_finished
         )
-        self.keys = KeyCache()
+        self.jobs = Jobs(
+            self.schemes,
+            self.webhooks,
+            synchronization=app_settings.callable_setting("COLLECTION_SYNCHRONIZATION"),
+        )
         self._wake = threading.Event()
-        self._stopping = threading.Event()
         self.workers = Workers(
             self.transport_settings,
             is_permanent=self.is_permanent,
@@ -143,15 +140,12 @@ class Deliverer:
         self.slots = Slots(
             concurrency=self.concurrency, per_host=self.per_host, slow_after=self.slow_after
         )
-        self._unwritten: list[queue.Settlement] = []
-        self._unwritten_since = 0.0
         #: Outcomes written together (one for each slot), at most WRITE_WITHIN
         #: seconds late: one statement and one commit for all of them.
-        self.write_batch = max(1, self.concurrency)
-        self._batches: dict[int, BatchInfo] = {}
+        self.outbox = Outbox(self._settle, size=max(1, self.concurrency))
+        self._batches = KnownBatches(self._db, parse=self.skip_if is not None, using=using)
         self._dry = False
         self._dry_since = 0.0
-        self._db_failing_since: float | None = None
         self._recycled = time.monotonic()
 
     # The public controls.
@@ -198,31 +192,35 @@ class Deliverer:
                 # Workers first, the database after: a free slot is not kept
                 # waiting on a write.
                 self._dispatch()
-                if self._time_to_write():
+                if self.outbox.due():
                     self._write()
                 if self.stopping:
                     self._release_ready()
                     if not self.slots.in_flight:
                         self._write()
-                        if not self._unwritten:
+                        if not self.outbox:
                             break
                 else:
                     self._claim_more()
                     self._dispatch()
                 busy = self.slots.busy
-                if drain and not busy and self._dry and not self._unwritten:
+                if drain and not busy and self._dry and not self.outbox:
                     break
                 if self.on_progress is not None and time.monotonic() >= next_progress:
                     self.on_progress(self.summary)
                     next_progress = time.monotonic() + self.progress_interval
-                if self._unwritten and (not busy or self._time_to_write()):
+                if self.outbox and (not busy or self.outbox.due()):
                     self._write()  # a failing database is waited out in there
                     continue
                 if busy or not self._dry:
                     # Woken by the next result, when one in flight turns slow,
                     # or when what is unwritten is due to be written.
                     self._wait(
-                        min(self.slots.until_next_slow(), self._until_write(), self.new_work_poll)
+                        min(
+                            self.slots.until_next_slow(),
+                            self.outbox.until_due(),
+                            self.new_work_poll,
+                        )
                     )
                 else:
                     self._idle(listening=listener is not None)
@@ -258,7 +256,7 @@ class Deliverer:
         new work every ``NEW_WORK_POLL_SECONDS``."""
         due = self._db(queue.next_due, using=self.using)
         sleep = jitter(self.idle_poll)
-        if isinstance(due, dt.datetime):
+        if due is not None:
             sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
         deadline = time.monotonic() + sleep
         if not self._wake.is_set():
@@ -306,7 +304,7 @@ class Deliverer:
             exclude_hosts=saturated,
             using=self.using,
         )
-        if not isinstance(claimed, list):
+        if claimed is None:
             # The database is away (and was waited on in ``_db``): that says
             # nothing about what is due, and a drain must not end on it.
             self._dry = False
@@ -320,37 +318,16 @@ class Deliverer:
             self._start(claimed)
 
     def _start(self, claimed: list[queue.Claimed]) -> None:
-        if len(self._batches) > 1000:
-            # Forgotten before the look-up, not after: what this claim needs
-            # stays. Those in flight keep their own.
-            self._batches.clear()
-        missing = {row.batch_id for row in claimed} - set(self._batches)
-        if missing:
-            found = self._db(queue.batches, missing, using=self.using)
-            if not isinstance(found, dict):
-                return  # the claim's lease lapses and they come due again
-            parse = self.skip_if is not None
-            self._batches.update(
-                {id: BatchInfo.of(batch, parse=parse) for id, batch in found.items()}
-            )
-            vanished = missing - set(found)
-            if vanished:
-                # Deleted since the claim (by an operator, or a purge), and its
-                # deliveries with it by the cascade: nothing is left to send or
-                # to settle. Dropped, not settled: a settle would match no row,
-                # and a signal would speak of a delivery that no longer exists.
-                logger.warning(
-                    "Batch(es) %s were deleted after their deliveries were claimed; "
-                    "those deliveries are dropped",
-                    ", ".join(map(str, sorted(vanished))),
-                )
-                claimed = [row for row in claimed if row.batch_id not in vanished]
+        known = self._batches.read(claimed)
+        if known is None:
+            return  # the claim's lease lapses and they come due again
+        claimed = known
         hosts = {row.host for row in claimed}
         self.schemes.read(hosts)
         if hosts & self._paused:
             # Not a second old, but a host may have been resumed since.
             paused = self._db(paused_hosts, using=self.using)
-            if isinstance(paused, set):
+            if paused is not None:
                 self._paused = frozenset(paused)
         # Webhooks to a destination no longer configured: given up, with every
         # other pending event to it.
@@ -365,84 +342,26 @@ class Deliverer:
             batch = self._batches[row.batch_id]
             if batch.deadline is not None and now >= batch.deadline:
                 error = "the batch's deadline passed before it was sent"
-                self._keep(self.settler.unsent(row, batch, error))
+                self.outbox.add(self.settler.unsent(row, batch, error))
                 continue
             if (
                 self.skip_if is not None
                 and not batch.event_type
                 and ask("SKIP_IF", self.skip_if, row.inbox, batch.activity)
             ):
-                self._keep(self.settler.skipped(row, batch))
+                self.outbox.add(self.settler.skipped(row, batch))
                 continue
             if row.host in self._paused:
-                self._keep(self.settler.paused(row))
+                self.outbox.add(self.settler.paused(row))
                 continue
-            item = InFlight(claimed=row, batch=batch, job=self._job(row, batch))
+            item = InFlight(claimed=row, batch=batch, job=self.jobs.make(row, batch))
             if self.breakers is not None:
                 item.breaker = self.breakers.settings.key(row.host, row.inbox)
             self.slots.add(item)
 
-    def _job(self, row: queue.Claimed, batch: BatchInfo) -> Job:
-        if batch.event_type:
-            return self.webhooks.job(row, batch)
-        key_error = ""
-        key = None
-        try:
-            key = self.keys.get(batch.sender)
-        except Exception as exc:
-            # The key store is the host project's; it being away for a
-            # moment does not make the delivery wrong.
-            logger.warning("Looking up the key of %s failed: %s", batch.sender, type(exc).__name__)
-            key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
-        extra: dict[str, str] = {}
-        if batch.synchronize_collection and self.synchronization is not None and key is not None:
-            header = ask(
-                "COLLECTION_SYNCHRONIZATION", self.synchronization, batch.sender, row.inbox
-            )
-            if isinstance(header, str) and header:
-                extra["Collection-Synchronization"] = header
-        # The attempt ends, or is not made, while the claim's lease holds, with
-        # time to spare to write what came of it: after that the row is any
-        # process's to take and send again.
-        lease_left = row.leased_until - time.time()
-        return Job(
-            delivery_id=row.id,
-            extra_headers=extra,
-            targets=row.via or (row.inbox,),
-            body=batch.body,
-            body_sha256=batch.body_sha256,
-            key=key,
-            sender=batch.sender,
-            scheme=self.schemes.scheme_for(row.host),
-            key_error=key_error,
-            lease_deadline=time.monotonic() + lease_left - LEASE_MARGIN_SECONDS,
-        )
-
     def _settler(self, batch: BatchInfo) -> Settler:
         """Webhook deliveries are retried and judged by the webhook policy."""
         return self.webhook_settler if batch.event_type else self.settler
-
-    def _keep(self, settlement: queue.Settlement) -> None:
-        """Keep what to write, to write many at once (see ``_time_to_write``)."""
-        if not self._unwritten:
-            self._unwritten_since = time.monotonic()
-        self._unwritten.append(settlement)
-
-    def _time_to_write(self) -> bool:
-        """Write once a few outcomes are waiting, or the first has waited a
-        moment: every statement gives the other threads the interpreter, and
-        getting it back costs more than the statement itself."""
-        if not self._unwritten:
-            return False
-        return (
-            len(self._unwritten) >= self.write_batch
-            or time.monotonic() - self._unwritten_since >= WRITE_WITHIN
-        )
-
-    def _until_write(self) -> float:
-        if not self._unwritten:
-            return 1.0
-        return max(0.0, self._unwritten_since + WRITE_WITHIN - time.monotonic())
 
     def _collect(self) -> None:
         """Take in what came of the attempts that finished since the last look."""
@@ -452,7 +371,7 @@ class Deliverer:
             except threadqueue.Empty:
                 break
             self.schemes.learn(item.claimed.host, result.accepted_scheme)
-            self._keep(self._settler(item.batch).attempted(item.claimed, item.batch, result))
+            self.outbox.add(self._settler(item.batch).attempted(item.claimed, item.batch, result))
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
                     item.breaker,
@@ -462,29 +381,23 @@ class Deliverer:
                 )
             self.slots.take_back(item)
             self._dry = False  # a retry may have come due since the last claim
-            if len(self._unwritten) >= self.write_batch and self._db_failing_since is None:
+            if self.outbox.full() and not self._db.failing:
                 # Never more unwritten than a write's worth: what a crash
                 # would send again is bounded by it.
                 self._write()
 
-    def _write(self) -> None:
-        settlements, self._unwritten = self._unwritten, []
-        if not settlements:
-            return
+    def _settle(self, settlements: list[queue.Settlement]) -> bool:
+        """The outbox's write: whether the database took it."""
         written = self._db(
             queue.settle, settlements, on_finished=self._batches_finished, using=self.using
         )
-        if written is None:
-            # Not written: written again while the lease holds. After that the
-            # row is another claim's to take, and is sent again: never lost.
-            now = time.time()
-            for settlement in settlements:
-                if settlement.claimed.leased_until > now:
-                    self._keep(settlement)
-            return
-        if self.breakers is not None:
-            self._db(self.breakers.flush)
-        self.schemes.write()
+        return written is not None
+
+    def _write(self) -> None:
+        if self.outbox.flush():
+            if self.breakers is not None:
+                self._db(self.breakers.flush)
+            self.schemes.write()
 
     def _dispatch(self) -> None:
         """Hand ready deliveries to the workers while there are free slots."""
@@ -514,7 +427,7 @@ class Deliverer:
         if decision is not Decision.HOLD:
             return True
         error = f"held: the circuit breaker for {item.breaker} is open"
-        self._keep(
+        self.outbox.add(
             self._settler(item.batch).attempted(
                 item.claimed, item.batch, held(item.job, error, hold_for)
             )
@@ -526,7 +439,7 @@ class Deliverer:
         another deliverer to take without waiting out the lease: what is
         ready, and what waits in the workers' queue for one to be free."""
         for item in self.slots.release(self.workers.take_queued()):
-            self._keep(
+            self.outbox.add(
                 queue.Settlement(
                     claimed=item.claimed,
                     status=Status.PENDING,
@@ -569,28 +482,10 @@ class Deliverer:
         if self.breakers is not None:
             self._db(self.breakers.refresh)
         paused = self._db(paused_hosts, using=self.using)
-        if isinstance(paused, set):
+        if paused is not None:
             self._paused = frozenset(paused)
 
     def _batches_finished(self, batches: list[Batch]) -> None:
         for batch in batches:
             signals.send_safely(signals.batch_finished, batch=batch)
-            self._batches.pop(batch.id, None)
-
-    def _db(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run a queue query; a database that is away is logged and waited
-        out, never a reason to stop. Returns None when it failed."""
-        try:
-            value = function(*args, **kwargs)
-        except (DatabaseError, InterfaceError) as exc:
-            now = time.monotonic()
-            if self._db_failing_since is None:
-                self._db_failing_since = now
-                logger.warning("The database is unavailable (%s); waiting it out", exc)
-            connections[self.using].close()
-            self._stopping.wait(min(5.0, 0.2 + (now - self._db_failing_since) / 4))
-            return None
-        if self._db_failing_since is not None:
-            logger.warning("The database is back")
-            self._db_failing_since = None
-        return value
+            self._batches.forget(batch.id)

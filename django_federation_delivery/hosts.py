@@ -8,14 +8,14 @@ every process, and the next start, knocks in it first.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
 from django_federation_delivery import wakeup
 from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.outages import Runner
 from django_federation_delivery.signatures import Scheme
 
 #: How long a host's remembered scheme is trusted before it is read again,
@@ -94,7 +94,7 @@ class KnownSchemes:
     scheme not written now is written next time.
     """
 
-    def __init__(self, first: Scheme, db: Callable[..., Any], *, using: str) -> None:
+    def __init__(self, first: Scheme, db: Runner, *, using: str) -> None:
         self.first = first
         self._db = db
         self.using = using
@@ -117,7 +117,7 @@ class KnownSchemes:
         if not unknown:
             return
         found = self._db(host_schemes, unknown, using=self.using)
-        if not isinstance(found, dict):
+        if found is None:
             return
         if len(self._known) > 50_000:
             self._known.clear()

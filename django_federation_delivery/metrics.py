@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from django.core.exceptions import ImproperlyConfigured
 
+from django_federation_delivery.signals import Outcome
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
@@ -33,7 +35,7 @@ __all__ = [
 ]
 
 #: What an attempt can come to, as ``delivery_attempted`` reports it.
-OUTCOMES = ("delivered", "retrying", "held", "refused", "failed")
+OUTCOMES = (Outcome.DELIVERED, Outcome.RETRYING, Outcome.HELD, Outcome.REFUSED, Outcome.FAILED)
 #: Attempt durations in seconds: from a fast local inbox to ATTEMPT_TIMEOUT.
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "federation_delivery"

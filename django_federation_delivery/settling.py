@@ -1,30 +1,32 @@
 """What comes of an attempt: delivered, refused, retried or given up.
 
-The coordinator asks a :class:`Settler` what to write for each delivery it
-is done with; the settler decides by the retry policy, the batch's deadline
-and max attempts, sends the signals (before anything is written, so that a
-crash in between sends them again), counts, and returns the
-:class:`~django_federation_delivery.queue.Settlement` to write.
+:func:`decide` answers it, a plain function of the attempt's result, the
+retry policy, the batch's deadline and max attempts, and the time. The
+coordinator asks a :class:`Settler` what to write for each delivery it is
+done with; the settler asks :func:`decide`, sends the signals (before
+anything is written, so that a crash in between sends them again), counts,
+and returns the :class:`~django_federation_delivery.queue.Settlement` to write.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import logging
+import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from django.utils import timezone
 
 from django_federation_delivery import metrics, queue, signals
 from django_federation_delivery.attempt import AttemptResult
-from django_federation_delivery.models import Batch, Status
+from django_federation_delivery.batches import BatchInfo as BatchInfo  # its home before
+from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy, wait_before_retry
+from django_federation_delivery.signals import Outcome
 from django_federation_delivery.webhooks.destinations import destination_name
-from django_federation_delivery.webhooks.rendering import Event
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ class Summary:
     started: float = dataclasses.field(default_factory=time.monotonic)
     #: When the run ended, once it has.
     stopped: float | None = None
+
+    def count(self, outcome: Outcome) -> None:
+        """One more delivery that came to ``outcome`` (each has its field)."""
+        setattr(self, outcome.value, getattr(self, outcome.value) + 1)
 
     @property
     def done(self) -> int:
@@ -74,66 +80,6 @@ class Summary:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class BatchInfo:
-    """What the loop keeps in memory of a batch while its deliveries are sent."""
-
-    id: int
-    sender: str
-    body: bytes
-    body_sha256: str
-    tag: str
-    deadline: dt.datetime | None
-    max_attempts: int | None
-    synchronize_collection: bool
-    #: Whether it has an ordering key, whose next delivery its settling releases.
-    ordered: bool
-    #: The activity, parsed, when SKIP_IF is to be asked about it.
-    activity: Any
-    #: A webhook event's type ("" for an activity), and the event, read back
-    #: from the body (None if it cannot be: see webhooks/deliveries.py).
-    event_type: str = ""
-    event: Event | None = None
-
-    @classmethod
-    def of(cls, batch: Batch, *, parse: bool) -> BatchInfo:
-        if batch.event_type:
-            return cls._webhook(batch)
-        return cls(
-            id=batch.id,
-            sender=batch.sender,
-            body=batch.body.encode(),
-            body_sha256=batch.body_sha256,
-            tag=batch.tag,
-            deadline=batch.deadline,
-            max_attempts=batch.max_attempts,
-            synchronize_collection=batch.synchronize_collection,
-            ordered=bool(batch.ordering_key),
-            activity=json.loads(batch.body) if parse else None,
-        )
-
-    @classmethod
-    def _webhook(cls, batch: Batch) -> BatchInfo:
-        try:
-            event: Event | None = Event.read(batch.body)
-        except ValueError:
-            event = None
-        return cls(
-            id=batch.id,
-            sender=batch.sender,
-            body=b"",
-            body_sha256=batch.body_sha256,
-            tag=batch.tag,
-            deadline=batch.deadline,
-            max_attempts=batch.max_attempts,
-            synchronize_collection=False,
-            ordered=bool(batch.ordering_key),
-            activity=None,
-            event_type=batch.event_type,
-            event=event,
-        )
-
-
 def ask(setting: str, function: Callable[..., Any], *args: Any) -> Any:
     """Call one of the host project's callables; one that raises is logged and
     taken as no answer, never a reason to stop."""
@@ -144,8 +90,112 @@ def ask(setting: str, function: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What an attempt comes to, before anything is sent or written."""
+
+    outcome: Outcome
+    #: When a delivery tried again (retrying, held) is next due.
+    due_at: dt.datetime | None = None
+    #: The error to keep and to tell: the attempt's, or why it was given up.
+    error: str = ""
+    #: Failed because the batch's deadline passed, not by the retry policy.
+    deadline: bool = False
+
+
+def decide(
+    result: AttemptResult,
+    attempts: int,
+    policy: RetryPolicy,
+    *,
+    now: dt.datetime,
+    max_attempts: int | None = None,
+    deadline: dt.datetime | None = None,
+    sender_gone: bool = False,
+    wait_as_asked: bool = True,
+    retry_after_max: float = 3600.0,
+    rand: Callable[[], float] = random.random,
+) -> Verdict:
+    """What ``result``, the ``attempts``-th attempt (this one counted), comes
+    to under ``policy`` and its batch's ``max_attempts`` and ``deadline``.
+
+    A plain function of its arguments: no database, no signal, no clock
+    (``now`` is given; ``rand`` is the policy's jitter). ``sender_gone`` says
+    whether the sender is gone and the status is one that then refuses for good.
+    """
+    if result.delivered:
+        return Verdict(Outcome.DELIVERED, error=result.error)
+    if result.permanent or sender_gone:
+        return Verdict(Outcome.REFUSED, error=result.error)
+    wait = None
+    if max_attempts is None or attempts < max_attempts:
+        wait = policy.delay(attempts, rand)
+    if wait is None:
+        return Verdict(Outcome.FAILED, error=f"gave up after {attempts} attempts: {result.error}")
+    wait = wait_before_retry(
+        wait, result.retry_after, wait_as_asked=wait_as_asked, longest=retry_after_max
+    )
+    due = now + dt.timedelta(seconds=wait)
+    if deadline is not None and due >= deadline:
+        error = f"the batch's deadline passed: {result.error}"
+        return Verdict(Outcome.FAILED, error=error, deadline=True)
+    outcome = Outcome.HELD if result.held else Outcome.RETRYING
+    return Verdict(outcome, due_at=due, error=result.error)
+
+
+#: The status an attempt's outcome writes.
+WRITTEN = {
+    Outcome.DELIVERED: Status.DELIVERED,
+    Outcome.REFUSED: Status.REFUSED,
+    Outcome.FAILED: Status.FAILED,
+    Outcome.RETRYING: Status.PENDING,
+    Outcome.HELD: Status.PENDING,
+}
+
+
+class Row(Protocol):
+    """A delivery as its signals name it: a claimed one, or one given up."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def batch_id(self) -> int: ...
+    @property
+    def inbox(self) -> str: ...
+
+
+def failure(
+    row: Row,
+    *,
+    sender: str,
+    tag: str,
+    event_type: str,
+    status: int | None,
+    error: str,
+    deadline: bool = False,
+    refused: bool = False,
+) -> signals.Failure:
+    """The ``delivery_failed`` payload for ``row``: a webhook delivery's is named
+    by its destination, never its URL."""
+    return signals.Failure(
+        delivery_id=row.id,
+        batch_id=row.batch_id,
+        inbox=row.inbox,
+        sender=sender,
+        tag=tag,
+        status=status,
+        error=error,
+        deadline=deadline,
+        refused=refused,
+        destination=destination_name(row.inbox),
+        event_type=event_type,
+    )
+
+
 @dataclasses.dataclass
 class Settler:
+    """Sends the signals of what :func:`decide` says, counts, and says what to write."""
+
     policy: RetryPolicy
     summary: Summary
     wait_as_asked: bool = True
@@ -161,43 +211,44 @@ class Settler:
         attempts = row.attempts + 1
         self.summary.attempts += 1
         now = timezone.now()
-        if result.delivered:
-            return self._settle(row, batch, result, Status.DELIVERED, attempts, now)
-        permanent = result.permanent or self._gone(batch.sender, result.status)
-        if permanent:
-            return self._settle(row, batch, result, Status.REFUSED, attempts, now)
-        wait = None
-        if batch.max_attempts is None or attempts < batch.max_attempts:
-            wait = self.policy.delay(attempts)
-        if wait is None:
-            error = f"gave up after {attempts} attempts: {result.error}"
-            return self._fail(row, batch, result, attempts, now, error, deadline=False)
-        wait = wait_before_retry(
-            wait,
-            result.retry_after,
+        verdict = decide(
+            result,
+            attempts,
+            self.policy,
+            now=now,
+            max_attempts=batch.max_attempts,
+            deadline=batch.deadline,
+            # Asked only when it could change the outcome: it is the host project's.
+            sender_gone=not result.delivered
+            and not result.permanent
+            and self._gone(batch.sender, result.status),
             wait_as_asked=self.wait_as_asked,
-            longest=self.retry_after_max,
+            retry_after_max=self.retry_after_max,
         )
-        due = now + dt.timedelta(seconds=wait)
-        if batch.deadline is not None and due >= batch.deadline:
-            error = f"the batch's deadline passed: {result.error}"
-            return self._fail(row, batch, result, attempts, now, error, deadline=True)
-        if result.held:
-            self._signal_attempt(row, batch, result, "held")
-            self.summary.held += 1
-        else:
-            self._signal_attempt(row, batch, result, "retrying")
-            self.summary.retrying += 1
+        outcome = verdict.outcome
+        self._signal_attempt(row, batch, result, outcome)
+        if outcome in (Outcome.DELIVERED, Outcome.REFUSED):
+            self._settled_signal(row, batch, outcome, result.status)
+        if outcome in (Outcome.REFUSED, Outcome.FAILED):
+            self._failed_signal(
+                row,
+                batch,
+                result.status,
+                verdict.error,
+                deadline=verdict.deadline,
+                refused=outcome is Outcome.REFUSED,
+            )
+        self.summary.count(outcome)
         return queue.Settlement(
             claimed=row,
             ordered=batch.ordered,
-            status=Status.PENDING,
+            status=WRITTEN[outcome],
             attempts=attempts,
-            due_at=due,
+            due_at=verdict.due_at,
             last_status=result.status,
-            last_error=result.error[: self.error_length],
+            last_error=verdict.error[: self.error_length],
             attempted_at=now,
-            retried=not result.held,
+            retried=outcome is Outcome.RETRYING,
         )
 
     def _gone(self, sender: str, status: int | None) -> bool:
@@ -206,7 +257,7 @@ class Settler:
         return bool(ask("SENDER_GONE", self.sender_gone, sender))
 
     def _signal_attempt(
-        self, row: queue.Claimed, batch: BatchInfo, result: AttemptResult, outcome: str
+        self, row: queue.Claimed, batch: BatchInfo, result: AttemptResult, outcome: Outcome
     ) -> None:
         metrics.record_attempt(outcome, result.duration)
         signals.send_safely(
@@ -226,7 +277,7 @@ class Settler:
         )
 
     def _settled_signal(
-        self, row: queue.Claimed, batch: BatchInfo, outcome: str, status: int | None
+        self, row: queue.Claimed, batch: BatchInfo, outcome: Outcome, status: int | None
     ) -> None:
         signals.send_safely(
             signals.delivery_settled,
@@ -243,59 +294,6 @@ class Settler:
             ),
         )
 
-    def _settle(
-        self,
-        row: queue.Claimed,
-        batch: BatchInfo,
-        result: AttemptResult,
-        status: Status,
-        attempts: int,
-        now: dt.datetime,
-    ) -> queue.Settlement:
-        outcome = str(status)
-        self._signal_attempt(row, batch, result, outcome)
-        self._settled_signal(row, batch, outcome, result.status)
-        if status == Status.REFUSED:
-            self.summary.refused += 1
-            self._failed_signal(
-                row, batch, result.status, result.error, deadline=False, refused=True
-            )
-        else:
-            self.summary.delivered += 1
-        return queue.Settlement(
-            claimed=row,
-            ordered=batch.ordered,
-            status=status,
-            attempts=attempts,
-            last_status=result.status,
-            last_error=result.error[: self.error_length],
-            attempted_at=now,
-        )
-
-    def _fail(
-        self,
-        row: queue.Claimed,
-        batch: BatchInfo,
-        result: AttemptResult,
-        attempts: int,
-        now: dt.datetime,
-        error: str,
-        *,
-        deadline: bool,
-    ) -> queue.Settlement:
-        self._signal_attempt(row, batch, result, "failed")
-        self._failed_signal(row, batch, result.status, error, deadline=deadline, refused=False)
-        self.summary.failed += 1
-        return queue.Settlement(
-            claimed=row,
-            ordered=batch.ordered,
-            status=Status.FAILED,
-            attempts=attempts,
-            last_status=result.status,
-            last_error=error[: self.error_length],
-            attempted_at=now,
-        )
-
     def _failed_signal(
         self,
         row: queue.Claimed,
@@ -308,25 +306,22 @@ class Settler:
     ) -> None:
         signals.send_safely(
             signals.delivery_failed,
-            failure=signals.Failure(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
+            failure=failure(
+                row,
                 sender=batch.sender,
                 tag=batch.tag,
+                event_type=batch.event_type,
                 status=status,
                 error=error[: self.error_length],
                 deadline=deadline,
                 refused=refused,
-                destination=destination_name(row.inbox),
-                event_type=batch.event_type,
             ),
         )
 
     def skipped(self, row: queue.Claimed, batch: BatchInfo) -> queue.Settlement:
         """A delivery SKIP_IF dropped unsent."""
-        self._settled_signal(row, batch, str(Status.SKIPPED), None)
-        self.summary.skipped += 1
+        self._settled_signal(row, batch, Outcome.SKIPPED, None)
+        self.summary.count(Outcome.SKIPPED)
         return queue.Settlement(
             claimed=row, status=Status.SKIPPED, attempts=row.attempts, ordered=batch.ordered
         )
@@ -335,7 +330,7 @@ class Settler:
         """A paused host's delivery waits, unsent and not failed. Pausing took
         the due time of what was queued; this one (in flight then, or queued
         since) is looked at again shortly, as the host may be resumed by then."""
-        self.summary.held += 1
+        self.summary.count(Outcome.HELD)
         return queue.Settlement(
             claimed=row,
             status=Status.PENDING,
@@ -349,12 +344,12 @@ class Settler:
         """A delivery failed for good, unsent, by whoever writes it (a webhook
         destination no longer configured): its signal and its count."""
         self._failed_signal(row, batch, status, error, deadline=False, refused=False)
-        self.summary.failed += 1
+        self.summary.count(Outcome.FAILED)
 
     def unsent(self, row: queue.Claimed, batch: BatchInfo, error: str) -> queue.Settlement:
         """Given up before it was sent: the batch's deadline passed."""
         self._failed_signal(row, batch, None, error, deadline=True, refused=False)
-        self.summary.failed += 1
+        self.summary.count(Outcome.FAILED)
         return queue.Settlement(
             claimed=row,
             ordered=batch.ordered,

@@ -12,6 +12,9 @@ Each is sent with ``sender=Delivery`` (the model class) and one keyword:
 - ``delivery_failed``: ``failure`` (:class:`Failure`): refused or given up.
 - ``batch_finished``: ``batch`` (the ``Batch``), when its last delivery leaves the queue.
 
+An ``outcome`` is an :class:`Outcome`, a ``StrEnum``: it compares equal to
+its string ("delivered", "retrying", "held", "refused", "failed", "skipped").
+
 They are sent for webhook deliveries too: then ``destination`` and
 ``event_type`` say which destination (by name) and which event, ``inbox`` is
 ``webhook:<name>`` (never the URL, which is the credential), ``sender`` is
@@ -23,9 +26,30 @@ delivery given up because its destination is no longer configured sends
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 from django.dispatch import Signal
+
+
+class Outcome(enum.StrEnum):
+    """What came of a delivery, as the signals and the metrics name it. A
+    ``StrEnum``: a receiver comparing ``outcome`` with "delivered" works."""
+
+    #: Accepted by the inbox.
+    DELIVERED = "delivered"
+    #: Failed for now; tried again later.
+    RETRYING = "retrying"
+    #: Not sent (an open circuit breaker, a lease spent before a worker was
+    #: free); tried again later.
+    HELD = "held"
+    #: An answer that will not change: not tried again.
+    REFUSED = "refused"
+    #: Given up: the retry policy's end, max attempts, or the batch's deadline.
+    FAILED = "failed"
+    #: Dropped unsent by ``SKIP_IF``.
+    SKIPPED = "skipped"
+
 
 delivery_attempted = Signal()
 delivery_settled = Signal()

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 
 from django_federation_delivery.attempt import AttemptResult, Job, attempt, crashed
+from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.queue import Claimed
-from django_federation_delivery.settling import BatchInfo
 from django_federation_delivery.transport import Transport, TransportSettings
 from django_federation_delivery.webhooks.attempt import WebhookTransport, attempt_webhook
 from django_federation_delivery.webhooks.policy import WebhookPolicy

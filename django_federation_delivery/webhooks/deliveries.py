@@ -18,9 +18,10 @@ from django.db import DEFAULT_DB_ALIAS
 
 from django_federation_delivery import queue
 from django_federation_delivery.attempt import Job
+from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.models import Batch, Delivery, Status
-from django_federation_delivery.settling import BatchInfo, Settler
+from django_federation_delivery.settling import Settler
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.webhooks.attempt import WebhookCall
 from django_federation_delivery.webhooks.destinations import (

@@ -1,0 +1,133 @@
+"""The batches of the deliveries a loop has in hand, read once each and kept
+in memory while their deliveries are sent."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+from typing import Any
+
+from django_federation_delivery import queue
+from django_federation_delivery.models import Batch
+from django_federation_delivery.outages import Runner
+from django_federation_delivery.webhooks.rendering import Event
+
+__all__ = ["BatchInfo", "KnownBatches"]
+
+# The loop's logger: where an operator looks for what the loop met.
+logger = logging.getLogger("django_federation_delivery.deliverer")
+
+#: Past this many, what is known is forgotten at the next read.
+MOST_KNOWN = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchInfo:
+    """What the loop keeps in memory of a batch while its deliveries are sent."""
+
+    id: int
+    sender: str
+    body: bytes
+    body_sha256: str
+    tag: str
+    deadline: dt.datetime | None
+    max_attempts: int | None
+    synchronize_collection: bool
+    #: Whether it has an ordering key, whose next delivery its settling releases.
+    ordered: bool
+    #: The activity, parsed, when SKIP_IF is to be asked about it.
+    activity: Any
+    #: A webhook event's type ("" for an activity), and the event, read back
+    #: from the body (None if it cannot be: see webhooks/deliveries.py).
+    event_type: str = ""
+    event: Event | None = None
+
+    @classmethod
+    def of(cls, batch: Batch, *, parse: bool) -> BatchInfo:
+        if batch.event_type:
+            return cls._webhook(batch)
+        return cls(
+            id=batch.id,
+            sender=batch.sender,
+            body=batch.body.encode(),
+            body_sha256=batch.body_sha256,
+            tag=batch.tag,
+            deadline=batch.deadline,
+            max_attempts=batch.max_attempts,
+            synchronize_collection=batch.synchronize_collection,
+            ordered=bool(batch.ordering_key),
+            activity=json.loads(batch.body) if parse else None,
+        )
+
+    @classmethod
+    def _webhook(cls, batch: Batch) -> BatchInfo:
+        try:
+            event: Event | None = Event.read(batch.body)
+        except ValueError:
+            event = None
+        return cls(
+            id=batch.id,
+            sender=batch.sender,
+            body=b"",
+            body_sha256=batch.body_sha256,
+            tag=batch.tag,
+            deadline=batch.deadline,
+            max_attempts=batch.max_attempts,
+            synchronize_collection=False,
+            ordered=bool(batch.ordering_key),
+            activity=None,
+            event_type=batch.event_type,
+            event=event,
+        )
+
+
+class KnownBatches:
+    """The batches of claimed deliveries, by id, read from the database when
+    one is not known yet (and parsed when ``parse``: SKIP_IF asks about the
+    activity)."""
+
+    def __init__(self, db: Runner, *, parse: bool, using: str) -> None:
+        self._db = db
+        self.parse = parse
+        self.using = using
+        self._known: dict[int, BatchInfo] = {}
+
+    def __getitem__(self, id: int) -> BatchInfo:
+        return self._known[id]
+
+    def read(self, claimed: list[queue.Claimed]) -> list[queue.Claimed] | None:
+        """Know the batch of each of ``claimed``. Returns those whose batch
+        still exists, or None when the database was away: then the claim's
+        lease lapses and they come due again."""
+        if len(self._known) > MOST_KNOWN:
+            # Forgotten before the look-up, not after: what this claim needs
+            # stays. Those in flight keep their own.
+            self._known.clear()
+        missing = {row.batch_id for row in claimed} - set(self._known)
+        if not missing:
+            return claimed
+        found = self._db(queue.batches, missing, using=self.using)
+        if found is None:
+            return None
+        self._known.update(
+            {id: BatchInfo.of(batch, parse=self.parse) for id, batch in found.items()}
+        )
+        vanished = missing - set(found)
+        if not vanished:
+            return claimed
+        # Deleted since the claim (by an operator, or a purge), and its
+        # deliveries with it by the cascade: nothing is left to send or to
+        # settle. Dropped, not settled: a settle would match no row, and a
+        # signal would speak of a delivery that no longer exists.
+        logger.warning(
+            "Batch(es) %s were deleted after their deliveries were claimed; "
+            "those deliveries are dropped",
+            ", ".join(map(str, sorted(vanished))),
+        )
+        return [row for row in claimed if row.batch_id not in vanished]
+
+    def forget(self, id: int) -> None:
+        """A finished batch: none of its deliveries is in hand any more."""
+        self._known.pop(id, None)

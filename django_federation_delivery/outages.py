@@ -1,0 +1,66 @@
+"""The loop's way to the database: an outage is logged and waited out,
+never a reason to stop.
+
+A query run through :class:`Database` answers what the query answers, or
+None when the database was away; the caller goes on with what it has, and
+asks again next round. A query whose failure its caller must tell apart
+(a claim, a settle) answers something other than None.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import ParamSpec, Protocol, TypeVar
+
+from django.db import DatabaseError, InterfaceError, connections
+
+__all__ = ["Database", "Runner"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: The longest wait after a failed query, in seconds.
+LONGEST_WAIT = 5.0
+
+
+class Runner(Protocol):
+    """Runs ``function``: its answer, or None when the database was away."""
+
+    def __call__(
+        self, function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T | None: ...
+
+
+class Database:
+    """Runs queries on ``using``; a failure closes the connection and waits a
+    little longer each time (up to 5 s), or until ``stopping`` is set."""
+
+    def __init__(self, using: str, stopping: threading.Event, *, logger: logging.Logger) -> None:
+        self.using = using
+        self.stopping = stopping
+        self.logger = logger
+        self._failing_since: float | None = None
+
+    @property
+    def failing(self) -> bool:
+        """Whether the last query failed."""
+        return self._failing_since is not None
+
+    def __call__(self, function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T | None:
+        try:
+            value = function(*args, **kwargs)
+        except (DatabaseError, InterfaceError) as exc:
+            now = time.monotonic()
+            if self._failing_since is None:
+                self._failing_since = now
+                self.logger.warning("The database is unavailable (%s); waiting it out", exc)
+            connections[self.using].close()
+            self.stopping.wait(min(LONGEST_WAIT, 0.2 + (now - self._failing_since) / 4))
+            return None
+        if self._failing_since is not None:
+            self.logger.warning("The database is back")
+            self._failing_since = None
+        return value

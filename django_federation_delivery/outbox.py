@@ -1,0 +1,87 @@
+"""The settlements the loop has decided and not yet written, written many at once.
+
+Every statement gives the worker threads the interpreter, and getting it
+back costs more than the statement itself: so outcomes are written together,
+a few at a time or once the first has waited a moment. Their signals were
+sent before; their leases outlast the wait many times over.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from django_federation_delivery.queue import Settlement
+
+__all__ = ["WRITE_WITHIN", "Outbox"]
+
+#: The longest an outcome waits to be written with others.
+WRITE_WITHIN = 0.1
+
+
+class Outbox:
+    """Settlements waiting to be written by ``write``, which returns whether
+    it wrote them (False: the database was away)."""
+
+    def __init__(
+        self,
+        write: Callable[[list[Settlement]], bool],
+        *,
+        size: int,
+        within: float = WRITE_WITHIN,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"an outbox holds at least one settlement, not {size!r}")
+        self._write = write
+        #: How many are written together at the most: what a crash would send again.
+        self.size = size
+        self.within = within
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._waiting: list[Settlement] = []
+        self._since = 0.0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, settlement: Settlement) -> None:
+        if not self._waiting:
+            self._since = self._clock()
+        self._waiting.append(settlement)
+
+    def full(self) -> bool:
+        """Whether a write's worth waits."""
+        return len(self._waiting) >= self.size
+
+    def due(self) -> bool:
+        """Whether to write now: a write's worth waits, or the first has
+        waited ``within`` seconds."""
+        if not self._waiting:
+            return False
+        return self.full() or self._clock() - self._since >= self.within
+
+    def until_due(self) -> float:
+        """Seconds until :meth:`due` turns true by time alone (1 with nothing waiting)."""
+        if not self._waiting:
+            return 1.0
+        return max(0.0, self._since + self.within - self._clock())
+
+    def flush(self) -> bool:
+        """Write everything waiting. Returns whether anything was written.
+
+        What is not written (the database away) waits for the next flush
+        while its lease holds; after that the row is another claim's to take,
+        and is sent again: never lost.
+        """
+        settlements, self._waiting = self._waiting, []
+        if not settlements:
+            return False
+        if self._write(settlements):
+            return True
+        now = self._wall_clock()
+        for settlement in settlements:
+            if settlement.claimed.leased_until > now:
+                self.add(settlement)
+        return False
