@@ -31,6 +31,7 @@ __all__ = [
     "lag",
     "open_breakers",
     "overview",
+    "stalled",
 ]
 
 DELIVERED_WINDOW = dt.timedelta(hours=1)
@@ -106,7 +107,7 @@ class Overview:
     def stalled(self) -> str:
         """Why nothing is being delivered although work is due ("" when it is)."""
         seen = heartbeats.Seen(live=self.deliverers, last_seen=self.deliverer_last_seen)
-        return heartbeats.stalled(seen, self.total.due, self.at)
+        return stalled(seen, self.total.due, self.at)
 
     @property
     def total(self) -> LaneStats:
@@ -166,6 +167,21 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m {secs}s"
     return f"{secs}s"
+
+
+def stalled(deliverers: heartbeats.Seen, due: int, now: dt.datetime, *, where: str = "") -> str:
+    """Why the queue is stalled, for people: work is due and no deliverer
+    (``where``, such as " on web-1") is alive, nor was seen for
+    ``heartbeats.NO_DELIVERER_AFTER``; else ""."""
+    if due <= 0 or deliverers.live:
+        return ""
+    work = f"{due} deliver{'y is' if due == 1 else 'ies are'} due"
+    if deliverers.last_seen is None:
+        return f"No deliverer{where} has been seen in the last day while {work}"
+    quiet = (now - deliverers.last_seen).total_seconds()
+    if quiet < heartbeats.NO_DELIVERER_AFTER:
+        return ""  # one restarting, most likely
+    return f"No deliverer{where} seen for {format_duration(quiet)} while {work}"
 
 
 def overview(

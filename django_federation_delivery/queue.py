@@ -23,10 +23,9 @@ from django.db.models import F, Max, Min
 from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
 
-from django_federation_delivery import history
+from django_federation_delivery import history, wakeup
 from django_federation_delivery.models import Batch, Delivery, Host, Lane, Status
 
-NOTIFY_CHANNEL = "federation_delivery"
 #: Lanes in the order they are claimed; the low lane only when nothing else is due.
 CLAIM_ORDER = (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
 #: How many due rows a claim looks at for each it takes, so that a few hosts
@@ -118,8 +117,6 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
     the caller's request path, and building a model and a compiled query per
     row cost more than the database took to write them.
     """
-    from django_federation_delivery import wakeup
-
     alias = using or DEFAULT_DB_ALIAS
     connection = connection_for(alias)
     now = timezone.now()
@@ -142,7 +139,7 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
                 [
                     *batch_values,
                     *_delivery_params(connection, batch, first, waits_on, due),
-                    NOTIFY_CHANNEL,
+                    wakeup.NOTIFY_CHANNEL,
                 ],
             )
             done = len(first)
@@ -605,12 +602,6 @@ def has_due(*, using: str | None = None) -> bool:
     )
 
 
-def _wake() -> None:
-    from django_federation_delivery import wakeup
-
-    wakeup.notify_local()
-
-
 class GivenUp(NamedTuple):
     """A delivery :func:`give_up_rows` failed: what its signal tells."""
 
@@ -685,5 +676,5 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
             Batch.objects.using(alias).filter(id=batch_id).update(
                 remaining=F("remaining") + count, finished_at=None
             )
-    transaction.on_commit(_wake, using=alias)
+    transaction.on_commit(wakeup.notify_local, using=alias)
     return len(rows)

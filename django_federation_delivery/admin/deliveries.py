@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
 from django.contrib import admin
@@ -14,11 +13,11 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator
-from django.utils.timesince import timesince, timeuntil
 
 from django_federation_delivery import controls
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
+    next_due,
     pause_and_report,
     plural,
     pretty_json,
@@ -304,20 +303,3 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     def pause_hosts(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
         hosts = sorted(set(queryset.values_list("host", flat=True)))
         pause_and_report(self, request, hosts)
-
-
-def next_due(delivery: Delivery, now: dt.datetime) -> str:
-    """When a delivery is next due, relative to ``now``."""
-    if delivery.status != Status.PENDING:
-        return "—"
-    if delivery.due_at is None:
-        if delivery.after_id is not None:
-            return f"held: waits on #{delivery.after_id}"
-        return "held: host paused"
-    if delivery.due_at > now:
-        if delivery.lease_token:
-            return f"in flight (lease ends in {timeuntil(delivery.due_at, now)})"
-        return f"in {timeuntil(delivery.due_at, now)}"
-    if now - delivery.due_at < dt.timedelta(minutes=1):
-        return "due now"
-    return f"due {timesince(delivery.due_at, now)} ago"
