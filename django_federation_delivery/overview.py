@@ -19,7 +19,8 @@ from django.utils import timezone
 
 from django_federation_delivery import heartbeats
 from django_federation_delivery.heartbeats import SeenDeliverer
-from django_federation_delivery.models import Breaker, Delivery, Host, Lane, Status
+from django_federation_delivery.hosts import paused_hosts
+from django_federation_delivery.models import Breaker, Delivery, Lane, Status
 
 __all__ = [
     "FailingHost",
@@ -196,7 +197,7 @@ def overview(
     queries, each bounded."""
     now = now or timezone.now()
     alias = using or DEFAULT_DB_ALIAS
-    paused = _paused_hosts(alias)
+    paused = tuple(sorted(paused_hosts(using=alias)))
     open_list, open_count = _open_breakers(now, breakers, alias)
     seen = heartbeats.seen(now=now, using=alias)
     return Overview(
@@ -278,15 +279,6 @@ def _lanes(now: dt.datetime, alias: str) -> tuple[LaneStats, ...]:
             )
         )
     return tuple(lanes)
-
-
-def _paused_hosts(alias: str) -> tuple[str, ...]:
-    return tuple(
-        Host.objects.using(alias)
-        .filter(paused_at__isnull=False)
-        .order_by("name")
-        .values_list("name", flat=True)
-    )
 
 
 def _open_breakers(now: dt.datetime, limit: int, alias: str) -> tuple[tuple[OpenBreaker, ...], int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlencode
 
@@ -20,6 +19,7 @@ from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
 
 from django_federation_delivery import controls
+from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Delivery, Host, Status
 
 _M = TypeVar("_M", bound=Model)
@@ -110,14 +110,6 @@ def changelist_url(model: type[Model], site: admin.AdminSite, **params: Any) -> 
     opts = model._meta
     url = reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist", current_app=site.name)
     return f"{url}?{urlencode(params)}" if params else url
-
-
-def paused_hosts(hosts: Iterable[str]) -> set[str]:
-    return set(
-        Host.objects.filter(name__in=list(hosts), paused_at__isnull=False).values_list(
-            "name", flat=True
-        )
-    )
 
 
 def pause_and_report(

@@ -26,7 +26,8 @@ from django_federation_delivery.admin.base import (
 from django_federation_delivery.admin.destinations import destinations_page
 from django_federation_delivery.admin.queues import queues_page
 from django_federation_delivery.conf import app_settings
-from django_federation_delivery.models import Breaker, Delivery, Host, Status
+from django_federation_delivery.hosts import paused_hosts
+from django_federation_delivery.models import Breaker, Delivery, Status
 from django_federation_delivery.urls import redact
 from django_federation_delivery.webhooks.destinations import (
     KEY_PREFIX,
@@ -90,7 +91,7 @@ class HostFilter(admin.SimpleListFilter):
     offered = 20
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        paused = Host.objects.filter(paused_at__isnull=False).values_list("name", flat=True)
+        paused = sorted(paused_hosts())
         failing = Breaker.objects.exclude(key__contains="://").order_by("-failures")
         names = {*paused[: self.offered], *failing.values_list("key", flat=True)[: self.offered]}
         if self.value():
