@@ -39,8 +39,8 @@ def fill(count: int) -> None:
     from django.db import connection
     from django.utils import timezone
 
+    from django_federation_delivery.dialect import quoted_table
     from django_federation_delivery.models import Batch, Delivery
-    from django_federation_delivery.queue import quoted_table
 
     now = timezone.now()
     old = now - dt.timedelta(days=40)

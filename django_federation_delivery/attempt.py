@@ -9,15 +9,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from django_federation_delivery import urls
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
 from django_federation_delivery.transport import Answer, Transport, parse_retry_after
-
-if TYPE_CHECKING:
-    from django_federation_delivery.webhooks.attempt import WebhookCall
 
 #: The answers that mean a knock in the wrong scheme, worth one more in the other.
 KNOCK_AGAIN = frozenset({400, 401})
@@ -48,9 +44,6 @@ class Job:
     #: When its lease ends, less ``LEASE_MARGIN_SECONDS`` to write the outcome, as
     #: ``time.monotonic()``: the attempt is over by then, or not made. None: no lease.
     lease_deadline: float | None = None
-    #: A webhook delivery: sent by ``webhooks.attempt`` instead, unsigned by
-    #: HTTP signatures, to the destination's URL (the fields above unused).
-    webhook: WebhookCall | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,13 +28,14 @@ from django.db.models import Q
 from django.utils import timezone
 
 from django_federation_delivery import history
-from django_federation_delivery.models import Breaker
-from django_federation_delivery.queue import (
+from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
     quoted_table,
     read_datetime,
+    upsert_sql,
 )
+from django_federation_delivery.models import Breaker
 
 
 class Scope(enum.StrEnum):
@@ -147,15 +148,18 @@ def record_failures(
     table = quoted_table(Breaker, connection)
     now = timezone.now()
     opens = db_datetime(now + dt.timedelta(seconds=cool_off), connection)
-    sql = (
-        f"INSERT INTO {table} (key, failures, open_until, probe_token, probe_until, updated_at) "
-        "VALUES (%s, %s, CASE WHEN %s >= %s THEN %s ELSE NULL END, '', NULL, %s) "
-        "ON CONFLICT (key) DO UPDATE SET "
-        f"failures = {table}.failures + excluded.failures, "
-        f"open_until = CASE WHEN {table}.open_until IS NULL "
-        f"AND {table}.failures + excluded.failures >= %s THEN %s ELSE {table}.open_until END, "
-        "updated_at = excluded.updated_at "
-        f"RETURNING {table}.failures, {table}.open_until"
+    sql = upsert_sql(
+        table,
+        ("key", "failures", "open_until", "probe_token", "probe_until", "updated_at"),
+        row="(%s, %s, CASE WHEN %s >= %s THEN %s ELSE NULL END, '', NULL, %s)",
+        key="key",
+        updates=(
+            f"failures = {table}.failures + excluded.failures, "
+            f"open_until = CASE WHEN {table}.open_until IS NULL "
+            f"AND {table}.failures + excluded.failures >= %s THEN %s ELSE {table}.open_until END, "
+            "updated_at = excluded.updated_at"
+        ),
+        returning=f"{table}.failures, {table}.open_until",
     )
     standing: dict[str, tuple[int, dt.datetime | None]] = {}
     opened = 0

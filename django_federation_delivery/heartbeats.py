@@ -23,7 +23,7 @@ from django.utils import timezone
 from django_federation_delivery import __version__
 from django_federation_delivery.models import DelivererHeartbeat
 
-__all__ = ["Heartbeat", "Seen", "SeenDeliverer", "seen", "stalled"]
+__all__ = ["Heartbeat", "Seen", "SeenDeliverer", "seen"]
 
 #: Intervals without a beat after which a deliverer is taken for dead.
 DEAD_AFTER = 3
@@ -31,7 +31,8 @@ DEAD_AFTER = 3
 FORGET_AFTER = dt.timedelta(days=1)
 #: How often a live deliverer deletes such rows.
 FORGET_EVERY = 3600.0
-#: Work due and no deliverer seen for this long: the warning, and ``--check``.
+#: Work due and no deliverer seen for this long: the warning (``overview.stalled``),
+#: and ``--check``.
 NO_DELIVERER_AFTER = 60.0
 #: The most rows one look reads: the live ones come first.
 MOST_LISTED = 100
@@ -165,20 +166,3 @@ def seen(
         ),
         last_seen=found[0].last_seen if found else None,
     )
-
-
-def stalled(deliverers: Seen, due: int, now: dt.datetime, *, where: str = "") -> str:
-    """Why the queue is stalled, for people: work is due and no deliverer
-    (``where``, such as " on web-1") is alive, nor was seen for
-    :data:`NO_DELIVERER_AFTER`; else ""."""
-    from django_federation_delivery.overview import format_duration
-
-    if due <= 0 or deliverers.live:
-        return ""
-    work = f"{due} deliver{'y is' if due == 1 else 'ies are'} due"
-    if deliverers.last_seen is None:
-        return f"No deliverer{where} has been seen in the last day while {work}"
-    quiet = (now - deliverers.last_seen).total_seconds()
-    if quiet < NO_DELIVERER_AFTER:
-        return ""  # one restarting, most likely
-    return f"No deliverer{where} seen for {format_duration(quiet)} while {work}"

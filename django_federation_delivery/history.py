@@ -26,10 +26,11 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
 from django.utils import timezone
 
 from django_federation_delivery.charts import Bucket
+from django_federation_delivery.dialect import connection_for, db_datetime, quoted_table, upsert_sql
 from django_federation_delivery.models import DeliveryHistory
 
 logger = logging.getLogger(__name__)
@@ -69,18 +70,13 @@ def record(counts: Mapping[dt.datetime, Mapping[str, int]], *, using: str | None
     if not rows:
         return
     alias = using or DEFAULT_DB_ALIAS
-    connection = connections[alias]
-    table = connection.ops.quote_name(DeliveryHistory._meta.db_table)
-    columns = ", ".join(("minute", *COUNTS))
-    row = f"({', '.join(['%s'] * (len(COUNTS) + 1))})"
+    connection = connection_for(alias)
+    table = quoted_table(DeliveryHistory, connection)
     added = ", ".join(f"{name} = {table}.{name} + excluded.{name}" for name in COUNTS)
-    sql = (
-        f"INSERT INTO {table} ({columns}) VALUES {', '.join([row] * len(rows))} "
-        f"ON CONFLICT (minute) DO UPDATE SET {added}"
-    )
+    sql = upsert_sql(table, ("minute", *COUNTS), key="minute", updates=added, rows=len(rows))
     params: list[Any] = []
     for minute, values in rows:
-        params += [connection.ops.adapt_datetimefield_value(minute), *values]
+        params += [db_datetime(minute, connection), *values]
     try:
         with transaction.atomic(using=alias), connection.cursor() as cursor:
             cursor.execute(sql, params)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from django.db import models
 from django.db.models import Q
@@ -11,8 +11,16 @@ from django.utils import timezone
 
 from django_federation_delivery.urls import redact
 
-if TYPE_CHECKING:
-    from django_federation_delivery.sending import SkippedInbox
+
+@dataclasses.dataclass(frozen=True)
+class SkippedInbox:
+    """An inbox a send left out, as a message may show it (see ``urls.redact``), and why.
+
+    Not stored: listed on the batch a send returns (``Batch.skipped``).
+    """
+
+    inbox: str
+    reason: str
 
 
 class Lane(models.TextChoices):

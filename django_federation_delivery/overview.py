@@ -19,7 +19,8 @@ from django.utils import timezone
 
 from django_federation_delivery import heartbeats
 from django_federation_delivery.heartbeats import SeenDeliverer
-from django_federation_delivery.models import Breaker, Delivery, Host, Lane, Status
+from django_federation_delivery.hosts import paused_hosts
+from django_federation_delivery.models import Breaker, Delivery, Lane, Status
 
 __all__ = [
     "FailingHost",
@@ -31,6 +32,7 @@ __all__ = [
     "lag",
     "open_breakers",
     "overview",
+    "stalled",
 ]
 
 DELIVERED_WINDOW = dt.timedelta(hours=1)
@@ -106,7 +108,7 @@ class Overview:
     def stalled(self) -> str:
         """Why nothing is being delivered although work is due ("" when it is)."""
         seen = heartbeats.Seen(live=self.deliverers, last_seen=self.deliverer_last_seen)
-        return heartbeats.stalled(seen, self.total.due, self.at)
+        return stalled(seen, self.total.due, self.at)
 
     @property
     def total(self) -> LaneStats:
@@ -168,6 +170,21 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
+def stalled(deliverers: heartbeats.Seen, due: int, now: dt.datetime, *, where: str = "") -> str:
+    """Why the queue is stalled, for people: work is due and no deliverer
+    (``where``, such as " on web-1") is alive, nor was seen for
+    ``heartbeats.NO_DELIVERER_AFTER``; else ""."""
+    if due <= 0 or deliverers.live:
+        return ""
+    work = f"{due} deliver{'y is' if due == 1 else 'ies are'} due"
+    if deliverers.last_seen is None:
+        return f"No deliverer{where} has been seen in the last day while {work}"
+    quiet = (now - deliverers.last_seen).total_seconds()
+    if quiet < heartbeats.NO_DELIVERER_AFTER:
+        return ""  # one restarting, most likely
+    return f"No deliverer{where} seen for {format_duration(quiet)} while {work}"
+
+
 def overview(
     *,
     hosts: int = 10,
@@ -180,7 +197,7 @@ def overview(
     queries, each bounded."""
     now = now or timezone.now()
     alias = using or DEFAULT_DB_ALIAS
-    paused = _paused_hosts(alias)
+    paused = tuple(sorted(paused_hosts(using=alias)))
     open_list, open_count = _open_breakers(now, breakers, alias)
     seen = heartbeats.seen(now=now, using=alias)
     return Overview(
@@ -262,15 +279,6 @@ def _lanes(now: dt.datetime, alias: str) -> tuple[LaneStats, ...]:
             )
         )
     return tuple(lanes)
-
-
-def _paused_hosts(alias: str) -> tuple[str, ...]:
-    return tuple(
-        Host.objects.using(alias)
-        .filter(paused_at__isnull=False)
-        .order_by("name")
-        .values_list("name", flat=True)
-    )
 
 
 def _open_breakers(now: dt.datetime, limit: int, alias: str) -> tuple[tuple[OpenBreaker, ...], int]:

@@ -1,6 +1,7 @@
 """Every query of the queue: enqueue, claim, settle, and what is due when.
 
-This is the one module that knows PostgreSQL from SQLite. On PostgreSQL a
+What tells PostgreSQL from SQLite for every raw statement is in dialect.py;
+what each database is asked here differs only where it must. On PostgreSQL a
 claim locks with ``FOR UPDATE SKIP LOCKED``, so any number of processes share
 one queue; on SQLite the same claim is a single ``UPDATE … RETURNING``
 statement, which SQLite runs under its one write lock.
@@ -12,21 +13,27 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
-import sqlite3
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS, connections, models, transaction
+from django.db import DEFAULT_DB_ALIAS, models, transaction
 from django.db.models import F, Max, Min
 from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
 
-from django_federation_delivery import history
+from django_federation_delivery import history, wakeup
+from django_federation_delivery.dialect import (
+    connection_for,
+    db_datetime,
+    is_postgresql,
+    quoted_table,
+    rows_per_statement,
+    skip_locked,
+)
 from django_federation_delivery.models import Batch, Delivery, Host, Lane, Status
 
-NOTIFY_CHANNEL = "federation_delivery"
 #: Lanes in the order they are claimed; the low lane only when nothing else is due.
 CLAIM_ORDER = (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
 #: How many due rows a claim looks at for each it takes, so that a few hosts
@@ -85,29 +92,6 @@ class Settlement:
     retried: bool = False
 
 
-def connection_for(using: str | None) -> Any:
-    return connections[using or DEFAULT_DB_ALIAS]
-
-
-def quoted_table(model: type[Any], connection: Any) -> str:
-    return str(connection.ops.quote_name(model._meta.db_table))
-
-
-def db_datetime(value: dt.datetime | None, connection: Any) -> Any:
-    return connection.ops.adapt_datetimefield_value(value)
-
-
-def read_datetime(value: Any) -> dt.datetime | None:
-    """A datetime a raw query returned: SQLite gives text in UTC."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = dt.datetime.fromisoformat(value)
-    if timezone.is_naive(value):
-        value = value.replace(tzinfo=dt.UTC)
-    return value  # type: ignore[no-any-return]
-
-
 def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None) -> Batch:
     """Write ``batch`` and one pending delivery per inbox.
 
@@ -118,8 +102,6 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
     the caller's request path, and building a model and a compiled query per
     row cost more than the database took to write them.
     """
-    from django_federation_delivery import wakeup
-
     alias = using or DEFAULT_DB_ALIAS
     connection = connection_for(alias)
     now = timezone.now()
@@ -128,8 +110,10 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
     pre_save.send(sender=Batch, instance=batch, raw=False, using=alias, update_fields=None)
     batch_values = _batch_values(batch, connection)
     due = db_datetime(now, connection)
-    per_statement = _rows_per_statement(connection)
-    postgres = connection.vendor == "postgresql"
+    per_statement = rows_per_statement(
+        connection, most=CHUNK, per_row=len(_ROW), constants=_CONSTANTS
+    )
+    postgres = is_postgresql(connection)
     with connection.cursor() as cursor:
         if postgres and inboxes:
             # The batch, its first deliveries and the wake-up of every listening
@@ -142,7 +126,7 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
                 [
                     *batch_values,
                     *_delivery_params(connection, batch, first, waits_on, due),
-                    NOTIFY_CHANNEL,
+                    wakeup.NOTIFY_CHANNEL,
                 ],
             )
             done = len(first)
@@ -222,17 +206,6 @@ def _batch_values(batch: Batch, connection: Any) -> list[Any]:
     return values
 
 
-def _rows_per_statement(connection: Any) -> int:
-    """CHUNK, or fewer where SQLite takes fewer parameters in a statement (on
-    PostgreSQL a statement takes an array a column, whatever its rows)."""
-    if connection.vendor != "sqlite":
-        return CHUNK
-    connection.ensure_connection()
-    # An SQLite built with the old default takes 999.
-    limit: int = connection.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-    return max(1, min(CHUNK, (limit - _CONSTANTS) // len(_ROW)))
-
-
 def _delivery_params(
     connection: Any, batch: Batch, chunk: Sequence[Queued], waits_on: dict[str, int], due: Any
 ) -> list[Any]:
@@ -250,7 +223,7 @@ def _delivery_params(
         for inbox, host, via in chunk
     ]
     constants = [batch.lane, str(Status.PENDING), due]
-    if connection.vendor == "postgresql":
+    if is_postgresql(connection):
         return [*constants, *(list(column) for column in zip(*rows, strict=True))]
     return [*constants, *(value for row in rows for value in row)]
 
@@ -262,7 +235,7 @@ def _deliveries_sql(connection: Any, rows: int, *, batch: str, join: str = "") -
     paused host, until the host is resumed: the host table is read by the
     statement that writes, so that a send costs no query of its own for it.
     """
-    postgres = connection.vendor == "postgresql"
+    postgres = is_postgresql(connection)
 
     def write() -> str:
         table = quoted_table(Delivery, connection)
@@ -387,7 +360,7 @@ def claim(
     connection = connection_for(using)
     table = quoted_table(Delivery, connection)
     excluded = sorted(set(exclude_hosts))[:200]
-    lock = " FOR UPDATE SKIP LOCKED" if connection.vendor == "postgresql" else ""
+    lock = skip_locked(connection)
     hosts = f" AND host NOT IN ({', '.join(['%s'] * len(excluded))})" if excluded else ""
     # The oldest due rows of the lane, then the first few of each host among them.
     candidates = (
@@ -514,7 +487,7 @@ def _settle_sql(connection: Any, rows: int) -> str:
             "::timestamptz",
             "::timestamptz",
         )
-        if connection.vendor == "postgresql"
+        if is_postgresql(connection)
         else ("",) * 9
     )
     row = "(" + ", ".join(f"%s{cast}" for cast in casts) + ")"
@@ -605,12 +578,6 @@ def has_due(*, using: str | None = None) -> bool:
     )
 
 
-def _wake() -> None:
-    from django_federation_delivery import wakeup
-
-    wakeup.notify_local()
-
-
 class GivenUp(NamedTuple):
     """A delivery :func:`give_up_rows` failed: what its signal tells."""
 
@@ -685,5 +652,5 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
             Batch.objects.using(alias).filter(id=batch_id).update(
                 remaining=F("remaining") + count, finished_at=None
             )
-    transaction.on_commit(_wake, using=alias)
+    transaction.on_commit(wakeup.notify_local, using=alias)
     return len(rows)

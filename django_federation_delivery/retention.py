@@ -33,8 +33,9 @@ from django.utils import timezone
 
 from django_federation_delivery import history
 from django_federation_delivery.conf import app_settings
+from django_federation_delivery.dialect import connection_for, db_datetime, quoted_table
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
-from django_federation_delivery.queue import CHUNK, connection_for, quoted_table
+from django_federation_delivery.queue import CHUNK
 from django_federation_delivery.urls import host_of
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ def _delete_settled(status: Status, cutoff: dt.datetime, chunk: int, alias: str)
     ``cutoff``; yields each chunk's count, the last one short."""
     connection = connection_for(alias)
     table = quoted_table(Delivery, connection)
-    cutoff_value = connection.ops.adapt_datetimefield_value(cutoff)
+    cutoff_value = db_datetime(cutoff, connection)
     # The chunks walk the (status, settled_at) index from the oldest up,
     # each starting where the last ended, rather than from the start again
     # past the index entries of rows just deleted (PostgreSQL keeps them
@@ -231,7 +232,7 @@ def _delete_empty_batches(
     connection = connection_for(alias)
     batches = quoted_table(Batch, connection)
     deliveries = quoted_table(Delivery, connection)
-    cutoff_value = connection.ops.adapt_datetimefield_value(cutoff)
+    cutoff_value = db_datetime(cutoff, connection)
     deleted, last = 0, 0
     while not should_stop():
         ids = list(

@@ -20,7 +20,7 @@ from django.utils import timezone
 from django_federation_delivery import portable, queue, urls
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
-from django_federation_delivery.models import Batch, Lane
+from django_federation_delivery.models import Batch, Lane, SkippedInbox
 from django_federation_delivery.portable import PortableInbox
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.urls import host_of, normalize_inbox
@@ -69,14 +69,6 @@ class BatchOptions:
 
 
 _OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(BatchOptions))
-
-
-@dataclasses.dataclass(frozen=True)
-class SkippedInbox:
-    """An inbox a send left out, as a message may show it (see ``urls.redact``), and why."""
-
-    inbox: str
-    reason: str
 
 
 def send(sender: str, activity: Mapping[str, Any], inboxes: Iterable[str]) -> Batch | None:

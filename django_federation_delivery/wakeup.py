@@ -20,6 +20,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 logger = logging.getLogger(__name__)
 
+#: The PostgreSQL channel a send notifies (queue.py) and a listener listens on.
+NOTIFY_CHANNEL = "federation_delivery"
+
 _waiters: weakref.WeakSet[threading.Event] = weakref.WeakSet()
 _lock = threading.Lock()
 
@@ -97,8 +100,6 @@ class PostgresListener:
 
     def _connect(self) -> Any:
         import psycopg
-
-        from django_federation_delivery.queue import NOTIFY_CHANNEL
 
         params = connections[self.using].get_connection_params()
         params.pop("cursor_factory", None)

@@ -19,7 +19,11 @@ from django_federation_delivery.attempt import AttemptResult, Job, attempt, cras
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.queue import Claimed
 from django_federation_delivery.transport import Transport, TransportSettings
-from django_federation_delivery.webhooks.attempt import WebhookTransport, attempt_webhook
+from django_federation_delivery.webhooks.attempt import (
+    WebhookJob,
+    WebhookTransport,
+    attempt_webhook,
+)
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 logger = logging.getLogger(__name__)
@@ -145,13 +149,13 @@ class Workers:
         self, item: InFlight, transport: Transport, webhooks: WebhookTransport
     ) -> AttemptResult:
         try:
-            if item.job.webhook is not None:
+            if isinstance(item.job, WebhookJob):
                 return attempt_webhook(item.job, webhooks.get(), self.webhook_policy)
             return attempt(
                 item.job, transport, is_permanent=self.is_permanent, error_length=self.error_length
             )
         except Exception as exc:  # a bug must not take a worker down
-            if item.job.webhook is not None:
+            if isinstance(item.job, WebhookJob):
                 # Its message and traceback may hold the URL, a credential.
                 logger.error(
                     "An attempt at webhook delivery %s raised %s",

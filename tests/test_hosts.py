@@ -10,7 +10,9 @@ from django_federation_delivery.hosts import (
     KnownSchemes,
     host_schemes,
     pause_host,
+    paused_hosts,
     remember_schemes,
+    resume_host,
 )
 from django_federation_delivery.models import Host
 from django_federation_delivery.signatures import Scheme
@@ -83,3 +85,15 @@ def test_remembering_a_scheme_keeps_a_paused_host_paused() -> None:
     host = Host.objects.get(name="paused.example")
     assert host.scheme == "rfc9421"
     assert host.paused_at is not None
+
+
+@pytest.mark.django_db
+def test_the_paused_hosts_are_those_paused_and_not_resumed_among_those_asked_about() -> None:
+    for name in ("a.example", "b.example", "c.example"):
+        pause_host(name)
+    resume_host("b.example")
+    remember_schemes({"d.example": "rfc9421"})
+
+    assert paused_hosts() == {"a.example", "c.example"}
+    assert paused_hosts(["c.example", "b.example", "d.example", "e.example"]) == {"c.example"}
+    assert paused_hosts([]) == set()

@@ -12,8 +12,8 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_federation_delivery import retention
+from django_federation_delivery.dialect import quoted_table
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
-from django_federation_delivery.queue import quoted_table
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

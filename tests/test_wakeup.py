@@ -10,7 +10,7 @@ import pytest
 from django.db import connection
 
 from django_federation_delivery import wakeup
-from django_federation_delivery.queue import NOTIFY_CHANNEL
+from django_federation_delivery.wakeup import NOTIFY_CHANNEL
 
 from .conftest import wait_until
 

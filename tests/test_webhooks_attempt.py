@@ -11,11 +11,15 @@ import pytest
 import requests
 import responses
 
-from django_federation_delivery.attempt import Job
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.transport import Transport, TransportSettings
 from django_federation_delivery.webhooks import Event, parse_destination
-from django_federation_delivery.webhooks.attempt import WebhookCall, attempt_webhook, safe_text
+from django_federation_delivery.webhooks.attempt import (
+    WebhookCall,
+    WebhookJob,
+    attempt_webhook,
+    safe_text,
+)
 from django_federation_delivery.webhooks.policy import WebhookPolicy, is_refusal
 
 SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
@@ -37,10 +41,10 @@ def mocked() -> Iterator[responses.RequestsMock]:
         yield mock
 
 
-def job(url: str = SLACK, **call: object) -> Job:
+def job(url: str = SLACK, **call: object) -> WebhookJob:
     values: dict[str, object] = {"destination": parse_destination("ops", url), "event": EVENT}
     values.update(call)
-    return Job(
+    return WebhookJob(
         delivery_id=1,
         targets=(),
         body=b"",

@@ -10,8 +10,9 @@ resetting a breaker ``change_breaker``.
 
 from __future__ import annotations
 
+from django_federation_delivery.admin.base import next_due
 from django_federation_delivery.admin.batches import BatchAdmin, batch_progress, progress_bar
-from django_federation_delivery.admin.deliveries import DeliveryAdmin, next_due
+from django_federation_delivery.admin.deliveries import DeliveryAdmin
 from django_federation_delivery.admin.hosts import BreakerAdmin, HostAdmin, host_pending
 
 __all__ = [

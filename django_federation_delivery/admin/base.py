@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlencode
 
@@ -16,9 +16,11 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
+from django.utils.timesince import timesince, timeuntil
 
 from django_federation_delivery import controls
-from django_federation_delivery.models import Delivery, Host
+from django_federation_delivery.hosts import paused_hosts
+from django_federation_delivery.models import Delivery, Host, Status
 
 _M = TypeVar("_M", bound=Model)
 
@@ -110,14 +112,6 @@ def changelist_url(model: type[Model], site: admin.AdminSite, **params: Any) -> 
     return f"{url}?{urlencode(params)}" if params else url
 
 
-def paused_hosts(hosts: Iterable[str]) -> set[str]:
-    return set(
-        Host.objects.filter(name__in=list(hosts), paused_at__isnull=False).values_list(
-            "name", flat=True
-        )
-    )
-
-
 def pause_and_report(
     model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]
 ) -> None:
@@ -159,3 +153,20 @@ def give_up_and_report(
         f"Gave up {plural(count, 'pending delivery', 'pending deliveries')} "
         f"to {plural(len(hosts), 'host', 'hosts')}.",
     )
+
+
+def next_due(delivery: Delivery, now: dt.datetime) -> str:
+    """When a delivery is next due, relative to ``now``."""
+    if delivery.status != Status.PENDING:
+        return "—"
+    if delivery.due_at is None:
+        if delivery.after_id is not None:
+            return f"held: waits on #{delivery.after_id}"
+        return "held: host paused"
+    if delivery.due_at > now:
+        if delivery.lease_token:
+            return f"in flight (lease ends in {timeuntil(delivery.due_at, now)})"
+        return f"in {timeuntil(delivery.due_at, now)}"
+    if now - delivery.due_at < dt.timedelta(minutes=1):
+        return "due now"
+    return f"due {timesince(delivery.due_at, now)} ago"

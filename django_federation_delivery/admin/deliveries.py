@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
 from django.contrib import admin
@@ -14,11 +13,11 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator
-from django.utils.timesince import timesince, timeuntil
 
 from django_federation_delivery import controls
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
+    next_due,
     pause_and_report,
     plural,
     pretty_json,
@@ -27,7 +26,8 @@ from django_federation_delivery.admin.base import (
 from django_federation_delivery.admin.destinations import destinations_page
 from django_federation_delivery.admin.queues import queues_page
 from django_federation_delivery.conf import app_settings
-from django_federation_delivery.models import Breaker, Delivery, Host, Status
+from django_federation_delivery.hosts import paused_hosts
+from django_federation_delivery.models import Breaker, Delivery, Status
 from django_federation_delivery.urls import redact
 from django_federation_delivery.webhooks.destinations import (
     KEY_PREFIX,
@@ -91,7 +91,7 @@ class HostFilter(admin.SimpleListFilter):
     offered = 20
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        paused = Host.objects.filter(paused_at__isnull=False).values_list("name", flat=True)
+        paused = sorted(paused_hosts())
         failing = Breaker.objects.exclude(key__contains="://").order_by("-failures")
         names = {*paused[: self.offered], *failing.values_list("key", flat=True)[: self.offered]}
         if self.value():
@@ -304,20 +304,3 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     def pause_hosts(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
         hosts = sorted(set(queryset.values_list("host", flat=True)))
         pause_and_report(self, request, hosts)
-
-
-def next_due(delivery: Delivery, now: dt.datetime) -> str:
-    """When a delivery is next due, relative to ``now``."""
-    if delivery.status != Status.PENDING:
-        return "—"
-    if delivery.due_at is None:
-        if delivery.after_id is not None:
-            return f"held: waits on #{delivery.after_id}"
-        return "held: host paused"
-    if delivery.due_at > now:
-        if delivery.lease_token:
-            return f"in flight (lease ends in {timeuntil(delivery.due_at, now)})"
-        return f"in {timeuntil(delivery.due_at, now)}"
-    if now - delivery.due_at < dt.timedelta(minutes=1):
-        return "due now"
-    return f"due {timesince(delivery.due_at, now)} ago"

@@ -14,7 +14,7 @@ from django.utils import timezone
 from django.utils.text import Truncator
 
 from django_federation_delivery import overview
-from django_federation_delivery.admin.base import changelist_url
+from django_federation_delivery.admin.base import changelist_url, next_due
 from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
 
@@ -34,9 +34,6 @@ class DestinationRow:
 
 def destination_rows(site: admin.AdminSite, now: dt.datetime | None = None) -> list[DestinationRow]:
     """Every destination's row: two queries, however many there are."""
-    # Imported here: deliveries.py imports this module for its view.
-    from django_federation_delivery.admin.deliveries import next_due
-
     now = now or timezone.now()
     rows = []
     for status in destination_status(now=now):

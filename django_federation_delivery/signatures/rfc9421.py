@@ -9,15 +9,9 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping, Sequence
 
-from .cavage import (
-    check_header_fields,
-    check_key_id,
-    check_method,
-    http_date,
-    parse_target,
-)
-from .digest import check_sha256_b64, content_digest_header
+from .digest import content_digest_header
 from .keys import SenderKey
+from .request import prepare
 
 __all__ = [
     "RFC9421_ALGORITHMS",
@@ -73,25 +67,28 @@ def sign_rfc9421(
     Host and Date are sent as well though not covered: harmless, and some
     servers refuse a request without a Date.
     """
-    check_key_id(key)
-    check_sha256_b64(body_sha256)
-    target = parse_target(url)
-    verb = check_method(method)
-    checked_type, extras = check_header_fields(content_type, extra_headers)
-
+    request = prepare(
+        url=url,
+        body_sha256=body_sha256,
+        key=key,
+        content_type=content_type,
+        extra_headers=extra_headers,
+        now=now,
+        method=method,
+    )
     headers = {
-        "Host": target.host,
-        "Date": http_date(now),
-        "Content-Type": checked_type,
+        "Host": request.target.host,
+        "Date": request.date,
+        "Content-Type": request.content_type,
         "Content-Digest": content_digest_header(body_sha256),
     }
     components = [
-        ("@method", verb),
-        ("@target-uri", target.uri),
-        ("content-type", checked_type),
+        ("@method", request.method),
+        ("@target-uri", request.target.uri),
+        ("content-type", request.content_type),
         ("content-digest", headers["Content-Digest"]),
     ]
-    for name, value in extras:
+    for name, value in request.extras:
         headers[name] = value
         components.append((name.lower(), value))
 

@@ -8,7 +8,6 @@ import socket
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import requests
 import requests.adapters
@@ -22,9 +21,6 @@ from django_federation_delivery.exceptions import (
     TransportError,
 )
 from django_federation_delivery.urls import redact
-
-if TYPE_CHECKING:
-    from django_federation_delivery.transport.guard import Attempt
 
 __all__ = ["Target", "check_url", "reason", "redact", "translate"]
 
@@ -108,8 +104,10 @@ def reason(exc: BaseException) -> str:
     return "connection failed"
 
 
-def translate(exc: BaseException, attempt: Attempt, target: Target, limit: float) -> TransportError:
-    if attempt.expired:
+def translate(exc: BaseException, *, expired: bool, target: Target, limit: float) -> TransportError:
+    """``exc`` as the error the transport raises; ``expired``: the attempt's
+    time limit cut it short."""
+    if expired:
         return AttemptTimeout(f"{target.display}: no complete answer within {limit:g}s")
     invalid = (
         requests.exceptions.InvalidURL,

@@ -29,7 +29,7 @@ from django_federation_delivery.webhooks.destinations import Destination
 from django_federation_delivery.webhooks.policy import WebhookPolicy, is_refusal
 from django_federation_delivery.webhooks.rendering import Event, build_request
 
-__all__ = ["WebhookCall", "WebhookTransport", "attempt_webhook", "safe_text"]
+__all__ = ["WebhookCall", "WebhookJob", "WebhookTransport", "attempt_webhook", "safe_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,16 @@ class WebhookCall:
     permanent: bool = False
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WebhookJob(Job):
+    """A webhook delivery's job: sent by :func:`attempt_webhook`, unsigned by
+    HTTP signatures, to the destination's URL (the signing fields unused)."""
+
+    webhook: WebhookCall
+
+
 def attempt_webhook(
-    job: Job,
+    job: WebhookJob,
     transport: Transport,
     policy: WebhookPolicy,
     *,
@@ -59,7 +67,6 @@ def attempt_webhook(
 ) -> AttemptResult:
     """Make one attempt at the webhook ``job`` carries."""
     call = job.webhook
-    assert call is not None, "a webhook job carries its call"
     started = clock()
     if call.problem or call.destination is None or call.event is None:
         return failed(job, call.problem, permanent=call.permanent, requests=0)

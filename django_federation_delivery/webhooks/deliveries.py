@@ -17,13 +17,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 
 from django_federation_delivery import queue
-from django_federation_delivery.attempt import Job
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.settling import Settler
 from django_federation_delivery.signatures import Scheme
-from django_federation_delivery.webhooks.attempt import WebhookCall
+from django_federation_delivery.webhooks.attempt import WebhookCall, WebhookJob
 from django_federation_delivery.webhooks.destinations import (
     KEY_PREFIX,
     Destination,
@@ -76,7 +75,7 @@ class WebhookDeliveries:
                 self._parsed[key] = str(exc)
         return self._parsed[key]
 
-    def job(self, row: queue.Claimed, batch: BatchInfo) -> Job:
+    def job(self, row: queue.Claimed, batch: BatchInfo) -> WebhookJob:
         """The job for a claimed webhook delivery: the destination as configured
         now, and the event as queued."""
         name = destination_name(row.inbox)
@@ -90,7 +89,7 @@ class WebhookDeliveries:
             call = WebhookCall(None, None, problem=problem, permanent=True)
         else:
             call = WebhookCall(destination, batch.event)
-        return Job(
+        return WebhookJob(
             delivery_id=row.id,
             targets=(),
             body=b"",

@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from django_federation_delivery import queue
 from django_federation_delivery.conf import SETTING, app_settings
+from django_federation_delivery.dialect import connection_for, is_postgresql
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch
 from django_federation_delivery.signatures import body_sha256
@@ -112,8 +113,8 @@ def _lock_sequences(names: list[str], alias: str) -> None:
     """On PostgreSQL, queue for one destination one transaction at a time,
     until commit: two sends at once would otherwise both wait on the same
     earlier delivery, and be sent side by side. (SQLite writes one at a time.)"""
-    connection = queue.connection_for(alias)
-    if connection.vendor != "postgresql":
+    connection = connection_for(alias)
+    if not is_postgresql(connection):
         return
     with connection.cursor() as cursor:
         for name in sorted(names):  # one order, so two sends never deadlock

@@ -13,7 +13,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_federation_delivery import heartbeats, queue
-from django_federation_delivery.overview import Overview, format_duration, lag, overview
+from django_federation_delivery.overview import Overview, format_duration, lag, overview, stalled
 
 #: ``--check`` exits with this when unhealthy: Nagios's CRITICAL; any
 #: non-zero status fails a Kubernetes exec probe.
@@ -236,9 +236,9 @@ def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, s
     due = queue.count_due(using=using)
     seen = heartbeats.seen(now=now, host=host, using=using)
     where = f" on {printable(host)}" if host is not None else ""
-    stalled = heartbeats.stalled(seen, due, now, where=where)
-    if stalled:
-        return False, f"CRITICAL: {stalled}"
+    stalled_because = stalled(seen, due, now, where=where)
+    if stalled_because:
+        return False, f"CRITICAL: {stalled_because}"
     waited = lag(now=now, using=using)
     if max_lag and waited > max_lag:
         return False, (

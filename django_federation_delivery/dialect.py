@@ -1,0 +1,101 @@
+"""What tells PostgreSQL from SQLite, for the few statements written by hand.
+
+The queue, the breakers, the history and retention write some SQL
+themselves, where the ORM would take a query a row or cannot say it (``ON
+CONFLICT … DO UPDATE`` with arithmetic, ``RETURNING`` from an ``UPDATE``).
+What differs between the two databases for those statements is here, once:
+how a table and a datetime are written, how a datetime comes back, how many
+rows one statement may carry, and the upsert. The SQL itself is the same on
+both: SQLite 3.35 has ``RETURNING`` and ``ON CONFLICT … DO UPDATE``
+(``checks.py`` refuses an older one).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils import timezone
+
+__all__ = [
+    "connection_for",
+    "db_datetime",
+    "is_postgresql",
+    "quoted_table",
+    "read_datetime",
+    "rows_per_statement",
+    "skip_locked",
+    "upsert_sql",
+]
+
+
+def connection_for(using: str | None) -> Any:
+    return connections[using or DEFAULT_DB_ALIAS]
+
+
+def is_postgresql(connection: Any) -> bool:
+    return connection.vendor == "postgresql"  # type: ignore[no-any-return]
+
+
+def quoted_table(model: type[Any], connection: Any) -> str:
+    return str(connection.ops.quote_name(model._meta.db_table))
+
+
+def db_datetime(value: dt.datetime | None, connection: Any) -> Any:
+    """``value`` as a raw statement's parameter: SQLite stores text in UTC."""
+    return connection.ops.adapt_datetimefield_value(value)
+
+
+def read_datetime(value: Any) -> dt.datetime | None:
+    """A datetime a raw query returned: SQLite gives text in UTC."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = dt.datetime.fromisoformat(value)
+    if timezone.is_naive(value):
+        value = value.replace(tzinfo=dt.UTC)
+    return value  # type: ignore[no-any-return]
+
+
+def skip_locked(connection: Any) -> str:
+    """What a claim's SELECT ends with: on PostgreSQL it passes rows another
+    process holds; SQLite has one writer at a time, and no such clause."""
+    return " FOR UPDATE SKIP LOCKED" if is_postgresql(connection) else ""
+
+
+def rows_per_statement(connection: Any, *, most: int, per_row: int, constants: int = 0) -> int:
+    """How many rows of ``per_row`` parameters one statement may carry, with
+    ``constants`` parameters besides: ``most``, or fewer where SQLite takes
+    fewer parameters in a statement (an SQLite built with the old default
+    takes 999). PostgreSQL's statements here take an array a column,
+    whatever their rows."""
+    if connection.vendor != "sqlite":
+        return most
+    connection.ensure_connection()
+    limit: int = connection.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    return max(1, min(most, (limit - constants) // per_row))
+
+
+def upsert_sql(
+    table: str,
+    columns: Sequence[str],
+    *,
+    key: str,
+    updates: str,
+    rows: int = 1,
+    row: str = "",
+    returning: str = "",
+) -> str:
+    """``INSERT`` of ``rows`` rows, each one that meets a row with the same
+    ``key`` updating it by ``updates`` instead (``excluded.<column>`` is the
+    value that was to be inserted): one statement, on PostgreSQL and SQLite
+    alike. ``row`` is one row's values, a placeholder a column by default."""
+    row = row or f"({', '.join(['%s'] * len(columns))})"
+    sql = (
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES {', '.join([row] * rows)} "
+        f"ON CONFLICT ({key}) DO UPDATE SET {updates}"
+    )
+    return f"{sql} RETURNING {returning}" if returning else sql
