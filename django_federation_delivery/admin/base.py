@@ -16,11 +16,20 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy, ngettext
 
 from django_federation_delivery import controls
 from django_federation_delivery.models import Delivery, Host
 
 _M = TypeVar("_M", bound=Model)
+
+#: A breaker's state (``Breaker.state``, ``overview.OpenBreaker.state``), as people read it.
+STATES = {
+    "closed": gettext_lazy("closed"),
+    "open": gettext_lazy("open"),
+    "half-open": gettext_lazy("half-open"),
+}
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin
@@ -30,10 +39,6 @@ else:
         # django-stubs makes ModelAdmin generic; Django does not, at run time.
         def __class_getitem__(cls, item: Any) -> Any:
             return cls
-
-
-def plural(count: int, one: str, many: str) -> str:
-    return f"{count} {one if count == 1 else many}"
 
 
 class OperatorAdmin(_ModelAdmin[_M]):
@@ -118,20 +123,33 @@ def paused_hosts(hosts: Iterable[str]) -> set[str]:
     )
 
 
+def host_count(count: int) -> str:
+    return ngettext("%(count)d host", "%(count)d hosts", count) % {"count": count}
+
+
+def pending_count(count: int) -> str:
+    return ngettext("%(count)d pending delivery", "%(count)d pending deliveries", count) % {
+        "count": count
+    }
+
+
 def pause_and_report(
     model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]
 ) -> None:
     already = paused_hosts(hosts)
     pausing = [host for host in hosts if host not in already]
     held = sum(controls.pause_host(host) for host in pausing)
-    report(
-        model_admin,
-        request,
-        len(pausing),
-        f"Paused {plural(len(pausing), 'host', 'hosts')}: "
-        f"{plural(held, 'pending delivery', 'pending deliveries')} held until resumed."
-        + (f" {plural(len(already), 'host was', 'hosts were')} paused already." if already else ""),
-    )
+    message = _("Paused %(hosts)s: %(deliveries)s held until resumed.") % {
+        "hosts": host_count(len(pausing)),
+        "deliveries": pending_count(held),
+    }
+    if already:
+        message += " " + ngettext(
+            "%(count)d host was paused already.",
+            "%(count)d hosts were paused already.",
+            len(already),
+        ) % {"count": len(already)}
+    report(model_admin, request, len(pausing), message)
 
 
 def resume_and_report(
@@ -139,12 +157,15 @@ def resume_and_report(
 ) -> None:
     paused = sorted(paused_hosts(hosts))
     released = sum(controls.resume_host(host) for host in paused)
+    held = ngettext("%(count)d held delivery", "%(count)d held deliveries", released) % {
+        "count": released
+    }
     report(
         model_admin,
         request,
         len(paused),
-        f"Resumed {plural(len(paused), 'host', 'hosts')}: "
-        f"{plural(released, 'held delivery', 'held deliveries')} due now.",
+        _("Resumed %(hosts)s: %(deliveries)s due now.")
+        % {"hosts": host_count(len(paused)), "deliveries": held},
     )
 
 
@@ -156,6 +177,6 @@ def give_up_and_report(
         model_admin,
         request,
         count,
-        f"Gave up {plural(count, 'pending delivery', 'pending deliveries')} "
-        f"to {plural(len(hosts), 'host', 'hosts')}.",
+        _("Gave up %(deliveries)s to %(hosts)s.")
+        % {"deliveries": pending_count(count), "hosts": host_count(len(hosts))},
     )
