@@ -19,6 +19,7 @@ import time
 
 from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
+from django.utils.translation import gettext, ngettext
 
 from django_federation_delivery import __version__
 from django_federation_delivery.models import DelivererHeartbeat
@@ -175,10 +176,19 @@ def stalled(deliverers: Seen, due: int, now: dt.datetime, *, where: str = "") ->
 
     if due <= 0 or deliverers.live:
         return ""
-    work = f"{due} deliver{'y is' if due == 1 else 'ies are'} due"
+    work = ngettext("%(count)d delivery is due", "%(count)d deliveries are due", due) % {
+        "count": due
+    }
     if deliverers.last_seen is None:
-        return f"No deliverer{where} has been seen in the last day while {work}"
+        return gettext("No deliverer%(where)s has been seen in the last day while %(work)s") % {
+            "where": where,
+            "work": work,
+        }
     quiet = (now - deliverers.last_seen).total_seconds()
     if quiet < NO_DELIVERER_AFTER:
         return ""  # one restarting, most likely
-    return f"No deliverer{where} seen for {format_duration(quiet)} while {work}"
+    return gettext("No deliverer%(where)s seen for %(quiet)s while %(work)s") % {
+        "where": where,
+        "quiet": format_duration(quiet),
+        "work": work,
+    }

@@ -16,12 +16,15 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, F, Max, Min, Q
 from django.utils import timezone
+from django.utils.translation import gettext
+from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import heartbeats
 from django_federation_delivery.heartbeats import SeenDeliverer
 from django_federation_delivery.models import Breaker, Delivery, Host, Lane, Status
 
 __all__ = [
+    "BREAKER_STATES",
     "FailingHost",
     "LaneStats",
     "OpenBreaker",
@@ -32,6 +35,10 @@ __all__ = [
     "open_breakers",
     "overview",
 ]
+
+#: A breaker's state, as people read it: the states themselves ("closed",
+#: "open", "half-open") are data, in the JSON of ``delivery_status --json`` too.
+BREAKER_STATES = {"closed": _("closed"), "open": _("open"), "half-open": _("half-open")}
 
 DELIVERED_WINDOW = dt.timedelta(hours=1)
 FAILED_WINDOW = dt.timedelta(days=1)
@@ -160,12 +167,12 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(rest, 3600)
     minutes, secs = divmod(rest, 60)
     if days:
-        return f"{days}d {hours}h"
+        return gettext("%(days)dd %(hours)dh") % {"days": days, "hours": hours}
     if hours:
-        return f"{hours}h {minutes}m"
+        return gettext("%(hours)dh %(minutes)dm") % {"hours": hours, "minutes": minutes}
     if minutes:
-        return f"{minutes}m {secs}s"
-    return f"{secs}s"
+        return gettext("%(minutes)dm %(seconds)ds") % {"minutes": minutes, "seconds": secs}
+    return gettext("%(seconds)ds") % {"seconds": secs}
 
 
 def overview(

@@ -17,19 +17,13 @@ from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_lazy, ngettext
+from django.utils.translation import ngettext
 
 from django_federation_delivery import controls
 from django_federation_delivery.models import Delivery, Host
 
 _M = TypeVar("_M", bound=Model)
 
-#: A breaker's state (``Breaker.state``, ``overview.OpenBreaker.state``), as people read it.
-STATES = {
-    "closed": gettext_lazy("closed"),
-    "open": gettext_lazy("open"),
-    "half-open": gettext_lazy("half-open"),
-}
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin

@@ -14,7 +14,6 @@ from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import controls
 from django_federation_delivery.admin.base import (
-    STATES,
     OperatorAdmin,
     give_up_and_report,
     pause_and_report,
@@ -22,6 +21,7 @@ from django_federation_delivery.admin.base import (
     resume_and_report,
 )
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
+from django_federation_delivery.overview import BREAKER_STATES
 from django_federation_delivery.urls import host_of, redact
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class BreakerStateFilter(admin.SimpleListFilter):
     parameter_name = "state"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, StrOrPromise]]:
-        return list(STATES.items())
+        return list(BREAKER_STATES.items())
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         now = timezone.now()
@@ -65,7 +65,7 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
 
     @admin.display(description=_("state"))
     def state(self, obj: Breaker) -> str:
-        return str(STATES.get(obj.state, obj.state))
+        return str(BREAKER_STATES.get(obj.state, obj.state))
 
     @admin.display(description=_("probe"))
     def probe(self, obj: Breaker) -> str:

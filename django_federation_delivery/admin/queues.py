@@ -14,9 +14,10 @@ from django.utils.safestring import SafeString, mark_safe
 from django.utils.translation import gettext
 
 from django_federation_delivery import charts, history, overview
-from django_federation_delivery.admin.base import STATES, changelist_url
+from django_federation_delivery.admin.base import changelist_url
 from django_federation_delivery.admin.destinations import destination_rows
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
+from django_federation_delivery.overview import BREAKER_STATES
 
 
 def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -> TemplateResponse:
@@ -71,7 +72,7 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
             (
                 host,
                 deliveries(host=host.host, status__exact=Status.PENDING),
-                STATES.get(host.breaker, host.breaker),
+                BREAKER_STATES.get(host.breaker, host.breaker),
             )
             for host in status.failing_hosts
         ],
@@ -83,7 +84,7 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
                     args=[quote(breaker.key)],
                     current_app=site.name,
                 ),
-                STATES.get(breaker.state, breaker.state),
+                BREAKER_STATES.get(breaker.state, breaker.state),
             )
             for breaker in status.open_breakers
         ],
