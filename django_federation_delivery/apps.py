@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.utils.translation import gettext_lazy as _
 
 
 class FederationDeliveryConfig(AppConfig):
     name = "django_federation_delivery"
     label = "federation_delivery"
-    verbose_name = "Federation delivery"
+    verbose_name = _("Federation delivery")
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:

@@ -13,6 +13,13 @@ import datetime as dt
 import math
 from collections.abc import Sequence
 from html import escape
+from typing import TYPE_CHECKING
+
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
 
 __all__ = ["SERIES", "Bucket", "Series", "chart", "scale"]
 
@@ -43,7 +50,7 @@ class Bucket:
 @dataclasses.dataclass(frozen=True)
 class Series:
     name: str
-    label: str
+    label: StrOrPromise
     colour: str
     #: stroke-dasharray: "" for a solid line.
     dashes: str
@@ -54,11 +61,16 @@ class Series:
 #: The four lines, each with its own dash pattern and marker (and a colour
 #: from a palette that colour-blind readers tell apart, as a help only).
 SERIES = (
-    Series("delivered", "delivered", "#1b7837", "", "circle"),
-    Series("retried", "retried", "#b35806", "7 4", "triangle"),
-    Series("refused", "refused", "#542788", "2 3", "square"),
-    Series("failed", "failed", "#c51b7d", "10 3 2 3", "cross"),
+    Series("delivered", _("delivered"), "#1b7837", "", "circle"),
+    Series("retried", _("retried"), "#b35806", "7 4", "triangle"),
+    Series("refused", _("refused"), "#542788", "2 3", "square"),
+    Series("failed", _("failed"), "#c51b7d", "10 3 2 3", "cross"),
 )
+#: The time axis's title, by ``unit``.
+AXIS_TITLES = {
+    "minute": _("time (UTC), one point a minute"),
+    "hour": _("time (UTC), one point an hour"),
+}
 BREAKER_COLOUR = "#ba2121"
 
 WIDTH = 760
@@ -108,10 +120,6 @@ def _marker(kind: str, x: float, y: float, size: float = 3.0) -> str:
     return f'<path d="{path}"/>'
 
 
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
 def chart(
     buckets: Sequence[Bucket],
     *,
@@ -140,13 +148,19 @@ def chart(
 
     totals = {s.name: sum(getattr(b, s.name) for b in buckets) for s in SERIES}
     opened = sum(b.breakers_opened for b in buckets)
-    summary = (
-        f"{title}: "
-        + ", ".join(f"{totals[s.name]} {s.label}" for s in SERIES)
-        + f"; {_plural(opened, 'breaker')} opened"
-        + (f", from {buckets[0].start:%Y-%m-%d %H:%M} UTC" if buckets else "")
-        + "."
+    counts = ", ".join(
+        gettext("%(count)d %(series)s") % {"count": totals[s.name], "series": s.label}
+        for s in SERIES
     )
+    breakers = ngettext("%(count)d breaker opened", "%(count)d breakers opened", opened) % {
+        "count": opened
+    }
+    since = (
+        gettext(", from %(time)s UTC") % {"time": f"{buckets[0].start:%Y-%m-%d %H:%M}"}
+        if buckets
+        else ""
+    )
+    summary = f"{title}: {counts}; {breakers}{since}."
     ident = escape(id)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" role="img" class="fd-chart" id="{ident}" '
@@ -160,19 +174,21 @@ def chart(
     parts.append('<g class="fd-legend">')
     for s in SERIES:
         dash = f' stroke-dasharray="{s.dashes}"' if s.dashes else ""
+        label = escape(str(s.label))
         parts.append(
             f'<g class="fd-legend-item" data-series="{s.name}" stroke="{s.colour}" '
             f'fill="none" stroke-width="1.5">'
             f'<line x1="{legend_x}" y1="9" x2="{legend_x + 30}" y2="9"{dash}/>'
             f"{_marker(s.marker, legend_x + 15, 9)}"
-            f'<text x="{legend_x + 35}" y="13" stroke="none" fill="currentColor">{s.label}</text>'
+            f'<text x="{legend_x + 35}" y="13" stroke="none" fill="currentColor">{label}</text>'
             "</g>"
         )
-        legend_x += 35 + round(6.5 * len(s.label)) + 14
+        legend_x += 35 + round(6.5 * len(label)) + 14
     parts.append(
         f'<g class="fd-legend-item" data-series="breakers_opened">'
         f'<path d="M{legend_x + 4} 4l5 9h-10z" fill="{BREAKER_COLOUR}"/>'
-        f'<text x="{legend_x + 13}" y="13" fill="currentColor">breaker opened</text></g>'
+        f'<text x="{legend_x + 13}" y="13" fill="currentColor">'
+        f"{escape(gettext('breaker opened'))}</text></g>"
     )
     parts.append("</g>")
     # The count axis and its grid.
@@ -200,7 +216,7 @@ def chart(
         )
     parts.append(
         f'<text x="{LEFT + plot_w / 2:.0f}" y="{HEIGHT - 4}" text-anchor="middle">'
-        f"time (UTC), one point a {escape(unit)}</text>"
+        f"{escape(str(AXIS_TITLES.get(unit, unit)))}</text>"
     )
     parts.append("</g>")
     # The lines, each with a marker at every point.
@@ -211,7 +227,7 @@ def chart(
         dash = f' stroke-dasharray="{s.dashes}"' if s.dashes else ""
         parts.append(
             f'<g class="fd-series" data-series="{s.name}" stroke="{s.colour}" fill="none" '
-            f'stroke-width="1.5"><title>{s.label}: {totals[s.name]}</title>'
+            f'stroke-width="1.5"><title>{escape(str(s.label))}: {totals[s.name]}</title>'
             f'<polyline points="{points}"{dash}/>'
             + "".join(
                 _marker(s.marker, x(i), y(getattr(b, s.name)), 2.2) for i, b in enumerate(buckets)
@@ -223,8 +239,16 @@ def chart(
         if bucket.breakers_opened:
             parts.append(
                 f'<g class="fd-breaker-mark" fill="{BREAKER_COLOUR}">'
-                f"<title>{_plural(bucket.breakers_opened, 'breaker')} opened at "
-                f"{bucket.start:%Y-%m-%d %H:%M} UTC</title>"
+                "<title>"
+                + escape(
+                    ngettext(
+                        "%(count)d breaker opened at %(time)s UTC",
+                        "%(count)d breakers opened at %(time)s UTC",
+                        bucket.breakers_opened,
+                    )
+                    % {"count": bucket.breakers_opened, "time": f"{bucket.start:%Y-%m-%d %H:%M}"}
+                )
+                + "</title>"
                 f'<path d="M{_number(x(index))} {bottom + 19}l5 9h-10z"/></g>'
             )
     parts.append("</svg>")

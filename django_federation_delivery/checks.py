@@ -10,6 +10,8 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 
 from django_federation_delivery.breakers import Scope
 from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS, SETTING, app_settings
@@ -65,25 +67,30 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     if not isinstance(value, dict):
         return [
             Error(
-                f"{SETTING} must be a dict, not {_shown(value)}.",
-                hint=f"Write {SETTING} = {{...}}.",
+                _("%(setting)s must be a dict, not %(value)s.")
+                % {"setting": SETTING, "value": _shown(value)},
+                hint=_("Write %(setting)s = {...}.") % {"setting": SETTING},
                 id=f"{PREFIX}.E001",
             )
         ]
     for name in app_settings.unknown_keys():
         errors.append(
             Error(
-                f"{SETTING} has an unknown setting {name!r}.",
-                hint=f"Known settings: {', '.join(sorted(DEFAULTS))}.",
+                _("%(setting)s has an unknown setting %(name)r.")
+                % {"setting": SETTING, "name": name},
+                hint=_("Known settings: %(names)s.") % {"names": ", ".join(sorted(DEFAULTS))},
                 id=f"{PREFIX}.E002",
             )
         )
     if app_settings.get("SENDER_KEYS") is None:
         errors.append(
             Error(
-                f"{SETTING}['SENDER_KEYS'] is not set: nothing can be signed.",
-                hint="Name a callable that takes a sender and returns a SenderKey or None, "
-                "e.g. 'myapp.federation.sender_key'.",
+                _("%(setting)s['SENDER_KEYS'] is not set: nothing can be signed.")
+                % {"setting": SETTING},
+                hint=_(
+                    "Name a callable that takes a sender and returns a SenderKey or None, "
+                    "e.g. 'myapp.federation.sender_key'."
+                ),
                 id=f"{PREFIX}.E003",
             )
         )
@@ -100,7 +107,7 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             errors.append(
                 Error(
                     str(exc),
-                    hint="Write a dotted path such as 'myapp.federation.function', or None.",
+                    hint=_("Write a dotted path such as 'myapp.federation.function', or None."),
                     id=f"{PREFIX}.E004",
                 )
             )
@@ -109,9 +116,18 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         if not _whole(number, least, most):
             errors.append(
                 Error(
-                    f"{SETTING}[{name!r}] must be a whole number from {least} to {most}, "
-                    f"not {_shown(number)}.",
-                    hint=f"Leave it out for the default, {DEFAULTS[name]!r}.",
+                    _(
+                        "%(setting)s[%(name)r] must be a whole number from %(least)d to %(most)d, "
+                        "not %(value)s."
+                    )
+                    % {
+                        "setting": SETTING,
+                        "name": name,
+                        "least": least,
+                        "most": most,
+                        "value": _shown(number),
+                    },
+                    hint=_default_hint(name),
                     id=f"{PREFIX}.E005",
                 )
             )
@@ -120,9 +136,17 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         if not _seconds(number, longest):
             errors.append(
                 Error(
-                    f"{SETTING}[{name!r}] must be a number of seconds above 0 and at most "
-                    f"{longest:.0f}, not {_shown(number)}.",
-                    hint=f"Leave it out for the default, {DEFAULTS[name]!r}.",
+                    _(
+                        "%(setting)s[%(name)r] must be a number of seconds above 0 and at most "
+                        "%(longest).0f, not %(value)s."
+                    )
+                    % {
+                        "setting": SETTING,
+                        "name": name,
+                        "longest": longest,
+                        "value": _shown(number),
+                    },
+                    hint=_default_hint(name),
                     id=f"{PREFIX}.E006",
                 )
             )
@@ -133,7 +157,7 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         errors.append(
             Error(
                 str(exc),
-                hint="A list of networks, such as ['127.0.0.0/8'], or [] for none.",
+                hint=_("A list of networks, such as ['127.0.0.0/8'], or [] for none."),
                 id=f"{PREFIX}.E008",
             )
         )
@@ -141,8 +165,10 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     if not isinstance(first, str) or first not in {scheme.value for scheme in Scheme}:
         errors.append(
             Error(
-                f"{SETTING}['FIRST_SCHEME'] is {_shown(first)}.",
-                hint=f"Use one of {', '.join(repr(s.value) for s in Scheme)}.",
+                _("%(setting)s['FIRST_SCHEME'] is %(value)s.")
+                % {"setting": SETTING, "value": _shown(first)},
+                hint=_("Use one of %(schemes)s.")
+                % {"schemes": ", ".join(repr(s.value) for s in Scheme)},
                 id=f"{PREFIX}.E009",
             )
         )
@@ -150,9 +176,12 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     if not isinstance(gone, list | tuple) or not all(_whole(s, 100, 599) for s in gone):
         errors.append(
             Error(
-                f"{SETTING}['PERMANENT_IF_SENDER_GONE'] must be a list of HTTP "
-                f"statuses such as [401], not {_shown(gone)}.",
-                hint="Statuses from 100 to 599; [] for none.",
+                _(
+                    "%(setting)s['PERMANENT_IF_SENDER_GONE'] must be a list of HTTP "
+                    "statuses such as [401], not %(value)s."
+                )
+                % {"setting": SETTING, "value": _shown(gone)},
+                hint=_("Statuses from 100 to 599; [] for none."),
                 id=f"{PREFIX}.E010",
             )
         )
@@ -160,9 +189,16 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     if few is not None and not _whole(few, 1, WHOLE_NUMBERS["MAX_INBOXES"][1]):
         errors.append(
             Error(
-                f"{SETTING}['PRIORITY_MAX_INBOXES'] must be None or a whole number "
-                f"from 1 to {WHOLE_NUMBERS['MAX_INBOXES'][1]}, not {_shown(few)}.",
-                hint="A few, such as 5: sends to that many inboxes or fewer go first.",
+                _(
+                    "%(setting)s['PRIORITY_MAX_INBOXES'] must be None or a whole number "
+                    "from 1 to %(most)d, not %(value)s."
+                )
+                % {
+                    "setting": SETTING,
+                    "most": WHOLE_NUMBERS["MAX_INBOXES"][1],
+                    "value": _shown(few),
+                },
+                hint=_("A few, such as 5: sends to that many inboxes or fewer go first."),
                 id=f"{PREFIX}.E011",
             )
         )
@@ -172,8 +208,9 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         if not isinstance(flag, bool):
             errors.append(
                 Error(
-                    f"{SETTING}[{name!r}] must be True or False, not {_shown(flag)}.",
-                    hint=f"Leave it out for the default, {DEFAULTS[name]!r}.",
+                    _("%(setting)s[%(name)r] must be True or False, not %(value)s.")
+                    % {"setting": SETTING, "name": name, "value": _shown(flag)},
+                    hint=_default_hint(name),
                     id=f"{PREFIX}.E013",
                 )
             )
@@ -186,10 +223,15 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     ):
         errors.append(
             Error(
-                f"{SETTING}['USER_AGENT'] must be a non-empty line of printable ASCII "
-                f"of at most {USER_AGENT_LENGTH} characters, not {_shown(agent)}.",
-                hint="Something like 'myserver/1.0 (+https://myserver.example)': it is "
-                "sent as a header, which a line break or a NUL would corrupt.",
+                _(
+                    "%(setting)s['USER_AGENT'] must be a non-empty line of printable ASCII "
+                    "of at most %(most)d characters, not %(value)s."
+                )
+                % {"setting": SETTING, "most": USER_AGENT_LENGTH, "value": _shown(agent)},
+                hint=_(
+                    "Something like 'myserver/1.0 (+https://myserver.example)': it is "
+                    "sent as a header, which a line break or a NUL would corrupt."
+                ),
                 id=f"{PREFIX}.E014",
             )
         )
@@ -201,10 +243,19 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     ):
         errors.append(
             Error(
-                f"{SETTING}['ATTEMPT_TIMEOUT'] ({timeout!r}) and {LEASE_MARGIN_SECONDS:g} s to "
-                f"write its outcome do not fit in LEASE_SECONDS ({lease!r}): an attempt could "
-                "outlast its lease and the delivery be sent twice.",
-                hint=f"Make LEASE_SECONDS at least ATTEMPT_TIMEOUT + {LEASE_MARGIN_SECONDS:g}.",
+                _(
+                    "%(setting)s['ATTEMPT_TIMEOUT'] (%(timeout)r) and %(margin)g s to write its "
+                    "outcome do not fit in LEASE_SECONDS (%(lease)r): an attempt could outlast "
+                    "its lease and the delivery be sent twice."
+                )
+                % {
+                    "setting": SETTING,
+                    "timeout": timeout,
+                    "margin": LEASE_MARGIN_SECONDS,
+                    "lease": lease,
+                },
+                hint=_("Make LEASE_SECONDS at least ATTEMPT_TIMEOUT + %(margin)g.")
+                % {"margin": LEASE_MARGIN_SECONDS},
                 id=f"{PREFIX}.E015",
             )
         )
@@ -214,14 +265,28 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     if not _seconds(heartbeat, longest) or heartbeat < fewest:
         errors.append(
             Error(
-                f"{SETTING}['HEARTBEAT_SECONDS'] must be a number of seconds from {fewest:g} "
-                f"to {longest:g}, not {_shown(heartbeat)}.",
-                hint="Leave it out for the default, 5: each run_deliverer process writes its "
-                "heartbeat that often, and is taken for dead after three missed.",
+                _(
+                    "%(setting)s['HEARTBEAT_SECONDS'] must be a number of seconds from "
+                    "%(fewest)g to %(longest)g, not %(value)s."
+                )
+                % {
+                    "setting": SETTING,
+                    "fewest": fewest,
+                    "longest": longest,
+                    "value": _shown(heartbeat),
+                },
+                hint=_(
+                    "Leave it out for the default, 5: each run_deliverer process writes its "
+                    "heartbeat that often, and is taken for dead after three missed."
+                ),
                 id=f"{PREFIX}.E034",
             )
         )
     return errors
+
+
+def _default_hint(name: str) -> str:
+    return _("Leave it out for the default, %(default)r.") % {"default": DEFAULTS[name]}
 
 
 def _whole(value: Any, least: int, most: int) -> bool:
@@ -247,8 +312,9 @@ def _check_retry(retry: Any) -> list[CheckMessage]:
     if not isinstance(retry, dict):
         return [
             Error(
-                f"{SETTING}['RETRY'] must be a dict, not {_shown(retry)}.",
-                hint="For example {'BASE': 30, 'CAP': 3600, 'ATTEMPTS': 12, 'JITTER': 0.25}.",
+                _("%(setting)s['RETRY'] must be a dict, not %(value)s.")
+                % {"setting": SETTING, "value": _shown(retry)},
+                hint=_("For example {'BASE': 30, 'CAP': 3600, 'ATTEMPTS': 12, 'JITTER': 0.25}."),
                 id=f"{PREFIX}.E007",
             )
         ]
@@ -261,40 +327,56 @@ def _check_retry(retry: Any) -> list[CheckMessage]:
         or not all(_seconds(wait, LONGEST_WAIT) for wait in schedule)
     ):
         problems.append(
-            "SCHEDULE must be None or a non-empty list of waits in seconds, each above 0 and "
-            f"at most {LONGEST_WAIT:.0f}, not {_shown(schedule)}"
+            _(
+                "SCHEDULE must be None or a non-empty list of waits in seconds, each above 0 "
+                "and at most %(longest).0f, not %(value)s"
+            )
+            % {"longest": LONGEST_WAIT, "value": _shown(schedule)}
         )
     attempts = retry.get("ATTEMPTS")
     if not _whole(attempts, 1, MOST_ATTEMPTS):
         problems.append(
-            f"ATTEMPTS must be a whole number from 1 to {MOST_ATTEMPTS}, not {_shown(attempts)}"
+            _("ATTEMPTS must be a whole number from 1 to %(most)d, not %(value)s")
+            % {"most": MOST_ATTEMPTS, "value": _shown(attempts)}
         )
     for name in ("BASE", "CAP"):
         if not _seconds(retry.get(name), LONGEST_WAIT):
             problems.append(
-                f"{name} must be a number of seconds above 0 and at most {LONGEST_WAIT:.0f}, "
-                f"not {_shown(retry.get(name))}"
+                _(
+                    "%(name)s must be a number of seconds above 0 and at most %(longest).0f, "
+                    "not %(value)s"
+                )
+                % {"name": name, "longest": LONGEST_WAIT, "value": _shown(retry.get(name))}
             )
     jitter = retry.get("JITTER")
     if isinstance(jitter, bool) or not isinstance(jitter, int | float) or not 0 <= jitter < 1:
-        problems.append(f"JITTER must be a fraction from 0 up to 1, not {_shown(jitter)}")
+        problems.append(
+            _("JITTER must be a fraction from 0 up to 1, not %(value)s") % {"value": _shown(jitter)}
+        )
     unknown = sorted(set(retry) - set(DEFAULTS["RETRY"]))
     if unknown:
-        problems.append(f"unknown key(s) {', '.join(map(repr, unknown))}")
+        problems.append(_unknown_keys(unknown))
     return [
         Error(
-            f"{SETTING}['RETRY']: {problem}.",
-            hint=f"Known keys: {', '.join(DEFAULTS['RETRY'])}; leave one out for its default.",
+            _("%(setting)s['RETRY']: %(problem)s.") % {"setting": SETTING, "problem": problem},
+            hint=_("Known keys: %(keys)s; leave one out for its default.")
+            % {"keys": ", ".join(DEFAULTS["RETRY"])},
             id=f"{PREFIX}.E007",
         )
         for problem in problems
     ]
 
 
+def _unknown_keys(unknown: list[str]) -> str:
+    return ngettext("unknown key %(keys)s", "unknown keys %(keys)s", len(unknown)) % {
+        "keys": ", ".join(map(repr, unknown))
+    }
+
+
 def _check_retention(retention: Any) -> list[CheckMessage]:
     if retention is None:
         return []  # everything kept
-    hint = (
+    hint = _(
         "Seconds by settled status, such as {'DELIVERED': 7 * 86400, 'SKIPPED': 7 * 86400, "
         "'FAILED': 30 * 86400, 'REFUSED': 30 * 86400}; None for a status keeps it for ever, "
         "and RETENTION None keeps everything."
@@ -302,7 +384,8 @@ def _check_retention(retention: Any) -> list[CheckMessage]:
     if not isinstance(retention, dict):
         return [
             Error(
-                f"{SETTING}['RETENTION'] must be a dict or None, not {_shown(retention)}.",
+                _("%(setting)s['RETENTION'] must be a dict or None, not %(value)s.")
+                % {"setting": SETTING, "value": _shown(retention)},
                 hint=hint,
                 id=f"{PREFIX}.E033",
             )
@@ -310,14 +393,24 @@ def _check_retention(retention: Any) -> list[CheckMessage]:
     problems = []
     for name, seconds in retention.items():
         if name not in DEFAULTS["RETENTION"]:
-            problems.append(f"unknown status {_shown(name)} (pending rows are never purged)")
+            problems.append(
+                _("unknown status %(name)s (pending rows are never purged)")
+                % {"name": _shown(name)}
+            )
         elif seconds is not None and not _seconds(seconds, LONGEST_RETENTION):
             problems.append(
-                f"{name} must be None or a number of seconds above 0 and at most "
-                f"{LONGEST_RETENTION:.0f}, not {_shown(seconds)}"
+                _(
+                    "%(name)s must be None or a number of seconds above 0 and at most "
+                    "%(longest).0f, not %(value)s"
+                )
+                % {"name": name, "longest": LONGEST_RETENTION, "value": _shown(seconds)}
             )
     return [
-        Error(f"{SETTING}['RETENTION']: {problem}.", hint=hint, id=f"{PREFIX}.E033")
+        Error(
+            _("%(setting)s['RETENTION']: %(problem)s.") % {"setting": SETTING, "problem": problem},
+            hint=hint,
+            id=f"{PREFIX}.E033",
+        )
         for problem in problems
     ]
 
@@ -330,9 +423,12 @@ def _check_breaker(breaker: Any, given: Any) -> list[CheckMessage]:
     if not isinstance(given, dict) and given is not ...:
         return [
             Error(
-                f"{SETTING}['BREAKER'] must be a dict or None, not {_shown(given)}.",
-                hint="For example {'THRESHOLD': 10, 'COOL_OFF': 60, 'SCOPE': 'host'}; "
-                "None turns breakers off.",
+                _("%(setting)s['BREAKER'] must be a dict or None, not %(value)s.")
+                % {"setting": SETTING, "value": _shown(given)},
+                hint=_(
+                    "For example {'THRESHOLD': 10, 'COOL_OFF': 60, 'SCOPE': 'host'}; "
+                    "None turns breakers off."
+                ),
                 id=f"{PREFIX}.E012",
             )
         ]
@@ -340,26 +436,32 @@ def _check_breaker(breaker: Any, given: Any) -> list[CheckMessage]:
     threshold = breaker.get("THRESHOLD")
     if not _whole(threshold, 1, MOST_THRESHOLD):
         problems.append(
-            f"THRESHOLD must be a whole number from 1 to {MOST_THRESHOLD}, not {_shown(threshold)}"
+            _("THRESHOLD must be a whole number from 1 to %(most)d, not %(value)s")
+            % {"most": MOST_THRESHOLD, "value": _shown(threshold)}
         )
     cool_off = breaker.get("COOL_OFF")
     if not _seconds(cool_off, DAY):
         problems.append(
-            f"COOL_OFF must be a number of seconds above 0 and at most {DAY:.0f}, "
-            f"not {_shown(cool_off)}"
+            _(
+                "COOL_OFF must be a number of seconds above 0 and at most %(longest).0f, "
+                "not %(value)s"
+            )
+            % {"longest": DAY, "value": _shown(cool_off)}
         )
     scope = breaker.get("SCOPE")
     if not isinstance(scope, str) or scope not in {s.value for s in Scope}:
         problems.append(
-            f"SCOPE must be one of {', '.join(repr(s.value) for s in Scope)}, not {_shown(scope)}"
+            _("SCOPE must be one of %(scopes)s, not %(value)s")
+            % {"scopes": ", ".join(repr(s.value) for s in Scope), "value": _shown(scope)}
         )
     unknown = sorted(set(breaker) - set(DEFAULTS["BREAKER"]))
     if unknown:
-        problems.append(f"unknown key(s) {', '.join(map(repr, unknown))}")
+        problems.append(_unknown_keys(unknown))
     return [
         Error(
-            f"{SETTING}['BREAKER']: {problem}.",
-            hint=f"Known keys: {', '.join(DEFAULTS['BREAKER'])}; None turns breakers off.",
+            _("%(setting)s['BREAKER']: %(problem)s.") % {"setting": SETTING, "problem": problem},
+            hint=_("Known keys: %(keys)s; None turns breakers off.")
+            % {"keys": ", ".join(DEFAULTS["BREAKER"])},
             id=f"{PREFIX}.E012",
         )
         for problem in problems
@@ -386,8 +488,9 @@ def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:
     if sqlite3.sqlite_version_info < (3, 35, 0):
         messages.append(
             Error(
-                f"SQLite {sqlite3.sqlite_version} has no UPDATE … RETURNING, which claims need.",
-                hint="Use SQLite 3.35 or newer.",
+                _("SQLite %(version)s has no UPDATE … RETURNING, which claims need.")
+                % {"version": sqlite3.sqlite_version},
+                hint=_("Use SQLite 3.35 or newer."),
                 id=f"{PREFIX}.E020",
             )
         )
@@ -395,10 +498,13 @@ def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:
     if not isinstance(timeout, int | float) or timeout < 10:
         messages.append(
             Warning(
-                f"The SQLite database {alias!r} has a busy timeout of {timeout or 5} s.",
-                hint="Set DATABASES[...]['OPTIONS']['timeout'] = 20 (seconds) or more, so that "
-                "the deliverer and web processes wait for each other's writes instead of failing "
-                "with 'database is locked'.",
+                _("The SQLite database %(alias)r has a busy timeout of %(timeout)s s.")
+                % {"alias": alias, "timeout": timeout or 5},
+                hint=_(
+                    "Set DATABASES[...]['OPTIONS']['timeout'] = 20 (seconds) or more, so that "
+                    "the deliverer and web processes wait for each other's writes instead of "
+                    "failing with 'database is locked'."
+                ),
                 id=f"{PREFIX}.W001",
             )
         )
@@ -408,10 +514,13 @@ def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:
     if mode != "wal":
         messages.append(
             Warning(
-                f"The SQLite database {alias!r} is in journal mode {mode!r}, not WAL.",
-                hint="Use WAL so that readers do not block the deliverer's writes: on Django 5.1+ "
-                "add 'init_command': 'PRAGMA journal_mode=WAL;' to OPTIONS, or run "
-                "'PRAGMA journal_mode=WAL;' once on the database file (it persists).",
+                _("The SQLite database %(alias)r is in journal mode %(mode)r, not WAL.")
+                % {"alias": alias, "mode": mode},
+                hint=_(
+                    "Use WAL so that readers do not block the deliverer's writes: on Django 5.1+ "
+                    "add 'init_command': 'PRAGMA journal_mode=WAL;' to OPTIONS, or run "
+                    "'PRAGMA journal_mode=WAL;' once on the database file (it persists)."
+                ),
                 id=f"{PREFIX}.W002",
             )
         )
@@ -429,9 +538,12 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     if not isinstance(webhooks, dict) or not all(isinstance(name, str) for name in webhooks):
         return [
             Error(
-                f"{SETTING}['WEBHOOKS'] must be a dict of destination names to URLs.",
-                hint='Write "WEBHOOKS": webhooks_from_env(env), which reads every WEBHOOK_<NAME> '
-                "variable (from django_federation_delivery.webhooks).",
+                _("%(setting)s['WEBHOOKS'] must be a dict of destination names to URLs.")
+                % {"setting": SETTING},
+                hint=_(
+                    'Write "WEBHOOKS": webhooks_from_env(env), which reads every WEBHOOK_<NAME> '
+                    "variable (from django_federation_delivery.webhooks)."
+                ),
                 id=f"{PREFIX}.E030",
             )
         ]
@@ -443,9 +555,12 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             errors.append(
                 Error(
                     str(exc),
-                    hint=f"Set WEBHOOK_{name.upper()} (read by webhooks_from_env) to a URL of one "
-                    "of the forms in the README's 'Webhooks (destinations)': slack://, "
-                    "discord://, markdown://, telegram://, or https://…?secret=whsec_….",
+                    hint=_(
+                        "Set %(variable)s (read by webhooks_from_env) to a URL of one of the "
+                        "forms in the README's 'Webhooks (destinations)': slack://, discord://, "
+                        "markdown://, telegram://, or https://…?secret=whsec_…."
+                    )
+                    % {"variable": f"WEBHOOK_{name.upper()}"},
                     id=f"{PREFIX}.E031",
                 )
             )
@@ -454,9 +569,11 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     if isinstance(getattr(settings, SETTING, {}), dict):
         errors += [
             Error(
-                f"{SETTING}: {problem}.",
-                hint="Leave it out for the default: the nine tries across a day, "
-                "Retry-After honoured up to an hour, 10 s a request.",
+                _("%(setting)s: %(problem)s.") % {"setting": SETTING, "problem": problem},
+                hint=_(
+                    "Leave it out for the default: the nine tries across a day, "
+                    "Retry-After honoured up to an hour, 10 s a request."
+                ),
                 id=f"{PREFIX}.E032",
             )
             for problem in settings_problems()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery.urls import redact
 
@@ -27,26 +28,26 @@ class Lane(models.TextChoices):
     """Which deliveries are claimed first."""
 
     # A send to few inboxes (a direct message, a reply): claimed before any other.
-    PRIORITY = "priority", "priority"
-    NORMAL = "normal", "normal"
+    PRIORITY = "priority", _("priority")
+    NORMAL = "normal", _("normal")
     # What can wait: claimed only when nothing else is due.
-    LOW = "low", "low"
+    LOW = "low", _("low")
 
 
 class Status(models.TextChoices):
     """Where a delivery stands. Only ``pending`` is still in the queue."""
 
     # Waiting to be sent, being sent, or waiting to be retried.
-    PENDING = "pending", "pending"
+    PENDING = "pending", _("pending")
     # The inbox accepted it (2xx).
-    DELIVERED = "delivered", "delivered"
+    DELIVERED = "delivered", _("delivered")
     # The inbox answered with a status that will not change, or the URL,
     # address or signature could not be used: not tried again.
-    REFUSED = "refused", "refused"
+    REFUSED = "refused", _("refused")
     # Dropped unsent, because the host project said so when it came due.
-    SKIPPED = "skipped", "skipped"
+    SKIPPED = "skipped", _("skipped")
     # Given up: the retry policy, max attempts or the batch's deadline ran out.
-    FAILED = "failed", "failed"
+    FAILED = "failed", _("failed")
 
 
 class Batch(models.Model):
@@ -56,37 +57,52 @@ class Batch(models.Model):
     goes to.
     """
 
-    sender = models.CharField(max_length=2048)
+    sender = models.CharField(verbose_name=_("sender"), max_length=2048)
     # The JSON exactly as it is sent; its SHA-256 is computed once, at send.
-    body = models.TextField()
-    body_sha256 = models.CharField(max_length=64)
-    tag = models.CharField(max_length=200, blank=True, default="", db_index=True)
-    deadline = models.DateTimeField(null=True, blank=True)
-    max_attempts = models.PositiveIntegerField(null=True, blank=True)
+    body = models.TextField(verbose_name=_("body"))
+    body_sha256 = models.CharField(verbose_name=_("body sha256"), max_length=64)
+    tag = models.CharField(
+        verbose_name=_("tag"), max_length=200, blank=True, default="", db_index=True
+    )
+    deadline = models.DateTimeField(verbose_name=_("deadline"), null=True, blank=True)
+    max_attempts = models.PositiveIntegerField(
+        verbose_name=_("max attempts"), null=True, blank=True
+    )
     # Deliveries with one ordering key reach each inbox in the order queued.
-    ordering_key = models.CharField(max_length=500, blank=True, default="")
-    lane = models.CharField(max_length=16, choices=Lane.choices, default=Lane.NORMAL)
+    ordering_key = models.CharField(
+        verbose_name=_("ordering key"), max_length=500, blank=True, default=""
+    )
+    lane = models.CharField(
+        verbose_name=_("lane"), max_length=16, choices=Lane.choices, default=Lane.NORMAL
+    )
     # Sent with a Collection-Synchronization header (FEP-8fcf) that the host
     # project's COLLECTION_SYNCHRONIZATION writes for the sender and inbox.
-    synchronize_collection = models.BooleanField(default=False)
+    synchronize_collection = models.BooleanField(
+        verbose_name=_("synchronize collection"), default=False
+    )
     # A webhook event (see webhooks/): its type and id, blank for an activity.
     # The body is then the event as JSON, timestamp included, so that every
     # retry sends, and signs, the very same bytes. Its deliveries' inbox and
     # host are "webhook:<destination name>", never the URL.
-    event_type = models.CharField(max_length=100, blank=True, default="")
-    event_id = models.CharField(max_length=200, blank=True, default="")
-    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    event_type = models.CharField(
+        verbose_name=_("event type"), max_length=100, blank=True, default=""
+    )
+    event_id = models.CharField(verbose_name=_("event id"), max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(
+        verbose_name=_("created at"), default=timezone.now, db_index=True
+    )
     # How many deliveries it queued, and how many are still pending: the
     # batch is finished when that reaches nought.
-    size = models.PositiveIntegerField(default=0)
-    remaining = models.PositiveIntegerField(default=0)
-    finished_at = models.DateTimeField(null=True, blank=True)
+    size = models.PositiveIntegerField(verbose_name=_("size"), default=0)
+    remaining = models.PositiveIntegerField(verbose_name=_("remaining"), default=0)
+    finished_at = models.DateTimeField(verbose_name=_("finished at"), null=True, blank=True)
 
     #: Not stored: on the batch a send returns, the inboxes it left out and why.
     skipped: Sequence[SkippedInbox] = ()
 
     class Meta:
-        verbose_name_plural = "batches"
+        verbose_name = _("batch")
+        verbose_name_plural = _("batches")
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
@@ -99,38 +115,54 @@ class Batch(models.Model):
 class Delivery(models.Model):
     """One inbox of a batch, and how its delivery stands."""
 
-    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="deliveries")
-    inbox = models.CharField(max_length=2048)
-    host = models.CharField(max_length=255)
+    batch = models.ForeignKey(
+        Batch, verbose_name=_("batch"), on_delete=models.CASCADE, related_name="deliveries"
+    )
+    inbox = models.CharField(verbose_name=_("inbox"), max_length=2048)
+    host = models.CharField(verbose_name=_("host"), max_length=255)
     # Where to POST, in order, when not the inbox itself: the gateways of a
     # portable inbox (FEP-ef61), tried one after the other within one attempt.
-    via = models.JSONField(default=list, blank=True)
+    via = models.JSONField(verbose_name=_("via"), default=list, blank=True)
     # The batch's lane, kept here so that one index finds what is due.
-    lane = models.CharField(max_length=16, choices=Lane.choices, default=Lane.NORMAL)
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
-    attempts = models.PositiveIntegerField(default=0)
+    lane = models.CharField(
+        verbose_name=_("lane"), max_length=16, choices=Lane.choices, default=Lane.NORMAL
+    )
+    status = models.CharField(
+        verbose_name=_("status"), max_length=16, choices=Status.choices, default=Status.PENDING
+    )
+    attempts = models.PositiveIntegerField(verbose_name=_("attempts"), default=0)
     # When it is next due. A claim pushes it forward by the lease, so a
     # delivery whose process died comes due again by itself.
-    due_at = models.DateTimeField(null=True, blank=True, default=timezone.now)
+    due_at = models.DateTimeField(
+        verbose_name=_("due at"), null=True, blank=True, default=timezone.now
+    )
     # Taken with the claim: only its holder may settle the row. NULL while
     # nobody holds it, which no token can ever match.
     lease_token = models.CharField(  # noqa: DJ001
-        max_length=32, null=True, blank=True, editable=False
+        verbose_name=_("lease token"), max_length=32, null=True, blank=True, editable=False
     )
-    last_attempt_at = models.DateTimeField(null=True, blank=True)
-    last_status = models.PositiveSmallIntegerField(null=True, blank=True)
-    last_error = models.TextField(blank=True, default="")
-    settled_at = models.DateTimeField(null=True, blank=True)
+    last_attempt_at = models.DateTimeField(verbose_name=_("last attempt at"), null=True, blank=True)
+    last_status = models.PositiveSmallIntegerField(
+        verbose_name=_("last status"), null=True, blank=True
+    )
+    last_error = models.TextField(verbose_name=_("last error"), blank=True, default="")
+    settled_at = models.DateTimeField(verbose_name=_("settled at"), null=True, blank=True)
     # An ordered delivery's sequence (its ordering key and inbox, hashed),
     # and the one before it that it waits on, with no due time until that
     # one settles.
-    sequence = models.CharField(max_length=64, blank=True, default="")
+    sequence = models.CharField(verbose_name=_("sequence"), max_length=64, blank=True, default="")
     after = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        "self",
+        verbose_name=_("after"),
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
     )
 
     class Meta:
-        verbose_name_plural = "deliveries"
+        verbose_name = _("delivery")
+        verbose_name_plural = _("deliveries")
         constraints = [
             models.UniqueConstraint(fields=["batch", "inbox"], name="fd_delivery_once_per_inbox"),
         ]
@@ -168,13 +200,17 @@ class Host(models.Model):
     path of a host that takes the first scheme writes nothing here.
     """
 
-    name = models.CharField(max_length=255, primary_key=True)
+    name = models.CharField(verbose_name=_("name"), max_length=255, primary_key=True)
     # The signature scheme the host last accepted, when it is not the one
     # tried first; blank while unknown.
-    scheme = models.CharField(max_length=16, blank=True, default="")
+    scheme = models.CharField(verbose_name=_("scheme"), max_length=16, blank=True, default="")
     # Paused by an operator: its deliveries are held, not failed, until resumed.
-    paused_at = models.DateTimeField(null=True, blank=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    paused_at = models.DateTimeField(verbose_name=_("paused at"), null=True, blank=True)
+    updated_at = models.DateTimeField(verbose_name=_("updated at"), auto_now=True)
+
+    class Meta:
+        verbose_name = _("host")
+        verbose_name_plural = _("hosts")
 
     def __str__(self) -> str:
         return self.name
@@ -188,15 +224,21 @@ class Breaker(models.Model):
     row: the healthy path writes nothing here.
     """
 
-    key = models.CharField(max_length=2048, primary_key=True)
+    key = models.CharField(verbose_name=_("key"), max_length=2048, primary_key=True)
     # Failures in a row while closed.
-    failures = models.PositiveIntegerField(default=0)
+    failures = models.PositiveIntegerField(verbose_name=_("failures"), default=0)
     # Open (or half-open once it has passed) until then; NULL while closed.
-    open_until = models.DateTimeField(null=True, blank=True)
+    open_until = models.DateTimeField(verbose_name=_("open until"), null=True, blank=True)
     # The probe under way, and when it stops being waited for.
-    probe_token = models.CharField(max_length=32, blank=True, default="")
-    probe_until = models.DateTimeField(null=True, blank=True)
-    updated_at = models.DateTimeField(default=timezone.now)
+    probe_token = models.CharField(
+        verbose_name=_("probe token"), max_length=32, blank=True, default=""
+    )
+    probe_until = models.DateTimeField(verbose_name=_("probe until"), null=True, blank=True)
+    updated_at = models.DateTimeField(verbose_name=_("updated at"), default=timezone.now)
+
+    class Meta:
+        verbose_name = _("breaker")
+        verbose_name_plural = _("breakers")
 
     def __str__(self) -> str:
         return redact(self.key)
@@ -219,17 +261,21 @@ class DelivererHeartbeat(models.Model):
     day by the next deliverer to start (or to beat an hour later).
     """
 
-    host = models.CharField(max_length=255)
-    pid = models.PositiveIntegerField()
-    version = models.CharField(max_length=50, blank=True, default="")
-    started_at = models.DateTimeField()
-    last_seen = models.DateTimeField(db_index=True)
+    host = models.CharField(verbose_name=_("host"), max_length=255)
+    pid = models.PositiveIntegerField(verbose_name=_("pid"))
+    version = models.CharField(verbose_name=_("version"), max_length=50, blank=True, default="")
+    started_at = models.DateTimeField(verbose_name=_("started at"))
+    last_seen = models.DateTimeField(verbose_name=_("last seen"), db_index=True)
     # Seconds between its heartbeats: what "three intervals" means for this row.
-    interval = models.FloatField()
+    interval = models.FloatField(verbose_name=_("interval"))
     # Deliveries handed to its workers when it last beat.
-    in_flight = models.PositiveIntegerField(default=0)
+    in_flight = models.PositiveIntegerField(verbose_name=_("in flight"), default=0)
     # Delivered per second over the interval before its last beat.
-    rate = models.FloatField(default=0.0)
+    rate = models.FloatField(verbose_name=_("rate"), default=0.0)
+
+    class Meta:
+        verbose_name = _("deliverer heartbeat")
+        verbose_name_plural = _("deliverer heartbeats")
 
     def __str__(self) -> str:
         return f"deliverer pid {self.pid} on {self.host}"
@@ -243,19 +289,20 @@ class DeliveryHistory(models.Model):
     however many deliveries the table holds.
     """
 
-    minute = models.DateTimeField(unique=True)
-    delivered = models.PositiveIntegerField(default=0)
+    minute = models.DateTimeField(verbose_name=_("minute"), unique=True)
+    delivered = models.PositiveIntegerField(verbose_name=_("delivered"), default=0)
     # Attempts that failed and were rescheduled; not those held unsent by
     # an open breaker or a paused host.
-    retried = models.PositiveIntegerField(default=0)
-    refused = models.PositiveIntegerField(default=0)
+    retried = models.PositiveIntegerField(verbose_name=_("retried"), default=0)
+    refused = models.PositiveIntegerField(verbose_name=_("refused"), default=0)
     # Given up: out of attempts or past the deadline, or by an operator.
-    failed = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(verbose_name=_("failed"), default=0)
     # Breakers that opened: a destination's failures in a row reached the threshold.
-    breakers_opened = models.PositiveIntegerField(default=0)
+    breakers_opened = models.PositiveIntegerField(verbose_name=_("breakers opened"), default=0)
 
     class Meta:
-        verbose_name_plural = "delivery history"
+        verbose_name = _("delivery history")
+        verbose_name_plural = _("delivery history")
 
     def __str__(self) -> str:
         return f"{self.minute:%Y-%m-%d %H:%M} UTC"

@@ -16,6 +16,8 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, F, Max, Min, Q
 from django.utils import timezone
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import heartbeats
 from django_federation_delivery.heartbeats import SeenDeliverer
@@ -23,6 +25,7 @@ from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Breaker, Delivery, Lane, Status
 
 __all__ = [
+    "BREAKER_STATES",
     "FailingHost",
     "LaneStats",
     "OpenBreaker",
@@ -34,6 +37,10 @@ __all__ = [
     "overview",
     "stalled",
 ]
+
+#: A breaker's state, as people read it: the states themselves ("closed",
+#: "open", "half-open") are data, in the JSON of ``delivery_status --json`` too.
+BREAKER_STATES = {"closed": _("closed"), "open": _("open"), "half-open": _("half-open")}
 
 DELIVERED_WINDOW = dt.timedelta(hours=1)
 FAILED_WINDOW = dt.timedelta(days=1)
@@ -162,12 +169,12 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(rest, 3600)
     minutes, secs = divmod(rest, 60)
     if days:
-        return f"{days}d {hours}h"
+        return gettext("%(days)dd %(hours)dh") % {"days": days, "hours": hours}
     if hours:
-        return f"{hours}h {minutes}m"
+        return gettext("%(hours)dh %(minutes)dm") % {"hours": hours, "minutes": minutes}
     if minutes:
-        return f"{minutes}m {secs}s"
-    return f"{secs}s"
+        return gettext("%(minutes)dm %(seconds)ds") % {"minutes": minutes, "seconds": secs}
+    return gettext("%(seconds)ds") % {"seconds": secs}
 
 
 def stalled(deliverers: heartbeats.Seen, due: int, now: dt.datetime, *, where: str = "") -> str:
@@ -176,13 +183,22 @@ def stalled(deliverers: heartbeats.Seen, due: int, now: dt.datetime, *, where: s
     ``heartbeats.NO_DELIVERER_AFTER``; else ""."""
     if due <= 0 or deliverers.live:
         return ""
-    work = f"{due} deliver{'y is' if due == 1 else 'ies are'} due"
+    work = ngettext("%(count)d delivery is due", "%(count)d deliveries are due", due) % {
+        "count": due
+    }
     if deliverers.last_seen is None:
-        return f"No deliverer{where} has been seen in the last day while {work}"
+        return gettext("No deliverer%(where)s has been seen in the last day while %(work)s") % {
+            "where": where,
+            "work": work,
+        }
     quiet = (now - deliverers.last_seen).total_seconds()
     if quiet < heartbeats.NO_DELIVERER_AFTER:
         return ""  # one restarting, most likely
-    return f"No deliverer{where} seen for {format_duration(quiet)} while {work}"
+    return gettext("No deliverer%(where)s seen for %(quiet)s while %(work)s") % {
+        "where": where,
+        "quiet": format_duration(quiet),
+        "work": work,
+    }
 
 
 def overview(

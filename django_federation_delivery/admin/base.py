@@ -17,12 +17,15 @@ from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
+from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 
 from django_federation_delivery import controls
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Delivery, Host, Status
 
 _M = TypeVar("_M", bound=Model)
+
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin
@@ -32,10 +35,6 @@ else:
         # django-stubs makes ModelAdmin generic; Django does not, at run time.
         def __class_getitem__(cls, item: Any) -> Any:
             return cls
-
-
-def plural(count: int, one: str, many: str) -> str:
-    return f"{count} {one if count == 1 else many}"
 
 
 class OperatorAdmin(_ModelAdmin[_M]):
@@ -112,20 +111,33 @@ def changelist_url(model: type[Model], site: admin.AdminSite, **params: Any) -> 
     return f"{url}?{urlencode(params)}" if params else url
 
 
+def host_count(count: int) -> str:
+    return ngettext("%(count)d host", "%(count)d hosts", count) % {"count": count}
+
+
+def pending_count(count: int) -> str:
+    return ngettext("%(count)d pending delivery", "%(count)d pending deliveries", count) % {
+        "count": count
+    }
+
+
 def pause_and_report(
     model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]
 ) -> None:
     already = paused_hosts(hosts)
     pausing = [host for host in hosts if host not in already]
     held = sum(controls.pause_host(host) for host in pausing)
-    report(
-        model_admin,
-        request,
-        len(pausing),
-        f"Paused {plural(len(pausing), 'host', 'hosts')}: "
-        f"{plural(held, 'pending delivery', 'pending deliveries')} held until resumed."
-        + (f" {plural(len(already), 'host was', 'hosts were')} paused already." if already else ""),
-    )
+    message = _("Paused %(hosts)s: %(deliveries)s held until resumed.") % {
+        "hosts": host_count(len(pausing)),
+        "deliveries": pending_count(held),
+    }
+    if already:
+        message += " " + ngettext(
+            "%(count)d host was paused already.",
+            "%(count)d hosts were paused already.",
+            len(already),
+        ) % {"count": len(already)}
+    report(model_admin, request, len(pausing), message)
 
 
 def resume_and_report(
@@ -133,12 +145,15 @@ def resume_and_report(
 ) -> None:
     paused = sorted(paused_hosts(hosts))
     released = sum(controls.resume_host(host) for host in paused)
+    held = ngettext("%(count)d held delivery", "%(count)d held deliveries", released) % {
+        "count": released
+    }
     report(
         model_admin,
         request,
         len(paused),
-        f"Resumed {plural(len(paused), 'host', 'hosts')}: "
-        f"{plural(released, 'held delivery', 'held deliveries')} due now.",
+        _("Resumed %(hosts)s: %(deliveries)s due now.")
+        % {"hosts": host_count(len(paused)), "deliveries": held},
     )
 
 
@@ -150,8 +165,8 @@ def give_up_and_report(
         model_admin,
         request,
         count,
-        f"Gave up {plural(count, 'pending delivery', 'pending deliveries')} "
-        f"to {plural(len(hosts), 'host', 'hosts')}.",
+        _("Gave up %(deliveries)s to %(hosts)s.")
+        % {"deliveries": pending_count(count), "hosts": host_count(len(hosts))},
     )
 
 
@@ -161,12 +176,14 @@ def next_due(delivery: Delivery, now: dt.datetime) -> str:
         return "—"
     if delivery.due_at is None:
         if delivery.after_id is not None:
-            return f"held: waits on #{delivery.after_id}"
-        return "held: host paused"
+            return _("held: waits on #%(id)s") % {"id": delivery.after_id}
+        return _("held: host paused")
     if delivery.due_at > now:
         if delivery.lease_token:
-            return f"in flight (lease ends in {timeuntil(delivery.due_at, now)})"
-        return f"in {timeuntil(delivery.due_at, now)}"
+            return _("in flight (lease ends in %(time)s)") % {
+                "time": timeuntil(delivery.due_at, now)
+            }
+        return _("in %(time)s") % {"time": timeuntil(delivery.due_at, now)}
     if now - delivery.due_at < dt.timedelta(minutes=1):
-        return "due now"
-    return f"due {timesince(delivery.due_at, now)} ago"
+        return _("due now")
+    return _("due %(time)s ago") % {"time": timesince(delivery.due_at, now)}

@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.db.models import Count, Exists, OuterRef, QuerySet
 from django.http import HttpRequest
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import controls
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     changelist_url,
-    plural,
+    pending_count,
     pretty_json,
     report,
 )
 from django_federation_delivery.models import Batch, Delivery, Status
 
+# Kept as the delivery's last error: like the errors of attempts and the log
+# lines, it stays in English, whatever language the operator reads.
 CANCELLED = "cancelled by an operator"
 #: Colours of a batch's progress bar, in the order drawn.
 PROGRESS = (
@@ -31,11 +35,14 @@ PROGRESS = (
     (Status.PENDING, "#7aa9d6"),
 )
 
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
+
 
 class TagFilter(admin.SimpleListFilter):
     """Offers the tags of recent batches (a bounded read); any tag works as ``?tag=``."""
 
-    title = "tag"
+    title = _("tag")
     parameter_name = "tag"
     recent = 500
 
@@ -53,14 +60,14 @@ class TagFilter(admin.SimpleListFilter):
 
 
 class BatchStateFilter(admin.SimpleListFilter):
-    title = "state"
+    title = _("state")
     parameter_name = "state"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, StrOrPromise]]:
         return [
-            ("pending", "in progress"),
-            ("finished", "finished"),
-            ("failures", "with failures"),
+            ("pending", _("in progress")),
+            ("finished", _("finished")),
+            ("failures", _("with failures")),
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
@@ -102,15 +109,15 @@ class BatchAdmin(OperatorAdmin[Batch]):
     actions = ("requeue_failed", "cancel_pending")
     fieldsets = (
         (None, {"fields": ("tag", "sender", "lane", "created_at", "deadline", "finished_at")}),
-        ("Deliveries", {"fields": ("progress", "deliveries", "size", "remaining")}),
+        (_("Deliveries"), {"fields": ("progress", "deliveries", "size", "remaining")}),
         (
-            "Options",
+            _("Options"),
             {
                 "fields": ("max_attempts", "ordering_key", "synchronize_collection"),
                 "classes": ("collapse",),
             },
         ),
-        ("Body", {"fields": ("pretty_body", "body_sha256")}),
+        (_("Body"), {"fields": ("pretty_body", "body_sha256")}),
     )
     # A webhook event's batch: its type and id, and no sender.
     webhook_fieldsets = (
@@ -129,7 +136,7 @@ class BatchAdmin(OperatorAdmin[Batch]):
             },
         ),
         *fieldsets[1:3],
-        ("Event", {"fields": ("pretty_body", "body_sha256")}),
+        (_("Event"), {"fields": ("pretty_body", "body_sha256")}),
     )
 
     def get_fieldsets(self, request: HttpRequest, obj: Batch | None = None) -> Any:
@@ -146,29 +153,32 @@ class BatchAdmin(OperatorAdmin[Batch]):
         for row in rows:
             row._fd_progress = counts[row.id]  # type: ignore[attr-defined]
 
-    @admin.display(description="progress")
+    @admin.display(description=_("progress"))
     def progress(self, obj: Batch) -> SafeString:
         counts: dict[str, int] = (
             getattr(obj, "_fd_progress", None) or batch_progress([obj.id])[obj.id]
         )
         return progress_bar(counts)
 
-    @admin.display(description="event", ordering="event_type")
+    @admin.display(description=_("event"), ordering="event_type")
     def event(self, obj: Batch) -> str:
         return obj.event_type or "—"
 
-    @admin.display(description="deliveries")
+    @admin.display(description=_("deliveries"))
     def deliveries(self, obj: Batch) -> SafeString:
         url = changelist_url(Delivery, self.admin_site, batch__id__exact=obj.id)
-        return format_html('<a href="{}">{}</a>', url, plural(obj.size, "delivery", "deliveries"))
+        shown = ngettext("%(count)d delivery", "%(count)d deliveries", obj.size) % {
+            "count": obj.size
+        }
+        return format_html('<a href="{}">{}</a>', url, shown)
 
-    @admin.display(description="body")
+    @admin.display(description=_("body"))
     def pretty_body(self, obj: Batch) -> SafeString:
         return pretty_json(obj.body)
 
     @admin.action(
         permissions=["change_delivery"],
-        description="Requeue the failed deliveries of the selected batches",
+        description=_("Requeue the failed deliveries of the selected batches"),
     )
     def requeue_failed(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
         failed = Delivery.objects.filter(batch__in=queryset.values("id"), status=Status.FAILED)
@@ -177,13 +187,19 @@ class BatchAdmin(OperatorAdmin[Batch]):
             self,
             request,
             count,
-            f"Requeued {plural(count, 'failed delivery', 'failed deliveries')} "
-            f"of {plural(queryset.count(), 'batch', 'batches')}, due now.",
+            gettext("Requeued %(deliveries)s of %(batches)s, due now.")
+            % {
+                "deliveries": ngettext(
+                    "%(count)d failed delivery", "%(count)d failed deliveries", count
+                )
+                % {"count": count},
+                "batches": batch_count(queryset.count()),
+            },
         )
 
     @admin.action(
         permissions=["change_delivery"],
-        description="Cancel the pending deliveries of the selected batches",
+        description=_("Cancel the pending deliveries of the selected batches"),
     )
     def cancel_pending(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
         pending = Delivery.objects.filter(batch__in=queryset.values("id"), status=Status.PENDING)
@@ -192,15 +208,19 @@ class BatchAdmin(OperatorAdmin[Batch]):
             self,
             request,
             count,
-            f"Cancelled {plural(count, 'pending delivery', 'pending deliveries')} "
-            f"of {plural(queryset.count(), 'batch', 'batches')}.",
+            gettext("Cancelled %(deliveries)s of %(batches)s.")
+            % {"deliveries": pending_count(count), "batches": batch_count(queryset.count())},
         )
+
+
+def batch_count(count: int) -> str:
+    return ngettext("%(count)d batch", "%(count)d batches", count) % {"count": count}
 
 
 def progress_bar(counts: dict[str, int]) -> SafeString:
     """A batch's deliveries by status, drawn as a bar with its counts beneath."""
     total = sum(counts.values()) or 1
-    parts = [(status, colour, counts.get(status, 0)) for status, colour in PROGRESS]
+    parts = [(Status(status).label, colour, counts.get(status, 0)) for status, colour in PROGRESS]
     bar = format_html_join(
         "",
         '<span style="width:{}%;background:{}" title="{} {}"></span>',
@@ -210,11 +230,15 @@ def progress_bar(counts: dict[str, int]) -> SafeString:
             if count
         ),
     )
-    legend = " · ".join(f"{count} {status}" for status, _, count in parts if count)
+    legend = " · ".join(
+        gettext("%(count)d %(status)s") % {"count": count, "status": status}
+        for status, _colour, count in parts
+        if count
+    )
     return format_html(
         '<div class="fd-progress" style="display:flex;width:14em;height:0.8em;'
         'border-radius:3px;overflow:hidden;background:#ddd">{}</div>'
         '<div class="fd-progress-legend" style="font-size:0.85em">{}</div>',
         bar,
-        legend or "no deliveries",
+        legend or gettext("no deliveries"),
     )

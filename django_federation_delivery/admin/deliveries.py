@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.db.models import QuerySet
@@ -13,13 +13,15 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import controls
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     next_due,
     pause_and_report,
-    plural,
+    pending_count,
     pretty_json,
     report,
 )
@@ -35,13 +37,16 @@ from django_federation_delivery.webhooks.destinations import (
     destination_name,
 )
 
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
+
 
 class LastStatusClassFilter(admin.SimpleListFilter):
-    title = "last status"
+    title = _("last status")
     parameter_name = "last_status_class"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("2xx", "2xx"), ("3xx", "3xx"), ("4xx", "4xx"), ("5xx", "5xx"), ("none", "none")]
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, StrOrPromise]]:
+        return [("2xx", "2xx"), ("3xx", "3xx"), ("4xx", "4xx"), ("5xx", "5xx"), ("none", _("none"))]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -56,15 +61,15 @@ class LastStatusClassFilter(admin.SimpleListFilter):
 class QueueFilter(admin.SimpleListFilter):
     """Where a pending delivery stands: the columns of the queues page."""
 
-    title = "queue"
+    title = _("queue")
     parameter_name = "queue"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, StrOrPromise]]:
         return [
-            ("due", "due now"),
-            ("scheduled", "scheduled"),
-            ("in_flight", "in flight"),
-            ("held", "held"),
+            ("due", _("due now")),
+            ("scheduled", _("scheduled")),
+            ("in_flight", _("in flight")),
+            ("held", _("held")),
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
@@ -86,7 +91,7 @@ class HostFilter(admin.SimpleListFilter):
     """Offers the paused hosts and those with breakers (small tables); any
     other host is filtered by ``?host=`` all the same."""
 
-    title = "host"
+    title = _("host")
     parameter_name = "host"
     offered = 20
 
@@ -106,11 +111,11 @@ class HostFilter(admin.SimpleListFilter):
 class KindFilter(admin.SimpleListFilter):
     """ActivityPub activities, or webhook events (whose host is ``webhook:<name>``)."""
 
-    title = "kind"
+    title = _("kind")
     parameter_name = "kind"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("activitypub", "ActivityPub"), ("webhook", "webhook")]
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, StrOrPromise]]:
+        return [("activitypub", _("ActivityPub")), ("webhook", _("webhook"))]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         match self.value():
@@ -125,7 +130,7 @@ class DestinationFilter(admin.SimpleListFilter):
     """Offers the configured webhook destinations (from the settings: no query);
     one configured no more is filtered by ``?destination=`` all the same."""
 
-    title = "webhook destination"
+    title = _("webhook destination")
     parameter_name = "destination"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
@@ -172,7 +177,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     fieldsets = (
         (None, {"fields": ("batch_link", "shown_inbox", "host", "shown_via", "lane", "status")}),
         (
-            "Attempts",
+            _("Attempts"),
             {
                 "fields": (
                     "attempts",
@@ -185,13 +190,13 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
                 )
             },
         ),
-        ("Ordering", {"fields": ("sequence", "after"), "classes": ("collapse",)}),
-        ("Body", {"fields": ("body",)}),
+        (_("Ordering"), {"fields": ("sequence", "after"), "classes": ("collapse",)}),
+        (_("Body"), {"fields": ("body",)}),
     )
     webhook_fieldsets = (
         (None, {"fields": ("batch_link", "destination", "event", "event_id", "lane", "status")}),
         *fieldsets[1:3],
-        ("Event (the batch's, as sent)", {"fields": ("body",)}),
+        (_("Event (the batch's, as sent)"), {"fields": ("body",)}),
     )
 
     def get_fieldsets(self, request: HttpRequest, obj: Delivery | None = None) -> Any:
@@ -225,40 +230,40 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
         return destinations_page(self, request)
 
     # An inbox's query may be a credential: the admin shows none (see urls.redact).
-    @admin.display(description="inbox", ordering="inbox")
+    @admin.display(description=_("inbox"), ordering="inbox")
     def shown_inbox(self, obj: Delivery) -> str:
         return redact(obj.inbox)
 
     # A webhook delivery names its destination, whose URL is never shown.
-    @admin.display(description="webhook destination")
+    @admin.display(description=_("webhook destination"))
     def destination(self, obj: Delivery) -> str:
         return destination_name(obj.host) or "—"
 
-    @admin.display(description="event", ordering="batch__event_type")
+    @admin.display(description=_("event"), ordering="batch__event_type")
     def event(self, obj: Delivery) -> str:
         return obj.batch.event_type or "—"
 
-    @admin.display(description="event id")
+    @admin.display(description=_("event id"))
     def event_id(self, obj: Delivery) -> str:
         return obj.batch.event_id or "—"
 
-    @admin.display(description="via")
+    @admin.display(description=_("via"))
     def shown_via(self, obj: Delivery) -> str:
         return ", ".join(redact(url) for url in obj.via or ())
 
-    @admin.display(description="sender", ordering="batch__sender")
+    @admin.display(description=_("sender"), ordering="batch__sender")
     def sender(self, obj: Delivery) -> str:
         return obj.batch.sender
 
-    @admin.display(description="next due", ordering="due_at")
+    @admin.display(description=_("next due"), ordering="due_at")
     def next_due(self, obj: Delivery) -> str:
         return next_due(obj, timezone.now())
 
-    @admin.display(description="last error")
+    @admin.display(description=_("last error"))
     def short_error(self, obj: Delivery) -> str:
         return Truncator(obj.last_error).chars(80)
 
-    @admin.display(description="batch")
+    @admin.display(description=_("batch"))
     def batch_link(self, obj: Delivery) -> SafeString:
         url = reverse(
             "admin:federation_delivery_batch_change",
@@ -267,13 +272,13 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
         )
         return format_html('<a href="{}">{}</a>', url, obj.batch)
 
-    @admin.display(description="body (the batch's, as sent)")
+    @admin.display(description=_("body (the batch's, as sent)"))
     def body(self, obj: Delivery) -> SafeString:
         return pretty_json(obj.batch.body)
 
     @admin.action(
         permissions=["change"],
-        description="Requeue the selected failed, refused or skipped deliveries (due now)",
+        description=_("Requeue the selected failed, refused or skipped deliveries (due now)"),
     )
     def requeue(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
         eligible = queryset.filter(status__in=[Status.FAILED, Status.REFUSED, Status.SKIPPED])
@@ -283,23 +288,27 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
             self,
             request,
             count,
-            f"Requeued {plural(count, 'delivery', 'deliveries')}, due now; "
-            "pending or delivered ones are left alone.",
+            ngettext(
+                "Requeued %(count)d delivery, due now; pending or delivered ones are left alone.",
+                "Requeued %(count)d deliveries, due now; pending or delivered ones are left alone.",
+                count,
+            )
+            % {"count": count},
         )
 
-    @admin.action(permissions=["change"], description="Give up the selected pending deliveries")
+    @admin.action(permissions=["change"], description=_("Give up the selected pending deliveries"))
     def give_up(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
         count = controls.give_up(queryset)
         report(
             self,
             request,
             count,
-            f"Gave up {plural(count, 'pending delivery', 'pending deliveries')}; "
-            "settled ones are left alone.",
+            gettext("Gave up %(deliveries)s; settled ones are left alone.")
+            % {"deliveries": pending_count(count)},
         )
 
     @admin.action(
-        permissions=["change_host"], description="Pause the hosts of the selected deliveries"
+        permissions=["change_host"], description=_("Pause the hosts of the selected deliveries")
     )
     def pause_hosts(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
         hosts = sorted(set(queryset.values_list("host", flat=True)))

@@ -12,6 +12,7 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.text import Truncator
+from django.utils.translation import gettext
 
 from django_federation_delivery import overview
 from django_federation_delivery.admin.base import changelist_url, next_due
@@ -82,7 +83,7 @@ def destinations_page(
     now = timezone.now()
     context = {
         **site.each_context(request),
-        "title": "Webhook destinations",
+        "title": gettext("Webhook destinations"),
         "opts": model_admin.opts,
         "at": now,
         "destinations": destination_rows(site, now),

@@ -3,32 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import controls
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     give_up_and_report,
     pause_and_report,
-    plural,
     report,
     resume_and_report,
 )
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
+from django_federation_delivery.overview import BREAKER_STATES
 from django_federation_delivery.urls import host_of, redact
+
+if TYPE_CHECKING:
+    from django_stubs_ext import StrOrPromise
 
 
 class BreakerStateFilter(admin.SimpleListFilter):
-    title = "state"
+    title = _("state")
     parameter_name = "state"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("closed", "closed"), ("open", "open"), ("half-open", "half-open")]
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, StrOrPromise]]:
+        return list(BREAKER_STATES.items())
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         now = timezone.now()
@@ -54,40 +59,49 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
     )
 
     # A host, or an inbox (whose query may be a credential) when breakers are per inbox.
-    @admin.display(description="key", ordering="key")
+    @admin.display(description=_("key"), ordering="key")
     def shown_key(self, obj: Breaker) -> str:
         return redact(obj.key)
 
-    @admin.display(description="state")
+    @admin.display(description=_("state"))
     def state(self, obj: Breaker) -> str:
-        return obj.state
+        return str(BREAKER_STATES.get(obj.state, obj.state))
 
-    @admin.display(description="probe")
+    @admin.display(description=_("probe"))
     def probe(self, obj: Breaker) -> str:
         if obj.probe_until is None or obj.probe_until <= timezone.now():
             return "—"
-        return f"under way, waited for until {obj.probe_until:%Y-%m-%d %H:%M:%S}"
+        return gettext("under way, waited for until %(time)s") % {
+            "time": f"{obj.probe_until:%Y-%m-%d %H:%M:%S}"
+        }
 
-    @admin.action(permissions=["change"], description="Reset the selected breakers (closed)")
+    @admin.action(permissions=["change"], description=_("Reset the selected breakers (closed)"))
     def reset(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
         count = sum(controls.reset_breaker(key) for key in queryset.values_list("key", flat=True))
-        report(self, request, count, f"Reset {plural(count, 'breaker', 'breakers')}.")
+        report(
+            self,
+            request,
+            count,
+            ngettext("Reset %(count)d breaker.", "Reset %(count)d breakers.", count)
+            % {"count": count},
+        )
 
     @admin.action(
-        permissions=["change_host"], description="Pause the hosts of the selected breakers"
+        permissions=["change_host"], description=_("Pause the hosts of the selected breakers")
     )
     def pause_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
         pause_and_report(self, request, hosts_of(queryset))
 
     @admin.action(
-        permissions=["change_host"], description="Resume the paused hosts of the selected breakers"
+        permissions=["change_host"],
+        description=_("Resume the paused hosts of the selected breakers"),
     )
     def resume_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
         resume_and_report(self, request, hosts_of(queryset))
 
     @admin.action(
         permissions=["change_delivery"],
-        description="Give up everything pending for the hosts of the selected breakers",
+        description=_("Give up everything pending for the hosts of the selected breakers"),
     )
     def give_up_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
         give_up_and_report(self, request, hosts_of(queryset))
@@ -103,11 +117,11 @@ def hosts_of(breakers: QuerySet[Breaker]) -> list[str]:
 
 
 class PausedFilter(admin.SimpleListFilter):
-    title = "paused"
+    title = _("paused")
     parameter_name = "paused"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("yes", "paused"), ("no", "not paused")]
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, StrOrPromise]]:
+        return [("yes", _("paused")), ("no", _("not paused"))]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         match self.value():
@@ -147,26 +161,28 @@ class HostAdmin(OperatorAdmin[Host]):
         for row in rows:
             row._fd_pending = counts[row.name]  # type: ignore[attr-defined]
 
-    @admin.display(description="paused", boolean=True, ordering="paused_at")
+    @admin.display(description=_("paused"), boolean=True, ordering="paused_at")
     def paused(self, obj: Host) -> bool:
         return obj.paused_at is not None
 
-    @admin.display(description="pending (held)")
+    @admin.display(description=_("pending (held)"))
     def pending(self, obj: Host) -> str:
         pending, held = getattr(obj, "_fd_pending", None) or host_pending([obj.name])[obj.name]
-        return f"{pending} ({held} held)" if held else str(pending)
+        if not held:
+            return str(pending)
+        return gettext("%(pending)d (%(held)d held)") % {"pending": pending, "held": held}
 
-    @admin.action(permissions=["change"], description="Pause the selected hosts")
+    @admin.action(permissions=["change"], description=_("Pause the selected hosts"))
     def pause(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         pause_and_report(self, request, list(queryset.values_list("name", flat=True)))
 
-    @admin.action(permissions=["change"], description="Resume the selected paused hosts")
+    @admin.action(permissions=["change"], description=_("Resume the selected paused hosts"))
     def resume(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         resume_and_report(self, request, list(queryset.values_list("name", flat=True)))
 
     @admin.action(
         permissions=["change_delivery"],
-        description="Give up everything pending for the selected hosts",
+        description=_("Give up everything pending for the selected hosts"),
     )
     def give_up(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         give_up_and_report(self, request, list(queryset.values_list("name", flat=True)))

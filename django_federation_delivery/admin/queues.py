@@ -11,11 +11,13 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.safestring import SafeString, mark_safe
+from django.utils.translation import gettext
 
 from django_federation_delivery import charts, history, overview
 from django_federation_delivery.admin.base import changelist_url
 from django_federation_delivery.admin.destinations import destination_rows
-from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
+from django_federation_delivery.overview import BREAKER_STATES
 
 
 def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -> TemplateResponse:
@@ -42,6 +44,7 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
     lanes = [
         (
             lane,
+            Lane(lane.lane).label if lane.lane in Lane.values else gettext("all"),
             lane_links(lane.lane),
             overview.format_duration(lane.lag) if lane.oldest_due_at else "—",
         )
@@ -49,7 +52,7 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
     ]
     context = {
         **model_admin.admin_site.each_context(request),
-        "title": "Queues at a glance",
+        "title": gettext("Queues at a glance"),
         "opts": model_admin.opts,
         "overview": status,
         "lanes": lanes,
@@ -66,7 +69,11 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
         "destinations": destination_rows(site, status.at),
         "history_charts": history_charts(status.at),
         "failing_hosts": [
-            (host, deliveries(host=host.host, status__exact=Status.PENDING))
+            (
+                host,
+                deliveries(host=host.host, status__exact=Status.PENDING),
+                BREAKER_STATES.get(host.breaker, host.breaker),
+            )
             for host in status.failing_hosts
         ],
         "open_breakers": [
@@ -77,6 +84,7 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
                     args=[quote(breaker.key)],
                     current_app=site.name,
                 ),
+                BREAKER_STATES.get(breaker.state, breaker.state),
             )
             for breaker in status.open_breakers
         ],
@@ -96,7 +104,7 @@ def history_charts(now: dt.datetime) -> list[SafeString]:
         mark_safe(
             charts.chart(
                 minutes,
-                title="Last hour, by minute",
+                title=gettext("Last hour, by minute"),
                 id="fd-history-minutes",
                 unit="minute",
                 time_format="%H:%M",
@@ -106,7 +114,7 @@ def history_charts(now: dt.datetime) -> list[SafeString]:
         mark_safe(
             charts.chart(
                 hours,
-                title="Last two days, by hour",
+                title=gettext("Last two days, by hour"),
                 id="fd-history-hours",
                 unit="hour",
                 time_format="%a %H:%M",

@@ -6,6 +6,8 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 
 
 class Command(BaseCommand):
@@ -37,7 +39,10 @@ class Command(BaseCommand):
                 deleted = django_q.remove_schedules()
             except ImproperlyConfigured as exc:
                 raise CommandError(str(exc)) from exc
-            self.stdout.write(f"Deleted {deleted} schedule(s).")
+            self.stdout.write(
+                ngettext("Deleted %(count)d schedule.", "Deleted %(count)d schedules.", deleted)
+                % {"count": deleted}
+            )
             return
         seconds = None
         if options["round_seconds"] is not None:
@@ -48,7 +53,8 @@ class Command(BaseCommand):
                 seconds = 0.0
             if not 0 < seconds < float("inf"):
                 raise CommandError(
-                    f"--round-seconds expects a positive number of seconds, not {value!r}"
+                    _("--round-seconds expects a positive number of seconds, not %(value)r")
+                    % {"value": value}
                 )
         try:
             done = django_q.ensure_schedules(seconds=seconds, purge=not options["no_purge"])
@@ -59,8 +65,14 @@ class Command(BaseCommand):
             self.stdout.write(f"{name}: {what}")
         self.stdout.write(
             self.style.SUCCESS(
-                f"A round of {bound:g} s every minute"
-                + ("" if options["no_purge"] else ", a purge every hour")
-                + ": run qcluster to start them."
+                (
+                    _("A round of %(seconds)g s every minute: run qcluster to start them.")
+                    if options["no_purge"]
+                    else _(
+                        "A round of %(seconds)g s every minute, a purge every hour: "
+                        "run qcluster to start them."
+                    )
+                )
+                % {"seconds": bound}
             )
         )

@@ -11,9 +11,17 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils.translation import gettext as _
 
 from django_federation_delivery import heartbeats, queue
-from django_federation_delivery.overview import Overview, format_duration, lag, overview, stalled
+from django_federation_delivery.overview import (
+    BREAKER_STATES,
+    Overview,
+    format_duration,
+    lag,
+    overview,
+    stalled,
+)
 
 #: ``--check`` exits with this when unhealthy: Nagios's CRITICAL; any
 #: non-zero status fails a Kubernetes exec probe.
@@ -28,7 +36,9 @@ def _count(value: str) -> int:
     except ValueError:
         number = -1
     if number < 0:
-        raise CommandError(f"expected a whole number of 0 or more, not {value!r}")
+        raise CommandError(
+            _("expected a whole number of 0 or more, not %(value)r") % {"value": value}
+        )
     return number
 
 
@@ -38,7 +48,9 @@ def _seconds(value: str) -> int:
     except ValueError:
         number = -1
     if not 0 <= number <= 10**9:
-        raise CommandError(f"expected a whole number of seconds, 0 or more, not {value!r}")
+        raise CommandError(
+            _("expected a whole number of seconds, 0 or more, not %(value)r") % {"value": value}
+        )
     return number
 
 
@@ -76,7 +88,16 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, numeric: int
 def render(status: Overview) -> str:
     """The overview as text tables, as the admin's queues page shows it."""
     lanes = table(
-        ["lane", "due", "scheduled", "in flight", "held", "lag", "delivered 1h", "failed 24h"],
+        [
+            _("lane"),
+            _("due"),
+            _("scheduled"),
+            _("in flight"),
+            _("held"),
+            _("lag"),
+            _("delivered 1h"),
+            _("failed 24h"),
+        ],
         [
             [
                 lane.lane,
@@ -91,11 +112,25 @@ def render(status: Overview) -> str:
             for lane in (*status.lanes, status.total)
         ],
     )
-    parts = [f"Queues at {_when(status.at)} UTC", "", lanes, "", "Deliverers"]
+    parts = [
+        _("Queues at %(time)s UTC") % {"time": _when(status.at)},
+        "",
+        lanes,
+        "",
+        _("Deliverers"),
+    ]
     if status.deliverers:
         parts.append(
             table(
-                ["host", "pid", "version", "up since", "last seen", "in flight", "delivered/s"],
+                [
+                    _("host"),
+                    _("pid"),
+                    _("version"),
+                    _("up since"),
+                    _("last seen"),
+                    _("in flight"),
+                    _("delivered/s"),
+                ],
                 [
                     [
                         deliverer.host,
@@ -113,21 +148,36 @@ def render(status: Overview) -> str:
         )
     else:
         last = status.deliverer_last_seen
-        parts.append(f"  none running{f' (last seen {_when(last)})' if last else ''}")
-    parts += ["", "Hosts failing most"]
+        parts.append(
+            "  "
+            + (
+                _("none running (last seen %(time)s)") % {"time": _when(last)}
+                if last
+                else _("none running")
+            )
+        )
+    parts += ["", _("Hosts failing most")]
     if status.failing_hosts:
         parts.append(
             table(
-                ["host", "retrying", "last status", "breaker", "failures", "open until", "paused"],
+                [
+                    _("host"),
+                    _("retrying"),
+                    _("last status"),
+                    _("breaker"),
+                    _("failures"),
+                    _("open until"),
+                    _("paused"),
+                ],
                 [
                     [
                         host.host,
                         host.retrying,
                         "—" if host.last_status is None else host.last_status,
-                        host.breaker or "—",
+                        BREAKER_STATES.get(host.breaker, host.breaker) or "—",
                         host.failures,
                         _when(host.open_until),
-                        "paused" if host.paused else "—",
+                        _("paused") if host.paused else "—",
                     ]
                     for host in status.failing_hosts
                 ],
@@ -135,19 +185,19 @@ def render(status: Overview) -> str:
             )
         )
     else:
-        parts.append("  none")
-    parts += ["", f"Breakers open now: {status.open_breaker_count}"]
+        parts.append("  " + _("none"))
+    parts += ["", _("Breakers open now: %(count)d") % {"count": status.open_breaker_count}]
     if status.open_breakers:
         parts.append(
             table(
-                ["destination", "state", "failures", "open until", "probe"],
+                [_("destination"), _("state"), _("failures"), _("open until"), _("probe")],
                 [
                     [
                         breaker.key,
-                        breaker.state,
+                        BREAKER_STATES.get(breaker.state, breaker.state),
                         breaker.failures,
                         _when(breaker.open_until),
-                        "under way" if breaker.probing else "—",
+                        _("under way") if breaker.probing else "—",
                     ]
                     for breaker in status.open_breakers
                 ],
@@ -155,10 +205,10 @@ def render(status: Overview) -> str:
             )
         )
     paused = ", ".join(printable(host) for host in status.paused_hosts)
-    parts += ["", f"Paused hosts: {paused or 'none'}"]
+    parts += ["", _("Paused hosts: %(hosts)s") % {"hosts": paused or _("none")}]
     if status.stalled:
         # Last, where a terminal leaves the eye.
-        parts += ["", f"WARNING: {status.stalled}."]
+        parts += ["", _("WARNING: %(why)s.") % {"why": status.stalled}]
     return "\n".join(parts)
 
 
@@ -207,7 +257,7 @@ class Command(BaseCommand):
         hosts = _count(options["hosts"])
         using = options["database"]
         if using not in connections:
-            raise CommandError(f"no database named {using!r} in DATABASES")
+            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
         if options["check"]:
             healthy, line = check(
                 max_lag=_seconds(options["max_lag"]),
@@ -235,17 +285,22 @@ def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, s
     now = timezone.now()
     due = queue.count_due(using=using)
     seen = heartbeats.seen(now=now, host=host, using=using)
-    where = f" on {printable(host)}" if host is not None else ""
+    where = _(" on %(host)s") % {"host": printable(host)} if host is not None else ""
     stalled_because = stalled(seen, due, now, where=where)
+    # OK and CRITICAL stay as they are in any language: monitoring reads them.
     if stalled_because:
         return False, f"CRITICAL: {stalled_because}"
+    alive = _("%(count)d deliverer(s) alive%(where)s") % {"count": len(seen.live), "where": where}
     waited = lag(now=now, using=using)
     if max_lag and waited > max_lag:
-        return False, (
-            f"CRITICAL: the oldest due delivery has waited {format_duration(waited)}, "
-            f"longer than --max-lag {max_lag} s ({due} due, {len(seen.live)} deliverer(s) "
-            f"alive{where})"
-        )
-    return True, (
-        f"OK: {len(seen.live)} deliverer(s) alive{where}, {due} due, lag {format_duration(waited)}"
-    )
+        late = _(
+            "the oldest due delivery has waited %(waited)s, longer than --max-lag %(most)d s "
+            "(%(due)d due, %(alive)s)"
+        ) % {"waited": format_duration(waited), "most": max_lag, "due": due, "alive": alive}
+        return False, f"CRITICAL: {late}"
+    healthy = _("%(alive)s, %(due)d due, lag %(lag)s") % {
+        "alive": alive,
+        "due": due,
+        "lag": format_duration(waited),
+    }
+    return True, f"OK: {healthy}"

@@ -9,6 +9,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils.translation import gettext as _
 
 from django_federation_delivery import retention
 from django_federation_delivery.checks import LONGEST_RETENTION
@@ -25,8 +26,11 @@ def parse_age(value: str) -> float:
     seconds = int(found[1]) * UNITS[found[2]] if found else 0
     if not 0 < seconds <= LONGEST_RETENTION:
         raise CommandError(
-            f"--older-than expects an age such as 7d, 12h, 90m or 3600s "
-            f"(above 0, at most {LONGEST_RETENTION / 86400:.0f}d), not {value!r}"
+            _(
+                "--older-than expects an age such as 7d, 12h, 90m or 3600s "
+                "(above 0, at most %(days).0fd), not %(value)r"
+            )
+            % {"days": LONGEST_RETENTION / 86400, "value": value}
         )
     return float(seconds)
 
@@ -56,7 +60,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         using = options["database"]
         if using not in connections:
-            raise CommandError(f"no database named {using!r} in DATABASES")
+            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
         if options["older_than"] is not None:
             age = parse_age(options["older_than"])
             seconds = dict.fromkeys(retention.SETTLED, age)
@@ -69,8 +73,11 @@ class Command(BaseCommand):
                 # The history has a retention of its own.
                 kept = retention.purge({}, dry_run=bool(options["dry_run"]), using=using)
                 self.stdout.write(
-                    "RETENTION keeps every settled delivery: nothing to purge "
-                    f"but {kept.history} history minutes."
+                    _(
+                        "RETENTION keeps every settled delivery: nothing to purge "
+                        "but %(minutes)d history minutes."
+                    )
+                    % {"minutes": kept.history}
                 )
                 return
         dry_run = bool(options["dry_run"])
@@ -81,10 +88,17 @@ class Command(BaseCommand):
             if now - last[0] >= PROGRESS_EVERY:
                 last[0] = now
                 rate = deleted / max(elapsed, 1e-9)
-                self.stdout.write(f"  {deleted} deleted so far, {rate:.0f}/s")
+                self.stdout.write(
+                    "  "
+                    + _("%(deleted)d deleted so far, %(rate).0f/s")
+                    % {"deleted": deleted, "rate": rate}
+                )
                 self.stdout.flush()
 
         purged = retention.purge(
             retention.cutoffs_for(seconds), dry_run=dry_run, on_progress=progress, using=using
         )
-        self.stdout.write(self.style.SUCCESS(f"{'Dry run: ' if dry_run else ''}{purged.line()}."))
+        line = purged.line()
+        if dry_run:
+            line = _("Dry run: %(line)s") % {"line": line}
+        self.stdout.write(self.style.SUCCESS(f"{line}."))

@@ -19,6 +19,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils.translation import gettext as _
 
 from django_federation_delivery import metrics, queue, supervisor
 from django_federation_delivery.checks import WHOLE_NUMBERS, check_settings, sqlite_problems
@@ -27,6 +28,8 @@ from django_federation_delivery.retention import PeriodicPurge
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.supervisor import GaveUp, Supervisor
 
+# What the command prints is translated; its log lines stay in English, as
+# operators grep them (and so throughout the package's logging).
 logger = logging.getLogger("django_federation_delivery.deliverer")
 
 #: ``--processes``: one a core is the point; past a few hundred, a mistake.
@@ -57,7 +60,10 @@ def _positive(value: str, most: int = 10**9) -> int:
     except ValueError:
         number = 0
     if not 1 <= number <= most:
-        raise CommandError(f"expected a whole number from 1 to {most}, not {value!r}")
+        raise CommandError(
+            _("expected a whole number from 1 to %(most)d, not %(value)r")
+            % {"most": most, "value": value}
+        )
     return number
 
 
@@ -66,7 +72,8 @@ def _address(value: str) -> str:
         return str(ipaddress.ip_address(value.strip().strip("[]")))
     except ValueError:
         raise CommandError(
-            f"expected an IP address to serve metrics on, such as 127.0.0.1, not {value!r}"
+            _("expected an IP address to serve metrics on, such as 127.0.0.1, not %(value)r")
+            % {"value": value}
         ) from None
 
 
@@ -225,7 +232,7 @@ class Command(BaseCommand):
         )
         using = options["database"]
         if using not in connections:
-            raise CommandError(f"no database named {using!r} in DATABASES")
+            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
         if connections[using].vendor == "sqlite" and self.child is None:
             for problem in sqlite_problems(using, connections[using]):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
@@ -249,8 +256,16 @@ class Command(BaseCommand):
                 raise CommandError(metrics.NEEDS_CLIENT)
             if number + processes - 1 > 65535:
                 raise CommandError(
-                    f"--metrics-port {port!r} with --processes {processes} needs ports "
-                    f"{number} to {number + processes - 1}, past 65535"
+                    _(
+                        "--metrics-port %(port)r with --processes %(processes)d needs ports "
+                        "%(first)d to %(last)d, past 65535"
+                    )
+                    % {
+                        "port": port,
+                        "processes": processes,
+                        "first": number,
+                        "last": number + processes - 1,
+                    }
                 )
             self._supervise(processes, {name: options[name] for name in CHILD_OPTIONS})
             return
@@ -260,9 +275,14 @@ class Command(BaseCommand):
             except ImproperlyConfigured as exc:
                 raise CommandError(str(exc)) from exc
             except OSError as exc:
-                raise CommandError(f"cannot serve metrics on {addr} port {number}: {exc}") from exc
+                raise CommandError(
+                    _("cannot serve metrics on %(addr)s port %(port)d: %(error)s")
+                    % {"addr": addr, "port": number, "error": exc}
+                ) from exc
             shown = f"[{addr}]" if ":" in addr else addr
-            self._say(f"Metrics at http://{shown}:{server.server_port}/metrics")
+            self._say(
+                _("Metrics at %(url)s") % {"url": f"http://{shown}:{server.server_port}/metrics"}
+            )
         self._due = queue.count_due(using=using) if drain else 0
         try:
             deliverer = Deliverer(
@@ -278,15 +298,20 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         previous = self._install_signals(deliverer)
         self._watch_supervisor(deliverer)
-        mode = "until nothing is due" if drain else "until stopped"
-        self._say(
-            f"Delivering {mode}: {deliverer.concurrency} in flight, {deliverer.per_host} per host."
+        message = (
+            _("Delivering until nothing is due: %(concurrency)d in flight, %(per_host)d per host.")
+            if drain
+            else _("Delivering until stopped: %(concurrency)d in flight, %(per_host)d per host.")
         )
+        self._say(message % {"concurrency": deliverer.concurrency, "per_host": deliverer.per_host})
         purging = None
         if options["purge"]:
             purging = PeriodicPurge(purge_every, first=min(FIRST_PURGE, purge_every), using=using)
             purging.start()
-            self._say(f"Purging what is past RETENTION every {purge_every:.0f} s.")
+            self._say(
+                _("Purging what is past RETENTION every %(seconds).0f s.")
+                % {"seconds": purge_every}
+            )
         try:
             summary = deliverer.run(drain=drain)
         finally:
@@ -295,18 +320,25 @@ class Command(BaseCommand):
             # Called from code (call_command), the caller's handlers come back.
             for number, handler in previous.items():
                 signal.signal(number, handler)
-        self._say(self.style.SUCCESS(f"Done: {summary.line()}."))
+        self._say(self.style.SUCCESS(_("Done: %(summary)s.") % {"summary": summary.line()}))
 
     def _supervise(self, processes: int, options: dict[str, Any]) -> None:
         # The children open their own: nothing of this process's is shared or kept.
         connections.close_all()
         drain = bool(options["drain"])
-        mode = "until nothing is due" if drain else "until stopped"
+        message = (
+            _("Starting %(processes)d deliverer processes until nothing is due%(ports)s.")
+            if drain
+            else _("Starting %(processes)d deliverer processes until stopped%(ports)s.")
+        )
         ports = ""
         if options["metrics_port"] is not None:
             first = int(options["metrics_port"])
-            ports = f", metrics on ports {first} to {first + processes - 1}"
-        self._say(f"Starting {processes} deliverer processes {mode}{ports}.")
+            ports = _(", metrics on ports %(first)d to %(last)d") % {
+                "first": first,
+                "last": first + processes - 1,
+            }
+        self._say(message % {"processes": processes, "ports": ports})
         children = Supervisor(
             processes, f"{__name__}.run_child", (options,), drain=drain, say=self._warn
         )
@@ -314,8 +346,12 @@ class Command(BaseCommand):
             children.run()
         except GaveUp as exc:
             raise CommandError(str(exc)) from exc
-        ended = "finished" if drain and not children.stopping else "stopped"
-        self._say(self.style.SUCCESS(f"Done: all {processes} deliverer processes {ended}."))
+        done = (
+            _("Done: all %(processes)d deliverer processes finished.")
+            if drain and not children.stopping
+            else _("Done: all %(processes)d deliverer processes stopped.")
+        )
+        self._say(self.style.SUCCESS(done % {"processes": processes}))
 
     def _progress(self, summary: Summary) -> None:
         """A bar of what was due at the start and has been dealt with since."""
@@ -363,13 +399,13 @@ class Command(BaseCommand):
                 # supervisor both, and the supervisor passes it on. A forced
                 # stop is the supervisor's SIGKILL.
                 if not deliverer.stopping:
-                    self._warn("Stopping: finishing what is in flight.")
+                    self._warn(_("Stopping: finishing what is in flight."))
                     deliverer.stop()
                 return
             if deliverer.stopping:
                 # A second signal: the operator means it.
                 os._exit(128 + number)
-            self._warn("Stopping: finishing what is in flight (again to exit at once).")
+            self._warn(_("Stopping: finishing what is in flight (again to exit at once)."))
             deliverer.stop()
 
         previous: dict[int, Any] = {
