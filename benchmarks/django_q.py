@@ -39,9 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 if not __package__:
     # Run as a script: its folder comes first on the path, where this file
@@ -185,6 +185,19 @@ class Side:
         return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
 
 
+@contextlib.contextmanager
+def phase_side(bench: Bench, kind: str, log: str) -> Iterator[Side]:
+    """A phase's side, on an empty queue; killed when the phase ends, whatever ends it."""
+    clear_all()
+    clear_cluster_tables()
+    side = Side(bench, kind, bench.workdir / log)
+    try:
+        yield side
+    finally:
+        side.kill()
+        clear_cluster_tables()
+
+
 def start_cluster(side: Side, warm: Callable[[], bool]) -> None:
     """Start a qcluster and wait until two rounds at once (one a worker)
     have run: the workers have imported the package, ``warm`` says the
@@ -241,10 +254,7 @@ def drain_phase(
 
     from django_federation_delivery import send
 
-    clear_all()
-    clear_cluster_tables()
-    side = Side(bench, kind, bench.workdir / f"{kind}.log")
-    try:
+    with phase_side(bench, kind, f"{kind}.log") as side:
         if kind == "qcluster":
             before = served()
             send(SENDER, make_activity(SENDER), [warm])
@@ -295,9 +305,6 @@ def drain_phase(
             load=load_average(),
             note=note,
         )
-    finally:
-        side.kill()
-        clear_cluster_tables()
 
 
 # --- Part 2: a steady stream --------------------------------------------------------------------
@@ -378,9 +385,6 @@ def stream_phase(
 ) -> Stream:
     from django_federation_delivery import send
 
-    clear_all()
-    clear_cluster_tables()
-    side = Side(bench, kind, bench.workdir / f"stream-{kind}.log")
     arrivals: dict[str, float] = {}
     for recipient in recipients:
         recipient.arrivals.clear()
@@ -400,7 +404,7 @@ def stream_phase(
         return path
 
     schedule = Schedule(args.period)
-    try:
+    with phase_side(bench, kind, f"stream-{kind}.log") as side:
         if kind == "qcluster":
             warm = probe("warm")
             start_cluster(side, lambda: arrived(warm))
@@ -455,9 +459,6 @@ def stream_phase(
             load=load_average(),
             note=note,
         )
-    finally:
-        side.kill()
-        clear_cluster_tables()
 
 
 def wait_for(
@@ -592,6 +593,24 @@ def benchmark(
     return 0
 
 
+Figures = TypeVar("Figures", Drain, Stream)
+
+
+def interleaved(count: int, run: Callable[[str, int], Figures]) -> list[dict[str, Figures]]:
+    """``count`` rounds of both sides, the first swapped each round; each
+    phase's line printed as it ends."""
+    rounds: list[dict[str, Figures]] = []
+    for number in range(1, count + 1):
+        order = ("deliverer", "qcluster") if number % 2 else ("qcluster", "deliverer")
+        print(f"round {number} ({' then '.join(order)}), load {load_average()}", flush=True)
+        phases: dict[str, Figures] = {}
+        for kind in order:
+            phases[kind] = run(kind, number)
+            print(phases[kind].line(), flush=True)
+        rounds.append(phases)
+    return rounds
+
+
 def drains(args: argparse.Namespace, bench: Bench, sink: Sink) -> None:
     from django_federation_delivery.contrib.django_q import round_seconds
 
@@ -603,15 +622,9 @@ def drains(args: argparse.Namespace, bench: Bench, sink: Sink) -> None:
     )
     served = Served(sink)
     warm = sink.url(0, "/users/warm/inbox")
-    rounds: list[dict[str, Drain]] = []
-    for number in range(1, args.rounds + 1):
-        order = ("deliverer", "qcluster") if number % 2 else ("qcluster", "deliverer")
-        print(f"round {number} ({' then '.join(order)}), load {load_average()}", flush=True)
-        phases: dict[str, Drain] = {}
-        for kind in order:
-            phases[kind] = drain_phase(args, bench, kind, sink, served, warm)
-            print(phases[kind].line(), flush=True)
-        rounds.append(phases)
+    rounds = interleaved(
+        args.rounds, lambda kind, number: drain_phase(args, bench, kind, sink, served, warm)
+    )
 
     def median(kind: str, value: Callable[[Drain], float]) -> float:
         return median_or_nan([value(phases[kind]) for phases in rounds])
@@ -642,15 +655,10 @@ def streams(args: argparse.Namespace, bench: Bench, recipients: list[Recipient])
         f"({len(recipients)} inbox hosts, in this process); run_deliverer running | a qcluster "
         f"with {schedule.describe()}; rounds {args.stream_rounds}"
     )
-    rounds: list[dict[str, Stream]] = []
-    for number in range(1, args.stream_rounds + 1):
-        order = ("deliverer", "qcluster") if number % 2 else ("qcluster", "deliverer")
-        print(f"round {number} ({' then '.join(order)}), load {load_average()}", flush=True)
-        phases: dict[str, Stream] = {}
-        for kind in order:
-            phases[kind] = stream_phase(args, bench, kind, recipients, number)
-            print(phases[kind].line(), flush=True)
-        rounds.append(phases)
+    rounds = interleaved(
+        args.stream_rounds,
+        lambda kind, number: stream_phase(args, bench, kind, recipients, number),
+    )
     for kind in ("deliverer", "qcluster"):
         name = "run_deliverer" if kind == "deliverer" else "qcluster"
         print(
