@@ -19,3 +19,16 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
         "transaction_mode": "IMMEDIATE",
     }
+
+# benchmarks/django_q.py's cluster: the example project's, as a small project
+# runs it (2 workers), with room for the default 50 s round.
+Q_CLUSTER = {
+    "name": "federation-delivery-benchmarks",
+    "orm": "default",
+    "workers": 2,
+    "timeout": 90,
+    "retry": 120,
+    "poll": 0.2,
+    "catch_up": False,
+    "log_level": "WARNING",
+}
