@@ -75,9 +75,6 @@ def main() -> None:
     DeliveryHistory.objects.all().delete()
     fill_history()
     with connection.cursor() as cursor:
-        # Left by a run from before migration 0007 made it fd_delivery_settled.
-        cursor.execute("DROP INDEX IF EXISTS fd_bench_settled")
-    with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
 
     from django.contrib.auth.models import User
