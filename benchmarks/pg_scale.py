@@ -3,7 +3,7 @@
 
 Three measurements, each printing its figures and asserting nothing:
 
-* ``claim``: the time of one claim (``queue.claim`` of CLAIM_SIZE) with
+* ``claim``: the time of one claim (``store.claim`` of CLAIM_SIZE) with
   10,000 pending rows, then with 1,000,000, and their ratio; each claim's rows
   are put back as they were, so every claim sees the same queue. Then
   ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim's own SQL at 1,000,000.
@@ -262,7 +262,7 @@ def vacuum() -> None:
 
 def claim_times(args: argparse.Namespace) -> list[float]:
     """Medians (ms) of ``--claims`` claims, one a round; each claim's rows put back."""
-    from django_federation_delivery import queue
+    from django_federation_delivery import store
     from django_federation_delivery.conf import app_settings
 
     size = int(app_settings.get("CLAIM_SIZE"))
@@ -281,7 +281,7 @@ def claim_times(args: argparse.Namespace) -> list[float]:
         times = []
         for _ in range(args.claims):
             started = time.perf_counter()
-            claimed = queue.claim(size, 300.0, per_host=2)
+            claimed = store.claim(size, 300.0, per_host=2)
             times.append((time.perf_counter() - started) * 1000)
             short += len(claimed) < size
             execute(restore, [[row.id for row in claimed]])
@@ -300,7 +300,7 @@ def explain_claim() -> None:
     """``EXPLAIN (ANALYZE, BUFFERS)`` of each statement a claim runs, rolled back."""
     from django.db import connection, transaction
 
-    from django_federation_delivery import queue
+    from django_federation_delivery import store
     from django_federation_delivery.conf import app_settings
 
     statements: list[tuple[str, Any]] = []
@@ -312,7 +312,7 @@ def explain_claim() -> None:
 
     with transaction.atomic():
         with connection.execute_wrapper(capture):
-            queue.claim(int(app_settings.get("CLAIM_SIZE")), 300.0, per_host=2)
+            store.claim(int(app_settings.get("CLAIM_SIZE")), 300.0, per_host=2)
         transaction.set_rollback(True)
     for number, (sql, params) in enumerate(statements, 1):
         print(f"\n  statement {number} of {len(statements)}: {sql}\n  params: {params}")

@@ -9,7 +9,7 @@ import json
 import logging
 from typing import Any
 
-from django_federation_delivery import queue
+from django_federation_delivery import store
 from django_federation_delivery.models import Batch
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.webhooks.rendering import Event
@@ -97,7 +97,7 @@ class KnownBatches:
     def __getitem__(self, id: int) -> BatchInfo:
         return self._known[id]
 
-    def read(self, claimed: list[queue.Claimed]) -> list[queue.Claimed] | None:
+    def read(self, claimed: list[store.Claimed]) -> list[store.Claimed] | None:
         """Know the batch of each of ``claimed``. Returns those whose batch
         still exists, or None when the database was away: then the claim's
         lease lapses and they come due again."""
@@ -108,7 +108,7 @@ class KnownBatches:
         missing = {row.batch_id for row in claimed} - set(self._known)
         if not missing:
             return claimed
-        found = self._db(queue.batches, missing, using=self.using)
+        found = self._db(store.batches, missing, using=self.using)
         if found is None:
             return None
         self._known.update(

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from django.db.models import QuerySet
 
-from django_federation_delivery import breakers, hosts, queue, signals
+from django_federation_delivery import breakers, hosts, signals, store
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.settling import failure
 
@@ -52,7 +52,7 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
     failed = 0
     for start in range(0, len(ids), CHUNK):
         failed += len(
-            queue.give_up_rows(
+            store.give_up_rows(
                 ids[start : start + CHUNK],
                 reason,
                 on_failing=lambda rows: _tell_failed(rows, reason),
@@ -62,7 +62,7 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
     return failed
 
 
-def _tell_failed(rows: list[queue.GivenUp], reason: str) -> None:
+def _tell_failed(rows: list[store.GivenUp], reason: str) -> None:
     batches = {
         id: (sender, tag, event_type)
         for id, sender, tag, event_type in Batch.objects.filter(
@@ -89,7 +89,7 @@ def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
     their attempts so far are kept. Others are left alone. Returns how many."""
     ids = [delivery.id for delivery in deliveries]
     return sum(
-        queue.requeue_rows(ids[start : start + CHUNK]) for start in range(0, len(ids), CHUNK)
+        store.requeue_rows(ids[start : start + CHUNK]) for start in range(0, len(ids), CHUNK)
     )
 
 

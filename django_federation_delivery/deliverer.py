@@ -10,7 +10,7 @@ own. A slow or silent inbox holds one worker, never a batch.
 from __future__ import annotations
 
 import logging
-import queue as threadqueue
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections
 from django.utils import timezone
 
-from django_federation_delivery import metrics, queue, signals, wakeup
+from django_federation_delivery import metrics, signals, store, wakeup
 from django_federation_delivery.attempt import held, permanent_status
 from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
@@ -254,7 +254,7 @@ class Deliverer:
         """Sleep until the next due time or the idle poll, whichever is
         sooner; a send wakes it, and without LISTEN so does a cheap look for
         new work every ``NEW_WORK_POLL_SECONDS``."""
-        due = self._db(queue.next_due, using=self.using)
+        due = self._db(store.next_due, using=self.using)
         sleep = jitter(self.idle_poll)
         if due is not None:
             sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
@@ -273,7 +273,7 @@ class Deliverer:
             if self._wake.wait(step):
                 break
             self._beat()
-            if not listening and self._db(queue.has_due, using=self.using) is True:
+            if not listening and self._db(store.has_due, using=self.using) is True:
                 break
         self._wake.clear()
         self._dry = False
@@ -297,7 +297,7 @@ class Deliverer:
         saturated = self.slots.saturated_hosts()
         limit = max(1, self.claim_size - len(self.slots.ready))
         claimed = self._db(
-            queue.claim,
+            store.claim,
             limit,
             self.lease,
             per_host=self.per_host,
@@ -317,7 +317,7 @@ class Deliverer:
         if claimed:
             self._start(claimed)
 
-    def _start(self, claimed: list[queue.Claimed]) -> None:
+    def _start(self, claimed: list[store.Claimed]) -> None:
         known = self._batches.read(claimed)
         if known is None:
             return  # the claim's lease lapses and they come due again
@@ -368,7 +368,7 @@ class Deliverer:
         while True:
             try:
                 item, result = self.workers.results.get_nowait()
-            except threadqueue.Empty:
+            except queue.Empty:
                 break
             self.schemes.learn(item.claimed.host, result.accepted_scheme)
             self.outbox.add(self._settler(item.batch).attempted(item.claimed, item.batch, result))
@@ -386,10 +386,10 @@ class Deliverer:
                 # would send again is bounded by it.
                 self._write()
 
-    def _settle(self, settlements: list[queue.Settlement]) -> bool:
+    def _settle(self, settlements: list[store.Settlement]) -> bool:
         """The outbox's write: whether the database took it."""
         written = self._db(
-            queue.settle, settlements, on_finished=self._batches_finished, using=self.using
+            store.settle, settlements, on_finished=self._batches_finished, using=self.using
         )
         return written is not None
 
@@ -440,7 +440,7 @@ class Deliverer:
         ready, and what waits in the workers' queue for one to be free."""
         for item in self.slots.release(self.workers.take_queued()):
             self.outbox.add(
-                queue.Settlement(
+                store.Settlement(
                     claimed=item.claimed,
                     status=Status.PENDING,
                     attempts=item.claimed.attempts,

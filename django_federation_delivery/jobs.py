@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django_federation_delivery import queue
+from django_federation_delivery import store
 from django_federation_delivery.attempt import Job
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
@@ -40,7 +40,7 @@ class Jobs:
         self.synchronization = synchronization
         self.keys = KeyCache()
 
-    def make(self, row: queue.Claimed, batch: BatchInfo) -> Job:
+    def make(self, row: store.Claimed, batch: BatchInfo) -> Job:
         """The job for ``row``, a claimed delivery of ``batch``."""
         if batch.event_type:
             return self.webhooks.job(row, batch)

@@ -17,7 +17,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery import portable, queue, urls
+from django_federation_delivery import portable, store, urls
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane, SkippedInbox
@@ -140,7 +140,7 @@ def _queue(
             f"{len(targets)} inboxes is more than MAX_INBOXES ({most}) for one send"
         )
     with transaction.atomic(using=using):
-        batch = queue.enqueue(
+        batch = store.enqueue(
             Batch(
                 sender=sender,
                 body=body,
@@ -213,7 +213,7 @@ def _body(activity: object) -> tuple[str, bytes]:
     return text, encoded
 
 
-def _inboxes(inboxes: Iterable[str]) -> tuple[list[queue.Queued], list[SkippedInbox]]:
+def _inboxes(inboxes: Iterable[str]) -> tuple[list[store.Queued], list[SkippedInbox]]:
     if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
         raise InvalidDelivery(f"inboxes must be an iterable of URLs, not {inboxes!r:.200}")
     # Remote actors choose their inboxes: one that cannot be sent to is left
@@ -227,15 +227,15 @@ def _inboxes(inboxes: Iterable[str]) -> tuple[list[queue.Queued], list[SkippedIn
             skipped.append(SkippedInbox(exc.redacted, exc.reason))
             continue
         unique.setdefault(url, host)
-    return [queue.Queued(inbox, host) for inbox, host in unique.items()], skipped
+    return [store.Queued(inbox, host) for inbox, host in unique.items()], skipped
 
 
 def _portable_inboxes(
     inboxes: Iterable[PortableInbox],
-) -> tuple[list[queue.Queued], list[SkippedInbox]]:
+) -> tuple[list[store.Queued], list[SkippedInbox]]:
     if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
         raise InvalidDelivery(f"inboxes must be an iterable of PortableInbox, not {inboxes!r:.200}")
-    queued: dict[str, queue.Queued] = {}
+    queued: dict[str, store.Queued] = {}
     skipped: list[SkippedInbox] = []
     for inbox in inboxes:
         if not isinstance(inbox, PortableInbox):
@@ -251,7 +251,7 @@ def _portable_inboxes(
             skipped.append(SkippedInbox(urls.redact(name), "has no usable gateway"))
             continue
         # The first gateway stands for the host: per-host limits and breakers.
-        queued[name] = queue.Queued(name, host_of(via[0]), tuple(via))
+        queued[name] = store.Queued(name, host_of(via[0]), tuple(via))
     return list(queued.values()), skipped
 
 
@@ -356,12 +356,12 @@ def _lane(inboxes: int, low_priority: object) -> str:
     return Lane.NORMAL
 
 
-def _interleave_hosts(targets: list[queue.Queued]) -> list[queue.Queued]:
+def _interleave_hosts(targets: list[store.Queued]) -> list[store.Queued]:
     """Hosts taken in turn, so that the first claims of a fan-out spread over
     many hosts instead of queueing behind one: each host's first inbox in the
     order given, then each one's second, and so on."""
     turns: dict[str, int] = {}
-    rounds: list[list[queue.Queued]] = []
+    rounds: list[list[store.Queued]] = []
     for target in targets:
         turn = turns[target.host] = turns.get(target.host, -1) + 1
         if turn == len(rounds):

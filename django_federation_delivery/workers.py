@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue as threadqueue
+import queue
 import threading
 import time
 from collections.abc import Callable
 
 from django_federation_delivery.attempt import AttemptResult, Job, attempt, crashed
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.queue import Claimed
+from django_federation_delivery.store import Claimed
 from django_federation_delivery.transport import Transport, TransportSettings
 from django_federation_delivery.webhooks.attempt import (
     WebhookJob,
@@ -64,10 +64,8 @@ class Workers:
         self.wake = wake
         #: How many threads the coordinator needs now; one more ends itself.
         self.needed = needed
-        self.jobs: threadqueue.SimpleQueue[InFlight | None] = threadqueue.SimpleQueue()
-        self.results: threadqueue.SimpleQueue[tuple[InFlight, AttemptResult]] = (
-            threadqueue.SimpleQueue()
-        )
+        self.jobs: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[tuple[InFlight, AttemptResult]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._started = 0
@@ -96,7 +94,7 @@ class Workers:
         while True:
             try:
                 item = self.jobs.get_nowait()
-            except threadqueue.Empty:
+            except queue.Empty:
                 return taken
             if item is not None:
                 taken.append(item)
@@ -129,7 +127,7 @@ class Workers:
             while True:
                 try:
                     item = self.jobs.get(timeout=self.transport_settings.idle_timeout)
-                except threadqueue.Empty:
+                except queue.Empty:
                     # Idle: let go of connections nobody has used for a while.
                     transport.close_idle()
                     webhooks.close_idle()

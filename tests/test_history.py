@@ -14,7 +14,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import history, queue, retention, send, send_webhook
+from django_federation_delivery import history, retention, send, send_webhook, store
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Delivery, DeliveryHistory, Status
 
@@ -78,13 +78,13 @@ def test_a_history_that_cannot_be_written_is_logged_and_the_settlements_stand(
 ) -> None:
     batch = send(ALICE, NOTE, ["https://a.example/inbox", "https://b.example/inbox"])
     assert batch is not None
-    claimed = queue.claim(10, 60)
+    claimed = store.claim(10, 60)
     with connection.cursor() as cursor:
         cursor.execute(f"DROP TABLE {connection.ops.quote_name(DeliveryHistory._meta.db_table)}")
     with caplog.at_level(logging.ERROR, logger="django_federation_delivery.history"):
-        written = queue.settle(
+        written = store.settle(
             [
-                queue.Settlement(row, Status.DELIVERED, 1, attempted_at=timezone.now())
+                store.Settlement(row, Status.DELIVERED, 1, attempted_at=timezone.now())
                 for row in claimed
             ]
         )
@@ -99,8 +99,8 @@ def test_a_history_that_cannot_be_written_is_logged_and_the_settlements_stand(
 def test_deliveries_given_up_are_counted_as_failed_in_their_minute() -> None:
     send(ALICE, NOTE, [f"https://a.example/u{n}/inbox" for n in range(3)])
     ids = list(Delivery.objects.values_list("id", flat=True))
-    assert queue.give_up_rows(ids[:2], "given up by an operator") == ids[:2]
-    assert queue.give_up_rows(ids[:2], "again") == []
+    assert store.give_up_rows(ids[:2], "given up by an operator") == ids[:2]
+    assert store.give_up_rows(ids[:2], "again") == []
     (row,) = DeliveryHistory.objects.all()
     assert (row.failed, row.delivered) == (2, 0)
     assert row.minute == history.minute_of(timezone.now()) or row.minute == history.minute_of(

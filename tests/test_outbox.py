@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from django_federation_delivery import queue
+from django_federation_delivery import store
 from django_federation_delivery.models import Status
 from django_federation_delivery.outbox import Outbox
 
@@ -15,8 +15,8 @@ class Clock:
         return self.now
 
 
-def settlement(id: int, leased_until: float = 2000.0) -> queue.Settlement:
-    claimed = queue.Claimed(
+def settlement(id: int, leased_until: float = 2000.0) -> store.Settlement:
+    claimed = store.Claimed(
         id=id,
         batch_id=1,
         inbox=f"https://a.example/{id}",
@@ -26,11 +26,11 @@ def settlement(id: int, leased_until: float = 2000.0) -> queue.Settlement:
         token="t",
         leased_until=leased_until,
     )
-    return queue.Settlement(claimed=claimed, status=Status.DELIVERED, attempts=1)
+    return store.Settlement(claimed=claimed, status=Status.DELIVERED, attempts=1)
 
 
-def outbox(written: list[list[queue.Settlement]], clock: Clock, *, works: bool = True) -> Outbox:
-    def write(settlements: list[queue.Settlement]) -> bool:
+def outbox(written: list[list[store.Settlement]], clock: Clock, *, works: bool = True) -> Outbox:
+    def write(settlements: list[store.Settlement]) -> bool:
         written.append(settlements)
         return works
 
@@ -38,7 +38,7 @@ def outbox(written: list[list[queue.Settlement]], clock: Clock, *, works: bool =
 
 
 def test_an_empty_outbox_is_never_due_and_writes_nothing() -> None:
-    written: list[list[queue.Settlement]] = []
+    written: list[list[store.Settlement]] = []
     box = outbox(written, Clock())
     assert not box
     assert not box.due()
@@ -70,7 +70,7 @@ def test_it_is_due_once_the_first_has_waited_a_moment() -> None:
 
 
 def test_a_flush_writes_everything_waiting_in_one_write() -> None:
-    written: list[list[queue.Settlement]] = []
+    written: list[list[store.Settlement]] = []
     box = outbox(written, Clock())
     box.add(settlement(1))
     box.add(settlement(2))
@@ -81,7 +81,7 @@ def test_a_flush_writes_everything_waiting_in_one_write() -> None:
 
 def test_what_the_database_did_not_take_waits_while_its_lease_holds() -> None:
     clock = Clock(now=1000.0)
-    written: list[list[queue.Settlement]] = []
+    written: list[list[store.Settlement]] = []
     box = outbox(written, clock, works=False)
     box.add(settlement(1, leased_until=999.0))
     box.add(settlement(2, leased_until=1500.0))

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from django_federation_delivery import queue
+from django_federation_delivery import store
 from django_federation_delivery.attempt import AttemptResult, Job, failed, held
 from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
 from django_federation_delivery.settling import Summary, Verdict, decide, failure
@@ -218,11 +218,11 @@ def test_the_summary_counts_each_outcome_in_its_own_field() -> None:
 
 
 def test_a_failure_names_a_webhook_by_its_destination_and_an_inbox_by_nothing_more() -> None:
-    given_up = queue.GivenUp(id=3, batch_id=2, inbox="webhook:ops", last_status=None)
+    given_up = store.GivenUp(id=3, batch_id=2, inbox="webhook:ops", last_status=None)
     payload = failure(given_up, sender="", tag="t", event_type="deploy", status=None, error="gone")
     assert (payload.delivery_id, payload.batch_id, payload.destination) == (3, 2, "ops")
     assert (payload.deadline, payload.refused) == (False, False)
-    inbox = queue.GivenUp(id=4, batch_id=2, inbox="https://a.example/inbox", last_status=500)
+    inbox = store.GivenUp(id=4, batch_id=2, inbox="https://a.example/inbox", last_status=500)
     assert (
         failure(inbox, sender="s", tag="", event_type="", status=500, error="x").destination == ""
     )

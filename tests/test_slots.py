@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from django_federation_delivery.queue import Claimed
 from django_federation_delivery.slots import Slots
+from django_federation_delivery.store import Claimed
 from django_federation_delivery.workers import InFlight
 
 

@@ -187,7 +187,7 @@ def test_the_committed_catalogue_holds_every_message_of_the_code(tmp_path: Path)
     copy = tmp_path / "django_federation_delivery"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "en"))
     # No settings: makemessages needs none, and the copy is not on the path.
-    # -P: the copy's queue.py must not shadow the standard library's.
+    # -P: the copy's own modules are not put on the path of the process.
     env = {name: value for name, value in os.environ.items() if name != "DJANGO_SETTINGS_MODULE"}
     subprocess.run(
         [sys.executable, "-P", "-m", "django", "makemessages", "--locale", "en", "--no-location"],

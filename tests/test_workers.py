@@ -17,9 +17,9 @@ import responses
 
 from django_federation_delivery import workers as workers_module
 from django_federation_delivery.attempt import AttemptResult, Job
-from django_federation_delivery.queue import Claimed
 from django_federation_delivery.settling import BatchInfo
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
+from django_federation_delivery.store import Claimed
 from django_federation_delivery.transport import TransportSettings, idle
 from django_federation_delivery.workers import InFlight, Workers
 

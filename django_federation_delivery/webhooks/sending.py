@@ -23,7 +23,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
-from django_federation_delivery import queue
+from django_federation_delivery import store
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.dialect import connection_for, is_postgresql
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -66,7 +66,7 @@ def send_webhook(
     alias = using or DEFAULT_DB_ALIAS
     with transaction.atomic(using=alias):
         _lock_sequences(names, alias)
-        return queue.enqueue(
+        return store.enqueue(
             Batch(
                 sender="",
                 body=body,
@@ -76,7 +76,7 @@ def send_webhook(
                 event_type=event.type,
                 event_id=event.id,
             ),
-            [queue.Queued(delivery_key(name), delivery_key(name)) for name in names],
+            [store.Queued(delivery_key(name), delivery_key(name)) for name in names],
             using=alias,
         )
 

@@ -13,7 +13,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.translation import gettext as _
 
-from django_federation_delivery import heartbeats, queue
+from django_federation_delivery import heartbeats, store
 from django_federation_delivery.overview import (
     BREAKER_STATES,
     Overview,
@@ -283,7 +283,7 @@ def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, s
     from django.utils import timezone
 
     now = timezone.now()
-    due = queue.count_due(using=using)
+    due = store.count_due(using=using)
     seen = heartbeats.seen(now=now, host=host, using=using)
     where = _(" on %(host)s") % {"host": printable(host)} if host is not None else ""
     stalled_because = stalled(seen, due, now, where=where)

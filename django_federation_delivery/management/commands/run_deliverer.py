@@ -21,7 +21,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.translation import gettext as _
 
-from django_federation_delivery import metrics, queue, supervisor
+from django_federation_delivery import metrics, store, supervisor
 from django_federation_delivery.checks import WHOLE_NUMBERS, check_settings, sqlite_problems
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.retention import PeriodicPurge
@@ -283,7 +283,7 @@ class Command(BaseCommand):
             self._say(
                 _("Metrics at %(url)s") % {"url": f"http://{shown}:{server.server_port}/metrics"}
             )
-        self._due = queue.count_due(using=using) if drain else 0
+        self._due = store.count_due(using=using) if drain else 0
         try:
             deliverer = Deliverer(
                 concurrency=concurrency,

@@ -11,7 +11,7 @@ from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import queue, send, send_batch
+from django_federation_delivery import send, send_batch, store
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 
 from .keys import ALICE
@@ -27,7 +27,7 @@ def inboxes(count: int, host: str = "a.example") -> list[str]:
 def test_a_claim_takes_due_deliveries_for_a_lease_with_a_token() -> None:
     send(ALICE, NOTE, inboxes(5))
     before = timezone.now()
-    claimed = queue.claim(3, lease=300)
+    claimed = store.claim(3, lease=300)
     assert len(claimed) == 3
     assert len({row.token for row in claimed}) == 1
     rows = Delivery.objects.filter(id__in=[row.id for row in claimed])
@@ -35,22 +35,22 @@ def test_a_claim_takes_due_deliveries_for_a_lease_with_a_token() -> None:
         assert row.lease_token == claimed[0].token
         assert row.due_at is not None and row.due_at >= before + dt.timedelta(seconds=299)
     # Held rows are not due: the next claim takes the other two only.
-    assert {row.id for row in queue.claim(10, lease=300)}.isdisjoint(r.id for r in claimed)
-    assert queue.claim(10, lease=300) == []
+    assert {row.id for row in store.claim(10, lease=300)}.isdisjoint(r.id for r in claimed)
+    assert store.claim(10, lease=300) == []
 
 
 @pytest.mark.django_db
 def test_a_lapsed_lease_comes_due_again_and_fences_out_its_old_holder() -> None:
     send(ALICE, NOTE, inboxes(1))
-    first = queue.claim(1, lease=300)[0]
+    first = store.claim(1, lease=300)[0]
     Delivery.objects.update(due_at=timezone.now() - dt.timedelta(seconds=1))  # the lease lapses
-    second = queue.claim(1, lease=300)[0]
+    second = store.claim(1, lease=300)[0]
     assert second.id == first.id and second.token != first.token
-    late = queue.Settlement(claimed=first, status=Status.DELIVERED, attempts=1, last_status=202)
-    assert queue.settle([late]) == set(), "the old holder cannot settle what another holds"
+    late = store.Settlement(claimed=first, status=Status.DELIVERED, attempts=1, last_status=202)
+    assert store.settle([late]) == set(), "the old holder cannot settle what another holds"
     assert Delivery.objects.get().status == Status.PENDING
-    current = queue.Settlement(claimed=second, status=Status.DELIVERED, attempts=1, last_status=202)
-    assert queue.settle([current]) == {second.id}
+    current = store.Settlement(claimed=second, status=Status.DELIVERED, attempts=1, last_status=202)
+    assert store.settle([current]) == {second.id}
     row = Delivery.objects.get()
     assert (row.status, row.attempts, row.lease_token, row.due_at) == (
         Status.DELIVERED,
@@ -64,11 +64,11 @@ def test_a_lapsed_lease_comes_due_again_and_fences_out_its_old_holder() -> None:
 @pytest.mark.django_db
 def test_a_retry_stays_pending_until_its_due_time() -> None:
     send(ALICE, NOTE, inboxes(1))
-    row = queue.claim(1, lease=300)[0]
+    row = store.claim(1, lease=300)[0]
     due = timezone.now() + dt.timedelta(seconds=60)
-    queue.settle(
+    store.settle(
         [
-            queue.Settlement(
+            store.Settlement(
                 claimed=row,
                 status=Status.PENDING,
                 attempts=1,
@@ -81,8 +81,8 @@ def test_a_retry_stays_pending_until_its_due_time() -> None:
     stored = Delivery.objects.get()
     assert (stored.status, stored.attempts, stored.last_status) == (Status.PENDING, 1, 503)
     assert stored.due_at == due and stored.lease_token is None
-    assert queue.claim(1, lease=300) == []
-    assert queue.next_due() == due
+    assert store.claim(1, lease=300) == []
+    assert store.next_due() == due
 
 
 @pytest.mark.django_db
@@ -90,14 +90,14 @@ def test_a_batch_finishes_when_its_last_delivery_leaves_the_queue() -> None:
     batch = send(ALICE, NOTE, inboxes(3))
     assert batch is not None
     finished: list[Batch] = []
-    rows = queue.claim(3, lease=300)
-    queue.settle(
-        [queue.Settlement(claimed=r, status=Status.DELIVERED, attempts=1) for r in rows[:2]],
+    rows = store.claim(3, lease=300)
+    store.settle(
+        [store.Settlement(claimed=r, status=Status.DELIVERED, attempts=1) for r in rows[:2]],
         on_finished=finished.extend,
     )
     assert finished == []
-    queue.settle(
-        [queue.Settlement(claimed=rows[2], status=Status.FAILED, attempts=1)],
+    store.settle(
+        [store.Settlement(claimed=rows[2], status=Status.FAILED, attempts=1)],
         on_finished=finished.extend,
     )
     assert [b.id for b in finished] == [batch.id]
@@ -114,7 +114,7 @@ def test_the_priority_lane_is_claimed_first_and_the_low_lane_last(settings: obje
     send_batch(ALICE, NOTE, inboxes(2, "low.example"), {"low_priority": True})
     send(ALICE, NOTE, inboxes(3, "fanout.example"))
     send(ALICE, NOTE, inboxes(1, "dm.example"))
-    order = [row.host for row in queue.claim(6, lease=300)]
+    order = [row.host for row in store.claim(6, lease=300)]
     assert order == ["dm.example"] + ["fanout.example"] * 3 + ["low.example"] * 2
     assert set(Delivery.objects.values_list("lane", flat=True)) == {
         Lane.PRIORITY,
@@ -126,7 +126,7 @@ def test_the_priority_lane_is_claimed_first_and_the_low_lane_last(settings: obje
 @pytest.mark.django_db
 def test_a_claim_can_leave_out_busy_hosts() -> None:
     send(ALICE, NOTE, inboxes(3, "busy.example") + inboxes(2, "idle.example"))
-    hosts = {row.host for row in queue.claim(10, lease=300, exclude_hosts=["busy.example"])}
+    hosts = {row.host for row in store.claim(10, lease=300, exclude_hosts=["busy.example"])}
     assert hosts == {"idle.example"}
 
 
@@ -152,7 +152,7 @@ def test_the_claim_reads_pending_rows_through_the_partial_index() -> None:
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(capture):
-        assert len(queue.claim(2, lease=300)) == 2
+        assert len(store.claim(2, lease=300)) == 2
     claims = [(sql, params) for sql, params in executed if sql.startswith("UPDATE")]
     assert [params[3] for sql, params in claims] == [Lane.PRIORITY, Lane.NORMAL], executed
     explain = "EXPLAIN" if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN"
@@ -172,7 +172,7 @@ def test_concurrent_claims_never_take_the_same_delivery() -> None:
     def claim_all() -> None:
         mine: list[int] = []
         try:
-            while rows := queue.claim(7, lease=300):
+            while rows := store.claim(7, lease=300):
                 mine.extend(row.id for row in rows)
         except BaseException as exc:
             errors.append(exc)
@@ -208,13 +208,13 @@ def test_an_ordered_delivery_waits_until_the_one_before_it_to_that_inbox_settles
     held = Delivery.objects.get(batch=second)
     assert held.due_at is None and held.after is not None
     assert held.after.batch_id == first.id
-    claimed = queue.claim(10, lease=300)
+    claimed = store.claim(10, lease=300)
     assert {row.batch_id for row in claimed} == {first.id, other_key.id}, "a's Delete waits"
     for_a = next(row for row in claimed if row.batch_id == first.id and "a.example" in row.inbox)
-    queue.settle([queue.Settlement(claimed=for_a, status=Status.FAILED, attempts=12, ordered=True)])
+    store.settle([store.Settlement(claimed=for_a, status=Status.FAILED, attempts=12, ordered=True)])
     held.refresh_from_db()
     assert held.due_at is not None and held.after is None, "released by its predecessor's end"
-    assert [row.batch_id for row in queue.claim(10, lease=300)] == [second.id]
+    assert [row.batch_id for row in store.claim(10, lease=300)] == [second.id]
 
 
 @pytest.mark.django_db
@@ -244,7 +244,7 @@ def test_an_ordered_send_waits_on_the_last_of_a_long_backlog() -> None:
 @pytest.mark.django_db
 def test_a_claim_takes_no_more_than_per_host_of_one_host() -> None:
     send(ALICE, NOTE, inboxes(50, "busy.example") + inboxes(3, "quiet.example"))
-    hosts = collections.Counter(row.host for row in queue.claim(64, lease=300, per_host=2))
+    hosts = collections.Counter(row.host for row in store.claim(64, lease=300, per_host=2))
     assert hosts == {"busy.example": 2, "quiet.example": 2}
 
 
@@ -254,18 +254,18 @@ def a_batch() -> Batch:
 
 @pytest.mark.django_db
 def test_a_fan_out_is_inserted_a_bounded_chunk_at_a_time(monkeypatch: Any) -> None:
-    monkeypatch.setattr(queue, "CHUNK", 100)
+    monkeypatch.setattr(store, "CHUNK", 100)
     sizes: list[int] = []
-    delivery_params = queue._delivery_params
+    delivery_params = store._delivery_params
 
     def counting(connection: Any, batch: Batch, chunk: Any, *args: Any) -> Any:
         sizes.append(len(chunk))
         return delivery_params(connection, batch, chunk, *args)
 
-    monkeypatch.setattr(queue, "_delivery_params", counting)
-    targets = [queue.Queued(inbox, "a.example") for inbox in inboxes(250)]
+    monkeypatch.setattr(store, "_delivery_params", counting)
+    targets = [store.Queued(inbox, "a.example") for inbox in inboxes(250)]
     with transaction.atomic(), CaptureQueriesContext(connection) as captured:
-        batch = queue.enqueue(a_batch(), targets)
+        batch = store.enqueue(a_batch(), targets)
     assert sizes == [100, 100, 50]
     insert = f'INSERT INTO "{Delivery._meta.db_table}"'
     assert sum(query["sql"].count(insert) for query in captured) == 3, "a statement a chunk"
@@ -273,11 +273,11 @@ def test_a_fan_out_is_inserted_a_bounded_chunk_at_a_time(monkeypatch: Any) -> No
 
 
 def peak_of_enqueue(count: int) -> int:
-    targets = [queue.Queued(inbox, "a.example") for inbox in inboxes(count)]
+    targets = [store.Queued(inbox, "a.example") for inbox in inboxes(count)]
     tracemalloc.start()
     try:
         with transaction.atomic():
-            queue.enqueue(a_batch(), targets)
+            store.enqueue(a_batch(), targets)
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -299,13 +299,13 @@ def test_a_delivery_to_a_paused_host_is_queued_with_no_due_time_in_every_chunk(
 ) -> None:
     from django_federation_delivery.controls import pause_host
 
-    monkeypatch.setattr(queue, "CHUNK", 3)
+    monkeypatch.setattr(store, "CHUNK", 3)
     pause_host("paused.example")
     send(ALICE, NOTE, inboxes(4, "paused.example") + inboxes(4, "open.example"))
     held = Delivery.objects.filter(host="paused.example")
     assert [row.due_at for row in held] == [None] * 4
     assert Delivery.objects.filter(host="open.example", due_at__isnull=False).count() == 4
-    assert {row.host for row in queue.claim(10, lease=300)} == {"open.example"}
+    assert {row.host for row in store.claim(10, lease=300)} == {"open.example"}
 
 
 @pytest.mark.django_db
@@ -315,14 +315,14 @@ def test_a_send_runs_the_same_few_statements_for_one_inbox_as_for_a_whole_chunk(
             send(ALICE, NOTE, inboxes(count, f"h{count}.example"))
         return [query["sql"].split(" ", 1)[0] for query in captured]
 
-    one, chunk = statements(1), statements(queue.CHUNK)
+    one, chunk = statements(1), statements(store.CHUNK)
     assert one == chunk
     if connection.vendor == "postgresql":
         # The batch, its deliveries and the notification in one round trip.
         assert one == ["SAVEPOINT", "WITH", "RELEASE"]
     else:
         assert one == ["SAVEPOINT", "INSERT", "INSERT", "RELEASE"]
-    assert len(statements(queue.CHUNK + 1)) == len(one) + 1
+    assert len(statements(store.CHUNK + 1)) == len(one) + 1
 
 
 @pytest.mark.django_db
@@ -331,10 +331,10 @@ def test_what_a_row_holds_is_written_as_it_is_whatever_its_characters() -> None:
     # be read as the array's own syntax.
     odd = ["https://a.example/a,b{c}\"d'e\\f", "NULL", "", "{}", "é\u202e"]
     targets = [
-        queue.Queued(inbox, "a.example", (f"https://g.example/{inbox}", "NULL")) for inbox in odd
+        store.Queued(inbox, "a.example", (f"https://g.example/{inbox}", "NULL")) for inbox in odd
     ]
     with transaction.atomic():
-        batch = queue.enqueue(a_batch(), targets)
+        batch = store.enqueue(a_batch(), targets)
     stored = Delivery.objects.filter(batch=batch).order_by("id")
     assert [(row.inbox, row.via) for row in stored] == [
         (target.inbox, list(target.via)) for target in targets

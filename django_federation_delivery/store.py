@@ -1,4 +1,5 @@
-"""Every query of the queue: enqueue, claim, settle, and what is due when.
+"""The queue's store: every query of the queue — enqueue, claim, settle, and
+what is due when. (Not ``queue``: the standard library has that name.)
 
 What tells PostgreSQL from SQLite for every raw statement is in dialect.py;
 what each database is asked here differs only where it must. On PostgreSQL a
