@@ -10,13 +10,14 @@ statement, which SQLite runs under its one write lock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
 import json
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, models, transaction
@@ -115,7 +116,7 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
         connection, most=CHUNK, per_row=len(_ROW), constants=_CONSTANTS
     )
     postgres = is_postgresql(connection)
-    with connection.cursor() as cursor:
+    with _cursor(connection) as cursor:
         if postgres and inboxes:
             # The batch, its first deliveries and the wake-up of every listening
             # process in one round trip. The notification is delivered by
@@ -189,19 +190,35 @@ _PLAIN_FIELDS = (
     models.IntegerField,
     models.TextField,
 )
+_PLAIN, _DATETIME, _PREPARED = range(3)
+#: Each column the batch's INSERT writes: its attribute, and how its value is
+#: prepared. Read off the model once, not field by field at every send.
+_batch_columns: list[tuple[models.Field[Any, Any], str, int]] = []
 
 
 def _batch_values(batch: Batch, connection: Any) -> list[Any]:
     """The batch's columns as the INSERT takes them: what ``Model.save`` would
     write, without the field-by-field preparation a plain value needs none of."""
+    if not _batch_columns:
+        _batch_columns.extend(
+            (
+                field,
+                field.attname,
+                _DATETIME
+                if isinstance(field, models.DateTimeField)
+                else _PLAIN
+                if isinstance(field, _PLAIN_FIELDS)
+                else _PREPARED,
+            )
+            for field in Batch._meta.concrete_fields
+            if not field.primary_key
+        )
     values = []
-    for field in Batch._meta.concrete_fields:
-        if field.primary_key:
-            continue
-        value = getattr(batch, field.attname)
-        if isinstance(field, models.DateTimeField):
-            value = connection.ops.adapt_datetimefield_value(value)
-        elif not isinstance(field, _PLAIN_FIELDS):
+    for field, attname, kind in _batch_columns:
+        value = getattr(batch, attname)
+        if kind == _DATETIME:
+            value = db_datetime(value, connection)
+        elif kind == _PREPARED:
             value = field.get_db_prep_save(field.pre_save(batch, True), connection)
         values.append(value)
     return values
@@ -287,6 +304,56 @@ def _first_statement_sql(connection: Any) -> str:
         )
 
     return _statement(connection, "first", 0, write)
+
+
+class _SQLiteCursor:
+    """The driver's own cursor, for the few statements of a send, when nothing
+    logs or wraps queries: what Django's wrapper adds around one of them (the
+    ``%s`` to ``?`` rewrite, the checks, the timing) costs more than SQLite
+    takes to insert a row. Errors are translated, and a broken transaction
+    refused, as Django's cursor does."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        connection.validate_thread_sharing()
+        self.cursor = connection.connection.cursor()
+
+    def execute(self, sql: str, params: Sequence[Any]) -> None:
+        qmark = _QMARK.get(sql)
+        if qmark is None:
+            # The statements here hold no literal "%": every one is a placeholder.
+            qmark = sql.replace("%s", "?")
+            if len(_QMARK) < _KEPT_QMARK:
+                _QMARK[sql] = qmark
+        self.connection.validate_no_broken_transaction()
+        with self.connection.wrap_database_errors:
+            self.cursor.execute(qmark, params)
+
+    def fetchone(self) -> Any:
+        return self.cursor.fetchone()
+
+
+_QMARK: dict[str, str] = {}
+_KEPT_QMARK = 64
+
+
+@contextlib.contextmanager
+def _cursor(connection: Any) -> Iterator[Any]:
+    """A cursor for a send's statements: Django's, unless SQLite's own will do."""
+    if (
+        connection.vendor != "sqlite"
+        or connection.queries_logged
+        or connection.execute_wrappers
+        or connection.connection is None
+    ):
+        with connection.cursor() as cursor:
+            yield cursor
+        return
+    cursor = _SQLiteCursor(connection)
+    try:
+        yield cursor
+    finally:
+        cursor.cursor.close()
 
 
 def sequence_of(ordering_key: str, inbox: str) -> str:
