@@ -10,14 +10,14 @@ statement, which SQLite runs under its one write lock.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
 import json
+import operator
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, models, transaction
@@ -190,37 +190,46 @@ _PLAIN_FIELDS = (
     models.IntegerField,
     models.TextField,
 )
-_PLAIN, _DATETIME, _PREPARED = range(3)
-#: Each column the batch's INSERT writes: its attribute, and how its value is
-#: prepared. Read off the model once, not field by field at every send.
-_batch_columns: list[tuple[models.Field[Any, Any], str, int]] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatchColumns:
+    """The columns the batch's INSERT writes, read off the model once: every
+    value in one ``attrgetter`` call, then the few that need preparing."""
+
+    values: Callable[[Batch], tuple[Any, ...]]
+    datetimes: tuple[int, ...]
+    prepared: tuple[tuple[int, models.Field[Any, Any]], ...]
+
+
+_batch_columns: list[_BatchColumns] = []
+
+
+def _columns() -> _BatchColumns:
+    if not _batch_columns:
+        fields = [field for field in Batch._meta.concrete_fields if not field.primary_key]
+        datetimes = tuple(
+            n for n, field in enumerate(fields) if isinstance(field, models.DateTimeField)
+        )
+        prepared = tuple(
+            (n, field)
+            for n, field in enumerate(fields)
+            if n not in datetimes and not isinstance(field, _PLAIN_FIELDS)
+        )
+        getter = operator.attrgetter(*(field.attname for field in fields))
+        _batch_columns.append(_BatchColumns(getter, datetimes, prepared))
+    return _batch_columns[0]
 
 
 def _batch_values(batch: Batch, connection: Any) -> list[Any]:
     """The batch's columns as the INSERT takes them: what ``Model.save`` would
     write, without the field-by-field preparation a plain value needs none of."""
-    if not _batch_columns:
-        _batch_columns.extend(
-            (
-                field,
-                field.attname,
-                _DATETIME
-                if isinstance(field, models.DateTimeField)
-                else _PLAIN
-                if isinstance(field, _PLAIN_FIELDS)
-                else _PREPARED,
-            )
-            for field in Batch._meta.concrete_fields
-            if not field.primary_key
-        )
-    values = []
-    for field, attname, kind in _batch_columns:
-        value = getattr(batch, attname)
-        if kind == _DATETIME:
-            value = db_datetime(value, connection)
-        elif kind == _PREPARED:
-            value = field.get_db_prep_save(field.pre_save(batch, True), connection)
-        values.append(value)
+    columns = _columns()
+    values = list(columns.values(batch))
+    for n in columns.datetimes:
+        values[n] = db_datetime(values[n], connection)
+    for n, field in columns.prepared:
+        values[n] = field.get_db_prep_save(field.pre_save(batch, True), connection)
     return values
 
 
@@ -318,6 +327,12 @@ class _SQLiteCursor:
         connection.validate_thread_sharing()
         self.cursor = connection.connection.cursor()
 
+    def __enter__(self) -> _SQLiteCursor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cursor.close()
+
     def execute(self, sql: str, params: Sequence[Any]) -> None:
         qmark = _QMARK.get(sql)
         if qmark is None:
@@ -325,7 +340,8 @@ class _SQLiteCursor:
             qmark = sql.replace("%s", "?")
             if len(_QMARK) < _KEPT_QMARK:
                 _QMARK[sql] = qmark
-        self.connection.validate_no_broken_transaction()
+        if self.connection.needs_rollback:
+            self.connection.validate_no_broken_transaction()
         with self.connection.wrap_database_errors:
             self.cursor.execute(qmark, params)
 
@@ -337,8 +353,7 @@ _QMARK: dict[str, str] = {}
 _KEPT_QMARK = 64
 
 
-@contextlib.contextmanager
-def _cursor(connection: Any) -> Iterator[Any]:
+def _cursor(connection: Any) -> Any:
     """A cursor for a send's statements: Django's, unless SQLite's own will do."""
     if (
         connection.vendor != "sqlite"
@@ -346,14 +361,8 @@ def _cursor(connection: Any) -> Iterator[Any]:
         or connection.execute_wrappers
         or connection.connection is None
     ):
-        with connection.cursor() as cursor:
-            yield cursor
-        return
-    cursor = _SQLiteCursor(connection)
-    try:
-        yield cursor
-    finally:
-        cursor.cursor.close()
+        return connection.cursor()
+    return _SQLiteCursor(connection)
 
 
 def sequence_of(ordering_key: str, inbox: str) -> str:
