@@ -11,7 +11,10 @@ settings), or with ``--database-url`` on a throwaway PostgreSQL:
   caller's own ``transaction.atomic()``): the send alone is timed, not the
   commit;
 * twenty inboxes on twenty hosts, each its own transaction;
-* ten thousand inboxes, on ten thousand hosts and on one host.
+* ten thousand inboxes, on ten thousand hosts and on one host;
+* on SQLite, the floor: the same two statements of a one-inbox send and its
+  commit, run through ``sqlite3`` alone on the same connection, with no
+  Django and none of the package's Python around them.
 
 It prints the median and 90th percentile of each, and the SQL statements one
 send runs; with ``--profile``, the top of a cProfile of the one-inbox and the
@@ -149,6 +152,43 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
 
         return one
 
+    def bare_sqlite() -> Callable[[], Timing]:
+        from django_federation_delivery import store
+
+        batch = send(ALICE, activity, small(1))
+        assert batch is not None
+        batch_sql = store._batch_sql(connection).replace("%s", "?")
+        deliveries_sql = store._deliveries_sql(connection, 1, batch="%s").replace("%s", "?")
+        batch_values = store._batch_values(batch, connection)
+        due = store.db_datetime(batch.created_at, connection)
+        mode = connection.settings_dict["OPTIONS"].get("transaction_mode", "")
+
+        def one() -> Timing:
+            (inbox,) = small(1)
+            host = inbox.split("/")[2]
+            raw = connection.connection
+            with timed() as took:
+                raw.execute(f"BEGIN {mode}")
+                (batch_id,) = raw.execute(batch_sql, batch_values).fetchone()
+                raw.execute(
+                    deliveries_sql,
+                    [
+                        batch_id,
+                        batch.lane,
+                        store.Status.PENDING.value,
+                        due,
+                        inbox,
+                        host,
+                        "[]",
+                        "",
+                        None,
+                    ],
+                )
+                raw.execute("COMMIT")
+            return took
+
+        return one
+
     cases: list[tuple[str, Callable[[], Timing], int]] = [
         ("1 inbox, own transaction", own_transaction(1), args.sends),
         ("1 inbox, open transaction", open_transaction, args.sends),
@@ -156,6 +196,8 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
         (f"{args.fan_out} inboxes, {args.fan_out} hosts", fan_out(False), 1),
         (f"{args.fan_out} inboxes, 1 host", fan_out(True), 1),
     ]
+    if connection.vendor == "sqlite":
+        cases.append(("floor: bare sqlite3, 1 inbox", bare_sqlite(), args.sends))
 
     print("django-federation-delivery: what send() costs the caller")
     for line in environment_lines():
@@ -191,15 +233,21 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
     for name, _, _ in cases:
         wall = [timing.wall for timing in timings[name]]
         cpu = [timing.cpu for timing in timings[name]]
+        counted = str(statements[name]) if statements[name] else "-"
         print(
             f"{name:<32} {len(wall):>6} {statistics.median(wall) * 1000:>10.3f} "
             f"{percentile(wall, 0.9) * 1000:>10.3f} {statistics.median(cpu) * 1000:>8.3f} "
-            f"{statements[name]:>11}"
+            f"{counted:>11}"
         )
+    floor = (
+        "; the floor's statements are not Django's, and not counted"
+        if connection.vendor == "sqlite"
+        else ""
+    )
     print(
         "\n(statements: as Django's CaptureQueriesContext counts them, BEGIN, COMMIT and "
         "savepoints included: each a round trip on PostgreSQL; cpu ms: the median of this "
-        "thread's CPU time, which other work on the machine disturbs less)"
+        f"thread's CPU time, which other work on the machine disturbs less{floor})"
     )
     print(f"load average at the end: {load_average()}")
 

@@ -46,6 +46,15 @@ def quoted_table(model: type[Any], connection: Any) -> str:
 
 def db_datetime(value: dt.datetime | None, connection: Any) -> Any:
     """``value`` as a raw statement's parameter: SQLite stores text in UTC."""
+    if (
+        connection.vendor == "sqlite"
+        and value is not None
+        and value.utcoffset() is not None
+        and connection.timezone is not None
+    ):
+        # What Django's adapter writes for an aware datetime, without its
+        # checks, on the path of every send: naive in the connection's zone.
+        return str(value.astimezone(connection.timezone).replace(tzinfo=None))
     return connection.ops.adapt_datetimefield_value(value)
 
 
@@ -74,7 +83,8 @@ def rows_per_statement(connection: Any, *, most: int, per_row: int, constants: i
     whatever their rows."""
     if connection.vendor != "sqlite":
         return most
-    connection.ensure_connection()
+    if connection.connection is None:
+        connection.ensure_connection()
     limit: int = connection.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
     return max(1, min(most, (limit - constants) // per_row))
 

@@ -43,6 +43,9 @@ URL_LENGTH = 2048
 #: The most ``max_attempts`` can be: what the column holds on every database.
 MAX_ATTEMPTS = 2**31 - 1
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: The activity as it is stored and sent: compact, UTF-8 as it is. One
+#: encoder for every send, rather than one built by ``json.dumps`` at each.
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +194,7 @@ def _body(activity: object) -> tuple[str, bytes]:
     if not isinstance(activity, Mapping):
         raise InvalidDelivery(f"activity must be a JSON object (a dict), not {_shown(activity)}")
     try:
-        text = json.dumps(activity, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        text = _JSON.encode(activity)
     except (TypeError, ValueError) as exc:
         raise InvalidDelivery(f"activity cannot be written as JSON: {exc}") from exc
     except RecursionError as exc:

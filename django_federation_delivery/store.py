@@ -14,6 +14,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
+import operator
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -115,7 +116,7 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
         connection, most=CHUNK, per_row=len(_ROW), constants=_CONSTANTS
     )
     postgres = is_postgresql(connection)
-    with connection.cursor() as cursor:
+    with _cursor(connection) as cursor:
         if postgres and inboxes:
             # The batch, its first deliveries and the wake-up of every listening
             # process in one round trip. The notification is delivered by
@@ -191,19 +192,44 @@ _PLAIN_FIELDS = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class _BatchColumns:
+    """The columns the batch's INSERT writes, read off the model once: every
+    value in one ``attrgetter`` call, then the few that need preparing."""
+
+    values: Callable[[Batch], tuple[Any, ...]]
+    datetimes: tuple[int, ...]
+    prepared: tuple[tuple[int, models.Field[Any, Any]], ...]
+
+
+_batch_columns: list[_BatchColumns] = []
+
+
+def _columns() -> _BatchColumns:
+    if not _batch_columns:
+        fields = [field for field in Batch._meta.concrete_fields if not field.primary_key]
+        datetimes = tuple(
+            n for n, field in enumerate(fields) if isinstance(field, models.DateTimeField)
+        )
+        prepared = tuple(
+            (n, field)
+            for n, field in enumerate(fields)
+            if n not in datetimes and not isinstance(field, _PLAIN_FIELDS)
+        )
+        getter = operator.attrgetter(*(field.attname for field in fields))
+        _batch_columns.append(_BatchColumns(getter, datetimes, prepared))
+    return _batch_columns[0]
+
+
 def _batch_values(batch: Batch, connection: Any) -> list[Any]:
     """The batch's columns as the INSERT takes them: what ``Model.save`` would
     write, without the field-by-field preparation a plain value needs none of."""
-    values = []
-    for field in Batch._meta.concrete_fields:
-        if field.primary_key:
-            continue
-        value = getattr(batch, field.attname)
-        if isinstance(field, models.DateTimeField):
-            value = connection.ops.adapt_datetimefield_value(value)
-        elif not isinstance(field, _PLAIN_FIELDS):
-            value = field.get_db_prep_save(field.pre_save(batch, True), connection)
-        values.append(value)
+    columns = _columns()
+    values = list(columns.values(batch))
+    for n in columns.datetimes:
+        values[n] = db_datetime(values[n], connection)
+    for n, field in columns.prepared:
+        values[n] = field.get_db_prep_save(field.pre_save(batch, True), connection)
     return values
 
 
@@ -287,6 +313,56 @@ def _first_statement_sql(connection: Any) -> str:
         )
 
     return _statement(connection, "first", 0, write)
+
+
+class _SQLiteCursor:
+    """The driver's own cursor, for the few statements of a send, when nothing
+    logs or wraps queries: what Django's wrapper adds around one of them (the
+    ``%s`` to ``?`` rewrite, the checks, the timing) costs more than SQLite
+    takes to insert a row. Errors are translated, and a broken transaction
+    refused, as Django's cursor does."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        connection.validate_thread_sharing()
+        self.cursor = connection.connection.cursor()
+
+    def __enter__(self) -> _SQLiteCursor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cursor.close()
+
+    def execute(self, sql: str, params: Sequence[Any]) -> None:
+        qmark = _QMARK.get(sql)
+        if qmark is None:
+            # The statements here hold no literal "%": every one is a placeholder.
+            qmark = sql.replace("%s", "?")
+            if len(_QMARK) < _KEPT_QMARK:
+                _QMARK[sql] = qmark
+        if self.connection.needs_rollback:
+            self.connection.validate_no_broken_transaction()
+        with self.connection.wrap_database_errors:
+            self.cursor.execute(qmark, params)
+
+    def fetchone(self) -> Any:
+        return self.cursor.fetchone()
+
+
+_QMARK: dict[str, str] = {}
+_KEPT_QMARK = 64
+
+
+def _cursor(connection: Any) -> Any:
+    """A cursor for a send's statements: Django's, unless SQLite's own will do."""
+    if (
+        connection.vendor != "sqlite"
+        or connection.queries_logged
+        or connection.execute_wrappers
+        or connection.connection is None
+    ):
+        return connection.cursor()
+    return _SQLiteCursor(connection)
 
 
 def sequence_of(ordering_key: str, inbox: str) -> str:

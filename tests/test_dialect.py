@@ -68,6 +68,21 @@ def test_a_datetime_written_raw_reads_back_as_the_same_aware_datetime() -> None:
     assert read_datetime(None) is None
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        MINUTE,
+        dt.datetime(2025, 1, 2, 3, 4, 5, 678, tzinfo=dt.UTC),
+        dt.datetime(2025, 6, 1, 23, 30, tzinfo=dt.timezone(dt.timedelta(hours=-5))),
+        dt.datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=dt.UTC),
+        None,
+    ],
+)
+def test_a_datetime_is_written_as_djangos_own_adapter_writes_it(value: dt.datetime | None) -> None:
+    connection = connection_for(None)
+    assert db_datetime(value, connection) == connection.ops.adapt_datetimefield_value(value)
+
+
 def test_sqlite_text_reads_as_utc() -> None:
     assert read_datetime("2025-01-02 03:04:00") == MINUTE
 

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime as dt
 import threading
 import tracemalloc
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import IntegrityError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -270,6 +271,21 @@ def test_a_fan_out_is_inserted_a_bounded_chunk_at_a_time(monkeypatch: Any) -> No
     insert = f'INSERT INTO "{Delivery._meta.db_table}"'
     assert sum(query["sql"].count(insert) for query in captured) == 3, "a statement a chunk"
     assert Delivery.objects.filter(batch=batch).count() == batch.size == 250
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("logged", [False, True], ids=["plain", "queries logged"])
+def test_a_statement_of_a_send_that_fails_raises_djangos_error_and_writes_nothing(
+    logged: bool,
+) -> None:
+    # The same inbox twice breaks the one-delivery-an-inbox constraint.
+    targets = [store.Queued("https://a.example/inbox", "a.example")] * 2
+    logging = CaptureQueriesContext(connection) if logged else contextlib.nullcontext()
+    with logging, pytest.raises(IntegrityError), transaction.atomic():
+        store.enqueue(a_batch(), targets)
+    assert not Batch.objects.exists() and not Delivery.objects.exists()
+    send(ALICE, NOTE, ["https://a.example/inbox"])
+    assert Delivery.objects.count() == 1, "the caller's transaction goes on"
 
 
 def peak_of_enqueue(count: int) -> int:
