@@ -29,9 +29,8 @@ from django_federation_delivery.jobs import Jobs
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
-from django_federation_delivery.retry import RetryPolicy, jitter
+from django_federation_delivery.retry import jitter
 from django_federation_delivery.settling import Settler, Summary, ask
-from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.webhooks.policy import WebhookPolicy
@@ -64,25 +63,25 @@ class Deliverer:
         metrics: bool = False,
         heartbeat: bool | Heartbeat = False,
     ) -> None:
-        get = app_settings.get
-        self.concurrency = max(1, int(concurrency or get("CONCURRENCY")))
-        self.per_host = max(1, int(per_host or get("PER_HOST")))
-        self.slow_after = float(get("SLOW_AFTER_SECONDS"))
-        self.slow_concurrency = max(0, int(get("SLOW_CONCURRENCY")))
-        self.claim_size = max(1, int(claim_size or get("CLAIM_SIZE")))
-        self.lease = float(lease or get("LEASE_SECONDS"))
+        settings = app_settings
+        self.concurrency = max(1, concurrency or settings.concurrency)
+        self.per_host = max(1, per_host or settings.per_host)
+        self.slow_after = settings.slow_after_seconds
+        self.slow_concurrency = max(0, settings.slow_concurrency)
+        self.claim_size = max(1, claim_size or settings.claim_size)
+        self.lease = float(lease or settings.lease_seconds)
         self.using = using
         self._stopping = threading.Event()
         #: Runs a query; None when the database was away (and waited out).
         self._db = Database(using, self._stopping, logger=logger)
-        self.idle_poll = float(get("IDLE_POLL_SECONDS"))
-        self.new_work_poll = float(get("NEW_WORK_POLL_SECONDS"))
-        self.error_length = int(get("ERROR_LENGTH"))
-        self.schemes = KnownSchemes(Scheme(get("FIRST_SCHEME")), self._db, using=using)
-        self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
-        self.skip_if = app_settings.callable_setting("SKIP_IF")
-        self.transport_settings = app_settings.transport_settings()
-        breaker_settings = app_settings.breaker_settings()
+        self.idle_poll = settings.idle_poll_seconds
+        self.new_work_poll = settings.new_work_poll_seconds
+        self.error_length = settings.error_length
+        self.schemes = KnownSchemes(settings.first_scheme, self._db, using=using)
+        self.is_permanent = settings.callable_setting("PERMANENT_STATUS") or permanent_status
+        self.skip_if = settings.callable_setting("SKIP_IF")
+        self.transport_settings = settings.transport_settings()
+        breaker_settings = settings.breaker_settings()
         self.breakers = (
             Breakers(breaker_settings, using=using) if breaker_settings is not None else None
         )
@@ -96,22 +95,14 @@ class Deliverer:
         self.heartbeat: Heartbeat | None = (
             heartbeat
             if isinstance(heartbeat, Heartbeat)
-            else Heartbeat(float(get("HEARTBEAT_SECONDS")), using=using)
+            else Heartbeat(settings.heartbeat_seconds, using=using)
             if heartbeat
             else None
         )
         self.on_progress = on_progress
         self.progress_interval = progress_interval
         self.summary = Summary()
-        self.settler = Settler(
-            policy=RetryPolicy.from_setting(get("RETRY")),
-            summary=self.summary,
-            wait_as_asked=bool(get("WAIT_AS_ASKED")),
-            retry_after_max=float(get("RETRY_AFTER_MAX")),
-            error_length=self.error_length,
-            sender_gone=app_settings.callable_setting("SENDER_GONE"),
-            permanent_if_gone=frozenset(int(s) for s in get("PERMANENT_IF_SENDER_GONE")),
-        )
+        self.settler = Settler.from_settings(self.summary)
         # Webhook deliveries: the same loop, with the seed dispatcher's rules.
         self.webhook_policy = WebhookPolicy.from_settings()
         self.webhook_settler = Settler(

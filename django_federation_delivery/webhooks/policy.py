@@ -61,10 +61,10 @@ class WebhookPolicy:
         if problems:
             raise ImproperlyConfigured(f"{SETTING}: {problems[0]}.")
         return cls(
-            schedule=tuple(float(wait) for wait in app_settings.get("WEBHOOK_RETRY")),
-            retry_after_max=float(app_settings.get("WEBHOOK_RETRY_AFTER_MAX")),
-            timeout=float(app_settings.get("WEBHOOK_TIMEOUT")),
-            body_length=int(app_settings.get("ERROR_LENGTH")),
+            schedule=app_settings.webhook_retry,
+            retry_after_max=app_settings.webhook_retry_after_max,
+            timeout=app_settings.webhook_timeout,
+            body_length=app_settings.error_length,
         )
 
 
