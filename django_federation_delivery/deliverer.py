@@ -15,16 +15,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections
+from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from django_federation_delivery import metrics, signals, store, wakeup
+from django_federation_delivery import signals, store, wakeup
 from django_federation_delivery.attempt import held, permanent_status
 from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.heartbeats import Heartbeat
-from django_federation_delivery.hosts import KnownSchemes, paused_hosts
+from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.jobs import Jobs
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.outages import Database
@@ -32,18 +32,12 @@ from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.retry import jitter
 from django_federation_delivery.settling import Settler, Summary, ask
 from django_federation_delivery.slots import Slots
+from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 from django_federation_delivery.workers import InFlight, Workers
 
 logger = logging.getLogger(__name__)
-
-#: How often the lag and open-breaker gauges are read from the database.
-GAUGES_EVERY = 5.0
-#: How often CONN_MAX_AGE and CONN_HEALTH_CHECKS are applied, as Django does
-#: between requests: not every round, which with the default CONN_MAX_AGE of
-#: 0 would be a new connection for each.
-RECYCLE_EVERY = 1.0
 
 
 class Deliverer:
@@ -85,11 +79,8 @@ class Deliverer:
         self.breakers = (
             Breakers(breaker_settings, using=using) if breaker_settings is not None else None
         )
-        self._paused: frozenset[str] = frozenset()
-        self._view_read = -1.0
         #: Whether to keep the queue's gauges (lag, open breakers) up to date.
         self.metrics = metrics
-        self._gauges_read = -1.0
         #: Whether it records a heartbeat (run_deliverer's do; see heartbeats.py),
         #: or the one it keeps up (a round's, carried from one round to the next).
         self.heartbeat: Heartbeat | None = (
@@ -135,9 +126,17 @@ class Deliverer:
         #: seconds late: one statement and one commit for all of them.
         self.outbox = Outbox(self._settle, size=max(1, self.concurrency))
         self._batches = KnownBatches(self._db, parse=self.skip_if is not None, using=using)
+        self.upkeep = Upkeep(
+            self._db,
+            using=using,
+            slots=self.slots,
+            summary=self.summary,
+            breakers=self.breakers,
+            heartbeat=self.heartbeat,
+            metrics=metrics,
+        )
         self._dry = False
         self._dry_since = 0.0
-        self._recycled = time.monotonic()
 
     # The public controls.
 
@@ -177,8 +176,8 @@ class Deliverer:
         try:
             self._db(self.webhooks.give_up_removed)
             while True:
-                self._recycle_connections()
-                self._refresh_view()
+                self.upkeep.recycle_connections()
+                self.upkeep.refresh()
                 self._collect()
                 # Workers first, the database after: a free slot is not kept
                 # waiting on a write.
@@ -263,7 +262,7 @@ class Deliverer:
                 step = min(step, self.heartbeat.until_due())
             if self._wake.wait(step):
                 break
-            self._beat()
+            self.upkeep.beat()
             if not listening and self._db(store.has_due, using=self.using) is True:
                 break
         self._wake.clear()
@@ -315,11 +314,7 @@ class Deliverer:
         claimed = known
         hosts = {row.host for row in claimed}
         self.schemes.read(hosts)
-        if hosts & self._paused:
-            # Not a second old, but a host may have been resumed since.
-            paused = self._db(paused_hosts, using=self.using)
-            if paused is not None:
-                self._paused = frozenset(paused)
+        paused = self.upkeep.paused_among(hosts)
         # Webhooks to a destination no longer configured: given up, with every
         # other pending event to it.
         removed = self.webhooks.removed(claimed)
@@ -342,7 +337,7 @@ class Deliverer:
             ):
                 self.outbox.add(self.settler.skipped(row, batch))
                 continue
-            if row.host in self._paused:
+            if row.host in paused:
                 self.outbox.add(self.settler.paused(row))
                 continue
             item = InFlight(claimed=row, batch=batch, job=self.jobs.make(row, batch))
@@ -438,43 +433,6 @@ class Deliverer:
                     due_at=timezone.now(),
                 )
             )
-
-    def _recycle_connections(self) -> None:
-        """Close a connection past CONN_MAX_AGE, or one that failed, and have
-        the next query check it first with CONN_HEALTH_CHECKS: one lost while
-        idle is replaced, not found broken by the next claim. A second stands
-        for a request: every round would reconnect at every claim with the
-        default CONN_MAX_AGE of 0."""
-        if time.monotonic() - self._recycled < RECYCLE_EVERY:
-            return
-        self._recycled = time.monotonic()
-        self._db(close_old_connections)
-
-    def _beat(self) -> None:
-        """Record the heartbeat when it is due: every HEARTBEAT_SECONDS, not every round."""
-        if self.heartbeat is not None and self.heartbeat.due():
-            self._db(
-                self.heartbeat.beat,
-                in_flight=len(self.slots.in_flight),
-                delivered=self.summary.delivered,
-            )
-
-    def _refresh_view(self) -> None:
-        """Re-read the breakers and the paused hosts, about once a second
-        (and the queue's gauges every few seconds, when metrics are served);
-        record the heartbeat every HEARTBEAT_SECONDS."""
-        self._beat()
-        if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
-            self._gauges_read = time.monotonic()
-            self._db(metrics.observe_queue, using=self.using)
-        if time.monotonic() - self._view_read < 1.0:
-            return
-        self._view_read = time.monotonic()
-        if self.breakers is not None:
-            self._db(self.breakers.refresh)
-        paused = self._db(paused_hosts, using=self.using)
-        if paused is not None:
-            self._paused = frozenset(paused)
 
     def _batches_finished(self, batches: list[Batch]) -> None:
         for batch in batches:
