@@ -19,9 +19,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
 from django_federation_delivery import signals, store, wakeup
-from django_federation_delivery.attempt import held, permanent_status
-from django_federation_delivery.batches import BatchInfo, KnownBatches
-from django_federation_delivery.breakers import Breakers, Decision
+from django_federation_delivery.attempt import permanent_status
+from django_federation_delivery.batches import KnownBatches
+from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes
@@ -30,12 +30,13 @@ from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.retry import jitter
-from django_federation_delivery.settling import Settler, Summary, ask
+from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.slots import Slots
+from django_federation_delivery.triage import Triage
 from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.webhooks.policy import WebhookPolicy
-from django_federation_delivery.workers import InFlight, Workers
+from django_federation_delivery.workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,19 @@ class Deliverer:
             breakers=self.breakers,
             heartbeat=self.heartbeat,
             metrics=metrics,
+        )
+        self.triage = Triage(
+            self._db,
+            batches=self._batches,
+            schemes=self.schemes,
+            upkeep=self.upkeep,
+            webhooks=self.webhooks,
+            jobs=self.jobs,
+            outbox=self.outbox,
+            settler=self.settler,
+            webhook_settler=self.webhook_settler,
+            breakers=self.breakers,
+            skip_if=self.skip_if,
         )
         self._dry = False
         self._dry_since = 0.0
@@ -308,46 +322,8 @@ class Deliverer:
             self._start(claimed)
 
     def _start(self, claimed: list[store.Claimed]) -> None:
-        known = self._batches.read(claimed)
-        if known is None:
-            return  # the claim's lease lapses and they come due again
-        claimed = known
-        hosts = {row.host for row in claimed}
-        self.schemes.read(hosts)
-        paused = self.upkeep.paused_among(hosts)
-        # Webhooks to a destination no longer configured: given up, with every
-        # other pending event to it.
-        removed = self.webhooks.removed(claimed)
-        if removed:
-            self._db(self.webhooks.give_up, removed)
-        now = timezone.now()
-        holding = self.slots.holding()
-        for row in claimed:
-            if row.id in holding or row.host in removed:
-                continue
-            batch = self._batches[row.batch_id]
-            if batch.deadline is not None and now >= batch.deadline:
-                error = "the batch's deadline passed before it was sent"
-                self.outbox.add(self.settler.unsent(row, batch, error))
-                continue
-            if (
-                self.skip_if is not None
-                and not batch.event_type
-                and ask("SKIP_IF", self.skip_if, row.inbox, batch.activity)
-            ):
-                self.outbox.add(self.settler.skipped(row, batch))
-                continue
-            if row.host in paused:
-                self.outbox.add(self.settler.paused(row))
-                continue
-            item = InFlight(claimed=row, batch=batch, job=self.jobs.make(row, batch))
-            if self.breakers is not None:
-                item.breaker = self.breakers.settings.key(row.host, row.inbox)
+        for item in self.triage.sort(claimed, holding=self.slots.holding()):
             self.slots.add(item)
-
-    def _settler(self, batch: BatchInfo) -> Settler:
-        """Webhook deliveries are retried and judged by the webhook policy."""
-        return self.webhook_settler if batch.event_type else self.settler
 
     def _collect(self) -> None:
         """Take in what came of the attempts that finished since the last look."""
@@ -357,7 +333,9 @@ class Deliverer:
             except queue.Empty:
                 break
             self.schemes.learn(item.claimed.host, result.accepted_scheme)
-            self.outbox.add(self._settler(item.batch).attempted(item.claimed, item.batch, result))
+            self.outbox.add(
+                self.triage.settler_for(item.batch).attempted(item.claimed, item.batch, result)
+            )
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
                     item.breaker,
@@ -398,27 +376,9 @@ class Deliverer:
         # that a worker that is done takes the next at once rather than
         # when this thread next gets to run.
         for item in self.slots.hand_out(
-            self._admitted, slow=slow, queued=self.concurrency, most=most
+            self.triage.admitted, slow=slow, queued=self.concurrency, most=most
         ):
             self.workers.put(item)
-
-    def _admitted(self, item: InFlight) -> bool:
-        """Whether the destination's breaker lets the delivery through now
-        (as the probe, perhaps); one it holds is settled as held."""
-        if self.breakers is None or not item.breaker:
-            return True
-        now = timezone.now()
-        admitted = self._db(self.breakers.admit, item.breaker, now)
-        decision, item.probe, hold_for = admitted or (Decision.HOLD, "", 5.0)
-        if decision is not Decision.HOLD:
-            return True
-        error = f"held: the circuit breaker for {item.breaker} is open"
-        self.outbox.add(
-            self._settler(item.batch).attempted(
-                item.claimed, item.batch, held(item.job, error, hold_for)
-            )
-        )
-        return False
 
     def _release_ready(self) -> None:
         """Stopping: put back what was claimed and not sent, due now, for
