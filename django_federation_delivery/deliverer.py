@@ -25,11 +25,11 @@ from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes
+from django_federation_delivery.intake import Intake
 from django_federation_delivery.jobs import Jobs
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
-from django_federation_delivery.retry import jitter
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.triage import Triage
@@ -149,8 +149,22 @@ class Deliverer:
             breakers=self.breakers,
             skip_if=self.skip_if,
         )
-        self._dry = False
-        self._dry_since = 0.0
+        self.intake = Intake(
+            self._db,
+            using=using,
+            slots=self.slots,
+            triage=self.triage,
+            upkeep=self.upkeep,
+            heartbeat=self.heartbeat,
+            wake=self._wake,
+            stopping=self._stopping,
+            concurrency=self.concurrency,
+            per_host=self.per_host,
+            claim_size=self.claim_size,
+            lease=self.lease,
+            idle_poll=self.idle_poll,
+            new_work_poll=self.new_work_poll,
+        )
 
     # The public controls.
 
@@ -205,10 +219,10 @@ class Deliverer:
                         if not self.outbox:
                             break
                 else:
-                    self._claim_more()
+                    self.intake.claim_more()
                     self._dispatch()
                 busy = self.slots.busy
-                if drain and not busy and self._dry and not self.outbox:
+                if drain and not busy and self.intake.dry and not self.outbox:
                     break
                 if self.on_progress is not None and time.monotonic() >= next_progress:
                     self.on_progress(self.summary)
@@ -216,10 +230,10 @@ class Deliverer:
                 if self.outbox and (not busy or self.outbox.due()):
                     self._write()  # a failing database is waited out in there
                     continue
-                if busy or not self._dry:
+                if busy or not self.intake.dry:
                     # Woken by the next result, when one in flight turns slow,
                     # or when what is unwritten is due to be written.
-                    self._wait(
+                    self.intake.wait(
                         min(
                             self.slots.until_next_slow(),
                             self.outbox.until_due(),
@@ -227,7 +241,7 @@ class Deliverer:
                         )
                     )
                 else:
-                    self._idle(listening=listener is not None)
+                    self.intake.idle(listening=listener is not None)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -248,83 +262,6 @@ class Deliverer:
 
     # The coordinator: claims, hands out, settles.
 
-    def _wait(self, timeout: float) -> None:
-        if self._wake.wait(timeout):
-            # A result, or new work queued: either may mean something is due.
-            self._dry = False
-        self._wake.clear()
-
-    def _idle(self, *, listening: bool) -> None:
-        """Sleep until the next due time or the idle poll, whichever is
-        sooner; a send wakes it, and without LISTEN so does a cheap look for
-        new work every ``NEW_WORK_POLL_SECONDS``."""
-        due = self._db(store.next_due, using=self.using)
-        sleep = jitter(self.idle_poll)
-        if due is not None:
-            sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
-        deadline = time.monotonic() + sleep
-        if not self._wake.is_set():
-            # Only when nothing has woken it already: what follows wakes it.
-            logger.debug("Nothing to do: idle for up to %.1f s", sleep)
-        while not self.stopping:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            step = left if listening else min(left, self.new_work_poll)
-            if self.heartbeat is not None:
-                # An idle deliverer is alive too.
-                step = min(step, self.heartbeat.until_due())
-            if self._wake.wait(step):
-                break
-            self.upkeep.beat()
-            if not listening and self._db(store.has_due, using=self.using) is True:
-                break
-        self._wake.clear()
-        self._dry = False
-
-    def _claim_more(self) -> None:
-        """Keep a few claimed deliveries ready for the next free slots,
-        claimed many at a time rather than one round trip a delivery."""
-        # Only what can go as soon as a slot is free counts as ready: a claimed
-        # delivery waiting for a host already at PER_HOST (a silent one, say)
-        # must not keep the others from being claimed.
-        if self.slots.sendable(max(1, self.concurrency // 2)):
-            return
-        if (
-            self._dry
-            and self.slots.busy
-            and time.monotonic() - self._dry_since < self.new_work_poll
-        ):
-            # Nothing more was due: the next result, a wake, or (for work
-            # queued by another process without NOTIFY) a moment says when to look.
-            return
-        saturated = self.slots.saturated_hosts()
-        limit = max(1, self.claim_size - len(self.slots.ready))
-        claimed = self._db(
-            store.claim,
-            limit,
-            self.lease,
-            per_host=self.per_host,
-            exclude_hosts=saturated,
-            using=self.using,
-        )
-        if claimed is None:
-            # The database is away (and was waited on in ``_db``): that says
-            # nothing about what is due, and a drain must not end on it.
-            self._dry = False
-            return
-        # Fewer than asked may only mean the hosts at the head of the queue
-        # had their share (a claim takes at most PER_HOST to one host); nothing
-        # at all means nothing more is due.
-        self._dry = not claimed
-        self._dry_since = time.monotonic()
-        if claimed:
-            self._start(claimed)
-
-    def _start(self, claimed: list[store.Claimed]) -> None:
-        for item in self.triage.sort(claimed, holding=self.slots.holding()):
-            self.slots.add(item)
-
     def _collect(self) -> None:
         """Take in what came of the attempts that finished since the last look."""
         while True:
@@ -344,7 +281,7 @@ class Deliverer:
                     now=timezone.now(),
                 )
             self.slots.take_back(item)
-            self._dry = False  # a retry may have come due since the last claim
+            self.intake.dry = False  # a retry may have come due since the last claim
             if self.outbox.full() and not self._db.failing:
                 # Never more unwritten than a write's worth: what a crash
                 # would send again is bounded by it.
