@@ -10,24 +10,23 @@ own. A slow or silent inbox holds one worker, never a batch.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 
 from django.db import DEFAULT_DB_ALIAS, connections
-from django.utils import timezone
 
 from django_federation_delivery import signals, store, wakeup
 from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.conf import app_settings
+from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.jobs import Jobs
-from django_federation_delivery.models import Batch, Status
+from django_federation_delivery.models import Batch
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.settling import Settler, Summary
@@ -165,6 +164,19 @@ class Deliverer:
             idle_poll=self.idle_poll,
             new_work_poll=self.new_work_poll,
         )
+        self.handoff = Handoff(
+            self._db,
+            workers=self.workers,
+            slots=self.slots,
+            triage=self.triage,
+            intake=self.intake,
+            outbox=self.outbox,
+            schemes=self.schemes,
+            breakers=self.breakers,
+            concurrency=self.concurrency,
+            slow_concurrency=self.slow_concurrency,
+            write=self._write,
+        )
 
     # The public controls.
 
@@ -206,21 +218,21 @@ class Deliverer:
             while True:
                 self.upkeep.recycle_connections()
                 self.upkeep.refresh()
-                self._collect()
+                self.handoff.collect()
                 # Workers first, the database after: a free slot is not kept
                 # waiting on a write.
-                self._dispatch()
+                self.handoff.dispatch()
                 if self.outbox.due():
                     self._write()
                 if self.stopping:
-                    self._release_ready()
+                    self.handoff.release_ready()
                     if not self.slots.in_flight:
                         self._write()
                         if not self.outbox:
                             break
                 else:
                     self.intake.claim_more()
-                    self._dispatch()
+                    self.handoff.dispatch()
                 busy = self.slots.busy
                 if drain and not busy and self.intake.dry and not self.outbox:
                     break
@@ -260,32 +272,7 @@ class Deliverer:
             self.on_progress(self.summary)
         return self.summary
 
-    # The coordinator: claims, hands out, settles.
-
-    def _collect(self) -> None:
-        """Take in what came of the attempts that finished since the last look."""
-        while True:
-            try:
-                item, result = self.workers.results.get_nowait()
-            except queue.Empty:
-                break
-            self.schemes.learn(item.claimed.host, result.accepted_scheme)
-            self.outbox.add(
-                self.triage.settler_for(item.batch).attempted(item.claimed, item.batch, result)
-            )
-            if self.breakers is not None and item.breaker and result.requests:
-                self.breakers.record(
-                    item.breaker,
-                    failed=not result.delivered and not result.permanent,
-                    probe=item.probe,
-                    now=timezone.now(),
-                )
-            self.slots.take_back(item)
-            self.intake.dry = False  # a retry may have come due since the last claim
-            if self.outbox.full() and not self._db.failing:
-                # Never more unwritten than a write's worth: what a crash
-                # would send again is bounded by it.
-                self._write()
+    # The coordinator's writes.
 
     def _settle(self, settlements: list[store.Settlement]) -> bool:
         """The outbox's write: whether the database took it."""
@@ -299,37 +286,6 @@ class Deliverer:
             if self.breakers is not None:
                 self._db(self.breakers.flush)
             self.schemes.write()
-
-    def _dispatch(self) -> None:
-        """Hand ready deliveries to the workers while there are free slots."""
-        most = self.concurrency + self.slow_concurrency
-        slow = self.slots.slow_count()
-        # A thread for each slow delivery beyond CONCURRENCY, for what is
-        # queued behind them.
-        self.workers.grow_to(min(most, self.concurrency + slow))
-        if not self.slots.ready:
-            return
-        # As many again as there are slots wait in the workers' queue, so
-        # that a worker that is done takes the next at once rather than
-        # when this thread next gets to run.
-        for item in self.slots.hand_out(
-            self.triage.admitted, slow=slow, queued=self.concurrency, most=most
-        ):
-            self.workers.put(item)
-
-    def _release_ready(self) -> None:
-        """Stopping: put back what was claimed and not sent, due now, for
-        another deliverer to take without waiting out the lease: what is
-        ready, and what waits in the workers' queue for one to be free."""
-        for item in self.slots.release(self.workers.take_queued()):
-            self.outbox.add(
-                store.Settlement(
-                    claimed=item.claimed,
-                    status=Status.PENDING,
-                    attempts=item.claimed.attempts,
-                    due_at=timezone.now(),
-                )
-            )
 
     def _batches_finished(self, batches: list[Batch]) -> None:
         for batch in batches:
