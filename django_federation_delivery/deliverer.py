@@ -127,7 +127,7 @@ class Deliverer:
         self.outbox = Outbox(self._settle, size=max(1, self.concurrency))
         self._batches = KnownBatches(self._db, parse=self.skip_if is not None, using=using)
         self.upkeep = Upkeep(
-            self._db,
+            db=self._db,
             using=using,
             slots=self.slots,
             summary=self.summary,
@@ -136,7 +136,7 @@ class Deliverer:
             metrics=metrics,
         )
         self.triage = Triage(
-            self._db,
+            db=self._db,
             batches=self._batches,
             schemes=self.schemes,
             upkeep=self.upkeep,
@@ -149,7 +149,7 @@ class Deliverer:
             skip_if=self.skip_if,
         )
         self.intake = Intake(
-            self._db,
+            db=self._db,
             using=using,
             slots=self.slots,
             triage=self.triage,
@@ -165,7 +165,7 @@ class Deliverer:
             new_work_poll=self.new_work_poll,
         )
         self.handoff = Handoff(
-            self._db,
+            db=self._db,
             workers=self.workers,
             slots=self.slots,
             triage=self.triage,

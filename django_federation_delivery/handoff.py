@@ -5,6 +5,7 @@ deliverer."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from collections.abc import Callable
 
@@ -24,36 +25,22 @@ from django_federation_delivery.workers import Workers
 __all__ = ["Handoff"]
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class Handoff:
     """One deliverer's exchange with its workers; ``write`` writes the
     outbox when it holds a write's worth."""
 
-    def __init__(
-        self,
-        db: Database,
-        *,
-        workers: Workers,
-        slots: Slots,
-        triage: Triage,
-        intake: Intake,
-        outbox: Outbox,
-        schemes: KnownSchemes,
-        breakers: Breakers | None,
-        concurrency: int,
-        slow_concurrency: int,
-        write: Callable[[], None],
-    ) -> None:
-        self._db = db
-        self.workers = workers
-        self.slots = slots
-        self.triage = triage
-        self.intake = intake
-        self.outbox = outbox
-        self.schemes = schemes
-        self.breakers = breakers
-        self.concurrency = concurrency
-        self.slow_concurrency = slow_concurrency
-        self.write = write
+    db: Database
+    workers: Workers
+    slots: Slots
+    triage: Triage
+    intake: Intake
+    outbox: Outbox
+    schemes: KnownSchemes
+    breakers: Breakers | None
+    concurrency: int
+    slow_concurrency: int
+    write: Callable[[], None]
 
     def dispatch(self) -> None:
         """Hand ready deliveries to the workers while there are free slots."""
@@ -92,7 +79,7 @@ class Handoff:
                 )
             self.slots.take_back(item)
             self.intake.dry = False  # a retry may have come due since the last claim
-            if self.outbox.full() and not self._db.failing:
+            if self.outbox.full() and not self.db.failing:
                 # Never more unwritten than a write's worth: what a crash
                 # would send again is bounded by it.
                 self.write()

@@ -4,6 +4,7 @@ waits for what comes next (a result, a send, or the next due time)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,44 +25,28 @@ __all__ = ["Intake"]
 logger = logging.getLogger("django_federation_delivery.deliverer")
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class Intake:
     """One deliverer's claims and waits. ``dry`` says that the last claim
     found nothing due: anything that may have changed that clears it."""
 
-    def __init__(
-        self,
-        db: Runner,
-        *,
-        using: str,
-        slots: Slots,
-        triage: Triage,
-        upkeep: Upkeep,
-        heartbeat: Heartbeat | None,
-        wake: threading.Event,
-        stopping: threading.Event,
-        concurrency: int,
-        per_host: int,
-        claim_size: int,
-        lease: float,
-        idle_poll: float,
-        new_work_poll: float,
-    ) -> None:
-        self._db = db
-        self.using = using
-        self.slots = slots
-        self.triage = triage
-        self.upkeep = upkeep
-        self.heartbeat = heartbeat
-        self.wake = wake
-        self.stopping = stopping
-        self.concurrency = concurrency
-        self.per_host = per_host
-        self.claim_size = claim_size
-        self.lease = lease
-        self.idle_poll = idle_poll
-        self.new_work_poll = new_work_poll
-        self.dry = False
-        self._dry_since = 0.0
+    db: Runner
+    using: str
+    slots: Slots
+    triage: Triage
+    upkeep: Upkeep
+    heartbeat: Heartbeat | None
+    #: Set by a result, a send or a stop: it ends a wait.
+    wake: threading.Event
+    stopping: threading.Event
+    concurrency: int
+    per_host: int
+    claim_size: int
+    lease: float
+    idle_poll: float
+    new_work_poll: float
+    dry: bool = dataclasses.field(default=False, init=False)
+    _dry_since: float = dataclasses.field(default=0.0, init=False)
 
     def claim_more(self) -> None:
         """Keep a few claimed deliveries ready for the next free slots,
@@ -77,7 +62,7 @@ class Intake:
             return
         saturated = self.slots.saturated_hosts()
         limit = max(1, self.claim_size - len(self.slots.ready))
-        claimed = self._db(
+        claimed = self.db(
             store.claim,
             limit,
             self.lease,
@@ -86,7 +71,7 @@ class Intake:
             using=self.using,
         )
         if claimed is None:
-            # The database is away (and was waited on in ``_db``): that says
+            # The database is away (and was waited on in ``db``): that says
             # nothing about what is due, and a drain must not end on it.
             self.dry = False
             return
@@ -109,7 +94,7 @@ class Intake:
         """Sleep until the next due time or the idle poll, whichever is
         sooner; a send wakes it, and without LISTEN so does a cheap look for
         new work every ``NEW_WORK_POLL_SECONDS``."""
-        due = self._db(store.next_due, using=self.using)
+        due = self.db(store.next_due, using=self.using)
         sleep = jitter(self.idle_poll)
         if due is not None:
             sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
@@ -128,7 +113,7 @@ class Intake:
             if self.wake.wait(step):
                 break
             self.upkeep.beat()
-            if not listening and self._db(store.has_due, using=self.using) is True:
+            if not listening and self.db(store.has_due, using=self.using) is True:
                 break
         self.wake.clear()
         self.dry = False

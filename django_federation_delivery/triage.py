@@ -9,6 +9,7 @@ is handed to a worker, the destination's circuit breaker may hold it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -30,36 +31,23 @@ from django_federation_delivery.workers import InFlight
 __all__ = ["Triage"]
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class Triage:
     """Sorts one deliverer's claimed deliveries, settling through ``outbox``
     those that are not to be sent."""
 
-    def __init__(
-        self,
-        db: Runner,
-        *,
-        batches: KnownBatches,
-        schemes: KnownSchemes,
-        upkeep: Upkeep,
-        webhooks: WebhookDeliveries,
-        jobs: Jobs,
-        outbox: Outbox,
-        settler: Settler,
-        webhook_settler: Settler,
-        breakers: Breakers | None,
-        skip_if: Callable[..., Any] | None,
-    ) -> None:
-        self._db = db
-        self.batches = batches
-        self.schemes = schemes
-        self.upkeep = upkeep
-        self.webhooks = webhooks
-        self.jobs = jobs
-        self.outbox = outbox
-        self.settler = settler
-        self.webhook_settler = webhook_settler
-        self.breakers = breakers
-        self.skip_if = skip_if
+    db: Runner
+    batches: KnownBatches
+    schemes: KnownSchemes
+    upkeep: Upkeep
+    webhooks: WebhookDeliveries
+    jobs: Jobs
+    outbox: Outbox
+    settler: Settler
+    webhook_settler: Settler
+    breakers: Breakers | None
+    #: SKIP_IF, when set.
+    skip_if: Callable[..., Any] | None
 
     def settler_for(self, batch: BatchInfo) -> Settler:
         """Webhook deliveries are retried and judged by the webhook policy."""
@@ -79,7 +67,7 @@ class Triage:
         # other pending event to it.
         removed = self.webhooks.removed(claimed)
         if removed:
-            self._db(self.webhooks.give_up, removed)
+            self.db(self.webhooks.give_up, removed)
         now = timezone.now()
         ready = []
         for row in claimed:
@@ -112,7 +100,7 @@ class Triage:
         if self.breakers is None or not item.breaker:
             return True
         now = timezone.now()
-        admitted = self._db(self.breakers.admit, item.breaker, now)
+        admitted = self.db(self.breakers.admit, item.breaker, now)
         decision, item.probe, hold_for = admitted or (Decision.HOLD, "", 5.0)
         if decision is not Decision.HOLD:
             return True

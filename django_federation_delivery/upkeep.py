@@ -7,6 +7,7 @@ paused hosts: each costs a query, so none is done every round.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -30,32 +31,24 @@ RECYCLE_EVERY = 1.0
 VIEW_EVERY = 1.0
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class Upkeep:
     """The coordinator's periodic chores, run through its ``db``."""
 
-    def __init__(
-        self,
-        db: Runner,
-        *,
-        using: str,
-        slots: Slots,
-        summary: Summary,
-        breakers: Breakers | None,
-        heartbeat: Heartbeat | None,
-        metrics: bool,
-    ) -> None:
-        self._db = db
-        self.using = using
-        self.slots = slots
-        self.summary = summary
-        self.breakers = breakers
-        self.heartbeat = heartbeat
-        self.metrics = metrics
-        #: The hosts an operator paused, as last read.
-        self.paused: frozenset[str] = frozenset()
-        self._view_read = -1.0
-        self._gauges_read = -1.0
-        self._recycled = time.monotonic()
+    #: Runs a query; None when the database was away.
+    db: Runner
+    using: str
+    slots: Slots
+    summary: Summary
+    breakers: Breakers | None
+    heartbeat: Heartbeat | None
+    #: Whether to keep the queue's gauges up to date.
+    metrics: bool
+    #: The hosts an operator paused, as last read.
+    paused: frozenset[str] = dataclasses.field(default=frozenset(), init=False)
+    _view_read: float = dataclasses.field(default=-1.0, init=False)
+    _gauges_read: float = dataclasses.field(default=-1.0, init=False)
+    _recycled: float = dataclasses.field(default_factory=time.monotonic, init=False)
 
     def recycle_connections(self) -> None:
         """Close a connection past CONN_MAX_AGE, or one that failed, and have
@@ -66,12 +59,12 @@ class Upkeep:
         if time.monotonic() - self._recycled < RECYCLE_EVERY:
             return
         self._recycled = time.monotonic()
-        self._db(close_old_connections)
+        self.db(close_old_connections)
 
     def beat(self) -> None:
         """Record the heartbeat when it is due: every HEARTBEAT_SECONDS, not every round."""
         if self.heartbeat is not None and self.heartbeat.due():
-            self._db(
+            self.db(
                 self.heartbeat.beat,
                 in_flight=len(self.slots.in_flight),
                 delivered=self.summary.delivered,
@@ -84,12 +77,12 @@ class Upkeep:
         self.beat()
         if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
             self._gauges_read = time.monotonic()
-            self._db(metrics.observe_queue, using=self.using)
+            self.db(metrics.observe_queue, using=self.using)
         if time.monotonic() - self._view_read < VIEW_EVERY:
             return
         self._view_read = time.monotonic()
         if self.breakers is not None:
-            self._db(self.breakers.refresh)
+            self.db(self.breakers.refresh)
         self._read_paused()
 
     def paused_among(self, hosts: Iterable[str]) -> frozenset[str]:
@@ -101,6 +94,6 @@ class Upkeep:
         return hosts & self.paused
 
     def _read_paused(self) -> None:
-        paused = self._db(paused_hosts, using=self.using)
+        paused = self.db(paused_hosts, using=self.using)
         if paused is not None:
             self.paused = frozenset(paused)
