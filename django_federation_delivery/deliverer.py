@@ -96,12 +96,7 @@ class Deliverer:
         self.settler = Settler.from_settings(self.summary)
         # Webhook deliveries: the same loop, with the seed dispatcher's rules.
         self.webhook_policy = WebhookPolicy.from_settings()
-        self.webhook_settler = Settler(
-            policy=self.webhook_policy.retry,
-            summary=self.summary,
-            retry_after_max=self.webhook_policy.retry_after_max,
-            error_length=self.webhook_policy.message_length,
-        )
+        self.webhook_settler = self.webhook_policy.settler(self.summary)
         self.webhooks = WebhookDeliveries(
             self.webhook_settler, using=using, on_finished=self._batches_finished
         )

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 
 from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
+
+if TYPE_CHECKING:
+    from django_federation_delivery.settling import Settler, Summary
 
 __all__ = ["WebhookPolicy", "is_refusal", "settings_problems"]
 
@@ -52,6 +55,17 @@ class WebhookPolicy:
     @property
     def message_length(self) -> int:
         return self.body_length + MESSAGE_ROOM
+
+    def settler(self, summary: Summary) -> Settler:
+        """The settler of webhook deliveries: retried and judged by this policy."""
+        from django_federation_delivery.settling import Settler
+
+        return Settler(
+            policy=self.retry,
+            summary=summary,
+            retry_after_max=self.retry_after_max,
+            error_length=self.message_length,
+        )
 
     @classmethod
     def from_settings(cls) -> WebhookPolicy:
