@@ -5,6 +5,12 @@ database: it claims due deliveries a few at a time, settles what came of
 them, and sends the signals. A pool of worker threads (``workers.py``) owns
 the sockets: each makes one attempt at a time with a pooled transport of its
 own. A slow or silent inbox holds one worker, never a batch.
+
+The coordinator's parts: ``intake.py`` claims and waits for work,
+``triage.py`` sorts what was claimed, ``handoff.py`` hands it to the workers
+and takes back what came of it, ``outbox.py`` writes that, and ``upkeep.py``
+keeps the connection, the heartbeat and the views of the breakers and the
+paused hosts up to date. The :class:`Deliverer` builds them and runs the loop.
 """
 
 from __future__ import annotations
@@ -57,25 +63,24 @@ class Deliverer:
         metrics: bool = False,
         heartbeat: bool | Heartbeat = False,
     ) -> None:
-        settings = app_settings
-        self.concurrency = max(1, concurrency or settings.concurrency)
-        self.per_host = max(1, per_host or settings.per_host)
-        self.slow_after = settings.slow_after_seconds
-        self.slow_concurrency = max(0, settings.slow_concurrency)
-        self.claim_size = max(1, claim_size or settings.claim_size)
-        self.lease = float(lease or settings.lease_seconds)
+        self.concurrency = max(1, concurrency or app_settings.concurrency)
+        self.per_host = max(1, per_host or app_settings.per_host)
+        self.slow_after = app_settings.slow_after_seconds
+        self.slow_concurrency = max(0, app_settings.slow_concurrency)
+        self.claim_size = max(1, claim_size or app_settings.claim_size)
+        self.lease = float(lease or app_settings.lease_seconds)
         self.using = using
         self._stopping = threading.Event()
         #: Runs a query; None when the database was away (and waited out).
         self._db = Database(using, self._stopping, logger=logger)
-        self.idle_poll = settings.idle_poll_seconds
-        self.new_work_poll = settings.new_work_poll_seconds
-        self.error_length = settings.error_length
-        self.schemes = KnownSchemes(settings.first_scheme, self._db, using=using)
-        self.is_permanent = settings.callable_setting("PERMANENT_STATUS") or permanent_status
-        self.skip_if = settings.callable_setting("SKIP_IF")
-        self.transport_settings = settings.transport_settings()
-        breaker_settings = settings.breaker_settings()
+        self.idle_poll = app_settings.idle_poll_seconds
+        self.new_work_poll = app_settings.new_work_poll_seconds
+        self.error_length = app_settings.error_length
+        self.schemes = KnownSchemes(app_settings.first_scheme, self._db, using=using)
+        self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
+        self.skip_if = app_settings.callable_setting("SKIP_IF")
+        self.transport_settings = app_settings.transport_settings()
+        breaker_settings = app_settings.breaker_settings()
         self.breakers = (
             Breakers(breaker_settings, using=using) if breaker_settings is not None else None
         )
@@ -86,7 +91,7 @@ class Deliverer:
         self.heartbeat: Heartbeat | None = (
             heartbeat
             if isinstance(heartbeat, Heartbeat)
-            else Heartbeat(settings.heartbeat_seconds, using=using)
+            else Heartbeat(app_settings.heartbeat_seconds, using=using)
             if heartbeat
             else None
         )
