@@ -60,12 +60,8 @@ class WebhookPolicy:
         """The settler of webhook deliveries: retried and judged by this policy."""
         from django_federation_delivery.settling import Settler
 
-        return Settler(
-            policy=self.retry,
-            summary=summary,
-            retry_after_max=self.retry_after_max,
-            error_length=self.message_length,
-        )
+        longest, length = self.retry_after_max, self.message_length
+        return Settler(self.retry, summary, retry_after_max=longest, error_length=length)
 
     @classmethod
     def from_settings(cls) -> WebhookPolicy:
