@@ -4,21 +4,25 @@ Every read goes through :data:`app_settings`, which looks at
 ``django.conf.settings`` each time, so ``override_settings`` works in tests.
 Misconfiguration is reported by the system checks in ``checks.py``; the
 accessors here raise ``ImproperlyConfigured`` naming the bad value when code
-uses one anyway.
+uses one anyway. Code reads a setting through its typed accessor
+(``app_settings.concurrency`` is an ``int``), converted in one place rather
+than cast at every use; ``get`` gives the raw value, as the checks want it.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_federation_delivery import __version__
+from django_federation_delivery.retry import RetryPolicy
+from django_federation_delivery.signatures import Scheme
 
 if TYPE_CHECKING:
     from django_federation_delivery.breakers import BreakerSettings
@@ -125,10 +129,83 @@ DEFAULTS: dict[str, Any] = {
 }
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+T = TypeVar("T")
+
+
+class Typed(Generic[T]):
+    """A setting read as one type: the attribute ``name`` reads ``NAME``,
+    converted by ``convert``. A value it cannot convert (one the system
+    checks would have reported) raises ``ImproperlyConfigured`` naming it."""
+
+    def __init__(self, convert: Callable[[Any], T]) -> None:
+        self.convert = convert
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name.upper()
+        if self.name not in DEFAULTS:
+            raise TypeError(f"{SETTING} has no setting {self.name!r}")
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> Typed[T]: ...
+
+    @overload
+    def __get__(self, instance: AppSettings, owner: type) -> T: ...
+
+    def __get__(self, instance: AppSettings | None, owner: type) -> Typed[T] | T:
+        if instance is None:
+            return self
+        value = instance.get(self.name)
+        try:
+            return self.convert(value)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(
+                f"{SETTING}[{self.name!r}] = {value!r:.200} cannot be used: {exc}. "
+                "Run manage.py check for what to write instead."
+            ) from exc
+
+
+def _statuses(values: Iterable[Any]) -> frozenset[int]:
+    return frozenset(int(value) for value in values)
+
+
+def _waits(values: Iterable[Any]) -> tuple[float, ...]:
+    return tuple(float(value) for value in values)
 
 
 class AppSettings:
     """``FEDERATION_DELIVERY`` with its defaults, looked up on every access."""
+
+    # Typed accessors, each named after its setting in lower case.
+    key_cache_seconds = Typed(float)
+    max_inboxes = Typed(int)
+    max_body_bytes = Typed(int)
+    permanent_if_sender_gone = Typed(_statuses)
+    retry = Typed(RetryPolicy.from_setting)
+    wait_as_asked = Typed(bool)
+    retry_after_max = Typed(float)
+    claim_size = Typed(int)
+    lease_seconds = Typed(float)
+    concurrency = Typed(int)
+    per_host = Typed(int)
+    slow_after_seconds = Typed(float)
+    slow_concurrency = Typed(int)
+    idle_poll_seconds = Typed(float)
+    new_work_poll_seconds = Typed(float)
+    heartbeat_seconds = Typed(float)
+    connect_timeout = Typed(float)
+    attempt_timeout = Typed(float)
+    max_answer_bytes = Typed(int)
+    error_length = Typed(int)
+    connections_per_host = Typed(int)
+    idle_connection_seconds = Typed(float)
+    max_idle_connections = Typed(int)
+    verify_tls = Typed(bool)
+    user_agent = Typed(str)
+    first_scheme = Typed(Scheme)
+    webhook_retry = Typed(_waits)
+    webhook_retry_after_max = Typed(float)
+    webhook_timeout = Typed(float)
 
     def _user(self) -> dict[str, Any]:
         value = getattr(settings, SETTING, {})
@@ -194,17 +271,16 @@ class AppSettings:
     def transport_settings(self) -> TransportSettings:
         from django_federation_delivery.transport import TransportSettings
 
-        get = self.get
         return TransportSettings(
-            user_agent=str(get("USER_AGENT")),
-            connect_timeout=float(get("CONNECT_TIMEOUT")),
-            attempt_timeout=float(get("ATTEMPT_TIMEOUT")),
-            max_answer_bytes=int(get("MAX_ANSWER_BYTES")),
+            user_agent=self.user_agent,
+            connect_timeout=self.connect_timeout,
+            attempt_timeout=self.attempt_timeout,
+            max_answer_bytes=self.max_answer_bytes,
             allowed_networks=self.allowed_networks(),
-            connections_per_host=int(get("CONNECTIONS_PER_HOST")),
-            idle_timeout=float(get("IDLE_CONNECTION_SECONDS")),
-            max_idle_connections=int(get("MAX_IDLE_CONNECTIONS")),
-            verify_tls=bool(get("VERIFY_TLS")),
+            connections_per_host=self.connections_per_host,
+            idle_timeout=self.idle_connection_seconds,
+            max_idle_connections=self.max_idle_connections,
+            verify_tls=self.verify_tls,
         )
 
     def breaker_settings(self) -> BreakerSettings | None:

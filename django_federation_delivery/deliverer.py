@@ -5,46 +5,45 @@ database: it claims due deliveries a few at a time, settles what came of
 them, and sends the signals. A pool of worker threads (``workers.py``) owns
 the sockets: each makes one attempt at a time with a pooled transport of its
 own. A slow or silent inbox holds one worker, never a batch.
+
+The coordinator's parts: ``intake.py`` claims and waits for work,
+``triage.py`` sorts what was claimed, ``handoff.py`` hands it to the workers
+and takes back what came of it, ``outbox.py`` writes that, and ``upkeep.py``
+keeps the connection, the heartbeat and the views of the breakers and the
+paused hosts up to date. The :class:`Deliverer` builds them and runs the loop.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 
-from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections
-from django.utils import timezone
+from django.db import DEFAULT_DB_ALIAS, connections
 
-from django_federation_delivery import metrics, signals, store, wakeup
-from django_federation_delivery.attempt import held, permanent_status
-from django_federation_delivery.batches import BatchInfo, KnownBatches
-from django_federation_delivery.breakers import Breakers, Decision
+from django_federation_delivery import signals, store, wakeup
+from django_federation_delivery.attempt import permanent_status
+from django_federation_delivery.batches import KnownBatches
+from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.conf import app_settings
+from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
-from django_federation_delivery.hosts import KnownSchemes, paused_hosts
+from django_federation_delivery.hosts import KnownSchemes
+from django_federation_delivery.intake import Intake
 from django_federation_delivery.jobs import Jobs
-from django_federation_delivery.models import Batch, Status
+from django_federation_delivery.models import Batch
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
-from django_federation_delivery.retry import RetryPolicy, jitter
-from django_federation_delivery.settling import Settler, Summary, ask
-from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.slots import Slots
+from django_federation_delivery.triage import Triage
+from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.webhooks.policy import WebhookPolicy
-from django_federation_delivery.workers import InFlight, Workers
+from django_federation_delivery.workers import Workers
 
 logger = logging.getLogger(__name__)
-
-#: How often the lag and open-breaker gauges are read from the database.
-GAUGES_EVERY = 5.0
-#: How often CONN_MAX_AGE and CONN_HEALTH_CHECKS are applied, as Django does
-#: between requests: not every round, which with the default CONN_MAX_AGE of
-#: 0 would be a new connection for each.
-RECYCLE_EVERY = 1.0
 
 
 class Deliverer:
@@ -64,21 +63,20 @@ class Deliverer:
         metrics: bool = False,
         heartbeat: bool | Heartbeat = False,
     ) -> None:
-        get = app_settings.get
-        self.concurrency = max(1, int(concurrency or get("CONCURRENCY")))
-        self.per_host = max(1, int(per_host or get("PER_HOST")))
-        self.slow_after = float(get("SLOW_AFTER_SECONDS"))
-        self.slow_concurrency = max(0, int(get("SLOW_CONCURRENCY")))
-        self.claim_size = max(1, int(claim_size or get("CLAIM_SIZE")))
-        self.lease = float(lease or get("LEASE_SECONDS"))
+        self.concurrency = max(1, concurrency or app_settings.concurrency)
+        self.per_host = max(1, per_host or app_settings.per_host)
+        self.slow_after = app_settings.slow_after_seconds
+        self.slow_concurrency = max(0, app_settings.slow_concurrency)
+        self.claim_size = max(1, claim_size or app_settings.claim_size)
+        self.lease = float(lease or app_settings.lease_seconds)
         self.using = using
         self._stopping = threading.Event()
         #: Runs a query; None when the database was away (and waited out).
         self._db = Database(using, self._stopping, logger=logger)
-        self.idle_poll = float(get("IDLE_POLL_SECONDS"))
-        self.new_work_poll = float(get("NEW_WORK_POLL_SECONDS"))
-        self.error_length = int(get("ERROR_LENGTH"))
-        self.schemes = KnownSchemes(Scheme(get("FIRST_SCHEME")), self._db, using=using)
+        self.idle_poll = app_settings.idle_poll_seconds
+        self.new_work_poll = app_settings.new_work_poll_seconds
+        self.error_length = app_settings.error_length
+        self.schemes = KnownSchemes(app_settings.first_scheme, self._db, using=using)
         self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
         self.skip_if = app_settings.callable_setting("SKIP_IF")
         self.transport_settings = app_settings.transport_settings()
@@ -86,40 +84,24 @@ class Deliverer:
         self.breakers = (
             Breakers(breaker_settings, using=using) if breaker_settings is not None else None
         )
-        self._paused: frozenset[str] = frozenset()
-        self._view_read = -1.0
         #: Whether to keep the queue's gauges (lag, open breakers) up to date.
         self.metrics = metrics
-        self._gauges_read = -1.0
         #: Whether it records a heartbeat (run_deliverer's do; see heartbeats.py),
         #: or the one it keeps up (a round's, carried from one round to the next).
         self.heartbeat: Heartbeat | None = (
             heartbeat
             if isinstance(heartbeat, Heartbeat)
-            else Heartbeat(float(get("HEARTBEAT_SECONDS")), using=using)
+            else Heartbeat(app_settings.heartbeat_seconds, using=using)
             if heartbeat
             else None
         )
         self.on_progress = on_progress
         self.progress_interval = progress_interval
         self.summary = Summary()
-        self.settler = Settler(
-            policy=RetryPolicy.from_setting(get("RETRY")),
-            summary=self.summary,
-            wait_as_asked=bool(get("WAIT_AS_ASKED")),
-            retry_after_max=float(get("RETRY_AFTER_MAX")),
-            error_length=self.error_length,
-            sender_gone=app_settings.callable_setting("SENDER_GONE"),
-            permanent_if_gone=frozenset(int(s) for s in get("PERMANENT_IF_SENDER_GONE")),
-        )
+        self.settler = Settler.from_settings(self.summary)
         # Webhook deliveries: the same loop, with the seed dispatcher's rules.
         self.webhook_policy = WebhookPolicy.from_settings()
-        self.webhook_settler = Settler(
-            policy=self.webhook_policy.retry,
-            summary=self.summary,
-            retry_after_max=self.webhook_policy.retry_after_max,
-            error_length=self.webhook_policy.message_length,
-        )
+        self.webhook_settler = self.webhook_policy.settler(self.summary)
         self.webhooks = WebhookDeliveries(
             self.webhook_settler, using=using, on_finished=self._batches_finished
         )
@@ -144,9 +126,57 @@ class Deliverer:
         #: seconds late: one statement and one commit for all of them.
         self.outbox = Outbox(self._settle, size=max(1, self.concurrency))
         self._batches = KnownBatches(self._db, parse=self.skip_if is not None, using=using)
-        self._dry = False
-        self._dry_since = 0.0
-        self._recycled = time.monotonic()
+        self.upkeep = Upkeep(
+            db=self._db,
+            using=using,
+            slots=self.slots,
+            summary=self.summary,
+            breakers=self.breakers,
+            heartbeat=self.heartbeat,
+            metrics=metrics,
+        )
+        self.triage = Triage(
+            db=self._db,
+            batches=self._batches,
+            schemes=self.schemes,
+            upkeep=self.upkeep,
+            webhooks=self.webhooks,
+            jobs=self.jobs,
+            outbox=self.outbox,
+            settler=self.settler,
+            webhook_settler=self.webhook_settler,
+            breakers=self.breakers,
+            skip_if=self.skip_if,
+        )
+        self.intake = Intake(
+            db=self._db,
+            using=using,
+            slots=self.slots,
+            triage=self.triage,
+            upkeep=self.upkeep,
+            heartbeat=self.heartbeat,
+            wake=self._wake,
+            stopping=self._stopping,
+            concurrency=self.concurrency,
+            per_host=self.per_host,
+            claim_size=self.claim_size,
+            lease=self.lease,
+            idle_poll=self.idle_poll,
+            new_work_poll=self.new_work_poll,
+        )
+        self.handoff = Handoff(
+            db=self._db,
+            workers=self.workers,
+            slots=self.slots,
+            triage=self.triage,
+            intake=self.intake,
+            outbox=self.outbox,
+            schemes=self.schemes,
+            breakers=self.breakers,
+            concurrency=self.concurrency,
+            slow_concurrency=self.slow_concurrency,
+            write=self._write,
+        )
 
     # The public controls.
 
@@ -186,25 +216,25 @@ class Deliverer:
         try:
             self._db(self.webhooks.give_up_removed)
             while True:
-                self._recycle_connections()
-                self._refresh_view()
-                self._collect()
+                self.upkeep.recycle_connections()
+                self.upkeep.refresh()
+                self.handoff.collect()
                 # Workers first, the database after: a free slot is not kept
                 # waiting on a write.
-                self._dispatch()
+                self.handoff.dispatch()
                 if self.outbox.due():
                     self._write()
                 if self.stopping:
-                    self._release_ready()
+                    self.handoff.release_ready()
                     if not self.slots.in_flight:
                         self._write()
                         if not self.outbox:
                             break
                 else:
-                    self._claim_more()
-                    self._dispatch()
+                    self.intake.claim_more()
+                    self.handoff.dispatch()
                 busy = self.slots.busy
-                if drain and not busy and self._dry and not self.outbox:
+                if drain and not busy and self.intake.dry and not self.outbox:
                     break
                 if self.on_progress is not None and time.monotonic() >= next_progress:
                     self.on_progress(self.summary)
@@ -212,10 +242,10 @@ class Deliverer:
                 if self.outbox and (not busy or self.outbox.due()):
                     self._write()  # a failing database is waited out in there
                     continue
-                if busy or not self._dry:
+                if busy or not self.intake.dry:
                     # Woken by the next result, when one in flight turns slow,
                     # or when what is unwritten is due to be written.
-                    self._wait(
+                    self.intake.wait(
                         min(
                             self.slots.until_next_slow(),
                             self.outbox.until_due(),
@@ -223,7 +253,7 @@ class Deliverer:
                         )
                     )
                 else:
-                    self._idle(listening=listener is not None)
+                    self.intake.idle(listening=listener is not None)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -242,149 +272,7 @@ class Deliverer:
             self.on_progress(self.summary)
         return self.summary
 
-    # The coordinator: claims, hands out, settles.
-
-    def _wait(self, timeout: float) -> None:
-        if self._wake.wait(timeout):
-            # A result, or new work queued: either may mean something is due.
-            self._dry = False
-        self._wake.clear()
-
-    def _idle(self, *, listening: bool) -> None:
-        """Sleep until the next due time or the idle poll, whichever is
-        sooner; a send wakes it, and without LISTEN so does a cheap look for
-        new work every ``NEW_WORK_POLL_SECONDS``."""
-        due = self._db(store.next_due, using=self.using)
-        sleep = jitter(self.idle_poll)
-        if due is not None:
-            sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
-        deadline = time.monotonic() + sleep
-        if not self._wake.is_set():
-            # Only when nothing has woken it already: what follows wakes it.
-            logger.debug("Nothing to do: idle for up to %.1f s", sleep)
-        while not self.stopping:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            step = left if listening else min(left, self.new_work_poll)
-            if self.heartbeat is not None:
-                # An idle deliverer is alive too.
-                step = min(step, self.heartbeat.until_due())
-            if self._wake.wait(step):
-                break
-            self._beat()
-            if not listening and self._db(store.has_due, using=self.using) is True:
-                break
-        self._wake.clear()
-        self._dry = False
-
-    def _claim_more(self) -> None:
-        """Keep a few claimed deliveries ready for the next free slots,
-        claimed many at a time rather than one round trip a delivery."""
-        # Only what can go as soon as a slot is free counts as ready: a claimed
-        # delivery waiting for a host already at PER_HOST (a silent one, say)
-        # must not keep the others from being claimed.
-        if self.slots.sendable(max(1, self.concurrency // 2)):
-            return
-        if (
-            self._dry
-            and self.slots.busy
-            and time.monotonic() - self._dry_since < self.new_work_poll
-        ):
-            # Nothing more was due: the next result, a wake, or (for work
-            # queued by another process without NOTIFY) a moment says when to look.
-            return
-        saturated = self.slots.saturated_hosts()
-        limit = max(1, self.claim_size - len(self.slots.ready))
-        claimed = self._db(
-            store.claim,
-            limit,
-            self.lease,
-            per_host=self.per_host,
-            exclude_hosts=saturated,
-            using=self.using,
-        )
-        if claimed is None:
-            # The database is away (and was waited on in ``_db``): that says
-            # nothing about what is due, and a drain must not end on it.
-            self._dry = False
-            return
-        # Fewer than asked may only mean the hosts at the head of the queue
-        # had their share (a claim takes at most PER_HOST to one host); nothing
-        # at all means nothing more is due.
-        self._dry = not claimed
-        self._dry_since = time.monotonic()
-        if claimed:
-            self._start(claimed)
-
-    def _start(self, claimed: list[store.Claimed]) -> None:
-        known = self._batches.read(claimed)
-        if known is None:
-            return  # the claim's lease lapses and they come due again
-        claimed = known
-        hosts = {row.host for row in claimed}
-        self.schemes.read(hosts)
-        if hosts & self._paused:
-            # Not a second old, but a host may have been resumed since.
-            paused = self._db(paused_hosts, using=self.using)
-            if paused is not None:
-                self._paused = frozenset(paused)
-        # Webhooks to a destination no longer configured: given up, with every
-        # other pending event to it.
-        removed = self.webhooks.removed(claimed)
-        if removed:
-            self._db(self.webhooks.give_up, removed)
-        now = timezone.now()
-        holding = self.slots.holding()
-        for row in claimed:
-            if row.id in holding or row.host in removed:
-                continue
-            batch = self._batches[row.batch_id]
-            if batch.deadline is not None and now >= batch.deadline:
-                error = "the batch's deadline passed before it was sent"
-                self.outbox.add(self.settler.unsent(row, batch, error))
-                continue
-            if (
-                self.skip_if is not None
-                and not batch.event_type
-                and ask("SKIP_IF", self.skip_if, row.inbox, batch.activity)
-            ):
-                self.outbox.add(self.settler.skipped(row, batch))
-                continue
-            if row.host in self._paused:
-                self.outbox.add(self.settler.paused(row))
-                continue
-            item = InFlight(claimed=row, batch=batch, job=self.jobs.make(row, batch))
-            if self.breakers is not None:
-                item.breaker = self.breakers.settings.key(row.host, row.inbox)
-            self.slots.add(item)
-
-    def _settler(self, batch: BatchInfo) -> Settler:
-        """Webhook deliveries are retried and judged by the webhook policy."""
-        return self.webhook_settler if batch.event_type else self.settler
-
-    def _collect(self) -> None:
-        """Take in what came of the attempts that finished since the last look."""
-        while True:
-            try:
-                item, result = self.workers.results.get_nowait()
-            except queue.Empty:
-                break
-            self.schemes.learn(item.claimed.host, result.accepted_scheme)
-            self.outbox.add(self._settler(item.batch).attempted(item.claimed, item.batch, result))
-            if self.breakers is not None and item.breaker and result.requests:
-                self.breakers.record(
-                    item.breaker,
-                    failed=not result.delivered and not result.permanent,
-                    probe=item.probe,
-                    now=timezone.now(),
-                )
-            self.slots.take_back(item)
-            self._dry = False  # a retry may have come due since the last claim
-            if self.outbox.full() and not self._db.failing:
-                # Never more unwritten than a write's worth: what a crash
-                # would send again is bounded by it.
-                self._write()
+    # The coordinator's writes.
 
     def _settle(self, settlements: list[store.Settlement]) -> bool:
         """The outbox's write: whether the database took it."""
@@ -398,92 +286,6 @@ class Deliverer:
             if self.breakers is not None:
                 self._db(self.breakers.flush)
             self.schemes.write()
-
-    def _dispatch(self) -> None:
-        """Hand ready deliveries to the workers while there are free slots."""
-        most = self.concurrency + self.slow_concurrency
-        slow = self.slots.slow_count()
-        # A thread for each slow delivery beyond CONCURRENCY, for what is
-        # queued behind them.
-        self.workers.grow_to(min(most, self.concurrency + slow))
-        if not self.slots.ready:
-            return
-        # As many again as there are slots wait in the workers' queue, so
-        # that a worker that is done takes the next at once rather than
-        # when this thread next gets to run.
-        for item in self.slots.hand_out(
-            self._admitted, slow=slow, queued=self.concurrency, most=most
-        ):
-            self.workers.put(item)
-
-    def _admitted(self, item: InFlight) -> bool:
-        """Whether the destination's breaker lets the delivery through now
-        (as the probe, perhaps); one it holds is settled as held."""
-        if self.breakers is None or not item.breaker:
-            return True
-        now = timezone.now()
-        admitted = self._db(self.breakers.admit, item.breaker, now)
-        decision, item.probe, hold_for = admitted or (Decision.HOLD, "", 5.0)
-        if decision is not Decision.HOLD:
-            return True
-        error = f"held: the circuit breaker for {item.breaker} is open"
-        self.outbox.add(
-            self._settler(item.batch).attempted(
-                item.claimed, item.batch, held(item.job, error, hold_for)
-            )
-        )
-        return False
-
-    def _release_ready(self) -> None:
-        """Stopping: put back what was claimed and not sent, due now, for
-        another deliverer to take without waiting out the lease: what is
-        ready, and what waits in the workers' queue for one to be free."""
-        for item in self.slots.release(self.workers.take_queued()):
-            self.outbox.add(
-                store.Settlement(
-                    claimed=item.claimed,
-                    status=Status.PENDING,
-                    attempts=item.claimed.attempts,
-                    due_at=timezone.now(),
-                )
-            )
-
-    def _recycle_connections(self) -> None:
-        """Close a connection past CONN_MAX_AGE, or one that failed, and have
-        the next query check it first with CONN_HEALTH_CHECKS: one lost while
-        idle is replaced, not found broken by the next claim. A second stands
-        for a request: every round would reconnect at every claim with the
-        default CONN_MAX_AGE of 0."""
-        if time.monotonic() - self._recycled < RECYCLE_EVERY:
-            return
-        self._recycled = time.monotonic()
-        self._db(close_old_connections)
-
-    def _beat(self) -> None:
-        """Record the heartbeat when it is due: every HEARTBEAT_SECONDS, not every round."""
-        if self.heartbeat is not None and self.heartbeat.due():
-            self._db(
-                self.heartbeat.beat,
-                in_flight=len(self.slots.in_flight),
-                delivered=self.summary.delivered,
-            )
-
-    def _refresh_view(self) -> None:
-        """Re-read the breakers and the paused hosts, about once a second
-        (and the queue's gauges every few seconds, when metrics are served);
-        record the heartbeat every HEARTBEAT_SECONDS."""
-        self._beat()
-        if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
-            self._gauges_read = time.monotonic()
-            self._db(metrics.observe_queue, using=self.using)
-        if time.monotonic() - self._view_read < 1.0:
-            return
-        self._view_read = time.monotonic()
-        if self.breakers is not None:
-            self._db(self.breakers.refresh)
-        paused = self._db(paused_hosts, using=self.using)
-        if paused is not None:
-            self._paused = frozenset(paused)
 
     def _batches_finished(self, batches: list[Batch]) -> None:
         for batch in batches:

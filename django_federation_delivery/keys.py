@@ -42,7 +42,7 @@ class KeyCache:
                 f"SENDER_KEYS returned {type(key).__name__} for {sender!r}; "
                 "it must return a SenderKey or None"
             )
-        ttl = float(app_settings.get("KEY_CACHE_SECONDS"))
+        ttl = app_settings.key_cache_seconds
         with self._lock:
             if len(self._keys) > 10_000:
                 self._keys.clear()

@@ -204,6 +204,21 @@ class Settler:
     sender_gone: Callable[[str], bool] | None = None
     permanent_if_gone: frozenset[int] = frozenset()
 
+    @classmethod
+    def from_settings(cls, summary: Summary) -> Settler:
+        """The settler of ActivityPub deliveries, as ``FEDERATION_DELIVERY`` says."""
+        from django_federation_delivery.conf import app_settings
+
+        return cls(
+            policy=app_settings.retry,
+            summary=summary,
+            wait_as_asked=app_settings.wait_as_asked,
+            retry_after_max=app_settings.retry_after_max,
+            error_length=app_settings.error_length,
+            sender_gone=app_settings.callable_setting("SENDER_GONE"),
+            permanent_if_gone=app_settings.permanent_if_sender_gone,
+        )
+
     def attempted(
         self, row: store.Claimed, batch: BatchInfo, result: AttemptResult
     ) -> store.Settlement:

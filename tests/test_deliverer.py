@@ -18,9 +18,10 @@ from django.utils import timezone
 
 from django_federation_delivery import BatchOptions, send, send_batch, signals, store
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
-from django_federation_delivery.deliverer import RECYCLE_EVERY, Deliverer
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.retry import LONGEST_WAIT
+from django_federation_delivery.upkeep import RECYCLE_EVERY
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE, BROKEN, rsa_key

@@ -106,9 +106,7 @@ def cluster_limit() -> float | None:
 def finish_seconds() -> float:
     """The longest a round takes to finish what is in flight once it stops
     claiming: the longest attempt, and a margin to write what came of it."""
-    longest = max(
-        float(app_settings.get("ATTEMPT_TIMEOUT")), float(app_settings.get("WEBHOOK_TIMEOUT"))
-    )
+    longest = max(app_settings.attempt_timeout, app_settings.webhook_timeout)
     return longest + FINISH_MARGIN
 
 
@@ -233,7 +231,7 @@ def _heartbeat(using: str) -> Heartbeat:
     heartbeat = _heartbeats.get(using)
     if heartbeat is None or heartbeat.pid != os.getpid():
         heartbeat = Heartbeat(
-            float(app_settings.get("HEARTBEAT_SECONDS")),
+            app_settings.heartbeat_seconds,
             using=using,
             alive_for=ROUND_PERIOD,
             kept=True,

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 
 from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
+
+if TYPE_CHECKING:
+    from django_federation_delivery.settling import Settler, Summary
 
 __all__ = ["WebhookPolicy", "is_refusal", "settings_problems"]
 
@@ -53,6 +56,13 @@ class WebhookPolicy:
     def message_length(self) -> int:
         return self.body_length + MESSAGE_ROOM
 
+    def settler(self, summary: Summary) -> Settler:
+        """The settler of webhook deliveries: retried and judged by this policy."""
+        from django_federation_delivery.settling import Settler
+
+        longest, length = self.retry_after_max, self.message_length
+        return Settler(self.retry, summary, retry_after_max=longest, error_length=length)
+
     @classmethod
     def from_settings(cls) -> WebhookPolicy:
         from django_federation_delivery.conf import SETTING, app_settings
@@ -61,10 +71,10 @@ class WebhookPolicy:
         if problems:
             raise ImproperlyConfigured(f"{SETTING}: {problems[0]}.")
         return cls(
-            schedule=tuple(float(wait) for wait in app_settings.get("WEBHOOK_RETRY")),
-            retry_after_max=float(app_settings.get("WEBHOOK_RETRY_AFTER_MAX")),
-            timeout=float(app_settings.get("WEBHOOK_TIMEOUT")),
-            body_length=int(app_settings.get("ERROR_LENGTH")),
+            schedule=app_settings.webhook_retry,
+            retry_after_max=app_settings.webhook_retry_after_max,
+            timeout=app_settings.webhook_timeout,
+            body_length=app_settings.error_length,
         )
 
 

@@ -1,0 +1,99 @@
+"""Where the coordinator and the workers meet: ready deliveries are handed
+out while slots are free, what came of each attempt is taken back and
+settled, and on stopping what was not sent is put back for another
+deliverer."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from collections.abc import Callable
+
+from django.utils import timezone
+
+from django_federation_delivery import store
+from django_federation_delivery.breakers import Breakers
+from django_federation_delivery.hosts import KnownSchemes
+from django_federation_delivery.intake import Intake
+from django_federation_delivery.models import Status
+from django_federation_delivery.outages import Database
+from django_federation_delivery.outbox import Outbox
+from django_federation_delivery.slots import Slots
+from django_federation_delivery.triage import Triage
+from django_federation_delivery.workers import Workers
+
+__all__ = ["Handoff"]
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Handoff:
+    """One deliverer's exchange with its workers; ``write`` writes the
+    outbox when it holds a write's worth."""
+
+    db: Database
+    workers: Workers
+    slots: Slots
+    triage: Triage
+    intake: Intake
+    outbox: Outbox
+    schemes: KnownSchemes
+    breakers: Breakers | None
+    concurrency: int
+    slow_concurrency: int
+    write: Callable[[], None]
+
+    def dispatch(self) -> None:
+        """Hand ready deliveries to the workers while there are free slots."""
+        most = self.concurrency + self.slow_concurrency
+        slow = self.slots.slow_count()
+        # A thread for each slow delivery beyond CONCURRENCY, for what is
+        # queued behind them.
+        self.workers.grow_to(min(most, self.concurrency + slow))
+        if not self.slots.ready:
+            return
+        # As many again as there are slots wait in the workers' queue, so
+        # that a worker that is done takes the next at once rather than
+        # when this thread next gets to run.
+        for item in self.slots.hand_out(
+            self.triage.admitted, slow=slow, queued=self.concurrency, most=most
+        ):
+            self.workers.put(item)
+
+    def collect(self) -> None:
+        """Take in what came of the attempts that finished since the last look."""
+        while True:
+            try:
+                item, result = self.workers.results.get_nowait()
+            except queue.Empty:
+                break
+            self.schemes.learn(item.claimed.host, result.accepted_scheme)
+            self.outbox.add(
+                self.triage.settler_for(item.batch).attempted(item.claimed, item.batch, result)
+            )
+            if self.breakers is not None and item.breaker and result.requests:
+                self.breakers.record(
+                    item.breaker,
+                    failed=not result.delivered and not result.permanent,
+                    probe=item.probe,
+                    now=timezone.now(),
+                )
+            self.slots.take_back(item)
+            self.intake.dry = False  # a retry may have come due since the last claim
+            if self.outbox.full() and not self.db.failing:
+                # Never more unwritten than a write's worth: what a crash
+                # would send again is bounded by it.
+                self.write()
+
+    def release_ready(self) -> None:
+        """Stopping: put back what was claimed and not sent, due now, for
+        another deliverer to take without waiting out the lease: what is
+        ready, and what waits in the workers' queue for one to be free."""
+        for item in self.slots.release(self.workers.take_queued()):
+            self.outbox.add(
+                store.Settlement(
+                    claimed=item.claimed,
+                    status=Status.PENDING,
+                    attempts=item.claimed.attempts,
+                    due_at=timezone.now(),
+                )
+            )

@@ -1,0 +1,119 @@
+"""How the loop takes work from the queue: it claims more when few claimed
+deliveries are ready to go, knows when nothing more is due, and otherwise
+waits for what comes next (a result, a send, or the next due time)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+from django.utils import timezone
+
+from django_federation_delivery import store
+from django_federation_delivery.heartbeats import Heartbeat
+from django_federation_delivery.outages import Runner
+from django_federation_delivery.retry import jitter
+from django_federation_delivery.slots import Slots
+from django_federation_delivery.triage import Triage
+from django_federation_delivery.upkeep import Upkeep
+
+__all__ = ["Intake"]
+
+# The loop's logger: where an operator looks for what the loop met.
+logger = logging.getLogger("django_federation_delivery.deliverer")
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Intake:
+    """One deliverer's claims and waits. ``dry`` says that the last claim
+    found nothing due: anything that may have changed that clears it."""
+
+    db: Runner
+    using: str
+    slots: Slots
+    triage: Triage
+    upkeep: Upkeep
+    heartbeat: Heartbeat | None
+    #: Set by a result, a send or a stop: it ends a wait.
+    wake: threading.Event
+    stopping: threading.Event
+    concurrency: int
+    per_host: int
+    claim_size: int
+    lease: float
+    idle_poll: float
+    new_work_poll: float
+    dry: bool = dataclasses.field(default=False, init=False)
+    _dry_since: float = dataclasses.field(default=0.0, init=False)
+
+    def claim_more(self) -> None:
+        """Keep a few claimed deliveries ready for the next free slots,
+        claimed many at a time rather than one round trip a delivery."""
+        # Only what can go as soon as a slot is free counts as ready: a claimed
+        # delivery waiting for a host already at PER_HOST (a silent one, say)
+        # must not keep the others from being claimed.
+        if self.slots.sendable(max(1, self.concurrency // 2)):
+            return
+        if self.dry and self.slots.busy and time.monotonic() - self._dry_since < self.new_work_poll:
+            # Nothing more was due: the next result, a wake, or (for work
+            # queued by another process without NOTIFY) a moment says when to look.
+            return
+        saturated = self.slots.saturated_hosts()
+        limit = max(1, self.claim_size - len(self.slots.ready))
+        claimed = self.db(
+            store.claim,
+            limit,
+            self.lease,
+            per_host=self.per_host,
+            exclude_hosts=saturated,
+            using=self.using,
+        )
+        if claimed is None:
+            # The database is away (and was waited on in ``db``): that says
+            # nothing about what is due, and a drain must not end on it.
+            self.dry = False
+            return
+        # Fewer than asked may only mean the hosts at the head of the queue
+        # had their share (a claim takes at most PER_HOST to one host); nothing
+        # at all means nothing more is due.
+        self.dry = not claimed
+        self._dry_since = time.monotonic()
+        if claimed:
+            for item in self.triage.sort(claimed, holding=self.slots.holding()):
+                self.slots.add(item)
+
+    def wait(self, timeout: float) -> None:
+        if self.wake.wait(timeout):
+            # A result, or new work queued: either may mean something is due.
+            self.dry = False
+        self.wake.clear()
+
+    def idle(self, *, listening: bool) -> None:
+        """Sleep until the next due time or the idle poll, whichever is
+        sooner; a send wakes it, and without LISTEN so does a cheap look for
+        new work every ``NEW_WORK_POLL_SECONDS``."""
+        due = self.db(store.next_due, using=self.using)
+        sleep = jitter(self.idle_poll)
+        if due is not None:
+            sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
+        deadline = time.monotonic() + sleep
+        if not self.wake.is_set():
+            # Only when nothing has woken it already: what follows wakes it.
+            logger.debug("Nothing to do: idle for up to %.1f s", sleep)
+        while not self.stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            step = left if listening else min(left, self.new_work_poll)
+            if self.heartbeat is not None:
+                # An idle deliverer is alive too.
+                step = min(step, self.heartbeat.until_due())
+            if self.wake.wait(step):
+                break
+            self.upkeep.beat()
+            if not listening and self.db(store.has_due, using=self.using) is True:
+                break
+        self.wake.clear()
+        self.dry = False

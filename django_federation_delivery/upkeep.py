@@ -1,0 +1,99 @@
+"""What the loop keeps up between rounds, each at its own pace.
+
+Its database connection (recycled as Django does between requests), its
+heartbeat, the queue's gauges, and its view of the circuit breakers and the
+paused hosts: each costs a query, so none is done every round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+
+from django.db import close_old_connections
+
+from django_federation_delivery import metrics
+from django_federation_delivery.breakers import Breakers
+from django_federation_delivery.heartbeats import Heartbeat
+from django_federation_delivery.hosts import paused_hosts
+from django_federation_delivery.outages import Runner
+from django_federation_delivery.settling import Summary
+from django_federation_delivery.slots import Slots
+
+#: How often the lag and open-breaker gauges are read from the database.
+GAUGES_EVERY = 5.0
+#: How often CONN_MAX_AGE and CONN_HEALTH_CHECKS are applied, as Django does
+#: between requests: not every round, which with the default CONN_MAX_AGE of
+#: 0 would be a new connection for each.
+RECYCLE_EVERY = 1.0
+#: How often the breakers and the paused hosts are read again.
+VIEW_EVERY = 1.0
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Upkeep:
+    """The coordinator's periodic chores, run through its ``db``."""
+
+    #: Runs a query; None when the database was away.
+    db: Runner
+    using: str
+    slots: Slots
+    summary: Summary
+    breakers: Breakers | None
+    heartbeat: Heartbeat | None
+    #: Whether to keep the queue's gauges up to date.
+    metrics: bool
+    #: The hosts an operator paused, as last read.
+    paused: frozenset[str] = dataclasses.field(default=frozenset(), init=False)
+    _view_read: float = dataclasses.field(default=-1.0, init=False)
+    _gauges_read: float = dataclasses.field(default=-1.0, init=False)
+    _recycled: float = dataclasses.field(default_factory=time.monotonic, init=False)
+
+    def recycle_connections(self) -> None:
+        """Close a connection past CONN_MAX_AGE, or one that failed, and have
+        the next query check it first with CONN_HEALTH_CHECKS: one lost while
+        idle is replaced, not found broken by the next claim. A second stands
+        for a request: every round would reconnect at every claim with the
+        default CONN_MAX_AGE of 0."""
+        if time.monotonic() - self._recycled < RECYCLE_EVERY:
+            return
+        self._recycled = time.monotonic()
+        self.db(close_old_connections)
+
+    def beat(self) -> None:
+        """Record the heartbeat when it is due: every HEARTBEAT_SECONDS, not every round."""
+        if self.heartbeat is not None and self.heartbeat.due():
+            self.db(
+                self.heartbeat.beat,
+                in_flight=len(self.slots.in_flight),
+                delivered=self.summary.delivered,
+            )
+
+    def refresh(self) -> None:
+        """Re-read the breakers and the paused hosts, about once a second
+        (and the queue's gauges every few seconds, when metrics are served);
+        record the heartbeat every HEARTBEAT_SECONDS."""
+        self.beat()
+        if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
+            self._gauges_read = time.monotonic()
+            self.db(metrics.observe_queue, using=self.using)
+        if time.monotonic() - self._view_read < VIEW_EVERY:
+            return
+        self._view_read = time.monotonic()
+        if self.breakers is not None:
+            self.db(self.breakers.refresh)
+        self._read_paused()
+
+    def paused_among(self, hosts: Iterable[str]) -> frozenset[str]:
+        """Which of ``hosts`` are paused: read again when any seemed to be,
+        since, though the view is not a second old, one may have been resumed."""
+        hosts = frozenset(hosts)
+        if hosts & self.paused:
+            self._read_paused()
+        return hosts & self.paused
+
+    def _read_paused(self) -> None:
+        paused = self.db(paused_hosts, using=self.using)
+        if paused is not None:
+            self.paused = frozenset(paused)

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+
+from django_federation_delivery.hosts import pause_host, resume_host
+from django_federation_delivery.outages import Database
+from django_federation_delivery.settling import Summary
+from django_federation_delivery.slots import Slots
+from django_federation_delivery.upkeep import Upkeep
+
+pytestmark = pytest.mark.django_db
+
+
+def upkeep() -> Upkeep:
+    return Upkeep(
+        db=Database("default", threading.Event(), logger=logging.getLogger(__name__)),
+        using="default",
+        slots=Slots(concurrency=2, per_host=1, slow_after=2.0),
+        summary=Summary(),
+        breakers=None,
+        heartbeat=None,
+        metrics=False,
+    )
+
+
+def test_the_paused_hosts_are_read_at_most_about_once_a_second(
+    django_assert_num_queries: Any,
+) -> None:
+    chores = upkeep()
+    pause_host("a.example")
+    with django_assert_num_queries(1):
+        chores.refresh()
+        chores.refresh()
+    assert chores.paused == {"a.example"}
+
+
+def test_claimed_hosts_are_looked_up_again_only_when_one_seemed_paused(
+    django_assert_num_queries: Any,
+) -> None:
+    chores = upkeep()
+    pause_host("a.example")
+    chores.refresh()
+    with django_assert_num_queries(0):
+        assert chores.paused_among({"b.example"}) == frozenset()
+    resume_host("a.example")
+    with django_assert_num_queries(1):
+        assert chores.paused_among({"a.example", "b.example"}) == frozenset()
+    assert chores.paused == frozenset()
