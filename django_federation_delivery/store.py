@@ -591,30 +591,54 @@ def _release_next(settled: Sequence[int], now: dt.datetime, using: str | None) -
         )
 
 
+#: Batches counted down by one statement at most (two parameters each).
+COUNT_DOWN_CHUNK = 400
+
+
 def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> list[Batch]:
     """Take the settled deliveries off their batches' counts; the batches
-    that reach nought are finished now, and returned."""
+    that reach nought are finished now, and returned.
+
+    One statement for every batch at once (a stream of one-inbox sends
+    settles as many batches as deliveries). On PostgreSQL the batches'
+    rows are locked first, in id order: deliverers counting down the same
+    batches at once then wait on each other rather than deadlock.
+    """
     if not leaving:
         return []
     connection = connection_for(using)
     table = quoted_table(Batch, connection)
+    finished_at = db_datetime(now, connection)
+    postgres = is_postgresql(connection)
+    cast = ("::bigint", "::integer") if postgres else ("", "")
     done: list[int] = []
+    items = sorted(leaving.items())
     with connection.cursor() as cursor:
-        for batch_id, count in sorted(leaving.items()):
+        for start in range(0, len(items), COUNT_DOWN_CHUNK):
+            chunk = items[start : start + COUNT_DOWN_CHUNK]
+            ids = [batch_id for batch_id, _ in chunk]
+            if postgres:
+                cursor.execute(
+                    f"SELECT id FROM {table} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [ids]
+                )
+            row = f"(%s{cast[0]}, %s{cast[1]})"
+            # Every right-hand side reads the row as it was: ``remaining``
+            # in finished_at's CASE is the count before this update.
             cursor.execute(
-                f"UPDATE {table} SET remaining = CASE WHEN remaining > %s "
-                "THEN remaining - %s ELSE 0 END WHERE id = %s AND finished_at IS NULL "
-                "RETURNING remaining",
-                [count, count, batch_id],
+                f"WITH v(id, n) AS (VALUES {', '.join([row] * len(chunk))}) "
+                f"UPDATE {table} SET "
+                f"remaining = CASE WHEN {table}.remaining > v.n "
+                f"THEN {table}.remaining - v.n ELSE 0 END, "
+                f"finished_at = CASE WHEN {table}.remaining > v.n THEN NULL ELSE %s END "
+                f"FROM v WHERE {table}.id = v.id AND {table}.finished_at IS NULL "
+                f"RETURNING {table}.id, {table}.remaining",
+                [*(value for pair in chunk for value in pair), finished_at],
             )
-            row = cursor.fetchone()
-            if row is not None and row[0] == 0:
-                done.append(batch_id)
+            done += [batch_id for batch_id, remaining in cursor.fetchall() if remaining == 0]
     if not done:
         return []
-    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS).order_by()
-    manager.filter(id__in=done).update(finished_at=now)
-    return list(manager.filter(id__in=done))
+    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS).order_by("id")
+    return list(manager.filter(id__in=sorted(done)))
 
 
 def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, Batch]:

@@ -107,6 +107,32 @@ def test_a_batch_finishes_when_its_last_delivery_leaves_the_queue() -> None:
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("batches", [5, 2 * store.COUNT_DOWN_CHUNK + 1])
+def test_many_batches_are_counted_down_in_one_statement_a_chunk(batches: int) -> None:
+    # A stream of one-inbox sends: each delivery settles a batch of its own.
+    # One of them also keeps a delivery pending, and is not finished.
+    made = [send(ALICE, NOTE, inboxes(1, f"h{n}.example")) for n in range(batches)]
+    unfinished = send(ALICE, NOTE, inboxes(2, "two.example"))
+    assert unfinished is not None
+    rows = store.claim(batches + 2, lease=300)
+    settling = [r for r in rows if r.inbox != inboxes(2, "two.example")[1]]
+    finished: list[Batch] = []
+    with CaptureQueriesContext(connection) as queries:
+        store.settle(
+            [store.Settlement(claimed=r, status=Status.DELIVERED, attempts=1) for r in settling],
+            on_finished=finished.extend,
+        )
+    assert sorted(b.id for b in finished) == sorted(b.id for b in made if b is not None)
+    countdowns = [q for q in queries.captured_queries if q["sql"].startswith("WITH v(id, n)")]
+    chunks = -(-(batches + 1) // store.COUNT_DOWN_CHUNK)
+    assert len(countdowns) == chunks
+    assert not Batch.objects.filter(finished_at__isnull=True).exclude(id=unfinished.id).exists()
+    assert Batch.objects.filter(remaining=0, finished_at__isnull=False).count() == batches
+    unfinished.refresh_from_db()
+    assert (unfinished.remaining, unfinished.finished_at) == (1, None)
+
+
+@pytest.mark.django_db
 def test_the_priority_lane_is_claimed_first_and_the_low_lane_last(settings: object) -> None:
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,  # type: ignore[attr-defined]
