@@ -418,6 +418,47 @@ class DelivererThread:
         return not self._thread.is_alive()
 
 
+# --- The bare pool's work ---------------------------------------------------------------------
+
+
+class BarePoster:
+    """What each thread of a bare pool does with a URL: sign ``body`` with
+    ``key`` (draft-cavage) and POST it over a transport of the thread's own,
+    the deliverer's workers' transport; True on a 2xx. Errors are kept in
+    :attr:`errors`; :meth:`close` closes every thread's transport."""
+
+    def __init__(self, body: bytes, digest: str, key: Any, settings: Any) -> None:
+        from django_federation_delivery.exceptions import TransportError
+        from django_federation_delivery.signatures import Scheme, sign_request
+        from django_federation_delivery.transport import Transport
+
+        self._error, self._sign, self._transport = TransportError, sign_request, Transport
+        self._scheme = Scheme.CAVAGE
+        self.body, self.digest, self.key, self.settings = body, digest, key, settings
+        self.transports: list[Any] = []
+        self.errors: list[str] = []
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def __call__(self, url: str) -> bool:
+        transport = getattr(self._local, "transport", None)
+        if transport is None:
+            transport = self._local.transport = self._transport(self.settings)
+            with self._lock:
+                self.transports.append(transport)
+        headers = self._sign(self._scheme, url=url, body_sha256=self.digest, key=self.key)
+        try:
+            answer = transport.post(url, self.body, headers)
+        except self._error as exc:
+            self.errors.append(str(exc))
+            return False
+        return bool(200 <= answer.status < 300)
+
+    def close(self) -> None:
+        for transport in self.transports:
+            transport.close()
+
+
 # --- Setting up Django on a fresh database ------------------------------------------------------
 
 

@@ -52,6 +52,7 @@ if not __package__:  # run as a script: benchmarks/ is on the path, the reposito
 from benchmarks.common import (
     FIRST_HOST,
     ROOT,
+    BarePoster,
     Sink,
     _die_with_parent,
     clear_all,
@@ -150,9 +151,6 @@ def pool_main() -> None:
     read from stdin, with the transport the deliverer's workers use."""
     config = setup_child()
     from django_federation_delivery.conf import app_settings
-    from django_federation_delivery.exceptions import TransportError
-    from django_federation_delivery.signatures import Scheme, sign_request
-    from django_federation_delivery.transport import Transport
     from tests.keys import sender_key
 
     key = sender_key(SENDER)
@@ -160,32 +158,14 @@ def pool_main() -> None:
     settings = app_settings.transport_settings()
     body = Path(config["body"]).read_bytes()
     digest = config["digest"]
-    local = threading.local()
-    transports: list[Transport] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def one(url: str) -> bool:
-        transport: Transport | None = getattr(local, "transport", None)
-        if transport is None:
-            transport = local.transport = Transport(settings)
-            with lock:
-                transports.append(transport)
-        headers = sign_request(Scheme.CAVAGE, url=url, body_sha256=digest, key=key)
-        try:
-            answer = transport.post(url, body, headers)
-        except TransportError as exc:
-            errors.append(str(exc))
-            return False
-        return 200 <= answer.status < 300
+    poster = BarePoster(body, digest, key, settings)
 
     print("ready", flush=True)
     with ThreadPoolExecutor(config["threads"], thread_name_prefix="bare-pool") as pool:
-        futures = [pool.submit(one, line.decode().strip()) for line in sys.stdin.buffer]
+        futures = [pool.submit(poster, line.decode().strip()) for line in sys.stdin.buffer]
     delivered = sum(future.result() for future in futures)
-    for transport in transports:
-        transport.close()
-    print(json.dumps({"delivered": delivered, "errors": errors[:3]}), flush=True)
+    poster.close()
+    print(json.dumps({"delivered": delivered, "errors": poster.errors[:3]}), flush=True)
 
 
 class SqlCounter:

@@ -48,6 +48,7 @@ if not __package__:  # run as a script: benchmarks/ is on the path, the reposito
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
+    BarePoster,
     Sink,
     clear_queue,
     delivered_rows,
@@ -133,33 +134,11 @@ def bare_pool(
     settings: TransportSettings,
     concurrency: int,
 ) -> tuple[int, str]:
-    from django_federation_delivery.exceptions import TransportError
-    from django_federation_delivery.signatures import Scheme, sign_request
-    from django_federation_delivery.transport import Transport
-
-    local = threading.local()
-    transports: list[Transport] = []
-    lock = threading.Lock()
-    errors: list[str] = []
-
-    def one(url: str) -> bool:
-        transport: Transport | None = getattr(local, "transport", None)
-        if transport is None:
-            transport = local.transport = Transport(settings)
-            with lock:
-                transports.append(transport)
-        headers = sign_request(Scheme.CAVAGE, url=url, body_sha256=digest, key=key)
-        try:
-            answer = transport.post(url, body, headers)
-        except TransportError as exc:
-            errors.append(str(exc))
-            return False
-        return 200 <= answer.status < 300
-
+    poster = BarePoster(body, digest, key, settings)
     with ThreadPoolExecutor(concurrency, thread_name_prefix="bare-pool") as pool:
-        delivered = sum(pool.map(one, urls))
-    for transport in transports:
-        transport.close()
+        delivered = sum(pool.map(poster, urls))
+    poster.close()
+    errors = poster.errors
     note = f"   errors: {len(errors)}, first: {errors[0]}" if errors else ""
     return delivered, note
 

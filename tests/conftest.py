@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -309,6 +310,21 @@ def start_deliverer() -> Iterator[Callable[..., RunningDeliverer]]:
     for runner in running:
         if runner.thread.is_alive():
             runner.stop()
+
+
+def assert_each_reached_once_but(
+    sinks: Iterable[Inbox], urls: Iterable[str], *, twice: int
+) -> None:
+    """Every one of ``urls`` reached its inbox among ``sinks``, once, but for
+    at most ``twice`` of them (those in flight when a process or the
+    database went away), each reached exactly twice."""
+    counts = collections.Counter(
+        f"http://{request.host}{request.path}" for sink in sinks for request in sink.received
+    )
+    assert set(counts) == set(urls), "every delivery reached its inbox"
+    repeated = [url for url, count in counts.items() if count > 1]
+    assert all(counts[url] == 2 for url in repeated), "none more than twice"
+    assert len(repeated) <= twice, f"only those in flight repeat: {len(repeated)} > {twice}"
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 20.0, step: float = 0.02) -> None:

@@ -451,6 +451,16 @@ def test_a_drain_does_not_end_while_the_database_is_away(
 LISTENING = "Listening for new deliveries"
 
 
+def poll_once_a_minute(settings: Any) -> None:
+    """A loop with nothing to do looks at the queue again only after a
+    minute: what it does sooner, something woke it for."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "IDLE_POLL_SECONDS": 60,
+        "NEW_WORK_POLL_SECONDS": 60,
+    }
+
+
 def wait_until_idle(caplog: pytest.LogCaptureFixture) -> None:
     """Until the loop sleeps with nothing to do, on PostgreSQL once LISTEN
     is in place (getting there wakes it, once)."""
@@ -473,11 +483,7 @@ def test_a_send_wakes_an_idle_deliverer_in_the_same_process_at_once(
     settings: Any,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "IDLE_POLL_SECONDS": 60,
-        "NEW_WORK_POLL_SECONDS": 60,
-    }
+    poll_once_a_minute(settings)
     caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
     runner = start_deliverer()
     wait_until_idle(caplog)  # for up to a minute
@@ -507,11 +513,7 @@ def test_a_connection_lost_while_idle_is_replaced_before_the_next_send(
     settings: Any,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "IDLE_POLL_SECONDS": 60,
-        "NEW_WORK_POLL_SECONDS": 60,
-    }
+    poll_once_a_minute(settings)
     caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
     opened: list[tuple[int, Any]] = []
 
@@ -678,11 +680,7 @@ def test_a_run_with_stop_after_stops_claiming_then_and_finishes_what_is_in_fligh
 
 
 def test_an_idle_run_with_stop_after_returns_then_not_at_the_idle_poll(settings: Any) -> None:
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "IDLE_POLL_SECONDS": 60,
-        "NEW_WORK_POLL_SECONDS": 60,
-    }
+    poll_once_a_minute(settings)
     started = time.monotonic()
     Deliverer().run(stop_after=0.3)
     took = time.monotonic() - started

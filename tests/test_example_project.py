@@ -54,14 +54,7 @@ def example_env(
         "PYTHONPATH": str(ROOT),
     }
     try:
-        migrate = subprocess.run(
-            [*EXAMPLE_MANAGE, "migrate", "--noinput", "-v0"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert migrate.returncode == 0, migrate.stderr
+        manage(env, "migrate", "--noinput", "-v0")
         yield env
     finally:
         if name:
@@ -69,14 +62,20 @@ def example_env(
                 cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def manage(env: dict[str, str], *args: str) -> str:
+    """The example project's ``manage.py`` with ``args``, which must succeed;
+    what it printed."""
+    done = subprocess.run(
+        [*EXAMPLE_MANAGE, *args], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def run(env: dict[str, str], code: str) -> Any:
     """``code`` run by ``manage.py shell`` in the example project; what it
     printed last, read as JSON."""
-    done = subprocess.run(
-        [*EXAMPLE_MANAGE, "shell", "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(manage(env, "shell", "-c", code).strip().splitlines()[-1])
 
 
 SIGNALS = """
@@ -227,15 +226,7 @@ print(json.dumps({{
 def test_the_demo_fills_the_remote_servers_table_from_a_real_fan_out(
     example_env: dict[str, str], tmp_path: Path
 ) -> None:
-    done = subprocess.run(
-        [*EXAMPLE_MANAGE, "demo", "--inboxes", "12"],
-        env=example_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
+    out = manage(example_env, "demo", "--inboxes", "12")
     assert "All " in out and "signatures and digests verified." in out
     table = out.split("as the project's signal receivers recorded them")[1].split("\n\n")[0]
     lines = {line.split()[0]: line.split() for line in table.splitlines()[2:] if line.strip()}
