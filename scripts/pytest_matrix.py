@@ -6,7 +6,9 @@ Each ENV is a tox environment already built (``tox run --notest``; inside
 tox, the running one). In each, the suite runs on SQLite and, if
 FD_POSTGRES_URL is set, on PostgreSQL: ``-m "not slow"``, and in SLOW_ENV the
 slow tests (subprocesses, Chromium) too, as runs of their own, so that the
-longest runs start first and no run waits for another. At most N runs go at
+longest runs start first and no run waits for another. On PostgreSQL, the
+tests that cannot reach a database, or test what no database changes, are
+left out: they ran on SQLite, and would run the same. At most N runs go at
 once (default 3, or FD_TEST_JOBS): they share nothing (each has a database
 of its own: see tests/settings.py) and mostly wait on sockets, subprocesses
 and timers, but the suite has timing assertions that a machine loaded far
@@ -34,6 +36,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright there only
 NO_TESTS_COLLECTED = 5
+SLOW_WORKERS = 3
+#: Which tests a database's runs leave out, having run them on SQLite: those
+#: that cannot reach a database (tests/conftest.py marks them no_database)
+#: and those of what no database changes (marked any_database by hand).
+ONLY = {"PostgreSQL": "not no_database and not any_database"}
 
 
 @dataclass
@@ -92,11 +99,16 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     runs = []
     # The longest first: the slow tests, then PostgreSQL, then SQLite.
     if SLOW_ENV in envs:
+        # They mostly wait (on subprocesses, leases, a browser): pytest-xdist
+        # runs a few at once, so that the longest runs are not the sum of them.
+        slow_args = ["-n", str(SLOW_WORKERS), *args]
         for database, environ in databases.items():
-            runs.append(Run(SLOW_ENV, database, "slow", interpreter(SLOW_ENV), environ, args))
+            marks = f"slow and {ONLY[database]}" if database in ONLY else "slow"
+            runs.append(Run(SLOW_ENV, database, marks, interpreter(SLOW_ENV), environ, slow_args))
     for database, environ in databases.items():
+        marks = f"not slow and {ONLY[database]}" if database in ONLY else "not slow"
         for env in envs:
-            runs.append(Run(env, database, "not slow", interpreter(env), environ, args))
+            runs.append(Run(env, database, marks, interpreter(env), environ, args))
     return runs
 
 

@@ -25,13 +25,51 @@ ROOT = Path(__file__).resolve().parent.parent
 (ROOT / "tests" / "var").mkdir(exist_ok=True)
 
 
+def selects(config: pytest.Config, *marks: str) -> bool:
+    """Whether the run's ``-m`` expression keeps a test marked with exactly
+    ``marks``."""
+    from _pytest.mark.expression import Expression
+
+    if not config.option.markexpr:
+        return True
+    expression = Expression.compile(config.option.markexpr)
+    return expression.evaluate(lambda name, **_: name in marks)
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    # Every browser test is slow: where those are deselected, Playwright need
-    # not be installed (tox.ini installs it only where they run), so the
-    # module is not even imported. Anywhere else, a missing one is an error.
-    if collection_path.name == "test_browser.py" and config.option.markexpr == "not slow":
+    # Every browser test is slow and any_database: where those are
+    # deselected, Playwright need not be installed (tox.ini installs it only
+    # where they run), so the module is not even imported. Anywhere else, a
+    # missing one is an error.
+    if collection_path.name == "test_browser.py" and not selects(config, "slow", "any_database"):
         return True
     return None
+
+
+#: What a test asks for to reach the database: one asking for none of them,
+#: and not marked django_db, cannot (pytest-django refuses it).
+DATABASE_FIXTURES = frozenset(
+    {
+        "db",
+        "transactional_db",
+        "django_db_reset_sequences",
+        "django_db_serialized_rollback",
+        "live_server",
+        # test_example_project.py: a database of its own, made on the same server.
+        "example_env",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Marked before -m selects: the runs on PostgreSQL leave out what never
+    # reaches a database, having run it on SQLite already.
+    for item in items:
+        if item.get_closest_marker("django_db") is None and DATABASE_FIXTURES.isdisjoint(
+            getattr(item, "fixturenames", ())
+        ):
+            item.add_marker(pytest.mark.no_database)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -48,9 +86,35 @@ def _sqlite_wal(sender: Any, connection: Any, **kwargs: Any) -> None:
             cursor.execute("PRAGMA synchronous=NORMAL")
 
 
-#: Sessions of an earlier test still on the test database when the next
-#: began, and what held up a test: shown at the end of the run.
-LEFT_OVER: list[str] = []
+class LeftOver:
+    """Sessions of an earlier test still on the test database when the next
+    began, and what held up a test: shown at the end of the run. Kept in a
+    file, so that the workers of a run split by pytest-xdist (``-n``) tell
+    the process that prints the summary."""
+
+    def __init__(self) -> None:
+        # Each worker's parent is the run's own process.
+        run = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+        self.path = ROOT / "tests" / "var" / f"left-over-{run}.txt"
+
+    def append(self, line: str) -> None:
+        with self.path.open("a") as out:
+            out.write(line.replace("\n", " ") + "\n")
+
+    def extend(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.append(line)
+
+    def take(self) -> list[str]:
+        try:
+            lines = self.path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        self.path.unlink(missing_ok=True)
+        return lines
+
+
+LEFT_OVER = LeftOver()
 
 
 @pytest.fixture(autouse=True)
@@ -129,9 +193,9 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if LEFT_OVER:
+    if lines := LEFT_OVER.take():
         terminalreporter.section("PostgreSQL sessions left over by a test, or holding one up")
-        for line in LEFT_OVER:
+        for line in lines:
             terminalreporter.write_line(line)
 
 

@@ -47,6 +47,8 @@ Q_CLUSTER = {
     "catch_up": False,
     "save_limit": 100,
     "log_level": "WARNING",
+    # A test's own cluster settings (tests/test_django_q.py).
+    **json.loads(os.environ.get("FD_Q_CLUSTER_JSON", "{}")),
 }
 
 # The admin's CSS, served by the live server of the browser tests.

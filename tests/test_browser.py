@@ -41,6 +41,8 @@ SCREENSHOTS = ROOT / "tests" / "var" / "screenshots"
 
 pytestmark = [
     pytest.mark.slow,
+    # What the pages show is tested on both databases without a browser.
+    pytest.mark.any_database,
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(
         CHROMIUM is None, reason="no Chromium: apt-get install chromium (scripts/test does)"

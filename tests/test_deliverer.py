@@ -579,16 +579,23 @@ def test_a_silent_server_holds_threads_not_the_slots_of_others(
         "SLOW_AFTER_SECONDS": 0.2,
         "SLOW_CONCURRENCY": 4,
     }
-    silent = inboxes("127.0.0.2", delay=4)
+    # Silent until the test has seen the rest delivered (or for 20 s, past the
+    # 15 s it waits for them, well within ATTEMPT_TIMEOUT).
+    answer = threading.Event()
+    silent = inboxes("127.0.0.2")
+    silent.respond = lambda request: (answer.wait(20), (202, {}, b""))[1]
     fast = inboxes("127.0.0.3")
     send(ALICE, NOTE, [silent.url(f"/{n}") for n in range(2)])
     runner = start_deliverer(concurrency=2, per_host=2)
     wait_until(lambda: len(silent.received) == 2)
     send(ALICE, NOTE, [fast.url(f"/{n}") for n in range(10)])
-    wait_until(lambda: len(fast.received) == 10, timeout=3)
-    assert Delivery.objects.filter(host="127.0.0.2", status=Status.PENDING).count() == 2, (
-        "all sent while the silent server still held its two"
-    )
+    try:
+        wait_until(lambda: len(fast.received) == 10, timeout=15)
+        assert Delivery.objects.filter(host="127.0.0.2", status=Status.PENDING).count() == 2, (
+            "all sent while the silent server still held its two"
+        )
+    finally:
+        answer.set()
     runner.stop()
 
 

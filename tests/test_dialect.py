@@ -19,6 +19,10 @@ from django_federation_delivery.dialect import (
 )
 from django_federation_delivery.models import DeliveryHistory
 
+# Each test here depends on which database the suite runs on, even one
+# that sends it no statement: so each runs on both (see tests/conftest.py).
+pytestmark = pytest.mark.django_db
+
 MINUTE = dt.datetime(2025, 1, 2, 3, 4, tzinfo=dt.UTC)
 
 
@@ -38,7 +42,6 @@ def upsert(delivered: int, failed: int) -> None:
         ]
 
 
-@pytest.mark.django_db
 def test_an_upsert_inserts_a_new_key_and_updates_only_what_it_says_of_an_existing_one() -> None:
     upsert(2, 1)
     upsert(3, 7)
@@ -54,7 +57,6 @@ def test_an_upsert_of_several_rows_has_a_placeholder_a_value() -> None:
     )
 
 
-@pytest.mark.django_db
 def test_a_datetime_written_raw_reads_back_as_the_same_aware_datetime() -> None:
     table = quoted_table(DeliveryHistory, connection)
     with connection.cursor() as cursor:
@@ -87,7 +89,6 @@ def test_sqlite_text_reads_as_utc() -> None:
     assert read_datetime("2025-01-02 03:04:00") == MINUTE
 
 
-@pytest.mark.django_db
 def test_a_statement_carries_no_more_rows_than_the_database_takes_parameters() -> None:
     rows = rows_per_statement(connection, most=500, per_row=5, constants=4)
     if connection.vendor == "sqlite":

@@ -189,6 +189,7 @@ print(json.dumps({{
     assert (found["stranger"], found["elsewhere"]) == ("None", "None")
 
 
+@pytest.mark.any_database
 def test_the_admin_shows_actors_keys_by_id_and_public_half_only(
     example_env: dict[str, str],
 ) -> None:

@@ -38,6 +38,8 @@ from .conftest import (
 from .keys import ALICE
 
 # The tests that start a deliverer process are marked slow; the rest run in-process.
+# Those of signals and supervision are marked any_database: CI runs them on
+# SQLite only, and the ones whose subject is the queue on both.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 #: The longest a test waits for what a fresh process does first (it imports
@@ -129,6 +131,7 @@ def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_sigterm_stops_claiming_finishes_what_is_in_flight_and_exits_0(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -150,6 +153,7 @@ def test_sigterm_stops_claiming_finishes_what_is_in_flight_and_exits_0(
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_a_second_signal_exits_at_once(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -263,6 +267,7 @@ def test_a_running_deliverer_logs_its_rates_and_counts(caplog: pytest.LogCapture
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_metrics_are_served_on_the_port_named(
     inbox: Inbox, processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -470,6 +475,7 @@ def test_two_processes_drain_a_fan_out_each_delivery_once_both_doing_part_of_it(
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_sigterm_to_the_supervisor_stops_both_children_and_exits_0_losing_nothing(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -498,6 +504,7 @@ def test_sigterm_to_the_supervisor_stops_both_children_and_exits_0_losing_nothin
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_a_child_killed_is_restarted_with_a_log_line_and_the_work_completes(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -527,6 +534,7 @@ def test_a_child_killed_is_restarted_with_a_log_line_and_the_work_completes(
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_a_second_signal_to_the_supervisor_kills_the_children_at_once(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -547,6 +555,7 @@ def test_a_second_signal_to_the_supervisor_kills_the_children_at_once(
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_children_stop_when_their_supervisor_is_killed(
     processes: Callable[..., subprocess.Popen[str]],
 ) -> None:
@@ -581,6 +590,7 @@ def free_ports(count: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_each_child_serves_its_metrics_on_the_port_after_the_last(
     processes: Callable[..., subprocess.Popen[str]],
 ) -> None:
@@ -599,6 +609,7 @@ def test_each_child_serves_its_metrics_on_the_port_after_the_last(
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_a_child_that_dies_at_once_every_time_is_given_up_with_a_clear_message(
     processes: Callable[..., subprocess.Popen[str]],
 ) -> None:
