@@ -17,7 +17,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery import portable, urls
+from django_federation_delivery import portable, redaction, urls
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane, SkippedInbox
@@ -243,7 +243,7 @@ def _portable_inboxes(
     skipped: list[SkippedInbox] = []
     for inbox in inboxes:
         if not isinstance(inbox, PortableInbox):
-            shown = urls.redact(inbox) if isinstance(inbox, str) else ""
+            shown = redaction.redact(inbox) if isinstance(inbox, str) else ""
             reason = f"is not a PortableInbox but {type(inbox).__name__}"
             skipped.append(SkippedInbox(shown, reason))
             continue
@@ -252,7 +252,7 @@ def _portable_inboxes(
             continue
         via = portable.targets(inbox)
         if not via:
-            skipped.append(SkippedInbox(urls.redact(name), "has no usable gateway"))
+            skipped.append(SkippedInbox(redaction.redact(name), "has no usable gateway"))
             continue
         # The first gateway stands for the host: per-host limits and breakers.
         queued[name] = queueing.Queued(name, host_of(via[0]), tuple(via))
