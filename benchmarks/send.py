@@ -153,14 +153,16 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
         return one
 
     def bare_sqlite() -> Callable[[], Timing]:
-        from django_federation_delivery import store
+        from django_federation_delivery.dialect import db_datetime
+        from django_federation_delivery.models import Status
+        from django_federation_delivery.store import queueing
 
         batch = send(ALICE, activity, small(1))
         assert batch is not None
-        batch_sql = store._batch_sql(connection).replace("%s", "?")
-        deliveries_sql = store._deliveries_sql(connection, 1, batch="%s").replace("%s", "?")
-        batch_values = store._batch_values(batch, connection)
-        due = store.db_datetime(batch.created_at, connection)
+        batch_sql = queueing._batch_sql(connection).replace("%s", "?")
+        deliveries_sql = queueing._deliveries_sql(connection, 1, batch="%s").replace("%s", "?")
+        batch_values = queueing._batch_values(batch, connection)
+        due = db_datetime(batch.created_at, connection)
         mode = connection.settings_dict["OPTIONS"].get("transaction_mode", "")
 
         def one() -> Timing:
@@ -175,7 +177,7 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
                     [
                         batch_id,
                         batch.lane,
-                        store.Status.PENDING.value,
+                        Status.PENDING.value,
                         due,
                         inbox,
                         host,

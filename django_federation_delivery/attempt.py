@@ -10,7 +10,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping
 
-from django_federation_delivery import urls
+from django_federation_delivery import redaction, urls
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
 from django_federation_delivery.transport import Answer, Transport, parse_retry_after
@@ -224,7 +224,7 @@ def failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> Attem
 def describe(answer: Answer, length: int, target: str = "") -> str:
     """ "the inbox answered 503: <the start of its body>", cut to ``length``, with the
     target's userinfo and query (which an inbox may echo) replaced."""
-    secrets = urls.credentials(target) if target else []
+    secrets = redaction.credentials(target) if target else []
     longest = max(map(len, secrets), default=0)
     window = answer.body[: (length + longest) * 4]
     text = window.decode("utf-8", "replace")

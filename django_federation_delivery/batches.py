@@ -9,9 +9,9 @@ import json
 import logging
 from typing import Any
 
-from django_federation_delivery import store
 from django_federation_delivery.models import Batch
 from django_federation_delivery.outages import Runner
+from django_federation_delivery.store import claims
 from django_federation_delivery.webhooks.rendering import Event
 
 __all__ = ["BatchInfo", "KnownBatches"]
@@ -97,7 +97,7 @@ class KnownBatches:
     def __getitem__(self, id: int) -> BatchInfo:
         return self._known[id]
 
-    def read(self, claimed: list[store.Claimed]) -> list[store.Claimed] | None:
+    def read(self, claimed: list[claims.Claimed]) -> list[claims.Claimed] | None:
         """Know the batch of each of ``claimed``. Returns those whose batch
         still exists, or None when the database was away: then the claim's
         lease lapses and they come due again."""
@@ -108,7 +108,7 @@ class KnownBatches:
         missing = {row.batch_id for row in claimed} - set(self._known)
         if not missing:
             return claimed
-        found = self._db(store.batches, missing, using=self.using)
+        found = self._db(claims.batches, missing, using=self.using)
         if found is None:
             return None
         self._known.update(

@@ -11,9 +11,10 @@ from collections.abc import Iterable
 
 from django.db.models import QuerySet
 
-from django_federation_delivery import breakers, hosts, signals, store
+from django_federation_delivery import breakers, hosts, signals
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.settling import failure
+from django_federation_delivery.store import settlements
 
 __all__ = ["give_up", "give_up_host", "pause_host", "requeue", "reset_breaker", "resume_host"]
 
@@ -52,7 +53,7 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
     failed = 0
     for start in range(0, len(ids), CHUNK):
         failed += len(
-            store.give_up_rows(
+            settlements.give_up_rows(
                 ids[start : start + CHUNK],
                 reason,
                 on_failing=lambda rows: _tell_failed(rows, reason),
@@ -62,7 +63,7 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
     return failed
 
 
-def _tell_failed(rows: list[store.GivenUp], reason: str) -> None:
+def _tell_failed(rows: list[settlements.GivenUp], reason: str) -> None:
     batches = {
         id: (sender, tag, event_type)
         for id, sender, tag, event_type in Batch.objects.filter(
@@ -89,7 +90,7 @@ def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
     their attempts so far are kept. Others are left alone. Returns how many."""
     ids = [delivery.id for delivery in deliveries]
     return sum(
-        store.requeue_rows(ids[start : start + CHUNK]) for start in range(0, len(ids), CHUNK)
+        settlements.requeue_rows(ids[start : start + CHUNK]) for start in range(0, len(ids), CHUNK)
     )
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from django_federation_delivery import signals, store, wakeup
+from django_federation_delivery import signals, wakeup
 from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
@@ -37,6 +37,7 @@ from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.slots import Slots
+from django_federation_delivery.store import settlements
 from django_federation_delivery.triage import Triage
 from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
@@ -274,10 +275,10 @@ class Deliverer:
 
     # The coordinator's writes.
 
-    def _settle(self, settlements: list[store.Settlement]) -> bool:
+    def _settle(self, outcomes: list[settlements.Settlement]) -> bool:
         """The outbox's write: whether the database took it."""
         written = self._db(
-            store.settle, settlements, on_finished=self._batches_finished, using=self.using
+            settlements.settle, outcomes, on_finished=self._batches_finished, using=self.using
         )
         return written is not None
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from django.utils import timezone
 
-from django_federation_delivery import store
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.intake import Intake
@@ -19,6 +18,7 @@ from django_federation_delivery.models import Status
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.slots import Slots
+from django_federation_delivery.store import settlements
 from django_federation_delivery.triage import Triage
 from django_federation_delivery.workers import Workers
 
@@ -90,7 +90,7 @@ class Handoff:
         ready, and what waits in the workers' queue for one to be free."""
         for item in self.slots.release(self.workers.take_queued()):
             self.outbox.add(
-                store.Settlement(
+                settlements.Settlement(
                     claimed=item.claimed,
                     status=Status.PENDING,
                     attempts=item.claimed.attempts,

@@ -11,11 +11,11 @@ import time
 
 from django.utils import timezone
 
-from django_federation_delivery import store
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.retry import jitter
 from django_federation_delivery.slots import Slots
+from django_federation_delivery.store import claims
 from django_federation_delivery.triage import Triage
 from django_federation_delivery.upkeep import Upkeep
 
@@ -63,7 +63,7 @@ class Intake:
         saturated = self.slots.saturated_hosts()
         limit = max(1, self.claim_size - len(self.slots.ready))
         claimed = self.db(
-            store.claim,
+            claims.claim,
             limit,
             self.lease,
             per_host=self.per_host,
@@ -94,7 +94,7 @@ class Intake:
         """Sleep until the next due time or the idle poll, whichever is
         sooner; a send wakes it, and without LISTEN so does a cheap look for
         new work every ``NEW_WORK_POLL_SECONDS``."""
-        due = self.db(store.next_due, using=self.using)
+        due = self.db(claims.next_due, using=self.using)
         sleep = jitter(self.idle_poll)
         if due is not None:
             sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
@@ -113,7 +113,7 @@ class Intake:
             if self.wake.wait(step):
                 break
             self.upkeep.beat()
-            if not listening and self.db(store.has_due, using=self.using) is True:
+            if not listening and self.db(claims.has_due, using=self.using) is True:
                 break
         self.wake.clear()
         self.dry = False

@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from django_federation_delivery import store
 from django_federation_delivery.attempt import Job
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.settling import ask
+from django_federation_delivery.store import claims
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 
 __all__ = ["Jobs"]
@@ -40,7 +40,7 @@ class Jobs:
         self.synchronization = synchronization
         self.keys = KeyCache()
 
-    def make(self, row: store.Claimed, batch: BatchInfo) -> Job:
+    def make(self, row: claims.Claimed, batch: BatchInfo) -> Job:
         """The job for ``row``, a claimed delivery of ``batch``."""
         if batch.event_type:
             return self.webhooks.job(row, batch)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from django_federation_delivery.store import Settlement
+from django_federation_delivery.store.settlements import Settlement
 
 __all__ = ["WRITE_WITHIN", "Outbox"]
 

@@ -35,7 +35,7 @@ from django_federation_delivery import history
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.dialect import connection_for, db_datetime, quoted_table
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
-from django_federation_delivery.store import CHUNK
+from django_federation_delivery.store.queueing import CHUNK
 from django_federation_delivery.urls import host_of
 
 logger = logging.getLogger(__name__)

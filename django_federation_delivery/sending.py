@@ -17,12 +17,13 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery import portable, store, urls
+from django_federation_delivery import portable, redaction, urls
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane, SkippedInbox
 from django_federation_delivery.portable import PortableInbox
 from django_federation_delivery.signatures import body_sha256
+from django_federation_delivery.store import queueing
 from django_federation_delivery.urls import host_of, normalize_inbox
 
 __all__ = [
@@ -143,7 +144,7 @@ def _queue(
             f"{len(targets)} inboxes is more than MAX_INBOXES ({most}) for one send"
         )
     with transaction.atomic(using=using):
-        batch = store.enqueue(
+        batch = queueing.enqueue(
             Batch(
                 sender=sender,
                 body=body,
@@ -216,7 +217,7 @@ def _body(activity: object) -> tuple[str, bytes]:
     return text, encoded
 
 
-def _inboxes(inboxes: Iterable[str]) -> tuple[list[store.Queued], list[SkippedInbox]]:
+def _inboxes(inboxes: Iterable[str]) -> tuple[list[queueing.Queued], list[SkippedInbox]]:
     if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
         raise InvalidDelivery(f"inboxes must be an iterable of URLs, not {inboxes!r:.200}")
     # Remote actors choose their inboxes: one that cannot be sent to is left
@@ -230,19 +231,19 @@ def _inboxes(inboxes: Iterable[str]) -> tuple[list[store.Queued], list[SkippedIn
             skipped.append(SkippedInbox(exc.redacted, exc.reason))
             continue
         unique.setdefault(url, host)
-    return [store.Queued(inbox, host) for inbox, host in unique.items()], skipped
+    return [queueing.Queued(inbox, host) for inbox, host in unique.items()], skipped
 
 
 def _portable_inboxes(
     inboxes: Iterable[PortableInbox],
-) -> tuple[list[store.Queued], list[SkippedInbox]]:
+) -> tuple[list[queueing.Queued], list[SkippedInbox]]:
     if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
         raise InvalidDelivery(f"inboxes must be an iterable of PortableInbox, not {inboxes!r:.200}")
-    queued: dict[str, store.Queued] = {}
+    queued: dict[str, queueing.Queued] = {}
     skipped: list[SkippedInbox] = []
     for inbox in inboxes:
         if not isinstance(inbox, PortableInbox):
-            shown = urls.redact(inbox) if isinstance(inbox, str) else ""
+            shown = redaction.redact(inbox) if isinstance(inbox, str) else ""
             reason = f"is not a PortableInbox but {type(inbox).__name__}"
             skipped.append(SkippedInbox(shown, reason))
             continue
@@ -251,10 +252,10 @@ def _portable_inboxes(
             continue
         via = portable.targets(inbox)
         if not via:
-            skipped.append(SkippedInbox(urls.redact(name), "has no usable gateway"))
+            skipped.append(SkippedInbox(redaction.redact(name), "has no usable gateway"))
             continue
         # The first gateway stands for the host: per-host limits and breakers.
-        queued[name] = store.Queued(name, host_of(via[0]), tuple(via))
+        queued[name] = queueing.Queued(name, host_of(via[0]), tuple(via))
     return list(queued.values()), skipped
 
 
@@ -359,12 +360,12 @@ def _lane(inboxes: int, low_priority: object) -> str:
     return Lane.NORMAL
 
 
-def _interleave_hosts(targets: list[store.Queued]) -> list[store.Queued]:
+def _interleave_hosts(targets: list[queueing.Queued]) -> list[queueing.Queued]:
     """Hosts taken in turn, so that the first claims of a fan-out spread over
     many hosts instead of queueing behind one: each host's first inbox in the
     order given, then each one's second, and so on."""
     turns: dict[str, int] = {}
-    rounds: list[list[store.Queued]] = []
+    rounds: list[list[queueing.Queued]] = []
     for target in targets:
         turn = turns[target.host] = turns.get(target.host, -1) + 1
         if turn == len(rounds):

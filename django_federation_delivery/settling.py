@@ -5,7 +5,8 @@ retry policy, the batch's deadline and max attempts, and the time. The
 coordinator asks a :class:`Settler` what to write for each delivery it is
 done with; the settler asks :func:`decide`, sends the signals (before
 anything is written, so that a crash in between sends them again), counts,
-and returns the :class:`~django_federation_delivery.store.Settlement` to write.
+and returns the
+:class:`~django_federation_delivery.store.settlements.Settlement` to write.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import Any, Protocol
 
 from django.utils import timezone
 
-from django_federation_delivery import metrics, signals, store
+from django_federation_delivery import metrics, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo as BatchInfo  # its home before
 from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy, wait_before_retry
 from django_federation_delivery.signals import Outcome
+from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.webhooks.destinations import destination_name
 
 logger = logging.getLogger(__name__)
@@ -220,8 +222,8 @@ class Settler:
         )
 
     def attempted(
-        self, row: store.Claimed, batch: BatchInfo, result: AttemptResult
-    ) -> store.Settlement:
+        self, row: claims.Claimed, batch: BatchInfo, result: AttemptResult
+    ) -> settlements.Settlement:
         """Decide what comes of an attempt, send the signals, and say what to write."""
         attempts = row.attempts + 1
         self.summary.attempts += 1
@@ -254,7 +256,7 @@ class Settler:
                 refused=outcome is Outcome.REFUSED,
             )
         self.summary.count(outcome)
-        return store.Settlement(
+        return settlements.Settlement(
             claimed=row,
             ordered=batch.ordered,
             status=WRITTEN[outcome],
@@ -272,7 +274,7 @@ class Settler:
         return bool(ask("SENDER_GONE", self.sender_gone, sender))
 
     def _signal_attempt(
-        self, row: store.Claimed, batch: BatchInfo, result: AttemptResult, outcome: Outcome
+        self, row: claims.Claimed, batch: BatchInfo, result: AttemptResult, outcome: Outcome
     ) -> None:
         metrics.record_attempt(outcome, result.duration)
         signals.send_safely(
@@ -292,7 +294,7 @@ class Settler:
         )
 
     def _settled_signal(
-        self, row: store.Claimed, batch: BatchInfo, outcome: Outcome, status: int | None
+        self, row: claims.Claimed, batch: BatchInfo, outcome: Outcome, status: int | None
     ) -> None:
         signals.send_safely(
             signals.delivery_settled,
@@ -311,7 +313,7 @@ class Settler:
 
     def _failed_signal(
         self,
-        row: store.Claimed,
+        row: claims.Claimed,
         batch: BatchInfo,
         status: int | None,
         error: str,
@@ -333,20 +335,20 @@ class Settler:
             ),
         )
 
-    def skipped(self, row: store.Claimed, batch: BatchInfo) -> store.Settlement:
+    def skipped(self, row: claims.Claimed, batch: BatchInfo) -> settlements.Settlement:
         """A delivery SKIP_IF dropped unsent."""
         self._settled_signal(row, batch, Outcome.SKIPPED, None)
         self.summary.count(Outcome.SKIPPED)
-        return store.Settlement(
+        return settlements.Settlement(
             claimed=row, status=Status.SKIPPED, attempts=row.attempts, ordered=batch.ordered
         )
 
-    def paused(self, row: store.Claimed) -> store.Settlement:
+    def paused(self, row: claims.Claimed) -> settlements.Settlement:
         """A paused host's delivery waits, unsent and not failed. Pausing took
         the due time of what was queued; this one (in flight then, or queued
         since) is looked at again shortly, as the host may be resumed by then."""
         self.summary.count(Outcome.HELD)
-        return store.Settlement(
+        return settlements.Settlement(
             claimed=row,
             status=Status.PENDING,
             attempts=row.attempts,
@@ -354,18 +356,18 @@ class Settler:
         )
 
     def abandoned(
-        self, row: store.Claimed, batch: BatchInfo, status: int | None, error: str
+        self, row: claims.Claimed, batch: BatchInfo, status: int | None, error: str
     ) -> None:
         """A delivery failed for good, unsent, by whoever writes it (a webhook
         destination no longer configured): its signal and its count."""
         self._failed_signal(row, batch, status, error, deadline=False, refused=False)
         self.summary.count(Outcome.FAILED)
 
-    def unsent(self, row: store.Claimed, batch: BatchInfo, error: str) -> store.Settlement:
+    def unsent(self, row: claims.Claimed, batch: BatchInfo, error: str) -> settlements.Settlement:
         """Given up before it was sent: the batch's deadline passed."""
         self._failed_signal(row, batch, None, error, deadline=True, refused=False)
         self.summary.count(Outcome.FAILED)
-        return store.Settlement(
+        return settlements.Settlement(
             claimed=row,
             ordered=batch.ordered,
             status=Status.FAILED,

@@ -15,7 +15,6 @@ from typing import Any
 
 from django.utils import timezone
 
-from django_federation_delivery import store
 from django_federation_delivery.attempt import held
 from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
@@ -24,6 +23,7 @@ from django_federation_delivery.jobs import Jobs
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.settling import Settler, ask
+from django_federation_delivery.store import claims
 from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.workers import InFlight
@@ -53,7 +53,7 @@ class Triage:
         """Webhook deliveries are retried and judged by the webhook policy."""
         return self.webhook_settler if batch.event_type else self.settler
 
-    def sort(self, claimed: list[store.Claimed], *, holding: set[int]) -> list[InFlight]:
+    def sort(self, claimed: list[claims.Claimed], *, holding: set[int]) -> list[InFlight]:
         """Those of ``claimed`` to send (none already ``holding``), each with
         its job; what comes of the others is in the outbox."""
         known = self.batches.read(claimed)

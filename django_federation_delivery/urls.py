@@ -1,4 +1,4 @@
-"""The one canonical form of a URL: parse, IDNA, quote once, host, origin, redaction.
+"""The one canonical form of a URL: parse, IDNA, quote once, host, origin.
 
 Inbox URLs come from remote actors' documents, so anyone chooses them. A URL is
 taken in one canonical form, or refused with a reason, never quietly mended:
@@ -16,11 +16,14 @@ import dataclasses
 import ipaddress
 import re
 import unicodedata
-from urllib.parse import quote, unquote, unquote_plus
+from urllib.parse import quote
 
 import idna
 
 from django_federation_delivery.exceptions import InvalidDelivery
+
+# redact and credentials have their own module; still importable from here.
+from django_federation_delivery.redaction import credentials, redact
 
 __all__ = [
     "MAX_HOST_LENGTH",
@@ -51,9 +54,6 @@ _ESCAPE = re.compile(r"(%[0-9A-Fa-f]{2})")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 _PORT = re.compile(r"[0-9]{1,5}")
 _ASCII_LABEL = re.compile(r"[a-z0-9_-]+")
-# What a message may show of a URL.
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?(//)?[^/]*@")
-_ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?[^/\\?#]*")
 # A URL already in canonical form, as nearly every inbox is: a lowercase ASCII
 # DNS name, a port that is not the default, a path and a query of characters
 # that need no encoding, no fragment. What else split() would change (a dot
@@ -63,16 +63,13 @@ _CANONICAL = re.compile(
     r"(/[A-Za-z0-9._~!$&'()*+,;=:@/-]*)(?:\?([A-Za-z0-9._~!$&'()*+,;=:@/?-]+))?"
 )
 _DOT_SEGMENT = re.compile(r"/\.\.?(?:/|$)")
-_MESSAGE_URL_LENGTH = 200
-# A part of a query or userinfo shorter than this ("a=1") is not worth hiding on its own.
-_PART_LENGTH = 4
 
 
 class UnusableURL(InvalidDelivery):
     """A URL refused, with what may be shown of it and why."""
 
     def __init__(self, url: object, reason: str, *, what: str = "URL") -> None:
-        #: The URL as a message may show it (see :func:`redact`); "" when not a string.
+        #: The URL as a message may show it (see :func:`~.redaction.redact`); "" when not a string.
         self.redacted = redact(url) if isinstance(url, str) else ""
         self.reason = reason
         shown = f" '{self.redacted}'" if isinstance(url, str) else ""
@@ -270,49 +267,6 @@ def encode_path(text: str) -> str:
 
 def encode_query(text: str) -> str:
     return encode(text, _QUERY_SAFE)
-
-
-def redact(url: str, *, whole_path: bool = False) -> str:
-    """The URL as a message may show it: no userinfo, query or fragment, one printable
-    line, short. With ``whole_path``, only ``scheme://host[:port]`` (for a URL whose
-    path is itself the credential). Never raises."""
-    text = str(url)
-    # Up to the last "@" before the path, "//" or not ("http:user:pw@host"), even when
-    # a "?" comes first: a password may hold one.
-    text = _USERINFO.sub(r"\1\2", text)
-    if whole_path:
-        matched = _ORIGIN_ONLY.match(text)
-        text = matched.group(0) if matched else ""
-    else:
-        text = re.split(r"[?#]", text, maxsplit=1)[0]
-    text = text[: _MESSAGE_URL_LENGTH + 1]
-    # Escaped as repr() escapes: one line, and nothing that prints as something else.
-    text = repr(text)[1:-1]
-    if len(text) > _MESSAGE_URL_LENGTH:
-        text = text[: _MESSAGE_URL_LENGTH - 3] + "..."
-    return text
-
-
-def credentials(url: str) -> list[str]:
-    """What of ``url`` no message may hold: its userinfo and query, whole and in parts
-    (user, password, each parameter and its value), as written and decoded; longest
-    first, so that replacing them in turn leaves no piece of a longer one."""
-    text = str(url)
-    found: set[str] = set()
-    matched = _USERINFO.match(text)
-    if matched:
-        userinfo = matched.group(0)[len(matched.group(1) or "") + len(matched.group(2) or "") : -1]
-        found.add(userinfo)
-        found.update(piece for piece in userinfo.split(":") if len(piece) >= _PART_LENGTH)
-        text = text[matched.end() :]
-    query = text.partition("#")[0].partition("?")[2]
-    if query:
-        found.add(query)
-        for parameter in re.split(r"[&;]", query):
-            value = parameter.partition("=")[2]
-            found.update(part for part in (parameter, value) if len(part) >= _PART_LENGTH)
-    decoded = {decode(secret) for secret in found for decode in (unquote, unquote_plus)}
-    return sorted((found | decoded) - {""}, key=lambda secret: (-len(secret), secret))
 
 
 def _is_control_or_space(char: str) -> bool:

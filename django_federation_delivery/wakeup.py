@@ -20,7 +20,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 logger = logging.getLogger(__name__)
 
-#: The PostgreSQL channel a send notifies (store.py) and a listener listens on.
+#: The PostgreSQL channel a send notifies (store/queueing.py) and a listener listens on.
 NOTIFY_CHANNEL = "federation_delivery"
 
 _waiters: weakref.WeakSet[threading.Event] = weakref.WeakSet()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from django_federation_delivery.attempt import AttemptResult, Job, attempt, crashed
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.store import Claimed
+from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.transport import Transport, TransportSettings
 from django_federation_delivery.webhooks.attempt import (
     WebhookJob,

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from django_federation_delivery import controls, send, signals, store
+from django_federation_delivery import controls, send, signals
 from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.store import settlements
 
 from .keys import ALICE
 
@@ -36,7 +37,7 @@ def test_give_up_tells_only_of_what_it_changed_not_of_what_was_settled_meanwhile
     batch = send(ALICE, NOTE, [f"https://a.example/u{n}" for n in range(3)])
     assert batch is not None
     first, *others = batch.deliveries.order_by("id")
-    give_up_rows = store.give_up_rows
+    give_up_rows = settlements.give_up_rows
 
     def delivered_meanwhile(ids: list[int], *args: Any, **kwargs: Any) -> list[int]:
         # A deliverer's outcome lands between the operator's look at what is
@@ -46,7 +47,7 @@ def test_give_up_tells_only_of_what_it_changed_not_of_what_was_settled_meanwhile
         )
         return give_up_rows(ids, *args, **kwargs)
 
-    monkeypatch.setattr(store, "give_up_rows", delivered_meanwhile)
+    monkeypatch.setattr(settlements, "give_up_rows", delivered_meanwhile)
     assert controls.give_up(Delivery.objects.filter(batch=batch)) == 2
     assert sorted(f.delivery_id for f in failures) == [row.pk for row in others]
     assert {(f.sender, f.error) for f in failures} == {(ALICE, "given up by an operator")}

@@ -16,11 +16,12 @@ from django.db import OperationalError, connection, connections
 from django.db.backends.signals import connection_created
 from django.utils import timezone
 
-from django_federation_delivery import BatchOptions, send, send_batch, signals, store
+from django_federation_delivery import BatchOptions, send, send_batch, signals
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.retry import LONGEST_WAIT
+from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.upkeep import RECYCLE_EVERY
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
@@ -393,7 +394,7 @@ def test_a_database_that_is_away_for_a_moment_is_waited_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     failures = {"claim": 2, "settle": 2}
-    real_claim, real_settle = store.claim, store.settle
+    real_claim, real_settle = claims.claim, settlements.settle
 
     def claim(*args: Any, **kwargs: Any) -> Any:
         if failures["claim"]:
@@ -407,8 +408,8 @@ def test_a_database_that_is_away_for_a_moment_is_waited_out(
             raise OperationalError("database is locked")
         return real_settle(*args, **kwargs)
 
-    monkeypatch.setattr(store, "claim", claim)
-    monkeypatch.setattr(store, "settle", settle)
+    monkeypatch.setattr(claims, "claim", claim)
+    monkeypatch.setattr(settlements, "settle", settle)
     batch = send(ALICE, NOTE, [inbox.url()])
     runner = start_deliverer()
     wait_until(settled(batch))
@@ -634,7 +635,7 @@ def test_a_batch_deleted_between_claim_and_read_is_dropped_and_the_loop_goes_on(
     doomed = send(ALICE, NOTE, [inbox.url("/doomed")])
     kept = send(ALICE, NOTE, [inbox.url("/kept")])
     assert doomed is not None and kept is not None
-    read_batches = store.batches
+    read_batches = claims.batches
 
     def deleted_meanwhile(ids: Any, **kwargs: Any) -> dict[int, Batch]:
         # An operator deletes the batch, its deliveries with it, just after
@@ -642,11 +643,11 @@ def test_a_batch_deleted_between_claim_and_read_is_dropped_and_the_loop_goes_on(
         Batch.objects.filter(pk=doomed.pk).delete()
         return read_batches(ids, **kwargs)
 
-    monkeypatch.setattr(store, "batches", deleted_meanwhile)
+    monkeypatch.setattr(claims, "batches", deleted_meanwhile)
     with caplog.at_level(logging.WARNING, logger="django_federation_delivery.deliverer"):
         runner = start_deliverer()
         wait_until(settled(kept))
-        monkeypatch.setattr(store, "batches", read_batches)
+        monkeypatch.setattr(claims, "batches", read_batches)
         after = send(ALICE, NOTE, [inbox.url("/after")])
         wait_until(settled(after))
         runner.stop()

@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from django_federation_delivery import send, send_batch, store
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
+from django_federation_delivery.store import queueing
 
 from .keys import ALICE
 
@@ -281,15 +282,15 @@ def a_batch() -> Batch:
 
 @pytest.mark.django_db
 def test_a_fan_out_is_inserted_a_bounded_chunk_at_a_time(monkeypatch: Any) -> None:
-    monkeypatch.setattr(store, "CHUNK", 100)
+    monkeypatch.setattr(queueing, "CHUNK", 100)
     sizes: list[int] = []
-    delivery_params = store._delivery_params
+    delivery_params = queueing._delivery_params
 
     def counting(connection: Any, batch: Batch, chunk: Any, *args: Any) -> Any:
         sizes.append(len(chunk))
         return delivery_params(connection, batch, chunk, *args)
 
-    monkeypatch.setattr(store, "_delivery_params", counting)
+    monkeypatch.setattr(queueing, "_delivery_params", counting)
     targets = [store.Queued(inbox, "a.example") for inbox in inboxes(250)]
     with transaction.atomic(), CaptureQueriesContext(connection) as captured:
         batch = store.enqueue(a_batch(), targets)
@@ -341,7 +342,7 @@ def test_a_delivery_to_a_paused_host_is_queued_with_no_due_time_in_every_chunk(
 ) -> None:
     from django_federation_delivery.controls import pause_host
 
-    monkeypatch.setattr(store, "CHUNK", 3)
+    monkeypatch.setattr(queueing, "CHUNK", 3)
     pause_host("paused.example")
     send(ALICE, NOTE, inboxes(4, "paused.example") + inboxes(4, "open.example"))
     held = Delivery.objects.filter(host="paused.example")

@@ -22,7 +22,8 @@ from django_federation_delivery.admin.base import (
 )
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
-from django_federation_delivery.urls import host_of, redact
+from django_federation_delivery.redaction import redact
+from django_federation_delivery.urls import host_of
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise

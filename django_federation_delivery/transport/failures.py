@@ -20,7 +20,7 @@ from django_federation_delivery.exceptions import (
     InvalidURL,
     TransportError,
 )
-from django_federation_delivery.urls import redact
+from django_federation_delivery.redaction import redact
 
 __all__ = ["Target", "check_url", "reason", "redact", "translate"]
 

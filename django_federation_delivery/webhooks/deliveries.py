@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable, Mapping
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 
-from django_federation_delivery import store
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.settling import Settler
 from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.webhooks.attempt import WebhookCall, WebhookJob
 from django_federation_delivery.webhooks.destinations import (
     KEY_PREFIX,
@@ -75,7 +75,7 @@ class WebhookDeliveries:
                 self._parsed[key] = str(exc)
         return self._parsed[key]
 
-    def job(self, row: store.Claimed, batch: BatchInfo) -> WebhookJob:
+    def job(self, row: claims.Claimed, batch: BatchInfo) -> WebhookJob:
         """The job for a claimed webhook delivery: the destination as configured
         now, and the event as queued."""
         name = destination_name(row.inbox)
@@ -100,7 +100,7 @@ class WebhookDeliveries:
             webhook=call,
         )
 
-    def removed(self, claimed: Iterable[store.Claimed]) -> set[str]:
+    def removed(self, claimed: Iterable[claims.Claimed]) -> set[str]:
         """The hosts (``webhook:<name>``) among ``claimed`` whose destination is
         no longer configured."""
         return {
@@ -136,7 +136,7 @@ class WebhookDeliveries:
             )
             for start in range(0, len(ids), CHUNK):
                 rows = list(manager.filter(id__in=ids[start : start + CHUNK]))
-                batches = store.batches({row.batch_id for row in rows}, using=self.using)
+                batches = claims.batches({row.batch_id for row in rows}, using=self.using)
                 for row in rows:
                     self.settler.abandoned(
                         _claimed(row),
@@ -145,7 +145,7 @@ class WebhookDeliveries:
                         reason,
                     )
                 failed += len(
-                    store.give_up_rows(
+                    settlements.give_up_rows(
                         [row.id for row in rows],
                         reason,
                         on_finished=self.on_finished,
@@ -155,9 +155,9 @@ class WebhookDeliveries:
         return failed
 
 
-def _claimed(row: Delivery) -> store.Claimed:
+def _claimed(row: Delivery) -> claims.Claimed:
     """A delivery as the settler's signals read it, held by nobody."""
-    return store.Claimed(
+    return claims.Claimed(
         id=row.id,
         batch_id=row.batch_id,
         inbox=row.inbox,

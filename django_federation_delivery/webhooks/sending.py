@@ -23,12 +23,12 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
-from django_federation_delivery import store
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.dialect import connection_for, is_postgresql
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch
 from django_federation_delivery.signatures import body_sha256
+from django_federation_delivery.store import queueing
 from django_federation_delivery.webhooks.destinations import delivery_key, parse_destination
 from django_federation_delivery.webhooks.rendering import Event
 
@@ -66,7 +66,7 @@ def send_webhook(
     alias = using or DEFAULT_DB_ALIAS
     with transaction.atomic(using=alias):
         _lock_sequences(names, alias)
-        return store.enqueue(
+        return queueing.enqueue(
             Batch(
                 sender="",
                 body=body,
@@ -76,7 +76,7 @@ def send_webhook(
                 event_type=event.type,
                 event_id=event.id,
             ),
-            [store.Queued(delivery_key(name), delivery_key(name)) for name in names],
+            [queueing.Queued(delivery_key(name), delivery_key(name)) for name in names],
             using=alias,
         )
 

@@ -1,0 +1,63 @@
+"""The queue's store: every query of the queue — enqueue, claim, settle, and
+what is due when. (Not ``queue``: the standard library has that name.)
+
+One module a concept:
+
+- ``queueing``: what a send writes, its batch and a delivery an inbox;
+- ``sequences``: ordered deliveries, which wait on the one before and are
+  released when it settles;
+- ``claims``: the claim and its lease, and what is due when;
+- ``settlements``: what leaving the queue writes (settled, given up, or
+  requeued), and each batch's count of deliveries remaining.
+
+What tells PostgreSQL from SQLite for every raw statement is in dialect.py;
+what each database is asked here differs only where it must.
+
+The names the commands and scripts call are re-exported here, so that
+``store.claim`` and the like stay where they were; the package's own
+modules import from each concept's module.
+"""
+
+from __future__ import annotations
+
+from django_federation_delivery.store.claims import (
+    CLAIM_ORDER,
+    Claimed,
+    batches,
+    claim,
+    count_due,
+    has_due,
+    next_due,
+)
+from django_federation_delivery.store.queueing import CHUNK, Queued, enqueue
+from django_federation_delivery.store.sequences import sequence_of
+from django_federation_delivery.store.settlements import (
+    COUNT_DOWN_CHUNK,
+    FINAL,
+    GivenUp,
+    Settlement,
+    give_up_rows,
+    requeue_rows,
+    settle,
+)
+
+__all__ = [
+    "CHUNK",
+    "CLAIM_ORDER",
+    "COUNT_DOWN_CHUNK",
+    "FINAL",
+    "Claimed",
+    "GivenUp",
+    "Queued",
+    "Settlement",
+    "batches",
+    "claim",
+    "count_due",
+    "enqueue",
+    "give_up_rows",
+    "has_due",
+    "next_due",
+    "requeue_rows",
+    "sequence_of",
+    "settle",
+]

@@ -1,0 +1,278 @@
+"""What a delivery's leaving the queue writes: a settlement of its attempt,
+its giving up, or its coming back on an operator's requeue; and its batch's
+count of deliveries remaining, which finishes the batch at nought.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from django_federation_delivery import history, wakeup
+from django_federation_delivery.dialect import (
+    connection_for,
+    db_datetime,
+    is_postgresql,
+    quoted_table,
+)
+from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.store.claims import Claimed
+from django_federation_delivery.store.sequences import release_next
+
+#: The statuses that take a delivery out of the queue.
+FINAL = frozenset({Status.DELIVERED, Status.REFUSED, Status.SKIPPED, Status.FAILED})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settlement:
+    """What to write for a claimed delivery once an attempt is over.
+
+    ``status`` pending with a ``due_at`` is a retry; any other status takes
+    the delivery out of the queue.
+    """
+
+    claimed: Claimed
+    status: Status
+    attempts: int
+    due_at: dt.datetime | None = None
+    last_status: int | None = None
+    last_error: str = ""
+    attempted_at: dt.datetime | None = None
+    #: Whether its batch has an ordering key, so that settling it may
+    #: release the next of its sequence.
+    ordered: bool = False
+    #: A pending one's attempt failed and is to be tried again: counted as
+    #: retried in the history (one held unsent by a breaker or a pause is not).
+    retried: bool = False
+
+
+def settle(
+    settlements: Sequence[Settlement],
+    *,
+    on_finished: Callable[[list[Batch]], None] | None = None,
+    using: str | None = None,
+) -> set[int]:
+    """Write the outcome of each settlement whose claim is still held, in one
+    statement.
+
+    Returns the ids written; a settlement whose lease lapsed and whose row
+    another process now holds is not written. Batches whose last pending
+    delivery this settles are stamped finished, and ``on_finished`` is called
+    with them inside the same transaction.
+    """
+    if not settlements:
+        return set()
+    connection = connection_for(using)
+    now = timezone.now()
+    settled_at = db_datetime(now, connection)
+    values: list[Any] = []
+    for item in settlements:
+        final = item.status in FINAL
+        values += [
+            item.claimed.id,
+            item.claimed.token,
+            str(item.status),
+            item.attempts,
+            None if final else db_datetime(item.due_at, connection),
+            item.last_status,
+            item.last_error,
+            db_datetime(item.attempted_at, connection),
+            settled_at if final else None,
+        ]
+    with transaction.atomic(using=using):
+        with connection.cursor() as cursor:
+            cursor.execute(_settle_sql(connection, len(settlements)), values)
+            written = {row[0] for row in cursor.fetchall()}
+        final_rows = [s for s in settlements if s.status in FINAL and s.claimed.id in written]
+        history.record(_history_of(settlements, written, now), using=using)
+        release_next([s.claimed.id for s in final_rows if s.ordered], now, using)
+        finished = _count_down(Counter(s.claimed.batch_id for s in final_rows), now, using)
+        if finished and on_finished is not None:
+            on_finished(finished)
+    return written
+
+
+#: The history's count of each status a settlement leaves a delivery in.
+_COUNTED = {
+    Status.DELIVERED: "delivered",
+    Status.REFUSED: "refused",
+    Status.FAILED: "failed",
+}
+
+
+def _history_of(
+    settlements: Sequence[Settlement], written: set[int], now: dt.datetime
+) -> dict[dt.datetime, dict[str, int]]:
+    """What the written settlements add to the history, in the minute of
+    each attempt (or of the write, for one given up unsent)."""
+    return history.counted(
+        (item.attempted_at or now, "retried" if item.retried else _COUNTED[item.status])
+        for item in settlements
+        if item.claimed.id in written and (item.retried or item.status in _COUNTED)
+    )
+
+
+def _settle_sql(connection: Any, rows: int) -> str:
+    table = quoted_table(Delivery, connection)
+    # PostgreSQL types a VALUES list by its values, and a column of NULLs
+    # would be text: say what each is.
+    casts = (
+        (
+            "::bigint",
+            "::varchar",
+            "::varchar",
+            "::integer",
+            "::timestamptz",
+            "::integer",
+            "::text",
+            "::timestamptz",
+            "::timestamptz",
+        )
+        if is_postgresql(connection)
+        else ("",) * 9
+    )
+    row = "(" + ", ".join(f"%s{cast}" for cast in casts) + ")"
+    return (
+        "WITH v(id, token, status, attempts, due_at, last_status, last_error, attempted_at, "
+        f"settled_at) AS (VALUES {', '.join([row] * rows)}) "
+        f"UPDATE {table} SET status = v.status, attempts = v.attempts, due_at = v.due_at, "
+        "lease_token = NULL, last_status = v.last_status, last_error = v.last_error, "
+        f"last_attempt_at = COALESCE(v.attempted_at, {table}.last_attempt_at), "
+        f"settled_at = v.settled_at FROM v WHERE {table}.id = v.id "
+        f"AND {table}.lease_token = v.token RETURNING {table}.id"
+    )
+
+
+#: Batches counted down by one statement at most (two parameters each).
+COUNT_DOWN_CHUNK = 400
+
+
+def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> list[Batch]:
+    """Take the settled deliveries off their batches' counts; the batches
+    that reach nought are finished now, and returned.
+
+    One statement for every batch at once (a stream of one-inbox sends
+    settles as many batches as deliveries). On PostgreSQL the batches'
+    rows are locked first, in id order: deliverers counting down the same
+    batches at once then wait on each other rather than deadlock.
+    """
+    if not leaving:
+        return []
+    connection = connection_for(using)
+    table = quoted_table(Batch, connection)
+    finished_at = db_datetime(now, connection)
+    postgres = is_postgresql(connection)
+    cast = ("::bigint", "::integer") if postgres else ("", "")
+    done: list[int] = []
+    items = sorted(leaving.items())
+    with connection.cursor() as cursor:
+        for start in range(0, len(items), COUNT_DOWN_CHUNK):
+            chunk = items[start : start + COUNT_DOWN_CHUNK]
+            ids = [batch_id for batch_id, _ in chunk]
+            if postgres:
+                cursor.execute(
+                    f"SELECT id FROM {table} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [ids]
+                )
+            row = f"(%s{cast[0]}, %s{cast[1]})"
+            # Every right-hand side reads the row as it was: ``remaining``
+            # in finished_at's CASE is the count before this update.
+            cursor.execute(
+                f"WITH v(id, n) AS (VALUES {', '.join([row] * len(chunk))}) "
+                f"UPDATE {table} SET "
+                f"remaining = CASE WHEN {table}.remaining > v.n "
+                f"THEN {table}.remaining - v.n ELSE 0 END, "
+                f"finished_at = CASE WHEN {table}.remaining > v.n THEN NULL ELSE %s END "
+                f"FROM v WHERE {table}.id = v.id AND {table}.finished_at IS NULL "
+                f"RETURNING {table}.id, {table}.remaining",
+                [*(value for pair in chunk for value in pair), finished_at],
+            )
+            done += [batch_id for batch_id, remaining in cursor.fetchall() if remaining == 0]
+    if not done:
+        return []
+    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS).order_by("id")
+    return list(manager.filter(id__in=sorted(done)))
+
+
+class GivenUp(NamedTuple):
+    """A delivery :func:`give_up_rows` failed: what its signal tells."""
+
+    id: int
+    batch_id: int
+    inbox: str
+    last_status: int | None
+
+
+def give_up_rows(
+    ids: Sequence[int],
+    reason: str,
+    *,
+    on_failing: Callable[[list[GivenUp]], None] | None = None,
+    on_finished: Callable[[list[Batch]], None] | None = None,
+    using: str | None = None,
+) -> list[int]:
+    """Fail pending deliveries for good, whoever holds them: a holder's late
+    outcome is fenced out, as its token is gone. Returns the ids failed.
+
+    ``on_failing`` is called with exactly the rows this changed, inside the
+    transaction, before it commits: a row another process settled in the
+    meantime is not among them, and a crash before the commit leaves the
+    rows pending, to be given up (and told about) again.
+    """
+    if not ids:
+        return []
+    alias = using or DEFAULT_DB_ALIAS
+    connection = connection_for(alias)
+    table = quoted_table(Delivery, connection)
+    now = timezone.now()
+    # One statement that both picks and changes the rows: what it returns is
+    # what it changed, whatever another process did a moment before.
+    sql = (
+        f"UPDATE {table} SET status = %s, due_at = NULL, lease_token = NULL, "
+        f"settled_at = %s, last_error = %s WHERE status = %s "
+        f"AND id IN ({', '.join(['%s'] * len(ids))}) "
+        "RETURNING id, batch_id, inbox, last_status"
+    )
+    params = [str(Status.FAILED), db_datetime(now, connection), reason, str(Status.PENDING)]
+    with transaction.atomic(using=alias):
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [*params, *ids])
+            rows = sorted(GivenUp(*row) for row in cursor.fetchall())
+        if rows and on_failing is not None:
+            on_failing(rows)
+        history.record({now: {"failed": len(rows)}}, using=alias)
+        failed = [row.id for row in rows]
+        release_next(failed, now, alias)
+        finished = _count_down(Counter(row.batch_id for row in rows), now, alias)
+        if finished and on_finished is not None:
+            on_finished(finished)
+    return failed
+
+
+def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
+    """Put settled deliveries back in the queue, due now; their attempts so far
+    are kept. Returns how many."""
+    alias = using or DEFAULT_DB_ALIAS
+    now = timezone.now()
+    manager = Delivery.objects.using(alias)
+    with transaction.atomic(using=alias):
+        rows = list(
+            manager.select_for_update()
+            .filter(id__in=list(ids), status__in=list(FINAL - {Status.DELIVERED}))
+            .values_list("id", "batch_id")
+        )
+        manager.filter(id__in=[id for id, _ in rows]).update(
+            status=Status.PENDING, due_at=now, lease_token=None, settled_at=None
+        )
+        for batch_id, count in Counter(batch_id for _, batch_id in rows).items():
+            Batch.objects.using(alias).filter(id=batch_id).update(
+                remaining=F("remaining") + count, finished_at=None
+            )
+    transaction.on_commit(wakeup.notify_local, using=alias)
+    return len(rows)
