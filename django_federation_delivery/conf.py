@@ -2,7 +2,7 @@
 
 Every read goes through :data:`app_settings`, which looks at
 ``django.conf.settings`` each time, so ``override_settings`` works in tests.
-Misconfiguration is reported by the system checks in ``checks.py``; the
+Misconfiguration is reported by the system checks in ``checks/``; the
 accessors here raise ``ImproperlyConfigured`` naming the bad value when code
 uses one anyway. Code reads a setting through its typed accessor
 (``app_settings.concurrency`` is an ``int``), converted in one place rather

@@ -49,10 +49,10 @@ SETTLED = (Status.DELIVERED, Status.SKIPPED, Status.FAILED, Status.REFUSED)
 def retention_seconds(setting: Any = ...) -> dict[Status, float]:
     """The ``RETENTION`` setting as {status: seconds}, the statuses kept for
     ever left out (all of them when the setting is None)."""
-    from django_federation_delivery.checks import _check_retention
+    from django_federation_delivery.checks import check_retention
 
     value = app_settings.get("RETENTION") if setting is ... else setting
-    problems = _check_retention(value)
+    problems = check_retention(value)
     if problems:
         raise ImproperlyConfigured(f"{problems[0].msg} {problems[0].hint}")
     if value is None:
