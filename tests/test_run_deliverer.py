@@ -250,10 +250,10 @@ def test_a_web_process_and_the_deliverer_write_at_once_without_database_is_locke
 
 
 def test_a_running_deliverer_logs_its_rates_and_counts(caplog: pytest.LogCaptureFixture) -> None:
-    from django_federation_delivery.management.commands.run_deliverer import _log_rates
+    from django_federation_delivery.management.running import log_rates
     from django_federation_delivery.settling import Summary
 
-    log = _log_rates(60)
+    log = log_rates(60)
     summary = Summary(delivered=120, retrying=3)
     with caplog.at_level(logging.INFO, logger="django_federation_delivery.deliverer"):
         log(summary)
@@ -693,7 +693,7 @@ def test_under_processes_only_the_first_child_purges(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(run_deliverer.Command, "handle", handle)
     # Not this test process's log records: they would keep the prefix.
-    monkeypatch.setattr(run_deliverer, "_prefix_log_records", lambda prefix: None)
+    monkeypatch.setattr(run_deliverer, "prefix_log_records", lambda prefix: None)
     options = {name: None for name in run_deliverer.CHILD_OPTIONS}
     for index in (1, 2, 3):
         run_deliverer.run_child(index, 3, {**options, "purge": True, "no_color": False})
