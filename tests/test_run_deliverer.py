@@ -537,7 +537,7 @@ def test_a_second_signal_to_the_supervisor_kills_the_children_at_once(
     wait_until(lambda: len(stuck.received) >= 2, timeout=90)
     pids = {int(output.wait_for(rf"\[deliverer {n}/2 pid (\d+)\]")[1]) for n in (1, 2)}
     process.send_signal(signal.SIGINT)
-    output.wait_for(r"Stopping: 2 deliverer\(s\) finishing what is in flight")
+    output.wait_for(r"Stopping: 2 deliverers finishing what is in flight")
     started = time.monotonic()
     process.send_signal(signal.SIGINT)
     assert process.wait(10) == 128 + signal.SIGINT
@@ -679,7 +679,7 @@ def test_purge_runs_a_purge_in_the_deliverer_and_logs_it(
     # The fresh one was delivered meanwhile, and is kept.
     assert Delivery.objects.get(batch=fresh).status == Status.DELIVERED
     purges = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Purge: ")]
-    assert any("deleted 1 deliveries (delivered 1," in line for line in purges), purges
+    assert any("deleted 1 delivery (delivered 1," in line for line in purges), purges
     assert not any(t.name == "federation-delivery-purge" for t in threading.enumerate())
 
 

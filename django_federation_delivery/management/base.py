@@ -19,8 +19,12 @@ class TranslatedCommand(BaseCommand):
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
-        parser.description = _(self.help) if self.help else None
+        parser.description = self.translated_help() if self.help else None
         return parser
+
+    def translated_help(self) -> str:
+        """``help`` in the active language (with its values, if it has any)."""
+        return _(self.help)
 
 
 def positive(value: str, most: int = 10**9) -> int:
