@@ -180,10 +180,10 @@ class Command(TranslatedCommand):
         port = options["metrics_port"]
         number = positive(port, 65535) if port is not None else 0
         addr = ip_address(options["metrics_addr"]) if port is not None else ""
+        # Refused here (under --processes, once, rather than by every child dying at once).
+        if port is not None and not metrics.available():
+            raise CommandError(_(metrics.NEEDS_CLIENT))
         if processes > 1:
-            # Refused here, once, rather than by every child dying at once.
-            if port is not None and not metrics.available():
-                raise CommandError(metrics.NEEDS_CLIENT)
             if number + processes - 1 > 65535:
                 raise CommandError(
                     _(
