@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import TYPE_CHECKING
 
+from django.utils.dates import WEEKDAYS_ABBR
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
@@ -94,6 +95,13 @@ def scale(highest: int) -> tuple[int, int]:
 
 def _number(value: float) -> str:
     return f"{value:.1f}".rstrip("0").rstrip(".")
+
+
+def time_label(moment: dt.datetime, time_format: str) -> str:
+    """``moment`` as ``time_format`` says, with ``%a`` the weekday in the active
+    language: strftime's would be the C locale's English, whatever the language."""
+    weekday = str(WEEKDAYS_ABBR[moment.weekday()]).replace("%", "%%")
+    return moment.strftime(time_format.replace("%a", weekday))
 
 
 def _marker(kind: str, x: float, y: float, size: float = 3.0) -> str:
@@ -212,7 +220,7 @@ def chart(
         parts.append(
             f'<line x1="{at}" y1="{bottom}" x2="{at}" y2="{bottom + 4}" stroke="currentColor"/>'
             f'<text x="{at}" y="{bottom + 16}" text-anchor="middle">'
-            f"{escape(bucket.start.strftime(time_format))}</text>"
+            f"{escape(time_label(bucket.start, time_format))}</text>"
         )
     parts.append(
         f'<text x="{LEFT + plot_w / 2:.0f}" y="{HEIGHT - 4}" text-anchor="middle">'

@@ -2,7 +2,7 @@
 
 Every read goes through :data:`app_settings`, which looks at
 ``django.conf.settings`` each time, so ``override_settings`` works in tests.
-Misconfiguration is reported by the system checks in ``checks.py``; the
+Misconfiguration is reported by the system checks in ``checks/``; the
 accessors here raise ``ImproperlyConfigured`` naming the bad value when code
 uses one anyway. Code reads a setting through its typed accessor
 (``app_settings.concurrency`` is an ``int``), converted in one place rather
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
+from django.utils.translation import gettext as _
 
 from django_federation_delivery import __version__
 from django_federation_delivery.retry import RetryPolicy
@@ -160,8 +161,11 @@ class Typed(Generic[T]):
             return self.convert(value)
         except (KeyError, TypeError, ValueError) as exc:
             raise ImproperlyConfigured(
-                f"{SETTING}[{self.name!r}] = {value!r:.200} cannot be used: {exc}. "
-                "Run manage.py check for what to write instead."
+                _(
+                    "%(setting)s[%(name)r] = %(value).200r cannot be used: %(error)s. "
+                    "Run manage.py check for what to write instead."
+                )
+                % {"setting": SETTING, "name": self.name, "value": value, "error": exc}
             ) from exc
 
 
@@ -210,7 +214,10 @@ class AppSettings:
     def _user(self) -> dict[str, Any]:
         value = getattr(settings, SETTING, {})
         if not isinstance(value, dict):
-            raise ImproperlyConfigured(f"{SETTING} must be a dict, not {type(value).__name__}.")
+            raise ImproperlyConfigured(
+                _("%(setting)s must be a dict, not %(type)s.")
+                % {"setting": SETTING, "type": type(value).__name__}
+            )
         return value
 
     def get(self, name: str) -> Any:
@@ -239,16 +246,21 @@ class AppSettings:
             return value  # type: ignore[no-any-return]
         if not isinstance(value, str):
             raise ImproperlyConfigured(
-                f"{SETTING}[{name!r}] must be a dotted path to a callable, not {value!r}."
+                _("%(setting)s[%(name)r] must be a dotted path to a callable, not %(value)r.")
+                % {"setting": SETTING, "name": name, "value": value}
             )
         try:
             found = import_string(value)
         except ImportError as exc:
             raise ImproperlyConfigured(
-                f"{SETTING}[{name!r}] = {value!r} cannot be imported: {exc}"
+                _("%(setting)s[%(name)r] = %(value)r cannot be imported: %(error)s")
+                % {"setting": SETTING, "name": name, "value": value, "error": exc}
             ) from exc
         if not callable(found):
-            raise ImproperlyConfigured(f"{SETTING}[{name!r}] = {value!r} is not callable.")
+            raise ImproperlyConfigured(
+                _("%(setting)s[%(name)r] = %(value)r is not callable.")
+                % {"setting": SETTING, "name": name, "value": value}
+            )
         return found  # type: ignore[no-any-return]
 
     def allowed_networks(self) -> tuple[Network, ...]:
@@ -256,15 +268,19 @@ class AppSettings:
         values = self.get("ALLOWED_NETWORKS")
         if not isinstance(values, list | tuple):
             raise ImproperlyConfigured(
-                f"{SETTING}['ALLOWED_NETWORKS'] must be a list of networks, not {values!r:.200}."
+                _("%(setting)s['ALLOWED_NETWORKS'] must be a list of networks, not %(value).200r.")
+                % {"setting": SETTING, "value": values}
             )
         for value in values:
             try:
                 networks.append(ipaddress.ip_network(value, strict=False))
             except (TypeError, ValueError) as exc:
                 raise ImproperlyConfigured(
-                    f"{SETTING}['ALLOWED_NETWORKS'] has {value!r}, which is not a network "
-                    "such as '127.0.0.0/8'."
+                    _(
+                        "%(setting)s['ALLOWED_NETWORKS'] has %(value)r, which is not a network "
+                        "such as '127.0.0.0/8'."
+                    )
+                    % {"setting": SETTING, "value": value}
                 ) from exc
         return tuple(networks)
 
@@ -303,8 +319,11 @@ class AppSettings:
             return found
         except (KeyError, TypeError, ValueError) as exc:
             raise ImproperlyConfigured(
-                f"{SETTING}['BREAKER'] = {breaker!r:.200} cannot be used: {exc!r}. "
-                "Run manage.py check for what to write instead."
+                _(
+                    "%(setting)s['BREAKER'] = %(value).200r cannot be used: %(error)r. "
+                    "Run manage.py check for what to write instead."
+                )
+                % {"setting": SETTING, "value": breaker, "error": exc}
             ) from exc
 
 

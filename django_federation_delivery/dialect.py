@@ -7,7 +7,7 @@ What differs between the two databases for those statements is here, once:
 how a table and a datetime are written, how a datetime comes back, how many
 rows one statement may carry, and the upsert. The SQL itself is the same on
 both: SQLite 3.35 has ``RETURNING`` and ``ON CONFLICT … DO UPDATE``
-(``checks.py`` refuses an older one).
+(``checks/database.py`` refuses an older one).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.translation import gettext_noop
 
 from django_federation_delivery.signals import Outcome
 
@@ -39,7 +40,9 @@ OUTCOMES = (Outcome.DELIVERED, Outcome.RETRYING, Outcome.HELD, Outcome.REFUSED, 
 #: Attempt durations in seconds: from a fast local inbox to ATTEMPT_TIMEOUT.
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "federation_delivery"
-NEEDS_CLIENT = (
+#: Marked for translation: run_deliverer says it in the active language. Raised
+#: here in English, as start_server may be called before Django is set up.
+NEEDS_CLIENT = gettext_noop(
     "Serving metrics needs prometheus_client: pip install 'django-federation-delivery[prometheus]'."
 )
 

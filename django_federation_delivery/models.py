@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery.redaction import redact
@@ -106,10 +107,13 @@ class Batch(models.Model):
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
-        label = self.tag or f"batch {self.pk}"
+        label = self.tag or gettext("batch %(id)s") % {"id": self.pk}
         if self.event_type:
-            return f"{label}: webhook event {self.event_type}"
-        return f"{label} from {self.sender}"
+            return gettext("%(label)s: webhook event %(event)s") % {
+                "label": label,
+                "event": self.event_type,
+            }
+        return gettext("%(label)s from %(sender)s") % {"label": label, "sender": self.sender}
 
 
 class Delivery(models.Model):
@@ -190,7 +194,7 @@ class Delivery(models.Model):
 
     def __str__(self) -> str:
         # Shown in the admin's titles and links: the inbox's query stays out of them.
-        return f"{redact(self.inbox)} ({self.status})"
+        return f"{redact(self.inbox)} ({self.get_status_display()})"
 
 
 class Host(models.Model):
@@ -278,7 +282,7 @@ class DelivererHeartbeat(models.Model):
         verbose_name_plural = _("deliverer heartbeats")
 
     def __str__(self) -> str:
-        return f"deliverer pid {self.pid} on {self.host}"
+        return gettext("deliverer pid %(pid)d on %(host)s") % {"pid": self.pid, "host": self.host}
 
 
 class DeliveryHistory(models.Model):
@@ -305,4 +309,4 @@ class DeliveryHistory(models.Model):
         verbose_name_plural = _("delivery history")
 
     def __str__(self) -> str:
-        return f"{self.minute:%Y-%m-%d %H:%M} UTC"
+        return gettext("%(minute)s UTC") % {"minute": f"{self.minute:%Y-%m-%d %H:%M}"}

@@ -29,7 +29,9 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import Exists, OuterRef, Q
-from django.utils import timezone
+from django.utils import timezone, translation
+from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 
 from django_federation_delivery import history
 from django_federation_delivery.conf import app_settings
@@ -49,10 +51,10 @@ SETTLED = (Status.DELIVERED, Status.SKIPPED, Status.FAILED, Status.REFUSED)
 def retention_seconds(setting: Any = ...) -> dict[Status, float]:
     """The ``RETENTION`` setting as {status: seconds}, the statuses kept for
     ever left out (all of them when the setting is None)."""
-    from django_federation_delivery.checks import _check_retention
+    from django_federation_delivery.checks import check_retention
 
     value = app_settings.get("RETENTION") if setting is ... else setting
-    problems = _check_retention(value)
+    problems = check_retention(value)
     if problems:
         raise ImproperlyConfigured(f"{problems[0].msg} {problems[0].hint}")
     if value is None:
@@ -91,13 +93,35 @@ class Purged:
         return sum(self.deliveries.values())
 
     def line(self) -> str:
-        verb = "would delete" if self.dry_run else "deleted"
-        per_status = ", ".join(f"{status} {count}" for status, count in self.deliveries.items())
-        return (
-            f"{verb} {self.deleted} deliveries ({per_status or 'none'}), "
-            f"{self.batches} batches, {self.hosts} hosts, {self.history} history minutes "
-            f"in {self.seconds:.1f} s"
+        """What was deleted, in the active language (English in a log line)."""
+        deliveries = (
+            ngettext(
+                "would delete %(count)d delivery", "would delete %(count)d deliveries", self.deleted
+            )
+            if self.dry_run
+            else ngettext(
+                "deleted %(count)d delivery", "deleted %(count)d deliveries", self.deleted
+            )
+        ) % {"count": self.deleted}
+        per_status = ", ".join(
+            f"{Status(status).label} {count}" for status, count in self.deliveries.items()
         )
+        return _(
+            "%(deliveries)s (%(per_status)s), %(batches)s, %(hosts)s, %(history)s "
+            "in %(seconds).1f s"
+        ) % {
+            "deliveries": deliveries,
+            "per_status": per_status or _("none"),
+            "batches": ngettext("%(count)d batch", "%(count)d batches", self.batches)
+            % {"count": self.batches},
+            "hosts": ngettext("%(count)d host", "%(count)d hosts", self.hosts)
+            % {"count": self.hosts},
+            "history": ngettext(
+                "%(count)d history minute", "%(count)d history minutes", self.history
+            )
+            % {"count": self.history},
+            "seconds": self.seconds,
+        }
 
 
 #: Told after each chunk: deliveries deleted so far, seconds since the start.
@@ -344,6 +368,8 @@ class PeriodicPurge:
                 # A database away now is there at the next; the loop goes on.
                 logger.exception("The purge failed; the next in %.0f s", self.interval)
             else:
-                logger.info("Purge: %s", purged.line())
+                # Log lines stay English: operators grep them.
+                with translation.override(None):
+                    logger.info("Purge: %s", purged.line())
             finally:
                 connections.close_all()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from django.utils import timezone
+from django.utils.translation import gettext as _
 
 from django_federation_delivery import metrics, signals
 from django_federation_delivery.attempt import AttemptResult
@@ -74,12 +75,21 @@ class Summary:
         return self.delivered / self.elapsed if self.elapsed > 0 else 0.0
 
     def line(self) -> str:
-        return (
-            f"delivered {self.delivered}, retrying {self.retrying}, refused {self.refused}, "
-            f"failed {self.failed}, skipped {self.skipped}, held {self.held} "
-            f"in {self.elapsed:.1f}s "
-            f"({self.rate:.1f}/s)"
-        )
+        """What was done, in the active language (English in a log line)."""
+        return _(
+            "delivered %(delivered)d, retrying %(retrying)d, refused %(refused)d, "
+            "failed %(failed)d, skipped %(skipped)d, held %(held)d in %(elapsed).1fs "
+            "(%(rate).1f/s)"
+        ) % {
+            "delivered": self.delivered,
+            "retrying": self.retrying,
+            "refused": self.refused,
+            "failed": self.failed,
+            "skipped": self.skipped,
+            "held": self.held,
+            "elapsed": self.elapsed,
+            "rate": self.rate,
+        }
 
 
 def ask(setting: str, function: Callable[..., Any], *args: Any) -> Any:

@@ -27,6 +27,12 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from django.utils import translation
+from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
+
+# What reaches the operator (the stop, why the supervisor gave up) is
+# translated; the log lines stay English, as operators grep them.
 logger = logging.getLogger("django_federation_delivery.deliverer")
 
 #: A child that dies sooner than this after starting died "at once".
@@ -67,14 +73,14 @@ class GaveUp(Exception):
 def describe_exit(code: int | None) -> str:
     """A child's end, as an operator reads it: ``was killed by SIGKILL``."""
     if code is None:
-        return "is still running"
+        return _("is still running")
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with status {code}"
+            name = _("signal %(number)d") % {"number": -code}
+        return _("was killed by %(signal)s") % {"signal": name}
+    return _("exited with status %(status)d") % {"status": code}
 
 
 @dataclass
@@ -146,7 +152,12 @@ class Supervisor:
         if unclean:
             raise GaveUp(
                 "; ".join(
-                    f"deliverer {child.index} (pid {child.pid}) {describe_exit(child.exitcode)}"
+                    _("deliverer %(index)d (pid %(pid)d) %(ended)s")
+                    % {
+                        "index": child.index,
+                        "pid": child.pid,
+                        "ended": describe_exit(child.exitcode),
+                    }
                     for child in unclean
                 )
             )
@@ -218,31 +229,42 @@ class Supervisor:
         if self.stopping or (self.drain and child.exitcode == 0):
             return
         child.quick_deaths = child.quick_deaths + 1 if lived < self.quick_death else 0
-        ended = describe_exit(child.exitcode)
         if child.quick_deaths >= self.give_up_after:
-            message = (
-                f"deliverer {child.index} (pid {child.pid}) {ended}, "
-                f"{child.quick_deaths} times in a row within {self.quick_death:g} s of starting: "
-                "giving up (its output above says why)"
-            )
-            logger.error("Stopping every deliverer: %s", message)
+            with translation.override(None):
+                logger.error("Stopping every deliverer: %s", self._giving_up(child))
             self.stop()
             self._watch()
-            raise GaveUp(message)
+            raise GaveUp(self._giving_up(child))
         backoff = (
             min(MOST_BACKOFF, FIRST_BACKOFF * 2 ** (child.quick_deaths - 1))
             if child.quick_deaths
             else 0.0
         )
-        logger.warning(
-            "Deliverer %d (pid %d) %s after %.1f s; restarting it%s",
-            child.index,
-            child.pid,
-            ended,
-            lived,
-            f" in {backoff:g} s" if backoff else "",
-        )
+        with translation.override(None):
+            logger.warning(
+                "Deliverer %d (pid %d) %s after %.1f s; restarting it%s",
+                child.index,
+                child.pid,
+                describe_exit(child.exitcode),
+                lived,
+                f" in {backoff:g} s" if backoff else "",
+            )
         child.restart_at = time.monotonic() + backoff
+
+    def _giving_up(self, child: _Child) -> str:
+        return ngettext(
+            "deliverer %(index)d (pid %(pid)d) %(ended)s, %(times)d time in a row within "
+            "%(seconds)g s of starting: giving up (its output above says why)",
+            "deliverer %(index)d (pid %(pid)d) %(ended)s, %(times)d times in a row within "
+            "%(seconds)g s of starting: giving up (its output above says why)",
+            child.quick_deaths,
+        ) % {
+            "index": child.index,
+            "pid": child.pid,
+            "ended": describe_exit(child.exitcode),
+            "times": child.quick_deaths,
+            "seconds": self.quick_death,
+        }
 
     def _install_signals(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -255,8 +277,14 @@ class Supervisor:
                 os._exit(128 + number)
             running = sum(child.running for child in self.children)
             self.say(
-                f"Stopping: {running} deliverer(s) finishing what is in flight "
-                "(again to kill them at once)."
+                ngettext(
+                    "Stopping: %(count)d deliverer finishing what is in flight "
+                    "(again to kill them at once).",
+                    "Stopping: %(count)d deliverers finishing what is in flight "
+                    "(again to kill them at once).",
+                    running,
+                )
+                % {"count": running}
             )
             self.stop()
 

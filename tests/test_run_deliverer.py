@@ -254,10 +254,10 @@ def test_a_web_process_and_the_deliverer_write_at_once_without_database_is_locke
 
 
 def test_a_running_deliverer_logs_its_rates_and_counts(caplog: pytest.LogCaptureFixture) -> None:
-    from django_federation_delivery.management.commands.run_deliverer import _log_rates
+    from django_federation_delivery.management.running import log_rates
     from django_federation_delivery.settling import Summary
 
-    log = _log_rates(60)
+    log = log_rates(60)
     summary = Summary(delivered=120, retrying=3)
     with caplog.at_level(logging.INFO, logger="django_federation_delivery.deliverer"):
         log(summary)
@@ -545,7 +545,7 @@ def test_a_second_signal_to_the_supervisor_kills_the_children_at_once(
     wait_until(lambda: len(stuck.received) >= 2, timeout=90)
     pids = {int(output.wait_for(rf"\[deliverer {n}/2 pid (\d+)\]")[1]) for n in (1, 2)}
     process.send_signal(signal.SIGINT)
-    output.wait_for(r"Stopping: 2 deliverer\(s\) finishing what is in flight")
+    output.wait_for(r"Stopping: 2 deliverers finishing what is in flight")
     started = time.monotonic()
     process.send_signal(signal.SIGINT)
     assert process.wait(10) == 128 + signal.SIGINT
@@ -690,7 +690,7 @@ def test_purge_runs_a_purge_in_the_deliverer_and_logs_it(
     # The fresh one was delivered meanwhile, and is kept.
     assert Delivery.objects.get(batch=fresh).status == Status.DELIVERED
     purges = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Purge: ")]
-    assert any("deleted 1 deliveries (delivered 1," in line for line in purges), purges
+    assert any("deleted 1 delivery (delivered 1," in line for line in purges), purges
     assert not any(t.name == "federation-delivery-purge" for t in threading.enumerate())
 
 
@@ -704,7 +704,7 @@ def test_under_processes_only_the_first_child_purges(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(run_deliverer.Command, "handle", handle)
     # Not this test process's log records: they would keep the prefix.
-    monkeypatch.setattr(run_deliverer, "_prefix_log_records", lambda prefix: None)
+    monkeypatch.setattr(run_deliverer, "prefix_log_records", lambda prefix: None)
     options = {name: None for name in run_deliverer.CHILD_OPTIONS}
     for index in (1, 2, 3):
         run_deliverer.run_child(index, 3, {**options, "purge": True, "no_color": False})

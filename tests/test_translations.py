@@ -6,9 +6,11 @@ ngettext chose), so a string left unmarked shows up as text outside any «…».
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,16 +22,24 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
-from django.core.management import call_command
-from django.core.management.base import CommandError
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command, load_command_class
+from django.core.management.base import BaseCommand, CommandError
 from django.test import Client
 from django.urls import reverse
 from django.utils.translation import trans_real
 
 import django_federation_delivery
 from django_federation_delivery import controls
+from django_federation_delivery.charts import time_label
 from django_federation_delivery.checks import check_settings
-from django_federation_delivery.models import Status
+from django_federation_delivery.conf import app_settings
+from django_federation_delivery.contrib.django_q import cluster_limit, round_seconds
+from django_federation_delivery.models import Batch, DelivererHeartbeat, Status
+from django_federation_delivery.retention import Purged
+from django_federation_delivery.settling import Summary
+from django_federation_delivery.supervisor import describe_exit
+from django_federation_delivery.webhooks import parse_destination
 
 from . import operators
 from .operators import queue, settle
@@ -180,6 +190,93 @@ def test_a_command_prints_and_refuses_in_translation(pseudo: None) -> None:
     assert "«lane»" in text.splitlines()[2]
     with pytest.raises(CommandError, match=r"^«expected a whole number of 0 or more, not 'x'»$"):
         call_command("delivery_status", "--hosts", "x")
+
+
+COMMANDS = ("run_deliverer", "purge_deliveries", "delivery_status", "delivery_schedule")
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_a_command_s_help_and_each_of_its_arguments_help_are_translated(
+    pseudo: None, name: str
+) -> None:
+    command = load_command_class("django_federation_delivery", name)
+    parser = command.create_parser("manage.py", name)
+    assert parser.description and parser.description.startswith("«")
+    assert letters(untranslated(parser.description)) == []
+    # Django's own options (--verbosity, --settings…) are Django's to translate.
+    django_s = {action.dest for action in BaseCommand().create_parser("manage.py", "x")._actions}
+    own = [action for action in parser._actions if action.dest not in django_s]
+    assert own, "the command has arguments of its own"
+    for action in own:
+        assert action.help and letters(untranslated(action.help)) == [], action.dest
+    # Without GNU gettext the catalogue test is skipped: the help is in it all the same.
+    assert command.help in messages(CATALOGUE)
+
+
+def test_the_run_and_purge_lines_are_translated_with_the_plural_ngettext_chose(
+    pseudo: None,
+) -> None:
+    run = Summary(delivered=3, failed=1).line()
+    assert run.startswith("«delivered 3, retrying 0, refused 0, failed 1,")
+    assert letters(untranslated(run)) == []
+    purged = Purged(deliveries={"delivered": 1, "failed": 0}, batches=1, hosts=2, history=1)
+    line = purged.line()
+    assert "«[one] deleted 1 delivery» («delivered» 1, «failed» 0)" in line
+    assert "«[one] 1 batch»" in line and "«[many] 2 hosts»" in line
+    assert "«[one] 1 history minute»" in line
+    assert letters(untranslated(line)) == []
+    assert (
+        "«[many] would delete 2 deliveries»"
+        in Purged(deliveries={"delivered": 2}, dry_run=True).line()
+    )
+
+
+@pytest.mark.django_db
+def test_the_purge_command_says_what_it_did_in_translation(pseudo: None) -> None:
+    out = StringIO()
+    call_command("purge_deliveries", "--dry-run", "--older-than", "1d", stdout=out)
+    (line,) = out.getvalue().splitlines()
+    assert line.startswith("«Dry run: «") and letters(untranslated(line)) == []
+
+
+def test_the_supervisor_says_how_a_deliverer_ended_in_translation(pseudo: None) -> None:
+    assert describe_exit(-signal.SIGKILL) == "«was killed by SIGKILL»"
+    assert describe_exit(-200) == "«was killed by «signal 200»»"
+    assert describe_exit(3) == "«exited with status 3»"
+    assert describe_exit(None) == "«is still running»"
+
+
+def test_settings_errors_are_translated(pseudo: None, settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "ALLOWED_NETWORKS": ["x"]}
+    with pytest.raises(ImproperlyConfigured) as caught:
+        app_settings.allowed_networks()
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "SKIP_IF": "no.such.thing"}
+    with pytest.raises(ImproperlyConfigured) as imported:
+        app_settings.callable_setting("SKIP_IF")
+    with pytest.raises(ImproperlyConfigured) as destination:
+        parse_destination("alerts", "ftp://example.com/hook")
+    settings.Q_CLUSTER = {"timeout": "soon"}
+    with pytest.raises(ImproperlyConfigured) as cluster:
+        cluster_limit()
+    settings.Q_CLUSTER = {"timeout": 40, "retry": 60}
+    with pytest.raises(ImproperlyConfigured) as bound:
+        round_seconds(30)
+    for error in (caught, imported, destination, cluster, bound):
+        text = str(error.value)
+        assert text.startswith("«") and letters(untranslated(text)) == [], text
+
+
+def test_what_a_model_says_of_itself_is_translated(pseudo: None) -> None:
+    heartbeat = DelivererHeartbeat(pid=12, host="worker-1")
+    assert str(heartbeat) == "«deliverer pid 12 on worker-1»"
+    batch = Batch(pk=7, sender="https://social.example/users/alice")
+    assert str(batch) == "««batch 7» from https://social.example/users/alice»"
+
+
+def test_the_chart_s_weekdays_are_translated(pseudo: None) -> None:
+    monday = dt.datetime(2024, 1, 1, 13, 5, tzinfo=dt.UTC)
+    assert time_label(monday, "%a %H:%M") == "«Mon» 13:05"
+    assert time_label(monday, "%H:%M") == "13:05"
 
 
 @pytest.mark.skipif(shutil.which("xgettext") is None, reason="makemessages needs GNU gettext")

@@ -31,18 +31,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from django.utils.translation import gettext as _
+
 try:
     import django_q  # noqa: F401
 except ImportError as exc:
+    # Imported by a task or a command, so once Django is set up: translated.
     raise ImportError(
-        "django_federation_delivery.contrib.django_q needs django-q2: "
-        'pip install "django-federation-delivery[django-q]"'
+        _(
+            "django_federation_delivery.contrib.django_q needs django-q2: "
+            'pip install "django-federation-delivery[django-q]"'
+        )
     ) from exc
 
 from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils import translation
 
 from django_federation_delivery.checks import check_settings
 from django_federation_delivery.conf import app_settings
@@ -84,7 +90,9 @@ def cluster_limit() -> float | None:
     None: no limit (no timeout, and a retry of 0)."""
     conf = getattr(settings, "Q_CLUSTER", None) or {}
     if not isinstance(conf, dict):
-        raise ImproperlyConfigured(f"Q_CLUSTER must be a dict, not {type(conf).__name__}.")
+        raise ImproperlyConfigured(
+            _("Q_CLUSTER must be a dict, not %(type)s.") % {"type": type(conf).__name__}
+        )
     limits = []
     for name, default in (("timeout", None), ("retry", DJANGO_Q_RETRY)):
         value = conf.get(name, default)
@@ -97,7 +105,8 @@ def cluster_limit() -> float | None:
             or value <= 0
         ):
             raise ImproperlyConfigured(
-                f"Q_CLUSTER[{name!r}] must be a positive number of seconds, not {value!r}."
+                _("Q_CLUSTER[%(name)r] must be a positive number of seconds, not %(value)r.")
+                % {"name": name, "value": value}
             )
         limits.append(float(value))
     return min(limits) if limits else None
@@ -121,10 +130,18 @@ def round_seconds(seconds: float | None = None) -> float:
         seconds = ROUND_SECONDS if limit is None else min(ROUND_SECONDS, limit - finish)
         if seconds < 1:
             raise ImproperlyConfigured(
-                f"Q_CLUSTER's timeout and retry allow a task {limit:g} s, and a round needs "
-                f"{finish:g} s to finish what is in flight (ATTEMPT_TIMEOUT or WEBHOOK_TIMEOUT, "
-                f"and {FINISH_MARGIN:g} s) beyond the time it claims: set Q_CLUSTER's timeout "
-                f"to at least {finish + ROUND_SECONDS:g} and retry above it."
+                _(
+                    "Q_CLUSTER's timeout and retry allow a task %(limit)g s, and a round needs "
+                    "%(finish)g s to finish what is in flight (ATTEMPT_TIMEOUT or "
+                    "WEBHOOK_TIMEOUT, and %(margin)g s) beyond the time it claims: set "
+                    "Q_CLUSTER's timeout to at least %(least)g and retry above it."
+                )
+                % {
+                    "limit": limit,
+                    "finish": finish,
+                    "margin": FINISH_MARGIN,
+                    "least": finish + ROUND_SECONDS,
+                }
             )
         return seconds
     if (
@@ -133,14 +150,25 @@ def round_seconds(seconds: float | None = None) -> float:
         or not math.isfinite(seconds)
         or seconds <= 0
     ):
-        raise ValueError(f"a round's seconds must be a positive number, not {seconds!r}")
+        raise ValueError(
+            _("a round's seconds must be a positive number, not %(value)r") % {"value": seconds}
+        )
     if limit is not None and seconds + finish > limit:
         raise ImproperlyConfigured(
-            f"A round of {seconds:g} s, and {finish:g} s to finish what is in flight "
-            f"(ATTEMPT_TIMEOUT or WEBHOOK_TIMEOUT, and {FINISH_MARGIN:g} s), do not fit in the "
-            f"{limit:g} s Q_CLUSTER's timeout and retry allow a task: make the round at most "
-            f"{max(limit - finish, 0):g} s, or Q_CLUSTER's timeout at least "
-            f"{seconds + finish:g} and retry above it."
+            _(
+                "A round of %(seconds)g s, and %(finish)g s to finish what is in flight "
+                "(ATTEMPT_TIMEOUT or WEBHOOK_TIMEOUT, and %(margin)g s), do not fit in the "
+                "%(limit)g s Q_CLUSTER's timeout and retry allow a task: make the round at "
+                "most %(most)g s, or Q_CLUSTER's timeout at least %(least)g and retry above it."
+            )
+            % {
+                "seconds": seconds,
+                "finish": finish,
+                "margin": FINISH_MARGIN,
+                "limit": limit,
+                "most": max(limit - finish, 0),
+                "least": seconds + finish,
+            }
         )
     return float(seconds)
 
@@ -165,8 +193,11 @@ def round_lock(using: str = DEFAULT_DB_ALIAS) -> Iterator[bool]:
             yield held
     else:
         raise ImproperlyConfigured(
-            f"Rounds run by django-q2 need PostgreSQL or SQLite, not {connection.vendor} "
-            f"(database {using!r})."
+            _(
+                "Rounds run by django-q2 need PostgreSQL or SQLite, not %(vendor)s "
+                "(database %(alias)r)."
+            )
+            % {"vendor": connection.vendor, "alias": using}
         )
 
 
@@ -193,14 +224,16 @@ def _file_lock(name: Any) -> Iterator[bool]:
     path = str(name)
     if not path or path == ":memory:" or "mode=memory" in path:
         raise ImproperlyConfigured(
-            "Rounds run by django-q2 need an SQLite database in a file, which the cluster's "
-            "processes share, not one in memory."
+            _(
+                "Rounds run by django-q2 need an SQLite database in a file, which the "
+                "cluster's processes share, not one in memory."
+            )
         )
     try:
         import fcntl
     except ImportError:
         raise ImproperlyConfigured(
-            "Rounds run by django-q2 on SQLite need fcntl (Linux, macOS, BSD)."
+            _("Rounds run by django-q2 on SQLite need fcntl (Linux, macOS, BSD).")
         ) from None
     lock_path = Path(path.removeprefix("file:").split("?")[0] + LOCK_SUFFIX)
     # flock, not fcntl's record locks: it is held by the open file, so two
@@ -255,7 +288,9 @@ def deliver_round(seconds: float | None = None, *, using: str = DEFAULT_DB_ALIAS
             logger.info("A round was not started: %s", ANOTHER_ROUND)
             return {"ran": False, "reason": ANOTHER_ROUND}
         summary = Deliverer(using=using, heartbeat=_heartbeat(using)).run(stop_after=bound)
-    logger.info("Round: %s", summary.line())
+    # Log lines stay English: operators grep them.
+    with translation.override(None):
+        logger.info("Round: %s", summary.line())
     return {
         "ran": True,
         "delivered": summary.delivered,
@@ -282,7 +317,8 @@ def purge_task(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
     sqlite = connections[using].vendor == "sqlite"
     # On SQLite the pause leaves the one write lock to a round between chunks.
     purged = purge_by_setting(using=using, pause=0.05 if sqlite else 0.0, should_stop=out_of_time)
-    logger.info("Purge: %s", purged.line())
+    with translation.override(None):
+        logger.info("Purge: %s", purged.line())
     return {
         "deliveries": dict(purged.deliveries),
         "batches": purged.batches,
@@ -346,7 +382,7 @@ def remove_schedules(*, model: Any = None) -> int:
 def _schedule_model() -> Any:
     if not apps.is_installed("django_q"):
         raise ImproperlyConfigured(
-            'django-q2 schedules need "django_q" in INSTALLED_APPS (and its migrations run).'
+            _('django-q2 schedules need "django_q" in INSTALLED_APPS (and its migrations run).')
         )
     from django_q.models import Schedule
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from urllib.parse import quote, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.translation import gettext as _
 
 __all__ = [
     "KEY_PREFIX",
@@ -119,26 +120,31 @@ def parse_destination(name: str, url: str) -> Destination:
     the URL) if it is not one of the forms in this package's docstring."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ImproperlyConfigured(
-            f"A webhook destination's name must be 1 to 64 lowercase letters, digits, '_' "
-            f"or '-', not {name!r}."
+            _(
+                "A webhook destination's name must be 1 to 64 lowercase letters, digits, '_' "
+                "or '-', not %(name)r."
+            )
+            % {"name": name}
         )
 
     def bad(problem: str) -> ImproperlyConfigured:
-        return ImproperlyConfigured(f"Webhook destination {name!r}: {problem}.")
+        return ImproperlyConfigured(
+            _("Webhook destination %(name)r: %(problem)s.") % {"name": name, "problem": problem}
+        )
 
     if not isinstance(url, str):
-        raise bad(f"its URL must be a string, not {type(url).__name__}")
+        raise bad(_("its URL must be a string, not %(type)s") % {"type": type(url).__name__})
     if not url.strip():
-        raise bad("its URL is empty")
+        raise bad(_("its URL is empty"))
     url = url.strip()
     if re.search(r"[\x00-\x20\x7f]", url):
-        raise bad("its URL has spaces or control characters in it")
-    scheme, colon, _ = url.partition("://")
+        raise bad(_("its URL has spaces or control characters in it"))
+    scheme, colon, _rest = url.partition("://")
     scheme = scheme.lower()
     if not colon:
-        raise bad("its URL has no scheme such as slack:// or https://")
+        raise bad(_("its URL has no scheme such as slack:// or https://"))
     if "#" in url:
-        raise bad("its URL has a fragment (#…), which is never sent")
+        raise bad(_("its URL has a fragment (#…), which is never sent"))
     if scheme == "telegram":
         return _telegram(name, url, bad)
     if scheme in ("http", "https"):
@@ -147,13 +153,18 @@ def parse_destination(name: str, url: str) -> Destination:
     kind = _HOOK_KINDS.get(kind_name)
     if kind is None or (plus and transport != "http"):
         raise bad(
-            f"its scheme {scheme!r} is not one of slack, discord, markdown, telegram, "
-            "https or http (slack+http, discord+http, markdown+http for plain HTTP)"
+            _(
+                "its scheme %(scheme)r is not one of slack, discord, markdown, telegram, "
+                "https or http (slack+http, discord+http, markdown+http for plain HTTP)"
+            )
+            % {"scheme": scheme}
         )
     target = ("http" if plus else "https") + url[len(scheme) :]
     path = _checked_path(target, bad)
     if path.strip("/") == "":
-        raise bad(f"a {kind.label} URL needs the hook's path, as the service gave it")
+        raise bad(
+            _("a %(kind)s URL needs the hook's path, as the service gave it") % {"kind": kind.label}
+        )
     return Destination(
         name=name,
         kind=kind,
@@ -168,9 +179,9 @@ def _checked_path(url: str, bad: Any) -> str:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError:
-        raise bad("its URL is not a valid URL") from None
+        raise bad(_("its URL is not a valid URL")) from None
     if not parts.hostname:
-        raise bad("its URL has no host")
+        raise bad(_("its URL has no host"))
     return parts.path
 
 
@@ -179,24 +190,30 @@ def _telegram(name: str, url: str, bad: Any) -> Destination:
     # token has a ":" that urlsplit would read as a password, and a chat may
     # be an @username.
     rest = url[len("telegram://") :]
-    authority, _, query = rest.partition("?")
+    authority, _mark, query = rest.partition("?")
     token, at, chat = authority.partition("@")
     if not at or not _BOT_TOKEN.fullmatch(token):
-        raise bad("a Telegram URL is telegram://<bot token>@<chat id>, with a token like 123:ABC")
+        raise bad(
+            _("a Telegram URL is telegram://<bot token>@<chat id>, with a token like 123:ABC")
+        )
     chat = chat.rstrip("/")
     if not _CHAT.fullmatch(chat):
-        raise bad("a Telegram chat is a number such as -1001234567890 or an @username")
+        raise bad(_("a Telegram chat is a number such as -1001234567890 or an @username"))
     api = TELEGRAM_API
     for key, value in _query_pairs(query):
         if key != "api":
-            raise bad(f"a Telegram URL takes only the parameter 'api', not {key!r}")
+            raise bad(
+                _("a Telegram URL takes only the parameter 'api', not %(key)r") % {"key": key}
+            )
         api = value.rstrip("/")
         try:
             parts = urlsplit(api)
         except ValueError:
-            raise bad("its api parameter is not a valid URL") from None
+            raise bad(_("its api parameter is not a valid URL")) from None
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
-            raise bad("its api parameter must be an http(s) base URL such as http://127.0.0.1:8081")
+            raise bad(
+                _("its api parameter must be an http(s) base URL such as http://127.0.0.1:8081")
+            )
     target = f"{api}/bot{token}/sendMessage"
     secret = token.split(":", 1)[1]
     return Destination(
@@ -209,10 +226,10 @@ def _telegram(name: str, url: str, bad: Any) -> Destination:
 
 
 def _signed_json(name: str, url: str, bad: Any) -> Destination:
-    base, _, query = url.partition("?")
+    base, _mark, query = url.partition("?")
     kept, secrets, raw = [], [], []
     for pair in query.split("&") if query else []:
-        key, _, value = pair.partition("=")
+        key, _sign, value = pair.partition("=")
         if unquote(key) != "secret":
             kept.append(pair)
             continue
@@ -221,8 +238,10 @@ def _signed_json(name: str, url: str, bad: Any) -> Destination:
         secrets.append(_secret_key(secret, bad))
     if not secrets:
         raise bad(
-            "a signed JSON URL needs a secret: add ?secret=whsec_… (the key, base64, "
-            "as the Standard Webhooks specification writes it)"
+            _(
+                "a signed JSON URL needs a secret: add ?secret=whsec_… (the key, base64, "
+                "as the Standard Webhooks specification writes it)"
+            )
         )
     target = base + ("?" + "&".join(kept) if kept else "")
     _checked_path(target, bad)
@@ -237,16 +256,19 @@ def _signed_json(name: str, url: str, bad: Any) -> Destination:
 
 def _secret_key(secret: str, bad: Any) -> bytes:
     if not secret.startswith(_SECRET_PREFIX):
-        raise bad("a secret must start with 'whsec_', followed by the key in base64")
+        raise bad(_("a secret must start with 'whsec_', followed by the key in base64"))
     encoded = secret[len(_SECRET_PREFIX) :]
     try:
         key = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
     except (binascii.Error, ValueError):
-        raise bad("a secret after 'whsec_' is not valid base64") from None
+        raise bad(_("a secret after 'whsec_' is not valid base64")) from None
     if len(key) < _MIN_SECRET_BYTES:
         raise bad(
-            f"a secret's key is {len(key)} bytes; use {_MIN_SECRET_BYTES} to 64 random bytes, "
-            "e.g. 'whsec_' + base64 of secrets.token_bytes(32)"
+            _(
+                "a secret's key is %(length)d bytes; use %(least)d to 64 random bytes, "
+                "e.g. 'whsec_' + base64 of secrets.token_bytes(32)"
+            )
+            % {"length": len(key), "least": _MIN_SECRET_BYTES}
         )
     return key
 
@@ -254,7 +276,7 @@ def _secret_key(secret: str, bad: Any) -> bytes:
 def _query_pairs(query: str) -> list[tuple[str, str]]:
     pairs = []
     for pair in query.split("&") if query else []:
-        key, _, value = pair.partition("=")
+        key, _sign, value = pair.partition("=")
         pairs.append((unquote(key), unquote(value)))
     return pairs
 
@@ -317,6 +339,7 @@ def configured_destinations() -> dict[str, Destination]:
     webhooks = app_settings.get("WEBHOOKS")
     if not isinstance(webhooks, Mapping):
         raise ImproperlyConfigured(
-            f"{SETTING}['WEBHOOKS'] must be a dict of names to URLs, not {type(webhooks).__name__}."
+            _("%(setting)s['WEBHOOKS'] must be a dict of names to URLs, not %(type)s.")
+            % {"setting": SETTING, "type": type(webhooks).__name__}
         )
     return {name: parse_destination(name, url) for name, url in webhooks.items()}

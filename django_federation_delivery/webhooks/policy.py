@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.translation import gettext as _
 
 from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
@@ -69,7 +70,9 @@ class WebhookPolicy:
 
         problems = settings_problems()
         if problems:
-            raise ImproperlyConfigured(f"{SETTING}: {problems[0]}.")
+            raise ImproperlyConfigured(
+                _("%(setting)s: %(problem)s.") % {"setting": SETTING, "problem": problems[0]}
+            )
         return cls(
             schedule=app_settings.webhook_retry,
             retry_after_max=app_settings.webhook_retry_after_max,
@@ -86,15 +89,21 @@ def settings_problems() -> list[str]:
     schedule: Any = app_settings.get("WEBHOOK_RETRY")
     if not _waits(schedule):
         problems.append(
-            f"WEBHOOK_RETRY must be a non-empty list of waits in seconds, such as "
-            f"{list(map(int, DAY_SCHEDULE))}, not {schedule!r}"
+            _(
+                "WEBHOOK_RETRY must be a non-empty list of waits in seconds, such as "
+                "%(example)s, not %(value)r"
+            )
+            % {"example": list(map(int, DAY_SCHEDULE)), "value": schedule}
         )
     for name in ("WEBHOOK_RETRY_AFTER_MAX", "WEBHOOK_TIMEOUT"):
         value = app_settings.get(name)
         if not _wait(value):
             problems.append(
-                f"{name} must be a number of seconds above 0 and at most "
-                f"{LONGEST_WAIT:g}, not {value!r}"
+                _(
+                    "%(name)s must be a number of seconds above 0 "
+                    "and at most %(longest)g, not %(value)r"
+                )
+                % {"name": name, "longest": LONGEST_WAIT, "value": value}
             )
     return problems
 

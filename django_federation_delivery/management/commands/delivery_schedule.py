@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.utils.translation import gettext as _
-from django.utils.translation import ngettext
+from django.utils.translation import gettext_noop, ngettext
+
+from django_federation_delivery.management.base import TranslatedCommand
 
 
-class Command(BaseCommand):
-    help = (
+class Command(TranslatedCommand):
+    help = gettext_noop(
         "Create or bring up to date the django-q2 schedules that deliver from a "
         "qcluster instead of run_deliverer: a round of the deliverer every minute "
         "and a purge every hour. Safe to run again. Needs the 'django-q' extra."
@@ -21,13 +23,17 @@ class Command(BaseCommand):
         parser.add_argument(
             "--round-seconds",
             default=None,
-            help="How long each round claims and sends before it finishes what is in "
-            "flight (default: 50, or less if Q_CLUSTER's timeout and retry need it).",
+            help=_(
+                "How long each round claims and sends before it finishes what is in "
+                "flight (default: 50, or less if Q_CLUSTER's timeout and retry need it)."
+            ),
         )
         parser.add_argument(
-            "--no-purge", action="store_true", help="Schedule the rounds only, not the purge."
+            "--no-purge", action="store_true", help=_("Schedule the rounds only, not the purge.")
         )
-        parser.add_argument("--remove", action="store_true", help="Delete both schedules instead.")
+        parser.add_argument(
+            "--remove", action="store_true", help=_("Delete both schedules instead.")
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -61,8 +67,9 @@ class Command(BaseCommand):
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
         bound = django_q.round_seconds(seconds)
+        said = {"created": _("created"), "updated": _("updated"), "unchanged": _("unchanged")}
         for name, what in done.items():
-            self.stdout.write(f"{name}: {what}")
+            self.stdout.write(f"{name}: {said[what]}")
         self.stdout.write(
             self.style.SUCCESS(
                 (

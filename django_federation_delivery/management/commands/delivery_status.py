@@ -9,11 +9,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
 
 from django_federation_delivery import heartbeats, store
+from django_federation_delivery.management.base import TranslatedCommand
 from django_federation_delivery.overview import (
     BREAKER_STATES,
     Overview,
@@ -212,45 +214,58 @@ def render(status: Overview) -> str:
     return "\n".join(parts)
 
 
-class Command(BaseCommand):
-    help = (
+class Command(TranslatedCommand):
+    help = gettext_noop(
         "Show the delivery queues: each lane's due, scheduled, in-flight and held "
         "deliveries and its lag, recent outcomes, the hosts failing most and the "
         "open breakers, the live deliverers. --json for scripts; --check for a probe: "
-        f"exits {UNHEALTHY} with one line saying why when work is due and no deliverer is "
+        "exits %(status)d with one line saying why when work is due and no deliverer is "
         "alive, or the oldest due delivery has waited longer than --max-lag."
     )
 
+    def translated_help(self) -> str:
+        return _(self.help) % {"status": UNHEALTHY}
+
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--json", action="store_true", help="Print JSON, for scripts.")
+        parser.add_argument("--json", action="store_true", help=_("Print JSON, for scripts."))
         parser.add_argument(
             "--hosts",
             type=str,
             default="10",
-            help="How many of the hosts failing most to show (default 10).",
+            help=_("How many of the hosts failing most to show (default 10)."),
         )
         parser.add_argument(
-            "--database", default=DEFAULT_DB_ALIAS, help="The database alias the queue lives in."
+            "--database",
+            default=DEFAULT_DB_ALIAS,
+            help=_("The database alias the queue lives in."),
         )
         parser.add_argument(
             "--check",
             action="store_true",
-            help=f"Print one line and exit 0 when healthy, {UNHEALTHY} when work is due and "
-            f"no deliverer has been seen for {heartbeats.NO_DELIVERER_AFTER:g} s, or the oldest "
-            "due delivery has waited longer than --max-lag.",
+            help=_(
+                "Print one line and exit 0 when healthy, %(status)d when work is due and "
+                "no deliverer has been seen for %(seconds)g s, or the oldest due delivery "
+                "has waited longer than --max-lag."
+            )
+            % {"status": UNHEALTHY, "seconds": heartbeats.NO_DELIVERER_AFTER},
         )
         parser.add_argument(
             "--max-lag",
             type=str,
             default=str(MAX_LAG),
-            help=f"With --check: the longest a due delivery may wait, in seconds (default "
-            f"{MAX_LAG}; 0 to not check the lag).",
+            help=_(
+                "With --check: the longest a due delivery may wait, in seconds (default "
+                "%(seconds)d; 0 to not check the lag)."
+            )
+            % {"seconds": MAX_LAG},
         )
         parser.add_argument(
             "--this-host",
             action="store_true",
-            help="With --check: count only the deliverers on this machine (its host name), "
-            "as a probe beside one deliverer wants.",
+            help=_(
+                "With --check: count only the deliverers on this machine (its host name), "
+                "as a probe beside one deliverer wants."
+            ),
         )
 
     def handle(self, *args: Any, **options: Any) -> None:

@@ -7,12 +7,14 @@ import time
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop, ngettext
 
 from django_federation_delivery import retention
 from django_federation_delivery.checks import LONGEST_RETENTION
+from django_federation_delivery.management.base import TranslatedCommand
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: How often the progress line is written, at most.
@@ -35,8 +37,8 @@ def parse_age(value: str) -> float:
     return float(seconds)
 
 
-class Command(BaseCommand):
-    help = (
+class Command(TranslatedCommand):
+    help = gettext_noop(
         "Delete settled deliveries past their retention (the RETENTION setting, or "
         "--older-than for every settled status), a chunk at a time, then the batches "
         "left with no delivery and the hosts not seen since, and the history's minutes "
@@ -47,14 +49,16 @@ class Command(BaseCommand):
         parser.add_argument(
             "--older-than",
             default=None,
-            help="Delete every settled delivery older than this (7d, 12h, 90m, 3600s) "
-            "instead of by RETENTION.",
+            help=_(
+                "Delete every settled delivery older than this (7d, 12h, 90m, 3600s) "
+                "instead of by RETENTION."
+            ),
         )
         parser.add_argument(
-            "--dry-run", action="store_true", help="Count what would be deleted; delete nothing."
+            "--dry-run", action="store_true", help=_("Count what would be deleted; delete nothing.")
         )
         parser.add_argument(
-            "--database", default=DEFAULT_DB_ALIAS, help="The database alias the queue lives in."
+            "--database", default=DEFAULT_DB_ALIAS, help=_("The database alias the queue lives in.")
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -73,9 +77,12 @@ class Command(BaseCommand):
                 # The history has a retention of its own.
                 kept = retention.purge({}, dry_run=bool(options["dry_run"]), using=using)
                 self.stdout.write(
-                    _(
+                    ngettext(
                         "RETENTION keeps every settled delivery: nothing to purge "
-                        "but %(minutes)d history minutes."
+                        "but %(minutes)d history minute.",
+                        "RETENTION keeps every settled delivery: nothing to purge "
+                        "but %(minutes)d history minutes.",
+                        kept.history,
                     )
                     % {"minutes": kept.history}
                 )
@@ -98,7 +105,5 @@ class Command(BaseCommand):
         purged = retention.purge(
             retention.cutoffs_for(seconds), dry_run=dry_run, on_progress=progress, using=using
         )
-        line = purged.line()
-        if dry_run:
-            line = _("Dry run: %(line)s") % {"line": line}
-        self.stdout.write(self.style.SUCCESS(f"{line}."))
+        line = (_("Dry run: %(line)s.") if dry_run else _("%(line)s.")) % {"line": purged.line()}
+        self.stdout.write(self.style.SUCCESS(line))

@@ -1,0 +1,29 @@
+"""System checks for the ``FEDERATION_DELIVERY`` settings and the database.
+
+Importing this package registers them all (``apps.py`` does, once ready).
+"""
+
+from __future__ import annotations
+
+from django_federation_delivery.checks.bounds import (
+    LONGEST_RETENTION,
+    PREFIX,
+    SECONDS,
+    WHOLE_NUMBERS,
+)
+from django_federation_delivery.checks.database import check_sqlite, sqlite_problems
+from django_federation_delivery.checks.policies import check_retention
+from django_federation_delivery.checks.values import check_settings
+from django_federation_delivery.checks.webhooks import check_webhooks
+
+__all__ = [
+    "LONGEST_RETENTION",
+    "PREFIX",
+    "SECONDS",
+    "WHOLE_NUMBERS",
+    "check_retention",
+    "check_settings",
+    "check_sqlite",
+    "check_webhooks",
+    "sqlite_problems",
+]

@@ -1,0 +1,71 @@
+"""Checks of the database the queue lives in."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.utils.translation import gettext as _
+
+from django_federation_delivery.checks.bounds import PREFIX
+
+
+@register(Tags.database)
+def check_sqlite(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """SQLite needs WAL and a busy timeout for a web process and the deliverer
+    to write at once without "database is locked"."""
+    from django.db import connections
+
+    messages: list[CheckMessage] = []
+    for alias in kwargs.get("databases") or []:
+        connection = connections[alias]
+        if connection.vendor != "sqlite":
+            continue
+        messages += sqlite_problems(alias, connection)
+    return messages
+
+
+def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:
+    messages: list[CheckMessage] = []
+    if sqlite3.sqlite_version_info < (3, 35, 0):
+        messages.append(
+            Error(
+                _("SQLite %(version)s has no UPDATE … RETURNING, which claims need.")
+                % {"version": sqlite3.sqlite_version},
+                hint=_("Use SQLite 3.35 or newer."),
+                id=f"{PREFIX}.E020",
+            )
+        )
+    timeout = connection.settings_dict.get("OPTIONS", {}).get("timeout")
+    if not isinstance(timeout, int | float) or timeout < 10:
+        messages.append(
+            Warning(
+                _("The SQLite database %(alias)r has a busy timeout of %(timeout)s s.")
+                % {"alias": alias, "timeout": timeout or 5},
+                hint=_(
+                    "Set DATABASES[...]['OPTIONS']['timeout'] = 20 (seconds) or more, so that "
+                    "the deliverer and web processes wait for each other's writes instead of "
+                    "failing with 'database is locked'."
+                ),
+                id=f"{PREFIX}.W001",
+            )
+        )
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA journal_mode")
+        mode = str(cursor.fetchone()[0]).lower()
+    if mode != "wal":
+        messages.append(
+            Warning(
+                _("The SQLite database %(alias)r is in journal mode %(mode)r, not WAL.")
+                % {"alias": alias, "mode": mode},
+                hint=_(
+                    "Use WAL so that readers do not block the deliverer's writes: on Django 5.1+ "
+                    "add 'init_command': 'PRAGMA journal_mode=WAL;' to OPTIONS, or run "
+                    "'PRAGMA journal_mode=WAL;' once on the database file (it persists)."
+                ),
+                id=f"{PREFIX}.W002",
+            )
+        )
+    return messages

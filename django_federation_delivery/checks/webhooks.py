@@ -1,0 +1,68 @@
+"""Checks of the webhook destinations and their settings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, register
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.translation import gettext as _
+
+from django_federation_delivery.checks.bounds import PREFIX
+from django_federation_delivery.conf import SETTING, app_settings
+
+
+@register()
+def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """Each webhook destination parses; a message names it, never its URL (a credential)."""
+    from django_federation_delivery.webhooks import parse_destination
+
+    webhooks = (
+        app_settings.get("WEBHOOKS") if isinstance(getattr(settings, SETTING, {}), dict) else {}
+    )
+    if not isinstance(webhooks, dict) or not all(isinstance(name, str) for name in webhooks):
+        return [
+            Error(
+                _("%(setting)s['WEBHOOKS'] must be a dict of destination names to URLs.")
+                % {"setting": SETTING},
+                hint=_(
+                    'Write "WEBHOOKS": webhooks_from_env(env), which reads every WEBHOOK_<NAME> '
+                    "variable (from django_federation_delivery.webhooks)."
+                ),
+                id=f"{PREFIX}.E030",
+            )
+        ]
+    errors: list[CheckMessage] = []
+    for name, url in webhooks.items():
+        try:
+            parse_destination(name, url)
+        except ImproperlyConfigured as exc:
+            errors.append(
+                Error(
+                    str(exc),
+                    hint=_(
+                        "Set %(variable)s (read by webhooks_from_env) to a URL of one of the "
+                        "forms in the README's 'Webhooks (destinations)': slack://, discord://, "
+                        "markdown://, telegram://, or https://…?secret=whsec_…."
+                    )
+                    % {"variable": f"WEBHOOK_{name.upper()}"},
+                    id=f"{PREFIX}.E031",
+                )
+            )
+    from django_federation_delivery.webhooks.policy import settings_problems
+
+    if isinstance(getattr(settings, SETTING, {}), dict):
+        errors += [
+            Error(
+                _("%(setting)s: %(problem)s.") % {"setting": SETTING, "problem": problem},
+                hint=_(
+                    "Leave it out for the default: the nine tries across a day, "
+                    "Retry-After honoured up to an hour, 10 s a request."
+                ),
+                id=f"{PREFIX}.E032",
+            )
+            for problem in settings_problems()
+        ]
+    return errors
