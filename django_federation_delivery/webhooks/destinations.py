@@ -19,6 +19,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
 
 __all__ = [
     "KEY_PREFIX",
@@ -38,10 +39,10 @@ class Kind(enum.StrEnum):
     SLACK = "slack", "Slack"
     DISCORD = "discord", "Discord"
     # Mattermost, Rocket.Chat and other hooks that take {"text": markdown}.
-    MARKDOWN = "markdown", "Markdown hook"
+    MARKDOWN = "markdown", gettext_noop("Markdown hook")
     TELEGRAM = "telegram", "Telegram"
     # The event as JSON, signed as the Standard Webhooks specification says.
-    SIGNED_JSON = "json", "Signed JSON"
+    SIGNED_JSON = "json", gettext_noop("Signed JSON")
 
     label: str
 
@@ -163,7 +164,8 @@ def parse_destination(name: str, url: str) -> Destination:
     path = _checked_path(target, bad)
     if path.strip("/") == "":
         raise bad(
-            _("a %(kind)s URL needs the hook's path, as the service gave it") % {"kind": kind.label}
+            _("a %(kind)s URL needs the hook's path, as the service gave it")
+            % {"kind": _(kind.label)}
         )
     return Destination(
         name=name,

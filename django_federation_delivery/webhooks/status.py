@@ -21,6 +21,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Min, Q
 from django.utils import timezone
+from django.utils.translation import gettext, gettext_noop
 
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Delivery, Status
@@ -36,7 +37,7 @@ __all__ = ["DestinationHead", "DestinationStatus", "destination_status"]
 
 #: What the list says of a destination whose URL does not parse; never why, in
 #: case the reason quotes part of it: ``manage.py check`` says.
-MISCONFIGURED = "misconfigured (see manage.py check)"
+MISCONFIGURED = gettext_noop("misconfigured (see manage.py check)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,8 @@ def _kind(name: str, configured: Mapping[str, Destination | None]) -> str:
     if name not in configured:
         return ""
     destination = configured[name]
-    return destination.kind.label if destination is not None else MISCONFIGURED
+    # Labels are kept in English, and shown in the active language.
+    return gettext(destination.kind.label if destination is not None else MISCONFIGURED)
 
 
 def _head(
