@@ -9,7 +9,7 @@ slow tests (subprocesses, Chromium) too, as runs of their own, so that the
 longest runs start first and no run waits for another. On PostgreSQL, the
 tests that cannot reach a database, or test what no database changes, are
 left out: they ran on SQLite, and would run the same. At most N runs go at
-once (default 3, or FD_TEST_JOBS): they share nothing (each has a database
+once (default 4, or FD_TEST_JOBS): they share nothing (each has a database
 of its own: see tests/settings.py) and mostly wait on sockets, subprocesses
 and timers, but the suite has timing assertions that a machine loaded far
 past its cores would break.
@@ -36,7 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright there only
 NO_TESTS_COLLECTED = 5
-SLOW_WORKERS = 3
+SLOW_WORKERS = 2
+#: The niceness of the runs without slow tests. The slow runs mostly wait on
+#: subprocesses that start Django, and on a machine busy past its cores each
+#: start takes many seconds: with first call on the CPU they end in a third
+#: of the time, and the other runs take up what is left.
+NOT_SLOW_NICENESS = 5
 #: Which tests a database's runs leave out, having run them on SQLite: those
 #: that cannot reach a database (tests/conftest.py marks them no_database)
 #: and those of what no database changes (marked any_database by hand).
@@ -51,6 +56,7 @@ class Run:
     python: str
     environ: dict[str, str]
     args: list[str]
+    niceness: int = 0
     code: int | None = None
     seconds: float = 0.0
     summary: str = ""
@@ -63,8 +69,9 @@ class Run:
     def start_and_wait(self) -> None:
         started = time.monotonic()
         with tempfile.TemporaryFile() as output:
+            nice = ["nice", "-n", str(self.niceness)] if self.niceness else []
             self.code = subprocess.call(
-                [self.python, "-m", "pytest", "-m", self.marks, *self.args],
+                [*nice, self.python, "-m", "pytest", "-m", self.marks, *self.args],
                 cwd=ROOT,
                 env=self.environ,
                 stdin=subprocess.DEVNULL,
@@ -108,7 +115,9 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     for database, environ in databases.items():
         marks = f"not slow and {ONLY[database]}" if database in ONLY else "not slow"
         for env in envs:
-            runs.append(Run(env, database, marks, interpreter(env), environ, args))
+            runs.append(
+                Run(env, database, marks, interpreter(env), environ, args, NOT_SLOW_NICENESS)
+            )
     return runs
 
 
@@ -152,7 +161,7 @@ def verdicts(runs: list[Run]) -> dict[int, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=int(os.environ.get("FD_TEST_JOBS", 3)))
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("FD_TEST_JOBS", 4)))
     parser.add_argument("envs", nargs="+", metavar="ENV")
     argv = sys.argv[1:]
     pytest_args: list[str] = []
