@@ -193,6 +193,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return  # a worker's summary is not shown: the run's own process prints it
     if lines := LEFT_OVER.take():
         terminalreporter.section("PostgreSQL sessions left over by a test, or holding one up")
         for line in lines:
