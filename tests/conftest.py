@@ -64,12 +64,46 @@ DATABASE_FIXTURES = frozenset(
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Marked before -m selects: the runs on PostgreSQL leave out what never
-    # reaches a database, having run it on SQLite already.
+    # reaches a database, having run it on SQLite already. And a test of the
+    # queue that commits is emptied after, of the queue's tables only.
     for item in items:
-        if item.get_closest_marker("django_db") is None and DATABASE_FIXTURES.isdisjoint(
-            getattr(item, "fixturenames", ())
-        ):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        marker = item.get_closest_marker("django_db")
+        if marker is None and DATABASE_FIXTURES.isdisjoint(fixtures):
             item.add_marker(pytest.mark.no_database)
+        elif (
+            _flushes(marker, fixtures)
+            and WEB_FIXTURES.isdisjoint(fixtures)
+            and item.path.name not in WEB_MODULES
+        ):
+            kwargs = marker.kwargs if marker else {}
+            queue_only = pytest.mark.django_db(
+                **{**kwargs, "transaction": True, "available_apps": QUEUE_APPS}
+            )
+            item.add_marker(queue_only, append=False)
+
+
+#: What a test of the web side asks for; one that asks for none uses no
+#: table but the queue's (and django-q2's broker).
+WEB_FIXTURES = frozenset(
+    {"client", "admin_client", "admin_user", "django_user_model", "live_server", "rf"}
+)
+#: The modules whose tests sign in to the admin (users, sessions, permissions).
+WEB_MODULES = frozenset(
+    {"test_admin.py", "test_admin_webhooks.py", "test_browser.py", "test_secrets.py"}
+)
+#: The apps of a test of the queue, whose tables alone a transactional test
+#: empties after it. Django's flush of every table, and the permissions and
+#: content types it makes again, cost more than most such tests.
+QUEUE_APPS = ["django_federation_delivery", "django_q"]
+
+
+def _flushes(marker: pytest.Mark | None, fixtures: set[str]) -> bool:
+    if marker is not None:
+        if marker.kwargs.get("available_apps") is not None:
+            return False
+        return bool(marker.kwargs.get("transaction", marker.args[0] if marker.args else False))
+    return "transactional_db" in fixtures
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
