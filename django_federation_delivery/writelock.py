@@ -2,14 +2,16 @@
 
 SQLite lets one connection write at a time. A web process that sends every
 few milliseconds takes the lock again as soon as it commits, and a ``BEGIN
-IMMEDIATE`` that finds it taken waits in SQLite's busy handler, which sleeps
-1, 2, 5, 10 … up to 100 ms between its looks: the deliverer is let in long
-after the lock first freed, tens of milliseconds a claim or a settle against
-the sender's half millisecond. Python's sqlite3 offers no hook into that
-handler, so for the deliverer's own connection the ``BEGIN`` is tried with
-no busy timeout and tried again after a short sleep (half a millisecond,
-growing to 2 ms), until the connection's busy timeout (``OPTIONS['timeout']``)
-has passed; then SQLite's "database is locked" is raised, as before.
+IMMEDIATE`` that finds it taken waits in SQLite's busy handler, which looks
+again after 1, 2, 5, 10 … up to 100 ms: the deliverer is let in long after
+the lock first freed, tens of milliseconds a claim or a settle against the
+sender's half millisecond. Python's sqlite3 offers no hook into that handler,
+so for the deliverer's own connection the ``BEGIN`` is given a busy timeout
+of a few milliseconds, where the handler's first looks are 1 and 2 ms apart,
+and is tried again each time that runs out, until the connection's own busy
+timeout (``OPTIONS['timeout']``) has passed; then SQLite's "database is
+locked" is raised, as before. The looks are SQLite's, made without the GIL:
+a sleep in Python would wait for the GIL after each, behind the workers.
 
 Only a ``BEGIN IMMEDIATE`` or ``BEGIN EXCLUSIVE`` is tried again: it either
 takes the lock or changes nothing. Every other statement runs once, with the
@@ -21,6 +23,7 @@ waits in the busy handler as before. PostgreSQL is not touched.
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import time
 from collections.abc import Callable
@@ -30,13 +33,15 @@ from django.db import OperationalError, connections
 
 __all__ = ["PromptWriteLock", "install"]
 
-#: The first sleep between two tries of a BEGIN, in seconds.
-FIRST_WAIT = 0.0005
-#: Each sleep is this much longer than the one before …
+#: The busy timeout of a BEGIN's first try, in milliseconds: SQLite looks
+#: at the lock after 1 and 3 ms.
+FIRST_TRY_MS = 3.0
+#: Each try's is this much longer than the one before …
 GROWTH = 1.25
-#: … up to this: a few looks a millisecond cost little CPU, and a lock held
-#: long (a fan-out's enqueue) is taken at most this late once it frees.
-LONGEST_WAIT = 0.002
+#: … up to this: looks at 0, 1, 3, 8 and 10 ms, so that a lock held long (a
+#: fan-out's enqueue) costs a try every 10 ms, and is taken within 5 ms of
+#: its freeing.
+LONGEST_TRY_MS = 10.0
 
 #: The BEGINs that take the write lock (Django writes ``BEGIN <mode>``).
 LOCKING_BEGINS = frozenset({"BEGIN IMMEDIATE", "BEGIN EXCLUSIVE"})
@@ -69,18 +74,10 @@ def is_busy(exc: BaseException) -> bool:
 
 class PromptWriteLock:
     """An execute wrapper of one SQLite connection: its locking BEGINs wait
-    for the lock in short sleeps instead of SQLite's busy handler."""
+    for the lock in short busy timeouts, tried again, instead of one long one."""
 
-    def __init__(
-        self,
-        connection: Any,
-        *,
-        sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, connection: Any) -> None:
         self.connection = connection
-        self.sleep = sleep
-        self.clock = clock
         #: The raw connection last seen, and its busy timeout in milliseconds.
         self._raw: sqlite3.Connection | None = None
         self._timeout_ms = 0
@@ -92,9 +89,8 @@ class PromptWriteLock:
             return execute(sql, params, many, context)
         raw = self.connection.connection
         timeout_ms = self._busy_timeout(raw)
-        raw.execute("PRAGMA busy_timeout = 0")
         try:
-            return self._begin(execute, sql, params, many, context, timeout_ms / 1000)
+            return self._begin(raw, lambda: execute(sql, params, many, context), timeout_ms)
         finally:
             raw.execute(f"PRAGMA busy_timeout = {timeout_ms:d}")
 
@@ -106,24 +102,16 @@ class PromptWriteLock:
             self._raw = raw
         return self._timeout_ms
 
-    def _begin(
-        self,
-        execute: Callable[..., Any],
-        sql: str,
-        params: Any,
-        many: bool,
-        context: Any,
-        timeout: float,
-    ) -> Any:
-        deadline = self.clock() + timeout
-        wait = FIRST_WAIT
+    def _begin(self, raw: sqlite3.Connection, begin: Callable[[], Any], timeout_ms: int) -> Any:
+        deadline = time.monotonic() + timeout_ms / 1000
+        try_ms = FIRST_TRY_MS
         while True:
+            # Never past the deadline (rounded up: the last try is made at it).
+            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
+            raw.execute(f"PRAGMA busy_timeout = {max(0, min(int(try_ms), left_ms)):d}")
             try:
-                return execute(sql, params, many, context)
+                return begin()
             except (OperationalError, sqlite3.OperationalError) as exc:
-                left = deadline - self.clock()
-                if not is_busy(exc) or left <= 0:
+                if not is_busy(exc) or time.monotonic() >= deadline:
                     raise
-            # A last try at the deadline, as SQLite's own handler makes.
-            self.sleep(min(wait, left))
-            wait = min(LONGEST_WAIT, wait * GROWTH)
+            try_ms = min(LONGEST_TRY_MS, try_ms * GROWTH)

@@ -142,8 +142,8 @@ def test_a_claim_gets_in_between_a_busy_senders_transactions(
         remove()
     # The one the claim found under way ends first; what matters is how many
     # more it lets by. SQLite's handler looks at 1, 3, 8, 18, 33, 53 … ms:
-    # it often misses the free moments of several. Looked for every half
-    # millisecond or so, the lock is nearly always taken at the first.
+    # it often misses the free moments of several. Looked for every
+    # millisecond or two, the lock is nearly always taken at the first.
     beyond_first = {
         name: sum(max(0, count - 1) for count in counts)
         for name, counts in (("prompt", prompt), ("busy handler", with_busy_handler))
@@ -210,39 +210,36 @@ def test_nothing_but_the_begin_is_tried_again(
 
 
 @sqlite_only
-@pytest.mark.django_db(transaction=True)
-def test_the_begin_is_tried_again_in_short_growing_sleeps_until_the_timeout(
+def test_each_try_of_the_begin_waits_a_few_milliseconds_until_the_busy_timeout(
     tmp_path: Path,
 ) -> None:
     path = str(tmp_path / "lock.sqlite3")
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
     raw = sqlite3.connect(path, timeout=0.05, isolation_level=None)
-    now = [0.0]
-    sleeps: list[float] = []
-
-    def sleep(seconds: float) -> None:
-        sleeps.append(seconds)
-        now[0] += seconds
+    timeouts: list[int] = []
 
     def execute(sql: str, *rest: Any) -> Any:
+        timeouts.append(raw.execute("PRAGMA busy_timeout").fetchone()[0])
         return raw.execute(sql)
 
     try:
-        lock = PromptWriteLock(_Wrapping(raw), sleep=sleep, clock=lambda: now[0])
+        lock = PromptWriteLock(_Wrapping(raw))
+        started = time.monotonic()
         with pytest.raises(sqlite3.OperationalError, match="database is locked"):
             lock(execute, "BEGIN IMMEDIATE", None, False, {})
-        assert sum(sleeps) == pytest.approx(0.05)
-        assert sleeps[0] == writelock.FIRST_WAIT
-        assert sleeps[1] == writelock.FIRST_WAIT * writelock.GROWTH
-        assert max(sleeps) == writelock.LONGEST_WAIT
+        assert time.monotonic() - started >= 0.05
+        # 3 ms, a quarter longer each time up to 10, and none past the 50.
+        assert timeouts[:7] == [3, 3, 4, 5, 7, 9, 10]
+        assert max(timeouts) == 10 and sum(timeouts) <= 51
         assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 50
         # Freed: taken at the next try.
         other.execute("COMMIT")
-        sleeps.clear()
+        timeouts.clear()
         lock(execute, "BEGIN IMMEDIATE", None, False, {})
-        assert raw.in_transaction and sleeps == []
+        assert raw.in_transaction and timeouts == [3]
         raw.execute("COMMIT")
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 50
     finally:
         other.close()
         raw.close()
