@@ -7,8 +7,8 @@ again after 1, 2, 5, 10 … up to 100 ms: the deliverer is let in long after
 the lock first freed, tens of milliseconds a claim or a settle against the
 sender's half millisecond. Python's sqlite3 offers no hook into that handler,
 so for the deliverer's own connection the ``BEGIN`` is given a busy timeout
-of a few milliseconds, where the handler's first looks are 1 and 2 ms apart,
-and is tried again each time that runs out, until the connection's own busy
+of a millisecond (growing to 10), where the handler's looks are 1 to 5 ms
+apart, and is tried again each time that runs out, until the connection's own busy
 timeout (``OPTIONS['timeout']``) has passed; then SQLite's "database is
 locked" is raised, as before. The looks are SQLite's, made without the GIL:
 a sleep in Python would wait for the GIL after each, behind the workers.
@@ -33,9 +33,9 @@ from django.db import OperationalError, connections
 
 __all__ = ["PromptWriteLock", "install"]
 
-#: The busy timeout of a BEGIN's first try, in milliseconds: SQLite looks
-#: at the lock after 1 and 3 ms.
-FIRST_TRY_MS = 3.0
+#: The busy timeout of a BEGIN's first try, in milliseconds: SQLite looks at
+#: the lock at once and after 1 ms, and the next try looks again at once.
+FIRST_TRY_MS = 1.0
 #: Each try's is this much longer than the one before …
 GROWTH = 1.25
 #: … up to this: looks at 0, 1, 3, 8 and 10 ms, so that a lock held long (a

@@ -118,10 +118,10 @@ def test_a_claim_gets_in_between_a_busy_senders_transactions(
 ) -> None:
     claims_each = 50
     send(ALICE, NOTE, [f"https://a.example/inbox/{n}" for n in range(2 * claims_each)])
-    # A sender that holds the lock half a millisecond or so, and takes it
-    # again a little later: steady.py's producer, give or take.
+    # A sender that holds the lock a millisecond or so, and takes it again a
+    # few tenths of a millisecond later: a busier steady.py producer.
     draw = random.Random(1)
-    sender = holder(lambda: draw.uniform(0.0003, 0.001), lambda: draw.uniform(0.0001, 0.0006))
+    sender = holder(lambda: draw.uniform(0.0005, 0.0015), lambda: draw.uniform(0.0002, 0.0005))
 
     def passed_by() -> list[int]:
         """How many of the sender's transactions went by while each claim waited."""
@@ -143,12 +143,12 @@ def test_a_claim_gets_in_between_a_busy_senders_transactions(
     # The one the claim found under way ends first; what matters is how many
     # more it lets by. SQLite's handler looks at 1, 3, 8, 18, 33, 53 … ms:
     # it often misses the free moments of several. Looked for every
-    # millisecond or two, the lock is nearly always taken at the first.
+    # millisecond or so, the lock is taken at the first or the next.
     beyond_first = {
         name: sum(max(0, count - 1) for count in counts)
         for name, counts in (("prompt", prompt), ("busy handler", with_busy_handler))
     }
-    assert statistics.median(prompt) <= 1, (prompt, with_busy_handler)
+    assert statistics.median(prompt) <= 2, (prompt, with_busy_handler)
     assert beyond_first["prompt"] * 3 <= beyond_first["busy handler"], (prompt, with_busy_handler)
 
 
@@ -216,7 +216,7 @@ def test_each_try_of_the_begin_waits_a_few_milliseconds_until_the_busy_timeout(
     path = str(tmp_path / "lock.sqlite3")
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
-    raw = sqlite3.connect(path, timeout=0.05, isolation_level=None)
+    raw = sqlite3.connect(path, timeout=0.1, isolation_level=None)
     timeouts: list[int] = []
 
     def execute(sql: str, *rest: Any) -> Any:
@@ -228,18 +228,18 @@ def test_each_try_of_the_begin_waits_a_few_milliseconds_until_the_busy_timeout(
         started = time.monotonic()
         with pytest.raises(sqlite3.OperationalError, match="database is locked"):
             lock(execute, "BEGIN IMMEDIATE", None, False, {})
-        assert time.monotonic() - started >= 0.05
-        # 3 ms, a quarter longer each time up to 10, and none past the 50.
-        assert timeouts[:7] == [3, 3, 4, 5, 7, 9, 10]
-        assert max(timeouts) == 10 and sum(timeouts) <= 51
-        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 50
+        assert time.monotonic() - started >= 0.1
+        # 1 ms, a quarter longer each time up to 10, and none past the 100.
+        assert timeouts[:12] == [1, 1, 1, 1, 2, 3, 3, 4, 5, 7, 9, 10]
+        assert max(timeouts) == 10 and sum(timeouts) <= 101
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 100
         # Freed: taken at the next try.
         other.execute("COMMIT")
         timeouts.clear()
         lock(execute, "BEGIN IMMEDIATE", None, False, {})
-        assert raw.in_transaction and timeouts == [3]
+        assert raw.in_transaction and timeouts == [1]
         raw.execute("COMMIT")
-        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 50
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 100
     finally:
         other.close()
         raw.close()
