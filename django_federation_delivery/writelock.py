@@ -4,14 +4,15 @@ SQLite lets one connection write at a time. A web process that sends every
 few milliseconds takes the lock again as soon as it commits, and a ``BEGIN
 IMMEDIATE`` that finds it taken waits in SQLite's busy handler, which looks
 again after 1, 2, 5, 10 … up to 100 ms: the deliverer is let in long after
-the lock first freed, tens of milliseconds a claim or a settle against the
-sender's half millisecond. Python's sqlite3 offers no hook into that handler,
-so for the deliverer's own connection the ``BEGIN`` is given a busy timeout
-of a millisecond (growing to 10), where the handler's looks are 1 to 5 ms
-apart, and is tried again each time that runs out, until the connection's own busy
-timeout (``OPTIONS['timeout']``) has passed; then SQLite's "database is
-locked" is raised, as before. The looks are SQLite's, made without the GIL:
-a sleep in Python would wait for the GIL after each, behind the workers.
+the lock first freed (10 to 130 ms a claim or a settle in
+``benchmarks/steady.py``, against the sender's half millisecond). Python's
+sqlite3 offers no hook into that handler, so for the deliverer's own
+connection the ``BEGIN`` is given a busy timeout of a millisecond (growing to
+10, where the handler's looks are still 1 to 5 ms apart) and is tried again
+each time that runs out, until the connection's own busy timeout
+(``OPTIONS['timeout']``) has passed; then SQLite's "database is locked" is
+raised, as before. The looks are SQLite's, made without the GIL: a sleep in
+Python would wait for the GIL after each one, behind the worker threads.
 
 Only a ``BEGIN IMMEDIATE`` or ``BEGIN EXCLUSIVE`` is tried again: it either
 takes the lock or changes nothing. Every other statement runs once, with the
