@@ -193,7 +193,9 @@ class SqlCounter:
 
     def created(self, sender: Any, connection: Any, **kwargs: Any) -> None:
         if self.wrap not in connection.execute_wrappers:
-            connection.execute_wrappers.append(self.wrap)
+            # The outermost: a BEGIN the deliverer tries again until it takes
+            # the lock (writelock.py) is one statement, its sleeps included.
+            connection.execute_wrappers.insert(0, self.wrap)
         commit = connection._commit
         if getattr(commit, "counted", False):
             return

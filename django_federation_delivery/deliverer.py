@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from django_federation_delivery import signals, wakeup
+from django_federation_delivery import signals, wakeup, writelock
 from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
@@ -214,6 +214,8 @@ class Deliverer:
             timer = threading.Timer(stop_after, self.stop)
             timer.daemon = True
             timer.start()
+        # On SQLite, this thread's claims and settles take the write lock as it frees.
+        remove_prompt_lock = writelock.install(self.using)
         try:
             self._db(self.webhooks.give_up_removed)
             while True:
@@ -269,6 +271,7 @@ class Deliverer:
             wakeup.unregister(self._wake)
             # This thread owned the ORM's connections: close them.
             connections.close_all()
+            remove_prompt_lock()
         if self.on_progress is not None:
             self.on_progress(self.summary)
         return self.summary

@@ -23,6 +23,7 @@ from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.retry import LONGEST_WAIT
 from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.upkeep import RECYCLE_EVERY
+from django_federation_delivery.writelock import PromptWriteLock
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE, BROKEN, rsa_key
@@ -447,6 +448,27 @@ def test_a_drain_does_not_end_while_the_database_is_away(
     lines = [record.getMessage() for record in caplog.records]
     assert len([line for line in lines if "unavailable" in line]) == 1, "one line an outage"
     assert lines[-1] == "The database is back"
+
+
+def test_on_sqlite_the_coordinator_takes_the_write_lock_promptly_and_only_while_it_runs(
+    inbox: Inbox,
+) -> None:
+    seen: list[list[type]] = []
+
+    def note(sender: Any, **kwargs: Any) -> None:
+        # Sent from the coordinator: this thread, with its connection.
+        seen.append([type(wrapper) for wrapper in connection.execute_wrappers])
+
+    before = list(connection.execute_wrappers)
+    send(ALICE, NOTE, [inbox.url()])
+    signals.delivery_settled.connect(note, weak=False)
+    try:
+        Deliverer().run(drain=True)
+    finally:
+        signals.delivery_settled.disconnect(note)
+    taken = [PromptWriteLock] if connection.vendor == "sqlite" else []
+    assert seen == [[*(type(wrapper) for wrapper in before), *taken]]
+    assert connection.execute_wrappers == before
 
 
 LISTENING = "Listening for new deliveries"

@@ -1,0 +1,118 @@
+"""The deliverer's way into SQLite's write lock: as soon as it frees.
+
+SQLite lets one connection write at a time. A web process that sends every
+few milliseconds takes the lock again as soon as it commits, and a ``BEGIN
+IMMEDIATE`` that finds it taken waits in SQLite's busy handler, which looks
+again after 1, 2, 5, 10 … up to 100 ms: the deliverer is let in long after
+the lock first freed (10 to 130 ms a claim or a settle in
+``benchmarks/steady.py``, against the sender's half millisecond). Python's
+sqlite3 offers no hook into that handler, so for the deliverer's own
+connection the ``BEGIN`` is given a busy timeout of a millisecond (growing to
+10, where the handler's looks are still 1 to 5 ms apart) and is tried again
+each time that runs out, until the connection's own busy timeout
+(``OPTIONS['timeout']``) has passed; then SQLite's "database is locked" is
+raised, as before. The looks are SQLite's, made without the GIL: a sleep in
+Python would wait for the GIL after each one, behind the worker threads.
+
+Only a ``BEGIN IMMEDIATE`` or ``BEGIN EXCLUSIVE`` is tried again: it either
+takes the lock or changes nothing. Every other statement runs once, with the
+busy handler as configured; in WAL none of a transaction that holds the lock
+meets a busy database. A deferred ``BEGIN`` (Django 4.2, or no
+``transaction_mode``) takes no lock: it is left alone, and its first write
+waits in the busy handler as before. PostgreSQL is not touched.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.db import OperationalError, connections
+
+__all__ = ["PromptWriteLock", "install"]
+
+#: The busy timeout of a BEGIN's first try, in milliseconds: SQLite looks at
+#: the lock at once and after 1 ms, and the next try looks again at once.
+FIRST_TRY_MS = 1.0
+#: Each try's is this much longer than the one before …
+GROWTH = 1.25
+#: … up to this: looks at 0, 1, 3, 8 and 10 ms, so that a lock held long (a
+#: fan-out's enqueue) costs a try every 10 ms, and is taken within 5 ms of
+#: its freeing.
+LONGEST_TRY_MS = 10.0
+
+#: The BEGINs that take the write lock (Django writes ``BEGIN <mode>``).
+LOCKING_BEGINS = frozenset({"BEGIN IMMEDIATE", "BEGIN EXCLUSIVE"})
+
+
+def install(using: str) -> Callable[[], None]:
+    """Has this thread's connection to ``using`` take SQLite's write lock as
+    soon as it frees (nothing on another database); returns what undoes it."""
+    connection = connections[using]
+    if connection.vendor != "sqlite":
+        return lambda: None
+    wrapper = PromptWriteLock(connection)
+    connection.execute_wrappers.append(wrapper)
+
+    def remove() -> None:
+        # By identity: another wrapper may have been added after this one.
+        if wrapper in connection.execute_wrappers:
+            connection.execute_wrappers.remove(wrapper)
+
+    return remove
+
+
+def is_busy(exc: BaseException) -> bool:
+    """Whether ``exc`` (Django's error or sqlite3's) is SQLITE_BUSY, in any of
+    its extended forms: "database is locked"."""
+    error = exc if isinstance(exc, sqlite3.Error) else exc.__cause__
+    code = getattr(error, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF == sqlite3.SQLITE_BUSY
+
+
+class PromptWriteLock:
+    """An execute wrapper of one SQLite connection: its locking BEGINs wait
+    for the lock in short busy timeouts, tried again, instead of one long one."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        #: The raw connection last seen, and its busy timeout in milliseconds.
+        self._raw: sqlite3.Connection | None = None
+        self._timeout_ms = 0
+
+    def __call__(
+        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        if many or params or " ".join(str(sql).split()).upper() not in LOCKING_BEGINS:
+            return execute(sql, params, many, context)
+        raw = self.connection.connection
+        timeout_ms = self._busy_timeout(raw)
+        try:
+            return self._begin(raw, lambda: execute(sql, params, many, context), timeout_ms)
+        finally:
+            raw.execute(f"PRAGMA busy_timeout = {timeout_ms:d}")
+
+    def _busy_timeout(self, raw: sqlite3.Connection) -> int:
+        # Read once a connection: what OPTIONS['timeout'] (or an init_command)
+        # made it. The deliverer reconnects often (CONN_MAX_AGE).
+        if raw is not self._raw:
+            self._timeout_ms = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
+            self._raw = raw
+        return self._timeout_ms
+
+    def _begin(self, raw: sqlite3.Connection, begin: Callable[[], Any], timeout_ms: int) -> Any:
+        deadline = time.monotonic() + timeout_ms / 1000
+        try_ms = FIRST_TRY_MS
+        while True:
+            # Never past the deadline (rounded up: the last try is made at it).
+            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
+            raw.execute(f"PRAGMA busy_timeout = {max(0, min(int(try_ms), left_ms)):d}")
+            try:
+                return begin()
+            except (OperationalError, sqlite3.OperationalError) as exc:
+                if not is_busy(exc) or time.monotonic() >= deadline:
+                    raise
+            try_ms = min(LONGEST_TRY_MS, try_ms * GROWTH)

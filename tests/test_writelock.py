@@ -1,0 +1,280 @@
+"""The deliverer's BEGIN on SQLite: tried again in short sleeps, not left to
+SQLite's busy handler; within the busy timeout, and nothing but the BEGIN.
+
+Real SQLite files: the lock is held by another connection, in a thread of
+its own, as a web process sending would hold it.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import django
+import pytest
+from django.db import OperationalError, connection, connections
+
+from django_federation_delivery import send, writelock
+from django_federation_delivery.models import Delivery
+from django_federation_delivery.store import claims
+from django_federation_delivery.writelock import PromptWriteLock, is_busy
+
+from .keys import ALICE
+
+sqlite_only = pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's lock only")
+
+NOTE = {"@context": "https://www.w3.org/ns/activitystreams", "type": "Create", "actor": ALICE}
+
+
+class Holder(threading.Thread):
+    """Another connection that takes the write lock, again and again: for
+    ``hold`` seconds each time (a callable: drawn each time), ``gap`` seconds
+    apart, as a web process sending one post after another would; until
+    stopped, which also ends a hold."""
+
+    def __init__(self, path: str, hold: Callable[[], float], gap: Callable[[], float]) -> None:
+        super().__init__(daemon=True)
+        self.path, self.hold, self.gap = path, hold, gap
+        self.committed = 0
+        self.holding = threading.Event()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        raw = sqlite3.connect(self.path, timeout=20, isolation_level=None)
+        try:
+            while not self.stopping.is_set():
+                raw.execute("BEGIN IMMEDIATE")
+                self.holding.set()
+                self.stopping.wait(self.hold())
+                self.holding.clear()
+                raw.execute("COMMIT")
+                self.committed += 1
+                time.sleep(self.gap())
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            raw.close()
+
+
+@pytest.fixture
+def immediate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This thread's transactions begin with ``BEGIN IMMEDIATE``, as the
+    example project's do (``transaction_mode``, Django 5.1+)."""
+    if django.VERSION < (5, 1):
+        pytest.skip("Django 4.2 has no transaction_mode: its BEGIN takes no lock")
+    # Set when the connection opens (from OPTIONS): open it first.
+    connections["default"].ensure_connection()
+    monkeypatch.setattr(connections["default"], "transaction_mode", "IMMEDIATE")
+
+
+@pytest.fixture
+def holder() -> Iterator[Callable[..., Holder]]:
+    started: list[Holder] = []
+
+    def start(hold: Callable[[], float], gap: Callable[[], float] = lambda: 0.0) -> Holder:
+        thread = Holder(str(connection.settings_dict["NAME"]), hold, gap)
+        started.append(thread)
+        thread.start()
+        assert thread.holding.wait(10)
+        return thread
+
+    yield start
+    for thread in started:
+        thread.stopping.set()
+        thread.join(30)
+        assert thread.error is None
+
+
+@pytest.fixture
+def prompt_lock() -> Iterator[None]:
+    remove = writelock.install("default")
+    try:
+        yield
+    finally:
+        remove()
+
+
+def busy_timeout_ms() -> int:
+    connection.ensure_connection()
+    return int(connection.connection.execute("PRAGMA busy_timeout").fetchone()[0])
+
+
+def set_busy_timeout(ms: int) -> None:
+    connection.ensure_connection()
+    connection.connection.execute(f"PRAGMA busy_timeout = {ms:d}")
+
+
+@sqlite_only
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_gets_in_between_a_busy_senders_transactions(
+    immediate: None, holder: Callable[..., Holder]
+) -> None:
+    claims_each = 50
+    send(ALICE, NOTE, [f"https://a.example/inbox/{n}" for n in range(2 * claims_each)])
+    # A sender that holds the lock a millisecond or so, and takes it again a
+    # few tenths of a millisecond later: a busier steady.py producer.
+    draw = random.Random(1)
+    sender = holder(lambda: draw.uniform(0.0005, 0.0015), lambda: draw.uniform(0.0002, 0.0005))
+
+    def passed_by() -> list[int]:
+        """How many of the sender's transactions went by while each claim waited."""
+        counts = []
+        for _ in range(claims_each):
+            # From inside one of its transactions: the claim must wait.
+            assert sender.holding.wait(10)
+            before = sender.committed
+            assert len(claims.claim(1, 60)) == 1
+            counts.append(sender.committed - before)
+        return counts
+
+    with_busy_handler = passed_by()
+    remove = writelock.install("default")
+    try:
+        prompt = passed_by()
+    finally:
+        remove()
+    # The one the claim found under way ends first; what matters is how many
+    # more it lets by. SQLite's handler looks at 1, 3, 8, 18, 33, 53 … ms:
+    # it often misses the free moments of several. Looked for every
+    # millisecond or so, the lock is taken at the first or the next.
+    beyond_first = {
+        name: sum(max(0, count - 1) for count in counts)
+        for name, counts in (("prompt", prompt), ("busy handler", with_busy_handler))
+    }
+    assert statistics.median(prompt) <= 2, (prompt, with_busy_handler)
+    assert beyond_first["prompt"] * 3 <= beyond_first["busy handler"], (prompt, with_busy_handler)
+
+
+@sqlite_only
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_held_past_the_busy_timeout_still_raises_database_is_locked(
+    immediate: None, holder: Callable[..., Holder], prompt_lock: None
+) -> None:
+    set_busy_timeout(300)
+    sender = holder(lambda: 60.0)
+    started = time.monotonic()
+    with pytest.raises(OperationalError, match="database is locked"):
+        claims.claim(1, 60)
+    waited = time.monotonic() - started
+    assert 0.3 <= waited < 3.0
+    # As it was: the busy timeout, and no transaction left open.
+    assert busy_timeout_ms() == 300
+    assert not connection.in_atomic_block
+    assert not connection.connection.in_transaction
+    sender.stopping.set()
+    sender.join(10)
+    assert claims.claim(1, 60) == []
+
+
+@sqlite_only
+@pytest.mark.django_db(transaction=True)
+def test_nothing_but_the_begin_is_tried_again(
+    holder: Callable[..., Holder], prompt_lock: None
+) -> None:
+    delete = f"DELETE FROM {Delivery._meta.db_table}"
+    executed: list[str] = []
+
+    def count(execute: Callable[..., Any], sql: str, *rest: Any) -> Any:
+        executed.append(sql)
+        return execute(sql, *rest)
+
+    set_busy_timeout(200)
+    # Inside the prompt lock's wrapper: each try is seen.
+    connection.execute_wrappers.append(count)
+    try:
+        holder(lambda: 60.0)
+        with connection.cursor() as cursor:
+            # A write in autocommit mode meets the lock: once, in SQLite's handler.
+            with pytest.raises(OperationalError, match="database is locked"):
+                cursor.execute(delete)
+            assert executed == [delete]
+            executed.clear()
+            # A deferred BEGIN takes no lock: run once, as it is.
+            cursor.execute("BEGIN")
+            cursor.execute("ROLLBACK")
+            assert executed == ["BEGIN", "ROLLBACK"]
+            executed.clear()
+            with pytest.raises(OperationalError, match="database is locked"):
+                cursor.execute("BEGIN IMMEDIATE")
+    finally:
+        connection.execute_wrappers.remove(count)
+    assert len(executed) > 10
+    assert set(executed) == {"BEGIN IMMEDIATE"}
+
+
+@sqlite_only
+def test_each_try_of_the_begin_waits_a_few_milliseconds_until_the_busy_timeout(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "lock.sqlite3")
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    raw = sqlite3.connect(path, timeout=0.1, isolation_level=None)
+    timeouts: list[int] = []
+
+    def execute(sql: str, *rest: Any) -> Any:
+        timeouts.append(raw.execute("PRAGMA busy_timeout").fetchone()[0])
+        return raw.execute(sql)
+
+    try:
+        lock = PromptWriteLock(_Wrapping(raw))
+        started = time.monotonic()
+        with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+            lock(execute, "BEGIN IMMEDIATE", None, False, {})
+        assert time.monotonic() - started >= 0.1
+        # 1 ms, a quarter longer each time up to 10, and none past the 100.
+        assert timeouts[:12] == [1, 1, 1, 1, 2, 3, 3, 4, 5, 7, 9, 10]
+        assert max(timeouts) == 10 and sum(timeouts) <= 101
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 100
+        # Freed: taken at the next try.
+        other.execute("COMMIT")
+        timeouts.clear()
+        lock(execute, "BEGIN IMMEDIATE", None, False, {})
+        assert raw.in_transaction and timeouts == [1]
+        raw.execute("COMMIT")
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 100
+    finally:
+        other.close()
+        raw.close()
+
+
+class _Wrapping:
+    """What the prompt lock reads of Django's connection: the raw one."""
+
+    def __init__(self, raw: sqlite3.Connection) -> None:
+        self.connection = raw
+
+
+def test_only_sqlite_busy_is_busy() -> None:
+    locked = sqlite3.OperationalError("database is locked")
+    locked.sqlite_errorcode = sqlite3.SQLITE_BUSY  # type: ignore[attr-defined]
+    snapshot = sqlite3.OperationalError("database is locked")
+    snapshot.sqlite_errorcode = sqlite3.SQLITE_BUSY | (2 << 8)  # type: ignore[attr-defined]
+    table = sqlite3.OperationalError("database table is locked")
+    table.sqlite_errorcode = sqlite3.SQLITE_LOCKED  # type: ignore[attr-defined]
+    wrapped = OperationalError("database is locked")
+    wrapped.__cause__ = locked
+    assert is_busy(locked) and is_busy(snapshot) and is_busy(wrapped)
+    assert not is_busy(table)
+    assert not is_busy(OperationalError("database is locked"))
+
+
+@pytest.mark.django_db
+def test_it_is_installed_on_sqlite_only_and_removed_as_it_was() -> None:
+    before = list(connection.execute_wrappers)
+    remove = writelock.install("default")
+    added = [w for w in connection.execute_wrappers if w not in before]
+    if connection.vendor == "sqlite":
+        assert [type(w) for w in added] == [PromptWriteLock]
+    else:
+        assert added == []
+    remove()
+    remove()
+    assert connection.execute_wrappers == before
