@@ -178,7 +178,7 @@ class SqlCounter:
         from django.db.backends.signals import connection_created
 
         self.counts: collections.Counter[str] = collections.Counter()
-        self.seconds: collections.Counter[str] = collections.Counter()
+        self.seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.lock = threading.Lock()
         connection_created.connect(self.created, weak=False)
         from django.db import connection
