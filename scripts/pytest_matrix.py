@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright there only
 NO_TESTS_COLLECTED = 5
 SLOW_WORKERS = 2
+#: pytest's closing line: "3 passed, 1 skipped in 2.50s", "no tests ran in 0.1s".
+RESULT = re.compile(r"\b(passed|failed|errors?|no tests ran)\b.* in [\d.]+s")
 #: The niceness of the runs without slow tests. The slow runs mostly wait on
 #: subprocesses that start Django, and on a machine busy past its cores each
 #: start takes many seconds: with first call on the CPU they end in a third
@@ -81,8 +84,13 @@ class Run:
             output.seek(0)
             self.output = output.read()
         self.seconds = time.monotonic() - started
-        lines = self.output.decode(errors="replace").strip().splitlines()
-        self.summary = lines[-1].strip("= ") if lines else "(no output)"
+        # pytest's last word, not what a thread printed after it.
+        lines = [
+            line
+            for line in self.output.decode(errors="replace").splitlines()
+            if RESULT.search(line)
+        ]
+        self.summary = lines[-1].strip("= ") if lines else "(no result line)"
 
 
 def interpreter(env: str) -> str:

@@ -353,11 +353,13 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
     slow = inboxes("127.0.0.1", delay=2.0)
     echo404 = inboxes("127.0.0.1", respond=echo(404))
     echo500 = inboxes("127.0.0.1", respond=echo(500))
-    bot = "123456:ABCsecretBotToken_x"
+    # Numbers long enough never to turn up inside another number (a float in
+    # a signal's payload held "998877" once).
+    bot = "4815162342:ABCsecretBotToken_x"
     webhooks = {
         "refused": f"slack+http://127.0.0.1:{closed_port()}/services/T0SECRETA/B0SECRETB/rTOKEN1",
         "slow": f"slack+http://127.0.0.1:{slow.port}/services/T0SECRETC/B0SECRETD/sTOKEN2",
-        "echo4xx": f"discord+http://127.0.0.1:{echo404.port}/api/webhooks/998877/eTOKEN3",
+        "echo4xx": f"discord+http://127.0.0.1:{echo404.port}/api/webhooks/9988776655443322/eTOKEN3",
         "echo5xx": f"telegram://{bot}@-1001?api=http://127.0.0.1:{echo500.port}",
         "private": f"http://127.0.0.9:{echo404.port}/hook?secret={SECRET}",
         # TLS to a server that speaks plain HTTP: the handshake fails.
@@ -372,9 +374,9 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
         "TOKEN3",
         "TOKEN4",
         "TOKEN5",
-        "998877",
+        "9988776655443322",
         "ABCsecretBotToken",
-        "123456",
+        "4815162342",
         SECRET[6:20],
         "/services/",
         "/api/webhooks/",
