@@ -341,13 +341,14 @@ def test_no_admin_page_shows_a_destination_s_url_path_token_or_secret(
 
     echo404 = inboxes("127.0.0.1", respond=echo(404))
     echo500 = inboxes("127.0.0.1", respond=echo(500))
-    bot = "987654:AAtelegramAdminTokenZ"
+    # Numbers long enough never to turn up inside another (an id, a time).
+    bot = "9876543210:AAtelegramAdminTokenZ"
     webhooks = {
         "slack": f"slack+http://127.0.0.1:{echo500.port}/services/T0ADMSEC/B0ADMSEC/sLackTOKEN7",
         "telegram": f"telegram://{bot}@-1001?api=http://127.0.0.1:{echo404.port}",
         "signed": f"http://127.0.0.1:{echo500.port}/rcv-path-9f3k/hook?secret={SECRET}",
         "down": f"markdown+http://127.0.0.1:{closed_port()}/hooks/mdTOKEN8",
-        "gone": f"discord+http://127.0.0.1:{closed_port()}/api/webhooks/556677/dTOKEN9",
+        "gone": f"discord+http://127.0.0.1:{closed_port()}/api/webhooks/5566778899001122/dTOKEN9",
     }
     secrets = [
         "T0ADMSEC",
@@ -355,13 +356,13 @@ def test_no_admin_page_shows_a_destination_s_url_path_token_or_secret(
         "sLackTOKEN7",
         "/services/",
         "AAtelegramAdminToken",
-        "987654",
+        "9876543210",
         "rcv-path-9f3k",
         SECRET,
         SECRET[6:30],
         "mdTOKEN8",
         "/hooks/",
-        "556677",
+        "5566778899001122",
         "dTOKEN9",
         "/api/webhooks/",
     ]
