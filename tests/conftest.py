@@ -61,28 +61,6 @@ DATABASE_FIXTURES = frozenset(
 )
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Marked before -m selects: the runs on PostgreSQL leave out what never
-    # reaches a database, having run it on SQLite already. And a test of the
-    # queue that commits is emptied after, of the queue's tables only.
-    for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        marker = item.get_closest_marker("django_db")
-        if marker is None and DATABASE_FIXTURES.isdisjoint(fixtures):
-            item.add_marker(pytest.mark.no_database)
-        elif (
-            _flushes(marker, fixtures)
-            and WEB_FIXTURES.isdisjoint(fixtures)
-            and item.path.name not in WEB_MODULES
-        ):
-            kwargs = marker.kwargs if marker else {}
-            queue_only = pytest.mark.django_db(
-                **{**kwargs, "transaction": True, "available_apps": QUEUE_APPS}
-            )
-            item.add_marker(queue_only, append=False)
-
-
 #: What a test of the web side asks for; one that asks for none uses no
 #: table but the queue's (and django-q2's broker).
 WEB_FIXTURES = frozenset(
@@ -104,6 +82,28 @@ def _flushes(marker: pytest.Mark | None, fixtures: set[str]) -> bool:
             return False
         return bool(marker.kwargs.get("transaction", marker.args[0] if marker.args else False))
     return "transactional_db" in fixtures
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Marked before -m selects: the runs on PostgreSQL leave out what never
+    # reaches a database, having run it on SQLite already. And a test of the
+    # queue that commits is emptied after, of the queue's tables only.
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        marker = item.get_closest_marker("django_db")
+        if marker is None and DATABASE_FIXTURES.isdisjoint(fixtures):
+            item.add_marker(pytest.mark.no_database)
+        elif (
+            _flushes(marker, fixtures)
+            and WEB_FIXTURES.isdisjoint(fixtures)
+            and item.path.name not in WEB_MODULES
+        ):
+            kwargs = marker.kwargs if marker else {}
+            queue_only = pytest.mark.django_db(
+                **{**kwargs, "transaction": True, "available_apps": QUEUE_APPS}
+            )
+            item.add_marker(queue_only, append=False)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
