@@ -63,6 +63,9 @@ class Run:
     niceness: int = 0
     code: int | None = None
     seconds: float = 0.0
+    #: CPU seconds of pytest and what it waited for (its workers, the
+    #: processes its tests started), not of the PostgreSQL server.
+    cpu: float = 0.0
     summary: str = ""
     output: bytes = field(default=b"", repr=False)
 
@@ -74,7 +77,7 @@ class Run:
         started = time.monotonic()
         with tempfile.TemporaryFile() as output:
             nice = ["nice", "-n", str(self.niceness)] if self.niceness else []
-            self.code = subprocess.call(
+            process = subprocess.Popen(
                 [*nice, self.python, "-m", "pytest", "-m", self.marks, *self.args],
                 cwd=ROOT,
                 env=self.environ,
@@ -82,6 +85,9 @@ class Run:
                 stdout=output,
                 stderr=subprocess.STDOUT,
             )
+            _, status, usage = os.wait4(process.pid, 0)
+            process.returncode = self.code = os.waitstatus_to_exitcode(status)
+            self.cpu = usage.ru_utime + usage.ru_stime
             output.seek(0)
             self.output = output.read()
         self.seconds = time.monotonic() - started
@@ -140,7 +146,7 @@ def run_all(runs: list[Run], jobs: int) -> None:
         finally:
             free.release()
         with printing:
-            print(f"\n----- {run.name}: {run.seconds:.0f} s -----", flush=True)
+            print(f"\n----- {run.name}: {run.seconds:.0f} s, {run.cpu:.0f} s CPU -----", flush=True)
             sys.stdout.buffer.write(run.output)
             sys.stdout.flush()
 
@@ -194,12 +200,13 @@ def main() -> int:
             verdict = "none selected"
         else:
             verdict = "ok"
-        print(f"{run.seconds:5.0f} s  {run.name:55}  {run.summary}  [{verdict}]")
-    took = time.monotonic() - started
+        times = f"{run.seconds:5.0f} s {run.cpu:5.0f} s CPU"
+        print(f"{times}  {run.name:55}  {run.summary}  [{verdict}]")
+    took = f"{time.monotonic() - started:.0f} s, {sum(run.cpu for run in runs):.0f} s CPU"
     if failed:
-        print(f"FAILED: {len(failed)} of {len(runs)} runs ({took:.0f} s)", flush=True)
+        print(f"FAILED: {len(failed)} of {len(runs)} runs ({took})", flush=True)
         return 1
-    print(f"passed: {len(runs)} runs ({took:.0f} s)", flush=True)
+    print(f"passed: {len(runs)} runs ({took})", flush=True)
     return 0
 
 
