@@ -75,6 +75,16 @@ def skip_locked(connection: Any) -> str:
     return " FOR UPDATE SKIP LOCKED" if is_postgresql(connection) else ""
 
 
+def ids_among(subquery: str, connection: Any) -> str:
+    """``id IN (subquery)``, written so that PostgreSQL runs the subquery once
+    and looks its ids up by primary key, whatever its statistics say: as a
+    join, a subquery of thousands of ids may be hashed against a scan of the
+    whole table, and a purge scan the table once a chunk."""
+    if is_postgresql(connection):
+        return f"id = ANY(ARRAY({subquery}))"
+    return f"id IN ({subquery})"
+
+
 def rows_per_statement(connection: Any, *, most: int, per_row: int, constants: int = 0) -> int:
     """How many rows of ``per_row`` parameters one statement may carry, with
     ``constants`` parameters besides: ``most``, or fewer where SQLite takes

@@ -35,7 +35,12 @@ from django.utils.translation import ngettext
 
 from django_federation_delivery import history
 from django_federation_delivery.conf import app_settings
-from django_federation_delivery.dialect import connection_for, db_datetime, quoted_table
+from django_federation_delivery.dialect import (
+    connection_for,
+    db_datetime,
+    ids_among,
+    quoted_table,
+)
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.store.queueing import CHUNK
 from django_federation_delivery.urls import host_of
@@ -214,13 +219,19 @@ def _delete_settled(status: Status, cutoff: dt.datetime, chunk: int, alias: str)
     while True:
         floor = "" if since is None else "AND settled_at >= %s "
         params = [str(status), cutoff_value, *([] if since is None else [since]), chunk]
+        oldest = (
+            f"SELECT id FROM {table} WHERE status = %s AND settled_at < %s {floor}"
+            "ORDER BY settled_at LIMIT %s"
+        )
         # The status is named in the DELETE itself, not only where the ids
-        # were found: a row requeued in between is pending, and kept.
+        # were found: a row requeued in between is pending, and kept
+        # (PostgreSQL checks the DELETE's own conditions again on a row
+        # changed since the statement began, not its subquery's).
         sql = (
-            f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
-            f"WHERE status = %s AND settled_at < %s {floor}ORDER BY settled_at LIMIT %s) "
+            f"DELETE FROM {table} WHERE {ids_among(oldest, connection)} AND status = %s "
             "RETURNING id, settled_at"
         )
+        params.append(str(status))
         with transaction.atomic(using=alias), connection.cursor() as cursor:
             # The DELETE comes first in the transaction: on SQLite it takes
             # the write lock at once, waiting its turn under the busy timeout,

@@ -223,3 +223,36 @@ def test_a_bad_retention_used_anyway_is_improperly_configured_naming_it(
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "RETENTION": bad}
     with pytest.raises(ImproperlyConfigured, match="RETENTION"):
         retention.retention_seconds()
+
+
+def test_each_chunk_of_a_purge_finds_its_rows_by_primary_key_not_by_a_scan() -> None:
+    # Even with statistics that know the table is large: as a join, a
+    # PostgreSQL chunk's thousands of ids were hashed against a scan of the
+    # whole table, every chunk.
+    count, chunk = 5_000, 250
+    now = timezone.now()
+    made = batches(count // PER_BATCH + 1, now)
+    fill(count, now, first_batch=made[0].id)
+    table = quoted_table(Delivery, connection)
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {table}")
+    with CaptureQueriesContext(connection) as queries:
+        purged = retention.purge({Status.DELIVERED: now - dt.timedelta(days=7)}, chunk=chunk)
+    assert purged.chunks > 2
+    chunks = [
+        q["sql"]
+        for q in queries.captured_queries
+        if q["sql"].startswith("DELETE") and "settled_at" in q["sql"]
+    ]
+    assert len(chunks) == purged.chunks
+    explain = "EXPLAIN" if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN"
+    with connection.cursor() as cursor:
+        for sql in chunks:
+            cursor.execute(f"{explain} {sql}")
+            plan = "\n".join(str(row[-1]) for row in cursor.fetchall())
+            if connection.vendor == "postgresql":
+                assert "Index Scan using federation_delivery_delivery_pkey" in plan, plan
+                assert "Seq Scan" not in plan and "Join" not in plan, plan
+            else:
+                assert "USING INTEGER PRIMARY KEY" in plan, plan
+                assert "SCAN federation_delivery_delivery" not in plan, plan
