@@ -111,6 +111,9 @@ def set_busy_timeout(ms: int) -> None:
 
 
 @sqlite_only
+# A measure of time, taken once, in the run that is not run at a lower
+# priority than the others (see scripts/pytest_matrix.py).
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_claim_gets_in_between_a_busy_senders_transactions(
     immediate: None, holder: Callable[..., Holder]
@@ -122,23 +125,23 @@ def test_a_claim_gets_in_between_a_busy_senders_transactions(
     draw = random.Random(1)
     sender = holder(lambda: draw.uniform(0.0005, 0.0015), lambda: draw.uniform(0.0002, 0.0005))
 
-    def passed_by() -> list[int]:
-        """How many of the sender's transactions went by while each claim waited."""
-        counts = []
-        for _ in range(claims_each):
-            # From inside one of its transactions: the claim must wait.
-            assert sender.holding.wait(10)
-            before = sender.committed
-            assert len(claims.claim(1, 60)) == 1
-            counts.append(sender.committed - before)
-        return counts
+    def passed_by() -> int:
+        """How many of the sender's transactions went by while a claim waited."""
+        # From inside one of its transactions: the claim must wait.
+        assert sender.holding.wait(10)
+        before = sender.committed
+        assert len(claims.claim(1, 60)) == 1
+        return sender.committed - before
 
-    with_busy_handler = passed_by()
-    remove = writelock.install("default")
-    try:
-        prompt = passed_by()
-    finally:
-        remove()
+    # Turn about, so that whatever else the machine runs weighs on both alike.
+    prompt, with_busy_handler = [], []
+    for _ in range(claims_each):
+        with_busy_handler.append(passed_by())
+        remove = writelock.install("default")
+        try:
+            prompt.append(passed_by())
+        finally:
+            remove()
     # The one the claim found under way ends first; what matters is how many
     # more it lets by. SQLite's handler looks at 1, 3, 8, 18, 33, 53 … ms:
     # it often misses the free moments of several. Looked for every
@@ -147,8 +150,9 @@ def test_a_claim_gets_in_between_a_busy_senders_transactions(
         name: sum(max(0, count - 1) for count in counts)
         for name, counts in (("prompt", prompt), ("busy handler", with_busy_handler))
     }
-    # Seen on two loaded cores: 41 to 77 against 246 to 609. The bound is
-    # looser, as both are measured under whatever else the machine runs.
+    # Seen on two loaded cores: 41 to 77 against 246 to 609; with six other
+    # processes taking both cores, 101 to 138 against 185 to 233, and once
+    # the other way round.
     assert beyond_first["prompt"] * 2 <= beyond_first["busy handler"], (prompt, with_busy_handler)
 
 
