@@ -21,6 +21,8 @@ from django.dispatch import receiver
 
 from django_federation_delivery.deliverer import Deliverer
 
+from .settings import TEST_DB_DIR
+
 ROOT = Path(__file__).resolve().parent.parent
 (ROOT / "tests" / "var").mkdir(exist_ok=True)
 
@@ -107,7 +109,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    for leftover in (ROOT / "tests" / "var").glob(f"test-{os.getpid()}.sqlite3*"):
+    for leftover in TEST_DB_DIR.glob(f"test-{os.getpid()}.sqlite3*"):
         leftover.unlink(missing_ok=True)
 
 

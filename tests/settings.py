@@ -13,6 +13,7 @@ from pathlib import Path
 import environ
 
 BASE_DIR = Path(__file__).resolve().parent
+TEST_DB_DIR = Path(os.environ.get("FD_TEST_DB_DIR") or BASE_DIR / "var")
 
 env = environ.Env()
 
@@ -91,8 +92,9 @@ else:
             "NAME": os.environ.get("FD_SQLITE_NAME", str(BASE_DIR / "var" / "tests.sqlite3")),
             "OPTIONS": {"timeout": 20},
             # One file per test run, so that runs side by side (tox envs, a
-            # developer's and CI's) never share a database.
-            "TEST": {"NAME": str(BASE_DIR / "var" / f"test-{os.getpid()}.sqlite3")},
+            # developer's and CI's) never share a database; in FD_TEST_DB_DIR
+            # if set (scripts/test sets a directory in memory).
+            "TEST": {"NAME": str(TEST_DB_DIR / f"test-{os.getpid()}.sqlite3")},
         }
     }
 
