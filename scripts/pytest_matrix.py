@@ -9,10 +9,10 @@ slow tests (subprocesses, Chromium) too, as runs of their own, so that the
 longest runs start first and no run waits for another. On PostgreSQL, the
 tests that cannot reach a database, or test what no database changes, are
 left out: they ran on SQLite, and would run the same. At most N runs go at
-once (default 4, or FD_TEST_JOBS): they share nothing (each has a database
-of its own: see tests/settings.py) and mostly wait on sockets, subprocesses
-and timers, but the suite has timing assertions that a machine loaded far
-past its cores would break.
+once (FD_TEST_JOBS; by default all of them): they share nothing (each has a
+database of its own: see tests/settings.py), and each mostly waits on
+sockets, subprocesses and timers, so that only all of them at once keep two
+cores busy (CI on two cores: 337 s all at once, 387 s four at a time).
 
 Each run's output is printed whole when it ends, under its name, then a
 table of every run. Exits 0 only if every run passed; a run that selects no
@@ -123,7 +123,9 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     if SLOW_ENV in envs:
         # They mostly wait (on subprocesses, leases, a browser): pytest-xdist
         # runs a few at once, so that the longest runs are not the sum of them.
-        slow_args = ["-n", str(SLOW_WORKERS), *args]
+        # Tests of one xdist_group (the browser's) go to one worker: one
+        # Chromium, not one a worker.
+        slow_args = ["-n", str(SLOW_WORKERS), "--dist", "loadgroup", *args]
         for database, environ in databases.items():
             marks = f"slow and {ONLY[database]}" if database in ONLY else "slow"
             runs.append(Run(SLOW_ENV, database, marks, interpreter(SLOW_ENV), environ, slow_args))
@@ -176,7 +178,7 @@ def verdicts(runs: list[Run]) -> dict[int, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=int(os.environ.get("FD_TEST_JOBS", 4)))
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("FD_TEST_JOBS", 0)))
     parser.add_argument("envs", nargs="+", metavar="ENV")
     argv = sys.argv[1:]
     pytest_args: list[str] = []
@@ -184,15 +186,16 @@ def main() -> int:
         split = argv.index("--")
         argv, pytest_args = argv[:split], argv[split + 1 :]
     options = parser.parse_args(argv)
-    if options.jobs < 1:
-        parser.error(f"--jobs must be at least 1, not {options.jobs}")
+    if options.jobs < 0:
+        parser.error(f"--jobs must be at least 1 (or 0 for all at once), not {options.jobs}")
 
     started = time.monotonic()
     runs = plan(options.envs, pytest_args)
-    run_all(runs, options.jobs)
+    jobs = options.jobs or len(runs)
+    run_all(runs, jobs)
     failed = verdicts(runs)
 
-    print(f"\n----- {len(runs)} runs, {options.jobs} at once -----", flush=True)
+    print(f"\n----- {len(runs)} runs, {jobs} at once -----", flush=True)
     for index, run in enumerate(runs):
         if index in failed:
             verdict = f"FAILED: {failed[index]}"
