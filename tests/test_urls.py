@@ -462,6 +462,8 @@ def corpus(port: int) -> list[str]:
 
 
 @pytest.mark.slow
+# What comes of a URL is the same whatever database queued it.
+@pytest.mark.any_database
 @pytest.mark.django_db
 def test_a_corpus_of_hostile_urls_is_either_delivered_verified_or_skipped_with_a_reason(
     inbox: Inbox, transport: Transport, caplog: pytest.LogCaptureFixture
