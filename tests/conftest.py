@@ -430,12 +430,18 @@ def assert_each_reached_once_but(
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 20.0, step: float = 0.02) -> None:
-    """Poll ``condition`` until it holds; fail the test if it does not in time."""
+    """Poll ``condition`` until it holds; fail the test if it does not in time.
+
+    The polls start ``step`` apart and draw out to a tenth of a second: a
+    poll is a query or two, and with every run of the suite at once on two
+    cores, a wait lasts several times as long, and so did its polling."""
     deadline = time.monotonic() + timeout
+    delay, longest = step, max(step, 0.1)
     while time.monotonic() < deadline:
         if condition():
             return
-        time.sleep(step)
+        time.sleep(delay)
+        delay = min(delay * 1.5, longest)
     raise AssertionError(f"not within {timeout} s: {condition}")
 
 
