@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection
+from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_federation_delivery import retention
 from django_federation_delivery.dialect import quoted_table
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+
+from .conftest import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -226,9 +229,8 @@ def test_a_bad_retention_used_anyway_is_improperly_configured_naming_it(
 
 
 def test_each_chunk_of_a_purge_finds_its_rows_by_primary_key_not_by_a_scan() -> None:
-    # Even with statistics that know the table is large: as a join, a
-    # PostgreSQL chunk's thousands of ids were hashed against a scan of the
-    # whole table, every chunk.
+    # With the table's statistics up to date: as a join, a PostgreSQL chunk's
+    # ids were hashed against a scan of the whole table, every chunk.
     count, chunk = 5_000, 250
     now = timezone.now()
     made = batches(count // PER_BATCH + 1, now)
@@ -256,3 +258,56 @@ def test_each_chunk_of_a_purge_finds_its_rows_by_primary_key_not_by_a_scan() -> 
             else:
                 assert "USING INTEGER PRIMARY KEY" in plan, plan
                 assert "SCAN federation_delivery_delivery" not in plan, plan
+
+
+def test_a_delivery_requeued_while_a_purge_waits_for_its_row_is_kept() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite has one writer: a purge's DELETE and a requeue never overlap")
+    now = timezone.now()
+    (batch,) = batches(1, now)
+    old = now - dt.timedelta(days=40)
+    requeued, *others = pending(batch, 3, status=Status.DELIVERED, settled_at=old)
+    updated, release = threading.Event(), threading.Event()
+    purged: list[retention.Purged] = []
+
+    def requeue() -> None:
+        # An operator's requeue, committed only once the purge waits for its row.
+        try:
+            with transaction.atomic():
+                Delivery.objects.filter(id=requeued.id).update(
+                    status=Status.PENDING, settled_at=None
+                )
+                updated.set()
+                release.wait(30)
+        finally:
+            connections.close_all()
+
+    def purge() -> None:
+        try:
+            purged.append(retention.purge({Status.DELIVERED: now - dt.timedelta(days=7)}))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=requeue), threading.Thread(target=purge)]
+    threads[0].start()
+    assert updated.wait(10)
+    threads[1].start()
+
+    def purge_waits_for_the_row() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            return bool(cursor.fetchone()[0])
+
+    try:
+        wait_until(purge_waits_for_the_row, timeout=10)
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(30)
+    # The purge found the row delivered and 40 days old, and waited for it;
+    # by then it was pending again, and is kept.
+    assert purged and purged[0].deliveries == {Status.DELIVERED.value: len(others)}
+    assert list(Delivery.objects.values_list("id", "status")) == [(requeued.id, Status.PENDING)]
