@@ -19,6 +19,13 @@ table of every run. Exits 0 only if every run passed; a run that selects no
 test (pytest's exit status 5) passes only if another run of the same
 environment and database ran tests, so that nothing passes having tested
 nothing.
+
+A run still going after FD_TEST_RUN_TIMEOUT seconds (by default 1200, four
+times the longest seen with all runs at once on two cores) has hung where no
+test's own timeout reaches (between tests, at exit, in an xdist worker): each
+of its pytest processes writes every thread's stack (tests/conftest.py
+registers that on SIGUSR1), which is printed with its output, and the run is
+killed, it and every process it started, and failed.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright there only
 NO_TESTS_COLLECTED = 5
 SLOW_WORKERS = 2
+RUN_TIMEOUT = float(os.environ.get("FD_TEST_RUN_TIMEOUT", 1200))
+#: How long the processes of a run that hung are given to write their stacks.
+STACKS_GRACE = 5.0
 #: pytest's closing line: "3 passed, 1 skipped in 2.50s", "no tests ran in 0.1s".
 RESULT = re.compile(r"\b(passed|failed|errors?|no tests ran)\b.* in [\d.]+s")
 #: The niceness of the runs without slow tests. The slow runs mostly wait on
@@ -67,29 +79,39 @@ class Run:
     #: processes its tests started), not of the PostgreSQL server.
     cpu: float = 0.0
     summary: str = ""
+    timed_out: bool = False
     output: bytes = field(default=b"", repr=False)
 
     @property
     def name(self) -> str:
         return f"{self.env} on {self.database}, -m {self.marks!r}"
 
-    def start_and_wait(self) -> None:
+    def start_and_wait(self, timeout: float) -> None:
         started = time.monotonic()
+        stacks = Path(tempfile.mkdtemp(prefix="fd-stacks-"))
         with tempfile.TemporaryFile() as output:
             nice = ["nice", "-n", str(self.niceness)] if self.niceness else []
             process = subprocess.Popen(
                 [*nice, self.python, "-m", "pytest", "-m", self.marks, *self.args],
                 cwd=ROOT,
-                env=self.environ,
+                env={**self.environ, "FD_TEST_STACKS": str(stacks)},
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
+                # A group of its own, to be killed whole if it hangs.
+                start_new_session=True,
             )
-            _, status, usage = os.wait4(process.pid, 0)
+            watchdog = threading.Timer(timeout, self._hung, (process.pid,))
+            watchdog.start()
+            try:
+                _, status, usage = os.wait4(process.pid, 0)
+            finally:
+                watchdog.cancel()
             process.returncode = self.code = os.waitstatus_to_exitcode(status)
             self.cpu = usage.ru_utime + usage.ru_stime
             output.seek(0)
-            self.output = output.read()
+            self.output = output.read() + dumped(stacks)
+        shutil.rmtree(stacks, ignore_errors=True)
         self.seconds = time.monotonic() - started
         # pytest's last word, not what a thread printed after it.
         lines = [
@@ -98,6 +120,25 @@ class Run:
             if RESULT.search(line)
         ]
         self.summary = lines[-1].strip("= ") if lines else "(no result line)"
+
+    def _hung(self, group: int) -> None:
+        self.timed_out = True
+        for sig, wait in ((signal.SIGUSR1, STACKS_GRACE), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                return
+            time.sleep(wait)
+
+
+def dumped(stacks: Path) -> bytes:
+    """The stacks a hung run's processes wrote, each under its process id."""
+    return b"".join(
+        f"\n----- the threads of process {path.stem} when the run was stopped -----\n".encode()
+        + path.read_bytes()
+        for path in sorted(stacks.glob("*.txt"))
+        if path.stat().st_size
+    )
 
 
 def interpreter(env: str) -> str:
@@ -144,7 +185,7 @@ def run_all(runs: list[Run], jobs: int) -> None:
 
     def one(run: Run) -> None:
         try:
-            run.start_and_wait()
+            run.start_and_wait(RUN_TIMEOUT)
         finally:
             free.release()
         with printing:
@@ -168,7 +209,9 @@ def verdicts(runs: list[Run]) -> dict[int, str]:
     tested = {(r.env, r.database) for r in runs if r.code in (0, 1)}
     failed = {}
     for index, run in enumerate(runs):
-        if run.code == NO_TESTS_COLLECTED:
+        if run.timed_out:
+            failed[index] = f"still going after {RUN_TIMEOUT:.0f} s: stopped (its stacks are above)"
+        elif run.code == NO_TESTS_COLLECTED:
             if (run.env, run.database) not in tested:
                 failed[index] = "no test ran in this environment on this database"
         elif run.code != 0:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -25,6 +27,13 @@ from .settings import TEST_DB_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 (ROOT / "tests" / "var").mkdir(exist_ok=True)
+
+if _stacks := os.environ.get("FD_TEST_STACKS"):
+    # scripts/pytest_matrix.py asks a run that hung for its stacks with
+    # SIGUSR1: each pytest process (an xdist worker too) writes its threads'
+    # to a file of its own there.
+    _STACKS_FILE = open(Path(_stacks) / f"{os.getpid()}.txt", "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
 
 
 def selects(config: pytest.Config, *marks: str) -> bool:
