@@ -164,9 +164,10 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     if SLOW_ENV in envs:
         # They mostly wait (on subprocesses, leases, a browser): pytest-xdist
         # runs a few at once, so that the longest runs are not the sum of them.
-        # Tests of one xdist_group (the browser's) go to one worker: one
-        # Chromium, not one a worker.
-        slow_args = ["-n", str(SLOW_WORKERS), "--dist", "loadgroup", *args]
+        # Its default scheduling: with --dist loadgroup (one worker for the
+        # browser's tests), pytest-xdist 3.8 waits for ever once it has
+        # replaced a worker that crashed.
+        slow_args = ["-n", str(SLOW_WORKERS), *args]
         for database, environ in databases.items():
             marks = f"slow and {ONLY[database]}" if database in ONLY else "slow"
             runs.append(Run(SLOW_ENV, database, marks, interpreter(SLOW_ENV), environ, slow_args))

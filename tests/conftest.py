@@ -438,8 +438,14 @@ def assert_each_reached_once_but(
     assert len(repeated) <= twice, f"only those in flight repeat: {len(repeated)} > {twice}"
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0, step: float = 0.02) -> None:
-    """Poll ``condition`` until it holds; fail the test if it does not in time.
+def wait_until(
+    condition: Callable[[], bool],
+    timeout: float = 20.0,
+    step: float = 0.02,
+    state: Callable[[], object] | None = None,
+) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not in time,
+    saying what ``state`` gives then.
 
     The polls start ``step`` apart and draw out to a tenth of a second: a
     poll is a query or two, and with every run of the suite at once on two
@@ -451,7 +457,8 @@ def wait_until(condition: Callable[[], bool], timeout: float = 20.0, step: float
             return
         time.sleep(delay)
         delay = min(delay * 1.5, longest)
-    raise AssertionError(f"not within {timeout} s: {condition}")
+    then = f"; then: {state()!r}" if state else ""
+    raise AssertionError(f"not within {timeout} s: {condition}{then}")
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

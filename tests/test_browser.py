@@ -41,8 +41,6 @@ SCREENSHOTS = ROOT / "tests" / "var" / "screenshots"
 
 pytestmark = [
     pytest.mark.slow,
-    # One browser for the module, on one pytest-xdist worker.
-    pytest.mark.xdist_group("browser"),
     # What the pages show is tested on both databases without a browser.
     pytest.mark.any_database,
     pytest.mark.django_db(transaction=True),
