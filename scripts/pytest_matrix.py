@@ -26,6 +26,10 @@ test's own timeout reaches (between tests, at exit, in an xdist worker): each
 of its pytest processes writes every thread's stack (tests/conftest.py
 registers that on SIGUSR1), which is printed with its output, and the run is
 killed, it and every process it started, and failed.
+
+After the table come the waits of tests/conftest.py's wait_until that took
+more than half their bound, in any run, passed or not: where a slower machine
+would fail first.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class Run:
     cpu: float = 0.0
     summary: str = ""
     timed_out: bool = False
+    near_misses: list[str] = field(default_factory=list)
     output: bytes = field(default=b"", repr=False)
 
     @property
@@ -88,13 +93,13 @@ class Run:
 
     def start_and_wait(self, timeout: float) -> None:
         started = time.monotonic()
-        stacks = Path(tempfile.mkdtemp(prefix="fd-stacks-"))
+        reports = Path(tempfile.mkdtemp(prefix="fd-test-reports-"))
         with tempfile.TemporaryFile() as output:
             nice = ["nice", "-n", str(self.niceness)] if self.niceness else []
             process = subprocess.Popen(
                 [*nice, self.python, "-m", "pytest", "-m", self.marks, *self.args],
                 cwd=ROOT,
-                env={**self.environ, "FD_TEST_STACKS": str(stacks)},
+                env={**self.environ, "FD_TEST_REPORTS": str(reports)},
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
@@ -110,8 +115,11 @@ class Run:
             process.returncode = self.code = os.waitstatus_to_exitcode(status)
             self.cpu = usage.ru_utime + usage.ru_stime
             output.seek(0)
-            self.output = output.read() + dumped(stacks)
-        shutil.rmtree(stacks, ignore_errors=True)
+            self.output = output.read() + dumped(reports)
+        misses = reports / "near-misses.txt"
+        if misses.exists():
+            self.near_misses = misses.read_text(errors="replace").splitlines()
+        shutil.rmtree(reports, ignore_errors=True)
         self.seconds = time.monotonic() - started
         # pytest's last word, not what a thread printed after it.
         lines = [
@@ -131,12 +139,12 @@ class Run:
             time.sleep(wait)
 
 
-def dumped(stacks: Path) -> bytes:
+def dumped(reports: Path) -> bytes:
     """The stacks a hung run's processes wrote, each under its process id."""
     return b"".join(
-        f"\n----- the threads of process {path.stem} when the run was stopped -----\n".encode()
+        f"\n----- the threads of process {path.stem[7:]} when the run was stopped -----\n".encode()
         + path.read_bytes()
-        for path in sorted(stacks.glob("*.txt"))
+        for path in sorted(reports.glob("stacks-*.txt"))
         if path.stat().st_size
     )
 
@@ -249,6 +257,11 @@ def main() -> int:
             verdict = "ok"
         times = f"{run.seconds:5.0f} s {run.cpu:5.0f} s CPU"
         print(f"{times}  {run.name:55}  {run.summary}  [{verdict}]")
+    misses = [(run, line) for run in runs for line in run.near_misses]
+    if misses:
+        print(f"\n----- {len(misses)} waits past half their bound -----")
+        for run, line in sorted(misses, key=lambda miss: -float(miss[1].split()[0])):
+            print(f"{line}  [{run.env} on {run.database}]")
     took = f"{time.monotonic() - started:.0f} s, {sum(run.cpu for run in runs):.0f} s CPU"
     if failed:
         print(f"FAILED: {len(failed)} of {len(runs)} runs ({took})", flush=True)

@@ -28,11 +28,12 @@ from .settings import TEST_DB_DIR
 ROOT = Path(__file__).resolve().parent.parent
 (ROOT / "tests" / "var").mkdir(exist_ok=True)
 
-if _stacks := os.environ.get("FD_TEST_STACKS"):
-    # scripts/pytest_matrix.py asks a run that hung for its stacks with
-    # SIGUSR1: each pytest process (an xdist worker too) writes its threads'
-    # to a file of its own there.
-    _STACKS_FILE = open(Path(_stacks) / f"{os.getpid()}.txt", "w")  # noqa: SIM115
+#: Where scripts/pytest_matrix.py reads what a run tells it besides its output.
+REPORTS = Path(os.environ["FD_TEST_REPORTS"]) if "FD_TEST_REPORTS" in os.environ else None
+if REPORTS:
+    # It asks a run that hung for its stacks with SIGUSR1: each pytest
+    # process (an xdist worker too) writes its threads' to a file of its own.
+    _STACKS_FILE = open(REPORTS / f"stacks-{os.getpid()}.txt", "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
 
 
@@ -450,15 +451,29 @@ def wait_until(
     The polls start ``step`` apart and draw out to a tenth of a second: a
     poll is a query or two, and with every run of the suite at once on two
     cores, a wait lasts several times as long, and so did its polling."""
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     delay, longest = step, max(step, 0.1)
     while time.monotonic() < deadline:
         if condition():
+            near_miss(time.monotonic() - started, timeout)
             return
         time.sleep(delay)
         delay = min(delay * 1.5, longest)
     then = f"; then: {state()!r}" if state else ""
     raise AssertionError(f"not within {timeout} s: {condition}{then}")
+
+
+def near_miss(took: float, bound: float) -> None:
+    """Tells scripts/pytest_matrix.py of a wait that took more than half its
+    bound: the next slower machine fails there."""
+    if REPORTS is None or took <= bound / 2:
+        return
+    caller = sys._getframe(2)
+    where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    with open(REPORTS / "near-misses.txt", "a") as out:
+        out.write(f"{took:5.1f} s of {bound:g} s  {test} ({where})\n")
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
