@@ -86,7 +86,7 @@ def pending(batch: Batch, count: int, **fields: Any) -> list[Delivery]:
 def test_a_purge_deletes_exactly_the_settled_rows_past_retention_in_chunks_keeping_pending_ones(
     settings: Any,
 ) -> None:
-    count = 100_000
+    count = 30_000
     now = timezone.now()
     made = batches(count // PER_BATCH + 1, now)
     fill(count, now, first_batch=made[0].id)
