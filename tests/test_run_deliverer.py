@@ -32,6 +32,7 @@ from .conftest import (
     Overlap,
     Received,
     assert_each_reached_once_but,
+    near_miss,
     subprocess_env,
     wait_until,
 )
@@ -102,6 +103,7 @@ def wait_for_line(process: subprocess.Popen[str], text: str, timeout: float = 90
             break
         seen.append(line)
         if text in line:
+            near_miss(time.monotonic() - deadline + timeout, timeout)
             return line
     raise AssertionError(f"{text!r} never came; output was:\n{''.join(seen)}")
 
@@ -201,7 +203,7 @@ def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in
     # it (LEASE_MARGIN_SECONDS) and a few seconds of waiting for a worker.
     settings = {"LEASE_SECONDS": 15, "ATTEMPT_TIMEOUT": 1}
     first = processes("--drain", f"--concurrency={concurrency}", "--per-host=4", settings=settings)
-    wait_until(lambda: sum(len(sink.received) for sink in sinks) >= 300, timeout=60)
+    wait_until(lambda: sum(len(sink.received) for sink in sinks) >= 300, timeout=150)
     first.kill()
     first.wait(10)
     at_kill = sum(len(sink.received) for sink in sinks)
@@ -209,7 +211,7 @@ def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in
     # The dead process's leases lapse (a claim leases a delivery by pushing
     # its due time forward).
     leased = Delivery.objects.filter(status=Status.PENDING, lease_token__isnull=False)
-    wait_until(lambda: not leased.filter(due_at__gt=timezone.now()).exists())
+    wait_until(lambda: not leased.filter(due_at__gt=timezone.now()).exists(), timeout=60)
     second = processes("--drain", f"--concurrency={concurrency}", settings=settings)
     assert second.wait(120) == 0
     assert statuses() == {Status.DELIVERED: len(urls)}
