@@ -354,11 +354,18 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+class InboxServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # Room for a deliverer's burst of connections while the accepting thread
+    # waits for the GIL: past socketserver's 5, a connection's SYN is dropped
+    # and sent again a second later.
+    request_queue_size = 128
+
+
 def start_inbox(address: str = "127.0.0.1", **options: Any) -> tuple[Inbox, ThreadingHTTPServer]:
     inbox = Inbox(address=address, **options)
     handler = type("Handler", (_Handler,), {"inbox": inbox})
-    server = ThreadingHTTPServer((address, 0), handler)
-    server.daemon_threads = True
+    server = InboxServer((address, 0), handler)
     inbox.port = server.server_address[1]
     threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
