@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from django.db import DatabaseError, InterfaceError, connections
 
@@ -50,8 +50,15 @@ class Database:
         return self._failing_since is not None
 
     def __call__(self, function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T | None:
+        reached = _Reached()
         try:
-            value = function(*args, **kwargs)
+            if self._failing_since is None:
+                value = function(*args, **kwargs)
+            else:
+                # Back only once a statement has run: a call that needed none
+                # (closing old connections, nothing to write) proves nothing.
+                with connections[self.using].execute_wrapper(reached):
+                    value = function(*args, **kwargs)
         except (DatabaseError, InterfaceError) as exc:
             now = time.monotonic()
             if self._failing_since is None:
@@ -60,7 +67,18 @@ class Database:
             connections[self.using].close()
             self.stopping.wait(min(LONGEST_WAIT, 0.2 + (now - self._failing_since) / 4))
             return None
-        if self._failing_since is not None:
+        if self._failing_since is not None and reached.ran:
             self.logger.warning("The database is back")
             self._failing_since = None
         return value
+
+
+class _Reached:
+    """An execute wrapper that notes whether a statement ran through to its end."""
+
+    ran = False
+
+    def __call__(self, execute: Callable[..., Any], *args: Any) -> Any:
+        answer = execute(*args)
+        self.ran = True
+        return answer
