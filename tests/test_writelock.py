@@ -189,7 +189,8 @@ def test_nothing_but_the_begin_is_tried_again(
         executed.append(sql)
         return execute(sql, *rest)
 
-    set_busy_timeout(200)
+    # Room for a dozen tries on a machine busy past its cores.
+    set_busy_timeout(1000)
     # Inside the prompt lock's wrapper: each try is seen.
     connection.execute_wrappers.append(count)
     try:
@@ -220,7 +221,9 @@ def test_each_try_of_the_begin_waits_a_few_milliseconds_until_the_busy_timeout(
     path = str(tmp_path / "lock.sqlite3")
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
-    raw = sqlite3.connect(path, timeout=0.1, isolation_level=None)
+    # A second: on a machine busy past its cores a try can take several
+    # times its own busy timeout, and with 0.1 s the last ones were cut short.
+    raw = sqlite3.connect(path, timeout=1.0, isolation_level=None)
     timeouts: list[int] = []
 
     def execute(sql: str, *rest: Any) -> Any:
@@ -232,18 +235,18 @@ def test_each_try_of_the_begin_waits_a_few_milliseconds_until_the_busy_timeout(
         started = time.monotonic()
         with pytest.raises(sqlite3.OperationalError, match="database is locked"):
             lock(execute, "BEGIN IMMEDIATE", None, False, {})
-        assert time.monotonic() - started >= 0.1
-        # 1 ms, a quarter longer each time up to 10, and none past the 100.
+        assert time.monotonic() - started >= 1.0
+        # 1 ms, a quarter longer each time up to 10, and none past the 1,000.
         assert timeouts[:12] == [1, 1, 1, 1, 2, 3, 3, 4, 5, 7, 9, 10]
-        assert max(timeouts) == 10 and sum(timeouts) <= 101
-        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 100
+        assert max(timeouts) == 10 and sum(timeouts) <= 1001
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 1000
         # Freed: taken at the next try.
         other.execute("COMMIT")
         timeouts.clear()
         lock(execute, "BEGIN IMMEDIATE", None, False, {})
         assert raw.in_transaction and timeouts == [1]
         raw.execute("COMMIT")
-        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 100
+        assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 1000
     finally:
         other.close()
         raw.close()
