@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright there only
 NO_TESTS_COLLECTED = 5
-SLOW_WORKERS = 3
+SLOW_WORKERS = 2
 RUN_TIMEOUT = float(os.environ.get("FD_TEST_RUN_TIMEOUT", 1200))
 #: How long the processes of a run that hung are given to write their stacks.
 STACKS_GRACE = 5.0
