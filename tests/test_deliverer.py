@@ -16,7 +16,7 @@ from django.db import OperationalError, connection, connections
 from django.db.backends.signals import connection_created
 from django.utils import timezone
 
-from django_federation_delivery import BatchOptions, send, send_batch, signals
+from django_federation_delivery import BatchOptions, send, send_batch, signals, wakeup
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
@@ -517,17 +517,22 @@ def test_a_send_wakes_an_idle_deliverer_in_the_same_process_at_once(
 
 
 def test_a_deliverer_on_postgresql_stops_at_once_when_idle(
-    start_deliverer: Callable[..., RunningDeliverer], caplog: pytest.LogCaptureFixture
+    start_deliverer: Callable[..., RunningDeliverer],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if connection.vendor != "postgresql":
         pytest.skip("only PostgreSQL has a listener to stop")
+    # A stop that waited for the listener's wait to end would take a minute:
+    # "at once" may then be a few seconds on a machine busy past its cores.
+    monkeypatch.setattr(wakeup.PostgresListener, "WAIT", 60.0)
     caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
     runner = start_deliverer()
     wait_until_idle(caplog)  # the listener waits on its connection by now
     started = time.monotonic()
     runner.stop()
     took = time.monotonic() - started
-    assert took < 0.5, f"stopped after {took:.2f} s: not at once"
+    assert took < 5, f"stopped after {took:.2f} s: not at once"
 
 
 def test_a_connection_lost_while_idle_is_replaced_before_the_next_send(
@@ -714,7 +719,8 @@ def test_an_idle_run_with_stop_after_returns_then_not_at_the_idle_poll(settings:
     started = time.monotonic()
     Deliverer().run(stop_after=0.3)
     took = time.monotonic() - started
-    assert 0.3 <= took < 3, f"returned after {took:.1f} s"
+    # Not at the idle poll, a minute away.
+    assert 0.3 <= took < 10, f"returned after {took:.1f} s"
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("nan")])

@@ -255,7 +255,8 @@ def test_a_round_while_another_runs_returns_at_once_saying_so(inbox: Inbox, sett
         assert held
         started = time.monotonic()
         result = deliver_round(5)
-        assert time.monotonic() - started < 1
+        # Not the round's 5 s: at once, give or take a machine busy past its cores.
+        assert time.monotonic() - started < 3
     assert result == {"ran": False, "reason": ANOTHER_ROUND}
     assert inbox.received == []
     assert statuses() == {Status.PENDING: 1}
