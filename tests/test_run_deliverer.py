@@ -188,7 +188,8 @@ def test_a_send_from_another_process_wakes_an_idle_deliverer(
     took = time.monotonic() - queued
     process.send_signal(signal.SIGTERM)
     assert process.wait(20) == 0
-    assert took < 5, f"woken after {took:.1f} s, not by the idle poll"
+    # The idle poll is two minutes away.
+    assert took < 30, f"woken after {took:.1f} s, not by the idle poll"
 
 
 @pytest.mark.slow
