@@ -494,7 +494,7 @@ def test_a_cluster_killed_mid_round_loses_nothing_and_repeats_only_what_was_in_f
     assert statuses()[Status.PENDING] > 0
     # The killed round's leases lapse; its lock went with its process.
     leased = Delivery.objects.filter(status=Status.PENDING, lease_token__isnull=False)
-    wait_until(lambda: not leased.filter(due_at__gt=timezone.now()).exists(), timeout=30)
+    wait_until(lambda: not leased.filter(due_at__gt=timezone.now()).exists(), timeout=60)
     clusters(settings)
     # What is left takes 5 s at PER_HOST's two at a time; the rest of the
     # round is room for a machine busy past its cores.
