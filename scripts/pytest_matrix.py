@@ -58,9 +58,10 @@ STACKS_GRACE = 5.0
 RESULT = re.compile(r"\b(passed|failed|errors?|no tests ran)\b.* in [\d.]+s")
 #: The niceness of the runs without slow tests. The slow runs mostly wait on
 #: subprocesses that start Django, and on a machine busy past its cores each
-#: start takes seconds: with first call on the CPU they end first (all runs
-#: at once on two cores: the slow ones in 164-223 s, the others in 277-312 s),
-#: and the other runs take up what is left.
+#: start takes seconds: they are the longest, and with first call on the CPU
+#: they are not held back by the others, which take up what is left (all
+#: runs at once on two cores: the slow ones end in 278-314 s, the others in
+#: 243-276 s).
 NOT_SLOW_NICENESS = 5
 #: Which tests a database's runs leave out, having run them on SQLite: those
 #: that cannot reach a database (tests/conftest.py marks them no_database)
