@@ -116,6 +116,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 **{**kwargs, "transaction": True, "available_apps": QUEUE_APPS}
             )
             item.add_marker(queue_only, append=False)
+    # The longest first: pytest-xdist hands out tests in this order, and a
+    # run that starts a minute-long one last ends on it alone.
+    items.sort(key=lambda item: not _longest(item))
+
+
+#: The modules whose slow tests start processes (deliverers, supervisors, a
+#: qcluster) and wait out leases: 40 to 90 s each with every run at once.
+LONGEST_MODULES = frozenset(
+    {"test_run_deliverer.py", "test_run_deliverer_postgres.py", "test_django_q.py"}
+)
+
+
+def _longest(item: pytest.Item) -> bool:
+    return item.path.name in LONGEST_MODULES and item.get_closest_marker("slow") is not None
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
