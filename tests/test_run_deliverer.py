@@ -346,10 +346,14 @@ def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
 ) -> None:
     from django_federation_delivery.models import Breaker
 
-    slow_503 = Overlap(503, delay=0.3)
+    # The first four answered together: both processes were sending at once.
+    # Then a probe's answer takes a tenth of its cool-off (a probe holds the
+    # breaker for one cool-off): at 0.3 s of 0.5, two probes once overlapped
+    # with every run of the suite at once.
+    slow_503 = Overlap(503, delay=0.1, together=4)
     down = inboxes("127.0.0.2", respond=slow_503)
     shared = {
-        "BREAKER": {"THRESHOLD": 6, "COOL_OFF": 0.5, "SCOPE": "host"},
+        "BREAKER": {"THRESHOLD": 6, "COOL_OFF": 1.0, "SCOPE": "host"},
         "RETRY": {"BASE": 0.2, "CAP": 0.2, "ATTEMPTS": 100, "JITTER": 0},
     }
     first = processes("--concurrency=4", "--per-host=2", settings=shared)
@@ -362,15 +366,15 @@ def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
     time.sleep(1.0)  # what was in flight when it opened has come back by now
     slow_503.mark()
     before = len(down.received)
-    time.sleep(3.0)  # six cool-offs: a probe each at most, among both processes
+    time.sleep(4.0)  # four cool-offs: a probe each at most, among both processes
     probes = len(down.received) - before
     for process in (first, second):
         process.send_signal(signal.SIGTERM)
     assert first.wait(20) == 0 and second.wait(20) == 0
-    assert slow_503.most >= 3, "both processes were sending at first (two per host each)"
+    assert slow_503.most >= 4, "both processes were sending at first (two per host each)"
     assert opened_after <= 6 + 2 * (2 * 2), "opened by both processes' failures, counted together"
     assert slow_503.most_since_mark == 1, "one probe at a time between the two processes"
-    assert 1 <= probes <= 3 / 0.5 + 1, f"{probes} probes in six cool-offs"
+    assert 1 <= probes <= 4 / 1.0 + 1, f"{probes} probes in four cool-offs"
 
 
 # --processes N: N deliverers under one supervisor.
