@@ -470,14 +470,22 @@ def test_two_processes_drain_a_fan_out_each_delivery_once_both_doing_part_of_it(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
     # Two in flight at most for one deliverer (--concurrency=2): three at once
-    # at the inbox means both are sending.
-    gate = Gate(needed=3)
+    # at the inbox means both are sending. The first child's requests wait
+    # there for the second child to start (50 s and more with every run of
+    # the suite at once): its attempts must outlast that wait, or they time
+    # out and come due again after the drain has ended.
+    gate = Gate(needed=3, timeout=STARTED)
     sink = inboxes(respond=gate)
     urls = [sink.url(f"/{n}") for n in range(100)]
     send(ALICE, NOTE, urls)
-    process = processes("--processes=2", "--drain", "--concurrency=2")
+    process = processes(
+        "--processes=2",
+        "--drain",
+        "--concurrency=2",
+        settings={"ATTEMPT_TIMEOUT": STARTED + 20, "LEASE_SECONDS": 300},
+    )
     output = Output(process)
-    assert process.wait(120) == 0, output.finish()
+    assert process.wait(280) == 0, output.finish()
     text = output.finish()
     assert gate.opened.is_set(), "both deliverers were sending at once"
     assert statuses() == {Status.DELIVERED: 100}
