@@ -122,7 +122,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 #: The modules whose slow tests start processes (deliverers, supervisors, a
-#: qcluster) and wait out leases: 40 to 90 s each with every run at once.
+#: qcluster) and wait out leases: the longest of the suite are theirs, 40 to
+#: 90 s each with every run at once.
 LONGEST_MODULES = frozenset(
     {"test_run_deliverer.py", "test_run_deliverer_postgres.py", "test_django_q.py"}
 )
@@ -487,7 +488,8 @@ def wait_until(
 
 def near_miss(took: float, bound: float) -> None:
     """Tells scripts/pytest_matrix.py of a wait that took more than half its
-    bound: the next slower machine fails there."""
+    bound: the next slower machine fails there. Called by the waiting helper
+    itself (wait_until, wait_for_line), so that the line named is its caller's."""
     if REPORTS is None or took <= bound / 2:
         return
     caller = sys._getframe(2)

@@ -99,7 +99,8 @@ def wait_for_line(process: subprocess.Popen[str], text: str, timeout: float = ST
         lines.put(None)
 
     threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     seen: list[str] = []
     while (left := deadline - time.monotonic()) > 0:
         try:
@@ -110,7 +111,7 @@ def wait_for_line(process: subprocess.Popen[str], text: str, timeout: float = ST
             break
         seen.append(line)
         if text in line:
-            near_miss(time.monotonic() - deadline + timeout, timeout)
+            near_miss(time.monotonic() - started, timeout)
             return line
     raise AssertionError(f"{text!r} never came; output was:\n{''.join(seen)}")
 
@@ -428,7 +429,7 @@ class Gate:
     """A ``respond`` that holds every request until ``needed`` are being
     answered at once (or ``timeout`` passes), then lets all through."""
 
-    def __init__(self, needed: int, timeout: float = 30) -> None:
+    def __init__(self, needed: int, timeout: float) -> None:
         self.needed = needed
         self.timeout = timeout
         self._lock = threading.Lock()
