@@ -49,11 +49,13 @@ def selects(config: pytest.Config, *marks: str) -> bool:
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    # Every browser test is slow and any_database: where those are
+    # Every browser test is slow, any_database and browser: where those are
     # deselected, Playwright need not be installed (tox.ini installs it only
     # where they run), so the module is not even imported. Anywhere else, a
     # missing one is an error.
-    if collection_path.name == "test_browser.py" and not selects(config, "slow", "any_database"):
+    if collection_path.name == "test_browser.py" and not selects(
+        config, "slow", "any_database", "browser"
+    ):
         return True
     return None
 

@@ -41,6 +41,8 @@ SCREENSHOTS = ROOT / "tests" / "var" / "screenshots"
 
 pytestmark = [
     pytest.mark.slow,
+    # One process of their own, where one Chromium serves them all.
+    pytest.mark.browser,
     # What the pages show is tested on both databases without a browser.
     pytest.mark.any_database,
     pytest.mark.django_db(transaction=True),
