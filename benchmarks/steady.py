@@ -237,9 +237,30 @@ def deliverer_main() -> None:
 
     if config.get("count_sql"):
         counter = SqlCounter()
+        # The CPU of each thread: the coordinator's, and the workers' together.
+        threads = {"coordinator": 0.0, "workers": 0.0}
+        timed_run, timed_work = Deliverer.run, Workers._work
+
+        def run_timed(self: Deliverer, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return timed_run(self, **kwargs)
+            finally:
+                threads["coordinator"] += time.thread_time() - started
+
+        def work_timed(self: Workers) -> None:
+            try:
+                timed_work(self)
+            finally:
+                with counter.lock:
+                    threads["workers"] += time.thread_time()
+
+        Deliverer.run = run_timed  # type: ignore[method-assign]
+        Workers._work = work_timed  # type: ignore[method-assign]
 
         def dump() -> None:
-            Path(config["count_sql"]).write_text(json.dumps(counter.figures()))
+            figures = {**counter.figures(), "threads": threads}
+            Path(config["count_sql"]).write_text(json.dumps(figures))
 
         atexit.register(dump)
     directory = config.get("profile")
@@ -250,7 +271,7 @@ def deliverer_main() -> None:
 
         class ProfiledWorkers(Workers):
             def _work(self) -> None:
-                profile = cProfile.Profile()
+                profile = cProfile.Profile(time.thread_time)
                 with lock:
                     profiles.append(profile)
                 profile.enable()
@@ -261,7 +282,7 @@ def deliverer_main() -> None:
 
         def profiled(self: Deliverer, **kwargs: Any) -> Any:
             self.workers.__class__ = ProfiledWorkers
-            coordinator = cProfile.Profile()
+            coordinator = cProfile.Profile(time.thread_time)
             coordinator.enable()
             try:
                 return run(self, **kwargs)
@@ -332,6 +353,8 @@ class Phase:
     producer: dict[str, Any]
     busy: float  # the machine's share of CPU time in use
     note: str = ""
+    #: Connections the sink accepted during the phase, when it counts them.
+    connections: int | None = None
 
     @property
     def rate(self) -> float:
@@ -356,7 +379,9 @@ class Phase:
         return (
             f"  {self.name:<24} {self.delivered:>6}/{self.expected:<6} in {self.seconds:6.2f} s "
             f"{self.rate:7.1f}/s  cpu {self.cpu_ms:.2f} ms/delivery (producer "
-            f"{self.producer_ms:.2f})  {send}  machine {100 * self.busy:.0f}% busy{self.note}"
+            f"{self.producer_ms:.2f})  {send}  machine {100 * self.busy:.0f}% busy"
+            f"{'' if self.connections is None else f', {self.connections} connections'}"
+            f"{self.note}"
         )
 
 
@@ -458,6 +483,9 @@ class Bench:
                         raise RuntimeError("a bare pool did not start")
                 sides.extend(pools)
             pids = [process.pid for process in sides]
+            served = counter if isinstance(counter, Served) else None
+            if served is not None:
+                accepted, queries = served.sink.counters()[0], served.queries
             base = counter()
             cpu = cpu_seconds(pids)
             busy, ticks = machine_ticks()
@@ -482,6 +510,11 @@ class Bench:
                 time.sleep(POLL)
             cpu = cpu_seconds(pids) - cpu
             busy_after, ticks_after = machine_ticks()
+            connections = None
+            if served is not None:
+                # Each query of the counters is a connection of its own.
+                made = served.queries - queries + 1
+                connections = served.sink.counters()[0] - accepted - made
             out, _ = producer.communicate(timeout=60)
             result = json.loads(out.splitlines()[-1]) if out.strip() else {}
             note = ""
@@ -510,6 +543,7 @@ class Bench:
                 producer=result,
                 busy=(busy_after - busy) / max(1, ticks_after - ticks),
                 note=note,
+                connections=connections,
             )
         finally:
             for fd in pipes:
@@ -774,6 +808,11 @@ def diagnose(
                     f"    {kind:<18} {count:>7}  {count / n:6.2f}/{per}  "
                     f"{1000 * seconds[kind]:9.1f} ms in all, "
                     f"{1000 * seconds[kind] / count:6.2f} ms each"
+                )
+            if threads := figures.get("threads"):
+                print(
+                    f"    CPU a delivery: the coordinator's {1000 * threads['coordinator'] / n:.2f}"
+                    f" ms, the workers' {1000 * threads['workers'] / n:.2f} ms (thread times)"
                 )
     if args.profile:
         for name in ("coordinator", "workers", "producer"):

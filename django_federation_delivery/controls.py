@@ -94,6 +94,5 @@ def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
     )
 
 
-def _finished(batches: list[Batch]) -> None:
-    for batch in batches:
-        signals.send_safely(signals.batch_finished, batch=batch)
+def _finished(ids: list[int]) -> None:
+    signals.send_batches_finished(ids)

@@ -32,7 +32,6 @@ from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.jobs import Jobs
-from django_federation_delivery.models import Batch
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.settling import Settler, Summary
@@ -291,7 +290,7 @@ class Deliverer:
                 self._db(self.breakers.flush)
             self.schemes.write()
 
-    def _batches_finished(self, batches: list[Batch]) -> None:
-        for batch in batches:
-            signals.send_safely(signals.batch_finished, batch=batch)
-            self._batches.forget(batch.id)
+    def _batches_finished(self, ids: list[int]) -> None:
+        signals.send_batches_finished(ids, using=self.using)
+        for id in ids:
+            self._batches.forget(id)

@@ -56,9 +56,10 @@ class _Metrics:
             ["outcome"],
         )
         # Every outcome shows from the start, at nought, so that rate() sees
-        # the first one.
-        for outcome in OUTCOMES:
-            self.attempts.labels(outcome=outcome)
+        # the first one; each one's counter is kept, not looked up again an attempt.
+        self.attempts_by_outcome: dict[str, prometheus_client.Counter] = {
+            outcome: self.attempts.labels(outcome=outcome) for outcome in OUTCOMES
+        }
         self.duration = prometheus_client.Histogram(
             f"{PREFIX}_attempt_duration_seconds",
             "How long delivery attempts took, in seconds.",
@@ -92,7 +93,7 @@ def record_attempt(outcome: str, duration: float) -> None:
         raise ValueError(f"unknown outcome {outcome!r}; expected one of {', '.join(OUTCOMES)}")
     if _metrics is None:
         return
-    _metrics.attempts.labels(outcome=outcome).inc()
+    _metrics.attempts_by_outcome[outcome].inc()
     _metrics.duration.observe(max(duration, 0.0))
 
 

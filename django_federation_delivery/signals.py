@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import Any
 
+from django.db import DEFAULT_DB_ALIAS
 from django.dispatch import Signal
 
 
@@ -126,3 +128,19 @@ def send_safely(signal: Signal, **kwargs: Any) -> None:
     from django_federation_delivery.models import Delivery
 
     signal.send_robust(sender=Delivery, **kwargs)
+
+
+def send_batches_finished(ids: Sequence[int], *, using: str | None = None) -> None:
+    """``batch_finished`` for each batch of ``ids``, in id order.
+
+    The batches are read (whole, with their bodies) only when a receiver is
+    connected: a stream of one-inbox sends finishes a batch with every
+    delivery, and nobody listening is the usual case.
+    """
+    from django_federation_delivery.models import Batch, Delivery
+
+    if not ids or not batch_finished.has_listeners(Delivery):
+        return
+    batches = Batch.objects.using(using or DEFAULT_DB_ALIAS).filter(id__in=sorted(ids))
+    for batch in batches.order_by("id"):
+        send_safely(batch_finished, batch=batch)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime as dt
+import json
 import threading
 import tracemalloc
 from typing import Any
@@ -12,7 +13,7 @@ from django.db import IntegrityError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import send, send_batch, store
+from django_federation_delivery import send, send_batch, signals, store
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 from django_federation_delivery.store import queueing
 
@@ -91,7 +92,7 @@ def test_a_retry_stays_pending_until_its_due_time() -> None:
 def test_a_batch_finishes_when_its_last_delivery_leaves_the_queue() -> None:
     batch = send(ALICE, NOTE, inboxes(3))
     assert batch is not None
-    finished: list[Batch] = []
+    finished: list[int] = []
     rows = store.claim(3, lease=300)
     store.settle(
         [store.Settlement(claimed=r, status=Status.DELIVERED, attempts=1) for r in rows[:2]],
@@ -102,7 +103,7 @@ def test_a_batch_finishes_when_its_last_delivery_leaves_the_queue() -> None:
         [store.Settlement(claimed=rows[2], status=Status.FAILED, attempts=1)],
         on_finished=finished.extend,
     )
-    assert [b.id for b in finished] == [batch.id]
+    assert finished == [batch.id]
     batch.refresh_from_db()
     assert batch.remaining == 0 and batch.finished_at is not None
 
@@ -117,13 +118,13 @@ def test_many_batches_are_counted_down_in_one_statement_a_chunk(batches: int) ->
     assert unfinished is not None
     rows = store.claim(batches + 2, lease=300)
     settling = [r for r in rows if r.inbox != inboxes(2, "two.example")[1]]
-    finished: list[Batch] = []
+    finished: list[int] = []
     with CaptureQueriesContext(connection) as queries:
         store.settle(
             [store.Settlement(claimed=r, status=Status.DELIVERED, attempts=1) for r in settling],
             on_finished=finished.extend,
         )
-    assert sorted(b.id for b in finished) == sorted(b.id for b in made if b is not None)
+    assert finished == sorted(b.id for b in made if b is not None)
     countdowns = [q for q in queries.captured_queries if q["sql"].startswith("WITH v(id, n)")]
     chunks = -(-(batches + 1) // store.COUNT_DOWN_CHUNK)
     assert len(countdowns) == chunks
@@ -131,6 +132,39 @@ def test_many_batches_are_counted_down_in_one_statement_a_chunk(batches: int) ->
     assert Batch.objects.filter(remaining=0, finished_at__isnull=False).count() == batches
     unfinished.refresh_from_db()
     assert (unfinished.remaining, unfinished.finished_at) == (1, None)
+
+
+@pytest.mark.django_db
+def test_finished_batches_are_read_for_batch_finished_only_when_a_receiver_listens() -> None:
+    made = [send(ALICE, NOTE, inboxes(1, f"h{n}.example")) for n in range(4)]
+    rows = sorted(store.claim(4, lease=300), key=lambda row: row.batch_id)
+    batches = Batch._meta.db_table
+
+    def settle(claimed: list[store.Claimed]) -> list[str]:
+        with CaptureQueriesContext(connection) as queries:
+            store.settle(
+                [store.Settlement(claimed=r, status=Status.DELIVERED, attempts=1) for r in claimed],
+                on_finished=signals.send_batches_finished,
+            )
+        return [q["sql"] for q in queries.captured_queries if q["sql"].startswith("SELECT")]
+
+    # Nobody listens: the finished batches are stamped, and not read back.
+    assert not [sql for sql in settle(rows[:2]) if batches in sql]
+    assert Batch.objects.filter(finished_at__isnull=False).count() == 2
+    received: list[Batch] = []
+
+    def receiver(sender: object, batch: Batch, **kwargs: object) -> None:
+        received.append(batch)
+
+    signals.batch_finished.connect(receiver)
+    try:
+        settle(rows[2:])
+    finally:
+        signals.batch_finished.disconnect(receiver)
+    # A receiver gets each batch whole, as it is once finished, in id order.
+    assert [b.id for b in received] == [b.id for b in made[2:] if b is not None]
+    assert all(b.finished_at is not None and b.remaining == 0 for b in received)
+    assert all(json.loads(b.body) == NOTE for b in received)
 
 
 @pytest.mark.django_db

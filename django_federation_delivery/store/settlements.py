@@ -56,7 +56,7 @@ class Settlement:
 def settle(
     settlements: Sequence[Settlement],
     *,
-    on_finished: Callable[[list[Batch]], None] | None = None,
+    on_finished: Callable[[list[int]], None] | None = None,
     using: str | None = None,
 ) -> set[int]:
     """Write the outcome of each settlement whose claim is still held, in one
@@ -65,7 +65,7 @@ def settle(
     Returns the ids written; a settlement whose lease lapsed and whose row
     another process now holds is not written. Batches whose last pending
     delivery this settles are stamped finished, and ``on_finished`` is called
-    with them inside the same transaction.
+    with their ids inside the same transaction.
     """
     if not settlements:
         return set()
@@ -154,9 +154,9 @@ def _settle_sql(connection: Any, rows: int) -> str:
 COUNT_DOWN_CHUNK = 400
 
 
-def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> list[Batch]:
+def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> list[int]:
     """Take the settled deliveries off their batches' counts; the batches
-    that reach nought are finished now, and returned.
+    that reach nought are finished now, and their ids returned, in order.
 
     One statement for every batch at once (a stream of one-inbox sends
     settles as many batches as deliveries). On PostgreSQL the batches'
@@ -194,10 +194,7 @@ def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> l
                 [*(value for pair in chunk for value in pair), finished_at],
             )
             done += [batch_id for batch_id, remaining in cursor.fetchall() if remaining == 0]
-    if not done:
-        return []
-    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS).order_by("id")
-    return list(manager.filter(id__in=sorted(done)))
+    return sorted(done)
 
 
 class GivenUp(NamedTuple):
@@ -214,7 +211,7 @@ def give_up_rows(
     reason: str,
     *,
     on_failing: Callable[[list[GivenUp]], None] | None = None,
-    on_finished: Callable[[list[Batch]], None] | None = None,
+    on_finished: Callable[[list[int]], None] | None = None,
     using: str | None = None,
 ) -> list[int]:
     """Fail pending deliveries for good, whoever holds them: a holder's late

@@ -18,7 +18,7 @@ from django.db import DEFAULT_DB_ALIAS
 
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.conf import SETTING, app_settings
-from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.settling import Settler
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.store import claims, settlements
@@ -47,7 +47,7 @@ class WebhookDeliveries:
         settler: Settler,
         *,
         using: str = DEFAULT_DB_ALIAS,
-        on_finished: Callable[[list[Batch]], None] | None = None,
+        on_finished: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.settler = settler
         self.using = using
