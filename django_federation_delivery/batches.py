@@ -9,7 +9,6 @@ import json
 import logging
 from typing import Any
 
-from django_federation_delivery.models import Batch
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.store import claims
 from django_federation_delivery.webhooks.rendering import Event
@@ -45,7 +44,7 @@ class BatchInfo:
     event: Event | None = None
 
     @classmethod
-    def of(cls, batch: Batch, *, parse: bool) -> BatchInfo:
+    def of(cls, batch: claims.BatchRow, *, parse: bool) -> BatchInfo:
         if batch.event_type:
             return cls._webhook(batch)
         return cls(
@@ -62,7 +61,7 @@ class BatchInfo:
         )
 
     @classmethod
-    def _webhook(cls, batch: Batch) -> BatchInfo:
+    def _webhook(cls, batch: claims.BatchRow) -> BatchInfo:
         try:
             event: Event | None = Event.read(batch.body)
         except ValueError:
