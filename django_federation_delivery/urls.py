@@ -13,6 +13,7 @@ Pure: no Django, no network.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import re
 import unicodedata
@@ -154,6 +155,18 @@ def split(url: object, *, userinfo: bool = False) -> Parts:
     """
     if not isinstance(url, str):
         raise UnusableURL(url, f"is not a string but {type(url).__name__}")
+    return _split(url, userinfo)
+
+
+#: URLs split lately, with their parts: an attempt splits its inbox three
+#: times (for the URL it sends, for the signature's target, for the transport's
+#: check), in any of the worker threads. Parts are immutable, and a URL refused
+#: is not kept. At most some 4 MB, with every URL of the longest allowed.
+SPLIT_CACHE_SIZE = 1024
+
+
+@functools.lru_cache(maxsize=SPLIT_CACHE_SIZE)
+def _split(url: str, userinfo: bool) -> Parts:
     if not url:
         raise UnusableURL(url, "is empty")
     if len(url) > MAX_URL_LENGTH:
