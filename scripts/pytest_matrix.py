@@ -6,10 +6,10 @@ Each ENV is a tox environment already built (``tox run --notest``; inside
 tox, the running one). In each, the suite runs on SQLite and, if
 FD_POSTGRES_URL is set, on PostgreSQL: ``-m "not slow"``, and in SLOW_ENV the
 slow tests (subprocesses, Chromium) too, as runs of their own, so that the
-longest runs start first and no run waits for another: three at once
+longest runs start first and no run waits for another: four at once
 (pytest-xdist), the browser's apart, in one process with one Chromium.
-Before the runs, one environment of each Python collects the suite, so that
-the runs find it compiled. On PostgreSQL, the
+Each run starts once one environment of its Python has collected the suite,
+so that it finds it compiled (the slow tests' Python first). On PostgreSQL, the
 tests that cannot reach a database, or test what no database changes, are
 left out: they ran on SQLite, and would run the same. At most N runs go at
 once (FD_TEST_JOBS; by default all of them): they share nothing (each has a
@@ -53,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright there only
 NO_TESTS_COLLECTED = 5
-SLOW_WORKERS = 3
+SLOW_WORKERS = 4
 RUN_TIMEOUT = float(os.environ.get("FD_TEST_RUN_TIMEOUT", 1200))
 #: How long the processes of a run that hung are given to write their stacks.
 STACKS_GRACE = 5.0
@@ -178,7 +178,7 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     runs = []
     # The longest first: the slow tests, then PostgreSQL, then SQLite.
     if SLOW_ENV in envs:
-        # They mostly wait (on subprocesses, leases): pytest-xdist runs three
+        # They mostly wait (on subprocesses, leases): pytest-xdist runs four
         # at once, so that the longest runs are not the sum of them.
         # Its default scheduling: with --dist loadgroup (one worker for the
         # browser's tests), pytest-xdist 3.8 waits for ever once it has
