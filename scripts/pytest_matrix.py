@@ -6,7 +6,7 @@ Each ENV is a tox environment already built (``tox run --notest``; inside
 tox, the running one). In each, the suite runs on SQLite and, if
 FD_POSTGRES_URL is set, on PostgreSQL: ``-m "not slow"``, and in SLOW_ENV the
 slow tests (subprocesses, Chromium) too, as runs of their own, so that the
-longest runs start first and no run waits for another: four at once
+longest runs start first and no run waits for another: three at once
 (pytest-xdist), the browser's apart, in one process with one Chromium.
 Each run starts once one environment of its Python has collected the suite,
 so that it finds it compiled (the slow tests' Python first). On PostgreSQL, the
@@ -53,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright there only
 NO_TESTS_COLLECTED = 5
-SLOW_WORKERS = 4
+SLOW_WORKERS = 3
 RUN_TIMEOUT = float(os.environ.get("FD_TEST_RUN_TIMEOUT", 1200))
 #: How long the processes of a run that hung are given to write their stacks.
 STACKS_GRACE = 5.0
@@ -178,8 +178,10 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     runs = []
     # The longest first: the slow tests, then PostgreSQL, then SQLite.
     if SLOW_ENV in envs:
-        # They mostly wait (on subprocesses, leases): pytest-xdist runs four
-        # at once, so that the longest runs are not the sum of them.
+        # They mostly wait (on subprocesses, leases): pytest-xdist runs three
+        # at once, so that the longest runs are not the sum of them. With
+        # four, the slow SQLite run was 20 s shorter, but a deliverer in the
+        # killed-mid-drain test was starved past its 15 s lease.
         # Its default scheduling: with --dist loadgroup (one worker for the
         # browser's tests), pytest-xdist 3.8 waits for ever once it has
         # replaced a worker that crashed.
