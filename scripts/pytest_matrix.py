@@ -180,8 +180,9 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     if SLOW_ENV in envs:
         # They mostly wait (on subprocesses, leases): pytest-xdist runs three
         # at once, so that the longest runs are not the sum of them. With
-        # four, the slow SQLite run was 20 s shorter, but a deliverer in the
-        # killed-mid-drain test was starved past its 15 s lease.
+        # four, the slow SQLite run was 20 s shorter, but the killed-mid-drain
+        # test's second drain once ended with deliveries still pending (a
+        # 15 s lease and 1 s attempts, on a machine that busy).
         # Its default scheduling: with --dist loadgroup (one worker for the
         # browser's tests), pytest-xdist 3.8 waits for ever once it has
         # replaced a worker that crashed.
