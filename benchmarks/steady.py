@@ -239,6 +239,7 @@ def deliverer_main() -> None:
         counter = SqlCounter()
         # The CPU of each thread: the coordinator's, and the workers' together.
         threads = {"coordinator": 0.0, "workers": 0.0}
+        adding = threading.Lock()
         timed_run, timed_work = Deliverer.run, Workers._work
 
         def run_timed(self: Deliverer, **kwargs: Any) -> Any:
@@ -252,7 +253,8 @@ def deliverer_main() -> None:
             try:
                 timed_work(self)
             finally:
-                with counter.lock:
+                with adding:
+                    # A worker's CPU time since its thread started.
                     threads["workers"] += time.thread_time()
 
         Deliverer.run = run_timed  # type: ignore[method-assign]

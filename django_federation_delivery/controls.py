@@ -57,7 +57,7 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
                 ids[start : start + CHUNK],
                 reason,
                 on_failing=lambda rows: _tell_failed(rows, reason),
-                on_finished=_finished,
+                on_finished=signals.send_batches_finished,
             )
         )
     return failed
@@ -92,7 +92,3 @@ def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
     return sum(
         settlements.requeue_rows(ids[start : start + CHUNK]) for start in range(0, len(ids), CHUNK)
     )
-
-
-def _finished(ids: list[int]) -> None:
-    signals.send_batches_finished(ids)

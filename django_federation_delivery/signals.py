@@ -30,7 +30,6 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS
 from django.dispatch import Signal
 
 
@@ -137,10 +136,10 @@ def send_batches_finished(ids: Sequence[int], *, using: str | None = None) -> No
     connected: a stream of one-inbox sends finishes a batch with every
     delivery, and nobody listening is the usual case.
     """
-    from django_federation_delivery.models import Batch, Delivery
+    from django_federation_delivery.models import Delivery
+    from django_federation_delivery.store.settlements import finished_batches
 
     if not ids or not batch_finished.has_listeners(Delivery):
         return
-    batches = Batch.objects.using(using or DEFAULT_DB_ALIAS).filter(id__in=sorted(ids))
-    for batch in batches.order_by("id"):
+    for batch in finished_batches(ids, using=using):
         send_safely(batch_finished, batch=batch)

@@ -204,6 +204,10 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     return runs
 
 
+#: What has a Python compile the suite and rewrite its asserts, running no test.
+COLLECT_ONLY = ("-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider")
+
+
 def warm(runs: list[Run]) -> None:
     """Has one environment of each Python collect the suite before its runs
     start, and sets each run's ``warmed`` when its own Python has.
@@ -229,16 +233,7 @@ def warm(runs: list[Run]) -> None:
         nice = [] if first else ["nice", "-n", "10"]
         try:
             subprocess.run(
-                [
-                    *nice,
-                    run.python,
-                    "-m",
-                    "pytest",
-                    "--collect-only",
-                    "-q",
-                    "-p",
-                    "no:cacheprovider",
-                ],
+                [*nice, run.python, *COLLECT_ONLY],
                 cwd=ROOT,
                 env=run.environ,
                 stdin=subprocess.DEVNULL,

@@ -197,6 +197,13 @@ def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> l
     return sorted(done)
 
 
+def finished_batches(ids: Sequence[int], *, using: str | None = None) -> list[Batch]:
+    """The batches of ``ids`` (finished ones, as ``on_finished`` names them),
+    whole and in id order: what ``batch_finished`` carries."""
+    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS).order_by("id")
+    return list(manager.filter(id__in=sorted(ids)))
+
+
 class GivenUp(NamedTuple):
     """A delivery :func:`give_up_rows` failed: what its signal tells."""
 
