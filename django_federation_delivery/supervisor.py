@@ -31,6 +31,8 @@ from django.utils import translation
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
+from django_federation_delivery.stopsignals import StopSignals
+
 # What reaches the operator (the stop, why the supervisor gave up) is
 # translated; the log lines stay English, as operators grep them.
 logger = logging.getLogger("django_federation_delivery.deliverer")
@@ -135,14 +137,14 @@ class Supervisor:
     def run(self) -> None:
         """Start the children and wait for them all to stop. Raises
         :class:`GaveUp` when a child kept dying or did not stop cleanly."""
-        previous = self._install_signals()
+        signals = StopSignals(self._stop_saying_so, self._kill_and_exit)
+        signals.install()
         try:
             for child in self.children:
                 self._start(child)
             self._watch()
         finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
+            signals.restore()
         unclean = [
             child
             for child in self.children
@@ -174,6 +176,9 @@ class Supervisor:
         """Kill every child at once; what they had in flight is sent again
         once its lease lapses."""
         self._stopping.set()
+        self._kill_children()
+
+    def _kill_children(self) -> None:
         for child in self.children:
             if child.running and child.process is not None:
                 child.process.kill()
@@ -266,26 +271,24 @@ class Supervisor:
             "seconds": self.quick_death,
         }
 
-    def _install_signals(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def stop(number: int, frame: FrameType | None) -> None:
-            if self.stopping:
-                # A second signal: the operator means it.
-                self.kill()
-                os._exit(128 + number)
-            running = sum(child.running for child in self.children)
-            self.say(
-                ngettext(
-                    "Stopping: %(count)d deliverer finishing what is in flight "
-                    "(again to kill them at once).",
-                    "Stopping: %(count)d deliverers finishing what is in flight "
-                    "(again to kill them at once).",
-                    running,
-                )
-                % {"count": running}
+    def _stop_saying_so(self, number: int) -> None:
+        if self.stopping:
+            self._kill_and_exit(number)  # stopping already: as good as a second one
+        running = sum(child.running for child in self.children)
+        self.say(
+            ngettext(
+                "Stopping: %(count)d deliverer finishing what is in flight "
+                "(again to kill them at once).",
+                "Stopping: %(count)d deliverers finishing what is in flight "
+                "(again to kill them at once).",
+                running,
             )
-            self.stop()
+            % {"count": running}
+        )
+        self.stop()
 
-        return {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)}
+    def _kill_and_exit(self, number: int) -> None:
+        # A second signal: the operator means it. Called in the signal's
+        # handler, so it touches no lock (see stopsignals).
+        self._kill_children()
+        os._exit(128 + number)

@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 from django.core.management.base import CommandError
@@ -22,6 +21,7 @@ from django.utils.translation import gettext as _
 
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.settling import Summary
+from django_federation_delivery.stopsignals import StopSignals
 from django_federation_delivery.supervisor import GaveUp, Supervisor
 
 logger = logging.getLogger("django_federation_delivery.deliverer")
@@ -143,30 +143,30 @@ def watch_supervisor(deliverer: Deliverer, child: Child | None) -> None:
     threading.Thread(target=watch, name="federation-delivery-supervisor", daemon=True).start()
 
 
-def install_stop_signals(deliverer: Deliverer, child: Child | None, warn: Say) -> dict[int, Any]:
-    """SIGTERM and SIGINT stop ``deliverer``; gives the handlers they replaced."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
+def install_stop_signals(deliverer: Deliverer, child: Child | None, warn: Say) -> StopSignals:
+    """SIGTERM and SIGINT stop ``deliverer``, and alone, a second one exits
+    at once; the caller calls ``restore()`` on what this gives when done."""
 
-    def stop(number: int, frame: FrameType | None) -> None:
-        if child is not None:
-            # Under a supervisor, a signal only ever stops: Ctrl-C in a
-            # terminal (or systemd's stop) reaches this process and the
-            # supervisor both, and the supervisor passes it on. A forced
-            # stop is the supervisor's SIGKILL.
-            if not deliverer.stopping:
-                warn(_("Stopping: finishing what is in flight."))
-                deliverer.stop()
-            return
+    def exit_now(number: int) -> None:
+        # A second signal: the operator means it.
+        os._exit(128 + number)
+
+    def stop(number: int) -> None:
         if deliverer.stopping:
-            # A second signal: the operator means it.
-            os._exit(128 + number)
-        warn(_("Stopping: finishing what is in flight (again to exit at once)."))
+            if child is None:
+                exit_now(number)  # stopping already: as good as a second one
+            return
+        if child is None:
+            warn(_("Stopping: finishing what is in flight (again to exit at once)."))
+        else:
+            warn(_("Stopping: finishing what is in flight."))
         deliverer.stop()
 
-    previous: dict[int, Any] = {
-        number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGINT)
-    }
+    # Under a supervisor, a signal only ever stops: Ctrl-C in a terminal (or
+    # systemd's stop) reaches this process and the supervisor both, and the
+    # supervisor passes it on. A forced stop is the supervisor's SIGKILL.
+    signals = StopSignals(stop, exit_now if child is None else None)
+    signals.install()
     if child is not None and child.stopped.is_set():
-        stop(signal.SIGTERM, None)
-    return previous
+        stop(signal.SIGTERM)
+    return signals

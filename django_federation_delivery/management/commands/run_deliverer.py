@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 from typing import Any
 
@@ -230,7 +229,7 @@ class Command(TranslatedCommand):
             )
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
-        previous = install_stop_signals(deliverer, self.child, self._warn)
+        signals = install_stop_signals(deliverer, self.child, self._warn)
         watch_supervisor(deliverer, self.child)
         message = (
             _("Delivering until nothing is due: %(concurrency)d in flight, %(per_host)d per host.")
@@ -252,8 +251,7 @@ class Command(TranslatedCommand):
             if purging is not None:
                 purging.stop()
             # Called from code (call_command), the caller's handlers come back.
-            for number, handler in previous.items():
-                signal.signal(number, handler)
+            signals.restore()
         self._say(self.style.SUCCESS(_("Done: %(summary)s.") % {"summary": summary.line()}))
 
     def _say(self, line: str) -> None:
