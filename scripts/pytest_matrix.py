@@ -9,7 +9,9 @@ slow tests (subprocesses, Chromium) too, as runs of their own, so that the
 longest runs start first and no run waits for another: three at once
 (pytest-xdist), the browser's apart, in one process with one Chromium.
 Each run starts once one environment of its Python has collected the suite,
-so that it finds it compiled (the slow tests' Python first). On PostgreSQL, the
+so that it finds it compiled (the slow tests' Python first); the browser's,
+also once the file FD_CHROMIUM_STATUS names (if set) says Chromium's install,
+which scripts/test runs in the background, ended with status 0. On PostgreSQL, the
 tests that cannot reach a database, or test what no database changes, are
 left out: they ran on SQLite, and would run the same. At most N runs go at
 once (FD_TEST_JOBS; by default all of them): they share nothing (each has a
@@ -94,6 +96,11 @@ class Run:
     output: bytes = field(default=b"", repr=False)
     #: Set once its Python has collected the suite (see warm): it starts then.
     warmed: threading.Event = field(default_factory=threading.Event, repr=False)
+    #: A file it waits for before it starts, and what it must hold: "0", the
+    #: status of Chromium's install, which scripts/test runs in the background.
+    after: Path | None = None
+    #: Why it did not start, if it did not.
+    not_started: str = ""
 
     @property
     def name(self) -> str:
@@ -194,7 +201,10 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
         # The browser's tests (any_database) in a process of their own: one
         # Chromium serves them all, where each xdist worker would start one.
         sqlite = databases["SQLite"]
-        runs.append(Run(SLOW_ENV, "SQLite", "browser", interpreter(SLOW_ENV), sqlite, args))
+        browser = Run(SLOW_ENV, "SQLite", "browser", interpreter(SLOW_ENV), sqlite, args)
+        if status := os.environ.get("FD_CHROMIUM_STATUS"):
+            browser.after = Path(status)
+        runs.append(browser)
     for database, environ in databases.items():
         marks = f"not slow and {ONLY[database]}" if database in ONLY else "not slow"
         for env in envs:
@@ -252,6 +262,22 @@ def warm(runs: list[Run]) -> None:
         threading.Thread(target=collect, args=(n == 0, waiting), daemon=True).start()
 
 
+def ready(run: Run) -> bool:
+    """Waits for the file ``run.after`` (up to the run's own bound), and says
+    whether it holds "0"; if not, ``run.not_started`` says why."""
+    assert run.after is not None
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not run.after.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    try:
+        status = run.after.read_text().strip()
+    except OSError:
+        status = ""
+    if status != "0":
+        run.not_started = f"not started: {run.after} holds {status!r}, not '0'"
+    return not run.not_started
+
+
 def run_all(runs: list[Run], jobs: int) -> None:
     free = threading.Semaphore(jobs)
     printing = threading.Lock()
@@ -259,7 +285,8 @@ def run_all(runs: list[Run], jobs: int) -> None:
     def one(run: Run) -> None:
         try:
             run.warmed.wait()
-            run.start_and_wait(RUN_TIMEOUT)
+            if run.after is None or ready(run):
+                run.start_and_wait(RUN_TIMEOUT)
         finally:
             free.release()
         with printing:
@@ -283,7 +310,9 @@ def verdicts(runs: list[Run]) -> dict[int, str]:
     tested = {(r.env, r.database) for r in runs if r.code in (0, 1)}
     failed = {}
     for index, run in enumerate(runs):
-        if run.timed_out:
+        if run.not_started:
+            failed[index] = run.not_started
+        elif run.timed_out:
             failed[index] = f"still going after {RUN_TIMEOUT:.0f} s: stopped (its stacks are above)"
         elif run.code == NO_TESTS_COLLECTED:
             if (run.env, run.database) not in tested:
