@@ -140,6 +140,32 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         leftover.unlink(missing_ok=True)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _postgres_flush_by_delete() -> Iterator[None]:
+    """On PostgreSQL, a transactional test's tables are emptied after it with
+    DELETE, as SQLite's are, rather than Django's TRUNCATE: a TRUNCATE of a
+    few rows makes every table and index new, 22 ms of the server's CPU each
+    time, more than half of all it did in a run of the suite. The foreign
+    keys are checked at the commit, once all is deleted."""
+    if connection.vendor != "postgresql":
+        yield
+        return
+    operations = type(connection.ops)
+    truncate = operations.sql_flush
+
+    def sql_flush(
+        self: Any, style: Any, tables: list[str], *, reset_sequences: bool = False, **kwargs: Any
+    ) -> list[str]:
+        if reset_sequences or not tables:
+            return truncate(self, style, tables, reset_sequences=reset_sequences, **kwargs)
+        quote = self.quote_name
+        return ["SET CONSTRAINTS ALL DEFERRED", *(f"DELETE FROM {quote(t)}" for t in tables)]
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(operations, "sql_flush", sql_flush)
+        yield
+
+
 @receiver(connection_created)
 def _sqlite_wal(sender: Any, connection: Any, **kwargs: Any) -> None:
     # What a deployment on SQLite runs with (see example_project/settings.py).
