@@ -24,6 +24,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from django.utils import translation
+
 logger = logging.getLogger("django_federation_delivery.deliverer")
 
 #: The signals that stop a deliverer, or a supervisor of deliverers.
@@ -54,8 +56,13 @@ class StopSignals:
         # A handler never waits, even on a pipe nobody reads any more.
         os.set_blocking(write, False)
         self._write = write
+        # What it says, it says in the language of the thread that installed it.
+        language = translation.get_language()
         threading.Thread(
-            target=self._relay, args=(read,), name="federation-delivery-signals", daemon=True
+            target=self._relay,
+            args=(read, language),
+            name="federation-delivery-signals",
+            daemon=True,
         ).start()
         self._previous = {number: signal.signal(number, self._handle) for number in STOP}
         return True
@@ -80,7 +87,9 @@ class StopSignals:
             with contextlib.suppress(OSError):
                 os.write(write, bytes([number]))
 
-    def _relay(self, read: int) -> None:
+    def _relay(self, read: int, language: str | None) -> None:
+        if language is not None:
+            translation.activate(language)
         try:
             while chunk := os.read(read, 16):
                 for number in chunk:

@@ -160,3 +160,24 @@ def test_a_failing_action_is_logged_not_lost(caplog: pytest.LogCaptureFixture) -
         signals.restore()
     assert f"Acting on signal {signal.SIGTERM:d} failed" in caplog.text
     assert "RuntimeError: boom" in caplog.text
+
+
+def test_the_first_is_acted_on_in_the_language_of_the_thread_that_installed_them(
+    record: Record,
+) -> None:
+    from django.utils import translation
+
+    languages: list[str | None] = []
+
+    def first(number: int) -> None:
+        languages.append(translation.get_language())
+        record.on_first(number)
+
+    with translation.override("fr"):
+        signals = installed(StopSignals(first))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert record.acted.wait(10)
+    finally:
+        signals.restore()
+    assert languages == ["fr"]
