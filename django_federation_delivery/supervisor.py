@@ -31,7 +31,7 @@ from django.utils import translation
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from django_federation_delivery.stopsignals import StopSignals
+from django_federation_delivery.stopsignals import STOP, StopSignals
 
 # What reaches the operator (the stop, why the supervisor gave up) is
 # translated; the log lines stay English, as operators grep them.
@@ -59,7 +59,7 @@ def _bootstrap(target: str, *args: Any) -> None:
     def early(number: int, frame: FrameType | None) -> None:
         stop_requested.set()
 
-    for number in (signal.SIGTERM, signal.SIGINT):
+    for number in STOP:
         signal.signal(number, early)
     import django
     from django.utils.module_loading import import_string
@@ -172,13 +172,10 @@ class Supervisor:
             if child.running and child.process is not None:
                 child.process.terminate()  # SIGTERM
 
-    def kill(self) -> None:
-        """Kill every child at once; what they had in flight is sent again
-        once its lease lapses."""
-        self._stopping.set()
-        self._kill_children()
-
     def _kill_children(self) -> None:
+        """Kill every child at once; what they had in flight is sent again
+        once its lease lapses. Sets nothing and takes no lock: it is called
+        in a signal's handler (see stopsignals)."""
         for child in self.children:
             if child.running and child.process is not None:
                 child.process.kill()
@@ -288,7 +285,6 @@ class Supervisor:
         self.stop()
 
     def _kill_and_exit(self, number: int) -> None:
-        # A second signal: the operator means it. Called in the signal's
-        # handler, so it touches no lock (see stopsignals).
+        # A second signal: the operator means it.
         self._kill_children()
         os._exit(128 + number)

@@ -121,7 +121,13 @@ def test_a_second_signal_calls_again_at_once_even_before_the_first_is_acted_on(
 
 
 def test_without_again_a_second_signal_does_nothing_more(record: Record) -> None:
-    signals = installed(StopSignals(record.on_first))
+    threads: list[threading.Thread] = []
+
+    def first(number: int) -> None:
+        threads.append(threading.current_thread())
+        record.on_first(number)
+
+    signals = installed(StopSignals(first))
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         assert record.acted.wait(10)
@@ -129,6 +135,9 @@ def test_without_again_a_second_signal_does_nothing_more(record: Record) -> None
         os.kill(os.getpid(), signal.SIGINT)
     finally:
         signals.restore()
+    # Its thread reads what was sent before the handlers came back, then ends.
+    threads[0].join(5)
+    assert not threads[0].is_alive()
     assert record.first == [signal.SIGTERM]
 
 

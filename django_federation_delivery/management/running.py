@@ -144,8 +144,9 @@ def watch_supervisor(deliverer: Deliverer, child: Child | None) -> None:
 
 
 def install_stop_signals(deliverer: Deliverer, child: Child | None, warn: Say) -> StopSignals:
-    """SIGTERM and SIGINT stop ``deliverer``, and alone, a second one exits
-    at once; the caller calls ``restore()`` on what this gives when done."""
+    """SIGTERM and SIGINT stop ``deliverer``; when it runs alone (not as a
+    ``child`` of a supervisor), a second one exits at once. The caller calls
+    ``restore()`` on what this gives when it is done."""
 
     def exit_now(number: int) -> None:
         # A second signal: the operator means it.
