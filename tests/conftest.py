@@ -7,6 +7,7 @@ import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -138,6 +139,25 @@ def _longest(item: pytest.Item) -> bool:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for leftover in TEST_DB_DIR.glob(f"test-{os.getpid()}.sqlite3*"):
         leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def closed_port() -> Iterator[Callable[[], int]]:
+    """Gives ports on 127.0.0.1 where a connection is refused, until the test
+    ends: each is bound and not listening. A port let go at once could be
+    taken meanwhile by any of the processes of the runs side by side (a
+    server, or a client's own end), and answer."""
+    held: list[socket.socket] = []
+
+    def make() -> int:
+        sock = socket.socket()
+        held.append(sock)
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+    yield make
+    for sock in held:
+        sock.close()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -6,7 +6,6 @@ import base64
 import datetime as dt
 import json
 import re
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -321,15 +320,9 @@ def test_a_failed_webhook_delivery_requeued_is_pending_then_delivered(
     assert json.loads(inbox.received[-1].body)["text"].startswith("alert.raised")
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.django_db(transaction=True)
 def test_no_admin_page_shows_a_destination_s_url_path_token_or_secret(
-    inboxes: Callable[..., Inbox], settings: Any
+    inboxes: Callable[..., Inbox], settings: Any, closed_port: Callable[[], int]
 ) -> None:
     def echo(status: int) -> Callable[[Received], tuple[int, dict[str, str], bytes]]:
         # A receiver that quotes the URL it was sent to in its answer.

@@ -27,7 +27,6 @@ from django_federation_delivery.signatures import SenderKey, body_sha256
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE, rsa_key
-from .test_transport import closed_port
 
 SECRET = "t0ken-S3CRET-value"
 QUERY = f"?token={SECRET}"
@@ -102,6 +101,7 @@ def test_an_inbox_secret_is_in_no_message_row_log_signal_or_admin_page(
     silent: int,
     received: list[tuple[str, dict[str, Any]]],
     caplog: pytest.LogCaptureFixture,
+    closed_port: Callable[[], int],
 ) -> None:
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,

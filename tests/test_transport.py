@@ -211,13 +211,6 @@ def transport(transports: Callable[..., Transport]) -> Transport:
     return transports()
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 def drip(data: bytes, every: float = 0.2) -> Reply:
     """An answer written one byte at a time."""
 
@@ -533,7 +526,9 @@ def test_a_private_host_through_nat64_is_refused_before_connecting(
 # --- What goes wrong ---------------------------------------------------------------------------
 
 
-def test_a_closed_port_is_a_connection_failure(transport: Transport) -> None:
+def test_a_closed_port_is_a_connection_failure(
+    transport: Transport, closed_port: Callable[[], int]
+) -> None:
     with pytest.raises(ConnectionFailed, match="connection refused") as failed:
         transport.post(f"http://127.0.0.1:{closed_port()}/inbox", b"{}", SIGNED)
 
@@ -552,7 +547,7 @@ def test_invalid_urls(transport: Transport, url: str) -> None:
 
 
 def test_messages_carry_no_userinfo_or_query(
-    inbox: Inbox, transports: Callable[..., Transport]
+    inbox: Inbox, transports: Callable[..., Transport], closed_port: Callable[[], int]
 ) -> None:
     secret = "user:s3cret@"
     urls_and_errors: list[tuple[Transport, str, type[Exception]]] = [

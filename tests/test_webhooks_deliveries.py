@@ -306,12 +306,6 @@ def test_a_destination_removed_while_its_event_waits_to_be_retried_is_given_up_w
     assert len(failures) == 2 and {f.destination for f in failures} == {"ops"}
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -319,6 +313,7 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
     caught: list[tuple[str, Any]],
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
+    closed_port: Callable[[], int],
 ) -> None:
     real_getaddrinfo = socket.getaddrinfo
 
