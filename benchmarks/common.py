@@ -23,10 +23,11 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -597,6 +598,20 @@ def positive(value: str) -> int:
 
 def sigterm_interrupts(number: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # unwinds through the finally blocks that stop nginx
+
+
+def in_workdir(prefix: str, tmpdir: str | None, body: Callable[[Path], int]) -> int:
+    """``body(workdir)`` in a fresh temporary directory, removed after; SIGTERM
+    and Ctrl-C end it with status 130."""
+    signal.signal(signal.SIGTERM, sigterm_interrupts)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir=tmpdir))
+    try:
+        return body(workdir)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def median_or_nan(values: Sequence[float]) -> float:

@@ -35,11 +35,8 @@ import dataclasses
 import io
 import os
 import pstats
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -51,11 +48,11 @@ if not __package__:  # run as a script: benchmarks/ is on the path, the reposito
 from benchmarks.common import (
     clear_queue,
     environment_lines,
+    in_workdir,
     load_average,
     make_activity,
     positive,
     setup_django,
-    sigterm_interrupts,
 )
 
 #: Hosts the small sends go to, in turn: a queue that already knows a few.
@@ -83,15 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, sigterm_interrupts)
-    workdir = Path(tempfile.mkdtemp(prefix="fd-send-", dir=args.tmpdir))
-    try:
-        return benchmark(args, workdir)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    return in_workdir("fd-send-", args.tmpdir, lambda workdir: benchmark(args, workdir))
 
 
 def benchmark(args: argparse.Namespace, workdir: Path) -> int:
