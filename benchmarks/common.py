@@ -600,6 +600,17 @@ def sigterm_interrupts(number: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # unwinds through the finally blocks that stop nginx
 
 
+def add_database_and_tmpdir(parser: argparse.ArgumentParser) -> None:
+    """``--database-url`` (a throwaway PostgreSQL, by default $DATABASE_URL;
+    SQLite without one) and ``--tmpdir``, as the in-process benchmarks take them."""
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("DATABASE_URL", ""),
+        help="a THROWAWAY PostgreSQL (default: $DATABASE_URL; without it, SQLite)",
+    )
+    parser.add_argument("--tmpdir", default=None)
+
+
 def in_workdir(prefix: str, tmpdir: str | None, body: Callable[[Path], int]) -> int:
     """``body(workdir)`` in a fresh temporary directory, removed after; SIGTERM
     and Ctrl-C end it with status 130."""

@@ -33,7 +33,6 @@ import contextlib
 import cProfile
 import dataclasses
 import io
-import os
 import pstats
 import statistics
 import sys
@@ -46,6 +45,7 @@ if not __package__:  # run as a script: benchmarks/ is on the path, the reposito
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
+    add_database_and_tmpdir,
     clear_queue,
     environment_lines,
     in_workdir,
@@ -68,13 +68,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--fan-out", type=positive, default=10_000, help="inboxes of the big send (10000)"
     )
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get("DATABASE_URL", ""),
-        help="a THROWAWAY PostgreSQL (default: $DATABASE_URL; without it, SQLite)",
-    )
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile")
-    parser.add_argument("--tmpdir", default=None)
+    add_database_and_tmpdir(parser)
     return parser.parse_args(argv)
 
 
