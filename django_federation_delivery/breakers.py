@@ -97,6 +97,10 @@ class BreakerView:
     def get(self, key: str) -> State | None:
         return self._states.get(key)
 
+    def holding(self, now: dt.datetime) -> list[str]:
+        """The keys whose breaker holds every delivery at ``now``."""
+        return [key for key, state in self._states.items() if admit(state, now)[0] is Decision.HOLD]
+
     def set(self, key: str, state: State | None) -> None:
         if state is None:
             self._states.pop(key, None)
@@ -259,6 +263,11 @@ class Breakers:
     def refresh(self) -> None:
         forget = max(2 * self.settings.cool_off, 600.0)
         self.view.refresh(breaker_rows(forget_after=forget, using=self.using))
+
+    def holding_hosts(self, now: dt.datetime) -> list[str]:
+        """The hosts whose breaker holds every delivery at ``now`` (open, or
+        its probe under way), as last read; none when breakers are by inbox."""
+        return self.view.holding(now) if self.settings.scope is Scope.HOST else []
 
     def admit(self, key: str, now: dt.datetime) -> tuple[Decision, str, float]:
         """(decision, probe token, seconds to hold). Taking the probe is one

@@ -24,6 +24,11 @@ __all__ = ["Intake"]
 # The loop's logger: where an operator looks for what the loop met.
 logger = logging.getLogger("django_federation_delivery.deliverer")
 
+#: How long the loop leaves the hosts whose breaker holds everything alone
+#: once nothing of theirs was due: what is sent to them meanwhile waits that
+#: long at most to be held.
+HOLD_PASS_SECONDS = 1.0
+
 
 @dataclasses.dataclass(kw_only=True, eq=False)
 class Intake:
@@ -47,6 +52,8 @@ class Intake:
     new_work_poll: float
     dry: bool = dataclasses.field(default=False, init=False)
     _dry_since: float = dataclasses.field(default=0.0, init=False)
+    #: When the hosts whose breaker holds everything are next looked at.
+    _held_pass_at: float = dataclasses.field(default=0.0, init=False)
 
     def claim_more(self) -> None:
         """Keep a few claimed deliveries ready for the next free slots,
@@ -61,15 +68,21 @@ class Intake:
             # queued by another process without NOTIFY) a moment says when to look.
             return
         saturated = self.slots.saturated_hosts()
+        # Hosts whose breaker holds everything are left out of the claim:
+        # their backlog, due first, would fill its window and leave the hosts
+        # behind it waiting while it is held, PER_HOST at a time.
+        held = [host for host in self.upkeep.held_hosts() if host not in saturated]
         limit = max(1, self.claim_size - len(self.slots.ready))
         claimed = self.db(
             claims.claim,
             limit,
             self.lease,
             per_host=self.per_host,
-            exclude_hosts=saturated,
+            exclude_hosts=[*saturated, *held],
             using=self.using,
         )
+        if claimed is not None and held and len(claimed) < limit:
+            claimed = self._claim_held(claimed, held, limit - len(claimed))
         if claimed is None:
             # The database is away (and was waited on in ``db``): that says
             # nothing about what is due, and a drain must not end on it.
@@ -83,6 +96,24 @@ class Intake:
         if claimed:
             for item in self.triage.sort(claimed, holding=self.slots.holding()):
                 self.slots.add(item)
+
+    def _claim_held(
+        self, claimed: list[claims.Claimed], held: list[str], room: int
+    ) -> list[claims.Claimed] | None:
+        """``claimed``, and what is due to the ``held`` hosts in the room left:
+        each is held again by its breaker as it is handed out, as the claim
+        would have had it. Looked for again at most every HOLD_PASS_SECONDS
+        once none was due."""
+        if time.monotonic() < self._held_pass_at:
+            return claimed
+        more = self.db(claims.claim, room, self.lease, only_hosts=held, using=self.using)
+        if more is None:
+            # The database went away meanwhile: what was claimed still goes
+            # (its leases are taken); nothing claimed says nothing of what is due.
+            return claimed or None
+        if not more:
+            self._held_pass_at = time.monotonic() + HOLD_PASS_SECONDS
+        return [*claimed, *more]
 
     def wait(self, timeout: float) -> None:
         if self.wake.wait(timeout):
@@ -98,6 +129,10 @@ class Intake:
         sleep = jitter(self.idle_poll)
         if due is not None:
             sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
+            if sleep == 0.0:
+                # Due, yet the claim found nothing: it is a held host's, left
+                # alone until its next pass (or a result, or a send).
+                sleep = max(0.0, self._held_pass_at - time.monotonic())
         deadline = time.monotonic() + sleep
         if not self.wake.is_set():
             # Only when nothing has woken it already: what follows wakes it.

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 
 from django.db import close_old_connections
+from django.utils import timezone
 
 from django_federation_delivery import metrics
 from django_federation_delivery.breakers import Breakers
@@ -84,6 +85,12 @@ class Upkeep:
         if self.breakers is not None:
             self.db(self.breakers.refresh)
         self._read_paused()
+
+    def held_hosts(self) -> list[str]:
+        """The hosts whose circuit breaker holds every delivery now."""
+        if self.breakers is None:
+            return []
+        return self.breakers.holding_hosts(timezone.now())
 
     def paused_among(self, hosts: Iterable[str]) -> frozenset[str]:
         """Which of ``hosts`` are paused: read again when any seemed to be,

@@ -31,6 +31,8 @@ CLAIM_ORDER = (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
 #: How many due rows a claim looks at for each it takes, so that a few hosts
 #: at the head of the queue do not leave it short.
 CANDIDATES = 4
+#: The most hosts a claim names, to leave out or to take alone.
+MOST_HOSTS = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +56,12 @@ def claim(
     *,
     per_host: int | None = None,
     exclude_hosts: Iterable[str] = (),
+    only_hosts: Iterable[str] = (),
     using: str | None = None,
 ) -> list[Claimed]:
     """Take up to ``limit`` due deliveries for ``lease`` seconds, lane by lane,
-    in one transaction, and at most ``per_host`` to any one host.
+    in one transaction, and at most ``per_host`` to any one host; none to
+    ``exclude_hosts``, and, if ``only_hosts`` names any, to those alone.
 
     The claim pushes each row's due time forward by the lease and stamps it
     with a fresh token: only the holder of the token may settle it, and a row
@@ -67,9 +71,14 @@ def claim(
     """
     connection = connection_for(using)
     table = quoted_table(Delivery, connection)
-    excluded = sorted(set(exclude_hosts))[:200]
+    excluded = sorted(set(exclude_hosts))[:MOST_HOSTS]
+    only = sorted(set(only_hosts) - set(excluded))[:MOST_HOSTS]
+    if only_hosts and not only:
+        return []
     lock = skip_locked(connection)
     hosts = f" AND host NOT IN ({', '.join(['%s'] * len(excluded))})" if excluded else ""
+    if only:
+        hosts += f" AND host IN ({', '.join(['%s'] * len(only))})"
     # The oldest due rows of the lane, then the first few of each host among them.
     candidates = (
         f"SELECT id, host, due_at FROM {table} WHERE status = %s AND lane = %s "
@@ -94,7 +103,8 @@ def claim(
             if len(rows) >= limit:
                 break
             wanted = limit - len(rows)
-            params = [until, token, Status.PENDING, lane, db_datetime(now, connection), *excluded]
+            params = [until, token, Status.PENDING, lane, db_datetime(now, connection)]
+            params += [*excluded, *only]
             cursor.execute(sql, [*params, wanted * CANDIDATES, cap, wanted])
             # RETURNING gives no order; keep the queue's within each lane.
             rows.extend(sorted(cursor.fetchall(), key=lambda row: row[0]))
