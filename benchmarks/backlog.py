@@ -50,6 +50,7 @@ from benchmarks.common import (
     in_workdir,
     load_average,
     make_activity,
+    percentile,
     positive,
     setup_django,
 )
@@ -96,10 +97,7 @@ class Phase:
     attempts: int
 
     def quantile(self, share: float) -> float:
-        if not self.latencies:
-            return float("nan")
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+        return percentile(self.latencies, share)
 
     def said(self) -> str:
         return (

@@ -625,6 +625,14 @@ def in_workdir(prefix: str, tmpdir: str | None, body: Callable[[Path], int]) -> 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """The value ``fraction`` of the way up ``values`` sorted (nan for none)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
 def median_or_nan(values: Sequence[float]) -> float:
     import statistics
 

@@ -51,6 +51,7 @@ from benchmarks.common import (
     in_workdir,
     load_average,
     make_activity,
+    percentile,
     positive,
     setup_django,
 )
@@ -259,11 +260,6 @@ def timed() -> Iterator[Timing]:
     finally:
         took.wall = time.perf_counter() - wall
         took.cpu = time.thread_time() - cpu
-
-
-def percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def profile(title: str, run: Callable[[], Any]) -> None:
