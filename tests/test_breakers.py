@@ -305,6 +305,29 @@ def test_a_held_hosts_backlog_keeps_no_other_host_waiting_and_is_claimed_in_the_
 
 
 @pytest.mark.django_db(transaction=True)
+def test_what_comes_due_to_a_held_host_waits_for_its_next_pass_without_the_loop_spinning() -> None:
+    from django_federation_delivery import intake
+
+    Breaker.objects.create(key="down.example", open_until=timezone.now() + 60 * SECOND)
+    deliverer = Deliverer(concurrency=4, per_host=2, claim_size=64)
+    deliverer.upkeep.refresh()
+    # Nothing due to it: its next pass is HOLD_PASS_SECONDS away.
+    deliverer.intake.claim_more()
+    assert deliverer.intake.dry
+    send(ALICE, {"type": "Note"}, ["https://down.example/inbox"])
+    # Due now, but left alone until then: the claim takes nothing, …
+    deliverer.intake.claim_more()
+    assert deliverer.intake.dry and not deliverer.slots.ready
+    # … and the idle loop sleeps until the pass, rather than coming straight
+    # back to a claim that finds nothing (a wake would end the sleep sooner).
+    started = time.monotonic()
+    deliverer.intake.idle(listening=True)
+    assert time.monotonic() - started >= 0.8 * intake.HOLD_PASS_SECONDS
+    deliverer.intake.claim_more()
+    assert [item.claimed.host for item in deliverer.slots.ready] == ["down.example"]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_two_deliverers_count_failures_together_and_probe_one_at_a_time(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
