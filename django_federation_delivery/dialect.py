@@ -24,6 +24,8 @@ __all__ = [
     "connection_for",
     "db_datetime",
     "is_postgresql",
+    "json_rows",
+    "lock_for_writing",
     "quoted_table",
     "read_datetime",
     "rows_per_statement",
@@ -67,6 +69,28 @@ def read_datetime(value: Any) -> dt.datetime | None:
     if timezone.is_naive(value):
         value = value.replace(tzinfo=dt.UTC)
     return value  # type: ignore[no-any-return]
+
+
+def json_rows(columns: Sequence[str]) -> str:
+    """SQLite: a ``SELECT`` of the rows of one JSON parameter (a list of
+    lists), named ``columns``. One statement's text for any number of rows,
+    which SQLite prepares once, and one parameter to bind."""
+    picks = ", ".join(f"json_extract(value, '$[{n}]') AS {name}" for n, name in enumerate(columns))
+    return f"SELECT {picks} FROM json_each(%s)"
+
+
+def lock_for_writing(cursor: Any, connection: Any, table: str) -> None:
+    """SQLite: have the transaction hold the write lock from now on, for a
+    read whose rows it then writes. A deferred ``BEGIN`` (Django 4.2, or no
+    ``transaction_mode``) takes it at the first write: a read before that
+    sees rows another connection may change before the write, which then
+    fails at once ("database is locked") instead of waiting. A write that
+    changes nothing takes it, waiting as any write does; a transaction begun
+    ``IMMEDIATE`` holds it already."""
+    if connection.vendor == "sqlite" and connection.in_atomic_block:
+        mode = getattr(connection, "transaction_mode", None)
+        if mode not in ("IMMEDIATE", "EXCLUSIVE"):
+            cursor.execute(f"UPDATE {table} SET id = id WHERE 0")
 
 
 def skip_locked(connection: Any) -> str:

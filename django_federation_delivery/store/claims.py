@@ -7,6 +7,7 @@ RETURNING`` statement, which SQLite runs under its one write lock.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as dt
 import json
@@ -21,6 +22,8 @@ from django.utils import timezone
 from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
+    is_postgresql,
+    lock_for_writing,
     quoted_table,
     skip_locked,
 )
@@ -70,50 +73,146 @@ def claim(
     waiting out its lease in a single process, and leaves it to the others.
     """
     connection = connection_for(using)
-    table = quoted_table(Delivery, connection)
     excluded = sorted(set(exclude_hosts))[:MOST_HOSTS]
     only = sorted(set(only_hosts) - set(excluded))[:MOST_HOSTS]
     if only_hosts and not only:
         return []
-    lock = skip_locked(connection)
-    hosts = f" AND host NOT IN ({', '.join(['%s'] * len(excluded))})" if excluded else ""
-    if only:
-        hosts += f" AND host IN ({', '.join(['%s'] * len(only))})"
-    # The oldest due rows of the lane, then the first few of each host among them.
-    candidates = (
-        f"SELECT id, host, due_at FROM {table} WHERE status = %s AND lane = %s "
-        f"AND due_at <= %s{hosts} ORDER BY due_at LIMIT %s{lock}"
-    )
-    ranked = (
-        "SELECT id, due_at, ROW_NUMBER() OVER (PARTITION BY host ORDER BY due_at, id) AS turn "
-        f"FROM ({candidates}) AS candidates"
-    )
-    sql = (
-        f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE id IN ("
-        f"SELECT id FROM ({ranked}) AS ranked WHERE turn <= %s ORDER BY due_at, id LIMIT %s) "
-        "RETURNING id, batch_id, inbox, host, attempts, via"
-    )
     now = timezone.now()
     token = uuid.uuid4().hex
-    until = db_datetime(now + dt.timedelta(seconds=lease), connection)
-    cap = per_host or limit
-    rows: list[Any] = []
+    take = _take_postgresql if is_postgresql(connection) else _take_sqlite
+    wanted = _Wanted(
+        limit=limit,
+        cap=per_host or limit,
+        now=db_datetime(now, connection),
+        until=db_datetime(now + dt.timedelta(seconds=lease), connection),
+        token=token,
+        excluded=excluded,
+        only=only,
+    )
     with transaction.atomic(using=using), connection.cursor() as cursor:
-        for lane in CLAIM_ORDER:
-            if len(rows) >= limit:
-                break
-            wanted = limit - len(rows)
-            params = [until, token, Status.PENDING, lane, db_datetime(now, connection)]
-            params += [*excluded, *only]
-            cursor.execute(sql, [*params, wanted * CANDIDATES, cap, wanted])
-            # RETURNING gives no order; keep the queue's within each lane.
-            rows.extend(sorted(cursor.fetchall(), key=lambda row: row[0]))
+        rows = take(cursor, connection, wanted)
     # The lease as written (from before the claim), not from now: never later.
     expires = now.timestamp() + lease
     return [
         Claimed(row[0], row[1], row[2], row[3], row[4], _json_list(row[5]), token, expires)
         for row in rows
     ]
+
+
+#: What a claim gives back of each row.
+CLAIMED_COLUMNS = "id, batch_id, inbox, host, attempts, via"
+
+
+def _due(connection: Any, columns: str, *, only: bool) -> str:
+    """A lane's oldest due rows, none to the hosts left out (a parameter) and,
+    with ``only``, to the hosts named (another). The hosts are one parameter
+    each, so that the statement's text is the same whatever their number."""
+    if is_postgresql(connection):
+        hosts = " AND NOT (host = ANY(%s))" + (" AND host = ANY(%s)" if only else "")
+    else:
+        hosts = " AND host NOT IN (SELECT value FROM json_each(%s))"
+        hosts += " AND host IN (SELECT value FROM json_each(%s))" if only else ""
+    # The status is written out, not a parameter: the statement is then the
+    # partial index's to use whatever is bound, and SQLite need not prepare
+    # it again each time to find that out.
+    return (
+        f"SELECT {columns} FROM {quoted_table(Delivery, connection)} "
+        f"WHERE status = '{Status.PENDING}' AND lane = %s AND due_at <= %s{hosts} "
+        f"ORDER BY due_at, id LIMIT %s{skip_locked(connection)}"
+    )
+
+
+class _Wanted(NamedTuple):
+    """What a claim asks for, as its statements' parameters."""
+
+    limit: int
+    #: The most to one host.
+    cap: int
+    now: Any
+    #: The lease's end, the rows' due time once taken.
+    until: Any
+    token: str
+    excluded: list[str]
+    only: list[str]
+
+
+def _take_postgresql(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
+    """Each lane's share in one statement: its candidates locked (passing
+    those another process holds), the first ``cap`` of each host among them
+    taken."""
+    table = quoted_table(Delivery, connection)
+    candidates = _due(connection, "id, host, due_at", only=bool(wanted.only))
+    sql = (
+        f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE id IN ("
+        "SELECT id FROM (SELECT id, due_at, ROW_NUMBER() OVER (PARTITION BY host "
+        f"ORDER BY due_at, id) AS turn FROM ({candidates}) AS candidates) AS ranked "
+        f"WHERE turn <= %s ORDER BY due_at, id LIMIT %s) RETURNING {CLAIMED_COLUMNS}"
+    )
+    hosts: list[Any] = [wanted.excluded, wanted.only] if wanted.only else [wanted.excluded]
+    rows: list[Any] = []
+    for lane in CLAIM_ORDER:
+        if len(rows) >= wanted.limit:
+            break
+        room = wanted.limit - len(rows)
+        params = [wanted.until, wanted.token, lane, wanted.now, *hosts]
+        cursor.execute(sql, [*params, room * CANDIDATES, wanted.cap, room])
+        # RETURNING gives no order; keep the queue's within each lane.
+        rows.extend(sorted(cursor.fetchall(), key=lambda row: row[0]))
+    return rows
+
+
+def _take_sqlite(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
+    """Each lane's candidates read as one value, the first ``cap`` of each
+    host among them picked here, then the rows picked read and taken, each
+    in one statement for every lane.
+
+    Each row a statement gives back is a step of its own, and each step hands
+    the interpreter to the worker threads and waits to get it back; SQLite
+    ranks by a window function several times slower than this picks. The
+    transaction holds the write lock from the start, so what is read is still
+    due when it is taken.
+    """
+    table = quoted_table(Delivery, connection)
+    lock_for_writing(cursor, connection, table)
+    candidates = (
+        "SELECT json_group_array(json_array(id, host)) "
+        f"FROM ({_due(connection, 'id, host', only=bool(wanted.only))})"
+    )
+    hosts = [json.dumps(wanted.excluded)]
+    if wanted.only:
+        hosts.append(json.dumps(wanted.only))
+    picked: list[int] = []
+    for lane in CLAIM_ORDER:
+        if len(picked) >= wanted.limit:
+            break
+        room = wanted.limit - len(picked)
+        cursor.execute(candidates, [lane, wanted.now, *hosts, room * CANDIDATES])
+        taken: collections.Counter[str] = collections.Counter()
+        lane_picked = []
+        for id, host in json.loads(cursor.fetchone()[0]):
+            if taken[host] < wanted.cap:
+                taken[host] += 1
+                lane_picked.append(id)
+                if len(lane_picked) >= room:
+                    break
+        # The queue's order within each lane.
+        picked += sorted(lane_picked)
+    if not picked:
+        return []
+    ids = json.dumps(picked)
+    cursor.execute(
+        f"SELECT json_group_array(json_array({CLAIMED_COLUMNS.replace('via', 'json(via)')})) "
+        f"FROM {table} WHERE id IN (SELECT value FROM json_each(%s))",
+        [ids],
+    )
+    order = {id: n for n, id in enumerate(picked)}
+    rows = sorted(json.loads(cursor.fetchone()[0]), key=lambda row: order[row[0]])
+    cursor.execute(
+        f"UPDATE {table} SET due_at = %s, lease_token = %s "
+        "WHERE id IN (SELECT value FROM json_each(%s))",
+        [wanted.until, wanted.token, ids],
+    )
+    return rows
 
 
 def _json_list(value: Any) -> tuple[str, ...]:
@@ -142,12 +241,33 @@ class BatchRow(NamedTuple):
 
 def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchRow]:
     """The batches of claimed deliveries, by id; one deleted meanwhile is missing."""
-    rows = (
-        Batch.objects.using(using or DEFAULT_DB_ALIAS)
-        .filter(id__in=list(ids))
-        .values_list(*BatchRow._fields)
-    )
-    return {row[0]: BatchRow(*row) for row in rows}
+    wanted = sorted(set(ids))
+    if not wanted:
+        return {}
+    connection = connection_for(using)
+    if is_postgresql(connection):
+        rows = (
+            Batch.objects.using(using or DEFAULT_DB_ALIAS)
+            .filter(id__in=wanted)
+            .values_list(*BatchRow._fields)
+        )
+        return {row[0]: BatchRow(*row) for row in rows}
+    # SQLite: read as one value, as a claim's rows are (see _read_claimed).
+    table = quoted_table(Batch, connection)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT json_group_array(json_array({', '.join(BatchRow._fields)})) FROM {table} "
+            "WHERE id IN (SELECT value FROM json_each(%s))",
+            [json.dumps(wanted)],
+        )
+        found = json.loads(cursor.fetchone()[0])
+    deadline = BatchRow._fields.index("deadline")
+    synchronize = BatchRow._fields.index("synchronize_collection")
+    for row in found:
+        # As the ORM would read it: in the connection's time zone.
+        row[deadline] = connection.ops.convert_datetimefield_value(row[deadline], None, connection)
+        row[synchronize] = bool(row[synchronize])
+    return {row[0]: BatchRow(*row) for row in found}
 
 
 def next_due(*, using: str | None = None) -> dt.datetime | None:

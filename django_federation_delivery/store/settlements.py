@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -20,6 +21,8 @@ from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
     is_postgresql,
+    json_rows,
+    lock_for_writing,
     quoted_table,
 )
 from django_federation_delivery.models import Batch, Delivery, Status
@@ -88,8 +91,7 @@ def settle(
         ]
     with transaction.atomic(using=using):
         with connection.cursor() as cursor:
-            cursor.execute(_settle_sql(connection, len(settlements)), values)
-            written = {row[0] for row in cursor.fetchall()}
+            written = _write_settlements(cursor, connection, values, len(settlements))
         final_rows = [s for s in settlements if s.status in FINAL and s.claimed.id in written]
         history.record(_history_of(settlements, written, now), using=using)
         release_next([s.claimed.id for s in final_rows if s.ordered], now, using)
@@ -119,33 +121,82 @@ def _history_of(
     )
 
 
+#: A settlement's columns, in the order of its values.
+SETTLED = (
+    "id",
+    "token",
+    "status",
+    "attempts",
+    "due_at",
+    "last_status",
+    "last_error",
+    "attempted_at",
+    "settled_at",
+)
+
+
+def _write_settlements(cursor: Any, connection: Any, values: list[Any], rows: int) -> set[int]:
+    """Write ``rows`` settlements (``values``, SETTLED's columns a row, flat);
+    return the ids of those whose claim still held.
+
+    On SQLite, the rows come in as one JSON parameter, and the ids that still
+    hold their claim are read first, as one value: the same statements for
+    any number of rows, and one step of each. Each row ``RETURNING`` gives
+    back is a step of its own, and each step hands the interpreter to the
+    worker threads and waits to get it back. The transaction holds the write
+    lock, so nothing changes between the read and the write.
+    """
+    if is_postgresql(connection):
+        cursor.execute(_settle_sql(connection, rows), values)
+        return {row[0] for row in cursor.fetchall()}
+    width = len(SETTLED)
+    table = quoted_table(Delivery, connection)
+    given = json.dumps([values[start : start + width] for start in range(0, len(values), width)])
+    lock_for_writing(cursor, connection, table)
+    cursor.execute(
+        f"SELECT json_group_array({table}.id) FROM ({json_rows(SETTLED)}) AS v "
+        f"CROSS JOIN {table} "
+        f"WHERE {table}.id = v.id AND {table}.lease_token = v.token",
+        [given],
+    )
+    written = set(json.loads(cursor.fetchone()[0]))
+    if written:
+        cursor.execute(
+            f"WITH v AS ({json_rows(SETTLED)}) UPDATE {table} SET {_SETTLE_SET} "
+            f"FROM v WHERE {table}.id = v.id AND {table}.lease_token = v.token",
+            [given],
+        )
+    return written
+
+
+#: What a settlement sets (``v`` its values).
+_SETTLE_SET = (
+    "status = v.status, attempts = v.attempts, due_at = v.due_at, lease_token = NULL, "
+    "last_status = v.last_status, last_error = v.last_error, "
+    "last_attempt_at = COALESCE(v.attempted_at, last_attempt_at), settled_at = v.settled_at"
+)
+
+
 def _settle_sql(connection: Any, rows: int) -> str:
+    """PostgreSQL's settle, ``RETURNING`` the ids written."""
     table = quoted_table(Delivery, connection)
     # PostgreSQL types a VALUES list by its values, and a column of NULLs
     # would be text: say what each is.
     casts = (
-        (
-            "::bigint",
-            "::varchar",
-            "::varchar",
-            "::integer",
-            "::timestamptz",
-            "::integer",
-            "::text",
-            "::timestamptz",
-            "::timestamptz",
-        )
-        if is_postgresql(connection)
-        else ("",) * 9
+        "::bigint",
+        "::varchar",
+        "::varchar",
+        "::integer",
+        "::timestamptz",
+        "::integer",
+        "::text",
+        "::timestamptz",
+        "::timestamptz",
     )
     row = "(" + ", ".join(f"%s{cast}" for cast in casts) + ")"
     return (
-        "WITH v(id, token, status, attempts, due_at, last_status, last_error, attempted_at, "
-        f"settled_at) AS (VALUES {', '.join([row] * rows)}) "
-        f"UPDATE {table} SET status = v.status, attempts = v.attempts, due_at = v.due_at, "
-        "lease_token = NULL, last_status = v.last_status, last_error = v.last_error, "
-        f"last_attempt_at = COALESCE(v.attempted_at, {table}.last_attempt_at), "
-        f"settled_at = v.settled_at FROM v WHERE {table}.id = v.id "
+        f"WITH v({', '.join(SETTLED)}) AS (VALUES {', '.join([row] * rows)}) "
+        f"UPDATE {table} SET {_SETTLE_SET} FROM v WHERE {table}.id = v.id "
         f"AND {table}.lease_token = v.token RETURNING {table}.id"
     )
 
@@ -173,6 +224,8 @@ def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> l
     done: list[int] = []
     items = sorted(leaving.items())
     with connection.cursor() as cursor:
+        if not postgres:
+            return _count_down_sqlite(cursor, table, items, finished_at)
         for start in range(0, len(items), COUNT_DOWN_CHUNK):
             chunk = items[start : start + COUNT_DOWN_CHUNK]
             ids = [batch_id for batch_id, _ in chunk]
@@ -195,6 +248,30 @@ def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> l
             )
             done += [batch_id for batch_id, remaining in cursor.fetchall() if remaining == 0]
     return sorted(done)
+
+
+def _count_down_sqlite(
+    cursor: Any, table: str, items: list[tuple[int, int]], finished_at: Any
+) -> list[int]:
+    """SQLite's count-down: the batches it finishes read first, as one value,
+    then all of them counted down, by one JSON parameter (see
+    ``_write_settlements``); the write lock is held throughout."""
+    given = json.dumps(items)
+    rows = json_rows(("id", "n"))
+    cursor.execute(
+        f"SELECT json_group_array({table}.id) FROM ({rows}) AS v CROSS JOIN {table} "
+        f"WHERE {table}.id = v.id AND {table}.finished_at IS NULL AND {table}.remaining <= v.n",
+        [given],
+    )
+    done = sorted(json.loads(cursor.fetchone()[0]))
+    cursor.execute(
+        f"WITH v AS ({rows}) UPDATE {table} SET "
+        f"remaining = CASE WHEN {table}.remaining > v.n THEN {table}.remaining - v.n ELSE 0 END, "
+        f"finished_at = CASE WHEN {table}.remaining > v.n THEN NULL ELSE %s END "
+        f"FROM v WHERE {table}.id = v.id AND {table}.finished_at IS NULL",
+        [given, finished_at],
+    )
+    return done
 
 
 def finished_batches(ids: Sequence[int], *, using: str | None = None) -> list[Batch]:
