@@ -236,7 +236,7 @@ class Deliverer:
                     self.intake.claim_more()
                     self.handoff.dispatch()
                 busy = self.slots.busy
-                if drain and not busy and self.intake.dry and not self.outbox:
+                if drain and not busy and not self.outbox and self.intake.drained():
                     break
                 if self.on_progress is not None and time.monotonic() >= next_progress:
                     self.on_progress(self.summary)

@@ -97,6 +97,13 @@ class Intake:
             for item in self.triage.sort(claimed, holding=self.slots.holding()):
                 self.slots.add(item)
 
+    def drained(self) -> bool:
+        """Whether a drain is over: the last claim found nothing, and nothing
+        is due. On PostgreSQL a claim passes the rows another deliverer's
+        claim is taking at that moment: they are due until it commits, and
+        may come back (a claim locks more rows than it takes)."""
+        return self.dry and self.db(claims.has_due, using=self.using) is False
+
     def _claim_held(
         self, claimed: list[claims.Claimed], held: list[str], room: int
     ) -> list[claims.Claimed] | None:
