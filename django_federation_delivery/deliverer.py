@@ -45,6 +45,10 @@ from django_federation_delivery.workers import Workers
 
 logger = logging.getLogger(__name__)
 
+#: The longest a result waits for the loop while deliveries are in flight:
+#: workers wake it only when it has work to hand out or results to take in.
+RESULTS_WITHIN = 0.02
+
 
 class Deliverer:
     """Claims due deliveries and sends them until stopped (or, with
@@ -118,13 +122,14 @@ class Deliverer:
             wake=self._wake,
             needed=lambda: self.concurrency + self.slots.slow_count(),
             webhook_policy=self.webhook_policy,
+            concurrency=self.concurrency,
         )
         self.slots = Slots(
             concurrency=self.concurrency, per_host=self.per_host, slow_after=self.slow_after
         )
-        #: Outcomes written together (one for each slot), at most WRITE_WITHIN
-        #: seconds late: one statement and one commit for all of them.
-        self.outbox = Outbox(self._settle, size=max(1, self.concurrency))
+        #: Outcomes written together in one transaction, at most WRITE_WITHIN
+        #: seconds late and four for each slot: what a crash would send again.
+        self.outbox = Outbox(self._settle, size=4 * self.concurrency)
         self._batches = KnownBatches(self._db, parse=self.skip_if is not None, using=using)
         self.upkeep = Upkeep(
             db=self._db,
@@ -252,6 +257,7 @@ class Deliverer:
                             self.slots.until_next_slow(),
                             self.outbox.until_due(),
                             self.new_work_poll,
+                            RESULTS_WITHIN if self.slots.in_flight else self.new_work_poll,
                         )
                     )
                 else:

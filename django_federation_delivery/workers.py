@@ -55,6 +55,7 @@ class Workers:
         wake: threading.Event,
         needed: Callable[[], int],
         webhook_policy: WebhookPolicy | None = None,
+        concurrency: int = 1,
     ) -> None:
         self.transport_settings = transport_settings
         self.webhook_policy = webhook_policy or WebhookPolicy()
@@ -64,6 +65,14 @@ class Workers:
         self.wake = wake
         #: How many threads the coordinator needs now; one more ends itself.
         self.needed = needed
+        #: A result wakes the coordinator when fewer jobs than half its
+        #: ``concurrency`` wait in the queue (it may have more to hand out),
+        #: or when a quarter as many results wait for it; otherwise the next
+        #: one that does, or the coordinator's own timer, brings it. Each wake
+        #: is a turn of its loop, taken from the workers' time with the
+        #: interpreter.
+        self.wake_below = max(1, concurrency // 2)
+        self.wake_at = max(1, concurrency // 4)
         self.jobs: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()
         self.results: queue.SimpleQueue[tuple[InFlight, AttemptResult]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -136,7 +145,8 @@ class Workers:
                     break
                 item.started = time.monotonic()
                 self.results.put((item, self._attempt(item, transport, webhooks)))
-                self.wake.set()
+                if self.jobs.qsize() < self.wake_below or self.results.qsize() >= self.wake_at:
+                    self.wake.set()
                 if self._surplus():
                     break
         finally:

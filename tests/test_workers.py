@@ -164,6 +164,71 @@ def test_a_thread_beyond_what_is_needed_ends_after_its_attempt(
     assert len(workers) == 1
 
 
+def test_a_result_wakes_the_coordinator_only_with_work_to_hand_out_or_results_to_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CONCURRENCY 8: a result wakes it when fewer than 4 jobs wait, or 2 results.
+    workers = Workers(
+        TransportSettings(user_agent="tests"),
+        is_permanent=lambda status: False,
+        error_length=300,
+        wake=threading.Event(),
+        needed=lambda: 1,
+        concurrency=8,
+    )
+    go = threading.Semaphore(0)
+
+    def attempt(item: InFlight, *args: Any) -> AttemptResult:
+        assert go.acquire(timeout=10)
+        return AttemptResult(
+            job=item.job,
+            delivered=True,
+            status=202,
+            error="",
+            permanent=False,
+            retry_after=None,
+            accepted_scheme=None,
+            duration=0.0,
+        )
+
+    monkeypatch.setattr(workers, "_attempt", attempt)
+
+    def finished(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while workers.results.qsize() < count and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert workers.results.qsize() == count
+
+    try:
+        for number in range(1, 9):
+            workers.put(in_flight(number))
+        workers.grow_to(1)
+        go.release()
+        finished(1)
+        # Six jobs still wait, one result: nothing to do yet.
+        assert not workers.wake.is_set()
+        go.release()
+        finished(2)
+        assert workers.wake.is_set()  # two results
+        workers.wake.clear()
+        workers.results.get_nowait()
+        workers.results.get_nowait()
+        for waiting in (5, 4):
+            go.release()
+            finished(1)
+            # Five jobs wait, then four: not yet short.
+            assert not workers.wake.is_set(), waiting
+            workers.results.get_nowait()
+        go.release()
+        finished(1)
+        # Three wait: time to hand out more.
+        assert workers.wake.is_set()
+    finally:
+        for _ in range(8):
+            go.release()
+        workers.stop()
+
+
 def test_what_waits_for_a_free_worker_can_be_taken_back(pool: Callable[..., Workers]) -> None:
     workers = pool()  # no thread started: everything put waits
     for number in range(1, 4):
