@@ -85,7 +85,7 @@ DEFAULTS: dict[str, Any] = {
     # The longest the loop sleeps with nothing due (jittered by a quarter),
     # and how often it looks for new work queued by another process.
     "IDLE_POLL_SECONDS": 30.0,
-    "NEW_WORK_POLL_SECONDS": 0.5,
+    "NEW_WORK_POLL_SECONDS": 0.1,
     # How often a run_deliverer process records that it is alive (one small
     # write each time): three intervals without one and it is taken for dead.
     "HEARTBEAT_SECONDS": 5.0,

@@ -22,6 +22,7 @@ from django.utils import timezone
 
 __all__ = [
     "connection_for",
+    "datetime_read",
     "db_datetime",
     "is_postgresql",
     "json_rows",
@@ -91,6 +92,14 @@ def lock_for_writing(cursor: Any, connection: Any, table: str) -> None:
         mode = getattr(connection, "transaction_mode", None)
         if mode not in ("IMMEDIATE", "EXCLUSIVE"):
             cursor.execute(f"UPDATE {table} SET id = id WHERE 0")
+
+
+def datetime_read(value: Any, connection: Any) -> dt.datetime | None:
+    """A datetime a raw statement returned, as the ORM reads it: SQLite's is
+    text, naive in the connection's time zone."""
+    if value is None or connection.vendor != "sqlite":
+        return value  # type: ignore[no-any-return]
+    return connection.ops.convert_datetimefield_value(value, None, connection)  # type: ignore[no-any-return]
 
 
 def skip_locked(connection: Any) -> str:

@@ -89,6 +89,25 @@ def test_a_retry_stays_pending_until_its_due_time() -> None:
 
 
 @pytest.mark.django_db
+def test_what_is_due_is_found_in_every_lane_in_one_statement() -> None:
+    # The idle loop's looks: has_due every NEW_WORK_POLL_SECONDS, next_due
+    # before each idle sleep. A low-lane delivery due in a minute, then a
+    # priority one due now.
+    assert not store.has_due() and store.next_due() is None
+    later = timezone.now() + dt.timedelta(minutes=1)
+    send_batch(ALICE, NOTE, inboxes(1, "low.example"), {"low_priority": True})
+    Delivery.objects.update(due_at=later)
+    assert Delivery.objects.get().lane == Lane.LOW
+    with CaptureQueriesContext(connection) as queries:
+        assert not store.has_due()
+        assert store.next_due() == later
+    assert len(queries) == 2
+    send(ALICE, NOTE, inboxes(1, "now.example"))
+    assert store.has_due()
+    assert store.next_due() <= timezone.now()
+
+
+@pytest.mark.django_db
 def test_a_batch_finishes_when_its_last_delivery_leaves_the_queue() -> None:
     batch = send(ALICE, NOTE, inboxes(3))
     assert batch is not None
