@@ -13,6 +13,7 @@ both: SQLite 3.35 has ``RETURNING`` and ``ON CONFLICT … DO UPDATE``
 from __future__ import annotations
 
 import datetime as dt
+import json
 import sqlite3
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "datetime_read",
     "db_datetime",
     "is_postgresql",
+    "json_parameter",
     "json_rows",
     "lock_for_writing",
     "quoted_table",
@@ -72,12 +74,33 @@ def read_datetime(value: Any) -> dt.datetime | None:
     return value  # type: ignore[no-any-return]
 
 
-def json_rows(columns: Sequence[str]) -> str:
-    """SQLite: a ``SELECT`` of the rows of one JSON parameter (a list of
-    lists), named ``columns``. One statement's text for any number of rows,
-    which SQLite prepares once, and one parameter to bind."""
-    picks = ", ".join(f"json_extract(value, '$[{n}]') AS {name}" for n, name in enumerate(columns))
+def json_rows(columns: Sequence[tuple[str, str]], connection: Any) -> str:
+    """A ``SELECT`` of the rows of one JSON parameter (a list of lists, as
+    :func:`json_parameter` writes it), with ``columns`` (name, PostgreSQL
+    type) in order. One statement's text for any number of rows, which the
+    database prepares once, and one parameter to bind rather than one a
+    value."""
+    if is_postgresql(connection):
+        picks = ", ".join(
+            f"(value->>{n})::{kind} AS {name}" for n, (name, kind) in enumerate(columns)
+        )
+        return f"SELECT {picks} FROM json_array_elements(%s::json)"
+    picks = ", ".join(
+        f"json_extract(value, '$[{n}]') AS {name}" for n, (name, _) in enumerate(columns)
+    )
     return f"SELECT {picks} FROM json_each(%s)"
+
+
+def json_parameter(rows: Any) -> str:
+    """``rows`` as :func:`json_rows` reads them: a datetime as ISO 8601 (with
+    its offset; SQLite's are text already, from :func:`db_datetime`)."""
+    return json.dumps(rows, default=_iso)
+
+
+def _iso(value: Any) -> str:
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
 def lock_for_writing(cursor: Any, connection: Any, table: str) -> None:

@@ -32,7 +32,6 @@ from django_federation_delivery.store.claims import (
 from django_federation_delivery.store.queueing import CHUNK, Queued, enqueue
 from django_federation_delivery.store.sequences import sequence_of
 from django_federation_delivery.store.settlements import (
-    COUNT_DOWN_CHUNK,
     FINAL,
     GivenUp,
     Settlement,
@@ -44,7 +43,6 @@ from django_federation_delivery.store.settlements import (
 __all__ = [
     "CHUNK",
     "CLAIM_ORDER",
-    "COUNT_DOWN_CHUNK",
     "FINAL",
     "Claimed",
     "GivenUp",

@@ -245,18 +245,15 @@ def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchR
     if not wanted:
         return {}
     connection = connection_for(using)
-    if is_postgresql(connection):
-        rows = (
-            Batch.objects.using(using or DEFAULT_DB_ALIAS)
-            .filter(id__in=wanted)
-            .values_list(*BatchRow._fields)
-        )
-        return {row[0]: BatchRow(*row) for row in rows}
-    # SQLite: read as one value, as a claim's rows are (see _read_claimed).
     table = quoted_table(Batch, connection)
+    columns = ", ".join(BatchRow._fields)
     with connection.cursor() as cursor:
+        if is_postgresql(connection):
+            cursor.execute(f"SELECT {columns} FROM {table} WHERE id = ANY(%s)", [wanted])
+            return {row[0]: BatchRow(*row) for row in cursor.fetchall()}
+        # SQLite: read as one value, as a claim's rows are (see _take_sqlite).
         cursor.execute(
-            f"SELECT json_group_array(json_array({', '.join(BatchRow._fields)})) FROM {table} "
+            f"SELECT json_group_array(json_array({columns})) FROM {table} "
             "WHERE id IN (SELECT value FROM json_each(%s))",
             [json.dumps(wanted)],
         )

@@ -21,6 +21,7 @@ from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
     is_postgresql,
+    json_parameter,
     json_rows,
     lock_for_writing,
     quoted_table,
@@ -63,7 +64,7 @@ def settle(
     using: str | None = None,
 ) -> set[int]:
     """Write the outcome of each settlement whose claim is still held, in one
-    statement.
+    transaction.
 
     Returns the ids written; a settlement whose lease lapsed and whose row
     another process now holds is not written. Batches whose last pending
@@ -75,23 +76,25 @@ def settle(
     connection = connection_for(using)
     now = timezone.now()
     settled_at = db_datetime(now, connection)
-    values: list[Any] = []
+    values: list[list[Any]] = []
     for item in settlements:
         final = item.status in FINAL
-        values += [
-            item.claimed.id,
-            item.claimed.token,
-            str(item.status),
-            item.attempts,
-            None if final else db_datetime(item.due_at, connection),
-            item.last_status,
-            item.last_error,
-            db_datetime(item.attempted_at, connection),
-            settled_at if final else None,
-        ]
+        values.append(
+            [
+                item.claimed.id,
+                item.claimed.token,
+                str(item.status),
+                item.attempts,
+                None if final else db_datetime(item.due_at, connection),
+                item.last_status,
+                item.last_error,
+                db_datetime(item.attempted_at, connection),
+                settled_at if final else None,
+            ]
+        )
     with transaction.atomic(using=using):
         with connection.cursor() as cursor:
-            written = _write_settlements(cursor, connection, values, len(settlements))
+            written = _write_settlements(cursor, connection, values)
         final_rows = [s for s in settlements if s.status in FINAL and s.claimed.id in written]
         history.record(_history_of(settlements, written, now), using=using)
         release_next([s.claimed.id for s in final_rows if s.ordered], now, using)
@@ -121,53 +124,18 @@ def _history_of(
     )
 
 
-#: A settlement's columns, in the order of its values.
+#: A settlement's columns, in the order of its values, and their types.
 SETTLED = (
-    "id",
-    "token",
-    "status",
-    "attempts",
-    "due_at",
-    "last_status",
-    "last_error",
-    "attempted_at",
-    "settled_at",
+    ("id", "bigint"),
+    ("token", "varchar"),
+    ("status", "varchar"),
+    ("attempts", "integer"),
+    ("due_at", "timestamptz"),
+    ("last_status", "integer"),
+    ("last_error", "text"),
+    ("attempted_at", "timestamptz"),
+    ("settled_at", "timestamptz"),
 )
-
-
-def _write_settlements(cursor: Any, connection: Any, values: list[Any], rows: int) -> set[int]:
-    """Write ``rows`` settlements (``values``, SETTLED's columns a row, flat);
-    return the ids of those whose claim still held.
-
-    On SQLite, the rows come in as one JSON parameter, and the ids that still
-    hold their claim are read first, as one value: the same statements for
-    any number of rows, and one step of each. Each row ``RETURNING`` gives
-    back is a step of its own, and each step hands the interpreter to the
-    worker threads and waits to get it back. The transaction holds the write
-    lock, so nothing changes between the read and the write.
-    """
-    if is_postgresql(connection):
-        cursor.execute(_settle_sql(connection, rows), values)
-        return {row[0] for row in cursor.fetchall()}
-    width = len(SETTLED)
-    table = quoted_table(Delivery, connection)
-    given = json.dumps([values[start : start + width] for start in range(0, len(values), width)])
-    lock_for_writing(cursor, connection, table)
-    cursor.execute(
-        f"SELECT json_group_array({table}.id) FROM ({json_rows(SETTLED)}) AS v "
-        f"CROSS JOIN {table} "
-        f"WHERE {table}.id = v.id AND {table}.lease_token = v.token",
-        [given],
-    )
-    written = set(json.loads(cursor.fetchone()[0]))
-    if written:
-        cursor.execute(
-            f"WITH v AS ({json_rows(SETTLED)}) UPDATE {table} SET {_SETTLE_SET} "
-            f"FROM v WHERE {table}.id = v.id AND {table}.lease_token = v.token",
-            [given],
-        )
-    return written
-
 
 #: What a settlement sets (``v`` its values).
 _SETTLE_SET = (
@@ -177,100 +145,91 @@ _SETTLE_SET = (
 )
 
 
-def _settle_sql(connection: Any, rows: int) -> str:
-    """PostgreSQL's settle, ``RETURNING`` the ids written."""
+def _write_settlements(cursor: Any, connection: Any, rows: list[list[Any]]) -> set[int]:
+    """Write the settlements ``rows`` (SETTLED's columns each); return the ids
+    of those whose claim still held.
+
+    The rows are one JSON parameter: the same statement for any number of
+    rows, prepared once, with one value to bind. On SQLite the ids that still
+    hold their claim are read first, as one value, then written: each row
+    ``RETURNING`` gives back is an sqlite3 step of its own, and each step
+    hands the interpreter to the worker threads and waits to get it back.
+    The transaction holds the write lock, so nothing changes in between.
+    """
     table = quoted_table(Delivery, connection)
-    # PostgreSQL types a VALUES list by its values, and a column of NULLs
-    # would be text: say what each is.
-    casts = (
-        "::bigint",
-        "::varchar",
-        "::varchar",
-        "::integer",
-        "::timestamptz",
-        "::integer",
-        "::text",
-        "::timestamptz",
-        "::timestamptz",
+    given = json_parameter(rows)
+    matched = f"{table}.id = v.id AND {table}.lease_token = v.token"
+    if is_postgresql(connection):
+        cursor.execute(
+            f"WITH v AS ({json_rows(SETTLED, connection)}) UPDATE {table} SET {_SETTLE_SET} "
+            f"FROM v WHERE {matched} RETURNING {table}.id",
+            [given],
+        )
+        return {row[0] for row in cursor.fetchall()}
+    lock_for_writing(cursor, connection, table)
+    cursor.execute(
+        f"SELECT json_group_array({table}.id) FROM ({json_rows(SETTLED, connection)}) AS v "
+        f"CROSS JOIN {table} WHERE {matched}",
+        [given],
     )
-    row = "(" + ", ".join(f"%s{cast}" for cast in casts) + ")"
-    return (
-        f"WITH v({', '.join(SETTLED)}) AS (VALUES {', '.join([row] * rows)}) "
-        f"UPDATE {table} SET {_SETTLE_SET} FROM v WHERE {table}.id = v.id "
-        f"AND {table}.lease_token = v.token RETURNING {table}.id"
-    )
+    written = set(json.loads(cursor.fetchone()[0]))
+    if written:
+        cursor.execute(
+            f"WITH v AS ({json_rows(SETTLED, connection)}) UPDATE {table} SET {_SETTLE_SET} "
+            f"FROM v WHERE {matched}",
+            [given],
+        )
+    return written
 
 
-#: Batches counted down by one statement at most (two parameters each).
-COUNT_DOWN_CHUNK = 400
+#: A count-down's columns: a batch, and how many of its deliveries leave.
+LEAVING = (("id", "bigint"), ("n", "integer"))
 
 
 def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> list[int]:
     """Take the settled deliveries off their batches' counts; the batches
     that reach nought are finished now, and their ids returned, in order.
 
-    One statement for every batch at once (a stream of one-inbox sends
-    settles as many batches as deliveries). On PostgreSQL the batches'
-    rows are locked first, in id order: deliverers counting down the same
-    batches at once then wait on each other rather than deadlock.
+    The batches are one JSON parameter, however many (a stream of one-inbox
+    sends settles as many batches as deliveries). On PostgreSQL their rows
+    are locked first, in id order: deliverers counting down the same batches
+    at once then wait on each other rather than deadlock. On SQLite the
+    batches it finishes are read first, as one value (see
+    ``_write_settlements``).
     """
     if not leaving:
         return []
     connection = connection_for(using)
     table = quoted_table(Batch, connection)
     finished_at = db_datetime(now, connection)
-    postgres = is_postgresql(connection)
-    cast = ("::bigint", "::integer") if postgres else ("", "")
-    done: list[int] = []
     items = sorted(leaving.items())
-    with connection.cursor() as cursor:
-        if not postgres:
-            return _count_down_sqlite(cursor, table, items, finished_at)
-        for start in range(0, len(items), COUNT_DOWN_CHUNK):
-            chunk = items[start : start + COUNT_DOWN_CHUNK]
-            ids = [batch_id for batch_id, _ in chunk]
-            if postgres:
-                cursor.execute(
-                    f"SELECT id FROM {table} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [ids]
-                )
-            row = f"(%s{cast[0]}, %s{cast[1]})"
-            # Every right-hand side reads the row as it was: ``remaining``
-            # in finished_at's CASE is the count before this update.
-            cursor.execute(
-                f"WITH v(id, n) AS (VALUES {', '.join([row] * len(chunk))}) "
-                f"UPDATE {table} SET "
-                f"remaining = CASE WHEN {table}.remaining > v.n "
-                f"THEN {table}.remaining - v.n ELSE 0 END, "
-                f"finished_at = CASE WHEN {table}.remaining > v.n THEN NULL ELSE %s END "
-                f"FROM v WHERE {table}.id = v.id AND {table}.finished_at IS NULL "
-                f"RETURNING {table}.id, {table}.remaining",
-                [*(value for pair in chunk for value in pair), finished_at],
-            )
-            done += [batch_id for batch_id, remaining in cursor.fetchall() if remaining == 0]
-    return sorted(done)
-
-
-def _count_down_sqlite(
-    cursor: Any, table: str, items: list[tuple[int, int]], finished_at: Any
-) -> list[int]:
-    """SQLite's count-down: the batches it finishes read first, as one value,
-    then all of them counted down, by one JSON parameter (see
-    ``_write_settlements``); the write lock is held throughout."""
-    given = json.dumps(items)
-    rows = json_rows(("id", "n"))
-    cursor.execute(
-        f"SELECT json_group_array({table}.id) FROM ({rows}) AS v CROSS JOIN {table} "
-        f"WHERE {table}.id = v.id AND {table}.finished_at IS NULL AND {table}.remaining <= v.n",
-        [given],
-    )
-    done = sorted(json.loads(cursor.fetchone()[0]))
-    cursor.execute(
+    given = json_parameter(items)
+    rows = json_rows(LEAVING, connection)
+    # Every right-hand side reads the row as it was: ``remaining`` in
+    # finished_at's CASE is the count before this update.
+    update = (
         f"WITH v AS ({rows}) UPDATE {table} SET "
         f"remaining = CASE WHEN {table}.remaining > v.n THEN {table}.remaining - v.n ELSE 0 END, "
         f"finished_at = CASE WHEN {table}.remaining > v.n THEN NULL ELSE %s END "
-        f"FROM v WHERE {table}.id = v.id AND {table}.finished_at IS NULL",
-        [given, finished_at],
+        f"FROM v WHERE {table}.id = v.id AND {table}.finished_at IS NULL"
     )
+    with connection.cursor() as cursor:
+        if is_postgresql(connection):
+            ids = [batch_id for batch_id, _ in items]
+            cursor.execute(
+                f"SELECT id FROM {table} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [ids]
+            )
+            cursor.execute(
+                f"{update} RETURNING {table}.id, {table}.remaining", [given, finished_at]
+            )
+            return sorted(batch_id for batch_id, remaining in cursor.fetchall() if remaining == 0)
+        cursor.execute(
+            f"SELECT json_group_array({table}.id) FROM ({rows}) AS v CROSS JOIN {table} "
+            f"WHERE {table}.id = v.id AND {table}.finished_at IS NULL AND {table}.remaining <= v.n",
+            [given],
+        )
+        done = sorted(json.loads(cursor.fetchone()[0]))
+        cursor.execute(update, [given, finished_at])
     return done
 
 
