@@ -287,6 +287,8 @@ class Settler:
         self, row: claims.Claimed, batch: BatchInfo, result: AttemptResult, outcome: Outcome
     ) -> None:
         metrics.record_attempt(outcome, result.duration)
+        if not signals.listened(signals.delivery_attempted):
+            return
         signals.send_safely(
             signals.delivery_attempted,
             attempt=signals.Attempted(
@@ -306,6 +308,8 @@ class Settler:
     def _settled_signal(
         self, row: claims.Claimed, batch: BatchInfo, outcome: Outcome, status: int | None
     ) -> None:
+        if not signals.listened(signals.delivery_settled):
+            return
         signals.send_safely(
             signals.delivery_settled,
             settled=signals.Settled(

@@ -120,6 +120,14 @@ class Failure:
     event_type: str = ""
 
 
+def listened(signal: Signal) -> bool:
+    """Whether a receiver is connected to ``signal``: a payload nobody
+    receives is not made (two for each delivery the loop settles)."""
+    from django_federation_delivery.models import Delivery
+
+    return signal.has_listeners(Delivery)
+
+
 def send_safely(signal: Signal, **kwargs: Any) -> None:
     """Send ``signal`` to every receiver. One that raises does not stop the
     others or the loop: Django logs it, with its traceback, on the

@@ -72,6 +72,8 @@ class Workers:
         #: is a turn of its loop, taken from the workers' time with the
         #: interpreter.
         self.wake_below = max(1, concurrency // 2)
+        #: The fewest threads ever needed: ``needed()`` is never less.
+        self.floor = concurrency
         self.wake_at = max(1, concurrency // 4)
         self.jobs: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()
         self.results: queue.SimpleQueue[tuple[InFlight, AttemptResult]] = queue.SimpleQueue()
@@ -123,6 +125,8 @@ class Workers:
     def _surplus(self) -> bool:
         """Whether the calling thread is one more than needed: it then ends,
         and its connections with it."""
+        if len(self._threads) <= self.floor:
+            return False  # never fewer needed than CONCURRENCY: no need to ask
         with self._lock:
             if len(self._threads) <= self.needed():
                 return False

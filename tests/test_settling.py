@@ -9,7 +9,7 @@ import pytest
 from django_federation_delivery import store
 from django_federation_delivery.attempt import AttemptResult, Job, failed, held
 from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
-from django_federation_delivery.settling import Summary, Verdict, decide, failure
+from django_federation_delivery.settling import Settler, Summary, Verdict, decide, failure
 from django_federation_delivery.signals import Outcome
 from django_federation_delivery.signatures import Scheme
 
@@ -226,3 +226,36 @@ def test_a_failure_names_a_webhook_by_its_destination_and_an_inbox_by_nothing_mo
     assert (
         failure(inbox, sender="s", tag="", event_type="", status=500, error="x").destination == ""
     )
+
+
+def test_a_signal_nobody_receives_is_not_made_and_one_received_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django_federation_delivery import signals
+    from django_federation_delivery.batches import BatchInfo
+
+    made: list[str] = []
+    for name in ("Attempted", "Settled"):
+        real = getattr(signals, name)
+        monkeypatch.setattr(
+            signals,
+            name,
+            lambda *args, _real=real, _name=name, **kw: made.append(_name) or _real(*args, **kw),
+        )
+    row = store.Claimed(1, 2, "https://social.example/inbox", "social.example", 0, (), "t", 0.0)
+    batch = BatchInfo(2, JOB.sender, b"{}", "", "", None, None, False, False, None)
+    settler = Settler(policy=RetryPolicy(), summary=Summary())
+    settler.attempted(row, batch, answer(202))
+    assert made == []
+    received: list[Any] = []
+
+    def receiver(sender: object, settled: Any, **kwargs: object) -> None:
+        received.append(settled)
+
+    signals.delivery_settled.connect(receiver)
+    try:
+        settler.attempted(row, batch, answer(202))
+    finally:
+        signals.delivery_settled.disconnect(receiver)
+    assert made == ["Settled"]
+    assert [(s.delivery_id, s.outcome) for s in received] == [(1, Outcome.DELIVERED)]
