@@ -57,6 +57,11 @@ class PostgresListener:
 
     #: How long one wait lasts at most; :meth:`stop` ends it sooner.
     WAIT = 5.0
+    #: After a wake, how long what comes next is left to gather before it
+    #: is read: a stream of sends wakes the deliverer once in that time, not
+    #: once a send (each wake a turn of its loop), and the first send after
+    #: a quiet spell still wakes it at once.
+    GATHER = 0.01
     #: How long :meth:`stop` waits for a listener still connecting.
     STOP_WAIT = 30.0
 
@@ -131,8 +136,12 @@ class PostgresListener:
                     if readable:
                         # What came: read without waiting (a part of a message
                         # waits for the next turn).
+                        woken = False
                         for _ in conn.notifies(timeout=0):
+                            woken = True
+                        if woken:
                             self.event.set()
+                            self._stop.wait(self.GATHER)
             except Exception as exc:  # a database that is away: wait and reconnect
                 logger.warning("Listening for new deliveries failed (%s); retrying", exc)
                 self._stop.wait(backoff)

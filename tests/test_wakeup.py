@@ -64,3 +64,38 @@ def test_a_waiting_listener_stops_at_once(listener: wakeup.PostgresListener) -> 
     took = time.monotonic() - started
     assert took < AT_ONCE, f"stopped after {took:.2f} s: not at once"
     assert listener._thread is not None and not listener._thread.is_alive()
+
+
+def test_a_stream_of_notifications_wakes_the_listener_once_a_gathering(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A web process sending steadily: its every NOTIFY would be a turn of
+    # the deliverer's loop. After a wake, what comes is gathered for GATHER.
+    if not wakeup.PostgresListener.available():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's (with psycopg 3)")
+    monkeypatch.setattr(wakeup.PostgresListener, "GATHER", 0.3)
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
+
+    class Counted(threading.Event):
+        sets = 0
+
+        def set(self) -> None:
+            self.sets += 1
+            super().set()
+
+    woken = Counted()
+    listener = wakeup.PostgresListener(woken)
+    listener.start()
+    try:
+        wait_until(lambda: "Listening for new deliveries" in caplog.messages, timeout=10)
+        before = woken.sets
+        started = time.monotonic()
+        with connection.cursor() as cursor:
+            for _ in range(100):  # each its own transaction: none folded into another
+                cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
+        sending = time.monotonic() - started
+        time.sleep(1.0)
+        # One wake at the first, then one a gathering while they kept coming.
+        assert 1 <= woken.sets - before <= 2 + sending / 0.3, (woken.sets - before, sending)
+    finally:
+        listener.stop()
