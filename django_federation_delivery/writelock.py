@@ -106,10 +106,14 @@ class PromptWriteLock:
     def _begin(self, raw: sqlite3.Connection, begin: Callable[[], Any], timeout_ms: int) -> Any:
         deadline = time.monotonic() + timeout_ms / 1000
         try_ms = FIRST_TRY_MS
+        set_ms = None
         while True:
             # Never past the deadline (rounded up: the last try is made at it).
             left_ms = math.ceil((deadline - time.monotonic()) * 1000)
-            raw.execute(f"PRAGMA busy_timeout = {max(0, min(int(try_ms), left_ms)):d}")
+            this_ms = max(0, min(int(try_ms), left_ms))
+            if this_ms != set_ms:  # the first few tries are of 1 ms each: set once
+                raw.execute(f"PRAGMA busy_timeout = {this_ms:d}")
+                set_ms = this_ms
             try:
                 return begin()
             except (OperationalError, sqlite3.OperationalError) as exc:

@@ -7,6 +7,7 @@ its own, as a web process sending would hold it.
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -149,6 +150,8 @@ def test_each_try_of_the_begin_waits_a_few_milliseconds_until_the_busy_timeout(
         timeouts.append(raw.execute("PRAGMA busy_timeout").fetchone()[0])
         return raw.execute(sql)
 
+    statements: list[str] = []
+    raw.set_trace_callback(statements.append)
     try:
         lock = PromptWriteLock(_Wrapping(raw))
         started = time.monotonic()
@@ -158,6 +161,11 @@ def test_each_try_of_the_begin_waits_a_few_milliseconds_until_the_busy_timeout(
         # 1 ms, a quarter longer each time up to 10, and none past the 1,000.
         assert timeouts[:12] == [1, 1, 1, 1, 2, 3, 3, 4, 5, 7, 9, 10]
         assert max(timeouts) == 10 and sum(timeouts) <= 1001
+        # Each timeout set once, not again for a try that keeps it.
+        sets = [sql for sql in statements if sql.startswith("PRAGMA busy_timeout =")]
+        assert sets[:8] == [f"PRAGMA busy_timeout = {ms}" for ms in (1, 2, 3, 4, 5, 7, 9, 10)]
+        assert all(a != b for a, b in itertools.pairwise(sets))
+        raw.set_trace_callback(None)
         assert raw.execute("PRAGMA busy_timeout").fetchone()[0] == 1000
         # Freed: taken at the next try.
         other.execute("COMMIT")
