@@ -54,6 +54,8 @@ class Intake:
     _dry_since: float = dataclasses.field(default=0.0, init=False)
     #: When the hosts whose breaker holds everything are next looked at.
     _held_pass_at: float = dataclasses.field(default=0.0, init=False)
+    #: Whether the last claim came back empty.
+    _came_back_empty: bool = dataclasses.field(default=False, init=False)
 
     def claim_more(self) -> None:
         """Keep a few claimed deliveries ready for the next free slots,
@@ -66,6 +68,14 @@ class Intake:
         if self.dry and self.slots.busy and time.monotonic() - self._dry_since < self.new_work_poll:
             # Nothing more was due: the next result, a wake, or (for work
             # queued by another process without NOTIFY) a moment says when to look.
+            return
+        if self._came_back_empty and self.db(claims.has_due, using=self.using) is False:
+            # Nothing has come due since a claim found nothing (another
+            # deliverer took it, or this one has caught up): a read says so,
+            # where a claim is a write transaction, and on SQLite it holds
+            # the write lock a web process's send is waiting for.
+            self.dry = True
+            self._dry_since = time.monotonic()
             return
         saturated = self.slots.saturated_hosts()
         # Hosts whose breaker holds everything are left out of the claim:
@@ -91,7 +101,7 @@ class Intake:
         # Fewer than asked may only mean the hosts at the head of the queue
         # had their share (a claim takes at most PER_HOST to one host); nothing
         # at all means nothing more is due.
-        self.dry = not claimed
+        self.dry = self._came_back_empty = not claimed
         self._dry_since = time.monotonic()
         if claimed:
             for item in self.triage.sort(claimed, holding=self.slots.holding()):

@@ -486,6 +486,28 @@ def test_a_drain_does_not_end_while_another_process_holds_what_is_due_for_a_mome
     assert status_of(batch) == [Status.DELIVERED] * 3
 
 
+def test_after_a_claim_that_found_nothing_the_loop_reads_whether_anything_is_due_before_claiming(
+    inbox: Inbox,
+) -> None:
+    # A claim is a write transaction; while nothing has come due since one
+    # found nothing (another deliverer took it), one read says so instead.
+    from django.test.utils import CaptureQueriesContext
+
+    deliverer = Deliverer()
+    intake = deliverer.intake
+    intake.claim_more()
+    assert intake.dry and not deliverer.slots.ready
+    intake.dry = False  # as a result's wake leaves it
+    with CaptureQueriesContext(connection) as queries:
+        intake.claim_more()
+    assert intake.dry
+    assert [q["sql"].split(" (")[0] for q in queries.captured_queries] == ["SELECT EXISTS"]
+    send(ALICE, NOTE, [inbox.url()])
+    intake.dry = False
+    intake.claim_more()
+    assert [item.claimed.inbox for item in deliverer.slots.ready] == [inbox.url()]
+
+
 def test_on_sqlite_the_coordinator_takes_the_write_lock_promptly_and_only_while_it_runs(
     inbox: Inbox,
 ) -> None:
