@@ -114,11 +114,14 @@ def _due(connection: Any, columns: str, *, only: bool) -> str:
         hosts += " AND host IN (SELECT value FROM json_each(%s))" if only else ""
     # The status is written out, not a parameter: the statement is then the
     # partial index's to use whatever is bound, and SQLite need not prepare
-    # it again each time to find that out.
+    # it again each time to find that out. The index's own order: SQLite's
+    # ends with the id, PostgreSQL's with where the row is (sorting by id as
+    # well there made a million pending rows cost a third more a claim).
+    order = "due_at" if is_postgresql(connection) else "due_at, id"
     return (
         f"SELECT {columns} FROM {quoted_table(Delivery, connection)} "
         f"WHERE status = '{Status.PENDING}' AND lane = %s AND due_at <= %s{hosts} "
-        f"ORDER BY due_at, id LIMIT %s{skip_locked(connection)}"
+        f"ORDER BY {order} LIMIT %s{skip_locked(connection)}"
     )
 
 
