@@ -184,7 +184,7 @@ def record_failures(
             )
             row = cursor.fetchone()
             if row is not None:
-                standing[key] = (int(row[0]), read_datetime(row[1]))
+                standing[key] = (int(row[0]), read_datetime(row[1], connection))
                 # Opened by this statement: open until the time it wrote.
                 opened += standing[key][1] == now + dt.timedelta(seconds=cool_off)
         history.record({now: {"breakers_opened": opened}}, using=using)

@@ -5,9 +5,10 @@ themselves, where the ORM would take a query a row or cannot say it (``ON
 CONFLICT … DO UPDATE`` with arithmetic, ``RETURNING`` from an ``UPDATE``).
 What differs between the two databases for those statements is here, once:
 how a table and a datetime are written, how a datetime comes back, how many
-rows one statement may carry, and the upsert. The SQL itself is the same on
-both: SQLite 3.35 has ``RETURNING`` and ``ON CONFLICT … DO UPDATE``
-(``checks/database.py`` refuses an older one).
+rows one statement may carry, the upsert, and how a list of rows is passed as
+one JSON parameter. The SQL is otherwise the same on both: SQLite 3.35 has
+``RETURNING`` and ``ON CONFLICT … DO UPDATE`` (``checks/database.py``
+refuses an older one).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from django.utils import timezone
 
 __all__ = [
     "connection_for",
-    "datetime_read",
     "db_datetime",
     "is_postgresql",
     "json_parameter",
@@ -63,14 +63,17 @@ def db_datetime(value: dt.datetime | None, connection: Any) -> Any:
     return connection.ops.adapt_datetimefield_value(value)
 
 
-def read_datetime(value: Any) -> dt.datetime | None:
-    """A datetime a raw query returned: SQLite gives text in UTC."""
+def read_datetime(value: Any, connection: Any = None) -> dt.datetime | None:
+    """A datetime a raw statement returned, as the ORM reads it: SQLite's is
+    text, naive in the ``connection``'s time zone (UTC, Django's default for
+    it, when none is given); PostgreSQL's is aware already."""
     if value is None:
         return None
     if isinstance(value, str):
         value = dt.datetime.fromisoformat(value)
     if timezone.is_naive(value):
-        value = value.replace(tzinfo=dt.UTC)
+        zone = getattr(connection, "timezone", None) or dt.UTC
+        value = value.replace(tzinfo=zone)
     return value  # type: ignore[no-any-return]
 
 
@@ -115,14 +118,6 @@ def lock_for_writing(cursor: Any, connection: Any, table: str) -> None:
         mode = getattr(connection, "transaction_mode", None)
         if mode not in ("IMMEDIATE", "EXCLUSIVE"):
             cursor.execute(f"UPDATE {table} SET id = id WHERE 0")
-
-
-def datetime_read(value: Any, connection: Any) -> dt.datetime | None:
-    """A datetime a raw statement returned, as the ORM reads it: SQLite's is
-    text, naive in the connection's time zone."""
-    if value is None or connection.vendor != "sqlite":
-        return value  # type: ignore[no-any-return]
-    return connection.ops.convert_datetimefield_value(value, None, connection)  # type: ignore[no-any-return]
 
 
 def skip_locked(connection: Any) -> str:

@@ -89,6 +89,17 @@ def test_sqlite_text_reads_as_utc() -> None:
     assert read_datetime("2025-01-02 03:04:00") == MINUTE
 
 
+def test_sqlite_text_reads_in_the_connections_time_zone() -> None:
+    # DATABASES' TIME_ZONE: SQLite's naive text is in that zone, as Django
+    # writes and reads it.
+    import types
+    import zoneinfo
+
+    paris = types.SimpleNamespace(timezone=zoneinfo.ZoneInfo("Europe/Paris"))
+    assert read_datetime("2025-01-02 04:04:00", paris) == MINUTE
+    assert read_datetime(MINUTE, paris) == MINUTE  # aware already (PostgreSQL's)
+
+
 def test_a_statement_carries_no_more_rows_than_the_database_takes_parameters() -> None:
     rows = rows_per_statement(connection, most=500, per_row=5, constants=4)
     if connection.vendor == "sqlite":

@@ -235,13 +235,18 @@ def test_a_signal_nobody_receives_is_not_made_and_one_received_is(
     from django_federation_delivery.batches import BatchInfo
 
     made: list[str] = []
-    for name in ("Attempted", "Settled"):
+
+    def counted(name: str) -> Any:
         real = getattr(signals, name)
-        monkeypatch.setattr(
-            signals,
-            name,
-            lambda *args, _real=real, _name=name, **kw: made.append(_name) or _real(*args, **kw),
-        )
+
+        def make(*args: Any, **kwargs: Any) -> Any:
+            made.append(name)
+            return real(*args, **kwargs)
+
+        return make
+
+    for name in ("Attempted", "Settled"):
+        monkeypatch.setattr(signals, name, counted(name))
     row = store.Claimed(1, 2, "https://social.example/inbox", "social.example", 0, (), "t", 0.0)
     batch = BatchInfo(2, JOB.sender, b"{}", "", "", None, None, False, False, None)
     settler = Settler(policy=RetryPolicy(), summary=Summary())

@@ -1,8 +1,10 @@
 """The claim and its lease, and what is due when.
 
 On PostgreSQL a claim locks with ``FOR UPDATE SKIP LOCKED``, so any number of
-processes share one queue; on SQLite the same claim is a single ``UPDATE …
-RETURNING`` statement, which SQLite runs under its one write lock.
+processes share one queue, and takes each lane's share in one ``UPDATE …
+RETURNING``. On SQLite one write lock serves instead: the claim reads each
+lane's candidates, picks among them, and takes what it picked, the reads
+coming back as one JSON value each (see ``_take_sqlite``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from django.utils import timezone
 
 from django_federation_delivery.dialect import (
     connection_for,
-    datetime_read,
     db_datetime,
     is_postgresql,
     lock_for_writing,
     quoted_table,
+    read_datetime,
     skip_locked,
 )
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
@@ -264,7 +266,7 @@ def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchR
     deadline = BatchRow._fields.index("deadline")
     synchronize = BatchRow._fields.index("synchronize_collection")
     for row in found:
-        row[deadline] = datetime_read(row[deadline], connection)
+        row[deadline] = read_datetime(row[deadline], connection)
         row[synchronize] = bool(row[synchronize])
     return {row[0]: BatchRow(*row) for row in found}
 
@@ -281,7 +283,7 @@ def next_due(*, using: str | None = None) -> dt.datetime | None:
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT {earliest}", list(CLAIM_ORDER))
         times = cursor.fetchone()
-    known = [at for at in (datetime_read(value, connection) for value in times) if at]
+    known = [at for at in (read_datetime(value, connection) for value in times) if at]
     return min(known) if known else None
 
 
