@@ -292,12 +292,9 @@ def test_a_running_deliverer_logs_its_rates_and_counts(caplog: pytest.LogCapture
 def test_metrics_are_served_on_the_port_named(
     inbox: Inbox, processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
-    import socket
     import urllib.request
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_ports(1)
     process = processes(f"--metrics-port={port}")
     assert f"Metrics at http://127.0.0.1:{port}/metrics" in wait_for_line(process, "Metrics at")
     wait_for_line(process, "Delivering until stopped")
