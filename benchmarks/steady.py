@@ -314,15 +314,37 @@ def tree_pids(pid: int) -> list[int]:
     return pids
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """CPU used so far by these processes and their children."""
+def cpu_seconds(pids: Sequence[int], *, ended: bool = False) -> float:
+    """CPU used so far by these processes and their children; with ``ended``
+    also by the children each root has waited for since it started (a
+    PostgreSQL server's backends that have exited)."""
     ticks = 0
     for root in pids:
         for pid in tree_pids(root):
             with contextlib.suppress(OSError, ValueError, IndexError):
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 ticks += int(fields[11]) + int(fields[12])
+                if ended and pid == root:
+                    ticks += int(fields[13]) + int(fields[14])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def server_pid() -> int | None:
+    """The PostgreSQL postmaster's pid when it runs on this machine (its
+    backends are its children), or None: SQLite, or a server elsewhere."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        backend = int(cursor.fetchone()[0])
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        status = Path(f"/proc/{backend}/status").read_text()
+        parent = int(status.split("\nPPid:", 1)[1].split()[0])
+        if Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")[0].endswith(b"postgres"):
+            return parent
+    return None
 
 
 def machine_ticks() -> tuple[int, int]:
@@ -357,6 +379,9 @@ class Phase:
     note: str = ""
     #: Connections the sink accepted during the phase, when it counts them.
     connections: int | None = None
+    #: CPU of the PostgreSQL server on this machine (every backend, the
+    #: producer's too), when there is one.
+    server: float | None = None
 
     @property
     def rate(self) -> float:
@@ -365,6 +390,12 @@ class Phase:
     @property
     def cpu_ms(self) -> float:
         return 1000 * self.cpu / self.delivered if self.delivered else float("nan")
+
+    @property
+    def server_ms(self) -> float:
+        if self.server is None or not self.delivered:
+            return float("nan")
+        return 1000 * self.server / self.delivered
 
     @property
     def producer_ms(self) -> float:
@@ -378,10 +409,11 @@ class Phase:
             if self.producer
             else "producer: no result"
         )
+        server = "" if self.server is None else f", server {self.server_ms:.2f}"
         return (
             f"  {self.name:<24} {self.delivered:>6}/{self.expected:<6} in {self.seconds:6.2f} s "
             f"{self.rate:7.1f}/s  cpu {self.cpu_ms:.2f} ms/delivery (producer "
-            f"{self.producer_ms:.2f})  {send}  machine {100 * self.busy:.0f}% busy"
+            f"{self.producer_ms:.2f}{server})  {send}  machine {100 * self.busy:.0f}% busy"
             f"{'' if self.connections is None else f', {self.connections} connections'}"
             f"{self.note}"
         )
@@ -395,6 +427,8 @@ class Bench:
         self.children: list[subprocess.Popen[bytes]] = []
         self.body_file = workdir / "body.json"
         self.digest = ""
+        #: The local PostgreSQL server's postmaster, once the database is set up.
+        self.server: int | None = None
 
     def spawn(
         self, command: list[str], config: dict[str, Any] | None = None, **kwargs: Any
@@ -490,6 +524,7 @@ class Bench:
                 accepted, queries = served.sink.counters()[0], served.queries
             base = counter()
             cpu = cpu_seconds(pids)
+            server = cpu_seconds([self.server], ended=True) if self.server else None
             busy, ticks = machine_ticks()
             config = {"plan": str(plan_file), "pipes": pipes}
             if diagnose:
@@ -511,6 +546,8 @@ class Bench:
                     break
                 time.sleep(POLL)
             cpu = cpu_seconds(pids) - cpu
+            if server is not None and self.server:
+                server = cpu_seconds([self.server], ended=True) - server
             busy_after, ticks_after = machine_ticks()
             connections = None
             if served is not None:
@@ -546,6 +583,7 @@ class Bench:
                 busy=(busy_after - busy) / max(1, ticks_after - ticks),
                 note=note,
                 connections=connections,
+                server=server,
             )
         finally:
             for fd in pipes:
@@ -685,6 +723,7 @@ def compare(args: argparse.Namespace, bench: Bench, sinks: list[Sink]) -> int:
     sinks.append(sink)
     sink.start()
     database = setup_database(bench.workdir, args.database_url)
+    bench.server = server_pid()
     plan = make_plan(args.sends, args.mix, sink.url, args.hosts)
     expected = sum(map(len, plan))
     shape = f"{args.sends} sends" + (
@@ -758,6 +797,12 @@ def report(rounds: list[dict[str, Phase]]) -> None:
         f"{median('bare', lambda p: p.producer.get('median_ms', 0)):.2f} / "
         f"{median('bare', lambda p: p.producer.get('p90_ms', 0)):.2f} ms"
     )
+    if rounds and rounds[0]["bare"].server is not None:
+        print(
+            "median PostgreSQL server CPU ms a delivery (all its processes, the producer's "
+            f"backend too): bare {median('bare', lambda p: p.server_ms):.2f}, deliverer "
+            f"{median('deliverer', lambda p: p.server_ms):.2f}"
+        )
     print(f"load average at the end: {load_average()}")
     short = [
         f"round {n} {side}: {p.delivered}/{p.expected}"
@@ -847,6 +892,7 @@ def faults(args: argparse.Namespace, bench: Bench, sinks: list[Sink]) -> int:
     silent = SilentHosts(quiet)
     silent.start()
     database = setup_database(bench.workdir, args.database_url)
+    bench.server = server_pid()
 
     def url(with_faults: bool) -> Callable[[int, str], str]:
         def at(n: int, path: str) -> str:
