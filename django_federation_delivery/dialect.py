@@ -84,10 +84,11 @@ def json_rows(columns: Sequence[tuple[str, str]], connection: Any) -> str:
     database prepares once, and one parameter to bind rather than one a
     value."""
     if is_postgresql(connection):
+        # jsonb: parsed once, where each ->> of a json value parses its text again.
         picks = ", ".join(
             f"(value->>{n})::{kind} AS {name}" for n, (name, kind) in enumerate(columns)
         )
-        return f"SELECT {picks} FROM json_array_elements(%s::json)"
+        return f"SELECT {picks} FROM jsonb_array_elements(%s::jsonb)"
     picks = ", ".join(
         f"json_extract(value, '$[{n}]') AS {name}" for n, (name, _) in enumerate(columns)
     )
