@@ -119,8 +119,13 @@ class Batch(models.Model):
 class Delivery(models.Model):
     """One inbox of a batch, and how its delivery stands."""
 
+    # No index of its own: the two below that begin with it serve.
     batch = models.ForeignKey(
-        Batch, verbose_name=_("batch"), on_delete=models.CASCADE, related_name="deliveries"
+        Batch,
+        verbose_name=_("batch"),
+        on_delete=models.CASCADE,
+        related_name="deliveries",
+        db_index=False,
     )
     inbox = models.CharField(verbose_name=_("inbox"), max_length=2048)
     host = models.CharField(verbose_name=_("host"), max_length=255)
@@ -162,6 +167,7 @@ class Delivery(models.Model):
         blank=True,
         on_delete=models.SET_NULL,
         related_name="+",
+        db_index=False,
     )
 
     class Meta:
@@ -181,8 +187,21 @@ class Delivery(models.Model):
             models.Index(fields=["batch", "status"], name="fd_delivery_batch_status"),
             models.Index(fields=["host", "status"], name="fd_delivery_host_status"),
             # What settled in a window (the last hour, the last day), for the
-            # overview, without reading every settled row.
-            models.Index(fields=["status", "settled_at"], name="fd_delivery_settled"),
+            # overview and retention, without reading every settled row.
+            # Partial, as the two below: a row is written again at its claim
+            # and at its settling, into every index whose condition it meets.
+            models.Index(
+                fields=["status", "settled_at"],
+                condition=Q(settled_at__isnull=False),
+                name="fd_delivery_settled",
+            ),
+            # Those waiting on a delivery, released once it settles; and what
+            # the foreign key checks when one is deleted.
+            models.Index(
+                fields=["after"],
+                condition=Q(after__isnull=False),
+                name="fd_delivery_after",
+            ),
             # The last pending delivery of a sequence, which a new one waits on:
             # its highest id, read from the index however long the backlog.
             models.Index(

@@ -214,25 +214,32 @@ def test_a_claim_can_leave_out_busy_hosts() -> None:
     assert hosts == {"idle.example"}
 
 
+def emptied_for_the_planner() -> None:
+    """On PostgreSQL, the table emptied with its indexes: the rows earlier
+    tests wrote and rolled back leave index pages behind, and a swollen index
+    can cost the planner more than another, and be passed over."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"TRUNCATE {Delivery._meta.db_table} CASCADE")
+
+
+def analyze() -> None:
+    """Statistics for the planner, so that its choice is the one it makes on a
+    real table and not a guess about an empty one; on PostgreSQL also the
+    vacuum autovacuum gives a table in use."""
+    command = "VACUUM ANALYZE" if connection.vendor == "postgresql" else "ANALYZE"
+    with connection.cursor() as cursor:
+        cursor.execute(f"{command} {Delivery._meta.db_table}")
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_claim_reads_pending_rows_through_the_partial_index() -> None:
     # A queue as it looks in use: most rows settled long ago, a few pending.
-    # The planner is given statistics, so that its choice is the one it makes
-    # on a real table and not a guess about an empty one. On PostgreSQL, the
-    # table is vacuumed, as autovacuum keeps one in use, and starts with its
-    # indexes empty: the rows earlier tests wrote and rolled back leave the
-    # partial index's pages behind, and a swollen index can cost the planner
-    # more than another on status, and be passed over.
-    table = Delivery._meta.db_table
-    postgresql = connection.vendor == "postgresql"
-    if postgresql:
-        with connection.cursor() as cursor:
-            cursor.execute(f"TRUNCATE {table} CASCADE")
+    emptied_for_the_planner()
     send(ALICE, NOTE, inboxes(2000, "settled.example"))
     Delivery.objects.update(status=Status.DELIVERED, settled_at=timezone.now())
     send(ALICE, NOTE, inboxes(20))
-    with connection.cursor() as cursor:
-        cursor.execute(f"{'VACUUM ANALYZE' if postgresql else 'ANALYZE'} {table}")
+    analyze()
     # The statements the claim itself runs, explained as run: one a lane,
     # until the claim has its two (none from the priority lane, two from the
     # normal). Its candidates (CANDIDATES for each wanted) are fewer than the
@@ -266,6 +273,40 @@ def at_once(target: Any, threads: int) -> None:
         thread.start()
     for thread in started:
         thread.join(60)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_waiting_and_settled_deliveries_are_found_through_indexes_of_those_rows_alone() -> None:
+    # Most rows neither wait on another nor are settled recently: the indexes
+    # on after_id and settled_at hold only the rows where those are set, and
+    # what looks for those rows reads them there.
+    from django_federation_delivery import retention
+    from django_federation_delivery.store import sequences
+
+    emptied_for_the_planner()
+    long_ago = timezone.now() - dt.timedelta(days=40)
+    send(ALICE, NOTE, inboxes(2000, "settled.example"))
+    Delivery.objects.update(status=Status.DELIVERED, settled_at=long_ago)
+    send(ALICE, NOTE, inboxes(500, "pending.example"))
+    first = send_batch(ALICE, NOTE, inboxes(3), {"ordering_key": "note-1"})
+    send_batch(ALICE, {"type": "Delete"}, inboxes(3), {"ordering_key": "note-1"})
+    assert first is not None
+    waited_on = list(Delivery.objects.filter(batch=first).values_list("id", flat=True))
+    analyze()
+    with CaptureQueriesContext(connection) as queries:
+        sequences.release_next(waited_on, timezone.now(), None)
+        retention.purge({Status.DELIVERED: long_ago + dt.timedelta(days=1)}, chunk=100)
+    released = [q["sql"] for q in queries.captured_queries if 'after_id" IN' in q["sql"]]
+    oldest = [q["sql"] for q in queries.captured_queries if "ORDER BY settled_at" in q["sql"]]
+    assert released and oldest, queries.captured_queries
+    explain = "EXPLAIN" if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN"
+    with connection.cursor() as cursor, transaction.atomic():
+        for sql, index in [(released[0], "fd_delivery_after"), (oldest[0], "fd_delivery_settled")]:
+            cursor.execute(f"{explain} {sql}")
+            plan = " ".join(str(row) for row in cursor.fetchall())
+            assert index in plan, plan
+    assert Delivery.objects.filter(after__isnull=False).count() == 0, "released"
+    assert not Delivery.objects.filter(status=Status.DELIVERED).exists(), "purged"
 
 
 @pytest.mark.django_db(transaction=True)
