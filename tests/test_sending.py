@@ -11,7 +11,8 @@ import threading
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
+from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -155,6 +156,39 @@ def test_a_rolled_back_transaction_queues_nothing() -> None:
     with pytest.raises(RuntimeError):
         caller()
     assert nothing_written()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_send_the_database_refuses_rolls_back_the_callers_transaction_unless_in_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No savepoint of its own: a send inside the caller's transaction is its
+    # statements alone, and one that fails dooms that transaction, as any
+    # other statement of the caller's would.
+    from django_federation_delivery import sending
+
+    def every_inbox_twice(targets: list[Any]) -> list[Any]:
+        return targets * 2  # the database refuses a second delivery to one inbox
+
+    with transaction.atomic():
+        send(ALICE, NOTE, ["https://a.example/inbox"])
+        with CaptureQueriesContext(connection) as captured:
+            send(ALICE, NOTE, ["https://b.example/inbox"])
+        assert not [q for q in captured if "SAVEPOINT" in q["sql"]], captured.captured_queries
+        monkeypatch.setattr(sending, "_interleave_hosts", every_inbox_twice)
+        with pytest.raises(IntegrityError):
+            send(ALICE, NOTE, ["https://c.example/inbox"])
+        with pytest.raises(TransactionManagementError):
+            Batch.objects.count()
+    assert nothing_written()
+    # In an atomic() of its own, the caller carries on past it.
+    with transaction.atomic():
+        monkeypatch.undo()
+        send(ALICE, NOTE, ["https://a.example/inbox"])
+        monkeypatch.setattr(sending, "_interleave_hosts", every_inbox_twice)
+        with pytest.raises(IntegrityError), transaction.atomic():
+            send(ALICE, NOTE, ["https://c.example/inbox"])
+    assert list(Delivery.objects.values_list("inbox", flat=True)) == ["https://a.example/inbox"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -64,7 +64,8 @@ def send_webhook(
     from django_federation_delivery.sending import _lane
 
     alias = using or DEFAULT_DB_ALIAS
-    with transaction.atomic(using=alias):
+    # No savepoint, as send()'s.
+    with transaction.atomic(using=alias, savepoint=False):
         _lock_sequences(names, alias)
         return queueing.enqueue(
             Batch(
