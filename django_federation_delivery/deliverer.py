@@ -226,8 +226,7 @@ class Deliverer:
                 self.upkeep.recycle_connections()
                 self.upkeep.refresh()
                 self.handoff.collect()
-                # Workers first, the database after: a free slot is not kept
-                # waiting on a write.
+                # Workers first, the database after: a free slot never waits on a write.
                 self.handoff.dispatch()
                 if self.outbox.due():
                     self._write()
@@ -240,14 +239,15 @@ class Deliverer:
                 else:
                     self.intake.claim_more()
                     self.handoff.dispatch()
-                busy = self.slots.busy
+                busy, caught_up = self.slots.busy, drain or self.intake.dry
                 if drain and not busy and not self.outbox and self.intake.drained():
                     break
                 if self.on_progress is not None and time.monotonic() >= next_progress:
                     self.on_progress(self.summary)
                     next_progress = time.monotonic() + self.progress_interval
                 if self.outbox and (not busy or self.outbox.due()):
-                    self._write()  # a failing database is waited out in there
+                    if self.outbox.due() or caught_up:
+                        self._write()  # not at each lull; a failing database is waited out
                     continue
                 if busy or not self.intake.dry:
                     # Woken by the next result, when one in flight turns slow,

@@ -785,3 +785,33 @@ def test_an_idle_run_with_stop_after_returns_then_not_at_the_idle_poll(settings:
 def test_a_stop_after_that_is_not_a_positive_number_is_refused_naming_it(value: float) -> None:
     with pytest.raises(ValueError, match=f"not {value!r}"):
         Deliverer().run(stop_after=value)
+
+
+def skip_every_inbox(inbox: str, activity: dict[str, Any]) -> bool:
+    return True
+
+
+def test_outcomes_decided_with_nothing_in_flight_wait_to_be_written_together(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Claims whose every delivery is settled unsent leave nothing in flight,
+    # turn after turn, as a stream of sends does between them: what came of
+    # them is written once due, or once a claim finds nothing, not once a claim.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SKIP_IF": "tests.test_deliverer.skip_every_inbox",
+    }
+    send(ALICE, NOTE, [f"https://h{n}.example/inbox" for n in range(40)])
+    writes: list[int] = []
+    settle = settlements.settle
+
+    def counted(outcomes: list[settlements.Settlement], **kwargs: Any) -> set[int]:
+        writes.append(len(outcomes))
+        return settle(outcomes, **kwargs)
+
+    monkeypatch.setattr(settlements, "settle", counted)
+    summary = Deliverer(concurrency=16, claim_size=2).run(stop_after=1.0)
+    assert summary.skipped == 40
+    assert set(Delivery.objects.values_list("status", flat=True)) == {Status.SKIPPED}
+    # Twenty claims of two: one write each, before.
+    assert sum(writes) == 40 and len(writes) <= 8, writes
