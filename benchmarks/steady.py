@@ -546,7 +546,7 @@ class Bench:
                     break
                 time.sleep(POLL)
             cpu = cpu_seconds(pids) - cpu
-            if server is not None and self.server:
+            if server is not None:
                 server = cpu_seconds([self.server], ended=True) - server
             busy_after, ticks_after = machine_ticks()
             connections = None

@@ -144,10 +144,9 @@ def send_batches_finished(ids: Sequence[int], *, using: str | None = None) -> No
     connected: a stream of one-inbox sends finishes a batch with every
     delivery, and nobody listening is the usual case.
     """
-    from django_federation_delivery.models import Delivery
     from django_federation_delivery.store.settlements import finished_batches
 
-    if not ids or not batch_finished.has_listeners(Delivery):
+    if not ids or not listened(batch_finished):
         return
     for batch in finished_batches(ids, using=using):
         send_safely(batch_finished, batch=batch)

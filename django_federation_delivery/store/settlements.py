@@ -159,12 +159,12 @@ def _write_settlements(cursor: Any, connection: Any, rows: list[list[Any]]) -> s
     table = quoted_table(Delivery, connection)
     given = json_parameter(rows)
     matched = f"{table}.id = v.id AND {table}.lease_token = v.token"
+    update = (
+        f"WITH v AS ({json_rows(SETTLED, connection)}) UPDATE {table} SET {_SETTLE_SET} "
+        f"FROM v WHERE {matched}"
+    )
     if is_postgresql(connection):
-        cursor.execute(
-            f"WITH v AS ({json_rows(SETTLED, connection)}) UPDATE {table} SET {_SETTLE_SET} "
-            f"FROM v WHERE {matched} RETURNING {table}.id",
-            [given],
-        )
+        cursor.execute(f"{update} RETURNING {table}.id", [given])
         return {row[0] for row in cursor.fetchall()}
     lock_for_writing(cursor, connection, table)
     cursor.execute(
@@ -174,11 +174,7 @@ def _write_settlements(cursor: Any, connection: Any, rows: list[list[Any]]) -> s
     )
     written = set(json.loads(cursor.fetchone()[0]))
     if written:
-        cursor.execute(
-            f"WITH v AS ({json_rows(SETTLED, connection)}) UPDATE {table} SET {_SETTLE_SET} "
-            f"FROM v WHERE {matched}",
-            [given],
-        )
+        cursor.execute(update, [given])
     return written
 
 
