@@ -225,7 +225,7 @@ class Transport:
             content = _read_at_most(response, settings.max_answer_bytes)
         except TransportError as exc:
             if attempt.expired and not isinstance(exc, AttemptTimeout):
-                raise translate(exc, expired=attempt.expired, target=target, limit=limit) from exc
+                raise translate(exc, expired=True, target=target, limit=limit) from exc
             raise
         except (
             requests.exceptions.RequestException,
@@ -234,7 +234,9 @@ class Transport:
             OSError,
             UnicodeEncodeError,  # a header value http.client cannot send as Latin-1
         ) as exc:
-            raise translate(exc, expired=attempt.expired, target=target, limit=limit) from exc
+            # The socket's own timeout may fire at the deadline just before the watchdog does.
+            expired = attempt.expired or time.monotonic() >= ends
+            raise translate(exc, expired=expired, target=target, limit=limit) from exc
         finally:
             if response is not None:
                 # Unread data left: this closes the connection instead of pooling it.
