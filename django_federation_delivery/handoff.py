@@ -66,16 +66,16 @@ class Handoff:
                 item, result = self.workers.results.get_nowait()
             except queue.Empty:
                 break
+            now = timezone.now()
             self.schemes.learn(item.claimed.host, result.accepted_scheme)
-            self.outbox.add(
-                self.triage.settler_for(item.batch).attempted(item.claimed, item.batch, result)
-            )
+            settler = self.triage.settler_for(item.batch)
+            self.outbox.add(settler.attempted(item.claimed, item.batch, result, now))
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
                     item.breaker,
                     failed=not result.delivered and not result.permanent,
                     probe=item.probe,
-                    now=timezone.now(),
+                    now=now,
                 )
             self.slots.take_back(item)
             self.intake.dry = False  # a retry may have come due since the last claim

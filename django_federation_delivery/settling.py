@@ -56,7 +56,8 @@ class Summary:
 
     def count(self, outcome: Outcome) -> None:
         """One more delivery that came to ``outcome`` (each has its field)."""
-        setattr(self, outcome.value, getattr(self, outcome.value) + 1)
+        # A StrEnum is its value: no look-up of ``.value`` a delivery.
+        setattr(self, outcome, getattr(self, outcome) + 1)
 
     @property
     def done(self) -> int:
@@ -232,12 +233,18 @@ class Settler:
         )
 
     def attempted(
-        self, row: claims.Claimed, batch: BatchInfo, result: AttemptResult
+        self,
+        row: claims.Claimed,
+        batch: BatchInfo,
+        result: AttemptResult,
+        now: dt.datetime | None = None,
     ) -> settlements.Settlement:
-        """Decide what comes of an attempt, send the signals, and say what to write."""
+        """Decide what comes of an attempt, send the signals, and say what to
+        write; ``now`` is the time it is judged at (the clock's, if not given)."""
         attempts = row.attempts + 1
         self.summary.attempts += 1
-        now = timezone.now()
+        if now is None:
+            now = timezone.now()
         verdict = decide(
             result,
             attempts,
