@@ -1,8 +1,8 @@
 """The claim and its lease, and what is due when.
 
 On PostgreSQL a claim locks with ``FOR UPDATE SKIP LOCKED``, so any number of
-processes share one queue, and takes each lane's share in one ``UPDATE …
-RETURNING``. On SQLite one write lock serves instead: the claim reads each
+processes share one queue, and takes every lane's share in one ``UPDATE …
+RETURNING``, a transaction of its own. On SQLite one write lock serves instead: the claim reads each
 lane's candidates, picks among them, and takes what it picked, the reads
 coming back as one JSON value each (see ``_take_sqlite``).
 """
@@ -91,8 +91,13 @@ def claim(
         excluded=excluded,
         only=only,
     )
-    with transaction.atomic(using=using), connection.cursor() as cursor:
-        rows = take(cursor, connection, wanted)
+    if take is _take_postgresql:
+        # One statement: a transaction by itself (or a part of the caller's).
+        with connection.cursor() as cursor:
+            rows = take(cursor, connection, wanted)
+    else:
+        with transaction.atomic(using=using), connection.cursor() as cursor:
+            rows = take(cursor, connection, wanted)
     # The lease as written (from before the claim), not from now: never later.
     expires = now.timestamp() + lease
     return [
@@ -105,10 +110,11 @@ def claim(
 CLAIMED_COLUMNS = "id, batch_id, inbox, host, attempts, via"
 
 
-def _due(connection: Any, columns: str, *, only: bool) -> str:
+def _due(connection: Any, columns: str, *, only: bool, limit: str = "%s") -> str:
     """A lane's oldest due rows, none to the hosts left out (a parameter) and,
-    with ``only``, to the hosts named (another). The hosts are one parameter
-    each, so that the statement's text is the same whatever their number."""
+    with ``only``, to the hosts named (another), as many as ``limit`` says.
+    The hosts are one parameter each, so that the statement's text is the
+    same whatever their number."""
     if is_postgresql(connection):
         hosts = " AND NOT (host = ANY(%s))" + (" AND host = ANY(%s)" if only else "")
     else:
@@ -123,7 +129,7 @@ def _due(connection: Any, columns: str, *, only: bool) -> str:
     return (
         f"SELECT {columns} FROM {quoted_table(Delivery, connection)} "
         f"WHERE status = '{Status.PENDING}' AND lane = %s AND due_at <= %s{hosts} "
-        f"ORDER BY {order} LIMIT %s{skip_locked(connection)}"
+        f"ORDER BY {order} LIMIT {limit}{skip_locked(connection)}"
     )
 
 
@@ -142,28 +148,36 @@ class _Wanted(NamedTuple):
 
 
 def _take_postgresql(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
-    """Each lane's share in one statement: its candidates locked (passing
-    those another process holds), the first ``cap`` of each host among them
-    taken."""
+    """Every lane's share in one statement: each lane's candidates locked
+    (passing those another process holds), in the room the lanes before it
+    leave of ``limit × CANDIDATES``, so that a later lane's rows are not even
+    locked while an earlier one has enough; then the first ``cap`` of each
+    host among them taken, lane by lane. One round trip, where a statement a
+    lane in a transaction made five."""
     table = quoted_table(Delivery, connection)
-    candidates = _due(connection, "id, host, due_at", only=bool(wanted.only))
+    only = bool(wanted.only)
+    hosts: list[Any] = [wanted.excluded, wanted.only] if only else [wanted.excluded]
+    budget = wanted.limit * CANDIDATES
+    lanes, params = [], [wanted.until, wanted.token]
+    for rank, lane in enumerate(CLAIM_ORDER):
+        earlier = "".join(f" - (SELECT COUNT(*) FROM lane{n})" for n in range(rank))
+        limit = f"GREATEST(0, %s{earlier})"
+        columns = f"id, host, due_at, {rank} AS rank"
+        lanes.append(f"lane{rank} AS ({_due(connection, columns, only=only, limit=limit)})")
+        params += [lane, wanted.now, *hosts, budget]
+    candidates = " UNION ALL ".join(f"SELECT * FROM lane{n}" for n in range(len(CLAIM_ORDER)))
     sql = (
+        f"WITH {', '.join(lanes)} "
         f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE id IN ("
-        "SELECT id FROM (SELECT id, due_at, ROW_NUMBER() OVER (PARTITION BY host "
-        f"ORDER BY due_at, id) AS turn FROM ({candidates}) AS candidates) AS ranked "
-        f"WHERE turn <= %s ORDER BY due_at, id LIMIT %s) RETURNING {CLAIMED_COLUMNS}"
+        "SELECT id FROM (SELECT id, rank, due_at, ROW_NUMBER() OVER (PARTITION BY host "
+        f"ORDER BY rank, due_at, id) AS turn FROM ({candidates}) AS candidates) AS ranked "
+        f"WHERE turn <= %s ORDER BY rank, due_at, id LIMIT %s) RETURNING {CLAIMED_COLUMNS}, lane"
     )
-    hosts: list[Any] = [wanted.excluded, wanted.only] if wanted.only else [wanted.excluded]
-    rows: list[Any] = []
-    for lane in CLAIM_ORDER:
-        if len(rows) >= wanted.limit:
-            break
-        room = wanted.limit - len(rows)
-        params = [wanted.until, wanted.token, lane, wanted.now, *hosts]
-        cursor.execute(sql, [*params, room * CANDIDATES, wanted.cap, room])
-        # RETURNING gives no order; keep the queue's within each lane.
-        rows.extend(sorted(cursor.fetchall(), key=lambda row: row[0]))
-    return rows
+    # The CTEs' parameters come first in the text.
+    cursor.execute(sql, [*params[2:], *params[:2], wanted.cap, wanted.limit])
+    order = {lane: rank for rank, lane in enumerate(CLAIM_ORDER)}
+    # RETURNING gives no order: the lanes' and, within each, the queue's.
+    return [row[:-1] for row in sorted(cursor.fetchall(), key=lambda row: (order[row[-1]], row[0]))]
 
 
 def _take_sqlite(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
@@ -221,10 +235,18 @@ def _take_sqlite(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
 
 
 def _json_list(value: Any) -> tuple[str, ...]:
-    # SQLite hands JSON back as text, psycopg as the value itself.
+    # Text on both (Django reads PostgreSQL's JSON as text too), or the value itself.
+    if value is None or value == "[]" or value == b"[]":
+        return ()  # the usual inbox, with no gateways: nothing to parse
     if isinstance(value, str | bytes):
         value = json.loads(value)
     return tuple(value or ())
+
+
+def id_array(ids: Iterable[int]) -> str:
+    """``ids`` as a PostgreSQL array literal, for ``= ANY(%s::bigint[])``: one
+    string for psycopg to quote, where a list is adapted an element at a time."""
+    return "{" + ",".join(str(int(id)) for id in ids) + "}"
 
 
 class BatchRow(NamedTuple):
@@ -254,7 +276,9 @@ def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchR
     columns = ", ".join(BatchRow._fields)
     with connection.cursor() as cursor:
         if is_postgresql(connection):
-            cursor.execute(f"SELECT {columns} FROM {table} WHERE id = ANY(%s)", [wanted])
+            cursor.execute(
+                f"SELECT {columns} FROM {table} WHERE id = ANY(%s::bigint[])", [id_array(wanted)]
+            )
             return {row[0]: BatchRow(*row) for row in cursor.fetchall()}
         # SQLite: read as one value, as a claim's rows are (see _take_sqlite).
         cursor.execute(

@@ -27,7 +27,7 @@ from django_federation_delivery.dialect import (
     quoted_table,
 )
 from django_federation_delivery.models import Batch, Delivery, Status
-from django_federation_delivery.store.claims import Claimed
+from django_federation_delivery.store.claims import Claimed, id_array
 from django_federation_delivery.store.sequences import release_next
 
 #: The statuses that take a delivery out of the queue.
@@ -213,7 +213,8 @@ def _count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> l
         if is_postgresql(connection):
             ids = [batch_id for batch_id, _ in items]
             cursor.execute(
-                f"SELECT id FROM {table} WHERE id = ANY(%s) ORDER BY id FOR UPDATE", [ids]
+                f"SELECT id FROM {table} WHERE id = ANY(%s::bigint[]) ORDER BY id FOR UPDATE",
+                [id_array(ids)],
             )
             cursor.execute(
                 f"{update} RETURNING {table}.id, {table}.remaining", [given, finished_at]
