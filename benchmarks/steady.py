@@ -647,7 +647,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--failing", type=float, default=0.20, help="--faults: 503 share (0.2)")
     parser.add_argument("--silent", type=float, default=0.05, help="--faults: silent share (0.05)")
     parser.add_argument("--seed", type=int, default=1, help="--faults: which hosts are faulty")
-    parser.add_argument("--rounds", type=positive, default=3, help="rounds (3)")
+    parser.add_argument("--rounds", type=positive, default=5, help="rounds (5)")
     parser.add_argument("--timeout", type=float, default=180.0, help="most a phase may take (180)")
     parser.add_argument(
         "--database-url",
