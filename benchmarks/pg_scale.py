@@ -306,7 +306,7 @@ def explain_claim() -> None:
     statements: list[tuple[str, Any]] = []
 
     def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        if sql.startswith("UPDATE"):  # not the savepoint Django wraps it in
+        if "SET due_at = %s, lease_token = %s" in sql:  # the taking, not a savepoint
             statements.append((sql, params))
         return execute(sql, params, many, context)
 
