@@ -452,6 +452,27 @@ def test_a_claim_takes_no_more_than_per_host_of_one_host() -> None:
     assert hosts == {"busy.example": 2, "quiet.example": 2}
 
 
+@pytest.mark.django_db(transaction=True)
+def test_per_host_holds_across_the_lanes_of_one_claim(settings: object) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,  # type: ignore[attr-defined]
+        "PRIORITY_MAX_INBOXES": 1,
+    }
+    for number in range(2):  # two direct messages to the host: the priority lane
+        send(
+            ALICE, {**NOTE, "id": f"https://social.example/dm/{number}"}, inboxes(1, "busy.example")
+        )
+    send(ALICE, NOTE, inboxes(3, "busy.example") + inboxes(1, "quiet.example"))
+    claimed = store.claim(64, lease=300, per_host=2)
+    lanes = Delivery.objects.in_bulk([row.id for row in claimed])
+    # Two to the busy host in all, the priority lane's; not two more from the normal lane.
+    assert [(row.host, lanes[row.id].lane) for row in claimed] == [
+        ("busy.example", Lane.PRIORITY),
+        ("busy.example", Lane.PRIORITY),
+        ("quiet.example", Lane.NORMAL),
+    ]
+
+
 def a_batch() -> Batch:
     return Batch(sender=ALICE, body="{}", body_sha256="x")
 

@@ -201,12 +201,13 @@ def _take_sqlite(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
     if wanted.only:
         hosts.append(json.dumps(wanted.only))
     picked: list[int] = []
+    # PER_HOST holds across the lanes of one claim, as on PostgreSQL.
+    taken: collections.Counter[str] = collections.Counter()
     for lane in CLAIM_ORDER:
         if len(picked) >= wanted.limit:
             break
         room = wanted.limit - len(picked)
         cursor.execute(candidates, [lane, wanted.now, *hosts, room * CANDIDATES])
-        taken: collections.Counter[str] = collections.Counter()
         lane_picked = []
         for id, host in json.loads(cursor.fetchone()[0]):
             if taken[host] < wanted.cap:
