@@ -2,9 +2,10 @@
 
 On PostgreSQL a claim locks with ``FOR UPDATE SKIP LOCKED``, so any number of
 processes share one queue, and takes every lane's share in one ``UPDATE …
-RETURNING``, a transaction of its own. On SQLite one write lock serves instead: the claim reads each
-lane's candidates, picks among them, and takes what it picked, the reads
-coming back as one JSON value each (see ``_take_sqlite``).
+RETURNING``, a transaction of its own. On SQLite one write lock serves
+instead: the claim reads each lane's candidates, picks among them, and takes
+what it picked, the reads coming back as one JSON value each (see
+``_take_sqlite``).
 """
 
 from __future__ import annotations
