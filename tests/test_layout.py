@@ -32,10 +32,26 @@ def module_lengths() -> dict[str, int]:
     return {name_of(path): len(path.read_text("utf-8").splitlines()) for path in modules()}
 
 
+def parse(path: Path) -> ast.Module:
+    """``path`` parsed. Python 3.11 before 3.11.8 shares the AST builder's
+    recursion count between threads (CPython gh-106905): another thread using
+    the ast module meanwhile (printing a traceback, say: 3.11 parses its lines
+    to place the carets) can fail a parse here with a spurious SystemError.
+    Tried again, then raised."""
+    source = path.read_text("utf-8")
+    for _ in range(4):
+        try:
+            return ast.parse(source, filename=str(path))
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc):
+                raise
+    return ast.parse(source, filename=str(path))
+
+
 def class_lengths() -> dict[str, int]:
     lengths = {}
     for path in modules():
-        tree = ast.parse(path.read_text("utf-8"), filename=str(path))
+        tree = parse(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 # From its decorators, if any, to its last line.
