@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -25,6 +25,7 @@ from django.utils import timezone
 __all__ = [
     "connection_for",
     "db_datetime",
+    "id_array",
     "is_postgresql",
     "json_parameter",
     "json_rows",
@@ -99,6 +100,12 @@ def json_parameter(rows: Any) -> str:
     """``rows`` as :func:`json_rows` reads them: a datetime as ISO 8601 (with
     its offset; SQLite's are text already, from :func:`db_datetime`)."""
     return json.dumps(rows, default=_iso)
+
+
+def id_array(ids: Iterable[int]) -> str:
+    """``ids`` as a PostgreSQL array literal, for ``= ANY(%s::bigint[])``: one
+    string for psycopg to quote, where a list is adapted an element at a time."""
+    return "{" + ",".join(str(int(id)) for id in ids) + "}"
 
 
 def _iso(value: Any) -> str:

@@ -24,6 +24,7 @@ from django.utils import timezone
 from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
+    id_array,
     is_postgresql,
     lock_for_writing,
     quoted_table,
@@ -159,7 +160,8 @@ def _take_postgresql(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]
     only = bool(wanted.only)
     hosts: list[Any] = [wanted.excluded, wanted.only] if only else [wanted.excluded]
     budget = wanted.limit * CANDIDATES
-    lanes, params = [], [wanted.until, wanted.token]
+    lanes: list[str] = []
+    params: list[Any] = []  # the CTEs', which come first in the text
     for rank, lane in enumerate(CLAIM_ORDER):
         earlier = "".join(f" - (SELECT COUNT(*) FROM lane{n})" for n in range(rank))
         limit = f"GREATEST(0, %s{earlier})"
@@ -174,8 +176,7 @@ def _take_postgresql(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]
         f"ORDER BY rank, due_at, id) AS turn FROM ({candidates}) AS candidates) AS ranked "
         f"WHERE turn <= %s ORDER BY rank, due_at, id LIMIT %s) RETURNING {CLAIMED_COLUMNS}, lane"
     )
-    # The CTEs' parameters come first in the text.
-    cursor.execute(sql, [*params[2:], *params[:2], wanted.cap, wanted.limit])
+    cursor.execute(sql, [*params, wanted.until, wanted.token, wanted.cap, wanted.limit])
     order = {lane: rank for rank, lane in enumerate(CLAIM_ORDER)}
     # RETURNING gives no order: the lanes' and, within each, the queue's.
     return [row[:-1] for row in sorted(cursor.fetchall(), key=lambda row: (order[row[-1]], row[0]))]
@@ -243,12 +244,6 @@ def _json_list(value: Any) -> tuple[str, ...]:
     if isinstance(value, str | bytes):
         value = json.loads(value)
     return tuple(value or ())
-
-
-def id_array(ids: Iterable[int]) -> str:
-    """``ids`` as a PostgreSQL array literal, for ``= ANY(%s::bigint[])``: one
-    string for psycopg to quote, where a list is adapted an element at a time."""
-    return "{" + ",".join(str(int(id)) for id in ids) + "}"
 
 
 class BatchRow(NamedTuple):

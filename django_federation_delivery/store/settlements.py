@@ -20,6 +20,7 @@ from django_federation_delivery import history, wakeup
 from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
+    id_array,
     is_postgresql,
     json_parameter,
     json_rows,
@@ -27,7 +28,7 @@ from django_federation_delivery.dialect import (
     quoted_table,
 )
 from django_federation_delivery.models import Batch, Delivery, Status
-from django_federation_delivery.store.claims import Claimed, id_array
+from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.sequences import release_next
 
 #: The statuses that take a delivery out of the queue.
