@@ -16,6 +16,7 @@ from django.utils import timezone
 from django_federation_delivery import send, send_batch, signals, store
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 from django_federation_delivery.store import queueing
+from django_federation_delivery.store.claims import CANDIDATES
 
 from .keys import ALICE
 
@@ -471,6 +472,29 @@ def test_per_host_holds_across_the_lanes_of_one_claim(settings: object) -> None:
         ("busy.example", Lane.PRIORITY),
         ("quiet.example", Lane.NORMAL),
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_later_lanes_rows_are_not_locked_while_the_earlier_lanes_fill_the_claim() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks are PostgreSQL's; SQLite's claim holds the write lock")
+    send(ALICE, NOTE, inboxes(20, "normal.example"))
+    send_batch(ALICE, NOTE, inboxes(3, "low.example"), {"low_priority": True})
+    other = connections.create_connection(connection.alias)
+    try:
+        with transaction.atomic():
+            # Two wanted: 2 × CANDIDATES of the normal lane are locked, all of the
+            # budget, and the low lane's are not even read.
+            assert len(store.claim(2, lease=300, per_host=2)) == 2
+            with other.cursor() as cursor:
+                cursor.execute(
+                    f"SELECT lane FROM {Delivery._meta.db_table} WHERE status = 'pending' "
+                    "FOR UPDATE SKIP LOCKED"
+                )
+                free = collections.Counter(lane for (lane,) in cursor.fetchall())
+    finally:
+        other.close()
+    assert free == {Lane.NORMAL: 20 - 2 * CANDIDATES, Lane.LOW: 3}
 
 
 def a_batch() -> Batch:
