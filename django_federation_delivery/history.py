@@ -72,8 +72,9 @@ def record(counts: Mapping[dt.datetime, Mapping[str, int]], *, using: str | None
     alias = using or DEFAULT_DB_ALIAS
     connection = connection_for(alias)
     table = quoted_table(DeliveryHistory, connection)
-    added = ", ".join(f"{name} = {table}.{name} + excluded.{name}" for name in COUNTS)
-    sql = upsert_sql(table, ("minute", *COUNTS), key="minute", updates=added, rows=len(rows))
+    sql = upsert_sql(
+        table, ("minute", *COUNTS), key="minute", updates=_added(table), rows=len(rows)
+    )
     params: list[Any] = []
     for minute, values in rows:
         params += [db_datetime(minute, connection), *values]
@@ -82,6 +83,25 @@ def record(counts: Mapping[dt.datetime, Mapping[str, int]], *, using: str | None
             cursor.execute(sql, params)
     except DatabaseError:
         logger.exception("The delivery history could not be recorded; what it counted is settled")
+
+
+def _added(table: str) -> str:
+    """An upsert's update: each count added to the minute's."""
+    return ", ".join(f"{name} = {table}.{name} + excluded.{name}" for name in COUNTS)
+
+
+def upsert_counted(rows: str, connection: Any) -> str:
+    """PostgreSQL: an ``INSERT`` into the history of what ``rows`` (a
+    statement's CTE with a ``minute`` and a ``counted`` column, the count
+    name or NULL) counts, for a statement that settles and counts at once."""
+    table = quoted_table(DeliveryHistory, connection)
+    sums = ", ".join(f"count(*) FILTER (WHERE counted = '{name}')" for name in COUNTS)
+    return (
+        f"INSERT INTO {table} (minute, {', '.join(COUNTS)}) "
+        f"SELECT minute, {sums} FROM {rows} WHERE counted IS NOT NULL "
+        f"GROUP BY minute ORDER BY minute "
+        f"ON CONFLICT (minute) DO UPDATE SET {_added(table)}"
+    )
 
 
 def counted(items: Iterable[tuple[dt.datetime, str]]) -> dict[dt.datetime, dict[str, int]]:

@@ -146,7 +146,7 @@ def send_batches_finished(ids: Sequence[int], *, using: str | None = None) -> No
     connected: a stream of one-inbox sends finishes a batch with every
     delivery, and nobody listening is the usual case.
     """
-    from django_federation_delivery.store.settlements import finished_batches
+    from django_federation_delivery.store.countdowns import finished_batches
 
     if not ids or not listened(batch_finished):
         return

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import threading
@@ -13,8 +14,8 @@ from django.db import IntegrityError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import send, send_batch, signals, store
-from django_federation_delivery.models import Batch, Delivery, Lane, Status
+from django_federation_delivery import history, send, send_batch, signals, store
+from django_federation_delivery.models import Batch, Delivery, DeliveryHistory, Lane, Status
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.claims import CANDIDATES
 
@@ -393,6 +394,71 @@ def test_a_claim_and_a_settle_run_the_same_statements_whatever_their_number_of_r
         )
     )
     assert one == many
+
+
+@pytest.mark.django_db
+def test_a_settle_writes_counts_down_and_adds_to_the_history_what_held_its_claim() -> None:
+    fan_out = send(ALICE, NOTE, inboxes(3, "a.example"))
+    single = send(ALICE, NOTE, ["https://b.example/inbox"])
+    lapsed = send(ALICE, NOTE, ["https://c.example/inbox"])
+    assert fan_out and single and lapsed
+    rows = {row.inbox: row for row in store.claim(10, lease=300)}
+    assert len(rows) == 5
+    now = timezone.now()
+    a0, a1, a2 = (rows[f"https://a.example/u{n}/inbox"] for n in range(3))
+    b, c = rows["https://b.example/inbox"], rows["https://c.example/inbox"]
+    finished: list[list[int]] = []
+    executed: list[str] = []
+
+    def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not sql.startswith(("SAVEPOINT", "RELEASE")):  # the transaction's own
+            executed.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(capture):
+        written = store.settle(
+            [
+                store.Settlement(a0, Status.DELIVERED, 1, attempted_at=now),
+                store.Settlement(a1, Status.REFUSED, 1, last_status=410, attempted_at=now),
+                store.Settlement(
+                    a2,
+                    Status.PENDING,
+                    1,
+                    due_at=now + dt.timedelta(minutes=5),
+                    last_status=503,
+                    attempted_at=now,
+                    retried=True,
+                ),
+                store.Settlement(b, Status.DELIVERED, 1, attempted_at=now),
+                # Its lease lapsed and another holds it: nothing of it is written or counted.
+                store.Settlement(
+                    dataclasses.replace(c, token="not-the-holders"), Status.DELIVERED, 1
+                ),
+            ],
+            on_finished=finished.append,
+        )
+    assert written == {a0.id, a1.id, a2.id, b.id}
+    if connection.vendor == "postgresql":
+        assert len(executed) == 1, executed
+    states = dict(Delivery.objects.values_list("inbox", "status"))
+    assert [states[row.inbox] for row in (a0, a1, a2, b, c)] == [
+        Status.DELIVERED,
+        Status.REFUSED,
+        Status.PENDING,
+        Status.DELIVERED,
+        Status.PENDING,
+    ]
+    assert Delivery.objects.get(id=a2.id).lease_token is None
+    fan_out.refresh_from_db()
+    single.refresh_from_db()
+    lapsed.refresh_from_db()
+    assert (fan_out.remaining, fan_out.finished_at) == (1, None)
+    assert single.remaining == 0 and single.finished_at is not None
+    assert (lapsed.remaining, lapsed.finished_at) == (1, None)
+    assert finished == [[single.id]]
+    (minute,) = DeliveryHistory.objects.all()
+    assert minute.minute == history.minute_of(now)
+    assert (minute.delivered, minute.refused, minute.retried, minute.failed) == (2, 1, 1, 0)
 
 
 @pytest.mark.django_db

@@ -8,7 +8,9 @@ One module a concept:
   released when it settles;
 - ``claims``: the claim and its lease, and what is due when;
 - ``settlements``: what leaving the queue writes (settled, given up, or
-  requeued), and each batch's count of deliveries remaining.
+  requeued);
+- ``countdowns``: each batch's count of deliveries remaining, which
+  finishes it at nought.
 
 What tells PostgreSQL from SQLite for every raw statement is in dialect.py;
 what each database is asked here differs only where it must.
