@@ -271,6 +271,32 @@ def test_the_claim_reads_pending_rows_through_the_partial_index() -> None:
             assert plan.count("fd_delivery_due") == len(read), plan
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_settle_finds_its_rows_by_id_however_few_the_planner_thinks_the_table_holds() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite's settle reads the rows it writes by id, as it is written")
+    # A table small enough that, told only that the settlements are "some
+    # rows", the planner would hash them against a scan of all of it.
+    emptied_for_the_planner()
+    send(ALICE, NOTE, inboxes(2000, "settled.example"))
+    analyze()
+    rows = store.claim(5, lease=300)
+    executed: list[tuple[str, Any]] = []
+
+    def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        executed.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(capture):
+        store.settle([store.Settlement(row, Status.DELIVERED, 1) for row in rows])
+    ((sql, params),) = [(sql, params) for sql, params in executed if sql.startswith("WITH v AS")]
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN {sql}", params)
+        plan = "\n".join(row for (row,) in cursor.fetchall())
+    assert f"Seq Scan on {Delivery._meta.db_table}" not in plan, plan
+    assert f"Index Scan using {Delivery._meta.db_table}_pkey" in plan, plan
+
+
 def at_once(target: Any, threads: int) -> None:
     """Run ``target`` in that many threads at once, and wait for them all."""
     started = [threading.Thread(target=target) for _ in range(threads)]

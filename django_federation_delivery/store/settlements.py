@@ -21,6 +21,7 @@ from django_federation_delivery import history, wakeup
 from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
+    id_array,
     is_postgresql,
     json_parameter,
     json_rows,
@@ -145,8 +146,7 @@ def _settle_at_once(
     batch = quoted_table(Batch, connection)
     sql = (
         f"WITH v AS ({json_rows(AT_ONCE, connection)}), "
-        f"s AS (UPDATE {delivery} SET {_SETTLE_SET} FROM v "
-        f"WHERE {delivery}.id = v.id AND {delivery}.lease_token = v.token "
+        f"s AS ({_updated_by_id(delivery)} "
         f"RETURNING {delivery}.id, {delivery}.batch_id, v.settled_at, v.minute, v.counted), "
         f"c AS (SELECT batch_id AS id, count(*) AS n FROM s WHERE settled_at IS NOT NULL "
         f"GROUP BY batch_id), "
@@ -162,7 +162,14 @@ def _settle_at_once(
     try:
         with transaction.atomic(using=using):
             with connection.cursor() as cursor:
-                cursor.execute(sql, [json_parameter(rows), db_datetime(now, connection)])
+                cursor.execute(
+                    sql,
+                    [
+                        json_parameter(rows),
+                        id_array(row[0] for row in rows),
+                        db_datetime(now, connection),
+                    ],
+                )
                 written, finished = cursor.fetchone()
             written_out = True
             if finished and on_finished is not None:
@@ -239,6 +246,17 @@ _SETTLE_SET = (
 )
 
 
+def _updated_by_id(table: str) -> str:
+    """PostgreSQL: the ``UPDATE`` of a settlement's row from ``v``, found by
+    its id in the array that is the statement's next parameter. Told only
+    that ``v`` has some rows, the planner may hash them against a scan of
+    the whole table; an array's length it knows."""
+    return (
+        f"UPDATE {table} SET {_SETTLE_SET} FROM v WHERE {table}.id = ANY(%s::bigint[]) "
+        f"AND {table}.id = v.id AND {table}.lease_token = v.token"
+    )
+
+
 def _write_settlements(cursor: Any, connection: Any, rows: list[list[Any]]) -> set[int]:
     """Write the settlements ``rows`` (SETTLED's columns each); return the ids
     of those whose claim still held.
@@ -258,7 +276,11 @@ def _write_settlements(cursor: Any, connection: Any, rows: list[list[Any]]) -> s
         f"FROM v WHERE {matched}"
     )
     if is_postgresql(connection):
-        cursor.execute(f"{update} RETURNING {table}.id", [given])
+        cursor.execute(
+            f"WITH v AS ({json_rows(SETTLED, connection)}) {_updated_by_id(table)} "
+            f"RETURNING {table}.id",
+            [given, id_array(row[0] for row in rows)],
+        )
         return {row[0] for row in cursor.fetchall()}
     lock_for_writing(cursor, connection, table)
     cursor.execute(
