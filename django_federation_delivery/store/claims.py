@@ -25,6 +25,7 @@ from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
     id_array,
+    ids_among,
     is_postgresql,
     lock_for_writing,
     quoted_table,
@@ -169,12 +170,17 @@ def _take_postgresql(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]
         lanes.append(f"lane{rank} AS ({_due(connection, columns, only=only, limit=limit)})")
         params += [lane, wanted.now, *hosts, budget]
     candidates = " UNION ALL ".join(f"SELECT * FROM lane{n}" for n in range(len(CLAIM_ORDER)))
-    sql = (
-        f"WITH {', '.join(lanes)} "
-        f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE id IN ("
+    taken = (
         "SELECT id FROM (SELECT id, rank, due_at, ROW_NUMBER() OVER (PARTITION BY host "
         f"ORDER BY rank, due_at, id) AS turn FROM ({candidates}) AS candidates) AS ranked "
-        f"WHERE turn <= %s ORDER BY rank, due_at, id LIMIT %s) RETURNING {CLAIMED_COLUMNS}, lane"
+        "WHERE turn <= %s ORDER BY rank, due_at, id LIMIT %s"
+    )
+    # The rows taken are looked up by id: as a join, the planner may hash
+    # its guess of their number against a scan of the table.
+    sql = (
+        f"WITH {', '.join(lanes)} "
+        f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE {ids_among(taken, connection)} "
+        f"RETURNING {CLAIMED_COLUMNS}, lane"
     )
     cursor.execute(sql, [*params, wanted.until, wanted.token, wanted.cap, wanted.limit])
     order = {lane: rank for rank, lane in enumerate(CLAIM_ORDER)}
