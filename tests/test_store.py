@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import re
 import threading
 import tracemalloc
 from typing import Any
@@ -292,12 +293,26 @@ def test_a_claim_and_a_settle_find_their_rows_by_id_however_few_the_planner_gues
     # The claim's statement (its lanes' CTEs first), then the settle's.
     statements = [(sql, params) for sql, params in executed if sql.startswith("WITH")]
     assert len(statements) == 2, executed
+    plans = []
     with connection.cursor() as cursor:
         for sql, params in statements:
             cursor.execute(f"EXPLAIN {sql}", params)
-            plan = "\n".join(row for (row,) in cursor.fetchall())
-            assert f"Seq Scan on {Delivery._meta.db_table}" not in plan, plan
-            assert f"Index Scan using {Delivery._meta.db_table}_pkey" in plan, plan
+            plans.append([row for (row,) in cursor.fetchall()])
+    for plan in plans:
+        text = "\n".join(plan)
+        assert f"Seq Scan on {Delivery._meta.db_table}" not in text, text
+        assert f"Index Scan using {Delivery._meta.db_table}_pkey" in text, text
+    # The settle's batches, however read, are read for the ids it was given:
+    # never all of the table, in a join the planner's guesses put first.
+    batch_scans = [
+        n
+        for n, line in enumerate(plans[1])
+        if re.search(rf"Scan .*on {Batch._meta.db_table}\b", line)
+    ]
+    assert batch_scans, plans[1]
+    for n in batch_scans:
+        condition = next(line for line in plans[1][n + 1 :] if "Cond:" in line or "Filter:" in line)
+        assert "ANY" in condition, "\n".join(plans[1])
 
 
 def at_once(target: Any, threads: int) -> None:
