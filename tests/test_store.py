@@ -315,6 +315,31 @@ def test_a_claim_and_a_settle_find_their_rows_by_id_however_few_the_planner_gues
         assert "ANY" in condition, "\n".join(plans[1])
 
 
+@pytest.mark.django_db
+def test_on_postgresql_a_settle_counts_its_batches_down_in_place() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("a page's room for updates (fillfactor) is PostgreSQL's")
+    # One-inbox sends, a batch a delivery, with bodies the size of a post's.
+    for n in range(30):
+        send(ALICE, {"type": "Note", "content": "x" * 1000}, [f"https://h{n}.example/inbox"])
+    rows = store.claim(30, lease=300)
+
+    def updates() -> tuple[int, int]:
+        """The batch table's updates in this transaction so far, and those in place."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = %s",
+                [Batch._meta.db_table],
+            )
+            return cursor.fetchone()  # type: ignore[no-any-return]
+
+    before = updates()
+    store.settle([store.Settlement(row, Status.DELIVERED, 1) for row in rows])
+    after = updates()
+    # Each batch's row updated once, on its own page: no index of the table touched.
+    assert (after[0] - before[0], after[1] - before[1]) == (30, 30)
+
+
 def at_once(target: Any, threads: int) -> None:
     """Run ``target`` in that many threads at once, and wait for them all."""
     started = [threading.Thread(target=target) for _ in range(threads)]
