@@ -202,9 +202,9 @@ class Deliverer:
         if stop_after is not None and not stop_after > 0:
             raise ValueError(f"stop_after must be a positive number of seconds, not {stop_after!r}")
         wakeup.register(self._wake)
-        listener = None
+        listener = self.intake.listener = None
         if wakeup.PostgresListener.available(self.using) and not drain:
-            listener = wakeup.PostgresListener(self._wake, using=self.using)
+            listener = self.intake.listener = wakeup.PostgresListener(self._wake, using=self.using)
             listener.start()
         self.summary.started = time.monotonic()
         if self.heartbeat is not None:

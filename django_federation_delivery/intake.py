@@ -18,6 +18,7 @@ from django_federation_delivery.slots import Slots
 from django_federation_delivery.store import claims
 from django_federation_delivery.triage import Triage
 from django_federation_delivery.upkeep import Upkeep
+from django_federation_delivery.wakeup import PostgresListener
 
 __all__ = ["Intake"]
 
@@ -56,6 +57,9 @@ class Intake:
     _held_pass_at: float = dataclasses.field(default=0.0, init=False)
     #: Whether the last claim came back empty.
     _came_back_empty: bool = dataclasses.field(default=False, init=False)
+    #: PostgreSQL's listener, when the deliverer has one: paused while
+    #: claims come back full, as the loop claims again then unwoken.
+    listener: PostgresListener | None = dataclasses.field(default=None, init=False)
 
     def claim_more(self) -> None:
         """Keep a few claimed deliveries ready for the next free slots,
@@ -103,6 +107,8 @@ class Intake:
         # at all means nothing more is due.
         self.dry = self._came_back_empty = not claimed
         self._dry_since = time.monotonic()
+        if self.listener is not None:
+            self.listener.pause(len(claimed) >= limit)
         if claimed:
             for item in self.triage.sort(claimed, holding=self.slots.holding()):
                 self.slots.add(item)
@@ -142,6 +148,8 @@ class Intake:
         """Sleep until the next due time or the idle poll, whichever is
         sooner; a send wakes it, and without LISTEN so does a cheap look for
         new work every ``NEW_WORK_POLL_SECONDS``."""
+        if self.listener is not None:
+            self.listener.pause(False)
         due = self.db(claims.next_due, using=self.using)
         sleep = jitter(self.idle_poll)
         if due is not None:

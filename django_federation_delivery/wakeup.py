@@ -53,6 +53,12 @@ class PostgresListener:
     could start: without psycopg 3 the deliverer polls instead. It waits on
     the connection's socket and on one of its own, which :meth:`stop` writes
     to: a deliverer stops at once, not at the end of a wait.
+
+    :meth:`pause` has it stop listening (``UNLISTEN``) while the deliverer
+    claims from a backlog, which it does without being woken: there every
+    send's notification would cost the server a wake of this connection's
+    backend for nothing. Listening again, it wakes the deliverer once, for
+    what was sent in between.
     """
 
     #: How long one wait lasts at most; :meth:`stop` ends it sooner.
@@ -69,10 +75,15 @@ class PostgresListener:
         self.event = event
         self.using = using
         self._stop = threading.Event()
+        self._paused = False
+        #: Whether the connection listens now (read by the tests).
+        self.listening = False
         self._thread: threading.Thread | None = None
         # What stop() writes to, to end a wait at once. A socket pair, not a
         # pipe: select() takes only sockets on Windows.
         self._stop_reader, self._stop_writer = socket.socketpair()
+        # What pause() writes to, to have the thread look at once.
+        self._turn_reader, self._turn_writer = socket.socketpair()
 
     @staticmethod
     def available(using: str = DEFAULT_DB_ALIAS) -> bool:
@@ -90,6 +101,14 @@ class PostgresListener:
         )
         self._thread.start()
 
+    def pause(self, paused: bool) -> None:
+        """Stop listening (``paused``) or listen again, soon, in the thread."""
+        if paused == self._paused:
+            return
+        self._paused = paused
+        with contextlib.suppress(OSError):  # closed: stopped
+            self._turn_writer.send(b"\0")
+
     def stop(self) -> None:
         self._stop.set()
         with contextlib.suppress(OSError):  # closed: stopped before
@@ -100,8 +119,8 @@ class PostgresListener:
             self._thread.join(timeout=self.STOP_WAIT)
             if self._thread.is_alive():
                 return  # its sockets are left to it
-        self._stop_writer.close()
-        self._stop_reader.close()
+        for end in (self._stop_writer, self._stop_reader, self._turn_writer, self._turn_reader):
+            end.close()
 
     def _connect(self) -> Any:
         import psycopg
@@ -123,16 +142,22 @@ class PostgresListener:
             conn = None
             try:
                 conn = self._connect()
+                self.listening = True
                 backoff = 0.5
                 # Work queued while this was (re)connecting is not missed.
                 self.event.set()
                 logger.debug("Listening for new deliveries")
                 while not self._stop.is_set():
+                    if self.listening == self._paused:
+                        self._turn(conn)
                     readable, _, _ = select.select(
-                        [conn.fileno(), self._stop_reader], [], [], self.WAIT
+                        [conn.fileno(), self._stop_reader, self._turn_reader], [], [], self.WAIT
                     )
                     if self._stop_reader in readable:
                         break
+                    if self._turn_reader in readable:
+                        self._turn_reader.recv(64)
+                        continue
                     if readable:
                         # What came: read without waiting (a part of a message
                         # waits for the next turn).
@@ -147,5 +172,15 @@ class PostgresListener:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
             finally:
+                self.listening = False
                 if conn is not None:
                     conn.close()
+
+    def _turn(self, conn: Any) -> None:
+        """Listen, or stop, as :meth:`pause` last asked."""
+        listen = not self._paused
+        conn.execute(f"LISTEN {NOTIFY_CHANNEL}" if listen else f"UNLISTEN {NOTIFY_CHANNEL}")
+        self.listening = listen
+        if listen:
+            # What was sent while it did not listen is looked for.
+            self.event.set()

@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connections, transaction
+from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from django_federation_delivery import send
 from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.wakeup import NOTIFY_CHANNEL
 
 from .conftest import (
     MANAGE,
@@ -181,22 +182,41 @@ def test_a_second_signal_exits_at_once(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backlog", [0, 150], ids=["idle", "after a backlog"])
 def test_a_send_from_another_process_wakes_an_idle_deliverer(
-    inbox: Inbox, processes: Callable[..., subprocess.Popen[str]]
+    inbox: Inbox, processes: Callable[..., subprocess.Popen[str]], backlog: int
 ) -> None:
-    process = processes(settings={"IDLE_POLL_SECONDS": 120}, log_level="DEBUG")
-    if connections["default"].vendor == "postgresql":
+    postgresql = connections["default"].vendor == "postgresql"
+    send(ALICE, NOTE, [inbox.url(f"/u{n}") for n in range(backlog)])
+    # Claims of two, to one host of PER_HOST 2: each comes back full (so that
+    # on PostgreSQL it stops listening) or empty (and it listens again).
+    settings = {"IDLE_POLL_SECONDS": 120, "CLAIM_SIZE": 2}
+    process = processes(settings=settings, log_level="DEBUG")
+    if postgresql:
         # Getting to LISTEN wakes the loop once: idle only after that.
         wait_for_line(process, "Listening for new deliveries")
+        if backlog:
+            wait_until(lambda: listeners_last("UNLISTEN"), timeout=STARTED)
+    wait_until(lambda: len(inbox.received) == backlog, timeout=STARTED)
     wait_for_line(process, "Nothing to do: idle")  # for two minutes unless woken
     send(ALICE, NOTE, [inbox.url()])
     queued = time.monotonic()
-    wait_until(lambda: len(inbox.received) == 1, timeout=STARTED)
+    wait_until(lambda: len(inbox.received) == backlog + 1, timeout=STARTED)
     took = time.monotonic() - queued
     process.send_signal(signal.SIGTERM)
     assert process.wait(20) == 0
     # The idle poll is two minutes away.
     assert took < 30, f"woken after {took:.1f} s, not by the idle poll"
+
+
+def listeners_last(statement: str) -> bool:
+    """Whether a connection's last statement was ``statement`` of the channel."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE query = %s",
+            [f"{statement} {NOTIFY_CHANNEL}"],
+        )
+        return bool(cursor.fetchone()[0])
 
 
 @pytest.mark.slow

@@ -92,3 +92,27 @@ def test_a_stream_of_notifications_wakes_the_listener_once_a_gathering(
         assert 1 <= woken.sets <= 2 + sending / 0.3, (woken.sets, sending)
     finally:
         listener.stop()
+
+
+def test_a_paused_listener_is_not_woken_and_listening_again_wakes_once(
+    listener: wakeup.PostgresListener,
+) -> None:
+    # Paused while the deliverer claims from a backlog: a send's notification
+    # is not even delivered to its connection.
+    try:
+        listener.pause(True)
+        wait_until(lambda: not listener.listening, timeout=AT_ONCE)
+        listener.event.clear()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
+        assert not listener.event.wait(0.5), "woken while paused"
+        # Listening again wakes it, for what was sent meanwhile.
+        listener.pause(False)
+        assert listener.event.wait(AT_ONCE), "not woken on listening again"
+        wait_until(lambda: listener.listening, timeout=AT_ONCE)
+        listener.event.clear()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
+        assert listener.event.wait(AT_ONCE), "not woken by a notification once listening"
+    finally:
+        listener.stop()
