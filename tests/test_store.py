@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import tracemalloc
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,6 +28,21 @@ NOTE = {"type": "Note"}
 
 def inboxes(count: int, host: str = "a.example") -> list[str]:
     return [f"https://{host}/u{n}/inbox" for n in range(count)]
+
+
+@contextlib.contextmanager
+def statements_run() -> Iterator[list[tuple[str, Any]]]:
+    """The statements run inside, with their parameters, as they run; the
+    savepoints of the test's own transaction left out."""
+    executed: list[tuple[str, Any]] = []
+
+    def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not sql.startswith(("SAVEPOINT", "RELEASE")):
+            executed.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(capture):
+        yield executed
 
 
 @pytest.mark.django_db
@@ -248,13 +264,7 @@ def test_the_claim_reads_pending_rows_through_the_partial_index() -> None:
     # normal). Its candidates (CANDIDATES for each wanted) are fewer than the
     # pending rows, as in a backlog: were they more, reading every pending row
     # through any index on status would do as well, and PostgreSQL may.
-    executed: list[tuple[str, Any]] = []
-
-    def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        executed.append((sql, params))
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(capture):
+    with statements_run() as executed:
         assert len(store.claim(2, lease=300)) == 2
     # On SQLite a statement a lane reads its candidates (and one more takes
     # every lane's); on PostgreSQL one statement reads each lane's, and takes them.
@@ -281,13 +291,7 @@ def test_a_claim_and_a_settle_find_their_rows_by_id_however_few_the_planner_gues
     emptied_for_the_planner()
     send(ALICE, NOTE, inboxes(2000, "settled.example"))
     analyze()
-    executed: list[tuple[str, Any]] = []
-
-    def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        executed.append((sql, params))
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(capture):
+    with statements_run() as executed:
         rows = store.claim(64, lease=300, per_host=64)
         store.settle([store.Settlement(row, Status.DELIVERED, 1) for row in rows])
     # The claim's statement (its lanes' CTEs first), then the settle's.
@@ -442,22 +446,15 @@ def test_a_claim_and_a_settle_run_the_same_statements_whatever_their_number_of_r
     send(ALICE, NOTE, inboxes(20, "a.example") + inboxes(20, "b.example"))
 
     def statements(claim: Any) -> tuple[list[str], list[str]]:
-        executed: list[str] = []
-
-        def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-            if not sql.startswith(("SAVEPOINT", "RELEASE")):  # the test's own transaction
-                executed.append(sql)
-            return execute(sql, params, many, context)
-
-        with connection.execute_wrapper(capture):
+        with statements_run() as executed:
             rows = claim()
-            claiming = list(executed)
+            claiming = [sql for sql, _ in executed]
             executed.clear()
             store.settle(
                 [store.Settlement(claimed=r, status=Status.DELIVERED, attempts=1) for r in rows]
             )
         assert rows
-        return claiming, executed
+        return claiming, [sql for sql, _ in executed]
 
     one = statements(lambda: store.claim(1, lease=300, exclude_hosts=["x.example"]))
     many = statements(
@@ -480,14 +477,7 @@ def test_a_settle_writes_counts_down_and_adds_to_the_history_what_held_its_claim
     a0, a1, a2 = (rows[f"https://a.example/u{n}/inbox"] for n in range(3))
     b, c = rows["https://b.example/inbox"], rows["https://c.example/inbox"]
     finished: list[list[int]] = []
-    executed: list[str] = []
-
-    def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        if not sql.startswith(("SAVEPOINT", "RELEASE")):  # the transaction's own
-            executed.append(sql)
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(capture):
+    with statements_run() as executed:
         written = store.settle(
             [
                 store.Settlement(a0, Status.DELIVERED, 1, attempted_at=now),
