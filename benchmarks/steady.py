@@ -329,6 +329,26 @@ def cpu_seconds(pids: Sequence[int], *, ended: bool = False) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pids: Sequence[int]) -> tuple[float, float]:
+    """CPU used so far by the main threads of these processes and their
+    children (a deliverer's coordinators, and a supervisor's idle one), and by
+    their other threads (the workers; on PostgreSQL the listener too). A
+    thread that has ended is no longer counted: read it while they run."""
+    ticks = [0, 0]
+    for root in pids:
+        for pid in tree_pids(root):
+            tasks: list[str] = []
+            with contextlib.suppress(OSError):
+                tasks = os.listdir(f"/proc/{pid}/task")
+            for task in tasks:
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+                    fields = stat.rsplit(")", 1)[1].split()
+                    ticks[int(task) != pid] += int(fields[11]) + int(fields[12])
+    hz = os.sysconf("SC_CLK_TCK")
+    return ticks[0] / hz, ticks[1] / hz
+
+
 def server_pid() -> int | None:
     """The PostgreSQL postmaster's pid when it runs on this machine (its
     backends are its children), or None: SQLite, or a server elsewhere."""
@@ -382,6 +402,9 @@ class Phase:
     #: CPU of the PostgreSQL server on this machine (every backend, the
     #: producer's too), when there is one.
     server: float | None = None
+    #: The deliverer's CPU by thread: its processes' main threads (the
+    #: coordinators) and their other threads (the workers).
+    threads: tuple[float, float] | None = None
 
     @property
     def rate(self) -> float:
@@ -397,6 +420,12 @@ class Phase:
             return float("nan")
         return 1000 * self.server / self.delivered
 
+    def threads_ms(self) -> tuple[float, float]:
+        if self.threads is None or not self.delivered:
+            return float("nan"), float("nan")
+        main, others = self.threads
+        return 1000 * main / self.delivered, 1000 * others / self.delivered
+
     @property
     def producer_ms(self) -> float:
         """The producer's CPU per delivery it queued."""
@@ -410,6 +439,9 @@ class Phase:
             else "producer: no result"
         )
         server = "" if self.server is None else f", server {self.server_ms:.2f}"
+        if self.threads is not None:
+            main, others = self.threads_ms()
+            server += f"; coordinators {main:.2f}, workers {others:.2f}"
         return (
             f"  {self.name:<24} {self.delivered:>6}/{self.expected:<6} in {self.seconds:6.2f} s "
             f"{self.rate:7.1f}/s  cpu {self.cpu_ms:.2f} ms/delivery (producer "
@@ -524,6 +556,7 @@ class Bench:
                 accepted, queries = served.sink.counters()[0], served.queries
             base = counter()
             cpu = cpu_seconds(pids)
+            threads = thread_cpu(pids) if side == "deliverer" else None
             server = cpu_seconds([self.server], ended=True) if self.server else None
             busy, ticks = machine_ticks()
             config = {"plan": str(plan_file), "pipes": pipes}
@@ -546,6 +579,9 @@ class Bench:
                     break
                 time.sleep(POLL)
             cpu = cpu_seconds(pids) - cpu
+            if threads is not None:
+                (main, others), threads = threads, thread_cpu(pids)
+                threads = (threads[0] - main, threads[1] - others)
             if server is not None:
                 server = cpu_seconds([self.server], ended=True) - server
             busy_after, ticks_after = machine_ticks()
@@ -584,6 +620,7 @@ class Bench:
                 note=note,
                 connections=connections,
                 server=server,
+                threads=threads,
             )
         finally:
             for fd in pipes:
@@ -789,6 +826,11 @@ def report(rounds: list[dict[str, Phase]]) -> None:
         f"{median('deliverer', lambda p: p.cpu_ms):.2f}, ratio {cpu_ratio:.2f}x (target <= 1.15x); "
         f"producer {median('bare', lambda p: p.producer_ms):.2f} / "
         f"{median('deliverer', lambda p: p.producer_ms):.2f}"
+    )
+    print(
+        f"median deliverer CPU ms a delivery by thread: coordinators "
+        f"{median('deliverer', lambda p: p.threads_ms()[0]):.2f}, workers "
+        f"{median('deliverer', lambda p: p.threads_ms()[1]):.2f}"
     )
     print(
         f"median send(): {median('deliverer', lambda p: p.producer.get('median_ms', 0)):.2f} ms, "
