@@ -98,6 +98,13 @@ def _free_port(addresses: Sequence[str]) -> int:
     raise RuntimeError("no port free on every sink address")
 
 
+def stat_fields(path: str) -> list[str]:
+    """The fields of a ``/proc/…/stat`` file after the command's name: the
+    14th and 15th (indexes 11 and 12) are user and system ticks, the 16th and
+    17th those of the children waited for."""
+    return Path(path).read_text().rsplit(")", 1)[1].split()
+
+
 class Sink:
     """nginx, in the foreground as this script's child, answering 202 to every POST.
 
@@ -308,7 +315,7 @@ http {{
         ticks = 0
         for pid in pids:
             with contextlib.suppress(OSError, ValueError, IndexError):
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                fields = stat_fields(f"/proc/{pid}/stat")
                 ticks += int(fields[11]) + int(fields[12])  # utime, stime
         return ticks / os.sysconf("SC_CLK_TCK")
 

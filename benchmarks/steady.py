@@ -63,6 +63,7 @@ from benchmarks.common import (
     median_or_nan,
     positive,
     sigterm_interrupts,
+    stat_fields,
 )
 
 SENDER = "https://social.example/users/alice"  # tests.keys.ALICE
@@ -322,7 +323,7 @@ def cpu_seconds(pids: Sequence[int], *, ended: bool = False) -> float:
     for root in pids:
         for pid in tree_pids(root):
             with contextlib.suppress(OSError, ValueError, IndexError):
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                fields = stat_fields(f"/proc/{pid}/stat")
                 ticks += int(fields[11]) + int(fields[12])
                 if ended and pid == root:
                     ticks += int(fields[13]) + int(fields[14])
@@ -342,8 +343,7 @@ def thread_cpu(pids: Sequence[int]) -> tuple[float, float]:
                 tasks = os.listdir(f"/proc/{pid}/task")
             for task in tasks:
                 with contextlib.suppress(OSError, ValueError, IndexError):
-                    stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
-                    fields = stat.rsplit(")", 1)[1].split()
+                    fields = stat_fields(f"/proc/{pid}/task/{task}/stat")
                     ticks[int(task) != pid] += int(fields[11]) + int(fields[12])
     hz = os.sysconf("SC_CLK_TCK")
     return ticks[0] / hz, ticks[1] / hz
@@ -580,8 +580,8 @@ class Bench:
                 time.sleep(POLL)
             cpu = cpu_seconds(pids) - cpu
             if threads is not None:
-                (main, others), threads = threads, thread_cpu(pids)
-                threads = (threads[0] - main, threads[1] - others)
+                after = thread_cpu(pids)
+                threads = (after[0] - threads[0], after[1] - threads[1])
             if server is not None:
                 server = cpu_seconds([self.server], ended=True) - server
             busy_after, ticks_after = machine_ticks()
