@@ -102,7 +102,7 @@ DEFAULTS: dict[str, Any] = {
     # Idle keep-alive connections kept open in the whole process, across
     # every worker; past it the least recently used are closed. Each is a
     # file descriptor (see "File descriptors" in the README).
-    "MAX_IDLE_CONNECTIONS": 32,
+    "MAX_IDLE_CONNECTIONS": 256,
     "VERIFY_TLS": True,
     # Networks deliveries may go to although they are not public, such as
     # ["127.0.0.0/8"] in tests. Empty: public addresses only.

@@ -2,8 +2,10 @@
 
 The coordinator puts :class:`InFlight` deliveries on the pool's job queue and
 takes ``(delivery, result)`` pairs off its result queue. A worker owns a
-pooled transport of its own, closes the connections nobody used for a while
-when idle, and ends itself when the pool has more threads than it needs.
+transport of its own over keep-alive connections the pool's threads share (a
+host's next delivery reuses the connection its last one left, whichever worker
+sends it), closes the connections nobody used for a while when idle, and ends
+itself when the pool has more threads than it needs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Callable
 from django_federation_delivery.attempt import AttemptResult, Job, attempt, crashed
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.store.claims import Claimed
-from django_federation_delivery.transport import Transport, TransportSettings
+from django_federation_delivery.transport import Connections, Transport, TransportSettings
 from django_federation_delivery.webhooks.attempt import (
     WebhookJob,
     WebhookTransport,
@@ -58,6 +60,8 @@ class Workers:
         concurrency: int = 1,
     ) -> None:
         self.transport_settings = transport_settings
+        #: Keep-alive connections to inboxes, shared by the threads.
+        self.connections = Connections(transport_settings)
         self.webhook_policy = webhook_policy or WebhookPolicy()
         self.is_permanent = is_permanent
         self.error_length = error_length
@@ -121,6 +125,7 @@ class Workers:
             thread.join(timeout=longest + 5)
         with self._lock:
             self._threads.clear()
+        self.connections.close()
 
     def _surplus(self) -> bool:
         """Whether the calling thread is one more than needed: it then ends,
@@ -134,7 +139,7 @@ class Workers:
             return True
 
     def _work(self) -> None:
-        transport = Transport(self.transport_settings)
+        transport = Transport(self.transport_settings, self.connections)
         webhooks = WebhookTransport(self.transport_settings, self.webhook_policy)
         try:
             while True:

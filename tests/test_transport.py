@@ -36,6 +36,7 @@ from django_federation_delivery.exceptions import (
 )
 from django_federation_delivery.transport import (
     DEFAULT_ACCEPT,
+    Connections,
     Transport,
     TransportSettings,
     addresses,
@@ -186,24 +187,42 @@ def inbox(inboxes: Callable[..., Inbox]) -> Inbox:
     return inboxes()
 
 
+def transport_settings(**overrides: Any) -> TransportSettings:
+    fields: dict[str, Any] = {
+        "user_agent": USER_AGENT,
+        "connect_timeout": 2.0,
+        "attempt_timeout": 5.0,
+        "allowed_networks": (LOOPBACK,),
+    }
+    return TransportSettings(**(fields | overrides))
+
+
 @pytest.fixture
 def transports(inboxes: Callable[..., Inbox]) -> Iterator[Callable[..., Transport]]:
     # Depends on ``inboxes`` so that transports close (and servers see EOF) first.
     made: list[Transport] = []
 
-    def make(**overrides: Any) -> Transport:
-        fields: dict[str, Any] = {
-            "user_agent": USER_AGENT,
-            "connect_timeout": 2.0,
-            "attempt_timeout": 5.0,
-            "allowed_networks": (LOOPBACK,),
-        }
-        made.append(Transport(TransportSettings(**(fields | overrides))))
+    def make(connections: Connections | None = None, **overrides: Any) -> Transport:
+        made.append(Transport(transport_settings(**overrides), connections))
         return made[-1]
 
     yield make
     for transport in made:
         transport.close()
+
+
+@pytest.fixture
+def shared(inboxes: Callable[..., Inbox]) -> Iterator[Callable[..., Connections]]:
+    """Connections for several transports to share, closed after the test."""
+    made: list[Connections] = []
+
+    def make(**overrides: Any) -> Connections:
+        made.append(Connections(transport_settings(**overrides)))
+        return made[-1]
+
+    yield make
+    for connections in made:
+        connections.close()
 
 
 @pytest.fixture
@@ -795,11 +814,17 @@ def test_a_connection_in_use_is_never_closed_as_idle(
     assert len(idle.IDLE) == 1
 
 
+@pytest.mark.parametrize("sharing", [False, True], ids=["own connections", "shared"])
 def test_threads_sharing_a_small_bound_all_get_their_answers(
-    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+    inboxes: Callable[..., Inbox],
+    transports: Callable[..., Transport],
+    shared: Callable[..., Connections],
+    sharing: bool,
 ) -> None:
-    # Each thread's idle connections are closed by the others all the time; none of
-    # them may be closed while a thread has taken it to send on.
+    # Each thread's idle connections are closed by the others all the time (and
+    # shared, taken and put back by them too); none of them may be closed while
+    # a thread has taken it to send on.
+    connections = shared(max_idle_connections=1) if sharing else None
     targets = [inboxes() for _ in range(4)]
     statuses: list[int] = []
     errors: list[Exception] = []
@@ -813,7 +838,8 @@ def test_threads_sharing_a_small_bound_all_get_their_answers(
             errors.append(exc)
 
     threads = [
-        threading.Thread(target=send, args=(transports(max_idle_connections=1),)) for _ in range(4)
+        threading.Thread(target=send, args=(transports(connections, max_idle_connections=1),))
+        for _ in range(4)
     ]
     for thread in threads:
         thread.start()
@@ -823,6 +849,41 @@ def test_threads_sharing_a_small_bound_all_get_their_answers(
     assert errors == []
     assert statuses == [202] * 100
     assert len(idle.IDLE) <= 1
+
+
+def test_transports_sharing_connections_reuse_the_one_another_left_idle(
+    inbox: Inbox, transports: Callable[..., Transport], shared: Callable[..., Connections]
+) -> None:
+    connections = shared()
+    one, other = transports(connections), transports(connections)
+    for transport in (one, other, one):
+        assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+
+    assert len(inbox.seen) == 3
+    assert len(set(inbox.connections)) == 1
+
+    # Each with connections of its own, each opens one.
+    for transport in (transports(), transports()):
+        assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+    assert len(set(inbox.connections)) == 3
+
+
+def test_closing_a_transport_leaves_shared_connections_to_their_owner(
+    inbox: Inbox, transports: Callable[..., Transport], shared: Callable[..., Connections]
+) -> None:
+    connections = shared()
+    one, other = transports(connections), transports(connections)
+    one.post(inbox.url(), b"{}", SIGNED)
+    one.close()
+    assert other.post(inbox.url(), b"{}", SIGNED).status == 202
+    assert len(inbox.connections) == 1
+
+    connections.close()
+
+    assert inbox.wait_closed(inbox.connections[0])
+    assert other.post(inbox.url(), b"{}", SIGNED).status == 202
+    assert len(inbox.connections) == 2
+    assert len(idle.IDLE) == 1
 
 
 # --- TLS ---------------------------------------------------------------------------------------

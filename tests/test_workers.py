@@ -288,6 +288,19 @@ def ports() -> Iterator[list[int]]:
         process.stdout.close()
 
 
+def loopback_workers(needed: int, **settings: Any) -> Workers:
+    """Workers that may send to 127.0.0.0/8, with these transport settings."""
+    return Workers(
+        TransportSettings(
+            user_agent="tests", allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),), **settings
+        ),
+        is_permanent=lambda status: 400 <= status < 500,
+        error_length=300,
+        wake=threading.Event(),
+        needed=lambda: needed,
+    )
+
+
 def open_sockets() -> set[str]:
     """This process's open sockets, as /proc names them ("socket:[inode]")."""
     found = set()
@@ -306,19 +319,8 @@ def test_sending_to_many_hosts_leaves_no_more_sockets_open_than_the_bound(
     ports: list[int],
 ) -> None:
     limit = 8
-    workers = Workers(
-        TransportSettings(
-            user_agent="tests",
-            allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),),
-            # Nothing closed for being idle long: only the bound can close them.
-            idle_timeout=300,
-            max_idle_connections=limit,
-        ),
-        is_permanent=lambda status: 400 <= status < 500,
-        error_length=300,
-        wake=threading.Event(),
-        needed=lambda: 16,
-    )
+    # Nothing closed for being idle long: only the bound can close them.
+    workers = loopback_workers(16, idle_timeout=300, max_idle_connections=limit)
     before = open_sockets()
     try:
         workers.grow_to(16)
@@ -335,4 +337,29 @@ def test_sending_to_many_hosts_leaves_no_more_sockets_open_than_the_bound(
 
     assert [result.status for _, result in done] == [202] * len(ports)
     assert 0 < len(left) <= limit
+    assert len(idle.IDLE) == 0, "closed with the workers"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts sockets in /proc")
+def test_deliveries_to_one_host_reuse_one_connection_whichever_worker_sends_them(
+    ports: list[int],
+) -> None:
+    workers = loopback_workers(8)
+    before = open_sockets()
+    try:
+        workers.grow_to(8)
+        statuses = []
+        for number in range(1, 25):  # one at a time: each finds the last one's connection idle
+            item = in_flight(number)
+            item.job = dataclasses.replace(
+                item.job, targets=(f"http://127.0.0.1:{ports[0]}/inbox",)
+            )
+            workers.put(item)
+            statuses += [result.status for _, result in results(workers, 1)]
+        left = open_sockets() - before
+    finally:
+        workers.stop()
+
+    assert statuses == [202] * 24
+    assert len(left) == 1
     assert len(idle.IDLE) == 0, "closed with the workers"

@@ -15,6 +15,10 @@ Two guarantees need more than plain ``requests``:
 * **A bound on open sockets.** Idle keep-alive connections are bounded for the
   whole process, across every transport, least recently used closed first
   (``idle.py``); the others are those of the attempts in flight.
+* **Connections shared by threads.** The transports of a deliverer's worker
+  threads draw on one set of :class:`Connections`, a pool a host: the next
+  delivery to a host reuses the connection the last one left idle, whichever
+  thread sends it, instead of each thread opening its own to every host.
 * **A bound on the whole attempt.** Socket timeouts bound each ``recv``, not
   their sum: a server that drips one byte a second would hold a worker for
   ever. Every socket an attempt uses is registered with a watchdog thread that
@@ -54,6 +58,7 @@ from django_federation_delivery.transport.guard import (
 __all__ = [
     "DEFAULT_ACCEPT",
     "Answer",
+    "Connections",
     "Transport",
     "TransportSettings",
     "is_public_address",
@@ -66,8 +71,9 @@ DEFAULT_ACCEPT = (
     'application/ld+json; profile="https://www.w3.org/ns/activitystreams"'
 )
 
-#: How many per-host pools a transport keeps; urllib3 evicts the least recently used.
-#: Their idle connections are bounded for the whole process by ``max_idle_connections``.
+#: How many per-host pools a transport keeps at least; urllib3 evicts the least
+#: recently used. Their idle connections are bounded for the whole process by
+#: ``max_idle_connections``, and a set of :class:`Connections` keeps as many pools.
 POOLS_PER_TRANSPORT = 64
 
 _READ_CHUNK = 64 * 1024
@@ -89,7 +95,7 @@ class TransportSettings:
     connections_per_host: int = 2
     #: Idle keep-alive connections kept in the whole process, across every transport;
     #: past it the least recently used are closed (see ``idle.py``).
-    max_idle_connections: int = 32
+    max_idle_connections: int = 256
     #: An idle pooled connection unused this long is closed.
     idle_timeout: float = 10.0
     verify_tls: bool = True
@@ -137,10 +143,35 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     return max(0.0, target - (time.time() if now is None else now))
 
 
-class Transport:
-    """One per worker thread: owns a pooled requests.Session. Not thread-safe by design."""
+class Connections:
+    """Keep-alive connections to any number of hosts, a pool a host, that the
+    transports of several threads share (urllib3's pools are thread-safe).
+
+    Up to ``connections_per_host`` idle connections are kept to a host and, as
+    everywhere, ``max_idle_connections`` in the whole process; as many hosts'
+    pools are kept, the least recently used evicted past that."""
 
     def __init__(self, settings: TransportSettings) -> None:
+        self.adapter = GuardedAdapter(
+            pool_connections=max(POOLS_PER_TRANSPORT, settings.max_idle_connections),
+            pool_maxsize=settings.connections_per_host,
+            max_retries=0,
+            pool_block=False,
+            max_idle=settings.max_idle_connections,
+        )
+
+    def close(self) -> None:
+        """Close every idle connection; those in use are closed when put back.
+        The connections may still be used afterwards."""
+        self.adapter.close()
+        self.adapter.poolmanager.forget()
+
+
+class Transport:
+    """One per thread: a requests.Session of its own, not thread-safe by design,
+    over connections of its own or ``connections`` shared with other threads."""
+
+    def __init__(self, settings: TransportSettings, connections: Connections | None = None) -> None:
         self.settings = settings
         session = requests.Session()
         # No proxies, .netrc or CA bundle from the environment: what is sent where must
@@ -157,13 +188,10 @@ class Transport:
                 "Accept-Encoding": "identity",
             }
         )
-        self._adapter = GuardedAdapter(
-            pool_connections=POOLS_PER_TRANSPORT,
-            pool_maxsize=settings.connections_per_host,
-            max_retries=0,
-            pool_block=False,
-            max_idle=settings.max_idle_connections,
-        )
+        #: Closed with the transport when they are its own.
+        self._own = connections is None
+        self._connections = connections or Connections(settings)
+        self._adapter = self._connections.adapter
         session.mount("http://", self._adapter)
         session.mount("https://", self._adapter)
         self._session = session
@@ -205,8 +233,9 @@ class Transport:
         limit = max(0.1, round(ends - start, 1))
         if ends <= start:
             raise AttemptTimeout(f"{target.display}: no time left for the request")
-        self.close_idle()
         pools = self._adapter.poolmanager
+        # Each look reads every pool: among many threads, not at every request.
+        pools.drop_idle(settings.idle_timeout, every=min(1.0, settings.idle_timeout / 4))
         attempt = Attempt(ends, settings.allowed_networks)
         WATCHDOG.start(attempt)
         this_thread.attempt = attempt
@@ -263,9 +292,10 @@ class Transport:
         self._adapter.poolmanager.drop_idle(self.settings.idle_timeout)
 
     def close(self) -> None:
-        """Close every pooled connection. The transport may still be used afterwards."""
-        self._session.close()
-        self._adapter.poolmanager.last_used.clear()
+        """Close every pooled connection of its own; shared ones are closed by
+        their owner. The transport may still be used afterwards."""
+        if self._own:
+            self._connections.close()
 
 
 def _read_at_most(response: requests.Response, limit: int) -> bytes:

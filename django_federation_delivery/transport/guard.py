@@ -254,7 +254,7 @@ class GuardedHTTPConnectionPool(HTTPConnectionPool):
 
     ConnectionCls = GuardedHTTPConnection
     #: Idle connections kept in the whole process; set by the pool manager.
-    max_idle = 32
+    max_idle = 256
 
     def _get_conn(self, timeout: float | None = None) -> BaseHTTPConnection:
         with IDLE.lock:
@@ -282,7 +282,7 @@ class GuardedHTTPSConnectionPool(GuardedHTTPConnectionPool, HTTPSConnectionPool)
 class GuardedPoolManager(PoolManager):
     """Guarded pools, and when each was last used, so idle ones can be closed."""
 
-    def __init__(self, *args: Any, max_idle: int = 32, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_idle: int = 256, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pool_classes_by_scheme = {
             "http": GuardedHTTPConnectionPool,
@@ -290,7 +290,18 @@ class GuardedPoolManager(PoolManager):
         }
         self.max_idle = max_idle
         self.last_used: dict[PoolKey, float] = {}
-        self.current: PoolKey | None = None
+        # Several threads may share the manager: each has its own pool in use,
+        # and when a pool was last used is read and written under the lock, so
+        # that a pool is never dropped as idle just as another thread takes it.
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._swept = 0.0
+
+    @property
+    def current(self) -> PoolKey | None:
+        """The key of the pool the calling thread took last, until :meth:`touch`."""
+        key: PoolKey | None = getattr(self._local, "key", None)
+        return key
 
     def _new_pool(
         self,
@@ -307,31 +318,51 @@ class GuardedPoolManager(PoolManager):
     def connection_from_pool_key(
         self, pool_key: PoolKey, request_context: dict[str, Any]
     ) -> HTTPConnectionPool:
-        self.current = pool_key
-        self.last_used[pool_key] = time.monotonic()
-        return super().connection_from_pool_key(pool_key, request_context)
+        self._local.key = pool_key
+        with self._lock:
+            self.last_used[pool_key] = time.monotonic()
+            return super().connection_from_pool_key(pool_key, request_context)
 
     def touch(self) -> None:
-        if self.current is not None:
-            self.last_used[self.current] = time.monotonic()
-            self.current = None
+        """The calling thread is done with its pool: it counts as used now."""
+        key = self.current
+        if key is not None:
+            self._local.key = None
+            with self._lock:
+                self.last_used[key] = time.monotonic()
 
     def drop(self, key: PoolKey) -> None:
         """Close the pool for ``key`` and every idle connection in it."""
+        with self._lock:
+            self._drop(key)
+
+    def _drop(self, key: PoolKey) -> None:
         self.last_used.pop(key, None)
         with contextlib.suppress(KeyError):  # already evicted
             del self.pools[key]  # disposing of a pool closes it
 
-    def drop_idle(self, idle_timeout: float) -> None:
-        cutoff = time.monotonic() - idle_timeout
-        for key in [k for k, used in self.last_used.items() if used <= cutoff]:
-            self.drop(key)
+    def drop_idle(self, idle_timeout: float, *, every: float = 0.0) -> None:
+        """Drop the pools unused for ``idle_timeout``; with ``every``, only if
+        the last look was at least that long ago (a look reads every pool)."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._swept + every:
+                return
+            self._swept = now
+            cutoff = now - idle_timeout
+            for key in [k for k, used in self.last_used.items() if used <= cutoff]:
+                self._drop(key)
+
+    def forget(self) -> None:
+        """Every pool closed (``clear()``): none is left to drop."""
+        with self._lock:
+            self.last_used.clear()
 
 
 class GuardedAdapter(requests.adapters.HTTPAdapter):
     poolmanager: GuardedPoolManager
 
-    def __init__(self, *args: Any, max_idle: int = 32, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_idle: int = 256, **kwargs: Any) -> None:
         self._max_idle = max_idle  # read by init_poolmanager, called by the base's __init__
         super().__init__(*args, **kwargs)
 
