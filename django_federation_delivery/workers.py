@@ -60,7 +60,7 @@ class Workers:
         concurrency: int = 1,
     ) -> None:
         self.transport_settings = transport_settings
-        #: Keep-alive connections to inboxes, shared by the threads.
+        #: Keep-alive connections to inboxes and webhook destinations, shared by the threads.
         self.connections = Connections(transport_settings)
         self.webhook_policy = webhook_policy or WebhookPolicy()
         self.is_permanent = is_permanent
@@ -140,7 +140,7 @@ class Workers:
 
     def _work(self) -> None:
         transport = Transport(self.transport_settings, self.connections)
-        webhooks = WebhookTransport(self.transport_settings, self.webhook_policy)
+        webhooks = WebhookTransport(self.transport_settings, self.webhook_policy, self.connections)
         try:
             while True:
                 try:

@@ -24,6 +24,7 @@ from django_federation_delivery.transport import TransportSettings, idle
 from django_federation_delivery.workers import InFlight, Workers
 
 from .keys import rsa_key
+from .test_webhooks_attempt import job as webhook_job
 
 INBOX = "https://remote.example/inbox"
 BODY = b'{"type":"Create"}'
@@ -341,19 +342,22 @@ def test_sending_to_many_hosts_leaves_no_more_sockets_open_than_the_bound(
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts sockets in /proc")
+@pytest.mark.parametrize("kind", ["inbox", "webhook"])
 def test_deliveries_to_one_host_reuse_one_connection_whichever_worker_sends_them(
-    ports: list[int],
+    ports: list[int], kind: str
 ) -> None:
     workers = loopback_workers(8)
+    url = f"http://127.0.0.1:{ports[0]}/inbox"
     before = open_sockets()
     try:
         workers.grow_to(8)
         statuses = []
         for number in range(1, 25):  # one at a time: each finds the last one's connection idle
             item = in_flight(number)
-            item.job = dataclasses.replace(
-                item.job, targets=(f"http://127.0.0.1:{ports[0]}/inbox",)
-            )
+            if kind == "inbox":
+                item.job = dataclasses.replace(item.job, targets=(url,))
+            else:
+                item.job = webhook_job(url.replace("http://", "slack+http://"))
             workers.put(item)
             statuses += [result.status for _, result in results(workers, 1)]
         left = open_sockets() - before

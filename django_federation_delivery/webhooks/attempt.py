@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 from django_federation_delivery.attempt import AttemptResult, Job, failed
 from django_federation_delivery.exceptions import TransportError
-from django_federation_delivery.transport import Answer, Transport, TransportSettings
+from django_federation_delivery.transport import Answer, Connections, Transport, TransportSettings
 from django_federation_delivery.transport.failures import check_url
 from django_federation_delivery.webhooks.destinations import Destination
 from django_federation_delivery.webhooks.policy import WebhookPolicy, is_refusal
@@ -150,19 +150,26 @@ def safe_text(destination: Destination, url: str, text: str) -> str:
 
 class WebhookTransport:
     """A worker's transport for webhooks, made when first needed: the webhook
-    time limit, and a pool of its own."""
+    time limit, over connections of its own or ``connections`` shared with
+    other workers."""
 
-    def __init__(self, settings: TransportSettings, policy: WebhookPolicy) -> None:
+    def __init__(
+        self,
+        settings: TransportSettings,
+        policy: WebhookPolicy,
+        connections: Connections | None = None,
+    ) -> None:
         self.settings = dataclasses.replace(
             settings,
             attempt_timeout=policy.timeout,
             connect_timeout=min(settings.connect_timeout, policy.timeout),
         )
+        self.connections = connections
         self._transport: Transport | None = None
 
     def get(self) -> Transport:
         if self._transport is None:
-            self._transport = Transport(self.settings)
+            self._transport = Transport(self.settings, self.connections)
         return self._transport
 
     def close_idle(self) -> None:
