@@ -432,17 +432,23 @@ class DelivererThread:
 class BarePoster:
     """What each thread of a bare pool does with a URL: sign ``body`` with
     ``key`` (draft-cavage) and POST it over a transport of the thread's own,
-    the deliverer's workers' transport; True on a 2xx. Errors are kept in
-    :attr:`errors`; :meth:`close` closes every thread's transport."""
+    the deliverer's workers' transport; True on a 2xx. Each thread keeps its
+    own connections, as a thread pool with a requests session a thread does;
+    with ``shared``, the threads share one set, as the deliverer's workers do.
+    Errors are kept in :attr:`errors`; :meth:`close` closes every thread's
+    transport."""
 
-    def __init__(self, body: bytes, digest: str, key: Any, settings: Any) -> None:
+    def __init__(
+        self, body: bytes, digest: str, key: Any, settings: Any, *, shared: bool = False
+    ) -> None:
         from django_federation_delivery.exceptions import TransportError
         from django_federation_delivery.signatures import Scheme, sign_request
-        from django_federation_delivery.transport import Transport
+        from django_federation_delivery.transport import Connections, Transport
 
         self._error, self._sign, self._transport = TransportError, sign_request, Transport
         self._scheme = Scheme.CAVAGE
         self.body, self.digest, self.key, self.settings = body, digest, key, settings
+        self.connections = Connections(settings) if shared else None
         self.transports: list[Any] = []
         self.errors: list[str] = []
         self._local = threading.local()
@@ -451,7 +457,7 @@ class BarePoster:
     def __call__(self, url: str) -> bool:
         transport = getattr(self._local, "transport", None)
         if transport is None:
-            transport = self._local.transport = self._transport(self.settings)
+            transport = self._local.transport = self._transport(self.settings, self.connections)
             with self._lock:
                 self.transports.append(transport)
         headers = self._sign(self._scheme, url=url, body_sha256=self.digest, key=self.key)
@@ -465,6 +471,8 @@ class BarePoster:
     def close(self) -> None:
         for transport in self.transports:
             transport.close()
+        if self.connections is not None:
+            self.connections.close()
 
 
 # --- Setting up Django on a fresh database ------------------------------------------------------

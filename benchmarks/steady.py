@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -149,7 +150,8 @@ def producer_main() -> None:
 
 def pool_main() -> None:
     """A bare pool: 16 threads that sign (draft-cavage) and POST each inbox
-    read from stdin, with the transport the deliverer's workers use."""
+    read from stdin, with the transport the deliverer's workers use (its
+    connections a thread's own, or with "shared" one set for the threads)."""
     config = setup_child()
     from django_federation_delivery.conf import app_settings
     from tests.keys import sender_key
@@ -159,7 +161,7 @@ def pool_main() -> None:
     settings = app_settings.transport_settings()
     body = Path(config["body"]).read_bytes()
     digest = config["digest"]
-    poster = BarePoster(body, digest, key, settings)
+    poster = BarePoster(body, digest, key, settings, shared=config["shared"])
 
     print("ready", flush=True)
     with ThreadPoolExecutor(config["threads"], thread_name_prefix="bare-pool") as pool:
@@ -313,6 +315,41 @@ def tree_pids(pid: int) -> list[int]:
             children = Path(f"/proc/{current}/task/{current}/children").read_text()
             todo.extend(int(child) for child in children.split())
     return pids
+
+
+def loop_pids(root: int, processes: int) -> list[int]:
+    """The processes of ``run_deliverer`` (pid ``root``) that run a loop: itself,
+    or with ``--processes`` above 1 its supervisor's children, less the
+    resource tracker that multiprocessing starts beside them."""
+    if processes == 1:
+        return [root]
+    loops = []
+    for pid in tree_pids(root)[1:]:
+        with contextlib.suppress(OSError):
+            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                loops.append(pid)
+    return loops
+
+
+def connected_to(pids: set[int], port: int) -> set[int]:
+    """Those of ``pids`` with a TCP connection open to ``port`` on loopback:
+    their sockets' inodes, looked up in /proc/net/tcp."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes[target[8:-1]] = pid
+    found: set[int] = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        # The remote address as HEXIP:HEXPORT; state 01 is ESTABLISHED.
+        remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+        if remote_port == port and fields[3] == "01" and fields[9] in inodes:
+            found.add(inodes[fields[9]])
+    return found
 
 
 def cpu_seconds(pids: Sequence[int], *, ended: bool = False) -> float:
@@ -492,6 +529,43 @@ class Bench:
                 process.wait(5)
         self.children.clear()
 
+    def warm_up(
+        self,
+        deliverer: subprocess.Popen[bytes],
+        counter: Callable[[], int],
+        inbox: str,
+        processes: int,
+    ) -> None:
+        """Ready once each of its loop processes has delivered a warm-up send
+        (not counted): each is up, the package imported, the sender's key
+        made, and the deliverer idle. Which loop claims a send is theirs to
+        settle, so warm-up sends go one at a time until each has connected to
+        the sink."""
+        from django_federation_delivery import send
+
+        port = urllib.parse.urlsplit(inbox).port
+        assert port is not None
+        deadline = time.monotonic() + 60
+        waiting: set[int] = set()
+        while not waiting:  # --processes: the supervisor's children, once started
+            waiting = set(loop_pids(deliverer.pid, processes))
+            if len(waiting) < processes:
+                waiting = set()
+                if time.monotonic() > deadline or deliverer.poll() is not None:
+                    raise RuntimeError("run_deliverer did not start its processes")
+                time.sleep(POLL)
+        while waiting:
+            # Each loop looks for new work on a timer of its own: a send made
+            # at a random moment goes to each of them in turn, sooner or later.
+            time.sleep(random.uniform(0, 0.3))
+            before = counter()
+            send(SENDER, make_activity(SENDER), [inbox])
+            while counter() < before + 1:
+                if time.monotonic() > deadline or deliverer.poll() is not None:
+                    raise RuntimeError("run_deliverer did not deliver a warm-up send")
+                time.sleep(POLL)
+            waiting -= connected_to(waiting, port)
+
     def run_phase(
         self,
         name: str,
@@ -506,8 +580,6 @@ class Bench:
     ) -> Phase:
         """One run: ``side`` is "deliverer" or "bare"; ``counter`` counts the
         202s that finish the phase (``expected`` of them)."""
-        from django_federation_delivery import send
-
         clear_all()
         plan_file = self.workdir / "plan.json"
         plan_file.write_text(json.dumps(plan))
@@ -524,22 +596,19 @@ class Bench:
                     command += ["--processes", str(processes)]
                 # Its progress lines would only interleave with the figures.
                 sides.append(self.spawn(command, diagnose, stdout=subprocess.DEVNULL))
-                # Ready once it has delivered one (not counted): the process
-                # is up, the package imported, the deliverer idle.
-                before = counter()
-                send(SENDER, make_activity(SENDER), [warm_inbox])
-                deadline = time.monotonic() + 60
-                while counter() < before + 1:
-                    if time.monotonic() > deadline or sides[0].poll() is not None:
-                        raise RuntimeError("run_deliverer did not deliver the warm-up send")
-                    time.sleep(POLL)
+                self.warm_up(sides[0], counter, warm_inbox, 1 if diagnose else processes)
                 time.sleep(1.0)  # into its idle wait, as between a server's posts
             else:
                 for _ in range(processes):
                     read, write = os.pipe()
                     pool = self.spawn(
                         self.role("pool"),
-                        {"body": str(self.body_file), "digest": self.digest, "threads": 16},
+                        {
+                            "body": str(self.body_file),
+                            "digest": self.digest,
+                            "threads": 16,
+                            "shared": self.args.bare_shared,
+                        },
                         stdin=read,
                         stdout=subprocess.PIPE,
                     )
@@ -674,6 +743,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hosts", type=positive, default=100, help="sink addresses (100)")
     parser.add_argument("--mix", action="store_true", help="one send in five to 20 inboxes")
     parser.add_argument(
+        "--bare-shared",
+        action="store_true",
+        help="the bare pool's threads share their connections, as the deliverer's workers do",
+    )
+    parser.add_argument(
         "--processes", type=positive, default=1, help="run_deliverer --processes N; N bare pools"
     )
     parser.add_argument(
@@ -770,7 +844,8 @@ def compare(args: argparse.Namespace, bench: Bench, sinks: list[Sink]) -> int:
     print(f"  {shape}: {expected} deliveries over {args.hosts} hosts; rounds {args.rounds}")
     print(
         f"  run_deliverer --processes {args.processes} (default settings) | bare pool: "
-        f"{args.processes} process(es) x 16 threads fed through pipes"
+        f"{args.processes} process(es) x 16 threads fed through pipes, "
+        + ("sharing their connections" if args.bare_shared else "each with its own connections")
     )
     prepare(bench, database, sink)
     served = Served(sink)
