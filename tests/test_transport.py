@@ -15,6 +15,7 @@ import datetime
 import email.utils
 import errno
 import ipaddress
+import logging
 import socket
 import ssl
 import threading
@@ -884,6 +885,41 @@ def test_closing_a_transport_leaves_shared_connections_to_their_owner(
     assert other.post(inbox.url(), b"{}", SIGNED).status == 202
     assert len(inbox.connections) == 2
     assert len(idle.IDLE) == 1
+
+
+def test_more_at_once_to_a_host_than_it_keeps_idle_are_closed_quietly_after(
+    inboxes: Callable[..., Inbox],
+    transports: Callable[..., Transport],
+    shared: Callable[..., Connections],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def together(handler: _Handler, seen: Seen) -> None:
+        handler.inbox.wait_until(lambda: len(handler.inbox.seen) >= 3)
+        accepted(handler, seen)
+
+    inbox = inboxes(together)
+    connections = shared(connections_per_host=1)
+    statuses: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda transport: statuses.append(
+                transport.post(inbox.url(), b"{}", SIGNED).status
+            ),
+            args=(transports(connections),),
+        )
+        for _ in range(3)
+    ]
+    with caplog.at_level(logging.DEBUG, logger="urllib3"):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+
+    assert statuses == [202] * 3
+    assert len(inbox.connections) == 3
+    assert inbox.wait_until(lambda: len(inbox.closed) == 2), "one kept idle, two closed"
+    assert len(idle.IDLE) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 # --- TLS ---------------------------------------------------------------------------------------

@@ -265,6 +265,11 @@ class GuardedHTTPConnectionPool(HTTPConnectionPool):
 
     def _put_conn(self, conn: BaseHTTPConnection | None) -> None:
         with IDLE.lock:
+            if conn is not None and self.pool is not None and self.pool.full():
+                # More were in use at once than are kept idle (threads sharing the
+                # pool): past the bound this one is closed, which is no news.
+                conn.close()
+                return
             super()._put_conn(conn)
             # Closed instead when the pool is full or closed, or the answer left unread.
             if isinstance(conn, HTTPConnection) and conn.sock is not None:
