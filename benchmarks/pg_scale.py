@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""PostgreSQL at scale: the claim's cost, the deliverer's memory, several processes.
+"""PostgreSQL at scale: the claim's cost, the deliverer's memory, several processes,
+a restart.
 
-Three measurements, each printing its figures and asserting nothing:
+Four measurements, each printing its figures and asserting nothing:
 
 * ``claim``: the time of one claim (``store.claim`` of CLAIM_SIZE) with
   10,000 pending rows, then with 1,000,000, and their ratio; each claim's rows
@@ -11,6 +12,10 @@ Three measurements, each printing its figures and asserting nothing:
   process; its resident memory every 10,000 deliveries.
 * ``processes``: 20,000 deliveries drained by ``run_deliverer --processes 4``
   with CONCURRENCY 16; how many times each was received.
+* ``restart``: the same, with the private PostgreSQL stopped once a third of
+  them are received and started again (on the same port) 5 s later; how long
+  it was away, how long until each delivery was received, how many times
+  each was. Only with the private server (no ``--database-url``).
 
 The queue is the PostgreSQL of ``--database-url``, which must be a THROWAWAY
 database (the script migrates it and deletes every delivery in it), or by
@@ -19,7 +24,8 @@ stopped at the end. The inboxes are a small asyncio HTTP server in a child
 process answering 202, on as many loopback addresses (127.1.x.y) as there are
 hosts: a host is an address, whatever the port.
 
-    python benchmarks/pg_scale.py [claim|rss|processes|all] [--rounds 3] [--database-url URL]
+    python benchmarks/pg_scale.py [claim|rss|processes|restart|all] [--rounds 3]
+                                  [--database-url URL]
 
 See benchmarks/README.rst.
 """
@@ -30,6 +36,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -172,9 +179,10 @@ class PrivatePostgres:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
 
-    def start(self) -> str:
+    def start(self, port: int | None = None) -> str:
+        """Start the server (on ``port``, or a free one); its URL."""
         answer = subprocess.run(
-            ["bash", str(POSTGRES), "start", str(self.dir)],
+            ["bash", str(POSTGRES), "start", str(self.dir), *([str(port)] if port else [])],
             capture_output=True,
             text=True,
             timeout=300,
@@ -183,8 +191,12 @@ class PrivatePostgres:
             sys.exit(f"scripts/postgres could not start a server:\n{answer.stderr}")
         return answer.stdout.strip()
 
-    def stop(self) -> None:
+    def stop(self, *, remove: bool = True) -> None:
+        """Stop the server (fast: open connections are cut); with ``remove``,
+        its data directory goes too."""
         subprocess.run(["bash", str(POSTGRES), "stop", str(self.dir)], capture_output=True)
+        if not remove:
+            return
         elsewhere = self.dir / "DATADIR_IS_ELSEWHERE"
         if elsewhere.exists():
             shutil.rmtree(elsewhere.read_text().strip(), ignore_errors=True)
@@ -382,23 +394,37 @@ def queue_deliveries(inboxes: Inboxes, count: int) -> float:
     return queued_at
 
 
-def start_deliverer(args: argparse.Namespace, workdir: Path, *options: str) -> Any:
+def start_deliverer(
+    args: argparse.Namespace,
+    workdir: Path,
+    *options: str,
+    drain: bool = True,
+    settings: dict[str, Any] | None = None,
+) -> Any:
+    """``run_deliverer`` (``--drain``: until nothing is due) with ``options``,
+    the tests' settings and ``settings`` over them; its output to deliverer.log."""
     from django.db import connection
 
-    settings = connection.settings_dict
+    database = connection.settings_dict
     env = dict(
         os.environ,
         DJANGO_SETTINGS_MODULE="tests.settings",
         PYTHONPATH=str(ROOT),
         DATABASE_URL=(
-            f"postgres://{settings['USER']}:{settings['PASSWORD'] or ''}@{settings['HOST']}:"
-            f"{settings['PORT']}/{settings['NAME']}"
+            f"postgres://{database['USER']}:{database['PASSWORD'] or ''}@{database['HOST']}:"
+            f"{database['PORT']}/{database['NAME']}"
         ),
     )
+    if settings:
+        env["FD_SETTINGS_JSON"] = json.dumps(
+            {**json.loads(os.environ.get("FD_SETTINGS_JSON") or "{}"), **settings}
+        )
     log = open(workdir / "deliverer.log", "w")  # noqa: SIM115
     with log:
         return subprocess.Popen(
-            [sys.executable, "-m", "django", "run_deliverer", "--drain", *options],
+            [sys.executable, "-m", "django", "run_deliverer"]
+            + (["--drain"] if drain else [])
+            + list(options),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -474,9 +500,33 @@ def run_rss(args: argparse.Namespace, workdir: Path) -> None:
         inboxes.stop()
 
 
+def received_once(inboxes: Inboxes, count: int) -> str:
+    """How many of the ``count`` deliveries were received once, never, more
+    than once, and the rows' statuses."""
+    from django_federation_delivery.models import Delivery
+
+    received = collections.Counter(inboxes.counts[n] for n in range(count))
+    statuses = collections.Counter(Delivery.objects.values_list("status", flat=True))
+    return (
+        f"received once {received[1]:,}, never {received[0]:,}, more than once "
+        f"{count - received[0] - received[1]:,}; rows {dict(statuses)}"
+    )
+
+
+def print_duplicates(inboxes: Inboxes, queued_at: float, lease: float) -> None:
+    for n, first, at in inboxes.again():
+        # A lease can have lapsed only once LEASE_SECONDS had passed since
+        # the delivery was queued: no claim was earlier.
+        lapsed = at - queued_at >= lease
+        print(
+            f"    duplicate /d/{n}: first at {first - queued_at:.1f} s, again at "
+            f"{at - queued_at:.1f} s after queueing; lease ({lease:.0f} s) could "
+            f"have lapsed: {'yes' if lapsed else 'NO'}"
+        )
+
+
 def run_processes(args: argparse.Namespace, workdir: Path) -> None:
     from django_federation_delivery.conf import app_settings
-    from django_federation_delivery.models import Delivery
 
     count = args.deliveries
     lease = float(app_settings.get("LEASE_SECONDS"))
@@ -507,30 +557,105 @@ def run_processes(args: argparse.Namespace, workdir: Path) -> None:
             finally:
                 stop_process(process)
             took = time.monotonic() - started
-            received = collections.Counter(inboxes.counts[n] for n in range(count))
-            statuses = collections.Counter(Delivery.objects.values_list("status", flat=True))
-            again = inboxes.again()
             rates.append(count / took)
             print(
                 f"  round {number}: exit {process.returncode}, {took:.1f} s "
-                f"({count / took:.0f}/s, load {load_average()}); received once "
-                f"{received[1]:,}, never {received[0]:,}, more than once "
-                f"{count - received[0] - received[1]:,}; rows {dict(statuses)}",
+                f"({count / took:.0f}/s, load {load_average()}); {received_once(inboxes, count)}",
                 flush=True,
             )
-            for n, first, at in again:
-                # A lease can have lapsed only once LEASE_SECONDS had passed since
-                # the delivery was queued: no claim was earlier.
-                lapsed = at - queued_at >= lease
-                print(
-                    f"    duplicate /d/{n}: first at {first - queued_at:.1f} s, again at "
-                    f"{at - queued_at:.1f} s after queueing; lease ({lease:.0f} s) could "
-                    f"have lapsed: {'yes' if lapsed else 'NO'}"
-                )
+            print_duplicates(inboxes, queued_at, lease)
         print(
             f"\n  processes: median {statistics.median(rates):.0f} deliveries/s over "
             f"{args.rounds} rounds"
         )
+    finally:
+        inboxes.stop()
+
+
+def run_restart(args: argparse.Namespace, workdir: Path, server: PrivatePostgres | None) -> None:
+    from django.db import connection, connections
+
+    from django_federation_delivery.models import Delivery, Status
+
+    count = args.deliveries
+    print(
+        f"\n== restart: {count:,} deliveries to {args.hosts} hosts, run_deliverer "
+        f"--processes {args.processes} --concurrency {args.concurrency}; PostgreSQL stopped "
+        f"once a third are received, started again {args.away:g} s later ==",
+        flush=True,
+    )
+    if server is None:
+        print("  skipped: it restarts the private server this script starts (no --database-url)")
+        return
+    port = int(connection.settings_dict["PORT"])
+    # A claim whose answer the stop cut off leaves its rows leased: they come
+    # due again when the lease ends, sooner than the default 300 s. An attempt
+    # and the write of its outcome must fit in the lease (check E015).
+    lease = args.restart_lease
+    settings = {"LEASE_SECONDS": lease, "ATTEMPT_TIMEOUT": min(30.0, lease - 10)}
+    print(f"  settings: {settings}", flush=True)
+    inboxes = Inboxes(args.hosts, count)
+
+    def wait_for(condition: Any, deadline: float, process: Any, step: float = 0.05) -> bool:
+        """Whether ``condition`` came to hold by ``deadline`` while ``process`` ran."""
+        while time.monotonic() < deadline and process.poll() is None:
+            if condition():
+                return True
+            time.sleep(step)
+        return bool(condition())
+
+    try:
+        for number in range(1, args.rounds + 1):
+            for n in range(count):
+                inboxes.counts[n] = 0
+            inboxes.total.value = 0
+            queued_at = queue_deliveries(inboxes, count)
+            connections.close_all()  # this script's own does not outlive the restart
+            started = time.monotonic()
+            deadline = started + args.timeout
+            process = start_deliverer(
+                args,
+                workdir,
+                f"--processes={args.processes}",
+                f"--concurrency={args.concurrency}",
+                drain=False,
+                settings=settings,
+            )
+            try:
+                if not wait_for(lambda: inboxes.total.value >= count // 3, deadline, process):
+                    log = (workdir / "deliverer.log").read_text(errors="replace")
+                    print(f"  round {number}: run_deliverer ended early:\n{log[-2000:]}")
+                    return
+                at_stop = inboxes.total.value
+                stopped = time.monotonic()
+                server.stop(remove=False)
+                time.sleep(args.away)
+                server.start(port)
+                away = time.monotonic() - stopped
+                received_all = wait_for(lambda: 0 not in inboxes.counts[:], deadline, process)
+                took = time.monotonic() - started
+
+                def settled() -> bool:
+                    delivered = Delivery.objects.filter(status=Status.DELIVERED).count()
+                    return bool(delivered == count)
+
+                wait_for(settled, deadline, process, step=0.5)
+                running = process.poll() is None
+            finally:
+                stop_process(process)
+            log = (workdir / "deliverer.log").read_text(errors="replace")
+            print(
+                f"  round {number}: PostgreSQL away {away:.1f} s, stopped at {at_stop:,} "
+                f"received; every delivery received "
+                + (f"{took:.1f} s after the start" if received_all else "NOT within the timeout")
+                + f" (load {load_average()}); still running then: {'yes' if running else 'NO'}, "
+                f"exit {process.returncode}; "
+                f"{received_once(inboxes, count)}; the deliverers logged the database "
+                f"unavailable {log.count('The database is unavailable')} times, back "
+                f"{log.count('The database is back')} times",
+                flush=True,
+            )
+            print_duplicates(inboxes, queued_at, lease)
     finally:
         inboxes.stop()
 
@@ -541,7 +666,7 @@ def run_processes(args: argparse.Namespace, workdir: Path) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "what", nargs="?", default="all", choices=["claim", "rss", "processes", "all"]
+        "what", nargs="?", default="all", choices=["claim", "rss", "processes", "restart", "all"]
     )
     parser.add_argument(
         "--database-url",
@@ -573,12 +698,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--processes", type=positive, default=4, help="processes: (4)")
     parser.add_argument("--concurrency", type=positive, default=16, help="processes: (16)")
     parser.add_argument(
+        "--away", type=positive, default=5.0, help="restart: seconds the server is down (5)"
+    )
+    parser.add_argument(
+        "--restart-lease",
+        type=positive,
+        default=30.0,
+        help="restart: LEASE_SECONDS (30; ATTEMPT_TIMEOUT 10 s less, 30 s at most)",
+    )
+    parser.add_argument(
         "--timeout", type=positive, default=1200, help="the most a drain may take, seconds (1200)"
     )
     parser.add_argument("--tmpdir", default=None, help="where the temp dir goes")
     args = parser.parse_args(argv)
     if args.large <= args.small:
         parser.error("--large must be more than --small")
+    if args.restart_lease < 12:
+        parser.error("--restart-lease: at least 12 s, an attempt's 2 s and 10 s to write it")
     if args.rss_hosts > 250 * 250:
         parser.error("--rss-hosts: at most 62500 loopback addresses")
     return args
@@ -600,6 +736,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_rss(args, workdir)
         if args.what in ("processes", "all"):
             run_processes(args, workdir)
+        if args.what in ("restart", "all"):
+            run_restart(args, workdir, private)
         print(f"\nload average at the end: {load_average()}")
         return 0
     except KeyboardInterrupt:
