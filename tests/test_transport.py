@@ -922,6 +922,49 @@ def test_more_at_once_to_a_host_than_it_keeps_idle_are_closed_quietly_after(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+@pytest.mark.slow
+def test_an_attempt_cut_off_on_shared_connections_leaves_another_thread_s_requests_whole(
+    inboxes: Callable[..., Inbox],
+    transports: Callable[..., Transport],
+    shared: Callable[..., Connections],
+) -> None:
+    # The late attempt drops the host's pool: the other thread, sending to the
+    # same host all along, loses no request to it.
+    def reply(handler: _Handler, seen: Seen) -> None:
+        if seen.path == "/slow":
+            drip(HEAD + b"x" * 100)(handler, seen)
+        else:
+            accepted(handler, seen)
+
+    inbox = inboxes(reply)
+    connections = shared()
+    late, other = transports(connections), transports(connections)
+    statuses: list[int] = []
+    errors: list[Exception] = []
+    done = threading.Event()
+
+    def keep_sending() -> None:
+        try:
+            while not done.is_set():
+                statuses.append(other.post(inbox.url("/fast"), b"{}", SIGNED).status)
+        except Exception as exc:
+            errors.append(exc)
+
+    sending = threading.Thread(target=keep_sending)
+    sending.start()
+    try:
+        with pytest.raises(AttemptTimeout):
+            late.post(inbox.url("/slow"), b"{}", SIGNED, deadline=time.monotonic() + 1.0)
+        after = len(statuses)
+        assert inbox.wait_until(lambda: len(statuses) >= after + 5, timeout=10)
+    finally:
+        done.set()
+        sending.join(10)
+
+    assert errors == []
+    assert len(statuses) >= 5 and set(statuses) == {202}
+
+
 # --- TLS ---------------------------------------------------------------------------------------
 
 
