@@ -157,6 +157,12 @@ class Inboxes:
             raise RuntimeError("the inboxes did not start")
         self.port = int(self.control.recv())
 
+    def reset(self) -> None:
+        """Nothing received yet, for the next round."""
+        for n in range(len(self.counts)):
+            self.counts[n] = 0
+        self.total.value = 0
+
     def url(self, n: int) -> str:
         return f"http://{self.addresses[n % len(self.addresses)]}:{self.port}/d/{n}"
 
@@ -459,9 +465,7 @@ def run_rss(args: argparse.Namespace, workdir: Path) -> None:
     try:
         ratios = []
         for number in range(1, args.rounds + 1):
-            for n in range(count):
-                inboxes.counts[n] = 0
-            inboxes.total.value = 0
+            inboxes.reset()
             queue_deliveries(inboxes, count)
             started = time.monotonic()
             process = start_deliverer(args, workdir)
@@ -539,9 +543,7 @@ def run_processes(args: argparse.Namespace, workdir: Path) -> None:
     try:
         rates = []
         for number in range(1, args.rounds + 1):
-            for n in range(count):
-                inboxes.counts[n] = 0
-            inboxes.total.value = 0
+            inboxes.reset()
             queued_at = queue_deliveries(inboxes, count)
             started = time.monotonic()
             process = start_deliverer(
@@ -606,9 +608,7 @@ def run_restart(args: argparse.Namespace, workdir: Path, server: PrivatePostgres
 
     try:
         for number in range(1, args.rounds + 1):
-            for n in range(count):
-                inboxes.counts[n] = 0
-            inboxes.total.value = 0
+            inboxes.reset()
             queued_at = queue_deliveries(inboxes, count)
             connections.close_all()  # this script's own does not outlive the restart
             started = time.monotonic()
