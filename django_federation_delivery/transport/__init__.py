@@ -5,7 +5,7 @@ one POST at a time on a pooled ``requests`` session and returns an
 :class:`Answer`, or raises one of the :class:`TransportError` subclasses; every
 lower-level error (requests, urllib3, socket, ssl) is translated here.
 
-Two guarantees need more than plain ``requests``:
+What plain ``requests`` does not give, and this module adds:
 
 * **Only public addresses.** The connections are made by our own urllib3
   connection class, which resolves the host itself, connects only to allowed
