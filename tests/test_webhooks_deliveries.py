@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import json
 import logging
 import socket
@@ -11,10 +12,13 @@ import threading
 from collections.abc import Callable, Iterator
 from io import StringIO
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.core.management import call_command
+from django.utils import timezone
 from standardwebhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError
 
 from django_federation_delivery import send, send_webhook, signals
 from django_federation_delivery.deliverer import Deliverer
@@ -141,10 +145,46 @@ def test_signed_json_verifies_at_the_receiver_and_is_signed_alike_on_every_retry
         "data": {"name": "Zoë"},
     }
     assert first.path == "/hook"  # the secret is taken out of the URL sent
+    # The same event, byte for byte, for the receiver to de-duplicate; each
+    # signed when it was sent.
     assert first.body == second.body and first.headers["X-Webhook-Event"] == "user.created"
-    for header in ("webhook-id", "webhook-timestamp", "webhook-signature"):
-        assert first.headers[header] == second.headers[header]
+    assert first.headers["webhook-id"] == second.headers["webhook-id"] == "evt_1"
+    assert int(first.headers["webhook-timestamp"]) <= int(second.headers["webhook-timestamp"])
     assert Delivery.objects.get().status == Status.DELIVERED
+
+
+def test_an_event_sent_long_ago_is_signed_when_it_is_sent_and_verifies(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    """A Standard Webhooks library refuses a timestamp five minutes from its
+    clock: an event that waited (behind a failing one, for a stopped
+    deliverer, for its ninth try) must be signed at its attempt, not when
+    it was queued."""
+    refused: list[str] = []
+
+    def verify(request: Received) -> tuple[int, dict[str, str], bytes]:
+        try:
+            Webhook(SECRET).verify(request.body, request.headers)
+        except WebhookVerificationError as exc:
+            refused.append(str(exc))
+            return 401, {}, b""
+        return 204, {}, b""
+
+    receiver = inboxes("127.0.0.1", respond=verify)
+    configure(settings, {"audit": signed(receiver)})
+    six_minutes_ago = timezone.now() - datetime.timedelta(minutes=6)
+    with mock.patch.object(timezone, "now", return_value=six_minutes_ago):
+        send_webhook("audit", "user.created", {"name": "Zoë"}, event_id="evt_6")
+    Deliverer().run(drain=True)
+
+    (request,) = receiver.received
+    assert refused == []
+    assert Delivery.objects.get().status == Status.DELIVERED
+    assert json.loads(request.body)["timestamp"] == six_minutes_ago.isoformat().replace(
+        "+00:00", "Z"
+    )
+    assert request.headers["webhook-id"] == "evt_6"
+    assert int(request.headers["webhook-timestamp"]) > six_minutes_ago.timestamp() + 300
 
 
 def wait_for_drains(condition: Callable[[], bool], rounds: int = 40) -> None:

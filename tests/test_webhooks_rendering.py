@@ -121,9 +121,26 @@ def test_signed_json_is_the_event_with_its_headers(mocked: responses.RequestsMoc
     }
     assert received.headers["X-Webhook-Event"] == "alert.raised"
     assert received.headers["webhook-id"] == "evt_42"
-    assert received.headers["webhook-timestamp"] == str(int(when.timestamp()))
     verified = Webhook(SECRET).verify(received.body, dict(received.headers))
     assert verified["data"] == {"host": "db-1"}
+
+
+def test_signed_json_is_signed_at_the_attempts_time_with_the_events_id_and_body() -> None:
+    destination = parse_destination("audit", SIGNED)
+    sent_at = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
+    queued = event(event_id="evt_7", timestamp=sent_at)
+    first = build_request(destination, queued, now=sent_at.timestamp() + 30)
+    retry = build_request(destination, queued)
+
+    assert first.headers["webhook-timestamp"] == str(int(sent_at.timestamp()) + 30)
+    assert abs(int(retry.headers["webhook-timestamp"]) - datetime.datetime.now().timestamp()) < 5
+    assert first.body == retry.body
+    assert first.headers["webhook-id"] == retry.headers["webhook-id"] == "evt_7"
+    # A day after the event, the retry verifies; the first attempt's
+    # signature, a day old, no longer would.
+    assert Webhook(SECRET).verify(retry.body, retry.headers)["id"] == "evt_7"
+    with pytest.raises(WebhookVerificationError, match="too old"):
+        Webhook(SECRET).verify(first.body, first.headers)
 
 
 def test_several_secrets_each_sign_and_a_wrong_one_fails() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,10 +101,6 @@ class Event:
                 raise
             raise InvalidDelivery(f"not a stored event: {type(exc).__name__}") from None
 
-    @property
-    def unix_time(self) -> int:
-        return int(self.timestamp.timestamp())
-
     def as_json(self) -> bytes:
         """The body of a signed JSON delivery, in the shape Standard Webhooks suggests."""
         document = {
@@ -126,13 +123,23 @@ class WebhookRequest:
     display: str
 
 
-def build_request(destination: Destination, event: Event) -> WebhookRequest:
-    """The request that delivers ``event`` to ``destination``."""
+def build_request(
+    destination: Destination, event: Event, *, now: float | None = None
+) -> WebhookRequest:
+    """The request that delivers ``event`` to ``destination``, made for an
+    attempt at ``now`` (the current time by default).
+
+    Signed JSON is signed at ``now``, not at the event's time: a receiver's
+    Standard Webhooks library refuses a ``webhook-timestamp`` more than five
+    minutes from its clock, and a retry may come a day after the event. The
+    id and the body stay the event's, byte for byte, so that a receiver
+    de-duplicates the attempts."""
     headers = {"Content-Type": "application/json"}
     if destination.kind is Kind.SIGNED_JSON:
         body = event.as_json()
         headers["X-Webhook-Event"] = event.type
-        headers |= signature_headers(event.id, event.unix_time, body, destination.secrets)
+        signed_at = int(time.time() if now is None else now)
+        headers |= signature_headers(event.id, signed_at, body, destination.secrets)
         return WebhookRequest(destination.url, headers, body, destination.display)
     text = render_text(destination, event)
     document: dict[str, Any]
