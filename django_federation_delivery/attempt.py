@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from django_federation_delivery import redaction, urls
+from django_federation_delivery.channels.base import is_refusal
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
 from django_federation_delivery.transport import Answer, Transport, parse_retry_after
@@ -19,10 +20,10 @@ from django_federation_delivery.transport import Answer, Transport, parse_retry_
 KNOCK_AGAIN = frozenset({400, 401})
 
 
-def permanent_status(status: int) -> bool:
-    """The default: every 4xx but 408 (timeout) and 429 (too many requests)
-    says the same request will be refused again."""
-    return 400 <= status < 500 and status not in (408, 429)
+#: The default judgement of an answer: every 4xx but 408 (timeout) and 429
+#: (too many requests) says the same request will be refused again; the same
+#: rule as every kind of webhook's.
+permanent_status = is_refusal
 
 
 @dataclasses.dataclass(frozen=True)

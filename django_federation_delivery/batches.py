@@ -9,9 +9,9 @@ import json
 import logging
 from typing import Any
 
+from django_federation_delivery.channels import Event
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.store import claims
-from django_federation_delivery.webhooks.rendering import Event
 
 __all__ = ["BatchInfo", "KnownBatches"]
 

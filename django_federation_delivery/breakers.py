@@ -19,15 +19,19 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import enum
+import math
 import uuid
 from collections import Counter
 from collections.abc import Iterable
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.db.models import Q
 from django.utils import timezone
+from django.utils.translation import gettext as _
 
 from django_federation_delivery import history
+from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
@@ -53,6 +57,31 @@ class BreakerSettings:
 
     def key(self, host: str, inbox: str) -> str:
         return host if self.scope is Scope.HOST else inbox
+
+    @classmethod
+    def from_settings(cls) -> BreakerSettings | None:
+        """``BREAKER``; None when breakers are turned off (set to None or {})."""
+        if not app_settings.written("BREAKER"):
+            return None
+        breaker = app_settings.get("BREAKER")
+        try:
+            found = cls(
+                threshold=int(breaker["THRESHOLD"]),
+                cool_off=float(breaker["COOL_OFF"]),
+                scope=Scope(breaker["SCOPE"]),
+            )
+            # An endless cool-off would overflow the datetime it opens a breaker until.
+            if found.threshold < 1 or not 0 < found.cool_off < math.inf:
+                raise ValueError("THRESHOLD must be 1 or more and COOL_OFF finite, above 0")
+            return found
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(
+                _(
+                    "%(setting)s['BREAKER'] = %(value).200r cannot be used: %(error)r. "
+                    "Run manage.py check for what to write instead."
+                )
+                % {"setting": SETTING, "value": breaker, "error": exc}
+            ) from exc
 
 
 @dataclasses.dataclass(frozen=True)

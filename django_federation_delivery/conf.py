@@ -12,7 +12,6 @@ than cast at every use; ``get`` gives the raw value, as the checks want it.
 from __future__ import annotations
 
 import ipaddress
-import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
@@ -26,7 +25,6 @@ from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.signatures import Scheme
 
 if TYPE_CHECKING:
-    from django_federation_delivery.breakers import BreakerSettings
     from django_federation_delivery.transport import TransportSettings
 
 SETTING = "FEDERATION_DELIVERY"
@@ -112,6 +110,9 @@ DEFAULTS: dict[str, Any] = {
     "FIRST_SCHEME": "draft-cavage",
     # Webhook destinations, {"name": URL}: see django_federation_delivery.webhooks.
     "WEBHOOKS": {},
+    # Kinds of destination the project adds, as dotted paths to Channel
+    # subclasses (see django_federation_delivery.channels), beside the built-in ones.
+    "CHANNELS": [],
     # Webhook deliveries: the waits between tries (nine tries across a day),
     # the longest Retry-After honoured unless the scheduled wait is longer,
     # and the time one request may take.
@@ -177,6 +178,12 @@ def _waits(values: Iterable[Any]) -> tuple[float, ...]:
     return tuple(float(value) for value in values)
 
 
+def _paths(values: Any) -> tuple[str, ...]:
+    if isinstance(values, str) or not all(isinstance(value, str) for value in values):
+        raise TypeError("a list of dotted paths is needed")
+    return tuple(values)
+
+
 class AppSettings:
     """``FEDERATION_DELIVERY`` with its defaults, looked up on every access."""
 
@@ -210,6 +217,7 @@ class AppSettings:
     webhook_retry = Typed(_waits)
     webhook_retry_after_max = Typed(float)
     webhook_timeout = Typed(float)
+    channels = Typed(_paths)
 
     def _user(self) -> dict[str, Any]:
         value = getattr(settings, SETTING, {})
@@ -233,6 +241,11 @@ class AppSettings:
         if name.isupper():
             return self.get(name)
         raise AttributeError(name)
+
+    def written(self, name: str) -> Any:
+        """A setting as the project wrote it, not merged with its default
+        (``BREAKER = {}`` means off, not "the defaults")."""
+        return self._user().get(name, DEFAULTS[name])
 
     def unknown_keys(self) -> list[str]:
         return sorted(set(self._user()) - set(DEFAULTS))
@@ -298,33 +311,6 @@ class AppSettings:
             max_idle_connections=self.max_idle_connections,
             verify_tls=self.verify_tls,
         )
-
-    def breaker_settings(self) -> BreakerSettings | None:
-        """None when breakers are turned off (``BREAKER`` set to None or {})."""
-        from django_federation_delivery.breakers import BreakerSettings, Scope
-
-        # As written, not merged with the defaults: {} means off, not "the defaults".
-        if not self._user().get("BREAKER", DEFAULTS["BREAKER"]):
-            return None
-        breaker = self.get("BREAKER")
-        try:
-            found = BreakerSettings(
-                threshold=int(breaker["THRESHOLD"]),
-                cool_off=float(breaker["COOL_OFF"]),
-                scope=Scope(breaker["SCOPE"]),
-            )
-            # An endless cool-off would overflow the datetime it opens a breaker until.
-            if found.threshold < 1 or not 0 < found.cool_off < math.inf:
-                raise ValueError("THRESHOLD must be 1 or more and COOL_OFF finite, above 0")
-            return found
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ImproperlyConfigured(
-                _(
-                    "%(setting)s['BREAKER'] = %(value).200r cannot be used: %(error)r. "
-                    "Run manage.py check for what to write instead."
-                )
-                % {"setting": SETTING, "value": breaker, "error": exc}
-            ) from exc
 
 
 app_settings = AppSettings()

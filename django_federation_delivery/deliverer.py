@@ -25,7 +25,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django_federation_delivery import signals, wakeup, writelock
 from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.batches import KnownBatches
-from django_federation_delivery.breakers import Breakers
+from django_federation_delivery.breakers import Breakers, BreakerSettings
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
@@ -84,7 +84,7 @@ class Deliverer:
         self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
         self.skip_if = app_settings.callable_setting("SKIP_IF")
         self.transport_settings = app_settings.transport_settings()
-        breaker_settings = app_settings.breaker_settings()
+        breaker_settings = BreakerSettings.from_settings()
         self.breakers = (
             Breakers(breaker_settings, using=using) if breaker_settings is not None else None
         )

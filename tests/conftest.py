@@ -83,7 +83,13 @@ WEB_FIXTURES = frozenset(
 )
 #: The modules whose tests sign in to the admin (users, sessions, permissions).
 WEB_MODULES = frozenset(
-    {"test_admin.py", "test_admin_webhooks.py", "test_browser.py", "test_secrets.py"}
+    {
+        "test_admin.py",
+        "test_admin_webhooks.py",
+        "test_browser.py",
+        "test_channels_registry.py",
+        "test_secrets.py",
+    }
 )
 #: The apps of a test of the queue, whose tables alone a transactional test
 #: empties after it. Django's flush of every table, and the permissions and

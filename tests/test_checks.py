@@ -10,7 +10,7 @@ from django.db import connection, connections
 
 from django_federation_delivery.breakers import BreakerSettings, Scope
 from django_federation_delivery.checks import check_settings, check_webhooks, sqlite_problems
-from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS, app_settings
+from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 
 
@@ -95,6 +95,13 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     ],
     "FIRST_SCHEME": [("cavage", "E009", "'cavage'"), (["rfc9421"], "E009", "['rfc9421']")],
     "WEBHOOKS": [(["ops"], "E030", "'WEBHOOKS'"), ({"ops": "ftp://x"}, "E031", "'ops'")],
+    "CHANNELS": [
+        ("tests.channels.Pager", "E035", "list of dotted paths"),
+        (["tests.channels.Nothing"], "E035", "'tests.channels.Nothing'"),
+        (["tests.settings.DEBUG"], "E035", "not a Channel subclass"),
+        (["tests.channels.Pager", "tests.channels.Pager"], "E035", "both named 'pager'"),
+        (["tests.channels.SlackAgain"], "E035", "scheme 'slack'"),
+    ],
     "WEBHOOK_RETRY": [([], "E032", "[]"), ([30, INF], "E032", "inf")],
     "WEBHOOK_RETRY_AFTER_MAX": [(INF, "E032", "inf"), (0, "E032", "0")],
     "WEBHOOK_TIMEOUT": [(NAN, "E032", "nan"), ("10", "E032", "'10'")],
@@ -141,14 +148,14 @@ def test_an_unknown_setting_is_an_error_naming_it(settings: Any) -> None:
 def test_breakers_are_turned_off_by_none_or_an_empty_dict(settings: Any, off: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": off}
     assert check_settings() == []
-    assert app_settings.breaker_settings() is None
+    assert BreakerSettings.from_settings() is None
     assert Deliverer().breakers is None
 
 
 def test_a_partial_breaker_takes_the_rest_from_the_defaults(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": {"THRESHOLD": 3}}
     assert check_settings() == []
-    assert app_settings.breaker_settings() == BreakerSettings(3, 60.0, Scope.HOST)
+    assert BreakerSettings.from_settings() == BreakerSettings(3, 60.0, Scope.HOST)
 
 
 @pytest.mark.parametrize("retention", [None, {"DELIVERED": None}, {"FAILED": 86400}])
@@ -214,4 +221,4 @@ def test_a_bad_breaker_used_anyway_is_improperly_configured_naming_it(
 ) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": breaker}
     with pytest.raises(ImproperlyConfigured, match=re.escape(repr(next(iter(breaker.values()))))):
-        app_settings.breaker_settings()
+        BreakerSettings.from_settings()

@@ -11,6 +11,8 @@ import pytest
 import requests
 import responses
 
+from django_federation_delivery.channels.base import is_refusal
+from django_federation_delivery.channels.slack import Slack
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.transport import Transport, TransportSettings
 from django_federation_delivery.webhooks import Event, parse_destination
@@ -20,7 +22,7 @@ from django_federation_delivery.webhooks.attempt import (
     attempt_webhook,
     safe_text,
 )
-from django_federation_delivery.webhooks.policy import WebhookPolicy, is_refusal
+from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
 SENT_TO = "https://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
@@ -79,7 +81,10 @@ def test_a_4xx_is_refused_for_good_and_its_body_kept_without_the_url(
     mocked.post(SENT_TO, status=status, body=f"no_service\n  at {SENT_TO}\n")
     result = attempt_webhook(job(), transport, WebhookPolicy())
     assert not result.delivered and result.permanent and result.status == status
-    assert result.error == f"the receiver answered {status}: no_service at [redacted]"
+    # The hook's path is its credential; the host is not.
+    assert result.error == (
+        f"the receiver answered {status}: no_service at https://hooks.slack.com[redacted]"
+    )
     assert len(mocked.calls) == 1  # no double knocking
 
 
@@ -162,10 +167,50 @@ def test_a_template_that_raises_is_retried_and_named_by_its_type_only(
 ) -> None:
     from unittest import mock
 
-    with mock.patch(
-        "django_federation_delivery.webhooks.attempt.build_request",
-        side_effect=RuntimeError(SENT_TO),
-    ):
+    with mock.patch.object(Slack, "request", side_effect=RuntimeError(SENT_TO)):
         result = attempt_webhook(job(), transport, WebhookPolicy())
     assert result.error == "the event could not be written for ops: RuntimeError"
     assert not result.permanent and result.requests == 0 and not mocked.calls
+
+
+MATRIX = "matrix://syt_matrixAccessToken42@matrix.example/!RoomIdAbc:example.org"
+MATRIX_SENT_TO = (
+    "https://matrix.example/_matrix/client/v3/rooms/%21RoomIdAbc%3Aexample.org"
+    "/send/m.room.message/evt-1"
+)
+
+
+def test_a_matrix_message_is_put_and_delivered(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.put(MATRIX_SENT_TO, status=200, json={"event_id": "$abc"})
+    result = attempt_webhook(job(MATRIX), transport, WebhookPolicy())
+    assert result.delivered and result.status == 200
+    (call,) = mocked.calls
+    assert call.request.method == "PUT"
+
+
+def test_a_homeserver_s_rate_limit_is_waited_as_its_body_asks(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    body = {"errcode": "M_LIMIT_EXCEEDED", "retry_after_ms": 2500}
+    mocked.put(MATRIX_SENT_TO, status=429, json=body)
+    result = attempt_webhook(job(MATRIX), transport, WebhookPolicy())
+    assert not result.delivered and not result.permanent
+    assert result.retry_after == 2.5
+    assert "syt_matrixAccessToken42" not in result.error
+
+
+def test_a_kind_that_fails_inside_a_200_is_retried_with_what_it_said(
+    mocked: responses.RequestsMock, transport: Transport, settings: object
+) -> None:
+    settings.FEDERATION_DELIVERY = {  # type: ignore[attr-defined]
+        **settings.FEDERATION_DELIVERY,  # type: ignore[attr-defined]
+        "CHANNELS": ["tests.channels.Pager"],
+    }
+    mocked.post("https://pager.example/v2/enqueue", status=200, json={"status": "error"})
+    result = attempt_webhook(
+        job("pager://routingKEY123@pager.example/v2/enqueue"), transport, WebhookPolicy()
+    )
+    assert not result.delivered and not result.permanent
+    assert result.error == 'the receiver answered 200: {"status": "error"}'

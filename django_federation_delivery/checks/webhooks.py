@@ -16,9 +16,26 @@ from django_federation_delivery.conf import SETTING, app_settings
 
 @register()
 def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
-    """Each webhook destination parses; a message names it, never its URL (a credential)."""
-    from django_federation_delivery.webhooks import parse_destination
+    """The kinds added load, and each webhook destination parses; a message
+    names it, never its URL (a credential)."""
+    from django_federation_delivery.channels import registry
 
+    if not isinstance(getattr(settings, SETTING, {}), dict):
+        return []
+    try:
+        kinds = registry()
+    except ImproperlyConfigured as exc:
+        return [
+            Error(
+                str(exc),
+                hint=_(
+                    "CHANNELS lists dotted paths to Channel subclasses of "
+                    "django_federation_delivery.channels, each with a name and schemes "
+                    "of its own."
+                ),
+                id=f"{PREFIX}.E035",
+            )
+        ]
     webhooks = (
         app_settings.get("WEBHOOKS") if isinstance(getattr(settings, SETTING, {}), dict) else {}
     )
@@ -37,15 +54,14 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     errors: list[CheckMessage] = []
     for name, url in webhooks.items():
         try:
-            parse_destination(name, url)
+            kinds.parse(name, url)
         except ImproperlyConfigured as exc:
             errors.append(
                 Error(
                     str(exc),
                     hint=_(
                         "Set %(variable)s (read by webhooks_from_env) to a URL of one of the "
-                        "forms in the README's 'Webhooks (destinations)': slack://, discord://, "
-                        "markdown://, telegram://, or https://…?secret=whsec_…."
+                        "forms in the README's 'Webhooks (destinations)'."
                     )
                     % {"variable": f"WEBHOOK_{name.upper()}"},
                     id=f"{PREFIX}.E031",

@@ -1,4 +1,5 @@
-"""Signing for outgoing deliveries: body digest, target and key in, headers out.
+"""Signing for outgoing deliveries: body digest, target and key in, headers out;
+draft-cavage and RFC 9421 for inboxes, Standard Webhooks for signed JSON.
 
 Pure on purpose: nothing here imports Django, so it can be tested and reused
 without settings, and the transport can sign without touching the database.
@@ -14,6 +15,7 @@ from .cavage import sign_cavage
 from .digest import body_sha256, content_digest_header, digest_header
 from .keys import SenderKey
 from .rfc9421 import sign_rfc9421
+from .webhooks import signature_headers
 
 __all__ = [
     "Scheme",
@@ -22,6 +24,7 @@ __all__ = [
     "content_digest_header",
     "digest_header",
     "sign_request",
+    "signature_headers",
 ]
 
 

@@ -114,12 +114,15 @@ class Answer:
     elapsed: float
 
 
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+def parse_retry_after(
+    value: str | None, *, now: float | None = None, dates: bool = True
+) -> float | None:
     """Seconds to wait that a ``Retry-After`` value asks for, never below 0.
 
-    Takes delay-seconds (``"120"``) or an HTTP-date (a date in the past means
-    0). ``None`` when the header is absent or not understood, including a
-    negative number of seconds. ``now`` is the Unix time to count from.
+    Takes delay-seconds (``"120"``) or, unless ``dates`` is False, an
+    HTTP-date (a date in the past means 0). ``None`` when the header is absent
+    or not understood, including a negative number of seconds. ``now`` is the
+    Unix time to count from.
     """
     if value is None:
         return None
@@ -130,6 +133,8 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
         seconds = int(value)
         # float() of a thousand-digit number overflows; nobody means it.
         return float(seconds) if seconds < 10**12 else None
+    if not dates:
+        return None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
@@ -214,8 +219,10 @@ class Transport:
         headers: Mapping[str, str],
         *,
         deadline: float | None = None,
+        method: str = "POST",
     ) -> Answer:
-        """POST ``body`` to ``url`` with ``headers`` (sent as given, Host included).
+        """POST ``body`` to ``url`` with ``headers`` (sent as given, Host included),
+        or send it with another ``method`` (PUT, for a Matrix message).
 
         Over within ``attempt_timeout``, and by ``deadline`` (a ``time.monotonic()``
         value) when that is sooner: one deadline shared by the requests of one
@@ -247,7 +254,7 @@ class Transport:
             sent = requests.structures.CaseInsensitiveDict(self._session.headers)
             sent.update(headers)
             response = self._session.send(
-                requests.Request("POST", url, data=body, headers=sent).prepare(),
+                requests.Request(method, url, data=body, headers=sent).prepare(),
                 allow_redirects=False,
                 stream=True,
                 verify=settings.verify_tls,

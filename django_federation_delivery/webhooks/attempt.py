@@ -1,10 +1,10 @@
-"""One attempt at one webhook delivery, in a worker thread, as the seed's dispatcher judges it.
+"""One attempt at one webhook delivery, in a worker thread.
 
-The request is built here (the event's template rendered, signed JSON
-signed), POSTed with no HTTP signature and no double knocking, within the
-webhook time limit, and what came of it is an
-:class:`~django_federation_delivery.attempt.AttemptResult` like any other:
-2xx delivered, 4xx but 408 and 429 refused, everything else retried.
+The destination's kind builds the request for this attempt, at this
+attempt's time (signed JSON is signed now), and judges the answer; what came
+of it is an :class:`~django_federation_delivery.attempt.AttemptResult` like
+any other, sent with no HTTP signature and no double knocking, within the
+webhook time limit.
 
 The URL is the credential, so every text that leaves here has been through
 the destination's :meth:`~Destination.redact` (and the transport's
@@ -22,12 +22,11 @@ import time
 from collections.abc import Callable, Iterator
 
 from django_federation_delivery.attempt import AttemptResult, Job, failed
+from django_federation_delivery.channels import Destination, Event, Verdict
 from django_federation_delivery.exceptions import TransportError
-from django_federation_delivery.transport import Answer, Connections, Transport, TransportSettings
+from django_federation_delivery.transport import Connections, Transport, TransportSettings
 from django_federation_delivery.transport.failures import check_url
-from django_federation_delivery.webhooks.destinations import Destination
-from django_federation_delivery.webhooks.policy import WebhookPolicy, is_refusal
-from django_federation_delivery.webhooks.rendering import Event, build_request
+from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 __all__ = ["WebhookCall", "WebhookJob", "WebhookTransport", "attempt_webhook", "safe_text"]
 
@@ -64,15 +63,16 @@ def attempt_webhook(
     policy: WebhookPolicy,
     *,
     clock: Callable[[], float] = time.monotonic,
+    now: Callable[[], float] = time.time,
 ) -> AttemptResult:
-    """Make one attempt at the webhook ``job`` carries."""
+    """Make one attempt at the webhook ``job`` carries, at ``now()``."""
     call = job.webhook
     started = clock()
     if call.problem or call.destination is None or call.event is None:
         return failed(job, call.problem, permanent=call.permanent, requests=0)
     destination = call.destination
     try:
-        request = build_request(destination, call.event)
+        request = destination.request(call.event, now=now())
     except Exception as exc:
         # The project's template, most likely; fixed, the retry sends it.
         logger.warning(
@@ -86,50 +86,37 @@ def attempt_webhook(
     headers = {"Accept": ACCEPT, **request.headers}
     try:
         with _redacting(destination):
-            answer = transport.post(request.url, request.body, headers)
+            answer = transport.post(request.url, request.body, headers, method=request.method)
     except TransportError as exc:
         error = safe_text(destination, request.url, str(exc))[: policy.message_length]
         result = failed(job, error, permanent=False)
     else:
-        result = _judged(job, answer, destination, policy)
+        verdict = destination.channel.judge(answer)
+        result = _result(job, answer.status, verdict, destination, policy)
     return dataclasses.replace(result, duration=clock() - started)
 
 
-def _judged(
-    job: Job, answer: Answer, destination: Destination, policy: WebhookPolicy
+def _result(
+    job: Job, status: int, verdict: Verdict, destination: Destination, policy: WebhookPolicy
 ) -> AttemptResult:
-    delivered = 200 <= answer.status < 300
-    if delivered:
-        return dataclasses.replace(
-            failed(job, "", permanent=False), delivered=True, status=answer.status
-        )
+    if verdict.delivered:
+        return dataclasses.replace(failed(job, "", permanent=False), delivered=True, status=status)
     # The whole of what was read is redacted before any of it is cut: a cut
     # secret would no longer be recognised.
-    text = " ".join(destination.redact(answer.body.decode("utf-8", "replace")).split())
-    error = f"the receiver answered {answer.status}"
+    text = " ".join(destination.redact(verdict.detail).split())
+    error = f"the receiver answered {status}"
     if text:
         error = f"{error}: {text[: policy.body_length].rstrip()}"
     return AttemptResult(
         job=job,
         delivered=False,
-        status=answer.status,
+        status=status,
         error=error,
-        permanent=is_refusal(answer.status),
-        retry_after=_retry_after_seconds(answer.headers.get("Retry-After")),
+        permanent=verdict.refused,
+        retry_after=verdict.retry_after,
         accepted_scheme=None,
         duration=0.0,
     )
-
-
-def _retry_after_seconds(value: str | None) -> float | None:
-    """A ``Retry-After`` in seconds. An HTTP date is not taken: no chat service
-    sends one, and a date read wrongly is a wait of years."""
-    if value is None:
-        return None
-    value = value.strip()
-    if not (value.isdigit() and value.isascii()) or len(value) > 12:
-        return None
-    return float(int(value))
 
 
 def safe_text(destination: Destination, url: str, text: str) -> str:

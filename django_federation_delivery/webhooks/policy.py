@@ -15,24 +15,16 @@ from typing import TYPE_CHECKING, Any
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
-from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
 
 if TYPE_CHECKING:
     from django_federation_delivery.settling import Settler, Summary
 
-__all__ = ["WebhookPolicy", "is_refusal", "settings_problems"]
+__all__ = ["WebhookPolicy", "settings_problems"]
 
 #: Room beyond the body kept for what a message says around it
 #: ("gave up after 9 attempts: the receiver answered 503: …").
 MESSAGE_ROOM = 100
-
-
-#: A 4xx says the request itself is wrong (a hook deleted, a bot removed, a
-#: token revoked) and will be wrong in an hour too; 408 and 429 only say "not
-#: now". Every other failure is the receiver's bad moment. The same rule as
-#: ActivityPub's default, and one function for both.
-is_refusal = permanent_status
 
 
 @dataclasses.dataclass(frozen=True)

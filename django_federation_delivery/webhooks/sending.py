@@ -23,6 +23,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
+from django_federation_delivery.channels import Event
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.dialect import connection_for, is_postgresql
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -30,7 +31,6 @@ from django_federation_delivery.models import Batch
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
 from django_federation_delivery.webhooks.destinations import delivery_key, parse_destination
-from django_federation_delivery.webhooks.rendering import Event
 
 __all__ = ["ORDERING_KEY", "send_webhook"]
 

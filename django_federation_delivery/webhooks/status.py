@@ -166,7 +166,7 @@ def _kind(name: str, configured: Mapping[str, Destination | None]) -> str:
         return ""
     destination = configured[name]
     # Labels are kept in English, and shown in the active language.
-    return gettext(destination.kind.label if destination is not None else MISCONFIGURED)
+    return gettext(destination.channel.label if destination is not None else MISCONFIGURED)
 
 
 def _head(

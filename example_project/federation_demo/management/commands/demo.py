@@ -39,17 +39,16 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from django_federation_delivery import BatchOptions, send, send_batch, send_webhook
+from django_federation_delivery.channels import render_text
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.webhooks import (
     Destination,
     Event,
-    Kind,
     configured_destinations,
 )
 from django_federation_delivery.webhooks.destinations import delivery_key
 from django_federation_delivery.webhooks.policy import WebhookPolicy
-from django_federation_delivery.webhooks.rendering import render_text
 from federation_demo.inbox import Behaviour, InboxServer
 from federation_demo.keys import ALICE, BOB, public_keys
 from federation_demo.models import RemoteServer
@@ -427,7 +426,7 @@ class Command(BaseCommand):
             summary = (
                 f"    in order: {'yes' if in_order else 'NO'}; {len(accepted)} of {len(events)} "
                 f"events accepted; {checked} of {len(arrivals)} requests "
-                + ("verified" if destination.kind is Kind.SIGNED_JSON else "well-formed")
+                + ("verified" if destination.kind == "json" else "well-formed")
             )
             style = (
                 self.style.SUCCESS if in_order and checked == len(arrivals) else self.style.ERROR
@@ -436,7 +435,7 @@ class Command(BaseCommand):
             for arrival in arrivals:
                 if not arrival.ok:
                     write(self.style.ERROR(f"    {arrival.status}: {arrival.check}"))
-            if destination.kind is not Kind.SIGNED_JSON:
+            if destination.kind != "json":
                 for index in accepted[:2]:
                     write(f"    e.g. {keys[index]}")
         deliveries = Delivery.objects.filter(batch__in=batches)
@@ -449,7 +448,7 @@ class Command(BaseCommand):
 
 def _arrival_key(destination: Destination, event: Event) -> str:
     """What identifies ``event`` among the requests ``destination`` received."""
-    if destination.kind is Kind.SIGNED_JSON:
+    if destination.kind == "json":
         return event.id
     return render_text(destination, event)
 
@@ -475,7 +474,7 @@ def _receivers(destinations: list[Destination]) -> Iterator[list[WebhookReceiver
                 receiver = WebhookReceiver(
                     destination,
                     secret=secret_of(str(app_settings.get("WEBHOOKS")[destination.name])),
-                    down_for=SIGNED_JSON_DOWN_FOR if destination.kind is Kind.SIGNED_JSON else 0,
+                    down_for=SIGNED_JSON_DOWN_FOR if destination.kind == "json" else 0,
                 )
             except OSError as exc:
                 host = urlsplit(destination.url).netloc

@@ -6,6 +6,7 @@ import base64
 import datetime
 import json
 import math
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,18 +15,14 @@ from typing import Any
 import pytest
 import requests
 import responses
+from django.core.exceptions import ImproperlyConfigured
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
+from django_federation_delivery.channels import Destination, Event, Request, parse_destination
+from django_federation_delivery.channels.discord import DISCORD_LIMIT
+from django_federation_delivery.channels.telegram import TELEGRAM_LIMIT
 from django_federation_delivery.exceptions import InvalidDelivery
-from django_federation_delivery.webhooks import (
-    Destination,
-    Event,
-    WebhookRequest,
-    build_request,
-    parse_destination,
-)
-from django_federation_delivery.webhooks.rendering import DISCORD_LIMIT, TELEGRAM_LIMIT
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(bytes(range(50, 82))).decode()
@@ -36,6 +33,11 @@ DISCORD = "discord://discord.com/api/webhooks/1234/token-token-token"
 MARKDOWN = "markdown+http://127.0.0.1:8065/hooks/mattermostkey"
 TELEGRAM = "telegram://123456:ABC-token@-1001234567890?api=http://127.0.0.1:8081"
 SIGNED = f"https://audit.example/hooks/kasl?source=alerts&secret={SECRET}"
+
+
+def build(destination: Destination, event: Event, now: float | None = None) -> Request:
+    """The request of an attempt at ``now``, the current time by default."""
+    return destination.request(event, now=time.time() if now is None else now)
 
 
 def event(data: Any = None, event_type: str = "alert.raised", **fields: Any) -> Event:
@@ -54,7 +56,7 @@ def mocked() -> Iterator[responses.RequestsMock]:
         yield mock
 
 
-def sent(mocked: responses.RequestsMock, url: str, request: WebhookRequest) -> Any:
+def sent(mocked: responses.RequestsMock, url: str, request: Request) -> Any:
     """POST ``request`` as the queue will, and what the receiver got."""
     mocked.post(url, status=200)
     answer = requests.post(request.url, data=request.body, headers=request.headers, timeout=5)
@@ -68,7 +70,7 @@ def test_slack_gets_text_with_the_fields_and_its_markup_escaped(
     mocked: responses.RequestsMock,
 ) -> None:
     destination = parse_destination("ops", SLACK)
-    request = build_request(destination, event({"host": "<!channel> db & co", "load": 7.5}))
+    request = build(destination, event({"host": "<!channel> db & co", "load": 7.5}))
     received = sent(
         mocked, "https://hooks.slack.com/services/T0001/B0001/XXXXXXXXXXXXXXXXXXXXXXXX", request
     )
@@ -79,14 +81,14 @@ def test_slack_gets_text_with_the_fields_and_its_markup_escaped(
 
 def test_a_markdown_hook_gets_the_text_as_it_is(mocked: responses.RequestsMock) -> None:
     destination = parse_destination("chat", MARKDOWN)
-    request = build_request(destination, event({"host": "a < b & c", "tags": ["x", 1]}))
+    request = build(destination, event({"host": "a < b & c", "tags": ["x", 1]}))
     received = sent(mocked, "http://127.0.0.1:8065/hooks/mattermostkey", request)
     assert json.loads(received.body) == {"text": 'alert.raised\nhost: a < b & c\ntags: ["x",1]'}
 
 
 def test_discord_gets_content_and_pings_nobody(mocked: responses.RequestsMock) -> None:
     destination = parse_destination("discord", DISCORD)
-    request = build_request(destination, event({"who": "@everyone"}))
+    request = build(destination, event({"who": "@everyone"}))
     received = sent(mocked, "https://discord.com/api/webhooks/1234/token-token-token", request)
     assert json.loads(received.body) == {
         "content": "alert.raised\nwho: @everyone",
@@ -98,7 +100,7 @@ def test_telegram_gets_the_chat_escaped_html_and_parse_mode(
     mocked: responses.RequestsMock,
 ) -> None:
     destination = parse_destination("tg", TELEGRAM)
-    request = build_request(destination, event({"host": "<b>db</b> & co"}))
+    request = build(destination, event({"host": "<b>db</b> & co"}))
     received = sent(mocked, "http://127.0.0.1:8081/bot123456:ABC-token/sendMessage", request)
     assert json.loads(received.body) == {
         "chat_id": -1001234567890,
@@ -110,7 +112,7 @@ def test_telegram_gets_the_chat_escaped_html_and_parse_mode(
 def test_signed_json_is_the_event_with_its_headers(mocked: responses.RequestsMock) -> None:
     destination = parse_destination("audit", SIGNED)
     when = datetime.datetime.now(datetime.UTC).replace(microsecond=250000)
-    request = build_request(destination, event({"host": "db-1"}, event_id="evt_42", timestamp=when))
+    request = build(destination, event({"host": "db-1"}, event_id="evt_42", timestamp=when))
     received = sent(mocked, "https://audit.example/hooks/kasl?source=alerts", request)
     assert "secret" not in received.url
     assert json.loads(received.body) == {
@@ -129,8 +131,8 @@ def test_signed_json_is_signed_at_the_attempts_time_with_the_events_id_and_body(
     destination = parse_destination("audit", SIGNED)
     sent_at = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
     queued = event(event_id="evt_7", timestamp=sent_at)
-    first = build_request(destination, queued, now=sent_at.timestamp() + 30)
-    retry = build_request(destination, queued)
+    first = build(destination, queued, now=sent_at.timestamp() + 30)
+    retry = build(destination, queued)
 
     assert first.headers["webhook-timestamp"] == str(int(sent_at.timestamp()) + 30)
     assert abs(int(retry.headers["webhook-timestamp"]) - datetime.datetime.now().timestamp()) < 5
@@ -147,7 +149,7 @@ def test_several_secrets_each_sign_and_a_wrong_one_fails() -> None:
     destination = parse_destination(
         "audit", f"https://audit.example/h?secret={SECRET}&secret={OTHER_SECRET}"
     )
-    request = build_request(destination, event())
+    request = build(destination, event())
     assert len(request.headers["webhook-signature"].split(" ")) == 2
     for secret in (SECRET, OTHER_SECRET):
         Webhook(secret).verify(request.body, request.headers)
@@ -156,33 +158,33 @@ def test_several_secrets_each_sign_and_a_wrong_one_fails() -> None:
 
 
 def test_a_changed_body_no_longer_verifies() -> None:
-    request = build_request(parse_destination("audit", SIGNED), event())
+    request = build(parse_destination("audit", SIGNED), event())
     with pytest.raises(WebhookVerificationError):
         Webhook(SECRET).verify(request.body.replace(b"db-1", b"db-2"), request.headers)
 
 
 def test_a_uuid_is_taken_as_the_event_id() -> None:
     event_id = uuid.uuid4()
-    request = build_request(parse_destination("audit", SIGNED), event(event_id=event_id))
+    request = build(parse_destination("audit", SIGNED), event(event_id=event_id))
     assert request.headers["webhook-id"] == str(event_id)
     Webhook(SECRET).verify(request.body, request.headers)
 
 
 def test_a_request_shows_the_destination_not_its_url() -> None:
     for url in (SLACK, TELEGRAM, SIGNED):
-        request = build_request(parse_destination("ops", url), event())
+        request = build(parse_destination("ops", url), event())
         assert "://" not in repr(request)
         assert "ops (" in repr(request)
 
 
 def test_data_that_is_not_an_object_is_shown_as_json() -> None:
-    request = build_request(parse_destination("chat", MARKDOWN), event(["a", 2]))
+    request = build(parse_destination("chat", MARKDOWN), event(["a", 2]))
     assert json.loads(request.body) == {"text": 'alert.raised\n["a",2]'}
 
 
 def test_discord_text_past_its_limit_is_cut_with_an_ellipsis() -> None:
     destination = parse_destination("discord", DISCORD)
-    request = build_request(destination, event({"log": "x" * 5000}))
+    request = build(destination, event({"log": "x" * 5000}))
     content = json.loads(request.body)["content"]
     assert len(content) == DISCORD_LIMIT
     assert content.endswith("x…")
@@ -190,7 +192,7 @@ def test_discord_text_past_its_limit_is_cut_with_an_ellipsis() -> None:
 
 def test_telegram_text_is_cut_before_escaping_and_never_inside_an_entity() -> None:
     destination = parse_destination("tg", TELEGRAM)
-    request = build_request(destination, event({"log": "&" * 5000}))
+    request = build(destination, event({"log": "&" * 5000}))
     text = json.loads(request.body)["text"]
     unescaped = text.replace("&amp;", "&")
     assert len(unescaped) == TELEGRAM_LIMIT
@@ -199,7 +201,7 @@ def test_telegram_text_is_cut_before_escaping_and_never_inside_an_entity() -> No
 
 def test_a_cut_never_splits_a_character_counted_as_two() -> None:
     destination = parse_destination("discord", DISCORD)
-    request = build_request(destination, event({"log": "🔥" * 1500}))
+    request = build(destination, event({"log": "🔥" * 1500}))
     content = json.loads(request.body)["content"]
     assert content.endswith("🔥…")
     assert len(content.encode("utf-16-le")) // 2 <= DISCORD_LIMIT
@@ -207,7 +209,7 @@ def test_a_cut_never_splits_a_character_counted_as_two() -> None:
 
 def test_text_within_the_limit_is_left_whole() -> None:
     destination = parse_destination("discord", DISCORD)
-    text = json.loads(build_request(destination, event({"a": "b"})).body)["content"]
+    text = json.loads(build(destination, event({"a": "b"})).body)["content"]
     assert "…" not in text
 
 
@@ -259,10 +261,10 @@ def test_a_template_named_after_the_event_type_is_used(settings: Any, tmp_path: 
         "{{ data.host }} is on fire for {{ destination.name }} <{{ event_id }}> & more\n"
     )
     settings.TEMPLATES = [{**settings.TEMPLATES[0], "DIRS": [tmp_path]}]
-    slack = build_request(parse_destination("ops", SLACK), event())
+    slack = build(parse_destination("ops", SLACK), event())
     assert json.loads(slack.body) == {"text": "db-1 is on fire for ops &lt;evt_01&gt; &amp; more"}
     # Another type still gets the default.
-    other = build_request(parse_destination("ops", MARKDOWN), event(event_type="alert.resolved"))
+    other = build(parse_destination("ops", MARKDOWN), event(event_type="alert.resolved"))
     assert json.loads(other.body)["text"].startswith("alert.resolved\nhost: db-1")
 
 
@@ -273,11 +275,103 @@ def test_a_template_that_renders_nothing_sends_the_event_type(
     folder.mkdir(parents=True)
     (folder / "quiet.txt").write_text("{# nothing #}\n\n")
     settings.TEMPLATES = [{**settings.TEMPLATES[0], "DIRS": [tmp_path]}]
-    request = build_request(parse_destination("tg", TELEGRAM), event(event_type="quiet"))
+    request = build(parse_destination("tg", TELEGRAM), event(event_type="quiet"))
     assert json.loads(request.body)["text"] == "quiet"
 
 
 def test_the_destination_object_is_what_build_request_takes() -> None:
     destination = parse_destination("ops", SLACK)
     assert isinstance(destination, Destination)
-    assert build_request(destination, event()).display == "ops (Slack)"
+    assert build(destination, event()).display == "ops (Slack)"
+
+
+# ntfy
+
+
+NTFY = "ntfy://tk_ntfyAccessToken9@ntfy.example/alerts-db-7f3k?tags=warning,db&priority=high"
+
+
+def test_ntfy_gets_plain_text_titled_and_tagged_with_its_token(
+    mocked: responses.RequestsMock,
+) -> None:
+    destination = parse_destination("phone", NTFY)
+    assert destination.display == "phone (ntfy)"
+    request = build(destination, event({"host": "db-1"}))
+    mocked.post("https://ntfy.example/alerts-db-7f3k", status=200)
+    requests.post(request.url, data=request.body, headers=request.headers, timeout=5)
+    (call,) = mocked.calls
+    assert call.request.body == b"alert.raised\nhost: db-1"
+    assert call.request.headers["Content-Type"] == "text/plain; charset=utf-8"
+    assert call.request.headers["Title"] == "alert.raised"
+    assert call.request.headers["Tags"] == "warning,db"
+    assert call.request.headers["Priority"] == "high"
+    assert call.request.headers["Authorization"] == "Bearer tk_ntfyAccessToken9"
+
+
+def test_ntfy_without_a_token_sends_none_and_cuts_to_4096_bytes() -> None:
+    destination = parse_destination("phone", "ntfy+http://127.0.0.1:8090/topic-x")
+    request = build(destination, event({"log": "é" * 5000}))
+    assert request.url == "http://127.0.0.1:8090/topic-x"
+    assert "Authorization" not in request.headers and "Tags" not in request.headers
+    assert len(request.body) <= 4096 and request.body.decode().endswith("…")
+
+
+def test_ntfy_declares_its_token_and_topic_secret() -> None:
+    destination = parse_destination("phone", NTFY)
+    text = destination.redact(f"POST https://ntfy.example/alerts-db-7f3k ({NTFY}) failed")
+    assert "tk_ntfyAccessToken9" not in text and "alerts-db-7f3k" not in text
+    assert "ntfy.example" in text
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("ntfy://user:pw@ntfy.example/topic", "access token"),
+        ("ntfy://ntfy.example/", "one topic"),
+        ("ntfy://ntfy.example/a/b", "one topic"),
+        ("ntfy://ntfy.example/topic?priority=9", "'priority'"),
+        ("ntfy://ntfy.example/topic?click=x", "'click'"),
+    ],
+)
+def test_a_bad_ntfy_url_says_what_is_wrong(url: str, says: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=says):
+        parse_destination("phone", url)
+
+
+# Matrix
+
+
+MATRIX = "matrix://syt_matrixAccessToken42@matrix.example/!RoomIdAbc:example.org"
+ROOM_URL = "https://matrix.example/_matrix/client/v3/rooms/%21RoomIdAbc%3Aexample.org"
+
+
+def test_matrix_puts_a_text_message_with_the_event_id_as_the_transaction() -> None:
+    destination = parse_destination("room", MATRIX)
+    assert destination.display == "room (Matrix)"
+    first = build(destination, event({"host": "db-1"}, event_id="evt/1"), now=1)
+    retry = build(destination, event({"host": "db-1"}, event_id="evt/1"), now=600)
+    assert first.method == "PUT"
+    assert first.url == f"{ROOM_URL}/send/m.room.message/evt%2F1"
+    # A retry is the same transaction: the homeserver keeps one message.
+    assert (retry.url, retry.body) == (first.url, first.body)
+    assert json.loads(first.body) == {"msgtype": "m.text", "body": "alert.raised\nhost: db-1"}
+    assert first.headers["Authorization"] == "Bearer syt_matrixAccessToken42"
+
+
+def test_matrix_declares_its_token_secret_and_not_its_room() -> None:
+    destination = parse_destination("room", MATRIX)
+    text = destination.redact(f"{MATRIX} refused syt_matrixAccessToken42")
+    assert "syt_matrixAccessToken42" not in text and "!RoomIdAbc:example.org" in text
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("matrix://matrix.example/!room:example.org", "access token"),
+        ("matrix://tok@matrix.example/%23room:example.org", "not an alias"),
+        ("matrix://tok@matrix.example/!room:example.org?x=1", "no parameters"),
+    ],
+)
+def test_a_bad_matrix_url_says_what_is_wrong(url: str, says: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=says):
+        parse_destination("room", url)

@@ -10,7 +10,7 @@ import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from django_federation_delivery.webhooks.signing import signature_headers
+from django_federation_delivery.signatures import signature_headers
 
 KEY = b"k" * 32
 SECRET = "whsec_" + base64.b64encode(KEY).decode()

@@ -1,0 +1,35 @@
+"""Kinds of destination: one :class:`Channel` a kind, found by its URL's scheme.
+
+A kind says how its URL parses (and which parts of it are secret), how the
+request for one attempt is built, and what an answer means. The loop calls
+that interface only. Built in: Slack, Discord, Markdown hooks, Telegram, ntfy,
+Matrix and signed JSON (Standard Webhooks); a project adds its own with
+``FEDERATION_DELIVERY["CHANNELS"]``.
+"""
+
+from __future__ import annotations
+
+from django_federation_delivery.channels.base import (
+    Channel,
+    Destination,
+    Parsed,
+    Request,
+    UnusableURL,
+    Verdict,
+)
+from django_federation_delivery.channels.events import Event
+from django_federation_delivery.channels.registry import parse_destination, registry
+from django_federation_delivery.channels.text import render_text
+
+__all__ = [
+    "Channel",
+    "Destination",
+    "Event",
+    "Parsed",
+    "Request",
+    "UnusableURL",
+    "Verdict",
+    "parse_destination",
+    "registry",
+    "render_text",
+]

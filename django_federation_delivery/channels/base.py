@@ -1,0 +1,261 @@
+"""What every kind of destination shares: the :class:`Channel` a kind
+subclasses, the :class:`Destination` its URL parses into, the
+:class:`Request` it builds for one attempt and the :class:`Verdict` it gives
+on the answer.
+
+A kind declares the secret parts of its URL when it parses one
+(:meth:`Channel.parse` returns them in :class:`Parsed`); every text that
+leaves the package about a destination goes through
+:meth:`Destination.redact`, which takes out exactly those parts, in the forms
+a message or an echoing receiver writes them. Nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from urllib.parse import quote, unquote, urlsplit
+
+from django.utils.translation import gettext as _
+
+from django_federation_delivery.transport import Answer, parse_retry_after
+
+if TYPE_CHECKING:
+    from django_federation_delivery.channels.events import Event
+
+__all__ = [
+    "REDACTED",
+    "Channel",
+    "Destination",
+    "Parsed",
+    "Request",
+    "URLParts",
+    "UnusableURL",
+    "Verdict",
+]
+
+REDACTED = "[redacted]"
+# A secret part shorter than this is too common a text to take out of a message
+# ("T01", "ops"): a kind declares parts that are long enough to mean something.
+MIN_REDACTED = 6
+
+
+class URLParts(NamedTuple):
+    """A URL in parts, as :meth:`Channel.split` gives them."""
+
+    scheme: str
+    #: What comes before the "@", as written: often a token.
+    userinfo: str
+    #: With its port.
+    host: str
+    path: str
+    query: str
+
+    @property
+    def origin(self) -> str:
+        """``scheme://host[:port]``, without what came before the "@"."""
+        return f"{self.scheme}://{self.host}"
+
+
+class UnusableURL(ValueError):
+    """A destination URL a kind cannot use. Its message says why in words that
+    never quote the URL: it reaches ``manage.py check`` and the admin."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+    """What a kind makes of a URL."""
+
+    #: Where requests go. Secret: never shown.
+    url: str
+    #: Every part of the URL that is a credential (a token, a hook's path, a
+    #: signing key): what :meth:`Destination.redact` takes out of a text.
+    secrets: tuple[str, ...]
+    #: What else the kind needs to build a request (a chat id, signing keys),
+    #: read by the kind alone.
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Destination:
+    """A configured destination: a name, its kind, and what its URL parsed into.
+    Only the name and the kind's label are ever shown."""
+
+    name: str
+    channel: Channel
+    #: Where the request goes. Secret: never show or log it.
+    url: str = dataclasses.field(repr=False)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    _redacted: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+
+    @classmethod
+    def of(cls, name: str, channel: Channel, parsed: Parsed) -> Destination:
+        return cls(name, channel, parsed.url, parsed.options, _forms(parsed.secrets))
+
+    def __repr__(self) -> str:
+        return f"<Destination {self.name!r} ({self.channel.label})>"
+
+    def __str__(self) -> str:
+        return self.display
+
+    @property
+    def kind(self) -> str:
+        """The kind's name, as stored and filtered on: "slack", "json"."""
+        return self.channel.name
+
+    @property
+    def display(self) -> str:
+        """The name and the kind: what a message, the admin or a log may show."""
+        return f"{self.name} ({self.channel.label})"
+
+    def request(self, event: Event, *, now: float) -> Request:
+        """The request that delivers ``event`` here, for an attempt at ``now``."""
+        return self.channel.request(self, event, now=now)
+
+    def redact(self, text: str) -> str:
+        """``text`` with every secret part its kind declared replaced by [redacted]."""
+        for part in self._redacted:
+            text = text.replace(part, REDACTED)
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """The request one attempt makes: ``url`` and ``body`` are the destination's
+    and the event's, never shown."""
+
+    method: str
+    url: str = dataclasses.field(repr=False)
+    headers: Mapping[str, str]
+    body: bytes = dataclasses.field(repr=False)
+    #: The destination's name and kind, safe to show.
+    display: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What an answer means for the event."""
+
+    delivered: bool
+    #: Refused for good: the same request would be refused again.
+    refused: bool = False
+    #: Seconds the receiver asked to be left alone, if it said.
+    retry_after: float | None = None
+    #: What went wrong, in the receiver's words (redacted and cut by the
+    #: caller): the start of a refusal's body, or what a 200 body said.
+    detail: str = ""
+
+
+class Channel:
+    """A kind of destination. Subclass it, set :attr:`name`, :attr:`label` and
+    :attr:`schemes`, and write :meth:`parse` and :meth:`request`; override
+    :meth:`judge` when the service says more than its status does.
+
+    A kind is chosen by the scheme of a destination's URL. It never touches the
+    database, and is one instance for the whole process: keep no state on it.
+    """
+
+    #: The kind's name, stored with its deliveries and shown in filters.
+    name: ClassVar[str]
+    #: Shown beside the destination's name: "ops (Slack)".
+    label: ClassVar[str]
+    #: The URL schemes that name this kind, lowercase. By convention ``kind``
+    #: sends over HTTPS and ``kind+http`` over plain HTTP.
+    schemes: ClassVar[tuple[str, ...]]
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        """What ``url`` (whose scheme, lowercased, is ``scheme``) names, with
+        its secret parts declared. Raise :class:`UnusableURL` saying what is
+        wrong, never quoting the URL."""
+        raise NotImplementedError
+
+    def request(self, destination: Destination, event: Event, *, now: float) -> Request:
+        """The request that delivers ``event``, made for an attempt at ``now``
+        (Unix time): anything time-bound, such as a signature, is of ``now``."""
+        raise NotImplementedError
+
+    def judge(self, answer: Answer) -> Verdict:
+        """A 2xx is delivered; a 4xx but 408 and 429 is refused for good
+        (a hook deleted, a token revoked); anything else is tried again, after
+        the ``Retry-After`` the receiver gave in seconds."""
+        if 200 <= answer.status < 300:
+            return Verdict(delivered=True)
+        return Verdict(
+            delivered=False,
+            refused=is_refusal(answer.status),
+            retry_after=parse_retry_after(answer.headers.get("Retry-After"), dates=False),
+            detail=answer.body.decode("utf-8", "replace"),
+        )
+
+    # Helpers for kinds.
+
+    @staticmethod
+    def json_request(
+        destination: Destination,
+        document: Any,
+        *,
+        method: str = "POST",
+        url: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Request:
+        """A request whose body is ``document`` as compact JSON."""
+        from django_federation_delivery.channels.events import compact_json
+
+        return Request(
+            method,
+            destination.url if url is None else url,
+            {"Content-Type": "application/json", **(headers or {})},
+            compact_json(document),
+            destination.display,
+        )
+
+    @staticmethod
+    def over(url: str, scheme: str) -> str:
+        """``url`` with its ``kind://`` scheme made ``https://``, or ``http://``
+        for ``kind+http://``."""
+        return ("http" if scheme.endswith("+http") else "https") + url[len(scheme) :]
+
+    @staticmethod
+    def split(url: str) -> URLParts:
+        """The parts of an http(s) URL; raises :class:`UnusableURL` when it has
+        no host or a bad port."""
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError for a bad port
+        except ValueError:
+            raise UnusableURL(_("its URL is not a valid URL")) from None
+        if not parts.hostname:
+            raise UnusableURL(_("its URL has no host"))
+        # By hand: a token may hold ":" that urlsplit would read as a password.
+        userinfo, _at, host = parts.netloc.rpartition("@")
+        return URLParts(parts.scheme, userinfo, host, parts.path, parts.query)
+
+    @staticmethod
+    def query_pairs(query: str) -> list[tuple[str, str]]:
+        """A query's parameters, decoded (``+`` kept: base64 uses it)."""
+        pairs = []
+        for pair in query.split("&") if query else []:
+            key, _sign, value = pair.partition("=")
+            pairs.append((unquote(key), unquote(value)))
+        return pairs
+
+
+def is_refusal(status: int) -> bool:
+    """A 4xx says the request itself is wrong and will be wrong in an hour too;
+    408 and 429 only say "not now"."""
+    return 400 <= status < 500 and status not in (408, 429)
+
+
+def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
+    """Each declared secret as a text may hold it: as written, percent-encoded,
+    decoded, and JSON-escaped; longest first, so that a whole path goes before
+    the token inside it."""
+    found = {
+        form
+        for secret in secrets
+        for text in (secret, unquote(secret))
+        for form in (text, quote(text, safe=""), text.replace("/", "\\/"))
+        if len(form) >= MIN_REDACTED
+    }
+    return tuple(sorted(found, key=lambda form: (-len(form), form)))

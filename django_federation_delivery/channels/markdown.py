@@ -1,0 +1,25 @@
+"""Hooks that take ``{"text": markdown}``: Mattermost, Rocket.Chat and their
+kin, ``markdown://chat.example/hooks/<key>``."""
+
+from __future__ import annotations
+
+from django.utils.translation import gettext_noop
+
+from django_federation_delivery.channels.base import Destination, Request
+from django_federation_delivery.channels.events import Event
+from django_federation_delivery.channels.hooks import HookChannel
+from django_federation_delivery.channels.text import render_text
+
+__all__ = ["Markdown"]
+
+
+class Markdown(HookChannel):
+    """``{"text": …}``, the template's text as it is."""
+
+    name = "markdown"
+    label = gettext_noop("Markdown hook")
+    schemes = ("markdown", "markdown+http")
+    public_segments = frozenset({"hooks"})
+
+    def request(self, destination: Destination, event: Event, *, now: float) -> Request:
+        return self.json_request(destination, {"text": render_text(destination, event)})

@@ -1,0 +1,84 @@
+"""Matrix rooms: ``matrix://<access token>@<homeserver>/<room id>``, the room
+id as Matrix writes it (``!AbCdEf:example.org``)."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import quote, unquote
+
+from django.utils.translation import gettext as _
+
+from django_federation_delivery.channels.base import (
+    Channel,
+    Destination,
+    Parsed,
+    Request,
+    UnusableURL,
+    Verdict,
+)
+from django_federation_delivery.channels.events import Event
+from django_federation_delivery.channels.text import cut_bytes, render_text
+from django_federation_delivery.transport import Answer
+
+__all__ = ["MATRIX_LIMIT", "Matrix"]
+
+#: The longest text sent, in bytes of UTF-8: a whole event may be 64 KiB.
+MATRIX_LIMIT = 32_768
+
+
+class Matrix(Channel):
+    """``PUT /_matrix/client/v3/rooms/<room>/send/m.room.message/<event id>``
+    with ``{"msgtype": "m.text", "body": …}``, the access token as a bearer
+    token. The event's id is the transaction id, so a homeserver that got an
+    attempt whose answer was lost takes the retry as the same message. The
+    token is secret; the room is not."""
+
+    name = "matrix"
+    label = "Matrix"
+    schemes = ("matrix", "matrix+http")
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        parts = self.split(self.over(url, scheme))
+        token = parts.userinfo
+        if not token or ":" in token:
+            raise UnusableURL(_("a Matrix URL is matrix://<access token>@<homeserver>/<room id>"))
+        room = unquote(parts.path.strip("/"))
+        if not room.startswith("!") or ":" not in room or "/" in room:
+            raise UnusableURL(
+                _("a Matrix room is its id, such as !AbCdEf:example.org, not an alias")
+            )
+        if parts.query:
+            raise UnusableURL(_("a Matrix URL takes no parameters"))
+        return Parsed(
+            url=parts.origin,
+            secrets=(token,),
+            options={"token": token, "room": room},
+        )
+
+    def request(self, destination: Destination, event: Event, *, now: float) -> Request:
+        room = quote(destination.options["room"], safe="")
+        url = (
+            f"{destination.url}/_matrix/client/v3/rooms/{room}"
+            f"/send/m.room.message/{quote(event.id, safe='')}"
+        )
+        text = cut_bytes(render_text(destination, event), MATRIX_LIMIT)
+        return self.json_request(
+            destination,
+            {"msgtype": "m.text", "body": text},
+            method="PUT",
+            url=url,
+            headers={"Authorization": f"Bearer {destination.options['token']}"},
+        )
+
+    def judge(self, answer: Answer) -> Verdict:
+        """A homeserver that limits the rate says how long to wait in its body
+        (``retry_after_ms``), and not always in ``Retry-After``."""
+        verdict = super().judge(answer)
+        if answer.status == 429 and verdict.retry_after is None:
+            try:
+                waited = json.loads(answer.body)["retry_after_ms"] / 1000
+            except (ValueError, TypeError, KeyError):
+                return verdict
+            if isinstance(waited, float) and 0 <= waited < 86400:
+                return Verdict(False, retry_after=waited, detail=verdict.detail)
+        return verdict

@@ -1,0 +1,170 @@
+"""The kinds a project can send to, found by the scheme of a destination's URL:
+the built-in ones, and those ``FEDERATION_DELIVERY["CHANNELS"]`` adds by
+dotted path."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable
+
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+from django.utils.translation import gettext as _
+
+from django_federation_delivery.channels.base import Channel, Destination, UnusableURL
+from django_federation_delivery.channels.discord import Discord
+from django_federation_delivery.channels.markdown import Markdown
+from django_federation_delivery.channels.matrix import Matrix
+from django_federation_delivery.channels.ntfy import Ntfy
+from django_federation_delivery.channels.slack import Slack
+from django_federation_delivery.channels.standard import StandardWebhooks
+from django_federation_delivery.channels.telegram import Telegram
+
+__all__ = ["BUILT_IN", "Registry", "parse_destination", "registry"]
+
+BUILT_IN: tuple[type[Channel], ...] = (
+    Slack,
+    Discord,
+    Markdown,
+    Telegram,
+    Ntfy,
+    Matrix,
+    StandardWebhooks,
+)
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+_KIND_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+# What may be shown of a scheme nobody knows: a typo's letters, never more.
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]{0,19}")
+
+
+class Registry:
+    """One instance of each kind, by scheme and by name."""
+
+    def __init__(self, kinds: Iterable[type[Channel]]) -> None:
+        self.by_scheme: dict[str, Channel] = {}
+        self.by_name: dict[str, Channel] = {}
+        for kind in kinds:
+            channel = kind()
+            for attribute in ("name", "label", "schemes"):
+                if not getattr(kind, attribute, None):
+                    raise ImproperlyConfigured(
+                        _("The channel %(kind)s does not set %(attribute)s.")
+                        % {"kind": _dotted(kind), "attribute": attribute}
+                    )
+            if not _KIND_NAME.fullmatch(kind.name):
+                raise ImproperlyConfigured(
+                    _("The channel %(kind)s's name %(name)r is not a short lowercase word.")
+                    % {"kind": _dotted(kind), "name": kind.name}
+                )
+            if kind.name in self.by_name:
+                raise ImproperlyConfigured(
+                    _("The channels %(one)s and %(other)s are both named %(name)r.")
+                    % {
+                        "one": _dotted(type(self.by_name[kind.name])),
+                        "other": _dotted(kind),
+                        "name": kind.name,
+                    }
+                )
+            self.by_name[kind.name] = channel
+            for scheme in kind.schemes:
+                if scheme in self.by_scheme:
+                    raise ImproperlyConfigured(
+                        _("The channels %(one)s and %(other)s both take the scheme %(scheme)r.")
+                        % {
+                            "one": _dotted(type(self.by_scheme[scheme])),
+                            "other": _dotted(kind),
+                            "scheme": scheme,
+                        }
+                    )
+                self.by_scheme[scheme] = channel
+
+    @property
+    def schemes(self) -> list[str]:
+        return sorted(self.by_scheme)
+
+    def parse(self, name: str, url: str) -> Destination:
+        """The destination ``url`` names. ``ImproperlyConfigured`` naming ``name``
+        (never the URL) if no kind can use it."""
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ImproperlyConfigured(
+                _(
+                    "A webhook destination's name must be 1 to 64 lowercase letters, digits, "
+                    "'_' or '-', not %(name)r."
+                )
+                % {"name": name}
+            )
+        try:
+            channel, url, scheme = self._channel_for(url)
+            return Destination.of(name, channel, channel.parse(url, scheme))
+        except UnusableURL as exc:
+            raise ImproperlyConfigured(
+                _("Webhook destination %(name)r: %(problem)s.") % {"name": name, "problem": exc}
+            ) from None
+
+    def _channel_for(self, url: object) -> tuple[Channel, str, str]:
+        if not isinstance(url, str):
+            raise UnusableURL(
+                _("its URL must be a string, not %(type)s") % {"type": type(url).__name__}
+            )
+        url = url.strip()
+        if not url:
+            raise UnusableURL(_("its URL is empty"))
+        if re.search(r"[\x00-\x20\x7f]", url):
+            raise UnusableURL(_("its URL has spaces or control characters in it"))
+        scheme, colon, _rest = url.partition("://")
+        scheme = scheme.lower()
+        if not colon:
+            raise UnusableURL(_("its URL has no scheme such as slack:// or https://"))
+        if "#" in url:
+            raise UnusableURL(_("its URL has a fragment (#…), which is never sent"))
+        channel = self.by_scheme.get(scheme)
+        if channel is None:
+            raise UnusableURL(
+                _("its scheme %(scheme)s is not one of those known: %(known)s")
+                % {
+                    "scheme": repr(scheme) if _SCHEME.fullmatch(scheme) else _("(not shown)"),
+                    "known": ", ".join(self.schemes),
+                }
+            )
+        return channel, url, scheme
+
+
+def registry() -> Registry:
+    """The kinds known under the current settings."""
+    from django_federation_delivery.conf import app_settings
+
+    return _registry(tuple(app_settings.channels))
+
+
+def parse_destination(name: str, url: str) -> Destination:
+    """The destination ``url`` names, by the kind its scheme picks."""
+    return registry().parse(name, url)
+
+
+@functools.lru_cache(maxsize=8)
+def _registry(paths: tuple[str, ...]) -> Registry:
+    return Registry([*BUILT_IN, *(_imported(path) for path in paths)])
+
+
+def _imported(path: str) -> type[Channel]:
+    from django_federation_delivery.conf import SETTING
+
+    try:
+        found = import_string(path)
+    except ImportError as exc:
+        raise ImproperlyConfigured(
+            _("%(setting)s['CHANNELS'] has %(path)r, which cannot be imported: %(error)s")
+            % {"setting": SETTING, "path": path, "error": exc}
+        ) from None
+    if not (isinstance(found, type) and issubclass(found, Channel)):
+        raise ImproperlyConfigured(
+            _("%(setting)s['CHANNELS'] has %(path)r, which is not a Channel subclass.")
+            % {"setting": SETTING, "path": path}
+        )
+    return found
+
+
+def _dotted(kind: type[Channel]) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"

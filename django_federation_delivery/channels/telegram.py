@@ -1,0 +1,84 @@
+"""Telegram bots: ``telegram://<bot token>@<chat id>[?api=<Bot API server>]``."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit
+
+from django.utils.translation import gettext as _
+
+from django_federation_delivery.channels.base import (
+    Channel,
+    Destination,
+    Parsed,
+    Request,
+    UnusableURL,
+)
+from django_federation_delivery.channels.events import Event
+from django_federation_delivery.channels.text import cut, escape_entities, render_text
+
+__all__ = ["TELEGRAM_API", "TELEGRAM_LIMIT", "Telegram"]
+
+TELEGRAM_API = "https://api.telegram.org"
+#: The longest ``text`` Telegram takes once its entities are parsed.
+TELEGRAM_LIMIT = 4096
+
+_BOT_TOKEN = re.compile(r"[0-9]+:[A-Za-z0-9_-]+")
+# A numeric chat id (negative for groups and channels) or a public @username.
+_CHAT = re.compile(r"-?[0-9]+|@[A-Za-z][A-Za-z0-9_]{3,}")
+
+
+class Telegram(Channel):
+    """POST ``<api>/bot<token>/sendMessage`` with the chat, the text in
+    Telegram's HTML (``& < >`` escaped, cut to 4,096 characters) and
+    ``parse_mode: "HTML"``. The bot token is secret; the chat is not."""
+
+    name = "telegram"
+    label = "Telegram"
+    schemes = ("telegram",)
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        # Split by hand: the token has a ":" that urlsplit would read as a
+        # password, and a chat may be an @username.
+        rest = url[len("telegram://") :]
+        authority, _mark, query = rest.partition("?")
+        token, at, chat = authority.partition("@")
+        if not at or not _BOT_TOKEN.fullmatch(token):
+            raise UnusableURL(
+                _("a Telegram URL is telegram://<bot token>@<chat id>, with a token like 123:ABC")
+            )
+        chat = chat.rstrip("/")
+        if not _CHAT.fullmatch(chat):
+            raise UnusableURL(
+                _("a Telegram chat is a number such as -1001234567890 or an @username")
+            )
+        api = TELEGRAM_API
+        for key, value in self.query_pairs(query):
+            if key != "api":
+                raise UnusableURL(
+                    _("a Telegram URL takes only the parameter 'api', not %(key)r") % {"key": key}
+                )
+            api = value.rstrip("/")
+            try:
+                parts = urlsplit(api)
+            except ValueError:
+                raise UnusableURL(_("its api parameter is not a valid URL")) from None
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+                raise UnusableURL(
+                    _("its api parameter must be an http(s) base URL such as http://127.0.0.1:8081")
+                )
+        return Parsed(
+            url=f"{api}/bot{token}/sendMessage",
+            secrets=(f"bot{token}", token, token.split(":", 1)[1]),
+            options={"chat_id": int(chat) if chat.lstrip("-").isdigit() else chat},
+        )
+
+    def request(self, destination: Destination, event: Event, *, now: float) -> Request:
+        text = render_text(destination, event)
+        document = {
+            "chat_id": destination.options["chat_id"],
+            # Cut before escaping: Telegram counts the text its entities stand for.
+            "text": escape_entities(cut(text, TELEGRAM_LIMIT)),
+            "parse_mode": "HTML",
+        }
+        return self.json_request(destination, document)

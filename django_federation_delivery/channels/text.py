@@ -1,0 +1,93 @@
+"""What the chat kinds share: an event written as plain text by a template,
+escaped for a service's markup, and cut to what the service takes.
+
+The text comes from the template ``django_federation_delivery/webhooks/<event
+type>.txt``, falling back to ``django_federation_delivery/webhooks/default.txt``;
+a project overrides either in its own templates. A template writes plain text:
+each kind then escapes what its markup would read as markup, so an event's
+data can neither break the message nor mention anyone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.template import Context
+from django.template.backends.django import Template as DjangoTemplate
+from django.template.loader import select_template
+
+from django_federation_delivery.channels.events import Event, compact_json
+
+if TYPE_CHECKING:
+    from django_federation_delivery.channels.base import Destination
+
+__all__ = ["ELLIPSIS", "cut", "cut_bytes", "escape_entities", "render_text"]
+
+TEMPLATES = "django_federation_delivery/webhooks"
+ELLIPSIS = "…"
+
+
+def render_text(destination: Destination, event: Event) -> str:
+    """The event's template rendered as plain text (no HTML escaping), stripped."""
+    template = select_template(
+        [f"{TEMPLATES}/{event.type}.txt", f"{TEMPLATES}/default.txt"],
+    )
+    context = {
+        "event_type": event.type,
+        "event_id": event.id,
+        "timestamp": event.timestamp,
+        "data": event.data,
+        "fields": _fields(event.data),
+        "data_json": "" if isinstance(event.data, dict) else compact_json(event.data).decode(),
+        "destination": {"name": destination.name, "kind": destination.kind},
+    }
+    if isinstance(template, DjangoTemplate):
+        # Plain text: Django's autoescaping would write "&amp;" into a chat message.
+        text = template.template.render(Context(context, autoescape=False))
+    else:
+        text = template.render(context)
+    return str(text).strip() or event.type
+
+
+def _fields(data: Any) -> list[tuple[str, str]]:
+    """A JSON object's members as (name, text): strings as they are, the rest as JSON."""
+    if not isinstance(data, dict):
+        return []
+    return [
+        (str(name), value if isinstance(value, str) else compact_json(value).decode())
+        for name, value in data.items()
+    ]
+
+
+def escape_entities(text: str) -> str:
+    """``& < >`` as entities: what Slack's mrkdwn and Telegram's HTML both ask for."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` UTF-16 code units (what Discord and
+    Telegram count, never fewer than characters), cut between characters and
+    ended with an ellipsis when too long."""
+    return _cut(text, limit, _utf16_length)
+
+
+def cut_bytes(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` bytes of UTF-8, cut as :func:`cut` cuts."""
+    return _cut(text, limit, lambda part: len(part.encode()))
+
+
+def _cut(text: str, limit: int, length: Any) -> str:
+    if length(text) <= limit:
+        return text
+    room = limit - length(ELLIPSIS)
+    kept = []
+    for character in text:
+        room -= length(character)
+        if room < 0:
+            break
+        kept.append(character)
+    return "".join(kept).rstrip() + ELLIPSIS
+
+
+def _utf16_length(text: str) -> int:
+    return len(text.encode("utf-16-le", "surrogatepass")) // 2

@@ -1,0 +1,60 @@
+"""Kinds of destination defined outside the package, as a host project writes them."""
+
+from __future__ import annotations
+
+import json
+
+from django_federation_delivery.channels import (
+    Channel,
+    Destination,
+    Event,
+    Parsed,
+    Request,
+    UnusableURL,
+    Verdict,
+    render_text,
+)
+from django_federation_delivery.transport import Answer
+
+
+class Pager(Channel):
+    """An on-call pager: ``pager://<routing key>@host/<path>`` POSTs
+    ``{"routing_key", "summary", "dedup_key"}``; it answers 200 with
+    ``{"status": "error"}`` when it did not take the page."""
+
+    name = "pager"
+    label = "Pager"
+    schemes = ("pager", "pager+http")
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        parts = self.split(self.over(url, scheme))  # pager:// is sent over https://
+        if len(parts.userinfo) < 8:
+            raise UnusableURL("a pager URL is pager://<routing key>@<host>/<path>")
+        key = parts.userinfo
+        return Parsed(url=parts.origin + parts.path, secrets=(key,), options={"key": key})
+
+    def request(self, destination: Destination, event: Event, *, now: float) -> Request:
+        document = {
+            "routing_key": destination.options["key"],
+            "summary": render_text(destination, event),
+            "dedup_key": event.id,
+        }
+        return self.json_request(destination, document)
+
+    def judge(self, answer: Answer) -> Verdict:
+        verdict = super().judge(answer)
+        if verdict.delivered:
+            try:
+                status = json.loads(answer.body).get("status")
+            except (ValueError, AttributeError):
+                status = None
+            if status == "error":
+                return Verdict(False, detail=answer.body.decode("utf-8", "replace"))
+        return verdict
+
+
+class SlackAgain(Pager):
+    """A kind that takes a scheme a built-in one has."""
+
+    name = "slack2"
+    schemes = ("slack",)

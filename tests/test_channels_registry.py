@@ -1,0 +1,157 @@
+"""The kinds a project sends to: found by scheme, and added from outside the
+package with ``CHANNELS`` (``tests/channels.py`` is such a project's code)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+
+from django_federation_delivery import send_webhook, signals
+from django_federation_delivery.channels import parse_destination, registry
+from django_federation_delivery.checks import check_webhooks
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.models import Delivery, Status
+
+from .conftest import Inbox, Received
+from .test_admin import html, login, url
+
+KEY = "routingKEY4b7c9"
+
+
+def with_pager(settings: Any, **extra: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager"],
+        **extra,
+    }
+
+
+def test_every_built_in_kind_has_its_schemes() -> None:
+    assert registry().schemes == sorted(
+        [
+            "discord",
+            "discord+http",
+            "http",
+            "https",
+            "markdown",
+            "markdown+http",
+            "matrix",
+            "matrix+http",
+            "ntfy",
+            "ntfy+http",
+            "slack",
+            "slack+http",
+            "telegram",
+        ]
+    )
+
+
+def test_an_unknown_scheme_lists_those_known_and_never_shows_the_url() -> None:
+    with pytest.raises(ImproperlyConfigured) as raised:
+        parse_destination("ops", "slak://hooks.slack.com/services/T1/B2/tokenSECRET99")
+    message = str(raised.value)
+    assert "'ops'" in message and "'slak'" in message
+    assert "slack, slack+http" in message and "telegram" in message
+    assert "SECRET" not in message and "hooks.slack.com" not in message
+
+
+def test_a_scheme_that_is_no_scheme_is_not_shown() -> None:
+    with pytest.raises(ImproperlyConfigured) as raised:
+        parse_destination("ops", "hooks.slack.com/services/tokenSECRET99://x")
+    assert "SECRET" not in str(raised.value) and "(not shown)" in str(raised.value)
+
+
+def test_the_check_names_the_variable_of_a_url_with_an_unknown_scheme(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"oncall": "pagr://routingKEYsecret1@pager.example/x"},
+    }
+    (message,) = check_webhooks()
+    assert message.id == "federation_delivery.E031"
+    assert "WEBHOOK_ONCALL" in (message.hint or "")
+    assert "pager" not in message.msg  # not known until CHANNELS adds it
+    assert "routingKEY" not in message.msg + (message.hint or "")
+    with_pager(settings, WEBHOOKS={"oncall": "pager://routingKEYsecret1@pager.example/x"})
+    assert check_webhooks() == []
+
+
+def test_a_kind_from_outside_parses_shows_and_redacts_by_its_declaration(settings: Any) -> None:
+    with_pager(settings)
+    destination = parse_destination("oncall", f"pager://{KEY}@pager.example/v2/enqueue")
+    assert destination.display == "oncall (Pager)"
+    assert destination.kind == "pager"
+    assert destination.url == "https://pager.example/v2/enqueue"
+    assert destination.redact(f"bad key {KEY}") == "bad key [redacted]"
+    assert "pager" in registry().schemes
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kind_from_outside_is_ordered_retried_redacted_and_shown_like_a_built_in_one(
+    inboxes: Callable[..., Inbox], settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    lock = threading.Lock()
+    refused_once: list[str] = []
+
+    def pager(request: Received) -> tuple[int, dict[str, str], bytes]:
+        # The first page is not taken, said inside a 200 (echoing the key), once.
+        with lock:
+            page = request.json()
+            if page["dedup_key"] == "e0" and not refused_once:
+                refused_once.append(page["dedup_key"])
+                answer = {"status": "error", "message": f"busy, key {page['routing_key']}"}
+                return 200, {}, json.dumps(answer).encode()
+        return 202, {}, b'{"status": "success"}'
+
+    server = inboxes("127.0.0.1", respond=pager)
+    with_pager(
+        settings,
+        WEBHOOKS={"oncall": f"pager+http://{KEY}@127.0.0.1:{server.port}/v2/enqueue"},
+        WEBHOOK_RETRY=[0.2] * 8,
+    )
+    attempts: list[signals.Attempted] = []
+
+    def attempted(sender: Any, attempt: signals.Attempted, **kwargs: Any) -> None:
+        attempts.append(attempt)
+
+    for n in range(3):
+        send_webhook("oncall", "alert.raised", {"n": n}, event_id=f"e{n}")
+    signals.delivery_attempted.connect(attempted)
+    try:
+        for _ in range(40):
+            Deliverer().run(drain=True)
+            if not Delivery.objects.filter(status=Status.PENDING).exists():
+                break
+            threading.Event().wait(0.2)
+    finally:
+        signals.delivery_attempted.disconnect(attempted)
+
+    # Ordered: the refused first page held the others until it went through.
+    assert [r.json()["dedup_key"] for r in server.received] == ["e0", "e0", "e1", "e2"]
+    assert [r.path for r in server.received] == ["/v2/enqueue"] * 4
+    rows = list(Delivery.objects.order_by("id"))
+    assert [(d.status, d.attempts) for d in rows] == [
+        (Status.DELIVERED, 2),
+        (Status.DELIVERED, 1),
+        (Status.DELIVERED, 1),
+    ]
+    # The failure it retried was told without the key the pager echoed.
+    first = attempts[0]
+    assert (first.destination, first.outcome, first.status) == ("oncall", "retrying", 200)
+    assert first.error == (
+        'the receiver answered 200: {"status": "error", "message": "busy, key [redacted]"}'
+    )
+    status = StringIO()
+    call_command("delivery_status", stdout=status)
+    operator = login("operator")
+    queues = html(operator, url("delivery", "queues"))
+    deliveries = html(operator, url("delivery"))
+    assert "Pager" in queues and 'data-destination="oncall"' in queues
+    for text in (status.getvalue(), queues, deliveries, caplog.text):
+        assert KEY not in text
