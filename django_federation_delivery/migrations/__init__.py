@@ -1,0 +1,1 @@
+"""The schema of the queue: batches, deliveries, breakers, hosts and heartbeats."""

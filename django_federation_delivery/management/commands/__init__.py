@@ -1,0 +1,1 @@
+"""The commands manage.py finds, one module each."""
