@@ -44,6 +44,7 @@ from django_federation_delivery.transport import (
     guard,
     idle,
     is_public_address,
+    logs,
     parse_retry_after,
 )
 
@@ -1089,3 +1090,19 @@ def test_parse_retry_after_counts_from_now_by_default() -> None:
     waited = parse_retry_after(later)
     assert waited is not None
     assert 55 < waited <= 60
+
+
+def test_urllib3_s_request_lines_keep_no_query_and_no_secret_a_caller_names(
+    inbox: Inbox, transport: Transport, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="urllib3"):
+        transport.post(inbox.url("/inbox?token=qu3ryS3cret"), b"{}", SIGNED)
+        with logs.redacting(lambda text: text.replace("pathS3cret", "[redacted]")):
+            transport.post(inbox.url("/hooks/pathS3cret"), b"{}", SIGNED)
+        transport.post(inbox.url("/hooks/pathS3cret"), b"{}", SIGNED)
+    lines = [record.getMessage() for record in caplog.records if "POST" in record.getMessage()]
+    assert len(lines) == 3
+    assert "/inbox " in lines[0] and "qu3ryS3cret" not in lines[0]
+    assert "/hooks/[redacted]" in lines[1]
+    # Only while the caller asks: its own secret, not every path.
+    assert "/hooks/pathS3cret" in lines[2]

@@ -46,6 +46,7 @@ from django_federation_delivery.exceptions import (
     AttemptTimeout,
     TransportError,
 )
+from django_federation_delivery.transport import logs
 from django_federation_delivery.transport.addresses import IPNetwork, is_public_address
 from django_federation_delivery.transport.failures import check_url, translate
 from django_federation_delivery.transport.guard import (
@@ -62,6 +63,7 @@ __all__ = [
     "Transport",
     "TransportSettings",
     "is_public_address",
+    "logs",
     "parse_retry_after",
 ]
 

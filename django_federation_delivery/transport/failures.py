@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import http.client
-import logging
 import socket
 import ssl
 from collections.abc import Iterator
@@ -23,20 +22,6 @@ from django_federation_delivery.exceptions import (
 from django_federation_delivery.redaction import redact
 
 __all__ = ["Target", "check_url", "reason", "redact", "translate"]
-
-
-class _WithoutQueries(logging.Filter):
-    """urllib3 logs every request line at DEBUG, query and all; a query may be a credential."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple):
-            record.args = tuple(
-                arg.partition("?")[0] if isinstance(arg, str) else arg for arg in record.args
-            )
-        return True
-
-
-logging.getLogger("urllib3.connectionpool").addFilter(_WithoutQueries())
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,15 @@ included; urllib3's debug log lines are redacted while a webhook is sent.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from django_federation_delivery.attempt import AttemptResult, Job, failed
 from django_federation_delivery.channels import Destination, Event, Verdict
 from django_federation_delivery.exceptions import TransportError
-from django_federation_delivery.transport import Connections, Transport, TransportSettings
+from django_federation_delivery.transport import Connections, Transport, TransportSettings, logs
 from django_federation_delivery.transport.failures import check_url
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
@@ -85,7 +83,7 @@ def attempt_webhook(
         return failed(job, error, permanent=False, requests=0)
     headers = {"Accept": ACCEPT, **request.headers}
     try:
-        with _redacting(destination):
+        with logs.redacting(destination.redact):
             answer = transport.post(request.url, request.body, headers, method=request.method)
     except TransportError as exc:
         error = safe_text(destination, request.url, str(exc))[: policy.message_length]
@@ -166,38 +164,3 @@ class WebhookTransport:
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
-
-
-# urllib3 logs the path it POSTs to at DEBUG, and for a webhook the path is
-# the credential: while a worker sends one, its lines are redacted.
-_sending = threading.local()
-_URLLIB3_LOGGERS = (
-    "urllib3.connectionpool",
-    "urllib3.connection",
-    "urllib3.poolmanager",
-    "urllib3.response",
-    "urllib3.util.retry",
-)
-
-
-@contextlib.contextmanager
-def _redacting(destination: Destination) -> Iterator[None]:
-    _sending.destination = destination
-    try:
-        yield
-    finally:
-        _sending.destination = None
-
-
-class _RedactFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        destination: Destination | None = getattr(_sending, "destination", None)
-        if destination is not None:
-            record.msg = destination.redact(record.getMessage())
-            record.args = None
-        return True
-
-
-_FILTER = _RedactFilter()
-for _name in _URLLIB3_LOGGERS:
-    logging.getLogger(_name).addFilter(_FILTER)
