@@ -25,16 +25,16 @@ _EXPORTS = {
     "Scheme": "django_federation_delivery.signatures",
     "InvalidDelivery": "django_federation_delivery.exceptions",
     "SigningError": "django_federation_delivery.exceptions",
-    "normalize_inbox": "django_federation_delivery.urls",
-    "validate_inbox": "django_federation_delivery.urls",
+    "normalize_inbox": "django_federation_delivery.addresses",
+    "validate_inbox": "django_federation_delivery.addresses",
 }
 
 if TYPE_CHECKING:
+    from django_federation_delivery.addresses import normalize_inbox, validate_inbox
     from django_federation_delivery.exceptions import InvalidDelivery, SigningError
     from django_federation_delivery.portable import PortableInbox
     from django_federation_delivery.sending import BatchOptions, send, send_batch, send_portable
     from django_federation_delivery.signatures import Scheme, SenderKey
-    from django_federation_delivery.urls import normalize_inbox, validate_inbox
     from django_federation_delivery.webhooks.sending import send_webhook
 
 __all__ = [

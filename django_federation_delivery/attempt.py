@@ -10,7 +10,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping
 
-from django_federation_delivery import redaction, urls
+from django_federation_delivery import addresses
 from django_federation_delivery.channels.base import is_refusal
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
@@ -150,8 +150,8 @@ def _post(
 ) -> AttemptResult:
     try:
         # Signed and sent in one spelling: the signature covers the very target requested.
-        url = urls.split(target).url
-    except urls.UnusableURL as exc:
+        url = addresses.split(target).url
+    except addresses.UnusableURL as exc:
         error = f"cannot deliver to '{exc.redacted}': it {exc.reason}"
         return failed(job, error[:error_length], permanent=True, requests=0)
     try:
@@ -225,7 +225,7 @@ def failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> Attem
 def describe(answer: Answer, length: int, target: str = "") -> str:
     """ "the inbox answered 503: <the start of its body>", cut to ``length``, with the
     target's userinfo and query (which an inbox may echo) replaced."""
-    secrets = redaction.credentials(target) if target else []
+    secrets = addresses.credentials(target) if target else []
     longest = max(map(len, secrets), default=0)
     window = answer.body[: (length + longest) * 4]
     text = window.decode("utf-8", "replace")

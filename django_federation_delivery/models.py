@@ -11,12 +11,12 @@ from django.utils import timezone
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_federation_delivery.redaction import redact
+from django_federation_delivery.addresses import redact
 
 
 @dataclasses.dataclass(frozen=True)
 class SkippedInbox:
-    """An inbox a send left out, as a message may show it (see ``redaction.redact``), and why.
+    """An inbox a send left out, as a message may show it (see ``addresses.redact``), and why.
 
     Not stored: listed on the batch a send returns (``Batch.skipped``).
     """

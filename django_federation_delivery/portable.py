@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from . import urls
+from . import addresses
+from .addresses import origin
 from .exceptions import InvalidDelivery
-from .urls import origin
 
 __all__ = [
     "MAX_GATEWAYS",
@@ -66,7 +66,7 @@ def parse_ap_uri(uri: str) -> tuple[str, str, str]:
     # A gateway URL is resolved like any other: "/did/../../x" would leave the apgateway prefix.
     if any(unquote(segment) in (".", "..") for segment in path.split("/")):
         raise InvalidDelivery(f"an ap:// path may not have '.' or '..' segments: {_shown(uri)}")
-    return did, urls.encode_path(path), urls.encode_query(parts.query)
+    return did, addresses.encode_path(path), addresses.encode_query(parts.query)
 
 
 def canonical(uri: str) -> str:
@@ -85,8 +85,8 @@ def is_gateway(url: str) -> bool:
     if not isinstance(url, str) or "?" in url or "#" in url:  # "x?" parses as "x"
         return False
     try:
-        parts = urls.split(url)
-    except urls.UnusableURL:
+        parts = addresses.split(url)
+    except addresses.UnusableURL:
         return False
     # Nothing after the "/" that ends the authority, not even "." or another "/".
     return parts.path == "/" and not url.partition("//")[2].partition("/")[2]
@@ -102,8 +102,8 @@ def at_gateway(uri: str, gateway: str) -> str:
     if not is_gateway(gateway):
         raise InvalidDelivery(f"not a gateway (a bare http(s) origin): {_shown(gateway)}")
     url = f"{origin(gateway)}{_GATEWAY_PATH}{did}{path}"
-    # In canonical form, as every URL delivered to (see urls.py); raises when too long.
-    return urls.split(f"{url}?{query}" if query else url).url
+    # In canonical form, as every URL delivered to (see addresses.py); raises when too long.
+    return addresses.split(f"{url}?{query}" if query else url).url
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import history
+from django_federation_delivery.addresses import host_of
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.dialect import (
     connection_for,
@@ -43,7 +44,6 @@ from django_federation_delivery.dialect import (
 )
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.store.queueing import CHUNK
-from django_federation_delivery.urls import host_of
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery import portable, redaction, urls
+from django_federation_delivery import addresses, portable
+from django_federation_delivery.addresses import host_of, normalize_inbox
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane, SkippedInbox
 from django_federation_delivery.portable import PortableInbox
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
-from django_federation_delivery.urls import host_of, normalize_inbox
 
 __all__ = [
     "BatchOptions",
@@ -229,8 +229,8 @@ def _inboxes(inboxes: Iterable[str]) -> tuple[list[queueing.Queued], list[Skippe
     skipped: list[SkippedInbox] = []
     for inbox in inboxes:
         try:
-            url, host = urls.canonical_and_host(inbox)
-        except urls.UnusableURL as exc:
+            url, host = addresses.canonical_and_host(inbox)
+        except addresses.UnusableURL as exc:
             skipped.append(SkippedInbox(exc.redacted, exc.reason))
             continue
         unique.setdefault(url, host)
@@ -246,7 +246,7 @@ def _portable_inboxes(
     skipped: list[SkippedInbox] = []
     for inbox in inboxes:
         if not isinstance(inbox, PortableInbox):
-            shown = redaction.redact(inbox) if isinstance(inbox, str) else ""
+            shown = addresses.redact(inbox) if isinstance(inbox, str) else ""
             reason = f"is not a PortableInbox but {type(inbox).__name__}"
             skipped.append(SkippedInbox(shown, reason))
             continue
@@ -255,7 +255,7 @@ def _portable_inboxes(
             continue
         via = portable.targets(inbox)
         if not via:
-            skipped.append(SkippedInbox(redaction.redact(name), "has no usable gateway"))
+            skipped.append(SkippedInbox(addresses.redact(name), "has no usable gateway"))
             continue
         # The first gateway stands for the host: per-host limits and breakers.
         queued[name] = queueing.Queued(name, host_of(via[0]), tuple(via))

@@ -11,8 +11,8 @@ import hashlib
 import re
 from collections.abc import Iterable
 
+from .addresses import origin
 from .exceptions import InvalidDelivery
-from .urls import origin
 
 __all__ = [
     "collection_synchronization",

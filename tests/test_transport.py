@@ -40,13 +40,13 @@ from django_federation_delivery.transport import (
     Connections,
     Transport,
     TransportSettings,
-    addresses,
     guard,
     idle,
     is_public_address,
     logs,
     parse_retry_after,
 )
+from django_federation_delivery.transport import networks as ip_networks
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 USER_AGENT = "django-federation-delivery/test (+https://sender.example/)"
@@ -474,7 +474,7 @@ def test_an_embedded_ipv4_address_is_allowed_by_its_network(
     address: str, networks: tuple[str, ...], verdict: bool
 ) -> None:
     allowed = tuple(ipaddress.ip_network(network) for network in networks)
-    assert addresses.allowed(ipaddress.ip_address(address), allowed) is verdict
+    assert ip_networks.allowed(ipaddress.ip_address(address), allowed) is verdict
 
 
 class _NoNAT64Route(socket.socket):

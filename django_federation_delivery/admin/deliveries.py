@@ -17,6 +17,7 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import controls
+from django_federation_delivery.addresses import redact
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     next_due,
@@ -30,7 +31,6 @@ from django_federation_delivery.admin.queues import queues_page
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Breaker, Delivery, Status
-from django_federation_delivery.redaction import redact
 from django_federation_delivery.webhooks.destinations import (
     KEY_PREFIX,
     delivery_key,
@@ -229,7 +229,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     def destinations_view(self, request: HttpRequest) -> TemplateResponse:
         return destinations_page(self, request)
 
-    # An inbox's query may be a credential: the admin shows none (see redaction.redact).
+    # An inbox's query may be a credential: the admin shows none (see addresses.redact).
     @admin.display(description=_("inbox"), ordering="inbox")
     def shown_inbox(self, obj: Delivery) -> str:
         return redact(obj.inbox)

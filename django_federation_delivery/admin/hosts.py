@@ -13,6 +13,7 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import controls
+from django_federation_delivery.addresses import host_of, redact
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     give_up_and_report,
@@ -22,8 +23,6 @@ from django_federation_delivery.admin.base import (
 )
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
-from django_federation_delivery.redaction import redact
-from django_federation_delivery.urls import host_of
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from email.utils import formatdate
 
-from django_federation_delivery import urls
+from django_federation_delivery import addresses
 from django_federation_delivery.exceptions import SigningError
 
 from .digest import check_sha256_b64
@@ -56,15 +56,15 @@ class Target:
 
 def parse_target(url: str) -> Target:
     """Split an absolute http(s) URL into what a signature covers, in its canonical
-    form (:func:`django_federation_delivery.urls.split`).
+    form (:func:`django_federation_delivery.addresses.split`).
 
     The canonical form is what the transport sends (``requests`` leaves it as it is),
     so the signed target is the one on the wire; a URL with no canonical form is
     refused rather than signed for something else than will be requested.
     """
     try:
-        parts = urls.split(url)
-    except urls.UnusableURL as exc:
+        parts = addresses.split(url)
+    except addresses.UnusableURL as exc:
         raise SigningError(f"cannot sign for '{exc.redacted}': it {exc.reason}") from None
     return Target(scheme=parts.scheme, host=parts.hostport, path_query=parts.target)
 

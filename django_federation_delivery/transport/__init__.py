@@ -47,7 +47,6 @@ from django_federation_delivery.exceptions import (
     TransportError,
 )
 from django_federation_delivery.transport import logs
-from django_federation_delivery.transport.addresses import IPNetwork, is_public_address
 from django_federation_delivery.transport.failures import check_url, translate
 from django_federation_delivery.transport.guard import (
     WATCHDOG,
@@ -55,6 +54,7 @@ from django_federation_delivery.transport.guard import (
     GuardedAdapter,
     this_thread,
 )
+from django_federation_delivery.transport.networks import IPNetwork, is_public_address
 
 __all__ = [
     "DEFAULT_ACCEPT",

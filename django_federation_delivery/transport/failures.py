@@ -12,14 +12,14 @@ import requests
 import requests.adapters
 import urllib3.exceptions
 
-from django_federation_delivery import urls
+from django_federation_delivery import addresses
+from django_federation_delivery.addresses import redact
 from django_federation_delivery.exceptions import (
     AttemptTimeout,
     ConnectionFailed,
     InvalidURL,
     TransportError,
 )
-from django_federation_delivery.redaction import redact
 
 __all__ = ["Target", "check_url", "reason", "redact", "translate"]
 
@@ -33,8 +33,8 @@ class Target:
 
 def check_url(url: str) -> Target:
     try:
-        parts = urls.split(url, userinfo=True)
-    except urls.UnusableURL as exc:
+        parts = addresses.split(url, userinfo=True)
+    except addresses.UnusableURL as exc:
         raise InvalidURL(f"not a usable URL: '{exc.redacted}' {exc.reason}") from None
     return Target(display=redact(parts.origin + parts.path), scheme=parts.scheme, host=parts.host)
 

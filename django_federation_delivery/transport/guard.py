@@ -28,9 +28,9 @@ from django_federation_delivery.exceptions import (
     ConnectionFailed,
     RefusedAddress,
 )
-from django_federation_delivery.transport.addresses import IPNetwork, allowed, parse_ip
 from django_federation_delivery.transport.failures import reason
 from django_federation_delivery.transport.idle import IDLE
+from django_federation_delivery.transport.networks import IPNetwork, allowed, parse_ip
 
 if TYPE_CHECKING:
     from urllib3._base_connection import BaseHTTPConnection

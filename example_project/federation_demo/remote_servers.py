@@ -18,8 +18,8 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from django_federation_delivery.addresses import host_of
 from django_federation_delivery.signals import Failure, Settled
-from django_federation_delivery.urls import host_of
 from federation_demo.models import RemoteServer
 
 GONE = 410

@@ -1,4 +1,5 @@
-"""The one canonical form of a URL: parse, IDNA, quote once, host, origin.
+"""The one home of a URL: its canonical form (parse, IDNA, quote once), its
+host and origin, and what a message may show of it.
 
 Inbox URLs come from remote actors' documents, so anyone chooses them. A URL is
 taken in one canonical form, or refused with a reason, never quietly mended:
@@ -7,7 +8,14 @@ what the signature covers must be, byte for byte, what goes on the wire, and
 result is a fixed point of :func:`normalize_inbox` and of
 ``requests.utils.requote_uri``.
 
-Pure: no Django, no network.
+An inbox's query or userinfo may be a credential: what is logged, stored as an
+error, sent with a signal or shown in the admin goes through :func:`redact`,
+and an inbox's answer is kept with its target's :func:`credentials` replaced.
+(A webhook destination's secrets are declared by its kind: see
+``channels/``.)
+
+Pure: no Django, no network; :func:`redact` and :func:`credentials` never
+raise, as both run on URLs already refused.
 """
 
 from __future__ import annotations
@@ -17,14 +25,11 @@ import functools
 import ipaddress
 import re
 import unicodedata
-from urllib.parse import quote
+from urllib.parse import quote, unquote, unquote_plus
 
 import idna
 
 from django_federation_delivery.exceptions import InvalidDelivery
-
-# redact and credentials have their own module; still importable from here.
-from django_federation_delivery.redaction import credentials, redact
 
 __all__ = [
     "MAX_HOST_LENGTH",
@@ -70,7 +75,7 @@ class UnusableURL(InvalidDelivery):
     """A URL refused, with what may be shown of it and why."""
 
     def __init__(self, url: object, reason: str, *, what: str = "URL") -> None:
-        #: The URL as a message may show it (see :func:`~.redaction.redact`); "" when not a string.
+        #: The URL as a message may show it (see :func:`redact`); "" when not a string.
         self.redacted = redact(url) if isinstance(url, str) else ""
         self.reason = reason
         shown = f" '{self.redacted}'" if isinstance(url, str) else ""
@@ -396,3 +401,55 @@ def _without_dot_segments(path: str) -> str:
         else:
             kept.append(segment)
     return "/" + "/".join(kept)
+
+
+# What a message may show of a URL, and what of it no message may hold.
+
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?(//)?[^/]*@")
+_ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?[^/\\?#]*")
+_MESSAGE_URL_LENGTH = 200
+# A part of a query or userinfo shorter than this ("a=1") is not worth hiding on its own.
+_PART_LENGTH = 4
+
+
+def redact(url: str, *, whole_path: bool = False) -> str:
+    """The URL as a message may show it: no userinfo, query or fragment, one printable
+    line, short. With ``whole_path``, only ``scheme://host[:port]`` (for a URL whose
+    path is itself the credential). Never raises."""
+    text = str(url)
+    # Up to the last "@" before the path, "//" or not ("http:user:pw@host"), even when
+    # a "?" comes first: a password may hold one.
+    text = _USERINFO.sub(r"\1\2", text)
+    if whole_path:
+        matched = _ORIGIN_ONLY.match(text)
+        text = matched.group(0) if matched else ""
+    else:
+        text = re.split(r"[?#]", text, maxsplit=1)[0]
+    text = text[: _MESSAGE_URL_LENGTH + 1]
+    # Escaped as repr() escapes: one line, and nothing that prints as something else.
+    text = repr(text)[1:-1]
+    if len(text) > _MESSAGE_URL_LENGTH:
+        text = text[: _MESSAGE_URL_LENGTH - 3] + "..."
+    return text
+
+
+def credentials(url: str) -> list[str]:
+    """What of ``url`` no message may hold: its userinfo and query, whole and in parts
+    (user, password, each parameter and its value), as written and decoded; longest
+    first, so that replacing them in turn leaves no piece of a longer one."""
+    text = str(url)
+    found: set[str] = set()
+    matched = _USERINFO.match(text)
+    if matched:
+        userinfo = matched.group(0)[len(matched.group(1) or "") + len(matched.group(2) or "") : -1]
+        found.add(userinfo)
+        found.update(piece for piece in userinfo.split(":") if len(piece) >= _PART_LENGTH)
+        text = text[matched.end() :]
+    query = text.partition("#")[0].partition("?")[2]
+    if query:
+        found.add(query)
+        for parameter in re.split(r"[&;]", query):
+            value = parameter.partition("=")[2]
+            found.update(part for part in (parameter, value) if len(part) >= _PART_LENGTH)
+    decoded = {decode(secret) for secret in found for decode in (unquote, unquote_plus)}
+    return sorted((found | decoded) - {""}, key=lambda secret: (-len(secret), secret))

@@ -1,4 +1,5 @@
-"""The one canonical form of a URL: a table of spellings, its properties, and the wire.
+"""The one home of a URL: its canonical form (a table of spellings, its
+properties, and the wire), and what a message may show of it.
 
 End to end, a URL is either refused when queued, with a reason, or sent to a real
 local inbox whose received path is the one both independent verifiers (pyhttpsig
@@ -18,14 +19,20 @@ import pytest
 import requests.utils
 
 import django_federation_delivery
-from django_federation_delivery import send, urls
+from django_federation_delivery import addresses, send
+from django_federation_delivery.addresses import (
+    credentials,
+    host_of,
+    normalize_inbox,
+    origin,
+    redact,
+    validate_inbox,
+)
 from django_federation_delivery.attempt import AttemptResult, Job, attempt
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery
-from django_federation_delivery.redaction import redact
 from django_federation_delivery.signatures import Scheme, SenderKey
 from django_federation_delivery.transport import Transport, TransportSettings
-from django_federation_delivery.urls import host_of, normalize_inbox, origin, validate_inbox
 
 from .conftest import Inbox, Received
 from .keys import ALICE, rsa_key
@@ -160,7 +167,7 @@ def test_the_canonical_form_is_a_fixed_point_and_left_alone_by_requests(url: str
     assert requests.utils.requote_uri(url) == url
     request = requests.Request("POST", url).prepare()
     assert request.url == url
-    assert request.path_url == urls.split(url).target
+    assert request.path_url == addresses.split(url).target
 
 
 def spellings() -> Iterator[str]:
@@ -210,31 +217,31 @@ def spellings() -> Iterator[str]:
 def test_the_short_way_for_a_canonical_url_gives_what_the_whole_way_gives(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    short, canonical_and_host = urls._already_canonical, urls.canonical_and_host
+    short, canonical_and_host = addresses._already_canonical, addresses.canonical_and_host
     cases = [*spellings(), *(url for url, _ in CANONICAL), *(url for url, _ in REFUSED)]
     taken = 0
     with monkeypatch.context() as patched:
-        patched.setattr(urls, "_canonical_match", lambda url: None)
-        patched.setattr(urls, "_already_canonical", lambda url: None)
+        patched.setattr(addresses, "_canonical_match", lambda url: None)
+        patched.setattr(addresses, "_already_canonical", lambda url: None)
         whole = {}
         for url in cases:
             try:
                 # The whole way, not what an earlier split kept.
-                whole[url] = urls._split.__wrapped__(url, False)
-            except urls.UnusableURL as exc:
+                whole[url] = addresses._split.__wrapped__(url, False)
+            except addresses.UnusableURL as exc:
                 whole[url] = exc.reason
     for url in cases:
         expected = whole[url]
         try:
             got: object = canonical_and_host(url)
-        except urls.UnusableURL as exc:
+        except addresses.UnusableURL as exc:
             got = exc.reason
         if isinstance(expected, str):
             assert got == expected, url
             continue
         assert got == (expected.url, expected.host), url
         # split() refuses what is too long before it looks for the short way.
-        parts = short(url) if len(url) <= urls.MAX_URL_LENGTH else None
+        parts = short(url) if len(url) <= addresses.MAX_URL_LENGTH else None
         if parts is not None:
             taken += 1
             assert parts == expected, url
@@ -320,7 +327,7 @@ def sent_once(url: object, inbox: Inbox, transport: Transport, scheme: Scheme) -
     assert result.delivered, (url, result.error)
     (request,) = inbox.received[before:]
     assert verified(request, scheme), (url, request.path)
-    assert request.path == urls.split(delivery.inbox).target
+    assert request.path == addresses.split(delivery.inbox).target
     return "verified"
 
 
@@ -562,3 +569,39 @@ def test_a_corpus_of_hostile_activities_is_either_delivered_verified_or_refused_
         assert json.loads(request.body) == json.loads(json.dumps(activity)), number
         outcomes.append("verified")
     assert outcomes.count("verified") == 4 and outcomes.count("refused") == 13, outcomes
+
+
+# What a message may show of a URL, and what of it none may hold.
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://a.example/inbox?token=SECRET#frag", "https://a.example/inbox"),
+        ("https://user:SECRET@a.example/inbox", "https://a.example/inbox"),
+        ("http:user:SECRET@a.example/inbox", "http:a.example/inbox"),
+        # A "?" in the password does not hide the "@" that ends it.
+        ("https://user:SE?CRET@a.example/", "https://a.example/"),
+        ("https://a.example/@alice/inbox", "https://a.example/@alice/inbox"),
+        ("https://a.example/in\r\nX: 1", "https://a.example/in\\r\\nX: 1"),
+        ("https://a.example/\u202e\x00\ud800", "https://a.example/\\u202e\\x00\\ud800"),
+        ("https://a.example/" + "x" * 300, "https://a.example/" + "x" * 179 + "..."),
+    ],
+)
+def test_redact_shows_no_userinfo_query_or_fragment_on_one_short_line(url: str, shown: str) -> None:
+    assert redact(url) == shown
+
+
+def test_redact_can_keep_only_the_origin() -> None:
+    url = "https://user:pw@hooks.example:8443/services/T000/B000/SECRET?x=1"
+    assert redact(url, whole_path=True) == "https://hooks.example:8443"
+    assert redact("https://hooks.example?SECRET", whole_path=True) == "https://hooks.example"
+
+
+def test_credentials_are_the_userinfo_and_query_whole_in_parts_and_decoded() -> None:
+    found = credentials("https://u:pa%20ss@a.example/x?token=SE%2BCRET&a=1#f")
+    assert found == sorted(found, key=lambda secret: -len(secret))
+    for secret in ("u:pa%20ss", "pa ss", "token=SE%2BCRET&a=1", "SE+CRET", "SE%2BCRET"):
+        assert secret in found
+    assert "a=1" not in found, "too short to be worth hiding on its own"
+    assert credentials("https://a.example/inbox") == []
