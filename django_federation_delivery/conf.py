@@ -21,7 +21,7 @@ from django.utils.module_loading import import_string
 from django.utils.translation import gettext as _
 
 from django_federation_delivery import __version__
-from django_federation_delivery.retry import RetryPolicy
+from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
 from django_federation_delivery.signatures import Scheme
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ DEFAULTS: dict[str, Any] = {
     # Webhook deliveries: the waits between tries (nine tries across a day),
     # the longest Retry-After honoured unless the scheduled wait is longer,
     # and the time one request may take.
-    "WEBHOOK_RETRY": [30, 120, 600, 1800, 3600, 10800, 21600, 43200],
+    "WEBHOOK_RETRY": list(DAY_SCHEDULE),
     "WEBHOOK_RETRY_AFTER_MAX": 3600.0,
     "WEBHOOK_TIMEOUT": 10.0,
     # How long settled deliveries are kept, in seconds, by status, before

@@ -251,3 +251,29 @@ def test_the_check_refuses_a_setting_that_is_not_names_to_urls(
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": webhooks}
     assert [m.id for m in check_webhooks()] == ["federation_delivery.E030"]
     assert "slack://" not in check_webhooks()[0].msg
+
+
+def test_the_setting_is_parsed_once_until_it_changes(settings: Any) -> None:
+    from unittest import mock
+
+    from django_federation_delivery.channels.registry import Registry
+    from django_federation_delivery.webhooks.destinations import configured
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": SLACK, "tg": TELEGRAM, "bad": "slack://parsed-once.example"},
+    }
+    with mock.patch.object(Registry, "parse", autospec=True, side_effect=Registry.parse) as parse:
+        first = configured()
+        for _ in range(3):
+            assert configured() is first
+            assert first.lookup("ops") is configured().destinations["ops"]
+        assert parse.call_count == 3
+        assert first.names == ["bad", "ops", "tg"]
+        assert "'bad'" in str(first.lookup("bad")) and first.lookup("gone") is None
+        settings.FEDERATION_DELIVERY = {
+            **settings.FEDERATION_DELIVERY,
+            "WEBHOOKS": {"ops": "slack://parsed-once.example/services/T/B/changed"},
+        }
+        assert configured().names == ["ops"]
+        assert parse.call_count == 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
+from django.core.exceptions import ImproperlyConfigured
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
@@ -28,11 +29,11 @@ from django_federation_delivery.admin.base import (
 )
 from django_federation_delivery.admin.destinations import destinations_page
 from django_federation_delivery.admin.queues import queues_page
-from django_federation_delivery.conf import app_settings
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Breaker, Delivery, Status
 from django_federation_delivery.webhooks.destinations import (
     KEY_PREFIX,
+    configured,
     delivery_key,
     destination_name,
 )
@@ -134,8 +135,10 @@ class DestinationFilter(admin.SimpleListFilter):
     parameter_name = "destination"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        configured = app_settings.get("WEBHOOKS")
-        names = {str(name) for name in configured} if isinstance(configured, dict) else set()
+        try:
+            names = set(configured().names)
+        except ImproperlyConfigured:  # said by manage.py check
+            names = set()
         if self.value():
             names.add(str(self.value()))
         return [(name, name) for name in sorted(names)]

@@ -19,11 +19,12 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     """The kinds added load, and each webhook destination parses; a message
     names it, never its URL (a credential)."""
     from django_federation_delivery.channels import registry
+    from django_federation_delivery.webhooks.destinations import configured
 
     if not isinstance(getattr(settings, SETTING, {}), dict):
         return []
     try:
-        kinds = registry()
+        registry()
     except ImproperlyConfigured as exc:
         return [
             Error(
@@ -51,22 +52,18 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 id=f"{PREFIX}.E030",
             )
         ]
-    errors: list[CheckMessage] = []
-    for name, url in webhooks.items():
-        try:
-            kinds.parse(name, url)
-        except ImproperlyConfigured as exc:
-            errors.append(
-                Error(
-                    str(exc),
-                    hint=_(
-                        "Set %(variable)s (read by webhooks_from_env) to a URL of one of the "
-                        "forms in the README's 'Webhooks (destinations)'."
-                    )
-                    % {"variable": f"WEBHOOK_{name.upper()}"},
-                    id=f"{PREFIX}.E031",
-                )
+    errors: list[CheckMessage] = [
+        Error(
+            problem,
+            hint=_(
+                "Set %(variable)s (read by webhooks_from_env) to a URL of one of the "
+                "forms in the README's 'Webhooks (destinations)'."
             )
+            % {"variable": f"WEBHOOK_{name.upper()}"},
+            id=f"{PREFIX}.E031",
+        )
+        for name, problem in configured().problems.items()
+    ]
     from django_federation_delivery.webhooks.policy import settings_problems
 
     if isinstance(getattr(settings, SETTING, {}), dict):

@@ -11,13 +11,12 @@ claimed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.settling import Settler
 from django_federation_delivery.signatures import Scheme
@@ -26,8 +25,8 @@ from django_federation_delivery.webhooks.attempt import WebhookCall, WebhookJob
 from django_federation_delivery.webhooks.destinations import (
     KEY_PREFIX,
     Destination,
+    configured,
     destination_name,
-    parse_destination,
 )
 
 __all__ = ["WebhookDeliveries", "removed_reason"]
@@ -52,28 +51,15 @@ class WebhookDeliveries:
         self.settler = settler
         self.using = using
         self.on_finished = on_finished
-        #: (name, URL) -> the destination, or what is wrong with it.
-        self._parsed: dict[tuple[str, str], Destination | str] = {}
 
     def lookup(self, name: str) -> Destination | str | None:
         """The destination ``name``: None when it is not configured (any more),
         text saying what is wrong when it does not parse (retried: fixed, the
         next try sends)."""
-        configured = app_settings.get("WEBHOOKS")
-        if not isinstance(configured, Mapping):
-            return f"{SETTING}['WEBHOOKS'] is not a dict of names to URLs"
-        url = configured.get(name)
-        if url is None:
-            return None
-        key = (name, str(url))
-        if key not in self._parsed:
-            if len(self._parsed) > 1000:
-                self._parsed.clear()
-            try:
-                self._parsed[key] = parse_destination(name, url)
-            except ImproperlyConfigured as exc:  # names the destination, never its URL
-                self._parsed[key] = str(exc)
-        return self._parsed[key]
+        try:
+            return configured().lookup(name)
+        except ImproperlyConfigured as exc:
+            return str(exc)
 
     def job(self, row: claims.Claimed, batch: BatchInfo) -> WebhookJob:
         """The job for a claimed webhook delivery: the destination as configured

@@ -7,17 +7,22 @@ and kind.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.channels import Destination, parse_destination
+from django_federation_delivery.channels.registry import Registry, registry
 
 __all__ = [
     "KEY_PREFIX",
+    "Configured",
     "Destination",
+    "configured",
     "configured_destinations",
     "delivery_key",
     "destination_name",
@@ -64,9 +69,31 @@ def webhooks_from_env(
     return found
 
 
-def configured_destinations() -> dict[str, Destination]:
-    """``FEDERATION_DELIVERY["WEBHOOKS"]``, parsed: ``ImproperlyConfigured`` (naming
-    the destination) for the first bad one."""
+@dataclasses.dataclass(frozen=True)
+class Configured:
+    """``FEDERATION_DELIVERY["WEBHOOKS"]``, parsed once for as long as it and
+    ``CHANNELS`` stay as they are."""
+
+    #: The destinations whose URL parses, by name.
+    destinations: Mapping[str, Destination]
+    #: What is wrong with each of the others, by name: a message that names
+    #: the destination, never its URL.
+    problems: Mapping[str, str]
+
+    @property
+    def names(self) -> list[str]:
+        """Every configured name, good or not, sorted."""
+        return sorted([*self.destinations, *self.problems])
+
+    def lookup(self, name: str) -> Destination | str | None:
+        """The destination ``name``; what is wrong with it when it does not
+        parse; None when it is not configured."""
+        return self.destinations.get(name) or self.problems.get(name)
+
+
+def configured() -> Configured:
+    """The configured destinations. ``ImproperlyConfigured`` when ``WEBHOOKS``
+    is not a dict of names to URLs, or ``CHANNELS`` cannot be loaded."""
     from django_federation_delivery.conf import SETTING, app_settings
 
     webhooks = app_settings.get("WEBHOOKS")
@@ -75,4 +102,29 @@ def configured_destinations() -> dict[str, Destination]:
             _("%(setting)s['WEBHOOKS'] must be a dict of names to URLs, not %(type)s.")
             % {"setting": SETTING, "type": type(webhooks).__name__}
         )
-    return {name: parse_destination(name, url) for name, url in webhooks.items()}
+    kinds = registry()
+    try:
+        return _parsed(tuple(webhooks.items()), kinds)
+    except TypeError:  # a value that cannot be hashed: not a URL, said by its problem
+        return _parsed.__wrapped__(tuple(webhooks.items()), kinds)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(webhooks: tuple[tuple[Any, Any], ...], kinds: Registry) -> Configured:
+    destinations: dict[str, Destination] = {}
+    problems: dict[str, str] = {}
+    for name, url in webhooks:
+        try:
+            destinations[name] = kinds.parse(name, url)
+        except ImproperlyConfigured as exc:  # names the destination, never its URL
+            problems[str(name)] = str(exc)
+    return Configured(destinations, problems)
+
+
+def configured_destinations() -> dict[str, Destination]:
+    """The configured destinations by name: ``ImproperlyConfigured`` (naming
+    the destination) for the first that does not parse."""
+    found = configured()
+    for problem in found.problems.values():
+        raise ImproperlyConfigured(problem)
+    return dict(found.destinations)

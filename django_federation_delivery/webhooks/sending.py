@@ -20,17 +20,18 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
 from django_federation_delivery.channels import Event
-from django_federation_delivery.conf import SETTING, app_settings
+from django_federation_delivery.conf import SETTING
 from django_federation_delivery.dialect import connection_for, is_postgresql
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
-from django_federation_delivery.webhooks.destinations import delivery_key, parse_destination
+from django_federation_delivery.webhooks.destinations import configured, delivery_key
 
 __all__ = ["ORDERING_KEY", "send_webhook"]
 
@@ -93,18 +94,19 @@ def _names(destination: object) -> list[str]:
         )
     else:
         given = list(destination)
-    configured = app_settings.get("WEBHOOKS")
+    found = configured()
     names: list[str] = []
     for name in given:
         if not isinstance(name, str):
             raise InvalidDelivery(f"a destination is named by a string, not {name!r:.200}")
-        if not isinstance(configured, dict) or name not in configured:
-            known = ", ".join(sorted(configured)) if isinstance(configured, dict) else ""
+        destination = found.lookup(name)
+        if destination is None:
             raise InvalidDelivery(
                 f"no webhook destination named {name!r:.100} is configured in "
-                f"{SETTING}['WEBHOOKS'] (configured: {known or 'none'})"
+                f"{SETTING}['WEBHOOKS'] (configured: {', '.join(found.names) or 'none'})"
             )
-        parse_destination(name, configured[name])
+        if isinstance(destination, str):
+            raise ImproperlyConfigured(destination)
         if name not in names:
             names.append(name)
     return names

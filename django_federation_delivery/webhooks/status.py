@@ -23,14 +23,13 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 from django.utils.translation import gettext, gettext_noop
 
-from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.webhooks.destinations import (
     KEY_PREFIX,
     Destination,
+    configured,
     delivery_key,
     destination_name,
-    parse_destination,
 )
 
 __all__ = ["DestinationHead", "DestinationStatus", "destination_status"]
@@ -149,16 +148,11 @@ def destination_status(
 
 def _configured() -> dict[str, Destination | None]:
     """The configured destinations by name; None for one whose URL does not parse."""
-    webhooks = app_settings.get("WEBHOOKS")
-    if not isinstance(webhooks, Mapping):
+    try:
+        found = configured()
+    except ImproperlyConfigured:
         return {}
-    found: dict[str, Destination | None] = {}
-    for name, url in webhooks.items():
-        try:
-            found[str(name)] = parse_destination(name, url)
-        except ImproperlyConfigured:
-            found[str(name)] = None
-    return found
+    return {name: found.destinations.get(name) for name in found.names}
 
 
 def _kind(name: str, configured: Mapping[str, Destination | None]) -> str:
