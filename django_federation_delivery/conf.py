@@ -178,6 +178,10 @@ def _waits(values: Iterable[Any]) -> tuple[float, ...]:
     return tuple(float(value) for value in values)
 
 
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
 def _paths(values: Any) -> tuple[str, ...]:
     if isinstance(values, str) or not all(isinstance(value, str) for value in values):
         raise TypeError("a list of dotted paths is needed")
@@ -190,6 +194,7 @@ class AppSettings:
     # Typed accessors, each named after its setting in lower case.
     key_cache_seconds = Typed(float)
     max_inboxes = Typed(int)
+    priority_max_inboxes = Typed(_optional_int)
     max_body_bytes = Typed(int)
     permanent_if_sender_gone = Typed(_statuses)
     retry = Typed(RetryPolicy.from_setting)

@@ -138,7 +138,7 @@ def _queue(
         _log_skipped(skipped, queued=len(targets))
     if not targets:
         return None
-    most = int(app_settings.get("MAX_INBOXES"))
+    most = app_settings.max_inboxes
     if len(targets) > most:
         raise InvalidDelivery(
             f"{len(targets)} inboxes is more than MAX_INBOXES ({most}) for one send"
@@ -212,7 +212,7 @@ def _body(activity: object) -> tuple[str, bytes]:
             "activity holds text that is not valid Unicode (a lone surrogate) near "
             f"{_shown(text[max(0, exc.start - 20) : exc.end + 20])}"
         ) from exc
-    limit = int(app_settings.get("MAX_BODY_BYTES"))
+    limit = app_settings.max_body_bytes
     if len(encoded) > limit:
         raise InvalidDelivery(
             f"activity is {len(encoded)} bytes as JSON, more than MAX_BODY_BYTES ({limit})"
@@ -357,7 +357,7 @@ def _flag(name: str, value: object) -> bool:
 def _lane(inboxes: int, low_priority: object) -> str:
     if _flag("low_priority", low_priority):
         return Lane.LOW
-    few = app_settings.get("PRIORITY_MAX_INBOXES")
+    few = app_settings.priority_max_inboxes
     if few is not None and inboxes <= few:
         return Lane.PRIORITY
     return Lane.NORMAL
