@@ -28,9 +28,19 @@ permanent_status = is_refusal
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """What a worker needs for one attempt."""
+    """What a worker needs for one attempt, whatever the kind: which delivery,
+    and by when the attempt must be over."""
 
     delivery_id: int
+    #: When its lease ends, less ``LEASE_MARGIN_SECONDS`` to write the outcome, as
+    #: ``time.monotonic()``: the attempt is over by then, or not made. None: no lease.
+    lease_deadline: float | None = dataclasses.field(default=None, kw_only=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InboxJob(Job):
+    """An attempt at an inbox: what to sign, with what, and where to POST."""
+
     #: Where to POST, in order: the inbox, or a portable inbox's gateways.
     targets: tuple[str, ...]
     body: bytes
@@ -42,9 +52,6 @@ class Job:
     extra_headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: Set when the key could not be had for a reason that may pass.
     key_error: str = ""
-    #: When its lease ends, less ``LEASE_MARGIN_SECONDS`` to write the outcome, as
-    #: ``time.monotonic()``: the attempt is over by then, or not made. None: no lease.
-    lease_deadline: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +75,7 @@ class AttemptResult:
 
 
 def attempt(
-    job: Job,
+    job: InboxJob,
     transport: Transport,
     *,
     is_permanent: Callable[[int], bool] = permanent_status,
@@ -111,7 +118,7 @@ def attempt(
 
 
 def _knock(
-    job: Job,
+    job: InboxJob,
     key: SenderKey,
     target: str,
     transport: Transport,
@@ -139,7 +146,7 @@ def _knock(
 
 
 def _post(
-    job: Job,
+    job: InboxJob,
     key: SenderKey,
     target: str,
     scheme: Scheme,

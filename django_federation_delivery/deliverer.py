@@ -10,7 +10,9 @@ The coordinator's parts: ``intake.py`` claims and waits for work,
 ``triage.py`` sorts what was claimed, ``handoff.py`` hands it to the workers
 and takes back what came of it, ``outbox.py`` writes that, and ``upkeep.py``
 keeps the connection, the heartbeat and the views of the breakers and the
-paused hosts up to date. The :class:`Deliverer` builds them and runs the loop.
+paused hosts up to date. Each delivery's batch is of a kind (``kinds.py``:
+inboxes or webhooks) that makes its job and its attempt and judges what came
+of it. The :class:`Deliverer` builds them and runs the loop.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from django_federation_delivery.conf import app_settings
 from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes
+from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.intake import Intake
-from django_federation_delivery.jobs import Jobs
+from django_federation_delivery.kinds import Kinds
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.settling import Settler, Summary
@@ -102,26 +105,31 @@ class Deliverer:
         self.on_progress = on_progress
         self.progress_interval = progress_interval
         self.summary = Summary()
-        self.settler = Settler.from_settings(self.summary)
-        # Webhook deliveries: the same loop, with the seed dispatcher's rules.
-        self.webhook_policy = WebhookPolicy.from_settings()
-        self.webhook_settler = self.webhook_policy.settler(self.summary)
-        self.webhooks = WebhookDeliveries(
-            self.webhook_settler, using=using, on_finished=self._batches_finished
-        )
-        self.jobs = Jobs(
+        self.inboxes = InboxDeliveries(
+            Settler.from_settings(self.summary),
             self.schemes,
-            self.webhooks,
-            synchronization=app_settings.callable_setting("COLLECTION_SYNCHRONIZATION"),
-        )
-        self._wake = threading.Event()
-        self.workers = Workers(
             self.transport_settings,
             is_permanent=self.is_permanent,
             error_length=self.error_length,
+            skip_if=self.skip_if,
+            synchronization=app_settings.callable_setting("COLLECTION_SYNCHRONIZATION"),
+        )
+        # Webhook deliveries: the same loop, with the seed dispatcher's rules.
+        webhook_policy = WebhookPolicy.from_settings()
+        self.webhooks = WebhookDeliveries(
+            webhook_policy,
+            webhook_policy.settler(self.summary),
+            self.transport_settings,
+            using=using,
+            on_finished=self._batches_finished,
+        )
+        self.kinds = Kinds(self.inboxes, self.webhooks)
+        self._wake = threading.Event()
+        self.workers = Workers(
+            self.transport_settings,
             wake=self._wake,
             needed=lambda: self.concurrency + self.slots.slow_count(),
-            webhook_policy=self.webhook_policy,
+            longest=self.kinds.longest,
             concurrency=self.concurrency,
         )
         self.slots = Slots(
@@ -145,13 +153,9 @@ class Deliverer:
             batches=self._batches,
             schemes=self.schemes,
             upkeep=self.upkeep,
-            webhooks=self.webhooks,
-            jobs=self.jobs,
+            kinds=self.kinds,
             outbox=self.outbox,
-            settler=self.settler,
-            webhook_settler=self.webhook_settler,
             breakers=self.breakers,
-            skip_if=self.skip_if,
         )
         self.intake = Intake(
             db=self._db,

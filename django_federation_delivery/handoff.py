@@ -68,8 +68,7 @@ class Handoff:
                 break
             now = timezone.now()
             self.schemes.learn(item.claimed.host, result.accepted_scheme)
-            settler = self.triage.settler_for(item.batch)
-            self.outbox.add(settler.attempted(item.claimed, item.batch, result, now))
+            self.outbox.add(item.kind.settler.attempted(item.claimed, item.batch, result, now))
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
                     item.breaker,

@@ -10,22 +10,18 @@ is handed to a worker, the destination's circuit breaker may hold it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 from django.utils import timezone
 
 from django_federation_delivery.attempt import held
-from django_federation_delivery.batches import BatchInfo, KnownBatches
+from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
 from django_federation_delivery.hosts import KnownSchemes
-from django_federation_delivery.jobs import Jobs
+from django_federation_delivery.kinds import Kinds
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.outbox import Outbox
-from django_federation_delivery.settling import Settler, ask
 from django_federation_delivery.store import claims
 from django_federation_delivery.upkeep import Upkeep
-from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.workers import InFlight
 
 __all__ = ["Triage"]
@@ -40,18 +36,9 @@ class Triage:
     batches: KnownBatches
     schemes: KnownSchemes
     upkeep: Upkeep
-    webhooks: WebhookDeliveries
-    jobs: Jobs
+    kinds: Kinds
     outbox: Outbox
-    settler: Settler
-    webhook_settler: Settler
     breakers: Breakers | None
-    #: SKIP_IF, when set.
-    skip_if: Callable[..., Any] | None
-
-    def settler_for(self, batch: BatchInfo) -> Settler:
-        """Webhook deliveries are retried and judged by the webhook policy."""
-        return self.webhook_settler if batch.event_type else self.settler
 
     def sort(self, claimed: list[claims.Claimed], *, holding: set[int]) -> list[InFlight]:
         """Those of ``claimed`` to send (none already ``holding``), each with
@@ -63,32 +50,32 @@ class Triage:
         hosts = {row.host for row in claimed}
         self.schemes.read(hosts)
         paused = self.upkeep.paused_among(hosts)
-        # Webhooks to a destination no longer configured: given up, with every
-        # other pending event to it.
-        removed = self.webhooks.removed(claimed)
-        if removed:
-            self.db(self.webhooks.give_up, removed)
+        # What can never be sent (a webhook to a destination no longer
+        # configured) is given up, with every other pending delivery there.
+        unusable: set[str] = set()
+        for kind in self.kinds:
+            gone = kind.unusable(claimed)
+            if gone:
+                self.db(kind.give_up, gone)
+                unusable |= gone
         now = timezone.now()
         ready = []
         for row in claimed:
-            if row.id in holding or row.host in removed:
+            if row.id in holding or row.host in unusable:
                 continue
             batch = self.batches[row.batch_id]
+            kind = self.kinds.of(batch)
             if batch.deadline is not None and now >= batch.deadline:
                 error = "the batch's deadline passed before it was sent"
-                self.outbox.add(self.settler.unsent(row, batch, error))
+                self.outbox.add(kind.settler.unsent(row, batch, error))
                 continue
-            if (
-                self.skip_if is not None
-                and not batch.event_type
-                and ask("SKIP_IF", self.skip_if, row.inbox, batch.activity)
-            ):
-                self.outbox.add(self.settler.skipped(row, batch))
+            if kind.skipped(row, batch):
+                self.outbox.add(kind.settler.skipped(row, batch))
                 continue
             if row.host in paused:
-                self.outbox.add(self.settler.paused(row))
+                self.outbox.add(kind.settler.paused(row))
                 continue
-            item = InFlight(claimed=row, batch=batch, job=self.jobs.make(row, batch))
+            item = InFlight(claimed=row, batch=batch, kind=kind, job=kind.job(row, batch))
             if self.breakers is not None:
                 item.breaker = self.breakers.settings.key(row.host, row.inbox)
             ready.append(item)
@@ -106,8 +93,6 @@ class Triage:
             return True
         error = f"held: the circuit breaker for {item.breaker} is open"
         self.outbox.add(
-            self.settler_for(item.batch).attempted(
-                item.claimed, item.batch, held(item.job, error, hold_for)
-            )
+            item.kind.settler.attempted(item.claimed, item.batch, held(item.job, error, hold_for))
         )
         return False

@@ -1,11 +1,12 @@
 """The worker threads: each makes one attempt at a time, and never touches the database.
 
 The coordinator puts :class:`InFlight` deliveries on the pool's job queue and
-takes ``(delivery, result)`` pairs off its result queue. A worker owns a
-transport of its own over keep-alive connections the pool's threads share (a
-host's next delivery reuses the connection its last one left, whichever worker
-sends it), closes the connections nobody used for a while when idle, and ends
-itself when the pool has more threads than it needs.
+takes ``(delivery, result)`` pairs off its result queue. A worker asks each
+delivery's kind for the attempt, with a transport of its own for that kind
+over keep-alive connections the pool's threads share (a host's next delivery
+reuses the connection its last one left, whichever worker sends it), closes
+the connections nobody used for a while when idle, and ends itself when the
+pool has more threads than it needs.
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from django_federation_delivery.attempt import AttemptResult, Job, attempt, crashed
+from django_federation_delivery.attempt import AttemptResult, Job, crashed
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.transport import Connections, Transport, TransportSettings
-from django_federation_delivery.webhooks.attempt import (
-    WebhookJob,
-    WebhookTransport,
-    attempt_webhook,
-)
-from django_federation_delivery.webhooks.policy import WebhookPolicy
+
+if TYPE_CHECKING:
+    from django_federation_delivery.kinds import DeliveryKind
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +36,8 @@ class InFlight:
 
     claimed: Claimed
     batch: BatchInfo
+    #: Its batch's kind, which makes the attempt.
+    kind: DeliveryKind
     job: Job
     #: The destination's breaker, and the probe this delivery holds, if any.
     breaker: str = ""
@@ -52,19 +53,16 @@ class Workers:
         self,
         transport_settings: TransportSettings,
         *,
-        is_permanent: Callable[[int], bool],
-        error_length: int,
         wake: threading.Event,
         needed: Callable[[], int],
-        webhook_policy: WebhookPolicy | None = None,
+        longest: float,
         concurrency: int = 1,
     ) -> None:
         self.transport_settings = transport_settings
         #: Keep-alive connections to inboxes and webhook destinations, shared by the threads.
         self.connections = Connections(transport_settings)
-        self.webhook_policy = webhook_policy or WebhookPolicy()
-        self.is_permanent = is_permanent
-        self.error_length = error_length
+        #: The longest an attempt of any kind may take: what stopping waits for.
+        self.longest = longest
         #: Set when a result is ready, to wake the coordinator.
         self.wake = wake
         #: How many threads the coordinator needs now; one more ends itself.
@@ -121,8 +119,7 @@ class Workers:
         for _ in threads:
             self.jobs.put(None)
         for thread in threads:
-            longest = max(self.transport_settings.attempt_timeout, self.webhook_policy.timeout)
-            thread.join(timeout=longest + 5)
+            thread.join(timeout=self.longest + 5)
         with self._lock:
             self._threads.clear()
         self.connections.close()
@@ -139,46 +136,37 @@ class Workers:
             return True
 
     def _work(self) -> None:
-        transport = Transport(self.transport_settings, self.connections)
-        webhooks = WebhookTransport(self.transport_settings, self.webhook_policy, self.connections)
+        # A transport a kind, made when the first of its deliveries comes.
+        transports: dict[int, Transport] = {}
         try:
             while True:
                 try:
                     item = self.jobs.get(timeout=self.transport_settings.idle_timeout)
                 except queue.Empty:
                     # Idle: let go of connections nobody has used for a while.
-                    transport.close_idle()
-                    webhooks.close_idle()
+                    for transport in transports.values():
+                        transport.close_idle()
                     continue
                 if item is None:
                     break
                 item.started = time.monotonic()
-                self.results.put((item, self._attempt(item, transport, webhooks)))
+                self.results.put((item, self._attempt(item, transports)))
                 if self.jobs.qsize() < self.wake_below or self.results.qsize() >= self.wake_at:
                     self.wake.set()
                 if self._surplus():
                     break
         finally:
-            transport.close()
-            webhooks.close()
+            for transport in transports.values():
+                transport.close()
 
-    def _attempt(
-        self, item: InFlight, transport: Transport, webhooks: WebhookTransport
-    ) -> AttemptResult:
+    def _attempt(self, item: InFlight, transports: dict[int, Transport]) -> AttemptResult:
         try:
-            if isinstance(item.job, WebhookJob):
-                return attempt_webhook(item.job, webhooks.get(), self.webhook_policy)
-            return attempt(
-                item.job, transport, is_permanent=self.is_permanent, error_length=self.error_length
-            )
+            transport = transports.get(id(item.kind))
+            if transport is None:
+                transport = transports[id(item.kind)] = item.kind.transport(self.connections)
+            return item.kind.attempt(item.job, transport)
         except Exception as exc:  # a bug must not take a worker down
-            if isinstance(item.job, WebhookJob):
-                # Its message and traceback may hold the URL, a credential.
-                logger.error(
-                    "An attempt at webhook delivery %s raised %s",
-                    item.claimed.id,
-                    type(exc).__name__,
-                )
-            else:
-                logger.exception("An attempt at delivery %s raised", item.claimed.id)
-            return crashed(item.job, f"internal error: {type(exc).__name__}"[: self.error_length])
+            # Only the type: a webhook's message and traceback may hold its
+            # URL, a credential.
+            logger.error("An attempt at delivery %s raised %s", item.claimed.id, type(exc).__name__)
+            return crashed(item.job, f"internal error: {type(exc).__name__}")

@@ -28,7 +28,7 @@ from django_federation_delivery.addresses import (
     redact,
     validate_inbox,
 )
-from django_federation_delivery.attempt import AttemptResult, Job, attempt
+from django_federation_delivery.attempt import AttemptResult, InboxJob, attempt
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery
 from django_federation_delivery.signatures import Scheme, SenderKey
@@ -297,7 +297,7 @@ def attempt_once(
     delivery: Delivery, batch: Batch, scheme: Scheme, transport: Transport
 ) -> AttemptResult:
     """One attempt at a queued delivery, signed by ALICE in ``scheme``."""
-    job = Job(
+    job = InboxJob(
         delivery_id=delivery.id,
         targets=(delivery.inbox,),
         body=batch.body.encode(),

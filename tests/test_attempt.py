@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import responses
 
-from django_federation_delivery.attempt import Job, attempt, permanent_status
+from django_federation_delivery.attempt import InboxJob, attempt, permanent_status
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
 from django_federation_delivery.transport import Answer, Transport, TransportSettings
 
@@ -40,7 +40,7 @@ def mocked() -> Iterator[responses.RequestsMock]:
 ALICE_KEY = object()
 
 
-def job(key: object = ALICE_KEY, **fields: object) -> Job:
+def job(key: object = ALICE_KEY, **fields: object) -> InboxJob:
     if key is ALICE_KEY:
         key = SenderKey("https://social.example/users/alice#main-key", rsa_key())
     values: dict[str, object] = {
@@ -53,7 +53,7 @@ def job(key: object = ALICE_KEY, **fields: object) -> Job:
         "scheme": Scheme.CAVAGE,
     }
     values.update(fields)
-    return Job(**values)  # type: ignore[arg-type]
+    return InboxJob(**values)  # type: ignore[arg-type]
 
 
 def schemes_used(mocked: responses.RequestsMock) -> list[str]:

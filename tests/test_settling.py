@@ -7,14 +7,14 @@ from typing import Any
 import pytest
 
 from django_federation_delivery import store
-from django_federation_delivery.attempt import AttemptResult, Job, failed, held
+from django_federation_delivery.attempt import AttemptResult, InboxJob, failed, held
 from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
 from django_federation_delivery.settling import Settler, Summary, Verdict, decide, failure
 from django_federation_delivery.signals import Outcome
 from django_federation_delivery.signatures import Scheme
 
 NOW = dt.datetime(2025, 1, 1, 12, 0, tzinfo=dt.UTC)
-JOB = Job(
+JOB = InboxJob(
     delivery_id=1,
     targets=("https://social.example/inbox",),
     body=b"{}",

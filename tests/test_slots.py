@@ -20,7 +20,7 @@ def item(number: int, host: str) -> InFlight:
         token="t",
         leased_until=time.time() + 300,
     )
-    return InFlight(claimed=claimed, batch=None, job=None)  # type: ignore[arg-type]
+    return InFlight(claimed=claimed, batch=None, kind=None, job=None)  # type: ignore[arg-type]
 
 
 def slots(concurrency: int = 4, per_host: int = 2) -> Slots:

@@ -13,7 +13,6 @@ import responses
 
 from django_federation_delivery.channels.base import is_refusal
 from django_federation_delivery.channels.slack import Slack
-from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.transport import Transport, TransportSettings
 from django_federation_delivery.webhooks import Event, parse_destination
 from django_federation_delivery.webhooks.attempt import (
@@ -46,16 +45,7 @@ def mocked() -> Iterator[responses.RequestsMock]:
 def job(url: str = SLACK, **call: object) -> WebhookJob:
     values: dict[str, object] = {"destination": parse_destination("ops", url), "event": EVENT}
     values.update(call)
-    return WebhookJob(
-        delivery_id=1,
-        targets=(),
-        body=b"",
-        body_sha256="",
-        key=None,
-        sender="",
-        scheme=Scheme.CAVAGE,
-        webhook=WebhookCall(**values),  # type: ignore[arg-type]
-    )
+    return WebhookJob(delivery_id=1, webhook=WebhookCall(**values))  # type: ignore[arg-type]
 
 
 def no_secret(text: str) -> bool:

@@ -15,12 +15,16 @@ from typing import Any
 import pytest
 import responses
 
-from django_federation_delivery import workers as workers_module
-from django_federation_delivery.attempt import AttemptResult, Job
-from django_federation_delivery.settling import BatchInfo
+from django_federation_delivery.attempt import AttemptResult, InboxJob, Job
+from django_federation_delivery.hosts import KnownSchemes
+from django_federation_delivery.inboxes import InboxDeliveries
+from django_federation_delivery.kinds import DeliveryKind
+from django_federation_delivery.settling import BatchInfo, Settler, Summary
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
 from django_federation_delivery.store import Claimed
 from django_federation_delivery.transport import TransportSettings, idle
+from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
+from django_federation_delivery.webhooks.policy import WebhookPolicy
 from django_federation_delivery.workers import InFlight, Workers
 
 from .keys import rsa_key
@@ -28,9 +32,29 @@ from .test_webhooks_attempt import job as webhook_job
 
 INBOX = "https://remote.example/inbox"
 BODY = b'{"type":"Create"}'
+#: What the kinds' transports may reach: the tests' servers on loopback.
+LOOPBACK = TransportSettings(
+    user_agent="tests", allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),)
+)
 
 
-def in_flight(number: int) -> InFlight:
+def inboxes(settings: TransportSettings = LOOPBACK) -> InboxDeliveries:
+    """The inbox kind, as far as workers use it: the attempt and its transport."""
+    return InboxDeliveries(
+        Settler.from_settings(Summary()),
+        KnownSchemes(Scheme.CAVAGE, lambda *args, **kwargs: None, using="default"),
+        settings,
+        is_permanent=lambda status: 400 <= status < 500,
+        error_length=300,
+    )
+
+
+def webhooks(settings: TransportSettings = LOOPBACK) -> WebhookDeliveries:
+    policy = WebhookPolicy()
+    return WebhookDeliveries(policy, policy.settler(Summary()), settings)
+
+
+def in_flight(number: int, kind: DeliveryKind | None = None) -> InFlight:
     sender = "https://social.example/users/alice"
     return InFlight(
         claimed=Claimed(
@@ -55,7 +79,8 @@ def in_flight(number: int) -> InFlight:
             ordered=False,
             activity=None,
         ),
-        job=Job(
+        kind=kind or inboxes(),
+        job=InboxJob(
             delivery_id=number,
             targets=(INBOX,),
             body=BODY,
@@ -81,10 +106,9 @@ def pool() -> Iterator[Callable[..., Workers]]:
     def make(needed: int = 2) -> Workers:
         workers = Workers(
             TransportSettings(user_agent="tests", idle_timeout=0.2),
-            is_permanent=lambda status: 400 <= status < 500,
-            error_length=300,
             wake=threading.Event(),
             needed=lambda: needed,
+            longest=30.0,
         )
         made.append(workers)
         return workers
@@ -121,18 +145,19 @@ def test_an_attempt_that_raises_is_a_passing_failure_and_the_worker_goes_on(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = workers_module.attempt
+    kind = inboxes()
+    real = kind.attempt
 
     def attempt(job: Job, *args: Any, **kwargs: Any) -> AttemptResult:
         if job.delivery_id == 1:
             raise KeyError("a bug")
-        return real(job, *args, **kwargs)
+        return real(job, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(workers_module, "attempt", attempt)
+    monkeypatch.setattr(kind, "attempt", attempt)
     workers = pool(needed=1)
     workers.grow_to(1)
-    workers.put(in_flight(1))
-    workers.put(in_flight(2))
+    workers.put(in_flight(1, kind))
+    workers.put(in_flight(2, kind))
 
     (first, broken), (second, fine) = results(workers, 2)
 
@@ -171,10 +196,9 @@ def test_a_result_wakes_the_coordinator_only_with_work_to_hand_out_or_results_to
     # CONCURRENCY 8: a result wakes it when fewer than 4 jobs wait, or 2 results.
     workers = Workers(
         TransportSettings(user_agent="tests"),
-        is_permanent=lambda status: False,
-        error_length=300,
         wake=threading.Event(),
         needed=lambda: 1,
+        longest=30.0,
         concurrency=8,
     )
     go = threading.Semaphore(0)
@@ -292,13 +316,10 @@ def ports() -> Iterator[list[int]]:
 def loopback_workers(needed: int, **settings: Any) -> Workers:
     """Workers that may send to 127.0.0.0/8, with these transport settings."""
     return Workers(
-        TransportSettings(
-            user_agent="tests", allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),), **settings
-        ),
-        is_permanent=lambda status: 400 <= status < 500,
-        error_length=300,
+        dataclasses.replace(LOOPBACK, **settings),
         wake=threading.Event(),
         needed=lambda: needed,
+        longest=30.0,
     )
 
 
@@ -357,6 +378,7 @@ def test_deliveries_to_one_host_reuse_one_connection_whichever_worker_sends_them
             if kind == "inbox":
                 item.job = dataclasses.replace(item.job, targets=(url,))
             else:
+                item.kind = webhooks()
                 item.job = webhook_job(url.replace("http://", "slack+http://"))
             workers.put(item)
             statuses += [result.status for _, result in results(workers, 1)]

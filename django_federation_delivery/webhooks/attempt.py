@@ -22,11 +22,17 @@ from collections.abc import Callable
 from django_federation_delivery.attempt import AttemptResult, Job, failed
 from django_federation_delivery.channels import Destination, Event, Verdict
 from django_federation_delivery.exceptions import TransportError
-from django_federation_delivery.transport import Connections, Transport, TransportSettings, logs
+from django_federation_delivery.transport import Transport, TransportSettings, logs
 from django_federation_delivery.transport.failures import check_url
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
-__all__ = ["WebhookCall", "WebhookJob", "WebhookTransport", "attempt_webhook", "safe_text"]
+__all__ = [
+    "WebhookCall",
+    "WebhookJob",
+    "attempt_webhook",
+    "safe_text",
+    "webhook_transport_settings",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +55,7 @@ class WebhookCall:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WebhookJob(Job):
-    """A webhook delivery's job: sent by :func:`attempt_webhook`, unsigned by
-    HTTP signatures, to the destination's URL (the signing fields unused)."""
+    """A webhook delivery's job, sent by :func:`attempt_webhook`."""
 
     webhook: WebhookCall
 
@@ -133,34 +138,12 @@ def safe_text(destination: Destination, url: str, text: str) -> str:
     return " ".join(destination.redact(text).split())
 
 
-class WebhookTransport:
-    """A worker's transport for webhooks, made when first needed: the webhook
-    time limit, over connections of its own or ``connections`` shared with
-    other workers."""
-
-    def __init__(
-        self,
-        settings: TransportSettings,
-        policy: WebhookPolicy,
-        connections: Connections | None = None,
-    ) -> None:
-        self.settings = dataclasses.replace(
-            settings,
-            attempt_timeout=policy.timeout,
-            connect_timeout=min(settings.connect_timeout, policy.timeout),
-        )
-        self.connections = connections
-        self._transport: Transport | None = None
-
-    def get(self) -> Transport:
-        if self._transport is None:
-            self._transport = Transport(self.settings, self.connections)
-        return self._transport
-
-    def close_idle(self) -> None:
-        if self._transport is not None:
-            self._transport.close_idle()
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
+def webhook_transport_settings(
+    settings: TransportSettings, policy: WebhookPolicy
+) -> TransportSettings:
+    """The transport's settings for webhooks: the webhook time limit."""
+    return dataclasses.replace(
+        settings,
+        attempt_timeout=policy.timeout,
+        connect_timeout=min(settings.connect_timeout, policy.timeout),
+    )

@@ -16,18 +16,25 @@ from collections.abc import Callable, Iterable
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 
+from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.settling import Settler
-from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.store import claims, settlements
-from django_federation_delivery.webhooks.attempt import WebhookCall, WebhookJob
+from django_federation_delivery.transport import Connections, Transport, TransportSettings
+from django_federation_delivery.webhooks.attempt import (
+    WebhookCall,
+    WebhookJob,
+    attempt_webhook,
+    webhook_transport_settings,
+)
 from django_federation_delivery.webhooks.destinations import (
     KEY_PREFIX,
     Destination,
     configured,
     destination_name,
 )
+from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 __all__ = ["WebhookDeliveries", "removed_reason"]
 
@@ -39,18 +46,39 @@ def removed_reason(name: str) -> str:
 
 
 class WebhookDeliveries:
-    """What a deliverer does for its webhook deliveries, beside its activities."""
+    """What a deliverer does for its webhook deliveries, beside its activities:
+    retried and judged by ``policy``, each sent by its destination's kind."""
 
     def __init__(
         self,
+        policy: WebhookPolicy,
         settler: Settler,
+        transport_settings: TransportSettings,
         *,
         using: str = DEFAULT_DB_ALIAS,
         on_finished: Callable[[list[int]], None] | None = None,
     ) -> None:
+        self.policy = policy
         self.settler = settler
+        self.transport_settings = webhook_transport_settings(transport_settings, policy)
         self.using = using
         self.on_finished = on_finished
+
+    @property
+    def timeout(self) -> float:
+        return self.policy.timeout
+
+    def skipped(self, row: claims.Claimed, batch: BatchInfo) -> bool:
+        """SKIP_IF is asked about activities, not events."""
+        return False
+
+    def transport(self, connections: Connections) -> Transport:
+        """A worker's transport for webhooks: the webhook time limit, over the
+        connections the workers share."""
+        return Transport(self.transport_settings, connections)
+
+    def attempt(self, job: WebhookJob, transport: Transport) -> AttemptResult:
+        return attempt_webhook(job, transport, self.policy)
 
     def lookup(self, name: str) -> Destination | str | None:
         """The destination ``name``: None when it is not configured (any more),
@@ -75,18 +103,9 @@ class WebhookDeliveries:
             call = WebhookCall(None, None, problem=problem, permanent=True)
         else:
             call = WebhookCall(destination, batch.event)
-        return WebhookJob(
-            delivery_id=row.id,
-            targets=(),
-            body=b"",
-            body_sha256="",
-            key=None,
-            sender="",
-            scheme=Scheme.CAVAGE,
-            webhook=call,
-        )
+        return WebhookJob(delivery_id=row.id, webhook=call)
 
-    def removed(self, claimed: Iterable[claims.Claimed]) -> set[str]:
+    def unusable(self, claimed: Iterable[claims.Claimed]) -> set[str]:
         """The hosts (``webhook:<name>``) among ``claimed`` whose destination is
         no longer configured."""
         return {

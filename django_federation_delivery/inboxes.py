@@ -1,0 +1,115 @@
+"""The loop's side of inbox deliveries: the job for a claimed one (the body,
+the sender's key, the headers the host project adds, the scheme to knock in
+first) and the attempt at it, judged by the ActivityPub retry policy."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from django_federation_delivery.attempt import AttemptResult, InboxJob, attempt
+from django_federation_delivery.batches import BatchInfo
+from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
+from django_federation_delivery.hosts import KnownSchemes
+from django_federation_delivery.keys import KeyCache
+from django_federation_delivery.settling import Settler, ask
+from django_federation_delivery.store import claims
+from django_federation_delivery.transport import Connections, Transport, TransportSettings
+
+__all__ = ["InboxDeliveries", "lease_deadline"]
+
+# The loop's logger: where an operator looks for what the loop met.
+logger = logging.getLogger("django_federation_delivery.deliverer")
+
+
+def lease_deadline(row: claims.Claimed) -> float:
+    """When an attempt at ``row`` must be over, as ``time.monotonic()``: while
+    the claim's lease holds, with time to spare to write what came of it;
+    after that the row is any process's to take and send again."""
+    return time.monotonic() + (row.leased_until - time.time()) - LEASE_MARGIN_SECONDS
+
+
+class InboxDeliveries:
+    """What one deliverer does for deliveries to inboxes, with the sender
+    keys cached."""
+
+    def __init__(
+        self,
+        settler: Settler,
+        schemes: KnownSchemes,
+        transport_settings: TransportSettings,
+        *,
+        is_permanent: Callable[[int], bool],
+        error_length: int,
+        skip_if: Callable[..., Any] | None = None,
+        synchronization: Callable[..., Any] | None = None,
+    ) -> None:
+        self.settler = settler
+        self.schemes = schemes
+        self.transport_settings = transport_settings
+        self.is_permanent = is_permanent
+        self.error_length = error_length
+        #: SKIP_IF: whether to drop a delivery unsent as it comes due.
+        self.skip_if = skip_if
+        #: COLLECTION_SYNCHRONIZATION: the header for a sender and an inbox.
+        self.synchronization = synchronization
+        self.keys = KeyCache()
+
+    @property
+    def timeout(self) -> float:
+        return self.transport_settings.attempt_timeout
+
+    def skipped(self, row: claims.Claimed, batch: BatchInfo) -> bool:
+        """Whether SKIP_IF drops ``row`` unsent."""
+        return self.skip_if is not None and bool(
+            ask("SKIP_IF", self.skip_if, row.inbox, batch.activity)
+        )
+
+    def unusable(self, claimed: Iterable[claims.Claimed]) -> set[str]:
+        """An inbox is always one to try."""
+        return set()
+
+    def give_up(self, hosts: Iterable[str]) -> int:
+        return 0
+
+    def job(self, row: claims.Claimed, batch: BatchInfo) -> InboxJob:
+        """The job for ``row``, a claimed delivery of ``batch``."""
+        key_error = ""
+        key = None
+        try:
+            key = self.keys.get(batch.sender)
+        except Exception as exc:
+            # The key store is the host project's; it being away for a
+            # moment does not make the delivery wrong.
+            logger.warning("Looking up the key of %s failed: %s", batch.sender, type(exc).__name__)
+            key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
+        extra: dict[str, str] = {}
+        if batch.synchronize_collection and self.synchronization is not None and key is not None:
+            header = ask(
+                "COLLECTION_SYNCHRONIZATION", self.synchronization, batch.sender, row.inbox
+            )
+            if isinstance(header, str) and header:
+                extra["Collection-Synchronization"] = header
+        return InboxJob(
+            delivery_id=row.id,
+            extra_headers=extra,
+            targets=row.via or (row.inbox,),
+            body=batch.body,
+            body_sha256=batch.body_sha256,
+            key=key,
+            sender=batch.sender,
+            scheme=self.schemes.scheme_for(row.host),
+            key_error=key_error,
+            lease_deadline=lease_deadline(row),
+        )
+
+    def transport(self, connections: Connections) -> Transport:
+        """A worker's transport for inboxes, over the connections the workers share."""
+        return Transport(self.transport_settings, connections)
+
+    def attempt(self, job: InboxJob, transport: Transport) -> AttemptResult:
+        return attempt(
+            job, transport, is_permanent=self.is_permanent, error_length=self.error_length
+        )

@@ -1,0 +1,80 @@
+"""What the loop asks of a kind of delivery, and which kind a batch is.
+
+The loop sends an inbox delivery and a webhook delivery alike: it asks the
+batch's kind whether a claimed delivery is to go (``skipped``, ``unusable``),
+for its job (in the loop's thread, which owns the database), for the attempt
+at it (in a worker thread, which owns the sockets), and for the settler that
+judges what came of it. There are two: inboxes (``inboxes.py``) and webhooks
+(``webhooks/deliveries.py``), whose destinations are each of a
+:class:`~django_federation_delivery.channels.Channel`'s kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.batches import BatchInfo
+from django_federation_delivery.settling import Settler
+from django_federation_delivery.store import claims
+from django_federation_delivery.transport import Connections, Transport
+
+__all__ = ["DeliveryKind", "Kinds"]
+
+
+class DeliveryKind(Protocol):
+    """A kind of delivery, as the loop sees it."""
+
+    #: Retries and judges its deliveries, and sends their signals.
+    settler: Settler
+
+    @property
+    def timeout(self) -> float:
+        """The longest one attempt may take."""
+        ...
+
+    def skipped(self, row: claims.Claimed, batch: BatchInfo) -> bool:
+        """Whether ``row`` is dropped unsent as it comes due."""
+        ...
+
+    def unusable(self, claimed: Iterable[claims.Claimed]) -> set[str]:
+        """The hosts among ``claimed`` that can never be sent to (a webhook
+        destination no longer configured): given up with :meth:`give_up`."""
+        ...
+
+    def give_up(self, hosts: Iterable[str]) -> int:
+        """Fail every pending delivery to ``hosts`` for good; how many."""
+        ...
+
+    def job(self, row: claims.Claimed, batch: BatchInfo) -> Any:
+        """What a worker needs for an attempt at ``row``."""
+        ...
+
+    def transport(self, connections: Connections) -> Transport:
+        """A transport for one worker, over the connections the workers share."""
+        ...
+
+    def attempt(self, job: Any, transport: Transport) -> AttemptResult:
+        """One attempt at ``job``, in a worker thread."""
+        ...
+
+
+class Kinds:
+    """The kinds of one deliverer, and which one a batch is."""
+
+    def __init__(self, inboxes: DeliveryKind, webhooks: DeliveryKind) -> None:
+        self.inboxes = inboxes
+        self.webhooks = webhooks
+
+    def of(self, batch: BatchInfo) -> DeliveryKind:
+        # A webhook batch carries an event; an activity's batch does not.
+        return self.webhooks if batch.event_type else self.inboxes
+
+    def __iter__(self) -> Iterator[DeliveryKind]:
+        return iter((self.inboxes, self.webhooks))
+
+    @property
+    def longest(self) -> float:
+        """The longest any attempt may take."""
+        return max(kind.timeout for kind in self)
