@@ -206,10 +206,8 @@ class Deliverer:
         if stop_after is not None and not stop_after > 0:
             raise ValueError(f"stop_after must be a positive number of seconds, not {stop_after!r}")
         wakeup.register(self._wake)
-        listener = self.intake.listener = None
-        if wakeup.PostgresListener.available(self.using) and not drain:
-            listener = self.intake.listener = wakeup.PostgresListener(self._wake, using=self.using)
-            listener.start()
+        if not drain:
+            self.intake.listen()
         self.summary.started = time.monotonic()
         if self.heartbeat is not None:
             self.heartbeat.begin()
@@ -243,7 +241,7 @@ class Deliverer:
                 else:
                     self.intake.claim_more()
                     self.handoff.dispatch()
-                busy, caught_up = self.slots.busy, drain or self.intake.dry
+                busy, caught_up = self.slots.busy, drain or self.intake.caught_up
                 if drain and not busy and not self.outbox and self.intake.drained():
                     break
                 if self.on_progress is not None and time.monotonic() >= next_progress:
@@ -253,7 +251,7 @@ class Deliverer:
                     if self.outbox.due() or caught_up:
                         self._write()  # not at each lull; a failing database is waited out
                     continue
-                if busy or not self.intake.dry:
+                if busy or not self.intake.caught_up:
                     # Woken by the next result, when one in flight turns slow,
                     # or when what is unwritten is due to be written.
                     self.intake.wait(
@@ -265,14 +263,13 @@ class Deliverer:
                         )
                     )
                 else:
-                    self.intake.idle(listening=listener is not None)
+                    self.intake.idle()
         finally:
             if timer is not None:
                 timer.cancel()
             self.summary.stopped = time.monotonic()
             self.workers.stop()
-            if listener is not None:
-                listener.stop()
+            self.intake.stop_listening()
             if self.heartbeat is not None:
                 # Stopped cleanly (or on an error it could not wait out): no
                 # longer listed as alive.

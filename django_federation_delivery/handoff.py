@@ -77,7 +77,7 @@ class Handoff:
                     now=now,
                 )
             self.slots.take_back(item)
-            self.intake.dry = False  # a retry may have come due since the last claim
+            self.intake.look_again()  # a retry may have come due since the last claim
             if self.outbox.full() and not self.db.failing:
                 # Never more unwritten than a write's worth: what a crash
                 # would send again is bounded by it.

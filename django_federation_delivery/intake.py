@@ -33,8 +33,9 @@ HOLD_PASS_SECONDS = 1.0
 
 @dataclasses.dataclass(kw_only=True, eq=False)
 class Intake:
-    """One deliverer's claims and waits. ``dry`` says that the last claim
-    found nothing due: anything that may have changed that clears it."""
+    """One deliverer's claims and waits. ``caught_up`` says that the last
+    claim found nothing due: anything that may have changed that clears it
+    (:meth:`look_again`)."""
 
     db: Runner
     using: str
@@ -51,15 +52,34 @@ class Intake:
     lease: float
     idle_poll: float
     new_work_poll: float
-    dry: bool = dataclasses.field(default=False, init=False)
-    _dry_since: float = dataclasses.field(default=0.0, init=False)
+    caught_up: bool = dataclasses.field(default=False, init=False)
+    _caught_up_at: float = dataclasses.field(default=0.0, init=False)
     #: When the hosts whose breaker holds everything are next looked at.
     _held_pass_at: float = dataclasses.field(default=0.0, init=False)
-    #: Whether the last claim came back empty.
-    _came_back_empty: bool = dataclasses.field(default=False, init=False)
-    #: PostgreSQL's listener, when the deliverer has one: paused while
+    #: Whether the last claim found nothing at all.
+    _found_nothing: bool = dataclasses.field(default=False, init=False)
+    #: PostgreSQL's listener, while :meth:`listen` has one: paused while
     #: claims come back full, as the loop claims again then unwoken.
-    listener: PostgresListener | None = dataclasses.field(default=None, init=False)
+    _listener: PostgresListener | None = dataclasses.field(default=None, init=False)
+
+    def listen(self) -> bool:
+        """Be woken by sends from other processes (PostgreSQL's LISTEN), where
+        the database can; whether it does."""
+        if not PostgresListener.available(self.using):
+            return False
+        self._listener = PostgresListener(self.wake, using=self.using)
+        self._listener.start()
+        return True
+
+    def stop_listening(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
+
+    def look_again(self) -> None:
+        """Something may have come due (a result's retry, a send): the next
+        claim looks, whatever the last one found."""
+        self.caught_up = False
 
     def claim_more(self) -> None:
         """Keep a few claimed deliveries ready for the next free slots,
@@ -69,17 +89,21 @@ class Intake:
         # must not keep the others from being claimed.
         if self.slots.sendable(max(1, self.concurrency // 2)):
             return
-        if self.dry and self.slots.busy and time.monotonic() - self._dry_since < self.new_work_poll:
+        if (
+            self.caught_up
+            and self.slots.busy
+            and time.monotonic() - self._caught_up_at < self.new_work_poll
+        ):
             # Nothing more was due: the next result, a wake, or (for work
             # queued by another process without NOTIFY) a moment says when to look.
             return
-        if self._came_back_empty and self.db(claims.has_due, using=self.using) is False:
+        if self._found_nothing and self.db(claims.has_due, using=self.using) is False:
             # Nothing has come due since a claim found nothing (another
             # deliverer took it, or this one has caught up): a read says so,
             # where a claim is a write transaction, and on SQLite it holds
             # the write lock a web process's send is waiting for.
-            self.dry = True
-            self._dry_since = time.monotonic()
+            self.caught_up = True
+            self._caught_up_at = time.monotonic()
             return
         saturated = self.slots.saturated_hosts()
         # Hosts whose breaker holds everything are left out of the claim:
@@ -100,15 +124,15 @@ class Intake:
         if claimed is None:
             # The database is away (and was waited on in ``db``): that says
             # nothing about what is due, and a drain must not end on it.
-            self.dry = False
+            self.caught_up = False
             return
         # Fewer than asked may only mean the hosts at the head of the queue
         # had their share (a claim takes at most PER_HOST to one host); nothing
         # at all means nothing more is due.
-        self.dry = self._came_back_empty = not claimed
-        self._dry_since = time.monotonic()
-        if self.listener is not None:
-            self.listener.pause(len(claimed) >= limit)
+        self.caught_up = self._found_nothing = not claimed
+        self._caught_up_at = time.monotonic()
+        if self._listener is not None:
+            self._listener.pause(len(claimed) >= limit)
         if claimed:
             for item in self.triage.sort(claimed, holding=self.slots.holding()):
                 self.slots.add(item)
@@ -118,7 +142,7 @@ class Intake:
         is due. On PostgreSQL a claim passes the rows another deliverer's
         claim is taking at that moment: they are due until it commits, and
         may come back (a claim locks more rows than it takes)."""
-        return self.dry and self.db(claims.has_due, using=self.using) is False
+        return self.caught_up and self.db(claims.has_due, using=self.using) is False
 
     def _claim_held(
         self, claimed: list[claims.Claimed], held: list[str], room: int
@@ -141,15 +165,19 @@ class Intake:
     def wait(self, timeout: float) -> None:
         if self.wake.wait(timeout):
             # A result, or new work queued: either may mean something is due.
-            self.dry = False
+            self.caught_up = False
         self.wake.clear()
 
-    def idle(self, *, listening: bool) -> None:
+    def idle(self, *, listening: bool | None = None) -> None:
         """Sleep until the next due time or the idle poll, whichever is
         sooner; a send wakes it, and without LISTEN so does a cheap look for
-        new work every ``NEW_WORK_POLL_SECONDS``."""
-        if self.listener is not None:
-            self.listener.pause(False)
+        new work every ``NEW_WORK_POLL_SECONDS``. ``listening`` (by default,
+        whether :meth:`listen` started a listener) says a send from another
+        process wakes it too, so no look is needed."""
+        if listening is None:
+            listening = self._listener is not None
+        if self._listener is not None:
+            self._listener.pause(False)
         due = self.db(claims.next_due, using=self.using)
         sleep = jitter(self.idle_poll)
         if due is not None:
@@ -176,4 +204,4 @@ class Intake:
             if not listening and self.db(claims.has_due, using=self.using) is True:
                 break
         self.wake.clear()
-        self.dry = False
+        self.caught_up = False

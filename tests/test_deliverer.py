@@ -504,14 +504,14 @@ def test_after_a_claim_that_found_nothing_the_loop_reads_whether_anything_is_due
     deliverer = Deliverer()
     intake = deliverer.intake
     intake.claim_more()
-    assert intake.dry and not deliverer.slots.ready
-    intake.dry = False  # as a result's wake leaves it
+    assert intake.caught_up and not deliverer.slots.ready
+    intake.look_again()  # as a result's wake leaves it
     with CaptureQueriesContext(connection) as queries:
         intake.claim_more()
-    assert intake.dry
+    assert intake.caught_up
     assert [q["sql"].split(" (")[0] for q in queries.captured_queries] == ["SELECT EXISTS"]
     send(ALICE, NOTE, [inbox.url()])
-    intake.dry = False
+    intake.look_again()
     intake.claim_more()
     assert [item.claimed.inbox for item in deliverer.slots.ready] == [inbox.url()]
 
