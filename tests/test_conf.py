@@ -9,11 +9,53 @@ from django_federation_delivery.conf import DEFAULTS, AppSettings, Typed, app_se
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.signatures import Scheme
 
+#: For each typed accessor, a value to write in its setting and what it reads,
+#: each unlike any other's: an accessor wired to another setting reads that one.
+WRITTEN_AND_READ: dict[str, tuple[Any, Any]] = {
+    "key_cache_seconds": (61, 61.0),
+    "max_inboxes": (1001, 1001),
+    "priority_max_inboxes": (3, 3),
+    "max_body_bytes": (1002, 1002),
+    "permanent_if_sender_gone": ([401, "410"], frozenset({401, 410})),
+    "retry": ({"ATTEMPTS": 4}, RetryPolicy(base=30.0, cap=3600.0, attempts=4, jitter=0.25)),
+    "wait_as_asked": (0, False),
+    "retry_after_max": (62, 62.0),
+    "claim_size": (1003, 1003),
+    "lease_seconds": (600, 600.0),
+    "concurrency": ("1004", 1004),
+    "per_host": (1005, 1005),
+    "slow_after_seconds": (63, 63.0),
+    "slow_concurrency": (1006, 1006),
+    "idle_poll_seconds": (64, 64.0),
+    "new_work_poll_seconds": (0.65, 0.65),
+    "heartbeat_seconds": (66, 66.0),
+    "connect_timeout": (7, 7.0),
+    "attempt_timeout": (68, 68.0),
+    "max_answer_bytes": (1007, 1007),
+    "error_length": (1008, 1008),
+    "connections_per_host": (1009, 1009),
+    "idle_connection_seconds": (69, 69.0),
+    "max_idle_connections": (1010, 1010),
+    "verify_tls": (0, False),
+    "user_agent": ("tests/1.0", "tests/1.0"),
+    "first_scheme": ("rfc9421", Scheme.RFC9421),
+    "webhook_retry": ([1, 2], (1.0, 2.0)),
+    "webhook_retry_after_max": (70, 70.0),
+    "webhook_timeout": (71, 71.0),
+    "channels": (["tests.channels.Pager"], ("tests.channels.Pager",)),
+}
 
-def test_every_typed_accessor_reads_a_setting_of_its_name_in_capitals() -> None:
+
+def test_each_typed_accessor_reads_its_own_setting(settings: Any) -> None:
     typed = {name for name, value in vars(AppSettings).items() if isinstance(value, Typed)}
-    assert typed
-    assert {name.upper() for name in typed} <= set(DEFAULTS)
+    assert typed == set(WRITTEN_AND_READ)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        **{name.upper(): written for name, (written, _) in WRITTEN_AND_READ.items()},
+    }
+    for name, (_, read) in WRITTEN_AND_READ.items():
+        assert getattr(app_settings, name) == read, name
+        assert read != (DEFAULTS[name.upper()] if name != "retry" else RetryPolicy()), name
 
 
 def test_a_typed_accessor_converts_what_is_written(settings: Any) -> None:
