@@ -62,9 +62,7 @@ class Batch(models.Model):
     # The JSON exactly as it is sent; its SHA-256 is computed once, at send.
     body = models.TextField(verbose_name=_("body"))
     body_sha256 = models.CharField(verbose_name=_("body sha256"), max_length=64)
-    tag = models.CharField(
-        verbose_name=_("tag"), max_length=200, blank=True, default="", db_index=True
-    )
+    tag = models.CharField(verbose_name=_("tag"), max_length=200, blank=True, default="")
     deadline = models.DateTimeField(verbose_name=_("deadline"), null=True, blank=True)
     max_attempts = models.PositiveIntegerField(
         verbose_name=_("max attempts"), null=True, blank=True
@@ -89,9 +87,7 @@ class Batch(models.Model):
         verbose_name=_("event type"), max_length=100, blank=True, default=""
     )
     event_id = models.CharField(verbose_name=_("event id"), max_length=200, blank=True, default="")
-    created_at = models.DateTimeField(
-        verbose_name=_("created at"), default=timezone.now, db_index=True
-    )
+    created_at = models.DateTimeField(verbose_name=_("created at"), default=timezone.now)
     # How many deliveries it queued, and how many are still pending: the
     # batch is finished when that reaches nought.
     size = models.PositiveIntegerField(verbose_name=_("size"), default=0)
@@ -105,6 +101,10 @@ class Batch(models.Model):
         verbose_name = _("batch")
         verbose_name_plural = _("batches")
         ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["tag"], name="fd_batch_tag"),
+            models.Index(fields=["created_at"], name="fd_batch_created"),
+        ]
 
     def __str__(self) -> str:
         label = self.tag or gettext("batch %(id)s") % {"id": self.pk}
@@ -288,7 +288,7 @@ class DelivererHeartbeat(models.Model):
     pid = models.PositiveIntegerField(verbose_name=_("pid"))
     version = models.CharField(verbose_name=_("version"), max_length=50, blank=True, default="")
     started_at = models.DateTimeField(verbose_name=_("started at"))
-    last_seen = models.DateTimeField(verbose_name=_("last seen"), db_index=True)
+    last_seen = models.DateTimeField(verbose_name=_("last seen"))
     # Seconds between its heartbeats: what "three intervals" means for this row.
     interval = models.FloatField(verbose_name=_("interval"))
     # Deliveries handed to its workers when it last beat.
@@ -299,6 +299,7 @@ class DelivererHeartbeat(models.Model):
     class Meta:
         verbose_name = _("deliverer heartbeat")
         verbose_name_plural = _("deliverer heartbeats")
+        indexes = [models.Index(fields=["last_seen"], name="fd_heartbeat_last_seen")]
 
     def __str__(self) -> str:
         return gettext("deliverer pid %(pid)d on %(host)s") % {"pid": self.pid, "host": self.host}
