@@ -23,7 +23,6 @@ Prints figures, asserts nothing. See benchmarks/README.rst.
 from __future__ import annotations
 
 import argparse
-import atexit
 import collections
 import contextlib
 import cProfile
@@ -56,6 +55,7 @@ from benchmarks.common import (
     BarePoster,
     Sink,
     _die_with_parent,
+    around_worker_threads,
     clear_all,
     environment_lines,
     keepalive_check,
@@ -235,63 +235,40 @@ def deliverer_main() -> None:
     config = setup_child()
     from django.core.management import call_command
 
-    from django_federation_delivery.deliverer import Deliverer
-    from django_federation_delivery.workers import Workers
+    with contextlib.ExitStack() as stack:
+        if config.get("count_sql"):
+            counter = SqlCounter()
+            # The CPU of each thread: the coordinator's, and the workers' together.
+            threads = {"coordinator": 0.0, "workers": 0.0}
+            adding = threading.Lock()
 
-    if config.get("count_sql"):
-        counter = SqlCounter()
-        # The CPU of each thread: the coordinator's, and the workers' together.
-        threads = {"coordinator": 0.0, "workers": 0.0}
-        adding = threading.Lock()
-        timed_run, timed_work = Deliverer.run, Workers._work
-
-        def run_timed(self: Deliverer, **kwargs: Any) -> Any:
-            started = time.thread_time()
-            try:
-                return timed_run(self, **kwargs)
-            finally:
-                threads["coordinator"] += time.thread_time() - started
-
-        def work_timed(self: Workers) -> None:
-            try:
-                timed_work(self)
-            finally:
+            def worker_ended(begun: None) -> None:
                 with adding:
                     # A worker's CPU time since its thread started.
                     threads["workers"] += time.thread_time()
 
-        Deliverer.run = run_timed  # type: ignore[method-assign]
-        Workers._work = work_timed  # type: ignore[method-assign]
+            stack.enter_context(around_worker_threads(lambda: None, worker_ended))
+            started = time.thread_time()
 
-        def dump() -> None:
-            figures = {**counter.figures(), "threads": threads}
-            Path(config["count_sql"]).write_text(json.dumps(figures))
+            def dump() -> None:
+                threads["coordinator"] = time.thread_time() - started
+                figures = {**counter.figures(), "threads": threads}
+                Path(config["count_sql"]).write_text(json.dumps(figures))
 
-        atexit.register(dump)
-    directory = config.get("profile")
-    if directory:
-        run = Deliverer.run
-        profiles: list[cProfile.Profile] = []
-        lock = threading.Lock()
+            stack.callback(dump)
+        directory = config.get("profile")
+        if directory:
+            profiles: list[cProfile.Profile] = []
+            lock = threading.Lock()
 
-        class ProfiledWorkers(Workers):
-            def _work(self) -> None:
+            def profile_worker() -> cProfile.Profile:
                 profile = cProfile.Profile(time.thread_time)
                 with lock:
                     profiles.append(profile)
                 profile.enable()
-                try:
-                    super()._work()
-                finally:
-                    profile.disable()
+                return profile
 
-        def profiled(self: Deliverer, **kwargs: Any) -> Any:
-            self.workers.__class__ = ProfiledWorkers
-            coordinator = cProfile.Profile(time.thread_time)
-            coordinator.enable()
-            try:
-                return run(self, **kwargs)
-            finally:
+            def dump_profiles() -> None:
                 coordinator.disable()
                 coordinator.dump_stats(Path(directory) / "coordinator.pstats")
                 merged = pstats.Stats(profiles[0])
@@ -299,8 +276,11 @@ def deliverer_main() -> None:
                     merged.add(profile)
                 merged.dump_stats(Path(directory) / "workers.pstats")
 
-        Deliverer.run = profiled  # type: ignore[method-assign]
-    call_command("run_deliverer", verbosity=0)
+            stack.enter_context(around_worker_threads(profile_worker, cProfile.Profile.disable))
+            coordinator = cProfile.Profile(time.thread_time)
+            coordinator.enable()
+            stack.callback(dump_profiles)
+        call_command("run_deliverer", verbosity=0)
 
 
 # --- The coordinator ----------------------------------------------------------------------------

@@ -50,6 +50,7 @@ if not __package__:  # run as a script: benchmarks/ is on the path, the reposito
 from benchmarks.common import (
     BarePoster,
     Sink,
+    around_worker_threads,
     clear_queue,
     delivered_rows,
     keepalive_check,
@@ -182,30 +183,25 @@ def profiled_run(concurrency: int, per_host: int, directory: Path) -> Any:
     """Deliverer.run under cProfile: the coordinator (this thread) and every
     worker thread each profiled, written to DIRECTORY as pstats files."""
     from django_federation_delivery.deliverer import Deliverer
-    from django_federation_delivery.workers import Workers
 
     workers: list[cProfile.Profile] = []
     lock = threading.Lock()
 
-    class ProfiledWorkers(Workers):
-        def _work(self) -> None:
-            profile = cProfile.Profile()
-            with lock:
-                workers.append(profile)
-            profile.enable()
-            try:
-                super()._work()
-            finally:
-                profile.disable()
+    def profile_worker() -> cProfile.Profile:
+        profile = cProfile.Profile()
+        with lock:
+            workers.append(profile)
+        profile.enable()
+        return profile
 
     coordinator = cProfile.Profile()
     deliverer = Deliverer(concurrency=concurrency, per_host=per_host)
-    deliverer.workers.__class__ = ProfiledWorkers
-    coordinator.enable()
-    try:
-        summary = deliverer.run(drain=True)
-    finally:
-        coordinator.disable()
+    with around_worker_threads(profile_worker, cProfile.Profile.disable):
+        coordinator.enable()
+        try:
+            summary = deliverer.run(drain=True)
+        finally:
+            coordinator.disable()
     directory.mkdir(parents=True, exist_ok=True)
     coordinator.dump_stats(directory / "coordinator.pstats")
     merged = pstats.Stats(workers[0])
