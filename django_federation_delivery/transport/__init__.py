@@ -1,4 +1,4 @@
-"""One delivery attempt over HTTP: a single signed POST and what came of it.
+"""One HTTP exchange: a single POST (or PUT) and what came of it.
 
 Nothing here imports Django or touches a database. A :class:`Transport` makes
 one POST at a time on a pooled ``requests`` session and returns an
@@ -19,9 +19,9 @@ What plain ``requests`` does not give, and this module adds:
   threads draw on one set of :class:`Connections`, a pool a host: the next
   delivery to a host reuses the connection the last one left idle, whichever
   thread sends it, instead of each thread opening its own to every host.
-* **A bound on the whole attempt.** Socket timeouts bound each ``recv``, not
+* **A bound on the whole exchange.** Socket timeouts bound each ``recv``, not
   their sum: a server that drips one byte a second would hold a worker for
-  ever. Every socket an attempt uses is registered with a watchdog thread that
+  ever. Every socket an exchange uses is registered with a watchdog thread that
   shuts it down at the attempt's deadline, which unblocks whatever is waiting
   on it; DNS and TCP connects are bounded by the time left.
 """
@@ -50,7 +50,7 @@ from django_federation_delivery.transport import logs
 from django_federation_delivery.transport.failures import check_url, translate
 from django_federation_delivery.transport.guard import (
     WATCHDOG,
-    Attempt,
+    Exchange,
     GuardedAdapter,
     this_thread,
 )
@@ -87,7 +87,7 @@ class TransportSettings:
 
     user_agent: str
     connect_timeout: float = 10.0
-    #: The whole attempt: DNS, connect, TLS, sending, the answer's headers and body.
+    #: The whole exchange: DNS, connect, TLS, sending, the answer's headers and body.
     attempt_timeout: float = 30.0
     #: At most this much of an answer's body is read; the rest is dropped.
     max_answer_bytes: int = 1 << 20
@@ -112,7 +112,7 @@ class Answer:
     headers: Mapping[str, str]
     #: At most ``max_answer_bytes`` of it.
     body: bytes
-    #: Seconds from the start of the attempt to the end of reading the body.
+    #: Seconds from the start of the exchange to the end of reading the body.
     elapsed: float
 
 
@@ -245,9 +245,9 @@ class Transport:
         pools = self._adapter.poolmanager
         # Each look reads every pool: among many threads, not at every request.
         pools.drop_idle(settings.idle_timeout, every=min(1.0, settings.idle_timeout / 4))
-        attempt = Attempt(ends, settings.allowed_networks)
-        WATCHDOG.start(attempt)
-        this_thread.attempt = attempt
+        exchange = Exchange(ends, settings.allowed_networks)
+        WATCHDOG.start(exchange)
+        this_thread.exchange = exchange
         response: requests.Response | None = None
         try:
             # The session's headers under the caller's, prepared here: what
@@ -265,7 +265,7 @@ class Transport:
             )
             content = _read_at_most(response, settings.max_answer_bytes)
         except TransportError as exc:
-            if attempt.expired and not isinstance(exc, AttemptTimeout):
+            if exchange.expired and not isinstance(exc, AttemptTimeout):
                 raise translate(exc, expired=True, target=target, limit=limit) from exc
             raise
         except (
@@ -276,20 +276,20 @@ class Transport:
             UnicodeEncodeError,  # a header value http.client cannot send as Latin-1
         ) as exc:
             # The socket's own timeout may fire at the deadline just before the watchdog does.
-            expired = attempt.expired or time.monotonic() >= ends
+            expired = exchange.expired or time.monotonic() >= ends
             raise translate(exc, expired=expired, target=target, limit=limit) from exc
         finally:
             if response is not None:
                 # Unread data left: this closes the connection instead of pooling it.
                 response.close()
-            this_thread.attempt = None
-            WATCHDOG.finish(attempt)
+            this_thread.exchange = None
+            WATCHDOG.finish(exchange)
             key = pools.current
             pools.touch()
-            if attempt.expired and key is not None:
+            if exchange.expired and key is not None:
                 # The socket was shut down under it: no connection to that host is trusted.
                 pools.drop(key)
-        if attempt.expired:
+        if exchange.expired:
             # Late, if only just: a close-delimited body may have been cut short silently.
             raise AttemptTimeout(f"{target.display}: no complete answer within {limit:g}s")
         return Answer(

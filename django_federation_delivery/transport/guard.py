@@ -1,6 +1,6 @@
-"""Connections that go only where they may, and only for as long as an attempt may last.
+"""Connections that go only where they may, and only for as long as an exchange may last.
 
-Each ``Transport.post`` is an :class:`Attempt`. Its connections resolve the host
+Each ``Transport.post`` is an :class:`Exchange`. Its connections resolve the host
 themselves, connect only to allowed addresses, check the connected peer again, and
 register their sockets with the watchdog, which shuts them down at the deadline.
 """
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
-class Attempt:
+class Exchange:
     """One ``post``: its deadline, where it may connect, and the sockets it uses."""
 
     deadline: float
@@ -60,14 +60,14 @@ class _Watchdog:
 
     def _reset(self) -> None:
         self._cond = threading.Condition()
-        self._active: set[Attempt] = set()
+        self._active: set[Exchange] = set()
         self._thread: threading.Thread | None = None
         #: When the thread wakes next on its own (None: only when notified).
         self._wakes_at: float | None = None
 
-    def start(self, attempt: Attempt) -> None:
+    def start(self, exchange: Exchange) -> None:
         with self._cond:
-            self._active.add(attempt)
+            self._active.add(exchange)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="federation-delivery-watchdog", daemon=True
@@ -75,23 +75,23 @@ class _Watchdog:
                 self._thread.start()
             # Attempts share one timeout, so a new deadline is rarely the
             # earliest: wake the thread only when it is.
-            if self._wakes_at is None or attempt.deadline < self._wakes_at:
+            if self._wakes_at is None or exchange.deadline < self._wakes_at:
                 self._cond.notify()
 
-    def register(self, attempt: Attempt, sock: socket.socket) -> bool:
-        """Watch ``sock`` for ``attempt``; ``False`` if the attempt is already late."""
+    def register(self, exchange: Exchange, sock: socket.socket) -> bool:
+        """Watch ``sock`` for ``exchange``; ``False`` if the exchange is already late."""
         with self._cond:
-            if attempt.expired or attempt not in self._active:
+            if exchange.expired or exchange not in self._active:
                 return False
-            attempt.sockets.append(
+            exchange.sockets.append(
                 socket.socket(sock.family, sock.type, sock.proto, os.dup(sock.fileno()))
             )
             return True
 
-    def finish(self, attempt: Attempt) -> None:
+    def finish(self, exchange: Exchange) -> None:
         with self._cond:
-            self._active.discard(attempt)
-            sockets, attempt.sockets = attempt.sockets, []
+            self._active.discard(exchange)
+            sockets, exchange.sockets = exchange.sockets, []
         for dup in sockets:
             dup.close()
 
@@ -100,10 +100,10 @@ class _Watchdog:
             while True:
                 now = time.monotonic()
                 late = [a for a in self._active if a.deadline <= now]
-                for attempt in late:
-                    self._active.discard(attempt)
-                    attempt.expired = True
-                    for dup in attempt.sockets:
+                for exchange in late:
+                    self._active.discard(exchange)
+                    exchange.expired = True
+                    for dup in exchange.sockets:
                         # OSError: already closed by the peer, so nothing is blocked on it.
                         with contextlib.suppress(OSError):
                             dup.shutdown(socket.SHUT_RDWR)
@@ -118,13 +118,13 @@ os.register_at_fork(after_in_child=WATCHDOG._reset)
 this_thread = threading.local()
 
 
-def current_attempt() -> Attempt:
-    attempt: Attempt | None = getattr(this_thread, "attempt", None)
-    if attempt is None:
+def current_exchange() -> Exchange:
+    exchange: Exchange | None = getattr(this_thread, "exchange", None)
+    if exchange is None:
         # Only Transport.post opens connections; anything else is a bug, and must not
         # get past the address check by accident.
         raise RuntimeError("a federation delivery connection was used outside Transport.post")
-    return attempt
+    return exchange
 
 
 def _resolve(host: str, port: int, timeout: float) -> list[tuple[Any, ...]]:
@@ -160,19 +160,19 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple[Any, ...]]:
 class GuardedHTTPConnection(HTTPConnection):
     """Connects only to allowed addresses, and only within the attempt's time."""
 
-    # The attempt this connection's socket is registered with, if any.
-    _watched_by: Attempt | None = None
+    # The exchange this connection's socket is registered with, if any.
+    _watched_by: Exchange | None = None
 
     def _new_conn(self) -> socket.socket:
-        attempt = current_attempt()
+        exchange = current_exchange()
         host = self._dns_host.strip("[]")
         port = self.port
         limit = self.timeout if isinstance(self.timeout, int | float) else None
         where = f"{host}:{port}"
 
-        remaining = attempt.remaining()
+        remaining = exchange.remaining()
         infos = _resolve(host, port, remaining if limit is None else min(limit, remaining))
-        usable = [info for info in infos if self._allowed(info[4][0], attempt)]
+        usable = [info for info in infos if self._allowed(info[4][0], exchange)]
         if not usable:
             addresses = ", ".join(dict.fromkeys(str(info[4][0]) for info in infos))
             raise RefusedAddress(
@@ -181,7 +181,7 @@ class GuardedHTTPConnection(HTTPConnection):
 
         error: OSError | None = None
         for family, type_, proto, _name, sockaddr in usable:
-            remaining = attempt.remaining()
+            remaining = exchange.remaining()
             if remaining <= 0:
                 break
             sock = socket.socket(family, type_, proto)
@@ -194,11 +194,11 @@ class GuardedHTTPConnection(HTTPConnection):
                 sock.connect(sockaddr)
                 # Judge the peer of the connected socket too, before anything is written.
                 peer = sock.getpeername()[0]
-                if not self._allowed(peer, attempt):
+                if not self._allowed(peer, exchange):
                     raise RefusedAddress(
                         f"refused to connect to {host} ({peer}): not a public address"
                     )
-                if not WATCHDOG.register(attempt, sock):
+                if not WATCHDOG.register(exchange, sock):
                     raise AttemptTimeout(f"timed out connecting to {where}")
             except OSError as exc:
                 sock.close()
@@ -207,7 +207,7 @@ class GuardedHTTPConnection(HTTPConnection):
             except BaseException:
                 sock.close()
                 raise
-            self._watched_by = attempt
+            self._watched_by = exchange
             sys.audit("http.client.connect", self, self.host, self.port)
             return sock
 
@@ -216,9 +216,9 @@ class GuardedHTTPConnection(HTTPConnection):
         raise ConnectionFailed(f"could not connect to {where}: {reason(error)}") from error
 
     @staticmethod
-    def _allowed(address: str, attempt: Attempt) -> bool:
+    def _allowed(address: str, exchange: Exchange) -> bool:
         ip = parse_ip(address)
-        return ip is not None and allowed(ip, attempt.allowed_networks)
+        return ip is not None and allowed(ip, exchange.allowed_networks)
 
     def putrequest(
         self,
@@ -227,13 +227,13 @@ class GuardedHTTPConnection(HTTPConnection):
         skip_host: bool = False,
         skip_accept_encoding: bool = False,
     ) -> None:
-        # A pooled connection's socket is watched for this attempt too. (A new one was
+        # A pooled connection's socket is watched for this exchange too. (A new one was
         # registered by _new_conn; over plain HTTP it is only connected later, on send.)
-        attempt = current_attempt()
-        if self.sock is not None and self._watched_by is not attempt:
-            if not WATCHDOG.register(attempt, self.sock):
+        exchange = current_exchange()
+        if self.sock is not None and self._watched_by is not exchange:
+            if not WATCHDOG.register(exchange, self.sock):
                 raise AttemptTimeout("timed out before sending")
-            self._watched_by = attempt
+            self._watched_by = exchange
         super().putrequest(
             method, url, skip_host=skip_host, skip_accept_encoding=skip_accept_encoding
         )
