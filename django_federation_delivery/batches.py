@@ -9,7 +9,6 @@ import json
 import logging
 from typing import Any
 
-from django_federation_delivery.channels import Event
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.store import claims
 
@@ -38,15 +37,11 @@ class BatchInfo:
     ordered: bool
     #: The activity, parsed, when SKIP_IF is to be asked about it.
     activity: Any
-    #: A webhook event's type ("" for an activity), and the event, read back
-    #: from the body (None if it cannot be: see webhooks/deliveries.py).
+    #: A webhook event's type; "" for an activity.
     event_type: str = ""
-    event: Event | None = None
 
     @classmethod
     def of(cls, batch: claims.BatchRow, *, parse: bool) -> BatchInfo:
-        if batch.event_type:
-            return cls._webhook(batch)
         return cls(
             id=batch.id,
             sender=batch.sender,
@@ -57,28 +52,8 @@ class BatchInfo:
             max_attempts=batch.max_attempts,
             synchronize_collection=batch.synchronize_collection,
             ordered=bool(batch.ordering_key),
-            activity=json.loads(batch.body) if parse else None,
-        )
-
-    @classmethod
-    def _webhook(cls, batch: claims.BatchRow) -> BatchInfo:
-        try:
-            event: Event | None = Event.read(batch.body)
-        except ValueError:
-            event = None
-        return cls(
-            id=batch.id,
-            sender=batch.sender,
-            body=b"",
-            body_sha256=batch.body_sha256,
-            tag=batch.tag,
-            deadline=batch.deadline,
-            max_attempts=batch.max_attempts,
-            synchronize_collection=False,
-            ordered=bool(batch.ordering_key),
-            activity=None,
+            activity=json.loads(batch.body) if parse and not batch.event_type else None,
             event_type=batch.event_type,
-            event=event,
         )
 
 

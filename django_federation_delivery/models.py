@@ -35,6 +35,16 @@ class Lane(models.TextChoices):
     LOW = "low", _("low")
 
 
+class Kind(models.TextChoices):
+    """What a delivery goes to, and so how the loop sends it (``kinds.py``)."""
+
+    # An ActivityPub inbox: ``inbox`` is its URL, ``host`` its host.
+    ACTIVITYPUB = "activitypub", _("ActivityPub inbox")
+    # A configured webhook destination, named by ``destination``: its URL,
+    # the credential, is read from the settings when it is sent.
+    WEBHOOK = "webhook", _("webhook")
+
+
 class Status(models.TextChoices):
     """Where a delivery stands. Only ``pending`` is still in the queue."""
 
@@ -81,8 +91,8 @@ class Batch(models.Model):
     )
     # A webhook event (see webhooks/): its type and id, blank for an activity.
     # The body is then the event as JSON, timestamp included, so that every
-    # retry sends, and signs, the very same bytes. Its deliveries' inbox and
-    # host are "webhook:<destination name>", never the URL.
+    # retry sends the very same bytes. Its deliveries name their destination,
+    # never its URL.
     event_type = models.CharField(
         verbose_name=_("event type"), max_length=100, blank=True, default=""
     )
@@ -127,7 +137,16 @@ class Delivery(models.Model):
         related_name="deliveries",
         db_index=False,
     )
+    kind = models.CharField(
+        verbose_name=_("kind"), max_length=16, choices=Kind.choices, default=Kind.ACTIVITYPUB
+    )
+    # A webhook's destination, by its name; blank for an inbox.
+    destination = models.CharField(
+        verbose_name=_("destination"), max_length=64, blank=True, default=""
+    )
     inbox = models.CharField(verbose_name=_("inbox"), max_length=2048)
+    # What slots, breakers and pauses go by: an inbox's host, or for a webhook
+    # a key of its destination that no inbox's host can be (see sending).
     host = models.CharField(verbose_name=_("host"), max_length=255)
     # Where to POST, in order, when not the inbox itself: the gateways of a
     # portable inbox (FEP-ef61), tried one after the other within one attempt.
@@ -208,6 +227,13 @@ class Delivery(models.Model):
                 fields=["sequence", "id"],
                 condition=Q(status="pending") & ~Q(sequence=""),
                 name="fd_delivery_sequence",
+            ),
+            # A webhook destination's pending events (its queue, its status):
+            # an entry for those rows alone.
+            models.Index(
+                fields=["destination", "id"],
+                condition=models.Q(status="pending", kind="webhook"),
+                name="fd_delivery_destination",
             ),
         ]
 

@@ -29,7 +29,6 @@ from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy, wait_before_retry
 from django_federation_delivery.signals import Outcome
 from django_federation_delivery.store import claims, settlements
-from django_federation_delivery.webhooks.destinations import destination_name
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +174,8 @@ class Row(Protocol):
     def batch_id(self) -> int: ...
     @property
     def inbox(self) -> str: ...
+    @property
+    def destination(self) -> str: ...
 
 
 def failure(
@@ -200,7 +201,7 @@ def failure(
         error=error,
         deadline=deadline,
         refused=refused,
-        destination=destination_name(row.inbox),
+        destination=row.destination,
         event_type=event_type,
     )
 
@@ -307,7 +308,7 @@ class Settler:
                 status=result.status,
                 error=result.error,
                 duration=result.duration,
-                destination=destination_name(row.inbox),
+                destination=row.destination,
                 event_type=batch.event_type,
             ),
         )
@@ -327,7 +328,7 @@ class Settler:
                 tag=batch.tag,
                 outcome=outcome,
                 status=status,
-                destination=destination_name(row.inbox),
+                destination=row.destination,
                 event_type=batch.event_type,
             ),
         )

@@ -44,11 +44,12 @@ def fill(count: int, now: dt.datetime, *, first_batch: int) -> None:
     ages = [adapt(now - dt.timedelta(days=days)) for days in AGES]
     with connection.cursor() as cursor:
         cursor.execute(
-            f"INSERT INTO {table} (batch_id, inbox, host, via, lane, status, attempts, "
-            "due_at, lease_token, last_attempt_at, last_status, last_error, settled_at, "
-            "sequence, after_id) "
+            f"INSERT INTO {table} (batch_id, kind, destination, inbox, host, via, lane, "
+            "status, attempts, due_at, lease_token, last_attempt_at, last_status, last_error, "
+            "settled_at, sequence, after_id) "
             f"WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {count}) "
-            f"SELECT {first_batch} + (i - 1) / {PER_BATCH}, 'https://h' || (i %% 50) || "
+            f"SELECT {first_batch} + (i - 1) / {PER_BATCH}, 'activitypub', '', "
+            "'https://h' || (i %% 50) || "
             "'.example/inbox/' || i, 'h' || (i %% 50) || '.example', '[]', 'normal', "
             f"{status}, 1, NULL, NULL, NULL, 200, '', {settled}, '', NULL FROM n",
             [*map(str, STATUSES), ages[0], *ages],

@@ -218,11 +218,15 @@ def test_the_summary_counts_each_outcome_in_its_own_field() -> None:
 
 
 def test_a_failure_names_a_webhook_by_its_destination_and_an_inbox_by_nothing_more() -> None:
-    given_up = store.GivenUp(id=3, batch_id=2, inbox="webhook:ops", last_status=None)
+    given_up = store.GivenUp(
+        id=3, batch_id=2, inbox="webhook:ops", last_status=None, destination="ops"
+    )
     payload = failure(given_up, sender="", tag="t", event_type="deploy", status=None, error="gone")
     assert (payload.delivery_id, payload.batch_id, payload.destination) == (3, 2, "ops")
     assert (payload.deadline, payload.refused) == (False, False)
-    inbox = store.GivenUp(id=4, batch_id=2, inbox="https://a.example/inbox", last_status=500)
+    inbox = store.GivenUp(
+        id=4, batch_id=2, inbox="https://a.example/inbox", last_status=500, destination=""
+    )
     assert (
         failure(inbox, sender="s", tag="", event_type="", status=500, error="x").destination == ""
     )

@@ -30,13 +30,8 @@ from django_federation_delivery.admin.base import (
 from django_federation_delivery.admin.destinations import destinations_page
 from django_federation_delivery.admin.queues import queues_page
 from django_federation_delivery.hosts import paused_hosts
-from django_federation_delivery.models import Breaker, Delivery, Status
-from django_federation_delivery.webhooks.destinations import (
-    KEY_PREFIX,
-    configured,
-    delivery_key,
-    destination_name,
-)
+from django_federation_delivery.models import Breaker, Delivery, Kind, Status
+from django_federation_delivery.webhooks.destinations import configured, delivery_key
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -110,21 +105,17 @@ class HostFilter(admin.SimpleListFilter):
 
 
 class KindFilter(admin.SimpleListFilter):
-    """ActivityPub activities, or webhook events (whose host is ``webhook:<name>``)."""
+    """ActivityPub activities, or webhook events."""
 
     title = _("kind")
     parameter_name = "kind"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, StrOrPromise]]:
-        return [("activitypub", _("ActivityPub")), ("webhook", _("webhook"))]
+        return [(Kind.ACTIVITYPUB, _("ActivityPub")), (Kind.WEBHOOK, _("webhook"))]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        match self.value():
-            case "activitypub":
-                return queryset.exclude(host__startswith=KEY_PREFIX)
-            case "webhook":
-                return queryset.filter(host__startswith=KEY_PREFIX)
-        return queryset
+        value = self.value()
+        return queryset.filter(kind=value) if value in Kind.values else queryset
 
 
 class DestinationFilter(admin.SimpleListFilter):
@@ -145,7 +136,7 @@ class DestinationFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
-        # The host is the inbox, and (host, status) is indexed.
+        # By the destination's host key: (host, status) is indexed.
         return queryset.filter(host=delivery_key(str(value))) if value else queryset
 
 
@@ -203,7 +194,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     )
 
     def get_fieldsets(self, request: HttpRequest, obj: Delivery | None = None) -> Any:
-        if obj is not None and obj.host.startswith(KEY_PREFIX):
+        if obj is not None and obj.kind == Kind.WEBHOOK:
             return self.webhook_fieldsets
         return self.fieldsets
 
@@ -240,7 +231,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     # A webhook delivery names its destination, whose URL is never shown.
     @admin.display(description=_("webhook destination"))
     def destination(self, obj: Delivery) -> str:
-        return destination_name(obj.host) or "—"
+        return obj.destination or "—"
 
     @admin.display(description=_("event"), ordering="batch__event_type")
     def event(self, obj: Delivery) -> str:

@@ -56,6 +56,8 @@ class Claimed:
     token: str
     #: When the lease lapses, as ``time.time()``.
     leased_until: float
+    #: A webhook's destination, by name; "" for an inbox.
+    destination: str = ""
 
 
 def claim(
@@ -104,13 +106,13 @@ def claim(
     # The lease as written (from before the claim), not from now: never later.
     expires = now.timestamp() + lease
     return [
-        Claimed(row[0], row[1], row[2], row[3], row[4], _json_list(row[5]), token, expires)
+        Claimed(row[0], row[1], row[2], row[3], row[4], _json_list(row[5]), token, expires, row[6])
         for row in rows
     ]
 
 
 #: What a claim gives back of each row.
-CLAIMED_COLUMNS = "id, batch_id, inbox, host, attempts, via"
+CLAIMED_COLUMNS = "id, batch_id, inbox, host, attempts, via, destination"
 
 
 def _due(connection: Any, columns: str, *, only: bool, limit: str = "%s") -> str:

@@ -21,7 +21,7 @@ from django_federation_delivery.dialect import (
     quoted_table,
     rows_per_statement,
 )
-from django_federation_delivery.models import Batch, Delivery, Host, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Kind, Status
 from django_federation_delivery.store.sequences import last_of_sequences, sequence_of
 
 #: Rows written, or looked up, in one statement.
@@ -36,6 +36,8 @@ class Queued(NamedTuple):
     #: Where to POST, in order, when not the inbox itself: a portable
     #: inbox's gateways.
     via: tuple[str, ...] = ()
+    #: A webhook's destination, by name; "" for an inbox.
+    destination: str = ""
 
 
 def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None) -> Batch:
@@ -108,12 +110,14 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
 _ROW = (
     ("inbox", "varchar"),
     ("host", "varchar"),
+    ("destination", "varchar"),
     ("via", "jsonb"),
     ("sequence", "varchar"),
     ("after_id", "bigint"),
 )
-#: Values the statement takes once, whatever its rows: batch, lane, status, due.
-_CONSTANTS = 4
+#: Values the statement takes once, whatever its rows: batch, kind, lane,
+#: status, due.
+_CONSTANTS = 5
 #: Statements already written out, for the sizes most sends have: a few
 #: rows, or a whole chunk. Any other is written when needed, not kept.
 _SQL: dict[tuple[str, str, int], str] = {}
@@ -191,13 +195,15 @@ def _delivery_params(
         (
             inbox,
             host,
+            destination,
             json.dumps(list(via)) if via else "[]",
             sequence_of(key, inbox) if key else "",
             waits_on.get(inbox),
         )
-        for inbox, host, via in chunk
+        for inbox, host, via, destination in chunk
     ]
-    constants = [batch.lane, str(Status.PENDING), due]
+    kind = str(Kind.WEBHOOK if batch.event_type else Kind.ACTIVITYPUB)
+    constants = [kind, batch.lane, str(Status.PENDING), due]
     if is_postgresql(connection):
         return [*constants, *(list(column) for column in zip(*rows, strict=True))]
     return [*constants, *(value for row in rows for value in row)]
@@ -228,10 +234,11 @@ def _deliveries_sql(connection: Any, rows: int, *, batch: str, join: str = "") -
             rows_from = f"(SELECT {named} FROM (VALUES {values})) AS v"
         due = "%s::timestamptz" if postgres else "%s"
         return (
-            f"INSERT INTO {table} (batch_id, {names}, lane, status, attempts, due_at, "
-            f"last_error) SELECT {batch}, v.inbox, v.host, v.via, v.sequence, v.after_id, "
-            f"%s, %s, 0, CASE WHEN v.after_id IS NULL AND NOT EXISTS (SELECT 1 FROM {hosts} "
-            f"AS h WHERE h.name = v.host AND h.paused_at IS NOT NULL) THEN {due} END, '' "
+            f"INSERT INTO {table} (batch_id, {names}, kind, lane, status, attempts, due_at, "
+            f"last_error) SELECT {batch}, v.inbox, v.host, v.destination, v.via, v.sequence, "
+            f"v.after_id, %s, %s, %s, 0, CASE WHEN v.after_id IS NULL AND NOT EXISTS "
+            f"(SELECT 1 FROM {hosts} AS h WHERE h.name = v.host AND h.paused_at IS NOT NULL) "
+            f"THEN {due} END, '' "
             f"FROM {rows_from}{join}"
         )
 

@@ -311,6 +311,7 @@ class GivenUp(NamedTuple):
     batch_id: int
     inbox: str
     last_status: int | None
+    destination: str
 
 
 def give_up_rows(
@@ -341,7 +342,7 @@ def give_up_rows(
         f"UPDATE {table} SET status = %s, due_at = NULL, lease_token = NULL, "
         f"settled_at = %s, last_error = %s WHERE status = %s "
         f"AND id IN ({', '.join(['%s'] * len(ids))}) "
-        "RETURNING id, batch_id, inbox, last_status"
+        "RETURNING id, batch_id, inbox, last_status, destination"
     )
     params = [str(Status.FAILED), db_datetime(now, connection), reason, str(Status.PENDING)]
     with transaction.atomic(using=alias):

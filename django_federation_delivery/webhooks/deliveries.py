@@ -1,12 +1,12 @@
-"""The loop's side of webhook deliveries: the job for a claimed one, and giving
-up on destinations no longer configured.
+"""The loop's side of webhook deliveries: the job for a claimed one, its
+attempt, and giving up on destinations no longer configured.
 
-A delivery names its destination (``webhook:<name>``); the URL is looked up
-in ``FEDERATION_DELIVERY["WEBHOOKS"]`` when it is sent. One whose destination
-was removed is given up in writing, with every other pending event to that
-destination and ``delivery_failed`` for each, rather than left pending where
-it would read as "still trying": when the loop starts, and when one is
-claimed.
+A delivery names its destination (its ``destination`` column); the URL is
+looked up in ``FEDERATION_DELIVERY["WEBHOOKS"]`` when it is sent. One whose
+destination was removed is given up in writing, with every other pending
+event to that destination and ``delivery_failed`` for each, rather than left
+pending where it would read as "still trying": when the loop starts, and
+when one is claimed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from django.db import DEFAULT_DB_ALIAS
 
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.channels import Event
+from django_federation_delivery.models import Delivery, Kind, Status
 from django_federation_delivery.settling import Settler
 from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.transport import Connections, Transport, TransportSettings
@@ -29,16 +30,17 @@ from django_federation_delivery.webhooks.attempt import (
     webhook_transport_settings,
 )
 from django_federation_delivery.webhooks.destinations import (
-    KEY_PREFIX,
     Destination,
     configured,
-    destination_name,
+    delivery_key,
 )
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 __all__ = ["WebhookDeliveries", "removed_reason"]
 
 CHUNK = 500
+#: Past this many events read, they are read again as needed.
+MOST_EVENTS = 1000
 
 
 def removed_reason(name: str) -> str:
@@ -63,6 +65,8 @@ class WebhookDeliveries:
         self.transport_settings = webhook_transport_settings(transport_settings, policy)
         self.using = using
         self.on_finished = on_finished
+        #: The events of the batches in hand, by batch id.
+        self._events: dict[int, Event | None] = {}
 
     @property
     def timeout(self) -> float:
@@ -92,26 +96,34 @@ class WebhookDeliveries:
     def job(self, row: claims.Claimed, batch: BatchInfo) -> WebhookJob:
         """The job for a claimed webhook delivery: the destination as configured
         now, and the event as queued."""
-        name = destination_name(row.inbox)
+        name = row.destination
         destination = self.lookup(name)
         if destination is None:
             call = WebhookCall(None, None, problem=removed_reason(name), permanent=True)
         elif isinstance(destination, str):
             call = WebhookCall(None, None, problem=destination)
-        elif batch.event is None:
+        elif (event := self._event(batch)) is None:
             problem = f"the stored event of batch {batch.id} cannot be read"
             call = WebhookCall(None, None, problem=problem, permanent=True)
         else:
-            call = WebhookCall(destination, batch.event)
+            call = WebhookCall(destination, event)
         return WebhookJob(delivery_id=row.id, webhook=call)
 
+    def _event(self, batch: BatchInfo) -> Event | None:
+        """The event ``batch`` stores, read once for all its destinations."""
+        if batch.id not in self._events:
+            if len(self._events) > MOST_EVENTS:
+                self._events.clear()
+            try:
+                self._events[batch.id] = Event.read(batch.body)
+            except ValueError:
+                self._events[batch.id] = None
+        return self._events[batch.id]
+
     def unusable(self, claimed: Iterable[claims.Claimed]) -> set[str]:
-        """The hosts (``webhook:<name>``) among ``claimed`` whose destination is
-        no longer configured."""
+        """The hosts among ``claimed`` whose destination is no longer configured."""
         return {
-            row.host
-            for row in claimed
-            if row.host.startswith(KEY_PREFIX) and self.lookup(destination_name(row.host)) is None
+            row.host for row in claimed if row.destination and self.lookup(row.destination) is None
         }
 
     def give_up_removed(self) -> int:
@@ -119,13 +131,11 @@ class WebhookDeliveries:
         Returns how many."""
         pending = (
             Delivery.objects.using(self.using)
-            .filter(status=Status.PENDING, host__startswith=KEY_PREFIX)
-            .values_list("host", flat=True)
+            .filter(status=Status.PENDING, kind=Kind.WEBHOOK)
+            .values_list("destination", flat=True)
             .distinct()
         )
-        return self.give_up(
-            {host for host in pending if self.lookup(destination_name(host)) is None}
-        )
+        return self.give_up({delivery_key(name) for name in pending if self.lookup(name) is None})
 
     def give_up(self, hosts: Iterable[str]) -> int:
         """Fail every pending delivery to ``hosts`` for good, whoever holds
@@ -133,7 +143,6 @@ class WebhookDeliveries:
         failed = 0
         manager = Delivery.objects.using(self.using)
         for host in sorted(hosts):
-            reason = removed_reason(destination_name(host))
             ids = list(
                 manager.filter(host=host, status=Status.PENDING)
                 .order_by("id")
@@ -142,6 +151,7 @@ class WebhookDeliveries:
             for start in range(0, len(ids), CHUNK):
                 rows = list(manager.filter(id__in=ids[start : start + CHUNK]))
                 batches = claims.batches({row.batch_id for row in rows}, using=self.using)
+                reason = removed_reason(rows[0].destination)
                 for row in rows:
                     self.settler.abandoned(
                         _claimed(row),
@@ -171,4 +181,5 @@ def _claimed(row: Delivery) -> claims.Claimed:
         via=(),
         token="",
         leased_until=0.0,
+        destination=row.destination,
     )

@@ -25,24 +25,20 @@ __all__ = [
     "configured",
     "configured_destinations",
     "delivery_key",
-    "destination_name",
     "parse_destination",
     "webhooks_from_env",
 ]
 
-#: What a webhook delivery's ``inbox`` and ``host`` hold: the destination's
-#: name, never its URL, which is looked up in the settings when it is sent.
+#: Before a destination's name in its deliveries' ``inbox`` and ``host``:
+#: what slots, breakers and pauses go by, which no inbox's host can be, so
+#: that no stranger's inbox shares a destination's breaker. Written, never
+#: read back: a delivery's ``kind`` and ``destination`` say what it is.
 KEY_PREFIX = "webhook:"
 
 
 def delivery_key(name: str) -> str:
     """The ``inbox`` and ``host`` of a delivery to destination ``name``."""
     return KEY_PREFIX + name
-
-
-def destination_name(key: str) -> str:
-    """The destination a delivery's ``inbox`` or ``host`` names; "" for an inbox URL."""
-    return key[len(KEY_PREFIX) :] if key.startswith(KEY_PREFIX) else ""
 
 
 class _HasEnviron(Protocol):

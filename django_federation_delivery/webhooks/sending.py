@@ -2,9 +2,10 @@
 
 One batch an event: its body is the event as JSON (type, id, timestamp,
 data), written once, so that every retry sends and signs the same bytes. One
-delivery a destination, whose inbox and host are ``webhook:<name>``: the URL
+delivery a destination, of kind ``webhook``, naming its destination: the URL
 is the credential and is never written, only looked up in the settings when
-the delivery is sent. Per-host slots, breakers and pauses then apply per
+the delivery is sent. Its inbox and host are the destination's key
+(``delivery_key``), so that per-host slots, breakers and pauses apply per
 destination.
 
 All webhook deliveries to one destination share one sequence of the queue's
@@ -78,7 +79,10 @@ def send_webhook(
                 event_type=event.type,
                 event_id=event.id,
             ),
-            [queueing.Queued(delivery_key(name), delivery_key(name)) for name in names],
+            [
+                queueing.Queued(delivery_key(name), delivery_key(name), destination=name)
+                for name in names
+            ],
             using=alias,
         )
 

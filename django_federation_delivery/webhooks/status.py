@@ -23,13 +23,10 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 from django.utils.translation import gettext, gettext_noop
 
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.models import Delivery, Kind, Status
 from django_federation_delivery.webhooks.destinations import (
-    KEY_PREFIX,
     Destination,
     configured,
-    delivery_key,
-    destination_name,
 )
 
 __all__ = ["DestinationHead", "DestinationStatus", "destination_status"]
@@ -70,11 +67,6 @@ class DestinationStatus:
     age: float
     head: DestinationHead | None
 
-    @property
-    def key(self) -> str:
-        """Its deliveries' ``inbox`` and ``host``."""
-        return delivery_key(self.name)
-
 
 def destination_status(
     *, now: dt.datetime | None = None, using: str | None = None
@@ -84,12 +76,10 @@ def destination_status(
     now = now or timezone.now()
     alias = using or DEFAULT_DB_ALIAS
     configured = _configured()
-    pending = Delivery.objects.using(alias).filter(
-        status=Status.PENDING, host__startswith=KEY_PREFIX
-    )
+    pending = Delivery.objects.using(alias).filter(status=Status.PENDING, kind=Kind.WEBHOOK)
     groups = {
-        row["host"]: row
-        for row in pending.values("host")
+        row["destination"]: row
+        for row in pending.values("destination")
         .annotate(
             count=Count("id"),
             oldest=Min("batch__created_at"),
@@ -103,12 +93,12 @@ def destination_status(
     head_ids = [row["head"] or row["first"] for row in groups.values()]
     heads = (
         {
-            row["host"]: row
+            row["destination"]: row
             for row in Delivery.objects.using(alias)
             .filter(id__in=head_ids, status=Status.PENDING)
             .values(
                 "id",
-                "host",
+                "destination",
                 "attempts",
                 "last_status",
                 "last_error",
@@ -121,17 +111,13 @@ def destination_status(
         if head_ids
         else {}
     )
-    names = sorted(configured) + sorted(
-        name
-        for name in (destination_name(host) for host in groups)
-        if name and name not in configured
-    )
+    names = sorted(configured) + sorted(name for name in groups if name not in configured)
     found = []
     for name in names:
         destination = configured.get(name)
-        group: Mapping[str, Any] = groups.get(delivery_key(name), {})
+        group: Mapping[str, Any] = groups.get(name, {})
         oldest = group.get("oldest")
-        head = heads.get(delivery_key(name))
+        head = heads.get(name)
         found.append(
             DestinationStatus(
                 name=name,

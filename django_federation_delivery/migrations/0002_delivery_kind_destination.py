@@ -1,0 +1,54 @@
+"""A delivery's kind and its webhook destination, each a column of its own.
+
+Until now a webhook delivery told both only through its inbox and host,
+written as the prefix ``webhook:`` and the destination's name: the rows
+queued so far are given their kind and destination from there.
+"""
+
+from django.db import migrations, models
+
+#: How a webhook delivery's host was written before this migration.
+OLD_PREFIX = "webhook:"
+
+
+def name_destinations(apps, schema_editor):  # type: ignore[no-untyped-def]
+    Delivery = apps.get_model("federation_delivery", "Delivery")
+    rows = Delivery.objects.using(schema_editor.connection.alias)
+    hosts = rows.filter(host__startswith=OLD_PREFIX).values_list("host", flat=True).distinct()
+    for host in list(hosts):
+        rows.filter(host=host).update(kind="webhook", destination=host[len(OLD_PREFIX) :])
+
+
+class Migration(migrations.Migration):
+    dependencies = [
+        ("federation_delivery", "0001_initial"),
+    ]
+
+    operations = [
+        migrations.AddField(
+            model_name="delivery",
+            name="kind",
+            field=models.CharField(
+                choices=[("activitypub", "ActivityPub inbox"), ("webhook", "webhook")],
+                default="activitypub",
+                max_length=16,
+                verbose_name="kind",
+            ),
+        ),
+        migrations.AddField(
+            model_name="delivery",
+            name="destination",
+            field=models.CharField(
+                blank=True, default="", max_length=64, verbose_name="destination"
+            ),
+        ),
+        migrations.RunPython(name_destinations, migrations.RunPython.noop),
+        migrations.AddIndex(
+            model_name="delivery",
+            index=models.Index(
+                condition=models.Q(("kind", "webhook"), ("status", "pending")),
+                fields=["destination", "id"],
+                name="fd_delivery_destination",
+            ),
+        ),
+    ]
