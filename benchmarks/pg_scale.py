@@ -236,9 +236,10 @@ def insert_pending(start: int, end: int, hosts: int) -> None:
     for chunk in range(start, end + 1, 100_000):
         last = min(end, chunk + 99_999)
         execute(
-            f"INSERT INTO {table()} (batch_id, inbox, host, via, lane, status, attempts, "
-            "due_at, last_error, sequence) "
-            "SELECT %s, 'https://' || h || '/users/u' || g || '/inbox', h, '[]'::jsonb, "
+            f"INSERT INTO {table()} (batch_id, kind, destination, inbox, host, via, lane, "
+            "status, attempts, due_at, last_error, sequence) "
+            "SELECT %s, 'activitypub', '', "
+            "'https://' || h || '/users/u' || g || '/inbox', h, '[]'::jsonb, "
             "CASE WHEN g %% 2000 = 0 THEN 'priority' WHEN g %% 20 = 1 THEN 'low' "
             "ELSE 'normal' END, 'pending', CASE WHEN g %% 10 < 3 THEN 1 + g %% 5 ELSE 0 END, "
             "CASE WHEN g %% 10 < 3 OR g %% 2000 = 0 "
@@ -255,9 +256,11 @@ def insert_settled(count: int, hosts: int) -> None:
     for chunk in range(1, count + 1, 100_000):
         last = min(count, chunk + 99_999)
         execute(
-            f"INSERT INTO {table()} (batch_id, inbox, host, via, lane, status, attempts, "
-            "due_at, last_error, sequence, settled_at, last_attempt_at, last_status) "
-            "SELECT %s, 'https://h' || ((g::bigint * 7919) %% %s) || '.example/users/s' "
+            f"INSERT INTO {table()} (batch_id, kind, destination, inbox, host, via, lane, "
+            "status, attempts, due_at, last_error, sequence, settled_at, last_attempt_at, "
+            "last_status) "
+            "SELECT %s, 'activitypub', '', "
+            "'https://h' || ((g::bigint * 7919) %% %s) || '.example/users/s' "
             "|| g || '/inbox', "
             "'h' || ((g::bigint * 7919) %% %s) || '.example', '[]'::jsonb, 'normal', "
             "CASE WHEN g %% 20 = 0 THEN 'failed' WHEN g %% 20 = 1 THEN 'refused' "

@@ -59,12 +59,12 @@ def fill(count: int) -> None:
         size = min(step, count - start)
         with connection.cursor() as cursor:
             cursor.execute(
-                f"INSERT INTO {table} (batch_id, inbox, host, via, lane, status, attempts, "
-                "due_at, lease_token, last_attempt_at, last_status, last_error, settled_at, "
-                "sequence, after_id) "
+                f"INSERT INTO {table} (batch_id, kind, destination, inbox, host, via, lane, "
+                "status, attempts, due_at, lease_token, last_attempt_at, last_status, "
+                "last_error, settled_at, sequence, after_id) "
                 f"WITH RECURSIVE n(i) AS (SELECT {start + 1} UNION ALL SELECT i + 1 FROM n "
                 f"WHERE i < {start + size}) "
-                f"SELECT {batches[0].id} + (i - 1) / {PER_BATCH}, "
+                f"SELECT {batches[0].id} + (i - 1) / {PER_BATCH}, 'activitypub', '', "
                 f"'https://h' || (i %% {HOSTS}) || '.example/users/' || i || '/inbox', "
                 f"'h' || (i %% {HOSTS}) || '.example', '[]', 'normal', {pick}, 1, NULL, NULL, "
                 "%s, 202, '', %s, '', NULL FROM n",
