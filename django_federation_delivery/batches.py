@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import logging
-from typing import Any
 
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.store import claims
@@ -35,13 +33,11 @@ class BatchInfo:
     synchronize_collection: bool
     #: Whether it has an ordering key, whose next delivery its settling releases.
     ordered: bool
-    #: The activity, parsed, when SKIP_IF is to be asked about it.
-    activity: Any
     #: A webhook event's type; "" for an activity.
     event_type: str = ""
 
     @classmethod
-    def of(cls, batch: claims.BatchRow, *, parse: bool) -> BatchInfo:
+    def of(cls, batch: claims.BatchRow) -> BatchInfo:
         return cls(
             id=batch.id,
             sender=batch.sender,
@@ -52,19 +48,16 @@ class BatchInfo:
             max_attempts=batch.max_attempts,
             synchronize_collection=batch.synchronize_collection,
             ordered=bool(batch.ordering_key),
-            activity=json.loads(batch.body) if parse and not batch.event_type else None,
             event_type=batch.event_type,
         )
 
 
 class KnownBatches:
     """The batches of claimed deliveries, by id, read from the database when
-    one is not known yet (and parsed when ``parse``: SKIP_IF asks about the
-    activity)."""
+    one is not known yet."""
 
-    def __init__(self, db: Runner, *, parse: bool, using: str) -> None:
+    def __init__(self, db: Runner, *, using: str) -> None:
         self._db = db
-        self.parse = parse
         self.using = using
         self._known: dict[int, BatchInfo] = {}
 
@@ -85,9 +78,7 @@ class KnownBatches:
         found = self._db(claims.batches, missing, using=self.using)
         if found is None:
             return None
-        self._known.update(
-            {id: BatchInfo.of(batch, parse=self.parse) for id, batch in found.items()}
-        )
+        self._known.update({id: BatchInfo.of(batch) for id, batch in found.items()})
         vanished = missing - set(found)
         if not vanished:
             return claimed

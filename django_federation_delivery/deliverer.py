@@ -25,7 +25,6 @@ from collections.abc import Callable
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_federation_delivery import signals, wakeup, writelock
-from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers, BreakerSettings
 from django_federation_delivery.conf import app_settings
@@ -37,13 +36,12 @@ from django_federation_delivery.intake import Intake
 from django_federation_delivery.kinds import Kinds
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
-from django_federation_delivery.settling import Settler, Summary
+from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.store import settlements
 from django_federation_delivery.triage import Triage
 from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
-from django_federation_delivery.webhooks.policy import WebhookPolicy
 from django_federation_delivery.workers import Workers
 
 logger = logging.getLogger(__name__)
@@ -82,10 +80,7 @@ class Deliverer:
         self._db = Database(using, self._stopping, logger=logger)
         self.idle_poll = app_settings.idle_poll_seconds
         self.new_work_poll = app_settings.new_work_poll_seconds
-        self.error_length = app_settings.error_length
         self.schemes = KnownSchemes(app_settings.first_scheme, self._db, using=using)
-        self.is_permanent = app_settings.callable_setting("PERMANENT_STATUS") or permanent_status
-        self.skip_if = app_settings.callable_setting("SKIP_IF")
         self.transport_settings = app_settings.transport_settings()
         breaker_settings = BreakerSettings.from_settings()
         self.breakers = (
@@ -105,25 +100,16 @@ class Deliverer:
         self.on_progress = on_progress
         self.progress_interval = progress_interval
         self.summary = Summary()
-        self.inboxes = InboxDeliveries(
-            Settler.from_settings(self.summary),
-            self.schemes,
-            self.transport_settings,
-            is_permanent=self.is_permanent,
-            error_length=self.error_length,
-            skip_if=self.skip_if,
-            synchronization=app_settings.callable_setting("COLLECTION_SYNCHRONIZATION"),
+        # The two kinds of delivery, each by its own rules, on the same loop.
+        self.kinds = Kinds(
+            InboxDeliveries.from_settings(self.summary, self.schemes, self.transport_settings),
+            WebhookDeliveries.from_settings(
+                self.summary,
+                self.transport_settings,
+                using=using,
+                on_finished=self._batches_finished,
+            ),
         )
-        # Webhook deliveries: the same loop, with the seed dispatcher's rules.
-        webhook_policy = WebhookPolicy.from_settings()
-        self.webhooks = WebhookDeliveries(
-            webhook_policy,
-            webhook_policy.settler(self.summary),
-            self.transport_settings,
-            using=using,
-            on_finished=self._batches_finished,
-        )
-        self.kinds = Kinds(self.inboxes, self.webhooks)
         self._wake = threading.Event()
         self.workers = Workers(
             self.transport_settings,
@@ -138,7 +124,7 @@ class Deliverer:
         #: Outcomes written together in one transaction, at most WRITE_WITHIN
         #: seconds late and four for each slot: what a crash would send again.
         self.outbox = Outbox(self._settle, size=4 * self.concurrency)
-        self._batches = KnownBatches(self._db, parse=self.skip_if is not None, using=using)
+        self._batches = KnownBatches(self._db, using=using)
         self.upkeep = Upkeep(
             db=self._db,
             using=using,
@@ -223,7 +209,8 @@ class Deliverer:
         # On SQLite, this thread's claims and settles take the write lock as it frees.
         remove_prompt_lock = writelock.install(self.using)
         try:
-            self._db(self.webhooks.give_up_removed)
+            for kind in self.kinds:
+                self._db(kind.give_up_unusable)
             while True:
                 self.upkeep.recycle_connections()
                 self.upkeep.refresh()

@@ -4,21 +4,25 @@ first) and the attempt at it, judged by the ActivityPub retry policy."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from django_federation_delivery.attempt import AttemptResult, InboxJob, attempt
+from django_federation_delivery.attempt import AttemptResult, InboxJob, attempt, permanent_status
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
+from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.keys import KeyCache
-from django_federation_delivery.settling import Settler, ask
+from django_federation_delivery.settling import Settler, Summary, ask
 from django_federation_delivery.store import claims
 from django_federation_delivery.transport import Connections, Transport, TransportSettings
 
 __all__ = ["InboxDeliveries", "lease_deadline"]
+
+#: Past this many activities parsed for SKIP_IF, they are parsed again as needed.
+MOST_ACTIVITIES = 1000
 
 # The loop's logger: where an operator looks for what the loop met.
 logger = logging.getLogger("django_federation_delivery.deliverer")
@@ -56,6 +60,23 @@ class InboxDeliveries:
         #: COLLECTION_SYNCHRONIZATION: the header for a sender and an inbox.
         self.synchronization = synchronization
         self.keys = KeyCache()
+        #: The activities SKIP_IF was asked about, by batch id.
+        self._activities: dict[int, Any] = {}
+
+    @classmethod
+    def from_settings(
+        cls, summary: Summary, schemes: KnownSchemes, transport_settings: TransportSettings
+    ) -> InboxDeliveries:
+        """As the settings say: RETRY, PERMANENT_STATUS, SKIP_IF and the rest."""
+        return cls(
+            Settler.from_settings(summary),
+            schemes,
+            transport_settings,
+            is_permanent=app_settings.callable_setting("PERMANENT_STATUS") or permanent_status,
+            error_length=app_settings.error_length,
+            skip_if=app_settings.callable_setting("SKIP_IF"),
+            synchronization=app_settings.callable_setting("COLLECTION_SYNCHRONIZATION"),
+        )
 
     @property
     def timeout(self) -> float:
@@ -63,15 +84,26 @@ class InboxDeliveries:
 
     def skipped(self, row: claims.Claimed, batch: BatchInfo) -> bool:
         """Whether SKIP_IF drops ``row`` unsent."""
-        return self.skip_if is not None and bool(
-            ask("SKIP_IF", self.skip_if, row.inbox, batch.activity)
-        )
+        if self.skip_if is None:
+            return False
+        return bool(ask("SKIP_IF", self.skip_if, row.inbox, self._activity(batch)))
+
+    def _activity(self, batch: BatchInfo) -> Any:
+        """The activity ``batch`` sends, parsed once for all its inboxes."""
+        if batch.id not in self._activities:
+            if len(self._activities) > MOST_ACTIVITIES:
+                self._activities.clear()
+            self._activities[batch.id] = json.loads(batch.body)
+        return self._activities[batch.id]
 
     def unusable(self, claimed: Iterable[claims.Claimed]) -> set[str]:
         """An inbox is always one to try."""
         return set()
 
     def give_up(self, hosts: Iterable[str]) -> int:
+        return 0
+
+    def give_up_unusable(self) -> int:
         return 0
 
     def job(self, row: claims.Claimed, batch: BatchInfo) -> InboxJob:

@@ -47,6 +47,11 @@ class DeliveryKind(Protocol):
         """Fail every pending delivery to ``hosts`` for good; how many."""
         ...
 
+    def give_up_unusable(self) -> int:
+        """Fail every pending delivery that can never be sent, as a loop
+        starts; how many."""
+        ...
+
     def job(self, row: claims.Claimed, batch: BatchInfo) -> Any:
         """What a worker needs for an attempt at ``row``."""
         ...

@@ -252,7 +252,7 @@ def test_a_signal_nobody_receives_is_not_made_and_one_received_is(
     for name in ("Attempted", "Settled"):
         monkeypatch.setattr(signals, name, counted(name))
     row = store.Claimed(1, 2, "https://social.example/inbox", "social.example", 0, (), "t", 0.0)
-    batch = BatchInfo(2, JOB.sender, b"{}", "", "", None, None, False, False, None)
+    batch = BatchInfo(2, JOB.sender, b"{}", "", "", None, None, False, False)
     settler = Settler(policy=RetryPolicy(), summary=Summary())
     settler.attempted(row, batch, answer(202))
     assert made == []

@@ -77,7 +77,6 @@ def in_flight(number: int, kind: DeliveryKind | None = None) -> InFlight:
             max_attempts=None,
             synchronize_collection=False,
             ordered=False,
-            activity=None,
         ),
         kind=kind or inboxes(),
         job=InboxJob(

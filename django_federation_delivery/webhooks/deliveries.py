@@ -20,7 +20,7 @@ from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Event
 from django_federation_delivery.models import Delivery, Kind, Status
-from django_federation_delivery.settling import Settler
+from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.transport import Connections, Transport, TransportSettings
 from django_federation_delivery.webhooks.attempt import (
@@ -67,6 +67,25 @@ class WebhookDeliveries:
         self.on_finished = on_finished
         #: The events of the batches in hand, by batch id.
         self._events: dict[int, Event | None] = {}
+
+    @classmethod
+    def from_settings(
+        cls,
+        summary: Summary,
+        transport_settings: TransportSettings,
+        *,
+        using: str = DEFAULT_DB_ALIAS,
+        on_finished: Callable[[list[int]], None] | None = None,
+    ) -> WebhookDeliveries:
+        """By the seed dispatcher's rules, as the WEBHOOK_* settings say."""
+        policy = WebhookPolicy.from_settings()
+        return cls(
+            policy,
+            policy.settler(summary),
+            transport_settings,
+            using=using,
+            on_finished=on_finished,
+        )
 
     @property
     def timeout(self) -> float:
@@ -126,7 +145,7 @@ class WebhookDeliveries:
             row.host for row in claimed if row.destination and self.lookup(row.destination) is None
         }
 
-    def give_up_removed(self) -> int:
+    def give_up_unusable(self) -> int:
         """Give up every pending delivery to a destination no longer configured.
         Returns how many."""
         pending = (
@@ -155,7 +174,7 @@ class WebhookDeliveries:
                 for row in rows:
                     self.settler.abandoned(
                         _claimed(row),
-                        BatchInfo.of(batches[row.batch_id], parse=False),
+                        BatchInfo.of(batches[row.batch_id]),
                         row.last_status,
                         reason,
                     )
