@@ -17,10 +17,11 @@ of it. The :class:`Deliverer` builds them and runs the loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
@@ -188,17 +189,57 @@ class Deliverer:
         """Claim and send until :meth:`stop` (or, with ``drain``, until
         nothing is due and nothing is in flight). With ``stop_after``, stop
         as :meth:`stop` does that many seconds after the start: what is in
-        flight then is finished before it returns. Returns what it did."""
+        flight then is finished before it returns. Returns what it did.
+
+        A delivery's way through it: claimed (``intake``), sorted and given
+        its job by its batch's kind (``triage``), admitted past its breaker
+        and handed to a worker (``handoff.dispatch``), attempted there through
+        its kind (``workers``), decided and signalled as its result comes back
+        (``handoff.collect``, ``settling``), and settled in the database with
+        others (``outbox``, :meth:`_write`).
+        """
         if stop_after is not None and not stop_after > 0:
             raise ValueError(f"stop_after must be a positive number of seconds, not {stop_after!r}")
+        with self._running(listen=not drain, stop_after=stop_after):
+            for kind in self.kinds:
+                self._db(kind.give_up_unusable)
+            next_progress = time.monotonic() + self.progress_interval
+            while True:
+                self.upkeep.recycle_connections()
+                self.upkeep.refresh()
+                self.handoff.collect()
+                # Workers first, the database after: a free slot never waits on a write.
+                self.handoff.dispatch()
+                if self.outbox.due():
+                    self._write()
+                if self.stopping:
+                    if self._wound_down():
+                        break
+                else:
+                    self.intake.claim_more()
+                    self.handoff.dispatch()
+                if drain and not self.slots.busy and not self.outbox and self.intake.drained():
+                    break
+                if self.on_progress is not None and time.monotonic() >= next_progress:
+                    self.on_progress(self.summary)
+                    next_progress = time.monotonic() + self.progress_interval
+                self._pause(caught_up=drain or self.intake.caught_up)
+        if self.on_progress is not None:
+            self.on_progress(self.summary)
+        return self.summary
+
+    @contextlib.contextmanager
+    def _running(self, *, listen: bool, stop_after: float | None) -> Iterator[None]:
+        """What a run holds while it runs: the wake-up, the listener, the
+        heartbeat, the workers, the stop timer and the write lock; each let go
+        of however the run ends."""
         wakeup.register(self._wake)
-        if not drain:
+        if listen:
             self.intake.listen()
         self.summary.started = time.monotonic()
         if self.heartbeat is not None:
             self.heartbeat.begin()
         self.workers.grow_to(self.concurrency)
-        next_progress = time.monotonic() + self.progress_interval
         timer = None
         if stop_after is not None:
             # The stop an operator's signal makes, from a timer: it ends the
@@ -209,48 +250,7 @@ class Deliverer:
         # On SQLite, this thread's claims and settles take the write lock as it frees.
         remove_prompt_lock = writelock.install(self.using)
         try:
-            for kind in self.kinds:
-                self._db(kind.give_up_unusable)
-            while True:
-                self.upkeep.recycle_connections()
-                self.upkeep.refresh()
-                self.handoff.collect()
-                # Workers first, the database after: a free slot never waits on a write.
-                self.handoff.dispatch()
-                if self.outbox.due():
-                    self._write()
-                if self.stopping:
-                    self.handoff.release_ready()
-                    if not self.slots.in_flight:
-                        self._write()
-                        if not self.outbox:
-                            break
-                else:
-                    self.intake.claim_more()
-                    self.handoff.dispatch()
-                busy, caught_up = self.slots.busy, drain or self.intake.caught_up
-                if drain and not busy and not self.outbox and self.intake.drained():
-                    break
-                if self.on_progress is not None and time.monotonic() >= next_progress:
-                    self.on_progress(self.summary)
-                    next_progress = time.monotonic() + self.progress_interval
-                if self.outbox and (not busy or self.outbox.due()):
-                    if self.outbox.due() or caught_up:
-                        self._write()  # not at each lull; a failing database is waited out
-                    continue
-                if busy or not self.intake.caught_up:
-                    # Woken by the next result, when one in flight turns slow,
-                    # or when what is unwritten is due to be written.
-                    self.intake.wait(
-                        min(
-                            self.slots.until_next_slow(),
-                            self.outbox.until_due(),
-                            self.new_work_poll,
-                            RESULTS_WITHIN if self.slots.in_flight else self.new_work_poll,
-                        )
-                    )
-                else:
-                    self.intake.idle()
+            yield
         finally:
             if timer is not None:
                 timer.cancel()
@@ -265,9 +265,37 @@ class Deliverer:
             # This thread owned the ORM's connections: close them.
             connections.close_all()
             remove_prompt_lock()
-        if self.on_progress is not None:
-            self.on_progress(self.summary)
-        return self.summary
+
+    def _wound_down(self) -> bool:
+        """Stopping: what was not sent is put back; whether all that was in
+        flight has come back and been written."""
+        self.handoff.release_ready()
+        if self.slots.in_flight:
+            return False
+        self._write()
+        return not self.outbox
+
+    def _pause(self, *, caught_up: bool) -> None:
+        """Between two turns: write what waits to be written when it is due
+        (or when nothing else is to be done), else wait for what comes next."""
+        busy = self.slots.busy
+        if self.outbox and (not busy or self.outbox.due()):
+            if self.outbox.due() or caught_up:
+                self._write()  # not at each lull; a failing database is waited out
+            return
+        if busy or not self.intake.caught_up:
+            # Woken by the next result, when one in flight turns slow,
+            # or when what is unwritten is due to be written.
+            self.intake.wait(
+                min(
+                    self.slots.until_next_slow(),
+                    self.outbox.until_due(),
+                    self.new_work_poll,
+                    RESULTS_WITHIN if self.slots.in_flight else self.new_work_poll,
+                )
+            )
+        else:
+            self.intake.idle()
 
     # The coordinator's writes.
 
