@@ -382,21 +382,14 @@ def trace_line(runner: DelivererThread, layout: Layout, delivered: int) -> str:
     """What the deliverer holds now, by kind of host: claimed and waiting
     for a slot (ready), and handed to the workers (in flight, of which slow)."""
     deliverer: Any = runner.deliverer
-    for _ in range(5):
-        try:
-            ready = [item.claimed.host for item in list(deliverer.slots.ready)]
-            flight = list(deliverer.slots.in_flight.values())
-            break
-        except RuntimeError:  # changed while copied: the coordinator's, not locked
-            continue
-    else:
-        return "    (could not read the deliverer's state)"
+    in_hand = deliverer.in_hand()
+    flight = in_hand.in_flight
     cutoff = time.monotonic() - deliverer.slow_after
     slow = collections.Counter(
-        layout.kind(item.claimed.host) for item in flight if 0 < item.started <= cutoff
+        layout.kind(sending.host) for sending in flight if 0 < sending.started <= cutoff
     )
-    in_flight = collections.Counter(layout.kind(item.claimed.host) for item in flight)
-    waiting = collections.Counter(layout.kind(host) for host in ready)
+    in_flight = collections.Counter(layout.kind(sending.host) for sending in flight)
+    waiting = collections.Counter(layout.kind(held.host) for held in in_hand.ready)
     kinds = ("202", str(FAILING_STATUS), "silent")
 
     def show(counts: collections.Counter[str]) -> str:
@@ -454,8 +447,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--trace",
         action="store_true",
-        help="print, every second of each run, what the deliverer holds (read from its "
-        "private attributes, unlocked: a diagnostic, not a figure)",
+        help="print, every second of each run, what the deliverer holds "
+        "(Deliverer.in_hand(): a diagnostic, not a figure)",
     )
     parser.add_argument(
         "--nginx-workers", default="1", help="nginx worker_processes (1; 'auto' = one per CPU)"

@@ -38,7 +38,7 @@ from django_federation_delivery.kinds import Kinds
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.settling import Summary
-from django_federation_delivery.slots import Slots
+from django_federation_delivery.slots import InHand, Slots
 from django_federation_delivery.store import settlements
 from django_federation_delivery.triage import Triage
 from django_federation_delivery.upkeep import Upkeep
@@ -184,6 +184,11 @@ class Deliverer:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    def in_hand(self) -> InHand:
+        """What it holds now: claimed and waiting for a slot, or with the
+        workers. Safe to call from another thread."""
+        return self.slots.in_hand()
 
     def run(self, *, drain: bool = False, stop_after: float | None = None) -> Summary:
         """Claim and send until :meth:`stop` (or, with ``drain``, until

@@ -9,10 +9,36 @@ what is here; workers only count the slow deliveries.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 
 from django_federation_delivery.workers import InFlight
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivering:
+    """A delivery a deliverer holds, as it stood when looked at."""
+
+    inbox: str
+    host: str
+    #: When a worker took it (``time.monotonic()``); 0 until one did.
+    started: float
+    #: Whether it is its breaker's probe.
+    probe: bool
+
+    @classmethod
+    def of(cls, item: InFlight) -> Delivering:
+        return cls(item.claimed.inbox, item.claimed.host, item.started, bool(item.probe))
+
+
+@dataclasses.dataclass(frozen=True)
+class InHand:
+    """What a deliverer holds at one moment: deliveries claimed and waiting
+    for a slot, and those handed to the workers."""
+
+    ready: tuple[Delivering, ...]
+    in_flight: tuple[Delivering, ...]
 
 
 class Slots:
@@ -26,6 +52,17 @@ class Slots:
         #: Handed to the workers: queued for one, or being sent.
         self.in_flight: dict[int, InFlight] = {}
         self._host_busy: collections.Counter[str] = collections.Counter()
+
+    def in_hand(self) -> InHand:
+        """What it holds now, copied: safe to read from another thread."""
+        for _ in range(10):
+            try:
+                ready = tuple(map(Delivering.of, list(self.ready)))
+                in_flight = tuple(map(Delivering.of, list(self.in_flight.values())))
+            except RuntimeError:  # changed while copied, by the loop's thread
+                continue
+            return InHand(ready, in_flight)
+        return InHand((), ())
 
     @property
     def busy(self) -> bool:

@@ -308,7 +308,7 @@ def test_a_held_hosts_backlog_keeps_no_other_host_waiting_and_is_claimed_in_the_
     deliverer = Deliverer(concurrency=4, per_host=2, claim_size=64)
     deliverer.upkeep.refresh()
     deliverer.intake.claim_more()
-    hosts = collections.Counter(item.claimed.host for item in deliverer.slots.ready)
+    hosts = collections.Counter(held.host for held in deliverer.in_hand().ready)
     # Left out of the claim, the held host's backlog no longer fills its window
     # (the claim took two of it, PER_HOST, and nothing else); what is due to it
     # is claimed in the room left, for its breaker to hold again.
@@ -329,14 +329,14 @@ def test_what_comes_due_to_a_held_host_waits_for_its_next_pass_without_the_loop_
     send(ALICE, {"type": "Note"}, ["https://down.example/inbox"])
     # Due now, but left alone until then: the claim takes nothing, …
     deliverer.intake.claim_more()
-    assert deliverer.intake.caught_up and not deliverer.slots.ready
+    assert deliverer.intake.caught_up and not deliverer.in_hand().ready
     # … and the idle loop sleeps until the pass, rather than coming straight
     # back to a claim that finds nothing (a wake would end the sleep sooner).
     started = time.monotonic()
     deliverer.intake.idle(listening=True)  # as on PostgreSQL
     assert time.monotonic() - started >= 0.8 * intake.HOLD_PASS_SECONDS
     deliverer.intake.claim_more()
-    assert [item.claimed.host for item in deliverer.slots.ready] == ["down.example"]
+    assert [held.host for held in deliverer.in_hand().ready] == ["down.example"]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -363,8 +363,8 @@ def test_two_deliverers_count_failures_together_and_probe_one_at_a_time(
         # It knows the breaker is open, and what it let through before is
         # back: from now on only a probe goes out.
         state = deliverer.breakers.view.get("127.0.0.2") if deliverer.breakers else None
-        in_flight = list(deliverer.slots.in_flight.values())
-        return bool(state and state.open_until) and all(item.probe for item in in_flight)
+        in_flight = deliverer.in_hand().in_flight
+        return bool(state and state.open_until) and all(sending.probe for sending in in_flight)
 
     # Marked once both hold back and no request (a probe) is being answered:
     # what is counted since are probes, whole.

@@ -504,7 +504,7 @@ def test_after_a_claim_that_found_nothing_the_loop_reads_whether_anything_is_due
     deliverer = Deliverer()
     intake = deliverer.intake
     intake.claim_more()
-    assert intake.caught_up and not deliverer.slots.ready
+    assert intake.caught_up and not deliverer.in_hand().ready
     intake.look_again()  # as a result's wake leaves it
     with CaptureQueriesContext(connection) as queries:
         intake.claim_more()
@@ -513,7 +513,7 @@ def test_after_a_claim_that_found_nothing_the_loop_reads_whether_anything_is_due
     send(ALICE, NOTE, [inbox.url()])
     intake.look_again()
     intake.claim_more()
-    assert [item.claimed.inbox for item in deliverer.slots.ready] == [inbox.url()]
+    assert [held.inbox for held in deliverer.in_hand().ready] == [inbox.url()]
 
 
 def test_on_sqlite_the_coordinator_takes_the_write_lock_promptly_and_only_while_it_runs(
