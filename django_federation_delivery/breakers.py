@@ -22,7 +22,7 @@ import enum
 import math
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, transaction
@@ -65,6 +65,8 @@ class BreakerSettings:
             return None
         breaker = app_settings.get("BREAKER")
         try:
+            if not isinstance(breaker, Mapping):
+                raise TypeError("a dict is needed")
             found = cls(
                 threshold=int(breaker["THRESHOLD"]),
                 cool_off=float(breaker["COOL_OFF"]),

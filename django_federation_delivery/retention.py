@@ -62,7 +62,7 @@ def retention_seconds(setting: Any = ...) -> dict[Status, float]:
     problems = check_retention(value)
     if problems:
         raise ImproperlyConfigured(f"{problems[0].msg} {problems[0].hint}")
-    if value is None:
+    if not isinstance(value, Mapping):  # None: everything kept
         return {}
     return {
         status: float(value[status.name])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
@@ -61,7 +61,7 @@ def is_whole(value: Any, least: int, most: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
 
 
-def is_seconds(value: Any, longest: float) -> bool:
+def is_seconds(value: object, longest: float) -> TypeGuard[float]:
     # inf and nan are floats too: a wait of either overflows a datetime.
     return (
         isinstance(value, int | float)
