@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from django_federation_delivery import addresses
-from django_federation_delivery.channels.base import is_refusal
+from django_federation_delivery.channels.base import Verdict, is_refusal
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
 from django_federation_delivery.transport import Answer, Transport, parse_retry_after
@@ -175,15 +175,35 @@ def _post(
         answer = transport.post(url, job.body, headers, deadline=deadline)
     except TransportError as exc:
         return failed(job, str(exc)[:error_length], permanent=exc.permanent)
-    delivered = 200 <= answer.status < 300
+    verdict = Verdict(
+        delivered=200 <= answer.status < 300,
+        refused=is_permanent(answer.status),
+        retry_after=parse_retry_after(answer.headers.get("Retry-After")),
+    )
+    error = "" if verdict.delivered else describe(answer, error_length, target)
+    return judged(job, answer.status, verdict, error, accepted_scheme=scheme)
+
+
+def judged(
+    job: Job,
+    status: int,
+    verdict: Verdict,
+    error: str,
+    *,
+    accepted_scheme: Scheme | None = None,
+) -> AttemptResult:
+    """What came of an attempt whose answer, ``status``, was judged ``verdict``
+    (by the inbox's rule or a destination's kind): ``error`` told, and the
+    scheme remembered, as the verdict has it."""
+    delivered = verdict.delivered
     return AttemptResult(
         job=job,
         delivered=delivered,
-        status=answer.status,
-        error="" if delivered else describe(answer, error_length, target),
-        permanent=not delivered and is_permanent(answer.status),
-        retry_after=None if delivered else parse_retry_after(answer.headers.get("Retry-After")),
-        accepted_scheme=scheme if delivered else None,
+        status=status,
+        error="" if delivered else error,
+        permanent=not delivered and verdict.refused,
+        retry_after=None if delivered else verdict.retry_after,
+        accepted_scheme=accepted_scheme if delivered else None,
         duration=0.0,
     )
 

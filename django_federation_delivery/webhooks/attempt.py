@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from django_federation_delivery.attempt import AttemptResult, Job, failed
+from django_federation_delivery.attempt import AttemptResult, Job, failed, judged
 from django_federation_delivery.channels import Destination, Event, Verdict
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.transport import Transport, TransportSettings, logs
@@ -102,24 +102,13 @@ def attempt_webhook(
 def _result(
     job: Job, status: int, verdict: Verdict, destination: Destination, policy: WebhookPolicy
 ) -> AttemptResult:
-    if verdict.delivered:
-        return dataclasses.replace(failed(job, "", permanent=False), delivered=True, status=status)
     # The whole of what was read is redacted before any of it is cut: a cut
     # secret would no longer be recognised.
     text = " ".join(destination.redact(verdict.detail).split())
     error = f"the receiver answered {status}"
     if text:
         error = f"{error}: {text[: policy.body_length].rstrip()}"
-    return AttemptResult(
-        job=job,
-        delivered=False,
-        status=status,
-        error=error,
-        permanent=verdict.refused,
-        retry_after=verdict.retry_after,
-        accepted_scheme=None,
-        duration=0.0,
-    )
+    return judged(job, status, verdict, error)
 
 
 def safe_text(destination: Destination, url: str, text: str) -> str:
