@@ -25,21 +25,14 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from django_federation_delivery import history
 from django_federation_delivery.conf import SETTING, app_settings
-from django_federation_delivery.dialect import (
-    connection_for,
-    db_datetime,
-    quoted_table,
-    read_datetime,
-    upsert_sql,
-)
 from django_federation_delivery.models import Breaker
+from django_federation_delivery.store.breakers import count_failures
 
 
 class Scope(enum.StrEnum):
@@ -171,57 +164,6 @@ def _forgettable(row: Breaker, stale: dt.datetime) -> bool:
     return row.open_until < stale and row.probe_until is None
 
 
-def record_failures(
-    failures: Counter[str], *, threshold: int, cool_off: float, using: str | None = None
-) -> dict[str, tuple[int, dt.datetime | None]]:
-    """Count failures in a row, opening a breaker that reaches ``threshold``:
-    one upsert a destination, so that processes count together. Returns each
-    destination's count and open time as they now stand, all processes' together."""
-    if not failures:
-        return {}
-    connection = connection_for(using)
-    table = quoted_table(Breaker, connection)
-    now = timezone.now()
-    opens = db_datetime(now + dt.timedelta(seconds=cool_off), connection)
-    sql = upsert_sql(
-        table,
-        ("key", "failures", "open_until", "probe_token", "probe_until", "updated_at"),
-        row="(%s, %s, CASE WHEN %s >= %s THEN %s ELSE NULL END, '', NULL, %s)",
-        key="key",
-        updates=(
-            f"failures = {table}.failures + excluded.failures, "
-            f"open_until = CASE WHEN {table}.open_until IS NULL "
-            f"AND {table}.failures + excluded.failures >= %s THEN %s ELSE {table}.open_until END, "
-            "updated_at = excluded.updated_at"
-        ),
-        returning=f"{table}.failures, {table}.open_until",
-    )
-    standing: dict[str, tuple[int, dt.datetime | None]] = {}
-    opened = 0
-    with transaction.atomic(using=using), connection.cursor() as cursor:
-        for key, count in sorted(failures.items()):
-            cursor.execute(
-                sql,
-                [
-                    key,
-                    count,
-                    count,
-                    threshold,
-                    opens,
-                    db_datetime(now, connection),
-                    threshold,
-                    opens,
-                ],
-            )
-            row = cursor.fetchone()
-            if row is not None:
-                standing[key] = (int(row[0]), read_datetime(row[1], connection))
-                # Opened by this statement: open until the time it wrote.
-                opened += standing[key][1] == now + dt.timedelta(seconds=cool_off)
-        history.record({now: {"breakers_opened": opened}}, using=using)
-    return standing
-
-
 def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:
     """A success while closed starts the count again; one sent before the
     breaker opened does not close it, as only a probe does."""
@@ -340,7 +282,7 @@ class Breakers:
         if not written:
             return 0
         settings = self.settings
-        standing = record_failures(
+        standing = count_failures(
             self._failures,
             threshold=settings.threshold,
             cool_off=settings.cool_off,

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Max
 
-from django_federation_delivery.dialect import connection_for
+from django_federation_delivery.dialect import connection_for, is_postgresql
 from django_federation_delivery.models import Delivery, Status
 
 
@@ -80,3 +80,19 @@ def release_next(settled: Sequence[int], now: dt.datetime, using: str | None) ->
         manager.filter(after_id__in=settled[start : start + 500], status=Status.PENDING).update(
             due_at=now, after=None
         )
+
+
+def lock_sequences(ordering_key: str, inboxes: Iterable[str], alias: str) -> None:
+    """On PostgreSQL, queue to each of ``inboxes`` in ``ordering_key`` one
+    transaction at a time, until commit: two sends at once would otherwise both
+    wait on the same earlier delivery, and be sent side by side. (SQLite writes
+    one at a time.)"""
+    connection = connection_for(alias)
+    if not is_postgresql(connection):
+        return
+    with connection.cursor() as cursor:
+        for inbox in sorted(inboxes):  # one order, so two sends never deadlock
+            digest = hashlib.sha256(f"{ordering_key}\n{inbox}".encode()).digest()
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(%s)", [int.from_bytes(digest[:8], "big", signed=True)]
+            )

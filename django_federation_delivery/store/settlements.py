@@ -17,7 +17,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, transac
 from django.db.models import F
 from django.utils import timezone
 
-from django_federation_delivery import history, wakeup
+from django_federation_delivery import wakeup
 from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
@@ -29,6 +29,7 @@ from django_federation_delivery.dialect import (
     quoted_table,
 )
 from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.store import history
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down, count_down_set
 from django_federation_delivery.store.sequences import release_next

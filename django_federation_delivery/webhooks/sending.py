@@ -16,7 +16,6 @@ ones to its destination, and nothing else.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -27,11 +26,11 @@ from django.utils import timezone
 
 from django_federation_delivery.channels import Event
 from django_federation_delivery.conf import SETTING
-from django_federation_delivery.dialect import connection_for, is_postgresql
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
+from django_federation_delivery.store.sequences import lock_sequences
 from django_federation_delivery.webhooks.destinations import configured, delivery_key
 
 __all__ = ["ORDERING_KEY", "send_webhook"]
@@ -68,7 +67,7 @@ def send_webhook(
     alias = using or DEFAULT_DB_ALIAS
     # No savepoint, as send()'s.
     with transaction.atomic(using=alias, savepoint=False):
-        _lock_sequences(names, alias)
+        lock_sequences(ORDERING_KEY, names, alias)
         return queueing.enqueue(
             Batch(
                 sender="",
@@ -114,18 +113,3 @@ def _names(destination: object) -> list[str]:
         if name not in names:
             names.append(name)
     return names
-
-
-def _lock_sequences(names: list[str], alias: str) -> None:
-    """On PostgreSQL, queue for one destination one transaction at a time,
-    until commit: two sends at once would otherwise both wait on the same
-    earlier delivery, and be sent side by side. (SQLite writes one at a time.)"""
-    connection = connection_for(alias)
-    if not is_postgresql(connection):
-        return
-    with connection.cursor() as cursor:
-        for name in sorted(names):  # one order, so two sends never deadlock
-            digest = hashlib.sha256(f"{ORDERING_KEY}\n{name}".encode()).digest()
-            cursor.execute(
-                "SELECT pg_advisory_xact_lock(%s)", [int.from_bytes(digest[:8], "big", signed=True)]
-            )
