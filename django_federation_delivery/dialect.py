@@ -178,3 +178,10 @@ def upsert_sql(
         f"ON CONFLICT ({key}) DO UPDATE SET {updates}"
     )
     return f"{sql} RETURNING {returning}" if returning else sql
+
+
+def journal_mode(connection: Any) -> str:
+    """SQLite's journal mode, lowercase ("wal", "delete", …)."""
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA journal_mode")
+        return str(cursor.fetchone()[0]).lower()

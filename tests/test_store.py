@@ -731,3 +731,37 @@ def test_what_a_row_holds_is_written_as_it_is_whatever_its_characters() -> None:
     assert [(row.inbox, row.via) for row in stored] == [
         (target.inbox, list(target.via)) for target in targets
     ]
+
+
+#: Modules that run statements outside the store, on a connection of their own,
+#: and why: what they run is the connection's, not the queue's.
+OWN_CONNECTIONS = {
+    # SQLite's busy timeout, set on the raw connection as the write lock frees.
+    "writelock.py",
+    # PostgreSQL's LISTEN and UNLISTEN, on the listener's own connection.
+    "wakeup.py",
+}
+
+
+def test_only_the_store_and_the_dialect_run_statements_of_their_own() -> None:
+    import ast
+    from pathlib import Path
+
+    import django_federation_delivery
+
+    package = Path(django_federation_delivery.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        name = path.relative_to(package).as_posix()
+        if name.startswith(("store/", "migrations/")) or name == "dialect.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("cursor", "execute", "executemany", "raw")
+            ):
+                found.append(f"{name}:{node.lineno} .{node.func.attr}()")
+    outside = [place for place in found if place.split(":")[0] not in OWN_CONNECTIONS]
+    assert outside == []
+    assert {place.split(":")[0] for place in found} == OWN_CONNECTIONS

@@ -10,6 +10,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.checks.bounds import PREFIX
+from django_federation_delivery.dialect import journal_mode
 
 
 @register(Tags.database)
@@ -52,9 +53,7 @@ def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:
                 id=f"{PREFIX}.W001",
             )
         )
-    with connection.cursor() as cursor:
-        cursor.execute("PRAGMA journal_mode")
-        mode = str(cursor.fetchone()[0]).lower()
+    mode = journal_mode(connection)
     if mode != "wal":
         messages.append(
             Warning(

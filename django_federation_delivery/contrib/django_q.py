@@ -55,6 +55,7 @@ from django_federation_delivery.conf import app_settings
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.retention import purge_by_setting
+from django_federation_delivery.store import locks
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def round_lock(using: str = DEFAULT_DB_ALIAS) -> Iterator[bool]:
     """
     connection = connections[using]
     if connection.vendor == "postgresql":
-        with _advisory_lock(using) as held:
+        with locks.session_lock(using, ADVISORY_KEY) as held:
             yield held
     elif connection.vendor == "sqlite":
         with _file_lock(connection.settings_dict["NAME"]) as held:
@@ -199,24 +200,6 @@ def round_lock(using: str = DEFAULT_DB_ALIAS) -> Iterator[bool]:
             )
             % {"vendor": connection.vendor, "alias": using}
         )
-
-
-@contextlib.contextmanager
-def _advisory_lock(using: str) -> Iterator[bool]:
-    connection = connections.create_connection(using)
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_try_advisory_lock(%s)", [ADVISORY_KEY])
-            held = bool(cursor.fetchone()[0])
-        try:
-            yield held
-        finally:
-            if held:
-                with connection.cursor() as cursor:
-                    cursor.execute("SELECT pg_advisory_unlock(%s)", [ADVISORY_KEY])
-    finally:
-        # Closing the session releases the lock too, should the unlock fail.
-        connection.close()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""The queue's store: every query of the queue — enqueue, claim, settle, and
-what is due when. (Not ``queue``: the standard library has that name.)
+"""The queue's store: every statement the package runs outside the ORM —
+enqueue, claim, settle, what is due when, and the rest. (Not ``queue``: the
+standard library has that name.)
 
 One module a concept:
 
@@ -10,7 +11,15 @@ One module a concept:
 - ``settlements``: what leaving the queue writes (settled, given up, or
   requeued);
 - ``countdowns``: each batch's count of deliveries remaining, which
-  finishes it at nought.
+  finishes it at nought;
+- ``breakers``: failures counted by every process together;
+- ``history``: counts added to their minute;
+- ``purges``: settled deliveries and empty batches deleted a chunk at a time;
+- ``locks``: PostgreSQL's advisory locks, for work one process at a time does.
+
+Nothing outside this package holds a cursor, but ``dialect.py`` (what tells
+the databases apart) and two modules that set up a connection of their own
+(``writelock.py``, ``wakeup.py``): ``tests/test_store.py`` says so.
 
 What tells PostgreSQL from SQLite for every raw statement is in dialect.py;
 what each database is asked here differs only where it must.
