@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from django_federation_delivery.attempt import AttemptResult, InboxJob, attempt, permanent_status
+from django_federation_delivery.attempt import AttemptResult, permanent_status
 from django_federation_delivery.batches import BatchInfo
+from django_federation_delivery.channels.activitypub import InboxJob, attempt
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.keys import KeyCache

@@ -28,7 +28,8 @@ from django_federation_delivery.addresses import (
     redact,
     validate_inbox,
 )
-from django_federation_delivery.attempt import AttemptResult, InboxJob, attempt
+from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.channels.activitypub import InboxJob, attempt
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery
 from django_federation_delivery.signatures import Scheme, SenderKey

@@ -205,7 +205,7 @@ def test_an_inbox_secret_is_in_no_message_row_log_signal_or_admin_page(
 
 
 def test_an_answer_echoing_the_query_is_kept_without_it_even_when_cut_short() -> None:
-    from django_federation_delivery.attempt import describe
+    from django_federation_delivery.channels.activitypub import describe
     from django_federation_delivery.transport import Answer
 
     target = f"https://remote.example/inbox{QUERY}&page=2"

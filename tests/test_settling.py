@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from django_federation_delivery import store
-from django_federation_delivery.attempt import AttemptResult, InboxJob, failed, held
+from django_federation_delivery.attempt import AttemptResult, failed, held
+from django_federation_delivery.channels.activitypub import InboxJob
 from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
 from django_federation_delivery.settling import Settler, Summary, Verdict, decide, failure
 from django_federation_delivery.signals import Outcome

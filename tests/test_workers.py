@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import responses
 
-from django_federation_delivery.attempt import AttemptResult, InboxJob, Job
+from django_federation_delivery.attempt import AttemptResult, Job
+from django_federation_delivery.channels.activitypub import InboxJob
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.kinds import DeliveryKind

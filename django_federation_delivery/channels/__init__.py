@@ -4,7 +4,8 @@ A kind says how its URL parses (and which parts of it are secret), how the
 request for one attempt is built, and what an answer means. The loop calls
 that interface only. Built in: Slack, Discord, Markdown hooks, Telegram, ntfy,
 Matrix and signed JSON (Standard Webhooks); a project adds its own with
-``FEDERATION_DELIVERY["CHANNELS"]``.
+``FEDERATION_DELIVERY["CHANNELS"]``. An ActivityPub inbox is sent to by
+``activitypub.py``: signed, double-knocked, gateway by gateway.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from django.utils.translation import gettext as _
 
+from django_federation_delivery.attempt import Verdict, is_refusal
 from django_federation_delivery.transport import Answer, parse_retry_after
 
 if TYPE_CHECKING:
@@ -133,20 +134,6 @@ class Request:
     display: str
 
 
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """What an answer means for the event."""
-
-    delivered: bool
-    #: Refused for good: the same request would be refused again.
-    refused: bool = False
-    #: Seconds the receiver asked to be left alone, if it said.
-    retry_after: float | None = None
-    #: What went wrong, in the receiver's words (redacted and cut by the
-    #: caller): the start of a refusal's body, or what a 200 body said.
-    detail: str = ""
-
-
 class Channel:
     """A kind of destination. Subclass it, set :attr:`name`, :attr:`label` and
     :attr:`schemes`, and write :meth:`parse` and :meth:`request`; override
@@ -239,12 +226,6 @@ class Channel:
             key, _sign, value = pair.partition("=")
             pairs.append((unquote(key), unquote(value)))
         return pairs
-
-
-def is_refusal(status: int) -> bool:
-    """A 4xx says the request itself is wrong and will be wrong in an hour too;
-    408 and 429 only say "not now"."""
-    return 400 <= status < 500 and status not in (408, 429)
 
 
 def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:

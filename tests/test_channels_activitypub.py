@@ -1,4 +1,4 @@
-"""One attempt, with HTTP faked by ``responses``: signing, knocking, classifying."""
+"""An attempt at an ActivityPub inbox, HTTP faked by ``responses``: signing, knocking, judging."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import responses
 
-from django_federation_delivery.attempt import InboxJob, attempt, permanent_status
+from django_federation_delivery.attempt import permanent_status
+from django_federation_delivery.channels.activitypub import InboxJob, attempt
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
 from django_federation_delivery.transport import Answer, Transport, TransportSettings
 
