@@ -322,6 +322,7 @@ class Received:
     headers: dict[str, str]
     body: bytes
     host: str
+    method: str = "POST"
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -406,7 +407,9 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(length)
         # The target as it came on the wire: http.server turns a leading "//" into "/".
         target = self.requestline.split(" ")[1]
-        request = Received(target, dict(self.headers.items()), body, self.headers["Host"])
+        request = Received(
+            target, dict(self.headers.items()), body, self.headers["Host"], self.command
+        )
         with self.inbox.lock:
             self.inbox.received.append(request)
         if self.inbox.delay:
@@ -418,6 +421,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(answer)))
         self.end_headers()
         self.wfile.write(answer)
+
+    # A Matrix message is PUT.
+    do_PUT = do_POST
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -458,3 +458,42 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
     for place, text in places.items():
         leaked = [secret for secret in secrets if secret in text]
         assert not leaked, f"{leaked} in the {place}"
+
+
+def test_ntfy_and_matrix_destinations_are_sent_by_the_loop_a_retry_as_the_same_message(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    answered: list[str] = []
+
+    def busy_once(request: Received) -> tuple[int, dict[str, str], bytes]:
+        answered.append(request.path)
+        if len(answered) == 1:
+            return 429, {}, b'{"errcode": "M_LIMIT_EXCEEDED", "retry_after_ms": 100}'
+        return 200, {}, b'{"event_id": "$x"}'
+
+    phone = inboxes("127.0.0.1")
+    room = inboxes("127.0.0.2", respond=busy_once)
+    configure(
+        settings,
+        {
+            "phone": f"ntfy+http://tk_phoneToken9@127.0.0.1:{phone.port}/alerts-db?tags=warning",
+            "room": f"matrix+http://syt_roomToken42@127.0.0.2:{room.port}/!Room1:example.org",
+        },
+    )
+    send_webhook(["phone", "room"], "alert.raised", {"host": "db-1"}, event_id="evt-9")
+    wait_for_drains(lambda: len(room.received) == 2 and len(phone.received) == 1)
+
+    (sent,) = phone.received
+    assert (sent.method, sent.path) == ("POST", "/alerts-db")
+    assert sent.body == b"alert.raised\nhost: db-1"
+    assert sent.headers["Title"] == "alert.raised" and sent.headers["Tags"] == "warning"
+    assert sent.headers["Authorization"] == "Bearer tk_phoneToken9"
+    first, retry = room.received
+    # The same transaction, waited as the homeserver asked: one message.
+    assert (first.method, retry.method) == ("PUT", "PUT")
+    room_path = "/_matrix/client/v3/rooms/%21Room1%3Aexample.org/send/m.room.message/evt-9"
+    assert first.path == retry.path == room_path
+    assert json.loads(retry.body) == {"msgtype": "m.text", "body": "alert.raised\nhost: db-1"}
+    assert retry.headers["Authorization"] == "Bearer syt_roomToken42"
+    assert {d.status for d in Delivery.objects.all()} == {Status.DELIVERED}
+    assert "syt_roomToken42" not in json.dumps(list(Delivery.objects.values()), default=str)
