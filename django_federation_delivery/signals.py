@@ -17,8 +17,8 @@ its string ("delivered", "retrying", "held", "refused", "failed", "skipped").
 
 They are sent for webhook deliveries too: then ``destination`` and
 ``event_type`` say which destination (by name) and which event, ``inbox`` is
-the destination's key (``webhook:<name>``; never the URL, which is the
-credential), ``sender`` is blank, and ``error`` has been through the destination's redaction. A
+the destination's name too (never the URL, which is the credential),
+``sender`` is blank, and ``error`` has been through the destination's redaction. A
 delivery given up because its destination is no longer configured sends
 ``delivery_failed`` alone, with no attempt.
 """

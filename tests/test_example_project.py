@@ -152,8 +152,8 @@ def test_each_delivery_counts_as_delivered_and_webhook_deliveries_are_left_out(
 for n in range(3):
     settled(f"https://busy.example/users/{n}/inbox")
 settled("https://busy.example/users/x/inbox", outcome="skipped", status=None)
-settled("webhook:ops", destination="ops")
-failed("webhook:ops", 410, refused=True, destination="ops")
+settled("ops", destination="ops")
+failed("ops", 410, refused=True, destination="ops")
 print(json.dumps(rows()))
 """,
     )

@@ -8,6 +8,8 @@ import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
+from django_federation_delivery.store import sequence_of
+
 APP = "federation_delivery"
 
 
@@ -23,7 +25,7 @@ def before_kinds() -> Iterator[MigrationExecutor]:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_webhook_delivery_queued_before_gets_its_kind_and_destination(
+def test_a_webhook_delivery_queued_before_gets_its_kind_destination_and_inbox(
     before_kinds: MigrationExecutor,
 ) -> None:
     apps = before_kinds.loader.project_state([(APP, "0001_initial")]).apps
@@ -31,7 +33,10 @@ def test_a_webhook_delivery_queued_before_gets_its_kind_and_destination(
     Delivery = apps.get_model(APP, "Delivery")
     event = Batch.objects.create(sender="", body="{}", body_sha256="", event_type="alert")
     note = Batch.objects.create(sender="https://a.example/u", body="{}", body_sha256="")
-    Delivery.objects.create(batch=event, inbox="webhook:ops", host="webhook:ops")
+    old_sequence = sequence_of("webhook", "webhook:ops")
+    Delivery.objects.create(
+        batch=event, inbox="webhook:ops", host="webhook:ops", sequence=old_sequence
+    )
     Delivery.objects.create(batch=event, inbox="webhook:on-call", host="webhook:on-call")
     Delivery.objects.create(batch=note, inbox="https://b.example/inbox", host="b.example")
 
@@ -40,8 +45,14 @@ def test_a_webhook_delivery_queued_before_gets_its_kind_and_destination(
 
     apps = before_kinds.loader.project_state([(APP, "0002_delivery_kind_destination")]).apps
     rows = apps.get_model(APP, "Delivery").objects.order_by("id")
-    assert list(rows.values_list("kind", "destination", "host")) == [
-        ("webhook", "ops", "webhook:ops"),
-        ("webhook", "on-call", "webhook:on-call"),
-        ("activitypub", "", "b.example"),
+    assert list(rows.values_list("kind", "destination", "inbox", "host")) == [
+        ("webhook", "ops", "ops", "webhook:ops"),
+        ("webhook", "on-call", "on-call", "webhook:on-call"),
+        ("activitypub", "", "https://b.example/inbox", "b.example"),
+    ]
+    # The next event to "ops" waits on this one: the sequence a send now writes.
+    assert list(rows.values_list("sequence", flat=True)) == [
+        sequence_of("webhook", "ops"),
+        "",
+        "",
     ]

@@ -252,7 +252,7 @@ def test_a_4xx_is_refused_for_good_and_the_next_event_goes(
     assert (failure.destination, failure.event_type, failure.inbox) == (
         "ops",
         "alert.raised",
-        "webhook:ops",
+        "ops",
     )
     assert failure.refused and failure.status == 404 and failure.sender == ""
     settled = [value for name, value in caught if name == "delivery_settled"]
@@ -433,19 +433,19 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
     runner.stop()
 
     errors = dict(Delivery.objects.values_list("inbox", "last_error"))
-    assert "connection refused" in errors["webhook:refused"]
-    assert "1.5s" in errors["webhook:slow"] or "timed out" in errors["webhook:slow"]
+    assert "connection refused" in errors["refused"]
+    assert "1.5s" in errors["slow"] or "timed out" in errors["slow"]
     # What each kind declares secret is taken out; the receiver's address is not.
-    assert errors["webhook:echo4xx"].startswith(
+    assert errors["echo4xx"].startswith(
         f"the receiver answered 404: no hook at http://127.0.0.1:{echo404.port}[redacted]"
     )
-    assert errors["webhook:echo5xx"].startswith(
+    assert errors["echo5xx"].startswith(
         f"gave up after 9 attempts: the receiver answered 500: no hook at "
         f"http://127.0.0.1:{echo500.port}/[redacted]/sendMessage"
     )
-    assert "not a public address" in errors["webhook:private"]
-    assert "TLS" in errors["webhook:tls"], errors["webhook:tls"]
-    assert "resolve" in errors["webhook:dns"], errors["webhook:dns"]
+    assert "not a public address" in errors["private"]
+    assert "TLS" in errors["tls"], errors["tls"]
+    assert "resolve" in errors["dns"], errors["dns"]
     status = StringIO()
     call_command("delivery_status", stdout=status)
     places = {

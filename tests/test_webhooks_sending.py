@@ -45,8 +45,8 @@ def test_an_event_is_one_batch_with_one_delivery_a_destination_and_no_url() -> N
     assert (stored.event_type, stored.event_id, stored.size) == ("alert.raised", "e1", 2)
     deliveries = Delivery.objects.order_by("id")
     assert [(d.inbox, d.host) for d in deliveries] == [
-        ("webhook:ops", "webhook:ops"),
-        ("webhook:audit", "webhook:audit"),
+        ("ops", "webhook:ops"),
+        ("audit", "webhook:audit"),
     ]
     written = every_value_written()
     for secret in ("hooks.slack.com", "s3cretT0kenV4lue9", "receiver.example", SECRET[6:]):

@@ -2,13 +2,19 @@
 
 Until now a webhook delivery told both only through its inbox and host,
 written as the prefix ``webhook:`` and the destination's name: the rows
-queued so far are given their kind and destination from there.
+queued so far are given their kind and destination from there, and their
+inbox is the name alone, as a send writes it from now on (their ordering
+sequence follows).
 """
+
+import hashlib
 
 from django.db import migrations, models
 
-#: How a webhook delivery's host was written before this migration.
+#: How a webhook delivery's inbox and host were written before this migration.
 OLD_PREFIX = "webhook:"
+#: The ordering key of every webhook batch.
+ORDERING_KEY = "webhook"
 
 
 def name_destinations(apps, schema_editor):  # type: ignore[no-untyped-def]
@@ -16,7 +22,17 @@ def name_destinations(apps, schema_editor):  # type: ignore[no-untyped-def]
     rows = Delivery.objects.using(schema_editor.connection.alias)
     hosts = rows.filter(host__startswith=OLD_PREFIX).values_list("host", flat=True).distinct()
     for host in list(hosts):
-        rows.filter(host=host).update(kind="webhook", destination=host[len(OLD_PREFIX) :])
+        name = host[len(OLD_PREFIX) :]
+        deliveries = rows.filter(host=host)
+        deliveries.update(kind="webhook", destination=name, inbox=name)
+        # Each destination's events are one sequence: its ordering key (the
+        # one every webhook batch has) and its inbox, now the name.
+        deliveries.exclude(sequence="").update(sequence=sequence_of(ORDERING_KEY, name))
+
+
+def sequence_of(ordering_key: str, inbox: str) -> str:
+    """As ``store.sequences.sequence_of`` writes it."""
+    return hashlib.sha256(f"{ordering_key}\n{inbox}".encode()).hexdigest()
 
 
 class Migration(migrations.Migration):

@@ -29,15 +29,15 @@ __all__ = [
     "webhooks_from_env",
 ]
 
-#: Before a destination's name in its deliveries' ``inbox`` and ``host``:
-#: what slots, breakers and pauses go by, which no inbox's host can be, so
-#: that no stranger's inbox shares a destination's breaker. Written, never
-#: read back: a delivery's ``kind`` and ``destination`` say what it is.
+#: Before a destination's name in its deliveries' ``host``: what slots,
+#: breakers and pauses go by, which no inbox's host can be, so that no
+#: stranger's inbox shares a destination's breaker. Written, never read
+#: back: a delivery's ``kind`` and ``destination`` say what it is.
 KEY_PREFIX = "webhook:"
 
 
 def delivery_key(name: str) -> str:
-    """The ``inbox`` and ``host`` of a delivery to destination ``name``."""
+    """The ``host`` of a delivery to destination ``name``."""
     return KEY_PREFIX + name
 
 

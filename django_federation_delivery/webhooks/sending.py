@@ -2,11 +2,11 @@
 
 One batch an event: its body is the event as JSON (type, id, timestamp,
 data), written once, so that every retry sends and signs the same bytes. One
-delivery a destination, of kind ``webhook``, naming its destination: the URL
-is the credential and is never written, only looked up in the settings when
-the delivery is sent. Its inbox and host are the destination's key
-(``delivery_key``), so that per-host slots, breakers and pauses apply per
-destination.
+delivery a destination, of kind ``webhook``, whose destination and inbox are
+the destination's name: the URL is the credential and is never written, only
+looked up in the settings when the delivery is sent. Its host is the
+destination's key (``delivery_key``), so that per-host slots, breakers and
+pauses apply per destination.
 
 All webhook deliveries to one destination share one sequence of the queue's
 ordering: each waits until the one queued before it is delivered or given up,
@@ -78,10 +78,7 @@ def send_webhook(
                 event_type=event.type,
                 event_id=event.id,
             ),
-            [
-                queueing.Queued(delivery_key(name), delivery_key(name), destination=name)
-                for name in names
-            ],
+            [queueing.Queued(name, delivery_key(name), destination=name) for name in names],
             using=alias,
         )
 
