@@ -3,12 +3,11 @@ in memory while their deliveries are sent."""
 
 from __future__ import annotations
 
-import dataclasses
-import datetime as dt
 import logging
 
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.store import claims
+from django_federation_delivery.store.claims import BatchInfo
 
 __all__ = ["BatchInfo", "KnownBatches"]
 
@@ -17,39 +16,6 @@ logger = logging.getLogger("django_federation_delivery.deliverer")
 
 #: Past this many, what is known is forgotten at the next read.
 MOST_KNOWN = 1000
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchInfo:
-    """What the loop keeps in memory of a batch while its deliveries are sent."""
-
-    id: int
-    sender: str
-    body: bytes
-    body_sha256: str
-    tag: str
-    deadline: dt.datetime | None
-    max_attempts: int | None
-    synchronize_collection: bool
-    #: Whether it has an ordering key, whose next delivery its settling releases.
-    ordered: bool
-    #: A webhook event's type; "" for an activity.
-    event_type: str = ""
-
-    @classmethod
-    def of(cls, batch: claims.BatchRow) -> BatchInfo:
-        return cls(
-            id=batch.id,
-            sender=batch.sender,
-            body=batch.body.encode(),
-            body_sha256=batch.body_sha256,
-            tag=batch.tag,
-            deadline=batch.deadline,
-            max_attempts=batch.max_attempts,
-            synchronize_collection=batch.synchronize_collection,
-            ordered=bool(batch.ordering_key),
-            event_type=batch.event_type,
-        )
 
 
 class KnownBatches:
@@ -78,7 +44,7 @@ class KnownBatches:
         found = self._db(claims.batches, missing, using=self.using)
         if found is None:
             return None
-        self._known.update({id: BatchInfo.of(batch) for id, batch in found.items()})
+        self._known.update(found)
         vanished = missing - set(found)
         if not vanished:
             return claimed

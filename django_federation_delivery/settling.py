@@ -24,7 +24,7 @@ from django.utils.translation import gettext as _
 
 from django_federation_delivery import metrics, signals
 from django_federation_delivery.attempt import AttemptResult
-from django_federation_delivery.batches import BatchInfo as BatchInfo  # its home before
+from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy, wait_before_retry
 from django_federation_delivery.signals import Outcome

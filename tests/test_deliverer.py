@@ -730,7 +730,7 @@ def test_a_batch_deleted_between_claim_and_read_is_dropped_and_the_loop_goes_on(
     assert doomed is not None and kept is not None
     read_batches = claims.batches
 
-    def deleted_meanwhile(ids: Any, **kwargs: Any) -> dict[int, claims.BatchRow]:
+    def deleted_meanwhile(ids: Any, **kwargs: Any) -> dict[int, claims.BatchInfo]:
         # An operator deletes the batch, its deliveries with it, just after
         # the deliverer claimed them and just before it reads the batch.
         Batch.objects.filter(pk=doomed.pk).delete()

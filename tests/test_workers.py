@@ -16,11 +16,12 @@ import pytest
 import responses
 
 from django_federation_delivery.attempt import AttemptResult, Job
+from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels.activitypub import InboxJob
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.kinds import DeliveryKind
-from django_federation_delivery.settling import BatchInfo, Settler, Summary
+from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
 from django_federation_delivery.store import Claimed
 from django_federation_delivery.transport import TransportSettings, idle

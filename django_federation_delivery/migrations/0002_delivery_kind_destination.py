@@ -58,7 +58,6 @@ class Migration(migrations.Migration):
                 blank=True, default="", max_length=64, verbose_name="destination"
             ),
         ),
-        migrations.RunPython(name_destinations, migrations.RunPython.noop),
         migrations.AddIndex(
             model_name="delivery",
             index=models.Index(
@@ -67,4 +66,8 @@ class Migration(migrations.Migration):
                 name="fd_delivery_destination",
             ),
         ),
+        # After the index: on PostgreSQL, rows updated in a transaction leave
+        # their foreign keys' checks pending until it commits, and no index
+        # can be made on the table meanwhile.
+        migrations.RunPython(name_destinations, migrations.RunPython.noop),
     ]

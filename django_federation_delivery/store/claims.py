@@ -15,7 +15,7 @@ import dataclasses
 import datetime as dt
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, transaction
@@ -254,50 +254,71 @@ def _json_list(value: Any) -> tuple[str, ...]:
     return tuple(value or ())
 
 
-class BatchRow(NamedTuple):
-    """What the loop reads of a claimed delivery's batch: the columns it
-    sends and settles by, not a model (a stream of one-inbox sends reads a
-    batch for every delivery)."""
+class BatchInfo(NamedTuple):
+    """What the loop keeps of a claimed delivery's batch while its deliveries
+    are sent: the columns it sends and settles by, not a model (a stream of
+    one-inbox sends reads a batch for every delivery)."""
 
     id: int
     sender: str
-    body: str
+    #: The activity, or a webhook's event, as sent.
+    body: bytes
     body_sha256: str
     tag: str
     deadline: dt.datetime | None
     max_attempts: int | None
     synchronize_collection: bool
-    ordering_key: str
-    event_type: str
+    #: Whether it has an ordering key, whose next delivery its settling releases.
+    ordered: bool
+    #: A webhook event's type; "" for an activity.
+    event_type: str = ""
 
 
-def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchRow]:
+#: What :func:`batches` reads, in :class:`BatchInfo`'s order.
+BATCH_COLUMNS = (
+    "id, sender, body, body_sha256, tag, deadline, max_attempts, synchronize_collection, "
+    "ordering_key, event_type"
+)
+
+
+def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchInfo]:
     """The batches of claimed deliveries, by id; one deleted meanwhile is missing."""
     wanted = sorted(set(ids))
     if not wanted:
         return {}
     connection = connection_for(using)
     table = quoted_table(Batch, connection)
-    columns = ", ".join(BatchRow._fields)
     with connection.cursor() as cursor:
         if is_postgresql(connection):
             cursor.execute(
-                f"SELECT {columns} FROM {table} WHERE id = ANY(%s::bigint[])", [id_array(wanted)]
+                f"SELECT {BATCH_COLUMNS} FROM {table} WHERE id = ANY(%s::bigint[])",
+                [id_array(wanted)],
             )
-            return {row[0]: BatchRow(*row) for row in cursor.fetchall()}
+            return {row[0]: _batch(row, connection) for row in cursor.fetchall()}
         # SQLite: read as one value, as a claim's rows are (see _take_sqlite).
         cursor.execute(
-            f"SELECT json_group_array(json_array({columns})) FROM {table} "
+            f"SELECT json_group_array(json_array({BATCH_COLUMNS})) FROM {table} "
             "WHERE id IN (SELECT value FROM json_each(%s))",
             [json.dumps(wanted)],
         )
         found = json.loads(cursor.fetchone()[0])
-    deadline = BatchRow._fields.index("deadline")
-    synchronize = BatchRow._fields.index("synchronize_collection")
-    for row in found:
-        row[deadline] = read_datetime(row[deadline], connection)
-        row[synchronize] = bool(row[synchronize])
-    return {row[0]: BatchRow(*row) for row in found}
+    return {row[0]: _batch(row, connection) for row in found}
+
+
+def _batch(row: Sequence[Any], connection: Any) -> BatchInfo:
+    id, sender, body, digest, tag, deadline, most, synchronize, ordering_key, event_type = row
+    return BatchInfo(
+        id,
+        sender,
+        body.encode(),
+        digest,
+        tag,
+        read_datetime(deadline, connection),
+        most,
+        bool(synchronize),
+        bool(ordering_key),
+        event_type,
+    )
 
 
 def next_due(*, using: str | None = None) -> dt.datetime | None:

@@ -174,7 +174,7 @@ class WebhookDeliveries:
                 for row in rows:
                     self.settler.abandoned(
                         _claimed(row),
-                        BatchInfo.of(batches[row.batch_id]),
+                        batches[row.batch_id],
                         row.last_status,
                         reason,
                     )
