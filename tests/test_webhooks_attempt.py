@@ -45,7 +45,7 @@ def mocked() -> Iterator[responses.RequestsMock]:
 def job(url: str = SLACK, **call: object) -> WebhookJob:
     values: dict[str, object] = {"destination": parse_destination("ops", url), "event": EVENT}
     values.update(call)
-    return WebhookJob(delivery_id=1, webhook=WebhookCall(**values))  # type: ignore[arg-type]
+    return WebhookJob(delivery_id=1, call=WebhookCall(**values))  # type: ignore[arg-type]
 
 
 def no_secret(text: str) -> bool:

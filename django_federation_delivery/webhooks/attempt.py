@@ -57,7 +57,7 @@ class WebhookCall:
 class WebhookJob(Job):
     """A webhook delivery's job, sent by :func:`attempt_webhook`."""
 
-    webhook: WebhookCall
+    call: WebhookCall
 
 
 def attempt_webhook(
@@ -69,7 +69,7 @@ def attempt_webhook(
     now: Callable[[], float] = time.time,
 ) -> AttemptResult:
     """Make one attempt at the webhook ``job`` carries, at ``now()``."""
-    call = job.webhook
+    call = job.call
     started = clock()
     if call.problem or call.destination is None or call.event is None:
         return failed(job, call.problem, permanent=call.permanent, requests=0)

@@ -126,7 +126,7 @@ class WebhookDeliveries:
             call = WebhookCall(None, None, problem=problem, permanent=True)
         else:
             call = WebhookCall(destination, event)
-        return WebhookJob(delivery_id=row.id, webhook=call)
+        return WebhookJob(delivery_id=row.id, call=call)
 
     def _event(self, batch: BatchInfo) -> Event | None:
         """The event ``batch`` stores, read once for all its destinations."""

@@ -47,7 +47,7 @@ class DestinationHead:
     last_status: int | None
     #: Its last error, with the destination's secret parts taken out.
     last_error: str
-    #: When it is next tried; None while its host (``webhook:<name>``) is paused.
+    #: When it is next tried; None while its destination is paused.
     due_at: dt.datetime | None
     #: Claimed by a deliverer whose lease has not lapsed.
     in_flight: bool
