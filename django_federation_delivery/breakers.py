@@ -233,6 +233,12 @@ class Breakers:
         self._successes: set[str] = set()
         self._probes: list[tuple[str, str, bool]] = []
 
+    @classmethod
+    def from_settings(cls, *, using: str | None = None) -> Breakers | None:
+        """As ``BREAKER`` says; None when breakers are turned off."""
+        settings = BreakerSettings.from_settings()
+        return None if settings is None else cls(settings, using=using)
+
     def refresh(self) -> None:
         forget = max(2 * self.settings.cool_off, 600.0)
         self.view.refresh(breaker_rows(forget_after=forget, using=self.using))

@@ -27,7 +27,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 from django_federation_delivery import signals, wakeup, writelock
 from django_federation_delivery.batches import KnownBatches
-from django_federation_delivery.breakers import Breakers, BreakerSettings
+from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
@@ -83,10 +83,7 @@ class Deliverer:
         self.new_work_poll = app_settings.new_work_poll_seconds
         self.schemes = KnownSchemes(app_settings.first_scheme, self._db, using=using)
         self.transport_settings = app_settings.transport_settings()
-        breaker_settings = BreakerSettings.from_settings()
-        self.breakers = (
-            Breakers(breaker_settings, using=using) if breaker_settings is not None else None
-        )
+        self.breakers = Breakers.from_settings(using=using)
         #: Whether to keep the queue's gauges (lag, open breakers) up to date.
         self.metrics = metrics
         #: Whether it records a heartbeat (run_deliverer's do; see heartbeats.py),
