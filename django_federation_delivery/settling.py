@@ -1,12 +1,11 @@
-"""What comes of an attempt: delivered, refused, retried or given up.
+"""What comes of an attempt, signalled and counted, and what to write.
 
-:func:`decide` answers it, a plain function of the attempt's result, the
-retry policy, the batch's deadline and max attempts, and the time. The
-coordinator asks a :class:`Settler` what to write for each delivery it is
-done with; the settler asks :func:`decide`, sends the signals (before
-anything is written, so that a crash in between sends them again), counts,
-and returns the
-:class:`~django_federation_delivery.store.settlements.Settlement` to write.
+The coordinator asks a :class:`Settler` what to write for each delivery it
+is done with; the settler asks :func:`~django_federation_delivery.decide.decide`
+(``decide.py``: pure, tested as a table), sends the signals (before anything
+is written, so that a crash in between sends them again), counts, and returns
+the :class:`~django_federation_delivery.store.settlements.Settlement` to
+write.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
-import random
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -25,8 +23,9 @@ from django.utils.translation import gettext as _
 from django_federation_delivery import metrics, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
+from django_federation_delivery.decide import decide
 from django_federation_delivery.models import Status
-from django_federation_delivery.retry import RetryPolicy, wait_before_retry
+from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.signals import Outcome
 from django_federation_delivery.store import claims, settlements
 
@@ -100,59 +99,6 @@ def ask(setting: str, function: Callable[..., Any], *args: Any) -> Any:
     except Exception:
         logger.exception("%s raised; taken as no answer", setting)
         return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """What an attempt comes to, before anything is sent or written."""
-
-    outcome: Outcome
-    #: When a delivery tried again (retrying, held) is next due.
-    due_at: dt.datetime | None = None
-    #: The error to keep and to tell: the attempt's, or why it was given up.
-    error: str = ""
-    #: Failed because the batch's deadline passed, not by the retry policy.
-    deadline: bool = False
-
-
-def decide(
-    result: AttemptResult,
-    attempts: int,
-    policy: RetryPolicy,
-    *,
-    now: dt.datetime,
-    max_attempts: int | None = None,
-    deadline: dt.datetime | None = None,
-    sender_gone: bool = False,
-    wait_as_asked: bool = True,
-    retry_after_max: float = 3600.0,
-    rand: Callable[[], float] = random.random,
-) -> Verdict:
-    """What ``result``, the ``attempts``-th attempt (this one counted), comes
-    to under ``policy`` and its batch's ``max_attempts`` and ``deadline``.
-
-    A plain function of its arguments: no database, no signal, no clock
-    (``now`` is given; ``rand`` is the policy's jitter). ``sender_gone`` says
-    whether the sender is gone and the status is one that then refuses for good.
-    """
-    if result.delivered:
-        return Verdict(Outcome.DELIVERED, error=result.error)
-    if result.permanent or sender_gone:
-        return Verdict(Outcome.REFUSED, error=result.error)
-    wait = None
-    if max_attempts is None or attempts < max_attempts:
-        wait = policy.delay(attempts, rand)
-    if wait is None:
-        return Verdict(Outcome.FAILED, error=f"gave up after {attempts} attempts: {result.error}")
-    wait = wait_before_retry(
-        wait, result.retry_after, wait_as_asked=wait_as_asked, longest=retry_after_max
-    )
-    due = now + dt.timedelta(seconds=wait)
-    if deadline is not None and due >= deadline:
-        error = f"the batch's deadline passed: {result.error}"
-        return Verdict(Outcome.FAILED, error=error, deadline=True)
-    outcome = Outcome.HELD if result.held else Outcome.RETRYING
-    return Verdict(outcome, due_at=due, error=result.error)
 
 
 #: The status an attempt's outcome writes.
@@ -246,7 +192,7 @@ class Settler:
         self.summary.attempts += 1
         if now is None:
             now = timezone.now()
-        verdict = decide(
+        ruling = decide(
             result,
             attempts,
             self.policy,
@@ -260,7 +206,7 @@ class Settler:
             wait_as_asked=self.wait_as_asked,
             retry_after_max=self.retry_after_max,
         )
-        outcome = verdict.outcome
+        outcome = ruling.outcome
         self._signal_attempt(row, batch, result, outcome)
         if outcome in (Outcome.DELIVERED, Outcome.REFUSED):
             self._settled_signal(row, batch, outcome, result.status)
@@ -269,8 +215,8 @@ class Settler:
                 row,
                 batch,
                 result.status,
-                verdict.error,
-                deadline=verdict.deadline,
+                ruling.error,
+                deadline=ruling.deadline,
                 refused=outcome is Outcome.REFUSED,
             )
         self.summary.count(outcome)
@@ -279,9 +225,9 @@ class Settler:
             ordered=batch.ordered,
             status=WRITTEN[outcome],
             attempts=attempts,
-            due_at=verdict.due_at,
+            due_at=ruling.due_at,
             last_status=result.status,
-            last_error=verdict.error[: self.error_length],
+            last_error=ruling.error[: self.error_length],
             attempted_at=now,
             retried=outcome is Outcome.RETRYING,
         )

@@ -1,0 +1,75 @@
+"""What comes of an attempt: delivered, refused, retried or given up.
+
+:func:`decide` answers it, a plain function of the attempt's result, the
+retry policy, the batch's deadline and max attempts, and the time: no
+database, no signal, no clock, tested as a table (``tests/test_decide.py``).
+The settler (``settling.py``) asks it, then signals and writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import random
+from collections.abc import Callable
+
+from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.retry import RetryPolicy, wait_before_retry
+from django_federation_delivery.signals import Outcome
+
+__all__ = ["Ruling", "decide"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ruling:
+    """What an attempt comes to, before anything is sent or written (not the
+    verdict on an answer, :class:`~django_federation_delivery.attempt.Verdict`,
+    which is one of its inputs)."""
+
+    outcome: Outcome
+    #: When a delivery tried again (retrying, held) is next due.
+    due_at: dt.datetime | None = None
+    #: The error to keep and to tell: the attempt's, or why it was given up.
+    error: str = ""
+    #: Failed because the batch's deadline passed, not by the retry policy.
+    deadline: bool = False
+
+
+def decide(
+    result: AttemptResult,
+    attempts: int,
+    policy: RetryPolicy,
+    *,
+    now: dt.datetime,
+    max_attempts: int | None = None,
+    deadline: dt.datetime | None = None,
+    sender_gone: bool = False,
+    wait_as_asked: bool = True,
+    retry_after_max: float = 3600.0,
+    rand: Callable[[], float] = random.random,
+) -> Ruling:
+    """What ``result``, the ``attempts``-th attempt (this one counted), comes
+    to under ``policy`` and its batch's ``max_attempts`` and ``deadline``.
+
+    A plain function of its arguments: no database, no signal, no clock
+    (``now`` is given; ``rand`` is the policy's jitter). ``sender_gone`` says
+    whether the sender is gone and the status is one that then refuses for good.
+    """
+    if result.delivered:
+        return Ruling(Outcome.DELIVERED, error=result.error)
+    if result.permanent or sender_gone:
+        return Ruling(Outcome.REFUSED, error=result.error)
+    wait = None
+    if max_attempts is None or attempts < max_attempts:
+        wait = policy.delay(attempts, rand)
+    if wait is None:
+        return Ruling(Outcome.FAILED, error=f"gave up after {attempts} attempts: {result.error}")
+    wait = wait_before_retry(
+        wait, result.retry_after, wait_as_asked=wait_as_asked, longest=retry_after_max
+    )
+    due = now + dt.timedelta(seconds=wait)
+    if deadline is not None and due >= deadline:
+        error = f"the batch's deadline passed: {result.error}"
+        return Ruling(Outcome.FAILED, error=error, deadline=True)
+    outcome = Outcome.HELD if result.held else Outcome.RETRYING
+    return Ruling(outcome, due_at=due, error=result.error)
