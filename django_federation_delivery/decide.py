@@ -10,14 +10,33 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import enum
 import random
 from collections.abc import Callable
 
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.retry import RetryPolicy, wait_before_retry
-from django_federation_delivery.signals import Outcome
 
-__all__ = ["Ruling", "decide"]
+__all__ = ["Outcome", "Ruling", "decide"]
+
+
+class Outcome(enum.StrEnum):
+    """What came of a delivery, as the signals and the metrics name it. A
+    ``StrEnum``: a receiver comparing ``outcome`` with "delivered" works."""
+
+    #: Accepted by the inbox.
+    DELIVERED = "delivered"
+    #: Failed for now; tried again later.
+    RETRYING = "retrying"
+    #: Not sent (an open circuit breaker, a lease spent before a worker was
+    #: free); tried again later.
+    HELD = "held"
+    #: An answer that will not change: not tried again.
+    REFUSED = "refused"
+    #: Given up: the retry policy's end, max attempts, or the batch's deadline.
+    FAILED = "failed"
+    #: Dropped unsent by ``SKIP_IF``.
+    SKIPPED = "skipped"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.signals import Outcome
+from django_federation_delivery.decide import Outcome
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

@@ -23,10 +23,9 @@ from django.utils.translation import gettext as _
 from django_federation_delivery import metrics, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.decide import decide
+from django_federation_delivery.decide import Outcome, decide
 from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy
-from django_federation_delivery.signals import Outcome
 from django_federation_delivery.store import claims, settlements
 
 logger = logging.getLogger(__name__)

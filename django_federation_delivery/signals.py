@@ -26,31 +26,13 @@ delivery given up because its destination is no longer configured sends
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
 from typing import Any
 
 from django.dispatch import Signal
 
-
-class Outcome(enum.StrEnum):
-    """What came of a delivery, as the signals and the metrics name it. A
-    ``StrEnum``: a receiver comparing ``outcome`` with "delivered" works."""
-
-    #: Accepted by the inbox.
-    DELIVERED = "delivered"
-    #: Failed for now; tried again later.
-    RETRYING = "retrying"
-    #: Not sent (an open circuit breaker, a lease spent before a worker was
-    #: free); tried again later.
-    HELD = "held"
-    #: An answer that will not change: not tried again.
-    REFUSED = "refused"
-    #: Given up: the retry policy's end, max attempts, or the batch's deadline.
-    FAILED = "failed"
-    #: Dropped unsent by ``SKIP_IF``.
-    SKIPPED = "skipped"
-
+# Receivers compare an ``outcome`` with it, by this name.
+from django_federation_delivery.decide import Outcome as Outcome
 
 delivery_attempted = Signal()
 delivery_settled = Signal()

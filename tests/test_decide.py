@@ -10,9 +10,8 @@ import pytest
 
 from django_federation_delivery.attempt import AttemptResult, failed, held
 from django_federation_delivery.channels.activitypub import InboxJob
-from django_federation_delivery.decide import Ruling, decide
+from django_federation_delivery.decide import Outcome, Ruling, decide
 from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
-from django_federation_delivery.signals import Outcome
 from django_federation_delivery.signatures import Scheme
 
 NOW = dt.datetime(2025, 1, 1, 12, 0, tzinfo=dt.UTC)

@@ -5,9 +5,9 @@ from typing import Any
 import pytest
 
 from django_federation_delivery import store
+from django_federation_delivery.decide import Outcome
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.settling import Settler, Summary, failure
-from django_federation_delivery.signals import Outcome
 
 from .test_decide import JOB, answer
 
