@@ -5,12 +5,12 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from django_federation_delivery.conf import DEFAULTS, AppSettings, Typed, app_settings
+from django_federation_delivery.conf import AppSettings, Typed, app_settings
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.signatures import Scheme
 
-#: For each typed accessor, a value to write in its setting and what it reads,
-#: each unlike any other's: an accessor wired to another setting reads that one.
+#: For each typed accessor, a value to write in its setting and what it then
+#: reads, unlike what it reads while the setting is left alone.
 WRITTEN_AND_READ: dict[str, tuple[Any, Any]] = {
     "key_cache_seconds": (61, 61.0),
     "max_inboxes": (1001, 1001),
@@ -46,16 +46,18 @@ WRITTEN_AND_READ: dict[str, tuple[Any, Any]] = {
 }
 
 
-def test_each_typed_accessor_reads_its_own_setting(settings: Any) -> None:
+def test_each_typed_accessor_reads_its_own_setting_and_no_other(settings: Any) -> None:
     typed = {name for name, value in vars(AppSettings).items() if isinstance(value, Typed)}
     assert typed == set(WRITTEN_AND_READ)
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        **{name.upper(): written for name, (written, _) in WRITTEN_AND_READ.items()},
-    }
-    for name, (_, read) in WRITTEN_AND_READ.items():
+    suite = settings.FEDERATION_DELIVERY
+    for name, (written, read) in WRITTEN_AND_READ.items():
+        settings.FEDERATION_DELIVERY = suite
+        left_alone = getattr(app_settings, name)
+        # Its setting written, and no other: an accessor that reads another
+        # setting reads what it read before, whatever the values.
+        settings.FEDERATION_DELIVERY = {**suite, name.upper(): written}
         assert getattr(app_settings, name) == read, name
-        assert read != (DEFAULTS[name.upper()] if name != "retry" else RetryPolicy()), name
+        assert left_alone != read, f"{name} read {read!r} before its setting was written"
 
 
 def test_a_typed_accessor_converts_what_is_written(settings: Any) -> None:
