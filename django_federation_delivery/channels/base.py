@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote, unquote, urlsplit
 
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.attempt import Verdict, is_refusal
+from django_federation_delivery.channels.events import Event, compact_json
 from django_federation_delivery.transport import Answer, parse_retry_after
-
-if TYPE_CHECKING:
-    from django_federation_delivery.channels.events import Event
 
 __all__ = [
     "REDACTED",
@@ -187,8 +185,6 @@ class Channel:
         headers: Mapping[str, str] | None = None,
     ) -> Request:
         """A request whose body is ``document`` as compact JSON."""
-        from django_federation_delivery.channels.events import compact_json
-
         return Request(
             method,
             destination.url if url is None else url,
