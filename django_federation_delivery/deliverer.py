@@ -7,12 +7,14 @@ the sockets: each makes one attempt at a time with a pooled transport of its
 own. A slow or silent inbox holds one worker, never a batch.
 
 The coordinator's parts: ``intake.py`` claims and waits for work,
-``triage.py`` sorts what was claimed, ``handoff.py`` hands it to the workers
-and takes back what came of it, ``outbox.py`` writes that, and ``upkeep.py``
-keeps the connection, the heartbeat and the views of the breakers and the
-paused hosts up to date. Each delivery's batch is of a kind (``kinds.py``:
-inboxes or webhooks) that makes its job and its attempt and judges what came
-of it. The :class:`Deliverer` builds them and runs the loop.
+``triage.py`` sorts what was claimed and admits it past its breaker,
+``handoff.py`` hands it to the workers and takes back what came of it,
+``outbox.py`` writes that, and ``upkeep.py`` keeps the connection, the
+heartbeat and the views of the breakers and the paused hosts up to date.
+Each delivery's batch is of a kind (``kinds.py``: inboxes or webhooks) that
+makes its job and its attempt and judges what came of it. The
+:class:`Deliverer` builds them and runs the loop (:meth:`~Deliverer.run`);
+one delivery's way through it is :meth:`~Deliverer.perform`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils import timezone
 
 from django_federation_delivery import signals, wakeup, writelock
+from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.conf import app_settings
@@ -43,7 +47,7 @@ from django_federation_delivery.store import settlements
 from django_federation_delivery.triage import Triage
 from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
-from django_federation_delivery.workers import Workers
+from django_federation_delivery.workers import InFlight, Workers
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +165,9 @@ class Deliverer:
             db=self._db,
             workers=self.workers,
             slots=self.slots,
-            triage=self.triage,
             intake=self.intake,
             outbox=self.outbox,
-            schemes=self.schemes,
-            breakers=self.breakers,
+            perform=self.perform,
             concurrency=self.concurrency,
             slow_concurrency=self.slow_concurrency,
             write=self._write,
@@ -193,12 +195,10 @@ class Deliverer:
         as :meth:`stop` does that many seconds after the start: what is in
         flight then is finished before it returns. Returns what it did.
 
-        A delivery's way through it: claimed (``intake``), sorted and given
-        its job by its batch's kind (``triage``), admitted past its breaker
-        and handed to a worker (``handoff.dispatch``), attempted there through
-        its kind (``workers``), decided and signalled as its result comes back
-        (``handoff.collect``, ``settling``), and settled in the database with
-        others (``outbox``, :meth:`_write`).
+        Each turn: take in what the workers finished (``handoff.collect``),
+        hand ready deliveries to free workers (``handoff.dispatch``), write
+        what is due to be written, claim more (``intake``), and wait for
+        what comes next. Each delivery goes through :meth:`perform`.
         """
         if stop_after is not None and not stop_after > 0:
             raise ValueError(f"stop_after must be a positive number of seconds, not {stop_after!r}")
@@ -229,6 +229,36 @@ class Deliverer:
         if self.on_progress is not None:
             self.on_progress(self.summary)
         return self.summary
+
+    def perform(self, item: InFlight) -> Generator[None, AttemptResult, None]:
+        """One delivery's way once it has a slot, step by step.
+
+        Before it, ``intake`` claimed the delivery and ``triage`` sorted it
+        with the others of its claim: one past its batch's deadline, dropped
+        by ``SKIP_IF`` or to a paused host was settled there; this one has its
+        batch, its kind and its job. The loop drives this generator: it runs
+        to the attempt, pauses while a worker makes it through the kind's
+        channel, and is resumed with the result.
+        """
+        # Admit: the destination's breaker may hold it, without a request.
+        result = self.triage.admit(item)
+        if result is None:
+            # Attempt, in a worker thread, through its kind (workers.py).
+            result = yield
+            # What the answer taught: the signature scheme the host accepts,
+            # and a success or a failure for its breaker.
+            self.schemes.learn(item.claimed.host, result.accepted_scheme)
+            if self.breakers is not None and item.breaker and result.requests:
+                self.breakers.record(
+                    item.breaker,
+                    failed=not result.delivered and not result.permanent,
+                    probe=item.probe,
+                    now=timezone.now(),
+                )
+        # Decide (decide.py), signal and count (settling.py)...
+        settlement = item.kind.settler.attempted(item.claimed, item.batch, result)
+        # ...and settle: written with others in one transaction (outbox.py, _write).
+        self.outbox.add(settlement)
 
     @contextlib.contextmanager
     def _running(self, *, listen: bool, stop_after: float | None) -> Iterator[None]:

@@ -7,37 +7,40 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 from django.utils import timezone
 
-from django_federation_delivery.breakers import Breakers
-from django_federation_delivery.hosts import KnownSchemes
+from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.models import Status
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.store import settlements
-from django_federation_delivery.triage import Triage
-from django_federation_delivery.workers import Workers
+from django_federation_delivery.workers import InFlight, Workers
 
-__all__ = ["Handoff"]
+__all__ = ["Handoff", "Perform"]
+
+
+#: One delivery's way from its slot to its settlement: started when it gets
+#: a slot, it pauses at the attempt (yielding nothing) if it is to be sent,
+#: and takes the attempt's result when that comes back.
+Perform = Callable[[InFlight], Generator[None, AttemptResult, None]]
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
 class Handoff:
-    """One deliverer's exchange with its workers; ``write`` writes the
-    outbox when it holds a write's worth."""
+    """One deliverer's exchange with its workers: each delivery that gets a
+    slot goes through ``perform``, which its attempt's result resumes;
+    ``write`` writes the outbox when it holds a write's worth."""
 
     db: Database
     workers: Workers
     slots: Slots
-    triage: Triage
     intake: Intake
     outbox: Outbox
-    schemes: KnownSchemes
-    breakers: Breakers | None
+    perform: Perform
     concurrency: int
     slow_concurrency: int
     write: Callable[[], None]
@@ -54,9 +57,7 @@ class Handoff:
         # As many again as there are slots wait in the workers' queue, so
         # that a worker that is done takes the next at once rather than
         # when this thread next gets to run.
-        for item in self.slots.hand_out(
-            self.triage.admitted, slow=slow, queued=self.concurrency, most=most
-        ):
+        for item in self.slots.hand_out(self._start, slow=slow, queued=self.concurrency, most=most):
             self.workers.put(item)
 
     def collect(self) -> None:
@@ -66,16 +67,7 @@ class Handoff:
                 item, result = self.workers.results.get_nowait()
             except queue.Empty:
                 break
-            now = timezone.now()
-            self.schemes.learn(item.claimed.host, result.accepted_scheme)
-            self.outbox.add(item.kind.settler.attempted(item.claimed, item.batch, result, now))
-            if self.breakers is not None and item.breaker and result.requests:
-                self.breakers.record(
-                    item.breaker,
-                    failed=not result.delivered and not result.permanent,
-                    probe=item.probe,
-                    now=now,
-                )
+            self._finish(item, result)
             self.slots.take_back(item)
             self.intake.look_again()  # a retry may have come due since the last claim
             if self.outbox.full() and not self.db.failing:
@@ -83,11 +75,33 @@ class Handoff:
                 # would send again is bounded by it.
                 self.write()
 
+    def _start(self, item: InFlight) -> bool:
+        """Start the delivery's way: whether it is to be attempted now (or
+        was settled without a request)."""
+        item.path = self.perform(item)
+        try:
+            next(item.path)
+        except StopIteration:
+            return False
+        return True
+
+    @staticmethod
+    def _finish(item: InFlight, result: AttemptResult) -> None:
+        """Resume the delivery's way with what came of its attempt, to its end."""
+        assert item.path is not None
+        try:
+            item.path.send(result)
+        except StopIteration:
+            return
+        raise RuntimeError("perform() paused more than once for one delivery")
+
     def release_ready(self) -> None:
         """Stopping: put back what was claimed and not sent, due now, for
         another deliverer to take without waiting out the lease: what is
         ready, and what waits in the workers' queue for one to be free."""
         for item in self.slots.release(self.workers.take_queued()):
+            if item.path is not None:
+                item.path.close()
             self.outbox.add(
                 settlements.Settlement(
                     claimed=item.claimed,

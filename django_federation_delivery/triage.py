@@ -4,7 +4,8 @@ Claimed deliveries are sorted as they come: one whose batch's deadline has
 passed is settled unsent, one SKIP_IF drops is settled skipped, one to a
 paused host is put back to wait for the host, and a webhook to a destination
 no longer configured is given up; the rest are made ready to send. As each
-is handed to a worker, the destination's circuit breaker may hold it.
+is handed to a worker, the destination's circuit breaker may hold it
+(:meth:`Triage.admit`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 
 from django.utils import timezone
 
-from django_federation_delivery.attempt import held
+from django_federation_delivery.attempt import AttemptResult, held
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
 from django_federation_delivery.hosts import KnownSchemes
@@ -81,18 +82,15 @@ class Triage:
             ready.append(item)
         return ready
 
-    def admitted(self, item: InFlight) -> bool:
-        """Whether the destination's breaker lets the delivery through now
-        (as the probe, perhaps); one it holds is settled as held."""
+    def admit(self, item: InFlight) -> AttemptResult | None:
+        """Ask the destination's breaker whether the delivery goes now (as
+        its probe, perhaps): None if it does, else what its hold comes to,
+        an attempt made without a request."""
         if self.breakers is None or not item.breaker:
-            return True
+            return None
         now = timezone.now()
         admitted = self.db(self.breakers.admit, item.breaker, now)
         decision, item.probe, hold_for = admitted or (Decision.HOLD, "", 5.0)
         if decision is not Decision.HOLD:
-            return True
-        error = f"held: the circuit breaker for {item.breaker} is open"
-        self.outbox.add(
-            item.kind.settler.attempted(item.claimed, item.batch, held(item.job, error, hold_for))
-        )
-        return False
+            return None
+        return held(item.job, f"held: the circuit breaker for {item.breaker} is open", hold_for)

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
 
 from django_federation_delivery.attempt import AttemptResult, Job, crashed
@@ -44,6 +44,9 @@ class InFlight:
     probe: str = ""
     #: When a worker took it (``time.monotonic()``); 0 until then.
     started: float = 0.0
+    #: Its way through the loop once it has a slot: the deliverer's
+    #: ``perform()``, paused at the attempt until the result comes back.
+    path: Generator[None, AttemptResult, None] | None = None
 
 
 class Workers:
