@@ -17,11 +17,18 @@ Each round runs two phases, in turn first:
 * **with the lane**: ``PRIORITY_MAX_INBOXES=5``: the message is claimed
   before the rest of the fan-out; the phase ends when it has arrived.
 
+With ``--webhook`` the message of the phases with the lane is a webhook
+event instead, sent with ``send_webhook()`` to a signed JSON destination at
+the same recipient: webhooks have a lane of their own, whatever
+``PRIORITY_MAX_INBOXES`` says. ``--database-url`` runs it on a (throwaway)
+PostgreSQL instead of SQLite.
+
 It prints each latency, their medians side by side and their ratio, and the
 fan-out's rate. It asserts nothing.
 
     python benchmarks/latency.py [--fan-out 30000] [--hosts 100] [--rounds 3]
         [--head-start 1000] [--concurrency 16] [--per-host 2] [--priority-max 5]
+        [--webhook] [--database-url postgres://…]
 
 See benchmarks/README.rst.
 """
@@ -61,6 +68,8 @@ from benchmarks.common import (
 
 #: Where the direct message goes: a host of its own, not one of the sink's.
 RECIPIENT_ADDRESS = "127.0.0.250"
+#: The signing key of the webhook destination (``--webhook``).
+WEBHOOK_SECRET = "whsec_QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODk="
 
 
 # --- The recipient of the direct message ------------------------------------------------------
@@ -130,6 +139,8 @@ class Recipient:
 @dataclasses.dataclass
 class Phase:
     lane: bool
+    #: Whether the message was a webhook event (in its own lane), not a direct message.
+    webhook: bool
     #: Seconds from just before the message's send() to its arrival; None: not in time.
     latency: float | None
     #: The lane the message was queued in, as written.
@@ -151,7 +162,7 @@ class Phase:
         return self.fan_out_delivered / self.fan_out_seconds if self.fan_out_seconds > 0 else 0.0
 
     def line(self, fan_out: int, timeout: float) -> str:
-        name = "with the lane" if self.lane else "without the lane"
+        name = "webhook" if self.webhook else "with the lane" if self.lane else "without the lane"
         latency = f"{self.latency:8.3f} s" if self.latency is not None else f"> {timeout:.0f} s "
         left = fan_out - self.ahead_done
         return (
@@ -177,7 +188,7 @@ def run_phase(
     from django.conf import settings
     from django.test import override_settings
 
-    from django_federation_delivery import signals
+    from django_federation_delivery import send_webhook, signals
     from django_federation_delivery.deliverer import Deliverer
     from django_federation_delivery.models import Batch
     from django_federation_delivery.sending import send
@@ -189,7 +200,11 @@ def run_phase(
         for key, value in settings.FEDERATION_DELIVERY.items()
         if key != "PRIORITY_MAX_INBOXES"
     }
-    if lane:
+    webhook = lane and args.webhook
+    path = f"/users/{label}/inbox"
+    if webhook:
+        options["WEBHOOKS"] = {"alerts": f"{recipient.url(path)}?secret={WEBHOOK_SECRET}"}
+    elif lane:
         options["PRIORITY_MAX_INBOXES"] = args.priority_max
     with override_settings(FEDERATION_DELIVERY=options):
         started = time.monotonic()
@@ -222,9 +237,11 @@ def run_phase(
             while delivered < head_start and time.monotonic() < deadline and runner.alive():
                 time.sleep(0.005)
             ahead_done = delivered
-            path = f"/users/{label}/inbox"
             queued = time.monotonic()
-            dm = send(ALICE, message, [recipient.url(path)])
+            if webhook:
+                dm = send_webhook("alerts", "alert.raised", {"disk": "full", "label": label})
+            else:
+                dm = send(ALICE, message, [recipient.url(path)])
             send_seconds = time.monotonic() - queued
             assert dm is not None
             queued_in = str(Batch.objects.values_list("lane", flat=True).get(id=dm.id))
@@ -247,6 +264,7 @@ def run_phase(
     clear_all()
     return Phase(
         lane=lane,
+        webhook=webhook,
         latency=latency,
         queued_in=queued_in,
         ahead_done=ahead_done,
@@ -284,6 +302,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=positive,
         default=5,
         help="PRIORITY_MAX_INBOXES in the phases with the lane (5)",
+    )
+    parser.add_argument(
+        "--webhook",
+        action="store_true",
+        help="with the lane, the message is a webhook event (its own lane), not a direct message",
+    )
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="a THROWAWAY PostgreSQL to run on (its tables are emptied); SQLite if not given",
     )
     parser.add_argument(
         "--timeout",
@@ -327,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def benchmark(args: argparse.Namespace, workdir: Path, sink: Sink, recipient: Recipient) -> int:
-    database = setup_django(workdir, database_url=None)
+    database = setup_django(workdir, database_url=args.database_url)
 
     from django_federation_delivery.deliverer import Deliverer
     from tests.keys import ALICE, sender_key
@@ -339,7 +367,8 @@ def benchmark(args: argparse.Namespace, workdir: Path, sink: Sink, recipient: Re
     probe = Deliverer(concurrency=args.concurrency, per_host=args.per_host)
     ok, sockets, accepted = keepalive_check(sink, b"{}")
 
-    print("django-federation-delivery latency: a direct message behind a fan-out")
+    what = "a webhook event" if args.webhook else "a direct message"
+    print(f"django-federation-delivery latency: {what} behind a fan-out")
     print(
         f"  fan-out to N={args.fan_out} inboxes on H={args.hosts} hosts, the message queued "
         f"once {args.head_start} are delivered; rounds {args.rounds}"
@@ -347,7 +376,11 @@ def benchmark(args: argparse.Namespace, workdir: Path, sink: Sink, recipient: Re
     print(
         f"  concurrency {probe.concurrency}, per_host {probe.per_host}, slow after "
         f"{probe.slow_after:g} s (+{probe.slow_concurrency}), claim size {probe.claim_size}; "
-        f"with the lane: PRIORITY_MAX_INBOXES={args.priority_max}"
+        + (
+            "with the lane: a webhook event, in the webhook lane"
+            if args.webhook
+            else f"with the lane: PRIORITY_MAX_INBOXES={args.priority_max}"
+        )
     )
     for line in environment_lines():
         print(f"  {line}")

@@ -26,9 +26,11 @@ class SkippedInbox:
 
 
 class Lane(models.TextChoices):
-    """Which deliveries are claimed first."""
+    """Which deliveries are claimed first: each lane's before the next's."""
 
-    # A send to few inboxes (a direct message, a reply): claimed before any other.
+    # Webhook events: an alert never waits behind an activity's fan-out.
+    WEBHOOK = "webhook", _("webhook")
+    # A send to few inboxes (a direct message, a reply): before any other activity.
     PRIORITY = "priority", _("priority")
     NORMAL = "normal", _("normal")
     # What can wait: claimed only when nothing else is due.

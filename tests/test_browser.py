@@ -147,10 +147,9 @@ def fill_history() -> None:
 def fill_webhooks(settings: Any) -> None:
     """Two webhook destinations: one whose first event keeps failing, holding
     two more; and one with an event due now. Nothing is sent: no deliverer runs.
-    Events to one destination go in the priority lane, apart from the activities."""
+    Events go in the webhook lane, apart from the activities."""
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
-        "PRIORITY_MAX_INBOXES": 1,
         "WEBHOOKS": {
             "alerts": "slack://hooks.slack.com/services/T0BROWSER/B0BROWSER/notARealToken1",
             "audit": "https://receiver.example/hooks?secret=whsec_"

@@ -93,7 +93,7 @@ def test_lag_is_the_wait_of_the_oldest_due_delivery() -> None:
 
 def test_an_empty_queue() -> None:
     status = overview.overview()
-    assert [lane.lane for lane in status.lanes] == ["priority", "normal", "low"]
+    assert [lane.lane for lane in status.lanes] == ["webhook", "priority", "normal", "low"]
     assert status.total.pending == 0
     assert status.failing_hosts == status.open_breakers == status.paused_hosts == ()
 
@@ -118,8 +118,9 @@ def test_delivery_status_prints_the_overview_as_tables(busy: dict[str, int]) -> 
     assert lines[0].startswith("Queues at ")
     header = lines[2].split()
     assert header[:3] == ["lane", "due", "scheduled"]
-    rows = {line.split()[0]: line.split() for line in lines[3:7]}
-    assert set(rows) == {"priority", "normal", "low", "all"}
+    rows = {line.split()[0]: line.split() for line in lines[3:8]}
+    assert set(rows) == {"webhook", "priority", "normal", "low", "all"}
+    assert rows["webhook"] == ["webhook", "0", "0", "0", "0", "—", "0", "0"]
     # lane, due, scheduled, in flight, held, lag (two words), delivered 1h, failed 24h
     assert rows["normal"][:5] == ["normal", "1", "1", "0", "1"]
     assert rows["normal"][5] == "7m" and rows["normal"][-2:] == ["1", "1"]

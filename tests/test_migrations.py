@@ -56,3 +56,33 @@ def test_a_webhook_delivery_queued_before_gets_its_kind_destination_and_inbox(
         "",
         "",
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_webhook_events_queued_before_move_to_the_webhook_lane(
+    before_kinds: MigrationExecutor,
+) -> None:
+    before_kinds.migrate([(APP, "0002_delivery_kind_destination")])
+    before_kinds.loader.build_graph()
+    apps = before_kinds.loader.project_state([(APP, "0002_delivery_kind_destination")]).apps
+    Batch = apps.get_model(APP, "Batch")
+    Delivery = apps.get_model(APP, "Delivery")
+    event = Batch.objects.create(
+        sender="", body="{}", body_sha256="", event_type="alert", lane="normal"
+    )
+    note = Batch.objects.create(sender="https://a.example/u", body="{}", body_sha256="")
+    Delivery.objects.create(
+        batch=event, inbox="ops", host="webhook:ops", kind="webhook", destination="ops"
+    )
+    Delivery.objects.create(batch=note, inbox="https://b.example/inbox", host="b.example")
+
+    before_kinds.migrate([(APP, "0003_webhook_lane")])
+
+    apps = before_kinds.loader.project_state([(APP, "0003_webhook_lane")]).apps
+    deliveries = apps.get_model(APP, "Delivery").objects.order_by("id")
+    assert list(deliveries.values_list("kind", "lane")) == [
+        ("webhook", "webhook"),
+        ("activitypub", "normal"),
+    ]
+    batches = apps.get_model(APP, "Batch").objects.order_by("id")
+    assert list(batches.values_list("lane", flat=True)) == ["webhook", "normal"]

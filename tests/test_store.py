@@ -16,7 +16,7 @@ from django.db import IntegrityError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import history, send, send_batch, signals, store
+from django_federation_delivery import history, send, send_batch, send_webhook, signals, store
 from django_federation_delivery.models import Batch, Delivery, DeliveryHistory, Lane, Status
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.claims import CANDIDATES
@@ -260,8 +260,8 @@ def test_the_claim_reads_pending_rows_through_the_partial_index() -> None:
     send(ALICE, NOTE, inboxes(20))
     analyze()
     # The statements the claim itself runs, explained as run: one a lane,
-    # until the claim has its two (none from the priority lane, two from the
-    # normal). Its candidates (CANDIDATES for each wanted) are fewer than the
+    # until the claim has its two (none from the webhook and priority lanes,
+    # two from the normal). Its candidates (CANDIDATES for each wanted) are fewer than the
     # pending rows, as in a backlog: were they more, reading every pending row
     # through any index on status would do as well, and PostgreSQL may.
     with statements_run() as executed:
@@ -271,9 +271,9 @@ def test_the_claim_reads_pending_rows_through_the_partial_index() -> None:
     claims = [(sql, params) for sql, params in executed if "lane = %s" in sql]
     lanes = [[p for p in params if isinstance(p, str) and p in Lane.values] for _, params in claims]
     if connection.vendor == "postgresql":
-        assert lanes == [[Lane.PRIORITY, Lane.NORMAL, Lane.LOW]], executed
+        assert lanes == [[Lane.WEBHOOK, Lane.PRIORITY, Lane.NORMAL, Lane.LOW]], executed
     else:
-        assert lanes == [[Lane.PRIORITY], [Lane.NORMAL]], executed
+        assert lanes == [[Lane.WEBHOOK], [Lane.PRIORITY], [Lane.NORMAL]], executed
     explain = "EXPLAIN" if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN"
     with connection.cursor() as cursor:
         for (sql, params), read in zip(claims, lanes, strict=True):
@@ -600,6 +600,28 @@ def test_per_host_holds_across_the_lanes_of_one_claim(settings: object) -> None:
         ("busy.example", Lane.PRIORITY),
         ("quiet.example", Lane.NORMAL),
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_webhook_event_is_claimed_before_activities_queued_earlier(settings: object) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,  # type: ignore[attr-defined]
+        "PRIORITY_MAX_INBOXES": 1,
+        "WEBHOOKS": {
+            "ops": "http://127.0.0.1:9/hook?secret=whsec_QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODk="
+        },
+    }
+    send(ALICE, NOTE, inboxes(200))  # a fan-out, due first
+    send(ALICE, {**NOTE, "id": "https://social.example/dm"}, inboxes(1, "dm.example"))
+    send_webhook("ops", "alert.raised", {"disk": "full"})
+    claimed = store.claim(2, lease=300, per_host=2)
+    # The event, then the direct message: neither behind the fan-out, and
+    # the event before the activity sent before it.
+    assert [(row.destination, row.host) for row in claimed] == [
+        ("ops", Delivery.objects.get(kind="webhook").host),
+        ("", "dm.example"),
+    ]
+    assert Delivery.objects.get(kind="webhook").lane == Lane.WEBHOOK
 
 
 @pytest.mark.django_db(transaction=True)

@@ -89,7 +89,7 @@ def test_408_429_5xx_and_redirects_are_retried(
     assert len(mocked.calls) == 1
 
 
-def test_the_seeds_refusals_are_4xx_but_408_and_429() -> None:
+def test_refusals_are_4xx_but_408_and_429() -> None:
     assert [code for code in range(100, 600) if is_refusal(code)] == [
         code for code in range(400, 500) if code not in (408, 429)
     ]

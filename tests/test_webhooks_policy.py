@@ -1,4 +1,4 @@
-"""The webhook policy: the seed's defaults, and settings checked by name."""
+"""The webhook policy: its defaults, and settings checked by name."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from django_federation_delivery.dialect import (
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 
 #: Lanes in the order they are claimed; the low lane only when nothing else is due.
-CLAIM_ORDER = (Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
+CLAIM_ORDER = (Lane.WEBHOOK, Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
 #: How many due rows a claim looks at for each it takes, so that a few hosts
 #: at the head of the queue do not leave it short.
 CANDIDATES = 4

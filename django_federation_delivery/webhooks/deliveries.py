@@ -77,7 +77,7 @@ class WebhookDeliveries:
         using: str = DEFAULT_DB_ALIAS,
         on_finished: Callable[[list[int]], None] | None = None,
     ) -> WebhookDeliveries:
-        """By the seed dispatcher's rules, as the WEBHOOK_* settings say."""
+        """Retried and judged as the WEBHOOK_* settings say."""
         policy = WebhookPolicy.from_settings()
         return cls(
             policy,

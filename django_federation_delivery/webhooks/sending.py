@@ -6,7 +6,8 @@ delivery a destination, of kind ``webhook``, whose destination and inbox are
 the destination's name: the URL is the credential and is never written, only
 looked up in the settings when the delivery is sent. Its host is the
 destination's key (``delivery_key``), so that per-host slots, breakers and
-pauses apply per destination.
+pauses apply per destination. Its lane is the webhook lane, claimed before
+every other: an event never waits behind an activity's fan-out.
 
 All webhook deliveries to one destination share one sequence of the queue's
 ordering: each waits until the one queued before it is delivered or given up,
@@ -27,7 +28,7 @@ from django.utils import timezone
 from django_federation_delivery.channels import Event
 from django_federation_delivery.conf import SETTING
 from django_federation_delivery.exceptions import InvalidDelivery
-from django_federation_delivery.models import Batch
+from django_federation_delivery.models import Batch, Lane
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.sequences import lock_sequences
@@ -62,8 +63,6 @@ def send_webhook(
     if not names:
         return None
     body = event.as_json().decode()
-    from django_federation_delivery.sending import _lane
-
     alias = using or DEFAULT_DB_ALIAS
     # No savepoint, as send()'s.
     with transaction.atomic(using=alias, savepoint=False):
@@ -74,7 +73,7 @@ def send_webhook(
                 body=body,
                 body_sha256=body_sha256(body.encode()),
                 ordering_key=ORDERING_KEY,
-                lane=_lane(len(names), False),
+                lane=Lane.WEBHOOK,
                 event_type=event.type,
                 event_id=event.id,
             ),
