@@ -102,9 +102,13 @@ DEFAULTS: dict[str, Any] = {
     # file descriptor (see "File descriptors" in the README).
     "MAX_IDLE_CONNECTIONS": 256,
     "VERIFY_TLS": True,
-    # Networks deliveries may go to although they are not public, such as
-    # ["127.0.0.0/8"] in tests. Empty: public addresses only.
+    # Networks inboxes may be on although they are not public, such as
+    # ["127.0.0.0/8"] in tests. Empty: public addresses only. An inbox URL is
+    # chosen by a stranger: open only what no service of yours listens on.
     "ALLOWED_NETWORKS": [],
+    # The same for webhook destinations, which only the project configures
+    # (a Telegram Bot API server on loopback, say); inboxes are not let in.
+    "WEBHOOK_ALLOWED_NETWORKS": [],
     "USER_AGENT": f"django-federation-delivery/{__version__}",
     # "draft-cavage" or "rfc9421": the scheme a host is first tried in.
     "FIRST_SCHEME": "draft-cavage",
@@ -283,13 +287,15 @@ class AppSettings:
             )
         return found  # type: ignore[no-any-return]
 
-    def allowed_networks(self) -> tuple[Network, ...]:
+    def allowed_networks(self, name: str = "ALLOWED_NETWORKS") -> tuple[Network, ...]:
+        """The non-public networks ``name`` opens: ``ALLOWED_NETWORKS`` to
+        inboxes, ``WEBHOOK_ALLOWED_NETWORKS`` to webhook destinations."""
         networks = []
-        values = self.get("ALLOWED_NETWORKS")
+        values = self.get(name)
         if not isinstance(values, list | tuple):
             raise ImproperlyConfigured(
-                _("%(setting)s['ALLOWED_NETWORKS'] must be a list of networks, not %(value).200r.")
-                % {"setting": SETTING, "value": values}
+                _("%(setting)s[%(name)r] must be a list of networks, not %(value).200r.")
+                % {"setting": SETTING, "name": name, "value": values}
             )
         for value in values:
             try:
@@ -297,10 +303,10 @@ class AppSettings:
             except (TypeError, ValueError) as exc:
                 raise ImproperlyConfigured(
                     _(
-                        "%(setting)s['ALLOWED_NETWORKS'] has %(value)r, which is not a network "
+                        "%(setting)s[%(name)r] has %(value)r, which is not a network "
                         "such as '127.0.0.0/8'."
                     )
-                    % {"setting": SETTING, "value": value}
+                    % {"setting": SETTING, "name": name, "value": value}
                 ) from exc
         return tuple(networks)
 

@@ -98,13 +98,19 @@ else:
         }
     }
 
+# The tests' inboxes are on loopback on purpose: the warning that says a
+# server should not open it to inboxes is tested by itself (test_checks.py).
+SILENCED_SYSTEM_CHECKS = ["federation_delivery.W003"]
+
 # Logging in is most of what the admin tests do: a hasher that takes no time.
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 FEDERATION_DELIVERY = {
     "SENDER_KEYS": "tests.keys.sender_key",
-    # Every test server listens on loopback; nothing else is ever allowed.
+    # Every test server listens on loopback, inboxes and webhook receivers
+    # alike; nothing else is ever allowed.
     "ALLOWED_NETWORKS": ["127.0.0.0/8"],
+    "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.0/8"],
     # A test sends its whole outcome to a subprocess deliverer this way.
     **json.loads(os.environ.get("FD_SETTINGS_JSON", "{}")),
 }

@@ -9,7 +9,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections
 
 from django_federation_delivery.breakers import BreakerSettings, Scope
-from django_federation_delivery.checks import check_settings, check_webhooks, sqlite_problems
+from django_federation_delivery.checks import (
+    check_inbox_networks,
+    check_settings,
+    check_webhooks,
+    sqlite_problems,
+)
 from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 
@@ -17,8 +22,50 @@ from django_federation_delivery.deliverer import Deliverer
 # Since Django 6.1, run_checks() runs the model checks against every
 # database, and on SQLite the one of JSONField asks the database.
 @pytest.mark.django_db
-def test_the_test_settings_pass() -> None:
-    assert [m.id for m in run_checks() if m.id and m.id.startswith("federation")] == []
+def test_the_test_settings_pass(settings: Any) -> None:
+    # As manage.py check shows them: the tests' settings silence W003, as
+    # their inboxes are on loopback on purpose.
+    found = [m.id for m in run_checks() if m.id and m.id.startswith("federation")]
+    assert [id for id in found if id not in settings.SILENCED_SYSTEM_CHECKS] == []
+
+
+@pytest.mark.parametrize(
+    ("networks", "warned"),
+    [
+        (["127.0.0.1/32"], ["127.0.0.1/32"]),
+        (["10.1.0.0/16", "203.0.113.0/24"], ["10.1.0.0/16"]),
+        (["172.20.0.0/16", "192.168.1.0/24"], ["172.20.0.0/16", "192.168.1.0/24"]),
+        (["169.254.169.254/32"], ["169.254.169.254/32"]),
+        (["::1/128", "fd00::/8", "2001:db8::/32"], ["::1/128", "fd00::/8"]),
+        (["0.0.0.0/0"], ["0.0.0.0/0"]),
+        (["203.0.113.0/24"], []),
+        ([], []),
+    ],
+)
+def test_local_networks_opened_to_inboxes_are_warned_of_pointing_at_the_webhook_setting(
+    settings: Any, networks: list[str], warned: list[str]
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "ALLOWED_NETWORKS": networks,
+        "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.0/8"],  # never warned of
+    }
+    messages = check_inbox_networks()
+    assert [m.id for m in messages] == ["federation_delivery.W003"] * len(warned)
+    for message, network in zip(messages, warned, strict=True):
+        assert f"opens {network} to inboxes" in message.msg
+        assert "WEBHOOK_ALLOWED_NETWORKS" in message.hint
+
+
+@pytest.mark.django_db
+def test_manage_py_check_warns_of_loopback_opened_to_inboxes(settings: Any) -> None:
+    settings.SILENCED_SYSTEM_CHECKS = []  # the tests' own settings silence it
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "ALLOWED_NETWORKS": ["127.0.0.0/8"],
+    }
+    ids = [m.id for m in run_checks() if m.id and m.id.startswith("federation")]
+    assert ids == ["federation_delivery.W003"]
 
 
 INF = float("inf")
@@ -86,6 +133,10 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "IDLE_CONNECTION_SECONDS": [(NAN, "E006", "nan")],
     "VERIFY_TLS": [("false", "E013", "'false'"), (0, "E013", "0")],
     "ALLOWED_NETWORKS": [(["loopback"], "E008", "'loopback'"), ("127.0.0.0/8", "E008", "'127")],
+    "WEBHOOK_ALLOWED_NETWORKS": [
+        (["localhost"], "E008", "'localhost'"),
+        ("127.0.0.0/8", "E008", "'WEBHOOK_ALLOWED_NETWORKS'"),
+    ],
     "USER_AGENT": [
         ("", "E014", "''"),
         ("bot/1.0\r\nX-Evil: 1", "E014", "'bot/1.0\\r\\nX-Evil: 1'"),

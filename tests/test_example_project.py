@@ -51,6 +51,7 @@ def example_env(
         "DATABASE_URL": url,
         "DJANGO_SETTINGS_MODULE": "exampleproject.settings",
         "FEDERATION_DELIVERY_ALLOWED_NETWORKS": "127.0.0.0/8",
+        "FEDERATION_DELIVERY_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8",
         "PYTHONPATH": str(ROOT),
     }
     try:

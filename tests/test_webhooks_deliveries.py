@@ -153,6 +153,35 @@ def test_signed_json_verifies_at_the_receiver_and_is_signed_alike_on_every_retry
     assert Delivery.objects.get().status == Status.DELIVERED
 
 
+@pytest.mark.parametrize("opened", ["ALLOWED_NETWORKS", "WEBHOOK_ALLOWED_NETWORKS"])
+def test_each_allow_list_opens_loopback_to_its_own_kind_alone(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    opened: str,
+) -> None:
+    inbox = inboxes("127.0.0.1")
+    receiver = inboxes("127.0.0.1")
+    networks = {"ALLOWED_NETWORKS": [], "WEBHOOK_ALLOWED_NETWORKS": [], opened: ["127.0.0.0/8"]}
+    configure(settings, {"local": signed(receiver)}, **networks)
+    send(ALICE, NOTE, [inbox.url("/inbox")])
+    send_webhook("local", "alert.raised", {"n": 1})
+    runner = start_deliverer()
+    wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists())
+    runner.stop()
+    outcomes = dict(Delivery.objects.values_list("kind", "status"))
+    if opened == "WEBHOOK_ALLOWED_NETWORKS":
+        # A loopback receiver a project configured works, while an inbox a
+        # stranger names on loopback stays out of reach.
+        assert (len(receiver.received), len(inbox.received)) == (1, 0)
+        assert outcomes == {"webhook": Status.DELIVERED, "activitypub": Status.REFUSED}
+    else:
+        assert (len(receiver.received), len(inbox.received)) == (0, 1)
+        assert outcomes["activitypub"] == Status.DELIVERED
+        assert outcomes["webhook"] != Status.DELIVERED
+        assert "not a public address" in Delivery.objects.get(kind="webhook").last_error
+
+
 def test_an_event_sent_long_ago_is_signed_when_it_is_sent_and_verifies(
     inboxes: Callable[..., Inbox], settings: Any
 ) -> None:
@@ -424,7 +453,7 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
         # its cores (the TLS one answers a handshake: at 0.6 s it once timed
         # out nine times running), short of the slow one's 5 s.
         WEBHOOK_TIMEOUT=1.5,
-        ALLOWED_NETWORKS=["127.0.0.1/32"],
+        WEBHOOK_ALLOWED_NETWORKS=["127.0.0.1/32"],
     )
     caplog.set_level(logging.DEBUG)
     send_webhook(list(webhooks), "alert.raised", {"n": 0})

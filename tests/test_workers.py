@@ -52,7 +52,7 @@ def inboxes(settings: TransportSettings = LOOPBACK) -> InboxDeliveries:
 
 
 def webhooks(settings: TransportSettings = LOOPBACK) -> WebhookDeliveries:
-    policy = WebhookPolicy()
+    policy = WebhookPolicy(allowed_networks=settings.allowed_networks)
     return WebhookDeliveries(policy, policy.settler(Summary()), settings)
 
 

@@ -13,7 +13,7 @@ from django_federation_delivery.checks.bounds import (
 )
 from django_federation_delivery.checks.database import check_sqlite, sqlite_problems
 from django_federation_delivery.checks.policies import check_retention
-from django_federation_delivery.checks.values import check_settings
+from django_federation_delivery.checks.values import check_inbox_networks, check_settings
 from django_federation_delivery.checks.webhooks import check_webhooks
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "PREFIX",
     "SECONDS",
     "WHOLE_NUMBERS",
+    "check_inbox_networks",
     "check_retention",
     "check_settings",
     "check_sqlite",

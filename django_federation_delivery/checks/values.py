@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, register
+from django.core.checks import CheckMessage, Error, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
@@ -24,6 +25,24 @@ from django_federation_delivery.checks.bounds import (
 from django_federation_delivery.checks.policies import check_breaker, check_retention, check_retry
 from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS, SETTING, app_settings
 from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.transport.networks import IPNetwork
+
+#: Where a server's own services listen: loopback, link-local, private
+#: (RFC 1918) and unique local space. Opened to inboxes, they are open to
+#: whoever names an inbox there.
+LOCAL_NETWORKS: tuple[IPNetwork, ...] = tuple(
+    ipaddress.ip_network(network)
+    for network in (
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "::1/128",
+        "fe80::/10",
+        "fc00::/7",
+    )
+)
 
 
 @register()
@@ -117,16 +136,17 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 )
             )
     errors += check_retry(app_settings.get("RETRY"))
-    try:
-        app_settings.allowed_networks()
-    except ImproperlyConfigured as exc:
-        errors.append(
-            Error(
-                str(exc),
-                hint=_("A list of networks, such as ['127.0.0.0/8'], or [] for none."),
-                id=f"{PREFIX}.E008",
+    for name in ("ALLOWED_NETWORKS", "WEBHOOK_ALLOWED_NETWORKS"):
+        try:
+            app_settings.allowed_networks(name)
+        except ImproperlyConfigured as exc:
+            errors.append(
+                Error(
+                    str(exc),
+                    hint=_("A list of networks, such as ['127.0.0.0/8'], or [] for none."),
+                    id=f"{PREFIX}.E008",
+                )
             )
-        )
     first = app_settings.get("FIRST_SCHEME")
     if not isinstance(first, str) or first not in {scheme.value for scheme in Scheme}:
         errors.append(
@@ -249,3 +269,35 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             )
         )
     return errors
+
+
+@register()
+def check_inbox_networks(
+    app_configs: Sequence[Any] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """A warning for each local network ``ALLOWED_NETWORKS`` opens to inboxes."""
+    if not isinstance(getattr(settings, SETTING, {}), dict):
+        return []  # E001 says so
+    try:
+        opened = app_settings.allowed_networks()
+    except ImproperlyConfigured:
+        return []  # E008 says so
+    return [
+        Warning(
+            _(
+                "%(setting)s['ALLOWED_NETWORKS'] opens %(network)s to inboxes: anyone who "
+                "names an inbox there has the deliverer POST to your own services."
+            )
+            % {"setting": SETTING, "network": network},
+            hint=_(
+                "Open it to webhook destinations alone with WEBHOOK_ALLOWED_NETWORKS; "
+                "keep it in ALLOWED_NETWORKS only where inboxes really are local "
+                "(tests, a private federation)."
+            ),
+            id=f"{PREFIX}.W003",
+        )
+        for network in opened
+        if any(
+            network.version == local.version and network.overlaps(local) for local in LOCAL_NETWORKS
+        )
+    ]

@@ -130,9 +130,11 @@ def safe_text(destination: Destination, url: str, text: str) -> str:
 def webhook_transport_settings(
     settings: TransportSettings, policy: WebhookPolicy
 ) -> TransportSettings:
-    """The transport's settings for webhooks: the webhook time limit."""
+    """The transport's settings for webhooks: the webhook time limit, and
+    the networks opened to destinations in place of those opened to inboxes."""
     return dataclasses.replace(
         settings,
+        allowed_networks=policy.allowed_networks,
         attempt_timeout=policy.timeout,
         connect_timeout=min(settings.connect_timeout, policy.timeout),
     )

@@ -19,6 +19,7 @@ from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPo
 
 if TYPE_CHECKING:
     from django_federation_delivery.settling import Settler, Summary
+    from django_federation_delivery.transport.networks import IPNetwork
 
 __all__ = ["WebhookPolicy", "settings_problems"]
 
@@ -40,6 +41,8 @@ class WebhookPolicy:
     timeout: float = 10.0
     #: How much of a refusal's body is kept.
     body_length: int = 300
+    #: The non-public networks destinations may be on (never those of inboxes).
+    allowed_networks: tuple[IPNetwork, ...] = ()
 
     @property
     def retry(self) -> RetryPolicy:
@@ -70,6 +73,7 @@ class WebhookPolicy:
             retry_after_max=app_settings.webhook_retry_after_max,
             timeout=app_settings.webhook_timeout,
             body_length=app_settings.error_length,
+            allowed_networks=app_settings.allowed_networks("WEBHOOK_ALLOWED_NETWORKS"),
         )
 
 

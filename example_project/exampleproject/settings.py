@@ -127,8 +127,12 @@ def _days(variable: str, default: float) -> float:
 FEDERATION_DELIVERY = {
     "SENDER_KEYS": "federation_demo.keys.sender_key",
     # Deliveries go to public addresses only, unless networks are listed here
-    # (a comma list, e.g. "127.0.0.0/8": scripts/demo sets it for its run).
+    # (a comma list, e.g. "127.0.0.0/8": scripts/demo sets both for its run):
+    # for inboxes, and apart for webhook destinations.
     "ALLOWED_NETWORKS": env.list("FEDERATION_DELIVERY_ALLOWED_NETWORKS", default=[]),
+    "WEBHOOK_ALLOWED_NETWORKS": env.list(
+        "FEDERATION_DELIVERY_WEBHOOK_ALLOWED_NETWORKS", default=[]
+    ),
     # Webhook destinations, one WEBHOOK_<NAME> variable each (none by default),
     # e.g. WEBHOOK_OPS=slack://hooks.slack.com/services/… ; the URL is a secret.
     "WEBHOOKS": webhooks_from_env(env),

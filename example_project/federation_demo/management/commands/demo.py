@@ -102,7 +102,8 @@ class Command(BaseCommand):
     help = (
         "Deliver a signed fan-out to local inbox servers (one slow to start, one gone, "
         "one not listening) and report what happened. Needs "
-        "FEDERATION_DELIVERY_ALLOWED_NETWORKS=127.0.0.0/8."
+        "FEDERATION_DELIVERY_ALLOWED_NETWORKS=127.0.0.0/8 (and "
+        "FEDERATION_DELIVERY_WEBHOOK_ALLOWED_NETWORKS=127.0.0.0/8 for its webhooks)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -378,6 +379,13 @@ class Command(BaseCommand):
                 "WEBHOOK_<NAME> variables (scripts/demo does; see example_project/README.rst)."
             )
             return
+        loopback = ipaddress.ip_address("127.0.0.1")
+        if not any(loopback in network for network in policy.allowed_networks):
+            raise CommandError(
+                "Webhook deliveries to loopback are not allowed, so every one would fail. "
+                "Run with FEDERATION_DELIVERY_WEBHOOK_ALLOWED_NETWORKS=127.0.0.0/8 "
+                "(scripts/demo does)."
+            )
         waits = ", ".join(f"{wait:g} s" for wait in policy.schedule)
         write(f"  Destinations from WEBHOOK_<NAME>; retried after {waits} (WEBHOOK_RETRY).")
         with _receivers(local) as receivers:
