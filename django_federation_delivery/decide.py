@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 
 from django_federation_delivery.attempt import AttemptResult
-from django_federation_delivery.retry import RetryPolicy, wait_before_retry
+from django_federation_delivery.retry import LONGEST_WAIT, RetryPolicy, wait_before_retry
 
 __all__ = ["Outcome", "Ruling", "decide"]
 
@@ -67,13 +67,16 @@ def decide(
     retry_after_max: float = 3600.0,
     rand: Callable[[], float] = random.random,
 ) -> Ruling:
-    """What ``result``, the ``attempts``-th attempt (this one counted), comes
-    to under ``policy`` and its batch's ``max_attempts`` and ``deadline``.
+    """What ``result`` comes to under ``policy`` and its batch's
+    ``max_attempts`` and ``deadline``, ``attempts`` tries having been made
+    (this one counted, if it made a request).
 
     A plain function of its arguments: no database, no signal, no clock
     (``now`` is given; ``rand`` is the policy's jitter). ``sender_gone`` says
     whether the sender is gone and the status is one that then refuses for good.
     """
+    if result.held:
+        return _held(result, attempts, policy, now=now, deadline=deadline, rand=rand)
     if result.delivered:
         return Ruling(Outcome.DELIVERED, error=result.error)
     if result.permanent or sender_gone:
@@ -90,5 +93,31 @@ def decide(
     if deadline is not None and due >= deadline:
         error = f"the batch's deadline passed: {result.error}"
         return Ruling(Outcome.FAILED, error=error, deadline=True)
-    outcome = Outcome.HELD if result.held else Outcome.RETRYING
-    return Ruling(outcome, due_at=due, error=result.error)
+    return Ruling(Outcome.RETRYING, due_at=due, error=result.error)
+
+
+def _held(
+    result: AttemptResult,
+    attempts: int,
+    policy: RetryPolicy,
+    *,
+    now: dt.datetime,
+    deadline: dt.datetime | None,
+    rand: Callable[[], float],
+) -> Ruling:
+    """Held back without a request (an open breaker, a spent lease): no try
+    was spent, so no policy gives it up, but its batch's deadline still does.
+    It waits out the hold, and at least the policy's wait after the tries
+    made so far, so that a long outage does not bring it round every second."""
+    made = max(1, min(attempts, policy.max_attempts - 1))
+    wait = wait_before_retry(
+        policy.delay(made, rand) or 0.0,
+        result.retry_after,
+        wait_as_asked=True,
+        longest=LONGEST_WAIT,
+    )
+    due = now + dt.timedelta(seconds=wait)
+    if deadline is not None and due >= deadline:
+        error = f"the batch's deadline passed: {result.error}"
+        return Ruling(Outcome.FAILED, error=error, deadline=True)
+    return Ruling(Outcome.HELD, due_at=due, error=result.error)

@@ -23,7 +23,7 @@ from django.utils.translation import gettext as _
 from django_federation_delivery import metrics, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.decide import Outcome, decide
+from django_federation_delivery.decide import Outcome, Ruling, decide
 from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.store import claims, settlements
@@ -110,6 +110,10 @@ WRITTEN = {
 }
 
 
+#: The outcomes a settler that warns logs a line for.
+WARNED = frozenset((Outcome.RETRYING, Outcome.REFUSED, Outcome.FAILED))
+
+
 class Row(Protocol):
     """A delivery as its signals name it: a claimed one, or one given up."""
 
@@ -162,6 +166,9 @@ class Settler:
     error_length: int = 300
     sender_gone: Callable[[str], bool] | None = None
     permanent_if_gone: frozenset[int] = frozenset()
+    #: Whether each retry, refusal and give-up is a WARNING log line (a
+    #: webhook's are: a project has few, and each one matters).
+    warn: bool = False
 
     @classmethod
     def from_settings(cls, summary: Summary) -> Settler:
@@ -187,8 +194,10 @@ class Settler:
     ) -> settlements.Settlement:
         """Decide what comes of an attempt, send the signals, and say what to
         write; ``now`` is the time it is judged at (the clock's, if not given)."""
-        attempts = row.attempts + 1
-        self.summary.attempts += 1
+        # Held back (an open breaker, a spent lease), it spent no try.
+        tried = 0 if result.held else 1
+        attempts = row.attempts + tried
+        self.summary.attempts += tried
         if now is None:
             now = timezone.now()
         ruling = decide(
@@ -206,6 +215,8 @@ class Settler:
             retry_after_max=self.retry_after_max,
         )
         outcome = ruling.outcome
+        if self.warn and outcome in WARNED:
+            self._warn(row, batch, ruling, attempts, now)
         self._signal_attempt(row, batch, result, outcome)
         if outcome in (Outcome.DELIVERED, Outcome.REFUSED):
             self._settled_signal(row, batch, outcome, result.status)
@@ -230,6 +241,35 @@ class Settler:
             attempted_at=now,
             retried=outcome is Outcome.RETRYING,
         )
+
+    def _warn(
+        self,
+        row: claims.Claimed,
+        batch: BatchInfo,
+        ruling: Ruling,
+        attempts: int,
+        now: dt.datetime,
+    ) -> None:
+        """One line for an operator: what, where (the destination's name, never
+        its URL), which try, and what next."""
+        what = f"Webhook event {batch.event_type} (delivery {row.id}) to {row.destination!r}"
+        error = ruling.error[: self.error_length]
+        if ruling.outcome is Outcome.RETRYING and ruling.due_at is not None:
+            tries = min(batch.max_attempts or self.policy.max_attempts, self.policy.max_attempts)
+            wait = (ruling.due_at - now).total_seconds()
+            logger.warning(
+                "%s failed, attempt %d of %d: %s; tried again in %.1f s, at %s",
+                what,
+                attempts,
+                tries,
+                error,
+                wait,
+                ruling.due_at.isoformat(timespec="seconds"),
+            )
+        elif ruling.outcome is Outcome.REFUSED:
+            logger.warning("%s refused for good: %s", what, error)
+        else:
+            logger.warning("%s given up: %s", what, error)
 
     def _gone(self, sender: str, status: int | None) -> bool:
         if status is None or status not in self.permanent_if_gone or self.sender_gone is None:
@@ -327,6 +367,14 @@ class Settler:
     ) -> None:
         """A delivery failed for good, unsent, by whoever writes it (a webhook
         destination no longer configured): its signal and its count."""
+        if self.warn:
+            logger.warning(
+                "Webhook event %s (delivery %d) to %r given up: %s",
+                batch.event_type,
+                row.id,
+                row.destination,
+                error[: self.error_length],
+            )
         self._failed_signal(row, batch, status, error, deadline=False, refused=False)
         self.summary.count(Outcome.FAILED)
 

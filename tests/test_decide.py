@@ -166,11 +166,32 @@ CASES: list[tuple[str, AttemptResult, int, dict[str, Any], Ruling]] = [
         Ruling(Outcome.HELD, due_at=after(300), error="held: open"),
     ),
     (
-        "held at the last attempt is given up",
+        "held before any try waits the policy's first wait",
+        held(JOB, "held: open", retry_after=5.0),
+        0,
+        {},
+        Ruling(Outcome.HELD, due_at=after(30), error="held: open"),
+    ),
+    (
+        "held spends no try: after the policy's last it still waits, its last wait",
         held(JOB, "held: open", retry_after=5.0),
         12,
         {},
-        Ruling(Outcome.FAILED, error="gave up after 12 attempts: held: open"),
+        Ruling(Outcome.HELD, due_at=after(3600), error="held: open"),
+    ),
+    (
+        "held spends no try: past the batch's max attempts it still waits",
+        held(JOB, "held: open", retry_after=5.0),
+        3,
+        {"max_attempts": 3},
+        Ruling(Outcome.HELD, due_at=after(120), error="held: open"),
+    ),
+    (
+        "held past the batch's deadline is given up",
+        held(JOB, "held: open", retry_after=300.0),
+        1,
+        {"deadline": after(299)},
+        Ruling(Outcome.FAILED, error="the batch's deadline passed: held: open", deadline=True),
     ),
 ]
 

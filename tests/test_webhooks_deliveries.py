@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import json
 import logging
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -180,6 +181,77 @@ def test_each_allow_list_opens_loopback_to_its_own_kind_alone(
         assert outcomes["activitypub"] == Status.DELIVERED
         assert outcomes["webhook"] != Status.DELIVERED
         assert "not a public address" in Delivery.objects.get(kind="webhook").last_error
+
+
+def test_a_breakers_hold_spends_no_try_so_nine_tries_are_nine_requests(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    failures = 5
+
+    def down_then_up(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return (503 if len(receiver.received) <= failures else 204), {}, b""
+
+    receiver = inboxes("127.0.0.1", respond=down_then_up)
+    # The breaker opens after two failures and holds the event until it
+    # cools off (0.4 s), while the schedule would bring it round every
+    # 0.05 s: each hold spent a try before.
+    configure(
+        settings,
+        {"ops": signed(receiver)},
+        WEBHOOK_RETRY=[0.05] * 8,
+        BREAKER={"THRESHOLD": 2, "COOL_OFF": 0.4, "SCOPE": "host"},
+    )
+    send_webhook("ops", "alert.raised", {"n": 1})
+    runner = start_deliverer()
+    wait_until(all_settled(Delivery.objects.get().host), timeout=30)
+    runner.stop()
+    row = Delivery.objects.get()
+    assert row.status == Status.DELIVERED, row.last_error
+    assert row.attempts == len(receiver.received) == failures + 1
+
+
+def test_every_retry_refusal_and_give_up_is_one_warning_naming_the_destination_not_its_url(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    answers = {"/refusing": [503, 404], "/failing": [503, 503, 503]}
+
+    def scripted(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return answers[request.path].pop(0), {}, b"nope"
+
+    receiver = inboxes("127.0.0.1", respond=scripted)
+    webhooks = {"refusing": signed(receiver, "/refusing"), "failing": signed(receiver, "/failing")}
+    configure(settings, webhooks, WEBHOOK_RETRY=[0.05, 0.05])
+    caplog.set_level(logging.WARNING, logger="django_federation_delivery")
+    send_webhook(["refusing", "failing"], "alert.raised", {"n": 1})
+    runner = start_deliverer()
+    wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists())
+    runner.stop()
+    ids = dict(Delivery.objects.values_list("destination", "id"))
+    lines = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    refusing = f"Webhook event alert.raised (delivery {ids['refusing']}) to 'refusing'"
+    failing = f"Webhook event alert.raised (delivery {ids['failing']}) to 'failing'"
+    assert [line.split(":")[0] for line in lines] == sorted(
+        [
+            f"{failing} failed, attempt 1 of 3",
+            f"{failing} failed, attempt 2 of 3",
+            f"{failing} given up",
+            f"{refusing} failed, attempt 1 of 3",
+            f"{refusing} refused for good",
+        ]
+    )
+    retried = [line for line in lines if "failed, attempt" in line]
+    assert all(re.search(r"; tried again in \d+\.\d s, at 20\d\d-", line) for line in retried)
+    (given_up,) = (line for line in lines if line.startswith(f"{failing} given up"))
+    (refused,) = (line for line in lines if line.startswith(f"{refusing} refused"))
+    assert given_up.endswith("given up: gave up after 3 attempts: the receiver answered 503: nope")
+    assert refused.endswith("refused for good: the receiver answered 404: nope")
+    for line in lines:
+        assert SECRET not in line and str(receiver.port) not in line
 
 
 def test_an_event_sent_long_ago_is_signed_when_it_is_sent_and_verifies(

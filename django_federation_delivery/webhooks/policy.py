@@ -57,7 +57,7 @@ class WebhookPolicy:
         from django_federation_delivery.settling import Settler
 
         longest, length = self.retry_after_max, self.message_length
-        return Settler(self.retry, summary, retry_after_max=longest, error_length=length)
+        return Settler(self.retry, summary, retry_after_max=longest, error_length=length, warn=True)
 
     @classmethod
     def from_settings(cls) -> WebhookPolicy:
