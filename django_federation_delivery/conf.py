@@ -123,6 +123,9 @@ DEFAULTS: dict[str, Any] = {
     "WEBHOOK_RETRY": list(DAY_SCHEDULE),
     "WEBHOOK_RETRY_AFTER_MAX": 3600.0,
     "WEBHOOK_TIMEOUT": 10.0,
+    # The largest event send_webhook() takes, as JSON: a receiver is not a
+    # file store, and a chat kind cuts its message far shorter anyway.
+    "WEBHOOK_MAX_BYTES": 1 << 20,
     # How long settled deliveries are kept, in seconds, by status, before
     # purge_deliveries (or run_deliverer --purge) deletes them; a status set
     # to None is kept for ever, and RETENTION None keeps everything.
@@ -226,6 +229,7 @@ class AppSettings:
     webhook_retry = Typed(_waits)
     webhook_retry_after_max = Typed(float)
     webhook_timeout = Typed(float)
+    webhook_max_bytes = Typed(int)
     channels = Typed(_paths)
 
     def _user(self) -> dict[str, Any]:

@@ -42,6 +42,7 @@ WRITTEN_AND_READ: dict[str, tuple[Any, Any]] = {
     "webhook_retry": ([1, 2], (1.0, 2.0)),
     "webhook_retry_after_max": (70, 70.0),
     "webhook_timeout": (71, 71.0),
+    "webhook_max_bytes": (1011, 1011),
     "channels": (["tests.channels.Pager"], ("tests.channels.Pager",)),
 }
 

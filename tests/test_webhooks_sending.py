@@ -104,6 +104,23 @@ def test_bad_input_is_named_and_nothing_written(event_type: str, data: Any, mess
 
 
 @pytest.mark.django_db
+def test_an_event_over_webhook_max_bytes_is_refused_naming_its_size_and_the_limit(
+    settings: Any,
+) -> None:
+    data = {"log": "x" * (1 << 20)}
+    with pytest.raises(InvalidDelivery, match=r"is 10\d{5} bytes as JSON, more than "):
+        send_webhook("ops", "build.log", data)
+    with pytest.raises(InvalidDelivery, match=r"WEBHOOK_MAX_BYTES \(1048576\)"):
+        send_webhook(["ops", "audit"], "build.log", data)
+    assert nothing_written()
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOK_MAX_BYTES": 2 << 20,
+    }
+    assert send_webhook("ops", "build.log", data) is not None
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("destination", [None, 3, b"ops", [3]])
 def test_a_destination_that_is_not_a_name_is_refused(destination: Any) -> None:
     with pytest.raises(InvalidDelivery, match="destination"):

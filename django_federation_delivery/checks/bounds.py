@@ -28,6 +28,7 @@ WHOLE_NUMBERS: dict[str, tuple[int, int]] = {
     "MAX_IDLE_CONNECTIONS": (0, 10_000),
     "MAX_INBOXES": (1, 10_000_000),
     "MAX_BODY_BYTES": (1, 16 << 20),
+    "WEBHOOK_MAX_BYTES": (1, 16 << 20),
 }
 HOUR = 3600.0
 DAY = 24 * HOUR

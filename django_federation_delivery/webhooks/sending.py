@@ -26,7 +26,7 @@ from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
 from django_federation_delivery.channels import Event
-from django_federation_delivery.conf import SETTING
+from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane
 from django_federation_delivery.signatures import body_sha256
@@ -54,7 +54,8 @@ def send_webhook(
 
     Written in the caller's transaction: rolled back, nothing is queued. An
     unknown destination, an empty or path-like event type, or data JSON
-    cannot write raises ``InvalidDelivery`` naming it, with nothing written.
+    cannot write, or an event larger than ``WEBHOOK_MAX_BYTES`` as JSON, raises
+    ``InvalidDelivery`` naming it, with nothing written.
     ``event_id`` (a new UUID by default) is the ``webhook-id`` a receiver
     de-duplicates by. Returns the batch, or None for an empty list.
     """
@@ -62,7 +63,14 @@ def send_webhook(
     event = Event.of(event_type, event_id or str(uuid.uuid4()), timezone.now(), data)
     if not names:
         return None
-    body = event.as_json().decode()
+    encoded = event.as_json()
+    limit = app_settings.webhook_max_bytes
+    if len(encoded) > limit:
+        raise InvalidDelivery(
+            f"the event {event.type!r} is {len(encoded)} bytes as JSON, more than "
+            f"WEBHOOK_MAX_BYTES ({limit})"
+        )
+    body = encoded.decode()
     alias = using or DEFAULT_DB_ALIAS
     # No savepoint, as send()'s.
     with transaction.atomic(using=alias, savepoint=False):
