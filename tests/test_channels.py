@@ -6,6 +6,7 @@ import base64
 import datetime
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -79,11 +80,42 @@ def test_slack_gets_text_with_the_fields_and_its_markup_escaped(
     }
 
 
-def test_a_markdown_hook_gets_the_text_as_it_is(mocked: responses.RequestsMock) -> None:
+WJ = "\u2060"  # the word joiner that keeps a mention or a link from being one
+
+#: What an event's data may say, and what a Markdown hook and Discord show of it.
+MARKDOWN_CASES = [
+    ("a < b & c", "a \\< b \\& c"),
+    ("@channel @here @all @everyone", f"@{WJ}channel @{WJ}here @{WJ}all @{WJ}everyone"),
+    ("ping @someone, mail a@b", f"ping @{WJ}someone, mail a@{WJ}b"),
+    ("![logo](https://evil.example/a.png)", f"\\!\\[logo\\]\\(https:{WJ}//evil.example/a.png\\)"),
+    ("[click](http://evil.example)", f"\\[click\\]\\(http:{WJ}//evil.example\\)"),
+    ("see www.evil.example", f"see www{WJ}.evil.example"),
+    ("**bold** _it_ `code` ~~gone~~", "\\*\\*bold\\*\\* \\_it\\_ \\`code\\` \\~\\~gone\\~\\~"),
+    ("# head > quote | cell", "\\# head \\> quote \\| cell"),
+    ("<https://evil.example> &amp; \\*", f"\\<https:{WJ}//evil.example\\> \\&amp; \\\\\\*"),
+]
+
+
+@pytest.mark.parametrize(("said", "shown"), MARKDOWN_CASES)
+@pytest.mark.parametrize(
+    ("url", "field"),
+    [(MARKDOWN, "text"), (DISCORD, "content")],
+    ids=["markdown", "discord"],
+)
+def test_markdown_and_discord_show_data_as_text_with_no_ping_link_or_image(
+    url: str, field: str, said: str, shown: str
+) -> None:
+    request = build(parse_destination("chat", url), event({"note": said}))
+    text = json.loads(request.body)[field]
+    assert text == f"alert.raised\nnote: {shown}"
+    assert not re.search(r"@\w", text) and "://" not in text and "www." not in text
+
+
+def test_a_markdown_hook_gets_the_text_with_its_fields(mocked: responses.RequestsMock) -> None:
     destination = parse_destination("chat", MARKDOWN)
-    request = build(destination, event({"host": "a < b & c", "tags": ["x", 1]}))
+    request = build(destination, event({"host": "db1", "tags": ["x", 1]}))
     received = sent(mocked, "http://127.0.0.1:8065/hooks/mattermostkey", request)
-    assert json.loads(received.body) == {"text": 'alert.raised\nhost: a < b & c\ntags: ["x",1]'}
+    assert json.loads(received.body) == {"text": 'alert.raised\nhost: db1\ntags: \\["x",1\\]'}
 
 
 def test_discord_gets_content_and_pings_nobody(mocked: responses.RequestsMock) -> None:
@@ -91,7 +123,7 @@ def test_discord_gets_content_and_pings_nobody(mocked: responses.RequestsMock) -
     request = build(destination, event({"who": "@everyone"}))
     received = sent(mocked, "https://discord.com/api/webhooks/1234/token-token-token", request)
     assert json.loads(received.body) == {
-        "content": "alert.raised\nwho: @everyone",
+        "content": f"alert.raised\nwho: @{WJ}everyone",
         "allowed_mentions": {"parse": []},
     }
 
@@ -178,7 +210,7 @@ def test_a_request_shows_the_destination_not_its_url() -> None:
 
 
 def test_data_that_is_not_an_object_is_shown_as_json() -> None:
-    request = build(parse_destination("chat", MARKDOWN), event(["a", 2]))
+    request = build(parse_destination("chat", SLACK), event(["a", 2]))
     assert json.loads(request.body) == {"text": 'alert.raised\n["a",2]'}
 
 

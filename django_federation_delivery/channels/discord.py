@@ -5,7 +5,7 @@ from __future__ import annotations
 from django_federation_delivery.channels.base import Destination, Request
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.hooks import HookChannel
-from django_federation_delivery.channels.text import cut, render_text
+from django_federation_delivery.channels.text import cut, escape_markdown, render_text
 
 __all__ = ["DISCORD_LIMIT", "Discord"]
 
@@ -14,8 +14,9 @@ DISCORD_LIMIT = 2000
 
 
 class Discord(HookChannel):
-    """``{"content": …}`` cut to 2,000 characters, with every mention turned
-    off: no @everyone, role or user ping from what an event's data says."""
+    """``{"content": …}`` cut to 2,000 characters, its Markdown escaped as for
+    a Markdown hook, with every mention turned off besides: no @everyone,
+    role or user ping from what an event's data says."""
 
     name = "discord"
     label = "Discord"
@@ -24,7 +25,7 @@ class Discord(HookChannel):
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
         document = {
-            "content": cut(render_text(destination, event), DISCORD_LIMIT),
+            "content": cut(escape_markdown(render_text(destination, event)), DISCORD_LIMIT),
             "allowed_mentions": {"parse": []},
         }
         return self.json_request(destination, document)

@@ -8,13 +8,14 @@ from django.utils.translation import gettext_noop
 from django_federation_delivery.channels.base import Destination, Request
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.hooks import HookChannel
-from django_federation_delivery.channels.text import render_text
+from django_federation_delivery.channels.text import escape_markdown, render_text
 
 __all__ = ["Markdown"]
 
 
 class Markdown(HookChannel):
-    """``{"text": …}``, the template's text as it is."""
+    """``{"text": …}``, the template's text shown as written: no markup, mention,
+    link or image is made of what an event's data says."""
 
     name = "markdown"
     label = gettext_noop("Markdown hook")
@@ -22,4 +23,5 @@ class Markdown(HookChannel):
     public_segments = frozenset({"hooks"})
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
-        return self.json_request(destination, {"text": render_text(destination, event)})
+        text = escape_markdown(render_text(destination, event))
+        return self.json_request(destination, {"text": text})

@@ -10,6 +10,7 @@ data can neither break the message nor mention anyone.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from django.template import Context
@@ -21,7 +22,7 @@ from django_federation_delivery.channels.events import Event, compact_json
 if TYPE_CHECKING:
     from django_federation_delivery.channels.base import Destination
 
-__all__ = ["ELLIPSIS", "cut", "cut_bytes", "escape_entities", "render_text"]
+__all__ = ["ELLIPSIS", "cut", "cut_bytes", "escape_entities", "escape_markdown", "render_text"]
 
 TEMPLATES = "django_federation_delivery/webhooks"
 ELLIPSIS = "…"
@@ -62,6 +63,27 @@ def _fields(data: Any) -> list[tuple[str, str]]:
 def escape_entities(text: str) -> str:
     """``& < >`` as entities: what Slack's mrkdwn and Telegram's HTML both ask for."""
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+#: What Markdown (CommonMark, and the chat services' kin of it) reads as
+#: markup: emphasis and strike, code, links and images, headings, quotes,
+#: tables, HTML and entities. A backslash before each makes it a character.
+MARKDOWN_MARKUP = re.compile(r"([\\`*_~\[\]()<>#!|&])")
+#: A mention: "@" before a name (@channel, @here, @all, @everyone, @someone).
+MENTION = re.compile(r"@(?=\w)")
+#: What a service makes a link of by itself: a scheme's "://" and "www.".
+AUTOLINK = re.compile(r"(:)(//)|\b(www)(\.)", re.IGNORECASE)
+#: U+2060, invisible and unbreaking: what keeps a mention or a link from being one.
+WORD_JOINER = "\u2060"
+
+
+def escape_markdown(text: str) -> str:
+    """``text`` as Markdown that shows it as written: its markup escaped, and
+    neither a mention (``@channel``, ``@all``, ``@everyone``) nor a link or
+    image made of it."""
+    text = MARKDOWN_MARKUP.sub(r"\\\1", text)
+    text = MENTION.sub("@" + WORD_JOINER, text)
+    return AUTOLINK.sub(lambda m: WORD_JOINER.join(part for part in m.groups() if part), text)
 
 
 def cut(text: str, limit: int) -> str:
