@@ -25,6 +25,7 @@ import functools
 import ipaddress
 import re
 import unicodedata
+from collections.abc import Sequence
 from urllib.parse import quote, unquote, unquote_plus
 
 import idna
@@ -430,6 +431,23 @@ def redact(url: str, *, whole_path: bool = False) -> str:
     text = repr(text)[1:-1]
     if len(text) > _MESSAGE_URL_LENGTH:
         text = text[: _MESSAGE_URL_LENGTH - 3] + "..."
+    return text
+
+
+#: The shortest start of a secret taken out of the end of a text.
+_PARTIAL_LENGTH = 4
+
+
+def replace_secrets(text: str, secrets: Sequence[str], marker: str = "[redacted]") -> str:
+    """``text`` with each of ``secrets`` (longest first) replaced by ``marker``,
+    and the start of one that ends it too: a text cut short (an answer read to
+    ``MAX_ANSWER_BYTES``) may end in half a secret, no longer whole to find."""
+    for secret in secrets:
+        text = text.replace(secret, marker)
+    for secret in secrets:
+        for length in range(min(len(secret) - 1, len(text)), _PARTIAL_LENGTH - 1, -1):
+            if text.endswith(secret[:length]):
+                return text[:-length] + marker
     return text
 
 

@@ -30,6 +30,7 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
+from django_federation_delivery import addresses
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.models import Breaker
 from django_federation_delivery.store.breakers import count_failures
@@ -49,7 +50,10 @@ class BreakerSettings:
     scope: Scope = Scope.HOST
 
     def key(self, host: str, inbox: str) -> str:
-        return host if self.scope is Scope.HOST else inbox
+        """The breaker of ``inbox`` on ``host``: the host's, or the inbox's
+        without its userinfo and query, which may be credentials (the key is
+        shown, and in the admin's URLs)."""
+        return host if self.scope is Scope.HOST else addresses.redact(inbox)
 
     @classmethod
     def from_settings(cls) -> BreakerSettings | None:

@@ -55,6 +55,10 @@ def test_the_scope_picks_the_key() -> None:
     assert BreakerSettings(scope=Scope.INBOX).key("a.example", "https://a.example/i") == (
         "https://a.example/i"
     )
+    # An inbox's query and userinfo may be credentials: the key, shown and in
+    # the admin's URLs, has neither.
+    inbox = "https://bot:pw0rd@a.example/i?token=s3cretvalue"
+    assert BreakerSettings(scope=Scope.INBOX).key("a.example", inbox) == "https://a.example/i"
 
 
 @pytest.mark.django_db(transaction=True)

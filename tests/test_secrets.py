@@ -219,3 +219,43 @@ def test_an_answer_echoing_the_query_is_kept_without_it_even_when_cut_short() ->
         assert error.startswith("the inbox answered 404")
         for cut in range(6, len(SECRET) + 1):
             assert SECRET[:cut] not in error, (body[:40], error)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_breakers_kept_per_inbox_show_no_inbox_secret(
+    settings: Any,
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+) -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from django_federation_delivery.models import Breaker
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SENDER_KEYS": f"{__name__}.sender_key",
+        "BREAKER": {"THRESHOLD": 1, "COOL_OFF": 600, "SCOPE": "inbox"},
+        "RETRY": {"BASE": 0.1, "CAP": 0.1, "ATTEMPTS": 1, "JITTER": 0},
+    }
+    failing = inboxes(respond=echo(503))
+    send(ALICE, {"type": "Create"}, [failing.url(f"/inbox{QUERY}")])
+    runner = start_deliverer()
+    wait_until(lambda: Breaker.objects.exists() and not Delivery.objects.filter(status="pending"))
+    runner.stop()
+    # Its key, shown and in the admin's URLs, is the inbox without its query.
+    assert list(Breaker.objects.values_list("key", flat=True)) == [failing.url("/inbox")]
+    for options in ([], ["--json"]):
+        out = StringIO()
+        call_command("delivery_status", *options, stdout=out)
+        assert failing.url("/inbox") in out.getvalue() and SECRET not in out.getvalue()
+    user = get_user_model().objects.create_superuser("root", "root@example.com", "pw")
+    client = Client()
+    client.force_login(user)
+    changelist = reverse("admin:federation_delivery_breaker_changelist")
+    page = client.get(changelist).content.decode()
+    assert SECRET not in page
+    (link,) = re.findall(r'href="([^"]*/breaker/[^"]+/change/)"', page)
+    assert SECRET not in link
+    assert client.get(link).status_code == 200

@@ -124,6 +124,14 @@ BAD = [
     ("https://audit.example/hooks?secret=XXXXXXXXXXXXSECRET", "whsec_"),
     ("https://audit.example/hooks?secret=whsec_XXXXXXXXXXXXSECRET!", "base64"),
     ("https://audit.example/hooks?secret=whsec_" + base64.b64encode(b"short").decode(), "5 bytes"),
+    (
+        "https://audit.example/hooks?secret=whsec_" + base64.b64encode(b"k" * 65).decode(),
+        "65 bytes; at most 64",
+    ),
+    # A scheme mistyped, or a token written where the scheme goes.
+    ("slak://hooks.slack.com/services/T0/B0/XXXXXXXXXXXXSECRET", "'slak'"),
+    ("xxxxxxxxxxxxsecret://hooks.slack.com/services/T0", "(not shown)"),
+    ("t0ken://hooks.slack.com/services/T0", "(not shown)"),
 ]
 
 
@@ -189,6 +197,29 @@ def test_redact_takes_every_secret_part_out_of_a_text(url: str, leaks: list[str]
         assert "[redacted]" in redacted or not any(leak in text for leak in leaks)
         for leak in leaks:
             assert leak not in redacted, (text, redacted)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [SLACK, DISCORD, MARKDOWN, TELEGRAM, f"https://a.example/h?secret={SECRET}"],
+    ids=["slack", "discord", "markdown", "telegram", "json"],
+)
+def test_redact_takes_out_a_secret_cut_short_at_the_end_of_a_text(url: str) -> None:
+    # An answer read to MAX_ANSWER_BYTES may end in the first half of an echo.
+    destination = parse_destination("ops", url)
+    secret = max(destination._redacted, key=len)
+    for cut in range(4, len(secret)):
+        redacted = destination.redact(f"no hook at {secret[:cut]}")
+        assert "[redacted]" in redacted and secret[:cut] not in redacted, (cut, redacted)
+
+
+def test_a_signed_json_receivers_own_query_is_secret_whatever_its_form() -> None:
+    destination = parse_destination(
+        "audit", f"https://a.example/h?t0kenvalue&key=k3yvalue1&secret={SECRET}"
+    )
+    assert destination.url == "https://a.example/h?t0kenvalue&key=k3yvalue1"
+    redacted = destination.redact("echo: t0kenvalue k3yvalue1 key=k3yvalue1")
+    assert redacted == "echo: [redacted] [redacted] [redacted]"
 
 
 def test_redact_leaves_the_rest_of_a_text_alone() -> None:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.core.exceptions import ImproperlyConfigured
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -164,7 +164,9 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
         DestinationFilter,
         HostFilter,
     )
-    search_fields = ("inbox", "batch__sender", "batch__tag", "batch__event_type")
+    # Hosts and ids, never the inbox: its query and userinfo may be a
+    # credential, which a search could be made to tell a character at a time.
+    search_fields = ("host", "destination", "batch__sender", "batch__tag", "batch__event_type")
     list_select_related = ("batch",)
     ordering = ("-id",)
     actions = ("requeue", "give_up", "pause_hosts")
@@ -201,6 +203,16 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Delivery]:
         # A list shows no body: 100 rows need not fetch 100 of them.
         return super().get_queryset(request).select_related("batch").defer("batch__body")
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Delivery], search_term: str
+    ) -> tuple[QuerySet[Delivery], bool]:
+        """The search fields, and a number as a delivery's id or its batch's."""
+        found, duplicates = super().get_search_results(request, queryset, search_term)
+        term = search_term.strip()
+        if term.isascii() and term.isdigit() and len(term) < 19:
+            found |= queryset.filter(Q(pk=int(term)) | Q(batch_id=int(term)))
+        return found, duplicates
 
     def get_urls(self) -> list[URLPattern]:
         opts = self.opts

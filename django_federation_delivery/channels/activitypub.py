@@ -170,9 +170,7 @@ def describe(answer: Answer, length: int, target: str = "") -> str:
     secrets = addresses.credentials(target) if target else []
     longest = max(map(len, secrets), default=0)
     window = answer.body[: (length + longest) * 4]
-    text = window.decode("utf-8", "replace")
-    for secret in secrets:
-        text = text.replace(secret, "[redacted]")
+    text = addresses.replace_secrets(window.decode("utf-8", "replace"), secrets)
     if longest and len(window) < len(answer.body):
         # Cut short: a secret may begin near the end without ending there.
         text = text[:-longest]

@@ -19,6 +19,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 from django.utils.translation import gettext as _
 
+from django_federation_delivery.addresses import replace_secrets
 from django_federation_delivery.attempt import Verdict, is_refusal
 from django_federation_delivery.channels.events import Event, compact_json
 from django_federation_delivery.transport import Answer, parse_retry_after
@@ -113,10 +114,9 @@ class Destination:
         return self.channel.request(self, event, now=now)
 
     def redact(self, text: str) -> str:
-        """``text`` with every secret part its kind declared replaced by [redacted]."""
-        for part in self._redacted:
-            text = text.replace(part, REDACTED)
-        return text
+        """``text`` with every secret part its kind declared replaced by
+        [redacted], and the start of one that ends it (a text cut short)."""
+        return replace_secrets(text, self._redacted, REDACTED)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,9 @@ BUILT_IN: tuple[type[Channel], ...] = (
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 _KIND_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 # What may be shown of a scheme nobody knows: a typo's letters, never more.
-_SCHEME = re.compile(r"[a-z][a-z0-9+.-]{0,19}")
+#: A typo of a scheme is shown ("slak"); what has a digit in it or is long
+#: may be a token written where the scheme goes, and is not.
+_SCHEME = re.compile(r"[a-z][a-z+.-]{0,15}")
 
 
 class Registry:

@@ -24,6 +24,7 @@ __all__ = ["StandardWebhooks"]
 _SECRET_PREFIX = "whsec_"
 # The Standard Webhooks specification asks for keys of 24 to 64 bytes.
 _MIN_SECRET_BYTES = 24
+_MAX_SECRET_BYTES = 64
 
 
 class StandardWebhooks(Channel):
@@ -49,7 +50,9 @@ class StandardWebhooks(Channel):
         for pair in query.split("&") if query else []:
             key, value = self.query_pairs(pair)[0]
             if key != "secret":
+                # Any of it may be the receiver's own token, "?t0ken" as "?key=t0ken".
                 kept.append(pair)
+                raw += [pair, key, value, pair.partition("=")[2]]
                 continue
             written = pair.partition("=")[2]
             raw += [written, value, value.removeprefix(_SECRET_PREFIX)]
@@ -84,6 +87,11 @@ def _signing_key(secret: str) -> bytes:
         key = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
     except (binascii.Error, ValueError):
         raise UnusableURL(_("a secret after 'whsec_' is not valid base64")) from None
+    if len(key) > _MAX_SECRET_BYTES:
+        raise UnusableURL(
+            _("a secret's key is %(length)d bytes; at most %(most)d are taken")
+            % {"length": len(key), "most": _MAX_SECRET_BYTES}
+        )
     if len(key) < _MIN_SECRET_BYTES:
         raise UnusableURL(
             _(
