@@ -73,7 +73,7 @@ def test_the_queues_page_shows_each_destination_beside_the_lanes(
         send_webhook("ops", "alert.raised", {"n": n}, event_id=f"e{n}")
     Batch.objects.filter(event_id="e0").update(created_at=timezone.now() - dt.timedelta(minutes=7))
     first = Delivery.objects.get(batch__event_id="e0")
-    later(first, "the receiver answered 503: busy")
+    later(first, "the receiver answered 503 Service Unavailable: busy")
     page = html(operator, url("delivery", "queues"))
     # Beside the lanes: the table right after theirs.
     assert page.index('id="fd-lanes"') < page.index('id="fd-destinations"')
@@ -86,7 +86,7 @@ def test_the_queues_page_shows_each_destination_beside_the_lanes(
     assert cell(ops, "head") == "alert.raised"
     assert f'href="{url("delivery", "change", first.pk)}"' in ops
     assert cell(ops, "attempts") == "2"
-    assert cell(ops, "last_error") == "the receiver answered 503: busy"
+    assert cell(ops, "last_error") == "the receiver answered 503 Service Unavailable: busy"
     assert cell(ops, "next_try").startswith("in 9\xa0minutes") or cell(ops, "next_try").startswith(
         "in 10\xa0minutes"
     )
@@ -372,10 +372,10 @@ def test_no_admin_page_shows_a_destination_s_url_path_token_or_secret(
     )
     # What each kind declares secret is taken out; the receiver's address is not.
     assert errors["slack"].startswith(
-        f"the receiver answered 500: no hook at http://127.0.0.1:{echo500.port}[redacted]"
+        f"the receiver answered 500 Internal Server Error: no hook at http://127.0.0.1:{echo500.port}[redacted]"
     )
     assert errors["telegram"].startswith(
-        f"the receiver answered 404: no hook at http://127.0.0.1:{echo404.port}/[redacted]"
+        f"the receiver answered 404 Not Found: no hook at http://127.0.0.1:{echo404.port}/[redacted]"
     )
     assert "connection refused" in errors["down"]
     assert Delivery.objects.filter(status=Status.REFUSED).exists()

@@ -164,7 +164,7 @@ def fill_webhooks(settings: Any) -> None:
     Delivery.objects.filter(pk=first.pk).update(
         attempts=3,
         last_status=503,
-        last_error="the receiver answered 503: upstream timeout",
+        last_error="the receiver answered 503 Service Unavailable: upstream timeout",
         due_at=timezone.now() + dt.timedelta(minutes=8),
     )
 

@@ -16,7 +16,7 @@ import responses
 from django_federation_delivery.attempt import permanent_status
 from django_federation_delivery.channels.activitypub import InboxJob, attempt
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
-from django_federation_delivery.transport import Answer, Transport, TransportSettings
+from django_federation_delivery.transport import Answer, Transport, TransportSettings, status_text
 
 from .conftest import Inbox
 from .keys import ed25519_key, rsa_key
@@ -97,7 +97,7 @@ def test_4xx_but_408_and_429_is_final_and_the_rest_is_worth_another_try(
     mocked.post(INBOX, status=status, body="nope")
     result = attempt(job(), transport)
     assert (result.delivered, result.status, result.permanent) == (False, status, permanent)
-    assert result.error == f"the inbox answered {status}: nope"
+    assert result.error == f"the inbox answered {status_text(status)}: nope"
     assert permanent_status(status) is permanent
 
 
@@ -114,7 +114,7 @@ def test_only_the_start_of_a_long_answer_is_kept_as_the_error(
     mocked.post(INBOX, status=500, body="<html>" + "x" * 10_000)
     result = attempt(job(), transport, error_length=300)
     assert len(result.error) == 300
-    assert result.error.startswith("the inbox answered 500: <html>xxx")
+    assert result.error.startswith("the inbox answered 500 Internal Server Error: <html>xxx")
 
 
 def test_a_401_in_one_scheme_is_tried_at_once_in_the_other(

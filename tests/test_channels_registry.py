@@ -145,7 +145,7 @@ def test_a_kind_from_outside_is_ordered_retried_redacted_and_shown_like_a_built_
     first = attempts[0]
     assert (first.destination, first.outcome, first.status) == ("oncall", "retrying", 200)
     assert first.error == (
-        'the receiver answered 200: {"status": "error", "message": "busy, key [redacted]"}'
+        'the receiver answered 200 OK: {"status": "error", "message": "busy, key [redacted]"}'
     )
     status = StringIO()
     call_command("delivery_status", stdout=status)

@@ -22,6 +22,7 @@ from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.retry import LONGEST_WAIT
 from django_federation_delivery.store import claims, settlements
+from django_federation_delivery.transport import status_text
 from django_federation_delivery.upkeep import RECYCLE_EVERY
 from django_federation_delivery.writelock import PromptWriteLock
 
@@ -164,7 +165,7 @@ def test_a_refusal_is_final_and_reported_with_its_status(
     runner.stop()
     row = Delivery.objects.get()
     assert (row.status, row.last_status, row.attempts) == (Status.REFUSED, 410, 1)
-    assert row.last_error.startswith("the inbox answered 410: Gone xxx")
+    assert row.last_error.startswith("the inbox answered 410 Gone: Gone xxx")
     assert len(row.last_error) == 300
     assert len(inbox.received) == 1
     (failure,) = received_signals["failed"]
@@ -208,7 +209,7 @@ def test_a_passing_failure_is_retried_waiting_as_long_as_asked_within_an_hour(
         runner.stop()
         row = Delivery.objects.get()
         assert (row.status, row.last_status) == (Status.PENDING, status)
-        assert row.last_error == f"the inbox answered {status}: later"
+        assert row.last_error == f"the inbox answered {status_text(status)}: later"
         assert row.last_attempt_at is not None and row.due_at is not None
         wait = (row.due_at - row.last_attempt_at).total_seconds()
         assert at_least <= wait <= at_most

@@ -13,7 +13,7 @@ import responses
 
 from django_federation_delivery.channels.base import is_refusal
 from django_federation_delivery.channels.slack import Slack
-from django_federation_delivery.transport import Transport, TransportSettings
+from django_federation_delivery.transport import Transport, TransportSettings, status_text
 from django_federation_delivery.webhooks import Event, parse_destination
 from django_federation_delivery.webhooks.attempt import (
     WebhookCall,
@@ -73,7 +73,7 @@ def test_a_4xx_is_refused_for_good_and_its_body_kept_without_the_url(
     assert not result.delivered and result.permanent and result.status == status
     # The hook's path is its credential; the host is not.
     assert result.error == (
-        f"the receiver answered {status}: no_service at https://hooks.slack.com[redacted]"
+        f"the receiver answered {status_text(status)}: no_service at https://hooks.slack.com[redacted]"
     )
     assert len(mocked.calls) == 1  # no double knocking
 
@@ -85,7 +85,7 @@ def test_408_429_5xx_and_redirects_are_retried(
     mocked.post(SENT_TO, status=status, headers={"Location": "https://elsewhere.example/"})
     result = attempt_webhook(job(), transport, WebhookPolicy())
     assert not result.delivered and not result.permanent
-    assert result.error == f"the receiver answered {status}"
+    assert result.error == f"the receiver answered {status_text(status)}"
     assert len(mocked.calls) == 1
 
 
@@ -102,7 +102,7 @@ def test_the_first_300_characters_of_a_refusals_body_are_kept_in_one_line(
     result = attempt_webhook(job(), transport, WebhookPolicy())
     kept = " ".join(["word"] * 200)[:300]
     assert len(kept) == 300
-    assert result.error == "the receiver answered 404: " + kept.rstrip()
+    assert result.error == "the receiver answered 404 Not Found: " + kept.rstrip()
     assert "\n" not in result.error
 
 
@@ -203,4 +203,4 @@ def test_a_kind_that_fails_inside_a_200_is_retried_with_what_it_said(
         job("pager://routingKEY123@pager.example/v2/enqueue"), transport, WebhookPolicy()
     )
     assert not result.delivered and not result.permanent
-    assert result.error == 'the receiver answered 200: {"status": "error"}'
+    assert result.error == 'the receiver answered 200 OK: {"status": "error"}'

@@ -248,8 +248,10 @@ def test_every_retry_refusal_and_give_up_is_one_warning_naming_the_destination_n
     assert all(re.search(r"; tried again in \d+\.\d s, at 20\d\d-", line) for line in retried)
     (given_up,) = (line for line in lines if line.startswith(f"{failing} given up"))
     (refused,) = (line for line in lines if line.startswith(f"{refusing} refused"))
-    assert given_up.endswith("given up: gave up after 3 attempts: the receiver answered 503: nope")
-    assert refused.endswith("refused for good: the receiver answered 404: nope")
+    assert given_up.endswith(
+        "given up: gave up after 3 attempts: the receiver answered 503 Service Unavailable: nope"
+    )
+    assert refused.endswith("refused for good: the receiver answered 404 Not Found: nope")
     for line in lines:
         assert SECRET not in line and str(receiver.port) not in line
 
@@ -324,7 +326,7 @@ def test_retry_after_is_waited_within_the_schedule_and_an_hour(
     delivery = Delivery.objects.get()
     assert delivery.status == Status.PENDING and delivery.attempts == 1
     assert delivery.last_status == 429
-    assert delivery.last_error == "the receiver answered 429: slow down"
+    assert delivery.last_error == "the receiver answered 429 Too Many Requests: slow down"
     assert delivery.due_at is not None and delivery.last_attempt_at is not None
     assert (delivery.due_at - delivery.last_attempt_at).total_seconds() == pytest.approx(
         waited, abs=1
@@ -344,7 +346,7 @@ def test_a_4xx_is_refused_for_good_and_the_next_event_goes(
     Deliverer().run(drain=True)
     refused, delivered = deliveries("webhook:ops")
     assert (refused.status, refused.attempts, refused.last_status) == (Status.REFUSED, 1, 404)
-    assert refused.last_error == "the receiver answered 404: no_service"
+    assert refused.last_error == "the receiver answered 404 Not Found: no_service"
     assert delivered.status == Status.DELIVERED
     assert [event_n(request) for request in receiver.received] == [0, 1]
     failures = [value for name, value in caught if name == "delivery_failed"]
@@ -390,7 +392,10 @@ def test_after_nine_tries_an_event_is_given_up_and_the_next_goes(
     runner.stop()
     failed, delivered = deliveries("webhook:ops")
     assert (failed.status, failed.attempts, failed.last_status) == (Status.FAILED, 9, 503)
-    assert failed.last_error == "gave up after 9 attempts: the receiver answered 503: busy"
+    assert (
+        failed.last_error
+        == "gave up after 9 attempts: the receiver answered 503 Service Unavailable: busy"
+    )
     assert delivered.status == Status.DELIVERED
     assert [event_n(request) for request in receiver.received] == [0] * 9 + [1]
     (failure,) = [value for name, value in caught if name == "delivery_failed"]
@@ -538,10 +543,10 @@ def test_no_failure_path_leaves_a_secret_in_rows_logs_signals_or_the_status(
     assert "1.5s" in errors["slow"] or "timed out" in errors["slow"]
     # What each kind declares secret is taken out; the receiver's address is not.
     assert errors["echo4xx"].startswith(
-        f"the receiver answered 404: no hook at http://127.0.0.1:{echo404.port}[redacted]"
+        f"the receiver answered 404 Not Found: no hook at http://127.0.0.1:{echo404.port}[redacted]"
     )
     assert errors["echo5xx"].startswith(
-        f"gave up after 9 attempts: the receiver answered 500: no hook at "
+        f"gave up after 9 attempts: the receiver answered 500 Internal Server Error: no hook at "
         f"http://127.0.0.1:{echo500.port}/[redacted]/sendMessage"
     )
     assert "not a public address" in errors["private"]

@@ -224,7 +224,7 @@ def test_a_signed_json_receivers_own_query_is_secret_whatever_its_form() -> None
 
 def test_redact_leaves_the_rest_of_a_text_alone() -> None:
     destination = parse_destination("ops", SLACK)
-    text = "the receiver answered 404: no_service (services are down)"
+    text = "the receiver answered 404 Not Found: no_service (services are down)"
     assert destination.redact(text) == text
 
 

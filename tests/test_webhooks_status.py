@@ -64,7 +64,7 @@ def test_the_first_in_line_is_the_oldest_pending_event_that_the_others_wait_on(
     # The first event was queued five minutes ago and fails; the rest wait on it.
     Batch.objects.filter(event_id="e0").update(created_at=timezone.now() - dt.timedelta(minutes=5))
     first = Delivery.objects.get(host="webhook:ops", batch__event_id="e0")
-    fail(first, "the receiver answered 503: busy")
+    fail(first, "the receiver answered 503 Service Unavailable: busy")
     now = timezone.now()
     by_name = {d.name: d for d in destination_status(now=now)}
 
@@ -78,7 +78,7 @@ def test_the_first_in_line_is_the_oldest_pending_event_that_the_others_wait_on(
         "e0",
     )
     assert (ops.head.attempts, ops.head.last_status) == (2, 503)
-    assert ops.head.last_error == "the receiver answered 503: busy"
+    assert ops.head.last_error == "the receiver answered 503 Service Unavailable: busy"
     assert ops.head.due_at is not None and ops.head.due_at > now
     assert not ops.head.in_flight
     assert by_name["audit"].pending == 3
@@ -137,7 +137,8 @@ def test_the_first_in_line_shows_its_error_with_the_destination_s_secrets_taken_
     # Stored errors are redacted when written; the status takes them out again.
     fail(
         Delivery.objects.get(),
-        "answered 404: no hook at hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9",
+        "answered 404 Not Found: "
+        "no hook at hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9",
     )
     head = destination_status()[-1].head
     assert head is not None

@@ -29,7 +29,7 @@ from django_federation_delivery.attempt import (
 )
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
-from django_federation_delivery.transport import Answer, Transport, parse_retry_after
+from django_federation_delivery.transport import Answer, Transport, parse_retry_after, status_text
 
 __all__ = ["KNOCK_AGAIN", "InboxJob", "attempt", "describe"]
 
@@ -165,8 +165,9 @@ def _post(
 
 
 def describe(answer: Answer, length: int, target: str = "") -> str:
-    """ "the inbox answered 503: <the start of its body>", cut to ``length``, with the
-    target's userinfo and query (which an inbox may echo) replaced."""
+    """ "the inbox answered 503 Service Unavailable: <the start of its body>",
+    cut to ``length``, with the target's userinfo and query (which an inbox
+    may echo) replaced."""
     secrets = addresses.credentials(target) if target else []
     longest = max(map(len, secrets), default=0)
     window = answer.body[: (length + longest) * 4]
@@ -175,7 +176,7 @@ def describe(answer: Answer, length: int, target: str = "") -> str:
         # Cut short: a secret may begin near the end without ending there.
         text = text[:-longest]
     text = text.strip()
-    error = f"the inbox answered {answer.status}"
+    error = f"the inbox answered {status_text(answer.status)}"
     if text:
         error = f"{error}: {' '.join(text.split())}"
     return error[:length]

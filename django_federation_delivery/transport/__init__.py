@@ -34,6 +34,7 @@ import http.client
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.cookiejar import DefaultCookiePolicy
 from types import TracebackType
 from typing import Self
@@ -65,6 +66,7 @@ __all__ = [
     "is_public_address",
     "logs",
     "parse_retry_after",
+    "status_text",
 ]
 
 #: What an ActivityPub inbox is asked to answer in, unless the caller says otherwise.
@@ -114,6 +116,15 @@ class Answer:
     body: bytes
     #: Seconds from the start of the exchange to the end of reading the body.
     elapsed: float
+
+
+def status_text(status: int) -> str:
+    """``404 Not Found``: the status with its standard reason phrase, or the
+    number alone when it has none (a server's own phrase is never shown)."""
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return str(status)
 
 
 def parse_retry_after(

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from django_federation_delivery.attempt import AttemptResult, Job, failed, judged
 from django_federation_delivery.channels import Destination, Event, Verdict
 from django_federation_delivery.exceptions import TransportError
-from django_federation_delivery.transport import Transport, TransportSettings, logs
+from django_federation_delivery.transport import Transport, TransportSettings, logs, status_text
 from django_federation_delivery.transport.failures import check_url
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
@@ -105,7 +105,7 @@ def _result(
     # The whole of what was read is redacted before any of it is cut: a cut
     # secret would no longer be recognised.
     text = " ".join(destination.redact(verdict.detail).split())
-    error = f"the receiver answered {status}"
+    error = f"the receiver answered {status_text(status)}"
     if text:
         error = f"{error}: {text[: policy.body_length].rstrip()}"
     return judged(job, status, verdict, error)

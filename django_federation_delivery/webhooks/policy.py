@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["WebhookPolicy", "settings_problems"]
 
 #: Room beyond the body kept for what a message says around it
-#: ("gave up after 9 attempts: the receiver answered 503: …").
+#: ("gave up after 9 attempts: the receiver answered 503 Service Unavailable: …").
 MESSAGE_ROOM = 100
 
 
