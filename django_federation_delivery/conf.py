@@ -126,6 +126,9 @@ DEFAULTS: dict[str, Any] = {
     # The largest event send_webhook() takes, as JSON: a receiver is not a
     # file store, and a chat kind cuts its message far shorter anyway.
     "WEBHOOK_MAX_BYTES": 1 << 20,
+    # A destination failing without one success for this long is disabled:
+    # its events wait, in order, until an operator enables it again.
+    "WEBHOOK_DISABLE_AFTER": 5 * 86400.0,
     # How long settled deliveries are kept, in seconds, by status, before
     # purge_deliveries (or run_deliverer --purge) deletes them; a status set
     # to None is kept for ever, and RETENTION None keeps everything.
@@ -230,6 +233,7 @@ class AppSettings:
     webhook_retry_after_max = Typed(float)
     webhook_timeout = Typed(float)
     webhook_max_bytes = Typed(int)
+    webhook_disable_after = Typed(float)
     channels = Typed(_paths)
 
     def _user(self) -> dict[str, Any]:

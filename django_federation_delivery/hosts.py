@@ -43,12 +43,18 @@ def pause_host(host: str, *, using: str | None = None) -> int:
         Host.objects.using(alias).update_or_create(
             name=host, defaults={"paused_at": timezone.now()}
         )
-        return int(
-            Delivery.objects.using(alias)
-            .filter(host=host, status=Status.PENDING, lease_token__isnull=True)
-            .exclude(due_at__isnull=True)
-            .update(due_at=None)
-        )
+        return hold(host, using=alias)
+
+
+def hold(host: str, *, using: str | None = None) -> int:
+    """Take the due time of a paused host's pending deliveries that no
+    deliverer holds: the claim no longer sees them. Returns how many."""
+    return int(
+        Delivery.objects.using(using or DEFAULT_DB_ALIAS)
+        .filter(host=host, status=Status.PENDING, lease_token__isnull=True)
+        .exclude(due_at__isnull=True)
+        .update(due_at=None)
+    )
 
 
 def resume_host(host: str, *, using: str | None = None) -> int:

@@ -257,6 +257,13 @@ class Host(models.Model):
     scheme = models.CharField(verbose_name=_("scheme"), max_length=16, blank=True, default="")
     # Paused by an operator: its deliveries are held, not failed, until resumed.
     paused_at = models.DateTimeField(verbose_name=_("paused at"), null=True, blank=True)
+    # A webhook destination's (its host is the destination's key): why the
+    # deliverer disabled it (paused it), blank when an operator paused it;
+    # and since when it has been failing without a success, if it is.
+    disabled_reason = models.CharField(
+        verbose_name=_("disabled because"), max_length=400, blank=True, default=""
+    )
+    failing_since = models.DateTimeField(verbose_name=_("failing since"), null=True, blank=True)
     updated_at = models.DateTimeField(verbose_name=_("updated at"), auto_now=True)
 
     class Meta:

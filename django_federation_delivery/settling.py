@@ -169,6 +169,9 @@ class Settler:
     #: Whether each retry, refusal and give-up is a WARNING log line (a
     #: webhook's are: a project has few, and each one matters).
     warn: bool = False
+    #: Told what came of each attempt, before anything is decided (a webhook
+    #: destination's life: ``webhooks/life.py``).
+    watch: Callable[[claims.Claimed, AttemptResult, dt.datetime], None] | None = None
 
     @classmethod
     def from_settings(cls, summary: Summary) -> Settler:
@@ -200,6 +203,8 @@ class Settler:
         self.summary.attempts += tried
         if now is None:
             now = timezone.now()
+        if self.watch is not None:
+            ask("the webhook destinations' watch", self.watch, row, result, now)
         ruling = decide(
             result,
             attempts,

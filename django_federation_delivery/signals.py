@@ -11,6 +11,10 @@ Each is sent with ``sender=Delivery`` (the model class) and one keyword:
 - ``delivery_settled``: ``settled`` (:class:`Settled`): delivered, refused or skipped.
 - ``delivery_failed``: ``failure`` (:class:`Failure`): refused or given up.
 - ``batch_finished``: ``batch`` (the ``Batch``), when its last delivery leaves the queue.
+- ``webhook_destination_disabled``: ``disabled`` (:class:`DestinationDisabled`),
+  once, when the deliverer disables a webhook destination (a ``410 Gone``, or
+  no success for ``WEBHOOK_DISABLE_AFTER``): its events wait until it is
+  enabled again.
 
 An ``outcome`` is an :class:`Outcome`, a ``StrEnum``: it compares equal to
 its string ("delivered", "retrying", "held", "refused", "failed", "skipped").
@@ -26,6 +30,7 @@ delivery given up because its destination is no longer configured sends
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +43,17 @@ delivery_attempted = Signal()
 delivery_settled = Signal()
 delivery_failed = Signal()
 batch_finished = Signal()
+webhook_destination_disabled = Signal()
+
+
+@dataclasses.dataclass(frozen=True)
+class DestinationDisabled:
+    """A webhook destination the deliverer disabled: named, never its URL."""
+
+    destination: str
+    #: Why, in words an operator reads ("the receiver answered 410 Gone").
+    reason: str
+    disabled_at: dt.datetime
 
 
 @dataclasses.dataclass(frozen=True)

@@ -169,8 +169,8 @@ def test_the_pages_make_a_bounded_number_of_queries_whatever_the_destinations(
     with django_assert_max_num_queries(QUEUES_QUERY_BOUND):
         page = html(operator, url("delivery", "queues"))
     assert page.count("data-destination=") == count
-    # The session, the user and their permissions (two), the destinations' two.
-    with django_assert_max_num_queries(6):
+    # The session, the user and their permissions (two), the destinations' three.
+    with django_assert_max_num_queries(7):
         page = html(operator, url("delivery", "destinations"))
     assert page.count("data-destination=") == count
 

@@ -157,6 +157,7 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "WEBHOOK_RETRY_AFTER_MAX": [(INF, "E032", "inf"), (0, "E032", "0")],
     "WEBHOOK_TIMEOUT": [(NAN, "E032", "nan"), ("10", "E032", "'10'")],
     "WEBHOOK_MAX_BYTES": [(0, "E005", "0"), (1 << 30, "E005", str(1 << 30))],
+    "WEBHOOK_DISABLE_AFTER": [(0, "E006", "0"), (INF, "E006", "inf")],
     "RETENTION": [
         ("7d", "E033", "'7d'"),
         ({"DELIVERED": INF}, "E033", "inf"),

@@ -164,6 +164,7 @@ def test_delivery_status_json_is_for_scripts(busy: dict[str, int]) -> None:
         "deliverers",
         "deliverer_last_seen",
         "stalled",
+        "webhook_destinations",
     }
     dt.datetime.fromisoformat(data["at"])
     normal = next(lane for lane in data["lanes"] if lane["lane"] == "normal")

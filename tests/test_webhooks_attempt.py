@@ -64,7 +64,7 @@ def test_a_2xx_is_delivered_with_the_destinations_request_unsigned(
     assert len(mocked.calls) == 1
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 410, 422])
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 422])
 def test_a_4xx_is_refused_for_good_and_its_body_kept_without_the_url(
     mocked: responses.RequestsMock, transport: Transport, status: int
 ) -> None:
@@ -76,6 +76,16 @@ def test_a_4xx_is_refused_for_good_and_its_body_kept_without_the_url(
         f"the receiver answered {status_text(status)}: no_service at https://hooks.slack.com[redacted]"
     )
     assert len(mocked.calls) == 1  # no double knocking
+
+
+def test_a_410_is_not_the_events_refusal_but_a_hold_its_destination_is_disabled_for(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.post(SENT_TO, status=410, body="hook deleted")
+    result = attempt_webhook(job(), transport, WebhookPolicy())
+    assert (result.delivered, result.permanent, result.held) == (False, False, True)
+    assert (result.status, result.requests) == (410, 1)
+    assert result.error == "the receiver answered 410 Gone: hook deleted"
 
 
 @pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504, 301, 302])

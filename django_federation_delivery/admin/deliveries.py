@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from django.contrib import admin
 from django.core.exceptions import ImproperlyConfigured
 from django.db.models import Q, QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
@@ -27,7 +27,7 @@ from django_federation_delivery.admin.base import (
     pretty_json,
     report,
 )
-from django_federation_delivery.admin.destinations import destinations_page
+from django_federation_delivery.admin.destinations import destinations_page, enable_destination
 from django_federation_delivery.admin.queues import queues_page
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Breaker, Delivery, Kind, Status
@@ -226,14 +226,22 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
             self.admin_site.admin_view(self.destinations_view),
             name=f"{opts.app_label}_{opts.model_name}_destinations",
         )
+        enable = path(
+            "destinations/enable/",
+            self.admin_site.admin_view(self.enable_destination_view),
+            name=f"{opts.app_label}_{opts.model_name}_enable_destination",
+        )
         # Before the model's own, whose "<path:object_id>/" would take them.
-        return [queues, destinations, *super().get_urls()]
+        return [queues, destinations, enable, *super().get_urls()]
 
     def queues_view(self, request: HttpRequest) -> TemplateResponse:
         return queues_page(self, request)
 
     def destinations_view(self, request: HttpRequest) -> TemplateResponse:
         return destinations_page(self, request)
+
+    def enable_destination_view(self, request: HttpRequest) -> HttpResponseRedirect:
+        return enable_destination(self, request)
 
     # An inbox's query may be a credential: the admin shows none (see addresses.redact).
     @admin.display(description=_("inbox"), ordering="inbox")

@@ -5,18 +5,19 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.text import Truncator
-from django.utils.translation import gettext
+from django.utils.translation import gettext, ngettext
 
 from django_federation_delivery import overview
 from django_federation_delivery.admin.base import changelist_url, next_due
 from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.webhooks import life
 from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
 
 
@@ -31,6 +32,8 @@ class DestinationRow:
     deliveries_url: str
     pending_url: str
     head_url: str
+    #: "disabled 2h 5m ago: the receiver answered 410 Gone", "failing for 3h", or "".
+    state: str
 
 
 def destination_rows(site: admin.AdminSite, now: dt.datetime | None = None) -> list[DestinationRow]:
@@ -66,9 +69,51 @@ def destination_rows(site: admin.AdminSite, now: dt.datetime | None = None) -> l
                     Delivery, site, destination=status.name, status__exact=Status.PENDING
                 ),
                 head_url=head_url,
+                state=_state(status, now),
             )
         )
     return rows
+
+
+def _state(status: DestinationStatus, now: dt.datetime) -> str:
+    if status.paused_at is not None:
+        ago = overview.format_duration(max((now - status.paused_at).total_seconds(), 0.0))
+        if status.disabled_reason:
+            return gettext("disabled %(ago)s ago: %(reason)s") % {
+                "ago": ago,
+                "reason": status.disabled_reason,
+            }
+        return gettext("paused by an operator %(ago)s ago") % {"ago": ago}
+    if status.failing_since is not None:
+        failing = max((now - status.failing_since).total_seconds(), 0.0)
+        return gettext("failing for %(time)s") % {"time": overview.format_duration(failing)}
+    return ""
+
+
+def enable_destination(
+    model_admin: admin.ModelAdmin[Delivery], request: HttpRequest
+) -> HttpResponseRedirect:
+    """POST ``name``: enable that destination again; its events go, in order."""
+    if request.method != "POST" or not model_admin.has_change_permission(request):
+        raise PermissionDenied
+    name = request.POST.get("name", "")
+    if not any(status.name == name for status in destination_status()):
+        raise PermissionDenied
+    released = life.enable(name)
+    model_admin.message_user(
+        request,
+        ngettext(
+            "%(name)s enabled again: %(count)d event is due now.",
+            "%(name)s enabled again: %(count)d events are due now, in order.",
+            released,
+        )
+        % {"name": name, "count": released},
+        messages.SUCCESS,
+    )
+    site = model_admin.admin_site
+    return HttpResponseRedirect(
+        reverse("admin:federation_delivery_delivery_destinations", current_app=site.name)
+    )
 
 
 def destinations_page(
@@ -83,6 +128,10 @@ def destinations_page(
     now = timezone.now()
     context = {
         **site.each_context(request),
+        "can_enable": model_admin.has_change_permission(request),
+        "enable_url": reverse(
+            "admin:federation_delivery_delivery_enable_destination", current_app=site.name
+        ),
         "title": gettext("Webhook destinations"),
         "opts": model_admin.opts,
         "at": now,

@@ -67,6 +67,10 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
             "admin:federation_delivery_delivery_destinations", current_app=site.name
         ),
         "destinations": destination_rows(site, status.at),
+        "can_enable": model_admin.has_change_permission(request),
+        "enable_url": reverse(
+            "admin:federation_delivery_delivery_enable_destination", current_app=site.name
+        ),
         "history_charts": history_charts(status.at),
         "failing_hosts": [
             (

@@ -14,7 +14,7 @@ from django_federation_delivery.checks.bounds import (
 from django_federation_delivery.checks.database import check_sqlite, sqlite_problems
 from django_federation_delivery.checks.policies import check_retention
 from django_federation_delivery.checks.values import check_inbox_networks, check_settings
-from django_federation_delivery.checks.webhooks import check_webhooks
+from django_federation_delivery.checks.webhooks import check_removed_destinations, check_webhooks
 
 __all__ = [
     "LONGEST_RETENTION",
@@ -22,6 +22,7 @@ __all__ = [
     "SECONDS",
     "WHOLE_NUMBERS",
     "check_inbox_networks",
+    "check_removed_destinations",
     "check_retention",
     "check_settings",
     "check_sqlite",

@@ -43,6 +43,7 @@ SECONDS: dict[str, float] = {
     "CONNECT_TIMEOUT": 600.0,
     "ATTEMPT_TIMEOUT": HOUR,
     "IDLE_CONNECTION_SECONDS": HOUR,
+    "WEBHOOK_DISABLE_AFTER": 365 * DAY,
 }
 #: The longest RETENTION of a status: past it, None (for ever) says it better.
 LONGEST_RETENTION = 100 * 365 * DAY

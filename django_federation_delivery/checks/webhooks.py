@@ -6,9 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 
 from django_federation_delivery.checks.bounds import PREFIX
 from django_federation_delivery.conf import SETTING, app_settings
@@ -79,3 +80,45 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             for problem in settings_problems()
         ]
     return errors
+
+
+@register(Tags.database)
+def check_removed_destinations(
+    app_configs: Sequence[Any] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """A warning while pending events wait for a destination no longer
+    configured (a WEBHOOK_<NAME> variable emptied or removed, say): the next
+    deliverer to start gives them up."""
+    from django.db import DatabaseError
+
+    from django_federation_delivery.webhooks.status import destination_status
+
+    if not isinstance(getattr(settings, SETTING, {}), dict):
+        return []
+    messages: list[CheckMessage] = []
+    for alias in kwargs.get("databases") or []:
+        try:
+            destinations = destination_status(using=alias)
+        except DatabaseError:
+            continue  # not migrated yet: nothing can be pending
+        messages += [
+            Warning(
+                ngettext(
+                    "%(count)d event waits for the webhook destination %(name)r, which is "
+                    "no longer configured: the next deliverer to start gives it up.",
+                    "%(count)d events wait for the webhook destination %(name)r, which is "
+                    "no longer configured: the next deliverer to start gives them up.",
+                    destination.pending,
+                )
+                % {"count": destination.pending, "name": destination.name},
+                hint=_(
+                    "Set %(variable)s again (read by webhooks_from_env) to deliver them, "
+                    "or give them up in the admin."
+                )
+                % {"variable": f"WEBHOOK_{destination.name.upper()}"},
+                id=f"{PREFIX}.W004",
+            )
+            for destination in destinations
+            if not destination.configured and destination.pending
+        ]
+    return messages

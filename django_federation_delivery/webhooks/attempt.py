@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from http import HTTPStatus
 
 from django_federation_delivery.attempt import AttemptResult, Job, failed, judged
 from django_federation_delivery.channels import Destination, Event, Verdict
@@ -108,7 +109,12 @@ def _result(
     error = f"the receiver answered {status_text(status)}"
     if text:
         error = f"{error}: {text[: policy.body_length].rstrip()}"
-    return judged(job, status, verdict, error)
+    result = judged(job, status, verdict, error)
+    if status == HTTPStatus.GONE:
+        # Not this event's refusal: the destination is gone, and disabled
+        # for it (life.py). The event waits with the others, its tries kept.
+        result = dataclasses.replace(result, permanent=False, held=True, retry_after=None)
+    return result
 
 
 def safe_text(destination: Destination, url: str, text: str) -> str:

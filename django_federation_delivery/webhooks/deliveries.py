@@ -19,6 +19,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Event
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Delivery, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.store import claims, settlements
@@ -34,6 +35,7 @@ from django_federation_delivery.webhooks.destinations import (
     configured,
     delivery_key,
 )
+from django_federation_delivery.webhooks.life import Watch
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 __all__ = ["WebhookDeliveries", "removed_reason"]
@@ -79,9 +81,10 @@ class WebhookDeliveries:
     ) -> WebhookDeliveries:
         """Retried and judged as the WEBHOOK_* settings say."""
         policy = WebhookPolicy.from_settings()
+        watch = Watch(app_settings.webhook_disable_after, using=using)
         return cls(
             policy,
-            policy.settler(summary),
+            policy.settler(summary, watch),
             transport_settings,
             using=using,
             on_finished=on_finished,

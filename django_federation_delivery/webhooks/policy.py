@@ -20,6 +20,7 @@ from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPo
 if TYPE_CHECKING:
     from django_federation_delivery.settling import Settler, Summary
     from django_federation_delivery.transport.networks import IPNetwork
+    from django_federation_delivery.webhooks.life import Watch
 
 __all__ = ["WebhookPolicy", "settings_problems"]
 
@@ -52,12 +53,20 @@ class WebhookPolicy:
     def message_length(self) -> int:
         return self.body_length + MESSAGE_ROOM
 
-    def settler(self, summary: Summary) -> Settler:
-        """The settler of webhook deliveries: retried and judged by this policy."""
+    def settler(self, summary: Summary, watch: Watch | None = None) -> Settler:
+        """The settler of webhook deliveries: retried and judged by this
+        policy, each attempt told to ``watch``."""
         from django_federation_delivery.settling import Settler
 
         longest, length = self.retry_after_max, self.message_length
-        return Settler(self.retry, summary, retry_after_max=longest, error_length=length, warn=True)
+        return Settler(
+            self.retry,
+            summary,
+            retry_after_max=longest,
+            error_length=length,
+            warn=True,
+            watch=watch,
+        )
 
     @classmethod
     def from_settings(cls) -> WebhookPolicy:

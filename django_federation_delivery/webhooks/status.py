@@ -5,9 +5,10 @@ is the credential: what is shown here is the name and the kind, never the
 URL. Each configured destination is listed, and so is each one that still
 has pending deliveries but is configured no more (the loop gives those up).
 
-Two queries whatever the number of destinations or rows, each over pending
-rows only: the counts and the oldest of each destination, grouped; then the
-head of each, the delivery the others wait on.
+Three queries whatever the number of destinations or rows: the counts and
+the oldest of each destination, grouped, and the head of each (the delivery
+the others wait on), each over pending rows only; then what is remembered of
+each destination (disabled, paused, failing since), one small table.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 from django.utils.translation import gettext, gettext_noop
 
-from django_federation_delivery.models import Delivery, Kind, Status
+from django_federation_delivery.models import Delivery, Host, Kind, Status
 from django_federation_delivery.webhooks.destinations import (
     Destination,
     configured,
+    delivery_key,
 )
 
 __all__ = ["DestinationHead", "DestinationStatus", "destination_status"]
@@ -66,6 +68,17 @@ class DestinationStatus:
     #: How long ago, in seconds (0 with nothing pending).
     age: float
     head: DestinationHead | None
+    #: Disabled by the deliverer (a 410, or failing too long) or paused by an
+    #: operator: its events wait until it is enabled again.
+    paused_at: dt.datetime | None = None
+    #: Why the deliverer disabled it; "" when an operator paused it, or it is not.
+    disabled_reason: str = ""
+    #: Since when it has failed without a success, if it has.
+    failing_since: dt.datetime | None = None
+
+    @property
+    def disabled(self) -> bool:
+        return self.paused_at is not None
 
 
 def destination_status(
@@ -112,12 +125,19 @@ def destination_status(
         else {}
     )
     names = sorted(configured) + sorted(name for name in groups if name not in configured)
+    remembered = {
+        row["name"]: row
+        for row in Host.objects.using(alias)
+        .filter(name__in=[delivery_key(name) for name in names])
+        .values("name", "paused_at", "disabled_reason", "failing_since")
+    }
     found = []
     for name in names:
         destination = configured.get(name)
         group: Mapping[str, Any] = groups.get(name, {})
         oldest = group.get("oldest")
         head = heads.get(name)
+        host: Mapping[str, Any] = remembered.get(delivery_key(name), {})
         found.append(
             DestinationStatus(
                 name=name,
@@ -127,6 +147,9 @@ def destination_status(
                 oldest_queued_at=oldest,
                 age=max((now - oldest).total_seconds(), 0.0) if oldest else 0.0,
                 head=_head(head, destination, now) if head else None,
+                paused_at=host.get("paused_at"),
+                disabled_reason=host.get("disabled_reason", ""),
+                failing_since=host.get("failing_since"),
             )
         )
     return tuple(found)

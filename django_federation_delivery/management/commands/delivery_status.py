@@ -24,10 +24,14 @@ from django_federation_delivery.overview import (
     overview,
     stalled,
 )
+from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
 
 #: ``--check`` exits with this when unhealthy: Nagios's CRITICAL; any
 #: non-zero status fails a Kubernetes exec probe.
 UNHEALTHY = 2
+#: ``--check`` exits with this when something needs an operator but nothing is
+#: lost yet: Nagios's WARNING.
+WARNED = 1
 #: ``--max-lag`` by default, in seconds.
 MAX_LAG = 300
 
@@ -87,7 +91,36 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, numeric: int
     return "\n".join(lines)
 
 
-def render(status: Overview) -> str:
+def destination_state(destination: DestinationStatus, now: Any) -> str:
+    """What a destination is doing, in a few words."""
+    if destination.paused_at is not None:
+        if destination.disabled_reason:
+            return _("disabled: %(reason)s") % {"reason": destination.disabled_reason}
+        return _("paused")
+    if destination.failing_since is not None:
+        failing = max((now - destination.failing_since).total_seconds(), 0.0)
+        return _("failing for %(time)s") % {"time": format_duration(failing)}
+    return _("sending")
+
+
+def destination_json(destination: DestinationStatus) -> dict[str, Any]:
+    return {
+        "name": destination.name,
+        "kind": destination.kind,
+        "configured": destination.configured,
+        "pending": destination.pending,
+        "disabled": destination.disabled,
+        "disabled_reason": destination.disabled_reason,
+        "paused_at": _iso(destination.paused_at),
+        "failing_since": _iso(destination.failing_since),
+    }
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> str:
     """The overview as text tables, as the admin's queues page shows it."""
     lanes = table(
         [
@@ -208,6 +241,23 @@ def render(status: Overview) -> str:
         )
     paused = ", ".join(printable(host) for host in status.paused_hosts)
     parts += ["", _("Paused hosts: %(hosts)s") % {"hosts": paused or _("none")}]
+    if destinations:
+        parts += ["", _("Webhook destinations")]
+        parts.append(
+            table(
+                [_("destination"), _("kind"), _("pending"), _("state")],
+                [
+                    [
+                        printable(destination.name),
+                        destination.kind or _("no longer configured"),
+                        destination.pending,
+                        printable(destination_state(destination, status.at)),
+                    ]
+                    for destination in destinations
+                ],
+                numeric=2,
+            )
+        )
     if status.stalled:
         # Last, where a terminal leaves the eye.
         parts += ["", _("WARNING: %(why)s.") % {"why": status.stalled}]
@@ -279,16 +329,23 @@ class Command(TranslatedCommand):
                 host=socket.gethostname() if options["this_host"] else None,
                 using=using,
             )
+            code = 0 if healthy else UNHEALTHY
+            if healthy:
+                # The queue is worked; a destination may still need an operator.
+                code, line = destinations_check(using=using) or (0, line)
             self.stdout.write(line)
-            if not healthy:
+            if code:
                 self.stdout.flush()
-                sys.exit(UNHEALTHY)
+                sys.exit(code)
             return
         status = overview(hosts=hosts, using=using)
+        destinations = destination_status(now=status.at, using=using)
         if options["json"]:
-            self.stdout.write(json.dumps(status.as_json(), indent=2))
+            document = status.as_json()
+            document["webhook_destinations"] = [destination_json(d) for d in destinations]
+            self.stdout.write(json.dumps(document, indent=2))
         else:
-            self.stdout.write(render(status))
+            self.stdout.write(render(status, destinations))
 
 
 def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, str]:
@@ -319,3 +376,29 @@ def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, s
         "lag": format_duration(waited),
     }
     return True, f"OK: {healthy}"
+
+
+def destinations_check(*, using: str) -> tuple[int, str] | None:
+    """A webhook destination that needs an operator, as ``--check`` says it:
+    one disabled (CRITICAL: its events wait), or events waiting for one no
+    longer configured (WARNING: a deliverer gives them up); None if none."""
+    destinations = destination_status(using=using)
+    disabled = [d for d in destinations if d.disabled and d.configured]
+    if disabled:
+        named = "; ".join(
+            f"{printable(d.name)}: {printable(d.disabled_reason or _('paused'))}" for d in disabled
+        )
+        why = _(
+            "webhook destination(s) disabled, their events waiting: %(named)s "
+            "(manage.py enable_webhook NAME)"
+        ) % {"named": named}
+        return UNHEALTHY, f"CRITICAL: {why}"
+    removed = [d for d in destinations if not d.configured and d.pending]
+    if removed:
+        named = ", ".join(f"{printable(d.name)} ({d.pending})" for d in removed)
+        why = _(
+            "events wait for webhook destination(s) no longer configured, which a "
+            "deliverer gives up: %(named)s"
+        ) % {"named": named}
+        return WARNED, f"WARNING: {why}"
+    return None

@@ -1,0 +1,52 @@
+"""``manage.py enable_webhook NAME``: a disabled webhook destination sends again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import CommandError, CommandParser
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop, ngettext
+
+from django_federation_delivery.management.base import TranslatedCommand
+from django_federation_delivery.webhooks import life
+from django_federation_delivery.webhooks.status import destination_status
+
+
+class Command(TranslatedCommand):
+    help = gettext_noop(
+        "Enable a webhook destination the deliverer disabled (a 410 Gone, or no success "
+        "for WEBHOOK_DISABLE_AFTER), or an operator paused: its waiting events are due "
+        "now, and go in the order they were sent."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", help=_("The destination's name, as in WEBHOOKS."))
+        parser.add_argument(
+            "--database", default=DEFAULT_DB_ALIAS, help=_("The database alias (default).")
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        name, using = options["name"], options["database"]
+        if using not in connections:
+            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
+        found = {status.name: status for status in destination_status(using=using)}
+        status = found.get(name)
+        if status is None:
+            raise CommandError(
+                _("no webhook destination named %(name)r (known: %(known)s)")
+                % {"name": name, "known": ", ".join(sorted(found)) or _("none")}
+            )
+        if not status.disabled:
+            self.stdout.write(_("%(name)s is not disabled: nothing to do.") % {"name": name})
+            return
+        released = life.enable(name, using=using)
+        self.stdout.write(
+            ngettext(
+                "%(name)s enabled again: %(count)d event is due now.",
+                "%(name)s enabled again: %(count)d events are due now, in order.",
+                released,
+            )
+            % {"name": name, "count": released}
+        )

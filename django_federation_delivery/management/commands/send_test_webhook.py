@@ -1,0 +1,78 @@
+"""``manage.py send_test_webhook NAME``: a ``ping`` to a destination now, for setting one up."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from typing import Any
+
+from django.core.management.base import CommandError, CommandParser
+from django.utils import timezone
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
+
+from django_federation_delivery.channels import Event
+from django_federation_delivery.conf import app_settings
+from django_federation_delivery.management.base import TranslatedCommand
+from django_federation_delivery.transport import Connections, Transport, status_text
+from django_federation_delivery.webhooks.attempt import (
+    WebhookCall,
+    WebhookJob,
+    attempt_webhook,
+    webhook_transport_settings,
+)
+from django_federation_delivery.webhooks.destinations import configured
+from django_federation_delivery.webhooks.policy import WebhookPolicy
+
+#: The exit status when the destination did not take the ping.
+NOT_DELIVERED = 1
+
+
+class Command(TranslatedCommand):
+    help = gettext_noop(
+        "Send a 'ping' event to the webhook destination NAME now, outside the queue "
+        "(nothing is written), and print what it answered: the status, the time it "
+        "took, and the error with the URL's secret parts taken out. Exits 1 unless it "
+        "was delivered."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", help=_("The destination's name, as in WEBHOOKS."))
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        name = options["name"]
+        found = configured()
+        destination = found.lookup(name)
+        if destination is None:
+            raise CommandError(
+                _("no webhook destination named %(name)r is configured (configured: %(known)s)")
+                % {"name": name, "known": ", ".join(found.names) or _("none")}
+            )
+        if isinstance(destination, str):
+            raise CommandError(destination)  # what is wrong, never the URL
+        policy = WebhookPolicy.from_settings()
+        settings = webhook_transport_settings(app_settings.transport_settings(), policy)
+        event = Event.of("ping", uuid.uuid4(), timezone.now(), {"test": True})
+        connections = Connections(settings)
+        transport = Transport(settings, connections)
+        try:
+            result = attempt_webhook(
+                WebhookJob(delivery_id=0, call=WebhookCall(destination, event)), transport, policy
+            )
+        finally:
+            transport.close()
+            connections.close()
+        answered = status_text(result.status) if result.status is not None else _("no answer")
+        line = _("%(destination)s: %(answered)s in %(seconds).3f s") % {
+            "destination": destination.display,
+            "answered": answered,
+            "seconds": result.duration,
+        }
+        if result.delivered:
+            self.stdout.write(_("%(line)s: delivered.") % {"line": line})
+            return
+        self.stdout.write(
+            _("%(line)s: not delivered: %(error)s") % {"line": line, "error": result.error}
+        )
+        self.stdout.flush()
+        sys.exit(NOT_DELIVERED)

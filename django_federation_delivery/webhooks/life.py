@@ -1,0 +1,172 @@
+"""A webhook destination's life: failing, disabled, enabled again.
+
+A destination that answers ``410 Gone`` is disabled at once, and so is one
+that has failed without one success for ``WEBHOOK_DISABLE_AFTER`` (five days
+by default). Disabling pauses the destination's key as an operator pauses a
+host (``hosts.py``), with the reason kept beside it: its events are held, in
+order, and never dropped, until it is enabled again (the admin's
+destinations page, ``manage.py enable_webhook NAME``, or :func:`enable`).
+``webhook_destination_disabled`` is sent once, when it is disabled.
+
+The loop tells a :class:`Watch` what came of each webhook attempt; it writes
+only when a destination's state changes (it starts failing, recovers, or is
+disabled), never for each success.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from http import HTTPStatus
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db.models import Max, QuerySet
+from django.utils import timezone
+
+from django_federation_delivery import hosts, signals
+from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.store import claims
+from django_federation_delivery.webhooks.destinations import delivery_key
+
+__all__ = ["GONE", "Watch", "disable", "enable", "failing_for"]
+
+logger = logging.getLogger(__name__)
+
+#: The status that disables a destination at once.
+GONE = HTTPStatus.GONE
+
+
+def disable(
+    name: str, reason: str, *, now: dt.datetime | None = None, using: str | None = None
+) -> bool:
+    """Disable the destination ``name``: its events are held, in order, until
+    :func:`enable`. Whether it was disabled now (not already paused or
+    disabled); ``webhook_destination_disabled`` is then sent once, on commit."""
+    alias = using or DEFAULT_DB_ALIAS
+    key = delivery_key(name)
+    now = now or timezone.now()
+    manager = Host.objects.using(alias)
+    with transaction.atomic(using=alias):
+        changed = manager.filter(name=key, paused_at__isnull=True).update(
+            paused_at=now, disabled_reason=reason, updated_at=now
+        )
+        if not changed:
+            _host, created = manager.get_or_create(
+                name=key, defaults={"paused_at": now, "disabled_reason": reason}
+            )
+            if not created:
+                return False  # paused already, by an operator or by another deliverer
+        hosts.hold(key, using=alias)
+        disabled = signals.DestinationDisabled(destination=name, reason=reason, disabled_at=now)
+        transaction.on_commit(lambda: _tell(disabled), using=alias)
+    return True
+
+
+def _tell(disabled: signals.DestinationDisabled) -> None:
+    logger.warning(
+        "Webhook destination %r disabled: %s. Its events wait until it is enabled "
+        "again (manage.py enable_webhook %s, or the admin's destinations page).",
+        disabled.destination,
+        disabled.reason,
+        disabled.destination,
+    )
+    signals.send_safely(signals.webhook_destination_disabled, disabled=disabled)
+
+
+def enable(name: str, *, using: str | None = None) -> int:
+    """Enable the destination ``name`` again (or resume it, paused): its held
+    events are due now, the first in line first. Returns how many were released."""
+    alias = using or DEFAULT_DB_ALIAS
+    key = delivery_key(name)
+    with transaction.atomic(using=alias):
+        Host.objects.using(alias).filter(name=key).update(disabled_reason="", failing_since=None)
+        released = hosts.resume_host(key, using=alias)
+        # The first in line may have a retry of its own to wait for (it was
+        # in flight when the destination was disabled): due now too.
+        return released + int(
+            Delivery.objects.using(alias)
+            .filter(host=key, status=Status.PENDING, after__isnull=True, lease_token__isnull=True)
+            .filter(due_at__gt=timezone.now())
+            .update(due_at=timezone.now())
+        )
+
+
+def failing_for(name: str, *, now: dt.datetime | None = None, using: str | None = None) -> float:
+    """Seconds the destination ``name`` has failed without a success; 0 if it is not failing."""
+    since = (
+        Host.objects.using(using or DEFAULT_DB_ALIAS)
+        .filter(name=delivery_key(name))
+        .values_list("failing_since", flat=True)
+        .first()
+    )
+    return max(((now or timezone.now()) - since).total_seconds(), 0.0) if since else 0.0
+
+
+class Watch:
+    """What one deliverer makes of each webhook attempt for its destination's
+    life. It keeps which destinations it saw failing, so that a success
+    writes only when one of them recovers."""
+
+    def __init__(self, disable_after: float, *, using: str = DEFAULT_DB_ALIAS) -> None:
+        self.disable_after = dt.timedelta(seconds=disable_after)
+        self.using = using
+        #: The key of each destination seen failing, and since when.
+        self._failing: dict[str, dt.datetime] = {}
+
+    def __call__(self, row: claims.Claimed, result: AttemptResult, now: dt.datetime) -> None:
+        name = row.destination
+        if not name:
+            return
+        if result.delivered:
+            if self._failing.pop(row.host, None) is not None:
+                self._hosts(row.host).update(failing_since=None)
+            return
+        if result.status == GONE:
+            self._failing.pop(row.host, None)
+            disable(name, "the receiver answered 410 Gone", now=now, using=self.using)
+            return
+        if not result.requests or result.held:
+            return  # no answer from the destination: it said nothing of itself
+        since = self._failing.get(row.host) or self._failing_since(row.host, now)
+        self._failing[row.host] = since
+        if now - since < self.disable_after:
+            return
+        # Another deliverer may have delivered since: the last success counts.
+        since = self._last_success_since(row.host, since)
+        self._failing[row.host] = since
+        if now - since >= self.disable_after:
+            reason = f"no success for {_span(self.disable_after)} (WEBHOOK_DISABLE_AFTER)"
+            if disable(name, reason, now=now, using=self.using):
+                self._failing.pop(row.host, None)
+
+    def _hosts(self, key: str) -> QuerySet[Host]:
+        return Host.objects.using(self.using).filter(name=key)
+
+    def _failing_since(self, key: str, now: dt.datetime) -> dt.datetime:
+        """When ``key`` started failing, as every deliverer knows it: now, if
+        it was not."""
+        with transaction.atomic(using=self.using):
+            host, _created = Host.objects.using(self.using).get_or_create(
+                name=key, defaults={"failing_since": now}
+            )
+            if host.failing_since is None:
+                self._hosts(key).update(failing_since=now)
+                return now
+            return host.failing_since
+
+    def _last_success_since(self, key: str, since: dt.datetime) -> dt.datetime:
+        last: dt.datetime | None = (
+            Delivery.objects.using(self.using)
+            .filter(host=key, status=Status.DELIVERED, settled_at__gt=since)
+            .aggregate(last=Max("settled_at"))["last"]
+        )
+        if last is None:
+            return since
+        self._hosts(key).update(failing_since=last)
+        return last
+
+
+def _span(span: dt.timedelta) -> str:
+    seconds = span.total_seconds()
+    return f"{seconds / 86400:g} days" if seconds >= 86400 else f"{seconds:g} s"

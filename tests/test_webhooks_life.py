@@ -1,0 +1,260 @@
+"""A webhook destination's life: disabled by a 410 or by failing too long,
+its events held in order, told once, enabled again; and the tools around it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable, Iterator
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.checks import run_checks
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from django_federation_delivery import send_webhook, signals
+from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.store import claims
+from django_federation_delivery.webhooks import life
+from django_federation_delivery.webhooks.destinations import delivery_key
+
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .test_webhooks_deliveries import SECRET, configure, signed
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def numbers(inbox: Inbox) -> list[int]:
+    return [int(json.loads(request.body)["data"]["n"]) for request in inbox.received]
+
+
+def check() -> tuple[int, str]:
+    """``delivery_status --check``: its exit status and its line."""
+    out = StringIO()
+    try:
+        call_command("delivery_status", "--check", "--max-lag", "0", stdout=out)
+    except SystemExit as exit:
+        return int(exit.code or 0), out.getvalue()
+    return 0, out.getvalue()
+
+
+@pytest.fixture
+def disabled() -> Iterator[list[signals.DestinationDisabled]]:
+    told: list[signals.DestinationDisabled] = []
+
+    def receiver(sender: Any, disabled: signals.DestinationDisabled, **kwargs: Any) -> None:
+        told.append(disabled)
+
+    signals.webhook_destination_disabled.connect(receiver, weak=False)
+    yield told
+    signals.webhook_destination_disabled.disconnect(receiver)
+
+
+def test_a_410_disables_the_destination_holds_its_events_in_order_until_enabled(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    disabled: list[signals.DestinationDisabled],
+) -> None:
+    def gone_once(request: Received) -> tuple[int, dict[str, str], bytes]:
+        if len(receiver.received) == 1:
+            return 410, {}, b"hook deleted"
+        return 204, {}, b""
+
+    receiver = inboxes("127.0.0.1", respond=gone_once)
+    configure(settings, {"ops": signed(receiver)})
+    for n in range(3):
+        send_webhook("ops", "alert.raised", {"n": n})
+    runner = start_deliverer(heartbeat=True)
+    wait_until(lambda: Host.objects.filter(name=delivery_key("ops"), paused_at__isnull=False))
+    # Held, not dropped: every event waits, the first with its tries intact.
+    wait_until(lambda: len(disabled) == 1)
+    assert numbers(receiver) == [0]
+    rows = list(Delivery.objects.order_by("id"))
+    assert [row.status for row in rows] == [Status.PENDING] * 3
+    assert rows[0].attempts == 0 and rows[0].last_status == 410
+    (told,) = disabled
+    assert (told.destination, told.reason) == ("ops", "the receiver answered 410 Gone")
+    code, line = check()
+    assert code == 2 and line.startswith("CRITICAL: ") and "ops: the receiver answered 410" in line
+
+    out = StringIO()
+    call_command("enable_webhook", "ops", stdout=out)
+    assert "ops enabled again" in out.getvalue()
+    wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists())
+    runner.stop()
+    assert numbers(receiver) == [0, 0, 1, 2]
+    assert len(disabled) == 1, "told once"
+    assert check()[0] == 0
+
+
+def test_failing_without_a_success_for_webhook_disable_after_disables_it(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    disabled: list[signals.DestinationDisabled],
+) -> None:
+    receiver = inboxes("127.0.0.1", respond=lambda request: (503, {}, b"down"))
+    configure(settings, {"ops": signed(receiver)}, WEBHOOK_DISABLE_AFTER=0.5)
+    send_webhook("ops", "alert.raised", {"n": 0})
+    send_webhook("ops", "alert.raised", {"n": 1})
+    runner = start_deliverer()
+    wait_until(lambda: len(disabled) == 1)
+    sent = len(receiver.received)
+    runner.stop()
+    assert disabled[0].reason == "no success for 0.5 s (WEBHOOK_DISABLE_AFTER)"
+    # Tried while it failed, then held: nothing given up, nothing sent since.
+    assert 2 <= sent < 9 and len(receiver.received) == sent
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.PENDING] * 2
+
+
+def test_a_success_anywhere_since_counts_before_a_destination_is_disabled() -> None:
+    key = delivery_key("ops")
+    watch = life.Watch(90.0)
+    now = timezone.now()
+    failed = AttemptResult(
+        job=None,  # type: ignore[arg-type]
+        delivered=False,
+        status=503,
+        error="down",
+        permanent=False,
+        retry_after=None,
+        accepted_scheme=None,
+        duration=0.1,
+    )
+    row = claims.Claimed(1, 1, "ops", key, 0, (), "", 0.0, "ops")
+    # It has failed for two minutes, as this deliverer saw it...
+    watch(row, failed, now - dt.timedelta(minutes=2))
+    assert life.failing_for("ops", now=now) == 120.0
+    # ...but another deliverer delivered an event a minute ago.
+    from .operators import queue
+
+    batch = queue(hosts=["x.example"])
+    Delivery.objects.filter(batch=batch).update(
+        host=key, status=Status.DELIVERED, settled_at=now - dt.timedelta(minutes=1)
+    )
+    watch(row, failed, now)
+    assert not Host.objects.filter(name=key, paused_at__isnull=False).exists()
+    assert life.failing_for("ops", now=now) == 60.0
+
+
+# Django's own checks look up the auth app, which a transactional test's flush leaves out.
+@pytest.mark.django_db
+def test_events_for_a_destination_no_longer_configured_are_warned_of_before_a_deliverer_runs(
+    settings: Any,
+) -> None:
+    configure(settings, {"old": f"https://receiver.example/hook?secret={SECRET}"})
+    send_webhook("old", "alert.raised", {"n": 0})
+    send_webhook("old", "alert.raised", {"n": 1})
+    configure(settings, {})
+    # Not due yet, as after a failed try: the queue is not stalled, only waiting.
+    Delivery.objects.update(due_at=timezone.now() + dt.timedelta(hours=1))
+    warned = [m for m in run_checks(databases=["default"]) if m.id == "federation_delivery.W004"]
+    assert len(warned) == 1 and "2 events wait for the webhook destination 'old'" in warned[0].msg
+    assert "WEBHOOK_OLD" in warned[0].hint
+    code, line = check()
+    assert code == 1 and line.startswith("WARNING: ") and "old (2)" in line
+
+
+def test_delivery_status_shows_each_destination_and_its_state(
+    settings: Any, disabled: list[signals.DestinationDisabled]
+) -> None:
+    configure(
+        settings,
+        {
+            "ops": f"https://receiver.example/ops?secret={SECRET}",
+            "audit": f"https://receiver.example/audit?secret={SECRET}",
+        },
+    )
+    send_webhook(["ops", "audit"], "alert.raised", {"n": 0})
+    assert life.disable("ops", "the receiver answered 410 Gone")
+    assert not life.disable("ops", "again"), "disabled once"
+    out = StringIO()
+    call_command("delivery_status", stdout=out)
+    text = out.getvalue().split("Webhook destinations\n", 1)[1]
+    rows = {line.split()[0]: line for line in text.splitlines()[1:3]}
+    assert "disabled: the receiver answered 410 Gone" in rows["ops"]
+    assert rows["audit"].rstrip().endswith("sending")
+    out = StringIO()
+    call_command("delivery_status", "--json", stdout=out)
+    found = {d["name"]: d for d in json.loads(out.getvalue())["webhook_destinations"]}
+    assert found["ops"]["disabled"] and not found["audit"]["disabled"]
+    assert SECRET not in out.getvalue()
+    assert len(disabled) == 1
+
+
+@pytest.mark.django_db
+def test_staff_enable_a_disabled_destination_from_the_admin_and_viewers_cannot(
+    settings: Any,
+) -> None:
+    from django.contrib.auth.models import Permission
+
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    send_webhook("ops", "alert.raised", {"n": 0})
+    life.disable("ops", "the receiver answered 410 Gone")
+    page = reverse("admin:federation_delivery_delivery_destinations")
+    enable = reverse("admin:federation_delivery_delivery_enable_destination")
+    viewer = get_user_model().objects.create_user("viewer", password="pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_delivery"))
+    client = Client()
+    client.force_login(viewer)
+    html = client.get(page).content.decode()
+    assert "disabled" in html and "the receiver answered 410 Gone" in html
+    assert "Enable again" not in html
+    assert client.post(enable, {"name": "ops"}).status_code == 403
+    operator = get_user_model().objects.create_superuser("root", "root@example.com", "pw")
+    client.force_login(operator)
+    assert "Enable again" in client.get(page).content.decode()
+    response = client.post(enable, {"name": "ops"}, follow=True)
+    assert [str(m) for m in response.context["messages"]] == [
+        "ops enabled again: 1 event is due now."
+    ]
+    assert not Host.objects.filter(paused_at__isnull=False).exists()
+    assert client.post(enable, {"name": "nobody"}).status_code == 403
+
+
+def test_enable_webhook_names_an_unknown_destination(settings: Any) -> None:
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    with pytest.raises(CommandError, match=r"no webhook destination named 'opz' \(known: ops\)"):
+        call_command("enable_webhook", "opz")
+    out = StringIO()
+    call_command("enable_webhook", "ops", stdout=out)
+    assert "ops is not disabled" in out.getvalue()
+
+
+@pytest.mark.parametrize(("status", "code"), [(204, 0), (503, 1)])
+def test_send_test_webhook_pings_now_and_prints_the_answer(
+    inboxes: Callable[..., Inbox], settings: Any, status: int, code: int
+) -> None:
+    receiver = inboxes("127.0.0.1", respond=lambda request: (status, {}, b"busy"))
+    configure(settings, {"ops": signed(receiver)})
+    out = StringIO()
+    try:
+        call_command("send_test_webhook", "ops", stdout=out)
+        exited = 0
+    except SystemExit as exit:
+        exited = int(exit.code or 0)
+    assert exited == code
+    (request,) = receiver.received
+    assert json.loads(request.body)["type"] == "ping"
+    line = out.getvalue()
+    assert line.startswith("ops (Signed JSON): ") and " s: " in line
+    if status == 204:
+        assert "204 No Content" in line and line.rstrip().endswith("delivered.")
+    else:
+        assert "not delivered: the receiver answered 503 Service Unavailable: busy" in line
+    assert SECRET not in line and str(receiver.port) not in line
+    assert not Delivery.objects.exists(), "nothing is queued"
+
+
+def test_send_test_webhook_names_an_unknown_destination(settings: Any) -> None:
+    configure(settings, {})
+    with pytest.raises(CommandError, match="no webhook destination named 'ops'"):
+        call_command("send_test_webhook", "ops")
