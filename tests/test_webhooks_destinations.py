@@ -222,6 +222,38 @@ def test_a_signed_json_receivers_own_query_is_secret_whatever_its_form() -> None
     assert redacted == "echo: [redacted] [redacted] [redacted]"
 
 
+def test_a_destination_names_the_events_it_receives_in_its_url_or_as_a_dict(
+    settings: Any,
+) -> None:
+    from django_federation_delivery.webhooks.destinations import configured
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {
+            "ops": SLACK + "?events=alert.*,deploy.finished",
+            "audit": {"url": f"https://a.example/h?secret={SECRET}", "events": ["user.*"]},
+            "all": TELEGRAM,
+            "bad": {"url": SLACK, "events": ["alert.*", "a b"]},
+            "typo": {"url": SLACK, "event": ["alert.*"]},
+            "badurl": SLACK + "?events=alert.*,XXXXXXXXXXXXSECRET!",
+        },
+    }
+    found = configured()
+    ops, audit, every = (found.destinations[name] for name in ("ops", "audit", "all"))
+    assert ops.events == ("alert.*", "deploy.finished") and "events" not in ops.url
+    assert ops.url == "https://hooks.slack.com/services/T0001/B0001/XXXXXXXXXXXXXXXXXXXXXXXX"
+    assert audit.events == ("user.*",) and every.events == ()
+    assert [ops.receives(t) for t in ("alert.raised", "deploy.finished", "deploy.x")] == [
+        True,
+        True,
+        False,
+    ]
+    assert every.receives("anything.at_all")
+    assert "'bad'" in found.problems["bad"] and "not an event type" in found.problems["bad"]
+    assert "has 'url' and 'events', not 'event'" in found.problems["typo"]
+    assert "SECRET" not in found.problems["badurl"]
+
+
 def test_redact_leaves_the_rest_of_a_text_alone() -> None:
     destination = parse_destination("ops", SLACK)
     text = "the receiver answered 404 Not Found: no_service (services are down)"

@@ -197,3 +197,37 @@ def test_sends_at_once_to_one_destination_still_make_one_line_of_waits() -> None
     # released beside another when the one before it settles.
     assert waits.count(None) == 1
     assert len(set(waits)) == 24
+
+
+@pytest.mark.django_db
+def test_each_event_goes_only_where_it_is_subscribed(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {
+            # In the URL (no kind sees the parameter), or as a dict.
+            "alerts": WEBHOOKS["ops"] + "?events=alert.*",
+            "deploys": {"url": WEBHOOKS["audit"], "events": ["deploy.finished", "alert.resolved"]},
+            "all": WEBHOOKS["audit"],
+        },
+    }
+
+    def sent_to(event_type: str, destination: Any = "*") -> list[str]:
+        batch = send_webhook(destination, event_type, {})
+        if batch is None:
+            return []
+        return sorted(batch.deliveries.values_list("destination", flat=True))
+
+    assert sent_to("alert.raised") == ["alerts", "all"]
+    assert sent_to("alert.resolved") == ["alerts", "all", "deploys"]
+    assert sent_to("deploy.finished") == ["all", "deploys"]
+    assert sent_to("deploy.started") == ["all"]
+    # Named, a destination still gets only what it is subscribed to.
+    assert sent_to("deploy.started", ["alerts", "deploys"]) == []
+    assert sent_to("alert.raised", "alerts") == ["alerts"]
+
+
+@pytest.mark.django_db
+def test_every_destination_with_none_configured_queues_nothing(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {}}
+    assert send_webhook("*", "alert.raised", {}) is None
+    assert nothing_written()

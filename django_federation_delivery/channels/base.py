@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from fnmatch import fnmatchcase
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote, unquote, urlsplit
 
@@ -88,10 +89,19 @@ class Destination:
     url: str = dataclasses.field(repr=False)
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     _redacted: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    #: The event types it is subscribed to, each a name or a pattern with "*"
+    #: ("alert.*"); none: every event.
+    events: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, name: str, channel: Channel, parsed: Parsed) -> Destination:
-        return cls(name, channel, parsed.url, parsed.options, _forms(parsed.secrets))
+    def of(
+        cls, name: str, channel: Channel, parsed: Parsed, events: tuple[str, ...] = ()
+    ) -> Destination:
+        return cls(name, channel, parsed.url, parsed.options, _forms(parsed.secrets), events)
+
+    def receives(self, event_type: str) -> bool:
+        """Whether it is subscribed to events of ``event_type``."""
+        return not self.events or any(fnmatchcase(event_type, pattern) for pattern in self.events)
 
     def __repr__(self) -> str:
         return f"<Destination {self.name!r} ({self.channel.label})>"

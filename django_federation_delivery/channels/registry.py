@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
@@ -86,9 +86,11 @@ class Registry:
     def schemes(self) -> list[str]:
         return sorted(self.by_scheme)
 
-    def parse(self, name: str, url: str) -> Destination:
-        """The destination ``url`` names. ``ImproperlyConfigured`` naming ``name``
-        (never the URL) if no kind can use it."""
+    def parse(self, name: str, url: object, events: Sequence[object] = ()) -> Destination:
+        """The destination ``url`` names, subscribed to ``events`` and to those
+        its ``?events=`` parameter lists (every event if neither says).
+        ``ImproperlyConfigured`` naming ``name`` (never the URL) if no kind can
+        use it."""
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ImproperlyConfigured(
                 _(
@@ -98,8 +100,10 @@ class Registry:
                 % {"name": name}
             )
         try:
-            channel, url, scheme = self._channel_for(url)
-            return Destination.of(name, channel, channel.parse(url, scheme))
+            written, listed = _subscriptions(url)
+            subscribed = _patterns([*events, *listed])
+            channel, url, scheme = self._channel_for(written)
+            return Destination.of(name, channel, channel.parse(url, scheme), subscribed)
         except UnusableURL as exc:
             raise ImproperlyConfigured(
                 _("Webhook destination %(name)r: %(problem)s.") % {"name": name, "problem": exc}
@@ -131,6 +135,39 @@ class Registry:
                 }
             )
         return channel, url, scheme
+
+
+#: An event type, or a pattern of them with "*": "alert.*", "deploy.finished".
+_PATTERN = re.compile(r"[A-Za-z0-9_*]+(?:[.-][A-Za-z0-9_*]+)*")
+
+
+def _subscriptions(url: object) -> tuple[object, list[str]]:
+    """``url`` without its ``events=`` parameters (no kind sees them), and
+    the event types they list, comma-separated."""
+    if not isinstance(url, str) or "?" not in url:
+        return url, []
+    base, _mark, query = url.partition("?")
+    kept, listed = [], []
+    for pair in query.split("&"):
+        key, _sign, value = pair.partition("=")
+        if key == "events":
+            listed += [part.strip() for part in value.split(",")]
+        else:
+            kept.append(pair)
+    return base + ("?" + "&".join(kept) if kept else ""), listed
+
+
+def _patterns(events: Sequence[object]) -> tuple[str, ...]:
+    for pattern in events:
+        if not isinstance(pattern, str) or not _PATTERN.fullmatch(pattern):
+            # Not quoted: whatever it is, it was written in the URL.
+            raise UnusableURL(
+                _(
+                    "its events list something that is not an event type or a pattern "
+                    "of them, such as alert.* or deploy.finished"
+                )
+            )
+    return tuple(dict.fromkeys(str(pattern) for pattern in events))
 
 
 def registry() -> Registry:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
@@ -99,19 +99,51 @@ def configured() -> Configured:
             % {"setting": SETTING, "type": type(webhooks).__name__}
         )
     kinds = registry()
+    written = tuple((name, _Form.of(value)) for name, value in webhooks.items())
     try:
-        return _parsed(tuple(webhooks.items()), kinds)
+        return _parsed(written, kinds)
     except TypeError:  # a value that cannot be hashed: not a URL, said by its problem
-        return _parsed.__wrapped__(tuple(webhooks.items()), kinds)
+        return _parsed.__wrapped__(written, kinds)
+
+
+class _Form(NamedTuple):
+    """A destination written as ``{"url": …, "events": [...]}``, hashable."""
+
+    url: Any
+    events: tuple[Any, ...]
+    #: What else the dict has: an error.
+    unknown: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        events = value.get("events", ())
+        return cls(
+            value.get("url"),
+            tuple(events) if isinstance(events, list | tuple) else (events,),
+            tuple(sorted(str(key) for key in value if key not in ("url", "events"))),
+        )
 
 
 @functools.lru_cache(maxsize=8)
 def _parsed(webhooks: tuple[tuple[Any, Any], ...], kinds: Registry) -> Configured:
     destinations: dict[str, Destination] = {}
     problems: dict[str, str] = {}
-    for name, url in webhooks:
+    for name, value in webhooks:
         try:
-            destinations[name] = kinds.parse(name, url)
+            if isinstance(value, _Form):
+                if value.unknown:
+                    raise ImproperlyConfigured(
+                        _(
+                            "Webhook destination %(name)r: a destination written as a dict "
+                            "has 'url' and 'events', not %(keys)s."
+                        )
+                        % {"name": name, "keys": ", ".join(map(repr, value.unknown))}
+                    )
+                destinations[name] = kinds.parse(name, value.url, value.events)
+            else:
+                destinations[name] = kinds.parse(name, value)
         except ImproperlyConfigured as exc:  # names the destination, never its URL
             problems[str(name)] = str(exc)
     return Configured(destinations, problems)

@@ -32,9 +32,13 @@ from django_federation_delivery.models import Batch, Lane
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.sequences import lock_sequences
-from django_federation_delivery.webhooks.destinations import configured, delivery_key
+from django_federation_delivery.webhooks.destinations import Destination, configured, delivery_key
 
-__all__ = ["ORDERING_KEY", "send_webhook"]
+__all__ = ["EVERY_DESTINATION", "ORDERING_KEY", "send_webhook"]
+
+#: ``send_webhook(EVERY_DESTINATION, …)``: each configured destination
+#: subscribed to the event's type.
+EVERY_DESTINATION = "*"
 
 #: The ordering key of every webhook batch: with the destination as the
 #: "inbox", one sequence a destination.
@@ -50,17 +54,21 @@ def send_webhook(
     using: str | None = None,
 ) -> Batch | None:
     """Queue the event ``event_type`` with ``data`` (anything JSON can write)
-    for ``destination``, a configured destination's name or a list of them.
+    for ``destination``, a configured destination's name or a list of them,
+    or ``"*"`` (:data:`EVERY_DESTINATION`) for every configured one. Only
+    those subscribed to ``event_type`` get it (a destination's ``events``;
+    every event if it names none).
 
     Written in the caller's transaction: rolled back, nothing is queued. An
     unknown destination, an empty or path-like event type, or data JSON
     cannot write, or an event larger than ``WEBHOOK_MAX_BYTES`` as JSON, raises
     ``InvalidDelivery`` naming it, with nothing written.
     ``event_id`` (a new UUID by default) is the ``webhook-id`` a receiver
-    de-duplicates by. Returns the batch, or None for an empty list.
+    de-duplicates by. Returns the batch, or None when no destination named
+    is subscribed (or none is named).
     """
-    names = _names(destination)
     event = Event.of(event_type, event_id or str(uuid.uuid4()), timezone.now(), data)
+    names = [name for name, found in _destinations(destination) if found.receives(event.type)]
     if not names:
         return None
     encoded = event.as_json()
@@ -90,19 +98,21 @@ def send_webhook(
         )
 
 
-def _names(destination: object) -> list[str]:
+def _destinations(destination: object) -> list[tuple[str, Destination]]:
     """The destinations named, each once, each configured (its URL parsed, so
     that a bad one is reported now by its name)."""
-    if isinstance(destination, str):
-        given: list[object] = [destination]
+    found = configured()
+    if destination == EVERY_DESTINATION:
+        given: list[object] = list(found.names)
+    elif isinstance(destination, str):
+        given = [destination]
     elif isinstance(destination, bytes) or not isinstance(destination, Iterable):
         raise InvalidDelivery(
             f"destination must be a destination's name or a list of names, not {destination!r:.200}"
         )
     else:
         given = list(destination)
-    found = configured()
-    names: list[str] = []
+    destinations: dict[str, Destination] = {}
     for name in given:
         if not isinstance(name, str):
             raise InvalidDelivery(f"a destination is named by a string, not {name!r:.200}")
@@ -114,6 +124,5 @@ def _names(destination: object) -> list[str]:
             )
         if isinstance(destination, str):
             raise ImproperlyConfigured(destination)
-        if name not in names:
-            names.append(name)
-    return names
+        destinations.setdefault(name, destination)
+    return list(destinations.items())
