@@ -65,17 +65,23 @@ def decide(
     sender_gone: bool = False,
     wait_as_asked: bool = True,
     retry_after_max: float = 3600.0,
+    holds_spend_tries: bool = True,
     rand: Callable[[], float] = random.random,
 ) -> Ruling:
     """What ``result`` comes to under ``policy`` and its batch's
     ``max_attempts`` and ``deadline``, ``attempts`` tries having been made
-    (this one counted, if it made a request).
+    (this one counted, unless it was held and ``holds_spend_tries`` is False).
 
     A plain function of its arguments: no database, no signal, no clock
     (``now`` is given; ``rand`` is the policy's jitter). ``sender_gone`` says
     whether the sender is gone and the status is one that then refuses for good.
+
+    A delivery held back without a request (an open breaker, a spent lease)
+    is a try like any other for an inbox, so that a backlog to a host that
+    stays down is given up in the policy's time; for a webhook, of which only
+    the first in line is ever due, it is not (``holds_spend_tries=False``).
     """
-    if result.held:
+    if result.held and not holds_spend_tries:
         return _held(result, attempts, policy, now=now, deadline=deadline, rand=rand)
     if result.delivered:
         return Ruling(Outcome.DELIVERED, error=result.error)
@@ -93,7 +99,7 @@ def decide(
     if deadline is not None and due >= deadline:
         error = f"the batch's deadline passed: {result.error}"
         return Ruling(Outcome.FAILED, error=error, deadline=True)
-    return Ruling(Outcome.RETRYING, due_at=due, error=result.error)
+    return Ruling(Outcome.HELD if result.held else Outcome.RETRYING, due_at=due, error=result.error)
 
 
 def _held(

@@ -169,6 +169,8 @@ class Settler:
     #: Whether each retry, refusal and give-up is a WARNING log line (a
     #: webhook's are: a project has few, and each one matters).
     warn: bool = False
+    #: Whether a delivery held back without a request spends a try (see decide()).
+    holds_spend_tries: bool = True
     #: Told what came of each attempt, before anything is decided (a webhook
     #: destination's life: ``webhooks/life.py``).
     watch: Callable[[claims.Claimed, AttemptResult, dt.datetime], None] | None = None
@@ -197,8 +199,8 @@ class Settler:
     ) -> settlements.Settlement:
         """Decide what comes of an attempt, send the signals, and say what to
         write; ``now`` is the time it is judged at (the clock's, if not given)."""
-        # Held back (an open breaker, a spent lease), it spent no try.
-        tried = 0 if result.held else 1
+        # Held back (an open breaker, a spent lease), it may spend no try.
+        tried = 0 if result.held and not self.holds_spend_tries else 1
         attempts = row.attempts + tried
         self.summary.attempts += tried
         if now is None:
@@ -218,6 +220,7 @@ class Settler:
             and self._gone(batch.sender, result.status),
             wait_as_asked=self.wait_as_asked,
             retry_after_max=self.retry_after_max,
+            holds_spend_tries=self.holds_spend_tries,
         )
         outcome = ruling.outcome
         if self.warn and outcome in WARNED:

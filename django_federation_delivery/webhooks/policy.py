@@ -65,6 +65,7 @@ class WebhookPolicy:
             retry_after_max=longest,
             error_length=length,
             warn=True,
+            holds_spend_tries=False,
             watch=watch,
         )
 
