@@ -5,9 +5,11 @@ waits for what comes next (a result, a send, or the next due time)."""
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import threading
 import time
+from typing import Any
 
 from django.utils import timezone
 
@@ -56,6 +58,8 @@ class Intake:
     _caught_up_at: float = dataclasses.field(default=0.0, init=False)
     #: When the hosts whose breaker holds everything are next looked at.
     _held_pass_at: float = dataclasses.field(default=0.0, init=False)
+    #: When the last claim that found nothing began (the database's clock).
+    _found_nothing_at: dt.datetime | None = dataclasses.field(default=None, init=False)
     #: Whether the last claim found nothing at all.
     _found_nothing: bool = dataclasses.field(default=False, init=False)
     #: PostgreSQL's listener, while :meth:`listen` has one: paused while
@@ -97,7 +101,7 @@ class Intake:
             # Nothing more was due: the next result, a wake, or (for work
             # queued by another process without NOTIFY) a moment says when to look.
             return
-        if self._found_nothing and self.db(claims.has_due, using=self.using) is False:
+        if self._found_nothing and self.db(claims.has_due, **self._new_work()) is False:
             # Nothing has come due since a claim found nothing (another
             # deliverer took it, or this one has caught up): a read says so,
             # where a claim is a write transaction, and on SQLite it holds
@@ -111,6 +115,7 @@ class Intake:
         # behind it waiting while it is held, PER_HOST at a time.
         held = [host for host in self.upkeep.held_hosts() if host not in saturated]
         limit = max(1, self.claim_size - len(self.slots.ready))
+        claiming_at = timezone.now()
         claimed = self.db(
             claims.claim,
             limit,
@@ -131,6 +136,8 @@ class Intake:
         # at all means nothing more is due.
         self.caught_up = self._found_nothing = not claimed
         self._caught_up_at = time.monotonic()
+        if not claimed:
+            self._found_nothing_at = claiming_at
         if self._listener is not None:
             self._listener.pause(len(claimed) >= limit)
         if claimed:
@@ -161,6 +168,15 @@ class Intake:
         if not more:
             self._held_pass_at = time.monotonic() + HOLD_PASS_SECONDS
         return [*claimed, *more]
+
+    def _new_work(self) -> dict[str, Any]:
+        """How to ask whether anything is due: while the held hosts are left
+        alone until their next pass, what of theirs is due says nothing, so
+        only what came due since the last claim that found nothing counts
+        (else an idle loop without LISTEN would claim again at every look)."""
+        if self._found_nothing and time.monotonic() < self._held_pass_at:
+            return {"since": self._found_nothing_at, "using": self.using}
+        return {"using": self.using}
 
     def wait(self, timeout: float) -> None:
         if self.wake.wait(timeout):
@@ -201,7 +217,7 @@ class Intake:
             if self.wake.wait(step):
                 break
             self.upkeep.beat()
-            if not listening and self.db(claims.has_due, using=self.using) is True:
+            if not listening and self.db(claims.has_due, **self._new_work()) is True:
                 break
         self.wake.clear()
         self.caught_up = False

@@ -24,6 +24,7 @@ from django_federation_delivery.breakers import (
 )
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Breaker, Delivery, Status
+from django_federation_delivery.store import CLAIM_ORDER
 
 from .conftest import Inbox, Overlap, Received, RunningDeliverer, wait_until
 from .keys import ALICE
@@ -341,6 +342,44 @@ def test_what_comes_due_to_a_held_host_waits_for_its_next_pass_without_the_loop_
     assert time.monotonic() - started >= 0.8 * intake.HOLD_PASS_SECONDS
     deliverer.intake.claim_more()
     assert [held.host for held in deliverer.in_hand().ready] == ["down.example"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_loop_without_listen_claims_no_more_for_a_held_hosts_due_delivery() -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    Breaker.objects.create(key="down.example", open_until=timezone.now() + 60 * SECOND)
+
+    def send_soon() -> None:
+        # From a web process, as it were, while the loop idles.
+        time.sleep(0.3)
+        try:
+            send(ALICE, {"type": "Note"}, ["https://down.example/inbox"])
+        finally:
+            connections.close_all()
+
+    sender = threading.Thread(target=send_soon)
+    with CaptureQueriesContext(connection) as queries:
+        sender.start()
+        summary = Deliverer(concurrency=4, per_host=2, claim_size=64).run(stop_after=2.5)
+    sender.join()
+    assert summary.held == 1  # at the held host's next pass
+    # Due at once but left out of the claims until that pass, it is no reason
+    # to claim again at each look for new work (every NEW_WORK_POLL_SECONDS
+    # without LISTEN): a claim at the start, when it was sent, at the pass
+    # and after it (4); before, one at each look too (10 in 2.5 s).
+    claims = [
+        q["sql"]
+        for q in queries.captured_queries
+        if "due_at <= " in q["sql"]
+        and not q["sql"].startswith("SELECT EXISTS")
+        # The held hosts' own claim, at their pass.
+        and "AND host IN (" not in q["sql"]
+        and "AND host = ANY(" not in q["sql"]
+    ]
+    rounds = len(claims) if connection.vendor == "postgresql" else len(claims) / len(CLAIM_ORDER)
+    assert rounds <= 6, len(claims)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -124,6 +124,11 @@ def test_what_is_due_is_found_in_every_lane_in_one_statement() -> None:
     send(ALICE, NOTE, inboxes(1, "now.example"))
     assert store.has_due()
     assert store.next_due() <= timezone.now()
+    # Only what came due after a moment, when asked: a held host's due
+    # delivery, left out of the claims, says nothing of new work.
+    sent = Delivery.objects.get(host="now.example").due_at
+    assert store.has_due(since=sent - dt.timedelta(seconds=1))
+    assert not store.has_due(since=sent)
 
 
 @pytest.mark.django_db

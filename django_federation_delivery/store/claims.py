@@ -347,18 +347,21 @@ def count_due(*, using: str | None = None) -> int:
     )
 
 
-def has_due(*, using: str | None = None) -> bool:
-    """Whether anything is due now: the cheap check for work queued elsewhere,
-    an index look a lane in one statement, asked every NEW_WORK_POLL_SECONDS
-    by an idle deliverer that has no LISTEN."""
+def has_due(*, since: dt.datetime | None = None, using: str | None = None) -> bool:
+    """Whether anything is due now (that came due after ``since``, if given):
+    the cheap check for work queued elsewhere, an index look a lane in one
+    statement, asked every NEW_WORK_POLL_SECONDS by an idle deliverer that
+    has no LISTEN."""
     connection = connection_for(using)
     table = quoted_table(Delivery, connection)
+    after = " AND due_at > %s" if since is not None else ""
     any_due = " OR ".join(
         f"EXISTS (SELECT 1 FROM {table} WHERE status = '{Status.PENDING}' AND lane = %s "
-        "AND due_at <= %s)"
+        f"AND due_at <= %s{after})"
         for _ in CLAIM_ORDER
     )
     now = db_datetime(timezone.now(), connection)
+    bounds = [now] if since is None else [now, db_datetime(since, connection)]
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {any_due}", [v for lane in CLAIM_ORDER for v in (lane, now)])
+        cursor.execute(f"SELECT {any_due}", [v for lane in CLAIM_ORDER for v in (lane, *bounds)])
         return bool(cursor.fetchone()[0])
