@@ -173,7 +173,9 @@ class Settler:
     holds_spend_tries: bool = True
     #: Told what came of each attempt, before anything is decided (a webhook
     #: destination's life: ``webhooks/life.py``).
-    watch: Callable[[claims.Claimed, AttemptResult, dt.datetime], None] | None = None
+    #: It says whether the destination was disabled by this attempt: the
+    #: delivery then waits, unsent, until the destination is enabled again.
+    watch: Callable[[claims.Claimed, AttemptResult, dt.datetime], bool] | None = None
 
     @classmethod
     def from_settings(cls, summary: Summary) -> Settler:
@@ -205,8 +207,10 @@ class Settler:
         self.summary.attempts += tried
         if now is None:
             now = timezone.now()
-        if self.watch is not None:
-            ask("the webhook destinations' watch", self.watch, row, result, now)
+        disabled = (
+            self.watch is not None
+            and ask("the webhook destinations' watch", self.watch, row, result, now) is True
+        )
         ruling = decide(
             result,
             attempts,
@@ -222,6 +226,12 @@ class Settler:
             retry_after_max=self.retry_after_max,
             holds_spend_tries=self.holds_spend_tries,
         )
+        waits = ruling.outcome in (Outcome.RETRYING, Outcome.HELD, Outcome.FAILED)
+        if disabled and waits and not ruling.deadline:
+            # Its destination is disabled now: it waits with the others, never
+            # given up, due again only once the destination is enabled (the
+            # loop's view of paused hosts may be a second old).
+            ruling = Ruling(Outcome.HELD, due_at=None, error=ruling.error)
         outcome = ruling.outcome
         if self.warn and outcome in WARNED:
             self._warn(row, batch, ruling, attempts, now)

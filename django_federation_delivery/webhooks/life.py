@@ -114,31 +114,34 @@ class Watch:
         #: The key of each destination seen failing, and since when.
         self._failing: dict[str, dt.datetime] = {}
 
-    def __call__(self, row: claims.Claimed, result: AttemptResult, now: dt.datetime) -> None:
+    def __call__(self, row: claims.Claimed, result: AttemptResult, now: dt.datetime) -> bool:
+        """Take in what came of an attempt; whether it disabled the destination."""
         name = row.destination
         if not name:
-            return
+            return False
         if result.delivered:
             if self._failing.pop(row.host, None) is not None:
                 self._hosts(row.host).update(failing_since=None)
-            return
+            return False
         if result.status == GONE:
             self._failing.pop(row.host, None)
             disable(name, "the receiver answered 410 Gone", now=now, using=self.using)
-            return
+            return True
         if not result.requests or result.held:
-            return  # no answer from the destination: it said nothing of itself
+            return False  # no answer from the destination: it said nothing of itself
         since = self._failing.get(row.host) or self._failing_since(row.host, now)
         self._failing[row.host] = since
         if now - since < self.disable_after:
-            return
+            return False
         # Another deliverer may have delivered since: the last success counts.
         since = self._last_success_since(row.host, since)
         self._failing[row.host] = since
-        if now - since >= self.disable_after:
-            reason = f"no success for {_span(self.disable_after)} (WEBHOOK_DISABLE_AFTER)"
-            if disable(name, reason, now=now, using=self.using):
-                self._failing.pop(row.host, None)
+        if now - since < self.disable_after:
+            return False
+        reason = f"no success for {_span(self.disable_after)} (WEBHOOK_DISABLE_AFTER)"
+        disable(name, reason, now=now, using=self.using)
+        self._failing.pop(row.host, None)
+        return True
 
     def _hosts(self, key: str) -> QuerySet[Host]:
         return Host.objects.using(self.using).filter(name=key)
