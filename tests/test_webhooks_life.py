@@ -76,6 +76,9 @@ def test_a_410_disables_the_destination_holds_its_events_in_order_until_enabled(
     wait_until(lambda: Host.objects.filter(name=delivery_key("ops"), paused_at__isnull=False))
     # Held, not dropped: every event waits, the first with its tries intact.
     wait_until(lambda: len(disabled) == 1)
+    # Told before the attempt's outcome is written (a crash between them
+    # tells it again): that is written with the next of the outbox.
+    wait_until(lambda: Delivery.objects.filter(last_status=410).exists())
     assert numbers(receiver) == [0]
     rows = list(Delivery.objects.order_by("id"))
     assert [row.status for row in rows] == [Status.PENDING] * 3
