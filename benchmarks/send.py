@@ -139,7 +139,6 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
 
     def bare_sqlite() -> Callable[[], Timing]:
         from django_federation_delivery.dialect import db_datetime
-        from django_federation_delivery.models import Status
         from django_federation_delivery.store import queueing
 
         batch = send(ALICE, activity, small(1))
@@ -157,20 +156,12 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
             with timed() as took:
                 raw.execute(f"BEGIN {mode}")
                 (batch_id,) = raw.execute(batch_sql, batch_values).fetchone()
-                raw.execute(
-                    deliveries_sql,
-                    [
-                        batch_id,
-                        batch.lane,
-                        Status.PENDING.value,
-                        due,
-                        inbox,
-                        host,
-                        "[]",
-                        "",
-                        None,
-                    ],
+                # The values as the package lays them out, so that the floor
+                # follows its statement whatever columns it gains.
+                params = queueing._delivery_params(
+                    connection, batch, [queueing.Queued(inbox, host)], {}, due
                 )
+                raw.execute(deliveries_sql, [batch_id, *params])
                 raw.execute("COMMIT")
             return took
 
