@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,24 +24,7 @@ from django_federation_delivery.checks.bounds import (
 from django_federation_delivery.checks.policies import check_breaker, check_retention, check_retry
 from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS, SETTING, app_settings
 from django_federation_delivery.signatures import Scheme
-from django_federation_delivery.transport.networks import IPNetwork
-
-#: Where a server's own services listen: loopback, link-local, private
-#: (RFC 1918) and unique local space. Opened to inboxes, they are open to
-#: whoever names an inbox there.
-LOCAL_NETWORKS: tuple[IPNetwork, ...] = tuple(
-    ipaddress.ip_network(network)
-    for network in (
-        "127.0.0.0/8",
-        "169.254.0.0/16",
-        "10.0.0.0/8",
-        "172.16.0.0/12",
-        "192.168.0.0/16",
-        "::1/128",
-        "fe80::/10",
-        "fc00::/7",
-    )
-)
+from django_federation_delivery.transport.networks import opens_local
 
 
 @register()
@@ -296,8 +278,7 @@ def check_inbox_networks(
             ),
             id=f"{PREFIX}.W003",
         )
+        # Opened to inboxes, they are open to whoever names an inbox there.
         for network in opened
-        if any(
-            network.version == local.version and network.overlaps(local) for local in LOCAL_NETWORKS
-        )
+        if opens_local(network)
     ]

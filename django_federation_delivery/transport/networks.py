@@ -73,6 +73,30 @@ def is_public_address(address: str) -> bool:
     return ip is not None and _is_public(ip)
 
 
+#: Where a server's own services listen: loopback, link-local, private
+#: (RFC 1918) and unique local space.
+LOCAL_NETWORKS: tuple[IPNetwork, ...] = tuple(
+    ipaddress.ip_network(network)
+    for network in (
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "::1/128",
+        "fe80::/10",
+        "fc00::/7",
+    )
+)
+
+
+def opens_local(network: IPNetwork) -> bool:
+    """Whether allowing ``network`` opens any of :data:`LOCAL_NETWORKS`."""
+    return any(
+        network.version == local.version and network.overlaps(local) for local in LOCAL_NETWORKS
+    )
+
+
 def allowed(ip: IPAddress, networks: tuple[IPNetwork, ...]) -> bool:
     if _is_public(ip):
         return True
