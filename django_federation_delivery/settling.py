@@ -110,10 +110,6 @@ WRITTEN = {
 }
 
 
-#: The outcomes a settler that warns logs a line for.
-WARNED = frozenset((Outcome.RETRYING, Outcome.REFUSED, Outcome.FAILED))
-
-
 class Row(Protocol):
     """A delivery as its signals name it: a claimed one, or one given up."""
 
@@ -166,16 +162,16 @@ class Settler:
     error_length: int = 300
     sender_gone: Callable[[str], bool] | None = None
     permanent_if_gone: frozenset[int] = frozenset()
-    #: Whether each retry, refusal and give-up is a WARNING log line (a
-    #: webhook's are: a project has few, and each one matters).
-    warn: bool = False
     #: Whether a delivery held back without a request spends a try (see decide()).
     holds_spend_tries: bool = True
     #: Told what came of each attempt, before anything is decided (a webhook
-    #: destination's life: ``webhooks/life.py``).
-    #: It says whether the destination was disabled by this attempt: the
-    #: delivery then waits, unsent, until the destination is enabled again.
+    #: destination's life: ``webhooks/life.py``); it says whether the
+    #: destination stopped taking deliveries with it: the delivery then waits,
+    #: unsent, until the destination takes them again.
     watch: Callable[[claims.Claimed, AttemptResult, dt.datetime], bool] | None = None
+    #: Told each ruling with the try it came of, to tell an operator as the
+    #: kind sees fit (a webhook's retries and give-ups: ``webhooks/policy.py``).
+    tell: Callable[[claims.Claimed, BatchInfo, Ruling, int, dt.datetime], None] | None = None
 
     @classmethod
     def from_settings(cls, summary: Summary) -> Settler:
@@ -228,13 +224,13 @@ class Settler:
         )
         waits = ruling.outcome in (Outcome.RETRYING, Outcome.HELD, Outcome.FAILED)
         if disabled and waits and not ruling.deadline:
-            # Its destination is disabled now: it waits with the others, never
-            # given up, due again only once the destination is enabled (the
-            # loop's view of paused hosts may be a second old).
+            # Its destination takes no more deliveries now: it waits with the
+            # others, never given up, due again only once the destination is
+            # enabled (the loop's view of paused hosts may be a second old).
             ruling = Ruling(Outcome.HELD, due_at=None, error=ruling.error)
         outcome = ruling.outcome
-        if self.warn and outcome in WARNED:
-            self._warn(row, batch, ruling, attempts, now)
+        if self.tell is not None:
+            ask("the settler's tell", self.tell, row, batch, ruling, attempts, now)
         self._signal_attempt(row, batch, result, outcome)
         if outcome in (Outcome.DELIVERED, Outcome.REFUSED):
             self._settled_signal(row, batch, outcome, result.status)
@@ -259,35 +255,6 @@ class Settler:
             attempted_at=now,
             retried=outcome is Outcome.RETRYING,
         )
-
-    def _warn(
-        self,
-        row: claims.Claimed,
-        batch: BatchInfo,
-        ruling: Ruling,
-        attempts: int,
-        now: dt.datetime,
-    ) -> None:
-        """One line for an operator: what, where (the destination's name, never
-        its URL), which try, and what next."""
-        what = f"Webhook event {batch.event_type} (delivery {row.id}) to {row.destination!r}"
-        error = ruling.error[: self.error_length]
-        if ruling.outcome is Outcome.RETRYING and ruling.due_at is not None:
-            tries = min(batch.max_attempts or self.policy.max_attempts, self.policy.max_attempts)
-            wait = (ruling.due_at - now).total_seconds()
-            logger.warning(
-                "%s failed, attempt %d of %d: %s; tried again in %.1f s, at %s",
-                what,
-                attempts,
-                tries,
-                error,
-                wait,
-                ruling.due_at.isoformat(timespec="seconds"),
-            )
-        elif ruling.outcome is Outcome.REFUSED:
-            logger.warning("%s refused for good: %s", what, error)
-        else:
-            logger.warning("%s given up: %s", what, error)
 
     def _gone(self, sender: str, status: int | None) -> bool:
         if status is None or status not in self.permanent_if_gone or self.sender_gone is None:
@@ -385,14 +352,6 @@ class Settler:
     ) -> None:
         """A delivery failed for good, unsent, by whoever writes it (a webhook
         destination no longer configured): its signal and its count."""
-        if self.warn:
-            logger.warning(
-                "Webhook event %s (delivery %d) to %r given up: %s",
-                batch.event_type,
-                row.id,
-                row.destination,
-                error[: self.error_length],
-            )
         self._failed_signal(row, batch, status, error, deadline=False, refused=False)
         self.summary.count(Outcome.FAILED)
 

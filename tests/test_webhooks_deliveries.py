@@ -403,7 +403,10 @@ def test_after_nine_tries_an_event_is_given_up_and_the_next_goes(
 
 
 def test_a_removed_destinations_events_are_given_up_in_writing_when_the_loop_starts(
-    inboxes: Callable[..., Inbox], settings: Any, caught: list[tuple[str, Any]]
+    inboxes: Callable[..., Inbox],
+    settings: Any,
+    caught: list[tuple[str, Any]],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     receiver = inboxes("127.0.0.1")
     kept = f"slack+http://127.0.0.1:{receiver.port}/services/T1/B1/x1"
@@ -411,9 +414,16 @@ def test_a_removed_destinations_events_are_given_up_in_writing_when_the_loop_sta
     for n in range(3):
         send_webhook(["gone", "kept"], "alert.raised", {"n": n})
     configure(settings, {"kept": kept})
+    caplog.set_level(logging.WARNING, logger="django_federation_delivery")
     Deliverer().run(drain=True)
     gone = deliveries("webhook:gone")
     assert {d.status for d in gone} == {Status.FAILED}
+    # One WARNING each, as for any give-up.
+    assert sorted(r.getMessage() for r in caplog.records if "given up" in r.getMessage()) == sorted(
+        f"Webhook event alert.raised (delivery {d.id}) to 'gone' given up: "
+        "no destination named `gone` is configured any more"
+        for d in gone
+    )
     assert {d.last_error for d in gone} == {"no destination named `gone` is configured any more"}
     assert {d.status for d in deliveries("webhook:kept")} == {Status.DELIVERED}
     assert [request.path for request in receiver.received] == ["/services/T1/B1/x1"] * 3

@@ -175,12 +175,9 @@ class WebhookDeliveries:
                 batches = claims.batches({row.batch_id for row in rows}, using=self.using)
                 reason = removed_reason(rows[0].destination)
                 for row in rows:
-                    self.settler.abandoned(
-                        _claimed(row),
-                        batches[row.batch_id],
-                        row.last_status,
-                        reason,
-                    )
+                    claimed, batch = _claimed(row), batches[row.batch_id]
+                    self.policy.given_up(claimed, batch.event_type, reason)
+                    self.settler.abandoned(claimed, batch, row.last_status, reason)
                 failed += len(
                     settlements.give_up_rows(
                         [row.id for row in rows],

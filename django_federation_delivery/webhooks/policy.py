@@ -8,6 +8,8 @@ about Monday.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import logging
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,14 +17,19 @@ from typing import TYPE_CHECKING, Any
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
+from django_federation_delivery.decide import Outcome, Ruling
 from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
 
 if TYPE_CHECKING:
+    from django_federation_delivery.batches import BatchInfo
     from django_federation_delivery.settling import Settler, Summary
+    from django_federation_delivery.store.claims import Claimed
     from django_federation_delivery.transport.networks import IPNetwork
     from django_federation_delivery.webhooks.life import Watch
 
 __all__ = ["WebhookPolicy", "settings_problems"]
+
+logger = logging.getLogger(__name__)
 
 #: Room beyond the body kept for what a message says around it
 #: ("gave up after 9 attempts: the receiver answered 503 Service Unavailable: …").
@@ -64,10 +71,38 @@ class WebhookPolicy:
             summary,
             retry_after_max=longest,
             error_length=length,
-            warn=True,
             holds_spend_tries=False,
             watch=watch,
+            tell=self.tell,
         )
+
+    def tell(
+        self, row: Claimed, batch: BatchInfo, ruling: Ruling, attempts: int, now: dt.datetime
+    ) -> None:
+        """One WARNING line for an operator per retry, refusal and give-up:
+        which event, where (the destination's name, never its URL), which
+        try, and what next."""
+        what = _event(row, batch.event_type)
+        error = ruling.error[: self.message_length]
+        if ruling.outcome is Outcome.RETRYING and ruling.due_at is not None:
+            most = self.retry.max_attempts
+            logger.warning(
+                "%s failed, attempt %d of %d: %s; tried again in %.1f s, at %s",
+                what,
+                attempts,
+                min(batch.max_attempts or most, most),
+                error,
+                (ruling.due_at - now).total_seconds(),
+                ruling.due_at.isoformat(timespec="seconds"),
+            )
+        elif ruling.outcome is Outcome.REFUSED:
+            logger.warning("%s refused for good: %s", what, error)
+        elif ruling.outcome is Outcome.FAILED:
+            self.given_up(row, batch.event_type, ruling.error)
+
+    def given_up(self, row: Claimed, event_type: str, error: str) -> None:
+        """The WARNING line of an event given up, sent or not."""
+        logger.warning("%s given up: %s", _event(row, event_type), error[: self.message_length])
 
     @classmethod
     def from_settings(cls) -> WebhookPolicy:
@@ -85,6 +120,10 @@ class WebhookPolicy:
             body_length=app_settings.error_length,
             allowed_networks=app_settings.allowed_networks("WEBHOOK_ALLOWED_NETWORKS"),
         )
+
+
+def _event(row: Claimed, event_type: str) -> str:
+    return f"Webhook event {event_type} (delivery {row.id}) to {row.destination!r}"
 
 
 def settings_problems() -> list[str]:
