@@ -12,7 +12,7 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.text import Truncator
-from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext
 
 from django_federation_delivery import overview
 from django_federation_delivery.admin.base import changelist_url, next_due
@@ -32,12 +32,12 @@ class DestinationRow:
     deliveries_url: str
     pending_url: str
     head_url: str
-    #: "disabled 2h 5m ago: the receiver answered 410 Gone", "failing for 3h", or "".
+    #: What it is doing (``DestinationStatus.state``).
     state: str
 
 
 def destination_rows(site: admin.AdminSite, now: dt.datetime | None = None) -> list[DestinationRow]:
-    """Every destination's row: two queries, however many there are."""
+    """Every destination's row: three queries, however many there are."""
     now = now or timezone.now()
     rows = []
     for status in destination_status(now=now):
@@ -69,25 +69,10 @@ def destination_rows(site: admin.AdminSite, now: dt.datetime | None = None) -> l
                     Delivery, site, destination=status.name, status__exact=Status.PENDING
                 ),
                 head_url=head_url,
-                state=_state(status, now),
+                state=status.state(now),
             )
         )
     return rows
-
-
-def _state(status: DestinationStatus, now: dt.datetime) -> str:
-    if status.paused_at is not None:
-        ago = overview.format_duration(max((now - status.paused_at).total_seconds(), 0.0))
-        if status.disabled_reason:
-            return gettext("disabled %(ago)s ago: %(reason)s") % {
-                "ago": ago,
-                "reason": status.disabled_reason,
-            }
-        return gettext("paused by an operator %(ago)s ago") % {"ago": ago}
-    if status.failing_since is not None:
-        failing = max((now - status.failing_since).total_seconds(), 0.0)
-        return gettext("failing for %(time)s") % {"time": overview.format_duration(failing)}
-    return ""
 
 
 def enable_destination(
@@ -100,16 +85,7 @@ def enable_destination(
     if not any(status.name == name for status in destination_status()):
         raise PermissionDenied
     released = life.enable(name)
-    model_admin.message_user(
-        request,
-        ngettext(
-            "%(name)s enabled again: %(count)d event is due now.",
-            "%(name)s enabled again: %(count)d events are due now, in order.",
-            released,
-        )
-        % {"name": name, "count": released},
-        messages.SUCCESS,
-    )
+    model_admin.message_user(request, life.enabled(name, released), messages.SUCCESS)
     site = model_admin.admin_site
     return HttpResponseRedirect(
         reverse("admin:federation_delivery_delivery_destinations", current_app=site.name)

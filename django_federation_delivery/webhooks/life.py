@@ -22,6 +22,7 @@ from http import HTTPStatus
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.db.models import Max, QuerySet
 from django.utils import timezone
+from django.utils.translation import ngettext
 
 from django_federation_delivery import hosts, signals
 from django_federation_delivery.attempt import AttemptResult
@@ -29,7 +30,7 @@ from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
 from django_federation_delivery.webhooks.destinations import delivery_key
 
-__all__ = ["GONE", "Watch", "disable", "enable", "failing_for"]
+__all__ = ["GONE", "Watch", "disable", "enable", "enabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,15 +93,13 @@ def enable(name: str, *, using: str | None = None) -> int:
         )
 
 
-def failing_for(name: str, *, now: dt.datetime | None = None, using: str | None = None) -> float:
-    """Seconds the destination ``name`` has failed without a success; 0 if it is not failing."""
-    since = (
-        Host.objects.using(using or DEFAULT_DB_ALIAS)
-        .filter(name=delivery_key(name))
-        .values_list("failing_since", flat=True)
-        .first()
-    )
-    return max(((now or timezone.now()) - since).total_seconds(), 0.0) if since else 0.0
+def enabled(name: str, released: int) -> str:
+    """What enabling ``name`` did, for the admin's message and the command."""
+    return ngettext(
+        "%(name)s enabled again: %(count)d event is due now.",
+        "%(name)s enabled again: %(count)d events are due now, in order.",
+        released,
+    ) % {"name": name, "count": released}
 
 
 class Watch:

@@ -25,6 +25,7 @@ from django.utils import timezone
 from django.utils.translation import gettext, gettext_noop
 
 from django_federation_delivery.models import Delivery, Host, Kind, Status
+from django_federation_delivery.overview import format_duration
 from django_federation_delivery.webhooks.destinations import (
     Destination,
     configured,
@@ -79,6 +80,36 @@ class DestinationStatus:
     @property
     def disabled(self) -> bool:
         return self.paused_at is not None
+
+    def state(self, now: dt.datetime) -> str:
+        """What it is doing, in words for people: "sending", "failing for 3h
+        5m", "disabled 2m 4s ago: the receiver answered 410 Gone", or "paused
+        by an operator 1h 2m ago"."""
+        if self.paused_at is not None:
+            ago = format_duration(max((now - self.paused_at).total_seconds(), 0.0))
+            if self.disabled_reason:
+                return gettext("disabled %(ago)s ago: %(reason)s") % {
+                    "ago": ago,
+                    "reason": self.disabled_reason,
+                }
+            return gettext("paused by an operator %(ago)s ago") % {"ago": ago}
+        if self.failing_since is not None:
+            failing = max((now - self.failing_since).total_seconds(), 0.0)
+            return gettext("failing for %(time)s") % {"time": format_duration(failing)}
+        return gettext("sending")
+
+    def as_json(self) -> dict[str, Any]:
+        """What ``delivery_status --json`` gives of it: never a URL."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "configured": self.configured,
+            "pending": self.pending,
+            "disabled": self.disabled,
+            "disabled_reason": self.disabled_reason,
+            "paused_at": self.paused_at.isoformat() if self.paused_at else None,
+            "failing_since": self.failing_since.isoformat() if self.failing_since else None,
+        }
 
 
 def destination_status(

@@ -91,35 +91,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, numeric: int
     return "\n".join(lines)
 
 
-def destination_state(destination: DestinationStatus, now: Any) -> str:
-    """What a destination is doing, in a few words."""
-    if destination.paused_at is not None:
-        if destination.disabled_reason:
-            return _("disabled: %(reason)s") % {"reason": destination.disabled_reason}
-        return _("paused")
-    if destination.failing_since is not None:
-        failing = max((now - destination.failing_since).total_seconds(), 0.0)
-        return _("failing for %(time)s") % {"time": format_duration(failing)}
-    return _("sending")
-
-
-def destination_json(destination: DestinationStatus) -> dict[str, Any]:
-    return {
-        "name": destination.name,
-        "kind": destination.kind,
-        "configured": destination.configured,
-        "pending": destination.pending,
-        "disabled": destination.disabled,
-        "disabled_reason": destination.disabled_reason,
-        "paused_at": _iso(destination.paused_at),
-        "failing_since": _iso(destination.failing_since),
-    }
-
-
-def _iso(value: Any) -> str | None:
-    return value.isoformat() if value is not None else None
-
-
 def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> str:
     """The overview as text tables, as the admin's queues page shows it."""
     lanes = table(
@@ -251,7 +222,7 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
                         printable(destination.name),
                         destination.kind or _("no longer configured"),
                         destination.pending,
-                        printable(destination_state(destination, status.at)),
+                        printable(destination.state(status.at)),
                     ]
                     for destination in destinations
                 ],
@@ -342,7 +313,7 @@ class Command(TranslatedCommand):
         destinations = destination_status(now=status.at, using=using)
         if options["json"]:
             document = status.as_json()
-            document["webhook_destinations"] = [destination_json(d) for d in destinations]
+            document["webhook_destinations"] = [d.as_json() for d in destinations]
             self.stdout.write(json.dumps(document, indent=2))
         else:
             self.stdout.write(render(status, destinations))

@@ -7,7 +7,7 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_noop, ngettext
+from django.utils.translation import gettext_noop
 
 from django_federation_delivery.management.base import TranslatedCommand
 from django_federation_delivery.webhooks import life
@@ -42,11 +42,4 @@ class Command(TranslatedCommand):
             self.stdout.write(_("%(name)s is not disabled: nothing to do.") % {"name": name})
             return
         released = life.enable(name, using=using)
-        self.stdout.write(
-            ngettext(
-                "%(name)s enabled again: %(count)d event is due now.",
-                "%(name)s enabled again: %(count)d events are due now, in order.",
-                released,
-            )
-            % {"name": name, "count": released}
-        )
+        self.stdout.write(life.enabled(name, released))
