@@ -9,7 +9,6 @@ import datetime as dt
 import logging
 import threading
 import time
-from typing import Any
 
 from django.utils import timezone
 
@@ -101,7 +100,7 @@ class Intake:
             # Nothing more was due: the next result, a wake, or (for work
             # queued by another process without NOTIFY) a moment says when to look.
             return
-        if self._found_nothing and self.db(claims.has_due, **self._new_work()) is False:
+        if self._found_nothing and self._anything_due() is False:
             # Nothing has come due since a claim found nothing (another
             # deliverer took it, or this one has caught up): a read says so,
             # where a claim is a write transaction, and on SQLite it holds
@@ -169,14 +168,16 @@ class Intake:
             self._held_pass_at = time.monotonic() + HOLD_PASS_SECONDS
         return [*claimed, *more]
 
-    def _new_work(self) -> dict[str, Any]:
-        """How to ask whether anything is due: while the held hosts are left
-        alone until their next pass, what of theirs is due says nothing, so
-        only what came due since the last claim that found nothing counts
-        (else an idle loop without LISTEN would claim again at every look)."""
-        if self._found_nothing and time.monotonic() < self._held_pass_at:
-            return {"since": self._found_nothing_at, "using": self.using}
-        return {"using": self.using}
+    def _anything_due(self) -> bool | None:
+        """Whether anything is due (None: the database is away). While the
+        held hosts are left alone until their next pass, what of theirs is
+        due says nothing: only what came due since the last claim that found
+        nothing counts (else an idle loop without LISTEN would claim again at
+        every look)."""
+        waiting = self._found_nothing and time.monotonic() < self._held_pass_at
+        since = self._found_nothing_at if waiting else None
+        due: bool | None = self.db(claims.has_due, since=since, using=self.using)
+        return due
 
     def wait(self, timeout: float) -> None:
         if self.wake.wait(timeout):
@@ -217,7 +218,7 @@ class Intake:
             if self.wake.wait(step):
                 break
             self.upkeep.beat()
-            if not listening and self.db(claims.has_due, **self._new_work()) is True:
+            if not listening and self._anything_due() is True:
                 break
         self.wake.clear()
         self.caught_up = False
