@@ -159,7 +159,7 @@ def fill_webhooks(settings: Any) -> None:
     for n, event in enumerate(("alert.raised", "alert.updated", "alert.resolved")):
         send_webhook("alerts", event, {"host": "db1", "n": n})
     send_webhook("audit", "user.created", {"name": "Zoë"})
-    first = Delivery.objects.filter(host="webhook:alerts").order_by("id").first()
+    first = Delivery.objects.filter(host="<alerts>").order_by("id").first()
     assert first is not None
     Delivery.objects.filter(pk=first.pk).update(
         attempts=3,

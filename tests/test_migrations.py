@@ -1,88 +1,57 @@
-"""The migrations: what they do to rows queued before them."""
+"""The one migration: undone and done again, it leaves the tables the models
+describe, and on PostgreSQL the batch table's pages half empty."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
+from django.db.migrations.loader import MigrationLoader
 
-from django_federation_delivery.store import sequence_of
+from django_federation_delivery import send
+from django_federation_delivery.models import Batch, Delivery, Host
+
+from .keys import ALICE
 
 APP = "federation_delivery"
 
 
+def test_the_unreleased_migrations_are_one() -> None:
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    assert sorted(name for app, name in loader.disk_migrations if app == APP) == ["0001_initial"]
+
+
 @pytest.fixture
-def before_kinds() -> Iterator[MigrationExecutor]:
-    """The database as 0001 left it; migrated to the last one again after."""
+def migrated_again() -> None:
+    """The app's tables dropped by undoing its migration, then made again."""
     executor = MigrationExecutor(connection)
-    executor.migrate([(APP, "0001_initial")])
+    executor.migrate([(APP, None)])
+    tables = connection.introspection.table_names()
+    assert Delivery._meta.db_table not in tables and Batch._meta.db_table not in tables
     executor.loader.build_graph()
-    yield executor
-    executor = MigrationExecutor(connection)
     executor.migrate(executor.loader.graph.leaf_nodes(APP))
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_webhook_delivery_queued_before_gets_its_kind_destination_and_inbox(
-    before_kinds: MigrationExecutor,
-) -> None:
-    apps = before_kinds.loader.project_state([(APP, "0001_initial")]).apps
-    Batch = apps.get_model(APP, "Batch")
-    Delivery = apps.get_model(APP, "Delivery")
-    event = Batch.objects.create(sender="", body="{}", body_sha256="", event_type="alert")
-    note = Batch.objects.create(sender="https://a.example/u", body="{}", body_sha256="")
-    old_sequence = sequence_of("webhook", "webhook:ops")
-    Delivery.objects.create(
-        batch=event, inbox="webhook:ops", host="webhook:ops", sequence=old_sequence
+@pytest.mark.usefixtures("migrated_again")
+def test_undone_and_done_again_the_tables_take_a_send() -> None:
+    send(ALICE, {"type": "Note"}, ["https://a.example/inbox"])
+    assert Delivery.objects.get().host == "a.example"
+    Host.objects.create(name="<ops>", disabled_reason="gone")
+    assert Host.objects.get().disabled_reason == "gone"
+    with connection.cursor() as cursor:
+        indexes = connection.introspection.get_constraints(cursor, Delivery._meta.db_table)
+    assert {"fd_delivery_due", "fd_delivery_destination", "fd_delivery_once_per_inbox"} <= set(
+        indexes
     )
-    Delivery.objects.create(batch=event, inbox="webhook:on-call", host="webhook:on-call")
-    Delivery.objects.create(batch=note, inbox="https://b.example/inbox", host="b.example")
-
-    before_kinds.loader.build_graph()
-    before_kinds.migrate([(APP, "0002_delivery_kind_destination")])
-
-    apps = before_kinds.loader.project_state([(APP, "0002_delivery_kind_destination")]).apps
-    rows = apps.get_model(APP, "Delivery").objects.order_by("id")
-    assert list(rows.values_list("kind", "destination", "inbox", "host")) == [
-        ("webhook", "ops", "ops", "webhook:ops"),
-        ("webhook", "on-call", "on-call", "webhook:on-call"),
-        ("activitypub", "", "https://b.example/inbox", "b.example"),
-    ]
-    # The next event to "ops" waits on this one: the sequence a send now writes.
-    assert list(rows.values_list("sequence", flat=True)) == [
-        sequence_of("webhook", "ops"),
-        "",
-        "",
-    ]
 
 
 @pytest.mark.django_db(transaction=True)
-def test_webhook_events_queued_before_move_to_the_webhook_lane(
-    before_kinds: MigrationExecutor,
-) -> None:
-    before_kinds.migrate([(APP, "0002_delivery_kind_destination")])
-    before_kinds.loader.build_graph()
-    apps = before_kinds.loader.project_state([(APP, "0002_delivery_kind_destination")]).apps
-    Batch = apps.get_model(APP, "Batch")
-    Delivery = apps.get_model(APP, "Delivery")
-    event = Batch.objects.create(
-        sender="", body="{}", body_sha256="", event_type="alert", lane="normal"
-    )
-    note = Batch.objects.create(sender="https://a.example/u", body="{}", body_sha256="")
-    Delivery.objects.create(
-        batch=event, inbox="ops", host="webhook:ops", kind="webhook", destination="ops"
-    )
-    Delivery.objects.create(batch=note, inbox="https://b.example/inbox", host="b.example")
-
-    before_kinds.migrate([(APP, "0003_webhook_lane")])
-
-    apps = before_kinds.loader.project_state([(APP, "0003_webhook_lane")]).apps
-    deliveries = apps.get_model(APP, "Delivery").objects.order_by("id")
-    assert list(deliveries.values_list("kind", "lane")) == [
-        ("webhook", "webhook"),
-        ("activitypub", "normal"),
-    ]
-    batches = apps.get_model(APP, "Batch").objects.order_by("id")
-    assert list(batches.values_list("lane", flat=True)) == ["webhook", "normal"]
+@pytest.mark.usefixtures("migrated_again")
+def test_the_batch_table_leaves_half_of_each_page_free_on_postgresql() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("a PostgreSQL storage parameter")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT reloptions FROM pg_class WHERE relname = %s", [Batch._meta.db_table])
+        (options,) = cursor.fetchone()
+    assert options == ["fillfactor=50"]

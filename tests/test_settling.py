@@ -33,9 +33,7 @@ def test_the_summary_counts_each_outcome_in_its_own_field() -> None:
 
 
 def test_a_failure_names_a_webhook_by_its_destination_and_an_inbox_by_nothing_more() -> None:
-    given_up = store.GivenUp(
-        id=3, batch_id=2, inbox="webhook:ops", last_status=None, destination="ops"
-    )
+    given_up = store.GivenUp(id=3, batch_id=2, inbox="ops", last_status=None, destination="ops")
     payload = failure(given_up, sender="", tag="t", event_type="deploy", status=None, error="gone")
     assert (payload.delivery_id, payload.batch_id, payload.destination) == (3, 2, "ops")
     assert (payload.deadline, payload.refused) == (False, False)

@@ -113,15 +113,15 @@ def test_a_failing_destination_gets_its_events_strictly_in_order_and_holds_nothi
     runner = start_deliverer()
     wait_until(lambda: len(healthy.received) == 5 and len(inbox.received) == 1)
     others_done.set()
-    wait_until(all_settled("webhook:flaky"))
+    wait_until(all_settled("<flaky>"))
     runner.stop()
 
     assert [event_n(request) for request in healthy.received] == [0, 1, 2, 3, 4]
     sent = [event_n(request) for request in flaky.received]
     assert len(failed) >= 2 and failed == [0] * len(failed)
     assert sent == [0] * len(failed) + [0, 1, 2, 3, 4]
-    assert {d.status for d in deliveries("webhook:flaky")} == {Status.DELIVERED}
-    assert deliveries("webhook:flaky")[0].attempts == len(failed) + 1
+    assert {d.status for d in deliveries("<flaky>")} == {Status.DELIVERED}
+    assert deliveries("<flaky>")[0].attempts == len(failed) + 1
 
 
 def test_signed_json_verifies_at_the_receiver_and_is_signed_alike_on_every_retry(
@@ -344,7 +344,7 @@ def test_a_4xx_is_refused_for_good_and_the_next_event_goes(
     send_webhook("ops", "alert.raised", {"n": 0})
     send_webhook("ops", "alert.resolved", {"n": 1})
     Deliverer().run(drain=True)
-    refused, delivered = deliveries("webhook:ops")
+    refused, delivered = deliveries("<ops>")
     assert (refused.status, refused.attempts, refused.last_status) == (Status.REFUSED, 1, 404)
     assert refused.last_error == "the receiver answered 404 Not Found: no_service"
     assert delivered.status == Status.DELIVERED
@@ -388,9 +388,9 @@ def test_after_nine_tries_an_event_is_given_up_and_the_next_goes(
     send_webhook("ops", "alert.raised", {"n": 0})
     send_webhook("ops", "alert.raised", {"n": 1})
     runner = start_deliverer()
-    wait_until(all_settled("webhook:ops"))
+    wait_until(all_settled("<ops>"))
     runner.stop()
-    failed, delivered = deliveries("webhook:ops")
+    failed, delivered = deliveries("<ops>")
     assert (failed.status, failed.attempts, failed.last_status) == (Status.FAILED, 9, 503)
     assert (
         failed.last_error
@@ -416,7 +416,7 @@ def test_a_removed_destinations_events_are_given_up_in_writing_when_the_loop_sta
     configure(settings, {"kept": kept})
     caplog.set_level(logging.WARNING, logger="django_federation_delivery")
     Deliverer().run(drain=True)
-    gone = deliveries("webhook:gone")
+    gone = deliveries("<gone>")
     assert {d.status for d in gone} == {Status.FAILED}
     # One WARNING each, as for any give-up.
     assert sorted(r.getMessage() for r in caplog.records if "given up" in r.getMessage()) == sorted(
@@ -425,7 +425,7 @@ def test_a_removed_destinations_events_are_given_up_in_writing_when_the_loop_sta
         for d in gone
     )
     assert {d.last_error for d in gone} == {"no destination named `gone` is configured any more"}
-    assert {d.status for d in deliveries("webhook:kept")} == {Status.DELIVERED}
+    assert {d.status for d in deliveries("<kept>")} == {Status.DELIVERED}
     assert [request.path for request in receiver.received] == ["/services/T1/B1/x1"] * 3
     failures = [value for name, value in caught if name == "delivery_failed"]
     assert sorted(f.delivery_id for f in failures) == [d.id for d in gone]
@@ -450,11 +450,11 @@ def test_a_destination_removed_while_its_event_waits_to_be_retried_is_given_up_w
     send_webhook("ops", "alert.raised", {"n": 0})
     send_webhook("ops", "alert.raised", {"n": 1})
     runner = start_deliverer()
-    wait_until(lambda: deliveries("webhook:ops")[0].attempts == 1)
+    wait_until(lambda: deliveries("<ops>")[0].attempts == 1)
     configure(settings, {}, WEBHOOK_RETRY=[1.0] * 8)
-    wait_until(all_settled("webhook:ops"))
+    wait_until(all_settled("<ops>"))
     runner.stop()
-    assert {d.last_error for d in deliveries("webhook:ops")} == {
+    assert {d.last_error for d in deliveries("<ops>")} == {
         "no destination named `ops` is configured any more"
     }
     assert len(receiver.received) == 1

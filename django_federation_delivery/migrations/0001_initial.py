@@ -5,7 +5,9 @@ a claim reads, in lane and due order). A delivery has few index entries, as
 each row is written three times (queued, claimed, settled): its foreign keys
 have no index of their own (``fd_delivery_once_per_inbox`` and
 ``fd_delivery_batch_status`` begin with the batch; ``after`` and
-``(status, settled_at)`` are indexed only where they are set).
+``(status, settled_at)`` are indexed only where they are set);
+``fd_delivery_destination`` holds a webhook destination's pending events in
+the order they were sent.
 
 On PostgreSQL the batch table leaves half of each page free
 (``fillfactor`` 50): a batch's row is updated as its deliveries settle, and
@@ -117,6 +119,16 @@ class Migration(migrations.Migration):
                     "paused_at",
                     models.DateTimeField(blank=True, null=True, verbose_name="paused at"),
                 ),
+                (
+                    "disabled_reason",
+                    models.CharField(
+                        blank=True, default="", max_length=400, verbose_name="disabled because"
+                    ),
+                ),
+                (
+                    "failing_since",
+                    models.DateTimeField(blank=True, null=True, verbose_name="failing since"),
+                ),
                 ("updated_at", models.DateTimeField(auto_now=True, verbose_name="updated at")),
             ],
             options={
@@ -154,7 +166,12 @@ class Migration(migrations.Migration):
                 (
                     "lane",
                     models.CharField(
-                        choices=[("priority", "priority"), ("normal", "normal"), ("low", "low")],
+                        choices=[
+                            ("webhook", "webhook"),
+                            ("priority", "priority"),
+                            ("normal", "normal"),
+                            ("low", "low"),
+                        ],
                         default="normal",
                         max_length=16,
                         verbose_name="lane",
@@ -235,13 +252,33 @@ class Migration(migrations.Migration):
                         auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
                     ),
                 ),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[("activitypub", "ActivityPub inbox"), ("webhook", "webhook")],
+                        default="activitypub",
+                        max_length=16,
+                        verbose_name="kind",
+                    ),
+                ),
+                (
+                    "destination",
+                    models.CharField(
+                        blank=True, default="", max_length=64, verbose_name="destination"
+                    ),
+                ),
                 ("inbox", models.CharField(max_length=2048, verbose_name="inbox")),
                 ("host", models.CharField(max_length=255, verbose_name="host")),
                 ("via", models.JSONField(blank=True, default=list, verbose_name="via")),
                 (
                     "lane",
                     models.CharField(
-                        choices=[("priority", "priority"), ("normal", "normal"), ("low", "low")],
+                        choices=[
+                            ("webhook", "webhook"),
+                            ("priority", "priority"),
+                            ("normal", "normal"),
+                            ("low", "low"),
+                        ],
                         default="normal",
                         max_length=16,
                         verbose_name="lane",
@@ -353,6 +390,11 @@ class Migration(migrations.Migration):
                         ),
                         fields=["sequence", "id"],
                         name="fd_delivery_sequence",
+                    ),
+                    models.Index(
+                        condition=models.Q(("kind", "webhook"), ("status", "pending")),
+                        fields=["destination", "id"],
+                        name="fd_delivery_destination",
                     ),
                 ],
                 "constraints": [

@@ -19,7 +19,6 @@ from django_federation_delivery.channels import Destination, parse_destination
 from django_federation_delivery.channels.registry import Registry, registry
 
 __all__ = [
-    "KEY_PREFIX",
     "Configured",
     "Destination",
     "configured",
@@ -29,16 +28,14 @@ __all__ = [
     "webhooks_from_env",
 ]
 
-#: Before a destination's name in its deliveries' ``host``: what slots,
-#: breakers and pauses go by, which no inbox's host can be, so that no
-#: stranger's inbox shares a destination's breaker. Written, never read
-#: back: a delivery's ``kind`` and ``destination`` say what it is.
-KEY_PREFIX = "webhook:"
-
 
 def delivery_key(name: str) -> str:
-    """The ``host`` of a delivery to destination ``name``."""
-    return KEY_PREFIX + name
+    """The ``host`` of a delivery to destination ``name``: what slots,
+    breakers and pauses go by. The name in angle brackets, ``<ops>``, which
+    no inbox's host can be (a DNS name carries neither), so that no
+    stranger's inbox shares a destination's breaker. Written, never read
+    back: a delivery's ``kind`` and ``destination`` say what it is."""
+    return f"<{name}>"
 
 
 class _HasEnviron(Protocol):
