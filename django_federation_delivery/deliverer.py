@@ -256,7 +256,7 @@ class Deliverer:
                     now=timezone.now(),
                 )
         # Decide (decide.py), signal and count (settling.py)...
-        settlement = item.kind.settler.attempted(item.claimed, item.batch, result)
+        settlement = item.kind.settler(item.claimed).attempted(item.claimed, item.batch, result)
         # ...and settle: written with others in one transaction (outbox.py, _write).
         self.outbox.add(settlement)
 

@@ -18,7 +18,7 @@ from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.settling import Settler, Summary, ask
 from django_federation_delivery.store import claims
-from django_federation_delivery.transport import Connections, Transport, TransportSettings
+from django_federation_delivery.transport import Transport, TransportSettings
 
 __all__ = ["InboxDeliveries", "lease_deadline"]
 
@@ -51,7 +51,7 @@ class InboxDeliveries:
         skip_if: Callable[..., Any] | None = None,
         synchronization: Callable[..., Any] | None = None,
     ) -> None:
-        self.settler = settler
+        self._settler = settler
         self.schemes = schemes
         self.transport_settings = transport_settings
         self.is_permanent = is_permanent
@@ -138,9 +138,13 @@ class InboxDeliveries:
             lease_deadline=lease_deadline(row),
         )
 
-    def transport(self, connections: Connections) -> Transport:
-        """A worker's transport for inboxes, over the connections the workers share."""
-        return Transport(self.transport_settings, connections)
+    def settler(self, row: claims.Claimed) -> Settler:
+        """The one settler of every inbox delivery."""
+        return self._settler
+
+    def transport_settings_for(self, job: InboxJob) -> TransportSettings:
+        """The one transport's settings of every inbox delivery."""
+        return self.transport_settings
 
     def attempt(self, job: InboxJob, transport: Transport) -> AttemptResult:
         return attempt(

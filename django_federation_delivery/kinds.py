@@ -18,16 +18,13 @@ from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.settling import Settler
 from django_federation_delivery.store import claims
-from django_federation_delivery.transport import Connections, Transport
+from django_federation_delivery.transport import Transport, TransportSettings
 
 __all__ = ["DeliveryKind", "Kinds"]
 
 
 class DeliveryKind(Protocol):
     """A kind of delivery, as the loop sees it."""
-
-    #: Retries and judges its deliveries, and sends their signals.
-    settler: Settler
 
     @property
     def timeout(self) -> float:
@@ -56,8 +53,13 @@ class DeliveryKind(Protocol):
         """What a worker needs for an attempt at ``row``."""
         ...
 
-    def transport(self, connections: Connections) -> Transport:
-        """A transport for one worker, over the connections the workers share."""
+    def settler(self, row: claims.Claimed) -> Settler:
+        """What retries and judges ``row``, and sends its signals."""
+        ...
+
+    def transport_settings_for(self, job: Any) -> TransportSettings:
+        """How the transport of an attempt at ``job`` behaves (its time
+        limits, the networks it may reach): one transport a worker for each."""
         ...
 
     def attempt(self, job: Any, transport: Transport) -> AttemptResult:

@@ -68,13 +68,13 @@ class Triage:
             kind = self.kinds.of(batch)
             if batch.deadline is not None and now >= batch.deadline:
                 error = "the batch's deadline passed before it was sent"
-                self.outbox.add(kind.settler.unsent(row, batch, error))
+                self.outbox.add(kind.settler(row).unsent(row, batch, error))
                 continue
             if kind.skipped(row, batch):
-                self.outbox.add(kind.settler.skipped(row, batch))
+                self.outbox.add(kind.settler(row).skipped(row, batch))
                 continue
             if row.host in paused:
-                self.outbox.add(kind.settler.paused(row))
+                self.outbox.add(kind.settler(row).paused(row))
                 continue
             item = InFlight(claimed=row, batch=batch, kind=kind, job=kind.job(row, batch))
             if self.breakers is not None:

@@ -139,8 +139,9 @@ class Workers:
             return True
 
     def _work(self) -> None:
-        # A transport a kind, made when the first of its deliveries comes.
-        transports: dict[int, Transport] = {}
+        # A transport for each kind's settings, made when the first of its
+        # deliveries comes.
+        transports: dict[TransportSettings, Transport] = {}
         try:
             while True:
                 try:
@@ -162,11 +163,14 @@ class Workers:
             for transport in transports.values():
                 transport.close()
 
-    def _attempt(self, item: InFlight, transports: dict[int, Transport]) -> AttemptResult:
+    def _attempt(
+        self, item: InFlight, transports: dict[TransportSettings, Transport]
+    ) -> AttemptResult:
         try:
-            transport = transports.get(id(item.kind))
+            settings = item.kind.transport_settings_for(item.job)
+            transport = transports.get(settings)
             if transport is None:
-                transport = transports[id(item.kind)] = item.kind.transport(self.connections)
+                transport = transports[settings] = Transport(settings, self.connections)
             return item.kind.attempt(item.job, transport)
         except Exception as exc:  # a bug must not take a worker down
             # Only the type: a webhook's message and traceback may hold its

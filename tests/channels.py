@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from django_federation_delivery.channels import (
@@ -9,6 +10,7 @@ from django_federation_delivery.channels import (
     Destination,
     Event,
     Parsed,
+    Policy,
     Request,
     UnusableURL,
     Verdict,
@@ -58,3 +60,28 @@ class SlackAgain(Pager):
 
     name = "slack2"
     schemes = ("slack",)
+
+
+class Siren(Pager):
+    """A pager whose pages are few and urgent: three tries 50 ms apart,
+    claimed in the priority lane, at most 300 bytes an event."""
+
+    name = "siren"
+    label = "Siren"
+    schemes = ("siren", "siren+http")
+
+    def policy(self) -> Policy:
+        return dataclasses.replace(
+            super().policy(), schedule=(0.05, 0.05), lane="priority", max_bytes=300
+        )
+
+
+class Broken(Pager):
+    """A kind whose policy names a lane there is not."""
+
+    name = "broken"
+    label = "Broken"
+    schemes = ("broken",)
+
+    def policy(self) -> Policy:
+        return dataclasses.replace(super().policy(), lane="urgent")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from io import StringIO
 from typing import Any
@@ -14,9 +15,10 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 
 from django_federation_delivery import send_webhook, signals
-from django_federation_delivery.channels import parse_destination, registry
+from django_federation_delivery.channels import Policy, parse_destination, registry
 from django_federation_delivery.checks import check_webhooks
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Delivery, Status
 
 from .conftest import Inbox, Received
@@ -155,3 +157,66 @@ def test_a_kind_from_outside_is_ordered_retried_redacted_and_shown_like_a_built_
     assert "Pager" in queues and 'data-destination="oncall"' in queues
     for text in (status.getvalue(), queues, deliveries, caplog.text):
         assert KEY not in text
+
+
+def with_siren(settings: Any, webhooks: dict[str, str], **extra: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager", "tests.channels.Siren", "tests.channels.Broken"],
+        "WEBHOOKS": webhooks,
+        **extra,
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kind_with_a_policy_of_its_own_is_laned_sized_and_retried_by_it(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    server = inboxes("127.0.0.1", respond=lambda request: (503, {}, b"down"))
+    with_siren(
+        settings,
+        {
+            "siren": f"siren+http://{KEY}@127.0.0.1:{server.port}/page",
+            "oncall": f"pager+http://{KEY}@127.0.0.1:{server.port}/page",
+        },
+        WEBHOOK_RETRY=[0.05] * 5,
+        # Twelve failures in a row to a destination: no breaker in the way.
+        BREAKER={"THRESHOLD": 100, "COOL_OFF": 60.0, "SCOPE": "host"},
+    )
+    # Its lane; with a destination of the settings' policy, the more urgent one.
+    siren_only = send_webhook("siren", "alert.raised", {"n": 1})
+    both = send_webhook(["siren", "oncall"], "alert.raised", {"n": 2})
+    assert siren_only is not None and both is not None
+    assert (siren_only.lane, both.lane) == ("priority", "webhook")
+    # Its size: larger than it takes, nothing is written, to either.
+    with pytest.raises(InvalidDelivery, match=r"the 300 bytes the siren kind of 'siren' takes"):
+        send_webhook(["oncall", "siren"], "alert.raised", {"text": "x" * 400})
+    assert Delivery.objects.count() == 3
+    assert send_webhook("oncall", "alert.raised", {"text": "x" * 400}) is not None
+
+    deadline = time.monotonic() + 30
+    while Delivery.objects.filter(status=Status.PENDING).exists() and time.monotonic() < deadline:
+        Deliverer().run(drain=True)
+        threading.Event().wait(0.05)
+    # Its schedule: two waits, three tries; the settings' five waits, six.
+    tries = sorted(Delivery.objects.values_list("destination", "status", "attempts"))
+    assert tries == [
+        ("oncall", Status.FAILED, 6),
+        ("oncall", Status.FAILED, 6),
+        ("siren", Status.FAILED, 3),
+        ("siren", Status.FAILED, 3),
+    ]
+
+
+def test_a_policy_the_queue_cannot_follow_is_a_check_error_naming_the_value(
+    settings: Any,
+) -> None:
+    with_siren(settings, {"broken": f"broken://{KEY}@pager.example/x"})
+    (message,) = check_webhooks()
+    assert message.id == "federation_delivery.E036"
+    assert "'broken'" in message.msg and "'urgent'" in message.msg and "priority" in message.msg
+    assert KEY not in message.msg
+    with pytest.raises(ValueError, match="its max_bytes is at least 1, not 0"):
+        Policy(max_bytes=0)
+    with pytest.raises(ValueError, match=r"its schedule .* not \(\)"):
+        Policy(schedule=())

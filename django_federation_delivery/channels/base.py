@@ -23,6 +23,7 @@ from django.utils.translation import gettext as _
 from django_federation_delivery.addresses import replace_secrets
 from django_federation_delivery.attempt import Verdict, is_refusal
 from django_federation_delivery.channels.events import Event, compact_json
+from django_federation_delivery.channels.policy import Policy
 from django_federation_delivery.transport import Answer, parse_retry_after
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Channel",
     "Destination",
     "Parsed",
+    "Policy",
     "Request",
     "URLParts",
     "UnusableURL",
@@ -145,7 +147,9 @@ class Request:
 class Channel:
     """A kind of destination. Subclass it, set :attr:`name`, :attr:`label` and
     :attr:`schemes`, and write :meth:`parse` and :meth:`request`; override
-    :meth:`judge` when the service says more than its status does.
+    :meth:`judge` when the service says more than its status does, and
+    :meth:`policy` when its deliveries are to be retried, ordered or laned
+    otherwise than the ``WEBHOOK_*`` settings say.
 
     A kind is chosen by the scheme of a destination's URL. It never touches the
     database, and is one instance for the whole process: keep no state on it.
@@ -169,6 +173,14 @@ class Channel:
         """The request that delivers ``event``, made for an attempt at ``now``
         (Unix time): anything time-bound, such as a signature, is of ``now``."""
         raise NotImplementedError
+
+    def policy(self) -> Policy:
+        """How this kind's deliveries are queued, tried and retried: as the
+        ``WEBHOOK_*`` settings say, unless the kind says otherwise (override
+        it, changing what differs: ``dataclasses.replace(super().policy(),
+        schedule=(60.0, 600.0))``). Asked as a send is written and as a
+        deliverer starts, never for each attempt."""
+        return Policy.for_webhooks()
 
     def judge(self, answer: Answer) -> Verdict:
         """A 2xx is delivered; a 4xx but 408 and 429 is refused for good

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
@@ -13,6 +13,9 @@ from django.utils.translation import ngettext
 
 from django_federation_delivery.checks.bounds import PREFIX
 from django_federation_delivery.conf import SETTING, app_settings
+
+if TYPE_CHECKING:
+    from django_federation_delivery.channels import Destination
 
 
 @register()
@@ -65,6 +68,7 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         )
         for name, problem in configured().problems.items()
     ]
+    errors += _policy_errors(configured().destinations.values())
     from django_federation_delivery.webhooks.policy import settings_problems
 
     if isinstance(getattr(settings, SETTING, {}), dict):
@@ -79,6 +83,40 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             )
             for problem in settings_problems()
         ]
+    return errors
+
+
+def _policy_errors(destinations: Iterable[Destination]) -> list[CheckMessage]:
+    """An error for each kind in use whose policy cannot be had (E036), once
+    a kind; only when the settings it starts from are good."""
+    from django_federation_delivery.webhooks.policy import settings_problems
+
+    if settings_problems():
+        return []  # E032 says what is wrong first
+    errors: list[CheckMessage] = []
+    seen = set()
+    for destination in destinations:
+        channel = destination.channel
+        if channel.name in seen:
+            continue
+        seen.add(channel.name)
+        try:
+            channel.policy()
+        except Exception as exc:
+            errors.append(
+                Error(
+                    _("The policy of the %(kind)r kind of webhook destination: %(problem)s.")
+                    % {
+                        "kind": channel.name,
+                        "problem": str(exc) if isinstance(exc, ValueError) else type(exc).__name__,
+                    },
+                    hint=_(
+                        "A kind's policy() returns a Policy (django_federation_delivery.channels): "
+                        "the WEBHOOK_* settings' by default, changed with dataclasses.replace()."
+                    ),
+                    id=f"{PREFIX}.E036",
+                )
+            )
     return errors
 
 

@@ -11,6 +11,8 @@ when one is claimed.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 
 from django.core.exceptions import ImproperlyConfigured
@@ -18,12 +20,12 @@ from django.db import DEFAULT_DB_ALIAS
 
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.channels import Event
+from django_federation_delivery.channels import Channel, Event
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Delivery, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.store import claims, settlements
-from django_federation_delivery.transport import Connections, Transport, TransportSettings
+from django_federation_delivery.transport import Transport, TransportSettings
 from django_federation_delivery.webhooks.attempt import (
     WebhookCall,
     WebhookJob,
@@ -40,6 +42,8 @@ from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 __all__ = ["WebhookDeliveries", "removed_reason"]
 
+logger = logging.getLogger(__name__)
+
 CHUNK = 500
 #: Past this many events read, they are read again as needed.
 MOST_EVENTS = 1000
@@ -49,9 +53,21 @@ def removed_reason(name: str) -> str:
     return f"no destination named `{name}` is configured any more"
 
 
+@dataclasses.dataclass(frozen=True)
+class Way:
+    """How the deliveries to one kind of destination are tried and retried:
+    its policy, the settler that follows it, and its transport's settings."""
+
+    policy: WebhookPolicy
+    settler: Settler
+    transport_settings: TransportSettings
+
+
 class WebhookDeliveries:
     """What a deliverer does for its webhook deliveries, beside its activities:
-    retried and judged by ``policy``, each sent by its destination's kind."""
+    each sent by its destination's kind, and retried and judged by that
+    kind's policy (``policy``, as the ``WEBHOOK_*`` settings say, for every
+    kind that says no other)."""
 
     def __init__(
         self,
@@ -62,11 +78,14 @@ class WebhookDeliveries:
         using: str = DEFAULT_DB_ALIAS,
         on_finished: Callable[[list[int]], None] | None = None,
     ) -> None:
-        self.policy = policy
-        self.settler = settler
-        self.transport_settings = webhook_transport_settings(transport_settings, policy)
+        self.transport_base = transport_settings
+        #: Every kind's whose policy is the settings'.
+        self.default = Way(policy, settler, webhook_transport_settings(transport_settings, policy))
         self.using = using
         self.on_finished = on_finished
+        #: The way of each kind met so far, by the kind's name; written in the
+        #: loop's thread only (as its jobs are made), read by the workers.
+        self._ways: dict[str, Way] = {}
         #: The events of the batches in hand, by batch id.
         self._events: dict[int, Event | None] = {}
 
@@ -91,20 +110,77 @@ class WebhookDeliveries:
         )
 
     @property
+    def policy(self) -> WebhookPolicy:
+        """The policy of every kind that says no other."""
+        return self.default.policy
+
+    def way(self, channel: Channel) -> Way:
+        """How deliveries to ``channel``'s destinations are tried: as its
+        policy says, or as the settings do if that cannot be had."""
+        found = self._ways.get(channel.name)
+        if found is not None:
+            return found
+        try:
+            policy = WebhookPolicy.of(channel.policy())
+        except Exception as exc:
+            # The host project's kind: one whose policy fails is sent all the
+            # same, as the settings say.
+            logger.warning(
+                "The policy of the %s kind could not be had (%s); the WEBHOOK_* settings apply",
+                channel.name,
+                type(exc).__name__,
+            )
+            policy = self.policy
+        if policy == self.policy:
+            found = self.default
+        else:
+            default = self.default.settler
+            found = Way(
+                policy,
+                policy.settler(default.summary, default.watch),
+                webhook_transport_settings(self.transport_base, policy),
+            )
+        self._ways[channel.name] = found
+        return found
+
+    def way_to(self, name: str) -> Way:
+        """How deliveries to the destination ``name`` are tried."""
+        destination = self.lookup(name)
+        return (
+            self.way(destination.channel) if isinstance(destination, Destination) else self.default
+        )
+
+    def settler(self, row: claims.Claimed) -> Settler:
+        return self.way_to(row.destination).settler
+
+    @property
     def timeout(self) -> float:
-        return self.policy.timeout
+        """The longest one attempt may take, whatever its kind."""
+        ways = [self.way(found.channel) for found in self._configured().values()]
+        return max(way.policy.timeout for way in [self.default, *ways])
 
     def skipped(self, row: claims.Claimed, batch: BatchInfo) -> bool:
         """SKIP_IF is asked about activities, not events."""
         return False
 
-    def transport(self, connections: Connections) -> Transport:
-        """A worker's transport for webhooks: the webhook time limit, over the
-        connections the workers share."""
-        return Transport(self.transport_settings, connections)
+    def transport_settings_for(self, job: WebhookJob) -> TransportSettings:
+        """A transport's settings for ``job``: its kind's time limit and networks."""
+        return self._way_of(job).transport_settings
 
     def attempt(self, job: WebhookJob, transport: Transport) -> AttemptResult:
-        return attempt_webhook(job, transport, self.policy)
+        return attempt_webhook(job, transport, self._way_of(job).policy)
+
+    def _way_of(self, job: WebhookJob) -> Way:
+        destination = job.call.destination
+        if destination is None:
+            return self.default
+        return self._ways.get(destination.channel.name, self.default)
+
+    def _configured(self) -> dict[str, Destination]:
+        try:
+            return dict(configured().destinations)
+        except ImproperlyConfigured:
+            return {}
 
     def lookup(self, name: str) -> Destination | str | None:
         """The destination ``name``: None when it is not configured (any more),
@@ -129,6 +205,7 @@ class WebhookDeliveries:
             call = WebhookCall(None, None, problem=problem, permanent=True)
         else:
             call = WebhookCall(destination, event)
+            self.way(destination.channel)  # made here, in the loop's thread
         return WebhookJob(delivery_id=row.id, call=call)
 
     def _event(self, batch: BatchInfo) -> Event | None:
@@ -176,8 +253,9 @@ class WebhookDeliveries:
                 reason = removed_reason(rows[0].destination)
                 for row in rows:
                     claimed, batch = _claimed(row), batches[row.batch_id]
-                    self.policy.given_up(claimed, batch.event_type, reason)
-                    self.settler.abandoned(claimed, batch, row.last_status, reason)
+                    way = self.way_to(row.destination)
+                    way.policy.given_up(claimed, batch.event_type, reason)
+                    way.settler.abandoned(claimed, batch, row.last_status, reason)
                 failed += len(
                     settlements.give_up_rows(
                         [row.id for row in rows],

@@ -10,22 +10,23 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
+from django_federation_delivery.channels import Policy
+from django_federation_delivery.channels.policy import is_wait
 from django_federation_delivery.decide import Outcome, Ruling
 from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
 
 if TYPE_CHECKING:
+    from django_federation_delivery.attempt import AttemptResult
     from django_federation_delivery.batches import BatchInfo
     from django_federation_delivery.settling import Settler, Summary
     from django_federation_delivery.store.claims import Claimed
     from django_federation_delivery.transport.networks import IPNetwork
-    from django_federation_delivery.webhooks.life import Watch
 
 __all__ = ["WebhookPolicy", "settings_problems"]
 
@@ -60,7 +61,11 @@ class WebhookPolicy:
     def message_length(self) -> int:
         return self.body_length + MESSAGE_ROOM
 
-    def settler(self, summary: Summary, watch: Watch | None = None) -> Settler:
+    def settler(
+        self,
+        summary: Summary,
+        watch: Callable[[Claimed, AttemptResult, dt.datetime], bool] | None = None,
+    ) -> Settler:
         """The settler of webhook deliveries: retried and judged by this
         policy, each attempt told to ``watch``."""
         from django_federation_delivery.settling import Settler
@@ -105,21 +110,31 @@ class WebhookPolicy:
         logger.warning("%s given up: %s", _event(row, event_type), error[: self.message_length])
 
     @classmethod
+    def of(cls, policy: Policy) -> WebhookPolicy:
+        """For a kind whose :meth:`~Channel.policy` is ``policy``; a refusal's
+        body kept as ``ERROR_LENGTH`` says."""
+        from django_federation_delivery.conf import app_settings
+
+        return cls(
+            schedule=policy.schedule,
+            retry_after_max=policy.retry_after_max,
+            timeout=policy.timeout,
+            body_length=app_settings.error_length,
+            allowed_networks=policy.allowed_networks,
+        )
+
+    @classmethod
     def from_settings(cls) -> WebhookPolicy:
-        from django_federation_delivery.conf import SETTING, app_settings
+        """As the ``WEBHOOK_*`` settings say: ``ImproperlyConfigured`` naming
+        the first that is wrong."""
+        from django_federation_delivery.conf import SETTING
 
         problems = settings_problems()
         if problems:
             raise ImproperlyConfigured(
                 _("%(setting)s: %(problem)s.") % {"setting": SETTING, "problem": problems[0]}
             )
-        return cls(
-            schedule=app_settings.webhook_retry,
-            retry_after_max=app_settings.webhook_retry_after_max,
-            timeout=app_settings.webhook_timeout,
-            body_length=app_settings.error_length,
-            allowed_networks=app_settings.allowed_networks("WEBHOOK_ALLOWED_NETWORKS"),
-        )
+        return cls.of(Policy.for_webhooks())
 
 
 def _event(row: Claimed, event_type: str) -> str:
@@ -142,7 +157,7 @@ def settings_problems() -> list[str]:
         )
     for name in ("WEBHOOK_RETRY_AFTER_MAX", "WEBHOOK_TIMEOUT"):
         value = app_settings.get(name)
-        if not _wait(value):
+        if not is_wait(value):
             problems.append(
                 _(
                     "%(name)s must be a number of seconds above 0 "
@@ -158,15 +173,5 @@ def _waits(schedule: Any) -> bool:
         isinstance(schedule, Sequence)
         and not isinstance(schedule, str)
         and bool(schedule)
-        and all(_wait(wait) for wait in schedule)
-    )
-
-
-def _wait(value: Any) -> bool:
-    # inf and nan are floats too: a wait of either overflows a datetime.
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 < value <= LONGEST_WAIT
+        and all(is_wait(wait) for wait in schedule)
     )

@@ -25,7 +25,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
-from django_federation_delivery.channels import Event
+from django_federation_delivery.channels import Event, Policy
+from django_federation_delivery.channels.policy import LANES
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane
@@ -68,16 +69,25 @@ def send_webhook(
     is subscribed (or none is named).
     """
     event = Event.of(event_type, event_id or str(uuid.uuid4()), timezone.now(), data)
-    names = [name for name, found in _destinations(destination) if found.receives(event.type)]
-    if not names:
+    found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
+    if not found:
         return None
+    names = [name for name, _ in found]
+    policies = {name: _policy(d) for name, d in found}
     encoded = event.as_json()
-    limit = app_settings.webhook_max_bytes
-    if len(encoded) > limit:
-        raise InvalidDelivery(
-            f"the event {event.type!r} is {len(encoded)} bytes as JSON, more than "
-            f"WEBHOOK_MAX_BYTES ({limit})"
-        )
+    for name, found_at in found:
+        limit = policies[name].max_bytes
+        if len(encoded) > limit:
+            taken = (
+                f"WEBHOOK_MAX_BYTES ({limit})"
+                if limit == app_settings.webhook_max_bytes
+                else f"the {limit} bytes the {found_at.channel.name} kind of {name!r} takes"
+            )
+            raise InvalidDelivery(
+                f"the event {event.type!r} is {len(encoded)} bytes as JSON, more than {taken}"
+            )
+    # The most urgent lane any of its destinations' kinds asks for.
+    lane = min((policy.lane for policy in policies.values()), key=LANES.index)
     body = encoded.decode()
     alias = using or DEFAULT_DB_ALIAS
     # No savepoint, as send()'s.
@@ -89,13 +99,25 @@ def send_webhook(
                 body=body,
                 body_sha256=body_sha256(body.encode()),
                 ordering_key=ORDERING_KEY,
-                lane=Lane.WEBHOOK,
+                lane=Lane(lane),
                 event_type=event.type,
                 event_id=event.id,
             ),
             [queueing.Queued(name, delivery_key(name), destination=name) for name in names],
             using=alias,
         )
+
+
+def _policy(destination: Destination) -> Policy:
+    """The policy of ``destination``'s kind; ``ImproperlyConfigured`` naming
+    the kind if it cannot be had."""
+    try:
+        return destination.channel.policy()
+    except Exception as exc:
+        raise ImproperlyConfigured(
+            f"the policy of the {destination.channel.name!r} kind of webhook destination "
+            f"could not be had: {type(exc).__name__}"
+        ) from None
 
 
 def _destinations(destination: object) -> list[tuple[str, Destination]]:

@@ -50,7 +50,14 @@ class Command(TranslatedCommand):
             )
         if isinstance(destination, str):
             raise CommandError(destination)  # what is wrong, never the URL
-        policy = WebhookPolicy.from_settings()
+        WebhookPolicy.from_settings()  # the settings it starts from, checked
+        try:
+            policy = WebhookPolicy.of(destination.channel.policy())
+        except ValueError as exc:
+            raise CommandError(
+                _("The policy of the %(kind)r kind: %(problem)s")
+                % {"kind": destination.channel.name, "problem": exc}
+            ) from None
         settings = webhook_transport_settings(app_settings.transport_settings(), policy)
         event = Event.of("ping", uuid.uuid4(), timezone.now(), {"test": True})
         connections = Connections(settings)

@@ -1,0 +1,93 @@
+"""What a kind of destination asks of the queue: its :class:`Policy`.
+
+Every built-in webhook kind takes the ``WEBHOOK_*`` settings
+(:meth:`Policy.for_webhooks`); a kind of the host project's may answer
+differently in its :meth:`~django_federation_delivery.channels.Channel.policy`,
+say a shorter schedule for a pager, or no order for a notification feed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Final
+
+from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT
+
+if TYPE_CHECKING:
+    from django_federation_delivery.transport.networks import IPNetwork
+
+__all__ = ["LANES", "Policy", "is_wait"]
+
+#: The lanes a policy may name, claimed in this order (``models.Lane``).
+LANES: Final = ("webhook", "priority", "normal", "low")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How deliveries to one kind of destination are queued, tried and retried."""
+
+    #: The waits between tries: one try more than waits.
+    schedule: tuple[float, ...] = DAY_SCHEDULE
+    #: The longest a receiver's ``Retry-After`` is taken at its word, unless
+    #: the schedule's own wait is longer.
+    retry_after_max: float = 3600.0
+    #: One request, from connecting to the end of the answer.
+    timeout: float = 10.0
+    #: The non-public networks its destinations may be on.
+    allowed_networks: tuple[IPNetwork, ...] = ()
+    #: The largest event it is sent, as JSON; a larger one is refused by
+    #: ``send_webhook`` with nothing written.
+    max_bytes: int = 1 << 20
+    #: The lane its events are claimed from (one of :data:`LANES`).
+    lane: str = "webhook"
+    #: Whether each destination receives its events one at a time, oldest
+    #: first (a failing one holding the later ones back), or each as soon as
+    #: it can.
+    ordered: bool = True
+
+    def __post_init__(self) -> None:
+        """A policy the queue cannot follow is refused as it is made, naming
+        the bad value (``manage.py check`` reports it, E036)."""
+        if self.lane not in LANES:
+            raise ValueError(f"its lane is one of {', '.join(LANES)}, not {self.lane!r}")
+        if not self.schedule or not all(is_wait(wait) for wait in self.schedule):
+            raise ValueError(
+                f"its schedule is one or more waits in seconds, each above 0 and at most "
+                f"{LONGEST_WAIT:g}, not {self.schedule!r}"
+            )
+        for name in ("retry_after_max", "timeout"):
+            if not is_wait(getattr(self, name)):
+                raise ValueError(
+                    f"its {name} is a number of seconds above 0 and at most {LONGEST_WAIT:g}, "
+                    f"not {getattr(self, name)!r}"
+                )
+        if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool):
+            raise ValueError(f"its max_bytes is a whole number, not {self.max_bytes!r}")
+        if self.max_bytes < 1:
+            raise ValueError(f"its max_bytes is at least 1, not {self.max_bytes!r}")
+
+    @classmethod
+    def for_webhooks(cls) -> Policy:
+        """As the ``WEBHOOK_*`` settings say: every built-in kind's policy."""
+        from django_federation_delivery.conf import app_settings
+
+        return cls(
+            schedule=tuple(app_settings.webhook_retry),
+            retry_after_max=app_settings.webhook_retry_after_max,
+            timeout=app_settings.webhook_timeout,
+            allowed_networks=app_settings.allowed_networks("WEBHOOK_ALLOWED_NETWORKS"),
+            max_bytes=app_settings.webhook_max_bytes,
+        )
+
+
+def is_wait(value: Any) -> bool:
+    """Whether ``value`` is a wait the queue can keep: seconds above 0 and at
+    most ``LONGEST_WAIT``."""
+    # inf and nan are floats too: a wait of either overflows a datetime.
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= LONGEST_WAIT
+    )
