@@ -33,7 +33,8 @@ class RetryPolicy:
     attempts: int = 12
     jitter: float = 0.25
     #: Waits in seconds, one per retry; when given, it replaces the backoff
-    #: and allows ``len(schedule) + 1`` tries in all, without jitter.
+    #: and allows ``len(schedule) + 1`` tries in all, each wait up to
+    #: ``jitter`` shorter (a fixed schedule is usually given none).
     schedule: tuple[float, ...] | None = None
 
     @classmethod
@@ -43,8 +44,20 @@ class RetryPolicy:
             base=float(value["BASE"]),
             cap=float(value["CAP"]),
             attempts=int(value["ATTEMPTS"]),
-            jitter=float(value["JITTER"]),
+            # A schedule written out is waited as written.
+            jitter=float(value["JITTER"]) if schedule is None else 0.0,
             schedule=tuple(float(wait) for wait in schedule) if schedule is not None else None,
+        )
+
+    @property
+    def waits(self) -> tuple[float, ...]:
+        """Its waits before each retry, before jitter: the schedule, or the
+        backoff written out."""
+        if self.schedule is not None:
+            return self.schedule
+        return tuple(
+            min(self.cap, self.base * 2.0 ** min(made - 1, 1023))
+            for made in range(1, self.attempts)
         )
 
     @property
@@ -57,10 +70,11 @@ class RetryPolicy:
         if made >= self.max_attempts:
             return None
         if self.schedule is not None:
-            return self.schedule[made - 1]
-        # 2.0 ** 1024 raises OverflowError; by then every wait is the cap.
-        wait = min(self.cap, self.base * 2.0 ** min(made - 1, 1023))
-        return jitter(wait, self.jitter, rand)
+            wait = self.schedule[made - 1]
+        else:
+            # 2.0 ** 1024 raises OverflowError; by then every wait is the cap.
+            wait = min(self.cap, self.base * 2.0 ** min(made - 1, 1023))
+        return jitter(wait, self.jitter, rand) if self.jitter else wait
 
 
 def wait_before_retry(

@@ -218,5 +218,6 @@ def test_a_policy_the_queue_cannot_follow_is_a_check_error_naming_the_value(
     assert KEY not in message.msg
     with pytest.raises(ValueError, match="its max_bytes is at least 1, not 0"):
         Policy(max_bytes=0)
-    with pytest.raises(ValueError, match=r"its schedule .* not \(\)"):
-        Policy(schedule=())
+    with pytest.raises(ValueError, match=r"its schedule .* not \(0\.0,\)"):
+        Policy(schedule=(0.0,))
+    assert Policy(schedule=()).retry.max_attempts == 1

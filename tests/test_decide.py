@@ -221,6 +221,6 @@ def test_the_policys_jitter_is_drawn_from_the_rand_given() -> None:
 
 
 def test_a_fixed_schedule_retries_by_it_and_gives_up_after_its_nine_tries() -> None:
-    policy = RetryPolicy(schedule=DAY_SCHEDULE)
+    policy = RetryPolicy(schedule=DAY_SCHEDULE, jitter=0.0)
     assert decide(answer(503), 8, policy, now=NOW).due_at == after(DAY_SCHEDULE[7])
     assert decide(answer(503), 9, policy, now=NOW).outcome is Outcome.FAILED

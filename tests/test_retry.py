@@ -28,7 +28,7 @@ def test_each_wait_is_up_to_a_quarter_shorter_at_random() -> None:
 
 
 def test_a_fixed_schedule_gives_nine_tries_across_about_a_day() -> None:
-    policy = RetryPolicy(schedule=DAY_SCHEDULE)
+    policy = RetryPolicy(schedule=DAY_SCHEDULE, jitter=0.0)
     waits = [policy.delay(made) for made in range(1, 10)]
     assert waits[:8] == list(DAY_SCHEDULE)
     assert waits[8] is None

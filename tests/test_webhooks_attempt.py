@@ -11,16 +11,14 @@ import pytest
 import requests
 import responses
 
-from django_federation_delivery.channels.base import is_refusal
+from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.channels import Call
+from django_federation_delivery.channels.base import is_refusal, safe_text
 from django_federation_delivery.channels.slack import Slack
+from django_federation_delivery.settling import Summary
 from django_federation_delivery.transport import Transport, TransportSettings, status_text
 from django_federation_delivery.webhooks import Event, parse_destination
-from django_federation_delivery.webhooks.attempt import (
-    WebhookCall,
-    WebhookJob,
-    attempt_webhook,
-    safe_text,
-)
+from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
@@ -42,10 +40,18 @@ def mocked() -> Iterator[responses.RequestsMock]:
         yield mock
 
 
-def job(url: str = SLACK, **call: object) -> WebhookJob:
+def job(url: str = SLACK, **call: object) -> Call:
     values: dict[str, object] = {"destination": parse_destination("ops", url), "event": EVENT}
     values.update(call)
-    return WebhookJob(delivery_id=1, call=WebhookCall(**values))  # type: ignore[arg-type]
+    return Call(delivery_id=1, **values)  # type: ignore[arg-type]
+
+
+def attempt(job: Call, transport: Transport) -> AttemptResult:
+    """The attempt the loop has made: by the destination's kind, none for a
+    job with a problem."""
+    policy = WebhookPolicy()
+    deliveries = WebhookDeliveries(policy, policy.settler(Summary()), transport.settings)
+    return deliveries.attempt(job, transport)
 
 
 def no_secret(text: str) -> bool:
@@ -56,7 +62,7 @@ def test_a_2xx_is_delivered_with_the_destinations_request_unsigned(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:
     mocked.post(SENT_TO, status=200, body="ok")
-    result = attempt_webhook(job(), transport, WebhookPolicy())
+    result = attempt(job(), transport)
     assert result.delivered and result.status == 200 and result.error == ""
     request = mocked.calls[0].request
     assert json.loads(request.body) == {"text": "alert.raised\nhost: db1"}
@@ -69,7 +75,7 @@ def test_a_4xx_is_refused_for_good_and_its_body_kept_without_the_url(
     mocked: responses.RequestsMock, transport: Transport, status: int
 ) -> None:
     mocked.post(SENT_TO, status=status, body=f"no_service\n  at {SENT_TO}\n")
-    result = attempt_webhook(job(), transport, WebhookPolicy())
+    result = attempt(job(), transport)
     assert not result.delivered and result.permanent and result.status == status
     # The hook's path is its credential; the host is not.
     assert result.error == (
@@ -82,7 +88,7 @@ def test_a_410_is_not_the_events_refusal_but_a_hold_its_destination_is_disabled_
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:
     mocked.post(SENT_TO, status=410, body="hook deleted")
-    result = attempt_webhook(job(), transport, WebhookPolicy())
+    result = attempt(job(), transport)
     assert (result.delivered, result.permanent, result.held) == (False, False, True)
     assert (result.status, result.requests) == (410, 1)
     assert result.error == "the receiver answered 410 Gone: hook deleted"
@@ -93,7 +99,7 @@ def test_408_429_5xx_and_redirects_are_retried(
     mocked: responses.RequestsMock, transport: Transport, status: int
 ) -> None:
     mocked.post(SENT_TO, status=status, headers={"Location": "https://elsewhere.example/"})
-    result = attempt_webhook(job(), transport, WebhookPolicy())
+    result = attempt(job(), transport)
     assert not result.delivered and not result.permanent
     assert result.error == f"the receiver answered {status_text(status)}"
     assert len(mocked.calls) == 1
@@ -109,7 +115,7 @@ def test_the_first_300_characters_of_a_refusals_body_are_kept_in_one_line(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:
     mocked.post(SENT_TO, status=404, body="word\n" * 200)
-    result = attempt_webhook(job(), transport, WebhookPolicy())
+    result = attempt(job(), transport)
     kept = " ".join(["word"] * 200)[:300]
     assert len(kept) == 300
     assert result.error == "the receiver answered 404 Not Found: " + kept.rstrip()
@@ -123,21 +129,21 @@ def test_retry_after_is_taken_in_seconds_only(
     mocked: responses.RequestsMock, transport: Transport, header: str, expected: float | None
 ) -> None:
     mocked.post(SENT_TO, status=429, headers={"Retry-After": header})
-    assert attempt_webhook(job(), transport, WebhookPolicy()).retry_after == expected
+    assert attempt(job(), transport).retry_after == expected
 
 
 def test_an_http_date_in_retry_after_is_not_taken(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:
     mocked.post(SENT_TO, status=503, headers={"Retry-After": "Wed, 21 Oct 2099 07:28:00 GMT"})
-    assert attempt_webhook(job(), transport, WebhookPolicy()).retry_after is None
+    assert attempt(job(), transport).retry_after is None
 
 
 def test_a_network_error_is_retried_and_told_with_the_scheme_and_host_only(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:
     mocked.post(SENT_TO, body=requests.ConnectionError(f"boom talking to {SENT_TO}"))
-    result = attempt_webhook(job(), transport, WebhookPolicy())
+    result = attempt(job(), transport)
     assert not result.delivered and not result.permanent and result.status is None
     assert result.error.startswith("https://hooks.slack.com: ")
     assert no_secret(result.error)
@@ -153,10 +159,8 @@ def test_safe_text_leaves_scheme_and_host_of_a_telegram_bot_url() -> None:
 def test_a_destination_that_does_not_parse_is_retried_without_a_request(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:
-    result = attempt_webhook(
-        job(destination=None, problem="Webhook destination 'ops': its URL has no host."),
-        transport,
-        WebhookPolicy(),
+    result = attempt(
+        job(destination=None, problem="Webhook destination 'ops': its URL has no host."), transport
     )
     assert not result.permanent and result.requests == 0 and not mocked.calls
     assert result.error == "Webhook destination 'ops': its URL has no host."
@@ -168,7 +172,7 @@ def test_a_template_that_raises_is_retried_and_named_by_its_type_only(
     from unittest import mock
 
     with mock.patch.object(Slack, "request", side_effect=RuntimeError(SENT_TO)):
-        result = attempt_webhook(job(), transport, WebhookPolicy())
+        result = attempt(job(), transport)
     assert result.error == "the event could not be written for ops: RuntimeError"
     assert not result.permanent and result.requests == 0 and not mocked.calls
 
@@ -184,7 +188,7 @@ def test_a_matrix_message_is_put_and_delivered(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:
     mocked.put(MATRIX_SENT_TO, status=200, json={"event_id": "$abc"})
-    result = attempt_webhook(job(MATRIX), transport, WebhookPolicy())
+    result = attempt(job(MATRIX), transport)
     assert result.delivered and result.status == 200
     (call,) = mocked.calls
     assert call.request.method == "PUT"
@@ -195,7 +199,7 @@ def test_a_homeserver_s_rate_limit_is_waited_as_its_body_asks(
 ) -> None:
     body = {"errcode": "M_LIMIT_EXCEEDED", "retry_after_ms": 2500}
     mocked.put(MATRIX_SENT_TO, status=429, json=body)
-    result = attempt_webhook(job(MATRIX), transport, WebhookPolicy())
+    result = attempt(job(MATRIX), transport)
     assert not result.delivered and not result.permanent
     assert result.retry_after == 2.5
     assert "syt_matrixAccessToken42" not in result.error
@@ -209,8 +213,6 @@ def test_a_kind_that_fails_inside_a_200_is_retried_with_what_it_said(
         "CHANNELS": ["tests.channels.Pager"],
     }
     mocked.post("https://pager.example/v2/enqueue", status=200, json={"status": "error"})
-    result = attempt_webhook(
-        job("pager://routingKEY123@pager.example/v2/enqueue"), transport, WebhookPolicy()
-    )
+    result = attempt(job("pager://routingKEY123@pager.example/v2/enqueue"), transport)
     assert not result.delivered and not result.permanent
     assert result.error == 'the receiver answered 200 OK: {"status": "error"}'

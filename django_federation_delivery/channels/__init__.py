@@ -11,6 +11,7 @@ Matrix and signed JSON (Standard Webhooks); a project adds its own with
 from __future__ import annotations
 
 from django_federation_delivery.channels.base import (
+    Call,
     Channel,
     Destination,
     Parsed,
@@ -24,6 +25,7 @@ from django_federation_delivery.channels.registry import parse_destination, regi
 from django_federation_delivery.channels.text import render_text
 
 __all__ = [
+    "Call",
     "Channel",
     "Destination",
     "Event",

@@ -13,21 +13,41 @@ a message or an echoing receiver writes them. Nothing is guessed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import logging
+import time
+from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
+from http import HTTPStatus
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote, unquote, urlsplit
 
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.addresses import replace_secrets
-from django_federation_delivery.attempt import Verdict, is_refusal
+from django_federation_delivery.attempt import (
+    AttemptResult,
+    Job,
+    Verdict,
+    failed,
+    is_refusal,
+    judged,
+)
 from django_federation_delivery.channels.events import Event, compact_json
 from django_federation_delivery.channels.policy import Policy
-from django_federation_delivery.transport import Answer, parse_retry_after
+from django_federation_delivery.exceptions import TransportError
+from django_federation_delivery.transport import (
+    Answer,
+    Transport,
+    logs,
+    parse_retry_after,
+    status_text,
+)
+from django_federation_delivery.transport.failures import check_url
 
 __all__ = [
+    "MESSAGE_ROOM",
     "REDACTED",
+    "Call",
     "Channel",
     "Destination",
     "Parsed",
@@ -36,9 +56,17 @@ __all__ = [
     "URLParts",
     "UnusableURL",
     "Verdict",
+    "safe_text",
 ]
 
+logger = logging.getLogger("django_federation_delivery.channels")
+
 REDACTED = "[redacted]"
+#: Room beyond a kept body for what a message says around it
+#: ("gave up after 9 attempts: the receiver answered 503 Service Unavailable: …").
+MESSAGE_ROOM = 100
+#: What a destination is asked to answer in: anything, it is only read for an error.
+ACCEPT = "application/json, */*;q=0.5"
 # A secret part shorter than this is too common a text to take out of a message
 # ("T01", "ops"): a kind declares parts that are long enough to mean something.
 MIN_REDACTED = 6
@@ -144,6 +172,25 @@ class Request:
     display: str
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Call(Job):
+    """An attempt at a configured destination, as a worker is given it: the
+    destination as configured now and the event as queued, or why it cannot
+    be sent as it is (a destination that does not parse, an event that cannot
+    be read back) and whether that can pass."""
+
+    destination: Destination | None
+    event: Event | None
+    problem: str = ""
+    permanent: bool = False
+    #: How much of a refusal's body is kept (``ERROR_LENGTH``).
+    body_length: int = 300
+
+    @property
+    def message_length(self) -> int:
+        return self.body_length + MESSAGE_ROOM
+
+
 class Channel:
     """A kind of destination. Subclass it, set :attr:`name`, :attr:`label` and
     :attr:`schemes`, and write :meth:`parse` and :meth:`request`; override
@@ -194,6 +241,67 @@ class Channel:
             retry_after=parse_retry_after(answer.headers.get("Retry-After"), dates=False),
             detail=answer.body.decode("utf-8", "replace"),
         )
+
+    def attempt(
+        self,
+        job: Any,
+        transport: Transport,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        now: Callable[[], float] = time.time,
+    ) -> AttemptResult:
+        """One attempt at ``job`` (a :class:`Call` to one of this kind's
+        destinations): the request :meth:`request` builds at ``now()``, sent
+        once within the transport's time limit, its answer judged by
+        :meth:`judge`. A kind whose attempt is more than one request (an
+        ActivityPub inbox's double knock) overrides it.
+
+        The URL is the credential: every text that leaves here has been
+        through the destination's :meth:`~Destination.redact` (and the
+        transport's ``scheme://host/path`` cut to ``scheme://host``), a
+        receiver echoing the URL included; urllib3's debug lines are redacted
+        while it is sent."""
+        started = clock()
+        destination, event = job.destination, job.event
+        assert destination is not None and event is not None, "a call with a problem is not made"
+        try:
+            request = self.request(destination, event, now=now())
+        except Exception as exc:
+            # The project's template, most likely; fixed, the retry sends it.
+            logger.warning(
+                "The event %s for %s could not be written: %s",
+                event.type,
+                destination.display,
+                type(exc).__name__,
+            )
+            error = f"the event could not be written for {destination.name}: {type(exc).__name__}"
+            return failed(job, error, permanent=False, requests=0)
+        headers = {"Accept": ACCEPT, **request.headers}
+        try:
+            with logs.redacting(destination.redact):
+                answer = transport.post(request.url, request.body, headers, method=request.method)
+        except TransportError as exc:
+            error = safe_text(destination, request.url, str(exc))[: job.message_length]
+            result = failed(job, error, permanent=False)
+        else:
+            result = self._judged(job, answer, destination)
+        return dataclasses.replace(result, duration=clock() - started)
+
+    def _judged(self, job: Call, answer: Answer, destination: Destination) -> AttemptResult:
+        verdict = self.judge(answer)
+        # The whole of what was read is redacted before any of it is cut: a cut
+        # secret would no longer be recognised.
+        text = " ".join(destination.redact(verdict.detail).split())
+        error = f"the receiver answered {status_text(answer.status)}"
+        if text:
+            error = f"{error}: {text[: job.body_length].rstrip()}"
+        result = judged(job, answer.status, verdict, error)
+        if answer.status == HTTPStatus.GONE:
+            # Not this event's refusal: the destination is gone, and disabled
+            # for it (webhooks/life.py). The event waits with the others, its
+            # tries kept.
+            result = dataclasses.replace(result, permanent=False, held=True, retry_after=None)
+        return result
 
     # Helpers for kinds.
 
@@ -258,3 +366,19 @@ def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
         if len(form) >= MIN_REDACTED
     }
     return tuple(sorted(found, key=lambda form: (-len(form), form)))
+
+
+def safe_text(destination: Destination, url: str, text: str) -> str:
+    """``text`` (a transport's error) in one line with nothing of the URL but
+    its scheme and host: the path of a Slack or Discord hook, and a bot
+    token, are the credential."""
+    try:
+        target = check_url(url)
+    except TransportError:
+        pass
+    else:
+        origin = target.display.split("://", 1)
+        host = origin[1].split("/", 1)[0] if len(origin) == 2 else ""
+        if host:
+            text = text.replace(target.display, f"{origin[0]}://{host}")
+    return " ".join(destination.redact(text).split())

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Final
 
-from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT
+from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
 
 if TYPE_CHECKING:
     from django_federation_delivery.transport.networks import IPNetwork
@@ -29,6 +29,9 @@ class Policy:
 
     #: The waits between tries: one try more than waits.
     schedule: tuple[float, ...] = DAY_SCHEDULE
+    #: Each wait up to this fraction shorter, at random, so that deliveries
+    #: failed together are not all tried again together.
+    jitter: float = 0.0
     #: The longest a receiver's ``Retry-After`` is taken at its word, unless
     #: the schedule's own wait is longer.
     retry_after_max: float = 3600.0
@@ -51,11 +54,13 @@ class Policy:
         the bad value (``manage.py check`` reports it, E036)."""
         if self.lane not in LANES:
             raise ValueError(f"its lane is one of {', '.join(LANES)}, not {self.lane!r}")
-        if not self.schedule or not all(is_wait(wait) for wait in self.schedule):
+        if not isinstance(self.schedule, tuple) or not all(map(is_wait, self.schedule)):
             raise ValueError(
-                f"its schedule is one or more waits in seconds, each above 0 and at most "
+                f"its schedule is a tuple of waits in seconds, each above 0 and at most "
                 f"{LONGEST_WAIT:g}, not {self.schedule!r}"
             )
+        if not (is_wait(self.jitter) or self.jitter == 0) or self.jitter >= 1:
+            raise ValueError(f"its jitter is a fraction from 0 to below 1, not {self.jitter!r}")
         for name in ("retry_after_max", "timeout"):
             if not is_wait(getattr(self, name)):
                 raise ValueError(
@@ -66,6 +71,11 @@ class Policy:
             raise ValueError(f"its max_bytes is a whole number, not {self.max_bytes!r}")
         if self.max_bytes < 1:
             raise ValueError(f"its max_bytes is at least 1, not {self.max_bytes!r}")
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """Its schedule and jitter, as the settler follows them."""
+        return RetryPolicy(schedule=self.schedule, jitter=self.jitter)
 
     @classmethod
     def for_webhooks(cls) -> Policy:

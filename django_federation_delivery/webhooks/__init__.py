@@ -7,8 +7,9 @@ Telegram, ntfy, Matrix, signed JSON, or one the project adds), and the URL is
 the credential, so only the name and the kind are ever shown.
 
 ``send_webhook`` (``webhooks/sending.py``, re-exported by the package) queues
-an event; the deliverer sends it (``webhooks/deliveries.py``,
-``webhooks/attempt.py``) by the rules of ``webhooks/policy.py``.
+an event; the deliverer sends it (``webhooks/deliveries.py``) through its
+destination's kind (``Channel.attempt``), retried as that kind's policy
+says (``webhooks/policy.py``).
 """
 
 from __future__ import annotations

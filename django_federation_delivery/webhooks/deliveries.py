@@ -18,20 +18,14 @@ from collections.abc import Callable, Iterable
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 
-from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.attempt import AttemptResult, failed
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.channels import Channel, Event
+from django_federation_delivery.channels import Call, Channel, Event
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Delivery, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.transport import Transport, TransportSettings
-from django_federation_delivery.webhooks.attempt import (
-    WebhookCall,
-    WebhookJob,
-    attempt_webhook,
-    webhook_transport_settings,
-)
 from django_federation_delivery.webhooks.destinations import (
     Destination,
     configured,
@@ -40,7 +34,7 @@ from django_federation_delivery.webhooks.destinations import (
 from django_federation_delivery.webhooks.life import Watch
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
-__all__ = ["WebhookDeliveries", "removed_reason"]
+__all__ = ["WebhookDeliveries", "removed_reason", "webhook_transport_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,18 +157,18 @@ class WebhookDeliveries:
         """SKIP_IF is asked about activities, not events."""
         return False
 
-    def transport_settings_for(self, job: WebhookJob) -> TransportSettings:
+    def transport_settings_for(self, job: Call) -> TransportSettings:
         """A transport's settings for ``job``: its kind's time limit and networks."""
-        return self._way_of(job).transport_settings
+        if job.destination is None:
+            return self.default.transport_settings
+        return self._ways.get(job.destination.channel.name, self.default).transport_settings
 
-    def attempt(self, job: WebhookJob, transport: Transport) -> AttemptResult:
-        return attempt_webhook(job, transport, self._way_of(job).policy)
-
-    def _way_of(self, job: WebhookJob) -> Way:
-        destination = job.call.destination
-        if destination is None:
-            return self.default
-        return self._ways.get(destination.channel.name, self.default)
+    def attempt(self, job: Call, transport: Transport) -> AttemptResult:
+        """The attempt the destination's kind makes; none for a job that
+        cannot be sent as it is."""
+        if job.problem or job.destination is None or job.event is None:
+            return failed(job, job.problem, permanent=job.permanent, requests=0)
+        return job.destination.channel.attempt(job, transport)
 
     def _configured(self) -> dict[str, Destination]:
         try:
@@ -191,22 +185,31 @@ class WebhookDeliveries:
         except ImproperlyConfigured as exc:
             return str(exc)
 
-    def job(self, row: claims.Claimed, batch: BatchInfo) -> WebhookJob:
+    def job(self, row: claims.Claimed, batch: BatchInfo) -> Call:
         """The job for a claimed webhook delivery: the destination as configured
         now, and the event as queued."""
         name = row.destination
         destination = self.lookup(name)
         if destination is None:
-            call = WebhookCall(None, None, problem=removed_reason(name), permanent=True)
-        elif isinstance(destination, str):
-            call = WebhookCall(None, None, problem=destination)
-        elif (event := self._event(batch)) is None:
+            return self._unsendable(row, removed_reason(name), permanent=True)
+        if isinstance(destination, str):
+            return self._unsendable(row, destination, permanent=False)
+        event = self._event(batch)
+        if event is None:
             problem = f"the stored event of batch {batch.id} cannot be read"
-            call = WebhookCall(None, None, problem=problem, permanent=True)
-        else:
-            call = WebhookCall(destination, event)
-            self.way(destination.channel)  # made here, in the loop's thread
-        return WebhookJob(delivery_id=row.id, call=call)
+            return self._unsendable(row, problem, permanent=True)
+        way = self.way(destination.channel)  # made here, in the loop's thread
+        return Call(
+            delivery_id=row.id,
+            destination=destination,
+            event=event,
+            body_length=way.policy.body_length,
+        )
+
+    def _unsendable(self, row: claims.Claimed, problem: str, *, permanent: bool) -> Call:
+        return Call(
+            delivery_id=row.id, destination=None, event=None, problem=problem, permanent=permanent
+        )
 
     def _event(self, batch: BatchInfo) -> Event | None:
         """The event ``batch`` stores, read once for all its destinations."""
@@ -279,4 +282,18 @@ def _claimed(row: Delivery) -> claims.Claimed:
         token="",
         leased_until=0.0,
         destination=row.destination,
+    )
+
+
+def webhook_transport_settings(
+    settings: TransportSettings, policy: WebhookPolicy
+) -> TransportSettings:
+    """The transport's settings for a kind of destination: its time limit,
+    and the networks opened to its destinations in place of those opened to
+    inboxes."""
+    return dataclasses.replace(
+        settings,
+        allowed_networks=policy.allowed_networks,
+        attempt_timeout=policy.timeout,
+        connect_timeout=min(settings.connect_timeout, policy.timeout),
     )

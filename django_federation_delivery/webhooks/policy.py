@@ -17,6 +17,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.channels import Policy
+from django_federation_delivery.channels.base import MESSAGE_ROOM
 from django_federation_delivery.channels.policy import is_wait
 from django_federation_delivery.decide import Outcome, Ruling
 from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
@@ -32,10 +33,6 @@ __all__ = ["WebhookPolicy", "settings_problems"]
 
 logger = logging.getLogger(__name__)
 
-#: Room beyond the body kept for what a message says around it
-#: ("gave up after 9 attempts: the receiver answered 503 Service Unavailable: …").
-MESSAGE_ROOM = 100
-
 
 @dataclasses.dataclass(frozen=True)
 class WebhookPolicy:
@@ -43,6 +40,8 @@ class WebhookPolicy:
 
     #: The waits between tries: one try more than waits.
     schedule: tuple[float, ...] = DAY_SCHEDULE
+    #: Each wait up to this fraction shorter, at random.
+    jitter: float = 0.0
     #: The longest a receiver's ``Retry-After`` is taken at its word, unless
     #: the schedule's own wait is longer.
     retry_after_max: float = 3600.0
@@ -55,7 +54,7 @@ class WebhookPolicy:
 
     @property
     def retry(self) -> RetryPolicy:
-        return RetryPolicy(schedule=self.schedule, jitter=0.0)
+        return RetryPolicy(schedule=self.schedule, jitter=self.jitter)
 
     @property
     def message_length(self) -> int:
@@ -117,6 +116,7 @@ class WebhookPolicy:
 
         return cls(
             schedule=policy.schedule,
+            jitter=policy.jitter,
             retry_after_max=policy.retry_after_max,
             timeout=policy.timeout,
             body_length=app_settings.error_length,

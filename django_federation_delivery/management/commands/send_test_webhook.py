@@ -11,16 +11,11 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.channels import Event
+from django_federation_delivery.channels import Call, Event
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.management.base import TranslatedCommand
 from django_federation_delivery.transport import Connections, Transport, status_text
-from django_federation_delivery.webhooks.attempt import (
-    WebhookCall,
-    WebhookJob,
-    attempt_webhook,
-    webhook_transport_settings,
-)
+from django_federation_delivery.webhooks.deliveries import webhook_transport_settings
 from django_federation_delivery.webhooks.destinations import configured
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
@@ -63,9 +58,13 @@ class Command(TranslatedCommand):
         connections = Connections(settings)
         transport = Transport(settings, connections)
         try:
-            result = attempt_webhook(
-                WebhookJob(delivery_id=0, call=WebhookCall(destination, event)), transport, policy
+            call = Call(
+                delivery_id=0,
+                destination=destination,
+                event=event,
+                body_length=policy.body_length,
             )
+            result = destination.channel.attempt(call, transport)
         finally:
             transport.close()
             connections.close()
