@@ -4,6 +4,7 @@ first) and the attempt at it, judged by the ActivityPub retry policy."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 from django_federation_delivery.attempt import AttemptResult, permanent_status
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.channels.activitypub import InboxJob, attempt
+from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.keys import KeyCache
@@ -46,16 +47,15 @@ class InboxDeliveries:
         schemes: KnownSchemes,
         transport_settings: TransportSettings,
         *,
-        is_permanent: Callable[[int], bool],
-        error_length: int,
+        channel: ActivityPub | None = None,
         skip_if: Callable[..., Any] | None = None,
         synchronization: Callable[..., Any] | None = None,
     ) -> None:
         self._settler = settler
         self.schemes = schemes
         self.transport_settings = transport_settings
-        self.is_permanent = is_permanent
-        self.error_length = error_length
+        #: What makes each attempt and judges its answer.
+        self.channel = channel or ActivityPub()
         #: SKIP_IF: whether to drop a delivery unsent as it comes due.
         self.skip_if = skip_if
         #: COLLECTION_SYNCHRONIZATION: the header for a sender and an inbox.
@@ -68,13 +68,22 @@ class InboxDeliveries:
     def from_settings(
         cls, summary: Summary, schemes: KnownSchemes, transport_settings: TransportSettings
     ) -> InboxDeliveries:
-        """As the settings say: RETRY, PERMANENT_STATUS, SKIP_IF and the rest."""
-        return cls(
-            Settler.from_settings(summary),
-            schemes,
-            transport_settings,
+        """As the settings say: the inbox kind's policy (RETRY, ATTEMPT_TIMEOUT,
+        ALLOWED_NETWORKS and the rest), PERMANENT_STATUS, SKIP_IF."""
+        channel = ActivityPub(
             is_permanent=app_settings.callable_setting("PERMANENT_STATUS") or permanent_status,
             error_length=app_settings.error_length,
+        )
+        policy = channel.policy()
+        return cls(
+            Settler.from_settings(summary, policy),
+            schemes,
+            dataclasses.replace(
+                transport_settings,
+                attempt_timeout=policy.timeout,
+                allowed_networks=policy.allowed_networks,
+            ),
+            channel=channel,
             skip_if=app_settings.callable_setting("SKIP_IF"),
             synchronization=app_settings.callable_setting("COLLECTION_SYNCHRONIZATION"),
         )
@@ -147,6 +156,4 @@ class InboxDeliveries:
         return self.transport_settings
 
     def attempt(self, job: InboxJob, transport: Transport) -> AttemptResult:
-        return attempt(
-            job, transport, is_permanent=self.is_permanent, error_length=self.error_length
-        )
+        return self.channel.attempt(job, transport)

@@ -23,6 +23,7 @@ from django.utils.translation import gettext as _
 from django_federation_delivery import metrics, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
+from django_federation_delivery.channels.policy import Policy
 from django_federation_delivery.decide import Outcome, Ruling, decide
 from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy
@@ -174,15 +175,16 @@ class Settler:
     tell: Callable[[claims.Claimed, BatchInfo, Ruling, int, dt.datetime], None] | None = None
 
     @classmethod
-    def from_settings(cls, summary: Summary) -> Settler:
-        """The settler of ActivityPub deliveries, as ``FEDERATION_DELIVERY`` says."""
+    def from_settings(cls, summary: Summary, policy: Policy) -> Settler:
+        """The settler of ActivityPub deliveries: retried as ``policy`` (the
+        inbox kind's) says, and as ``FEDERATION_DELIVERY`` says of senders."""
         from django_federation_delivery.conf import app_settings
 
         return cls(
-            policy=app_settings.retry,
+            policy=policy.retry,
             summary=summary,
             wait_as_asked=app_settings.wait_as_asked,
-            retry_after_max=app_settings.retry_after_max,
+            retry_after_max=policy.retry_after_max,
             error_length=app_settings.error_length,
             sender_gone=app_settings.callable_setting("SENDER_GONE"),
             permanent_if_gone=app_settings.permanent_if_sender_gone,

@@ -29,7 +29,7 @@ from django_federation_delivery.addresses import (
     validate_inbox,
 )
 from django_federation_delivery.attempt import AttemptResult
-from django_federation_delivery.channels.activitypub import InboxJob, attempt
+from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery
 from django_federation_delivery.signatures import Scheme, SenderKey
@@ -307,7 +307,7 @@ def attempt_once(
         sender=ALICE,
         scheme=scheme,
     )
-    return attempt(job, transport)
+    return ActivityPub().attempt(job, transport)
 
 
 def sent_once(url: object, inbox: Inbox, transport: Transport, scheme: Scheme) -> str:

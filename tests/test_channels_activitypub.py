@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import responses
 
-from django_federation_delivery.attempt import permanent_status
-from django_federation_delivery.channels.activitypub import InboxJob, attempt
+from django_federation_delivery.attempt import AttemptResult, permanent_status
+from django_federation_delivery.channels import Channel, Destination, UnusableURL
+from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
+from django_federation_delivery.conf import DEFAULTS, app_settings
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
 from django_federation_delivery.transport import Answer, Transport, TransportSettings, status_text
 
@@ -55,6 +57,10 @@ def job(key: object = ALICE_KEY, **fields: object) -> InboxJob:
     }
     values.update(fields)
     return InboxJob(**values)  # type: ignore[arg-type]
+
+
+def attempt(job: InboxJob, transport: Transport, *, error_length: int = 300) -> AttemptResult:
+    return ActivityPub(error_length=error_length).attempt(job, transport)
 
 
 def schemes_used(mocked: responses.RequestsMock) -> list[str]:
@@ -356,3 +362,41 @@ def test_gateways_left_untried_for_want_of_time_make_a_passing_failure(
     assert len(gone.received) == 1
     assert other.received == [], "no time left for it"
     assert (result.status, result.permanent) == (410, False), "the other might have accepted"
+
+
+def test_an_inbox_is_a_kind_of_destination_with_its_credentials_declared() -> None:
+    channel = ActivityPub()
+    assert isinstance(channel, Channel) and channel.name == "activitypub"
+    url = "https://Remote.Example:443/inbox?token=t0kenVALUE9"
+    parsed = channel.parse(url, "https")
+    assert parsed.url == "https://remote.example/inbox?token=t0kenVALUE9"
+    destination = Destination.of("remote", channel, parsed)
+    said = destination.redact(f"denied with t0kenVALUE9 at {parsed.url}")
+    assert said == "denied with [redacted] at https://remote.example/inbox?[redacted]"
+    with pytest.raises(UnusableURL, match="its URL carries a user or password"):
+        channel.parse("https://user:pa55w0rdXYZ@remote.example/inbox", "https")
+
+
+@pytest.mark.parametrize(
+    "retry",
+    [
+        {"BASE": 30.0, "CAP": 3600.0, "ATTEMPTS": 12, "JITTER": 0.25},
+        {"BASE": 1.0, "CAP": 5.0, "ATTEMPTS": 6, "JITTER": 0.5},
+        {"SCHEDULE": [10.0, 20.0], "JITTER": 0.25},
+    ],
+)
+def test_its_policy_retries_as_the_retry_setting_says(settings: Any, retry: dict[str, Any]) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETRY": {**DEFAULTS["RETRY"], **retry},
+        "ATTEMPT_TIMEOUT": 12.0,
+    }
+    policy = ActivityPub().policy()
+    written = app_settings.retry
+    assert policy.retry.max_attempts == written.max_attempts
+    for made in range(1, written.max_attempts + 1):
+        for rand in (0.0, 0.5, 1.0):
+            assert policy.retry.delay(made, lambda r=rand: r) == written.delay(
+                made, lambda r=rand: r
+            )
+    assert (policy.timeout, policy.lane) == (12.0, "normal")

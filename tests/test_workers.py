@@ -17,7 +17,7 @@ import responses
 
 from django_federation_delivery.attempt import AttemptResult, Job
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.channels.activitypub import InboxJob
+from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.kinds import DeliveryKind
@@ -42,12 +42,12 @@ LOOPBACK = TransportSettings(
 
 def inboxes(settings: TransportSettings = LOOPBACK) -> InboxDeliveries:
     """The inbox kind, as far as workers use it: the attempt and its transport."""
+    channel = ActivityPub(is_permanent=lambda status: 400 <= status < 500, error_length=300)
     return InboxDeliveries(
-        Settler.from_settings(Summary()),
+        Settler.from_settings(Summary(), channel.policy()),
         KnownSchemes(Scheme.CAVAGE, lambda *args, **kwargs: None, using="default"),
         settings,
-        is_permanent=lambda status: 400 <= status < 500,
-        error_length=300,
+        channel=channel,
     )
 
 

@@ -4,12 +4,14 @@ A kind says how its URL parses (and which parts of it are secret), how the
 request for one attempt is built, and what an answer means. The loop calls
 that interface only. Built in: Slack, Discord, Markdown hooks, Telegram, ntfy,
 Matrix and signed JSON (Standard Webhooks); a project adds its own with
-``FEDERATION_DELIVERY["CHANNELS"]``. An ActivityPub inbox is sent to by
-``activitypub.py``: signed, double-knocked, gateway by gateway.
+``FEDERATION_DELIVERY["CHANNELS"]``. An ActivityPub inbox is a kind too
+(``activitypub.py``: signed, double-knocked, gateway by gateway), named by
+``send()`` rather than configured, so it is chosen by no scheme.
 """
 
 from __future__ import annotations
 
+from django_federation_delivery.channels.activitypub import ActivityPub
 from django_federation_delivery.channels.base import (
     Call,
     Channel,
@@ -25,6 +27,7 @@ from django_federation_delivery.channels.registry import parse_destination, regi
 from django_federation_delivery.channels.text import render_text
 
 __all__ = [
+    "ActivityPub",
     "Call",
     "Channel",
     "Destination",

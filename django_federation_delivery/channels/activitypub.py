@@ -1,11 +1,11 @@
-"""ActivityPub inboxes: how one is sent to, and how its answer is judged.
+"""ActivityPub inboxes: the :class:`ActivityPub` kind of destination.
 
 An attempt signs the activity in the scheme the host last accepted, POSTs
 it, and on a 400 or 401 knocks once more at once in the other scheme
 ("double knocking"); a portable inbox's gateways are tried in turn, all
 within one deadline. The answer is judged by ``PERMANENT_STATUS`` (every 4xx
 but 408 and 429 by default), and what the inbox said is kept with the
-target's credentials taken out.
+target's credentials (declared by :meth:`ActivityPub.parse`) taken out.
 
 Runs in a worker thread and never touches the database: the loop's side of
 it, the job's key and scheme, is ``inboxes.py``.
@@ -27,11 +27,13 @@ from django_federation_delivery.attempt import (
     lapsed,
     permanent_status,
 )
+from django_federation_delivery.channels.base import Channel, Parsed, UnusableURL
+from django_federation_delivery.channels.policy import Policy
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
 from django_federation_delivery.transport import Answer, Transport, parse_retry_after, status_text
 
-__all__ = ["KNOCK_AGAIN", "InboxJob", "attempt", "describe"]
+__all__ = ["KNOCK_AGAIN", "ActivityPub", "InboxJob", "describe"]
 
 #: The answers that mean a knock in the wrong scheme, worth one more in the other.
 KNOCK_AGAIN = frozenset({400, 401})
@@ -54,114 +56,174 @@ class InboxJob(Job):
     key_error: str = ""
 
 
-def attempt(
-    job: InboxJob,
-    transport: Transport,
-    *,
-    is_permanent: Callable[[int], bool] = permanent_status,
-    error_length: int = 300,
-    clock: Callable[[], float] = time.monotonic,
-) -> AttemptResult:
-    """Make one attempt at ``job``: each target in turn until one accepts.
+class ActivityPub(Channel):
+    """An ActivityPub inbox: an activity signed by its sender, POSTed, and
+    knocked again in the other signature scheme when the first is refused.
 
-    The whole attempt, every gateway of a portable inbox and both knocks of
-    double knocking, is over within the transport's ``attempt_timeout``, and
-    before the job's lease ends: another process may take the delivery then.
+    Unlike a webhook kind it is not configured by name, nor chosen by a
+    scheme: ``send()`` names its inboxes, and the deliverer makes one for
+    them, as ``PERMANENT_STATUS`` and ``ERROR_LENGTH`` say. Its attempt is its
+    own (:meth:`attempt`): more than one request, each signed for its knock,
+    so it builds no :meth:`~Channel.request` of an event.
     """
-    started = clock()
-    now = time.monotonic()
-    if job.lease_deadline is not None and now >= job.lease_deadline:
-        return lapsed(job)
-    deadline = now + transport.settings.attempt_timeout
-    if job.lease_deadline is not None:
-        deadline = min(deadline, job.lease_deadline)
-    if job.key_error:
-        return failed(job, job.key_error, permanent=False, requests=0)
-    if job.key is None:
-        return failed(job, f"no key for sender {job.sender}", permanent=True, requests=0)
-    last: AttemptResult | None = None
-    requests = 0
-    for target in job.targets:
-        if last is not None and time.monotonic() >= deadline:
-            # Out of time with gateways untried: one of them may yet accept,
-            # whatever the last one said.
-            return dataclasses.replace(last, permanent=False)
-        outcome, made = _knock(
-            job, job.key, target, transport, is_permanent, error_length, deadline
+
+    name = "activitypub"
+    label = "ActivityPub inbox"
+    schemes = ("https", "http")
+
+    def __init__(
+        self,
+        *,
+        is_permanent: Callable[[int], bool] = permanent_status,
+        error_length: int = 300,
+    ) -> None:
+        self.is_permanent = is_permanent
+        self.error_length = error_length
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        """An inbox URL in its canonical form, its userinfo and query (which an
+        inbox may echo) declared secret."""
+        try:
+            parts = addresses.split(url)
+        except addresses.UnusableURL as exc:
+            raise UnusableURL(f"its URL {exc.reason}") from None
+        return Parsed(url=parts.url, secrets=tuple(addresses.credentials(url)))
+
+    def policy(self) -> Policy:
+        """As the settings say: ``RETRY`` (its backoff written out as waits,
+        with its jitter), ``RETRY_AFTER_MAX``, ``ATTEMPT_TIMEOUT``,
+        ``ALLOWED_NETWORKS`` and ``MAX_BODY_BYTES`` (which ``send()`` checks);
+        the lane of a send that names none."""
+        from django.core.exceptions import ImproperlyConfigured
+
+        from django_federation_delivery.conf import SETTING, app_settings
+
+        retry = app_settings.retry
+        try:
+            return Policy(
+                schedule=retry.waits,
+                jitter=retry.jitter,
+                retry_after_max=app_settings.retry_after_max,
+                timeout=app_settings.attempt_timeout,
+                allowed_networks=app_settings.allowed_networks(),
+                max_bytes=app_settings.max_body_bytes,
+                lane="normal",
+            )
+        except ValueError as exc:  # settings the checks refuse, read all the same
+            raise ImproperlyConfigured(
+                f"{SETTING}: the inbox policy its settings make: {exc}."
+            ) from None
+
+    def judge(self, answer: Answer) -> Verdict:
+        """A 2xx is delivered; what ``PERMANENT_STATUS`` says is refused for
+        good; anything else is tried again, after the ``Retry-After`` the
+        inbox gave, in seconds or as a date."""
+        return Verdict(
+            delivered=200 <= answer.status < 300,
+            refused=self.is_permanent(answer.status),
+            retry_after=parse_retry_after(answer.headers.get("Retry-After")),
         )
-        requests += made
-        last = dataclasses.replace(outcome, duration=clock() - started, requests=requests)
-        if last.delivered:
-            return last
-    assert last is not None, "a job has at least one target"
-    return last
 
+    def attempt(
+        self,
+        job: InboxJob,
+        transport: Transport,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        now: Callable[[], float] = time.time,
+    ) -> AttemptResult:
+        """Make one attempt at ``job``: each target in turn until one accepts.
 
-def _knock(
-    job: InboxJob,
-    key: SenderKey,
-    target: str,
-    transport: Transport,
-    is_permanent: Callable[[int], bool],
-    error_length: int,
-    deadline: float,
-) -> tuple[AttemptResult, int]:
-    """POST to ``target`` in the job's scheme, and once more in the other
-    when the first is answered 400 or 401 ("double knocking"), both by
-    ``deadline``: a second knock with no time left is a passing failure, never
-    the first one's refusal."""
-    scheme = job.scheme
-    if key.algorithm == "ed25519" and scheme is Scheme.CAVAGE:
-        # draft-cavage as Mastodon verifies it has no Ed25519: go straight to RFC 9421.
-        scheme = Scheme.RFC9421
-    made = 0
-    outcome = _post(job, key, target, scheme, transport, is_permanent, error_length, deadline)
-    made += 1
-    other = scheme.other()
-    can_sign_other = not (key.algorithm == "ed25519" and other is Scheme.CAVAGE)
-    if outcome.status in KNOCK_AGAIN and can_sign_other:
-        outcome = _post(job, key, target, other, transport, is_permanent, error_length, deadline)
+        The whole attempt, every gateway of a portable inbox and both knocks of
+        double knocking, is over within the transport's ``attempt_timeout``, and
+        before the job's lease ends: another process may take the delivery then.
+        Signatures are made as each request is, at its own time.
+        """
+        started = clock()
+        at = time.monotonic()
+        if job.lease_deadline is not None and at >= job.lease_deadline:
+            return lapsed(job)
+        deadline = at + transport.settings.attempt_timeout
+        if job.lease_deadline is not None:
+            deadline = min(deadline, job.lease_deadline)
+        if job.key_error:
+            return failed(job, job.key_error, permanent=False, requests=0)
+        if job.key is None:
+            return failed(job, f"no key for sender {job.sender}", permanent=True, requests=0)
+        last: AttemptResult | None = None
+        requests = 0
+        for target in job.targets:
+            if last is not None and time.monotonic() >= deadline:
+                # Out of time with gateways untried: one of them may yet accept,
+                # whatever the last one said.
+                return dataclasses.replace(last, permanent=False)
+            outcome, made = self._knock(job, job.key, target, transport, deadline)
+            requests += made
+            last = dataclasses.replace(outcome, duration=clock() - started, requests=requests)
+            if last.delivered:
+                return last
+        assert last is not None, "a job has at least one target"
+        return last
+
+    def _knock(
+        self,
+        job: InboxJob,
+        key: SenderKey,
+        target: str,
+        transport: Transport,
+        deadline: float,
+    ) -> tuple[AttemptResult, int]:
+        """POST to ``target`` in the job's scheme, and once more in the other
+        when the first is answered 400 or 401 ("double knocking"), both by
+        ``deadline``: a second knock with no time left is a passing failure, never
+        the first one's refusal."""
+        scheme = job.scheme
+        if key.algorithm == "ed25519" and scheme is Scheme.CAVAGE:
+            # draft-cavage as Mastodon verifies it has no Ed25519: go straight to RFC 9421.
+            scheme = Scheme.RFC9421
+        made = 0
+        outcome = self._post(job, key, target, scheme, transport, deadline)
         made += 1
-    return outcome, made
+        other = scheme.other()
+        can_sign_other = not (key.algorithm == "ed25519" and other is Scheme.CAVAGE)
+        if outcome.status in KNOCK_AGAIN and can_sign_other:
+            outcome = self._post(job, key, target, other, transport, deadline)
+            made += 1
+        return outcome, made
 
-
-def _post(
-    job: InboxJob,
-    key: SenderKey,
-    target: str,
-    scheme: Scheme,
-    transport: Transport,
-    is_permanent: Callable[[int], bool],
-    error_length: int,
-    deadline: float,
-) -> AttemptResult:
-    try:
-        # Signed and sent in one spelling: the signature covers the very target requested.
-        url = addresses.split(target).url
-    except addresses.UnusableURL as exc:
-        error = f"cannot deliver to '{exc.redacted}': it {exc.reason}"
-        return failed(job, error[:error_length], permanent=True, requests=0)
-    try:
-        headers = sign_request(
-            scheme,
-            url=url,
-            body_sha256=job.body_sha256,
-            key=key,
-            extra_headers=job.extra_headers,
-        )
-    except SigningError as exc:
-        return failed(job, str(exc)[:error_length], permanent=True)
-    try:
-        answer = transport.post(url, job.body, headers, deadline=deadline)
-    except TransportError as exc:
-        return failed(job, str(exc)[:error_length], permanent=exc.permanent)
-    verdict = Verdict(
-        delivered=200 <= answer.status < 300,
-        refused=is_permanent(answer.status),
-        retry_after=parse_retry_after(answer.headers.get("Retry-After")),
-    )
-    error = "" if verdict.delivered else describe(answer, error_length, target)
-    return judged(job, answer.status, verdict, error, accepted_scheme=scheme)
+    def _post(
+        self,
+        job: InboxJob,
+        key: SenderKey,
+        target: str,
+        scheme: Scheme,
+        transport: Transport,
+        deadline: float,
+    ) -> AttemptResult:
+        length = self.error_length
+        try:
+            # Signed and sent in one spelling: the signature covers the very target requested.
+            url = addresses.split(target).url
+        except addresses.UnusableURL as exc:
+            error = f"cannot deliver to '{exc.redacted}': it {exc.reason}"
+            return failed(job, error[:length], permanent=True, requests=0)
+        try:
+            headers = sign_request(
+                scheme,
+                url=url,
+                body_sha256=job.body_sha256,
+                key=key,
+                extra_headers=job.extra_headers,
+            )
+        except SigningError as exc:
+            return failed(job, str(exc)[:length], permanent=True)
+        try:
+            answer = transport.post(url, job.body, headers, deadline=deadline)
+        except TransportError as exc:
+            return failed(job, str(exc)[:length], permanent=exc.permanent)
+        verdict = self.judge(answer)
+        error = "" if verdict.delivered else describe(answer, length, target)
+        return judged(job, answer.status, verdict, error, accepted_scheme=scheme)
 
 
 def describe(answer: Answer, length: int, target: str = "") -> str:

@@ -61,12 +61,16 @@ class Policy:
             )
         if not (is_wait(self.jitter) or self.jitter == 0) or self.jitter >= 1:
             raise ValueError(f"its jitter is a fraction from 0 to below 1, not {self.jitter!r}")
-        for name in ("retry_after_max", "timeout"):
-            if not is_wait(getattr(self, name)):
-                raise ValueError(
-                    f"its {name} is a number of seconds above 0 and at most {LONGEST_WAIT:g}, "
-                    f"not {getattr(self, name)!r}"
-                )
+        if not is_wait(self.timeout):
+            raise ValueError(
+                f"its timeout is a number of seconds above 0 and at most {LONGEST_WAIT:g}, "
+                f"not {self.timeout!r}"
+            )
+        # Any longer is taken as the longest: no wait is ever longer (retry.py).
+        if not _number(self.retry_after_max) or not self.retry_after_max > 0:
+            raise ValueError(
+                f"its retry_after_max is a number of seconds above 0, not {self.retry_after_max!r}"
+            )
         if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool):
             raise ValueError(f"its max_bytes is a whole number, not {self.max_bytes!r}")
         if self.max_bytes < 1:
@@ -95,9 +99,8 @@ def is_wait(value: Any) -> bool:
     """Whether ``value`` is a wait the queue can keep: seconds above 0 and at
     most ``LONGEST_WAIT``."""
     # inf and nan are floats too: a wait of either overflows a datetime.
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 < value <= LONGEST_WAIT
-    )
+    return _number(value) and math.isfinite(value) and 0 < value <= LONGEST_WAIT
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
