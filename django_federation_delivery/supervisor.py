@@ -20,6 +20,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,25 @@ FIRST_BACKOFF = 0.5
 MOST_BACKOFF = 30.0
 
 
+#: A child's exit status when the script that started it runs its command
+#: as it is imported (no ``if __name__ == "__main__":``): see
+#: :func:`importing_main`.
+UNGUARDED_MAIN = 86
+
+
+def exit_if_importing_main() -> None:
+    """Exit at once, with :data:`UNGUARDED_MAIN`, in a spawned child that is
+    still importing the script that started its parent.
+
+    Spawn imports that script again in each child; one whose last lines are
+    not under ``if __name__ == "__main__":`` runs its command again there,
+    and a ``run_deliverer --processes N`` would start children of its own
+    from each child, which multiprocessing refuses, again and again. The
+    parent says why, once."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        os._exit(UNGUARDED_MAIN)
+
+
 #: Set in a child by a SIGTERM or SIGINT that came before its target took
 #: over the signals: the target stops as soon as it starts.
 stop_requested = threading.Event()
@@ -66,6 +86,15 @@ def _bootstrap(target: str, *args: Any) -> None:
 
     django.setup()
     import_string(target)(*args)
+
+
+def unguarded_main() -> str:
+    """What the supervisor says when its children ran the command again."""
+    return _(
+        "%(script)s runs its command when it is imported, so each deliverer process ran it "
+        "again instead of delivering: put its last lines under 'if __name__ == \"__main__\":', "
+        "as Django's own manage.py does"
+    ) % {"script": os.path.basename(sys.argv[0]) or "the script"}
 
 
 class GaveUp(Exception):
@@ -137,6 +166,7 @@ class Supervisor:
     def run(self) -> None:
         """Start the children and wait for them all to stop. Raises
         :class:`GaveUp` when a child kept dying or did not stop cleanly."""
+        exit_if_importing_main()
         signals = StopSignals(self._stop_saying_so, self._kill_and_exit)
         signals.install()
         try:
@@ -230,6 +260,11 @@ class Supervisor:
         lived = time.monotonic() - child.started
         if self.stopping or (self.drain and child.exitcode == 0):
             return
+        if child.exitcode == UNGUARDED_MAIN:
+            # Every restart would end the same way: say why, once.
+            self.stop()
+            self._watch()
+            raise GaveUp(unguarded_main())
         child.quick_deaths = child.quick_deaths + 1 if lived < self.quick_death else 0
         if child.quick_deaths >= self.give_up_after:
             with translation.override(None):

@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -683,6 +684,40 @@ def test_a_child_that_dies_at_once_every_time_is_given_up_with_a_clear_message(
     )
     assert gone(first), "the healthy one was stopped too"
     assert re.search(r"\[deliverer 1/2 pid \d+\] Done:", text), "and it stopped cleanly"
+
+
+#: A manage.py whose command runs when it is imported: no ``__main__`` guard.
+UNGUARDED = """\
+import sys
+
+from django.core.management import execute_from_command_line
+
+execute_from_command_line(sys.argv)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.any_database
+def test_processes_started_from_a_script_without_a_main_guard_say_so_once(
+    tmp_path: Any,
+) -> None:
+    script = tmp_path / "manage.py"
+    script.write_text(UNGUARDED)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), "run_deliverer", "--drain", "--processes=2"],
+        env=subprocess_env(FD_LOG_LEVEL="WARNING"),
+        capture_output=True,
+        text=True,
+        timeout=3 * STARTED,
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode == 1, text
+    assert text.count("CommandError: manage.py runs its command when it is imported") == 1, text
+    assert 'if __name__ == "__main__":' in text
+    # Without restarting the children, nor their tracebacks.
+    assert "Traceback" not in text and "restarting" not in text, text
+    assert time.monotonic() - started < 2 * STARTED
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "many", "1000"])

@@ -22,7 +22,7 @@ from django.utils.translation import gettext as _
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.stopsignals import StopSignals
-from django_federation_delivery.supervisor import GaveUp, Supervisor
+from django_federation_delivery.supervisor import GaveUp, Supervisor, exit_if_importing_main
 
 logger = logging.getLogger("django_federation_delivery.deliverer")
 
@@ -98,6 +98,7 @@ def prefix_log_records(prefix: str) -> None:
 def supervise(processes: int, target: str, options: dict[str, Any], *, say: Say, warn: Say) -> str:
     """Run ``processes`` children of ``target`` until they stop; gives the
     line that says how they ended, or raises a CommandError saying why not."""
+    exit_if_importing_main()  # a child of an unguarded script: its parent says so
     # The children open their own: nothing of this process's is shared or kept.
     connections.close_all()
     drain = bool(options["drain"])
