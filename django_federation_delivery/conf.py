@@ -72,9 +72,11 @@ DEFAULTS: dict[str, Any] = {
     # How many due deliveries one claim takes, and for how long.
     "CLAIM_SIZE": 64,
     "LEASE_SECONDS": 300.0,
-    # Deliveries in flight at once, in all and to one host.
+    # Deliveries in flight at once, in all and to one host: a host starts at
+    # PER_HOST and moves between 1 and PER_HOST_MAX as it answers (limits.py).
     "CONCURRENCY": 16,
     "PER_HOST": 2,
+    "PER_HOST_MAX": 8,
     # A delivery in flight this long gives its slot up to the next, so that
     # silent servers hold threads, not slots; at most SLOW_CONCURRENCY of
     # them at once beyond CONCURRENCY.
@@ -214,6 +216,7 @@ class AppSettings:
     lease_seconds = Typed(float)
     concurrency = Typed(int)
     per_host = Typed(int)
+    per_host_max = Typed(int)
     slow_after_seconds = Typed(float)
     slow_concurrency = Typed(int)
     idle_poll_seconds = Typed(float)

@@ -39,6 +39,7 @@ from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.kinds import Kinds
+from django_federation_delivery.limits import HostLimits
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.settling import Summary
@@ -65,6 +66,7 @@ class Deliverer:
         *,
         concurrency: int | None = None,
         per_host: int | None = None,
+        per_host_max: int | None = None,
         claim_size: int | None = None,
         lease: float | None = None,
         using: str = DEFAULT_DB_ALIAS,
@@ -75,6 +77,11 @@ class Deliverer:
     ) -> None:
         self.concurrency = max(1, concurrency or app_settings.concurrency)
         self.per_host = max(1, per_host or app_settings.per_host)
+        #: Each host's limit at once: from ``per_host``, up to ``PER_HOST_MAX``
+        #: (never below ``per_host``), down to 1, as it answers.
+        self.limits = HostLimits(
+            self.per_host, max(self.per_host, per_host_max or app_settings.per_host_max)
+        )
         self.slow_after = app_settings.slow_after_seconds
         self.slow_concurrency = max(0, app_settings.slow_concurrency)
         self.claim_size = max(1, claim_size or app_settings.claim_size)
@@ -121,7 +128,7 @@ class Deliverer:
             concurrency=self.concurrency,
         )
         self.slots = Slots(
-            concurrency=self.concurrency, per_host=self.per_host, slow_after=self.slow_after
+            concurrency=self.concurrency, per_host=self.limits.limit, slow_after=self.slow_after
         )
         #: Outcomes written together in one transaction, at most WRITE_WITHIN
         #: seconds late and four for each slot: what a crash would send again.
@@ -246,8 +253,9 @@ class Deliverer:
             # Attempt, in a worker thread, through its kind (workers.py).
             result = yield
             # What the answer taught: the signature scheme the host accepts,
-            # and a success or a failure for its breaker.
+            # how many it takes at once, and a success or a failure for its breaker.
             self.schemes.learn(item.claimed.host, result.accepted_scheme)
+            self.limits.learn(item.claimed.host, result)
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
                     item.breaker,

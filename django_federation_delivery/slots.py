@@ -1,6 +1,7 @@
 """Where each delivery a deliverer has claimed stands: ready for a slot, or in flight.
 
-``CONCURRENCY`` slots in all and ``PER_HOST`` to one host. A delivery in flight
+``CONCURRENCY`` slots in all, and to one host as many as its limit says
+(``limits.py``: from ``PER_HOST``, up to ``PER_HOST_MAX``). A delivery in flight
 for longer than ``SLOW_AFTER_SECONDS`` gives its slot up to the next, so that a
 silent server holds a worker thread, not a slot. Only the coordinator changes
 what is here; workers only count the slow deliveries.
@@ -42,8 +43,11 @@ class InHand:
 
 
 class Slots:
-    def __init__(self, *, concurrency: int, per_host: int, slow_after: float) -> None:
+    def __init__(
+        self, *, concurrency: int, per_host: Callable[[str], int], slow_after: float
+    ) -> None:
         self.concurrency = concurrency
+        #: How many a host may have in flight now (``limits.HostLimits.limit``).
         self.per_host = per_host
         self.slow_after = slow_after
         #: Claimed and admitted, waiting for a slot (and a slot on its host).
@@ -82,16 +86,17 @@ class Slots:
         one, say) cannot."""
         count = 0
         for item in self.ready:
-            if self._host_busy[item.claimed.host] < self.per_host:
+            if self._host_busy[item.claimed.host] < self.per_host(item.claimed.host):
                 count += 1
                 if count >= enough:
                     return True
         return False
 
     def saturated_hosts(self) -> list[str]:
-        """Hosts with ``PER_HOST`` deliveries in flight or ready: no use claiming more."""
+        """Hosts with as many deliveries in flight or ready as they may have
+        at once: no use claiming more."""
         held = self._host_busy + self._ready_hosts
-        return [host for host, count in held.items() if count >= self.per_host]
+        return [host for host, count in held.items() if count >= self.per_host(host)]
 
     def hand_out(
         self, admit: Callable[[InFlight], bool], *, slow: int, queued: int, most: int
@@ -107,7 +112,7 @@ class Slots:
                 break
             item = self.ready.popleft()
             host = item.claimed.host
-            if self._host_busy[host] >= self.per_host:
+            if self._host_busy[host] >= self.per_host(host):
                 skipped.append(item)
                 continue
             self._ready_hosts[host] -= 1

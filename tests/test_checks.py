@@ -103,6 +103,7 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "LEASE_SECONDS": [(-1, "E006", "-1"), (INF, "E006", "inf")],
     "CONCURRENCY": [(0, "E005", "0"), (10**6, "E005", "1000000")],
     "PER_HOST": [("2", "E005", "'2'")],
+    "PER_HOST_MAX": [(0, "E005", "0"), (1001, "E005", "1001")],
     "SLOW_AFTER_SECONDS": [(0, "E006", "0"), (INF, "E006", "inf")],
     "SLOW_CONCURRENCY": [(-1, "E005", "-1"), (2.5, "E005", "2.5")],
     "IDLE_POLL_SECONDS": [(NAN, "E006", "nan")],

@@ -24,6 +24,7 @@ WRITTEN_AND_READ: dict[str, tuple[Any, Any]] = {
     "lease_seconds": (600, 600.0),
     "concurrency": ("1004", 1004),
     "per_host": (1005, 1005),
+    "per_host_max": (1012, 1012),
     "slow_after_seconds": (63, 63.0),
     "slow_concurrency": (1006, 1006),
     "idle_poll_seconds": (64, 64.0),

@@ -357,6 +357,30 @@ def test_a_receiver_that_raises_is_logged_and_the_loop_goes_on(
     assert len(logged) == 2
 
 
+def test_a_host_that_answers_well_is_sent_more_at_once_up_to_the_most(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+) -> None:
+    active = {"now": 0, "most": 0}
+    lock = threading.Lock()
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        with lock:
+            active["now"] += 1
+            active["most"] = max(active["most"], active["now"])
+        time.sleep(0.03)
+        with lock:
+            active["now"] -= 1
+        return 202, {}, b""
+
+    big = inboxes("127.0.0.2", respond=respond)
+    batch = send(ALICE, NOTE, [big.url(f"/{n}") for n in range(120)])
+    runner = start_deliverer(concurrency=8, per_host=2, per_host_max=5)
+    wait_until(settled(batch))
+    runner.stop()
+    assert 2 < active["most"] <= 5, active
+
+
 def test_no_more_than_per_host_go_to_one_host_at_once(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],

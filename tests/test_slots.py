@@ -24,7 +24,7 @@ def item(number: int, host: str) -> InFlight:
 
 
 def slots(concurrency: int = 4, per_host: int = 2) -> Slots:
-    return Slots(concurrency=concurrency, per_host=per_host, slow_after=2.0)
+    return Slots(concurrency=concurrency, per_host=lambda host: per_host, slow_after=2.0)
 
 
 def admit_all(item: InFlight) -> bool:
@@ -50,6 +50,19 @@ def test_no_more_than_per_host_go_to_one_host_and_the_others_keep_their_place() 
     place.take_back(handed[0])
     assert place.sendable(1)
     assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["a"]
+
+
+def test_each_host_has_the_limit_it_has_now() -> None:
+    limits = {"a": 3, "b": 1}
+    place = Slots(concurrency=10, per_host=lambda host: limits[host], slow_after=2.0)
+    for number, host in enumerate(["a", "a", "a", "a", "b", "b"]):
+        place.add(item(number, host))
+
+    assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["a", "a", "a", "b"]
+    assert sorted(place.saturated_hosts()) == ["a", "b"]
+    limits["b"] = 2  # it answered well
+    assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["b"]
+    assert place.saturated_hosts() == ["a", "b"]
 
 
 def test_concurrency_and_the_workers_queue_bound_what_is_handed_out() -> None:

@@ -20,6 +20,7 @@ WHOLE_NUMBERS: dict[str, tuple[int, int]] = {
     "CLAIM_SIZE": (1, 10_000),
     "CONCURRENCY": (1, 1_000),
     "PER_HOST": (1, 1_000),
+    "PER_HOST_MAX": (1, 1_000),
     "SLOW_CONCURRENCY": (0, 10_000),
     "MAX_ANSWER_BYTES": (1, 64 << 20),
     "ERROR_LENGTH": (1, 100_000),

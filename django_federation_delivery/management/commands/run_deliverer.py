@@ -36,6 +36,7 @@ CHILD_OPTIONS = (
     "drain",
     "concurrency",
     "per_host",
+    "per_host_max",
     "database",
     "metrics_port",
     "metrics_addr",
@@ -93,7 +94,16 @@ class Command(TranslatedCommand):
             "--per-host",
             type=str,
             default=None,
-            help=_("Deliveries in flight at once to one host (default: PER_HOST, 2)."),
+            help=_(
+                "Deliveries in flight at once to one host as it starts (default: PER_HOST, 2); "
+                "it moves between 1 and --per-host-max as the host answers."
+            ),
+        )
+        parser.add_argument(
+            "--per-host-max",
+            type=str,
+            default=None,
+            help=_("The most in flight at once to one host (default: PER_HOST_MAX, 8)."),
         )
         parser.add_argument(
             "--database",
@@ -159,6 +169,11 @@ class Command(TranslatedCommand):
             if options["per_host"]
             else None
         )
+        per_host_max = (
+            positive(options["per_host_max"], WHOLE_NUMBERS["PER_HOST_MAX"][1])
+            if options["per_host_max"]
+            else None
+        )
         using = options["database"]
         if using not in connections:
             raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
@@ -221,6 +236,7 @@ class Command(TranslatedCommand):
             deliverer = Deliverer(
                 concurrency=concurrency,
                 per_host=per_host,
+                per_host_max=per_host_max,
                 using=using,
                 on_progress=drain_progress(due, self._say) if drain else log_rates(interval),
                 progress_interval=1.0 if drain else interval,
@@ -232,11 +248,24 @@ class Command(TranslatedCommand):
         signals = install_stop_signals(deliverer, self.child, self._warn)
         watch_supervisor(deliverer, self.child)
         message = (
-            _("Delivering until nothing is due: %(concurrency)d in flight, %(per_host)d per host.")
+            _(
+                "Delivering until nothing is due: %(concurrency)d in flight, %(per_host)d per "
+                "host at first, up to %(most)d."
+            )
             if drain
-            else _("Delivering until stopped: %(concurrency)d in flight, %(per_host)d per host.")
+            else _(
+                "Delivering until stopped: %(concurrency)d in flight, %(per_host)d per host at "
+                "first, up to %(most)d."
+            )
         )
-        self._say(message % {"concurrency": deliverer.concurrency, "per_host": deliverer.per_host})
+        self._say(
+            message
+            % {
+                "concurrency": deliverer.concurrency,
+                "per_host": deliverer.per_host,
+                "most": deliverer.limits.most,
+            }
+        )
         purging = None
         if options["purge"]:
             purging = PeriodicPurge(purge_every, first=min(FIRST_PURGE, purge_every), using=using)

@@ -1,0 +1,90 @@
+"""Each host's limit of deliveries at once: up while it answers well, halved
+at a sign of overload, once a round, between 1 and the most."""
+
+from __future__ import annotations
+
+import pytest
+
+from django_federation_delivery.attempt import AttemptResult, Job, failed, held
+from django_federation_delivery.limits import HostLimits
+
+JOB = Job(delivery_id=1)
+HOST = "big.example"
+
+
+def answered(status: int = 202, seconds: float = 0.02) -> AttemptResult:
+    return AttemptResult(
+        job=JOB,
+        delivered=200 <= status < 300,
+        status=status,
+        error="",
+        permanent=False,
+        retry_after=None,
+        accepted_scheme=None,
+        duration=seconds,
+    )
+
+
+def no_answer() -> AttemptResult:
+    return failed(JOB, "timed out after 30 s", permanent=False)
+
+
+def test_a_host_starts_at_the_start_and_a_fast_one_grows_a_round_at_a_time() -> None:
+    limits = HostLimits(2, 8)
+    assert limits.limit(HOST) == 2
+    for _ in range(2):
+        limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 2  # 2 + 1/2 + 1/2.5: not yet 3
+    limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 3
+    for _ in range(200):
+        limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 8, "never past the most"
+    assert limits.limit("other.example") == 2, "each host its own"
+
+
+@pytest.mark.parametrize(
+    "overload",
+    [answered(503), answered(429), no_answer(), answered(202, seconds=0.5)],
+    ids=["503", "429", "no answer", "far slower than its fastest"],
+)
+def test_a_sign_of_overload_halves_the_limit_once_a_round(overload: AttemptResult) -> None:
+    limits = HostLimits(8, 8)
+    limits.learn(HOST, answered(seconds=0.02))
+    limits.learn(HOST, overload)
+    assert limits.limit(HOST) == 4
+    # The answers to the other requests of that round do not halve it again.
+    for _ in range(7):
+        limits.learn(HOST, overload)
+    assert limits.limit(HOST) == 4
+    limits.learn(HOST, overload)
+    assert limits.limit(HOST) == 2
+    for _ in range(10):
+        limits.learn(HOST, overload)
+    assert limits.limit(HOST) == 1, "never below one"
+
+
+def test_a_refusal_answered_fast_is_no_overload_and_no_request_says_nothing() -> None:
+    limits = HostLimits(4, 8)
+    for _ in range(5):
+        limits.learn(HOST, answered(404))
+    assert limits.limit(HOST) == 5
+    for _ in range(20):
+        limits.learn(HOST, held(JOB, "its breaker is open", retry_after=60.0))
+        limits.learn(HOST, failed(JOB, "no key for the sender", permanent=True, requests=0))
+    assert limits.limit(HOST) == 5
+
+
+def test_a_host_slower_than_its_fastest_but_within_noise_is_not_overloaded() -> None:
+    limits = HostLimits(2, 8)
+    limits.learn(HOST, answered(seconds=0.001))
+    for _ in range(3):
+        limits.learn(HOST, answered(seconds=0.02))  # 20 times slower, but 20 ms
+    assert limits.limit(HOST) == 3
+
+
+def test_with_the_most_at_the_start_a_limit_never_grows() -> None:
+    limits = HostLimits(2, 2)
+    for _ in range(100):
+        limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 2
