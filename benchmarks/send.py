@@ -139,12 +139,12 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
 
     def bare_sqlite() -> Callable[[], Timing]:
         from django_federation_delivery.dialect import db_datetime
-        from django_federation_delivery.store import queueing
+        from django_federation_delivery.store import queueing, sql
 
         batch = send(ALICE, activity, small(1))
         assert batch is not None
-        batch_sql = queueing._batch_sql(connection).replace("%s", "?")
-        deliveries_sql = queueing._deliveries_sql(connection, 1, batch="%s").replace("%s", "?")
+        batch_sql = sql.statement(connection, "insert_batch")
+        deliveries_sql = sql.statement(connection, "insert_deliveries")
         batch_values = queueing._batch_values(batch, connection)
         due = db_datetime(batch.created_at, connection)
         mode = connection.settings_dict["OPTIONS"].get("transaction_mode", "")
@@ -155,13 +155,17 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
             raw = connection.connection
             with timed() as took:
                 raw.execute(f"BEGIN {mode}")
-                (batch_id,) = raw.execute(batch_sql, batch_values).fetchone()
+                (batch_id,) = raw.execute(
+                    batch_sql.qmark, batch_sql.bind({"batch": batch_values})
+                ).fetchone()
                 # The values as the package lays them out, so that the floor
                 # follows its statement whatever columns it gains.
                 params = queueing._delivery_params(
                     connection, batch, [queueing.Queued(inbox, host)], {}, due
                 )
-                raw.execute(deliveries_sql, [batch_id, *params])
+                given = {"batch_id": batch_id, **params}
+                _, qmark = deliveries_sql.shaped(given)
+                raw.execute(qmark, deliveries_sql.bind(given))
                 raw.execute("COMMIT")
             return took
 

@@ -29,7 +29,7 @@ from django.utils import timezone
 
 from django_federation_delivery.charts import Bucket
 from django_federation_delivery.models import DeliveryHistory
-from django_federation_delivery.store.history import COUNTS, minute_of, record, upsert_counted
+from django_federation_delivery.store.history import COUNTS, minute_of, record
 
 #: How long history is kept: ``purge`` deletes older minutes.
 KEPT = dt.timedelta(days=7)
@@ -37,7 +37,7 @@ KEPT = dt.timedelta(days=7)
 MINUTES = 60
 HOURS = 48
 
-__all__ = ["COUNTS", "KEPT", "counted", "minute_of", "purge", "recent", "record", "upsert_counted"]
+__all__ = ["COUNTS", "KEPT", "counted", "minute_of", "purge", "recent", "record"]
 
 
 def hour_of(at: dt.datetime) -> dt.datetime:

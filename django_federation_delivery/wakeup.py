@@ -13,36 +13,17 @@ import logging
 import select
 import socket
 import threading
-import weakref
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
+from django_federation_delivery.store import sql
+from django_federation_delivery.store.sql import NOTIFY_CHANNEL
+from django_federation_delivery.store.wakes import notify_local, register, unregister
+
+__all__ = ["NOTIFY_CHANNEL", "PostgresListener", "notify_local", "register", "unregister"]
+
 logger = logging.getLogger(__name__)
-
-#: The PostgreSQL channel a send notifies (store/queueing.py) and a listener listens on.
-NOTIFY_CHANNEL = "federation_delivery"
-
-_waiters: weakref.WeakSet[threading.Event] = weakref.WeakSet()
-_lock = threading.Lock()
-
-
-def register(event: threading.Event) -> None:
-    with _lock:
-        _waiters.add(event)
-
-
-def unregister(event: threading.Event) -> None:
-    with _lock:
-        _waiters.discard(event)
-
-
-def notify_local() -> None:
-    """Wake every deliverer running in this process."""
-    with _lock:
-        waiters = list(_waiters)
-    for event in waiters:
-        event.set()
 
 
 class PostgresListener:
@@ -130,7 +111,7 @@ class PostgresListener:
         params.pop("context", None)
         conn = psycopg.connect(**params, autocommit=True)
         try:
-            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            sql.listen(conn, True)
         except BaseException:
             conn.close()
             raise
@@ -179,7 +160,7 @@ class PostgresListener:
     def _turn(self, conn: Any) -> None:
         """Listen, or stop, as :meth:`pause` last asked."""
         listen = not self._paused
-        conn.execute(f"LISTEN {NOTIFY_CHANNEL}" if listen else f"UNLISTEN {NOTIFY_CHANNEL}")
+        sql.listen(conn, listen)
         self.listening = listen
         if listen:
             # What was sent while it did not listen is looked for.

@@ -32,6 +32,8 @@ from typing import Any
 
 from django.db import OperationalError, connections
 
+from django_federation_delivery.store import sql as statements
+
 __all__ = ["PromptWriteLock", "install"]
 
 #: The busy timeout of a BEGIN's first try, in milliseconds: SQLite looks at
@@ -93,13 +95,13 @@ class PromptWriteLock:
         try:
             return self._begin(raw, lambda: execute(sql, params, many, context), timeout_ms)
         finally:
-            raw.execute(f"PRAGMA busy_timeout = {timeout_ms:d}")
+            statements.set_busy_timeout(raw, timeout_ms)
 
     def _busy_timeout(self, raw: sqlite3.Connection) -> int:
         # Read once a connection: what OPTIONS['timeout'] (or an init_command)
         # made it. The deliverer reconnects often (CONN_MAX_AGE).
         if raw is not self._raw:
-            self._timeout_ms = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
+            self._timeout_ms = statements.busy_timeout(raw)
             self._raw = raw
         return self._timeout_ms
 
@@ -112,7 +114,7 @@ class PromptWriteLock:
             left_ms = math.ceil((deadline - time.monotonic()) * 1000)
             this_ms = max(0, min(int(try_ms), left_ms))
             if this_ms != set_ms:  # the first few tries are of 1 ms each: set once
-                raw.execute(f"PRAGMA busy_timeout = {this_ms:d}")
+                statements.set_busy_timeout(raw, this_ms)
                 set_ms = this_ms
             try:
                 return begin()

@@ -1,4 +1,4 @@
-"""The SQL that differs between PostgreSQL and SQLite, run on whichever the suite uses."""
+"""The values that differ between PostgreSQL and SQLite, run on whichever the suite uses."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from django_federation_delivery.dialect import (
     quoted_table,
     read_datetime,
     rows_per_statement,
-    skip_locked,
-    upsert_sql,
 )
 from django_federation_delivery.models import DeliveryHistory
 
@@ -24,37 +22,6 @@ from django_federation_delivery.models import DeliveryHistory
 pytestmark = pytest.mark.django_db
 
 MINUTE = dt.datetime(2025, 1, 2, 3, 4, tzinfo=dt.UTC)
-
-
-def upsert(delivered: int, failed: int) -> None:
-    table = quoted_table(DeliveryHistory, connection)
-    sql = upsert_sql(
-        table,
-        ("minute", "delivered", "failed", "retried", "refused", "breakers_opened"),
-        key="minute",
-        updates=f"delivered = {table}.delivered + excluded.delivered",
-        returning=f"{table}.delivered, {table}.failed",
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [db_datetime(MINUTE, connection), delivered, failed, 0, 0, 0])
-        assert cursor.fetchall() == [
-            tuple(DeliveryHistory.objects.values_list("delivered", "failed").get())
-        ]
-
-
-def test_an_upsert_inserts_a_new_key_and_updates_only_what_it_says_of_an_existing_one() -> None:
-    upsert(2, 1)
-    upsert(3, 7)
-    row = DeliveryHistory.objects.get()
-    assert (row.minute, row.delivered, row.failed) == (MINUTE, 5, 1)
-
-
-def test_an_upsert_of_several_rows_has_a_placeholder_a_value() -> None:
-    sql = upsert_sql('"t"', ("a", "b"), key="a", updates="b = excluded.b", rows=3)
-    assert sql == (
-        'INSERT INTO "t" (a, b) VALUES (%s, %s), (%s, %s), (%s, %s) '
-        "ON CONFLICT (a) DO UPDATE SET b = excluded.b"
-    )
 
 
 def test_a_datetime_written_raw_reads_back_as_the_same_aware_datetime() -> None:
@@ -110,8 +77,3 @@ def test_a_statement_carries_no_more_rows_than_the_database_takes_parameters() -
     assert rows_per_statement(connection, most=500, per_row=10**6) == (
         1 if connection.vendor == "sqlite" else 500
     )
-
-
-def test_only_postgresql_claims_skip_locked_rows() -> None:
-    expected = " FOR UPDATE SKIP LOCKED" if connection.vendor == "postgresql" else ""
-    assert skip_locked(connection_for(None)) == expected

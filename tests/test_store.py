@@ -379,7 +379,7 @@ def test_waiting_and_settled_deliveries_are_found_through_indexes_of_those_rows_
     with CaptureQueriesContext(connection) as queries:
         sequences.release_next(waited_on, timezone.now(), None)
         retention.purge({Status.DELIVERED: long_ago + dt.timedelta(days=1)}, chunk=100)
-    released = [q["sql"] for q in queries.captured_queries if 'after_id" IN' in q["sql"]]
+    released = [q["sql"] for q in queries.captured_queries if "after_id = NULL WHERE" in q["sql"]]
     oldest = [q["sql"] for q in queries.captured_queries if "ORDER BY settled_at" in q["sql"]]
     assert released and oldest, queries.captured_queries
     explain = "EXPLAIN" if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN"
@@ -553,6 +553,44 @@ def test_an_ordered_delivery_waits_until_the_one_before_it_to_that_inbox_settles
     held.refresh_from_db()
     assert held.due_at is not None and held.after is None, "released by its predecessor's end"
     assert [row.batch_id for row in store.claim(10, lease=300)] == [second.id]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_settle_that_waits_for_a_send_queuing_behind_it_releases_what_that_send_queued() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite writes one at a time: a send and a settle never overlap")
+    key = {"ordering_key": "note-1"}
+    first = send_batch(ALICE, {"type": "Create"}, ["https://a.example/inbox"], key)
+    assert first is not None
+    (claimed,) = store.claim(1, lease=300)
+    queued = threading.Event()
+    settling = threading.Event()
+    errors: list[BaseException] = []
+
+    def send_and_hold() -> None:
+        # A send that makes its delivery wait on the claimed one, which it
+        # locks until it commits, a moment after the settle has begun.
+        try:
+            with transaction.atomic():
+                send_batch(ALICE, {"type": "Delete"}, ["https://a.example/inbox"], key)
+                queued.set()
+                settling.wait(10)
+                threading.Event().wait(0.3)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            queued.set()
+            connections.close_all()
+
+    sender = threading.Thread(target=send_and_hold)
+    sender.start()
+    queued.wait(10)
+    settling.set()
+    store.settle([store.Settlement(claimed, Status.DELIVERED, 1, ordered=True)])
+    sender.join(10)
+    assert not errors, errors
+    waiting = Delivery.objects.exclude(batch=first).get()
+    assert waiting.after_id is None and waiting.due_at is not None, "released by the settle"
 
 
 @pytest.mark.django_db
@@ -760,35 +798,76 @@ def test_what_a_row_holds_is_written_as_it_is_whatever_its_characters() -> None:
     ]
 
 
-#: Modules that run statements outside the store, on a connection of their own,
-#: and why: what they run is the connection's, not the queue's.
-OWN_CONNECTIONS = {
-    # SQLite's busy timeout, set on the raw connection as the write lock frees.
-    "writelock.py",
-    # PostgreSQL's LISTEN and UNLISTEN, on the listener's own connection.
-    "wakeup.py",
-}
+#: The one module that holds a cursor and runs statements, all of them named
+#: in the one file it reads (migrations aside: they are Django's to run).
+STATEMENTS = "store/sql.py"
+#: How a statement's text begins.
+STATEMENT = re.compile(r"\s*(SELECT|INSERT|UPDATE|DELETE|WITH|PRAGMA|LISTEN|UNLISTEN)\s")
 
 
-def test_only_the_store_and_the_dialect_run_statements_of_their_own() -> None:
+def package_modules() -> Iterator[tuple[str, Any]]:
     import ast
     from pathlib import Path
 
     import django_federation_delivery
 
     package = Path(django_federation_delivery.__file__).parent
-    found = []
     for path in sorted(package.rglob("*.py")):
         name = path.relative_to(package).as_posix()
-        if name.startswith(("store/", "migrations/")) or name == "dialect.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if not name.startswith("migrations/"):
+            yield name, ast.parse(path.read_text("utf-8"))
+
+
+def test_only_the_statements_module_touches_a_cursor() -> None:
+    import ast
+
+    found = []
+    for name, tree in package_modules():
+        for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
                 and node.func.attr in ("cursor", "execute", "executemany", "raw")
             ):
                 found.append(f"{name}:{node.lineno} .{node.func.attr}()")
-    outside = [place for place in found if place.split(":")[0] not in OWN_CONNECTIONS]
-    assert outside == []
-    assert {place.split(":")[0] for place in found} == OWN_CONNECTIONS
+    assert found, "the statements module runs them"
+    assert {place.split(":")[0] for place in found} == {STATEMENTS}, found
+
+
+def test_no_statement_is_written_outside_the_statements_file() -> None:
+    import ast
+
+    found = [
+        f"{name}:{node.lineno} {node.value[:40]!r}"
+        for name, tree in package_modules()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and STATEMENT.match(node.value)
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize("vendor", ["postgresql", "sqlite"])
+def test_every_statement_is_written_out_whole_for_each_database(vendor: str) -> None:
+    from django_federation_delivery.store import sql
+
+    named = sql.statements_of(vendor)
+    # Those of one database only, and some of both.
+    assert {"claim", "settle", "take", "insert_batch"} & set(named) == (
+        {"claim", "settle", "insert_batch"} if vendor == "postgresql" else {"take", "insert_batch"}
+    )
+    for statement in named.values():
+        left = statement.text.replace("%s", "").replace("%(milliseconds)d", "")
+        assert "{" not in left and "%" not in left, statement.name
+
+
+def test_a_statement_is_given_exactly_the_parameters_it_names() -> None:
+    from django_federation_delivery.store import sql
+
+    take = sql.statements_of("sqlite")["take"]
+    assert take.bind({"ids": "[1]", "token": "t", "until": "u"}) == ["u", "t", "[1]"]
+    with pytest.raises(TypeError, match="takes"):
+        take.bind({"ids": "[1]", "token": "t"})
+    with pytest.raises(TypeError, match="takes"):
+        take.bind({"ids": "[1]", "token": "t", "until": "u", "now": "n"})

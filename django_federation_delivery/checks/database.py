@@ -10,7 +10,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.checks.bounds import PREFIX
-from django_federation_delivery.dialect import journal_mode
+from django_federation_delivery.store.sql import journal_mode
 
 
 @register(Tags.database)

@@ -2,7 +2,10 @@
 enqueue, claim, settle, what is due when, and the rest. (Not ``queue``: the
 standard library has that name.)
 
-One module a concept:
+Every statement is a named block of ``queries.sql``, with a variant for each
+database where PostgreSQL and SQLite differ, run by ``sql``: the one module
+that holds a cursor (``tests/test_store.py`` says so). The other modules, one
+a concept, say what each statement is for and run it by its name:
 
 - ``queueing``: what a send writes, its batch and a delivery an inbox;
 - ``sequences``: ordered deliveries, which wait on the one before and are
@@ -15,14 +18,8 @@ One module a concept:
 - ``breakers``: failures counted by every process together;
 - ``history``: counts added to their minute;
 - ``purges``: settled deliveries and empty batches deleted a chunk at a time;
-- ``locks``: PostgreSQL's advisory locks, for work one process at a time does.
-
-Nothing outside this package holds a cursor, but ``dialect.py`` (what tells
-the databases apart) and two modules that set up a connection of their own
-(``writelock.py``, ``wakeup.py``): ``tests/test_store.py`` says so.
-
-What tells PostgreSQL from SQLite for every raw statement is in dialect.py;
-what each database is asked here differs only where it must.
+- ``locks``: PostgreSQL's advisory locks, for work one process at a time does;
+- ``wakes``: deliverers of this process woken when a write commits.
 
 The names the commands and scripts call are re-exported here, so that
 ``store.claim`` and the like stay where they were; the package's own

@@ -21,18 +21,9 @@ from typing import Any, NamedTuple
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
-from django_federation_delivery.dialect import (
-    connection_for,
-    db_datetime,
-    id_array,
-    ids_among,
-    is_postgresql,
-    lock_for_writing,
-    quoted_table,
-    read_datetime,
-    skip_locked,
-)
-from django_federation_delivery.models import Batch, Delivery, Lane, Status
+from django_federation_delivery.dialect import connection_for, db_datetime, read_datetime
+from django_federation_delivery.models import Delivery, Lane, Status
+from django_federation_delivery.store import sql
 
 #: Lanes in the order they are claimed; the low lane only when nothing else is due.
 CLAIM_ORDER = (Lane.WEBHOOK, Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
@@ -86,7 +77,6 @@ def claim(
         return []
     now = timezone.now()
     token = uuid.uuid4().hex
-    take = _take_postgresql if is_postgresql(connection) else _take_sqlite
     wanted = _Wanted(
         limit=limit,
         cap=per_host or limit,
@@ -96,13 +86,13 @@ def claim(
         excluded=excluded,
         only=only,
     )
-    if take is _take_postgresql:
-        # One statement: a transaction by itself (or a part of the caller's).
-        with connection.cursor() as cursor:
-            rows = take(cursor, connection, wanted)
-    else:
-        with transaction.atomic(using=using), connection.cursor() as cursor:
-            rows = take(cursor, connection, wanted)
+    with sql.on(connection) as db:
+        if db.postgresql:
+            # One statement: a transaction by itself (or a part of the caller's).
+            rows = _take_postgresql(db, wanted)
+        else:
+            with transaction.atomic(using=using):
+                rows = _take_sqlite(db, wanted)
     # The lease as written (from before the claim), not from now: never later.
     expires = now.timestamp() + lease
     return [
@@ -111,31 +101,9 @@ def claim(
     ]
 
 
-#: What a claim gives back of each row.
-CLAIMED_COLUMNS = "id, batch_id, inbox, host, attempts, via, destination"
-
-
-def _due(connection: Any, columns: str, *, only: bool, limit: str = "%s") -> str:
-    """A lane's oldest due rows, none to the hosts left out (a parameter) and,
-    with ``only``, to the hosts named (another), as many as ``limit`` says.
-    The hosts are one parameter each, so that the statement's text is the
-    same whatever their number."""
-    if is_postgresql(connection):
-        hosts = " AND NOT (host = ANY(%s))" + (" AND host = ANY(%s)" if only else "")
-    else:
-        hosts = " AND host NOT IN (SELECT value FROM json_each(%s))"
-        hosts += " AND host IN (SELECT value FROM json_each(%s))" if only else ""
-    # The status is written out, not a parameter: the statement is then the
-    # partial index's to use whatever is bound, and SQLite need not prepare
-    # it again each time to find that out. The index's own order: SQLite's
-    # ends with the id, PostgreSQL's with where the row is (sorting by id as
-    # well there made a million pending rows cost a third more a claim).
-    order = "due_at" if is_postgresql(connection) else "due_at, id"
-    return (
-        f"SELECT {columns} FROM {quoted_table(Delivery, connection)} "
-        f"WHERE status = '{Status.PENDING}' AND lane = %s AND due_at <= %s{hosts} "
-        f"ORDER BY {order} LIMIT {limit}{skip_locked(connection)}"
-    )
+#: Each lane's parameter of the statements that read every lane (``claim``,
+#: ``next_due``, ``has_due``), in the claim's order.
+LANES = {f"lane{rank}": lane for rank, lane in enumerate(CLAIM_ORDER)}
 
 
 class _Wanted(NamedTuple):
@@ -152,64 +120,42 @@ class _Wanted(NamedTuple):
     only: list[str]
 
 
-def _take_postgresql(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
-    """Every lane's share in one statement: each lane's candidates locked
-    (passing those another process holds), in the room the lanes before it
-    leave of ``limit × CANDIDATES``, so that a later lane's rows are not even
-    locked while an earlier one has enough; then the first ``cap`` of each
-    host among them taken, lane by lane. One round trip, where a statement a
-    lane in a transaction made five."""
-    table = quoted_table(Delivery, connection)
-    only = bool(wanted.only)
-    hosts: list[Any] = [wanted.excluded, wanted.only] if only else [wanted.excluded]
-    budget = wanted.limit * CANDIDATES
-    lanes: list[str] = []
-    params: list[Any] = []  # the CTEs', which come first in the text
-    for rank, lane in enumerate(CLAIM_ORDER):
-        earlier = "".join(f" - (SELECT COUNT(*) FROM lane{n})" for n in range(rank))
-        limit = f"GREATEST(0, %s{earlier})"
-        columns = f"id, host, due_at, {rank} AS rank"
-        lanes.append(f"lane{rank} AS ({_due(connection, columns, only=only, limit=limit)})")
-        params += [lane, wanted.now, *hosts, budget]
-    candidates = " UNION ALL ".join(f"SELECT * FROM lane{n}" for n in range(len(CLAIM_ORDER)))
-    taken = (
-        "SELECT id FROM (SELECT id, rank, due_at, ROW_NUMBER() OVER (PARTITION BY host "
-        f"ORDER BY rank, due_at, id) AS turn FROM ({candidates}) AS candidates) AS ranked "
-        "WHERE turn <= %s ORDER BY rank, due_at, id LIMIT %s"
+def _take_postgresql(db: sql.Statements, wanted: _Wanted) -> list[Any]:
+    """Every lane's share in one statement (``claim``): each lane's
+    candidates locked (passing those another process holds), in the room
+    the lanes before it leave of ``limit × CANDIDATES``, so that a later
+    lane's rows are not even locked while an earlier one has enough; then
+    the first ``cap`` of each host among them taken, lane by lane. One round
+    trip, where a statement a lane in a transaction made five."""
+    rows = db.all(
+        "claim",
+        **LANES,
+        now=wanted.now,
+        excluded=wanted.excluded,
+        only=wanted.only or None,
+        budget=wanted.limit * CANDIDATES,
+        until=wanted.until,
+        token=wanted.token,
+        cap=wanted.cap,
+        limit=wanted.limit,
     )
-    # The rows taken are looked up by id: as a join, the planner may hash
-    # its guess of their number against a scan of the table.
-    sql = (
-        f"WITH {', '.join(lanes)} "
-        f"UPDATE {table} SET due_at = %s, lease_token = %s WHERE {ids_among(taken, connection)} "
-        f"RETURNING {CLAIMED_COLUMNS}, lane"
-    )
-    cursor.execute(sql, [*params, wanted.until, wanted.token, wanted.cap, wanted.limit])
     order = {lane: rank for rank, lane in enumerate(CLAIM_ORDER)}
     # RETURNING gives no order: the lanes' and, within each, the queue's.
-    return [row[:-1] for row in sorted(cursor.fetchall(), key=lambda row: (order[row[-1]], row[0]))]
+    return [row[:-1] for row in sorted(rows, key=lambda row: (order[row[-1]], row[0]))]
 
 
-def _take_sqlite(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
-    """Each lane's candidates read as one value, the first ``cap`` of each
-    host among them picked here, then the rows picked read and taken, each
-    in one statement for every lane.
+def _take_sqlite(db: sql.Statements, wanted: _Wanted) -> list[Any]:
+    """Each lane's candidates read as one value (``claim_candidates``), the
+    first ``cap`` of each host among them picked here, then the rows picked
+    read and taken, each in one statement for every lane.
 
-    Each row a statement gives back is a step of its own, and each step hands
-    the interpreter to the worker threads and waits to get it back; SQLite
-    ranks by a window function several times slower than this picks. The
-    transaction holds the write lock from the start, so what is read is still
-    due when it is taken.
+    SQLite ranks by a window function several times slower than this picks.
+    The transaction holds the write lock from the start, so what is read is
+    still due when it is taken.
     """
-    table = quoted_table(Delivery, connection)
-    lock_for_writing(cursor, connection, table)
-    candidates = (
-        "SELECT json_group_array(json_array(id, host)) "
-        f"FROM ({_due(connection, 'id, host', only=bool(wanted.only))})"
-    )
-    hosts = [json.dumps(wanted.excluded)]
-    if wanted.only:
-        hosts.append(json.dumps(wanted.only))
+    db.lock_for_writing()
+    excluded = json.dumps(wanted.excluded)
+    only = json.dumps(wanted.only) if wanted.only else None
     picked: list[int] = []
     # PER_HOST holds across the lanes of one claim, as on PostgreSQL.
     taken: collections.Counter[str] = collections.Counter()
@@ -217,9 +163,16 @@ def _take_sqlite(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
         if len(picked) >= wanted.limit:
             break
         room = wanted.limit - len(picked)
-        cursor.execute(candidates, [lane, wanted.now, *hosts, room * CANDIDATES])
+        candidates = db.json(
+            "claim_candidates",
+            lane=lane,
+            now=wanted.now,
+            excluded=excluded,
+            only=only,
+            candidates=room * CANDIDATES,
+        )
         lane_picked = []
-        for id, host in json.loads(cursor.fetchone()[0]):
+        for id, host in candidates:
             if taken[host] < wanted.cap:
                 taken[host] += 1
                 lane_picked.append(id)
@@ -229,19 +182,10 @@ def _take_sqlite(cursor: Any, connection: Any, wanted: _Wanted) -> list[Any]:
         picked += sorted(lane_picked)
     if not picked:
         return []
-    ids = json.dumps(picked)
-    cursor.execute(
-        f"SELECT json_group_array(json_array({CLAIMED_COLUMNS.replace('via', 'json(via)')})) "
-        f"FROM {table} WHERE id IN (SELECT value FROM json_each(%s))",
-        [ids],
-    )
+    ids = db.ids(picked)
     order = {id: n for n, id in enumerate(picked)}
-    rows = sorted(json.loads(cursor.fetchone()[0]), key=lambda row: order[row[0]])
-    cursor.execute(
-        f"UPDATE {table} SET due_at = %s, lease_token = %s "
-        "WHERE id IN (SELECT value FROM json_each(%s))",
-        [wanted.until, wanted.token, ids],
-    )
+    rows = sorted(db.json("claimed_rows", ids=ids), key=lambda row: order[row[0]])
+    db.run("take", until=wanted.until, token=wanted.token, ids=ids)
     return rows
 
 
@@ -274,34 +218,19 @@ class BatchInfo(NamedTuple):
     event_type: str = ""
 
 
-#: What :func:`batches` reads, in :class:`BatchInfo`'s order.
-BATCH_COLUMNS = (
-    "id, sender, body, body_sha256, tag, deadline, max_attempts, synchronize_collection, "
-    "ordering_key, event_type"
-)
-
-
 def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchInfo]:
-    """The batches of claimed deliveries, by id; one deleted meanwhile is missing."""
+    """The batches of claimed deliveries, by id; one deleted meanwhile is
+    missing. (``claimed_batches``: on SQLite read as one value, as a claim's
+    rows are.)"""
     wanted = sorted(set(ids))
     if not wanted:
         return {}
     connection = connection_for(using)
-    table = quoted_table(Batch, connection)
-    with connection.cursor() as cursor:
-        if is_postgresql(connection):
-            cursor.execute(
-                f"SELECT {BATCH_COLUMNS} FROM {table} WHERE id = ANY(%s::bigint[])",
-                [id_array(wanted)],
-            )
-            return {row[0]: _batch(row, connection) for row in cursor.fetchall()}
-        # SQLite: read as one value, as a claim's rows are (see _take_sqlite).
-        cursor.execute(
-            f"SELECT json_group_array(json_array({BATCH_COLUMNS})) FROM {table} "
-            "WHERE id IN (SELECT value FROM json_each(%s))",
-            [json.dumps(wanted)],
-        )
-        found = json.loads(cursor.fetchone()[0])
+    with sql.on(connection) as db:
+        if db.postgresql:
+            found = db.all("claimed_batches", ids=db.ids(wanted))
+        else:
+            found = db.json("claimed_batches", ids=db.ids(wanted))
     return {row[0]: _batch(row, connection) for row in found}
 
 
@@ -325,14 +254,8 @@ def next_due(*, using: str | None = None) -> dt.datetime | None:
     """When the next pending delivery comes due, in any lane (one index read a
     lane, in one statement)."""
     connection = connection_for(using)
-    table = quoted_table(Delivery, connection)
-    earliest = ", ".join(
-        f"(SELECT MIN(due_at) FROM {table} WHERE status = '{Status.PENDING}' AND lane = %s)"
-        for _ in CLAIM_ORDER
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {earliest}", list(CLAIM_ORDER))
-        times = cursor.fetchone()
+    with sql.on(connection) as db:
+        times = db.one("next_due", **LANES)
     known = [at for at in (read_datetime(value, connection) for value in times) if at]
     return min(known) if known else None
 
@@ -353,15 +276,16 @@ def has_due(*, since: dt.datetime | None = None, using: str | None = None) -> bo
     statement, asked every NEW_WORK_POLL_SECONDS by an idle deliverer that
     has no LISTEN."""
     connection = connection_for(using)
-    table = quoted_table(Delivery, connection)
-    after = " AND due_at > %s" if since is not None else ""
-    any_due = " OR ".join(
-        f"EXISTS (SELECT 1 FROM {table} WHERE status = '{Status.PENDING}' AND lane = %s "
-        f"AND due_at <= %s{after})"
-        for _ in CLAIM_ORDER
-    )
-    now = db_datetime(timezone.now(), connection)
-    bounds = [now] if since is None else [now, db_datetime(since, connection)]
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {any_due}", [v for lane in CLAIM_ORDER for v in (lane, *bounds)])
-        return bool(cursor.fetchone()[0])
+    with sql.on(connection) as db:
+        return bool(
+            db.value(
+                "has_due",
+                **LANES,
+                now=db_datetime(timezone.now(), connection),
+                since=db_datetime(since or EARLIEST, connection),
+            )
+        )
+
+
+#: Before any due time: what ``has_due`` looks after when not told.
+EARLIEST = dt.datetime(1, 1, 2, tzinfo=dt.UTC)

@@ -1,19 +1,19 @@
 """The history's statements: counts added to their minute, one upsert for
-the minutes a write touched, in the same transaction as the write."""
+the minutes a write touched (``add_history``), in the same transaction as
+the write. Its columns are COUNTS, in order."""
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
 
-from django_federation_delivery.dialect import connection_for, db_datetime, quoted_table, upsert_sql
-from django_federation_delivery.models import DeliveryHistory
+from django_federation_delivery.dialect import connection_for, db_datetime, json_parameter
+from django_federation_delivery.store import sql
 
-__all__ = ["COUNTS", "minute_of", "record", "upsert_counted"]
+__all__ = ["COUNTS", "minute_of", "record"]
 
 logger = logging.getLogger("django_federation_delivery.history")
 
@@ -44,34 +44,9 @@ def record(counts: Mapping[dt.datetime, Mapping[str, int]], *, using: str | None
         return
     alias = using or DEFAULT_DB_ALIAS
     connection = connection_for(alias)
-    table = quoted_table(DeliveryHistory, connection)
-    sql = upsert_sql(
-        table, ("minute", *COUNTS), key="minute", updates=_added(table), rows=len(rows)
-    )
-    params: list[Any] = []
-    for minute, values in rows:
-        params += [db_datetime(minute, connection), *values]
+    given = json_parameter([[db_datetime(minute, connection), *values] for minute, values in rows])
     try:
-        with transaction.atomic(using=alias), connection.cursor() as cursor:
-            cursor.execute(sql, params)
+        with transaction.atomic(using=alias), sql.on(connection) as db:
+            db.run("add_history", rows=given)
     except DatabaseError:
         logger.exception("The delivery history could not be recorded; what it counted is settled")
-
-
-def _added(table: str) -> str:
-    """An upsert's update: each count added to the minute's."""
-    return ", ".join(f"{name} = {table}.{name} + excluded.{name}" for name in COUNTS)
-
-
-def upsert_counted(rows: str, connection: Any) -> str:
-    """PostgreSQL: an ``INSERT`` into the history of what ``rows`` (a
-    statement's CTE with a ``minute`` and a ``counted`` column, the count
-    name or NULL) counts, for a statement that settles and counts at once."""
-    table = quoted_table(DeliveryHistory, connection)
-    sums = ", ".join(f"count(*) FILTER (WHERE counted = '{name}')" for name in COUNTS)
-    return (
-        f"INSERT INTO {table} (minute, {', '.join(COUNTS)}) "
-        f"SELECT minute, {sums} FROM {rows} WHERE counted IS NOT NULL "
-        f"GROUP BY minute ORDER BY minute "
-        f"ON CONFLICT (minute) DO UPDATE SET {_added(table)}"
-    )

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 from django.db import connections
 
+from django_federation_delivery.store import sql
+
 __all__ = ["session_lock"]
 
 
@@ -16,15 +18,14 @@ def session_lock(using: str, key: int) -> Iterator[bool]:
     and held until the block ends: whether it was had."""
     connection = connections.create_connection(using)
     try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_try_advisory_lock(%s)", [key])
-            held = bool(cursor.fetchone()[0])
+        with sql.on(connection) as db:
+            held = bool(db.value("try_advisory_lock", key=key))
         try:
             yield held
         finally:
             if held:
-                with connection.cursor() as cursor:
-                    cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
+                with sql.on(connection) as db:
+                    db.value("advisory_unlock", key=key)
     finally:
         # Closing the session releases the lock too, should the unlock fail.
         connection.close()

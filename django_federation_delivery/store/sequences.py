@@ -11,11 +11,11 @@ import datetime as dt
 import hashlib
 from collections.abc import Iterable, Sequence
 
-from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Max
 
-from django_federation_delivery.dialect import connection_for, is_postgresql
+from django_federation_delivery.dialect import connection_for, db_datetime, is_postgresql
 from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.store import sql
 
 
 def sequence_of(ordering_key: str, inbox: str) -> str:
@@ -71,15 +71,13 @@ def last_of_sequences(
 
 
 def release_next(settled: Sequence[int], now: dt.datetime, using: str | None) -> None:
-    """Make due the deliveries that waited on ``settled`` ones: one indexed
-    update, however long the sequences."""
+    """Make due the deliveries that waited on ``settled`` ones: one read of
+    the index on after_id, however long the sequences (``release_next``)."""
     if not settled:
         return
-    manager = Delivery.objects.using(using or DEFAULT_DB_ALIAS)
-    for start in range(0, len(settled), 500):
-        manager.filter(after_id__in=settled[start : start + 500], status=Status.PENDING).update(
-            due_at=now, after=None
-        )
+    connection = connection_for(using)
+    with sql.on(connection) as db:
+        db.run("release_next", ids=db.ids(settled), now=db_datetime(now, connection))
 
 
 def lock_sequences(ordering_key: str, inboxes: Iterable[str], alias: str) -> None:
@@ -90,9 +88,7 @@ def lock_sequences(ordering_key: str, inboxes: Iterable[str], alias: str) -> Non
     connection = connection_for(alias)
     if not is_postgresql(connection):
         return
-    with connection.cursor() as cursor:
+    with sql.on(connection) as db:
         for inbox in sorted(inboxes):  # one order, so two sends never deadlock
             digest = hashlib.sha256(f"{ordering_key}\n{inbox}".encode()).digest()
-            cursor.execute(
-                "SELECT pg_advisory_xact_lock(%s)", [int.from_bytes(digest[:8], "big", signed=True)]
-            )
+            db.run("lock_sequence", key=int.from_bytes(digest[:8], "big", signed=True))

@@ -1,0 +1,479 @@
+-- Every statement the package runs outside the ORM, each under its name.
+--
+-- Read and parsed once by store/sql.py, which runs them: no other module
+-- holds a statement's text, nor a cursor. Each block begins with a line
+--
+--     -- name: <name>                  for PostgreSQL and SQLite alike
+--     -- name: <name> [postgresql]     for one database only
+--     -- name: <name> [sqlite]
+--
+-- and runs to the next. Its comment lines are the block's documentation;
+-- what the store's modules say of each is said there, at the function
+-- that runs it.
+--
+-- In a block:
+--
+--   %(name)s   a parameter, passed by name (any number of times);
+--   %(**name)s rows of parameters, a list of tuples of one length, written
+--              (%s, %s, …), (%s, %s, …) as many as are given;
+--   %(name)d   an integer written into the text (a PRAGMA takes no
+--              parameters), checked to be one;
+--   {name}     filled in once, when the statements are read: a table, as
+--              the models name it and quoted ({delivery}, {batch}, {host},
+--              {history}, {breaker}); {pending}, the pending status as a
+--              literal; {channel}, what a send notifies and a listener
+--              listens on; {batch_columns} and {batch_values}, a batch's
+--              columns and their parameters, read off the model; or any
+--              other block, for the same database.
+--
+-- Lists of rows are one JSON parameter (a list of lists), read by
+-- jsonb_array_elements on PostgreSQL and json_each on SQLite, and lists of
+-- ids a PostgreSQL array or an SQLite JSON list: the same text whatever
+-- their length, prepared once, with one value to bind. Every status that
+-- the partial indexes name is written out ({pending}), not bound, so that
+-- the index is the statement's to use whatever is bound.
+
+
+-- The claim --------------------------------------------------------------
+
+-- name: claim [postgresql]
+-- Every lane's share in one statement: each lane's candidates locked
+-- (passing those another process holds), in the room the lanes before it
+-- leave of the budget, then the first %(cap)s to each host among them
+-- taken, lane by lane. The rows taken are looked up by id: as a join, the
+-- planner may hash its guess of their number against a scan of the table.
+-- Each lane's order is its index's (due_at, then where the row is).
+WITH lane0 AS (
+    SELECT id, host, due_at, 0 AS rank FROM {delivery}
+    WHERE status = {pending} AND lane = %(lane0)s AND due_at <= %(now)s AND {claimable_host}
+    ORDER BY due_at LIMIT GREATEST(0, %(budget)s)
+    FOR UPDATE SKIP LOCKED
+), lane1 AS (
+    SELECT id, host, due_at, 1 AS rank FROM {delivery}
+    WHERE status = {pending} AND lane = %(lane1)s AND due_at <= %(now)s AND {claimable_host}
+    ORDER BY due_at LIMIT GREATEST(0, %(budget)s - (SELECT COUNT(*) FROM lane0))
+    FOR UPDATE SKIP LOCKED
+), lane2 AS (
+    SELECT id, host, due_at, 2 AS rank FROM {delivery}
+    WHERE status = {pending} AND lane = %(lane2)s AND due_at <= %(now)s AND {claimable_host}
+    ORDER BY due_at
+    LIMIT GREATEST(0, %(budget)s - (SELECT COUNT(*) FROM lane0) - (SELECT COUNT(*) FROM lane1))
+    FOR UPDATE SKIP LOCKED
+), lane3 AS (
+    SELECT id, host, due_at, 3 AS rank FROM {delivery}
+    WHERE status = {pending} AND lane = %(lane3)s AND due_at <= %(now)s AND {claimable_host}
+    ORDER BY due_at
+    LIMIT GREATEST(0, %(budget)s - (SELECT COUNT(*) FROM lane0) - (SELECT COUNT(*) FROM lane1)
+        - (SELECT COUNT(*) FROM lane2))
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {delivery} SET due_at = %(until)s, lease_token = %(token)s
+WHERE id = ANY(ARRAY(
+    SELECT id FROM (
+        SELECT id, rank, due_at,
+            ROW_NUMBER() OVER (PARTITION BY host ORDER BY rank, due_at, id) AS turn
+        FROM (
+            SELECT * FROM lane0 UNION ALL SELECT * FROM lane1
+            UNION ALL SELECT * FROM lane2 UNION ALL SELECT * FROM lane3
+        ) AS candidates
+    ) AS ranked
+    WHERE turn <= %(cap)s ORDER BY rank, due_at, id LIMIT %(limit)s
+))
+RETURNING id, batch_id, inbox, host, attempts, via, destination, lane
+
+-- name: claimable_host [postgresql]
+-- None to the hosts left out, and, when %(only)s names any, to those alone.
+NOT (host = ANY(%(excluded)s)) AND (%(only)s::varchar[] IS NULL OR host = ANY(%(only)s))
+
+-- name: claimable_host [sqlite]
+host NOT IN (SELECT value FROM json_each(%(excluded)s))
+AND (%(only)s IS NULL OR host IN (SELECT value FROM json_each(%(only)s)))
+
+-- name: claim_candidates [sqlite]
+-- One lane's oldest due rows, as one JSON value: each row a statement
+-- returns is an sqlite3 step of its own. The order is the index's, which
+-- ends with the id.
+SELECT json_group_array(json_array(id, host)) FROM (
+    SELECT id, host FROM {delivery}
+    WHERE status = {pending} AND lane = %(lane)s AND due_at <= %(now)s AND {claimable_host}
+    ORDER BY due_at, id LIMIT %(candidates)s
+)
+
+-- name: claimed_rows [sqlite]
+SELECT json_group_array(json_array(id, batch_id, inbox, host, attempts, json(via), destination))
+FROM {delivery} WHERE id IN (SELECT value FROM json_each(%(ids)s))
+
+-- name: take [sqlite]
+UPDATE {delivery} SET due_at = %(until)s, lease_token = %(token)s
+WHERE id IN (SELECT value FROM json_each(%(ids)s))
+
+-- name: lock_for_writing [sqlite]
+-- A write that changes nothing: it takes the write lock, waiting as any
+-- write does.
+UPDATE {delivery} SET id = id WHERE 0
+
+-- name: claimed_batches [postgresql]
+SELECT id, sender, body, body_sha256, tag, deadline, max_attempts, synchronize_collection,
+    ordering_key, event_type
+FROM {batch} WHERE id = ANY(%(ids)s::bigint[])
+
+-- name: claimed_batches [sqlite]
+SELECT json_group_array(json_array(id, sender, body, body_sha256, tag, deadline, max_attempts,
+    synchronize_collection, ordering_key, event_type))
+FROM {batch} WHERE id IN (SELECT value FROM json_each(%(ids)s))
+
+-- name: next_due
+-- The earliest due time of each lane: one index read a lane.
+SELECT
+    (SELECT MIN(due_at) FROM {delivery} WHERE status = {pending} AND lane = %(lane0)s),
+    (SELECT MIN(due_at) FROM {delivery} WHERE status = {pending} AND lane = %(lane1)s),
+    (SELECT MIN(due_at) FROM {delivery} WHERE status = {pending} AND lane = %(lane2)s),
+    (SELECT MIN(due_at) FROM {delivery} WHERE status = {pending} AND lane = %(lane3)s)
+
+-- name: has_due
+-- Whether any lane has a row that came due after %(since)s and by %(now)s.
+SELECT
+    EXISTS (SELECT 1 FROM {delivery} WHERE status = {pending} AND lane = %(lane0)s
+        AND due_at <= %(now)s AND due_at > %(since)s)
+    OR EXISTS (SELECT 1 FROM {delivery} WHERE status = {pending} AND lane = %(lane1)s
+        AND due_at <= %(now)s AND due_at > %(since)s)
+    OR EXISTS (SELECT 1 FROM {delivery} WHERE status = {pending} AND lane = %(lane2)s
+        AND due_at <= %(now)s AND due_at > %(since)s)
+    OR EXISTS (SELECT 1 FROM {delivery} WHERE status = {pending} AND lane = %(lane3)s
+        AND due_at <= %(now)s AND due_at > %(since)s)
+
+
+-- A send ------------------------------------------------------------------
+
+-- name: insert_batch
+INSERT INTO {batch} ({batch_columns}) VALUES ({batch_values}) RETURNING id
+
+-- name: insert_deliveries [sqlite]
+-- A chunk of a batch's deliveries, a placeholder a value: SQLite reads
+-- them faster than a JSON list's, and a chunk's are fewer than the most
+-- parameters it takes (CHUNK × 6, and a few).
+{deliveries_of} (SELECT %(batch_id)s AS id) AS b, ({queued_rows}) AS v
+
+-- name: insert_deliveries [postgresql]
+-- A chunk of a batch's deliveries, an array a column: one short statement
+-- whatever the rows, which psycopg reads once, not a placeholder a value.
+{deliveries_of} (SELECT %(batch_id)s::bigint AS id) AS b, {queued_rows}
+
+-- name: insert_batch_and_deliveries [postgresql]
+-- The batch, its first deliveries and the wake-up of every listening
+-- process in one round trip. PostgreSQL delivers the notification when,
+-- and only when, the transaction commits.
+WITH b AS ({insert_batch}),
+new_deliveries AS ({deliveries_of} b, {queued_rows})
+SELECT id, pg_notify('{channel}', '') FROM b
+
+-- name: deliveries_of
+-- What a queued delivery is written with, but where its batch (b) and its
+-- rows (v) come from. One that waits on another has no due time until that
+-- settles; one to a paused host, until the host is resumed: the host table
+-- is read by the statement that writes, so that a send costs no query of
+-- its own for it.
+INSERT INTO {delivery} (batch_id, inbox, host, destination, via, sequence, after_id, kind, lane,
+    status, attempts, due_at, last_error)
+SELECT b.id, v.inbox, v.host, v.destination, v.via, v.sequence, v.after_id, %(kind)s, %(lane)s,
+    {pending}, 0,
+    CASE WHEN v.after_id IS NULL AND NOT EXISTS (
+        SELECT 1 FROM {host} AS h WHERE h.name = v.host AND h.paused_at IS NOT NULL
+    ) THEN %(due)s{as_timestamp} END,
+    ''
+FROM
+
+-- name: queued_rows [sqlite]
+-- A VALUES list's columns are column1, column2, …: named here.
+SELECT column1 AS inbox, column2 AS host, column3 AS destination, column4 AS via,
+    column5 AS sequence, column6 AS after_id
+FROM (VALUES %(**rows)s)
+
+-- name: queued_rows [postgresql]
+unnest(%(inboxes)s::varchar[], %(hosts)s::varchar[], %(destinations)s::varchar[],
+    %(vias)s::jsonb[], %(sequences)s::varchar[], %(after_ids)s::bigint[])
+    AS v(inbox, host, destination, via, sequence, after_id)
+
+-- name: as_timestamp [postgresql]
+::timestamptz
+
+-- name: as_timestamp [sqlite]
+
+
+-- Ordered deliveries ------------------------------------------------------
+
+-- name: lock_sequence [postgresql]
+-- Held until the transaction ends.
+SELECT pg_advisory_xact_lock(%(key)s)
+
+-- name: release_next [postgresql]
+-- Those waiting on %(ids)s made due: one read of the index on after_id.
+UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+WHERE after_id = ANY(%(ids)s::bigint[]) AND status = {pending}
+
+-- name: release_next [sqlite]
+UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
+
+-- name: lock_deliveries [postgresql]
+-- Rows about to be settled that a send may be making a delivery wait on:
+-- locked first, in a statement of their own, so that the settling
+-- statement begins once that send has committed, and sees its delivery.
+SELECT id FROM {delivery} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE
+
+
+-- Settling ----------------------------------------------------------------
+
+-- name: settle [postgresql]
+-- A settle's writes in one statement: see settling, which it ends.
+{settling},
+h AS (
+    INSERT INTO {history} (minute, delivered, retried, refused, failed, breakers_opened)
+    SELECT minute,
+        count(*) FILTER (WHERE counted = 'delivered'), count(*) FILTER (WHERE counted = 'retried'),
+        count(*) FILTER (WHERE counted = 'refused'), count(*) FILTER (WHERE counted = 'failed'),
+        count(*) FILTER (WHERE counted = 'breakers_opened')
+    FROM s WHERE counted IS NOT NULL GROUP BY minute ORDER BY minute
+    ON CONFLICT (minute) DO UPDATE SET {history_added}
+)
+SELECT ARRAY(SELECT id FROM s), ARRAY(SELECT id FROM b WHERE remaining = 0 ORDER BY id)
+
+-- name: settle_uncounted [postgresql]
+-- The same, but for the history, which the caller then adds to itself.
+{settling}
+SELECT ARRAY(SELECT id FROM s), ARRAY(SELECT id FROM b WHERE remaining = 0 ORDER BY id)
+
+-- name: settling [postgresql]
+-- The settlements written (s), those waiting on the ones written final
+-- released (r), the batches of the final ones locked in id order (l) and
+-- counted down (b). Every table is read by an index on ids given as arrays,
+-- never by a join the planner orders from its statistics: a table emptied
+-- and filled since it was last analyzed is "one row" to it, and a join
+-- through all of it at every settle then costs ten times the rest. Each CTE
+-- names the one before, so that they run, and lock, in this order.
+WITH v AS ({settled_values}),
+s AS (
+    UPDATE {delivery} SET {settled_set} FROM v
+    WHERE {delivery}.id = ANY(%(ids)s::bigint[]) AND {delivery}.id = v.id
+        AND {delivery}.lease_token = v.token
+    RETURNING {delivery}.id, {delivery}.batch_id, v.settled_at, v.minute, v.counted
+),
+r AS (
+    UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+    WHERE after_id = ANY(%(ordered)s::bigint[]) AND status = {pending}
+        AND after_id IN (SELECT id FROM s WHERE settled_at IS NOT NULL)
+    RETURNING 1
+),
+c AS (
+    SELECT batch_id AS id, count(*) AS n FROM s WHERE settled_at IS NOT NULL GROUP BY batch_id
+),
+l AS MATERIALIZED (
+    SELECT id FROM {batch} WHERE id = ANY(%(leaving)s::bigint[])
+        AND (SELECT count(*) FROM r) >= 0
+    ORDER BY id FOR UPDATE
+),
+b AS (
+    UPDATE {batch} SET {counted_down} FROM c
+    WHERE {batch}.id = ANY(%(leaving)s::bigint[]) AND {batch}.id = c.id
+        AND {batch}.finished_at IS NULL AND (SELECT count(*) FROM l) >= 0
+    RETURNING {batch}.id, {batch}.remaining
+)
+
+-- name: settled_values [postgresql]
+-- A settlement's columns, of the JSON list %(rows)s; jsonb is parsed once,
+-- where each ->> of a json value parses its text again.
+SELECT (value->>0)::bigint AS id, (value->>1)::varchar AS token, (value->>2)::varchar AS status,
+    (value->>3)::integer AS attempts, (value->>4)::timestamptz AS due_at,
+    (value->>5)::integer AS last_status, (value->>6)::text AS last_error,
+    (value->>7)::timestamptz AS attempted_at, (value->>8)::timestamptz AS settled_at,
+    (value->>9)::timestamptz AS minute, (value->>10)::varchar AS counted
+FROM jsonb_array_elements(%(rows)s::jsonb)
+
+-- name: settled_values [sqlite]
+SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS token,
+    json_extract(value, '$[2]') AS status, json_extract(value, '$[3]') AS attempts,
+    json_extract(value, '$[4]') AS due_at, json_extract(value, '$[5]') AS last_status,
+    json_extract(value, '$[6]') AS last_error, json_extract(value, '$[7]') AS attempted_at,
+    json_extract(value, '$[8]') AS settled_at
+FROM json_each(%(rows)s)
+
+-- name: settled_set
+status = v.status, attempts = v.attempts, due_at = v.due_at, lease_token = NULL,
+last_status = v.last_status, last_error = v.last_error,
+last_attempt_at = COALESCE(v.attempted_at, last_attempt_at), settled_at = v.settled_at
+
+-- name: settle_written [sqlite]
+-- The ids whose claim still holds, as one value (each row RETURNING gives
+-- back is a step of its own, which hands the interpreter to the worker
+-- threads and waits to get it back); the transaction holds the write lock,
+-- so nothing changes before they are written.
+SELECT json_group_array({delivery}.id) FROM ({settled_values}) AS v
+CROSS JOIN {delivery} WHERE {delivery}.id = v.id AND {delivery}.lease_token = v.token
+
+-- name: settle_rows [sqlite]
+WITH v AS ({settled_values})
+UPDATE {delivery} SET {settled_set} FROM v
+WHERE {delivery}.id = v.id AND {delivery}.lease_token = v.token
+
+-- name: give_up [postgresql]
+-- One statement that both picks and changes the rows: what it returns is
+-- what it changed, whatever another process did a moment before.
+UPDATE {delivery} SET status = %(failed)s, due_at = NULL, lease_token = NULL,
+    settled_at = %(now)s, last_error = %(reason)s
+WHERE status = {pending} AND id = ANY(%(ids)s::bigint[])
+RETURNING id, batch_id, inbox, last_status, destination
+
+-- name: give_up [sqlite]
+UPDATE {delivery} SET status = %(failed)s, due_at = NULL, lease_token = NULL,
+    settled_at = %(now)s, last_error = %(reason)s
+WHERE status = {pending} AND id IN (SELECT value FROM json_each(%(ids)s))
+RETURNING id, batch_id, inbox, last_status, destination
+
+
+-- Counting batches down ---------------------------------------------------
+
+-- name: counted_down
+-- n (c.n, or v.n) fewer remaining, and finished at %(now)s once none are.
+-- Every right-hand side reads the row as it was: remaining in finished_at's
+-- CASE is the count before.
+remaining = CASE WHEN {batch}.remaining > c.n THEN {batch}.remaining - c.n ELSE 0 END,
+finished_at = CASE WHEN {batch}.remaining > c.n THEN NULL ELSE %(now)s END
+
+-- name: leaving [postgresql]
+-- Batches and how many of their deliveries leave, of the JSON list %(rows)s.
+SELECT (value->>0)::bigint AS id, (value->>1)::integer AS n
+FROM jsonb_array_elements(%(rows)s::jsonb)
+
+-- name: leaving [sqlite]
+SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS n
+FROM json_each(%(rows)s)
+
+-- name: lock_batches [postgresql]
+-- In id order: settles counting down the same batches at once wait on each
+-- other rather than deadlock.
+SELECT id FROM {batch} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE
+
+-- name: count_down [postgresql]
+WITH c AS ({leaving})
+UPDATE {batch} SET {counted_down} FROM c
+WHERE {batch}.id = c.id AND {batch}.finished_at IS NULL
+RETURNING {batch}.id, {batch}.remaining
+
+-- name: finishing_batches [sqlite]
+-- The batches the count-down finishes, read before it as one value.
+SELECT json_group_array({batch}.id) FROM ({leaving}) AS c CROSS JOIN {batch}
+WHERE {batch}.id = c.id AND {batch}.finished_at IS NULL AND {batch}.remaining <= c.n
+
+-- name: count_down [sqlite]
+WITH c AS ({leaving})
+UPDATE {batch} SET {counted_down} FROM c
+WHERE {batch}.id = c.id AND {batch}.finished_at IS NULL
+
+
+-- The history -------------------------------------------------------------
+
+-- name: add_history [postgresql]
+-- Counts added to their minutes, of the JSON list %(rows)s: a minute, then
+-- each count.
+INSERT INTO {history} (minute, delivered, retried, refused, failed, breakers_opened)
+SELECT (value->>0)::timestamptz, (value->>1)::integer, (value->>2)::integer,
+    (value->>3)::integer, (value->>4)::integer, (value->>5)::integer
+FROM jsonb_array_elements(%(rows)s::jsonb)
+ON CONFLICT (minute) DO UPDATE SET {history_added}
+
+-- name: add_history [sqlite]
+-- (WHERE true: without it, SQLite would read ON as a join's.)
+INSERT INTO {history} (minute, delivered, retried, refused, failed, breakers_opened)
+SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), json_extract(value, '$[2]'),
+    json_extract(value, '$[3]'), json_extract(value, '$[4]'), json_extract(value, '$[5]')
+FROM json_each(%(rows)s) WHERE true
+ON CONFLICT (minute) DO UPDATE SET {history_added}
+
+-- name: history_added
+delivered = {history}.delivered + excluded.delivered,
+retried = {history}.retried + excluded.retried,
+refused = {history}.refused + excluded.refused,
+failed = {history}.failed + excluded.failed,
+breakers_opened = {history}.breakers_opened + excluded.breakers_opened
+
+
+-- Breakers ----------------------------------------------------------------
+
+-- name: count_failures
+-- A destination's failures added to its count, opening its breaker until
+-- %(opens)s when they reach %(threshold)s; what it then stands at returned.
+INSERT INTO {breaker} (key, failures, open_until, probe_token, probe_until, updated_at)
+VALUES (%(key)s, %(count)s, CASE WHEN %(count)s >= %(threshold)s THEN %(opens)s ELSE NULL END,
+    '', NULL, %(now)s)
+ON CONFLICT (key) DO UPDATE SET
+    failures = {breaker}.failures + excluded.failures,
+    open_until = CASE WHEN {breaker}.open_until IS NULL
+        AND {breaker}.failures + excluded.failures >= %(threshold)s
+        THEN %(opens)s ELSE {breaker}.open_until END,
+    updated_at = excluded.updated_at
+RETURNING {breaker}.failures, {breaker}.open_until
+
+
+-- Purges ------------------------------------------------------------------
+
+-- name: delete_settled [postgresql]
+-- The oldest chunk settled in %(status)s before %(cutoff)s, from
+-- %(since)s on. The status is named in the DELETE itself, not only where
+-- the ids are found: PostgreSQL checks the DELETE's own conditions again
+-- on a row changed since the statement began (requeued, say), not its
+-- subquery's. The ids are looked up by primary key, the subquery run
+-- once: as a join, it may be hashed against a scan of the table.
+DELETE FROM {delivery} WHERE id = ANY(ARRAY({oldest_settled})) AND status = %(status)s
+RETURNING id, settled_at
+
+-- name: delete_settled [sqlite]
+DELETE FROM {delivery} WHERE id IN ({oldest_settled}) AND status = %(status)s
+RETURNING id, settled_at
+
+-- name: oldest_settled
+SELECT id FROM {delivery}
+WHERE status = %(status)s AND settled_at < %(cutoff)s AND settled_at >= %(since)s
+ORDER BY settled_at LIMIT %(chunk)s
+
+-- name: forget_deleted [postgresql]
+-- What waited on (or, settled, once waited on) %(ids)s, deleted, points at
+-- nothing now. The range is what has SQLite read the index on after_id:
+-- once ANALYZE has seen a column of NULLs, it takes an IN alone for a full
+-- scan of the table.
+UPDATE {delivery} SET after_id = NULL
+WHERE after_id >= %(first)s AND after_id <= %(last)s AND after_id = ANY(%(ids)s::bigint[])
+
+-- name: forget_deleted [sqlite]
+UPDATE {delivery} SET after_id = NULL
+WHERE after_id >= %(first)s AND after_id <= %(last)s
+    AND after_id IN (SELECT value FROM json_each(%(ids)s))
+
+-- name: delete_empty_batches
+-- Whether a delivery is left is asked by the DELETE itself, so that one
+-- queued since the page was read keeps its batch.
+DELETE FROM {batch} WHERE id > %(after)s AND id <= %(last)s AND created_at < %(cutoff)s
+    AND NOT EXISTS (SELECT 1 FROM {delivery} d WHERE d.batch_id = {batch}.id)
+
+
+-- Locks, listening and the connection ------------------------------------
+
+-- name: try_advisory_lock [postgresql]
+SELECT pg_try_advisory_lock(%(key)s)
+
+-- name: advisory_unlock [postgresql]
+SELECT pg_advisory_unlock(%(key)s)
+
+-- name: listen [postgresql]
+LISTEN {channel}
+
+-- name: unlisten [postgresql]
+UNLISTEN {channel}
+
+-- name: journal_mode [sqlite]
+PRAGMA journal_mode
+
+-- name: busy_timeout [sqlite]
+PRAGMA busy_timeout
+
+-- name: set_busy_timeout [sqlite]
+PRAGMA busy_timeout = %(milliseconds)d

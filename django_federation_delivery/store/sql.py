@@ -1,0 +1,484 @@
+"""The statements the package runs outside the ORM, and the one place that
+runs them.
+
+Every statement is a named block of ``queries.sql``, read and parsed once
+(see the top of that file for its few rules); where PostgreSQL and SQLite
+differ, a block has a variant for each. This module alone holds a cursor:
+the store's modules, and the two that set up connections of their own
+(``writelock.py``, ``wakeup.py``), ask for a statement by its name, with its
+parameters by theirs.
+
+Where the two databases differ by more than a statement's text, what each
+runs is here too, in one function: a settle (:meth:`Statements.settle`) is
+one statement on PostgreSQL and a few steps on SQLite, and a count-down
+(:meth:`Statements.count_down`) locks its batches first on PostgreSQL and
+reads those it finishes first on SQLite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sqlite3
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
+from typing import Any, NamedTuple
+
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from django_federation_delivery.dialect import id_array, json_parameter
+from django_federation_delivery.models import (
+    Batch,
+    Breaker,
+    Delivery,
+    DeliveryHistory,
+    Host,
+    Status,
+)
+
+__all__ = [
+    "NOTIFY_CHANNEL",
+    "Settled",
+    "Statement",
+    "Statements",
+    "busy_timeout",
+    "counts_while_settling",
+    "journal_mode",
+    "listen",
+    "on",
+    "set_busy_timeout",
+    "statement",
+    "statements_of",
+]
+
+#: The PostgreSQL channel a send notifies and a listener listens on.
+NOTIFY_CHANNEL = "federation_delivery"
+
+#: The databases a block may be written for.
+VENDORS = ("postgresql", "sqlite")
+
+_BLOCK = re.compile(r"^-- name: (\w+)(?: \[(\w+)\])?\s*$")
+_FILLED = re.compile(r"\{(\w+)\}")
+_PARAMETER = re.compile(r"%\((\*{0,2}\w+)\)([sd])")
+#: Where a statement's rows go, until their number is known.
+_ROWS = "\0rows\0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Statement:
+    """One named statement, for one database: its text with a ``%s`` a
+    parameter, as Django's cursors take it, and SQLite's own (``?``), with
+    the names of its parameters in the order they are bound."""
+
+    name: str
+    text: str
+    qmark: str
+    #: The parameters in order, a name as often as the text names it.
+    order: tuple[str, ...]
+    #: Those that stand for several values: a sequence, spread.
+    spread: frozenset[str]
+    #: Integers written into the text (``%(name)d``), where it takes no parameters.
+    literal: tuple[str, ...]
+    #: Every name it takes.
+    names: frozenset[str]
+    #: The one that is rows of parameters, if any.
+    rows: str | None = None
+    #: The text and SQLite's for a number and length of rows.
+    _shaped: dict[tuple[int, int], tuple[str, str]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def bind(self, given: Mapping[str, Any]) -> list[Any]:
+        """The parameters, in order, of the values ``given`` by name."""
+        if given.keys() != self.names:
+            raise TypeError(
+                f"statement {self.name!r} takes {sorted(self.names)}, given {sorted(given)}"
+            )
+        if not self.spread:
+            return [given[name] for name in self.order]
+        values: list[Any] = []
+        for name in self.order:
+            if name == self.rows:
+                values.extend(value for row in given[name] for value in row)
+            elif name in self.spread:
+                values.extend(given[name])
+            else:
+                values.append(given[name])
+        return values
+
+    def shaped(self, given: Mapping[str, Any]) -> tuple[str, str]:
+        """The text and SQLite's, with as many rows as ``given`` has."""
+        if self.rows is None:
+            return self.text, self.qmark
+        rows = given[self.rows]
+        shape = (len(rows), len(rows[0]) if rows else 0)
+        texts = self._shaped.get(shape)
+        if texts is None:
+            written = ", ".join(["(" + ", ".join(["%s"] * shape[1]) + ")"] * shape[0])
+            texts = (
+                self.text.replace(_ROWS, written),
+                self.qmark.replace(_ROWS, written.replace("%s", "?")),
+            )
+            # Those of the sizes most sends have (a few rows, a whole chunk),
+            # and not one a fan-out's last chunk once there are enough.
+            if shape[0] <= _KEPT_ROWS or len(self._shaped) < _KEPT_SHAPES:
+                self._shaped[shape] = texts
+        return texts
+
+    def written(self, given: Mapping[str, Any]) -> str:
+        """The text with its integers written in."""
+        return self.text % {name: int(given[name]) for name in self.literal}
+
+
+def _blocks() -> dict[tuple[str, str | None], str]:
+    """The blocks of ``queries.sql``, by name and database (None: both),
+    their comment lines left out and their white space made single spaces."""
+    source = resources.files(__package__).joinpath("queries.sql").read_text("utf-8")
+    blocks: dict[tuple[str, str | None], list[str]] = {}
+    lines: list[str] | None = None
+    for line in source.splitlines():
+        named = _BLOCK.match(line)
+        if named:
+            name, vendor = named.groups()
+            if vendor is not None and vendor not in VENDORS:
+                raise ValueError(f"queries.sql: {name} is for no database we know: {vendor}")
+            if (name, vendor) in blocks:
+                raise ValueError(f"queries.sql: {name} [{vendor}] is written twice")
+            lines = blocks[(name, vendor)] = []
+        elif lines is not None and not line.lstrip().startswith("--"):
+            lines.append(line)
+    return {
+        key: " ".join(" ".join(text).split()).replace("( ", "(").replace(" )", ")")
+        for key, text in blocks.items()
+    }
+
+
+def _quote(name: str) -> str:
+    """A name as both databases quote it (and Django's backends for them)."""
+    return f'"{name}"'
+
+
+def _filled() -> dict[str, str]:
+    """What ``{name}`` stands for, but the other blocks."""
+    quote = _quote
+    tables = {
+        "delivery": Delivery,
+        "batch": Batch,
+        "host": Host,
+        "history": DeliveryHistory,
+        "breaker": Breaker,
+    }
+    return {
+        **{name: quote(model._meta.db_table) for name, model in tables.items()},
+        "pending": f"'{Status.PENDING}'",
+        "channel": NOTIFY_CHANNEL,
+        "batch_columns": ", ".join(quote(field.column) for field in _batch_fields()),
+        "batch_values": "%(*batch)s",
+    }
+
+
+def _batch_fields() -> list[Any]:
+    """The columns a batch's INSERT writes: all of the model's but its id."""
+    return [field for field in Batch._meta.concrete_fields if not field.primary_key]
+
+
+def _compile(vendor: str) -> dict[str, Statement]:
+    """Every statement as ``vendor``'s database runs it."""
+    blocks = _blocks()
+    filled = _filled()
+    spread_sizes = {"batch": len(_batch_fields())}
+
+    def text_of(name: str, seen: tuple[str, ...]) -> str:
+        if name in seen:
+            raise ValueError(f"queries.sql: {' > '.join((*seen, name))} names itself")
+        block = blocks.get((name, vendor), blocks.get((name, None)))
+        if block is None:
+            raise KeyError(f"queries.sql: no {name} for {vendor}")
+        return _FILLED.sub(
+            lambda found: (
+                filled[found[1]] if found[1] in filled else text_of(found[1], (*seen, name))
+            ),
+            block,
+        )
+
+    compiled = {}
+    for name in {name for name, block_vendor in blocks if block_vendor in (None, vendor)}:
+        order: list[str] = []
+        spread: set[str] = set()
+        literal: list[str] = []
+        rows: list[str] = []
+
+        def placeholder(found: re.Match[str]) -> str:
+            parameter, kind = found[1], found[2]
+            if kind == "d":
+                literal.append(parameter)  # noqa: B023 (this statement's, bound now)
+                return f"%({parameter})d"
+            if parameter.startswith("**"):
+                parameter = parameter[2:]
+                rows.append(parameter)  # noqa: B023
+                spread.add(parameter)  # noqa: B023
+                order.append(parameter)  # noqa: B023
+                return _ROWS
+            if parameter.startswith("*"):
+                parameter = parameter[1:]
+                spread.add(parameter)  # noqa: B023
+                order.append(parameter)  # noqa: B023
+                return ", ".join(["%s"] * spread_sizes[parameter])
+            order.append(parameter)  # noqa: B023
+            return "%s"
+
+        text = _PARAMETER.sub(placeholder, text_of(name, ()))
+        if literal and order:
+            raise ValueError(f"queries.sql: {name} has both integers and parameters")
+        if len(rows) > 1:
+            raise ValueError(f"queries.sql: {name} has more than one list of rows")
+        compiled[name] = Statement(
+            name,
+            text,
+            text.replace("%s", "?"),
+            tuple(order),
+            frozenset(spread),
+            tuple(literal),
+            frozenset(order) | frozenset(literal),
+            rows[0] if rows else None,
+        )
+    return compiled
+
+
+#: Texts kept of each statement with rows, one a number of rows: any of a
+#: few rows, and up to so many in all.
+_KEPT_ROWS = 16
+_KEPT_SHAPES = 32
+
+_compiled: dict[str, dict[str, Statement]] = {}
+_compiling = threading.Lock()
+
+
+def statements_of(vendor: str) -> dict[str, Statement]:
+    """Every statement as ``vendor``'s database runs it, by name."""
+    named = _compiled.get(vendor)
+    if named is None:
+        with _compiling:
+            named = _compiled.get(vendor) or _compile(vendor)
+            _compiled[vendor] = named
+    return named
+
+
+def statement(connection: Any, name: str) -> Statement:
+    """The statement ``name`` as ``connection``'s database runs it."""
+    return statements_of(connection.vendor)[name]
+
+
+class Settled(NamedTuple):
+    """What a settle wrote."""
+
+    #: The deliveries whose claim still held: those written.
+    written: set[int]
+    #: The batches it finished, in id order.
+    finished: list[int]
+    #: Whether it added to the history itself (or left that to the caller).
+    counted: bool
+
+
+class Statements:
+    """Named statements, run on ``connection`` through one cursor, opened by
+    ``with``.
+
+    Django's cursor, unless ``driver`` and SQLite's own will do: for the few
+    statements of a send, when nothing logs or wraps queries. What Django's
+    wrapper adds around one statement (the ``%s`` to ``?`` rewrite, the
+    checks) costs more than SQLite takes to insert a row: a one-inbox send,
+    a fifth more (``benchmarks/send.py``). Errors are translated, and a
+    broken transaction refused, as Django's cursor does.
+    """
+
+    def __init__(self, connection: Any, *, driver: bool = False) -> None:
+        self.connection = connection
+        self.postgresql = connection.vendor == "postgresql"
+        self._named = statements_of(connection.vendor)
+        self._driver = (
+            driver
+            and connection.vendor == "sqlite"
+            and connection.connection is not None
+            and not connection.queries_logged
+            and not connection.execute_wrappers
+        )
+        self._cursor: Any = None
+
+    def __enter__(self) -> Statements:
+        if self._driver:
+            self.connection.validate_thread_sharing()
+            self._cursor = self.connection.connection.cursor()
+        else:
+            self._cursor = self.connection.cursor()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._cursor.close()
+
+    def _execute(self, name: str, given: Mapping[str, Any]) -> Any:
+        statement = self._named[name]
+        if statement.literal:
+            self._cursor.execute(statement.written(given))
+            return self._cursor
+        text, qmark = statement.shaped(given)
+        if self._driver:
+            if self.connection.needs_rollback:
+                self.connection.validate_no_broken_transaction()
+            with self.connection.wrap_database_errors:
+                self._cursor.execute(qmark, statement.bind(given))
+        else:
+            self._cursor.execute(text, statement.bind(given))
+        return self._cursor
+
+    def run(self, name: str, /, **given: Any) -> int:
+        """Run ``name``; how many rows it changed."""
+        return int(self._execute(name, given).rowcount)
+
+    def one(self, name: str, /, **given: Any) -> Any:
+        """Run ``name``; its one row (None if it returned none)."""
+        return self._execute(name, given).fetchone()
+
+    def all(self, name: str, /, **given: Any) -> list[Any]:
+        """Run ``name``; its rows."""
+        return list(self._execute(name, given).fetchall())
+
+    def value(self, name: str, /, **given: Any) -> Any:
+        """Run ``name``; the first value of its one row."""
+        return self._execute(name, given).fetchone()[0]
+
+    def json(self, name: str, /, **given: Any) -> Any:
+        """Run ``name``, an SQLite statement that returns its rows as one
+        JSON value (each row a statement returns is an sqlite3 step of its
+        own, and each step hands the interpreter to the worker threads and
+        waits to get it back); that value, read."""
+        return json.loads(self.value(name, **given))
+
+    def ids(self, ids: Iterable[int]) -> str:
+        """``ids`` as a statement takes a list of them: a PostgreSQL array
+        (one string for psycopg to quote, where a list is adapted an element
+        at a time) or an SQLite JSON list."""
+        if self.postgresql:
+            return id_array(ids)
+        return json.dumps(list(ids))
+
+    def lock_for_writing(self) -> None:
+        """SQLite: have the transaction hold the write lock from now on, for
+        a read whose rows it then writes. A deferred ``BEGIN`` (Django 4.2,
+        or no ``transaction_mode``) takes it at the first write: a read
+        before that sees rows another connection may change before the
+        write, which then fails at once ("database is locked") instead of
+        waiting. A transaction begun ``IMMEDIATE`` holds it already."""
+        connection = self.connection
+        mode = getattr(connection, "transaction_mode", None)
+        if (
+            connection.vendor == "sqlite"
+            and connection.in_atomic_block
+            and mode not in ("IMMEDIATE", "EXCLUSIVE")
+        ):
+            self.run("lock_for_writing")
+
+    def count_down(self, leaving: Counter[int], now: Any) -> list[int]:
+        """Take ``leaving`` (how many deliveries leave each batch) off the
+        batches' counts, finishing at ``now`` those that reach nought;
+        return those, in id order.
+
+        On PostgreSQL the batches' rows are locked first, in id order:
+        deliverers counting down the same batches at once then wait on each
+        other rather than deadlock. On SQLite the batches it finishes are
+        read first, as one value."""
+        if not leaving:
+            return []
+        items = sorted(leaving.items())
+        rows = json_parameter(items)
+        if self.postgresql:
+            self.run("lock_batches", ids=self.ids(batch for batch, _ in items))
+            counted = self.all("count_down", rows=rows, now=now)
+            return sorted(batch for batch, remaining in counted if remaining == 0)
+        finished = sorted(self.json("finishing_batches", rows=rows))
+        self.run("count_down", rows=rows, now=now)
+        return finished
+
+    def settle(
+        self,
+        rows: Sequence[Sequence[Any]],
+        *,
+        final: Mapping[int, int],
+        ordered: Sequence[int],
+        now: Any,
+        count: bool = True,
+    ) -> Settled:
+        """Write the settlements ``rows`` (each its id, token, status,
+        attempts, due time, last status, last error, attempt time and settle
+        time, then the history's minute and count name) whose claim still
+        holds; release what waited on the ``ordered`` among those written
+        final; count the batches of the ``final`` ones ({id: batch}) down.
+
+        On PostgreSQL all of it is one statement (``settle``), which adds to
+        the history too unless ``count`` is false (``settle_uncounted``);
+        with ``ordered`` deliveries a statement before it locks them (see
+        ``lock_deliveries``). On SQLite each is a step, in the same order,
+        the write lock held from the first; the history is left to the
+        caller."""
+        given = json_parameter(rows)
+        if self.postgresql:
+            if ordered:
+                self.run("lock_deliveries", ids=self.ids(sorted(ordered)))
+            written, finished = self.one(
+                "settle" if count else "settle_uncounted",
+                rows=given,
+                ids=self.ids(row[0] for row in rows),
+                now=now,
+                ordered=self.ids(ordered),
+                leaving=self.ids(sorted(set(final.values()))),
+            )
+            return Settled(set(written), list(finished), count)
+        self.lock_for_writing()
+        written = set(self.json("settle_written", rows=given))
+        if written:
+            self.run("settle_rows", rows=given)
+        released = [id for id in ordered if id in written]
+        if released:
+            self.run("release_next", ids=self.ids(released), now=now)
+        leaving = Counter(batch for id, batch in final.items() if id in written)
+        return Settled(written, self.count_down(leaving, now), False)
+
+
+def on(using: Any = None, *, driver: bool = False) -> Statements:
+    """:class:`Statements` on the connection ``using`` (an alias, or a
+    connection itself)."""
+    if using is None or isinstance(using, str):
+        using = connections[using or DEFAULT_DB_ALIAS]
+    return Statements(using, driver=driver)
+
+
+def counts_while_settling(connection: Any) -> bool:
+    """Whether a settle adds to the history in its own statement (PostgreSQL),
+    so that one whose history cannot be written fails as a whole."""
+    return connection.vendor == "postgresql"  # type: ignore[no-any-return]
+
+
+def listen(conn: Any, listening: bool) -> None:
+    """PostgreSQL: have ``conn``, a psycopg connection of its own, listen for
+    sends' notifications, or stop."""
+    conn.execute(statements_of("postgresql")["listen" if listening else "unlisten"].text)
+
+
+def busy_timeout(raw: sqlite3.Connection) -> int:
+    """SQLite: the busy timeout of ``raw``, a driver's connection, in milliseconds."""
+    return int(raw.execute(statements_of("sqlite")["busy_timeout"].text).fetchone()[0])
+
+
+def set_busy_timeout(raw: sqlite3.Connection, milliseconds: int) -> None:
+    """SQLite: set the busy timeout of ``raw``, a driver's connection."""
+    statement = statements_of("sqlite")["set_busy_timeout"]
+    raw.execute(statement.written({"milliseconds": milliseconds}))
+
+
+def journal_mode(connection: Any) -> str:
+    """SQLite's journal mode, lowercase ("wal", "delete", …)."""
+    with on(connection) as db:
+        return str(db.value("journal_mode")).lower()
