@@ -1,7 +1,7 @@
-"""What the loop asks of a kind of delivery, and which kind a batch is.
+"""What the loop asks of a kind of delivery, and which kind a delivery is.
 
 The loop sends an inbox delivery and a webhook delivery alike: it asks the
-batch's kind whether a claimed delivery is to go (``skipped``, ``unusable``),
+delivery's kind whether a claimed delivery is to go (``skipped``, ``unusable``),
 for its job (in the loop's thread, which owns the database), for the attempt
 at it (in a worker thread, which owns the sockets), and for the settler that
 judges what came of it. There are two: inboxes (``inboxes.py``) and webhooks
@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
+from django_federation_delivery.models import Kind
 from django_federation_delivery.settling import Settler
 from django_federation_delivery.store import claims
 from django_federation_delivery.transport import Transport, TransportSettings
@@ -68,18 +69,17 @@ class DeliveryKind(Protocol):
 
 
 class Kinds:
-    """The kinds of one deliverer, and which one a batch is."""
+    """The kinds of one deliverer, by the ``kind`` a delivery is written with."""
 
     def __init__(self, inboxes: DeliveryKind, webhooks: DeliveryKind) -> None:
-        self.inboxes = inboxes
-        self.webhooks = webhooks
+        self._by_kind: dict[str, DeliveryKind] = {Kind.ACTIVITYPUB: inboxes, Kind.WEBHOOK: webhooks}
 
-    def of(self, batch: BatchInfo) -> DeliveryKind:
-        # A webhook batch carries an event; an activity's batch does not.
-        return self.webhooks if batch.event_type else self.inboxes
+    def of(self, row: claims.Claimed) -> DeliveryKind:
+        """The kind that sends ``row``."""
+        return self._by_kind[row.kind]
 
     def __iter__(self) -> Iterator[DeliveryKind]:
-        return iter((self.inboxes, self.webhooks))
+        return iter(self._by_kind.values())
 
     @property
     def longest(self) -> float:

@@ -65,7 +65,7 @@ class Triage:
             if row.id in holding or row.host in unusable:
                 continue
             batch = self.batches[row.batch_id]
-            kind = self.kinds.of(batch)
+            kind = self.kinds.of(row)
             if batch.deadline is not None and now >= batch.deadline:
                 error = "the batch's deadline passed before it was sent"
                 self.outbox.add(kind.settler(row).unsent(row, batch, error))

@@ -36,7 +36,7 @@ class InFlight:
 
     claimed: Claimed
     batch: BatchInfo
-    #: Its batch's kind, which makes the attempt.
+    #: Its kind of delivery, which makes the attempt.
     kind: DeliveryKind
     job: Job
     #: The destination's breaker, and the probe this delivery holds, if any.

@@ -85,3 +85,15 @@ class Broken(Pager):
 
     def policy(self) -> Policy:
         return dataclasses.replace(super().policy(), lane="urgent")
+
+
+class Feed(Pager):
+    """A feed of notifications: each event goes as soon as it can, a failing
+    one holding back none behind it."""
+
+    name = "feed"
+    label = "Feed"
+    schemes = ("feed", "feed+http")
+
+    def policy(self) -> Policy:
+        return dataclasses.replace(super().policy(), schedule=(0.3,), ordered=False)

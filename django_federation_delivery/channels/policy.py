@@ -46,7 +46,8 @@ class Policy:
     lane: str = "webhook"
     #: Whether each destination receives its events one at a time, oldest
     #: first (a failing one holding the later ones back), or each as soon as
-    #: it can.
+    #: it can (a feed of notifications, where a late one is worth less than
+    #: the next on time).
     ordered: bool = True
 
     def __post_init__(self) -> None:
@@ -71,6 +72,8 @@ class Policy:
             raise ValueError(
                 f"its retry_after_max is a number of seconds above 0, not {self.retry_after_max!r}"
             )
+        if not isinstance(self.ordered, bool):
+            raise ValueError(f"its ordered is True or False, not {self.ordered!r}")
         if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool):
             raise ValueError(f"its max_bytes is a whole number, not {self.max_bytes!r}")
         if self.max_bytes < 1:

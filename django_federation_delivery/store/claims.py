@@ -49,6 +49,8 @@ class Claimed:
     leased_until: float
     #: A webhook's destination, by name; "" for an inbox.
     destination: str = ""
+    #: How it is sent (``models.Kind``): what the loop asks for its job.
+    kind: str = "activitypub"
 
 
 def claim(
@@ -96,7 +98,18 @@ def claim(
     # The lease as written (from before the claim), not from now: never later.
     expires = now.timestamp() + lease
     return [
-        Claimed(row[0], row[1], row[2], row[3], row[4], _json_list(row[5]), token, expires, row[6])
+        Claimed(
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            _json_list(row[5]),
+            token,
+            expires,
+            row[6],
+            row[7],
+        )
         for row in rows
     ]
 

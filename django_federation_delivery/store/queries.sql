@@ -79,7 +79,7 @@ WHERE id = ANY(ARRAY(
     ) AS ranked
     WHERE turn <= %(cap)s ORDER BY rank, due_at, id LIMIT %(limit)s
 ))
-RETURNING id, batch_id, inbox, host, attempts, via, destination, lane
+RETURNING id, batch_id, inbox, host, attempts, via, destination, kind, lane
 
 -- name: claimable_host [postgresql]
 -- None to the hosts left out, and, when %(only)s names any, to those alone.
@@ -100,7 +100,9 @@ SELECT json_group_array(json_array(id, host)) FROM (
 )
 
 -- name: claimed_rows [sqlite]
-SELECT json_group_array(json_array(id, batch_id, inbox, host, attempts, json(via), destination))
+SELECT json_group_array(
+    json_array(id, batch_id, inbox, host, attempts, json(via), destination, kind)
+)
 FROM {delivery} WHERE id IN (SELECT value FROM json_each(%(ids)s))
 
 -- name: take [sqlite]

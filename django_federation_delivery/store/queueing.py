@@ -37,10 +37,19 @@ class Queued(NamedTuple):
     via: tuple[str, ...] = ()
     #: A webhook's destination, by name; "" for an inbox.
     destination: str = ""
+    #: Whether it waits for the one queued before it with the batch's ordering
+    #: key to the same inbox (none without an ordering key).
+    ordered: bool = True
 
 
-def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None) -> Batch:
-    """Write ``batch`` and one pending delivery per inbox.
+def enqueue(
+    batch: Batch,
+    inboxes: Sequence[Queued],
+    *,
+    kind: str = Kind.ACTIVITYPUB,
+    using: str | None = None,
+) -> Batch:
+    """Write ``batch`` and one pending delivery per inbox, each of ``kind``.
 
     Run inside the caller's transaction: on commit a deliverer in this process
     is woken at once, and on PostgreSQL every listening process too.
@@ -66,13 +75,11 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
             # The batch, its first deliveries and the wake-up of every
             # listening process in one round trip.
             first = inboxes[:per_statement]
-            waits_on = last_of_sequences(
-                batch.ordering_key, None, (queued.inbox for queued in first), alias
-            )
+            waits_on = last_of_sequences(batch.ordering_key, None, _ordered(first), alias)
             batch.id = db.value(
                 "insert_batch_and_deliveries",
                 batch=batch_values,
-                **_delivery_params(connection, batch, first, waits_on, due),
+                **_delivery_params(connection, batch, first, waits_on, due, kind),
             )
             done = len(first)
         else:
@@ -85,13 +92,11 @@ def enqueue(batch: Batch, inboxes: Sequence[Queued], *, using: str | None = None
         # once is memory a fan-out does not need.
         for start in range(done, len(inboxes), per_statement):
             chunk = inboxes[start : start + per_statement]
-            waits_on = last_of_sequences(
-                batch.ordering_key, batch.id, (queued.inbox for queued in chunk), alias
-            )
+            waits_on = last_of_sequences(batch.ordering_key, batch.id, _ordered(chunk), alias)
             db.run(
                 "insert_deliveries",
                 batch_id=batch.id,
-                **_delivery_params(connection, batch, chunk, waits_on, due),
+                **_delivery_params(connection, batch, chunk, waits_on, due, kind),
             )
     post_save.send(
         sender=Batch, instance=batch, created=True, update_fields=None, raw=False, using=alias
@@ -151,24 +156,33 @@ def _batch_values(batch: Batch, connection: Any) -> list[Any]:
     return values
 
 
+def _ordered(chunk: Sequence[Queued]) -> list[str]:
+    """The inboxes of ``chunk`` that wait their turn in a sequence."""
+    return [queued.inbox for queued in chunk if queued.ordered]
+
+
 def _delivery_params(
-    connection: Any, batch: Batch, chunk: Sequence[Queued], waits_on: dict[str, int], due: Any
+    connection: Any,
+    batch: Batch,
+    chunk: Sequence[Queued],
+    waits_on: dict[str, int],
+    due: Any,
+    kind: str,
 ) -> dict[str, Any]:
     """What ``insert_deliveries`` takes: the values every row has, then the
     rows, row after row on SQLite and an array a column on PostgreSQL."""
     key = batch.ordering_key
-    kind = str(Kind.WEBHOOK if batch.event_type else Kind.ACTIVITYPUB)
-    constants = {"kind": kind, "lane": batch.lane, "due": due}
+    constants = {"kind": str(kind), "lane": batch.lane, "due": due}
     rows = [
         (
             inbox,
             host,
             destination,
             json.dumps(list(via)) if via else "[]",
-            sequence_of(key, inbox) if key else "",
+            sequence_of(key, inbox) if key and ordered else "",
             waits_on.get(inbox),
         )
-        for inbox, host, via, destination in chunk
+        for inbox, host, via, destination, ordered in chunk
     ]
     if not is_postgresql(connection):
         return {**constants, "rows": rows}

@@ -282,6 +282,7 @@ def _claimed(row: Delivery) -> claims.Claimed:
         token="",
         leased_until=0.0,
         destination=row.destination,
+        kind=row.kind,
     )
 
 

@@ -29,7 +29,7 @@ from django_federation_delivery.channels import Event, Policy
 from django_federation_delivery.channels.policy import LANES
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
-from django_federation_delivery.models import Batch, Lane
+from django_federation_delivery.models import Batch, Kind, Lane
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.sequences import lock_sequences
@@ -92,7 +92,8 @@ def send_webhook(
     alias = using or DEFAULT_DB_ALIAS
     # No savepoint, as send()'s.
     with transaction.atomic(using=alias, savepoint=False):
-        lock_sequences(ORDERING_KEY, names, alias)
+        ordered = [name for name in names if policies[name].ordered]
+        lock_sequences(ORDERING_KEY, ordered, alias)
         return queueing.enqueue(
             Batch(
                 sender="",
@@ -103,7 +104,13 @@ def send_webhook(
                 event_type=event.type,
                 event_id=event.id,
             ),
-            [queueing.Queued(name, delivery_key(name), destination=name) for name in names],
+            [
+                queueing.Queued(
+                    name, delivery_key(name), destination=name, ordered=policies[name].ordered
+                )
+                for name in names
+            ],
+            kind=Kind.WEBHOOK,
             using=alias,
         )
 
