@@ -1,14 +1,18 @@
 """How many deliveries each host is sent at once: a limit that adapts.
 
 A host starts at ``PER_HOST`` and moves between 1 and ``PER_HOST_MAX`` as
-it answers: up by one for each round of answers that came back well (one
-more for every *limit* answers, as TCP's congestion window grows), halved
+it answers, as TCP's congestion window does: until it first shows a sign of
+overload, up by one for each answer that came back well (doubling a round);
+after that, up by one a round (one more for every *limit* answers); halved
 at a sign of overload: a ``429`` or ``503``, no answer at all (a timeout, a
 refused connection), or an answer far slower than the host's own fastest
-lately. A big instance that answers in 20 ms soon takes many at once; a
-small one that slows down or sheds load is sent fewer, without a setting
-changed. Halving happens at most once a round: the answers to requests
-already in flight when the limit fell do not halve it again.
+lately. Near the limit it was last halved from, it grows eight times more
+slowly, and twice as slowly again each time it is halved there once more:
+a host that sheds load at one limit is asked it again ever more rarely.
+A big instance that answers in 20 ms soon takes many at once; a small one
+that slows down or sheds load is sent fewer, without a setting changed.
+Halving happens at most once a round: the answers to requests already in
+flight when the limit fell do not halve it again.
 
 Only the loop's thread reads and changes it; it is the loop's memory, lost
 with it, and each host starts over at ``PER_HOST`` in a new run.
@@ -33,6 +37,10 @@ NOISE = 0.025
 #: this fraction, so that a host whose usual pace changes is not judged by
 #: an old one for ever.
 FORGET = 0.02
+#: How many times more slowly a limit grows back to where it was last
+#: halved; doubled each time it is halved at or below that again, up to MOST_CAUTION.
+CAUTION = 8
+MOST_CAUTION = 128
 #: Hosts remembered; past it the ones seen longest ago are forgotten.
 MOST_HOSTS = 10_000
 
@@ -45,6 +53,14 @@ class _Host:
     #: Answers to wait for before it may be halved again: those to requests
     #: that were in flight when it last was.
     recovering: int = 0
+    #: The limit it was last halved from, until it is reached again.
+    ceiling: int | None = None
+    #: Not yet overloaded: it grows by one an answer, not one a round.
+    starting: bool = True
+    #: How many times more slowly it grows near its ceiling.
+    caution: float = CAUTION
+    #: The limit it was last halved from (kept once the ceiling is passed).
+    halved_from: int | None = None
 
 
 class HostLimits:
@@ -86,8 +102,18 @@ class HostLimits:
             found.recovering -= 1
         if not answered or result.status in OVERLOADED or slow:
             if not found.recovering:
+                # Limits are compared as whole numbers: as many at once.
+                again = found.halved_from is not None and int(found.limit) <= found.halved_from
+                found.caution = min(MOST_CAUTION, found.caution * 2) if again else CAUTION
                 found.recovering = int(found.limit)
+                found.ceiling = found.halved_from = int(found.limit)
+                found.starting = False
                 found.limit = max(1.0, found.limit / 2)
             return
         if not found.recovering:
-            found.limit = min(float(self.most), found.limit + 1 / found.limit)
+            if found.ceiling is not None and int(found.limit) >= found.ceiling:
+                found.ceiling = None  # reached again, and answering well
+            step = 1.0 if found.starting else 1 / found.limit
+            if found.ceiling is not None and int(found.limit) + 1 >= found.ceiling:
+                step /= found.caution
+            found.limit = min(float(self.most), found.limit + step)

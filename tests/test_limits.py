@@ -3,6 +3,8 @@ at a sign of overload, once a round, between 1 and the most."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from django_federation_delivery.attempt import AttemptResult, Job, failed, held
@@ -29,18 +31,37 @@ def no_answer() -> AttemptResult:
     return failed(JOB, "timed out after 30 s", permanent=False)
 
 
-def test_a_host_starts_at_the_start_and_a_fast_one_grows_a_round_at_a_time() -> None:
-    limits = HostLimits(2, 8)
-    assert limits.limit(HOST) == 2
-    for _ in range(2):
+def answers_to_reach(limits: HostLimits, limit: int) -> int:
+    count = 0
+    while limits.limit(HOST) < limit:
         limits.learn(HOST, answered())
-    assert limits.limit(HOST) == 2  # 2 + 1/2 + 1/2.5: not yet 3
+        count += 1
+    return count
+
+
+def test_a_host_grows_an_answer_at_a_time_until_overloaded_then_a_round_at_a_time() -> None:
+    limits = HostLimits(2, 32)
+    assert limits.limit(HOST) == 2
     limits.learn(HOST, answered())
     assert limits.limit(HOST) == 3
+    for _ in range(13):
+        limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 16
+    assert limits.limit("other.example") == 2, "each host its own"
+    limits.learn(HOST, answered(503))
+    assert limits.limit(HOST) == 8
+    for _ in range(15):  # the other answers of the round it was halved in
+        limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 8
+    # Now a round (as many answers as its limit) for one more.
+    assert answers_to_reach(limits, 9) in (8, 9)
+
+
+def test_a_limit_never_passes_the_most() -> None:
+    limits = HostLimits(2, 8)
     for _ in range(200):
         limits.learn(HOST, answered())
-    assert limits.limit(HOST) == 8, "never past the most"
-    assert limits.limit("other.example") == 2, "each host its own"
+    assert limits.limit(HOST) == 8
 
 
 @pytest.mark.parametrize(
@@ -65,14 +86,14 @@ def test_a_sign_of_overload_halves_the_limit_once_a_round(overload: AttemptResul
 
 
 def test_a_refusal_answered_fast_is_no_overload_and_no_request_says_nothing() -> None:
-    limits = HostLimits(4, 8)
+    limits = HostLimits(4, 16)
     for _ in range(5):
         limits.learn(HOST, answered(404))
-    assert limits.limit(HOST) == 5
+    assert limits.limit(HOST) == 9
     for _ in range(20):
         limits.learn(HOST, held(JOB, "its breaker is open", retry_after=60.0))
         limits.learn(HOST, failed(JOB, "no key for the sender", permanent=True, requests=0))
-    assert limits.limit(HOST) == 5
+    assert limits.limit(HOST) == 9
 
 
 def test_a_host_slower_than_its_fastest_but_within_noise_is_not_overloaded() -> None:
@@ -80,7 +101,7 @@ def test_a_host_slower_than_its_fastest_but_within_noise_is_not_overloaded() -> 
     limits.learn(HOST, answered(seconds=0.001))
     for _ in range(3):
         limits.learn(HOST, answered(seconds=0.02))  # 20 times slower, but 20 ms
-    assert limits.limit(HOST) == 3
+    assert limits.limit(HOST) == 6
 
 
 def test_with_the_most_at_the_start_a_limit_never_grows() -> None:
@@ -88,3 +109,26 @@ def test_with_the_most_at_the_start_a_limit_never_grows() -> None:
     for _ in range(100):
         limits.learn(HOST, answered())
     assert limits.limit(HOST) == 2
+
+
+def test_back_near_where_it_was_halved_a_limit_grows_eight_times_more_slowly() -> None:
+    fresh = HostLimits(1, 8)
+    assert answers_to_reach(fresh, 2) == 1
+    limits = HostLimits(2, 8)
+    limits.learn(HOST, answered(503))
+    assert limits.limit(HOST) == 1
+    # The answer to the round's other request, then eight times the one.
+    assert answers_to_reach(limits, 2) >= 1 + 8
+    # Past where it was halved, a round at a time again.
+    assert answers_to_reach(limits, 3) <= 3
+
+
+def test_a_host_halved_again_where_it_was_is_asked_that_limit_ever_more_rarely() -> None:
+    limits = HostLimits(2, 8)
+    waits = []
+    for _ in range(4):
+        limits.learn(HOST, answered(503))  # at two: too many
+        assert limits.limit(HOST) == 1
+        waits.append(answers_to_reach(limits, 2))
+    assert waits[0] >= 8
+    assert all(later >= 2 * earlier - 1 for earlier, later in itertools.pairwise(waits)), waits

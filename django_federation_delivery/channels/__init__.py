@@ -1,8 +1,9 @@
-"""Kinds of destination: one :class:`Channel` a kind, found by its URL's scheme.
+"""Kinds of destination, one :class:`Channel` each: inboxes and webhook kinds.
 
 A kind says how its URL parses (and which parts of it are secret), how the
-request for one attempt is built, and what an answer means. The loop calls
-that interface only. Built in: Slack, Discord, Markdown hooks, Telegram, ntfy,
+request for one attempt is built, what an answer means, and its policy. The
+loop calls that interface only. A webhook kind is found by its URL's scheme.
+Built in: Slack, Discord, Markdown hooks, Telegram, ntfy,
 Matrix and signed JSON (Standard Webhooks); a project adds its own with
 ``FEDERATION_DELIVERY["CHANNELS"]``. An ActivityPub inbox is a kind too
 (``activitypub.py``: signed, double-knocked, gateway by gateway), named by
