@@ -161,7 +161,7 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
                 # The values as the package lays them out, so that the floor
                 # follows its statement whatever columns it gains.
                 params = queueing._delivery_params(
-                    connection, batch, [queueing.Queued(inbox, host)], {}, due
+                    connection, batch, [queueing.Queued(inbox, host)], {}, due, "activitypub"
                 )
                 given = {"batch_id": batch_id, **params}
                 _, qmark = deliveries_sql.shaped(given)

@@ -99,6 +99,11 @@ class Batch(models.Model):
         verbose_name=_("event type"), max_length=100, blank=True, default=""
     )
     event_id = models.CharField(verbose_name=_("event id"), max_length=200, blank=True, default="")
+    #: The key a send was given so that, sent again with it, it queues
+    #: nothing and returns this batch (while this batch is kept).
+    idempotency_key = models.CharField(
+        verbose_name=_("idempotency key"), max_length=200, blank=True, default=""
+    )
     created_at = models.DateTimeField(verbose_name=_("created at"), default=timezone.now)
     # How many deliveries it queued, and how many are still pending: the
     # batch is finished when that reaches nought.
@@ -116,6 +121,14 @@ class Batch(models.Model):
         indexes = [
             models.Index(fields=["tag"], name="fd_batch_tag"),
             models.Index(fields=["created_at"], name="fd_batch_created"),
+        ]
+        constraints = [
+            # Partial: a send without a key adds nothing to it.
+            models.UniqueConstraint(
+                fields=["idempotency_key"],
+                condition=models.Q(idempotency_key__gt=""),
+                name="fd_batch_idempotency_key",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 TAG_LENGTH = Batch._meta.get_field("tag").max_length or 200
 ORDERING_KEY_LENGTH = Batch._meta.get_field("ordering_key").max_length or 500
+IDEMPOTENCY_KEY_LENGTH = Batch._meta.get_field("idempotency_key").max_length or 200
 URL_LENGTH = 2048
 #: The most ``max_attempts`` can be: what the column holds on every database.
 MAX_ATTEMPTS = 2**31 - 1
@@ -70,19 +71,32 @@ class BatchOptions:
     #: Each delivery carries a Collection-Synchronization header (FEP-8fcf),
     #: written by the COLLECTION_SYNCHRONIZATION setting's callable.
     synchronize_collection: bool = False
+    #: Sent again with the same key while the first batch is kept, the send
+    #: queues nothing and returns that batch: a request its client retried
+    #: does not fan out twice. Typically the id of what the request created.
+    idempotency_key: str = ""
 
 
 _OPTION_NAMES = frozenset(field.name for field in dataclasses.fields(BatchOptions))
 
 
-def send(sender: str, activity: Mapping[str, Any], inboxes: Iterable[str]) -> Batch | None:
+def send(
+    sender: str,
+    activity: Mapping[str, Any],
+    inboxes: Iterable[str],
+    *,
+    idempotency_key: str = "",
+) -> Batch | None:
     """Queue ``activity``, signed by ``sender``, for each of ``inboxes`` once.
 
     An inbox that cannot be delivered to is skipped, never fatal: the batch's
     ``skipped`` lists each, redacted, with the reason. Returns the batch, or
-    None when there was no inbox to send to.
+    None when there was no inbox to send to. With an ``idempotency_key``
+    a batch sent with already is kept under, nothing is queued and that
+    batch is returned.
     """
-    return send_batch(sender, activity, inboxes)
+    options = BatchOptions(idempotency_key=idempotency_key) if idempotency_key else None
+    return send_batch(sender, activity, inboxes, options)
 
 
 def send_batch(
@@ -134,6 +148,7 @@ def _queue(
     ordering_key = _text("ordering_key", opts.ordering_key, ORDERING_KEY_LENGTH)
     low_priority = _flag("low_priority", opts.low_priority)
     synchronize = _flag("synchronize_collection", opts.synchronize_collection)
+    idempotency_key = checked_idempotency_key(opts.idempotency_key)
     if skipped:
         _log_skipped(skipped, queued=len(targets))
     if not targets:
@@ -158,6 +173,7 @@ def _queue(
                 ordering_key=ordering_key,
                 lane=_lane(len(targets), low_priority),
                 synchronize_collection=synchronize,
+                idempotency_key=idempotency_key,
             ),
             _interleave_hosts(targets),
             using=using,
@@ -318,6 +334,12 @@ def _max_attempts(max_attempts: object) -> int | None:
             f"not {_shown(max_attempts)}"
         )
     return max_attempts
+
+
+def checked_idempotency_key(value: object) -> str:
+    """``value`` as a send's idempotency key: ``InvalidDelivery`` naming it
+    when it is no string, too long, or one no database can store."""
+    return _text("idempotency_key", value, IDEMPOTENCY_KEY_LENGTH)
 
 
 def _text(name: str, value: object, length: int) -> str:

@@ -104,7 +104,7 @@ def batch_progress(batch_ids: Iterable[int]) -> dict[int, dict[str, int]]:
 class BatchAdmin(OperatorAdmin[Batch]):
     list_display = ("id", "tag", "sender", "event", "created_at", "deadline", "lane", "progress")
     list_filter = (TagFilter, BatchStateFilter, "lane")
-    search_fields = ("tag", "sender", "event_type")
+    search_fields = ("tag", "sender", "event_type", "=idempotency_key")
     ordering = ("-created_at",)
     actions = ("requeue_failed", "cancel_pending")
     fieldsets = (
@@ -113,7 +113,12 @@ class BatchAdmin(OperatorAdmin[Batch]):
         (
             _("Options"),
             {
-                "fields": ("max_attempts", "ordering_key", "synchronize_collection"),
+                "fields": (
+                    "max_attempts",
+                    "ordering_key",
+                    "synchronize_collection",
+                    "idempotency_key",
+                ),
                 "classes": ("collapse",),
             },
         ),

@@ -194,6 +194,12 @@ class Migration(migrations.Migration):
                     ),
                 ),
                 (
+                    "idempotency_key",
+                    models.CharField(
+                        blank=True, default="", max_length=200, verbose_name="idempotency key"
+                    ),
+                ),
+                (
                     "created_at",
                     models.DateTimeField(
                         default=django.utils.timezone.now, verbose_name="created at"
@@ -213,6 +219,13 @@ class Migration(migrations.Migration):
                 "indexes": [
                     models.Index(fields=["tag"], name="fd_batch_tag"),
                     models.Index(fields=["created_at"], name="fd_batch_created"),
+                ],
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(("idempotency_key__gt", "")),
+                        fields=("idempotency_key",),
+                        name="fd_batch_idempotency_key",
+                    )
                 ],
             },
         ),

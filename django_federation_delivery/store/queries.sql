@@ -148,7 +148,12 @@ SELECT
 -- A send ------------------------------------------------------------------
 
 -- name: insert_batch
-INSERT INTO {batch} ({batch_columns}) VALUES ({batch_values}) RETURNING id
+-- No row when a batch with its idempotency key is already kept: the send
+-- then queues nothing (the index's own condition, word for word, so that
+-- both databases match the conflict to it).
+INSERT INTO {batch} ({batch_columns}) VALUES ({batch_values})
+ON CONFLICT (idempotency_key) WHERE idempotency_key > '' DO NOTHING
+RETURNING id
 
 -- name: insert_deliveries [sqlite]
 -- A chunk of a batch's deliveries, a placeholder a value: SQLite reads

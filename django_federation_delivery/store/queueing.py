@@ -49,7 +49,9 @@ def enqueue(
     kind: str = Kind.ACTIVITYPUB,
     using: str | None = None,
 ) -> Batch:
-    """Write ``batch`` and one pending delivery per inbox, each of ``kind``.
+    """Write ``batch`` and one pending delivery per inbox, each of ``kind``;
+    or, when a batch with its ``idempotency_key`` is kept, write nothing and
+    return that one.
 
     Run inside the caller's transaction: on commit a deliverer in this process
     is woken at once, and on PostgreSQL every listening process too.
@@ -86,6 +88,9 @@ def enqueue(
             # Written first: on SQLite the write lock is taken before anything is read.
             batch.id = db.value("insert_batch", batch=batch_values)
             done = 0
+        if batch.id is None:
+            # Sent before with this idempotency key, and kept: nothing is queued.
+            return Batch.objects.using(alias).get(idempotency_key=batch.idempotency_key)
         batch._state.adding = False
         batch._state.db = alias
         # A statement at a time, each a bounded chunk: 100,000 rows' values at

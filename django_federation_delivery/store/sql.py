@@ -347,8 +347,9 @@ class Statements:
         return list(self._execute(name, given).fetchall())
 
     def value(self, name: str, /, **given: Any) -> Any:
-        """Run ``name``; the first value of its one row."""
-        return self._execute(name, given).fetchone()[0]
+        """Run ``name``; the first value of its one row, or None for no row."""
+        row = self._execute(name, given).fetchone()
+        return None if row is None else row[0]
 
     def json(self, name: str, /, **given: Any) -> Any:
         """Run ``name``, an SQLite statement that returns its rows as one

@@ -30,6 +30,7 @@ from django_federation_delivery.channels.policy import LANES
 from django_federation_delivery.conf import SETTING, app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Kind, Lane
+from django_federation_delivery.sending import checked_idempotency_key
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.sequences import lock_sequences
@@ -52,6 +53,7 @@ def send_webhook(
     data: Any,
     *,
     event_id: str | uuid.UUID | None = None,
+    idempotency_key: str = "",
     using: str | None = None,
 ) -> Batch | None:
     """Queue the event ``event_type`` with ``data`` (anything JSON can write)
@@ -66,8 +68,11 @@ def send_webhook(
     ``InvalidDelivery`` naming it, with nothing written.
     ``event_id`` (a new UUID by default) is the ``webhook-id`` a receiver
     de-duplicates by. Returns the batch, or None when no destination named
-    is subscribed (or none is named).
+    is subscribed (or none is named). With an ``idempotency_key`` a batch
+    was sent with already and is kept under, nothing is queued and that batch
+    is returned.
     """
+    idempotency_key = checked_idempotency_key(idempotency_key)
     event = Event.of(event_type, event_id or str(uuid.uuid4()), timezone.now(), data)
     found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
     if not found:
@@ -103,6 +108,7 @@ def send_webhook(
                 lane=Lane(lane),
                 event_type=event.type,
                 event_id=event.id,
+                idempotency_key=idempotency_key,
             ),
             [
                 queueing.Queued(
