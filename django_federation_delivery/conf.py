@@ -131,6 +131,9 @@ DEFAULTS: dict[str, Any] = {
     # A destination failing without one success for this long is disabled:
     # its events wait, in order, until an operator enables it again.
     "WEBHOOK_DISABLE_AFTER": 5 * 86400.0,
+    # An inbox's host with no answer but 5xx and 429 (or none) for this long
+    # is told failing (host_failing), once, and told up again once it answers.
+    "HOST_FAILING_AFTER": 3600.0,
     # How long settled deliveries are kept, in seconds, by status, before
     # purge_deliveries (or run_deliverer --purge) deletes them; a status set
     # to None is kept for ever, and RETENTION None keeps everything.
@@ -237,6 +240,7 @@ class AppSettings:
     webhook_timeout = Typed(float)
     webhook_max_bytes = Typed(int)
     webhook_disable_after = Typed(float)
+    host_failing_after = Typed(float)
     channels = Typed(_paths)
 
     def _user(self) -> dict[str, Any]:

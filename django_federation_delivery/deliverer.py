@@ -111,7 +111,9 @@ class Deliverer:
         self.summary = Summary()
         # The two kinds of delivery, each by its own rules, on the same loop.
         self.kinds = Kinds(
-            InboxDeliveries.from_settings(self.summary, self.schemes, self.transport_settings),
+            InboxDeliveries.from_settings(
+                self.summary, self.schemes, self.transport_settings, using=using
+            ),
             WebhookDeliveries.from_settings(
                 self.summary,
                 self.transport_settings,

@@ -7,6 +7,7 @@ every process, and the next start, knocks in it first.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections.abc import Iterable
 
@@ -70,6 +71,20 @@ def resume_host(host: str, *, using: str | None = None) -> int:
         )
     transaction.on_commit(wakeup.notify_local, using=alias)
     return int(released)
+
+
+def failing_since(host: str, now: dt.datetime, *, using: str | None = None) -> dt.datetime:
+    """When ``host`` (an inbox's host, or a destination's key) started
+    failing, as every deliverer knows it: ``now``, written, if it was not."""
+    alias = using or DEFAULT_DB_ALIAS
+    with transaction.atomic(using=alias):
+        found, _created = Host.objects.using(alias).get_or_create(
+            name=host, defaults={"failing_since": now}
+        )
+        if found.failing_since is None:
+            Host.objects.using(alias).filter(name=host).update(failing_since=now)
+            return now
+        return found.failing_since
 
 
 def host_schemes(hosts: Iterable[str], *, using: str | None = None) -> dict[str, str]:

@@ -11,10 +11,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from django.db import DEFAULT_DB_ALIAS
+
 from django_federation_delivery.attempt import AttemptResult, permanent_status
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings
+from django_federation_delivery.health import HostWatch
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.settling import Settler, Summary, ask
@@ -66,7 +69,12 @@ class InboxDeliveries:
 
     @classmethod
     def from_settings(
-        cls, summary: Summary, schemes: KnownSchemes, transport_settings: TransportSettings
+        cls,
+        summary: Summary,
+        schemes: KnownSchemes,
+        transport_settings: TransportSettings,
+        *,
+        using: str = DEFAULT_DB_ALIAS,
     ) -> InboxDeliveries:
         """As the settings say: the inbox kind's policy (RETRY, ATTEMPT_TIMEOUT,
         ALLOWED_NETWORKS and the rest), PERMANENT_STATUS, SKIP_IF."""
@@ -75,8 +83,9 @@ class InboxDeliveries:
             error_length=app_settings.error_length,
         )
         policy = channel.policy()
+        watch = HostWatch(app_settings.host_failing_after, using=using)
         return cls(
-            Settler.from_settings(summary, policy),
+            dataclasses.replace(Settler.from_settings(summary, policy), watch=watch),
             schemes,
             dataclasses.replace(
                 transport_settings,

@@ -277,6 +277,8 @@ class Host(models.Model):
         verbose_name=_("disabled because"), max_length=400, blank=True, default=""
     )
     failing_since = models.DateTimeField(verbose_name=_("failing since"), null=True, blank=True)
+    #: When ``host_failing`` was sent for it (health.py); cleared when it recovers.
+    failing_told_at = models.DateTimeField(verbose_name=_("told failing at"), null=True, blank=True)
     updated_at = models.DateTimeField(verbose_name=_("updated at"), auto_now=True)
 
     class Meta:

@@ -165,10 +165,11 @@ class Settler:
     permanent_if_gone: frozenset[int] = frozenset()
     #: Whether a delivery held back without a request spends a try (see decide()).
     holds_spend_tries: bool = True
-    #: Told what came of each attempt, before anything is decided (a webhook
-    #: destination's life: ``webhooks/life.py``); it says whether the
-    #: destination stopped taking deliveries with it: the delivery then waits,
-    #: unsent, until the destination takes them again.
+    #: Told what came of each attempt, before anything is decided (an inbox
+    #: host's health: ``health.py``; a webhook destination's life:
+    #: ``webhooks/life.py``); it says whether the destination stopped taking
+    #: deliveries with it: the delivery then waits, unsent, until the
+    #: destination takes them again.
     watch: Callable[[claims.Claimed, AttemptResult, dt.datetime], bool] | None = None
     #: Told each ruling with the try it came of, to tell an operator as the
     #: kind sees fit (a webhook's retries and give-ups: ``webhooks/policy.py``).
@@ -207,7 +208,7 @@ class Settler:
             now = timezone.now()
         disabled = (
             self.watch is not None
-            and ask("the webhook destinations' watch", self.watch, row, result, now) is True
+            and ask("the watch of hosts and destinations", self.watch, row, result, now) is True
         )
         ruling = decide(
             result,

@@ -15,6 +15,10 @@ Each is sent with ``sender=Delivery`` (the model class) and one keyword:
   once, when the deliverer disables a webhook destination (a ``410 Gone``, or
   no success for ``WEBHOOK_DISABLE_AFTER``): its events wait until it is
   enabled again.
+- ``host_failing``: ``failing`` (:class:`HostFailing`), once, when an inbox's
+  host has had no answer but 5xx and 429 (or none) for ``HOST_FAILING_AFTER``;
+  ``host_recovered``: ``recovered`` (:class:`HostRecovered`), once, when such
+  a host answers again. Sent on commit of the write that records the change.
 
 An ``outcome`` is an :class:`Outcome`, a ``StrEnum``: it compares equal to
 its string ("delivered", "retrying", "held", "refused", "failed", "skipped").
@@ -44,6 +48,8 @@ delivery_settled = Signal()
 delivery_failed = Signal()
 batch_finished = Signal()
 webhook_destination_disabled = Signal()
+host_failing = Signal()
+host_recovered = Signal()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,25 @@ class DestinationDisabled:
     #: Why, in words an operator reads ("the receiver answered 410 Gone").
     reason: str
     disabled_at: dt.datetime
+
+
+@dataclasses.dataclass(frozen=True)
+class HostFailing:
+    """An inbox's host failing for ``HOST_FAILING_AFTER``."""
+
+    host: str
+    failing_since: dt.datetime
+    #: What the last attempt met, redacted as ``delivery_failed``'s error is.
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRecovered:
+    """A host that was told failing, answering again."""
+
+    host: str
+    failing_since: dt.datetime
+    recovered_at: dt.datetime
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,7 @@ WRITTEN_AND_READ: dict[str, tuple[Any, Any]] = {
     "webhook_timeout": (71, 71.0),
     "webhook_max_bytes": (1011, 1011),
     "webhook_disable_after": (72, 72.0),
+    "host_failing_after": (73, 73.0),
     "channels": (["tests.channels.Pager"], ("tests.channels.Pager",)),
 }
 

@@ -149,12 +149,35 @@ def host_pending(names: Iterable[str]) -> dict[str, tuple[int, int]]:
 
 @admin.register(Host)
 class HostAdmin(OperatorAdmin[Host]):
-    list_display = ("name", "paused", "paused_at", "pending", "scheme", "updated_at")
+    list_display = (
+        "name",
+        "paused",
+        "paused_at",
+        "failing_since",
+        "pending",
+        "scheme",
+        "updated_at",
+    )
     list_filter = (PausedFilter,)
     search_fields = ("name",)
     ordering = ("name",)
     actions = ("pause", "resume", "give_up")
-    fieldsets = ((None, {"fields": ("name", "paused_at", "pending", "scheme", "updated_at")}),)
+    fieldsets = (
+        (
+            None,
+            {
+                "fields": (
+                    "name",
+                    "paused_at",
+                    "failing_since",
+                    "failing_told_at",
+                    "pending",
+                    "scheme",
+                    "updated_at",
+                )
+            },
+        ),
+    )
 
     def annotate_page(self, rows: list[Host]) -> None:
         counts = host_pending(row.name for row in rows)

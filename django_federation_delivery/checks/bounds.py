@@ -45,6 +45,7 @@ SECONDS: dict[str, float] = {
     "ATTEMPT_TIMEOUT": HOUR,
     "IDLE_CONNECTION_SECONDS": HOUR,
     "WEBHOOK_DISABLE_AFTER": 365 * DAY,
+    "HOST_FAILING_AFTER": 365 * DAY,
 }
 #: The longest RETENTION of a status: past it, None (for ever) says it better.
 LONGEST_RETENTION = 100 * 365 * DAY

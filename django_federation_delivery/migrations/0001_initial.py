@@ -129,6 +129,10 @@ class Migration(migrations.Migration):
                     "failing_since",
                     models.DateTimeField(blank=True, null=True, verbose_name="failing since"),
                 ),
+                (
+                    "failing_told_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="told failing at"),
+                ),
                 ("updated_at", models.DateTimeField(auto_now=True, verbose_name="updated at")),
             ],
             options={

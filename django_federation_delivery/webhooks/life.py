@@ -128,7 +128,7 @@ class Watch:
             return True
         if not result.requests or result.held:
             return False  # no answer from the destination: it said nothing of itself
-        since = self._failing.get(row.host) or self._failing_since(row.host, now)
+        since = self._failing.get(row.host) or hosts.failing_since(row.host, now, using=self.using)
         self._failing[row.host] = since
         if now - since < self.disable_after:
             return False
@@ -144,18 +144,6 @@ class Watch:
 
     def _hosts(self, key: str) -> QuerySet[Host]:
         return Host.objects.using(self.using).filter(name=key)
-
-    def _failing_since(self, key: str, now: dt.datetime) -> dt.datetime:
-        """When ``key`` started failing, as every deliverer knows it: now, if
-        it was not."""
-        with transaction.atomic(using=self.using):
-            host, _created = Host.objects.using(self.using).get_or_create(
-                name=key, defaults={"failing_since": now}
-            )
-            if host.failing_since is None:
-                self._hosts(key).update(failing_since=now)
-                return now
-            return host.failing_since
 
     def _last_success_since(self, key: str, since: dt.datetime) -> dt.datetime:
         last: dt.datetime | None = (

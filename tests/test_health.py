@@ -1,0 +1,153 @@
+"""A host's health: failing since when, and host_failing / host_recovered
+sent once each way, however many attempts and deliverers see it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from django_federation_delivery import send, signals
+from django_federation_delivery.attempt import AttemptResult, Job, failed, held
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.health import HostWatch
+from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.store import claims
+
+from .conftest import Inbox, Received
+from .keys import ALICE
+
+HOST = "remote.example"
+ROW = claims.Claimed(1, 1, f"https://{HOST}/inbox", HOST, 0, (), "t", 0.0)
+JOB = Job(delivery_id=1)
+T0 = dt.datetime(2026, 12, 4, 8, 0, tzinfo=dt.UTC)
+
+
+def answered(status: int) -> AttemptResult:
+    return AttemptResult(
+        job=JOB,
+        delivered=200 <= status < 300,
+        status=status,
+        error="" if status < 300 else f"the inbox answered {status}",
+        permanent=False,
+        retry_after=None,
+        accepted_scheme=None,
+        duration=0.05,
+    )
+
+
+@pytest.fixture
+def told() -> Iterator[list[Any]]:
+    heard: list[Any] = []
+
+    def failing(sender: Any, failing: signals.HostFailing, **kwargs: Any) -> None:
+        heard.append(failing)
+
+    def recovered(sender: Any, recovered: signals.HostRecovered, **kwargs: Any) -> None:
+        heard.append(recovered)
+
+    signals.host_failing.connect(failing)
+    signals.host_recovered.connect(recovered)
+    yield heard
+    signals.host_failing.disconnect(failing)
+    signals.host_recovered.disconnect(recovered)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_failing_for_long_enough_is_told_once_and_its_recovery_once(
+    told: list[Any],
+) -> None:
+    watch = HostWatch(3600.0)
+    timeout = failed(JOB, "timed out", permanent=False)
+    assert watch(ROW, answered(503), T0) is False
+    assert Host.objects.get(name=HOST).failing_since == T0
+    watch(ROW, timeout, T0 + dt.timedelta(minutes=30))
+    assert told == []
+    for minutes in (60, 61, 90):
+        watch(ROW, answered(429), T0 + dt.timedelta(minutes=minutes))
+    assert told == [
+        signals.HostFailing(host=HOST, failing_since=T0, error="the inbox answered 429")
+    ]
+    # A refusal is an answer: the host is up.
+    watch(ROW, answered(404), T0 + dt.timedelta(minutes=95))
+    assert told[1:] == [
+        signals.HostRecovered(
+            host=HOST, failing_since=T0, recovered_at=T0 + dt.timedelta(minutes=95)
+        )
+    ]
+    host = Host.objects.get(name=HOST)
+    assert host.failing_since is None and host.failing_told_at is None
+    watch(ROW, answered(202), T0 + dt.timedelta(minutes=96))
+    assert len(told) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_up_within_the_span_is_never_told_and_no_request_says_nothing(
+    told: list[Any],
+) -> None:
+    watch = HostWatch(3600.0)
+    watch(ROW, answered(500), T0)
+    watch(ROW, answered(202), T0 + dt.timedelta(minutes=10))
+    assert Host.objects.get(name=HOST).failing_since is None
+    for minutes in (120, 240):
+        watch(ROW, held(JOB, "its breaker is open", 60.0), T0 + dt.timedelta(minutes=minutes))
+        watch(ROW, failed(JOB, "no key", permanent=True, requests=0), T0)
+    assert told == [] and Host.objects.get(name=HOST).failing_since is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_deliverers_seeing_one_host_fail_tell_it_once(told: list[Any]) -> None:
+    first, second = HostWatch(60.0), HostWatch(60.0)
+    first(ROW, answered(503), T0)
+    second(ROW, answered(503), T0 + dt.timedelta(seconds=30))
+    first(ROW, answered(503), T0 + dt.timedelta(seconds=61))
+    second(ROW, answered(503), T0 + dt.timedelta(seconds=62))
+    assert [type(event) for event in told] == [signals.HostFailing]
+    assert told[0].failing_since == T0, "the first failure any deliverer saw"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_deliverer_tells_a_failing_host_and_its_recovery(
+    inboxes: Callable[..., Inbox], settings: Any, told: list[Any]
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "HOST_FAILING_AFTER": 0.3,
+        "RETRY": {"BASE": 0.1, "CAP": 0.2, "ATTEMPTS": 40, "JITTER": 0.0},
+        "BREAKER": {},
+    }
+    down = threading.Event()
+    down.set()
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return (503, {}, b"") if down.is_set() else (202, {}, b"")
+
+    inbox = inboxes("127.0.0.1", respond=respond)
+    send(ALICE, {"type": "Note"}, [inbox.url()])
+    deadline = timezone.now() + dt.timedelta(seconds=30)
+    while not told and timezone.now() < deadline:
+        Deliverer().run(stop_after=0.5)
+    down.clear()
+    while Delivery.objects.filter(status=Status.PENDING).exists() and timezone.now() < deadline:
+        Deliverer().run(drain=True)
+    host = "127.0.0.1"  # a host, not its port: one server
+    assert [(type(event), event.host) for event in told] == [
+        (signals.HostFailing, host),
+        (signals.HostRecovered, host),
+    ]
+    assert told[0].error == "the inbox answered 503 Service Unavailable"
+
+
+@pytest.mark.django_db
+def test_an_operator_sees_since_when_a_host_fails() -> None:
+    from .test_admin import html, login, url
+
+    Host.objects.create(name=HOST, failing_since=T0)
+    Host.objects.create(name="fine.example")
+    listing = html(login("operator"), url("host"))
+    assert '<td class="field-failing_since nowrap">Dec. 4, 2026, 8 a.m.</td>' in listing
+    assert '<td class="field-failing_since nowrap">-</td>' in listing
