@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from django_federation_delivery.admin.base import (
 )
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
+from django_federation_delivery.replay import replay, replayed
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -161,7 +163,7 @@ class HostAdmin(OperatorAdmin[Host]):
     list_filter = (PausedFilter,)
     search_fields = ("name",)
     ordering = ("name",)
-    actions = ("pause", "resume", "give_up")
+    actions = ("pause", "resume", "give_up", "replay_day")
     fieldsets = (
         (
             None,
@@ -202,6 +204,19 @@ class HostAdmin(OperatorAdmin[Host]):
     @admin.action(permissions=["change"], description=_("Resume the selected paused hosts"))
     def resume(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         resume_and_report(self, request, list(queryset.values_list("name", flat=True)))
+
+    @admin.action(
+        permissions=["change_delivery"],
+        description=_("Send again what the selected hosts were sent in the last 24 hours"),
+    )
+    def replay_day(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
+        since = timezone.now() - dt.timedelta(days=1)
+        batches = [
+            batch
+            for name in queryset.values_list("name", flat=True)
+            for batch in replay(host=name, since=since)
+        ]
+        self.message_user(request, replayed(batches))
 
     @admin.action(
         permissions=["change_delivery"],

@@ -1,0 +1,83 @@
+"""``manage.py delivery_replay --host NAME --since TIME``: send a host again
+what it was sent since then (``--destination NAME`` for a webhook destination)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.core.management.base import CommandError, CommandParser
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
+
+from django_federation_delivery.management.base import TranslatedCommand
+from django_federation_delivery.replay import replay, replayed
+
+
+class Command(TranslatedCommand):
+    help = gettext_noop(
+        "Queue again, in new batches and in their original order, what was delivered to a "
+        "host (or a webhook destination), or given up on it, since a moment: after it was "
+        "restored from a backup, say."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        which = parser.add_mutually_exclusive_group(required=True)
+        which.add_argument("--host", help=_("An inbox's host, as the admin's hosts list has it."))
+        which.add_argument("--destination", help=_("A webhook destination's name."))
+        parser.add_argument(
+            "--since",
+            required=True,
+            help=_(
+                "The moment to replay from: a date and time such as 2026-12-01T08:00 (in "
+                "the current time zone unless it says its own), or a span back from now "
+                "such as 6h or 2d."
+            ),
+        )
+        parser.add_argument(
+            "--database", default=DEFAULT_DB_ALIAS, help=_("The database alias (default).")
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        using = options["database"]
+        if using not in connections:
+            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
+        since = moment(options["since"])
+        batches = replay(
+            host=options["host"] or "",
+            destination=options["destination"] or "",
+            since=since,
+            using=using,
+        )
+        self.stdout.write(
+            _("Since %(since)s.") % {"since": since.isoformat(timespec="seconds")}
+            + " "
+            + replayed(batches)
+        )
+
+
+#: A span back from now: its unit, in seconds.
+UNITS = {"m": 60, "h": 3600, "d": 86400}
+
+
+def moment(value: str) -> dt.datetime:
+    """``value`` as an aware datetime: ISO 8601, or a span back from now
+    ("6h"); ``CommandError`` naming it otherwise."""
+    text = value.strip()
+    if text[:-1].isdigit() and text[-1:] in UNITS:
+        return timezone.now() - dt.timedelta(seconds=int(text[:-1]) * UNITS[text[-1]])
+    try:
+        parsed = parse_datetime(text)
+    except ValueError:
+        parsed = None
+    if parsed is None:
+        raise CommandError(
+            _("--since %(value)r is neither a date and time (2026-12-01T08:00) nor a span (6h)")
+            % {"value": value}
+        )
+    if timezone.is_naive(parsed):
+        parsed = timezone.make_aware(parsed)
+    return parsed

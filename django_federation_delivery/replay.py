@@ -1,0 +1,113 @@
+"""Sending a host again what it was sent: after it was restored from a backup,
+or misconfigured for a while.
+
+:func:`replay` queues again, in new batches, every delivery to one host (or
+webhook destination) that was delivered or given up since a moment: one new
+batch for each batch they came from, with its body, its sender and its
+event as they were, so that a receiver de-duplicating by id sees the same
+ids. Each inbox receives them in their original order, one after the other
+(an ordering key of the replay's own; a destination's own sequence for a
+webhook destination), in the low lane for activities, so that a catch-up
+never delays what is sent live. Replayed again for the same host and moment
+while the new batches are kept, it queues nothing more (their idempotency
+keys).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
+
+from django_federation_delivery.models import Batch, Delivery, Kind, Lane, Status
+from django_federation_delivery.store import queueing
+from django_federation_delivery.store.sequences import lock_sequences
+from django_federation_delivery.webhooks.destinations import delivery_key
+from django_federation_delivery.webhooks.sending import ORDERING_KEY as WEBHOOK_ORDERING_KEY
+
+__all__ = ["REPLAYED", "replay", "replayed"]
+
+#: What is sent again: what reached the host, and what was given up on it.
+REPLAYED = (Status.DELIVERED, Status.FAILED)
+
+
+def replay(
+    *,
+    host: str = "",
+    destination: str = "",
+    since: dt.datetime,
+    using: str | None = None,
+) -> list[Batch]:
+    """Queue again what was delivered to ``host`` (an inbox's host) or
+    ``destination`` (a webhook destination's name), or given up on it, since
+    ``since``; returns the new batches, oldest first. ``ValueError`` unless
+    exactly one of ``host`` and ``destination`` is given, or for a naive
+    ``since``."""
+    if bool(host) == bool(destination):
+        raise ValueError("replay needs a host or a destination, and not both")
+    if since.tzinfo is None:
+        raise ValueError(f"since must carry its time zone, not {since.isoformat()}")
+    alias = using or DEFAULT_DB_ALIAS
+    key = host or delivery_key(destination)
+    rows = list(
+        Delivery.objects.using(alias)
+        .filter(host=key, status__in=REPLAYED, settled_at__gte=since)
+        .order_by("id")
+        .values_list("batch_id", "inbox", "host", "via", "destination", "kind")
+    )
+    by_batch: dict[int, list[queueing.Queued]] = {}
+    kinds: dict[int, str] = {}
+    for batch_id, inbox, row_host, via, row_destination, kind in rows:
+        by_batch.setdefault(batch_id, []).append(
+            queueing.Queued(inbox, row_host, tuple(via or ()), row_destination)
+        )
+        kinds[batch_id] = kind
+    batches = Batch.objects.using(alias).in_bulk(list(by_batch))
+    replayed = []
+    with transaction.atomic(using=alias):
+        for batch_id, queued in by_batch.items():
+            original = batches[batch_id]
+            # A webhook event waits its turn in its destination's own
+            # sequence; an activity in the replay's, in the low lane.
+            webhook = kinds[batch_id] == Kind.WEBHOOK
+            ordering_key = WEBHOOK_ORDERING_KEY if webhook else _replay_key(key, since)
+            lock_sequences(ordering_key, [item.inbox for item in queued], alias)
+            replayed.append(
+                queueing.enqueue(
+                    Batch(
+                        sender=original.sender,
+                        body=original.body,
+                        body_sha256=original.body_sha256,
+                        tag=f"replay of batch {original.pk}",
+                        ordering_key=ordering_key,
+                        lane=Lane.WEBHOOK if webhook else Lane.LOW,
+                        synchronize_collection=original.synchronize_collection,
+                        event_type=original.event_type,
+                        event_id=original.event_id,
+                        idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
+                    ),
+                    queued,
+                    kind=kinds[batch_id],
+                    using=alias,
+                )
+            )
+    return replayed
+
+
+def replayed(batches: list[Batch]) -> str:
+    """What a replay queued, as the command and the admin say it."""
+    deliveries = sum(batch.size for batch in batches)
+    return _("Queued again: %(deliveries)s, in %(batches)s.") % {
+        "deliveries": ngettext("%(count)d delivery", "%(count)d deliveries", deliveries)
+        % {"count": deliveries},
+        "batches": ngettext("%(count)d new batch", "%(count)d new batches", len(batches))
+        % {"count": len(batches)},
+    }
+
+
+def _replay_key(what: str, since: dt.datetime) -> str:
+    digest = hashlib.sha256(f"{what}\n{since.isoformat()}".encode()).hexdigest()
+    return f"replay-{digest[:40]}"

@@ -1,0 +1,137 @@
+"""Replay: what a host was sent since a moment, queued again once, in order,
+in new batches with the bodies and ids they had."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from django_federation_delivery import send, send_webhook
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.models import Batch, Delivery, Lane, Status
+from django_federation_delivery.replay import replay
+
+from .conftest import Inbox
+from .keys import ALICE
+
+
+def settle(batch: Batch, status: Status, at: dt.datetime) -> None:
+    Delivery.objects.filter(batch=batch).update(status=status, settled_at=at, due_at=None)
+
+
+def note(n: int) -> dict[str, Any]:
+    return {"type": "Create", "id": f"{ALICE}/activities/{n}", "actor": ALICE}
+
+
+@pytest.mark.django_db
+def test_what_a_host_was_sent_since_a_moment_is_queued_again_once_in_order() -> None:
+    now = timezone.now()
+    old = send(ALICE, note(0), ["https://a.example/u1/inbox"])
+    assert old is not None
+    settle(old, Status.DELIVERED, now - dt.timedelta(days=3))
+    sent = []
+    for n in range(1, 4):
+        batch = send(ALICE, note(n), ["https://a.example/u1/inbox", "https://a.example/u2/inbox"])
+        assert batch is not None
+        settle(batch, Status.FAILED if n == 2 else Status.DELIVERED, now - dt.timedelta(hours=n))
+        sent.append(batch)
+    elsewhere = send(ALICE, note(9), ["https://b.example/inbox"])
+    assert elsewhere is not None
+    settle(elsewhere, Status.DELIVERED, now)
+    pending = send(ALICE, note(10), ["https://a.example/u3/inbox"])
+
+    replayed = replay(host="a.example", since=now - dt.timedelta(days=1))
+
+    assert [b.body for b in replayed] == [b.body for b in sent], "the same bodies, oldest first"
+    assert {b.lane for b in replayed} == {Lane.LOW}
+    rows = list(Delivery.objects.filter(batch__in=replayed).order_by("id"))
+    assert len(rows) == 6 and {row.status for row in rows} == {Status.PENDING}
+    # Each inbox's replays wait one on the other, in the order first sent.
+    for inbox in ("https://a.example/u1/inbox", "https://a.example/u2/inbox"):
+        chain = [row for row in rows if row.inbox == inbox]
+        assert chain[0].after_id is None and chain[0].due_at is not None
+        assert [row.after_id for row in chain[1:]] == [row.id for row in chain[:-1]]
+    # Once: again, the same batches and nothing more.
+    again = replay(host="a.example", since=now - dt.timedelta(days=1))
+    assert [b.pk for b in again] == [b.pk for b in replayed]
+    assert Delivery.objects.count() == 1 + 6 + 1 + 1 + 6
+    assert pending is not None
+
+
+@pytest.mark.django_db
+def test_a_webhook_destination_is_sent_its_events_again_with_their_ids(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"},
+    }
+    first = send_webhook("ops", "deploy.done", {"n": 1}, event_id="evt-1")
+    assert first is not None
+    settle(first, Status.DELIVERED, timezone.now())
+    (again,) = replay(destination="ops", since=timezone.now() - dt.timedelta(hours=1))
+    assert (again.event_id, again.body, again.lane) == ("evt-1", first.body, Lane.WEBHOOK)
+    row = Delivery.objects.get(batch=again)
+    assert (row.kind, row.destination, row.host) == ("webhook", "ops", "<ops>")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_restored_inbox_receives_what_it_missed_again(inboxes: Callable[..., Inbox]) -> None:
+    inbox = inboxes("127.0.0.1")
+    for n in range(3):
+        send(ALICE, note(n), [inbox.url("/inbox")])
+    Deliverer().run(drain=True)
+    assert len(inbox.received) == 3
+    host = Delivery.objects.values_list("host", flat=True).first()
+    out = StringIO()
+    call_command("delivery_replay", f"--host={host}", "--since=1h", stdout=out)
+    said = out.getvalue()
+    assert "Queued again: 3 deliveries, in 3 new batches." in said and said.startswith("Since ")
+    Deliverer().run(drain=True)
+    ids = [request.json()["id"] for request in inbox.received]
+    # Sent at first side by side, in any order; again one after the other,
+    # in the order they were queued.
+    assert sorted(ids[:3]) == [note(n)["id"] for n in range(3)]
+    assert ids[3:] == [note(n)["id"] for n in range(3)]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--host=a.example", "--since=yesterday"], "--since 'yesterday' is neither"),
+        (["--host=a.example", "--since=2026-13-01"], "--since '2026-13-01' is neither"),
+        (["--host=a.example", "--destination=ops", "--since=1h"], "not allowed with argument"),
+        (["--since=1h"], "one of the arguments --host --destination is required"),
+    ],
+)
+def test_a_bad_replay_is_refused_naming_what_is_wrong(args: list[str], said: str) -> None:
+    with pytest.raises(CommandError, match=said):
+        call_command("delivery_replay", *args)
+    assert not Batch.objects.exists()
+
+
+def test_a_naive_moment_or_no_host_is_refused() -> None:
+    with pytest.raises(ValueError, match="a host or a destination"):
+        replay(since=timezone.now())
+    with pytest.raises(ValueError, match="time zone"):
+        replay(host="a.example", since=dt.datetime(2026, 12, 1))
+
+
+@pytest.mark.django_db
+def test_an_operator_sends_a_host_its_last_day_again_from_the_admin() -> None:
+    from django_federation_delivery.models import Host
+
+    from .test_admin import act, login
+
+    batch = send(ALICE, note(1), ["https://a.example/u1/inbox", "https://a.example/u2/inbox"])
+    assert batch is not None
+    settle(batch, Status.DELIVERED, timezone.now() - dt.timedelta(hours=2))
+    Host.objects.create(name="a.example")
+    said = act(login("operator"), "host", "replay_day", ["a.example"])
+    assert said == ["Queued again: 2 deliveries, in 1 new batch."]
+    assert Delivery.objects.filter(status=Status.PENDING).count() == 2
