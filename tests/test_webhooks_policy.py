@@ -12,12 +12,13 @@ from django_federation_delivery.webhooks.policy import WebhookPolicy
 
 
 def test_the_defaults_are_nine_tries_across_about_a_day_ten_seconds_a_request() -> None:
-    policy = WebhookPolicy.from_settings()
-    assert policy.retry.max_attempts == 9
+    webhook = WebhookPolicy.from_settings()
+    policy = webhook.policy
+    assert webhook.retry.max_attempts == 9
     assert 20 * 3600 < sum(policy.schedule) < 26 * 3600
     assert list(policy.schedule) == sorted(policy.schedule)
-    assert [policy.retry.delay(made) for made in (1, 2, 8, 9)] == [30, 120, 43200, None]
-    assert (policy.timeout, policy.retry_after_max, policy.body_length) == (10, 3600, 300)
+    assert [webhook.retry.delay(made) for made in (1, 2, 8, 9)] == [30, 120, 43200, None]
+    assert (policy.timeout, policy.retry_after_max, webhook.body_length) == (10, 3600, 300)
 
 
 def test_a_short_schedule_from_the_settings_is_used(settings: Any) -> None:

@@ -17,6 +17,7 @@ import responses
 
 from django_federation_delivery.attempt import AttemptResult, Job
 from django_federation_delivery.batches import BatchInfo
+from django_federation_delivery.channels import Policy
 from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.inboxes import InboxDeliveries
@@ -52,7 +53,7 @@ def inboxes(settings: TransportSettings = LOOPBACK) -> InboxDeliveries:
 
 
 def webhooks(settings: TransportSettings = LOOPBACK) -> WebhookDeliveries:
-    policy = WebhookPolicy(allowed_networks=settings.allowed_networks)
+    policy = WebhookPolicy(Policy(allowed_networks=settings.allowed_networks))
     return WebhookDeliveries(policy, policy.settler(Summary()), settings)
 
 

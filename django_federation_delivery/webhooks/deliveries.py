@@ -20,7 +20,7 @@ from django.db import DEFAULT_DB_ALIAS
 
 from django_federation_delivery.attempt import AttemptResult, failed
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.channels import Call, Channel, Event
+from django_federation_delivery.channels import Call, Channel, Event, Policy
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Delivery, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
@@ -74,7 +74,9 @@ class WebhookDeliveries:
     ) -> None:
         self.transport_base = transport_settings
         #: Every kind's whose policy is the settings'.
-        self.default = Way(policy, settler, webhook_transport_settings(transport_settings, policy))
+        self.default = Way(
+            policy, settler, webhook_transport_settings(transport_settings, policy.policy)
+        )
         self.using = using
         self.on_finished = on_finished
         #: The way of each kind met so far, by the kind's name; written in the
@@ -132,7 +134,7 @@ class WebhookDeliveries:
             found = Way(
                 policy,
                 policy.settler(default.summary, default.watch),
-                webhook_transport_settings(self.transport_base, policy),
+                webhook_transport_settings(self.transport_base, policy.policy),
             )
         self._ways[channel.name] = found
         return found
@@ -151,7 +153,7 @@ class WebhookDeliveries:
     def timeout(self) -> float:
         """The longest one attempt may take, whatever its kind."""
         ways = [self.way(found.channel) for found in self._configured().values()]
-        return max(way.policy.timeout for way in [self.default, *ways])
+        return max(way.policy.policy.timeout for way in [self.default, *ways])
 
     def skipped(self, row: claims.Claimed, batch: BatchInfo) -> bool:
         """SKIP_IF is asked about activities, not events."""
@@ -286,9 +288,7 @@ def _claimed(row: Delivery) -> claims.Claimed:
     )
 
 
-def webhook_transport_settings(
-    settings: TransportSettings, policy: WebhookPolicy
-) -> TransportSettings:
+def webhook_transport_settings(settings: TransportSettings, policy: Policy) -> TransportSettings:
     """The transport's settings for a kind of destination: its time limit,
     and the networks opened to its destinations in place of those opened to
     inboxes."""

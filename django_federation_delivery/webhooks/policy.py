@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from django_federation_delivery.batches import BatchInfo
     from django_federation_delivery.settling import Settler, Summary
     from django_federation_delivery.store.claims import Claimed
-    from django_federation_delivery.transport.networks import IPNetwork
 
 __all__ = ["WebhookPolicy", "settings_problems"]
 
@@ -36,25 +35,17 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class WebhookPolicy:
-    """What a webhook attempt may take and what comes of it."""
+    """How a kind's webhook deliveries are settled and told: its
+    :class:`~django_federation_delivery.channels.Policy`, and how much of a
+    refusal's body is kept."""
 
-    #: The waits between tries: one try more than waits.
-    schedule: tuple[float, ...] = DAY_SCHEDULE
-    #: Each wait up to this fraction shorter, at random.
-    jitter: float = 0.0
-    #: The longest a receiver's ``Retry-After`` is taken at its word, unless
-    #: the schedule's own wait is longer.
-    retry_after_max: float = 3600.0
-    #: One request, from connecting to the end of the answer.
-    timeout: float = 10.0
+    policy: Policy = dataclasses.field(default_factory=Policy)
     #: How much of a refusal's body is kept.
     body_length: int = 300
-    #: The non-public networks destinations may be on (never those of inboxes).
-    allowed_networks: tuple[IPNetwork, ...] = ()
 
     @property
     def retry(self) -> RetryPolicy:
-        return RetryPolicy(schedule=self.schedule, jitter=self.jitter)
+        return self.policy.retry
 
     @property
     def message_length(self) -> int:
@@ -69,7 +60,7 @@ class WebhookPolicy:
         policy, each attempt told to ``watch``."""
         from django_federation_delivery.settling import Settler
 
-        longest, length = self.retry_after_max, self.message_length
+        longest, length = self.policy.retry_after_max, self.message_length
         return Settler(
             self.retry,
             summary,
@@ -114,14 +105,7 @@ class WebhookPolicy:
         body kept as ``ERROR_LENGTH`` says."""
         from django_federation_delivery.conf import app_settings
 
-        return cls(
-            schedule=policy.schedule,
-            jitter=policy.jitter,
-            retry_after_max=policy.retry_after_max,
-            timeout=policy.timeout,
-            body_length=app_settings.error_length,
-            allowed_networks=policy.allowed_networks,
-        )
+        return cls(policy, body_length=app_settings.error_length)
 
     @classmethod
     def from_settings(cls) -> WebhookPolicy:

@@ -53,7 +53,7 @@ class Command(TranslatedCommand):
                 _("The policy of the %(kind)r kind: %(problem)s")
                 % {"kind": destination.channel.name, "problem": exc}
             ) from None
-        settings = webhook_transport_settings(app_settings.transport_settings(), policy)
+        settings = webhook_transport_settings(app_settings.transport_settings(), policy.policy)
         event = Event.of("ping", uuid.uuid4(), timezone.now(), {"test": True})
         connections = Connections(settings)
         transport = Transport(settings, connections)
