@@ -357,68 +357,69 @@ def test_a_receiver_that_raises_is_logged_and_the_loop_goes_on(
     assert len(logged) == 2
 
 
+class InFlight:
+    """A server's answer that counts the requests it is answering at once,
+    and the most it ever was; ``wait`` is what answering takes."""
+
+    def __init__(self, wait: Callable[[], object]) -> None:
+        self.wait = wait
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+
+    def respond(self, request: Received) -> tuple[int, dict[str, str], bytes]:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        self.wait()
+        with self.lock:
+            self.now -= 1
+        return 202, {}, b""
+
+    def __repr__(self) -> str:
+        return f"<InFlight now={self.now} most={self.most}>"
+
+
 def test_a_host_that_answers_well_is_sent_more_at_once_up_to_the_most(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
 ) -> None:
-    active = {"now": 0, "most": 0}
-    lock = threading.Lock()
-
-    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
-        with lock:
-            active["now"] += 1
-            active["most"] = max(active["most"], active["now"])
-        time.sleep(0.03)
-        with lock:
-            active["now"] -= 1
-        return 202, {}, b""
-
-    big = inboxes("127.0.0.2", respond=respond)
+    active = InFlight(lambda: time.sleep(0.03))
+    big = inboxes("127.0.0.2", respond=active.respond)
     batch = send(ALICE, NOTE, [big.url(f"/{n}") for n in range(120)])
     runner = start_deliverer(concurrency=8, per_host=2, per_host_max=5)
     wait_until(settled(batch))
     runner.stop()
-    assert 2 < active["most"] <= 5, active
+    assert 2 < active.most <= 5, active
 
 
 def test_no_more_than_per_host_go_to_one_host_at_once(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
 ) -> None:
-    active = {"now": 0, "most": 0}
-    lock = threading.Lock()
     # The slow host answers nothing until the fast one has had everything: the
     # test holds whatever the load, as no clock decides it.
     release = threading.Event()
-
-    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
-        with lock:
-            active["now"] += 1
-            active["most"] = max(active["most"], active["now"])
-        release.wait(30)
-        with lock:
-            active["now"] -= 1
-        return 202, {}, b""
-
-    slow = inboxes("127.0.0.2", respond=respond)
+    active = InFlight(lambda: release.wait(30))
+    slow = inboxes("127.0.0.2", respond=active.respond)
     fast = inboxes("127.0.0.3")
     batch = send(
         ALICE, NOTE, [slow.url(f"/{n}") for n in range(8)] + [fast.url(f"/{n}") for n in range(8)]
     )
-    runner = start_deliverer(concurrency=8, per_host=2)
+    # A limit that cannot grow: the slow host's later answers come at once.
+    runner = start_deliverer(concurrency=8, per_host=2, per_host_max=2)
     try:
         # Both of the slow host's slots taken, as well as the fast host served:
         # on a loaded machine the second slow request may reach its server last.
         wait_until(
-            lambda: len(fast.received) == 8 and active["now"] == 2,
-            state=lambda: (len(fast.received), dict(active)),
+            lambda: len(fast.received) == 8 and active.now == 2,
+            state=lambda: (len(fast.received), active),
         )
         slow_begun = len(slow.received)
     finally:
         release.set()
     wait_until(settled(batch))
     runner.stop()
-    assert active["most"] == 2
+    assert active.most == 2
     assert slow_begun == 2, "the slow host holds two slots, not the loop"
 
 
