@@ -106,8 +106,9 @@ class HostWatch:
                 .filter(failing_told_at__isnull=False)
                 .update(failing_since=None, failing_told_at=None)
             )
-            self._hosts(host).update(failing_since=None)
-            if told:
+            if not told:
+                self._hosts(host).update(failing_since=None)
+            else:
                 recovered = signals.HostRecovered(host=host, failing_since=since, recovered_at=now)
                 transaction.on_commit(lambda: _tell_recovered(recovered), using=self.using)
 
