@@ -238,3 +238,25 @@ def test_the_demo_fills_the_remote_servers_table_from_a_real_fan_out(
     assert lines["127.0.0.7"][1:6] == ["0", "2", "no", "answer", "-"]
     assert lines["127.0.0.2"][1:4] == ["2", "0", "-"]
     assert "From the send to the first delivery" in out
+
+
+def test_the_demo_sends_its_alerts_to_its_webhook_stand_ins_in_order(
+    example_env: dict[str, str],
+) -> None:
+    # The destinations scripts/demo configures: a Slack stand-in and a signed
+    # JSON one, on loopback ports free now, retried within seconds.
+    exports = subprocess.run(
+        [sys.executable, str(ROOT / "example_project/federation_demo/local_webhooks.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    webhooks = dict(
+        line.removeprefix("export ").replace("'", "").split("=", 1) for line in exports.splitlines()
+    )
+    env = {**example_env, **webhooks, "FEDERATION_DELIVERY_WEBHOOK_RETRY": "0.5,1,2,2"}
+    out = manage(env, "demo", "--inboxes", "12")
+    received = out.split("What each webhook destination received")[1]
+    assert received.count("in order: yes; 4 of 4 events accepted") == 2
+    assert "6 of 6 requests verified" in received
+    assert "Webhook deliveries by status: delivered 8" in received

@@ -363,7 +363,7 @@ class Command(BaseCommand):
         write(self.style.MIGRATE_HEADING("\nWebhooks"))
         try:
             configured = configured_destinations()
-            policy = WebhookPolicy.from_settings()
+            policy = WebhookPolicy.from_settings().policy
         except ImproperlyConfigured as exc:  # names the destination, never its URL
             raise CommandError(str(exc)) from None
         local = [d for d in configured.values() if d.kind in KINDS and _on_loopback(d)]
