@@ -142,6 +142,7 @@ DEFAULTS: dict[str, Any] = {
         "SKIPPED": 7 * 86400.0,
         "FAILED": 30 * 86400.0,
         "REFUSED": 30 * 86400.0,
+        "SUPERSEDED": 7 * 86400.0,
     },
 }
 

@@ -16,9 +16,19 @@ from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.settling import failure
 from django_federation_delivery.store import settlements
 
-__all__ = ["give_up", "give_up_host", "pause_host", "requeue", "reset_breaker", "resume_host"]
+__all__ = [
+    "REQUEUED_FROM",
+    "give_up",
+    "give_up_host",
+    "pause_host",
+    "requeue",
+    "reset_breaker",
+    "resume_host",
+]
 
 CHUNK = 500
+#: What :func:`requeue` puts back: every way of leaving the queue undelivered.
+REQUEUED_FROM = sorted(settlements.FINAL - {Status.DELIVERED})
 
 
 def pause_host(host: str) -> int:
@@ -86,7 +96,7 @@ def _tell_failed(rows: list[settlements.GivenUp], reason: str) -> None:
 
 
 def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
-    """Put failed, refused or skipped deliveries back in the queue, due now;
+    """Put failed, refused, skipped or superseded deliveries back in the queue, due now;
     their attempts so far are kept. Others are left alone. Returns how many."""
     ids = [delivery.id for delivery in deliveries]
     return sum(

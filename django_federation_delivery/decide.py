@@ -37,6 +37,9 @@ class Outcome(enum.StrEnum):
     FAILED = "failed"
     #: Dropped unsent by ``SKIP_IF``.
     SKIPPED = "skipped"
+    #: Dropped unsent, never attempted: its sender's Delete of what it was
+    #: about (or Undo of it) was queued to the same inbox.
+    SUPERSEDED = "superseded"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,9 @@ class Status(models.TextChoices):
     SKIPPED = "skipped", _("skipped")
     # Given up: the retry policy, max attempts or the batch's deadline ran out.
     FAILED = "failed", _("failed")
+    # Never attempted, and overtaken by its sender's retraction (a Delete of
+    # what it was about, an Undo of it) queued to the same inbox.
+    SUPERSEDED = "superseded", _("superseded")
 
 
 class Batch(models.Model):
@@ -99,6 +102,15 @@ class Batch(models.Model):
         verbose_name=_("event type"), max_length=100, blank=True, default=""
     )
     event_id = models.CharField(verbose_name=_("event id"), max_length=200, blank=True, default="")
+    #: An activity's id, and the id of the object it is about (blank when it
+    #: has none, or it is not one string or object with an id): what a later
+    #: Undo, or Delete, by the same sender overtakes (see retractions.py).
+    activity_id = models.CharField(
+        verbose_name=_("activity id"), max_length=2048, blank=True, default=""
+    )
+    object_id = models.CharField(
+        verbose_name=_("object id"), max_length=2048, blank=True, default=""
+    )
     #: The key a send was given so that, sent again with it, it queues
     #: nothing and returns this batch (while this batch is kept).
     idempotency_key = models.CharField(
@@ -111,8 +123,13 @@ class Batch(models.Model):
     remaining = models.PositiveIntegerField(verbose_name=_("remaining"), default=0)
     finished_at = models.DateTimeField(verbose_name=_("finished at"), null=True, blank=True)
 
-    #: Not stored: on the batch a send returns, the inboxes it left out and why.
+    #: Not stored: on the batch a send returns, the inboxes it left out and why,
     skipped: Sequence[SkippedInbox] = ()
+    #: how many deliveries of earlier batches it superseded (a retraction's),
+    superseded: int = 0
+    #: and whether it was written by that send (not, for one returned for
+    #: its idempotency key).
+    created: bool = True
 
     class Meta:
         verbose_name = _("batch")
@@ -121,6 +138,13 @@ class Batch(models.Model):
         indexes = [
             models.Index(fields=["tag"], name="fd_batch_tag"),
             models.Index(fields=["created_at"], name="fd_batch_created"),
+            # What a retraction looks up, among the batches that have one.
+            models.Index(
+                fields=["object_id"], condition=Q(object_id__gt=""), name="fd_batch_object"
+            ),
+            models.Index(
+                fields=["activity_id"], condition=Q(activity_id__gt=""), name="fd_batch_activity"
+            ),
         ]
         constraints = [
             # Partial: a send without a key adds nothing to it.

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 #: Rows deleted by one statement, in one transaction.
 PURGE_CHUNK = 5_000
 #: The statuses that can be purged, in the order they are.
-SETTLED = (Status.DELIVERED, Status.SKIPPED, Status.FAILED, Status.REFUSED)
+SETTLED = (Status.DELIVERED, Status.SKIPPED, Status.FAILED, Status.REFUSED, Status.SUPERSEDED)
 
 
 def retention_seconds(setting: Any = ...) -> dict[Status, float]:

@@ -17,7 +17,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery import addresses, portable
+from django_federation_delivery import addresses, portable, retractions
 from django_federation_delivery.addresses import host_of, normalize_inbox
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -161,6 +161,8 @@ def _queue(
     # No savepoint: inside the caller's transaction its statements are the
     # send's own (a savepoint is two more round trips on PostgreSQL), and one
     # that fails leaves that transaction to roll back, as any other would.
+    activity_id, object_id = retractions.about(activity)
+    retraction = retractions.retraction_of(activity, object_id)
     with transaction.atomic(using=using, savepoint=False):
         batch = queueing.enqueue(
             Batch(
@@ -174,10 +176,14 @@ def _queue(
                 lane=_lane(len(targets), low_priority),
                 synchronize_collection=synchronize,
                 idempotency_key=idempotency_key,
+                activity_id=activity_id,
+                object_id=object_id,
             ),
             _interleave_hosts(targets),
             using=using,
         )
+        if retraction is not None and batch.created:
+            batch.superseded = retractions.overtake(batch, retraction, using=using)
     batch.skipped = skipped
     return batch
 

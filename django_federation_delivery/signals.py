@@ -8,7 +8,8 @@ Each is sent with ``sender=Delivery`` (the model class) and one keyword:
 
 - ``delivery_attempted``: ``attempt`` (:class:`Attempted`), after every attempt,
   and for a delivery held back without a request (outcome "held").
-- ``delivery_settled``: ``settled`` (:class:`Settled`): delivered, refused or skipped.
+- ``delivery_settled``: ``settled`` (:class:`Settled`): delivered, refused or
+  skipped; or superseded by a retraction, sent on commit of its send.
 - ``delivery_failed``: ``failure`` (:class:`Failure`): refused or given up.
 - ``batch_finished``: ``batch`` (the ``Batch``), when its last delivery leaves the queue.
 - ``webhook_destination_disabled``: ``disabled`` (:class:`DestinationDisabled`),
@@ -21,7 +22,8 @@ Each is sent with ``sender=Delivery`` (the model class) and one keyword:
   a host answers again. Sent on commit of the write that records the change.
 
 An ``outcome`` is an :class:`Outcome`, a ``StrEnum``: it compares equal to
-its string ("delivered", "retrying", "held", "refused", "failed", "skipped").
+its string ("delivered", "retrying", "held", "refused", "failed", "skipped",
+"superseded").
 
 They are sent for webhook deliveries too: then ``destination`` and
 ``event_type`` say which destination (by name) and which event, ``inbox`` is
@@ -104,7 +106,8 @@ class Attempted:
 
 @dataclasses.dataclass(frozen=True)
 class Settled:
-    """A delivery that is done with: ``outcome`` is "delivered", "refused" or "skipped"."""
+    """A delivery that is done with: ``outcome`` is "delivered", "refused",
+    "skipped" or "superseded"."""
 
     delivery_id: int
     batch_id: int

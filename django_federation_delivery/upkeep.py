@@ -21,6 +21,7 @@ from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
+from django_federation_delivery.store.retractions import release_stranded
 
 #: How often the lag and open-breaker gauges are read from the database.
 GAUGES_EVERY = 5.0
@@ -30,6 +31,9 @@ GAUGES_EVERY = 5.0
 RECYCLE_EVERY = 1.0
 #: How often the breakers and the paused hosts are read again.
 VIEW_EVERY = 1.0
+#: How often deliveries left waiting on one that has settled are released
+#: (see ``store/retractions.release_stranded``): rare, and never urgent.
+STRANDED_EVERY = 30.0
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -49,6 +53,7 @@ class Upkeep:
     paused: frozenset[str] = dataclasses.field(default=frozenset(), init=False)
     _view_read: float = dataclasses.field(default=-1.0, init=False)
     _gauges_read: float = dataclasses.field(default=-1.0, init=False)
+    _stranded_read: float = dataclasses.field(default_factory=time.monotonic, init=False)
     _recycled: float = dataclasses.field(default_factory=time.monotonic, init=False)
 
     def recycle_connections(self) -> None:
@@ -74,11 +79,15 @@ class Upkeep:
     def refresh(self) -> None:
         """Re-read the breakers and the paused hosts, about once a second
         (and the queue's gauges every few seconds, when metrics are served);
-        record the heartbeat every HEARTBEAT_SECONDS."""
+        record the heartbeat every HEARTBEAT_SECONDS; release what was left
+        waiting on a settled delivery every STRANDED_EVERY."""
         self.beat()
         if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
             self._gauges_read = time.monotonic()
             self.db(metrics.observe_queue, using=self.using)
+        if time.monotonic() - self._stranded_read >= STRANDED_EVERY:
+            self._stranded_read = time.monotonic()
+            self.db(release_stranded, now=timezone.now(), using=self.using)
         if time.monotonic() - self._view_read < VIEW_EVERY:
             return
         self._view_read = time.monotonic()

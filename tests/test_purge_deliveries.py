@@ -47,7 +47,10 @@ def test_it_deletes_by_retention_and_says_what_per_status() -> None:
     kept = settled(1)
     pending = settled(60, Status.PENDING)
     output = purge()
-    assert "deleted 3 deliveries (delivered 3, skipped 0, failed 0, refused 0), 1 batch," in output
+    assert (
+        "deleted 3 deliveries (delivered 3, skipped 0, failed 0, refused 0, superseded 0), 1 batch,"
+        in output
+    )
     assert set(Batch.objects.values_list("id", flat=True)) >= {kept.id, pending.id}
     assert Delivery.objects.filter(status=Status.PENDING).count() == 3
     assert Delivery.objects.filter(status=Status.FAILED).count() == 3

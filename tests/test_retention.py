@@ -58,7 +58,7 @@ def fill(count: int, now: dt.datetime, *, first_batch: int) -> None:
 
 def expected(count: int, days: dict[Status, int]) -> dict[str, int]:
     """What a purge keeping each status ``days`` deletes of :func:`fill`'s rows."""
-    gone = dict.fromkeys((s.value for s in STATUSES), 0)
+    gone = dict.fromkeys((s.value for s in retention.SETTLED), 0)
     for i in range(1, count + 1):
         status = STATUSES[i % 4]
         age = AGES[0] if i <= count // 2 else AGES[i % 3]

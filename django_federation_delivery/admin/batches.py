@@ -32,6 +32,7 @@ PROGRESS = (
     (Status.REFUSED, "#d9822b"),
     (Status.FAILED, "#c83232"),
     (Status.SKIPPED, "#9a9a9a"),
+    (Status.SUPERSEDED, "#b8a0d0"),
     (Status.PENDING, "#7aa9d6"),
 )
 
@@ -110,6 +111,8 @@ class BatchAdmin(OperatorAdmin[Batch]):
     fieldsets = (
         (None, {"fields": ("tag", "sender", "lane", "created_at", "deadline", "finished_at")}),
         (_("Deliveries"), {"fields": ("progress", "deliveries", "size", "remaining")}),
+        # What a later Delete or Undo by the sender overtakes (retractions.py).
+        (_("About"), {"fields": ("activity_id", "object_id")}),
         (
             _("Options"),
             {
@@ -140,7 +143,8 @@ class BatchAdmin(OperatorAdmin[Batch]):
                 )
             },
         ),
-        *fieldsets[1:3],
+        fieldsets[1],
+        fieldsets[3],
         (_("Event"), {"fields": ("pretty_body", "body_sha256")}),
     )
 

@@ -292,10 +292,12 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
 
     @admin.action(
         permissions=["change"],
-        description=_("Requeue the selected failed, refused or skipped deliveries (due now)"),
+        description=_(
+            "Requeue the selected failed, refused, skipped or superseded deliveries (due now)"
+        ),
     )
     def requeue(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
-        eligible = queryset.filter(status__in=[Status.FAILED, Status.REFUSED, Status.SKIPPED])
+        eligible = queryset.filter(status__in=controls.REQUEUED_FROM)
         # Only the ids are needed, not the rows and their batches.
         count = controls.requeue(eligible.select_related(None).only("id"))
         report(

@@ -87,8 +87,8 @@ def check_retention(retention: Any) -> list[CheckMessage]:
         return []  # everything kept
     hint = _(
         "Seconds by settled status, such as {'DELIVERED': 7 * 86400, 'SKIPPED': 7 * 86400, "
-        "'FAILED': 30 * 86400, 'REFUSED': 30 * 86400}; None for a status keeps it for ever, "
-        "and RETENTION None keeps everything."
+        "'FAILED': 30 * 86400, 'REFUSED': 30 * 86400, 'SUPERSEDED': 7 * 86400}; None for a "
+        "status keeps it for ever, and RETENTION None keeps everything."
     )
     if not isinstance(retention, dict):
         return [

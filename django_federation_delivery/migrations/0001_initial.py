@@ -198,6 +198,18 @@ class Migration(migrations.Migration):
                     ),
                 ),
                 (
+                    "activity_id",
+                    models.CharField(
+                        blank=True, default="", max_length=2048, verbose_name="activity id"
+                    ),
+                ),
+                (
+                    "object_id",
+                    models.CharField(
+                        blank=True, default="", max_length=2048, verbose_name="object id"
+                    ),
+                ),
+                (
                     "idempotency_key",
                     models.CharField(
                         blank=True, default="", max_length=200, verbose_name="idempotency key"
@@ -223,6 +235,16 @@ class Migration(migrations.Migration):
                 "indexes": [
                     models.Index(fields=["tag"], name="fd_batch_tag"),
                     models.Index(fields=["created_at"], name="fd_batch_created"),
+                    models.Index(
+                        condition=models.Q(("object_id__gt", "")),
+                        fields=["object_id"],
+                        name="fd_batch_object",
+                    ),
+                    models.Index(
+                        condition=models.Q(("activity_id__gt", "")),
+                        fields=["activity_id"],
+                        name="fd_batch_activity",
+                    ),
                 ],
                 "constraints": [
                     models.UniqueConstraint(
@@ -310,6 +332,7 @@ class Migration(migrations.Migration):
                             ("refused", "refused"),
                             ("skipped", "skipped"),
                             ("failed", "failed"),
+                            ("superseded", "superseded"),
                         ],
                         default="pending",
                         max_length=16,

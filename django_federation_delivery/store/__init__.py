@@ -10,6 +10,8 @@ a concept, say what each statement is for and run it by its name:
 - ``queueing``: what a send writes, its batch and a delivery an inbox;
 - ``sequences``: ordered deliveries, which wait on the one before and are
   released when it settles;
+- ``retractions``: what a Delete or an Undo overtakes (superseded), and
+  what it waits on;
 - ``claims``: the claim and its lease, and what is due when;
 - ``settlements``: what leaving the queue writes (settled, given up, or
   requeued);

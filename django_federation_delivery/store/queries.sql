@@ -207,6 +207,91 @@ unnest(%(inboxes)s::varchar[], %(hosts)s::varchar[], %(destinations)s::varchar[]
 -- name: as_timestamp [sqlite]
 
 
+-- Retractions ---------------------------------------------------------------
+
+-- name: batches_about
+-- A sender's batches still in the queue about the object %(about)s (a
+-- Delete's); "object_id > ''" is the partial index's own condition, written
+-- out so that both databases see the index is theirs to use.
+SELECT id, tag FROM {batch}
+WHERE object_id = %(about)s AND object_id > '' AND sender = %(sender)s
+    AND finished_at IS NULL AND id <> %(batch)s
+ORDER BY id
+
+-- name: batches_of_activity
+-- A sender's batches still in the queue of the activity %(about)s (an Undo's).
+SELECT id, tag FROM {batch}
+WHERE activity_id = %(about)s AND activity_id > '' AND sender = %(sender)s
+    AND finished_at IS NULL AND id <> %(batch)s
+ORDER BY id
+
+-- name: retraction_inboxes
+-- The inboxes the retraction's batch %(batch)s is queued to.
+SELECT n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
+
+-- name: supersede [postgresql]
+-- The deliveries of %(batches)s to the retraction's inboxes that were never
+-- attempted and are not held by a claim (a lapsed one aside): settled
+-- superseded, unsent. What it returns is what it changed.
+UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
+    settled_at = %(now)s, last_error = %(reason)s
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND status = {pending} AND attempts = 0
+    AND (lease_token IS NULL OR due_at <= %(now)s)
+    AND inbox IN ({retraction_inboxes})
+RETURNING id, batch_id, inbox
+
+-- name: supersede [sqlite]
+UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
+    settled_at = %(now)s, last_error = %(reason)s
+WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND status = {pending}
+    AND attempts = 0 AND (lease_token IS NULL OR due_at <= %(now)s)
+    AND inbox IN ({retraction_inboxes})
+RETURNING id, batch_id, inbox
+
+-- name: attempted_before [postgresql]
+-- For each inbox of the retraction, the last delivery of %(batches)s to it
+-- still pending (attempted, or held by a claim): what it waits on.
+SELECT inbox, max(id) AS last FROM {delivery}
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND status = {pending}
+    AND inbox IN ({retraction_inboxes})
+GROUP BY inbox
+
+-- name: attempted_before [sqlite]
+SELECT inbox, max(id) AS last FROM {delivery}
+WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND status = {pending}
+    AND inbox IN ({retraction_inboxes})
+GROUP BY inbox
+
+-- name: wait_for_attempted
+-- The retraction's delivery to each such inbox waits on that one, with no
+-- due time until it leaves the queue, unless it already waits on the one
+-- before it in its own sequence.
+UPDATE {delivery} SET after_id = w.last, due_at = NULL
+FROM ({attempted_before}) AS w
+WHERE {delivery}.batch_id = %(batch)s AND {delivery}.inbox = w.inbox
+    AND {delivery}.after_id IS NULL
+
+-- name: stranded
+-- Pending deliveries waiting on one that is no longer pending: released
+-- by its settle as a rule, but not when it settled while a retraction was
+-- making them wait on it (read from the index on after_id).
+SELECT w.id FROM {delivery} AS w
+WHERE w.after_id IS NOT NULL AND w.status = {pending}
+    AND NOT EXISTS (
+        SELECT 1 FROM {delivery} AS p WHERE p.id = w.after_id AND p.status = {pending}
+    )
+LIMIT %(limit)s
+
+-- name: release [postgresql]
+UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+WHERE id = ANY(%(ids)s::bigint[]) AND status = {pending} AND after_id IS NOT NULL
+
+-- name: release [sqlite]
+UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
+    AND after_id IS NOT NULL
+
+
 -- Ordered deliveries ------------------------------------------------------
 
 -- name: lock_sequence [postgresql]
@@ -267,7 +352,7 @@ s AS (
 ),
 r AS (
     UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
-    WHERE after_id = ANY(%(ordered)s::bigint[]) AND status = {pending}
+    WHERE after_id = ANY(%(final)s::bigint[]) AND status = {pending}
         AND after_id IN (SELECT id FROM s WHERE settled_at IS NOT NULL)
     RETURNING 1
 ),

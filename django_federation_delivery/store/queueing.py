@@ -90,7 +90,9 @@ def enqueue(
             done = 0
         if batch.id is None:
             # Sent before with this idempotency key, and kept: nothing is queued.
-            return Batch.objects.using(alias).get(idempotency_key=batch.idempotency_key)
+            kept = Batch.objects.using(alias).get(idempotency_key=batch.idempotency_key)
+            kept.created = False
+            return kept
         batch._state.adding = False
         batch._state.db = alias
         # A statement at a time, each a bounded chunk: 100,000 rows' values at

@@ -26,7 +26,9 @@ from django_federation_delivery.store.sequences import release_next
 logger = logging.getLogger(__name__)
 
 #: The statuses that take a delivery out of the queue.
-FINAL = frozenset({Status.DELIVERED, Status.REFUSED, Status.SKIPPED, Status.FAILED})
+FINAL = frozenset(
+    {Status.DELIVERED, Status.REFUSED, Status.SKIPPED, Status.FAILED, Status.SUPERSEDED}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +65,10 @@ def settle(
 
     Returns the ids written; a settlement whose lease lapsed and whose row
     another process now holds is not written. The deliveries that waited on
-    an ordered one written final are released; batches whose last pending
-    delivery this settles are stamped finished, and ``on_finished`` is
-    called with their ids inside the same transaction. The rows lock in one
+    one written final are released (the next of its sequence, a retraction
+    overtaking it); batches whose last pending delivery this settles are
+    stamped finished, and ``on_finished`` is called with their ids inside
+    the same transaction. The rows lock in one
     order whatever the database: deliveries, those released, then batches in
     id order, then the history's minute (see :meth:`~.sql.Statements.settle`
     for what each database runs).

@@ -415,15 +415,18 @@ class Statements:
         """Write the settlements ``rows`` (each its id, token, status,
         attempts, due time, last status, last error, attempt time and settle
         time, then the history's minute and count name) whose claim still
-        holds; release what waited on the ``ordered`` among those written
-        final; count the batches of the ``final`` ones ({id: batch}) down.
+        holds; release what waited on those written final (the next of an
+        ordered one's sequence, a retraction waiting on an attempted one);
+        count the batches of the ``final`` ones ({id: batch}) down.
 
         On PostgreSQL all of it is one statement (``settle``), which adds to
         the history too unless ``count`` is false (``settle_uncounted``);
         with ``ordered`` deliveries a statement before it locks them (see
-        ``lock_deliveries``). On SQLite each is a step, in the same order,
-        the write lock held from the first; the history is left to the
-        caller."""
+        ``lock_deliveries``: a send may be making one wait on them. A
+        retraction making one wait on a row being settled is not waited for:
+        ``store/retractions.release_stranded`` frees what it left waiting).
+        On SQLite each is a step, in the same order, the write lock held from
+        the first; the history is left to the caller."""
         given = json_parameter(rows)
         if self.postgresql:
             if ordered:
@@ -433,7 +436,7 @@ class Statements:
                 rows=given,
                 ids=self.ids(row[0] for row in rows),
                 now=now,
-                ordered=self.ids(ordered),
+                final=self.ids(sorted(final)),
                 leaving=self.ids(sorted(set(final.values()))),
             )
             return Settled(set(written), list(finished), count)
@@ -441,7 +444,7 @@ class Statements:
         written = set(self.json("settle_written", rows=given))
         if written:
             self.run("settle_rows", rows=given)
-        released = [id for id in ordered if id in written]
+        released = [id for id in final if id in written]
         if released:
             self.run("release_next", ids=self.ids(released), now=now)
         leaving = Counter(batch for id, batch in final.items() if id in written)

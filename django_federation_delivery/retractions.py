@@ -1,0 +1,125 @@
+"""Retractions overtake: a ``Delete`` of an object, or an ``Undo`` of an
+activity, supersedes its sender's deliveries about it that were never tried.
+
+Someone posts to 20,000 followers and deletes the post a minute later: the
+``Create`` is still queued for most inboxes. When ``send()`` is given the
+``Delete``, the ``Create``'s deliveries to the same inboxes that were never
+attempted are settled ``superseded`` instead of sent. The ``Delete`` itself
+is still sent everywhere (the receiver may know the object another way),
+and to an inbox where the ``Create`` was already attempted it goes only
+once that has left the queue.
+
+What a batch is about is kept when it is sent (:func:`about`): the
+activity's ``id``, and its object's (``object`` as a string, or an object
+with an ``id``). A ``Delete`` overtakes the batches about its object; an
+``Undo``, those of the activity it undoes. Only the retraction's own
+sender's: an ``Announce`` of the post by someone else goes as it was queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from django_federation_delivery import signals
+from django_federation_delivery.decide import Outcome
+from django_federation_delivery.models import Batch
+from django_federation_delivery.store import retractions
+
+__all__ = ["Retraction", "about", "overtake", "retraction_of"]
+
+#: An id longer than this, in UTF-8, is not kept: what it identifies cannot
+#: be overtaken (an index entry has its limits; no server mints such ids).
+MAX_ID_BYTES = 2000
+
+
+def about(activity: Mapping[str, Any]) -> tuple[str, str]:
+    """The activity's id and the id of its object, each "" when it has none
+    (or one too long to keep)."""
+    obj = activity.get("object")
+    if isinstance(obj, Mapping):
+        obj = obj.get("id")
+    return _kept(activity.get("id")), _kept(obj)
+
+
+def _kept(value: Any) -> str:
+    if isinstance(value, str) and len(value.encode()) <= MAX_ID_BYTES:
+        return value
+    return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Retraction:
+    """What an activity takes back: an object (a ``Delete``'s) or an
+    activity (an ``Undo``'s)."""
+
+    object_id: str = ""
+    activity_id: str = ""
+
+    @property
+    def reason(self) -> str:
+        """The superseded deliveries' last error, as the admin shows it."""
+        if self.object_id:
+            return "superseded: its object was deleted"
+        return "superseded: the activity was undone"
+
+
+def retraction_of(activity: Mapping[str, Any], object_id: str) -> Retraction | None:
+    """What ``activity``, about ``object_id`` (see :func:`about`), retracts;
+    None for any other activity."""
+    if not object_id:
+        return None
+    kind = activity.get("type")
+    types = set(kind) if isinstance(kind, list) else {kind}
+    if "Delete" in types:
+        return Retraction(object_id=object_id)
+    if "Undo" in types:
+        return Retraction(activity_id=object_id)
+    return None
+
+
+def overtake(batch: Batch, retraction: Retraction, *, using: str | None = None) -> int:
+    """In the caller's transaction, just after ``batch`` (the retraction) is
+    written: supersede what it overtakes, and make it wait on what was
+    already attempted. Returns how many deliveries it superseded.
+
+    ``delivery_settled`` (outcome "superseded") is sent for each, and
+    ``batch_finished`` for each batch that finishes so, once the caller's
+    transaction commits: rolled back, nothing was superseded.
+    """
+    overtaken = retractions.overtake(
+        batch.id,
+        batch.sender,
+        object_id=retraction.object_id,
+        activity_id=retraction.activity_id,
+        reason=retraction.reason,
+        now=timezone.now(),
+        using=using,
+    )
+    if overtaken.superseded and signals.listened(signals.delivery_settled):
+        transaction.on_commit(lambda: _tell(batch.sender, overtaken), using=using)
+    if overtaken.finished:
+        transaction.on_commit(
+            lambda: signals.send_batches_finished(overtaken.finished, using=using), using=using
+        )
+    return len(overtaken.superseded)
+
+
+def _tell(sender: str, overtaken: retractions.Overtaken) -> None:
+    for row in overtaken.superseded:
+        signals.send_safely(
+            signals.delivery_settled,
+            settled=signals.Settled(
+                delivery_id=row.id,
+                batch_id=row.batch_id,
+                inbox=row.inbox,
+                sender=sender,
+                tag=overtaken.tags.get(row.batch_id, ""),
+                outcome=Outcome.SUPERSEDED,
+                status=None,
+            ),
+        )

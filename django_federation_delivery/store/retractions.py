@@ -1,0 +1,113 @@
+"""What a retraction writes: the deliveries it overtakes settled superseded,
+and its own waiting on those already attempted.
+
+A sender's ``Delete`` of an object, or ``Undo`` of an activity, is queued
+like any activity (``queueing``); then, in the same transaction, the
+deliveries of that sender's batches about the object (or of the activity)
+to the retraction's inboxes are looked at. One never attempted and not held
+by a claim is settled ``superseded``, unsent. One already attempted is left
+to its fate, and the retraction's delivery to that inbox waits on it, with
+no due time until it leaves the queue (:func:`release_stranded` frees it
+if it left while the retraction was being written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections import Counter
+from typing import NamedTuple
+
+from django.db import DEFAULT_DB_ALIAS
+
+from django_federation_delivery.dialect import connection_for, db_datetime
+from django_federation_delivery.models import Status
+from django_federation_delivery.store import sql
+from django_federation_delivery.store.countdowns import count_down
+from django_federation_delivery.store.sequences import release_next
+
+#: Stranded deliveries released by one statement.
+STRANDED_CHUNK = 500
+
+
+class SupersededRow(NamedTuple):
+    """A delivery a retraction superseded."""
+
+    id: int
+    batch_id: int
+    inbox: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Overtaken:
+    """What a retraction changed in the queue."""
+
+    #: The deliveries it superseded, in id order.
+    superseded: list[SupersededRow]
+    #: The tags of the batches they were of, by id.
+    tags: dict[int, str]
+    #: How many of its own deliveries wait on one already attempted.
+    waiting: int
+    #: The batches it finished (their last pending delivery superseded).
+    finished: list[int]
+
+
+def overtake(
+    batch_id: int,
+    sender: str,
+    *,
+    object_id: str = "",
+    activity_id: str = "",
+    reason: str,
+    now: dt.datetime,
+    using: str | None = None,
+) -> Overtaken:
+    """In the caller's transaction, after batch ``batch_id`` (the retraction)
+    is written: supersede the deliveries of ``sender``'s batches about
+    ``object_id`` (or of ``activity_id``) to its inboxes that were never
+    attempted, and make its deliveries wait on those that were."""
+    connection = connection_for(using or DEFAULT_DB_ALIAS)
+    when = db_datetime(now, connection)
+    with sql.on(connection) as db:
+        if object_id:
+            found = db.all("batches_about", about=object_id, sender=sender, batch=batch_id)
+        else:
+            found = db.all("batches_of_activity", about=activity_id, sender=sender, batch=batch_id)
+        if not found:
+            return Overtaken([], {}, 0, [])
+        tags = {id: tag for id, tag in found}
+        batches = db.ids(tags)
+        rows = sorted(
+            SupersededRow(*row)
+            for row in db.all(
+                "supersede",
+                batches=batches,
+                batch=batch_id,
+                superseded=str(Status.SUPERSEDED),
+                now=when,
+                reason=reason,
+            )
+        )
+        # Those queued after a superseded one in its sequence go on without
+        # it (the retraction's own among them), before the retraction is
+        # made to wait on what was attempted.
+        release_next([row.id for row in rows], now, using)
+        waiting = db.run("wait_for_attempted", batches=batches, batch=batch_id)
+    finished = count_down(Counter(row.batch_id for row in rows), now, using)
+    return Overtaken(rows, tags, waiting, finished)
+
+
+def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:
+    """Release the pending deliveries waiting on one no longer pending: a
+    retraction may have made one wait on a delivery whose settle was being
+    written at that moment, and so did not see it. Returns how many."""
+    connection = connection_for(using or DEFAULT_DB_ALIAS)
+    released = 0
+    with sql.on(connection) as db:
+        while True:
+            ids = [id for (id,) in db.all("stranded", limit=STRANDED_CHUNK)]
+            if not ids:
+                return released
+            released += db.run("release", ids=db.ids(ids), now=db_datetime(now, connection))
+            if len(ids) < STRANDED_CHUNK:
+                return released

@@ -1,0 +1,247 @@
+"""Retractions overtake: a Delete (or an Undo) supersedes its sender's
+deliveries about the object (or of the activity) that were never tried, and
+is itself sent after any that were."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+
+from django_federation_delivery import send, send_batch, signals, store
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.retractions import about, retraction_of
+from django_federation_delivery.store.retractions import release_stranded
+
+from .conftest import Inbox
+from .keys import ALICE
+
+BOB = "https://b.example/users/bob"
+POST = f"{ALICE}/notes/1"
+A, B, C, D = (f"https://{name}.example/inbox" for name in "abcd")
+
+
+def create(obj: Any = POST, n: int = 1) -> dict[str, Any]:
+    return {"type": "Create", "id": f"{ALICE}/activities/{n}", "actor": ALICE, "object": obj}
+
+
+def delete(obj: Any = POST) -> dict[str, Any]:
+    return {"type": "Delete", "id": f"{ALICE}/activities/d", "actor": ALICE, "object": obj}
+
+
+def row(batch: Batch | None, inbox: str) -> Delivery:
+    assert batch is not None
+    return Delivery.objects.get(batch=batch, inbox=inbox)
+
+
+@pytest.fixture
+def settled() -> Iterator[list[signals.Settled]]:
+    told: list[signals.Settled] = []
+
+    def receive(settled: signals.Settled, **kwargs: Any) -> None:
+        told.append(settled)
+
+    signals.delivery_settled.connect(receive, weak=False)
+    yield told
+    signals.delivery_settled.disconnect(receive)
+
+
+@pytest.mark.parametrize(
+    ("activity", "ids"),
+    [
+        (create(), (f"{ALICE}/activities/1", POST)),
+        (create({"id": POST, "type": "Note"}), (f"{ALICE}/activities/1", POST)),
+        ({"type": "Like", "object": POST}, ("", POST)),
+        (create(["a", "b"]), (f"{ALICE}/activities/1", "")),
+        ({"id": 5, "object": {"id": None}}, ("", "")),
+        ({"id": "x" * 2001}, ("", "")),
+    ],
+)
+def test_what_an_activity_is_about_is_its_id_and_its_objects(
+    activity: dict[str, Any], ids: tuple[str, str]
+) -> None:
+    assert about(activity) == ids
+
+
+def test_only_a_delete_or_an_undo_retracts() -> None:
+    assert retraction_of(delete(), POST) is not None
+    assert retraction_of({"type": ["Delete", "x:Extra"]}, POST) is not None
+    undo = retraction_of({"type": "Undo"}, "https://a.example/likes/1")
+    assert undo is not None and undo.activity_id == "https://a.example/likes/1"
+    assert retraction_of(create(), POST) is None
+    assert retraction_of(delete(), "") is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_supersedes_what_was_never_tried_and_waits_on_what_was(
+    settled: list[signals.Settled],
+) -> None:
+    first = send(ALICE, create(), [A, B, C])
+    # B's was tried once and waits for its retry.
+    Delivery.objects.filter(batch=first, inbox=B).update(attempts=1, last_status=503)
+
+    retraction = send(ALICE, delete(), [A, B, D])
+
+    assert retraction is not None and retraction.superseded == 1
+    a = row(first, A)
+    assert (a.status, a.due_at, a.lease_token) == (Status.SUPERSEDED, None, None)
+    assert a.settled_at is not None and "deleted" in a.last_error
+    assert row(first, B).status == row(first, C).status == Status.PENDING
+    # The Delete goes at once where nothing was tried, and to B after B's Create.
+    assert row(retraction, A).due_at is not None and row(retraction, D).due_at is not None
+    waits = row(retraction, B)
+    assert (waits.after_id, waits.due_at) == (row(first, B).id, None)
+    assert first is not None and Batch.objects.get(pk=first.pk).remaining == 2
+    # Told once the send committed, as a delivery leaving the queue is.
+    assert [(s.delivery_id, s.outcome, s.inbox, s.sender) for s in settled] == [
+        (a.id, "superseded", A, ALICE)
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_undo_supersedes_the_activity_it_undoes() -> None:
+    like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": POST}
+    liked = send(ALICE, like, [A])
+    other = send(ALICE, create(), [A])
+    undo = send(ALICE, {"type": "Undo", "actor": ALICE, "object": like}, [A])
+    assert undo is not None and undo.superseded == 1
+    assert row(liked, A).status == Status.SUPERSEDED
+    assert row(other, A).status == Status.PENDING, "the post itself is not undone"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_another_senders_activity_about_the_object_goes_as_queued() -> None:
+    announce = send(BOB, {"type": "Announce", "id": f"{BOB}/a/1", "object": POST}, [A])
+    update = send(ALICE, {"type": "Update", "object": {"id": POST, "content": "x"}}, [A])
+    deleted = send(ALICE, delete({"id": POST, "type": "Tombstone"}), [A])
+    assert deleted is not None and deleted.superseded == 1
+    assert row(update, A).status == Status.SUPERSEDED
+    assert row(announce, A).status == Status.PENDING
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_all_superseded_is_finished_and_told() -> None:
+    finished: list[int] = []
+
+    def done(batch: Batch, **kwargs: Any) -> None:
+        finished.append(batch.pk)
+
+    signals.batch_finished.connect(done, weak=False)
+    try:
+        first = send(ALICE, create(), [A, B])
+        send(ALICE, delete(), [A, B])
+    finally:
+        signals.batch_finished.disconnect(done)
+    assert first is not None
+    assert finished == [first.pk]
+    assert Batch.objects.get(pk=first.pk).finished_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_rolled_back_supersedes_nothing_and_tells_nothing(
+    settled: list[signals.Settled],
+) -> None:
+    first = send(ALICE, create(), [A])
+
+    def view() -> None:
+        with transaction.atomic():
+            send(ALICE, delete(), [A])
+            raise RuntimeError("the view failed")
+
+    with pytest.raises(RuntimeError):
+        view()
+    assert row(first, A).status == Status.PENDING
+    assert settled == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claimed_delivery_is_left_to_its_holder_and_the_delete_released_when_it_settles() -> None:
+    first = send(ALICE, create(), [A])
+    (held,) = store.claim(10, 60)
+    retraction = send(ALICE, delete(), [A])
+    assert retraction is not None and retraction.superseded == 0
+    assert row(retraction, A).after_id == held.id
+    store.settle([store.Settlement(claimed=held, status=Status.DELIVERED, attempts=1)])
+    released = row(retraction, A)
+    assert (released.after_id, released.status) == (None, Status.PENDING)
+    assert released.due_at is not None
+    assert row(first, A).status == Status.DELIVERED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_in_the_creates_sequence_goes_on_when_the_create_is_superseded() -> None:
+    options = {"ordering_key": POST}
+    first = send_batch(ALICE, create(), [A], options)
+    retraction = send_batch(ALICE, delete(), [A], options)
+    assert row(first, A).status == Status.SUPERSEDED
+    mine = row(retraction, A)
+    assert (mine.after_id, mine.due_at is not None) == (None, True)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_left_waiting_on_a_settled_delivery_is_released_by_the_sweep() -> None:
+    first = send(ALICE, create(), [A])
+    waiting = send(ALICE, {"type": "Note"}, [B])
+    assert first is not None and waiting is not None
+    settled_at = timezone.now()
+    Delivery.objects.filter(batch=first).update(
+        status=Status.DELIVERED, settled_at=settled_at, due_at=None
+    )
+    Delivery.objects.filter(batch=waiting).update(after=row(first, A), due_at=None)
+    assert release_stranded(now=settled_at) == 1
+    assert row(waiting, B).due_at == settled_at and row(waiting, B).after_id is None
+    assert release_stranded(now=settled_at) == 0
+
+
+def _received(inboxes: list[Inbox]) -> list[tuple[str, str]]:
+    return [(r.path, r.json()["type"]) for inbox in inboxes for r in inbox.received]
+
+
+def _overtake(inboxes: Callable[..., Inbox], *, servers: int, each: int) -> None:
+    """A Create to ``servers × each`` inboxes with no deliverer running; a
+    few of them tried once already. A Delete a second later, to them all;
+    then the deliverer drains the queue."""
+    running = [inboxes(f"127.0.0.{n + 2}") for n in range(servers)]
+    urls = [inbox.url(f"/u{n}/inbox") for inbox in running for n in range(each)]
+    first = send(ALICE, create(), urls)
+    assert first is not None
+    tried = urls[:: max(1, len(urls) // 5)]
+    Delivery.objects.filter(batch=first, inbox__in=tried).update(attempts=1, last_status=503)
+    time.sleep(1)
+    retraction = send(ALICE, delete(), urls)
+    assert retraction is not None
+    assert retraction.superseded == len(urls) - len(tried)
+    Deliverer(concurrency=16).run(drain=True)
+    received = _received(running)
+    creates = [path for path, kind in received if kind == "Create"]
+    deletes = [path for path, kind in received if kind == "Delete"]
+    paths = sorted(url.split(":", 2)[2].split("/", 1)[1] for url in tried)
+    assert sorted(path.lstrip("/") for path in creates) == paths, "no Create went untried"
+    assert len(deletes) == len(urls), "every inbox is sent the Delete"
+    # Where the Create had been tried, it goes before the Delete.
+    for inbox in running:
+        order = [(r.path, r.json()["type"]) for r in inbox.received]
+        for path, kind in order:
+            if kind == "Create":
+                assert order.index((path, "Create")) < order.index((path, "Delete"))
+    assert Delivery.objects.filter(status=Status.PENDING).count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deleted_posts_create_reaches_no_inbox_that_was_not_tried(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    _overtake(inboxes, servers=4, each=50)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_deleted_posts_create_to_ten_thousand_inboxes_reaches_none_untried(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    _overtake(inboxes, servers=20, each=500)
