@@ -25,12 +25,14 @@ _EXPORTS = {
     "Scheme": "django_federation_delivery.signatures",
     "InvalidDelivery": "django_federation_delivery.exceptions",
     "SigningError": "django_federation_delivery.exceptions",
+    "mark_host_seen": "django_federation_delivery.availability",
     "normalize_inbox": "django_federation_delivery.addresses",
     "validate_inbox": "django_federation_delivery.addresses",
 }
 
 if TYPE_CHECKING:
     from django_federation_delivery.addresses import normalize_inbox, validate_inbox
+    from django_federation_delivery.availability import mark_host_seen
     from django_federation_delivery.exceptions import InvalidDelivery, SigningError
     from django_federation_delivery.portable import PortableInbox
     from django_federation_delivery.sending import BatchOptions, send, send_batch, send_portable
@@ -45,6 +47,7 @@ __all__ = [
     "SenderKey",
     "SigningError",
     "__version__",
+    "mark_host_seen",
     "normalize_inbox",
     "send",
     "send_batch",

@@ -134,6 +134,10 @@ DEFAULTS: dict[str, Any] = {
     # An inbox's host with no answer but 5xx and 429 (or none) for this long
     # is told failing (host_failing), once, and told up again once it answers.
     "HOST_FAILING_AFTER": 3600.0,
+    # An inbox's host with no success for this long is marked unavailable:
+    # sends skip its inboxes until it is seen again (a daily probe, an
+    # operator, or mark_host_seen). None never marks one.
+    "HOST_UNAVAILABLE_AFTER": 7 * 86400.0,
     # How long settled deliveries are kept, in seconds, by status, before
     # purge_deliveries (or run_deliverer --purge) deletes them; a status set
     # to None is kept for ever, and RETENTION None keeps everything.
@@ -198,6 +202,10 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def _paths(values: Any) -> tuple[str, ...]:
     if isinstance(values, str) or not all(isinstance(value, str) for value in values):
         raise TypeError("a list of dotted paths is needed")
@@ -242,6 +250,7 @@ class AppSettings:
     webhook_max_bytes = Typed(int)
     webhook_disable_after = Typed(float)
     host_failing_after = Typed(float)
+    host_unavailable_after = Typed(_optional_float)
     channels = Typed(_paths)
 
     def _user(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from django.db.models import QuerySet
 
 from django_federation_delivery import breakers, hosts, signals
+from django_federation_delivery.availability import mark_host_seen
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.settling import failure
 from django_federation_delivery.store import settlements
@@ -20,6 +21,7 @@ __all__ = [
     "REQUEUED_FROM",
     "give_up",
     "give_up_host",
+    "mark_host_seen",
     "pause_host",
     "requeue",
     "reset_breaker",

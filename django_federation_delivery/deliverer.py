@@ -110,10 +110,11 @@ class Deliverer:
         self.progress_interval = progress_interval
         self.summary = Summary()
         # The two kinds of delivery, each by its own rules, on the same loop.
+        inboxes = InboxDeliveries.from_settings(
+            self.summary, self.schemes, self.transport_settings, using=using
+        )
         self.kinds = Kinds(
-            InboxDeliveries.from_settings(
-                self.summary, self.schemes, self.transport_settings, using=using
-            ),
+            inboxes,
             WebhookDeliveries.from_settings(
                 self.summary,
                 self.transport_settings,
@@ -144,6 +145,9 @@ class Deliverer:
             breakers=self.breakers,
             heartbeat=self.heartbeat,
             metrics=metrics,
+            unavailable_after=app_settings.host_unavailable_after,
+            # An unavailable host is probed as its inboxes are reached.
+            probe_settings=inboxes.transport_settings,
         )
         self.triage = Triage(
             db=self._db,
@@ -298,6 +302,7 @@ class Deliverer:
                 timer.cancel()
             self.summary.stopped = time.monotonic()
             self.workers.stop()
+            self.upkeep.finish(self.transport_settings.attempt_timeout + 1)
             self.intake.stop_listening()
             if self.heartbeat is not None:
                 # Stopped cleanly (or on an error it could not wait out): no

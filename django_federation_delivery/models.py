@@ -303,6 +303,13 @@ class Host(models.Model):
     failing_since = models.DateTimeField(verbose_name=_("failing since"), null=True, blank=True)
     #: When ``host_failing`` was sent for it (health.py); cleared when it recovers.
     failing_told_at = models.DateTimeField(verbose_name=_("told failing at"), null=True, blank=True)
+    #: Marked unavailable, with no success for HOST_UNAVAILABLE_AFTER: sends
+    #: skip its inboxes until it is seen again (availability.py); and when
+    #: the deliverer last probed it.
+    unavailable_since = models.DateTimeField(
+        verbose_name=_("unavailable since"), null=True, blank=True
+    )
+    probed_at = models.DateTimeField(verbose_name=_("probed at"), null=True, blank=True)
     updated_at = models.DateTimeField(verbose_name=_("updated at"), auto_now=True)
 
     class Meta:

@@ -17,7 +17,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery import addresses, portable, retractions
+from django_federation_delivery import addresses, availability, portable, retractions
 from django_federation_delivery.addresses import host_of, normalize_inbox
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -149,6 +149,10 @@ def _queue(
     low_priority = _flag("low_priority", opts.low_priority)
     synchronize = _flag("synchronize_collection", opts.synchronize_collection)
     idempotency_key = checked_idempotency_key(opts.idempotency_key)
+    gone = availability.unavailable_hosts(using=using) if targets else frozenset()
+    if gone:
+        targets, unavailable = _available(targets, gone)
+        skipped += unavailable
     if skipped:
         _log_skipped(skipped, queued=len(targets))
     if not targets:
@@ -282,6 +286,24 @@ def _portable_inboxes(
         # The first gateway stands for the host: per-host limits and breakers.
         queued[name] = queueing.Queued(name, host_of(via[0]), tuple(via))
     return list(queued.values()), skipped
+
+
+#: Why an inbox of an unavailable host is left out, as ``skipped`` says.
+UNAVAILABLE = "is on a host marked unavailable (no success for HOST_UNAVAILABLE_AFTER)"
+
+
+def _available(
+    targets: list[queueing.Queued], gone: frozenset[str]
+) -> tuple[list[queueing.Queued], list[SkippedInbox]]:
+    """``targets`` but those on a host marked unavailable, and those, skipped."""
+    kept = [queued for queued in targets if queued.host not in gone]
+    if len(kept) == len(targets):
+        return targets, []
+    return kept, [
+        SkippedInbox(addresses.redact(queued.inbox), UNAVAILABLE)
+        for queued in targets
+        if queued.host in gone
+    ]
 
 
 def _log_skipped(skipped: list[SkippedInbox], *, queued: int) -> None:

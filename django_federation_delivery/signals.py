@@ -19,7 +19,8 @@ Each is sent with ``sender=Delivery`` (the model class) and one keyword:
 - ``host_failing``: ``failing`` (:class:`HostFailing`), once, when an inbox's
   host has had no answer but 5xx and 429 (or none) for ``HOST_FAILING_AFTER``;
   ``host_recovered``: ``recovered`` (:class:`HostRecovered`), once, when such
-  a host answers again. Sent on commit of the write that records the change.
+  a host answers again, or is seen again (``mark_host_seen``, a probe). Sent
+  on commit of the write that records the change.
 
 An ``outcome`` is an :class:`Outcome`, a ``StrEnum``: it compares equal to
 its string ("delivered", "retrying", "held", "refused", "failed", "skipped",

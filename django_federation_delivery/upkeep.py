@@ -8,13 +8,14 @@ paused hosts: each costs a query, so none is done every round.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Iterable
 
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 from django.utils import timezone
 
-from django_federation_delivery import metrics
+from django_federation_delivery import availability, metrics
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import paused_hosts
@@ -22,6 +23,7 @@ from django_federation_delivery.outages import Runner
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.store.retractions import release_stranded
+from django_federation_delivery.transport import TransportSettings
 
 #: How often the lag and open-breaker gauges are read from the database.
 GAUGES_EVERY = 5.0
@@ -34,6 +36,9 @@ VIEW_EVERY = 1.0
 #: How often deliveries left waiting on one that has settled are released
 #: (see ``store/retractions.release_stranded``): rare, and never urgent.
 STRANDED_EVERY = 30.0
+#: How often hosts failing for HOST_UNAVAILABLE_AFTER are marked unavailable,
+#: and the unavailable ones due a probe are probed (see availability.py).
+HOSTS_EVERY = 3600.0
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -49,11 +54,17 @@ class Upkeep:
     heartbeat: Heartbeat | None
     #: Whether to keep the queue's gauges up to date.
     metrics: bool
+    #: HOST_UNAVAILABLE_AFTER (None: no host is marked), and how unavailable
+    #: hosts are probed (None: they are not).
+    unavailable_after: float | None = None
+    probe_settings: TransportSettings | None = None
     #: The hosts an operator paused, as last read.
     paused: frozenset[str] = dataclasses.field(default=frozenset(), init=False)
     _view_read: float = dataclasses.field(default=-1.0, init=False)
     _gauges_read: float = dataclasses.field(default=-1.0, init=False)
     _stranded_read: float = dataclasses.field(default_factory=time.monotonic, init=False)
+    _hosts_read: float = dataclasses.field(default=-HOSTS_EVERY, init=False)
+    _prober: threading.Thread | None = dataclasses.field(default=None, init=False)
     _recycled: float = dataclasses.field(default_factory=time.monotonic, init=False)
 
     def recycle_connections(self) -> None:
@@ -80,7 +91,8 @@ class Upkeep:
         """Re-read the breakers and the paused hosts, about once a second
         (and the queue's gauges every few seconds, when metrics are served);
         record the heartbeat every HEARTBEAT_SECONDS; release what was left
-        waiting on a settled delivery every STRANDED_EVERY."""
+        waiting on a settled delivery every STRANDED_EVERY; look after the
+        hosts gone for good every HOSTS_EVERY."""
         self.beat()
         if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
             self._gauges_read = time.monotonic()
@@ -88,12 +100,42 @@ class Upkeep:
         if time.monotonic() - self._stranded_read >= STRANDED_EVERY:
             self._stranded_read = time.monotonic()
             self.db(release_stranded, now=timezone.now(), using=self.using)
+        if time.monotonic() - self._hosts_read >= HOSTS_EVERY:
+            self._hosts_read = time.monotonic()
+            self.look_after_hosts()
         if time.monotonic() - self._view_read < VIEW_EVERY:
             return
         self._view_read = time.monotonic()
         if self.breakers is not None:
             self.db(self.breakers.refresh)
         self._read_paused()
+
+    def look_after_hosts(self) -> None:
+        """Mark the hosts failing for HOST_UNAVAILABLE_AFTER unavailable, and
+        probe, in a thread of their own, those due a probe (once a day each):
+        a host that answers is seen again."""
+        self.db(availability.mark_unavailable, self.unavailable_after, using=self.using)
+        if self.probe_settings is None or (self._prober and self._prober.is_alive()):
+            return
+        due = self.db(availability.probe_due, using=self.using)
+        if due:
+            self._prober = threading.Thread(
+                target=self._probe, args=(due, self.probe_settings), daemon=True
+            )
+            self._prober.start()
+
+    def _probe(self, due: list[tuple[str, str]], settings: TransportSettings) -> None:
+        try:
+            for host, url in due:
+                if availability.probe(url, settings):
+                    availability.mark_host_seen(host, using=self.using)
+        finally:
+            connections.close_all()  # this thread's own
+
+    def finish(self, timeout: float) -> None:
+        """Wait for probes under way, at most ``timeout`` seconds."""
+        if self._prober is not None:
+            self._prober.join(timeout)
 
     def held_hosts(self) -> list[str]:
         """The hosts whose circuit breaker holds every delivery now."""

@@ -233,6 +233,15 @@ LEFT_OVER = LeftOver()
 
 
 @pytest.fixture(autouse=True)
+def _unavailable_hosts_read_again() -> None:
+    """Each test reads the hosts marked unavailable from its own database,
+    not what a process kept from the test before."""
+    from django_federation_delivery import availability
+
+    availability.forget_known()
+
+
+@pytest.fixture(autouse=True)
 def _no_session_left_over(request: pytest.FixtureRequest) -> None:
     """On PostgreSQL, a test that uses the database should start alone on it.
 
@@ -422,8 +431,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(answer)
 
-    # A Matrix message is PUT.
+    # A Matrix message is PUT; a probe of an unavailable host is a GET.
     do_PUT = do_POST
+    do_GET = do_POST
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -160,6 +160,7 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "WEBHOOK_MAX_BYTES": [(0, "E005", "0"), (1 << 30, "E005", str(1 << 30))],
     "WEBHOOK_DISABLE_AFTER": [(0, "E006", "0"), (INF, "E006", "inf")],
     "HOST_FAILING_AFTER": [(-1, "E006", "-1"), (NAN, "E006", "nan")],
+    "HOST_UNAVAILABLE_AFTER": [(0, "E006", "None or a number"), ("7d", "E006", "'7d'")],
     "RETENTION": [
         ("7d", "E033", "'7d'"),
         ({"DELIVERED": INF}, "E033", "inf"),

@@ -46,6 +46,7 @@ WRITTEN_AND_READ: dict[str, tuple[Any, Any]] = {
     "webhook_max_bytes": (1011, 1011),
     "webhook_disable_after": (72, 72.0),
     "host_failing_after": (73, 73.0),
+    "host_unavailable_after": (None, None),
     "channels": (["tests.channels.Pager"], ("tests.channels.Pager",)),
 }
 

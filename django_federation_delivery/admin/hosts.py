@@ -118,6 +118,22 @@ def hosts_of(breakers: QuerySet[Breaker]) -> list[str]:
     return sorted({host_of_key(key) for key in breakers.values_list("key", flat=True)} - {""})
 
 
+class UnavailableFilter(admin.SimpleListFilter):
+    title = _("unavailable")
+    parameter_name = "unavailable"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, StrOrPromise]]:
+        return [("yes", _("unavailable")), ("no", _("available"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        match self.value():
+            case "yes":
+                return queryset.filter(unavailable_since__isnull=False)
+            case "no":
+                return queryset.filter(unavailable_since__isnull=True)
+        return queryset
+
+
 class PausedFilter(admin.SimpleListFilter):
     title = _("paused")
     parameter_name = "paused"
@@ -156,14 +172,15 @@ class HostAdmin(OperatorAdmin[Host]):
         "paused",
         "paused_at",
         "failing_since",
+        "unavailable_since",
         "pending",
         "scheme",
         "updated_at",
     )
-    list_filter = (PausedFilter,)
+    list_filter = (PausedFilter, UnavailableFilter)
     search_fields = ("name",)
     ordering = ("name",)
-    actions = ("pause", "resume", "give_up", "replay_day")
+    actions = ("pause", "resume", "give_up", "replay_day", "mark_seen")
     fieldsets = (
         (
             None,
@@ -173,6 +190,8 @@ class HostAdmin(OperatorAdmin[Host]):
                     "paused_at",
                     "failing_since",
                     "failing_told_at",
+                    "unavailable_since",
+                    "probed_at",
                     "pending",
                     "scheme",
                     "updated_at",
@@ -204,6 +223,26 @@ class HostAdmin(OperatorAdmin[Host]):
     @admin.action(permissions=["change"], description=_("Resume the selected paused hosts"))
     def resume(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         resume_and_report(self, request, list(queryset.values_list("name", flat=True)))
+
+    @admin.action(
+        permissions=["change"],
+        description=_("Mark the selected hosts as seen: sends no longer skip them"),
+    )
+    def mark_seen(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
+        count = sum(
+            controls.mark_host_seen(name) for name in queryset.values_list("name", flat=True)
+        )
+        report(
+            self,
+            request,
+            count,
+            ngettext(
+                "%(count)d host is no longer unavailable.",
+                "%(count)d hosts are no longer unavailable.",
+                count,
+            )
+            % {"count": count},
+        )
 
     @admin.action(
         permissions=["change_delivery"],

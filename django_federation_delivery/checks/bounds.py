@@ -46,7 +46,10 @@ SECONDS: dict[str, float] = {
     "IDLE_CONNECTION_SECONDS": HOUR,
     "WEBHOOK_DISABLE_AFTER": 365 * DAY,
     "HOST_FAILING_AFTER": 365 * DAY,
+    "HOST_UNAVAILABLE_AFTER": 365 * DAY,
 }
+#: Of those, the ones None turns off.
+SECONDS_OR_NONE = frozenset({"HOST_UNAVAILABLE_AFTER"})
 #: The longest RETENTION of a status: past it, None (for ever) says it better.
 LONGEST_RETENTION = 100 * 365 * DAY
 #: HEARTBEAT_SECONDS: more often is a write a second for nothing; less, a

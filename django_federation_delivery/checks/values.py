@@ -14,6 +14,7 @@ from django_federation_delivery.checks.bounds import (
     HEARTBEAT_RANGE,
     PREFIX,
     SECONDS,
+    SECONDS_OR_NONE,
     USER_AGENT_LENGTH,
     WHOLE_NUMBERS,
     default_hint,
@@ -100,13 +101,23 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             )
     for name, longest in SECONDS.items():
         number = app_settings.get(name)
+        if number is None and name in SECONDS_OR_NONE:
+            continue
         if not is_seconds(number, longest):
+            message = (
+                _(
+                    "%(setting)s[%(name)r] must be None or a number of seconds above 0 and "
+                    "at most %(longest).0f, not %(value)s."
+                )
+                if name in SECONDS_OR_NONE
+                else _(
+                    "%(setting)s[%(name)r] must be a number of seconds above 0 and at most "
+                    "%(longest).0f, not %(value)s."
+                )
+            )
             errors.append(
                 Error(
-                    _(
-                        "%(setting)s[%(name)r] must be a number of seconds above 0 and at most "
-                        "%(longest).0f, not %(value)s."
-                    )
+                    message
                     % {
                         "setting": SETTING,
                         "name": name,

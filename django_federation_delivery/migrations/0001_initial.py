@@ -133,6 +133,14 @@ class Migration(migrations.Migration):
                     "failing_told_at",
                     models.DateTimeField(blank=True, null=True, verbose_name="told failing at"),
                 ),
+                (
+                    "unavailable_since",
+                    models.DateTimeField(blank=True, null=True, verbose_name="unavailable since"),
+                ),
+                (
+                    "probed_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="probed at"),
+                ),
                 ("updated_at", models.DateTimeField(auto_now=True, verbose_name="updated at")),
             ],
             options={

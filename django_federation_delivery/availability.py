@@ -1,0 +1,188 @@
+"""Hosts gone for good stop costing: marked unavailable, skipped by sends,
+probed once a day, and cleared when seen again.
+
+An inbox's host with no success for ``HOST_UNAVAILABLE_AFTER`` (7 days by
+default, as Mastodon's) is marked unavailable on its ``Host`` row by a
+running deliverer (at its start, then every hour): its ``failing_since``
+(health.py) is that old. From then on, ``send()`` leaves its inboxes out,
+listed in the batch's ``skipped`` with the reason. What was already queued
+to it goes on as its retries say.
+
+The mark clears when the host is seen again:
+
+- the deliverer probes each unavailable host once a day, a ``GET`` of its
+  ``/.well-known/nodeinfo`` through the guarded transport, in a thread of its
+  own; any answer but a 5xx or a 429 is a host that is up;
+- an operator clears it in the admin (the hosts' "Mark as seen" action);
+- the host project calls :func:`mark_host_seen` when it hears from the host
+  (an activity it just received from it, say).
+
+Each process keeps the set of unavailable hosts for ``KNOWN_FOR`` seconds,
+so that a send costs no query for it: a host marked or cleared elsewhere is
+known here within a minute; one cleared here, at once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from django_federation_delivery import addresses, signals
+from django_federation_delivery.exceptions import TransportError
+from django_federation_delivery.models import Delivery, Host, Kind
+from django_federation_delivery.transport import Transport, TransportSettings
+
+__all__ = ["mark_host_seen", "mark_unavailable", "probe", "probe_due", "unavailable_hosts"]
+
+logger = logging.getLogger("django_federation_delivery.deliverer")
+
+#: How long a process trusts its set of unavailable hosts.
+KNOWN_FOR = 60.0
+#: How often an unavailable host is probed.
+PROBE_EVERY = dt.timedelta(days=1)
+#: Hosts probed in one round (a round an hour): the rest wait their turn.
+PROBES_PER_ROUND = 20
+#: What a probe asks for: every fediverse server answers it.
+PROBE_PATH = "/.well-known/nodeinfo"
+
+_known: dict[str, tuple[float, frozenset[str]]] = {}
+_known_lock = threading.Lock()
+
+
+def unavailable_hosts(*, using: str | None = None) -> frozenset[str]:
+    """The hosts marked unavailable, as this process last read them (at most
+    ``KNOWN_FOR`` seconds ago): one small query a minute, not one a send."""
+    alias = using or DEFAULT_DB_ALIAS
+    known = _known.get(alias)
+    if known is not None and time.monotonic() - known[0] < KNOWN_FOR:
+        return known[1]
+    names = frozenset(
+        Host.objects.using(alias)
+        .filter(unavailable_since__isnull=False)
+        .values_list("name", flat=True)
+    )
+    with _known_lock:
+        _known[alias] = (time.monotonic(), names)
+    return names
+
+
+def forget_known() -> None:
+    """Read the unavailable hosts again at the next send."""
+    with _known_lock:
+        _known.clear()
+
+
+def mark_unavailable(
+    after: float | None, *, now: dt.datetime | None = None, using: str | None = None
+) -> list[str]:
+    """Mark unavailable the hosts failing for at least ``after`` seconds (none
+    when it is None). Returns their names, each marked once, however many
+    deliverers look."""
+    if after is None:
+        return []
+    alias = using or DEFAULT_DB_ALIAS
+    now = now or timezone.now()
+    due = Q(failing_since__lte=now - dt.timedelta(seconds=after), unavailable_since__isnull=True)
+    hosts = Host.objects.using(alias)
+    marked = []
+    for name, since in hosts.filter(due).values_list("name", "failing_since"):
+        # Each host by a conditional update of its own: the one that sets it, logs it.
+        if hosts.filter(due, name=name).update(unavailable_since=now, updated_at=now):
+            marked.append(name)
+            logger.warning(
+                "Host %s marked unavailable: no success since %s; sends skip it until it is seen",
+                name,
+                since.isoformat(timespec="seconds") if since else "?",
+            )
+    if marked:
+        forget_known()
+    return marked
+
+
+def mark_host_seen(host: str, *, using: str | None = None) -> bool:
+    """Tell the app that ``host`` is up (the host project just received an
+    activity from it, say): its unavailable mark, and its failing since, are
+    cleared, and ``host_recovered`` is sent if it was told failing. Returns
+    whether it was marked unavailable."""
+    alias = using or DEFAULT_DB_ALIAS
+    now = timezone.now()
+    hosts = Host.objects.using(alias).filter(name=host)
+    with transaction.atomic(using=alias):
+        row = hosts.select_for_update().values_list(
+            "unavailable_since", "failing_since", "failing_told_at"
+        )
+        found = row.first()
+        if found is None:
+            return False
+        unavailable, since, told = found
+        if unavailable is None and since is None:
+            return False
+        hosts.update(
+            unavailable_since=None,
+            failing_since=None,
+            failing_told_at=None,
+            probed_at=None,
+            updated_at=now,
+        )
+        if told is not None and since is not None:
+            recovered = signals.HostRecovered(host=host, failing_since=since, recovered_at=now)
+            transaction.on_commit(
+                lambda: signals.send_safely(signals.host_recovered, recovered=recovered),
+                using=alias,
+            )
+    forget_known()
+    if unavailable is not None:
+        logger.warning("Host %s seen again: no longer unavailable", host)
+    return unavailable is not None
+
+
+def probe_due(*, now: dt.datetime | None = None, using: str | None = None) -> list[tuple[str, str]]:
+    """Take the unavailable hosts not probed for a day, at most
+    ``PROBES_PER_ROUND``, each for one deliverer alone; with the URL each is
+    probed at (its origin, as its latest delivery's inbox has it)."""
+    alias = using or DEFAULT_DB_ALIAS
+    now = now or timezone.now()
+    due = Q(unavailable_since__isnull=False) & (
+        Q(probed_at__isnull=True) | Q(probed_at__lte=now - PROBE_EVERY)
+    )
+    hosts = Host.objects.using(alias)
+    taken = []
+    for name in (
+        hosts.filter(due)
+        .order_by("probed_at", "name")
+        .values_list("name", flat=True)[:PROBES_PER_ROUND]
+    ):
+        if hosts.filter(due, name=name).update(probed_at=now):
+            taken.append((name, _probe_url(name, alias)))
+    return taken
+
+
+def _probe_url(host: str, alias: str) -> str:
+    inbox = (
+        Delivery.objects.using(alias)
+        .filter(host=host, kind=Kind.ACTIVITYPUB)
+        .order_by("-id")
+        .values_list("inbox", flat=True)
+        .first()
+    )
+    try:
+        return addresses.origin(inbox) + PROBE_PATH
+    except addresses.UnusableURL:  # none kept, or a portable inbox's name
+        return f"https://{host}{PROBE_PATH}"
+
+
+def probe(url: str, settings: TransportSettings) -> bool:
+    """Whether the host at ``url`` answers as a host that is up: anything
+    but a 5xx or a 429, a refusal included. Never raises for the network."""
+    with Transport(settings) as transport:
+        try:
+            answer = transport.post(url, b"", {"Accept": "application/json"}, method="GET")
+        except TransportError:
+            return False
+    return answer.status < 500 and answer.status != 429

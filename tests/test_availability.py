@@ -1,0 +1,131 @@
+"""Hosts gone for good stop costing: marked unavailable after a week without
+a success, skipped by sends, probed once a day, cleared when seen again."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from django_federation_delivery import mark_host_seen, send, signals
+from django_federation_delivery.availability import (
+    mark_unavailable,
+    probe_due,
+    unavailable_hosts,
+)
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.models import Batch, Delivery, Host, Status
+from django_federation_delivery.sending import UNAVAILABLE
+
+from .conftest import Inbox
+from .keys import ALICE
+
+WEEK = 7 * 86400.0
+NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
+
+
+def failing(name: str, days: float, **fields: Any) -> Host:
+    since = timezone.now() - dt.timedelta(days=days)
+    return Host.objects.create(name=name, failing_since=since, **fields)
+
+
+@pytest.fixture
+def recovered() -> Iterator[list[signals.HostRecovered]]:
+    told: list[signals.HostRecovered] = []
+
+    def receive(recovered: signals.HostRecovered, **kwargs: Any) -> None:
+        told.append(recovered)
+
+    signals.host_recovered.connect(receive, weak=False)
+    yield told
+    signals.host_recovered.disconnect(receive)
+
+
+@pytest.mark.django_db
+def test_a_host_failing_for_a_week_is_marked_once_and_a_day_is_not_enough() -> None:
+    failing("gone.example", 8)
+    failing("flaky.example", 1)
+    Host.objects.create(name="fine.example")
+    assert mark_unavailable(WEEK) == ["gone.example"]
+    assert mark_unavailable(WEEK) == [], "once, however many deliverers look"
+    assert unavailable_hosts() == {"gone.example"}
+    assert mark_unavailable(None) == []
+
+
+@pytest.mark.django_db
+def test_a_send_skips_an_unavailable_hosts_inboxes_and_says_so() -> None:
+    failing("gone.example", 8, unavailable_since=timezone.now())
+    batch = send(ALICE, NOTE, ["https://gone.example/inbox", "https://up.example/inbox"])
+    assert batch is not None
+    assert list(Delivery.objects.values_list("inbox", flat=True)) == ["https://up.example/inbox"]
+    assert [(s.inbox, s.reason) for s in batch.skipped] == [
+        ("https://gone.example/inbox", UNAVAILABLE)
+    ]
+    assert batch.size == 1
+    assert send(ALICE, NOTE, ["https://gone.example/u/1/inbox"]) is None
+    assert Batch.objects.count() == 1, "nothing written for a send to it alone"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_seen_again_is_sent_to_and_told_recovered(
+    recovered: list[signals.HostRecovered],
+) -> None:
+    now = timezone.now()
+    failing("gone.example", 8, unavailable_since=now, failing_told_at=now)
+    assert send(ALICE, NOTE, ["https://gone.example/inbox"]) is None
+    assert mark_host_seen("gone.example") is True
+    host = Host.objects.get(name="gone.example")
+    assert (host.unavailable_since, host.failing_since, host.failing_told_at) == (None, None, None)
+    assert [r.host for r in recovered] == ["gone.example"]
+    assert send(ALICE, NOTE, ["https://gone.example/inbox"]) is not None
+    assert mark_host_seen("gone.example") is False
+    assert mark_host_seen("never.example") is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deliverer_marks_at_its_start_and_probes_each_unavailable_host_once_a_day(
+    inboxes: Callable[..., Inbox], closed_port: Callable[[], int]
+) -> None:
+    up = inboxes("127.0.0.2", respond=lambda request: (404, {}, b""))
+    dead_port = closed_port()
+    failing("127.0.0.2", 8)
+    failing("127.0.0.3", 9)
+    # Where each was last sent to says where it is probed.
+    send(ALICE, NOTE, [up.url("/inbox"), f"http://127.0.0.3:{dead_port}/inbox"])
+    Delivery.objects.update(status=Status.DELIVERED, settled_at=timezone.now(), due_at=None)
+    Deliverer().run(drain=True)
+    assert [(r.method, r.path) for r in up.received] == [("GET", "/.well-known/nodeinfo")]
+    # A 404 is an answer: the host is up. The dead one stays marked.
+    assert unavailable_hosts() == {"127.0.0.3"}
+    assert Host.objects.get(name="127.0.0.3").probed_at is not None
+    assert probe_due() == [], "probed once a day"
+
+
+@pytest.mark.django_db
+def test_an_operator_marks_a_host_as_seen_from_the_admin() -> None:
+    from .test_admin import act, login
+
+    failing("gone.example", 8, unavailable_since=timezone.now())
+    said = act(login("operator"), "host", "mark_seen", ["gone.example"])
+    assert said == ["1 host is no longer unavailable."]
+    assert unavailable_hosts() == frozenset()
+
+
+@pytest.mark.django_db
+def test_the_hosts_list_filters_the_unavailable_ones() -> None:
+    from .test_admin import login
+
+    failing("gone.example", 8, unavailable_since=timezone.now())
+    Host.objects.create(name="up.example")
+    page = login("operator").get("/admin/federation_delivery/host/?unavailable=yes")
+    assert page.status_code == 200
+    assert b"gone.example" in page.content and b"up.example" not in page.content
+
+
+def test_none_turns_marking_off_in_the_checks(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "HOST_UNAVAILABLE_AFTER": None}
+    call_command("check")
