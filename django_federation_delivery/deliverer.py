@@ -36,6 +36,7 @@ from django_federation_delivery.conf import app_settings
 from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes
+from django_federation_delivery.hoststats import HostStats
 from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.kinds import Kinds
@@ -82,6 +83,8 @@ class Deliverer:
         self.limits = HostLimits(
             self.per_host, max(self.per_host, per_host_max or app_settings.per_host_max)
         )
+        #: What it sees of each host, for the host's picture.
+        self.hoststats = HostStats(self.limits.limit)
         self.slow_after = app_settings.slow_after_seconds
         self.slow_concurrency = max(0, app_settings.slow_concurrency)
         self.claim_size = max(1, claim_size or app_settings.claim_size)
@@ -145,6 +148,7 @@ class Deliverer:
             breakers=self.breakers,
             heartbeat=self.heartbeat,
             metrics=metrics,
+            hoststats=self.hoststats,
             unavailable_after=app_settings.host_unavailable_after,
             # An unavailable host is probed as its inboxes are reached.
             probe_settings=inboxes.transport_settings,
@@ -262,6 +266,7 @@ class Deliverer:
             # how many it takes at once, and a success or a failure for its breaker.
             self.schemes.learn(item.claimed.host, result.accepted_scheme)
             self.limits.learn(item.claimed.host, result)
+            self.hoststats.learn(item.claimed.host, result, timezone.now())
             if self.breakers is not None and item.breaker and result.requests:
                 self.breakers.record(
                     item.breaker,
@@ -303,6 +308,7 @@ class Deliverer:
             self.summary.stopped = time.monotonic()
             self.workers.stop()
             self.upkeep.finish(self.transport_settings.attempt_timeout + 1)
+            self._db(self.hoststats.write, now=timezone.now(), using=self.using)
             self.intake.stop_listening()
             if self.heartbeat is not None:
                 # Stopped cleanly (or on an error it could not wait out): no

@@ -284,8 +284,11 @@ class Delivery(models.Model):
 class Host(models.Model):
     """What is remembered of a destination host, shared by every process.
 
-    A host has a row only once there is something to remember: the healthy
-    path of a host that takes the first scheme writes nothing here.
+    A host has a row once a deliverer has sent it something, or there is
+    something else to remember (a pause, a scheme). What the deliverers saw
+    of it (its answer times, its limit, its last success and error) is
+    written every few seconds, for the hosts they sent to (hoststats.py),
+    not at each delivery.
     """
 
     name = models.CharField(verbose_name=_("name"), max_length=255, primary_key=True)
@@ -310,6 +313,23 @@ class Host(models.Model):
         verbose_name=_("unavailable since"), null=True, blank=True
     )
     probed_at = models.DateTimeField(verbose_name=_("probed at"), null=True, blank=True)
+    #: What the deliverers saw (hoststats.py): when one first sent to it,
+    #: last had a delivery accepted, and last met an error (that error,
+    #: redacted as a delivery's last error is);
+    first_seen_at = models.DateTimeField(verbose_name=_("first seen"), null=True, blank=True)
+    last_delivered_at = models.DateTimeField(
+        verbose_name=_("last delivered"), null=True, blank=True
+    )
+    last_error = models.TextField(verbose_name=_("last error"), blank=True, default="")
+    last_error_at = models.DateTimeField(verbose_name=_("last error at"), null=True, blank=True)
+    #: its answer times lately, in milliseconds (the median and the 95th
+    #: percentile of the last few hundred), and how many it may be sent at
+    #: once now (limits.py), as the deliverer that wrote last saw them.
+    answer_p50_ms = models.FloatField(verbose_name=_("answer time p50 (ms)"), null=True, blank=True)
+    answer_p95_ms = models.FloatField(verbose_name=_("answer time p95 (ms)"), null=True, blank=True)
+    concurrency_limit = models.PositiveIntegerField(
+        verbose_name=_("limit at once"), null=True, blank=True
+    )
     updated_at = models.DateTimeField(verbose_name=_("updated at"), auto_now=True)
 
     class Meta:

@@ -19,6 +19,7 @@ from django_federation_delivery import availability, metrics
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import paused_hosts
+from django_federation_delivery.hoststats import HostStats
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
@@ -54,6 +55,8 @@ class Upkeep:
     heartbeat: Heartbeat | None
     #: Whether to keep the queue's gauges up to date.
     metrics: bool
+    #: What the loop sees of each host, written every few seconds.
+    hoststats: HostStats | None = None
     #: HOST_UNAVAILABLE_AFTER (None: no host is marked), and how unavailable
     #: hosts are probed (None: they are not).
     unavailable_after: float | None = None
@@ -100,6 +103,8 @@ class Upkeep:
         if time.monotonic() - self._stranded_read >= STRANDED_EVERY:
             self._stranded_read = time.monotonic()
             self.db(release_stranded, now=timezone.now(), using=self.using)
+        if self.hoststats is not None and self.hoststats.due():
+            self.db(self.hoststats.write, now=timezone.now(), using=self.using)
         if time.monotonic() - self._hosts_read >= HOSTS_EVERY:
             self._hosts_read = time.monotonic()
             self.look_after_hosts()

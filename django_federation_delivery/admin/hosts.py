@@ -24,6 +24,7 @@ from django_federation_delivery.admin.base import (
 )
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
+from django_federation_delivery.picture import TROUBLE, TROUBLES, HostPicture, host_picture
 from django_federation_delivery.replay import replay, replayed
 
 if TYPE_CHECKING:
@@ -118,6 +119,22 @@ def hosts_of(breakers: QuerySet[Breaker]) -> list[str]:
     return sorted({host_of_key(key) for key in breakers.values_list("key", flat=True)} - {""})
 
 
+def pictured(obj: Host) -> HostPicture | None:
+    """The host's picture, read once for the fields of its page."""
+    if not hasattr(obj, "_fd_picture"):
+        obj._fd_picture = host_picture(obj.name)  # type: ignore[attr-defined]
+    return obj._fd_picture  # type: ignore[attr-defined,no-any-return]
+
+
+#: A host's trouble, as the operator reads it.
+TROUBLE_SHOWN = {
+    "unavailable": _("unavailable"),
+    "failing": _("failing"),
+    "paused": _("paused"),
+    "ok": _("ok"),
+}
+
+
 class UnavailableFilter(admin.SimpleListFilter):
     title = _("unavailable")
     parameter_name = "unavailable"
@@ -167,19 +184,21 @@ def host_pending(names: Iterable[str]) -> dict[str, tuple[int, int]]:
 
 @admin.register(Host)
 class HostAdmin(OperatorAdmin[Host]):
+    # Sorted by trouble: unavailable, failing (longest first), paused, then the rest.
     list_display = (
         "name",
-        "paused",
-        "paused_at",
+        "trouble",
         "failing_since",
         "unavailable_since",
+        "paused",
         "pending",
+        "concurrency_limit",
+        "answer_p95_ms",
+        "last_delivered_at",
         "scheme",
-        "updated_at",
     )
     list_filter = (PausedFilter, UnavailableFilter)
     search_fields = ("name",)
-    ordering = ("name",)
     actions = ("pause", "resume", "give_up", "replay_day", "mark_seen")
     fieldsets = (
         (
@@ -187,18 +206,70 @@ class HostAdmin(OperatorAdmin[Host]):
             {
                 "fields": (
                     "name",
-                    "paused_at",
+                    "trouble",
+                    "first_seen_at",
+                    "last_delivered_at",
                     "failing_since",
                     "failing_told_at",
                     "unavailable_since",
                     "probed_at",
-                    "pending",
+                    "paused_at",
                     "scheme",
+                )
+            },
+        ),
+        (
+            _("As the deliverers see it"),
+            {
+                "fields": (
+                    "breaker",
+                    "answer_p50_ms",
+                    "answer_p95_ms",
+                    "concurrency_limit",
+                    "pending",
+                    "last_day",
+                    "last_error",
+                    "last_error_at",
                     "updated_at",
                 )
             },
         ),
     )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Host]:
+        # Annotated before it is ordered: the order is by trouble.
+        hosts = self.model._default_manager.get_queryset().annotate(trouble_rank=TROUBLE)
+        return hosts.order_by(*self.get_ordering(request))
+
+    def get_ordering(self, request: HttpRequest) -> tuple[str, ...]:
+        return ("trouble_rank", "failing_since", "name")
+
+    @admin.display(description=_("trouble"), ordering="trouble_rank")
+    def trouble(self, obj: Host) -> str:
+        rank = getattr(obj, "trouble_rank", None)
+        if rank is None:
+            picture = pictured(obj)
+            return str(TROUBLE_SHOWN[picture.trouble]) if picture else str(TROUBLE_SHOWN["ok"])
+        return str(TROUBLE_SHOWN[TROUBLES[rank]])
+
+    @admin.display(description=_("breaker (failures in a row)"))
+    def breaker(self, obj: Host) -> str:
+        picture = pictured(obj)
+        if picture is None:
+            return "—"
+        return gettext("%(state)s (%(failures)d)") % {
+            "state": BREAKER_STATES.get(picture.breaker, picture.breaker),
+            "failures": picture.failures_in_a_row,
+        }
+
+    @admin.display(description=_("last 24 hours"))
+    def last_day(self, obj: Host) -> str:
+        picture = pictured(obj)
+        if picture is None:
+            return "—"
+        return ", ".join(
+            f"{Status(status).label} {count}" for status, count in picture.last_day.items()
+        )
 
     def annotate_page(self, rows: list[Host]) -> None:
         counts = host_pending(row.name for row in rows)

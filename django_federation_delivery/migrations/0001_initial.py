@@ -141,6 +141,33 @@ class Migration(migrations.Migration):
                     "probed_at",
                     models.DateTimeField(blank=True, null=True, verbose_name="probed at"),
                 ),
+                (
+                    "first_seen_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="first seen"),
+                ),
+                (
+                    "last_delivered_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="last delivered"),
+                ),
+                ("last_error", models.TextField(blank=True, default="", verbose_name="last error")),
+                (
+                    "last_error_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="last error at"),
+                ),
+                (
+                    "answer_p50_ms",
+                    models.FloatField(blank=True, null=True, verbose_name="answer time p50 (ms)"),
+                ),
+                (
+                    "answer_p95_ms",
+                    models.FloatField(blank=True, null=True, verbose_name="answer time p95 (ms)"),
+                ),
+                (
+                    "concurrency_limit",
+                    models.PositiveIntegerField(
+                        blank=True, null=True, verbose_name="limit at once"
+                    ),
+                ),
                 ("updated_at", models.DateTimeField(auto_now=True, verbose_name="updated at")),
             ],
             options={

@@ -489,6 +489,56 @@ failed = {history}.failed + excluded.failed,
 breakers_opened = {history}.breakers_opened + excluded.breakers_opened
 
 
+-- Hosts as the deliverers saw them ------------------------------------------
+
+-- name: record_hosts [postgresql]
+-- Each host's row, added when new (first seen now), else brought up to
+-- date, of the JSON list %(rows)s: its name, the time, then what was seen
+-- since the last write (last delivered, last error and when, answer times,
+-- its limit). Another deliverer's later success or error is never undone:
+-- each time is the later of the two, and a value not seen is left as it was.
+-- In name order: two deliverers writing the same hosts never deadlock.
+INSERT INTO {host} (name, scheme, disabled_reason, updated_at, first_seen_at,
+    last_delivered_at, last_error, last_error_at, answer_p50_ms, answer_p95_ms,
+    concurrency_limit)
+SELECT value->>0, '', '', (value->>1)::timestamptz, (value->>1)::timestamptz,
+    (value->>2)::timestamptz, COALESCE(value->>3, ''), (value->>4)::timestamptz,
+    (value->>5)::float8, (value->>6)::float8, (value->>7)::integer
+FROM jsonb_array_elements(%(rows)s::jsonb) ORDER BY value->>0
+ON CONFLICT (name) DO UPDATE SET {hosts_recorded}
+
+-- name: record_hosts [sqlite]
+-- (WHERE true: without it, SQLite would read ON as a join's.)
+INSERT INTO {host} (name, scheme, disabled_reason, updated_at, first_seen_at,
+    last_delivered_at, last_error, last_error_at, answer_p50_ms, answer_p95_ms,
+    concurrency_limit)
+SELECT json_extract(value, '$[0]'), '', '', json_extract(value, '$[1]'),
+    json_extract(value, '$[1]'), json_extract(value, '$[2]'),
+    COALESCE(json_extract(value, '$[3]'), ''), json_extract(value, '$[4]'),
+    json_extract(value, '$[5]'), json_extract(value, '$[6]'), json_extract(value, '$[7]')
+FROM json_each(%(rows)s) WHERE true
+ON CONFLICT (name) DO UPDATE SET {hosts_recorded}
+
+-- name: hosts_recorded
+updated_at = excluded.updated_at,
+first_seen_at = COALESCE({host}.first_seen_at, excluded.first_seen_at),
+last_delivered_at = CASE
+    WHEN {host}.last_delivered_at IS NULL OR excluded.last_delivered_at > {host}.last_delivered_at
+    THEN COALESCE(excluded.last_delivered_at, {host}.last_delivered_at)
+    ELSE {host}.last_delivered_at END,
+last_error = CASE
+    WHEN excluded.last_error_at IS NOT NULL
+        AND ({host}.last_error_at IS NULL OR excluded.last_error_at > {host}.last_error_at)
+    THEN excluded.last_error ELSE {host}.last_error END,
+last_error_at = CASE
+    WHEN {host}.last_error_at IS NULL OR excluded.last_error_at > {host}.last_error_at
+    THEN COALESCE(excluded.last_error_at, {host}.last_error_at)
+    ELSE {host}.last_error_at END,
+answer_p50_ms = COALESCE(excluded.answer_p50_ms, {host}.answer_p50_ms),
+answer_p95_ms = COALESCE(excluded.answer_p95_ms, {host}.answer_p95_ms),
+concurrency_limit = COALESCE(excluded.concurrency_limit, {host}.concurrency_limit)
+
+
 -- Breakers ----------------------------------------------------------------
 
 -- name: count_failures

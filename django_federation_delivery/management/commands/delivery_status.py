@@ -24,6 +24,7 @@ from django_federation_delivery.overview import (
     overview,
     stalled,
 )
+from django_federation_delivery.picture import HostPicture, host_picture
 from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
 
 #: ``--check`` exits with this when unhealthy: Nagios's CRITICAL; any
@@ -89,6 +90,34 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, numeric: int
         ]
         lines.append("  ".join(padded).rstrip())
     return "\n".join(lines)
+
+
+def render_host(picture: HostPicture) -> str:
+    """One host's picture, a line a fact."""
+
+    def ms(value: float | None) -> str:
+        return "—" if value is None else f"{value:.0f} ms"
+
+    breaker = BREAKER_STATES.get(picture.breaker, picture.breaker)
+    rows = [
+        (_("trouble"), picture.trouble),
+        (_("first seen"), _when(picture.first_seen_at)),
+        (_("last delivered"), _when(picture.last_delivered_at)),
+        (_("failing since"), _when(picture.failing_since)),
+        (_("unavailable since"), _when(picture.unavailable_since)),
+        (_("paused at"), _when(picture.paused_at)),
+        (_("breaker"), f"{breaker} ({picture.failures_in_a_row} {_('failures in a row')})"),
+        (_("scheme learned"), picture.scheme or "—"),
+        (_("answer time p50 / p95"), f"{ms(picture.answer_p50_ms)} / {ms(picture.answer_p95_ms)}"),
+        (_("limit at once"), picture.concurrency_limit or "—"),
+        (_("pending (held)"), f"{picture.pending} ({picture.held})"),
+        (
+            _("last 24 hours"),
+            ", ".join(f"{status} {count}" for status, count in picture.last_day.items()),
+        ),
+        (_("last error"), f"{_when(picture.last_error_at)} {picture.last_error}".strip()),
+    ]
+    return f"{printable(picture.name)}\n" + table(["", ""], rows, numeric=2).split("\n", 1)[1]
 
 
 def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> str:
@@ -256,6 +285,15 @@ class Command(TranslatedCommand):
             help=_("How many of the hosts failing most to show (default 10)."),
         )
         parser.add_argument(
+            "--host",
+            metavar="NAME",
+            help=_(
+                "Show one host's picture instead: first seen, last delivered, failing and "
+                "unavailable since, breaker, pause, scheme, answer times, limit, pending, "
+                "the last 24 hours and its last error."
+            ),
+        )
+        parser.add_argument(
             "--database",
             default=DEFAULT_DB_ALIAS,
             help=_("The database alias the queue lives in."),
@@ -308,6 +346,17 @@ class Command(TranslatedCommand):
             if code:
                 self.stdout.flush()
                 sys.exit(code)
+            return
+        if options["host"] is not None:
+            picture = host_picture(options["host"], using=using)
+            if picture is None:
+                raise CommandError(
+                    _("no host named %(host)r has been sent to") % {"host": options["host"]}
+                )
+            if options["json"]:
+                self.stdout.write(json.dumps(picture.as_json(), indent=2))
+            else:
+                self.stdout.write(render_host(picture))
             return
         status = overview(hosts=hosts, using=using)
         destinations = destination_status(now=status.at, using=using)

@@ -1,0 +1,108 @@
+"""What a deliverer sees of each host it sends to, written every few seconds
+for the host's picture (the admin's host page, ``delivery_status --host``).
+
+For each host: its answer times (the last ``SAMPLES``, whose median and 95th
+percentile are written), when a delivery to it was last accepted, the last
+error an attempt met, and the limit it is sent at now (``limits.py``). Kept
+in the loop's memory and written together, one statement for every host
+seen since the last write, every ``WRITE_EVERY`` seconds: never a write a
+delivery.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime as dt
+import statistics
+import time
+from collections.abc import Callable
+
+from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.store.hosts import SeenHost, record_hosts
+
+__all__ = ["HostStats"]
+
+#: Answer times kept a host.
+SAMPLES = 200
+#: How often what was seen is written.
+WRITE_EVERY = 10.0
+#: Hosts kept between two writes; past it, the rest wait for the next.
+MOST_HOSTS = 20_000
+#: The longest error kept.
+ERROR_LENGTH = 400
+
+
+@dataclasses.dataclass
+class _Seen:
+    answers: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=SAMPLES)
+    )
+    delivered_at: dt.datetime | None = None
+    error: str = ""
+    error_at: dt.datetime | None = None
+    #: Seen since the last write.
+    fresh: bool = True
+
+
+class HostStats:
+    """One deliverer's view of each host, told each attempt by the loop."""
+
+    def __init__(self, limit: Callable[[str], int]) -> None:
+        #: The limit a host is sent at now (``HostLimits.limit``).
+        self.limit = limit
+        self._hosts: dict[str, _Seen] = {}
+        self._written = time.monotonic()
+
+    def learn(self, host: str, result: AttemptResult, now: dt.datetime) -> None:
+        """What an attempt at ``host`` came to."""
+        if result.held or not result.requests:
+            return  # no request: nothing seen
+        seen = self._hosts.get(host)
+        if seen is None:
+            if len(self._hosts) >= MOST_HOSTS:
+                return
+            seen = self._hosts[host] = _Seen()
+        seen.fresh = True
+        if result.status is not None:
+            seen.answers.append(result.duration)
+        if result.delivered:
+            seen.delivered_at = now
+        elif result.error:
+            seen.error = result.error[:ERROR_LENGTH]
+            seen.error_at = now
+
+    def due(self) -> bool:
+        return time.monotonic() - self._written >= WRITE_EVERY
+
+    def write(self, *, now: dt.datetime, using: str | None = None) -> int:
+        """Write what was seen of each host since the last write. Returns how
+        many hosts; what fails to be written is written next time."""
+        self._written = time.monotonic()
+        fresh = [(host, seen) for host, seen in self._hosts.items() if seen.fresh]
+        if not fresh:
+            return 0
+        rows = [self._row(host, seen) for host, seen in fresh]
+        written = record_hosts(rows, now=now, using=using)
+        for _, seen in fresh:
+            seen.fresh = False
+        # What is kept of hosts not seen lately: nothing, once written.
+        if len(self._hosts) > MOST_HOSTS // 2:
+            self._hosts = {host: seen for host, seen in self._hosts.items() if seen.fresh}
+        return written
+
+    def _row(self, host: str, seen: _Seen) -> SeenHost:
+        p50 = p95 = None
+        if seen.answers:
+            ms = sorted(seconds * 1000 for seconds in seen.answers)
+            p50 = statistics.median(ms)
+            p95 = ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]
+        return SeenHost(
+            name=host,
+            last_delivered_at=seen.delivered_at,
+            last_error=seen.error,
+            last_error_at=seen.error_at,
+            answer_p50_ms=p50,
+            answer_p95_ms=p95,
+            concurrency_limit=self.limit(host),
+        )

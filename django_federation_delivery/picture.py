@@ -1,0 +1,122 @@
+"""Every host's picture: how it has been doing, in one place.
+
+For one host (:func:`host_picture`): when it was first sent to and last
+delivered to, since when it fails and whether it is marked unavailable, its
+breaker and failures in a row, a pause, the scheme it accepts, its answer
+times and the limit it is sent at (as a deliverer last wrote them, see
+``hoststats.py``), what is pending for it, what was delivered, failed and
+superseded over the last 24 hours, and its last error (redacted). Read by
+the admin's host page and ``delivery_status --host``, in a few indexed
+queries. And the hosts in the order of their trouble (:data:`TROUBLE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS
+from django.db.models import Case, Count, Q, Value, When
+from django.utils import timezone
+
+from django_federation_delivery.models import Breaker, Delivery, Host, Status
+
+__all__ = ["TROUBLE", "TROUBLES", "HostPicture", "host_picture"]
+
+#: The window of the recent counts.
+DAY = dt.timedelta(days=1)
+
+#: A host's trouble, worst first, as a number its list is sorted by.
+TROUBLE = Case(
+    When(unavailable_since__isnull=False, then=Value(0)),
+    When(failing_since__isnull=False, then=Value(1)),
+    When(paused_at__isnull=False, then=Value(2)),
+    default=Value(3),
+)
+#: What each number says (data, as in the JSON; the admin translates it).
+TROUBLES = ("unavailable", "failing", "paused", "ok")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPicture:
+    name: str
+    #: "unavailable", "failing", "paused" or "ok": its worst.
+    trouble: str
+    first_seen_at: dt.datetime | None
+    last_delivered_at: dt.datetime | None
+    failing_since: dt.datetime | None
+    unavailable_since: dt.datetime | None
+    paused_at: dt.datetime | None
+    #: The signature scheme it last accepted; "" while the first one does.
+    scheme: str
+    #: "closed", "open" or "half-open"; and its failures in a row.
+    breaker: str
+    failures_in_a_row: int
+    answer_p50_ms: float | None
+    answer_p95_ms: float | None
+    #: How many it may be sent at once now, as the deliverer that wrote last saw it.
+    concurrency_limit: int | None
+    #: Pending now, of which held (paused, or waiting on another).
+    pending: int
+    held: int
+    #: Settled in the last 24 hours, by status.
+    last_day: dict[str, int]
+    last_error: str
+    last_error_at: dt.datetime | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            field.name: _jsonable(getattr(self, field.name)) for field in dataclasses.fields(self)
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    return value
+
+
+def host_picture(
+    name: str, *, now: dt.datetime | None = None, using: str | None = None
+) -> HostPicture | None:
+    """``name``'s picture, or None for a host never sent to (no row, no delivery)."""
+    alias = using or DEFAULT_DB_ALIAS
+    now = now or timezone.now()
+    host = Host.objects.using(alias).filter(name=name).annotate(trouble=TROUBLE).first()
+    deliveries = Delivery.objects.using(alias).filter(host=name)
+    pending = deliveries.filter(status=Status.PENDING).aggregate(
+        pending=Count("id"), held=Count("id", filter=Q(due_at__isnull=True))
+    )
+    last_day = {
+        status: count
+        for status, count in deliveries.filter(
+            status__in=[s for s in Status if s != Status.PENDING], settled_at__gte=now - DAY
+        )
+        .values_list("status")
+        .annotate(n=Count("id"))
+        .order_by()
+    }
+    if host is None and not pending["pending"] and not last_day:
+        return None
+    breaker = Breaker.objects.using(alias).filter(key=name).first()
+    return HostPicture(
+        name=name,
+        trouble=TROUBLES[host.trouble] if host is not None else "ok",
+        first_seen_at=host.first_seen_at if host else None,
+        last_delivered_at=host.last_delivered_at if host else None,
+        failing_since=host.failing_since if host else None,
+        unavailable_since=host.unavailable_since if host else None,
+        paused_at=host.paused_at if host else None,
+        scheme=host.scheme if host else "",
+        breaker=breaker.state if breaker is not None else "closed",
+        failures_in_a_row=breaker.failures if breaker is not None else 0,
+        answer_p50_ms=host.answer_p50_ms if host else None,
+        answer_p95_ms=host.answer_p95_ms if host else None,
+        concurrency_limit=host.concurrency_limit if host else None,
+        pending=pending["pending"],
+        held=pending["held"],
+        last_day={str(status): last_day.get(status, 0) for status in Status if status != "pending"},
+        last_error=host.last_error if host else "",
+        last_error_at=host.last_error_at if host else None,
+    )

@@ -1,0 +1,151 @@
+"""Every host's picture: what the deliverers saw of it, written every few
+seconds; read by the admin's host page and ``delivery_status --host``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from collections.abc import Callable
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from django_federation_delivery import send
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.models import Breaker, Delivery, Host, Status
+from django_federation_delivery.picture import host_picture
+from django_federation_delivery.store.hosts import SeenHost, record_hosts
+
+from .conftest import Inbox
+from .keys import ALICE
+from .test_admin import html, login, url
+
+NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
+
+
+def seen(name: str, **fields: Any) -> SeenHost:
+    values: dict[str, Any] = {
+        "last_delivered_at": None,
+        "last_error": "",
+        "last_error_at": None,
+        "answer_p50_ms": None,
+        "answer_p95_ms": None,
+        "concurrency_limit": None,
+        **fields,
+    }
+    return SeenHost(name, **values)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_a_deliverer_saw_of_each_host_is_written_for_its_picture(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    up = inboxes("127.0.0.2")
+    down = inboxes("127.0.0.3", respond=lambda request: (503, {}, b"busy"))
+    send(ALICE, NOTE, [up.url(f"/u{n}/inbox") for n in range(5)] + [down.url("/inbox")])
+    before = timezone.now()
+    Deliverer().run(drain=True)
+
+    good = host_picture("127.0.0.2")
+    assert good is not None
+    assert good.trouble == "ok" and good.first_seen_at is not None
+    assert good.first_seen_at >= before and good.last_delivered_at is not None
+    assert good.answer_p50_ms is not None and good.answer_p95_ms is not None
+    assert 0 < good.answer_p50_ms <= good.answer_p95_ms
+    assert good.concurrency_limit is not None and good.concurrency_limit >= 1
+    assert good.last_day["delivered"] == 5 and good.pending == 0
+
+    bad = host_picture("127.0.0.3")
+    assert bad is not None
+    assert (bad.trouble, bad.pending, bad.last_delivered_at) == ("failing", 1, None)
+    assert bad.failing_since is not None and "503" in bad.last_error
+    assert host_picture("never.example") is None
+
+
+@pytest.mark.django_db
+def test_a_later_success_or_error_is_never_undone_by_an_older_one() -> None:
+    now = timezone.now()
+    hour = dt.timedelta(hours=1)
+    record_hosts(
+        [seen("a.example", last_delivered_at=now, last_error="new", last_error_at=now)], now=now
+    )
+    record_hosts(
+        [
+            seen(
+                "a.example",
+                last_delivered_at=now - hour,
+                last_error="old",
+                last_error_at=now - hour,
+                answer_p50_ms=12.0,
+                concurrency_limit=4,
+            )
+        ],
+        now=now + hour,
+    )
+    host = Host.objects.get(name="a.example")
+    assert (host.last_delivered_at, host.last_error, host.last_error_at) == (now, "new", now)
+    assert (host.first_seen_at, host.answer_p50_ms, host.concurrency_limit) == (now, 12.0, 4)
+    assert host.updated_at == now + hour
+
+
+@pytest.mark.django_db
+def test_delivery_status_shows_one_hosts_picture_and_its_json() -> None:
+    now = timezone.now()
+    Host.objects.create(
+        name="a.example",
+        failing_since=now - dt.timedelta(hours=2),
+        answer_p50_ms=40.0,
+        answer_p95_ms=900.0,
+        concurrency_limit=3,
+        last_error="HTTP 503",
+        last_error_at=now,
+    )
+    Breaker.objects.create(key="a.example", failures=7)
+    batch = send(ALICE, NOTE, ["https://a.example/1", "https://a.example/2"])
+    Delivery.objects.filter(batch=batch, inbox="https://a.example/2").update(
+        status=Status.FAILED, settled_at=now, due_at=None
+    )
+    out = StringIO()
+    call_command("delivery_status", "--host", "a.example", stdout=out)
+    text = out.getvalue()
+    assert text.startswith("a.example\n")
+    assert re.search(r"answer time p50 / p95\s+40 ms / 900 ms", text)
+    assert re.search(r"breaker\s+closed \(7 failures in a row\)", text)
+    assert re.search(r"pending \(held\)\s+1 \(0\)", text)
+    assert "failed 1" in text and "HTTP 503" in text
+    out = StringIO()
+    call_command("delivery_status", "--host", "a.example", "--json", stdout=out)
+    document = json.loads(out.getvalue())
+    assert (document["trouble"], document["failures_in_a_row"]) == ("failing", 7)
+    assert document["last_day"]["failed"] == 1 and document["concurrency_limit"] == 3
+    with pytest.raises(CommandError, match=r"'b\.example'"):
+        call_command("delivery_status", "--host", "b.example")
+
+
+@pytest.mark.django_db
+def test_the_hosts_list_puts_the_most_troubled_first_and_a_host_page_shows_it_all() -> None:
+    now = timezone.now()
+    Host.objects.create(name="a-ok.example", concurrency_limit=8)
+    Host.objects.create(name="b-paused.example", paused_at=now)
+    Host.objects.create(name="c-failing-lately.example", failing_since=now)
+    Host.objects.create(name="d-failing-long.example", failing_since=now - dt.timedelta(days=1))
+    Host.objects.create(
+        name="e-gone.example", failing_since=now - dt.timedelta(days=8), unavailable_since=now
+    )
+    client = login("operator")
+    page = html(client, url("host"))
+    order = [m.group(1) for m in re.finditer(r">([a-e]-[a-z-]+\.example)<", page)]
+    assert order == [
+        "e-gone.example",
+        "d-failing-long.example",
+        "c-failing-lately.example",
+        "b-paused.example",
+        "a-ok.example",
+    ]
+    detail = html(client, url("host", "change", "d-failing-long.example")).lower()
+    for label in ("failures in a row", "answer time p95", "limit at once", "last 24 hours"):
+        assert label in detail, label
