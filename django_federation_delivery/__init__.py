@@ -16,6 +16,10 @@ __version__ = "0.1.0"
 # before models may be.
 _EXPORTS = {
     "send": "django_federation_delivery.sending",
+    "asend": "django_federation_delivery.sending",
+    "asend_batch": "django_federation_delivery.sending",
+    "asend_portable": "django_federation_delivery.sending",
+    "asend_webhook": "django_federation_delivery.webhooks.sending",
     "send_batch": "django_federation_delivery.sending",
     "send_portable": "django_federation_delivery.sending",
     "send_webhook": "django_federation_delivery.webhooks.sending",
@@ -35,9 +39,17 @@ if TYPE_CHECKING:
     from django_federation_delivery.availability import mark_host_seen
     from django_federation_delivery.exceptions import InvalidDelivery, SigningError
     from django_federation_delivery.portable import PortableInbox
-    from django_federation_delivery.sending import BatchOptions, send, send_batch, send_portable
+    from django_federation_delivery.sending import (
+        BatchOptions,
+        asend,
+        asend_batch,
+        asend_portable,
+        send,
+        send_batch,
+        send_portable,
+    )
     from django_federation_delivery.signatures import Scheme, SenderKey
-    from django_federation_delivery.webhooks.sending import send_webhook
+    from django_federation_delivery.webhooks.sending import asend_webhook, send_webhook
 
 __all__ = [
     "BatchOptions",
@@ -47,6 +59,10 @@ __all__ = [
     "SenderKey",
     "SigningError",
     "__version__",
+    "asend",
+    "asend_batch",
+    "asend_portable",
+    "asend_webhook",
     "mark_host_seen",
     "normalize_inbox",
     "send",

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.utils import timezone
 
@@ -29,6 +30,9 @@ from django_federation_delivery.store import queueing
 __all__ = [
     "BatchOptions",
     "SkippedInbox",
+    "asend",
+    "asend_batch",
+    "asend_portable",
     "host_of",
     "normalize_inbox",
     "send",
@@ -127,6 +131,54 @@ def send_portable(
     not queued; one listed twice, differing only in its query, is sent to once.
     """
     return _queue(sender, activity, inboxes, options, portable=True, using=using)
+
+
+# From async code (an async view, under ASGI): each runs its sync twin in
+# the thread Django's async ORM runs its queries in (thread-sensitive), on
+# the same connection: what the caller wrote there and has not committed
+# is what the send's transaction joins, and a send in autocommit is queued
+# (and a deliverer woken) at once. Same arguments, errors and result.
+
+
+async def asend(
+    sender: str,
+    activity: Mapping[str, Any],
+    inboxes: Iterable[str],
+    *,
+    idempotency_key: str = "",
+) -> Batch | None:
+    """:func:`send`, awaited from async code."""
+    return await sync_to_async(send, thread_sensitive=True)(
+        sender, activity, inboxes, idempotency_key=idempotency_key
+    )
+
+
+async def asend_batch(
+    sender: str,
+    activity: Mapping[str, Any],
+    inboxes: Iterable[str],
+    options: BatchOptions | Mapping[str, Any] | None = None,
+    *,
+    using: str | None = None,
+) -> Batch | None:
+    """:func:`send_batch`, awaited from async code."""
+    return await sync_to_async(send_batch, thread_sensitive=True)(
+        sender, activity, inboxes, options, using=using
+    )
+
+
+async def asend_portable(
+    sender: str,
+    activity: Mapping[str, Any],
+    inboxes: Iterable[PortableInbox],
+    options: BatchOptions | Mapping[str, Any] | None = None,
+    *,
+    using: str | None = None,
+) -> Batch | None:
+    """:func:`send_portable`, awaited from async code."""
+    return await sync_to_async(send_portable, thread_sensitive=True)(
+        sender, activity, inboxes, options, using=using
+    )
 
 
 def _queue(

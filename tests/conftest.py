@@ -81,10 +81,12 @@ DATABASE_FIXTURES = frozenset(
 WEB_FIXTURES = frozenset(
     {"client", "admin_client", "admin_user", "django_user_model", "live_server", "rf"}
 )
-#: The modules whose tests sign in to the admin (users, sessions, permissions).
+#: The modules whose tests sign in to the admin (users, sessions, permissions),
+#: or go through the middleware (test_async.py's ASGI requests).
 WEB_MODULES = frozenset(
     {
         "test_admin.py",
+        "test_async.py",
         "test_admin_webhooks.py",
         "test_browser.py",
         "test_channels_registry.py",

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
@@ -36,7 +37,7 @@ from django_federation_delivery.store import queueing
 from django_federation_delivery.store.sequences import lock_sequences
 from django_federation_delivery.webhooks.destinations import Destination, configured, delivery_key
 
-__all__ = ["EVERY_DESTINATION", "ORDERING_KEY", "send_webhook"]
+__all__ = ["EVERY_DESTINATION", "ORDERING_KEY", "asend_webhook", "send_webhook"]
 
 #: ``send_webhook(EVERY_DESTINATION, …)``: each configured destination
 #: subscribed to the event's type.
@@ -119,6 +120,27 @@ def send_webhook(
             kind=Kind.WEBHOOK,
             using=alias,
         )
+
+
+async def asend_webhook(
+    destination: str | Iterable[str],
+    event_type: str,
+    data: Any,
+    *,
+    event_id: str | uuid.UUID | None = None,
+    idempotency_key: str = "",
+    using: str | None = None,
+) -> Batch | None:
+    """:func:`send_webhook`, awaited from async code: run in the thread
+    Django's async ORM runs its queries in (see ``sending.asend``)."""
+    return await sync_to_async(send_webhook, thread_sensitive=True)(
+        destination,
+        event_type,
+        data,
+        event_id=event_id,
+        idempotency_key=idempotency_key,
+        using=using,
+    )
 
 
 def _policy(destination: Destination) -> Policy:

@@ -1,0 +1,107 @@
+"""asend(), asend_portable() and asend_webhook(): the same sends, awaited from
+async views under Django's ASGI test client."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.db import transaction
+from django.test import AsyncClient
+
+from django_federation_delivery import asend
+from django_federation_delivery.models import Batch, Delivery
+
+from .keys import ALICE
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.urls("tests.async_views"),
+]
+
+
+def post(path: str, document: dict[str, Any] | None = None) -> tuple[int, Any]:
+    client = AsyncClient()
+    response = async_to_sync(client.post)(
+        path, json.dumps(document or {}), content_type="application/json"
+    )
+    return response.status_code, json.loads(response.content)
+
+
+def test_an_async_view_queues_a_send_and_reports_the_inboxes_it_left_out() -> None:
+    status, said = post(
+        "/post",
+        {"id": f"{ALICE}/1", "inboxes": ["https://a.example/inbox", "https://b.example:0/inbox"]},
+    )
+    assert status == 200
+    batch = Batch.objects.get()
+    assert said["batch"] == batch.pk
+    ((inbox, reason),) = said["skipped"]
+    assert inbox == "https://b.example:0/inbox" and "port 0" in reason
+    assert list(Delivery.objects.values_list("inbox", flat=True)) == ["https://a.example/inbox"]
+    # The same key again: the first batch, nothing more queued.
+    assert post("/post", {"id": f"{ALICE}/1", "inboxes": ["https://c.example/inbox"]}) == (
+        200,
+        {"batch": batch.pk, "skipped": []},
+    )
+    assert Delivery.objects.count() == 1
+
+
+def test_a_bad_argument_is_refused_naming_it_with_nothing_written() -> None:
+    status, said = post("/post", {"id": f"{ALICE}/2", "inboxes": "https://a.example/inbox"})
+    assert status == 400 and "inboxes must be an iterable of URLs" in said["error"]
+    assert not Batch.objects.exists()
+
+
+def test_a_portable_inbox_and_a_webhook_event_are_sent_from_async_views(settings: Any) -> None:
+    status, said = post(
+        "/post",
+        {
+            "id": f"{ALICE}/3",
+            "portable": True,
+            "inboxes": [["ap://did:key:z6Mk/actor/inbox", "https://g.example"]],
+        },
+    )
+    assert status == 200 and said["batch"] is not None
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"},
+    }
+    status, said = post("/alert")
+    assert status == 200
+    assert Delivery.objects.get(batch_id=said["batch"]).destination == "ops"
+
+
+def test_an_await_inside_the_callers_transaction_is_rolled_back_with_it() -> None:
+    # asend runs in the thread the caller's transaction is open in, on its
+    # connection: rolled back, nothing is queued.
+    class Failed(Exception):
+        pass
+
+    def view() -> None:
+        with transaction.atomic():
+            async_to_sync(asend)(ALICE, {"type": "Create", "id": "x"}, ["https://a.example/inbox"])
+            assert Delivery.objects.count() == 1, "queued in this transaction"
+            raise Failed
+
+    with pytest.raises(Failed):
+        view()
+    assert not Delivery.objects.exists()
+
+
+def test_the_views_run_under_the_asgi_handler() -> None:
+    from django.core.signals import request_started
+
+    handlers: list[str] = []
+
+    def started(sender: Any, **kwargs: Any) -> None:
+        handlers.append(sender.__name__)
+
+    request_started.connect(started)
+    try:
+        post("/post", {"id": f"{ALICE}/4", "inboxes": ["https://a.example/inbox"]})
+    finally:
+        request_started.disconnect(started)
+    assert handlers == ["AsyncClientHandler"]
