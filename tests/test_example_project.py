@@ -106,6 +106,21 @@ def rows():
 """
 
 
+def test_the_example_projects_own_tests_pass_with_the_testing_helpers(
+    example_env: dict[str, str],
+) -> None:
+    # Django's runner makes a test database of its own beside example_env's.
+    done = subprocess.run(
+        [*EXAMPLE_MANAGE, "test", "federation_demo", "--noinput", "-v2"],
+        env=example_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Ran 2 tests" in done.stderr and "OK" in done.stderr
+
+
 def test_a_410_refusal_marks_the_server_gone_once_and_counts_each_failure(
     example_env: dict[str, str],
 ) -> None:

@@ -1,0 +1,39 @@
+"""The pytest plugin, registered by the package's ``pytest11`` entry point:
+installing the app is enough for a project's tests to use its fixtures.
+
+- ``delivery_outbox``: :data:`~django_federation_delivery.testing.outbox`,
+  emptied before the test: what its sends queued, one ``Outgoing`` each;
+- ``fake_inbox``: a started :class:`~.fake.FakeInbox`, answering every
+  request a deliverer makes in the test and verifying its signature.
+
+Loaded by pytest before Django is set up, in every project that has the
+package installed: nothing is imported until a fixture is asked for (the
+models, and the ``testing`` extra's packages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from django_federation_delivery.testing import Outgoing
+    from django_federation_delivery.testing.fake import FakeInbox
+
+
+@pytest.fixture
+def delivery_outbox() -> Iterator[list[Outgoing]]:
+    from django_federation_delivery import testing
+
+    yield testing.capture()
+    testing.stop_capturing()
+
+
+@pytest.fixture
+def fake_inbox() -> Iterator[FakeInbox]:
+    from django_federation_delivery.testing.fake import FakeInbox
+
+    with FakeInbox() as fake:
+        yield fake

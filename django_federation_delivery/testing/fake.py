@@ -1,0 +1,260 @@
+"""A fake of every receiver, on ``responses``: it answers each request the
+deliverer makes, and verifies its signature as a real receiver does.
+
+- An inbox's draft-cavage signature is verified with ``pyhttpsig`` (the
+  signed headers Mastodon requires, a ``Digest`` matching the body, a
+  ``Date`` within 12 hours), an RFC 9421 one with ``http-message-signatures``
+  (``Content-Digest`` matching the body). The public key is the sender's
+  own, from ``SENDER_KEYS``: the key id, less its fragment, names the sender.
+- A signed JSON webhook's ``webhook-*`` headers are verified with the
+  ``standardwebhooks`` library, with its configured destination's secret.
+
+What it is told to answer, it answers: 202 by default; 401 to one scheme
+(so that the deliverer knocks again in the other), 410, 429 with a
+``Retry-After``, 503, for every URL or one. A request whose signature does
+not verify is answered 401, as a server would, and kept with the reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import email.utils
+import hashlib
+import re
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+import responses
+
+__all__ = ["FakeInbox", "Received"]
+
+#: How far a draft-cavage Date may be from now, as Mastodon allows.
+DATE_WINDOW = 12 * 3600
+_ANY = re.compile(r"https?://.*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """A request the fake answered."""
+
+    method: str
+    url: str
+    headers: Mapping[str, str]
+    body: bytes
+    #: "draft-cavage", "rfc9421", "standard-webhooks", or "" when unsigned.
+    scheme: str
+    #: Whether its signature verified ("" : it did, or there was none to check).
+    problem: str
+    status: int
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.scheme) and not self.problem
+
+    def json(self) -> Any:
+        import json
+
+        return json.loads(self.body)
+
+
+@dataclasses.dataclass
+class _Rule:
+    status: int
+    url: str | None
+    scheme: str | None
+    retry_after: float | None
+    times: int | None
+
+
+class FakeInbox:
+    """Every receiver at once, while started (``with FakeInbox() as fake:``,
+    or :meth:`start` and :meth:`stop`)."""
+
+    def __init__(self) -> None:
+        self.received: list[Received] = []
+        self._rules: list[_Rule] = []
+        self._mock: responses.RequestsMock | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._mock is not None
+
+    def start(self) -> FakeInbox:
+        mock = responses.RequestsMock(assert_all_requests_are_fired=False)
+        for method in ("POST", "PUT", "GET"):
+            mock.add_callback(method, _ANY, callback=self._answer)
+        mock.start()
+        self._mock = mock
+        return self
+
+    def stop(self) -> None:
+        if self._mock is not None:
+            self._mock.stop()
+            self._mock.reset()
+            self._mock = None
+
+    def __enter__(self) -> FakeInbox:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def answer(
+        self,
+        status: int,
+        *,
+        url: str | None = None,
+        scheme: str | None = None,
+        retry_after: float | None = None,
+        times: int | None = None,
+    ) -> None:
+        """From now on, answer ``status`` (to ``url`` only, if given; to
+        requests signed in ``scheme`` only, "draft-cavage" or "rfc9421", if
+        given), ``times`` times or for ever; with a ``Retry-After`` of
+        ``retry_after`` seconds. The latest rule that matches wins."""
+        self._rules.append(_Rule(status, url, scheme, retry_after, times))
+
+    def refuse_scheme(self, scheme: str) -> None:
+        """Answer 401 to requests signed in ``scheme``, as a server that
+        verifies only the other does: the deliverer knocks again."""
+        self.answer(401, scheme=scheme)
+
+    def to(self, url: str) -> list[Received]:
+        """What was received at ``url``."""
+        return [request for request in self.received if request.url == url]
+
+    def _answer(self, request: requests.PreparedRequest) -> tuple[int, dict[str, str], bytes]:
+        body = request.body or b""
+        if isinstance(body, str):
+            body = body.encode()
+        headers = dict(request.headers)
+        url = request.url or ""
+        scheme, problem = _verify(request.method or "POST", url, headers, body)
+        status, answer_headers = 202, {}
+        for rule in reversed(self._rules):
+            if rule.url is not None and rule.url != url:
+                continue
+            if rule.scheme is not None and rule.scheme != scheme:
+                continue
+            if rule.times is not None:
+                if rule.times <= 0:
+                    continue
+                rule.times -= 1
+            status = rule.status
+            if rule.retry_after is not None:
+                answer_headers["Retry-After"] = f"{rule.retry_after:g}"
+            break
+        if problem and status < 300:
+            status = 401
+        self.received.append(
+            Received(request.method or "", url, headers, body, scheme, problem, status)
+        )
+        return status, answer_headers, problem.encode()
+
+
+def _verify(method: str, url: str, headers: Mapping[str, str], body: bytes) -> tuple[str, str]:
+    """The scheme a request is signed in, and what is wrong with it ("" if nothing)."""
+    lower = {name.lower(): value for name, value in headers.items()}
+    if "signature-input" in lower:
+        return "rfc9421", _rfc9421_problem(method, url, headers, body)
+    if "signature" in lower:
+        return "draft-cavage", _cavage_problem(method, url, lower, body)
+    if "webhook-signature" in lower:
+        return "standard-webhooks", _standard_problem(url, headers, body)
+    return "", ""
+
+
+def _public_key(key_id: str) -> Any:
+    from django.db import connections
+
+    from django_federation_delivery.keys import KeyCache
+
+    sender = key_id.partition("#")[0]
+    try:
+        key = KeyCache().get(sender)
+    finally:
+        # Asked from a deliverer's worker thread, SENDER_KEYS may have opened
+        # a connection there: closed, so that none outlives the test.
+        if threading.current_thread() is not threading.main_thread():
+            connections.close_all()
+    if key is None or key.key_id != key_id:
+        raise LookupError(f"no key {key_id!r} in SENDER_KEYS")
+    return key.private_key.public_key()
+
+
+def _cavage_problem(method: str, url: str, lower: Mapping[str, str], body: bytes) -> str:
+    import httpsig
+    from cryptography.hazmat.primitives import serialization
+
+    digest = "SHA-256=" + base64.b64encode(hashlib.sha256(body).digest()).decode()
+    if lower.get("digest") != digest:
+        return "the Digest does not match the body"
+    date = email.utils.parsedate_to_datetime(lower.get("date", "Thu, 01 Jan 1970 00:00:00 GMT"))
+    if abs(time.time() - date.timestamp()) > DATE_WINDOW:
+        return "the Date is more than 12 hours away"
+    fields = dict(re.findall(r'(\w+)="([^"]*)"', lower["signature"]))
+    try:
+        public = _public_key(fields.get("keyId", ""))
+    except LookupError as exc:
+        return str(exc)
+    pem = public.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    parts = urlsplit(url)
+    path = parts.path + ("?" + parts.query if parts.query else "")
+    verifier = httpsig.HeaderVerifier(
+        headers=dict(lower),
+        secret=pem,
+        method=method,
+        path=path,
+        required_headers=["(request-target)", "host", "date", "digest"],
+        sign_header="signature",
+    )
+    try:
+        return "" if verifier.verify() else "the draft-cavage signature does not verify"
+    except Exception as exc:
+        return f"the draft-cavage signature cannot be checked: {exc}"
+
+
+def _rfc9421_problem(method: str, url: str, headers: Mapping[str, str], body: bytes) -> str:
+    from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
+
+    class Keys(HTTPSignatureKeyResolver):
+        def resolve_public_key(self, key_id: str) -> Any:
+            return _public_key(key_id)
+
+    lower = {name.lower(): value for name, value in headers.items()}
+    digest = "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode() + ":"
+    if lower.get("content-digest") != digest:
+        return "the Content-Digest does not match the body"
+    ed25519 = 'alg="ed25519"' in lower["signature-input"]
+    algorithm = algorithms.ED25519 if ed25519 else algorithms.RSA_V1_5_SHA256
+    prepared = requests.Request(method, url, headers=dict(headers), data=body).prepare()
+    try:
+        HTTPMessageVerifier(signature_algorithm=algorithm, key_resolver=Keys()).verify(prepared)
+    except Exception as exc:
+        return f"the RFC 9421 signature does not verify: {type(exc).__name__}"
+    return ""
+
+
+def _standard_problem(url: str, headers: Mapping[str, str], body: bytes) -> str:
+    from standardwebhooks import Webhook
+
+    from django_federation_delivery.webhooks.destinations import configured_destinations
+
+    for destination in configured_destinations().values():
+        if destination.url != url:
+            continue
+        for key in destination.options.get("keys", ()):
+            try:
+                Webhook(base64.b64encode(key).decode()).verify(body, dict(headers))
+            except Exception:
+                continue
+            return ""
+        return "the webhook signature does not verify with the destination's secret"
+    return "no configured destination has this URL"

@@ -1,0 +1,175 @@
+"""django_federation_delivery.testing: the outbox, the fake receiver that
+verifies signatures, deliver_all, the pytest fixtures and the TestCase mixin,
+as a host project's tests use them."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from typing import Any
+
+import pytest
+import requests
+from django.test import TransactionTestCase
+
+from django_federation_delivery import PortableInbox, send, send_portable, send_webhook, signals
+from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.testing import DeliveryTestMixin, Outgoing, deliver_all
+from django_federation_delivery.testing.fake import FakeInbox
+
+from .keys import ALICE, EDNA
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
+INBOX = "https://mastodon.example/users/bob/inbox"
+KEY = base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def test_posting_sends_a_signed_create_that_a_real_server_would_accept(
+    delivery_outbox: list[Outgoing], fake_inbox: FakeInbox
+) -> None:
+    send(ALICE, NOTE, [INBOX])
+    assert [(out.inbox, out.activity["type"]) for out in delivery_outbox] == [(INBOX, "Create")]
+    deliver_all(fake=fake_inbox)
+    assert [(r.url, r.scheme, r.verified) for r in fake_inbox.received] == [
+        (INBOX, "draft-cavage", True)
+    ]
+
+
+def test_the_outbox_lists_every_kind_of_send_with_the_headers_it_would_sign(
+    delivery_outbox: list[Outgoing], settings: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"audit": f"https://hooks.example/in?secret=whsec_{KEY}"},
+    }
+    send(ALICE, NOTE, [INBOX, "https://b.example:0/inbox"])
+    send_portable(
+        ALICE, NOTE, [PortableInbox("ap://did:key:z6Mk/actor/inbox", ["https://g.example"])]
+    )
+    send_webhook("audit", "user.created", {"name": "Zoë"})
+    inbox, portable, hook = delivery_outbox
+    assert (inbox.kind, inbox.sender, inbox.via) == ("activitypub", ALICE, ())
+    assert portable.via == ("https://g.example/.well-known/apgateway/did:key:z6Mk/actor/inbox",)
+    assert (hook.kind, hook.inbox, hook.destination) == ("webhook", "audit", "audit")
+    assert hook.event["data"] == {"name": "Zoë"}
+    cavage = inbox.headers()
+    assert cavage["Signature"].startswith(f'keyId="{ALICE}#main-key"')
+    assert "Signature-Input" in inbox.headers(scheme="rfc9421")
+    assert {"webhook-id", "webhook-timestamp", "webhook-signature"} <= set(hook.headers())
+    assert Delivery.objects.count() == 3, "queued, and nothing sent"
+
+
+def test_a_server_that_verifies_only_rfc9421_is_knocked_on_twice(fake_inbox: FakeInbox) -> None:
+    fake_inbox.refuse_scheme("draft-cavage")
+    send(ALICE, NOTE, [INBOX])
+    deliver_all(fake=fake_inbox)
+    assert [(r.scheme, r.status, r.verified) for r in fake_inbox.received] == [
+        ("draft-cavage", 401, True),
+        ("rfc9421", 202, True),
+    ]
+    assert Host.objects.get(name="mastodon.example").scheme == "rfc9421"
+
+
+def test_an_ed25519_sender_is_verified_in_rfc9421(fake_inbox: FakeInbox) -> None:
+    send(EDNA, {**NOTE, "actor": EDNA}, [INBOX])
+    deliver_all(fake=fake_inbox)
+    ((request),) = fake_inbox.received
+    assert (request.scheme, request.verified) == ("rfc9421", True)
+
+
+def test_410_429_and_503_come_to_what_a_real_server_would_make_of_them(
+    fake_inbox: FakeInbox,
+) -> None:
+    failures: list[signals.Failure] = []
+
+    def failed(failure: signals.Failure, **kwargs: Any) -> None:
+        failures.append(failure)
+
+    gone, busy, down = (f"https://{name}.example/inbox" for name in ("gone", "busy", "down"))
+    fake_inbox.answer(410, url=gone)
+    fake_inbox.answer(429, url=busy, retry_after=600)
+    fake_inbox.answer(503, url=down)
+    send(ALICE, NOTE, [gone, busy, down])
+    signals.delivery_failed.connect(failed, weak=False)
+    try:
+        summary = deliver_all(fake=fake_inbox)
+    finally:
+        signals.delivery_failed.disconnect(failed)
+    assert (summary.refused, summary.retrying) == (1, 2)
+    assert [(f.inbox, f.status, f.refused) for f in failures] == [(gone, 410, True)]
+    rows = {row.inbox: row for row in Delivery.objects.all()}
+    assert rows[gone].status == Status.REFUSED
+    assert rows[busy].status == rows[down].status == Status.PENDING
+    assert rows[busy].due_at is not None and rows[down].due_at is not None
+    assert rows[busy].due_at > rows[down].due_at, "Retry-After is waited out"
+
+
+def test_a_signature_that_does_not_verify_is_answered_401_and_kept_with_why() -> None:
+    with FakeInbox() as fake:
+        requests.post(
+            INBOX,
+            data=b'{"type":"Create"}',
+            headers={
+                "Digest": "SHA-256=" + base64.b64encode(b"x" * 32).decode(),
+                "Signature": 'keyId="x",headers="date",signature="AA=="',
+            },
+            timeout=5,
+        )
+        requests.post(INBOX, data=b"{}", timeout=5)
+    tampered, unsigned = fake.received
+    assert (tampered.status, tampered.verified) == (401, False)
+    assert tampered.problem == "the Digest does not match the body"
+    assert (unsigned.scheme, unsigned.status, unsigned.verified) == ("", 202, False)
+
+
+@pytest.mark.parametrize("scheme", ["draft-cavage", "rfc9421"])
+def test_a_signature_made_with_another_key_does_not_verify(scheme: str) -> None:
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256, sign_request
+
+    body = b'{"type":"Create"}'
+    other = SenderKey(f"{ALICE}#main-key", rsa.generate_private_key(65537, 2048))
+    headers = sign_request(Scheme(scheme), url=INBOX, body_sha256=body_sha256(body), key=other)
+    with FakeInbox() as fake:
+        requests.post(INBOX, data=body, headers=headers, timeout=5)
+    ((received),) = fake.received
+    assert (received.scheme, received.status, received.verified) == (scheme, 401, False)
+    assert "does not verify" in received.problem
+
+
+def test_a_signed_json_webhook_is_verified_with_its_destinations_secret(
+    fake_inbox: FakeInbox, settings: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"audit": f"https://hooks.example/in?secret=whsec_{KEY}"},
+    }
+    send_webhook("audit", "user.created", {"name": "Zoë"})
+    deliver_all(fake=fake_inbox)
+    ((request),) = fake_inbox.received
+    assert (request.url, request.scheme, request.verified) == (
+        "https://hooks.example/in",
+        "standard-webhooks",
+        True,
+    )
+    assert request.json()["type"] == "user.created"
+
+
+def test_deliver_all_brings_its_own_fake_when_given_none() -> None:
+    send(ALICE, NOTE, [INBOX])
+    assert deliver_all().delivered == 1
+
+
+class MixinTests(DeliveryTestMixin, TransactionTestCase):
+    """A project on Django's runner."""
+
+    available_apps = ["django_federation_delivery"]
+
+    def test_a_send_is_in_the_outbox_and_delivered_to_the_fake(self) -> None:
+        send(ALICE, NOTE, [INBOX])
+        assert [out.inbox for out in self.delivery_outbox] == [INBOX]
+        assert self.deliver_all().delivered == 1
+        assert self.fake_inbox.received[0].verified
