@@ -49,29 +49,52 @@ FAILING_LOG = "failing.log"
 
 def find_nginx() -> str:
     """nginx's path, installing Debian's nginx-light first if there is none."""
-    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
-    if found:
-        return found
+    return find_program("nginx", "nginx-light")
+
+
+def find_program(name: str, package: str) -> str:
+    """``name``'s path, installing Debian's ``package`` with apt-get first if
+    there is none (as root; otherwise the script stops, saying what to install)."""
+
+    def found() -> str | None:
+        return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin")
+
+    path = found()
+    if path:
+        return path
     apt = shutil.which("apt-get")
     if apt is None or os.geteuid() != 0:
-        sys.exit("nginx is not installed; install nginx-light (apt-get install nginx-light)")
-    print("nginx is not installed: installing nginx-light with apt-get …", flush=True)
+        sys.exit(f"{name} is not installed; install {package} (apt-get install {package})")
+    print(f"{name} is not installed: installing {package} with apt-get …", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
 
     def apt_get(*words: str) -> int:
         return subprocess.run([apt, *words], env=env, stdout=subprocess.DEVNULL).returncode
 
-    installed = apt_get("install", "-y", "-q", "nginx-light") == 0
+    installed = apt_get("install", "-y", "-q", package) == 0
     # Failing that, the package lists may never have been fetched on this machine.
     installed = installed or (
-        apt_get("update", "-q") == 0 and apt_get("install", "-y", "-q", "nginx-light") == 0
+        apt_get("update", "-q") == 0 and apt_get("install", "-y", "-q", package) == 0
     )
     if not installed:
-        sys.exit("apt-get could not install nginx-light")
-    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
-    if not found:
-        sys.exit("nginx-light was installed but no nginx binary was found")
-    return found
+        sys.exit(f"apt-get could not install {package}")
+    path = found()
+    if not path:
+        sys.exit(f"{package} was installed but no {name} binary was found")
+    return path
+
+
+def terminate(process: subprocess.Popen[Any] | None, timeout: float) -> None:
+    """SIGTERM to a child still running, then SIGKILL if it is still there
+    after ``timeout`` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -262,14 +285,7 @@ http {{
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)  # fast shutdown, workers included
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        terminate(process, 5)  # SIGTERM: a fast shutdown, workers included
 
     def version(self) -> str:
         answer = subprocess.run([self.nginx, "-v"], capture_output=True, text=True)
@@ -552,6 +568,26 @@ def setup_django(workdir: Path, *, database_url: str | None, synchronous: str = 
         cursor.execute("SELECT version()")
         version = str(cursor.fetchone()[0]).split(" on ")[0]
     return f"{connection.vendor} ({version})"
+
+
+#: SQLite as the example project (and README) configure it: WAL,
+#: ``synchronous=NORMAL``, a 20 s busy timeout, transactions that take the
+#: write lock as they begin. benchmarks/settings.py sets them for processes.
+SQLITE_OPTIONS: dict[str, Any] = {
+    "timeout": 20,
+    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    "transaction_mode": "IMMEDIATE",
+}
+
+
+def use_sqlite_options(connection: Any) -> str:
+    """On SQLite, :data:`SQLITE_OPTIONS` for this process's connection from
+    its next opening on; what it adds to the database's description."""
+    if connection.vendor != "sqlite":
+        return ""
+    connection.close()
+    connection.settings_dict["OPTIONS"].update(SQLITE_OPTIONS)
+    return ", transaction_mode=IMMEDIATE"
 
 
 def package_fingerprint() -> str:

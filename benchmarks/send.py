@@ -54,6 +54,7 @@ from benchmarks.common import (
     percentile,
     positive,
     setup_django,
+    use_sqlite_options,
 )
 
 #: Hosts the small sends go to, in turn: a queue that already knows a few.
@@ -88,17 +89,8 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
     from django_federation_delivery import send
     from tests.keys import ALICE
 
-    if connection.vendor == "sqlite":
-        # What the example project (and README) recommend, on every connection.
-        connection.close()
-        connection.settings_dict["OPTIONS"].update(
-            {
-                "timeout": 20,
-                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-                "transaction_mode": "IMMEDIATE",
-            }
-        )
-        database += ", transaction_mode=IMMEDIATE"
+    # What the example project (and README) recommend, on every connection.
+    database += use_sqlite_options(connection)
 
     activity = make_activity(ALICE)
     counter = iter(range(10**9))
