@@ -84,6 +84,26 @@ def find_program(name: str, package: str) -> str:
     return path
 
 
+def install_extra(extra: str, modules: Sequence[str]) -> None:
+    """Make ``modules`` importable: if any is missing, pip installs the
+    requirements of this project's optional extra ``extra`` (pyproject.toml)
+    into the running interpreter's environment."""
+    import importlib
+    import importlib.util
+    import tomllib
+
+    if all(importlib.util.find_spec(module) for module in modules):
+        return
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = project["optional-dependencies"][extra]
+    print(f"installing the {extra!r} extra with pip: {' '.join(requirements)} …", flush=True)
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+    answer = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requirements], env=env)
+    importlib.invalidate_caches()
+    if answer.returncode != 0 or not all(importlib.util.find_spec(module) for module in modules):
+        sys.exit(f"pip could not install {requirements}: pip install -e '.[{extra}]'")
+
+
 def terminate(process: subprocess.Popen[Any] | None, timeout: float) -> None:
     """SIGTERM to a child still running, then SIGKILL if it is still there
     after ``timeout`` seconds."""
@@ -334,6 +354,67 @@ http {{
                 fields = stat_fields(f"/proc/{pid}/stat")
                 ticks += int(fields[11]) + int(fields[12])  # utime, stime
         return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class RedisServer:
+    """Debian's redis-server (installed with apt-get if missing) as this
+    script's child, on a free port of 127.0.0.1, keeping nothing on disk
+    (``--save ''``, ``--appendonly no``): a broker for a benchmark. Stopped
+    by :meth:`stop`, at exit, or by the kernel if the script dies."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir = workdir
+        self.port = 0
+        self.binary = ""
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> str:
+        """Start it; its URL."""
+        self.binary = find_program("redis-server", "redis-server")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log = self.dir / "redis.log"
+        for _ in range(5):
+            self.port = _free_port(["127.0.0.1"])
+            self.process = subprocess.Popen(
+                [
+                    *(self.binary, "--bind", "127.0.0.1", "--port", str(self.port)),
+                    *("--save", "", "--appendonly", "no", "--daemonize", "no"),
+                    *("--dir", str(self.dir), "--logfile", str(log)),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C is this script's: it stops the server
+                preexec_fn=_die_with_parent,
+            )
+            atexit.register(self.stop)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.process.poll() is None:
+                with contextlib.suppress(OSError):
+                    if self.command("PING") == "+PONG":
+                        return self.url
+                time.sleep(0.05)
+            self.stop()
+        text = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        raise RuntimeError(f"redis-server did not start:\n{text}")
+
+    def command(self, *words: str) -> str:
+        """One command (inline, words without spaces), its answer's first line."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
+            conn.sendall(" ".join(words).encode() + b"\r\n")
+            return conn.makefile("rb").readline().decode().strip()
+
+    def version(self) -> str:
+        answer = subprocess.run([self.binary, "--version"], capture_output=True, text=True)
+        return answer.stdout.strip()
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        terminate(process, 5)
 
 
 def keepalive_check(
