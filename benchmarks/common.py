@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -794,7 +795,13 @@ def percentile(values: Sequence[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def median_or_nan(values: Sequence[float]) -> float:
-    import statistics
+def spread(values: Sequence[float], digits: int) -> str:
+    """The median of ``values``, and their range: "1.23 (1.10–1.41)"."""
+    return (
+        f"{statistics.median(values):.{digits}f} "
+        f"({min(values):.{digits}f}–{max(values):.{digits}f})"
+    )
 
+
+def median_or_nan(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")

@@ -60,6 +60,7 @@ from benchmarks.common import (
     percentile,
     positive,
     setup_django,
+    spread,
     use_sqlite_options,
 )
 
@@ -284,7 +285,7 @@ def apply_async(broker: RedisServer, activity: dict[str, Any]) -> Callable[[], T
         broker_connection_retry_on_startup=False,
     )
 
-    @app.task(name="bench.noop", ignore_result=True)  # type: ignore[untyped-decorator]
+    @app.task(name="bench.noop", ignore_result=True)
     def noop(activity: dict[str, Any]) -> None:
         return None
 
@@ -308,12 +309,6 @@ def side_by_side(rounds: dict[str, list[list[Timing]]]) -> None:
 
     def medians(name: str) -> list[float]:
         return [statistics.median(t.wall for t in one) * 1000 for one in rounds[name]]
-
-    def spread(values: list[float], digits: int) -> str:
-        return (
-            f"{statistics.median(values):>9.{digits}f}  "
-            f"({min(values):.{digits}f}–{max(values):.{digits}f})"
-        )
 
     count = len(rounds[APPLY_ASYNC])
     print(
