@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,29 +50,70 @@ FAILING_LOG = "failing.log"
 
 def find_nginx() -> str:
     """nginx's path, installing Debian's nginx-light first if there is none."""
-    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
-    if found:
-        return found
+    return find_program("nginx", "nginx-light")
+
+
+def find_program(name: str, package: str) -> str:
+    """``name``'s path, installing Debian's ``package`` with apt-get first if
+    there is none (as root; otherwise the script stops, saying what to install)."""
+
+    def found() -> str | None:
+        return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin")
+
+    path = found()
+    if path:
+        return path
     apt = shutil.which("apt-get")
     if apt is None or os.geteuid() != 0:
-        sys.exit("nginx is not installed; install nginx-light (apt-get install nginx-light)")
-    print("nginx is not installed: installing nginx-light with apt-get …", flush=True)
+        sys.exit(f"{name} is not installed; install {package} (apt-get install {package})")
+    print(f"{name} is not installed: installing {package} with apt-get …", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
 
     def apt_get(*words: str) -> int:
         return subprocess.run([apt, *words], env=env, stdout=subprocess.DEVNULL).returncode
 
-    installed = apt_get("install", "-y", "-q", "nginx-light") == 0
+    installed = apt_get("install", "-y", "-q", package) == 0
     # Failing that, the package lists may never have been fetched on this machine.
     installed = installed or (
-        apt_get("update", "-q") == 0 and apt_get("install", "-y", "-q", "nginx-light") == 0
+        apt_get("update", "-q") == 0 and apt_get("install", "-y", "-q", package) == 0
     )
     if not installed:
-        sys.exit("apt-get could not install nginx-light")
-    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
-    if not found:
-        sys.exit("nginx-light was installed but no nginx binary was found")
-    return found
+        sys.exit(f"apt-get could not install {package}")
+    path = found()
+    if not path:
+        sys.exit(f"{package} was installed but no {name} binary was found")
+    return path
+
+
+def install_missing(requirements: Sequence[str], modules: Sequence[str]) -> None:
+    """Make ``modules`` importable: if any is missing, pip installs
+    ``requirements`` into the running interpreter's environment. (Not an
+    extra of the package's: what only a benchmark compares with is no option
+    a user installs.)"""
+    import importlib
+    import importlib.util
+
+    if all(importlib.util.find_spec(module) for module in modules):
+        return
+    print(f"installing with pip: {' '.join(requirements)} …", flush=True)
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+    answer = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requirements], env=env)
+    importlib.invalidate_caches()
+    if answer.returncode != 0 or not all(importlib.util.find_spec(module) for module in modules):
+        sys.exit(f"pip could not install {' '.join(requirements)}")
+
+
+def terminate(process: subprocess.Popen[Any] | None, timeout: float) -> None:
+    """SIGTERM to a child still running, then SIGKILL if it is still there
+    after ``timeout`` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -262,14 +304,7 @@ http {{
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)  # fast shutdown, workers included
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        terminate(process, 5)  # SIGTERM: a fast shutdown, workers included
 
     def version(self) -> str:
         answer = subprocess.run([self.nginx, "-v"], capture_output=True, text=True)
@@ -318,6 +353,67 @@ http {{
                 fields = stat_fields(f"/proc/{pid}/stat")
                 ticks += int(fields[11]) + int(fields[12])  # utime, stime
         return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class RedisServer:
+    """Debian's redis-server (installed with apt-get if missing) as this
+    script's child, on a free port of 127.0.0.1, keeping nothing on disk
+    (``--save ''``, ``--appendonly no``): a broker for a benchmark. Stopped
+    by :meth:`stop`, at exit, or by the kernel if the script dies."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir = workdir
+        self.port = 0
+        self.binary = ""
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> str:
+        """Start it; its URL."""
+        self.binary = find_program("redis-server", "redis-server")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log = self.dir / "redis.log"
+        for _ in range(5):
+            self.port = _free_port(["127.0.0.1"])
+            self.process = subprocess.Popen(
+                [
+                    *(self.binary, "--bind", "127.0.0.1", "--port", str(self.port)),
+                    *("--save", "", "--appendonly", "no", "--daemonize", "no"),
+                    *("--dir", str(self.dir), "--logfile", str(log)),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C is this script's: it stops the server
+                preexec_fn=_die_with_parent,
+            )
+            atexit.register(self.stop)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.process.poll() is None:
+                with contextlib.suppress(OSError):
+                    if self.command("PING") == "+PONG":
+                        return self.url
+                time.sleep(0.05)
+            self.stop()
+        text = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        raise RuntimeError(f"redis-server did not start:\n{text}")
+
+    def command(self, *words: str) -> str:
+        """One command (inline, words without spaces), its answer's first line."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
+            conn.sendall(" ".join(words).encode() + b"\r\n")
+            return conn.makefile("rb").readline().decode().strip()
+
+    def version(self) -> str:
+        answer = subprocess.run([self.binary, "--version"], capture_output=True, text=True)
+        return answer.stdout.strip()
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        terminate(process, 5)
 
 
 def keepalive_check(
@@ -554,6 +650,26 @@ def setup_django(workdir: Path, *, database_url: str | None, synchronous: str = 
     return f"{connection.vendor} ({version})"
 
 
+#: SQLite as the example project (and README) configure it: WAL,
+#: ``synchronous=NORMAL``, a 20 s busy timeout, transactions that take the
+#: write lock as they begin. benchmarks/settings.py sets them for processes.
+SQLITE_OPTIONS: dict[str, Any] = {
+    "timeout": 20,
+    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    "transaction_mode": "IMMEDIATE",
+}
+
+
+def use_sqlite_options(connection: Any) -> str:
+    """On SQLite, :data:`SQLITE_OPTIONS` for this process's connection from
+    its next opening on; what it adds to the database's description."""
+    if connection.vendor != "sqlite":
+        return ""
+    connection.close()
+    connection.settings_dict["OPTIONS"].update(SQLITE_OPTIONS)
+    return ", transaction_mode=IMMEDIATE"
+
+
 def package_fingerprint() -> str:
     """The package's version, its git commit and a digest of its source as run
     (other work may sit uncommitted in the tree; the digest tells runs apart)."""
@@ -677,7 +793,13 @@ def percentile(values: Sequence[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def median_or_nan(values: Sequence[float]) -> float:
-    import statistics
+def spread(values: Sequence[float], digits: int) -> str:
+    """The median of ``values``, and their range: "1.23 (1.10–1.41)"."""
+    return (
+        f"{statistics.median(values):.{digits}f} "
+        f"({min(values):.{digits}f}–{max(values):.{digits}f})"
+    )
 
+
+def median_or_nan(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")

@@ -1,31 +1,36 @@
 #!/usr/bin/env python
-"""PostgreSQL at scale: the claim's cost, the deliverer's memory, several processes,
-a restart.
+"""At scale, on PostgreSQL or SQLite: the claim's cost, the deliverer's memory,
+several processes, a restart.
 
 Four measurements, each printing its figures and asserting nothing:
 
 * ``claim``: the time of one claim (``store.claim`` of CLAIM_SIZE) with
   10,000 pending rows, then with 1,000,000, and their ratio; each claim's rows
-  are put back as they were, so every claim sees the same queue. Then
-  ``EXPLAIN (ANALYZE, BUFFERS)`` of the claim's own SQL at 1,000,000.
-* ``rss``: 100,000 deliveries to 5,000 hosts drained by one ``run_deliverer``
+  are put back as they were, so every claim sees the same queue. Then the
+  plan of the claim's own SQL at 1,000,000 (PostgreSQL's ``EXPLAIN (ANALYZE,
+  BUFFERS)``, SQLite's ``EXPLAIN QUERY PLAN``).
+* ``rss``: 100,000 deliveries to 10,000 hosts drained by one ``run_deliverer``
   process; its resident memory every 10,000 deliveries.
 * ``processes``: 20,000 deliveries drained by ``run_deliverer --processes 4``
   with CONCURRENCY 16; how many times each was received.
 * ``restart``: the same, with the private PostgreSQL stopped once a third of
   them are received and started again (on the same port) 5 s later; how long
   it was away, how long until each delivery was received, how many times
-  each was. Only with the private server (no ``--database-url``).
+  each was. Only with the private PostgreSQL (not with ``--database-url``,
+  nor on SQLite).
 
-The queue is the PostgreSQL of ``--database-url``, which must be a THROWAWAY
-database (the script migrates it and deletes every delivery in it), or by
-default a private one started with scripts/postgres in the temp directory and
-stopped at the end. The inboxes are a small asyncio HTTP server in a child
-process answering 202, on as many loopback addresses (127.1.x.y) as there are
-hosts: a host is an address, whatever the port.
+The queue is, with ``--database sqlite``, a fresh SQLite file in the temp
+directory, configured as the example project configures it (WAL,
+``synchronous=NORMAL``, ``BEGIN IMMEDIATE``); otherwise PostgreSQL: the one
+of ``--database-url``, which must be a THROWAWAY database (the script
+migrates it and deletes every delivery in it), or by default a private one
+started with scripts/postgres in the temp directory and stopped at the end.
+The inboxes are a small asyncio HTTP server in a child process answering 202,
+on as many loopback addresses (127.1.x.y) as there are hosts: a host is an
+address, whatever the port.
 
     python benchmarks/pg_scale.py [claim|rss|processes|restart|all] [--rounds 3]
-                                  [--database-url URL]
+                                  [--database sqlite | --database-url URL]
 
 See benchmarks/README.rst.
 """
@@ -39,6 +44,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -62,6 +68,9 @@ from benchmarks.common import (
     positive,
     setup_django,
     sigterm_interrupts,
+    spread,
+    terminate,
+    use_sqlite_options,
 )
 
 POSTGRES = ROOT / "scripts" / "postgres"
@@ -80,6 +89,9 @@ def serve(addresses: list[str], counts: Any, total: Any, control: Connection) ->
     all; count each ``/d/<n>`` in ``counts[n]``, and note when each was first
     and again received, for the duplicates."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops it
+    # A listening socket an address, and the deliverer's connections besides.
+    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
     first: dict[int, float] = {}
     again: list[tuple[int, float]] = []
     size = len(counts)
@@ -222,6 +234,30 @@ def execute(sql: str, params: Sequence[Any] = ()) -> Any:
         return cursor.fetchall() if cursor.description else None
 
 
+#: What differs between the two databases in the statements that fill the
+#: queue: the rows' numbers, an empty JSON list, and now plus a number of
+#: milliseconds (on SQLite, text as Django writes a datetime: naive UTC).
+DIALECTS = {
+    "postgresql": {
+        "series": "generate_series(%s, %s) AS g",
+        "empty": "'[]'::jsonb",
+        "at": "now() + ({}) * interval '1 millisecond'",
+    },
+    "sqlite": {
+        "series": "(WITH RECURSIVE n(g) AS (SELECT %s UNION ALL SELECT g + 1 FROM n "
+        "WHERE g < %s) SELECT g FROM n) AS n",
+        "empty": "'[]'",
+        "at": "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', (({}) / 1000.0) || ' seconds') || '000'",
+    },
+}
+
+
+def dialect() -> dict[str, str]:
+    from django.db import connection
+
+    return DIALECTS[connection.vendor]
+
+
 def new_batch(tag: str) -> int:
     from django_federation_delivery.models import Batch
 
@@ -233,26 +269,31 @@ def insert_pending(start: int, end: int, hosts: int) -> None:
     hour, 30% retries due within a day; 5% in the low lane, a few not-due ones
     in the priority lane; a fifth of them to ten big hosts, the rest spread
     over ``hosts``."""
+    sql = dialect()
+    retry, due = (
+        sql["at"].format("1000 * (1 + g %% 86400)"),
+        sql["at"].format("-3600000 + g %% 3600000"),
+    )
     for chunk in range(start, end + 1, 100_000):
         last = min(end, chunk + 99_999)
         execute(
             f"INSERT INTO {table()} (batch_id, kind, destination, inbox, host, via, lane, "
             "status, attempts, due_at, last_error, sequence) "
             "SELECT %s, 'activitypub', '', "
-            "'https://' || h || '/users/u' || g || '/inbox', h, '[]'::jsonb, "
+            f"'https://' || h || '/users/u' || g || '/inbox', h, {sql['empty']}, "
             "CASE WHEN g %% 2000 = 0 THEN 'priority' WHEN g %% 20 = 1 THEN 'low' "
             "ELSE 'normal' END, 'pending', CASE WHEN g %% 10 < 3 THEN 1 + g %% 5 ELSE 0 END, "
-            "CASE WHEN g %% 10 < 3 OR g %% 2000 = 0 "
-            "THEN now() + (1 + g %% 86400) * interval '1 second' "
-            "ELSE now() - interval '1 hour' + (g %% 3600000) * interval '1 millisecond' END, "
+            f"CASE WHEN g %% 10 < 3 OR g %% 2000 = 0 THEN {retry} ELSE {due} END, "
             "'', '' FROM (SELECT g, 'h' || CASE WHEN g %% 5 = 0 THEN g %% 10 "
-            "ELSE (g::bigint * 7919) %% %s END || '.example' AS h "
-            "FROM generate_series(%s, %s) AS g) AS s",
+            "ELSE (CAST(g AS bigint) * 7919) %% %s END || '.example' AS h "
+            f"FROM {sql['series']}) AS s",
             [new_batch(f"pending {chunk}"), hosts, chunk, last],
         )
 
 
 def insert_settled(count: int, hosts: int) -> None:
+    sql = dialect()
+    settled = sql["at"].format("-1000 * (g %% 86400)")
     for chunk in range(1, count + 1, 100_000):
         last = min(count, chunk + 99_999)
         execute(
@@ -260,22 +301,41 @@ def insert_settled(count: int, hosts: int) -> None:
             "status, attempts, due_at, last_error, sequence, settled_at, last_attempt_at, "
             "last_status) "
             "SELECT %s, 'activitypub', '', "
-            "'https://h' || ((g::bigint * 7919) %% %s) || '.example/users/s' "
+            "'https://h' || ((CAST(g AS bigint) * 7919) %% %s) || '.example/users/s' "
             "|| g || '/inbox', "
-            "'h' || ((g::bigint * 7919) %% %s) || '.example', '[]'::jsonb, 'normal', "
-            "CASE WHEN g %% 20 = 0 THEN 'failed' WHEN g %% 20 = 1 THEN 'refused' "
-            "ELSE 'delivered' END, 1, NULL, '', '', now() - (g %% 86400) * interval '1 second', "
-            "now() - (g %% 86400) * interval '1 second', 202 FROM generate_series(%s, %s) AS g",
+            f"'h' || ((CAST(g AS bigint) * 7919) %% %s) || '.example', {sql['empty']}, "
+            "'normal', CASE WHEN g %% 20 = 0 THEN 'failed' WHEN g %% 20 = 1 THEN 'refused' "
+            f"ELSE 'delivered' END, 1, NULL, '', '', {settled}, {settled}, 202 "
+            f"FROM {sql['series']}",
             [new_batch(f"settled {chunk}"), hosts, hosts, chunk, last],
         )
 
 
+def empty_queue() -> None:
+    """Every delivery and batch, in a statement each, then what the
+    deliverers remember of hosts: the ORM's delete would collect a million
+    rows in memory first, and on SQLite pass more parameters to one
+    statement than it takes."""
+    from benchmarks.common import clear_all
+    from django_federation_delivery.models import Batch
+
+    execute(f"DELETE FROM {table()}")
+    execute(f"DELETE FROM {Batch._meta.db_table}")
+    clear_all()
+
+
 def vacuum() -> None:
+    """On PostgreSQL, ``VACUUM ANALYZE``: what autovacuum would do by and by.
+    On SQLite, the WAL written back into the file, and no ``ANALYZE``: the
+    package never runs it, so a deployment's planner has no statistics."""
     from django.db import connection
 
     connection.ensure_connection()
     with connection.cursor() as cursor:
-        cursor.execute(f"VACUUM ANALYZE {table()}")
+        if connection.vendor == "postgresql":
+            cursor.execute(f"VACUUM ANALYZE {table()}")
+        else:
+            cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 # --- claim: the claim's cost with 10,000 and 1,000,000 pending rows -----------------------------
@@ -291,10 +351,10 @@ def claim_times(args: argparse.Namespace) -> list[float]:
     execute(
         f"CREATE TABLE fd_bench_due AS SELECT id, due_at FROM {table()} WHERE status = 'pending'"
     )
-    execute("ALTER TABLE fd_bench_due ADD PRIMARY KEY (id)")
+    execute("CREATE UNIQUE INDEX fd_bench_due_id ON fd_bench_due (id)")
     restore = (
-        f"UPDATE {table()} AS d SET due_at = o.due_at, lease_token = NULL FROM fd_bench_due AS o "
-        "WHERE d.id = o.id AND d.id = ANY(%s)"
+        f"UPDATE {table()} SET due_at = (SELECT o.due_at FROM fd_bench_due AS o "
+        f"WHERE o.id = {table()}.id), lease_token = NULL WHERE id IN ({{}})"
     )
     medians = []
     short = 0
@@ -305,7 +365,8 @@ def claim_times(args: argparse.Namespace) -> list[float]:
             claimed = store.claim(size, 300.0, per_host=2)
             times.append((time.perf_counter() - started) * 1000)
             short += len(claimed) < size
-            execute(restore, [[row.id for row in claimed]])
+            if claimed:
+                execute(restore.format(", ".join(["%s"] * len(claimed))), [r.id for r in claimed])
         medians.append(statistics.median(times))
         print(
             f"    {args.claims} claims: median {medians[-1]:.2f} ms, "
@@ -318,16 +379,20 @@ def claim_times(args: argparse.Namespace) -> list[float]:
 
 
 def explain_claim() -> None:
-    """``EXPLAIN (ANALYZE, BUFFERS)`` of each statement a claim runs, rolled back."""
+    """The plan of each statement a claim runs, rolled back: PostgreSQL's
+    ``EXPLAIN (ANALYZE, BUFFERS)``, SQLite's ``EXPLAIN QUERY PLAN``."""
     from django.db import connection, transaction
 
     from django_federation_delivery import store
     from django_federation_delivery.conf import app_settings
 
     statements: list[tuple[str, Any]] = []
+    explain = (
+        "EXPLAIN (ANALYZE, BUFFERS)" if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN"
+    )
 
     def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        if "SET due_at = %s, lease_token = %s" in sql:  # the taking, not a savepoint
+        if sql.lstrip().upper().startswith(("WITH", "SELECT", "UPDATE")):  # not a savepoint
             statements.append((sql, params))
         return execute(sql, params, many, context)
 
@@ -338,21 +403,19 @@ def explain_claim() -> None:
     for number, (sql, params) in enumerate(statements, 1):
         print(f"\n  statement {number} of {len(statements)}: {sql}\n  params: {params}")
         with transaction.atomic():
-            plan = execute(f"EXPLAIN (ANALYZE, BUFFERS) {sql}", params)
+            plan = execute(f"{explain} {sql}", params)
             transaction.set_rollback(True)
-        for (line,) in plan:
-            print(f"    {line}")
+        for row in plan:
+            print(f"    {row[-1]}")  # SQLite's: id, parent, notused, detail
 
 
 def run_claim(args: argparse.Namespace) -> None:
-    from benchmarks.common import clear_all
-
     print(
         f"\n== claim: {args.small:,} then {args.large:,} pending rows, "
-        f"{args.settled:,} settled, {args.claim_hosts:,} hosts ==",
+        f"{args.settled:,} settled, {args.claim_hosts:,} hosts, {args.database} ==",
         flush=True,
     )
-    clear_all()
+    empty_queue()
     started = time.monotonic()
     insert_settled(args.settled, args.claim_hosts)
     insert_pending(1, args.small, args.claim_hosts)
@@ -374,13 +437,15 @@ def run_claim(args: argparse.Namespace) -> None:
     large = claim_times(args)
     explain_claim()
     median_small, median_large = statistics.median(small), statistics.median(large)
+    ratios = [mine / theirs for mine, theirs in zip(large, small, strict=True)]
     print(
-        f"\n  claim median of {args.rounds} rounds: {median_small:.2f} ms with "
-        f"{args.small:,} pending, {median_large:.2f} ms with {args.large:,}: "
-        f"ratio {median_large / median_small:.3f} (target at most 1.2)"
+        f"\n  claim, the median of {args.rounds} rounds' medians (their range): "
+        f"{spread(small, 2)} ms with {args.small:,} pending, {spread(large, 2)} ms with "
+        f"{args.large:,}: ratio {median_large / median_small:.3f} (target at most 1.2); "
+        f"round by round {spread(ratios, 3)}"
     )
     execute("DROP TABLE IF EXISTS fd_bench_due")
-    clear_all()
+    empty_queue()
     vacuum()
 
 
@@ -389,11 +454,10 @@ def run_claim(args: argparse.Namespace) -> None:
 
 def queue_deliveries(inboxes: Inboxes, count: int) -> float:
     """``send()`` the deliveries, 10,000 inboxes a batch; returns when it began (time.time())."""
-    from benchmarks.common import clear_all
     from django_federation_delivery.sending import send
     from tests.keys import ALICE
 
-    clear_all()
+    empty_queue()
     activity = make_activity(ALICE)
     queued_at = time.time()
     started = time.monotonic()
@@ -411,19 +475,18 @@ def start_deliverer(
     settings: dict[str, Any] | None = None,
 ) -> Any:
     """``run_deliverer`` (``--drain``: until nothing is due) with ``options``,
-    the tests' settings and ``settings`` over them; its output to deliverer.log."""
+    the benchmarks' settings (the tests', and SQLite as the example project
+    configures it) and ``settings`` over them; its output to deliverer.log.
+    On SQLite, the file is named by $FD_SQLITE_NAME, as setup_django set it."""
     from django.db import connection
 
     database = connection.settings_dict
-    env = dict(
-        os.environ,
-        DJANGO_SETTINGS_MODULE="tests.settings",
-        PYTHONPATH=str(ROOT),
-        DATABASE_URL=(
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="benchmarks.settings", PYTHONPATH=str(ROOT))
+    if connection.vendor == "postgresql":
+        env["DATABASE_URL"] = (
             f"postgres://{database['USER']}:{database['PASSWORD'] or ''}@{database['HOST']}:"
             f"{database['PORT']}/{database['NAME']}"
-        ),
-    )
+        )
     if settings:
         env["FD_SETTINGS_JSON"] = json.dumps(
             {**json.loads(os.environ.get("FD_SETTINGS_JSON") or "{}"), **settings}
@@ -449,24 +512,19 @@ def rss_kb(pid: int) -> int:
 
 
 def stop_process(process: Any) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    terminate(process, 30)
 
 
 def run_rss(args: argparse.Namespace, workdir: Path) -> None:
     count, every = args.rss_deliveries, args.rss_every
     print(
-        f"\n== rss: {count:,} deliveries to {args.rss_hosts:,} hosts, one run_deliverer ==",
+        f"\n== rss: {count:,} deliveries to {args.rss_hosts:,} hosts, one run_deliverer, "
+        f"{args.database} ==",
         flush=True,
     )
     inboxes = Inboxes(args.rss_hosts, count)
     try:
-        ratios = []
+        ratios, growths, firsts, lasts = [], [], [], []
         for number in range(1, args.rounds + 1):
             inboxes.reset()
             queue_deliveries(inboxes, count)
@@ -491,18 +549,26 @@ def run_rss(args: argparse.Namespace, workdir: Path) -> None:
             finally:
                 stop_process(process)
             took = time.monotonic() - started
-            first = samples[0][1] if samples else 0
-            later = [kb for _, kb, _ in samples[1:]]
-            ratio = max(later) / first if first and later else float("nan")
-            ratios.append(ratio)
+            first = samples[0][1] / 1024 if samples else float("nan")
+            later = [kb / 1024 for _, kb, _ in samples[1:]] or [float("nan")]
+            ratios.append(max(later) / first)
+            growths.append(later[-1] / first)
+            firsts.append(first)
+            lasts.append(later[-1])
             print(
                 f"  round {number}: exit {process.returncode}, {inboxes.total.value:,} received "
-                f"in {took:.1f} s ({inboxes.total.value / took:.0f}/s); max RSS after the "
-                f"first {every:,} / RSS at {every:,}: {ratio:.3f} (flat within 20%: "
-                f"{'yes' if ratio <= 1.2 else 'no'})",
+                f"in {took:.1f} s ({inboxes.total.value / took:.0f}/s); RSS {first:.1f} MB at "
+                f"{every:,}, {later[-1]:.1f} MB at the last: growth {growths[-1]:.3f}; the most "
+                f"after the first {every:,} / the first: {ratios[-1]:.3f} (flat within 20%: "
+                f"{'yes' if ratios[-1] <= 1.2 else 'no'})",
                 flush=True,
             )
-        print(f"\n  rss: median ratio over {args.rounds} rounds {statistics.median(ratios):.3f}")
+        print(
+            f"\n  rss, the median of {args.rounds} rounds (their range): the first "
+            f"{spread(firsts, 1)} MB, the last {spread(lasts, 1)} MB; growth, the last / the "
+            f"first {spread(growths, 3)}; the most / the first {spread(ratios, 3)} "
+            "(target at most 1.2)"
+        )
     finally:
         inboxes.stop()
 
@@ -590,7 +656,10 @@ def run_restart(args: argparse.Namespace, workdir: Path, server: PrivatePostgres
         flush=True,
     )
     if server is None:
-        print("  skipped: it restarts the private server this script starts (no --database-url)")
+        print(
+            "  skipped: it restarts the private PostgreSQL this script starts "
+            "(not with --database-url, nor on SQLite)"
+        )
         return
     port = int(connection.settings_dict["PORT"])
     # A claim whose answer the stop cut off leaves its rows leased: they come
@@ -672,6 +741,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "what", nargs="?", default="all", choices=["claim", "rss", "processes", "restart", "all"]
     )
     parser.add_argument(
+        "--database",
+        choices=["postgresql", "sqlite"],
+        default="postgresql",
+        help="postgresql (default) or sqlite (a fresh file in the temp directory)",
+    )
+    parser.add_argument(
         "--database-url",
         default=None,
         help="a THROWAWAY PostgreSQL (default: a private one, started here)",
@@ -687,7 +762,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rss-deliveries", type=positive, default=100_000, help="rss: deliveries (100000)"
     )
-    parser.add_argument("--rss-hosts", type=positive, default=5000, help="rss: hosts (5000)")
+    parser.add_argument("--rss-hosts", type=positive, default=10_000, help="rss: hosts (10000)")
     parser.add_argument(
         "--rss-every",
         type=positive,
@@ -714,6 +789,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--tmpdir", default=None, help="where the temp dir goes")
     args = parser.parse_args(argv)
+    if args.database_url and args.database == "sqlite":
+        parser.error("--database-url names a PostgreSQL: not with --database sqlite")
     if args.large <= args.small:
         parser.error("--large must be more than --small")
     if args.restart_lease < 12:
@@ -726,11 +803,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, sigterm_interrupts)
-    workdir = Path(tempfile.mkdtemp(prefix="fd-pgscale-", dir=args.tmpdir))
-    private = None if args.database_url else PrivatePostgres(workdir / "pg")
+    workdir = Path(tempfile.mkdtemp(prefix="fd-scale-", dir=args.tmpdir))
+    sqlite = args.database == "sqlite"
+    private = None if args.database_url or sqlite else PrivatePostgres(workdir / "pg")
     try:
-        url = args.database_url or private.start()  # type: ignore[union-attr]
-        print(setup_django(workdir, database_url=url))
+        url = args.database_url or (private.start() if private else None)
+        database = setup_django(workdir, database_url=url)
+        from django.db import connection
+
+        print(database + use_sqlite_options(connection))
         for line in environment_lines():
             print(line)
         if args.what in ("claim", "all"):

@@ -14,14 +14,18 @@ settings), or with ``--database-url`` on a throwaway PostgreSQL:
 * ten thousand inboxes, on ten thousand hosts and on one host;
 * on SQLite, the floor: the same two statements of a one-inbox send and its
   commit, run through ``sqlite3`` alone on the same connection, with no
-  Django and none of the package's Python around them.
+  Django and none of the package's Python around them;
+* with ``--celery``, beside them: Celery's ``apply_async`` of a task that
+  does nothing, given the same activity, to a Redis broker on 127.0.0.1
+  (started here; Celery and redis-py installed with pip if missing), as many
+  calls a round, and the ratios of the one-inbox sends to it.
 
 It prints the median and 90th percentile of each, and the SQL statements one
 send runs; with ``--profile``, the top of a cProfile of the one-inbox and the
 ten-thousand-inbox sends. It asserts nothing.
 
     python benchmarks/send.py [--rounds 5] [--sends 200] [--fan-out 10000]
-        [--profile] [--database-url URL]
+        [--profile] [--celery] [--database-url URL]
 
 See benchmarks/README.rst.
 """
@@ -45,19 +49,29 @@ if not __package__:  # run as a script: benchmarks/ is on the path, the reposito
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
+    RedisServer,
     add_database_and_tmpdir,
     clear_queue,
     environment_lines,
     in_workdir,
+    install_missing,
     load_average,
     make_activity,
     percentile,
     positive,
     setup_django,
+    spread,
+    use_sqlite_options,
 )
+
+#: What apply_async is measured with: installed when missing.
+CELERY_REQUIREMENTS = ("celery>=5.4", "redis>=5.0")
 
 #: Hosts the small sends go to, in turn: a queue that already knows a few.
 SMALL_HOSTS = 50
+#: The one-inbox sends, and what --celery sets beside them.
+OWN, OPEN = "1 inbox, own transaction", "1 inbox, open transaction"
+APPLY_ASYNC = "celery apply_async, Redis"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -70,6 +84,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--fan-out", type=positive, default=10_000, help="inboxes of the big send (10000)"
     )
     parser.add_argument("--profile", action="store_true", help="print the top of a cProfile")
+    parser.add_argument(
+        "--celery",
+        action="store_true",
+        help="also time Celery's apply_async to a local Redis, side by side",
+    )
     add_database_and_tmpdir(parser)
     return parser.parse_args(argv)
 
@@ -80,6 +99,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def benchmark(args: argparse.Namespace, workdir: Path) -> int:
+    broker = RedisServer(workdir / "redis") if args.celery else None
+    try:
+        if broker is not None:
+            broker.start()
+        return measure(args, workdir, broker)
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None) -> int:
     database = setup_django(workdir, database_url=args.database_url or None)
 
     from django.db import connection, transaction
@@ -88,17 +118,8 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
     from django_federation_delivery import send
     from tests.keys import ALICE
 
-    if connection.vendor == "sqlite":
-        # What the example project (and README) recommend, on every connection.
-        connection.close()
-        connection.settings_dict["OPTIONS"].update(
-            {
-                "timeout": 20,
-                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-                "transaction_mode": "IMMEDIATE",
-            }
-        )
-        database += ", transaction_mode=IMMEDIATE"
+    # What the example project (and README) recommend, on every connection.
+    database += use_sqlite_options(connection)
 
     activity = make_activity(ALICE)
     counter = iter(range(10**9))
@@ -172,40 +193,50 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
         return one
 
     cases: list[tuple[str, Callable[[], Timing], int]] = [
-        ("1 inbox, own transaction", own_transaction(1), args.sends),
-        ("1 inbox, open transaction", open_transaction, args.sends),
+        (OWN, own_transaction(1), args.sends),
+        (OPEN, open_transaction, args.sends),
         ("20 inboxes, 20 hosts", own_transaction(20), max(1, args.sends // 4)),
         (f"{args.fan_out} inboxes, {args.fan_out} hosts", fan_out(False), 1),
         (f"{args.fan_out} inboxes, 1 host", fan_out(True), 1),
     ]
     if connection.vendor == "sqlite":
         cases.append(("floor: bare sqlite3, 1 inbox", bare_sqlite(), args.sends))
+    if broker is not None:
+        cases.append((APPLY_ASYNC, apply_async(broker, activity), args.sends))
 
     print("django-federation-delivery: what send() costs the caller")
     for line in environment_lines():
         print(f"  {line}")
     print(f"  database: {database}")
+    if broker is not None:
+        print(f"  broker: {broker.version()}, {broker.url}; {library_versions()}")
     print(f"  rounds {args.rounds}; small sends per case and round {args.sends}")
 
-    # Warm up: compiled queries, imports, the database's caches.
-    for _, run, _ in cases[:3]:
+    def clear() -> None:
+        clear_queue()
+        if broker is not None:
+            broker.command("FLUSHDB")  # the messages published, never consumed
+
+    # Warm up: compiled queries, imports, the database's caches, the broker's connection.
+    for _, run, _ in [*cases[:3], *(case for case in cases if case[0] == APPLY_ASYNC)]:
         for _ in range(20):
             run()
-    clear_queue()
+    clear()
 
-    timings: dict[str, list[Timing]] = {name: [] for name, _, _ in cases}
+    rounds: dict[str, list[list[Timing]]] = {name: [] for name, _, _ in cases}
     for number in range(1, args.rounds + 1):
         for name, run, times in cases:
-            timings[name].extend(run() for _ in range(times))
-        clear_queue()
+            rounds[name].append([run() for _ in range(times)])
+        clear()
         print(f"  round {number} done, load average {load_average()}", flush=True)
+    timings = {name: [timing for one in each for timing in one] for name, each in rounds.items()}
 
     statements: dict[str, int] = {}
     for name, run, _ in cases:
         with CaptureQueriesContext(connection) as captured:
             run()
         statements[name] = len(captured)
-    clear_queue()
+    clear()
 
     print()
     print(
@@ -231,6 +262,8 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
         "savepoints included: each a round trip on PostgreSQL; cpu ms: the median of this "
         f"thread's CPU time, which other work on the machine disturbs less{floor})"
     )
+    if broker is not None:
+        side_by_side(rounds)
     print(f"load average at the end: {load_average()}")
 
     if args.profile:
@@ -238,6 +271,59 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
         profile(cases[3][0], cases[3][1])
         clear_queue()
     return 0
+
+
+def apply_async(broker: RedisServer, activity: dict[str, Any]) -> Callable[[], Timing]:
+    """One call a time: Celery's ``apply_async`` of a task that does nothing,
+    given ``activity``, published as JSON to ``broker``; no worker runs and
+    no result is kept, so each call is the publishing alone."""
+    install_missing(CELERY_REQUIREMENTS, ["celery", "redis"])
+    from celery import Celery
+
+    app = Celery("fd-bench", broker=broker.url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        broker_connection_retry_on_startup=False,
+    )
+
+    @app.task(name="bench.noop", ignore_result=True)
+    def noop(activity: dict[str, Any]) -> None:
+        return None
+
+    def one() -> Timing:
+        with timed() as took:
+            noop.apply_async(args=(activity,))
+        return took
+
+    return one
+
+
+def library_versions() -> str:
+    from importlib import metadata
+
+    return ", ".join(f"{name} {metadata.version(name)}" for name in ("celery", "kombu", "redis"))
+
+
+def side_by_side(rounds: dict[str, list[list[Timing]]]) -> None:
+    """Each one-inbox send beside apply_async: the median of the rounds'
+    medians and their range, and the ratio's, round by round."""
+
+    def medians(name: str) -> list[float]:
+        return [statistics.median(t.wall for t in one) * 1000 for one in rounds[name]]
+
+    count = len(rounds[APPLY_ASYNC])
+    print(
+        f"\nsend() beside Celery's apply_async to Redis, the same calls in each of {count} "
+        "rounds (the median of the rounds' medians, and their range):"
+    )
+    for name in (OWN, OPEN, APPLY_ASYNC):
+        print(f"  {name:<38} {spread(medians(name), 3)} ms")
+    broker = medians(APPLY_ASYNC)
+    for name in (OWN, OPEN):
+        ratios = [mine / theirs for mine, theirs in zip(medians(name), broker, strict=True)]
+        print(f"  {name.split(', ')[1] + ' / apply_async':<38} {spread(ratios, 2)}   target ≤ 0.5")
 
 
 @dataclasses.dataclass

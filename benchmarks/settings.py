@@ -10,15 +10,12 @@ process. ``FD_SQLITE_NAME`` names the file; ``DATABASE_URL`` a PostgreSQL.
 
 from __future__ import annotations
 
+from benchmarks.common import SQLITE_OPTIONS
 from tests.settings import *  # noqa: F403
 from tests.settings import DATABASES
 
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    DATABASES["default"]["OPTIONS"] = {
-        "timeout": 20,
-        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-        "transaction_mode": "IMMEDIATE",
-    }
+    DATABASES["default"]["OPTIONS"] = dict(SQLITE_OPTIONS)
 
 # benchmarks/django_q.py's cluster: the example project's, as a small project
 # runs it (2 workers), with room for the default 50 s round.
