@@ -26,7 +26,7 @@ from django_federation_delivery.slots import Slots
 from django_federation_delivery.store.retractions import release_stranded
 from django_federation_delivery.transport import TransportSettings
 
-#: How often the lag and open-breaker gauges are read from the database.
+#: How often the queue's gauges are read from the database (metrics.read_queue).
 GAUGES_EVERY = 5.0
 #: How often CONN_MAX_AGE and CONN_HEALTH_CHECKS are applied, as Django does
 #: between requests: not every round, which with the default CONN_MAX_AGE of
