@@ -1,15 +1,23 @@
 """Prometheus metrics of the deliverer, with the optional ``prometheus`` extra.
 
 The deliverer calls :func:`record_attempt` after each attempt and refreshes
-the gauges with :func:`observe_queue` (or :func:`set_lag` and
-:func:`set_open_breakers`); ``run_deliverer --metrics-port`` serves them with
+the gauges with :func:`observe_queue`, which reads them all from the database
+with :func:`read_queue` (:func:`set_lag` and :func:`set_open_breakers` set
+two of them by hand); ``run_deliverer --metrics-port`` serves them with
 :func:`start_server`. Without ``prometheus_client`` installed every recording
 function does nothing, so that the deliverer may call them unconditionally,
 and :func:`start_server` raises ``ImproperlyConfigured``.
+
+The gauges say what the database says, whichever deliverer serves them: each
+serves the same figures. No label carries a URL: lanes, outcomes and webhook
+destinations' names only, and hosts are counted, not named.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from django.core.exceptions import ImproperlyConfigured
@@ -27,8 +35,10 @@ except ImportError:  # pragma: no cover - exercised where the extra is not insta
 
 __all__ = [
     "OUTCOMES",
+    "QueueReading",
     "available",
     "observe_queue",
+    "read_queue",
     "record_attempt",
     "set_lag",
     "set_open_breakers",
@@ -65,14 +75,50 @@ class _Metrics:
             "How long delivery attempts took, in seconds.",
             buckets=DURATION_BUCKETS,
         )
-        self.lag = prometheus_client.Gauge(
-            f"{PREFIX}_lag_seconds",
-            "How long the longest-waiting due delivery has waited, in seconds.",
+        self.lag = _gauge(
+            "lag_seconds", "How long the longest-waiting due delivery has waited, in seconds."
         )
-        self.open_breakers = prometheus_client.Gauge(
-            f"{PREFIX}_open_breakers",
+        self.open_breakers = _gauge(
+            "open_breakers",
             "Circuit breakers open or half-open: destinations whose deliveries are held.",
         )
+        self.lane_lag = _gauge(
+            "lane_lag_seconds",
+            "How long the longest-waiting due delivery of each lane has waited, in seconds.",
+            "lane",
+        )
+        self.deliverers_alive = _gauge(
+            "deliverers_alive", "Deliverers alive, on any machine: those whose heartbeat is recent."
+        )
+        self.hosts_failing = _gauge(
+            "hosts_failing",
+            "Inbox hosts failing (no success since a failure), not marked unavailable.",
+        )
+        self.hosts_told_failing = _gauge(
+            "hosts_told_failing",
+            "Inbox hosts failing for HOST_FAILING_AFTER (host_failing was sent), "
+            "not marked unavailable.",
+        )
+        self.hosts_unavailable = _gauge(
+            "hosts_unavailable", "Inbox hosts marked unavailable: sends leave their inboxes out."
+        )
+        self.destination_disabled = _gauge(
+            "webhook_destination_disabled",
+            "1 for a configured webhook destination disabled or paused (its events wait), else 0.",
+            "destination",
+        )
+        #: The destinations with a series now: one removed from the settings
+        #: loses its series, rather than keeping its last value for ever.
+        self.destinations: set[str] = set()
+        self.refreshed = _gauge(
+            "gauges_refreshed_timestamp_seconds",
+            "When this process last read the gauges from the database, in seconds since the epoch.",
+        )
+
+
+def _gauge(name: str, documentation: str, *labels: str) -> prometheus_client.Gauge:
+    assert prometheus_client is not None
+    return prometheus_client.Gauge(f"{PREFIX}_{name}", documentation, labels)
 
 
 # Registered once, in the default registry, where a host project's own
@@ -109,15 +155,108 @@ def set_open_breakers(count: int) -> None:
         _metrics.open_breakers.set(count)
 
 
+@dataclasses.dataclass(frozen=True)
+class QueueReading:
+    """What the gauges say, as :func:`read_queue` read it."""
+
+    #: Each lane's lag: how long its longest-waiting due delivery has waited.
+    lane_lags: Mapping[str, float]
+    open_breakers: int
+    deliverers_alive: int
+    hosts_failing: int
+    hosts_told_failing: int
+    hosts_unavailable: int
+    #: Each configured webhook destination, by name: whether it is disabled
+    #: (by the deliverer, or paused by an operator), as ``delivery_status
+    #: --check`` counts it.
+    destinations_disabled: Mapping[str, bool]
+
+    @property
+    def lag(self) -> float:
+        return max(self.lane_lags.values(), default=0.0)
+
+
+def read_queue(*, now: dt.datetime | None = None, using: str | None = None) -> QueueReading:
+    """Read every gauge from the database, in at most eight queries whatever
+    the size of the queue: one index read a lane (``fd_delivery_due``), the
+    breakers, the heartbeats, the hosts failing and unavailable (one count
+    over the hosts' table, which holds a row a host, not a delivery), and
+    the configured destinations' rows by their keys."""
+    # Imported here: this module is imported before Django is set up.
+    from django.db import DEFAULT_DB_ALIAS
+    from django.db.models import Count, Min, Q
+    from django.utils import timezone
+
+    from django_federation_delivery import heartbeats, overview
+    from django_federation_delivery.conf import app_settings
+    from django_federation_delivery.models import Delivery, Host, Lane, Status
+
+    now = now or timezone.now()
+    alias = using or DEFAULT_DB_ALIAS
+    due = Delivery.objects.using(alias).filter(status=Status.PENDING, due_at__lte=now)
+    lane_lags: dict[str, float] = {}
+    for lane in Lane:
+        oldest = due.filter(lane=lane).aggregate(at=Min("due_at"))["at"]
+        lane_lags[lane.value] = max((now - oldest).total_seconds(), 0.0) if oldest else 0.0
+    # A webhook destination's row is named in angle brackets (its delivery
+    # key); its failing is its own (see disabled, below), not a host's.
+    available = Q(unavailable_since__isnull=True)
+    hosts = (
+        Host.objects.using(alias)
+        .exclude(name__startswith="<")
+        .aggregate(
+            failing=Count("name", filter=Q(failing_since__isnull=False) & available),
+            told=Count("name", filter=Q(failing_told_at__isnull=False) & available),
+            unavailable=Count("name", filter=~available),
+        )
+    )
+    webhooks = app_settings.get("WEBHOOKS")
+    names = sorted(str(name) for name in webhooks) if isinstance(webhooks, Mapping) else []
+    # Each one's delivery key, as webhooks/destinations.py writes it: the
+    # loop, which calls this, may not import the webhooks' modules.
+    keys = {name: f"<{name}>" for name in names}
+    disabled = (
+        set(
+            Host.objects.using(alias)
+            .filter(name__in=keys.values(), paused_at__isnull=False)
+            .values_list("name", flat=True)
+        )
+        if keys
+        else set()
+    )
+    return QueueReading(
+        lane_lags=lane_lags,
+        open_breakers=overview.open_breakers(using=alias),
+        deliverers_alive=len(heartbeats.seen(now=now, using=alias).live),
+        hosts_failing=hosts["failing"],
+        hosts_told_failing=hosts["told"],
+        hosts_unavailable=hosts["unavailable"],
+        destinations_disabled={name: key in disabled for name, key in keys.items()},
+    )
+
+
 def observe_queue(*, using: str | None = None) -> None:
-    """Set both gauges from the database: four small indexed queries, for a
-    deliverer to call every few seconds."""
+    """Set every gauge from the database (:func:`read_queue`), for a deliverer
+    to call every few seconds."""
     if _metrics is None:
         return
-    from django_federation_delivery import overview
-
-    set_lag(overview.lag(using=using))
-    set_open_breakers(overview.open_breakers(using=using))
+    reading = read_queue(using=using)
+    set_lag(reading.lag)
+    for lane, seconds in reading.lane_lags.items():
+        _metrics.lane_lag.labels(lane=lane).set(seconds)
+    set_open_breakers(reading.open_breakers)
+    _metrics.deliverers_alive.set(reading.deliverers_alive)
+    _metrics.hosts_failing.set(reading.hosts_failing)
+    _metrics.hosts_told_failing.set(reading.hosts_told_failing)
+    _metrics.hosts_unavailable.set(reading.hosts_unavailable)
+    for name in _metrics.destinations - set(reading.destinations_disabled):
+        _metrics.destination_disabled.remove(name)
+    for name, disabled in reading.destinations_disabled.items():
+        _metrics.destination_disabled.labels(destination=name).set(int(disabled))
+    _metrics.destinations = set(reading.destinations_disabled)
+    # Last, and only when every query above answered: a loop that hangs, or a
+    # database away, leaves it behind, which an alert can see.
+    _metrics.refreshed.set_to_current_time()
 
 
 def start_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:

@@ -26,7 +26,7 @@ from django_federation_delivery.slots import Slots
 from django_federation_delivery.store.retractions import release_stranded
 from django_federation_delivery.transport import TransportSettings
 
-#: How often the lag and open-breaker gauges are read from the database.
+#: How often the queue's gauges are read from the database (metrics.read_queue).
 GAUGES_EVERY = 5.0
 #: How often CONN_MAX_AGE and CONN_HEALTH_CHECKS are applied, as Django does
 #: between requests: not every round, which with the default CONN_MAX_AGE of
@@ -82,24 +82,26 @@ class Upkeep:
         self.db(close_old_connections)
 
     def beat(self) -> None:
-        """Record the heartbeat when it is due: every HEARTBEAT_SECONDS, not every round."""
+        """Record the heartbeat when it is due: every HEARTBEAT_SECONDS, not
+        every round; and read the queue's gauges every GAUGES_EVERY, when
+        metrics are served. Both here, as an idle deliverer only beats: its
+        gauges stay as fresh as its heartbeat."""
         if self.heartbeat is not None and self.heartbeat.due():
             self.db(
                 self.heartbeat.beat,
                 in_flight=len(self.slots.in_flight),
                 delivered=self.summary.delivered,
             )
-
-    def refresh(self) -> None:
-        """Re-read the breakers and the paused hosts, about once a second
-        (and the queue's gauges every few seconds, when metrics are served);
-        record the heartbeat every HEARTBEAT_SECONDS; release what was left
-        waiting on a settled delivery every STRANDED_EVERY; look after the
-        hosts gone for good every HOSTS_EVERY."""
-        self.beat()
         if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
             self._gauges_read = time.monotonic()
             self.db(metrics.observe_queue, using=self.using)
+
+    def refresh(self) -> None:
+        """Re-read the breakers and the paused hosts, about once a second;
+        record the heartbeat and read the queue's gauges when due (:meth:`beat`);
+        release what was left waiting on a settled delivery every
+        STRANDED_EVERY; look after the hosts gone for good every HOSTS_EVERY."""
+        self.beat()
         if time.monotonic() - self._stranded_read >= STRANDED_EVERY:
             self._stranded_read = time.monotonic()
             self.db(release_stranded, now=timezone.now(), using=self.using)

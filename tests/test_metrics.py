@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -14,10 +16,11 @@ from django.utils import timezone
 from prometheus_client import REGISTRY
 
 from django_federation_delivery import metrics
-from django_federation_delivery.models import Delivery
+from django_federation_delivery.models import DelivererHeartbeat, Delivery, Host, Lane
 
 from .conftest import ROOT
 from .operators import open_breaker, queue
+from .test_webhooks_status import WEBHOOKS, configure
 
 
 def sample(name: str, **labels: str) -> float:
@@ -142,3 +145,119 @@ def test_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(metrics, "prometheus_client", None)
     with pytest.raises(ImproperlyConfigured, match=r"django-federation-delivery\[prometheus\]"):
         metrics.start_server(0)
+
+
+def heartbeat(seen_ago: float, interval: float = 5.0) -> None:
+    now = timezone.now()
+    DelivererHeartbeat.objects.create(
+        host="worker-1",
+        pid=1000 + int(seen_ago),
+        started_at=now - dt.timedelta(hours=1),
+        last_seen=now - dt.timedelta(seconds=seen_ago),
+        interval=interval,
+    )
+
+
+@pytest.mark.django_db
+def test_observe_queue_reads_each_lane_the_deliverers_hosts_and_destinations(
+    settings: Any,
+) -> None:
+    configure(settings, {"ops": WEBHOOKS["ops"], "audit": WEBHOOKS["audit"]})
+    now = timezone.now()
+    queue(per_host=1)
+    a, b = Delivery.objects.order_by("id")
+    Delivery.objects.filter(pk=a.pk).update(lane=Lane.NORMAL, due_at=now - dt.timedelta(minutes=1))
+    Delivery.objects.filter(pk=b.pk).update(lane=Lane.LOW, due_at=now - dt.timedelta(minutes=5))
+    # Due later (a retry waiting), and held: neither is waited on.
+    queue(("c.example",), per_host=1)
+    queue(("d.example",), per_host=1)
+    c, d = Delivery.objects.order_by("-id")[:2]
+    Delivery.objects.filter(pk=c.pk).update(lane=Lane.PRIORITY, due_at=now + dt.timedelta(hours=1))
+    Delivery.objects.filter(pk=d.pk).update(lane=Lane.PRIORITY, due_at=None)
+    hour = dt.timedelta(hours=1)
+    Host.objects.bulk_create(
+        [
+            Host(name="a.example", failing_since=now - dt.timedelta(minutes=10)),
+            Host(name="b.example", failing_since=now - 2 * hour, failing_told_at=now - hour),
+            Host(
+                name="gone.example",
+                failing_since=now - 200 * hour,
+                failing_told_at=now - 199 * hour,
+                unavailable_since=now - 30 * hour,
+            ),
+            Host(name="up.example"),
+            # A destination's row, disabled: not a host.
+            Host(
+                name="<ops>",
+                failing_since=now - 130 * hour,
+                paused_at=now - 10 * hour,
+                disabled_reason="no success for 5 days",
+            ),
+            # Disabled, then taken out of the settings: it has no series.
+            Host(name="<chat>", paused_at=now - hour, disabled_reason="410 Gone"),
+        ]
+    )
+    heartbeat(seen_ago=2)
+    heartbeat(seen_ago=600)  # dead
+    before = time.time()
+    metrics.observe_queue()
+    assert sample("federation_delivery_lane_lag_seconds", lane="webhook") == 0
+    assert sample("federation_delivery_lane_lag_seconds", lane="priority") == 0
+    assert 60 <= sample("federation_delivery_lane_lag_seconds", lane="normal") < 90
+    assert 300 <= sample("federation_delivery_lane_lag_seconds", lane="low") < 330
+    assert sample("federation_delivery_lag_seconds") == sample(
+        "federation_delivery_lane_lag_seconds", lane="low"
+    )
+    assert sample("federation_delivery_deliverers_alive") == 1
+    assert sample("federation_delivery_hosts_failing") == 2
+    assert sample("federation_delivery_hosts_told_failing") == 1
+    assert sample("federation_delivery_hosts_unavailable") == 1
+    assert sample("federation_delivery_webhook_destination_disabled", destination="ops") == 1
+    assert (
+        REGISTRY.get_sample_value(
+            "federation_delivery_webhook_destination_disabled", {"destination": "audit"}
+        )
+        == 0
+    )
+    assert (
+        REGISTRY.get_sample_value(
+            "federation_delivery_webhook_destination_disabled", {"destination": "chat"}
+        )
+        is None
+    )
+    assert before <= sample("federation_delivery_gauges_refreshed_timestamp_seconds") <= time.time()
+
+
+@pytest.mark.django_db
+def test_a_destination_taken_out_of_the_settings_loses_its_series(settings: Any) -> None:
+    configure(settings, {"ops": WEBHOOKS["ops"], "audit": WEBHOOKS["audit"]})
+    metrics.observe_queue()
+    configure(settings, {"ops": WEBHOOKS["ops"]})
+    metrics.observe_queue()
+    found = {
+        sample.labels["destination"]
+        for family in REGISTRY.collect()
+        if family.name == "federation_delivery_webhook_destination_disabled"
+        for sample in family.samples
+    }
+    assert found == {"ops"}
+
+
+@pytest.mark.django_db
+def test_the_gauges_cost_the_same_few_queries_whatever_the_queue(
+    settings: Any, django_assert_num_queries: Any
+) -> None:
+    # One a lane, the breakers, the heartbeats, the hosts; the destinations'
+    # rows when some are configured.
+    with django_assert_num_queries(7):
+        metrics.read_queue()
+    configure(settings, WEBHOOKS)
+    queue(per_host=50)
+    Host.objects.bulk_create(
+        Host(name=f"h{n}.example", failing_since=timezone.now()) for n in range(50)
+    )
+    heartbeat(seen_ago=1)
+    with django_assert_num_queries(8):
+        reading = metrics.read_queue()
+    assert reading.hosts_failing == 50
+    assert reading.destinations_disabled == {"audit": False, "chat": False, "ops": False}

@@ -1,16 +1,19 @@
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from typing import Any
 
 import pytest
 
+from django_federation_delivery import metrics
 from django_federation_delivery.hosts import pause_host, resume_host
 from django_federation_delivery.outages import Database
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
-from django_federation_delivery.upkeep import Upkeep
+from django_federation_delivery.upkeep import GAUGES_EVERY, Upkeep
 
 pytestmark = pytest.mark.django_db
 
@@ -50,3 +53,17 @@ def test_claimed_hosts_are_looked_up_again_only_when_one_seemed_paused(
     with django_assert_num_queries(1):
         assert chores.paused_among({"a.example", "b.example"}) == frozenset()
     assert chores.paused == frozenset()
+
+
+def test_an_idle_deliverer_reads_the_gauges_as_it_beats(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Waiting for work, the loop only beats: the gauges are read there, every
+    # GAUGES_EVERY, not only when it turns.
+    read: list[str] = []
+    monkeypatch.setattr(metrics, "observe_queue", lambda *, using: read.append(using))
+    chores = dataclasses.replace(upkeep(), metrics=True)
+    chores.beat()
+    chores.beat()
+    assert read == ["default"]
+    monkeypatch.setattr(chores, "_gauges_read", time.monotonic() - GAUGES_EVERY)
+    chores.beat()
+    assert read == ["default", "default"]
