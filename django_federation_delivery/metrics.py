@@ -203,6 +203,8 @@ def read_queue(*, now: dt.datetime | None = None, using: str | None = None) -> Q
     available = Q(unavailable_since__isnull=True)
     hosts = (
         Host.objects.using(alias)
+        # Only the hosts in trouble: read from their partial indexes.
+        .filter(Q(failing_since__isnull=False) | Q(unavailable_since__isnull=False))
         .exclude(name__startswith="<")
         .aggregate(
             failing=Count("name", filter=Q(failing_since__isnull=False) & available),

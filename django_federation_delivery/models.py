@@ -335,6 +335,20 @@ class Host(models.Model):
     class Meta:
         verbose_name = _("host")
         verbose_name_plural = _("hosts")
+        # The few hosts in trouble, read every few seconds (the gauges, the
+        # sends' unavailable hosts, the hourly marking) among every host sent to.
+        indexes = [
+            models.Index(
+                fields=["failing_since"],
+                condition=Q(failing_since__isnull=False),
+                name="fd_host_failing",
+            ),
+            models.Index(
+                fields=["unavailable_since"],
+                condition=Q(unavailable_since__isnull=False),
+                name="fd_host_unavailable",
+            ),
+        ]
 
     def __str__(self) -> str:
         return self.name

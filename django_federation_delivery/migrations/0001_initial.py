@@ -103,79 +103,6 @@ class Migration(migrations.Migration):
             },
         ),
         migrations.CreateModel(
-            name="Host",
-            fields=[
-                (
-                    "name",
-                    models.CharField(
-                        max_length=255, primary_key=True, serialize=False, verbose_name="name"
-                    ),
-                ),
-                (
-                    "scheme",
-                    models.CharField(blank=True, default="", max_length=16, verbose_name="scheme"),
-                ),
-                (
-                    "paused_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="paused at"),
-                ),
-                (
-                    "disabled_reason",
-                    models.CharField(
-                        blank=True, default="", max_length=400, verbose_name="disabled because"
-                    ),
-                ),
-                (
-                    "failing_since",
-                    models.DateTimeField(blank=True, null=True, verbose_name="failing since"),
-                ),
-                (
-                    "failing_told_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="told failing at"),
-                ),
-                (
-                    "unavailable_since",
-                    models.DateTimeField(blank=True, null=True, verbose_name="unavailable since"),
-                ),
-                (
-                    "probed_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="probed at"),
-                ),
-                (
-                    "first_seen_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="first seen"),
-                ),
-                (
-                    "last_delivered_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="last delivered"),
-                ),
-                ("last_error", models.TextField(blank=True, default="", verbose_name="last error")),
-                (
-                    "last_error_at",
-                    models.DateTimeField(blank=True, null=True, verbose_name="last error at"),
-                ),
-                (
-                    "answer_p50_ms",
-                    models.FloatField(blank=True, null=True, verbose_name="answer time p50 (ms)"),
-                ),
-                (
-                    "answer_p95_ms",
-                    models.FloatField(blank=True, null=True, verbose_name="answer time p95 (ms)"),
-                ),
-                (
-                    "concurrency_limit",
-                    models.PositiveIntegerField(
-                        blank=True, null=True, verbose_name="limit at once"
-                    ),
-                ),
-                ("updated_at", models.DateTimeField(auto_now=True, verbose_name="updated at")),
-            ],
-            options={
-                "verbose_name": "host",
-                "verbose_name_plural": "hosts",
-            },
-        ),
-        migrations.CreateModel(
             name="Batch",
             fields=[
                 (
@@ -315,6 +242,91 @@ class Migration(migrations.Migration):
                 "verbose_name": "deliverer heartbeat",
                 "verbose_name_plural": "deliverer heartbeats",
                 "indexes": [models.Index(fields=["last_seen"], name="fd_heartbeat_last_seen")],
+            },
+        ),
+        migrations.CreateModel(
+            name="Host",
+            fields=[
+                (
+                    "name",
+                    models.CharField(
+                        max_length=255, primary_key=True, serialize=False, verbose_name="name"
+                    ),
+                ),
+                (
+                    "scheme",
+                    models.CharField(blank=True, default="", max_length=16, verbose_name="scheme"),
+                ),
+                (
+                    "paused_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="paused at"),
+                ),
+                (
+                    "disabled_reason",
+                    models.CharField(
+                        blank=True, default="", max_length=400, verbose_name="disabled because"
+                    ),
+                ),
+                (
+                    "failing_since",
+                    models.DateTimeField(blank=True, null=True, verbose_name="failing since"),
+                ),
+                (
+                    "failing_told_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="told failing at"),
+                ),
+                (
+                    "unavailable_since",
+                    models.DateTimeField(blank=True, null=True, verbose_name="unavailable since"),
+                ),
+                (
+                    "probed_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="probed at"),
+                ),
+                (
+                    "first_seen_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="first seen"),
+                ),
+                (
+                    "last_delivered_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="last delivered"),
+                ),
+                ("last_error", models.TextField(blank=True, default="", verbose_name="last error")),
+                (
+                    "last_error_at",
+                    models.DateTimeField(blank=True, null=True, verbose_name="last error at"),
+                ),
+                (
+                    "answer_p50_ms",
+                    models.FloatField(blank=True, null=True, verbose_name="answer time p50 (ms)"),
+                ),
+                (
+                    "answer_p95_ms",
+                    models.FloatField(blank=True, null=True, verbose_name="answer time p95 (ms)"),
+                ),
+                (
+                    "concurrency_limit",
+                    models.PositiveIntegerField(
+                        blank=True, null=True, verbose_name="limit at once"
+                    ),
+                ),
+                ("updated_at", models.DateTimeField(auto_now=True, verbose_name="updated at")),
+            ],
+            options={
+                "verbose_name": "host",
+                "verbose_name_plural": "hosts",
+                "indexes": [
+                    models.Index(
+                        condition=models.Q(("failing_since__isnull", False)),
+                        fields=["failing_since"],
+                        name="fd_host_failing",
+                    ),
+                    models.Index(
+                        condition=models.Q(("unavailable_since__isnull", False)),
+                        fields=["unavailable_since"],
+                        name="fd_host_unavailable",
+                    ),
+                ],
             },
         ),
         migrations.CreateModel(
