@@ -32,6 +32,13 @@
 -- their length, prepared once, with one value to bind. Every status that
 -- the partial indexes name is written out ({pending}), not bound, so that
 -- the index is the statement's to use whatever is bound.
+--
+-- A delivery is pending exactly while its settled_at is NULL (every way out
+-- of the queue sets it, a requeue clears it). Statements that find rows by
+-- another index (their batch, the one they wait on) say "settled_at IS
+-- NULL", not "status = pending": given the latter, a planner whose
+-- statistics say the pending rows are few scans the due index, all of it,
+-- as the backlog grows.
 
 
 -- The claim --------------------------------------------------------------
@@ -235,7 +242,7 @@ SELECT n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
 -- superseded, unsent. What it returns is what it changed.
 UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
-WHERE batch_id = ANY(%(batches)s::bigint[]) AND status = {pending} AND attempts = 0
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL AND attempts = 0
     AND (lease_token IS NULL OR due_at <= %(now)s)
     AND inbox IN ({retraction_inboxes})
 RETURNING id, batch_id, inbox
@@ -243,7 +250,7 @@ RETURNING id, batch_id, inbox
 -- name: supersede [sqlite]
 UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
-WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND status = {pending}
+WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
     AND attempts = 0 AND (lease_token IS NULL OR due_at <= %(now)s)
     AND inbox IN ({retraction_inboxes})
 RETURNING id, batch_id, inbox
@@ -252,13 +259,13 @@ RETURNING id, batch_id, inbox
 -- For each inbox of the retraction, the last delivery of %(batches)s to it
 -- still pending (attempted, or held by a claim): what it waits on.
 SELECT inbox, max(id) AS last FROM {delivery}
-WHERE batch_id = ANY(%(batches)s::bigint[]) AND status = {pending}
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
     AND inbox IN ({retraction_inboxes})
 GROUP BY inbox
 
 -- name: attempted_before [sqlite]
 SELECT inbox, max(id) AS last FROM {delivery}
-WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND status = {pending}
+WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
     AND inbox IN ({retraction_inboxes})
 GROUP BY inbox
 
@@ -276,9 +283,9 @@ WHERE {delivery}.batch_id = %(batch)s AND {delivery}.inbox = w.inbox
 -- by its settle as a rule, but not when it settled while a retraction was
 -- making them wait on it (read from the index on after_id).
 SELECT w.id FROM {delivery} AS w
-WHERE w.after_id IS NOT NULL AND w.status = {pending}
+WHERE w.after_id IS NOT NULL AND w.settled_at IS NULL
     AND NOT EXISTS (
-        SELECT 1 FROM {delivery} AS p WHERE p.id = w.after_id AND p.status = {pending}
+        SELECT 1 FROM {delivery} AS p WHERE p.id = w.after_id AND p.settled_at IS NULL
     )
 LIMIT %(limit)s
 
@@ -301,11 +308,11 @@ SELECT pg_advisory_xact_lock(%(key)s)
 -- name: release_next [postgresql]
 -- Those waiting on %(ids)s made due: one read of the index on after_id.
 UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
-WHERE after_id = ANY(%(ids)s::bigint[]) AND status = {pending}
+WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
 
 -- name: release_next [sqlite]
 UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
-WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
+WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
 
 -- name: lock_deliveries [postgresql]
 -- Rows about to be settled that a send may be making a delivery wait on:
@@ -352,7 +359,7 @@ s AS (
 ),
 r AS (
     UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
-    WHERE after_id = ANY(%(final)s::bigint[]) AND status = {pending}
+    WHERE after_id = ANY(%(final)s::bigint[]) AND settled_at IS NULL
         AND after_id IN (SELECT id FROM s WHERE settled_at IS NOT NULL)
     RETURNING 1
 ),
