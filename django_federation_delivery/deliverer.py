@@ -28,7 +28,7 @@ from collections.abc import Callable, Generator, Iterator
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from django_federation_delivery import signals, wakeup, writelock
+from django_federation_delivery import signals, tracing, wakeup, writelock
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
@@ -276,6 +276,8 @@ class Deliverer:
                 )
         # Decide (decide.py), signal and count (settling.py)...
         settlement = item.kind.settler(item.claimed).attempted(item.claimed, item.batch, result)
+        # ...end the attempt's span, with the otel extra (tracing.py)...
+        tracing.attempted(item, result, settlement)
         # ...and settle: written with others in one transaction (outbox.py, _write).
         self.outbox.add(settlement)
 

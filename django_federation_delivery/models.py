@@ -116,6 +116,10 @@ class Batch(models.Model):
     idempotency_key = models.CharField(
         verbose_name=_("idempotency key"), max_length=200, blank=True, default=""
     )
+    #: The W3C trace context (traceparent and tracestate, as JSON) of the
+    #: OpenTelemetry span that sent it, if one was recording: each attempt's
+    #: span is its child (tracing.py). Blank without the ``otel`` extra.
+    trace_context = models.TextField(verbose_name=_("trace context"), blank=True, default="")
     created_at = models.DateTimeField(verbose_name=_("created at"), default=timezone.now)
     # How many deliveries it queued, and how many are still pending: the
     # batch is finished when that reaches nought.

@@ -22,6 +22,7 @@ from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
+from django_federation_delivery import tracing
 from django_federation_delivery.models import Batch, Delivery, Kind, Lane, Status
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.sequences import lock_sequences
@@ -88,6 +89,8 @@ def replay(
                         event_type=original.event_type,
                         event_id=original.event_id,
                         idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
+                        # Its attempts' spans are children of the replay's.
+                        trace_context=tracing.carried(),
                     ),
                     queued,
                     kind=kinds[batch_id],

@@ -18,7 +18,7 @@ from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery import addresses, availability, portable, retractions
+from django_federation_delivery import addresses, availability, portable, retractions, tracing
 from django_federation_delivery.addresses import host_of, normalize_inbox
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -234,6 +234,8 @@ def _queue(
                 idempotency_key=idempotency_key,
                 activity_id=activity_id,
                 object_id=object_id,
+                # Each attempt's span is a child of the caller's (tracing.py).
+                trace_context=tracing.carried(),
             ),
             _interleave_hosts(targets),
             using=using,

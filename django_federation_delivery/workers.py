@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
 
+from django_federation_delivery import tracing
 from django_federation_delivery.attempt import AttemptResult, Job, crashed
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.store.claims import Claimed
@@ -26,6 +27,7 @@ from django_federation_delivery.transport import Connections, Transport, Transpo
 
 if TYPE_CHECKING:
     from django_federation_delivery.kinds import DeliveryKind
+    from django_federation_delivery.tracing import Begun
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,9 @@ class InFlight:
     #: Its way through the loop once it has a slot: the deliverer's
     #: ``perform()``, paused at the attempt until the result comes back.
     path: Generator[None, AttemptResult, None] | None = None
+    #: Its attempt's span, with the ``otel`` extra: begun by the worker,
+    #: ended by ``perform()`` (``tracing.py``).
+    span: Begun | None = None
 
 
 class Workers:
@@ -171,7 +176,8 @@ class Workers:
             transport = transports.get(settings)
             if transport is None:
                 transport = transports[settings] = Transport(settings, self.connections)
-            return item.kind.attempt(item.job, transport)
+            with tracing.attempting(item):
+                return item.kind.attempt(item.job, transport)
         except Exception as exc:  # a bug must not take a worker down
             # Only the type: a webhook's message and traceback may hold its
             # URL, a credential.

@@ -178,6 +178,10 @@ class Migration(migrations.Migration):
                     ),
                 ),
                 (
+                    "trace_context",
+                    models.TextField(blank=True, default="", verbose_name="trace context"),
+                ),
+                (
                     "created_at",
                     models.DateTimeField(
                         default=django.utils.timezone.now, verbose_name="created at"

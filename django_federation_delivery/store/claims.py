@@ -229,6 +229,10 @@ class BatchInfo(NamedTuple):
     ordered: bool
     #: A webhook event's type; "" for an activity.
     event_type: str = ""
+    #: The lane it was sent in (``models.Lane``).
+    lane: str = Lane.NORMAL
+    #: The trace context of the span that sent it, "" for none (``tracing.py``).
+    trace_context: str = ""
 
 
 def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchInfo]:
@@ -248,7 +252,20 @@ def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchI
 
 
 def _batch(row: Sequence[Any], connection: Any) -> BatchInfo:
-    id, sender, body, digest, tag, deadline, most, synchronize, ordering_key, event_type = row
+    (
+        id,
+        sender,
+        body,
+        digest,
+        tag,
+        deadline,
+        most,
+        synchronize,
+        ordering_key,
+        event_type,
+        lane,
+        trace_context,
+    ) = row
     return BatchInfo(
         id,
         sender,
@@ -260,6 +277,8 @@ def _batch(row: Sequence[Any], connection: Any) -> BatchInfo:
         bool(synchronize),
         bool(ordering_key),
         event_type,
+        lane,
+        trace_context,
     )
 
 

@@ -123,12 +123,12 @@ UPDATE {delivery} SET id = id WHERE 0
 
 -- name: claimed_batches [postgresql]
 SELECT id, sender, body, body_sha256, tag, deadline, max_attempts, synchronize_collection,
-    ordering_key, event_type
+    ordering_key, event_type, lane, trace_context
 FROM {batch} WHERE id = ANY(%(ids)s::bigint[])
 
 -- name: claimed_batches [sqlite]
 SELECT json_group_array(json_array(id, sender, body, body_sha256, tag, deadline, max_attempts,
-    synchronize_collection, ordering_key, event_type))
+    synchronize_collection, ordering_key, event_type, lane, trace_context))
 FROM {batch} WHERE id IN (SELECT value FROM json_each(%(ids)s))
 
 -- name: next_due

@@ -26,6 +26,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
+from django_federation_delivery import tracing
 from django_federation_delivery.channels import Event, Policy
 from django_federation_delivery.channels.policy import LANES
 from django_federation_delivery.conf import SETTING, app_settings
@@ -110,6 +111,8 @@ def send_webhook(
                 event_type=event.type,
                 event_id=event.id,
                 idempotency_key=idempotency_key,
+                # Each attempt's span is a child of the caller's (tracing.py).
+                trace_context=tracing.carried(),
             ),
             [
                 queueing.Queued(
