@@ -54,7 +54,8 @@ Q_CLUSTER = {
 
 # The backends of contrib.tasks's tests (Django 6.0 and later; unread
 # before). Its tasks are declared on "federation_delivery": a queue its
-# tests run as a worker would. The tests enqueue them on the others too.
+# tests run as a worker would, which its system check finds fit to run
+# them. The tests enqueue them on the others too.
 TASKS = {
     "default": {"BACKEND": "django.tasks.backends.immediate.ImmediateBackend"},
     "federation_delivery": {"BACKEND": "tests.taskqueue.QueueBackend"},

@@ -1,6 +1,7 @@
 """contrib.tasks: rounds, the purge and the breakers' upkeep as Django's
 tasks, enqueued on Django's ImmediateBackend (run at once, in the test) and
-on a backend with a queue and a worker (tests/taskqueue.py)."""
+on a backend with a queue and a worker (tests/taskqueue.py); and the system
+check that warns of a backend that would not run them usefully."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import collections
 import datetime as dt
 import importlib
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import django
+from django.core.checks.registry import registry
 from django.tasks import TaskResultStatus, task_backends
+from django.tasks.backends.immediate import ImmediateBackend
 from django.utils import timezone
 
 from django_federation_delivery import contrib, send
@@ -46,6 +50,17 @@ def _empty_queue() -> None:
     """The backend is made once a thread: what an earlier test left is not this one's."""
     queue().queued.clear()
     queue().results.clear()
+
+
+@pytest.fixture
+def declared_on() -> Iterator[Callable[[type], None]]:
+    """Put another backend in the place of the one the tasks are declared on."""
+
+    def put(backend: type) -> None:
+        task_backends[tasks.BACKEND] = backend(alias=tasks.BACKEND, params={})
+
+    yield put
+    del task_backends[tasks.BACKEND]  # made again from TASKS when next asked for
 
 
 # Where the tasks are declared.
@@ -215,3 +230,39 @@ def test_with_breakers_turned_off_the_upkeep_says_so(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": None}
     result = tasks.breaker_upkeep.using(backend="default").enqueue()
     assert result.return_value == {"ran": False, "reason": tasks.BREAKERS_OFF}
+
+
+# The system check.
+
+
+def test_the_check_is_registered_by_importing_the_module() -> None:
+    assert tasks.check_backend in registry.get_checks()
+
+
+def test_a_backend_with_workers_is_fit_to_run_the_tasks() -> None:
+    assert tasks.check_backend() == []
+
+
+def test_the_immediate_backend_is_warned_of_as_it_would_hold_a_request(
+    declared_on: Callable[[type], None],
+) -> None:
+    declared_on(ImmediateBackend)
+    (warning,) = tasks.check_backend()
+    assert warning.id == "federation_delivery.W005"
+    assert "ImmediateBackend" in warning.msg
+    assert "hold that request for 50 s and more" in warning.msg
+    assert "TASKS['federation_delivery']" in (warning.hint or "")
+
+
+def test_a_subclass_of_the_immediate_backend_is_warned_of_too(
+    declared_on: Callable[[type], None],
+) -> None:
+    declared_on(type("Inline", (ImmediateBackend,), {}))
+    assert [m.id for m in tasks.check_backend()] == ["federation_delivery.W005"]
+
+
+def test_the_dummy_backend_is_warned_of_as_it_never_runs_a_task() -> None:
+    (warning,) = tasks.backend_problems("dummy")
+    assert warning.id == "federation_delivery.W005"
+    assert "never runs a task" in warning.msg
+    assert "keep DummyBackend to tests" in (warning.hint or "")

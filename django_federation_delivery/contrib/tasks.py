@@ -13,10 +13,16 @@ ran them.
 The tasks are declared on the ``TASKS`` backend named ``federation_delivery``
 when there is one, else on ``default``: a project can keep Django's
 ImmediateBackend for its own small tasks and send these to workers.
+
+Importing the module registers its system check (``W005``), as importing
+``django.tasks`` registers Django's: a backend that runs a task in the
+process that enqueues it (ImmediateBackend: a round would hold the request
+that enqueued it) or never runs it (DummyBackend) is warned of.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import django
@@ -33,11 +39,15 @@ if django.VERSION < (6, 0):
     )
 
 from django.conf import settings
+from django.core.checks import CheckMessage, Warning, register
 from django.db import DEFAULT_DB_ALIAS, connections
-from django.tasks import DEFAULT_TASK_BACKEND_ALIAS, task
+from django.tasks import DEFAULT_TASK_BACKEND_ALIAS, task, task_backends
+from django.tasks.backends.dummy import DummyBackend
+from django.tasks.backends.immediate import ImmediateBackend
 from django.utils import timezone
 
 from django_federation_delivery.breakers import Breakers
+from django_federation_delivery.checks import PREFIX
 from django_federation_delivery.contrib import rounds
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.models import Breaker
@@ -46,7 +56,9 @@ __all__ = [
     "ALIAS",
     "BACKEND",
     "ROUND_PERIOD",
+    "backend_problems",
     "breaker_upkeep",
+    "check_backend",
     "deliver_round",
     "purge",
 ]
@@ -143,3 +155,50 @@ def breaker_upkeep(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
         "standing": standing,
         "holding": len(breakers.view.holding(timezone.now())),
     }
+
+
+def backend_problems(alias: str) -> list[CheckMessage]:
+    """What keeps the TASKS backend ``alias`` from running the tasks usefully."""
+    backend = task_backends[alias]
+    if isinstance(backend, DummyBackend):
+        return [
+            Warning(
+                _(
+                    "The delivery tasks are declared on TASKS[%(alias)r], a DummyBackend, "
+                    "which never runs a task: no round, purge or breaker upkeep enqueued "
+                    "there would happen."
+                )
+                % {"alias": alias},
+                hint=_(
+                    "Give TASKS a backend whose workers run tasks, as "
+                    "TASKS[%(name)r] for these tasks alone; keep DummyBackend to tests."
+                )
+                % {"name": ALIAS},
+                id=f"{PREFIX}.W005",
+            )
+        ]
+    if isinstance(backend, ImmediateBackend):
+        return [
+            Warning(
+                _(
+                    "The delivery tasks are declared on TASKS[%(alias)r], an ImmediateBackend, "
+                    "which runs a task in the process that enqueues it: a round enqueued "
+                    "in a request would hold that request for %(seconds)g s and more."
+                )
+                % {"alias": alias, "seconds": rounds.ROUND_SECONDS},
+                hint=_(
+                    "Give TASKS a backend whose workers run tasks outside the web "
+                    "processes, as TASKS[%(name)r] for these tasks alone; or, if only a "
+                    "command of your own enqueues them, silence federation_delivery.W005."
+                )
+                % {"name": ALIAS},
+                id=f"{PREFIX}.W005",
+            )
+        ]
+    return []
+
+
+@register()
+def check_backend(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """The backend the tasks are declared on, as :func:`backend_problems` sees it."""
+    return backend_problems(deliver_round.backend)
