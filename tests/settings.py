@@ -52,6 +52,16 @@ Q_CLUSTER = {
     **json.loads(os.environ.get("FD_Q_CLUSTER_JSON", "{}")),
 }
 
+# The backends of contrib.tasks's tests (Django 6.0 and later; unread
+# before). Its tasks are declared on "federation_delivery": a queue its
+# tests run as a worker would, which its system check finds fit to run
+# them. The tests enqueue them on the others too.
+TASKS = {
+    "default": {"BACKEND": "django.tasks.backends.immediate.ImmediateBackend"},
+    "federation_delivery": {"BACKEND": "tests.taskqueue.QueueBackend"},
+    "dummy": {"BACKEND": "django.tasks.backends.dummy.DummyBackend"},
+}
+
 # The admin's CSS, served by the live server of the browser tests.
 STATIC_URL = "static/"
 

@@ -1,6 +1,8 @@
 """System checks for the ``FEDERATION_DELIVERY`` settings and the database.
 
-Importing this package registers them all (``apps.py`` does, once ready).
+Importing this package registers them all (``apps.py`` does, once ready),
+but for ``federation_delivery.W005``, which ``contrib/tasks.py`` registers
+when a project imports it.
 """
 
 from __future__ import annotations

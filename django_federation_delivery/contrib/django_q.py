@@ -15,20 +15,15 @@ fit is refused, naming the settings. Nothing is lost if it is killed all the
 same: what it had claimed comes due again when its lease lapses.
 
 Two rounds never run at once (a round still going when the next minute
-comes, two clusters, a task handed on past ``retry``): a round takes a lock
-first, and returns at once if another holds it.
+comes, two clusters, a task handed on past ``retry``, a round of Django's
+tasks): a round takes a lock first, and returns at once if another holds
+it. What a round is, its lock and its heartbeat are ``contrib.rounds``'s,
+shared with ``contrib.tasks``; what is django-q2's is here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import logging
 import math
-import os
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from django.utils.translation import gettext as _
@@ -47,23 +42,36 @@ except ImportError as exc:
 from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, connections
-from django.utils import translation
+from django.db import DEFAULT_DB_ALIAS
 
-from django_federation_delivery.checks import check_settings
-from django_federation_delivery.conf import app_settings
-from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.contrib import rounds
+from django_federation_delivery.contrib.rounds import (
+    ADVISORY_KEY,
+    ANOTHER_ROUND,
+    FINISH_MARGIN,
+    LOCK_SUFFIX,
+    ROUND_SECONDS,
+    finish_seconds,
+    round_lock,
+)
 from django_federation_delivery.heartbeats import Heartbeat
-from django_federation_delivery.retention import purge_by_setting
-from django_federation_delivery.store import locks
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "ADVISORY_KEY",
+    "ANOTHER_ROUND",
+    "FINISH_MARGIN",
+    "LOCK_SUFFIX",
+    "ROUND_SECONDS",
+    "cluster_limit",
+    "deliver_round",
+    "ensure_schedules",
+    "finish_seconds",
+    "purge_task",
+    "remove_schedules",
+    "round_lock",
+    "round_seconds",
+]
 
-#: A round's bound when none is given, if the cluster's limits leave room.
-ROUND_SECONDS = 50.0
-#: Beyond the longest attempt, what finishing a round takes: writing the
-#: outcomes, ending the threads.
-FINISH_MARGIN = 5.0
 #: What a purge leaves of the cluster's limit for its last chunk.
 PURGE_MARGIN = 10.0
 #: django-q2's ``retry`` when Q_CLUSTER does not set one.
@@ -73,16 +81,6 @@ ROUND_TASK = f"{__name__}.deliver_round"
 PURGE_TASK = f"{__name__}.purge_task"
 ROUND_SCHEDULE = "django_federation_delivery: deliver round"
 PURGE_SCHEDULE = "django_federation_delivery: purge"
-ANOTHER_ROUND = "another round is running"
-
-#: The PostgreSQL advisory lock a round holds: a fixed 64-bit key from a name.
-ADVISORY_KEY = int.from_bytes(
-    hashlib.sha256(b"django_federation_delivery.contrib.django_q.round").digest()[:8],
-    "big",
-    signed=True,
-)
-#: Beside an SQLite database, the file whose lock a round holds.
-LOCK_SUFFIX = "-delivery-round.lock"
 
 
 def cluster_limit() -> float | None:
@@ -113,13 +111,6 @@ def cluster_limit() -> float | None:
     return min(limits) if limits else None
 
 
-def finish_seconds() -> float:
-    """The longest a round takes to finish what is in flight once it stops
-    claiming: the longest attempt, and a margin to write what came of it."""
-    longest = max(app_settings.attempt_timeout, app_settings.webhook_timeout)
-    return longest + FINISH_MARGIN
-
-
 def round_seconds(seconds: float | None = None) -> float:
     """The bound of a round: ``seconds``, or ROUND_SECONDS made shorter if
     the cluster's limit needs it. A bound that, with the time to finish what
@@ -145,15 +136,9 @@ def round_seconds(seconds: float | None = None) -> float:
                 }
             )
         return seconds
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not math.isfinite(seconds)
-        or seconds <= 0
-    ):
-        raise ValueError(
-            _("a round's seconds must be a positive number, not %(value)r") % {"value": seconds}
-        )
+    seconds = rounds.positive(
+        seconds, _("a round's seconds must be a positive number, not %(value)r")
+    )
     if limit is not None and seconds + finish > limit:
         raise ImproperlyConfigured(
             _(
@@ -171,67 +156,7 @@ def round_seconds(seconds: float | None = None) -> float:
                 "least": seconds + finish,
             }
         )
-    return float(seconds)
-
-
-@contextlib.contextmanager
-def round_lock(using: str = DEFAULT_DB_ALIAS) -> Iterator[bool]:
-    """Held by one round at a time, across processes and machines; gives
-    whether this one holds it. Released when the round ends, or at once
-    when its process dies (killed by the cluster, say): nothing to expire.
-
-    PostgreSQL: a session advisory lock, on a connection of its own (the
-    loop closes and reopens its connections as it goes). SQLite: a lock on
-    a file beside the database, which only processes of one machine share,
-    as they share the database itself.
-    """
-    connection = connections[using]
-    if connection.vendor == "postgresql":
-        with locks.session_lock(using, ADVISORY_KEY) as held:
-            yield held
-    elif connection.vendor == "sqlite":
-        with _file_lock(connection.settings_dict["NAME"]) as held:
-            yield held
-    else:
-        raise ImproperlyConfigured(
-            _(
-                "Rounds run by django-q2 need PostgreSQL or SQLite, not %(vendor)s "
-                "(database %(alias)r)."
-            )
-            % {"vendor": connection.vendor, "alias": using}
-        )
-
-
-@contextlib.contextmanager
-def _file_lock(name: Any) -> Iterator[bool]:
-    path = str(name)
-    if not path or path == ":memory:" or "mode=memory" in path:
-        raise ImproperlyConfigured(
-            _(
-                "Rounds run by django-q2 need an SQLite database in a file, which the "
-                "cluster's processes share, not one in memory."
-            )
-        )
-    try:
-        import fcntl
-    except ImportError:
-        raise ImproperlyConfigured(
-            _("Rounds run by django-q2 on SQLite need fcntl (Linux, macOS, BSD).")
-        ) from None
-    lock_path = Path(path.removeprefix("file:").split("?")[0] + LOCK_SUFFIX)
-    # flock, not fcntl's record locks: it is held by the open file, so two
-    # rounds in one process exclude each other too, and SQLite's own record
-    # locks on the database are left alone.
-    with open(lock_path, "a+b") as file:
-        try:
-            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+    return seconds
 
 
 #: This process's heartbeat, by database: its rounds keep one row up to date.
@@ -241,50 +166,18 @@ ROUND_PERIOD = 60.0
 
 
 def _heartbeat(using: str) -> Heartbeat:
-    """The heartbeat this process's rounds keep (a new one in a forked child):
-    beating every HEARTBEAT_SECONDS while a round runs, and left in place
-    between rounds, alive for three periods of the schedule after the last."""
-    heartbeat = _heartbeats.get(using)
-    if heartbeat is None or heartbeat.pid != os.getpid():
-        heartbeat = Heartbeat(
-            app_settings.heartbeat_seconds,
-            using=using,
-            alive_for=ROUND_PERIOD,
-            kept=True,
-        )
-        _heartbeats[using] = heartbeat
-    return heartbeat
+    """The heartbeat this process's rounds keep, alive for three periods of
+    the schedule after the last round."""
+    return rounds.kept_heartbeat(_heartbeats, using, period=ROUND_PERIOD)
 
 
 def deliver_round(seconds: float | None = None, *, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
     """A task: claim and send for ``seconds`` (see :func:`round_seconds`),
     then finish what is in flight and return what was done. Returns at once,
     saying so, when another round is running."""
-    problems = [message for message in check_settings() if message.is_serious()]
-    if problems:
-        raise ImproperlyConfigured(
-            "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
-        )
+    rounds.refuse_bad_settings()
     bound = round_seconds(seconds)
-    with round_lock(using) as held:
-        if not held:
-            logger.info("A round was not started: %s", ANOTHER_ROUND)
-            return {"ran": False, "reason": ANOTHER_ROUND}
-        summary = Deliverer(using=using, heartbeat=_heartbeat(using)).run(stop_after=bound)
-    # Log lines stay English: operators grep them.
-    with translation.override(None):
-        logger.info("Round: %s", summary.line())
-    return {
-        "ran": True,
-        "delivered": summary.delivered,
-        "retrying": summary.retrying,
-        "refused": summary.refused,
-        "failed": summary.failed,
-        "skipped": summary.skipped,
-        "held": summary.held,
-        "attempts": summary.attempts,
-        "seconds": round(summary.elapsed, 1),
-    }
+    return rounds.run_round(bound, using=using, heartbeat=_heartbeat(using))
 
 
 def purge_task(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
@@ -292,24 +185,8 @@ def purge_task(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
     between chunks in time to return before the cluster's limit (the next
     purge goes on where it stopped). Returns what it deleted."""
     limit = cluster_limit()
-    deadline = None if limit is None else time.monotonic() + max(limit - PURGE_MARGIN, 1.0)
-
-    def out_of_time() -> bool:
-        return deadline is not None and time.monotonic() >= deadline
-
-    sqlite = connections[using].vendor == "sqlite"
-    # On SQLite the pause leaves the one write lock to a round between chunks.
-    purged = purge_by_setting(using=using, pause=0.05 if sqlite else 0.0, should_stop=out_of_time)
-    with translation.override(None):
-        logger.info("Purge: %s", purged.line())
-    return {
-        "deliveries": dict(purged.deliveries),
-        "batches": purged.batches,
-        "hosts": purged.hosts,
-        "history": purged.history,
-        "seconds": round(purged.seconds, 1),
-        "finished": not out_of_time(),
-    }
+    seconds = None if limit is None else max(limit - PURGE_MARGIN, 1.0)
+    return rounds.run_purge(using=using, seconds=seconds)
 
 
 def ensure_schedules(

@@ -1,0 +1,212 @@
+"""Rounds of the deliverer, and the purge, as a task queue's worker runs them.
+
+A round is the claim-and-send loop of ``run_deliverer`` for a bounded time:
+it claims for its bound only, then finishes what is in flight (an attempt
+lasts at most ``ATTEMPT_TIMEOUT``, or ``WEBHOOK_TIMEOUT``) before it returns
+what it did. Nothing is lost if its worker is killed all the same: what it
+had claimed comes due again when its lease lapses.
+
+Two rounds never run at once, whoever runs them (a round still going when
+the next is due, two workers, a task handed on after a timeout, a round of
+django-q2's beside one of Django's tasks): a round takes a lock first, and
+returns at once if another holds it.
+
+What the queue's own rules ask of a round (how long it may take, how often
+it comes) is its integration's: ``contrib.django_q`` for django-q2's
+``qcluster``, ``contrib.tasks`` for Django's tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils import translation
+from django.utils.translation import gettext as _
+
+from django_federation_delivery.checks import check_settings
+from django_federation_delivery.conf import app_settings
+from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.heartbeats import Heartbeat
+from django_federation_delivery.retention import purge_by_setting
+from django_federation_delivery.store import locks
+
+logger = logging.getLogger(__name__)
+
+#: A round's bound when none is given (and its integration leaves room).
+ROUND_SECONDS = 50.0
+#: Beyond the longest attempt, what finishing a round takes: writing the
+#: outcomes, ending the threads.
+FINISH_MARGIN = 5.0
+ANOTHER_ROUND = "another round is running"
+
+#: The PostgreSQL advisory lock a round holds: a fixed 64-bit key from a name.
+#: The name is where rounds began; every integration's rounds take this one
+#: key, so that they exclude each other.
+ADVISORY_KEY = int.from_bytes(
+    hashlib.sha256(b"django_federation_delivery.contrib.django_q.round").digest()[:8],
+    "big",
+    signed=True,
+)
+#: Beside an SQLite database, the file whose lock a round holds.
+LOCK_SUFFIX = "-delivery-round.lock"
+
+
+def positive(value: object, message: str) -> float:
+    """``value`` as seconds, or a ValueError with ``message`` (which says
+    ``%(value)r``) if it is not a positive, finite number."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(message % {"value": value})
+    return float(value)
+
+
+def finish_seconds() -> float:
+    """The longest a round takes to finish what is in flight once it stops
+    claiming: the longest attempt, and a margin to write what came of it."""
+    longest = max(app_settings.attempt_timeout, app_settings.webhook_timeout)
+    return longest + FINISH_MARGIN
+
+
+def refuse_bad_settings() -> None:
+    """What ``manage.py check`` finds serious in the settings, raised: a
+    round sends nothing under settings ``run_deliverer`` would refuse."""
+    problems = [message for message in check_settings() if message.is_serious()]
+    if problems:
+        raise ImproperlyConfigured(
+            "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
+        )
+
+
+@contextlib.contextmanager
+def round_lock(using: str = DEFAULT_DB_ALIAS) -> Iterator[bool]:
+    """Held by one round at a time, across processes and machines; gives
+    whether this one holds it. Released when the round ends, or at once
+    when its process dies (killed by its worker's timeout, say): nothing to
+    expire.
+
+    PostgreSQL: a session advisory lock, on a connection of its own (the
+    loop closes and reopens its connections as it goes). SQLite: a lock on
+    a file beside the database, which only processes of one machine share,
+    as they share the database itself.
+    """
+    connection = connections[using]
+    if connection.vendor == "postgresql":
+        with locks.session_lock(using, ADVISORY_KEY) as held:
+            yield held
+    elif connection.vendor == "sqlite":
+        with _file_lock(connection.settings_dict["NAME"]) as held:
+            yield held
+    else:
+        raise ImproperlyConfigured(
+            _("Rounds need PostgreSQL or SQLite, not %(vendor)s (database %(alias)r).")
+            % {"vendor": connection.vendor, "alias": using}
+        )
+
+
+@contextlib.contextmanager
+def _file_lock(name: Any) -> Iterator[bool]:
+    path = str(name)
+    if not path or path == ":memory:" or "mode=memory" in path:
+        raise ImproperlyConfigured(
+            _(
+                "Rounds need an SQLite database in a file, which the processes "
+                "running them share, not one in memory."
+            )
+        )
+    try:
+        import fcntl
+    except ImportError:
+        raise ImproperlyConfigured(_("Rounds on SQLite need fcntl (Linux, macOS, BSD).")) from None
+    lock_path = Path(path.removeprefix("file:").split("?")[0] + LOCK_SUFFIX)
+    # flock, not fcntl's record locks: it is held by the open file, so two
+    # rounds in one process exclude each other too, and SQLite's own record
+    # locks on the database are left alone.
+    with open(lock_path, "a+b") as file:
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+
+
+def kept_heartbeat(kept: dict[str, Heartbeat], using: str, *, period: float) -> Heartbeat:
+    """The heartbeat this process's rounds keep in ``kept``, by database (a
+    new one in a forked child, or for another period): beating every
+    HEARTBEAT_SECONDS while a round runs, and left in place between rounds,
+    alive for three of ``period``, the time between two rounds, after the last."""
+    heartbeat = kept.get(using)
+    alive_for = max(app_settings.heartbeat_seconds, period)
+    if heartbeat is None or heartbeat.pid != os.getpid() or heartbeat.alive_for != alive_for:
+        heartbeat = Heartbeat(
+            app_settings.heartbeat_seconds, using=using, alive_for=period, kept=True
+        )
+        kept[using] = heartbeat
+    return heartbeat
+
+
+def run_round(bound: float, *, using: str, heartbeat: Heartbeat) -> dict[str, Any]:
+    """Claim and send for ``bound`` seconds, then finish what is in flight,
+    holding the round's lock; what was done, as a task's result keeps it.
+    Returns at once, saying so, when another round holds the lock."""
+    with round_lock(using) as held:
+        if not held:
+            logger.info("A round was not started: %s", ANOTHER_ROUND)
+            return {"ran": False, "reason": ANOTHER_ROUND}
+        summary = Deliverer(using=using, heartbeat=heartbeat).run(stop_after=bound)
+    # Log lines stay English: operators grep them.
+    with translation.override(None):
+        logger.info("Round: %s", summary.line())
+    return {
+        "ran": True,
+        "delivered": summary.delivered,
+        "retrying": summary.retrying,
+        "refused": summary.refused,
+        "failed": summary.failed,
+        "skipped": summary.skipped,
+        "held": summary.held,
+        "attempts": summary.attempts,
+        "seconds": round(summary.elapsed, 1),
+    }
+
+
+def run_purge(*, using: str, seconds: float | None) -> dict[str, Any]:
+    """:func:`retention.purge_by_setting`, a chunk at a time, stopped between
+    chunks once ``seconds`` have passed (None: when nothing is left); the
+    next purge goes on where it stopped. What it deleted, as a task's result
+    keeps it."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.monotonic() >= deadline
+
+    sqlite = connections[using].vendor == "sqlite"
+    # On SQLite the pause leaves the one write lock to a round between chunks.
+    purged = purge_by_setting(using=using, pause=0.05 if sqlite else 0.0, should_stop=out_of_time)
+    with translation.override(None):
+        logger.info("Purge: %s", purged.line())
+    return {
+        "deliveries": dict(purged.deliveries),
+        "batches": purged.batches,
+        "hosts": purged.hosts,
+        "history": purged.history,
+        "seconds": round(purged.seconds, 1),
+        "finished": not out_of_time(),
+    }
