@@ -46,7 +46,7 @@ class Heartbeat:
     ``alive_for`` is the longest a live deliverer goes between beats, stored
     in its row (``interval``): it is taken for dead :data:`DEAD_AFTER` of
     those after its last beat. It is ``interval`` for ``run_deliverer``;
-    for rounds run by a scheduler (see ``contrib.django_q``), which beat
+    for rounds run by a scheduler (``contrib.django_q``, ``contrib.tasks``), which beat
     while they run and not between, the schedule's period, and ``kept``:
     the row stays when a round ends, and the process's next round takes it
     up again (:meth:`begin`).
