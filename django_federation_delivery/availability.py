@@ -36,6 +36,7 @@ from django.utils import timezone
 from django_federation_delivery import addresses, signals
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
+from django_federation_delivery.store.queueing import write_first
 from django_federation_delivery.transport import Transport, TransportSettings
 
 __all__ = ["mark_host_seen", "mark_unavailable", "probe", "probe_due", "unavailable_hosts"]
@@ -62,6 +63,8 @@ def unavailable_hosts(*, using: str | None = None) -> frozenset[str]:
     known = _known.get(alias)
     if known is not None and time.monotonic() - known[0] < KNOWN_FOR:
         return known[1]
+    # Read in the send's transaction, if the caller holds one open.
+    write_first(alias)
     names = frozenset(
         Host.objects.using(alias)
         .filter(unavailable_since__isnull=False)
@@ -114,10 +117,11 @@ def mark_host_seen(host: str, *, using: str | None = None) -> bool:
     now = timezone.now()
     hosts = Host.objects.using(alias).filter(name=host)
     with transaction.atomic(using=alias):
-        row = hosts.select_for_update().values_list(
-            "unavailable_since", "failing_since", "failing_told_at"
-        )
-        found = row.first()
+        # A write first: the row is locked (and on SQLite, the database)
+        # before it is read, so that no other write comes in between.
+        if not hosts.update(updated_at=now):
+            return False
+        found = hosts.values_list("unavailable_since", "failing_since", "failing_told_at").first()
         if found is None:
             return False
         unavailable, since, told = found

@@ -8,6 +8,7 @@ paused hosts: each costs a query, so none is done every round.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -25,6 +26,8 @@ from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.store.retractions import release_stranded
 from django_federation_delivery.transport import TransportSettings
+
+logger = logging.getLogger("django_federation_delivery.deliverer")
 
 #: How often the queue's gauges are read from the database (metrics.read_queue).
 GAUGES_EVERY = 5.0
@@ -136,6 +139,9 @@ class Upkeep:
             for host, url in due:
                 if availability.probe(url, settings):
                     availability.mark_host_seen(host, using=self.using)
+        except Exception as exc:
+            # Tried again at the host's next probe, a day on; the loop goes on.
+            logger.warning("Probing unavailable hosts failed: %s", type(exc).__name__)
         finally:
             connections.close_all()  # this thread's own
 

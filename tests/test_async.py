@@ -23,10 +23,12 @@ pytestmark = [
 
 
 def post(path: str, document: dict[str, Any] | None = None) -> tuple[int, Any]:
-    client = AsyncClient()
-    response = async_to_sync(client.post)(
-        path, json.dumps(document or {}), content_type="application/json"
-    )
+    async def request() -> Any:
+        return await AsyncClient().post(
+            path, json.dumps(document or {}), content_type="application/json"
+        )
+
+    response = async_to_sync(request)()
     return response.status_code, json.loads(response.content)
 
 

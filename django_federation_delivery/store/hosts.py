@@ -52,5 +52,5 @@ def record_hosts(seen: Sequence[SeenHost], *, now: dt.datetime, using: str | Non
         for host in sorted(seen)
     ]
     with transaction.atomic(using=using), sql.on(connection) as db:
-        db.run("record_hosts", rows=json_parameter(rows))
+        db.run("record_hosts", rows=json_parameter(rows))  # a write, first
     return len(rows)
