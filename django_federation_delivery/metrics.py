@@ -47,6 +47,11 @@ __all__ = [
 
 #: What an attempt can come to, as ``delivery_attempted`` reports it.
 OUTCOMES = (Outcome.DELIVERED, Outcome.RETRYING, Outcome.HELD, Outcome.REFUSED, Outcome.FAILED)
+#: Why an attempt did not deliver, as the failures counter's label says it:
+#: what the receiver answered, by class, or that it did not answer, or that
+#: no request was made (no key, a signature that could not be made, a lease
+#: spent). Bounded: an error's text would make a time series each.
+REASONS = ("no_answer", "status_429", "status_4xx", "status_5xx", "status_other", "not_sent")
 #: Attempt durations in seconds: from a fast local inbox to ATTEMPT_TIMEOUT.
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "federation_delivery"
@@ -69,6 +74,14 @@ class _Metrics:
         # the first one; each one's counter is kept, not looked up again an attempt.
         self.attempts_by_outcome: dict[str, prometheus_client.Counter] = {
             outcome: self.attempts.labels(outcome=outcome) for outcome in OUTCOMES
+        }
+        self.failures = prometheus_client.Counter(
+            f"{PREFIX}_failed_attempts",
+            "Attempts that did not deliver (not those held without a request), by reason.",
+            ["reason"],
+        )
+        self.failures_by_reason: dict[str, prometheus_client.Counter] = {
+            reason: self.failures.labels(reason=reason) for reason in REASONS
         }
         self.duration = prometheus_client.Histogram(
             f"{PREFIX}_attempt_duration_seconds",
@@ -131,9 +144,13 @@ def available() -> bool:
     return _metrics is not None
 
 
-def record_attempt(outcome: str, duration: float) -> None:
+def record_attempt(
+    outcome: str, duration: float, *, status: int | None = None, requests: int = 1
+) -> None:
     """Count one attempt that came to ``outcome`` (one of :data:`OUTCOMES`)
-    and took ``duration`` seconds."""
+    and took ``duration`` seconds; one that did not deliver (retrying,
+    refused or failed) also by its reason (:func:`failure_reason` of the
+    ``status`` answered and the ``requests`` made)."""
     if outcome not in OUTCOMES:
         # A label per typo would make a new time series each.
         raise ValueError(f"unknown outcome {outcome!r}; expected one of {', '.join(OUTCOMES)}")
@@ -141,6 +158,26 @@ def record_attempt(outcome: str, duration: float) -> None:
         return
     _metrics.attempts_by_outcome[outcome].inc()
     _metrics.duration.observe(max(duration, 0.0))
+    if outcome in _FAILED:
+        _metrics.failures_by_reason[failure_reason(status, requests)].inc()
+
+
+_FAILED = frozenset({Outcome.RETRYING, Outcome.REFUSED, Outcome.FAILED})
+
+
+def failure_reason(status: int | None, requests: int) -> str:
+    """Why an attempt did not deliver, one of :data:`REASONS`."""
+    if not requests:
+        return "not_sent"
+    if status is None:
+        return "no_answer"
+    if status == 429:
+        return "status_429"
+    if 400 <= status < 500:
+        return "status_4xx"
+    if status >= 500:
+        return "status_5xx"
+    return "status_other"
 
 
 def set_lag(seconds: float) -> None:

@@ -267,7 +267,9 @@ class Settler:
     def _signal_attempt(
         self, row: claims.Claimed, batch: BatchInfo, result: AttemptResult, outcome: Outcome
     ) -> None:
-        metrics.record_attempt(outcome, result.duration)
+        metrics.record_attempt(
+            outcome, result.duration, status=result.status, requests=result.requests
+        )
         if not signals.listened(signals.delivery_attempted):
             return
         signals.send_safely(

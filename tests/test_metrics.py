@@ -41,6 +41,34 @@ def test_attempts_are_counted_by_outcome_and_timed() -> None:
     assert sample("federation_delivery_attempt_duration_seconds_bucket", le="0.1") == fast + 1
 
 
+@pytest.mark.parametrize(
+    ("status", "requests", "reason"),
+    [
+        (None, 1, "no_answer"),
+        (429, 1, "status_429"),
+        (410, 2, "status_4xx"),
+        (503, 1, "status_5xx"),
+        (302, 1, "status_other"),
+        (None, 0, "not_sent"),
+    ],
+)
+def test_an_attempt_that_did_not_deliver_is_counted_by_why(
+    status: int | None, requests: int, reason: str
+) -> None:
+    def failures() -> float:
+        return sum(
+            sample("federation_delivery_failed_attempts_total", reason=r) for r in metrics.REASONS
+        )
+
+    before = sample("federation_delivery_failed_attempts_total", reason=reason)
+    metrics.record_attempt("retrying", 1.0, status=status, requests=requests)
+    assert sample("federation_delivery_failed_attempts_total", reason=reason) == before + 1
+    total = failures()
+    metrics.record_attempt("delivered", 0.1, status=202)
+    metrics.record_attempt("held", 0.0, status=None, requests=0)
+    assert failures() == total, "delivered and held attempts are no failures"
+
+
 def test_every_outcome_is_exposed_from_the_start() -> None:
     for outcome in metrics.OUTCOMES:
         assert (
