@@ -6,7 +6,7 @@ overload, up by one for each answer that came back well (doubling a round);
 after that, up by one a round (one more for every *limit* answers); halved
 at a sign of overload: a ``429`` or ``503``, no answer at all (a timeout, a
 refused connection), or an answer far slower than the host's own fastest
-lately. Near the limit it was last halved from, it grows eight times more
+lately. Near the limit it was last halved from, it grows 32 times more
 slowly, and twice as slowly again each time it is halved there once more:
 a host that sheds load at one limit is asked it again ever more rarely.
 A big instance that answers in 20 ms soon takes many at once; a small one
@@ -39,8 +39,8 @@ NOISE = 0.025
 FORGET = 0.02
 #: How many times more slowly a limit grows back to where it was last
 #: halved; doubled each time it is halved at or below that again, up to MOST_CAUTION.
-CAUTION = 8
-MOST_CAUTION = 128
+CAUTION = 32
+MOST_CAUTION = 512
 #: Hosts remembered; past it the ones seen longest ago are forgotten.
 MOST_HOSTS = 10_000
 
