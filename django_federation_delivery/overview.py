@@ -65,6 +65,8 @@ class LaneStats:
     lag: float
     delivered_last_hour: int
     failed_last_day: int
+    #: Overtaken by their sender's retraction (a Delete, an Undo), unsent.
+    superseded_last_day: int = 0
 
     @property
     def pending(self) -> int:
@@ -130,6 +132,7 @@ class Overview:
             lag=max((lane.lag for lane in self.lanes), default=0.0),
             delivered_last_hour=sum(lane.delivered_last_hour for lane in self.lanes),
             failed_last_day=sum(lane.failed_last_day for lane in self.lanes),
+            superseded_last_day=sum(lane.superseded_last_day for lane in self.lanes),
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -268,12 +271,17 @@ def _lanes(now: dt.datetime, alias: str) -> tuple[LaneStats, ...]:
     hour_ago, day_ago = now - DELIVERED_WINDOW, now - FAILED_WINDOW
     delivered = Q(status=Status.DELIVERED, settled_at__gte=hour_ago)
     failed = Q(status=Status.FAILED, settled_at__gte=day_ago)
+    superseded = Q(status=Status.SUPERSEDED, settled_at__gte=day_ago)
     # Settled rows are never counted over the whole table, only in their window.
     settled = {
         row["lane"]: row
-        for row in manager.filter(delivered | failed)
+        for row in manager.filter(delivered | failed | superseded)
         .values("lane")
-        .annotate(delivered=Count("id", filter=delivered), failed=Count("id", filter=failed))
+        .annotate(
+            delivered=Count("id", filter=delivered),
+            failed=Count("id", filter=failed),
+            superseded=Count("id", filter=superseded),
+        )
         .order_by()
     }
     lanes = []
@@ -292,6 +300,7 @@ def _lanes(now: dt.datetime, alias: str) -> tuple[LaneStats, ...]:
                 lag=max((now - oldest).total_seconds(), 0.0) if oldest else 0.0,
                 delivered_last_hour=done.get("delivered", 0),
                 failed_last_day=done.get("failed", 0),
+                superseded_last_day=done.get("superseded", 0),
             )
         )
     return tuple(lanes)

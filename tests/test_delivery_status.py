@@ -120,11 +120,11 @@ def test_delivery_status_prints_the_overview_as_tables(busy: dict[str, int]) -> 
     assert header[:3] == ["lane", "due", "scheduled"]
     rows = {line.split()[0]: line.split() for line in lines[3:8]}
     assert set(rows) == {"webhook", "priority", "normal", "low", "all"}
-    assert rows["webhook"] == ["webhook", "0", "0", "0", "0", "—", "0", "0"]
+    assert rows["webhook"] == ["webhook", "0", "0", "0", "0", "—", "0", "0", "0"]
     # lane, due, scheduled, in flight, held, lag (two words), delivered 1h, failed 24h
     assert rows["normal"][:5] == ["normal", "1", "1", "0", "1"]
-    assert rows["normal"][5] == "7m" and rows["normal"][-2:] == ["1", "1"]
-    assert rows["low"] == ["low", "0", "0", "0", "0", "—", "0", "0"]
+    assert rows["normal"][5] == "7m" and rows["normal"][-3:] == ["1", "1", "0"]
+    assert rows["low"] == ["low", "0", "0", "0", "0", "—", "0", "0", "0"]
     assert rows["all"][:5] == ["all", "1", "1", "1", "1"]
     retrying = Delivery.objects.get(pk=busy["retrying_host"]).host
     failing = text.split("Hosts failing most\n")[1].splitlines()

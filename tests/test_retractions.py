@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from io import StringIO
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.db import transaction
 from django.utils import timezone
 
 from django_federation_delivery import send, send_batch, signals, store
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.overview import overview
 from django_federation_delivery.retractions import about, retraction_of
 from django_federation_delivery.store.retractions import release_stranded
 
@@ -101,6 +104,11 @@ def test_a_delete_supersedes_what_was_never_tried_and_waits_on_what_was(
     assert [(s.delivery_id, s.outcome, s.inbox, s.sender) for s in settled] == [
         (a.id, "superseded", A, ALICE)
     ]
+    # Counted with the queue's outcomes of the last day.
+    assert overview().total.superseded_last_day == 1
+    out = StringIO()
+    call_command("delivery_status", stdout=out)
+    assert "superseded 24h" in out.getvalue()
 
 
 @pytest.mark.django_db(transaction=True)

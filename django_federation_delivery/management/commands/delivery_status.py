@@ -132,6 +132,7 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
             _("lag"),
             _("delivered 1h"),
             _("failed 24h"),
+            _("superseded 24h"),
         ],
         [
             [
@@ -143,6 +144,7 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
                 format_duration(lane.lag) if lane.oldest_due_at else "—",
                 lane.delivered_last_hour,
                 lane.failed_last_day,
+                lane.superseded_last_day,
             ]
             for lane in (*status.lanes, status.total)
         ],
