@@ -1,5 +1,6 @@
 """The one home of a URL: its canonical form (parse, IDNA, quote once), its
-host and origin, and what a message may show of it.
+host and origin, a webhook destination's key among the hosts, and what a
+message may show of it.
 
 Inbox URLs come from remote actors' documents, so anyone chooses them. A URL is
 taken in one canonical form, or refused with a reason, never quietly mended:
@@ -39,6 +40,7 @@ __all__ = [
     "Parts",
     "UnusableURL",
     "credentials",
+    "delivery_key",
     "host_of",
     "normalize_inbox",
     "origin",
@@ -144,6 +146,15 @@ def host_of(url: str) -> str:
         return split(url, userinfo=True).host
     except UnusableURL:
         return ""
+
+
+def delivery_key(name: str) -> str:
+    """The ``host`` of a delivery to webhook destination ``name``: what
+    slots, breakers and pauses go by. The name in angle brackets, ``<ops>``,
+    which no inbox's host can be (a DNS name carries neither), so that no
+    stranger's inbox shares a destination's breaker. Written, never read
+    back: a delivery's ``kind`` and ``destination`` say what it is."""
+    return f"<{name}>"
 
 
 def origin(url: object) -> str:

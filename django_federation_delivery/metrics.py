@@ -221,20 +221,17 @@ def read_queue(*, now: dt.datetime | None = None, using: str | None = None) -> Q
     the configured destinations' rows by their keys."""
     # Imported here: this module is imported before Django is set up.
     from django.db import DEFAULT_DB_ALIAS
-    from django.db.models import Count, Min, Q
+    from django.db.models import Count, Q
     from django.utils import timezone
 
     from django_federation_delivery import heartbeats, overview
+    from django_federation_delivery.addresses import delivery_key
     from django_federation_delivery.conf import app_settings
-    from django_federation_delivery.models import Delivery, Host, Lane, Status
+    from django_federation_delivery.models import Host
 
     now = now or timezone.now()
     alias = using or DEFAULT_DB_ALIAS
-    due = Delivery.objects.using(alias).filter(status=Status.PENDING, due_at__lte=now)
-    lane_lags: dict[str, float] = {}
-    for lane in Lane:
-        oldest = due.filter(lane=lane).aggregate(at=Min("due_at"))["at"]
-        lane_lags[lane.value] = max((now - oldest).total_seconds(), 0.0) if oldest else 0.0
+    lane_lags = overview.lane_lags(now=now, using=alias)
     # A webhook destination's row is named in angle brackets (its delivery
     # key); its failing is its own (see disabled, below), not a host's.
     available = Q(unavailable_since__isnull=True)
@@ -251,9 +248,7 @@ def read_queue(*, now: dt.datetime | None = None, using: str | None = None) -> Q
     )
     webhooks = app_settings.get("WEBHOOKS")
     names = sorted(str(name) for name in webhooks) if isinstance(webhooks, Mapping) else []
-    # Each one's delivery key, as webhooks/destinations.py writes it: the
-    # loop, which calls this, may not import the webhooks' modules.
-    keys = {name: f"<{name}>" for name in names}
+    keys = {name: delivery_key(name) for name in names}
     disabled = (
         set(
             Host.objects.using(alias)

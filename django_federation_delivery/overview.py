@@ -233,15 +233,21 @@ def overview(
 
 def lag(*, now: dt.datetime | None = None, using: str | None = None) -> float:
     """Seconds the longest-waiting due delivery has waited: one index read a lane."""
+    return max(lane_lags(now=now, using=using).values(), default=0.0)
+
+
+def lane_lags(*, now: dt.datetime | None = None, using: str | None = None) -> dict[str, float]:
+    """Each lane's lag: seconds its longest-waiting due delivery has waited
+    (0 when none is due), one index read a lane."""
     now = now or timezone.now()
-    manager = Delivery.objects.using(using or DEFAULT_DB_ALIAS)
-    oldest = [
-        manager.filter(status=Status.PENDING, lane=lane, due_at__lte=now).aggregate(
-            at=Min("due_at")
-        )["at"]
-        for lane in Lane
-    ]
-    return max(((now - at).total_seconds() for at in oldest if at is not None), default=0.0)
+    due = Delivery.objects.using(using or DEFAULT_DB_ALIAS).filter(
+        status=Status.PENDING, due_at__lte=now
+    )
+    lags = {}
+    for lane in Lane:
+        oldest = due.filter(lane=lane).aggregate(at=Min("due_at"))["at"]
+        lags[lane.value] = max((now - oldest).total_seconds(), 0.0) if oldest else 0.0
+    return lags
 
 
 def open_breakers(*, using: str | None = None) -> int:

@@ -28,6 +28,7 @@ from django.utils import timezone
 from django_federation_delivery import signals
 from django_federation_delivery.decide import Outcome
 from django_federation_delivery.models import Batch
+from django_federation_delivery.settling import settled
 from django_federation_delivery.store import retractions
 
 __all__ = ["Retraction", "about", "overtake", "retraction_of"]
@@ -113,12 +114,11 @@ def _tell(sender: str, overtaken: retractions.Overtaken) -> None:
     for row in overtaken.superseded:
         signals.send_safely(
             signals.delivery_settled,
-            settled=signals.Settled(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
+            settled=settled(
+                row,
                 sender=sender,
                 tag=overtaken.tags.get(row.batch_id, ""),
+                event_type="",
                 outcome=Outcome.SUPERSEDED,
                 status=None,
             ),

@@ -152,6 +152,30 @@ def failure(
     )
 
 
+def settled(
+    row: Row,
+    *,
+    sender: str,
+    tag: str,
+    event_type: str,
+    outcome: Outcome,
+    status: int | None,
+) -> signals.Settled:
+    """The ``delivery_settled`` payload for ``row``, as :func:`failure` is
+    ``delivery_failed``'s."""
+    return signals.Settled(
+        delivery_id=row.id,
+        batch_id=row.batch_id,
+        inbox=row.inbox,
+        sender=sender,
+        tag=tag,
+        outcome=outcome,
+        status=status,
+        destination=row.destination,
+        event_type=event_type,
+    )
+
+
 @dataclasses.dataclass
 class Settler:
     """Sends the signals of what :func:`decide` says, counts, and says what to write."""
@@ -295,16 +319,13 @@ class Settler:
             return
         signals.send_safely(
             signals.delivery_settled,
-            settled=signals.Settled(
-                delivery_id=row.id,
-                batch_id=row.batch_id,
-                inbox=row.inbox,
+            settled=settled(
+                row,
                 sender=batch.sender,
                 tag=batch.tag,
+                event_type=batch.event_type,
                 outcome=outcome,
                 status=status,
-                destination=row.destination,
-                event_type=batch.event_type,
             ),
         )
 

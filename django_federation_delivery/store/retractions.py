@@ -31,11 +31,13 @@ STRANDED_CHUNK = 500
 
 
 class SupersededRow(NamedTuple):
-    """A delivery a retraction superseded."""
+    """A delivery a retraction superseded: an inbox's (retractions are
+    activities), so of no webhook destination."""
 
     id: int
     batch_id: int
     inbox: str
+    destination: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,9 @@ from typing import Any, NamedTuple, Protocol
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
+# Defined beside the inboxes' hosts, where the loop, which may not import
+# the webhooks' modules, finds it too.
+from django_federation_delivery.addresses import delivery_key
 from django_federation_delivery.channels import Destination, parse_destination
 from django_federation_delivery.channels.registry import Registry, registry
 
@@ -27,15 +30,6 @@ __all__ = [
     "parse_destination",
     "webhooks_from_env",
 ]
-
-
-def delivery_key(name: str) -> str:
-    """The ``host`` of a delivery to destination ``name``: what slots,
-    breakers and pauses go by. The name in angle brackets, ``<ops>``, which
-    no inbox's host can be (a DNS name carries neither), so that no
-    stranger's inbox shares a destination's breaker. Written, never read
-    back: a delivery's ``kind`` and ``destination`` say what it is."""
-    return f"<{name}>"
 
 
 class _HasEnviron(Protocol):
