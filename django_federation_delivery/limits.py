@@ -6,13 +6,17 @@ overload, up by one for each answer that came back well (doubling a round);
 after that, up by one a round (one more for every *limit* answers); halved
 at a sign of overload: a ``429`` or ``503``, no answer at all (a timeout, a
 refused connection), or an answer far slower than the host's own fastest
-lately. Near the limit it was last halved from, it grows 32 times more
-slowly, and twice as slowly again each time it is halved there once more:
-a host that sheds load at one limit is asked it again ever more rarely.
-A big instance that answers in 20 ms soon takes many at once; a small one
-that slows down or sheds load is sent fewer, without a setting changed.
-Halving happens at most once a round: the answers to requests already in
-flight when the limit fell do not halve it again.
+lately. A big instance that answers in 20 ms soon takes many at once; a
+small one that slows down or sheds load is sent fewer, without a setting
+changed. Halving happens at most once a round: the answers to requests
+already in flight when the limit fell do not halve it again.
+
+The limit a host was halved from is not asked of it again for a while:
+the limit grows back, a round at a time, to one below it, and to it only
+``PROBE_AFTER`` seconds after the halving, twice as long each time the host
+is halved there (or below) once more, up to ``MOST_PROBE_AFTER``. Measured
+in time, not in answers, so that a small host that sheds load at some limit
+is asked it again as rarely however many deliveries are queued for it.
 
 Only the loop's thread reads and changes it; it is the loop's memory, lost
 with it, and each host starts over at ``PER_HOST`` in a new run.
@@ -21,10 +25,12 @@ with it, and each host starts over at ``PER_HOST`` in a new run.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 
 from django_federation_delivery.attempt import AttemptResult
 
-__all__ = ["OVERLOADED", "SLOWER", "HostLimits"]
+__all__ = ["MOST_PROBE_AFTER", "OVERLOADED", "PROBE_AFTER", "SLOWER", "HostLimits"]
 
 #: Answers that say "too many, not now".
 OVERLOADED = frozenset({429, 503})
@@ -37,10 +43,10 @@ NOISE = 0.025
 #: this fraction, so that a host whose usual pace changes is not judged by
 #: an old one for ever.
 FORGET = 0.02
-#: How many times more slowly a limit grows back to where it was last
-#: halved; doubled each time it is halved at or below that again, up to MOST_CAUTION.
-CAUTION = 32
-MOST_CAUTION = 512
+#: Seconds before a host is asked again the limit it was halved from;
+#: doubled each time it is halved at or below that again, up to MOST_PROBE_AFTER.
+PROBE_AFTER = 30.0
+MOST_PROBE_AFTER = 3600.0
 #: Hosts remembered; past it the ones seen longest ago are forgotten.
 MOST_HOSTS = 10_000
 
@@ -55,21 +61,27 @@ class _Host:
     recovering: int = 0
     #: The limit it was last halved from, until it is reached again.
     ceiling: int | None = None
+    #: When (the clock's seconds) it may grow to its ceiling.
+    probe_at: float = 0.0
+    #: Seconds it waited last before being asked its ceiling again.
+    wait: float = 0.0
     #: Not yet overloaded: it grows by one an answer, not one a round.
     starting: bool = True
-    #: How many times more slowly it grows near its ceiling.
-    caution: float = CAUTION
     #: The limit it was last halved from (kept once the ceiling is passed).
     halved_from: int | None = None
 
 
 class HostLimits:
     """Each host's limit of deliveries at once, from ``start``, between 1 and
-    ``most``. With ``most`` at ``start`` or below it never grows."""
+    ``most``. With ``most`` at ``start`` or below it never grows. ``clock``
+    gives the seconds the waits before a probe are measured in."""
 
-    def __init__(self, start: int, most: int) -> None:
+    def __init__(
+        self, start: int, most: int, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.start = max(1, start)
         self.most = max(1, most)
+        self.clock = clock
         self._hosts: dict[str, _Host] = {}
 
     def limit(self, host: str) -> int:
@@ -104,7 +116,8 @@ class HostLimits:
             if not found.recovering:
                 # Limits are compared as whole numbers: as many at once.
                 again = found.halved_from is not None and int(found.limit) <= found.halved_from
-                found.caution = min(MOST_CAUTION, found.caution * 2) if again else CAUTION
+                found.wait = min(MOST_PROBE_AFTER, found.wait * 2) if again else PROBE_AFTER
+                found.probe_at = self.clock() + found.wait
                 found.recovering = int(found.limit)
                 found.ceiling = found.halved_from = int(found.limit)
                 found.starting = False
@@ -113,7 +126,13 @@ class HostLimits:
         if not found.recovering:
             if found.ceiling is not None and int(found.limit) >= found.ceiling:
                 found.ceiling = None  # reached again, and answering well
-            step = 1.0 if found.starting else 1 / found.limit
-            if found.ceiling is not None and int(found.limit) + 1 >= found.ceiling:
-                step /= found.caution
-            found.limit = min(float(self.most), found.limit + step)
+            grown = min(
+                float(self.most), found.limit + (1.0 if found.starting else 1 / found.limit)
+            )
+            if (
+                found.ceiling is not None
+                and grown >= found.ceiling
+                and self.clock() < found.probe_at
+            ):
+                grown = max(found.limit, found.ceiling - 1.0)  # not yet: one below it
+            found.limit = grown

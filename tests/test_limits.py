@@ -3,12 +3,10 @@ at a sign of overload, once a round, between 1 and the most."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from django_federation_delivery.attempt import AttemptResult, Job, failed, held
-from django_federation_delivery.limits import HostLimits
+from django_federation_delivery.limits import MOST_PROBE_AFTER, PROBE_AFTER, HostLimits
 
 JOB = Job(delivery_id=1)
 HOST = "big.example"
@@ -111,24 +109,57 @@ def test_with_the_most_at_the_start_a_limit_never_grows() -> None:
     assert limits.limit(HOST) == 2
 
 
-def test_back_near_where_it_was_halved_a_limit_grows_eight_times_more_slowly() -> None:
-    fresh = HostLimits(1, 8)
-    assert answers_to_reach(fresh, 2) == 1
-    limits = HostLimits(2, 8)
+class Clock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_limit_grows_back_to_one_below_where_it_was_halved_and_to_it_after_a_wait() -> None:
+    clock = Clock()
+    limits = HostLimits(2, 8, clock=clock)
+    for _ in range(4):
+        limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 6
     limits.learn(HOST, answered(503))
-    assert limits.limit(HOST) == 1
-    # The answer to the round's other request, then eight times the one.
-    assert answers_to_reach(limits, 2) >= 1 + 8
-    # Past where it was halved, a round at a time again.
-    assert answers_to_reach(limits, 3) <= 3
+    assert limits.limit(HOST) == 3
+    for _ in range(200):  # however many answer well meanwhile
+        limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 5, "one below where it was halved"
+    clock.now += PROBE_AFTER - 1
+    limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 5
+    clock.now += 1
+    # Then a round at a time again, past it too.
+    assert answers_to_reach(limits, 6) <= 6
+    assert answers_to_reach(limits, 7) <= 7
+    assert limits.limit("other.example") == 2, "each host its own"
 
 
 def test_a_host_halved_again_where_it_was_is_asked_that_limit_ever_more_rarely() -> None:
-    limits = HostLimits(2, 8)
+    clock = Clock()
+    limits = HostLimits(2, 8, clock=clock)
     waits = []
-    for _ in range(4):
+    for _ in range(10):
         limits.learn(HOST, answered(503))  # at two: too many
         assert limits.limit(HOST) == 1
-        waits.append(answers_to_reach(limits, 2))
-    assert waits[0] >= 8
-    assert all(later >= 2 * earlier - 1 for earlier, later in itertools.pairwise(waits)), waits
+        halved = clock.now
+        while limits.limit(HOST) < 2:
+            clock.now += 1
+            limits.learn(HOST, answered())
+        waits.append(clock.now - halved)
+    assert waits[:3] == [PROBE_AFTER, 2 * PROBE_AFTER, 4 * PROBE_AFTER]
+    assert waits[-1] == MOST_PROBE_AFTER
+    # Halved from higher than before, it waits the first wait again.
+    answers_to_reach(limits, 3)
+    limits.learn(HOST, answered(503))
+    assert limits.limit(HOST) == 1
+    halved = clock.now
+    while limits.limit(HOST) < 3:
+        clock.now += 1
+        limits.learn(HOST, answered())
+    assert clock.now - halved == PROBE_AFTER
