@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import transaction
 from django.utils import timezone
 
 from django_federation_delivery import addresses, availability, portable, retractions, tracing
@@ -214,12 +213,11 @@ def _queue(
         raise InvalidDelivery(
             f"{len(targets)} inboxes is more than MAX_INBOXES ({most}) for one send"
         )
-    # No savepoint: inside the caller's transaction its statements are the
-    # send's own (a savepoint is two more round trips on PostgreSQL), and one
-    # that fails leaves that transaction to roll back, as any other would.
     activity_id, object_id = retractions.about(activity)
     retraction = retractions.retraction_of(activity, object_id)
-    with transaction.atomic(using=using, savepoint=False):
+    with queueing.writing(
+        len(targets), ordering_key=ordering_key, alone=retraction is None, using=using
+    ):
         batch = queueing.enqueue(
             Batch(
                 sender=sender,

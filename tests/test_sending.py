@@ -194,6 +194,42 @@ def test_a_send_the_database_refuses_rolls_back_the_callers_transaction_unless_i
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_send_in_autocommit_is_one_statement_on_postgresql_and_whole_or_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its batch and deliveries are one statement there, atomic by itself:
+    # no BEGIN and COMMIT around it, two round trips fewer. A send of many
+    # statements (SQLite's two; an ordering key's locks) is a transaction.
+    from django_federation_delivery import sending
+
+    send(ALICE, NOTE, ["https://first.example/inbox"])  # reads the hosts gone for a minute
+    woken = threading.Event()
+    wakeup.register(woken)
+    try:
+        with CaptureQueriesContext(connection) as captured:
+            send(ALICE, NOTE, [f"https://h{n}.example/inbox" for n in range(20)])
+    finally:
+        wakeup.unregister(woken)
+    assert woken.is_set(), "woken at once: the rows are committed"
+    statements = [q["sql"] for q in captured.captured_queries]
+    if connection.vendor == "postgresql":
+        assert len(statements) == 1, statements
+        assert statements[0].startswith("WITH b AS (INSERT INTO"), statements
+    else:
+        assert len(statements) > 2 and statements[-1] == "COMMIT", statements
+    with CaptureQueriesContext(connection) as ordered:
+        send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"ordering_key": "thread-1"})
+    assert ordered.captured_queries[-1]["sql"] == "COMMIT", ordered.captured_queries
+    assert Delivery.objects.count() == 22
+
+    # A statement the database refuses leaves nothing of its send.
+    monkeypatch.setattr(sending, "_interleave_hosts", lambda targets: targets * 2)
+    with pytest.raises(IntegrityError):
+        send(ALICE, NOTE, ["https://c.example/inbox"])
+    assert Batch.objects.count() == 3 and Delivery.objects.count() == 22
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_committed_send_wakes_a_deliverer_in_this_process_only_on_commit() -> None:
     woken = threading.Event()
     wakeup.register(woken)

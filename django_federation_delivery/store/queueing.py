@@ -3,6 +3,7 @@ same few statements whatever the number of inboxes."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import operator
@@ -110,6 +111,33 @@ def enqueue(
     )
     transaction.on_commit(wakes.notify_local, using=alias)
     return batch
+
+
+def writing(
+    count: int, *, ordering_key: str = "", alone: bool = True, using: str | None = None
+) -> contextlib.AbstractContextManager[Any]:
+    """The transaction a send of ``count`` deliveries writes in.
+
+    On PostgreSQL, outside any transaction (autocommit), a send whose
+    batch and deliveries are one statement (``alone``: nothing else to
+    write with them; no ordering key, whose last deliveries are locked
+    until the commit; ``count`` within a statement's rows) needs none of
+    its own: that statement is atomic by itself, and a ``BEGIN`` and a
+    ``COMMIT`` are two round trips more. Otherwise an atomic block, without
+    a savepoint: inside the caller's transaction the send's statements are
+    the caller's, and one that fails leaves it to roll back.
+    """
+    connection = connection_for(using or DEFAULT_DB_ALIAS)
+    if (
+        alone
+        and not ordering_key
+        and 0 < count <= CHUNK
+        and is_postgresql(connection)
+        and connection.get_autocommit()
+        and not connection.in_atomic_block
+    ):
+        return contextlib.nullcontext()
+    return transaction.atomic(using=using, savepoint=False)
 
 
 def write_first(using: str | None = None) -> None:
