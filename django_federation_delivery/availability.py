@@ -36,7 +36,7 @@ from django.utils import timezone
 from django_federation_delivery import addresses, signals
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
-from django_federation_delivery.store.queueing import write_first
+from django_federation_delivery.store.locks import write_first
 from django_federation_delivery.transport import Transport, TransportSettings
 
 __all__ = ["mark_host_seen", "mark_unavailable", "probe", "probe_due", "unavailable_hosts"]

@@ -18,6 +18,7 @@ from django_federation_delivery import wakeup
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.store.locks import write_first
 
 #: How long a host's remembered scheme is trusted before it is read again,
 #: so that what another process learnt reaches this one.
@@ -41,6 +42,7 @@ def pause_host(host: str, *, using: str | None = None) -> int:
     flight finish, and any retry of theirs is held when it comes due."""
     alias = using or DEFAULT_DB_ALIAS
     with transaction.atomic(using=alias):
+        write_first(alias)  # on SQLite, before update_or_create reads the row
         Host.objects.using(alias).update_or_create(
             name=host, defaults={"paused_at": timezone.now()}
         )
@@ -78,6 +80,7 @@ def failing_since(host: str, now: dt.datetime, *, using: str | None = None) -> d
     failing, as every deliverer knows it: ``now``, written, if it was not."""
     alias = using or DEFAULT_DB_ALIAS
     with transaction.atomic(using=alias):
+        write_first(alias)  # on SQLite, before get_or_create reads the row
         found, _created = Host.objects.using(alias).get_or_create(
             name=host, defaults={"failing_since": now}
         )

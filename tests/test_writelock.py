@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,12 +18,16 @@ from typing import Any
 import django
 import pytest
 from django.db import OperationalError, connection, connections
+from django.utils import timezone
 
-from django_federation_delivery import writelock
-from django_federation_delivery.models import Delivery
+from django_federation_delivery import send, writelock
+from django_federation_delivery.controls import requeue
+from django_federation_delivery.hosts import failing_since, pause_host
+from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.store import claims
 from django_federation_delivery.writelock import PromptWriteLock, is_busy
 
+from .keys import ALICE
 from .lockholder import Holder
 
 sqlite_only = pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's lock only")
@@ -212,3 +217,56 @@ def test_it_is_installed_on_sqlite_only_and_removed_as_it_was() -> None:
     remove()
     remove()
     assert connection.execute_wrappers == before
+
+
+class Writer(threading.Thread):
+    """Another connection that writes, and commits, a row every millisecond
+    or so: a web process sending one post after another."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(daemon=True)
+        self.raw = sqlite3.connect(path, timeout=20, isolation_level=None, check_same_thread=False)
+        self.raw.execute("CREATE TABLE fd_test_writes (n INTEGER)")
+        self.stopping = threading.Event()
+        self.committed = 0
+        self.writing = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self.raw.execute("INSERT INTO fd_test_writes VALUES (?)", (self.committed,))
+                self.committed += 1
+                self.writing.set()
+                time.sleep(0.001)
+        finally:
+            self.raw.close()
+
+
+@sqlite_only
+@pytest.mark.django_db(transaction=True)
+def test_what_reads_a_row_before_writing_it_takes_the_lock_first_while_others_write() -> None:
+    # With a deferred BEGIN (Django 4.2, or no transaction_mode: these
+    # tests' settings), a transaction that reads first and writes after
+    # fails at once, "database is locked", if another connection wrote in
+    # between: no busy timeout is waited. A host found failing (in the
+    # deliverer's loop), a pause and a requeue (an operator's) read first.
+    send(ALICE, {"type": "Note"}, [f"https://r{n}.example/inbox" for n in range(5)])
+    rows = Delivery.objects.all()
+    writer = Writer(connection.settings_dict["NAME"])
+    writer.start()
+    assert writer.writing.wait(10)
+    errors: list[BaseException] = []
+    try:
+        for n in range(15):
+            try:
+                failing_since(f"f{n}.example", timezone.now())
+                pause_host(f"p{n}.example")
+                rows.update(status=Status.FAILED)
+                assert requeue(rows) == 5
+            except OperationalError as exc:
+                errors.append(exc)
+    finally:
+        writer.stopping.set()
+        writer.join(10)
+    assert writer.committed > 1, "the other connection wrote meanwhile"
+    assert not errors, f"{len(errors)} of 15: {errors[0]}"

@@ -140,15 +140,6 @@ def writing(
     return transaction.atomic(using=using, savepoint=False)
 
 
-def write_first(using: str | None = None) -> None:
-    """In a transaction on SQLite, take the write lock now, before a send
-    reads anything: a read first would let another connection's write in
-    between, and the send's own write then fail at once ("database is
-    locked") instead of waiting its turn. Nothing elsewhere."""
-    with sql.on(connection_for(using or DEFAULT_DB_ALIAS)) as db:
-        db.lock_for_writing()
-
-
 #: Fields whose values every database takes as Python has them (strings,
 #: numbers, booleans, None), once the sending side has checked them.
 _PLAIN_FIELDS = (

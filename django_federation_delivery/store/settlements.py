@@ -21,6 +21,7 @@ from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.store import history, sql, wakes
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down
+from django_federation_delivery.store.locks import write_first
 from django_federation_delivery.store.sequences import release_next
 
 logger = logging.getLogger(__name__)
@@ -243,6 +244,7 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     now = timezone.now()
     manager = Delivery.objects.using(alias)
     with transaction.atomic(using=alias):
+        write_first(alias)  # SQLite locks no row a read selects for update
         rows = list(
             manager.select_for_update()
             .filter(id__in=list(ids), status__in=list(FINAL - {Status.DELIVERED}))
