@@ -130,26 +130,50 @@ def one_round(
     big_port: int, small_port: int, args: argparse.Namespace, start: int, most: int
 ) -> tuple[float, int]:
     """Seconds to deliver everything, and the 503s the small host answered."""
+    from django.db import connections
+
     from django_federation_delivery import send
     from django_federation_delivery.deliverer import Deliverer
     from django_federation_delivery.models import Delivery, Status
 
     pending = Delivery.objects.filter(status=Status.PENDING)
     clear_all()
+    # The small host's share spread evenly among the big one's.
+    share = args.small / (args.big + args.small)
     inboxes = []
-    for n in range(max(args.big, args.small)):
-        if n < args.big:
-            inboxes.append(f"http://{BIG}:{big_port}/users/b{n}/inbox")
-        if n < args.small:
-            inboxes.append(f"http://{SMALL}:{small_port}/users/s{n}/inbox")
-    send(SENDER, make_activity(SENDER), inboxes)
+    big = small = 0
+    while big < args.big or small < args.small:
+        if small < args.small and (big >= args.big or small < share * (big + small + 1)):
+            inboxes.append(f"http://{SMALL}:{small_port}/users/s{small}/inbox")
+            small += 1
+        else:
+            inboxes.append(f"http://{BIG}:{big_port}/users/b{big}/inbox")
+            big += 1
+    activity = make_activity(SENDER)
     refused_before = counts(SMALL, small_port)["refused"]
+    sent = threading.Event()
+    if args.stream is None:
+        send(SENDER, activity, inboxes)
+        sent.set()
     runner = DelivererThread(Deliverer(per_host=start, per_host_max=most))
     runner.start()
+    if args.stream is not None:
+
+        def stream() -> None:
+            # One inbox a send, one send every --stream seconds, while it runs.
+            try:
+                for n, inbox in enumerate(inboxes):
+                    time.sleep(max(0.0, runner.started + n * args.stream - time.monotonic()))
+                    send(SENDER, activity, [inbox])
+            finally:
+                connections.close_all()
+                sent.set()
+
+        threading.Thread(target=stream, daemon=True).start()
     total = args.big + args.small
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        if not pending.exists():
+        if sent.is_set() and not pending.exists():
             break
         time.sleep(0.02)
     seconds = time.monotonic() - runner.started
@@ -169,6 +193,14 @@ def main() -> int:
     parser.add_argument("--small-ms", type=float, default=15.0)
     parser.add_argument(
         "--capacities", default="3,1", help="the small hosts' capacities, one run each"
+    )
+    parser.add_argument(
+        "--stream",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="send one inbox at a time, this many seconds apart, while the deliverer runs "
+        "(default: all in one send before it starts)",
     )
     parser.add_argument("--timeout", type=float, default=120.0)
     add_database_and_tmpdir(parser)
@@ -204,7 +236,12 @@ def run(workdir: Path, args: argparse.Namespace) -> int:
         print(
             f"adaptive per-host concurrency: a big host ({args.big_ms:g} ms, any number at "
             f"once) beside a small one ({args.small_ms:g} ms each, one at a time, 503 past "
-            f"its capacity waiting); {args.big} + {args.small} deliveries a round"
+            f"its capacity waiting); {args.big} + {args.small} deliveries a round, "
+            + (
+                "queued in one send before the deliverer starts"
+                if args.stream is None
+                else f"one a send, {args.stream * 1000:g} ms apart, while it runs"
+            )
         )
         for line in [database, package_fingerprint(), *environment_lines()]:
             print(f"  {line}")

@@ -8,13 +8,15 @@ settings), or with ``--database-url`` on a throwaway PostgreSQL:
 * one inbox, each send its own transaction (as a web request in autocommit
   would send);
 * one inbox, inside a transaction already open (``ATOMIC_REQUESTS``, or the
-  caller's own ``transaction.atomic()``): the send alone is timed, not the
-  commit;
+  caller's own ``transaction.atomic()``) and begun by a statement of the
+  caller's (as a view writes the post it then sends): the send alone is
+  timed, not the ``BEGIN`` nor the commit;
 * twenty inboxes on twenty hosts, each its own transaction;
 * ten thousand inboxes, on ten thousand hosts and on one host;
-* on SQLite, the floor: the same two statements of a one-inbox send and its
-  commit, run through ``sqlite3`` alone on the same connection, with no
-  Django and none of the package's Python around them;
+* the floor: the statements of a one-inbox send, run through the driver
+  alone on the same connection, with no Django and none of the package's
+  Python around them: on SQLite its two and the commit, through ``sqlite3``;
+  on PostgreSQL its one, in autocommit, through psycopg;
 * with ``--celery``, beside them: Celery's ``apply_async`` of a task that
   does nothing, given the same activity, to a Redis broker on 127.0.0.1
   (started here; Celery and redis-py installed with pip if missing), as many
@@ -141,8 +143,11 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
 
     def open_transaction() -> Timing:
         inboxes = small(1)
-        with transaction.atomic(), timed() as took:
-            send(ALICE, activity, inboxes)
+        with transaction.atomic():
+            with connection.cursor() as cursor:  # the caller's own statement first
+                cursor.execute("SELECT 1")
+            with timed() as took:
+                send(ALICE, activity, inboxes)
         return took
 
     def fan_out(same_host: bool) -> Callable[[], Timing]:
@@ -192,6 +197,30 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
 
         return one
 
+    def bare_postgresql() -> Callable[[], Timing]:
+        from django_federation_delivery.dialect import db_datetime
+        from django_federation_delivery.store import queueing, sql
+
+        batch = send(ALICE, activity, small(1))
+        assert batch is not None
+        statement = sql.statement(connection, "insert_batch_and_deliveries")
+        batch_values = queueing._batch_values(batch, connection)
+        due = db_datetime(batch.created_at, connection)
+
+        def one() -> Timing:
+            (inbox,) = small(1)
+            host = inbox.split("/")[2]
+            with timed() as took, connection.connection.cursor() as cursor:
+                # In autocommit, as a send outside a transaction runs it.
+                params = queueing._delivery_params(
+                    connection, batch, [queueing.Queued(inbox, host)], {}, due, "activitypub"
+                )
+                cursor.execute(statement.text, statement.bind({"batch": batch_values, **params}))
+                cursor.fetchone()
+            return took
+
+        return one
+
     cases: list[tuple[str, Callable[[], Timing], int]] = [
         (OWN, own_transaction(1), args.sends),
         (OPEN, open_transaction, args.sends),
@@ -201,6 +230,8 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
     ]
     if connection.vendor == "sqlite":
         cases.append(("floor: bare sqlite3, 1 inbox", bare_sqlite(), args.sends))
+    else:
+        cases.append(("floor: bare psycopg, 1 inbox", bare_postgresql(), args.sends))
     if broker is not None:
         cases.append((APPLY_ASYNC, apply_async(broker, activity), args.sends))
 
@@ -233,9 +264,8 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
 
     statements: dict[str, int] = {}
     for name, run, _ in cases:
-        with CaptureQueriesContext(connection) as captured:
-            run()
-        statements[name] = len(captured)
+        with CaptureQueriesContext(connection):
+            statements[name] = run().statements
     clear()
 
     print()
@@ -252,15 +282,11 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
             f"{percentile(wall, 0.9) * 1000:>10.3f} {statistics.median(cpu) * 1000:>8.3f} "
             f"{counted:>11}"
         )
-    floor = (
-        "; the floor's statements are not Django's, and not counted"
-        if connection.vendor == "sqlite"
-        else ""
-    )
     print(
-        "\n(statements: as Django's CaptureQueriesContext counts them, BEGIN, COMMIT and "
+        "\n(statements: those Django logs while the send runs, BEGIN, COMMIT and "
         "savepoints included: each a round trip on PostgreSQL; cpu ms: the median of this "
-        f"thread's CPU time, which other work on the machine disturbs less{floor})"
+        "thread's CPU time, which other work on the machine disturbs less; the floor's "
+        "statements are not Django's, and not counted)"
     )
     if broker is not None:
         side_by_side(rounds)
@@ -318,29 +344,37 @@ def side_by_side(rounds: dict[str, list[list[Timing]]]) -> None:
         f"\nsend() beside Celery's apply_async to Redis, the same calls in each of {count} "
         "rounds (the median of the rounds' medians, and their range):"
     )
-    for name in (OWN, OPEN, APPLY_ASYNC):
+    floor = [name for name in rounds if name.startswith("floor:")]
+    for name in (OWN, OPEN, *floor, APPLY_ASYNC):
         print(f"  {name:<38} {spread(medians(name), 3)} ms")
     broker = medians(APPLY_ASYNC)
-    for name in (OWN, OPEN):
+    for name in (OWN, OPEN, *floor):
         ratios = [mine / theirs for mine, theirs in zip(medians(name), broker, strict=True)]
-        print(f"  {name.split(', ')[1] + ' / apply_async':<38} {spread(ratios, 2)}   target ≤ 0.5")
+        label = name.split(", ")[0] if name in floor else name.split(", ")[1]
+        print(f"  {label + ' / apply_async':<38} {spread(ratios, 2)}   target ≤ 0.5")
 
 
 @dataclasses.dataclass
 class Timing:
     wall: float = 0.0
     cpu: float = 0.0
+    #: The statements run meanwhile, while Django logs them (else 0).
+    statements: int = 0
 
 
 @contextlib.contextmanager
 def timed() -> Iterator[Timing]:
+    from django.db import connection
+
     took = Timing()
+    logged = len(connection.queries_log)
     wall, cpu = time.perf_counter(), time.thread_time()
     try:
         yield took
     finally:
         took.wall = time.perf_counter() - wall
         took.cpu = time.thread_time() - cpu
+        took.statements = len(connection.queries_log) - logged
 
 
 def profile(title: str, run: Callable[[], Any]) -> None:
