@@ -97,7 +97,10 @@ DEFAULTS: dict[str, Any] = {
     "ATTEMPT_TIMEOUT": 30.0,
     "MAX_ANSWER_BYTES": 1 << 20,
     "ERROR_LENGTH": 300,
-    "CONNECTIONS_PER_HOST": 2,
+    # Idle keep-alive connections kept to a host; None: as many as a host
+    # may be sent at once (PER_HOST_MAX), so that none in use is closed
+    # after its one request.
+    "CONNECTIONS_PER_HOST": None,
     "IDLE_CONNECTION_SECONDS": 10.0,
     # Idle keep-alive connections kept open in the whole process, across
     # every worker; past it the least recently used are closed. Each is a
@@ -238,7 +241,7 @@ class AppSettings:
     attempt_timeout = Typed(float)
     max_answer_bytes = Typed(int)
     error_length = Typed(int)
-    connections_per_host = Typed(int)
+    connections_per_host = Typed(_optional_int)
     idle_connection_seconds = Typed(float)
     max_idle_connections = Typed(int)
     verify_tls = Typed(bool)
@@ -335,16 +338,22 @@ class AppSettings:
                 ) from exc
         return tuple(networks)
 
-    def transport_settings(self) -> TransportSettings:
+    def transport_settings(self, *, most_per_host: int | None = None) -> TransportSettings:
+        """The transport's settings; ``most_per_host`` is the most a deliverer
+        sends one host at once, which ``CONNECTIONS_PER_HOST`` None follows
+        (``PER_HOST_MAX``, or ``PER_HOST`` if higher, when not given)."""
         from django_federation_delivery.transport import TransportSettings
 
+        kept = self.connections_per_host
+        if kept is None:
+            kept = most_per_host or max(self.per_host, self.per_host_max)
         return TransportSettings(
             user_agent=self.user_agent,
             connect_timeout=self.connect_timeout,
             attempt_timeout=self.attempt_timeout,
             max_answer_bytes=self.max_answer_bytes,
             allowed_networks=self.allowed_networks(),
-            connections_per_host=self.connections_per_host,
+            connections_per_host=kept,
             idle_timeout=self.idle_connection_seconds,
             max_idle_connections=self.max_idle_connections,
             verify_tls=self.verify_tls,

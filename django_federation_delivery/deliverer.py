@@ -96,7 +96,7 @@ class Deliverer:
         self.idle_poll = app_settings.idle_poll_seconds
         self.new_work_poll = app_settings.new_work_poll_seconds
         self.schemes = KnownSchemes(app_settings.first_scheme, self._db, using=using)
-        self.transport_settings = app_settings.transport_settings()
+        self.transport_settings = app_settings.transport_settings(most_per_host=self.limits.most)
         self.breakers = Breakers.from_settings(using=using)
         #: Whether to keep the queue's gauges (lag, open breakers) up to date.
         self.metrics = metrics

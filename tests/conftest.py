@@ -400,6 +400,8 @@ class Inbox:
     respond: Callable[[Received], Answer] = lambda request: (202, {}, b"")
     delay: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The connections it accepted (each keeps alive for many requests).
+    connections: int = 0
 
     def url(self, path: str = "/inbox") -> str:
         return f"http://{self.address}:{self.port}{path}"
@@ -412,6 +414,11 @@ class Inbox:
 class _Handler(BaseHTTPRequestHandler):
     inbox: Inbox
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        with self.inbox.lock:  # a handler a connection
+            self.inbox.connections += 1
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)

@@ -849,3 +849,18 @@ def test_outcomes_decided_with_nothing_in_flight_wait_to_be_written_together(
     assert Delivery.objects.count() == 40
     # Twenty claims of two: one write each, before.
     assert sum(writes) == 40 and len(writes) <= 8, writes
+
+
+def test_a_host_sent_many_at_once_is_sent_them_over_as_many_kept_connections(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    # CONNECTIONS_PER_HOST None: as many kept idle as the host may be sent
+    # at once, so that none is closed after one request and opened again
+    # (a TCP and TLS handshake, on the internet).
+    inbox.delay = 0.05  # so that four are in flight at once
+    batch = send(ALICE, NOTE, [inbox.url(f"/users/u{n}/inbox") for n in range(48)])
+    runner = start_deliverer(per_host=4, per_host_max=4)
+    wait_until(settled(batch))
+    runner.stop()
+    assert status_of(batch) == [Status.DELIVERED] * 48
+    assert inbox.connections <= 4, inbox.connections

@@ -33,6 +33,8 @@ WHOLE_NUMBERS: dict[str, tuple[int, int]] = {
 }
 HOUR = 3600.0
 DAY = 24 * HOUR
+#: Of those, the ones None leaves to follow another setting.
+WHOLE_NUMBERS_OR_NONE = frozenset({"CONNECTIONS_PER_HOST"})
 #: Settings in seconds: each above 0, finite, and at most this.
 SECONDS: dict[str, float] = {
     "KEY_CACHE_SECONDS": DAY,

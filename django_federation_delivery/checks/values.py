@@ -17,6 +17,7 @@ from django_federation_delivery.checks.bounds import (
     SECONDS_OR_NONE,
     USER_AGENT_LENGTH,
     WHOLE_NUMBERS,
+    WHOLE_NUMBERS_OR_NONE,
     default_hint,
     is_seconds,
     is_whole,
@@ -81,6 +82,8 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             )
     for name, (least, most) in WHOLE_NUMBERS.items():
         number = app_settings.get(name)
+        if number is None and name in WHOLE_NUMBERS_OR_NONE:
+            continue
         if not is_whole(number, least, most):
             errors.append(
                 Error(
