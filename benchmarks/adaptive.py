@@ -20,7 +20,9 @@ A 503 is retried after 0.2 s (``RETRY`` base), and a breaker cools off in
 2 s, so that a round measures the limits, not the retry schedule.
 
 Printed: for each, the median seconds to deliver everything, its rate, the
-ratio of the adaptive rate to it, and the 503s the small host answered.
+ratio of the adaptive rate to it, the 503s the small host answered, and the
+connections the big host accepted (a new one is a TCP and TLS handshake
+away from a real instance).
 
     .venv/bin/python benchmarks/adaptive.py [--rounds 3] [--database-url URL]
 """
@@ -62,13 +64,18 @@ def serve(address: str, port: int, ms: float, capacity: int | None, ready: Any) 
     """Answer POSTs as the big host (``capacity`` None) or the small one."""
     lock = threading.Lock()
     worker = threading.Lock()  # the small host's one request at a time
-    counts = {"answered": 0, "refused": 0, "waiting": 0}
+    counts = {"answered": 0, "refused": 0, "waiting": 0, "connections": 0}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, *args: Any) -> None:
             pass
+
+        def setup(self) -> None:
+            super().setup()
+            with lock:  # a handler a connection: keep-alive's requests share one
+                counts["connections"] += 1
 
         def _answer(self, status: int, body: bytes = b"") -> None:
             self.send_response(status)
@@ -128,9 +135,10 @@ def counts(address: str, port: int) -> dict[str, int]:
 
 def one_round(
     big_port: int, small_port: int, args: argparse.Namespace, start: int, most: int
-) -> tuple[float, int]:
-    """Seconds to deliver everything, and the 503s the small host answered."""
-    from django.db import connections
+) -> tuple[float, int, int]:
+    """Seconds to deliver everything, the 503s the small host answered, and
+    the connections the big one accepted."""
+    from django.db import connections as databases
 
     from django_federation_delivery import send
     from django_federation_delivery.deliverer import Deliverer
@@ -151,6 +159,7 @@ def one_round(
             big += 1
     activity = make_activity(SENDER)
     refused_before = counts(SMALL, small_port)["refused"]
+    connections_before = counts(BIG, big_port)["connections"]
     sent = threading.Event()
     if args.stream is None:
         send(SENDER, activity, inboxes)
@@ -166,7 +175,7 @@ def one_round(
                     time.sleep(max(0.0, runner.started + n * args.stream - time.monotonic()))
                     send(SENDER, activity, [inbox])
             finally:
-                connections.close_all()
+                databases.close_all()
                 sent.set()
 
         threading.Thread(target=stream, daemon=True).start()
@@ -181,7 +190,9 @@ def one_round(
     delivered = Delivery.objects.filter(status=Status.DELIVERED).count()
     if delivered < total:
         print(f"  WARNING: {delivered} of {total} delivered", flush=True)
-    return seconds, counts(SMALL, small_port)["refused"] - refused_before
+    # Less the one the count itself came over.
+    connections = counts(BIG, big_port)["connections"] - connections_before - 1
+    return seconds, counts(SMALL, small_port)["refused"] - refused_before, connections
 
 
 def main() -> int:
@@ -259,25 +270,37 @@ def report(args: argparse.Namespace, big_port: int, small_port: int, capacity: i
     limits = [("adaptive 2..8", 2, 8)] + [(f"fixed {n}", n, n) for n in (1, 2, 4, 8)]
     seconds: dict[str, list[float]] = {name: [] for name, *_ in limits}
     refused: dict[str, list[int]] = {name: [] for name, *_ in limits}
+    opened: dict[str, list[int]] = {name: [] for name, *_ in limits}
     for number in range(1, args.rounds + 1):
         # Each round runs every limit, in turn, so that the machine's load
         # at one moment falls on all of them alike.
         for name, start, most in limits:
-            took, shed = one_round(big_port, small_port, args, start, most)
+            took, shed, connections = one_round(big_port, small_port, args, start, most)
             seconds[name].append(took)
             refused[name].append(shed)
-            print(f"  round {number}: {name:<14} {took:7.2f} s  503s {shed:5d}", flush=True)
+            opened[name].append(connections)
+            print(
+                f"  round {number}: {name:<14} {took:7.2f} s  503s {shed:5d}  "
+                f"connections to the big host {connections:4d}",
+                flush=True,
+            )
     total = args.big + args.small
     adaptive = statistics.median(seconds["adaptive 2..8"])
     print(f"\n  load average: {load_average()}")
-    print(f"  {'limit':<14} {'seconds':>8} {'per s':>8} {'adaptive ×':>11} {'503s':>6}")
+    print(
+        f"  {'limit':<14} {'seconds':>8} {'per s':>8} {'adaptive ×':>11} {'503s':>6} "
+        f"{'connections':>12}"
+    )
     for name, *_ in limits:
         median = statistics.median(seconds[name])
         print(
             f"  {name:<14} {median:8.2f} {total / median:8.0f} {median / adaptive:11.2f} "
-            f"{statistics.median(refused[name]):6.0f}"
+            f"{statistics.median(refused[name]):6.0f} {statistics.median(opened[name]):12.0f}"
         )
-    print("  (adaptive ×: how many times the adaptive rate; above 1, adaptive is faster)")
+    print(
+        "  (adaptive ×: how many times the adaptive rate; above 1, adaptive is faster; "
+        f"connections: those the big host accepted for its {args.big} deliveries)"
+    )
 
 
 if __name__ == "__main__":
