@@ -73,8 +73,9 @@ class _Host:
 
 class HostLimits:
     """Each host's limit of deliveries at once, from ``start``, between 1 and
-    ``most``. With ``most`` at ``start`` or below it never grows. ``clock``
-    gives the seconds the waits before a probe are measured in."""
+    ``most``. With ``most`` at ``start`` or below it is fixed at ``most``:
+    never grown, never halved, as before limits adapted. ``clock`` gives the
+    seconds the waits before a probe are measured in."""
 
     def __init__(
         self, start: int, most: int, *, clock: Callable[[], float] = time.monotonic
@@ -95,6 +96,8 @@ class HostLimits:
         """What an attempt at ``host`` says of its load."""
         if result.held or not result.requests:
             return  # no request: nothing said
+        if self.most <= self.start:
+            return  # a fixed limit
         found = self._hosts.get(host)
         if found is None:
             if len(self._hosts) >= MOST_HOSTS:

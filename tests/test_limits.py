@@ -68,8 +68,9 @@ def test_a_limit_never_passes_the_most() -> None:
     ids=["503", "429", "no answer", "far slower than its fastest"],
 )
 def test_a_sign_of_overload_halves_the_limit_once_a_round(overload: AttemptResult) -> None:
-    limits = HostLimits(8, 8)
+    limits = HostLimits(7, 8)
     limits.learn(HOST, answered(seconds=0.02))
+    assert limits.limit(HOST) == 8
     limits.learn(HOST, overload)
     assert limits.limit(HOST) == 4
     # The answers to the other requests of that round do not halve it again.
@@ -102,11 +103,16 @@ def test_a_host_slower_than_its_fastest_but_within_noise_is_not_overloaded() -> 
     assert limits.limit(HOST) == 6
 
 
-def test_with_the_most_at_the_start_a_limit_never_grows() -> None:
+def test_with_the_most_at_the_start_a_limit_is_fixed_never_grown_nor_halved() -> None:
     limits = HostLimits(2, 2)
     for _ in range(100):
         limits.learn(HOST, answered())
     assert limits.limit(HOST) == 2
+    for overload in (answered(503), answered(429), no_answer(), answered(seconds=5.0)):
+        for _ in range(5):
+            limits.learn(HOST, overload)
+    assert limits.limit(HOST) == 2
+    assert HostLimits(4, 2).limit(HOST) == 2, "the most, if below the start"
 
 
 class Clock:
