@@ -79,22 +79,29 @@ def overtake(
             return Overtaken([], {}, 0, [])
         tags = {id: tag for id, tag in found}
         batches = db.ids(tags)
+        # On PostgreSQL the retraction's inboxes are given as a list (see
+        # supersede in queries.sql); SQLite reads them in each statement.
+        inboxes = (
+            {"inboxes": [inbox for (inbox,) in db.all("inboxes_of", batch=batch_id)]}
+            if db.postgresql
+            else {"batch": batch_id}
+        )
         rows = sorted(
             SupersededRow(*row)
             for row in db.all(
                 "supersede",
                 batches=batches,
-                batch=batch_id,
                 superseded=str(Status.SUPERSEDED),
                 now=when,
                 reason=reason,
+                **inboxes,
             )
         )
         # Those queued after a superseded one in its sequence go on without
         # it (the retraction's own among them), before the retraction is
         # made to wait on what was attempted.
         release_next([row.id for row in rows], now, using)
-        waiting = db.run("wait_for_attempted", batches=batches, batch=batch_id)
+        waiting = db.run("wait_for_attempted", batches=batches, **{**inboxes, "batch": batch_id})
     finished = count_down(Counter(row.batch_id for row in rows), now, using)
     return Overtaken(rows, tags, waiting, finished)
 
