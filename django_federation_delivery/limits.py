@@ -18,6 +18,9 @@ is halved there (or below) once more, up to ``MOST_PROBE_AFTER``. Measured
 in time, not in answers, so that a small host that sheds load at some limit
 is asked it again as rarely however many deliveries are queued for it.
 
+With ``PER_HOST_MAX`` not above ``PER_HOST`` the limit is fixed: neither
+grown nor halved, as every host's was before limits adapted.
+
 Only the loop's thread reads and changes it; it is the loop's memory, lost
 with it, and each host starts over at ``PER_HOST`` in a new run.
 """
