@@ -236,9 +236,10 @@ ORDER BY id
 -- The inboxes the retraction's batch %(batch)s is queued to.
 SELECT n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
 
--- name: inboxes_of
--- The same, read: what the statements below take on PostgreSQL.
-{retraction_inboxes}
+-- name: inboxes_of [postgresql]
+-- The same, read, with the deliveries' ids: what the statements below take
+-- on PostgreSQL.
+SELECT n.id, n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
 
 -- name: supersede [postgresql]
 -- The deliveries of %(batches)s to the retraction's inboxes (%(inboxes)s,
@@ -278,10 +279,21 @@ WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS N
     AND inbox IN ({retraction_inboxes})
 GROUP BY inbox
 
--- name: wait_for_attempted
+-- name: wait_for_attempted [postgresql]
 -- The retraction's delivery to each such inbox waits on that one, with no
 -- due time until it leaves the queue, unless it already waits on the one
--- before it in its own sequence.
+-- before it in its own sequence. Given as two lists read first: the
+-- retraction's deliveries (%(ids)s) and what each waits on (%(lasts)s).
+-- Both sides of the join are then lists whose lengths the planner knows;
+-- joined to attempted_before as a subquery, the retraction's rows were
+-- "one row" to statistics taken while the table was small, and each of
+-- 10,000 was compared with the 9,000 attempted (14 s).
+UPDATE {delivery} SET after_id = w.last, due_at = NULL
+FROM unnest(%(ids)s::bigint[], %(lasts)s::bigint[]) AS w(id, last)
+WHERE {delivery}.id = ANY(%(ids)s::bigint[]) AND {delivery}.id = w.id
+    AND {delivery}.after_id IS NULL
+
+-- name: wait_for_attempted [sqlite]
 UPDATE {delivery} SET after_id = w.last, due_at = NULL
 FROM ({attempted_before}) AS w
 WHERE {delivery}.batch_id = %(batch)s AND {delivery}.inbox = w.inbox

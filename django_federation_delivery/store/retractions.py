@@ -81,11 +81,12 @@ def overtake(
         batches = db.ids(tags)
         # On PostgreSQL the retraction's inboxes are given as a list (see
         # supersede in queries.sql); SQLite reads them in each statement.
-        inboxes = (
-            {"inboxes": [inbox for (inbox,) in db.all("inboxes_of", batch=batch_id)]}
+        mine: dict[str, int] = (
+            {inbox: id for id, inbox in db.all("inboxes_of", batch=batch_id)}
             if db.postgresql
-            else {"batch": batch_id}
+            else {}
         )
+        inboxes = {"inboxes": list(mine)} if db.postgresql else {"batch": batch_id}
         rows = sorted(
             SupersededRow(*row)
             for row in db.all(
@@ -101,7 +102,22 @@ def overtake(
         # it (the retraction's own among them), before the retraction is
         # made to wait on what was attempted.
         release_next([row.id for row in rows], now, using)
-        waiting = db.run("wait_for_attempted", batches=batches, **{**inboxes, "batch": batch_id})
+        if db.postgresql:
+            waits = [
+                (mine[inbox], last)
+                for inbox, last in db.all("attempted_before", batches=batches, **inboxes)
+            ]
+            waiting = (
+                db.run(
+                    "wait_for_attempted",
+                    ids=db.ids(id for id, _ in waits),
+                    lasts=db.ids(last for _, last in waits),
+                )
+                if waits
+                else 0
+            )
+        else:
+            waiting = db.run("wait_for_attempted", batches=batches, batch=batch_id)
     finished = count_down(Counter(row.batch_id for row in rows), now, using)
     return Overtaken(rows, tags, waiting, finished)
 
