@@ -54,7 +54,7 @@ MOST_PROBE_AFTER = 3600.0
 MOST_HOSTS = 10_000
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Host:
     limit: float
     #: Its fastest answer lately, in seconds; None until it answered.

@@ -16,13 +16,15 @@ from django.utils import timezone
 
 from django_federation_delivery import send
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.hoststats import SAMPLES, HostStats
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.picture import host_picture
-from django_federation_delivery.store.hosts import SeenHost, record_hosts
+from django_federation_delivery.store.hosts import CHUNK, SeenHost, record_hosts
 
 from .conftest import Inbox
 from .keys import ALICE
 from .test_admin import html, login, url
+from .test_limits import answered
 
 NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
 
@@ -64,6 +66,31 @@ def test_what_a_deliverer_saw_of_each_host_is_written_for_its_picture(
     assert (bad.trouble, bad.pending, bad.last_delivered_at) == ("failing", 1, None)
     assert bad.failing_since is not None and "503" in bad.last_error
     assert host_picture("never.example") is None
+
+
+@pytest.mark.django_db
+def test_a_hosts_answer_times_are_its_last_samples_whatever_it_was_sent() -> None:
+    # 500 answers, 0 ms to 499 ms: what is written is of the last SAMPLES
+    # (300 ms to 499 ms), kept in a bounded array overwritten oldest first.
+    stats = HostStats(lambda host: 2)
+    for ms in range(500):
+        stats.learn("busy.example", answered(seconds=ms / 1000), timezone.now())
+    assert stats.write(now=timezone.now()) == 1
+    host = Host.objects.get(name="busy.example")
+    assert SAMPLES == 200
+    assert host.answer_p50_ms == pytest.approx(399.5, abs=0.01)
+    assert host.answer_p95_ms == pytest.approx(489, abs=0.01)
+    kept = stats._hosts["busy.example"].answers
+    assert len(kept) == SAMPLES and kept.itemsize == 4
+
+
+@pytest.mark.django_db
+def test_hosts_past_a_statements_chunk_are_all_written_in_one_transaction() -> None:
+    now = timezone.now()
+    many = [seen(f"h{n}.example", answer_p50_ms=float(n)) for n in range(2 * CHUNK + 1)]
+    assert record_hosts(many, now=now) == len(many)
+    written = dict(Host.objects.values_list("name", "answer_p50_ms"))
+    assert written == {host.name: host.answer_p50_ms for host in many}
 
 
 @pytest.mark.django_db

@@ -14,6 +14,11 @@ from django_federation_delivery.store import sql
 
 __all__ = ["SeenHost", "record_hosts"]
 
+#: Hosts one statement writes. A deliverer that sent to 10,000 hosts since
+#: its last write would otherwise build one value of them all: some 9 MB
+#: of memory at once, which the process then keeps.
+CHUNK = 500
+
 
 class SeenHost(NamedTuple):
     """What one deliverer saw of a host since it last wrote; None: not seen."""
@@ -38,19 +43,23 @@ def record_hosts(seen: Sequence[SeenHost], *, now: dt.datetime, using: str | Non
     def at(value: dt.datetime | None) -> object:
         return db_datetime(value, connection) if value is not None else None
 
-    rows = [
-        [
-            host.name,
-            at(now),
-            at(host.last_delivered_at),
-            host.last_error if host.last_error_at is not None else None,
-            at(host.last_error_at),
-            host.answer_p50_ms,
-            host.answer_p95_ms,
-            host.concurrency_limit,
-        ]
-        for host in sorted(seen)
-    ]
+    # In name order, chunk after chunk: processes writing the same hosts
+    # lock them in one order.
+    ordered = sorted(seen)
     with transaction.atomic(using=using), sql.on(connection) as db:
-        db.run("record_hosts", rows=json_parameter(rows))  # a write, first
-    return len(rows)
+        for start in range(0, len(ordered), CHUNK):
+            rows = [
+                [
+                    host.name,
+                    at(now),
+                    at(host.last_delivered_at),
+                    host.last_error if host.last_error_at is not None else None,
+                    at(host.last_error_at),
+                    host.answer_p50_ms,
+                    host.answer_p95_ms,
+                    host.concurrency_limit,
+                ]
+                for host in ordered[start : start + CHUNK]
+            ]
+            db.run("record_hosts", rows=json_parameter(rows))  # a write, first
+    return len(ordered)
