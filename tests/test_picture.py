@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_federation_delivery import send
@@ -88,7 +90,11 @@ def test_a_hosts_answer_times_are_its_last_samples_whatever_it_was_sent() -> Non
 def test_hosts_past_a_statements_chunk_are_all_written_in_one_transaction() -> None:
     now = timezone.now()
     many = [seen(f"h{n}.example", answer_p50_ms=float(n)) for n in range(2 * CHUNK + 1)]
-    assert record_hosts(many, now=now) == len(many)
+    with CaptureQueriesContext(connection) as captured:
+        assert record_hosts(many, now=now) == len(many)
+    # A statement a chunk, not one value of every host: a bounded size.
+    writes = [q["sql"] for q in captured.captured_queries if "INSERT INTO" in q["sql"]]
+    assert len(writes) == 3, [len(sql) for sql in writes]
     written = dict(Host.objects.values_list("name", "answer_p50_ms"))
     assert written == {host.name: host.answer_p50_ms for host in many}
 

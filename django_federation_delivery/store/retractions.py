@@ -79,14 +79,14 @@ def overtake(
             return Overtaken([], {}, 0, [])
         tags = {id: tag for id, tag in found}
         batches = db.ids(tags)
-        # On PostgreSQL the retraction's inboxes are given as a list (see
-        # supersede in queries.sql); SQLite reads them in each statement.
-        mine: dict[str, int] = (
-            {inbox: id for id, inbox in db.all("inboxes_of", batch=batch_id)}
-            if db.postgresql
-            else {}
-        )
-        inboxes = {"inboxes": list(mine)} if db.postgresql else {"batch": batch_id}
+        # On PostgreSQL the retraction's inboxes (and its deliveries' ids)
+        # are read first and given as lists (see supersede in queries.sql);
+        # SQLite reads them in each statement.
+        mine: dict[str, int] = {}
+        inboxes: dict[str, object] = {"batch": batch_id}
+        if db.postgresql:
+            mine = {inbox: id for id, inbox in db.all("inboxes_of", batch=batch_id)}
+            inboxes = {"inboxes": list(mine)}
         rows = sorted(
             SupersededRow(*row)
             for row in db.all(
@@ -102,22 +102,21 @@ def overtake(
         # it (the retraction's own among them), before the retraction is
         # made to wait on what was attempted.
         release_next([row.id for row in rows], now, using)
-        if db.postgresql:
+        if not db.postgresql:
+            waiting = db.run("wait_for_attempted", batches=batches, batch=batch_id)
+        else:
+            # Each of its deliveries, by id, with the one it is to wait on.
             waits = [
                 (mine[inbox], last)
                 for inbox, last in db.all("attempted_before", batches=batches, **inboxes)
             ]
-            waiting = (
-                db.run(
+            waiting = 0
+            if waits:
+                waiting = db.run(
                     "wait_for_attempted",
                     ids=db.ids(id for id, _ in waits),
                     lasts=db.ids(last for _, last in waits),
                 )
-                if waits
-                else 0
-            )
-        else:
-            waiting = db.run("wait_for_attempted", batches=batches, batch=batch_id)
     finished = count_down(Counter(row.batch_id for row in rows), now, using)
     return Overtaken(rows, tags, waiting, finished)
 
