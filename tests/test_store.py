@@ -349,6 +349,51 @@ def test_on_postgresql_a_settle_counts_its_batches_down_in_place() -> None:
     assert (after[0] - before[0], after[1] - before[1]) == (30, 30)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_on_postgresql_a_settle_locks_first_only_the_batches_of_more_than_one_delivery() -> None:
+    # Batches counted down by several settles at once are locked first, in id
+    # order, so that those settles wait on each other rather than deadlock. A
+    # batch of one delivery (a one-inbox send's) has one writer at a time,
+    # whoever holds that delivery: locking it first is a write for nothing.
+    # Another transaction's FOR KEY SHARE (what a foreign key's check takes)
+    # waits out a lock taken first (FOR UPDATE), not the count's UPDATE.
+    from django.db import OperationalError
+
+    if connection.vendor != "postgresql":
+        pytest.skip("on SQLite a settle holds the database's write lock, not rows'")
+    single = send(ALICE, NOTE, ["https://one.example/inbox"])
+    pair = send(ALICE, NOTE, inboxes(2, "two.example"))
+    claimed = {row.batch_id: row for row in store.claim(3, lease=300)}
+    assert len(claimed) == 2
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("BEGIN")
+            cursor.execute(
+                f"SELECT id FROM {Batch._meta.db_table} WHERE id IN (%s, %s) FOR KEY SHARE",
+                [single.id, pair.id],
+            )
+            with connection.cursor() as ours:
+                ours.execute("SET lock_timeout = '2s'")
+            try:
+                one = store.Settlement(claimed[single.id], Status.DELIVERED, 1)
+                assert store.settle([one]) == {claimed[single.id].id}
+                of_two = store.Settlement(claimed[pair.id], Status.DELIVERED, 1)
+                with pytest.raises(OperationalError):
+                    store.settle([of_two])
+            finally:
+                with connection.cursor() as ours:
+                    ours.execute("RESET lock_timeout")
+            cursor.execute("COMMIT")
+    finally:
+        other.close()
+    # The one that waited wrote nothing; once the lock is gone it is written.
+    assert Delivery.objects.get(id=claimed[pair.id].id).status == Status.PENDING
+    assert store.settle([of_two]) == {claimed[pair.id].id}
+    assert list(Batch.objects.order_by("id").values_list("remaining", flat=True)) == [0, 1]
+    assert Batch.objects.get(id=single.id).finished_at is not None
+
+
 def at_once(target: Any, threads: int) -> None:
     """Run ``target`` in that many threads at once, and wait for them all."""
     started = [threading.Thread(target=target) for _ in range(threads)]

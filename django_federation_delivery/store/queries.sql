@@ -366,7 +366,10 @@ SELECT ARRAY(SELECT id FROM s), ARRAY(SELECT id FROM b WHERE remaining = 0 ORDER
 -- name: settling [postgresql]
 -- The settlements written (s), those waiting on the ones written final
 -- released (r), the batches of the final ones locked in id order (l) and
--- counted down (b). Every table is read by an index on ids given as arrays,
+-- counted down (b). A batch of one delivery is not locked first: whatever
+-- writes its count holds its one delivery's row before it, so no two
+-- transactions ever wait on each other for it (and a stream of one-inbox
+-- sends settles as many batches as deliveries). Every table is read by an index on ids given as arrays,
 -- never by a join the planner orders from its statistics: a table emptied
 -- and filled since it was last analyzed is "one row" to it, and a join
 -- through all of it at every settle then costs ten times the rest. Each CTE
@@ -388,7 +391,7 @@ c AS (
     SELECT batch_id AS id, count(*) AS n FROM s WHERE settled_at IS NOT NULL GROUP BY batch_id
 ),
 l AS MATERIALIZED (
-    SELECT id FROM {batch} WHERE id = ANY(%(leaving)s::bigint[])
+    SELECT id FROM {batch} WHERE id = ANY(%(leaving)s::bigint[]) AND size > 1
         AND (SELECT count(*) FROM r) >= 0
     ORDER BY id FOR UPDATE
 ),

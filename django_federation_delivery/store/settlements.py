@@ -71,8 +71,9 @@ def settle(
     stamped finished, and ``on_finished`` is called with their ids inside
     the same transaction. The rows lock in one
     order whatever the database: deliveries, those released, then batches in
-    id order, then the history's minute (see :meth:`~.sql.Statements.settle`
-    for what each database runs).
+    id order (on PostgreSQL, those of more than one delivery: the one
+    delivery of any other is locked already), then the history's minute
+    (see :meth:`~.sql.Statements.settle` for what each database runs).
 
     On PostgreSQL the statement adds to the history too, and fails as a
     whole when that cannot be written: the settle is then written again,
