@@ -164,8 +164,13 @@ def one_round(
     if args.stream is None:
         send(SENDER, activity, inboxes)
         sent.set()
-    runner = DelivererThread(Deliverer(per_host=start, per_host_max=most))
-    runner.start()
+    runners = [
+        DelivererThread(Deliverer(per_host=start, per_host_max=most))
+        for _ in range(args.deliverers)
+    ]
+    for each in runners:
+        each.start()
+    runner = runners[0]
     if args.stream is not None:
 
         def stream() -> None:
@@ -186,7 +191,8 @@ def one_round(
             break
         time.sleep(0.02)
     seconds = time.monotonic() - runner.started
-    runner.stop(60)
+    for each in runners:
+        each.stop(60)
     delivered = Delivery.objects.filter(status=Status.DELIVERED).count()
     if delivered < total:
         print(f"  WARNING: {delivered} of {total} delivered", flush=True)
@@ -212,6 +218,13 @@ def main() -> int:
         metavar="SECONDS",
         help="send one inbox at a time, this many seconds apart, while the deliverer runs "
         "(default: all in one send before it starts)",
+    )
+    parser.add_argument(
+        "--deliverers",
+        type=positive,
+        default=1,
+        help="deliverers at once, each with limits of its own, as run_deliverer --processes N "
+        "runs them (1)",
     )
     parser.add_argument("--timeout", type=float, default=120.0)
     add_database_and_tmpdir(parser)
