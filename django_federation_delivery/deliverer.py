@@ -134,7 +134,10 @@ class Deliverer:
             concurrency=self.concurrency,
         )
         self.slots = Slots(
-            concurrency=self.concurrency, per_host=self.limits.limit, slow_after=self.slow_after
+            concurrency=self.concurrency,
+            per_host=self.limits.allowed,
+            slow_after=self.slow_after,
+            resting=self.limits.resting,
         )
         #: Outcomes written together in one transaction, at most WRITE_WITHIN
         #: seconds late and four for each slot: what a crash would send again.

@@ -18,8 +18,19 @@ is halved there (or below) once more, up to ``MOST_PROBE_AFTER``. Measured
 in time, not in answers, so that a small host that sheds load at some limit
 is asked it again as rarely however many deliveries are queued for it.
 
+A host refused at a limit of one (a ``429`` or ``503``, or no answer),
+where halving cannot go, *rests*: it is sent nothing for ``REST`` seconds,
+twice as long at each refusal in a row (up to ``MOST_REST``), half as long
+again after each answer that came back well. One deliverer alone rarely
+needs it; several, each with a limit of its own (``run_deliverer
+--processes N``), send a host at least one each: a host that takes one at
+a time refuses all but one of them, again and again, unless the others
+step back. Resting, the one refused most leaves the host to the others,
+and asks again ever more rarely while refused.
+
 With ``PER_HOST_MAX`` not above ``PER_HOST`` the limit is fixed: neither
-grown nor halved, as every host's was before limits adapted.
+grown nor halved, and never rested, as every host's was before limits
+adapted.
 
 Only the loop's thread reads and changes it; it is the loop's memory, lost
 with it, and each host starts over at ``PER_HOST`` in a new run.
@@ -33,7 +44,15 @@ from collections.abc import Callable
 
 from django_federation_delivery.attempt import AttemptResult
 
-__all__ = ["MOST_PROBE_AFTER", "OVERLOADED", "PROBE_AFTER", "SLOWER", "HostLimits"]
+__all__ = [
+    "MOST_PROBE_AFTER",
+    "MOST_REST",
+    "OVERLOADED",
+    "PROBE_AFTER",
+    "REST",
+    "SLOWER",
+    "HostLimits",
+]
 
 #: Answers that say "too many, not now".
 OVERLOADED = frozenset({429, 503})
@@ -52,6 +71,10 @@ PROBE_AFTER = 30.0
 MOST_PROBE_AFTER = 3600.0
 #: Hosts remembered; past it the ones seen longest ago are forgotten.
 MOST_HOSTS = 10_000
+#: Seconds a host refused at a limit of one is first sent nothing; doubled
+#: at each refusal in a row, up to MOST_REST, halved at each good answer.
+REST = 0.1
+MOST_REST = 30.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,6 +95,8 @@ class _Host:
     starting: bool = True
     #: The limit it was last halved from (kept once the ceiling is passed).
     halved_from: int | None = None
+    #: Seconds of its last rest (0 when none is owed): see REST.
+    rest: float = 0.0
 
 
 class HostLimits:
@@ -87,13 +112,33 @@ class HostLimits:
         self.most = max(1, most)
         self.clock = clock
         self._hosts: dict[str, _Host] = {}
+        #: The hosts resting, and until when (the clock's seconds).
+        self._resting: dict[str, float] = {}
 
     def limit(self, host: str) -> int:
-        """How many deliveries ``host`` may have in flight now."""
+        """The limit learned of ``host``: how many it is sent at once."""
         found = self._hosts.get(host)
         if found is None:
             return min(self.start, self.most)
         return int(found.limit)
+
+    def allowed(self, host: str) -> int:
+        """How many deliveries ``host`` may have in flight now: its limit,
+        or none while it rests."""
+        if self._resting and host in self._resting:
+            if self.clock() < self._resting[host]:
+                return 0
+            del self._resting[host]
+        return self.limit(host)
+
+    def resting(self) -> list[str]:
+        """The hosts resting now: none of theirs is to be claimed."""
+        if not self._resting:
+            return []
+        now = self.clock()
+        for host in [host for host, until in self._resting.items() if until <= now]:
+            del self._resting[host]
+        return list(self._resting)
 
     def learn(self, host: str, result: AttemptResult) -> None:
         """What an attempt at ``host`` says of its load."""
@@ -104,7 +149,9 @@ class HostLimits:
         found = self._hosts.get(host)
         if found is None:
             if len(self._hosts) >= MOST_HOSTS:
-                del self._hosts[next(iter(self._hosts))]
+                forgotten = next(iter(self._hosts))
+                del self._hosts[forgotten]
+                self._resting.pop(forgotten, None)
             found = self._hosts[host] = _Host(float(min(self.start, self.most)))
         else:
             # Seen again: the last to be forgotten.
@@ -127,8 +174,16 @@ class HostLimits:
                 found.recovering = int(found.limit)
                 found.ceiling = found.halved_from = int(found.limit)
                 found.starting = False
+                if found.limit < 2 and not slow:
+                    # Refused at one, which cannot be halved: it rests, and
+                    # is not sent two at once again before its probe.
+                    found.ceiling = 2
+                    found.rest = min(MOST_REST, found.rest * 2) if found.rest else REST
+                    self._resting[host] = self.clock() + found.rest
                 found.limit = max(1.0, found.limit / 2)
             return
+        if found.rest:
+            found.rest = found.rest / 2 if found.rest >= 2 * REST else 0.0
         if not found.recovering:
             if found.ceiling is not None and int(found.limit) >= found.ceiling:
                 found.ceiling = None  # reached again, and answering well

@@ -44,11 +44,19 @@ class InHand:
 
 class Slots:
     def __init__(
-        self, *, concurrency: int, per_host: Callable[[str], int], slow_after: float
+        self,
+        *,
+        concurrency: int,
+        per_host: Callable[[str], int],
+        slow_after: float,
+        resting: Callable[[], Iterable[str]] = list,
     ) -> None:
         self.concurrency = concurrency
-        #: How many a host may have in flight now (``limits.HostLimits.limit``).
+        #: How many a host may have in flight now (``limits.HostLimits.allowed``).
         self.per_host = per_host
+        #: The hosts that may have none in flight for now, whatever they hold
+        #: (``limits.HostLimits.resting``).
+        self.resting = resting
         self.slow_after = slow_after
         #: Claimed and admitted, waiting for a slot (and a slot on its host).
         self.ready: collections.deque[InFlight] = collections.deque()
@@ -94,9 +102,11 @@ class Slots:
 
     def saturated_hosts(self) -> list[str]:
         """Hosts with as many deliveries in flight or ready as they may have
-        at once: no use claiming more."""
+        at once, and those resting: no use claiming more."""
         held = self._host_busy + self._ready_hosts
-        return [host for host, count in held.items() if count >= self.per_host(host)]
+        full = [host for host, count in held.items() if count >= self.per_host(host)]
+        resting = [host for host in self.resting() if host not in held]
+        return full + resting
 
     def hand_out(
         self, admit: Callable[[InFlight], bool], *, slow: int, queued: int, most: int

@@ -423,6 +423,39 @@ def test_no_more_than_per_host_go_to_one_host_at_once(
     assert slow_begun == 2, "the slow host holds two slots, not the loop"
 
 
+def test_a_host_that_refuses_even_one_at_a_time_rests_and_is_not_hammered(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # As another deliverer's request in flight makes a host that takes one at
+    # a time refuse this one's: each 503 at a limit of one has the host rest,
+    # twice as long each time (0.1 s, 0.2 s, 0.4 s...), where the slot it
+    # frees would otherwise go to the next of its deliveries at once.
+    fast_retries(settings, ATTEMPTS=1000)  # never given up while the test runs
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 10_000, "COOL_OFF": 60.0, "SCOPE": "host"},
+    }
+    busy = threading.Event()
+    busy.set()
+    small = inboxes(
+        "127.0.0.2", respond=lambda request: (503, {}, b"") if busy.is_set() else (202, {}, b"")
+    )
+    batch = send(ALICE, NOTE, [small.url(f"/{n}") for n in range(20)])
+    runner = start_deliverer(concurrency=8, per_host=1, per_host_max=4)
+    wait_until(lambda: len(small.received) >= 1)
+    time.sleep(2.0)
+    refused = len(small.received)
+    busy.clear()
+    wait_until(settled(batch))
+    runner.stop()
+    # Resting: 0.1 + 0.2 + 0.4 + 0.8 s make five or six refusals in 2 s.
+    # Without it, each of the 20 would be refused every 0.1-0.2 s: hundreds.
+    assert 2 <= refused <= 12, refused
+    assert status_of(batch) == [Status.DELIVERED] * 20
+
+
 def test_a_database_that_is_away_for_a_moment_is_waited_out(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],

@@ -1,12 +1,19 @@
 """Each host's limit of deliveries at once: up while it answers well, halved
-at a sign of overload, once a round, between 1 and the most."""
+at a sign of overload, once a round, between 1 and the most; refused at
+one, the host rests."""
 
 from __future__ import annotations
 
 import pytest
 
 from django_federation_delivery.attempt import AttemptResult, Job, failed, held
-from django_federation_delivery.limits import MOST_PROBE_AFTER, PROBE_AFTER, HostLimits
+from django_federation_delivery.limits import (
+    MOST_PROBE_AFTER,
+    MOST_REST,
+    PROBE_AFTER,
+    REST,
+    HostLimits,
+)
 
 JOB = Job(delivery_id=1)
 HOST = "big.example"
@@ -169,3 +176,87 @@ def test_a_host_halved_again_where_it_was_is_asked_that_limit_ever_more_rarely()
         clock.now += 1
         limits.learn(HOST, answered())
     assert clock.now - halved == PROBE_AFTER
+
+
+@pytest.mark.parametrize("overload", [answered(503), answered(429), no_answer()])
+def test_a_host_refused_at_one_rests_twice_as_long_at_each_refusal_in_a_row(
+    overload: AttemptResult,
+) -> None:
+    clock = Clock()
+    limits = HostLimits(1, 8, clock=clock)
+    limits.learn(HOST, overload)
+    assert limits.limit(HOST) == 1, "the limit learned is still one"
+    assert limits.allowed(HOST) == 0, "but none goes while it rests"
+    assert limits.resting() == [HOST]
+    assert limits.allowed("other.example") == 1, "each host its own"
+    clock.now += REST
+    assert limits.allowed(HOST) == 1
+    assert limits.resting() == []
+    rest = REST
+    for _ in range(12):
+        rest = min(MOST_REST, rest * 2)
+        limits.learn(HOST, overload)
+        clock.now += rest * 0.999
+        assert limits.allowed(HOST) == 0, rest
+        clock.now += rest * 0.002
+        assert limits.allowed(HOST) == 1, rest
+    assert rest == MOST_REST
+
+
+def test_each_good_answer_halves_the_rest_a_refusal_at_one_then_owes() -> None:
+    clock = Clock()
+    limits = HostLimits(1, 8, clock=clock)
+    for _ in range(4):  # rests of 0.1, 0.2, 0.4, 0.8 s
+        limits.learn(HOST, answered(503))
+        clock.now += 10
+    limits.learn(HOST, answered())
+    limits.learn(HOST, answered(503))
+    assert limits.allowed(HOST) == 0
+    clock.now += 0.8 - 1e-6
+    assert limits.allowed(HOST) == 0, "0.8 s: twice the 0.4 s left after one good answer"
+    clock.now += 1e-6
+    assert limits.allowed(HOST) == 1
+    for _ in range(10):
+        limits.learn(HOST, answered())
+    limits.learn(HOST, answered(503))
+    clock.now += REST
+    assert limits.allowed(HOST) == 1, "after good answers enough, a first rest again"
+
+
+def test_a_host_halved_to_one_from_above_rests_only_once_refused_at_one() -> None:
+    clock = Clock()
+    limits = HostLimits(2, 8, clock=clock)
+    limits.learn(HOST, answered(503))
+    assert (limits.limit(HOST), limits.allowed(HOST)) == (1, 1)
+    limits.learn(HOST, answered(503))  # the other request of that round
+    assert limits.allowed(HOST) == 1
+    limits.learn(HOST, answered(503))
+    assert limits.allowed(HOST) == 0
+
+
+def test_a_host_slow_at_one_is_not_rested_only_one_refused() -> None:
+    limits = HostLimits(1, 8)
+    limits.learn(HOST, answered(seconds=0.01))
+    limits.learn(HOST, answered(seconds=0.5))
+    assert (limits.limit(HOST), limits.allowed(HOST)) == (1, 1)
+
+
+def test_a_fixed_limit_never_rests() -> None:
+    limits = HostLimits(1, 1)
+    for _ in range(5):
+        limits.learn(HOST, answered(503))
+    assert limits.allowed(HOST) == 1
+    assert limits.resting() == []
+
+
+def test_a_host_refused_at_one_is_not_sent_two_at_once_again_before_its_probe() -> None:
+    clock = Clock()
+    limits = HostLimits(1, 8, clock=clock)
+    limits.learn(HOST, answered(503))
+    for _ in range(20):
+        clock.now += 1.0
+        limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 1
+    clock.now += PROBE_AFTER
+    limits.learn(HOST, answered())
+    assert limits.limit(HOST) == 2

@@ -114,3 +114,24 @@ def test_stopping_releases_what_is_ready_and_what_the_workers_had_not_taken() ->
     assert hosts(list(place.in_flight.values())) == ["a"]
     assert not place.ready
     assert place.holding() == {0}
+
+
+def test_a_resting_host_gets_no_slot_and_is_left_out_of_claims_holding_nothing() -> None:
+    from django_federation_delivery.limits import HostLimits
+
+    from .test_limits import Clock, answered
+
+    clock = Clock()
+    limits = HostLimits(1, 8, clock=clock)
+    place = Slots(concurrency=10, per_host=limits.allowed, slow_after=2.0, resting=limits.resting)
+    limits.learn("a", answered(503))  # refused at one: "a" rests
+    limits.learn("b", answered(503))
+    place.add(item(1, "a"))
+    place.add(item(2, "c"))
+    assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["c"]
+    # "c" has its one in flight; "b" holds nothing, and rests.
+    assert sorted(place.saturated_hosts()) == ["a", "b", "c"]
+    assert not place.sendable(1)
+    clock.now += 1.0
+    assert sorted(place.saturated_hosts()) == ["a", "c"], "each at its one, and none rests"
+    assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["a"]
