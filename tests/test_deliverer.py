@@ -456,6 +456,50 @@ def test_a_host_that_refuses_even_one_at_a_time_rests_and_is_not_hammered(
     assert status_of(batch) == [Status.DELIVERED] * 20
 
 
+class OneAtATime:
+    """A small host's answer: 202 after ``seconds``, or at once 503 to a
+    request that finds another being answered; ``refused`` counts those."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.busy = threading.Lock()
+        self.refused = 0
+
+    def respond(self, request: Received) -> tuple[int, dict[str, str], bytes]:
+        if not self.busy.acquire(blocking=False):
+            self.refused += 1
+            return 503, {}, b""
+        try:
+            time.sleep(self.seconds)
+        finally:
+            self.busy.release()
+        return 202, {}, b""
+
+
+def test_two_deliverers_leave_a_host_that_takes_one_at_a_time_to_one_of_them(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # Each deliverer (each process of run_deliverer --processes 2) learns the
+    # host's limit apart, and sends it at least one at a time: of two at once,
+    # one is refused. The one refused rests, ever longer while refused.
+    fast_retries(settings, ATTEMPTS=1000)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 10_000, "COOL_OFF": 60.0, "SCOPE": "host"},
+    }
+    small = OneAtATime(seconds=0.02)
+    sink = inboxes("127.0.0.2", respond=small.respond)
+    batch = send(ALICE, NOTE, [sink.url(f"/{n}") for n in range(60)])
+    for _ in range(2):
+        start_deliverer(concurrency=4, per_host=1, per_host_max=4)
+    wait_until(settled(batch), timeout=60)
+    assert status_of(batch) == [Status.DELIVERED] * 60
+    # Some ten refusals here (320-340 without the rest), however the load.
+    assert small.refused <= 40, small.refused
+
+
 def test_a_database_that_is_away_for_a_moment_is_waited_out(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],
