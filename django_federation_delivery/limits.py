@@ -21,7 +21,8 @@ is asked it again as rarely however many deliveries are queued for it.
 A host refused at a limit of one (a ``429`` or ``503``, or no answer),
 where halving cannot go, *rests*: it is sent nothing for ``REST`` seconds,
 twice as long at each refusal in a row (up to ``MOST_REST``), half as long
-again after each answer that came back well. One deliverer alone rarely
+again after each answer that came back well; and it is not sent two at
+once until ``PROBE_AFTER`` seconds after its last refusal. One deliverer alone rarely
 needs it; several, each with a limit of its own (``run_deliverer
 --processes N``), send a host at least one each: a host that takes one at
 a time refuses all but one of them, again and again, unless the others
@@ -176,8 +177,11 @@ class HostLimits:
                 found.starting = False
                 if found.limit < 2 and not slow:
                     # Refused at one, which cannot be halved: it rests, and
-                    # is not sent two at once again before its probe.
+                    # is not sent two at once for PROBE_AFTER, however many
+                    # refusals came before (an outage's ends in an hour).
                     found.ceiling = 2
+                    found.wait = PROBE_AFTER
+                    found.probe_at = self.clock() + found.wait
                     found.rest = min(MOST_REST, found.rest * 2) if found.rest else REST
                     self._resting[host] = self.clock() + found.rest
                 found.limit = max(1.0, found.limit / 2)

@@ -249,10 +249,16 @@ def test_a_fixed_limit_never_rests() -> None:
     assert limits.resting() == []
 
 
-def test_a_host_refused_at_one_is_not_sent_two_at_once_again_before_its_probe() -> None:
+@pytest.mark.parametrize("refusals", [1, 200], ids=["one refusal", "an outage's"])
+def test_a_host_refused_at_one_is_sent_two_at_once_again_a_probe_after_its_last(
+    refusals: int,
+) -> None:
     clock = Clock()
     limits = HostLimits(1, 8, clock=clock)
-    limits.learn(HOST, answered(503))
+    for _ in range(refusals):
+        limits.learn(HOST, answered(503))
+        clock.now += 60.0
+    clock.now -= 60.0
     for _ in range(20):
         clock.now += 1.0
         limits.learn(HOST, answered())
