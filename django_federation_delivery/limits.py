@@ -22,12 +22,12 @@ A host refused at a limit of one (a ``429`` or ``503``, or no answer),
 where halving cannot go, *rests*: it is sent nothing for ``REST`` seconds,
 twice as long at each refusal in a row (up to ``MOST_REST``), half as long
 again after each answer that came back well; and it is not sent two at
-once until ``PROBE_AFTER`` seconds after its last refusal. One deliverer alone rarely
-needs it; several, each with a limit of its own (``run_deliverer
---processes N``), send a host at least one each: a host that takes one at
-a time refuses all but one of them, again and again, unless the others
-step back. Resting, the one refused most leaves the host to the others,
-and asks again ever more rarely while refused.
+once until ``PROBE_AFTER`` seconds after its last refusal. One deliverer
+alone rarely needs it; several, each with a limit of its own
+(``run_deliverer --processes N``), send a host at least one each: a host
+that takes one at a time refuses all but one of them, again and again,
+unless the others step back. Resting, the one refused most leaves the
+host to the others, and asks again ever more rarely while refused.
 
 With ``PER_HOST_MAX`` not above ``PER_HOST`` the limit is fixed: neither
 grown nor halved, and never rested, as every host's was before limits
