@@ -18,11 +18,12 @@ is halved there (or below) once more, up to ``MOST_PROBE_AFTER``. Measured
 in time, not in answers, so that a small host that sheds load at some limit
 is asked it again as rarely however many deliveries are queued for it.
 
-A host refused at a limit of one (a ``429`` or ``503``, or no answer),
-where halving cannot go, *rests*: it is sent nothing for ``REST`` seconds,
-twice as long at each refusal in a row (up to ``MOST_REST``), half as long
-again after each answer that came back well; and it is not sent two at
-once until ``PROBE_AFTER`` seconds after its last refusal. One deliverer
+A host that refuses at a limit of one (a ``429`` or ``503``: too many, not
+now), where halving cannot go, *rests*: it is sent nothing for ``REST``
+seconds, twice as long at each refusal in a row (up to ``MOST_REST``), half
+as long again after each answer that came back well; and it is not sent
+two at once until ``PROBE_AFTER`` seconds after its last refusal. A host
+that does not answer is the breaker's to hold, not a rest's. One deliverer
 alone rarely needs it; several, each with a limit of its own
 (``run_deliverer --processes N``), send a host at least one each: a host
 that takes one at a time refuses all but one of them, again and again,
@@ -72,8 +73,9 @@ PROBE_AFTER = 30.0
 MOST_PROBE_AFTER = 3600.0
 #: Hosts remembered; past it the ones seen longest ago are forgotten.
 MOST_HOSTS = 10_000
-#: Seconds a host refused at a limit of one is first sent nothing; doubled
-#: at each refusal in a row, up to MOST_REST, halved at each good answer.
+#: Seconds a host that answers 429 or 503 at a limit of one is first sent
+#: nothing; doubled at each refusal in a row, up to MOST_REST, halved at
+#: each good answer.
 REST = 0.1
 MOST_REST = 30.0
 
@@ -175,7 +177,7 @@ class HostLimits:
                 found.recovering = int(found.limit)
                 found.ceiling = found.halved_from = int(found.limit)
                 found.starting = False
-                if found.limit < 2 and not slow:
+                if found.limit < 2 and result.status in OVERLOADED:
                     # Refused at one, which cannot be halved: it rests, and
                     # is not sent two at once for PROBE_AFTER, however many
                     # refusals came before (an outage's ends in an hour).

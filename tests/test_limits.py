@@ -178,7 +178,7 @@ def test_a_host_halved_again_where_it_was_is_asked_that_limit_ever_more_rarely()
     assert clock.now - halved == PROBE_AFTER
 
 
-@pytest.mark.parametrize("overload", [answered(503), answered(429), no_answer()])
+@pytest.mark.parametrize("overload", [answered(503), answered(429)])
 def test_a_host_refused_at_one_rests_twice_as_long_at_each_refusal_in_a_row(
     overload: AttemptResult,
 ) -> None:
@@ -234,11 +234,14 @@ def test_a_host_halved_to_one_from_above_rests_only_once_refused_at_one() -> Non
     assert limits.allowed(HOST) == 0
 
 
-def test_a_host_slow_at_one_is_not_rested_only_one_refused() -> None:
+def test_a_host_slow_or_silent_at_one_is_not_rested_only_one_refusing() -> None:
     limits = HostLimits(1, 8)
     limits.learn(HOST, answered(seconds=0.01))
     limits.learn(HOST, answered(seconds=0.5))
+    for _ in range(3):
+        limits.learn(HOST, no_answer())  # the breaker's to hold
     assert (limits.limit(HOST), limits.allowed(HOST)) == (1, 1)
+    assert limits.resting() == []
 
 
 def test_a_fixed_limit_never_rests() -> None:
