@@ -179,8 +179,9 @@ class HostLimits:
                 found.starting = False
                 if found.limit < 2 and result.status in OVERLOADED:
                     # Refused at one, which cannot be halved: it rests, and
-                    # is not sent two at once for PROBE_AFTER, however many
-                    # refusals came before (an outage's ends in an hour).
+                    # is not sent two at once for PROBE_AFTER from now,
+                    # however many refusals came before (after an outage's
+                    # many, 30 s, not the hour a doubled wait would reach).
                     found.ceiling = 2
                     found.wait = PROBE_AFTER
                     found.probe_at = self.clock() + found.wait
