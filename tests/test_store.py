@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import IntegrityError, connection, connections, transaction
+from django.db import IntegrityError, OperationalError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -357,8 +357,6 @@ def test_on_postgresql_a_settle_locks_first_only_the_batches_of_more_than_one_de
     # whoever holds that delivery: locking it first is a write for nothing.
     # Another transaction's FOR KEY SHARE (what a foreign key's check takes)
     # waits out a lock taken first (FOR UPDATE), not the count's UPDATE.
-    from django.db import OperationalError
-
     if connection.vendor != "postgresql":
         pytest.skip("on SQLite a settle holds the database's write lock, not rows'")
     single = send(ALICE, NOTE, ["https://one.example/inbox"])

@@ -369,11 +369,12 @@ SELECT ARRAY(SELECT id FROM s), ARRAY(SELECT id FROM b WHERE remaining = 0 ORDER
 -- counted down (b). A batch of one delivery is not locked first: whatever
 -- writes its count holds its one delivery's row before it, so no two
 -- transactions ever wait on each other for it (and a stream of one-inbox
--- sends settles as many batches as deliveries). Every table is read by an index on ids given as arrays,
--- never by a join the planner orders from its statistics: a table emptied
--- and filled since it was last analyzed is "one row" to it, and a join
--- through all of it at every settle then costs ten times the rest. Each CTE
--- names the one before, so that they run, and lock, in this order.
+-- sends settles as many batches as deliveries). Every table is read by an
+-- index on ids given as arrays, never by a join the planner orders from
+-- its statistics: a table emptied and filled since it was last analyzed
+-- is "one row" to it, and a join through all of it at every settle then
+-- costs ten times the rest. Each CTE names the one before, so that they
+-- run, and lock, in this order.
 WITH v AS ({settled_values}),
 s AS (
     UPDATE {delivery} SET {settled_set} FROM v
