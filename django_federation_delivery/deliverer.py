@@ -84,7 +84,7 @@ class Deliverer:
             self.per_host, max(self.per_host, per_host_max or app_settings.per_host_max)
         )
         #: What it sees of each host, for the host's picture.
-        self.hoststats = HostStats(self.limits.limit)
+        self.hoststats = HostStats(self.limits)
         self.slow_after = app_settings.slow_after_seconds
         self.slow_concurrency = max(0, app_settings.slow_concurrency)
         self.claim_size = max(1, claim_size or app_settings.claim_size)

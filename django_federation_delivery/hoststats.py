@@ -3,7 +3,8 @@ for the host's picture (the admin's host page, ``delivery_status --host``).
 
 For each host: its answer times (the last ``SAMPLES``, whose median and 95th
 percentile are written), when a delivery to it was last accepted, the last
-error an attempt met, and the limit it is sent at now (``limits.py``). Kept
+error an attempt met, the limit it is sent at now and until when it rests
+(``limits.py``). Kept
 in the loop's memory and written together, one statement for every host
 seen since the last write, every ``WRITE_EVERY`` seconds: never a write a
 delivery.
@@ -23,9 +24,9 @@ import dataclasses
 import datetime as dt
 import statistics
 import time
-from collections.abc import Callable
 
 from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.limits import HostLimits
 from django_federation_delivery.store.hosts import SeenHost, record_hosts
 
 __all__ = ["HostStats"]
@@ -63,9 +64,9 @@ class _Seen:
 class HostStats:
     """One deliverer's view of each host, told each attempt by the loop."""
 
-    def __init__(self, limit: Callable[[str], int]) -> None:
-        #: The limit a host is sent at now (``HostLimits.limit``).
-        self.limit = limit
+    def __init__(self, limits: HostLimits) -> None:
+        #: The limit each host is sent at now, and its rest.
+        self.limits = limits
         self._hosts: dict[str, _Seen] = {}
         self._written = time.monotonic()
 
@@ -97,7 +98,7 @@ class HostStats:
         fresh = [(host, seen) for host, seen in self._hosts.items() if seen.fresh]
         if not fresh:
             return 0
-        rows = [self._row(host, seen) for host, seen in fresh]
+        rows = [self._row(host, seen, now) for host, seen in fresh]
         written = record_hosts(rows, now=now, using=using)
         for _, seen in fresh:
             seen.fresh = False
@@ -106,8 +107,9 @@ class HostStats:
             self._hosts = {host: seen for host, seen in self._hosts.items() if seen.fresh}
         return written
 
-    def _row(self, host: str, seen: _Seen) -> SeenHost:
+    def _row(self, host: str, seen: _Seen, now: dt.datetime) -> SeenHost:
         p50 = p95 = None
+        rest = self.limits.rest_left(host)
         if seen.answers:
             ms = sorted(seconds * 1000 for seconds in seen.answers)
             p50 = statistics.median(ms)
@@ -119,5 +121,6 @@ class HostStats:
             last_error_at=seen.error_at,
             answer_p50_ms=p50,
             answer_p95_ms=p95,
-            concurrency_limit=self.limit(host),
+            concurrency_limit=self.limits.limit(host),
+            resting_until=now + dt.timedelta(seconds=rest) if rest else None,
         )

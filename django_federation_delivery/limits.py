@@ -134,6 +134,11 @@ class HostLimits:
             del self._resting[host]
         return self.limit(host)
 
+    def rest_left(self, host: str) -> float:
+        """Seconds ``host`` still rests: 0.0 when it does not."""
+        until = self._resting.get(host)
+        return 0.0 if until is None else max(0.0, until - self.clock())
+
     def resting(self) -> list[str]:
         """The hosts resting now: none of theirs is to be claimed."""
         if not self._resting:

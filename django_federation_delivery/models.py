@@ -334,6 +334,9 @@ class Host(models.Model):
     concurrency_limit = models.PositiveIntegerField(
         verbose_name=_("limit at once"), null=True, blank=True
     )
+    #: Until when a deliverer sends it nothing, after it refused even one
+    #: at a time (limits.py): the latest any deliverer wrote.
+    resting_until = models.DateTimeField(verbose_name=_("resting until"), null=True, blank=True)
     updated_at = models.DateTimeField(verbose_name=_("updated at"), auto_now=True)
 
     class Meta:

@@ -3,8 +3,8 @@
 For one host (:func:`host_picture`): when it was first sent to and last
 delivered to, since when it fails and whether it is marked unavailable, its
 breaker and failures in a row, a pause, the scheme it accepts, its answer
-times and the limit it is sent at (as a deliverer last wrote them, see
-``hoststats.py``), what is pending for it, what was delivered, failed and
+times, the limit it is sent at and its rest (as the deliverers last wrote
+them, see ``hoststats.py``), what is pending for it, what was delivered, failed and
 superseded over the last 24 hours, and its last error (redacted). Read by
 the admin's host page and ``delivery_status --host``, in a few indexed
 queries. And the hosts in the order of their trouble (:data:`TROUBLE`).
@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 
-__all__ = ["TROUBLE", "TROUBLES", "HostPicture", "host_picture"]
+__all__ = ["TROUBLE", "TROUBLES", "HostPicture", "host_picture", "resting_until"]
 
 #: The window of the recent counts.
 DAY = dt.timedelta(days=1)
@@ -57,6 +57,9 @@ class HostPicture:
     answer_p95_ms: float | None
     #: How many it may be sent at once now, as the deliverer that wrote last saw it.
     concurrency_limit: int | None
+    #: Until when it is sent nothing, having refused even one at a time
+    #: (limits.py); None unless that is still to come.
+    resting_until: dt.datetime | None
     #: Pending now, of which held (paused, or waiting on another).
     pending: int
     held: int
@@ -75,6 +78,12 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         return value.isoformat()
     return value
+
+
+def resting_until(host: Host, now: dt.datetime) -> dt.datetime | None:
+    """Until when ``host`` rests, if that is after ``now``: a rest over is none."""
+    until = host.resting_until
+    return until if until is not None and until > now else None
 
 
 def host_picture(
@@ -114,6 +123,7 @@ def host_picture(
         answer_p50_ms=host.answer_p50_ms if host else None,
         answer_p95_ms=host.answer_p95_ms if host else None,
         concurrency_limit=host.concurrency_limit if host else None,
+        resting_until=resting_until(host, now) if host else None,
         pending=pending["pending"],
         held=pending["held"],
         last_day={str(status): last_day.get(status, 0) for status in Status if status != "pending"},

@@ -203,6 +203,20 @@ def test_a_host_refused_at_one_rests_twice_as_long_at_each_refusal_in_a_row(
     assert rest == MOST_REST
 
 
+def test_the_rest_left_counts_down_to_none() -> None:
+    clock = Clock()
+    limits = HostLimits(1, 8, clock=clock)
+    assert limits.rest_left(HOST) == 0.0
+    limits.learn(HOST, answered(503))
+    limits.learn(HOST, answered(503))  # 0.2 s, from now
+    assert limits.rest_left(HOST) == pytest.approx(2 * REST)
+    clock.now += REST
+    assert limits.rest_left(HOST) == pytest.approx(REST)
+    clock.now += REST
+    assert limits.rest_left(HOST) == 0.0
+    assert limits.rest_left("other.example") == 0.0
+
+
 def test_each_good_answer_halves_the_rest_a_refusal_at_one_then_owes() -> None:
     clock = Clock()
     limits = HostLimits(1, 8, clock=clock)

@@ -19,6 +19,7 @@ from django.utils import timezone
 from django_federation_delivery import send
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.hoststats import SAMPLES, HostStats
+from django_federation_delivery.limits import REST, HostLimits
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.picture import host_picture
 from django_federation_delivery.store.hosts import CHUNK, SeenHost, record_hosts
@@ -26,7 +27,7 @@ from django_federation_delivery.store.hosts import CHUNK, SeenHost, record_hosts
 from .conftest import Inbox
 from .keys import ALICE
 from .test_admin import html, login, url
-from .test_limits import answered
+from .test_limits import Clock, answered
 
 NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
 
@@ -39,6 +40,7 @@ def seen(name: str, **fields: Any) -> SeenHost:
         "answer_p50_ms": None,
         "answer_p95_ms": None,
         "concurrency_limit": None,
+        "resting_until": None,
         **fields,
     }
     return SeenHost(name, **values)
@@ -74,7 +76,7 @@ def test_what_a_deliverer_saw_of_each_host_is_written_for_its_picture(
 def test_a_hosts_answer_times_are_its_last_samples_whatever_it_was_sent() -> None:
     # 500 answers, 0 ms to 499 ms: what is written is of the last SAMPLES
     # (300 ms to 499 ms), kept in a bounded array overwritten oldest first.
-    stats = HostStats(lambda host: 2)
+    stats = HostStats(HostLimits(2, 2))
     for ms in range(500):
         stats.learn("busy.example", answered(seconds=ms / 1000), timezone.now())
     assert stats.write(now=timezone.now()) == 1
@@ -84,6 +86,36 @@ def test_a_hosts_answer_times_are_its_last_samples_whatever_it_was_sent() -> Non
     assert host.answer_p95_ms == pytest.approx(489, abs=0.01)
     kept = stats._hosts["busy.example"].answers
     assert len(kept) == SAMPLES and kept.itemsize == 4
+
+
+@pytest.mark.django_db
+def test_a_resting_host_shows_until_when_and_no_longer_once_it_is_over() -> None:
+    # Refused at one four times in a row: it rests 0.8 s from the last.
+    clock = Clock()
+    limits = HostLimits(1, 8, clock=clock)
+    stats = HostStats(limits)
+    now = timezone.now()
+    for _ in range(4):
+        limits.learn("small.example", answered(503))
+        stats.learn("small.example", answered(503), now)
+    stats.learn("big.example", answered(), now)
+    clock.now += 0.3
+    assert stats.write(now=now) == 2
+    until = now + dt.timedelta(seconds=8 * REST - 0.3)
+    host = Host.objects.get(name="small.example")
+    assert host.resting_until == until
+    assert Host.objects.get(name="big.example").resting_until is None
+    picture = host_picture("small.example", now=now)
+    assert picture is not None and picture.resting_until == until
+    assert picture.as_json()["resting_until"] == until.isoformat()
+    later = host_picture("small.example", now=until)
+    assert later is not None and later.resting_until is None, "a rest over is none"
+    # Another deliverer that sees it not resting does not undo the rest;
+    # a later rest replaces it.
+    record_hosts([seen("small.example", concurrency_limit=1)], now=now)
+    assert Host.objects.get(name="small.example").resting_until == until
+    record_hosts([seen("small.example", resting_until=until + dt.timedelta(seconds=5))], now=now)
+    assert Host.objects.get(name="small.example").resting_until == until + dt.timedelta(seconds=5)
 
 
 @pytest.mark.django_db
@@ -149,12 +181,14 @@ def test_delivery_status_shows_one_hosts_picture_and_its_json() -> None:
     assert re.search(r"answer time p50 / p95\s+40 ms / 900 ms", text)
     assert re.search(r"breaker\s+closed \(7 failures in a row\)", text)
     assert re.search(r"pending \(held\)\s+1 \(0\)", text)
+    assert re.search(r"resting until\s+—", text)
     assert "failed 1" in text and "HTTP 503" in text
     out = StringIO()
     call_command("delivery_status", "--host", "a.example", "--json", stdout=out)
     document = json.loads(out.getvalue())
     assert (document["trouble"], document["failures_in_a_row"]) == ("failing", 7)
     assert document["last_day"]["failed"] == 1 and document["concurrency_limit"] == 3
+    assert document["resting_until"] is None
     with pytest.raises(CommandError, match=r"'b\.example'"):
         call_command("delivery_status", "--host", "b.example")
 
@@ -162,8 +196,16 @@ def test_delivery_status_shows_one_hosts_picture_and_its_json() -> None:
 @pytest.mark.django_db
 def test_the_hosts_list_puts_the_most_troubled_first_and_a_host_page_shows_it_all() -> None:
     now = timezone.now()
-    Host.objects.create(name="a-ok.example", concurrency_limit=8)
-    Host.objects.create(name="b-paused.example", paused_at=now)
+    Host.objects.create(
+        name="a-ok.example",
+        concurrency_limit=8,
+        resting_until=dt.datetime(2020, 1, 2, tzinfo=dt.UTC),  # over: not shown
+    )
+    Host.objects.create(
+        name="b-paused.example",
+        paused_at=now,
+        resting_until=dt.datetime(2100, 1, 2, tzinfo=dt.UTC),
+    )
     Host.objects.create(name="c-failing-lately.example", failing_since=now)
     Host.objects.create(name="d-failing-long.example", failing_since=now - dt.timedelta(days=1))
     Host.objects.create(
@@ -182,3 +224,8 @@ def test_the_hosts_list_puts_the_most_troubled_first_and_a_host_page_shows_it_al
     detail = html(client, url("host", "change", "d-failing-long.example")).lower()
     for label in ("failures in a row", "answer time p95", "limit at once", "last 24 hours"):
         assert label in detail, label
+    assert "2100" in page and "2020" not in page
+    for name, shown in (("a-ok.example", False), ("b-paused.example", True)):
+        detail = html(client, url("host", "change", name)).lower()
+        assert "resting until" in detail
+        assert ("2100" in detail) is shown and "2020" not in detail

@@ -24,7 +24,13 @@ from django_federation_delivery.admin.base import (
 )
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
-from django_federation_delivery.picture import TROUBLE, TROUBLES, HostPicture, host_picture
+from django_federation_delivery.picture import (
+    TROUBLE,
+    TROUBLES,
+    HostPicture,
+    host_picture,
+    resting_until,
+)
 from django_federation_delivery.replay import replay, replayed
 
 if TYPE_CHECKING:
@@ -193,6 +199,7 @@ class HostAdmin(OperatorAdmin[Host]):
         "paused",
         "pending",
         "concurrency_limit",
+        "resting",
         "answer_p95_ms",
         "last_delivered_at",
         "scheme",
@@ -226,6 +233,7 @@ class HostAdmin(OperatorAdmin[Host]):
                     "answer_p50_ms",
                     "answer_p95_ms",
                     "concurrency_limit",
+                    "resting",
                     "pending",
                     "last_day",
                     "last_error",
@@ -261,6 +269,10 @@ class HostAdmin(OperatorAdmin[Host]):
             "state": BREAKER_STATES.get(picture.breaker, picture.breaker),
             "failures": picture.failures_in_a_row,
         }
+
+    @admin.display(description=_("resting until"), ordering="resting_until")
+    def resting(self, obj: Host) -> dt.datetime | None:
+        return resting_until(obj, timezone.now())
 
     @admin.display(description=_("last 24 hours"))
     def last_day(self, obj: Host) -> str:

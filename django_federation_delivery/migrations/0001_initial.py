@@ -314,6 +314,10 @@ class Migration(migrations.Migration):
                         blank=True, null=True, verbose_name="limit at once"
                     ),
                 ),
+                (
+                    "resting_until",
+                    models.DateTimeField(blank=True, null=True, verbose_name="resting until"),
+                ),
                 ("updated_at", models.DateTimeField(auto_now=True, verbose_name="updated at")),
             ],
             options={

@@ -30,6 +30,8 @@ class SeenHost(NamedTuple):
     answer_p50_ms: float | None
     answer_p95_ms: float | None
     concurrency_limit: int | None
+    #: Until when it rests (limits.py), if it does.
+    resting_until: dt.datetime | None
 
 
 def record_hosts(seen: Sequence[SeenHost], *, now: dt.datetime, using: str | None = None) -> int:
@@ -58,6 +60,7 @@ def record_hosts(seen: Sequence[SeenHost], *, now: dt.datetime, using: str | Non
                     host.answer_p50_ms,
                     host.answer_p95_ms,
                     host.concurrency_limit,
+                    at(host.resting_until),
                 ]
                 for host in ordered[start : start + CHUNK]
             ]

@@ -527,15 +527,16 @@ breakers_opened = {history}.breakers_opened + excluded.breakers_opened
 -- Each host's row, added when new (first seen now), else brought up to
 -- date, of the JSON list %(rows)s: its name, the time, then what was seen
 -- since the last write (last delivered, last error and when, answer times,
--- its limit). Another deliverer's later success or error is never undone:
--- each time is the later of the two, and a value not seen is left as it was.
+-- its limit, the end of its rest). Another deliverer's later success,
+-- error or rest is never undone: each time is the later of the two, and a
+-- value not seen is left as it was.
 -- In name order: two deliverers writing the same hosts never deadlock.
 INSERT INTO {host} (name, scheme, disabled_reason, updated_at, first_seen_at,
     last_delivered_at, last_error, last_error_at, answer_p50_ms, answer_p95_ms,
-    concurrency_limit)
+    concurrency_limit, resting_until)
 SELECT value->>0, '', '', (value->>1)::timestamptz, (value->>1)::timestamptz,
     (value->>2)::timestamptz, COALESCE(value->>3, ''), (value->>4)::timestamptz,
-    (value->>5)::float8, (value->>6)::float8, (value->>7)::integer
+    (value->>5)::float8, (value->>6)::float8, (value->>7)::integer, (value->>8)::timestamptz
 FROM jsonb_array_elements(%(rows)s::jsonb) ORDER BY value->>0
 ON CONFLICT (name) DO UPDATE SET {hosts_recorded}
 
@@ -543,11 +544,12 @@ ON CONFLICT (name) DO UPDATE SET {hosts_recorded}
 -- (WHERE true: without it, SQLite would read ON as a join's.)
 INSERT INTO {host} (name, scheme, disabled_reason, updated_at, first_seen_at,
     last_delivered_at, last_error, last_error_at, answer_p50_ms, answer_p95_ms,
-    concurrency_limit)
+    concurrency_limit, resting_until)
 SELECT json_extract(value, '$[0]'), '', '', json_extract(value, '$[1]'),
     json_extract(value, '$[1]'), json_extract(value, '$[2]'),
     COALESCE(json_extract(value, '$[3]'), ''), json_extract(value, '$[4]'),
-    json_extract(value, '$[5]'), json_extract(value, '$[6]'), json_extract(value, '$[7]')
+    json_extract(value, '$[5]'), json_extract(value, '$[6]'), json_extract(value, '$[7]'),
+    json_extract(value, '$[8]')
 FROM json_each(%(rows)s) WHERE true
 ON CONFLICT (name) DO UPDATE SET {hosts_recorded}
 
@@ -568,7 +570,11 @@ last_error_at = CASE
     ELSE {host}.last_error_at END,
 answer_p50_ms = COALESCE(excluded.answer_p50_ms, {host}.answer_p50_ms),
 answer_p95_ms = COALESCE(excluded.answer_p95_ms, {host}.answer_p95_ms),
-concurrency_limit = COALESCE(excluded.concurrency_limit, {host}.concurrency_limit)
+concurrency_limit = COALESCE(excluded.concurrency_limit, {host}.concurrency_limit),
+resting_until = CASE
+    WHEN {host}.resting_until IS NULL OR excluded.resting_until > {host}.resting_until
+    THEN COALESCE(excluded.resting_until, {host}.resting_until)
+    ELSE {host}.resting_until END
 
 
 -- Breakers ----------------------------------------------------------------

@@ -110,6 +110,7 @@ def render_host(picture: HostPicture) -> str:
         (_("scheme learned"), picture.scheme or "—"),
         (_("answer time p50 / p95"), f"{ms(picture.answer_p50_ms)} / {ms(picture.answer_p95_ms)}"),
         (_("limit at once"), picture.concurrency_limit or "—"),
+        (_("resting until"), _when(picture.resting_until)),
         (_("pending (held)"), f"{picture.pending} ({picture.held})"),
         (
             _("last 24 hours"),
