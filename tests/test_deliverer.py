@@ -439,8 +439,13 @@ def test_a_host_that_refuses_even_one_at_a_time_rests_and_is_not_hammered(
     }
     busy = threading.Event()
     busy.set()
+    # It answers the first request well (a host that never did is down, not
+    # busy, and left to its breaker), then refuses each while busy.
     small = inboxes(
-        "127.0.0.2", respond=lambda request: (503, {}, b"") if busy.is_set() else (202, {}, b"")
+        "127.0.0.2",
+        respond=lambda request: (
+            (503, {}, b"") if busy.is_set() and len(small.received) > 1 else (202, {}, b"")
+        ),
     )
     batch = send(ALICE, NOTE, [small.url(f"/{n}") for n in range(20)])
     runner = start_deliverer(concurrency=8, per_host=1, per_host_max=4)

@@ -13,6 +13,7 @@ from django_federation_delivery.limits import (
     PROBE_AFTER,
     REST,
     HostLimits,
+    _Host,
 )
 
 JOB = Job(delivery_id=1)
@@ -34,6 +35,16 @@ def answered(status: int = 202, seconds: float = 0.02) -> AttemptResult:
 
 def no_answer() -> AttemptResult:
     return failed(JOB, "timed out after 30 s", permanent=False)
+
+
+def known(limits: HostLimits, *hosts: str, limit: int = 1) -> HostLimits:
+    """``limits`` with each host (``HOST`` by default) known to have answered
+    well, in 20 ms, at ``limit``: refused at one, it is a busy host's
+    refusal, and it rests (one that never answered well is left to its
+    breaker)."""
+    for host in hosts or (HOST,):
+        limits._hosts[host] = _Host(float(limit), fastest=0.02, starting=False)
+    return limits
 
 
 def answers_to_reach(limits: HostLimits, limit: int) -> int:
@@ -183,7 +194,7 @@ def test_a_host_refused_at_one_rests_twice_as_long_at_each_refusal_in_a_row(
     overload: AttemptResult,
 ) -> None:
     clock = Clock()
-    limits = HostLimits(1, 8, clock=clock)
+    limits = known(HostLimits(1, 8, clock=clock))
     limits.learn(HOST, overload)
     assert limits.limit(HOST) == 1, "the limit learned is still one"
     assert limits.allowed(HOST) == 0, "but none goes while it rests"
@@ -205,7 +216,7 @@ def test_a_host_refused_at_one_rests_twice_as_long_at_each_refusal_in_a_row(
 
 def test_the_rest_left_counts_down_to_none() -> None:
     clock = Clock()
-    limits = HostLimits(1, 8, clock=clock)
+    limits = known(HostLimits(1, 8, clock=clock))
     assert limits.rest_left(HOST) == 0.0
     limits.learn(HOST, answered(503))
     limits.learn(HOST, answered(503))  # 0.2 s, from now
@@ -219,7 +230,7 @@ def test_the_rest_left_counts_down_to_none() -> None:
 
 def test_each_good_answer_halves_the_rest_a_refusal_at_one_then_owes() -> None:
     clock = Clock()
-    limits = HostLimits(1, 8, clock=clock)
+    limits = known(HostLimits(1, 8, clock=clock))
     for _ in range(4):  # rests of 0.1, 0.2, 0.4, 0.8 s
         limits.learn(HOST, answered(503))
         clock.now += 10
@@ -239,7 +250,7 @@ def test_each_good_answer_halves_the_rest_a_refusal_at_one_then_owes() -> None:
 
 def test_a_host_halved_to_one_from_above_rests_only_once_refused_at_one() -> None:
     clock = Clock()
-    limits = HostLimits(2, 8, clock=clock)
+    limits = known(HostLimits(2, 8, clock=clock), limit=2)
     limits.learn(HOST, answered(503))
     assert (limits.limit(HOST), limits.allowed(HOST)) == (1, 1)
     limits.learn(HOST, answered(503))  # the other request of that round
@@ -258,6 +269,20 @@ def test_a_host_slow_or_silent_at_one_is_not_rested_only_one_refusing() -> None:
     assert limits.resting() == []
 
 
+def test_a_host_that_never_answered_well_is_not_rested_but_left_to_its_breaker() -> None:
+    # Down, not busy: a rest would hold it past the retry policy and the
+    # breaker's cool-off, which are the operator's to set.
+    limits = HostLimits(1, 8)
+    for _ in range(12):
+        limits.learn(HOST, answered(503))
+    assert (limits.limit(HOST), limits.allowed(HOST), limits.resting()) == (1, 1, [])
+    limits.learn(HOST, answered())
+    limits.learn(HOST, answered(503))  # at two: halved
+    limits.learn(HOST, answered(503))  # the other of that round
+    limits.learn(HOST, answered(503))  # at one, having answered well: busy
+    assert limits.resting() == [HOST]
+
+
 def test_a_fixed_limit_never_rests() -> None:
     limits = HostLimits(1, 1)
     for _ in range(5):
@@ -271,7 +296,7 @@ def test_a_host_refused_at_one_is_sent_two_at_once_again_a_probe_after_its_last(
     refusals: int,
 ) -> None:
     clock = Clock()
-    limits = HostLimits(1, 8, clock=clock)
+    limits = known(HostLimits(1, 8, clock=clock))
     for _ in range(refusals):
         limits.learn(HOST, answered(503))
         clock.now += 60.0

@@ -27,7 +27,7 @@ from django_federation_delivery.store.hosts import CHUNK, SeenHost, record_hosts
 from .conftest import Inbox
 from .keys import ALICE
 from .test_admin import html, login, url
-from .test_limits import Clock, answered
+from .test_limits import Clock, answered, known
 
 NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
 
@@ -92,7 +92,7 @@ def test_a_hosts_answer_times_are_its_last_samples_whatever_it_was_sent() -> Non
 def test_a_resting_host_shows_until_when_and_no_longer_once_it_is_over() -> None:
     # Refused at one four times in a row: it rests 0.8 s from the last.
     clock = Clock()
-    limits = HostLimits(1, 8, clock=clock)
+    limits = known(HostLimits(1, 8, clock=clock), "small.example")
     stats = HostStats(limits)
     now = timezone.now()
     for _ in range(4):

@@ -119,10 +119,10 @@ def test_stopping_releases_what_is_ready_and_what_the_workers_had_not_taken() ->
 def test_a_resting_host_gets_no_slot_and_is_left_out_of_claims_holding_nothing() -> None:
     from django_federation_delivery.limits import HostLimits
 
-    from .test_limits import Clock, answered
+    from .test_limits import Clock, answered, known
 
     clock = Clock()
-    limits = HostLimits(1, 8, clock=clock)
+    limits = known(HostLimits(1, 8, clock=clock), "a", "b")
     place = Slots(concurrency=10, per_host=limits.allowed, slow_after=2.0, resting=limits.resting)
     limits.learn("a", answered(503))  # refused at one: "a" rests
     limits.learn("b", answered(503))
