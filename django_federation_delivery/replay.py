@@ -101,14 +101,25 @@ def replay(
 
 
 def replayed(batches: list[Batch]) -> str:
-    """What a replay queued, as the command and the admin say it."""
-    deliveries = sum(batch.size for batch in batches)
-    return _("Queued again: %(deliveries)s, in %(batches)s.") % {
+    """What a replay queued, as the command and the admin say it: the
+    batches it wrote, not those an earlier replay of the same moment wrote
+    and it returned again."""
+    new = [batch for batch in batches if batch.created]
+    deliveries = sum(batch.size for batch in new)
+    said = _("Queued again: %(deliveries)s, in %(batches)s.") % {
         "deliveries": ngettext("%(count)d delivery", "%(count)d deliveries", deliveries)
         % {"count": deliveries},
-        "batches": ngettext("%(count)d new batch", "%(count)d new batches", len(batches))
-        % {"count": len(batches)},
+        "batches": ngettext("%(count)d new batch", "%(count)d new batches", len(new))
+        % {"count": len(new)},
     }
+    earlier = len(batches) - len(new)
+    if earlier:
+        said += " " + ngettext(
+            "%(count)d batch was queued by an earlier replay of the same moment.",
+            "%(count)d batches were queued by an earlier replay of the same moment.",
+            earlier,
+        ) % {"count": earlier}
+    return said
 
 
 def _replay_key(what: str, since: dt.datetime) -> str:

@@ -16,6 +16,7 @@ from django_federation_delivery import send, send_webhook
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 from django_federation_delivery.replay import replay
+from django_federation_delivery.replay import replayed as replayed_message
 
 from .conftest import Inbox
 from .keys import ALICE
@@ -61,6 +62,10 @@ def test_what_a_host_was_sent_since_a_moment_is_queued_again_once_in_order() -> 
     again = replay(host="a.example", since=now - dt.timedelta(days=1))
     assert [b.pk for b in again] == [b.pk for b in replayed]
     assert Delivery.objects.count() == 1 + 6 + 1 + 1 + 6
+    assert replayed_message(again) == (
+        "Queued again: 0 deliveries, in 0 new batches. 3 batches were queued by an "
+        "earlier replay of the same moment."
+    )
     assert pending is not None
 
 
@@ -107,6 +112,9 @@ def test_a_restored_inbox_receives_what_it_missed_again(inboxes: Callable[..., I
         (["--host=a.example", "--since=2026-13-01"], "--since '2026-13-01' is neither"),
         (["--host=a.example", "--destination=ops", "--since=1h"], "not allowed with argument"),
         (["--since=1h"], "one of the arguments --host --destination is required"),
+        (["--host=", "--since=1h"], "--host '' names nothing"),
+        (["--destination= ", "--since=1h"], "--destination ' ' names nothing"),
+        (["--host=a.example", "--since=99999999d"], "'99999999d' reaches back before the year 1"),
     ],
 )
 def test_a_bad_replay_is_refused_naming_what_is_wrong(args: list[str], said: str) -> None:

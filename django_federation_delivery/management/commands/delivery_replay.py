@@ -45,6 +45,12 @@ class Command(TranslatedCommand):
         using = options["database"]
         if using not in connections:
             raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
+        for option in ("host", "destination"):
+            value = options[option]
+            if value is not None and not value.strip():
+                raise CommandError(
+                    _("--%(option)s %(value)r names nothing") % {"option": option, "value": value}
+                )
         since = moment(options["since"])
         batches = replay(
             host=options["host"] or "",
@@ -68,7 +74,12 @@ def moment(value: str) -> dt.datetime:
     ("6h"); ``CommandError`` naming it otherwise."""
     text = value.strip()
     if text[:-1].isdigit() and text[-1:] in UNITS:
-        return timezone.now() - dt.timedelta(seconds=int(text[:-1]) * UNITS[text[-1]])
+        try:
+            return timezone.now() - dt.timedelta(seconds=int(text[:-1]) * UNITS[text[-1]])
+        except OverflowError:
+            raise CommandError(
+                _("--since %(value)r reaches back before the year 1") % {"value": value}
+            ) from None
     try:
         parsed = parse_datetime(text)
     except ValueError:
