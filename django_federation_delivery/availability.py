@@ -112,7 +112,21 @@ def mark_host_seen(host: str, *, using: str | None = None) -> bool:
     """Tell the app that ``host`` is up (the host project just received an
     activity from it, say): its unavailable mark, and its failing since, are
     cleared, and ``host_recovered`` is sent if it was told failing. Returns
-    whether it was marked unavailable."""
+    whether it was marked unavailable or failing.
+
+    ``host`` is a host name (``Bücher.example``, ``bücher.example.``) or a
+    URL on it, read as a delivery's inbox is: in its canonical form
+    (``xn--bcher-kva.example``); a name that has none (a webhook
+    destination's ``<ops>``) as it is. ``ValueError`` naming it if it is
+    blank, or a URL on no host."""
+    text = host.strip() if isinstance(host, str) else ""
+    if "://" in text:
+        canonical = addresses.host_of(text)
+    else:
+        canonical = (addresses.host_of(f"https://{text}/") or text) if text else ""
+    if not canonical:
+        raise ValueError(f"mark_host_seen needs a host name or a URL on one, not {host!r}")
+    host = canonical
     alias = using or DEFAULT_DB_ALIAS
     now = timezone.now()
     hosts = Host.objects.using(alias).filter(name=host)

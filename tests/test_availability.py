@@ -4,6 +4,7 @@ a success, skipped by sends, probed once a day, cleared when seen again."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,6 +85,27 @@ def test_a_host_seen_again_is_sent_to_and_told_recovered(
     assert send(ALICE, NOTE, ["https://gone.example/inbox"]) is not None
     assert mark_host_seen("gone.example") is False
     assert mark_host_seen("never.example") is False
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "seen", ["Bücher.example", "BÜCHER.example.", "https://bücher.example/users/alice"]
+)
+def test_a_host_is_seen_by_its_name_in_any_form_or_a_url_on_it(seen: str) -> None:
+    now = timezone.now()
+    failing("xn--bcher-kva.example", 8, unavailable_since=now)
+    assert mark_host_seen(seen) is True
+    assert Host.objects.get(name="xn--bcher-kva.example").unavailable_since is None
+    # A webhook destination's key is no host name, and is taken as it is.
+    failing("<ops>", 8, unavailable_since=now)
+    assert mark_host_seen("<ops>") is True
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("bad", ["", "  ", "https:///nothing", None])
+def test_a_host_seen_that_names_no_host_is_refused_naming_it(bad: Any) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+        mark_host_seen(bad)
 
 
 @pytest.mark.django_db(transaction=True)
