@@ -23,10 +23,11 @@ now), where halving cannot go, *rests*: it is sent nothing for ``REST``
 seconds, twice as long at each refusal in a row (up to ``MOST_REST``), half
 as long again after each answer that came back well; and it is not sent
 two at once until ``PROBE_AFTER`` seconds after its last refusal. Only a
-host that has answered well before rests: busy, not down. One that has
-refused from the first, or does not answer, is its breaker's and its
-retries' to deal with, as the operator set them; a rest of up to
-``MOST_REST`` would override both. One deliverer
+host that has given some other answer before (a 2xx, or a 4xx or 5xx but
+429 and 503) rests: busy, not down. One that has answered nothing but 429
+or 503, or does not answer, is its breaker's and its retries' to deal
+with, as the operator set them; a rest of up to ``MOST_REST`` would
+override both. One deliverer
 alone rarely needs it; several, each with a limit of its own
 (``run_deliverer --processes N``), send a host at least one each: a host
 that takes one at a time refuses all but one of them, again and again,
@@ -187,7 +188,7 @@ class HostLimits:
                 found.starting = False
                 if found.limit < 2 and result.status in OVERLOADED and found.fastest is not None:
                     # Refused at one, which cannot be halved, by a host that
-                    # has answered well (a busy one, not a down one): it rests, and
+                    # has given another answer (busy, not down): it rests, and
                     # is not sent two at once for PROBE_AFTER from now,
                     # however many refusals came before (after an outage's
                     # many, 30 s, not the hour a doubled wait would reach).
