@@ -28,6 +28,7 @@ from django_federation_delivery.webhooks.destinations import delivery_key
 from django_federation_delivery.webhooks.status import destination_status
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .test_limits import answered
 from .test_webhooks_deliveries import SECRET, configure, signed
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -155,6 +156,20 @@ def test_a_success_anywhere_since_counts_before_a_destination_is_disabled(settin
     watch(row, failed, now)
     assert not Host.objects.filter(name=key, paused_at__isnull=False).exists()
     assert failing_since() == now - dt.timedelta(minutes=1)
+
+
+def test_a_success_clears_a_failing_since_another_deliverer_saw_begin(settings: Any) -> None:
+    # The one that saw it fail stopped (or is another process): a new
+    # deliverer's first success still clears it, and sends nothing again.
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    key = delivery_key("ops")
+    now = timezone.now()
+    Host.objects.create(name=key, failing_since=now - dt.timedelta(minutes=2))
+    Host.objects.create(name="inbox.example", failing_since=now - dt.timedelta(minutes=2))
+    row = claims.Claimed(1, 1, "ops", key, 0, (), "", 0.0, "ops")
+    life.Watch(90.0)(row, answered(200), now)
+    assert failing_since() is None
+    assert Host.objects.get(name="inbox.example").failing_since is not None, "not a destination"
 
 
 # Django's own checks look up the auth app, which a transactional test's flush leaves out.

@@ -104,43 +104,60 @@ def enabled(name: str, released: int) -> str:
 
 class Watch:
     """What one deliverer makes of each webhook attempt for its destination's
-    life. It keeps which destinations it saw failing, so that a success
-    writes only when one of them recovers."""
+    life. It keeps which destinations are failing (as the table had them when
+    first asked, and as it saw them since), so that a success writes only
+    when one of them recovers, whichever deliverer saw it fail."""
 
     def __init__(self, disable_after: float, *, using: str = DEFAULT_DB_ALIAS) -> None:
         self.disable_after = dt.timedelta(seconds=disable_after)
         self.using = using
-        #: The key of each destination seen failing, and since when.
-        self._failing: dict[str, dt.datetime] = {}
+        #: The key of each destination failing, and since when; None until
+        #: read from the table.
+        self._failing: dict[str, dt.datetime] | None = None
 
     def __call__(self, row: claims.Claimed, result: AttemptResult, now: dt.datetime) -> bool:
         """Take in what came of an attempt; whether it disabled the destination."""
         name = row.destination
         if not name:
             return False
+        failing = self._known()
         if result.delivered:
-            if self._failing.pop(row.host, None) is not None:
+            if failing.pop(row.host, None) is not None:
                 self._hosts(row.host).update(failing_since=None)
             return False
         if result.status == GONE:
-            self._failing.pop(row.host, None)
+            failing.pop(row.host, None)
             disable(name, "the receiver answered 410 Gone", now=now, using=self.using)
             return True
         if not result.requests or result.held:
             return False  # no answer from the destination: it said nothing of itself
-        since = self._failing.get(row.host) or hosts.failing_since(row.host, now, using=self.using)
-        self._failing[row.host] = since
+        since = failing.get(row.host) or hosts.failing_since(row.host, now, using=self.using)
+        failing[row.host] = since
         if now - since < self.disable_after:
             return False
         # Another deliverer may have delivered since: the last success counts.
         since = self._last_success_since(row.host, since)
-        self._failing[row.host] = since
+        failing[row.host] = since
         if now - since < self.disable_after:
             return False
         reason = f"no success for {_span(self.disable_after)} (WEBHOOK_DISABLE_AFTER)"
         disable(name, reason, now=now, using=self.using)
-        self._failing.pop(row.host, None)
+        failing.pop(row.host, None)
         return True
+
+    def _known(self) -> dict[str, dt.datetime]:
+        """The destinations failing: read from the table when first asked
+        (another deliverer, or this one's last run, may have seen them fail),
+        then kept up to date by this one."""
+        if self._failing is None:
+            rows = (
+                Host.objects.using(self.using)
+                # A destination's key is its name in angle brackets (delivery_key).
+                .filter(failing_since__isnull=False, name__startswith="<")
+                .values_list("name", "failing_since")
+            )
+            self._failing = {name: since for name, since in rows if since is not None}
+        return self._failing
 
     def _hosts(self, key: str) -> QuerySet[Host]:
         return Host.objects.using(self.using).filter(name=key)
