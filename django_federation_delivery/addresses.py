@@ -148,6 +148,17 @@ def host_of(url: str) -> str:
         return ""
 
 
+def host_named(value: object) -> str:
+    """The canonical host ``value`` names: a host name in any form
+    (``Bücher.example.`` is ``xn--bcher-kva.example``) or a URL on it; a
+    name that has no canonical form (a destination's ``<ops>``) as it is;
+    "" for a blank value or a URL on no host."""
+    text = value.strip() if isinstance(value, str) else ""
+    if "://" in text:
+        return host_of(text)
+    return (host_of(f"https://{text}/") or text) if text else ""
+
+
 def delivery_key(name: str) -> str:
     """The ``host`` of a delivery to webhook destination ``name``: what
     slots, breakers and pauses go by. The name in angle brackets, ``<ops>``,

@@ -119,11 +119,7 @@ def mark_host_seen(host: str, *, using: str | None = None) -> bool:
     (``xn--bcher-kva.example``); a name that has none (a webhook
     destination's ``<ops>``) as it is. ``ValueError`` naming it if it is
     blank, or a URL on no host."""
-    text = host.strip() if isinstance(host, str) else ""
-    if "://" in text:
-        canonical = addresses.host_of(text)
-    else:
-        canonical = (addresses.host_of(f"https://{text}/") or text) if text else ""
+    canonical = addresses.host_named(host)
     if not canonical:
         raise ValueError(f"mark_host_seen needs a host name or a URL on one, not {host!r}")
     host = canonical

@@ -26,7 +26,7 @@ from django.db.models import QuerySet
 
 from django_federation_delivery import signals
 from django_federation_delivery.attempt import AttemptResult
-from django_federation_delivery.hosts import failing_since
+from django_federation_delivery.hosts import failing_hosts, failing_since
 from django_federation_delivery.models import Host
 from django_federation_delivery.store import claims
 
@@ -77,13 +77,9 @@ class HostWatch:
     def _known(self) -> dict[str, tuple[dt.datetime, bool]]:
         """The hosts failing, as the table had them when first asked."""
         if self._failing is None:
-            rows = (
-                Host.objects.using(self.using)
-                .filter(failing_since__isnull=False)
-                .values_list("name", "failing_since", "failing_told_at")
-            )
             self._failing = {
-                name: (since, told is not None) for name, since, told in rows if since is not None
+                name: (since, told is not None)
+                for name, (since, told) in failing_hosts(using=self.using).items()
             }
         return self._failing
 

@@ -90,6 +90,22 @@ def failing_since(host: str, now: dt.datetime, *, using: str | None = None) -> d
         return found.failing_since
 
 
+def failing_hosts(
+    *, destinations: bool = False, using: str | None = None
+) -> dict[str, tuple[dt.datetime, dt.datetime | None]]:
+    """Each host failing, as every deliverer knows it: since when, and when
+    ``host_failing`` was sent for it. With ``destinations``, the webhook
+    destinations' keys alone (a name in angle brackets: ``delivery_key``)."""
+    hosts = Host.objects.using(using or DEFAULT_DB_ALIAS).filter(failing_since__isnull=False)
+    if destinations:
+        hosts = hosts.filter(name__startswith="<")
+    return {
+        name: (since, told)
+        for name, since, told in hosts.values_list("name", "failing_since", "failing_told_at")
+        if since is not None
+    }
+
+
 def host_schemes(hosts: Iterable[str], *, using: str | None = None) -> dict[str, str]:
     """The scheme each of ``hosts`` last accepted, for those that have one."""
     manager = Host.objects.using(using or DEFAULT_DB_ALIAS)

@@ -4,10 +4,9 @@ for the host's picture (the admin's host page, ``delivery_status --host``).
 For each host: its answer times (the last ``SAMPLES``, whose median and 95th
 percentile are written), when a delivery to it was last accepted, the last
 error an attempt met, the limit it is sent at now and until when it rests
-(``limits.py``). Kept
-in the loop's memory and written together, one statement for every host
-seen since the last write, every ``WRITE_EVERY`` seconds: never a write a
-delivery.
+(``limits.py``). Kept in the loop's memory and written together, one
+statement for every host seen since the last write, every ``WRITE_EVERY``
+seconds: never a write a delivery.
 
 A deliverer may send to tens of thousands of hosts, so what it keeps of one
 is small and bounded: its answer times are 4-byte floats in an array of at

@@ -22,17 +22,18 @@ A host that refuses at a limit of one (a ``429`` or ``503``: too many, not
 now), where halving cannot go, *rests*: it is sent nothing for ``REST``
 seconds, twice as long at each refusal in a row (up to ``MOST_REST``), half
 as long again after each answer that came back well; and it is not sent
-two at once until ``PROBE_AFTER`` seconds after its last refusal. Only a
-host that has given some other answer before (a 2xx, or a 4xx or 5xx but
-429 and 503) rests: busy, not down. One that has answered nothing but 429
-or 503, or does not answer, is its breaker's and its retries' to deal
-with, as the operator set them; a rest of up to ``MOST_REST`` would
-override both. One deliverer
-alone rarely needs it; several, each with a limit of its own
+two at once until ``PROBE_AFTER`` seconds after its last refusal. One
+deliverer alone rarely needs it; several, each with a limit of its own
 (``run_deliverer --processes N``), send a host at least one each: a host
 that takes one at a time refuses all but one of them, again and again,
 unless the others step back. Resting, the one refused most leaves the
 host to the others, and asks again ever more rarely while refused.
+
+Only a host that has given some other answer before (a 2xx, or a 4xx or
+5xx but 429 and 503) rests: busy, not down. One that has answered nothing
+but 429 or 503, or does not answer, is its breaker's and its retries' to
+deal with, as the operator set them; a rest of up to ``MOST_REST`` would
+override both.
 
 With ``PER_HOST_MAX`` not above ``PER_HOST`` the limit is fixed: neither
 grown nor halved, and never rested, as every host's was before limits

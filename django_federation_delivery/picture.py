@@ -4,8 +4,9 @@ For one host (:func:`host_picture`): when it was first sent to and last
 delivered to, since when it fails and whether it is marked unavailable, its
 breaker and failures in a row, a pause, the scheme it accepts, its answer
 times, the limit it is sent at and its rest (as the deliverers last wrote
-them, see ``hoststats.py``), what is pending for it, what was delivered, failed and
-superseded over the last 24 hours, and its last error (redacted). Read by
+them, see ``hoststats.py``), what is pending for it, what was delivered,
+failed and superseded over the last 24 hours, and its last error
+(redacted). Read by
 the admin's host page and ``delivery_status --host``, in a few indexed
 queries. And the hosts in the order of their trouble (:data:`TROUBLE`).
 """

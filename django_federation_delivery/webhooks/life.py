@@ -150,13 +150,12 @@ class Watch:
         (another deliverer, or this one's last run, may have seen them fail),
         then kept up to date by this one."""
         if self._failing is None:
-            rows = (
-                Host.objects.using(self.using)
-                # A destination's key is its name in angle brackets (delivery_key).
-                .filter(failing_since__isnull=False, name__startswith="<")
-                .values_list("name", "failing_since")
-            )
-            self._failing = {name: since for name, since in rows if since is not None}
+            self._failing = {
+                name: since
+                for name, (since, _told) in hosts.failing_hosts(
+                    destinations=True, using=self.using
+                ).items()
+            }
         return self._failing
 
     def _hosts(self, key: str) -> QuerySet[Host]:
