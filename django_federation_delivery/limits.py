@@ -30,8 +30,10 @@ unless the others step back. Resting, the one refused most leaves the
 host to the others, and asks again ever more rarely while refused.
 
 Only a host that has given some other answer before (a 2xx, or a 4xx or
-5xx but 429 and 503) rests: busy, not down. One that has answered nothing
-but 429 or 503, or does not answer, is its breaker's and its retries' to
+5xx but 429 and 503) rests ever longer: busy, not down. One that has
+answered nothing but 429 or 503 may be down, or busy with another
+deliverer: it is sent its next request no sooner than ``REST`` after each
+refusal, never longer, and is otherwise its breaker's and its retries' to
 deal with, as the operator set them; a rest of up to ``MOST_REST`` would
 override both.
 
@@ -187,17 +189,26 @@ class HostLimits:
                 found.recovering = int(found.limit)
                 found.ceiling = found.halved_from = int(found.limit)
                 found.starting = False
-                if found.limit < 2 and result.status in OVERLOADED and found.fastest is not None:
-                    # Refused at one, which cannot be halved, by a host that
-                    # has given another answer (busy, not down): it rests, and
-                    # is not sent two at once for PROBE_AFTER from now,
-                    # however many refusals came before (after an outage's
-                    # many, 30 s, not the hour a doubled wait would reach).
-                    found.ceiling = 2
-                    found.wait = PROBE_AFTER
-                    found.probe_at = self.clock() + found.wait
-                    found.rest = min(MOST_REST, found.rest * 2) if found.rest else REST
-                    self._resting[host] = self.clock() + found.rest
+                if found.limit < 2 and result.status in OVERLOADED:
+                    if found.fastest is None:
+                        # Refused at one by a host that has answered nothing
+                        # else: down, or busy with another deliverer. It is
+                        # sent its next one no sooner than REST from now, as
+                        # long each time: its retries and its breaker are
+                        # the operator's, and left to run as set.
+                        self._resting[host] = self.clock() + REST
+                    else:
+                        # Refused at one, which cannot be halved, by a host
+                        # that has given another answer (busy, not down): it
+                        # rests, and is not sent two at once for PROBE_AFTER
+                        # from now, however many refusals came before (after
+                        # an outage's many, 30 s, not the hour a doubled
+                        # wait would reach).
+                        found.ceiling = 2
+                        found.wait = PROBE_AFTER
+                        found.probe_at = self.clock() + found.wait
+                        found.rest = min(MOST_REST, found.rest * 2) if found.rest else REST
+                        self._resting[host] = self.clock() + found.rest
                 found.limit = max(1.0, found.limit / 2)
             return
         if found.rest:

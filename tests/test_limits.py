@@ -269,13 +269,18 @@ def test_a_host_slow_or_silent_at_one_is_not_rested_only_one_refusing() -> None:
     assert limits.resting() == []
 
 
-def test_a_host_that_never_answered_well_is_not_rested_but_left_to_its_breaker() -> None:
-    # Down, not busy: a rest would hold it past the retry policy and the
-    # breaker's cool-off, which are the operator's to set.
-    limits = HostLimits(1, 8)
+def test_a_host_that_never_answered_well_rests_no_longer_than_a_first_rest() -> None:
+    # Down, or busy with another deliverer: its next request waits REST, as
+    # long at every refusal; a longer rest would hold it past the retry
+    # policy and the breaker's cool-off, which are the operator's to set.
+    clock = Clock()
+    limits = HostLimits(1, 8, clock=clock)
     for _ in range(12):
         limits.learn(HOST, answered(503))
-    assert (limits.limit(HOST), limits.allowed(HOST), limits.resting()) == (1, 1, [])
+        assert (limits.limit(HOST), limits.allowed(HOST)) == (1, 0)
+        assert limits.rest_left(HOST) == pytest.approx(REST)
+        clock.now += REST
+        assert (limits.allowed(HOST), limits.resting()) == (1, [])
     limits.learn(HOST, answered())
     limits.learn(HOST, answered(503))  # at two: halved
     limits.learn(HOST, answered(503))  # the other of that round
