@@ -56,13 +56,14 @@ def main() -> None:
     import django
 
     django.setup()
-    from django.core.management import call_command
     from django.db import connection
     from django.test import Client
     from django.test.utils import CaptureQueriesContext, setup_test_environment
 
+    from benchmarks.common import migrate_fresh
+
     setup_test_environment()
-    call_command("migrate", verbosity=0)
+    migrate_fresh()
     if connection.vendor == "sqlite":
         with connection.cursor() as cursor:
             cursor.execute("PRAGMA journal_mode=WAL")

@@ -62,6 +62,7 @@ from benchmarks.common import (
     load_average,
     make_activity,
     median_or_nan,
+    migrate_fresh,
     positive,
     sigterm_interrupts,
     stat_fields,
@@ -695,11 +696,10 @@ def setup_database(workdir: Path, database_url: str | None) -> str:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     import django
-    from django.core.management import call_command
     from django.db import connection
 
     django.setup()
-    call_command("migrate", verbosity=0)
+    migrate_fresh()
     clear_all()
     if connection.vendor == "sqlite":
         with connection.cursor() as cursor:
