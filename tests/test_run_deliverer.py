@@ -365,6 +365,43 @@ def test_a_misconfigured_deliverer_does_not_start_and_says_why(
         call_command("run_deliverer", "--drain")
 
 
+def test_a_deliverer_does_not_start_on_a_database_that_lacks_a_migration(inbox: Inbox) -> None:
+    from django.db import connection
+    from django.db.migrations.recorder import MigrationRecorder
+
+    send(ALICE, NOTE, [inbox.url()])
+    # As after an upgrade whose migration was not run: the tables are there,
+    # the migration is not recorded.
+    recorder = MigrationRecorder(connection)
+    recorder.record_unapplied("federation_delivery", "0001_initial")
+    message = (
+        r"The database 'default' lacks a migration of the package's "
+        r"\(federation_delivery\.0001_initial\): run manage\.py migrate first\."
+    )
+    try:
+        with pytest.raises(CommandError, match=message):
+            call_command("run_deliverer", "--drain", stdout=io.StringIO())
+    finally:
+        recorder.record_applied("federation_delivery", "0001_initial")
+    assert statuses() == {Status.PENDING: 1}, "nothing claimed"
+    assert not inbox.received
+
+
+def test_a_database_away_at_the_start_is_left_to_the_loop_to_wait_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django.db import OperationalError
+    from django.db.migrations.executor import MigrationExecutor
+
+    from django_federation_delivery.checks import unapplied_migrations
+
+    def away(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(MigrationExecutor, "migration_plan", away)
+    assert unapplied_migrations("default") == []
+
+
 @pytest.mark.slow
 def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]

@@ -13,7 +13,11 @@ from django_federation_delivery.checks.bounds import (
     SECONDS,
     WHOLE_NUMBERS,
 )
-from django_federation_delivery.checks.database import check_sqlite, sqlite_problems
+from django_federation_delivery.checks.database import (
+    check_sqlite,
+    sqlite_problems,
+    unapplied_migrations,
+)
 from django_federation_delivery.checks.policies import check_retention
 from django_federation_delivery.checks.values import check_inbox_networks, check_settings
 from django_federation_delivery.checks.webhooks import check_removed_destinations, check_webhooks
@@ -30,4 +34,5 @@ __all__ = [
     "check_sqlite",
     "check_webhooks",
     "sqlite_problems",
+    "unapplied_migrations",
 ]

@@ -9,10 +9,15 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_noop
+from django.utils.translation import gettext_noop, ngettext
 
 from django_federation_delivery import metrics, store, supervisor
-from django_federation_delivery.checks import WHOLE_NUMBERS, check_settings, sqlite_problems
+from django_federation_delivery.checks import (
+    WHOLE_NUMBERS,
+    check_settings,
+    sqlite_problems,
+    unapplied_migrations,
+)
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.management.base import TranslatedCommand, ip_address, positive
 from django_federation_delivery.management.running import (
@@ -190,6 +195,19 @@ class Command(TranslatedCommand):
         if problems:
             raise CommandError(
                 "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
+            )
+        # Without them, every claim would fail, and be waited out as an outage.
+        missing = unapplied_migrations(using) if self.child is None else []
+        if missing:
+            raise CommandError(
+                ngettext(
+                    "The database %(alias)r lacks a migration of the package's (%(names)s): "
+                    "run manage.py migrate first.",
+                    "The database %(alias)r lacks %(count)d migrations of the package's "
+                    "(%(names)s): run manage.py migrate first.",
+                    len(missing),
+                )
+                % {"alias": using, "count": len(missing), "names": ", ".join(missing)}
             )
         port = options["metrics_port"]
         number = positive(port, 65535) if port is not None else 0
