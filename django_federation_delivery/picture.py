@@ -21,6 +21,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Case, Count, Q, Value, When
 from django.utils import timezone
 
+from django_federation_delivery.addresses import host_named
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 
 __all__ = ["TROUBLE", "TROUBLES", "HostPicture", "host_picture", "resting_until"]
@@ -90,7 +91,11 @@ def resting_until(host: Host, now: dt.datetime) -> dt.datetime | None:
 def host_picture(
     name: str, *, now: dt.datetime | None = None, using: str | None = None
 ) -> HostPicture | None:
-    """``name``'s picture, or None for a host never sent to (no row, no delivery)."""
+    """``name``'s picture, or None for a host never sent to (no row, no
+    delivery). ``name`` in any form (``Bücher.Example.``), or a URL on it."""
+    name = host_named(name)
+    if not name:
+        return None
     alias = using or DEFAULT_DB_ALIAS
     now = now or timezone.now()
     host = Host.objects.using(alias).filter(name=name).annotate(trouble=TROUBLE).first()

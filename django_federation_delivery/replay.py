@@ -23,6 +23,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
+from django_federation_delivery.addresses import host_named
 from django_federation_delivery.models import Batch, Delivery, Kind, Lane, Status
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.sequences import lock_sequences
@@ -42,13 +43,16 @@ def replay(
     since: dt.datetime,
     using: str | None = None,
 ) -> list[Batch]:
-    """Queue again what was delivered to ``host`` (an inbox's host) or
-    ``destination`` (a webhook destination's name), or given up on it, since
-    ``since``; returns the new batches, oldest first. ``ValueError`` unless
-    exactly one of ``host`` and ``destination`` is given, or for a naive
-    ``since``."""
+    """Queue again what was delivered to ``host`` (an inbox's host, in any
+    form, or a URL on it) or ``destination`` (a webhook destination's name),
+    or given up on it, since ``since``; returns the new batches, oldest
+    first. ``ValueError`` unless exactly one of ``host`` and ``destination``
+    is given, for a ``host`` that names none, or for a naive ``since``."""
     if bool(host) == bool(destination):
         raise ValueError("replay needs a host or a destination, and not both")
+    if host and not host_named(host):
+        raise ValueError(f"host {host[:80]!r} names no host")
+    host = host_named(host) if host else ""
     if since.tzinfo is None:
         raise ValueError(f"since must carry its time zone, not {since.isoformat()}")
     alias = using or DEFAULT_DB_ALIAS

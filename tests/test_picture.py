@@ -70,6 +70,7 @@ def test_what_a_deliverer_saw_of_each_host_is_written_for_its_picture(
     assert (bad.trouble, bad.pending, bad.last_delivered_at) == ("failing", 1, None)
     assert bad.failing_since is not None and "503" in bad.last_error
     assert host_picture("never.example") is None
+    assert host_picture("") is None and host_picture("http://") is None
 
 
 @pytest.mark.django_db
@@ -191,6 +192,16 @@ def test_delivery_status_shows_one_hosts_picture_and_its_json() -> None:
     assert document["resting_until"] is None
     with pytest.raises(CommandError, match=r"'b\.example'"):
         call_command("delivery_status", "--host", "b.example")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("named", ["Bücher.Example.", "https://bücher.example/users/bob"])
+def test_a_host_is_shown_however_it_is_written(named: str) -> None:
+    send(ALICE, NOTE, ["https://bücher.example/inbox"])
+    out = StringIO()
+    call_command("delivery_status", "--host", named, stdout=out)
+    assert out.getvalue().startswith("xn--bcher-kva.example\n")
+    assert re.search(r"pending \(held\)\s+1 \(0\)", out.getvalue())
 
 
 @pytest.mark.django_db

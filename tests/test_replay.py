@@ -115,6 +115,7 @@ def test_a_restored_inbox_receives_what_it_missed_again(inboxes: Callable[..., I
         (["--host=", "--since=1h"], "--host '' names nothing"),
         (["--destination= ", "--since=1h"], "--destination ' ' names nothing"),
         (["--host=a.example", "--since=99999999d"], "'99999999d' reaches back before the year 1"),
+        (["--host=http://", "--since=1h"], "--host 'http://' names no host"),
     ],
 )
 def test_a_bad_replay_is_refused_naming_what_is_wrong(args: list[str], said: str) -> None:
@@ -123,11 +124,32 @@ def test_a_bad_replay_is_refused_naming_what_is_wrong(args: list[str], said: str
     assert not Batch.objects.exists()
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "named", ["Bücher.Example.", "https://BÜCHER.example/users/bob", "xn--bcher-kva.example"]
+)
+def test_a_host_is_replayed_however_it_is_written(named: str) -> None:
+    now = timezone.now()
+    batch = send(ALICE, note(1), ["https://bücher.example/inbox"])
+    assert batch is not None
+    settle(batch, Status.DELIVERED, now - dt.timedelta(hours=1))
+    out = StringIO()
+    call_command("delivery_replay", f"--host={named}", "--since=1d", stdout=out)
+    assert "Queued again: 1 delivery, in 1 new batch." in out.getvalue()
+    (again,) = Delivery.objects.exclude(batch=batch)
+    assert (again.host, again.inbox) == (
+        "xn--bcher-kva.example",
+        "https://xn--bcher-kva.example/inbox",
+    )
+
+
 def test_a_naive_moment_or_no_host_is_refused() -> None:
     with pytest.raises(ValueError, match="a host or a destination"):
         replay(since=timezone.now())
     with pytest.raises(ValueError, match="time zone"):
         replay(host="a.example", since=dt.datetime(2026, 12, 1))
+    with pytest.raises(ValueError, match="'https:///inbox' names no host"):
+        replay(host="https:///inbox", since=timezone.now())
 
 
 @pytest.mark.django_db

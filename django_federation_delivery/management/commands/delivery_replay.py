@@ -52,12 +52,15 @@ class Command(TranslatedCommand):
                     _("--%(option)s %(value)r names nothing") % {"option": option, "value": value}
                 )
         since = moment(options["since"])
-        batches = replay(
-            host=options["host"] or "",
-            destination=options["destination"] or "",
-            since=since,
-            using=using,
-        )
+        try:
+            batches = replay(
+                host=options["host"] or "",
+                destination=options["destination"] or "",
+                since=since,
+                using=using,
+            )
+        except ValueError as exc:  # a host that names none: "http://"
+            raise CommandError(f"--{exc}") from None
         self.stdout.write(
             _("Since %(since)s.") % {"since": since.isoformat(timespec="seconds")}
             + " "
