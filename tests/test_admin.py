@@ -593,6 +593,8 @@ def test_filters_and_search(operator: Client) -> None:
     assert listed("q=users/bob") == 2
     assert listed("q=welcome") == 4
     assert listed("q=c.example") == 2  # a host
+    assert listed("q=C.Example.") == 2  # in any form, or a URL on it
+    assert listed("q=https%3A%2F%2Fc.example%2Fusers%2Fcarol") == 2
 
     def found(query: str) -> set[int]:
         response = operator.get(f"{url('delivery')}?{query}")
@@ -620,6 +622,7 @@ def test_filters_and_search(operator: Client) -> None:
     breakers = operator.get(f"{url('breaker')}?state=open").context["cl"]
     assert [row.key for row in breakers.result_list] == ["a.example"]
     assert operator.get(f"{url('host')}?paused=yes").context["cl"].result_count == 1
+    assert operator.get(f"{url('host')}?q=C.EXAMPLE.").context["cl"].result_count == 1
 
 
 def test_a_body_that_is_not_json_is_shown_as_it_is(operator: Client) -> None:

@@ -21,6 +21,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import controls
+from django_federation_delivery.addresses import host_named
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Delivery, Host, Status
 
@@ -84,6 +85,14 @@ class OperatorAdmin(_ModelAdmin[_M]):
 
     def annotate_page(self, rows: list[_M]) -> None:
         """Attach what the columns show to the page's rows, in one query."""
+
+
+def host_searched(search_term: str) -> str:
+    """The host a search names when it is not written as hosts are kept
+    (``Bücher.Example.``, a URL on it); "" when it is, or names none."""
+    term = search_term.strip()
+    named = host_named(term)
+    return named if named and named != term else ""
 
 
 def can(request: HttpRequest, action: str, model: type[Model]) -> bool:

@@ -21,6 +21,7 @@ from django_federation_delivery import controls
 from django_federation_delivery.addresses import redact
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
+    host_searched,
     next_due,
     pause_and_report,
     pending_count,
@@ -207,11 +208,14 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Delivery], search_term: str
     ) -> tuple[QuerySet[Delivery], bool]:
-        """The search fields, and a number as a delivery's id or its batch's."""
+        """The search fields, a number as a delivery's id or its batch's, and
+        a host in any form."""
         found, duplicates = super().get_search_results(request, queryset, search_term)
         term = search_term.strip()
         if term.isascii() and term.isdigit() and len(term) < 19:
             found |= queryset.filter(Q(pk=int(term)) | Q(batch_id=int(term)))
+        if host := host_searched(term):
+            found |= queryset.filter(host=host)
         return found, duplicates
 
     def get_urls(self) -> list[URLPattern]:

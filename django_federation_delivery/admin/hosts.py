@@ -18,6 +18,7 @@ from django_federation_delivery.addresses import host_of, redact
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     give_up_and_report,
+    host_searched,
     pause_and_report,
     report,
     resume_and_report,
@@ -207,6 +208,16 @@ class HostAdmin(OperatorAdmin[Host]):
     list_filter = (PausedFilter, UnavailableFilter)
     search_fields = ("name",)
     actions = ("pause", "resume", "give_up", "replay_day", "mark_seen")
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Host], search_term: str
+    ) -> tuple[QuerySet[Host], bool]:
+        """The name as written, or as hosts are kept (``Bücher.Example.``)."""
+        found, duplicates = super().get_search_results(request, queryset, search_term)
+        if host := host_searched(search_term):
+            found |= queryset.filter(name=host)
+        return found, duplicates
+
     fieldsets = (
         (
             None,
