@@ -50,9 +50,11 @@ def replay(
     is given, for a ``host`` that names none, or for a naive ``since``."""
     if bool(host) == bool(destination):
         raise ValueError("replay needs a host or a destination, and not both")
-    if host and not host_named(host):
-        raise ValueError(f"host {host[:80]!r} names no host")
-    host = host_named(host) if host else ""
+    if host:
+        named = host_named(host)
+        if not named:
+            raise ValueError(f"host {host[:80]!r} names no host")
+        host = named
     if since.tzinfo is None:
         raise ValueError(f"since must carry its time zone, not {since.isoformat()}")
     alias = using or DEFAULT_DB_ALIAS
