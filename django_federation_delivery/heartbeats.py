@@ -3,10 +3,13 @@
 Every ``run_deliverer`` process (each child under ``--processes``) keeps one
 ``DelivererHeartbeat`` row up to date: inserted at its first beat, then one
 UPDATE every ``HEARTBEAT_SECONDS`` (never more often, on SQLite least of all),
-and deleted when it stops cleanly. A killed deliverer's row is no longer
-refreshed: it is dead once :data:`DEAD_AFTER` of its own intervals have
-passed, and deleted once a day old by the next deliverer to beat (at its
-first beat, and hourly after).
+and marked stopped when it stops cleanly (its interval 0): no longer alive,
+but its last beat, the stop's time, still says when a deliverer was last
+seen, so that a stop and a restart within :data:`NO_DELIVERER_AFTER` is not
+taken for a stall. A killed deliverer's row is no longer refreshed: it is
+dead once :data:`DEAD_AFTER` of its own intervals have passed. Either is
+deleted once a day old by the next deliverer to beat (at its first beat,
+and hourly after).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ FORGET_EVERY = 3600.0
 NO_DELIVERER_AFTER = 60.0
 #: The most rows one look reads: the live ones come first.
 MOST_LISTED = 100
+#: The interval of a deliverer that stopped cleanly: never alive.
+STOPPED = 0.0
 
 
 class Heartbeat:
@@ -110,9 +115,12 @@ class Heartbeat:
             rows.filter(last_seen__lt=now - FORGET_AFTER).delete()
 
     def remove(self) -> None:
-        """This deliverer stopped: it is no longer listed (unless ``kept``)."""
+        """This deliverer stopped: it is no longer alive (unless ``kept``),
+        and was last seen now."""
         if self.pk is not None and not self.kept:
-            DelivererHeartbeat.objects.using(self.using).filter(pk=self.pk).delete()
+            DelivererHeartbeat.objects.using(self.using).filter(pk=self.pk).update(
+                last_seen=timezone.now(), interval=STOPPED, in_flight=0, rate=0.0
+            )
             self.pk = None
 
 
@@ -130,7 +138,8 @@ class SeenDeliverer:
 
 @dataclasses.dataclass(frozen=True)
 class Seen:
-    """The live deliverers, and when any deliverer (dead ones too) last beat."""
+    """The live deliverers, and when any deliverer (dead or stopped ones
+    too) last beat."""
 
     live: tuple[SeenDeliverer, ...]
     #: None: none in the last day.
@@ -149,7 +158,10 @@ def seen(
         rows = rows.filter(host=host)
     found = list(rows.order_by("-last_seen", "host", "pid")[:MOST_LISTED])
     live = [
-        row for row in found if (now - row.last_seen).total_seconds() <= DEAD_AFTER * row.interval
+        row
+        for row in found
+        if row.interval > STOPPED
+        and (now - row.last_seen).total_seconds() <= DEAD_AFTER * row.interval
     ]
     return Seen(
         live=tuple(

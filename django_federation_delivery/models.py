@@ -398,12 +398,13 @@ class Breaker(models.Model):
 
 
 class DelivererHeartbeat(models.Model):
-    """A running deliverer, as it last said: one row a ``run_deliverer``
-    process, written every ``HEARTBEAT_SECONDS`` and deleted when it stops.
+    """A deliverer, as it last said: one row a ``run_deliverer`` process,
+    written every ``HEARTBEAT_SECONDS``, and marked stopped (its interval 0,
+    its last beat the stop) when it stops cleanly.
 
     A killed deliverer leaves its row behind, no longer refreshed: it counts
-    as dead once three of its intervals have passed, and is deleted after a
-    day by the next deliverer to start (or to beat an hour later).
+    as dead once three of its intervals have passed. Either is deleted after
+    a day by the next deliverer to start (or to beat an hour later).
     """
 
     host = models.CharField(verbose_name=_("host"), max_length=255)
@@ -411,7 +412,8 @@ class DelivererHeartbeat(models.Model):
     version = models.CharField(verbose_name=_("version"), max_length=50, blank=True, default="")
     started_at = models.DateTimeField(verbose_name=_("started at"))
     last_seen = models.DateTimeField(verbose_name=_("last seen"))
-    # Seconds between its heartbeats: what "three intervals" means for this row.
+    # Seconds between its heartbeats: what "three intervals" means for this
+    # row; 0 once it stopped cleanly.
     interval = models.FloatField(verbose_name=_("interval"))
     # Deliveries handed to its workers when it last beat.
     in_flight = models.PositiveIntegerField(verbose_name=_("in flight"), default=0)

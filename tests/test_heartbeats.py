@@ -1,4 +1,5 @@
-"""Heartbeats: a deliverer that records itself, ages out when killed, and is gone when stopped."""
+"""Heartbeats: a deliverer that records itself, ages out when killed, and is
+marked stopped when it stops."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def row(
 
 
 @pytest.mark.usefixtures("every_second")
-def test_a_deliverer_beats_at_its_interval_idle_or_busy_and_removes_its_row_when_it_stops(
+def test_a_deliverer_beats_at_its_interval_idle_or_busy_and_marks_its_row_when_it_stops(
     inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], beats: list[float]
 ) -> None:
     running = start_deliverer(heartbeat=True)
@@ -85,11 +86,16 @@ def test_a_deliverer_beats_at_its_interval_idle_or_busy_and_removes_its_row_when
     wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 5)
     wait_until(lambda: len(beats) >= 5, timeout=30)
     assert DelivererHeartbeat.objects.get().last_seen > first_seen, "one row, brought up to date"
+    before_stop = timezone.now()
     running.stop()
     # Never more than one a second, however many rounds the loop made.
     gaps = [later - earlier for earlier, later in itertools.pairwise(beats)]
     assert min(gaps) >= 1.0, gaps
-    assert DelivererHeartbeat.objects.count() == 0, "a clean stop removes the row"
+    # A clean stop: no longer alive, and seen last at the stop.
+    [stopped] = DelivererHeartbeat.objects.all()
+    assert (stopped.interval, stopped.in_flight) == (0.0, 0)
+    found = heartbeats.seen()
+    assert found.live == () and found.last_seen == stopped.last_seen >= before_stop
 
 
 def test_a_deliverer_made_in_code_records_no_heartbeat_unless_asked(
@@ -125,7 +131,7 @@ def test_a_heartbeat_the_database_refuses_does_not_stop_the_loop(
     wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).exists())
     wait_until(lambda: DelivererHeartbeat.objects.exists())
     running.stop()
-    assert not DelivererHeartbeat.objects.exists()
+    assert heartbeats.seen().live == ()
 
 
 def test_a_beat_records_what_is_in_flight_and_the_rate_since_the_last() -> None:
@@ -148,7 +154,7 @@ def test_a_row_deleted_meanwhile_is_written_again() -> None:
     heartbeat.beat(in_flight=0, delivered=0)
     assert DelivererHeartbeat.objects.count() == 1
     heartbeat.remove()
-    assert not DelivererHeartbeat.objects.exists()
+    assert DelivererHeartbeat.objects.get().interval == heartbeats.STOPPED
 
 
 def test_rows_a_day_old_are_deleted_by_the_next_deliverer_to_beat() -> None:
@@ -170,6 +176,24 @@ def test_a_killed_deliverer_ages_out_after_three_of_its_intervals() -> None:
     found = heartbeats.seen()
     assert [deliverer.pid for deliverer in found.live] == [1, 3]
     assert found.last_seen == alive.last_seen
+
+
+def test_a_clean_stop_and_a_restart_within_a_minute_is_no_stall() -> None:
+    from django_federation_delivery.overview import stalled
+
+    beat = Heartbeat(5.0)
+    beat.beat(in_flight=2, delivered=10)
+    beat.remove()
+    stop = DelivererHeartbeat.objects.get().last_seen
+    found = heartbeats.seen()
+    assert found == Seen(live=(), last_seen=stop)
+    assert stalled(found, 3, stop + 59 * SECOND) == ""
+    assert stalled(found, 3, stop + 61 * SECOND) == (
+        "No deliverer seen for 1m 1s while 3 deliveries are due"
+    )
+    # The restart beats: alive, beside the row of the one stopped.
+    row(0, pid=7)
+    assert [d.pid for d in heartbeats.seen().live] == [7]
 
 
 def test_this_host_counts_only_its_own_deliverers() -> None:

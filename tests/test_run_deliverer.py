@@ -843,9 +843,10 @@ def test_a_bad_purge_interval_is_refused_naming_it(value: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_deliverer_process_beats_while_it_runs_and_removes_its_row_when_stopped(
+def test_a_deliverer_process_beats_while_it_runs_and_marks_its_row_when_stopped(
     processes: Callable[..., subprocess.Popen[str]],
 ) -> None:
+    from django_federation_delivery import heartbeats
     from django_federation_delivery.models import DelivererHeartbeat
 
     process = processes(settings={"HEARTBEAT_SECONDS": 1})
@@ -857,7 +858,9 @@ def test_a_deliverer_process_beats_while_it_runs_and_removes_its_row_when_stoppe
     assert DelivererHeartbeat.objects.count() == 1
     process.send_signal(signal.SIGTERM)
     assert process.wait(20) == 0
-    assert not DelivererHeartbeat.objects.exists()
+    stopped = DelivererHeartbeat.objects.get()
+    assert (stopped.pid, stopped.interval) == (process.pid, heartbeats.STOPPED)
+    assert heartbeats.seen() == heartbeats.Seen(live=(), last_seen=stopped.last_seen)
 
 
 @pytest.mark.slow
@@ -878,4 +881,5 @@ def test_two_deliverer_processes_show_as_two_live_deliverers(
     assert process.pid not in pids, "the supervisor delivers nothing, and beats for nothing"
     process.send_signal(signal.SIGTERM)
     assert process.wait(30) == 0, output.finish()
-    assert not DelivererHeartbeat.objects.exists()
+    assert heartbeats.seen().live == ()
+    assert {row.pid for row in DelivererHeartbeat.objects.all()} == pids
