@@ -1,9 +1,14 @@
 """The one migration: undone and done again, it leaves the tables the models
-describe, and on PostgreSQL the batch table's pages half empty."""
+describe, and on PostgreSQL the batch table's pages half empty; not done,
+the commands say to run it."""
 
 from __future__ import annotations
 
+import io
+from collections.abc import Iterator
+
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
@@ -55,3 +60,49 @@ def test_the_batch_table_leaves_half_of_each_page_free_on_postgresql() -> None:
         cursor.execute("SELECT reloptions FROM pg_class WHERE relname = %s", [Batch._meta.db_table])
         (options,) = cursor.fetchone()
     assert options == ["fillfactor=50"]
+
+
+@pytest.fixture
+def unmigrated() -> Iterator[None]:
+    """The app's tables dropped by undoing its migration; made again after."""
+    executor = MigrationExecutor(connection)
+    executor.migrate([(APP, None)])
+    yield
+    executor.loader.build_graph()
+    executor.migrate(executor.loader.graph.leaf_nodes(APP))
+
+
+LACKS = (
+    r"The database 'default' lacks a migration of the package's "
+    r"\(federation_delivery\.0001_initial\): run manage\.py migrate first\."
+)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("unmigrated")
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run_deliverer", "--drain"],
+        ["delivery_status"],
+        ["delivery_status", "--host", "a.example"],
+        ["delivery_replay", "--host", "a.example", "--since", "1h"],
+        ["purge_deliveries", "--dry-run"],
+        ["enable_webhook", "ops"],
+    ],
+    ids=" ".join,
+)
+def test_a_command_on_a_database_not_migrated_says_to_migrate(command: list[str]) -> None:
+    with pytest.raises(CommandError, match=LACKS):
+        call_command(*command, stdout=io.StringIO())
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("unmigrated")
+def test_a_health_check_on_a_database_not_migrated_is_critical() -> None:
+    out = io.StringIO()
+    with pytest.raises(SystemExit) as exited:
+        call_command("delivery_status", "--check", stdout=out)
+    assert exited.value.code == 2
+    assert out.getvalue().startswith("CRITICAL: the queue cannot be read (")
+    assert "federation_delivery_" in out.getvalue(), "the table it could not read"

@@ -1,4 +1,5 @@
-"""What the package's commands share: translated help, and arguments refused by name."""
+"""What the package's commands share: translated help, arguments refused by
+name, and a database that can hold the queue."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import ipaddress
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connections
 from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
+
+from django_federation_delivery.checks import unapplied_migrations
 
 
 class TranslatedCommand(BaseCommand):
@@ -50,3 +55,27 @@ def ip_address(value: str) -> str:
             _("expected an IP address to serve metrics on, such as 127.0.0.1, not %(value)r")
             % {"value": value}
         ) from None
+
+
+def database_named(using: str) -> str:
+    """``using``, a database alias in ``DATABASES``; a CommandError naming it otherwise."""
+    if using not in connections:
+        raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
+    return using
+
+
+def require_migrations(using: str) -> None:
+    """A CommandError naming the package's migrations the database lacks,
+    if it lacks any: every statement on its tables would fail."""
+    missing = unapplied_migrations(using)
+    if missing:
+        raise CommandError(
+            ngettext(
+                "The database %(alias)r lacks a migration of the package's (%(names)s): "
+                "run manage.py migrate first.",
+                "The database %(alias)r lacks %(count)d migrations of the package's "
+                "(%(names)s): run manage.py migrate first.",
+                len(missing),
+            )
+            % {"alias": using, "count": len(missing), "names": ", ".join(missing)}
+        )

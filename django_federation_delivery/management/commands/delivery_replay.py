@@ -7,13 +7,17 @@ import datetime as dt
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.management.base import TranslatedCommand
+from django_federation_delivery.management.base import (
+    TranslatedCommand,
+    database_named,
+    require_migrations,
+)
 from django_federation_delivery.replay import replay, replayed
 
 
@@ -42,9 +46,8 @@ class Command(TranslatedCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        using = options["database"]
-        if using not in connections:
-            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
+        using = database_named(options["database"])
+        require_migrations(using)
         for option in ("host", "destination"):
             value = options[option]
             if value is not None and not value.strip():

@@ -10,12 +10,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery import heartbeats, store
-from django_federation_delivery.management.base import TranslatedCommand
+from django_federation_delivery.management.base import (
+    TranslatedCommand,
+    database_named,
+    require_migrations,
+)
 from django_federation_delivery.overview import (
     BREAKER_STATES,
     Overview,
@@ -332,24 +336,33 @@ class Command(TranslatedCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         hosts = _count(options["hosts"])
-        using = options["database"]
-        if using not in connections:
-            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
+        using = database_named(options["database"])
         if options["check"]:
-            healthy, line = check(
-                max_lag=_seconds(options["max_lag"]),
-                host=socket.gethostname() if options["this_host"] else None,
-                using=using,
-            )
-            code = 0 if healthy else UNHEALTHY
-            if healthy:
-                # The queue is worked; a destination may still need an operator.
-                code, line = destinations_check(using=using) or (0, line)
+            max_lag = _seconds(options["max_lag"])
+            try:
+                healthy, line = check(
+                    max_lag=max_lag,
+                    host=socket.gethostname() if options["this_host"] else None,
+                    using=using,
+                )
+                code = 0 if healthy else UNHEALTHY
+                if healthy:
+                    # The queue is worked; a destination may still need an operator.
+                    code, line = destinations_check(using=using) or (0, line)
+            except DatabaseError as exc:
+                # Away, or without its tables: nothing can be delivered either.
+                error = printable(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+                code, line = (
+                    UNHEALTHY,
+                    _("CRITICAL: the queue cannot be read (%(error)s)")
+                    % {"error": error[:200] or type(exc).__name__},
+                )
             self.stdout.write(line)
             if code:
                 self.stdout.flush()
                 sys.exit(code)
             return
+        require_migrations(using)
         if options["host"] is not None:
             picture = host_picture(options["host"], using=using)
             if picture is None:

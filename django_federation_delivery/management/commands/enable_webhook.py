@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.management.base import TranslatedCommand
+from django_federation_delivery.management.base import (
+    TranslatedCommand,
+    database_named,
+    require_migrations,
+)
 from django_federation_delivery.webhooks import life
 from django_federation_delivery.webhooks.status import destination_status
 
@@ -28,9 +32,8 @@ class Command(TranslatedCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        name, using = options["name"], options["database"]
-        if using not in connections:
-            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
+        name, using = options["name"], database_named(options["database"])
+        require_migrations(using)
         found = {status.name: status for status in destination_status(using=using)}
         status = found.get(name)
         if status is None:

@@ -8,13 +8,17 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop, ngettext
 
 from django_federation_delivery import retention
 from django_federation_delivery.checks import LONGEST_RETENTION
-from django_federation_delivery.management.base import TranslatedCommand
+from django_federation_delivery.management.base import (
+    TranslatedCommand,
+    database_named,
+    require_migrations,
+)
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: How often the progress line is written, at most.
@@ -62,9 +66,8 @@ class Command(TranslatedCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        using = options["database"]
-        if using not in connections:
-            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
+        using = database_named(options["database"])
+        require_migrations(using)
         if options["older_than"] is not None:
             age = parse_age(options["older_than"])
             seconds = dict.fromkeys(retention.SETTLED, age)

@@ -9,17 +9,18 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_noop, ngettext
+from django.utils.translation import gettext_noop
 
 from django_federation_delivery import metrics, store, supervisor
-from django_federation_delivery.checks import (
-    WHOLE_NUMBERS,
-    check_settings,
-    sqlite_problems,
-    unapplied_migrations,
-)
+from django_federation_delivery.checks import WHOLE_NUMBERS, check_settings, sqlite_problems
 from django_federation_delivery.deliverer import Deliverer
-from django_federation_delivery.management.base import TranslatedCommand, ip_address, positive
+from django_federation_delivery.management.base import (
+    TranslatedCommand,
+    database_named,
+    ip_address,
+    positive,
+    require_migrations,
+)
 from django_federation_delivery.management.running import (
     Child,
     drain_progress,
@@ -179,9 +180,7 @@ class Command(TranslatedCommand):
             if options["per_host_max"]
             else None
         )
-        using = options["database"]
-        if using not in connections:
-            raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
+        using = database_named(options["database"])
         if connections[using].vendor == "sqlite" and self.child is None:
             for problem in sqlite_problems(using, connections[using]):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
@@ -196,19 +195,9 @@ class Command(TranslatedCommand):
             raise CommandError(
                 "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
             )
-        # Without them, every claim would fail, and be waited out as an outage.
-        missing = unapplied_migrations(using) if self.child is None else []
-        if missing:
-            raise CommandError(
-                ngettext(
-                    "The database %(alias)r lacks a migration of the package's (%(names)s): "
-                    "run manage.py migrate first.",
-                    "The database %(alias)r lacks %(count)d migrations of the package's "
-                    "(%(names)s): run manage.py migrate first.",
-                    len(missing),
-                )
-                % {"alias": using, "count": len(missing), "names": ", ".join(missing)}
-            )
+        if self.child is None:
+            # Without them, every claim would fail, and be waited out as an outage.
+            require_migrations(using)
         port = options["metrics_port"]
         number = positive(port, 65535) if port is not None else 0
         addr = ip_address(options["metrics_addr"]) if port is not None else ""
