@@ -24,7 +24,14 @@ from django.utils import timezone
 from django_federation_delivery.addresses import host_named
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 
-__all__ = ["TROUBLE", "TROUBLES", "HostPicture", "host_picture", "resting_until"]
+__all__ = [
+    "TROUBLE",
+    "TROUBLES",
+    "HostPicture",
+    "host_picture",
+    "milliseconds",
+    "resting_until",
+]
 
 #: The window of the recent counts.
 DAY = dt.timedelta(days=1)
@@ -80,6 +87,11 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         return value.isoformat()
     return value
+
+
+def milliseconds(value: float | None) -> str:
+    """An answer time as people read it: ``44 ms``, or ``—`` when none is known."""
+    return "—" if value is None else f"{value:.0f} ms"
 
 
 def resting_until(host: Host, now: dt.datetime) -> dt.datetime | None:

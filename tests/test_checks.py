@@ -269,6 +269,22 @@ def test_sqlite_without_wal_or_a_busy_timeout_is_warned_about(settings: Any) -> 
     assert "journal_mode=WAL" in (found["federation_delivery.W002"].hint or "")
 
 
+@pytest.mark.django_db
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite only")
+def test_sqlite_in_memory_as_the_test_runner_makes_it_is_not_asked_for_wal() -> None:
+    from django.db.backends.sqlite3.base import DatabaseWrapper
+
+    memory = DatabaseWrapper(
+        {**connections["default"].settings_dict, "NAME": ":memory:", "OPTIONS": {"timeout": 20}},
+        alias="memory",
+    )
+    try:
+        assert memory.is_in_memory_db()
+        assert sqlite_problems("memory", memory) == []
+    finally:
+        memory.close()
+
+
 @pytest.mark.parametrize(
     "breaker", [{"SCOPE": "domain"}, {"COOL_OFF": float("inf")}, {"THRESHOLD": "many"}]
 )

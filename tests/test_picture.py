@@ -217,7 +217,12 @@ def test_the_hosts_list_puts_the_most_troubled_first_and_a_host_page_shows_it_al
         paused_at=now,
         resting_until=dt.datetime(2100, 1, 2, tzinfo=dt.UTC),
     )
-    Host.objects.create(name="c-failing-lately.example", failing_since=now)
+    Host.objects.create(
+        name="c-failing-lately.example",
+        failing_since=now,
+        answer_p50_ms=44.4,
+        answer_p95_ms=48.09015989303589,
+    )
     Host.objects.create(name="d-failing-long.example", failing_since=now - dt.timedelta(days=1))
     Host.objects.create(
         name="e-gone.example", failing_since=now - dt.timedelta(days=8), unavailable_since=now
@@ -240,3 +245,8 @@ def test_the_hosts_list_puts_the_most_troubled_first_and_a_host_page_shows_it_al
         detail = html(client, url("host", "change", name)).lower()
         assert "resting until" in detail
         assert ("2100" in detail) is shown and "2020" not in detail
+        assert "none" not in re.sub(r"<[^>]+>", " ", detail), "an empty field is a dash"
+    # Answer times as the command shows them, in whole milliseconds.
+    assert "48 ms" in page and "48.09" not in page
+    detail = html(client, url("host", "change", "c-failing-lately.example"))
+    assert "44 ms" in detail and "48 ms" in detail and "44.4" not in detail

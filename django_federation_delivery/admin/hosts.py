@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
+from django.contrib.admin.utils import display_for_value
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
@@ -30,6 +31,7 @@ from django_federation_delivery.picture import (
     TROUBLES,
     HostPicture,
     host_picture,
+    milliseconds,
     resting_until,
 )
 from django_federation_delivery.replay import replay, replayed
@@ -201,7 +203,7 @@ class HostAdmin(OperatorAdmin[Host]):
         "pending",
         "concurrency_limit",
         "resting",
-        "answer_p95_ms",
+        "answer_p95",
         "last_delivered_at",
         "scheme",
     )
@@ -241,8 +243,8 @@ class HostAdmin(OperatorAdmin[Host]):
             {
                 "fields": (
                     "breaker",
-                    "answer_p50_ms",
-                    "answer_p95_ms",
+                    "answer_p50",
+                    "answer_p95",
                     "concurrency_limit",
                     "resting",
                     "pending",
@@ -282,8 +284,17 @@ class HostAdmin(OperatorAdmin[Host]):
         }
 
     @admin.display(description=_("resting until"), ordering="resting_until")
-    def resting(self, obj: Host) -> dt.datetime | None:
-        return resting_until(obj, timezone.now())
+    def resting(self, obj: Host) -> str:
+        # Formatted here: the page would show a method's None as "None".
+        return str(display_for_value(resting_until(obj, timezone.now()), "—"))
+
+    @admin.display(description=_("answer time p50"), ordering="answer_p50_ms")
+    def answer_p50(self, obj: Host) -> str:
+        return milliseconds(obj.answer_p50_ms)
+
+    @admin.display(description=_("answer time p95"), ordering="answer_p95_ms")
+    def answer_p95(self, obj: Host) -> str:
+        return milliseconds(obj.answer_p95_ms)
 
     @admin.display(description=_("last 24 hours"))
     def last_day(self, obj: Host) -> str:

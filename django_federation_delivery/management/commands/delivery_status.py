@@ -28,7 +28,7 @@ from django_federation_delivery.overview import (
     overview,
     stalled,
 )
-from django_federation_delivery.picture import HostPicture, host_picture
+from django_federation_delivery.picture import HostPicture, host_picture, milliseconds
 from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
 
 #: ``--check`` exits with this when unhealthy: Nagios's CRITICAL; any
@@ -99,9 +99,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, numeric: int
 def render_host(picture: HostPicture) -> str:
     """One host's picture, a line a fact."""
 
-    def ms(value: float | None) -> str:
-        return "—" if value is None else f"{value:.0f} ms"
-
     breaker = BREAKER_STATES.get(picture.breaker, picture.breaker)
     rows = [
         (_("trouble"), picture.trouble),
@@ -112,7 +109,10 @@ def render_host(picture: HostPicture) -> str:
         (_("paused at"), _when(picture.paused_at)),
         (_("breaker"), f"{breaker} ({picture.failures_in_a_row} {_('failures in a row')})"),
         (_("scheme learned"), picture.scheme or "—"),
-        (_("answer time p50 / p95"), f"{ms(picture.answer_p50_ms)} / {ms(picture.answer_p95_ms)}"),
+        (
+            _("answer time p50 / p95"),
+            f"{milliseconds(picture.answer_p50_ms)} / {milliseconds(picture.answer_p95_ms)}",
+        ),
         (_("limit at once"), picture.concurrency_limit or "—"),
         (_("resting until"), _when(picture.resting_until)),
         (_("pending (held)"), f"{picture.pending} ({picture.held})"),
