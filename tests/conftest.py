@@ -98,6 +98,12 @@ WEB_MODULES = frozenset(
 #: content types it makes again, cost more than most such tests.
 QUEUE_APPS = ["django_federation_delivery", "django_q"]
 
+#: A stranger's answer that would set a terminal's title, clear its screen,
+#: turn the text red and reverse the rest, on a line of its own; and the one
+#: line it is kept as.
+HOSTILE_ANSWER = "body\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED\u202eevil\r\nFAKE-LINE"
+HOSTILE_ANSWER_ESCAPED = r"body\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED\u202eevil FAKE-LINE"
+
 
 def _flushes(marker: pytest.Mark | None, fixtures: set[str]) -> bool:
     if marker is not None:

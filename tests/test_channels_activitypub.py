@@ -20,7 +20,7 @@ from django_federation_delivery.conf import DEFAULTS, app_settings
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
 from django_federation_delivery.transport import Answer, Transport, TransportSettings, status_text
 
-from .conftest import Inbox
+from .conftest import HOSTILE_ANSWER, HOSTILE_ANSWER_ESCAPED, Inbox
 from .keys import ed25519_key, rsa_key
 
 INBOX = "https://remote.example/users/bob/inbox"
@@ -112,6 +112,16 @@ def test_retry_after_is_read_from_the_answer(
 ) -> None:
     mocked.post(INBOX, status=503, headers={"Retry-After": "90"})
     assert attempt(job(), transport).retry_after == 90
+
+
+def test_an_inboxs_escape_sequences_are_kept_escaped_never_raw(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.post(INBOX, status=500, body=HOSTILE_ANSWER)
+    result = attempt(job(), transport)
+    assert result.error == (
+        "the inbox answered 500 Internal Server Error: " + HOSTILE_ANSWER_ESCAPED
+    )
 
 
 def test_only_the_start_of_a_long_answer_is_kept_as_the_error(

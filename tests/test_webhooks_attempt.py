@@ -21,6 +21,8 @@ from django_federation_delivery.webhooks import Event, parse_destination
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
+from .conftest import HOSTILE_ANSWER, HOSTILE_ANSWER_ESCAPED
+
 SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
 SENT_TO = "https://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
 SECRETS = ("T0AAAA1", "B0BBBB2", "s3cretT0kenV4lue9", "/services/")
@@ -120,6 +122,17 @@ def test_the_first_300_characters_of_a_refusals_body_are_kept_in_one_line(
     assert len(kept) == 300
     assert result.error == "the receiver answered 404 Not Found: " + kept.rstrip()
     assert "\n" not in result.error
+
+
+def test_a_receivers_escape_sequences_are_kept_escaped_never_raw(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.post(SENT_TO, status=500, body=HOSTILE_ANSWER)
+    result = attempt(job(), transport)
+    assert result.error == (
+        "the receiver answered 500 Internal Server Error: " + HOSTILE_ANSWER_ESCAPED
+    )
+    assert result.error.isprintable()
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,13 @@ from django_federation_delivery.channels.base import Channel, Parsed, UnusableUR
 from django_federation_delivery.channels.policy import Policy
 from django_federation_delivery.exceptions import SigningError, TransportError
 from django_federation_delivery.signatures import Scheme, SenderKey, sign_request
-from django_federation_delivery.transport import Answer, Transport, parse_retry_after, status_text
+from django_federation_delivery.transport import (
+    Answer,
+    Transport,
+    answer_text,
+    parse_retry_after,
+    status_text,
+)
 
 __all__ = ["KNOCK_AGAIN", "ActivityPub", "InboxJob", "describe"]
 
@@ -240,5 +246,5 @@ def describe(answer: Answer, length: int, target: str = "") -> str:
     text = text.strip()
     error = f"the inbox answered {status_text(answer.status)}"
     if text:
-        error = f"{error}: {' '.join(text.split())}"
+        error = f"{error}: {answer_text(text)}"
     return error[:length]

@@ -38,6 +38,7 @@ from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.transport import (
     Answer,
     Transport,
+    answer_text,
     logs,
     parse_retry_after,
     status_text,
@@ -291,7 +292,7 @@ class Channel:
         verdict = self.judge(answer)
         # The whole of what was read is redacted before any of it is cut: a cut
         # secret would no longer be recognised.
-        text = " ".join(destination.redact(verdict.detail).split())
+        text = answer_text(destination.redact(verdict.detail))
         error = f"the receiver answered {status_text(answer.status)}"
         if text:
             error = f"{error}: {text[: job.body_length].rstrip()}"

@@ -63,6 +63,8 @@ __all__ = [
     "Connections",
     "Transport",
     "TransportSettings",
+    "answer_text",
+    "escaped",
     "is_public_address",
     "logs",
     "parse_retry_after",
@@ -116,6 +118,26 @@ class Answer:
     body: bytes
     #: Seconds from the start of the exchange to the end of reading the body.
     elapsed: float
+
+
+def escaped(text: str) -> str:
+    """``text`` safe to print or log: any character that is not printable
+    (an escape sequence, a bell, a line break, a bidi override) written as
+    its escape (``\\x1b``), never acted on by a terminal."""
+    if text.isprintable():
+        return text
+    return "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        for char in text
+    )
+
+
+def answer_text(text: str) -> str:
+    """What a receiver wrote, as an error may carry it into a row, a log and
+    a terminal: one line, each run of whitespace one space, the rest
+    :func:`escaped`. The receiver is a stranger, and its words may be made
+    to move a cursor or reverse the text around them."""
+    return escaped(" ".join(text.split()))
 
 
 def status_text(status: int) -> str:

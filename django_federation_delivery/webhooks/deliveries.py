@@ -25,7 +25,7 @@ from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Delivery, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.store import claims, settlements
-from django_federation_delivery.transport import Transport, TransportSettings
+from django_federation_delivery.transport import Transport, TransportSettings, escaped
 from django_federation_delivery.webhooks.destinations import (
     Destination,
     configured,
@@ -44,7 +44,8 @@ MOST_EVENTS = 1000
 
 
 def removed_reason(name: str) -> str:
-    return f"no destination named `{name}` is configured any more"
+    # The name is a row's: escaped, as anything stored is when shown.
+    return f"no destination named `{escaped(name)}` is configured any more"
 
 
 @dataclasses.dataclass(frozen=True)

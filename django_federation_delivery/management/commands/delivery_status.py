@@ -29,6 +29,7 @@ from django_federation_delivery.overview import (
     stalled,
 )
 from django_federation_delivery.picture import HostPicture, host_picture, milliseconds
+from django_federation_delivery.transport import escaped
 from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
 
 #: ``--check`` exits with this when unhealthy: Nagios's CRITICAL; any
@@ -69,13 +70,7 @@ def printable(value: object) -> str:
     """``value`` as text safe to print to a terminal: what is not printable
     (an escape sequence, a line break, a bidi override) in a host or inbox
     that came from the network is shown escaped, never acted on."""
-    text = str(value)
-    if text.isprintable():
-        return text
-    return "".join(
-        char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
-        for char in text
-    )
+    return escaped(str(value))
 
 
 def _when(value: Any) -> str:

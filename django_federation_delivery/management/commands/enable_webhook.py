@@ -14,6 +14,7 @@ from django_federation_delivery.management.base import (
     database_named,
     require_migrations,
 )
+from django_federation_delivery.transport import escaped
 from django_federation_delivery.webhooks import life
 from django_federation_delivery.webhooks.status import destination_status
 
@@ -39,7 +40,7 @@ class Command(TranslatedCommand):
         if status is None:
             raise CommandError(
                 _("no webhook destination named %(name)r (known: %(known)s)")
-                % {"name": name, "known": ", ".join(sorted(found)) or _("none")}
+                % {"name": name, "known": escaped(", ".join(sorted(found))) or _("none")}
             )
         if not status.disabled:
             self.stdout.write(_("%(name)s is not disabled: nothing to do.") % {"name": name})
