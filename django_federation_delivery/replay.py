@@ -24,13 +24,13 @@ from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import host_named
-from django_federation_delivery.models import Batch, Delivery, Kind, Lane, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Status
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.sequences import lock_sequences
 from django_federation_delivery.webhooks.destinations import delivery_key
 from django_federation_delivery.webhooks.sending import ORDERING_KEY as WEBHOOK_ORDERING_KEY
 
-__all__ = ["REPLAYED", "replay", "replayed"]
+__all__ = ["REPLAYED", "ever_sent", "replay", "replayed"]
 
 #: What is sent again: what reached the host, and what was given up on it.
 REPLAYED = (Status.DELIVERED, Status.FAILED)
@@ -104,6 +104,18 @@ def replay(
                 )
             )
     return replayed
+
+
+def ever_sent(*, host: str = "", destination: str = "", using: str | None = None) -> bool:
+    """Whether ``host`` (in any form) or ``destination`` has a delivery in
+    the queue, or a row of its own: whether a replay to it that finds
+    nothing found nothing to send, rather than the wrong name."""
+    key = host_named(host) if host else delivery_key(destination)
+    alias = using or DEFAULT_DB_ALIAS
+    return bool(key) and (
+        Delivery.objects.using(alias).filter(host=key).exists()
+        or Host.objects.using(alias).filter(name=key).exists()
+    )
 
 
 def replayed(batches: list[Batch]) -> str:

@@ -191,8 +191,15 @@ def test_delivery_status_hosts_limits_the_failing_hosts(busy: dict[str, int]) ->
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--hosts", "many"], "expected a whole number of 0 or more, not 'many'"),
-        (["--hosts", "-1"], "expected a whole number of 0 or more, not '-1'"),
+        (["--hosts", "many"], "expected a whole number from 0 to 100000, not 'many'"),
+        (["--hosts", "-1"], "expected a whole number from 0 to 100000, not '-1'"),
+        (["--hosts", "9" * 20], "expected a whole number from 0 to 100000, not '9{20}'"),
+        (["--hosts", "9" * 5000], r"not '9{80}'$"),
+        (["--check", "--max-lag", "nan"], "of seconds from 0 to 1000000000, not 'nan'"),
+        (["--check", "--host", "a.example"], "takes neither --host nor --json"),
+        (["--check", "--json"], "takes neither --host nor --json"),
+        (["--this-host"], "--this-host and --max-lag go with --check"),
+        (["--max-lag", "60"], "--this-host and --max-lag go with --check"),
         (["--database", "elsewhere"], "no database named 'elsewhere' in DATABASES"),
     ],
 )

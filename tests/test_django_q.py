@@ -352,11 +352,19 @@ def test_the_command_writes_the_schedules_and_says_what_they_do() -> None:
     assert not Schedule.objects.exists()
 
 
-@pytest.mark.parametrize("value", ["0", "soon", "nan", "-3"])
+@pytest.mark.parametrize("value", ["0", "soon", "nan", "-3", "0.5", "1e-300"])
 def test_the_command_refuses_a_bad_round_naming_it(value: str) -> None:
-    with pytest.raises(CommandError, match=f"not {value!r}"):
+    with pytest.raises(CommandError, match=f"1 or more, not {value!r}"):
         call_command("delivery_schedule", f"--round-seconds={value}")
     assert not Schedule.objects.exists()
+
+
+@pytest.mark.parametrize("other", ["--round-seconds=nan", "--no-purge"])
+def test_the_command_refuses_to_remove_with_another_option(other: str) -> None:
+    call_command("delivery_schedule", stdout=io.StringIO())
+    with pytest.raises(CommandError, match="--remove deletes both schedules"):
+        call_command("delivery_schedule", "--remove", other)
+    assert Schedule.objects.count() == 2, "nothing deleted"
 
 
 def test_the_command_refuses_a_round_that_would_not_fit() -> None:

@@ -116,6 +116,19 @@ def test_a_restored_inbox_receives_what_it_missed_again(inboxes: Callable[..., I
         (["--destination= ", "--since=1h"], "--destination ' ' names nothing"),
         (["--host=a.example", "--since=99999999d"], "'99999999d' reaches back before the year 1"),
         (["--host=http://", "--since=1h"], "--host 'http://' names no host"),
+        (["--host=nowhere.example", "--since=1h"], "no host named 'nowhere.example' has been"),
+        (["--destination=nope", "--since=1h"], "no webhook destination named 'nope' has been"),
+        (["--host=a.example", "--since=²h"], "--since '²h' is neither"),
+        (["--host=a.example", f"--since={'1' * 10_000}h"], "'1{80}…' reaches back before"),
+        (["--host=a.example", f"--since={'1' * 10_000}"], "'1{80}…' is neither"),
+        (
+            ["--host=a.example", "--since=9999-12-31T23:59:59-23:59"],
+            "'9999-12-31T23:59:59-23:59' falls outside the calendar in UTC",
+        ),
+        (
+            ["--host=a.example", "--since=0001-01-01T00:30+01:00"],
+            "'0001-01-01T00:30\\+01:00' falls outside the calendar in UTC",
+        ),
     ],
 )
 def test_a_bad_replay_is_refused_naming_what_is_wrong(args: list[str], said: str) -> None:

@@ -135,8 +135,8 @@ def test_drain_sends_what_is_due_with_progress_and_a_summary(inbox: Inbox) -> No
     assert statuses() == {Status.DELIVERED: 30}
 
 
-@pytest.mark.parametrize("option", ["--concurrency", "--per-host"])
-@pytest.mark.parametrize("value", ["0", "-3", "many", "100000"])
+@pytest.mark.parametrize("option", ["--concurrency", "--per-host", "--per-host-max"])
+@pytest.mark.parametrize("value", ["0", "-3", "many", "100000", ""])
 def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
     with pytest.raises(CommandError, match=repr(value)):
         call_command("run_deliverer", "--drain", f"{option}={value}")

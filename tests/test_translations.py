@@ -188,7 +188,9 @@ def test_a_command_prints_and_refuses_in_translation(pseudo: None) -> None:
     text = out.getvalue()
     assert "«Deliverers»" in text and "«Hosts failing most»" in text
     assert "«lane»" in text.splitlines()[2]
-    with pytest.raises(CommandError, match=r"^«expected a whole number of 0 or more, not 'x'»$"):
+    with pytest.raises(
+        CommandError, match=r"^«expected a whole number from 0 to 100000, not 'x'»$"
+    ):
         call_command("delivery_status", "--hosts", "x")
 
 

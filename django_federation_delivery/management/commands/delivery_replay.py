@@ -18,7 +18,7 @@ from django_federation_delivery.management.base import (
     database_named,
     require_migrations,
 )
-from django_federation_delivery.replay import replay, replayed
+from django_federation_delivery.replay import ever_sent, replay, replayed
 
 
 class Command(TranslatedCommand):
@@ -64,6 +64,15 @@ class Command(TranslatedCommand):
             )
         except ValueError as exc:  # a host that names none: "http://"
             raise CommandError(f"--{exc}") from None
+        host, destination = options["host"] or "", options["destination"] or ""
+        if not batches and not ever_sent(host=host, destination=destination, using=using):
+            # A mistyped name, not a host with nothing to send again.
+            raise CommandError(
+                _("no host named %(name)r has been sent to") % {"name": host[:MOST_SHOWN]}
+                if host
+                else _("no webhook destination named %(name)r has been sent to")
+                % {"name": destination[:MOST_SHOWN]}
+            )
         self.stdout.write(
             _("Since %(since)s.") % {"since": since.isoformat(timespec="seconds")}
             + " "
@@ -73,28 +82,47 @@ class Command(TranslatedCommand):
 
 #: A span back from now: its unit, in seconds.
 UNITS = {"m": 60, "h": 3600, "d": 86400}
+#: The longest date and time read (2026-12-01T08:00:00.000000+01:00 is 32).
+MOST_MOMENT = 40
+#: The most of a bad value an error shows.
+MOST_SHOWN = 80
 
 
 def moment(value: str) -> dt.datetime:
     """``value`` as an aware datetime: ISO 8601, or a span back from now
     ("6h"); ``CommandError`` naming it otherwise."""
     text = value.strip()
-    if text[:-1].isdigit() and text[-1:] in UNITS:
+    shown = value if len(value) <= MOST_SHOWN else f"{value[:MOST_SHOWN]}…"
+    number = text[:-1]
+    if number.isascii() and number.isdigit() and text[-1:] in UNITS:
         try:
-            return timezone.now() - dt.timedelta(seconds=int(text[:-1]) * UNITS[text[-1]])
+            # Past 10**12 units, before the year 1 whatever the unit.
+            if len(number) > 12:
+                raise OverflowError
+            return timezone.now() - dt.timedelta(seconds=int(number) * UNITS[text[-1]])
         except OverflowError:
             raise CommandError(
-                _("--since %(value)r reaches back before the year 1") % {"value": value}
+                _("--since %(value)r reaches back before the year 1") % {"value": shown}
             ) from None
-    try:
-        parsed = parse_datetime(text)
-    except ValueError:
-        parsed = None
+    parsed = None
+    if len(text) <= MOST_MOMENT:
+        try:
+            parsed = parse_datetime(text)
+        except ValueError:
+            parsed = None
     if parsed is None:
         raise CommandError(
             _("--since %(value)r is neither a date and time (2026-12-01T08:00) nor a span (6h)")
-            % {"value": value}
+            % {"value": shown}
         )
-    if timezone.is_naive(parsed):
-        parsed = timezone.make_aware(parsed)
+    try:
+        if timezone.is_naive(parsed):
+            parsed = timezone.make_aware(parsed)
+        # In UTC, as the database keeps it: a moment at the edge of the
+        # calendar, with its offset, may fall off it.
+        parsed.astimezone(dt.UTC)
+    except (ValueError, OverflowError):
+        raise CommandError(
+            _("--since %(value)r falls outside the calendar in UTC") % {"value": shown}
+        ) from None
     return parsed

@@ -40,6 +40,8 @@ class Command(TranslatedCommand):
             from django_federation_delivery.contrib import django_q
         except ImportError as exc:
             raise CommandError(str(exc)) from exc
+        if options["remove"] and (options["round_seconds"] is not None or options["no_purge"]):
+            raise CommandError(_("--remove deletes both schedules: it takes no other option"))
         if options["remove"]:
             try:
                 deleted = django_q.remove_schedules()
@@ -57,10 +59,11 @@ class Command(TranslatedCommand):
                 seconds = float(value)
             except ValueError:
                 seconds = 0.0
-            if not 0 < seconds < float("inf"):
+            # Under a second, a round would end before its deliverer had claimed.
+            if not 1 <= seconds < float("inf"):
                 raise CommandError(
-                    _("--round-seconds expects a positive number of seconds, not %(value)r")
-                    % {"value": value}
+                    _("--round-seconds expects a number of seconds, 1 or more, not %(value)r")
+                    % {"value": value[:80]}
                 )
         try:
             done = django_q.ensure_schedules(seconds=seconds, purge=not options["no_purge"])

@@ -42,28 +42,33 @@ WARNED = 1
 MAX_LAG = 300
 
 
-def _count(value: str) -> int:
+#: The most hosts listed, and of seconds of lag allowed.
+MOST_HOSTS = 100_000
+MOST_SECONDS = 10**9
+
+
+def _whole(value: str, most: int, message: str) -> int:
+    """``value`` as a whole number from 0 to ``most``; a CommandError with
+    ``message``, naming it, otherwise."""
     try:
-        number = int(value)
+        number = int(value) if len(value) <= 20 else -1
     except ValueError:
         number = -1
-    if number < 0:
-        raise CommandError(
-            _("expected a whole number of 0 or more, not %(value)r") % {"value": value}
-        )
+    if not 0 <= number <= most:
+        raise CommandError(message % {"value": value[:80], "most": most})
     return number
+
+
+def _count(value: str) -> int:
+    return _whole(value, MOST_HOSTS, _("expected a whole number from 0 to %(most)d, not %(value)r"))
 
 
 def _seconds(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if not 0 <= number <= 10**9:
-        raise CommandError(
-            _("expected a whole number of seconds, 0 or more, not %(value)r") % {"value": value}
-        )
-    return number
+    return _whole(
+        value,
+        MOST_SECONDS,
+        _("expected a whole number of seconds from 0 to %(most)d, not %(value)r"),
+    )
 
 
 def printable(value: object) -> str:
@@ -313,7 +318,7 @@ class Command(TranslatedCommand):
         parser.add_argument(
             "--max-lag",
             type=str,
-            default=str(MAX_LAG),
+            default=None,
             help=_(
                 "With --check: the longest a due delivery may wait, in seconds (default "
                 "%(seconds)d; 0 to not check the lag)."
@@ -332,8 +337,16 @@ class Command(TranslatedCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         hosts = _count(options["hosts"])
         using = database_named(options["database"])
+        if options["check"] and (options["host"] is not None or options["json"]):
+            raise CommandError(
+                _("--check prints one line for the whole queue: it takes neither --host nor --json")
+            )
+        if not options["check"] and (options["this_host"] or options["max_lag"] is not None):
+            raise CommandError(_("--this-host and --max-lag go with --check"))
         if options["check"]:
-            max_lag = _seconds(options["max_lag"])
+            max_lag = _seconds(
+                options["max_lag"] if options["max_lag"] is not None else str(MAX_LAG)
+            )
             try:
                 healthy, line = check(
                     max_lag=max_lag,

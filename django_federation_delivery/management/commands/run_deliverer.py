@@ -167,17 +167,17 @@ class Command(TranslatedCommand):
         # Held to what the settings may say (checks.WHOLE_NUMBERS): a thread a slot.
         concurrency = (
             positive(options["concurrency"], WHOLE_NUMBERS["CONCURRENCY"][1])
-            if options["concurrency"]
+            if options["concurrency"] is not None
             else None
         )
         per_host = (
             positive(options["per_host"], WHOLE_NUMBERS["PER_HOST"][1])
-            if options["per_host"]
+            if options["per_host"] is not None
             else None
         )
         per_host_max = (
             positive(options["per_host_max"], WHOLE_NUMBERS["PER_HOST_MAX"][1])
-            if options["per_host_max"]
+            if options["per_host_max"] is not None
             else None
         )
         using = database_named(options["database"])
