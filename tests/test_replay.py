@@ -117,6 +117,11 @@ def test_a_restored_inbox_receives_what_it_missed_again(inboxes: Callable[..., I
         (["--host=a.example", "--since=99999999d"], "'99999999d' reaches back before the year 1"),
         (["--host=http://", "--since=1h"], "--host 'http://' names no host"),
         (["--host=nowhere.example", "--since=1h"], "no host named 'nowhere.example' has been"),
+        (
+            ["--host=https://u:pw@nowhere.example/inbox?token=t0ken", "--since=1h"],
+            "^no host named 'https://nowhere.example/…' has been sent to$",
+        ),
+        (["--destination=o\x1bps", "--since=1h"], r"'o\\x1bps' holds a character no name"),
         (["--destination=nope", "--since=1h"], "no webhook destination named 'nope' has been"),
         (["--host=a.example", "--since=²h"], "--since '²h' is neither"),
         (["--host=a.example", f"--since={'1' * 10_000}h"], "'1{80}…' reaches back before"),

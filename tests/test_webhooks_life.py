@@ -256,6 +256,16 @@ def test_enable_webhook_names_an_unknown_destination(settings: Any) -> None:
     assert "ops is not disabled" in out.getvalue()
 
 
+@pytest.mark.parametrize("command", ["enable_webhook", "send_test_webhook"])
+def test_a_webhook_url_pasted_for_a_name_is_not_repeated_whole(settings: Any, command: str) -> None:
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    pasted = f"slack://hooks.slack.com/services/T0SECRET/B0SECRET/{SECRET}"
+    with pytest.raises(CommandError) as refused:
+        call_command(command, pasted)
+    assert "named 'slack://hooks.slack.com/…'" in str(refused.value)
+    assert "T0SECRET" not in str(refused.value) and SECRET not in str(refused.value)
+
+
 @pytest.mark.parametrize(("status", "code"), [(204, 0), (503, 1)])
 def test_send_test_webhook_pings_now_and_prints_the_answer(
     inboxes: Callable[..., Inbox], settings: Any, status: int, code: int

@@ -11,6 +11,7 @@ from django.db import connections
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
+from django_federation_delivery.addresses import redact
 from django_federation_delivery.checks import unapplied_migrations
 
 
@@ -55,6 +56,23 @@ def ip_address(value: str) -> str:
             _("expected an IP address to serve metrics on, such as 127.0.0.1, not %(value)r")
             % {"value": value}
         ) from None
+
+
+#: The most of a name an error repeats.
+MOST_SHOWN = 80
+
+
+def named(value: str) -> str:
+    """A name an operator gave, quoted as an error repeats it: a URL (a
+    webhook's, pasted where its name goes, whose path or query may be the
+    credential) as its scheme and host only; anything else escaped and cut."""
+    if "://" in value:
+        origin = redact(value, whole_path=True)
+        if origin == value:
+            return repr(origin)
+        return repr(f"{origin}…" if origin.endswith("/") else f"{origin}/…")
+    # repr() escapes what a terminal would act on, as escaped() does.
+    return repr(value if len(value) <= MOST_SHOWN else f"{value[:MOST_SHOWN]}…")
 
 
 def database_named(using: str) -> str:

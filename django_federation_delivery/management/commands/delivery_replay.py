@@ -16,6 +16,7 @@ from django.utils.translation import gettext_noop
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     database_named,
+    named,
     require_migrations,
 )
 from django_federation_delivery.replay import ever_sent, replay, replayed
@@ -54,6 +55,11 @@ class Command(TranslatedCommand):
                 raise CommandError(
                     _("--%(option)s %(value)r names nothing") % {"option": option, "value": value}
                 )
+            if value is not None and not value.isprintable():
+                raise CommandError(
+                    _("--%(option)s %(value)s holds a character no name holds")
+                    % {"option": option, "value": named(value)}
+                )
         since = moment(options["since"])
         try:
             batches = replay(
@@ -62,16 +68,18 @@ class Command(TranslatedCommand):
                 since=since,
                 using=using,
             )
-        except ValueError as exc:  # a host that names none: "http://"
-            raise CommandError(f"--{exc}") from None
+        except ValueError:  # a host that names none: "http://"
+            raise CommandError(
+                _("--host %(value)s names no host") % {"value": named(options["host"])}
+            ) from None
         host, destination = options["host"] or "", options["destination"] or ""
         if not batches and not ever_sent(host=host, destination=destination, using=using):
             # A mistyped name, not a host with nothing to send again.
             raise CommandError(
-                _("no host named %(name)r has been sent to") % {"name": host[:MOST_SHOWN]}
+                _("no host named %(name)s has been sent to") % {"name": named(host)}
                 if host
-                else _("no webhook destination named %(name)r has been sent to")
-                % {"name": destination[:MOST_SHOWN]}
+                else _("no webhook destination named %(name)s has been sent to")
+                % {"name": named(destination)}
             )
         self.stdout.write(
             _("Since %(since)s.") % {"since": since.isoformat(timespec="seconds")}
@@ -84,15 +92,13 @@ class Command(TranslatedCommand):
 UNITS = {"m": 60, "h": 3600, "d": 86400}
 #: The longest date and time read (2026-12-01T08:00:00.000000+01:00 is 32).
 MOST_MOMENT = 40
-#: The most of a bad value an error shows.
-MOST_SHOWN = 80
 
 
 def moment(value: str) -> dt.datetime:
     """``value`` as an aware datetime: ISO 8601, or a span back from now
     ("6h"); ``CommandError`` naming it otherwise."""
     text = value.strip()
-    shown = value if len(value) <= MOST_SHOWN else f"{value[:MOST_SHOWN]}…"
+    shown = named(value)
     number = text[:-1]
     if number.isascii() and number.isdigit() and text[-1:] in UNITS:
         try:
@@ -102,7 +108,7 @@ def moment(value: str) -> dt.datetime:
             return timezone.now() - dt.timedelta(seconds=int(number) * UNITS[text[-1]])
         except OverflowError:
             raise CommandError(
-                _("--since %(value)r reaches back before the year 1") % {"value": shown}
+                _("--since %(value)s reaches back before the year 1") % {"value": shown}
             ) from None
     parsed = None
     if len(text) <= MOST_MOMENT:
@@ -112,7 +118,7 @@ def moment(value: str) -> dt.datetime:
             parsed = None
     if parsed is None:
         raise CommandError(
-            _("--since %(value)r is neither a date and time (2026-12-01T08:00) nor a span (6h)")
+            _("--since %(value)s is neither a date and time (2026-12-01T08:00) nor a span (6h)")
             % {"value": shown}
         )
     try:
@@ -123,6 +129,6 @@ def moment(value: str) -> dt.datetime:
         parsed.astimezone(dt.UTC)
     except (ValueError, OverflowError):
         raise CommandError(
-            _("--since %(value)r falls outside the calendar in UTC") % {"value": shown}
+            _("--since %(value)s falls outside the calendar in UTC") % {"value": shown}
         ) from None
     return parsed

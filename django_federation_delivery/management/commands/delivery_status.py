@@ -18,6 +18,7 @@ from django_federation_delivery import heartbeats, store
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     database_named,
+    named,
     require_migrations,
 )
 from django_federation_delivery.overview import (
@@ -375,7 +376,7 @@ class Command(TranslatedCommand):
             picture = host_picture(options["host"], using=using)
             if picture is None:
                 raise CommandError(
-                    _("no host named %(host)r has been sent to") % {"host": options["host"]}
+                    _("no host named %(host)s has been sent to") % {"host": named(options["host"])}
                 )
             if options["json"]:
                 self.stdout.write(json.dumps(picture.as_json(), indent=2))

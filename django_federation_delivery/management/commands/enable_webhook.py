@@ -12,6 +12,7 @@ from django.utils.translation import gettext_noop
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     database_named,
+    named,
     require_migrations,
 )
 from django_federation_delivery.transport import escaped
@@ -39,8 +40,8 @@ class Command(TranslatedCommand):
         status = found.get(name)
         if status is None:
             raise CommandError(
-                _("no webhook destination named %(name)r (known: %(known)s)")
-                % {"name": name, "known": escaped(", ".join(sorted(found))) or _("none")}
+                _("no webhook destination named %(name)s (known: %(known)s)")
+                % {"name": named(name), "known": escaped(", ".join(sorted(found))) or _("none")}
             )
         if not status.disabled:
             self.stdout.write(_("%(name)s is not disabled: nothing to do.") % {"name": name})

@@ -13,8 +13,8 @@ from django.utils.translation import gettext_noop
 
 from django_federation_delivery.channels import Call, Event
 from django_federation_delivery.conf import app_settings
-from django_federation_delivery.management.base import TranslatedCommand
-from django_federation_delivery.transport import Connections, Transport, status_text
+from django_federation_delivery.management.base import TranslatedCommand, named
+from django_federation_delivery.transport import Connections, Transport, escaped, status_text
 from django_federation_delivery.webhooks.deliveries import webhook_transport_settings
 from django_federation_delivery.webhooks.destinations import configured
 from django_federation_delivery.webhooks.policy import WebhookPolicy
@@ -40,8 +40,8 @@ class Command(TranslatedCommand):
         destination = found.lookup(name)
         if destination is None:
             raise CommandError(
-                _("no webhook destination named %(name)r is configured (configured: %(known)s)")
-                % {"name": name, "known": ", ".join(found.names) or _("none")}
+                _("no webhook destination named %(name)s is configured (configured: %(known)s)")
+                % {"name": named(name), "known": escaped(", ".join(found.names)) or _("none")}
             )
         if isinstance(destination, str):
             raise CommandError(destination)  # what is wrong, never the URL
