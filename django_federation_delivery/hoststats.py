@@ -46,6 +46,8 @@ class _Seen:
     answers: array.array[float] = dataclasses.field(default_factory=lambda: array.array("f"))
     #: Where the next answer time goes once SAMPLES are kept: over the oldest.
     oldest: int = 0
+    #: When this deliverer first saw it answer, or not answer.
+    first_at: dt.datetime | None = None
     delivered_at: dt.datetime | None = None
     error: str = ""
     error_at: dt.datetime | None = None
@@ -77,7 +79,7 @@ class HostStats:
         if seen is None:
             if len(self._hosts) >= MOST_HOSTS:
                 return
-            seen = self._hosts[host] = _Seen()
+            seen = self._hosts[host] = _Seen(first_at=now)
         seen.fresh = True
         if result.status is not None:
             seen.answered(result.duration)
@@ -115,6 +117,7 @@ class HostStats:
             p95 = ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]
         return SeenHost(
             name=host,
+            first_seen_at=seen.first_at,
             last_delivered_at=seen.delivered_at,
             last_error=seen.error,
             last_error_at=seen.error_at,

@@ -34,6 +34,7 @@ NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
 
 def seen(name: str, **fields: Any) -> SeenHost:
     values: dict[str, Any] = {
+        "first_seen_at": None,
         "last_delivered_at": None,
         "last_error": "",
         "last_error_at": None,
@@ -60,6 +61,8 @@ def test_what_a_deliverer_saw_of_each_host_is_written_for_its_picture(
     assert good is not None
     assert good.trouble == "ok" and good.first_seen_at is not None
     assert good.first_seen_at >= before and good.last_delivered_at is not None
+    # First seen at its first answer, not when the deliverer wrote it down.
+    assert good.first_seen_at <= good.last_delivered_at
     assert good.answer_p50_ms is not None and good.answer_p95_ms is not None
     assert 0 < good.answer_p50_ms <= good.answer_p95_ms
     assert good.concurrency_limit is not None and good.concurrency_limit >= 1
@@ -130,6 +133,27 @@ def test_hosts_past_a_statements_chunk_are_all_written_in_one_transaction() -> N
     assert len(writes) == 3, [len(sql) for sql in writes]
     written = dict(Host.objects.values_list("name", "answer_p50_ms"))
     assert written == {host.name: host.answer_p50_ms for host in many}
+
+
+@pytest.mark.django_db
+@pytest.mark.django_db
+def test_a_host_is_first_seen_at_the_earliest_sighting_any_deliverer_wrote() -> None:
+    now = timezone.now()
+    minute = dt.timedelta(minutes=1)
+    record_hosts([seen("a.example", first_seen_at=now - minute)], now=now)
+    assert Host.objects.get(name="a.example").first_seen_at == now - minute
+    # Another deliverer, which first saw it later, and one that saw it earlier.
+    record_hosts([seen("a.example", first_seen_at=now)], now=now)
+    assert Host.objects.get(name="a.example").first_seen_at == now - minute
+    record_hosts([seen("a.example", first_seen_at=now - 2 * minute)], now=now)
+    assert Host.objects.get(name="a.example").first_seen_at == now - 2 * minute
+    # A row made without one (a pause) takes the first sighting written.
+    Host.objects.create(name="b.example", paused_at=now)
+    record_hosts([seen("b.example", first_seen_at=now - minute)], now=now)
+    assert Host.objects.get(name="b.example").first_seen_at == now - minute
+    # No sighting given: the time of the write.
+    record_hosts([seen("c.example")], now=now)
+    assert Host.objects.get(name="c.example").first_seen_at == now
 
 
 @pytest.mark.django_db

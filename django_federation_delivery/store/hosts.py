@@ -24,6 +24,9 @@ class SeenHost(NamedTuple):
     """What one deliverer saw of a host since it last wrote; None: not seen."""
 
     name: str
+    #: When it was first sent a request: what its row's "first seen" is, if
+    #: no deliverer saw it earlier.
+    first_seen_at: dt.datetime | None
     last_delivered_at: dt.datetime | None
     last_error: str
     last_error_at: dt.datetime | None
@@ -35,9 +38,10 @@ class SeenHost(NamedTuple):
 
 
 def record_hosts(seen: Sequence[SeenHost], *, now: dt.datetime, using: str | None = None) -> int:
-    """Add each host not yet known (first seen ``now``) and bring each up to
-    date with what was seen, keeping the later of two successes or errors.
-    Returns how many were written."""
+    """Add each host not yet known and bring each up to date with what was
+    seen, keeping the earlier of two first sightings (``now`` for one that
+    gives none) and the later of two successes or errors. Returns how many
+    were written."""
     if not seen:
         return 0
     connection = connection_for(using)
@@ -61,6 +65,7 @@ def record_hosts(seen: Sequence[SeenHost], *, now: dt.datetime, using: str | Non
                     host.answer_p95_ms,
                     host.concurrency_limit,
                     at(host.resting_until),
+                    at(host.first_seen_at or now),
                 ]
                 for host in ordered[start : start + CHUNK]
             ]

@@ -524,17 +524,18 @@ breakers_opened = {history}.breakers_opened + excluded.breakers_opened
 -- Hosts as the deliverers saw them ------------------------------------------
 
 -- name: record_hosts [postgresql]
--- Each host's row, added when new (first seen now), else brought up to
--- date, of the JSON list %(rows)s: its name, the time, then what was seen
--- since the last write (last delivered, last error and when, answer times,
--- its limit, the end of its rest). Another deliverer's later success,
--- error or rest is never undone: each time is the later of the two, and a
--- value not seen is left as it was.
+-- Each host's row, added when new, else brought up to date, of the JSON
+-- list %(rows)s: its name, the time, then what was seen since the last
+-- write (last delivered, last error and when, answer times, its limit, the
+-- end of its rest, when it was first sent a request). Another deliverer's
+-- later success, error or rest is never undone: each time is the later of
+-- the two (the first sighting, the earlier), and a value not seen is left
+-- as it was.
 -- In name order: two deliverers writing the same hosts never deadlock.
 INSERT INTO {host} (name, scheme, disabled_reason, updated_at, first_seen_at,
     last_delivered_at, last_error, last_error_at, answer_p50_ms, answer_p95_ms,
     concurrency_limit, resting_until)
-SELECT value->>0, '', '', (value->>1)::timestamptz, (value->>1)::timestamptz,
+SELECT value->>0, '', '', (value->>1)::timestamptz, (value->>9)::timestamptz,
     (value->>2)::timestamptz, COALESCE(value->>3, ''), (value->>4)::timestamptz,
     (value->>5)::float8, (value->>6)::float8, (value->>7)::integer, (value->>8)::timestamptz
 FROM jsonb_array_elements(%(rows)s::jsonb) ORDER BY value->>0
@@ -546,7 +547,7 @@ INSERT INTO {host} (name, scheme, disabled_reason, updated_at, first_seen_at,
     last_delivered_at, last_error, last_error_at, answer_p50_ms, answer_p95_ms,
     concurrency_limit, resting_until)
 SELECT json_extract(value, '$[0]'), '', '', json_extract(value, '$[1]'),
-    json_extract(value, '$[1]'), json_extract(value, '$[2]'),
+    json_extract(value, '$[9]'), json_extract(value, '$[2]'),
     COALESCE(json_extract(value, '$[3]'), ''), json_extract(value, '$[4]'),
     json_extract(value, '$[5]'), json_extract(value, '$[6]'), json_extract(value, '$[7]'),
     json_extract(value, '$[8]')
@@ -555,7 +556,10 @@ ON CONFLICT (name) DO UPDATE SET {hosts_recorded}
 
 -- name: hosts_recorded
 updated_at = excluded.updated_at,
-first_seen_at = COALESCE({host}.first_seen_at, excluded.first_seen_at),
+first_seen_at = CASE
+    WHEN {host}.first_seen_at IS NULL OR excluded.first_seen_at < {host}.first_seen_at
+    THEN excluded.first_seen_at
+    ELSE {host}.first_seen_at END,
 last_delivered_at = CASE
     WHEN {host}.last_delivered_at IS NULL OR excluded.last_delivered_at > {host}.last_delivered_at
     THEN COALESCE(excluded.last_delivered_at, {host}.last_delivered_at)
