@@ -152,8 +152,11 @@ def host_named(value: object) -> str:
     """The canonical host ``value`` names: a host name in any form
     (``Bücher.example.`` is ``xn--bcher-kva.example``) or a URL on it; a
     name that has no canonical form (a destination's ``<ops>``) as it is;
-    "" for a blank value or a URL on no host."""
+    "" for a blank value, a URL on no host, or text no name holds (a
+    control character)."""
     text = value.strip() if isinstance(value, str) else ""
+    if not text.isprintable():
+        return ""
     if "://" in text:
         return host_of(text)
     return (host_of(f"https://{text}/") or text) if text else ""

@@ -74,6 +74,7 @@ def test_what_a_deliverer_saw_of_each_host_is_written_for_its_picture(
     assert bad.failing_since is not None and "503" in bad.last_error
     assert host_picture("never.example") is None
     assert host_picture("") is None and host_picture("http://") is None
+    assert host_picture("a\x00b") is None, "no name holds it: never asked of the database"
 
 
 @pytest.mark.django_db

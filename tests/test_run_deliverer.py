@@ -344,9 +344,10 @@ def test_a_bad_metrics_port_is_refused_naming_it() -> None:
         call_command("run_deliverer", "--drain", "--metrics-port=70000")
 
 
-def test_a_bad_metrics_address_is_refused_naming_it() -> None:
+@pytest.mark.parametrize("port", [["--metrics-port=9108"], []], ids=["with a port", "alone"])
+def test_a_bad_metrics_address_is_refused_naming_it(port: list[str]) -> None:
     with pytest.raises(CommandError, match="'everywhere'"):
-        call_command("run_deliverer", "--drain", "--metrics-port=9108", "--metrics-addr=everywhere")
+        call_command("run_deliverer", "--drain", *port, "--metrics-addr=everywhere")
 
 
 @pytest.mark.parametrize(

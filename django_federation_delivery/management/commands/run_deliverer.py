@@ -200,7 +200,8 @@ class Command(TranslatedCommand):
             require_migrations(using)
         port = options["metrics_port"]
         number = positive(port, 65535) if port is not None else 0
-        addr = ip_address(options["metrics_addr"]) if port is not None else ""
+        # Checked with or without --metrics-port: a typo is not left to lie in wait.
+        addr = ip_address(options["metrics_addr"])
         # Refused here (under --processes, once, rather than by every child dying at once).
         if port is not None and not metrics.available():
             raise CommandError(_(metrics.NEEDS_CLIENT))
