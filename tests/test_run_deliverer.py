@@ -135,6 +135,21 @@ def test_drain_sends_what_is_due_with_progress_and_a_summary(inbox: Inbox) -> No
     assert statuses() == {Status.DELIVERED: 30}
 
 
+def test_the_drain_bar_counts_deliveries_that_left_the_queue_never_past_what_was_due() -> None:
+    from django_federation_delivery.management.running import drain_progress
+    from django_federation_delivery.settling import Summary
+
+    said: list[str] = []
+    bar = drain_progress(10, said.append)
+    # Retries and holds are steps of a delivery still in the queue.
+    bar(Summary(delivered=3, refused=1, retrying=9, held=6))
+    bar(Summary(delivered=8, failed=1, skipped=1, retrying=12, held=9))
+    assert [line.split("  ")[1] for line in said] == [
+        "[############..................] 4/10",
+        "[##############################] 10/10",
+    ]
+
+
 @pytest.mark.parametrize("option", ["--concurrency", "--per-host", "--per-host-max"])
 @pytest.mark.parametrize("value", ["0", "-3", "many", "100000", ""])
 def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:

@@ -56,10 +56,12 @@ def log_rates(interval: float) -> Callable[[Summary], None]:
 
 
 def drain_progress(due: int, say: Say) -> Callable[[Summary], None]:
-    """A bar of what was ``due`` at the start and has been dealt with since."""
+    """A bar of what was ``due`` at the start and has left the queue since
+    (delivered, refused, failed or skipped): a retry or a hold is a step, not
+    the end, and counting each would carry the count past what was due."""
 
     def progress(summary: Summary) -> None:
-        done = summary.done
+        done = summary.delivered + summary.refused + summary.failed + summary.skipped
         total = max(due, done, 1)
         filled = round(BAR * done / total)
         bar = "#" * filled + "." * (BAR - filled)
