@@ -155,11 +155,12 @@ def host_named(value: object) -> str:
     "" for a blank value, a URL on no host, or text no name holds (a
     control character)."""
     text = value.strip() if isinstance(value, str) else ""
-    if not text.isprintable():
-        return ""
     if "://" in text:
-        return host_of(text)
-    return (host_of(f"https://{text}/") or text) if text else ""
+        return host_of(text)  # a control character in its host is refused there
+    if not text:
+        return ""
+    # A name kept as it is must hold nothing no name holds (a NUL).
+    return host_of(f"https://{text}/") or (text if text.isprintable() else "")
 
 
 def delivery_key(name: str) -> str:

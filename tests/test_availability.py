@@ -89,7 +89,13 @@ def test_a_host_seen_again_is_sent_to_and_told_recovered(
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
-    "seen", ["Bücher.example", "BÜCHER.example.", "https://bücher.example/users/alice"]
+    "seen",
+    [
+        "Bücher.example",
+        "BÜCHER.example.",
+        "https://bücher.example/users/alice",
+        "https://bücher.example/users/a\u200bl\u202eice",
+    ],
 )
 def test_a_host_is_seen_by_its_name_in_any_form_or_a_url_on_it(seen: str) -> None:
     now = timezone.now()
