@@ -157,6 +157,12 @@ def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
         call_command("run_deliverer", "--drain", f"{option}={value}")
 
 
+def test_a_long_bad_number_is_named_cut() -> None:
+    with pytest.raises(CommandError) as refused:
+        call_command("run_deliverer", "--drain", "--concurrency=" + "9" * 5000)
+    assert str(refused.value).endswith("not '" + "9" * 80 + "…'")
+
+
 @pytest.mark.slow
 @pytest.mark.any_database
 def test_sigterm_stops_claiming_finishes_what_is_in_flight_and_exits_0(

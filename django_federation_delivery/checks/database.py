@@ -75,11 +75,10 @@ def unapplied_migrations(alias: str) -> list[str]:
     """The package's migrations the database ``alias`` lacks, by name, in
     the order they apply; none when it has them all, or cannot be reached
     now (the loop waits an outage out)."""
-    from django.apps import apps
     from django.db import DatabaseError, connections
     from django.db.migrations.executor import MigrationExecutor
 
-    label = apps.get_app_config("federation_delivery").label
+    label = "federation_delivery"  # the app's label (apps.py)
     try:
         executor = MigrationExecutor(connections[alias])
         leaves = [node for node in executor.loader.graph.leaf_nodes() if node[0] == label]

@@ -33,18 +33,25 @@ class TranslatedCommand(BaseCommand):
         return _(self.help)
 
 
+def whole(value: str, least: int, most: int, message: str) -> int:
+    """``value`` as a whole number from ``least`` to ``most``; a CommandError
+    with ``message`` (which says ``%(value)s``, and may say ``%(least)d`` and
+    ``%(most)d``) naming anything else, a long value cut."""
+    try:
+        # Past 20 digits, past any bound here: not worth converting.
+        number = int(value) if len(value) <= 20 else least - 1
+    except ValueError:
+        number = least - 1
+    if not least <= number <= most:
+        raise CommandError(message % {"value": named(value), "least": least, "most": most})
+    return number
+
+
 def positive(value: str, most: int = 10**9) -> int:
     """``value`` as a whole number from 1 to ``most``; a CommandError naming anything else."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if not 1 <= number <= most:
-        raise CommandError(
-            _("expected a whole number from 1 to %(most)d, not %(value)r")
-            % {"most": most, "value": value}
-        )
-    return number
+    return whole(
+        value, 1, most, _("expected a whole number from %(least)d to %(most)d, not %(value)s")
+    )
 
 
 def ip_address(value: str) -> str:

@@ -20,6 +20,7 @@ from django_federation_delivery.management.base import (
     database_named,
     named,
     require_migrations,
+    whole,
 )
 from django_federation_delivery.overview import (
     BREAKER_STATES,
@@ -48,27 +49,18 @@ MOST_HOSTS = 100_000
 MOST_SECONDS = 10**9
 
 
-def _whole(value: str, most: int, message: str) -> int:
-    """``value`` as a whole number from 0 to ``most``; a CommandError with
-    ``message``, naming it, otherwise."""
-    try:
-        number = int(value) if len(value) <= 20 else -1
-    except ValueError:
-        number = -1
-    if not 0 <= number <= most:
-        raise CommandError(message % {"value": value[:80], "most": most})
-    return number
-
-
 def _count(value: str) -> int:
-    return _whole(value, MOST_HOSTS, _("expected a whole number from 0 to %(most)d, not %(value)r"))
+    return whole(
+        value, 0, MOST_HOSTS, _("expected a whole number from %(least)d to %(most)d, not %(value)s")
+    )
 
 
 def _seconds(value: str) -> int:
-    return _whole(
+    return whole(
         value,
+        0,
         MOST_SECONDS,
-        _("expected a whole number of seconds from 0 to %(most)d, not %(value)r"),
+        _("expected a whole number of seconds from %(least)d to %(most)d, not %(value)s"),
     )
 
 
