@@ -781,7 +781,8 @@ def add_database_and_tmpdir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--database-url",
         default=os.environ.get("DATABASE_URL", ""),
-        help="a THROWAWAY PostgreSQL (default: $DATABASE_URL; without it, SQLite)",
+        help="a THROWAWAY PostgreSQL, its public schema dropped and made again "
+        "(default: $DATABASE_URL; without it, SQLite)",
     )
     parser.add_argument("--tmpdir", default=None)
 

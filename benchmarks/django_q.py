@@ -519,7 +519,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--database-url",
         default=None,
-        help="a THROWAWAY PostgreSQL: migrated, and its queue and django-q2 tables emptied",
+        help="a THROWAWAY PostgreSQL: its public schema dropped, made again and migrated; "
+        "the queue and django-q2 tables emptied between phases",
     )
     parser.add_argument("--nginx-workers", default="1", help="nginx worker_processes (1)")
     parser.add_argument("--tmpdir", default=None, help="where the temp dir goes")

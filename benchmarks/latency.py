@@ -311,7 +311,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--database-url",
         default=None,
-        help="a THROWAWAY PostgreSQL to run on (its tables are emptied); SQLite if not given",
+        help="a THROWAWAY PostgreSQL to run on (its public schema dropped, made again and "
+        "migrated); SQLite if not given",
     )
     parser.add_argument(
         "--timeout",

@@ -23,7 +23,7 @@ The queue is, with ``--database sqlite``, a fresh SQLite file in the temp
 directory, configured as the example project configures it (WAL,
 ``synchronous=NORMAL``, ``BEGIN IMMEDIATE``); otherwise PostgreSQL: the one
 of ``--database-url``, which must be a THROWAWAY database (the script
-migrates it and deletes every delivery in it), or by default a private one
+drops its public schema, makes it again and migrates it), or by default a private one
 started with scripts/postgres in the temp directory and stopped at the end.
 The inboxes are a small asyncio HTTP server in a child process answering 202,
 on as many loopback addresses (127.1.x.y) as there are hosts: a host is an

@@ -13,7 +13,7 @@ chunks, and what was left. It asserts nothing.
 
 Without --database-url it runs on a temporary SQLite file (WAL,
 synchronous=NORMAL). With one, point it at a THROWAWAY PostgreSQL database:
-its tables are emptied.
+its public schema is dropped, made again and migrated.
 """
 
 from __future__ import annotations

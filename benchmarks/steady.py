@@ -743,7 +743,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--database-url",
         default=None,
-        help="a THROWAWAY PostgreSQL: migrated, and every batch in it deleted between phases",
+        help="a THROWAWAY PostgreSQL: its public schema dropped, made again and migrated; "
+        "every batch deleted between phases",
     )
     parser.add_argument(
         "--count-sql",

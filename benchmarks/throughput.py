@@ -250,7 +250,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--database-url",
         default=None,
         help="a PostgreSQL DATABASE_URL to queue in instead of a fresh SQLite file; a "
-        "THROWAWAY one: it is migrated and every batch in it is deleted between phases",
+        "THROWAWAY one: its public schema is dropped, made again and migrated, and every "
+        "batch in it is deleted between phases",
     )
     parser.add_argument(
         "--sqlite-synchronous",

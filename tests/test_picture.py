@@ -137,7 +137,6 @@ def test_hosts_past_a_statements_chunk_are_all_written_in_one_transaction() -> N
 
 
 @pytest.mark.django_db
-@pytest.mark.django_db
 def test_a_host_is_first_seen_at_the_earliest_sighting_any_deliverer_wrote() -> None:
     now = timezone.now()
     minute = dt.timedelta(minutes=1)
