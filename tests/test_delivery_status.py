@@ -195,9 +195,6 @@ def test_delivery_status_hosts_limits_the_failing_hosts(busy: dict[str, int]) ->
         (["--hosts", "-1"], "expected a whole number from 0 to 100000, not '-1'"),
         (["--hosts", "9" * 20], "expected a whole number from 0 to 100000, not '9{20}'"),
         (["--hosts", "9" * 5000], r"not '9{80}…'$"),
-        (["--check", "--max-lag", "nan"], "of seconds from 0 to 1000000000, not 'nan'"),
-        (["--check", "--host", "a.example"], "takes neither --host nor --json"),
-        (["--check", "--json"], "takes neither --host nor --json"),
         (["--this-host"], "--this-host and --max-lag go with --check"),
         (["--max-lag", "60"], "--this-host and --max-lag go with --check"),
         (["--database", "elsewhere"], "no database named 'elsewhere' in DATABASES"),
@@ -290,6 +287,25 @@ def check(*args: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--max-lag", "nan"], "of seconds from 0 to 1000000000, not 'nan'"),
+        (["--host", "a.example"], "--check prints one line for the whole queue: it takes neither"),
+        (["--json"], "it takes neither --host nor --json"),
+        (["--database", "elsewhere"], "no database named 'elsewhere' in DATABASES"),
+        (["--hosts", "many"], "expected a whole number from 0 to 100000, not 'many'"),
+    ],
+)
+def test_check_asked_wrongly_is_unknown_not_a_warning(args: list[str], line: str) -> None:
+    # Nagios reads 1 as WARNING and 2 as CRITICAL: a probe set up wrong says
+    # so as UNKNOWN (3), never as a state of the queue.
+    code, out = check(*args)
+    assert code == 3
+    assert out.startswith("UNKNOWN: ") and line in out, out
+    assert out.count("\n") == 1
+
+
 def test_check_is_healthy_with_nothing_due_and_no_deliverer() -> None:
     assert check() == (0, "OK: 0 deliverer(s) alive, 0 due, lag 0s\n")
 
@@ -357,5 +373,5 @@ def test_check_on_this_host_counts_only_its_own_deliverers() -> None:
 
 @pytest.mark.parametrize("value", ["-1", "soon", "1e9999"])
 def test_check_refuses_a_bad_max_lag_naming_it(value: str) -> None:
-    with pytest.raises(CommandError, match=f"not {value!r}"):
-        check("--max-lag", value)
+    code, line = check("--max-lag", value)
+    assert code == 3 and line.startswith("UNKNOWN: ") and f"not {value!r}" in line, line

@@ -40,6 +40,9 @@ UNHEALTHY = 2
 #: ``--check`` exits with this when something needs an operator but nothing is
 #: lost yet: Nagios's WARNING.
 WARNED = 1
+#: ``--check`` exits with this when it cannot check as asked (an unknown
+#: database, a bad number): Nagios's UNKNOWN, never read as a warning.
+UNKNOWN = 3
 #: ``--max-lag`` by default, in seconds.
 MAX_LAG = 300
 
@@ -328,6 +331,19 @@ class Command(TranslatedCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if not options["check"]:
+            self._handle(options)
+            return
+        try:
+            self._handle(options)
+        except CommandError as exc:
+            # A probe reads the first word and the status: the option is
+            # wrong, which says nothing of the queue.
+            self.stdout.write(_("UNKNOWN: %(error)s") % {"error": exc})
+            self.stdout.flush()
+            sys.exit(UNKNOWN)
+
+    def _handle(self, options: dict[str, Any]) -> None:
         hosts = _count(options["hosts"])
         using = database_named(options["database"])
         if options["check"] and (options["host"] is not None or options["json"]):
