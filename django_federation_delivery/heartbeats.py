@@ -6,7 +6,8 @@ UPDATE every ``HEARTBEAT_SECONDS`` (never more often, on SQLite least of all),
 and marked stopped when it stops cleanly (its interval 0): no longer alive,
 but its last beat, the stop's time, still says when a deliverer was last
 seen, so that a stop and a restart within :data:`NO_DELIVERER_AFTER` is not
-taken for a stall. A killed deliverer's row is no longer refreshed: it is
+taken for a stall; the next deliverer to start on the same machine deletes
+its machine's stopped rows at its first beat. A killed deliverer's row is no longer refreshed: it is
 dead once :data:`DEAD_AFTER` of its own intervals have passed. Either is
 deleted once a day old by the next deliverer to beat (at its first beat,
 and hourly after).
@@ -102,14 +103,19 @@ class Heartbeat:
         # One UPDATE; an INSERT the first time, or when the row was deleted
         # meanwhile (the database was away for a day, say).
         if self.pk is None or not rows.filter(pk=self.pk).update(**fields):
+            machine = socket.gethostname()[:255]
             self.pk = rows.create(
-                host=socket.gethostname()[:255],
+                host=machine,
                 pid=self.pid,
                 version=__version__[:50],
                 started_at=self.started_at,
                 interval=self.alive_for,
                 **fields,
             ).pk
+            # Its machine's stopped deliverers said when one was last seen
+            # there; this one says it now. A cron job's --drain each minute
+            # so keeps one row, not one a run for a day.
+            rows.filter(host=machine, interval=STOPPED).exclude(pk=self.pk).delete()
         if clock - self._forgot_at >= FORGET_EVERY:
             self._forgot_at = clock
             rows.filter(last_seen__lt=now - FORGET_AFTER).delete()

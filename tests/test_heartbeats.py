@@ -196,6 +196,28 @@ def test_a_clean_stop_and_a_restart_within_a_minute_is_no_stall() -> None:
     assert [d.pid for d in heartbeats.seen().live] == [7]
 
 
+def test_a_start_deletes_its_machines_stopped_rows_and_keeps_the_rest() -> None:
+    # A cron job running --drain each minute: one stopped row, not 1,440 a day.
+    machine = socket.gethostname()[:255]
+    for _ in range(3):
+        run = Heartbeat(5.0)
+        run.beat(in_flight=0, delivered=0)
+        run.remove()
+    (last_run,) = DelivererHeartbeat.objects.all()
+    assert last_run.interval == heartbeats.STOPPED and last_run.pid == os.getpid()
+    elsewhere = row(30, interval=heartbeats.STOPPED, host="other.host", pid=8)
+    killed = row(30, host=machine, pid=9)  # not stopped: it ages out as before
+    latest = Heartbeat(5.0)
+    latest.beat(in_flight=0, delivered=0)
+    assert set(DelivererHeartbeat.objects.values_list("pk", flat=True)) == {
+        elsewhere.pk,
+        killed.pk,
+        latest.pk,
+    }
+    latest.beat(in_flight=1, delivered=1)  # later beats delete nothing
+    assert DelivererHeartbeat.objects.count() == 3
+
+
 def test_this_host_counts_only_its_own_deliverers() -> None:
     row(1, host="a.host", pid=1)
     row(1, host="b.host", pid=2)
