@@ -264,6 +264,11 @@ def test_a_webhook_url_pasted_for_a_name_is_not_repeated_whole(settings: Any, co
         call_command(command, pasted)
     assert "named 'slack://hooks.slack.com/…'" in str(refused.value)
     assert "T0SECRET" not in str(refused.value) and SECRET not in str(refused.value)
+    # Without its scheme, as copied from a browser's address bar.
+    with pytest.raises(CommandError) as refused:
+        call_command(command, pasted.removeprefix("slack://"))
+    assert "named 'hooks.slack.com/…'" in str(refused.value)
+    assert "T0SECRET" not in str(refused.value) and SECRET not in str(refused.value)
 
 
 @pytest.mark.parametrize(("status", "code"), [(204, 0), (503, 1)])

@@ -72,12 +72,18 @@ MOST_SHOWN = 80
 def named(value: str) -> str:
     """A name an operator gave, quoted as an error repeats it: a URL (a
     webhook's, pasted where its name goes, whose path or query may be the
-    credential) as its scheme and host only; anything else escaped and cut."""
+    credential) as its scheme and host only, or its host only when pasted
+    without its scheme; anything else escaped and cut."""
     if "://" in value:
         origin = redact(value, whole_path=True)
         if origin == value:
             return repr(origin)
         return repr(f"{origin}…" if origin.endswith("/") else f"{origin}/…")
+    host, slash, _ = value.partition("/")
+    if slash and "." in host:
+        # "hooks.slack.com/services/…": no name or host has a dotted part
+        # before a slash but a URL without its scheme.
+        return repr(f"{host[:MOST_SHOWN]}/…")
     # repr() escapes what a terminal would act on, as escaped() does.
     return repr(value if len(value) <= MOST_SHOWN else f"{value[:MOST_SHOWN]}…")
 
