@@ -79,7 +79,10 @@ class HostStats:
         if seen is None:
             if len(self._hosts) >= MOST_HOSTS:
                 return
-            seen = self._hosts[host] = _Seen(first_at=now)
+            # Seen when its first request went out: ``now`` is when the
+            # attempt came back, up to its time limit later.
+            began = now - dt.timedelta(seconds=max(0.0, result.duration))
+            seen = self._hosts[host] = _Seen(first_at=began)
         seen.fresh = True
         if result.status is not None:
             seen.answered(result.duration)

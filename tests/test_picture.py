@@ -137,6 +137,20 @@ def test_hosts_past_a_statements_chunk_are_all_written_in_one_transaction() -> N
 
 
 @pytest.mark.django_db
+def test_a_host_is_first_seen_when_its_first_request_went_out() -> None:
+    # A slow host's first attempt came back 9 s after it began: it was first
+    # seen then, not at the answer.
+    stats = HostStats(HostLimits(2, 8))
+    now = timezone.now()
+    stats.learn("slow.example", answered(202, seconds=9.0), now)
+    stats.learn("slow.example", answered(202, seconds=1.0), now + dt.timedelta(seconds=5))
+    stats.write(now=now + dt.timedelta(seconds=5))
+    host = Host.objects.get(name="slow.example")
+    assert host.first_seen_at == now - dt.timedelta(seconds=9)
+    assert host.last_delivered_at == now + dt.timedelta(seconds=5)
+
+
+@pytest.mark.django_db
 def test_a_host_is_first_seen_at_the_earliest_sighting_any_deliverer_wrote() -> None:
     now = timezone.now()
     minute = dt.timedelta(minutes=1)
