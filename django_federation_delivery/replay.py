@@ -25,8 +25,7 @@ from django.utils.translation import ngettext
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import host_named
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Status
-from django_federation_delivery.store import queueing
-from django_federation_delivery.store.sequences import lock_sequences
+from django_federation_delivery.store import queueing, sequences
 from django_federation_delivery.webhooks.destinations import delivery_key
 from django_federation_delivery.webhooks.sending import ORDERING_KEY as WEBHOOK_ORDERING_KEY
 
@@ -73,36 +72,64 @@ def replay(
         )
         kinds[batch_id] = kind
     batches = Batch.objects.using(alias).in_bulk(list(by_batch))
+    # A webhook event waits its turn in its destination's own sequence; an
+    # activity in the replay's, in the low lane.
+    keys = {
+        batch_id: WEBHOOK_ORDERING_KEY if kind == Kind.WEBHOOK else _replay_key(key, since)
+        for batch_id, kind in kinds.items()
+    }
     replayed = []
+    written = []
     with transaction.atomic(using=alias):
+        # Each sequence is locked, and what its first new delivery waits on
+        # looked up, once; the others are chained to the one before them once
+        # all are written: a statement a batch, not four.
+        first_waits: dict[str, dict[str, int]] = {}
+        for ordering_key in sorted(set(keys.values())):
+            inboxes = sorted(
+                {
+                    item.inbox
+                    for other, queued in by_batch.items()
+                    if keys[other] == ordering_key
+                    for item in queued
+                }
+            )
+            sequences.lock_sequences(ordering_key, inboxes, alias)
+            first_waits[ordering_key] = sequences.last_of_sequences(
+                ordering_key, None, inboxes, alias
+            )
+        chained: set[tuple[str, str]] = set()
         for batch_id, queued in by_batch.items():
             original = batches[batch_id]
-            # A webhook event waits its turn in its destination's own
-            # sequence; an activity in the replay's, in the low lane.
             webhook = kinds[batch_id] == Kind.WEBHOOK
-            ordering_key = WEBHOOK_ORDERING_KEY if webhook else _replay_key(key, since)
-            lock_sequences(ordering_key, [item.inbox for item in queued], alias)
-            replayed.append(
-                queueing.enqueue(
-                    Batch(
-                        sender=original.sender,
-                        body=original.body,
-                        body_sha256=original.body_sha256,
-                        tag=f"replay of batch {original.pk}",
-                        ordering_key=ordering_key,
-                        lane=Lane.WEBHOOK if webhook else Lane.LOW,
-                        synchronize_collection=original.synchronize_collection,
-                        event_type=original.event_type,
-                        event_id=original.event_id,
-                        idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
-                        # Its attempts' spans are children of the replay's.
-                        trace_context=tracing.carried(),
-                    ),
-                    queued,
-                    kind=kinds[batch_id],
-                    using=alias,
-                )
+            ordering_key = keys[batch_id]
+            firsts = [item.inbox for item in queued if (ordering_key, item.inbox) not in chained]
+            waiting = first_waits[ordering_key]
+            new = queueing.enqueue(
+                Batch(
+                    sender=original.sender,
+                    body=original.body,
+                    body_sha256=original.body_sha256,
+                    tag=f"replay of batch {original.pk}",
+                    ordering_key=ordering_key,
+                    lane=Lane.WEBHOOK if webhook else Lane.LOW,
+                    synchronize_collection=original.synchronize_collection,
+                    event_type=original.event_type,
+                    event_id=original.event_id,
+                    idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
+                    # Its attempts' spans are children of the replay's.
+                    trace_context=tracing.carried(),
+                ),
+                queued,
+                kind=kinds[batch_id],
+                using=alias,
+                waits_on={inbox: waiting[inbox] for inbox in firsts if inbox in waiting},
             )
+            replayed.append(new)
+            if new.created:
+                written.append(new.pk)
+                chained.update((ordering_key, inbox) for inbox in firsts)
+        sequences.chain(written, alias)
     return replayed
 
 

@@ -84,6 +84,38 @@ def test_a_webhook_destination_is_sent_its_events_again_with_their_ids(settings:
     assert (row.kind, row.destination, row.host) == ("webhook", "ops", "<ops>")
 
 
+@pytest.mark.django_db
+def test_replayed_events_wait_behind_a_destinations_pending_one_each_on_the_last(
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"},
+    }
+    now = timezone.now()
+    sent = []
+    for n in range(4):
+        event = send_webhook("ops", "deploy.done", {"n": n}, event_id=f"evt-{n}")
+        assert event is not None
+        settle(event, Status.DELIVERED, now - dt.timedelta(minutes=10 - n))
+        sent.append(event)
+    waiting = send_webhook("ops", "deploy.done", {"n": 9}, event_id="evt-9")
+    assert waiting is not None
+    (pending,) = Delivery.objects.filter(batch=waiting)
+
+    replayed = replay(destination="ops", since=now - dt.timedelta(hours=1))
+
+    assert [b.event_id for b in replayed] == [f"evt-{n}" for n in range(4)]
+    chain = list(Delivery.objects.filter(batch__in=replayed).order_by("id"))
+    # Behind the one pending, then each on the one before it: none due.
+    assert [row.after_id for row in chain] == [pending.pk] + [row.pk for row in chain[:-1]]
+    assert {row.due_at for row in chain} == {None}
+    # The next event sent waits on the last of them.
+    after = send_webhook("ops", "deploy.done", {"n": 10}, event_id="evt-10")
+    assert after is not None
+    assert Delivery.objects.get(batch=after).after_id == chain[-1].pk
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_restored_inbox_receives_what_it_missed_again(inboxes: Callable[..., Inbox]) -> None:
     inbox = inboxes("127.0.0.1")

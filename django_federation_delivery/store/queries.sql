@@ -335,6 +335,35 @@ WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
 UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
 WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
 
+-- name: chain_pairs [postgresql]
+-- Of the deliveries of the batches %(ids)s, each (but the first of its
+-- sequence among them) with the one before it in its sequence among them,
+-- by id: the order they were written in. Read apart from the write (chain),
+-- which is then given lists, not a join the planner orders from its
+-- statistics.
+SELECT id, before FROM (
+    SELECT id, LAG(id) OVER (PARTITION BY sequence ORDER BY id) AS before FROM {delivery}
+    WHERE batch_id = ANY(%(ids)s::bigint[]) AND sequence <> ''
+) AS c
+WHERE before IS NOT NULL ORDER BY id
+
+-- name: chain [postgresql]
+-- Each of %(ids)s made to wait on the one of %(befores)s at its place.
+UPDATE {delivery} SET after_id = v.before, due_at = NULL
+FROM unnest(%(ids)s::bigint[], %(befores)s::bigint[]) AS v(id, before)
+WHERE {delivery}.id = ANY(%(ids)s::bigint[]) AND {delivery}.id = v.id
+
+-- name: chain [sqlite]
+-- The deliveries of the batches %(ids)s, each made to wait on the one
+-- before it in its sequence among them (by id: the order they were
+-- written in); the first of each sequence is left as it was written.
+UPDATE {delivery} SET after_id = c.before, due_at = NULL
+FROM (
+    SELECT id, LAG(id) OVER (PARTITION BY sequence ORDER BY id) AS before FROM {delivery}
+    WHERE batch_id IN (SELECT value FROM json_each(%(ids)s)) AND sequence <> ''
+) AS c
+WHERE {delivery}.id = c.id AND c.before IS NOT NULL
+
 -- name: lock_deliveries [postgresql]
 -- Rows about to be settled that a send may be making a delivery wait on:
 -- locked first, in a statement of their own, so that the settling

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import json
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, models, transaction
@@ -49,10 +49,15 @@ def enqueue(
     *,
     kind: str = Kind.ACTIVITYPUB,
     using: str | None = None,
+    waits_on: Mapping[str, int] | None = None,
 ) -> Batch:
     """Write ``batch`` and one pending delivery per inbox, each of ``kind``;
     or, when a batch with its ``idempotency_key`` is kept, write nothing and
     return that one.
+
+    With an ordering key, each delivery waits on the last one pending in its
+    sequence, looked up; ``waits_on`` ({inbox: delivery id}) instead says
+    which, for a caller that knows (a replay, chaining its own batches).
 
     Run inside the caller's transaction: on commit a deliverer in this process
     is woken at once, and on PostgreSQL every listening process too.
@@ -78,11 +83,15 @@ def enqueue(
             # The batch, its first deliveries and the wake-up of every
             # listening process in one round trip.
             first = inboxes[:per_statement]
-            waits_on = last_of_sequences(batch.ordering_key, None, _ordered(first), alias)
+            waiting = (
+                waits_on
+                if waits_on is not None
+                else last_of_sequences(batch.ordering_key, None, _ordered(first), alias)
+            )
             batch.id = db.value(
                 "insert_batch_and_deliveries",
                 batch=batch_values,
-                **_delivery_params(connection, batch, first, waits_on, due, kind),
+                **_delivery_params(connection, batch, first, waiting, due, kind),
             )
             done = len(first)
         else:
@@ -100,11 +109,15 @@ def enqueue(
         # once is memory a fan-out does not need.
         for start in range(done, len(inboxes), per_statement):
             chunk = inboxes[start : start + per_statement]
-            waits_on = last_of_sequences(batch.ordering_key, batch.id, _ordered(chunk), alias)
+            waiting = (
+                waits_on
+                if waits_on is not None
+                else last_of_sequences(batch.ordering_key, batch.id, _ordered(chunk), alias)
+            )
             db.run(
                 "insert_deliveries",
                 batch_id=batch.id,
-                **_delivery_params(connection, batch, chunk, waits_on, due, kind),
+                **_delivery_params(connection, batch, chunk, waiting, due, kind),
             )
     post_save.send(
         sender=Batch, instance=batch, created=True, update_fields=None, raw=False, using=alias
@@ -200,7 +213,7 @@ def _delivery_params(
     connection: Any,
     batch: Batch,
     chunk: Sequence[Queued],
-    waits_on: dict[str, int],
+    waits_on: Mapping[str, int],
     due: Any,
     kind: str,
 ) -> dict[str, Any]:

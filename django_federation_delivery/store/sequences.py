@@ -17,6 +17,9 @@ from django_federation_delivery.dialect import connection_for, db_datetime, is_p
 from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.store import sql
 
+#: Deliveries :func:`chain` makes wait in one statement on PostgreSQL.
+CHAIN_CHUNK = 500
+
 
 def sequence_of(ordering_key: str, inbox: str) -> str:
     """The sequence an ordered delivery belongs to: its key, for its inbox."""
@@ -78,6 +81,24 @@ def release_next(settled: Sequence[int], now: dt.datetime, using: str | None) ->
     connection = connection_for(using)
     with sql.on(connection) as db:
         db.run("release_next", ids=db.ids(settled), now=db_datetime(now, connection))
+
+
+def chain(batch_ids: Sequence[int], alias: str) -> int:
+    """Make each delivery of ``batch_ids`` that has a sequence wait on the
+    one written before it in that sequence among them: what each would have
+    looked up had it been queued after the other had committed, in one
+    statement. Returns how many now wait."""
+    if not batch_ids:
+        return 0
+    connection = connection_for(alias)
+    with sql.on(connection) as db:
+        if not db.postgresql:
+            return db.run("chain", ids=db.ids(batch_ids))
+        pairs = db.all("chain_pairs", ids=db.ids(batch_ids))
+        for start in range(0, len(pairs), CHAIN_CHUNK):
+            ids, befores = zip(*pairs[start : start + CHAIN_CHUNK], strict=True)
+            db.run("chain", ids=db.ids(ids), befores=db.ids(befores))
+        return len(pairs)
 
 
 def lock_sequences(ordering_key: str, inboxes: Iterable[str], alias: str) -> None:
