@@ -636,6 +636,45 @@ def test_a_settle_that_waits_for_a_send_queuing_behind_it_releases_what_that_sen
     assert waiting.after_id is None and waiting.due_at is not None, "released by the settle"
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("fan_out", [1, 100], ids=["one-inbox", "beside-a-fan-out"])
+def test_ordered_sends_at_once_with_one_key_still_make_one_line_of_waits(fan_out: int) -> None:
+    # Web processes sending about one object at once: each delivery waits on
+    # the one queued before it to its inbox, never two on the same one (they
+    # would then be released, and sent, side by side). One of them sends to
+    # ``fan_out`` inboxes, more than are locked one by one.
+    errors: list[BaseException] = []
+    key = {"ordering_key": "note-1"}
+    shared = "https://a.example/inbox"
+    many = [shared, *(f"https://h{n}.example/inbox" for n in range(fan_out - 1))]
+    send_batch(ALICE, {"type": "Create"}, many, key)
+
+    def sender(inboxes: list[str]) -> None:
+        try:
+            for n in range(8):
+                send_batch(ALICE, {"type": "Update", "n": n}, inboxes, key)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [
+        threading.Thread(target=sender, args=(inboxes,)) for inboxes in (many, [shared], [shared])
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    waits = list(Delivery.objects.filter(inbox=shared).values_list("after_id", flat=True))
+    assert len(waits) == 25
+    assert waits.count(None) == 1
+    assert len(set(waits)) == 25
+    for inbox in many[1:]:
+        line = list(Delivery.objects.filter(inbox=inbox).values_list("after_id", flat=True))
+        assert line.count(None) == 1 and len(set(line)) == 9
+
+
 @pytest.mark.django_db
 def test_an_ordered_send_waits_on_the_last_of_a_long_backlog() -> None:
     def queued(type: str) -> Batch:

@@ -322,9 +322,12 @@ WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
 
 -- Ordered deliveries ------------------------------------------------------
 
--- name: lock_sequence [postgresql]
--- Held until the transaction ends.
-SELECT pg_advisory_xact_lock(%(key)s)
+-- name: lock_sequences [postgresql]
+-- Each of %(keys)s, in the order given, shared where %(shared)s says so and
+-- exclusive otherwise; held until the transaction ends.
+SELECT count(CASE WHEN shared THEN pg_advisory_xact_lock_shared(key)
+    ELSE pg_advisory_xact_lock(key) END)
+FROM unnest(%(keys)s::bigint[], %(shared)s::boolean[]) AS k(key, shared)
 
 -- name: release_next [postgresql]
 -- Those waiting on %(ids)s made due: one read of the index on after_id.

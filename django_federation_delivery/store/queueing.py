@@ -22,7 +22,11 @@ from django_federation_delivery.dialect import (
 )
 from django_federation_delivery.models import Batch, Kind
 from django_federation_delivery.store import sql, wakes
-from django_federation_delivery.store.sequences import last_of_sequences, sequence_of
+from django_federation_delivery.store.sequences import (
+    last_of_sequences,
+    lock_sequences,
+    sequence_of,
+)
 
 #: Rows written, or looked up, in one statement.
 CHUNK = 500
@@ -78,6 +82,10 @@ def enqueue(
     per_statement = rows_per_statement(
         connection, most=CHUNK, per_row=len(_COLUMNS), constants=_CONSTANTS
     )
+    if waits_on is None:
+        # Whoever else queues in these sequences waits until this commits,
+        # and then sees what it queued.
+        lock_sequences(batch.ordering_key, _ordered(inboxes), alias)
     with sql.on(connection, driver=True) as db:
         if db.postgresql and inboxes:
             # The batch, its first deliveries and the wake-up of every

@@ -19,6 +19,8 @@ from django_federation_delivery.store import sql
 
 #: Deliveries :func:`chain` makes wait in one statement on PostgreSQL.
 CHAIN_CHUNK = 500
+#: The most inboxes :func:`lock_sequences` locks one by one.
+MOST_LOCKED = 64
 
 
 def sequence_of(ordering_key: str, inbox: str) -> str:
@@ -105,11 +107,29 @@ def lock_sequences(ordering_key: str, inboxes: Iterable[str], alias: str) -> Non
     """On PostgreSQL, queue to each of ``inboxes`` in ``ordering_key`` one
     transaction at a time, until commit: two sends at once would otherwise both
     wait on the same earlier delivery, and be sent side by side. (SQLite writes
-    one at a time.)"""
+    one at a time.)
+
+    One statement: the key's own lock, shared, then each inbox's, exclusive;
+    or, past :data:`MOST_LOCKED` inboxes, the key's own lock exclusive
+    alone, which excludes every send in the key: a fan-out takes one lock,
+    not one an inbox (the server's lock table holds a few thousand).
+    """
     connection = connection_for(alias)
-    if not is_postgresql(connection):
+    if not ordering_key or not is_postgresql(connection):
         return
+    inboxes = set(inboxes)
+    if not inboxes:
+        return
+    whole = _lock_key(ordering_key)
+    if len(inboxes) > MOST_LOCKED:
+        keys, shared = [whole], [False]
+    else:
+        # In one order, whoever takes them: two sends never deadlock on them.
+        each = sorted({_lock_key(f"{ordering_key}\n{inbox}") for inbox in inboxes})
+        keys, shared = [whole, *each], [True] + [False] * len(each)
     with sql.on(connection) as db:
-        for inbox in sorted(inboxes):  # one order, so two sends never deadlock
-            digest = hashlib.sha256(f"{ordering_key}\n{inbox}".encode()).digest()
-            db.run("lock_sequence", key=int.from_bytes(digest[:8], "big", signed=True))
+        db.run("lock_sequences", keys=db.ids(keys), shared=shared)
+
+
+def _lock_key(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)

@@ -35,7 +35,6 @@ from django_federation_delivery.models import Batch, Kind, Lane
 from django_federation_delivery.sending import checked_idempotency_key
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
-from django_federation_delivery.store.sequences import lock_sequences
 from django_federation_delivery.webhooks.destinations import Destination, configured, delivery_key
 
 __all__ = ["EVERY_DESTINATION", "ORDERING_KEY", "asend_webhook", "send_webhook"]
@@ -99,8 +98,6 @@ def send_webhook(
     alias = using or DEFAULT_DB_ALIAS
     # No savepoint, as send()'s.
     with transaction.atomic(using=alias, savepoint=False):
-        ordered = [name for name in names if policies[name].ordered]
-        lock_sequences(ORDERING_KEY, ordered, alias)
         return queueing.enqueue(
             Batch(
                 sender="",
