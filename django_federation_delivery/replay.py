@@ -83,7 +83,7 @@ def replay(
     with transaction.atomic(using=alias):
         # Each sequence is locked, and what its first new delivery waits on
         # looked up, once; the others are chained to the one before them once
-        # all are written: a statement a batch, not four.
+        # all are written: each batch written as a send's is, with no lookup.
         first_waits: dict[str, dict[str, int]] = {}
         for ordering_key in sorted(set(keys.values())):
             inboxes = sorted(

@@ -91,15 +91,12 @@ def enqueue(
             # The batch, its first deliveries and the wake-up of every
             # listening process in one round trip.
             first = inboxes[:per_statement]
-            waiting = (
-                waits_on
-                if waits_on is not None
-                else last_of_sequences(batch.ordering_key, None, _ordered(first), alias)
-            )
             batch.id = db.value(
                 "insert_batch_and_deliveries",
                 batch=batch_values,
-                **_delivery_params(connection, batch, first, waiting, due, kind),
+                **_delivery_params(
+                    connection, batch, first, _waits(batch, None, first, waits_on, alias), due, kind
+                ),
             )
             done = len(first)
         else:
@@ -117,11 +114,7 @@ def enqueue(
         # once is memory a fan-out does not need.
         for start in range(done, len(inboxes), per_statement):
             chunk = inboxes[start : start + per_statement]
-            waiting = (
-                waits_on
-                if waits_on is not None
-                else last_of_sequences(batch.ordering_key, batch.id, _ordered(chunk), alias)
-            )
+            waiting = _waits(batch, batch.id, chunk, waits_on, alias)
             db.run(
                 "insert_deliveries",
                 batch_id=batch.id,
@@ -210,6 +203,20 @@ def _batch_values(batch: Batch, connection: Any) -> list[Any]:
     for n, field in columns.prepared:
         values[n] = field.get_db_prep_save(field.pre_save(batch, True), connection)
     return values
+
+
+def _waits(
+    batch: Batch,
+    batch_id: int | None,
+    chunk: Sequence[Queued],
+    given: Mapping[str, int] | None,
+    alias: str,
+) -> Mapping[str, int]:
+    """What each delivery of ``chunk`` waits on: as ``given``, or else the
+    last pending one of its sequence (not of ``batch_id``), looked up."""
+    if given is not None:
+        return given
+    return last_of_sequences(batch.ordering_key, batch_id, _ordered(chunk), alias)
 
 
 def _ordered(chunk: Sequence[Queued]) -> list[str]:

@@ -88,8 +88,9 @@ def release_next(settled: Sequence[int], now: dt.datetime, using: str | None) ->
 def chain(batch_ids: Sequence[int], alias: str) -> int:
     """Make each delivery of ``batch_ids`` that has a sequence wait on the
     one written before it in that sequence among them: what each would have
-    looked up had it been queued after the other had committed, in one
-    statement. Returns how many now wait."""
+    looked up had it been queued after the other had committed: one
+    statement on SQLite; on PostgreSQL a read, then a write a chunk of
+    :data:`CHAIN_CHUNK` given lists. Returns how many now wait."""
     if not batch_ids:
         return 0
     connection = connection_for(alias)
@@ -125,7 +126,7 @@ def lock_sequences(ordering_key: str, inboxes: Iterable[str], alias: str) -> Non
         keys, shared = [whole], [False]
     else:
         # In one order, whoever takes them: two sends never deadlock on them.
-        each = sorted({_lock_key(f"{ordering_key}\n{inbox}") for inbox in inboxes})
+        each = sorted({_lock_key(sequence_of(ordering_key, inbox)) for inbox in inboxes})
         keys, shared = [whole, *each], [True] + [False] * len(each)
     with sql.on(connection) as db:
         db.run("lock_sequences", keys=db.ids(keys), shared=shared)
