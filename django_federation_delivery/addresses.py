@@ -44,7 +44,9 @@ __all__ = [
     "host_of",
     "normalize_inbox",
     "origin",
+    "quoted",
     "redact",
+    "required_host",
     "split",
     "validate_inbox",
 ]
@@ -161,6 +163,15 @@ def host_named(value: object) -> str:
         return ""
     # A name kept as it is must hold nothing no name holds (a NUL).
     return host_of(f"https://{text}/") or (text if text.isprintable() else "")
+
+
+def required_host(value: object, caller: str) -> str:
+    """:func:`host_named`'s canonical host, or a ``ValueError`` saying that
+    ``caller`` needs one, and naming ``value`` as :func:`quoted` shows it."""
+    named = host_named(value)
+    if not named:
+        raise ValueError(f"{caller} needs a host name or a URL on one, not {quoted(str(value))}")
+    return named
 
 
 def delivery_key(name: str) -> str:
@@ -458,6 +469,29 @@ def redact(url: str, *, whole_path: bool = False) -> str:
     if len(text) > _MESSAGE_URL_LENGTH:
         text = text[: _MESSAGE_URL_LENGTH - 3] + "..."
     return text
+
+
+#: The most of a name an error repeats.
+MOST_SHOWN = 80
+
+
+def quoted(value: str) -> str:
+    """A name someone gave, quoted as an error repeats it: a URL (a
+    webhook's, pasted where its name goes, whose path or query may be the
+    credential) as its scheme and host only, or its host only when pasted
+    without its scheme; anything else escaped and cut."""
+    if "://" in value:
+        origin = redact(value, whole_path=True)
+        if origin == value:
+            return repr(origin)
+        return repr(f"{origin}…" if origin.endswith("/") else f"{origin}/…")
+    host, slash, _ = value.partition("/")
+    if slash and "." in host:
+        # "hooks.slack.com/services/…": no name or host has a dotted part
+        # before a slash but a URL without its scheme.
+        return repr(f"{host[:MOST_SHOWN]}/…")
+    # repr() escapes what a terminal would act on, as escaped() does.
+    return repr(value if len(value) <= MOST_SHOWN else f"{value[:MOST_SHOWN]}…")
 
 
 #: The shortest start of a secret taken out of the end of a text.

@@ -37,7 +37,7 @@ from django_federation_delivery import addresses, signals
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
 from django_federation_delivery.store.locks import write_first
-from django_federation_delivery.transport import Transport, TransportSettings
+from django_federation_delivery.transport import Transport, TransportSettings, escaped
 
 __all__ = ["mark_host_seen", "mark_unavailable", "probe", "probe_due", "unavailable_hosts"]
 
@@ -119,10 +119,12 @@ def mark_host_seen(host: str, *, using: str | None = None) -> bool:
     (``xn--bcher-kva.example``); a name that has none (a webhook
     destination's ``<ops>``) as it is. ``ValueError`` naming it if it is
     blank, or a URL on no host."""
-    canonical = addresses.host_named(host)
-    if not canonical:
-        raise ValueError(f"mark_host_seen needs a host name or a URL on one, not {host!r}")
-    host = canonical
+    return mark_seen(addresses.required_host(host, "mark_host_seen"), using=using)
+
+
+def mark_seen(host: str, *, using: str | None = None) -> bool:
+    """:func:`mark_host_seen` for a host named exactly as its ``Host`` row
+    names it (the admin's action): read as it is, whatever it holds."""
     alias = using or DEFAULT_DB_ALIAS
     now = timezone.now()
     hosts = Host.objects.using(alias).filter(name=host)
@@ -152,7 +154,7 @@ def mark_host_seen(host: str, *, using: str | None = None) -> bool:
             )
     forget_known()
     if unavailable is not None:
-        logger.warning("Host %s seen again: no longer unavailable", host)
+        logger.warning("Host %s seen again: no longer unavailable", escaped(host))
     return unavailable is not None
 
 

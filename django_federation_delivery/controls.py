@@ -1,8 +1,9 @@
 """An operator's controls: pause, resume, give up, requeue, reset.
 
-The admin's actions call these, as a host project's code may: each sends the
-signals a delivery leaving the queue sends, and returns how many rows it
-changed.
+A host project's code calls these, and the admin's actions do the same:
+each sends the signals a delivery leaving the queue sends, and returns how
+many rows it changed. A host given here is read in any form and made
+canonical; the admin acts on names as its rows keep them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterable
 from django.db.models import QuerySet
 
 from django_federation_delivery import breakers, hosts, signals
+from django_federation_delivery.addresses import required_host
 from django_federation_delivery.availability import mark_host_seen
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.settling import failure
@@ -35,13 +37,19 @@ REQUEUED_FROM = sorted(settlements.FINAL - {Status.DELIVERED})
 
 def pause_host(host: str) -> int:
     """Hold every delivery to ``host``, unsent and not failed, until
-    :func:`resume_host`. Returns how many were held."""
-    return hosts.pause_host(host)
+    :func:`resume_host`. Returns how many were held.
+
+    ``host``, here and in :func:`resume_host` and :func:`give_up_host`, is
+    read as :func:`mark_host_seen` reads it: a host name in any form
+    (``Bücher.Example.``) or a URL on it, in its canonical form; a webhook
+    destination's ``<ops>`` as it is. ``ValueError`` naming it if it names
+    no host, with nothing changed."""
+    return hosts.pause_host(required_host(host, "pause_host"))
 
 
 def resume_host(host: str) -> int:
     """Make a paused host's held deliveries due now. Returns how many."""
-    return hosts.resume_host(host)
+    return hosts.resume_host(required_host(host, "resume_host"))
 
 
 def reset_breaker(key: str) -> int:
@@ -51,7 +59,8 @@ def reset_breaker(key: str) -> int:
 
 def give_up_host(host: str, reason: str = "given up by an operator") -> int:
     """Fail every pending delivery to ``host`` at once, as for a server that is gone."""
-    return give_up(Delivery.objects.filter(host=host, status=Status.PENDING), reason)
+    named = required_host(host, "give_up_host")
+    return give_up(Delivery.objects.filter(host=named, status=Status.PENDING), reason)
 
 
 def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operator") -> int:

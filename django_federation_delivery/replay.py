@@ -23,7 +23,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
-from django_federation_delivery.addresses import host_named
+from django_federation_delivery.addresses import host_named, required_host
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Status
 from django_federation_delivery.store import queueing, sequences
 from django_federation_delivery.webhooks.destinations import delivery_key
@@ -49,15 +49,16 @@ def replay(
     is given, for a ``host`` that names none, or for a naive ``since``."""
     if bool(host) == bool(destination):
         raise ValueError("replay needs a host or a destination, and not both")
-    if host:
-        named = host_named(host)
-        if not named:
-            raise ValueError(f"host {host[:80]!r} names no host")
-        host = named
+    key = required_host(host, "replay") if host else delivery_key(destination)
+    return replay_host(key, since=since, using=using)
+
+
+def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> list[Batch]:
+    """:func:`replay` for the deliveries whose host is exactly ``key``, as a
+    ``Host`` row names it (the admin's action): read as it is, whatever it holds."""
     if since.tzinfo is None:
         raise ValueError(f"since must carry its time zone, not {since.isoformat()}")
     alias = using or DEFAULT_DB_ALIAS
-    key = host or delivery_key(destination)
     rows = list(
         Delivery.objects.using(alias)
         .filter(host=key, status__in=REPLAYED, settled_at__gte=since)

@@ -630,3 +630,30 @@ def test_a_body_that_is_not_json_is_shown_as_it_is(operator: Client) -> None:
     Batch.objects.filter(pk=batch.pk).update(body="<not json>")
     page = html(operator, url("batch", "change", batch.pk))
     assert '<pre class="fd-body">&lt;not json&gt;</pre>' in page
+
+
+HOSTILE_NAMES = ["evil\x1b[2J.example", "\u202eelpmaxe.a", ""]
+
+
+@pytest.mark.parametrize("action", ["pause", "resume", "give_up", "replay_day", "mark_seen"])
+def test_every_host_action_acts_on_names_no_send_would_write(operator: Client, action: str) -> None:
+    # Rows a host project (or an older version) wrote as they came: each is
+    # acted on by its name as kept, and the list shows them all.
+    since = timezone.now() - dt.timedelta(days=8)
+    for name in HOSTILE_NAMES:
+        Host.objects.create(
+            name=name,
+            failing_since=since,
+            unavailable_since=since,
+            paused_at=since if action == "resume" else None,
+        )
+    html(operator, url("host"))
+    act(operator, "host", action, HOSTILE_NAMES)
+    hosts = Host.objects.filter(name__in=HOSTILE_NAMES)
+    match action:
+        case "pause":
+            assert hosts.filter(paused_at__isnull=False).count() == len(HOSTILE_NAMES)
+        case "resume":
+            assert not hosts.filter(paused_at__isnull=False).exists()
+        case "mark_seen":
+            assert not hosts.filter(unavailable_since__isnull=False).exists()

@@ -13,6 +13,7 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from django_federation_delivery import mark_host_seen, send, signals
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.availability import (
     mark_unavailable,
     probe_due,
@@ -110,7 +111,8 @@ def test_a_host_is_seen_by_its_name_in_any_form_or_a_url_on_it(seen: str) -> Non
 @pytest.mark.django_db
 @pytest.mark.parametrize("bad", ["", "  ", "https:///nothing", None, "a\x00b", "a\x1b[2Jb"])
 def test_a_host_seen_that_names_no_host_is_refused_naming_it(bad: Any) -> None:
-    with pytest.raises(ValueError, match=re.escape(repr(bad))):
+    # A URL is named by its origin only: its path may be the credential.
+    with pytest.raises(ValueError, match=re.escape(quoted(str(bad)))):
         mark_host_seen(bad)
 
 

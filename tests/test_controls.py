@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from django_federation_delivery import controls, send, signals
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import settlements
 
 from .keys import ALICE
@@ -53,3 +53,30 @@ def test_give_up_tells_only_of_what_it_changed_not_of_what_was_settled_meanwhile
     assert {(f.sender, f.error) for f in failures} == {(ALICE, "given up by an operator")}
     first.refresh_from_db()
     assert first.status == Status.DELIVERED and first.last_error == ""
+
+
+def test_a_host_is_read_in_any_form_as_a_send_reads_an_inboxs(failures: list[Any]) -> None:
+    send(ALICE, NOTE, ["https://bücher.example/inbox", "https://b.example/inbox"])
+    assert controls.pause_host("Bücher.Example.") == 1
+    # A URL on a host pauses the host, and its query (a token) is not kept.
+    assert controls.pause_host("https://b.example/hook?token=s3cret") == 1
+    assert set(Host.objects.values_list("name", flat=True)) == {
+        "xn--bcher-kva.example",
+        "b.example",
+    }
+    assert controls.resume_host("https://BÜCHER.example/") == 1
+    assert controls.give_up_host("b.example.") == 1
+    assert [failure.inbox for failure in failures] == ["https://b.example/inbox"]
+
+
+@pytest.mark.parametrize("bad", ["", "https:///inbox?token=s3cret", "a\x1b[2Jb", "a\x00b"])
+@pytest.mark.parametrize("control", ["pause_host", "resume_host", "give_up_host"])
+def test_a_host_that_names_none_is_refused_naming_it_with_nothing_changed(
+    control: str, bad: str
+) -> None:
+    send(ALICE, NOTE, ["https://a.example/inbox"])
+    with pytest.raises(ValueError, match=f"{control} needs a host name") as raised:
+        getattr(controls, control)(bad)
+    assert "s3cret" not in str(raised.value) and "\x1b" not in str(raised.value)
+    assert not Host.objects.exists()
+    assert Delivery.objects.get().status == Status.PENDING

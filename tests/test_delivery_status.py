@@ -10,7 +10,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from django_federation_delivery import controls, overview
+from django_federation_delivery import controls, hosts, overview
 from django_federation_delivery.models import Breaker, DelivererHeartbeat, Delivery, Lane, Status
 
 from .operators import open_breaker, queue, settle
@@ -213,7 +213,8 @@ def test_delivery_status_escapes_what_a_terminal_would_act_on() -> None:
     Delivery.objects.filter(pk=row.pk).update(host=hostile, attempts=1, last_status=503)
     open_breaker(hostile, failures=4)
     open_breaker("https://b.example/\x1b]0;owned\x07inbox", failures=12)
-    controls.pause_host("paused\r\n.example")
+    # A row written as it is, which pause_host would refuse.
+    hosts.pause_host("paused\r\n.example")
     text = run()
     assert not any(char in text for char in "\x1b\x07\r\u202e"), repr(text)
     assert "evil\\x1b[2J\\u202e.example" in text

@@ -20,9 +20,8 @@ from django.utils.timesince import timesince, timeuntil
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from django_federation_delivery import controls
+from django_federation_delivery import controls, hosts
 from django_federation_delivery.addresses import host_named
-from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Delivery, Host, Status
 
 _M = TypeVar("_M", bound=Model)
@@ -131,11 +130,12 @@ def pending_count(count: int) -> str:
 
 
 def pause_and_report(
-    model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str]
 ) -> None:
-    already = paused_hosts(hosts)
-    pausing = [host for host in hosts if host not in already]
-    held = sum(controls.pause_host(host) for host in pausing)
+    # Each host by its name as kept (a row's, a breaker's), whatever it holds.
+    already = hosts.paused_hosts(names)
+    pausing = [name for name in names if name not in already]
+    held = sum(hosts.pause_host(name) for name in pausing)
     message = _("Paused %(hosts)s: %(deliveries)s held until resumed.") % {
         "hosts": host_count(len(pausing)),
         "deliveries": pending_count(held),
@@ -150,10 +150,10 @@ def pause_and_report(
 
 
 def resume_and_report(
-    model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str]
 ) -> None:
-    paused = sorted(paused_hosts(hosts))
-    released = sum(controls.resume_host(host) for host in paused)
+    paused = sorted(hosts.paused_hosts(names))
+    released = sum(hosts.resume_host(name) for name in paused)
     held = ngettext("%(count)d held delivery", "%(count)d held deliveries", released) % {
         "count": released
     }
@@ -167,15 +167,15 @@ def resume_and_report(
 
 
 def give_up_and_report(
-    model_admin: admin.ModelAdmin[Any], request: HttpRequest, hosts: list[str]
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str]
 ) -> None:
-    count = sum(controls.give_up_host(host) for host in hosts)
+    count = controls.give_up(Delivery.objects.filter(host__in=names, status=Status.PENDING))
     report(
         model_admin,
         request,
         count,
         _("Gave up %(deliveries)s to %(hosts)s.")
-        % {"deliveries": pending_count(count), "hosts": host_count(len(hosts))},
+        % {"deliveries": pending_count(count), "hosts": host_count(len(names))},
     )
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
 from django.contrib.admin.utils import display_for_value
+from django.db import transaction
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
@@ -24,6 +25,7 @@ from django_federation_delivery.admin.base import (
     report,
     resume_and_report,
 )
+from django_federation_delivery.availability import mark_seen
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
 from django_federation_delivery.picture import (
@@ -34,7 +36,7 @@ from django_federation_delivery.picture import (
     milliseconds,
     resting_until,
 )
-from django_federation_delivery.replay import replay, replayed
+from django_federation_delivery.replay import replay_host, replayed
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -334,9 +336,9 @@ class HostAdmin(OperatorAdmin[Host]):
         description=_("Mark the selected hosts as seen: sends no longer skip them"),
     )
     def mark_seen(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
-        count = sum(
-            controls.mark_host_seen(name) for name in queryset.values_list("name", flat=True)
-        )
+        # Each row by its name as kept, whatever it holds; all or none.
+        with transaction.atomic():
+            count = sum(mark_seen(name) for name in queryset.values_list("name", flat=True))
         report(
             self,
             request,
@@ -355,11 +357,12 @@ class HostAdmin(OperatorAdmin[Host]):
     )
     def replay_day(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         since = timezone.now() - dt.timedelta(days=1)
-        batches = [
-            batch
-            for name in queryset.values_list("name", flat=True)
-            for batch in replay(host=name, since=since)
-        ]
+        with transaction.atomic():
+            batches = [
+                batch
+                for name in queryset.values_list("name", flat=True)
+                for batch in replay_host(name, since=since)
+            ]
         self.message_user(request, replayed(batches))
 
     @admin.action(

@@ -11,7 +11,7 @@ from django.db import connections
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from django_federation_delivery.addresses import redact
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.checks import unapplied_migrations
 
 
@@ -43,7 +43,7 @@ def whole(value: str, least: int, most: int, message: str) -> int:
     except ValueError:
         number = least - 1
     if not least <= number <= most:
-        raise CommandError(message % {"value": named(value), "least": least, "most": most})
+        raise CommandError(message % {"value": quoted(value), "least": least, "most": most})
     return number
 
 
@@ -63,29 +63,6 @@ def ip_address(value: str) -> str:
             _("expected an IP address to serve metrics on, such as 127.0.0.1, not %(value)r")
             % {"value": value}
         ) from None
-
-
-#: The most of a name an error repeats.
-MOST_SHOWN = 80
-
-
-def named(value: str) -> str:
-    """A name an operator gave, quoted as an error repeats it: a URL (a
-    webhook's, pasted where its name goes, whose path or query may be the
-    credential) as its scheme and host only, or its host only when pasted
-    without its scheme; anything else escaped and cut."""
-    if "://" in value:
-        origin = redact(value, whole_path=True)
-        if origin == value:
-            return repr(origin)
-        return repr(f"{origin}…" if origin.endswith("/") else f"{origin}/…")
-    host, slash, _ = value.partition("/")
-    if slash and "." in host:
-        # "hooks.slack.com/services/…": no name or host has a dotted part
-        # before a slash but a URL without its scheme.
-        return repr(f"{host[:MOST_SHOWN]}/…")
-    # repr() escapes what a terminal would act on, as escaped() does.
-    return repr(value if len(value) <= MOST_SHOWN else f"{value[:MOST_SHOWN]}…")
 
 
 def database_named(using: str) -> str:

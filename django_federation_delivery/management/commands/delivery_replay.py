@@ -13,10 +13,10 @@ from django.utils.dateparse import parse_datetime
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     database_named,
-    named,
     require_migrations,
 )
 from django_federation_delivery.replay import ever_sent, replay, replayed
@@ -58,7 +58,7 @@ class Command(TranslatedCommand):
             if value is not None and not value.isprintable():
                 raise CommandError(
                     _("--%(option)s %(value)s holds a character no name holds")
-                    % {"option": option, "value": named(value)}
+                    % {"option": option, "value": quoted(value)}
                 )
         since = moment(options["since"])
         try:
@@ -70,16 +70,16 @@ class Command(TranslatedCommand):
             )
         except ValueError:  # a host that names none: "http://"
             raise CommandError(
-                _("--host %(value)s names no host") % {"value": named(options["host"])}
+                _("--host %(value)s names no host") % {"value": quoted(options["host"])}
             ) from None
         host, destination = options["host"] or "", options["destination"] or ""
         if not batches and not ever_sent(host=host, destination=destination, using=using):
             # A mistyped name, not a host with nothing to send again.
             raise CommandError(
-                _("no host named %(name)s has been sent to") % {"name": named(host)}
+                _("no host named %(name)s has been sent to") % {"name": quoted(host)}
                 if host
                 else _("no webhook destination named %(name)s has been sent to")
-                % {"name": named(destination)}
+                % {"name": quoted(destination)}
             )
         self.stdout.write(
             _("Since %(since)s.") % {"since": since.isoformat(timespec="seconds")}
@@ -98,7 +98,7 @@ def moment(value: str) -> dt.datetime:
     """``value`` as an aware datetime: ISO 8601, or a span back from now
     ("6h"); ``CommandError`` naming it otherwise."""
     text = value.strip()
-    shown = named(value)
+    shown = quoted(value)
     number = text[:-1]
     if number.isascii() and number.isdigit() and text[-1:] in UNITS:
         try:

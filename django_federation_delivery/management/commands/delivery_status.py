@@ -15,10 +15,10 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery import heartbeats, store
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     database_named,
-    named,
     require_migrations,
     whole,
 )
@@ -384,7 +384,7 @@ class Command(TranslatedCommand):
             picture = host_picture(options["host"], using=using)
             if picture is None:
                 raise CommandError(
-                    _("no host named %(host)s has been sent to") % {"host": named(options["host"])}
+                    _("no host named %(host)s has been sent to") % {"host": quoted(options["host"])}
                 )
             if options["json"]:
                 self.stdout.write(json.dumps(picture.as_json(), indent=2))

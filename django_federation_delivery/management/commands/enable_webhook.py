@@ -9,10 +9,10 @@ from django.db import DEFAULT_DB_ALIAS
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     database_named,
-    named,
     require_migrations,
 )
 from django_federation_delivery.transport import escaped
@@ -41,7 +41,7 @@ class Command(TranslatedCommand):
         if status is None:
             raise CommandError(
                 _("no webhook destination named %(name)s (known: %(known)s)")
-                % {"name": named(name), "known": escaped(", ".join(sorted(found))) or _("none")}
+                % {"name": quoted(name), "known": escaped(", ".join(sorted(found))) or _("none")}
             )
         if not status.disabled:
             self.stdout.write(_("%(name)s is not disabled: nothing to do.") % {"name": name})

@@ -11,9 +11,10 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.channels import Call, Event
 from django_federation_delivery.conf import app_settings
-from django_federation_delivery.management.base import TranslatedCommand, named
+from django_federation_delivery.management.base import TranslatedCommand
 from django_federation_delivery.transport import Connections, Transport, escaped, status_text
 from django_federation_delivery.webhooks.deliveries import webhook_transport_settings
 from django_federation_delivery.webhooks.destinations import configured
@@ -41,7 +42,7 @@ class Command(TranslatedCommand):
         if destination is None:
             raise CommandError(
                 _("no webhook destination named %(name)s is configured (configured: %(known)s)")
-                % {"name": named(name), "known": escaped(", ".join(found.names)) or _("none")}
+                % {"name": quoted(name), "known": escaped(", ".join(found.names)) or _("none")}
             )
         if isinstance(destination, str):
             raise CommandError(destination)  # what is wrong, never the URL
