@@ -657,3 +657,31 @@ def test_every_host_action_acts_on_names_no_send_would_write(operator: Client, a
             assert not hosts.filter(paused_at__isnull=False).exists()
         case "mark_seen":
             assert not hosts.filter(unavailable_since__isnull=False).exists()
+
+
+def test_the_pages_show_a_breaker_and_a_host_with_a_blank_name(operator: Client) -> None:
+    open_breaker("")
+    Host.objects.create(name="", paused_at=timezone.now())
+    for page in (url("delivery", "queues"), url("breaker"), url("host")):
+        html(operator, page)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "delivery/?host=a%00b",
+        "delivery/?destination=a%00b",
+        "delivery/?status__exact=a%00b",
+        "delivery/?lane__exact=a%00b",
+        "delivery/?q=a%00b",
+        "batch/?tag=a%00b",
+        "batch/?q=a%00b",
+        "host/?q=a%00b",
+        "breaker/?q=a%00b",
+    ],
+)
+def test_a_filter_or_search_holding_a_nul_finds_nothing(operator: Client, query: str) -> None:
+    # PostgreSQL's text holds no NUL: a query with one must not reach it.
+    queue(tag="greeting")
+    response = operator.get(f"/admin/federation_delivery/{query}")
+    assert response.status_code in (200, 302), response.status_code

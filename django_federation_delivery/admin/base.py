@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import flatten_fieldsets
+from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.db.models import Model
 from django.http import HttpRequest, HttpResponse
@@ -81,6 +83,14 @@ class OperatorAdmin(_ModelAdmin[_M]):
             # One query for the whole page, rather than one a row.
             self.annotate_page(list(changelist["cl"].result_list))
         return response
+
+    def get_changelist_instance(self, request: HttpRequest) -> ChangeList:
+        # No text column holds a NUL (PostgreSQL's cannot): a filter or a
+        # search with one is refused as the admin refuses a bad lookup, by
+        # going back to the list unfiltered, not by a database error.
+        if any("\x00" in text for item in request.GET.lists() for text in (item[0], *item[1])):
+            raise IncorrectLookupParameters("a NUL in the query")
+        return super().get_changelist_instance(request)
 
     def annotate_page(self, rows: list[_M]) -> None:
         """Attach what the columns show to the page's rows, in one query."""

@@ -83,11 +83,14 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
         "open_breakers": [
             (
                 breaker,
+                # A blank key (a row no deliverer wrote) has no page to link to.
                 reverse(
                     "admin:federation_delivery_breaker_change",
                     args=[quote(breaker.key)],
                     current_app=site.name,
-                ),
+                )
+                if breaker.key
+                else "",
                 BREAKER_STATES.get(breaker.state, breaker.state),
             )
             for breaker in status.open_breakers
