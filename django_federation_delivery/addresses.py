@@ -41,6 +41,7 @@ __all__ = [
     "UnusableURL",
     "credentials",
     "delivery_key",
+    "escaped",
     "host_of",
     "normalize_inbox",
     "origin",
@@ -469,6 +470,18 @@ def redact(url: str, *, whole_path: bool = False) -> str:
     if len(text) > _MESSAGE_URL_LENGTH:
         text = text[: _MESSAGE_URL_LENGTH - 3] + "..."
     return text
+
+
+def escaped(text: str) -> str:
+    """``text`` safe to print or log: any character that is not printable
+    (an escape sequence, a bell, a line break, a bidi override) written as
+    its escape (``\\x1b``), never acted on by a terminal."""
+    if text.isprintable():
+        return text
+    return "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        for char in text
+    )
 
 
 #: The most of a name an error repeats.

@@ -11,7 +11,7 @@ from django.utils import timezone
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from django_federation_delivery.addresses import redact
+from django_federation_delivery.addresses import escaped, redact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +160,18 @@ class Batch(models.Model):
         ]
 
     def __str__(self) -> str:
-        label = self.tag or gettext("batch %(id)s") % {"id": self.pk}
+        # Shown in the admin's titles and links: as the host project gave it,
+        # with nothing that reads as something else (a bidi override).
+        label = escaped(self.tag) if self.tag else gettext("batch %(id)s") % {"id": self.pk}
         if self.event_type:
             return gettext("%(label)s: webhook event %(event)s") % {
                 "label": label,
-                "event": self.event_type,
+                "event": escaped(self.event_type),
             }
-        return gettext("%(label)s from %(sender)s") % {"label": label, "sender": self.sender}
+        return gettext("%(label)s from %(sender)s") % {
+            "label": label,
+            "sender": escaped(self.sender),
+        }
 
 
 class Delivery(models.Model):
@@ -358,7 +363,7 @@ class Host(models.Model):
         ]
 
     def __str__(self) -> str:
-        return self.name
+        return escaped(self.name)
 
 
 class Breaker(models.Model):
@@ -426,7 +431,10 @@ class DelivererHeartbeat(models.Model):
         indexes = [models.Index(fields=["last_seen"], name="fd_heartbeat_last_seen")]
 
     def __str__(self) -> str:
-        return gettext("deliverer pid %(pid)d on %(host)s") % {"pid": self.pid, "host": self.host}
+        return gettext("deliverer pid %(pid)d on %(host)s") % {
+            "pid": self.pid,
+            "host": escaped(self.host),
+        }
 
 
 class DeliveryHistory(models.Model):

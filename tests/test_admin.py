@@ -647,7 +647,7 @@ def test_every_host_action_acts_on_names_no_send_would_write(operator: Client, a
             unavailable_since=since,
             paused_at=since if action == "resume" else None,
         )
-    html(operator, url("host"))
+    assert shown_as_text(html(operator, url("host")))
     act(operator, "host", action, HOSTILE_NAMES)
     hosts = Host.objects.filter(name__in=HOSTILE_NAMES)
     match action:
@@ -685,3 +685,49 @@ def test_a_filter_or_search_holding_a_nul_finds_nothing(operator: Client, query:
     queue(tag="greeting")
     response = operator.get(f"/admin/federation_delivery/{query}")
     assert response.status_code in (200, 302), response.status_code
+
+
+def shown_as_text(page: str) -> bool:
+    """Whether a page's text (not its tags, whose attributes may carry a row's
+    key to act on it) holds nothing that reads as something else or as nothing."""
+    text = re.sub(r"<[^>]*>", "", page)
+    hidden = {char for char in text if not char.isprintable() and char not in "\n\t\r"}
+    assert not hidden, re.findall(r".{0,200}[\u202e\x1b].{0,40}", text)
+    return True
+
+
+def test_every_page_shows_text_rows_keep_as_it_came_escaped(operator: Client) -> None:
+    # What a host project gave (a tag, a sender, an event) and what a row no
+    # send wrote holds (a host): a bidi override would reorder what is shown.
+    bidi, escape = "\u202e", "\x1b[2J"
+    batch = queue(tag=f"tag{bidi}", hosts=["h.example"], per_host=1)
+    Batch.objects.filter(pk=batch.pk).update(
+        sender=f"https://a.example/{escape}actor",
+        activity_id=f"https://a.example/{bidi}1",
+        object_id=f"https://a.example/{bidi}2",
+        ordering_key=f"key{bidi}",
+        idempotency_key=f"idem{bidi}",
+    )
+    delivery = batch.deliveries.get()
+    Delivery.objects.filter(pk=delivery.pk).update(
+        host=f"h{bidi}.example", last_error=f"boom{bidi}", attempts=1, last_status=503
+    )
+    Host.objects.create(name=f"h{bidi}.example", last_error=f"boom{escape}")
+    Host.objects.create(name=f"p{bidi}.example", paused_at=timezone.now())
+    open_breaker(f"h{bidi}.example")
+    now = timezone.now()
+    DelivererHeartbeat.objects.create(
+        host=f"machine{bidi}", pid=1, version=f"1{bidi}", started_at=now, last_seen=now, interval=5
+    )
+    for page in (
+        url("delivery"),
+        url("delivery", "change", delivery.pk),
+        url("batch"),
+        url("batch", "change", batch.pk),
+        f"{url('batch')}?tag=tag{bidi}",
+        url("host"),
+        url("host", "change", f"h{bidi}.example"),
+        url("breaker"),
+        url("delivery", "queues"),
+    ):
+        assert shown_as_text(html(operator, page)), page

@@ -214,7 +214,9 @@ def test_a_webhook_delivery_shows_its_destination_and_event_never_a_url(
     batch_list = html(operator, url("batch"))
     assert '<td class="field-event">alert.raised</td>' in batch_list
     batch_page = html(operator, url("batch", "change", delivery.batch_id))
-    assert re.search(r'field-event_id">.*?<div class="readonly">evt-42</div>', batch_page, re.S)
+    assert re.search(
+        r'field-shown_event_id">.*?<div class="readonly">evt-42</div>', batch_page, re.S
+    )
 
 
 @pytest.mark.django_db

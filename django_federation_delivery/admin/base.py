@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlencode
 
@@ -23,7 +24,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import controls, hosts
-from django_federation_delivery.addresses import host_named
+from django_federation_delivery.addresses import escaped, host_named
 from django_federation_delivery.models import Delivery, Host, Status
 
 _M = TypeVar("_M", bound=Model)
@@ -94,6 +95,26 @@ class OperatorAdmin(_ModelAdmin[_M]):
 
     def annotate_page(self, rows: list[_M]) -> None:
         """Attach what the columns show to the page's rows, in one query."""
+
+
+def shown(value: object) -> str:
+    """Text a row keeps as it came (a host project's tag, a stranger's host),
+    as a page shows it: what would show as something else or as nothing (a
+    bidi override, an escape, a line break) written as its escape."""
+    return escaped(str(value))
+
+
+def kept_text(model: type[Model], field: str, *, blank: str = "") -> Callable[[Any, Any], str]:
+    """A column, or a field of a row's page, showing ``model``'s ``field``
+    :func:`shown`, under the field's name and sorted by it."""
+    found = model._meta.get_field(field)
+    description = getattr(found, "verbose_name", field)
+
+    def column(model_admin: Any, obj: Any) -> str:
+        value = getattr(obj, field)
+        return shown(value) if value not in (None, "") else blank
+
+    return admin.display(description=description, ordering=field)(column)
 
 
 def host_searched(search_term: str) -> str:

@@ -17,9 +17,11 @@ from django_federation_delivery import controls
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     changelist_url,
+    kept_text,
     pending_count,
     pretty_json,
     report,
+    shown,
 )
 from django_federation_delivery.models import Batch, Delivery, Status
 
@@ -53,7 +55,7 @@ class TagFilter(admin.SimpleListFilter):
         )
         if self.value():
             tags.add(str(self.value()))
-        return [(tag, tag) for tag in sorted(tags - {""})]
+        return [(tag, shown(tag)) for tag in sorted(tags - {""})]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -103,24 +105,45 @@ def batch_progress(batch_ids: Iterable[int]) -> dict[int, dict[str, int]]:
 
 @admin.register(Batch)
 class BatchAdmin(OperatorAdmin[Batch]):
-    list_display = ("id", "tag", "sender", "event", "created_at", "deadline", "lane", "progress")
+    list_display = (
+        "id",
+        "shown_tag",
+        "shown_sender",
+        "event",
+        "created_at",
+        "deadline",
+        "lane",
+        "progress",
+    )
     list_filter = (TagFilter, BatchStateFilter, "lane")
     search_fields = ("tag", "sender", "event_type", "=idempotency_key")
     ordering = ("-created_at",)
     actions = ("requeue_failed", "cancel_pending")
     fieldsets = (
-        (None, {"fields": ("tag", "sender", "lane", "created_at", "deadline", "finished_at")}),
+        (
+            None,
+            {
+                "fields": (
+                    "shown_tag",
+                    "shown_sender",
+                    "lane",
+                    "created_at",
+                    "deadline",
+                    "finished_at",
+                )
+            },
+        ),
         (_("Deliveries"), {"fields": ("progress", "deliveries", "size", "remaining")}),
         # What a later Delete or Undo by the sender overtakes (retractions.py).
-        (_("About"), {"fields": ("activity_id", "object_id")}),
+        (_("About"), {"fields": ("shown_activity_id", "shown_object_id")}),
         (
             _("Options"),
             {
                 "fields": (
                     "max_attempts",
-                    "ordering_key",
+                    "shown_ordering_key",
                     "synchronize_collection",
-                    "idempotency_key",
+                    "shown_idempotency_key",
                 ),
                 "classes": ("collapse",),
             },
@@ -133,9 +156,9 @@ class BatchAdmin(OperatorAdmin[Batch]):
             None,
             {
                 "fields": (
-                    "tag",
-                    "event_type",
-                    "event_id",
+                    "shown_tag",
+                    "shown_event_type",
+                    "shown_event_id",
                     "lane",
                     "created_at",
                     "deadline",
@@ -169,9 +192,19 @@ class BatchAdmin(OperatorAdmin[Batch]):
         )
         return progress_bar(counts)
 
+    # What the host project gave, shown with nothing that reads as something else.
+    shown_tag = kept_text(Batch, "tag")
+    shown_sender = kept_text(Batch, "sender")
+    shown_activity_id = kept_text(Batch, "activity_id")
+    shown_object_id = kept_text(Batch, "object_id")
+    shown_ordering_key = kept_text(Batch, "ordering_key")
+    shown_idempotency_key = kept_text(Batch, "idempotency_key")
+    shown_event_type = kept_text(Batch, "event_type")
+    shown_event_id = kept_text(Batch, "event_id")
+
     @admin.display(description=_("event"), ordering="event_type")
     def event(self, obj: Batch) -> str:
-        return obj.event_type or "—"
+        return shown(obj.event_type) if obj.event_type else "—"
 
     @admin.display(description=_("deliveries"))
     def deliveries(self, obj: Batch) -> SafeString:

@@ -22,11 +22,13 @@ from django_federation_delivery.addresses import redact
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     host_searched,
+    kept_text,
     next_due,
     pause_and_report,
     pending_count,
     pretty_json,
     report,
+    shown,
 )
 from django_federation_delivery.admin.destinations import destinations_page, enable_destination
 from django_federation_delivery.admin.queues import queues_page
@@ -98,7 +100,7 @@ class HostFilter(admin.SimpleListFilter):
         names = {*paused[: self.offered], *failing.values_list("key", flat=True)[: self.offered]}
         if self.value():
             names.add(str(self.value()))
-        return [(name, name) for name in sorted(names)]
+        return [(name, shown(name)) for name in sorted(names)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -133,7 +135,7 @@ class DestinationFilter(admin.SimpleListFilter):
             names = set()
         if self.value():
             names.add(str(self.value()))
-        return [(name, name) for name in sorted(names)]
+        return [(name, shown(name)) for name in sorted(names)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -145,7 +147,7 @@ class DestinationFilter(admin.SimpleListFilter):
 class DeliveryAdmin(OperatorAdmin[Delivery]):
     list_display = (
         "id",
-        "host",
+        "shown_host",
         "shown_inbox",
         "sender",
         "event",
@@ -172,7 +174,10 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     ordering = ("-id",)
     actions = ("requeue", "give_up", "pause_hosts")
     fieldsets = (
-        (None, {"fields": ("batch_link", "shown_inbox", "host", "shown_via", "lane", "status")}),
+        (
+            None,
+            {"fields": ("batch_link", "shown_inbox", "shown_host", "shown_via", "lane", "status")},
+        ),
         (
             _("Attempts"),
             {
@@ -182,7 +187,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
                     "due_at",
                     "last_attempt_at",
                     "last_status",
-                    "last_error",
+                    "shown_last_error",
                     "settled_at",
                 )
             },
@@ -252,18 +257,21 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     def shown_inbox(self, obj: Delivery) -> str:
         return redact(obj.inbox)
 
+    shown_host = kept_text(Delivery, "host")
+    shown_last_error = kept_text(Delivery, "last_error")
+
     # A webhook delivery names its destination, whose URL is never shown.
     @admin.display(description=_("webhook destination"))
     def destination(self, obj: Delivery) -> str:
-        return obj.destination or "—"
+        return shown(obj.destination) if obj.destination else "—"
 
     @admin.display(description=_("event"), ordering="batch__event_type")
     def event(self, obj: Delivery) -> str:
-        return obj.batch.event_type or "—"
+        return shown(obj.batch.event_type) if obj.batch.event_type else "—"
 
     @admin.display(description=_("event id"))
     def event_id(self, obj: Delivery) -> str:
-        return obj.batch.event_id or "—"
+        return shown(obj.batch.event_id) if obj.batch.event_id else "—"
 
     @admin.display(description=_("via"))
     def shown_via(self, obj: Delivery) -> str:
@@ -271,7 +279,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
 
     @admin.display(description=_("sender"), ordering="batch__sender")
     def sender(self, obj: Delivery) -> str:
-        return obj.batch.sender
+        return shown(obj.batch.sender)
 
     @admin.display(description=_("next due"), ordering="due_at")
     def next_due(self, obj: Delivery) -> str:
@@ -279,7 +287,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
 
     @admin.display(description=_("last error"))
     def short_error(self, obj: Delivery) -> str:
-        return Truncator(obj.last_error).chars(80)
+        return Truncator(shown(obj.last_error)).chars(80)
 
     @admin.display(description=_("batch"))
     def batch_link(self, obj: Delivery) -> SafeString:

@@ -21,6 +21,7 @@ from django_federation_delivery.admin.base import (
     OperatorAdmin,
     give_up_and_report,
     host_searched,
+    kept_text,
     pause_and_report,
     report,
     resume_and_report,
@@ -197,7 +198,7 @@ def host_pending(names: Iterable[str]) -> dict[str, tuple[int, int]]:
 class HostAdmin(OperatorAdmin[Host]):
     # Sorted by trouble: unavailable, failing (longest first), paused, then the rest.
     list_display = (
-        "name",
+        "shown_name",
         "trouble",
         "failing_since",
         "unavailable_since",
@@ -227,7 +228,7 @@ class HostAdmin(OperatorAdmin[Host]):
             None,
             {
                 "fields": (
-                    "name",
+                    "shown_name",
                     "trouble",
                     "first_seen_at",
                     "last_delivered_at",
@@ -251,13 +252,17 @@ class HostAdmin(OperatorAdmin[Host]):
                     "resting",
                     "pending",
                     "last_day",
-                    "last_error",
+                    "shown_last_error",
                     "last_error_at",
                     "updated_at",
                 )
             },
         ),
     )
+
+    # A name as kept: an inbox's host, or whatever a row no send wrote holds.
+    shown_name = kept_text(Host, "name", blank="—")
+    shown_last_error = kept_text(Host, "last_error")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Host]:
         # Annotated before it is ordered: the order is by trouble.

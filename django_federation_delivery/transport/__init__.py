@@ -43,6 +43,7 @@ import requests
 import requests.adapters
 import urllib3.exceptions
 
+from django_federation_delivery.addresses import escaped
 from django_federation_delivery.exceptions import (
     AttemptTimeout,
     TransportError,
@@ -118,18 +119,6 @@ class Answer:
     body: bytes
     #: Seconds from the start of the exchange to the end of reading the body.
     elapsed: float
-
-
-def escaped(text: str) -> str:
-    """``text`` safe to print or log: any character that is not printable
-    (an escape sequence, a bell, a line break, a bidi override) written as
-    its escape (``\\x1b``), never acted on by a terminal."""
-    if text.isprintable():
-        return text
-    return "".join(
-        char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
-        for char in text
-    )
 
 
 def answer_text(text: str) -> str:
