@@ -16,7 +16,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import send
+from django_federation_delivery import send, send_webhook
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.hoststats import SAMPLES, HostStats
 from django_federation_delivery.limits import REST, HostLimits
@@ -240,6 +240,20 @@ def test_a_host_is_shown_however_it_is_written(named: str) -> None:
     call_command("delivery_status", "--host", named, stdout=out)
     assert out.getvalue().startswith("xn--bcher-kva.example\n")
     assert re.search(r"pending \(held\)\s+1 \(0\)", out.getvalue())
+
+
+@pytest.mark.django_db
+def test_a_webhook_destination_is_shown_by_its_key(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com/services/T0PIC/B0PIC/picS3cret"},
+    }
+    send_webhook("ops", "alert.raised", {"host": "db1"})
+    out = StringIO()
+    call_command("delivery_status", "--host", "<ops>", stdout=out)
+    assert out.getvalue().startswith("<ops>\n")
+    assert re.search(r"pending \(held\)\s+1 \(0\)", out.getvalue())
+    assert "picS3cret" not in out.getvalue()
 
 
 @pytest.mark.django_db

@@ -148,6 +148,10 @@ def test_the_drain_bar_counts_deliveries_that_left_the_queue_never_past_what_was
         "[############..................] 4/10",
         "[##############################] 10/10",
     ]
+    # Nothing due: nothing left to do, not one thing of one.
+    said.clear()
+    drain_progress(0, said.append)(Summary())
+    assert said[0].split("  ")[1] == "[##############################] 0/0"
 
 
 @pytest.mark.parametrize("option", ["--concurrency", "--per-host", "--per-host-max"])

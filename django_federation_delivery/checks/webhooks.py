@@ -60,10 +60,11 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         Error(
             problem,
             hint=_(
-                "Set %(variable)s (read by webhooks_from_env) to a URL of one of the "
-                "forms in the README's 'Webhooks (destinations)'."
+                "Set %(name)r in WEBHOOKS (its variable %(variable)s, where "
+                "webhooks_from_env reads them) to a URL of one of the forms in the "
+                "README's 'Webhooks (destinations)'."
             )
-            % {"variable": f"WEBHOOK_{name.upper()}"},
+            % {"name": name, "variable": f"WEBHOOK_{name.upper()}"},
             id=f"{PREFIX}.E031",
         )
         for name, problem in configured().problems.items()
@@ -150,10 +151,11 @@ def check_removed_destinations(
                 )
                 % {"count": destination.pending, "name": destination.name},
                 hint=_(
-                    "Set %(variable)s again (read by webhooks_from_env) to deliver them, "
-                    "or give them up in the admin."
+                    "Set %(name)r in WEBHOOKS again (its variable %(variable)s, where "
+                    "webhooks_from_env reads them) to deliver them, or give them up in "
+                    "the admin."
                 )
-                % {"variable": f"WEBHOOK_{destination.name.upper()}"},
+                % {"name": destination.name, "variable": f"WEBHOOK_{destination.name.upper()}"},
                 id=f"{PREFIX}.W004",
             )
             for destination in destinations

@@ -62,8 +62,10 @@ def drain_progress(due: int, say: Say) -> Callable[[Summary], None]:
 
     def progress(summary: Summary) -> None:
         done = summary.delivered + summary.refused + summary.failed + summary.skipped
-        total = max(due, done, 1)
-        filled = round(BAR * done / total)
+        # What came due since the start (a retry's wait ending, a new send)
+        # carries the count past what was due: the total follows it.
+        total = max(due, done)
+        filled = round(BAR * done / total) if total else BAR
         bar = "#" * filled + "." * (BAR - filled)
         say(f"  [{bar}] {done}/{total}  {summary.line()}")
 
