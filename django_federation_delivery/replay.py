@@ -53,6 +53,16 @@ def replay(
     return replay_host(key, since=since, using=using)
 
 
+def to_replay(keys: list[str], *, since: dt.datetime, using: str | None = None) -> int:
+    """How many deliveries :func:`replay_host` of each of ``keys`` would queue
+    again: one count on the index of (host, status)."""
+    return (
+        Delivery.objects.using(using or DEFAULT_DB_ALIAS)
+        .filter(host__in=keys, status__in=REPLAYED, settled_at__gte=since)
+        .count()
+    )
+
+
 def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> list[Batch]:
     """:func:`replay` for the deliveries whose host is exactly ``key``, as a
     ``Host`` row names it (the admin's action): read as it is, whatever it holds."""

@@ -215,3 +215,28 @@ def test_an_operator_sends_a_host_its_last_day_again_from_the_admin() -> None:
     said = act(login("operator"), "host", "replay_day", ["a.example"])
     assert said == ["Queued again: 2 deliveries, in 1 new batch."]
     assert Delivery.objects.filter(status=Status.PENDING).count() == 2
+
+
+@pytest.mark.django_db
+def test_the_admin_leaves_a_replay_too_big_for_one_request_to_the_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django_federation_delivery.admin import hosts
+    from django_federation_delivery.models import Host
+
+    from .test_admin import act, login
+
+    monkeypatch.setattr(hosts, "MOST_REPLAYED", 1)
+    batch = send(ALICE, note(1), ["https://a.example/u1/inbox", "https://a.example/u2/inbox"])
+    assert batch is not None
+    settle(batch, Status.DELIVERED, timezone.now() - dt.timedelta(hours=2))
+    Host.objects.create(name="a.example")
+    said = act(login("operator"), "host", "replay_day", ["a.example"])
+    assert said == [
+        "2 deliveries to replay are more than one page's request should write (1): "
+        "nothing was queued. Run manage.py delivery_replay --host NAME --since 24h "
+        "for each host instead."
+    ]
+    assert not Delivery.objects.filter(status=Status.PENDING).exists()
+    call_command("delivery_replay", "--host=a.example", "--since=24h", stdout=StringIO())
+    assert Delivery.objects.filter(status=Status.PENDING).count() == 2

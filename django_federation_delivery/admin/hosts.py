@@ -6,7 +6,7 @@ import datetime as dt
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.utils import display_for_value
 from django.db import transaction
 from django.db.models import Count, Q, QuerySet
@@ -37,10 +37,14 @@ from django_federation_delivery.picture import (
     milliseconds,
     resting_until,
 )
-from django_federation_delivery.replay import replay_host, replayed
+from django_federation_delivery.replay import replay_host, replayed, to_replay
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
+
+#: The most deliveries the hosts list's replay queues in one request; more
+#: are left to ``manage.py delivery_replay``.
+MOST_REPLAYED = 10_000
 
 
 class BreakerStateFilter(admin.SimpleListFilter):
@@ -362,12 +366,23 @@ class HostAdmin(OperatorAdmin[Host]):
     )
     def replay_day(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         since = timezone.now() - dt.timedelta(days=1)
+        names = list(queryset.values_list("name", flat=True))
+        count = to_replay(names, since=since)
+        if count > MOST_REPLAYED:
+            # At about a millisecond each, past a web server's time limit.
+            self.message_user(
+                request,
+                gettext(
+                    "%(count)d deliveries to replay are more than one page's request "
+                    "should write (%(most)d): nothing was queued. Run manage.py "
+                    "delivery_replay --host NAME --since 24h for each host instead."
+                )
+                % {"count": count, "most": MOST_REPLAYED},
+                messages.WARNING,
+            )
+            return
         with transaction.atomic():
-            batches = [
-                batch
-                for name in queryset.values_list("name", flat=True)
-                for batch in replay_host(name, since=since)
-            ]
+            batches = [batch for name in names for batch in replay_host(name, since=since)]
         self.message_user(request, replayed(batches))
 
     @admin.action(
