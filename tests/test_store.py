@@ -436,6 +436,31 @@ def test_waiting_and_settled_deliveries_are_found_through_indexes_of_those_rows_
 
 
 @pytest.mark.django_db(transaction=True)
+def test_what_an_ordered_send_waits_on_is_found_in_the_sequences_index() -> None:
+    # A webhook destination down for a day has thousands of events pending:
+    # each new event finds the last of its sequence in the partial index on
+    # (sequence, id), never by reading every pending row.
+    from django_federation_delivery.store import sequences
+
+    emptied_for_the_planner()
+    send(ALICE, NOTE, inboxes(2000, "pending.example"))
+    send_batch(ALICE, NOTE, inboxes(3), {"ordering_key": "note-1"})
+    analyze()
+    with statements_run() as executed, transaction.atomic():
+        found = sequences.last_of_sequences("note-1", None, inboxes(3), "default")
+    assert len(found) == 3
+    looked = [(sql, params) for sql, params in executed if "ORDER BY d.id DESC" in sql]
+    assert len(looked) == 1, executed
+    explain = "EXPLAIN" if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN"
+    with connection.cursor() as cursor:
+        cursor.execute(f"{explain} {looked[0][0]}", looked[0][1])
+        plan = " ".join(str(row) for row in cursor.fetchall())
+    # A step back in the index a sequence, never a read of all its entries.
+    assert "fd_delivery_sequence" in plan, plan
+    assert "GROUP BY" not in plan and "Aggregate" not in plan, plan
+
+
+@pytest.mark.django_db(transaction=True)
 def test_concurrent_claims_never_take_the_same_delivery() -> None:
     send(ALICE, NOTE, inboxes(200))
     taken: list[list[int]] = []

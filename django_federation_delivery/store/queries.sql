@@ -329,6 +329,28 @@ SELECT count(CASE WHEN shared THEN pg_advisory_xact_lock_shared(key)
     ELSE pg_advisory_xact_lock(key) END)
 FROM unnest(%(keys)s::bigint[], %(shared)s::boolean[]) AS k(key, shared)
 
+-- name: last_of_sequences [postgresql]
+-- The last pending delivery of each of %(sequences)s (not of the batch
+-- %(batch)s), or NULL: one step back in the partial index on (sequence,
+-- id) a sequence, however long its backlog. (Grouped, with MAX, every entry
+-- of the sequence was read: 27 ms at 50,000 pending.)
+SELECT s.sequence, (
+    SELECT d.id FROM {delivery} AS d
+    WHERE d.sequence = s.sequence AND d.status = {pending} AND d.sequence <> ''
+        AND d.batch_id <> %(batch)s
+    ORDER BY d.id DESC LIMIT 1
+) FROM unnest(%(sequences)s::varchar[]) AS s(sequence)
+
+-- name: last_of_sequences [sqlite]
+-- The index's own condition written out as the index says it: SQLite uses
+-- a partial index only for a query that says each of its terms.
+SELECT s.value, (
+    SELECT d.id FROM {delivery} AS d
+    WHERE d.sequence = s.value AND d.status = {pending} AND NOT (d.sequence = '')
+        AND d.batch_id <> %(batch)s
+    ORDER BY d.id DESC LIMIT 1
+) FROM json_each(%(sequences)s) AS s
+
 -- name: release_next [postgresql]
 -- Those waiting on %(ids)s made due: one read of the index on after_id.
 UPDATE {delivery} SET due_at = %(now)s, after_id = NULL

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
-
-from django.db.models import Max
 
 from django_federation_delivery.dialect import connection_for, db_datetime, is_postgresql
 from django_federation_delivery.models import Delivery, Status
@@ -45,33 +44,35 @@ def last_of_sequences(
     if not ordering_key:
         return {}
     by_sequence = {sequence_of(ordering_key, inbox): inbox for inbox in inboxes}
-    pending = Delivery.objects.using(alias).filter(status=Status.PENDING)
-    if batch_id is not None:
-        pending = pending.exclude(batch_id=batch_id)
-    locks = connection_for(alias).features.has_select_for_update
+    connection = connection_for(alias)
+    locks = connection.features.has_select_for_update
     last: dict[str, int] = {}
     sequences = list(by_sequence)
-    for start in range(0, len(sequences), 500):
-        todo = sequences[start : start + 500]
-        while todo:
-            found = dict(
-                pending.filter(sequence__in=todo)
-                .values("sequence")
-                .annotate(last=Max("id"))
-                .values_list("sequence", "last")
-            )
-            held = set(found.values())
-            if locks and found:
-                held = set(
-                    pending.select_for_update()
-                    .filter(id__in=list(found.values()))
-                    .values_list("id", flat=True)
-                )
-            for sequence, id in found.items():
-                if id in held:
-                    last[by_sequence[sequence]] = id
-            # What settled in between: look again for what is pending before it.
-            todo = [sequence for sequence, id in found.items() if id not in held]
+    with sql.on(connection) as db:
+        for start in range(0, len(sequences), 500):
+            todo = sequences[start : start + 500]
+            while todo:
+                given = todo if db.postgresql else json.dumps(todo)
+                found = {
+                    sequence: id
+                    for sequence, id in db.all(
+                        "last_of_sequences", sequences=given, batch=batch_id or 0
+                    )
+                    if id is not None
+                }
+                held = set(found.values())
+                if locks and found:
+                    held = set(
+                        Delivery.objects.using(alias)
+                        .select_for_update()
+                        .filter(id__in=list(found.values()), status=Status.PENDING)
+                        .values_list("id", flat=True)
+                    )
+                for sequence, id in found.items():
+                    if id in held:
+                        last[by_sequence[sequence]] = id
+                # What settled in between: look again for what is pending before it.
+                todo = [sequence for sequence, id in found.items() if id not in held]
     return last
 
 
