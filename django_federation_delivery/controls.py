@@ -13,8 +13,9 @@ from collections.abc import Iterable
 from django.db.models import QuerySet
 
 from django_federation_delivery import breakers, hosts, signals
-from django_federation_delivery.addresses import required_host
+from django_federation_delivery.addresses import normalize_inbox, quoted, redact, required_host
 from django_federation_delivery.availability import mark_host_seen
+from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.settling import failure
 from django_federation_delivery.store import settlements
@@ -53,8 +54,19 @@ def resume_host(host: str) -> int:
 
 
 def reset_breaker(key: str) -> int:
-    """Forget a breaker (a host, or an inbox): closed, its count at nought."""
-    return breakers.reset_breaker(key)
+    """Forget a breaker: closed, its count at nought. Returns how many were
+    forgotten (0 or 1). ``key`` is a host, read as :func:`pause_host` reads
+    it, or an inbox's URL in any spelling, for a breaker kept per inbox
+    (``BREAKER = {"SCOPE": "inbox"}``). ``ValueError`` naming it if it is
+    neither, with nothing changed."""
+    if "://" in str(key):
+        try:
+            return breakers.reset_breaker(redact(normalize_inbox(key)))
+        except InvalidDelivery:
+            raise ValueError(
+                f"reset_breaker needs a host name or an inbox's URL, not {quoted(str(key))}"
+            ) from None
+    return breakers.reset_breaker(required_host(key, "reset_breaker"))
 
 
 def give_up_host(host: str, reason: str = "given up by an operator") -> int:

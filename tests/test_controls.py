@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from django_federation_delivery import controls, send, signals
-from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.store import settlements
 
 from .keys import ALICE
@@ -80,3 +80,26 @@ def test_a_host_that_names_none_is_refused_naming_it_with_nothing_changed(
     assert "s3cret" not in str(raised.value) and "\x1b" not in str(raised.value)
     assert not Host.objects.exists()
     assert Delivery.objects.get().status == Status.PENDING
+
+
+def test_a_breaker_is_reset_by_its_host_or_its_inbox_in_any_spelling() -> None:
+    from .operators import open_breaker
+
+    open_breaker("xn--bcher-kva.example")
+    open_breaker("https://b.example/users/bob/inbox")
+    assert controls.reset_breaker("Bücher.Example.") == 1
+    # A per-inbox breaker is keyed by the inbox without its query (a token).
+    assert controls.reset_breaker("HTTPS://B.example:443/users/bob/inbox?token=s3cret") == 1
+    assert not Breaker.objects.exists()
+    assert controls.reset_breaker("c.example") == 0
+
+
+@pytest.mark.parametrize("bad", ["", "https:///inbox?token=s3cret", "ftp://a.example/x", "a\x1bb"])
+def test_a_breaker_named_by_neither_is_refused_naming_it(bad: str) -> None:
+    from .operators import open_breaker
+
+    open_breaker("a.example")
+    with pytest.raises(ValueError, match="reset_breaker needs a host name") as raised:
+        controls.reset_breaker(bad)
+    assert "s3cret" not in str(raised.value) and "\x1b" not in str(raised.value)
+    assert Breaker.objects.count() == 1

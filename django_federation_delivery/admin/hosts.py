@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_federation_delivery import controls
+from django_federation_delivery import breakers
 from django_federation_delivery.addresses import host_of, redact
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
@@ -96,7 +96,9 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
 
     @admin.action(permissions=["change"], description=_("Reset the selected breakers (closed)"))
     def reset(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
-        count = sum(controls.reset_breaker(key) for key in queryset.values_list("key", flat=True))
+        # Each by its key as kept, whatever it holds.
+        keys = queryset.values_list("key", flat=True)
+        count = sum(breakers.reset_breaker(key) for key in keys)
         report(
             self,
             request,
