@@ -77,7 +77,9 @@ def test_four_processes_of_sixteen_deliver_each_delivery_exactly_once(
     process = processes(
         "--drain", "--processes=4", "--concurrency=16", "--per-host=4", env=subprocess_env()
     )
-    assert process.wait(120) == 0, output(tmp_path)
+    # Bounded under the lease, as a slow shared machine needs (it took 18 s
+    # alone, and over 120 s beside the other slow tests on two cores).
+    assert process.wait(280) == 0, output(tmp_path)
     took = time.monotonic() - started
     text = output(tmp_path)
     assert len(set(re.findall(r"\[deliverer (\d)/4 pid \d+\] Done:", text))) == 4
