@@ -472,10 +472,12 @@ def redact(url: str, *, whole_path: bool = False) -> str:
     return text
 
 
-def escaped(text: str) -> str:
-    """``text`` safe to print or log: any character that is not printable
-    (an escape sequence, a bell, a line break, a bidi override) written as
-    its escape (``\\x1b``), never acted on by a terminal."""
+def escaped(value: object) -> str:
+    """``value`` as text safe to print, log or show on a page: any character
+    that is not printable (an escape sequence, a bell, a line break, a bidi
+    override) written as its escape (``\\x1b``), never acted on by a
+    terminal nor read as something else."""
+    text = value if isinstance(value, str) else str(value)
     if text.isprintable():
         return text
     return "".join(

@@ -37,7 +37,7 @@ from django_federation_delivery import addresses, signals
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
 from django_federation_delivery.store.locks import write_first
-from django_federation_delivery.transport import Transport, TransportSettings, escaped
+from django_federation_delivery.transport import Transport, TransportSettings
 
 __all__ = ["mark_host_seen", "mark_unavailable", "probe", "probe_due", "unavailable_hosts"]
 
@@ -154,7 +154,7 @@ def mark_seen(host: str, *, using: str | None = None) -> bool:
             )
     forget_known()
     if unavailable is not None:
-        logger.warning("Host %s seen again: no longer unavailable", escaped(host))
+        logger.warning("Host %s seen again: no longer unavailable", addresses.escaped(host))
     return unavailable is not None
 
 

@@ -53,7 +53,7 @@ class BreakerSettings:
         """The breaker of ``inbox`` on ``host``: the host's, or the inbox's
         without its userinfo and query, which may be credentials (the key is
         shown, and in the admin's URLs)."""
-        return host if self.scope is Scope.HOST else addresses.redact(inbox)
+        return host if self.scope is Scope.HOST else inbox_key(inbox)
 
     @classmethod
     def from_settings(cls) -> BreakerSettings | None:
@@ -214,6 +214,12 @@ def record_probe(
         probe_until=None,
         updated_at=now,
     )
+
+
+def inbox_key(inbox: str) -> str:
+    """The key of a breaker kept per inbox: the canonical inbox without its
+    userinfo and query, which may be credentials (the key is shown)."""
+    return addresses.redact(inbox)
 
 
 def reset_breaker(key: str, *, using: str | None = None) -> int:

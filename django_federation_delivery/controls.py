@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from django.db.models import QuerySet
 
 from django_federation_delivery import breakers, hosts, signals
-from django_federation_delivery.addresses import normalize_inbox, quoted, redact, required_host
+from django_federation_delivery.addresses import normalize_inbox, quoted, required_host
 from django_federation_delivery.availability import mark_host_seen
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery, Status
@@ -61,7 +61,7 @@ def reset_breaker(key: str) -> int:
     neither, with nothing changed."""
     if "://" in str(key):
         try:
-            return breakers.reset_breaker(redact(normalize_inbox(key)))
+            return breakers.reset_breaker(breakers.inbox_key(normalize_inbox(key)))
         except InvalidDelivery:
             raise ValueError(
                 f"reset_breaker needs a host name or an inbox's URL, not {quoted(str(key))}"

@@ -97,22 +97,16 @@ class OperatorAdmin(_ModelAdmin[_M]):
         """Attach what the columns show to the page's rows, in one query."""
 
 
-def shown(value: object) -> str:
-    """Text a row keeps as it came (a host project's tag, a stranger's host),
-    as a page shows it: what would show as something else or as nothing (a
-    bidi override, an escape, a line break) written as its escape."""
-    return escaped(str(value))
-
-
 def kept_text(model: type[Model], field: str, *, blank: str = "") -> Callable[[Any, Any], str]:
-    """A column, or a field of a row's page, showing ``model``'s ``field``
-    :func:`shown`, under the field's name and sorted by it."""
+    """A column, or a field of a row's page, showing ``model``'s ``field`` as
+    it was given (a host project's tag, a stranger's host) :func:`escaped`,
+    under the field's name and sorted by it."""
     found = model._meta.get_field(field)
     description = getattr(found, "verbose_name", field)
 
     def column(model_admin: Any, obj: Any) -> str:
         value = getattr(obj, field)
-        return shown(value) if value not in (None, "") else blank
+        return escaped(value) if value not in (None, "") else blank
 
     return admin.display(description=description, ordering=field)(column)
 

@@ -14,6 +14,7 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import controls
+from django_federation_delivery.addresses import escaped
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     changelist_url,
@@ -21,7 +22,6 @@ from django_federation_delivery.admin.base import (
     pending_count,
     pretty_json,
     report,
-    shown,
 )
 from django_federation_delivery.models import Batch, Delivery, Status
 
@@ -55,7 +55,7 @@ class TagFilter(admin.SimpleListFilter):
         )
         if self.value():
             tags.add(str(self.value()))
-        return [(tag, shown(tag)) for tag in sorted(tags - {""})]
+        return [(tag, escaped(tag)) for tag in sorted(tags - {""})]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -204,7 +204,7 @@ class BatchAdmin(OperatorAdmin[Batch]):
 
     @admin.display(description=_("event"), ordering="event_type")
     def event(self, obj: Batch) -> str:
-        return shown(obj.event_type) if obj.event_type else "—"
+        return escaped(obj.event_type) if obj.event_type else "—"
 
     @admin.display(description=_("deliveries"))
     def deliveries(self, obj: Batch) -> SafeString:

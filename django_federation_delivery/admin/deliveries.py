@@ -18,7 +18,7 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import controls
-from django_federation_delivery.addresses import redact
+from django_federation_delivery.addresses import escaped, redact
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     host_searched,
@@ -28,7 +28,6 @@ from django_federation_delivery.admin.base import (
     pending_count,
     pretty_json,
     report,
-    shown,
 )
 from django_federation_delivery.admin.destinations import destinations_page, enable_destination
 from django_federation_delivery.admin.queues import queues_page
@@ -100,7 +99,7 @@ class HostFilter(admin.SimpleListFilter):
         names = {*paused[: self.offered], *failing.values_list("key", flat=True)[: self.offered]}
         if self.value():
             names.add(str(self.value()))
-        return [(name, shown(name)) for name in sorted(names)]
+        return [(name, escaped(name)) for name in sorted(names)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -135,7 +134,7 @@ class DestinationFilter(admin.SimpleListFilter):
             names = set()
         if self.value():
             names.add(str(self.value()))
-        return [(name, shown(name)) for name in sorted(names)]
+        return [(name, escaped(name)) for name in sorted(names)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -263,15 +262,15 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     # A webhook delivery names its destination, whose URL is never shown.
     @admin.display(description=_("webhook destination"))
     def destination(self, obj: Delivery) -> str:
-        return shown(obj.destination) if obj.destination else "—"
+        return escaped(obj.destination) if obj.destination else "—"
 
     @admin.display(description=_("event"), ordering="batch__event_type")
     def event(self, obj: Delivery) -> str:
-        return shown(obj.batch.event_type) if obj.batch.event_type else "—"
+        return escaped(obj.batch.event_type) if obj.batch.event_type else "—"
 
     @admin.display(description=_("event id"))
     def event_id(self, obj: Delivery) -> str:
-        return shown(obj.batch.event_id) if obj.batch.event_id else "—"
+        return escaped(obj.batch.event_id) if obj.batch.event_id else "—"
 
     @admin.display(description=_("via"))
     def shown_via(self, obj: Delivery) -> str:
@@ -279,7 +278,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
 
     @admin.display(description=_("sender"), ordering="batch__sender")
     def sender(self, obj: Delivery) -> str:
-        return shown(obj.batch.sender)
+        return escaped(obj.batch.sender)
 
     @admin.display(description=_("next due"), ordering="due_at")
     def next_due(self, obj: Delivery) -> str:
@@ -287,7 +286,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
 
     @admin.display(description=_("last error"))
     def short_error(self, obj: Delivery) -> str:
-        return Truncator(shown(obj.last_error)).chars(80)
+        return Truncator(escaped(obj.last_error)).chars(80)
 
     @admin.display(description=_("batch"))
     def batch_link(self, obj: Delivery) -> SafeString:

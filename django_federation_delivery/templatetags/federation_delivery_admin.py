@@ -8,9 +8,6 @@ from django_federation_delivery.addresses import escaped
 
 register = template.Library()
 
-
-@register.filter
-def printable(value: object) -> str:
-    """``value`` with what would read as something else, or as nothing (a
-    bidi override, an escape, a line break), written as its escape."""
-    return escaped(str(value))
+# What would read as something else, or as nothing (a bidi override, an
+# escape, a line break), written as its escape.
+register.filter("printable", escaped)

@@ -65,7 +65,6 @@ __all__ = [
     "Transport",
     "TransportSettings",
     "answer_text",
-    "escaped",
     "is_public_address",
     "logs",
     "parse_retry_after",

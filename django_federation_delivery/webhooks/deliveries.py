@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS
 
+from django_federation_delivery.addresses import escaped
 from django_federation_delivery.attempt import AttemptResult, failed
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Call, Channel, Event, Policy
@@ -25,7 +26,7 @@ from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Delivery, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.store import claims, settlements
-from django_federation_delivery.transport import Transport, TransportSettings, escaped
+from django_federation_delivery.transport import Transport, TransportSettings
 from django_federation_delivery.webhooks.destinations import (
     Destination,
     configured,

@@ -15,7 +15,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery import heartbeats, store
-from django_federation_delivery.addresses import quoted
+from django_federation_delivery.addresses import escaped, quoted
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     database_named,
@@ -31,7 +31,6 @@ from django_federation_delivery.overview import (
     stalled,
 )
 from django_federation_delivery.picture import HostPicture, host_picture, milliseconds
-from django_federation_delivery.transport import escaped
 from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
 
 #: ``--check`` exits with this when unhealthy: Nagios's CRITICAL; any
@@ -67,20 +66,13 @@ def _seconds(value: str) -> int:
     )
 
 
-def printable(value: object) -> str:
-    """``value`` as text safe to print to a terminal: what is not printable
-    (an escape sequence, a line break, a bidi override) in a host or inbox
-    that came from the network is shown escaped, never acted on."""
-    return escaped(str(value))
-
-
 def _when(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "—"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, numeric: int = 1) -> str:
     """Columns padded to their widest cell; those from ``numeric`` on right-aligned."""
-    cells = [list(map(printable, headers)), *([printable(cell) for cell in row] for row in rows)]
+    cells = [list(map(escaped, headers)), *([escaped(cell) for cell in row] for row in rows)]
     widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
     lines = []
     for row in cells:
@@ -118,7 +110,7 @@ def render_host(picture: HostPicture) -> str:
         ),
         (_("last error"), f"{_when(picture.last_error_at)} {picture.last_error}".strip()),
     ]
-    return f"{printable(picture.name)}\n" + table(["", ""], rows, numeric=2).split("\n", 1)[1]
+    return f"{escaped(picture.name)}\n" + table(["", ""], rows, numeric=2).split("\n", 1)[1]
 
 
 def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> str:
@@ -242,7 +234,7 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
                 numeric=2,
             )
         )
-    paused = ", ".join(printable(host) for host in status.paused_hosts)
+    paused = ", ".join(escaped(host) for host in status.paused_hosts)
     parts += ["", _("Paused hosts: %(hosts)s") % {"hosts": paused or _("none")}]
     if destinations:
         parts += ["", _("Webhook destinations")]
@@ -251,10 +243,10 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
                 [_("destination"), _("kind"), _("pending"), _("state")],
                 [
                     [
-                        printable(destination.name),
+                        escaped(destination.name),
                         destination.kind or _("no longer configured"),
                         destination.pending,
-                        printable(destination.state(status.at)),
+                        escaped(destination.state(status.at)),
                     ]
                     for destination in destinations
                 ],
@@ -368,7 +360,7 @@ class Command(TranslatedCommand):
                     code, line = destinations_check(using=using) or (0, line)
             except DatabaseError as exc:
                 # Away, or without its tables: nothing can be delivered either.
-                error = printable(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+                error = escaped(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
                 code, line = (
                     UNHEALTHY,
                     _("CRITICAL: the queue cannot be read (%(error)s)")
@@ -410,7 +402,7 @@ def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, s
     now = timezone.now()
     due = store.count_due(using=using)
     seen = heartbeats.seen(now=now, host=host, using=using)
-    where = _(" on %(host)s") % {"host": printable(host)} if host is not None else ""
+    where = _(" on %(host)s") % {"host": escaped(host)} if host is not None else ""
     stalled_because = stalled(seen, due, now, where=where)
     # OK and CRITICAL stay as they are in any language: monitoring reads them.
     if stalled_because:
@@ -439,7 +431,7 @@ def destinations_check(*, using: str) -> tuple[int, str] | None:
     disabled = [d for d in destinations if d.disabled and d.configured]
     if disabled:
         named = "; ".join(
-            f"{printable(d.name)}: {printable(d.disabled_reason or _('paused'))}" for d in disabled
+            f"{escaped(d.name)}: {escaped(d.disabled_reason or _('paused'))}" for d in disabled
         )
         why = _(
             "webhook destination(s) disabled, their events waiting: %(named)s "
@@ -448,7 +440,7 @@ def destinations_check(*, using: str) -> tuple[int, str] | None:
         return UNHEALTHY, f"CRITICAL: {why}"
     removed = [d for d in destinations if not d.configured and d.pending]
     if removed:
-        named = ", ".join(f"{printable(d.name)} ({d.pending})" for d in removed)
+        named = ", ".join(f"{escaped(d.name)} ({d.pending})" for d in removed)
         why = _(
             "events wait for webhook destination(s) no longer configured, which a "
             "deliverer gives up: %(named)s"

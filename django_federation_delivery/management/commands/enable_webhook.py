@@ -9,13 +9,12 @@ from django.db import DEFAULT_DB_ALIAS
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.addresses import quoted
+from django_federation_delivery.addresses import escaped, quoted
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     database_named,
     require_migrations,
 )
-from django_federation_delivery.transport import escaped
 from django_federation_delivery.webhooks import life
 from django_federation_delivery.webhooks.status import destination_status
 

@@ -11,11 +11,11 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.addresses import quoted
+from django_federation_delivery.addresses import escaped, quoted
 from django_federation_delivery.channels import Call, Event
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.management.base import TranslatedCommand
-from django_federation_delivery.transport import Connections, Transport, escaped, status_text
+from django_federation_delivery.transport import Connections, Transport, status_text
 from django_federation_delivery.webhooks.deliveries import webhook_transport_settings
 from django_federation_delivery.webhooks.destinations import configured
 from django_federation_delivery.webhooks.policy import WebhookPolicy
