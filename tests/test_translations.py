@@ -318,3 +318,25 @@ def messages(po: Path) -> set[str]:
             found.add("".join(current))
             current = None
     return found - {""}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("args", "code", "prefix"),
+    [
+        ([], 0, "OK: «"),
+        (["--max-lag", "soon"], 3, "UNKNOWN: «"),
+    ],
+)
+def test_a_health_check_s_first_word_stays_english(
+    pseudo: None, args: list[str], code: int, prefix: str
+) -> None:
+    # Monitoring reads the first word; the rest is for the operator, translated.
+    out = StringIO()
+    exited = 0
+    try:
+        call_command("delivery_status", "--check", *args, stdout=out)
+    except SystemExit as exit_:
+        exited = exit_.code
+    assert exited == code
+    assert out.getvalue().startswith(prefix), out.getvalue()

@@ -331,7 +331,7 @@ class Command(TranslatedCommand):
         except CommandError as exc:
             # A probe reads the first word and the status: the option is
             # wrong, which says nothing of the queue.
-            self.stdout.write(_("UNKNOWN: %(error)s") % {"error": exc})
+            self.stdout.write(f"UNKNOWN: {exc}")
             self.stdout.flush()
             sys.exit(UNKNOWN)
 
@@ -361,11 +361,10 @@ class Command(TranslatedCommand):
             except DatabaseError as exc:
                 # Away, or without its tables: nothing can be delivered either.
                 error = escaped(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-                code, line = (
-                    UNHEALTHY,
-                    _("CRITICAL: the queue cannot be read (%(error)s)")
-                    % {"error": error[:200] or type(exc).__name__},
-                )
+                unread = _("the queue cannot be read (%(error)s)") % {
+                    "error": error[:200] or type(exc).__name__
+                }
+                code, line = UNHEALTHY, f"CRITICAL: {unread}"
             self.stdout.write(line)
             if code:
                 self.stdout.flush()
@@ -404,7 +403,8 @@ def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, s
     seen = heartbeats.seen(now=now, host=host, using=using)
     where = _(" on %(host)s") % {"host": escaped(host)} if host is not None else ""
     stalled_because = stalled(seen, due, now, where=where)
-    # OK and CRITICAL stay as they are in any language: monitoring reads them.
+    # OK, WARNING, CRITICAL and UNKNOWN stay as they are in any language:
+    # monitoring reads them.
     if stalled_because:
         return False, f"CRITICAL: {stalled_because}"
     alive = _("%(count)d deliverer(s) alive%(where)s") % {"count": len(seen.live), "where": where}

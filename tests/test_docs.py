@@ -1,0 +1,52 @@
+"""The README's reference says what each management command takes."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+from django.core.management import BaseCommand, get_commands, load_command_class
+
+README = Path(__file__).resolve().parent.parent / "README.rst"
+APP = "django_federation_delivery"
+
+
+def section(title: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n{title}\n{'=' * len(title)}\n")
+    following = re.search(r"\n[^\n]+\n=+\n", text[start + len(title) + 2 :])
+    assert following is not None
+    return text[start : start + len(title) + 2 + following.start()]
+
+
+def package_commands() -> list[str]:
+    return sorted(name for name, app in get_commands().items() if app == APP)
+
+
+def options(name: str) -> set[str]:
+    parser = load_command_class(APP, name).create_parser("manage.py", name)
+    # Django's own (--verbosity, --settings, …) are its documentation's.
+    django_own = set(BaseCommand().create_parser("manage.py", name)._option_string_actions)
+    return {
+        flag
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction)
+        for flag in action.option_strings
+        if flag.startswith("--") and flag not in django_own
+    }
+
+
+def test_the_package_has_the_commands_the_reference_lists() -> None:
+    listed = set(re.findall(r"^``([a-z_]+)(?: [A-Z]+)?``$", section("Management commands"), re.M))
+    assert listed == set(package_commands())
+
+
+@pytest.mark.parametrize("name", package_commands())
+def test_the_reference_names_every_option_of(name: str) -> None:
+    reference = section("Management commands")
+    entry = re.search(rf"^``{name}(?: [A-Z]+)?``\n((?:    .*\n)+)", reference, re.M)
+    assert entry is not None, name
+    named = set(re.findall(r"``(--[a-z-]+)", entry.group(1)))
+    assert named == options(name)
