@@ -50,3 +50,22 @@ def test_the_reference_names_every_option_of(name: str) -> None:
     assert entry is not None, name
     named = set(re.findall(r"``(--[a-z-]+)", entry.group(1)))
     assert named == options(name)
+
+
+ARCHITECTURE = README.parent / "docs" / "architecture.md"
+PACKAGE = README.parent / APP
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted(
+        path.name
+        for path in PACKAGE.iterdir()
+        if (path.suffix == ".py" and path.name != "__init__.py")
+        or (path.is_dir() and (path / "__init__.py").exists() and path.name != "migrations")
+    ),
+)
+def test_the_architecture_map_places_every_module(module: str) -> None:
+    # A module the map does not name is one a newcomer cannot find from it.
+    named = module if module.endswith(".py") else f"{module}/"
+    assert named in ARCHITECTURE.read_text(encoding="utf-8")
