@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import ipaddress
 import re
+import reprlib
 import unicodedata
 from collections.abc import Sequence
 from urllib.parse import quote, unquote, unquote_plus
@@ -156,14 +157,16 @@ def host_named(value: object) -> str:
     (``Bücher.example.`` is ``xn--bcher-kva.example``) or a URL on it; a
     name that has no canonical form (a destination's ``<ops>``) as it is;
     "" for a blank value, a URL on no host, or text no name holds (a
-    control character)."""
+    control character, or more than a host's 253 characters)."""
     text = value.strip() if isinstance(value, str) else ""
     if "://" in text:
         return host_of(text)  # a control character in its host is refused there
     if not text:
         return ""
-    # A name kept as it is must hold nothing no name holds (a NUL).
-    return host_of(f"https://{text}/") or (text if text.isprintable() else "")
+    # A name kept as it is must hold nothing no name holds (a NUL), and fit
+    # where a host is kept.
+    kept = text.isprintable() and len(text) <= MAX_HOST_LENGTH
+    return host_of(f"https://{text}/") or (text if kept else "")
 
 
 def required_host(value: object, caller: str) -> str:
@@ -171,7 +174,7 @@ def required_host(value: object, caller: str) -> str:
     ``caller`` needs one, and naming ``value`` as :func:`quoted` shows it."""
     named = host_named(value)
     if not named:
-        raise ValueError(f"{caller} needs a host name or a URL on one, not {quoted(str(value))}")
+        raise ValueError(f"{caller} needs a host name or a URL on one, not {quoted(value)}")
     return named
 
 
@@ -490,23 +493,51 @@ def escaped(value: object) -> str:
 MOST_SHOWN = 80
 
 
-def quoted(value: str) -> str:
-    """A name someone gave, quoted as an error repeats it: a URL (a
-    webhook's, pasted where its name goes, whose path or query may be the
-    credential) as its scheme and host only, or its host only when pasted
-    without its scheme; anything else escaped and cut."""
+def quoted(value: object, *, path: bool = False) -> str:
+    """A value someone gave, quoted as an error repeats it, escaped and cut.
+    A URL (a webhook's, pasted where its name goes, whose path or query may
+    be the credential) as its scheme and host only, or its host only when
+    pasted without its scheme; with ``path``, for a URL public by nature
+    (an actor's, an ``ap://`` inbox), its path too, without userinfo, query
+    or fragment. A value that is not text as its short repr, or as its
+    type's name alone when that holds a URL or cannot be had."""
+    if not isinstance(value, str):
+        try:
+            text = _SHORT.repr(value)
+        except Exception:
+            return f"<{type(value).__name__}>"
+        return f"<{type(value).__name__}>" if "://" in text else text
+    shown = value
     if "://" in value:
-        origin = redact(value, whole_path=True)
-        if origin == value:
-            return repr(origin)
-        return repr(f"{origin}…" if origin.endswith("/") else f"{origin}/…")
-    host, slash, _ = value.partition("/")
-    if slash and "." in host:
-        # "hooks.slack.com/services/…": no name or host has a dotted part
-        # before a slash but a URL without its scheme.
-        return repr(f"{host[:MOST_SHOWN]}/…")
+        # A password taken out is marked where it was, where the path is shown.
+        shown = _USERINFO.sub(r"\1\2…@" if path else r"\1\2", value)
+        if path:
+            shown = re.split(r"[?#]", shown, maxsplit=1)[0]
+        else:
+            matched = _ORIGIN_ONLY.match(shown)
+            shown = matched.group(0) if matched else ""
+        if shown != value and not (path and shown == _USERINFO.sub(r"\1\2…@", value)):
+            shown += "…" if path or shown.endswith("/") else "/…"
+    elif not path:
+        host, slash, _ = value.partition("/")
+        if slash and "." in host:
+            # "hooks.slack.com/services/…": no name or host has a dotted part
+            # before a slash but a URL without its scheme.
+            shown = f"{host}/…"
     # repr() escapes what a terminal would act on, as escaped() does.
-    return repr(value if len(value) <= MOST_SHOWN else f"{value[:MOST_SHOWN]}…")
+    return repr(shown if len(shown) <= MOST_SHOWN else f"{shown[:MOST_SHOWN]}…")
+
+
+def _short_repr() -> reprlib.Repr:
+    short = reprlib.Repr()
+    short.maxlevel = 2
+    short.maxdict = short.maxlist = short.maxtuple = short.maxset = short.maxfrozenset = 4
+    short.maxstring = short.maxother = MOST_SHOWN
+    return short
+
+
+#: How a value that is not text is shown: a few items, each short.
+_SHORT = _short_repr()
 
 
 #: The shortest start of a secret taken out of the end of a text.

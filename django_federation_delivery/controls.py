@@ -15,8 +15,10 @@ from django.db.models import QuerySet
 from django_federation_delivery import breakers, hosts, signals
 from django_federation_delivery.addresses import normalize_inbox, quoted, required_host
 from django_federation_delivery.availability import mark_host_seen
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.sending import checked_text
 from django_federation_delivery.settling import failure
 from django_federation_delivery.store import settlements
 
@@ -59,12 +61,12 @@ def reset_breaker(key: str) -> int:
     it, or an inbox's URL in any spelling, for a breaker kept per inbox
     (``BREAKER = {"SCOPE": "inbox"}``). ``ValueError`` naming it if it is
     neither, with nothing changed."""
-    if "://" in str(key):
+    if isinstance(key, str) and "://" in key:
         try:
             return breakers.reset_breaker(breakers.inbox_key(normalize_inbox(key)))
         except InvalidDelivery:
             raise ValueError(
-                f"reset_breaker needs a host name or an inbox's URL, not {quoted(str(key))}"
+                f"reset_breaker needs a host name or an inbox's URL, not {quoted(key)}"
             ) from None
     return breakers.reset_breaker(required_host(key, "reset_breaker"))
 
@@ -81,7 +83,11 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
 
     Only what this call changed is told about: a delivery another process
     settled in the meantime keeps its outcome and sends no signal here.
+    ``reason`` is kept as each one's last error: ``InvalidDelivery`` (a
+    ``ValueError``) naming it, and nothing changed, unless it is text of at
+    most ``ERROR_LENGTH`` characters that a database can store.
     """
+    reason = checked_text("reason", reason, app_settings.ERROR_LENGTH)
     ids = list(deliveries.filter(status=Status.PENDING).values_list("id", flat=True))
     failed = 0
     for start in range(0, len(ids), CHUNK):

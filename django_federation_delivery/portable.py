@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from . import addresses
-from .addresses import origin
+from .addresses import origin, quoted
 from .exceptions import InvalidDelivery
 
 __all__ = [
@@ -35,13 +35,6 @@ _GATEWAY_PATH = "/.well-known/apgateway/"
 _DID = re.compile(r"did:[a-z0-9]+:[A-Za-z0-9._-]+(?::[A-Za-z0-9._-]+)*")
 # urlsplit silently drops tabs and newlines, so a URI carrying them would pass for another.
 _CONTROL_OR_SPACE = re.compile(r"[\x00-\x20\x7f]")
-_SHOWN_LENGTH = 200
-
-
-def _shown(value: object) -> str:
-    """``value`` as an error message may name it: quoted, one line, not too long."""
-    text = repr(value)
-    return text if len(text) <= _SHOWN_LENGTH else text[: _SHOWN_LENGTH - 3] + "..."
 
 
 def parse_ap_uri(uri: str) -> tuple[str, str, str]:
@@ -53,19 +46,25 @@ def parse_ap_uri(uri: str) -> tuple[str, str, str]:
     object, not another one.
     """
     if not isinstance(uri, str) or _CONTROL_OR_SPACE.search(uri):
-        raise InvalidDelivery(f"not an ap:// URI: {_shown(uri)}")
+        raise InvalidDelivery(f"not an ap:// URI: {quoted(uri, path=True)}")
     parts = urlsplit(uri)
     if parts.scheme.lower() != "ap":
-        raise InvalidDelivery(f"not an ap:// URI: {_shown(uri)}")
+        raise InvalidDelivery(f"not an ap:// URI: {quoted(uri, path=True)}")
     did = unquote(parts.netloc)
     if not _DID.fullmatch(did):
-        raise InvalidDelivery(f"the authority of an ap:// URI must be a DID: {_shown(uri)}")
+        raise InvalidDelivery(
+            f"the authority of an ap:// URI must be a DID: {quoted(uri, path=True)}"
+        )
     path = parts.path
     if path in ("", "/"):
-        raise InvalidDelivery(f"an ap:// inbox needs a path after the DID: {_shown(uri)}")
+        raise InvalidDelivery(
+            f"an ap:// inbox needs a path after the DID: {quoted(uri, path=True)}"
+        )
     # A gateway URL is resolved like any other: "/did/../../x" would leave the apgateway prefix.
     if any(unquote(segment) in (".", "..") for segment in path.split("/")):
-        raise InvalidDelivery(f"an ap:// path may not have '.' or '..' segments: {_shown(uri)}")
+        raise InvalidDelivery(
+            f"an ap:// path may not have '.' or '..' segments: {quoted(uri, path=True)}"
+        )
     return did, addresses.encode_path(path), addresses.encode_query(parts.query)
 
 
@@ -100,7 +99,9 @@ def at_gateway(uri: str, gateway: str) -> str:
     """
     did, path, query = parse_ap_uri(uri)
     if not is_gateway(gateway):
-        raise InvalidDelivery(f"not a gateway (a bare http(s) origin): {_shown(gateway)}")
+        raise InvalidDelivery(
+            f"not a gateway (a bare http(s) origin): {quoted(gateway, path=True)}"
+        )
     url = f"{origin(gateway)}{_GATEWAY_PATH}{did}{path}"
     # In canonical form, as every URL delivered to (see addresses.py); raises when too long.
     return addresses.split(f"{url}?{query}" if query else url).url

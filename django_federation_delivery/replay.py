@@ -23,7 +23,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
-from django_federation_delivery.addresses import host_named, required_host
+from django_federation_delivery.addresses import host_named, quoted, required_host
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Status
 from django_federation_delivery.store import queueing, sequences
 from django_federation_delivery.webhooks.destinations import delivery_key
@@ -46,9 +46,13 @@ def replay(
     form, or a URL on it) or ``destination`` (a webhook destination's name),
     or given up on it, since ``since``; returns the new batches, oldest
     first. ``ValueError`` unless exactly one of ``host`` and ``destination``
-    is given, for a ``host`` that names none, or for a naive ``since``."""
+    is given, for a ``host`` or ``destination`` that names none, or for a
+    ``since`` that is no aware datetime."""
     if bool(host) == bool(destination):
         raise ValueError("replay needs a host or a destination, and not both")
+    if destination and not (isinstance(destination, str) and destination.isprintable()):
+        # No destination's name holds a control character, nor is anything but text.
+        raise ValueError(f"replay needs a webhook destination's name, not {quoted(destination)}")
     key = required_host(host, "replay") if host else delivery_key(destination)
     return replay_host(key, since=since, using=using)
 
@@ -66,6 +70,8 @@ def to_replay(keys: list[str], *, since: dt.datetime, using: str | None = None) 
 def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> list[Batch]:
     """:func:`replay` for the deliveries whose host is exactly ``key``, as a
     ``Host`` row names it (the admin's action): read as it is, whatever it holds."""
+    if not isinstance(since, dt.datetime):
+        raise ValueError(f"since must be a datetime, not {quoted(since)}")
     if since.tzinfo is None:
         raise ValueError(f"since must carry its time zone, not {since.isoformat()}")
     alias = using or DEFAULT_DB_ALIAS

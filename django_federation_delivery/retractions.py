@@ -35,12 +35,13 @@ __all__ = ["Retraction", "about", "overtake", "retraction_of"]
 
 #: An id longer than this, in UTF-8, is not kept: what it identifies cannot
 #: be overtaken (an index entry has its limits; no server mints such ids).
+#: Nor is one holding a NUL, which no URL does and PostgreSQL cannot store.
 MAX_ID_BYTES = 2000
 
 
 def about(activity: Mapping[str, Any]) -> tuple[str, str]:
     """The activity's id and the id of its object, each "" when it has none
-    (or one too long to keep)."""
+    (or one too long to keep, or holding a NUL)."""
     obj = activity.get("object")
     if isinstance(obj, Mapping):
         obj = obj.get("id")
@@ -48,7 +49,7 @@ def about(activity: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def _kept(value: Any) -> str:
-    if isinstance(value, str) and len(value.encode()) <= MAX_ID_BYTES:
+    if isinstance(value, str) and "\x00" not in value and len(value.encode()) <= MAX_ID_BYTES:
         return value
     return ""
 

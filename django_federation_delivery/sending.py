@@ -18,7 +18,7 @@ from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from django_federation_delivery import addresses, availability, portable, retractions, tracing
-from django_federation_delivery.addresses import host_of, normalize_inbox
+from django_federation_delivery.addresses import host_of, normalize_inbox, quoted
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane, SkippedInbox
@@ -195,8 +195,8 @@ def _queue(
     targets, skipped = _portable_inboxes(inboxes) if portable else _inboxes(inboxes)
     deadline = _deadline(opts.deadline)
     max_attempts = _max_attempts(opts.max_attempts)
-    tag = _text("tag", opts.tag, TAG_LENGTH)
-    ordering_key = _text("ordering_key", opts.ordering_key, ORDERING_KEY_LENGTH)
+    tag = checked_text("tag", opts.tag, TAG_LENGTH)
+    ordering_key = checked_text("ordering_key", opts.ordering_key, ORDERING_KEY_LENGTH)
     low_priority = _flag("low_priority", opts.low_priority)
     synchronize = _flag("synchronize_collection", opts.synchronize_collection)
     idempotency_key = checked_idempotency_key(opts.idempotency_key)
@@ -250,7 +250,7 @@ def _options(options: BatchOptions | Mapping[str, Any] | None) -> BatchOptions:
     if isinstance(options, BatchOptions):
         return options
     if not isinstance(options, Mapping):
-        raise InvalidDelivery(f"options must be BatchOptions or a dict, not {options!r}")
+        raise InvalidDelivery(f"options must be BatchOptions or a dict, not {quoted(options)}")
     unknown = sorted(set(options) - _OPTION_NAMES)
     if unknown:
         raise InvalidDelivery(
@@ -262,19 +262,23 @@ def _options(options: BatchOptions | Mapping[str, Any] | None) -> BatchOptions:
 
 def _sender(sender: object) -> str:
     if not isinstance(sender, str) or not sender.strip():
-        raise InvalidDelivery(f"sender must be a non-empty string, not {_shown(sender)}")
+        raise InvalidDelivery(f"sender must be a non-empty string, not {quoted(sender, path=True)}")
     if len(sender) > URL_LENGTH:
-        raise InvalidDelivery(f"sender is longer than {URL_LENGTH} characters: {_shown(sender)}")
+        raise InvalidDelivery(
+            f"sender is longer than {URL_LENGTH} characters: {quoted(sender, path=True)}"
+        )
     sender = _storable("sender", sender.strip())
     if _CONTROL.search(sender):
-        raise InvalidDelivery(f"sender must not contain control characters: {_shown(sender)}")
+        raise InvalidDelivery(
+            f"sender must not contain control characters: {quoted(sender, path=True)}"
+        )
     return sender
 
 
 def _body(activity: object) -> tuple[str, bytes]:
     """The activity as it is stored and as it is sent, within MAX_BODY_BYTES."""
     if not isinstance(activity, Mapping):
-        raise InvalidDelivery(f"activity must be a JSON object (a dict), not {_shown(activity)}")
+        raise InvalidDelivery(f"activity must be a JSON object (a dict), not {quoted(activity)}")
     try:
         text = _JSON.encode(activity)
     except (TypeError, ValueError) as exc:
@@ -288,7 +292,7 @@ def _body(activity: object) -> tuple[str, bytes]:
     except UnicodeEncodeError as exc:
         raise InvalidDelivery(
             "activity holds text that is not valid Unicode (a lone surrogate) near "
-            f"{_shown(text[max(0, exc.start - 20) : exc.end + 20])}"
+            f"{quoted(text[max(0, exc.start - 20) : exc.end + 20], path=True)}"
         ) from exc
     limit = app_settings.max_body_bytes
     if len(encoded) > limit:
@@ -300,7 +304,7 @@ def _body(activity: object) -> tuple[str, bytes]:
 
 def _inboxes(inboxes: Iterable[str]) -> tuple[list[queueing.Queued], list[SkippedInbox]]:
     if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
-        raise InvalidDelivery(f"inboxes must be an iterable of URLs, not {inboxes!r:.200}")
+        raise InvalidDelivery(f"inboxes must be an iterable of URLs, not {quoted(inboxes)}")
     # Remote actors choose their inboxes: one that cannot be sent to is left
     # out, never allowed to stop the send (and roll back the caller's post).
     unique: dict[str, str] = {}
@@ -382,15 +386,15 @@ def _deadline(deadline: object) -> dt.datetime | None:
     now = timezone.now()
     if isinstance(deadline, dt.timedelta):
         if deadline <= dt.timedelta(0):
-            raise InvalidDelivery(f"deadline {deadline!r} must be a positive timedelta")
+            raise InvalidDelivery(f"deadline {quoted(deadline)} must be a positive timedelta")
         try:
             return now + deadline
         except OverflowError as exc:
-            raise InvalidDelivery(f"deadline {deadline!r} is too far ahead") from exc
+            raise InvalidDelivery(f"deadline {quoted(deadline)} is too far ahead") from exc
     if not isinstance(deadline, dt.datetime):
-        raise InvalidDelivery(f"deadline must be a datetime or timedelta, not {_shown(deadline)}")
+        raise InvalidDelivery(f"deadline must be a datetime or timedelta, not {quoted(deadline)}")
     if timezone.is_naive(deadline):
-        raise InvalidDelivery(f"deadline {deadline!r} must be timezone-aware")
+        raise InvalidDelivery(f"deadline {quoted(deadline)} must be timezone-aware")
     try:
         # Stored in UTC: a time zone ahead of it can push the year past 9999.
         deadline = deadline.astimezone(dt.UTC)
@@ -411,7 +415,7 @@ def _max_attempts(max_attempts: object) -> int | None:
     ):
         raise InvalidDelivery(
             f"max_attempts must be a whole number from 1 to {MAX_ATTEMPTS}, "
-            f"not {_shown(max_attempts)}"
+            f"not {quoted(max_attempts)}"
         )
     return max_attempts
 
@@ -419,14 +423,16 @@ def _max_attempts(max_attempts: object) -> int | None:
 def checked_idempotency_key(value: object) -> str:
     """``value`` as a send's idempotency key: ``InvalidDelivery`` naming it
     when it is no string, too long, or one no database can store."""
-    return _text("idempotency_key", value, IDEMPOTENCY_KEY_LENGTH)
+    return checked_text("idempotency_key", value, IDEMPOTENCY_KEY_LENGTH)
 
 
-def _text(name: str, value: object, length: int) -> str:
+def checked_text(name: str, value: object, length: int) -> str:
+    """``value`` as text a row keeps: ``InvalidDelivery`` naming it when it is
+    no string, longer than ``length``, or one no database can store."""
     if not isinstance(value, str):
-        raise InvalidDelivery(f"{name} must be a string, not {_shown(value)}")
+        raise InvalidDelivery(f"{name} must be a string, not {quoted(value)}")
     if len(value) > length:
-        raise InvalidDelivery(f"{name} is longer than {length} characters: {_shown(value)}")
+        raise InvalidDelivery(f"{name} is longer than {length} characters: {quoted(value)}")
     return _storable(name, value)
 
 
@@ -434,25 +440,19 @@ def _storable(name: str, value: str) -> str:
     """``value``, when every database can store it: no NUL (PostgreSQL's text
     refuses it), no lone surrogate (not UTF-8)."""
     if "\x00" in value:
-        raise InvalidDelivery(f"{name} must not contain NUL characters: {_shown(value)}")
+        raise InvalidDelivery(f"{name} must not contain NUL characters: {quoted(value)}")
     try:
         value.encode()
     except UnicodeEncodeError as exc:
         raise InvalidDelivery(
-            f"{name} holds text that is not valid Unicode (a lone surrogate): {_shown(value)}"
+            f"{name} holds text that is not valid Unicode (a lone surrogate): {quoted(value)}"
         ) from exc
     return value
 
 
-def _shown(value: object, limit: int = 80) -> str:
-    """``value`` as a message names it: its repr, shortened."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}…"
-
-
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise InvalidDelivery(f"{name} must be True or False, not {value!r}")
+        raise InvalidDelivery(f"{name} must be True or False, not {quoted(value)}")
     return value
 
 

@@ -606,3 +606,45 @@ def test_credentials_are_the_userinfo_and_query_whole_in_parts_and_decoded() -> 
         assert secret in found
     assert "a=1" not in found, "too short to be worth hiding on its own"
     assert credentials("https://a.example/inbox") == []
+
+
+class Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (None, "None"),
+        (42, "42"),
+        (list(range(100)), "[0, 1, 2, 3, ...]"),
+        ("x" * 100_000, repr("x" * 80 + "…")),
+        # A credential in a value that is no text is never repeated.
+        (b"https://hooks.slack.com/services/T0/B0/s3cret", "<bytes>"),
+        ({"url": "https://hooks.slack.com/services/T0/B0/s3cret"}, "<dict>"),
+        ("https://hooks.slack.com/services/T0/B0/s3cret", "'https://hooks.slack.com/…'"),
+        ("https://u:s3cret@a.example/x?token=s3cret", "'https://a.example/…'"),
+    ],
+)
+def test_an_error_names_a_value_short_and_without_its_credential(value: object, shown: str) -> None:
+    assert addresses.quoted(value) == shown
+
+
+def test_a_value_whose_repr_raises_is_named_by_its_type() -> None:
+    assert addresses.quoted(Unprintable()).startswith("<Unprintable instance at ")
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("https://a.example/users/alice", "'https://a.example/users/alice'"),
+        (
+            "https://u:s3cret@a.example/users/alice?token=s3cret",
+            "'https://…@a.example/users/alice…'",
+        ),
+        ("ap://did:key:z6Mk/actor\x1b[2J", "'ap://did:key:z6Mk/actor\\x1b[2J'"),
+    ],
+)
+def test_a_public_url_is_named_with_its_path(value: str, shown: str) -> None:
+    assert addresses.quoted(value, path=True) == shown

@@ -112,7 +112,7 @@ def test_a_host_is_seen_by_its_name_in_any_form_or_a_url_on_it(seen: str) -> Non
 @pytest.mark.parametrize("bad", ["", "  ", "https:///nothing", None, "a\x00b", "a\x1b[2Jb"])
 def test_a_host_seen_that_names_no_host_is_refused_naming_it(bad: Any) -> None:
     # A URL is named by its origin only: its path may be the credential.
-    with pytest.raises(ValueError, match=re.escape(quoted(str(bad)))):
+    with pytest.raises(ValueError, match=re.escape(quoted(bad))):
         mark_host_seen(bad)
 
 

@@ -69,10 +69,21 @@ def test_a_host_is_read_in_any_form_as_a_send_reads_an_inboxs(failures: list[Any
     assert [failure.inbox for failure in failures] == ["https://b.example/inbox"]
 
 
-@pytest.mark.parametrize("bad", ["", "https:///inbox?token=s3cret", "a\x1b[2Jb", "a\x00b"])
+class Unprintable:
+    """A value whose text cannot even be had."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+    __repr__ = __str__
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "https:///inbox?token=s3cret", "a\x1b[2Jb", "a\x00b", "x" * 300, Unprintable()]
+)
 @pytest.mark.parametrize("control", ["pause_host", "resume_host", "give_up_host"])
 def test_a_host_that_names_none_is_refused_naming_it_with_nothing_changed(
-    control: str, bad: str
+    control: str, bad: Any
 ) -> None:
     send(ALICE, NOTE, ["https://a.example/inbox"])
     with pytest.raises(ValueError, match=f"{control} needs a host name") as raised:
@@ -94,8 +105,10 @@ def test_a_breaker_is_reset_by_its_host_or_its_inbox_in_any_spelling() -> None:
     assert controls.reset_breaker("c.example") == 0
 
 
-@pytest.mark.parametrize("bad", ["", "https:///inbox?token=s3cret", "ftp://a.example/x", "a\x1bb"])
-def test_a_breaker_named_by_neither_is_refused_naming_it(bad: str) -> None:
+@pytest.mark.parametrize(
+    "bad", ["", "https:///inbox?token=s3cret", "ftp://a.example/x", "a\x1bb", Unprintable()]
+)
+def test_a_breaker_named_by_neither_is_refused_naming_it(bad: Any) -> None:
     from .operators import open_breaker
 
     open_breaker("a.example")
@@ -103,3 +116,25 @@ def test_a_breaker_named_by_neither_is_refused_naming_it(bad: str) -> None:
         controls.reset_breaker(bad)
     assert "s3cret" not in str(raised.value) and "\x1b" not in str(raised.value)
     assert Breaker.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("reason", "said"),
+    [
+        (None, "reason must be a string, not None"),
+        (404, "reason must be a string, not 404"),
+        ("r" * 301, "reason is longer than 300 characters"),
+        ("gone\x00", "reason must not contain NUL characters"),
+        ("gone\ud800", "reason holds text that is not valid Unicode"),
+    ],
+)
+def test_a_reason_no_row_can_keep_is_refused_with_nothing_given_up(
+    reason: Any, said: str, failures: list[Any]
+) -> None:
+    send(ALICE, NOTE, ["https://a.example/inbox"])
+    with pytest.raises(ValueError, match=said):
+        controls.give_up_host("a.example", reason)
+    with pytest.raises(ValueError, match=said):
+        controls.give_up(Delivery.objects.all(), reason)
+    assert Delivery.objects.get().status == Status.PENDING
+    assert failures == []

@@ -4,6 +4,7 @@ in new batches with the bodies and ids they had."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable
 from io import StringIO
 from typing import Any
@@ -200,6 +201,20 @@ def test_a_naive_moment_or_no_host_is_refused() -> None:
         replay(host="a.example", since=dt.datetime(2026, 12, 1))
     with pytest.raises(ValueError, match=r"replay needs a host name .* not 'https://…'"):
         replay(host="https:///inbox", since=timezone.now())
+
+
+@pytest.mark.parametrize("since", [None, "2026-12-01", 1764547200, dt.date(2026, 12, 1)])
+def test_a_moment_that_is_no_datetime_is_refused_naming_it(since: Any) -> None:
+    with pytest.raises(ValueError, match=f"since must be a datetime, not {re.escape(repr(since))}"):
+        replay(host="a.example", since=since)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("named", ["o\x00ps", "o\nps", b"ops", 7])
+def test_a_destination_no_name_can_be_is_refused_naming_it(named: Any) -> None:
+    # A NUL reached PostgreSQL, which refuses it in a query's text.
+    with pytest.raises(ValueError, match="replay needs a webhook destination's name, not"):
+        replay(destination=named, since=timezone.now())
 
 
 @pytest.mark.django_db

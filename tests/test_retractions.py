@@ -64,6 +64,8 @@ def settled() -> Iterator[list[signals.Settled]]:
         (create(["a", "b"]), (f"{ALICE}/activities/1", "")),
         ({"id": 5, "object": {"id": None}}, ("", "")),
         ({"id": "x" * 2001}, ("", "")),
+        # No URL holds a NUL, and PostgreSQL cannot keep one: such an id is not kept.
+        ({"id": "https://a.example/1\x00", "object": "https://a.example/p\x00"}, ("", "")),
     ],
 )
 def test_what_an_activity_is_about_is_its_id_and_its_objects(
@@ -314,3 +316,13 @@ def test_a_retraction_finds_what_it_overtakes_with_no_join_whatever_the_statisti
             assert "Join Filter" not in plan, plan
             if name != "wait_for_attempted":
                 assert "Join" not in plan and "Nested Loop" not in plan, plan
+
+
+@pytest.mark.django_db
+def test_an_activity_whose_ids_hold_a_nul_is_sent_without_them() -> None:
+    # On PostgreSQL such an id, kept, failed the whole send with a DataError.
+    activity = {"id": f"{ALICE}/1\x00", "type": "Create", "object": f"{POST}\x00"}
+    batch = send(ALICE, activity, ["https://a.example/inbox"])
+    assert batch is not None
+    batch.refresh_from_db()
+    assert (batch.activity_id, batch.object_id, batch.size) == ("", "", 1)

@@ -253,7 +253,7 @@ def test_a_committed_send_wakes_a_deliverer_in_this_process_only_on_commit() -> 
         (ALICE, "a string", ["https://a.example/inbox"], None, "'a string'"),
         (ALICE, {"n": float("nan")}, ["https://a.example/inbox"], None, "JSON"),
         (ALICE, {"when": object()}, ["https://a.example/inbox"], None, "JSON"),
-        (ALICE, NOTE, "https://a.example/inbox", None, "'https://a.example/inbox'"),
+        (ALICE, NOTE, "https://a.example/inbox", None, "'https://a.example/…'"),
         (ALICE, NOTE, 42, None, "42"),
         (ALICE, NOTE, ["ftp://b.example/inbox"], {"max_attempts": 0}, "0"),
         (ALICE, NOTE, ["https://a.example/inbox"], {"tags": "x"}, "'tags'"),
@@ -444,3 +444,33 @@ def test_the_batch_a_send_returns_is_saved_as_the_orm_saves_one() -> None:
         batch.created_at,
     )
     assert [d.batch_id for d in Delivery.objects.all()] == [batch.pk]
+
+
+#: A webhook's URL, pasted where something else goes: its path is the credential.
+HOOK = "https://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("activity", "inboxes", "options"),
+    [
+        (HOOK, ["https://a.example/inbox"], None),
+        (NOTE, HOOK, None),
+        (NOTE, ["https://a.example/inbox"], HOOK),
+        (NOTE, ["https://a.example/inbox"], {"deadline": HOOK}),
+        (NOTE, ["https://a.example/inbox"], {"low_priority": HOOK}),
+        (NOTE, ["https://a.example/inbox"], {"max_attempts": HOOK}),
+        (NOTE, ["https://a.example/inbox"], {"synchronize_collection": [HOOK]}),
+        (NOTE, ["https://a.example/inbox"], {"tag": HOOK.encode()}),
+        (NOTE, ["https://a.example/inbox"], {"ordering_key": HOOK * 10}),
+    ],
+)
+def test_a_credential_given_where_it_does_not_go_is_never_repeated(
+    activity: Any, inboxes: Any, options: Any
+) -> None:
+    with pytest.raises(InvalidDelivery) as raised:
+        send_batch(ALICE, activity, inboxes, options)
+    said = str(raised.value)
+    assert "s3cretT0ken" not in said and "B0BBBB2" not in said, said
+    assert len(said) < 300, said
+    assert nothing_written()

@@ -231,3 +231,25 @@ def test_every_destination_with_none_configured_queues_nothing(settings: Any) ->
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {}}
     assert send_webhook("*", "alert.raised", {}) is None
     assert nothing_written()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("destination", "event_type", "event_id"),
+    [
+        (WEBHOOKS["ops"], "alert.raised", None),
+        ([WEBHOOKS["audit"]], "alert.raised", None),
+        ([WEBHOOKS["ops"].encode()], "alert.raised", None),
+        ("ops", WEBHOOKS["audit"], None),
+        ("ops", "alert.raised", f"{WEBHOOKS['audit']} "),
+    ],
+)
+def test_a_destination_s_url_given_for_a_name_is_never_repeated(
+    destination: Any, event_type: str, event_id: Any
+) -> None:
+    # A URL pasted where its name goes: its path and query are the credential.
+    with pytest.raises(InvalidDelivery) as raised:
+        send_webhook(destination, event_type, {}, event_id=event_id)
+    said = str(raised.value)
+    assert "s3cretT0kenV4lue9" not in said and SECRET[6:] not in said, said
+    assert nothing_written()

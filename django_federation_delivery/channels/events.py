@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.exceptions import InvalidDelivery
 
 __all__ = ["Event", "compact_json"]
@@ -40,10 +41,12 @@ class Event:
     ) -> Event:
         """The event, or ``InvalidDelivery`` naming what is wrong with it."""
         if not isinstance(event_type, str) or not event_type:
-            raise InvalidDelivery(f"An event type must be a non-empty string, not {event_type!r}.")
+            raise InvalidDelivery(
+                f"An event type must be a non-empty string, not {quoted(event_type)}."
+            )
         if len(event_type) > _EVENT_TYPE_LENGTH or not _EVENT_TYPE.fullmatch(event_type):
             raise InvalidDelivery(
-                f"The event type {event_type!r} is not a simple name: letters, digits and "
+                f"The event type {quoted(event_type)} is not a simple name: letters, digits and "
                 f"'_', parts joined by '.' or '-' (e.g. 'alert.raised'), at most "
                 f"{_EVENT_TYPE_LENGTH} characters."
             )
@@ -52,11 +55,11 @@ class Event:
         if not isinstance(event_id, str) or not _EVENT_ID.fullmatch(event_id):
             raise InvalidDelivery(
                 f"An event id must be 1 to 200 printable ASCII characters without spaces, "
-                f"not {event_id!r}."
+                f"not {quoted(event_id)}."
             )
         if not isinstance(timestamp, datetime.datetime) or timestamp.utcoffset() is None:
             raise InvalidDelivery(
-                f"An event's timestamp must be an aware datetime, not {timestamp!r}."
+                f"An event's timestamp must be an aware datetime, not {quoted(timestamp)}."
             )
         try:
             compact_json(data)

@@ -27,6 +27,7 @@ from django.db import DEFAULT_DB_ALIAS, transaction
 from django.utils import timezone
 
 from django_federation_delivery import tracing
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.channels import Event, Policy
 from django_federation_delivery.channels.policy import LANES
 from django_federation_delivery.conf import SETTING, app_settings
@@ -165,18 +166,19 @@ def _destinations(destination: object) -> list[tuple[str, Destination]]:
         given = [destination]
     elif isinstance(destination, bytes) or not isinstance(destination, Iterable):
         raise InvalidDelivery(
-            f"destination must be a destination's name or a list of names, not {destination!r:.200}"
+            "destination must be a destination's name or a list of names, "
+            f"not {quoted(destination)}"
         )
     else:
         given = list(destination)
     destinations: dict[str, Destination] = {}
     for name in given:
         if not isinstance(name, str):
-            raise InvalidDelivery(f"a destination is named by a string, not {name!r:.200}")
+            raise InvalidDelivery(f"a destination is named by a string, not {quoted(name)}")
         destination = found.lookup(name)
         if destination is None:
             raise InvalidDelivery(
-                f"no webhook destination named {name!r:.100} is configured in "
+                f"no webhook destination named {quoted(name)} is configured in "
                 f"{SETTING}['WEBHOOKS'] (configured: {', '.join(found.names) or 'none'})"
             )
         if isinstance(destination, str):
