@@ -927,6 +927,8 @@ def package_modules() -> Iterator[tuple[str, Any]]:
             yield name, ast.parse(path.read_text("utf-8"))
 
 
+# Both read the package's source, the same under every Django: run once.
+@pytest.mark.slow
 def test_only_the_statements_module_touches_a_cursor() -> None:
     import ast
 
@@ -943,6 +945,7 @@ def test_only_the_statements_module_touches_a_cursor() -> None:
     assert {place.split(":")[0] for place in found} == {STATEMENTS}, found
 
 
+@pytest.mark.slow
 def test_no_statement_is_written_outside_the_statements_file() -> None:
     import ast
 

@@ -262,6 +262,7 @@ def test_a_webhook_span_names_its_destination_and_kind_never_its_url(
     assert attributes(second)["federation_delivery.outcome"] == "delivered"
 
 
+@pytest.mark.slow
 def test_without_opentelemetry_nothing_is_carried_or_traced() -> None:
     # A fresh interpreter in which opentelemetry cannot be imported.
     script = "\n".join(

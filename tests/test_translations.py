@@ -281,6 +281,7 @@ def test_the_chart_s_weekdays_are_translated(pseudo: None) -> None:
     assert time_label(monday, "%H:%M") == "13:05"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("xgettext") is None, reason="makemessages needs GNU gettext")
 def test_the_committed_catalogue_holds_every_message_of_the_code(tmp_path: Path) -> None:
     copy = tmp_path / "django_federation_delivery"
