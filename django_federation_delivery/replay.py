@@ -19,6 +19,7 @@ import datetime as dt
 import hashlib
 
 from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db.models import Min, QuerySet
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
@@ -33,6 +34,10 @@ __all__ = ["REPLAYED", "ever_sent", "replay", "replayed"]
 
 #: What is sent again: what reached the host, and what was given up on it.
 REPLAYED = (Status.DELIVERED, Status.FAILED)
+
+#: The batches replayed a step: what a replay holds in memory at once (their
+#: bodies among it), however much it replays.
+STEP = 500
 
 
 def replay(
@@ -75,11 +80,32 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
     if since.tzinfo is None:
         raise ValueError(f"since must carry its time zone, not {since.isoformat()}")
     alias = using or DEFAULT_DB_ALIAS
-    rows = list(
-        Delivery.objects.using(alias)
-        .filter(host=key, status__in=REPLAYED, settled_at__gte=since)
-        .order_by("id")
-        .values_list("batch_id", "inbox", "host", "via", "destination", "kind")
+    matching = Delivery.objects.using(alias).filter(
+        host=key, status__in=REPLAYED, settled_at__gte=since
+    )
+    # The batches in the order their first delivery here was sent in.
+    batch_ids = list(
+        matching.values("batch_id")
+        .annotate(first=Min("id"))
+        .order_by("first")
+        .values_list("batch_id", flat=True)
+    )
+    replayed: list[Batch] = []
+    with transaction.atomic(using=alias):
+        for start in range(0, len(batch_ids), STEP):
+            step = batch_ids[start : start + STEP]
+            replayed += _replay_step(key, since, matching.filter(batch_id__in=step), alias)
+    return replayed
+
+
+def _replay_step(
+    key: str, since: dt.datetime, deliveries: QuerySet[Delivery], alias: str
+) -> list[Batch]:
+    """One step of a replay: its batches written, each inbox's first new
+    delivery waiting on the last one before it (an earlier step's, or what
+    its sequence had pending), and the others chained behind it."""
+    rows = deliveries.order_by("id").values_list(
+        "batch_id", "inbox", "host", "via", "destination", "kind"
     )
     by_batch: dict[int, list[queueing.Queued]] = {}
     kinds: dict[int, str] = {}
@@ -95,58 +121,58 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
         batch_id: WEBHOOK_ORDERING_KEY if kind == Kind.WEBHOOK else _replay_key(key, since)
         for batch_id, kind in kinds.items()
     }
+    # Each sequence is locked, and what its first new delivery waits on
+    # looked up, once; the others are chained to the one before them once
+    # all are written: each batch written as a send's is, with no lookup.
+    first_waits: dict[str, dict[str, int]] = {}
+    for ordering_key in sorted(set(keys.values())):
+        inboxes = sorted(
+            {
+                item.inbox
+                for other, queued in by_batch.items()
+                if keys[other] == ordering_key
+                for item in queued
+            }
+        )
+        sequences.lock_sequences(ordering_key, inboxes, alias)
+        first_waits[ordering_key] = sequences.last_of_sequences(ordering_key, None, inboxes, alias)
+    chained: set[tuple[str, str]] = set()
     replayed = []
     written = []
-    with transaction.atomic(using=alias):
-        # Each sequence is locked, and what its first new delivery waits on
-        # looked up, once; the others are chained to the one before them once
-        # all are written: each batch written as a send's is, with no lookup.
-        first_waits: dict[str, dict[str, int]] = {}
-        for ordering_key in sorted(set(keys.values())):
-            inboxes = sorted(
-                {
-                    item.inbox
-                    for other, queued in by_batch.items()
-                    if keys[other] == ordering_key
-                    for item in queued
-                }
-            )
-            sequences.lock_sequences(ordering_key, inboxes, alias)
-            first_waits[ordering_key] = sequences.last_of_sequences(
-                ordering_key, None, inboxes, alias
-            )
-        chained: set[tuple[str, str]] = set()
-        for batch_id, queued in by_batch.items():
-            original = batches[batch_id]
-            webhook = kinds[batch_id] == Kind.WEBHOOK
-            ordering_key = keys[batch_id]
-            firsts = [item.inbox for item in queued if (ordering_key, item.inbox) not in chained]
-            waiting = first_waits[ordering_key]
-            new = queueing.enqueue(
-                Batch(
-                    sender=original.sender,
-                    body=original.body,
-                    body_sha256=original.body_sha256,
-                    tag=f"replay of batch {original.pk}",
-                    ordering_key=ordering_key,
-                    lane=Lane.WEBHOOK if webhook else Lane.LOW,
-                    synchronize_collection=original.synchronize_collection,
-                    event_type=original.event_type,
-                    event_id=original.event_id,
-                    idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
-                    # Its attempts' spans are children of the replay's.
-                    trace_context=tracing.carried(),
-                ),
-                queued,
-                kind=kinds[batch_id],
-                using=alias,
-                waits_on={inbox: waiting[inbox] for inbox in firsts if inbox in waiting},
-            )
-            replayed.append(new)
-            if new.created:
-                written.append(new.pk)
-                chained.update((ordering_key, inbox) for inbox in firsts)
-        sequences.chain(written, alias)
+    for batch_id, queued in by_batch.items():
+        original = batches[batch_id]
+        webhook = kinds[batch_id] == Kind.WEBHOOK
+        ordering_key = keys[batch_id]
+        firsts = [item.inbox for item in queued if (ordering_key, item.inbox) not in chained]
+        waiting = first_waits[ordering_key]
+        new = queueing.enqueue(
+            Batch(
+                sender=original.sender,
+                body=original.body,
+                body_sha256=original.body_sha256,
+                tag=f"replay of batch {original.pk}",
+                ordering_key=ordering_key,
+                lane=Lane.WEBHOOK if webhook else Lane.LOW,
+                synchronize_collection=original.synchronize_collection,
+                event_type=original.event_type,
+                event_id=original.event_id,
+                idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
+                # Its attempts' spans are children of the replay's.
+                trace_context=tracing.carried(),
+            ),
+            queued,
+            kind=kinds[batch_id],
+            using=alias,
+            waits_on={inbox: waiting[inbox] for inbox in firsts if inbox in waiting},
+        )
+        # What is returned keeps no body: a replay of 100,000 batches holds
+        # one step's bodies at a time. Read, it is loaded as a deferred field is.
+        new.__dict__.pop("body", None)
+        replayed.append(new)
+        if new.created:
+            written.append(new.pk)
+            chained.update((ordering_key, inbox) for inbox in firsts)
+    sequences.chain(written, alias)
     return replayed
 
 

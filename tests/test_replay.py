@@ -13,6 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
+from django_federation_delivery import replay as replaying
 from django_federation_delivery import send, send_webhook
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
@@ -31,7 +32,16 @@ def note(n: int) -> dict[str, Any]:
     return {"type": "Create", "id": f"{ALICE}/activities/{n}", "actor": ALICE}
 
 
+@pytest.fixture(params=[500, 1], ids=["one step", "a step a batch"])
+def step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """A replay in one step, and in as many steps as batches: each chained
+    to the one before it, as within one."""
+    monkeypatch.setattr(replaying, "STEP", request.param)
+    return int(request.param)
+
+
 @pytest.mark.django_db
+@pytest.mark.usefixtures("step")
 def test_what_a_host_was_sent_since_a_moment_is_queued_again_once_in_order() -> None:
     now = timezone.now()
     old = send(ALICE, note(0), ["https://a.example/u1/inbox"])
@@ -86,6 +96,7 @@ def test_a_webhook_destination_is_sent_its_events_again_with_their_ids(settings:
 
 
 @pytest.mark.django_db
+@pytest.mark.usefixtures("step")
 def test_replayed_events_wait_behind_a_destinations_pending_one_each_on_the_last(
     settings: Any,
 ) -> None:
