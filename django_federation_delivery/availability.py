@@ -34,6 +34,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from django_federation_delivery import addresses, signals
+from django_federation_delivery.dialect import database_alias
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
 from django_federation_delivery.store.locks import write_first
@@ -119,7 +120,7 @@ def mark_host_seen(host: str, *, using: str | None = None) -> bool:
     (``xn--bcher-kva.example``); a name that has none (a webhook
     destination's ``<ops>``) as it is. ``ValueError`` naming it if it is
     blank, or a URL on no host."""
-    return mark_seen(addresses.required_host(host, "mark_host_seen"), using=using)
+    return mark_seen(addresses.required_host(host, "mark_host_seen"), using=database_alias(using))
 
 
 def mark_seen(host: str, *, using: str | None = None) -> bool:

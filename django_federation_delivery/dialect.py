@@ -17,8 +17,12 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
+from django_federation_delivery.addresses import quoted
+from django_federation_delivery.exceptions import InvalidDelivery
+
 __all__ = [
     "connection_for",
+    "database_alias",
     "db_datetime",
     "id_array",
     "is_postgresql",
@@ -31,6 +35,17 @@ __all__ = [
 
 def connection_for(using: str | None) -> Any:
     return connections[using or DEFAULT_DB_ALIAS]
+
+
+def database_alias(using: object) -> str:
+    """``using`` as the public API takes it: an alias in ``DATABASES``, or
+    None for the default; ``InvalidDelivery`` (a ``ValueError``) naming it
+    otherwise, before anything is written."""
+    if using is None:
+        return DEFAULT_DB_ALIAS
+    if not isinstance(using, str) or using not in connections:
+        raise InvalidDelivery(f"no database named {quoted(using)} in DATABASES")
+    return using
 
 
 def is_postgresql(connection: Any) -> bool:

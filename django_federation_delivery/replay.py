@@ -25,6 +25,7 @@ from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import host_named, quoted, required_host
+from django_federation_delivery.dialect import database_alias
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Status
 from django_federation_delivery.store import queueing, sequences
 from django_federation_delivery.webhooks.destinations import delivery_key
@@ -79,7 +80,7 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
         raise ValueError(f"since must be a datetime, not {quoted(since)}")
     if since.tzinfo is None:
         raise ValueError(f"since must carry its time zone, not {since.isoformat()}")
-    alias = using or DEFAULT_DB_ALIAS
+    alias = database_alias(using)
     matching = Delivery.objects.using(alias).filter(
         host=key, status__in=REPLAYED, settled_at__gte=since
     )

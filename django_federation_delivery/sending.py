@@ -20,6 +20,7 @@ from django.utils import timezone
 from django_federation_delivery import addresses, availability, portable, retractions, tracing
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted
 from django_federation_delivery.conf import app_settings
+from django_federation_delivery.dialect import database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane, SkippedInbox
 from django_federation_delivery.portable import PortableInbox
@@ -189,6 +190,7 @@ def _queue(
     portable: bool,
     using: str | None,
 ) -> Batch | None:
+    using = database_alias(using)
     opts = _options(options)
     sender = _sender(sender)
     body, encoded = _body(activity)

@@ -474,3 +474,25 @@ def test_a_credential_given_where_it_does_not_go_is_never_repeated(
     assert "s3cretT0ken" not in said and "B0BBBB2" not in said, said
     assert len(said) < 300, said
     assert nothing_written()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("using", ["elsewhere", "", 0, True, ["default"]])
+def test_a_database_not_in_databases_is_refused_naming_it(using: Any, settings: Any) -> None:
+    from django_federation_delivery import mark_host_seen, send_webhook
+    from django_federation_delivery.replay import replay
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": HOOK.replace("https://", "slack://")},
+    }
+    said = f"no database named {re.escape(repr(using))} in DATABASES"
+    with pytest.raises(InvalidDelivery, match=said):
+        send_batch(ALICE, NOTE, ["https://a.example/inbox"], using=using)
+    with pytest.raises(InvalidDelivery, match=said):
+        send_webhook("ops", "alert.raised", {}, using=using)
+    with pytest.raises(InvalidDelivery, match=said):
+        replay(host="a.example", since=timezone.now(), using=using)
+    with pytest.raises(InvalidDelivery, match=said):
+        mark_host_seen("a.example", using=using)
+    assert nothing_written()

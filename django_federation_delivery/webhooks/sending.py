@@ -23,7 +23,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from django_federation_delivery import tracing
@@ -31,6 +31,7 @@ from django_federation_delivery.addresses import quoted
 from django_federation_delivery.channels import Event, Policy
 from django_federation_delivery.channels.policy import LANES
 from django_federation_delivery.conf import SETTING, app_settings
+from django_federation_delivery.dialect import database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Kind, Lane
 from django_federation_delivery.sending import checked_idempotency_key
@@ -74,6 +75,7 @@ def send_webhook(
     was sent with already and is kept under, nothing is queued and that batch
     is returned.
     """
+    alias = database_alias(using)
     idempotency_key = checked_idempotency_key(idempotency_key)
     event = Event.of(event_type, event_id or str(uuid.uuid4()), timezone.now(), data)
     found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
@@ -96,7 +98,6 @@ def send_webhook(
     # The most urgent lane any of its destinations' kinds asks for.
     lane = min((policy.lane for policy in policies.values()), key=LANES.index)
     body = encoded.decode()
-    alias = using or DEFAULT_DB_ALIAS
     # No savepoint, as send()'s.
     with transaction.atomic(using=alias, savepoint=False):
         return queueing.enqueue(
