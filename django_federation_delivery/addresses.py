@@ -508,16 +508,16 @@ def quoted(value: object, *, path: bool = False) -> str:
             return f"<{type(value).__name__}>"
         return f"<{type(value).__name__}>" if "://" in text else text
     shown = value
-    if "://" in value:
-        # A password taken out is marked where it was, where the path is shown.
-        shown = _USERINFO.sub(r"\1\2…@" if path else r"\1\2", value)
-        if path:
-            shown = re.split(r"[?#]", shown, maxsplit=1)[0]
-        else:
-            matched = _ORIGIN_ONLY.match(shown)
-            shown = matched.group(0) if matched else ""
-        if shown != value and not (path and shown == _USERINFO.sub(r"\1\2…@", value)):
-            shown += "…" if path or shown.endswith("/") else "/…"
+    if "://" in value and path:
+        # A password taken out is marked where it was; a query or fragment cut.
+        shown = _USERINFO.sub(r"\1\2…@", value)
+        kept = re.split(r"[?#]", shown, maxsplit=1)[0]
+        shown = kept if kept == shown else f"{kept}…"
+    elif "://" in value:
+        matched = _ORIGIN_ONLY.match(_USERINFO.sub(r"\1\2", value))
+        kept = matched.group(0) if matched else ""
+        if kept != value:
+            shown = f"{kept}…" if kept.endswith("/") else f"{kept}/…"
     elif not path:
         host, slash, _ = value.partition("/")
         if slash and "." in host:
