@@ -3,7 +3,8 @@ by hand (their texts, and what differs between the two in them, are in
 ``store/queries.sql``): how a datetime is written and how it comes back, how
 many rows one statement may carry, and how a list of rows or of ids is
 passed as one parameter. SQLite 3.35 has ``RETURNING`` and ``ON CONFLICT …
-DO UPDATE`` (``checks/database.py`` refuses an older one).
+DO UPDATE`` (``checks/database.py`` refuses an older one). And which
+database the public API was given (``using``): one in ``DATABASES``.
 """
 
 from __future__ import annotations
