@@ -499,13 +499,11 @@ def quoted(value: object, *, path: bool = False) -> str:
     be the credential) as its scheme and host only, or its host only when
     pasted without its scheme; with ``path``, for a URL public by nature
     (an actor's, an ``ap://`` inbox), its path too, without userinfo, query
-    or fragment. A value that is not text as its short repr, or as its
-    type's name alone when that holds a URL or cannot be had."""
+    or fragment. A value that is not text as its short repr (one that raises
+    is named by its type and address, as reprlib does), or as its type's
+    name alone when that holds a URL."""
     if not isinstance(value, str):
-        try:
-            text = _SHORT.repr(value)
-        except Exception:
-            return f"<{type(value).__name__}>"
+        text = _SHORT.repr(value)
         return f"<{type(value).__name__}>" if "://" in text else text
     shown = value
     if "://" in value and path:
@@ -528,16 +526,11 @@ def quoted(value: object, *, path: bool = False) -> str:
     return repr(shown if len(shown) <= MOST_SHOWN else f"{shown[:MOST_SHOWN]}…")
 
 
-def _short_repr() -> reprlib.Repr:
-    short = reprlib.Repr()
-    short.maxlevel = 2
-    short.maxdict = short.maxlist = short.maxtuple = short.maxset = short.maxfrozenset = 4
-    short.maxstring = short.maxother = MOST_SHOWN
-    return short
-
-
 #: How a value that is not text is shown: a few items, each short.
-_SHORT = _short_repr()
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 2
+_SHORT.maxdict = _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxfrozenset = 4
+_SHORT.maxstring = _SHORT.maxother = MOST_SHOWN
 
 
 #: The shortest start of a secret taken out of the end of a text.

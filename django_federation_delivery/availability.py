@@ -34,7 +34,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from django_federation_delivery import addresses, signals
-from django_federation_delivery.dialect import database_alias
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
 from django_federation_delivery.store.locks import write_first

@@ -7,6 +7,8 @@ accessors here raise ``ImproperlyConfigured`` naming the bad value when code
 uses one anyway. Code reads a setting through its typed accessor
 (``app_settings.concurrency`` is an ``int``), converted in one place rather
 than cast at every use; ``get`` gives the raw value, as the checks want it.
+:func:`database_alias` checks the one Django setting the public API is
+given a name from: a database alias (``using``), in ``DATABASES``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils.module_loading import import_string
 from django.utils.translation import gettext as _
 
 from django_federation_delivery import __version__
+from django_federation_delivery.addresses import quoted
+from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
 from django_federation_delivery.signatures import Scheme
 
@@ -361,3 +366,14 @@ class AppSettings:
 
 
 app_settings = AppSettings()
+
+
+def database_alias(using: object) -> str:
+    """``using`` as the public API takes it: an alias in ``DATABASES``, or
+    None for the default; ``InvalidDelivery`` (a ``ValueError``) naming it
+    otherwise, before anything is written."""
+    if using is None:
+        return DEFAULT_DB_ALIAS
+    if not isinstance(using, str) or using not in connections:
+        raise InvalidDelivery(f"no database named {quoted(using)} in DATABASES")
+    return using

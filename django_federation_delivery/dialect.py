@@ -3,8 +3,7 @@ by hand (their texts, and what differs between the two in them, are in
 ``store/queries.sql``): how a datetime is written and how it comes back, how
 many rows one statement may carry, and how a list of rows or of ids is
 passed as one parameter. SQLite 3.35 has ``RETURNING`` and ``ON CONFLICT …
-DO UPDATE`` (``checks/database.py`` refuses an older one). And which
-database the public API was given (``using``): one in ``DATABASES``.
+DO UPDATE`` (``checks/database.py`` refuses an older one).
 """
 
 from __future__ import annotations
@@ -18,12 +17,8 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from django_federation_delivery.addresses import quoted
-from django_federation_delivery.exceptions import InvalidDelivery
-
 __all__ = [
     "connection_for",
-    "database_alias",
     "db_datetime",
     "id_array",
     "is_postgresql",
@@ -36,17 +31,6 @@ __all__ = [
 
 def connection_for(using: str | None) -> Any:
     return connections[using or DEFAULT_DB_ALIAS]
-
-
-def database_alias(using: object) -> str:
-    """``using`` as the public API takes it: an alias in ``DATABASES``, or
-    None for the default; ``InvalidDelivery`` (a ``ValueError``) naming it
-    otherwise, before anything is written."""
-    if using is None:
-        return DEFAULT_DB_ALIAS
-    if not isinstance(using, str) or using not in connections:
-        raise InvalidDelivery(f"no database named {quoted(using)} in DATABASES")
-    return using
 
 
 def is_postgresql(connection: Any) -> bool:

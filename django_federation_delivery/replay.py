@@ -25,7 +25,7 @@ from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import host_named, quoted, required_host
-from django_federation_delivery.dialect import database_alias
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Status
 from django_federation_delivery.store import queueing, sequences
 from django_federation_delivery.webhooks.destinations import delivery_key

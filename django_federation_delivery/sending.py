@@ -19,8 +19,7 @@ from django.utils import timezone
 
 from django_federation_delivery import addresses, availability, portable, retractions, tracing
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted
-from django_federation_delivery.conf import app_settings
-from django_federation_delivery.dialect import database_alias
+from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane, SkippedInbox
 from django_federation_delivery.portable import PortableInbox

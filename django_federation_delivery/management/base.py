@@ -7,12 +7,13 @@ import ipaddress
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import connections
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.checks import unapplied_migrations
+from django_federation_delivery.conf import database_alias
+from django_federation_delivery.exceptions import InvalidDelivery
 
 
 class TranslatedCommand(BaseCommand):
@@ -67,9 +68,12 @@ def ip_address(value: str) -> str:
 
 def database_named(using: str) -> str:
     """``using``, a database alias in ``DATABASES``; a CommandError naming it otherwise."""
-    if using not in connections:
-        raise CommandError(_("no database named %(alias)r in DATABASES") % {"alias": using})
-    return using
+    try:
+        return database_alias(using)
+    except InvalidDelivery:
+        raise CommandError(
+            _("no database named %(alias)r in DATABASES") % {"alias": using}
+        ) from None
 
 
 def require_migrations(using: str) -> None:

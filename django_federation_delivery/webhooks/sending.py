@@ -30,8 +30,7 @@ from django_federation_delivery import tracing
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.channels import Event, Policy
 from django_federation_delivery.channels.policy import LANES
-from django_federation_delivery.conf import SETTING, app_settings
-from django_federation_delivery.dialect import database_alias
+from django_federation_delivery.conf import SETTING, app_settings, database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Kind, Lane
 from django_federation_delivery.sending import checked_idempotency_key
