@@ -105,6 +105,15 @@ HOSTILE_ANSWER = "body\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED\u202eevil\r\nFAKE-LINE"
 HOSTILE_ANSWER_ESCAPED = r"body\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED\u202eevil FAKE-LINE"
 
 
+class Unprintable:
+    """A value given where a name goes whose text cannot even be had."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+    __repr__ = __str__
+
+
 def _flushes(marker: pytest.Mark | None, fixtures: set[str]) -> bool:
     if marker is not None:
         if marker.kwargs.get("available_apps") is not None:

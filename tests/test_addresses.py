@@ -35,7 +35,7 @@ from django_federation_delivery.models import Batch, Delivery
 from django_federation_delivery.signatures import Scheme, SenderKey
 from django_federation_delivery.transport import Transport, TransportSettings
 
-from .conftest import Inbox, Received
+from .conftest import Inbox, Received, Unprintable
 from .keys import ALICE, rsa_key
 from .test_signatures import cavage_verifies, prepared, rfc9421_verify
 
@@ -608,11 +608,6 @@ def test_credentials_are_the_userinfo_and_query_whole_in_parts_and_decoded() -> 
         assert secret in found
     assert "a=1" not in found, "too short to be worth hiding on its own"
     assert credentials("https://a.example/inbox") == []
-
-
-class Unprintable:
-    def __repr__(self) -> str:
-        raise RuntimeError("no text")
 
 
 @pytest.mark.parametrize(

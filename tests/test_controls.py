@@ -12,6 +12,7 @@ from django_federation_delivery import controls, send, signals
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.store import settlements
 
+from .conftest import Unprintable
 from .keys import ALICE
 
 pytestmark = pytest.mark.django_db
@@ -67,15 +68,6 @@ def test_a_host_is_read_in_any_form_as_a_send_reads_an_inboxs(failures: list[Any
     assert controls.resume_host("https://BÜCHER.example/") == 1
     assert controls.give_up_host("b.example.") == 1
     assert [failure.inbox for failure in failures] == ["https://b.example/inbox"]
-
-
-class Unprintable:
-    """A value whose text cannot even be had."""
-
-    def __str__(self) -> str:
-        raise RuntimeError("no text")
-
-    __repr__ = __str__
 
 
 @pytest.mark.parametrize(
