@@ -13,7 +13,8 @@ so that it finds it compiled (the slow tests' Python first); the browser's,
 also once the file FD_CHROMIUM_STATUS names (if set) says Chromium's install,
 which scripts/test runs in the background, ended with status 0. On PostgreSQL, the
 tests that cannot reach a database, or test what no database changes, are
-left out: they ran on SQLite, and would run the same. At most N runs go at
+left out: they ran on SQLite, and would run the same. In PREPARED_ENV, the
+PostgreSQL runs have psycopg prepare every statement. At most N runs go at
 once (FD_TEST_JOBS; by default all of them): they share nothing (each has a
 database of its own: see tests/settings.py), and each mostly waits on
 sockets, subprocesses and timers, so that only all of them at once keep two
@@ -54,6 +55,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright there only
+#: The cell whose PostgreSQL runs have psycopg prepare every statement at its
+#: first run (OPTIONS prepare_threshold 0, see tests/settings.py), as a
+#: project that sets prepare_threshold has it do; the others, Django's
+#: default, prepare none.
+PREPARED_ENV = SLOW_ENV
 NO_TESTS_COLLECTED = 5
 SLOW_WORKERS = 3
 RUN_TIMEOUT = float(os.environ.get("FD_TEST_RUN_TIMEOUT", 1200))
@@ -197,7 +203,8 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
         for database, environ in databases.items():
             only = f" and {ONLY[database]}" if database in ONLY else ""
             marks = f"slow and not browser{only}"
-            runs.append(Run(SLOW_ENV, database, marks, interpreter(SLOW_ENV), environ, slow_args))
+            label, environ = prepared(SLOW_ENV, database, environ)
+            runs.append(Run(SLOW_ENV, label, marks, interpreter(SLOW_ENV), environ, slow_args))
         # The browser's tests (any_database) in a process of their own: one
         # Chromium serves them all, where each xdist worker would start one.
         sqlite = databases["SQLite"]
@@ -208,10 +215,19 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     for database, environ in databases.items():
         marks = f"not slow and {ONLY[database]}" if database in ONLY else "not slow"
         for env in envs:
+            label, env_environ = prepared(env, database, environ)
             runs.append(
-                Run(env, database, marks, interpreter(env), environ, args, NOT_SLOW_NICENESS)
+                Run(env, label, marks, interpreter(env), env_environ, args, NOT_SLOW_NICENESS)
             )
     return runs
+
+
+def prepared(env: str, database: str, environ: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The name of a run's database, and its environment: in PREPARED_ENV,
+    PostgreSQL with every statement prepared."""
+    if env != PREPARED_ENV or database != "PostgreSQL":
+        return database, environ
+    return f"{database} (prepared)", {**environ, "FD_PREPARE_THRESHOLD": "0"}
 
 
 #: What has a Python compile the suite and rewrite its asserts, running no test.

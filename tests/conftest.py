@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import faulthandler
 import json
 import os
@@ -611,3 +612,18 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 MANAGE = [sys.executable, "-m", "django"]
+
+
+@contextlib.contextmanager
+def statements_run() -> Iterator[list[tuple[str, Any]]]:
+    """The statements run inside, with their parameters, as they run; the
+    savepoints of the test's own transaction left out."""
+    executed: list[tuple[str, Any]] = []
+
+    def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not sql.startswith(("SAVEPOINT", "RELEASE")):
+            executed.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(capture):
+        yield executed

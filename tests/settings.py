@@ -92,6 +92,12 @@ if "DATABASE_URL" in os.environ:
     # One test database per run, as with SQLite below: scripts/test runs
     # several at once on one server.
     DATABASES["default"]["TEST"] = {"NAME": f"test_{DATABASES['default']['NAME']}_{os.getpid()}"}
+    # psycopg prepares a statement once a connection has run it so many times
+    # (0: at once); Django's default, unset, prepares none.
+    if os.environ.get("FD_PREPARE_THRESHOLD"):
+        DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = int(
+            os.environ["FD_PREPARE_THRESHOLD"]
+        )
 else:
     # A file, not memory: the deliverer's threads open connections of their
     # own, and WAL with a busy timeout is what a real deployment runs.

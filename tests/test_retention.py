@@ -16,7 +16,7 @@ from django_federation_delivery import retention
 from django_federation_delivery.dialect import quoted_table
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 
-from .conftest import wait_until
+from .conftest import statements_run, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -239,19 +239,15 @@ def test_each_chunk_of_a_purge_finds_its_rows_by_primary_key_not_by_a_scan() -> 
     table = quoted_table(Delivery, connection)
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {table}")
-    with CaptureQueriesContext(connection) as queries:
+    with statements_run() as executed:
         purged = retention.purge({Status.DELIVERED: now - dt.timedelta(days=7)}, chunk=chunk)
     assert purged.chunks > 2
-    chunks = [
-        q["sql"]
-        for q in queries.captured_queries
-        if q["sql"].startswith("DELETE") and "settled_at" in q["sql"]
-    ]
+    chunks = [run for run in executed if run[0].startswith("DELETE") and "settled_at" in run[0]]
     assert len(chunks) == purged.chunks
     explain = "EXPLAIN" if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN"
     with connection.cursor() as cursor:
-        for sql in chunks:
-            cursor.execute(f"{explain} {sql}")
+        for sql, params in chunks:
+            cursor.execute(f"{explain} {sql}", params)
             plan = "\n".join(str(row[-1]) for row in cursor.fetchall())
             if connection.vendor == "postgresql":
                 assert "Index Scan using federation_delivery_delivery_pkey" in plan, plan

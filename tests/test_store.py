@@ -21,6 +21,7 @@ from django_federation_delivery.models import Batch, Delivery, DeliveryHistory, 
 from django_federation_delivery.store import queueing
 from django_federation_delivery.store.claims import CANDIDATES
 
+from .conftest import statements_run
 from .keys import ALICE
 
 NOTE = {"type": "Note"}
@@ -28,21 +29,6 @@ NOTE = {"type": "Note"}
 
 def inboxes(count: int, host: str = "a.example") -> list[str]:
     return [f"https://{host}/u{n}/inbox" for n in range(count)]
-
-
-@contextlib.contextmanager
-def statements_run() -> Iterator[list[tuple[str, Any]]]:
-    """The statements run inside, with their parameters, as they run; the
-    savepoints of the test's own transaction left out."""
-    executed: list[tuple[str, Any]] = []
-
-    def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        if not sql.startswith(("SAVEPOINT", "RELEASE")):
-            executed.append((sql, params))
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(capture):
-        yield executed
 
 
 @pytest.mark.django_db
@@ -287,8 +273,69 @@ def test_the_claim_reads_pending_rows_through_the_partial_index() -> None:
             assert plan.count("fd_delivery_due") == len(read), plan
 
 
+@contextlib.contextmanager
+def prepared_statements(threshold: int | None, mode: str = "auto") -> Iterator[None]:
+    """PostgreSQL: psycopg preparing statements as ``OPTIONS["prepare_threshold"]``
+    has it (None: never), the server planning them as its ``plan_cache_mode``."""
+    connection.ensure_connection()
+    raw = connection.connection
+    before = raw.prepare_threshold
+    raw.prepare_threshold = threshold
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('plan_cache_mode', %s, false)", [mode])
+    try:
+        yield
+    finally:
+        raw.prepare_threshold = before
+        with connection.cursor() as cursor:
+            cursor.execute("RESET plan_cache_mode")
+
+
+def prepared_texts() -> list[str]:
+    """The texts of the statements prepared on this connection."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [text for (text,) in cursor.fetchall()]
+
+
+def numbered(sql: str) -> str:
+    """A statement as psycopg sends it bound on the server: $1, $2… for %s."""
+    counter = iter(range(1, sql.count("%s") + 1))
+    return re.sub("%s", lambda _: f"${next(counter)}", sql).replace("%%", "%")
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_claim_and_a_settle_find_their_rows_by_id_however_few_the_planner_guesses() -> None:
+def test_on_postgresql_the_statements_are_prepared_when_the_project_asks_and_only_then() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are PostgreSQL's")
+    send(ALICE, NOTE, inboxes(40))
+
+    def claim_and_settle() -> None:
+        rows = store.claim(4, lease=300, per_host=4)
+        store.settle([store.Settlement(row, Status.DELIVERED, 1) for row in rows])
+
+    with prepared_statements(None):
+        for _ in range(4):
+            claim_and_settle()
+            send(ALICE, NOTE, inboxes(1, "b.example"))
+        assert not [text for text in prepared_texts() if "federation_delivery" in text]
+    with prepared_statements(2), statements_run() as executed:
+        for _ in range(3):
+            claim_and_settle()
+            send(ALICE, NOTE, inboxes(1, "b.example"))
+    prepared = prepared_texts()
+    ran = {sql for sql, _ in executed if "federation_delivery" in sql}
+    # The claim, the settle and a one-inbox send, each its one statement.
+    assert len(ran) >= 3, ran
+    for sql in ran:
+        assert numbered(sql) in prepared, sql
+
+
+@pytest.mark.parametrize("plan", ["custom", "generic"])
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_and_a_settle_find_their_rows_by_id_however_few_the_planner_guesses(
+    plan: str,
+) -> None:
     if connection.vendor != "postgresql":
         pytest.skip("SQLite's claim and settle read the rows they write by id, as written")
     # A table small enough that, told only that the rows taken or settled
@@ -296,17 +343,29 @@ def test_a_claim_and_a_settle_find_their_rows_by_id_however_few_the_planner_gues
     emptied_for_the_planner()
     send(ALICE, NOTE, inboxes(2000, "settled.example"))
     analyze()
-    with statements_run() as executed:
+    # Generic: the plan a prepared statement is given once for all the values
+    # it will be run with, which the server may keep after five runs.
+    threshold, mode = (0, "force_generic_plan") if plan == "generic" else (None, "auto")
+    with prepared_statements(threshold, mode), statements_run() as executed:
         rows = store.claim(64, lease=300, per_host=64)
         store.settle([store.Settlement(row, Status.DELIVERED, 1) for row in rows])
-    # The claim's statement (its lanes' CTEs first), then the settle's.
-    statements = [(sql, params) for sql, params in executed if sql.startswith("WITH")]
-    assert len(statements) == 2, executed
-    plans = []
-    with connection.cursor() as cursor:
-        for sql, params in statements:
-            cursor.execute(f"EXPLAIN {sql}", params)
-            plans.append([row for (row,) in cursor.fetchall()])
+        # The claim's statement (its lanes' CTEs first), then the settle's.
+        statements = [(sql, params) for sql, params in executed if sql.startswith("WITH")]
+        assert len(statements) == 2, executed
+        names = {}
+        if plan == "generic":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT statement, name FROM pg_prepared_statements")
+                names = dict(cursor.fetchall())
+        plans = []
+        with connection.cursor() as cursor:
+            for sql, params in statements:
+                if plan == "generic":
+                    marks = ", ".join(["%s"] * len(params))
+                    cursor.execute(f"EXPLAIN EXECUTE {names[numbered(sql)]}({marks})", params)
+                else:
+                    cursor.execute(f"EXPLAIN {sql}", params)
+                plans.append([row for (row,) in cursor.fetchall()])
     for plan in plans:
         text = "\n".join(plan)
         assert f"Seq Scan on {Delivery._meta.db_table}" not in text, text
@@ -419,16 +478,19 @@ def test_waiting_and_settled_deliveries_are_found_through_indexes_of_those_rows_
     assert first is not None
     waited_on = list(Delivery.objects.filter(batch=first).values_list("id", flat=True))
     analyze()
-    with CaptureQueriesContext(connection) as queries:
+    with statements_run() as executed:
         sequences.release_next(waited_on, timezone.now(), None)
         retention.purge({Status.DELIVERED: long_ago + dt.timedelta(days=1)}, chunk=100)
-    released = [q["sql"] for q in queries.captured_queries if "after_id = NULL WHERE" in q["sql"]]
-    oldest = [q["sql"] for q in queries.captured_queries if "ORDER BY settled_at" in q["sql"]]
-    assert released and oldest, queries.captured_queries
+    released = [run for run in executed if "after_id = NULL WHERE" in run[0]]
+    oldest = [run for run in executed if "ORDER BY settled_at" in run[0]]
+    assert released and oldest, executed
     explain = "EXPLAIN" if connection.vendor == "postgresql" else "EXPLAIN QUERY PLAN"
     with connection.cursor() as cursor, transaction.atomic():
-        for sql, index in [(released[0], "fd_delivery_after"), (oldest[0], "fd_delivery_settled")]:
-            cursor.execute(f"{explain} {sql}")
+        for (sql, params), index in [
+            (released[0], "fd_delivery_after"),
+            (oldest[0], "fd_delivery_settled"),
+        ]:
+            cursor.execute(f"{explain} {sql}", params)
             plan = " ".join(str(row) for row in cursor.fetchall())
             assert index in plan, plan
     assert Delivery.objects.filter(after__isnull=False).count() == 0, "released"

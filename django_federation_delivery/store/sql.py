@@ -292,7 +292,9 @@ class Statements:
     wrapper adds around one statement (the ``%s`` to ``?`` rewrite, the
     checks) costs more than SQLite takes to insert a row: a one-inbox send,
     a fifth more (``benchmarks/send.py``). Errors are translated, and a
-    broken transaction refused, as Django's cursor does.
+    broken transaction refused, as Django's cursor does. On PostgreSQL,
+    Django's cursor binding the parameters on the server, so that psycopg
+    may prepare the statements (see :func:`_server_binding_cursor`).
     """
 
     def __init__(self, connection: Any, *, driver: bool = False) -> None:
@@ -312,6 +314,8 @@ class Statements:
         if self._driver:
             self.connection.validate_thread_sharing()
             self._cursor = self.connection.connection.cursor()
+        elif self.postgresql and not self.connection.queries_logged:
+            self._cursor = _server_binding_cursor(self.connection)
         else:
             self._cursor = self.connection.cursor()
         return self
@@ -449,6 +453,37 @@ class Statements:
             self.run("release_next", ids=self.ids(released), now=now)
         leaving = Counter(batch for id, batch in final.items() if id in written)
         return Settled(written, self.count_down(leaving, now), False)
+
+
+def _server_binding_cursor(connection: Any) -> Any:
+    """Django's cursor on PostgreSQL, but one that sends the parameters apart
+    from the text (psycopg 3's server-side binding), whatever the ORM's
+    cursors do (``OPTIONS["server_side_binding"]``).
+
+    Each statement then reaches the server as the same text, whatever is
+    bound, so that psycopg prepares it once the connection has run it
+    ``prepare_threshold`` times (``OPTIONS["prepare_threshold"]``; Django's
+    default, None, prepares nothing, for a pooler that cannot keep prepared
+    statements), and the server parses and plans it once a connection, not
+    at each claim and settle. A long value (a settle's JSON rows, a list of
+    ids) is sent as it is, not quoted into the text. The cursor is Django's
+    all the same: wrapped and its errors translated as any. It is not used
+    while Django logs queries (``DEBUG``, a test counting them): the log
+    would hold no text for a prepared statement."""
+    # Imported only here: it needs psycopg, which SQLite does not.
+    from django.db.backends.postgresql import base
+
+    connection.ensure_connection()
+    raw = connection.connection
+    binding = getattr(base, "ServerBindingCursor", None)  # psycopg 2 has none
+    if binding is None or raw.cursor_factory is binding:
+        return connection.cursor()
+    factory = raw.cursor_factory
+    raw.cursor_factory = binding
+    try:
+        return connection.cursor()
+    finally:
+        raw.cursor_factory = factory
 
 
 def on(using: Any = None, *, driver: bool = False) -> Statements:
