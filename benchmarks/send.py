@@ -16,7 +16,9 @@ settings), or with ``--database-url`` on a throwaway PostgreSQL:
 * the floor: the statements of a one-inbox send, run through the driver
   alone on the same connection, with no Django and none of the package's
   Python around them: on SQLite its two and the commit, through ``sqlite3``;
-  on PostgreSQL its one, in autocommit, through psycopg;
+  on PostgreSQL its one, in autocommit, through psycopg, bound on the server
+  as the package binds it (so prepared too when the URL asks it, with
+  ``?prepare_threshold=5``);
 * with ``--celery``, beside them: Celery's ``apply_async`` of a task that
   does nothing, given the same activity, to a Redis broker on 127.0.0.1
   (started here; Celery and redis-py installed with pip if missing), as many
@@ -198,6 +200,8 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
         return one
 
     def bare_postgresql() -> Callable[[], Timing]:
+        import psycopg
+
         from django_federation_delivery.dialect import db_datetime
         from django_federation_delivery.store import queueing, sql
 
@@ -210,7 +214,9 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
         def one() -> Timing:
             (inbox,) = small(1)
             host = inbox.split("/")[2]
-            with timed() as took, connection.connection.cursor() as cursor:
+            # Bound on the server, as the package binds it: prepared, as its
+            # statement is, when the connection's prepare_threshold asks.
+            with timed() as took, psycopg.Cursor(connection.connection) as cursor:
                 # In autocommit, as a send outside a transaction runs it.
                 params = queueing._delivery_params(
                     connection, batch, [queueing.Queued(inbox, host)], {}, due, "activitypub"
