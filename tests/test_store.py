@@ -276,12 +276,15 @@ def test_the_claim_reads_pending_rows_through_the_partial_index() -> None:
 @contextlib.contextmanager
 def prepared_statements(threshold: int | None, mode: str = "auto") -> Iterator[None]:
     """PostgreSQL: psycopg preparing statements as ``OPTIONS["prepare_threshold"]``
-    has it (None: never), the server planning them as its ``plan_cache_mode``."""
+    has it (None: never), the server planning them as its ``plan_cache_mode``;
+    none prepared on the connection to begin with (psycopg forgets its own
+    when it sees them deallocated)."""
     connection.ensure_connection()
     raw = connection.connection
     before = raw.prepare_threshold
     raw.prepare_threshold = threshold
     with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
         cursor.execute("SELECT set_config('plan_cache_mode', %s, false)", [mode])
     try:
         yield
