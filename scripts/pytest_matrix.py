@@ -203,8 +203,8 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
         for database, environ in databases.items():
             only = f" and {ONLY[database]}" if database in ONLY else ""
             marks = f"slow and not browser{only}"
-            label, environ = prepared(SLOW_ENV, database, environ)
-            runs.append(Run(SLOW_ENV, label, marks, interpreter(SLOW_ENV), environ, slow_args))
+            label, run_environ = prepared(SLOW_ENV, database, environ)
+            runs.append(Run(SLOW_ENV, label, marks, interpreter(SLOW_ENV), run_environ, slow_args))
         # The browser's tests (any_database) in a process of their own: one
         # Chromium serves them all, where each xdist worker would start one.
         sqlite = databases["SQLite"]
@@ -215,9 +215,9 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     for database, environ in databases.items():
         marks = f"not slow and {ONLY[database]}" if database in ONLY else "not slow"
         for env in envs:
-            label, env_environ = prepared(env, database, environ)
+            label, run_environ = prepared(env, database, environ)
             runs.append(
-                Run(env, label, marks, interpreter(env), env_environ, args, NOT_SLOW_NICENESS)
+                Run(env, label, marks, interpreter(env), run_environ, args, NOT_SLOW_NICENESS)
             )
     return runs
 

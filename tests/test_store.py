@@ -294,11 +294,11 @@ def prepared_statements(threshold: int | None, mode: str = "auto") -> Iterator[N
             cursor.execute("RESET plan_cache_mode")
 
 
-def prepared_texts() -> list[str]:
-    """The texts of the statements prepared on this connection."""
+def prepared_names() -> dict[str, str]:
+    """The statements prepared on this connection: each one's name by its text."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT statement FROM pg_prepared_statements")
-        return [text for (text,) in cursor.fetchall()]
+        cursor.execute("SELECT statement, name FROM pg_prepared_statements")
+        return dict(cursor.fetchall())
 
 
 def numbered(sql: str) -> str:
@@ -321,17 +321,34 @@ def test_on_postgresql_the_statements_are_prepared_when_the_project_asks_and_onl
         for _ in range(4):
             claim_and_settle()
             send(ALICE, NOTE, inboxes(1, "b.example"))
-        assert not [text for text in prepared_texts() if "federation_delivery" in text]
+        assert not [text for text in prepared_names() if "federation_delivery" in text]
     with prepared_statements(2), statements_run() as executed:
         for _ in range(3):
             claim_and_settle()
             send(ALICE, NOTE, inboxes(1, "b.example"))
-    prepared = prepared_texts()
+    prepared = prepared_names()
     ran = {sql for sql, _ in executed if "federation_delivery" in sql}
     # The claim, the settle and a one-inbox send, each its one statement.
     assert len(ran) >= 3, ran
     for sql in ran:
         assert numbered(sql) in prepared, sql
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_postgresql_statements_asked_prepared_are_logged_whole_while_django_logs() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("prepared statements are PostgreSQL's")
+    send(ALICE, NOTE, inboxes(8))
+    # Prepared at their first run, were psycopg given them to prepare; a
+    # debug toolbar, a DEBUG log or assertNumQueries reads each one's text.
+    with prepared_statements(0), CaptureQueriesContext(connection) as logged:
+        for _ in range(2):
+            rows = store.claim(2, lease=300, per_host=2)
+            store.settle([store.Settlement(row, Status.DELIVERED, 1) for row in rows])
+    texts = [query["sql"] for query in logged.captured_queries]
+    assert len(texts) >= 4, texts
+    assert all(texts), texts
+    assert sum("SKIP LOCKED" in text for text in texts) == 2, texts
 
 
 @pytest.mark.parametrize("plan", ["custom", "generic"])
@@ -355,11 +372,7 @@ def test_a_claim_and_a_settle_find_their_rows_by_id_however_few_the_planner_gues
         # The claim's statement (its lanes' CTEs first), then the settle's.
         statements = [(sql, params) for sql, params in executed if sql.startswith("WITH")]
         assert len(statements) == 2, executed
-        names = {}
-        if plan == "generic":
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT statement, name FROM pg_prepared_statements")
-                names = dict(cursor.fetchall())
+        names = prepared_names()
         plans = []
         with connection.cursor() as cursor:
             for sql, params in statements:

@@ -292,7 +292,7 @@ class Statements:
     wrapper adds around one statement (the ``%s`` to ``?`` rewrite, the
     checks) costs more than SQLite takes to insert a row: a one-inbox send,
     a fifth more (``benchmarks/send.py``). Errors are translated, and a
-    broken transaction refused, as Django's cursor does. On PostgreSQL,
+    broken transaction refused, as Django's cursor does. On PostgreSQL it is
     Django's cursor binding the parameters on the server, so that psycopg
     may prepare the statements (see :func:`_server_binding_cursor`).
     """
@@ -315,6 +315,8 @@ class Statements:
             self.connection.validate_thread_sharing()
             self._cursor = self.connection.connection.cursor()
         elif self.postgresql and not self.connection.queries_logged:
+            # Not while Django logs queries (DEBUG, a test counting them): it
+            # logs no text for a statement psycopg has prepared.
             self._cursor = _server_binding_cursor(self.connection)
         else:
             self._cursor = self.connection.cursor()
@@ -467,9 +469,7 @@ def _server_binding_cursor(connection: Any) -> Any:
     statements), and the server parses and plans it once a connection, not
     at each claim and settle. A long value (a settle's JSON rows, a list of
     ids) is sent as it is, not quoted into the text. The cursor is Django's
-    all the same: wrapped and its errors translated as any. It is not used
-    while Django logs queries (``DEBUG``, a test counting them): the log
-    would hold no text for a prepared statement."""
+    all the same: wrapped and its errors translated as any."""
     # Imported only here: it needs psycopg, which SQLite does not.
     from django.db.backends.postgresql import base
 
