@@ -57,6 +57,10 @@ class Intake:
     _caught_up_at: float = dataclasses.field(default=0.0, init=False)
     #: When the hosts whose breaker holds everything are next looked at.
     _held_pass_at: float = dataclasses.field(default=0.0, init=False)
+    #: Until when the hosts the last claim left out (held, or resting) have
+    #: nothing to claim, however due: what of theirs is due until then says
+    #: nothing of whether to claim again.
+    _left_out_until: float = dataclasses.field(default=0.0, init=False)
     #: When the last claim that found nothing began (the database's clock).
     _found_nothing_at: dt.datetime | None = dataclasses.field(default=None, init=False)
     #: Whether the last claim found nothing at all.
@@ -137,6 +141,7 @@ class Intake:
         self._caught_up_at = time.monotonic()
         if not claimed:
             self._found_nothing_at = claiming_at
+            self._left_out_until = self._next_claimable(held)
         if self._listener is not None:
             self._listener.pause(len(claimed) >= limit)
         if claimed:
@@ -168,13 +173,23 @@ class Intake:
             self._held_pass_at = time.monotonic() + HOLD_PASS_SECONDS
         return [*claimed, *more]
 
+    def _next_claimable(self, held: list[str]) -> float:
+        """When a host left out of a claim that found nothing may next have a
+        delivery claimed: the end of the first rest, or the next pass over
+        the ``held`` hosts (0.0: none was left out)."""
+        times = [self._held_pass_at] if held else []
+        rested = self.slots.until_rested()
+        if rested is not None:
+            times.append(time.monotonic() + rested)
+        return min(times, default=0.0)
+
     def _anything_due(self) -> bool | None:
         """Whether anything is due (None: the database is away). While the
-        held hosts are left alone until their next pass, what of theirs is
-        due says nothing: only what came due since the last claim that found
-        nothing counts (else an idle loop without LISTEN would claim again at
-        every look)."""
-        waiting = self._found_nothing and time.monotonic() < self._held_pass_at
+        hosts the last claim left out (held, or resting) stay left out, what
+        of theirs is due says nothing: only what came due since the last
+        claim that found nothing counts (else a loop whose only work is
+        theirs would claim again at every turn, finding nothing each time)."""
+        waiting = self._found_nothing and time.monotonic() < self._left_out_until
         since = self._found_nothing_at if waiting else None
         due: bool | None = self.db(claims.has_due, since=since, using=self.using)
         return due
@@ -200,9 +215,10 @@ class Intake:
         if due is not None:
             sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
             if sleep == 0.0:
-                # Due, yet the claim found nothing: it is a held host's, left
-                # alone until its next pass (or a result, or a send).
-                sleep = max(0.0, self._held_pass_at - time.monotonic())
+                # Due, yet the claim found nothing: it is a held or resting
+                # host's, left alone until its next pass or the end of its
+                # rest (or a result, or a send).
+                sleep = max(0.0, self._left_out_until - time.monotonic())
         deadline = time.monotonic() + sleep
         if not self.wake.is_set():
             # Only when nothing has woken it already: what follows wakes it.

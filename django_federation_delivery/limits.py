@@ -146,14 +146,15 @@ class HostLimits:
         until = self._resting.get(host)
         return 0.0 if until is None else max(0.0, until - self.clock())
 
-    def resting(self) -> list[str]:
-        """The hosts resting now: none of theirs is to be claimed."""
+    def resting(self) -> dict[str, float]:
+        """The hosts resting now, none of whose deliveries is to be claimed,
+        and the seconds of rest each has left."""
         if not self._resting:
-            return []
+            return {}
         now = self.clock()
         for host in [host for host, until in self._resting.items() if until <= now]:
             del self._resting[host]
-        return list(self._resting)
+        return {host: until - now for host, until in self._resting.items()}
 
     def learn(self, host: str, result: AttemptResult) -> None:
         """What an attempt at ``host`` says of its load."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from django_federation_delivery.workers import InFlight
 
@@ -49,13 +49,13 @@ class Slots:
         concurrency: int,
         per_host: Callable[[str], int],
         slow_after: float,
-        resting: Callable[[], Iterable[str]] = list,
+        resting: Callable[[], Mapping[str, float]] = dict,
     ) -> None:
         self.concurrency = concurrency
         #: How many a host may have in flight now (``limits.HostLimits.allowed``).
         self.per_host = per_host
-        #: The hosts that may have none in flight for now, whatever they hold
-        #: (``limits.HostLimits.resting``).
+        #: The hosts that may have none in flight for now, whatever they hold,
+        #: and for how many seconds more (``limits.HostLimits.resting``).
         self.resting = resting
         self.slow_after = slow_after
         #: Claimed and admitted, waiting for a slot (and a slot on its host).
@@ -107,6 +107,14 @@ class Slots:
         full = [host for host, count in held.items() if count >= self.per_host(host)]
         resting = [host for host in self.resting() if host not in held]
         return full + resting
+
+    def until_rested(self) -> float | None:
+        """Seconds until the first of the resting hosts that hold nothing here
+        may be sent to again: until then a claim leaves their deliveries out,
+        however due (None: no such host rests)."""
+        held = self._host_busy + self._ready_hosts
+        left = [seconds for host, seconds in self.resting().items() if host not in held]
+        return min(left) if left else None
 
     def hand_out(
         self, admit: Callable[[InFlight], bool], *, slow: int, queued: int, most: int

@@ -198,11 +198,11 @@ def test_a_host_refused_at_one_rests_twice_as_long_at_each_refusal_in_a_row(
     limits.learn(HOST, overload)
     assert limits.limit(HOST) == 1, "the limit learned is still one"
     assert limits.allowed(HOST) == 0, "but none goes while it rests"
-    assert limits.resting() == [HOST]
+    assert list(limits.resting()) == [HOST]
     assert limits.allowed("other.example") == 1, "each host its own"
     clock.now += REST
     assert limits.allowed(HOST) == 1
-    assert limits.resting() == []
+    assert list(limits.resting()) == []
     rest = REST
     for _ in range(12):
         rest = min(MOST_REST, rest * 2)
@@ -266,7 +266,7 @@ def test_a_host_slow_or_silent_at_one_is_not_rested_only_one_refusing() -> None:
     for _ in range(3):
         limits.learn(HOST, no_answer())  # the breaker's to hold
     assert (limits.limit(HOST), limits.allowed(HOST)) == (1, 1)
-    assert limits.resting() == []
+    assert list(limits.resting()) == []
 
 
 def test_a_host_that_never_answered_well_rests_no_longer_than_a_first_rest() -> None:
@@ -280,12 +280,12 @@ def test_a_host_that_never_answered_well_rests_no_longer_than_a_first_rest() -> 
         assert (limits.limit(HOST), limits.allowed(HOST)) == (1, 0)
         assert limits.rest_left(HOST) == pytest.approx(REST)
         clock.now += REST
-        assert (limits.allowed(HOST), limits.resting()) == (1, [])
+        assert (limits.allowed(HOST), list(limits.resting())) == (1, [])
     limits.learn(HOST, answered())
     limits.learn(HOST, answered(503))  # at two: halved
     limits.learn(HOST, answered(503))  # the other of that round
     limits.learn(HOST, answered(503))  # at one, having answered well: busy
-    assert limits.resting() == [HOST]
+    assert list(limits.resting()) == [HOST]
 
 
 def test_a_fixed_limit_never_rests() -> None:
@@ -293,7 +293,7 @@ def test_a_fixed_limit_never_rests() -> None:
     for _ in range(5):
         limits.learn(HOST, answered(503))
     assert limits.allowed(HOST) == 1
-    assert limits.resting() == []
+    assert list(limits.resting()) == []
 
 
 @pytest.mark.parametrize("refusals", [1, 200], ids=["one refusal", "an outage's"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.store import Claimed
 from django_federation_delivery.workers import InFlight
@@ -117,7 +119,7 @@ def test_stopping_releases_what_is_ready_and_what_the_workers_had_not_taken() ->
 
 
 def test_a_resting_host_gets_no_slot_and_is_left_out_of_claims_holding_nothing() -> None:
-    from django_federation_delivery.limits import HostLimits
+    from django_federation_delivery.limits import REST, HostLimits
 
     from .test_limits import Clock, answered, known
 
@@ -132,6 +134,11 @@ def test_a_resting_host_gets_no_slot_and_is_left_out_of_claims_holding_nothing()
     # "c" has its one in flight; "b" holds nothing, and rests.
     assert sorted(place.saturated_hosts()) == ["a", "b", "c"]
     assert not place.sendable(1)
+    clock.now += REST / 4
+    # What is due to "b" is claimable again when its rest ends ("a" holds its
+    # own delivery already).
+    assert place.until_rested() == pytest.approx(REST * 3 / 4)
     clock.now += 1.0
     assert sorted(place.saturated_hosts()) == ["a", "c"], "each at its one, and none rests"
+    assert place.until_rested() is None
     assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["a"]
