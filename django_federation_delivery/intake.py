@@ -205,20 +205,26 @@ class Intake:
         sooner; a send wakes it, and without LISTEN so does a cheap look for
         new work every ``NEW_WORK_POLL_SECONDS``. ``listening`` (by default,
         whether :meth:`listen` started a listener) says a send from another
-        process wakes it too, so no look is needed."""
+        process wakes it too, so no look is needed, unless what is due is
+        left out of the claims for now: the next due time then says nothing
+        of the others'."""
         if listening is None:
             listening = self._listener is not None
         if self._listener is not None:
             self._listener.pause(False)
         due = self.db(claims.next_due, using=self.using)
         sleep = jitter(self.idle_poll)
+        # Whether to look for what comes due meanwhile.
+        look = not listening
         if due is not None:
             sleep = min(sleep, max(0.0, (due - timezone.now()).total_seconds()))
             if sleep == 0.0:
                 # Due, yet the claim found nothing: it is a held or resting
                 # host's, left alone until its next pass or the end of its
-                # rest (or a result, or a send).
+                # rest (or a result, or a send). Meanwhile another host's
+                # retry may come due, which no NOTIFY tells of: looked for.
                 sleep = max(0.0, self._left_out_until - time.monotonic())
+                look = True
         deadline = time.monotonic() + sleep
         if not self.wake.is_set():
             # Only when nothing has woken it already: what follows wakes it.
@@ -227,14 +233,14 @@ class Intake:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            step = left if listening else min(left, self.new_work_poll)
+            step = min(left, self.new_work_poll) if look else left
             if self.heartbeat is not None:
                 # An idle deliverer is alive too.
                 step = min(step, self.heartbeat.until_due())
             if self.wake.wait(step):
                 break
             self.upkeep.beat()
-            if not listening and self._anything_due() is True:
+            if look and self._anything_due() is True:
                 break
         self.wake.clear()
         self.caught_up = False

@@ -477,6 +477,35 @@ def test_a_host_that_refuses_even_one_at_a_time_rests_and_is_not_hammered(
     assert status_of(batch) == [Status.DELIVERED] * 20
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_retry_that_comes_due_while_the_only_other_work_rests_is_sent_at_once(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    # An idle loop that listens (PostgreSQL) is woken by a send; a retry that
+    # comes due wakes nothing. With only a resting host's deliveries due, the
+    # next due time says nothing of another host's retry: it is looked for.
+    from django_federation_delivery.addresses import host_of
+
+    from .test_limits import answered, known
+
+    busy, other = inboxes("127.0.0.2"), inboxes("127.0.0.3")
+    send(ALICE, NOTE, [busy.url("/busy")])
+    retried = send(ALICE, NOTE, [other.url("/other")])
+    Delivery.objects.filter(batch=retried).update(
+        attempts=1, due_at=timezone.now() + dt.timedelta(seconds=0.5)
+    )
+    deliverer = Deliverer(concurrency=4, per_host=1, per_host_max=4)
+    host = host_of(busy.url())
+    known(deliverer.limits, host)
+    for _ in range(8):
+        # Refused at one, again and again: it rests 12.8 s.
+        deliverer.limits.learn(host, answered(503))
+    assert deliverer.limits.rest_left(host) > 10
+    deliverer.run(stop_after=3.0)
+    assert [request.path for request in other.received] == ["/other"], "sent when due"
+    assert busy.received == [], "resting"
+
+
 class OneAtATime:
     """A small host's answer: 202 after ``seconds``, or at once 503 to a
     request that finds another being answered; ``refused`` counts those."""
