@@ -154,16 +154,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 LONGEST_MODULES = frozenset(
     {"test_run_deliverer.py", "test_run_deliverer_postgres.py", "test_django_q.py"}
 )
-#: And the longest of the others: 10,000 deliveries, about 40 s of CPU.
-LONGEST_TESTS = frozenset(
-    {"test_a_deleted_posts_create_to_ten_thousand_inboxes_reaches_none_untried"}
-)
 
 
 def _longest(item: pytest.Item) -> bool:
-    if item.get_closest_marker("slow") is None:
-        return False
-    return item.path.name in LONGEST_MODULES or item.name in LONGEST_TESTS
+    return item.path.name in LONGEST_MODULES and item.get_closest_marker("slow") is not None
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
