@@ -105,16 +105,18 @@ class Slots:
         at once, and those resting: no use claiming more."""
         held = self._host_busy + self._ready_hosts
         full = [host for host, count in held.items() if count >= self.per_host(host)]
-        resting = [host for host in self.resting() if host not in held]
-        return full + resting
+        return full + list(self._resting_empty_handed(held))
 
     def until_rested(self) -> float | None:
         """Seconds until the first of the resting hosts that hold nothing here
         may be sent to again: until then a claim leaves their deliveries out,
         however due (None: no such host rests)."""
-        held = self._host_busy + self._ready_hosts
-        left = [seconds for host, seconds in self.resting().items() if host not in held]
-        return min(left) if left else None
+        left = self._resting_empty_handed(self._host_busy + self._ready_hosts).values()
+        return min(left, default=None)
+
+    def _resting_empty_handed(self, held: Mapping[str, int]) -> dict[str, float]:
+        """The resting hosts with nothing ``held`` here, and their rest left."""
+        return {host: left for host, left in self.resting().items() if host not in held}
 
     def hand_out(
         self, admit: Callable[[InFlight], bool], *, slow: int, queued: int, most: int
