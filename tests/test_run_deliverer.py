@@ -907,5 +907,9 @@ def test_two_deliverer_processes_show_as_two_live_deliverers(
     assert process.pid not in pids, "the supervisor delivers nothing, and beats for nothing"
     process.send_signal(signal.SIGTERM)
     assert process.wait(30) == 0, output.finish()
-    assert heartbeats.seen().live == ()
-    assert {row.pid for row in DelivererHeartbeat.objects.all()} == pids
+    # What each process said, and every row, should a row be missing: once in
+    # CI, on a machine 100% busy, one stopped child's row was gone.
+    text = output.finish()
+    rows = list(DelivererHeartbeat.objects.values_list("pid", "interval", "last_seen"))
+    assert heartbeats.seen().live == (), (rows, text)
+    assert {pid for pid, _, _ in rows} == pids, (rows, text)
