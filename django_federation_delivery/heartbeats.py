@@ -6,8 +6,9 @@ UPDATE every ``HEARTBEAT_SECONDS`` (never more often, on SQLite least of all),
 and marked stopped when it stops cleanly (its interval 0): no longer alive,
 but its last beat, the stop's time, still says when a deliverer was last
 seen, so that a stop and a restart within :data:`NO_DELIVERER_AFTER` is not
-taken for a stall; the next deliverer to start on the same machine deletes
-its machine's stopped rows at its first beat. A killed deliverer's row is no longer refreshed: it is
+taken for a stall; the next deliverer to start on the same machine deletes,
+at its first beat, the rows of those that stopped there before it started.
+A killed deliverer's row is no longer refreshed: it is
 dead once :data:`DEAD_AFTER` of its own intervals have passed. Either is
 deleted once a day old by the next deliverer to beat (at its first beat,
 and hourly after).
@@ -112,10 +113,12 @@ class Heartbeat:
                 interval=self.alive_for,
                 **fields,
             ).pk
-            # Its machine's stopped deliverers said when one was last seen
-            # there; this one says it now. A cron job's --drain each minute
-            # so keeps one row, not one a run for a day.
-            rows.filter(host=machine, interval=STOPPED).exclude(pk=self.pk).delete()
+            # Its machine's deliverers that stopped before it started said
+            # when one was last seen there; this one says it now. A cron
+            # job's --drain each minute so keeps one row, not one a run for
+            # a day. One that stopped since is kept: it ran beside this one.
+            before = rows.filter(host=machine, interval=STOPPED, last_seen__lt=self.started_at)
+            before.exclude(pk=self.pk).delete()
         if clock - self._forgot_at >= FORGET_EVERY:
             self._forgot_at = clock
             rows.filter(last_seen__lt=now - FORGET_AFTER).delete()

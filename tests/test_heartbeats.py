@@ -218,6 +218,22 @@ def test_a_start_deletes_its_machines_stopped_rows_and_keeps_the_rest() -> None:
     assert DelivererHeartbeat.objects.count() == 3
 
 
+def test_a_row_written_again_keeps_the_row_of_one_that_stopped_beside_it() -> None:
+    # Two deliverers of one machine (--processes 2), the second stopped; the
+    # first's row, deleted meanwhile, is written again: the second's stays.
+    first, second = Heartbeat(5.0), Heartbeat(5.0)
+    first.beat(in_flight=0, delivered=0)
+    second.beat(in_flight=0, delivered=0)
+    [stopped] = DelivererHeartbeat.objects.filter(pk=second.pk)
+    second.remove()
+    DelivererHeartbeat.objects.filter(pk=first.pk).delete()
+    first.beat(in_flight=0, delivered=0)
+    assert dict(DelivererHeartbeat.objects.values_list("pk", "interval")) == {
+        first.pk: 5.0,
+        stopped.pk: heartbeats.STOPPED,
+    }
+
+
 def test_this_host_counts_only_its_own_deliverers() -> None:
     row(1, host="a.host", pid=1)
     row(1, host="b.host", pid=2)
