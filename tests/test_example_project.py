@@ -121,6 +121,7 @@ def test_the_example_projects_own_tests_pass_with_the_testing_helpers(
     assert "Ran 2 tests" in done.stderr and "OK" in done.stderr
 
 
+@pytest.mark.any_database
 def test_a_410_refusal_marks_the_server_gone_once_and_counts_each_failure(
     example_env: dict[str, str],
 ) -> None:
@@ -140,6 +141,7 @@ print(json.dumps({"rows": rows(), "first": first}))
     assert gone_at == rows["first"], "gone since the first 410, not the last"
 
 
+@pytest.mark.any_database
 def test_failures_without_a_410_count_against_the_server_and_leave_it_not_gone(
     example_env: dict[str, str],
 ) -> None:
@@ -158,6 +160,7 @@ print(json.dumps(rows()))
     assert rows["strict.example"][:5] == [False, False, 1, 400, 0]
 
 
+@pytest.mark.any_database
 def test_each_delivery_counts_as_delivered_and_webhook_deliveries_are_left_out(
     example_env: dict[str, str],
 ) -> None:
@@ -177,6 +180,7 @@ print(json.dumps(rows()))
     assert not [host for host in rows if "ops" in host]
 
 
+@pytest.mark.any_database
 def test_the_key_provider_makes_a_demo_actor_once_and_reads_its_key_from_the_row(
     example_env: dict[str, str],
 ) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from django_federation_delivery import send, send_batch, signals, store
@@ -257,6 +257,10 @@ def test_a_deleted_posts_create_reaches_no_inbox_that_was_not_tried(
 def test_a_deleted_posts_create_to_ten_thousand_inboxes_reaches_none_untried(
     inboxes: Callable[..., Inbox],
 ) -> None:
+    # Run once, on PostgreSQL, where a retraction's look-up at this size once
+    # went wrong (see the next test); the test above runs on both databases.
+    if connection.vendor != "postgresql":
+        pytest.skip("10,000 inboxes run on PostgreSQL; 200 on either database")
     # Signed with Ed25519: 12,000 RSA signatures would take most of its time.
     _overtake(inboxes, servers=20, each=500, sender=EDNA)
 
@@ -269,8 +273,6 @@ def test_a_retraction_finds_what_it_overtakes_with_no_join_whatever_the_statisti
     # 9,000 of them had been tried. Given as lists, the inboxes are looked
     # up, not joined, and what each delivery waits on is matched by id,
     # however the planner estimates.
-    from django.db import connection
-
     from django_federation_delivery.store import sql
 
     if connection.vendor != "postgresql":

@@ -41,8 +41,8 @@ from .conftest import (
 from .keys import ALICE
 
 # The tests that start a deliverer process are marked slow; the rest run in-process.
-# Those of signals and supervision are marked any_database: CI runs them on
-# SQLite only, and the ones whose subject is the queue on both.
+# Those of signals, supervision and heartbeats are marked any_database: CI
+# runs them on SQLite only, and the ones whose subject is the queue on both.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 #: The longest a test waits for what a fresh process does first (it imports
@@ -869,6 +869,7 @@ def test_a_bad_purge_interval_is_refused_naming_it(value: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_a_deliverer_process_beats_while_it_runs_and_marks_its_row_when_stopped(
     processes: Callable[..., subprocess.Popen[str]],
 ) -> None:
@@ -890,6 +891,7 @@ def test_a_deliverer_process_beats_while_it_runs_and_marks_its_row_when_stopped(
 
 
 @pytest.mark.slow
+@pytest.mark.any_database
 def test_two_deliverer_processes_show_as_two_live_deliverers(
     processes: Callable[..., subprocess.Popen[str]],
 ) -> None:
