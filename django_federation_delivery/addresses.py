@@ -70,12 +70,16 @@ _ASCII_LABEL = re.compile(r"[a-z0-9_-]+")
 # A URL already in canonical form, as nearly every inbox is: a lowercase ASCII
 # DNS name, a port that is not the default, a path and a query of characters
 # that need no encoding, no fragment. What else split() would change (a dot
-# segment, an A-label, a host that is an IPv4 address) is checked beside it.
+# segment, an A-label, an IPv4 address not written as the dotted quad) is
+# checked beside it.
 _CANONICAL = re.compile(
     r"(https?)://((?:[a-z0-9_-]{1,63}\.)*[a-z0-9_-]{1,63})(?::([1-9][0-9]{0,4}))?"
     r"(/[A-Za-z0-9._~!$&'()*+,;=:@/-]*)(?:\?([A-Za-z0-9._~!$&'()*+,;=:@/?-]+))?"
 )
 _DOT_SEGMENT = re.compile(r"/\.\.?(?:/|$)")
+# An IPv4 address as split() writes it: four decimal numbers to 255, no leading zero.
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_DOTTED_QUAD = re.compile(rf"(?:{_OCTET}\.){{3}}{_OCTET}")
 
 
 class UnusableURL(InvalidDelivery):
@@ -295,9 +299,10 @@ def _canonical_match(url: str) -> re.Match[str] | None:
     if (
         len(host) > MAX_HOST_LENGTH
         # An A-label is checked by IDNA; a last label starting with a digit
-        # may make the host an IPv4 address, written another way.
+        # may make the host an IPv4 address, written another way than the
+        # dotted quad.
         or "xn--" in host
-        or host.rpartition(".")[2][0].isdigit()
+        or (host.rpartition(".")[2][0].isdigit() and not _DOTTED_QUAD.fullmatch(host))
         or _DOT_SEGMENT.search(path)
         # Past 65535, or the scheme's own: refused, or left out.
         or (port is not None and (int(port) > 65535 or int(port) == DEFAULT_PORTS[scheme]))

@@ -182,6 +182,10 @@ def spellings() -> Iterator[str]:
         "xn--exmple-cua.com",
         "xn--zz.example",
         "127.0.0.1",
+        "255.255.255.255",
+        "256.1.1.1",
+        "1.2.3.04",
+        "1.2.3",
         "a.example.1",
         "a.0x1f",
         "a..example",
@@ -251,6 +255,7 @@ def test_the_short_way_for_a_canonical_url_gives_what_the_whole_way_gives(
             assert parts.url == url, "only what is canonical already"
     assert taken > 300, "every plain spelling takes the short way"
     assert short("https://a.example/users/alice/inbox") is not None
+    assert short("http://127.0.0.2:8000/users/alice/inbox") is not None, "a dotted quad too"
 
 
 def test_validate_inbox_and_normalize_inbox_are_the_packages_own() -> None:
