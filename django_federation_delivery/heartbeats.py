@@ -23,6 +23,7 @@ import socket
 import time
 
 from django.db import DEFAULT_DB_ALIAS
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from django_federation_delivery import __version__
@@ -72,6 +73,8 @@ class Heartbeat:
         self.kept = kept
         self.using = using
         self.pid = os.getpid()
+        self.machine = socket.gethostname()[:255]
+        #: Its row's id, once an insert has said it.
         self.pk: int | None = None
         self.started_at = timezone.now()
         self.next_at = time.monotonic()
@@ -99,25 +102,29 @@ class Heartbeat:
         rate = (delivered - self._delivered) / elapsed if elapsed > 0 else 0.0
         self._delivered, self._counted_at = delivered, clock
         now = timezone.now()
-        fields = {"last_seen": now, "in_flight": in_flight, "rate": round(rate, 3)}
+        fields = {
+            "last_seen": now,
+            "in_flight": in_flight,
+            "rate": round(rate, 3),
+            # Alive again, should it have been marked stopped by an earlier run.
+            "interval": self.alive_for,
+        }
         rows = DelivererHeartbeat.objects.using(self.using)
         # One UPDATE; an INSERT the first time, or when the row was deleted
         # meanwhile (the database was away for a day, say).
-        if self.pk is None or not rows.filter(pk=self.pk).update(**fields):
-            machine = socket.gethostname()[:255]
+        if not self._row(rows).update(**fields):
             self.pk = rows.create(
-                host=machine,
+                host=self.machine,
                 pid=self.pid,
                 version=__version__[:50],
                 started_at=self.started_at,
-                interval=self.alive_for,
                 **fields,
             ).pk
             # Its machine's deliverers that stopped before it started said
             # when one was last seen there; this one says it now. A cron
             # job's --drain each minute so keeps one row, not one a run for
             # a day. One that stopped since is kept: it ran beside this one.
-            before = rows.filter(host=machine, interval=STOPPED, last_seen__lt=self.started_at)
+            before = rows.filter(host=self.machine, interval=STOPPED, last_seen__lt=self.started_at)
             before.exclude(pk=self.pk).delete()
         if clock - self._forgot_at >= FORGET_EVERY:
             self._forgot_at = clock
@@ -126,11 +133,20 @@ class Heartbeat:
     def remove(self) -> None:
         """This deliverer stopped: it is no longer alive (unless ``kept``),
         and was last seen now."""
-        if self.pk is not None and not self.kept:
-            DelivererHeartbeat.objects.using(self.using).filter(pk=self.pk).update(
+        if not self.kept:
+            self._row(DelivererHeartbeat.objects.using(self.using)).update(
                 last_seen=timezone.now(), interval=STOPPED, in_flight=0, rate=0.0
             )
-            self.pk = None
+
+    def _row(self, rows: QuerySet[DelivererHeartbeat]) -> QuerySet[DelivererHeartbeat]:
+        """This deliverer's row: by its id, or, until an insert has said it,
+        by what that insert wrote. An insert can go through and raise all the
+        same (its answer lost on the way back): the next beat then finds the
+        row, rather than writing a second and leaving the first to look like
+        a killed deliverer's."""
+        if self.pk is not None:
+            return rows.filter(pk=self.pk)
+        return rows.filter(host=self.machine, pid=self.pid, started_at=self.started_at)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -157,6 +157,40 @@ def test_a_row_deleted_meanwhile_is_written_again() -> None:
     assert DelivererHeartbeat.objects.get().interval == heartbeats.STOPPED
 
 
+def test_an_insert_that_went_through_and_raised_is_found_again_not_written_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django.db.models import QuerySet
+
+    create = QuerySet.create
+
+    def answer_lost(self: QuerySet[Any], **fields: Any) -> Any:
+        create(self, **fields)
+        raise OperationalError("server closed the connection unexpectedly")
+
+    heartbeat = Heartbeat(5.0)
+    with monkeypatch.context() as patched:
+        patched.setattr(QuerySet, "create", answer_lost)
+        with pytest.raises(OperationalError):
+            heartbeat.beat(in_flight=0, delivered=0)
+    heartbeat.beat(in_flight=2, delivered=0)
+    [found] = DelivererHeartbeat.objects.all()
+    assert (found.in_flight, found.interval) == (2, 5.0)
+    heartbeat.remove()
+    assert DelivererHeartbeat.objects.get().interval == heartbeats.STOPPED
+
+
+def test_a_deliverer_run_again_is_alive_again_in_its_one_row() -> None:
+    heartbeat = Heartbeat(5.0)
+    heartbeat.beat(in_flight=0, delivered=0)
+    heartbeat.remove()
+    heartbeat.begin()
+    heartbeat.beat(in_flight=1, delivered=0)
+    [found] = DelivererHeartbeat.objects.all()
+    assert (found.interval, found.in_flight) == (5.0, 1)
+    assert [d.pid for d in heartbeats.seen().live] == [os.getpid()]
+
+
 def test_rows_a_day_old_are_deleted_by_the_next_deliverer_to_beat() -> None:
     forgotten = row(86400 + 60)
     dead = row(600, pid=4343)
