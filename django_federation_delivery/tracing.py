@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from django_federation_delivery import __version__
 from django_federation_delivery.channels.base import Call
@@ -33,9 +33,10 @@ from django_federation_delivery.decide import Outcome
 from django_federation_delivery.models import Status
 
 if TYPE_CHECKING:
-    from django_federation_delivery.attempt import AttemptResult
+    from django_federation_delivery.attempt import AttemptResult, Job
+    from django_federation_delivery.batches import BatchInfo
+    from django_federation_delivery.store.claims import Claimed
     from django_federation_delivery.store.settlements import Settlement
-    from django_federation_delivery.workers import InFlight
 
 try:
     from opentelemetry import context, trace
@@ -87,6 +88,17 @@ class Begun(NamedTuple):
     ended: int
 
 
+class Traced(Protocol):
+    """What an attempt's span is made of, and kept on: the loop's
+    ``InFlight`` (``workers.py``), named by what it holds, so that this
+    module, which the workers use, need not import theirs."""
+
+    claimed: Claimed
+    batch: BatchInfo
+    job: Job
+    span: Begun | None
+
+
 class _Attempting:
     """The worker's side of an attempt's span: begun as the attempt starts,
     current in the worker's thread while it is made, left on the delivery
@@ -94,7 +106,7 @@ class _Attempting:
 
     __slots__ = ("item", "span", "token")
 
-    def __init__(self, item: InFlight) -> None:
+    def __init__(self, item: Traced) -> None:
         self.item = item
 
     def __enter__(self) -> None:
@@ -119,7 +131,7 @@ class _Untraced:
 _UNTRACED = _Untraced()
 
 
-def attempting(item: InFlight) -> _Attempting | _Untraced:
+def attempting(item: Traced) -> _Attempting | _Untraced:
     """What a worker makes ``item``'s attempt in: its span, or (without
     OpenTelemetry) nothing at all."""
     if _tracer is None:
@@ -127,7 +139,7 @@ def attempting(item: InFlight) -> _Attempting | _Untraced:
     return _Attempting(item)
 
 
-def attempted(item: InFlight, result: AttemptResult, settlement: Settlement) -> None:
+def attempted(item: Traced, result: AttemptResult, settlement: Settlement) -> None:
     """End ``item``'s span with what came of its attempt: ``result``, decided
     and about to be written as ``settlement``."""
     if _tracer is None:
@@ -156,7 +168,7 @@ def outcome_of(settlement: Settlement) -> Outcome:
     return Outcome(settlement.status)
 
 
-def _begin(item: InFlight) -> trace.Span:
+def _begin(item: Traced) -> trace.Span:
     assert _tracer is not None
     row = item.claimed
     attributes: dict[str, Any] = {
