@@ -110,8 +110,9 @@ class Heartbeat:
             "interval": self.alive_for,
         }
         rows = DelivererHeartbeat.objects.using(self.using)
-        # One UPDATE; an INSERT the first time, or when the row was deleted
-        # meanwhile (the database was away for a day, say).
+        # One UPDATE; an INSERT when it finds no row: the first time, or
+        # when the row was deleted meanwhile (the database was away for a
+        # day, say).
         if not self._row(rows).update(**fields):
             self.pk = rows.create(
                 host=self.machine,
