@@ -207,7 +207,7 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
 
         batch = send(ALICE, activity, small(1))
         assert batch is not None
-        statement = sql.statement(connection, "insert_batch_and_deliveries")
+        statement = sql.statement(connection, "insert_batch_and_delivery")
         batch_values = queueing._batch_values(batch, connection)
         due = db_datetime(batch.created_at, connection)
 
@@ -219,7 +219,13 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
             with timed() as took, psycopg.Cursor(connection.connection) as cursor:
                 # In autocommit, as a send outside a transaction runs it.
                 params = queueing._delivery_params(
-                    connection, batch, [queueing.Queued(inbox, host)], {}, due, "activitypub"
+                    connection,
+                    batch,
+                    [queueing.Queued(inbox, host)],
+                    {},
+                    due,
+                    "activitypub",
+                    one_row=True,
                 )
                 cursor.execute(statement.text, statement.bind({"batch": batch_values, **params}))
                 cursor.fetchone()

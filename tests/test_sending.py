@@ -242,6 +242,39 @@ def test_a_committed_send_wakes_a_deliverer_in_this_process_only_on_commit() -> 
         wakeup.unregister(woken)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_send_on_a_kept_connection_the_server_dropped_reconnects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A send runs its statement on the driver's cursor when nothing logs
+    # queries: it must still check a kept connection at a request's start,
+    # as Django's cursor does with CONN_HEALTH_CHECKS, and not fail on one
+    # the server closed since the last request.
+    if connection.vendor != "postgresql":
+        pytest.skip("an SQLite connection is never dropped by a server")
+    import psycopg
+    from django.db import close_old_connections
+
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", None)
+    monkeypatch.setitem(connection.settings_dict, "CONN_HEALTH_CHECKS", True)
+    connection.close()
+    try:
+        send(ALICE, NOTE, ["https://first.example/inbox"])  # reads the hosts gone for a minute
+        pid = connection.connection.info.backend_pid
+        with psycopg.connect(connection.connection.info.dsn, autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", [pid])
+        close_old_connections()  # as the next request's start does
+        batch = send(ALICE, NOTE, ["https://second.example/inbox"])
+        assert batch is not None
+        assert connection.connection.info.backend_pid != pid
+        assert list(Delivery.objects.values_list("inbox", flat=True).order_by("id")) == [
+            "https://first.example/inbox",
+            "https://second.example/inbox",
+        ]
+    finally:
+        connection.close()
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     ("sender", "activity", "inboxes", "options", "named"),

@@ -885,9 +885,9 @@ def test_a_fan_out_is_inserted_a_bounded_chunk_at_a_time(monkeypatch: Any) -> No
     sizes: list[int] = []
     delivery_params = queueing._delivery_params
 
-    def counting(connection: Any, batch: Batch, chunk: Any, *args: Any) -> Any:
+    def counting(connection: Any, batch: Batch, chunk: Any, *args: Any, **kwargs: Any) -> Any:
         sizes.append(len(chunk))
-        return delivery_params(connection, batch, chunk, *args)
+        return delivery_params(connection, batch, chunk, *args, **kwargs)
 
     monkeypatch.setattr(queueing, "_delivery_params", counting)
     targets = [store.Queued(inbox, "a.example") for inbox in inboxes(250)]

@@ -181,6 +181,13 @@ WITH b AS ({insert_batch}),
 new_deliveries AS ({deliveries_of} b, {queued_rows})
 SELECT id, pg_notify('{channel}', '') FROM b
 
+-- name: insert_batch_and_delivery [postgresql]
+-- The same, for a send to one inbox: its values bound one by one, which
+-- psycopg does in a fraction of the time it takes to build six arrays.
+WITH b AS ({insert_batch}),
+new_delivery AS ({deliveries_of} b, {queued_row})
+SELECT id, pg_notify('{channel}', '') FROM b
+
 -- name: deliveries_of
 -- What a queued delivery is written with, but where its batch (b) and its
 -- rows (v) come from. One that waits on another has no due time until that
@@ -206,6 +213,11 @@ FROM (VALUES %(**rows)s)
 -- name: queued_rows [postgresql]
 unnest(%(inboxes)s::varchar[], %(hosts)s::varchar[], %(destinations)s::varchar[],
     %(vias)s::jsonb[], %(sequences)s::varchar[], %(after_ids)s::bigint[])
+    AS v(inbox, host, destination, via, sequence, after_id)
+
+-- name: queued_row [postgresql]
+(VALUES (%(inbox)s::varchar, %(host)s::varchar, %(destination)s::varchar, %(via)s::jsonb,
+    %(sequence)s::varchar, %(after_id)s::bigint))
     AS v(inbox, host, destination, via, sequence, after_id)
 
 -- name: as_timestamp [postgresql]

@@ -68,8 +68,9 @@ def enqueue(
 
     Written with a few plain statements rather than the ORM's: a send is on
     the caller's request path, and building a model and a compiled query per
-    row cost more than the database took to write them. On SQLite they run
-    on the driver's own cursor (see :class:`~.sql.Statements`).
+    row cost more than the database took to write them. When nothing logs
+    or wraps queries they run on the driver's own cursor (see
+    :class:`~.sql.Statements`).
     """
     alias = using or DEFAULT_DB_ALIAS
     connection = connection_for(alias)
@@ -91,11 +92,18 @@ def enqueue(
             # The batch, its first deliveries and the wake-up of every
             # listening process in one round trip.
             first = inboxes[:per_statement]
+            one = len(first) == 1
             batch.id = db.value(
-                "insert_batch_and_deliveries",
+                "insert_batch_and_delivery" if one else "insert_batch_and_deliveries",
                 batch=batch_values,
                 **_delivery_params(
-                    connection, batch, first, _waits(batch, None, first, waits_on, alias), due, kind
+                    connection,
+                    batch,
+                    first,
+                    _waits(batch, None, first, waits_on, alias),
+                    due,
+                    kind,
+                    one_row=one,
                 ),
             )
             done = len(first)
@@ -231,9 +239,12 @@ def _delivery_params(
     waits_on: Mapping[str, int],
     due: Any,
     kind: str,
+    *,
+    one_row: bool = False,
 ) -> dict[str, Any]:
     """What ``insert_deliveries`` takes: the values every row has, then the
-    rows, row after row on SQLite and an array a column on PostgreSQL."""
+    rows, row after row on SQLite and an array a column on PostgreSQL; or
+    there, for ``insert_batch_and_delivery``, the ``one_row``'s values."""
     key = batch.ordering_key
     constants = {"kind": str(kind), "lane": batch.lane, "due": due}
     rows = [
@@ -249,11 +260,16 @@ def _delivery_params(
     ]
     if not is_postgresql(connection):
         return {**constants, "rows": rows}
+    if one_row:
+        (row,) = rows
+        return {**constants, **dict(zip(_ONE_ROW, row, strict=True))}
     columns = [list(column) for column in zip(*rows, strict=True)]
     return {**constants, **dict(zip(_COLUMNS, columns, strict=True))}
 
 
 #: PostgreSQL's names of a chunk's columns, in a row's order.
 _COLUMNS = ("inboxes", "hosts", "destinations", "vias", "sequences", "after_ids")
+#: And of a row's values, when it is the one row of a send.
+_ONE_ROW = ("inbox", "host", "destination", "via", "sequence", "after_id")
 #: Values the statement takes once, whatever its rows: batch, kind, lane, due.
 _CONSTANTS = 4
