@@ -336,6 +336,36 @@ def test_a_huge_body_is_read_only_up_to_the_cap(
     assert len(set(inbox.connections)) == 2
 
 
+def test_a_chunk_of_negative_size_fails_the_attempt_without_reading_on(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    # "-1" as a chunk's size: read as "the rest", it would take all the
+    # server sends into memory, however much, before the cap is applied.
+    block = b"x" * 65536
+    written: list[int] = []
+
+    def endless(handler: _Handler, seen: Seen) -> None:
+        handler.close_connection = True
+        handler.wfile.write(b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n")
+        sent = 0
+        try:
+            while sent < 64 * 1024 * 1024:
+                handler.wfile.write(block)
+                sent += len(block)
+        except OSError:
+            pass  # the client hung up
+        inbox.note(written, sent)
+
+    inbox = inboxes(endless)
+    transport = transports(max_answer_bytes=64 * 1024)
+
+    with pytest.raises(ConnectionFailed):
+        transport.post(inbox.url(), b"{}", SIGNED)
+    assert inbox.wait_until(lambda: bool(written), timeout=10)
+    # What the kernel's buffers took before the client stopped, not 64 MB.
+    assert written[0] < 32 * 1024 * 1024
+
+
 # --- Where it may connect ----------------------------------------------------------------------
 
 
@@ -868,6 +898,24 @@ def test_transports_sharing_connections_reuse_the_one_another_left_idle(
     for transport in (transports(), transports()):
         assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
     assert len(set(inbox.connections)) == 3
+
+
+def test_a_connection_one_transport_may_use_carries_no_request_another_may_not_send(
+    inbox: Inbox, transports: Callable[..., Transport], shared: Callable[..., Connections]
+) -> None:
+    # The deliverer's kinds share connections, and may allow different
+    # networks (a webhook on the local network, inboxes only on public
+    # addresses): a connection one opened is judged again for the other.
+    connections = shared()
+    webhooks = transports(connections)  # loopback allowed
+    inboxes_only = transports(connections, allowed_networks=())
+    assert webhooks.post(inbox.url("/hook"), b"{}", SIGNED).status == 202
+
+    with pytest.raises(RefusedAddress, match="not a public address"):
+        inboxes_only.post(inbox.url("/internal/reset"), b"{}", SIGNED)
+
+    assert [seen.path for seen in inbox.seen] == ["/hook"]
+    assert webhooks.post(inbox.url("/hook"), b"{}", SIGNED).status == 202
 
 
 def test_closing_a_transport_leaves_shared_connections_to_their_owner(

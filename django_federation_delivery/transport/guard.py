@@ -8,6 +8,7 @@ register their sockets with the watchdog, which shuts them down at the deadline.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import socket
 import sys
@@ -157,8 +158,26 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple[Any, ...]]:
     return results
 
 
+class _BoundedHTTPResponse(http.client.HTTPResponse):
+    """http.client's answer, which never reads "the rest, however long".
+
+    urllib3 reads a chunked body a chunk at a time, ``_safe_read`` of the
+    size its line gave, and takes a negative size ("-1") as it comes: a read
+    of -1 is everything until the server closes, into memory, before
+    MAX_ANSWER_BYTES is looked at. Such an answer is broken, and fails its
+    attempt like any other cut short."""
+
+    def _safe_read(self, amt: int) -> bytes:
+        if amt < 0:
+            raise http.client.IncompleteRead(b"", None)
+        read: bytes = super()._safe_read(amt)  # type: ignore[misc]
+        return read
+
+
 class GuardedHTTPConnection(HTTPConnection):
     """Connects only to allowed addresses, and only within the attempt's time."""
+
+    response_class = _BoundedHTTPResponse
 
     # The exchange this connection's socket is registered with, if any.
     _watched_by: Exchange | None = None
@@ -231,9 +250,22 @@ class GuardedHTTPConnection(HTTPConnection):
         # registered by _new_conn; over plain HTTP it is only connected later, on send.)
         exchange = current_exchange()
         if self.sock is not None and self._watched_by is not exchange:
-            if not WATCHDOG.register(exchange, self.sock):
+            # Its peer is judged again, by this exchange's networks: pools are
+            # shared by kinds that may allow different ones (a webhook's
+            # WEBHOOK_ALLOWED_NETWORKS, an inbox's ALLOWED_NETWORKS), and
+            # one kind's connection must not carry another's request past them.
+            peer = _peer(self.sock)
+            if peer is None:
+                self.close()  # gone meanwhile: connected again, and judged, on send
+            elif not self._allowed(peer, exchange):
+                raise RefusedAddress(
+                    f"refused to connect to {self._dns_host.strip('[]')} ({peer}): "
+                    "not a public address"
+                )
+            elif not WATCHDOG.register(exchange, self.sock):
                 raise AttemptTimeout("timed out before sending")
-            self._watched_by = exchange
+            else:
+                self._watched_by = exchange
         super().putrequest(
             method, url, skip_host=skip_host, skip_accept_encoding=skip_accept_encoding
         )
@@ -242,6 +274,14 @@ class GuardedHTTPConnection(HTTPConnection):
         IDLE.taken(self)
         self._watched_by = None
         super().close()
+
+
+def _peer(sock: socket.socket) -> str | None:
+    """The address ``sock`` is connected to; None once it is not."""
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return None
 
 
 class GuardedHTTPSConnection(GuardedHTTPConnection, HTTPSConnection):
