@@ -114,6 +114,17 @@ def test_retry_after_is_read_from_the_answer(
     assert attempt(job(), transport).retry_after == 90
 
 
+@pytest.mark.parametrize("status", [202, 503])
+def test_a_retry_after_of_thousands_of_digits_is_not_understood_and_no_error(
+    mocked: responses.RequestsMock, transport: Transport, status: int
+) -> None:
+    # Past 4,300 digits int() raises: an accepted answer read as a crash
+    # would be sent again.
+    mocked.post(INBOX, status=status, headers={"Retry-After": "9" * 5000})
+    result = attempt(job(), transport)
+    assert (result.delivered, result.retry_after) == (status == 202, None)
+
+
 def test_an_inboxs_escape_sequences_are_kept_escaped_never_raw(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:

@@ -218,6 +218,23 @@ def test_a_homeserver_s_rate_limit_is_waited_as_its_body_asks(
     assert "syt_matrixAccessToken42" not in result.error
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"retry_after_ms": 1' + b"0" * 400 + b"}",  # too big for a float
+        b"[" * 100_000 + b"]" * 100_000,  # deeper than the parser goes
+    ],
+    ids=["huge number", "deep nesting"],
+)
+def test_a_homeserver_s_unreadable_rate_limit_is_retried_as_any_429(
+    mocked: responses.RequestsMock, transport: Transport, body: bytes
+) -> None:
+    mocked.put(MATRIX_SENT_TO, status=429, body=body)
+    result = attempt(job(MATRIX), transport)
+    assert not result.delivered and not result.permanent
+    assert result.retry_after is None
+
+
 def test_a_kind_that_fails_inside_a_200_is_retried_with_what_it_said(
     mocked: responses.RequestsMock, transport: Transport, settings: object
 ) -> None:

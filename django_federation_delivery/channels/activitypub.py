@@ -124,10 +124,11 @@ class ActivityPub(Channel):
         """A 2xx is delivered; what ``PERMANENT_STATUS`` says is refused for
         good; anything else is tried again, after the ``Retry-After`` the
         inbox gave, in seconds or as a date."""
+        delivered = 200 <= answer.status < 300
         return Verdict(
-            delivered=200 <= answer.status < 300,
+            delivered=delivered,
             refused=self.is_permanent(answer.status),
-            retry_after=parse_retry_after(answer.headers.get("Retry-After")),
+            retry_after=None if delivered else parse_retry_after(answer.headers.get("Retry-After")),
         )
 
     def attempt(

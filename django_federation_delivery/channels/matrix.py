@@ -77,7 +77,9 @@ class Matrix(Channel):
         if answer.status == 429 and verdict.retry_after is None:
             try:
                 waited = json.loads(answer.body)["retry_after_ms"] / 1000
-            except (ValueError, TypeError, KeyError):
+            # A stranger's body: an int too big for a float, or nested past
+            # the parser's depth, is as unreadable as one that is not JSON.
+            except (ValueError, TypeError, KeyError, OverflowError, RecursionError):
                 return verdict
             if isinstance(waited, float) and 0 <= waited < 86400:
                 return Verdict(False, retry_after=waited, detail=verdict.detail)

@@ -153,9 +153,10 @@ def parse_retry_after(
     if not value:
         return None
     if value.isdigit() and value.isascii():
-        seconds = int(value)
-        # float() of a thousand-digit number overflows; nobody means it.
-        return float(seconds) if seconds < 10**12 else None
+        # A number of more than a dozen digits is nobody's wait; past 4,300
+        # of them int() itself refuses it, and past 308 float() overflows.
+        digits = value.lstrip("0")
+        return float(int(digits or "0")) if len(digits) <= 12 else None
     if not dates:
         return None
     try:
