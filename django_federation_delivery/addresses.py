@@ -27,7 +27,7 @@ import ipaddress
 import re
 import reprlib
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from urllib.parse import quote, unquote, unquote_plus
 
 import idna
@@ -573,5 +573,21 @@ def credentials(url: str) -> list[str]:
         for parameter in re.split(r"[&;]", query):
             value = parameter.partition("=")[2]
             found.update(part for part in (parameter, value) if len(part) >= _PART_LENGTH)
-    decoded = {decode(secret) for secret in found for decode in (unquote, unquote_plus)}
-    return sorted((found | decoded) - {""}, key=lambda secret: (-len(secret), secret))
+    return secret_forms(found)
+
+
+def secret_forms(secrets: Iterable[str], shortest: int = 1) -> list[str]:
+    """Each of ``secrets`` as a text may hold it, of ``shortest`` characters
+    or more: as written, decoded (``+`` read as a space too, as a form's
+    parser reads it), percent-encoded whole, and with its ``/`` escaped as
+    JSON may write it; longest first, so that replacing them in turn leaves
+    no piece of a longer one (a whole path goes before the token in it). A
+    server that repeats a URL it was sent repeats it in any of these."""
+    found = {
+        form
+        for secret in secrets
+        for text in (secret, unquote(secret), unquote_plus(secret))
+        for form in (text, quote(text, safe=""), text.replace("/", "\\/"))
+        if len(form) >= shortest
+    }
+    return sorted(found, key=lambda secret: (-len(secret), secret))

@@ -26,6 +26,7 @@ from django_federation_delivery.addresses import (
     normalize_inbox,
     origin,
     redact,
+    replace_secrets,
     validate_inbox,
 )
 from django_federation_delivery.attempt import AttemptResult
@@ -613,6 +614,24 @@ def test_credentials_are_the_userinfo_and_query_whole_in_parts_and_decoded() -> 
         assert secret in found
     assert "a=1" not in found, "too short to be worth hiding on its own"
     assert credentials("https://a.example/inbox") == []
+
+
+@pytest.mark.parametrize(
+    "echo",
+    [
+        "bad signature for https://inbox.example/inbox?token=Zk9vL2Jhcj1iYXo/cXV4K3k=",
+        # PHP's json_encode escapes "/".
+        "bad signature for https:\\/\\/inbox.example\\/inbox?token=Zk9vL2Jhcj1iYXo\\/cXV4K3k=",
+        # A login page's ?next= holds the whole URL percent-encoded.
+        "see https://inbox.example/login?next=https%3A%2F%2Finbox.example%2Finbox%3Ftoken%3DZk9vL2Jhcj1iYXo%2FcXV4K3k%3D",
+        "unknown token Zk9vL2Jhcj1iYXo%2FcXV4K3k%3D",
+    ],
+    ids=["as sent", "json", "percent-encoded", "value alone"],
+)
+def test_a_query_token_is_redacted_however_the_server_repeats_it(echo: str) -> None:
+    url = "https://inbox.example/inbox?token=Zk9vL2Jhcj1iYXo/cXV4K3k="
+    text = replace_secrets(echo, credentials(url))
+    assert "Zk9vL2Jhcj1iYXo" not in text and "cXV4K3k" not in text, text
 
 
 @pytest.mark.parametrize(

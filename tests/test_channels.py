@@ -348,6 +348,32 @@ def test_ntfy_without_a_token_sends_none_and_cuts_to_4096_bytes() -> None:
     assert len(request.body) <= 4096 and request.body.decode().endswith("…")
 
 
+@pytest.mark.parametrize(
+    "echo",
+    [
+        # Go's encoding/json writes "&" as \u0026; HTML as &amp;.
+        '{"url": "https://chat.example/v1/spaces/AAAA/messages?key=AIzaKey12345\\u0026token=TOKsecret678"}',
+        "key=AIzaKey12345&amp;token=TOKsecret678",
+        "token TOKsecret678 is not valid, nor key AIzaKey12345",
+    ],
+    ids=["json", "html", "values alone"],
+)
+def test_a_hook_s_query_values_are_each_secret_however_its_receiver_writes_them(
+    echo: str,
+) -> None:
+    url = "markdown://chat.example/v1/spaces/AAAA/messages?key=AIzaKey12345&token=TOKsecret678"
+    text = parse_destination("chat", url).redact(f"the receiver answered 400: {echo}")
+    assert "AIzaKey12345" not in text and "TOKsecret678" not in text
+
+
+def test_a_secret_with_a_plus_is_redacted_as_a_form_parser_decodes_it() -> None:
+    # A receiver that reads its query as a form reads "+" as a space.
+    token = "Zm9vYmFy+c2VjcmV0+dG9rZW4"
+    destination = parse_destination("audit", f"{SIGNED}&token={token}")
+    text = destination.redact(f"unknown token {token.replace('+', ' ')}")
+    assert "c2VjcmV0" not in text
+
+
 def test_ntfy_declares_its_token_and_topic_secret() -> None:
     destination = parse_destination("phone", NTFY)
     text = destination.redact(f"POST https://ntfy.example/alerts-db-7f3k ({NTFY}) failed")

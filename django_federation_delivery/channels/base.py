@@ -19,11 +19,11 @@ from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
 from http import HTTPStatus
 from typing import Any, ClassVar, NamedTuple
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from django.utils.translation import gettext as _
 
-from django_federation_delivery.addresses import replace_secrets
+from django_federation_delivery.addresses import replace_secrets, secret_forms
 from django_federation_delivery.attempt import (
     AttemptResult,
     Job,
@@ -356,17 +356,9 @@ class Channel:
 
 
 def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
-    """Each declared secret as a text may hold it: as written, percent-encoded,
-    decoded, and JSON-escaped; longest first, so that a whole path goes before
-    the token inside it."""
-    found = {
-        form
-        for secret in secrets
-        for text in (secret, unquote(secret))
-        for form in (text, quote(text, safe=""), text.replace("/", "\\/"))
-        if len(form) >= MIN_REDACTED
-    }
-    return tuple(sorted(found, key=lambda form: (-len(form), form)))
+    """Each declared secret in every form a text may hold it (see
+    :func:`~django_federation_delivery.addresses.secret_forms`)."""
+    return tuple(secret_forms(secrets, MIN_REDACTED))
 
 
 def safe_text(destination: Destination, url: str, text: str) -> str:

@@ -31,4 +31,12 @@ class HookChannel(Channel):
                 % {"kind": _(self.label)}
             )
         segments = [s for s in path.split("/") if s and s not in self.public_segments]
-        return Parsed(url=target, secrets=(path, parts.query, *segments))
+        # The query whole, and each parameter and its value by themselves: a
+        # receiver that repeats it may write its "&" otherwise (JSON's \u0026).
+        pairs = [
+            piece
+            for pair in parts.query.split("&")
+            for piece in (pair, pair.partition("=")[2])
+            if piece
+        ]
+        return Parsed(url=target, secrets=(path, parts.query, *segments, *pairs))
