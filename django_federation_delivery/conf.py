@@ -14,6 +14,7 @@ given a name from: a database alias (``using``), in ``DATABASES``.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
@@ -161,14 +162,44 @@ DEFAULTS: dict[str, Any] = {
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 T = TypeVar("T")
 
+#: A dotted path, as a setting naming a callable or a class holds one: at
+#: least one dot, each part a name, and no longer than any real one.
+DOTTED_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+MOST_PATH_LENGTH = 200
+
+
+def is_dotted_path(value: object) -> bool:
+    """Whether ``value`` is text in the form of a dotted path: the only value
+    of a setting naming a callable (or a class) that an error may repeat."""
+    return (
+        isinstance(value, str)
+        and len(value) <= MOST_PATH_LENGTH
+        and DOTTED_PATH.fullmatch(value) is not None
+    )
+
+
+def shown_path(value: object) -> str:
+    """A value given where a dotted path goes, as an error may show it: the
+    path quoted, or anything else by its type alone. What a project writes
+    there by mistake may be what the callable was to return (a private key
+    pasted whole, or a dict of them), which no check or log repeats."""
+    if is_dotted_path(value):
+        return repr(value)
+    return _("%(type)s (not shown: it is not a dotted path)") % {"type": type(value).__name__}
+
 
 class Typed(Generic[T]):
     """A setting read as one type: the attribute ``name`` reads ``NAME``,
     converted by ``convert``. A value it cannot convert (one the system
-    checks would have reported) raises ``ImproperlyConfigured`` naming it."""
+    checks would have reported) raises ``ImproperlyConfigured`` naming it;
+    for a setting of dotted paths (``paths``), naming only its type when it
+    is not one, as :func:`shown_path` does."""
 
-    def __init__(self, convert: Callable[[Any], T]) -> None:
+    def __init__(self, convert: Callable[[Any], T], *, paths: bool = False) -> None:
         self.convert = convert
+        # Whether the setting holds dotted paths: a value that is not one is
+        # then never repeated (see shown_path()).
+        self.paths = paths
         self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -188,7 +219,16 @@ class Typed(Generic[T]):
         value = instance.get(self.name)
         try:
             return self.convert(value)
-        except (KeyError, TypeError, ValueError) as exc:
+        # OverflowError: an int too large for a float (10**400 seconds).
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            if self.paths and not is_dotted_path(value):
+                raise ImproperlyConfigured(
+                    _(
+                        "%(setting)s[%(name)r] must be a list of dotted paths, not %(value)s. "
+                        "Run manage.py check for what to write instead."
+                    )
+                    % {"setting": SETTING, "name": self.name, "value": shown_path(value)}
+                ) from None
             raise ImproperlyConfigured(
                 _(
                     "%(setting)s[%(name)r] = %(value).200r cannot be used: %(error)s. "
@@ -259,7 +299,7 @@ class AppSettings:
     webhook_disable_after = Typed(float)
     host_failing_after = Typed(float)
     host_unavailable_after = Typed(_optional_float)
-    channels = Typed(_paths)
+    channels = Typed(_paths, paths=True)
 
     def _user(self) -> dict[str, Any]:
         value = getattr(settings, SETTING, {})
@@ -291,8 +331,10 @@ class AppSettings:
         (``BREAKER = {}`` means off, not "the defaults")."""
         return self._user().get(name, DEFAULTS[name])
 
-    def unknown_keys(self) -> list[str]:
-        return sorted(set(self._user()) - set(DEFAULTS))
+    def unknown_keys(self) -> list[object]:
+        """The keys of the setting that name no setting, in a stable order
+        whatever their types (``{1: 2, "Zzz": 3}`` has two)."""
+        return sorted(set(self._user()) - set(DEFAULTS), key=repr)
 
     def callable_setting(self, name: str) -> Callable[..., Any] | None:
         """The callable a setting names (a dotted path, or the callable itself)."""
@@ -302,18 +344,20 @@ class AppSettings:
         if callable(value):
             return value
         if not isinstance(value, str):
-            raise ImproperlyConfigured(
-                _("%(setting)s[%(name)r] must be a dotted path to a callable, not %(value)r.")
-                % {"setting": SETTING, "name": name, "value": value}
-            )
+            raise _not_a_path(name, value)
         try:
             found = import_string(value)
         except ImportError as exc:
+            if not is_dotted_path(value):
+                # Its error repeats it: neither is shown.
+                raise _not_a_path(name, value) from None
             raise ImproperlyConfigured(
                 _("%(setting)s[%(name)r] = %(value)r cannot be imported: %(error)s")
                 % {"setting": SETTING, "name": name, "value": value, "error": exc}
             ) from exc
         if not callable(found):
+            if not is_dotted_path(value):
+                raise _not_a_path(name, value)
             raise ImproperlyConfigured(
                 _("%(setting)s[%(name)r] = %(value)r is not callable.")
                 % {"setting": SETTING, "name": name, "value": value}
@@ -366,6 +410,15 @@ class AppSettings:
 
 
 app_settings = AppSettings()
+
+
+def _not_a_path(name: str, value: object) -> ImproperlyConfigured:
+    """The error of a setting naming a callable that holds no dotted path to
+    one, showing the value only if it is one (see :func:`shown_path`)."""
+    return ImproperlyConfigured(
+        _("%(setting)s[%(name)r] must be a dotted path to a callable, not %(value)s.")
+        % {"setting": SETTING, "name": name, "value": shown_path(value)}
+    )
 
 
 def database_alias(using: object) -> str:

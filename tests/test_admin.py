@@ -706,6 +706,51 @@ def test_a_filter_or_search_holding_a_nul_goes_back_to_the_list(
     assert response["Location"] == f"/admin/federation_delivery/{path}?e=1"
 
 
+@pytest.mark.parametrize(
+    ("model", "action", "selected"),
+    [
+        ("host", "pause", ["b.example\x00"]),
+        ("host", "give_up", ["a.example", "b.example\x00"]),
+        ("breaker", "reset", ["x\x00"]),
+        ("breaker", "pause_hosts", ["a.example\x00"]),
+        # A delivery's and a batch's key is a number.
+        ("delivery", "requeue", ["abc"]),
+        ("batch", "cancel_pending", ["1\x00"]),
+    ],
+)
+def test_an_action_on_a_selection_no_row_can_have_changes_nothing_and_says_so(
+    operator: Client, model: str, action: str, selected: list[str]
+) -> None:
+    # PostgreSQL's text holds no NUL: a selection with one must not reach it,
+    # on either database. It is refused as an action with nothing selected is.
+    queue()
+    open_breaker("a.example")
+    before = list(Delivery.objects.values_list("pk", "status", "due_at"))
+    response = operator.post(
+        url(model), {"action": action, ACTION_CHECKBOX_NAME: selected, "index": "0"}, follow=True
+    )
+    assert response.redirect_chain == [(url(model), 302)]
+    [message] = list(response.context["messages"])
+    assert message.level_tag == "warning"
+    assert "no items have been changed" in str(message)
+    assert list(Delivery.objects.values_list("pk", "status", "due_at")) == before
+    assert not Host.objects.filter(paused_at__isnull=False).exists()
+    assert Breaker.objects.filter(key="a.example").exists()
+
+
+@pytest.mark.parametrize("model", ["host", "breaker"])
+@pytest.mark.parametrize("view", ["change", "history"])
+def test_a_row_named_with_a_nul_does_not_exist(operator: Client, model: str, view: str) -> None:
+    # A host's and a breaker's key is text: "b.example\0" names no row, as
+    # the admin says of any such, rather than a database error.
+    Host.objects.create(name="b.example")
+    open_breaker("b.example")
+    response = operator.get(f"{url(model)}b.example%00/{view}/", follow=True)
+    assert response.redirect_chain == [(reverse("admin:index"), 302)]
+    [message] = list(response.context["messages"])
+    assert "doesn’t exist" in str(message)
+
+
 def assert_shown_as_text(page: str) -> None:
     """A page's text (not its tags, whose attributes may carry a row's key to
     act on it) holds nothing that reads as something else or as nothing."""

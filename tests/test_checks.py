@@ -6,6 +6,7 @@ from typing import Any
 import pytest
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import CommandError, call_command
 from django.db import connection, connections
 
 from django_federation_delivery.breakers import BreakerSettings, Scope
@@ -70,6 +71,8 @@ def test_manage_py_check_warns_of_loopback_opened_to_inboxes(settings: Any) -> N
 
 INF = float("inf")
 NAN = float("nan")
+#: Whole, so finite, but past what a float holds: it is compared, not converted.
+HUGE = 10**400
 
 #: For every setting, a bad value, the id of the error it gets and what of
 #: the value the message names.
@@ -78,10 +81,11 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
         (None, "E003", "SENDER_KEYS"),
         ("tests.keys.no_such_thing", "E004", "'tests.keys.no_such_thing'"),
     ],
-    "SENDER_GONE": [(42, "E004", "42")],
-    "PERMANENT_STATUS": [(42, "E004", "42")],
+    # Of a value that is not a dotted path, its type alone: it may be the key.
+    "SENDER_GONE": [(42, "E004", "not int")],
+    "PERMANENT_STATUS": [(42, "E004", "not int")],
     "SKIP_IF": [("tests.keys.no_such_thing", "E004", "no_such_thing")],
-    "COLLECTION_SYNCHRONIZATION": [(3.5, "E004", "3.5")],
+    "COLLECTION_SYNCHRONIZATION": [(3.5, "E004", "not float")],
     "KEY_CACHE_SECONDS": [(NAN, "E006", "nan"), (10**9, "E006", "1000000000")],
     "PRIORITY_MAX_INBOXES": [(0, "E011", "0"), (10**12, "E011", "1000000000000")],
     "MAX_INBOXES": [(0, "E005", "0"), (10**12, "E005", "1000000000000")],
@@ -95,12 +99,14 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
         ({"CAP": INF}, "E007", "inf"),
         ({"BASE": NAN}, "E007", "nan"),
         ({"ATTEMPTS": 10**30}, "E007", str(10**30)),
+        ({"BASE": HUGE}, "E007", "BASE must be"),
+        ({"SCHEDULE": [HUGE]}, "E007", "SCHEDULE must be"),
         ("often", "E007", "'often'"),
     ],
     "WAIT_AS_ASKED": [("yes", "E013", "'yes'")],
     "RETRY_AFTER_MAX": [(INF, "E006", "inf"), (NAN, "E006", "nan"), (-1, "E006", "-1")],
     "CLAIM_SIZE": [(0, "E005", "0"), (10**9, "E005", "1000000000")],
-    "LEASE_SECONDS": [(-1, "E006", "-1"), (INF, "E006", "inf")],
+    "LEASE_SECONDS": [(-1, "E006", "-1"), (INF, "E006", "inf"), (HUGE, "E006", "not 1000")],
     "CONCURRENCY": [(0, "E005", "0"), (10**6, "E005", "1000000")],
     "PER_HOST": [("2", "E005", "'2'")],
     "PER_HOST_MAX": [(0, "E005", "0"), (1001, "E005", "1001")],
@@ -122,11 +128,12 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
         ({"THRESHOLD": "10"}, "E012", "'10'"),
         ({"COOL_OFF": INF}, "E012", "inf"),
         ({"COOL_OFF": -5}, "E012", "-5"),
+        ({"COOL_OFF": HUGE}, "E012", "not 1000"),
         ({"PROBES": 2}, "E012", "'PROBES'"),
         ("on", "E012", "'on'"),
     ],
     "CONNECT_TIMEOUT": [(INF, "E006", "inf")],
-    "ATTEMPT_TIMEOUT": [(0, "E006", "0"), (295, "E015", "295")],
+    "ATTEMPT_TIMEOUT": [(0, "E006", "0"), (295, "E015", "295"), (HUGE, "E006", "not 1000")],
     "MAX_ANSWER_BYTES": [(0, "E005", "0")],
     "ERROR_LENGTH": [(10**9, "E005", "1000000000")],
     "CONNECTIONS_PER_HOST": [(0, "E005", "0")],
@@ -154,9 +161,13 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
         (["tests.channels.Pager", "tests.channels.Pager"], "E035", "both named 'pager'"),
         (["tests.channels.SlackAgain"], "E035", "scheme 'slack'"),
     ],
-    "WEBHOOK_RETRY": [([], "E032", "[]"), ([30, INF], "E032", "inf")],
+    "WEBHOOK_RETRY": [([], "E032", "[]"), ([30, INF], "E032", "inf"), ([HUGE], "E032", "[1000")],
     "WEBHOOK_RETRY_AFTER_MAX": [(INF, "E032", "inf"), (0, "E032", "0")],
-    "WEBHOOK_TIMEOUT": [(NAN, "E032", "nan"), ("10", "E032", "'10'")],
+    "WEBHOOK_TIMEOUT": [
+        (NAN, "E032", "nan"),
+        ("10", "E032", "'10'"),
+        (HUGE, "E032", "WEBHOOK_TIMEOUT must be"),
+    ],
     "WEBHOOK_MAX_BYTES": [(0, "E005", "0"), (1 << 30, "E005", str(1 << 30))],
     "WEBHOOK_DISABLE_AFTER": [(0, "E006", "0"), (INF, "E006", "inf")],
     "HOST_FAILING_AFTER": [(-1, "E006", "-1"), (NAN, "E006", "nan")],
@@ -164,6 +175,7 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "RETENTION": [
         ("7d", "E033", "'7d'"),
         ({"DELIVERED": INF}, "E033", "inf"),
+        ({"DELIVERED": HUGE}, "E033", "not 1000"),
         ({"FAILED": 0}, "E033", "0"),
         ({"DELIVERED": "7d"}, "E033", "'7d'"),
         ({"PENDING": 3600}, "E033", "'PENDING'"),
@@ -182,6 +194,8 @@ def test_every_setting_has_a_check() -> None:
 @pytest.mark.parametrize(
     ("name", "bad", "expected", "named"),
     [(name, *case) for name, cases in BAD.items() for case in cases],
+    # HUGE's own id would be its 401 digits.
+    ids=lambda value: "10**400" if value == HUGE else None,
 )
 def test_each_misconfiguration_is_an_error_with_its_id_naming_the_value(
     settings: Any, name: str, bad: Any, expected: str, named: str
@@ -198,6 +212,58 @@ def test_an_unknown_setting_is_an_error_naming_it(settings: Any) -> None:
     (message,) = check_settings()
     assert message.id == "federation_delivery.E002"
     assert "'SENDR_KEYS'" in message.msg
+
+
+def test_unknown_keys_of_different_types_are_each_an_error_naming_them(settings: Any) -> None:
+    # Keys that do not compare (1 < "Zzz" raises) are still reported, each.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        1: 2,
+        "Zzz": 3,
+        "RETRY": {"BASE": 30.0, 1: 2, "X": 3},
+        "BREAKER": {"THRESHOLD": 3, 1: 2, "Y": 1},
+    }
+    found = {(m.id, m.msg) for m in check_settings()}
+    assert found == {
+        ("federation_delivery.E002", "FEDERATION_DELIVERY has an unknown setting 1."),
+        ("federation_delivery.E002", "FEDERATION_DELIVERY has an unknown setting 'Zzz'."),
+        ("federation_delivery.E007", "FEDERATION_DELIVERY['RETRY']: unknown keys 'X', 1."),
+        ("federation_delivery.E012", "FEDERATION_DELIVERY['BREAKER']: unknown keys 'Y', 1."),
+    }
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ({"LEASE_SECONDS": HUGE}, "E006"),
+        ({"ATTEMPT_TIMEOUT": HUGE}, "E006"),
+        ({"HOST_UNAVAILABLE_AFTER": HUGE}, "E006"),
+        ({"HEARTBEAT_SECONDS": HUGE}, "E034"),
+        ({"RETRY": {"BASE": HUGE}}, "E007"),
+        ({"RETRY": {"SCHEDULE": [30, HUGE]}}, "E007"),
+        ({"RETENTION": {"DELIVERED": HUGE}}, "E033"),
+        ({"BREAKER": {"COOL_OFF": HUGE}}, "E012"),
+    ],
+)
+def test_a_huge_whole_number_of_seconds_is_an_error_shown_cut_short(
+    settings: Any, setting: dict[str, Any], expected: str
+) -> None:
+    # 10**400 is finite (an int), but no float: it is over the bound, and the
+    # error names it as far as a line of a terminal shows, not 401 digits.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **setting}
+    (message,) = check_settings()
+    assert message.id == f"federation_delivery.{expected}"
+    assert "1" + "0" * 60 in message.msg
+    assert len(message.msg) < 300, message.msg
+
+
+@pytest.mark.django_db
+def test_a_deliverer_given_a_huge_whole_number_of_seconds_does_not_start_and_says_why(
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "LEASE_SECONDS": HUGE}
+    with pytest.raises(CommandError, match=r"federation_delivery\.E006: .*'LEASE_SECONDS'.* 1000"):
+        call_command("run_deliverer", "--drain")
 
 
 @pytest.mark.parametrize("off", [None, {}])

@@ -100,7 +100,18 @@ def test_a_typed_accessor_follows_override_settings(settings: Any) -> None:
         ("ATTEMPT_TIMEOUT", None, "None"),
         ("FIRST_SCHEME", "hmac", "'hmac'"),
         ("RETRY", {"BASE": "soon"}, "'BASE': 'soon'"),
+        # Whole numbers past what a float holds (OverflowError, converted).
+        ("LEASE_SECONDS", 10**400, "= 1000"),
+        ("WEBHOOK_TIMEOUT", 10**400, "= 1000"),
+        ("WEBHOOK_RETRY", [10**400], "= [1000"),
+        ("RETRY", {"BASE": 10**400}, "'BASE': 1000"),
+        ("RETRY", {"SCHEDULE": [10**400]}, "'SCHEDULE': [1000"),
+        # Of a setting of dotted paths, a value that is not one by its type alone.
+        ("CHANNELS", None, "not NoneType (not shown: it is not a dotted path)"),
+        ("CHANNELS", "tests.channels.Pager", "'tests.channels.Pager'"),
     ],
+    # 10**400's id would be 401 digits.
+    ids=lambda value: "10**400" if value == 10**400 else None,
 )
 def test_a_value_a_typed_accessor_cannot_use_is_an_error_naming_it(
     settings: Any, name: str, bad: Any, named: str
@@ -110,6 +121,11 @@ def test_a_value_a_typed_accessor_cannot_use_is_an_error_naming_it(
         getattr(app_settings, name.lower())
     assert f"[{name!r}]" in str(caught.value)
     assert named in str(caught.value)
+
+
+def test_unknown_keys_of_any_types_are_listed_in_a_stable_order(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, 1: 2, "Zzz": 3, None: 4}
+    assert app_settings.unknown_keys() == ["Zzz", 1, None]
 
 
 def test_a_typed_accessor_for_no_such_setting_cannot_be_declared() -> None:

@@ -3,7 +3,8 @@
 An inbox's userinfo is refused when queued; its query (``?token=...``) is queued,
 and then driven through every failure reachable on loopback by a real deliverer.
 The query may be in the inbox column (and the signals' ``inbox``, which names the
-delivery to the host project): nowhere else.
+delivery to the host project): nowhere else. Nor is a private key written where
+a setting's dotted path goes repeated by a check or a refused deliverer.
 """
 
 from __future__ import annotations
@@ -12,16 +13,22 @@ import dataclasses
 import logging
 import re
 import socket
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 from django.contrib.auth import get_user_model
+from django.core.checks import run_checks
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import CommandError, call_command
 from django.db.models import CharField, JSONField, TextField
 from django.test import Client
 from django.urls import reverse
 
 from django_federation_delivery import send, signals
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.signatures import SenderKey, body_sha256
 
@@ -259,3 +266,83 @@ def test_breakers_kept_per_inbox_show_no_inbox_secret(
     (link,) = re.findall(r'href="([^"]*/breaker/[^"]+/change/)"', page)
     assert SECRET not in link
     assert client.get(link).status_code == 200
+
+
+def private_pem() -> str:
+    return (
+        rsa_key()
+        .private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        .decode()
+    )
+
+
+def written_key(form: str) -> Any:
+    """The key as a project may write it where the path to its provider goes:
+    the PEM, its bytes, or a dict of actors' keys."""
+    pem = private_pem()
+    return {"str": pem, "bytes": pem.encode(), "dict": {ALICE: pem}}[form]
+
+
+def shows_the_key(text: str) -> bool:
+    """Whether ``text`` holds any line of the key's base64, even cut short."""
+    lines = [line for line in private_pem().splitlines() if not line.startswith("-----")]
+    return any(line[:16] in text for line in lines)
+
+
+#: The settings that name a callable, and CHANNELS, which lists classes.
+DOTTED_PATH_SETTINGS = [
+    "SENDER_KEYS",
+    "SENDER_GONE",
+    "PERMANENT_STATUS",
+    "SKIP_IF",
+    "COLLECTION_SYNCHRONIZATION",
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("form", ["str", "bytes", "dict"])
+@pytest.mark.parametrize("name", [*DOTTED_PATH_SETTINGS, "CHANNELS"])
+def test_a_private_key_written_where_a_dotted_path_goes_is_in_no_check_message(
+    settings: Any, name: str, form: str
+) -> None:
+    # SENDER_KEYS = the key itself, not the path to the function that returns
+    # it: manage.py check says the setting is wrong without repeating it.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, name: written_key(form)}
+    found = [m for m in run_checks() if m.id and m.id.startswith("federation_delivery")]
+    assert any(f"[{name!r}]" in m.msg for m in found), [m.msg for m in found]
+    for message in found:
+        for text in (message.msg, message.hint or ""):
+            assert not shows_the_key(text), text
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("form", ["str", "bytes", "dict"])
+@pytest.mark.parametrize("name", DOTTED_PATH_SETTINGS)
+def test_a_private_key_written_where_a_dotted_path_goes_is_not_in_the_deliverers_refusal(
+    settings: Any, name: str, form: str
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, name: written_key(form)}
+    with pytest.raises(CommandError) as refused:
+        call_command("run_deliverer", "--drain")
+    assert f"[{name!r}]" in str(refused.value)
+    assert not shows_the_key(str(refused.value)), str(refused.value)
+
+
+@pytest.mark.parametrize("form", ["str", "bytes", "dict"])
+def test_a_setting_naming_a_callable_used_anyway_names_no_key_written_there(
+    settings: Any, form: str
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SENDER_KEYS": written_key(form),
+    }
+    with pytest.raises(ImproperlyConfigured) as refused:
+        app_settings.callable_setting("SENDER_KEYS")
+    assert "not shown: it is not a dotted path" in str(refused.value)
+    # Nor in the traceback, which would show the error of its import.
+    shown = "".join(traceback.format_exception(refused.value))
+    assert not shows_the_key(shown), shown

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import flatten_fieldsets
 from django.contrib.admin.views.main import ChangeList
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Model
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
@@ -78,12 +79,46 @@ class OperatorAdmin(_ModelAdmin[_M]):
         action = request.POST.get("action", "") if request.method == "POST" else ""
         if action and action not in self.get_actions(request):
             raise PermissionDenied
+        if action and not self.selectable(request.POST.getlist(ACTION_CHECKBOX_NAME)):
+            # As the admin answers an action with nothing selected: a warning,
+            # back to the list, nothing done.
+            self.message_user(
+                request,
+                _("The selection holds a key no row can have: no items have been changed."),
+                messages.WARNING,
+            )
+            return HttpResponseRedirect(request.get_full_path())
         response = super().changelist_view(request, extra_context)
         changelist = getattr(response, "context_data", None) or {}
         if "cl" in changelist:
             # One query for the whole page, rather than one a row.
             self.annotate_page(list(changelist["cl"].result_list))
         return response
+
+    def selectable(self, selected: list[str]) -> bool:
+        """Whether each key an action's form posted is one a row can have, so
+        that the action's query can be made: no text column holds a NUL
+        (PostgreSQL's cannot), and a number's key is a number."""
+        field = self.model._meta.pk
+        assert field is not None
+        for key in selected:
+            if "\x00" in key:
+                return False
+            try:
+                field.to_python(key)
+            except ValidationError:
+                return False
+        return True
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> _M | None:
+        # A host's and a breaker's key is text: one holding a NUL names no
+        # row, and is answered as the admin answers any such, not by a
+        # database error.
+        if "\x00" in object_id:
+            return None
+        return super().get_object(request, object_id, from_field)
 
     def get_changelist_instance(self, request: HttpRequest) -> ChangeList:
         # No text column holds a NUL (PostgreSQL's cannot): a filter or a

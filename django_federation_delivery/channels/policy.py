@@ -101,8 +101,10 @@ class Policy:
 def is_wait(value: Any) -> bool:
     """Whether ``value`` is a wait the queue can keep: seconds above 0 and at
     most ``LONGEST_WAIT``."""
-    # inf and nan are floats too: a wait of either overflows a datetime.
-    return _number(value) and math.isfinite(value) and 0 < value <= LONGEST_WAIT
+    # inf and nan are floats too: a wait of either overflows a datetime. The
+    # bounds come first: an int is compared exactly, however large, where
+    # math.isfinite() would convert it to a float (OverflowError for 10**400).
+    return _number(value) and 0 < value <= LONGEST_WAIT and math.isfinite(value)
 
 
 def _number(value: Any) -> bool:

@@ -71,21 +71,29 @@ def is_whole(value: Any, least: int, most: int) -> bool:
 
 
 def is_seconds(value: object, longest: float) -> TypeGuard[float]:
-    # inf and nan are floats too: a wait of either overflows a datetime.
+    # inf and nan are floats too: a wait of either overflows a datetime. The
+    # bounds come first: an int is compared exactly, however large, where
+    # math.isfinite() would convert it to a float (OverflowError for 10**400).
     return (
         isinstance(value, int | float)
         and not isinstance(value, bool)
-        and math.isfinite(value)
         and 0 < value <= longest
+        and math.isfinite(value)
     )
 
 
 def shown(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:
+        if not isinstance(value, int):
+            raise
+        # An int with more digits than Python writes out (sys.int_info).
+        text = f"<int of {value.bit_length()} bits>"
     return text if len(text) <= limit else f"{text[:limit]}…"
 
 
-def unknown_keys(unknown: list[str]) -> str:
+def unknown_keys(unknown: list[Any]) -> str:
     return ngettext("unknown key %(keys)s", "unknown keys %(keys)s", len(unknown)) % {
         "keys": ", ".join(map(repr, unknown))
     }

@@ -68,7 +68,8 @@ def check_retry(retry: Any) -> list[CheckMessage]:
         problems.append(
             _("JITTER must be a fraction from 0 up to 1, not %(value)s") % {"value": shown(jitter)}
         )
-    unknown = sorted(set(retry) - set(DEFAULTS["RETRY"]))
+    # Sorted by their reprs: keys of different types do not compare.
+    unknown = sorted(set(retry) - set(DEFAULTS["RETRY"]), key=repr)
     if unknown:
         problems.append(unknown_keys(unknown))
     return [
@@ -162,7 +163,8 @@ def check_breaker(breaker: Any, given: Any) -> list[CheckMessage]:
             _("SCOPE must be one of %(scopes)s, not %(value)s")
             % {"scopes": ", ".join(repr(s.value) for s in Scope), "value": shown(scope)}
         )
-    unknown = sorted(set(breaker) - set(DEFAULTS["BREAKER"]))
+    # Sorted by their reprs: keys of different types do not compare.
+    unknown = sorted(set(breaker) - set(DEFAULTS["BREAKER"]), key=repr)
     if unknown:
         problems.append(unknown_keys(unknown))
     return [
