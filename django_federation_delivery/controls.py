@@ -79,7 +79,8 @@ def give_up_host(host: str, reason: str = "given up by an operator") -> int:
 
 def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operator") -> int:
     """Fail the pending ones of ``deliveries`` for good, telling
-    ``delivery_failed`` receivers before it is committed. Returns how many.
+    ``delivery_failed`` receivers once it is committed (inside a transaction
+    of the caller's, once this call's part is written). Returns how many.
 
     Only what this call changed is told about: a delivery another process
     settled in the meantime keeps its outcome and sends no signal here.

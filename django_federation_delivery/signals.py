@@ -1,8 +1,14 @@
 """Signals the host project receives, with what each carries.
 
-Every one is sent before the row it is about leaves the queue, so a process
-that stops in between sends it again: receivers must be safe to repeat. A
-receiver that raises is logged with its traceback and the loop goes on.
+What the loop tells of an attempt (``delivery_attempted``,
+``delivery_settled``, ``delivery_failed``) is sent before the row it is about
+leaves the queue, so a process that stops in between sends it again:
+receivers must be safe to repeat. The rest (``batch_finished``, an
+operator's give-up, a retraction's supersedings, and the host and destination
+signals) are sent once the write that records them has committed, never
+inside the package's own transaction, where a receiver's database error
+(even one it catches) would undo the write. A receiver that raises (anything
+but ``KeyboardInterrupt``) is logged with its traceback and the loop goes on.
 
 Each is sent with ``sender=Delivery`` (the model class) and one keyword:
 
@@ -10,8 +16,10 @@ Each is sent with ``sender=Delivery`` (the model class) and one keyword:
   and for a delivery held back without a request (outcome "held").
 - ``delivery_settled``: ``settled`` (:class:`Settled`): delivered, refused or
   skipped; or superseded by a retraction, sent on commit of its send.
-- ``delivery_failed``: ``failure`` (:class:`Failure`): refused or given up.
-- ``batch_finished``: ``batch`` (the ``Batch``), when its last delivery leaves the queue.
+- ``delivery_failed``: ``failure`` (:class:`Failure`): refused or given up;
+  given up by an operator (``controls.give_up``), sent once that is committed.
+- ``batch_finished``: ``batch`` (the ``Batch``), when its last delivery leaves
+  the queue, once that is committed: after its deliveries' signals.
 - ``webhook_destination_disabled``: ``disabled`` (:class:`DestinationDisabled`),
   once, when the deliverer disables a webhook destination (a ``410 Gone``, or
   no success for ``WEBHOOK_DISABLE_AFTER``): its events wait until it is
@@ -38,6 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -158,12 +168,50 @@ def listened(signal: Signal) -> bool:
 
 
 def send_safely(signal: Signal, **kwargs: Any) -> None:
-    """Send ``signal`` to every receiver. One that raises does not stop the
-    others or the loop: Django logs it, with its traceback, on the
-    ``django.dispatch`` logger."""
+    """Send ``signal`` to every receiver. One that raises an exception does
+    not stop the others or the loop: Django logs it, with its traceback, on
+    the ``django.dispatch`` logger.
+
+    One that raises what is no ``Exception`` (a ``SystemExit``: a receiver
+    calling ``sys.exit()``) goes past ``send_robust``, which then calls no
+    receiver after it; it is logged here, and the loop goes on, where it
+    stopped the loop with the delivery sent and left pending, to be sent
+    again after its lease. A ``KeyboardInterrupt`` is let through: in the
+    loop's thread it is the operator's Ctrl-C, raised wherever that thread
+    was."""
     from django_federation_delivery.models import Delivery
 
-    signal.send_robust(sender=Delivery, **kwargs)
+    try:
+        signal.send_robust(sender=Delivery, **kwargs)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:
+        _dispatch_logger.error(
+            "%s raised %r, which is no exception: the receivers after it were not called",
+            _receiver_of(error),
+            error,
+            exc_info=error,
+        )
+
+
+def _receiver_of(error: BaseException) -> str:
+    """The name of the receiver ``error`` came from: the function Django's
+    dispatcher called, as the traceback has it."""
+    traceback = error.__traceback__
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if code.co_filename.endswith(_DISPATCHER) and traceback.tb_next is not None:
+            return traceback.tb_next.tb_frame.f_code.co_qualname
+        traceback = traceback.tb_next
+    return "A receiver"
+
+
+_DISPATCHER = os.path.join("django", "dispatch", "dispatcher.py")
+
+
+#: Where Django's ``send_robust`` logs a receiver that raised: where an
+#: operator already looks for one.
+_dispatch_logger = logging.getLogger("django.dispatch")
 
 
 def send_batches_finished(ids: Sequence[int], *, using: str | None = None) -> None:

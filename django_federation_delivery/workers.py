@@ -165,21 +165,45 @@ class Workers:
                 if self._surplus():
                     break
         finally:
+            # However it ends, it is counted no longer: a pool that grows
+            # makes another in its place, and stopping does not wait for it.
+            with self._lock:
+                if threading.current_thread() in self._threads:
+                    self._threads.remove(threading.current_thread())
             for transport in transports.values():
                 transport.close()
 
     def _attempt(
         self, item: InFlight, transports: dict[TransportSettings, Transport]
     ) -> AttemptResult:
+        """What came of ``item``'s attempt: always a result, whatever the
+        attempt did, so that the delivery is settled and its slot freed."""
         try:
             settings = item.kind.transport_settings_for(item.job)
             transport = transports.get(settings)
             if transport is None:
                 transport = transports[settings] = Transport(settings, self.connections)
             with tracing.attempting(item):
-                return item.kind.attempt(item.job, transport)
-        except Exception as exc:  # a bug must not take a worker down
+                result = item.kind.attempt(item.job, transport)
+        # A bug must not take a worker down, whatever it raises. A SystemExit
+        # (a channel calling sys.exit()) would end this thread silently. And
+        # a KeyboardInterrupt here is not an operator's Ctrl-C, which Python
+        # raises in the main thread only (the loop's, which stops on it): one
+        # in a worker was raised by the attempt's own code, and is its crash.
+        except BaseException as exc:
             # Only the type: a webhook's message and traceback may hold its
             # URL, a credential.
             logger.error("An attempt at delivery %s raised %s", item.claimed.id, type(exc).__name__)
             return crashed(item.job, f"internal error: {type(exc).__name__}")
+        if not isinstance(result, AttemptResult):
+            # A host project's channel that returned something else: told by
+            # the kind and the type alone, nothing of the job (its URL, its
+            # key) or of what came back.
+            logger.error(
+                "An attempt at delivery %s by %s returned %s, not an AttemptResult",
+                item.claimed.id,
+                type(item.kind).__name__,
+                type(result).__name__,
+            )
+            return crashed(item.job, f"internal error: {type(result).__name__} returned")
+        return result

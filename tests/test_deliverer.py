@@ -357,6 +357,89 @@ def test_a_receiver_that_raises_is_logged_and_the_loop_goes_on(
     assert len(logged) == 2
 
 
+class Stop(BaseException):
+    """What no ``except Exception`` catches, as a receiver's own library may raise."""
+
+
+@pytest.mark.parametrize("error", [SystemExit(1), Stop()], ids=lambda e: type(e).__name__)
+def test_a_receiver_that_raises_what_is_no_exception_is_logged_and_the_loop_goes_on(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    caplog: pytest.LogCaptureFixture,
+    error: BaseException,
+) -> None:
+    # Django's send_robust catches Exception only: a SystemExit stopped the
+    # loop with the delivery sent and still pending, sent again after its lease.
+    def exits(sender: Any, settled: Any, **kwargs: Any) -> None:
+        raise error
+
+    signals.delivery_settled.connect(exits, weak=False)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
+            first = send(ALICE, NOTE, [inbox.url("/1")])
+            runner = start_deliverer()
+            wait_until(settled(first), timeout=10)
+            second = send(ALICE, NOTE, [inbox.url("/2")])
+            wait_until(settled(second), timeout=10)
+            assert runner.thread.is_alive()
+            runner.stop()
+    finally:
+        signals.delivery_settled.disconnect(exits)
+    assert status_of(first) == status_of(second) == [Status.DELIVERED]
+    assert inbox.paths() == ["/1", "/2"], "each sent once"
+    logged = [r for r in caplog.records if r.exc_info and r.exc_info[1] is error]
+    assert len(logged) == 2
+    assert all("exits" in record.getMessage() for record in logged), "the receiver named"
+
+
+@pytest.mark.parametrize("fault", ["KeyboardInterrupt", "SystemExit", "None"])
+def test_an_attempt_that_raises_what_is_no_exception_or_returns_no_result_is_retried(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+) -> None:
+    # A host project's channel that raised KeyboardInterrupt or SystemExit
+    # killed its worker thread unseen (the delivery in flight for ever, its
+    # host's one slot never freed, stop() never returning); one that returned
+    # None stopped the loop, its claim left leased.
+    from django_federation_delivery.inboxes import InboxDeliveries
+
+    fast_retries(settings)
+    real = InboxDeliveries.attempt
+    faulted: list[int] = []
+
+    def attempt(self: InboxDeliveries, job: Any, transport: Any) -> Any:
+        if job.targets[0].endswith("/bad") and not faulted:
+            faulted.append(job.delivery_id)
+            if fault == "KeyboardInterrupt":
+                raise KeyboardInterrupt
+            if fault == "SystemExit":
+                raise SystemExit(3)
+            return None
+        return real(self, job, transport)
+
+    monkeypatch.setattr(InboxDeliveries, "attempt", attempt)
+    bad = send(ALICE, NOTE, [inbox.url("/bad")])
+    runner = start_deliverer(concurrency=2, per_host=1, per_host_max=1)
+    wait_until(lambda: bool(faulted), timeout=10)
+    # The same host, which takes one at a time: sent only once the slot is free.
+    good = send(ALICE, NOTE, [inbox.url("/good")])
+    wait_until(
+        lambda: not Delivery.objects.filter(status=Status.PENDING).exists(),
+        timeout=10,
+        state=lambda: list(Delivery.objects.values_list("inbox", "status", "last_error")),
+    )
+    assert runner.thread.is_alive()
+    workers = runner.deliverer.workers
+    assert all(thread.is_alive() for thread in workers._threads), "no dead thread counted"
+    runner.stop(timeout=10)
+    assert status_of(bad) == status_of(good) == [Status.DELIVERED]
+    assert sorted(inbox.paths()) == ["/bad", "/good"], "each sent once"
+    assert Delivery.objects.get(batch=bad).attempts == 2, "the fault was a failed attempt"
+
+
 class InFlight:
     """A server's answer that counts the requests it is answering at once,
     and the most it ever was; ``wait`` is what answering takes."""

@@ -172,6 +172,91 @@ def test_an_attempt_that_raises_is_a_passing_failure_and_the_worker_goes_on(
 
 
 @pytest.mark.usefixtures("mocked")
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        # Python raises an operator's Ctrl-C in the main thread only: one in a
+        # worker is the attempt's own doing.
+        (KeyboardInterrupt, "internal error: KeyboardInterrupt"),
+        (SystemExit, "internal error: SystemExit"),
+        (None, "internal error: NoneType returned"),
+        ("a token", "internal error: str returned"),
+    ],
+    ids=["KeyboardInterrupt", "SystemExit", "None", "str"],
+)
+def test_an_attempt_that_raises_what_is_no_exception_or_returns_no_result_is_a_passing_failure(
+    pool: Callable[..., Workers],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: Any,
+    error: str,
+) -> None:
+    # Either killed the worker unseen, its delivery never coming back (or,
+    # returned, stopped the loop as it read the result).
+    kind = inboxes()
+    real = kind.attempt
+
+    def attempt(job: Job, *args: Any, **kwargs: Any) -> Any:
+        if job.delivery_id == 1:
+            if isinstance(fault, type):
+                raise fault
+            return fault
+        return real(job, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kind, "attempt", attempt)
+    workers = pool(needed=1)
+    workers.grow_to(1)
+    workers.put(in_flight(1, kind))
+    workers.put(in_flight(2, kind))
+
+    (first, broken), (second, fine) = results(workers, 2)
+
+    assert (first.claimed.id, second.claimed.id) == (1, 2)
+    assert not broken.delivered and not broken.permanent and broken.job is first.job
+    assert broken.error == error
+    logged = "\n".join(caplog.messages)
+    assert "attempt at delivery 1" in logged
+    assert "a token" not in logged and INBOX not in logged, "nothing of the job or result"
+    assert fine.delivered
+    assert len(workers) == 1 and all(thread.is_alive() for thread in workers._threads)
+
+
+@pytest.mark.usefixtures("mocked")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_thread_that_ends_however_it_ends_is_counted_no_longer(
+    pool: Callable[..., Workers],
+) -> None:
+    # A thread that died stayed counted: the pool never made another in its
+    # place, and stopping waited for it.
+    workers = pool(needed=1)
+
+    class Ends:
+        """A wake that ends the thread that sets it, once."""
+
+        def __init__(self) -> None:
+            self.ended = False
+
+        def set(self) -> None:
+            if not self.ended:
+                self.ended = True
+                raise SystemExit  # ends a thread without a word
+
+    workers.wake = Ends()  # type: ignore[assignment]
+    workers.grow_to(1)
+    workers.put(in_flight(1))
+    results(workers, 1)
+    deadline = time.monotonic() + 10
+    while len(workers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(workers) == 0
+    workers.grow_to(1)
+    workers.put(in_flight(2))
+    ((item, result),) = results(workers, 1)
+    assert item.claimed.id == 2 and result.delivered
+    assert len(workers) == 1
+
+
+@pytest.mark.usefixtures("mocked")
 def test_a_thread_beyond_what_is_needed_ends_after_its_attempt(
     pool: Callable[..., Workers],
 ) -> None:

@@ -68,8 +68,11 @@ def settle(
     another process now holds is not written. The deliveries that waited on
     one written final are released (the next of its sequence, a retraction
     overtaking it); batches whose last pending delivery this settles are
-    stamped finished, and ``on_finished`` is called with their ids inside
-    the same transaction. The rows lock in one
+    stamped finished, and ``on_finished`` is called with their ids once the
+    transaction has committed, never inside it: a receiver of the signal it
+    sends that meets a database error (and marks the transaction for
+    rollback, even if it catches the error) would otherwise undo the whole
+    settle, which would still be reported written. The rows lock in one
     order whatever the database: deliveries, those released, then batches in
     id order (on PostgreSQL, those of more than one delivery: the one
     delivery of any other is locked already), then the history's minute
@@ -83,7 +86,7 @@ def settle(
         return set()
     now = timezone.now()
     try:
-        return _settle(settlements, now, on_finished, using, count=True)
+        settled = _settle(settlements, now, using, count=True)
     except _NotWritten as failed:
         error = failed.__cause__
         # Its class and code, not its text: that may quote the statement, tokens and all.
@@ -92,7 +95,11 @@ def settle(
             type(error).__name__,
             getattr(getattr(error, "__cause__", None), "sqlstate", None),
         )
-    return _settle(settlements, now, on_finished, using, count=False)
+        settled = _settle(settlements, now, using, count=False)
+    # Committed: what is told now cannot undo it.
+    if settled.finished and on_finished is not None:
+        on_finished(settled.finished)
+    return settled.written
 
 
 class _NotWritten(Exception):
@@ -103,11 +110,10 @@ class _NotWritten(Exception):
 def _settle(
     settlements: Sequence[Settlement],
     now: dt.datetime,
-    on_finished: Callable[[list[int]], None] | None,
     using: str | None,
     *,
     count: bool,
-) -> set[int]:
+) -> sql.Settled:
     connection = connection_for(using)
     settled_at = db_datetime(now, connection)
     rows: list[list[Any]] = []
@@ -143,9 +149,7 @@ def _settle(
                 raise _NotWritten from exc
         if not settled.counted:
             history.record(_history_of(settlements, settled.written, now), using=using)
-        if settled.finished and on_finished is not None:
-            on_finished(settled.finished)
-    return settled.written
+    return settled
 
 
 def _counted_rows(
@@ -204,10 +208,12 @@ def give_up_rows(
     """Fail pending deliveries for good, whoever holds them: a holder's late
     outcome is fenced out, as its token is gone. Returns the ids failed.
 
-    ``on_failing`` is called with exactly the rows this changed, inside the
-    transaction, before it commits: a row another process settled in the
-    meantime is not among them, and a crash before the commit leaves the
-    rows pending, to be given up (and told about) again.
+    ``on_failing`` is called with exactly the rows this changed, and
+    ``on_finished`` with the batches this finished, once the transaction has
+    committed (never inside it, where a receiver's database error would undo
+    the write): a row another process settled in the meantime is not among
+    them. Called inside a transaction of the caller's, they are called as
+    this call's part of it is written, before the caller commits.
     """
     if not ids:
         return []
@@ -227,14 +233,15 @@ def give_up_rows(
                 ids=db.ids(ids),
             )
             rows = sorted(GivenUp(*row) for row in given_up)
-        if rows and on_failing is not None:
-            on_failing(rows)
         failed = [row.id for row in rows]
         release_next(failed, now, alias)
         finished = count_down(Counter(row.batch_id for row in rows), now, alias)
         history.record({now: {"failed": len(rows)}}, using=alias)
-        if finished and on_finished is not None:
-            on_finished(finished)
+    # Committed: what is told now cannot undo it.
+    if rows and on_failing is not None:
+        on_failing(rows)
+    if finished and on_finished is not None:
+        on_finished(finished)
     return failed
 
 

@@ -1,0 +1,152 @@
+"""When the signals are sent, and what a receiver may do: none runs inside
+the package's own write, and whatever one raises the loop goes on."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import IntegrityError, connection
+
+from django_federation_delivery import controls, send, signals
+from django_federation_delivery.models import Batch, Delivery, Host, Status
+
+from .conftest import Inbox, RunningDeliverer, wait_until
+from .keys import ALICE
+
+NOTE = {"@context": "https://www.w3.org/ns/activitystreams", "type": "Create", "actor": ALICE}
+
+#: A row every receiver below makes, made already: each call meets an IntegrityError.
+TAKEN = "made-by-a-receiver.example"
+
+
+class MakesARow:
+    """A receiver that is safe to repeat as receivers are asked to be:
+    "make it, or it was made already". Each call meets an IntegrityError,
+    which it catches or not; and it notes whether it ran inside a transaction."""
+
+    def __init__(self, *, catch: bool) -> None:
+        self.catch = catch
+        self.calls: list[dict[str, Any]] = []
+        self.in_transaction: list[bool] = []
+
+    def __call__(self, sender: Any, **kwargs: Any) -> None:
+        self.calls.append(kwargs)
+        self.in_transaction.append(connection.in_atomic_block)
+        try:
+            Host.objects.create(name=TAKEN)
+        except IntegrityError:
+            if not self.catch:
+                raise
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("catch", [True, False], ids=["caught", "raised"])
+def test_a_batch_finished_receiver_that_meets_a_database_error_undoes_no_settle(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], catch: bool
+) -> None:
+    # Sent inside the settle's transaction, its error rolled the settle back
+    # unseen: the delivery stayed leased, and was sent again every lease.
+    Host.objects.create(name=TAKEN)
+    receiver = MakesARow(catch=catch)
+    signals.batch_finished.connect(receiver, weak=False)
+    try:
+        batch = send(ALICE, NOTE, [inbox.url("/a"), inbox.url("/b")])
+        assert batch is not None
+        runner = start_deliverer()
+        wait_until(
+            lambda: (
+                Batch.objects.filter(id=batch.id, finished_at__isnull=False).exists()
+                and len(receiver.calls) == 1
+            ),
+            timeout=10,
+            state=lambda: list(Delivery.objects.values_list("status", "lease_token")),
+        )
+        assert runner.thread.is_alive()
+        runner.stop()
+    finally:
+        signals.batch_finished.disconnect(receiver)
+    assert set(Delivery.objects.values_list("status", "lease_token")) == {(Status.DELIVERED, None)}
+    assert sorted(inbox.paths()) == ["/a", "/b"], "each sent once"
+    assert [call["batch"].id for call in receiver.calls] == [batch.id]
+    assert receiver.in_transaction == [False]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_operators_give_up_is_told_once_committed() -> None:
+    # delivery_failed and batch_finished were sent inside the give-up's
+    # transaction: a receiver's caught error undid it (on SQLite silently,
+    # the count still returned; on PostgreSQL with an error).
+    Host.objects.create(name=TAKEN)
+    failed, finished = MakesARow(catch=True), MakesARow(catch=True)
+    signals.delivery_failed.connect(failed, weak=False)
+    signals.batch_finished.connect(finished, weak=False)
+    try:
+        batch = send(ALICE, NOTE, ["https://gone.example/a", "https://gone.example/b"])
+        assert batch is not None
+        assert controls.give_up(Delivery.objects.filter(batch=batch)) == 2
+    finally:
+        signals.delivery_failed.disconnect(failed)
+        signals.batch_finished.disconnect(finished)
+    assert set(Delivery.objects.values_list("status", flat=True)) == {Status.FAILED}
+    assert Batch.objects.get(id=batch.id).finished_at is not None
+    assert sorted(call["failure"].inbox for call in failed.calls) == [
+        "https://gone.example/a",
+        "https://gone.example/b",
+    ]
+    assert [call["batch"].id for call in finished.calls] == [batch.id]
+    assert failed.in_transaction == [False, False]
+    assert finished.in_transaction == [False]
+
+
+class Stop(BaseException):
+    """What no ``except Exception`` catches, as a receiver's own library may raise."""
+
+
+def raising(error: BaseException) -> Callable[..., None]:
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        raise error
+
+    receiver.__qualname__ = f"raises_{type(error).__name__}"
+    return receiver
+
+
+@pytest.mark.parametrize("error", [SystemExit(3), Stop("stopped")], ids=["SystemExit", "Stop"])
+def test_a_receiver_that_raises_what_is_no_exception_is_logged_and_not_raised(
+    caplog: pytest.LogCaptureFixture, error: BaseException
+) -> None:
+    called: list[int] = []
+    receivers = [
+        raising(RuntimeError("a bug")),
+        lambda sender, **kwargs: called.append(kwargs["settled"]),
+        raising(error),
+    ]
+    for receiver in receivers:
+        signals.delivery_settled.connect(receiver, weak=False)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
+            signals.send_safely(signals.delivery_settled, settled=7)
+    finally:
+        for receiver in receivers:
+            signals.delivery_settled.disconnect(receiver)
+    assert called == [7]
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == [
+        "Error calling raises_RuntimeError in Signal.send_robust() (a bug)",
+        f"raising.<locals>.receiver raised {error!r}, which is no exception: "
+        "the receivers after it were not called",
+    ]
+    assert all(record.exc_info for record in caplog.records), "with its traceback"
+
+
+def test_a_keyboard_interrupt_in_a_receiver_is_let_through() -> None:
+    # In the loop's thread it is the operator's Ctrl-C.
+    receiver = raising(KeyboardInterrupt())
+    signals.delivery_settled.connect(receiver, weak=False)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            signals.send_safely(signals.delivery_settled, settled=7)
+    finally:
+        signals.delivery_settled.disconnect(receiver)
