@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -16,28 +15,25 @@ from django.db import DEFAULT_DB_ALIAS
 from django_federation_delivery.attempt import AttemptResult, permanent_status
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
-from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.health import HostWatch
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.settling import Settler, Summary, ask
 from django_federation_delivery.store import claims
+from django_federation_delivery.store.claims import lease_deadline
 from django_federation_delivery.transport import Transport, TransportSettings
 
 __all__ = ["InboxDeliveries", "lease_deadline"]
 
 #: Past this many activities parsed for SKIP_IF, they are parsed again as needed.
 MOST_ACTIVITIES = 1000
+#: What a batch's activity is kept as when its body is not JSON: SKIP_IF is
+#: not asked about it.
+UNREADABLE = object()
 
 # The loop's logger: where an operator looks for what the loop met.
 logger = logging.getLogger("django_federation_delivery.deliverer")
-
-
-def lease_deadline(row: claims.Claimed) -> float:
-    """When an attempt at ``row`` must be over, as ``time.monotonic()``: while
-    the claim's lease holds, with time to spare to write what came of it;
-    after that the row is any process's to take and send again."""
-    return time.monotonic() + (row.leased_until - time.time()) - LEASE_MARGIN_SECONDS
 
 
 class InboxDeliveries:
@@ -105,14 +101,34 @@ class InboxDeliveries:
         """Whether SKIP_IF drops ``row`` unsent."""
         if self.skip_if is None:
             return False
-        return bool(ask("SKIP_IF", self.skip_if, row.inbox, self._activity(batch)))
+        activity = self._activity(batch)
+        if activity is UNREADABLE:
+            # Not skipped: SKIP_IF drops what it is shown, and it cannot be
+            # shown this. Sent as stored, nothing is lost: the inbox accepts
+            # it or refuses it, and a refusal is kept in last_error for an
+            # operator to see. Dropped or failed here, on a body SKIP_IF never
+            # saw, a delivery the sender meant could be lost without a word
+            # from anyone who could judge it.
+            return False
+        return bool(ask("SKIP_IF", self.skip_if, row.inbox, activity))
 
     def _activity(self, batch: BatchInfo) -> Any:
-        """The activity ``batch`` sends, parsed once for all its inboxes."""
+        """The activity ``batch`` sends, parsed once for all its inboxes;
+        :data:`UNREADABLE` when its body is not JSON (written by hand)."""
         if batch.id not in self._activities:
             if len(self._activities) > MOST_ACTIVITIES:
                 self._activities.clear()
-            self._activities[batch.id] = json.loads(batch.body)
+            try:
+                self._activities[batch.id] = json.loads(batch.body)
+            except (ValueError, RecursionError) as exc:
+                # Told once a batch, by its id: the body is the sender's, not a log's.
+                logger.warning(
+                    "The activity of batch %d cannot be read (%s); SKIP_IF is not "
+                    "asked about its deliveries, which are sent as stored",
+                    batch.id,
+                    type(exc).__name__,
+                )
+                self._activities[batch.id] = UNREADABLE
         return self._activities[batch.id]
 
     def unusable(self, claimed: Iterable[claims.Claimed]) -> set[str]:

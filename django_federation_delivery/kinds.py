@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.models import Kind
@@ -21,7 +22,7 @@ from django_federation_delivery.settling import Settler
 from django_federation_delivery.store import claims
 from django_federation_delivery.transport import Transport, TransportSettings
 
-__all__ = ["DeliveryKind", "Kinds"]
+__all__ = ["DeliveryKind", "Kinds", "unknown_kind"]
 
 
 class DeliveryKind(Protocol):
@@ -75,8 +76,20 @@ class Kinds:
         self._by_kind: dict[str, DeliveryKind] = {Kind.ACTIVITYPUB: inboxes, Kind.WEBHOOK: webhooks}
 
     def of(self, row: claims.Claimed) -> DeliveryKind:
-        """The kind that sends ``row``."""
+        """The kind that sends ``row``; a KeyError for a kind none is (see
+        :meth:`get`)."""
         return self._by_kind[row.kind]
+
+    def get(self, row: claims.Claimed) -> DeliveryKind | None:
+        """The kind that sends ``row``, or None when it is none of them: a
+        ``kind`` written by hand (the column has choices, not a constraint)."""
+        return self._by_kind.get(row.kind)
+
+    @property
+    def fallback(self) -> DeliveryKind:
+        """The kind whose settler fails a row of no kind (:meth:`get`): the
+        inboxes'. It only sends that row's ``delivery_failed`` and counts it."""
+        return self._by_kind[Kind.ACTIVITYPUB]
 
     def __iter__(self) -> Iterator[DeliveryKind]:
         return iter(self._by_kind.values())
@@ -85,3 +98,9 @@ class Kinds:
     def longest(self) -> float:
         """The longest any attempt may take."""
         return max(kind.timeout for kind in self)
+
+
+def unknown_kind(kind: str) -> str:
+    """Why a row of ``kind``, none that a deliverer knows, is failed unsent:
+    the value quoted, escaped and cut, as an error repeats a stored value."""
+    return f"its kind {quoted(kind)} is not one this deliverer sends"

@@ -3,29 +3,35 @@
 Claimed deliveries are sorted as they come: one whose batch's deadline has
 passed is settled unsent, one SKIP_IF drops is settled skipped, one to a
 paused host is put back to wait for the host, and a webhook to a destination
-no longer configured is given up; the rest are made ready to send. As each
-is handed to a worker, the destination's circuit breaker may hold it
-(:meth:`Triage.admit`).
+no longer configured is given up; one that cannot be sent as it is stored
+(its kind or its gateways written by hand) is failed by itself; the rest are
+made ready to send. As each is handed to a worker, the destination's circuit
+breaker may hold it (:meth:`Triage.admit`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from django.utils import timezone
 
 from django_federation_delivery.attempt import AttemptResult, held
-from django_federation_delivery.batches import KnownBatches
+from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
 from django_federation_delivery.hosts import KnownSchemes
-from django_federation_delivery.kinds import Kinds
+from django_federation_delivery.kinds import DeliveryKind, Kinds, unknown_kind
+from django_federation_delivery.models import Status
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.outbox import Outbox
-from django_federation_delivery.store import claims
+from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.workers import InFlight
 
 __all__ = ["Triage"]
+
+# The loop's logger: where an operator looks for what the loop met.
+logger = logging.getLogger("django_federation_delivery.deliverer")
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -65,7 +71,14 @@ class Triage:
             if row.id in holding or row.host in unusable:
                 continue
             batch = self.batches[row.batch_id]
-            kind = self.kinds.of(row)
+            found = self.kinds.get(row)
+            if found is None:
+                self._fail_alone(row, batch, self.kinds.fallback, unknown_kind(row.kind))
+                continue
+            kind = found
+            if row.problem:
+                self._fail_alone(row, batch, kind, row.problem)
+                continue
             if batch.deadline is not None and now >= batch.deadline:
                 error = "the batch's deadline passed before it was sent"
                 self.outbox.add(kind.settler(row).unsent(row, batch, error))
@@ -81,6 +94,27 @@ class Triage:
                 item.breaker = self.breakers.settings.key(row.host, row.inbox)
             ready.append(item)
         return ready
+
+    def _fail_alone(
+        self, row: claims.Claimed, batch: BatchInfo, kind: DeliveryKind, error: str
+    ) -> None:
+        """Fail ``row`` for good, unsent: it can never be sent as it is stored
+        (a row changed by hand). It alone: the rows claimed with it go on, and
+        it is written under the claim's token, so that it leaves the queue
+        rather than come due again each lease. ``error`` quotes none of its
+        URLs (which may hold a token): it is logged and kept as it is."""
+        logger.warning("Delivery %d cannot be sent and is failed: %s", row.id, error)
+        settler = kind.settler(row)
+        settler.abandoned(row, batch, None, error)
+        self.outbox.add(
+            settlements.Settlement(
+                claimed=row,
+                ordered=batch.ordered,
+                status=Status.FAILED,
+                attempts=row.attempts,
+                last_error=error[: settler.error_length],
+            )
+        )
 
     def admit(self, item: InFlight) -> AttemptResult | None:
         """Ask the destination's breaker whether the delivery goes now (as

@@ -1061,3 +1061,49 @@ def test_a_statement_is_given_exactly_the_parameters_it_names() -> None:
         take.bind({"ids": "[1]", "token": "t"})
     with pytest.raises(TypeError, match="takes"):
         take.bind({"ids": "[1]", "token": "t", "until": "u", "now": "n"})
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "via",
+    [5, {"a": 1}, "https://gw.example/inbox", ["https://gw.example/inbox", 7]],
+    ids=["a number", "an object", "a string", "a list of more than text"],
+)
+def test_a_row_whose_stored_gateways_are_not_a_list_of_urls_is_claimed_with_its_problem(
+    via: Any,
+) -> None:
+    # Written by hand: send() writes a list of URLs or none.
+    send(ALICE, NOTE, inboxes(3))
+    bad, portable, plain = Delivery.objects.order_by("id")
+    Delivery.objects.filter(id=bad.id).update(via=via)
+    Delivery.objects.filter(id=portable.id).update(via=["https://gw.example/inbox"])
+
+    claimed = {row.id: row for row in store.claim(10, lease=300)}
+
+    assert len(claimed) == 3, "claimed with the others, not left in the way of a claim"
+    assert claimed[bad.id].problem == "its stored gateways (via) are not a list of URLs"
+    assert claimed[bad.id].via == (), "an object's keys are not read as gateways"
+    assert (claimed[portable.id].via, claimed[portable.id].problem) == (
+        ("https://gw.example/inbox",),
+        "",
+    )
+    assert (claimed[plain.id].via, claimed[plain.id].problem) == ((), "")
+
+
+@pytest.mark.django_db
+def test_on_sqlite_a_batch_whose_body_is_a_blob_is_read_with_its_bytes() -> None:
+    if connection.vendor != "sqlite":
+        pytest.skip("only SQLite keeps a BLOB in a text column")
+    blob, plain = send(ALICE, NOTE, inboxes(1)), send(ALICE, NOTE, inboxes(1, "b.example"))
+    # Written by hand: send() writes text. SQLite's JSON functions refuse a BLOB.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE federation_delivery_batch SET body = %s WHERE id = %s",
+            [b'{"type": "Note"}', blob.id],
+        )
+
+    found = store.claims.batches([blob.id, plain.id])
+
+    assert found[blob.id].body == b'{"type": "Note"}'
+    assert found[plain.id].body == Batch.objects.get(id=plain.id).body.encode()
+    assert found[blob.id].sender == found[plain.id].sender == ALICE

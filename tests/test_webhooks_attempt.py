@@ -3,8 +3,13 @@ each answer is judged and told without the URL."""
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import ipaddress
 import json
+import re
+import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -246,3 +251,47 @@ def test_a_kind_that_fails_inside_a_200_is_retried_with_what_it_said(
     result = attempt(job("pager://routingKEY123@pager.example/v2/enqueue"), transport)
     assert not result.delivered and not result.permanent
     assert result.error == 'the receiver answered 200 OK: {"status": "error"}'
+
+
+def test_an_attempt_whose_lease_is_spent_is_not_made(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    # Made now, it could still be in flight when the lease lapses and another
+    # deliverer takes the event and sends it again, with the same webhook-id.
+    mocked.post(SENT_TO, status=200, body="ok")
+    result = attempt(job(lease_deadline=time.monotonic() - 0.01), transport)
+    assert len(mocked.calls) == 0
+    assert (result.delivered, result.permanent, result.held, result.requests) == (
+        False,
+        False,
+        True,
+        0,
+    )
+    assert result.error == "not sent: its lease ran out before a worker was free"
+
+
+@pytest.mark.slow
+def test_an_attempt_ends_when_its_lease_does_however_long_the_webhook_timeout() -> None:
+    # Accepts connections (the kernel does) and never answers.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        secret = "whsec_" + base64.b64encode(b"k" * 32).decode()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/hook?secret={secret}"
+        settings = TransportSettings(
+            user_agent="tests",
+            attempt_timeout=25.0,
+            allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),),
+        )
+        transport = Transport(settings)
+        try:
+            start = time.monotonic()
+            result = attempt(job(url, lease_deadline=start + 1.5), transport)
+            elapsed = time.monotonic() - start
+        finally:
+            transport.close()
+
+    assert 1.4 < elapsed < 8, "over with the lease, not WEBHOOK_TIMEOUT"
+    assert (result.delivered, result.permanent, result.status) == (False, False, None)
+    # The time the request had, the lease's rest when it began.
+    given = re.search(r"no complete answer within ([0-9.]+)s$", result.error)
+    assert given is not None, result.error
+    assert 1.2 <= float(given.group(1)) <= 1.5

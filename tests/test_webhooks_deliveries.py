@@ -22,6 +22,7 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from django_federation_delivery import send, send_webhook, signals
+from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
 
@@ -615,3 +616,31 @@ def test_ntfy_and_matrix_destinations_are_sent_by_the_loop_a_retry_as_the_same_m
     assert retry.headers["Authorization"] == "Bearer syt_roomToken42"
     assert {d.status for d in Delivery.objects.all()} == {Status.DELIVERED}
     assert "syt_roomToken42" not in json.dumps(list(Delivery.objects.values()), default=str)
+
+
+@pytest.mark.slow
+def test_a_slow_receivers_attempt_ends_with_its_lease_however_long_the_webhook_timeout(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # Answering in 14 s, within WEBHOOK_TIMEOUT but past the lease: an attempt
+    # that outlasted its lease was taken again by another deliverer, sent
+    # again with the same webhook-id, and could never be settled by either.
+    sink = inboxes(delay=14.0)
+    configure(settings, {"ops": signed(sink)}, WEBHOOK_TIMEOUT=25.0, WEBHOOK_RETRY=[600.0] * 3)
+    send_webhook("ops", "alert.raised", {"n": 1})
+    # The lease less the margin to write the outcome: 1.5 s to attempt.
+    runner = start_deliverer(lease=LEASE_MARGIN_SECONDS + 1.5)
+
+    wait_until(
+        lambda: Delivery.objects.filter(attempts=1).exists(),
+        timeout=8,
+        state=lambda: list(Delivery.objects.values_list("status", "attempts", "last_error")),
+    )
+    runner.stop()
+
+    row = Delivery.objects.get()
+    assert (row.status, row.attempts) == (Status.PENDING, 1), "settled while its lease held"
+    assert re.search(r"no complete answer within 1\.[0-5]s$", row.last_error), row.last_error
+    assert len(sink.received) == 1

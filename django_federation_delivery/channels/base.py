@@ -31,6 +31,7 @@ from django_federation_delivery.attempt import (
     failed,
     is_refusal,
     judged,
+    lapsed,
 )
 from django_federation_delivery.channels.events import Event, compact_json
 from django_federation_delivery.channels.policy import Policy
@@ -253,9 +254,11 @@ class Channel:
     ) -> AttemptResult:
         """One attempt at ``job`` (a :class:`Call` to one of this kind's
         destinations): the request :meth:`request` builds at ``now()``, sent
-        once within the transport's time limit, its answer judged by
-        :meth:`judge`. A kind whose attempt is more than one request (an
-        ActivityPub inbox's double knock) overrides it.
+        once within the transport's time limit and before the job's lease
+        ends (another process may take the delivery then: not made at all
+        when that has passed), its answer judged by :meth:`judge`. A kind
+        whose attempt is more than one request (an ActivityPub inbox's double
+        knock) overrides it.
 
         The URL is the credential: every text that leaves here has been
         through the destination's :meth:`~Destination.redact` (and the
@@ -265,6 +268,12 @@ class Channel:
         started = clock()
         destination, event = job.destination, job.event
         assert destination is not None and event is not None, "a call with a problem is not made"
+        at = time.monotonic()
+        if job.lease_deadline is not None and at >= job.lease_deadline:
+            return lapsed(job)
+        deadline = at + transport.settings.attempt_timeout
+        if job.lease_deadline is not None:
+            deadline = min(deadline, job.lease_deadline)
         try:
             request = self.request(destination, event, now=now())
         except Exception as exc:
@@ -280,7 +289,9 @@ class Channel:
         headers = {"Accept": ACCEPT, **request.headers}
         try:
             with logs.redacting(destination.redact):
-                answer = transport.post(request.url, request.body, headers, method=request.method)
+                answer = transport.post(
+                    request.url, request.body, headers, deadline=deadline, method=request.method
+                )
         except TransportError as exc:
             error = safe_text(destination, request.url, str(exc))[: job.message_length]
             result = failed(job, error, permanent=False)

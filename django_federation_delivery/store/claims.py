@@ -14,15 +14,17 @@ import collections
 import dataclasses
 import datetime as dt
 import json
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, transaction
 from django.utils import timezone
 
+from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.dialect import connection_for, db_datetime, read_datetime
-from django_federation_delivery.models import Delivery, Lane, Status
+from django_federation_delivery.models import Batch, Delivery, Lane, Status
 from django_federation_delivery.store import sql
 
 #: Lanes in the order they are claimed; the low lane only when nothing else is due.
@@ -51,6 +53,18 @@ class Claimed:
     destination: str = ""
     #: How it is sent (``models.Kind``): what the loop asks for its job.
     kind: str = "activitypub"
+    #: Why it cannot be sent as it is stored (its gateways not a list of
+    #: URLs: a row written by hand), in words that quote none of its URLs;
+    #: "" for one to send. Such a row is failed by itself (``triage.py``).
+    problem: str = ""
+
+
+def lease_deadline(row: Claimed) -> float:
+    """When an attempt at ``row`` must be over, as ``time.monotonic()``: while
+    the claim's lease holds, with time to spare to write what came of it;
+    after that the row is any process's to take and send again. Whatever its
+    kind: an inbox's job and a webhook's carry it alike."""
+    return time.monotonic() + (row.leased_until - time.time()) - LEASE_MARGIN_SECONDS
 
 
 def claim(
@@ -89,6 +103,9 @@ def claim(
         only=only,
     )
     with sql.on(connection) as db:
+        # PostgreSQL's JSON comes as text (as Django reads it); SQLite's
+        # inside the claim's one JSON value, read already.
+        text = db.postgresql
         if db.postgresql:
             # One statement: a transaction by itself (or a part of the caller's).
             rows = _take_postgresql(db, wanted)
@@ -97,21 +114,25 @@ def claim(
                 rows = _take_sqlite(db, wanted)
     # The lease as written (from before the claim), not from now: never later.
     expires = now.timestamp() + lease
-    return [
-        Claimed(
-            row[0],
-            row[1],
-            row[2],
-            row[3],
-            row[4],
-            _json_list(row[5]),
-            token,
-            expires,
-            row[6],
-            row[7],
+    claimed = []
+    for row in rows:
+        via = _gateways(row[5], text=text)
+        claimed.append(
+            Claimed(
+                row[0],
+                row[1],
+                row[2],
+                row[3],
+                row[4],
+                () if via is None else via,
+                token,
+                expires,
+                row[6],
+                row[7],
+                "" if via is not None else BAD_GATEWAYS,
+            )
         )
-        for row in rows
-    ]
+    return claimed
 
 
 #: Each lane's parameter of the statements that read every lane (``claim``,
@@ -202,13 +223,28 @@ def _take_sqlite(db: sql.Statements, wanted: _Wanted) -> list[Any]:
     return rows
 
 
-def _json_list(value: Any) -> tuple[str, ...]:
-    # Text on both (Django reads PostgreSQL's JSON as text too), or the value itself.
+#: A claimed row's ``problem`` when its ``via`` is not a list of URLs.
+BAD_GATEWAYS = "its stored gateways (via) are not a list of URLs"
+
+
+def _gateways(value: Any, *, text: bool) -> tuple[str, ...] | None:
+    """A row's gateways (``via``): a list of URLs, stored as JSON and read as
+    ``text`` to parse, or as the value itself. None when it is anything else
+    (a number, an object, a list of anything but text: written by hand),
+    which no attempt can use, nor is it to be read as something it is not
+    (an object's keys as gateways)."""
     if value is None or value == "[]" or value == b"[]":
         return ()  # the usual inbox, with no gateways: nothing to parse
-    if isinstance(value, str | bytes):
-        value = json.loads(value)
-    return tuple(value or ())
+    if text and isinstance(value, str | bytes):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+        if value is None:
+            return ()  # JSON's null, as SQL's: no gateways
+    if not isinstance(value, list) or not all(isinstance(url, str) for url in value):
+        return None
+    return tuple(value)
 
 
 class BatchInfo(NamedTuple):
@@ -247,8 +283,43 @@ def batches(ids: Iterable[int], *, using: str | None = None) -> dict[int, BatchI
         if db.postgresql:
             found = db.all("claimed_batches", ids=db.ids(wanted))
         else:
-            found = db.json("claimed_batches", ids=db.ids(wanted))
+            try:
+                found = db.json("claimed_batches", ids=db.ids(wanted))
+            except OperationalError as exc:
+                if BLOB_IN_JSON not in str(exc):
+                    raise
+                # A body written as a BLOB (by hand: send() writes text), which
+                # SQLite's JSON cannot hold: the same columns read without
+                # JSON, through the ORM, the body as its bytes. Failing here
+                # would read as the database being away, every claim, for good.
+                found = _batches_by_orm(wanted, using)
     return {row[0]: _batch(row, connection) for row in found}
+
+
+#: What SQLite's JSON functions say of a BLOB value.
+BLOB_IN_JSON = "JSON cannot hold BLOB values"
+#: The columns of ``claimed_batches``, in its order.
+BATCH_COLUMNS = (
+    "id",
+    "sender",
+    "body",
+    "body_sha256",
+    "tag",
+    "deadline",
+    "max_attempts",
+    "synchronize_collection",
+    "ordering_key",
+    "event_type",
+    "lane",
+    "trace_context",
+)
+
+
+def _batches_by_orm(ids: list[int], using: str | None) -> list[Any]:
+    """The rows ``claimed_batches`` reads, read by the ORM: one claim's
+    batches, a few hundred at most."""
+    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS)
+    return list(manager.filter(id__in=ids).values_list(*BATCH_COLUMNS))
 
 
 def _batch(row: Sequence[Any], connection: Any) -> BatchInfo:
@@ -269,7 +340,7 @@ def _batch(row: Sequence[Any], connection: Any) -> BatchInfo:
     return BatchInfo(
         id,
         sender,
-        body.encode(),
+        body if isinstance(body, bytes) else body.encode(),
         digest,
         tag,
         read_datetime(deadline, connection),

@@ -208,6 +208,9 @@ class WebhookDeliveries:
             destination=destination,
             event=event,
             body_length=way.policy.body_length,
+            # Over before the claim's lease lapses, as an inbox's attempt is:
+            # after, another process may take the row and send it again.
+            lease_deadline=claims.lease_deadline(row),
         )
 
     def _unsendable(self, row: claims.Claimed, problem: str, *, permanent: bool) -> Call:
