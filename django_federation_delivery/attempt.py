@@ -67,6 +67,10 @@ class AttemptResult:
     requests: int = 1
     #: Not sent: the destination's circuit breaker is open, or the lease ran out first.
     held: bool = False
+    #: Answered by a gateway on a host other than the delivery's (a portable
+    #: inbox's later one, which anyone may list): what its answer says of a
+    #: host is not learned as the delivery's host's.
+    elsewhere: bool = False
 
 
 def judged(

@@ -266,11 +266,19 @@ class Deliverer:
             # Attempt, in a worker thread, through its kind (workers.py).
             result = yield
             # What the answer taught: the signature scheme the host accepts,
-            # how many it takes at once, and a success or a failure for its breaker.
-            self.schemes.learn(item.claimed.host, result.accepted_scheme)
-            self.limits.learn(item.claimed.host, result)
-            self.hoststats.learn(item.claimed.host, result, timezone.now())
-            if self.breakers is not None and item.breaker and result.requests:
+            # how many it takes at once, and a success or a failure for its
+            # breaker; nothing, when another host answered (a portable
+            # inbox's later gateway, which a stranger may name).
+            if not result.elsewhere:
+                self.schemes.learn(item.claimed.host, result.accepted_scheme)
+                self.limits.learn(item.claimed.host, result)
+                self.hoststats.learn(item.claimed.host, result, timezone.now())
+            if (
+                self.breakers is not None
+                and item.breaker
+                and result.requests
+                and not result.elsewhere
+            ):
                 self.breakers.record(
                     item.breaker,
                     failed=not result.delivered and not result.permanent,

@@ -1076,3 +1076,49 @@ def test_a_host_sent_many_at_once_is_sent_them_over_as_many_kept_connections(
     runner.stop()
     assert status_of(batch) == [Status.DELIVERED] * 48
     assert inbox.connections <= 4, inbox.connections
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_portable_inbox_s_later_gateway_is_not_charged_to_the_first_one_s_host(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # Anyone may list gateways for a portable inbox: one that answers 503
+    # after a real server's 404 must not open that server's breaker, nor
+    # mark it failing, and hold its own deliveries.
+    from django_federation_delivery import PortableInbox, send_portable
+    from django_federation_delivery.models import Breaker, Host
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 60.0, "SCOPE": "host"},
+        "RETRY": {"BASE": 60, "CAP": 60, "ATTEMPTS": 5, "JITTER": 0},
+    }
+
+    def no_gateway_here(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return (404, {}, b"") if "apgateway" in request.path else (202, {}, b"")
+
+    server = inboxes("127.0.0.2", respond=no_gateway_here)
+    stranger = inboxes("127.0.0.3", respond=lambda request: (503, {}, b""))
+    did = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+    portable = send_portable(
+        ALICE,
+        NOTE,
+        [
+            PortableInbox(f"ap://{did}/u{n}/inbox", [server.url(""), stranger.url("")])
+            for n in range(3)
+        ],
+    )
+    assert portable is not None
+    runner = start_deliverer()
+    wait_until(
+        lambda: all(row.attempts for row in Delivery.objects.filter(batch=portable)), timeout=15
+    )
+    batch = send(ALICE, NOTE, [server.url("/users/bob/inbox")])
+    wait_until(settled(batch), timeout=10)
+    runner.stop()
+
+    assert status_of(batch) == [Status.DELIVERED]
+    assert not Breaker.objects.filter(key="127.0.0.2", failures__gt=0).exists()
+    assert Host.objects.get(name="127.0.0.2").failing_since is None

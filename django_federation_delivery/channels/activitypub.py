@@ -166,7 +166,13 @@ class ActivityPub(Channel):
                 return dataclasses.replace(last, permanent=False)
             outcome, made = self._knock(job, job.key, target, transport, deadline)
             requests += made
-            last = dataclasses.replace(outcome, duration=clock() - started, requests=requests)
+            last = dataclasses.replace(
+                outcome,
+                duration=clock() - started,
+                requests=requests,
+                elsewhere=target is not job.targets[0]
+                and addresses.host_of(target) != addresses.host_of(job.targets[0]),
+            )
             if last.delivered:
                 return last
         assert last is not None, "a job has at least one target"
