@@ -182,6 +182,16 @@ def required_host(value: object, caller: str) -> str:
     return named
 
 
+#: What may name a webhook destination: 1 to 64 lowercase letters, digits,
+#: "_" or "-", the first a letter or a digit.
+_DESTINATION_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+
+
+def is_destination_name(name: object) -> bool:
+    """Whether ``name`` can name a webhook destination (see _DESTINATION_NAME)."""
+    return isinstance(name, str) and _DESTINATION_NAME.fullmatch(name) is not None
+
+
 def delivery_key(name: str) -> str:
     """The ``host`` of a delivery to webhook destination ``name``: what
     slots, breakers and pauses go by. The name in angle brackets, ``<ops>``,

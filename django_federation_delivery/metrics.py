@@ -225,7 +225,7 @@ def read_queue(*, now: dt.datetime | None = None, using: str | None = None) -> Q
     from django.utils import timezone
 
     from django_federation_delivery import heartbeats, overview
-    from django_federation_delivery.addresses import delivery_key
+    from django_federation_delivery.addresses import delivery_key, is_destination_name
     from django_federation_delivery.conf import app_settings
     from django_federation_delivery.models import Host
 
@@ -247,7 +247,10 @@ def read_queue(*, now: dt.datetime | None = None, using: str | None = None) -> Q
         )
     )
     webhooks = app_settings.get("WEBHOOKS")
-    names = sorted(str(name) for name in webhooks) if isinstance(webhooks, Mapping) else []
+    # Only names a destination may have: a URL written where its name goes
+    # is no label to export (the check reports it, without it).
+    given = webhooks if isinstance(webhooks, Mapping) else {}
+    names = sorted(name for name in given if is_destination_name(name))
     keys = {name: delivery_key(name) for name in names}
     disabled = (
         set(

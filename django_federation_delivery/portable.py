@@ -8,7 +8,7 @@ reach; they are served by the gateways the actor lists, each at
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -47,6 +47,14 @@ def parse_ap_uri(uri: str) -> tuple[str, str, str]:
     """
     if not isinstance(uri, str) or _CONTROL_OR_SPACE.search(uri):
         raise InvalidDelivery(f"not an ap:// URI: {quoted(uri, path=True)}")
+    try:
+        uri.encode()
+    except UnicodeEncodeError:
+        # A byte that was not UTF-8, decoded leniently: no URL can carry it.
+        raise InvalidDelivery(
+            "an ap:// URI holds text that is not valid Unicode (a lone surrogate): "
+            f"{quoted(uri, path=True)}"
+        ) from None
     parts = urlsplit(uri)
     if parts.scheme.lower() != "ap":
         raise InvalidDelivery(f"not an ap:// URI: {quoted(uri, path=True)}")
@@ -112,7 +120,9 @@ class PortableInbox:
     """A portable inbox and the gateways its actor lists, in the actor's order.
 
     The inbox is checked when made. A single string for ``gateways`` is taken as a list of one,
-    as JSON-LD compaction writes a one-item list; ``gateways`` is kept as a tuple.
+    as JSON-LD compaction writes a one-item list; ``gateways`` is kept as a tuple. What is no
+    string and no iterable of them is refused, naming it (a gateway in it that is no string is
+    left out when the inbox is sent to, as one that is not a bare origin is).
     """
 
     inbox: str
@@ -120,8 +130,15 @@ class PortableInbox:
 
     def __post_init__(self) -> None:
         parse_ap_uri(self.inbox)
-        gateways = (self.gateways,) if isinstance(self.gateways, str) else tuple(self.gateways)
-        object.__setattr__(self, "gateways", gateways)
+        gateways = self.gateways
+        if isinstance(gateways, str):
+            gateways = (gateways,)
+        elif isinstance(gateways, bytes | bytearray) or not isinstance(gateways, Iterable):
+            raise InvalidDelivery(
+                "gateways must be a list of gateway URLs (or one as a string), "
+                f"not {quoted(gateways)}"
+            )
+        object.__setattr__(self, "gateways", tuple(gateways))
 
 
 def targets(inbox: PortableInbox) -> list[str]:

@@ -80,6 +80,11 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
         raise ValueError(f"since must be a datetime, not {quoted(since)}")
     if since.tzinfo is None:
         raise ValueError(f"since must carry its time zone, not {since.isoformat()}")
+    try:
+        # In UTC: one moment is one replay (its keys), whatever its offset.
+        since = since.astimezone(dt.UTC)
+    except OverflowError:
+        raise ValueError(f"since {since.isoformat()} falls outside the calendar in UTC") from None
     alias = database_alias(using)
     matching = Delivery.objects.using(alias).filter(
         host=key, status__in=REPLAYED, settled_at__gte=since
@@ -212,5 +217,9 @@ def replayed(batches: list[Batch]) -> str:
 
 
 def _replay_key(what: str, since: dt.datetime) -> str:
-    digest = hashlib.sha256(f"{what}\n{since.isoformat()}".encode()).hexdigest()
+    """A replay's key for ``what``: the same for one moment, however it was
+    written. ``since`` in UTC is written "+00:00", as the keys replays made
+    before it was read in UTC wrote a moment given in UTC: those are known again."""
+    moment = since.astimezone(dt.UTC).isoformat()
+    digest = hashlib.sha256(f"{what}\n{moment}".encode()).hexdigest()
     return f"replay-{digest[:40]}"

@@ -76,7 +76,10 @@ def retraction_of(activity: Mapping[str, Any], object_id: str) -> Retraction | N
     if not object_id:
         return None
     kind = activity.get("type")
-    types = set(kind) if isinstance(kind, list) else {kind}
+    # Only a type written as text is one: what else a sender wrote there
+    # (an object, a number) names none, and is sent as it was given.
+    given = kind if isinstance(kind, list | tuple) else [kind]
+    types = {item for item in given if isinstance(item, str)}
     if "Delete" in types:
         return Retraction(object_id=object_id)
     if "Undo" in types:

@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from django_federation_delivery import addresses, availability, portable, retractions, tracing
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted
+from django_federation_delivery.channels.events import colliding_key
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Lane, SkippedInbox
@@ -300,6 +301,13 @@ def _body(activity: object) -> tuple[str, bytes]:
         raise InvalidDelivery(
             f"activity is {len(encoded)} bytes as JSON, more than MAX_BODY_BYTES ({limit})"
         )
+    # Once written, so that what is walked is neither circular nor too deep.
+    collision = colliding_key(activity)
+    if collision is not None:
+        key, path = collision
+        raise InvalidDelivery(
+            f"activity has two keys that are both {quoted(key)} in JSON at {path}"
+        )
     return text, encoded
 
 
@@ -324,7 +332,9 @@ def _portable_inboxes(
     inboxes: Iterable[PortableInbox],
 ) -> tuple[list[queueing.Queued], list[SkippedInbox]]:
     if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
-        raise InvalidDelivery(f"inboxes must be an iterable of PortableInbox, not {inboxes!r:.200}")
+        raise InvalidDelivery(
+            f"inboxes must be an iterable of PortableInbox, not {quoted(inboxes)}"
+        )
     queued: dict[str, queueing.Queued] = {}
     skipped: list[SkippedInbox] = []
     for inbox in inboxes:

@@ -84,6 +84,65 @@ def test_the_check_names_the_variable_of_a_url_with_an_unknown_scheme(settings: 
     assert check_webhooks() == []
 
 
+@pytest.mark.django_db
+def test_a_url_holding_text_that_is_not_utf8_is_its_destinations_problem_alone(
+    settings: Any,
+) -> None:
+    # os.environ gives a byte that is not UTF-8 as a lone surrogate.
+    bad = "slack://hooks.slack.com/services/T0/B0/tokenSECRET\udcff"
+    with pytest.raises(ImproperlyConfigured) as raised:
+        parse_destination("ops", bad)
+    message = str(raised.value)
+    assert "'ops'" in message and "not UTF-8" in message
+    assert "SECRET" not in message and "hooks.slack.com" not in message
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": bad, "chat": "slack+http://127.0.0.1:9/services/T/B/C"},
+    }
+    (error,) = check_webhooks()
+    assert error.id == "federation_delivery.E031" and "'ops'" in error.msg
+    assert "SECRET" not in error.msg + (error.hint or "")
+    # The other destination is sent to as ever.
+    batch = send_webhook("chat", "alert.raised", {})
+    assert batch is not None and batch.size == 1
+    with pytest.raises(ImproperlyConfigured, match="not UTF-8"):
+        send_webhook("ops", "alert.raised", {})
+
+
+#: A webhook's URL written where its destination's name goes.
+URL_AS_NAME = "https://hooks.slack.com/services/T0SECRETA/B0SECRETB/xTOKENxSECRETx"
+
+
+@pytest.mark.django_db
+def test_a_url_written_as_a_destinations_name_is_shown_nowhere(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com/services/T1/B1/okTOKEN", URL_AS_NAME: "x"},
+    }
+    shown = []
+    (error,) = check_webhooks()
+    assert error.id == "federation_delivery.E031"
+    assert "'https://hooks.slack.com/…'" in error.msg, "the name is named, cut to its host"
+    shown += [error.msg, error.hint or ""]
+    with pytest.raises(InvalidDelivery) as raised:
+        send_webhook("opz", "alert.raised", {})
+    assert "configured:" in str(raised.value)
+    shown.append(str(raised.value))
+    with pytest.raises(ImproperlyConfigured) as every:
+        send_webhook("*", "alert.raised", {})
+    shown.append(str(every.value))
+    for options in ([], ["--json"]):
+        out = StringIO()
+        call_command("delivery_status", *options, stdout=out)
+        shown.append(out.getvalue())
+    from django_federation_delivery import metrics
+
+    shown += metrics.read_queue().destinations_disabled
+    for text in shown:
+        assert "SECRET" not in text and "services/" not in text, text
+    assert "lowercase letters" in (error.hint or ""), "the hint says how to name it"
+
+
 def test_a_kind_from_outside_parses_shows_and_redacts_by_its_declaration(settings: Any) -> None:
     with_pager(settings)
     destination = parse_destination("oncall", f"pager://{KEY}@pager.example/v2/enqueue")

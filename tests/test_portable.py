@@ -276,6 +276,33 @@ def test_a_portable_inbox_with_a_bad_inbox_is_refused_when_made() -> None:
         PortableInbox("https://social.example/inbox", ["https://gw.example"])
 
 
+@pytest.mark.parametrize(
+    ("uri", "named"),
+    [
+        (f"{INBOX}\ud800", repr(f"{INBOX}\ud800")),
+        # The query may hold a token: it is not repeated.
+        (f"{INBOX}?token=t0ken\udcff", repr(f"{INBOX}…")),
+    ],
+)
+def test_an_inbox_holding_text_that_is_not_unicode_is_refused_by_name(uri: str, named: str) -> None:
+    # os.environ and a lenient decoder give a byte that is not UTF-8 as a lone surrogate.
+    with pytest.raises(InvalidDelivery) as raised:
+        PortableInbox(uri, ["https://gw.example"])
+    assert named in str(raised.value) and "t0ken" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("gateways", "named"),
+    [(None, "None"), (5, "5"), (b"https://gw.example", "<bytes>"), (object(), "<object object")],
+)
+def test_gateways_that_are_no_list_of_urls_are_refused_naming_them(
+    gateways: object, named: str
+) -> None:
+    with pytest.raises(InvalidDelivery) as raised:
+        PortableInbox(INBOX, gateways)  # type: ignore[arg-type]
+    assert str(raised.value).startswith("gateways must be a list") and named in str(raised.value)
+
+
 def test_a_single_gateway_string_is_read_as_a_list_of_one() -> None:
     inbox = PortableInbox(INBOX, "https://gw.example")
     assert inbox.gateways == ("https://gw.example",)

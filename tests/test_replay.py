@@ -4,7 +4,9 @@ in new batches with the bodies and ids they had."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import re
+import zoneinfo
 from collections.abc import Callable
 from io import StringIO
 from typing import Any
@@ -78,6 +80,30 @@ def test_what_a_host_was_sent_since_a_moment_is_queued_again_once_in_order() -> 
         "earlier replay of the same moment."
     )
     assert pending is not None
+
+
+@pytest.mark.django_db
+def test_one_moment_written_with_another_offset_is_the_same_replay(settings: Any) -> None:
+    batch = send(ALICE, note(1), ["https://a.example/inbox"])
+    assert batch is not None
+    settle(batch, Status.DELIVERED, timezone.now())
+    since = (timezone.now() - dt.timedelta(hours=1)).replace(microsecond=0)
+    (first,) = replay(host="a.example", since=since)
+    # A key a replay made before moments were read in UTC is the one made now.
+    written = f"{batch.pk}\na.example\n{since.isoformat()}"
+    assert since.isoformat().endswith("+00:00")
+    assert first.idempotency_key == ("replay-" + hashlib.sha256(written.encode()).hexdigest()[:40])
+    paris = dt.timezone(dt.timedelta(hours=1))
+    again = replay(host="a.example", since=since.astimezone(paris))
+    assert [b.pk for b in again] == [first.pk] and not again[0].created
+    # And as an operator writes it: in TIME_ZONE without an offset, then in UTC.
+    settings.TIME_ZONE = "Europe/Paris"
+    local = since.astimezone(zoneinfo.ZoneInfo("Europe/Paris")).replace(tzinfo=None)
+    for written_since in (local.isoformat(), since.strftime("%Y-%m-%dT%H:%M:%SZ")):
+        out = StringIO()
+        call_command("delivery_replay", "--host=a.example", f"--since={written_since}", stdout=out)
+        assert "Queued again: 0 deliveries" in out.getvalue()
+    assert Delivery.objects.count() == 2
 
 
 @pytest.mark.django_db

@@ -83,6 +83,17 @@ def test_only_a_delete_or_an_undo_retracts() -> None:
     assert retraction_of(delete(), "") is None
 
 
+@pytest.mark.parametrize(
+    ("kind", "retracts"),
+    [({"x": 1}, False), ([{"x": 1}, "Delete"], True), ([["Delete"]], False), (5, False)],
+)
+def test_only_a_type_written_as_text_is_read_and_any_other_is_left_alone(
+    kind: Any, retracts: bool
+) -> None:
+    # A dict or a list once raised TypeError (unhashable) from send().
+    assert (retraction_of({"type": kind, "object": POST}, POST) is not None) is retracts
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_delete_supersedes_what_was_never_tried_and_waits_on_what_was(
     settled: list[signals.Settled],

@@ -345,6 +345,52 @@ def test_bad_input_is_refused_naming_the_value_and_nothing_is_written(
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("activity", "said"),
+    [
+        ({"type": "Note", 1: "first", "1": "second"}, "both '1' in JSON at $"),
+        ({"object": {"a": 1, None: 2, "null": 3}}, "both 'null' in JSON at $.object"),
+        ({"tag": [{}, {True: 1, "true": 2}]}, "both 'true' in JSON at $.tag[1]"),
+        ({"@context": [{"x": {2.5: 0, "2.5": 1}}]}, """both '2.5' in JSON at $["@context"][0].x"""),
+        ({"a": ({-7: 0, "-7": 1},)}, "both '-7' in JSON at $.a[0]"),
+    ],
+)
+def test_keys_that_are_one_once_written_as_json_are_refused_naming_where(
+    activity: dict[Any, Any], said: str
+) -> None:
+    # A receiver would read one of the two, or refuse the body; the digest is of both.
+    with pytest.raises(InvalidDelivery) as raised:
+        send(ALICE, activity, ["https://a.example/inbox"])
+    assert str(raised.value) == f"activity has two keys that are {said}"
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+def test_keys_of_other_types_that_stay_apart_in_json_are_sent_as_json_writes_them() -> None:
+    activity = {"type": "Note", 1: "a", 1.0 + 0.5: "b", None: "c", False: "d", "1.0": "e"}
+    batch = send(ALICE, {**activity, "object": [{2: "f", "3": "g"}]}, ["https://a.example/inbox"])
+    assert batch is not None
+    assert json.loads(Batch.objects.get().body) == {
+        "type": "Note",
+        "1": "a",
+        "1.5": "b",
+        "null": "c",
+        "false": "d",
+        "1.0": "e",
+        "object": [{"2": "f", "3": "g"}],
+    }
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("kind", [{"x": 1}, [{"x": 1}, "Delete"], [["Delete"]], 5, None])
+def test_a_type_that_is_no_name_is_sent_as_given(kind: Any) -> None:
+    activity = {"type": kind, "object": "https://a.example/notes/1"}
+    batch = send(ALICE, activity, ["https://a.example/inbox"])
+    assert batch is not None and json.loads(Batch.objects.get().body) == activity
+    assert batch.superseded == 0
+
+
+@pytest.mark.django_db
 def test_a_body_past_max_body_bytes_is_refused_as_encoded(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "MAX_BODY_BYTES": 100}
     # 59 characters, 104 bytes in UTF-8: the limit is on what is sent.
@@ -506,6 +552,27 @@ def test_a_credential_given_where_it_does_not_go_is_never_repeated(
     said = str(raised.value)
     assert "s3cretT0ken" not in said and "B0BBBB2" not in said, said
     assert len(said) < 300, said
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "given",
+    [
+        "https://gw.example/.well-known/apgateway/did:key:z6Mk/inbox?token=t0kenS3CRET",
+        "ap://did:key:z6Mk/inbox?token=t0kenS3CRET",
+        "portable",
+    ],
+)
+def test_one_portable_inbox_given_for_a_list_is_refused_without_its_query(given: str) -> None:
+    from django_federation_delivery import PortableInbox, send_portable
+
+    inboxes: object = given
+    if given == "portable":
+        inboxes = PortableInbox("ap://did:key:z6Mk/inbox?token=t0kenS3CRET", ["https://gw.example"])
+    with pytest.raises(InvalidDelivery, match="iterable of PortableInbox") as raised:
+        send_portable(ALICE, NOTE, inboxes)  # type: ignore[arg-type]
+    assert "S3CRET" not in str(raised.value), str(raised.value)
     assert nothing_written()
 
 

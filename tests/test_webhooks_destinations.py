@@ -278,6 +278,18 @@ def test_webhooks_from_env_takes_a_mapping_and_another_prefix() -> None:
     assert found == {"audit": MARKDOWN}
 
 
+def test_two_variables_naming_one_destination_are_an_error_naming_both() -> None:
+    # Both would be "ops": keeping either would send the other's events astray.
+    env = {"WEBHOOK_OPS": SLACK, "WEBHOOK_ops": DISCORD, "WEBHOOK_AUDIT": MARKDOWN}
+    with pytest.raises(ImproperlyConfigured) as raised:
+        webhooks_from_env(env)
+    message = str(raised.value)
+    assert "WEBHOOK_OPS" in message and "WEBHOOK_ops" in message and "'ops'" in message
+    assert "XXXXXXXX" not in message and "DiscordToken" not in message
+    # One of them empty is as if unset: no clash.
+    assert webhooks_from_env({**env, "WEBHOOK_ops": " "}) == {"ops": SLACK, "audit": MARKDOWN}
+
+
 def test_configured_destinations_parses_the_setting(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": SLACK}}
     (destination,) = configured_destinations().values()

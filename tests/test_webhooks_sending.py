@@ -104,6 +104,29 @@ def test_bad_input_is_named_and_nothing_written(event_type: str, data: Any, mess
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        ({1: "a", "1": "b"}, "both '1' in JSON at $."),
+        ({"host": {None: "a", "null": "b"}}, "both 'null' in JSON at $.host."),
+        ([{"ok": 1}, {False: 0, "false": 1}], "both 'false' in JSON at $[1]."),
+    ],
+)
+def test_keys_that_are_one_once_written_as_json_are_refused_naming_where(
+    data: Any, said: str
+) -> None:
+    # json.dumps keeps the last of the two: what was stored was not what was given.
+    with pytest.raises(InvalidDelivery) as raised:
+        send_webhook("ops", "alert.raised", data)
+    assert str(raised.value) == (f"The data of event 'alert.raised' has two keys that are {said}")
+    assert nothing_written()
+    # Keys that stay apart as JSON are sent as JSON writes them.
+    batch = send_webhook("ops", "alert.raised", {1: "a", "2": "b", None: "c"})
+    assert batch is not None
+    assert Event.read(Batch.objects.get().body).data == {"1": "a", "2": "b", "null": "c"}
+
+
+@pytest.mark.django_db
 def test_an_event_over_webhook_max_bytes_is_refused_naming_its_size_and_the_limit(
     settings: Any,
 ) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.exceptions import InvalidDelivery
 
-__all__ = ["Event", "compact_json"]
+__all__ = ["Event", "colliding_key", "compact_json"]
 
 # An event type names a template, so it is a plain dotted name: "alert.raised".
 _EVENT_TYPE = re.compile(r"[A-Za-z0-9_]+(?:[.-][A-Za-z0-9_]+)*")
@@ -68,6 +68,13 @@ class Event:
             raise InvalidDelivery(
                 f"The data of event {event_type!r} cannot be written as JSON: {exc}"
             ) from None
+        collision = colliding_key(data)
+        if collision is not None:
+            key, path = collision
+            raise InvalidDelivery(
+                f"The data of event {event_type!r} has two keys that are both {quoted(key)} "
+                f"in JSON at {path}."
+            )
         return cls(event_type, event_id, timestamp.astimezone(datetime.UTC), data)
 
     @classmethod
@@ -97,3 +104,100 @@ class Event:
 def compact_json(value: Any) -> bytes:
     """``value`` as compact JSON in UTF-8, refusing NaN and infinity."""
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+#: What holds nothing to look into: the types JSON writes as they are.
+_LEAVES = frozenset((str, int, float, bool, type(None)))
+#: What JSON writes as an array. A tuple, not ``list | tuple``: isinstance()
+#: is quicker given one, and it is asked of every array of every send.
+_ARRAYS = (list, tuple)
+#: How much of where two keys collide a message shows.
+_PATH_SHOWN = 120
+
+
+def colliding_key(value: Any) -> tuple[str, str] | None:
+    """The key that two keys of one object in ``value`` both become once
+    written as JSON, and where that object is (``$.object.tag[0]``); None
+    when there is none. JSON writes each key as text: ``1`` and ``"1"``, or
+    ``None`` and ``"null"``, are the same key to every receiver, which keeps
+    one of the two, or refuses the body.
+
+    Asked of what the encoder has just written, so that ``value`` holds
+    nothing circular, nothing it cannot write, and is walked without
+    recursion however deep it is. It is on the way of every send: in most
+    activities every key is text, and each object's keys are only looked at
+    for that."""
+    todo = [value]
+    pop = todo.pop
+    append = todo.append
+    leaves = _LEAVES
+    while todo:
+        item = pop()
+        if isinstance(item, dict):
+            for key in item:
+                if type(key) is not str:
+                    # Only a key that is not text can be another once written.
+                    if _duplicated(item) is not None:
+                        return _where(value, item)
+                    break
+            for member in item.values():
+                if type(member) not in leaves:
+                    append(member)
+        elif isinstance(item, _ARRAYS):
+            for member in item:
+                if type(member) not in leaves:
+                    append(member)
+    return None
+
+
+def _json_key(key: Any) -> str:
+    """``key`` as the encoder writes a key (``json`` ``encoder.py``): the
+    text of a float or an integer, true, false or null."""
+    if isinstance(key, str):
+        return str.__str__(key)  # its text, whatever a subclass makes of str()
+    if isinstance(key, float):
+        return float.__repr__(key)
+    if key is True:
+        return "true"
+    if key is False:
+        return "false"
+    if key is None:
+        return "null"
+    return int.__repr__(key)
+
+
+def _duplicated(item: dict[Any, Any]) -> str | None:
+    """The first key of ``item`` another of its keys is also, as JSON."""
+    seen: set[str] = set()
+    for key in item:
+        written = _json_key(key)
+        if written in seen:
+            return written
+        seen.add(written)
+    return None
+
+
+def _where(value: Any, found: dict[Any, Any]) -> tuple[str, str]:
+    """The key ``found`` (an object in ``value``) has twice as JSON, and its
+    path from ``value``: looked for again, this time with the paths, as it
+    is only asked once a send is refused."""
+    todo: list[tuple[Any, str]] = [(value, "$")]
+    while todo:
+        item, path = todo.pop()
+        if item is found:
+            shown = path if len(path) <= _PATH_SHOWN else f"{path[:_PATH_SHOWN]}…"
+            return _duplicated(found) or "", shown
+        if isinstance(item, dict):
+            todo += [(member, path + _step(key)) for key, member in reversed(item.items())]
+        elif isinstance(item, _ARRAYS):
+            todo += [(member, f"{path}[{n}]") for n, member in reversed(list(enumerate(item)))]
+    raise AssertionError("the object whose keys collide is in the value it was found in")
+
+
+def _step(key: Any) -> str:
+    """One step of a path, to the member ``key`` names: ``.name``, or
+    ``["@context"]`` when the name is not an identifier."""
+    written = _json_key(key)
+    if written.isidentifier() and written.isascii():
+        return f".{written}"
+    return f"[{json.dumps(written)}]"

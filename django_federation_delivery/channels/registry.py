@@ -12,6 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 from django.utils.translation import gettext as _
 
+from django_federation_delivery.addresses import is_destination_name, quoted
 from django_federation_delivery.channels.base import Channel, Destination, UnusableURL
 from django_federation_delivery.channels.discord import Discord
 from django_federation_delivery.channels.markdown import Markdown
@@ -21,7 +22,7 @@ from django_federation_delivery.channels.slack import Slack
 from django_federation_delivery.channels.standard import StandardWebhooks
 from django_federation_delivery.channels.telegram import Telegram
 
-__all__ = ["BUILT_IN", "Registry", "parse_destination", "registry"]
+__all__ = ["BUILT_IN", "Registry", "is_name", "parse_destination", "registry"]
 
 BUILT_IN: tuple[type[Channel], ...] = (
     Slack,
@@ -33,7 +34,6 @@ BUILT_IN: tuple[type[Channel], ...] = (
     StandardWebhooks,
 )
 
-_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 _KIND_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 # What may be shown of a scheme nobody knows: a typo's letters, never more.
 #: A typo of a scheme is shown ("slak"); what has a digit in it or is long
@@ -90,14 +90,15 @@ class Registry:
         """The destination ``url`` names, subscribed to ``events`` and to those
         its ``?events=`` parameter lists (every event if neither says).
         ``ImproperlyConfigured`` naming ``name`` (never the URL) if no kind can
-        use it."""
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
+        use it. A ``name`` that is no name is shown as :func:`quoted` shows a
+        value: a URL written there (its path the credential) by its host only."""
+        if not is_name(name):
             raise ImproperlyConfigured(
                 _(
                     "A webhook destination's name must be 1 to 64 lowercase letters, digits, "
-                    "'_' or '-', not %(name)r."
+                    "'_' or '-', not %(name)s."
                 )
-                % {"name": name}
+                % {"name": quoted(name)}
             )
         try:
             written, listed = _subscriptions(url)
@@ -119,6 +120,11 @@ class Registry:
             raise UnusableURL(_("its URL is empty"))
         if re.search(r"[\x00-\x20\x7f]", url):
             raise UnusableURL(_("its URL has spaces or control characters in it"))
+        try:
+            url.encode()
+        except UnicodeEncodeError:
+            # A byte that is not UTF-8 in the environment, as os.environ gives it.
+            raise UnusableURL(_("its URL holds text that is not UTF-8")) from None
         scheme, colon, _rest = url.partition("://")
         scheme = scheme.lower()
         if not colon:
@@ -135,6 +141,12 @@ class Registry:
                 }
             )
         return channel, url, scheme
+
+
+def is_name(name: object) -> bool:
+    """Whether ``name`` can name a webhook destination: 1 to 64 lowercase
+    letters, digits, "_" or "-", the first a letter or a digit."""
+    return is_destination_name(name)
 
 
 #: An event type, or a pattern of them with "*": "alert.*", "deploy.finished".

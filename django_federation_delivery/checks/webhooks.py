@@ -59,12 +59,7 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     errors: list[CheckMessage] = [
         Error(
             problem,
-            hint=_(
-                "Set %(name)r in WEBHOOKS (its variable %(variable)s, where "
-                "webhooks_from_env reads them) to a URL of one of the forms in the "
-                "README's 'Webhooks (destinations)'."
-            )
-            % {"name": name, "variable": f"WEBHOOK_{name.upper()}"},
+            hint=_hint(name),
             id=f"{PREFIX}.E031",
         )
         for name, problem in configured().problems.items()
@@ -162,3 +157,20 @@ def check_removed_destinations(
             if not destination.configured and destination.pending
         ]
     return messages
+
+
+def _hint(name: str) -> str:
+    """What to do about a destination's problem: for one whose name is no
+    name (shown by a placeholder, as it may be its URL), how to name it."""
+    from django_federation_delivery.channels.registry import is_name
+
+    if not is_name(name):
+        return _(
+            "Name each destination of WEBHOOKS with 1 to 64 lowercase letters, digits, "
+            "'_' or '-' (WEBHOOK_<NAME> for webhooks_from_env), and give its URL as the value."
+        )
+    return _(
+        "Set %(name)r in WEBHOOKS (its variable %(variable)s, where "
+        "webhooks_from_env reads them) to a URL of one of the forms in the "
+        "README's 'Webhooks (destinations)'."
+    ) % {"name": name, "variable": f"WEBHOOK_{name.upper()}"}

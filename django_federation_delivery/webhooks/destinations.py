@@ -19,7 +19,7 @@ from django.utils.translation import gettext as _
 # the webhooks' modules, finds it too.
 from django_federation_delivery.addresses import delivery_key
 from django_federation_delivery.channels import Destination, parse_destination
-from django_federation_delivery.channels.registry import Registry, registry
+from django_federation_delivery.channels.registry import Registry, is_name, registry
 
 __all__ = [
     "Configured",
@@ -44,15 +44,30 @@ def webhooks_from_env(
 
     An empty variable is left out, as unset. The URLs are checked by the system
     checks (``manage.py check``), so a bad one is reported by its name, not here.
+    Two variables that give one name (``WEBHOOK_OPS`` and ``WEBHOOK_ops``) are
+    ``ImproperlyConfigured``, naming both: neither is the one meant.
     """
     environ: Mapping[str, str] = env if isinstance(env, Mapping) else env.ENVIRON
     found = {}
+    read_from: dict[str, str] = {}
     for variable in sorted(environ):
         if not variable.startswith(prefix) or variable == prefix:
             continue
         value = environ[variable]
-        if value.strip():
-            found[variable[len(prefix) :].lower()] = value.strip()
+        if not value.strip():
+            continue
+        name = variable[len(prefix) :].lower()
+        if name in read_from:
+            # The variables are named, their values never: each is a secret URL.
+            raise ImproperlyConfigured(
+                _(
+                    "The variables %(one)s and %(other)s both set the webhook destination "
+                    "%(name)r: keep one of them."
+                )
+                % {"one": read_from[name], "other": variable, "name": name}
+            )
+        read_from[name] = variable
+        found[name] = value.strip()
     return found
 
 
@@ -64,7 +79,9 @@ class Configured:
     #: The destinations whose URL parses, by name.
     destinations: Mapping[str, Destination]
     #: What is wrong with each of the others, by name: a message that names
-    #: the destination, never its URL.
+    #: the destination, never its URL. One whose name is no name (a URL
+    #: written there, whose path is the credential) is kept under a
+    #: placeholder, "<a name that is not valid #1>", which holds nothing of it.
     problems: Mapping[str, str]
 
     @property
@@ -123,21 +140,31 @@ def _parsed(webhooks: tuple[tuple[Any, Any], ...], kinds: Registry) -> Configure
     problems: dict[str, str] = {}
     for name, value in webhooks:
         try:
-            if isinstance(value, _Form):
-                if value.unknown:
-                    raise ImproperlyConfigured(
-                        _(
-                            "Webhook destination %(name)r: a destination written as a dict "
-                            "has 'url' and 'events', not %(keys)s."
-                        )
-                        % {"name": name, "keys": ", ".join(map(repr, value.unknown))}
+            if isinstance(value, _Form) and value.unknown and is_name(name):
+                raise ImproperlyConfigured(
+                    _(
+                        "Webhook destination %(name)r: a destination written as a dict "
+                        "has 'url' and 'events', not %(keys)s."
                     )
+                    % {"name": name, "keys": ", ".join(map(repr, value.unknown))}
+                )
+            if isinstance(value, _Form):
                 destinations[name] = kinds.parse(name, value.url, value.events)
             else:
                 destinations[name] = kinds.parse(name, value)
         except ImproperlyConfigured as exc:  # names the destination, never its URL
-            problems[str(name)] = str(exc)
+            problems[_problem_key(name, problems)] = str(exc)
     return Configured(destinations, problems)
+
+
+def _problem_key(name: object, problems: Mapping[str, str]) -> str:
+    """What a destination that does not parse is listed by: its name, or, when
+    that is no name, a placeholder that holds nothing of it. What is written
+    there may be a URL (its path the credential), and the names are shown
+    wherever a destination is: the checks, ``delivery_status``, the admin."""
+    if is_name(name):
+        return str(name)
+    return f"<a name that is not valid #{sum(key.startswith('<') for key in problems) + 1}>"
 
 
 def configured_destinations() -> dict[str, Destination]:
