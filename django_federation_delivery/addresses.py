@@ -542,7 +542,18 @@ def quoted(value: object, *, path: bool = False) -> str:
 
 
 #: How a value that is not text is shown: a few items, each short.
-_SHORT = reprlib.Repr()
+class _Short(reprlib.Repr):
+    """reprlib's short repr, which writes out an int of more digits than
+    Python will (sys.int_info) as its size instead of raising."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        try:
+            return super().repr_int(x, level)
+        except ValueError:
+            return f"<int of {x.bit_length()} bits>"
+
+
+_SHORT = _Short()
 _SHORT.maxlevel = 2
 _SHORT.maxdict = _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxfrozenset = 4
 _SHORT.maxstring = _SHORT.maxother = MOST_SHOWN

@@ -258,6 +258,24 @@ def test_a_huge_whole_number_of_seconds_is_an_error_shown_cut_short(
     assert len(message.msg) < 300, message.msg
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"WEBHOOK_TIMEOUT": HUGE},
+        {"WEBHOOK_RETRY_AFTER_MAX": 10**5000},
+        {"WEBHOOK_RETRY": [30, HUGE]},
+    ],
+)
+def test_a_huge_whole_number_of_a_webhook_setting_is_an_error_shown_cut_short(
+    settings: Any, setting: dict[str, Any]
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **setting}
+    (message,) = check_webhooks()
+    assert message.id == "federation_delivery.E032"
+    assert "1000000000" in message.msg or "bits" in message.msg, message.msg
+    assert len(message.msg) < 300, message.msg
+
+
 @pytest.mark.django_db
 def test_a_deliverer_given_a_huge_whole_number_of_seconds_does_not_start_and_says_why(
     settings: Any,

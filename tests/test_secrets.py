@@ -320,6 +320,21 @@ def test_a_private_key_written_where_a_dotted_path_goes_is_in_no_check_message(
 
 
 @pytest.mark.django_db
+def test_a_private_key_written_in_the_list_of_channels_is_in_no_check_message(
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager", private_pem()],
+    }
+    found = [m for m in run_checks() if m.id and m.id.startswith("federation_delivery")]
+    assert any("['CHANNELS']" in m.msg for m in found), [m.msg for m in found]
+    for message in found:
+        for text in (message.msg, message.hint or ""):
+            assert not shows_the_key(text), text
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("form", ["str", "bytes", "dict"])
 @pytest.mark.parametrize("name", DOTTED_PATH_SETTINGS)
 def test_a_private_key_written_where_a_dotted_path_goes_is_not_in_the_deliverers_refusal(

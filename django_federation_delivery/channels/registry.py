@@ -200,19 +200,22 @@ def _registry(paths: tuple[str, ...]) -> Registry:
 
 
 def _imported(path: str) -> type[Channel]:
-    from django_federation_delivery.conf import SETTING
+    from django_federation_delivery.conf import SETTING, is_dotted_path, shown_path
 
     try:
         found = import_string(path)
     except ImportError as exc:
+        # What is no dotted path is shown by its type alone, and its error,
+        # which repeats it, not at all: it may be a secret pasted there.
+        error = str(exc) if is_dotted_path(path) else ""
         raise ImproperlyConfigured(
-            _("%(setting)s['CHANNELS'] has %(path)r, which cannot be imported: %(error)s")
-            % {"setting": SETTING, "path": path, "error": exc}
+            _("%(setting)s['CHANNELS'] has %(path)s, which cannot be imported: %(error)s")
+            % {"setting": SETTING, "path": shown_path(path), "error": error}
         ) from None
     if not (isinstance(found, type) and issubclass(found, Channel)):
         raise ImproperlyConfigured(
-            _("%(setting)s['CHANNELS'] has %(path)r, which is not a Channel subclass.")
-            % {"setting": SETTING, "path": path}
+            _("%(setting)s['CHANNELS'] has %(path)s, which is not a Channel subclass.")
+            % {"setting": SETTING, "path": shown_path(path)}
         )
     return found
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.channels import Policy
 from django_federation_delivery.channels.base import MESSAGE_ROOM
 from django_federation_delivery.channels.policy import is_wait
@@ -135,9 +136,9 @@ def settings_problems() -> list[str]:
         problems.append(
             _(
                 "WEBHOOK_RETRY must be a non-empty list of waits in seconds, such as "
-                "%(example)s, not %(value)r"
+                "%(example)s, not %(value)s"
             )
-            % {"example": list(map(int, DAY_SCHEDULE)), "value": schedule}
+            % {"example": list(map(int, DAY_SCHEDULE)), "value": quoted(schedule)}
         )
     for name in ("WEBHOOK_RETRY_AFTER_MAX", "WEBHOOK_TIMEOUT"):
         value = app_settings.get(name)
@@ -145,9 +146,9 @@ def settings_problems() -> list[str]:
             problems.append(
                 _(
                     "%(name)s must be a number of seconds above 0 "
-                    "and at most %(longest)g, not %(value)r"
+                    "and at most %(longest)g, not %(value)s"
                 )
-                % {"name": name, "longest": LONGEST_WAIT, "value": value}
+                % {"name": name, "longest": LONGEST_WAIT, "value": quoted(value)}
             )
     return problems
 
