@@ -373,10 +373,14 @@ def test_check_on_this_host_counts_only_its_own_deliverers() -> None:
         "while 1 delivery is due\n",
     )
     heartbeat(1, pid=2222, host=socket.gethostname())
-    assert check("--this-host") == (
-        0,
-        f"OK: 1 deliverer(s) alive on {socket.gethostname()}, 1 due, lag 0s\n",
-    )
+    code, line = check("--this-host")
+    # The lag is however long the machine took since queueing: a second or
+    # more on a busy one.
+    assert code == 0
+    assert re.fullmatch(
+        rf"OK: 1 deliverer\(s\) alive on {re.escape(socket.gethostname())}, 1 due, lag \d+s\n",
+        line,
+    ), line
 
 
 @pytest.mark.parametrize("value", ["-1", "soon", "1e9999"])
