@@ -12,7 +12,6 @@ from django.utils.translation import gettext as _
 
 from django_federation_delivery.checks.bounds import (
     HEARTBEAT_RANGE,
-    HOUR,
     PREFIX,
     SECONDS,
     SECONDS_OR_NONE,
@@ -218,35 +217,30 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 id=f"{PREFIX}.E014",
             )
         )
-    lease = app_settings.get("LEASE_SECONDS")
-    # An inbox's attempt and a webhook's: each ends when its lease does, less
-    # the time to write its outcome, whatever its own timeout says.
-    for name in ("ATTEMPT_TIMEOUT", "WEBHOOK_TIMEOUT"):
-        timeout = app_settings.get(name)
-        if (
-            is_seconds(lease, SECONDS["LEASE_SECONDS"])
-            and is_seconds(timeout, HOUR)
-            and timeout + LEASE_MARGIN_SECONDS > lease
-        ):
-            errors.append(
-                Error(
-                    _(
-                        "%(setting)s[%(name)r] (%(timeout)r) and %(margin)g s to write its "
-                        "outcome do not fit in LEASE_SECONDS (%(lease)r): an attempt would be "
-                        "cut short when its lease ends, before its timeout."
-                    )
-                    % {
-                        "setting": SETTING,
-                        "name": name,
-                        "timeout": timeout,
-                        "margin": LEASE_MARGIN_SECONDS,
-                        "lease": lease,
-                    },
-                    hint=_("Make LEASE_SECONDS at least %(name)s + %(margin)g.")
-                    % {"name": name, "margin": LEASE_MARGIN_SECONDS},
-                    id=f"{PREFIX}.E015",
+    lease, timeout = app_settings.get("LEASE_SECONDS"), app_settings.get("ATTEMPT_TIMEOUT")
+    if (
+        is_seconds(lease, SECONDS["LEASE_SECONDS"])
+        and is_seconds(timeout, SECONDS["ATTEMPT_TIMEOUT"])
+        and timeout + LEASE_MARGIN_SECONDS > lease
+    ):
+        errors.append(
+            Error(
+                _(
+                    "%(setting)s['ATTEMPT_TIMEOUT'] (%(timeout)r) and %(margin)g s to write its "
+                    "outcome do not fit in LEASE_SECONDS (%(lease)r): an attempt could outlast "
+                    "its lease and the delivery be sent twice."
                 )
+                % {
+                    "setting": SETTING,
+                    "timeout": timeout,
+                    "margin": LEASE_MARGIN_SECONDS,
+                    "lease": lease,
+                },
+                hint=_("Make LEASE_SECONDS at least ATTEMPT_TIMEOUT + %(margin)g.")
+                % {"margin": LEASE_MARGIN_SECONDS},
+                id=f"{PREFIX}.E015",
             )
+        )
     errors += check_retention(app_settings.get("RETENTION"))
     heartbeat = app_settings.get("HEARTBEAT_SECONDS")
     fewest, longest = HEARTBEAT_RANGE
