@@ -623,7 +623,7 @@ def test_a_child_killed_is_restarted_with_a_log_line_and_the_work_completes(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
     sinks = [inboxes(f"127.0.0.{n}", delay=0.1) for n in (2, 3)]
-    urls = [sink.url(f"/k{n}") for n in range(200) for sink in sinks]
+    urls = [sink.url(f"/k{n}") for n in range(100) for sink in sinks]
     send(ALICE, NOTE, urls)
     # What the killed child had claimed comes due again once its lease lapses.
     settings = {"LEASE_SECONDS": 11, "ATTEMPT_TIMEOUT": 1}
@@ -637,7 +637,9 @@ def test_a_child_killed_is_restarted_with_a_log_line_and_the_work_completes(
     new = int(output.wait_for(rf"Restarted deliverer 1: pid (\d+) \(was pid {pid}\)")[1])
     assert new != pid
     output.wait_for(rf"\[deliverer 1/2 pid {new}\] Delivering until stopped")
-    wait_until(lambda: statuses() == {Status.DELIVERED: len(urls)}, timeout=90)
+    # Bounded as the other process tests are: 72 s of 90 were seen with
+    # every run of the suite at once on two cores.
+    wait_until(lambda: statuses() == {Status.DELIVERED: len(urls)}, timeout=150)
     process.send_signal(signal.SIGTERM)
     assert process.wait(30) == 0, output.finish()
     assert at_kill < len(urls), "killed in the middle, not at the end"
