@@ -8,6 +8,7 @@ Runs in a worker thread and never touches the database.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from django_federation_delivery.signatures import Scheme
 
@@ -115,6 +116,20 @@ def lapsed(job: Job) -> AttemptResult:
     # brings it round again.
     error = "not sent: its lease ran out before a worker was free"
     return dataclasses.replace(failed(job, error, permanent=False, requests=0), held=True)
+
+
+def deadline_of(job: Job, timeout: float) -> float | None:
+    """When an attempt at ``job`` begun now must be over, as
+    ``time.monotonic()``: after ``timeout``, and before its lease ends.
+    None when the lease is spent already: the attempt is not made, but
+    :func:`lapsed`."""
+    at = time.monotonic()
+    lease = job.lease_deadline
+    if lease is None:
+        return at + timeout
+    if at >= lease:
+        return None
+    return min(at + timeout, lease)
 
 
 def crashed(job: Job, error: str) -> AttemptResult:

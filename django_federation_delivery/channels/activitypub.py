@@ -22,6 +22,7 @@ from django_federation_delivery.attempt import (
     AttemptResult,
     Job,
     Verdict,
+    deadline_of,
     failed,
     judged,
     lapsed,
@@ -147,12 +148,9 @@ class ActivityPub(Channel):
         Signatures are made as each request is, at its own time.
         """
         started = clock()
-        at = time.monotonic()
-        if job.lease_deadline is not None and at >= job.lease_deadline:
+        deadline = deadline_of(job, transport.settings.attempt_timeout)
+        if deadline is None:
             return lapsed(job)
-        deadline = at + transport.settings.attempt_timeout
-        if job.lease_deadline is not None:
-            deadline = min(deadline, job.lease_deadline)
         if job.key_error:
             return failed(job, job.key_error, permanent=False, requests=0)
         if job.key is None:

@@ -28,6 +28,7 @@ from django_federation_delivery.attempt import (
     AttemptResult,
     Job,
     Verdict,
+    deadline_of,
     failed,
     is_refusal,
     judged,
@@ -268,12 +269,9 @@ class Channel:
         started = clock()
         destination, event = job.destination, job.event
         assert destination is not None and event is not None, "a call with a problem is not made"
-        at = time.monotonic()
-        if job.lease_deadline is not None and at >= job.lease_deadline:
+        deadline = deadline_of(job, transport.settings.attempt_timeout)
+        if deadline is None:
             return lapsed(job)
-        deadline = at + transport.settings.attempt_timeout
-        if job.lease_deadline is not None:
-            deadline = min(deadline, job.lease_deadline)
         try:
             request = self.request(destination, event, now=now())
         except Exception as exc:
