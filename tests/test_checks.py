@@ -284,6 +284,24 @@ def test_a_deliverer_given_a_huge_whole_number_of_seconds_does_not_start_and_say
         call_command("run_deliverer", "--drain")
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ({"CHANNELS": ["tests.channels.Nothing"]}, r"E035: .*'tests\.channels\.Nothing'"),
+        ({"WEBHOOKS": {"ops": "ftp://x.example/s3cret"}}, r"E031: .*'ops'"),
+    ],
+)
+def test_a_deliverer_started_from_code_with_a_bad_destination_setting_says_why(
+    settings: Any, setting: dict[str, Any], expected: str
+) -> None:
+    # call_command runs no system checks: the deliverer runs those of its own.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **setting}
+    with pytest.raises(CommandError, match=expected) as refused:
+        call_command("run_deliverer", "--drain")
+    assert "s3cret" not in str(refused.value)
+
+
 @pytest.mark.parametrize("off", [None, {}])
 def test_breakers_are_turned_off_by_none_or_an_empty_dict(settings: Any, off: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": off}

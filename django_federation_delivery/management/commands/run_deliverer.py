@@ -12,7 +12,13 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery import metrics, store, supervisor
-from django_federation_delivery.checks import WHOLE_NUMBERS, check_settings, sqlite_problems
+from django_federation_delivery.checks import (
+    WHOLE_NUMBERS,
+    check_inbox_networks,
+    check_settings,
+    check_webhooks,
+    sqlite_problems,
+)
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.management.base import (
     TranslatedCommand,
@@ -188,9 +194,16 @@ class Command(TranslatedCommand):
         interval = float(positive(options["log_interval"], 86_400))
         purge_every = float(positive(options["purge_interval"], 7 * 86_400))
         # Run from call_command, or with --skip-checks, the system checks have
-        # not run: a bad setting is still an error that says what to write,
-        # not a traceback from deep in the loop.
-        problems = [message for message in check_settings() if message.is_serious()]
+        # not run: a bad setting, a kind of destination that does not load or a
+        # webhook that does not parse is still an error that says what to
+        # write, not a traceback from deep in the loop (or every event to
+        # that destination failed).
+        problems = [
+            message
+            for check in (check_settings, check_inbox_networks, check_webhooks)
+            for message in check()
+            if message.is_serious()
+        ]
         if problems:
             raise CommandError(
                 "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
