@@ -140,7 +140,7 @@ def benchmark(args: argparse.Namespace, workdir: Path) -> int:
         rows = claim(*claim_args, **kwargs)
         counts["claims"] += 1
         counts["rows"] += len(rows)
-        counts["dead rows"] += sum(1 for row in rows if row.host == DEAD)
+        counts["dead rows"] += sum(1 for row in rows if row.host == f"{DEAD}:{dead_port}")
         return rows
 
     def dead_inboxes(prefix: str, count: int) -> list[str]:

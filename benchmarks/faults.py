@@ -244,7 +244,9 @@ class Layout:
     failing: list[str]
     silent: list[str]
 
-    def kind(self, address: str) -> str:
+    def kind(self, host: str) -> str:
+        """Which kind of host ``host`` is: an address, or a delivery's host key (with its port)."""
+        address = host.partition(":")[0]
         if address in self.failing:
             return str(FAILING_STATUS)
         return "silent" if address in self.silent else "202"

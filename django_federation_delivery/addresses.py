@@ -35,6 +35,7 @@ import idna
 from django_federation_delivery.exceptions import InvalidDelivery
 
 __all__ = [
+    "MAX_HOST_KEY_LENGTH",
     "MAX_HOST_LENGTH",
     "MAX_LABEL_LENGTH",
     "MAX_URL_LENGTH",
@@ -56,6 +57,8 @@ __all__ = [
 MAX_URL_LENGTH = 2048
 #: A DNS name, without its trailing dot (RFC 1035 with RFC 2181's reading).
 MAX_HOST_LENGTH = 253
+#: A host key (see :attr:`Parts.host_key`): what a delivery's ``host`` column holds.
+MAX_HOST_KEY_LENGTH = 255
 MAX_LABEL_LENGTH = 63
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -114,6 +117,16 @@ class Parts:
         return host if self.port is None else f"{host}:{self.port}"
 
     @property
+    def host_key(self) -> str:
+        """The server a delivery to this URL goes to, as breakers, pauses,
+        limits and a host's picture know it: the host, and its port when not
+        the scheme's default (``example.com:8443``, ``[::1]:8080``). A port
+        is another server, perhaps a stranger's: an inbox named on a dead
+        port of a host counts against that port, never against the host's
+        own server."""
+        return self.host if self.port is None else self.hostport
+
+    @property
     def origin(self) -> str:
         return f"{self.scheme}://{self.hostport}"
 
@@ -149,16 +162,18 @@ def validate_inbox(url: object) -> None:
 
 
 def host_of(url: str) -> str:
-    """The canonical host of ``url``, or "" for a URL that has none."""
+    """The host key of ``url`` (:attr:`Parts.host_key`: its canonical host,
+    and a port that is not the scheme's default), or "" for a URL that has none."""
     try:
-        return split(url, userinfo=True).host
+        return split(url, userinfo=True).host_key
     except UnusableURL:
         return ""
 
 
 def host_named(value: object) -> str:
-    """The canonical host ``value`` names: a host name in any form
-    (``Bücher.example.`` is ``xn--bcher-kva.example``) or a URL on it; a
+    """The canonical host key ``value`` names: a host name in any form
+    (``Bücher.example.`` is ``xn--bcher-kva.example``), with a port that is
+    not the default (``example.com:8443``), or a URL on it; a
     name that has no canonical form (a destination's ``<ops>``) as it is;
     "" for a blank value, a URL on no host, or text no name holds (a
     control character, or more than a host's 253 characters)."""
@@ -267,18 +282,21 @@ def _split(url: str, userinfo: bool) -> Parts:
     parts = Parts(scheme=scheme, host=host, port=port, path=path, query=query)
     if len(parts.url) > MAX_URL_LENGTH:
         raise UnusableURL(url, f"is longer than {MAX_URL_LENGTH} characters once encoded")
+    if len(parts.host_key) > MAX_HOST_KEY_LENGTH:
+        raise UnusableURL(url, f"has a host and port longer than {MAX_HOST_KEY_LENGTH} characters")
     return parts
 
 
 def canonical_and_host(url: object) -> tuple[str, str]:
-    """``split(url)``'s URL and host, or the :class:`UnusableURL` it raises: what a
+    """``split(url)``'s URL and host key, or the :class:`UnusableURL` it raises: what a
     send keeps of each inbox, read off a URL already canonical without splitting it."""
     if isinstance(url, str) and len(url) <= MAX_URL_LENGTH:
         matched = _canonical_match(url)
         if matched is not None:
-            return url, matched.group(2)
+            host, port = matched.group(2, 3)
+            return url, host if port is None else f"{host}:{port}"
     parts = split(url)
-    return parts.url, parts.host
+    return parts.url, parts.host_key
 
 
 def _already_canonical(url: str) -> Parts | None:
@@ -308,6 +326,7 @@ def _canonical_match(url: str) -> re.Match[str] | None:
     scheme, host, port, path, _ = matched.groups()
     if (
         len(host) > MAX_HOST_LENGTH
+        or (port is not None and len(host) + 1 + len(port) > MAX_HOST_KEY_LENGTH)
         # An A-label is checked by IDNA; a last label starting with a digit
         # may make the host an IPv4 address, written another way than the
         # dotted quad.

@@ -27,7 +27,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from django_federation_delivery import __version__
+from django_federation_delivery import __version__, addresses
 from django_federation_delivery.channels.base import Call
 from django_federation_delivery.decide import Outcome
 from django_federation_delivery.models import Status
@@ -188,8 +188,17 @@ def _begin(item: Traced) -> trace.Span:
         if isinstance(job, Call) and job.destination is not None:
             attributes[f"{PREFIX}.channel"] = job.destination.channel.name
     else:
+        # The host key (with a port that is not the scheme's default);
+        # server.address is the host alone, as OpenTelemetry has it.
         attributes[f"{PREFIX}.host"] = row.host
         attributes["server.address"] = row.host
+        try:
+            parts = addresses.split(row.inbox)
+        except addresses.UnusableURL:  # a portable inbox's name
+            pass
+        else:
+            attributes["server.address"] = parts.host
+            attributes["server.port"] = parts.port or addresses.DEFAULT_PORTS[parts.scheme]
     return _tracer.start_span(
         f"deliver {row.kind}",
         context=_parent(item.batch.trace_context),

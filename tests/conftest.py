@@ -422,6 +422,11 @@ class Inbox:
     def url(self, path: str = "/inbox") -> str:
         return f"http://{self.address}:{self.port}{path}"
 
+    @property
+    def host(self) -> str:
+        """What its deliveries' ``host`` is: its address and its port."""
+        return f"{self.address}:{self.port}"
+
     def paths(self) -> list[str]:
         with self.lock:
             return [request.path for request in self.received]

@@ -128,6 +128,8 @@ REFUSED = [
     ("https://a\u200db.example/", "not a valid IDNA name"),
     ("https://" + "a" * 64 + ".example/", "label longer than 63"),
     ("https://" + ("a" * 60 + ".") * 5 + "example/", "host longer than 253"),
+    # 251 characters, and a port: longer than a delivery's host may be.
+    ("https://" + ("a" * 62 + ".") * 3 + "a" * 62 + ":8443/", "host and port longer than 255"),
     ("https://127.1/", "dotted-quad"),
     ("https://2130706433/", "dotted-quad"),
     ("https://0x7f.0.0.1/", "dotted-quad"),
@@ -247,7 +249,7 @@ def test_the_short_way_for_a_canonical_url_gives_what_the_whole_way_gives(
         if isinstance(expected, str):
             assert got == expected, url
             continue
-        assert got == (expected.url, expected.host), url
+        assert got == (expected.url, expected.host_key), url
         # split() refuses what is too long before it looks for the short way.
         parts = short(url) if len(url) <= addresses.MAX_URL_LENGTH else None
         if parts is not None:
@@ -267,8 +269,12 @@ def test_validate_inbox_and_normalize_inbox_are_the_packages_own() -> None:
 
 
 def test_host_and_origin_are_canonical_and_ignore_userinfo() -> None:
-    assert host_of("https://U:P@EXÄMPLE.com:8443/x?y") == "xn--exmple-cua.com"
+    # A port that is not the scheme's default is another server: it is kept.
+    assert host_of("https://U:P@EXÄMPLE.com:8443/x?y") == "xn--exmple-cua.com:8443"
+    assert host_of("https://EXÄMPLE.com:443/x") == "xn--exmple-cua.com"
+    assert host_of("http://EXÄMPLE.com:443/x") == "xn--exmple-cua.com:443"
     assert host_of("https://[2001:DB8::1]/") == "2001:db8::1"
+    assert host_of("https://[2001:DB8::1]:8443/") == "[2001:db8::1]:8443"
     assert host_of("not a url") == ""
     assert origin("https://U:P@EXÄMPLE.com:8443/x?y") == "https://xn--exmple-cua.com:8443"
     assert origin("http://[2001:DB8::1]:80/") == "http://[2001:db8::1]"

@@ -121,17 +121,17 @@ def test_a_deliverer_marks_at_its_start_and_probes_each_unavailable_host_once_a_
     inboxes: Callable[..., Inbox], closed_port: Callable[[], int]
 ) -> None:
     up = inboxes("127.0.0.2", respond=lambda request: (404, {}, b""))
-    dead_port = closed_port()
-    failing("127.0.0.2", 8)
-    failing("127.0.0.3", 9)
+    dead = f"127.0.0.3:{closed_port()}"
+    failing(up.host, 8)
+    failing(dead, 9)
     # Where each was last sent to says where it is probed.
-    send(ALICE, NOTE, [up.url("/inbox"), f"http://127.0.0.3:{dead_port}/inbox"])
+    send(ALICE, NOTE, [up.url("/inbox"), f"http://{dead}/inbox"])
     Delivery.objects.update(status=Status.DELIVERED, settled_at=timezone.now(), due_at=None)
     Deliverer().run(drain=True)
     assert [(r.method, r.path) for r in up.received] == [("GET", "/.well-known/nodeinfo")]
     # A 404 is an answer: the host is up. The dead one stays marked.
-    assert unavailable_hosts() == {"127.0.0.3"}
-    assert Host.objects.get(name="127.0.0.3").probed_at is not None
+    assert unavailable_hosts() == {dead}
+    assert Host.objects.get(name=dead).probed_at is not None
     assert probe_due() == [], "probed once a day"
 
 

@@ -215,16 +215,44 @@ def test_a_paused_host_is_held_not_failed_until_resumed(
 
     sink = inboxes("127.0.0.2")
     other = inboxes("127.0.0.3")
-    assert pause_host("127.0.0.2") == 0
+    # A host on a port that is not the scheme's default is named with it.
+    assert pause_host(sink.host) == 0
     send(ALICE, {"type": "Note"}, [sink.url("/a"), other.url("/b")])
     runner = start_deliverer()
     wait_until(lambda: len(other.received) == 1)
-    paused = Delivery.objects.get(host="127.0.0.2")
+    paused = Delivery.objects.get(host=sink.host)
     assert (paused.status, paused.due_at, paused.attempts) == (Status.PENDING, None, 0)
     assert sink.received == []
-    assert resume_host("127.0.0.2") == 1
+    assert resume_host(sink.url("/")) == 1
     wait_until(lambda: len(sink.received) == 1, timeout=5)
     runner.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_dead_port_named_on_a_host_opens_its_own_breaker_not_the_host_s(
+    inboxes: Callable[..., Inbox],
+    closed_port: Callable[[], int],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # Anyone may name an inbox on any port of a host: what fails there is
+    # that port's, and the host's own server goes on being sent to.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 60.0, "SCOPE": "host"},
+        "RETRY": {"BASE": 60, "CAP": 60, "ATTEMPTS": 5, "JITTER": 0},
+    }
+    server = inboxes("127.0.0.1")
+    dead = f"127.0.0.1:{closed_port()}"
+    send(ALICE, {"type": "Note"}, [f"http://{dead}/u{n}/inbox" for n in range(4)])
+    runner = start_deliverer()
+    wait_until(lambda: Breaker.objects.filter(open_until__isnull=False).exists())
+    batch = send(ALICE, {"type": "Note"}, [server.url("/users/bob/inbox")])
+    assert batch is not None
+    wait_until(lambda: Delivery.objects.filter(batch=batch, status=Status.DELIVERED).exists())
+    runner.stop()
+    assert list(Breaker.objects.values_list("key", flat=True)) == [dead]
+    assert Delivery.objects.filter(host=dead, status=Status.PENDING).count() == 4
 
 
 @pytest.mark.django_db(transaction=True)
@@ -402,7 +430,7 @@ def test_two_deliverers_count_failures_together_and_probe_one_at_a_time(
     def holds_back(deliverer: Deliverer) -> bool:
         # It knows the breaker is open, and what it let through before is
         # back: from now on only a probe goes out.
-        state = deliverer.breakers.view.get("127.0.0.2") if deliverer.breakers else None
+        state = deliverer.breakers.view.get(down.host) if deliverer.breakers else None
         in_flight = deliverer.in_hand().in_flight
         return bool(state and state.open_until) and all(sending.probe for sending in in_flight)
 

@@ -70,6 +70,14 @@ def test_a_host_is_read_in_any_form_as_a_send_reads_an_inboxs(failures: list[Any
     assert [failure.inbox for failure in failures] == ["https://b.example/inbox"]
 
 
+def test_a_host_on_another_port_is_named_with_it(failures: list[Any]) -> None:
+    send(ALICE, NOTE, ["https://c.example/inbox", "https://C.example:8443/inbox"])
+    assert controls.pause_host("c.example:8443") == 1
+    assert controls.resume_host("https://c.example:8443/users/bob") == 1
+    assert controls.pause_host("https://c.example:443/") == 1, "the default port is the host's"
+    assert set(Host.objects.values_list("name", flat=True)) == {"c.example:8443", "c.example"}
+
+
 @pytest.mark.parametrize(
     "bad", ["", "https:///inbox?token=s3cret", "a\x1b[2Jb", "a\x00b", "x" * 300, Unprintable()]
 )

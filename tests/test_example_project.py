@@ -155,8 +155,10 @@ failed("https://strict.example/inbox", 400, refused=True)
 print(json.dumps(rows()))
 """,
     )
-    # One row a host, whatever the port: as the package's breakers count.
-    assert rows["down.example"][:5] == [False, False, 2, 503, 0]
+    # A row a host and port, as the package's breakers count: another port
+    # is another server.
+    assert rows["down.example"][:5] == [False, False, 1, None, 0]
+    assert rows["down.example:8443"][:5] == [False, False, 1, 503, 0]
     assert rows["strict.example"][:5] == [False, False, 1, 400, 0]
 
 
@@ -250,7 +252,12 @@ def test_the_demo_fills_the_remote_servers_table_from_a_real_fan_out(
     out = manage(example_env, "demo", "--inboxes", "12")
     assert "All " in out and "signatures and digests verified." in out
     table = out.split("as the project's signal receivers recorded them")[1].split("\n\n")[0]
-    lines = {line.split()[0]: line.split() for line in table.splitlines()[2:] if line.strip()}
+    # Keyed by address: each server's row is its address and its port.
+    lines = {
+        line.split()[0].partition(":")[0]: line.split()
+        for line in table.splitlines()[2:]
+        if line.strip()
+    }
     # The 410 inbox (127.0.0.6) is gone; the closed port (127.0.0.7) failed
     # without an answer; an accepting one (127.0.0.2) took its two.
     assert lines["127.0.0.6"][1:5] == ["0", "2", "410", "yes,"]

@@ -134,7 +134,7 @@ def test_the_deliverer_tells_a_failing_host_and_its_recovery(
     down.clear()
     while Delivery.objects.filter(status=Status.PENDING).exists() and timezone.now() < deadline:
         Deliverer().run(drain=True)
-    host = "127.0.0.1"  # a host, not its port: one server
+    host = inbox.host  # with its port: a port is another server
     assert [(type(event), event.host) for event in told] == [
         (signals.HostFailing, host),
         (signals.HostRecovered, host),

@@ -57,7 +57,7 @@ def test_what_a_deliverer_saw_of_each_host_is_written_for_its_picture(
     before = timezone.now()
     Deliverer().run(drain=True)
 
-    good = host_picture("127.0.0.2")
+    good = host_picture(up.host)
     assert good is not None
     assert good.trouble == "ok" and good.first_seen_at is not None
     assert good.first_seen_at >= before and good.last_delivered_at is not None
@@ -68,7 +68,7 @@ def test_what_a_deliverer_saw_of_each_host_is_written_for_its_picture(
     assert good.concurrency_limit is not None and good.concurrency_limit >= 1
     assert good.last_day["delivered"] == 5 and good.pending == 0
 
-    bad = host_picture("127.0.0.3")
+    bad = host_picture(down.host)
     assert bad is not None
     assert (bad.trouble, bad.pending, bad.last_delivered_at) == ("failing", 1, None)
     assert bad.failing_since is not None and "503" in bad.last_error

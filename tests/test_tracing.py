@@ -120,8 +120,9 @@ def test_each_attempt_is_a_span_child_of_the_span_that_sent_it(
         "federation_delivery.attempt": 1,
         "federation_delivery.delivery_id": delivery.id,
         "federation_delivery.batch_id": batch.id,
-        "federation_delivery.host": "127.0.0.1",
+        "federation_delivery.host": inbox.host,
         "server.address": "127.0.0.1",
+        "server.port": inbox.port,
         "federation_delivery.outcome": "retrying",
         "federation_delivery.requests": 1,
         "http.response.status_code": 503,
@@ -206,7 +207,7 @@ def test_a_delivery_held_by_an_open_breaker_has_a_span_without_a_request(
 ) -> None:
     with traces.tracer.start_as_current_span("job") as job:
         send(ALICE, NOTE, [inbox.url()])
-    open_breaker("127.0.0.1")
+    open_breaker(inbox.host)
     Deliverer().run(drain=True)
     (span,) = traces.attempts()
     assert inbox.received == []
