@@ -172,3 +172,45 @@ def test_on_sqlite_a_body_stored_as_a_blob_is_sent_and_the_claim_beside_it_too(
 
     assert [row(bad).status, row(good).status] == [Status.DELIVERED, Status.DELIVERED]
     assert sorted(inbox.paths()) == ["/bad", "/good"]
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "outcome"),
+    [
+        ("inbox", b"http://127.0.0.1/bad", Status.REFUSED),
+        ("host", b"127.0.0.1", Status.DELIVERED),
+        ("kind", b"activitypub", Status.FAILED),
+        ("destination", b"ops", Status.DELIVERED),
+        ("via", b"[]", Status.FAILED),
+    ],
+    ids=["inbox", "host", "kind", "destination", "via"],
+)
+def test_on_sqlite_a_column_stored_as_a_blob_settles_its_row_alone_and_the_loop_goes_on(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    column: str,
+    value: bytes,
+    outcome: Status,
+) -> None:
+    if connection.vendor != "sqlite":
+        pytest.skip("only SQLite keeps a BLOB in a text column")
+    bad = send(ALICE, NOTE, [inbox.url("/bad")])
+    good = send(ALICE, NOTE, [inbox.url("/good")])
+    # SQLite's JSON functions refuse a BLOB: the claim read its rows with
+    # them, and was dropped as if the database were away, every claim.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {Delivery._meta.db_table} SET {column} = %s WHERE batch_id = %s",
+            [value, bad.id],
+        )
+
+    runner = start_deliverer()
+    wait_until(settled(bad, good), timeout=10, state=lambda: (rows(), runner.error))
+    still_running(runner)
+
+    # Read as none: a column the loop only goes by (its host, a destination
+    # on an inbox's row) leaves the row sent; one it sends by settles it unsent.
+    assert row(bad).status == outcome
+    assert row(good).status == Status.DELIVERED
+    expected = ["/bad", "/good"] if outcome == Status.DELIVERED else ["/good"]
+    assert sorted(inbox.paths()) == expected

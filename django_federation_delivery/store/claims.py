@@ -103,9 +103,6 @@ def claim(
         only=only,
     )
     with sql.on(connection) as db:
-        # PostgreSQL's JSON comes as text (as Django reads it); SQLite's
-        # inside the claim's one JSON value, read already.
-        text = db.postgresql
         if db.postgresql:
             # One statement: a transaction by itself (or a part of the caller's).
             rows = _take_postgresql(db, wanted)
@@ -116,7 +113,9 @@ def claim(
     expires = now.timestamp() + lease
     claimed = []
     for row in rows:
-        via = _gateways(row[5], text=text)
+        # Its gateways as their JSON text: PostgreSQL's as Django reads it,
+        # SQLite's a text inside the claim's one JSON value (claimed_rows).
+        via = _gateways(row[5])
         claimed.append(
             Claimed(
                 row[0],
@@ -227,15 +226,15 @@ def _take_sqlite(db: sql.Statements, wanted: _Wanted) -> list[Any]:
 BAD_GATEWAYS = "its stored gateways (via) are not a list of URLs"
 
 
-def _gateways(value: Any, *, text: bool) -> tuple[str, ...] | None:
+def _gateways(value: Any) -> tuple[str, ...] | None:
     """A row's gateways (``via``): a list of URLs, stored as JSON and read as
-    ``text`` to parse, or as the value itself. None when it is anything else
-    (a number, an object, a list of anything but text: written by hand),
-    which no attempt can use, nor is it to be read as something it is not
-    (an object's keys as gateways)."""
+    text to parse. None when it is anything else (no JSON, a number, an
+    object, a list of anything but text: written by hand), which no attempt
+    can use, nor is it to be read as something it is not (an object's keys
+    as gateways)."""
     if value is None or value == "[]" or value == b"[]":
         return ()  # the usual inbox, with no gateways: nothing to parse
-    if text and isinstance(value, str | bytes):
+    if isinstance(value, str | bytes):
         try:
             value = json.loads(value)
         except ValueError:

@@ -101,15 +101,26 @@ AND (%(only)s IS NULL OR host IN (SELECT value FROM json_each(%(only)s)))
 -- returns is an sqlite3 step of its own. The order is the index's, which
 -- ends with the id.
 SELECT json_group_array(json_array(id, host)) FROM (
-    SELECT id, host FROM {delivery}
+    SELECT id, CASE WHEN typeof(host) = 'text' THEN host ELSE '' END AS host FROM {delivery}
     WHERE status = {pending} AND lane = %(lane)s AND due_at <= %(now)s AND {claimable_host}
     ORDER BY due_at, id LIMIT %(candidates)s
 )
 
 -- name: claimed_rows [sqlite]
-SELECT json_group_array(
-    json_array(id, batch_id, inbox, host, attempts, json(via), destination, kind)
-)
+-- A column SQLite keeps as something else than the text the package writes
+-- (a BLOB, written by hand), which its JSON cannot hold, is read as '' (a
+-- via as '?', no JSON): that row fails by itself (store/claims.py,
+-- triage.py), and the rest of the claim is sent. The via is read as its
+-- text, parsed by the claim: what is no JSON fails that row alone too.
+SELECT json_group_array(json_array(
+    id, batch_id,
+    CASE WHEN typeof(inbox) = 'text' THEN inbox ELSE '' END,
+    CASE WHEN typeof(host) = 'text' THEN host ELSE '' END,
+    attempts,
+    CASE WHEN via IS NULL OR typeof(via) = 'text' THEN via ELSE '?' END,
+    CASE WHEN typeof(destination) = 'text' THEN destination ELSE '' END,
+    CASE WHEN typeof(kind) = 'text' THEN kind ELSE '' END
+))
 FROM {delivery} WHERE id IN (SELECT value FROM json_each(%(ids)s))
 
 -- name: take [sqlite]
