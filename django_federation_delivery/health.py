@@ -37,8 +37,9 @@ logger = logging.getLogger("django_federation_delivery.deliverer")
 
 def is_failure(result: AttemptResult) -> bool | None:
     """Whether ``result`` says its host is failing; None when it says nothing
-    (no request was made)."""
-    if result.held or not result.requests:
+    (no request was made, or the answer was another host's: a portable
+    inbox's later gateway, which anyone may list)."""
+    if result.held or not result.requests or result.elsewhere:
         return None
     if result.delivered:
         return False

@@ -1094,7 +1094,15 @@ def test_a_portable_inbox_s_later_gateway_is_not_charged_to_the_first_one_s_host
         **settings.FEDERATION_DELIVERY,
         "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 60.0, "SCOPE": "host"},
         "RETRY": {"BASE": 60, "CAP": 60, "ATTEMPTS": 5, "JITTER": 0},
+        # Told at once: a stranger's 503 told as the server failing would be seen.
+        "HOST_FAILING_AFTER": 0,
     }
+    told: list[str] = []
+
+    def failing(sender: Any, failing: signals.HostFailing, **kwargs: Any) -> None:
+        told.append(failing.host)
+
+    signals.host_failing.connect(failing, weak=False)
 
     def no_gateway_here(request: Received) -> tuple[int, dict[str, str], bytes]:
         return (404, {}, b"") if "apgateway" in request.path else (202, {}, b"")
@@ -1120,5 +1128,7 @@ def test_a_portable_inbox_s_later_gateway_is_not_charged_to_the_first_one_s_host
     runner.stop()
 
     assert status_of(batch) == [Status.DELIVERED]
+    signals.host_failing.disconnect(failing)
     assert not Breaker.objects.filter(key=server.host, failures__gt=0).exists()
     assert Host.objects.get(name=server.host).failing_since is None
+    assert server.host not in told, "never told failing for the stranger's answers"
