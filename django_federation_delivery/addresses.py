@@ -21,6 +21,7 @@ raise, as both run on URLs already refused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import ipaddress
@@ -119,12 +120,14 @@ class Parts:
     @property
     def host_key(self) -> str:
         """The server a delivery to this URL goes to, as breakers, pauses,
-        limits and a host's picture know it: the host, and its port when not
-        the scheme's default (``example.com:8443``, ``[::1]:8080``). A port
-        is another server, perhaps a stranger's: an inbox named on a dead
-        port of a host counts against that port, never against the host's
-        own server."""
-        return self.host if self.port is None else self.hostport
+        limits and a host's picture know it: the host and the port it is
+        reached on, but for 443, HTTPS's, where inboxes are
+        (``example.com``, ``example.com:80`` for ``http://example.com/``,
+        ``example.com:8443``, ``[::1]:8080``). Another port is another
+        server, perhaps a stranger's: an inbox named on a dead port of a
+        host counts against that port, never against the host's own server.
+        ``http://example.com:443/`` is ``example.com``: the same socket."""
+        return host_key(self.host, self.port or DEFAULT_PORTS[self.scheme])
 
     @property
     def origin(self) -> str:
@@ -161,9 +164,21 @@ def validate_inbox(url: object) -> None:
     normalize_inbox(url)
 
 
+#: The port a host key leaves out: HTTPS's.
+KEYLESS_PORT = 443
+
+
+def host_key(host: str, port: int) -> str:
+    """The key of ``host`` (canonical, an IPv6 address without brackets)
+    reached on ``port``: see :attr:`Parts.host_key`."""
+    if port == KEYLESS_PORT:
+        return host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def host_of(url: str) -> str:
     """The host key of ``url`` (:attr:`Parts.host_key`: its canonical host,
-    and a port that is not the scheme's default), or "" for a URL that has none."""
+    and its port but for 443), or "" for a URL that has none."""
     try:
         return split(url, userinfo=True).host_key
     except UnusableURL:
@@ -185,6 +200,10 @@ def host_named(value: object) -> str:
     # A name kept as it is must hold nothing no name holds (a NUL), and fit
     # where a host is kept.
     kept = text.isprintable() and len(text) <= MAX_HOST_LENGTH
+    if ":" in text and not text.startswith("["):
+        # An IPv6 address, bare ("2001:DB8::1"), in the brackets a URL needs.
+        with contextlib.suppress(ValueError):
+            text = f"[{ipaddress.IPv6Address(text)}]"
     return host_of(f"https://{text}/") or (text if kept else "")
 
 
@@ -293,8 +312,8 @@ def canonical_and_host(url: object) -> tuple[str, str]:
     if isinstance(url, str) and len(url) <= MAX_URL_LENGTH:
         matched = _canonical_match(url)
         if matched is not None:
-            host, port = matched.group(2, 3)
-            return url, host if port is None else f"{host}:{port}"
+            scheme, host, port = matched.group(1, 2, 3)
+            return url, host_key(host, int(port) if port else DEFAULT_PORTS[scheme])
     parts = split(url)
     return parts.url, parts.host_key
 
@@ -326,7 +345,7 @@ def _canonical_match(url: str) -> re.Match[str] | None:
     scheme, host, port, path, _ = matched.groups()
     if (
         len(host) > MAX_HOST_LENGTH
-        or (port is not None and len(host) + 1 + len(port) > MAX_HOST_KEY_LENGTH)
+        or len(host) + 6 > MAX_HOST_KEY_LENGTH  # with a port: the whole way says whether it fits
         # An A-label is checked by IDNA; a last label starting with a digit
         # may make the host an IPv4 address, written another way than the
         # dotted quad.

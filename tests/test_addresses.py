@@ -269,15 +269,38 @@ def test_validate_inbox_and_normalize_inbox_are_the_packages_own() -> None:
 
 
 def test_host_and_origin_are_canonical_and_ignore_userinfo() -> None:
-    # A port that is not the scheme's default is another server: it is kept.
+    # A port is another server: it is kept, but for HTTPS's, 443, whatever
+    # the scheme (the same socket).
     assert host_of("https://U:P@EXÄMPLE.com:8443/x?y") == "xn--exmple-cua.com:8443"
     assert host_of("https://EXÄMPLE.com:443/x") == "xn--exmple-cua.com"
-    assert host_of("http://EXÄMPLE.com:443/x") == "xn--exmple-cua.com:443"
+    assert host_of("http://EXÄMPLE.com:443/x") == "xn--exmple-cua.com"
+    assert host_of("http://EXÄMPLE.com/x") == "xn--exmple-cua.com:80"
+    assert host_of("https://EXÄMPLE.com:80/x") == "xn--exmple-cua.com:80"
     assert host_of("https://[2001:DB8::1]/") == "2001:db8::1"
     assert host_of("https://[2001:DB8::1]:8443/") == "[2001:db8::1]:8443"
     assert host_of("not a url") == ""
     assert origin("https://U:P@EXÄMPLE.com:8443/x?y") == "https://xn--exmple-cua.com:8443"
     assert origin("http://[2001:DB8::1]:80/") == "http://[2001:db8::1]"
+
+
+@pytest.mark.parametrize(
+    ("named", "key"),
+    [
+        ("example.com", "example.com"),
+        ("Example.COM.", "example.com"),
+        ("example.com:443", "example.com"),
+        ("example.com:80", "example.com:80"),
+        ("http://example.com/inbox", "example.com:80"),
+        ("http://example.com:443/inbox", "example.com"),
+        ("2001:DB8::1", "2001:db8::1"),
+        ("2001:0db8:0::1", "2001:db8::1"),
+        ("[2001:DB8::1]:8443", "[2001:db8::1]:8443"),
+        ("::FFFF:1.2.3.4", "::ffff:1.2.3.4"),
+        ("<ops>", "<ops>"),
+    ],
+)
+def test_a_host_named_in_any_form_is_the_key_its_deliveries_have(named: str, key: str) -> None:
+    assert addresses.host_named(named) == key
 
 
 # --- On the wire ---------------------------------------------------------------------------
