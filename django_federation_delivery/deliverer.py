@@ -143,6 +143,8 @@ class Deliverer:
         #: seconds late and four for each slot: what a crash would send again.
         self.outbox = Outbox(self._settle, size=4 * self.concurrency)
         self._batches = KnownBatches(self._db, using=using)
+        #: Batches finished by a committed write, ``batch_finished`` not sent yet.
+        self._untold: list[int] = []
         self.upkeep = Upkeep(
             db=self._db,
             using=using,
@@ -234,13 +236,21 @@ class Deliverer:
                 self.handoff.dispatch()
                 if self.outbox.due():
                     self._write()
+                if self._untold:
+                    self._db(self._tell_finished)
                 if self.stopping:
                     if self._wound_down():
                         break
                 else:
                     self.intake.claim_more()
                     self.handoff.dispatch()
-                if drain and not self.slots.busy and not self.outbox and self.intake.drained():
+                if (
+                    drain
+                    and not self.slots.busy
+                    and not self.outbox
+                    and not self._untold
+                    and self.intake.drained()
+                ):
                     break
                 if self.on_progress is not None and time.monotonic() >= next_progress:
                     self.on_progress(self.summary)
@@ -339,11 +349,21 @@ class Deliverer:
         if self.slots.in_flight:
             return False
         self._write()
+        if self._untold and self._db(self._tell_finished) is None:
+            # Not waited for past a stop: the database is away.
+            logger.warning(
+                "batch_finished was not sent for batches %s: the database was "
+                "unavailable as the deliverer stopped",
+                ", ".join(map(str, self._untold)),
+            )
+            self._untold = []
         return not self.outbox
 
     def _pause(self, *, caught_up: bool) -> None:
         """Between two turns: write what waits to be written when it is due
         (or when nothing else is to be done), else wait for what comes next."""
+        if self._untold:
+            return  # told again at once: a failure to tell has waited already (self._db)
         busy = self.slots.busy
         if self.outbox and (not busy or self.outbox.due()):
             if self.outbox.due() or caught_up:
@@ -379,6 +399,19 @@ class Deliverer:
             self.schemes.write()
 
     def _batches_finished(self, ids: list[int]) -> None:
+        """Batches a write finished, once it has committed: told by the loop
+        right after (:meth:`_tell_finished`). Telling reads the batches: a
+        database error there must not make the committed write count as
+        unwritten (written again, its rows no longer its claim's, and the
+        batches never told), so it is a step of its own, tried again until
+        the database takes it."""
+        self._untold += ids
+
+    def _tell_finished(self) -> bool:
+        """``batch_finished`` for the batches finished and not told yet."""
+        ids = self._untold
         signals.send_batches_finished(ids, using=self.using)
+        self._untold = []
         for id in ids:
             self._batches.forget(id)
+        return True

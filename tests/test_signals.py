@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import IntegrityError, connection
+from django.db import IntegrityError, OperationalError, connection
 
 from django_federation_delivery import controls, send, signals
 from django_federation_delivery.models import Batch, Delivery, Host, Status
@@ -72,6 +72,45 @@ def test_a_batch_finished_receiver_that_meets_a_database_error_undoes_no_settle(
     assert sorted(inbox.paths()) == ["/a", "/b"], "each sent once"
     assert [call["batch"].id for call in receiver.calls] == [batch.id]
     assert receiver.in_transaction == [False]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_error_reading_a_finished_batch_delays_its_signal_and_loses_nothing(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Read inside the settle's own call, a moment's error there made the
+    # committed settle count as unwritten: written again, its rows no longer
+    # its claim's, and the batch never told finished.
+    from django_federation_delivery.store import countdowns
+
+    read = countdowns.finished_batches
+    calls: list[list[int]] = []
+
+    def away_at_first(ids: Any, **kwargs: Any) -> Any:
+        calls.append(list(ids))
+        if len(calls) == 1:
+            raise OperationalError("database is locked")
+        return read(ids, **kwargs)
+
+    monkeypatch.setattr(countdowns, "finished_batches", away_at_first)
+    told: list[int] = []
+
+    def receiver(sender: Any, batch: Batch, **kwargs: Any) -> None:
+        told.append(batch.id)
+
+    signals.batch_finished.connect(receiver, weak=False)
+    try:
+        batch = send(ALICE, NOTE, [inbox.url("/a")])
+        assert batch is not None
+        runner = start_deliverer()
+        wait_until(lambda: told == [batch.id], timeout=10, state=lambda: (calls, told))
+        runner.stop()
+    finally:
+        signals.batch_finished.disconnect(receiver)
+    assert calls == [[batch.id], [batch.id]]
+    assert inbox.paths() == ["/a"], "sent once"
 
 
 @pytest.mark.django_db(transaction=True)
