@@ -3,14 +3,15 @@ or misconfigured for a while.
 
 :func:`replay` queues again, in new batches, every delivery to one host (or
 webhook destination) that was delivered or given up since a moment: one new
-batch for each batch they came from, with its body, its sender and its
-event as they were, so that a receiver de-duplicating by id sees the same
-ids. Each inbox receives them in their original order, one after the other
-(an ordering key of the replay's own; a destination's own sequence for a
-webhook destination), in the low lane for activities, so that a catch-up
-never delays what is sent live. Replayed again for the same host and moment
-while the new batches are kept, it queues nothing more (their idempotency
-keys).
+batch for each batch they came from, with its body, its sender, its event
+and what it is about as they were, so that a receiver de-duplicating by id
+sees the same ids, and a ``Delete`` or ``Undo`` sent later overtakes what
+of it was never tried as it would the original. Each inbox receives them
+in their original order, one after the other (an ordering key of the
+replay's own; a destination's own sequence for a webhook destination), in
+the low lane for activities, so that a catch-up never delays what is sent
+live. Replayed again for the same host and moment while the new batches
+are kept, it queues nothing more (their idempotency keys).
 """
 
 from __future__ import annotations
@@ -162,6 +163,11 @@ def _replay_step(
                 synchronize_collection=original.synchronize_collection,
                 event_type=original.event_type,
                 event_id=original.event_id,
+                # About what its original was about: a Delete (or Undo) sent
+                # later overtakes it while it was never tried, as it would
+                # the original, rather than reaching the inbox before it.
+                activity_id=original.activity_id,
+                object_id=original.object_id,
                 idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
                 # Its attempts' spans are children of the replay's.
                 trace_context=tracing.carried(),
