@@ -11,7 +11,8 @@ in their original order, one after the other (an ordering key of the
 replay's own; a destination's own sequence for a webhook destination), in
 the low lane for activities, so that a catch-up never delays what is sent
 live. Replayed again for the same host and moment while the new batches
-are kept, it queues nothing more (their idempotency keys).
+are kept, it queues nothing more (their idempotency keys), delivered or
+not: what a replay wrote is never itself replayed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ REPLAYED = (Status.DELIVERED, Status.FAILED)
 #: bodies among it), however much it replays.
 STEP = 500
 
+#: How a batch a replay wrote begins its idempotency key, and its tag: what
+#: tells it from a send's with no column of its own.
+KEY_PREFIX = "replay-"
+TAG_PREFIX = "replay of batch "
+
 
 def replay(
     *,
@@ -66,12 +72,13 @@ def replay(
 
 def to_replay(keys: list[str], *, since: dt.datetime, using: str | None = None) -> int:
     """How many deliveries :func:`replay_host` of each of ``keys`` would queue
-    again: one count on the index of (host, status)."""
-    return (
-        Delivery.objects.using(using or DEFAULT_DB_ALIAS)
-        .filter(host__in=keys, status__in=REPLAYED, settled_at__gte=since)
-        .count()
-    )
+    again: one count on the index of (host, status), each row's batch read by
+    its primary key (see :func:`_replayable`)."""
+    return _replayable(
+        Delivery.objects.using(using or DEFAULT_DB_ALIAS).filter(
+            host__in=keys, status__in=REPLAYED, settled_at__gte=since
+        )
+    ).count()
 
 
 def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> list[Batch]:
@@ -87,8 +94,8 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
     except OverflowError:
         raise ValueError(f"since {since.isoformat()} falls outside the calendar in UTC") from None
     alias = database_alias(using)
-    matching = Delivery.objects.using(alias).filter(
-        host=key, status__in=REPLAYED, settled_at__gte=since
+    matching = _replayable(
+        Delivery.objects.using(alias).filter(host=key, status__in=REPLAYED, settled_at__gte=since)
     )
     # The batches in the order their first delivery here was sent in.
     batch_ids = list(
@@ -103,6 +110,19 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
             step = batch_ids[start : start + STEP]
             replayed += _replay_step(key, since, matching.filter(batch_id__in=step), alias)
     return replayed
+
+
+def _replayable(deliveries: QuerySet[Delivery]) -> QuerySet[Delivery]:
+    """``deliveries`` less those of the batches a replay wrote. Once one of
+    those was delivered, it too was sent since the moment: replayed again,
+    the same moment's replay would send its body a third time under a key
+    of its own, and each later run another copy. What it came from is
+    replayed, once (its key)."""
+    # Both its key and its tag: a send given either alone is still replayed.
+    # Read through the batch's primary key, one lookup a delivery matched.
+    return deliveries.exclude(
+        batch__idempotency_key__startswith=KEY_PREFIX, batch__tag__startswith=TAG_PREFIX
+    )
 
 
 def _replay_step(
@@ -157,7 +177,7 @@ def _replay_step(
                 sender=original.sender,
                 body=original.body,
                 body_sha256=original.body_sha256,
-                tag=f"replay of batch {original.pk}",
+                tag=f"{TAG_PREFIX}{original.pk}",
                 ordering_key=ordering_key,
                 lane=Lane.WEBHOOK if webhook else Lane.LOW,
                 synchronize_collection=original.synchronize_collection,
@@ -228,4 +248,4 @@ def _replay_key(what: str, since: dt.datetime) -> str:
     before it was read in UTC wrote a moment given in UTC: those are known again."""
     moment = since.astimezone(dt.UTC).isoformat()
     digest = hashlib.sha256(f"{what}\n{moment}".encode()).hexdigest()
-    return f"replay-{digest[:40]}"
+    return f"{KEY_PREFIX}{digest[:40]}"

@@ -107,6 +107,32 @@ def test_one_moment_written_with_another_offset_is_the_same_replay(settings: Any
 
 
 @pytest.mark.django_db
+def test_a_replay_whose_batches_were_delivered_is_not_itself_replayed_again() -> None:
+    now = timezone.now()
+    since = now - dt.timedelta(days=1)
+    batch = send(ALICE, note(1), ["https://a.example/inbox"])
+    assert batch is not None
+    settle(batch, Status.DELIVERED, now - dt.timedelta(hours=1))
+    (first,) = replay(host="a.example", since=since)
+    settle(first, Status.DELIVERED, timezone.now())
+    # Its delivery is the host's since the moment too: the body went twice,
+    # and goes no third time however often the replay is run.
+    for _ in range(2):
+        again = replay(host="a.example", since=since)
+        assert [(b.pk, b.created) for b in again] == [(first.pk, False)]
+    assert Delivery.objects.count() == 2
+    # And the admin counts what it would replay so.
+    assert replaying.to_replay(["a.example"], since=since) == 1
+    # A send whose own key begins as a replay's is still replayed.
+    mine = send(ALICE, note(2), ["https://a.example/inbox"], idempotency_key="replay-mine")
+    assert mine is not None
+    settle(mine, Status.DELIVERED, timezone.now())
+    assert [b.tag for b in replay(host="a.example", since=since) if b.created] == [
+        f"replay of batch {mine.pk}"
+    ]
+
+
+@pytest.mark.django_db
 def test_a_delete_sent_after_a_replay_overtakes_the_replayed_create() -> None:
     def about(kind: str, n: int) -> dict[str, Any]:
         return {**note(n), "type": kind, "object": f"{ALICE}/notes/1"}
