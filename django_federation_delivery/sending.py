@@ -253,10 +253,12 @@ def _options(options: BatchOptions | Mapping[str, Any] | None) -> BatchOptions:
         return options
     if not isinstance(options, Mapping):
         raise InvalidDelivery(f"options must be BatchOptions or a dict, not {quoted(options)}")
-    unknown = sorted(set(options) - _OPTION_NAMES)
+    # Sorted as named: keys of types that do not compare (1 and "colour")
+    # are no TypeError, and a long one is named short.
+    unknown = sorted(map(quoted, set(options) - _OPTION_NAMES))
     if unknown:
         raise InvalidDelivery(
-            f"unknown batch option(s) {', '.join(map(repr, unknown))}; "
+            f"unknown batch option(s) {', '.join(unknown)}; "
             f"known: {', '.join(sorted(_OPTION_NAMES))}"
         )
     return BatchOptions(**options)

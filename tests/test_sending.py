@@ -290,6 +290,8 @@ def test_a_send_on_a_kept_connection_the_server_dropped_reconnects(
         (ALICE, NOTE, 42, None, "42"),
         (ALICE, NOTE, ["ftp://b.example/inbox"], {"max_attempts": 0}, "0"),
         (ALICE, NOTE, ["https://a.example/inbox"], {"tags": "x"}, "'tags'"),
+        # Keys of types that do not compare once raised TypeError from sorting them.
+        (ALICE, NOTE, ["https://a.example/inbox"], {1: 2, "colour": 3}, "'colour', 1"),
         (ALICE, NOTE, ["https://a.example/inbox"], {"max_attempts": 0}, "0"),
         (ALICE, NOTE, ["https://a.example/inbox"], {"max_attempts": "3"}, "'3'"),
         (ALICE, NOTE, ["https://a.example/inbox"], {"deadline": "tomorrow"}, "'tomorrow'"),
