@@ -97,7 +97,7 @@ def send(
     ``skipped`` lists each, redacted, with the reason. Returns the batch, or
     None when there was no inbox to send to. With an ``idempotency_key``
     a batch sent with already is kept under, nothing is queued and that
-    batch is returned.
+    batch is returned, whatever the inboxes given this time.
     """
     options = BatchOptions(idempotency_key=idempotency_key) if idempotency_key else None
     return send_batch(sender, activity, inboxes, options)
@@ -209,9 +209,14 @@ def _queue(
     if skipped:
         _log_skipped(skipped, queued=len(targets))
     if not targets:
-        return None
+        # A retry whose inboxes have all been left out since (their host
+        # marked unavailable, say) still returns the batch kept under its key.
+        return _kept(idempotency_key, skipped, using)
     most = app_settings.max_inboxes
     if len(targets) > most:
+        kept = _kept(idempotency_key, skipped, using)
+        if kept is not None:
+            return kept
         raise InvalidDelivery(
             f"{len(targets)} inboxes is more than MAX_INBOXES ({most}) for one send"
         )
@@ -244,6 +249,15 @@ def _queue(
             batch.superseded = retractions.overtake(batch, retraction, using=using)
     batch.skipped = skipped
     return batch
+
+
+def _kept(idempotency_key: str, skipped: list[SkippedInbox], using: str) -> Batch | None:
+    """The batch kept under ``idempotency_key``, for a send that queues none:
+    one query, only on that way out, never on a send's own."""
+    kept = queueing.kept_batch(idempotency_key, using=using)
+    if kept is not None:
+        kept.skipped = skipped
+    return kept
 
 
 def _options(options: BatchOptions | Mapping[str, Any] | None) -> BatchOptions:

@@ -9,9 +9,17 @@ from typing import Any
 
 import pytest
 from django.db import close_old_connections, connection, transaction
+from django.utils import timezone
 
-from django_federation_delivery import BatchOptions, InvalidDelivery, send, send_batch, send_webhook
-from django_federation_delivery.models import Batch, Delivery
+from django_federation_delivery import (
+    BatchOptions,
+    InvalidDelivery,
+    availability,
+    send,
+    send_batch,
+    send_webhook,
+)
+from django_federation_delivery.models import Batch, Delivery, Host
 
 from .keys import ALICE
 
@@ -32,6 +40,46 @@ def test_a_send_retried_with_its_key_returns_the_first_batch_and_queues_nothing(
     send(ALICE, NOTE, INBOXES)
     send(ALICE, NOTE, INBOXES)
     assert Batch.objects.count() == 4 and Delivery.objects.count() == 20
+
+
+def _hosts_gone(settings: Any) -> list[str]:
+    now = timezone.now()
+    for n in range(len(INBOXES)):
+        Host.objects.create(name=f"h{n}.example", failing_since=now, unavailable_since=now)
+    availability.forget_known()
+    return INBOXES
+
+
+def _unusable(settings: Any) -> list[str]:
+    return [inbox.replace("https:", "ftp:") for inbox in INBOXES]
+
+
+def _too_many(settings: Any) -> list[str]:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "MAX_INBOXES": 3}
+    return INBOXES
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("since", [_hosts_gone, _unusable, _too_many])
+def test_a_send_retried_with_nothing_left_to_queue_still_returns_the_first_batch(
+    since: Any, settings: Any
+) -> None:
+    # Retried once its inboxes are all left out (their hosts since marked
+    # unavailable, or each unusable) or too many, the send once returned
+    # None, or raised, where the first batch is kept.
+    first = send(ALICE, NOTE, INBOXES, idempotency_key="post-42")
+    inboxes = since(settings)
+    again = send(ALICE, NOTE, inboxes, idempotency_key="post-42")
+    assert first is not None and again is not None
+    assert (again.pk, again.created, again.size) == (first.pk, False, 5)
+    assert Batch.objects.count() == 1 and Delivery.objects.count() == 5
+    # Without a batch kept under the key, it is what a send without one is.
+    if since is _too_many:
+        with pytest.raises(InvalidDelivery, match="more than MAX_INBOXES"):
+            send(ALICE, NOTE, inboxes, idempotency_key="post-43")
+    else:
+        assert send(ALICE, NOTE, inboxes, idempotency_key="post-43") is None
+    assert Batch.objects.count() == 1
 
 
 @pytest.mark.django_db
@@ -57,6 +105,25 @@ def test_a_webhook_event_retried_with_its_key_is_queued_once(settings: Any) -> N
     again = send_webhook("*", "deploy.done", {"n": 1}, idempotency_key="deploy-7")
     assert first is not None and again is not None and again.pk == first.pk
     assert Delivery.objects.count() == 2
+
+
+@pytest.mark.django_db
+def test_a_webhook_event_retried_to_no_subscribed_destination_returns_the_first_batch(
+    settings: Any,
+) -> None:
+    slack = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": slack}}
+    first = send_webhook("ops", "deploy.done", {"n": 1}, idempotency_key="deploy-7")
+    # Since subscribed to alerts only: the retry is sent to no destination.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": slack + "?events=alert.*"},
+    }
+    again = send_webhook("ops", "deploy.done", {"n": 1}, idempotency_key="deploy-7")
+    assert first is not None and again is not None
+    assert (again.pk, again.created) == (first.pk, False)
+    assert Delivery.objects.count() == 1
+    assert send_webhook("ops", "deploy.done", {"n": 1}, idempotency_key="deploy-8") is None
 
 
 @pytest.mark.django_db

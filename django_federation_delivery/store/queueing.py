@@ -135,6 +135,22 @@ def enqueue(
     return batch
 
 
+def kept_batch(idempotency_key: str, *, using: str | None = None) -> Batch | None:
+    """The batch kept under ``idempotency_key``, marked not created, or None
+    (and no query) without a key: for a send retried with nothing left to
+    queue, which writes no batch for the key to meet."""
+    if not idempotency_key:
+        return None
+    kept = (
+        Batch.objects.using(using or DEFAULT_DB_ALIAS)
+        .filter(idempotency_key=idempotency_key)
+        .first()
+    )
+    if kept is not None:
+        kept.created = False
+    return kept
+
+
 def writing(
     count: int, *, ordering_key: str = "", alone: bool = True, using: str | None = None
 ) -> contextlib.AbstractContextManager[Any]:

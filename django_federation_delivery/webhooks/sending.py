@@ -72,14 +72,16 @@ def send_webhook(
     de-duplicates by. Returns the batch, or None when no destination named
     is subscribed (or none is named). With an ``idempotency_key`` a batch
     was sent with already and is kept under, nothing is queued and that batch
-    is returned.
+    is returned, whatever the destinations subscribed this time.
     """
     alias = database_alias(using)
     idempotency_key = checked_idempotency_key(idempotency_key)
     event = Event.of(event_type, event_id or str(uuid.uuid4()), timezone.now(), data)
     found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
     if not found:
-        return None
+        # A retry to destinations no longer subscribed still returns the
+        # batch kept under its key, as send()'s does.
+        return queueing.kept_batch(idempotency_key, using=alias)
     names = [name for name, _ in found]
     policies = {name: _policy(d) for name, d in found}
     encoded = event.as_json()
