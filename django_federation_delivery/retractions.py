@@ -7,7 +7,10 @@ Someone posts to 20,000 followers and deletes the post a minute later: the
 attempted are settled ``superseded`` instead of sent. The ``Delete`` itself
 is still sent everywhere (the receiver may know the object another way),
 and to an inbox where the ``Create`` was already attempted it goes only
-once that has left the queue.
+once that has left the queue. To an inbox it leaves out, its host marked
+unavailable, it is not sent (a host gone for good costs nothing more), but
+the ``Create``'s delivery never attempted there is superseded all the same:
+otherwise it would go once the host is seen again, and the ``Delete`` never.
 
 What a batch is about is kept when it is sent (:func:`about`): the
 activity's ``id``, and its object's (``object`` as a string, or an object
@@ -19,7 +22,7 @@ sender's: an ``Announce`` of the post by someone else goes as it was queued.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.db import transaction
@@ -87,26 +90,37 @@ def retraction_of(activity: Mapping[str, Any], object_id: str) -> Retraction | N
     return None
 
 
-def overtake(batch: Batch, retraction: Retraction, *, using: str | None = None) -> int:
-    """In the caller's transaction, just after ``batch`` (the retraction) is
-    written: supersede what it overtakes, and make it wait on what was
-    already attempted. Returns how many deliveries it superseded.
+def overtake(
+    sender: str,
+    retraction: Retraction,
+    *,
+    batch: Batch | None,
+    left_out: Sequence[str] = (),
+    using: str | None = None,
+) -> int:
+    """In the caller's transaction, just after ``batch`` (the retraction,
+    ``sender``'s) is written: supersede what it overtakes, and make it wait
+    on what was already attempted. What it overtakes at ``left_out``, the
+    inboxes it was given but not queued to (their host marked unavailable),
+    is superseded too; with no ``batch``, when it was queued to none, that
+    alone. Returns how many deliveries it superseded.
 
     ``delivery_settled`` (outcome "superseded") is sent for each, and
     ``batch_finished`` for each batch that finishes so, once the caller's
     transaction commits: rolled back, nothing was superseded.
     """
     overtaken = retractions.overtake(
-        batch.id,
-        batch.sender,
+        None if batch is None else batch.id,
+        sender,
         object_id=retraction.object_id,
         activity_id=retraction.activity_id,
+        left_out=left_out,
         reason=retraction.reason,
         now=timezone.now(),
         using=using,
     )
     if overtaken.superseded and signals.listened(signals.delivery_settled):
-        transaction.on_commit(lambda: _tell(batch.sender, overtaken), using=using)
+        transaction.on_commit(lambda: _tell(sender, overtaken), using=using)
     if overtaken.finished:
         transaction.on_commit(
             lambda: signals.send_batches_finished(overtaken.finished, using=using), using=using

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.db import transaction
 from django.utils import timezone
 
 from django_federation_delivery import addresses, availability, portable, retractions, tracing
@@ -203,15 +204,19 @@ def _queue(
     synchronize = _flag("synchronize_collection", opts.synchronize_collection)
     idempotency_key = checked_idempotency_key(opts.idempotency_key)
     gone = availability.unavailable_hosts(using=using) if targets else frozenset()
+    left_out: list[str] = []
     if gone:
-        targets, unavailable = _available(targets, gone)
-        skipped += unavailable
+        targets, left_out = _available(targets, gone)
+        skipped += [SkippedInbox(addresses.redact(inbox), UNAVAILABLE) for inbox in left_out]
     if skipped:
         _log_skipped(skipped, queued=len(targets))
     if not targets:
         # A retry whose inboxes have all been left out since (their host
         # marked unavailable, say) still returns the batch kept under its key.
-        return _kept(idempotency_key, skipped, using)
+        kept = _kept(idempotency_key, skipped, using)
+        if kept is None and left_out:
+            _overtake_left_out(sender, activity, left_out, using)
+        return kept
     most = app_settings.max_inboxes
     if len(targets) > most:
         kept = _kept(idempotency_key, skipped, using)
@@ -246,7 +251,9 @@ def _queue(
             using=using,
         )
         if retraction is not None and batch.created:
-            batch.superseded = retractions.overtake(batch, retraction, using=using)
+            batch.superseded = retractions.overtake(
+                sender, retraction, batch=batch, left_out=left_out, using=using
+            )
     batch.skipped = skipped
     return batch
 
@@ -377,16 +384,28 @@ UNAVAILABLE = "is on a host marked unavailable (no success for HOST_UNAVAILABLE_
 
 def _available(
     targets: list[queueing.Queued], gone: frozenset[str]
-) -> tuple[list[queueing.Queued], list[SkippedInbox]]:
-    """``targets`` but those on a host marked unavailable, and those, skipped."""
+) -> tuple[list[queueing.Queued], list[str]]:
+    """``targets`` but those on a host marked unavailable, and the inboxes of
+    those, left out."""
     kept = [queued for queued in targets if queued.host not in gone]
     if len(kept) == len(targets):
         return targets, []
-    return kept, [
-        SkippedInbox(addresses.redact(queued.inbox), UNAVAILABLE)
-        for queued in targets
-        if queued.host in gone
-    ]
+    return kept, [queued.inbox for queued in targets if queued.host in gone]
+
+
+def _overtake_left_out(
+    sender: str, activity: Mapping[str, Any], left_out: list[str], using: str
+) -> None:
+    """A retraction whose inboxes were all left out, their hosts marked
+    unavailable, queues nothing; what it overtakes there is superseded all
+    the same, or it would be sent once a host is seen again, and the
+    retraction never."""
+    retraction = retractions.retraction_of(activity, retractions.about(activity)[1])
+    if retraction is None:
+        return
+    # No savepoint, as a send's: the caller's transaction if one is open.
+    with transaction.atomic(using=using, savepoint=False):
+        retractions.overtake(sender, retraction, batch=None, left_out=left_out, using=using)
 
 
 def _log_skipped(skipped: list[SkippedInbox], *, queued: int) -> None:

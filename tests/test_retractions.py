@@ -14,12 +14,13 @@ from django.core.management import call_command
 from django.db import connection, transaction
 from django.utils import timezone
 
-from django_federation_delivery import send, send_batch, signals, store
+from django_federation_delivery import availability, send, send_batch, signals, store
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import id_array
-from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Status
 from django_federation_delivery.overview import overview
 from django_federation_delivery.retractions import about, retraction_of
+from django_federation_delivery.sending import UNAVAILABLE
 from django_federation_delivery.store.retractions import release_stranded
 
 from .conftest import Inbox
@@ -28,6 +29,8 @@ from .keys import ALICE, EDNA
 BOB = "https://b.example/users/bob"
 POST = f"{ALICE}/notes/1"
 A, B, C, D = (f"https://{name}.example/inbox" for name in "abcd")
+#: Two inboxes on h.example, a host the tests mark unavailable.
+H, H2 = "https://h.example/inbox", "https://h.example/u/2/inbox"
 
 
 def create(obj: Any = POST, n: int = 1) -> dict[str, Any]:
@@ -41,6 +44,12 @@ def delete(obj: Any = POST) -> dict[str, Any]:
 def row(batch: Batch | None, inbox: str) -> Delivery:
     assert batch is not None
     return Delivery.objects.get(batch=batch, inbox=inbox)
+
+
+def mark_unavailable(name: str) -> None:
+    now = timezone.now()
+    Host.objects.create(name=name, failing_since=now, unavailable_since=now)
+    availability.forget_known()
 
 
 @pytest.fixture
@@ -123,6 +132,52 @@ def test_a_delete_supersedes_what_was_never_tried_and_waits_on_what_was(
     out = StringIO()
     call_command("delivery_status", stdout=out)
     assert "superseded 24h" in out.getvalue()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_supersedes_what_was_never_tried_on_a_host_it_leaves_out(
+    settled: list[signals.Settled],
+) -> None:
+    # The Delete is not queued to a host marked unavailable; the Create, never
+    # tried there, once went when the host was seen again, and no Delete after.
+    first = send(ALICE, create(), [A, H, H2])
+    Delivery.objects.filter(batch=first, inbox=H2).update(attempts=1, last_status=503)
+    mark_unavailable("h.example")
+
+    retraction = send(ALICE, delete(), [A, H, H2])
+
+    assert retraction is not None and retraction.superseded == 2
+    assert [(s.inbox, s.reason) for s in retraction.skipped] == [
+        (H, UNAVAILABLE),
+        (H2, UNAVAILABLE),
+    ]
+    assert row(first, A).status == row(first, H).status == Status.SUPERSEDED
+    assert "deleted" in row(first, H).last_error
+    assert row(first, H2).status == Status.PENDING, "tried: left to its retries"
+    assert list(Delivery.objects.filter(batch=retraction).values_list("inbox", flat=True)) == [A]
+    assert sorted(s.inbox for s in settled) == [A, H]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_whose_inboxes_are_all_left_out_queues_nothing_and_still_supersedes(
+    settled: list[signals.Settled],
+) -> None:
+    finished: list[int] = []
+
+    def done(batch: Batch, **kwargs: Any) -> None:
+        finished.append(batch.pk)
+
+    first = send(ALICE, create(), [H, H2])
+    mark_unavailable("h.example")
+    signals.batch_finished.connect(done, weak=False)
+    try:
+        assert send(ALICE, delete(), [H, H2]) is None
+    finally:
+        signals.batch_finished.disconnect(done)
+    assert first is not None and Batch.objects.get() == first, "nothing queued"
+    assert row(first, H).status == row(first, H2).status == Status.SUPERSEDED
+    assert sorted(s.inbox for s in settled) == [H, H2]
+    assert finished == [first.pk]
 
 
 @pytest.mark.django_db(transaction=True)

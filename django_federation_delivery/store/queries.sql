@@ -287,6 +287,20 @@ WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS N
     AND inbox IN ({retraction_inboxes})
 RETURNING id, batch_id, inbox
 
+-- name: supersede_left_out [postgresql]
+-- The same at the inboxes %(inboxes)s the retraction was given but not
+-- queued to, their host marked unavailable (a list, a JSON one on SQLite):
+-- what was never attempted there is superseded all the same.
+{supersede}
+
+-- name: supersede_left_out [sqlite]
+UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
+    settled_at = %(now)s, last_error = %(reason)s
+WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
+    AND attempts = 0 AND (lease_token IS NULL OR due_at <= %(now)s)
+    AND inbox IN (SELECT value FROM json_each(%(inboxes)s))
+RETURNING id, batch_id, inbox
+
 -- name: attempted_before [postgresql]
 -- For each inbox of the retraction (%(inboxes)s, as supersede takes them),
 -- the last delivery of %(batches)s to it still pending (attempted, or held

@@ -9,13 +9,21 @@ by a claim is settled ``superseded``, unsent. One already attempted is left
 to its fate, and the retraction's delivery to that inbox waits on it, with
 no due time until it leaves the queue (:func:`release_stranded` frees it
 if it left while the retraction was being written).
+
+The inboxes the retraction was given but left out, their host marked
+unavailable, are looked at too: what was never attempted there is
+superseded all the same (or it would go, unretracted, once the host is seen
+again), and what was is left to its retries, with nothing of the
+retraction's to wait on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 from collections import Counter
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS
@@ -55,11 +63,12 @@ class Overtaken:
 
 
 def overtake(
-    batch_id: int,
+    batch_id: int | None,
     sender: str,
     *,
     object_id: str = "",
     activity_id: str = "",
+    left_out: Sequence[str] = (),
     reason: str,
     now: dt.datetime,
     using: str | None = None,
@@ -67,50 +76,66 @@ def overtake(
     """In the caller's transaction, after batch ``batch_id`` (the retraction)
     is written: supersede the deliveries of ``sender``'s batches about
     ``object_id`` (or of ``activity_id``) to its inboxes that were never
-    attempted, and make its deliveries wait on those that were."""
+    attempted, and make its deliveries wait on those that were. The same
+    deliveries to ``left_out``, inboxes it was not queued to, are superseded
+    too; ``batch_id`` is None when it was queued to none."""
     connection = connection_for(using or DEFAULT_DB_ALIAS)
     when = db_datetime(now, connection)
     with sql.on(connection) as db:
+        if batch_id is None:
+            # Nothing was written first: on SQLite the write lock is taken
+            # before the batches are read.
+            db.lock_for_writing()
+        # What it overtakes is every batch but its own; queued to none, it
+        # has none, and no batch has the id 0.
+        own = 0 if batch_id is None else batch_id
         if object_id:
-            found = db.all("batches_about", about=object_id, sender=sender, batch=batch_id)
+            found = db.all("batches_about", about=object_id, sender=sender, batch=own)
         else:
-            found = db.all("batches_of_activity", about=activity_id, sender=sender, batch=batch_id)
+            found = db.all("batches_of_activity", about=activity_id, sender=sender, batch=own)
         if not found:
             return Overtaken([], {}, 0, [])
         tags = {id: tag for id, tag in found}
         batches = db.ids(tags)
+        superseding = {
+            "batches": batches,
+            "superseded": str(Status.SUPERSEDED),
+            "now": when,
+            "reason": reason,
+        }
+        found_rows: list[tuple[int, int, str]] = []
+        if left_out:
+            given = list(left_out)
+            found_rows += db.all(
+                "supersede_left_out",
+                inboxes=given if db.postgresql else json.dumps(given),
+                **superseding,
+            )
         # On PostgreSQL the retraction's inboxes (and its deliveries' ids)
         # are read first and given as lists (see supersede in queries.sql);
         # SQLite reads them in each statement.
         mine: dict[str, int] = {}
         inboxes: dict[str, object] = {"batch": batch_id}
-        if db.postgresql:
-            mine = {inbox: id for id, inbox in db.all("inboxes_of", batch=batch_id)}
-            inboxes = {"inboxes": list(mine)}
-        rows = sorted(
-            SupersededRow(*row)
-            for row in db.all(
-                "supersede",
-                batches=batches,
-                superseded=str(Status.SUPERSEDED),
-                now=when,
-                reason=reason,
-                **inboxes,
-            )
-        )
+        if batch_id is not None:
+            if db.postgresql:
+                mine = {inbox: id for id, inbox in db.all("inboxes_of", batch=batch_id)}
+                inboxes = {"inboxes": list(mine)}
+            found_rows += db.all("supersede", **superseding, **inboxes)
+        rows = sorted(SupersededRow(*row) for row in found_rows)
         # Those queued after a superseded one in its sequence go on without
         # it (the retraction's own among them), before the retraction is
         # made to wait on what was attempted.
         release_next([row.id for row in rows], now, using)
-        if not db.postgresql:
+        # Queued to none, it has nothing to make wait.
+        waiting = 0
+        if batch_id is not None and not db.postgresql:
             waiting = db.run("wait_for_attempted", batches=batches, batch=batch_id)
-        else:
+        elif batch_id is not None:
             # Each of its deliveries, by id, with the one it is to wait on.
             waits = [
                 (mine[inbox], last)
                 for inbox, last in db.all("attempted_before", batches=batches, **inboxes)
             ]
-            waiting = 0
             if waits:
                 waiting = db.run(
                     "wait_for_attempted",
