@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_federation_delivery import controls, history
+from django_federation_delivery import controls, history, send, send_webhook
 from django_federation_delivery.admin import next_due
 from django_federation_delivery.models import (
     Batch,
@@ -28,7 +28,8 @@ from django_federation_delivery.models import (
 )
 
 from . import operators
-from .operators import open_breaker, queue, settle
+from .keys import ALICE
+from .operators import NOTE, open_breaker, queue, settle
 
 pytestmark = pytest.mark.django_db
 
@@ -298,9 +299,7 @@ def _fill(count: int) -> None:
     """``count`` deliveries in every state the page counts, over many hosts."""
     hosts = [f"h{n}.example" for n in range(8)]
     inboxes = [f"https://{hosts[n % len(hosts)]}/u{n}/inbox" for n in range(count)]
-    from django_federation_delivery import send
-
-    send(operators.ALICE, operators.NOTE, inboxes)
+    send(ALICE, NOTE, inboxes)
     now = timezone.now()
     ids = list(Delivery.objects.order_by("id").values_list("id", flat=True))
     quarter = len(ids) // 4
@@ -624,6 +623,88 @@ def test_filters_and_search(operator: Client) -> None:
     assert [row.key for row in breakers.result_list] == ["a.example"]
     assert operator.get(f"{url('host')}?paused=yes").context["cl"].result_count == 1
     assert operator.get(f"{url('host')}?q=C.EXAMPLE.").context["cl"].result_count == 1
+
+
+# Lookups: only the filters' and the pages' own.
+
+
+def test_a_viewer_cannot_tell_an_inbox_s_query_a_character_at_a_time(viewer: Client) -> None:
+    # Django allows any lookup on a model's own fields: with "1 delivery" or
+    # "0 deliveries" answering, ?inbox__startswith= would tell the token.
+    send(ALICE, NOTE, ["https://a.example/inbox?token=s3cret"])
+    for lookup in ("inbox__startswith", "inbox__contains", "inbox__gt", "via__icontains"):
+        for guess in "st":
+            response = viewer.get(
+                url("delivery"), {lookup: f"https://a.example/inbox?token={guess}"}
+            )
+            assert response.status_code == 400, (lookup, guess)
+            assert b"deliver" not in response.content
+
+
+def test_the_inbox_column_does_not_sort_by_the_secret_query(viewer: Client) -> None:
+    # Sorted by inbox, an inbox one can have queued (any remote actor's)
+    # would show whether another's token sorts before or after its own.
+    send(ALICE, NOTE, ["https://a.example/inbox?token=a"])
+    send(ALICE, NOTE, ["https://a.example/inbox?token=b"])
+    newest_first = list(Delivery.objects.order_by("-id").values_list("pk", flat=True))
+    response = viewer.get(url("delivery"), {"o": "2"})  # the inbox column
+    assert [row.pk for row in response.context["cl"].result_list] == newest_first
+    assert "sortable column-shown_inbox" not in response.content.decode()
+
+
+@pytest.mark.parametrize(
+    ("model", "lookup"),
+    [
+        ("delivery", "host__regex"),
+        ("delivery", "inbox__iregex"),
+        ("batch", "tag__regex"),
+        ("batch", "body__regex"),
+        ("host", "name__regex"),
+        ("host", "last_error__regex"),
+        ("breaker", "key__regex"),
+    ],
+)
+def test_a_lookup_no_page_makes_is_refused_not_a_database_error(
+    viewer: Client, model: str, lookup: str
+) -> None:
+    queue()
+    open_breaker("a.example")
+    Host.objects.create(name="a.example")
+    assert viewer.get(url(model), {lookup: "("}).status_code == 400
+
+
+def test_every_link_and_filter_the_pages_make_lists_rows(operator: Client, settings: Any) -> None:
+    # Each lookup the pages link to (the queues page, the destinations page,
+    # a batch's deliveries, each list's filters) is one the lists allow.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com/services/T0/B0/token"},
+    }
+    batch = queue(tag="greeting")
+    send_webhook("ops", "alert.raised", {"n": 1})
+    rows = list(batch.deliveries.order_by("id"))
+    settle(rows[0], Status.FAILED, last_status=500)
+    Delivery.objects.filter(pk=rows[1].pk).update(attempts=2, last_status=503)
+    open_breaker(rows[1].host)
+    controls.pause_host("b.example")
+    pages = [
+        url("delivery", "queues"),
+        url("delivery", "destinations"),
+        url("batch", "change", batch.pk),
+        url("delivery", "change", rows[0].pk),
+        *(url(model) for model in ("delivery", "batch", "breaker", "host")),
+    ]
+    followed = set()
+    for page in pages:
+        for href in re.findall(r'href="([^"]*\?[^"]*)"', html(operator, page)):
+            link = page.split("?")[0] + href if href.startswith("?") else href
+            link = link.replace("&amp;", "&")
+            if link.startswith("/admin/federation_delivery/") and link not in followed:
+                followed.add(link)
+                html(operator, link)
+    linked = {re.sub(r"=[^&]*", "", link.partition("?")[2]) for link in followed}
+    for made in ("batch__id__exact", "host&status__exact", "destination&status__exact", "queue"):
+        assert any(made in lookups for lookups in linked), made
 
 
 def test_a_body_that_is_not_json_is_shown_as_it_is(operator: Client) -> None:

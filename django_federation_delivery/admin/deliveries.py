@@ -170,6 +170,8 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     # credential, which a search could be made to tell a character at a time.
     search_fields = ("host", "destination", "batch__sender", "batch__tag", "batch__event_type")
     list_select_related = ("batch",)
+    # A batch's page links to its deliveries.
+    linked_lookups = ("batch__id__exact",)
     ordering = ("-id",)
     actions = ("requeue", "give_up", "pause_hosts")
     fieldsets = (
@@ -251,8 +253,11 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     def enable_destination_view(self, request: HttpRequest) -> HttpResponseRedirect:
         return enable_destination(self, request)
 
-    # An inbox's query may be a credential: the admin shows none (see addresses.redact).
-    @admin.display(description=_("inbox"), ordering="inbox")
+    # An inbox's query may be a credential: the admin shows none (see
+    # addresses.redact), and does not sort by it either, as the place of an
+    # inbox whose URL one chose (any remote actor's) would tell whether
+    # another's query sorts before or after it, a character at a time.
+    @admin.display(description=_("inbox"))
     def shown_inbox(self, obj: Delivery) -> str:
         return redact(obj.inbox)
 
