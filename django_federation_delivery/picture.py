@@ -6,9 +6,10 @@ breaker and failures in a row, a pause, the scheme it accepts, its answer
 times, the limit it is sent at and its rest (as the deliverers last wrote
 them, see ``hoststats.py``), what is pending for it, what was delivered,
 failed and superseded over the last 24 hours, and its last error
-(redacted). Read by
-the admin's host page and ``delivery_status --host``, in a few indexed
-queries. And the hosts in the order of their trouble (:data:`TROUBLE`).
+(redacted). Read by ``delivery_status --host``, which names a host in any
+form, and by the admin's host page, by the row's name exactly as it is kept
+(:func:`kept_host_picture`), in a few indexed queries. And the hosts in the
+order of their trouble (:data:`TROUBLE`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "TROUBLES",
     "HostPicture",
     "host_picture",
+    "kept_host_picture",
     "milliseconds",
     "resting_until",
 ]
@@ -108,6 +110,19 @@ def host_picture(
     name = host_named(name)
     if not name:
         return None
+    return kept_host_picture(name, now=now, using=using)
+
+
+def kept_host_picture(
+    name: str, *, now: dt.datetime | None = None, using: str | None = None
+) -> HostPicture | None:
+    """The picture of the host named ``name`` exactly as rows keep it (a
+    ``Host`` row's name, whatever it holds), or None as for
+    :func:`host_picture`. Never read again as a canonical name: a row an
+    older version or a host project wrote (``Victim.Example.``) would be
+    pictured with another host's breaker and counts."""
+    if "\x00" in name:
+        return None  # no row holds it (PostgreSQL's text cannot): never asked
     alias = using or DEFAULT_DB_ALIAS
     now = now or timezone.now()
     host = Host.objects.using(alias).filter(name=name).annotate(trouble=TROUBLE).first()

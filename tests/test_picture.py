@@ -11,6 +11,7 @@ from io import StringIO
 from typing import Any
 
 import pytest
+from django.contrib.admin.utils import quote
 from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -302,3 +303,30 @@ def test_the_hosts_list_puts_the_most_troubled_first_and_a_host_page_shows_it_al
     assert "48 ms" in page and "48.09" not in page
     detail = html(client, url("host", "change", "c-failing-lately.example"))
     assert "44 ms" in detail and "48 ms" in detail and "44.4" not in detail
+
+
+def shown_field(page: str, name: str) -> str:
+    found = re.search(rf'field-{name}\b.*?<div class="readonly">(.*?)</div>', page, re.S)
+    assert found is not None, name
+    return found.group(1)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("kept", ["Victim.Example.", "victim.example:443"])
+def test_a_host_page_pictures_its_row_by_the_name_it_keeps(kept: str) -> None:
+    # A row named as no send names a host (an older version's, a host
+    # project's) is that row's page, never another host's picture.
+    send(ALICE, NOTE, ["https://victim.example/inbox"])
+    Delivery.objects.update(status=Status.DELIVERED, settled_at=timezone.now(), due_at=None)
+    Breaker.objects.create(
+        key="victim.example", failures=7, open_until=timezone.now() + dt.timedelta(minutes=5)
+    )
+    Host.objects.create(name="victim.example")
+    Host.objects.create(name=kept)
+    client = login("operator")
+    victim = html(client, url("host", "change", "victim.example"))
+    assert shown_field(victim, "breaker") == "open (7)"
+    assert "delivered 1" in shown_field(victim, "last_day")
+    page = html(client, url("host", "change", quote(kept)))
+    assert shown_field(page, "breaker") == "closed (0)"
+    assert "delivered 0" in shown_field(page, "last_day")

@@ -33,7 +33,7 @@ from django_federation_delivery.picture import (
     TROUBLE,
     TROUBLES,
     HostPicture,
-    host_picture,
+    kept_host_picture,
     milliseconds,
     resting_until,
 )
@@ -138,9 +138,10 @@ def hosts_of(breakers: QuerySet[Breaker]) -> list[str]:
 
 
 def pictured(obj: Host) -> HostPicture | None:
-    """The host's picture, read once for the fields of its page."""
+    """The host's picture, read once for the fields of its page: by the
+    row's name exactly, never made canonical, which could name another host."""
     if not hasattr(obj, "_fd_picture"):
-        obj._fd_picture = host_picture(obj.name)  # type: ignore[attr-defined]
+        obj._fd_picture = kept_host_picture(obj.name)  # type: ignore[attr-defined]
     return obj._fd_picture  # type: ignore[attr-defined,no-any-return]
 
 
