@@ -11,15 +11,18 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.auth.models import User
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
 from django.utils import timezone
 
 from django_federation_delivery import send_webhook, signals
 from django_federation_delivery.deliverer import Deliverer
-from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Status
+from django_federation_delivery.webhooks import life
 
 from .conftest import Inbox, Received
 from .operators import queue, settle
@@ -416,3 +419,28 @@ def test_an_activity_delivery_shows_no_destination_or_event(operator: Client) ->
     page = html(operator, url("delivery", "change", delivery.pk))
     assert "field-destination" not in page and "field-event_id" not in page
     assert '<td class="field-event">—</td>' in html(operator, url("delivery"))
+
+
+@pytest.mark.django_db
+def test_enabling_a_destination_again_needs_the_change_permission_on_hosts(
+    settings: Any,
+) -> None:
+    # Enabling resumes the destination's Host row, as the hosts' Resume
+    # action does: it needs what that action needs.
+    configure(settings, {"ops": SLACK})
+    send_webhook("ops", "alert.raised", {"n": 0})
+    life.disable("ops", "the receiver answered 410 Gone")
+    pages = (url("delivery", "queues"), url("delivery", "destinations"))
+    enable = reverse("admin:federation_delivery_delivery_enable_destination")
+    deliveries_only = login("deliveries_only", ("view", "change_delivery"))
+    resume = {"action": "resume", ACTION_CHECKBOX_NAME: ["<ops>"], "index": "0"}
+    assert deliveries_only.post(url("host"), resume).status_code == 403
+    for page in pages:
+        assert "Enable again" not in html(deliveries_only, page), page
+    assert deliveries_only.post(enable, {"name": "ops"}).status_code == 403
+    assert Host.objects.get(name="<ops>").paused_at is not None
+    hosts = login("hosts", ("view", "change_host"))
+    for page in pages:
+        assert "Enable again" in html(hosts, page), page
+    assert hosts.post(enable, {"name": "ops"}).status_code == 302
+    assert Host.objects.get(name="<ops>").paused_at is None

@@ -4,7 +4,8 @@ Rows are read-only here: no add, no edit, no delete, as a hand-edited row
 would bypass the queue's bookkeeping (a batch's count of what remains, the
 signals). An operator acts through the actions, which call ``controls``, and
 each action needs the change permission of what it changes: requeueing and
-giving up need ``change_delivery``, pausing and resuming ``change_host``,
+giving up need ``change_delivery``, pausing and resuming ``change_host`` (and
+so does enabling a webhook destination again, which resumes its host row),
 resetting a breaker ``change_breaker``.
 """
 

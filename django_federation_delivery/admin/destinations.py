@@ -15,8 +15,8 @@ from django.utils.text import Truncator
 from django.utils.translation import gettext
 
 from django_federation_delivery import overview
-from django_federation_delivery.admin.base import changelist_url, next_due
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.admin.base import can, changelist_url, next_due
+from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.webhooks import life
 from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
 
@@ -78,8 +78,10 @@ def destination_rows(site: admin.AdminSite, now: dt.datetime | None = None) -> l
 def enable_destination(
     model_admin: admin.ModelAdmin[Delivery], request: HttpRequest
 ) -> HttpResponseRedirect:
-    """POST ``name``: enable that destination again; its events go, in order."""
-    if request.method != "POST" or not model_admin.has_change_permission(request):
+    """POST ``name``: enable that destination again; its events go, in order.
+    It resumes the destination's ``Host`` row, as the hosts' Resume action
+    does: it needs what that action needs, the change permission on hosts."""
+    if request.method != "POST" or not can_enable(request):
         raise PermissionDenied
     name = request.POST.get("name", "")
     if not any(status.name == name for status in destination_status()):
@@ -90,6 +92,11 @@ def enable_destination(
     return HttpResponseRedirect(
         reverse("admin:federation_delivery_delivery_destinations", current_app=site.name)
     )
+
+
+def can_enable(request: HttpRequest) -> bool:
+    """Whether the user may enable a destination again (and is offered to)."""
+    return can(request, "change", Host)
 
 
 def destinations_page(
@@ -104,7 +111,7 @@ def destinations_page(
     now = timezone.now()
     context = {
         **site.each_context(request),
-        "can_enable": model_admin.has_change_permission(request),
+        "can_enable": can_enable(request),
         "enable_url": reverse(
             "admin:federation_delivery_delivery_enable_destination", current_app=site.name
         ),

@@ -15,7 +15,7 @@ from django.utils.translation import gettext
 
 from django_federation_delivery import charts, history, overview
 from django_federation_delivery.admin.base import changelist_url
-from django_federation_delivery.admin.destinations import destination_rows
+from django_federation_delivery.admin.destinations import can_enable, destination_rows
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
 from django_federation_delivery.overview import BREAKER_STATES
 
@@ -67,7 +67,7 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
             "admin:federation_delivery_delivery_destinations", current_app=site.name
         ),
         "destinations": destination_rows(site, status.at),
-        "can_enable": model_admin.has_change_permission(request),
+        "can_enable": can_enable(request),
         "enable_url": reverse(
             "admin:federation_delivery_delivery_enable_destination", current_app=site.name
         ),
