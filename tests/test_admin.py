@@ -113,6 +113,32 @@ def test_a_delivery_shows_its_body_pretty_printed_and_read_only(operator: Client
     assert "fd-body" not in html(operator, url("delivery"))
 
 
+@pytest.mark.parametrize(
+    "via",
+    [5, {"https://gw.example/?token=s3cret": 1}, [1, 2], "https://gw.example/?token=s3cret"],
+    ids=["a number", "an object", "a list of numbers", "a string"],
+)
+def test_a_delivery_whose_stored_gateways_are_not_a_list_of_urls_shows_its_page(
+    operator: Client, via: Any
+) -> None:
+    # Written by hand: the loop fails it alone, saying so; its page says the same.
+    delivery = queue(hosts=["a.example"], per_host=1).deliveries.get()
+    Delivery.objects.filter(pk=delivery.pk).update(via=via)
+    page = html(operator, url("delivery", "change", delivery.pk))
+    shown = page.split("field-shown_via")[1].split("</div>\n")[0]
+    assert "its stored gateways (via) are not a list of URLs" in shown
+    assert "s3cret" not in page
+
+
+def test_a_delivery_shows_its_gateways_redacted(operator: Client) -> None:
+    delivery = queue(hosts=["a.example"], per_host=1).deliveries.get()
+    gateways = ["https://gw.example/inbox?token=s3cret", "https://gw2.example/inbox"]
+    Delivery.objects.filter(pk=delivery.pk).update(via=gateways)
+    page = html(operator, url("delivery", "change", delivery.pk))
+    assert "https://gw.example/inbox, https://gw2.example/inbox" in page
+    assert "s3cret" not in page
+
+
 def test_the_change_form_of_a_row_cannot_be_posted(operator: Client) -> None:
     delivery = queue().deliveries.first()
     assert delivery is not None

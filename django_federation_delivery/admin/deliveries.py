@@ -33,6 +33,7 @@ from django_federation_delivery.admin.destinations import destinations_page, ena
 from django_federation_delivery.admin.queues import queues_page
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Breaker, Delivery, Kind, Status
+from django_federation_delivery.store.claims import BAD_GATEWAYS
 from django_federation_delivery.webhooks.destinations import configured, delivery_key
 
 if TYPE_CHECKING:
@@ -279,7 +280,15 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
 
     @admin.display(description=_("via"))
     def shown_via(self, obj: Delivery) -> str:
-        return ", ".join(redact(url) for url in obj.via or ())
+        via: Any = obj.via
+        if via is None:
+            return ""
+        # Written by hand as anything but a list of URLs (a number, an
+        # object, whose keys are no gateways): shown as the loop says it
+        # when it fails the row, not iterated.
+        if not isinstance(via, list) or not all(isinstance(url, str) for url in via):
+            return BAD_GATEWAYS
+        return ", ".join(redact(url) for url in via)
 
     @admin.display(description=_("sender"), ordering="batch__sender")
     def sender(self, obj: Delivery) -> str:
