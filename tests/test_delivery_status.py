@@ -6,9 +6,11 @@ import datetime as dt
 import io
 import json
 import re
+from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
 from django.utils import timezone
 
 from django_federation_delivery import controls, hosts, overview
@@ -239,6 +241,44 @@ def heartbeat(seconds_ago: float, *, pid: int, host: str = "worker-1") -> Delive
         in_flight=3,
         rate=2.5,
     )
+
+
+#: "a\xff.example" as bytes, not text: a column SQLite keeps as a BLOB,
+#: written by hand (whatever a column's type, SQLite keeps what it is given).
+BLOB = "X'61ff2e6578616d706c65'"
+
+
+@pytest.mark.parametrize(
+    ("table", "column", "where", "args"),
+    [
+        ("delivery", "host", "attempts > 0", ()),
+        ("breaker", "key", "open_until IS NOT NULL", ()),
+        ("delivererheartbeat", "host", "pid = 1111", ()),
+        ("delivererheartbeat", "version", "pid = 1111", ()),
+        ("host", "last_error", "name = 'd.example'", ("--host", "d.example")),
+    ],
+)
+def test_delivery_status_shows_a_column_sqlite_keeps_as_a_blob_as_bytes(
+    busy: dict[str, int], table: str, column: str, where: str, args: tuple[str, ...]
+) -> None:
+    if connection.vendor != "sqlite":
+        pytest.skip("only SQLite keeps a BLOB in a text column")
+    heartbeat(1, pid=1111)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE federation_delivery_{table} SET {column} = {BLOB} WHERE {where}")
+    # As bytes, in the tables and the JSON alike: never as text it is not.
+    shown = "b'a\\xff.example'"
+    assert shown in run(*args)
+    assert shown in strings(json.loads(run(*args, "--json")))
+
+
+def strings(value: Any) -> list[str]:
+    """Every string a JSON document holds."""
+    if isinstance(value, dict):
+        return [text for item in value.values() for text in strings(item)]
+    if isinstance(value, list):
+        return [text for item in value for text in strings(item)]
+    return [value] if isinstance(value, str) else []
 
 
 def test_delivery_status_lists_the_live_deliverers_and_warns_last_when_none_is() -> None:

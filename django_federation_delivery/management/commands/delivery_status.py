@@ -70,6 +70,21 @@ def _when(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "—"
 
 
+def _json(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, default=_bytes_shown)
+
+
+def _bytes_shown(value: Any) -> str:
+    """``json.dumps``'s hook for what JSON has no type for: a column SQLite
+    keeps as a BLOB (written by hand: the package writes text) is read as
+    bytes. Given as the tables show it (``b'a.example'``), escaped, not
+    decoded: the row holds no such text, which a script would take for a
+    host's name."""
+    if isinstance(value, bytes):
+        return escaped(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, numeric: int = 1) -> str:
     """Columns padded to their widest cell; those from ``numeric`` on right-aligned."""
     cells = [list(map(escaped, headers)), *([escaped(cell) for cell in row] for row in rows)]
@@ -378,7 +393,7 @@ class Command(TranslatedCommand):
                     _("no host named %(host)s has been sent to") % {"host": quoted(options["host"])}
                 )
             if options["json"]:
-                self.stdout.write(json.dumps(picture.as_json(), indent=2))
+                self.stdout.write(_json(picture.as_json()))
             else:
                 self.stdout.write(render_host(picture))
             return
@@ -387,7 +402,7 @@ class Command(TranslatedCommand):
         if options["json"]:
             document = status.as_json()
             document["webhook_destinations"] = [d.as_json() for d in destinations]
-            self.stdout.write(json.dumps(document, indent=2))
+            self.stdout.write(_json(document))
         else:
             self.stdout.write(render(status, destinations))
 
