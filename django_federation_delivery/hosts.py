@@ -39,12 +39,16 @@ def paused_hosts(among: Iterable[str] | None = None, *, using: str | None = None
 def pause_host(host: str, *, using: str | None = None) -> int:
     """Hold a host's deliveries, unsent and not failed: they have no due time
     until :func:`resume_host`. Returns how many were held now; those in
-    flight finish, and any retry of theirs is held when it comes due."""
+    flight finish, and any retry of theirs is held when it comes due.
+
+    An operator's pause, with no reason: a webhook destination's reason for
+    being disabled (``webhooks/life.py``) is not kept beside it, so that the
+    pause never reads as the deliverer's."""
     alias = using or DEFAULT_DB_ALIAS
     with transaction.atomic(using=alias):
         write_first(alias)  # on SQLite, before update_or_create reads the row
         Host.objects.using(alias).update_or_create(
-            name=host, defaults={"paused_at": timezone.now()}
+            name=host, defaults={"paused_at": timezone.now(), "disabled_reason": ""}
         )
         return hold(host, using=alias)
 
@@ -61,11 +65,17 @@ def hold(host: str, *, using: str | None = None) -> int:
 
 
 def resume_host(host: str, *, using: str | None = None) -> int:
-    """Make a paused host's held deliveries due now. Returns how many."""
+    """Make a paused host's held deliveries due now. Returns how many.
+
+    A disabled webhook destination's reason goes with its pause, however it
+    is resumed (enabled again, or from the hosts' list): kept, it would be
+    read as the reason of any later pause."""
     alias = using or DEFAULT_DB_ALIAS
     now = timezone.now()
     with transaction.atomic(using=alias):
-        Host.objects.using(alias).filter(name=host).update(paused_at=None, updated_at=now)
+        Host.objects.using(alias).filter(name=host).update(
+            paused_at=None, disabled_reason="", updated_at=now
+        )
         released = (
             Delivery.objects.using(alias)
             .filter(host=host, status=Status.PENDING, due_at__isnull=True, after__isnull=True)

@@ -21,8 +21,10 @@ from django.utils import timezone
 
 from django_federation_delivery import send_webhook, signals
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.management.commands.delivery_status import destinations_check
 from django_federation_delivery.models import Batch, Delivery, Host, Status
 from django_federation_delivery.webhooks import life
+from django_federation_delivery.webhooks.status import destination_status
 
 from .conftest import Inbox, Received
 from .operators import queue, settle
@@ -444,3 +446,22 @@ def test_enabling_a_destination_again_needs_the_change_permission_on_hosts(
         assert "Enable again" in html(hosts, page), page
     assert hosts.post(enable, {"name": "ops"}).status_code == 302
     assert Host.objects.get(name="<ops>").paused_at is None
+
+
+@pytest.mark.django_db
+def test_a_destination_resumed_from_the_hosts_list_and_paused_again_reads_as_paused(
+    operator: Client, settings: Any
+) -> None:
+    # Resumed as any host is, a disabled destination keeps no reason of its
+    # own: an operator's pause later is no 410.
+    configure(settings, {"ops": SLACK})
+    send_webhook("ops", "alert.raised", {"n": 0})
+    life.disable("ops", "the receiver answered 410 Gone")
+    act(operator, "host", "resume", ["<ops>"])
+    [ops] = destination_status()
+    assert (ops.disabled, ops.disabled_reason) == (False, "")
+    act(operator, "host", "pause", ["<ops>"])
+    [ops] = destination_status()
+    assert ops.state(timezone.now()).startswith("paused by an operator ")
+    code, line = destinations_check(using="default")
+    assert code == 2 and "ops: paused" in line and "410" not in line

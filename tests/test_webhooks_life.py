@@ -19,7 +19,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_federation_delivery import send_webhook, signals
+from django_federation_delivery import hosts, send_webhook, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
@@ -245,6 +245,17 @@ def test_staff_enable_a_disabled_destination_from_the_admin_and_viewers_cannot(
     ]
     assert not Host.objects.filter(paused_at__isnull=False).exists()
     assert client.post(enable, {"name": "nobody"}).status_code == 403
+
+
+def test_an_operator_s_pause_keeps_no_reason_a_disabled_destination_had(settings: Any) -> None:
+    # A reason left on a row resumed before resuming cleared it: the pause
+    # an operator makes now is theirs, not the deliverer's.
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    Host.objects.create(name="<ops>", disabled_reason="the receiver answered 410 Gone")
+    hosts.pause_host("<ops>")
+    [ops] = destination_status()
+    assert ops.disabled and ops.disabled_reason == ""
+    assert ops.state(timezone.now()).startswith("paused by an operator ")
 
 
 def test_enable_webhook_names_an_unknown_destination(settings: Any) -> None:

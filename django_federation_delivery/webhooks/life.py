@@ -81,7 +81,8 @@ def enable(name: str, *, using: str | None = None) -> int:
     alias = using or DEFAULT_DB_ALIAS
     key = delivery_key(name)
     with transaction.atomic(using=alias):
-        Host.objects.using(alias).filter(name=key).update(disabled_reason="", failing_since=None)
+        # Its reason for being disabled goes with the pause (resume_host).
+        Host.objects.using(alias).filter(name=key).update(failing_since=None)
         released = hosts.resume_host(key, using=alias)
         # The first in line may have a retry of its own to wait for (it was
         # in flight when the destination was disabled): due now too.
