@@ -4,9 +4,10 @@ Claimed deliveries are sorted as they come: one whose batch's deadline has
 passed is settled unsent, one SKIP_IF drops is settled skipped, one to a
 paused host is put back to wait for the host, and a webhook to a destination
 no longer configured is given up; one that cannot be sent as it is stored
-(its kind or its gateways written by hand) is failed by itself; the rest are
-made ready to send. As each is handed to a worker, the destination's circuit
-breaker may hold it (:meth:`Triage.admit`).
+(its kind or its gateways written by hand), or whose kind fails to make its
+job, is failed by itself; the rest are made ready to send. As each is handed
+to a worker, the destination's circuit breaker may hold it
+(:meth:`Triage.admit`).
 """
 
 from __future__ import annotations
@@ -89,7 +90,15 @@ class Triage:
             if row.host in paused:
                 self.outbox.add(kind.settler(row).paused(row))
                 continue
-            item = InFlight(claimed=row, batch=batch, kind=kind, job=kind.job(row, batch))
+            try:
+                job = kind.job(row, batch)
+            except Exception as exc:
+                # Whatever made it fail is this row's: the rows claimed with
+                # it go on. Its type alone is told, as the message of an
+                # error about a webhook may hold its URL, the credential.
+                self._fail_alone(row, batch, kind, _job_failed(exc))
+                continue
+            item = InFlight(claimed=row, batch=batch, kind=kind, job=job)
             if self.breakers is not None:
                 item.breaker = self.breakers.settings.key(row.host, row.inbox)
             ready.append(item)
@@ -99,10 +108,11 @@ class Triage:
         self, row: claims.Claimed, batch: BatchInfo, kind: DeliveryKind, error: str
     ) -> None:
         """Fail ``row`` for good, unsent: it can never be sent as it is stored
-        (a row changed by hand). It alone: the rows claimed with it go on, and
-        it is written under the claim's token, so that it leaves the queue
-        rather than come due again each lease. ``error`` quotes none of its
-        URLs (which may hold a token): it is logged and kept as it is."""
+        (a row changed by hand, or one its kind cannot make a job of). It
+        alone: the rows claimed with it go on, and it is written under the
+        claim's token, so that it leaves the queue rather than come due again
+        each lease. ``error`` quotes none of its URLs (which may hold a
+        token): it is logged and kept as it is."""
         logger.warning("Delivery %d cannot be sent and is failed: %s", row.id, error)
         settler = kind.settler(row)
         settler.abandoned(row, batch, None, error)
@@ -128,3 +138,9 @@ class Triage:
         if decision is not Decision.HOLD:
             return None
         return held(item.job, f"held: the circuit breaker for {item.breaker} is open", hold_for)
+
+
+def _job_failed(exc: Exception) -> str:
+    """Why a row whose kind could not make its job is failed: the error's
+    type, never its message (which may quote a webhook's URL)."""
+    return f"its job could not be made: {type(exc).__name__}"

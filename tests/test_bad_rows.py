@@ -4,17 +4,21 @@ rows claimed beside it."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.db import connection
 
-from django_federation_delivery import send, signals
+from django_federation_delivery import send, send_webhook, signals
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.kinds import unknown_kind
 from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 
 from .conftest import Inbox, RunningDeliverer, wait_until
 from .keys import ALICE
@@ -23,6 +27,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 NOTE = {"@context": "https://www.w3.org/ns/activitystreams", "type": "Create", "actor": ALICE}
 BAD_GATEWAYS = "its stored gateways (via) are not a list of URLs"
+SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
 
 
 @pytest.fixture
@@ -194,3 +199,72 @@ def test_on_sqlite_a_column_stored_as_a_blob_settles_its_row_alone_and_the_loop_
     assert row(good).status == Status.DELIVERED
     expected = ["/bad", "/good"] if outcome == Status.DELIVERED else ["/good"]
     assert sorted(inbox.paths()) == expected
+
+
+def deep_event(depth: int) -> str:
+    """A stored event whose data is 0 in ``depth`` lists, as no send writes it."""
+    data = "[" * depth + "0" + "]" * depth
+    return (
+        '{"type":"alert.raised","id":"e1","timestamp":"2025-01-01T00:00:00Z","data":{"d":'
+        + data
+        + "}}"
+    )
+
+
+@pytest.mark.parametrize("depth", [960, 100_000], ids=["past the loop's stack", "past any"])
+def test_a_stored_event_nested_too_deeply_fails_alone_and_the_loop_goes_on(
+    inbox: Inbox, settings: Any, failures: list[signals.Failure], depth: int
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": f"http://127.0.0.1:{inbox.port}/hook?secret={SECRET}"},
+        "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.0/8"],
+    }
+    bad = send_webhook("ops", "alert.raised", {"d": 0})
+    assert bad is not None
+    good = send(ALICE, NOTE, [inbox.url("/good")])
+    # Read one level deeper than it was written, by a loop already deep in
+    # its stack: a RecursionError nothing caught stopped the loop each start.
+    Batch.objects.filter(id=bad.id).update(body=deep_event(depth))
+
+    Deliverer().run(drain=True, stop_after=10)
+
+    failed = row(bad)
+    said = f"the stored event of batch {bad.id} cannot be read"
+    assert (failed.status, failed.attempts, failed.last_error) == (Status.REFUSED, 1, said)
+    assert row(good).status == Status.DELIVERED
+    assert inbox.paths() == ["/good"]
+
+
+def test_a_job_that_cannot_be_made_fails_its_row_alone_naming_only_the_error_type(
+    inbox: Inbox,
+    settings: Any,
+    failures: list[signals.Failure],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": f"http://127.0.0.1:{inbox.port}/hook?secret={SECRET}"},
+        "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.0/8"],
+    }
+    bad = send_webhook("ops", "alert.raised", {"n": 1})
+    assert bad is not None
+    good = send(ALICE, NOTE, [inbox.url("/good")])
+
+    def broken(self: Any, batch: Any) -> Any:
+        raise RuntimeError(f"cannot reach http://127.0.0.1:{inbox.port}/hook?secret={SECRET}")
+
+    with (
+        mock.patch.object(WebhookDeliveries, "_event", broken),
+        caplog.at_level(logging.WARNING, logger="django_federation_delivery.deliverer"),
+    ):
+        Deliverer().run(drain=True, stop_after=10)
+
+    failed = row(bad)
+    said = "its job could not be made: RuntimeError"
+    assert (failed.status, failed.attempts, failed.last_error) == (Status.FAILED, 0, said)
+    assert row(good).status == Status.DELIVERED
+    assert inbox.paths() == ["/good"]
+    assert [(f.delivery_id, f.error) for f in failures] == [(failed.id, said)]
+    shown = " ".join(r.getMessage() for r in caplog.records)
+    assert said in shown and SECRET[6:] not in shown and "/hook" not in shown

@@ -281,6 +281,41 @@ def test_an_event_id_that_cannot_be_a_header_is_refused(event_id: Any) -> None:
         event(event_id=event_id)
 
 
+#: How deep an event's data may be nested, as the README says.
+MAX_DEPTH = 100
+
+
+def nested(depth: int) -> list[object]:
+    """0 in ``depth`` lists."""
+    value: list[object] = [0]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def test_data_nested_past_the_bound_is_refused_naming_the_depth() -> None:
+    assert event({"d": nested(MAX_DEPTH - 1)}).data == {"d": nested(MAX_DEPTH - 1)}
+    assert event(nested(MAX_DEPTH)).data == nested(MAX_DEPTH)
+    # Written, and read back one level deeper by a loop already deep in its
+    # stack, it raised a RecursionError there, at every start.
+    for data in ({"d": nested(MAX_DEPTH)}, {"d": nested(960)}, nested(100_000)):
+        with pytest.raises(InvalidDelivery) as raised:
+            event(data)
+        assert str(raised.value).startswith(
+            f"The data of event 'alert.raised' is nested more than {MAX_DEPTH} levels deep"
+        )
+
+
+def test_a_stored_event_nested_past_what_json_reads_is_not_one() -> None:
+    stored = event({"d": 0}).as_json()
+    deep = stored.replace(b'{"d":0}', b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(InvalidDelivery, match=r"^not a stored event: RecursionError$"):
+        Event.read(deep)
+    deep = stored.replace(b'{"d":0}', b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1))
+    with pytest.raises(InvalidDelivery, match="nested more than"):
+        Event.read(deep)
+
+
 def test_a_naive_timestamp_is_refused() -> None:
     with pytest.raises(InvalidDelivery, match="aware datetime"):
         event(timestamp=datetime.datetime(2025, 1, 1))

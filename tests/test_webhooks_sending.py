@@ -7,10 +7,11 @@ import threading
 from typing import Any
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
-from django_federation_delivery import InvalidDelivery, send_webhook
+from django_federation_delivery import InvalidDelivery, asend_webhook, send_webhook
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.webhooks import Event
 
@@ -148,6 +149,24 @@ def test_an_event_over_webhook_max_bytes_is_refused_naming_its_size_and_the_limi
 def test_a_destination_that_is_not_a_name_is_refused(destination: Any) -> None:
     with pytest.raises(InvalidDelivery, match="destination"):
         send_webhook(destination, "alert.raised", {})
+    assert nothing_written()
+
+
+def nested(depth: int) -> list[object]:
+    """0 in ``depth`` lists."""
+    value: list[object] = [0]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.django_db(transaction=True)
+def test_data_nested_too_deeply_is_refused_sync_and_async_and_nothing_written() -> None:
+    said = r"The data of event 'alert\.raised' is nested more than \d+ levels deep"
+    with pytest.raises(InvalidDelivery, match=said):
+        send_webhook("ops", "alert.raised", {"d": nested(960)})
+    with pytest.raises(InvalidDelivery, match=said):
+        async_to_sync(asend_webhook)("ops", "alert.raised", {"d": nested(960)})
     assert nothing_written()
 
 

@@ -17,13 +17,20 @@ from typing import Any
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.exceptions import InvalidDelivery
 
-__all__ = ["Event", "colliding_key", "compact_json"]
+__all__ = ["MAX_DEPTH", "Event", "colliding_key", "compact_json", "nested_deeper"]
 
 # An event type names a template, so it is a plain dotted name: "alert.raised".
 _EVENT_TYPE = re.compile(r"[A-Za-z0-9_]+(?:[.-][A-Za-z0-9_]+)*")
 _EVENT_TYPE_LENGTH = 100
 # The id travels in a header and in the signed content.
 _EVENT_ID = re.compile(r"[\x21-\x7e]{1,200}")
+#: How many arrays and objects an event's data may hold one inside another.
+#: Fixed, and far below the interpreter's recursion limit: the encoder and
+#: the decoder recurse once a level, and the loop reads a stored event back
+#: one level deeper than it was written (in its document), from deep in its
+#: own stack. Bounded by that limit alone, data a send could write was data
+#: the loop could not read, at every start.
+MAX_DEPTH = 100
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,16 @@ class Event:
             )
         try:
             compact_json(data)
+        except RecursionError:
+            raise _too_deep(event_type) from None
         # ValueError: NaN or infinity, a circular reference, a lone surrogate.
-        except (TypeError, ValueError, RecursionError) as exc:
+        except (TypeError, ValueError) as exc:
             raise InvalidDelivery(
                 f"The data of event {event_type!r} cannot be written as JSON: {exc}"
             ) from None
+        # Once written, so that what is walked is neither circular nor endless.
+        if nested_deeper(data, MAX_DEPTH):
+            raise _too_deep(event_type)
         collision = colliding_key(data)
         if collision is not None:
             key, path = collision
@@ -85,7 +97,9 @@ class Event:
             document = json.loads(body)
             timestamp = datetime.datetime.fromisoformat(document["timestamp"])
             return cls.of(document["type"], document["id"], timestamp, document["data"])
-        except (ValueError, TypeError, KeyError) as exc:
+        # RecursionError: nested past what the decoder reads from here, which
+        # no send wrote (MAX_DEPTH), but a body changed by hand may be.
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
             if isinstance(exc, InvalidDelivery):
                 raise
             raise InvalidDelivery(f"not a stored event: {type(exc).__name__}") from None
@@ -99,6 +113,13 @@ class Event:
             "data": self.data,
         }
         return compact_json(document)
+
+
+def _too_deep(event_type: str) -> InvalidDelivery:
+    return InvalidDelivery(
+        f"The data of event {event_type!r} is nested more than {MAX_DEPTH} levels deep "
+        f"(arrays and objects one inside another)."
+    )
 
 
 def compact_json(value: Any) -> bytes:
@@ -148,6 +169,32 @@ def colliding_key(value: Any) -> tuple[str, str] | None:
                 if type(member) not in leaves:
                     append(member)
     return None
+
+
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` holds arrays and objects more than ``limit`` deep,
+    one inside another (``[[0]]`` is 2 deep, ``0`` 0). Walked without
+    recursion, as :func:`colliding_key` walks, so that it answers however
+    deep ``value`` is; asked of what the encoder has just written, so that
+    nothing in it is circular."""
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    pop = todo.pop
+    append = todo.append
+    leaves = _LEAVES
+    while todo:
+        item, depth = pop()
+        if isinstance(item, dict):
+            members: Any = item.values()
+        elif isinstance(item, _ARRAYS):
+            members = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        for member in members:
+            if type(member) not in leaves:
+                append((member, depth + 1))
+    return False
 
 
 def _json_key(key: Any) -> str:
