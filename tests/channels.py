@@ -97,3 +97,15 @@ class Feed(Pager):
 
     def policy(self) -> Policy:
         return dataclasses.replace(super().policy(), schedule=(0.3,), ordered=False)
+
+
+class Fragile(Pager):
+    """A kind whose parse fails with something other than ``UnusableURL``,
+    its message holding the URL: a host project's mistake."""
+
+    name = "fragile"
+    label = "Fragile"
+    schemes = ("fragile",)
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        raise RuntimeError(f"cannot parse {url}")

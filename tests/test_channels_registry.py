@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 
 from django_federation_delivery import send_webhook, signals
 from django_federation_delivery.channels import Policy, parse_destination, registry
@@ -107,6 +108,54 @@ def test_a_url_holding_text_that_is_not_utf8_is_its_destinations_problem_alone(
     assert batch is not None and batch.size == 1
     with pytest.raises(ImproperlyConfigured, match="not UTF-8"):
         send_webhook("ops", "alert.raised", {})
+
+
+#: What a destination's URL holds that must be shown nowhere.
+FRAGILE = "fragile://routingKEYsecret1@pager.example/x"
+EMPTY_PAIR = "http://127.0.0.4:9/h?secret=whsec_" + "QUJD" * 8 + "&"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", [FRAGILE, EMPTY_PAIR], ids=["a kind's own error", "empty pair"])
+def test_a_kind_whose_parse_fails_is_its_destinations_problem_alone(
+    settings: Any, url: str
+) -> None:
+    with_pager(settings, CHANNELS=["tests.channels.Fragile"])
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": url, "chat": "slack+http://127.0.0.1:9/services/T/B/C"},
+    }
+    shown = []
+    if url == FRAGILE:
+        with pytest.raises(ImproperlyConfigured) as raised:
+            parse_destination("ops", url)
+        assert str(raised.value) == (
+            "Webhook destination 'ops': its kind fragile could not parse its URL: RuntimeError."
+        )
+        (error,) = check_webhooks()
+        assert error.id == "federation_delivery.E031" and "'ops'" in error.msg
+        shown += [error.msg, error.hint or ""]
+        with pytest.raises(ImproperlyConfigured) as every:
+            send_webhook("*", "alert.raised", {})
+        shown.append(str(every.value))
+        # Reported, not raised through: it crashed with the kind's error.
+        with pytest.raises(SystemCheckError, match=r"federation_delivery\.E031") as checked:
+            call_command("check")
+        shown.append(str(checked.value))
+    else:
+        assert parse_destination("ops", url).url == "http://127.0.0.4:9/h"
+        assert check_webhooks() == []
+        call_command("check")
+    for options in ([], ["--json"]):
+        out = StringIO()
+        call_command("delivery_status", *options, stdout=out)
+        shown.append(out.getvalue())
+    # The other destination is sent to as ever, and the loop goes on.
+    batch = send_webhook("chat", "alert.raised", {})
+    assert batch is not None and batch.size == 1
+    Deliverer().run(drain=True, stop_after=10)
+    for text in shown:
+        assert "routingKEY" not in text and "pager.example" not in text, text
 
 
 #: A webhook's URL written where its destination's name goes.

@@ -73,6 +73,10 @@ TELEGRAM = "telegram://123456:ABC-telegram_token@-1001234567890"
             "json",
             "http://127.0.0.1:9000/in?a=1&b=2",
         ),
+        # An empty pair, as a URL pasted with a trailing "&" has, is no parameter.
+        (f"http://127.0.0.4:9/h?secret={SECRET}&", "json", "http://127.0.0.4:9/h"),
+        (f"http://127.0.0.4:9/h?&secret={SECRET}", "json", "http://127.0.0.4:9/h"),
+        (f"http://127.0.0.4:9/h?a=1&&secret={SECRET}&", "json", "http://127.0.0.4:9/h?a=1"),
     ],
 )
 def test_each_form_gives_its_kind_and_the_url_requests_go_to(

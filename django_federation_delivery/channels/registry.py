@@ -90,8 +90,10 @@ class Registry:
         """The destination ``url`` names, subscribed to ``events`` and to those
         its ``?events=`` parameter lists (every event if neither says).
         ``ImproperlyConfigured`` naming ``name`` (never the URL) if no kind can
-        use it. A ``name`` that is no name is shown as :func:`quoted` shows a
-        value: a URL written there (its path the credential) by its host only."""
+        use it, or its kind fails to parse it: a kind's error other than
+        :class:`UnusableURL` is named by its type alone. A ``name`` that is no
+        name is shown as :func:`quoted` shows a value: a URL written there
+        (its path the credential) by its host only."""
         if not is_name(name):
             raise ImproperlyConfigured(
                 _(
@@ -104,7 +106,7 @@ class Registry:
             written, listed = _subscriptions(url)
             subscribed = _patterns([*events, *listed])
             channel, url, scheme = self._channel_for(written)
-            return Destination.of(name, channel, channel.parse(url, scheme), subscribed)
+            return _destination(name, channel, url, scheme, subscribed)
         except UnusableURL as exc:
             raise ImproperlyConfigured(
                 _("Webhook destination %(name)r: %(problem)s.") % {"name": name, "problem": exc}
@@ -141,6 +143,26 @@ class Registry:
                 }
             )
         return channel, url, scheme
+
+
+def _destination(
+    name: str, channel: Channel, url: str, scheme: str, events: tuple[str, ...]
+) -> Destination:
+    """The destination ``channel`` makes of ``url``: :class:`UnusableURL`
+    whatever its ``parse`` raises (or what it returns makes fail), so that
+    one destination a kind fails on (a host project's kind may raise
+    anything) is that destination's problem alone, never every send's, the
+    checks' and the loop's. An error other than UnusableURL is named by its
+    type: its message may quote the URL, the credential."""
+    try:
+        return Destination.of(name, channel, channel.parse(url, scheme), events)
+    except UnusableURL:
+        raise
+    except Exception as exc:
+        raise UnusableURL(
+            _("its kind %(kind)s could not parse its URL: %(error)s")
+            % {"kind": channel.name, "error": type(exc).__name__}
+        ) from None
 
 
 def is_name(name: object) -> bool:

@@ -48,6 +48,9 @@ class StandardWebhooks(Channel):
         base, _mark, query = url.partition("?")
         kept, keys, raw = [], [], []
         for pair in query.split("&") if query else []:
+            if not pair:
+                # "?secret=…&", "?&secret=…": nothing between two separators.
+                continue
             key, value = self.query_pairs(pair)[0]
             if key != "secret":
                 # Any of it may be the receiver's own token, "?t0ken" as "?key=t0ken".
