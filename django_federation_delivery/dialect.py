@@ -43,15 +43,15 @@ def quoted_table(model: type[Any], connection: Any) -> str:
 
 def db_datetime(value: dt.datetime | None, connection: Any) -> Any:
     """``value`` as a raw statement's parameter: SQLite stores text in UTC."""
-    if (
-        connection.vendor == "sqlite"
-        and value is not None
-        and value.utcoffset() is not None
-        and connection.timezone is not None
-    ):
-        # What Django's adapter writes for an aware datetime, without its
-        # checks, on the path of every send: naive in the connection's zone.
-        return str(value.astimezone(connection.timezone).replace(tzinfo=None))
+    if connection.vendor == "sqlite" and value is not None and value.utcoffset() is not None:
+        if connection.timezone is not None:
+            # What Django's adapter writes for an aware datetime, without its
+            # checks, on the path of every send: naive in the connection's zone.
+            return str(value.astimezone(connection.timezone).replace(tzinfo=None))
+        # USE_TZ = False: Django's adapter refuses an aware datetime, and the
+        # loop's times are aware whatever USE_TZ says. Naive in UTC, as
+        # read_datetime reads a naive time back when the connection has no zone.
+        return str(value.astimezone(dt.UTC).replace(tzinfo=None))
     return connection.ops.adapt_datetimefield_value(value)
 
 

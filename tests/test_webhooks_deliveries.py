@@ -25,6 +25,7 @@ from django_federation_delivery import send, send_webhook, signals
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.webhooks import sending as webhook_sending
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE
@@ -155,6 +156,51 @@ def test_signed_json_verifies_at_the_receiver_and_is_signed_alike_on_every_retry
     assert Delivery.objects.get().status == Status.DELIVERED
 
 
+def test_with_use_tz_off_an_event_is_sent_signed_at_the_attempts_time_and_delivered(
+    inboxes: Callable[..., Inbox], settings: Any, caught: list[tuple[str, Any]]
+) -> None:
+    settings.USE_TZ = False
+    # Naive times are local ones then: a zone far from UTC shows one taken for the other.
+    settings.TIME_ZONE = "Asia/Kathmandu"
+    verified: list[Any] = []
+
+    def verify(request: Received) -> tuple[int, dict[str, str], bytes]:
+        verified.append(Webhook(SECRET).verify(request.body, request.headers))
+        return (503 if len(verified) == 1 else 204), {}, b""
+
+    receiver = inboxes("127.0.0.1", respond=verify)
+    inbox = inboxes("127.0.0.2")
+    configure(settings, {"audit": signed(receiver)})
+    before = datetime.datetime.now(datetime.UTC)
+    # Refused with a timestamp the caller never gave ("must be an aware datetime").
+    batch = send_webhook("audit", "user.created", {"name": "Zoë"}, event_id="evt_1")
+    assert batch is not None
+    # And the settle of any delivery, an activity's too, was refused by
+    # SQLite's adapter: an aware time with USE_TZ off.
+    send(ALICE, NOTE, [inbox.url()])
+    wait_for_drains(all_settled("<audit>"))
+    wait_for_drains(lambda: len(inbox.received) == 1)
+
+    # The event's time is UTC, whatever USE_TZ says, and each try verifies.
+    stamped = datetime.datetime.fromisoformat(verified[0]["timestamp"])
+    assert stamped.utcoffset() == datetime.timedelta(0)
+    assert before <= stamped <= datetime.datetime.now(datetime.UTC)
+    assert len(verified) == 2 and verified[0] == verified[1]
+    for request in receiver.received:
+        signed_at = int(request.headers["webhook-timestamp"])
+        assert abs(signed_at - datetime.datetime.now(datetime.UTC).timestamp()) < 60
+    delivery = Delivery.objects.get(kind="webhook")
+    assert (delivery.status, delivery.attempts, delivery.last_status) == (
+        Status.DELIVERED,
+        2,
+        204,
+    )
+    assert Delivery.objects.get(kind="activitypub").status == Status.DELIVERED
+    assert [name for name, _ in caught].count("batch_finished") == 2
+    for options in ([], ["--json"]):
+        call_command("delivery_status", *options, stdout=StringIO())
+
+
 @pytest.mark.parametrize("opened", ["ALLOWED_NETWORKS", "WEBHOOK_ALLOWED_NETWORKS"])
 def test_each_allow_list_opens_loopback_to_its_own_kind_alone(
     inboxes: Callable[..., Inbox],
@@ -277,7 +323,7 @@ def test_an_event_sent_long_ago_is_signed_when_it_is_sent_and_verifies(
     receiver = inboxes("127.0.0.1", respond=verify)
     configure(settings, {"audit": signed(receiver)})
     six_minutes_ago = timezone.now() - datetime.timedelta(minutes=6)
-    with mock.patch.object(timezone, "now", return_value=six_minutes_ago):
+    with mock.patch.object(webhook_sending, "_now", return_value=six_minutes_ago):
         send_webhook("audit", "user.created", {"name": "Zoë"}, event_id="evt_6")
     Deliverer().run(drain=True)
 

@@ -17,6 +17,7 @@ ones to its destination, and nothing else.
 
 from __future__ import annotations
 
+import datetime
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -24,7 +25,6 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
-from django.utils import timezone
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import quoted
@@ -76,7 +76,7 @@ def send_webhook(
     """
     alias = database_alias(using)
     idempotency_key = checked_idempotency_key(idempotency_key)
-    event = Event.of(event_type, event_id or str(uuid.uuid4()), timezone.now(), data)
+    event = Event.of(event_type, event_id or str(uuid.uuid4()), _now(), data)
     found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
     if not found:
         # A retry to destinations no longer subscribed still returns the
@@ -144,6 +144,13 @@ async def asend_webhook(
         idempotency_key=idempotency_key,
         using=using,
     )
+
+
+def _now() -> datetime.datetime:
+    """An event's time: aware and in UTC whatever USE_TZ says. With it off,
+    ``timezone.now()`` is naive, which ``Event.of`` refuses, and an event's
+    time is UTC on the wire."""
+    return datetime.datetime.now(datetime.UTC)
 
 
 def _policy(destination: Destination) -> Policy:
