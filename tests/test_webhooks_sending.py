@@ -171,9 +171,11 @@ def test_data_nested_too_deeply_is_refused_sync_and_async_and_nothing_written() 
 
 
 @pytest.mark.django_db
-def test_a_bad_event_id_is_refused() -> None:
-    with pytest.raises(InvalidDelivery, match="An event id"):
-        send_webhook("ops", "alert.raised", {}, event_id="has space")
+@pytest.mark.parametrize("event_id", ["has space", "", 0, False], ids=repr)
+def test_a_bad_event_id_is_refused(event_id: Any) -> None:
+    # "" and 0 were given a random id, as if none had been: only None is.
+    with pytest.raises(InvalidDelivery, match=f"An event id .*, not {event_id!r}"):
+        send_webhook("ops", "alert.raised", {}, event_id=event_id)
     assert nothing_written()
 
 

@@ -76,7 +76,10 @@ def send_webhook(
     """
     alias = database_alias(using)
     idempotency_key = checked_idempotency_key(idempotency_key)
-    event = Event.of(event_type, event_id or str(uuid.uuid4()), _now(), data)
+    # None alone is "a new one": "" or 0 is a bad id, refused as Event.of refuses it.
+    if event_id is None:
+        event_id = str(uuid.uuid4())
+    event = Event.of(event_type, event_id, _now(), data)
     found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
     if not found:
         # A retry to destinations no longer subscribed still returns the
