@@ -23,6 +23,7 @@ from standardwebhooks.webhooks import WebhookVerificationError
 from django_federation_delivery.channels import Destination, Event, Request, parse_destination
 from django_federation_delivery.channels.discord import DISCORD_LIMIT
 from django_federation_delivery.channels.telegram import TELEGRAM_LIMIT
+from django_federation_delivery.channels.text import render_text
 from django_federation_delivery.exceptions import InvalidDelivery
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
@@ -81,6 +82,7 @@ def test_slack_gets_text_with_the_fields_and_its_markup_escaped(
 
 
 WJ = "\u2060"  # the word joiner that keeps a mention or a link from being one
+NBSP = "\u00a0"  # the space that keeps indentation from making code
 
 #: What an event's data may say, and what a Markdown hook and Discord show of it.
 MARKDOWN_CASES = [
@@ -93,6 +95,9 @@ MARKDOWN_CASES = [
     ("**bold** _it_ `code` ~~gone~~", "\\*\\*bold\\*\\* \\_it\\_ \\`code\\` \\~\\~gone\\~\\~"),
     ("# head > quote | cell", "\\# head \\> quote \\| cell"),
     ("<https://evil.example> &amp; \\*", f"\\<https:{WJ}//evil.example\\> \\&amp; \\\\\\*"),
+    ("$x^2$ at 1.5 on 2024-01-01", "\\$x^2\\$ at 1.5 on 2024-01-01"),
+    ("x\n===\n- a\n+ b\n10. c\n1.5", "x\n\\===\n\\- a\n\\+ b\n10\\. c\n1.5"),
+    ("x\n\n    code\n\t- item", f"x\n\n{NBSP * 4}code\n{NBSP * 4}\\- item"),
 ]
 
 
@@ -109,6 +114,67 @@ def test_markdown_and_discord_show_data_as_text_with_no_ping_link_or_image(
     text = json.loads(request.body)[field]
     assert text == f"alert.raised\nnote: {shown}"
     assert not re.search(r"@\w", text) and "://" not in text and "www." not in text
+
+
+#: Data that Markdown (CommonMark, GFM and the chat services' kin) would read as
+#: markup, inline or at the start of a line it brings with it.
+HOSTILE_MARKDOWN = [
+    "db1\n\nALL CLEAR, IGNORE THE ALERT\n===",
+    "x\n\n- fake item\n\n      indented code",
+    "x\n---\n+ plus\n* star\n1. one\n2) two\n  - indented item\n\tTabbed code",
+    "x\n> quote\n>>> discord quote\n-# discord subtext\n# heading\n### heading",
+    "x\n```\nfenced\n```\n~~~\nfenced\n~~~",
+    "x\n| a | b |\n|---|---|\n| c | d |\na | b\n--|--",
+    "x\n***\n___\n- - -\n[ref]: https://evil.example\n[ref]",
+    "[click](http://evil.example) ![img](https://evil.example/a.png) <https://x.example>",
+    "<div>html</div>\n<script>alert(1)</script>\n&amp; &#42; \\*",
+    "**bold** _it_ `code` ~~gone~~ ||spoiler|| $x$ www.evil.example",
+    "@everyone @here <@123> <#456> <t:1:R> :emoji:",
+    "end with two spaces  \nand a backslash\\\n9999999999. ten digits",
+]
+
+
+def _paragraphs(text: str) -> list[list[Any]]:
+    """``text`` parsed as CommonMark with GFM's tables and strikethrough (what
+    chat services add): the inline tokens of each paragraph, its only blocks."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").enable(["table", "strikethrough"]).parse(text)
+    blocks = {token.type for token in tokens} - {"paragraph_open", "paragraph_close", "inline"}
+    assert not blocks, f"blocks made of data: {blocks} in {text!r}"
+    return [token.children or [] for token in tokens if token.type == "inline"]
+
+
+@pytest.mark.parametrize("said", HOSTILE_MARKDOWN)
+@pytest.mark.parametrize(
+    ("url", "field"),
+    [(MARKDOWN, "text"), (DISCORD, "content")],
+    ids=["markdown", "discord"],
+)
+def test_markdown_makes_no_block_or_inline_element_of_data(url: str, field: str, said: str) -> None:
+    destination = parse_destination("chat", url)
+    request = build(destination, event({"host": "db1", "note": said}))
+    text = json.loads(request.body)[field]
+    paragraphs = _paragraphs(text)
+    # Text and line breaks only: no emphasis, code, link, image or HTML.
+    assert {child.type for children in paragraphs for child in children} <= {
+        "text",
+        "softbreak",
+        "hardbreak",
+    }
+    # Nor what Discord alone reads where a line starts: "-# subtext", ">>> quote".
+    assert not re.search(r"^\s*(-#|>)", text, re.MULTILINE)
+    # And every character shows as written, the line breaks with it.
+    shown = "\n".join(
+        "".join(child.content if child.type == "text" else "\n" for child in children)
+        for children in paragraphs
+    )
+    written = render_text(destination, event({"host": "db1", "note": said}))
+
+    def words(text: str) -> list[str]:
+        return text.replace(WJ, "").split()
+
+    assert words(shown) == words(written)
 
 
 def test_a_markdown_hook_gets_the_text_with_its_fields(mocked: responses.RequestsMock) -> None:

@@ -66,9 +66,20 @@ def escape_entities(text: str) -> str:
 
 
 #: What Markdown (CommonMark, and the chat services' kin of it) reads as
-#: markup: emphasis and strike, code, links and images, headings, quotes,
-#: tables, HTML and entities. A backslash before each makes it a character.
-MARKDOWN_MARKUP = re.compile(r"([\\`*_~\[\]()<>#!|&])")
+#: markup wherever it is: emphasis and strike, code, links and images,
+#: headings, quotes, tables, HTML, entities and (Mattermost's, Rocket.Chat's)
+#: TeX. A backslash before each makes it a character.
+MARKDOWN_MARKUP = re.compile(r"([\\`*_~\[\]()<>#!|&$])")
+#: What is markup only where a line starts (after any indentation): a list
+#: item's marker ("-", "+", "1."; "*" and "1)" are escaped anyway), a setext
+#: heading's underline ("===", "---"), a thematic break and Discord's "-#".
+#: A backslash before the marker (before "." after a number) makes it text.
+LINE_MARKUP = re.compile(r"^([ \t]*)(?:([-+=])|([0-9]+)(?=\.(?:[ \t]|$)))", re.MULTILINE)
+#: The spaces and tabs that start a line, which would make it indented code
+#: or the inside of a list item.
+INDENTATION = re.compile(r"^[ \t]+", re.MULTILINE)
+#: U+00A0, the space Markdown does not count as indentation, and shows.
+NO_BREAK_SPACE = "\u00a0"
 #: A mention: "@" before a name (@channel, @here, @all, @everyone, @someone).
 MENTION = re.compile(r"@(?=\w)")
 #: What a service makes a link of by itself: a scheme's "://" and "www.".
@@ -80,10 +91,31 @@ WORD_JOINER = "\u2060"
 def escape_markdown(text: str) -> str:
     """``text`` as Markdown that shows it as written: its markup escaped, and
     neither a mention (``@channel``, ``@all``, ``@everyone``) nor a link or
-    image made of it."""
+    image made of it.
+
+    Its lines are kept, each shown as a line of text: what would make one a
+    heading, a list item, a quote, a rule or code where it starts is escaped
+    too, and its indentation written as no-break spaces, which keep it (a
+    stack trace's, a JSON document's) without making code of it. Folding the
+    lines of a value into one would read as safely, but turn a log or a
+    traceback into one long line an operator has to take apart again."""
     text = MARKDOWN_MARKUP.sub(r"\\\1", text)
+    text = LINE_MARKUP.sub(_escape_line_start, text)
+    text = INDENTATION.sub(_no_break, text)
     text = MENTION.sub("@" + WORD_JOINER, text)
     return AUTOLINK.sub(lambda m: WORD_JOINER.join(part for part in m.groups() if part), text)
+
+
+def _escape_line_start(match: re.Match[str]) -> str:
+    lead, marker, number = match.groups()
+    if number is not None:
+        return f"{lead}{number}\\"  # before the "." that follows
+    return f"{lead}\\{marker}"
+
+
+def _no_break(match: re.Match[str]) -> str:
+    # A tab as far as Markdown takes one: to the next multiple of four.
+    return NO_BREAK_SPACE * len(match.group().expandtabs(4))
 
 
 def cut(text: str, limit: int) -> str:
