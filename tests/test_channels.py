@@ -81,6 +81,17 @@ def test_slack_gets_text_with_the_fields_and_its_markup_escaped(
     }
 
 
+def test_slack_makes_no_quote_of_a_line_in_data() -> None:
+    # Slack's mrkdwn quotes a line that starts with ">", which it takes, and
+    # writes, as "&gt;": data with a line break must not start one.
+    request = build(
+        parse_destination("ops", SLACK), event({"note": "x\n> ALL CLEAR\n  >>> resolved"})
+    )
+    text = json.loads(request.body)["text"]
+    assert not re.search(r"^\s*&gt;", text, re.MULTILINE)
+    assert text.replace(WJ, "") == "alert.raised\nnote: x\n&gt; ALL CLEAR\n  &gt;&gt;&gt; resolved"
+
+
 WJ = "\u2060"  # the word joiner that keeps a mention or a link from being one
 NBSP = "\u00a0"  # the space that keeps indentation from making code
 

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import re
+
 from django_federation_delivery.channels.base import Destination, Request
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.hooks import HookChannel
-from django_federation_delivery.channels.text import escape_entities, render_text
+from django_federation_delivery.channels.text import WORD_JOINER, escape_entities, render_text
 
 __all__ = ["Slack"]
+
+#: Where a line's ">", escaped as mrkdwn asks, would start a quote: before it
+#: (and its indentation), a word joiner makes it a character.
+_QUOTE = re.compile(r"^(?=[ \t]*&gt;)", re.MULTILINE)
 
 
 class Slack(HookChannel):
     """``{"text": …}`` in mrkdwn, with ``& < >`` escaped so that nothing in an
-    event's data makes a link or a mention (``<!channel>``)."""
+    event's data makes a link or a mention (``<!channel>``), and no line of
+    it a quote."""
 
     name = "slack"
     label = "Slack"
@@ -20,6 +27,5 @@ class Slack(HookChannel):
     public_segments = frozenset({"services"})
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
-        return self.json_request(
-            destination, {"text": escape_entities(render_text(destination, event))}
-        )
+        text = escape_entities(render_text(destination, event))
+        return self.json_request(destination, {"text": _QUOTE.sub(WORD_JOINER, text)})

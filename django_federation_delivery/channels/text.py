@@ -22,7 +22,15 @@ from django_federation_delivery.channels.events import Event, compact_json
 if TYPE_CHECKING:
     from django_federation_delivery.channels.base import Destination
 
-__all__ = ["ELLIPSIS", "cut", "cut_bytes", "escape_entities", "escape_markdown", "render_text"]
+__all__ = [
+    "ELLIPSIS",
+    "WORD_JOINER",
+    "cut",
+    "cut_bytes",
+    "escape_entities",
+    "escape_markdown",
+    "render_text",
+]
 
 TEMPLATES = "django_federation_delivery/webhooks"
 ELLIPSIS = "…"
