@@ -22,6 +22,7 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from django_federation_delivery.channels import Destination, Event, Request, parse_destination
 from django_federation_delivery.channels.discord import DISCORD_LIMIT
+from django_federation_delivery.channels.matrix import MATRIX_LIMIT
 from django_federation_delivery.channels.telegram import TELEGRAM_LIMIT
 from django_federation_delivery.channels.text import render_text
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -526,6 +527,27 @@ def test_matrix_puts_a_text_message_with_the_event_id_as_the_transaction() -> No
     assert (retry.url, retry.body) == (first.url, first.body)
     assert json.loads(first.body) == {"msgtype": "m.text", "body": "alert.raised\nhost: db-1"}
     assert first.headers["Authorization"] == "Bearer syt_matrixAccessToken42"
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["\\" * 40000, '"' * 40000, "\x01" * 40000, "é\x01🔥\n" * 20000, "🔥" * 40000],
+    ids=["backslashes", "quotes", "controls", "mixed", "astral"],
+)
+def test_a_matrix_message_never_grows_past_the_event_limit_as_json(value: str) -> None:
+    # JSON writes '"' and '\\' in two bytes and a control character in six:
+    # the text's own size does not bound the event the homeserver is sent,
+    # and one past 64 KiB, its envelope included, is refused for good.
+    request = build(parse_destination("room", MATRIX), event({"log": value}))
+    content = json.loads(request.body)
+    canonical = json.dumps(content, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    assert len(canonical.encode()) <= 60 * 1024
+    assert len(request.body) <= 60 * 1024
+    body = content["body"]
+    assert body.endswith("…") and f"alert.raised\nlog: {value}".startswith(body[:-1])
+    # Cut no shorter than it has to be: to the longest text, or to what fits.
+    assert len(body.encode()) <= MATRIX_LIMIT
+    assert len(body.encode()) > MATRIX_LIMIT - 8 or len(canonical.encode()) > 60 * 1024 - 8
 
 
 def test_matrix_declares_its_token_secret_and_not_its_room() -> None:

@@ -16,19 +16,28 @@ from django_federation_delivery.channels.base import (
     UnusableURL,
     Verdict,
 )
-from django_federation_delivery.channels.events import Event
-from django_federation_delivery.channels.text import cut_bytes, render_text
+from django_federation_delivery.channels.events import Event, compact_json
+from django_federation_delivery.channels.text import cut_bytes, cut_json, render_text
 from django_federation_delivery.transport import Answer
 
-__all__ = ["MATRIX_LIMIT", "Matrix"]
+__all__ = ["MATRIX_CONTENT_LIMIT", "MATRIX_LIMIT", "Matrix"]
 
-#: The longest text sent, in bytes of UTF-8: a whole event may be 64 KiB.
+#: The longest text sent, in bytes of UTF-8.
 MATRIX_LIMIT = 32_768
+#: The most the content sent may take as JSON, in bytes: a homeserver refuses
+#: for good (413, ``M_TOO_LARGE``) an event past 64 KiB, and the envelope it
+#: writes around the content (sender, room, ids, signatures, hashes) is part
+#: of it. JSON writes a text longer than it is: a ``"`` or ``\`` in two
+#: bytes, a control character in six.
+MATRIX_CONTENT_LIMIT = 60 * 1024
+#: The content's JSON around its text.
+_MESSAGE = {"msgtype": "m.text", "body": ""}
 
 
 class Matrix(Channel):
     """``PUT /_matrix/client/v3/rooms/<room>/send/m.room.message/<event id>``
-    with ``{"msgtype": "m.text", "body": …}``, the access token as a bearer
+    with ``{"msgtype": "m.text", "body": …}`` (the text cut to 32 KiB, and to
+    what keeps the content within 60 KiB of JSON), the access token as a bearer
     token. The event's id is the transaction id, so a homeserver that got an
     attempt whose answer was lost takes the retry as the same message. The
     token is secret; the room is not."""
@@ -62,9 +71,12 @@ class Matrix(Channel):
             f"/send/m.room.message/{quote(event.id, safe='')}"
         )
         text = cut_bytes(render_text(destination, event), MATRIX_LIMIT)
+        # Measured as it is sent: a text within MATRIX_LIMIT may be six times
+        # as long in JSON.
+        text = cut_json(text, MATRIX_CONTENT_LIMIT - len(compact_json(_MESSAGE)))
         return self.json_request(
             destination,
-            {"msgtype": "m.text", "body": text},
+            {**_MESSAGE, "body": text},
             method="PUT",
             url=url,
             headers={"Authorization": f"Bearer {destination.options['token']}"},

@@ -27,6 +27,7 @@ __all__ = [
     "WORD_JOINER",
     "cut",
     "cut_bytes",
+    "cut_json",
     "escape_entities",
     "escape_markdown",
     "render_text",
@@ -136,6 +137,20 @@ def cut(text: str, limit: int) -> str:
 def cut_bytes(text: str, limit: int) -> str:
     """``text`` in at most ``limit`` bytes of UTF-8, cut as :func:`cut` cuts."""
     return _cut(text, limit, lambda part: len(part.encode()))
+
+
+def cut_json(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` bytes once written in a JSON string as
+    :func:`~django_federation_delivery.channels.events.compact_json` writes
+    it (UTF-8, ``"`` and ``\\`` in two bytes, a control character in two or
+    six), cut as :func:`cut` cuts: what a service that bounds the JSON it is
+    sent takes, whatever the text is made of."""
+    return _cut(text, limit, _json_length)
+
+
+def _json_length(text: str) -> int:
+    # What json.dumps(ensure_ascii=False) writes, less the quotes around it.
+    return len(compact_json(text)) - 2
 
 
 def _cut(text: str, limit: int, length: Any) -> str:
