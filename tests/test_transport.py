@@ -366,6 +366,79 @@ def test_a_chunk_of_negative_size_fails_the_attempt_without_reading_on(
     assert written[0] < 32 * 1024 * 1024
 
 
+EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "interim",
+    [
+        pytest.param(EARLY_HINTS, id="103"),
+        pytest.param(b"HTTP/1.1 100 Continue\r\n\r\n" + EARLY_HINTS * 3, id="100-103-103-103"),
+        pytest.param(b"HTTP/1.1 199 Whatever\r\nX-A: b\r\n\r\n", id="199"),
+    ],
+)
+def test_interim_answers_are_read_past_to_the_final_one(
+    inboxes: Callable[..., Inbox], transport: Transport, interim: bytes
+) -> None:
+    # RFC 9110, 15.2: a 1xx is not the answer, whether or not it was asked for.
+    def reply(handler: _Handler, seen: Seen) -> None:
+        handler.wfile.write(interim + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    inbox = inboxes(reply)
+    answer = transport.post(inbox.url(), b"{}", SIGNED)
+
+    assert (answer.status, answer.body) == (200, b"ok")
+    assert "Link" not in answer.headers
+    # The connection is whole: the next request on it gets its own answer.
+    assert transport.post(inbox.url(), b"{}", SIGNED).status == 200
+    assert len(set(inbox.connections)) == 1
+
+
+@pytest.mark.slow
+def test_endless_interim_answers_fail_the_attempt(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    def endless(handler: _Handler, seen: Seen) -> None:
+        handler.close_connection = True
+        try:
+            while not handler.inbox.stopping.is_set():
+                handler.wfile.write(EARLY_HINTS)
+        except OSError:
+            pass  # the client hung up
+
+    inbox = inboxes(endless)
+    transport = transports(attempt_timeout=1.5, connect_timeout=1.0)
+
+    start = time.monotonic()
+    with pytest.raises(ConnectionFailed, match="interim") as failed:
+        transport.post(inbox.url(), b"{}", SIGNED)
+    assert time.monotonic() - start < 1.5
+    assert not failed.value.permanent
+    # The transport is still good for the next attempt.
+    assert transport.post(inboxes().url(), b"{}", SIGNED).status == 202
+
+
+@pytest.mark.slow
+def test_slow_interim_answers_are_cut_off_at_the_attempt_timeout(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    def slow(handler: _Handler, seen: Seen) -> None:
+        handler.close_connection = True
+        try:
+            while not handler.inbox.stopping.wait(0.2):
+                handler.wfile.write(EARLY_HINTS)
+        except OSError:
+            pass  # the client hung up
+
+    inbox = inboxes(slow)
+    transport = transports(attempt_timeout=1.5, connect_timeout=1.0)
+
+    start = time.monotonic()
+    with pytest.raises(AttemptTimeout):
+        transport.post(inbox.url(), b"{}", SIGNED)
+    assert 1.4 < time.monotonic() - start < 8
+
+
 # --- Where it may connect ----------------------------------------------------------------------
 
 

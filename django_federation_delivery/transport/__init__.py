@@ -24,6 +24,10 @@ What plain ``requests`` does not give, and this module adds:
   ever. Every socket an exchange uses is registered with a watchdog thread that
   shuts it down at the attempt's deadline, which unblocks whatever is waiting
   on it; DNS and TCP connects are bounded by the time left.
+* **The final answer.** http.client reads past a ``100 Continue`` alone; the
+  guard's responses read past any 1xx but 101 (a ``103 Early Hints``), a
+  bounded number of them, so that the status judged is the one that ends
+  the exchange.
 """
 
 from __future__ import annotations

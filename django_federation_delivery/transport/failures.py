@@ -21,7 +21,7 @@ from django_federation_delivery.exceptions import (
     TransportError,
 )
 
-__all__ = ["Target", "check_url", "reason", "redact", "translate"]
+__all__ = ["Target", "TooManyInterimAnswers", "check_url", "reason", "redact", "translate"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,11 @@ def check_url(url: str) -> Target:
     return Target(display=redact(parts.origin + parts.path), scheme=parts.scheme, host=parts.host)
 
 
+class TooManyInterimAnswers(http.client.HTTPException):
+    """A server sent interim (1xx) answers past the number read past
+    (``guard.MAX_INTERIM_ANSWERS``), and no final one."""
+
+
 _REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (ssl.SSLCertVerificationError, "TLS certificate not accepted"),
     (ssl.SSLError, "TLS failed"),
@@ -48,6 +53,7 @@ _REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (BrokenPipeError, "connection closed while sending"),
     (socket.gaierror, "could not resolve the host"),
     (http.client.IncompleteRead, "answer cut short"),
+    (TooManyInterimAnswers, "too many interim (1xx) answers"),
     (http.client.HTTPException, "malformed answer"),
     (requests.exceptions.ChunkedEncodingError, "answer cut short"),
     (requests.exceptions.ContentDecodingError, "answer body could not be decoded"),

@@ -29,7 +29,7 @@ from django_federation_delivery.exceptions import (
     ConnectionFailed,
     RefusedAddress,
 )
-from django_federation_delivery.transport.failures import reason
+from django_federation_delivery.transport.failures import TooManyInterimAnswers, reason
 from django_federation_delivery.transport.idle import IDLE
 from django_federation_delivery.transport.networks import IPNetwork, allowed, parse_ip
 
@@ -158,14 +158,39 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple[Any, ...]]:
     return results
 
 
+#: Interim (1xx) answers read past before the final one, at most. A server
+#: has no cause to send more than a few (a 100 Continue, an Early Hints or
+#: two); one that sends them without end fails the attempt here, and one that
+#: drips them at the deadline, as any slow answer does.
+MAX_INTERIM_ANSWERS = 16
+
+
 class _BoundedHTTPResponse(http.client.HTTPResponse):
-    """http.client's answer, which never reads "the rest, however long".
+    """http.client's answer, which never reads "the rest, however long", and
+    is the final answer, not an interim one.
 
     urllib3 reads a chunked body a chunk at a time, ``_safe_read`` of the
     size its line gave, and takes a negative size ("-1") as it comes: a read
     of -1 is everything until the server closes, into memory, before
     MAX_ANSWER_BYTES is looked at. Such an answer is broken, and fails its
-    attempt like any other cut short."""
+    attempt like any other cut short.
+
+    http.client reads past a ``100 Continue`` alone: a ``103 Early Hints``
+    before a 200 was taken for the answer, and the delivery retried (sent
+    twice, then failed). RFC 9110 (15.2) asks a client to read past any
+    1xx it did not expect; 101 alone ends the exchange (a switch of
+    protocols, which is never asked for here: it stays the answer, and is
+    not a delivery)."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        # begin() loops on 100 only; past this, it sees the final status.
+        for _skipped in range(MAX_INTERIM_ANSWERS + 1):
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 100 <= status < 200 or status == 101:
+                return version, status, reason
+            # Its header lines, bounded in length and number as a final answer's are.
+            http.client.parse_headers(self.fp)
+        raise TooManyInterimAnswers(f"more than {MAX_INTERIM_ANSWERS} interim answers")
 
     def _safe_read(self, amt: int) -> bytes:
         if amt < 0:
