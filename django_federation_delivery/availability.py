@@ -121,26 +121,33 @@ def mark_host_seen(host: str, *, using: str | None = None) -> bool:
     (``xn--bcher-kva.example``); a name that has none (a webhook
     destination's ``<ops>``) as it is. ``ValueError`` naming it if it is
     blank, or a URL on no host."""
-    return mark_seen(addresses.required_host(host, "mark_host_seen"), using=database_alias(using))
+    named = addresses.required_host(host, "mark_host_seen")
+    return any(_seen(named, database_alias(using)))
 
 
 def mark_seen(host: str, *, using: str | None = None) -> bool:
     """:func:`mark_host_seen` for a host named exactly as its ``Host`` row
-    names it (the admin's action): read as it is, whatever it holds."""
-    alias = using or DEFAULT_DB_ALIAS
+    names it (the admin's action, a probe's answer): read as it is, whatever
+    it holds. Returns whether it was marked unavailable (what the admin
+    counts)."""
+    return _seen(host, using or DEFAULT_DB_ALIAS)[0]
+
+
+def _seen(host: str, alias: str) -> tuple[bool, bool]:
+    """Clear ``host``'s marks; whether it was marked unavailable, and failing."""
     now = timezone.now()
     hosts = Host.objects.using(alias).filter(name=host)
     with transaction.atomic(using=alias):
         # A write first: the row is locked (and on SQLite, the database)
         # before it is read, so that no other write comes in between.
         if not hosts.update(updated_at=now):
-            return False
+            return False, False
         found = hosts.values_list("unavailable_since", "failing_since", "failing_told_at").first()
         if found is None:
-            return False
+            return False, False
         unavailable, since, told = found
         if unavailable is None and since is None:
-            return False
+            return False, False
         hosts.update(
             unavailable_since=None,
             failing_since=None,
@@ -157,7 +164,7 @@ def mark_seen(host: str, *, using: str | None = None) -> bool:
     forget_known()
     if unavailable is not None:
         logger.warning("Host %s seen again: no longer unavailable", addresses.escaped(host))
-    return unavailable is not None
+    return unavailable is not None, since is not None
 
 
 def probe_due(*, now: dt.datetime | None = None, using: str | None = None) -> list[tuple[str, str]]:

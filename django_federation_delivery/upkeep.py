@@ -138,7 +138,7 @@ class Upkeep:
         try:
             for host, url in due:
                 if availability.probe(url, settings):
-                    availability.mark_host_seen(host, using=self.using)
+                    availability.mark_seen(host, using=self.using)
         except Exception as exc:
             # Tried again at the host's next probe, a day on; the loop goes on.
             logger.warning("Probing unavailable hosts failed: %s", type(exc).__name__)

@@ -86,6 +86,10 @@ def test_a_host_seen_again_is_sent_to_and_told_recovered(
     assert send(ALICE, NOTE, ["https://gone.example/inbox"]) is not None
     assert mark_host_seen("gone.example") is False
     assert mark_host_seen("never.example") is False
+    # Failing but not yet unavailable: it was marked, and is no longer.
+    failing("failing.example", 0.5)
+    assert mark_host_seen("failing.example") is True
+    assert Host.objects.get(name="failing.example").failing_since is None
 
 
 @pytest.mark.django_db(transaction=True)
