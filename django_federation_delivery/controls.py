@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from django.db.models import QuerySet
 
 from django_federation_delivery import breakers, hosts, signals
-from django_federation_delivery.addresses import normalize_inbox, quoted, required_host
+from django_federation_delivery.addresses import host_of, normalize_inbox, quoted, required_host
 from django_federation_delivery.availability import mark_host_seen
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -58,16 +58,19 @@ def resume_host(host: str) -> int:
 def reset_breaker(key: str) -> int:
     """Forget a breaker: closed, its count at nought. Returns how many were
     forgotten (0 or 1). ``key`` is a host, read as :func:`pause_host` reads
-    it, or an inbox's URL in any spelling, for a breaker kept per inbox
-    (``BREAKER = {"SCOPE": "inbox"}``). ``ValueError`` naming it if it is
-    neither, with nothing changed."""
+    it, or a URL in any spelling: an inbox's, for a breaker kept per inbox
+    (``BREAKER = {"SCOPE": "inbox"}``), else any URL on the host, for its
+    host's. ``ValueError`` naming it if it is neither, with nothing changed."""
     if isinstance(key, str) and "://" in key:
         try:
-            return breakers.reset_breaker(breakers.inbox_key(normalize_inbox(key)))
+            url = normalize_inbox(key)
         except InvalidDelivery:
             raise ValueError(
                 f"reset_breaker needs a host name or an inbox's URL, not {quoted(key)}"
             ) from None
+        return breakers.reset_breaker(breakers.inbox_key(url)) or breakers.reset_breaker(
+            host_of(url)
+        )
     return breakers.reset_breaker(required_host(key, "reset_breaker"))
 
 

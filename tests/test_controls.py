@@ -103,6 +103,10 @@ def test_a_breaker_is_reset_by_its_host_or_its_inbox_in_any_spelling() -> None:
     assert controls.reset_breaker("HTTPS://B.example:443/users/bob/inbox?token=s3cret") == 1
     assert not Breaker.objects.exists()
     assert controls.reset_breaker("c.example") == 0
+    # A URL on a host whose breaker is the host's (the default scope).
+    open_breaker("example.com:8443")
+    assert controls.reset_breaker("https://example.com:8443/users/a/inbox") == 1
+    assert not Breaker.objects.exists()
 
 
 @pytest.mark.parametrize(
