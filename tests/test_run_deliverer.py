@@ -250,14 +250,17 @@ def test_a_deliverer_killed_mid_drain_loses_nothing_and_repeats_only_what_was_in
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
 ) -> None:
     sinks = [inboxes(f"127.0.0.{n}") for n in range(2, 6)]
-    urls = [sink.url(f"/u{n}") for n in range(250) for sink in sinks]
+    # 500 in all, killed at 150: a few hundred are enough to be cut mid-way,
+    # and the second drain's wait stays well inside its bound with every run
+    # of the suite at once (1,000 took 119 s of the 150).
+    urls = [sink.url(f"/u{n}") for n in range(125) for sink in sinks]
     send(ALICE, NOTE, urls)
     concurrency = 8
     # A short lease that still holds an attempt, the margin to write what came of
     # it (LEASE_MARGIN_SECONDS) and a few seconds of waiting for a worker.
     settings = {"LEASE_SECONDS": 15, "ATTEMPT_TIMEOUT": 1}
     first = processes("--drain", f"--concurrency={concurrency}", "--per-host=4", settings=settings)
-    wait_until(lambda: sum(len(sink.received) for sink in sinks) >= 300, timeout=150)
+    wait_until(lambda: sum(len(sink.received) for sink in sinks) >= 150, timeout=150)
     first.kill()
     first.wait(10)
     at_kill = sum(len(sink.received) for sink in sinks)
