@@ -211,15 +211,20 @@ def deep_event(depth: int) -> str:
     )
 
 
-@pytest.mark.parametrize("depth", [960, 100_000], ids=["past the loop's stack", "past any"])
-def test_a_stored_event_nested_too_deeply_fails_alone_and_the_loop_goes_on(
-    inbox: Inbox, settings: Any, failures: list[signals.Failure], depth: int
-) -> None:
+def signed_hook_to(inbox: Inbox, settings: Any) -> None:
+    """Webhook destination ``ops``: a signed JSON endpoint at ``inbox``."""
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
         "WEBHOOKS": {"ops": f"http://127.0.0.1:{inbox.port}/hook?secret={SECRET}"},
         "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.0/8"],
     }
+
+
+@pytest.mark.parametrize("depth", [960, 100_000], ids=["past the loop's stack", "past any"])
+def test_a_stored_event_nested_too_deeply_fails_alone_and_the_loop_goes_on(
+    inbox: Inbox, settings: Any, failures: list[signals.Failure], depth: int
+) -> None:
+    signed_hook_to(inbox, settings)
     bad = send_webhook("ops", "alert.raised", {"d": 0})
     assert bad is not None
     good = send(ALICE, NOTE, [inbox.url("/good")])
@@ -242,11 +247,7 @@ def test_a_job_that_cannot_be_made_fails_its_row_alone_naming_only_the_error_typ
     failures: list[signals.Failure],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "WEBHOOKS": {"ops": f"http://127.0.0.1:{inbox.port}/hook?secret={SECRET}"},
-        "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.0/8"],
-    }
+    signed_hook_to(inbox, settings)
     bad = send_webhook("ops", "alert.raised", {"n": 1})
     assert bad is not None
     good = send(ALICE, NOTE, [inbox.url("/good")])

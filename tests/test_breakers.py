@@ -28,6 +28,7 @@ from django_federation_delivery.store import CLAIM_ORDER
 
 from .conftest import Inbox, Overlap, Received, RunningDeliverer, wait_until
 from .keys import ALICE
+from .operators import quick_breaker
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 SECOND = dt.timedelta(seconds=1)
@@ -237,11 +238,7 @@ def test_a_dead_port_named_on_a_host_opens_its_own_breaker_not_the_host_s(
 ) -> None:
     # Anyone may name an inbox on any port of a host: what fails there is
     # that port's, and the host's own server goes on being sent to.
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 60.0, "SCOPE": "host"},
-        "RETRY": {"BASE": 60, "CAP": 60, "ATTEMPTS": 5, "JITTER": 0},
-    }
+    quick_breaker(settings)
     server = inboxes("127.0.0.1")
     dead = f"127.0.0.1:{closed_port()}"
     send(ALICE, {"type": "Note"}, [f"http://{dead}/u{n}/inbox" for n in range(4)])

@@ -28,6 +28,7 @@ from django_federation_delivery.writelock import PromptWriteLock
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE, BROKEN, rsa_key
+from .operators import quick_breaker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -1090,13 +1091,8 @@ def test_a_portable_inbox_s_later_gateway_is_not_charged_to_the_first_one_s_host
     from django_federation_delivery import PortableInbox, send_portable
     from django_federation_delivery.models import Breaker, Host
 
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 60.0, "SCOPE": "host"},
-        "RETRY": {"BASE": 60, "CAP": 60, "ATTEMPTS": 5, "JITTER": 0},
-        # Told at once: a stranger's 503 told as the server failing would be seen.
-        "HOST_FAILING_AFTER": 0,
-    }
+    # Told at once: a stranger's 503 told as the server failing would be seen.
+    quick_breaker(settings, HOST_FAILING_AFTER=0)
     told: list[str] = []
 
     def failing(sender: Any, failing: signals.HostFailing, **kwargs: Any) -> None:
