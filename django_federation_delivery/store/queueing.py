@@ -113,8 +113,9 @@ def enqueue(
             done = 0
         if batch.id is None:
             # Sent before with this idempotency key, and kept: nothing is queued.
-            kept = Batch.objects.using(alias).get(idempotency_key=batch.idempotency_key)
-            kept.created = False
+            kept = kept_batch(batch.idempotency_key, using=alias)
+            if kept is None:  # purged between the insert and this read
+                raise Batch.DoesNotExist("the batch kept under this idempotency key is gone")
             return kept
         batch._state.adding = False
         batch._state.db = alias
