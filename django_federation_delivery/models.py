@@ -66,6 +66,16 @@ class Status(models.TextChoices):
     SUPERSEDED = "superseded", _("superseded")
 
 
+class Retracts(models.TextChoices):
+    """What a batch's activity takes back, of its sender's earlier batches."""
+
+    NOTHING = "", _("nothing")
+    # A Delete: the batches about its object.
+    OBJECT = "object", _("its object")
+    # An Undo: the batches of the activity it undoes.
+    ACTIVITY = "activity", _("an activity")
+
+
 class Batch(models.Model):
     """One send: one activity from one sender to many inboxes.
 
@@ -110,6 +120,16 @@ class Batch(models.Model):
     )
     object_id = models.CharField(
         verbose_name=_("object id"), max_length=2048, blank=True, default=""
+    )
+    #: Whether it is a retraction, and of what: its deliveries then go to
+    #: an inbox only once what it retracts (``object_id``) has left the queue
+    #: there, and a replay leaves out what it retracted.
+    retracts = models.CharField(
+        verbose_name=_("retracts"),
+        max_length=8,
+        choices=Retracts.choices,
+        blank=True,
+        default=Retracts.NOTHING,
     )
     #: The key a send was given so that, sent again with it, it queues
     #: nothing and returns this batch (while this batch is kept).

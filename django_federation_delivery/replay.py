@@ -188,6 +188,7 @@ def _replay_step(
                 # the original, rather than reaching the inbox before it.
                 activity_id=original.activity_id,
                 object_id=original.object_id,
+                retracts=original.retracts,
                 idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
                 # Its attempts' spans are children of the replay's.
                 trace_context=tracing.carried(),

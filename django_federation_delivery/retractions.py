@@ -7,10 +7,12 @@ Someone posts to 20,000 followers and deletes the post a minute later: the
 attempted are settled ``superseded`` instead of sent. The ``Delete`` itself
 is still sent everywhere (the receiver may know the object another way),
 and to an inbox where the ``Create`` was already attempted it goes only
-once that has left the queue. To an inbox it leaves out, its host marked
-unavailable, it is not sent (a host gone for good costs nothing more), but
-the ``Create``'s delivery never attempted there is superseded all the same:
-otherwise it would go once the host is seen again, and the ``Delete`` never.
+once that has left the queue, and every other delivery about the object
+attempted there with it (``wait_again`` in ``store/queries.sql``). To an
+inbox it leaves out, its host marked unavailable, it is not sent (a host
+gone for good costs nothing more), but the ``Create``'s delivery never
+attempted there is superseded all the same: otherwise it would go once the
+host is seen again, and the ``Delete`` never.
 
 What a batch is about is kept when it is sent (:func:`about`): the
 activity's ``id``, and its object's (``object`` as a string, or an object
@@ -30,7 +32,7 @@ from django.utils import timezone
 
 from django_federation_delivery import signals
 from django_federation_delivery.decide import Outcome
-from django_federation_delivery.models import Batch
+from django_federation_delivery.models import Batch, Retracts
 from django_federation_delivery.settling import settled
 from django_federation_delivery.store import retractions
 
@@ -64,6 +66,11 @@ class Retraction:
 
     object_id: str = ""
     activity_id: str = ""
+
+    @property
+    def retracts(self) -> Retracts:
+        """What its batch is kept as retracting (its ``object_id`` says which)."""
+        return Retracts.OBJECT if self.object_id else Retracts.ACTIVITY
 
     @property
     def reason(self) -> str:

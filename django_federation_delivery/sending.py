@@ -23,7 +23,7 @@ from django_federation_delivery.addresses import host_of, normalize_inbox, quote
 from django_federation_delivery.channels.events import colliding_key
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
-from django_federation_delivery.models import Batch, Lane, SkippedInbox
+from django_federation_delivery.models import Batch, Lane, Retracts, SkippedInbox
 from django_federation_delivery.portable import PortableInbox
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
@@ -244,6 +244,7 @@ def _queue(
                 idempotency_key=idempotency_key,
                 activity_id=activity_id,
                 object_id=object_id,
+                retracts=Retracts.NOTHING if retraction is None else retraction.retracts,
                 # Each attempt's span is a child of the caller's (tracing.py).
                 trace_context=tracing.carried(),
             ),

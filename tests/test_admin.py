@@ -740,6 +740,17 @@ def test_a_body_that_is_not_json_is_shown_as_it_is(operator: Client) -> None:
     assert '<pre class="fd-body">&lt;not json&gt;</pre>' in page
 
 
+def test_a_retractions_batch_says_what_it_retracts(operator: Client) -> None:
+    post = f"{ALICE}/notes/1"
+    send(ALICE, {"type": "Create", "id": f"{ALICE}/1", "object": post}, ["https://a.example/i"])
+    deleted = send(
+        ALICE, {"type": "Delete", "id": f"{ALICE}/2", "object": post}, ["https://b.example/i"]
+    )
+    assert deleted is not None
+    page = html(operator, url("batch", "change", deleted.pk))
+    assert re.search(r"Retracts:</label>\s*<div class=\"readonly\">its object</div>", page), page
+
+
 HOSTILE_NAMES = ["evil\x1b[2J.example", "\u202eelpmaxe.a", ""]
 
 

@@ -4,6 +4,7 @@ is itself sent after any that were."""
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections.abc import Callable, Iterator
 from io import StringIO
@@ -260,6 +261,105 @@ def test_a_delete_in_the_creates_sequence_goes_on_when_the_create_is_superseded(
     assert (mine.after_id, mine.due_at is not None) == (None, True)
 
 
+def update(n: int = 2) -> dict[str, Any]:
+    return {"type": "Update", "id": f"{ALICE}/activities/{n}", "actor": ALICE, "object": POST}
+
+
+def _held(*batches: Batch | None) -> list[store.Claimed]:
+    """What one claim takes: a delivery of each of ``batches``, in that order."""
+    held = {claimed.batch_id: claimed for claimed in store.claim(10, 60, per_host=10)}
+    assert sorted(held) == sorted(batch.pk for batch in batches if batch is not None)
+    return [held[batch.pk] for batch in batches if batch is not None]
+
+
+def _settle(claimed: store.Claimed, status: Status) -> None:
+    later = timezone.now() + dt.timedelta(hours=1) if status == Status.PENDING else None
+    settlement = store.Settlement(claimed=claimed, status=status, attempts=2, due_at=later)
+    assert store.settle([settlement]) == {claimed.id}
+
+
+def _retried_and_settled(batch: Batch | None, status: Status) -> None:
+    Delivery.objects.filter(batch=batch).update(due_at=timezone.now())
+    (retried,) = _held(batch)
+    _settle(retried, status)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first_out", ["update", "create"])
+def test_a_delete_waits_on_every_delivery_about_the_object_that_was_tried(first_out: str) -> None:
+    # A Create and an Update of the post to A, both tried and retrying: the
+    # Delete goes once neither is left, whichever of them leaves first.
+    created = send(ALICE, create(), [A])
+    updated = send(ALICE, update(), [A])
+    Delivery.objects.filter(inbox=A).update(attempts=1, last_status=503)
+    retraction = send(ALICE, delete(), [A])
+    assert retraction is not None and retraction.superseded == 0
+    first, then = (updated, created) if first_out == "update" else (created, updated)
+    out, retrying = _held(first, then)
+
+    _settle(out, Status.DELIVERED)
+    _settle(retrying, Status.PENDING)
+    waits = row(retraction, A)
+    assert (waits.after_id, waits.due_at) == (row(then, A).id, None), "it still waits"
+    assert store.claim(10, 60, per_host=10) == []
+
+    _retried_and_settled(then, Status.FAILED)
+    released = row(retraction, A)
+    assert (released.after_id, released.status) == (None, Status.PENDING)
+    assert released.due_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_released_by_its_own_sequence_waits_on_the_create_that_was_tried() -> None:
+    created = send(ALICE, create(), [A])
+    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503)
+    # Another activity of the Delete's ordering key, queued before it.
+    shared = {"type": "Announce", "id": f"{ALICE}/a/9", "actor": ALICE, "object": BOB}
+    before = send_batch(ALICE, shared, [A], {"ordering_key": "timeline"})
+    retraction = send_batch(ALICE, delete(), [A], {"ordering_key": "timeline"})
+    assert row(retraction, A).after_id == row(before, A).id
+    done, retrying = _held(before, created)
+
+    _settle(retrying, Status.PENDING)
+    _settle(done, Status.DELIVERED)
+    waits = row(retraction, A)
+    assert (waits.after_id, waits.due_at) == (row(created, A).id, None)
+
+    _retried_and_settled(created, Status.DELIVERED)
+    assert row(retraction, A).due_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_undo_waits_on_every_delivery_of_the_activity_that_was_tried() -> None:
+    like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": POST}
+    liked = send(ALICE, like, [A])
+    again = send(ALICE, like, [A])
+    Delivery.objects.filter(inbox=A).update(attempts=1, last_status=503)
+    undo = send(ALICE, {"type": "Undo", "actor": ALICE, "object": like}, [A])
+    out, retrying = _held(again, liked)
+    _settle(out, Status.DELIVERED)
+    _settle(retrying, Status.PENDING)
+    assert row(undo, A).after_id == row(liked, A).id
+    _retried_and_settled(liked, Status.DELIVERED)
+    assert row(undo, A).due_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delivery_released_that_retracts_nothing_does_not_wait_again() -> None:
+    # An Update in the Create's sequence goes once the Create has left, even
+    # with another Update of the post still retrying: only a retraction waits.
+    options = {"ordering_key": POST}
+    other = send(ALICE, update(3), [A])
+    Delivery.objects.filter(batch=other).update(attempts=1, last_status=503)
+    created = send_batch(ALICE, create(), [A], options)
+    updated = send_batch(ALICE, update(), [A], options)
+    retrying, done = _held(other, created)
+    _settle(retrying, Status.PENDING)
+    _settle(done, Status.DELIVERED)
+    released = row(updated, A)
+    assert (released.after_id, released.due_at is not None) == (None, True)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_one_left_waiting_on_a_settled_delivery_is_released_by_the_sweep() -> None:
     first = send(ALICE, create(), [A])
@@ -372,7 +472,7 @@ def test_a_retraction_finds_what_it_overtakes_with_no_join_whatever_the_statisti
         "batch": retraction.id,
     }
     with connection.cursor() as cursor:
-        for name in ("supersede", "attempted_before", "wait_for_attempted"):
+        for name in ("supersede", "attempted_before", "wait_for_attempted", "wait_again"):
             statement = sql.statement(connection, name)
             cursor.execute(
                 "EXPLAIN " + statement.text,
@@ -382,8 +482,15 @@ def test_a_retraction_finds_what_it_overtakes_with_no_join_whatever_the_statisti
             # A join is a lookup (an index's condition, or a hash), never
             # each row compared with each.
             assert "Join Filter" not in plan, plan
-            if name != "wait_for_attempted":
+            if name in ("supersede", "attempted_before"):
                 assert "Join" not in plan and "Nested Loop" not in plan, plan
+            if name == "wait_again":
+                # Released, a Delete looks for what it is to wait on next by
+                # index: its batch, the batches about the object, their
+                # deliveries to its inbox; no table is read through for it.
+                looks = plan[plan.index("SubPlan") :]
+                assert "Index Scan using fd_batch_object" in looks, plan
+                assert "Seq Scan" not in looks, plan
 
 
 @pytest.mark.django_db

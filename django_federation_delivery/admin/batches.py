@@ -135,7 +135,7 @@ class BatchAdmin(OperatorAdmin[Batch]):
         ),
         (_("Deliveries"), {"fields": ("progress", "deliveries", "size", "remaining")}),
         # What a later Delete or Undo by the sender overtakes (retractions.py).
-        (_("About"), {"fields": ("shown_activity_id", "shown_object_id")}),
+        (_("About"), {"fields": ("shown_activity_id", "shown_object_id", "retracts")}),
         (
             _("Options"),
             {

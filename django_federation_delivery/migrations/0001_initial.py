@@ -172,6 +172,20 @@ class Migration(migrations.Migration):
                     ),
                 ),
                 (
+                    "retracts",
+                    models.CharField(
+                        blank=True,
+                        choices=[
+                            ("", "nothing"),
+                            ("object", "its object"),
+                            ("activity", "an activity"),
+                        ],
+                        default="",
+                        max_length=8,
+                        verbose_name="retracts",
+                    ),
+                ),
+                (
                     "idempotency_key",
                     models.CharField(
                         blank=True, default="", max_length=200, verbose_name="idempotency key"

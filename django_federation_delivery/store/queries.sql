@@ -348,13 +348,70 @@ WHERE w.after_id IS NOT NULL AND w.settled_at IS NULL
 LIMIT %(limit)s
 
 -- name: release [postgresql]
-UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
-WHERE id = ANY(%(ids)s::bigint[]) AND status = {pending} AND after_id IS NOT NULL
+-- Returning each released row's id and what its batch retracts
+-- (released_rows).
+WITH r AS (
+    UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+    WHERE id = ANY(%(ids)s::bigint[]) AND status = {pending} AND after_id IS NOT NULL
+    RETURNING id, batch_id
+)
+{released_rows}
 
 -- name: release [sqlite]
 UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
     AND after_id IS NOT NULL
+RETURNING {released_rows}
+
+-- name: released_rows [postgresql]
+-- What a release returns of each row it made due (r: its id and batch):
+-- its id, and what its batch retracts ('' but for a retraction's, which is
+-- then made to wait again: wait_again). The batches are read once, for
+-- the ids of those released given as an array, as a settle reads its own
+-- (never a lookup a row, planned from statistics that may call the table
+-- empty).
+SELECT r.id, COALESCE(rb.retracts, '') AS retracts FROM r
+LEFT JOIN (
+    SELECT id, retracts FROM {batch} WHERE id = ANY(ARRAY(SELECT batch_id FROM r))
+) AS rb ON rb.id = r.batch_id
+ORDER BY r.id
+
+-- name: released_rows [sqlite]
+{delivery}.id, (SELECT rb.retracts FROM {batch} AS rb WHERE rb.id = {delivery}.batch_id)
+
+-- name: wait_again [postgresql]
+-- A retraction's deliveries %(ids)s, just released, made to wait on the
+-- last delivery still pending to their inbox of what they retract, if any
+-- (next_retracted). A retraction waits on one delivery at a time, the last
+-- attempted there when it was queued; one attempted before it may still be
+-- retrying when that one leaves, and is waited on then.
+UPDATE {delivery} SET after_id = {next_retracted}, due_at = NULL
+WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND {next_retracted} IS NOT NULL
+
+-- name: wait_again [sqlite]
+UPDATE {delivery} SET after_id = {next_retracted}, due_at = NULL
+WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
+    AND {next_retracted} IS NOT NULL
+
+-- name: next_retracted
+-- For the row being written, a retraction's delivery: the last delivery to
+-- its inbox still pending of its sender's earlier batches about what it
+-- retracts (a Delete's object, an Undo's activity); NULL if none. Each is
+-- read by an index: the batch by its key, the earlier ones by object_id or
+-- activity_id (the partial indexes' own conditions written out), a
+-- delivery by its batch and inbox.
+COALESCE(
+    (SELECT max(d.id) FROM {batch} AS rb, {batch} AS b, {delivery} AS d
+    WHERE rb.id = {delivery}.batch_id AND rb.retracts = 'object'
+        AND b.object_id = rb.object_id AND b.object_id > '' AND b.sender = rb.sender
+        AND b.id < rb.id AND b.finished_at IS NULL
+        AND d.batch_id = b.id AND d.inbox = {delivery}.inbox AND d.settled_at IS NULL),
+    (SELECT max(d.id) FROM {batch} AS rb, {batch} AS b, {delivery} AS d
+    WHERE rb.id = {delivery}.batch_id AND rb.retracts = 'activity'
+        AND b.activity_id = rb.object_id AND b.activity_id > '' AND b.sender = rb.sender
+        AND b.id < rb.id AND b.finished_at IS NULL
+        AND d.batch_id = b.id AND d.inbox = {delivery}.inbox AND d.settled_at IS NULL)
+)
 
 
 -- Ordered deliveries ------------------------------------------------------
@@ -390,12 +447,18 @@ SELECT s.value, (
 
 -- name: release_next [postgresql]
 -- Those waiting on %(ids)s made due: one read of the index on after_id.
-UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
-WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
+-- Returning each one's id and what its batch retracts (released_rows).
+WITH r AS (
+    UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+    WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
+    RETURNING id, batch_id
+)
+{released_rows}
 
 -- name: release_next [sqlite]
 UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
 WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
+RETURNING {released_rows}
 
 -- name: chain_pairs [postgresql]
 -- Of the deliveries of the batches %(ids)s, each (but the first of its
@@ -447,12 +510,22 @@ h AS (
     FROM s WHERE counted IS NOT NULL GROUP BY minute ORDER BY minute
     ON CONFLICT (minute) DO UPDATE SET {history_added}
 )
-SELECT ARRAY(SELECT id FROM s), ARRAY(SELECT id FROM b WHERE remaining = 0 ORDER BY id)
+{settled_arrays}
 
 -- name: settle_uncounted [postgresql]
 -- The same, but for the history, which the caller then adds to itself.
 {settling}
-SELECT ARRAY(SELECT id FROM s), ARRAY(SELECT id FROM b WHERE remaining = 0 ORDER BY id)
+{settled_arrays}
+
+-- name: settled_arrays [postgresql]
+-- What a settle returns: the ids written, the batches it finished, and the
+-- retractions' deliveries it released, to wait again (wait_again): their
+-- batches read once, for the ids of those released as an array, as
+-- released_rows reads them.
+SELECT ARRAY(SELECT id FROM s), ARRAY(SELECT id FROM b WHERE remaining = 0 ORDER BY id),
+    ARRAY(SELECT id FROM r WHERE batch_id = ANY(ARRAY(
+        SELECT id FROM {batch} WHERE id = ANY(ARRAY(SELECT batch_id FROM r)) AND retracts <> ''
+    )))
 
 -- name: settling [postgresql]
 -- The settlements written (s), those waiting on the ones written final
@@ -477,7 +550,7 @@ r AS (
     UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
     WHERE after_id = ANY(%(final)s::bigint[]) AND settled_at IS NULL
         AND after_id IN (SELECT id FROM s WHERE settled_at IS NOT NULL)
-    RETURNING 1
+    RETURNING id, batch_id
 ),
 c AS (
     SELECT batch_id AS id, count(*) AS n FROM s WHERE settled_at IS NOT NULL GROUP BY batch_id

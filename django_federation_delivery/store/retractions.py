@@ -6,9 +6,13 @@ like any activity (``queueing``); then, in the same transaction, the
 deliveries of that sender's batches about the object (or of the activity)
 to the retraction's inboxes are looked at. One never attempted and not held
 by a claim is settled ``superseded``, unsent. One already attempted is left
-to its fate, and the retraction's delivery to that inbox waits on it, with
-no due time until it leaves the queue (:func:`release_stranded` frees it
-if it left while the retraction was being written).
+to its fate, and the retraction's delivery to that inbox waits on it (the
+last of them, if several), with no due time until it leaves the queue
+(:func:`release_stranded` frees it if it left while the retraction was
+being written). Released, it waits on the next of them still pending, if
+any: the retraction's batch is kept with what it retracts (``retracts``),
+every statement that releases a delivery says what its batch retracts
+(``released_rows``), and a retraction's waits again (``wait_again``).
 
 The inboxes the retraction was given but left out, their host marked
 unavailable, are looked at too: what was never attempted there is
@@ -157,6 +161,7 @@ def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:
             ids = [id for (id,) in db.all("stranded", limit=STRANDED_CHUNK)]
             if not ids:
                 return released
-            released += db.run("release", ids=db.ids(ids), now=db_datetime(now, connection))
+            rows = db.all("release", ids=db.ids(ids), now=db_datetime(now, connection))
+            released += len(db.released(rows))
             if len(ids) < STRANDED_CHUNK:
                 return released

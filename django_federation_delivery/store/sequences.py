@@ -78,12 +78,13 @@ def last_of_sequences(
 
 def release_next(settled: Sequence[int], now: dt.datetime, using: str | None) -> None:
     """Make due the deliveries that waited on ``settled`` ones: one read of
-    the index on after_id, however long the sequences (``release_next``)."""
+    the index on after_id, however long the sequences (``release_next``); a
+    retraction's waits again if what it retracts is still pending there."""
     if not settled:
         return
     connection = connection_for(using)
     with sql.on(connection) as db:
-        db.run("release_next", ids=db.ids(settled), now=db_datetime(now, connection))
+        db.release_next(settled, db_datetime(now, connection))
 
 
 def chain(batch_ids: Sequence[int], alias: str) -> int:

@@ -416,6 +416,22 @@ class Statements:
         self.run("count_down", rows=rows, now=now)
         return finished
 
+    def release_next(self, settled: Iterable[int], now: Any) -> list[int]:
+        """Make due the deliveries that waited on ``settled`` ones; a
+        retraction's is made to wait again, on the next delivery still
+        pending of what it retracts, if any (``wait_again``). Returns the
+        ids released."""
+        return self.released(self.all("release_next", ids=self.ids(settled), now=now))
+
+    def released(self, rows: Iterable[Sequence[Any]]) -> list[int]:
+        """What a release returned (``released_rows``): the ids, once the
+        retractions' among them have been made to wait again."""
+        rows = list(rows)
+        retracting = [id for id, retracts in rows if retracts]
+        if retracting:
+            self.run("wait_again", ids=self.ids(retracting))
+        return [id for id, _ in rows]
+
     def settle(
         self,
         rows: Sequence[Sequence[Any]],
@@ -429,8 +445,10 @@ class Statements:
         attempts, due time, last status, last error, attempt time and settle
         time, then the history's minute and count name) whose claim still
         holds; release what waited on those written final (the next of an
-        ordered one's sequence, a retraction waiting on an attempted one);
-        count the batches of the ``final`` ones ({id: batch}) down.
+        ordered one's sequence, a retraction waiting on an attempted one,
+        which waits again while another of what it retracts is pending
+        there: :meth:`released`); count the batches of the ``final`` ones
+        ({id: batch}) down.
 
         On PostgreSQL all of it is one statement (``settle``), which adds to
         the history too unless ``count`` is false (``settle_uncounted``);
@@ -444,7 +462,7 @@ class Statements:
         if self.postgresql:
             if ordered:
                 self.run("lock_deliveries", ids=self.ids(sorted(ordered)))
-            written, finished = self.one(
+            written, finished, retracting = self.one(
                 "settle" if count else "settle_uncounted",
                 rows=given,
                 ids=self.ids(row[0] for row in rows),
@@ -452,6 +470,8 @@ class Statements:
                 final=self.ids(sorted(final)),
                 leaving=self.ids(sorted(set(final.values()))),
             )
+            if retracting:
+                self.run("wait_again", ids=self.ids(retracting))
             return Settled(set(written), list(finished), count)
         self.lock_for_writing()
         written = set(self.json("settle_written", rows=given))
@@ -459,7 +479,7 @@ class Statements:
             self.run("settle_rows", rows=given)
         released = [id for id in final if id in written]
         if released:
-            self.run("release_next", ids=self.ids(released), now=now)
+            self.release_next(released, now)
         leaving = Counter(batch for id, batch in final.items() if id in written)
         return Settled(written, self.count_down(leaving, now), False)
 
