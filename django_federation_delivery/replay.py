@@ -6,7 +6,8 @@ webhook destination) that was delivered or given up since a moment: one new
 batch for each batch they came from, with its body, its sender, its event
 and what it is about as they were, so that a receiver de-duplicating by id
 sees the same ids, and a ``Delete`` or ``Undo`` sent later overtakes what
-of it was never tried as it would the original. Each inbox receives them
+of it was never tried as it would the original; what one sent before took
+back is not replayed. Each inbox receives them
 in their original order, one after the other (an ordering key of the
 replay's own; a destination's own sequence for a webhook destination), in
 the low lane for activities, so that a catch-up never delays what is sent
@@ -21,14 +22,14 @@ import datetime as dt
 import hashlib
 
 from django.db import DEFAULT_DB_ALIAS, transaction
-from django.db.models import Min, QuerySet
+from django.db.models import Exists, Min, OuterRef, QuerySet
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import host_named, quoted, required_host
 from django_federation_delivery.conf import database_alias
-from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Retracts, Status
 from django_federation_delivery.store import queueing, sequences
 from django_federation_delivery.webhooks.destinations import delivery_key
 from django_federation_delivery.webhooks.sending import ORDERING_KEY as WEBHOOK_ORDERING_KEY
@@ -113,16 +114,32 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
 
 
 def _replayable(deliveries: QuerySet[Delivery]) -> QuerySet[Delivery]:
-    """``deliveries`` less those of the batches a replay wrote. Once one of
-    those was delivered, it too was sent since the moment: replayed again,
-    the same moment's replay would send its body a third time under a key
-    of its own, and each later run another copy. What it came from is
-    replayed, once (its key)."""
+    """``deliveries`` less those of the batches a replay wrote, and of those
+    a retraction sent since took back.
+
+    Once a replay's batch was delivered, it too was sent since the moment:
+    replayed again, the same moment's replay would send its body a third
+    time under a key of its own, and each later run another copy. What it
+    came from is replayed, once (its key).
+
+    A batch its sender's later ``Delete`` (of what it is about) or ``Undo``
+    (of it) took back is not sent again: it would land after the
+    retraction, or before one still waiting for its retry, and bring back
+    what was deleted or undone. The retraction, if it was sent to the host
+    since the moment, is replayed itself."""
     # Both its key and its tag: a send given either alone is still replayed.
     # Read through the batch's primary key, one lookup a delivery matched.
-    return deliveries.exclude(
+    mine = deliveries.exclude(
         batch__idempotency_key__startswith=KEY_PREFIX, batch__tag__startswith=TAG_PREFIX
     )
+    # Each by the partial index on what the retraction names (its condition
+    # written out): a few rows for an object, whatever the table holds.
+    later = Batch.objects.filter(
+        id__gt=OuterRef("batch_id"), sender=OuterRef("batch__sender"), object_id__gt=""
+    )
+    deleted = later.filter(retracts=Retracts.OBJECT, object_id=OuterRef("batch__object_id"))
+    undone = later.filter(retracts=Retracts.ACTIVITY, object_id=OuterRef("batch__activity_id"))
+    return mine.exclude(Exists(deleted)).exclude(Exists(undone))
 
 
 def _replay_step(

@@ -151,6 +151,41 @@ def test_a_delete_sent_after_a_replay_overtakes_the_replayed_create() -> None:
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("deleted_as", [Status.PENDING, Status.DELIVERED])
+def test_what_a_retraction_sent_before_a_replay_took_back_is_not_replayed(
+    deleted_as: Status,
+) -> None:
+    inbox = "https://a.example/inbox"
+    post = f"{ALICE}/notes/1"
+    created = send(ALICE, {**note(1), "object": post}, [inbox])
+    like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": post}
+    liked = send(ALICE, like, [inbox])
+    kept = send(ALICE, {**note(3), "object": f"{ALICE}/notes/3"}, [inbox])
+    for batch in (created, liked, kept):
+        assert batch is not None
+        settle(batch, Status.DELIVERED, timezone.now())
+    undone = send(ALICE, {"type": "Undo", "id": f"{ALICE}/undo/1", "object": like}, [inbox])
+    deleted = send(ALICE, {**note(2), "type": "Delete", "object": post}, [inbox])
+    assert undone is not None and deleted is not None
+    settle(undone, Status.DELIVERED, timezone.now())
+    if deleted_as == Status.PENDING:
+        # Tried while the host was down, and waiting for its retry.
+        Delivery.objects.filter(batch=deleted).update(attempts=1, last_status=503)
+    else:
+        settle(deleted, Status.DELIVERED, timezone.now())
+    since = timezone.now() - dt.timedelta(hours=1)
+
+    counted = replaying.to_replay(["a.example"], since=since)
+    again = replay(host="a.example", since=since)
+
+    # The Create of the deleted post, and the undone Like, would land after
+    # their retractions (or, the Delete still pending, before it): left out.
+    expected = [kept.pk, undone.pk] + ([deleted.pk] if deleted_as == Status.DELIVERED else [])
+    assert [b.tag for b in again] == [f"replay of batch {pk}" for pk in expected]
+    assert counted == len(expected)
+
+
+@pytest.mark.django_db
 def test_a_webhook_destination_is_sent_its_events_again_with_their_ids(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
