@@ -14,15 +14,18 @@ import sqlite3
 from collections.abc import Iterable
 from typing import Any
 
+from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
 __all__ = [
+    "aware",
     "connection_for",
     "db_datetime",
     "id_array",
     "is_postgresql",
     "json_parameter",
+    "orm_datetime",
     "quoted_table",
     "read_datetime",
     "rows_per_statement",
@@ -41,31 +44,54 @@ def quoted_table(model: type[Any], connection: Any) -> str:
     return str(connection.ops.quote_name(model._meta.db_table))
 
 
+def naive_zone(connection: Any = None) -> dt.tzinfo:
+    """The zone a naive datetime in the database is in: the ``connection``'s
+    (UTC, Django's default, with ``USE_TZ``); with ``USE_TZ = False``,
+    ``TIME_ZONE``, the one Django writes every naive time in."""
+    zone = getattr(connection, "timezone", None)
+    if zone is not None:
+        return zone  # type: ignore[no-any-return]
+    return dt.UTC if settings.USE_TZ else timezone.get_default_timezone()
+
+
+def aware(value: dt.datetime) -> dt.datetime:
+    """``value`` with its zone: a naive one (``timezone.now()`` with
+    ``USE_TZ = False``, or what the ORM reads then) is in :func:`naive_zone`."""
+    if timezone.is_naive(value):
+        return value.replace(tzinfo=naive_zone())
+    return value
+
+
+def orm_datetime(value: dt.datetime) -> dt.datetime:
+    """``value`` as the ORM takes it: with ``USE_TZ = False``, naive in
+    ``TIME_ZONE`` (its backend for SQLite refuses an aware one); as it is
+    otherwise. The package's own times are aware whatever ``USE_TZ`` says."""
+    if not settings.USE_TZ and timezone.is_aware(value):
+        return timezone.make_naive(value, timezone.get_default_timezone())
+    return value
+
+
 def db_datetime(value: dt.datetime | None, connection: Any) -> Any:
-    """``value`` as a raw statement's parameter: SQLite stores text in UTC."""
+    """``value`` as a raw statement's parameter: SQLite stores text, naive in
+    :func:`naive_zone` (what Django's adapter writes for an aware datetime,
+    without its checks, on the path of every send; with ``USE_TZ = False``
+    the adapter refuses one, and the loop's times are aware whatever
+    ``USE_TZ`` says)."""
     if connection.vendor == "sqlite" and value is not None and value.utcoffset() is not None:
-        if connection.timezone is not None:
-            # What Django's adapter writes for an aware datetime, without its
-            # checks, on the path of every send: naive in the connection's zone.
-            return str(value.astimezone(connection.timezone).replace(tzinfo=None))
-        # USE_TZ = False: Django's adapter refuses an aware datetime, and the
-        # loop's times are aware whatever USE_TZ says. Naive in UTC, as
-        # read_datetime reads a naive time back when the connection has no zone.
-        return str(value.astimezone(dt.UTC).replace(tzinfo=None))
+        return str(value.astimezone(naive_zone(connection)).replace(tzinfo=None))
     return connection.ops.adapt_datetimefield_value(value)
 
 
 def read_datetime(value: Any, connection: Any = None) -> dt.datetime | None:
-    """A datetime a raw statement returned, as the ORM reads it: SQLite's is
-    text, naive in the ``connection``'s time zone (UTC, Django's default for
-    it, when none is given); PostgreSQL's is aware already."""
+    """A datetime a raw statement returned, as the ORM reads it, but aware:
+    SQLite's is text, naive in :func:`naive_zone`; PostgreSQL's is aware
+    already (naive in ``TIME_ZONE`` with ``USE_TZ = False``)."""
     if value is None:
         return None
     if isinstance(value, str):
         value = dt.datetime.fromisoformat(value)
     if timezone.is_naive(value):
-        zone = getattr(connection, "timezone", None) or dt.UTC
-        value = value.replace(tzinfo=zone)
+        value = value.replace(tzinfo=naive_zone(connection))
     return value  # type: ignore[no-any-return]
 
 

@@ -28,6 +28,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 
 from django_federation_delivery.charts import Bucket
+from django_federation_delivery.dialect import orm_datetime
 from django_federation_delivery.models import DeliveryHistory
 from django_federation_delivery.store.history import COUNTS, minute_of, record
 
@@ -64,7 +65,7 @@ def recent(
     first_hour = hour_of(now) - dt.timedelta(hours=HOURS - 1)
     rows = (
         DeliveryHistory.objects.using(using or DEFAULT_DB_ALIAS)
-        .filter(minute__gte=first_hour, minute__lte=this_minute)
+        .filter(minute__gte=orm_datetime(first_hour), minute__lte=orm_datetime(this_minute))
         .values_list("minute", *COUNTS)
     )
     first_minute = this_minute - dt.timedelta(minutes=MINUTES - 1)
@@ -90,7 +91,9 @@ def purge(
 ) -> int:
     """Delete (or, dry, count) the minutes older than ``KEPT``: how many."""
     cutoff = (now or timezone.now()) - KEPT
-    old = DeliveryHistory.objects.using(using or DEFAULT_DB_ALIAS).filter(minute__lt=cutoff)
+    old = DeliveryHistory.objects.using(using or DEFAULT_DB_ALIAS).filter(
+        minute__lt=orm_datetime(cutoff)
+    )
     if dry_run:
         return old.count()
     return int(old.delete()[0])

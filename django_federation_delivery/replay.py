@@ -29,6 +29,7 @@ from django.utils.translation import ngettext
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import host_named, quoted, required_host
 from django_federation_delivery.conf import database_alias
+from django_federation_delivery.dialect import orm_datetime
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Retracts, Status
 from django_federation_delivery.store import queueing, sequences
 from django_federation_delivery.webhooks.destinations import delivery_key
@@ -77,7 +78,7 @@ def to_replay(keys: list[str], *, since: dt.datetime, using: str | None = None) 
     its primary key (see :func:`_replayable`)."""
     return _replayable(
         Delivery.objects.using(using or DEFAULT_DB_ALIAS).filter(
-            host__in=keys, status__in=REPLAYED, settled_at__gte=since
+            host__in=keys, status__in=REPLAYED, settled_at__gte=orm_datetime(since)
         )
     ).count()
 
@@ -96,7 +97,9 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
         raise ValueError(f"since {since.isoformat()} falls outside the calendar in UTC") from None
     alias = database_alias(using)
     matching = _replayable(
-        Delivery.objects.using(alias).filter(host=key, status__in=REPLAYED, settled_at__gte=since)
+        Delivery.objects.using(alias).filter(
+            host=key, status__in=REPLAYED, settled_at__gte=orm_datetime(since)
+        )
     )
     # The batches in the order their first delivery here was sent in.
     batch_ids = list(

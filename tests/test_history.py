@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
 from django.utils import timezone
 
 from django_federation_delivery import history, retention, send, send_webhook, store
@@ -261,3 +262,27 @@ def test_the_purge_deletes_minutes_older_than_a_week_whatever_retention_says(
     assert "2 history minutes" in purged.line()
     kept = sorted(DeliveryHistory.objects.values_list("minute", flat=True))
     assert kept == [history.minute_of(now - dt.timedelta(days=days)) for days in (6.9, 1)]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("zone", ["Asia/Kathmandu", "America/Los_Angeles"])
+def test_with_use_tz_off_a_delivery_is_counted_in_the_minute_it_was_made(
+    settings: Any, zone: str, inboxes: Callable[..., Inbox], admin_client: Any
+) -> None:
+    # Naive times are the zone's then, as Django writes them. The minutes
+    # were written in UTC on SQLite: 8 hours ahead of Los Angeles, past the
+    # end of what the queues page reads, and read with an aware bound that
+    # SQLite's backend refuses with USE_TZ off (a 500).
+    settings.USE_TZ = False
+    settings.TIME_ZONE = zone
+    inbox = inboxes("127.0.0.1")
+    send(ALICE, NOTE, [inbox.url()])
+    Deliverer(concurrency=1).run(drain=True)
+
+    (row,) = DeliveryHistory.objects.all()
+    assert row.delivered == 1
+    assert abs((row.minute - timezone.now()).total_seconds()) < 120
+    by_minute, by_hour = history.recent()
+    assert by_minute[-1].delivered == by_hour[-1].delivered == 1
+    assert admin_client.get(reverse("admin:federation_delivery_delivery_queues")).status_code == 200
+    assert history.purge(dry_run=True) == 0

@@ -186,6 +186,23 @@ def test_what_a_retraction_sent_before_a_replay_took_back_is_not_replayed(
 
 
 @pytest.mark.django_db
+def test_with_use_tz_off_a_host_is_replayed_since_a_span_or_a_moment(settings: Any) -> None:
+    # The command's span was a naive time then, refused as "names no host";
+    # an aware moment was refused by SQLite's backend.
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/Los_Angeles"
+    batch = send(ALICE, note(1), ["https://a.example/inbox"])
+    assert batch is not None
+    settle(batch, Status.DELIVERED, timezone.now())
+    out = StringIO()
+    call_command("delivery_replay", "--host=a.example", "--since=1h", stdout=out)
+    assert "1 delivery, in 1 new batch" in out.getvalue()
+    since = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    assert replaying.to_replay(["a.example"], since=since) == 1
+    assert len(replay(host="a.example", since=since)) == 1
+
+
+@pytest.mark.django_db
 def test_a_webhook_destination_is_sent_its_events_again_with_their_ids(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,

@@ -10,7 +10,12 @@ from collections.abc import Mapping
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
 
-from django_federation_delivery.dialect import connection_for, db_datetime, json_parameter
+from django_federation_delivery.dialect import (
+    aware,
+    connection_for,
+    db_datetime,
+    json_parameter,
+)
 from django_federation_delivery.store import sql
 
 __all__ = ["COUNTS", "minute_of", "record"]
@@ -21,8 +26,9 @@ COUNTS = ("delivered", "retried", "refused", "failed", "breakers_opened")
 
 
 def minute_of(at: dt.datetime) -> dt.datetime:
-    """The UTC minute ``at`` falls in."""
-    return at.astimezone(dt.UTC).replace(second=0, microsecond=0)
+    """The UTC minute ``at`` falls in (naive, it is read as Django keeps it:
+    see :func:`~django_federation_delivery.dialect.aware`)."""
+    return aware(at).astimezone(dt.UTC).replace(second=0, microsecond=0)
 
 
 def record(counts: Mapping[dt.datetime, Mapping[str, int]], *, using: str | None = None) -> None:

@@ -26,6 +26,7 @@ from django.utils.translation import ngettext
 
 from django_federation_delivery import hosts, signals
 from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.dialect import aware, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
 from django_federation_delivery.webhooks.destinations import delivery_key
@@ -165,13 +166,13 @@ class Watch:
     def _last_success_since(self, key: str, since: dt.datetime) -> dt.datetime:
         last: dt.datetime | None = (
             Delivery.objects.using(self.using)
-            .filter(host=key, status=Status.DELIVERED, settled_at__gt=since)
+            .filter(host=key, status=Status.DELIVERED, settled_at__gt=orm_datetime(since))
             .aggregate(last=Max("settled_at"))["last"]
         )
         if last is None:
             return since
         self._hosts(key).update(failing_since=last)
-        return last
+        return aware(last)
 
 
 def _span(span: dt.timedelta) -> str:
