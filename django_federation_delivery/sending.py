@@ -387,11 +387,19 @@ def _available(
     targets: list[queueing.Queued], gone: frozenset[str]
 ) -> tuple[list[queueing.Queued], list[str]]:
     """``targets`` but those on a host marked unavailable, and the inboxes of
-    those, left out."""
-    kept = [queued for queued in targets if queued.host not in gone]
-    if len(kept) == len(targets):
-        return targets, []
-    return kept, [queued.inbox for queued in targets if queued.host in gone]
+    those, left out. A portable inbox keeps the gateways not marked so, the
+    first of them standing for its host; it is left out when none is left."""
+    kept: list[queueing.Queued] = []
+    left_out: list[str] = []
+    for queued in targets:
+        if queued.via and any(host_of(gateway) in gone for gateway in queued.via):
+            via = tuple(gateway for gateway in queued.via if host_of(gateway) not in gone)
+            queued = queued._replace(host=host_of(via[0]), via=via) if via else queued
+        if queued.host in gone:
+            left_out.append(queued.inbox)
+        else:
+            kept.append(queued)
+    return kept, left_out
 
 
 def _overtake_left_out(

@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from django_federation_delivery import BatchOptions, InvalidDelivery, send, send_batch, wakeup
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
+from django_federation_delivery.sending import UNAVAILABLE
 
 from .keys import ALICE
 
@@ -492,6 +493,32 @@ def test_send_portable_skips_what_is_not_a_portable_inbox_or_has_no_usable_gatew
         ("ap://did:key:z6Mk/inbox", "is not a PortableInbox but str"),
         ("ap://did:key:z6Mk/inbox", "has no usable gateway"),
     ]
+
+
+@pytest.mark.django_db
+def test_a_portable_inbox_goes_through_its_gateways_that_are_not_marked_unavailable() -> None:
+    from django_federation_delivery import PortableInbox, availability, send_portable
+    from django_federation_delivery.models import Host
+
+    now = timezone.now()
+    for name in ("dead.example", "gone.example"):
+        Host.objects.create(name=name, failing_since=now, unavailable_since=now)
+    availability.forget_known()
+    inbox = "ap://did:key:z6MkAlice/actor/inbox"
+    gateways = ["https://dead.example", "https://live.example", "https://gone.example"]
+    batch = send_portable(
+        ALICE, NOTE, [PortableInbox(inbox, gateways), PortableInbox(f"{inbox}2", gateways[::2])]
+    )
+
+    # The gateways gone for good are left out of the one it still has, which
+    # now stands for its host; the one with none left is skipped.
+    assert batch is not None
+    assert [(skipped.inbox, skipped.reason) for skipped in batch.skipped] == [
+        (f"{inbox}2", UNAVAILABLE)
+    ]
+    (row,) = Delivery.objects.all()
+    assert (row.inbox, row.host) == (inbox, "live.example")
+    assert row.via == ["https://live.example/.well-known/apgateway/did:key:z6MkAlice/actor/inbox"]
 
 
 def test_a_portable_inbox_that_is_not_an_ap_uri_is_refused_naming_it() -> None:
