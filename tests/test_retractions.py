@@ -5,6 +5,7 @@ is itself sent after any that were."""
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 from collections.abc import Callable, Iterator
 from io import StringIO
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from django_federation_delivery import availability, send, send_batch, signals, store
@@ -373,6 +374,50 @@ def test_one_left_waiting_on_a_settled_delivery_is_released_by_the_sweep() -> No
     assert release_stranded(now=settled_at) == 1
     assert row(waiting, B).due_at == settled_at and row(waiting, B).after_id is None
     assert release_stranded(now=settled_at) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_claim_takes_a_retraction_the_sweep_releases_before_it_waits_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django_federation_delivery.store import sql
+
+    # A Create and an Update of the post, both tried and retrying in an hour.
+    later = timezone.now() + dt.timedelta(hours=1)
+    created = send(ALICE, create(), [A])
+    updated = send(ALICE, update(), [A])
+    Delivery.objects.filter(inbox=A).update(attempts=1, last_status=503, due_at=later)
+    retraction = send(ALICE, delete(), [A])
+    assert row(retraction, A).after_id == row(updated, A).id
+    # The Update settled while the Delete was being made to wait on it.
+    Delivery.objects.filter(batch=updated).update(
+        status=Status.DELIVERED, settled_at=timezone.now(), due_at=None
+    )
+    # Another deliverer claims whatever is due between the sweep's release
+    # and the wait it then gives the Delete.
+    taken: list[int] = []
+    run = sql.Statements.run
+
+    def claim() -> None:
+        try:
+            taken.extend(claimed.id for claimed in store.claim(10, 60, per_host=10))
+        finally:
+            connections.close_all()
+
+    other = threading.Thread(target=claim)
+
+    def run_then_claim(self: sql.Statements, name: str, /, **given: Any) -> int:
+        if name == "wait_again":
+            other.start()
+            # On SQLite its claim waits for the sweep's write lock.
+            other.join(2)
+        return run(self, name, **given)
+
+    monkeypatch.setattr(sql.Statements, "run", run_then_claim)
+    assert release_stranded(now=timezone.now()) == 1
+    other.join(30)
+    assert row(retraction, A).after_id == row(created, A).id
+    assert taken == [], "the Delete was claimed before the Create's retry"
 
 
 def _received(inboxes: list[Inbox]) -> list[tuple[str, str]]:

@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, transaction
 
 from django_federation_delivery.dialect import connection_for, db_datetime
 from django_federation_delivery.models import Status
@@ -153,15 +153,18 @@ def overtake(
 def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:
     """Release the pending deliveries waiting on one no longer pending: a
     retraction may have made one wait on a delivery whose settle was being
-    written at that moment, and so did not see it. Returns how many."""
-    connection = connection_for(using or DEFAULT_DB_ALIAS)
+    written at that moment, and so did not see it. Returns how many.
+
+    A chunk is released in one transaction: a retraction's is made to wait
+    again (``Statements.released``) before anyone else can see it due."""
+    alias = using or DEFAULT_DB_ALIAS
+    connection = connection_for(alias)
     released = 0
-    with sql.on(connection) as db:
-        while True:
+    while True:
+        with transaction.atomic(using=alias), sql.on(connection) as db:
             ids = [id for (id,) in db.all("stranded", limit=STRANDED_CHUNK)]
-            if not ids:
-                return released
-            rows = db.all("release", ids=db.ids(ids), now=db_datetime(now, connection))
-            released += len(db.released(rows))
-            if len(ids) < STRANDED_CHUNK:
-                return released
+            if ids:
+                rows = db.all("release", ids=db.ids(ids), now=db_datetime(now, connection))
+                released += len(db.released(rows))
+        if len(ids) < STRANDED_CHUNK:
+            return released
