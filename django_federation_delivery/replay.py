@@ -126,19 +126,26 @@ def _replayable(deliveries: QuerySet[Delivery]) -> QuerySet[Delivery]:
     came from is replayed, once (its key).
 
     A batch its sender's later ``Delete`` (of what it is about) or ``Undo``
-    (of it) took back is not sent again: it would land after the
-    retraction, or before one still waiting for its retry, and bring back
-    what was deleted or undone. The retraction, if it was sent to the host
-    since the moment, is replayed itself."""
+    (of it), sent to the host, took back is not sent again: it would land
+    after the retraction, or before one still waiting for its retry, and
+    bring back what was deleted or undone. The retraction, if it was sent
+    to the host since the moment, is replayed itself."""
     # Both its key and its tag: a send given either alone is still replayed.
     # Read through the batch's primary key, one lookup a delivery matched.
     mine = deliveries.exclude(
         batch__idempotency_key__startswith=KEY_PREFIX, batch__tag__startswith=TAG_PREFIX
     )
     # Each by the partial index on what the retraction names (its condition
-    # written out): a few rows for an object, whatever the table holds.
-    later = Batch.objects.filter(
-        id__gt=OuterRef("batch_id"), sender=OuterRef("batch__sender"), object_id__gt=""
+    # written out): a few rows for an object, whatever the table holds. Only
+    # a retraction sent to this host counts, and not a replay's copy of one
+    # (another host's replay): the host's own retraction is then replayed.
+    to_this_host = Delivery.objects.filter(batch_id=OuterRef("pk"), host=OuterRef(OuterRef("host")))
+    later = (
+        Batch.objects.filter(
+            id__gt=OuterRef("batch_id"), sender=OuterRef("batch__sender"), object_id__gt=""
+        )
+        .exclude(idempotency_key__startswith=KEY_PREFIX, tag__startswith=TAG_PREFIX)
+        .filter(Exists(to_this_host))
     )
     deleted = later.filter(retracts=Retracts.OBJECT, object_id=OuterRef("batch__object_id"))
     undone = later.filter(retracts=Retracts.ACTIVITY, object_id=OuterRef("batch__activity_id"))

@@ -186,6 +186,30 @@ def test_what_a_retraction_sent_before_a_replay_took_back_is_not_replayed(
 
 
 @pytest.mark.django_db
+def test_only_a_retraction_sent_to_the_host_keeps_what_it_took_back_from_its_replay() -> None:
+    # Three hosts restored from one backup, which had the post's Create:
+    # each missed its Delete. A second Delete went to c alone, later.
+    post = f"{ALICE}/notes/1"
+    a, b, c = (f"https://{name}.example/inbox" for name in "abc")
+    now = timezone.now()
+    since = now - dt.timedelta(hours=1)
+    created = send(ALICE, {**note(1), "object": post}, [a, b, c])
+    deleted = send(ALICE, {**note(2), "type": "Delete", "object": post}, [a, b])
+    again = send(ALICE, {**note(3), "type": "Delete", "object": post}, [c])
+    assert created is not None and deleted is not None and again is not None
+    settle(created, Status.DELIVERED, now - dt.timedelta(days=1))
+    settle(deleted, Status.DELIVERED, now - dt.timedelta(minutes=30))
+    settle(again, Status.DELIVERED, now - dt.timedelta(minutes=10))
+
+    # a's Delete is not hidden by the one sent to c alone; b's is not hidden
+    # by a's replay of it.
+    for host in ("a.example", "b.example"):
+        replayed = replay(host=host, since=since)
+        assert [batch.tag for batch in replayed] == [f"replay of batch {deleted.pk}"], host
+        assert replaying.to_replay([host], since=since) == 1
+
+
+@pytest.mark.django_db
 def test_with_use_tz_off_a_host_is_replayed_since_a_span_or_a_moment(settings: Any) -> None:
     # The command's span was a naive time then, refused as "names no host";
     # an aware moment was refused by SQLite's backend.
