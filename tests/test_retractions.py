@@ -16,7 +16,7 @@ from django.core.management import call_command
 from django.db import connection, connections, transaction
 from django.utils import timezone
 
-from django_federation_delivery import availability, send, send_batch, signals, store
+from django_federation_delivery import availability, controls, send, send_batch, signals, store
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import id_array
 from django_federation_delivery.models import Batch, Delivery, Host, Status
@@ -418,6 +418,56 @@ def test_no_claim_takes_a_retraction_the_sweep_releases_before_it_waits_again(
     other.join(30)
     assert row(retraction, A).after_id == row(created, A).id
     assert taken == [], "the Delete was claimed before the Create's retry"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_cancelled_and_requeued_waits_again_for_the_create_retrying() -> None:
+    later = timezone.now() + dt.timedelta(hours=1)
+    created = send(ALICE, create(), [A])
+    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503, due_at=later)
+    retraction = send(ALICE, delete(), [A])
+    # An operator cancels the Delete's batch, then thinks better of it.
+    assert controls.give_up(Delivery.objects.filter(batch=retraction)) == 1
+    assert controls.requeue(Delivery.objects.filter(batch=retraction)) == 1
+    waits = row(retraction, A)
+    assert (waits.status, waits.after_id, waits.due_at) == (
+        Status.PENDING,
+        row(created, A).id,
+        None,
+    )
+    assert store.claim(10, 60, per_host=10) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_requeued_delivery_in_flight_is_not_released_again_by_what_it_waited_on() -> None:
+    created = send(ALICE, create(), [A])
+    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503)
+    retraction = send(ALICE, delete(), [A])
+    assert controls.give_up(Delivery.objects.filter(batch=retraction)) == 1
+    (retried,) = _held(created)
+    _settle(retried, Status.DELIVERED)
+    assert controls.requeue(Delivery.objects.filter(batch=retraction)) == 1
+    _held(retraction)
+    # Its lease holds for a minute: the sweep, every 30 s, leaves it alone.
+    assert release_stranded(now=timezone.now()) == 0
+    assert store.claim(10, 60, per_host=10) == [], "claimed, and sent, twice"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_a_later_retraction_took_back_is_not_requeued() -> None:
+    created = send(ALICE, create(), [A, B])
+    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503)
+    retraction = send(ALICE, delete(), [A])
+    Delivery.objects.filter(batch=created).update(
+        status=Status.FAILED, settled_at=timezone.now(), due_at=None
+    )
+    Delivery.objects.filter(batch=retraction).update(
+        status=Status.DELIVERED, settled_at=timezone.now(), due_at=None, after=None
+    )
+    # The Delete went to A, not to B: only B's Create goes again.
+    assert controls.requeue(Delivery.objects.filter(batch=created)) == 1
+    assert row(created, A).status == Status.FAILED
+    assert row(created, B).status == Status.PENDING
 
 
 def _received(inboxes: list[Inbox]) -> list[tuple[str, str]]:

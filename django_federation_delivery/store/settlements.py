@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, transaction
-from django.db.models import F
+from django.db.models import Exists, F, OuterRef, QuerySet
 from django.utils import timezone
 
 from django_federation_delivery.dialect import connection_for, db_datetime
-from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.models import Batch, Delivery, Retracts, Status
 from django_federation_delivery.store import history, sql, wakes
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down
@@ -247,7 +247,13 @@ def give_up_rows(
 
 def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     """Put settled deliveries back in the queue, due now; their attempts so far
-    are kept. Returns how many."""
+    are kept. Returns how many.
+
+    What a later retraction of its sender, queued to the same inbox, took
+    back is left as it is: sent again, a deleted post's ``Create`` would
+    land after its ``Delete``. What a requeued delivery waited on before is
+    forgotten (it left, or is left to its fate), but a retraction's waits
+    again on what it retracts still pending there (``wait_again``)."""
     alias = using or DEFAULT_DB_ALIAS
     now = timezone.now()
     manager = Delivery.objects.using(alias)
@@ -256,14 +262,34 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
         rows = list(
             manager.select_for_update()
             .filter(id__in=list(ids), status__in=list(FINAL - {Status.DELIVERED}))
+            .exclude(Exists(_retracting(Retracts.OBJECT, "object_id")))
+            .exclude(Exists(_retracting(Retracts.ACTIVITY, "activity_id")))
             .values_list("id", "batch_id")
         )
-        manager.filter(id__in=[id for id, _ in rows]).update(
-            status=Status.PENDING, due_at=now, lease_token=None, settled_at=None
+        requeued = [id for id, _ in rows]
+        manager.filter(id__in=requeued).update(
+            status=Status.PENDING, due_at=now, lease_token=None, settled_at=None, after=None
         )
+        if requeued:
+            with sql.on(connection_for(alias)) as db:
+                db.run("wait_again", ids=db.ids(requeued))
         for batch_id, count in Counter(batch_id for _, batch_id in rows).items():
             Batch.objects.using(alias).filter(id=batch_id).update(
                 remaining=F("remaining") + count, finished_at=None
             )
     transaction.on_commit(wakes.notify_local, using=alias)
     return len(rows)
+
+
+def _retracting(retracts: Retracts, about: str) -> QuerySet[Delivery]:
+    """The deliveries, to the outer delivery's inbox, of a later retraction
+    by its batch's sender of what the batch is ``about`` (its object, or
+    itself): found by the partial index on the retraction's ``object_id``."""
+    return Delivery.objects.filter(
+        inbox=OuterRef("inbox"),
+        batch__retracts=retracts,
+        batch__object_id=OuterRef(f"batch__{about}"),
+        batch__object_id__gt="",
+        batch__sender=OuterRef("batch__sender"),
+        batch_id__gt=OuterRef("batch_id"),
+    )
