@@ -470,6 +470,33 @@ def test_what_a_later_retraction_took_back_is_not_requeued() -> None:
     assert row(created, B).status == Status.PENDING
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("leaves", ["superseded", "given up"])
+def test_a_sequence_keeps_its_order_when_one_in_its_middle_leaves_unsent(leaves: str) -> None:
+    # One ordering key: a note about something else, the post's Create, a
+    # third; the first was tried and waits for its retry.
+    options = {"ordering_key": f"{ALICE}/timeline"}
+    first = send_batch(ALICE, create(f"{ALICE}/notes/0", 1), [A], options)
+    middle = send_batch(ALICE, create(POST, 2), [A], options)
+    last = send_batch(ALICE, create(f"{ALICE}/notes/3", 3), [A], options)
+    later = timezone.now() + dt.timedelta(hours=1)
+    Delivery.objects.filter(batch=first).update(attempts=1, last_status=503, due_at=later)
+    if leaves == "superseded":
+        retraction = send(ALICE, delete(), [A])
+        assert retraction is not None and retraction.superseded == 1
+    else:
+        assert controls.give_up(Delivery.objects.filter(batch=middle)) == 1
+    assert row(middle, A).status != Status.PENDING
+    # The third waits on the first now, still pending, as the middle did.
+    waits = row(last, A)
+    assert (waits.after_id, waits.due_at) == (row(first, A).id, None)
+    claimed = {claimed.batch_id for claimed in store.claim(10, 60, per_host=10)}
+    assert last is not None and last.pk not in claimed
+    # Once the first leaves, the third goes.
+    _retried_and_settled(first, Status.DELIVERED)
+    assert row(last, A).due_at is not None
+
+
 def _received(inboxes: list[Inbox]) -> list[tuple[str, str]]:
     return [(r.path, r.json()["type"]) for inbox in inboxes for r in inbox.received]
 

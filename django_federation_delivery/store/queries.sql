@@ -353,7 +353,7 @@ LIMIT %(limit)s
 WITH r AS (
     UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
     WHERE id = ANY(%(ids)s::bigint[]) AND status = {pending} AND after_id IS NOT NULL
-    RETURNING id, batch_id
+    RETURNING id, batch_id, after_id
 )
 {released_rows}
 
@@ -364,20 +364,24 @@ WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
 RETURNING {released_rows}
 
 -- name: released_rows [postgresql]
--- What a release returns of each row it made due (r: its id and batch):
--- its id, and what its batch retracts ('' but for a retraction's, which is
--- then made to wait again: wait_again). The batches are read once, for
--- the ids of those released given as an array, as a settle reads its own
--- (never a lookup a row, planned from statistics that may call the table
--- empty).
-SELECT r.id, COALESCE(rb.retracts, '') AS retracts FROM r
+-- What a release returns of each row it wrote (r: its id, batch and what
+-- it waits on now): its id, what it waits on now (NULL but for one that
+-- waits on another still: inherited), and what its batch retracts ('' but
+-- for a retraction's, which, released, is then made to wait again:
+-- wait_again). The batches are read once, for the ids of those released
+-- given as an array, as a settle reads its own (never a lookup a row,
+-- planned from statistics that may call the table empty).
+SELECT r.id, r.after_id, COALESCE(rb.retracts, '') AS retracts FROM r
 LEFT JOIN (
     SELECT id, retracts FROM {batch} WHERE id = ANY(ARRAY(SELECT batch_id FROM r))
 ) AS rb ON rb.id = r.batch_id
 ORDER BY r.id
 
 -- name: released_rows [sqlite]
-{delivery}.id, (SELECT rb.retracts FROM {batch} AS rb WHERE rb.id = {delivery}.batch_id)
+-- The same. (SQLite 3.40 reads a column the statement set as it was before
+-- when an expression of RETURNING tests it: the caller tests it.)
+{delivery}.id, {delivery}.after_id,
+    (SELECT rb.retracts FROM {batch} AS rb WHERE rb.id = {delivery}.batch_id)
 
 -- name: wait_again [postgresql]
 -- A retraction's deliveries %(ids)s, just released, made to wait on the
@@ -446,19 +450,31 @@ SELECT s.value, (
 ) FROM json_each(%(sequences)s) AS s
 
 -- name: release_next [postgresql]
--- Those waiting on %(ids)s made due: one read of the index on after_id.
--- Returning each one's id and what its batch retracts (released_rows).
+-- Those waiting on %(ids)s made due (but see inherited): one read of the
+-- index on after_id. Returning each one's id and what its batch retracts
+-- (released_rows).
 WITH r AS (
-    UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+    UPDATE {delivery} SET after_id = {inherited},
+        due_at = CASE WHEN {inherited} IS NULL THEN %(now)s ELSE NULL END
     WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
-    RETURNING id, batch_id
+    RETURNING id, batch_id, after_id
 )
 {released_rows}
 
 -- name: release_next [sqlite]
-UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+UPDATE {delivery} SET after_id = {inherited},
+    due_at = CASE WHEN {inherited} IS NULL THEN %(now)s ELSE NULL END
 WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
 RETURNING {released_rows}
+
+-- name: inherited
+-- For the row being written, waiting on one that left the queue while
+-- itself waiting (superseded, or given up, unsent): what that one waited
+-- on, if it is still pending, which the row waits on in its stead, so that
+-- a sequence keeps its order when one in its middle leaves; NULL otherwise.
+-- A delivery that was attempted waited on nothing, and releases at once.
+(SELECT q.id FROM {delivery} AS p, {delivery} AS q
+    WHERE p.id = {delivery}.after_id AND q.id = p.after_id AND q.settled_at IS NULL)
 
 -- name: chain_pairs [postgresql]
 -- Of the deliveries of the batches %(ids)s, each (but the first of its

@@ -424,13 +424,14 @@ class Statements:
         return self.released(self.all("release_next", ids=self.ids(settled), now=now))
 
     def released(self, rows: Iterable[Sequence[Any]]) -> list[int]:
-        """What a release returned (``released_rows``): the ids, once the
-        retractions' among them have been made to wait again."""
-        rows = list(rows)
-        retracting = [id for id, retracts in rows if retracts]
+        """What a release returned (``released_rows``): the ids of those made
+        due (not those that wait on another still), once the retractions'
+        among them have been made to wait again."""
+        released = [(id, retracts) for id, after, retracts in rows if after is None]
+        retracting = [id for id, retracts in released if retracts]
         if retracting:
             self.run("wait_again", ids=self.ids(retracting))
-        return [id for id, _ in rows]
+        return [id for id, _ in released]
 
     def settle(
         self,
