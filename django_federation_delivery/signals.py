@@ -8,7 +8,8 @@ operator's give-up, a retraction's supersedings, and the host and destination
 signals) are sent once the write that records them has committed, never
 inside the package's own transaction, where a receiver's database error
 (even one it catches) would undo the write. A receiver that raises (anything
-but ``KeyboardInterrupt``) is logged with its traceback and the loop goes on.
+but ``KeyboardInterrupt``) is logged with its traceback, the receivers after
+it are called, and the loop goes on.
 
 Each is sent with ``sender=Delivery`` (the model class) and one keyword:
 
@@ -44,13 +45,15 @@ delivery given up because its destination is no longer configured sends
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
+import functools
 import logging
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from asgiref.sync import async_to_sync
 from django.dispatch import Signal
 
 # Receivers compare an ``outcome`` with it, by this name.
@@ -168,45 +171,100 @@ def listened(signal: Signal) -> bool:
 
 
 def send_safely(signal: Signal, **kwargs: Any) -> None:
-    """Send ``signal`` to every receiver. One that raises an exception does
-    not stop the others or the loop: Django logs it, with its traceback, on
-    the ``django.dispatch`` logger.
+    """Send ``signal`` to every receiver, one by one. One that raises does
+    not stop the others or the loop: it is logged, with its traceback, on
+    the ``django.dispatch`` logger, and the next is called.
 
-    One that raises what is no ``Exception`` (a ``SystemExit``: a receiver
-    calling ``sys.exit()``) goes past ``send_robust``, which then calls no
-    receiver after it; it is logged here, and the loop goes on, where it
-    stopped the loop with the delivery sent and left pending, to be sent
-    again after its lease. A ``KeyboardInterrupt`` is let through: in the
-    loop's thread it is the operator's Ctrl-C, raised wherever that thread
-    was."""
+    Not Django's ``send_robust``, which called no receiver after one that
+    raised what is no ``Exception`` (a ``SystemExit``: a receiver calling
+    ``sys.exit()``) and let it through, stopping the loop with the delivery
+    sent and left pending; nor after one with no ``__qualname__`` (a
+    ``functools.partial``, an object with ``__call__``), the
+    ``AttributeError`` of its log line let through. A ``KeyboardInterrupt``
+    is let through: in the loop's thread it is the operator's Ctrl-C, raised
+    wherever that thread was."""
     from django_federation_delivery.models import Delivery
 
+    if not signal.receivers:  # the usual case
+        return
+    synchronous, asynchronous = _live_receivers(signal, Delivery)
+    for receiver in synchronous:
+        try:
+            receiver(signal=signal, sender=Delivery, **kwargs)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:
+            _failed(signal, _name_of(receiver), error)
+    if asynchronous:
+        try:
+            async_to_sync(_send_async)(signal, asynchronous, Delivery, kwargs)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # called from an event loop's own thread, say
+            _failed(signal, " and ".join(map(_name_of, asynchronous)), error)
+
+
+def _live_receivers(
+    signal: Signal, sender: type[Any]
+) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:
+    """The receivers of ``signal`` for ``sender``, those to call and those to
+    await, in the order they were connected. Django has no public way to
+    ask; its own ``_live_receivers`` returns a list on Django 4.2 (which
+    has no async receivers), and from 5.0 a pair of lists."""
+    live = signal._live_receivers(sender)
+    if isinstance(live, tuple):
+        synchronous, asynchronous = live
+        return list(synchronous), list(asynchronous)
+    return list(live), []
+
+
+async def _send_async(
+    signal: Signal,
+    receivers: Sequence[Callable[..., Any]],
+    sender: type[Any],
+    kwargs: dict[str, Any],
+) -> None:
+    """Await each async receiver, all at once as Django does; one that
+    raises is logged, the others awaited all the same."""
+
+    async def called(receiver: Callable[..., Any]) -> None:
+        try:
+            await receiver(signal=signal, sender=sender, **kwargs)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:
+            _failed(signal, _name_of(receiver), error)
+
+    await asyncio.gather(*(called(receiver) for receiver in receivers))
+
+
+def _failed(signal: Signal, receiver: str, error: BaseException) -> None:
+    """Log that ``receiver`` (named) of ``signal`` raised ``error``."""
+    _dispatch_logger.error(
+        "Error calling %s, a receiver of %s: %r",
+        receiver,
+        # The name it has here: a Signal knows none.
+        next((name for name, value in globals().items() if value is signal), "a signal"),
+        error,
+        exc_info=error,
+    )
+
+
+def _name_of(receiver: object) -> str:
+    """What a log line names ``receiver`` by: its qualified name, and for an
+    object that has none (a ``functools.partial``, an instance with
+    ``__call__``) a repr that cannot raise and shows none of its state,
+    where its arguments may be a token."""
+    if isinstance(receiver, functools.partial):
+        return f"functools.partial({_name_of(receiver.func)})"
     try:
-        signal.send_robust(sender=Delivery, **kwargs)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as error:
-        _dispatch_logger.error(
-            "%s raised %r, which is no exception: the receivers after it were not called",
-            _receiver_of(error),
-            error,
-            exc_info=error,
-        )
-
-
-def _receiver_of(error: BaseException) -> str:
-    """The name of the receiver ``error`` came from: the function Django's
-    dispatcher called, as the traceback has it."""
-    traceback = error.__traceback__
-    while traceback is not None:
-        code = traceback.tb_frame.f_code
-        if code.co_filename.endswith(_DISPATCHER) and traceback.tb_next is not None:
-            return traceback.tb_next.tb_frame.f_code.co_qualname
-        traceback = traceback.tb_next
-    return "A receiver"
-
-
-_DISPATCHER = os.path.join("django", "dispatch", "dispatcher.py")
+        name = getattr(receiver, "__qualname__", None)
+        module = getattr(receiver, "__module__", None)
+    except Exception:  # a property of its own that raises
+        name = module = None
+    if isinstance(name, str) and name:
+        return f"{module}.{name}" if isinstance(module, str) and module else name
+    return object.__repr__(receiver)
 
 
 #: Where Django's ``send_robust`` logs a receiver that raised: where an

@@ -3,10 +3,12 @@ the package's own write, and whatever one raises the loop goes on."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import django
 import pytest
 from django.db import IntegrityError, OperationalError, connection
 
@@ -159,8 +161,8 @@ def test_a_receiver_that_raises_what_is_no_exception_is_logged_and_not_raised(
     called: list[int] = []
     receivers = [
         raising(RuntimeError("a bug")),
-        lambda sender, **kwargs: called.append(kwargs["settled"]),
         raising(error),
+        lambda sender, **kwargs: called.append(kwargs["settled"]),
     ]
     for receiver in receivers:
         signals.delivery_settled.connect(receiver, weak=False)
@@ -170,14 +172,117 @@ def test_a_receiver_that_raises_what_is_no_exception_is_logged_and_not_raised(
     finally:
         for receiver in receivers:
             signals.delivery_settled.disconnect(receiver)
-    assert called == [7]
+    assert called == [7], "the receiver after them called all the same"
     messages = [record.getMessage() for record in caplog.records]
     assert messages == [
-        "Error calling raises_RuntimeError in Signal.send_robust() (a bug)",
-        f"raising.<locals>.receiver raised {error!r}, which is no exception: "
-        "the receivers after it were not called",
+        "Error calling tests.test_signals.raises_RuntimeError, a receiver of delivery_settled: "
+        "RuntimeError('a bug')",
+        f"Error calling tests.test_signals.raises_{type(error).__name__}, "
+        f"a receiver of delivery_settled: {error!r}",
     ]
     assert all(record.exc_info for record in caplog.records), "with its traceback"
+
+
+class Notifier:
+    """A receiver that is an object, as a host project's may be: it has no
+    ``__qualname__``, and its repr raises."""
+
+    def __call__(self, sender: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the pager is away")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def notify(sender: Any, *, channel: str, **kwargs: Any) -> None:
+    raise RuntimeError(f"{channel} is away")
+
+
+@pytest.mark.parametrize(
+    ("receiver", "named"),
+    [
+        (functools.partial(notify, channel="ops"), "functools.partial(tests.test_signals.notify)"),
+        (Notifier(), "<tests.test_signals.Notifier object at 0x"),
+    ],
+    ids=["partial", "object"],
+)
+def test_a_receiver_with_no_name_that_raises_is_logged_and_the_others_are_called(
+    caplog: pytest.LogCaptureFixture, receiver: Callable[..., None], named: str
+) -> None:
+    # Django's send_robust logs a receiver by its __qualname__: a partial or
+    # an object has none, and the AttributeError went past it, the receivers
+    # after the one that raised never called.
+    called: list[int] = []
+
+    def after(sender: Any, settled: int, **kwargs: Any) -> None:
+        called.append(settled)
+
+    signals.delivery_settled.connect(receiver, weak=False)
+    signals.delivery_settled.connect(after)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
+            signals.send_safely(signals.delivery_settled, settled=7)
+    finally:
+        signals.delivery_settled.disconnect(receiver)
+        signals.delivery_settled.disconnect(after)
+    assert called == [7]
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"Error calling {named}"), record.getMessage()
+    assert "a receiver of delivery_settled: RuntimeError(" in record.getMessage()
+    assert record.exc_info, "with its traceback"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_partial_receiver_that_raises_leaves_the_other_receivers_called_by_the_loop(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    from django_federation_delivery.deliverer import Deliverer
+
+    gone = inboxes(respond=lambda request: (410, {}, b"")).url("/gone")
+    marked: list[str] = []
+
+    def mark_gone(sender: Any, failure: signals.Failure, **kwargs: Any) -> None:
+        marked.append(failure.inbox)
+
+    first = functools.partial(notify, channel="ops")
+    signals.delivery_failed.connect(first, weak=False)
+    signals.delivery_failed.connect(mark_gone)
+    try:
+        send(ALICE, NOTE, [gone])
+        Deliverer().run(drain=True)
+    finally:
+        signals.delivery_failed.disconnect(first)
+        signals.delivery_failed.disconnect(mark_gone)
+    assert marked == [gone]
+
+
+@pytest.mark.skipif(django.VERSION < (5, 0), reason="Django calls async receivers from 5.0 on")
+def test_an_async_receiver_that_raises_is_logged_and_the_others_are_called(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    called: list[str] = []
+
+    async def fails(sender: Any, **kwargs: Any) -> None:
+        raise RuntimeError("an async bug")
+
+    async def after(sender: Any, **kwargs: Any) -> None:
+        called.append("async")
+
+    def synchronous(sender: Any, **kwargs: Any) -> None:
+        called.append("sync")
+
+    receivers = [fails, after, synchronous]
+    for receiver in receivers:
+        signals.delivery_settled.connect(receiver)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
+            signals.send_safely(signals.delivery_settled, settled=7)
+    finally:
+        for receiver in receivers:
+            signals.delivery_settled.disconnect(receiver)
+    assert sorted(called) == ["async", "sync"]
+    (record,) = caplog.records
+    assert "fails" in record.getMessage() and record.exc_info
 
 
 def test_a_keyboard_interrupt_in_a_receiver_is_let_through() -> None:
