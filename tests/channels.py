@@ -109,3 +109,36 @@ class Fragile(Pager):
 
     def parse(self, url: str, scheme: str) -> Parsed:
         raise RuntimeError(f"cannot parse {url}")
+
+
+class Configured(Pager):
+    """A kind that takes its API base when made: ``CHANNELS`` makes each
+    kind with no arguments."""
+
+    name = "configured"
+    label = "Configured"
+    schemes = ("configured",)
+
+    def __init__(self, api_base: str) -> None:
+        self.api_base = api_base
+
+
+class OneScheme(Pager):
+    """A kind whose schemes were written as one string, not a tuple: taken
+    as a sequence, each of its letters, none twice, would be a scheme."""
+
+    name = "pagery"
+    label = "Pager Y"
+    schemes = "pagery"  # type: ignore[assignment]
+
+
+class Unmade(Pager):
+    """A kind that fails as it is made, its message holding a secret: a
+    setting it reads, say."""
+
+    name = "unmade"
+    label = "Unmade"
+    schemes = ("unmade",)
+
+    def __init__(self) -> None:
+        raise RuntimeError("no token: t0kenS3CRET is revoked")

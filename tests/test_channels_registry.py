@@ -158,6 +158,38 @@ def test_a_kind_whose_parse_fails_is_its_destinations_problem_alone(
         assert "routingKEY" not in text and "pager.example" not in text, text
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("Configured", "cannot be made with no arguments, as CHANNELS makes it"),
+        ("OneScheme", "schemes must be a tuple of lowercase URL schemes"),
+        ("Unmade", "could not be made: RuntimeError"),
+    ],
+)
+def test_a_kind_that_cannot_be_registered_is_a_check_error_and_crashes_nothing(
+    settings: Any, kind: str, says: str
+) -> None:
+    # A kind that took an argument crashed the checks, every send and the
+    # deliverer with a TypeError; schemes written as a string were taken
+    # letter by letter.
+    with_pager(
+        settings,
+        CHANNELS=[f"tests.channels.{kind}"],
+        WEBHOOKS={"chat": "slack+http://127.0.0.1:9/services/T/B/C"},
+    )
+    with pytest.raises(SystemCheckError, match=r"federation_delivery\.E035") as checked:
+        call_command("check")
+    assert f"tests.channels.{kind}" in str(checked.value)
+    assert says in str(checked.value)
+    with pytest.raises(ImproperlyConfigured, match=f"tests.channels.{kind}"):
+        send_webhook("chat", "alert.raised", {})
+    with pytest.raises(ImproperlyConfigured, match=f"tests.channels.{kind}"):
+        registry()
+    Deliverer().run(drain=True, stop_after=10)
+    assert "t0kenS3CRET" not in str(checked.value), "a kind's error named by its type alone"
+
+
 #: A webhook's URL written where its destination's name goes.
 URL_AS_NAME = "https://hooks.slack.com/services/T0SECRETA/B0SECRETB/xTOKENxSECRETx"
 

@@ -160,6 +160,9 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
         (["tests.settings.DEBUG"], "E035", "not a Channel subclass"),
         (["tests.channels.Pager", "tests.channels.Pager"], "E035", "both named 'pager'"),
         (["tests.channels.SlackAgain"], "E035", "scheme 'slack'"),
+        (["tests.channels.Configured"], "E035", "missing a required argument: 'api_base'"),
+        (["tests.channels.OneScheme"], "E035", "not 'pagery'"),
+        (["tests.channels.Unmade"], "E035", "tests.channels.Unmade could not be made"),
     ],
     "WEBHOOK_RETRY": [([], "E032", "[]"), ([30, INF], "E032", "inf"), ([HUGE], "E032", "[1000")],
     "WEBHOOK_RETRY_AFTER_MAX": [(INF, "E032", "inf"), (0, "E032", "0")],
@@ -289,6 +292,7 @@ def test_a_deliverer_given_a_huge_whole_number_of_seconds_does_not_start_and_say
     ("setting", "expected"),
     [
         ({"CHANNELS": ["tests.channels.Nothing"]}, r"E035: .*'tests\.channels\.Nothing'"),
+        ({"CHANNELS": ["tests.channels.Configured"]}, r"E035: .*tests\.channels\.Configured "),
         ({"WEBHOOKS": {"ops": "ftp://x.example/s3cret"}}, r"E031: .*'ops'"),
     ],
 )

@@ -5,6 +5,7 @@ dotted path."""
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from collections.abc import Iterable, Sequence
 
@@ -39,6 +40,8 @@ _KIND_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 #: A typo of a scheme is shown ("slak"); what has a digit in it or is long
 #: may be a token written where the scheme goes, and is not.
 _SCHEME = re.compile(r"[a-z][a-z+.-]{0,15}")
+#: A scheme a kind may take: RFC 3986's, lowercase, as a URL's is looked up.
+_URL_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
 
 
 class Registry:
@@ -48,18 +51,19 @@ class Registry:
         self.by_scheme: dict[str, Channel] = {}
         self.by_name: dict[str, Channel] = {}
         for kind in kinds:
-            channel = kind()
             for attribute in ("name", "label", "schemes"):
                 if not getattr(kind, attribute, None):
                     raise ImproperlyConfigured(
                         _("The channel %(kind)s does not set %(attribute)s.")
                         % {"kind": _dotted(kind), "attribute": attribute}
                     )
-            if not _KIND_NAME.fullmatch(kind.name):
+            if not (isinstance(kind.name, str) and _KIND_NAME.fullmatch(kind.name)):
                 raise ImproperlyConfigured(
-                    _("The channel %(kind)s's name %(name)r is not a short lowercase word.")
-                    % {"kind": _dotted(kind), "name": kind.name}
+                    _("The channel %(kind)s's name %(name)s is not a short lowercase word.")
+                    % {"kind": _dotted(kind), "name": quoted(kind.name)}
                 )
+            _check_schemes(kind)
+            channel = _made(kind)
             if kind.name in self.by_name:
                 raise ImproperlyConfigured(
                     _("The channels %(one)s and %(other)s are both named %(name)r.")
@@ -240,6 +244,54 @@ def _imported(path: str) -> type[Channel]:
             % {"setting": SETTING, "path": shown_path(path)}
         )
     return found
+
+
+def _check_schemes(kind: type[Channel]) -> None:
+    """``ImproperlyConfigured`` unless ``kind``'s schemes are a tuple (or a
+    list) of lowercase URL schemes: a string written there would be taken
+    letter by letter, each a scheme of its own."""
+    schemes: object = kind.schemes
+    if not (
+        isinstance(schemes, tuple | list)
+        and all(isinstance(scheme, str) and _URL_SCHEME.fullmatch(scheme) for scheme in schemes)
+    ):
+        raise ImproperlyConfigured(
+            _(
+                "The channel %(kind)s's schemes must be a tuple of lowercase URL schemes, "
+                "such as ('pager', 'pager+http'), not %(schemes)s."
+            )
+            % {"kind": _dotted(kind), "schemes": quoted(schemes)}
+        )
+
+
+def _made(kind: type[Channel]) -> Channel:
+    """The one instance of ``kind``, made with no arguments as every kind is:
+    ``ImproperlyConfigured`` naming it when it cannot be, so that a kind of a
+    host project's is ``manage.py check``'s error (E035), never a traceback
+    from every send and the loop. An error its ``__init__`` raises is named
+    by its type alone: its message may quote a setting it read, a secret."""
+    try:
+        signature = inspect.signature(kind)
+    except (TypeError, ValueError):  # none to be had: made, and judged by what it raises
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind()
+        except TypeError as exc:
+            raise ImproperlyConfigured(
+                _(
+                    "The channel %(kind)s cannot be made with no arguments, as CHANNELS "
+                    "makes it: %(problem)s."
+                )
+                % {"kind": _dotted(kind), "problem": exc}
+            ) from None
+    try:
+        return kind()
+    except Exception as exc:
+        raise ImproperlyConfigured(
+            _("The channel %(kind)s could not be made: %(error)s.")
+            % {"kind": _dotted(kind), "error": type(exc).__name__}
+        ) from None
 
 
 def _dotted(kind: type[Channel]) -> str:

@@ -35,8 +35,8 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 str(exc),
                 hint=_(
                     "CHANNELS lists dotted paths to Channel subclasses of "
-                    "django_federation_delivery.channels, each with a name and schemes "
-                    "of its own."
+                    "django_federation_delivery.channels, each made with no arguments, "
+                    "with a name and a tuple of schemes of its own."
                 ),
                 id=f"{PREFIX}.E035",
             )
