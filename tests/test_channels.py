@@ -287,6 +287,29 @@ def test_a_request_shows_the_destination_not_its_url() -> None:
         assert "ops (" in repr(request)
 
 
+@pytest.mark.parametrize(
+    ("url", "token"),
+    [
+        ("matrix://syt_s3cr3tAccessT0ken@matrix.example/!AbCdEf:example.org", "s3cr3tAccessT0ken"),
+        ("ntfy://tk_s3cr3tNtfyT0ken99@ntfy.sh/alerts", "s3cr3tNtfyT0ken99"),
+        (SIGNED, SECRET.removeprefix("whsec_")),
+    ],
+    ids=["matrix", "ntfy", "signed"],
+)
+def test_no_token_reaches_the_repr_of_a_request_or_a_parsed_url(url: str, token: str) -> None:
+    # Matrix's and ntfy's token is sent in the Authorization header, which
+    # the repr printed whole, in a log line or a debugger's view.
+    request = build(parse_destination("ops", url), event())
+    assert any(token in value for value in request.headers.values()) or token in url
+    shown = repr(request)
+    assert token not in shown, shown
+    assert not [value for value in request.headers.values() if value in shown], shown
+    assert "ops (" in shown
+    assert "Content-Type" in shown, "the headers named, their values not"
+    scheme = url.partition("://")[0]
+    assert token not in repr(parse_destination("ops", url).channel.parse(url, scheme))
+
+
 def test_data_that_is_not_an_object_is_shown_as_json() -> None:
     request = build(parse_destination("chat", SLACK), event(["a", 2]))
     assert json.loads(request.body) == {"text": 'alert.raised\n["a",2]'}

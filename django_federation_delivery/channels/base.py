@@ -99,16 +99,16 @@ class UnusableURL(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Parsed:
-    """What a kind makes of a URL."""
+    """What a kind makes of a URL: all of it the URL's, and so never shown."""
 
     #: Where requests go. Secret: never shown.
-    url: str
+    url: str = dataclasses.field(repr=False)
     #: Every part of the URL that is a credential (a token, a hook's path, a
     #: signing key): what :meth:`Destination.redact` takes out of a text.
-    secrets: tuple[str, ...]
+    secrets: tuple[str, ...] = dataclasses.field(repr=False)
     #: What else the kind needs to build a request (a chat id, signing keys),
     #: read by the kind alone.
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -165,7 +165,8 @@ class Destination:
 @dataclasses.dataclass(frozen=True)
 class Request:
     """The request one attempt makes: ``url`` and ``body`` are the destination's
-    and the event's, never shown."""
+    and the event's, and the headers' values may be its credential (Matrix's
+    and ntfy's ``Authorization: Bearer``, a signature): none of them shown."""
 
     method: str
     url: str = dataclasses.field(repr=False)
@@ -173,6 +174,14 @@ class Request:
     body: bytes = dataclasses.field(repr=False)
     #: The destination's name and kind, safe to show.
     display: str
+
+    def __repr__(self) -> str:
+        # The headers by name alone: a kind of a host project's may put its
+        # token in any of them.
+        return (
+            f"Request(method={self.method!r}, headers=<{', '.join(map(str, self.headers))}>, "
+            f"display={self.display!r})"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
