@@ -23,7 +23,7 @@ from django_federation_delivery.addresses import host_of, normalize_inbox, quote
 from django_federation_delivery.channels.events import colliding_key
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
-from django_federation_delivery.models import Batch, Lane, Retracts, SkippedInbox
+from django_federation_delivery.models import Batch, Kind, Lane, Retracts, SkippedInbox
 from django_federation_delivery.portable import PortableInbox
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
@@ -98,7 +98,8 @@ def send(
     ``skipped`` lists each, redacted, with the reason. Returns the batch, or
     None when there was no inbox to send to. With an ``idempotency_key``
     a batch sent with already is kept under, nothing is queued and that
-    batch is returned, whatever the inboxes given this time.
+    batch is returned, whatever the inboxes given this time; when a webhook
+    event's batch holds the key, ``InvalidDelivery`` naming it.
     """
     options = BatchOptions(idempotency_key=idempotency_key) if idempotency_key else None
     return send_batch(sender, activity, inboxes, options)
@@ -255,14 +256,16 @@ def _queue(
             batch.superseded = retractions.overtake(
                 sender, retraction, batch=batch, left_out=left_out, using=using
             )
+    batch = queueing.of_kind(batch, Kind.ACTIVITYPUB)
     batch.skipped = skipped
     return batch
 
 
 def _kept(idempotency_key: str, skipped: list[SkippedInbox], using: str) -> Batch | None:
     """The batch kept under ``idempotency_key``, for a send that queues none:
-    one query, only on that way out, never on a send's own."""
-    kept = queueing.kept_batch(idempotency_key, using=using)
+    one query, only on that way out, never on a send's own. ``InvalidDelivery``
+    when a webhook event's batch holds the key."""
+    kept = queueing.kept_batch(idempotency_key, kind=Kind.ACTIVITYPUB, using=using)
     if kept is not None:
         kept.skipped = skipped
     return kept

@@ -126,6 +126,80 @@ def test_a_webhook_event_retried_to_no_subscribed_destination_returns_the_first_
     assert send_webhook("ops", "deploy.done", {"n": 1}, idempotency_key="deploy-8") is None
 
 
+SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+
+
+def _activity(inboxes: list[str] = INBOXES) -> Batch | None:
+    return send(ALICE, NOTE, inboxes, idempotency_key="post-1")
+
+
+def _webhook(destination: str = "ops") -> Batch | None:
+    return send_webhook(destination, "post.created", {"id": 1}, idempotency_key="post-1")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("first", "then", "held_by"),
+    [
+        (_activity, _webhook, "an activity's batch"),
+        (_webhook, _activity, "a webhook event's batch"),
+        # Retried with nothing left to queue: returned the other kind's batch.
+        (_activity, lambda: _webhook("quiet"), "an activity's batch"),
+        (_webhook, lambda: _activity(["ftp://a.example/inbox"]), "a webhook event's batch"),
+        (
+            _webhook,
+            lambda: _activity([*INBOXES, "https://late.example/inbox"]),
+            "a webhook event's batch",
+        ),
+    ],
+    ids=[
+        "webhook-after-activity",
+        "activity-after-webhook",
+        "webhook-to-none",
+        "activity-to-none",
+        "activity-too-many",
+    ],
+)
+def test_a_key_held_by_the_other_kind_of_send_is_refused_naming_it_with_nothing_written(
+    settings: Any, first: Any, then: Any, held_by: str
+) -> None:
+    # One view federates a post and announces it, each keyed by the post:
+    # the webhook event was silently dropped, send_webhook returning the
+    # activity's batch as if it were the event's.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": SLACK, "quiet": {"url": SLACK, "events": ["alert.*"]}},
+        "MAX_INBOXES": len(INBOXES),
+    }
+    kept = first()
+    assert kept is not None
+    before = list(Delivery.objects.values_list("id", flat=True))
+    with pytest.raises(InvalidDelivery) as refused:
+        then()
+    assert str(refused.value).startswith(f"idempotency_key 'post-1' is held by {held_by}")
+    assert list(Batch.objects.values_list("id", flat=True)) == [kept.pk]
+    assert list(Delivery.objects.values_list("id", flat=True)) == before
+    # The same kind of send is returned the kept batch, as ever.
+    again = first()
+    assert again is not None and (again.pk, again.created) == (kept.pk, False)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first", [_activity, _webhook], ids=["activity", "webhook"])
+def test_a_key_refused_as_held_by_the_other_kind_leaves_the_callers_transaction_usable(
+    settings: Any, first: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": SLACK}}
+    first()
+    with transaction.atomic():
+        with pytest.raises(InvalidDelivery, match="post-1"):
+            _webhook() if first is _activity else _activity()
+        # The refusal raised as any bad argument does: the caller goes on.
+        batch = send(ALICE, NOTE, INBOXES[:1], idempotency_key="post-2")
+    assert batch is not None
+    assert Batch.objects.filter(idempotency_key="post-2").exists()
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     ("key", "said"),

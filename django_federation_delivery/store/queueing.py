@@ -14,12 +14,14 @@ from django.db import DEFAULT_DB_ALIAS, models, transaction
 from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
     is_postgresql,
     rows_per_statement,
 )
+from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Kind
 from django_federation_delivery.store import sql, wakes
 from django_federation_delivery.store.sequences import (
@@ -57,7 +59,8 @@ def enqueue(
 ) -> Batch:
     """Write ``batch`` and one pending delivery per inbox, each of ``kind``;
     or, when a batch with its ``idempotency_key`` is kept, write nothing and
-    return that one.
+    return that one, whichever kind of send wrote it: the caller refuses one
+    of the other kind (:func:`of_kind`) once out of its transaction.
 
     With an ordering key, each delivery waits on the last one pending in its
     sequence, looked up; ``waits_on`` ({inbox: delivery id}) instead says
@@ -113,7 +116,7 @@ def enqueue(
             done = 0
         if batch.id is None:
             # Sent before with this idempotency key, and kept: nothing is queued.
-            kept = kept_batch(batch.idempotency_key, using=alias)
+            kept = _kept(batch.idempotency_key, alias)
             if kept is None:  # purged between the insert and this read
                 raise Batch.DoesNotExist("the batch kept under this idempotency key is gone")
             return kept
@@ -136,17 +139,44 @@ def enqueue(
     return batch
 
 
-def kept_batch(idempotency_key: str, *, using: str | None = None) -> Batch | None:
+def kept_batch(idempotency_key: str, *, kind: str, using: str | None = None) -> Batch | None:
     """The batch kept under ``idempotency_key``, marked not created, or None
-    (and no query) without a key: for a send retried with nothing left to
-    queue, which writes no batch for the key to meet."""
+    (and no query) without a key: for a send of ``kind`` retried with nothing
+    left to queue, which writes no batch for the key to meet.
+    ``InvalidDelivery`` when the other kind of send wrote it (:func:`of_kind`)."""
     if not idempotency_key:
         return None
-    kept = (
-        Batch.objects.using(using or DEFAULT_DB_ALIAS)
-        .filter(idempotency_key=idempotency_key)
-        .first()
+    kept = _kept(idempotency_key, using or DEFAULT_DB_ALIAS)
+    return None if kept is None else of_kind(kept, kind)
+
+
+def of_kind(batch: Batch, kind: str) -> Batch:
+    """``batch``, written by a send of ``kind`` or kept under its idempotency
+    key, as that send returns it: ``InvalidDelivery`` naming the key when it
+    is kept and the other kind of send wrote it.
+
+    An activity's batches and a webhook event's share their keys (one unique
+    index): a view that keys both by what it made (``post-1``) would
+    otherwise be given the activity's batch for its event, and the event
+    never queued. Raised once out of the send's transaction, so that, as any
+    bad argument, it leaves the caller's as it was; nothing was written.
+    """
+    webhook = kind == Kind.WEBHOOK
+    if batch.created or bool(batch.event_type) == webhook:
+        return batch
+    held_by, sent = (
+        ("an activity's", "a webhook event") if webhook else ("a webhook event's", "an activity")
     )
+    raise InvalidDelivery(
+        f"idempotency_key {quoted(batch.idempotency_key)} is held by {held_by} batch "
+        f"(id {batch.pk}): give {sent} a key of its own"
+    )
+
+
+def _kept(idempotency_key: str, alias: str) -> Batch | None:
+    """The batch kept under ``idempotency_key``, of whichever kind, marked
+    not created."""
+    kept = Batch.objects.using(alias).filter(idempotency_key=idempotency_key).first()
     if kept is not None:
         kept.created = False
     return kept

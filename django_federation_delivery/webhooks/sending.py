@@ -72,7 +72,8 @@ def send_webhook(
     de-duplicates by. Returns the batch, or None when no destination named
     is subscribed (or none is named). With an ``idempotency_key`` a batch
     was sent with already and is kept under, nothing is queued and that batch
-    is returned, whatever the destinations subscribed this time.
+    is returned, whatever the destinations subscribed this time; when an
+    activity's batch holds the key, ``InvalidDelivery`` naming it.
     """
     alias = database_alias(using)
     idempotency_key = checked_idempotency_key(idempotency_key)
@@ -84,7 +85,7 @@ def send_webhook(
     if not found:
         # A retry to destinations no longer subscribed still returns the
         # batch kept under its key, as send()'s does.
-        return queueing.kept_batch(idempotency_key, using=alias)
+        return queueing.kept_batch(idempotency_key, kind=Kind.WEBHOOK, using=alias)
     names = [name for name, _ in found]
     policies = {name: _policy(d) for name, d in found}
     encoded = event.as_json()
@@ -104,7 +105,7 @@ def send_webhook(
     body = encoded.decode()
     # No savepoint, as send()'s.
     with transaction.atomic(using=alias, savepoint=False):
-        return queueing.enqueue(
+        batch = queueing.enqueue(
             Batch(
                 sender="",
                 body=body,
@@ -126,6 +127,8 @@ def send_webhook(
             kind=Kind.WEBHOOK,
             using=alias,
         )
+    # Out of the transaction: refused, the caller's is left as it was.
+    return queueing.of_kind(batch, Kind.WEBHOOK)
 
 
 async def asend_webhook(
