@@ -24,7 +24,7 @@ from django_federation_delivery.store import claims
 from django_federation_delivery.store.claims import lease_deadline
 from django_federation_delivery.transport import Transport, TransportSettings
 
-__all__ = ["InboxDeliveries", "lease_deadline"]
+__all__ = ["InboxDeliveries", "lease_deadline", "synchronization_headers"]
 
 #: Past this many activities parsed for SKIP_IF, they are parsed again as needed.
 MOST_ACTIVITIES = 1000
@@ -152,13 +152,11 @@ class InboxDeliveries:
             # moment does not make the delivery wrong.
             logger.warning("Looking up the key of %s failed: %s", batch.sender, type(exc).__name__)
             key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
-        extra: dict[str, str] = {}
-        if batch.synchronize_collection and self.synchronization is not None and key is not None:
-            header = ask(
-                "COLLECTION_SYNCHRONIZATION", self.synchronization, batch.sender, row.inbox
-            )
-            if isinstance(header, str) and header:
-                extra["Collection-Synchronization"] = header
+        extra = (
+            synchronization_headers(self.synchronization, batch.sender, row.inbox)
+            if batch.synchronize_collection and key is not None
+            else {}
+        )
         return InboxJob(
             delivery_id=row.id,
             extra_headers=extra,
@@ -182,3 +180,20 @@ class InboxDeliveries:
 
     def attempt(self, job: InboxJob, transport: Transport) -> AttemptResult:
         return self.channel.attempt(job, transport)
+
+
+def synchronization_headers(
+    synchronization: Callable[..., Any] | None, sender: str, inbox: str
+) -> dict[str, str]:
+    """The ``Collection-Synchronization`` header of a delivery of ``sender``'s
+    to ``inbox``, in a batch sent with ``synchronize_collection``, as
+    ``synchronization`` (COLLECTION_SYNCHRONIZATION) writes it when the
+    delivery is made; none when it writes none. A job and a test's
+    ``Outgoing.headers()`` both take it from here, so that a test sees the
+    header an attempt sends."""
+    if synchronization is None:
+        return {}
+    header = ask("COLLECTION_SYNCHRONIZATION", synchronization, sender, inbox)
+    if isinstance(header, str) and header:
+        return {"Collection-Synchronization": header}
+    return {}

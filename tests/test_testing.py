@@ -12,7 +12,14 @@ import pytest
 import requests
 from django.test import TransactionTestCase
 
-from django_federation_delivery import PortableInbox, send, send_portable, send_webhook, signals
+from django_federation_delivery import (
+    PortableInbox,
+    send,
+    send_batch,
+    send_portable,
+    send_webhook,
+    signals,
+)
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.testing import DeliveryTestMixin, Outgoing, deliver_all
 from django_federation_delivery.testing.fake import FakeInbox
@@ -77,6 +84,44 @@ def test_an_ed25519_sender_is_verified_in_rfc9421(fake_inbox: FakeInbox) -> None
     deliver_all(fake=fake_inbox)
     ((request),) = fake_inbox.received
     assert (request.scheme, request.verified) == ("rfc9421", True)
+
+
+def synchronization(sender: str, inbox: str) -> str:
+    return f'collectionId="{sender}/followers", url="{sender}/followers_sync", digest="{"0" * 64}"'
+
+
+def test_outgoing_headers_are_the_headers_an_attempt_sends_synchronization_included(
+    delivery_outbox: list[Outgoing], fake_inbox: FakeInbox, settings: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "COLLECTION_SYNCHRONIZATION": f"{__name__}.synchronization",
+    }
+    send_batch(ALICE, NOTE, [INBOX], {"synchronize_collection": True})
+    send(ALICE, {**NOTE, "id": f"{ALICE}/activities/2"}, [INBOX])
+    synchronized, plain = delivery_outbox
+    headers = synchronized.headers()
+    assert headers["Collection-Synchronization"] == synchronization(ALICE, INBOX)
+    assert "collection-synchronization" in headers["Signature"]
+    assert "Collection-Synchronization" not in plain.headers()
+    deliver_all(fake=fake_inbox)
+    sent = {request.body: request.headers for request in fake_inbox.received}
+    assert set(sent[synchronized.body]) >= set(headers)
+    for name in ("Collection-Synchronization", "Content-Type", "Digest", "Host"):
+        assert sent[synchronized.body][name] == headers[name]
+
+
+def test_outgoing_headers_of_an_ed25519_sender_are_signed_in_rfc9421_as_an_attempt_signs_them(
+    delivery_outbox: list[Outgoing], fake_inbox: FakeInbox
+) -> None:
+    send(EDNA, {**NOTE, "actor": EDNA}, [INBOX])
+    (out,) = delivery_outbox
+    for scheme in (None, "draft-cavage", "rfc9421"):
+        headers = out.headers(scheme=scheme)
+        assert 'alg="ed25519"' in headers["Signature-Input"], scheme
+    deliver_all(fake=fake_inbox)
+    ((request),) = fake_inbox.received
+    assert request.scheme == "rfc9421"
 
 
 def test_410_429_and_503_come_to_what_a_real_server_would_make_of_them(

@@ -40,7 +40,14 @@ from django_federation_delivery.transport import (
     status_text,
 )
 
-__all__ = ["KNOCK_AGAIN", "ActivityPub", "InboxJob", "describe"]
+__all__ = [
+    "KNOCK_AGAIN",
+    "ActivityPub",
+    "InboxJob",
+    "describe",
+    "signed_request",
+    "signing_scheme",
+]
 
 #: The answers that mean a knock in the wrong scheme, worth one more in the other.
 KNOCK_AGAIN = frozenset({400, 401})
@@ -188,16 +195,12 @@ class ActivityPub(Channel):
         when the first is answered 400 or 401 ("double knocking"), both by
         ``deadline``: a second knock with no time left is a passing failure, never
         the first one's refusal."""
-        scheme = job.scheme
-        if key.algorithm == "ed25519" and scheme is Scheme.CAVAGE:
-            # draft-cavage as Mastodon verifies it has no Ed25519: go straight to RFC 9421.
-            scheme = Scheme.RFC9421
+        scheme = signing_scheme(key, job.scheme)
         made = 0
         outcome = self._post(job, key, target, scheme, transport, deadline)
         made += 1
         other = scheme.other()
-        can_sign_other = not (key.algorithm == "ed25519" and other is Scheme.CAVAGE)
-        if outcome.status in KNOCK_AGAIN and can_sign_other:
+        if outcome.status in KNOCK_AGAIN and signing_scheme(key, other) is other:
             outcome = self._post(job, key, target, other, transport, deadline)
             made += 1
         return outcome, made
@@ -213,19 +216,10 @@ class ActivityPub(Channel):
     ) -> AttemptResult:
         length = self.error_length
         try:
-            # Signed and sent in one spelling: the signature covers the very target requested.
-            url = addresses.split(target).url
+            url, headers = signed_request(job, key, target, scheme)
         except addresses.UnusableURL as exc:
             error = f"cannot deliver to '{exc.redacted}': it {exc.reason}"
             return failed(job, error[:length], permanent=True, requests=0)
-        try:
-            headers = sign_request(
-                scheme,
-                url=url,
-                body_sha256=job.body_sha256,
-                key=key,
-                extra_headers=job.extra_headers,
-            )
         except SigningError as exc:
             return failed(job, str(exc)[:length], permanent=True)
         try:
@@ -235,6 +229,36 @@ class ActivityPub(Channel):
         verdict = self.judge(answer)
         error = "" if verdict.delivered else describe(answer, length, target)
         return judged(job, answer.status, verdict, error, accepted_scheme=scheme)
+
+
+def signing_scheme(key: SenderKey, scheme: Scheme) -> Scheme:
+    """The scheme a knock in ``scheme`` is signed in with ``key``: RFC 9421
+    for an Ed25519 key, which draft-cavage (as Mastodon verifies it) cannot
+    carry, so that no knock is made that every inbox would refuse."""
+    if key.algorithm == "ed25519" and scheme is Scheme.CAVAGE:
+        return Scheme.RFC9421
+    return scheme
+
+
+def signed_request(
+    job: InboxJob, key: SenderKey, target: str, scheme: Scheme
+) -> tuple[str, dict[str, str]]:
+    """Where a request of ``job`` to ``target`` goes and the headers it
+    carries, signed now in ``scheme``, the job's extra headers among them
+    and covered. The URL is the target's canonical form, the very one signed:
+    signed and sent in one spelling. An attempt's knocks and a test's
+    ``Outgoing.headers()`` are both made here, so that a test sees what an
+    attempt sends. Raises ``UnusableURL`` for a target with no canonical
+    form, ``SigningError`` for what cannot be signed."""
+    url = addresses.split(target).url
+    headers = sign_request(
+        scheme,
+        url=url,
+        body_sha256=job.body_sha256,
+        key=key,
+        extra_headers=job.extra_headers,
+    )
+    return url, headers
 
 
 def describe(answer: Answer, length: int, target: str = "") -> str:

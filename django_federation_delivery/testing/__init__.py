@@ -54,6 +54,9 @@ class Outgoing:
     body: bytes
     #: Where a portable inbox is POSTed, in order; () for the inbox itself.
     via: tuple[str, ...] = ()
+    #: Whether its batch was sent with ``synchronize_collection``: an inbox's
+    #: request then carries the ``Collection-Synchronization`` header.
+    synchronize_collection: bool = False
 
     @property
     def activity(self) -> Any:
@@ -67,8 +70,11 @@ class Outgoing:
     def headers(self, *, scheme: str | None = None) -> dict[str, str]:
         """The headers a delivery attempt made now would send: for an inbox,
         signed in ``scheme`` ("draft-cavage" or "rfc9421"; by default the
-        first a deliverer tries, ``FIRST_SCHEME``) with the sender's key; for
-        a webhook, its destination's (Standard Webhooks signatures included)."""
+        first a deliverer tries, ``FIRST_SCHEME``) with the sender's key (in
+        RFC 9421 whatever ``scheme`` says for an Ed25519 key, as an attempt
+        signs), ``Collection-Synchronization`` included when its batch asks
+        for it; for a webhook, its destination's (Standard Webhooks
+        signatures included)."""
         if self.kind == Kind.WEBHOOK:
             return _webhook_headers(self)
         return _inbox_headers(self, scheme)
@@ -99,6 +105,7 @@ def _captured(sender: type[Batch], instance: Batch, created: bool, **kwargs: Any
             sender=instance.sender,
             body=body,
             via=tuple(via or ()),
+            synchronize_collection=instance.synchronize_collection,
         )
         for id, kind, inbox, destination, via in rows
     )
@@ -158,21 +165,37 @@ class DeliveryTestMixin:
 
 
 def _inbox_headers(outgoing: Outgoing, scheme: str | None) -> dict[str, str]:
-    from django_federation_delivery import addresses
+    # Made as an attempt makes its first knock's (inboxes.py, channels/activitypub.py).
+    from django_federation_delivery.channels.activitypub import (
+        InboxJob,
+        signed_request,
+        signing_scheme,
+    )
     from django_federation_delivery.conf import app_settings
+    from django_federation_delivery.inboxes import synchronization_headers
     from django_federation_delivery.keys import KeyCache
-    from django_federation_delivery.signatures import Scheme, body_sha256, sign_request
+    from django_federation_delivery.signatures import Scheme, body_sha256
 
     key = KeyCache().get(outgoing.sender)
     if key is None:
         raise LookupError(f"SENDER_KEYS has no key for {outgoing.sender!r}")
-    target = outgoing.via[0] if outgoing.via else outgoing.inbox
-    return sign_request(
-        Scheme(scheme) if scheme else app_settings.first_scheme,
-        url=addresses.split(target).url,
+    synchronization = app_settings.callable_setting("COLLECTION_SYNCHRONIZATION")
+    job = InboxJob(
+        delivery_id=outgoing.delivery_id,
+        targets=outgoing.via or (outgoing.inbox,),
+        body=outgoing.body,
         body_sha256=body_sha256(outgoing.body),
         key=key,
+        sender=outgoing.sender,
+        scheme=Scheme(scheme) if scheme else app_settings.first_scheme,
+        extra_headers=(
+            synchronization_headers(synchronization, outgoing.sender, outgoing.inbox)
+            if outgoing.synchronize_collection
+            else {}
+        ),
     )
+    _, headers = signed_request(job, key, job.targets[0], signing_scheme(key, job.scheme))
+    return headers
 
 
 def _webhook_headers(outgoing: Outgoing) -> dict[str, str]:
