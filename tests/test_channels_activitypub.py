@@ -195,6 +195,43 @@ def test_no_key_is_refused_and_a_key_store_failure_is_retried(
     assert len(mocked.calls) == 0, "nothing is sent unsigned"
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"key": SenderKey("https://social.example/users/zo\u00eb#main-key", rsa_key())},
+        {"extra_headers": {"Collection-Synchronization": "a\nb"}},
+        {"targets": ("ftp://remote.example/inbox",)},
+    ],
+    ids=["key id", "header", "target"],
+)
+def test_what_cannot_be_signed_is_refused_for_good_with_no_request_counted(
+    mocked: responses.RequestsMock, transport: Transport, fields: dict[str, Any]
+) -> None:
+    result = attempt(job(**fields), transport)
+    assert (result.delivered, result.permanent, result.requests) == (False, True, 0)
+    assert len(mocked.calls) == 0
+
+
+def test_a_second_knock_that_cannot_be_signed_leaves_the_first_answer_standing(
+    mocked: responses.RequestsMock, transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django_federation_delivery.channels import activitypub
+    from django_federation_delivery.exceptions import SigningError
+
+    signed = activitypub.signed_request
+
+    def rfc9421_only(job: InboxJob, key: SenderKey, target: str, scheme: Scheme) -> Any:
+        if scheme is Scheme.CAVAGE:
+            raise SigningError("cannot be signed in draft-cavage")
+        return signed(job, key, target, scheme)
+
+    monkeypatch.setattr(activitypub, "signed_request", rfc9421_only)
+    mocked.post(INBOX, status=401)
+    result = attempt(job(scheme=Scheme.RFC9421), transport)
+    assert (result.status, result.requests) == (401, 1)
+    assert schemes_used(mocked) == ["rfc9421"]
+
+
 def test_a_connection_failure_is_worth_another_try(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from django_federation_delivery import send, signals
+from django_federation_delivery import SenderKey, send, signals
 from django_federation_delivery.attempt import AttemptResult, Job, failed, held
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.health import HostWatch
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
 
+from . import keys
 from .conftest import Inbox, Received
 from .keys import ALICE
 
@@ -140,6 +141,35 @@ def test_the_deliverer_tells_a_failing_host_and_its_recovery(
         (signals.HostRecovered, host),
     ]
     assert told[0].error == "the inbox answered 503 Service Unavailable"
+
+
+ZOE = "https://social.example/users/zo\u00eb"
+
+
+def unsignable_key(sender: str) -> SenderKey | None:
+    if sender == ZOE:
+        # A key id neither scheme can carry (not ASCII): no request is made.
+        return SenderKey(f"{ZOE}#main-key", keys.rsa_key())
+    return keys.sender_key(sender)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delivery_that_cannot_be_signed_says_nothing_of_its_host(
+    inbox: Inbox, settings: Any, told: list[Any]
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SENDER_KEYS": f"{__name__}.unsignable_key",
+        "HOST_FAILING_AFTER": 0.001,
+    }
+    for n in range(2):
+        send(ZOE, {"type": "Create", "id": f"{ZOE}/{n}", "actor": ZOE}, [inbox.url()])
+        Deliverer().run(drain=True)
+    assert inbox.received == [], "no request was made"
+    assert set(Delivery.objects.values_list("status", flat=True)) == {Status.REFUSED}
+    host = Host.objects.filter(name=inbox.host).first()
+    assert host is None or (host.failing_since, host.last_error) == (None, "")
+    assert told == [], "its host was never asked anything"
 
 
 @pytest.mark.django_db

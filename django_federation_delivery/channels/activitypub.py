@@ -194,15 +194,18 @@ class ActivityPub(Channel):
         """POST to ``target`` in the job's scheme, and once more in the other
         when the first is answered 400 or 401 ("double knocking"), both by
         ``deadline``: a second knock with no time left is a passing failure, never
-        the first one's refusal."""
+        the first one's refusal. A knock that could not be signed made no
+        request: the count says so, and a second one's leaves the first
+        answer standing."""
         scheme = signing_scheme(key, job.scheme)
-        made = 0
         outcome = self._post(job, key, target, scheme, transport, deadline)
-        made += 1
+        made = outcome.requests
         other = scheme.other()
         if outcome.status in KNOCK_AGAIN and signing_scheme(key, other) is other:
-            outcome = self._post(job, key, target, other, transport, deadline)
-            made += 1
+            again = self._post(job, key, target, other, transport, deadline)
+            if again.requests:
+                outcome = again
+                made += again.requests
         return outcome, made
 
     def _post(
@@ -221,7 +224,9 @@ class ActivityPub(Channel):
             error = f"cannot deliver to '{exc.redacted}': it {exc.reason}"
             return failed(job, error[:length], permanent=True, requests=0)
         except SigningError as exc:
-            return failed(job, str(exc)[:length], permanent=True)
+            # Ours, not the inbox's: no request was made, so nothing is
+            # learned of its host (its health, its limit, its breaker).
+            return failed(job, str(exc)[:length], permanent=True, requests=0)
         try:
             answer = transport.post(url, job.body, headers, deadline=deadline)
         except TransportError as exc:
