@@ -12,14 +12,17 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
 
+from django_federation_delivery import addresses
 from django_federation_delivery.attempt import AttemptResult, permanent_status
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
 from django_federation_delivery.conf import app_settings
+from django_federation_delivery.exceptions import SigningError
 from django_federation_delivery.health import HostWatch
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.settling import Settler, Summary, ask
+from django_federation_delivery.signatures.request import check_header_value
 from django_federation_delivery.store import claims
 from django_federation_delivery.store.claims import lease_deadline
 from django_federation_delivery.transport import Transport, TransportSettings
@@ -31,6 +34,8 @@ MOST_ACTIVITIES = 1000
 #: What a batch's activity is kept as when its body is not JSON: SKIP_IF is
 #: not asked about it.
 UNREADABLE = object()
+#: FEP-8fcf's header, written by COLLECTION_SYNCHRONIZATION.
+SYNCHRONIZATION_HEADER = "Collection-Synchronization"
 
 # The loop's logger: where an operator looks for what the loop met.
 logger = logging.getLogger("django_federation_delivery.deliverer")
@@ -188,12 +193,32 @@ def synchronization_headers(
     """The ``Collection-Synchronization`` header of a delivery of ``sender``'s
     to ``inbox``, in a batch sent with ``synchronize_collection``, as
     ``synchronization`` (COLLECTION_SYNCHRONIZATION) writes it when the
-    delivery is made; none when it writes none. A job and a test's
-    ``Outgoing.headers()`` both take it from here, so that a test sees the
-    header an attempt sends."""
+    delivery is made; none when it writes none, raises, or writes what
+    cannot be signed or sent (logged), so that the activity is delivered
+    without it either way. A job and a test's ``Outgoing.headers()`` both
+    take it from here, so that a test sees the header an attempt sends."""
     if synchronization is None:
         return {}
     header = ask("COLLECTION_SYNCHRONIZATION", synchronization, sender, inbox)
-    if isinstance(header, str) and header:
-        return {"Collection-Synchronization": header}
+    if header is None or header == "":
+        return {}
+    if not isinstance(header, str):
+        wrote = f"{type(header).__name__}, not text"
+    else:
+        try:
+            value = check_header_value(SYNCHRONIZATION_HEADER, header)
+        except SigningError:
+            wrote = "a character that is not printable ASCII"
+        else:
+            return {SYNCHRONIZATION_HEADER: value} if value else {}
+    # Left out, as when the callable raises: signed, it would refuse the
+    # delivery for good, and a receiver does without the header, never
+    # without the activity. The value is not logged: the line stays short.
+    logger.warning(
+        "The Collection-Synchronization header of a delivery from %s to %s is left out: "
+        "COLLECTION_SYNCHRONIZATION wrote %s",
+        addresses.redact(sender),
+        addresses.redact(inbox),
+        wrote,
+    )
     return {}

@@ -9,6 +9,7 @@ import pytest
 from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
 
 from django_federation_delivery import PortableInbox, send, send_batch, send_portable
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Delivery, Host, Status
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
@@ -159,6 +160,44 @@ def test_a_synchronized_batch_carries_a_signed_collection_synchronization_header
     )
     assert "collection-synchronization" in by_path["/sync"]["Signature"]
     assert "Collection-Synchronization" not in by_path["/plain"]
+
+
+def synchronization_raising(sender: str, inbox: str) -> str:
+    raise RuntimeError("the followers table is away")
+
+
+def synchronization_not_ascii(sender: str, inbox: str) -> str:
+    # What a hand-written callable may write for a follower collection on an IDN.
+    return 'collectionId="https://b\u00fccher.example/followers", url="s3cret", digest="0"'
+
+
+def synchronization_two_lines(sender: str, inbox: str) -> str:
+    return synchronization_header(sender, inbox) + "\r\nX-s3cret: 1"
+
+
+def synchronization_bytes(sender: str, inbox: str) -> bytes:
+    return synchronization_header(sender, inbox).encode()
+
+
+@pytest.mark.parametrize("written", ["raising", "not_ascii", "two_lines", "bytes"])
+def test_a_synchronization_header_that_cannot_be_sent_is_left_out_and_the_activity_delivered(
+    inbox: Inbox, settings: Any, caplog: pytest.LogCaptureFixture, written: str
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "COLLECTION_SYNCHRONIZATION": f"tests.test_federation.synchronization_{written}",
+    }
+    send_batch(ALICE, NOTE, [inbox.url("/sync?token=s3cret")], {"synchronize_collection": True})
+    with caplog.at_level("WARNING", logger="django_federation_delivery"):
+        Deliverer().run(drain=True)
+    delivery = Delivery.objects.get()
+    assert (delivery.status, len(inbox.received)) == (Status.DELIVERED, 1), delivery.last_error
+    assert "Collection-Synchronization" not in inbox.received[0].headers
+    assert "COLLECTION_SYNCHRONIZATION" in caplog.text
+    if written != "raising":
+        (line,) = [r.getMessage() for r in caplog.records if "COLLECTION_SYNC" in r.msg]
+        assert ALICE in line and f"{inbox.url('/sync')}" in line
+        assert "s3cret" not in line and "b\u00fccher" not in line, line
 
 
 def test_a_401_ends_a_delivery_from_a_sender_that_is_gone(

@@ -23,6 +23,7 @@ __all__ = [
     "Prepared",
     "Target",
     "check_header_fields",
+    "check_header_value",
     "check_key_id",
     "check_method",
     "http_date",
@@ -94,7 +95,10 @@ def check_key_id(key: SenderKey) -> None:
         raise SigningError(f"key id {key_id!r} must be non-empty printable ASCII without quotes")
 
 
-def _check_value(name: str, value: str) -> str:
+def check_header_value(name: str, value: str) -> str:
+    """``value`` as header ``name`` carries it, signed and sent, or
+    ``SigningError`` when it cannot be (a character that is not printable
+    ASCII): the error does not repeat the value, which may be a secret."""
     # Trim as HTTP does on receipt, so the signed value is the one received.
     value = value.strip(" \t")
     if not value.isascii() or not all(ch == "\t" or " " <= ch <= "~" for ch in value):
@@ -111,7 +115,7 @@ def check_header_fields(
     signature, and a name clash would make the sent header differ from the
     signed one, so both are refused up front.
     """
-    checked_type = _check_value("Content-Type", content_type)
+    checked_type = check_header_value("Content-Type", content_type)
     if not checked_type:
         raise SigningError("Content-Type must not be empty")
     extras: list[tuple[str, str]] = []
@@ -125,7 +129,7 @@ def check_header_fields(
         if lowered in seen:
             raise SigningError(f"extra header {name!r} is given more than once")
         seen.add(lowered)
-        extras.append((name, _check_value(name, value)))
+        extras.append((name, check_header_value(name, value)))
     return checked_type, extras
 
 
