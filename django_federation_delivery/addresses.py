@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import ipaddress
+import itertools
 import re
 import reprlib
 import unicodedata
@@ -552,18 +553,20 @@ def quoted(value: object, *, path: bool = False) -> str:
     be the credential) as its scheme and host only, or its host only when
     pasted without its scheme; with ``path``, for a URL public by nature
     (an actor's, an ``ap://`` inbox), its path too, without userinfo, query
-    or fragment. A value that is not text as its short repr (one that raises
-    is named by its type and address, as reprlib does), or as its type's
-    name alone when that holds a URL."""
+    or fragment, and so is each URL of a row of them (a tuple or list, a
+    dict, bytes: what a query gives where URLs were meant). A value that is
+    not text as its short repr (one that raises is named by its type and
+    address, as reprlib does), or as its type's name alone when that holds
+    a URL."""
     if not isinstance(value, str):
+        public = _public(value, _SHORT.maxlevel) if path else _NOT_PUBLIC
+        if public is not _NOT_PUBLIC:
+            return _SHORT.repr(public)
         text = _SHORT.repr(value)
         return f"<{type(value).__name__}>" if "://" in text else text
     shown = value
     if "://" in value and path:
-        # A password taken out is marked where it was; a query or fragment cut.
-        shown = _USERINFO.sub(r"\1\2…@", value)
-        kept = re.split(r"[?#]", shown, maxsplit=1)[0]
-        shown = kept if kept == shown else f"{kept}…"
+        shown = _with_path(value)
     elif "://" in value:
         matched = _ORIGIN_ONLY.match(_USERINFO.sub(r"\1\2", value))
         kept = matched.group(0) if matched else ""
@@ -577,6 +580,51 @@ def quoted(value: object, *, path: bool = False) -> str:
             shown = f"{host}/…"
     # repr() escapes what a terminal would act on, as escaped() does.
     return repr(shown if len(shown) <= MOST_SHOWN else f"{shown[:MOST_SHOWN]}…")
+
+
+def _with_path(url: str, cut: str = "…") -> str:
+    """A public URL as a message shows it: without userinfo, query or
+    fragment, each marked ``cut`` where it was."""
+    # A password taken out is marked where it was; a query or fragment cut.
+    shown = _USERINFO.sub(rf"\1\2{cut}@", url)
+    kept = re.split(r"[?#]", shown, maxsplit=1)[0]
+    return kept if kept == shown else f"{kept}{cut}"
+
+
+#: What :func:`_public` makes of a value it cannot tell holds public URLs only.
+_NOT_PUBLIC = object()
+
+
+def _public(value: object, level: int) -> object:
+    """``value``, a row of public URLs, with each URL as :func:`_with_path`
+    shows it, to the depth the short repr shows (``level``), and only the
+    items it shows: a tuple or list, a dict, text and bytes, numbers and
+    None. :data:`_NOT_PUBLIC` when it holds anything else, which may hold a
+    URL where no one can tell it is public."""
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return _with_path(value) if "://" in value else value
+    if isinstance(value, bytes):
+        # Bytes hold no "…"; latin-1 gives every byte back as it was.
+        text = value.decode("latin-1")
+        return _with_path(text, "...").encode("latin-1") if "://" in text else value
+    if isinstance(value, tuple | list | dict) and level <= 0:
+        return value  # shown as "(...)", its items not at all
+    if isinstance(value, tuple | list):
+        items = [_public(item, level - 1) for item in value[: _SHORT.maxlist + 1]]
+        if any(item is _NOT_PUBLIC for item in items):
+            return _NOT_PUBLIC
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, dict):
+        pairs = [
+            (_public(key, level - 1), _public(item, level - 1))
+            for key, item in itertools.islice(value.items(), _SHORT.maxdict + 1)
+        ]
+        if any(key is _NOT_PUBLIC or item is _NOT_PUBLIC for key, item in pairs):
+            return _NOT_PUBLIC
+        return dict(pairs)
+    return _NOT_PUBLIC
 
 
 #: How a value that is not text is shown: a few items, each short.

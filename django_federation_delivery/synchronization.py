@@ -11,7 +11,7 @@ import hashlib
 import re
 from collections.abc import Iterable
 
-from .addresses import origin
+from .addresses import origin, quoted
 from .exceptions import InvalidDelivery
 
 __all__ = [
@@ -34,18 +34,34 @@ def _shown(value: object) -> str:
     return text if len(text) <= _SHOWN_LENGTH else text[: _SHOWN_LENGTH - 3] + "..."
 
 
+def _each(follower_uris: Iterable[str]) -> dict[str, None]:
+    """The follower URIs, once each, in the order given. One that is not a
+    string (a row of ``values_list()`` without ``flat=True``, a dict of
+    ``values()``) is refused by name: left out, it would make a digest of
+    fewer followers, which the receiver takes as follows to drop; a dict,
+    which cannot be counted once, would raise a bare ``TypeError``."""
+    if isinstance(follower_uris, str):
+        raise InvalidDelivery(
+            f"expected follower URIs, got one string: {quoted(follower_uris, path=True)}"
+        )
+    uris: dict[str, None] = {}
+    for uri in follower_uris:
+        if not isinstance(uri, str):
+            # An actor's URI is public: named with its path, and so are the
+            # URIs of a row a query gave in its place.
+            raise InvalidDelivery(f"a follower URI must be a string, not {quoted(uri, path=True)}")
+        uris[uri] = None
+    return uris
+
+
 def followers_digest(follower_uris: Iterable[str]) -> str:
     """The XOR of the SHA-256 of each follower URI, hex-encoded, as Mastodon computes it.
 
     XOR makes it independent of order; each URI is counted once, since a URI listed twice would
     otherwise cancel itself out and the digest would miss a follower the receiver has.
     """
-    if isinstance(follower_uris, str):
-        raise InvalidDelivery(f"expected follower URIs, got one string: {_shown(follower_uris)}")
     digest = 0
-    for uri in dict.fromkeys(follower_uris):
-        if not isinstance(uri, str):
-            raise InvalidDelivery(f"a follower URI must be a string: {_shown(uri)}")
+    for uri in _each(follower_uris):
         digest ^= int.from_bytes(hashlib.sha256(uri.encode("utf-8")).digest(), "big")
     return digest.to_bytes(32, "big").hex()
 
@@ -54,13 +70,13 @@ def followers_on_origin(follower_uris: Iterable[str], inbox: str) -> list[str]:
     """The followers whose URI is on the inbox's origin, once each, in the order given.
 
     A receiving server can only check the followers it hosts, so the digest sent to it covers
-    those alone. A follower URI that is not an http(s) URL is on no origin and is left out.
+    those alone. A follower URI that is not an http(s) URL is on no origin and is left out; one
+    that is not a string is refused.
     """
-    if isinstance(follower_uris, str):
-        raise InvalidDelivery(f"expected follower URIs, got one string: {_shown(follower_uris)}")
+    uris = _each(follower_uris)
     wanted = origin(inbox)
     on_origin: list[str] = []
-    for uri in dict.fromkeys(follower_uris):
+    for uri in uris:
         try:
             if origin(uri) == wanted:
                 on_origin.append(uri)

@@ -698,3 +698,36 @@ def test_a_value_whose_repr_raises_is_named_by_its_type() -> None:
 )
 def test_a_public_url_is_named_with_its_path(value: str, shown: str) -> None:
     assert addresses.quoted(value, path=True) == shown
+
+
+class Holder:
+    def __repr__(self) -> str:
+        return "Holder('https://u:s3cret@a.example/x?token=s3cret')"
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        # A row of values_list() without flat=True, a dict of values(): what
+        # a query gives where public URLs were meant.
+        (("https://a.example/users/alice",), "('https://a.example/users/alice',)"),
+        (
+            {"uri": "https://u:s3cret@a.example/users/alice?token=s3cret"},
+            "{'uri': 'https://…@a.example/users/alice…'}",
+        ),
+        (
+            b"https://u:s3cret@a.example/users/alice?token=s3cret",
+            "b'https://...@a.example/users/alice...'",
+        ),
+        (
+            [("https://a.example/x?s3cret", 1)] * 9,
+            "[" + "('https://a.example/x…', 1), " * 4 + "...]",
+        ),
+        ([[["https://a.example/x?s3cret"]]], "[[[...]]]"),
+        # What it cannot tell public is never shown, whatever it holds.
+        ([Holder()], "<list>"),
+        (Holder(), "<Holder>"),
+    ],
+)
+def test_a_row_of_public_urls_is_named_with_their_paths(value: object, shown: str) -> None:
+    assert addresses.quoted(value, path=True) == shown

@@ -111,6 +111,36 @@ def test_a_follower_uri_that_is_not_a_string_is_refused_by_name() -> None:
         followers_digest([ALICE, b"https://x.example/u"])  # type: ignore[list-item]
 
 
+@pytest.mark.parametrize(
+    "follower",
+    [
+        # What values_list("uri") gives without flat=True: a row, not a URI.
+        (BOB,),
+        # What values("uri") gives: a dict, which cannot even be hashed.
+        {"uri": BOB},
+    ],
+    ids=["values_list row", "values dict"],
+)
+def test_follower_uris_that_are_not_strings_are_refused_by_name_never_dropped(
+    follower: object,
+) -> None:
+    for followers in ([follower], [ALICE, follower]):
+        with pytest.raises(InvalidDelivery, match=re.escape(repr(follower))):
+            collection_synchronization(
+                COLLECTION, PARTIAL, followers, "https://remote.example/inbox"
+            )
+        with pytest.raises(InvalidDelivery, match="users/bob"):
+            followers_on_origin(followers, "https://remote.example/inbox")
+
+
+def test_a_follower_named_in_an_error_is_shown_without_its_credentials() -> None:
+    row = ("https://u:s3cret@remote.example/users/bob?token=s3cret",)
+    with pytest.raises(InvalidDelivery) as caught:
+        followers_digest([row])  # type: ignore[list-item]
+    assert "users/bob" in str(caught.value)
+    assert "s3cret" not in str(caught.value)
+
+
 def test_only_followers_on_the_inboxs_origin_are_kept_in_order() -> None:
     followers = [
         BOB,
