@@ -79,6 +79,59 @@ def run(env: dict[str, str], code: str) -> Any:
     return json.loads(manage(env, "shell", "-c", code).strip().splitlines()[-1])
 
 
+def refused(tmp_path: Path, variables: dict[str, str], *args: str) -> str:
+    """``manage.py args`` in the example project with ``variables`` set, which
+    its settings must refuse: the command must fail; what it printed on stderr."""
+    env = {
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("WEBHOOK_", "FEDERATION_DELIVERY_"))
+        },
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "DJANGO_SETTINGS_MODULE": "exampleproject.settings",
+        "PYTHONPATH": str(ROOT),
+        **variables,
+    }
+    done = subprocess.run(
+        [*EXAMPLE_MANAGE, *args], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0, done.stdout + done.stderr
+    return done.stderr
+
+
+@pytest.mark.any_database
+def test_check_fails_naming_both_variables_that_set_one_webhook_destination(
+    tmp_path: Path,
+) -> None:
+    # Neither is the one meant; "System check identified no issues" would
+    # send one of them's events astray.
+    stderr = refused(
+        tmp_path,
+        {
+            "WEBHOOK_OPS": "slack://hooks.slack.com/services/T1/B1/one",
+            "WEBHOOK_ops": "slack://hooks.slack.com/services/T2/B2/two",
+        },
+        "check",
+    )
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("django.core.exceptions.ImproperlyConfigured: "), stderr
+    assert "WEBHOOK_OPS" in last and "WEBHOOK_ops" in last
+    assert "B1/one" not in stderr and "B2/two" not in stderr
+
+
+@pytest.mark.any_database
+def test_the_deliverer_does_not_start_with_a_bad_variable_and_names_it(tmp_path: Path) -> None:
+    stderr = refused(
+        tmp_path, {"FEDERATION_DELIVERY_RETENTION_DAYS": "abc"}, "run_deliverer", "--drain"
+    )
+    last = stderr.strip().splitlines()[-1]
+    assert last == (
+        "django.core.exceptions.ImproperlyConfigured: FEDERATION_DELIVERY_RETENTION_DAYS "
+        "must be a positive number of days, not 'abc'."
+    ), stderr
+
+
 SIGNALS = """
 import json
 from django_federation_delivery.signals import (

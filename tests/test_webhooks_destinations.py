@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import base64
+import os
+import subprocess
+import sys
 from typing import Any
 
 import environ
@@ -16,6 +19,8 @@ from django_federation_delivery.webhooks import (
     parse_destination,
     webhooks_from_env,
 )
+
+from .conftest import ROOT
 
 KEY = bytes(range(32))
 SECRET = "whsec_" + base64.b64encode(KEY).decode()
@@ -292,6 +297,33 @@ def test_two_variables_naming_one_destination_are_an_error_naming_both() -> None
     assert "XXXXXXXX" not in message and "DiscordToken" not in message
     # One of them empty is as if unset: no clash.
     assert webhooks_from_env({**env, "WEBHOOK_ops": " "}) == {"ops": SLACK, "audit": MARKDOWN}
+
+
+def test_a_settings_file_reads_the_environment_with_no_setting_read_yet() -> None:
+    # A settings file imports and calls webhooks_from_env while Django reads
+    # that very file. A setting read then loads the half-read file again and
+    # keeps it: an error the file raises after is swallowed by manage.py,
+    # whose check then finds "no issues". Any setting read here fails: the
+    # settings module does not exist.
+    code = (
+        "from django.conf import settings\n"
+        "from django_federation_delivery.webhooks import webhooks_from_env\n"
+        "try:\n"
+        "    webhooks_from_env({'WEBHOOK_OPS': 'slack://a', 'WEBHOOK_ops': 'slack://b'})\n"
+        "except Exception as error:\n"
+        "    print(type(error).__name__, error)\n"
+        "print(settings.configured)\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "no_such_settings", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "ImproperlyConfigured The variables WEBHOOK_OPS and WEBHOOK_ops both set the webhook "
+        "destination 'ops': keep one of them.",
+        "False",
+    ]
 
 
 def test_configured_destinations_parses_the_setting(settings: Any) -> None:

@@ -3,7 +3,10 @@ kin, ``markdown://chat.example/hooks/<key>``."""
 
 from __future__ import annotations
 
-from django.utils.translation import gettext_noop
+# Django's own gettext_noop reads USE_I18N: this module is imported while a
+# settings file is read (webhooks_from_env), where a setting read would load
+# the half-read file again. This one reads nothing.
+from django.utils.translation.trans_null import gettext_noop
 
 from django_federation_delivery.channels.base import Destination, Request
 from django_federation_delivery.channels.events import Event

@@ -7,7 +7,11 @@ import base64
 import binascii
 
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_noop
+
+# Django's own gettext_noop reads USE_I18N: this module is imported while a
+# settings file is read (webhooks_from_env), where a setting read would load
+# the half-read file again. This one reads nothing.
+from django.utils.translation.trans_null import gettext_noop
 
 from django_federation_delivery.channels.base import (
     Channel,

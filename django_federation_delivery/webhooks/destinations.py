@@ -46,6 +46,12 @@ def webhooks_from_env(
     checks (``manage.py check``), so a bad one is reported by its name, not here.
     Two variables that give one name (``WEBHOOK_OPS`` and ``WEBHOOK_ops``) are
     ``ImproperlyConfigured``, naming both: neither is the one meant.
+
+    It reads no setting, and importing it reads none: a settings file calls
+    it while Django reads that very file, and a setting read then would load
+    the half-read file again and keep it as the settings, so that an error
+    the file raised next would be swallowed by ``manage.py`` (which finds "no
+    issues" in the half it kept) instead of stopping it.
     """
     environ: Mapping[str, str] = env if isinstance(env, Mapping) else env.ENVIRON
     found = {}
@@ -59,12 +65,12 @@ def webhooks_from_env(
         name = variable[len(prefix) :].lower()
         if name in read_from:
             # The variables are named, their values never: each is a secret URL.
+            # English, as Django's own settings errors are: this runs in the
+            # settings file, where translating would read the settings (the
+            # file half read) and fail, the apps not loaded.
             raise ImproperlyConfigured(
-                _(
-                    "The variables %(one)s and %(other)s both set the webhook destination "
-                    "%(name)r: keep one of them."
-                )
-                % {"one": read_from[name], "other": variable, "name": name}
+                f"The variables {read_from[name]} and {variable} both set the webhook "
+                f"destination {name!r}: keep one of them."
             )
         read_from[name] = variable
         found[name] = value.strip()
