@@ -12,8 +12,8 @@ The queue's history (history.py) is kept for ``history.KEPT`` (7 days),
 whatever ``RETENTION`` says: a few thousand small rows, not the table's size.
 
 A pending delivery is never touched (every statement names the settled
-status it deletes), nor a batch that still has a delivery, nor a paused host
-or one with a breaker.
+status it deletes), nor a batch that still has a delivery, nor a host paused,
+failing or marked unavailable, or one with a breaker.
 """
 
 from __future__ import annotations
@@ -200,15 +200,25 @@ def purge(
     return purged
 
 
+#: A host with none of these marks: one with any is kept whatever its age.
+#: A pause is an operator's doing (or a disabled destination's, its reason
+#: with it); a host marked unavailable is what keeps sends from its inboxes,
+#: its row written when it was marked and only its probe's time since; a
+#: failing one is on its way to that mark, and told failing, is owed
+#: ``host_recovered`` when it answers.
+_UNMARKED = Q(paused_at__isnull=True, failing_since__isnull=True, unavailable_since__isnull=True)
+
+
 def _forgotten_hosts(cutoff: dt.datetime, deliveries: Any, alias: str) -> list[str]:
     """Hosts not seen since ``cutoff``: no delivery of theirs is kept (one
     pending, or settled within its retention, is a sign of life) and their
     row was last written before it (a scheme learnt, a pause or resume).
-    A paused host, and one with a breaker, are kept whatever their age:
-    they are an operator's or the breaker's doing, not history."""
+    A host with a mark (``_UNMARKED``'s), and one with a breaker, are kept
+    whatever their age: they are an operator's, the deliverer's or the
+    breaker's doing, not history."""
     candidates = list(
         Host.objects.using(alias)
-        .filter(paused_at__isnull=True, updated_at__lt=cutoff)
+        .filter(_UNMARKED, updated_at__lt=cutoff)
         .exclude(Exists(deliveries))
         .values_list("name", flat=True)
     )
@@ -225,12 +235,12 @@ def _forgotten_hosts(cutoff: dt.datetime, deliveries: Any, alias: str) -> list[s
 
 
 def _delete_hosts(names: list[str], cutoff: dt.datetime, alias: str) -> int:
-    # The conditions again, in the DELETE: a host paused, written to or
-    # sent to since they were read is kept.
+    # The conditions again, in the DELETE: a host paused or marked, written
+    # to or sent to since they were read is kept.
     deliveries = Delivery.objects.using(alias).filter(host=OuterRef("name"))
     return int(
         Host.objects.using(alias)
-        .filter(name__in=names, paused_at__isnull=True, updated_at__lt=cutoff)
+        .filter(_UNMARKED, name__in=names, updated_at__lt=cutoff)
         .exclude(Exists(deliveries))
         .delete()[0]
     )

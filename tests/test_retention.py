@@ -12,11 +12,13 @@ from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import retention
+from django_federation_delivery import availability, retention, send
 from django_federation_delivery.dialect import quoted_table
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 
 from .conftest import statements_run, wait_until
+from .keys import ALICE
+from .operators import NOTE
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -204,6 +206,29 @@ def test_only_hosts_not_seen_since_and_neither_paused_nor_broken_are_deleted() -
     assert set(Host.objects.values_list("name", flat=True)) == {
         f"{name}.example" for name in names if name != "gone"
     }
+
+
+def test_a_host_marked_unavailable_or_failing_is_kept_however_long_ago_it_was() -> None:
+    # Marked unavailable 40 days ago and probed daily since, a probe writing
+    # its own time alone: forgotten, its inboxes would be sent to again. A
+    # host told failing, forgotten, would never be told recovered; one
+    # failing, its clock to unavailable started again at its next failure.
+    now = timezone.now()
+    long_ago = now - dt.timedelta(days=40)
+    Host.objects.create(name="gone.example", failing_since=long_ago - dt.timedelta(days=7))
+    Host.objects.create(name="failing.example", failing_since=long_ago, failing_told_at=long_ago)
+    Host.objects.create(name="forgotten.example")
+    Host.objects.update(updated_at=long_ago)
+    assert availability.mark_unavailable(7 * DAY, now=long_ago) == ["gone.example"]
+    assert [name for name, _url in availability.probe_due(now=now)] == ["gone.example"]
+
+    assert retention.purge_by_setting(dry_run=True).hosts == 1
+    assert retention.purge_by_setting().hosts == 1
+
+    assert set(Host.objects.values_list("name", flat=True)) == {"gone.example", "failing.example"}
+    availability.forget_known()
+    assert availability.unavailable_hosts() == {"gone.example"}
+    assert send(ALICE, NOTE, ["https://gone.example/inbox"]) is None
 
 
 def test_a_purge_asked_to_stop_stops_between_chunks() -> None:
