@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.core.management.base import SystemCheckError
 from django.db import connection
 from django.utils import timezone
 
@@ -321,11 +322,12 @@ def test_delivery_status_json_lists_the_live_deliverers() -> None:
     )
 
 
-def check(*args: str) -> tuple[int, str]:
-    """``delivery_status --check``: its exit status and its one line."""
+def check(*args: str, system_checks: bool = False) -> tuple[int, str]:
+    """``delivery_status --check``: its exit status and its one line; with
+    ``system_checks``, after the system checks, as ``manage.py`` runs it."""
     out = io.StringIO()
     try:
-        call_command("delivery_status", "--check", *args, stdout=out)
+        call_command("delivery_status", "--check", *args, stdout=out, skip_checks=not system_checks)
         code = 0
     except SystemExit as exc:
         code = int(exc.code or 0)
@@ -349,6 +351,29 @@ def test_check_asked_wrongly_is_unknown_not_a_warning(args: list[str], line: str
     assert code == 3
     assert out.startswith("UNKNOWN: ") and line in out, out
     assert out.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("bad", "failing"),
+    [
+        ({"CONCURRENCY": 0}, "federation_delivery.E005"),
+        ({"WEBHOOKS": {"ops": "ftp://hooks.example/secret"}}, "federation_delivery.E031"),
+    ],
+)
+def test_check_with_settings_no_deliverer_starts_with_is_unknown_naming_the_checks(
+    settings: Any, bad: dict[str, Any], failing: str
+) -> None:
+    # Work due, and a deliverer would refuse these settings: a probe reads
+    # the first word and the status, not "SystemCheckError" and 1 (WARNING).
+    queue(hosts=["a.example"], per_host=1)
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **bad}
+    code, line = check(system_checks=True)
+    assert code == 3
+    assert line.startswith("UNKNOWN: ") and failing in line, line
+    assert line.count("\n") == 1 and "secret" not in line
+    # Without --check, the command refuses them as every command does.
+    with pytest.raises(SystemCheckError, match=failing):
+        call_command("delivery_status", stdout=io.StringIO(), skip_checks=False)
 
 
 def test_check_is_healthy_with_nothing_due_and_no_deliverer() -> None:

@@ -7,12 +7,13 @@ import json
 import socket
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from django.core.management.base import CommandError, CommandParser
+from django.core import checks
+from django.core.management.base import CommandError, CommandParser, SystemCheckError
 from django.db import DEFAULT_DB_ALIAS, DatabaseError
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_noop
+from django.utils.translation import gettext_noop, ngettext
 
 from django_federation_delivery import heartbeats, store
 from django_federation_delivery.addresses import escaped, quoted
@@ -32,6 +33,9 @@ from django_federation_delivery.overview import (
 )
 from django_federation_delivery.picture import HostPicture, host_picture, milliseconds
 from django_federation_delivery.webhooks.status import DestinationStatus, destination_status
+
+if TYPE_CHECKING:
+    from django.apps import AppConfig
 
 #: ``--check`` exits with this when unhealthy: Nagios's CRITICAL; any
 #: non-zero status fails a Kubernetes exec probe.
@@ -336,6 +340,65 @@ class Command(TranslatedCommand):
                 "as a probe beside one deliverer wants."
             ),
         )
+
+    #: Whether the command runs as ``--check``: its system checks are then
+    #: the probe's too.
+    probing = False
+
+    def execute(self, *args: Any, **options: Any) -> Any:
+        self.probing = bool(options.get("check"))
+        return super().execute(*args, **options)
+
+    def check(
+        self,
+        app_configs: Sequence[AppConfig] | None = None,
+        tags: Sequence[str] | None = None,
+        display_num_errors: bool = False,
+        include_deployment_checks: bool = False,
+        fail_level: int = checks.ERROR,
+        databases: Sequence[str] | None = None,
+    ) -> None:
+        """The system checks, which every command runs first. With
+        ``--check``, settings that fail them are said in the probe's one
+        line, as UNKNOWN, naming the checks: ``SystemCheckError`` would exit
+        1, Nagios's WARNING, with no such line, and what a deliverer refuses
+        to start with says nothing of the queue."""
+        try:
+            super().check(
+                app_configs,
+                tags,
+                display_num_errors,
+                include_deployment_checks,
+                fail_level,
+                databases,
+            )
+        except SystemCheckError:
+            if not self.probing:
+                raise
+            # SystemCheckError keeps only its text: the issues are read again
+            # for their ids alone, as their messages may quote a setting's
+            # value, and a probe's line ends up in mails and pages.
+            failing = [
+                issue
+                for issue in checks.run_checks(
+                    app_configs=app_configs,
+                    tags=tags,
+                    include_deployment_checks=include_deployment_checks,
+                    databases=databases,
+                )
+                if issue.is_serious(fail_level) and not issue.is_silenced()
+            ]
+            ids = ", ".join(sorted({escaped(issue.id or "?") for issue in failing}))
+            why = ngettext(
+                "settings no deliverer starts with: they fail the system check %(ids)s "
+                "(manage.py check says why)",
+                "settings no deliverer starts with: they fail %(count)d system checks "
+                "(%(ids)s; manage.py check says why)",
+                len(failing),
+            ) % {"count": len(failing), "ids": ids}
+            self.stdout.write(f"UNKNOWN: {why}")
+            self.stdout.flush()
+            sys.exit(UNKNOWN)
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not options["check"]:
