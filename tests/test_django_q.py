@@ -331,6 +331,23 @@ def test_a_schedule_changed_by_hand_is_brought_back_keeping_its_next_run(setting
     )
 
 
+def test_no_purge_deletes_the_purge_schedule_it_made_and_no_other() -> None:
+    # Run again, the command brings the schedules back to what it says: a
+    # purge it made before would go on every hour.
+    call_command("delivery_schedule", stdout=io.StringIO())
+    Schedule.objects.create(name="the project's own purge", func=PURGE_TASK, schedule_type="D")
+    out = io.StringIO()
+    call_command("delivery_schedule", "--no-purge", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == [f"{ROUND_SCHEDULE}: unchanged", f"{PURGE_SCHEDULE}: deleted"]
+    assert "A round of 25 s every minute: run qcluster" in lines[-1]
+    assert set(Schedule.objects.values_list("name", flat=True)) == {
+        ROUND_SCHEDULE,
+        "the project's own purge",
+    }
+    assert ensure_schedules(purge=False) == {ROUND_SCHEDULE: "unchanged"}
+
+
 def test_a_schedule_for_a_round_that_would_not_fit_is_refused_and_nothing_written(
     settings: Any,
 ) -> None:

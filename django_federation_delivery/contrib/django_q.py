@@ -194,8 +194,10 @@ def ensure_schedules(
 ) -> dict[str, str]:
     """Create, or bring up to date, the ``Schedule`` rows: a round every
     minute (of ``seconds``, or the default bound) and, with ``purge``, the
-    purge every hour. Safe to run again: gives each schedule's name and
-    "created", "updated" or "unchanged". ``model`` is the Schedule model to
+    purge every hour; without it, the purge's row written before is deleted
+    (by its name, as the rows are found: a schedule of the project's own is
+    left). Safe to run again: gives each schedule's name and "created",
+    "updated", "unchanged" or "deleted". ``model`` is the Schedule model to
     use, ``apps.get_model("django_q", "Schedule")`` in a data migration."""
     model = model or _schedule_model()
     round_seconds(seconds)  # a round that cannot fit is refused now, not every minute
@@ -229,6 +231,12 @@ def ensure_schedules(
             # The next run is kept: the schedule goes on where it was.
             schedule.save(update_fields=changed)
         done[name] = "updated" if changed or extra else "unchanged"
+    if not purge:
+        # Brought back to what is asked: a purge scheduled before would go
+        # on every hour.
+        gone, _kinds = model.objects.filter(name=PURGE_SCHEDULE).delete()
+        if gone:
+            done[PURGE_SCHEDULE] = "deleted"
     return done
 
 

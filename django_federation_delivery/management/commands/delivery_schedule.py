@@ -29,7 +29,9 @@ class Command(TranslatedCommand):
             ),
         )
         parser.add_argument(
-            "--no-purge", action="store_true", help=_("Schedule the rounds only, not the purge.")
+            "--no-purge",
+            action="store_true",
+            help=_("Schedule the rounds only, and delete the purge's schedule if it made one."),
         )
         parser.add_argument(
             "--remove", action="store_true", help=_("Delete both schedules instead.")
@@ -70,7 +72,12 @@ class Command(TranslatedCommand):
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
         bound = django_q.round_seconds(seconds)
-        said = {"created": _("created"), "updated": _("updated"), "unchanged": _("unchanged")}
+        said = {
+            "created": _("created"),
+            "updated": _("updated"),
+            "unchanged": _("unchanged"),
+            "deleted": _("deleted"),
+        }
         for name, what in done.items():
             self.stdout.write(f"{name}: {said[what]}")
         self.stdout.write(
