@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any
 
@@ -18,6 +19,7 @@ from django_federation_delivery.checks import (
 )
 from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.transport.networks import allowed
 
 
 # Since Django 6.1, run_checks() runs the model checks against every
@@ -56,6 +58,40 @@ def test_local_networks_opened_to_inboxes_are_warned_of_pointing_at_the_webhook_
     for message, network in zip(messages, warned, strict=True):
         assert f"opens {network} to inboxes" in message.msg
         assert "WEBHOOK_ALLOWED_NETWORKS" in message.hint
+
+
+@pytest.mark.parametrize(
+    ("network", "local"),
+    [
+        # IPv4-mapped: [::ffff:127.0.0.1] is this machine's loopback.
+        ("::ffff:127.0.0.0/104", "::ffff:127.0.0.1"),
+        ("::ffff:0:0/96", "::ffff:10.0.0.1"),
+        # 6to4: 2002:c0a8:101:: carries 192.168.1.1.
+        ("2002:c0a8::/32", "2002:c0a8:101::1"),
+        ("2000::/3", "2002:7f00:1::"),
+        # NAT64: 64:ff9b::a9fe:a9fe carries 169.254.169.254.
+        ("64:ff9b::/96", "64:ff9b::a9fe:a9fe"),
+        # Teredo: the client's address, inverted, in the last 32 bits (127.0.0.1).
+        ("2001::/32", "2001::80ff:fffe"),
+        # The same forms of 203.0.113.0/24, which is no local network.
+        ("::ffff:203.0.113.0/120", None),
+        ("2002:cb00:7100::/40", None),
+        ("64:ff9b::203.0.113.0/120", None),
+        ("2001::34ff:8e00/120", None),
+    ],
+)
+def test_local_networks_opened_through_an_ipv6_form_are_warned_of(
+    settings: Any, network: str, local: str | None
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "ALLOWED_NETWORKS": [network],
+    }
+    warned = [m.id for m in check_inbox_networks()]
+    assert warned == (["federation_delivery.W003"] if local else [])
+    if local:
+        # What it warns of: the transport lets an inbox there reach that local address.
+        assert allowed(ipaddress.ip_address(local), (ipaddress.ip_network(network),))
 
 
 @pytest.mark.django_db

@@ -7,7 +7,7 @@ import ipaddress
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: The well-known NAT64 prefix (RFC 6052): DNS64 answers with the IPv4 address inside it.
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 #: The local-use NAT64 prefix (RFC 8215): a network's own translators, never a public host.
 _NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 
@@ -90,10 +90,46 @@ LOCAL_NETWORKS: tuple[IPNetwork, ...] = tuple(
 )
 
 
+#: The IPv6 blocks whose addresses carry an IPv4 one, which :func:`allowed` judges
+#: too: IPv4-mapped, 6to4, Teredo and NAT64.
+_CARRIERS: tuple[ipaddress.IPv6Network, ...] = (
+    ipaddress.IPv6Network("::ffff:0:0/96"),
+    ipaddress.IPv6Network("2002::/16"),
+    ipaddress.IPv6Network("2001::/32"),
+    _NAT64,
+)
+
+
+def _carried(network: IPNetwork) -> list[ipaddress.IPv4Network]:
+    """The IPv4 addresses that the addresses of ``network`` carry, as networks."""
+    if not isinstance(network, ipaddress.IPv6Network):
+        return []
+    found: list[ipaddress.IPv4Network] = []
+    for block in _CARRIERS:
+        if not network.overlaps(block):
+            continue
+        part = network if network.subnet_of(block) else block
+        # Within one block the addresses carried are one range, from what its first
+        # address carries to what its last one does (the other way round for Teredo,
+        # which inverts them).
+        first = _embedded_ipv4(part.network_address)
+        last = _embedded_ipv4(part.broadcast_address)
+        assert first is not None and last is not None, "both ends are in the block"
+        found.extend(ipaddress.summarize_address_range(min(first, last), max(first, last)))
+    return found
+
+
 def opens_local(network: IPNetwork) -> bool:
-    """Whether allowing ``network`` opens any of :data:`LOCAL_NETWORKS`."""
+    """Whether allowing ``network`` opens any of :data:`LOCAL_NETWORKS`.
+
+    Directly, or through the IPv4 addresses its IPv6 addresses carry:
+    :func:`allowed` lets through an address in ``network`` whatever it carries,
+    so ``::ffff:127.0.0.0/104`` opens loopback as ``127.0.0.0/8`` does.
+    """
     return any(
-        network.version == local.version and network.overlaps(local) for local in LOCAL_NETWORKS
+        opened.version == local.version and opened.overlaps(local)
+        for opened in (network, *_carried(network))
+        for local in LOCAL_NETWORKS
     )
 
 
