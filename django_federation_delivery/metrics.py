@@ -85,7 +85,7 @@ class _Metrics:
         }
         self.duration = prometheus_client.Histogram(
             f"{PREFIX}_attempt_duration_seconds",
-            "How long delivery attempts took, in seconds.",
+            "How long delivery attempts took, in seconds (not those made without a request).",
             buckets=DURATION_BUCKETS,
         )
         self.lag = _gauge(
@@ -148,16 +148,20 @@ def record_attempt(
     outcome: str, duration: float, *, status: int | None = None, requests: int = 1
 ) -> None:
     """Count one attempt that came to ``outcome`` (one of :data:`OUTCOMES`)
-    and took ``duration`` seconds; one that did not deliver (retrying,
-    refused or failed) also by its reason (:func:`failure_reason` of the
-    ``status`` answered and the ``requests`` made)."""
+    and, if it made a request, time it: ``duration`` seconds; one that did
+    not deliver (retrying, refused or failed) also by its reason
+    (:func:`failure_reason` of the ``status`` answered and the ``requests``
+    made)."""
     if outcome not in OUTCOMES:
         # A label per typo would make a new time series each.
         raise ValueError(f"unknown outcome {outcome!r}; expected one of {', '.join(OUTCOMES)}")
     if _metrics is None:
         return
     _metrics.attempts_by_outcome[outcome].inc()
-    _metrics.duration.observe(max(duration, 0.0))
+    if requests:
+        # One that made none (held by its breaker, its key missing) timed no
+        # request: counted at nought, it would drag the median and mean down.
+        _metrics.duration.observe(max(duration, 0.0))
     if outcome in _FAILED:
         _metrics.failures_by_reason[failure_reason(status, requests)].inc()
 

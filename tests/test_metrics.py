@@ -69,6 +69,21 @@ def test_an_attempt_that_did_not_deliver_is_counted_by_why(
     assert failures() == total, "delivered and held attempts are no failures"
 
 
+def test_an_attempt_that_made_no_request_is_counted_but_not_timed() -> None:
+    held = sample("federation_delivery_attempts_total", outcome="held")
+    failed = sample("federation_delivery_attempts_total", outcome="failed")
+    timed = sample("federation_delivery_attempt_duration_seconds_count")
+    # A breaker's hold, and a sender's key that could not be read: no request.
+    metrics.record_attempt("held", 0.0, requests=0)
+    metrics.record_attempt("failed", 0.001, requests=0)
+    assert sample("federation_delivery_attempts_total", outcome="held") == held + 1
+    assert sample("federation_delivery_attempts_total", outcome="failed") == failed + 1
+    assert sample("federation_delivery_attempt_duration_seconds_count") == timed
+    # A webhook destination answering 410 Gone: its event is held, the request timed.
+    metrics.record_attempt("held", 0.4, status=410)
+    assert sample("federation_delivery_attempt_duration_seconds_count") == timed + 1
+
+
 def test_every_outcome_is_exposed_from_the_start() -> None:
     for outcome in metrics.OUTCOMES:
         assert (
