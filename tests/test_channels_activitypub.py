@@ -17,6 +17,7 @@ from django_federation_delivery.attempt import AttemptResult, permanent_status
 from django_federation_delivery.channels import Channel, Destination, UnusableURL
 from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
 from django_federation_delivery.conf import DEFAULTS, app_settings
+from django_federation_delivery.health import is_failure
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
 from django_federation_delivery.transport import Answer, Transport, TransportSettings, status_text
 
@@ -246,6 +247,21 @@ def test_a_connection_failure_is_worth_another_try(
 def test_an_invalid_url_is_refused_for_good(transport: Transport) -> None:
     result = attempt(job(targets=("ftp://remote.example/inbox",)), transport)
     assert (result.delivered, result.permanent) == (False, True)
+
+
+def test_an_inbox_not_sent_to_for_its_url_or_its_signature_says_nothing_of_its_host(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    # A key id that cannot be quoted in a signature: the sender's fault, not the inbox's.
+    unquotable = SenderKey('https://social.example/"x"', rsa_key())
+    for result in (
+        attempt(job(targets=("ftp://remote.example/inbox",)), transport),
+        attempt(job(key=unquotable), transport),
+    ):
+        assert (result.delivered, result.permanent, result.requests) == (False, True, 0)
+        # No request, so nothing of its host's health (nor a time for the metrics).
+        assert is_failure(result) is None
+    assert len(mocked.calls) == 0
 
 
 # --- One deadline for the whole attempt, within the lease: real servers on loopback ---
