@@ -173,7 +173,6 @@ class Deliverer:
             slots=self.slots,
             triage=self.triage,
             upkeep=self.upkeep,
-            heartbeat=self.heartbeat,
             wake=self._wake,
             stopping=self._stopping,
             concurrency=self.concurrency,

@@ -12,7 +12,6 @@ import time
 
 from django.utils import timezone
 
-from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.retry import jitter
 from django_federation_delivery.slots import Slots
@@ -43,7 +42,6 @@ class Intake:
     slots: Slots
     triage: Triage
     upkeep: Upkeep
-    heartbeat: Heartbeat | None
     #: Set by a result, a send or a stop: it ends a wait.
     wake: threading.Event
     stopping: threading.Event
@@ -234,9 +232,10 @@ class Intake:
             if left <= 0:
                 break
             step = min(left, self.new_work_poll) if look else left
-            if self.heartbeat is not None:
-                # An idle deliverer is alive too.
-                step = min(step, self.heartbeat.until_due())
+            beat = self.upkeep.until_beat()
+            if beat is not None:
+                # An idle deliverer is alive too, and its gauges are read.
+                step = min(step, beat)
             if self.wake.wait(step):
                 break
             self.upkeep.beat()

@@ -87,8 +87,8 @@ class Upkeep:
     def beat(self) -> None:
         """Record the heartbeat when it is due: every HEARTBEAT_SECONDS, not
         every round; and read the queue's gauges every GAUGES_EVERY, when
-        metrics are served. Both here, as an idle deliverer only beats: its
-        gauges stay as fresh as its heartbeat."""
+        metrics are served. Both here, as an idle deliverer only beats, woken
+        for whichever comes first (:meth:`until_beat`)."""
         if self.heartbeat is not None and self.heartbeat.due():
             self.db(
                 self.heartbeat.beat,
@@ -98,6 +98,18 @@ class Upkeep:
         if self.metrics and time.monotonic() - self._gauges_read >= GAUGES_EVERY:
             self._gauges_read = time.monotonic()
             self.db(metrics.observe_queue, using=self.using)
+
+    def until_beat(self) -> float | None:
+        """Seconds until :meth:`beat` has something to do (None: never). An
+        idle loop woken only by sends (LISTEN) wakes by then: its heartbeat
+        and idle poll may be minutes apart, and its gauges, unread as long,
+        would have an alert take a live deliverer for a dead one."""
+        times: list[float] = []
+        if self.heartbeat is not None:
+            times.append(self.heartbeat.until_due())
+        if self.metrics:
+            times.append(max(0.0, self._gauges_read + GAUGES_EVERY - time.monotonic()))
+        return min(times, default=None)
 
     def refresh(self) -> None:
         """Re-read the breakers and the paused hosts, about once a second;

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from django_federation_delivery import metrics
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.hosts import pause_host, resume_host
 from django_federation_delivery.outages import Database
 from django_federation_delivery.settling import Summary
@@ -67,3 +68,39 @@ def test_an_idle_deliverer_reads_the_gauges_as_it_beats(monkeypatch: pytest.Monk
     monkeypatch.setattr(chores, "_gauges_read", time.monotonic() - GAUGES_EVERY)
     chores.beat()
     assert read == ["default", "default"]
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_an_idle_deliverer_woken_only_by_sends_reads_its_gauges_on_time(
+    settings: Any, monkeypatch: pytest.MonkeyPatch, served: bool
+) -> None:
+    # Idle on PostgreSQL, only a send wakes it: its heartbeat and its idle
+    # poll rare, it still reads its gauges every GAUGES_EVERY while it serves
+    # them (else an alert takes it for dead), and wakes no more often when not.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "HEARTBEAT_SECONDS": 180,
+        "IDLE_POLL_SECONDS": 600,
+    }
+    monkeypatch.setattr("django_federation_delivery.upkeep.GAUGES_EVERY", 0.1)
+    read: list[str] = []
+    monkeypatch.setattr(metrics, "observe_queue", lambda *, using: read.append(using))
+    deliverer = Deliverer(metrics=served, heartbeat=True)
+    beats = 0
+    beat = deliverer.upkeep.beat
+
+    def counted() -> None:
+        nonlocal beats
+        beats += 1
+        beat()
+
+    monkeypatch.setattr(deliverer.upkeep, "beat", counted)
+    deliverer.upkeep.beat()  # its first, as the loop's first turn makes it
+    stopper = threading.Timer(0.5, deliverer.stop)
+    stopper.start()
+    deliverer.intake.idle(listening=True)
+    stopper.join()
+    if served:
+        assert len(read) >= 3, "about every 0.1 s for 0.5 s, not once"
+    else:
+        assert (read, beats) == ([], 1)
