@@ -154,6 +154,19 @@ def test_the_drain_bar_counts_deliveries_that_left_the_queue_never_past_what_was
     assert said[0].split("  ")[1] == "[##############################] 0/0"
 
 
+def test_a_drain_shared_by_processes_shows_each_its_own_counts_not_a_bar_of_the_whole() -> None:
+    from django_federation_delivery.management.running import drain_progress
+    from django_federation_delivery.settling import Summary
+
+    said: list[str] = []
+    # One of two children, what is due shared between them: how much of it
+    # this one will send is not known, so no total is.
+    drain_progress(None, said.append)(Summary(delivered=15, skipped=1, retrying=2))
+    (line,) = said
+    assert line.startswith("  delivered 15, retrying 2, refused 0, failed 0, skipped 1, held 0")
+    assert "[" not in line and "/" not in line.split("(")[0]
+
+
 @pytest.mark.parametrize("option", ["--concurrency", "--per-host", "--per-host-max"])
 @pytest.mark.parametrize("value", ["0", "-3", "many", "100000", ""])
 def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
@@ -588,6 +601,14 @@ def test_two_processes_drain_a_fan_out_each_delivery_once_both_doing_part_of_it(
     assert set(done) == {1, 2}, text
     assert all(done.values()), f"each did part of the work: {done}"
     assert sum(done.values()) == 100
+    # Each child's progress counts what it sent itself: no bar of the 100 due,
+    # which the two share, would end anywhere near 100/100.
+    assert not re.search(CHILD + r" +\[[#.]*\] \d+/\d+", text), text
+    shown = {
+        int(index): int(delivered)
+        for index, _, delivered in re.findall(CHILD + r" +delivered (\d+),", text)
+    }
+    assert shown == done, text
     assert "Done: all 2 deliverer processes finished." in text
 
 

@@ -55,12 +55,19 @@ def log_rates(interval: float) -> Callable[[Summary], None]:
     return log
 
 
-def drain_progress(due: int, say: Say) -> Callable[[Summary], None]:
+def drain_progress(due: int | None, say: Say) -> Callable[[Summary], None]:
     """A bar of what was ``due`` at the start and has left the queue since
     (delivered, refused, failed or skipped): a retry or a hold is a step, not
-    the end, and counting each would carry the count past what was due."""
+    the end, and counting each would carry the count past what was due.
+
+    ``due`` None: one of several deliverers draining the queue together
+    (``--processes``), which sees only what it sent itself. Its counts alone,
+    then: a bar of what all of them share would end short of its total."""
 
     def progress(summary: Summary) -> None:
+        if due is None:
+            say(f"  {summary.line()}")
+            return
         done = summary.delivered + summary.refused + summary.failed + summary.skipped
         # What came due since the start (a retry's wait ending, a new send)
         # carries the count past what was due: the total follows it.

@@ -252,7 +252,8 @@ class Command(TranslatedCommand):
             self._say(
                 _("Metrics at %(url)s") % {"url": f"http://{shown}:{server.server_port}/metrics"}
             )
-        due = store.count_due(using=using) if drain else 0
+        # A child of --processes shares what is due with the others: no total of its own.
+        due = store.count_due(using=using) if drain and self.child is None else None
         try:
             deliverer = Deliverer(
                 concurrency=concurrency,
