@@ -41,6 +41,9 @@ def test_the_test_settings_pass(settings: Any) -> None:
         (["169.254.169.254/32"], ["169.254.169.254/32"]),
         (["::1/128", "fd00::/8", "2001:db8::/32"], ["::1/128", "fd00::/8"]),
         (["0.0.0.0/0"], ["0.0.0.0/0"]),
+        # 0.0.0.0 and :: reach this machine's own listeners on Linux; the
+        # shared space of CGNAT is where a tailnet's own services are.
+        (["0.0.0.0/32", "::/128", "100.100.0.0/16"], ["0.0.0.0/32", "::/128", "100.100.0.0/16"]),
         (["203.0.113.0/24"], []),
         ([], []),
     ],

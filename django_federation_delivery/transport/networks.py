@@ -74,10 +74,15 @@ def is_public_address(address: str) -> bool:
 
 
 #: Where a server's own services listen: loopback, link-local, private
-#: (RFC 1918) and unique local space.
+#: (RFC 1918), shared (CGNAT: a tailnet's, a cloud's own) and unique local
+#: space, and the unspecified addresses, which reach this machine's own
+#: listeners on Linux.
 LOCAL_NETWORKS: tuple[IPNetwork, ...] = tuple(
     ipaddress.ip_network(network)
     for network in (
+        "0.0.0.0/8",
+        "::/128",
+        "100.64.0.0/10",
         "127.0.0.0/8",
         "169.254.0.0/16",
         "10.0.0.0/8",
