@@ -799,6 +799,21 @@ def wait_until_idle(caplog: pytest.LogCaptureFixture) -> None:
     wait_until(idle, timeout=10)
 
 
+def test_with_use_tz_off_an_idle_deliverer_sleeps_until_what_comes_due(
+    inbox: Inbox, settings: Any
+) -> None:
+    # The idle wait subtracted the naive now of USE_TZ off from the aware
+    # due time it read: a TypeError out of run() whenever a retry was near.
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/Los_Angeles"
+    batch = send(ALICE, NOTE, [inbox.url()])
+    soon = timezone.now() + dt.timedelta(seconds=0.2)
+    Delivery.objects.filter(batch=batch).update(due_at=soon)
+    # Sleeps until it comes due (or the idle poll), then returns.
+    Deliverer().intake.idle(listening=True)
+    assert status_of(batch) == [Status.PENDING]
+
+
 def test_a_send_wakes_an_idle_deliverer_in_the_same_process_at_once(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],

@@ -375,11 +375,17 @@ def test_a_destination_no_name_can_be_is_refused_naming_it(named: Any) -> None:
 
 
 @pytest.mark.django_db
-def test_an_operator_sends_a_host_its_last_day_again_from_the_admin() -> None:
+@pytest.mark.parametrize("use_tz", [True, False])
+def test_an_operator_sends_a_host_its_last_day_again_from_the_admin(
+    settings: Any, use_tz: bool
+) -> None:
     from django_federation_delivery.models import Host
 
     from .test_admin import act, login
 
+    # With USE_TZ off the action's moment was naive, which replay() refuses.
+    settings.USE_TZ = use_tz
+    settings.TIME_ZONE = "America/Los_Angeles"
     batch = send(ALICE, note(1), ["https://a.example/u1/inbox", "https://a.example/u2/inbox"])
     assert batch is not None
     settle(batch, Status.DELIVERED, timezone.now() - dt.timedelta(hours=2))

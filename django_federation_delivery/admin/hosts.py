@@ -27,6 +27,7 @@ from django_federation_delivery.admin.base import (
     resume_and_report,
 )
 from django_federation_delivery.availability import mark_seen
+from django_federation_delivery.dialect import aware
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
 from django_federation_delivery.picture import (
@@ -368,7 +369,8 @@ class HostAdmin(OperatorAdmin[Host]):
         description=_("Send again what the selected hosts were sent in the last 24 hours"),
     )
     def replay_day(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
-        since = timezone.now() - dt.timedelta(days=1)
+        # Aware whatever USE_TZ says, as replay() takes it.
+        since = aware(timezone.now()) - dt.timedelta(days=1)
         names = list(queryset.values_list("name", flat=True))
         count = to_replay(names, since=since)
         if count > MOST_REPLAYED:
