@@ -146,6 +146,19 @@ class Stop(BaseException):
     """What no ``except Exception`` catches, as a receiver's own library may raise."""
 
 
+def settled_to(receivers: list[Callable[..., Any]], caplog: pytest.LogCaptureFixture) -> None:
+    """Send ``delivery_settled`` (settled=7) safely to ``receivers``, connected
+    in this order and then disconnected, what it logs caught by ``caplog``."""
+    for receiver in receivers:
+        signals.delivery_settled.connect(receiver, weak=False)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
+            signals.send_safely(signals.delivery_settled, settled=7)
+    finally:
+        for receiver in receivers:
+            signals.delivery_settled.disconnect(receiver)
+
+
 def raising(error: BaseException) -> Callable[..., None]:
     def receiver(sender: Any, **kwargs: Any) -> None:
         raise error
@@ -164,14 +177,7 @@ def test_a_receiver_that_raises_what_is_no_exception_is_logged_and_not_raised(
         raising(error),
         lambda sender, **kwargs: called.append(kwargs["settled"]),
     ]
-    for receiver in receivers:
-        signals.delivery_settled.connect(receiver, weak=False)
-    try:
-        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
-            signals.send_safely(signals.delivery_settled, settled=7)
-    finally:
-        for receiver in receivers:
-            signals.delivery_settled.disconnect(receiver)
+    settled_to(receivers, caplog)
     assert called == [7], "the receiver after them called all the same"
     messages = [record.getMessage() for record in caplog.records]
     assert messages == [
@@ -217,14 +223,7 @@ def test_a_receiver_with_no_name_that_raises_is_logged_and_the_others_are_called
     def after(sender: Any, settled: int, **kwargs: Any) -> None:
         called.append(settled)
 
-    signals.delivery_settled.connect(receiver, weak=False)
-    signals.delivery_settled.connect(after)
-    try:
-        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
-            signals.send_safely(signals.delivery_settled, settled=7)
-    finally:
-        signals.delivery_settled.disconnect(receiver)
-        signals.delivery_settled.disconnect(after)
+    settled_to([receiver, after], caplog)
     assert called == [7]
     (record,) = caplog.records
     assert record.getMessage().startswith(f"Error calling {named}"), record.getMessage()
@@ -271,15 +270,7 @@ def test_an_async_receiver_that_raises_is_logged_and_the_others_are_called(
     def synchronous(sender: Any, **kwargs: Any) -> None:
         called.append("sync")
 
-    receivers = [fails, after, synchronous]
-    for receiver in receivers:
-        signals.delivery_settled.connect(receiver)
-    try:
-        with caplog.at_level(logging.ERROR, logger="django.dispatch"):
-            signals.send_safely(signals.delivery_settled, settled=7)
-    finally:
-        for receiver in receivers:
-            signals.delivery_settled.disconnect(receiver)
+    settled_to([fails, after, synchronous], caplog)
     assert sorted(called) == ["async", "sync"]
     (record,) = caplog.records
     assert "fails" in record.getMessage() and record.exc_info
