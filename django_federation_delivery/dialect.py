@@ -20,6 +20,7 @@ from django.utils import timezone
 
 __all__ = [
     "aware",
+    "aware_now",
     "connection_for",
     "db_datetime",
     "id_array",
@@ -60,6 +61,12 @@ def aware(value: dt.datetime) -> dt.datetime:
     if timezone.is_naive(value):
         return value.replace(tzinfo=naive_zone())
     return value
+
+
+def aware_now() -> dt.datetime:
+    """The time now, aware whatever ``USE_TZ`` says, to compare with the
+    times the package reads (:func:`read_datetime`) and keeps."""
+    return aware(timezone.now())
 
 
 def orm_datetime(value: dt.datetime) -> dt.datetime:

@@ -12,7 +12,7 @@ import time
 
 from django.utils import timezone
 
-from django_federation_delivery.dialect import aware
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.retry import jitter
 from django_federation_delivery.slots import Slots
@@ -217,7 +217,7 @@ class Intake:
         look = not listening
         if due is not None:
             # Aware, as the due time read is, whatever USE_TZ says.
-            sleep = min(sleep, max(0.0, (due - aware(timezone.now())).total_seconds()))
+            sleep = min(sleep, max(0.0, (due - aware_now()).total_seconds()))
             if sleep == 0.0:
                 # Due, yet the claim found nothing: it is a held or resting
                 # host's, left alone until its next pass or the end of its

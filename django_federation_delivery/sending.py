@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -22,6 +23,7 @@ from django_federation_delivery import addresses, availability, portable, retrac
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted
 from django_federation_delivery.channels.events import colliding_key
 from django_federation_delivery.conf import app_settings, database_alias
+from django_federation_delivery.dialect import aware, aware_now
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Kind, Lane, Retracts, SkippedInbox
 from django_federation_delivery.portable import PortableInbox
@@ -441,7 +443,7 @@ def _log_skipped(skipped: list[SkippedInbox], *, queued: int) -> None:
 def _deadline(deadline: object) -> dt.datetime | None:
     if deadline is None:
         return None
-    now = timezone.now()
+    now = aware_now()
     if isinstance(deadline, dt.timedelta):
         if deadline <= dt.timedelta(0):
             raise InvalidDelivery(f"deadline {quoted(deadline)} must be a positive timedelta")
@@ -452,7 +454,10 @@ def _deadline(deadline: object) -> dt.datetime | None:
     if not isinstance(deadline, dt.datetime):
         raise InvalidDelivery(f"deadline must be a datetime or timedelta, not {quoted(deadline)}")
     if timezone.is_naive(deadline):
-        raise InvalidDelivery(f"deadline {quoted(deadline)} must be timezone-aware")
+        if settings.USE_TZ:
+            raise InvalidDelivery(f"deadline {quoted(deadline)} must be timezone-aware")
+        # As Django takes every naive time with USE_TZ off: in TIME_ZONE.
+        deadline = aware(deadline)
     try:
         # Stored in UTC: a time zone ahead of it can push the year past 9999.
         deadline = deadline.astimezone(dt.UTC)

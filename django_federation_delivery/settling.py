@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from django.utils import timezone
 from django.utils.translation import gettext as _
 
 from django_federation_delivery import metrics, signals
@@ -25,6 +24,7 @@ from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels.policy import Policy
 from django_federation_delivery.decide import Outcome, Ruling, decide
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.store import claims, settlements
@@ -229,7 +229,7 @@ class Settler:
         attempts = row.attempts + tried
         self.summary.attempts += tried
         if now is None:
-            now = timezone.now()
+            now = aware_now()
         disabled = (
             self.watch is not None
             and ask("the watch of hosts and destinations", self.watch, row, result, now) is True
@@ -370,7 +370,7 @@ class Settler:
             claimed=row,
             status=Status.PENDING,
             attempts=row.attempts,
-            due_at=timezone.now() + dt.timedelta(seconds=PAUSED_RECHECK),
+            due_at=aware_now() + dt.timedelta(seconds=PAUSED_RECHECK),
         )
 
     def abandoned(

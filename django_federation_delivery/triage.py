@@ -20,6 +20,7 @@ from django.utils import timezone
 from django_federation_delivery.attempt import AttemptResult, held
 from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.kinds import DeliveryKind, Kinds, unknown_kind
 from django_federation_delivery.models import Status
@@ -66,7 +67,7 @@ class Triage:
             if gone:
                 self.db(kind.give_up, gone)
                 unusable |= gone
-        now = timezone.now()
+        now = aware_now()
         ready = []
         for row in claimed:
             if row.id in holding or row.host in unusable:

@@ -19,6 +19,7 @@ from django.utils import timezone
 from django_federation_delivery import BatchOptions, send, send_batch, signals, wakeup
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.retry import LONGEST_WAIT
 from django_federation_delivery.store import CLAIM_ORDER, claims, settlements
@@ -245,13 +246,37 @@ def test_given_up_at_the_end_of_the_policy_and_at_max_attempts(
     }
 
 
+@pytest.fixture(params=["USE_TZ", "USE_TZ off"])
+def zone(request: pytest.FixtureRequest, settings: Any) -> str:
+    """Each test twice: with Django's default, and with ``USE_TZ = False``,
+    where a deadline is taken as every naive time is, in ``TIME_ZONE`` (the
+    loop compared it with its aware times: a ``TypeError``)."""
+    if request.param == "USE_TZ off":
+        settings.USE_TZ = False
+        settings.TIME_ZONE = "America/Los_Angeles"
+    return str(request.param)
+
+
+@pytest.mark.parametrize(
+    ("zone", "naive"),
+    [("USE_TZ", False), ("USE_TZ off", False), ("USE_TZ off", True)],
+    ids=["USE_TZ", "USE_TZ off", "USE_TZ off-naive"],
+    indirect=["zone"],
+)
 def test_a_retry_that_would_come_after_the_deadline_is_given_up_at_once(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],
     received_signals: dict[str, list[Any]],
+    zone: str,
+    naive: bool,
 ) -> None:
     inbox.respond = lambda request: (503, {"Retry-After": "60"}, b"")
-    batch = send_batch(ALICE, NOTE, [inbox.url()], {"deadline": dt.timedelta(seconds=30)})
+    deadline: Any = dt.timedelta(seconds=30)
+    if naive:  # in TIME_ZONE
+        deadline = timezone.now() + deadline
+    batch = send_batch(ALICE, NOTE, [inbox.url()], {"deadline": deadline})
+    left = Batch.objects.get().deadline - timezone.now()
+    assert dt.timedelta(seconds=25) < left <= dt.timedelta(seconds=30)
     runner = start_deliverer()
     wait_until(settled(batch))
     runner.stop()
@@ -266,6 +291,7 @@ def test_a_delivery_past_its_deadline_is_given_up_unsent(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],
     received_signals: dict[str, list[Any]],
+    zone: str,
 ) -> None:
     batch = send_batch(ALICE, NOTE, [inbox.url()], {"deadline": dt.timedelta(seconds=30)})
     Batch.objects.update(deadline=timezone.now() - dt.timedelta(seconds=1))
@@ -1143,3 +1169,11 @@ def test_a_portable_inbox_s_later_gateway_is_not_charged_to_the_first_one_s_host
     assert not Breaker.objects.filter(key=server.host, failures__gt=0).exists()
     assert Host.objects.get(name=server.host).failing_since is None
     assert server.host not in told, "never told failing for the stranger's answers"
+
+
+def test_with_use_tz_on_a_naive_deadline_is_refused_by_name(settings: Any) -> None:
+    naive = dt.datetime(2030, 1, 1, 12, 0)
+    refused = r"datetime\(2030, 1, 1, 12, 0\) must be timezone-aware"
+    with pytest.raises(InvalidDelivery, match=refused):
+        send_batch(ALICE, NOTE, ["https://example.com/inbox"], {"deadline": naive})
+    assert not Batch.objects.exists()

@@ -27,7 +27,7 @@ from django_federation_delivery.admin.base import (
     resume_and_report,
 )
 from django_federation_delivery.availability import mark_seen
-from django_federation_delivery.dialect import aware
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
 from django_federation_delivery.picture import (
@@ -370,7 +370,7 @@ class HostAdmin(OperatorAdmin[Host]):
     )
     def replay_day(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         # Aware whatever USE_TZ says, as replay() takes it.
-        since = aware(timezone.now()) - dt.timedelta(days=1)
+        since = aware_now() - dt.timedelta(days=1)
         names = list(queryset.values_list("name", flat=True))
         count = to_replay(names, since=since)
         if count > MOST_REPLAYED:

@@ -14,7 +14,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery.addresses import quoted
-from django_federation_delivery.dialect import aware
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     database_named,
@@ -106,7 +106,7 @@ def moment(value: str) -> dt.datetime:
             # Past 10**12 units, before the year 1 whatever the unit.
             if len(number) > 12:
                 raise OverflowError
-            return aware(timezone.now()) - dt.timedelta(seconds=int(number) * UNITS[text[-1]])
+            return aware_now() - dt.timedelta(seconds=int(number) * UNITS[text[-1]])
         except OverflowError:
             raise CommandError(
                 _("--since %(value)s reaches back before the year 1") % {"value": shown}
