@@ -4,7 +4,8 @@
 
 Each ENV is a tox environment already built (``tox run --notest``; inside
 tox, the running one). In each, the suite runs on SQLite and, if
-FD_POSTGRES_URL is set, on PostgreSQL: ``-m "not slow"``, and in SLOW_ENV the
+FD_POSTGRES_URL is set, on PostgreSQL (in the oldest and the newest cell,
+POSTGRES_ENVS, or in the one asked for): ``-m "not slow"``, and in SLOW_ENV the
 slow tests (subprocesses, Chromium) too, as runs of their own, so that the
 longest runs start first and no run waits for another: three at once
 (pytest-xdist), the browser's apart, in one process with one Chromium.
@@ -60,6 +61,12 @@ SLOW_ENV = "py313-django61"  # the newest cell; tox.ini installs Playwright ther
 #: project that sets prepare_threshold has it do; the others, Django's
 #: default, prepare none.
 PREPARED_ENV = SLOW_ENV
+#: The cells whose "not slow" suite also runs on PostgreSQL, when the matrix
+#: runs more than these: the oldest Django, with the lowest psycopg, and the
+#: newest. The statements written by hand are the same under every Django,
+#: and the two ends are where its PostgreSQL backend and psycopg differ
+#: most; the cells between run the suite on SQLite.
+POSTGRES_ENVS = ("py311-django42-lowest", SLOW_ENV)
 NO_TESTS_COLLECTED = 5
 SLOW_WORKERS = 3
 RUN_TIMEOUT = float(os.environ.get("FD_TEST_RUN_TIMEOUT", 1200))
@@ -212,9 +219,11 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
         if status := os.environ.get("FD_CHROMIUM_STATUS"):
             browser.after = Path(status)
         runs.append(browser)
+    # A cell asked for alone runs on every database.
+    postgres_envs = [env for env in envs if env in POSTGRES_ENVS] or envs
     for database, environ in databases.items():
         marks = f"not slow and {ONLY[database]}" if database in ONLY else "not slow"
-        for env in envs:
+        for env in postgres_envs if database == "PostgreSQL" else envs:
             label, run_environ = prepared(env, database, environ)
             runs.append(
                 Run(env, label, marks, interpreter(env), run_environ, args, NOT_SLOW_NICENESS)
