@@ -6,8 +6,8 @@ default, as Mastodon's) is marked unavailable on its ``Host`` row by a
 running deliverer (at its start, then every hour): its ``failing_since``
 (health.py) is that old. From then on, ``send()`` leaves its inboxes out,
 listed in the batch's ``skipped`` with the reason. What was already queued
-to it goes on as its retries say, but for what a retraction overtakes there
-(never attempted: superseded, see retractions.py).
+to it goes on as its retries say; a retraction of any of it is queued there
+all the same, to supersede or follow it (see retractions.py).
 
 The mark clears when the host is seen again:
 

@@ -135,6 +135,22 @@ def overtake(
     return len(overtaken.superseded)
 
 
+def pending_at(
+    sender: str, retraction: Retraction, inboxes: Sequence[str], *, using: str | None = None
+) -> set[str]:
+    """Which of ``inboxes`` something ``retraction`` (``sender``'s) takes
+    back is still pending at: a retraction left out of them is queued there
+    all the same (see ``send()``), or what was attempted there would be sent
+    by its retries, once the host answers, and the retraction never."""
+    return retractions.pending_at(
+        sender,
+        inboxes,
+        object_id=retraction.object_id,
+        activity_id=retraction.activity_id,
+        using=using,
+    )
+
+
 def _tell(sender: str, overtaken: retractions.Overtaken) -> None:
     for row in overtaken.superseded:
         signals.send_safely(

@@ -206,10 +206,21 @@ def _queue(
     low_priority = _flag("low_priority", opts.low_priority)
     synchronize = _flag("synchronize_collection", opts.synchronize_collection)
     idempotency_key = checked_idempotency_key(opts.idempotency_key)
+    activity_id, object_id = retractions.about(activity)
+    retraction = retractions.retraction_of(activity, object_id)
     gone = availability.unavailable_hosts(using=using) if targets else frozenset()
     left_out: list[str] = []
     if gone:
-        targets, left_out = _available(targets, gone)
+        targets, left = _available(targets, gone)
+        if left and retraction is not None:
+            # Where what it retracts is still pending, a retraction goes all
+            # the same, after what was attempted there (retractions.py).
+            there = retractions.pending_at(
+                sender, retraction, [queued.inbox for queued in left], using=using
+            )
+            targets += [queued for queued in left if queued.inbox in there]
+            left = [queued for queued in left if queued.inbox not in there]
+        left_out = [queued.inbox for queued in left]
         skipped += [SkippedInbox(addresses.redact(inbox), UNAVAILABLE) for inbox in left_out]
     if skipped:
         _log_skipped(skipped, queued=len(targets))
@@ -217,8 +228,8 @@ def _queue(
         # A retry whose inboxes have all been left out since (their host
         # marked unavailable, say) still returns the batch kept under its key.
         kept = _kept(idempotency_key, skipped, using)
-        if kept is None and left_out:
-            _overtake_left_out(sender, activity, left_out, using)
+        if kept is None and left_out and retraction is not None:
+            _overtake_left_out(sender, retraction, left_out, using)
         return kept
     most = app_settings.max_inboxes
     if len(targets) > most:
@@ -228,8 +239,6 @@ def _queue(
         raise InvalidDelivery(
             f"{len(targets)} inboxes is more than MAX_INBOXES ({most}) for one send"
         )
-    activity_id, object_id = retractions.about(activity)
-    retraction = retractions.retraction_of(activity, object_id)
     with queueing.writing(
         len(targets), ordering_key=ordering_key, alone=retraction is None, using=using
     ):
@@ -390,33 +399,27 @@ UNAVAILABLE = "is on a host marked unavailable (no success for HOST_UNAVAILABLE_
 
 def _available(
     targets: list[queueing.Queued], gone: frozenset[str]
-) -> tuple[list[queueing.Queued], list[str]]:
-    """``targets`` but those on a host marked unavailable, and the inboxes of
-    those, left out. A portable inbox keeps the gateways not marked so, the
-    first of them standing for its host; it is left out when none is left."""
+) -> tuple[list[queueing.Queued], list[queueing.Queued]]:
+    """``targets`` but those on a host marked unavailable, and those, left
+    out. A portable inbox keeps the gateways not marked so, the first of
+    them standing for its host; it is left out when none is left."""
     kept: list[queueing.Queued] = []
-    left_out: list[str] = []
+    left_out: list[queueing.Queued] = []
     for queued in targets:
         if queued.via and any(host_of(gateway) in gone for gateway in queued.via):
             via = tuple(gateway for gateway in queued.via if host_of(gateway) not in gone)
             queued = queued._replace(host=host_of(via[0]), via=via) if via else queued
-        if queued.host in gone:
-            left_out.append(queued.inbox)
-        else:
-            kept.append(queued)
+        (left_out if queued.host in gone else kept).append(queued)
     return kept, left_out
 
 
 def _overtake_left_out(
-    sender: str, activity: Mapping[str, Any], left_out: list[str], using: str
+    sender: str, retraction: retractions.Retraction, left_out: list[str], using: str
 ) -> None:
     """A retraction whose inboxes were all left out, their hosts marked
-    unavailable, queues nothing; what it overtakes there is superseded all
-    the same, or it would be sent once a host is seen again, and the
-    retraction never."""
-    retraction = retractions.retraction_of(activity, retractions.about(activity)[1])
-    if retraction is None:
-        return
+    unavailable, and nothing it retracts pending at any, queues nothing;
+    what it retracts there is looked at all the same: what came to be
+    queued there since it looked is superseded, if never attempted."""
     # No savepoint, as a send's: the caller's transaction if one is open.
     with transaction.atomic(using=using, savepoint=False):
         retractions.overtake(sender, retraction, batch=None, left_out=left_out, using=using)

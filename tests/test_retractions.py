@@ -137,11 +137,12 @@ def test_a_delete_supersedes_what_was_never_tried_and_waits_on_what_was(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_delete_supersedes_what_was_never_tried_on_a_host_it_leaves_out(
+def test_a_delete_goes_to_a_host_marked_unavailable_where_what_it_deletes_is_pending(
     settled: list[signals.Settled],
 ) -> None:
-    # The Delete is not queued to a host marked unavailable; the Create, never
-    # tried there, once went when the host was seen again, and no Delete after.
+    # A host marked unavailable is sent nothing new, but the Create already
+    # tried there is still retried, and went once the host answered, with no
+    # Delete after it: the Delete is queued there too, to wait on it.
     first = send(ALICE, create(), [A, H, H2])
     Delivery.objects.filter(batch=first, inbox=H2).update(attempts=1, last_status=503)
     mark_unavailable("h.example")
@@ -149,19 +150,43 @@ def test_a_delete_supersedes_what_was_never_tried_on_a_host_it_leaves_out(
     retraction = send(ALICE, delete(), [A, H, H2])
 
     assert retraction is not None and retraction.superseded == 2
-    assert [(s.inbox, s.reason) for s in retraction.skipped] == [
-        (H, UNAVAILABLE),
-        (H2, UNAVAILABLE),
-    ]
+    assert retraction.skipped == []
     assert row(first, A).status == row(first, H).status == Status.SUPERSEDED
     assert "deleted" in row(first, H).last_error
     assert row(first, H2).status == Status.PENDING, "tried: left to its retries"
-    assert list(Delivery.objects.filter(batch=retraction).values_list("inbox", flat=True)) == [A]
+    waits = row(retraction, H2)
+    assert (waits.after_id, waits.due_at) == (row(first, H2).id, None)
+    assert sorted(Delivery.objects.filter(batch=retraction).values_list("inbox", flat=True)) == [
+        A,
+        H,
+        H2,
+    ]
     assert sorted(s.inbox for s in settled) == [A, H]
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_delete_whose_inboxes_are_all_left_out_queues_nothing_and_still_supersedes(
+def test_a_delete_left_out_where_nothing_it_deletes_is_pending_is_not_queued_there() -> None:
+    first = send(ALICE, create(), [A, H, H2])
+    Delivery.objects.filter(batch=first, inbox__in=[H, H2]).update(
+        status=Status.DELIVERED, settled_at=timezone.now(), due_at=None, attempts=1
+    )
+    mark_unavailable("h.example")
+
+    retraction = send(ALICE, delete(), [A, H, H2])
+
+    assert retraction is not None and retraction.superseded == 1
+    assert [(s.inbox, s.reason) for s in retraction.skipped] == [
+        (H, UNAVAILABLE),
+        (H2, UNAVAILABLE),
+    ]
+    assert list(Delivery.objects.filter(batch=retraction).values_list("inbox", flat=True)) == [A]
+    # All of its inboxes left out, nothing pending at any: nothing is queued.
+    assert send(ALICE, delete(), [H, H2]) is None
+    assert Batch.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_whose_inboxes_are_all_left_out_supersedes_there_and_follows_the_tried(
     settled: list[signals.Settled],
 ) -> None:
     finished: list[int] = []
@@ -170,16 +195,18 @@ def test_a_delete_whose_inboxes_are_all_left_out_queues_nothing_and_still_supers
         finished.append(batch.pk)
 
     first = send(ALICE, create(), [H, H2])
+    Delivery.objects.filter(batch=first, inbox=H2).update(attempts=1, last_status=503)
     mark_unavailable("h.example")
     signals.batch_finished.connect(done, weak=False)
     try:
-        assert send(ALICE, delete(), [H, H2]) is None
+        retraction = send(ALICE, delete(), [H, H2])
     finally:
         signals.batch_finished.disconnect(done)
-    assert first is not None and Batch.objects.get() == first, "nothing queued"
-    assert row(first, H).status == row(first, H2).status == Status.SUPERSEDED
-    assert sorted(s.inbox for s in settled) == [H, H2]
-    assert finished == [first.pk]
+    assert retraction is not None and retraction.superseded == 1
+    assert row(first, H).status == Status.SUPERSEDED
+    assert row(retraction, H2).after_id == row(first, H2).id
+    assert [s.inbox for s in settled] == [H]
+    assert finished == [], "the Create still waits at H2"
 
 
 @pytest.mark.django_db(transaction=True)

@@ -255,6 +255,18 @@ WHERE activity_id = %(about)s AND activity_id > '' AND sender = %(sender)s
     AND finished_at IS NULL AND id <> %(batch)s
 ORDER BY id
 
+-- name: retracted_pending_at [postgresql]
+-- Which of the inboxes %(inboxes)s a delivery of %(batches)s is still
+-- pending at, attempted or not.
+SELECT DISTINCT inbox FROM {delivery}
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
+    AND inbox = ANY(%(inboxes)s::varchar[])
+
+-- name: retracted_pending_at [sqlite]
+SELECT DISTINCT inbox FROM {delivery}
+WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
+    AND inbox IN (SELECT value FROM json_each(%(inboxes)s))
+
 -- name: retraction_inboxes
 -- The inboxes the retraction's batch %(batch)s is queued to.
 SELECT n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s

@@ -15,10 +15,12 @@ every statement that releases a delivery says what its batch retracts
 (``released_rows``), and a retraction's waits again (``wait_again``).
 
 The inboxes the retraction was given but left out, their host marked
-unavailable, are looked at too: what was never attempted there is
-superseded all the same (or it would go, unretracted, once the host is seen
-again), and what was is left to its retries, with nothing of the
-retraction's to wait on it.
+unavailable, are looked at first (:func:`pending_at`): where something it
+retracts is still pending, it is queued all the same, and there it
+supersedes and waits as anywhere, or what was attempted would go,
+unretracted, by its retries once the host answers. At the others, what was
+never attempted is superseded all the same, should any have been queued
+since they were looked at.
 """
 
 from __future__ import annotations
@@ -148,6 +150,34 @@ def overtake(
                 )
     finished = count_down(Counter(row.batch_id for row in rows), now, using)
     return Overtaken(rows, tags, waiting, finished)
+
+
+def pending_at(
+    sender: str,
+    inboxes: Sequence[str],
+    *,
+    object_id: str = "",
+    activity_id: str = "",
+    using: str | None = None,
+) -> set[str]:
+    """Which of ``inboxes`` a delivery of ``sender``'s batches about
+    ``object_id`` (or of ``activity_id``) is still pending at, attempted or
+    not: where a retraction left out of them still has something to retract."""
+    connection = connection_for(using or DEFAULT_DB_ALIAS)
+    with sql.on(connection) as db:
+        if object_id:
+            found = db.all("batches_about", about=object_id, sender=sender, batch=0)
+        else:
+            found = db.all("batches_of_activity", about=activity_id, sender=sender, batch=0)
+        if not found:
+            return set()
+        given = list(inboxes)
+        rows = db.all(
+            "retracted_pending_at",
+            batches=db.ids(id for id, _ in found),
+            inboxes=given if db.postgresql else json.dumps(given),
+        )
+    return {inbox for (inbox,) in rows}
 
 
 def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:
