@@ -464,4 +464,4 @@ def test_a_destination_resumed_from_the_hosts_list_and_paused_again_reads_as_pau
     [ops] = destination_status()
     assert ops.state(timezone.now()).startswith("paused by an operator ")
     code, line = destinations_check(using="default")
-    assert code == 2 and "ops: paused" in line and "410" not in line
+    assert code == 2 and "ops (1 waiting): paused" in line and "410" not in line

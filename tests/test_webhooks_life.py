@@ -89,7 +89,8 @@ def test_a_410_disables_the_destination_holds_its_events_in_order_until_enabled(
     (told,) = disabled
     assert (told.destination, told.reason) == ("ops", "the receiver answered 410 Gone")
     code, line = check()
-    assert code == 2 and line.startswith("CRITICAL: ") and "ops: the receiver answered 410" in line
+    assert code == 2 and line.startswith("CRITICAL: ")
+    assert "ops (3 waiting): the receiver answered 410" in line
 
     out = StringIO()
     call_command("enable_webhook", "ops", stdout=out)
@@ -311,3 +312,16 @@ def test_send_test_webhook_names_an_unknown_destination(settings: Any) -> None:
     configure(settings, {})
     with pytest.raises(CommandError, match="no webhook destination named 'ops'"):
         call_command("send_test_webhook", "ops")
+
+
+@pytest.mark.django_db
+def test_a_destination_disabled_with_nothing_waiting_is_critical_and_says_none_waits(
+    settings: Any,
+) -> None:
+    # Disabled, it holds whatever is sent it next: the line once said "their
+    # events waiting" where none did.
+    configure(settings, {"ops": "slack+http://127.0.0.1:9/services/T/B/x"})
+    assert life.disable("ops", "the receiver answered 410 Gone")
+    code, line = check()
+    assert code == 2
+    assert "held until enabled again: ops (0 waiting): the receiver answered 410 Gone" in line

@@ -503,17 +503,24 @@ def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, s
 
 def destinations_check(*, using: str) -> tuple[int, str] | None:
     """A webhook destination that needs an operator, as ``--check`` says it:
-    one disabled (CRITICAL: its events wait), or events waiting for one no
-    longer configured (WARNING: a deliverer gives them up); None if none."""
+    one disabled (CRITICAL: its events, those waiting and any sent since,
+    wait until it is enabled), or events waiting for one no longer
+    configured (WARNING: a deliverer gives them up); None if none."""
     destinations = destination_status(using=using)
     disabled = [d for d in destinations if d.disabled and d.configured]
     if disabled:
         named = "; ".join(
-            f"{escaped(d.name)}: {escaped(d.disabled_reason or _('paused'))}" for d in disabled
+            _("%(name)s (%(pending)d waiting): %(reason)s")
+            % {
+                "name": escaped(d.name),
+                "pending": d.pending,
+                "reason": escaped(d.disabled_reason or _("paused")),
+            }
+            for d in disabled
         )
         why = _(
-            "webhook destination(s) disabled, their events waiting: %(named)s "
-            "(manage.py enable_webhook NAME)"
+            "webhook destination(s) disabled, their events held until enabled again: "
+            "%(named)s (manage.py enable_webhook NAME)"
         ) % {"named": named}
         return UNHEALTHY, f"CRITICAL: {why}"
     removed = [d for d in destinations if not d.configured and d.pending]
