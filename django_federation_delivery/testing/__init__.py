@@ -10,7 +10,7 @@ signature as a real receiver does, so that a test sees outcomes and signals.
 
 With pytest, installing the app is enough: its plugin (``pytest_plugin.py``)
 gives the fixtures ``delivery_outbox`` and ``fake_inbox``. With Django's
-runner, mix :class:`DeliveryTestMixin` into a ``TestCase``.
+runner, mix :class:`DeliveryTestMixin` into a ``TransactionTestCase``.
 
 Needs the ``testing`` extra (``responses`` and the three verifiers).
 """
@@ -144,9 +144,10 @@ def deliver_all(*, fake: Any = None, **options: Any) -> Any:
 
 
 class DeliveryTestMixin:
-    """For a Django ``TestCase``: :data:`outbox` captured in each test, as
-    ``self.delivery_outbox``, and ``self.fake_inbox`` answering every request
-    :meth:`deliver_all` makes."""
+    """For a Django ``TransactionTestCase`` (the deliverer commits as it
+    goes): :data:`outbox` captured in each test, as ``self.delivery_outbox``,
+    and ``self.fake_inbox`` answering every request :meth:`deliver_all`
+    makes."""
 
     delivery_outbox: list[Outgoing]
 
