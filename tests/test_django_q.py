@@ -369,6 +369,21 @@ def test_the_command_writes_the_schedules_and_says_what_they_do() -> None:
     assert not Schedule.objects.exists()
 
 
+@pytest.mark.parametrize("args", [[], ["--remove"]], ids=["write", "remove"])
+def test_the_command_without_django_qs_tables_says_to_migrate_them(args: list[str]) -> None:
+    table = Schedule._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {table} RENAME TO fd_test_schedule_away")
+    try:
+        said = r"migrations applied \(manage.py migrate django_q\)"
+        with pytest.raises(CommandError, match=said):
+            call_command("delivery_schedule", *args, stdout=io.StringIO())
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER TABLE fd_test_schedule_away RENAME TO {table}")
+    assert not Schedule.objects.exists()
+
+
 @pytest.mark.parametrize("value", ["0", "soon", "nan", "-3", "0.5", "1e-300"])
 def test_the_command_refuses_a_bad_round_naming_it(value: str) -> None:
     with pytest.raises(CommandError, match=f"1 or more, not {value!r}"):

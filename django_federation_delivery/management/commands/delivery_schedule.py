@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
+from django.db import DatabaseError
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop, ngettext
 
@@ -45,10 +48,11 @@ class Command(TranslatedCommand):
         if options["remove"] and (options["round_seconds"] is not None or options["no_purge"]):
             raise CommandError(_("--remove deletes both schedules: it takes no other option"))
         if options["remove"]:
-            try:
-                deleted = django_q.remove_schedules()
-            except ImproperlyConfigured as exc:
-                raise CommandError(str(exc)) from exc
+            with _schedules_readable():
+                try:
+                    deleted = django_q.remove_schedules()
+                except ImproperlyConfigured as exc:
+                    raise CommandError(str(exc)) from exc
             self.stdout.write(
                 ngettext("Deleted %(count)d schedule.", "Deleted %(count)d schedules.", deleted)
                 % {"count": deleted}
@@ -67,10 +71,11 @@ class Command(TranslatedCommand):
                     _("--round-seconds expects a number of seconds, 1 or more, not %(value)r")
                     % {"value": value[:80]}
                 )
-        try:
-            done = django_q.ensure_schedules(seconds=seconds, purge=not options["no_purge"])
-        except ImproperlyConfigured as exc:
-            raise CommandError(str(exc)) from exc
+        with _schedules_readable():
+            try:
+                done = django_q.ensure_schedules(seconds=seconds, purge=not options["no_purge"])
+            except ImproperlyConfigured as exc:
+                raise CommandError(str(exc)) from exc
         bound = django_q.round_seconds(seconds)
         said = {
             "created": _("created"),
@@ -93,3 +98,22 @@ class Command(TranslatedCommand):
                 % {"seconds": bound}
             )
         )
+
+
+@contextlib.contextmanager
+def _schedules_readable() -> Iterator[None]:
+    """django-q's schedules that cannot be read or written (its migrations
+    not run, the database away): a ``CommandError`` saying so, not a
+    traceback."""
+    try:
+        yield
+    except DatabaseError as exc:
+        # The first line of the database's own words: psycopg adds more.
+        said = str(exc).strip().partition("\n")[0][:200] or type(exc).__name__
+        raise CommandError(
+            _(
+                "django-q's schedules cannot be written (%(error)s): are its "
+                "migrations applied (manage.py migrate django_q)?"
+            )
+            % {"error": said}
+        ) from exc
