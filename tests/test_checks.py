@@ -19,6 +19,7 @@ from django_federation_delivery.checks import (
 )
 from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.transport.networks import allowed
 
 
@@ -108,6 +109,18 @@ def test_manage_py_check_warns_of_loopback_opened_to_inboxes(settings: Any) -> N
     assert ids == ["federation_delivery.W003"]
 
 
+def takes_nothing() -> None:
+    """What no setting naming a callable can be: it takes no argument."""
+
+
+def takes_three(first: Any, second: Any, third: Any) -> None:
+    """What no setting naming a callable can be: it needs three arguments."""
+
+
+def takes_two_and_more(first: Any, second: Any = None, *rest: Any, **named: Any) -> None:
+    """What any of them can be: called with one argument or two."""
+
+
 INF = float("inf")
 NAN = float("nan")
 #: Whole, so finite, but past what a float holds: it is compared, not converted.
@@ -119,12 +132,26 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "SENDER_KEYS": [
         (None, "E003", "SENDER_KEYS"),
         ("tests.keys.no_such_thing", "E004", "'tests.keys.no_such_thing'"),
+        # A callable it cannot call as it calls it: named, with the call.
+        (f"{__name__}.takes_nothing", "E004", f"'{__name__}.takes_nothing' cannot be called"),
     ],
     # Of a value that is not a dotted path, its type alone: it may be the key.
-    "SENDER_GONE": [(42, "E004", "not int")],
-    "PERMANENT_STATUS": [(42, "E004", "not int")],
-    "SKIP_IF": [("tests.keys.no_such_thing", "E004", "no_such_thing")],
-    "COLLECTION_SYNCHRONIZATION": [(3.5, "E004", "not float")],
+    "SENDER_GONE": [
+        (42, "E004", "not int"),
+        (f"{__name__}.takes_three", "E004", "as SENDER_GONE(sender): missing a required"),
+    ],
+    "PERMANENT_STATUS": [
+        (42, "E004", "not int"),
+        (f"{__name__}.takes_three", "E004", "as PERMANENT_STATUS(status)"),
+    ],
+    "SKIP_IF": [
+        ("tests.keys.no_such_thing", "E004", "no_such_thing"),
+        (f"{__name__}.takes_nothing", "E004", "as SKIP_IF(inbox, activity): too many"),
+    ],
+    "COLLECTION_SYNCHRONIZATION": [
+        (3.5, "E004", "not float"),
+        (f"{__name__}.takes_three", "E004", f"'{__name__}.takes_three' cannot be called"),
+    ],
     "KEY_CACHE_SECONDS": [(NAN, "E006", "nan"), (10**9, "E006", "1000000000")],
     "PRIORITY_MAX_INBOXES": [(0, "E011", "0"), (10**12, "E011", "1000000000000")],
     "MAX_INBOXES": [(0, "E005", "0"), (10**12, "E005", "1000000000000")],
@@ -247,6 +274,55 @@ def test_each_misconfiguration_is_an_error_with_its_id_naming_the_value(
     assert found, [m.id for m in checked()]
     assert any(named in m.msg for m in found), [m.msg for m in found]
     assert all(m.hint for m in found)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["SENDER_KEYS", "SENDER_GONE", "PERMANENT_STATUS", "SKIP_IF", "COLLECTION_SYNCHRONIZATION"],
+)
+@pytest.mark.parametrize(
+    "function",
+    [f"{__name__}.takes_two_and_more", takes_two_and_more, bool, None],
+    ids=["path", "callable", "builtin", "none"],
+)
+def test_a_callable_setting_that_takes_its_arguments_passes(
+    settings: Any, name: str, function: Any
+) -> None:
+    # A builtin's signature cannot be had (bool's): it is taken at its word.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, name: function}
+    unset = name == "SENDER_KEYS" and function is None
+    assert [m.id for m in check_settings()] == (["federation_delivery.E003"] if unset else [])
+
+
+def test_a_callable_given_itself_of_the_wrong_signature_is_named_by_its_qualified_name(
+    settings: Any,
+) -> None:
+    def skip_if(inbox: str) -> bool:
+        return False
+
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "SKIP_IF": skip_if}
+    (message,) = check_settings()
+    assert message.id == "federation_delivery.E004"
+    assert message.msg == (
+        f"FEDERATION_DELIVERY['SKIP_IF'] = {__name__}.{skip_if.__qualname__} cannot be "
+        "called as SKIP_IF(inbox, activity): too many positional arguments."
+    )
+
+
+def test_a_sender_keys_that_takes_no_sender_fails_the_checks_not_each_delivery(
+    settings: Any,
+) -> None:
+    # Let through, every inbox delivery's job would carry "the sender's key
+    # could not be looked up: TypeError", retried until it was given up.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SENDER_KEYS": f"{__name__}.takes_nothing",
+    }
+    with pytest.raises(TypeError):
+        KeyCache().get("https://social.example/users/alice")
+    (message,) = check_settings()
+    assert message.id == "federation_delivery.E004"
+    assert "SENDER_KEYS(sender)" in (message.hint or "")
 
 
 def test_an_unknown_setting_is_an_error_naming_it(settings: Any) -> None:

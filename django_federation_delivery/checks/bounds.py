@@ -52,6 +52,15 @@ SECONDS: dict[str, float] = {
 }
 #: Of those, the ones None turns off.
 SECONDS_OR_NONE = frozenset({"HOST_UNAVAILABLE_AFTER"})
+#: The settings naming a callable, each with the arguments the package
+#: calls it with, in order (the README's settings table).
+CALLABLES: dict[str, tuple[str, ...]] = {
+    "SENDER_KEYS": ("sender",),
+    "SENDER_GONE": ("sender",),
+    "PERMANENT_STATUS": ("status",),
+    "SKIP_IF": ("inbox", "activity"),
+    "COLLECTION_SYNCHRONIZATION": ("sender", "inbox"),
+}
 #: The longest RETENTION of a status: past it, None (for ever) says it better.
 LONGEST_RETENTION = 100 * 365 * DAY
 #: HEARTBEAT_SECONDS: more often is a write a second for nothing; less, a

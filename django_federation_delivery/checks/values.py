@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.conf import settings
@@ -11,6 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.checks.bounds import (
+    CALLABLES,
     HEARTBEAT_RANGE,
     PREFIX,
     SECONDS,
@@ -24,7 +26,13 @@ from django_federation_delivery.checks.bounds import (
     shown,
 )
 from django_federation_delivery.checks.policies import check_breaker, check_retention, check_retry
-from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS, SETTING, app_settings
+from django_federation_delivery.conf import (
+    DEFAULTS,
+    LEASE_MARGIN_SECONDS,
+    SETTING,
+    app_settings,
+    shown_path,
+)
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.transport.networks import opens_local
 
@@ -63,20 +71,36 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 id=f"{PREFIX}.E003",
             )
         )
-    for name in (
-        "SENDER_KEYS",
-        "SENDER_GONE",
-        "PERMANENT_STATUS",
-        "SKIP_IF",
-        "COLLECTION_SYNCHRONIZATION",
-    ):
+    for name, arguments in CALLABLES.items():
         try:
-            app_settings.callable_setting(name)
+            function = app_settings.callable_setting(name)
         except ImproperlyConfigured as exc:
             errors.append(
                 Error(
                     str(exc),
                     hint=_("Write a dotted path such as 'myapp.federation.function', or None."),
+                    id=f"{PREFIX}.E004",
+                )
+            )
+            continue
+        refused = None if function is None else _refused_call(function, arguments)
+        if refused is not None:
+            call = f"{name}({', '.join(arguments)})"
+            errors.append(
+                Error(
+                    _("%(setting)s[%(name)r] = %(value)s cannot be called as %(call)s: %(error)s.")
+                    % {
+                        "setting": SETTING,
+                        "name": name,
+                        "value": _callable_shown(app_settings.get(name)),
+                        "call": call,
+                        "error": refused,
+                    },
+                    hint=_(
+                        "The package calls it as %(call)s: name a callable that takes those "
+                        "arguments, in that order, and needs no other."
+                    )
+                    % {"call": call},
                     id=f"{PREFIX}.E004",
                 )
             )
@@ -265,6 +289,34 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
             )
         )
     return errors
+
+
+def _refused_call(function: Callable[..., Any], arguments: tuple[str, ...]) -> str | None:
+    """Why ``function`` cannot be called with ``arguments`` (as many
+    positional ones), or None if it can, or if its signature cannot be had
+    (a builtin, a function written in C): taken at its word."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*arguments)
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+def _callable_shown(value: object) -> str:
+    """A callable setting's value as an error names it: its dotted path, or a
+    callable given itself by its qualified name, never its ``repr`` (a
+    partial's shows what it was given, a key maybe)."""
+    if isinstance(value, str):
+        return shown_path(value)
+    module = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        return f"{module}.{qualname}"
+    return type(value).__name__
 
 
 @register()
