@@ -376,6 +376,11 @@ class AppSettings:
             )
         for value in values:
             try:
+                # Text, or a network already made: ip_network() takes an int
+                # (True among them) or packed bytes as an address, and would
+                # open 0.0.0.1/32 for [True] or [1].
+                if not isinstance(value, str | ipaddress.IPv4Network | ipaddress.IPv6Network):
+                    raise TypeError(type(value).__name__)
                 networks.append(ipaddress.ip_network(value, strict=False))
             except (TypeError, ValueError) as exc:
                 raise ImproperlyConfigured(

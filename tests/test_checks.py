@@ -206,10 +206,18 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "MAX_IDLE_CONNECTIONS": [(-1, "E005", "-1"), (1.5, "E005", "1.5")],
     "IDLE_CONNECTION_SECONDS": [(NAN, "E006", "nan")],
     "VERIFY_TLS": [("false", "E013", "'false'"), (0, "E013", "0")],
-    "ALLOWED_NETWORKS": [(["loopback"], "E008", "'loopback'"), ("127.0.0.0/8", "E008", "'127")],
+    "ALLOWED_NETWORKS": [
+        (["loopback"], "E008", "'loopback'"),
+        ("127.0.0.0/8", "E008", "'127"),
+        # Which ipaddress takes for the address 0.0.0.1.
+        ([True], "E008", "has True,"),
+        ([1], "E008", "has 1,"),
+    ],
     "WEBHOOK_ALLOWED_NETWORKS": [
         (["localhost"], "E008", "'localhost'"),
         ("127.0.0.0/8", "E008", "'WEBHOOK_ALLOWED_NETWORKS'"),
+        ([True], "E008", "has True,"),
+        ([1], "E008", "has 1,"),
     ],
     "USER_AGENT": [
         ("", "E014", "''"),

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Any
 
 import pytest
@@ -121,6 +123,20 @@ def test_a_value_a_typed_accessor_cannot_use_is_an_error_naming_it(
         getattr(app_settings, name.lower())
     assert f"[{name!r}]" in str(caught.value)
     assert named in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["ALLOWED_NETWORKS", "WEBHOOK_ALLOWED_NETWORKS"])
+def test_networks_are_text_or_networks_never_a_number_or_bytes_taken_for_an_address(
+    settings: Any, name: str
+) -> None:
+    written = ["10.0.0.0/8", ipaddress.ip_network("fd00::/8")]
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, name: written}
+    assert app_settings.allowed_networks(name) == tuple(map(ipaddress.ip_network, written))
+    # ip_network() would take each for one address: 0.0.0.1, or 127.0.0.1.
+    for bad in (True, 1, b"\x7f\x00\x00\x01"):
+        settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, name: [bad]}
+        with pytest.raises(ImproperlyConfigured, match=f"has {re.escape(repr(bad))}, which is not"):
+            app_settings.allowed_networks(name)
 
 
 def test_unknown_keys_of_any_types_are_listed_in_a_stable_order(settings: Any) -> None:
