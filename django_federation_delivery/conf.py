@@ -254,6 +254,13 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _most_bytes(value: Any) -> int:
+    most = int(value)
+    if most < 1:
+        raise ValueError("an event takes at least 1 byte")
+    return most
+
+
 def _paths(values: Any) -> tuple[str, ...]:
     if isinstance(values, str) or not all(isinstance(value, str) for value in values):
         raise TypeError("a list of dotted paths is needed")
@@ -295,7 +302,7 @@ class AppSettings:
     webhook_retry = Typed(_waits)
     webhook_retry_after_max = Typed(float)
     webhook_timeout = Typed(float)
-    webhook_max_bytes = Typed(int)
+    webhook_max_bytes = Typed(_most_bytes)
     webhook_disable_after = Typed(float)
     host_failing_after = Typed(float)
     host_unavailable_after = Typed(_optional_float)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from django.core.exceptions import ImproperlyConfigured
+
 from django_federation_delivery.channels import (
     Channel,
     Destination,
@@ -142,3 +144,15 @@ class Unmade(Pager):
 
     def __init__(self) -> None:
         raise RuntimeError("no token: t0kenS3CRET is revoked")
+
+
+class Unsettled(Pager):
+    """A kind whose policy fails with a message holding a secret, as one
+    reading a setting of its own may, whatever kind of error it raises."""
+
+    name = "unsettled"
+    label = "Unsettled"
+    schemes = ("unsettled",)
+
+    def policy(self) -> Policy:
+        raise ImproperlyConfigured("PAGER_TOKEN t0kenS3CRET is revoked")

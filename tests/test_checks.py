@@ -401,6 +401,28 @@ def test_a_huge_whole_number_of_a_webhook_setting_is_an_error_shown_cut_short(
     assert len(message.msg) < 300, message.msg
 
 
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ({"WEBHOOK_MAX_BYTES": "1MB"}, "E005"),
+        ({"WEBHOOK_MAX_BYTES": 0}, "E005"),
+        ({"WEBHOOK_ALLOWED_NETWORKS": ["localhost"]}, "E008"),
+        ({"WEBHOOK_TIMEOUT": "10"}, "E032"),
+    ],
+)
+def test_a_bad_webhook_setting_is_its_own_error_alone_not_a_kind_s_policy_too(
+    settings: Any, setting: dict[str, Any], expected: str
+) -> None:
+    # Every kind's policy starts from it: no E036 "…: ImproperlyConfigured"
+    # beside the error that names it.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0ken"},
+        **setting,
+    }
+    assert [m.id for m in checked()] == [f"federation_delivery.{expected}"]
+
+
 @pytest.mark.django_db
 def test_a_deliverer_given_a_huge_whole_number_of_seconds_does_not_start_and_says_why(
     settings: Any,

@@ -106,6 +106,8 @@ def test_a_typed_accessor_follows_override_settings(settings: Any) -> None:
         ("LEASE_SECONDS", 10**400, "= 1000"),
         ("WEBHOOK_TIMEOUT", 10**400, "= 1000"),
         ("WEBHOOK_RETRY", [10**400], "= [1000"),
+        # What no policy takes: an event of no byte.
+        ("WEBHOOK_MAX_BYTES", 0, "= 0 cannot be used: an event takes at least 1 byte"),
         ("RETRY", {"BASE": 10**400}, "'BASE': 1000"),
         ("RETRY", {"SCHEDULE": [10**400]}, "'SCHEDULE': [1000"),
         # Of a setting of dotted paths, a value that is not one by its type alone.

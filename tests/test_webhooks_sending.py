@@ -192,6 +192,48 @@ def test_a_misconfigured_destination_is_reported_by_its_name_only(settings: Any)
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("name", "bad", "named"),
+    [
+        ("WEBHOOK_MAX_BYTES", "1MB", "['WEBHOOK_MAX_BYTES'] = '1MB'"),
+        ("WEBHOOK_MAX_BYTES", 0, "['WEBHOOK_MAX_BYTES'] = 0"),
+        ("WEBHOOK_RETRY", "often", "WEBHOOK_RETRY must be a non-empty list of waits"),
+        ("WEBHOOK_TIMEOUT", "10s", "WEBHOOK_TIMEOUT must be a number of seconds"),
+        ("WEBHOOK_RETRY_AFTER_MAX", 0, "WEBHOOK_RETRY_AFTER_MAX must be"),
+        ("WEBHOOK_ALLOWED_NETWORKS", ["localhost"], "has 'localhost'"),
+    ],
+)
+def test_send_webhook_under_a_bad_webhook_setting_raises_its_error_naming_it(
+    settings: Any, name: str, bad: Any, named: str
+) -> None:
+    # Not "the policy of the 'slack' kind … could not be had: ImproperlyConfigured".
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, name: bad}
+    with pytest.raises(ImproperlyConfigured) as raised:
+        send_webhook(["ops", "audit"], "alert.raised", {"x": 1})
+    assert named in str(raised.value), str(raised.value)
+    assert "s3cret" not in str(raised.value) and SECRET not in str(raised.value)
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+def test_a_kind_whose_policy_fails_is_named_with_its_error_s_type_alone(settings: Any) -> None:
+    # Its message is the project's code's, and may hold a secret, whatever
+    # the error: even an ImproperlyConfigured is not repeated.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Unsettled"],
+        "WEBHOOKS": {"pager": "unsettled://routingKEY4b7c9@pager.example/x"},
+    }
+    with pytest.raises(ImproperlyConfigured) as raised:
+        send_webhook("pager", "alert.raised", {"x": 1})
+    assert str(raised.value) == (
+        "the policy of the 'unsettled' kind of webhook destination could not be had: "
+        "ImproperlyConfigured"
+    )
+    assert nothing_written()
+
+
+@pytest.mark.django_db
 def test_an_empty_list_of_destinations_queues_nothing() -> None:
     assert send_webhook([], "alert.raised", {}) is None
     assert nothing_written()

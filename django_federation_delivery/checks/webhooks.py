@@ -85,10 +85,13 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
 def _policy_errors(destinations: Iterable[Destination]) -> list[CheckMessage]:
     """An error for each kind in use whose policy cannot be had (E036), once
     a kind; only when the settings it starts from are good."""
-    from django_federation_delivery.webhooks.policy import settings_problems
+    from django_federation_delivery.webhooks.policy import settings_policy
 
-    if settings_problems():
-        return []  # E032 says what is wrong first
+    try:
+        settings_policy()
+    except ImproperlyConfigured:
+        # A WEBHOOK_* setting is wrong: E005, E008 or E032 says which.
+        return []
     errors: list[CheckMessage] = []
     seen = set()
     for destination in destinations:

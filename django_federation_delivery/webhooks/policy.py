@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from django_federation_delivery.settling import Settler, Summary
     from django_federation_delivery.store.claims import Claimed
 
-__all__ = ["WebhookPolicy", "settings_problems"]
+__all__ = ["WebhookPolicy", "settings_policy", "settings_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +112,26 @@ class WebhookPolicy:
     def from_settings(cls) -> WebhookPolicy:
         """As the ``WEBHOOK_*`` settings say: ``ImproperlyConfigured`` naming
         the first that is wrong."""
-        from django_federation_delivery.conf import SETTING
-
-        problems = settings_problems()
-        if problems:
-            raise ImproperlyConfigured(
-                _("%(setting)s: %(problem)s.") % {"setting": SETTING, "problem": problems[0]}
-            )
-        return cls.of(Policy.for_webhooks())
+        return cls.of(settings_policy())
 
 
 def _event(row: Claimed, event_type: str) -> str:
     return f"Webhook event {event_type} (delivery {row.id}) to {row.destination!r}"
+
+
+def settings_policy() -> Policy:
+    """The policy the ``WEBHOOK_*`` settings make, every built-in kind's and
+    what a kind of the project's starts from: ``ImproperlyConfigured``
+    naming the first setting that is wrong, the package's own message,
+    which never holds a destination's URL."""
+    from django_federation_delivery.conf import SETTING
+
+    problems = settings_problems()
+    if problems:
+        raise ImproperlyConfigured(
+            _("%(setting)s: %(problem)s.") % {"setting": SETTING, "problem": problems[0]}
+        )
+    return Policy.for_webhooks()
 
 
 def settings_problems() -> list[str]:

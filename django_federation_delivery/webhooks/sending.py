@@ -37,6 +37,7 @@ from django_federation_delivery.sending import checked_idempotency_key
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
 from django_federation_delivery.webhooks.destinations import Destination, configured, delivery_key
+from django_federation_delivery.webhooks.policy import settings_policy
 
 __all__ = ["EVERY_DESTINATION", "ORDERING_KEY", "asend_webhook", "send_webhook"]
 
@@ -87,6 +88,9 @@ def send_webhook(
         # batch kept under its key, as send()'s does.
         return queueing.kept_batch(idempotency_key, kind=Kind.WEBHOOK, using=alias)
     names = [name for name, _ in found]
+    # The settings every kind's policy starts from: a bad one raises the
+    # package's own error, naming it, before any kind's policy is asked.
+    settings_policy()
     policies = {name: _policy(d) for name, d in found}
     encoded = event.as_json()
     for name, found_at in found:
@@ -161,7 +165,8 @@ def _now() -> datetime.datetime:
 
 def _policy(destination: Destination) -> Policy:
     """The policy of ``destination``'s kind; ``ImproperlyConfigured`` naming
-    the kind if it cannot be had."""
+    the kind if it cannot be had, and the error by its type alone: a kind's
+    own code may put anything in its message, a secret it read included."""
     try:
         return destination.channel.policy()
     except Exception as exc:
