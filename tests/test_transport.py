@@ -1231,3 +1231,61 @@ def test_urllib3_s_request_lines_keep_no_query_and_no_secret_a_caller_names(
     assert "/hooks/[redacted]" in lines[1]
     # Only while the caller asks: its own secret, not every path.
     assert "/hooks/pathS3cret" in lines[2]
+
+
+def formatted(caplog: pytest.LogCaptureFixture) -> str:
+    """Every record as a handler writes it, with any traceback or stack."""
+    formatter = logging.Formatter("%(name)s %(levelname)s %(message)s")
+    return "\n".join(formatter.format(record) for record in caplog.records)
+
+
+def test_an_answer_s_malformed_header_lines_reach_no_log(
+    inboxes: Callable[..., Inbox], transport: Transport, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Past a line that is no header, urllib3 parses none, and warns with the
+    # rest and a traceback: where an inbox echoes its target (a
+    # Content-Location, a Link), and up to megabytes of a stranger's text.
+    def echo(handler: _Handler, seen: Seen) -> None:
+        handler.close_connection = True
+        handler.wfile.write(
+            b"HTTP/1.1 202 Accepted\r\nX Powered By PHP\r\n"
+            b"Content-Location: " + seen.path.encode() + b"\r\n"
+            b"X-Padding: " + b"x" * 60_000 + b"\r\n\r\n"
+        )
+
+    inbox = inboxes(echo)
+    with caplog.at_level(logging.DEBUG, logger="urllib3"):
+        got = transport.post(inbox.url("/inbox?token=qu3ryS3cret"), b"{}", SIGNED)
+        with logs.redacting(lambda text: text.replace("pathS3cret", "[redacted]")):
+            transport.post(inbox.url("/hooks/pathS3cret"), b"{}", SIGNED)
+
+    assert got.status == 202
+    text = formatted(caplog)
+    assert "qu3ryS3cret" not in text and "pathS3cret" not in text
+    assert "Traceback" not in text
+    assert len(text) < 2000
+    warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
+    assert [record.getMessage() for record in warnings] == [
+        f"Failed to parse headers (url=http://127.0.0.1:{inbox.port}{path}): "
+        "malformed header lines in the answer"
+        for path in ("/inbox", "/hooks/[redacted]")
+    ]
+
+
+def test_urllib3_s_lines_show_any_value_as_its_text_cut_and_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    echoed = ValueError("POST /inbox?token=qu3ryS3cret HTTP/1.1")
+    with caplog.at_level(logging.DEBUG, logger="urllib3"):
+        try:
+            raise echoed
+        except ValueError:
+            logging.getLogger("urllib3.connectionpool").warning(
+                "broken by %r (%d): %s", echoed, 7, "y" * 100_000, exc_info=True, stack_info=True
+            )
+
+    text = formatted(caplog)
+    assert "qu3ryS3cret" not in text
+    assert "Traceback" not in text and "Stack" not in text
+    (record,) = caplog.records
+    assert record.getMessage() == f"broken by 'POST /inbox' (7): {'y' * 200}..."

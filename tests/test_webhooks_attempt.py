@@ -7,6 +7,7 @@ import base64
 import datetime as dt
 import ipaddress
 import json
+import logging
 import re
 import socket
 import time
@@ -26,7 +27,7 @@ from django_federation_delivery.webhooks import Event, parse_destination
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 
-from .conftest import HOSTILE_ANSWER, HOSTILE_ANSWER_ESCAPED
+from .conftest import HOSTILE_ANSWER, HOSTILE_ANSWER_ESCAPED, Inbox
 
 SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
 SENT_TO = "https://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
@@ -165,6 +166,29 @@ def test_a_network_error_is_retried_and_told_with_the_scheme_and_host_only(
     assert not result.delivered and not result.permanent and result.status is None
     assert result.error.startswith("https://hooks.slack.com: ")
     assert no_secret(result.error)
+
+
+def test_a_hook_s_path_its_receiver_echoes_after_a_malformed_header_reaches_no_log(
+    inbox: Inbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    # "X Powered By PHP" is no header's name: urllib3 parses no line past it,
+    # and warns with them, the echoed path among them, and a traceback.
+    inbox.respond = lambda request: (
+        200,
+        {"Connection": "close", "X Powered By PHP": "yes", "Content-Location": request.path},
+        b"ok",
+    )
+    url = f"slack+http://{inbox.host}/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+    settings = TransportSettings(
+        user_agent="tests", allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),)
+    )
+    with caplog.at_level(logging.DEBUG), Transport(settings) as transport:
+        result = attempt(job(url), transport)
+
+    assert result.delivered
+    assert any("Failed to parse headers" in record.getMessage() for record in caplog.records)
+    formatter = logging.Formatter("%(message)s")
+    assert all(no_secret(formatter.format(record)) for record in caplog.records)
 
 
 def test_safe_text_leaves_scheme_and_host_of_a_telegram_bot_url() -> None:
