@@ -659,6 +659,31 @@ def test_a_closed_port_is_a_connection_failure(
     assert not failed.value.permanent
 
 
+def test_an_answer_with_two_content_lengths_is_a_malformed_answer(
+    inboxes: Callable[..., Inbox], transport: Transport
+) -> None:
+    # requests raises it as the invalid header it also raises for one of ours.
+    def framed_twice(handler: _Handler, seen: Seen) -> None:
+        handler.close_connection = True
+        handler.wfile.write(
+            b"HTTP/1.1 202 Accepted\r\nContent-Length: 4\r\nContent-Length: 10\r\n\r\nbody"
+        )
+
+    with pytest.raises(ConnectionFailed, match=r"/inbox: malformed answer$") as failed:
+        transport.post(inboxes(framed_twice).url(), b"{}", SIGNED)
+
+    assert not failed.value.permanent
+
+
+def test_a_header_that_cannot_be_sent_is_an_invalid_request_header(
+    inbox: Inbox, transport: Transport
+) -> None:
+    with pytest.raises(ConnectionFailed, match=r"/inbox: invalid request header$"):
+        transport.post(inbox.url(), b"{}", {**SIGNED, "X-Note": "two\nlines"})
+
+    assert inbox.seen == []
+
+
 @pytest.mark.parametrize(
     "url",
     ["ftp://x", "/relative", "http://", "https:///inbox", "http://host:99999/", "mailto:a@b.c"],

@@ -44,6 +44,8 @@ class TooManyInterimAnswers(http.client.HTTPException):
     (``guard.MAX_INTERIM_ANSWERS``), and no final one."""
 
 
+_MALFORMED = "malformed answer"
+
 _REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (ssl.SSLCertVerificationError, "TLS certificate not accepted"),
     (ssl.SSLError, "TLS failed"),
@@ -54,7 +56,7 @@ _REASONS: tuple[tuple[type[BaseException], str], ...] = (
     (socket.gaierror, "could not resolve the host"),
     (http.client.IncompleteRead, "answer cut short"),
     (TooManyInterimAnswers, "too many interim (1xx) answers"),
-    (http.client.HTTPException, "malformed answer"),
+    (http.client.HTTPException, _MALFORMED),
     (requests.exceptions.ChunkedEncodingError, "answer cut short"),
     (requests.exceptions.ContentDecodingError, "answer body could not be decoded"),
     (urllib3.exceptions.DecodeError, "answer body could not be decoded"),
@@ -79,9 +81,18 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         queue.extend(e for e in inner if isinstance(e, BaseException))
 
 
+#: What urllib3 finds wrong in an answer's headers (two Content-Length
+#: values that differ), which requests raises as the ``InvalidHeader`` it
+#: also raises for a header of ours it will not send.
+_ANSWER_HEADER_FAULTS = (urllib3.exceptions.InvalidHeader,)
+
+
 def reason(exc: BaseException) -> str:
     """A short, one-line, secret-free description of a low-level error."""
-    for cause in _causes(exc):
+    causes = list(_causes(exc))
+    if any(isinstance(cause, _ANSWER_HEADER_FAULTS) for cause in causes):
+        return _MALFORMED
+    for cause in causes:
         for kind, text in _REASONS:
             if isinstance(cause, kind):
                 if isinstance(cause, ssl.SSLCertVerificationError) and cause.verify_message:
@@ -89,7 +100,7 @@ def reason(exc: BaseException) -> str:
                 if isinstance(cause, ssl.SSLError) and cause.reason:
                     return f"{text}: {cause.reason}"
                 return text
-    for cause in _causes(exc):
+    for cause in causes:
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror
     return "connection failed"
