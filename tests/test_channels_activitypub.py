@@ -354,6 +354,16 @@ def test_both_knocks_are_given_the_attempt_s_one_deadline(
     assert first is not None and before + 30.0 <= first <= after + 30.0
 
 
+def test_a_202_whose_body_its_content_encoding_does_not_fit_is_delivered(
+    inbox: Inbox, loopback: Callable[..., Recording]
+) -> None:
+    # Identity was asked for, and the body is not needed for a 2xx: told as
+    # a failure, the activity would be sent again.
+    inbox.respond = lambda request: (202, {"Content-Encoding": "gzip"}, b"ok!!")
+    result = attempt(job(targets=(inbox.url(),)), loopback())
+    assert (result.delivered, result.status, result.requests) == (True, 202, 1)
+
+
 @pytest.mark.slow
 def test_a_second_knock_has_only_what_the_first_left_and_ends_a_passing_failure(
     loopback: Callable[..., Recording],

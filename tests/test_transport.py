@@ -11,15 +11,19 @@ Needs no Django. Without the project's conftest and settings::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import email.utils
 import errno
+import gzip
 import ipaddress
 import logging
 import socket
 import ssl
 import threading
 import time
+import tracemalloc
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from email.message import Message
@@ -364,6 +368,55 @@ def test_a_chunk_of_negative_size_fails_the_attempt_without_reading_on(
     assert inbox.wait_until(lambda: bool(written), timeout=10)
     # What the kernel's buffers took before the client stopped, not 64 MB.
     assert written[0] < 32 * 1024 * 1024
+
+
+def test_a_body_its_content_encoding_does_not_fit_leaves_the_status_standing(
+    inboxes: Callable[..., Inbox], transport: Transport
+) -> None:
+    # Identity was asked for; the inbox took the activity all the same. Told
+    # as a failure, it would be sent again.
+    def plain(handler: _Handler, seen: Seen) -> None:
+        answer(handler, 202, b"ok!!", {"Content-Encoding": "gzip"})
+
+    inbox = inboxes(plain)
+    got = transport.post(inbox.url(), b"{}", SIGNED)
+
+    assert (got.status, got.body) == (202, b"")
+    assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
+
+
+def test_a_compressed_body_is_read_decoded_and_inflated_only_up_to_the_cap(
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+) -> None:
+    # Sent compressed though identity was asked for, an answer is still
+    # readable where an error shows it. 1 GiB of zeros, 1 MB compressed:
+    # only what the cap takes of it is inflated.
+    zeros = bytes(1 << 20)
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # gzip
+    start = packer.compress(zeros) + packer.flush(zlib.Z_FULL_FLUSH)
+    more = packer.compress(zeros) + packer.flush(zlib.Z_FULL_FLUSH)  # the same each time
+    bomb = start + more * 1023
+
+    def refusal(handler: _Handler, seen: Seen) -> None:
+        answer(handler, 400, gzip.compress(b"no such actor"), {"Content-Encoding": "gzip"})
+
+    def bombed(handler: _Handler, seen: Seen) -> None:
+        handler.close_connection = True
+        handler.wfile.write(b"HTTP/1.1 400 Bad Request\r\nContent-Encoding: gzip\r\n\r\n")
+        with contextlib.suppress(OSError):  # the client hangs up
+            handler.wfile.write(bomb)
+
+    transport = transports(max_answer_bytes=64 * 1024)
+    assert transport.post(inboxes(refusal).url(), b"{}", SIGNED).body == b"no such actor"
+    tracemalloc.start()
+    try:
+        got = transport.post(inboxes(bombed).url(), b"{}", SIGNED)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+    assert (got.status, got.body) == (400, bytes(64 * 1024))
+    assert peak < 16 << 20, f"{peak} bytes at once"
 
 
 EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
