@@ -77,6 +77,11 @@ class Intake:
         self._listener.start()
         return True
 
+    def _listening(self) -> bool:
+        """Whether a send from another process wakes the loop now: a listener
+        that listens, not one that is connecting, or failing to."""
+        return self._listener is not None and self._listener.listening
+
     def stop_listening(self) -> None:
         if self._listener is not None:
             self._listener.stop()
@@ -203,18 +208,18 @@ class Intake:
         """Sleep until the next due time or the idle poll, whichever is
         sooner; a send wakes it, and without LISTEN so does a cheap look for
         new work every ``NEW_WORK_POLL_SECONDS``. ``listening`` (by default,
-        whether :meth:`listen` started a listener) says a send from another
-        process wakes it too, so no look is needed, unless what is due is
-        left out of the claims for now: the next due time then says nothing
-        of the others'."""
-        if listening is None:
-            listening = self._listener is not None
+        whether the listener :meth:`listen` started listens now, asked again
+        at each look: one that cannot connect, or lost its connection, wakes
+        nobody) says a send from another process wakes it too, so no look is
+        needed, unless what is due is left out of the claims for now: the
+        next due time then says nothing of the others'."""
         if self._listener is not None:
             self._listener.pause(False)
         due = self.db(claims.next_due, using=self.using)
         sleep = jitter(self.idle_poll)
-        # Whether to look for what comes due meanwhile.
-        look = not listening
+        # Whether to look for what comes due meanwhile, whether or not a send
+        # from another process wakes it.
+        look = False
         if due is not None:
             # Aware, as the due time read is, whatever USE_TZ says.
             sleep = min(sleep, max(0.0, (due - aware_now()).total_seconds()))
@@ -233,7 +238,8 @@ class Intake:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            step = min(left, self.new_work_poll) if look else left
+            looking = look or not (self._listening() if listening is None else listening)
+            step = min(left, self.new_work_poll) if looking else left
             beat = self.upkeep.until_beat()
             if beat is not None:
                 # An idle deliverer is alive too, and its gauges are read.
@@ -241,7 +247,7 @@ class Intake:
             if self.wake.wait(step):
                 break
             self.upkeep.beat()
-            if look and self._anything_due() is True:
+            if looking and self._anything_due() is True:
                 break
         self.wake.clear()
         self.caught_up = False

@@ -2,7 +2,8 @@
 
 In the same process a send wakes every deliverer at once (``notify_local``,
 called on commit). Across processes PostgreSQL's ``LISTEN/NOTIFY`` does it,
-through a connection of its own; elsewhere the deliverer looks for new work
+through a connection of its own; elsewhere, and while that connection does
+not listen (it cannot be had, or was lost), the deliverer looks for new work
 with a cheap indexed query every ``NEW_WORK_POLL_SECONDS``.
 """
 
@@ -57,7 +58,8 @@ class PostgresListener:
         self.using = using
         self._stop = threading.Event()
         self._paused = False
-        #: Whether the connection listens now (read by the tests).
+        #: Whether the connection listens now: while it does not (connecting,
+        #: failing to, or paused), an idle deliverer looks for new work itself.
         self.listening = False
         self._thread: threading.Thread | None = None
         # What stop() writes to, to end a wait at once. A socket pair, not a
@@ -149,6 +151,11 @@ class PostgresListener:
                             self.event.set()
                             self._stop.wait(self.GATHER)
             except Exception as exc:  # a database that is away: wait and reconnect
+                if self.listening:
+                    # Lost: the deliverer is woken to look for new work
+                    # itself until this listens again.
+                    self.listening = False
+                    self.event.set()
                 logger.warning("Listening for new deliveries failed (%s); retrying", exc)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)

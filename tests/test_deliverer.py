@@ -875,6 +875,36 @@ def test_a_deliverer_on_postgresql_stops_at_once_when_idle(
     assert took < 5, f"stopped after {took:.2f} s: not at once"
 
 
+def test_an_idle_deliverer_whose_listener_cannot_listen_still_looks_for_new_work(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # LISTEN's connection cannot be had (the server away for it, a pooler
+    # that takes no LISTEN): a listener that was there was counted as one
+    # that listens, and the loop stopped looking every NEW_WORK_POLL_SECONDS,
+    # so a send from another process waited for the idle poll (30 s).
+    if connection.vendor != "postgresql":
+        pytest.skip("LISTEN is PostgreSQL's")
+
+    def cannot(self: Any) -> Any:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(wakeup.PostgresListener, "_connect", cannot)
+    runner = start_deliverer()
+    wait_until(lambda: runner.deliverer.intake._listener is not None, timeout=5)
+    time.sleep(1.0)  # idle by now
+    # As a send from another process: this process's deliverers are not woken.
+    wakeup.unregister(runner.deliverer._wake)
+    batch = send(ALICE, NOTE, [inbox.url("/from-elsewhere")])
+    sent = time.monotonic()
+    wait_until(lambda: bool(inbox.received), timeout=35)
+    took = time.monotonic() - sent
+    runner.stop()
+    assert took < 3, f"sent {took:.1f} s after it was queued"
+    assert status_of(batch) == [Status.DELIVERED]
+
+
 def test_a_connection_lost_while_idle_is_replaced_before_the_next_send(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],

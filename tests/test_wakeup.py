@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 
 from django_federation_delivery import wakeup
 from django_federation_delivery.wakeup import NOTIFY_CHANNEL
@@ -114,5 +114,29 @@ def test_a_paused_listener_is_not_woken_and_listening_again_wakes_once(
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
         assert listener.event.wait(AT_ONCE), "not woken by a notification once listening"
+    finally:
+        listener.stop()
+
+
+def test_a_listener_that_loses_its_connection_wakes_the_deliverer_to_look_itself(
+    listener: wakeup.PostgresListener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lost, and not to be had again for a while: the idle deliverer, which
+    # counts on it for sends from other processes, slept on to its idle poll.
+    def cannot(self: wakeup.PostgresListener) -> None:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(wakeup.PostgresListener, "_connect", cannot)
+    try:
+        assert listener.listening
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                " AND query ILIKE 'LISTEN%%'"
+            )
+            assert cursor.fetchall() == [(True,)], "its connection found"
+        assert listener.event.wait(AT_ONCE), "not woken when it stopped listening"
+        assert not listener.listening
     finally:
         listener.stop()
