@@ -8,7 +8,10 @@ Runs in a worker thread and never touches the database.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 from django_federation_delivery.signatures import Scheme
 
@@ -72,6 +75,82 @@ class AttemptResult:
     #: inbox's later one, which anyone may list): what its answer says of a
     #: host is not learned as the delivery's host's.
     elsewhere: bool = False
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _seconds(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def _status(value: Any) -> bool:
+    return value is None or (_count(value) and 100 <= value <= 999)
+
+
+#: What the loop reads of a result, field by field: whether a value will do,
+#: what it should have been, and what stands for it in a delivered result
+#: (what a delivered result of the package's own says there).
+_FIELDS: tuple[tuple[str, Callable[[Any], bool], str, Any], ...] = (
+    ("delivered", _flag, "True or False", True),
+    ("status", _status, "an HTTP status (100 to 999) or None", None),
+    ("error", lambda value: isinstance(value, str), "a str", ""),
+    ("permanent", _flag, "True or False", False),
+    (
+        "retry_after",
+        lambda value: value is None or _seconds(value),
+        "seconds (finite, not negative) or None",
+        None,
+    ),
+    (
+        "accepted_scheme",
+        lambda value: value is None or isinstance(value, Scheme),
+        "a Scheme or None",
+        None,
+    ),
+    ("duration", _seconds, "seconds (finite, not negative)", 0.0),
+    ("requests", _count, "a count (not negative)", 1),
+    ("held", _flag, "True or False", False),
+    ("elsewhere", _flag, "True or False", False),
+)
+
+
+def readable(job: Job, result: AttemptResult) -> tuple[AttemptResult, str]:
+    """``result``, handed back by code the package does not hold (a host
+    project's kind: its ``attempt()``, or the :class:`Verdict` of its
+    ``judge()``), as the loop can decide and write what came of it, and
+    what was wrong with it ("" when nothing was): each field of a type or a
+    value the loop cannot read (a ``Retry-After`` header's text, None for
+    no error), named with the type of what it holds, never the value, which
+    may hold a secret.
+
+    A result that says it was delivered (``delivered`` is True) stays
+    delivered, what it holds that cannot be read replaced by what a
+    delivered one says there: it was sent, and taken, and sending it again
+    would deliver it twice. Any other is an attempt that crashed, a passing
+    failure."""
+    wrong = [
+        (name, f"{name} ({type(getattr(result, name)).__name__}) is not {expected}", neutral)
+        for name, fits, expected, neutral in _FIELDS
+        if not fits(getattr(result, name))
+    ]
+    if not wrong:
+        return result, ""
+    fault = "; ".join(text for _name, text, _neutral in wrong)
+    if result.delivered is True:
+        neutral = {name: value for name, _text, value in wrong}
+        return dataclasses.replace(result, **neutral), fault
+    return crashed(job, f"internal error: the result's {fault}"), fault
 
 
 def judged(

@@ -189,6 +189,7 @@ class Deliverer:
             intake=self.intake,
             outbox=self.outbox,
             perform=self.perform,
+            conclude=self.conclude,
             concurrency=self.concurrency,
             slow_concurrency=self.slow_concurrency,
             write=self._write,
@@ -294,6 +295,12 @@ class Deliverer:
                     probe=item.probe,
                     now=timezone.now(),
                 )
+        self.conclude(item, result)
+
+    def conclude(self, item: InFlight, result: AttemptResult) -> None:
+        """What came of ``item``'s attempt, decided, told and put to be
+        written: the end of :meth:`perform`, and what ``handoff`` does with
+        a crash in its way."""
         # Decide (decide.py), signal and count (settling.py)...
         settlement = item.kind.settler(item.claimed).attempted(item.claimed, item.batch, result)
         # ...end the attempt's span, with the otel extra (tracing.py)...

@@ -6,12 +6,15 @@ deliverer."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import queue
+import traceback
 from collections.abc import Callable, Generator
 
 from django.utils import timezone
 
-from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.attempt import AttemptResult, crashed
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.models import Status
 from django_federation_delivery.outages import Database
@@ -21,6 +24,9 @@ from django_federation_delivery.store import settlements
 from django_federation_delivery.workers import InFlight, Workers
 
 __all__ = ["Handoff", "Perform"]
+
+# The loop's logger: where an operator looks for what the loop met.
+logger = logging.getLogger("django_federation_delivery.deliverer")
 
 
 #: One delivery's way from its slot to its settlement: started when it gets
@@ -33,7 +39,9 @@ Perform = Callable[[InFlight], Generator[None, AttemptResult, None]]
 class Handoff:
     """One deliverer's exchange with its workers: each delivery that gets a
     slot goes through ``perform``, which its attempt's result resumes;
-    ``write`` writes the outbox when it holds a write's worth."""
+    ``write`` writes the outbox when it holds a write's worth. A delivery
+    whose way raises is settled by ``conclude`` as an attempt that crashed,
+    a passing failure: one delivery never ends the loop."""
 
     db: Database
     workers: Workers
@@ -41,6 +49,9 @@ class Handoff:
     intake: Intake
     outbox: Outbox
     perform: Perform
+    #: What came of an attempt, decided and put to be written, without its
+    #: way through ``perform``.
+    conclude: Callable[[InFlight, AttemptResult], None]
     concurrency: int
     slow_concurrency: int
     write: Callable[[], None]
@@ -83,17 +94,51 @@ class Handoff:
             next(item.path)
         except StopIteration:
             return False
+        except Exception as exc:
+            self._crashed(item, exc, sent=False)
+            return False
         return True
 
-    @staticmethod
-    def _finish(item: InFlight, result: AttemptResult) -> None:
+    def _finish(self, item: InFlight, result: AttemptResult) -> None:
         """Resume the delivery's way with what came of its attempt, to its end."""
         assert item.path is not None
         try:
             item.path.send(result)
         except StopIteration:
             return
-        raise RuntimeError("perform() paused more than once for one delivery")
+        except Exception as exc:
+            self._crashed(item, exc, sent=True)
+            return
+        item.path.close()
+        self._crashed(item, RuntimeError("perform() paused twice"), sent=True)
+
+    def _crashed(self, item: InFlight, exc: Exception, *, sent: bool) -> None:
+        """The delivery's way raised ``exc`` (a bug, not the receiver's
+        doing): settled as an attempt that crashed, a passing failure tried
+        again by the retry policy, with no request when it was not ``sent``;
+        the loop goes on. Told by the error's type and where it was raised,
+        never its message, which may quote a webhook's URL."""
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+        logger.error(
+            "Delivery %s raised %s%s in the loop: settled as a failed attempt",
+            item.claimed.id,
+            type(exc).__name__,
+            where,
+        )
+        result = crashed(item.job, f"internal error: {type(exc).__name__}")
+        if not sent:
+            result = dataclasses.replace(result, requests=0)
+        try:
+            self.conclude(item, result)
+        except Exception as again:
+            # Left to its lease: once it lapses the row comes due again.
+            logger.error(
+                "Delivery %s could not be settled either (%s): it comes due again "
+                "when its lease ends",
+                item.claimed.id,
+                type(again).__name__,
+            )
 
     def release_ready(self) -> None:
         """Stopping: put back what was claimed and not sent, due now, for

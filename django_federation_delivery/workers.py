@@ -20,7 +20,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
 
 from django_federation_delivery import tracing
-from django_federation_delivery.attempt import AttemptResult, Job, crashed
+from django_federation_delivery.attempt import AttemptResult, Job, crashed, readable
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.transport import Connections, Transport, TransportSettings
@@ -206,4 +206,16 @@ class Workers:
                 type(result).__name__,
             )
             return crashed(item.job, f"internal error: {type(result).__name__} returned")
-        return result
+        # One the loop could not read (a Retry-After header's text, None for
+        # no error) would raise in the loop's own thread as it decides and
+        # writes what came of it: told by the field and its type alone.
+        read, fault = readable(item.job, result)
+        if fault:
+            logger.error(
+                "An attempt at delivery %s by %s returned a result the loop cannot read (%s): %s",
+                item.claimed.id,
+                type(item.kind).__name__,
+                fault,
+                "kept as delivered" if read.delivered else "a failed attempt",
+            )
+        return read

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
+from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.channels import (
     Channel,
     Destination,
@@ -18,7 +20,7 @@ from django_federation_delivery.channels import (
     Verdict,
     render_text,
 )
-from django_federation_delivery.transport import Answer
+from django_federation_delivery.transport import Answer, Transport
 
 
 class Pager(Channel):
@@ -156,3 +158,29 @@ class Unsettled(Pager):
 
     def policy(self) -> Policy:
         raise ImproperlyConfigured("PAGER_TOKEN t0kenS3CRET is revoked")
+
+
+class HeaderPager(Pager):
+    """A pager whose judge passes the receiver's ``Retry-After`` on as it
+    reads it: the header's text, not seconds, as many a hand-written one does."""
+
+    name = "headerpager"
+    label = "Header pager"
+    schemes = ("headerpager", "headerpager+http")
+
+    def judge(self, answer: Answer) -> Verdict:
+        if answer.status == 503:
+            return Verdict(False, retry_after=answer.headers.get("Retry-After"))  # type: ignore[arg-type]
+        return super().judge(answer)
+
+
+class NoErrorPager(Pager):
+    """A pager whose own attempt says "no error" as None, not ""."""
+
+    name = "noerrorpager"
+    label = "No-error pager"
+    schemes = ("noerrorpager", "noerrorpager+http")
+
+    def attempt(self, job: Any, transport: Transport, **kwargs: Any) -> AttemptResult:
+        result = super().attempt(job, transport, **kwargs)
+        return dataclasses.replace(result, error=result.error or None)  # type: ignore[arg-type]

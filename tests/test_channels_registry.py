@@ -15,17 +15,19 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
-from django_federation_delivery import send_webhook, signals
+from django_federation_delivery import send, send_webhook, signals
 from django_federation_delivery.channels import Policy, parse_destination, registry
 from django_federation_delivery.checks import check_webhooks
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Delivery, Status
 
-from .conftest import Inbox, Received
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .keys import ALICE
 from .test_admin import html, login, url
 
 KEY = "routingKEY4b7c9"
+NOTE = {"@context": "https://www.w3.org/ns/activitystreams", "type": "Create", "actor": ALICE}
 
 
 def with_pager(settings: Any, **extra: Any) -> None:
@@ -395,3 +397,62 @@ def test_a_kind_that_is_not_ordered_lets_an_event_pass_one_that_failed(
     received = [r.json()["dedup_key"] for r in server.received]
     assert sorted(received) == ["e0", "e0", "e1"] and received[-1] == "e0", received
     assert set(Delivery.objects.values_list("status", flat=True)) == {Status.DELIVERED}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("kind", ["headerpager", "noerrorpager"])
+def test_a_kinds_result_the_loop_cannot_read_is_its_deliverys_problem_alone(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+) -> None:
+    # A kind whose result holds what AttemptResult does not name (the text
+    # of a Retry-After header, None for no error) raised in the loop's own
+    # thread as it decided and wrote what came of it: run() ended, every
+    # delivery it held left leased and sent again once the lease lapsed.
+    answered: list[str] = []
+
+    def busy_once(request: Received) -> tuple[int, dict[str, str], bytes]:
+        answered.append(request.json()["dedup_key"])
+        if len(answered) == 1:
+            return 503, {"Retry-After": "0"}, b""
+        return 202, {}, b'{"status": "success"}'
+
+    server = inboxes("127.0.0.1", respond=busy_once)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.HeaderPager", "tests.channels.NoErrorPager"],
+        "WEBHOOKS": {"oncall": f"{kind}+http://{KEY}@127.0.0.1:{server.port}/page"},
+        "WEBHOOK_RETRY": [0.1] * 8,
+    }
+    inbox = inboxes()
+    send_webhook("oncall", "alert.raised", {"n": 1}, event_id="e1")
+    runner = start_deliverer()
+    wait_until(lambda: bool(answered), timeout=10)
+    # Sent after it: the loop is still there to send it.
+    batch = send(ALICE, NOTE, [inbox.url("/after")])
+    assert batch is not None
+    wait_until(
+        lambda: (
+            not runner.thread.is_alive()
+            or not Delivery.objects.filter(status=Status.PENDING).exists()
+        ),
+        timeout=10,
+    )
+    assert runner.thread.is_alive(), f"the loop stopped on {runner.error!r}"
+    runner.stop()
+    assert set(Delivery.objects.values_list("status", flat=True)) == {Status.DELIVERED}
+    # Refused once, then taken, and never sent again: the page the
+    # no-error pager delivered (its result's error None) was kept delivered.
+    assert answered == ["e1", "e1"]
+    assert inbox.paths() == ["/after"]
+    assert Delivery.objects.get(destination="oncall").attempts == 2
+    fault = {
+        "headerpager": "retry_after (str) is not seconds (finite, not negative) or None",
+        "noerrorpager": "error (NoneType) is not a str",
+    }[kind]
+    logged = [r.getMessage() for r in caplog.records if "the loop cannot read" in r.getMessage()]
+    assert len(logged) == 1 and fault in logged[0], logged
+    assert KEY not in caplog.text

@@ -467,6 +467,57 @@ def test_an_attempt_that_raises_what_is_no_exception_or_returns_no_result_is_ret
     assert Delivery.objects.get(batch=bad).attempts == 2, "the fault was a failed attempt"
 
 
+@pytest.mark.parametrize(
+    ("step", "sent"),
+    [("admit", ["/1", "/2"]), ("learn", ["/1", "/1", "/2"])],
+    ids=["before its attempt", "after its attempt"],
+)
+def test_a_delivery_whose_way_through_the_loop_raises_is_a_passing_failure_the_loop_survives(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    step: str,
+    sent: list[str],
+) -> None:
+    # A fault in what the loop's thread does for one delivery, before its
+    # attempt (admitting it past its breaker) or after (learning what its
+    # answer taught), raised out of run(): the deliverer stopped, and every
+    # delivery it held stayed leased until the lease lapsed.
+    from django_federation_delivery.hoststats import HostStats
+    from django_federation_delivery.triage import Triage
+
+    fast_retries(settings)
+    owner: Any = Triage if step == "admit" else HostStats
+    real = getattr(owner, step)
+    raised: list[int] = []
+
+    def fault(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not raised:
+            raised.append(1)
+            raise KeyError("a token, SECRET")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, step, fault)
+    first = send(ALICE, NOTE, [inbox.url("/1")])
+    runner = start_deliverer()
+    wait_until(settled(first), timeout=10)
+    second = send(ALICE, NOTE, [inbox.url("/2")])
+    wait_until(settled(second), timeout=10)
+    assert runner.thread.is_alive(), f"the loop stopped on {runner.error!r}"
+    runner.stop()
+    assert raised
+    assert status_of(first) == status_of(second) == [Status.DELIVERED]
+    assert inbox.paths() == sent
+    assert Delivery.objects.get(batch=first).attempts == 2, "the fault was a failed attempt"
+    (logged,) = [r.getMessage() for r in caplog.records if "in the loop" in r.getMessage()]
+    delivery = Delivery.objects.get(batch=first).id
+    assert logged.startswith(f"Delivery {delivery} raised KeyError at test_deliverer.py:"), logged
+    assert logged.endswith("settled as a failed attempt")
+    assert "SECRET" not in caplog.text, "the type, never the message"
+
+
 class InFlight:
     """A server's answer that counts the requests it is answering at once,
     and the most it ever was; ``wait`` is what answering takes."""

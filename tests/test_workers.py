@@ -197,6 +197,96 @@ def test_an_attempt_that_raises_or_returns_no_result_is_a_passing_failure_the_wo
     assert len(workers) == 1 and all(thread.is_alive() for thread in workers._threads)
 
 
+#: What a kind's result may hold that the loop cannot read, and how it is told.
+UNREADABLE = [
+    # A Retry-After header's text, passed on as it was read.
+    ("retry_after", "Thu, 01 Jan SECRET", "retry_after (str) is not seconds"),
+    ("retry_after", -1.0, "retry_after (float) is not seconds"),
+    ("retry_after", float("nan"), "retry_after (float) is not seconds"),
+    ("retry_after", True, "retry_after (bool) is not seconds"),
+    ("error", None, "error (NoneType) is not a str"),
+    ("status", "503 SECRET", "status (str) is not an HTTP status (100 to 999) or None"),
+    # Not a status the database keeps (its column is a small integer).
+    ("status", 70000, "status (int) is not an HTTP status (100 to 999) or None"),
+    ("delivered", 1, "delivered (int) is not True or False"),
+    ("permanent", "SECRET", "permanent (str) is not True or False"),
+    ("accepted_scheme", "cavage", "accepted_scheme (str) is not a Scheme or None"),
+    ("duration", float("inf"), "duration (float) is not seconds (finite, not negative)"),
+    ("requests", -1, "requests (int) is not a count (not negative)"),
+    ("held", None, "held (NoneType) is not True or False"),
+    ("elsewhere", "SECRET", "elsewhere (str) is not True or False"),
+]
+
+
+@pytest.mark.usefixtures("mocked")
+@pytest.mark.parametrize(
+    ("field", "value", "fault"),
+    UNREADABLE,
+    ids=[f"{field}={value!r}" for field, value, _fault in UNREADABLE],
+)
+def test_a_result_the_loop_cannot_read_is_a_passing_failure_told_by_its_field_and_type(
+    pool: Callable[..., Workers],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    field: str,
+    value: Any,
+    fault: str,
+) -> None:
+    # What the loop made of it (decide(), the settler) raised in the loop's
+    # own thread: run() ended, every delivery it held left leased.
+    kind = inboxes()
+    real = kind.attempt
+
+    def attempt(job: Job, *args: Any, **kwargs: Any) -> Any:
+        result = real(job, *args, **kwargs)  # type: ignore[arg-type]
+        return dataclasses.replace(result, **{"delivered": False, field: value})
+
+    monkeypatch.setattr(kind, "attempt", attempt)
+    workers = pool(needed=1)
+    workers.grow_to(1)
+    workers.put(in_flight(1, kind))
+
+    ((item, result),) = results(workers, 1)
+
+    assert result.delivered is False and result.permanent is False and not result.held
+    assert result.retry_after is None and result.job is item.job
+    assert result.error.startswith(f"internal error: the result's {fault}"), result.error
+    logged = "\n".join(caplog.messages)
+    assert re.search(
+        r"An attempt at delivery 1 by \w+ returned a result the loop cannot read", logged
+    )
+    assert fault in logged and "a failed attempt" in logged, logged
+    assert "SECRET" not in logged + result.error, "the type, never the value"
+
+
+@pytest.mark.usefixtures("mocked")
+def test_a_delivered_result_the_loop_cannot_read_stays_delivered(
+    pool: Callable[..., Workers],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Sent and taken: made a failure, it would be sent again, and received twice.
+    kind = inboxes()
+    real = kind.attempt
+
+    def attempt(job: Job, *args: Any, **kwargs: Any) -> Any:
+        result = real(job, *args, **kwargs)  # type: ignore[arg-type]
+        return dataclasses.replace(result, error=None, duration="SECRET")
+
+    monkeypatch.setattr(kind, "attempt", attempt)
+    workers = pool(needed=1)
+    workers.grow_to(1)
+    workers.put(in_flight(1, kind))
+
+    ((_item, result),) = results(workers, 1)
+
+    assert result.delivered is True and result.status == 202
+    assert (result.error, result.duration) == ("", 0.0)
+    logged = "\n".join(caplog.messages)
+    assert "error (NoneType) is not a str; duration (str) is not seconds" in logged, logged
+    assert "kept as delivered" in logged and "SECRET" not in logged
+
+
 @pytest.mark.usefixtures("mocked")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_thread_that_ends_however_it_ends_is_counted_no_longer(
