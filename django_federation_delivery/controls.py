@@ -4,18 +4,26 @@ A host project's code calls these, and the admin's actions do the same:
 each sends the signals a delivery leaving the queue sends, and returns how
 many rows it changed. A host given here is read in any form and made
 canonical; the admin acts on names as its rows keep them.
+
+Each acts on one database: the one its rows come from (a queryset's, as its
+``update()`` would write: the one named with ``using()``, else the routers'
+choice), or the one named with ``using``; ``None``, as everywhere in the
+package, for the default.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from typing import Any
 
+from django.db import router
 from django.db.models import QuerySet
 
 from django_federation_delivery import breakers, hosts, signals
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted, required_host
 from django_federation_delivery.availability import mark_host_seen
-from django_federation_delivery.conf import app_settings
+from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.sending import checked_text
@@ -24,6 +32,7 @@ from django_federation_delivery.store import settlements
 
 __all__ = [
     "REQUEUED_FROM",
+    "database_of",
     "give_up",
     "give_up_host",
     "mark_host_seen",
@@ -38,7 +47,16 @@ CHUNK = 500
 REQUEUED_FROM = sorted(settlements.FINAL - {Status.DELIVERED})
 
 
-def pause_host(host: str) -> int:
+def database_of(rows: QuerySet[Any]) -> str:
+    """The database a write of ``rows`` goes to, as their ``update()`` or
+    ``delete()`` would: the one named with ``using()``, else the one the
+    routers choose to write their model to (``"default"`` with none)."""
+    # Marked for writing (never run), a query tells that database; unmarked,
+    # the one it would read, which a router may send to a replica.
+    return rows.select_for_update().db
+
+
+def pause_host(host: str, *, using: str | None = None) -> int:
     """Hold every delivery to ``host``, unsent and not failed, until
     :func:`resume_host`. Returns how many were held.
 
@@ -46,16 +64,19 @@ def pause_host(host: str) -> int:
     read as :func:`mark_host_seen` reads it: a host name in any form
     (``Bücher.Example.``) or a URL on it, in its canonical form; a webhook
     destination's ``<ops>`` as it is. ``ValueError`` naming it if it names
-    no host, with nothing changed."""
-    return hosts.pause_host(required_host(host, "pause_host"))
+    no host, or if ``using`` names no database in ``DATABASES``, with
+    nothing changed."""
+    named = required_host(host, "pause_host")
+    return hosts.pause_host(named, using=database_alias(using))
 
 
-def resume_host(host: str) -> int:
+def resume_host(host: str, *, using: str | None = None) -> int:
     """Make a paused host's held deliveries due now. Returns how many."""
-    return hosts.resume_host(required_host(host, "resume_host"))
+    named = required_host(host, "resume_host")
+    return hosts.resume_host(named, using=database_alias(using))
 
 
-def reset_breaker(key: str) -> int:
+def reset_breaker(key: str, *, using: str | None = None) -> int:
     """Forget a breaker: closed, its count at nought. Returns how many were
     forgotten (0 or 1). ``key`` is a host, read as :func:`pause_host` reads
     it, or a URL in any spelling: an inbox's, for a breaker kept per inbox
@@ -68,16 +89,23 @@ def reset_breaker(key: str) -> int:
             raise ValueError(
                 f"reset_breaker needs a host name or an inbox's URL, not {quoted(key)}"
             ) from None
-        return breakers.reset_breaker(breakers.inbox_key(url)) or breakers.reset_breaker(
-            host_of(url)
+        alias = database_alias(using)
+        return breakers.reset_breaker(breakers.inbox_key(url), using=alias) or (
+            breakers.reset_breaker(host_of(url), using=alias)
         )
-    return breakers.reset_breaker(required_host(key, "reset_breaker"))
+    named = required_host(key, "reset_breaker")
+    return breakers.reset_breaker(named, using=database_alias(using))
 
 
-def give_up_host(host: str, reason: str = "given up by an operator") -> int:
+def give_up_host(
+    host: str, reason: str = "given up by an operator", *, using: str | None = None
+) -> int:
     """Fail every pending delivery to ``host`` at once, as for a server that is gone."""
     named = required_host(host, "give_up_host")
-    return give_up(Delivery.objects.filter(host=named, status=Status.PENDING), reason)
+    pending = Delivery.objects.using(database_alias(using)).filter(
+        host=named, status=Status.PENDING
+    )
+    return give_up(pending, reason)
 
 
 def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operator") -> int:
@@ -90,28 +118,34 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
     ``reason`` is kept as each one's last error: ``InvalidDelivery`` (a
     ``ValueError``) naming it, and nothing changed, unless it is text of at
     most ``ERROR_LENGTH`` characters that a database can store.
+
+    The rows are read from, and failed in, the database ``deliveries``
+    writes to (:func:`database_of`).
     """
     reason = checked_text("reason", reason, app_settings.ERROR_LENGTH)
-    ids = list(deliveries.filter(status=Status.PENDING).values_list("id", flat=True))
+    alias = database_of(deliveries)
+    pending = deliveries.using(alias).filter(status=Status.PENDING)
+    ids = list(pending.values_list("id", flat=True))
     failed = 0
     for start in range(0, len(ids), CHUNK):
         failed += len(
             settlements.give_up_rows(
                 ids[start : start + CHUNK],
                 reason,
-                on_failing=lambda rows: _tell_failed(rows, reason),
-                on_finished=signals.send_batches_finished,
+                on_failing=lambda rows: _tell_failed(rows, reason, alias),
+                on_finished=functools.partial(signals.send_batches_finished, using=alias),
+                using=alias,
             )
         )
     return failed
 
 
-def _tell_failed(rows: list[settlements.GivenUp], reason: str) -> None:
+def _tell_failed(rows: list[settlements.GivenUp], reason: str, using: str) -> None:
     batches = {
         id: (sender, tag, event_type)
-        for id, sender, tag, event_type in Batch.objects.filter(
-            id__in={row.batch_id for row in rows}
-        ).values_list("id", "sender", "tag", "event_type")
+        for id, sender, tag, event_type in Batch.objects.using(using)
+        .filter(id__in={row.batch_id for row in rows})
+        .values_list("id", "sender", "tag", "event_type")
     }
     for row in rows:
         sender, tag, event_type = batches.get(row.batch_id, ("", "", ""))
@@ -130,8 +164,20 @@ def _tell_failed(rows: list[settlements.GivenUp], reason: str) -> None:
 
 def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
     """Put failed, refused, skipped or superseded deliveries back in the queue, due now;
-    their attempts so far are kept. Others are left alone. Returns how many."""
-    ids = [delivery.id for delivery in deliveries]
+    their attempts so far are kept. Others are left alone. Returns how many.
+
+    Each is requeued in the database it came from: a queryset's as it writes
+    (:func:`database_of`); a row's as its ``save()`` would write it."""
+    if isinstance(deliveries, QuerySet):
+        alias = database_of(deliveries)
+        found = {alias: list(deliveries.using(alias).values_list("id", flat=True))}
+    else:
+        found = {}
+        for delivery in deliveries:
+            written = router.db_for_write(Delivery, instance=delivery)
+            found.setdefault(written, []).append(delivery.id)
     return sum(
-        settlements.requeue_rows(ids[start : start + CHUNK]) for start in range(0, len(ids), CHUNK)
+        settlements.requeue_rows(ids[start : start + CHUNK], using=alias)
+        for alias, ids in found.items()
+        for start in range(0, len(ids), CHUNK)
     )

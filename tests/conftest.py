@@ -161,8 +161,9 @@ def _longest(item: pytest.Item) -> bool:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    for leftover in TEST_DB_DIR.glob(f"test-{os.getpid()}.sqlite3*"):
-        leftover.unlink(missing_ok=True)
+    for pattern in (f"test-{os.getpid()}.sqlite3*", f"test-{os.getpid()}-queue.sqlite3*"):
+        for leftover in TEST_DB_DIR.glob(pattern):
+            leftover.unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -182,6 +183,27 @@ def closed_port() -> Iterator[Callable[[], int]]:
     yield make
     for sock in held:
         sock.close()
+
+
+class QueueRouter:
+    """Puts the app's tables in the database "queue", as a project's router
+    puts an app in a database of its own; the rest (users, sessions, django-q2's
+    broker) is left to "default"."""
+
+    def db_for_read(self, model: type[Any], **hints: Any) -> str | None:
+        return "queue" if model._meta.app_label == "federation_delivery" else None
+
+    db_for_write = db_for_read
+
+    def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool | None:
+        return db == "queue" if app_label == "federation_delivery" else None
+
+
+@pytest.fixture
+def queue_router(settings: Any) -> None:
+    """The app routed to the database "queue", which a test asks for with
+    "default": ``django_db(databases=["default", "queue"])``."""
+    settings.DATABASE_ROUTERS = [QueueRouter()]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -114,6 +114,22 @@ else:
         }
     }
 
+# A second database, for the tests of a queue kept elsewhere than in
+# "default" (``using``, ``--database``, a router): on the same server, or a
+# file beside. Made for a run only when a test asks for it by name
+# (``django_db(databases=[...])``).
+if "DATABASE_URL" in os.environ:
+    DATABASES["queue"] = {
+        **DATABASES["default"],
+        "TEST": {"NAME": f"test_{DATABASES['default']['NAME']}_queue_{os.getpid()}"},
+    }
+else:
+    DATABASES["queue"] = {
+        **DATABASES["default"],
+        "NAME": str(BASE_DIR / "var" / "queue.sqlite3"),
+        "TEST": {"NAME": str(TEST_DB_DIR / f"test-{os.getpid()}-queue.sqlite3")},
+    }
+
 # The tests' inboxes are on loopback on purpose: the warning that says a
 # server should not open it to inboxes is tested by itself (test_checks.py).
 SILENCED_SYSTEM_CHECKS = ["federation_delivery.W003"]

@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_federation_delivery import controls, history, send, send_webhook
+from django_federation_delivery import controls, history, send, send_batch, send_webhook
 from django_federation_delivery.admin import next_due
 from django_federation_delivery.models import (
     Batch,
@@ -516,6 +516,49 @@ def test_an_action_that_applies_to_nothing_says_so_as_a_warning(operator: Client
     [message] = list(response.context["messages"])
     assert message.level_tag == "warning"
     assert str(message).startswith("Requeued 0 deliveries")
+
+
+@pytest.mark.django_db(databases=["default", "queue"])
+@pytest.mark.usefixtures("queue_router")
+def test_under_a_router_the_actions_act_on_the_database_the_rows_are_read_from(
+    operator: Client,
+) -> None:
+    # The app is routed to "queue"; "default" holds rows of its own, which no
+    # action on the rows read from "queue" may touch.
+    inboxes = ["https://a.example/inbox", "https://b.example/inbox"]
+    for using in ("default", "queue"):
+        send_batch(ALICE, NOTE, inboxes, using=using)
+        Breaker.objects.using(using).create(key="a.example", failures=10)
+        Host.objects.using(using).create(name="b.example")
+    a, b = Delivery.objects.using("queue").order_by("host")
+
+    def queued() -> list[tuple[str, str, bool]]:
+        rows = Delivery.objects.using("queue").order_by("host")
+        return [(row.host, row.status, row.due_at is None) for row in rows]
+
+    assert act(operator, "delivery", "give_up", [a.pk]) == [
+        "Gave up 1 pending delivery; settled ones are left alone."
+    ]
+    assert queued() == [("a.example", Status.FAILED, True), ("b.example", Status.PENDING, False)]
+    act(operator, "delivery", "requeue", [a.pk])
+    act(operator, "delivery", "pause_hosts", [b.pk])
+    assert queued() == [("a.example", Status.PENDING, False), ("b.example", Status.PENDING, True)]
+    assert act(operator, "host", "resume", ["b.example"]) == [
+        "Resumed 1 host: 1 held delivery due now."
+    ]
+    act(operator, "host", "give_up", ["b.example"])
+    assert act(operator, "breaker", "reset", ["a.example"]) == ["Reset 1 breaker."]
+    act(operator, "batch", "cancel_pending", [a.batch_id])
+    assert queued() == [("a.example", Status.FAILED, True), ("b.example", Status.FAILED, True)]
+    assert not Breaker.objects.using("queue").exists()
+
+    untouched = Delivery.objects.using("default").values_list("host", "status", "due_at")
+    assert sorted((host, status, due is None) for host, status, due in untouched) == [
+        ("a.example", Status.PENDING, False),
+        ("b.example", Status.PENDING, False),
+    ]
+    assert Breaker.objects.using("default").count() == 1
+    assert Host.objects.using("default").get().paused_at is None
 
 
 # Permissions.

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from django_federation_delivery import controls, send, signals
-from django_federation_delivery.models import Breaker, Delivery, Host, Status
+from django_federation_delivery import controls, send, send_batch, signals
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.store import settlements
 
 from .conftest import Unprintable
@@ -142,3 +142,64 @@ def test_a_reason_no_row_can_keep_is_refused_with_nothing_given_up(
         controls.give_up(Delivery.objects.all(), reason)
     assert Delivery.objects.get().status == Status.PENDING
     assert failures == []
+
+
+# A queue kept in another database than "default": each control acts on the
+# rows' own database, never on the rows with the same ids in "default".
+
+BOB = "https://social.example/users/bob"
+
+
+def kept(using: str) -> list[tuple[str, str]]:
+    return list(Delivery.objects.using(using).order_by("id").values_list("host", "status"))
+
+
+@pytest.mark.django_db(databases=["default", "queue"])
+def test_giving_up_deliveries_of_another_database_leaves_the_default_ones_alone(
+    failures: list[Any],
+) -> None:
+    send_batch(ALICE, NOTE, ["https://a.example/inbox"], using="queue")
+    send(BOB, NOTE, ["https://b.example/inbox"])
+    assert controls.give_up(Delivery.objects.using("queue").all()) == 1
+    assert kept("queue") == [("a.example", Status.FAILED)]
+    assert kept("default") == [("b.example", Status.PENDING)]
+    # Told with what its own batch says, not a batch of "default"'s.
+    assert [(f.inbox, f.sender) for f in failures] == [("https://a.example/inbox", ALICE)]
+    assert Batch.objects.using("queue").get().remaining == 0
+    assert Batch.objects.get().remaining == 1
+
+
+@pytest.mark.django_db(databases=["default", "queue"])
+def test_requeueing_deliveries_of_another_database_requeues_those() -> None:
+    send_batch(ALICE, NOTE, ["https://a.example/inbox"], using="queue")
+    send(BOB, NOTE, ["https://b.example/inbox"])
+    controls.give_up(Delivery.objects.all())
+    controls.give_up(Delivery.objects.using("queue").all())
+    assert controls.requeue(Delivery.objects.using("queue").all()) == 1
+    assert kept("queue") == [("a.example", Status.PENDING)]
+    assert kept("default") == [("b.example", Status.FAILED)]
+    # Rows rather than a queryset: each in the database it was read from.
+    controls.give_up(Delivery.objects.using("queue").all())
+    assert controls.requeue(list(Delivery.objects.using("queue").all())) == 1
+    assert kept("queue") == [("a.example", Status.PENDING)]
+    assert kept("default") == [("b.example", Status.FAILED)]
+
+
+@pytest.mark.django_db(databases=["default", "queue"])
+def test_the_host_controls_act_on_the_database_named(failures: list[Any]) -> None:
+    for using in ("default", "queue"):
+        send_batch(ALICE, NOTE, ["https://a.example/inbox"], using=using)
+        Breaker.objects.using(using).create(key="a.example", failures=10)
+    assert controls.pause_host("a.example", using="queue") == 1
+    assert Host.objects.using("queue").get().paused_at is not None
+    assert not Host.objects.exists()
+    assert controls.resume_host("a.example", using="queue") == 1
+    assert Host.objects.using("queue").get().paused_at is None
+    assert controls.reset_breaker("https://a.example/", using="queue") == 1
+    assert not Breaker.objects.using("queue").exists()
+    assert Breaker.objects.exists()
+    assert controls.give_up_host("a.example", using="queue") == 1
+    assert kept("queue") == [("a.example", Status.FAILED)]
+    assert kept("default") == [("a.example", Status.PENDING)]
+    with pytest.raises(ValueError, match="no database named 'elsewhere' in DATABASES"):
+        controls.pause_host("a.example", using="elsewhere")

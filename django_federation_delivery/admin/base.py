@@ -222,12 +222,13 @@ def pending_count(count: int) -> str:
 
 
 def pause_and_report(
-    model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str]
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str], *, using: str
 ) -> None:
-    # Each host by its name as kept (a row's, a breaker's), whatever it holds.
-    already = hosts.paused_hosts(names)
+    # Each host by its name as kept (a row's, a breaker's), whatever it holds,
+    # in the database of the rows that named it.
+    already = hosts.paused_hosts(names, using=using)
     pausing = [name for name in names if name not in already]
-    held = sum(hosts.pause_host(name) for name in pausing)
+    held = sum(hosts.pause_host(name, using=using) for name in pausing)
     message = _("Paused %(hosts)s: %(deliveries)s held until resumed.") % {
         "hosts": host_count(len(pausing)),
         "deliveries": pending_count(held),
@@ -242,10 +243,10 @@ def pause_and_report(
 
 
 def resume_and_report(
-    model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str]
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str], *, using: str
 ) -> None:
-    paused = sorted(hosts.paused_hosts(names))
-    released = sum(hosts.resume_host(name) for name in paused)
+    paused = sorted(hosts.paused_hosts(names, using=using))
+    released = sum(hosts.resume_host(name, using=using) for name in paused)
     held = ngettext("%(count)d held delivery", "%(count)d held deliveries", released) % {
         "count": released
     }
@@ -259,9 +260,10 @@ def resume_and_report(
 
 
 def give_up_and_report(
-    model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str]
+    model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str], *, using: str
 ) -> None:
-    count = controls.give_up(Delivery.objects.filter(host__in=names, status=Status.PENDING))
+    pending = Delivery.objects.using(using).filter(host__in=names, status=Status.PENDING)
+    count = controls.give_up(pending)
     report(
         model_admin,
         request,

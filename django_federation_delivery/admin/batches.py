@@ -223,7 +223,8 @@ class BatchAdmin(OperatorAdmin[Batch]):
         description=_("Requeue the failed deliveries of the selected batches"),
     )
     def requeue_failed(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
-        failed = Delivery.objects.filter(batch__in=queryset.values("id"), status=Status.FAILED)
+        deliveries = Delivery.objects.using(controls.database_of(queryset))
+        failed = deliveries.filter(batch__in=queryset.values("id"), status=Status.FAILED)
         count = controls.requeue(failed.only("id"))
         report(
             self,
@@ -244,7 +245,8 @@ class BatchAdmin(OperatorAdmin[Batch]):
         description=_("Cancel the pending deliveries of the selected batches"),
     )
     def cancel_pending(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
-        pending = Delivery.objects.filter(batch__in=queryset.values("id"), status=Status.PENDING)
+        deliveries = Delivery.objects.using(controls.database_of(queryset))
+        pending = deliveries.filter(batch__in=queryset.values("id"), status=Status.PENDING)
         count = controls.give_up(pending, CANCELLED)
         report(
             self,

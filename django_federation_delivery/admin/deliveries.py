@@ -353,4 +353,4 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     )
     def pause_hosts(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
         hosts = sorted(set(queryset.values_list("host", flat=True)))
-        pause_and_report(self, request, hosts)
+        pause_and_report(self, request, hosts, using=controls.database_of(queryset))

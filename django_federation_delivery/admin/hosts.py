@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_federation_delivery import breakers
+from django_federation_delivery import breakers, controls
 from django_federation_delivery.addresses import host_of, redact
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
@@ -98,8 +98,9 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
     @admin.action(permissions=["change"], description=_("Reset the selected breakers (closed)"))
     def reset(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
         # Each by its key as kept, whatever it holds.
+        using = controls.database_of(queryset)
         keys = queryset.values_list("key", flat=True)
-        count = sum(breakers.reset_breaker(key) for key in keys)
+        count = sum(breakers.reset_breaker(key, using=using) for key in keys)
         report(
             self,
             request,
@@ -112,21 +113,21 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
         permissions=["change_host"], description=_("Pause the hosts of the selected breakers")
     )
     def pause_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
-        pause_and_report(self, request, hosts_of(queryset))
+        pause_and_report(self, request, hosts_of(queryset), using=controls.database_of(queryset))
 
     @admin.action(
         permissions=["change_host"],
         description=_("Resume the paused hosts of the selected breakers"),
     )
     def resume_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
-        resume_and_report(self, request, hosts_of(queryset))
+        resume_and_report(self, request, hosts_of(queryset), using=controls.database_of(queryset))
 
     @admin.action(
         permissions=["change_delivery"],
         description=_("Give up everything pending for the hosts of the selected breakers"),
     )
     def give_up_hosts(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
-        give_up_and_report(self, request, hosts_of(queryset))
+        give_up_and_report(self, request, hosts_of(queryset), using=controls.database_of(queryset))
 
 
 def host_of_key(key: str) -> str:
@@ -338,11 +339,13 @@ class HostAdmin(OperatorAdmin[Host]):
 
     @admin.action(permissions=["change"], description=_("Pause the selected hosts"))
     def pause(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
-        pause_and_report(self, request, list(queryset.values_list("name", flat=True)))
+        names = list(queryset.values_list("name", flat=True))
+        pause_and_report(self, request, names, using=controls.database_of(queryset))
 
     @admin.action(permissions=["change"], description=_("Resume the selected paused hosts"))
     def resume(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
-        resume_and_report(self, request, list(queryset.values_list("name", flat=True)))
+        names = list(queryset.values_list("name", flat=True))
+        resume_and_report(self, request, names, using=controls.database_of(queryset))
 
     @admin.action(
         permissions=["change"],
@@ -350,8 +353,10 @@ class HostAdmin(OperatorAdmin[Host]):
     )
     def mark_seen(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         # Each row by its name as kept, whatever it holds; all or none.
-        with transaction.atomic():
-            count = sum(mark_seen(name) for name in queryset.values_list("name", flat=True))
+        using = controls.database_of(queryset)
+        names = list(queryset.values_list("name", flat=True))
+        with transaction.atomic(using=using):
+            count = sum(mark_seen(name, using=using) for name in names)
         report(
             self,
             request,
@@ -371,8 +376,9 @@ class HostAdmin(OperatorAdmin[Host]):
     def replay_day(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
         # Aware whatever USE_TZ says, as replay() takes it.
         since = aware_now() - dt.timedelta(days=1)
+        using = controls.database_of(queryset)
         names = list(queryset.values_list("name", flat=True))
-        count = to_replay(names, since=since)
+        count = to_replay(names, since=since, using=using)
         if count > MOST_REPLAYED:
             # At about a millisecond each, past a web server's time limit.
             self.message_user(
@@ -386,8 +392,10 @@ class HostAdmin(OperatorAdmin[Host]):
                 messages.WARNING,
             )
             return
-        with transaction.atomic():
-            batches = [batch for name in names for batch in replay_host(name, since=since)]
+        with transaction.atomic(using=using):
+            batches = [
+                batch for name in names for batch in replay_host(name, since=since, using=using)
+            ]
         self.message_user(request, replayed(batches))
 
     @admin.action(
@@ -395,4 +403,5 @@ class HostAdmin(OperatorAdmin[Host]):
         description=_("Give up everything pending for the selected hosts"),
     )
     def give_up(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
-        give_up_and_report(self, request, list(queryset.values_list("name", flat=True)))
+        names = list(queryset.values_list("name", flat=True))
+        give_up_and_report(self, request, names, using=controls.database_of(queryset))
