@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -61,7 +61,7 @@ _known_lock = threading.Lock()
 def unavailable_hosts(*, using: str | None = None) -> frozenset[str]:
     """The hosts marked unavailable, as this process last read them (at most
     ``KNOWN_FOR`` seconds ago): one small query a minute, not one a send."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     known = _known.get(alias)
     if known is not None and time.monotonic() - known[0] < KNOWN_FOR:
         return known[1]
@@ -91,7 +91,7 @@ def mark_unavailable(
     deliverers look."""
     if after is None:
         return []
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     now = now or timezone.now()
     due = Q(failing_since__lte=now - dt.timedelta(seconds=after), unavailable_since__isnull=True)
     hosts = Host.objects.using(alias)
@@ -130,7 +130,7 @@ def mark_seen(host: str, *, using: str | None = None) -> bool:
     names it (the admin's action, a probe's answer): read as it is, whatever
     it holds. Returns whether it was marked unavailable (what the admin
     counts)."""
-    return _seen(host, using or DEFAULT_DB_ALIAS)[0]
+    return _seen(host, using or database_alias())[0]
 
 
 def _seen(host: str, alias: str) -> tuple[bool, bool]:
@@ -171,7 +171,7 @@ def probe_due(*, now: dt.datetime | None = None, using: str | None = None) -> li
     """Take the unavailable hosts not probed for a day, at most
     ``PROBES_PER_ROUND``, each for one deliverer alone; with the URL each is
     probed at (its origin, as its latest delivery's inbox has it)."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     now = now or timezone.now()
     due = Q(unavailable_since__isnull=False) & (
         Q(probed_at__isnull=True) | Q(probed_at__lte=now - PROBE_EVERY)

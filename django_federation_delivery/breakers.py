@@ -25,13 +25,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
 from django_federation_delivery import addresses
-from django_federation_delivery.conf import SETTING, app_settings
+from django_federation_delivery.conf import SETTING, app_settings, database_alias
 from django_federation_delivery.models import Breaker
 from django_federation_delivery.store.breakers import count_failures
 
@@ -145,7 +144,7 @@ class BreakerView:
 def breaker_rows(*, forget_after: float, using: str | None = None) -> list[Breaker]:
     """Every breaker row, after forgetting closed ones nothing has touched for
     ``forget_after`` seconds. The table holds what is failing now: small."""
-    manager = Breaker.objects.using(using or DEFAULT_DB_ALIAS)
+    manager = Breaker.objects.using(using or database_alias())
     stale = timezone.now() - dt.timedelta(seconds=forget_after)
     rows = list(manager.all())
     # Read first, deleted only when something is stale: a delete is a write,
@@ -173,7 +172,7 @@ def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:
     breaker opened does not close it, as only a probe does."""
     keys = list(keys)
     if keys:
-        Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(
+        Breaker.objects.using(using or database_alias()).filter(
             key__in=keys, open_until__isnull=True
         ).delete()
 
@@ -184,7 +183,7 @@ def take_probe(key: str, *, cool_off: float, using: str | None = None) -> str | 
     now = timezone.now()
     token = uuid.uuid4().hex
     taken = (
-        Breaker.objects.using(using or DEFAULT_DB_ALIAS)
+        Breaker.objects.using(using or database_alias())
         .filter(key=key, open_until__lte=now)
         .filter(Q(probe_until__isnull=True) | Q(probe_until__lte=now))
         .update(
@@ -203,7 +202,7 @@ def record_probe(
 ) -> None:
     """A probe's outcome: success closes the breaker, failure opens it for
     another cool-off. A probe that lost its turn changes nothing."""
-    manager = Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(key=key, probe_token=token)
+    manager = Breaker.objects.using(using or database_alias()).filter(key=key, probe_token=token)
     if not failed:
         manager.delete()
         return
@@ -223,7 +222,7 @@ def inbox_key(inbox: str) -> str:
 
 
 def reset_breaker(key: str, *, using: str | None = None) -> int:
-    return int(Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(key=key).delete()[0])
+    return int(Breaker.objects.using(using or database_alias()).filter(key=key).delete()[0])
 
 
 class Breakers:

@@ -8,19 +8,22 @@ uses one anyway. Code reads a setting through its typed accessor
 (``app_settings.concurrency`` is an ``int``), converted in one place rather
 than cast at every use; ``get`` gives the raw value, as the checks want it.
 :func:`database_alias` checks the one Django setting the public API is
-given a name from: a database alias (``using``), in ``DATABASES``.
+given a name from: a database alias (``using``), in ``DATABASES``; and says
+which one is meant when none is given, as ``DATABASE_ROUTERS`` route the app.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
+from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections, router
 from django.utils.module_loading import import_string
 from django.utils.translation import gettext as _
 
@@ -433,12 +436,21 @@ def _not_a_path(name: str, value: object) -> ImproperlyConfigured:
     )
 
 
-def database_alias(using: object) -> str:
+def database_alias(using: object = None) -> str:
     """``using`` as the public API takes it: an alias in ``DATABASES``, or
-    None for the default; ``InvalidDelivery`` (a ``ValueError``) naming it
-    otherwise, before anything is written."""
+    None for the app's database: the one its routers (``DATABASE_ROUTERS``)
+    write its deliveries to, ``"default"`` when none of them chooses;
+    ``InvalidDelivery`` (a ``ValueError``) naming it otherwise, before
+    anything is written."""
     if using is None:
-        return DEFAULT_DB_ALIAS
+        return router.db_for_write(_delivery_model())
     if not isinstance(using, str) or using not in connections:
         raise InvalidDelivery(f"no database named {quoted(using)} in DATABASES")
     return using
+
+
+@functools.cache
+def _delivery_model() -> type[Any]:
+    # The app's models are asked of the registry once it is ready: they are
+    # imported after this module.
+    return apps.get_model("federation_delivery", "Delivery")

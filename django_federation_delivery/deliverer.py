@@ -25,14 +25,14 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 from django.utils import timezone
 
 from django_federation_delivery import signals, tracing, wakeup, writelock
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
-from django_federation_delivery.conf import app_settings
+from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes
@@ -70,7 +70,7 @@ class Deliverer:
         per_host_max: int | None = None,
         claim_size: int | None = None,
         lease: float | None = None,
-        using: str = DEFAULT_DB_ALIAS,
+        using: str | None = None,
         on_progress: Callable[[Summary], None] | None = None,
         progress_interval: float = 1.0,
         metrics: bool = False,
@@ -89,6 +89,8 @@ class Deliverer:
         self.slow_concurrency = max(0, app_settings.slow_concurrency)
         self.claim_size = max(1, claim_size or app_settings.claim_size)
         self.lease = float(lease or app_settings.lease_seconds)
+        using = using or database_alias()
+        #: The queue's database: the one named, else the app's (as routed).
         self.using = using
         self._stopping = threading.Event()
         #: Runs a query; None when the database was away (and waited out).

@@ -15,8 +15,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 from django.utils import timezone
+
+from django_federation_delivery.conf import database_alias
 
 __all__ = [
     "aware",
@@ -34,7 +36,7 @@ __all__ = [
 
 
 def connection_for(using: str | None) -> Any:
-    return connections[using or DEFAULT_DB_ALIAS]
+    return connections[using or database_alias()]
 
 
 def is_postgresql(connection: Any) -> bool:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import datetime as dt
 import logging
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
 from django.db.models import QuerySet
 
 from django_federation_delivery import signals
 from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.hosts import failing_hosts, failing_since
 from django_federation_delivery.models import Host
 from django_federation_delivery.store import claims
@@ -49,9 +50,9 @@ def is_failure(result: AttemptResult) -> bool | None:
 class HostWatch:
     """What one deliverer makes of each inbox attempt for its host's health."""
 
-    def __init__(self, failing_after: float, *, using: str = DEFAULT_DB_ALIAS) -> None:
+    def __init__(self, failing_after: float, *, using: str | None = None) -> None:
         self.failing_after = dt.timedelta(seconds=failing_after)
-        self.using = using
+        self.using = using or database_alias()
         #: Each host seen failing, since when, and whether it was told so;
         #: None until read from the table.
         self._failing: dict[str, tuple[dt.datetime, bool]] | None = None

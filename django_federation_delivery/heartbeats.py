@@ -22,11 +22,11 @@ import os
 import socket
 import time
 
-from django.db import DEFAULT_DB_ALIAS
 from django.db.models import QuerySet
 from django.utils import timezone
 
 from django_federation_delivery import __version__
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.models import DelivererHeartbeat
 
 __all__ = ["Heartbeat", "Seen", "SeenDeliverer", "seen"]
@@ -64,14 +64,14 @@ class Heartbeat:
         self,
         interval: float,
         *,
-        using: str = DEFAULT_DB_ALIAS,
+        using: str | None = None,
         alive_for: float | None = None,
         kept: bool = False,
     ) -> None:
         self.interval = interval
         self.alive_for = max(interval, alive_for or interval)
         self.kept = kept
-        self.using = using
+        self.using = using or database_alias()
         self.pid = os.getpid()
         self.machine = socket.gethostname()[:255]
         #: Its row's id, once an insert has said it.
@@ -177,7 +177,7 @@ def seen(
 ) -> Seen:
     """The deliverers alive as of ``now`` (on ``host`` only, if given): one query."""
     now = now or timezone.now()
-    rows = DelivererHeartbeat.objects.using(using or DEFAULT_DB_ALIAS).filter(
+    rows = DelivererHeartbeat.objects.using(using or database_alias()).filter(
         last_seen__gte=now - FORGET_AFTER
     )
     if host is not None:

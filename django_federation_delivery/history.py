@@ -24,10 +24,10 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable
 
-from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 
 from django_federation_delivery.charts import Bucket
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import orm_datetime
 from django_federation_delivery.models import DeliveryHistory
 from django_federation_delivery.store.history import COUNTS, minute_of, record
@@ -64,7 +64,7 @@ def recent(
     this_minute = minute_of(now)
     first_hour = hour_of(now) - dt.timedelta(hours=HOURS - 1)
     rows = (
-        DeliveryHistory.objects.using(using or DEFAULT_DB_ALIAS)
+        DeliveryHistory.objects.using(using or database_alias())
         .filter(minute__gte=orm_datetime(first_hour), minute__lte=orm_datetime(this_minute))
         .values_list("minute", *COUNTS)
     )
@@ -91,7 +91,7 @@ def purge(
 ) -> int:
     """Delete (or, dry, count) the minutes older than ``KEPT``: how many."""
     cutoff = (now or timezone.now()) - KEPT
-    old = DeliveryHistory.objects.using(using or DEFAULT_DB_ALIAS).filter(
+    old = DeliveryHistory.objects.using(using or database_alias()).filter(
         minute__lt=orm_datetime(cutoff)
     )
     if dry_run:

@@ -11,10 +11,11 @@ import datetime as dt
 import time
 from collections.abc import Iterable
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from django_federation_delivery import wakeup
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.signatures import Scheme
@@ -30,7 +31,7 @@ def paused_hosts(among: Iterable[str] | None = None, *, using: str | None = None
     """The names of the hosts an operator paused (of ``among`` only, if
     given): one query of a small table, whoever asks (the deliverer, the
     admin, the overview)."""
-    paused = Host.objects.using(using or DEFAULT_DB_ALIAS).filter(paused_at__isnull=False)
+    paused = Host.objects.using(using or database_alias()).filter(paused_at__isnull=False)
     if among is not None:
         paused = paused.filter(name__in=list(among))
     return set(paused.values_list("name", flat=True))
@@ -44,7 +45,7 @@ def pause_host(host: str, *, using: str | None = None) -> int:
     An operator's pause, with no reason: a webhook destination's reason for
     being disabled (``webhooks/life.py``) is not kept beside it, so that the
     pause never reads as the deliverer's."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     with transaction.atomic(using=alias):
         write_first(alias)  # on SQLite, before update_or_create reads the row
         Host.objects.using(alias).update_or_create(
@@ -57,7 +58,7 @@ def hold(host: str, *, using: str | None = None) -> int:
     """Take the due time of a paused host's pending deliveries that no
     deliverer holds: the claim no longer sees them. Returns how many."""
     return int(
-        Delivery.objects.using(using or DEFAULT_DB_ALIAS)
+        Delivery.objects.using(using or database_alias())
         .filter(host=host, status=Status.PENDING, lease_token__isnull=True)
         .exclude(due_at__isnull=True)
         .update(due_at=None)
@@ -70,7 +71,7 @@ def resume_host(host: str, *, using: str | None = None) -> int:
     A disabled webhook destination's reason goes with its pause, however it
     is resumed (enabled again, or from the hosts' list): kept, it would be
     read as the reason of any later pause."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     now = timezone.now()
     with transaction.atomic(using=alias):
         Host.objects.using(alias).filter(name=host).update(
@@ -88,7 +89,7 @@ def resume_host(host: str, *, using: str | None = None) -> int:
 def failing_since(host: str, now: dt.datetime, *, using: str | None = None) -> dt.datetime:
     """When ``host`` (an inbox's host, or a destination's key) started
     failing, as every deliverer knows it: ``now``, written, if it was not."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     with transaction.atomic(using=alias):
         write_first(alias)  # on SQLite, before get_or_create reads the row
         found, _created = Host.objects.using(alias).get_or_create(
@@ -106,7 +107,7 @@ def failing_hosts(
     """Each host failing, as every deliverer knows it: since when, and when
     ``host_failing`` was sent for it. With ``destinations``, the webhook
     destinations' keys alone (a name in angle brackets: ``delivery_key``)."""
-    hosts = Host.objects.using(using or DEFAULT_DB_ALIAS).filter(failing_since__isnull=False)
+    hosts = Host.objects.using(using or database_alias()).filter(failing_since__isnull=False)
     if destinations:
         hosts = hosts.filter(name__startswith="<")
     return {
@@ -118,7 +119,7 @@ def failing_hosts(
 
 def host_schemes(hosts: Iterable[str], *, using: str | None = None) -> dict[str, str]:
     """The scheme each of ``hosts`` last accepted, for those that have one."""
-    manager = Host.objects.using(using or DEFAULT_DB_ALIAS)
+    manager = Host.objects.using(using or database_alias())
     return dict(
         manager.filter(name__in=list(hosts)).exclude(scheme="").values_list("name", "scheme")
     )
@@ -128,7 +129,7 @@ def remember_schemes(schemes: dict[str, str], *, using: str | None = None) -> in
     """Record the scheme each host accepted, for every process and the next start."""
     if not schemes:
         return 0
-    Host.objects.using(using or DEFAULT_DB_ALIAS).bulk_create(
+    Host.objects.using(using or database_alias()).bulk_create(
         [
             Host(name=name, scheme=scheme, updated_at=timezone.now())
             for name, scheme in schemes.items()

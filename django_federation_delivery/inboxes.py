@@ -10,8 +10,6 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS
-
 from django_federation_delivery import addresses
 from django_federation_delivery.attempt import AttemptResult, permanent_status
 from django_federation_delivery.batches import BatchInfo
@@ -75,7 +73,7 @@ class InboxDeliveries:
         schemes: KnownSchemes,
         transport_settings: TransportSettings,
         *,
-        using: str = DEFAULT_DB_ALIAS,
+        using: str | None = None,
     ) -> InboxDeliveries:
         """As the settings say: the inbox kind's policy (RETRY, ATTEMPT_TIMEOUT,
         ALLOWED_NETWORKS and the rest), PERMANENT_STATUS, SKIP_IF."""

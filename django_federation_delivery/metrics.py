@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext_noop
 
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.decide import Outcome
 
 if TYPE_CHECKING:
@@ -224,7 +225,6 @@ def read_queue(*, now: dt.datetime | None = None, using: str | None = None) -> Q
     over the hosts' table, which holds a row a host, not a delivery), and
     the configured destinations' rows by their keys."""
     # Imported here: this module is imported before Django is set up.
-    from django.db import DEFAULT_DB_ALIAS
     from django.db.models import Count, Q
     from django.utils import timezone
 
@@ -234,7 +234,7 @@ def read_queue(*, now: dt.datetime | None = None, using: str | None = None) -> Q
     from django_federation_delivery.models import Host
 
     now = now or timezone.now()
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     lane_lags = overview.lane_lags(now=now, using=alias)
     # A webhook destination's row is named in angle brackets (its delivery
     # key); its failing is its own (see disabled, below), not a host's.

@@ -13,13 +13,13 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, F, Max, Min, Q
 from django.utils import timezone
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import heartbeats
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.heartbeats import SeenDeliverer
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Breaker, Delivery, Lane, Status
@@ -215,7 +215,7 @@ def overview(
     ``breakers`` open breakers, and the live deliverers. A fixed number of
     queries, each bounded."""
     now = now or timezone.now()
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     paused = tuple(sorted(paused_hosts(using=alias)))
     open_list, open_count = _open_breakers(now, breakers, alias)
     seen = heartbeats.seen(now=now, using=alias)
@@ -240,7 +240,7 @@ def lane_lags(*, now: dt.datetime | None = None, using: str | None = None) -> di
     """Each lane's lag: seconds its longest-waiting due delivery has waited
     (0 when none is due), one index read a lane."""
     now = now or timezone.now()
-    due = Delivery.objects.using(using or DEFAULT_DB_ALIAS).filter(
+    due = Delivery.objects.using(using or database_alias()).filter(
         status=Status.PENDING, due_at__lte=now
     )
     lags = {}
@@ -252,7 +252,7 @@ def lane_lags(*, now: dt.datetime | None = None, using: str | None = None) -> di
 
 def open_breakers(*, using: str | None = None) -> int:
     """How many breakers are open or half-open: not closed either way."""
-    return Breaker.objects.using(using or DEFAULT_DB_ALIAS).filter(open_until__isnull=False).count()
+    return Breaker.objects.using(using or database_alias()).filter(open_until__isnull=False).count()
 
 
 def _lanes(now: dt.datetime, alias: str) -> tuple[LaneStats, ...]:

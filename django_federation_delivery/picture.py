@@ -18,11 +18,11 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Case, Count, Q, Value, When
 from django.utils import timezone
 
 from django_federation_delivery.addresses import host_named
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 
 __all__ = [
@@ -123,7 +123,7 @@ def kept_host_picture(
     pictured with another host's breaker and counts."""
     if "\x00" in name:
         return None  # no row holds it (PostgreSQL's text cannot): never asked
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     now = now or timezone.now()
     host = Host.objects.using(alias).filter(name=name).annotate(trouble=TROUBLE).first()
     deliveries = Delivery.objects.using(alias).filter(host=name)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
 from django.db.models import Exists, Min, OuterRef, QuerySet
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
@@ -77,7 +77,7 @@ def to_replay(keys: list[str], *, since: dt.datetime, using: str | None = None) 
     again: one count on the index of (host, status), each row's batch read by
     its primary key (see :func:`_replayable`)."""
     return _replayable(
-        Delivery.objects.using(using or DEFAULT_DB_ALIAS).filter(
+        Delivery.objects.using(using or database_alias()).filter(
             host__in=keys, status__in=REPLAYED, settled_at__gte=orm_datetime(since)
         )
     ).count()
@@ -241,7 +241,7 @@ def ever_sent(*, host: str = "", destination: str = "", using: str | None = None
     the queue, or a row of its own: whether a replay to it that finds
     nothing found nothing to send, rather than the wrong name."""
     key = host_named(host) if host else delivery_key(destination)
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     return bool(key) and (
         Delivery.objects.using(alias).filter(host=key).exists()
         or Host.objects.using(alias).filter(name=key).exists()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone, translation
 from django.utils.translation import gettext as _
@@ -35,7 +35,7 @@ from django.utils.translation import ngettext
 
 from django_federation_delivery import history
 from django_federation_delivery.addresses import host_of
-from django_federation_delivery.conf import app_settings
+from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.store import purges
 from django_federation_delivery.store.queueing import CHUNK
@@ -144,7 +144,7 @@ def purge(
     leave SQLite's one write lock to the deliverer; ``should_stop`` is asked
     between chunks, and a purge stopped early has deleted only whole chunks.
     The history's old minutes go first, by ``history.KEPT``, whatever the cutoffs."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     started = time.monotonic()
     purged = Purged(dry_run=dry_run)
     purged.history = history.purge(dry_run=dry_run, using=alias)
@@ -270,7 +270,7 @@ class PeriodicPurge:
     ) -> None:
         self.interval = interval
         self.first = first
-        self.using = using or DEFAULT_DB_ALIAS
+        self.using = using or database_alias()
         self.pause = pause
         self._stop = threading.Event()
         self._thread = threading.Thread(

@@ -16,8 +16,9 @@ import socket
 import threading
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.store import sql
 from django_federation_delivery.store.sql import NOTIFY_CHANNEL
 from django_federation_delivery.store.wakes import notify_local, register, unregister
@@ -53,9 +54,9 @@ class PostgresListener:
     #: How long :meth:`stop` waits for a listener still connecting.
     STOP_WAIT = 30.0
 
-    def __init__(self, event: threading.Event, *, using: str = DEFAULT_DB_ALIAS) -> None:
+    def __init__(self, event: threading.Event, *, using: str | None = None) -> None:
         self.event = event
-        self.using = using
+        self.using = using or database_alias()
         self._stop = threading.Event()
         self._paused = False
         #: Whether the connection listens now: while it does not (connecting,
@@ -69,8 +70,8 @@ class PostgresListener:
         self._turn_reader, self._turn_writer = socket.socketpair()
 
     @staticmethod
-    def available(using: str = DEFAULT_DB_ALIAS) -> bool:
-        if connections[using].vendor != "postgresql":
+    def available(using: str | None = None) -> bool:
+        if connections[using or database_alias()].vendor != "postgresql":
             return False
         try:
             import psycopg  # noqa: F401

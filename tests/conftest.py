@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, connections
 from django.db.backends.signals import connection_created
 from django.dispatch import receiver
 
@@ -204,6 +204,21 @@ def queue_router(settings: Any) -> None:
     """The app routed to the database "queue", which a test asks for with
     "default": ``django_db(databases=["default", "queue"])``."""
     settings.DATABASE_ROUTERS = [QueueRouter()]
+
+
+def _refuse_the_apps_tables(execute: Any, sql: str, *args: Any) -> Any:
+    assert "federation_delivery_" not in sql, f"the app's tables are not in 'default': {sql}"
+    return execute(sql, *args)
+
+
+@pytest.fixture
+def default_refuses_the_app(queue_router: None) -> Iterator[None]:
+    """The app routed to "queue", and "default" refusing, in the test's
+    thread, any statement on the app's tables: as in a project whose router
+    let ``migrate`` make them in "queue" alone, where what reads or writes
+    them in "default" fails."""
+    with connections["default"].execute_wrapper(_refuse_the_apps_tables):
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -225,6 +225,31 @@ def test_the_queues_page_shows_the_overview(operator: Client) -> None:
     assert "c.example" in page.split('id="fd-paused-hosts"')[1]
 
 
+@pytest.mark.django_db(databases=["default", "queue"])
+@pytest.mark.usefixtures("default_refuses_the_app")
+def test_under_a_router_the_pages_read_the_database_the_app_is_routed_to(
+    operator: Client, settings: Any
+) -> None:
+    # "default" refuses the app's tables (conftest), as where migrate made
+    # them in "queue" alone; the users and their sessions stay in "default".
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0ken"},
+    }
+    queue(hosts=["a.example"])
+    send_webhook("ops", "alert.raised", {})
+    controls.pause_host("a.example")
+    page = html(operator, url("delivery", "queues"))
+    assert "a.example" in page.split('id="fd-paused-hosts"')[1]
+    ops = page.split('data-destination="ops"')[1].split("</tr>")[0]
+    pending = ops.split('data-column="pending">')[1].split("</td>")[0]
+    assert re.sub(r"<[^>]+>", "", pending) == "1"
+    assert 'data-destination="ops"' in html(operator, url("delivery", "destinations"))
+    assert "2 (2 held)" in html(operator, url("host", "change", "a.example"))
+    for model in ("batch", "delivery", "breaker", "host"):
+        html(operator, url(model))
+
+
 def record_history(minutes: int) -> None:
     """A minute of history for each of the last ``minutes``, a breaker opened in the latest."""
     now = history.minute_of(timezone.now())

@@ -7,9 +7,11 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from django_federation_delivery.conf import AppSettings, Typed, app_settings
+from django_federation_delivery.conf import AppSettings, Typed, app_settings, database_alias
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.signatures import Scheme
+
+from .conftest import QueueRouter
 
 #: For each typed accessor, a value to write in its setting and what it then
 #: reads, unlike what it reads while the setting is left alone.
@@ -154,3 +156,19 @@ def test_a_typed_accessor_for_no_such_setting_cannot_be_declared() -> None:
             no_such = Typed(int)
 
     assert "'NO_SUCH'" in str(caught.value.__cause__ or caught.value)
+
+
+class Elsewhere:
+    """A router that says nothing of the app: others decide."""
+
+    def db_for_write(self, model: type[Any], **hints: Any) -> str | None:
+        return None if model._meta.app_label == "federation_delivery" else "elsewhere"
+
+
+def test_no_database_named_is_the_one_the_routers_write_the_app_to(settings: Any) -> None:
+    assert database_alias() == database_alias(None) == "default"
+    settings.DATABASE_ROUTERS = [Elsewhere()]
+    assert database_alias() == "default", "no router chose one"
+    settings.DATABASE_ROUTERS = [Elsewhere(), QueueRouter()]
+    assert database_alias() == "queue"
+    assert database_alias("default") == "default", "one named is that one"

@@ -187,6 +187,23 @@ def test_delivery_status_json_is_for_scripts(busy: dict[str, int]) -> None:
     assert data["paused_hosts"] == ["d.example"]
 
 
+@pytest.mark.django_db(databases=["default", "queue"])
+@pytest.mark.usefixtures("default_refuses_the_app")
+def test_under_a_router_delivery_status_reads_the_database_the_app_is_routed_to() -> None:
+    # "default" refuses the app's tables (conftest), as where migrate made
+    # them in "queue" alone.
+    queue(hosts=["a.example"], per_host=3)
+    controls.pause_host("a.example")
+    data = json.loads(run("--json"))
+    assert (data["total"]["pending"], data["paused_hosts"]) == (3, ["a.example"])
+    assert "a.example" in run("--host", "a.example")
+    Delivery.objects.update(due_at=timezone.now())
+    assert check() == (
+        2,
+        "CRITICAL: No deliverer has been seen in the last day while 3 deliveries are due\n",
+    )
+
+
 def test_delivery_status_hosts_limits_the_failing_hosts(busy: dict[str, int]) -> None:
     assert json.loads(run("--json", "--hosts", "0"))["failing_hosts"] == []
     assert "Hosts failing most\n  none" in run("--hosts", "0")

@@ -25,6 +25,7 @@ from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from django_federation_delivery import send
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.wakeup import NOTIFY_CHANNEL
 
@@ -427,6 +428,34 @@ def test_a_deliverer_does_not_start_on_a_database_that_lacks_a_migration(inbox: 
         recorder.record_applied("federation_delivery", "0001_initial")
     assert statuses() == {Status.PENDING: 1}, "nothing claimed"
     assert not inbox.received
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "queue"])
+@pytest.mark.usefixtures("default_refuses_the_app")
+def test_under_a_router_the_deliverer_drains_the_database_the_app_is_routed_to(
+    inbox: Inbox,
+) -> None:
+    # "default" refuses the app's tables (conftest), as where migrate made
+    # them in "queue" alone: the command's database is the router's.
+    from django.db.migrations.recorder import MigrationRecorder
+
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(3)])
+    recorder = MigrationRecorder(connections["queue"])
+    recorder.record_unapplied("federation_delivery", "0001_initial")
+    try:
+        with pytest.raises(CommandError, match=r"The database 'queue' lacks a migration"):
+            call_command("run_deliverer", "--drain", stdout=io.StringIO())
+    finally:
+        recorder.record_applied("federation_delivery", "0001_initial")
+    out = io.StringIO()
+    call_command("run_deliverer", "--drain", stdout=out)
+    assert "Done: delivered 3, retrying 0, refused 0, failed 0" in out.getvalue()
+    assert len(inbox.received) == 3
+    assert statuses() == {Status.DELIVERED: 3}
+    # A deliverer made by code, given no database, takes the same.
+    send(ALICE, NOTE, [inbox.url("/3")])
+    assert Deliverer().run(drain=True).delivered == 1
+    assert statuses() == {Status.DELIVERED: 4}
 
 
 def test_a_database_away_at_the_start_is_left_to_the_loop_to_wait_out(

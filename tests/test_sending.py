@@ -625,3 +625,32 @@ def test_a_database_not_in_databases_is_refused_naming_it(using: Any, settings: 
     with pytest.raises(InvalidDelivery, match=said):
         mark_host_seen("a.example", using=using)
     assert nothing_written()
+
+
+@pytest.mark.django_db(databases=["default", "queue"])
+@pytest.mark.usefixtures("default_refuses_the_app")
+def test_with_a_router_putting_the_app_in_another_database_send_writes_there(
+    settings: Any,
+) -> None:
+    # The app is routed to "queue", and "default" refuses any statement on
+    # its tables, as where migrate made them in "queue" alone: whatever is
+    # given no database works in the one the router names.
+    from django_federation_delivery import controls, mark_host_seen, send_webhook
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": HOOK.replace("https://", "slack://")},
+    }
+    batch = send(ALICE, NOTE, ["https://a.example/inbox", "https://b.example/inbox"])
+    assert batch is not None and batch._state.db == "queue"
+    assert send_webhook("ops", "alert.raised", {"x": 1}) is not None
+    assert controls.pause_host("a.example") == 1
+    assert controls.resume_host("a.example") == 1
+    assert controls.give_up_host("b.example") == 1
+    assert mark_host_seen("b.example") is False
+    assert controls.reset_breaker("b.example") == 0
+    assert sorted(Delivery.objects.using("queue").values_list("host", "status")) == [
+        ("<ops>", Status.PENDING),
+        ("a.example", Status.PENDING),
+        ("b.example", Status.FAILED),
+    ]

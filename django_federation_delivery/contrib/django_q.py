@@ -42,8 +42,8 @@ except ImportError as exc:
 from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS
 
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.contrib import rounds
 from django_federation_delivery.contrib.rounds import (
     ADVISORY_KEY,
@@ -171,22 +171,24 @@ def _heartbeat(using: str) -> Heartbeat:
     return rounds.kept_heartbeat(_heartbeats, using, period=ROUND_PERIOD)
 
 
-def deliver_round(seconds: float | None = None, *, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
+def deliver_round(seconds: float | None = None, *, using: str | None = None) -> dict[str, Any]:
     """A task: claim and send for ``seconds`` (see :func:`round_seconds`),
     then finish what is in flight and return what was done. Returns at once,
-    saying so, when another round is running."""
+    saying so, when another round is running. ``using``: the queue's
+    database, the app's (as routed) unless named."""
     rounds.refuse_bad_settings()
     bound = round_seconds(seconds)
-    return rounds.run_round(bound, using=using, heartbeat=_heartbeat(using))
+    alias = using or database_alias()
+    return rounds.run_round(bound, using=alias, heartbeat=_heartbeat(alias))
 
 
-def purge_task(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
+def purge_task(*, using: str | None = None) -> dict[str, Any]:
     """A task: :func:`retention.purge_by_setting`, a chunk at a time, stopped
     between chunks in time to return before the cluster's limit (the next
     purge goes on where it stopped). Returns what it deleted."""
     limit = cluster_limit()
     seconds = None if limit is None else max(limit - PURGE_MARGIN, 1.0)
-    return rounds.run_purge(using=using, seconds=seconds)
+    return rounds.run_purge(using=using or database_alias(), seconds=seconds)
 
 
 def ensure_schedules(

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 from django.utils import translation
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.checks import check_settings
-from django_federation_delivery.conf import app_settings
+from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.retention import purge_by_setting
@@ -92,7 +92,7 @@ def refuse_bad_settings() -> None:
 
 
 @contextlib.contextmanager
-def round_lock(using: str = DEFAULT_DB_ALIAS) -> Iterator[bool]:
+def round_lock(using: str | None = None) -> Iterator[bool]:
     """Held by one round at a time, across processes and machines; gives
     whether this one holds it. Released when the round ends, or at once
     when its process dies (killed by its worker's timeout, say): nothing to
@@ -103,6 +103,7 @@ def round_lock(using: str = DEFAULT_DB_ALIAS) -> Iterator[bool]:
     a file beside the database, which only processes of one machine share,
     as they share the database itself.
     """
+    using = using or database_alias()
     connection = connections[using]
     if connection.vendor == "postgresql":
         with locks.session_lock(using, ADVISORY_KEY) as held:

@@ -40,7 +40,7 @@ if django.VERSION < (6, 0):
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Warning, register
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 from django.tasks import DEFAULT_TASK_BACKEND_ALIAS, task, task_backends
 from django.tasks.backends.dummy import DummyBackend
 from django.tasks.backends.immediate import ImmediateBackend
@@ -48,6 +48,7 @@ from django.utils import timezone
 
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.checks import PREFIX
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.contrib import rounds
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.models import Breaker
@@ -83,6 +84,8 @@ _heartbeats: dict[str, Heartbeat] = {}
 
 
 def _database(using: object) -> str:
+    if using is None:
+        return database_alias()
     if not isinstance(using, str) or using not in connections:
         raise ValueError(
             _("using must name a database of DATABASES, not %(value)r") % {"value": using}
@@ -95,7 +98,7 @@ def deliver_round(
     seconds: float | None = None,
     *,
     period: float = ROUND_PERIOD,
-    using: str = DEFAULT_DB_ALIAS,
+    using: str | None = None,
 ) -> dict[str, Any]:
     """Claim and send for ``seconds`` (50 when not told), then finish what is
     in flight (up to ``ATTEMPT_TIMEOUT`` or ``WEBHOOK_TIMEOUT``, and 5 s) and
@@ -119,7 +122,7 @@ def deliver_round(
 
 
 @task(backend=BACKEND)
-def purge(seconds: float | None = None, *, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
+def purge(seconds: float | None = None, *, using: str | None = None) -> dict[str, Any]:
     """Delete what is past ``RETENTION``, a chunk at a time; with ``seconds``,
     stop between chunks once they have passed (``finished`` is then false,
     and the next purge goes on). Returns what it deleted."""
@@ -134,7 +137,7 @@ def purge(seconds: float | None = None, *, using: str = DEFAULT_DB_ALIAS) -> dic
 
 
 @task(backend=BACKEND)
-def breaker_upkeep(*, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
+def breaker_upkeep(*, using: str | None = None) -> dict[str, Any]:
     """Forget the breakers nothing has touched for twice their cool-off (ten
     minutes at the least): closed ones, and ones open long ago with no probe
     under way. It is what a deliverer does as it reads the breakers, every

@@ -66,8 +66,22 @@ def ip_address(value: str) -> str:
         ) from None
 
 
-def database_named(using: str) -> str:
-    """``using``, a database alias in ``DATABASES``; a CommandError naming it otherwise."""
+def add_database_option(parser: CommandParser) -> None:
+    """``--database ALIAS``: the queue's database; by default the app's, as
+    :func:`database_named` finds it."""
+    parser.add_argument(
+        "--database",
+        help=_(
+            "The database alias the queue lives in (by default the one "
+            "DATABASE_ROUTERS put the app in: 'default' unless they say otherwise)."
+        ),
+    )
+
+
+def database_named(using: str | None) -> str:
+    """``using``, a database alias in ``DATABASES``, or None for the app's
+    (the one the routers write its deliveries to, ``"default"`` unless they
+    say otherwise); a CommandError naming any other."""
     try:
         return database_alias(using)
     except InvalidDelivery:

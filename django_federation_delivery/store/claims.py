@@ -19,10 +19,10 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS, OperationalError, transaction
+from django.db import OperationalError, transaction
 from django.utils import timezone
 
-from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
+from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, database_alias
 from django_federation_delivery.dialect import connection_for, db_datetime, read_datetime
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 from django_federation_delivery.store import sql
@@ -317,7 +317,7 @@ BATCH_COLUMNS = (
 def _batches_by_orm(ids: list[int], using: str | None) -> list[Any]:
     """The rows ``claimed_batches`` reads, read by the ORM: one claim's
     batches, a few hundred at most."""
-    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS)
+    manager = Batch.objects.using(using or database_alias())
     return list(manager.filter(id__in=ids).values_list(*BATCH_COLUMNS))
 
 
@@ -364,7 +364,7 @@ def next_due(*, using: str | None = None) -> dt.datetime | None:
 
 def count_due(*, using: str | None = None) -> int:
     """How many pending deliveries are due now (the partial index, lane by lane)."""
-    manager = Delivery.objects.using(using or DEFAULT_DB_ALIAS)
+    manager = Delivery.objects.using(using or database_alias())
     now = timezone.now()
     return sum(
         manager.filter(status=Status.PENDING, lane=lane, due_at__lte=now).count()

@@ -8,8 +8,7 @@ import datetime as dt
 from collections import Counter
 from collections.abc import Sequence
 
-from django.db import DEFAULT_DB_ALIAS
-
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for, db_datetime
 from django_federation_delivery.models import Batch
 from django_federation_delivery.store import sql
@@ -36,5 +35,5 @@ def count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> li
 def finished_batches(ids: Sequence[int], *, using: str | None = None) -> list[Batch]:
     """The batches of ``ids`` (finished ones, as ``on_finished`` names them),
     whole and in id order: what ``batch_finished`` carries."""
-    manager = Batch.objects.using(using or DEFAULT_DB_ALIAS).order_by("id")
+    manager = Batch.objects.using(using or database_alias()).order_by("id")
     return list(manager.filter(id__in=sorted(ids)))

@@ -8,8 +8,9 @@ import datetime as dt
 import logging
 from collections.abc import Mapping
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
+from django.db import DatabaseError, transaction
 
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import (
     aware,
     connection_for,
@@ -48,7 +49,7 @@ def record(counts: Mapping[dt.datetime, Mapping[str, int]], *, using: str | None
             rows.append((minute_of(minute), values))
     if not rows:
         return
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     connection = connection_for(alias)
     given = json_parameter([[db_datetime(minute, connection), *values] for minute, values in rows])
     try:

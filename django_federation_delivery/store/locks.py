@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for
 from django_federation_delivery.store import sql
 
@@ -19,7 +20,7 @@ def write_first(using: str | None = None) -> None:
     and this transaction's own write then fail at once ("database is
     locked") instead of waiting its turn. Nothing elsewhere, nor where the
     transaction was begun ``IMMEDIATE``."""
-    with sql.on(connection_for(using or DEFAULT_DB_ALIAS)) as db:
+    with sql.on(connection_for(using or database_alias())) as db:
         db.lock_for_writing()
 
 

@@ -10,11 +10,12 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS, models, transaction
+from django.db import models, transaction
 from django.db.models.signals import post_save, pre_save
 from django.utils import timezone
 
 from django_federation_delivery.addresses import quoted
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
@@ -75,7 +76,7 @@ def enqueue(
     or wraps queries they run on the driver's own cursor (see
     :class:`~.sql.Statements`).
     """
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     connection = connection_for(alias)
     now = timezone.now()
     batch.size = batch.remaining = len(inboxes)
@@ -146,7 +147,7 @@ def kept_batch(idempotency_key: str, *, kind: str, using: str | None = None) -> 
     ``InvalidDelivery`` when the other kind of send wrote it (:func:`of_kind`)."""
     if not idempotency_key:
         return None
-    kept = _kept(idempotency_key, using or DEFAULT_DB_ALIAS)
+    kept = _kept(idempotency_key, using or database_alias())
     return None if kept is None else of_kind(kept, kind)
 
 
@@ -196,7 +197,7 @@ def writing(
     a savepoint: inside the caller's transaction the send's statements are
     the caller's, and one that fails leaves it to roll back.
     """
-    connection = connection_for(using or DEFAULT_DB_ALIAS)
+    connection = connection_for(using or database_alias())
     if (
         alone
         and not ordering_key

@@ -32,8 +32,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
 
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for, db_datetime
 from django_federation_delivery.models import Status
 from django_federation_delivery.store import sql
@@ -85,7 +86,7 @@ def overtake(
     attempted, and make its deliveries wait on those that were. The same
     deliveries to ``left_out``, inboxes it was not queued to, are superseded
     too; ``batch_id`` is None when it was queued to none."""
-    connection = connection_for(using or DEFAULT_DB_ALIAS)
+    connection = connection_for(using or database_alias())
     when = db_datetime(now, connection)
     with sql.on(connection) as db:
         if batch_id is None:
@@ -163,7 +164,7 @@ def pending_at(
     """Which of ``inboxes`` a delivery of ``sender``'s batches about
     ``object_id`` (or of ``activity_id``) is still pending at, attempted or
     not: where a retraction left out of them still has something to retract."""
-    connection = connection_for(using or DEFAULT_DB_ALIAS)
+    connection = connection_for(using or database_alias())
     with sql.on(connection) as db:
         if object_id:
             found = db.all("batches_about", about=object_id, sender=sender, batch=0)
@@ -187,7 +188,7 @@ def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:
 
     A chunk is released in one transaction: a retraction's is made to wait
     again (``Statements.released``) before anyone else can see it due."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     connection = connection_for(alias)
     released = 0
     while True:

@@ -12,10 +12,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, transaction
+from django.db import DatabaseError, OperationalError, transaction
 from django.db.models import Exists, F, OuterRef, QuerySet
 from django.utils import timezone
 
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for, db_datetime
 from django_federation_delivery.models import Batch, Delivery, Retracts, Status
 from django_federation_delivery.store import history, sql, wakes
@@ -217,7 +218,7 @@ def give_up_rows(
     """
     if not ids:
         return []
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     connection = connection_for(alias)
     now = timezone.now()
     with transaction.atomic(using=alias):
@@ -254,7 +255,7 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     land after its ``Delete``. What a requeued delivery waited on before is
     forgotten (it left, or is left to its fate), but a retraction's waits
     again on what it retracts still pending there (``wait_again``)."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     now = timezone.now()
     manager = Delivery.objects.using(alias)
     with transaction.atomic(using=alias):

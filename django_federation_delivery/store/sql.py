@@ -27,8 +27,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from typing import Any, NamedTuple
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import id_array, json_parameter
 from django_federation_delivery.models import (
     Batch,
@@ -535,7 +536,7 @@ def on(using: Any = None, *, driver: bool = False) -> Statements:
     """:class:`Statements` on the connection ``using`` (an alias, or a
     connection itself)."""
     if using is None or isinstance(using, str):
-        using = connections[using or DEFAULT_DB_ALIAS]
+        using = connections[using or database_alias()]
     return Statements(using, driver=driver)
 
 

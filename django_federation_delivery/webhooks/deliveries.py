@@ -16,13 +16,12 @@ import logging
 from collections.abc import Callable, Iterable
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS
 
 from django_federation_delivery.addresses import escaped
 from django_federation_delivery.attempt import AttemptResult, failed
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Call, Channel, Event, Policy
-from django_federation_delivery.conf import app_settings
+from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.models import Delivery, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.store import claims, settlements
@@ -71,7 +70,7 @@ class WebhookDeliveries:
         settler: Settler,
         transport_settings: TransportSettings,
         *,
-        using: str = DEFAULT_DB_ALIAS,
+        using: str | None = None,
         on_finished: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.transport_base = transport_settings
@@ -79,7 +78,7 @@ class WebhookDeliveries:
         self.default = Way(
             policy, settler, webhook_transport_settings(transport_settings, policy.policy)
         )
-        self.using = using
+        self.using = using or database_alias()
         self.on_finished = on_finished
         #: The way of each kind met so far, by the kind's name; written in the
         #: loop's thread only (as its jobs are made), read by the workers.
@@ -93,7 +92,7 @@ class WebhookDeliveries:
         summary: Summary,
         transport_settings: TransportSettings,
         *,
-        using: str = DEFAULT_DB_ALIAS,
+        using: str | None = None,
         on_finished: Callable[[list[int]], None] | None = None,
     ) -> WebhookDeliveries:
         """Retried and judged as the WEBHOOK_* settings say."""

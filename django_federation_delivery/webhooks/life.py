@@ -19,13 +19,14 @@ import datetime as dt
 import logging
 from http import HTTPStatus
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import transaction
 from django.db.models import Max, QuerySet
 from django.utils import timezone
 from django.utils.translation import ngettext
 
 from django_federation_delivery import hosts, signals
 from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
@@ -45,7 +46,7 @@ def disable(
     """Disable the destination ``name``: its events are held, in order, until
     :func:`enable`. Whether it was disabled now (not already paused or
     disabled); ``webhook_destination_disabled`` is then sent once, on commit."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     key = delivery_key(name)
     now = now or timezone.now()
     manager = Host.objects.using(alias)
@@ -79,7 +80,7 @@ def _tell(disabled: signals.DestinationDisabled) -> None:
 def enable(name: str, *, using: str | None = None) -> int:
     """Enable the destination ``name`` again (or resume it, paused): its held
     events are due now, the first in line first. Returns how many were released."""
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     key = delivery_key(name)
     with transaction.atomic(using=alias):
         # Its reason for being disabled goes with the pause (resume_host).
@@ -110,9 +111,9 @@ class Watch:
     first asked, and as it saw them since), so that a success writes only
     when one of them recovers, whichever deliverer saw it fail."""
 
-    def __init__(self, disable_after: float, *, using: str = DEFAULT_DB_ALIAS) -> None:
+    def __init__(self, disable_after: float, *, using: str | None = None) -> None:
         self.disable_after = dt.timedelta(seconds=disable_after)
-        self.using = using
+        self.using = using or database_alias()
         #: The key of each destination failing, and since when; None until
         #: read from the table.
         self._failing: dict[str, dt.datetime] | None = None

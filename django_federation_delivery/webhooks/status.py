@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Min, Q
 from django.utils import timezone
 from django.utils.translation import gettext, gettext_noop
 
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.models import Delivery, Host, Kind, Status
 from django_federation_delivery.overview import format_duration
 from django_federation_delivery.webhooks.destinations import (
@@ -118,7 +118,7 @@ def destination_status(
     """Every configured destination, then those configured no more that still
     have pending deliveries; each by name."""
     now = now or timezone.now()
-    alias = using or DEFAULT_DB_ALIAS
+    alias = using or database_alias()
     configured = _configured()
     pending = Delivery.objects.using(alias).filter(status=Status.PENDING, kind=Kind.WEBHOOK)
     groups = {

@@ -7,7 +7,6 @@ import datetime as dt
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.translation import gettext as _
@@ -17,6 +16,7 @@ from django_federation_delivery.addresses import quoted
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.management.base import (
     TranslatedCommand,
+    add_database_option,
     database_named,
     require_migrations,
 )
@@ -43,9 +43,7 @@ class Command(TranslatedCommand):
                 "such as 6h or 2d."
             ),
         )
-        parser.add_argument(
-            "--database", default=DEFAULT_DB_ALIAS, help=_("The database alias (default).")
-        )
+        add_database_option(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         using = database_named(options["database"])

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.core import checks
 from django.core.management.base import CommandError, CommandParser, SystemCheckError
-from django.db import DEFAULT_DB_ALIAS, DatabaseError
+from django.db import DatabaseError
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop, ngettext
 
@@ -19,6 +19,7 @@ from django_federation_delivery import heartbeats, store
 from django_federation_delivery.addresses import escaped, quoted
 from django_federation_delivery.management.base import (
     TranslatedCommand,
+    add_database_option,
     database_named,
     require_migrations,
     whole,
@@ -307,11 +308,7 @@ class Command(TranslatedCommand):
                 "the last 24 hours and its last error."
             ),
         )
-        parser.add_argument(
-            "--database",
-            default=DEFAULT_DB_ALIAS,
-            help=_("The database alias the queue lives in."),
-        )
+        add_database_option(parser)
         parser.add_argument(
             "--check",
             action="store_true",

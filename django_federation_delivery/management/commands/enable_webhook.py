@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery.addresses import escaped, quoted
 from django_federation_delivery.management.base import (
     TranslatedCommand,
+    add_database_option,
     database_named,
     require_migrations,
 )
@@ -28,9 +28,7 @@ class Command(TranslatedCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help=_("The destination's name, as in WEBHOOKS."))
-        parser.add_argument(
-            "--database", default=DEFAULT_DB_ALIAS, help=_("The database alias (default).")
-        )
+        add_database_option(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         name, using = options["name"], database_named(options["database"])

@@ -8,7 +8,6 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop, ngettext
 
@@ -16,6 +15,7 @@ from django_federation_delivery import retention
 from django_federation_delivery.checks import LONGEST_RETENTION
 from django_federation_delivery.management.base import (
     TranslatedCommand,
+    add_database_option,
     database_named,
     require_migrations,
 )
@@ -61,9 +61,7 @@ class Command(TranslatedCommand):
         parser.add_argument(
             "--dry-run", action="store_true", help=_("Count what would be deleted; delete nothing.")
         )
-        parser.add_argument(
-            "--database", default=DEFAULT_DB_ALIAS, help=_("The database alias the queue lives in.")
-        )
+        add_database_option(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         using = database_named(options["database"])

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
@@ -22,6 +22,7 @@ from django_federation_delivery.checks import (
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.management.base import (
     TranslatedCommand,
+    add_database_option,
     database_named,
     ip_address,
     positive,
@@ -117,11 +118,7 @@ class Command(TranslatedCommand):
             default=None,
             help=_("The most in flight at once to one host (default: PER_HOST_MAX, 8)."),
         )
-        parser.add_argument(
-            "--database",
-            default=DEFAULT_DB_ALIAS,
-            help=_("The database alias the queue lives in."),
-        )
+        add_database_option(parser)
         parser.add_argument(
             "--metrics-port",
             type=str,
