@@ -20,6 +20,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
 
 from django_federation_delivery import tracing
+from django_federation_delivery.addresses import escaped
 from django_federation_delivery.attempt import AttemptResult, Job, crashed, readable
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.store.claims import Claimed
@@ -218,4 +219,10 @@ class Workers:
                 fault,
                 "kept as delivered" if read.delivered else "a failed attempt",
             )
+        if not read.error.isprintable():
+            # A host project's kind may tell what it met as it met it (a
+            # binary answer, decoded): kept, told and logged escaped, as an
+            # answer's text is: PostgreSQL's text holds no NUL, and a
+            # terminal acts on an escape sequence.
+            read = dataclasses.replace(read, error=escaped(read.error))
         return read

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
-from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.attempt import AttemptResult, failed
 from django_federation_delivery.channels import (
     Channel,
     Destination,
@@ -184,3 +184,27 @@ class NoErrorPager(Pager):
     def attempt(self, job: Any, transport: Transport, **kwargs: Any) -> AttemptResult:
         result = super().attempt(job, transport, **kwargs)
         return dataclasses.replace(result, error=result.error or None)  # type: ignore[arg-type]
+
+
+class Verbatim(Pager):
+    """A kind whose own attempt tells what the receiver said as it said it,
+    a NUL byte included (a binary answer, decoded)."""
+
+    name = "verbatim"
+    label = "Verbatim"
+    schemes = ("verbatim", "verbatim+http")
+
+    def attempt(self, job: Any, transport: Any, **kwargs: Any) -> AttemptResult:
+        return failed(job, "the receiver answered 500: \x00\x01binary", permanent=False)
+
+
+class BelowZero(Pager):
+    """A kind whose own attempt tells a status no answer has, below zero:
+    one the database refuses to store as a delivery's last status."""
+
+    name = "belowzero"
+    label = "Below zero"
+    schemes = ("belowzero", "belowzero+http")
+
+    def attempt(self, job: Any, transport: Any, **kwargs: Any) -> AttemptResult:
+        return dataclasses.replace(failed(job, "no answer", permanent=False), status=-1)

@@ -16,11 +16,11 @@ from django.db import OperationalError, connection, connections
 from django.db.backends.signals import connection_created
 from django.utils import timezone
 
-from django_federation_delivery import BatchOptions, send, send_batch, signals, wakeup
+from django_federation_delivery import BatchOptions, send, send_batch, send_webhook, signals, wakeup
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.exceptions import InvalidDelivery
-from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Status
 from django_federation_delivery.retry import LONGEST_WAIT
 from django_federation_delivery.store import CLAIM_ORDER, claims, settlements
 from django_federation_delivery.transport import status_text
@@ -742,6 +742,66 @@ def test_a_database_that_is_away_for_a_moment_is_waited_out(
     assert failures == {"claim": 0, "settle": 0}
     assert status_of(batch) == [Status.DELIVERED]
     assert len(inbox.received) == 1, "an outcome not written at first is written, not re-sent"
+
+
+WEBHOOK_KEY = "routingKEY4b7c9"
+
+
+@pytest.mark.parametrize("kind", ["verbatim", "belowzero"])
+def test_one_settlement_the_database_refuses_holds_back_none_written_with_it(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+) -> None:
+    # A kind's error holding a NUL (which PostgreSQL's text refuses), or a
+    # status below zero (which no database takes as a last status; the
+    # store's tests show a settle refused so): its settle failed, read as
+    # the database away. Every outcome written with
+    # it was kept unwritten until its lease lapsed, then sent again, and the
+    # one refused was never written.
+    inbox = inboxes(delay=0.3)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Verbatim", "tests.channels.BelowZero"],
+        "WEBHOOKS": {"ops": f"{kind}+http://{WEBHOOK_KEY}@127.0.0.1:{inbox.port}/page"},
+        "WEBHOOK_RETRY": [0.1] * 8,
+    }
+    send_webhook("ops", "alert.raised", {"n": 1}, event_id="e1")
+    batch = send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(4)])
+    assert batch is not None
+    caplog.set_level(logging.WARNING, logger="django_federation_delivery")
+    runner = start_deliverer(lease=12)
+    try:
+        wait_until(
+            lambda: Delivery.objects.filter(status=Status.PENDING).count() == 0,
+            timeout=30,
+            state=lambda: (
+                sorted(inbox.paths()),
+                list(Delivery.objects.values_list("kind", "status", "attempts")),
+            ),
+        )
+    finally:
+        runner.stop()
+    assert sorted(inbox.paths()) == ["/0", "/1", "/2", "/3"], "each sent once"
+    assert status_of(batch) == [Status.DELIVERED] * 4
+    assert not [m for m in caplog.messages if "database is unavailable" in m]
+    event = Delivery.objects.exclude(batch=batch).get()
+    assert event.status == Status.FAILED
+    if kind == "verbatim":
+        # Kept as an answer's text is kept, escaped: every try written.
+        assert event.attempts == 9
+        assert event.last_error == (
+            "gave up after 9 attempts: the receiver answered 500: \\x00\\x01binary"
+        )
+        seen = Host.objects.get(name="<ops>")
+        assert seen.last_error == "the receiver answered 500: \\x00\\x01binary"
+    else:
+        # A status no answer has is the worker's to refuse now, before any
+        # write: a failed try each time, told by the field and its type.
+        assert (event.attempts, event.last_status) == (9, None)
+        assert "the result's status (int) is not an HTTP status" in event.last_error
 
 
 def test_a_drain_does_not_end_while_the_database_is_away(

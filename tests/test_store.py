@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import logging
 import re
 import threading
 import tracemalloc
@@ -676,6 +677,86 @@ def test_a_settle_writes_counts_down_and_adds_to_the_history_what_held_its_claim
     (minute,) = DeliveryHistory.objects.all()
     assert minute.minute == history.minute_of(now)
     assert (minute.delivered, minute.refused, minute.retried, minute.failed) == (2, 1, 1, 0)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "refused",
+    [{"last_status": -1}, {"last_error": "answered: \x00"}],
+    ids=["a status below zero", "a NUL"],
+)
+def test_a_settlement_the_database_refuses_is_failed_alone_the_others_written(
+    refused: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Refused, the settle of all three was taken for the database away: none
+    # was written, all were tried again while their lease held, then sent again.
+    if "last_error" in refused and connection.vendor != "postgresql":
+        pytest.skip("SQLite's text holds a NUL")
+    batch = send(ALICE, NOTE, inboxes(3))
+    assert batch is not None
+    a, b, c = sorted(store.claim(10, lease=300), key=lambda row: row.id)
+    now = timezone.now()
+    finished: list[list[int]] = []
+    with caplog.at_level(logging.WARNING, logger="django_federation_delivery"):
+        written = store.settle(
+            [
+                store.Settlement(a, Status.DELIVERED, 1, last_status=202, attempted_at=now),
+                store.Settlement(
+                    b,
+                    Status.PENDING,
+                    1,
+                    due_at=now + dt.timedelta(minutes=5),
+                    attempted_at=now,
+                    retried=True,
+                    **refused,
+                ),
+                store.Settlement(c, Status.DELIVERED, 1, last_status=202, attempted_at=now),
+            ],
+            on_finished=finished.append,
+        )
+    assert written == {a.id, b.id, c.id}
+    rows = {row.id: row for row in Delivery.objects.all()}
+    assert [rows[row.id].status for row in (a, b, c)] == [
+        Status.DELIVERED,
+        Status.FAILED,
+        Status.DELIVERED,
+    ]
+    failed = rows[b.id]
+    assert (failed.attempts, failed.last_status, failed.lease_token, failed.due_at) == (
+        1,
+        None,
+        None,
+        None,
+    )
+    assert failed.last_error.startswith("the database refused its outcome (")
+    assert "answered" not in failed.last_error, "the value refused is not repeated"
+    assert finished == [[batch.id]]
+    (minute,) = DeliveryHistory.objects.all()
+    assert (minute.delivered, minute.retried, minute.failed) == (2, 0, 1)
+    assert f"Delivery {b.id} could not be settled (" in caplog.text
+    assert "failed instead" in caplog.text
+
+
+@pytest.mark.django_db
+def test_a_settlement_refused_even_as_failed_is_left_to_its_lease_the_others_written(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    send(ALICE, NOTE, inboxes(2))
+    a, b = sorted(store.claim(10, lease=300), key=lambda row: row.id)
+    with caplog.at_level(logging.ERROR, logger="django_federation_delivery"):
+        written = store.settle(
+            [
+                store.Settlement(a, Status.DELIVERED, 1),
+                # Its attempts are what is refused, and kept when it is failed.
+                store.Settlement(b, Status.DELIVERED, -1),
+            ]
+        )
+    assert written == {a.id}
+    assert Delivery.objects.get(id=a.id).status == Status.DELIVERED
+    left = Delivery.objects.get(id=b.id)
+    assert (left.status, left.lease_token) == (Status.PENDING, b.token)
+    assert f"Delivery {b.id} could not be settled (" in caplog.text
+    assert "left to its lease" in caplog.text
 
 
 @pytest.mark.django_db

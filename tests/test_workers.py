@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import responses
 
-from django_federation_delivery.attempt import AttemptResult, Job
+from django_federation_delivery.attempt import AttemptResult, Job, failed
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Policy
 from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
@@ -285,6 +285,32 @@ def test_a_delivered_result_the_loop_cannot_read_stays_delivered(
     logged = "\n".join(caplog.messages)
     assert "error (NoneType) is not a str; duration (str) is not seconds" in logged, logged
     assert "kept as delivered" in logged and "SECRET" not in logged
+
+
+def test_an_attempts_error_comes_back_escaped_as_an_answers_text_is(
+    pool: Callable[..., Workers], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A host project's kind that tells what it met as it met it: a NUL, which
+    # PostgreSQL's text refuses, and an escape sequence, which a terminal
+    # showing the log acts on.
+    kind = inboxes()
+
+    def attempt(job: Job, *args: Any, **kwargs: Any) -> AttemptResult:
+        error = "answered: \x00\x1b[2J\ud800 café" if job.delivery_id == 1 else "answered: café"
+        return failed(job, error, permanent=False)
+
+    monkeypatch.setattr(kind, "attempt", attempt)
+    workers = pool()
+    workers.grow_to(2)
+    for number in (1, 2):
+        workers.put(in_flight(number, kind))
+
+    raw, plain = (
+        result for _, result in sorted(results(workers, 2), key=lambda done: done[0].claimed.id)
+    )
+
+    assert raw.error == "answered: \\x00\\x1b[2J\\ud800 café"
+    assert plain.error == "answered: café", "what is printable is kept as it is"
 
 
 @pytest.mark.usefixtures("mocked")

@@ -82,25 +82,91 @@ def settle(
     On PostgreSQL the statement adds to the history too, and fails as a
     whole when that cannot be written: the settle is then written again,
     its history added in a savepoint of its own, whose failure is logged.
+
+    A settlement the database refuses (a value it cannot store: any
+    :class:`~django.db.DatabaseError` but an :class:`OperationalError`,
+    the database away, which is raised) holds back none of those written
+    with it: they are then written one by one, and the one refused is
+    written failed, with an error that names the refusal, not the value;
+    refused again, it is logged and left to its lease.
     """
     if not settlements:
         return set()
     now = timezone.now()
     try:
-        settled = _settle(settlements, now, using, count=True)
-    except _NotWritten as failed:
-        error = failed.__cause__
-        # Its class and code, not its text: that may quote the statement, tokens and all.
-        logger.warning(
-            "Settling in one statement failed (%s, SQLSTATE %s); settling without the history",
-            type(error).__name__,
-            getattr(getattr(error, "__cause__", None), "sqlstate", None),
-        )
-        settled = _settle(settlements, now, using, count=False)
+        settled = _written(settlements, now, using)
+    except DatabaseError as exc:
+        if isinstance(exc, OperationalError):
+            raise
+        if len(settlements) == 1:
+            settled = _refused(settlements[0], exc, now, using)
+        else:
+            logger.warning(
+                "Settling %d deliveries together was refused (%s); settling them one by one",
+                len(settlements),
+                _named(exc),
+            )
+            written: set[int] = set()
+            for item in settlements:
+                written |= settle([item], on_finished=on_finished, using=using)
+            return written
     # Committed: what is told now cannot undo it.
     if settled.finished and on_finished is not None:
         on_finished(settled.finished)
     return settled.written
+
+
+def _written(settlements: Sequence[Settlement], now: dt.datetime, using: str | None) -> sql.Settled:
+    """Write ``settlements``, adding to the history in the same statement
+    where the database can, and apart from it when that fails."""
+    try:
+        return _settle(settlements, now, using, count=True)
+    except _NotWritten as failed:
+        logger.warning(
+            "Settling in one statement failed (%s); settling without the history",
+            _named(failed.__cause__),
+        )
+        return _settle(settlements, now, using, count=False)
+
+
+def _refused(
+    item: Settlement, error: DatabaseError, now: dt.datetime, using: str | None
+) -> sql.Settled:
+    """Write failed the settlement the database refused to store: its
+    attempts kept, its error and status told no more (the value refused
+    may be either). Not written if that is refused too: left to its lease."""
+    failed = dataclasses.replace(
+        item,
+        status=Status.FAILED,
+        due_at=None,
+        last_status=None,
+        last_error=f"the database refused its outcome ({_named(error)})",
+        retried=False,
+    )
+    try:
+        settled = _written([failed], now, using)
+    except DatabaseError as again:
+        if isinstance(again, OperationalError):
+            raise
+        logger.error(
+            "Delivery %d could not be settled (%s), nor failed (%s): left to its lease",
+            item.claimed.id,
+            _named(error),
+            _named(again),
+        )
+        return sql.Settled(set(), [], False)
+    if item.claimed.id in settled.written:
+        logger.error(
+            "Delivery %d could not be settled (%s): failed instead", item.claimed.id, _named(error)
+        )
+    return settled
+
+
+def _named(error: BaseException | None) -> str:
+    """A database's error by its class and SQLSTATE, not its text: that may
+    quote the statement, tokens and all, or the value refused."""
+    code = getattr(getattr(error, "__cause__", None), "sqlstate", None)
+    return type(error).__name__ if code is None else f"{type(error).__name__}, SQLSTATE {code}"
 
 
 class _NotWritten(Exception):
