@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 #: The longest a result waits for the loop while deliveries are in flight:
 #: workers wake it only when it has work to hand out or results to take in.
 RESULTS_WITHIN = 0.02
+#: How long, in seconds, a stop waits for a database that takes none of
+#: what it writes: it then ends, leaving what it holds to the leases.
+STOPPING_GRACE = 3.0
 
 
 class Deliverer:
@@ -95,6 +98,9 @@ class Deliverer:
         self._stopping = threading.Event()
         #: Runs a query; None when the database was away (and waited out).
         self._db = Database(using, self._stopping, logger=logger)
+        #: Stopping, when a write the database did not take is waited for no
+        #: longer (``STOPPING_GRACE`` after the first); None while they are taken.
+        self._leave_at: float | None = None
         self.idle_poll = app_settings.idle_poll_seconds
         self.new_work_poll = app_settings.new_work_poll_seconds
         self.schemes = KnownSchemes(app_settings.first_scheme, self._db, using=using)
@@ -334,6 +340,9 @@ class Deliverer:
         try:
             yield
         finally:
+            # What is written from here on is tried once: nothing comes after
+            # to be waited for.
+            self._db.end_waits_by(time.monotonic())
             if timer is not None:
                 timer.cancel()
             self.summary.stopped = time.monotonic()
@@ -349,23 +358,42 @@ class Deliverer:
             # This thread owned the ORM's connections: close them.
             connections.close_all()
             remove_prompt_lock()
+            self._db.end_waits_by(None)
 
     def _wound_down(self) -> bool:
         """Stopping: what was not sent is put back; whether all that was in
-        flight has come back and been written."""
+        flight has come back and been written, or the database has taken
+        none of it for ``STOPPING_GRACE``: what is left is then left to its
+        lease."""
         self.handoff.release_ready()
-        if self.slots.in_flight:
-            return False
-        self._write()
+        if not self._waited_enough():
+            if self.slots.in_flight:
+                return False
+            self._write()
         if self._untold and self._db(self._tell_finished) is None:
-            # Not waited for past a stop: the database is away.
+            # Not tried again once stopping: the database is away.
             logger.warning(
                 "batch_finished was not sent for batches %s: the database was "
                 "unavailable as the deliverer stopped",
                 ", ".join(map(str, self._untold)),
             )
             self._untold = []
-        return not self.outbox
+        if not self._waited_enough():
+            return not self.outbox
+        if self.outbox or self.slots.in_flight:
+            logger.warning(
+                "Stopping with %d outcomes unwritten and %d attempts in flight: the "
+                "database took no write for %g s. Their deliveries come due again once "
+                "their lease runs out, and some may be sent again",
+                len(self.outbox),
+                len(self.slots.in_flight),
+                STOPPING_GRACE,
+            )
+        return True
+
+    def _waited_enough(self) -> bool:
+        """Stopping, whether the database has taken no write for ``STOPPING_GRACE``."""
+        return self._leave_at is not None and time.monotonic() >= self._leave_at
 
     def _pause(self, *, caught_up: bool) -> None:
         """Between two turns: write what waits to be written when it is due
@@ -401,10 +429,19 @@ class Deliverer:
         return written is not None
 
     def _write(self) -> None:
+        waiting = bool(self.outbox)
         if self.outbox.flush():
+            if self._leave_at is not None:
+                self._leave_at = None
+                self._db.end_waits_by(None)
             if self.breakers is not None:
                 self._db(self.breakers.flush)
             self.schemes.write()
+        elif waiting and self.stopping and self._leave_at is None:
+            # Stopping, the database took none of it: it is tried again,
+            # each try waited for, until the grace ends (_wound_down).
+            self._leave_at = time.monotonic() + STOPPING_GRACE
+            self._db.end_waits_by(self._leave_at)
 
     def _batches_finished(self, ids: list[int]) -> None:
         """Batches a write finished, once it has committed: told by the loop

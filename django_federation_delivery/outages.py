@@ -36,13 +36,28 @@ class Runner(Protocol):
 
 class Database:
     """Runs queries on ``using``; a failure closes the connection and waits a
-    little longer each time (up to 5 s), or until ``stopping`` is set."""
+    little longer each time (up to 5 s), or until ``stopping`` is set.
 
-    def __init__(self, using: str, stopping: threading.Event, *, logger: logging.Logger) -> None:
+    Once ``stopping`` is set, a wait is waited whole: cut short by a stop
+    that has come already, it would be none, and a loop writing what it
+    holds before it stops would try again flat out. What bounds it then is
+    :meth:`end_waits_by`.
+    """
+
+    def __init__(
+        self,
+        using: str,
+        stopping: threading.Event,
+        *,
+        logger: logging.Logger,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
         self.using = using
         self.stopping = stopping
         self.logger = logger
+        self._sleep = sleep
         self._failing_since: float | None = None
+        self._waits_end: float | None = None
 
     @property
     def failing(self) -> bool:
@@ -65,12 +80,29 @@ class Database:
                 self._failing_since = now
                 self.logger.warning("The database is unavailable (%s); waiting it out", exc)
             connections[self.using].close()
-            self.stopping.wait(min(LONGEST_WAIT, 0.2 + (now - self._failing_since) / 4))
+            self._wait(min(LONGEST_WAIT, 0.2 + (now - self._failing_since) / 4), now)
             return None
         if self._failing_since is not None and reached.ran:
             self.logger.warning("The database is back")
             self._failing_since = None
         return value
+
+    def end_waits_by(self, at: float | None) -> None:
+        """End every wait after a failure by ``at``, a ``time.monotonic()``
+        (no wait once it has passed: each query is tried once); with None,
+        each is waited whole again."""
+        self._waits_end = at
+
+    def _wait(self, seconds: float, now: float) -> None:
+        if self._waits_end is not None:
+            seconds = min(seconds, self._waits_end - now)
+        if seconds <= 0:
+            return
+        if self.stopping.is_set():
+            self._sleep(seconds)
+        else:
+            # Until a stop: what is held is then written at once.
+            self.stopping.wait(seconds)
 
 
 class _Reached:

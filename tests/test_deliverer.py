@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from django_federation_delivery import BatchOptions, send, send_batch, send_webhook, signals, wakeup
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
-from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.deliverer import STOPPING_GRACE, Deliverer
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery, Host, Status
 from django_federation_delivery.retry import LONGEST_WAIT
@@ -742,6 +742,54 @@ def test_a_database_that_is_away_for_a_moment_is_waited_out(
     assert failures == {"claim": 0, "settle": 0}
     assert status_of(batch) == [Status.DELIVERED]
     assert len(inbox.received) == 1, "an outcome not written at first is written, not re-sent"
+
+
+@pytest.mark.parametrize("back", [False, True], ids=["away", "back-within-the-grace"])
+def test_a_stop_while_the_database_is_away_ends_after_a_grace_without_spinning(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    back: bool,
+) -> None:
+    # Stopping, the loop writes what it holds while the leases hold. Each
+    # failed write was waited out with the stop's event, which was set: no
+    # wait at all. It tried flat out for the whole lease, which stop() waited
+    # for (5 minutes with the default lease).
+    real = settlements.settle
+    away = threading.Event()
+    away.set()
+    tried: list[float] = []
+
+    def settle(*args: Any, **kwargs: Any) -> Any:
+        if away.is_set():
+            tried.append(time.monotonic())
+            raise OperationalError("server closed the connection unexpectedly")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(settlements, "settle", settle)
+    batch = send(ALICE, NOTE, [inbox.url("/a")])
+    runner = start_deliverer(lease=20)
+    wait_until(lambda: bool(tried), timeout=10)
+    if back:
+        threading.Timer(STOPPING_GRACE / 2, away.clear).start()
+    asked = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="django_federation_delivery.deliverer"):
+        runner.stop()
+    took = time.monotonic() - asked
+    during = [at for at in tried if at >= asked]
+    assert took < STOPPING_GRACE + 2, f"stopped {took:.1f} s after it was asked"
+    assert len(during) < 20, f"{len(during)} writes tried while stopping, in {took:.1f} s"
+    assert inbox.paths() == ["/a"]
+    if back:
+        assert status_of(batch) == [Status.DELIVERED], "written once the database took it"
+        assert "unwritten" not in caplog.text
+    else:
+        assert status_of(batch) == [Status.PENDING], "left to its lease"
+        assert (
+            "Stopping with 1 outcomes unwritten and 0 attempts in flight: the database "
+            "took no write for 3 s"
+        ) in caplog.text
 
 
 WEBHOOK_KEY = "routingKEY4b7c9"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 from django.db import OperationalError, connection
@@ -27,9 +28,9 @@ def test_an_outage_ends_with_a_statement_that_ran_not_with_a_call_that_needed_no
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     stopping = threading.Event()
-    stopping.set()  # no waiting between tries
+    stopping.set()  # each wait between tries slept, by a sleep that returns at once
     logger = logging.getLogger("tests.outages")
-    database = Database("default", stopping, logger=logger)
+    database = Database("default", stopping, logger=logger, sleep=lambda seconds: None)
     with caplog.at_level(logging.WARNING, logger="tests.outages"):
         assert database(refused) is None
         assert database.failing
@@ -47,3 +48,26 @@ def test_an_outage_ends_with_a_statement_that_ran_not_with_a_call_that_needed_no
         assert database(lambda: "nothing") == "nothing"
     said = [record.getMessage() for record in caplog.records]
     assert said[1:] == ["The database is back"]
+
+
+def test_stopping_each_wait_is_waited_whole_but_none_past_its_bound() -> None:
+    # A stop that has come cut every wait to nothing: the loop, writing what
+    # it held before it stopped, tried again flat out for the whole lease.
+    stopping = threading.Event()
+    stopping.set()
+    slept: list[float] = []
+    database = Database(
+        "default", stopping, logger=logging.getLogger("tests.outages"), sleep=slept.append
+    )
+    assert database(refused) is None
+    assert database(refused) is None
+    assert len(slept) == 2 and all(0.2 <= seconds <= 0.3 for seconds in slept), slept
+    database.end_waits_by(time.monotonic() + 0.1)
+    assert database(refused) is None
+    assert 0 < slept[-1] <= 0.1
+    database.end_waits_by(time.monotonic())
+    assert database(refused) is None
+    assert len(slept) == 3, "none once its bound has passed: the query is tried once"
+    database.end_waits_by(None)
+    assert database(refused) is None
+    assert len(slept) == 4 and slept[-1] >= 0.2
