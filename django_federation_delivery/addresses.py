@@ -67,7 +67,10 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 # RFC 3986: what a path and a query may carry as they are; anything else is percent-encoded.
 _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _PATH_SAFE = "!$&'()*+,;=:@/"
-_QUERY_SAFE = _PATH_SAFE + "?"
+# An apostrophe in a query is percent-encoded, as a WHATWG URL (a browser's,
+# Node's) writes it for http(s): a verifier that signs the URL it rebuilds so
+# (Fedify on Node) finds the very target signed.
+_QUERY_SAFE = _PATH_SAFE.replace("'", "") + "?"
 _ESCAPE = re.compile(r"(%[0-9A-Fa-f]{2})")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 _PORT = re.compile(r"[0-9]{1,5}")
@@ -79,7 +82,7 @@ _ASCII_LABEL = re.compile(r"[a-z0-9_-]+")
 # checked beside it.
 _CANONICAL = re.compile(
     r"(https?)://((?:[a-z0-9_-]{1,63}\.)*[a-z0-9_-]{1,63})(?::([1-9][0-9]{0,4}))?"
-    r"(/[A-Za-z0-9._~!$&'()*+,;=:@/-]*)(?:\?([A-Za-z0-9._~!$&'()*+,;=:@/?-]+))?"
+    r"(/[A-Za-z0-9._~!$&'()*+,;=:@/-]*)(?:\?([A-Za-z0-9._~!$&()*+,;=:@/?-]+))?"
 )
 _DOT_SEGMENT = re.compile(r"/\.\.?(?:/|$)")
 # An IPv4 address as split() writes it: four decimal numbers to 255, no leading zero.
@@ -420,10 +423,13 @@ def _ipv6(url: str, literal: str) -> str:
     except ValueError:
         raise UnusableURL(url, "has an invalid IPv6 address") from None
     if address.ipv4_mapped is not None:
-        # RFC 5952 §5's mixed notation, spelt here rather than by the interpreter:
-        # Python 3.13 writes it so and older ones do not, and the canonical form
-        # must not depend on which Python queued it.
-        return f"::ffff:{address.ipv4_mapped}"
+        # In hexadecimal groups, as a WHATWG URL writes it (a verifier that
+        # rebuilds the URL so, Fedify on Node, signs that target), spelt here
+        # rather than by the interpreter: Python 3.13 writes RFC 5952's mixed
+        # notation and older ones do not, and the canonical form must not
+        # depend on which Python queued it.
+        mapped = int(address.ipv4_mapped)
+        return f"::ffff:{mapped >> 16:x}:{mapped & 0xFFFF:x}"
     return address.compressed
 
 

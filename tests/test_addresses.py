@@ -63,8 +63,11 @@ CANONICAL = [
     ("http://127.0.0.1./inbox", "http://127.0.0.1/inbox"),
     ("http://１２７.０.０.１/", "http://127.0.0.1/"),
     ("https://[2001:DB8:0:0::1]:8443/inbox", "https://[2001:db8::1]:8443/inbox"),
-    ("https://[::FFFF:127.0.0.1]/", "https://[::ffff:127.0.0.1]/"),
-    ("https://[::ffff:7f00:1]/", "https://[::ffff:127.0.0.1]/"),
+    # IPv4-mapped in hexadecimal groups, as a WHATWG URL (Node's) writes it.
+    ("https://[::FFFF:127.0.0.1]/", "https://[::ffff:7f00:1]/"),
+    ("https://[::ffff:7f00:1]/", "https://[::ffff:7f00:1]/"),
+    ("http://[::ffff:1.2.3.4]:8080/inbox", "http://[::ffff:102:304]:8080/inbox"),
+    ("https://[::ffff:0.0.0.0]/", "https://[::ffff:0:0]/"),
     # Path and query, percent-encoded exactly once.
     ("https://a.example/ïnbox/é", "https://a.example/%C3%AFnbox/%C3%A9"),
     ("https://a.example/%c3%a9", "https://a.example/%C3%A9"),
@@ -83,6 +86,9 @@ CANONICAL = [
     ("https://a.example//x//", "https://a.example//x//"),
     ("https://a.example/x?a=1&b=|é&c=%zz?/", "https://a.example/x?a=1&b=%7C%C3%A9&c=%25zz?/"),
     ("https://a.example/x?a[]=1", "https://a.example/x?a%5B%5D=1"),
+    # An apostrophe is kept in a path and encoded in a query, as WHATWG does.
+    ("https://a.example/it's?q='x'", "https://a.example/it's?q=%27x%27"),
+    ("https://a.example/x?q=%27", "https://a.example/x?q=%27"),
     ("https://a.example/\u202eevil", "https://a.example/%E2%80%AEevil"),
 ]
 
@@ -295,7 +301,8 @@ def test_host_and_origin_are_canonical_and_ignore_userinfo() -> None:
         ("2001:DB8::1", "2001:db8::1"),
         ("2001:0db8:0::1", "2001:db8::1"),
         ("[2001:DB8::1]:8443", "[2001:db8::1]:8443"),
-        ("::FFFF:1.2.3.4", "::ffff:1.2.3.4"),
+        ("::FFFF:1.2.3.4", "::ffff:102:304"),
+        ("[::ffff:102:304]:8443", "[::ffff:102:304]:8443"),
         ("<ops>", "<ops>"),
     ],
 )
