@@ -32,6 +32,7 @@ from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import orm_datetime
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Retracts, Status
 from django_federation_delivery.store import queueing, sequences
+from django_federation_delivery.store.locks import write_first
 from django_federation_delivery.webhooks.destinations import delivery_key
 from django_federation_delivery.webhooks.sending import ORDERING_KEY as WEBHOOK_ORDERING_KEY
 
@@ -101,15 +102,20 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
             host=key, status__in=REPLAYED, settled_at__gte=orm_datetime(since)
         )
     )
-    # The batches in the order their first delivery here was sent in.
-    batch_ids = list(
-        matching.values("batch_id")
-        .annotate(first=Min("id"))
-        .order_by("first")
-        .values_list("batch_id", flat=True)
-    )
     replayed: list[Batch] = []
     with transaction.atomic(using=alias):
+        # On SQLite, its write lock before its reads: read first, another
+        # connection's write in between (a deliverer settling, a view
+        # sending, another replay) made its first write fail at once,
+        # "database is locked", instead of waiting its turn.
+        write_first(alias)
+        # The batches in the order their first delivery here was sent in.
+        batch_ids = list(
+            matching.values("batch_id")
+            .annotate(first=Min("id"))
+            .order_by("first")
+            .values_list("batch_id", flat=True)
+        )
         for start in range(0, len(batch_ids), STEP):
             step = batch_ids[start : start + STEP]
             replayed += _replay_step(key, since, matching.filter(batch_id__in=step), alias)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import re
+import threading
 import zoneinfo
 from collections.abc import Callable
 from io import StringIO
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import close_old_connections
 from django.utils import timezone
 
 from django_federation_delivery import replay as replaying
@@ -21,6 +23,7 @@ from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 from django_federation_delivery.replay import replay
 from django_federation_delivery.replay import replayed as replayed_message
+from django_federation_delivery.store import sequences
 
 from .conftest import Inbox
 from .keys import ALICE
@@ -418,3 +421,75 @@ def test_the_admin_leaves_a_replay_too_big_for_one_request_to_the_command(
     assert not Delivery.objects.filter(status=Status.PENDING).exists()
     call_command("delivery_replay", "--host=a.example", "--since=24h", stdout=StringIO())
     assert Delivery.objects.filter(status=Status.PENDING).count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replay_while_another_connection_writes_is_not_refused_database_locked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On SQLite a replay read what it replays, then wrote: another
+    # connection's write in between (a deliverer settling, a view sending)
+    # made its first write fail at once, "database is locked".
+    now = timezone.now()
+    batch = send(ALICE, note(1), ["https://a.example/inbox"])
+    assert batch is not None
+    Delivery.objects.filter(batch=batch).update(
+        status=Status.DELIVERED, settled_at=now - dt.timedelta(hours=1), due_at=None
+    )
+    real = sequences.lock_sequences
+    wrote: list[object] = []
+    others: list[threading.Thread] = []
+
+    def meanwhile(*args: Any, **kwargs: Any) -> None:
+        # Another connection writes while the replay has read what it
+        # replays and not yet written: it now waits its turn.
+        def other() -> None:
+            try:
+                wrote.append(send(ALICE, note(2), ["https://b.example/inbox"]))
+            finally:
+                close_old_connections()
+
+        if not others:
+            others.append(threading.Thread(target=other))
+            others[0].start()
+            others[0].join(0.5)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(sequences, "lock_sequences", meanwhile)
+    replayed = replay(host="a.example", since=now - dt.timedelta(days=1))
+    others[0].join(20)
+    assert [b.created for b in replayed] == [True]
+    assert len(wrote) == 1 and wrote[0] is not None, "the other write went after it"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_replays_at_once_both_finish_and_queue_once() -> None:
+    # An operator's command and the admin's action at once, on SQLite: one
+    # failed "database is locked" rather than waiting its turn.
+    now = timezone.now()
+    for n in range(30):
+        batch = send(ALICE, note(n), [f"https://a.example/u{i}/inbox" for i in range(3)])
+        Delivery.objects.filter(batch=batch).update(
+            status=Status.DELIVERED, settled_at=now, due_at=None
+        )
+    since = now - dt.timedelta(hours=1)
+    results: list[list[Batch]] = []
+    errors: list[BaseException] = []
+    together = threading.Barrier(2)
+
+    def run() -> None:
+        try:
+            together.wait(10)
+            results.append(replay(host="a.example", since=since))
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            close_old_connections()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert Batch.objects.count() == 60 and Delivery.objects.count() == 180
