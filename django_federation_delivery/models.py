@@ -228,7 +228,8 @@ class Delivery(models.Model):
     )
     attempts = models.PositiveIntegerField(verbose_name=_("attempts"), default=0)
     # When it is next due. A claim pushes it forward by the lease, so a
-    # delivery whose process died comes due again by itself.
+    # delivery whose process died comes due again by itself. Given up while
+    # leased, a row keeps its lease's end here, which a requeue waits for.
     due_at = models.DateTimeField(
         verbose_name=_("due at"), null=True, blank=True, default=timezone.now
     )

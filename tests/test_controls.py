@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import datetime as dt
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ from django_federation_delivery import controls, send, send_batch, signals
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.store import settlements
 
-from .conftest import Unprintable
+from .conftest import Inbox, Overlap, RunningDeliverer, Unprintable, wait_until
 from .keys import ALICE
 
 pytestmark = pytest.mark.django_db
@@ -203,3 +205,35 @@ def test_the_host_controls_act_on_the_database_named(failures: list[Any]) -> Non
     assert kept("default") == [("a.example", Status.PENDING)]
     with pytest.raises(ValueError, match="no database named 'elsewhere' in DATABASES"):
         controls.pause_host("a.example", using="elsewhere")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delivery_given_up_in_flight_then_requeued_is_never_sent_twice_at_once(
+    inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    overlap = Overlap(202, 4.0)
+    slow = inboxes(respond=overlap)
+    batch = send(ALICE, NOTE, [slow.url("/a")])
+    assert batch is not None
+    # Two deliverers (run_deliverer --processes 2, or two machines), one
+    # request at a time to a host each: the one with the attempt in flight
+    # claims nothing more of the host, the other claims whatever is due.
+    runners = [start_deliverer(per_host=1), start_deliverer(per_host=1)]
+    wait_until(lambda: len(slow.received) == 1, timeout=20)
+    # The batch's "Cancel pending", then its "Requeue failed", while the
+    # inbox is still answering the first attempt.
+    assert controls.give_up(Delivery.objects.filter(batch=batch), "cancelled") == 1
+    assert controls.requeue(Delivery.objects.filter(batch=batch)) == 1
+    requeued = Delivery.objects.get(batch=batch)
+    assert requeued.status == Status.PENDING and requeued.lease_token is None
+    # Due when the lease of the attempt in flight ends, not now.
+    assert requeued.due_at is not None
+    assert requeued.due_at > timezone.now() + dt.timedelta(seconds=60)
+    started = time.monotonic()
+    while time.monotonic() - started < 3.0 and len(slow.received) < 2:
+        time.sleep(0.05)
+    for runner in runners:
+        runner.stop()
+    assert overlap.most == 1, f"{len(slow.received)} requests, {overlap.most} at once"
+    # The first attempt's outcome, fenced out, left the requeued row as it was.
+    assert Delivery.objects.get(batch=batch).status == Status.PENDING

@@ -633,17 +633,43 @@ WHERE {delivery}.id = v.id AND {delivery}.lease_token = v.token
 
 -- name: give_up [postgresql]
 -- One statement that both picks and changes the rows: what it returns is
--- what it changed, whatever another process did a moment before.
-UPDATE {delivery} SET status = %(failed)s, due_at = NULL, lease_token = NULL,
+-- what it changed, whatever another process did a moment before. The token
+-- goes, which fences out the late outcome of an attempt in flight, but a
+-- row whose lease still runs keeps its end as its due_at: that attempt may
+-- still be answered until then, and a requeue makes the row due no sooner.
+-- Any other row given up keeps no due time.
+UPDATE {delivery} SET status = %(failed)s, due_at = {lease_running}, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
 WHERE status = {pending} AND id = ANY(%(ids)s::bigint[])
 RETURNING id, batch_id, inbox, last_status, destination
 
 -- name: give_up [sqlite]
-UPDATE {delivery} SET status = %(failed)s, due_at = NULL, lease_token = NULL,
+UPDATE {delivery} SET status = %(failed)s, due_at = {lease_running}, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
 WHERE status = {pending} AND id IN (SELECT value FROM json_each(%(ids)s))
 RETURNING id, batch_id, inbox, last_status, destination
+
+-- name: lease_running
+-- The end of the row's lease if a claim holds it still (an attempt may be in
+-- flight until then), else NULL.
+CASE WHEN {delivery}.lease_token IS NOT NULL AND {delivery}.due_at > %(now)s
+    THEN {delivery}.due_at END
+
+-- name: requeue [postgresql]
+-- Settled deliveries %(ids)s (read and locked first) back in the queue,
+-- their attempts kept: due now, but one given up while in flight no sooner
+-- than the end of that attempt's lease (give_up), so that it is never sent
+-- twice at once.
+UPDATE {delivery} SET {requeued}
+WHERE id = ANY(%(ids)s::bigint[])
+
+-- name: requeue [sqlite]
+UPDATE {delivery} SET {requeued}
+WHERE id IN (SELECT value FROM json_each(%(ids)s))
+
+-- name: requeued
+status = {pending}, lease_token = NULL, settled_at = NULL, after_id = NULL,
+due_at = CASE WHEN {delivery}.due_at > %(now)s THEN {delivery}.due_at ELSE %(now)s END
 
 
 -- Counting batches down ---------------------------------------------------

@@ -314,7 +314,8 @@ def give_up_rows(
 
 def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     """Put settled deliveries back in the queue, due now; their attempts so far
-    are kept. Returns how many.
+    are kept. Returns how many. One given up while an attempt was in flight
+    is due no sooner than that attempt's lease ends: never sent twice at once.
 
     What a later retraction of its sender, queued to the same inbox, took
     back is left as it is: sent again, a deleted post's ``Create`` would
@@ -334,11 +335,10 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
             .values_list("id", "batch_id")
         )
         requeued = [id for id, _ in rows]
-        manager.filter(id__in=requeued).update(
-            status=Status.PENDING, due_at=now, lease_token=None, settled_at=None, after=None
-        )
         if requeued:
-            with sql.on(connection_for(alias)) as db:
+            connection = connection_for(alias)
+            with sql.on(connection) as db:
+                db.run("requeue", ids=db.ids(requeued), now=db_datetime(now, connection))
                 db.run("wait_again", ids=db.ids(requeued))
         for batch_id, count in Counter(batch_id for _, batch_id in rows).items():
             Batch.objects.using(alias).filter(id=batch_id).update(
