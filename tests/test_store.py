@@ -786,6 +786,40 @@ def test_an_ordered_delivery_waits_until_the_one_before_it_to_that_inbox_settles
     assert [row.batch_id for row in store.claim(10, lease=300)] == [second.id]
 
 
+@pytest.mark.django_db
+def test_a_requeued_delivery_waits_again_on_the_one_before_it_still_pending() -> None:
+    key = {"ordering_key": "note-1"}
+    create = send_batch(ALICE, {"type": "Create"}, ["https://a.example/inbox"], key)
+    update = send_batch(ALICE, {"type": "Update"}, ["https://a.example/inbox"], key)
+    like = send_batch(ALICE, {"type": "Like"}, ["https://a.example/inbox"], key)
+    assert create is not None and update is not None and like is not None
+    # The Create was attempted and is retrying; the Update waits on it, the Like on that.
+    Delivery.objects.filter(batch=create).update(
+        attempts=1, due_at=timezone.now() + dt.timedelta(minutes=5)
+    )
+    first = Delivery.objects.get(batch=create)
+    second, third = Delivery.objects.get(batch=update), Delivery.objects.get(batch=like)
+    assert (second.after_id, third.after_id) == (first.id, second.id)
+    # Both given up, then requeued: each waits again on the one before it,
+    # still pending (the Like on the Update, requeued with it), not due now.
+    assert store.give_up_rows([second.id, third.id], "cancelled") == [second.id, third.id]
+    assert store.requeue_rows([third.id, second.id]) == 2
+    second.refresh_from_db()
+    third.refresh_from_db()
+    assert (second.status, second.after_id, second.due_at) == (Status.PENDING, first.id, None)
+    assert (third.status, third.after_id, third.due_at) == (Status.PENDING, second.id, None)
+    update.refresh_from_db()
+    assert (update.remaining, update.finished_at) == (1, None)
+    # What has nothing pending before it in its sequence is due at once.
+    Delivery.objects.filter(id=first.id).update(
+        status=Status.DELIVERED, settled_at=timezone.now(), due_at=None
+    )
+    store.give_up_rows([second.id, third.id], "cancelled")
+    assert store.requeue_rows([second.id]) == 1
+    second.refresh_from_db()
+    assert second.after_id is None and second.due_at is not None
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_settle_that_waits_for_a_send_queuing_behind_it_releases_what_that_send_queued() -> None:
     if connection.vendor != "postgresql":

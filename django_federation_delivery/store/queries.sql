@@ -667,6 +667,37 @@ WHERE id = ANY(%(ids)s::bigint[])
 UPDATE {delivery} SET {requeued}
 WHERE id IN (SELECT value FROM json_each(%(ids)s))
 
+-- name: wait_in_sequence [postgresql]
+-- Requeued deliveries %(ids)s with a sequence made to wait, with no due
+-- time, on the last delivery of it queued before them that is still
+-- pending, if any (one requeued with them too): a requeued Update goes
+-- after its Create still retrying, as when it was queued. Each looked up
+-- one step back in the partial index on (sequence, id), as
+-- last_of_sequences does. One settling meanwhile, before this commits, may
+-- leave it waiting on a delivery that has left: the deliverer's sweep
+-- releases it (stranded).
+UPDATE {delivery} SET after_id = {before_in_sequence}, due_at = NULL
+WHERE id = ANY(%(ids)s::bigint[]) AND sequence <> '' AND {before_in_sequence} IS NOT NULL
+
+-- name: wait_in_sequence [sqlite]
+UPDATE {delivery} SET after_id = {before_in_sequence}, due_at = NULL
+WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND NOT (sequence = '')
+    AND {before_in_sequence} IS NOT NULL
+
+-- name: before_in_sequence [postgresql]
+-- For the row being written, the last pending delivery of its sequence
+-- queued before it; NULL if none.
+(SELECT d.id FROM {delivery} AS d
+    WHERE d.sequence = {delivery}.sequence AND d.status = {pending} AND d.sequence <> ''
+        AND d.id < {delivery}.id
+    ORDER BY d.id DESC LIMIT 1)
+
+-- name: before_in_sequence [sqlite]
+(SELECT d.id FROM {delivery} AS d
+    WHERE d.sequence = {delivery}.sequence AND d.status = {pending} AND NOT (d.sequence = '')
+        AND d.id < {delivery}.id
+    ORDER BY d.id DESC LIMIT 1)
+
 -- name: requeued
 status = {pending}, lease_token = NULL, settled_at = NULL, after_id = NULL,
 due_at = CASE WHEN {delivery}.due_at > %(now)s THEN {delivery}.due_at ELSE %(now)s END

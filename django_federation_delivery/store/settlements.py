@@ -320,8 +320,10 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     What a later retraction of its sender, queued to the same inbox, took
     back is left as it is: sent again, a deleted post's ``Create`` would
     land after its ``Delete``. What a requeued delivery waited on before is
-    forgotten (it left, or is left to its fate), but a retraction's waits
-    again on what it retracts still pending there (``wait_again``)."""
+    forgotten (it left, or is left to its fate), but one with an ordering
+    key waits again on the last delivery of its sequence queued before it
+    still pending (``wait_in_sequence``), and a retraction's on what it
+    retracts still pending there (``wait_again``)."""
     alias = using or database_alias()
     now = timezone.now()
     manager = Delivery.objects.using(alias)
@@ -339,6 +341,7 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
             connection = connection_for(alias)
             with sql.on(connection) as db:
                 db.run("requeue", ids=db.ids(requeued), now=db_datetime(now, connection))
+                db.run("wait_in_sequence", ids=db.ids(requeued))
                 db.run("wait_again", ids=db.ids(requeued))
         for batch_id, count in Counter(batch_id for _, batch_id in rows).items():
             Batch.objects.using(alias).filter(id=batch_id).update(
