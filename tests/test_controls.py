@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_federation_delivery import controls, send, send_batch, signals
@@ -205,6 +207,20 @@ def test_the_host_controls_act_on_the_database_named(failures: list[Any]) -> Non
     assert kept("default") == [("a.example", Status.PENDING)]
     with pytest.raises(ValueError, match="no database named 'elsewhere' in DATABASES"):
         controls.pause_host("a.example", using="elsewhere")
+
+
+def test_giving_up_and_requeueing_many_rows_runs_a_bounded_number_of_statements() -> None:
+    # One-inbox sends (a reply, a follow, a direct message): a batch a row.
+    for n in range(600):
+        send(ALICE, NOTE, [f"https://h{n}.example/inbox"])
+    with CaptureQueriesContext(connection) as queries:
+        assert controls.give_up(Delivery.objects.all()) == 600
+    assert len(queries) < 40, f"{len(queries)} statements to give up 600 rows"
+    assert Batch.objects.filter(remaining=0, finished_at__isnull=False).count() == 600
+    with CaptureQueriesContext(connection) as queries:
+        assert controls.requeue(Delivery.objects.all()) == 600
+    assert len(queries) < 40, f"{len(queries)} statements to requeue 600 rows"
+    assert Batch.objects.filter(remaining=1, finished_at=None).count() == 600
 
 
 @pytest.mark.django_db(transaction=True)

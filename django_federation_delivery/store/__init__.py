@@ -16,7 +16,7 @@ a concept, say what each statement is for and run it by its name:
 - ``settlements``: what leaving the queue writes (settled, given up, or
   requeued);
 - ``countdowns``: each batch's count of deliveries remaining, which
-  finishes it at nought;
+  finishes it at nought, and which a requeue adds to again;
 - ``breakers``: failures counted by every process together;
 - ``history``: counts added to their minute;
 - ``purges``: settled deliveries and empty batches deleted a chunk at a time;

@@ -1,5 +1,6 @@
 """Each batch's count of deliveries remaining: what leaves the queue is
-taken off it, and a batch that reaches nought is finished.
+taken off it, and a batch that reaches nought is finished; what a requeue
+puts back is added to it again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def count_down(leaving: Counter[int], now: dt.datetime, using: str | None) -> li
     connection = connection_for(using)
     with sql.on(connection) as db:
         return db.count_down(leaving, db_datetime(now, connection))
+
+
+def count_up(arriving: Counter[int], using: str | None) -> None:
+    """Add the requeued deliveries back to their batches' counts, none of
+    them finished any more: one statement for every batch, as
+    :func:`count_down` takes them off."""
+    if not arriving:
+        return
+    with sql.on(connection_for(using)) as db:
+        db.count_up(arriving)
 
 
 def finished_batches(ids: Sequence[int], *, using: str | None = None) -> list[Batch]:

@@ -713,7 +713,8 @@ remaining = CASE WHEN {batch}.remaining > c.n THEN {batch}.remaining - c.n ELSE 
 finished_at = CASE WHEN {batch}.remaining > c.n THEN NULL ELSE %(now)s END
 
 -- name: leaving [postgresql]
--- Batches and how many of their deliveries leave, of the JSON list %(rows)s.
+-- Batches and how many of their deliveries leave (or, for count_up, come
+-- back), of the JSON list %(rows)s.
 SELECT (value->>0)::bigint AS id, (value->>1)::integer AS n
 FROM jsonb_array_elements(%(rows)s::jsonb)
 
@@ -741,6 +742,13 @@ WHERE {batch}.id = c.id AND {batch}.finished_at IS NULL AND {batch}.remaining <=
 WITH c AS ({leaving})
 UPDATE {batch} SET {counted_down} FROM c
 WHERE {batch}.id = c.id AND {batch}.finished_at IS NULL
+
+-- name: count_up
+-- n (c.n) more remaining, of the same JSON list, and not finished: what a
+-- requeue puts back in the queue.
+WITH c AS ({leaving})
+UPDATE {batch} SET remaining = {batch}.remaining + c.n, finished_at = NULL FROM c
+WHERE {batch}.id = c.id
 
 
 -- The history -------------------------------------------------------------

@@ -13,15 +13,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from django.db import DatabaseError, OperationalError, transaction
-from django.db.models import Exists, F, OuterRef, QuerySet
+from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for, db_datetime
-from django_federation_delivery.models import Batch, Delivery, Retracts, Status
+from django_federation_delivery.models import Delivery, Retracts, Status
 from django_federation_delivery.store import history, sql, wakes
 from django_federation_delivery.store.claims import Claimed
-from django_federation_delivery.store.countdowns import count_down
+from django_federation_delivery.store.countdowns import count_down, count_up
 from django_federation_delivery.store.locks import write_first
 from django_federation_delivery.store.sequences import release_next
 
@@ -343,10 +343,7 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
                 db.run("requeue", ids=db.ids(requeued), now=db_datetime(now, connection))
                 db.run("wait_in_sequence", ids=db.ids(requeued))
                 db.run("wait_again", ids=db.ids(requeued))
-        for batch_id, count in Counter(batch_id for _, batch_id in rows).items():
-            Batch.objects.using(alias).filter(id=batch_id).update(
-                remaining=F("remaining") + count, finished_at=None
-            )
+        count_up(Counter(batch_id for _, batch_id in rows), alias)
     transaction.on_commit(wakes.notify_local, using=alias)
     return len(rows)
 

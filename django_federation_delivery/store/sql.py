@@ -407,15 +407,28 @@ class Statements:
         read first, as one value."""
         if not leaving:
             return []
-        items = sorted(leaving.items())
-        rows = json_parameter(items)
+        rows = self._batch_counts(leaving)
         if self.postgresql:
-            self.run("lock_batches", ids=self.ids(batch for batch, _ in items))
             counted = self.all("count_down", rows=rows, now=now)
             return sorted(batch for batch, remaining in counted if remaining == 0)
         finished = sorted(self.json("finishing_batches", rows=rows))
         self.run("count_down", rows=rows, now=now)
         return finished
+
+    def count_up(self, arriving: Counter[int]) -> None:
+        """Add ``arriving`` (how many deliveries come back to each batch) to
+        the batches' counts, none of them finished any more: one statement
+        however many batches, locked first as :meth:`count_down` locks them."""
+        if arriving:
+            self.run("count_up", rows=self._batch_counts(arriving))
+
+    def _batch_counts(self, counts: Counter[int]) -> str:
+        """``counts`` as the JSON list ``leaving`` reads; on PostgreSQL their
+        batches locked first, in id order."""
+        items = sorted(counts.items())
+        if self.postgresql:
+            self.run("lock_batches", ids=self.ids(batch for batch, _ in items))
+        return json_parameter(items)
 
     def release_next(self, settled: Iterable[int], now: Any) -> list[int]:
         """Make due the deliveries that waited on ``settled`` ones; a
