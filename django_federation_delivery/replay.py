@@ -183,7 +183,7 @@ def _replay_step(
     }
     # Each sequence is locked, and what its first new delivery waits on
     # looked up, once; the others are chained to the one before them once
-    # all are written: each batch written as a send's is, with no lookup.
+    # all are written: the step's batches written together, with no lookup.
     first_waits: dict[str, dict[str, int]] = {}
     for ordering_key in sorted(set(keys.values())):
         inboxes = sorted(
@@ -196,49 +196,36 @@ def _replay_step(
         )
         sequences.lock_sequences(ordering_key, inboxes, alias)
         first_waits[ordering_key] = sequences.last_of_sequences(ordering_key, None, inboxes, alias)
-    chained: set[tuple[str, str]] = set()
-    replayed = []
-    written = []
+    items = []
     for batch_id, queued in by_batch.items():
         original = batches[batch_id]
         webhook = kinds[batch_id] == Kind.WEBHOOK
-        ordering_key = keys[batch_id]
-        firsts = [item.inbox for item in queued if (ordering_key, item.inbox) not in chained]
-        waiting = first_waits[ordering_key]
-        new = queueing.enqueue(
-            Batch(
-                sender=original.sender,
-                body=original.body,
-                body_sha256=original.body_sha256,
-                tag=f"{TAG_PREFIX}{original.pk}",
-                ordering_key=ordering_key,
-                lane=Lane.WEBHOOK if webhook else Lane.LOW,
-                synchronize_collection=original.synchronize_collection,
-                event_type=original.event_type,
-                event_id=original.event_id,
-                # About what its original was about: a Delete (or Undo) sent
-                # later overtakes it while it was never tried, as it would
-                # the original, rather than reaching the inbox before it.
-                activity_id=original.activity_id,
-                object_id=original.object_id,
-                retracts=original.retracts,
-                idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
-                # Its attempts' spans are children of the replay's.
-                trace_context=tracing.carried(),
-            ),
-            queued,
-            kind=kinds[batch_id],
-            using=alias,
-            waits_on={inbox: waiting[inbox] for inbox in firsts if inbox in waiting},
+        new = Batch(
+            sender=original.sender,
+            body=original.body,
+            body_sha256=original.body_sha256,
+            tag=f"{TAG_PREFIX}{original.pk}",
+            ordering_key=keys[batch_id],
+            lane=Lane.WEBHOOK if webhook else Lane.LOW,
+            synchronize_collection=original.synchronize_collection,
+            event_type=original.event_type,
+            event_id=original.event_id,
+            # About what its original was about: a Delete (or Undo) sent
+            # later overtakes it while it was never tried, as it would
+            # the original, rather than reaching the inbox before it.
+            activity_id=original.activity_id,
+            object_id=original.object_id,
+            retracts=original.retracts,
+            idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
+            # Its attempts' spans are children of the replay's.
+            trace_context=tracing.carried(),
         )
+        items.append(queueing.Enqueued(new, queued, kinds[batch_id]))
+    replayed = queueing.enqueue_all(items, waits_on=first_waits, using=alias)
+    for new in replayed:
         # What is returned keeps no body: a replay of 100,000 batches holds
         # one step's bodies at a time. Read, it is loaded as a deferred field is.
         new.__dict__.pop("body", None)
-        replayed.append(new)
-        if new.created:
-            written.append(new.pk)
-            chained.update((ordering_key, inbox) for inbox in firsts)
-    sequences.chain(written, alias)
     return replayed
 
 

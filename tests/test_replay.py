@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
+from django.db.models.signals import post_save, pre_save
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_federation_delivery import replay as replaying
@@ -493,3 +495,84 @@ def test_two_replays_at_once_both_finish_and_queue_once() -> None:
         thread.join(60)
     assert not errors, errors
     assert Batch.objects.count() == 60 and Delivery.objects.count() == 180
+
+
+def _delivered_to_host(batches: int, inboxes: int, now: dt.datetime) -> list[Batch]:
+    """``batches`` one-inbox batches delivered to a.example within the last
+    hour, to ``inboxes`` inboxes there in turn, written in bulk."""
+    made = Batch.objects.bulk_create(
+        [
+            Batch(
+                sender=ALICE,
+                body=f'{{"type":"Create","id":"{ALICE}/activities/{n}"}}',
+                activity_id=f"{ALICE}/activities/{n}",
+                size=1,
+                remaining=0,
+                created_at=now - dt.timedelta(hours=1),
+                finished_at=now - dt.timedelta(minutes=30),
+            )
+            for n in range(batches)
+        ],
+        batch_size=1000,
+    )
+    Delivery.objects.bulk_create(
+        [
+            Delivery(
+                batch=batch,
+                inbox=f"https://a.example/u{n % inboxes}/inbox",
+                host="a.example",
+                status=Status.DELIVERED,
+                attempts=1,
+                settled_at=now - dt.timedelta(minutes=30),
+            )
+            for n, batch in enumerate(made)
+        ],
+        batch_size=1000,
+    )
+    return made
+
+
+@pytest.mark.django_db
+def test_thousands_of_one_inbox_batches_are_replayed_in_a_few_statements_a_step() -> None:
+    # A host's share of ordinary sends: replies, follows, small fan-outs.
+    now = timezone.now()
+    originals = _delivered_to_host(3000, 2, now)
+    saved: list[tuple[str, Batch]] = []
+
+    def pre(instance: Batch, **kwargs: Any) -> None:
+        saved.append(("pre", instance))
+
+    def post(instance: Batch, created: bool, **kwargs: Any) -> None:
+        assert created and instance.pk
+        saved.append(("post", instance))
+
+    since = now - dt.timedelta(days=1)
+    pre_save.connect(pre, sender=Batch)
+    post_save.connect(post, sender=Batch)
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            replayed = replay(host="a.example", since=since)
+    finally:
+        pre_save.disconnect(pre, sender=Batch)
+        post_save.disconnect(post, sender=Batch)
+    # 6 steps of 500 batches: each its reads, its locks, a statement of
+    # batches, one of deliveries and its chain.
+    assert len(queries) <= 80, f"{len(queries)} statements to replay 3,000 batches"
+    assert [b.tag for b in replayed] == [f"replay of batch {b.pk}" for b in originals]
+    assert all(b.created and (b.size, b.remaining) == (1, 1) for b in replayed)
+    # Each batch's pre_save before it is written, its post_save once its step is.
+    assert [kind for kind, _ in saved] == (["pre"] * 500 + ["post"] * 500) * 6
+    assert {id(batch) for _, batch in saved} == {id(batch) for batch in replayed}
+    # Each inbox is sent them once, in their first order, each waiting on the one before.
+    for inbox in ("https://a.example/u0/inbox", "https://a.example/u1/inbox"):
+        chain = list(Delivery.objects.filter(inbox=inbox, status=Status.PENDING).order_by("id"))
+        assert [row.batch_id for row in chain] == [b.pk for b in replayed[inbox[-7] == "1" :: 2]]
+        assert [row.after_id for row in chain] == [None] + [row.pk for row in chain[:-1]]
+        assert chain[0].due_at is not None and {row.due_at for row in chain[1:]} == {None}
+
+    with CaptureQueriesContext(connection) as queries:
+        again = replay(host="a.example", since=since)
+    assert len(queries) <= 80
+    assert [b.pk for b in again] == [b.pk for b in replayed]
+    assert not any(b.created for b in again)
+    assert Delivery.objects.filter(status=Status.PENDING).count() == 3000

@@ -173,6 +173,44 @@ INSERT INTO {batch} ({batch_columns}) VALUES ({batch_values})
 ON CONFLICT (idempotency_key) WHERE idempotency_key > '' DO NOTHING
 RETURNING id
 
+-- name: insert_batches [sqlite]
+-- Several batches, a row each, and none where a batch with its idempotency
+-- key is kept (as insert_batch). Each written is returned with its key,
+-- which tells the rows apart: a database promises them in no order.
+INSERT INTO {batch} ({batch_columns}) VALUES %(**batches)s
+ON CONFLICT (idempotency_key) WHERE idempotency_key > '' DO NOTHING
+RETURNING id, idempotency_key
+
+-- name: insert_batches [postgresql]
+-- The same, from one JSON list of objects (each a column's value by its
+-- name): psycopg takes a moment to read each placeholder of a statement,
+-- and 500 batches have 10,000. With the wake-up of every listening process
+-- (sent once, at commit, however many rows notify).
+WITH b AS (
+    INSERT INTO {batch} ({batch_columns})
+    SELECT {batch_columns} FROM json_populate_recordset(NULL::{batch}, %(batches)s::json)
+    ON CONFLICT (idempotency_key) WHERE idempotency_key > '' DO NOTHING
+    RETURNING id, idempotency_key
+)
+SELECT id, idempotency_key, pg_notify('{channel}', '') FROM b
+
+-- name: insert_batches_deliveries [sqlite]
+-- A chunk of several batches' deliveries, each row its batch's id first.
+{deliveries_into} v.batch_id, {queued_values}
+FROM (
+    SELECT column1 AS batch_id, column2 AS inbox, column3 AS host, column4 AS destination,
+        column5 AS via, column6 AS sequence, column7 AS after_id
+    FROM (VALUES %(**rows)s)
+) AS v
+
+-- name: insert_batches_deliveries [postgresql]
+-- The same, an array a column.
+{deliveries_into} v.batch_id, {queued_values}
+FROM unnest(%(batch_ids)s::bigint[], %(inboxes)s::varchar[], %(hosts)s::varchar[],
+    %(destinations)s::varchar[], %(vias)s::jsonb[], %(sequences)s::varchar[],
+    %(after_ids)s::bigint[])
+    AS v(batch_id, inbox, host, destination, via, sequence, after_id)
+
 -- name: insert_deliveries [sqlite]
 -- A chunk of a batch's deliveries, a placeholder a value: SQLite reads
 -- them faster than a JSON list's, and a chunk's are fewer than the most
@@ -201,19 +239,26 @@ SELECT id, pg_notify('{channel}', '') FROM b
 
 -- name: deliveries_of
 -- What a queued delivery is written with, but where its batch (b) and its
--- rows (v) come from. One that waits on another has no due time until that
--- settles; one to a paused host, until the host is resumed: the host table
--- is read by the statement that writes, so that a send costs no query of
--- its own for it.
+-- rows (v) come from.
+{deliveries_into} b.id, {queued_values}
+FROM
+
+-- name: deliveries_into
 INSERT INTO {delivery} (batch_id, inbox, host, destination, via, sequence, after_id, kind, lane,
     status, attempts, due_at, last_error)
-SELECT b.id, v.inbox, v.host, v.destination, v.via, v.sequence, v.after_id, %(kind)s, %(lane)s,
+SELECT
+
+-- name: queued_values
+-- A queued delivery's values but its batch's id. One that waits on another
+-- has no due time until that settles; one to a paused host, until the host
+-- is resumed: the host table is read by the statement that writes, so that
+-- a send costs no query of its own for it.
+v.inbox, v.host, v.destination, v.via, v.sequence, v.after_id, %(kind)s, %(lane)s,
     {pending}, 0,
     CASE WHEN v.after_id IS NULL AND NOT EXISTS (
         SELECT 1 FROM {host} AS h WHERE h.name = v.host AND h.paused_at IS NOT NULL
     ) THEN %(due)s{as_timestamp} END,
     ''
-FROM
 
 -- name: queued_rows [sqlite]
 -- A VALUES list's columns are column1, column2, …: named here.

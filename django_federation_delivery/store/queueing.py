@@ -1,5 +1,6 @@
 """What a send writes: its batch, and a pending delivery an inbox, in the
-same few statements whatever the number of inboxes."""
+same few statements whatever the number of inboxes; and what a replay
+writes, many batches in the same few statements a step."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ from django_federation_delivery.dialect import (
     connection_for,
     db_datetime,
     is_postgresql,
+    json_parameter,
     rows_per_statement,
 )
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Kind
 from django_federation_delivery.store import sql, wakes
 from django_federation_delivery.store.sequences import (
+    chain,
     last_of_sequences,
     lock_sequences,
     sequence_of,
@@ -79,9 +82,7 @@ def enqueue(
     alias = using or database_alias()
     connection = connection_for(alias)
     now = timezone.now()
-    batch.size = batch.remaining = len(inboxes)
-    batch.created_at = now
-    pre_save.send(sender=Batch, instance=batch, raw=False, using=alias, update_fields=None)
+    _prepare(batch, inboxes, now, alias)
     batch_values = _batch_values(batch, connection)
     due = db_datetime(now, connection)
     per_statement = rows_per_statement(
@@ -121,8 +122,7 @@ def enqueue(
             if kept is None:  # purged between the insert and this read
                 raise Batch.DoesNotExist("the batch kept under this idempotency key is gone")
             return kept
-        batch._state.adding = False
-        batch._state.db = alias
+        _written(batch, alias)
         # A statement at a time, each a bounded chunk: 100,000 rows' values at
         # once is memory a fan-out does not need.
         for start in range(done, len(inboxes), per_statement):
@@ -133,11 +133,138 @@ def enqueue(
                 batch_id=batch.id,
                 **_delivery_params(connection, batch, chunk, waiting, due, kind),
             )
+    _saved(batch, alias)
+    transaction.on_commit(wakes.notify_local, using=alias)
+    return batch
+
+
+class Enqueued(NamedTuple):
+    """A batch about to be queued with others (:func:`enqueue_all`)."""
+
+    batch: Batch
+    inboxes: Sequence[Queued]
+    kind: str = Kind.ACTIVITYPUB
+
+
+def enqueue_all(
+    items: Sequence[Enqueued],
+    *,
+    waits_on: Mapping[str, Mapping[str, int]],
+    using: str | None = None,
+) -> list[Batch]:
+    """Write each of ``items`` as :func:`enqueue` writes one batch, in a few
+    statements for all of them, however many: their batches one multi-row
+    ``INSERT`` a chunk, then their deliveries a chunk at a time, as a
+    fan-out's are. Returns the batches in the order given.
+
+    Each batch has an idempotency key of its own, which tells the rows the
+    database returns apart: one kept under it is returned instead, marked
+    not created, and nothing of it is written.
+
+    Each inbox's first new delivery in an ordering key waits on the one
+    ``waits_on`` ({ordering key: {inbox: delivery id}}) names, if any; the
+    others on the one written before them in their sequence
+    (:func:`~.sequences.chain`). The caller has locked the sequences and
+    looked those up. Run inside the caller's transaction, waking the
+    deliverers on commit as :func:`enqueue` does.
+    """
+    if not items:
+        return []
+    keys = [item.batch.idempotency_key for item in items]
+    if not all(keys) or len(set(keys)) < len(keys):
+        raise ValueError("enqueue_all needs an idempotency key of its own for each batch")
+    alias = using or database_alias()
+    connection = connection_for(alias)
+    now = timezone.now()
+    for item in items:
+        _prepare(item.batch, item.inboxes, now, alias)
+    ids: dict[str, int] = {}
+    columns = [field.column for field in _batch_fields()]
+    per_statement = rows_per_statement(connection, most=CHUNK, per_row=len(columns))
+    with sql.on(connection, driver=True) as db:
+        for start in range(0, len(items), per_statement):
+            chunk = items[start : start + per_statement]
+            values = [_batch_values(item.batch, connection) for item in chunk]
+            batches: Any = values
+            if db.postgresql:
+                batches = json_parameter([dict(zip(columns, row, strict=True)) for row in values])
+            ids.update((key, id) for id, key, *_ in db.all("insert_batches", batches=batches))
+        kept = _kept_all([key for key in keys if key not in ids], alias)
+        created = []
+        for item in items:
+            if item.batch.idempotency_key in ids:
+                item.batch.id = ids[item.batch.idempotency_key]
+                _written(item.batch, alias)
+                created.append(item)
+        _write_deliveries(db, created, waits_on, db_datetime(now, connection))
+    if any(item.batch.ordering_key for item in created):
+        chain([item.batch.id for item in created], alias)
+    for item in created:
+        _saved(item.batch, alias)
+    if created:
+        transaction.on_commit(wakes.notify_local, using=alias)
+    return [kept.get(item.batch.idempotency_key, item.batch) for item in items]
+
+
+def _write_deliveries(
+    db: sql.Statements,
+    created: Sequence[Enqueued],
+    waits_on: Mapping[str, Mapping[str, int]],
+    due: Any,
+) -> None:
+    """The pending deliveries of the batches ``created`` (written, with
+    their ids), those of a kind and lane a chunk at a time, in the order
+    given: each inbox's first of an ordering key waiting on what
+    ``waits_on`` names."""
+    first: set[tuple[str, str]] = set()
+    rows: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
+    for batch, inboxes, kind in created:
+        key = batch.ordering_key
+        waiting = waits_on.get(key, {})
+        after = {}
+        for item in inboxes:
+            if key and item.ordered and (key, item.inbox) not in first:
+                first.add((key, item.inbox))
+                if item.inbox in waiting:
+                    after[item.inbox] = waiting[item.inbox]
+        rows.setdefault((str(kind), batch.lane), []).extend(
+            (batch.id, *row) for row in _delivery_rows(key, inboxes, after)
+        )
+    connection = db.connection
+    per_statement = rows_per_statement(
+        connection, most=CHUNK, per_row=len(_COLUMNS) + 1, constants=len(_SHARED)
+    )
+    for (kind, lane), written in rows.items():
+        for start in range(0, len(written), per_statement):
+            chunk = written[start : start + per_statement]
+            constants = dict(zip(_SHARED, (kind, lane, due), strict=True))
+            if not db.postgresql:
+                db.run("insert_batches_deliveries", **constants, rows=chunk)
+                continue
+            columns = [list(column) for column in zip(*chunk, strict=True)]
+            named = dict(zip(("batch_ids", *_COLUMNS), columns, strict=True))
+            db.run("insert_batches_deliveries", **constants, **named)
+
+
+def _prepare(batch: Batch, inboxes: Sequence[Queued], now: Any, alias: str) -> None:
+    """``batch`` made ready to be written with ``inboxes``: its counts and
+    time set, and ``pre_save`` sent as ``Model.save`` sends it."""
+    batch.size = batch.remaining = len(inboxes)
+    batch.created_at = now
+    pre_save.send(sender=Batch, instance=batch, raw=False, using=alias, update_fields=None)
+
+
+def _written(batch: Batch, alias: str) -> None:
+    """``batch``, its row written, known as saved to ``alias``."""
+    batch._state.adding = False
+    batch._state.db = alias
+
+
+def _saved(batch: Batch, alias: str) -> None:
+    """``post_save`` for ``batch``, once it and its deliveries are written."""
     post_save.send(
         sender=Batch, instance=batch, created=True, update_fields=None, raw=False, using=alias
     )
-    transaction.on_commit(wakes.notify_local, using=alias)
-    return batch
 
 
 def kept_batch(idempotency_key: str, *, kind: str, using: str | None = None) -> Batch | None:
@@ -172,6 +299,20 @@ def of_kind(batch: Batch, kind: str) -> Batch:
         f"idempotency_key {quoted(batch.idempotency_key)} is held by {held_by} batch "
         f"(id {batch.pk}): give {sent} a key of its own"
     )
+
+
+def _kept_all(keys: Sequence[str], alias: str) -> dict[str, Batch]:
+    """The batches kept under ``keys``, by key, marked not created:
+    ``Batch.DoesNotExist`` if one is gone (purged since its key was met)."""
+    kept: dict[str, Batch] = {}
+    for start in range(0, len(keys), CHUNK):
+        chunk = keys[start : start + CHUNK]
+        for batch in Batch.objects.using(alias).filter(idempotency_key__in=chunk):
+            batch.created = False
+            kept[batch.idempotency_key] = batch
+    if len(kept) < len(keys):
+        raise Batch.DoesNotExist("a batch kept under its idempotency key is gone")
+    return kept
 
 
 def _kept(idempotency_key: str, alias: str) -> Batch | None:
@@ -235,7 +376,7 @@ _batch_columns: list[_BatchColumns] = []
 
 def _columns() -> _BatchColumns:
     if not _batch_columns:
-        fields = [field for field in Batch._meta.concrete_fields if not field.primary_key]
+        fields = _batch_fields()
         datetimes = tuple(
             n for n, field in enumerate(fields) if isinstance(field, models.DateTimeField)
         )
@@ -247,6 +388,11 @@ def _columns() -> _BatchColumns:
         getter = operator.attrgetter(*(field.attname for field in fields))
         _batch_columns.append(_BatchColumns(getter, datetimes, prepared))
     return _batch_columns[0]
+
+
+def _batch_fields() -> list[models.Field[Any, Any]]:
+    """The columns a batch's INSERT writes: all of the model's but its id."""
+    return [field for field in Batch._meta.concrete_fields if not field.primary_key]
 
 
 def _batch_values(batch: Batch, connection: Any) -> list[Any]:
@@ -293,9 +439,23 @@ def _delivery_params(
     """What ``insert_deliveries`` takes: the values every row has, then the
     rows, row after row on SQLite and an array a column on PostgreSQL; or
     there, for ``insert_batch_and_delivery``, the ``one_row``'s values."""
-    key = batch.ordering_key
     constants = {"kind": str(kind), "lane": batch.lane, "due": due}
-    rows = [
+    rows = _delivery_rows(batch.ordering_key, chunk, waits_on)
+    if not is_postgresql(connection):
+        return {**constants, "rows": rows}
+    if one_row:
+        (row,) = rows
+        return {**constants, **dict(zip(_ONE_ROW, row, strict=True))}
+    columns = [list(column) for column in zip(*rows, strict=True)]
+    return {**constants, **dict(zip(_COLUMNS, columns, strict=True))}
+
+
+def _delivery_rows(
+    key: str, chunk: Sequence[Queued], waits_on: Mapping[str, int]
+) -> list[tuple[Any, ...]]:
+    """The rows of ``chunk``, with ordering key ``key``, as a statement
+    writes them: inbox, host, destination, gateways, sequence, what it waits on."""
+    return [
         (
             inbox,
             host,
@@ -306,13 +466,6 @@ def _delivery_params(
         )
         for inbox, host, via, destination, ordered in chunk
     ]
-    if not is_postgresql(connection):
-        return {**constants, "rows": rows}
-    if one_row:
-        (row,) = rows
-        return {**constants, **dict(zip(_ONE_ROW, row, strict=True))}
-    columns = [list(column) for column in zip(*rows, strict=True)]
-    return {**constants, **dict(zip(_COLUMNS, columns, strict=True))}
 
 
 #: PostgreSQL's names of a chunk's columns, in a row's order.
@@ -321,3 +474,5 @@ _COLUMNS = ("inboxes", "hosts", "destinations", "vias", "sequences", "after_ids"
 _ONE_ROW = ("inbox", "host", "destination", "via", "sequence", "after_id")
 #: Values the statement takes once, whatever its rows: batch, kind, lane, due.
 _CONSTANTS = 4
+#: And those a chunk of several batches' deliveries takes once.
+_SHARED = ("kind", "lane", "due")
