@@ -418,7 +418,10 @@ def test_requeue_puts_failed_refused_and_skipped_back_due_now_keeping_attempts(
     settle(rows[2], Status.DELIVERED, last_status=202, attempts=1)
     before = timezone.now()
     messages = act(operator, "delivery", "requeue", [row.pk for row in rows])
-    assert messages == ["Requeued 2 deliveries, due now; pending or delivered ones are left alone."]
+    assert messages == [
+        "Requeued 2 deliveries, due now or after what they wait on; "
+        "pending or delivered ones are left alone."
+    ]
     requeued = Delivery.objects.filter(pk__in=[rows[0].pk, rows[1].pk]).order_by("id")
     assert [(row.status, row.attempts) for row in requeued] == [
         (Status.PENDING, 12),
@@ -457,7 +460,9 @@ def test_a_batch_requeues_its_failed_deliveries_and_cancels_what_is_pending(
     settle(rows[0], Status.FAILED, last_status=500)
     settle(rows[1], Status.REFUSED, last_status=410)
     messages = act(operator, "batch", "requeue_failed", [batch.pk])
-    assert messages == ["Requeued 1 failed delivery of 1 batch, due now."]
+    assert messages == [
+        "Requeued 1 failed delivery of 1 batch, due now or after what they wait on."
+    ]
     assert Delivery.objects.get(pk=rows[0].pk).status == Status.PENDING
     assert Delivery.objects.get(pk=rows[1].pk).status == Status.REFUSED, "refused is final"
 

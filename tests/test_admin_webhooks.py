@@ -315,7 +315,10 @@ def test_a_failed_webhook_delivery_requeued_is_pending_then_delivered(
     assert (failed.attempts, failed.last_status) == (2, 503)
 
     messages = act(operator, "delivery", "requeue", [failed.pk])
-    assert messages == ["Requeued 1 delivery, due now; pending or delivered ones are left alone."]
+    assert messages == [
+        "Requeued 1 delivery, due now or after what it waits on; "
+        "pending or delivered ones are left alone."
+    ]
     failed.refresh_from_db()
     assert failed.status == Status.PENDING
     row = row_of(html(operator, url("delivery", "destinations")), "ops")

@@ -230,7 +230,7 @@ class BatchAdmin(OperatorAdmin[Batch]):
             self,
             request,
             count,
-            gettext("Requeued %(deliveries)s of %(batches)s, due now.")
+            gettext("Requeued %(deliveries)s of %(batches)s, due now or after what they wait on.")
             % {
                 "deliveries": ngettext(
                     "%(count)d failed delivery", "%(count)d failed deliveries", count

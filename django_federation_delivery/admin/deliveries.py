@@ -330,8 +330,10 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
             request,
             count,
             ngettext(
-                "Requeued %(count)d delivery, due now; pending or delivered ones are left alone.",
-                "Requeued %(count)d deliveries, due now; pending or delivered ones are left alone.",
+                "Requeued %(count)d delivery, due now or after what it waits on; pending or "
+                "delivered ones are left alone.",
+                "Requeued %(count)d deliveries, due now or after what they wait on; pending or "
+                "delivered ones are left alone.",
                 count,
             )
             % {"count": count},
