@@ -93,6 +93,20 @@ def test_slack_makes_no_quote_of_a_line_in_data() -> None:
     assert text.replace(WJ, "") == "alert.raised\nnote: x\n&gt; ALL CLEAR\n  &gt;&gt;&gt; resolved"
 
 
+def test_slack_makes_no_link_of_a_url_in_data() -> None:
+    # Slack makes a link of a URL in a message's text by itself (its text
+    # is not verbatim): a word joiner inside "://" and "www." shows it as text.
+    request = build(
+        parse_destination("ops", SLACK),
+        event({"note": "log in again at https://evil.example/login or www.evil.example"}),
+    )
+    text = json.loads(request.body)["text"]
+    assert "://" not in text and "www." not in text
+    assert text.replace(WJ, "") == (
+        "alert.raised\nnote: log in again at https://evil.example/login or www.evil.example"
+    )
+
+
 WJ = "\u2060"  # the word joiner that keeps a mention or a link from being one
 NBSP = "\u00a0"  # the space that keeps indentation from making code
 
@@ -143,6 +157,12 @@ HOSTILE_MARKDOWN = [
     "**bold** _it_ `code` ~~gone~~ ||spoiler|| $x$ www.evil.example",
     "@everyone @here <@123> <#456> <t:1:R> :emoji:",
     "end with two spaces  \nand a backslash\\\n9999999999. ten digits",
+    # A carriage return alone ends a line too (CommonMark; the chat services
+    # turn it into a line feed).
+    "db1\r===",
+    "x\r- fake item\r1. one\r> quote",
+    "x\r\r    indented code",
+    "x\r\n# heading",
 ]
 
 
@@ -548,7 +568,11 @@ def test_matrix_puts_a_text_message_with_the_event_id_as_the_transaction() -> No
     assert first.url == f"{ROOM_URL}/send/m.room.message/evt%2F1"
     # A retry is the same transaction: the homeserver keeps one message.
     assert (retry.url, retry.body) == (first.url, first.body)
-    assert json.loads(first.body) == {"msgtype": "m.text", "body": "alert.raised\nhost: db-1"}
+    assert json.loads(first.body) == {
+        "msgtype": "m.text",
+        "body": "alert.raised\nhost: db-1",
+        "m.mentions": {},
+    }
     assert first.headers["Authorization"] == "Bearer syt_matrixAccessToken42"
 
 
@@ -573,6 +597,26 @@ def test_a_matrix_message_never_grows_past_the_event_limit_as_json(value: str) -
     assert len(body.encode()) > MATRIX_LIMIT - 8 or len(canonical.encode()) > 60 * 1024 - 8
 
 
+def test_a_matrix_message_mentions_nobody_whatever_its_data_says() -> None:
+    # Without "m.mentions", a homeserver applies the legacy push rules to the
+    # body: "@room" notifies the whole room, a member's name pings them.
+    request = build(parse_destination("room", MATRIX), event({"note": "@room db down"}))
+    content = json.loads(request.body)
+    assert content["m.mentions"] == {}
+    assert content["body"] == "alert.raised\nnote: @room db down"
+
+
+def test_a_matrix_room_of_version_12_is_sent_to_by_its_id() -> None:
+    # Since room version 12, a room's id is "!" and the hash of its create
+    # event: no ":server" part.
+    room = "!31hneApxJ_1o-63DmFrpeqnkFfWppnzWso1JvH3ogLM"
+    destination = parse_destination("room", f"matrix://syt_token42@matrix.example/{room}")
+    request = build(destination, event(event_id="evt-1"))
+    assert request.url == (
+        f"https://matrix.example/_matrix/client/v3/rooms/%21{room[1:]}/send/m.room.message/evt-1"
+    )
+
+
 def test_matrix_declares_its_token_secret_and_not_its_room() -> None:
     destination = parse_destination("room", MATRIX)
     text = destination.redact(f"{MATRIX} refused syt_matrixAccessToken42")
@@ -584,6 +628,7 @@ def test_matrix_declares_its_token_secret_and_not_its_room() -> None:
     [
         ("matrix://matrix.example/!room:example.org", "access token"),
         ("matrix://tok@matrix.example/%23room:example.org", "not an alias"),
+        ("matrix://tok@matrix.example/!", "not an alias"),
         ("matrix://tok@matrix.example/!room:example.org?x=1", "no parameters"),
     ],
 )

@@ -247,6 +247,57 @@ def test_a_homeserver_s_rate_limit_is_waited_as_its_body_asks(
     assert "syt_matrixAccessToken42" not in result.error
 
 
+TELEGRAM = "telegram://123456:ABCdefSECRETtok_en@-1001234567890"
+TELEGRAM_SENT_TO = "https://api.telegram.org/bot123456:ABCdefSECRETtok_en/sendMessage"
+
+
+def test_telegram_s_rate_limit_is_waited_as_its_body_asks(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    # The Bot API says how long to wait in its body, and sends no Retry-After.
+    body = {
+        "ok": False,
+        "error_code": 429,
+        "description": "Too Many Requests: retry after 41",
+        "parameters": {"retry_after": 41},
+    }
+    mocked.post(TELEGRAM_SENT_TO, status=429, json=body)
+    result = attempt(job(TELEGRAM), transport)
+    assert not result.delivered and not result.permanent
+    assert result.retry_after == 41.0
+    assert "SECRETtok_en" not in result.error
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"parameters": {"retry_after": -5}},
+        {"parameters": {"retry_after": "41"}},
+        {"parameters": {"retry_after": True}},
+        {"parameters": {"retry_after": 10**400}},
+        {"parameters": {"retry_after": 86_400 * 365}},
+        {"parameters": [41]},
+        {"retry_after": 41},
+    ],
+    ids=["negative", "text", "bool", "huge", "a year", "a list", "elsewhere"],
+)
+def test_a_rate_limit_whose_body_asks_no_wait_it_can_mean_is_retried_as_any_429(
+    mocked: responses.RequestsMock, transport: Transport, body: object
+) -> None:
+    mocked.post(TELEGRAM_SENT_TO, status=429, body=json.dumps(body))
+    result = attempt(job(TELEGRAM), transport)
+    assert not result.delivered and not result.permanent
+    assert result.retry_after is None
+
+
+def test_a_retry_after_header_is_what_a_rate_limit_waits_when_both_say(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    body = {"ok": False, "parameters": {"retry_after": 41}}
+    mocked.post(TELEGRAM_SENT_TO, status=429, json=body, headers={"Retry-After": "7"})
+    assert attempt(job(TELEGRAM), transport).retry_after == 7.0
+
+
 @pytest.mark.parametrize(
     "body",
     [

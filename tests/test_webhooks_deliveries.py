@@ -658,7 +658,11 @@ def test_ntfy_and_matrix_destinations_are_sent_by_the_loop_a_retry_as_the_same_m
     assert (first.method, retry.method) == ("PUT", "PUT")
     room_path = "/_matrix/client/v3/rooms/%21Room1%3Aexample.org/send/m.room.message/evt-9"
     assert first.path == retry.path == room_path
-    assert json.loads(retry.body) == {"msgtype": "m.text", "body": "alert.raised\nhost: db-1"}
+    assert json.loads(retry.body) == {
+        "msgtype": "m.text",
+        "body": "alert.raised\nhost: db-1",
+        "m.mentions": {},
+    }
     assert retry.headers["Authorization"] == "Bearer syt_roomToken42"
     assert {d.status for d in Delivery.objects.all()} == {Status.DELIVERED}
     assert "syt_roomToken42" not in json.dumps(list(Delivery.objects.values()), default=str)

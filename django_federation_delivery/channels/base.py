@@ -13,6 +13,7 @@ a message or an echoing receiver writes them. Nothing is guessed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -73,6 +74,9 @@ ACCEPT = "application/json, */*;q=0.5"
 # A secret part shorter than this is too common a text to take out of a message
 # ("T01", "ops"): a kind declares parts that are long enough to mean something.
 MIN_REDACTED = 6
+#: The longest wait a rate-limited answer's body is taken to ask, in seconds:
+#: past a day it is a receiver's mistake, and the retry policy's wait stands.
+MOST_WAITED = 86_400
 
 
 class URLParts(NamedTuple):
@@ -221,6 +225,10 @@ class Channel:
     #: The URL schemes that name this kind, lowercase. By convention ``kind``
     #: sends over HTTPS and ``kind+http`` over plain HTTP.
     schemes: ClassVar[tuple[str, ...]]
+    #: Where a 429's JSON body gives the wait when no ``Retry-After`` does:
+    #: the keys that lead to a number, and the seconds its unit is
+    #: (``(("retry_after_ms",), 0.001)``); None when the service does not.
+    wait_in_body: ClassVar[tuple[tuple[str, ...], float] | None] = None
 
     def parse(self, url: str, scheme: str) -> Parsed:
         """What ``url`` (whose scheme, lowercased, is ``scheme``) names, with
@@ -244,13 +252,17 @@ class Channel:
     def judge(self, answer: Answer) -> Verdict:
         """A 2xx is delivered; a 4xx but 408 and 429 is refused for good
         (a hook deleted, a token revoked); anything else is tried again, after
-        the ``Retry-After`` the receiver gave in seconds."""
+        the ``Retry-After`` the receiver gave in seconds (for a 429 without
+        one, the wait its body gives where :attr:`wait_in_body` says)."""
         if 200 <= answer.status < 300:
             return Verdict(delivered=True)
+        retry_after = parse_retry_after(answer.headers.get("Retry-After"), dates=False)
+        if retry_after is None and answer.status == 429 and self.wait_in_body is not None:
+            retry_after = waited_in_body(answer.body, *self.wait_in_body)
         return Verdict(
             delivered=False,
             refused=is_refusal(answer.status),
-            retry_after=parse_retry_after(answer.headers.get("Retry-After"), dates=False),
+            retry_after=retry_after,
             detail=answer.body.decode("utf-8", "replace"),
         )
 
@@ -371,6 +383,29 @@ class Channel:
             key, _sign, value = pair.partition("=")
             pairs.append((unquote(key), unquote(value)))
         return pairs
+
+
+def waited_in_body(body: bytes, path: tuple[str, ...], unit: float) -> float | None:
+    """The wait, in seconds, a rate-limited answer's JSON ``body`` gives at
+    ``path`` in ``unit`` seconds; None when it gives none it can mean (not a
+    number, below nought, past :data:`MOST_WAITED`)."""
+    waited: Any
+    try:
+        waited = json.loads(body)
+        for key in path:
+            waited = waited[key]
+        # A stranger's body: an int too big for a float, or nested past the
+        # parser's depth, is as unreadable as one that is not JSON.
+        seconds = float(waited) * unit if _is_number(waited) else None
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError):
+        return None
+    if seconds is None or not 0 <= seconds < MOST_WAITED:
+        return None
+    return seconds
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:

@@ -1,9 +1,9 @@
 """Matrix rooms: ``matrix://<access token>@<homeserver>/<room id>``, the room
-id as Matrix writes it (``!AbCdEf:example.org``)."""
+id as Matrix writes it (``!AbCdEf:example.org``, or ``!`` and a hash since
+room version 12)."""
 
 from __future__ import annotations
 
-import json
 from urllib.parse import quote, unquote
 
 from django.utils.translation import gettext as _
@@ -14,11 +14,9 @@ from django_federation_delivery.channels.base import (
     Parsed,
     Request,
     UnusableURL,
-    Verdict,
 )
 from django_federation_delivery.channels.events import Event, compact_json
 from django_federation_delivery.channels.text import cut_bytes, cut_json, render_text
-from django_federation_delivery.transport import Answer
 
 __all__ = ["MATRIX_CONTENT_LIMIT", "MATRIX_LIMIT", "Matrix"]
 
@@ -30,13 +28,16 @@ MATRIX_LIMIT = 32_768
 #: of it. JSON writes a text longer than it is: a ``"`` or ``\`` in two
 #: bytes, a control character in six.
 MATRIX_CONTENT_LIMIT = 60 * 1024
-#: The content's JSON around its text.
-_MESSAGE = {"msgtype": "m.text", "body": ""}
+#: The content's JSON around its text. Its empty ``m.mentions`` says it
+#: mentions nobody: without it, a homeserver applies the legacy push rules to
+#: the body, and an "@room", or a member's name, in an event's data would
+#: notify the room or that member (Matrix 1.7, MSC3952).
+_MESSAGE: dict[str, object] = {"msgtype": "m.text", "body": "", "m.mentions": {}}
 
 
 class Matrix(Channel):
     """``PUT /_matrix/client/v3/rooms/<room>/send/m.room.message/<event id>``
-    with ``{"msgtype": "m.text", "body": …}`` (the text cut to 32 KiB, and to
+    with ``{"msgtype": "m.text", "body": …, "m.mentions": {}}`` (the text cut to 32 KiB, and to
     what keeps the content within 60 KiB of JSON), the access token as a bearer
     token. The event's id is the transaction id, so a homeserver that got an
     attempt whose answer was lost takes the retry as the same message. The
@@ -45,6 +46,9 @@ class Matrix(Channel):
     name = "matrix"
     label = "Matrix"
     schemes = ("matrix", "matrix+http")
+    # A homeserver that limits the rate says how long to wait in its body,
+    # and not always in Retry-After.
+    wait_in_body = (("retry_after_ms",), 0.001)
 
     def parse(self, url: str, scheme: str) -> Parsed:
         parts = self.split(self.over(url, scheme))
@@ -52,7 +56,9 @@ class Matrix(Channel):
         if not token or ":" in token:
             raise UnusableURL(_("a Matrix URL is matrix://<access token>@<homeserver>/<room id>"))
         room = unquote(parts.path.strip("/"))
-        if not room.startswith("!") or ":" not in room or "/" in room:
+        # "!opaque:server", or since room version 12 (Matrix 1.16, MSC4291)
+        # "!" and the hash of the room's create event, with no server.
+        if not room.startswith("!") or len(room) < 2 or "/" in room:
             raise UnusableURL(
                 _("a Matrix room is its id, such as !AbCdEf:example.org, not an alias")
             )
@@ -81,18 +87,3 @@ class Matrix(Channel):
             url=url,
             headers={"Authorization": f"Bearer {destination.options['token']}"},
         )
-
-    def judge(self, answer: Answer) -> Verdict:
-        """A homeserver that limits the rate says how long to wait in its body
-        (``retry_after_ms``), and not always in ``Retry-After``."""
-        verdict = super().judge(answer)
-        if answer.status == 429 and verdict.retry_after is None:
-            try:
-                waited = json.loads(answer.body)["retry_after_ms"] / 1000
-            # A stranger's body: an int too big for a float, or nested past
-            # the parser's depth, is as unreadable as one that is not JSON.
-            except (ValueError, TypeError, KeyError, OverflowError, RecursionError):
-                return verdict
-            if isinstance(waited, float) and 0 <= waited < 86400:
-                return Verdict(False, retry_after=waited, detail=verdict.detail)
-        return verdict

@@ -7,7 +7,12 @@ import re
 from django_federation_delivery.channels.base import Destination, Request
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.hooks import HookChannel
-from django_federation_delivery.channels.text import WORD_JOINER, escape_entities, render_text
+from django_federation_delivery.channels.text import (
+    WORD_JOINER,
+    break_links,
+    escape_entities,
+    render_text,
+)
 
 __all__ = ["Slack"]
 
@@ -18,8 +23,9 @@ _QUOTE = re.compile(r"^(?=[ \t]*&gt;)", re.MULTILINE)
 
 class Slack(HookChannel):
     """``{"text": …}`` in mrkdwn, with ``& < >`` escaped so that nothing in an
-    event's data makes a link or a mention (``<!channel>``), and no line of
-    it a quote."""
+    event's data makes a link or a mention (``<!channel>``), a word joiner in
+    each ``://`` and ``www.`` so that no URL of it is made a link, and no
+    line of it a quote."""
 
     name = "slack"
     label = "Slack"
@@ -27,5 +33,6 @@ class Slack(HookChannel):
     public_segments = frozenset({"services"})
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
-        text = escape_entities(render_text(destination, event))
+        # Slack makes a link of a URL by itself (a message's text is not verbatim).
+        text = break_links(escape_entities(render_text(destination, event)))
         return self.json_request(destination, {"text": _QUOTE.sub(WORD_JOINER, text)})

@@ -36,6 +36,9 @@ class Telegram(Channel):
     name = "telegram"
     label = "Telegram"
     schemes = ("telegram",)
+    # The Bot API's 429 says how long to wait in its body, in seconds, and
+    # sends no Retry-After (https://core.telegram.org/bots/api#responseparameters).
+    wait_in_body = (("parameters", "retry_after"), 1.0)
 
     def parse(self, url: str, scheme: str) -> Parsed:
         # Split by hand: the token has a ":" that urlsplit would read as a

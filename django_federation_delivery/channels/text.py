@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ELLIPSIS",
     "WORD_JOINER",
+    "break_links",
     "cut",
     "cut_bytes",
     "cut_json",
@@ -93,6 +94,8 @@ NO_BREAK_SPACE = "\u00a0"
 MENTION = re.compile(r"@(?=\w)")
 #: What a service makes a link of by itself: a scheme's "://" and "www.".
 AUTOLINK = re.compile(r"(:)(//)|\b(www)(\.)", re.IGNORECASE)
+#: A line's end: ``\r\n``, or a ``\r`` alone, as Markdown reads one.
+LINE_ENDING = re.compile(r"\r\n?")
 #: U+2060, invisible and unbreaking: what keeps a mention or a link from being one.
 WORD_JOINER = "\u2060"
 
@@ -107,11 +110,22 @@ def escape_markdown(text: str) -> str:
     too, and its indentation written as no-break spaces, which keep it (a
     stack trace's, a JSON document's) without making code of it. Folding the
     lines of a value into one would read as safely, but turn a log or a
-    traceback into one long line an operator has to take apart again."""
+    traceback into one long line an operator has to take apart again.
+
+    A carriage return ends a line as a line feed does (CommonMark reads a
+    ``\\r`` alone as a line's end, and the renderers of the chat services
+    turn it into ``\\n``): each is written ``\\n``, so that what starts the
+    line after it is escaped too."""
+    text = LINE_ENDING.sub("\n", text)
     text = MARKDOWN_MARKUP.sub(r"\\\1", text)
     text = LINE_MARKUP.sub(_escape_line_start, text)
     text = INDENTATION.sub(_no_break, text)
-    text = MENTION.sub("@" + WORD_JOINER, text)
+    return break_links(MENTION.sub("@" + WORD_JOINER, text))
+
+
+def break_links(text: str) -> str:
+    """``text`` with a word joiner inside each ``://`` and ``www.``: what a
+    service would make a link of by itself, shown as written."""
     return AUTOLINK.sub(lambda m: WORD_JOINER.join(part for part in m.groups() if part), text)
 
 
