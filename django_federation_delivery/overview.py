@@ -20,6 +20,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import heartbeats
 from django_federation_delivery.conf import database_alias
+from django_federation_delivery.dialect import aware
 from django_federation_delivery.heartbeats import SeenDeliverer
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Breaker, Delivery, Lane, Status
@@ -138,7 +139,7 @@ class Overview:
     def as_json(self) -> dict[str, Any]:
         """A JSON-ready dict: datetimes as ISO 8601 strings."""
         return {
-            "at": self.at.isoformat(),
+            "at": aware(self.at).isoformat(),
             "lanes": [_jsonable(lane) for lane in self.lanes],
             "total": _jsonable(self.total),
             "failing_hosts": [_jsonable(host) for host in self.failing_hosts],
@@ -156,13 +157,13 @@ def _jsonable(item: Any) -> dict[str, Any]:
     if isinstance(item, LaneStats):
         fields["pending"] = item.pending
     return {
-        name: value.isoformat() if isinstance(value, dt.datetime) else value
+        name: aware(value).isoformat() if isinstance(value, dt.datetime) else value
         for name, value in fields.items()
     }
 
 
 def _iso(value: dt.datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
+    return aware(value).isoformat() if value is not None else None
 
 
 def format_duration(seconds: float) -> str:

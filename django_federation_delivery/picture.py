@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from django_federation_delivery.addresses import host_named
 from django_federation_delivery.conf import database_alias
+from django_federation_delivery.dialect import aware
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 
 __all__ = [
@@ -87,7 +88,7 @@ class HostPicture:
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dt.datetime):
-        return value.isoformat()
+        return aware(value).isoformat()
     return value
 
 

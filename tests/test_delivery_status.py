@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
 import json
@@ -9,7 +10,7 @@ import re
 from typing import Any
 
 import pytest
-from django.core.management import CommandError, call_command
+from django.core.management import CommandError, call_command, load_command_class
 from django.core.management.base import SystemCheckError
 from django.db import connection
 from django.utils import timezone
@@ -469,3 +470,63 @@ def test_check_on_this_host_counts_only_its_own_deliverers() -> None:
 def test_check_refuses_a_bad_max_lag_naming_it(value: str) -> None:
     code, line = check("--max-lag", value)
     assert code == 3 and line.startswith("UNKNOWN: ") and f"not {value!r}" in line, line
+
+
+def run_from_command_line(*args: str) -> tuple[int, str, str]:
+    """``manage.py delivery_status ARGS`` in this process, as a probe runs it:
+    its exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        # Made here, as manage.py makes it: its stdout is sys.stdout now.
+        command = load_command_class("django_federation_delivery", "delivery_status")
+        try:
+            command.run_from_argv(["manage.py", "delivery_status", *args])
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--check", "--max-lag"], "argument --max-lag: expected one argument"),
+        (["--check", "--max-lag", "-1h"], "argument --max-lag: expected one argument"),
+        (["--max-lag", "600", "--chec", "--this-hots"], "unrecognized arguments: --this-hots"),
+        (["--check", "--hosts"], "argument --hosts: expected one argument"),
+    ],
+)
+def test_a_probe_whose_arguments_argparse_refuses_is_unknown_not_critical(
+    args: list[str], said: str
+) -> None:
+    # From a command line argparse exits 2 on them, which Nagios reads as
+    # CRITICAL: a probe set up wrong must not be read as a state of the queue.
+    code, out, err = run_from_command_line(*args)
+    assert code == 3, (code, out, err)
+    assert out == f"UNKNOWN: {said}\n"
+
+
+@pytest.mark.django_db
+def test_arguments_argparse_refuses_without_check_are_its_usage_and_status_2() -> None:
+    code, out, err = run_from_command_line("--hosts")
+    assert (code, out) == (2, "")
+    assert "argument --hosts: expected one argument" in err
+
+
+@pytest.mark.django_db
+def test_with_use_tz_off_the_times_shown_are_in_utc_as_the_header_says(settings: Any) -> None:
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/New_York"
+    out = io.StringIO()
+    call_command("delivery_status", stdout=out)
+    header = out.getvalue().splitlines()[0]
+    said = re.fullmatch(r"Queues at (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) UTC", header)
+    assert said is not None, header
+    shown = dt.datetime.strptime(said[1], "%Y-%m-%d %H:%M:%S").replace(tzinfo=dt.UTC)
+    assert abs((shown - dt.datetime.now(dt.UTC)).total_seconds()) < 120, header
+    out = io.StringIO()
+    call_command("delivery_status", "--json", stdout=out)
+    at = dt.datetime.fromisoformat(json.loads(out.getvalue())["at"])
+    assert at.utcoffset() is not None
+    assert abs((at - dt.datetime.now(dt.UTC)).total_seconds()) < 120

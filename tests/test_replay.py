@@ -310,6 +310,9 @@ def test_a_restored_inbox_receives_what_it_missed_again(inboxes: Callable[..., I
         (["--host=", "--since=1h"], "--host '' names nothing"),
         (["--destination= ", "--since=1h"], "--destination ' ' names nothing"),
         (["--host=a.example", "--since=99999999d"], "'99999999d' reaches back before the year 1"),
+        (["--host=a.example", "--since=0h"], "--since '0h' is not in the past"),
+        (["--host=a.example", "--since=00d"], "--since '00d' is not in the past"),
+        (["--host=a.example", "--since=2999-01-01T00:00"], "'2999-01-01T00:00' is not in the past"),
         (["--host=http://", "--since=1h"], "--host 'http://' names no host"),
         (["--host=nowhere.example", "--since=1h"], "no host named 'nowhere.example' has been"),
         (

@@ -94,12 +94,15 @@ MOST_MOMENT = 40
 
 
 def moment(value: str) -> dt.datetime:
-    """``value`` as an aware datetime: ISO 8601, or a span back from now
-    ("6h"); ``CommandError`` naming it otherwise."""
+    """``value`` as an aware datetime before now: ISO 8601, or a span back
+    from now ("6h"); ``CommandError`` naming it otherwise (a moment not in
+    the past would replay nothing, and say so as if it had looked)."""
     text = value.strip()
     shown = quoted(value)
     number = text[:-1]
     if number.isascii() and number.isdigit() and text[-1:] in UNITS:
+        if not number.strip("0"):
+            raise _not_past(shown)
         try:
             # Past 10**12 units, before the year 1 whatever the unit.
             if len(number) > 12:
@@ -130,4 +133,13 @@ def moment(value: str) -> dt.datetime:
         raise CommandError(
             _("--since %(value)s falls outside the calendar in UTC") % {"value": shown}
         ) from None
+    if parsed >= aware_now():
+        raise _not_past(shown)
     return parsed
+
+
+def _not_past(shown: str) -> CommandError:
+    return CommandError(
+        _("--since %(value)s is not in the past: what is replayed was settled since then")
+        % {"value": shown}
+    )

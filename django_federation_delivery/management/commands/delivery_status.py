@@ -3,11 +3,12 @@ with ``--check``, a health check for a probe (Kubernetes, Nagios, cron)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import socket
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from django.core import checks
 from django.core.management.base import CommandError, CommandParser, SystemCheckError
@@ -17,6 +18,7 @@ from django.utils.translation import gettext_noop, ngettext
 
 from django_federation_delivery import heartbeats, store
 from django_federation_delivery.addresses import escaped, quoted
+from django_federation_delivery.dialect import aware
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     add_database_option,
@@ -72,7 +74,11 @@ def _seconds(value: str) -> int:
 
 
 def _when(value: Any) -> str:
-    return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "—"
+    """A time in UTC, as the header says every time shown is: one read naive
+    (``USE_TZ = False``) is in ``TIME_ZONE``."""
+    if value is None:
+        return "—"
+    return aware(value).astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _json(document: dict[str, Any]) -> str:
@@ -341,6 +347,24 @@ class Command(TranslatedCommand):
     #: Whether the command runs as ``--check``: its system checks are then
     #: the probe's too.
     probing = False
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        # Arguments argparse refuses from a command line end the process with
+        # its status 2, CRITICAL to a probe: with --check (or an abbreviation
+        # argparse takes for it), they are the probe's UNKNOWN line instead.
+        self.probing = any(len(arg) > 2 and "--check".startswith(arg) for arg in argv[2:])
+        super().run_from_argv(argv)
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        if self.probing:
+            parser.error = self._unknown_arguments  # type: ignore[method-assign]
+        return parser
+
+    def _unknown_arguments(self, message: str) -> NoReturn:
+        self.stdout.write(f"UNKNOWN: {escaped(message)}")
+        self.stdout.flush()
+        sys.exit(UNKNOWN)
 
     def execute(self, *args: Any, **options: Any) -> Any:
         self.probing = bool(options.get("check"))
