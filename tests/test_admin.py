@@ -38,6 +38,9 @@ pytestmark = pytest.mark.django_db
 #: the live deliverers' heartbeats, and one for the history's charts.
 QUEUES_QUERY_BOUND = 17
 
+#: A key no 64-bit integer column can hold: a number, so ``to_python`` takes it.
+PAST_BIGINT = "99999999999999999999"
+
 
 def url(model: str, view: str = "changelist", *args: Any) -> str:
     return reverse(f"admin:federation_delivery_{model}_{view}", args=args)
@@ -904,16 +907,21 @@ def test_a_filter_or_search_holding_a_nul_goes_back_to_the_list(
         ("host", "give_up", ["a.example", "b.example\x00"]),
         ("breaker", "reset", ["x\x00"]),
         ("breaker", "pause_hosts", ["a.example\x00"]),
-        # A delivery's and a batch's key is a number.
+        # A delivery's and a batch's key is a number, and one its column holds.
         ("delivery", "requeue", ["abc"]),
         ("batch", "cancel_pending", ["1\x00"]),
+        ("delivery", "give_up", [PAST_BIGINT]),
+        ("delivery", "requeue", [PAST_BIGINT]),
+        ("batch", "cancel_pending", [PAST_BIGINT]),
+        ("batch", "requeue_failed", [f"-{PAST_BIGINT}"]),
     ],
 )
 def test_an_action_on_a_selection_no_row_can_have_changes_nothing_and_says_so(
     operator: Client, model: str, action: str, selected: list[str]
 ) -> None:
     # PostgreSQL's text holds no NUL: a selection with one must not reach it,
-    # on either database. It is refused as an action with nothing selected is.
+    # on either database; nor a number past 64 bits, which SQLite's driver
+    # cannot bind (a 500). It is refused as an action with nothing selected is.
     queue()
     open_breaker("a.example")
     before = list(Delivery.objects.values_list("pk", "status", "due_at"))

@@ -98,14 +98,18 @@ class OperatorAdmin(_ModelAdmin[_M]):
     def selectable(self, selected: list[str]) -> bool:
         """Whether each key an action's form posted is one a row can have, so
         that the action's query can be made: no text column holds a NUL
-        (PostgreSQL's cannot), and a number's key is a number."""
+        (PostgreSQL's cannot), and a number's key is a number its column
+        holds (past a 64-bit integer, SQLite's driver cannot even bind it)."""
         field = self.model._meta.pk
         assert field is not None
         for key in selected:
             if "\x00" in key:
                 return False
             try:
-                field.to_python(key)
+                value = field.to_python(key)
+                if isinstance(value, int):
+                    # The column's range, as the field's validators say it.
+                    field.run_validators(value)
             except ValidationError:
                 return False
         return True
