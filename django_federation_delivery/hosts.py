@@ -20,6 +20,7 @@ from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.store.locks import write_first
+from django_federation_delivery.store.queueing import CHUNK
 
 #: How long a host's remembered scheme is trusted before it is read again,
 #: so that what another process learnt reaches this one.
@@ -30,11 +31,20 @@ _SCHEMES = frozenset(scheme.value for scheme in Scheme)
 def paused_hosts(among: Iterable[str] | None = None, *, using: str | None = None) -> set[str]:
     """The names of the hosts an operator paused (of ``among`` only, if
     given): one query of a small table, whoever asks (the deliverer, the
-    admin, the overview)."""
+    admin, the overview); of ``among``, one a :data:`CHUNK` of its names, as
+    the admin's "select all" may name more hosts than SQLite takes
+    parameters in a statement."""
     paused = Host.objects.using(using or database_alias()).filter(paused_at__isnull=False)
-    if among is not None:
-        paused = paused.filter(name__in=list(among))
-    return set(paused.values_list("name", flat=True))
+    if among is None:
+        return set(paused.values_list("name", flat=True))
+    names = list(among)
+    return {
+        name
+        for start in range(0, len(names), CHUNK)
+        for name in paused.filter(name__in=names[start : start + CHUNK]).values_list(
+            "name", flat=True
+        )
+    }
 
 
 def pause_host(host: str, *, using: str | None = None) -> int:

@@ -76,12 +76,20 @@ def replay(
 def to_replay(keys: list[str], *, since: dt.datetime, using: str | None = None) -> int:
     """How many deliveries :func:`replay_host` of each of ``keys`` would queue
     again: one count on the index of (host, status), each row's batch read by
-    its primary key (see :func:`_replayable`)."""
-    return _replayable(
-        Delivery.objects.using(using or database_alias()).filter(
-            host__in=keys, status__in=REPLAYED, settled_at__gte=orm_datetime(since)
-        )
-    ).count()
+    its primary key (see :func:`_replayable`). A count a
+    :data:`~store.queueing.CHUNK` of keys: the admin's "select all" may name
+    more hosts than SQLite takes parameters in a statement."""
+    manager = Delivery.objects.using(using or database_alias())
+    return sum(
+        _replayable(
+            manager.filter(
+                host__in=keys[start : start + queueing.CHUNK],
+                status__in=REPLAYED,
+                settled_at__gte=orm_datetime(since),
+            )
+        ).count()
+        for start in range(0, len(keys), queueing.CHUNK)
+    )
 
 
 def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> list[Batch]:
