@@ -22,7 +22,7 @@ import datetime as dt
 import hashlib
 
 from django.db import transaction
-from django.db.models import Exists, Min, OuterRef, QuerySet
+from django.db.models import Count, Exists, Min, OuterRef, QuerySet
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
@@ -73,23 +73,25 @@ def replay(
     return replay_host(key, since=since, using=using)
 
 
-def to_replay(keys: list[str], *, since: dt.datetime, using: str | None = None) -> int:
+def to_replay(keys: list[str], *, since: dt.datetime, using: str | None = None) -> dict[str, int]:
     """How many deliveries :func:`replay_host` of each of ``keys`` would queue
-    again: one count on the index of (host, status), each row's batch read by
-    its primary key (see :func:`_replayable`). A count a
-    :data:`~store.queueing.CHUNK` of keys: the admin's "select all" may name
-    more hosts than SQLite takes parameters in a statement."""
+    again, for each key that has any: one count on the index of (host,
+    status), each row's batch read by its primary key (see
+    :func:`_replayable`). A count a :data:`~store.queueing.CHUNK` of keys:
+    the admin's "select all" may name more hosts than SQLite takes
+    parameters in a statement, most of them with nothing to replay."""
     manager = Delivery.objects.using(using or database_alias())
-    return sum(
-        _replayable(
+    counts: dict[str, int] = {}
+    for start in range(0, len(keys), queueing.CHUNK):
+        matching = _replayable(
             manager.filter(
                 host__in=keys[start : start + queueing.CHUNK],
                 status__in=REPLAYED,
                 settled_at__gte=orm_datetime(since),
             )
-        ).count()
-        for start in range(0, len(keys), queueing.CHUNK)
-    )
+        )
+        counts.update(matching.values_list("host").annotate(count=Count("id")).order_by())
+    return counts
 
 
 def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> list[Batch]:

@@ -10,12 +10,17 @@ from django_federation_delivery.hosts import (
     KnownSchemes,
     host_schemes,
     pause_host,
+    pause_hosts,
     paused_hosts,
     remember_schemes,
     resume_host,
+    resume_hosts,
 )
-from django_federation_delivery.models import Host
+from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.store.queueing import CHUNK
+
+from .operators import queue
 
 
 def run(function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -97,3 +102,21 @@ def test_the_paused_hosts_are_those_paused_and_not_resumed_among_those_asked_abo
     assert paused_hosts() == {"a.example", "c.example"}
     assert paused_hosts(["c.example", "b.example", "d.example", "e.example"]) == {"c.example"}
     assert paused_hosts([]) == set()
+
+
+@pytest.mark.django_db
+def test_many_hosts_are_paused_and_resumed_a_chunk_at_a_time() -> None:
+    # As the admin's "select all" names them: more than a statement takes,
+    # a name given twice, and a destination disabled (its reason goes).
+    names = [f"h{n}.example" for n in range(CHUNK * 2 + 1)]
+    queue(hosts=names[:2])
+    Host.objects.create(name=names[-1], disabled_reason="the receiver answered 410 Gone")
+
+    assert pause_hosts([*names, names[0]]) == 4
+    assert paused_hosts(names) == set(names)
+    assert not Host.objects.exclude(disabled_reason="").exists()
+    assert Delivery.objects.filter(due_at__isnull=True).count() == 4
+
+    assert resume_hosts(names) == 4
+    assert paused_hosts() == set()
+    assert Delivery.objects.filter(status=Status.PENDING, due_at__isnull=True).count() == 0

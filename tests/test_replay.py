@@ -127,7 +127,7 @@ def test_a_replay_whose_batches_were_delivered_is_not_itself_replayed_again() ->
         assert [(b.pk, b.created) for b in again] == [(first.pk, False)]
     assert Delivery.objects.count() == 2
     # And the admin counts what it would replay so.
-    assert replaying.to_replay(["a.example"], since=since) == 1
+    assert replaying.to_replay(["a.example"], since=since) == {"a.example": 1}
     # A send whose own key begins as a replay's is still replayed.
     mine = send(ALICE, note(2), ["https://a.example/inbox"], idempotency_key="replay-mine")
     assert mine is not None
@@ -187,7 +187,7 @@ def test_what_a_retraction_sent_before_a_replay_took_back_is_not_replayed(
     # their retractions (or, the Delete still pending, before it): left out.
     expected = [kept.pk, undone.pk] + ([deleted.pk] if deleted_as == Status.DELIVERED else [])
     assert [b.tag for b in again] == [f"replay of batch {pk}" for pk in expected]
-    assert counted == len(expected)
+    assert counted == {"a.example": len(expected)}
 
 
 @pytest.mark.django_db
@@ -211,7 +211,7 @@ def test_only_a_retraction_sent_to_the_host_keeps_what_it_took_back_from_its_rep
     for host in ("a.example", "b.example"):
         replayed = replay(host=host, since=since)
         assert [batch.tag for batch in replayed] == [f"replay of batch {deleted.pk}"], host
-        assert replaying.to_replay([host], since=since) == 1
+        assert replaying.to_replay([host], since=since) == {host: 1}
 
 
 @pytest.mark.django_db
@@ -227,7 +227,7 @@ def test_with_use_tz_off_a_host_is_replayed_since_a_span_or_a_moment(settings: A
     call_command("delivery_replay", "--host=a.example", "--since=1h", stdout=out)
     assert "1 delivery, in 1 new batch" in out.getvalue()
     since = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
-    assert replaying.to_replay(["a.example"], since=since) == 1
+    assert replaying.to_replay(["a.example"], since=since) == {"a.example": 1}
     assert len(replay(host="a.example", since=since)) == 1
 
 

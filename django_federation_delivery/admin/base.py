@@ -232,7 +232,7 @@ def pause_and_report(
     # in the database of the rows that named it.
     already = hosts.paused_hosts(names, using=using)
     pausing = [name for name in names if name not in already]
-    held = sum(hosts.pause_host(name, using=using) for name in pausing)
+    held = hosts.pause_hosts(pausing, using=using)
     message = _("Paused %(hosts)s: %(deliveries)s held until resumed.") % {
         "hosts": host_count(len(pausing)),
         "deliveries": pending_count(held),
@@ -250,7 +250,7 @@ def resume_and_report(
     model_admin: admin.ModelAdmin[Any], request: HttpRequest, names: list[str], *, using: str
 ) -> None:
     paused = sorted(hosts.paused_hosts(names, using=using))
-    released = sum(hosts.resume_host(name, using=using) for name in paused)
+    released = hosts.resume_hosts(paused, using=using)
     held = ngettext("%(count)d held delivery", "%(count)d held deliveries", released) % {
         "count": released
     }
