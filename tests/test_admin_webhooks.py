@@ -452,6 +452,31 @@ def test_enabling_a_destination_again_needs_the_change_permission_on_hosts(
 
 
 @pytest.mark.django_db
+def test_enabling_a_destination_no_longer_disabled_changes_nothing_and_says_so(
+    operator: Client, settings: Any
+) -> None:
+    # The page was loaded while "ops" was disabled; since, it was enabled
+    # (enable_webhook, another operator) and fails again: its first event
+    # waits out a retry, and its failing clock runs. The stale button's POST
+    # cleared the clock, made the event due now and said "ops enabled again".
+    configure(settings, {"ops": SLACK})
+    send_webhook("ops", "alert.raised", {"n": 0})
+    failing_since = timezone.now() - dt.timedelta(days=2)
+    Host.objects.create(name="<ops>", failing_since=failing_since)
+    later(Delivery.objects.get(), "HTTP 503")
+    retry_at = Delivery.objects.get().due_at
+    response = operator.post(
+        reverse("admin:federation_delivery_delivery_enable_destination"),
+        {"name": "ops"},
+        follow=True,
+    )
+    [message] = list(response.context["messages"])
+    assert (message.level_tag, str(message)) == ("warning", "ops is not disabled: nothing to do.")
+    assert Host.objects.get(name="<ops>").failing_since == failing_since
+    assert Delivery.objects.get().due_at == retry_at
+
+
+@pytest.mark.django_db
 def test_a_destination_resumed_from_the_hosts_list_and_paused_again_reads_as_paused(
     operator: Client, settings: Any
 ) -> None:

@@ -86,8 +86,12 @@ def enable_destination(
     name = request.POST.get("name", "")
     if not any(status.name == name for status in destination_status()):
         raise PermissionDenied
+    # A page loaded while it was disabled may be posted after another
+    # operator (or enable_webhook) enabled it: then nothing is done, and
+    # said as the command says it.
     released = life.enable(name)
-    model_admin.message_user(request, life.enabled(name, released), messages.SUCCESS)
+    level = messages.WARNING if released is None else messages.SUCCESS
+    model_admin.message_user(request, life.enabled(name, released), level)
     site = model_admin.admin_site
     return HttpResponseRedirect(
         reverse("admin:federation_delivery_delivery_destinations", current_app=site.name)

@@ -22,7 +22,7 @@ from http import HTTPStatus
 from django.db import transaction
 from django.db.models import Max, QuerySet
 from django.utils import timezone
-from django.utils.translation import ngettext
+from django.utils.translation import gettext, ngettext
 
 from django_federation_delivery import hosts, signals
 from django_federation_delivery.attempt import AttemptResult
@@ -77,14 +77,21 @@ def _tell(disabled: signals.DestinationDisabled) -> None:
     signals.send_safely(signals.webhook_destination_disabled, disabled=disabled)
 
 
-def enable(name: str, *, using: str | None = None) -> int:
+def enable(name: str, *, using: str | None = None) -> int | None:
     """Enable the destination ``name`` again (or resume it, paused): its held
-    events are due now, the first in line first. Returns how many were released."""
+    events are due now, the first in line first. Returns how many were
+    released; None, with nothing changed, if it is neither disabled nor
+    paused (enabled since the page asking was loaded): its failing clock and
+    its first event's retry are the deliverer's, not to be reset."""
     alias = using or database_alias()
     key = delivery_key(name)
     with transaction.atomic(using=alias):
         # Its reason for being disabled goes with the pause (resume_host).
-        Host.objects.using(alias).filter(name=key).update(failing_since=None)
+        # The write says whether it is paused: asked first, another
+        # operator's enabling could come in between.
+        paused = Host.objects.using(alias).filter(name=key, paused_at__isnull=False)
+        if not paused.update(failing_since=None):
+            return None
         released = hosts.resume_host(key, using=alias)
         # The first in line may have a retry of its own to wait for (it was
         # in flight when the destination was disabled): due now too.
@@ -96,8 +103,11 @@ def enable(name: str, *, using: str | None = None) -> int:
         )
 
 
-def enabled(name: str, released: int) -> str:
-    """What enabling ``name`` did, for the admin's message and the command."""
+def enabled(name: str, released: int | None) -> str:
+    """What enabling ``name`` did, for the admin's message and the command:
+    ``released`` as :func:`enable` returns it."""
+    if released is None:
+        return gettext("%(name)s is not disabled: nothing to do.") % {"name": name}
     return ngettext(
         "%(name)s enabled again: %(count)d event is due now.",
         "%(name)s enabled again: %(count)d events are due now, in order.",

@@ -33,15 +33,10 @@ class Command(TranslatedCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         name, using = options["name"], database_named(options["database"])
         require_migrations(using)
-        found = {status.name: status for status in destination_status(using=using)}
-        status = found.get(name)
-        if status is None:
+        found = {status.name for status in destination_status(using=using)}
+        if name not in found:
             raise CommandError(
                 _("no webhook destination named %(name)s (known: %(known)s)")
                 % {"name": quoted(name), "known": escaped(", ".join(sorted(found))) or _("none")}
             )
-        if not status.disabled:
-            self.stdout.write(_("%(name)s is not disabled: nothing to do.") % {"name": name})
-            return
-        released = life.enable(name, using=using)
-        self.stdout.write(life.enabled(name, released))
+        self.stdout.write(life.enabled(name, life.enable(name, using=using)))
