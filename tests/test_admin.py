@@ -667,6 +667,61 @@ def test_the_queues_page_needs_the_view_permission() -> None:
     assert anonymous.status_code == 302 and "/login/" in anonymous["Location"]
 
 
+#: Permissions beside the view permission on deliveries, and what of the
+#: breakers', hosts' and batches' the pages may show with them: the change
+#: permission alone lets one view a list, as the admin has it.
+SEEN_WITH = [
+    (("view_delivery",), set()),
+    (("view_delivery", "view_breaker"), {"breakers"}),
+    (("view_delivery", "change_host"), {"hosts"}),
+    (("view",), {"batches", "breakers", "hosts"}),
+]
+
+
+@pytest.mark.parametrize(("permissions", "seen"), SEEN_WITH)
+def test_the_queues_page_shows_breakers_hosts_and_batches_only_to_who_may_view_them(
+    permissions: tuple[str, ...], seen: set[str]
+) -> None:
+    # view_delivery opens the queues page: its breakers' and paused hosts'
+    # rows, and its links to their lists and the batches', were shown to a
+    # user those lists answer 403.
+    row = queue().deliveries.filter(host="a.example").first()
+    assert row is not None
+    Delivery.objects.filter(pk=row.pk).update(attempts=2, last_status=503)
+    open_breaker("a.example", failures=7)
+    controls.pause_host("b.example")
+    client = login("someone", permissions)
+    page = html(client, url("delivery", "queues"))
+    links = {
+        link.replace("&amp;", "&")
+        for link in re.findall(r'href="(/admin/federation_delivery/[^"]*)"', page)
+    }
+    refused = sorted(link for link in links if client.get(link).status_code != 200)
+    failing = page.split('id="fd-failing-hosts"')[1].split("</table>")[0]
+    shown = {
+        "batches": url("batch") in links,
+        "breakers": 'id="fd-open-breakers"' in page and "Failures in a row" in failing,
+        "hosts": 'id="fd-paused-hosts"' in page and "Paused" in failing,
+    }
+    assert (refused, {name for name, yes in shown.items() if yes}) == ([], seen)
+    assert ("/breaker/a.example/" in page) == ("breakers" in seen)
+    # The host failing most is the deliveries': shown to all who see them.
+    assert "a.example" in failing
+
+
+@pytest.mark.parametrize(("permissions", "seen"), SEEN_WITH)
+def test_the_host_filter_offers_paused_hosts_and_breakers_only_to_who_may_view_them(
+    permissions: tuple[str, ...], seen: set[str]
+) -> None:
+    queue(hosts=["c.example"])
+    open_breaker("a.example", failures=7)
+    controls.pause_host("b.example")
+    page = html(login("someone", permissions), url("delivery"))
+    offered = {name for name in ("a.example", "b.example") if f'?host={name}"' in page}
+    expected = {"a.example": "breakers", "b.example": "hosts"}
+    assert offered == {name for name, model in expected.items() if model in seen}
+
+
 # Filters and search.
 
 

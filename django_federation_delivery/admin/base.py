@@ -195,6 +195,14 @@ def can(request: HttpRequest, action: str, model: type[Model]) -> bool:
     return request.user.has_perm(f"{opts.app_label}.{action}_{opts.model_name}")
 
 
+def may_view(request: HttpRequest, site: admin.AdminSite, model: type[Model]) -> bool:
+    """Whether the user may see ``model``'s rows on ``site``, as its own admin
+    answers (the view or the change permission): another page shows them,
+    and links to their list, only then, rather than a link answered 403."""
+    model_admin = site._registry.get(model)
+    return model_admin is not None and model_admin.has_view_permission(request)
+
+
 def report(
     model_admin: admin.ModelAdmin[Any], request: HttpRequest, count: int, message: str
 ) -> None:

@@ -23,6 +23,7 @@ from django_federation_delivery.admin.base import (
     OperatorAdmin,
     host_searched,
     kept_text,
+    may_view,
     next_due,
     pause_and_report,
     pending_count,
@@ -32,7 +33,7 @@ from django_federation_delivery.admin.base import (
 from django_federation_delivery.admin.destinations import destinations_page, enable_destination
 from django_federation_delivery.admin.queues import queues_page
 from django_federation_delivery.hosts import paused_hosts
-from django_federation_delivery.models import Breaker, Delivery, Kind, Status
+from django_federation_delivery.models import Breaker, Delivery, Host, Kind, Status
 from django_federation_delivery.store.claims import BAD_GATEWAYS
 from django_federation_delivery.webhooks.destinations import configured, delivery_key
 
@@ -87,17 +88,22 @@ class QueueFilter(admin.SimpleListFilter):
 
 
 class HostFilter(admin.SimpleListFilter):
-    """Offers the paused hosts and those with breakers (small tables); any
-    other host is filtered by ``?host=`` all the same."""
+    """Offers the paused hosts and those with breakers (small tables), each
+    to a user who may see their rows; any other host is filtered by
+    ``?host=`` all the same."""
 
     title = _("host")
     parameter_name = "host"
     offered = 20
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        paused = sorted(paused_hosts())
-        failing = Breaker.objects.exclude(key__contains="://").order_by("-failures")
-        names = {*paused[: self.offered], *failing.values_list("key", flat=True)[: self.offered]}
+        site = model_admin.admin_site
+        names: set[str] = set()
+        if may_view(request, site, Host):
+            names.update(sorted(paused_hosts())[: self.offered])
+        if may_view(request, site, Breaker):
+            failing = Breaker.objects.exclude(key__contains="://").order_by("-failures")
+            names.update(failing.values_list("key", flat=True)[: self.offered])
         if self.value():
             names.add(str(self.value()))
         return [(name, escaped(name)) for name in sorted(names)]

@@ -14,7 +14,7 @@ from django.utils.safestring import SafeString, mark_safe
 from django.utils.translation import gettext
 
 from django_federation_delivery import charts, history, overview
-from django_federation_delivery.admin.base import changelist_url
+from django_federation_delivery.admin.base import changelist_url, may_view
 from django_federation_delivery.admin.destinations import can_enable, destination_rows
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
 from django_federation_delivery.overview import BREAKER_STATES
@@ -24,12 +24,17 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
     """The queues at a glance: each lane's due, scheduled, in-flight and held
     deliveries, the live deliverers, the webhook destinations, the hosts
     failing most, the open breakers and the paused hosts; and the history's
-    charts, the last hour by minute and the last two days by hour."""
+    charts, the last hour by minute and the last two days by hour.
+
+    Breakers, hosts and batches are shown, and linked to, only to a user
+    who may see their own lists: the view permission on deliveries opens
+    this page, not theirs."""
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
     request.current_app = model_admin.admin_site.name
     status = overview.overview()
     site = model_admin.admin_site
+    see_breakers, see_hosts = may_view(request, site, Breaker), may_view(request, site, Host)
 
     def deliveries(**params: str) -> str:
         return changelist_url(Delivery, site, **params)
@@ -60,9 +65,11 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
         "deliverers": status.deliverers,
         "stalled": status.stalled,
         "deliveries_url": deliveries(),
-        "batches_url": changelist_url(Batch, site),
-        "breakers_url": changelist_url(Breaker, site),
-        "hosts_url": changelist_url(Host, site),
+        "batches_url": changelist_url(Batch, site) if may_view(request, site, Batch) else "",
+        "breakers_url": changelist_url(Breaker, site) if see_breakers else "",
+        "hosts_url": changelist_url(Host, site) if see_hosts else "",
+        "may_view_breakers": see_breakers,
+        "may_view_hosts": see_hosts,
         "destinations_url": reverse(
             "admin:federation_delivery_delivery_destinations", current_app=site.name
         ),
@@ -93,11 +100,11 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
                 else "",
                 BREAKER_STATES.get(breaker.state, breaker.state),
             )
-            for breaker in status.open_breakers
+            for breaker in (status.open_breakers if see_breakers else ())
         ],
         "paused_hosts": [
             (name, deliveries(host=name, status__exact=Status.PENDING))
-            for name in status.paused_hosts
+            for name in (status.paused_hosts if see_hosts else ())
         ],
     }
     return TemplateResponse(request, "admin/federation_delivery/queues.html", context)
