@@ -200,15 +200,17 @@ class QueueRouter:
 
 
 @pytest.fixture(autouse=True)
-def _queue_needs_no_query_for_checks() -> None:
+def _checks_need_no_query() -> None:
     """Since Django 6.1, ``run_checks()`` runs the model checks against every
     database, and on SQLite the one of ``JSONField`` asks the database once a
-    connection: a query to "queue" in a test that did not ask for it, which
-    the test refuses. SQLite's answer is the same for both files (one
-    library, whose JSON the package needs), so "queue" is told it."""
-    features = connections["queue"].features
-    if connections["queue"].vendor == "sqlite" and "supports_json_field" not in vars(features):
-        features.supports_json_field = True
+    connection: a query in a test that did not ask for the database (or not
+    for "queue"), which the test refuses, unless an earlier test in the
+    same process happened to ask already. SQLite's answer is the same for
+    every file (one library, whose JSON the package needs), so each is told it."""
+    for alias in ("default", "queue"):
+        features = connections[alias].features
+        if connections[alias].vendor == "sqlite" and "supports_json_field" not in vars(features):
+            features.supports_json_field = True
 
 
 @pytest.fixture
