@@ -5,12 +5,14 @@ as a host project's tests use them."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import secrets
 from typing import Any
 
 import pytest
 import requests
-from django.test import TransactionTestCase
+from django.db import transaction
+from django.test import TestCase, TransactionTestCase
 
 from django_federation_delivery import (
     PortableInbox,
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
 INBOX = "https://mastodon.example/users/bob/inbox"
 KEY = base64.b64encode(secrets.token_bytes(32)).decode()
+SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
 
 
 def test_posting_sends_a_signed_create_that_a_real_server_would_accept(
@@ -66,6 +69,67 @@ def test_the_outbox_lists_every_kind_of_send_with_the_headers_it_would_sign(
     assert "Signature-Input" in inbox.headers(scheme="rfc9421")
     assert {"webhook-id", "webhook-timestamp", "webhook-signature"} <= set(hook.headers())
     assert Delivery.objects.count() == 3, "queued, and nothing sent"
+
+
+class Failed(Exception):
+    """Raised to roll back what was sent."""
+
+
+def _rolled_back() -> None:
+    with contextlib.suppress(Failed), transaction.atomic():
+        send(ALICE, NOTE, [INBOX])
+        raise Failed
+    # On SQLite the next row written takes the ids the rolled back one had.
+    send(ALICE, {**NOTE, "id": f"{ALICE}/activities/2"}, [INBOX])
+
+
+def _savepoint_rolled_back() -> None:
+    with transaction.atomic():
+        send(ALICE, {**NOTE, "id": f"{ALICE}/activities/2"}, [INBOX])
+        with contextlib.suppress(Failed), transaction.atomic():
+            send(ALICE, NOTE, [INBOX])
+            raise Failed
+        send_webhook("ops", "alert.raised", {"host": "db1"})
+
+
+def _webhook_rolled_back() -> None:
+    with contextlib.suppress(Failed), transaction.atomic():
+        send_webhook("ops", "alert.raised", {"host": "db1"})
+        raise Failed
+
+
+@pytest.mark.parametrize(
+    "database",
+    [
+        pytest.param("transactional_db", marks=pytest.mark.django_db(transaction=True)),
+        # Django's TestCase: the test's own transaction never commits.
+        pytest.param("db", marks=pytest.mark.django_db),
+    ],
+)
+@pytest.mark.parametrize(
+    "undo",
+    [_rolled_back, _savepoint_rolled_back, _webhook_rolled_back],
+    ids=["transaction", "savepoint", "webhook"],
+)
+def test_the_outbox_lists_what_is_queued_and_not_what_a_rollback_undid(
+    undo: Any, database: str, delivery_outbox: list[Outgoing], settings: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": SLACK}}
+    undo()
+    queued = list(Delivery.objects.order_by("id").values_list("id", "kind", "inbox"))
+    assert len(delivery_outbox) == len(queued)
+    assert [(out.delivery_id, out.kind, out.inbox) for out in delivery_outbox] == queued
+
+
+class TestCaseTests(DeliveryTestMixin, TestCase):
+    """A project on Django's runner, in a TestCase: nothing commits."""
+
+    def test_a_send_a_savepoint_rolled_back_is_not_in_the_outbox(self) -> None:
+        with contextlib.suppress(Failed), transaction.atomic():
+            send(ALICE, NOTE, [INBOX])
+            raise Failed
+        send(ALICE, NOTE, ["https://pleroma.example/inbox"])
+        assert [out.inbox for out in self.delivery_outbox] == ["https://pleroma.example/inbox"]
 
 
 def test_a_server_that_verifies_only_rfc9421_is_knocked_on_twice(fake_inbox: FakeInbox) -> None:

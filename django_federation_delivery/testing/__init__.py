@@ -1,9 +1,10 @@
 """Deliveries in a host project's own tests, as ``mail.outbox`` is for email.
 
 In a test, what ``send()``, ``send_portable()`` and ``send_webhook()`` queue
-is listed in :data:`outbox`, one :class:`Outgoing` a delivery: its inbox (or
-destination), kind, activity (or event), and the headers its request would
-carry, signed as the deliverer signs them. Sending only queues: nothing
+(and no rollback undid) is listed in :data:`outbox`, one :class:`Outgoing` a
+delivery: its inbox (or destination), kind, activity (or event), and the
+headers its request would carry, signed as the deliverer signs them.
+Sending only queues: nothing
 touches the network until a deliverer runs, and :func:`deliver_all` runs
 the real loop once, against a :class:`~.fake.FakeInbox` that verifies every
 signature as a real receiver does, so that a test sees outcomes and signals.
@@ -20,8 +21,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, SupportsIndex, overload
 
+from django.db import connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.signals import post_save
 
 from django_federation_delivery.models import Batch, Delivery, Kind
@@ -80,34 +84,157 @@ class Outgoing:
         return _inbox_headers(self, scheme)
 
 
-#: What the sends of the test under way queued, in order; emptied by
-#: :func:`capture`, which the fixtures and the mixin call before each test.
-outbox: list[Outgoing] = []
+class _Send:
+    """Where one send's rows stand in the transaction that wrote them:
+    committed, or still to be, or undone by a rollback.
+
+    Registered as an on-commit callback of the connection the send used, so
+    that Django's own bookkeeping tells: a rollback of the transaction, or of
+    a savepoint the send was made in, discards the callback; a commit calls
+    it. So it is right under Django's ``TestCase`` (and pytest-django's
+    ``db``), whose transaction never commits and keeps the callbacks pending,
+    as under ``TransactionTestCase`` (and ``transactional_db``), read from
+    any thread and without a query. Reading whether the rows are still
+    there would not do: SQLite gives a rolled-back row's id to the next one
+    written, and a connection may not be used outside its thread (an
+    ``asend``'s). A project's test capturing on-commit callbacks
+    (``captureOnCommitCallbacks``) sees one of these a send."""
+
+    __slots__ = ("committed", "connection")
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        self.connection = connection
+        self.committed = False
+
+    def __call__(self) -> None:
+        self.committed = True
+
+    @property
+    def undone(self) -> bool:
+        # Each pending callback is (savepoint ids, callback, robust).
+        return not self.committed and all(
+            pending[1] is not self for pending in self.connection.run_on_commit
+        )
+
+
+class Outbox(list[Outgoing]):
+    """:data:`outbox`: a list, but for the sends a rollback undid, left out
+    whenever it is read (a send is listed as it is made, inside its
+    transaction, which may roll back later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: id() of each listed Outgoing not yet committed -> it, and its send.
+        self._pending: dict[int, tuple[Outgoing, _Send]] = {}
+
+    def _list(self, sent: list[Outgoing], send: _Send) -> None:
+        super().extend(sent)
+        if not send.committed:
+            self._pending.update((id(outgoing), (outgoing, send)) for outgoing in sent)
+
+    def _forget_undone(self) -> None:
+        undone = set()
+        for key, (_, send) in list(self._pending.items()):
+            if send.committed:
+                del self._pending[key]
+            elif send.undone:
+                del self._pending[key]
+                undone.add(key)
+        if undone:
+            kept = [outgoing for outgoing in super().__iter__() if id(outgoing) not in undone]
+            super().__setitem__(slice(None), kept)
+
+    def clear(self) -> None:
+        super().clear()
+        self._pending.clear()
+
+    # Every way of reading it reads what is left.
+
+    def __iter__(self) -> Iterator[Outgoing]:
+        self._forget_undone()
+        return super().__iter__()
+
+    def __reversed__(self) -> Iterator[Outgoing]:
+        self._forget_undone()
+        return super().__reversed__()
+
+    def __len__(self) -> int:
+        self._forget_undone()
+        return super().__len__()
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> Outgoing: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Outgoing]: ...
+    def __getitem__(self, index: SupportsIndex | slice) -> Outgoing | list[Outgoing]:
+        self._forget_undone()
+        return super().__getitem__(index)
+
+    def __contains__(self, value: object) -> bool:
+        self._forget_undone()
+        return super().__contains__(value)
+
+    def __eq__(self, other: object) -> bool:
+        self._forget_undone()
+        return super().__eq__(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __repr__(self) -> str:
+        self._forget_undone()
+        return super().__repr__()
+
+    def index(self, value: Outgoing, *args: SupportsIndex) -> int:
+        self._forget_undone()
+        return super().index(value, *args)
+
+    def count(self, value: Outgoing) -> int:
+        self._forget_undone()
+        return super().count(value)
+
+    def copy(self) -> list[Outgoing]:
+        self._forget_undone()
+        return super().copy()
+
+
+#: What the sends of the test under way queued, in order, but for those a
+#: rollback undid; emptied by :func:`capture`, which the fixtures and the
+#: mixin call before each test.
+outbox: Outbox = Outbox()
 
 
 def _captured(sender: type[Batch], instance: Batch, created: bool, **kwargs: Any) -> None:
     if not created:
         return
+    alias = kwargs.get("using") or "default"
     rows = (
-        Delivery.objects.using(kwargs.get("using") or "default")
+        Delivery.objects.using(alias)
         .filter(batch_id=instance.pk)
         .order_by("id")
         .values_list("id", "kind", "inbox", "destination", "via")
     )
     body = instance.body.encode()
-    outbox.extend(
-        Outgoing(
-            delivery_id=id,
-            batch_id=instance.pk,
-            kind=kind,
-            inbox=inbox,
-            destination=destination,
-            sender=instance.sender,
-            body=body,
-            via=tuple(via or ()),
-            synchronize_collection=instance.synchronize_collection,
-        )
-        for id, kind, inbox, destination, via in rows
+    # post_save comes inside the send's transaction: whether it commits is
+    # told later (at once in autocommit).
+    send = _Send(connections[alias])
+    transaction.on_commit(send, using=alias)
+    outbox._list(
+        [
+            Outgoing(
+                delivery_id=id,
+                batch_id=instance.pk,
+                kind=kind,
+                inbox=inbox,
+                destination=destination,
+                sender=instance.sender,
+                body=body,
+                via=tuple(via or ()),
+                synchronize_collection=instance.synchronize_collection,
+            )
+            for id, kind, inbox, destination, via in rows
+        ],
+        send,
     )
 
 
