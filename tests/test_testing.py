@@ -16,6 +16,7 @@ from django.test import TestCase, TransactionTestCase
 
 from django_federation_delivery import (
     PortableInbox,
+    SenderKey,
     send,
     send_batch,
     send_portable,
@@ -26,7 +27,7 @@ from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.testing import DeliveryTestMixin, Outgoing, deliver_all
 from django_federation_delivery.testing.fake import FakeInbox
 
-from .keys import ALICE, EDNA
+from .keys import ALICE, EDNA, rsa_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -148,6 +149,28 @@ def test_an_ed25519_sender_is_verified_in_rfc9421(fake_inbox: FakeInbox) -> None
     deliver_all(fake=fake_inbox)
     ((request),) = fake_inbox.received
     assert (request.scheme, request.verified) == ("rfc9421", True)
+
+
+def key_beside_the_actor(sender: str) -> SenderKey | None:
+    """Keys as GoToSocial names them: ``<actor>/main-key``, no fragment."""
+    return SenderKey(f"{sender}/main-key", rsa_key())
+
+
+@pytest.mark.parametrize("scheme", ["draft-cavage", "rfc9421"])
+def test_the_fake_verifies_a_signature_whatever_the_form_of_its_key_id(
+    scheme: str, settings: Any, fake_inbox: FakeInbox
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SENDER_KEYS": f"{__name__}.key_beside_the_actor",
+        "FIRST_SCHEME": scheme,
+    }
+    send(ALICE, NOTE, [INBOX])
+    assert deliver_all(fake=fake_inbox).delivered == 1
+    assert [(r.scheme, r.status, r.problem) for r in fake_inbox.received] == [(scheme, 202, "")]
+    signed = {name.lower(): value for name, value in fake_inbox.received[0].headers.items()}
+    said = signed.get("signature-input") or signed["signature"]
+    assert f'="{ALICE}/main-key"' in said, "the key id as SENDER_KEYS gives it"
 
 
 def synchronization(sender: str, inbox: str) -> str:

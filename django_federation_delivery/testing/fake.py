@@ -5,7 +5,10 @@ deliverer makes, and verifies its signature as a real receiver does.
   signed headers Mastodon requires, a ``Digest`` matching the body, a
   ``Date`` within 12 hours), an RFC 9421 one with ``http-message-signatures``
   (``Content-Digest`` matching the body). The public key is the sender's
-  own, from ``SENDER_KEYS``: the key id, less its fragment, names the sender.
+  own, from ``SENDER_KEYS``, found by the key id as a real receiver fetches
+  it, whatever form ``SENDER_KEYS`` gives it (``<actor>#main-key``,
+  ``<actor>/main-key``): the key of the sender the key id names less its
+  fragment, or else of the sender of a queued batch whose body this is.
 - A signed JSON webhook's ``webhook-*`` headers are verified with the
   ``standardwebhooks`` library, with its configured destination's secret.
 
@@ -24,7 +27,7 @@ import hashlib
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -169,22 +172,53 @@ def _verify(method: str, url: str, headers: Mapping[str, str], body: bytes) -> t
     return "", ""
 
 
-def _public_key(key_id: str) -> Any:
+def _public_key(key_id: str, body: bytes) -> Any:
+    """The public key whose id is ``key_id``, as a receiver fetches it.
+    ``SENDER_KEYS`` is asked by sender, not by key id: the senders who may
+    hold it are asked in turn, and one of their keys must have this very id."""
     from django.db import connections
 
     from django_federation_delivery.keys import KeyCache
 
-    sender = key_id.partition("#")[0]
+    keys = KeyCache()
     try:
-        key = KeyCache().get(sender)
+        for sender in _senders(key_id, body):
+            key = keys.get(sender)
+            if key is not None and key.key_id == key_id:
+                return key.private_key.public_key()
     finally:
-        # Asked from a deliverer's worker thread, SENDER_KEYS may have opened
-        # a connection there: closed, so that none outlives the test.
+        # Asked from a deliverer's worker thread, SENDER_KEYS and the batches'
+        # query may have opened a connection there: closed, so that none
+        # outlives the test.
         if threading.current_thread() is not threading.main_thread():
             connections.close_all()
-    if key is None or key.key_id != key_id:
-        raise LookupError(f"no key {key_id!r} in SENDER_KEYS")
-    return key.private_key.public_key()
+    raise LookupError(f"no key {key_id!r} in SENDER_KEYS")
+
+
+def _senders(key_id: str, body: bytes) -> Iterator[str]:
+    """Who may hold ``key_id``: first the sender it names less its fragment
+    (``<actor>#main-key``; a request a test signs by hand), asked with no
+    query; then the senders of the batches queued with this ``body``, one of
+    which the deliverer signed for, whatever its key's id looks like
+    (``<actor>/main-key``, the instance's key)."""
+    from django_federation_delivery.conf import database_alias
+    from django_federation_delivery.models import Batch
+
+    named = key_id.partition("#")[0]
+    yield named
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        return
+    queued = (
+        Batch.objects.using(database_alias())
+        .filter(body=text)
+        .exclude(sender__in=("", named))
+        .order_by()
+        .values_list("sender", flat=True)
+        .distinct()
+    )
+    yield from queued
 
 
 def _cavage_problem(method: str, url: str, lower: Mapping[str, str], body: bytes) -> str:
@@ -199,7 +233,7 @@ def _cavage_problem(method: str, url: str, lower: Mapping[str, str], body: bytes
         return "the Date is more than 12 hours away"
     fields = dict(re.findall(r'(\w+)="([^"]*)"', lower["signature"]))
     try:
-        public = _public_key(fields.get("keyId", ""))
+        public = _public_key(fields.get("keyId", ""), body)
     except LookupError as exc:
         return str(exc)
     pem = public.public_bytes(
@@ -226,7 +260,7 @@ def _rfc9421_problem(method: str, url: str, headers: Mapping[str, str], body: by
 
     class Keys(HTTPSignatureKeyResolver):
         def resolve_public_key(self, key_id: str) -> Any:
-            return _public_key(key_id)
+            return _public_key(key_id, body)
 
     lower = {name.lower(): value for name, value in headers.items()}
     digest = "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode() + ":"
