@@ -4,7 +4,10 @@ installing the app is enough for a project's tests to use its fixtures.
 - ``delivery_outbox``: :data:`~django_federation_delivery.testing.outbox`,
   emptied before the test: what its sends queued, one ``Outgoing`` each;
 - ``fake_inbox``: a started :class:`~.fake.FakeInbox`, answering every
-  request a deliverer makes in the test and verifying its signature.
+  request a deliverer makes in the test and verifying its signature;
+
+and, for every test, what the process kept from a test before (the hosts
+marked unavailable) forgotten: a test passes or fails whatever ran first.
 
 Loaded by pytest before Django is set up, in every project that has the
 package installed: nothing is imported until a fixture is asked for (the
@@ -13,6 +16,7 @@ models, and the ``testing`` extra's packages).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -21,6 +25,18 @@ import pytest
 if TYPE_CHECKING:
     from django_federation_delivery.testing import Outgoing
     from django_federation_delivery.testing.fake import FakeInbox
+
+
+@pytest.fixture(autouse=True)
+def _delivery_state_forgotten() -> None:
+    """Every test of the project, whatever fixtures it asks for, starts with
+    nothing a test before left in the process's memory (the hosts marked
+    unavailable: ``testing.forget_kept``). Where the package was never
+    imported, there is nothing to forget, and nothing is imported."""
+    if "django_federation_delivery.availability" in sys.modules:
+        from django_federation_delivery import testing
+
+        testing.forget_kept()
 
 
 @pytest.fixture

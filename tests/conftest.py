@@ -300,14 +300,9 @@ class LeftOver:
 
 LEFT_OVER = LeftOver()
 
-
-@pytest.fixture(autouse=True)
-def _unavailable_hosts_read_again() -> None:
-    """Each test reads the hosts marked unavailable from its own database,
-    not what a process kept from the test before."""
-    from django_federation_delivery import availability
-
-    availability.forget_known()
+# What a process keeps from one test to the next (the hosts marked
+# unavailable, read once a minute) is forgotten before each test by the
+# package's own pytest plugin, as in a host project's suite.
 
 
 @pytest.fixture(autouse=True)

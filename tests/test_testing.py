@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
+import os
 import secrets
+import subprocess
+import sys
+import textwrap
+import unittest
+from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 from django.db import transaction
 from django.test import TestCase, TransactionTestCase
+from django.utils import timezone
 
 from django_federation_delivery import (
     PortableInbox,
@@ -31,8 +39,10 @@ from .keys import ALICE, EDNA, rsa_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
+ROOT = Path(__file__).resolve().parent.parent
 NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
 INBOX = "https://mastodon.example/users/bob/inbox"
+GONE = "https://gone.example/users/carol/inbox"
 KEY = base64.b64encode(secrets.token_bytes(32)).decode()
 SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
 
@@ -305,3 +315,90 @@ class MixinTests(DeliveryTestMixin, TransactionTestCase):
         assert [out.inbox for out in self.delivery_outbox] == [INBOX]
         assert self.deliver_all().delivered == 1
         assert self.fake_inbox.received[0].verified
+
+
+class HostProjectTests(DeliveryTestMixin, TransactionTestCase):
+    """Two tests of a project on Django's runner, the first leaving this
+    process's set of unavailable hosts read, and empty."""
+
+    __test__ = False  # run by the test below, in this order
+    available_apps = ["django_federation_delivery"]
+
+    def test_posting_sends(self) -> None:
+        send(ALICE, NOTE, [INBOX])
+        assert [out.inbox for out in self.delivery_outbox] == [INBOX]
+
+    def test_a_follower_on_a_server_gone_for_good_is_left_out(self) -> None:
+        Host.objects.create(name="gone.example", unavailable_since=timezone.now())
+        batch = send(ALICE, NOTE, [INBOX, GONE])
+        assert batch is not None
+        assert [out.inbox for out in self.delivery_outbox] == [INBOX]
+        assert [skipped.inbox for skipped in batch.skipped] == [GONE]
+
+
+def test_the_mixin_starts_each_test_with_nothing_an_earlier_one_left_in_the_process() -> None:
+    suite = unittest.TestSuite(
+        [
+            HostProjectTests("test_posting_sends"),
+            HostProjectTests("test_a_follower_on_a_server_gone_for_good_is_left_out"),
+        ]
+    )
+    said = io.StringIO()
+    result = unittest.TextTestRunner(stream=said, verbosity=2).run(suite)
+    assert result.wasSuccessful(), said.getvalue()
+
+
+HOST_PROJECT_TESTS = """
+    import pytest
+    from django.utils import timezone
+
+    from django_federation_delivery import send
+    from django_federation_delivery.models import Host
+
+    ALICE = "https://social.example/users/alice"
+    NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
+    INBOX = "https://mastodon.example/users/bob/inbox"
+    GONE = "https://gone.example/users/carol/inbox"
+
+
+    @pytest.mark.django_db(transaction=True)
+    def test_1_posting_sends(delivery_outbox):
+        send(ALICE, NOTE, [INBOX])
+        assert [out.inbox for out in delivery_outbox] == [INBOX]
+
+
+    @pytest.mark.django_db(transaction=True)
+    def test_2_a_follower_on_a_server_gone_for_good_is_left_out():
+        # None of the plugin's fixtures asked for.
+        Host.objects.create(name="gone.example", unavailable_since=timezone.now())
+        batch = send(ALICE, NOTE, [INBOX, GONE])
+        assert [skipped.inbox for skipped in batch.skipped] == [GONE]
+"""
+
+
+@pytest.mark.slow
+def test_the_pytest_plugin_starts_each_test_with_nothing_an_earlier_one_left_in_the_process(
+    tmp_path: Path,
+) -> None:
+    # A project's suite: the plugin, pytest-django, and none of this
+    # repository's conftest.
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_host_project.py").write_text(textwrap.dedent(HOST_PROJECT_TESTS))
+    env = dict(
+        os.environ,
+        DJANGO_SETTINGS_MODULE="tests.settings",
+        PYTHONPATH=str(ROOT),
+        FD_TEST_DB_DIR=str(tmp_path),
+    )
+    env.pop("DATABASE_URL", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_host_project.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout

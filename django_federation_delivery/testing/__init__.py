@@ -35,6 +35,7 @@ __all__ = [
     "Outgoing",
     "capture",
     "deliver_all",
+    "forget_kept",
     "outbox",
     "stop_capturing",
 ]
@@ -243,10 +244,26 @@ _UID = "django_federation_delivery.testing.outbox"
 
 def capture() -> list[Outgoing]:
     """Empty :data:`outbox` and list in it what each send queues from now on.
-    Returns the outbox."""
+    Returns the outbox. What the process kept from a test before is
+    forgotten too (:func:`forget_kept`)."""
+    forget_kept()
     outbox.clear()
     post_save.connect(_captured, sender=Batch, dispatch_uid=_UID, weak=False)
     return outbox
+
+
+def forget_kept() -> None:
+    """Forget what this process keeps from one test to the next, so that a
+    test passes or fails whatever ran before it: the hosts marked
+    unavailable, which a send reads once a minute (``availability.py``),
+    read again from the test's own database at its first send. The helpers
+    call it as each test starts (:func:`capture`, the mixin, the pytest
+    plugin). The rest a process keeps is a deliverer's own (senders' keys,
+    paused hosts, learned schemes), gone with it at the end of
+    :func:`deliver_all`."""
+    from django_federation_delivery import availability
+
+    availability.forget_known()
 
 
 def stop_capturing() -> None:
@@ -282,6 +299,7 @@ class DeliveryTestMixin:
         from django_federation_delivery.testing.fake import FakeInbox
 
         super().setUp()  # type: ignore[misc]
+        # What an earlier test left in the process forgotten too (forget_kept).
         self.delivery_outbox = capture()
         self.addCleanup(stop_capturing)  # type: ignore[attr-defined]
         self.fake_inbox = FakeInbox()
