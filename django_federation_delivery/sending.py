@@ -103,7 +103,13 @@ def send(
     batch is returned, whatever the inboxes given this time; when a webhook
     event's batch holds the key, ``InvalidDelivery`` naming it.
     """
-    options = BatchOptions(idempotency_key=idempotency_key) if idempotency_key else None
+    # "" is no key; anything else is checked as send_batch checks it: a key
+    # of 0 or b"" is refused, not taken for none (a type check, all it costs).
+    options = (
+        None
+        if isinstance(idempotency_key, str) and not idempotency_key
+        else BatchOptions(idempotency_key=idempotency_key)
+    )
     return send_batch(sender, activity, inboxes, options)
 
 

@@ -57,6 +57,14 @@ def test_a_bad_argument_is_refused_naming_it_with_nothing_written() -> None:
     assert not Batch.objects.exists()
 
 
+def test_a_key_that_is_no_string_is_refused_by_asend_as_by_send() -> None:
+    # The view keys the send by the id it is given: 0 is no "", and is
+    # refused, not taken for no key.
+    status, said = post("/post", {"id": 0, "inboxes": ["https://a.example/inbox"]})
+    assert (status, said["error"]) == (400, "idempotency_key must be a string, not 0")
+    assert not Batch.objects.exists()
+
+
 def test_a_portable_inbox_and_a_webhook_event_are_sent_from_async_views(settings: Any) -> None:
     status, said = post(
         "/post",

@@ -4,6 +4,7 @@ with one key race."""
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -205,15 +206,24 @@ def test_a_key_refused_as_held_by_the_other_kind_leaves_the_callers_transaction_
     ("key", "said"),
     [
         (42, "idempotency_key must be a string, not 42"),
+        # No string, if falsy: refused, never taken for no key ("" alone is).
+        (0, "idempotency_key must be a string, not 0"),
+        (False, "idempotency_key must be a string, not False"),
+        (b"", "idempotency_key must be a string, not b''"),
+        ((), "idempotency_key must be a string, not ()"),
+        (None, "idempotency_key must be a string, not None"),
         ("k" * 201, "idempotency_key is longer than 200 characters"),
         ("a\x00b", "idempotency_key must not contain NUL characters"),
     ],
 )
 def test_a_bad_key_is_refused_naming_it_with_nothing_written(key: Any, said: str) -> None:
-    with pytest.raises(InvalidDelivery, match=said):
-        send(ALICE, NOTE, INBOXES, idempotency_key=key)
-    with pytest.raises(InvalidDelivery, match=said):
-        send_webhook("ops", "deploy.done", {}, idempotency_key=key)
+    for sent in (
+        lambda: send(ALICE, NOTE, INBOXES, idempotency_key=key),
+        lambda: send_batch(ALICE, NOTE, INBOXES, {"idempotency_key": key}),
+        lambda: send_webhook("ops", "deploy.done", {}, idempotency_key=key),
+    ):
+        with pytest.raises(InvalidDelivery, match=re.escape(said)):
+            sent()
     assert not Batch.objects.exists()
 
 
