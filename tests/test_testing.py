@@ -221,6 +221,28 @@ def test_outgoing_headers_of_an_ed25519_sender_are_signed_in_rfc9421_as_an_attem
     assert request.scheme == "rfc9421"
 
 
+def test_outgoing_headers_hold_what_the_transport_adds_to_an_attempt(
+    settings: Any, delivery_outbox: list[Outgoing], fake_inbox: FakeInbox
+) -> None:
+    agent = "social.example/2.0 (+https://social.example/about)"
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "USER_AGENT": agent,
+        "WEBHOOKS": {"audit": f"https://hooks.example/in?secret=whsec_{KEY}"},
+    }
+    send(ALICE, NOTE, [INBOX])
+    send_webhook("audit", "user.created", {"name": "Zoë"})
+    inbox, hook = delivery_outbox
+    told = {out.kind: out.headers() for out in (inbox, hook)}
+    deliver_all(fake=fake_inbox)
+    sent = {request.url: request.headers for request in fake_inbox.received}
+    for out, url in ((inbox, INBOX), (hook, "https://hooks.example/in")):
+        for name in ("User-Agent", "Accept", "Accept-Encoding"):
+            assert told[out.kind][name] == sent[url][name], (out.kind, name)
+    assert told["activitypub"]["User-Agent"] == agent
+    assert told["activitypub"]["Accept-Encoding"] == "identity"
+
+
 def test_410_429_and_503_come_to_what_a_real_server_would_make_of_them(
     fake_inbox: FakeInbox,
 ) -> None:

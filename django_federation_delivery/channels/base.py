@@ -179,6 +179,13 @@ class Request:
     #: The destination's name and kind, safe to show.
     display: str
 
+    @property
+    def sent_headers(self) -> dict[str, str]:
+        """Its headers as :meth:`Channel.attempt` sends them (the transport
+        adds its own under them): a JSON answer asked for, unless the kind's
+        say otherwise. ``testing.Outgoing.headers()`` reads them here too."""
+        return {"Accept": ACCEPT, **self.headers}
+
     def __repr__(self) -> str:
         # The headers by name alone: a kind of a host project's may put its
         # token in any of them.
@@ -305,11 +312,14 @@ class Channel:
             )
             error = f"the event could not be written for {destination.name}: {type(exc).__name__}"
             return failed(job, error, permanent=False, requests=0)
-        headers = {"Accept": ACCEPT, **request.headers}
         try:
             with logs.redacting(destination.redact):
                 answer = transport.post(
-                    request.url, request.body, headers, deadline=deadline, method=request.method
+                    request.url,
+                    request.body,
+                    request.sent_headers,
+                    deadline=deadline,
+                    method=request.method,
                 )
         except TransportError as exc:
             error = safe_text(destination, request.url, str(exc))[: job.message_length]

@@ -3,8 +3,8 @@
 In a test, what ``send()``, ``send_portable()`` and ``send_webhook()`` queue
 (and no rollback undid) is listed in :data:`outbox`, one :class:`Outgoing` a
 delivery: its inbox (or destination), kind, activity (or event), and the
-headers its request would carry, signed as the deliverer signs them.
-Sending only queues: nothing
+headers its request would carry, signed as the deliverer signs them, with
+the transport's own. Sending only queues: nothing
 touches the network until a deliverer runs, and :func:`deliver_all` runs
 the real loop once, against a :class:`~.fake.FakeInbox` that verifies every
 signature as a real receiver does, so that a test sees outcomes and signals.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, SupportsIndex, overload
 
 from django.db import connections, transaction
@@ -73,16 +73,18 @@ class Outgoing:
         return self.activity
 
     def headers(self, *, scheme: str | None = None) -> dict[str, str]:
-        """The headers a delivery attempt made now would send: for an inbox,
-        signed in ``scheme`` ("draft-cavage" or "rfc9421"; by default the
-        first a deliverer tries, ``FIRST_SCHEME``) with the sender's key (in
-        RFC 9421 whatever ``scheme`` says for an Ed25519 key, as an attempt
-        signs), ``Collection-Synchronization`` included when its batch asks
-        for it; for a webhook, its destination's (Standard Webhooks
-        signatures included)."""
+        """The headers a delivery attempt made now would send: the
+        transport's own (``User-Agent`` from ``USER_AGENT``, ``Accept``,
+        ``Accept-Encoding``) under, for an inbox, those signed in ``scheme``
+        ("draft-cavage" or "rfc9421"; by default the first a deliverer
+        tries, ``FIRST_SCHEME``) with the sender's key (in RFC 9421 whatever
+        ``scheme`` says for an Ed25519 key, as an attempt signs),
+        ``Collection-Synchronization`` included when its batch asks for it;
+        for a webhook, its destination's (Standard Webhooks signatures
+        included)."""
         if self.kind == Kind.WEBHOOK:
-            return _webhook_headers(self)
-        return _inbox_headers(self, scheme)
+            return _as_sent(_webhook_headers(self))
+        return _as_sent(_inbox_headers(self, scheme))
 
 
 class _Send:
@@ -310,6 +312,19 @@ class DeliveryTestMixin:
         return deliver_all(fake=self.fake_inbox, **options)
 
 
+def _as_sent(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` under the transport's own, merged as an attempt merges
+    them (``Transport.post``): a name the caller gives, in any case, wins."""
+    from requests.structures import CaseInsensitiveDict
+
+    from django_federation_delivery.conf import app_settings
+    from django_federation_delivery.transport import default_headers
+
+    sent = CaseInsensitiveDict(default_headers(app_settings.transport_settings()))
+    sent.update(headers)
+    return dict(sent.items())
+
+
 def _inbox_headers(outgoing: Outgoing, scheme: str | None) -> dict[str, str]:
     # Made as an attempt makes its first knock's (inboxes.py, channels/activitypub.py).
     from django_federation_delivery.channels.activitypub import (
@@ -350,4 +365,4 @@ def _webhook_headers(outgoing: Outgoing) -> dict[str, str]:
 
     destination = configured_destinations()[outgoing.destination]
     request = destination.request(Event.read(outgoing.body.decode()), now=time.time())
-    return dict(request.headers)
+    return request.sent_headers

@@ -69,6 +69,7 @@ __all__ = [
     "Transport",
     "TransportSettings",
     "answer_text",
+    "default_headers",
     "is_public_address",
     "logs",
     "parse_retry_after",
@@ -109,6 +110,21 @@ class TransportSettings:
     #: An idle pooled connection unused this long is closed.
     idle_timeout: float = 10.0
     verify_tls: bool = True
+
+
+def default_headers(settings: TransportSettings) -> dict[str, str]:
+    """What every request a transport makes carries under its caller's own
+    headers (which win): one definition, for the transport and for what
+    ``testing.Outgoing.headers()`` says an attempt sends.
+
+    Replaces requests' defaults (python-requests UA, gzip): a plain body is
+    all we read, and a compressed one could inflate far past
+    ``max_answer_bytes``."""
+    return {
+        "User-Agent": settings.user_agent,
+        "Accept": DEFAULT_ACCEPT,
+        "Accept-Encoding": "identity",
+    }
 
 
 @dataclass(frozen=True)
@@ -212,15 +228,7 @@ class Transport:
         session.trust_env = False
         # Nor cookies: an inbox's Set-Cookie must not follow later deliveries around.
         session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
-        # Replaces requests' defaults (python-requests UA, gzip): a plain body is all we
-        # read, and a compressed one could inflate far past max_answer_bytes.
-        session.headers = requests.structures.CaseInsensitiveDict(
-            {
-                "User-Agent": settings.user_agent,
-                "Accept": DEFAULT_ACCEPT,
-                "Accept-Encoding": "identity",
-            }
-        )
+        session.headers = requests.structures.CaseInsensitiveDict(default_headers(settings))
         #: Closed with the transport when they are its own.
         self._own = connections is None
         self._connections = connections or Connections(settings)
