@@ -36,6 +36,7 @@ from django.utils import timezone
 
 from django_federation_delivery import addresses, signals
 from django_federation_delivery.conf import database_alias
+from django_federation_delivery.dialect import aware, orm_datetime
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
 from django_federation_delivery.store.locks import write_first
@@ -92,7 +93,8 @@ def mark_unavailable(
     if after is None:
         return []
     alias = using or database_alias()
-    now = now or timezone.now()
+    # As the ORM takes it: naive with USE_TZ off, however it was given.
+    now = orm_datetime(now or timezone.now())
     due = Q(failing_since__lte=now - dt.timedelta(seconds=after), unavailable_since__isnull=True)
     hosts = Host.objects.using(alias)
     marked = []
@@ -103,7 +105,7 @@ def mark_unavailable(
             logger.warning(
                 "Host %s marked unavailable: no success since %s; sends skip it until it is seen",
                 name,
-                since.isoformat(timespec="seconds") if since else "?",
+                aware(since).isoformat(timespec="seconds") if since else "?",
             )
     if marked:
         forget_known()
@@ -156,7 +158,10 @@ def _seen(host: str, alias: str) -> tuple[bool, bool]:
             updated_at=now,
         )
         if told is not None and since is not None:
-            recovered = signals.HostRecovered(host=host, failing_since=since, recovered_at=now)
+            # A signal's times are aware, whatever USE_TZ says.
+            recovered = signals.HostRecovered(
+                host=host, failing_since=aware(since), recovered_at=aware(now)
+            )
             transaction.on_commit(
                 lambda: signals.send_safely(signals.host_recovered, recovered=recovered),
                 using=alias,
@@ -172,7 +177,7 @@ def probe_due(*, now: dt.datetime | None = None, using: str | None = None) -> li
     ``PROBES_PER_ROUND``, each for one deliverer alone; with the URL each is
     probed at (its origin, as its latest delivery's inbox has it)."""
     alias = using or database_alias()
-    now = now or timezone.now()
+    now = orm_datetime(now or timezone.now())
     due = Q(unavailable_since__isnull=False) & (
         Q(probed_at__isnull=True) | Q(probed_at__lte=now - PROBE_EVERY)
     )

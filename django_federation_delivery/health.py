@@ -27,6 +27,7 @@ from django.db.models import QuerySet
 from django_federation_delivery import signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.conf import database_alias
+from django_federation_delivery.dialect import orm_datetime
 from django_federation_delivery.hosts import failing_hosts, failing_since
 from django_federation_delivery.models import Host
 from django_federation_delivery.store import claims
@@ -91,7 +92,9 @@ class HostWatch:
     def _tell_failing(self, host: str, since: dt.datetime, error: str, now: dt.datetime) -> None:
         with transaction.atomic(using=self.using):
             claimed = (
-                self._hosts(host).filter(failing_told_at__isnull=True).update(failing_told_at=now)
+                self._hosts(host)
+                .filter(failing_told_at__isnull=True)
+                .update(failing_told_at=orm_datetime(now))  # naive, with USE_TZ off
             )
             if claimed:
                 failing = signals.HostFailing(host=host, failing_since=since, error=error)

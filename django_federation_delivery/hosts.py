@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from django_federation_delivery import wakeup
 from django_federation_delivery.conf import database_alias
+from django_federation_delivery.dialect import aware, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.signatures import Scheme
@@ -128,30 +129,35 @@ def resume_hosts(names: Iterable[str], *, using: str | None = None) -> int:
 
 def failing_since(host: str, now: dt.datetime, *, using: str | None = None) -> dt.datetime:
     """When ``host`` (an inbox's host, or a destination's key) started
-    failing, as every deliverer knows it: ``now``, written, if it was not."""
+    failing, as every deliverer knows it: ``now``, written, if it was not.
+    Aware, as ``now`` is (the loop's), whatever ``USE_TZ`` says."""
     alias = using or database_alias()
+    # The ORM takes a naive time with USE_TZ off (SQLite's backend refuses
+    # an aware one), and gives one back (PostgreSQL's too).
+    at = orm_datetime(now)
     with transaction.atomic(using=alias):
         write_first(alias)  # on SQLite, before get_or_create reads the row
         found, _created = Host.objects.using(alias).get_or_create(
-            name=host, defaults={"failing_since": now}
+            name=host, defaults={"failing_since": at}
         )
         if found.failing_since is None:
-            Host.objects.using(alias).filter(name=host).update(failing_since=now)
+            Host.objects.using(alias).filter(name=host).update(failing_since=at)
             return now
-        return found.failing_since
+        return aware(found.failing_since)
 
 
 def failing_hosts(
     *, destinations: bool = False, using: str | None = None
 ) -> dict[str, tuple[dt.datetime, dt.datetime | None]]:
     """Each host failing, as every deliverer knows it: since when, and when
-    ``host_failing`` was sent for it. With ``destinations``, the webhook
-    destinations' keys alone (a name in angle brackets: ``delivery_key``)."""
+    ``host_failing`` was sent for it, both aware whatever ``USE_TZ`` says.
+    With ``destinations``, the webhook destinations' keys alone (a name in
+    angle brackets: ``delivery_key``)."""
     hosts = Host.objects.using(using or database_alias()).filter(failing_since__isnull=False)
     if destinations:
         hosts = hosts.filter(name__startswith="<")
     return {
-        name: (since, told)
+        name: (aware(since), aware(told) if told is not None else None)
         for name, since, told in hosts.values_list("name", "failing_since", "failing_told_at")
         if since is not None
     }

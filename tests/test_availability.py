@@ -93,6 +93,22 @@ def test_a_host_seen_again_is_sent_to_and_told_recovered(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_with_use_tz_off_a_host_seen_again_is_told_recovered_at_aware_times(
+    settings: Any, recovered: list[signals.HostRecovered]
+) -> None:
+    # A signal's times are aware whatever USE_TZ says: the host project
+    # compares them with the deliverer's (host_failing's).
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/Los_Angeles"
+    now = timezone.now()
+    failing("gone.example", 8, unavailable_since=now, failing_told_at=now)
+    assert mark_host_seen("gone.example") is True
+    [told] = recovered
+    assert timezone.is_aware(told.failing_since) and timezone.is_aware(told.recovered_at)
+    assert told.recovered_at - told.failing_since >= dt.timedelta(days=8)
+
+
+@pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
     "seen",
     [

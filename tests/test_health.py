@@ -14,6 +14,7 @@ from django.utils import timezone
 from django_federation_delivery import SenderKey, send, signals
 from django_federation_delivery.attempt import AttemptResult, Job, failed, held
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.health import HostWatch
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
@@ -141,6 +142,44 @@ def test_the_deliverer_tells_a_failing_host_and_its_recovery(
         (signals.HostRecovered, host),
     ]
     assert told[0].error == "the inbox answered 503 Service Unavailable"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_use_tz_off_a_failing_host_is_kept_failing_and_told_once(
+    settings: Any, told: list[Any]
+) -> None:
+    # The loop's time is aware whatever USE_TZ says: handed to the ORM as it
+    # is, SQLite's backend refused it; compared with the naive one read back,
+    # on PostgreSQL, it raised. Each attempt's error was logged and dropped.
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/Los_Angeles"
+    now = aware_now()  # what the loop judges an attempt at (settling.py)
+    HostWatch(3600.0)(ROW, answered(503), now)
+    assert Host.objects.filter(name=HOST, failing_since__isnull=False).exists()
+    # Another deliverer (or this one, restarted) sees it fail an hour on.
+    HostWatch(3600.0)(ROW, answered(503), now + dt.timedelta(minutes=61))
+    assert [type(event) for event in told] == [signals.HostFailing]
+    assert told[0].failing_since == now and timezone.is_aware(told[0].failing_since)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_use_tz_off_the_deliverer_tells_a_failing_host(
+    inboxes: Callable[..., Inbox], settings: Any, told: list[Any], caplog: Any
+) -> None:
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/Los_Angeles"
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "HOST_FAILING_AFTER": 0.3,
+        "RETRY": {"BASE": 0.05, "CAP": 0.1, "ATTEMPTS": 10_000, "JITTER": 0.0},
+        "BREAKER": {},
+    }
+    inbox = inboxes("127.0.0.1", respond=lambda request: (503, {}, b""))
+    send(ALICE, {"type": "Note"}, [inbox.url()])
+    Deliverer().run(stop_after=2.0)
+    assert len(inbox.received) > 3, "503 after 503, for several times HOST_FAILING_AFTER"
+    raised = [r.getMessage() for r in caplog.records if "watch" in r.getMessage()]
+    assert [type(event) for event in told] == [signals.HostFailing], raised[:1]
 
 
 ZOE = "https://social.example/users/zo\u00eb"

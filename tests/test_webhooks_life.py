@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from django_federation_delivery import hosts, send_webhook, signals
 from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
 from django_federation_delivery.webhooks import life
@@ -171,6 +172,34 @@ def test_a_success_clears_a_failing_since_another_deliverer_saw_begin(settings: 
     life.Watch(90.0)(row, answered(200), now)
     assert failing_since() is None
     assert Host.objects.get(name="inbox.example").failing_since is not None, "not a destination"
+
+
+def test_with_use_tz_off_a_destination_failing_too_long_is_disabled(settings: Any) -> None:
+    # The loop's time is aware whatever USE_TZ says: SQLite's backend
+    # refused it, and PostgreSQL's naive one read back could not be compared
+    # with it; each attempt's error was logged and dropped, nothing disabled.
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/Los_Angeles"
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    row = claims.Claimed(1, 1, "ops", delivery_key("ops"), 0, (), "", 0.0, "ops")
+    now = aware_now()  # what the loop judges an attempt at (settling.py)
+    assert life.Watch(90.0)(row, answered(503), now) is False
+    # Another deliverer (or this one, restarted) sees it fail 91 s on.
+    assert life.Watch(90.0)(row, answered(503), now + dt.timedelta(seconds=91)) is True
+    assert Host.objects.filter(name="<ops>", paused_at__isnull=False).exists()
+
+
+def test_with_use_tz_off_a_destination_answering_410_is_disabled_and_told(
+    settings: Any, disabled: list[signals.DestinationDisabled]
+) -> None:
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/Los_Angeles"
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    row = claims.Claimed(1, 1, "ops", delivery_key("ops"), 0, (), "", 0.0, "ops")
+    assert life.Watch(90.0)(row, answered(410), aware_now()) is True
+    assert Host.objects.filter(name="<ops>", paused_at__isnull=False).exists()
+    assert life.disable("audit", "by hand") is True  # at its own time: naive, USE_TZ off
+    assert [timezone.is_aware(told.disabled_at) for told in disabled] == [True, True]
 
 
 # Django's own checks look up the auth app, which a transactional test's flush leaves out.

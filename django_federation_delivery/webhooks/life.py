@@ -48,15 +48,18 @@ def disable(
     disabled); ``webhook_destination_disabled`` is then sent once, on commit."""
     alias = using or database_alias()
     key = delivery_key(name)
-    now = now or timezone.now()
+    # Aware, as the loop's time is, whatever USE_TZ says; naive in TIME_ZONE
+    # for the ORM with USE_TZ off (SQLite's backend refuses an aware one).
+    now = aware(now or timezone.now())
+    at = orm_datetime(now)
     manager = Host.objects.using(alias)
     with transaction.atomic(using=alias):
         changed = manager.filter(name=key, paused_at__isnull=True).update(
-            paused_at=now, disabled_reason=reason, updated_at=now
+            paused_at=at, disabled_reason=reason, updated_at=at
         )
         if not changed:
             _host, created = manager.get_or_create(
-                name=key, defaults={"paused_at": now, "disabled_reason": reason}
+                name=key, defaults={"paused_at": at, "disabled_reason": reason}
             )
             if not created:
                 return False  # paused already, by an operator or by another deliverer
