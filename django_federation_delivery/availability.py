@@ -31,7 +31,7 @@ import threading
 import time
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from django_federation_delivery import addresses, signals
@@ -96,6 +96,10 @@ def mark_unavailable(
     # As the ORM takes it: naive with USE_TZ off, however it was given.
     now = orm_datetime(now or timezone.now())
     due = Q(failing_since__lte=now - dt.timedelta(seconds=after), unavailable_since__isnull=True)
+    # Nor one delivered to since, by any deliverer (last_delivered_at,
+    # hoststats.py): a deliverer reads the failing hosts only every so often
+    # (health.py), so its success there may not have cleared it yet.
+    due &= Q(last_delivered_at__isnull=True) | Q(last_delivered_at__lte=F("failing_since"))
     hosts = Host.objects.using(alias)
     marked = []
     for name, since in hosts.filter(due).values_list("name", "failing_since"):

@@ -11,9 +11,15 @@ that sets it, or clears it.
 The loop tells a :class:`HostWatch` what came of each attempt at an inbox.
 It writes only when a host's state changes (it starts failing, is told
 failing, recovers), never for each success: it keeps which hosts are
-failing, read once from the ``Host`` table as it first looks, then as it
-sees them. A host another deliverer started seeing failing since then, and
-this one sees up, is cleared by the next deliverer that sees it both ways.
+failing, read from the ``Host`` table as it first looks and again every
+tenth of ``HOST_FAILING_AFTER`` (a minute at most:
+``hosts.read_failing_every``), and as it sees them in between. So a host
+another deliverer saw fail is cleared by this one's next success, and one
+seen again (``mark_host_seen``, the daily probe, the admin) is failing
+again, told again, and can be marked unavailable again, from this one's
+next failure. Telling a host failing, it asks the table first: one that
+was cleared, or started failing again later, since it was read is not
+told from the old failure.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from django.db.models import QuerySet
 from django_federation_delivery import signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.conf import database_alias
-from django_federation_delivery.dialect import orm_datetime
-from django_federation_delivery.hosts import failing_hosts, failing_since
+from django_federation_delivery.dialect import aware, orm_datetime
+from django_federation_delivery.hosts import failing_hosts, failing_since, read_failing_every
 from django_federation_delivery.models import Host
 from django_federation_delivery.store import claims
 
@@ -54,9 +60,13 @@ class HostWatch:
     def __init__(self, failing_after: float, *, using: str | None = None) -> None:
         self.failing_after = dt.timedelta(seconds=failing_after)
         self.using = using or database_alias()
+        #: How long what was read of the failing hosts is kept.
+        self.read_every = read_failing_every(self.failing_after)
         #: Each host seen failing, since when, and whether it was told so;
         #: None until read from the table.
         self._failing: dict[str, tuple[dt.datetime, bool]] | None = None
+        #: When it was read, by the loop's clock (the attempts' ``now``).
+        self._read_at: dt.datetime | None = None
 
     def __call__(self, row: claims.Claimed, result: AttemptResult, now: dt.datetime) -> bool:
         """Take in what came of an attempt at ``row``'s host. Never stops the
@@ -65,40 +75,60 @@ class HostWatch:
         if failing is None:
             return False
         host = row.host
-        known = self._known()
+        known = self._known(now)
         if not failing:
             if host in known:
                 self._recovered(host, known.pop(host)[0], now)
             return False
         since, told = known.get(host) or (failing_since(host, now, using=self.using), False)
         if not told and now - since >= self.failing_after:
-            told = True
-            self._tell_failing(host, since, result.error, now)
+            since, told = self._tell_failing(host, result.error, now)
         known[host] = (since, told)
         return False
 
-    def _known(self) -> dict[str, tuple[dt.datetime, bool]]:
-        """The hosts failing, as the table had them when first asked."""
-        if self._failing is None:
+    def _known(self, now: dt.datetime) -> dict[str, tuple[dt.datetime, bool]]:
+        """The hosts failing, as the table had them at most ``read_every``
+        ago (or, the clock set back, since): one query that often, at an
+        attempt, never one an attempt."""
+        read_at = self._read_at
+        if (
+            self._failing is None
+            or read_at is None
+            or not read_at <= now < read_at + self.read_every
+        ):
             self._failing = {
                 name: (since, told is not None)
                 for name, (since, told) in failing_hosts(using=self.using).items()
             }
+            self._read_at = now
         return self._failing
 
     def _hosts(self, host: str) -> QuerySet[Host]:
         return Host.objects.using(self.using).filter(name=host)
 
-    def _tell_failing(self, host: str, since: dt.datetime, error: str, now: dt.datetime) -> None:
+    def _tell_failing(self, host: str, error: str, now: dt.datetime) -> tuple[dt.datetime, bool]:
+        """Tell ``host`` failing, once however many deliverers see it: if its
+        row says it has failed for ``failing_after`` and no one told it yet.
+        What the row says of it then: since when it fails, and whether it
+        was told. This deliverer's view may be a while old (``read_every``):
+        the host may have been seen again since, or have failed again later."""
+        old_enough = orm_datetime(now - self.failing_after)  # naive, with USE_TZ off
         with transaction.atomic(using=self.using):
             claimed = (
                 self._hosts(host)
-                .filter(failing_told_at__isnull=True)
-                .update(failing_told_at=orm_datetime(now))  # naive, with USE_TZ off
+                .filter(failing_since__lte=old_enough, failing_told_at__isnull=True)
+                .update(failing_told_at=orm_datetime(now))
             )
-            if claimed:
+            found = self._hosts(host).values_list("failing_since", "failing_told_at").first()
+            if claimed and found is not None and found[0] is not None:
+                since = aware(found[0])
                 failing = signals.HostFailing(host=host, failing_since=since, error=error)
                 transaction.on_commit(lambda: _tell_failing(failing), using=self.using)
+                return since, True
+        if found is None or found[0] is None:
+            # Seen again since it was read: this failure is its first.
+            return failing_since(host, now, using=self.using), False
+        return aware(found[0]), found[1] is not None
 
     def _recovered(self, host: str, since: dt.datetime, now: dt.datetime) -> None:
         with transaction.atomic(using=self.using):

@@ -26,6 +26,10 @@ from django_federation_delivery.store.queueing import CHUNK
 #: How long a host's remembered scheme is trusted before it is read again,
 #: so that what another process learnt reaches this one.
 SCHEME_TTL = 60.0
+#: The soonest and the latest a deliverer reads the failing hosts again
+#: (:func:`read_failing_every`).
+FAILING_READ_LEAST = dt.timedelta(seconds=1)
+FAILING_READ_MOST = dt.timedelta(minutes=1)
 _SCHEMES = frozenset(scheme.value for scheme in Scheme)
 
 
@@ -161,6 +165,19 @@ def failing_hosts(
         for name, since, told in hosts.values_list("name", "failing_since", "failing_told_at")
         if since is not None
     }
+
+
+def read_failing_every(span: dt.timedelta) -> dt.timedelta:
+    """How long a deliverer keeps what it read of the failing hosts (health.py)
+    or destinations (webhooks/life.py), judged failing after ``span``
+    (``HOST_FAILING_AFTER``, ``WEBHOOK_DISABLE_AFTER``), before it reads them
+    again: a tenth of ``span``, between a second and a minute. Read once
+    only, a host another deliverer saw fail since would never be cleared by
+    this one's successes, and one cleared since (seen again, enabled, or up
+    through another deliverer) would stay failing here; read again this
+    often, what this one judges is never more than that late, for one query
+    of the few failing rows (a partial index), never one a delivery."""
+    return min(max(span / 10, FAILING_READ_LEAST), FAILING_READ_MOST)
 
 
 def host_schemes(hosts: Iterable[str], *, using: str | None = None) -> dict[str, str]:

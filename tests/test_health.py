@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from django.utils import timezone
 
-from django_federation_delivery import SenderKey, send, signals
+from django_federation_delivery import SenderKey, mark_host_seen, send, send_batch, signals
 from django_federation_delivery.attempt import AttemptResult, Job, failed, held
+from django_federation_delivery.availability import mark_unavailable
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.health import HostWatch
@@ -20,7 +22,7 @@ from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
 
 from . import keys
-from .conftest import Inbox, Received
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE
 
 HOST = "remote.example"
@@ -180,6 +182,132 @@ def test_with_use_tz_off_the_deliverer_tells_a_failing_host(
     assert len(inbox.received) > 3, "503 after 503, for several times HOST_FAILING_AFTER"
     raised = [r.getMessage() for r in caplog.records if "watch" in r.getMessage()]
     assert [type(event) for event in told] == [signals.HostFailing], raised[:1]
+
+
+def kinds(told: list[Any]) -> list[str]:
+    return [type(event).__name__ for event in list(told)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_seen_again_then_failing_again_is_told_failing_again(told: list[Any]) -> None:
+    # The deliverer's memory once kept "failing since T0, told" for good: the
+    # host, seen again, was never written failing again (so never marked
+    # unavailable again) nor told failing again.
+    watch = HostWatch(3600.0)  # one deliverer, running all along
+    watch(ROW, answered(503), T0)
+    watch(ROW, answered(503), T0 + dt.timedelta(minutes=61))
+    assert kinds(told) == ["HostFailing"]
+    assert mark_host_seen(HOST) is True  # the host project heard from it
+    assert kinds(told) == ["HostFailing", "HostRecovered"]
+    again = T0 + dt.timedelta(hours=5)
+    watch(ROW, answered(503), again)
+    assert Host.objects.get(name=HOST).failing_since == again, "failing again, since then"
+    watch(ROW, answered(503), again + dt.timedelta(hours=2))
+    assert kinds(told) == ["HostFailing", "HostRecovered", "HostFailing"]
+    assert told[2].failing_since == again
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_running_deliverer_tells_a_host_failing_again_after_it_was_seen(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    told: list[Any],
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "HOST_FAILING_AFTER": 0.3,
+        "RETRY": {"BASE": 0.05, "CAP": 0.1, "ATTEMPTS": 10_000, "JITTER": 0.0},
+        "BREAKER": {},
+    }
+    inbox = inboxes("127.0.0.1", respond=lambda request: (503, {}, b""))
+    send(ALICE, NOTE, [inbox.url()])
+    runner = start_deliverer()
+    wait_until(lambda: kinds(told) == ["HostFailing"])
+    assert mark_host_seen(inbox.host) is True
+    assert kinds(told) == ["HostFailing", "HostRecovered"]
+    # Still answering 503: known within a second (a tenth of
+    # HOST_FAILING_AFTER, a second at the least), failing again, told again.
+    wait_until(
+        lambda: len(told) >= 3,
+        state=lambda: (kinds(told), Host.objects.values("failing_since").get(name=inbox.host)),
+    )
+    runner.stop()
+    assert kinds(told) == ["HostFailing", "HostRecovered", "HostFailing"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deliverer_tells_no_host_failing_that_another_saw_up_since_it_looked(
+    told: list[Any],
+) -> None:
+    first, second = HostWatch(3600.0), HostWatch(3600.0)
+    first(ROW, answered(503), T0)
+    first(ROW, answered(503), T0 + dt.timedelta(minutes=59, seconds=30))  # it looks again
+    second(ROW, answered(202), T0 + dt.timedelta(minutes=59, seconds=40))  # up: cleared
+    assert Host.objects.get(name=HOST).failing_since is None
+    # Read 36 s ago, its view has the host failing since T0: the table says
+    # it was up since, and this failure is its first.
+    late = T0 + dt.timedelta(minutes=60, seconds=6)
+    first(ROW, answered(503), late)
+    assert told == []
+    assert Host.objects.get(name=HOST).failing_since == late
+
+
+NOTE = {"type": "Create", "id": f"{ALICE}/activities/health", "actor": ALICE}
+
+
+def one_503_then_answers_through_another(
+    inboxes: Callable[..., Inbox], settings: Any, **limits: float
+) -> tuple[Inbox, Deliverer]:
+    """Two deliverers, both running. The second one sends first (elsewhere);
+    then the first meets one 503 at the host; then, past ``limits``' spans,
+    the host accepts all the second sends it. The second, returned."""
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **limits, "BREAKER": {}}
+    status = [503]
+    inbox = inboxes("127.0.0.1", respond=lambda request: (status[0], {}, b""))
+    elsewhere = inboxes("127.0.0.2")
+    first, second = Deliverer(), Deliverer()
+    send(ALICE, NOTE, [elsewhere.url()])
+    second.run(drain=True)  # it has been running a while: it read the failing hosts
+    send_batch(ALICE, NOTE, [inbox.url()], {"max_attempts": 1})
+    first.run(drain=True)  # one 503
+    assert Host.objects.get(name=inbox.host).failing_since is not None
+    time.sleep(max(limits.values()) + 0.2)
+    status[0] = 202
+    for n in range(3):
+        send(ALICE, {**NOTE, "id": f"{NOTE['id']}/{n}"}, [inbox.url()])
+    second.run(drain=True)
+    assert len(inbox.received) == 4, "the host accepted the three just now"
+    status[0] = 503
+    return inbox, second
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_that_answered_through_another_deliverer_is_not_told_failing_at_one_failure(
+    inboxes: Callable[..., Inbox], settings: Any, told: list[Any]
+) -> None:
+    # The second deliverer read the failing hosts once, before the first saw
+    # this one fail: its successes never cleared it, and its next failure
+    # told it failing since the first's old 503.
+    inbox, second = one_503_then_answers_through_another(inboxes, settings, HOST_FAILING_AFTER=1.0)
+    assert Host.objects.get(name=inbox.host).failing_since is None, "up: cleared"
+    # One 503, a moment after three 202s: failing for no time at all.
+    send_batch(ALICE, {**NOTE, "id": f"{NOTE['id']}/x"}, [inbox.url()], {"max_attempts": 1})
+    second.run(drain=True)
+    assert len(inbox.received) == 5
+    assert told == [], "told failing since the first deliverer's 503, answered well since"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_answering_well_through_another_deliverer_is_not_marked_unavailable(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    inbox, _second = one_503_then_answers_through_another(
+        inboxes, settings, HOST_FAILING_AFTER=1.0, HOST_UNAVAILABLE_AFTER=1.0
+    )
+    # The hourly upkeep: no success for HOST_UNAVAILABLE_AFTER? Three just now.
+    assert mark_unavailable(1.0) == []
+    assert send(ALICE, {**NOTE, "id": f"{NOTE['id']}/y"}, [inbox.url()]) is not None
 
 
 ZOE = "https://social.example/users/zo\u00eb"
