@@ -202,6 +202,43 @@ def test_with_use_tz_off_a_destination_answering_410_is_disabled_and_told(
     assert [timezone.is_aware(told.disabled_at) for told in disabled] == [True, True]
 
 
+def test_a_success_clears_a_failing_since_another_deliverer_wrote_after_it_looked(
+    settings: Any,
+) -> None:
+    # It read the failing destinations once, as it first looked: one that
+    # another deliverer saw fail since stayed failing, however well it
+    # answered this one.
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    row = claims.Claimed(1, 1, "ops", delivery_key("ops"), 0, (), "", 0.0, "ops")
+    now = timezone.now()
+    this, other = life.Watch(90.0), life.Watch(90.0)
+    this(row, answered(200), now)
+    other(row, answered(503), now + dt.timedelta(seconds=1))
+    assert failing_since() == now + dt.timedelta(seconds=1)
+    this(row, answered(200), now + dt.timedelta(seconds=20))  # read again: 9 s at most
+    assert failing_since() is None
+
+
+def test_a_destination_enabled_again_is_not_disabled_again_at_its_next_failure(
+    settings: Any, disabled: list[signals.DestinationDisabled]
+) -> None:
+    # A deliverer whose view still had it failing since long ago, from
+    # before another disabled it and an operator enabled it, disabled it
+    # again at its first failure.
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    row = claims.Claimed(1, 1, "ops", delivery_key("ops"), 0, (), "", 0.0, "ops")
+    now = timezone.now()
+    this, other = life.Watch(90.0), life.Watch(90.0)
+    this(row, answered(503), now)
+    this(row, answered(503), now + dt.timedelta(seconds=85))  # it looks again
+    assert other(row, answered(410), now + dt.timedelta(seconds=86)) is True
+    life.enable("ops")
+    assert failing_since() is None
+    assert this(row, answered(503), now + dt.timedelta(seconds=91)) is False
+    assert failing_since() == now + dt.timedelta(seconds=91), "failing again, since then"
+    assert len(disabled) == 1
+
+
 # Django's own checks look up the auth app, which a transactional test's flush leaves out.
 @pytest.mark.django_db
 def test_events_for_a_destination_no_longer_configured_are_warned_of_before_a_deliverer_runs(

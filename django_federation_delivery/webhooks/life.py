@@ -120,23 +120,29 @@ def enabled(name: str, released: int | None) -> str:
 
 class Watch:
     """What one deliverer makes of each webhook attempt for its destination's
-    life. It keeps which destinations are failing (as the table had them when
-    first asked, and as it saw them since), so that a success writes only
-    when one of them recovers, whichever deliverer saw it fail."""
+    life. It keeps which destinations are failing (as the table had them at
+    most a tenth of ``WEBHOOK_DISABLE_AFTER`` ago, a minute at most:
+    ``hosts.read_failing_every``; and as it saw them since), so that a
+    success writes only when one of them recovers, whichever deliverer saw
+    it fail."""
 
     def __init__(self, disable_after: float, *, using: str | None = None) -> None:
         self.disable_after = dt.timedelta(seconds=disable_after)
         self.using = using or database_alias()
+        #: How long what was read of the failing destinations is kept.
+        self.read_every = hosts.read_failing_every(self.disable_after)
         #: The key of each destination failing, and since when; None until
         #: read from the table.
         self._failing: dict[str, dt.datetime] | None = None
+        #: When it was read, by the loop's clock (the attempts' ``now``).
+        self._read_at: dt.datetime | None = None
 
     def __call__(self, row: claims.Claimed, result: AttemptResult, now: dt.datetime) -> bool:
         """Take in what came of an attempt; whether it disabled the destination."""
         name = row.destination
         if not name:
             return False
-        failing = self._known()
+        failing = self._known(now)
         if result.delivered:
             if failing.pop(row.host, None) is not None:
                 self._hosts(row.host).update(failing_since=None)
@@ -151,7 +157,10 @@ class Watch:
         failing[row.host] = since
         if now - since < self.disable_after:
             return False
-        # Another deliverer may have delivered since: the last success counts.
+        # What this deliverer read may be a while old: the row's since counts
+        # (none, once enabled again: failing from now), and so does another
+        # deliverer's success since.
+        since = hosts.failing_since(row.host, now, using=self.using)
         since = self._last_success_since(row.host, since)
         failing[row.host] = since
         if now - since < self.disable_after:
@@ -161,17 +170,24 @@ class Watch:
         failing.pop(row.host, None)
         return True
 
-    def _known(self) -> dict[str, dt.datetime]:
-        """The destinations failing: read from the table when first asked
-        (another deliverer, or this one's last run, may have seen them fail),
-        then kept up to date by this one."""
-        if self._failing is None:
+    def _known(self, now: dt.datetime) -> dict[str, dt.datetime]:
+        """The destinations failing: read from the table (another deliverer,
+        or this one's last run, may have seen them fail; an operator may
+        have enabled one again) at most ``read_every`` ago, or since the
+        clock was set back; kept up to date by this one in between."""
+        read_at = self._read_at
+        if (
+            self._failing is None
+            or read_at is None
+            or not read_at <= now < read_at + self.read_every
+        ):
             self._failing = {
                 name: since
                 for name, (since, _told) in hosts.failing_hosts(
                     destinations=True, using=self.using
                 ).items()
             }
+            self._read_at = now
         return self._failing
 
     def _hosts(self, key: str) -> QuerySet[Host]:
