@@ -16,7 +16,9 @@ The mark clears when the host is seen again:
   own; any answer but a 5xx or a 429 is a host that is up;
 - an operator clears it in the admin (the hosts' "Mark as seen" action);
 - the host project calls :func:`mark_host_seen` when it hears from the host
-  (an activity it just received from it, say).
+  (an activity it just received from it, say);
+- a delivery there is accepted (one queued before the mark, retrying):
+  the deliverer sees it up as :func:`mark_host_seen` does (health.py).
 
 Each process keeps the set of unavailable hosts for ``KNOWN_FOR`` seconds,
 so that a send costs no query for it: a host marked or cleared elsewhere is
@@ -42,7 +44,14 @@ from django_federation_delivery.models import Delivery, Host, Kind
 from django_federation_delivery.store.locks import write_first
 from django_federation_delivery.transport import Transport, TransportSettings
 
-__all__ = ["mark_host_seen", "mark_unavailable", "probe", "probe_due", "unavailable_hosts"]
+__all__ = [
+    "mark_host_seen",
+    "mark_unavailable",
+    "probe",
+    "probe_due",
+    "seen",
+    "unavailable_hosts",
+]
 
 logger = logging.getLogger("django_federation_delivery.deliverer")
 
@@ -128,7 +137,7 @@ def mark_host_seen(host: str, *, using: str | None = None) -> bool:
     destination's ``<ops>``) as it is. ``ValueError`` naming it if it is
     blank, or a URL on no host."""
     named = addresses.required_host(host, "mark_host_seen")
-    return any(_seen(named, database_alias(using)))
+    return any(seen(named, using=database_alias(using)))
 
 
 def mark_seen(host: str, *, using: str | None = None) -> bool:
@@ -136,17 +145,25 @@ def mark_seen(host: str, *, using: str | None = None) -> bool:
     names it (the admin's action, a probe's answer): read as it is, whatever
     it holds. Returns whether it was marked unavailable (what the admin
     counts)."""
-    return _seen(host, using or database_alias())[0]
+    return seen(host, using=using or database_alias())[0]
 
 
-def _seen(host: str, alias: str) -> tuple[bool, bool]:
-    """Clear ``host``'s marks; whether it was marked unavailable, and failing."""
-    now = timezone.now()
-    hosts = Host.objects.using(alias).filter(name=host)
-    with transaction.atomic(using=alias):
+def seen(host: str, *, now: dt.datetime | None = None, using: str) -> tuple[bool, bool]:
+    """Clear the marks of ``host``, seen up at ``now`` (the time now if not
+    given): unavailable, and failing since; ``host_recovered`` is sent on
+    commit if it was told failing. Whether it was marked unavailable, and
+    failing.
+
+    Whatever saw it up (:func:`mark_host_seen`, the admin, a probe, or a
+    delivery it accepted: ``health.py``), both marks go together: a host up
+    is never left skipped by sends until its next probe, a day on."""
+    now = aware(now or timezone.now())  # the loop's is aware, USE_TZ or not
+    at = orm_datetime(now)
+    hosts = Host.objects.using(using).filter(name=host)
+    with transaction.atomic(using=using):
         # A write first: the row is locked (and on SQLite, the database)
         # before it is read, so that no other write comes in between.
-        if not hosts.update(updated_at=now):
+        if not hosts.update(updated_at=at):
             return False, False
         found = hosts.values_list("unavailable_since", "failing_since", "failing_told_at").first()
         if found is None:
@@ -159,21 +176,27 @@ def _seen(host: str, alias: str) -> tuple[bool, bool]:
             failing_since=None,
             failing_told_at=None,
             probed_at=None,
-            updated_at=now,
+            updated_at=at,
         )
         if told is not None and since is not None:
             # A signal's times are aware, whatever USE_TZ says.
             recovered = signals.HostRecovered(
-                host=host, failing_since=aware(since), recovered_at=aware(now)
+                host=host, failing_since=aware(since), recovered_at=now
             )
-            transaction.on_commit(
-                lambda: signals.send_safely(signals.host_recovered, recovered=recovered),
-                using=alias,
-            )
-    forget_known()
+            transaction.on_commit(lambda: _tell_recovered(recovered), using=using)
     if unavailable is not None:
+        forget_known()  # sends here skip it no longer, at once
         logger.warning("Host %s seen again: no longer unavailable", addresses.escaped(host))
     return unavailable is not None, since is not None
+
+
+def _tell_recovered(recovered: signals.HostRecovered) -> None:
+    logger.warning(
+        "Host %s up again after failing since %s",
+        addresses.escaped(recovered.host),
+        recovered.failing_since.isoformat(timespec="seconds"),
+    )
+    signals.send_safely(signals.host_recovered, recovered=recovered)
 
 
 def probe_due(*, now: dt.datetime | None = None, using: str | None = None) -> list[tuple[str, str]]:

@@ -4,7 +4,9 @@ A host fails when an attempt at it gets no answer, or a 5xx or 429; any
 other answer, a refusal included, says it is up. The first failure after it
 was up is written on its ``Host`` row (``failing_since``). Failing for
 ``HOST_FAILING_AFTER`` (an hour by default), ``host_failing`` is sent; up
-again after that, ``host_recovered``. Each once a change, however many
+again after that, ``host_recovered``. Up, a host marked unavailable is seen
+again, as ``mark_host_seen`` sees it (``availability.seen``): both marks
+are cleared together. Each once a change, however many
 deliverers see it: a row's ``failing_told_at`` is claimed by the one update
 that sets it, or clears it.
 
@@ -30,7 +32,7 @@ import logging
 from django.db import transaction
 from django.db.models import QuerySet
 
-from django_federation_delivery import signals
+from django_federation_delivery import availability, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware, orm_datetime
@@ -77,8 +79,8 @@ class HostWatch:
         host = row.host
         known = self._known(now)
         if not failing:
-            if host in known:
-                self._recovered(host, known.pop(host)[0], now)
+            if known.pop(host, None) is not None:
+                self._recovered(host, now)
             return False
         since, told = known.get(host) or (failing_since(host, now, using=self.using), False)
         if not told and now - since >= self.failing_after:
@@ -130,18 +132,11 @@ class HostWatch:
             return failing_since(host, now, using=self.using), False
         return aware(found[0]), found[1] is not None
 
-    def _recovered(self, host: str, since: dt.datetime, now: dt.datetime) -> None:
-        with transaction.atomic(using=self.using):
-            told = (
-                self._hosts(host)
-                .filter(failing_told_at__isnull=False)
-                .update(failing_since=None, failing_told_at=None)
-            )
-            if not told:
-                self._hosts(host).update(failing_since=None)
-            else:
-                recovered = signals.HostRecovered(host=host, failing_since=since, recovered_at=now)
-                transaction.on_commit(lambda: _tell_recovered(recovered), using=self.using)
+    def _recovered(self, host: str, now: dt.datetime) -> None:
+        # Up, as mark_host_seen has it: failing no more and, if it was marked
+        # unavailable, no longer skipped by sends (it was until its next
+        # probe, up to a day on); host_recovered once, if told failing.
+        availability.seen(host, now=now, using=self.using)
 
 
 def _tell_failing(failing: signals.HostFailing) -> None:
@@ -152,12 +147,3 @@ def _tell_failing(failing: signals.HostFailing) -> None:
         failing.error,
     )
     signals.send_safely(signals.host_failing, failing=failing)
-
-
-def _tell_recovered(recovered: signals.HostRecovered) -> None:
-    logger.warning(
-        "Host %s up again after failing since %s",
-        recovered.host,
-        recovered.failing_since.isoformat(timespec="seconds"),
-    )
-    signals.send_safely(signals.host_recovered, recovered=recovered)

@@ -20,11 +20,15 @@ from django_federation_delivery.availability import (
     unavailable_hosts,
 )
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.dialect import aware_now
+from django_federation_delivery.health import HostWatch
 from django_federation_delivery.models import Batch, Delivery, Host, Status
 from django_federation_delivery.sending import UNAVAILABLE
+from django_federation_delivery.store import claims
 
 from .conftest import Inbox
 from .keys import ALICE
+from .test_health import answered
 
 WEEK = 7 * 86400.0
 NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
@@ -101,6 +105,25 @@ def test_a_host_seen_again_is_sent_to_and_told_recovered(
     failing("failing.example", 0.5)
     assert mark_host_seen("failing.example") is True
     assert Host.objects.get(name="failing.example").failing_since is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delivery_an_unavailable_host_accepts_clears_its_mark_as_seeing_it_does(
+    recovered: list[signals.HostRecovered],
+) -> None:
+    # It cleared its failing since and told it recovered, but left it
+    # marked: sends skipped it until its next probe, up to a day on.
+    now = timezone.now()
+    failing("gone.example", 8, unavailable_since=now, failing_told_at=now)
+    assert unavailable_hosts() == {"gone.example"}
+    row = claims.Claimed(1, 1, "https://gone.example/inbox", "gone.example", 0, (), "t", 0.0)
+    HostWatch(3600.0)(row, answered(202), aware_now())  # a retry, queued before the mark
+    host = Host.objects.get(name="gone.example")
+    assert (host.unavailable_since, host.failing_since, host.failing_told_at) == (None, None, None)
+    assert unavailable_hosts() == frozenset(), "sent to again, at once"
+    assert send(ALICE, NOTE, ["https://gone.example/inbox"]) is not None
+    assert mark_host_seen("gone.example") is False
+    assert [r.host for r in recovered] == ["gone.example"], "told once"
 
 
 @pytest.mark.django_db(transaction=True)
