@@ -64,6 +64,12 @@ PROBES_PER_ROUND = 20
 #: What a probe asks for: every fediverse server answers it.
 PROBE_PATH = "/.well-known/nodeinfo"
 
+#: An inbox's host, not a webhook destination's key (``<ops>``): only inboxes'
+#: hosts are marked unavailable and probed. A destination failing for good
+#: is disabled instead (webhooks/life.py); probed at ``https://<ops>/…``, it
+#: could never be seen again.
+INBOX_HOSTS = ~Q(name__startswith="<")
+
 _known: dict[str, tuple[float, frozenset[str]]] = {}
 _known_lock = threading.Lock()
 
@@ -109,6 +115,7 @@ def mark_unavailable(
     # hoststats.py): a deliverer reads the failing hosts only every so often
     # (health.py), so its success there may not have cleared it yet.
     due &= Q(last_delivered_at__isnull=True) | Q(last_delivered_at__lte=F("failing_since"))
+    due &= INBOX_HOSTS
     hosts = Host.objects.using(alias)
     marked = []
     for name, since in hosts.filter(due).values_list("name", "failing_since"):
@@ -205,8 +212,10 @@ def probe_due(*, now: dt.datetime | None = None, using: str | None = None) -> li
     probed at (its origin, as its latest delivery's inbox has it)."""
     alias = using or database_alias()
     now = orm_datetime(now or timezone.now())
-    due = Q(unavailable_since__isnull=False) & (
-        Q(probed_at__isnull=True) | Q(probed_at__lte=now - PROBE_EVERY)
+    due = (
+        Q(unavailable_since__isnull=False)
+        & (Q(probed_at__isnull=True) | Q(probed_at__lte=now - PROBE_EVERY))
+        & INBOX_HOSTS  # a destination's key left marked from before: never probed
     )
     hosts = Host.objects.using(alias)
     taken = []

@@ -239,6 +239,45 @@ def test_a_destination_enabled_again_is_not_disabled_again_at_its_next_failure(
     assert len(disabled) == 1
 
 
+def test_a_destination_failing_for_days_is_never_marked_unavailable_nor_probed(
+    settings: Any,
+) -> None:
+    # Its key was marked as an inbox's host is, after HOST_UNAVAILABLE_AFTER;
+    # enabled again, it stayed so: shown unavailable, first in the hosts,
+    # and probed daily for ever at https://<ops>/.well-known/nodeinfo.
+    from django_federation_delivery.availability import mark_unavailable, probe_due
+    from django_federation_delivery.picture import host_picture
+
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    now = timezone.now()
+    # What the deliverer left: failing for 8 days, disabled after 5 of them.
+    Host.objects.create(name="<ops>", failing_since=now - dt.timedelta(days=8))
+    assert life.disable("ops", "no success for 5 days (WEBHOOK_DISABLE_AFTER)") is True
+    assert mark_unavailable(7 * 86400.0) == []  # a deliverer's hourly upkeep
+    life.enable("ops")  # the operator: the receiver is mended
+    picture = host_picture("<ops>")
+    assert picture is not None
+    assert (picture.trouble, picture.unavailable_since) == ("ok", None)
+    assert probe_due() == []
+
+
+def test_a_destination_enabled_again_is_no_longer_unavailable_if_it_was_marked_so(
+    settings: Any,
+) -> None:
+    from django_federation_delivery.availability import probe_due
+
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    now = timezone.now()
+    # Marked before destinations were left out, and disabled.
+    week_ago = now - dt.timedelta(days=7)
+    Host.objects.create(name="<ops>", failing_since=week_ago, unavailable_since=now)
+    assert life.disable("ops", "no success for 5 days (WEBHOOK_DISABLE_AFTER)") is True
+    assert probe_due() == [], "no inbox's host: never probed"
+    life.enable("ops")
+    ops = Host.objects.get(name="<ops>")
+    assert (ops.failing_since, ops.unavailable_since, ops.paused_at) == (None, None, None)
+
+
 # Django's own checks look up the auth app, which a transactional test's flush leaves out.
 @pytest.mark.django_db
 def test_events_for_a_destination_no_longer_configured_are_warned_of_before_a_deliverer_runs(

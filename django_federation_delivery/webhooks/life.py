@@ -91,9 +91,12 @@ def enable(name: str, *, using: str | None = None) -> int | None:
     with transaction.atomic(using=alias):
         # Its reason for being disabled goes with the pause (resume_host).
         # The write says whether it is paused: asked first, another
-        # operator's enabling could come in between.
+        # operator's enabling could come in between. Failing no more; nor
+        # unavailable, a mark only an inbox's host gets now, but a
+        # destination's key could get before (availability.py): left, it was
+        # shown unavailable and probed daily for ever.
         paused = Host.objects.using(alias).filter(name=key, paused_at__isnull=False)
-        if not paused.update(failing_since=None):
+        if not paused.update(failing_since=None, unavailable_since=None, probed_at=None):
             return None
         released = hosts.resume_host(key, using=alias)
         # The first in line may have a retry of its own to wait for (it was
@@ -145,7 +148,8 @@ class Watch:
         failing = self._known(now)
         if result.delivered:
             if failing.pop(row.host, None) is not None:
-                self._hosts(row.host).update(failing_since=None)
+                # With any unavailable mark left from before (see enable()).
+                self._hosts(row.host).update(failing_since=None, unavailable_since=None)
             return False
         if result.status == GONE:
             failing.pop(row.host, None)
