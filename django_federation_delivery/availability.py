@@ -13,7 +13,9 @@ The mark clears when the host is seen again:
 
 - the deliverer probes each unavailable host once a day, a ``GET`` of its
   ``/.well-known/nodeinfo`` through the guarded transport, in a thread of its
-  own; any answer but a 5xx or a 429 is a host that is up;
+  own; any answer but a 5xx or a 429 is a host that is up. Each hourly round
+  takes its share of them all (:func:`probes_a_round`), those never probed
+  first;
 - an operator clears it in the admin (the hosts' "Mark as seen" action);
 - the host project calls :func:`mark_host_seen` when it hears from the host
   (an activity it just received from it, say);
@@ -49,6 +51,7 @@ __all__ = [
     "mark_unavailable",
     "probe",
     "probe_due",
+    "probes_a_round",
     "seen",
     "unavailable_hosts",
 ]
@@ -59,8 +62,18 @@ logger = logging.getLogger("django_federation_delivery.deliverer")
 KNOWN_FOR = 60.0
 #: How often an unavailable host is probed.
 PROBE_EVERY = dt.timedelta(days=1)
-#: Hosts probed in one round (a round an hour): the rest wait their turn.
-PROBES_PER_ROUND = 20
+#: How often a running deliverer takes the hosts due a probe: a round
+#: (upkeep.HOSTS_EVERY, an hour).
+PROBE_ROUND = dt.timedelta(hours=1)
+#: The fewest and the most hosts one deliverer probes in a round
+#: (:func:`probes_a_round`). The fewest, so that a few hosts marked at once
+#: are probed at once. The most, as a deliverer probes one host at a time,
+#: each within ATTEMPT_TIMEOUT, and takes none while it still probes the
+#: last round's: 500 fit in the hour at 7 s each. So each is probed daily up
+#: to 11,500 unavailable hosts a deliverer (500 in each of 23 rounds);
+#: past that, or slower to answer, less often, each in its turn.
+PROBES_LEAST = 20
+PROBES_MOST = 500
 #: What a probe asks for: every fediverse server answers it.
 PROBE_PATH = "/.well-known/nodeinfo"
 
@@ -206,10 +219,29 @@ def _tell_recovered(recovered: signals.HostRecovered) -> None:
     signals.send_safely(signals.host_recovered, recovered=recovered)
 
 
-def probe_due(*, now: dt.datetime | None = None, using: str | None = None) -> list[tuple[str, str]]:
-    """Take the unavailable hosts not probed for a day, at most
-    ``PROBES_PER_ROUND``, each for one deliverer alone; with the URL each is
-    probed at (its origin, as its latest delivery's inbox has it)."""
+def probes_a_round(*, using: str | None = None) -> int:
+    """How many hosts a round probes: enough that each unavailable host is
+    probed within a day, however many there are. A host probed is due
+    again a day (a day's rounds) later, so a round that takes its share of
+    them all, in a day's rounds but one (a round may come a little late),
+    leaves none waiting longer; at least ``PROBES_LEAST``, at most
+    ``PROBES_MOST``. One count of a partial index, a round."""
+    unavailable = (
+        Host.objects.using(using or database_alias())
+        .filter(INBOX_HOSTS, unavailable_since__isnull=False)
+        .count()
+    )
+    rounds = PROBE_EVERY // PROBE_ROUND - 1
+    return min(PROBES_MOST, max(PROBES_LEAST, -(-unavailable // rounds)))
+
+
+def probe_due(
+    *, now: dt.datetime | None = None, most: int | None = None, using: str | None = None
+) -> list[tuple[str, str]]:
+    """Take the unavailable hosts not probed for a day, at most ``most``
+    (:func:`probes_a_round`, if not given), each for one deliverer alone;
+    with the URL each is probed at (its origin, as its latest delivery's
+    inbox has it). Those never probed first, then the longest unprobed."""
     alias = using or database_alias()
     now = orm_datetime(now or timezone.now())
     due = (
@@ -217,12 +249,17 @@ def probe_due(*, now: dt.datetime | None = None, using: str | None = None) -> li
         & (Q(probed_at__isnull=True) | Q(probed_at__lte=now - PROBE_EVERY))
         & INBOX_HOSTS  # a destination's key left marked from before: never probed
     )
+    if most is None:
+        most = probes_a_round(using=alias)
     hosts = Host.objects.using(alias)
     taken = []
     for name in (
         hosts.filter(due)
-        .order_by("probed_at", "name")
-        .values_list("name", flat=True)[:PROBES_PER_ROUND]
+        # Never probed first on both databases: PostgreSQL puts NULLs last in
+        # an ascending order, and a host newly marked waited behind every
+        # host due again, for ever once they were as many as a day's rounds.
+        .order_by(F("probed_at").asc(nulls_first=True), "name")
+        .values_list("name", flat=True)[:most]
     ):
         if hosts.filter(due, name=name).update(probed_at=now):
             taken.append((name, _probe_url(name, alias)))

@@ -12,11 +12,15 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
-from django_federation_delivery import mark_host_seen, send, signals
+from django_federation_delivery import availability, mark_host_seen, send, signals, upkeep
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.availability import (
+    PROBE_ROUND,
+    PROBES_LEAST,
+    PROBES_MOST,
     mark_unavailable,
     probe_due,
+    probes_a_round,
     unavailable_hosts,
 )
 from django_federation_delivery.deliverer import Deliverer
@@ -187,6 +191,68 @@ def test_a_deliverer_marks_at_its_start_and_probes_each_unavailable_host_once_a_
     assert unavailable_hosts() == {dead}
     assert Host.objects.get(name=dead).probed_at is not None
     assert probe_due() == [], "probed once a day"
+
+
+def unavailable_backlog(count: int, now: dt.datetime) -> None:
+    """``count`` hosts unavailable for weeks, each last probed a day ago,
+    minutes apart, as a day's rounds left them: all due again."""
+    Host.objects.bulk_create(
+        Host(
+            name=f"gone{n:04d}.example",
+            failing_since=now - dt.timedelta(days=30),
+            unavailable_since=now - dt.timedelta(days=20),
+            probed_at=now - dt.timedelta(days=1, minutes=n % 60),
+        )
+        for n in range(count)
+    )
+
+
+def a_day_of_probes(now: dt.datetime) -> list[str]:
+    """The hosts one deliverer's hourly upkeep takes to probe in a day."""
+    probed: list[str] = []
+    for hour in range(24):
+        probed += [name for name, _url in probe_due(now=now + dt.timedelta(hours=hour))]
+    return probed
+
+
+@pytest.mark.django_db
+def test_a_host_newly_marked_unavailable_is_probed_at_the_next_round() -> None:
+    # On PostgreSQL, "the longest unprobed first" put the hosts never probed
+    # last: behind 500 hosts due again, one newly marked was never probed.
+    now = timezone.now()
+    unavailable_backlog(500, now)
+    failing("new.example", 8)
+    assert mark_unavailable(WEEK, now=now) == ["new.example"]
+    assert "new.example" in [name for name, _url in probe_due(now=now)]
+
+
+@pytest.mark.django_db
+def test_each_unavailable_host_is_probed_once_a_day_however_many() -> None:
+    # 20 an hour, 480 a day: of 500 unavailable hosts, 20 waited a day more.
+    now = timezone.now()
+    unavailable_backlog(500, now)
+    probed = a_day_of_probes(now)
+    assert sorted(probed) == sorted(Host.objects.values_list("name", flat=True)), "each once"
+
+
+@pytest.mark.django_db
+def test_a_round_probes_a_share_of_the_unavailable_hosts_within_its_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = timezone.now()
+    assert probes_a_round() == PROBES_LEAST
+    unavailable_backlog(500, now)
+    failing("<ops>", 30, unavailable_since=now)  # no inbox's host: not counted
+    assert probes_a_round() == 22, "a 23rd of them: a round may come late"
+    # Past the most (500: 11,500 hosts), each in its turn, less often than daily.
+    assert PROBES_MOST == 500
+    monkeypatch.setattr(availability, "PROBES_MOST", 21)
+    assert probes_a_round() == 21
+
+
+def test_a_probe_round_is_the_deliverers_hourly_upkeep() -> None:
+    # What a round's share of the unavailable hosts is reckoned by.
+    assert PROBE_ROUND.total_seconds() == upkeep.HOSTS_EVERY
 
 
 @pytest.mark.django_db
