@@ -304,8 +304,9 @@ class Supervisor:
         }
 
     def _stop_saying_so(self, number: int) -> None:
-        if self.stopping:
-            self._kill_and_exit(number)  # stopping already: as good as a second one
+        # The first signal (StopSignals counts them): it stops, even when the
+        # supervisor was stopping already of itself (giving up). Only a
+        # second one kills.
         running = sum(child.running for child in self.children)
         self.say(
             ngettext(

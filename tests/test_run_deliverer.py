@@ -804,6 +804,55 @@ def test_a_child_that_dies_at_once_every_time_is_given_up_with_a_clear_message(
     assert re.search(r"\[deliverer 1/2 pid \d+\] Done:", text), "and it stopped cleanly"
 
 
+@pytest.mark.slow
+@pytest.mark.any_database
+def test_one_signal_while_the_supervisor_gives_up_stops_gracefully_and_it_still_says_why(
+    inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # Giving up, the supervisor stops the healthy child gracefully. A signal
+    # then is the operator's first: it stops too, it does not kill (it did:
+    # the child was killed mid-send, its delivery left to be sent again, and
+    # the supervisor exited 143 without saying why it gave up).
+    held = threading.Event()
+
+    def hold(request: Received) -> tuple[int, dict[str, str], bytes]:
+        held.wait(STUCK)
+        return 202, {}, b""
+
+    sink = inboxes(respond=hold)
+    send(ALICE, NOTE, [sink.url("/held")])
+    port = free_ports(2)
+    try:
+        with socket.socket() as taken:
+            # The second child's port is somebody else's: it cannot start.
+            taken.bind(("127.0.0.1", port + 1))
+            taken.listen()
+            process = processes(
+                "--processes=2",
+                f"--metrics-port={port}",
+                "--concurrency=1",
+                settings=STUCK_SETTINGS,
+            )
+            output = Output(process)
+            first = int(output.wait_for(r"\[deliverer 1/2 pid (\d+)\] Delivering until stopped")[1])
+            wait_until(lambda: len(sink.received) == 1, timeout=STARTED)
+            output.wait_for("Stopping every deliverer", timeout=3 * STARTED)
+        process.send_signal(signal.SIGTERM)
+        said = "Stopping: 1 deliverer finishing what is in flight"
+        wait_until(lambda: said in output.text() or process.poll() is not None, timeout=AT_ONCE)
+        assert process.poll() is None and not gone(first), output.text()
+    finally:
+        held.set()
+    assert process.wait(AT_ONCE) == 1, output.finish()
+    text = output.finish()
+    assert re.search(
+        r"CommandError: deliverer 2 \(pid \d+\) exited with status 1, 5 times in a row", text
+    ), text
+    assert re.search(rf"\[deliverer 1/2 pid {first}\] Done: delivered 1,", text), text
+    assert statuses() == {Status.DELIVERED: 1}
+    assert sink.paths() == ["/held"], "sent once"
+
+
 #: A manage.py whose command runs when it is imported: no ``__main__`` guard.
 UNGUARDED = """\
 import sys
