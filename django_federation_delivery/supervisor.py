@@ -123,6 +123,10 @@ class _Child:
     quick_deaths: int = 0
     restart_at: float | None = None
     exitcode: int | None = None
+    #: Ended once the supervisor was stopping: its end is what the stop came
+    #: to. One that died before (its restart then cancelled) was a death of
+    #: its own, said as it came.
+    ended_stopping: bool = False
 
     @property
     def running(self) -> bool:
@@ -178,8 +182,9 @@ class Supervisor:
         unclean = [
             child
             for child in self.children
-            # Killed by the stop itself while still starting: it had claimed nothing.
-            if child.exitcode not in (0, -signal.SIGTERM, -signal.SIGINT)
+            # What the stop came to; killed by it while still starting, a
+            # child had claimed nothing.
+            if child.ended_stopping and child.exitcode not in (0, -signal.SIGTERM, -signal.SIGINT)
         ]
         if unclean:
             raise GaveUp(
@@ -258,7 +263,10 @@ class Supervisor:
         child.process.join()
         child.exitcode = child.process.exitcode
         lived = time.monotonic() - child.started
-        if self.stopping or (self.drain and child.exitcode == 0):
+        # Read once: a stop that comes from here on (in the signals' thread)
+        # came after this death, which was not its doing.
+        child.ended_stopping = self.stopping
+        if child.ended_stopping or (self.drain and child.exitcode == 0):
             return
         if child.exitcode == UNGUARDED_MAIN:
             # Every restart would end the same way: say why, once.
