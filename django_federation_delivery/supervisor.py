@@ -239,7 +239,13 @@ class Supervisor:
     def _watch(self) -> None:
         while True:
             running = [child for child in self.children if child.running]
-            waiting = [child for child in self.children if child.restart_at is not None]
+            # Once stopping, a restart is nothing to wait for, whatever set it:
+            # this returns once no child runs.
+            waiting = [
+                child
+                for child in self.children
+                if child.restart_at is not None and not self.stopping
+            ]
             if not running and not waiting:
                 return
             now = time.monotonic()
@@ -294,6 +300,7 @@ class Supervisor:
                 lived,
                 f" in {backoff:g} s" if backoff else "",
             )
+        # Set even if a stop came meanwhile: _watch waits for no restart once stopping.
         child.restart_at = time.monotonic() + backoff
 
     def _giving_up(self, child: _Child) -> str:

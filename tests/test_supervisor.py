@@ -104,6 +104,22 @@ def test_a_childs_end_is_said_as_an_operator_reads_it(code: int | None, said: st
 
 
 @pytest.mark.slow
+def test_a_stop_while_a_childs_death_is_handled_leaves_no_restart_to_wait_for() -> None:
+    # The stop is acted on in the signals' thread, at any point of the main
+    # thread's: here, after the supervisor found itself not stopping and
+    # before it set the child's restart. That restart never comes once
+    # stopping; waited for, the supervisor never returned, polling without
+    # a wait (100% of a core).
+    supervisor = Supervisor(1, f"{__name__}.exits_at_once", say=lambda line: None)
+    with Running(supervisor, on_restart=supervisor.stop) as running:
+        wait_until(running.hook.done.is_set, timeout=STARTED)
+        running.thread.join(10)
+        returned = not running.thread.is_alive()
+    assert returned, "stopped, with no child running, it returns"
+    assert running.errors == [], "the child died before the stop: no failure of the stop"
+
+
+@pytest.mark.slow
 def test_a_stop_during_a_restarts_backoff_is_no_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     # The child died before the stop, and waits for its restart, which the
     # stop cancels: it was said as it died, and the stop ended with no
