@@ -15,15 +15,17 @@ every time rather than spin.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -81,6 +83,10 @@ def _bootstrap(target: str, *args: Any) -> None:
 
     for number in STOP:
         signal.signal(number, early)
+    # Held since the fork (_holding_sigint): a Ctrl-C that came while this
+    # interpreter started is taken now, as a stop.
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     import django
     from django.utils.module_loading import import_string
 
@@ -95,6 +101,28 @@ def unguarded_main() -> str:
         "again instead of delivering: put its last lines under 'if __name__ == \"__main__\":', "
         "as Django's own manage.py does"
     ) % {"script": os.path.basename(sys.argv[0]) or "the script"}
+
+
+@contextlib.contextmanager
+def _holding_sigint() -> Iterator[None]:
+    """Blocks SIGINT in this thread while a child is started, which inherits
+    the mask: a Ctrl-C reaches the whole group, and an interpreter still
+    starting (before :func:`_bootstrap` takes the signals) would die of it,
+    with status 1, a failure, when it is only the stop the supervisor passes
+    on itself. Held, it waits for the child to take it as a stop. This
+    process loses nothing: another of its threads takes the signal
+    meanwhile, or it comes once unblocked. (multiprocessing starts its
+    resource tracker the same way, bpo-33613.)"""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    # Started now, not in the child's start: its own start unblocks SIGINT.
+    multiprocessing.resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class GaveUp(Exception):
@@ -224,7 +252,8 @@ class Supervisor:
             args=(self.target, child.index, len(self.children), *self.args),
             name=f"deliverer-{child.index}",
         )
-        process.start()
+        with _holding_sigint():
+            process.start()
         before = child.pid
         child.process, child.pid = process, process.pid or 0
         child.started, child.restart_at, child.exitcode = time.monotonic(), None, None

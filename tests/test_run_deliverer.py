@@ -31,6 +31,7 @@ from django_federation_delivery.wakeup import NOTIFY_CHANNEL
 
 from .conftest import (
     MANAGE,
+    ROOT,
     Inbox,
     Overlap,
     Received,
@@ -65,12 +66,17 @@ def processes() -> Iterator[Callable[..., subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
 
     def start(
-        *args: str, settings: dict[str, Any] | None = None, log_level: str = "WARNING"
+        *args: str,
+        settings: dict[str, Any] | None = None,
+        log_level: str = "WARNING",
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen[str]:
-        env = subprocess_env(FD_SETTINGS_JSON=json.dumps(settings or {}), FD_LOG_LEVEL=log_level)
+        environment = subprocess_env(
+            FD_SETTINGS_JSON=json.dumps(settings or {}), FD_LOG_LEVEL=log_level, **(env or {})
+        )
         process = subprocess.Popen(
             [*MANAGE, "run_deliverer", *args],
-            env=env,
+            env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -851,6 +857,59 @@ def test_one_signal_while_the_supervisor_gives_up_stops_gracefully_and_it_still_
     assert re.search(rf"\[deliverer 1/2 pid {first}\] Done: delivered 1,", text), text
     assert statuses() == {Status.DELIVERED: 1}
     assert sink.paths() == ["/held"], "sent once"
+
+
+#: Run by a spawned deliverer's interpreter as it starts (its site import):
+#: it says so in a file, then takes its time, as on a busy machine.
+SLOW_START = """\
+import os, sys, time
+if "--multiprocessing-fork" in sys.orig_argv:
+    open(os.path.join(os.environ["FD_TEST_STARTING"], str(os.getpid())), "w").close()
+    time.sleep(30)
+"""
+
+
+def holds_sigint(pid: int) -> bool:
+    """Whether process ``pid`` has a SIGINT pending: blocked, not yet taken."""
+    with open(f"/proc/{pid}/status") as status:
+        pending = [
+            int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))
+        ]
+    return any(mask & 1 << (signal.SIGINT - 1) for mask in pending)
+
+
+@pytest.mark.slow
+@pytest.mark.any_database
+def test_ctrl_c_while_the_children_start_stops_them_and_exits_0(
+    tmp_path: Any, processes: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # A terminal's Ctrl-C reaches the supervisor and its children at once. A
+    # child still in its interpreter's start died of it, with status 1 ("Fatal
+    # Python error"), and the supervisor exited 1 with "CommandError:
+    # deliverer 2 (pid N) exited with status 1" (1 run in 5, Ctrl-C in the
+    # first 150 ms). The children's share comes first here.
+    (tmp_path / "sitecustomize.py").write_text(SLOW_START)
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    process = processes(
+        "--processes=2",
+        env={
+            "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
+            "FD_TEST_STARTING": str(starting),
+        },
+    )
+    output = Output(process)
+    wait_until(lambda: len(list(starting.iterdir())) == 2, timeout=STARTED)
+    children = [int(path.name) for path in starting.iterdir()]
+    for pid in children:
+        os.kill(pid, signal.SIGINT)
+    wait_until(lambda: all(gone(pid) or holds_sigint(pid) for pid in children), timeout=AT_ONCE)
+    assert not any(gone(pid) for pid in children), output.text()
+    process.send_signal(signal.SIGINT)
+    assert process.wait(AT_ONCE) == 0, output.finish()
+    text = output.finish()
+    assert "Done: all 2 deliverer processes stopped." in text, text
+    assert all(gone(pid) for pid in children)
 
 
 #: A manage.py whose command runs when it is imported: no ``__main__`` guard.
