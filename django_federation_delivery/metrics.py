@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ __all__ = [
     "OUTCOMES",
     "QueueReading",
     "available",
+    "check_address",
     "observe_queue",
     "read_queue",
     "record_attempt",
@@ -312,3 +314,16 @@ def start_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
         raise ImproperlyConfigured(NEEDS_CLIENT)
     server, _thread = prometheus_client.start_http_server(port, addr=addr)
     return server
+
+
+def check_address(addr: str) -> None:
+    """Raises the ``OSError`` that serving on ``addr`` would, whatever the
+    port (an address of none of this machine's interfaces), by binding a free
+    port there for a moment, as :func:`start_server` would bind it.
+    ``run_deliverer --processes`` asks before starting any child: each would
+    die of it, and be started again and again."""
+    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
+        addr, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind(sockaddr)

@@ -968,6 +968,33 @@ def test_metrics_for_processes_without_prometheus_are_refused_before_any_starts(
         call_command("run_deliverer", "--processes=2", "--metrics-port=9108")
 
 
+def test_a_metrics_address_none_can_serve_on_is_refused_before_any_process_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Alone, run_deliverer refuses it, naming it. Under --processes every
+    # child died of it, was started again with backoff, and after half a
+    # minute the supervisor gave up naming the child, not the address.
+    from django_federation_delivery.management.commands import run_deliverer
+
+    started: list[int] = []
+
+    def supervise(processes: int, *args: Any, **kwargs: Any) -> str:
+        started.append(processes)
+        return "Done."
+
+    monkeypatch.setattr(run_deliverer, "supervise", supervise)
+    with pytest.raises(CommandError, match=r"cannot serve metrics on 192\.0\.2\.1: "):
+        call_command(
+            "run_deliverer", "--processes=2", "--metrics-port=9108", "--metrics-addr=192.0.2.1"
+        )
+    assert started == []
+    # One this machine has is left to the children, each on its own port.
+    call_command(
+        "run_deliverer", "--processes=2", "--metrics-port=9108", "--metrics-addr=127.0.0.1"
+    )
+    assert started == [2]
+
+
 def test_purge_runs_a_purge_in_the_deliverer_and_logs_it(
     inbox: Inbox, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -229,6 +229,16 @@ class Command(TranslatedCommand):
                         "last": number + processes - 1,
                     }
                 )
+            if port is not None:
+                # Refused once, as alone: every child would die of it (a port
+                # taken later is one child's, restarted as any other death).
+                try:
+                    metrics.check_address(addr)
+                except OSError as exc:
+                    raise CommandError(
+                        _("cannot serve metrics on %(addr)s: %(error)s")
+                        % {"addr": addr, "error": exc}
+                    ) from exc
             children = {name: options[name] for name in CHILD_OPTIONS}
             ended = supervise(
                 processes, f"{__name__}.run_child", children, say=self._say, warn=self._warn
