@@ -29,6 +29,7 @@ from django.db import connections
 from django.utils import timezone
 
 from django_federation_delivery import signals, tracing, wakeup, writelock
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
@@ -230,8 +231,14 @@ class Deliverer:
         what is due to be written, claim more (``intake``), and wait for
         what comes next. Each delivery goes through :meth:`perform`.
         """
-        if stop_after is not None and not stop_after > 0:
-            raise ValueError(f"stop_after must be a positive number of seconds, not {stop_after!r}")
+        # Compared, never made a float: an int past a float's range would
+        # raise OverflowError. Past TIMEOUT_MAX the stop timer's thread dies
+        # of it, and the run never stops.
+        if stop_after is not None and not 0 < stop_after <= threading.TIMEOUT_MAX:
+            raise ValueError(
+                f"stop_after must be a positive number of seconds, at most "
+                f"{threading.TIMEOUT_MAX:g}, not {quoted(stop_after)}"
+            )
         with self._running(listen=not drain, stop_after=stop_after):
             for kind in self.kinds:
                 self._db(kind.give_up_unusable)

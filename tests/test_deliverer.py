@@ -17,10 +17,12 @@ from django.db.backends.signals import connection_created
 from django.utils import timezone
 
 from django_federation_delivery import BatchOptions, send, send_batch, send_webhook, signals, wakeup
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import STOPPING_GRACE, Deliverer
 from django_federation_delivery.models import Batch, Delivery, Host, Status
 from django_federation_delivery.retry import LONGEST_WAIT
+from django_federation_delivery.settling import Summary
 from django_federation_delivery.store import CLAIM_ORDER, claims, settlements
 from django_federation_delivery.transport import status_text
 from django_federation_delivery.upkeep import RECYCLE_EVERY
@@ -1256,6 +1258,35 @@ def test_an_idle_run_with_stop_after_returns_then_not_at_the_idle_poll(settings:
 def test_a_stop_after_that_is_not_a_positive_number_is_refused_naming_it(value: float) -> None:
     with pytest.raises(ValueError, match=f"not {value!r}"):
         Deliverer().run(stop_after=value)
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e10, pytest.param(10**400, id="past-a-float")])
+def test_a_stop_after_past_what_a_timer_can_wait_is_refused_not_run_for_ever(
+    value: float,
+) -> None:
+    # Past threading.TIMEOUT_MAX (292 years), the stop timer's thread died
+    # of an OverflowError, and the run never stopped.
+    deliverer = Deliverer()
+    outcome: list[BaseException | Summary] = []
+
+    def run() -> None:
+        try:
+            outcome.append(deliverer.run(stop_after=value))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(3)
+    still_running = thread.is_alive()
+    deliverer.stop()
+    thread.join(30)
+    assert not still_running, "it ran on"
+    (error,) = outcome
+    assert isinstance(error, ValueError), error
+    assert "at most 9.22337e+09" in str(error) and f"not {quoted(value)}" in str(error)
 
 
 def skip_every_inbox(inbox: str, activity: dict[str, Any]) -> bool:

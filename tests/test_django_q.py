@@ -11,6 +11,7 @@ import importlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from django_q.models import Schedule, Task
 from django_q.tasks import async_task
 
 from django_federation_delivery import contrib, heartbeats, send
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.contrib import django_q
 from django_federation_delivery.contrib.django_q import (
     ANOTHER_ROUND,
@@ -81,12 +83,21 @@ def test_without_a_timeout_the_limit_is_retry_or_its_default_of_60_s(settings: A
     assert cluster_limit() is None
 
 
-@pytest.mark.parametrize(("name", "value"), [("timeout", "90"), ("retry", -5), ("timeout", True)])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("timeout", "90"),
+        ("retry", -5),
+        ("timeout", True),
+        pytest.param("timeout", 10**400, id="timeout-past-a-float"),
+    ],
+)
 def test_a_limit_that_is_not_a_positive_number_is_refused_naming_it(
     settings: Any, name: str, value: Any
 ) -> None:
     cluster(settings, **{name: value})
-    with pytest.raises(ImproperlyConfigured, match=rf"Q_CLUSTER\['{name}'\].*not {value!r}"):
+    said = rf"Q_CLUSTER\['{name}'\].*not {re.escape(quoted(value))}"
+    with pytest.raises(ImproperlyConfigured, match=said):
         cluster_limit()
 
 
@@ -122,9 +133,24 @@ def test_a_cluster_that_leaves_no_room_for_a_round_is_refused(settings: Any) -> 
         round_seconds()
 
 
-@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "10"])
-def test_a_round_of_no_positive_number_of_seconds_is_refused_naming_it(value: Any) -> None:
-    with pytest.raises(ValueError, match=f"not {value!r}"):
+@pytest.mark.parametrize(
+    "value",
+    [
+        0,
+        -1,
+        float("nan"),
+        float("inf"),
+        "10",
+        86401,
+        1e10,
+        # JSON holds it: it overflowed a float, naming nothing.
+        pytest.param(10**400, id="past-a-float"),
+    ],
+)
+def test_a_round_of_no_positive_number_of_seconds_up_to_a_day_is_refused_naming_it(
+    value: Any,
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"at most 86400, not {quoted(value)}")):
         round_seconds(value)
 
 
@@ -384,9 +410,9 @@ def test_the_command_without_django_qs_tables_says_to_migrate_them(args: list[st
     assert not Schedule.objects.exists()
 
 
-@pytest.mark.parametrize("value", ["0", "soon", "nan", "-3", "0.5", "1e-300"])
+@pytest.mark.parametrize("value", ["0", "soon", "nan", "-3", "0.5", "1e-300", "86401", "1e10"])
 def test_the_command_refuses_a_bad_round_naming_it(value: str) -> None:
-    with pytest.raises(CommandError, match=f"1 or more, not {value!r}"):
+    with pytest.raises(CommandError, match=f"from 1 to 86400, not {value!r}"):
         call_command("delivery_schedule", f"--round-seconds={value}")
     assert not Schedule.objects.exists()
 

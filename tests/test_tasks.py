@@ -13,18 +13,21 @@ import collections
 import datetime as dt
 import importlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import django
 from django.core.checks.registry import registry
+from django.db import connections
 from django.tasks import TaskResultStatus, task_backends
 from django.tasks.backends.immediate import ImmediateBackend
 from django.utils import timezone
 
 from django_federation_delivery import contrib, send
-from django_federation_delivery.contrib import django_q, tasks
+from django_federation_delivery.contrib import django_q, rounds, tasks
 from django_federation_delivery.contrib.rounds import ANOTHER_ROUND
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Breaker, DelivererHeartbeat, Delivery, Status
 
 from .conftest import Inbox
@@ -146,23 +149,46 @@ def test_a_round_enqueued_on_the_dummy_backend_never_runs(inbox: Inbox) -> None:
 @pytest.mark.parametrize(
     ("declared", "kwargs", "said"),
     [
-        ("deliver_round", {"seconds": 0}, "a round's seconds must be a positive number, not 0"),
+        (
+            "deliver_round",
+            {"seconds": 0},
+            "a round's seconds must be a positive number, at most 86400, not 0",
+        ),
         (
             "deliver_round",
             {"seconds": "10"},
-            "a round's seconds must be a positive number, not '10'",
+            "a round's seconds must be a positive number, at most 86400, not '10'",
         ),
         (
             "deliver_round",
             {"seconds": True},
-            "a round's seconds must be a positive number, not True",
+            "a round's seconds must be a positive number, at most 86400, not True",
+        ),
+        # JSON holds an int of any size: one past a float's overflowed, naming nothing.
+        pytest.param(
+            "deliver_round",
+            {"seconds": 10**400},
+            "a round's seconds must be a positive number, at most 86400, not 1000",
+            id="deliver_round-seconds-past-a-float",
         ),
         ("deliver_round", {"period": -60}, "a round's period must be a positive number of seconds"),
+        pytest.param(
+            "deliver_round",
+            {"seconds": 1, "period": 10**400},
+            "a round's period must be a positive number of seconds, at most 86400, not 1000",
+            id="deliver_round-period-past-a-float",
+        ),
         ("deliver_round", {"using": "elsewhere"}, "using must name a database of DATABASES"),
         (
             "purge",
             {"seconds": float("inf")},
-            "a purge's seconds must be a positive number, not inf",
+            "a purge's seconds must be a positive number, at most 86400, not inf",
+        ),
+        pytest.param(
+            "purge",
+            {"seconds": 10**400},
+            "a purge's seconds must be a positive number, at most 86400, not 1000",
+            id="purge-seconds-past-a-float",
         ),
         ("breaker_upkeep", {"using": 3}, "using must name a database of DATABASES, not 3"),
     ],
@@ -176,6 +202,46 @@ def test_a_bad_argument_fails_the_task_naming_it_and_nothing_is_sent(
     (error,) = result.errors
     assert error.exception_class is ValueError
     assert said in error.traceback
+    assert inbox.received == []
+
+
+@db
+@pytest.mark.parametrize("seconds", [86401, 1e10])
+def test_a_round_of_more_than_a_day_is_refused_not_run_for_ever(
+    inbox: Inbox, monkeypatch: pytest.MonkeyPatch, seconds: float
+) -> None:
+    # 1e10 s is past what the round's stop timer can wait: its thread died,
+    # and the round delivered and held the lock for ever.
+    made: list[Deliverer] = []
+
+    class Recorded(Deliverer):
+        def __init__(self, *args: Any, **options: Any) -> None:
+            super().__init__(*args, **options)
+            made.append(self)
+
+    monkeypatch.setattr(rounds, "Deliverer", Recorded)
+    send(ALICE, NOTE, [inbox.url()])
+    results: list[Any] = []
+
+    def run() -> None:
+        try:
+            results.append(tasks.deliver_round.using(backend="default").enqueue(seconds))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(4)
+    still_running = thread.is_alive()
+    for deliverer in made:
+        deliverer.stop()
+    thread.join(30)
+    assert not still_running, "the round still ran 4 s later"
+    (result,) = results
+    assert result.status == TaskResultStatus.FAILED
+    (error,) = result.errors
+    assert error.exception_class is ValueError
+    assert f"at most 86400, not {seconds!r}" in error.traceback
     assert inbox.received == []
 
 

@@ -23,7 +23,7 @@ shared with ``contrib.tasks``; what is django-q2's is here.
 
 from __future__ import annotations
 
-import math
+import sys
 from typing import Any
 
 from django.utils.translation import gettext as _
@@ -43,6 +43,7 @@ from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.contrib import rounds
 from django_federation_delivery.contrib.rounds import (
@@ -50,6 +51,7 @@ from django_federation_delivery.contrib.rounds import (
     ANOTHER_ROUND,
     FINISH_MARGIN,
     LOCK_SUFFIX,
+    MOST_SECONDS,
     ROUND_SECONDS,
     finish_seconds,
     round_lock,
@@ -61,6 +63,7 @@ __all__ = [
     "ANOTHER_ROUND",
     "FINISH_MARGIN",
     "LOCK_SUFFIX",
+    "MOST_SECONDS",
     "ROUND_SECONDS",
     "cluster_limit",
     "deliver_round",
@@ -97,15 +100,16 @@ def cluster_limit() -> float | None:
         value = conf.get(name, default)
         if value is None or (name == "timeout" and value == -1) or (name == "retry" and not value):
             continue  # no timeout; a retry of 0 is never handed on
+        # Compared, never made a float first: an int past a float's range
+        # would raise OverflowError, naming nothing.
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value <= 0
+            or not 0 < value <= sys.float_info.max
         ):
             raise ImproperlyConfigured(
-                _("Q_CLUSTER[%(name)r] must be a positive number of seconds, not %(value)r.")
-                % {"name": name, "value": value}
+                _("Q_CLUSTER[%(name)r] must be a positive number of seconds, not %(value)s.")
+                % {"name": name, "value": quoted(value)}
             )
         limits.append(float(value))
     return min(limits) if limits else None
@@ -137,7 +141,7 @@ def round_seconds(seconds: float | None = None) -> float:
             )
         return seconds
     seconds = rounds.positive(
-        seconds, _("a round's seconds must be a positive number, not %(value)r")
+        seconds, _("a round's seconds must be a positive number, at most %(most)g, not %(value)s")
     )
     if limit is not None and seconds + finish > limit:
         raise ImproperlyConfigured(

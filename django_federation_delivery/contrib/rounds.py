@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from django.db import connections
 from django.utils import translation
 from django.utils.translation import gettext as _
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.checks import check_settings
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.deliverer import Deliverer
@@ -47,6 +47,10 @@ ROUND_SECONDS = 50.0
 #: Beyond the longest attempt, what finishing a round takes: writing the
 #: outcomes, ending the threads.
 FINISH_MARGIN = 5.0
+#: The most seconds a round, its period or a purge may be given: a day. A
+#: round is the loop for a while, between others; and a bound past what a
+#: timer can wait (``threading.TIMEOUT_MAX``) is none: the round never stopped.
+MOST_SECONDS = 86400.0
 ANOTHER_ROUND = "another round is running"
 
 #: The PostgreSQL advisory lock a round holds: a fixed 64-bit key from a name.
@@ -63,14 +67,17 @@ LOCK_SUFFIX = "-delivery-round.lock"
 
 def positive(value: object, message: str) -> float:
     """``value`` as seconds, or a ValueError with ``message`` (which says
-    ``%(value)r``) if it is not a positive, finite number."""
+    ``%(value)s`` and ``%(most)g``) if it is not a number above 0 and at
+    most MOST_SECONDS."""
+    # Compared, never made a float first: JSON holds an int of any size, and
+    # one past a float's range would raise OverflowError, naming nothing.
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
+        or not 0 < value <= MOST_SECONDS
     ):
-        raise ValueError(message % {"value": value})
+        # quoted(): an int of hundreds of digits is cut, not repeated.
+        raise ValueError(message % {"value": quoted(value), "most": MOST_SECONDS})
     return float(value)
 
 

@@ -100,20 +100,24 @@ def deliver_round(
     period: float = ROUND_PERIOD,
     using: str | None = None,
 ) -> dict[str, Any]:
-    """Claim and send for ``seconds`` (50 when not told), then finish what is
-    in flight (up to ``ATTEMPT_TIMEOUT`` or ``WEBHOOK_TIMEOUT``, and 5 s) and
+    """Claim and send for ``seconds`` (50 when not told, a day at most), then
+    finish what is in flight (up to ``ATTEMPT_TIMEOUT`` or ``WEBHOOK_TIMEOUT``,
+    and 5 s) and
     return what was done; at once, saying so, when another round is running.
-    ``period``: how often the project enqueues a round, in seconds; the
-    process is taken for a dead deliverer three periods after its last round."""
+    ``period``: how often the project enqueues a round, in seconds (a day at
+    most); the process is taken for a dead deliverer three periods after its
+    last round."""
     bound = (
         rounds.ROUND_SECONDS
         if seconds is None
         else rounds.positive(
-            seconds, _("a round's seconds must be a positive number, not %(value)r")
+            seconds,
+            _("a round's seconds must be a positive number, at most %(most)g, not %(value)s"),
         )
     )
     every = rounds.positive(
-        period, _("a round's period must be a positive number of seconds, not %(value)r")
+        period,
+        _("a round's period must be a positive number of seconds, at most %(most)g, not %(value)s"),
     )
     using = _database(using)
     rounds.refuse_bad_settings()
@@ -130,7 +134,8 @@ def purge(seconds: float | None = None, *, using: str | None = None) -> dict[str
         None
         if seconds is None
         else rounds.positive(
-            seconds, _("a purge's seconds must be a positive number, not %(value)r")
+            seconds,
+            _("a purge's seconds must be a positive number, at most %(most)g, not %(value)s"),
         )
     )
     return rounds.run_purge(using=_database(using), seconds=bound)

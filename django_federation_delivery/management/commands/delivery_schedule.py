@@ -65,11 +65,15 @@ class Command(TranslatedCommand):
                 seconds = float(value)
             except ValueError:
                 seconds = 0.0
-            # Under a second, a round would end before its deliverer had claimed.
-            if not 1 <= seconds < float("inf"):
+            # Under a second, a round would end before its deliverer had
+            # claimed; past a day, the rounds refuse it (MOST_SECONDS).
+            if not 1 <= seconds <= django_q.MOST_SECONDS:
                 raise CommandError(
-                    _("--round-seconds expects a number of seconds, 1 or more, not %(value)r")
-                    % {"value": value[:80]}
+                    _(
+                        "--round-seconds expects a number of seconds, from 1 to %(most)g, "
+                        "not %(value)r"
+                    )
+                    % {"value": value[:80], "most": django_q.MOST_SECONDS}
                 )
         with _schedules_readable():
             try:
