@@ -79,8 +79,30 @@ def test_without_a_timeout_the_limit_is_retry_or_its_default_of_60_s(settings: A
     assert cluster_limit() == 200
     cluster(settings, timeout=-1)
     assert cluster_limit() == 60
-    cluster(settings, timeout=None, retry=0)
+    # No limit with no retry either: a broker that never hands a task on
+    # (Redis's, which reads none). A retry of 0 is no such thing (below).
+    cluster(settings, timeout=None, retry=None)
     assert cluster_limit() is None
+
+
+@pytest.mark.parametrize("timeout", [90, None])
+def test_a_retry_of_0_is_refused_as_django_q2_hands_the_round_on_at_once(
+    settings: Any, monkeypatch: pytest.MonkeyPatch, timeout: int | None
+) -> None:
+    from django_q.brokers.orm import ORM
+    from django_q.conf import Conf
+
+    # What django-q2's ORM broker does with it (brokers/orm.py): a task a
+    # worker took is leased until now + retry, then taken again: at once.
+    monkeypatch.setattr(Conf, "RETRY", 0)
+    broker = ORM(list_key="retry-0")
+    broker.enqueue("a round")
+    taken = broker.dequeue()
+    time.sleep(0.01)
+    assert broker.dequeue() == taken, "handed on again at once"
+    cluster(settings, timeout=timeout, retry=0)
+    with pytest.raises(ImproperlyConfigured, match=r"Q_CLUSTER\['retry'\] is 0.*Set retry above"):
+        round_seconds()
 
 
 @pytest.mark.parametrize(

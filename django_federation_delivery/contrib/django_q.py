@@ -89,7 +89,8 @@ PURGE_SCHEDULE = "django_federation_delivery: purge"
 def cluster_limit() -> float | None:
     """The seconds a task may take under ``Q_CLUSTER``: its ``timeout``, and
     ``retry`` (django-q2's default 60 when unset), whichever is shorter.
-    None: no limit (no timeout, and a retry of 0)."""
+    None: no limit (no timeout, and a retry of None: a broker that never
+    hands a task on, as Redis's)."""
     conf = getattr(settings, "Q_CLUSTER", None) or {}
     if not isinstance(conf, dict):
         raise ImproperlyConfigured(
@@ -98,8 +99,23 @@ def cluster_limit() -> float | None:
     limits = []
     for name, default in (("timeout", None), ("retry", DJANGO_Q_RETRY)):
         value = conf.get(name, default)
-        if value is None or (name == "timeout" and value == -1) or (name == "retry" and not value):
-            continue  # no timeout; a retry of 0 is never handed on
+        if value is None or (name == "timeout" and value == -1):
+            continue  # no timeout; no retry
+        if name == "retry" and value == 0 and not isinstance(value, bool):
+            # Not "never": django-q2's ORM broker leases a task it hands a
+            # worker until now + retry (brokers/orm.py, ORM.timeout) and
+            # hands one whose lease has passed to the next worker that asks
+            # (ORM.dequeue): with 0, at once, while the round runs; SQS's
+            # visibility timeout and the MongoDB broker do the same.
+            raise ImproperlyConfigured(
+                _(
+                    "Q_CLUSTER['retry'] is 0, which django-q2's ORM broker takes for "
+                    "handing a task to another worker at once, not for never: a round "
+                    "would run again while it runs. Set retry above Q_CLUSTER's timeout, "
+                    "and above %(least)g s: a round and the time it takes to finish."
+                )
+                % {"least": ROUND_SECONDS + finish_seconds()}
+            )
         # Compared, never made a float first: an int past a float's range
         # would raise OverflowError, naming nothing.
         if (
