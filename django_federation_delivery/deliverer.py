@@ -62,6 +62,15 @@ RESULTS_WITHIN = 0.02
 STOPPING_GRACE = 3.0
 
 
+def longest_attempt() -> float:
+    """The longest one attempt may take, of any kind, as a deliverer made
+    now lets it (:attr:`Kinds.longest`): ``ATTEMPT_TIMEOUT`` for an inbox;
+    for a webhook, ``WEBHOOK_TIMEOUT``, or the time limit of a configured
+    destination's kind's own policy when it is longer."""
+    webhooks = WebhookDeliveries.from_settings(Summary(), app_settings.transport_settings())
+    return max(app_settings.attempt_timeout, webhooks.timeout)
+
+
 class Deliverer:
     """Claims due deliveries and sends them until stopped (or, with
     ``drain``, until nothing is due)."""
@@ -166,6 +175,7 @@ class Deliverer:
             unavailable_after=app_settings.host_unavailable_after,
             # An unavailable host is probed as its inboxes are reached.
             probe_settings=inboxes.transport_settings,
+            stopping=self._stopping,
         )
         self.triage = Triage(
             db=self._db,
@@ -224,7 +234,9 @@ class Deliverer:
         """Claim and send until :meth:`stop` (or, with ``drain``, until
         nothing is due and nothing is in flight). With ``stop_after``, stop
         as :meth:`stop` does that many seconds after the start: what is in
-        flight then is finished before it returns. Returns what it did.
+        flight then is finished before it returns; so are the probes of
+        unavailable hosts under way, and none is started after. Returns what
+        it did.
 
         Each turn: take in what the workers finished (``handoff.collect``),
         hand ready deliveries to free workers (``handoff.dispatch``), write
@@ -354,6 +366,7 @@ class Deliverer:
                 timer.cancel()
             self.summary.stopped = time.monotonic()
             self.workers.stop()
+            # Probes under way: once stopping, until the one under way is done.
             self.upkeep.finish(self.transport_settings.attempt_timeout + 1)
             self._db(self.hoststats.write, now=timezone.now(), using=self.using)
             self.intake.stop_listening()

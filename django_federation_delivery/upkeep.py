@@ -43,6 +43,8 @@ STRANDED_EVERY = 30.0
 #: How often hosts failing for HOST_UNAVAILABLE_AFTER are marked unavailable,
 #: and the unavailable ones due a probe are probed (see availability.py).
 HOSTS_EVERY = 3600.0
+#: Beyond a probe's time limit, what writing what it saw may take.
+PROBE_WRITE = 1.0
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -64,6 +66,9 @@ class Upkeep:
     #: hosts are probed (None: they are not).
     unavailable_after: float | None = None
     probe_settings: TransportSettings | None = None
+    #: Set when the loop stops: no probe is started after it, so that one
+    #: started before ends within the time the loop's attempts have to.
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     #: The hosts an operator paused, as last read.
     paused: frozenset[str] = dataclasses.field(default=frozenset(), init=False)
     _view_read: float = dataclasses.field(default=-1.0, init=False)
@@ -71,6 +76,8 @@ class Upkeep:
     _stranded_read: float = dataclasses.field(default_factory=time.monotonic, init=False)
     _hosts_read: float = dataclasses.field(default=-HOSTS_EVERY, init=False)
     _prober: threading.Thread | None = dataclasses.field(default=None, init=False)
+    #: When the probe under way is out of time (monotonic).
+    _probe_until: float = dataclasses.field(default=0.0, init=False)
     _recycled: float = dataclasses.field(default_factory=time.monotonic, init=False)
 
     def recycle_connections(self) -> None:
@@ -137,30 +144,58 @@ class Upkeep:
         probe, in a thread of their own, those due a probe (once a day each):
         a host that answers is seen again."""
         self.db(availability.mark_unavailable, self.unavailable_after, using=self.using)
-        if self.probe_settings is None or (self._prober and self._prober.is_alive()):
+        if (
+            self.probe_settings is None
+            or self.stopping.is_set()
+            or (self._prober and self._prober.is_alive())
+        ):
             return
-        due = self.db(availability.probe_due, using=self.using)
-        if due:
+        # This hour's share of them, taken one at a time, as each is probed:
+        # a stop leaves those it did not reach due, not taken for a day unprobed.
+        share = self.db(availability.probes_a_round, using=self.using)
+        due = share and self.db(availability.probe_due, most=1, using=self.using)
+        if share and due:
+            self._probe_until = self._probe_time(self.probe_settings)
             self._prober = threading.Thread(
-                target=self._probe, args=(due, self.probe_settings), daemon=True
+                target=self._probe, args=(due[0], share, self.probe_settings), daemon=True
             )
             self._prober.start()
 
-    def _probe(self, due: list[tuple[str, str]], settings: TransportSettings) -> None:
+    def _probe(self, first: tuple[str, str], share: int, settings: TransportSettings) -> None:
         try:
-            for host, url in due:
+            host, url = first
+            for probed in range(1, share + 1):
                 if availability.probe(url, settings):
                     availability.mark_seen(host, using=self.using)
+                # None started once stopping: it would outlast the time the
+                # loop has to finish (a round's, fitted to its task queue's).
+                if probed == share or self.stopping.is_set():
+                    return
+                due = availability.probe_due(most=1, using=self.using)
+                if not due:
+                    return
+                ((host, url),) = due
+                self._probe_until = self._probe_time(settings)
         except Exception as exc:
             # Tried again at the host's next probe, a day on; the loop goes on.
             logger.warning("Probing unavailable hosts failed: %s", type(exc).__name__)
         finally:
             connections.close_all()  # this thread's own
 
+    @staticmethod
+    def _probe_time(settings: TransportSettings) -> float:
+        """When a probe starting now is out of time (monotonic)."""
+        return time.monotonic() + settings.attempt_timeout + PROBE_WRITE
+
     def finish(self, timeout: float) -> None:
-        """Wait for probes under way, at most ``timeout`` seconds."""
-        if self._prober is not None:
-            self._prober.join(timeout)
+        """Wait for probes under way, at most ``timeout`` seconds; once
+        stopping, only until the one under way is out of time, as none
+        follows it."""
+        if self._prober is None:
+            return
+        if self.stopping.is_set():
+            timeout = min(timeout, max(0.0, self._probe_until - time.monotonic()))
+        self._prober.join(timeout)
 
     def held_hosts(self) -> list[str]:
         """The hosts whose circuit breaker holds every delivery now."""

@@ -208,3 +208,14 @@ class BelowZero(Pager):
 
     def attempt(self, job: Any, transport: Any, **kwargs: Any) -> AttemptResult:
         return dataclasses.replace(failed(job, "no answer", permanent=False), status=-1)
+
+
+class SlowPager(Pager):
+    """A pager whose service answers slowly: its policy gives an attempt 10 s."""
+
+    name = "slowpager"
+    label = "Slow pager"
+    schemes = ("slowpager", "slowpager+http")
+
+    def policy(self) -> Policy:
+        return dataclasses.replace(super().policy(), timeout=10.0)

@@ -30,7 +30,7 @@ from django.utils import timezone
 from django_q.models import Schedule, Task
 from django_q.tasks import async_task
 
-from django_federation_delivery import contrib, heartbeats, send
+from django_federation_delivery import contrib, heartbeats, send, send_webhook
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.contrib import django_q
 from django_federation_delivery.contrib.django_q import (
@@ -46,7 +46,7 @@ from django_federation_delivery.contrib.django_q import (
     round_lock,
     round_seconds,
 )
-from django_federation_delivery.models import DelivererHeartbeat, Delivery, Status
+from django_federation_delivery.models import DelivererHeartbeat, Delivery, Host, Status
 
 from .conftest import MANAGE, Inbox, assert_each_reached_once_but, subprocess_env, wait_until
 from .keys import ALICE
@@ -294,6 +294,68 @@ def test_a_round_with_a_silent_server_returns_within_its_bound_and_one_attempt(
     assert (result["ran"], result["retrying"], result["delivered"]) == (True, 1, 0)
     delivery = Delivery.objects.get()
     assert (delivery.status, delivery.attempts) == (Status.PENDING, 1)
+
+
+def test_the_time_to_finish_counts_a_kind_whose_own_policy_gives_an_attempt_longer(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    silent = inboxes(delay=30)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "ATTEMPT_TIMEOUT": 1,
+        "WEBHOOK_TIMEOUT": 1,
+        "CHANNELS": ["tests.channels.SlowPager"],
+        "WEBHOOKS": {"oncall": f"slowpager+http://routingKEY4b7c9@127.0.0.1:{silent.port}/page"},
+    }
+    # Its policy gives an attempt 10 s: 15 s to finish a round, not 6.
+    assert django_q.finish_seconds() == 10 + django_q.FINISH_MARGIN
+    cluster(settings, timeout=20, retry=30)
+    assert round_seconds() == 5
+    # A task may take 7 s: a round of 1 s would still be finishing at 11.
+    cluster(settings, timeout=7, retry=20)
+    send_webhook("oncall", "alert.raised", {"host": "db1"})
+    with pytest.raises(ImproperlyConfigured, match="a round needs 15 s to finish"):
+        deliver_round()
+    assert silent.received == []
+
+
+@pytest.mark.slow
+def test_a_round_fits_the_cluster_while_unavailable_hosts_are_probed(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "ATTEMPT_TIMEOUT": 6,
+        "WEBHOOK_TIMEOUT": 1,
+    }
+    # A task may take 12 s: a round of 1 s, and 11 s to finish it.
+    cluster(settings, timeout=12, retry=30)
+    assert round_seconds() == 1
+    now = timezone.now()
+    for address in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
+        # Silent hosts marked unavailable a while ago, due their daily probe,
+        # each probed where it was last sent to.
+        silent = inboxes(address, delay=30)
+        batch = send(ALICE, NOTE, [silent.url()])
+        Delivery.objects.filter(batch=batch).update(
+            status=Status.FAILED, settled_at=now - dt.timedelta(days=8), due_at=None
+        )
+        Host.objects.update_or_create(
+            name=silent.host,
+            defaults={
+                "failing_since": now - dt.timedelta(days=9),
+                "unavailable_since": now - dt.timedelta(days=2),
+            },
+        )
+    # And one delivery in flight as the round stops claiming.
+    send(ALICE, NOTE, [inboxes(delay=30).url()])
+    started = time.monotonic()
+    deliver_round()
+    took = time.monotonic() - started
+    # It took 13 s: the probes went on past the in-flight attempt's end.
+    assert took <= 12, f"took {took:.1f} s, Q_CLUSTER allows 12 s"
+    # The one probed as the round stopped; the others left due, for the next.
+    assert Host.objects.filter(probed_at__isnull=False).count() == 1
 
 
 def test_a_round_while_another_runs_returns_at_once_saying_so(inbox: Inbox, settings: Any) -> None:

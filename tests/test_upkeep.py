@@ -1,20 +1,29 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
-from django_federation_delivery import metrics
+from django_federation_delivery import metrics, send
+from django_federation_delivery.availability import probe_due
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.hosts import pause_host, resume_host
+from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.outages import Database
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.upkeep import GAUGES_EVERY, Upkeep
+
+from .conftest import Inbox, wait_until
+from .keys import ALICE
 
 pytestmark = pytest.mark.django_db
 
@@ -104,3 +113,37 @@ def test_an_idle_deliverer_woken_only_by_sends_reads_its_gauges_on_time(
         assert len(read) >= 3, "about every 0.1 s for 0.5 s, not once"
     else:
         assert (read, beats) == ([], 1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stopping_loop_starts_no_probe_and_leaves_the_hosts_it_did_not_reach_due(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    now = timezone.now()
+    silent = [inboxes(address, delay=30) for address in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
+    for server in silent:
+        # Unavailable for a while, due their daily probe, each probed where
+        # it was last sent to.
+        batch = send(ALICE, {"type": "Create", "actor": ALICE}, [server.url()])
+        Delivery.objects.filter(batch=batch).update(
+            status=Status.FAILED, settled_at=now - dt.timedelta(days=8), due_at=None
+        )
+        Host.objects.update_or_create(
+            name=server.host,
+            defaults={
+                "failing_since": now - dt.timedelta(days=9),
+                "unavailable_since": now - dt.timedelta(days=2),
+            },
+        )
+    probing = dataclasses.replace(app_settings.transport_settings(), attempt_timeout=1.0)
+    chores = dataclasses.replace(upkeep(), probe_settings=probing)
+    chores.look_after_hosts()
+    wait_until(lambda: sum(len(server.received) for server in silent) == 1)
+    chores.stopping.set()
+    started = time.monotonic()
+    chores.finish(30)
+    # The probe under way, out of time after 1 s; none started after it.
+    assert time.monotonic() - started < 5
+    assert sum(len(server.received) for server in silent) == 1
+    # Those not reached are due still, for the next loop: not taken unprobed.
+    assert len(probe_due()) == 2

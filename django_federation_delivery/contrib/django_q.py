@@ -10,8 +10,10 @@ A round must be over before the cluster gives up on it: django-q2 kills a
 worker past ``Q_CLUSTER["timeout"]`` and, with the ORM broker among others,
 hands a task not acknowledged within ``retry`` to another worker. So a round
 claims for its bound only, then finishes what is in flight (an attempt lasts
-at most ``ATTEMPT_TIMEOUT``) before it returns, and a bound that would not
-fit is refused, naming the settings. Nothing is lost if it is killed all the
+at most ``ATTEMPT_TIMEOUT``, ``WEBHOOK_TIMEOUT`` or a webhook kind's own time
+limit; a probe of an unavailable host, none of which starts after the bound,
+at most ``ATTEMPT_TIMEOUT``) before it returns, and a bound that would not fit
+is refused, naming the settings. Nothing is lost if it is killed all the
 same: what it had claimed comes due again when its lease lapses.
 
 Two rounds never run at once (a round still going when the next minute
@@ -144,8 +146,9 @@ def round_seconds(seconds: float | None = None) -> float:
             raise ImproperlyConfigured(
                 _(
                     "Q_CLUSTER's timeout and retry allow a task %(limit)g s, and a round needs "
-                    "%(finish)g s to finish what is in flight (ATTEMPT_TIMEOUT or "
-                    "WEBHOOK_TIMEOUT, and %(margin)g s) beyond the time it claims: set "
+                    "%(finish)g s to finish what is in flight (its longest attempt: "
+                    "ATTEMPT_TIMEOUT, WEBHOOK_TIMEOUT or a webhook kind's own time limit, and "
+                    "%(margin)g s) beyond the time it claims: set "
                     "Q_CLUSTER's timeout to at least %(least)g and retry above it."
                 )
                 % {
@@ -163,7 +166,8 @@ def round_seconds(seconds: float | None = None) -> float:
         raise ImproperlyConfigured(
             _(
                 "A round of %(seconds)g s, and %(finish)g s to finish what is in flight "
-                "(ATTEMPT_TIMEOUT or WEBHOOK_TIMEOUT, and %(margin)g s), do not fit in the "
+                "(its longest attempt: ATTEMPT_TIMEOUT, WEBHOOK_TIMEOUT or a webhook kind's "
+                "own time limit, and %(margin)g s), do not fit in the "
                 "%(limit)g s Q_CLUSTER's timeout and retry allow a task: make the round at "
                 "most %(most)g s, or Q_CLUSTER's timeout at least %(least)g and retry above it."
             )

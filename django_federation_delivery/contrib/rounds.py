@@ -2,9 +2,10 @@
 
 A round is the claim-and-send loop of ``run_deliverer`` for a bounded time:
 it claims for its bound only, then finishes what is in flight (an attempt
-lasts at most ``ATTEMPT_TIMEOUT``, or ``WEBHOOK_TIMEOUT``) before it returns
-what it did. Nothing is lost if its worker is killed all the same: what it
-had claimed comes due again when its lease lapses.
+lasts at most ``ATTEMPT_TIMEOUT``, or ``WEBHOOK_TIMEOUT``, or a webhook
+kind's own time limit; the probes of unavailable hosts it started, as long)
+before it returns what it did. Nothing is lost if its worker is killed all
+the same: what it had claimed comes due again when its lease lapses.
 
 Two rounds never run at once, whoever runs them (a round still going when
 the next is due, two workers, a task handed on after a timeout, a round of
@@ -35,7 +36,7 @@ from django.utils.translation import gettext as _
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.checks import check_settings
 from django_federation_delivery.conf import app_settings, database_alias
-from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.deliverer import Deliverer, longest_attempt
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.retention import purge_by_setting
 from django_federation_delivery.store import locks
@@ -82,10 +83,12 @@ def positive(value: object, message: str) -> float:
 
 
 def finish_seconds() -> float:
-    """The longest a round takes to finish what is in flight once it stops
-    claiming: the longest attempt, and a margin to write what came of it."""
-    longest = max(app_settings.attempt_timeout, app_settings.webhook_timeout)
-    return longest + FINISH_MARGIN
+    """The longest a round takes to finish once it stops claiming: the
+    longest attempt of any kind (a webhook kind's own policy may give one
+    longer than the settings), which is also the longest a probe of an
+    unavailable host started before the stop takes (none starts after it),
+    and a margin to write what came of them."""
+    return longest_attempt() + FINISH_MARGIN
 
 
 def refuse_bad_settings() -> None:

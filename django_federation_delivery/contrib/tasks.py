@@ -101,8 +101,8 @@ def deliver_round(
     using: str | None = None,
 ) -> dict[str, Any]:
     """Claim and send for ``seconds`` (50 when not told, a day at most), then
-    finish what is in flight (up to ``ATTEMPT_TIMEOUT`` or ``WEBHOOK_TIMEOUT``,
-    and 5 s) and
+    finish what is in flight (up to the longest attempt: ``ATTEMPT_TIMEOUT``,
+    ``WEBHOOK_TIMEOUT`` or a webhook kind's own time limit, and 5 s) and
     return what was done; at once, saying so, when another round is running.
     ``period``: how often the project enqueues a round, in seconds (a day at
     most); the process is taken for a dead deliverer three periods after its
