@@ -88,6 +88,7 @@ class Deliverer:
         progress_interval: float = 1.0,
         metrics: bool = False,
         heartbeat: bool | Heartbeat = False,
+        holding: Callable[[], bool] | None = None,
     ) -> None:
         self.concurrency = max(1, concurrency or app_settings.concurrency)
         self.per_host = max(1, per_host or app_settings.per_host)
@@ -176,6 +177,7 @@ class Deliverer:
             # An unavailable host is probed as its inboxes are reached.
             probe_settings=inboxes.transport_settings,
             stopping=self._stopping,
+            holding=holding,
         )
         self.triage = Triage(
             db=self._db,
@@ -235,8 +237,9 @@ class Deliverer:
         nothing is due and nothing is in flight). With ``stop_after``, stop
         as :meth:`stop` does that many seconds after the start: what is in
         flight then is finished before it returns; so are the probes of
-        unavailable hosts under way, and none is started after. Returns what
-        it did.
+        unavailable hosts under way, and none is started after. Given a lock
+        it holds (``holding``: a round's), it stops so too once the lock is
+        lost. Returns what it did.
 
         Each turn: take in what the workers finished (``handoff.collect``),
         hand ready deliveries to free workers (``handoff.dispatch``), write

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from django.db import close_old_connections, connections
 from django.utils import timezone
@@ -45,6 +45,8 @@ STRANDED_EVERY = 30.0
 HOSTS_EVERY = 3600.0
 #: Beyond a probe's time limit, what writing what it saw may take.
 PROBE_WRITE = 1.0
+#: How often a lock the run holds (a round's) is asked after.
+LOCK_EVERY = 1.0
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -69,6 +71,9 @@ class Upkeep:
     #: Set when the loop stops: no probe is started after it, so that one
     #: started before ends within the time the loop's attempts have to.
     stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: Whether the run still holds a lock (a round's), asked every LOCK_EVERY:
+    #: once not, the loop is stopped. None: it holds none.
+    holding: Callable[[], bool] | None = None
     #: The hosts an operator paused, as last read.
     paused: frozenset[str] = dataclasses.field(default=frozenset(), init=False)
     _view_read: float = dataclasses.field(default=-1.0, init=False)
@@ -78,6 +83,7 @@ class Upkeep:
     _prober: threading.Thread | None = dataclasses.field(default=None, init=False)
     #: When the probe under way is out of time (monotonic).
     _probe_until: float = dataclasses.field(default=0.0, init=False)
+    _lock_asked: float = dataclasses.field(default_factory=time.monotonic, init=False)
     _recycled: float = dataclasses.field(default_factory=time.monotonic, init=False)
 
     def recycle_connections(self) -> None:
@@ -93,9 +99,22 @@ class Upkeep:
 
     def beat(self) -> None:
         """Record the heartbeat when it is due: every HEARTBEAT_SECONDS, not
-        every round; and read the queue's gauges every GAUGES_EVERY, when
-        metrics are served. Both here, as an idle deliverer only beats, woken
-        for whichever comes first (:meth:`until_beat`)."""
+        every round; read the queue's gauges every GAUGES_EVERY, when
+        metrics are served; and ask after the lock the run holds (a round's)
+        every LOCK_EVERY, stopping the loop once it is lost. All here, as an
+        idle deliverer only beats, woken for whichever comes first
+        (:meth:`until_beat`)."""
+        if (
+            self.holding is not None
+            and not self.stopping.is_set()
+            and time.monotonic() - self._lock_asked >= LOCK_EVERY
+        ):
+            self._lock_asked = time.monotonic()
+            if not self.holding():
+                # Another has the lock: the loop claims no more, and finishes
+                # what is in flight (Deliverer.stop, here in the loop's own
+                # thread, which needs no waking).
+                self.stopping.set()
         if self.heartbeat is not None and self.heartbeat.due():
             self.db(
                 self.heartbeat.beat,
@@ -110,10 +129,13 @@ class Upkeep:
         """Seconds until :meth:`beat` has something to do (None: never). An
         idle loop woken only by sends (LISTEN) wakes by then: its heartbeat
         and idle poll may be minutes apart, and its gauges, unread as long,
-        would have an alert take a live deliverer for a dead one."""
+        would have an alert take a live deliverer for a dead one; a round,
+        idle, would not notice it lost its lock."""
         times: list[float] = []
         if self.heartbeat is not None:
             times.append(self.heartbeat.until_due())
+        if self.holding is not None and not self.stopping.is_set():
+            times.append(max(0.0, self._lock_asked + LOCK_EVERY - time.monotonic()))
         if self.metrics:
             times.append(max(0.0, self._gauges_read + GAUGES_EVERY - time.monotonic()))
         return min(times, default=None)

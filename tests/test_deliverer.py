@@ -1289,6 +1289,39 @@ def test_a_stop_after_past_what_a_timer_can_wait_is_refused_not_run_for_ever(
     assert "at most 9.22337e+09" in str(error) and f"not {quoted(value)}" in str(error)
 
 
+def test_a_run_that_loses_the_lock_it_holds_stops_claiming_and_finishes_what_is_in_flight(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    slow = inboxes(delay=2.0)
+    first = send(ALICE, NOTE, [slow.url("/first")])
+    held = threading.Event()
+    held.set()
+    deliverer = Deliverer(holding=held.is_set)
+    later: list[Batch] = []
+
+    def lose_it_then_send() -> None:
+        try:
+            wait_until(lambda: slow.received, timeout=10)
+            held.clear()  # another round has it now
+            wait_until(lambda: deliverer.stopping, timeout=10)
+            later.append(send(ALICE, NOTE, [slow.url("/second")]))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=lose_it_then_send)
+    thread.start()
+    started = time.monotonic()
+    summary = deliverer.run(stop_after=60)
+    took = time.monotonic() - started
+    thread.join(10)
+    assert took < 10, f"returned after {took:.1f} s"
+    assert summary.delivered == 1
+    assert status_of(first) == [Status.DELIVERED]
+    assert slow.paths() == ["/first"], "nothing was claimed once the lock was lost"
+    waiting = Delivery.objects.get(batch=later[0])
+    assert (waiting.status, waiting.attempts) == (Status.PENDING, 0)
+
+
 def skip_every_inbox(inbox: str, activity: dict[str, Any]) -> bool:
     return True
 

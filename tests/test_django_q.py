@@ -25,14 +25,14 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
-from django.db import connection
+from django.db import connection, connections
 from django.utils import timezone
 from django_q.models import Schedule, Task
 from django_q.tasks import async_task
 
 from django_federation_delivery import contrib, heartbeats, send, send_webhook
 from django_federation_delivery.addresses import quoted
-from django_federation_delivery.contrib import django_q
+from django_federation_delivery.contrib import django_q, rounds
 from django_federation_delivery.contrib.django_q import (
     ANOTHER_ROUND,
     PURGE_SCHEDULE,
@@ -241,6 +241,100 @@ def test_the_lock_of_a_killed_process_is_released_at_once() -> None:
 def _takes_the_lock() -> bool:
     with round_lock() as held:
         return held
+
+
+postgresql_only = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="the advisory lock is PostgreSQL's"
+)
+
+
+def lock_holders() -> list[int]:
+    """The sessions that hold an advisory lock."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted")
+        return [pid for (pid,) in cursor.fetchall()]
+
+
+def sessions_ended(*pids: int) -> None:
+    """The sessions ``pids`` (or, with none, every other of the test database)
+    ended, as a restart or a failover ends them."""
+    with connection.cursor() as cursor:
+        if pids:
+            cursor.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s) pid", [list(pids)])
+        else:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+    if pids:
+        wait_until(lambda: not set(pids) & set(lock_holders()), timeout=10)
+
+
+@postgresql_only
+def test_a_lock_whose_session_ended_is_taken_again_unless_another_has_it() -> None:
+    with rounds._held_lock() as kept:
+        assert kept is not None and kept()
+        (holder,) = lock_holders()
+        sessions_ended(holder)
+        with round_lock() as other:
+            assert other, "gone with its session"
+            assert kept() is False, "another round has it now"
+        assert kept() is True, "taken again"
+        assert len(lock_holders()) == 1
+    assert lock_holders() == []
+
+
+@contextlib.contextmanager
+def round_in_a_thread(seconds: float) -> Iterator[tuple[threading.Thread, dict[str, Any]]]:
+    """``deliver_round(seconds)`` in a thread: its result, or what it raised."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = deliver_round(seconds)
+        except BaseException as exc:
+            outcome["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield thread, outcome
+    finally:
+        thread.join(60)
+
+
+@postgresql_only
+def test_a_round_whose_lock_session_the_database_ended_still_gives_its_counts(
+    inbox: Inbox, settings: Any
+) -> None:
+    cluster(settings, timeout=90, retry=120)
+    send(ALICE, NOTE, [inbox.url()])
+    with round_in_a_thread(2) as (_thread, outcome):
+        wait_until(lambda: len(lock_holders()) == 1, timeout=10)
+        wait_until(lambda: len(inbox.received) == 1, timeout=10)
+        # A restart: the lock's session ends, and the loop's.
+        sessions_ended()
+    # It raised the error of its unlock, on the session gone.
+    assert "error" not in outcome, f"it delivered 1, and raised {outcome['error']!r}"
+    assert outcome["value"]["ran"] is True and outcome["value"]["delivered"] == 1
+
+
+@postgresql_only
+def test_a_round_whose_lock_session_the_database_ended_takes_it_again_before_the_next(
+    inbox: Inbox, settings: Any
+) -> None:
+    cluster(settings, timeout=90, retry=120)
+    send(ALICE, NOTE, [inbox.url()])
+    with round_in_a_thread(4) as (thread, _outcome):
+        wait_until(lambda: len(lock_holders()) == 1, timeout=10)
+        wait_until(lambda: len(inbox.received) == 1, timeout=10)
+        sessions_ended()
+        time.sleep(2)  # the database back; the next minute's round comes
+        with round_lock() as next_round_runs:
+            overlap = next_round_runs and thread.is_alive()
+    assert not overlap, "two rounds at once: the first still ran without its lock"
 
 
 # A round, in-process.

@@ -115,6 +115,30 @@ def test_an_idle_deliverer_woken_only_by_sends_reads_its_gauges_on_time(
         assert (read, beats) == ([], 1)
 
 
+def test_an_idle_round_asks_after_its_lock_and_stops_once_another_has_it(
+    settings: Any,
+) -> None:
+    # Idle, woken only by sends, its heartbeat and idle poll minutes apart:
+    # it still asks after its lock every second, and stops claiming once lost.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "HEARTBEAT_SECONDS": 180,
+        "IDLE_POLL_SECONDS": 600,
+    }
+    asked: list[float] = []
+
+    def holding() -> bool:
+        asked.append(time.monotonic())
+        return len(asked) < 2
+
+    deliverer = Deliverer(holding=holding)
+    started = time.monotonic()
+    deliverer.intake.idle(listening=True)
+    assert deliverer.stopping, "lost at the second look"
+    assert 1 <= time.monotonic() - started < 5
+    assert len(asked) == 2
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_stopping_loop_starts_no_probe_and_leaves_the_hosts_it_did_not_reach_due(
     inboxes: Callable[..., Inbox],

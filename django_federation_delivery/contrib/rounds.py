@@ -10,7 +10,10 @@ the same: what it had claimed comes due again when its lease lapses.
 Two rounds never run at once, whoever runs them (a round still going when
 the next is due, two workers, a task handed on after a timeout, a round of
 django-q2's beside one of Django's tasks): a round takes a lock first, and
-returns at once if another holds it.
+returns at once if another holds it. A round asks after its lock as it goes:
+on PostgreSQL the database may end the lock's session (a restart, a
+failover), and the lock with it; the round takes it again, or, if another
+round has it by then, stops claiming.
 
 What the queue's own rules ask of a round (how long it may take, how often
 it comes) is its integration's: ``contrib.django_q`` for django-q2's
@@ -24,12 +27,12 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
+from django.db import Error, connections
 from django.utils import translation
 from django.utils.translation import gettext as _
 
@@ -113,19 +116,68 @@ def round_lock(using: str | None = None) -> Iterator[bool]:
     a file beside the database, which only processes of one machine share,
     as they share the database itself.
     """
+    with _held_lock(using) as kept:
+        yield kept is not None
+
+
+@contextlib.contextmanager
+def _held_lock(using: str | None = None) -> Iterator[Callable[[], bool] | None]:
+    """:func:`round_lock`, giving what says whether it is still held (see
+    :class:`_Kept`), or None when another round holds it."""
     using = using or database_alias()
     connection = connections[using]
     if connection.vendor == "postgresql":
-        with locks.session_lock(using, ADVISORY_KEY) as held:
-            yield held
+        with locks.session_lock(using, ADVISORY_KEY) as lock:
+            yield None if lock is None else _Kept(lock)
     elif connection.vendor == "sqlite":
         with _file_lock(connection.settings_dict["NAME"]) as held:
-            yield held
+            # Held by the open file: nothing but this process's end takes it.
+            yield (lambda: True) if held else None
     else:
         raise ImproperlyConfigured(
             _("Rounds need PostgreSQL or SQLite, not %(vendor)s (database %(alias)r).")
             % {"vendor": connection.vendor, "alias": using}
         )
+
+
+class _Kept:
+    """Whether a round still holds its advisory lock, asked as its loop goes.
+
+    The database ends the lock's session in a restart or a failover, and
+    the lock with it, which the next round may then take: the lock is taken
+    again on a new session, and the round told to stop claiming (False) only
+    if another round has it by then. While the database cannot be reached,
+    True: the round's own statements wait for it, and the lock is asked for
+    again at the next look."""
+
+    def __init__(self, lock: locks.SessionLock) -> None:
+        self.lock = lock
+        #: Lost and not taken again yet: said once, not at every look.
+        self._lost = False
+
+    def __call__(self) -> bool:
+        if self.lock.alive():
+            return True
+        try:
+            taken = self.lock.take()
+        except Error as exc:
+            if not self._lost:
+                logger.warning(
+                    "The round's lock went with its database session, and cannot "
+                    "be taken again yet (%s)",
+                    type(exc).__name__,
+                )
+            self._lost = True
+            return True
+        self._lost = False
+        if taken:
+            logger.warning("The round's lock went with its database session: taken again")
+            return True
+        logger.warning(
+            "The round's lock went with its database session, and another round has "
+            "taken it: this one stops claiming and finishes what is in flight"
+        )
+        return False
 
 
 @contextlib.contextmanager
@@ -177,11 +229,14 @@ def run_round(bound: float, *, using: str, heartbeat: Heartbeat) -> dict[str, An
     """Claim and send for ``bound`` seconds, then finish what is in flight,
     holding the round's lock; what was done, as a task's result keeps it.
     Returns at once, saying so, when another round holds the lock."""
-    with round_lock(using) as held:
-        if not held:
+    with _held_lock(using) as kept:
+        if kept is None:
             logger.info("A round was not started: %s", ANOTHER_ROUND)
             return {"ran": False, "reason": ANOTHER_ROUND}
-        summary = Deliverer(using=using, heartbeat=heartbeat).run(stop_after=bound)
+        # The lock asked after as the loop goes: a round that lost it to
+        # another stops claiming, so that two never claim at once.
+        deliverer = Deliverer(using=using, heartbeat=heartbeat, holding=kept)
+        summary = deliverer.run(stop_after=bound)
     # Log lines stay English: operators grep them.
     with translation.override(None):
         logger.info("Round: %s", summary.line())

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from django.db import connections
+from django.db import Error, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for
 from django_federation_delivery.store import sql
 
-__all__ = ["session_lock", "write_first"]
+__all__ = ["SessionLock", "session_lock", "write_first"]
 
 
 def write_first(using: str | None = None) -> None:
@@ -24,20 +25,71 @@ def write_first(using: str | None = None) -> None:
         db.lock_for_writing()
 
 
-@contextlib.contextmanager
-def session_lock(using: str, key: int) -> Iterator[bool]:
-    """PostgreSQL's advisory lock ``key``, tried on a connection of its own
-    and held until the block ends: whether it was had."""
-    connection = connections.create_connection(using)
-    try:
-        with sql.on(connection) as db:
-            held = bool(db.value("try_advisory_lock", key=key))
+class SessionLock:
+    """PostgreSQL's advisory lock ``key``, held on a session of its own.
+
+    A session lock lasts as long as its session: one the database ends (a
+    restart, a failover, ``pg_terminate_backend``) took the lock with it,
+    and another session may have it now. :meth:`alive` asks."""
+
+    def __init__(self, using: str, key: int) -> None:
+        self.using = using
+        self.key = key
+        #: The session that holds it; None while none does.
+        self._connection: BaseDatabaseWrapper | None = None
+
+    def take(self) -> bool:
+        """Try to take it on a new session: whether it was had. A database
+        that cannot be reached raises, as any statement does."""
+        self.release()
+        connection = connections.create_connection(self.using)
         try:
-            yield held
+            with sql.on(connection) as db:
+                held = bool(db.value("try_advisory_lock", key=self.key))
+        except BaseException:
+            connection.close()
+            raise
+        if held:
+            self._connection = connection
+        else:
+            connection.close()
+        return held
+
+    def alive(self) -> bool:
+        """Whether its session still holds it: one round trip, on the lock's
+        own connection (which also keeps the session from being idle long)."""
+        if self._connection is None:
+            return False
+        try:
+            with sql.on(self._connection) as db:
+                return bool(db.value("holds_advisory_lock", key=self.key))
+        except Error:
+            return False  # the session ended, and the lock with it
+
+    def release(self) -> None:
+        """Let it go, if held. The unlock's error is no error: a session that
+        ended released the lock as it ended, and closing it does the same."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        try:
+            with sql.on(connection) as db:
+                db.value("advisory_unlock", key=self.key)
+        except Error:
+            pass
         finally:
-            if held:
-                with sql.on(connection) as db:
-                    db.value("advisory_unlock", key=key)
+            connection.close()
+
+
+@contextlib.contextmanager
+def session_lock(using: str, key: int) -> Iterator[SessionLock | None]:
+    """PostgreSQL's advisory lock ``key``, tried on a connection of its own
+    and held until the block ends: the lock, or None when another holds it."""
+    lock = SessionLock(using, key)
+    if not lock.take():
+        yield None
+        return
+    try:
+        yield lock
     finally:
-        # Closing the session releases the lock too, should the unlock fail.
-        connection.close()
+        lock.release()

@@ -949,6 +949,16 @@ SELECT pg_try_advisory_lock(%(key)s)
 -- name: advisory_unlock [postgresql]
 SELECT pg_advisory_unlock(%(key)s)
 
+-- name: holds_advisory_lock [postgresql]
+-- Whether this session holds the advisory lock: pg_locks shows a bigint key
+-- as its two 32-bit halves.
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND objsubid = 1
+        AND classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
+        AND objid = (%(key)s::bigint & 4294967295)::oid
+)
+
 -- name: listen [postgresql]
 LISTEN {channel}
 
