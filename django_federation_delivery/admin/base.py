@@ -41,6 +41,10 @@ else:
             return cls
 
 
+#: The range of a 64-bit signed integer: the widest key column a database has.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 class OperatorAdmin(_ModelAdmin[_M]):
     """Read-only rows, acted on only through actions that call ``controls``."""
 
@@ -108,7 +112,11 @@ class OperatorAdmin(_ModelAdmin[_M]):
             try:
                 value = field.to_python(key)
                 if isinstance(value, int):
-                    # The column's range, as the field's validators say it.
+                    # The column's range, as the field's validators say it
+                    # (Django 4.2's give none on SQLite), and at most what
+                    # any database's 64-bit integer holds.
+                    if not _INT64_MIN <= value <= _INT64_MAX:
+                        return False
                     field.run_validators(value)
             except ValidationError:
                 return False
