@@ -11,8 +11,9 @@ all call it.
 The queue's history (history.py) is kept for ``history.KEPT`` (7 days),
 whatever ``RETENTION`` says: a few thousand small rows, not the table's size.
 
-A pending delivery is never touched (every statement names the settled
-status it deletes), nor a batch that still has a delivery, nor a host paused,
+A pending delivery is never deleted (every statement names the settled
+status it deletes; one waiting on a delivery deleted is released, as the
+deliverer's sweep releases it), nor a batch that still has a delivery, nor a host paused,
 failing or marked unavailable, or one with a breaker.
 """
 

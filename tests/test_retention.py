@@ -333,3 +333,33 @@ def test_a_delivery_requeued_while_a_purge_waits_for_its_row_is_kept() -> None:
     # by then it was pending again, and is kept.
     assert purged and purged[0].deliveries == {Status.DELIVERED.value: len(others)}
     assert list(Delivery.objects.values_list("id", "status")) == [(requeued.id, Status.PENDING)]
+
+
+def test_a_pending_delivery_waiting_on_one_purged_is_released_as_the_sweep_would() -> None:
+    # A delivery may wait on one that settled while it was made to wait (a
+    # retraction's, a requeue's): the deliverer's sweep releases it. Purged
+    # first, the one waited on took the wait away and gave no due time: the
+    # pending one was neither claimed nor swept, never sent.
+    now = timezone.now()
+    old = Batch.objects.create(sender=ALICE, body="{}", created_at=now - dt.timedelta(days=41))
+    waited_on = Delivery.objects.create(
+        batch=old,
+        inbox="https://a.example/inbox",
+        host="a.example",
+        status=Status.DELIVERED,
+        settled_at=now - dt.timedelta(days=40),
+    )
+    fresh = Batch.objects.create(sender=ALICE, body="{}", size=1, remaining=1)
+    waiting = Delivery.objects.create(
+        batch=fresh,
+        inbox="https://a.example/inbox",
+        host="a.example",
+        status=Status.PENDING,
+        due_at=None,
+        after=waited_on,
+    )
+    retention.purge_by_setting()
+    assert not Delivery.objects.filter(id=waited_on.id).exists()
+    waiting.refresh_from_db()
+    assert (waiting.status, waiting.after_id) == (Status.PENDING, None)
+    assert waiting.due_at is not None and waiting.due_at <= timezone.now()

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from django.db import transaction
+from django.utils import timezone
 
 from django_federation_delivery.dialect import connection_for, db_datetime
 from django_federation_delivery.models import Batch, Status
@@ -41,9 +42,15 @@ def delete_settled(status: Status, cutoff: dt.datetime, chunk: int, alias: str) 
             ids = sorted(row[0] for row in rows)
             # A delivery waiting on (or, settled, once waiting on) one of
             # these would point at nothing: the foreign key is checked at
-            # commit, by then cleared.
+            # commit, by then cleared. One still pending is released first,
+            # as the deliverer's sweep would have released it.
             if ids:
-                db.run("forget_deleted", first=ids[0], last=ids[-1], ids=db.ids(ids))
+                span = {"first": ids[0], "last": ids[-1], "ids": db.ids(ids)}
+                waiting = [id for (id,) in db.all("waiting_on", **span)]
+                if waiting:
+                    now = db_datetime(timezone.now(), connection)
+                    db.released(db.all("release", ids=db.ids(waiting), now=now))
+                db.run("forget_deleted", **span)
         if rows:
             since = max(row[1] for row in rows)
         yield len(rows)

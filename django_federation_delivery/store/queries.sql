@@ -921,6 +921,20 @@ SELECT id FROM {delivery}
 WHERE status = %(status)s AND settled_at < %(cutoff)s AND settled_at >= %(since)s
 ORDER BY settled_at LIMIT %(chunk)s
 
+-- name: waiting_on [postgresql]
+-- The pending deliveries that wait on %(ids)s, deleted: one settled while
+-- it was made to wait (a retraction's, a requeue's), which the sweep would
+-- have released. Released here as the sweep releases them (release), not
+-- left waiting on nothing with no due time: neither claimed nor swept.
+SELECT id FROM {delivery}
+WHERE after_id >= %(first)s AND after_id <= %(last)s AND after_id = ANY(%(ids)s::bigint[])
+    AND status = {pending}
+
+-- name: waiting_on [sqlite]
+SELECT id FROM {delivery}
+WHERE after_id >= %(first)s AND after_id <= %(last)s
+    AND after_id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
+
 -- name: forget_deleted [postgresql]
 -- What waited on (or, settled, once waited on) %(ids)s, deleted, points at
 -- nothing now. The range is what has SQLite read the index on after_id:
