@@ -55,7 +55,10 @@ def parse_ap_uri(uri: str) -> tuple[str, str, str]:
             "an ap:// URI holds text that is not valid Unicode (a lone surrogate): "
             f"{quoted(uri, path=True)}"
         ) from None
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError:  # a "[" or "]" in the authority, read as an IPv6 literal
+        raise InvalidDelivery(f"not an ap:// URI: {quoted(uri, path=True)}") from None
     if parts.scheme.lower() != "ap":
         raise InvalidDelivery(f"not an ap:// URI: {quoted(uri, path=True)}")
     did = unquote(parts.netloc)

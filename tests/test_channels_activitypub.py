@@ -431,6 +431,37 @@ def test_an_attempt_ends_when_its_lease_does_however_long_the_attempt_timeout(
     assert 1.2 <= float(given.group(1)) <= 1.5
 
 
+GATEWAYS = (
+    "https://gw1.example/.well-known/apgateway/did:key:z6MkABC/actor/inbox",
+    "https://gw2.example/.well-known/apgateway/did:key:z6MkABC/actor/inbox",
+)
+
+
+@pytest.mark.parametrize("first", [503, 429, 307, ConnectionError("reset")], ids=str)
+def test_a_later_gateway_refusing_ends_nothing_an_earlier_one_only_put_off(
+    mocked: responses.RequestsMock, transport: Transport, first: int | Exception
+) -> None:
+    # The actor's own gateway is down a moment; another it lists (anyone's)
+    # answers 410: the first may yet accept, as a gateway left untried may.
+    if isinstance(first, Exception):
+        mocked.post(GATEWAYS[0], body=first)
+    else:
+        mocked.post(GATEWAYS[0], status=first)
+    mocked.post(GATEWAYS[1], status=410, body="gone")
+    result = attempt(job(targets=GATEWAYS), transport)
+    assert [call.request.url for call in mocked.calls] == list(GATEWAYS)
+    assert not result.delivered and not result.permanent, result.error
+
+
+def test_gateways_that_all_refuse_end_the_delivery_for_good(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.post(GATEWAYS[0], status=410)
+    mocked.post(GATEWAYS[1], status=404)
+    result = attempt(job(targets=GATEWAYS), transport)
+    assert not result.delivered and result.permanent, result.error
+
+
 def test_gateways_left_untried_for_want_of_time_make_a_passing_failure(
     inboxes: Callable[..., Inbox], loopback: Callable[..., Recording]
 ) -> None:

@@ -75,6 +75,8 @@ def test_what_a_url_path_cannot_carry_is_percent_encoded_and_escapes_are_kept() 
         "ap://did:key:z6MkABC/a/./b",
         "ap://did:key:z6MkABC/actor\n/inbox",
         "ap://did:key:z6MkABC/actor inbox",
+        "ap://did:key:z6Mk[ABC/actor/inbox",
+        "ap://did:key:z6MkABC]/actor/inbox",
         "",
     ],
 )

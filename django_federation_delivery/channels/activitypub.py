@@ -164,6 +164,9 @@ class ActivityPub(Channel):
             return failed(job, f"no key for sender {job.sender}", permanent=True, requests=0)
         last: AttemptResult | None = None
         requests = 0
+        # Whether a gateway said "not now" (a 5xx, a 429, no answer): it may
+        # yet accept, whatever a later one (anyone may list one) refuses.
+        put_off = False
         for target in job.targets:
             if last is not None and time.monotonic() >= deadline:
                 # Out of time with gateways untried: one of them may yet accept,
@@ -180,8 +183,9 @@ class ActivityPub(Channel):
             )
             if last.delivered:
                 return last
+            put_off = put_off or not last.permanent
         assert last is not None, "a job has at least one target"
-        return last
+        return dataclasses.replace(last, permanent=False) if put_off else last
 
     def _knock(
         self,
