@@ -1,4 +1,4 @@
-"""Users of the admin and queues in known states, for the admin and browser tests."""
+"""Users of the admin, and queues and hosts in known states, for the tests."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from django_federation_delivery import send
-from django_federation_delivery.models import Batch, Breaker, Delivery, Status
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 
 from .keys import ALICE
 
@@ -88,3 +88,19 @@ def open_breaker(key: str, failures: int = 10, seconds: float = 60) -> Breaker:
         },
     )
     return breaker
+
+
+def unavailable_and_due_a_probe(inbox: str, host: str, now: dt.datetime) -> None:
+    """``host`` marked unavailable two days ago, after failing for a week, and
+    due its daily probe, which goes where ``inbox``, its last delivery, was."""
+    batch = send(ALICE, NOTE, [inbox])
+    Delivery.objects.filter(batch=batch).update(
+        status=Status.FAILED, settled_at=now - dt.timedelta(days=8), due_at=None
+    )
+    Host.objects.update_or_create(
+        name=host,
+        defaults={
+            "failing_since": now - dt.timedelta(days=9),
+            "unavailable_since": now - dt.timedelta(days=2),
+        },
+    )

@@ -50,6 +50,7 @@ from django_federation_delivery.models import DelivererHeartbeat, Delivery, Host
 
 from .conftest import MANAGE, Inbox, assert_each_reached_once_but, subprocess_env, wait_until
 from .keys import ALICE
+from .operators import unavailable_and_due_a_probe
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -427,20 +428,8 @@ def test_a_round_fits_the_cluster_while_unavailable_hosts_are_probed(
     assert round_seconds() == 1
     now = timezone.now()
     for address in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
-        # Silent hosts marked unavailable a while ago, due their daily probe,
-        # each probed where it was last sent to.
         silent = inboxes(address, delay=30)
-        batch = send(ALICE, NOTE, [silent.url()])
-        Delivery.objects.filter(batch=batch).update(
-            status=Status.FAILED, settled_at=now - dt.timedelta(days=8), due_at=None
-        )
-        Host.objects.update_or_create(
-            name=silent.host,
-            defaults={
-                "failing_since": now - dt.timedelta(days=9),
-                "unavailable_since": now - dt.timedelta(days=2),
-            },
-        )
+        unavailable_and_due_a_probe(silent.url(), silent.host, now)
     # And one delivery in flight as the round stops claiming.
     send(ALICE, NOTE, [inboxes(delay=30).url()])
     started = time.monotonic()

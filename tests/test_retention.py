@@ -162,7 +162,7 @@ def test_a_status_set_to_none_is_kept_and_none_keeps_everything(settings: Any) -
     assert Delivery.objects.count() == 400 - purged.deleted
 
 
-def test_a_row_another_one_waits_on_is_purged_and_the_wait_cleared() -> None:
+def test_a_row_others_wait_on_is_purged_the_wait_cleared_a_pending_one_released() -> None:
     now = timezone.now()
     (batch,) = batches(1, now)
     old = Delivery.objects.create(
@@ -181,10 +181,17 @@ def test_a_row_another_one_waits_on_is_purged_and_the_wait_cleared() -> None:
         settled_at=now - dt.timedelta(days=1),
         after=old,
     )
+    # Pending, made to wait on it as it settled (a retraction's, a
+    # requeue's): the deliverer's sweep would release it. Its wait cleared
+    # with no due time given, it would be neither claimed nor swept.
+    (waiting,) = pending(batch, 1, due_at=None, after=old)
     assert retention.purge_by_setting().deliveries[Status.DELIVERED] == 1
     kept.refresh_from_db()
     assert kept.after_id is None
     assert not Delivery.objects.filter(id=old.id).exists()
+    waiting.refresh_from_db()
+    assert (waiting.status, waiting.after_id) == (Status.PENDING, None)
+    assert waiting.due_at is not None and waiting.due_at <= timezone.now()
 
 
 def test_only_hosts_not_seen_since_and_neither_paused_nor_broken_are_deleted() -> None:
@@ -333,33 +340,3 @@ def test_a_delivery_requeued_while_a_purge_waits_for_its_row_is_kept() -> None:
     # by then it was pending again, and is kept.
     assert purged and purged[0].deliveries == {Status.DELIVERED.value: len(others)}
     assert list(Delivery.objects.values_list("id", "status")) == [(requeued.id, Status.PENDING)]
-
-
-def test_a_pending_delivery_waiting_on_one_purged_is_released_as_the_sweep_would() -> None:
-    # A delivery may wait on one that settled while it was made to wait (a
-    # retraction's, a requeue's): the deliverer's sweep releases it. Purged
-    # first, the one waited on took the wait away and gave no due time: the
-    # pending one was neither claimed nor swept, never sent.
-    now = timezone.now()
-    old = Batch.objects.create(sender=ALICE, body="{}", created_at=now - dt.timedelta(days=41))
-    waited_on = Delivery.objects.create(
-        batch=old,
-        inbox="https://a.example/inbox",
-        host="a.example",
-        status=Status.DELIVERED,
-        settled_at=now - dt.timedelta(days=40),
-    )
-    fresh = Batch.objects.create(sender=ALICE, body="{}", size=1, remaining=1)
-    waiting = Delivery.objects.create(
-        batch=fresh,
-        inbox="https://a.example/inbox",
-        host="a.example",
-        status=Status.PENDING,
-        due_at=None,
-        after=waited_on,
-    )
-    retention.purge_by_setting()
-    assert not Delivery.objects.filter(id=waited_on.id).exists()
-    waiting.refresh_from_db()
-    assert (waiting.status, waiting.after_id) == (Status.PENDING, None)
-    assert waiting.due_at is not None and waiting.due_at <= timezone.now()

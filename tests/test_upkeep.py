@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import logging
 import threading
 import time
@@ -11,19 +10,18 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from django_federation_delivery import metrics, send
+from django_federation_delivery import metrics
 from django_federation_delivery.availability import probe_due
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.hosts import pause_host, resume_host
-from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.outages import Database
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.upkeep import GAUGES_EVERY, Upkeep
 
 from .conftest import Inbox, wait_until
-from .keys import ALICE
+from .operators import unavailable_and_due_a_probe
 
 pytestmark = pytest.mark.django_db
 
@@ -146,19 +144,7 @@ def test_a_stopping_loop_starts_no_probe_and_leaves_the_hosts_it_did_not_reach_d
     now = timezone.now()
     silent = [inboxes(address, delay=30) for address in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
     for server in silent:
-        # Unavailable for a while, due their daily probe, each probed where
-        # it was last sent to.
-        batch = send(ALICE, {"type": "Create", "actor": ALICE}, [server.url()])
-        Delivery.objects.filter(batch=batch).update(
-            status=Status.FAILED, settled_at=now - dt.timedelta(days=8), due_at=None
-        )
-        Host.objects.update_or_create(
-            name=server.host,
-            defaults={
-                "failing_since": now - dt.timedelta(days=9),
-                "unavailable_since": now - dt.timedelta(days=2),
-            },
-        )
+        unavailable_and_due_a_probe(server.url(), server.host, now)
     probing = dataclasses.replace(app_settings.transport_settings(), attempt_timeout=1.0)
     chores = dataclasses.replace(upkeep(), probe_settings=probing)
     chores.look_after_hosts()
