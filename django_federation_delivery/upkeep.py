@@ -175,8 +175,10 @@ class Upkeep:
         # This hour's share of them, taken one at a time, as each is probed:
         # a stop leaves those it did not reach due, not taken for a day unprobed.
         share = self.db(availability.probes_a_round, using=self.using)
-        due = share and self.db(availability.probe_due, most=1, using=self.using)
-        if share and due:
+        if not share:
+            return  # the database away: the next hour's round
+        due = self.db(availability.probe_due, most=1, using=self.using)
+        if due:
             self._probe_until = self._probe_time(self.probe_settings)
             self._prober = threading.Thread(
                 target=self._probe, args=(due[0], share, self.probe_settings), daemon=True
