@@ -14,7 +14,8 @@ whatever ``RETENTION`` says: a few thousand small rows, not the table's size.
 A pending delivery is never deleted (every statement names the settled
 status it deletes; one waiting on a delivery deleted is released, as the
 deliverer's sweep releases it), nor a batch that still has a delivery, nor a host paused,
-failing or marked unavailable, or one with a breaker.
+failing or marked unavailable, or one with a breaker. A retraction's
+delivery a replay reads is kept as long as what it took back may be.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from django.utils.translation import ngettext
 from django_federation_delivery import history
 from django_federation_delivery.addresses import host_of
 from django_federation_delivery.conf import app_settings, database_alias
-from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Retracts, Status
+from django_federation_delivery.replay import REPLAYED
 from django_federation_delivery.store import purges
 from django_federation_delivery.store.queueing import CHUNK
 
@@ -159,15 +161,17 @@ def purge(
     # the oldest, is kept whatever else holds: nothing of theirs is that old.
     batch_cutoff = max(cutoffs.values())
     host_cutoff = min(cutoffs.values())
+    retractions = _retractions_cutoff(cutoffs)
     if dry_run:
         manager = Delivery.objects.using(alias)
-        for status, cutoff in cutoffs.items():
-            purged.deliveries[status.value] = manager.filter(
-                status=status, settled_at__lt=cutoff
-            ).count()
         purgeable = Q()
         for status, cutoff in cutoffs.items():
-            purgeable |= Q(status=status, settled_at__lt=cutoff)
+            gone = Q(status=status, settled_at__lt=cutoff) & (
+                Q(settled_at__lt=retractions.get(status, cutoff))
+                | Q(batch__retracts=Retracts.NOTHING)
+            )
+            purged.deliveries[status.value] = manager.filter(gone).count()
+            purgeable |= gone
         kept = manager.filter(batch=OuterRef("pk")).exclude(purgeable)
         purged.batches = (
             Batch.objects.using(alias)
@@ -181,7 +185,10 @@ def purge(
         return purged
     for status, cutoff in cutoffs.items():
         purged.deliveries[status.value] = 0
-        for count in purges.delete_settled(status, cutoff, chunk, alias):
+        deleting = purges.delete_settled(
+            status, cutoff, chunk, alias, retractions_cutoff=retractions.get(status)
+        )
+        for count in deleting:
             purged.chunks += 1
             purged.deliveries[status.value] += count
             if on_progress is not None:
@@ -199,6 +206,20 @@ def purge(
             purged.hosts += _delete_hosts(hosts[start : start + CHUNK], host_cutoff, alias)
     purged.seconds = time.monotonic() - started
     return purged
+
+
+def _retractions_cutoff(cutoffs: Mapping[Status, dt.datetime]) -> dict[Status, dt.datetime]:
+    """When a retraction's deliveries of each status a replay sends again
+    (``replay.REPLAYED``) are purged: once what they took back is, whatever
+    its status, so at the oldest of those statuses' cutoffs, and never while
+    one of them is kept for ever. A replay leaves out what a retraction sent
+    to the host took back by that retraction's delivery there: gone first, a
+    replay would send a deleted post's ``Create`` again, with no ``Delete``
+    after it (a ``Create`` given up is kept 30 days by default, the
+    ``Delete`` delivered after it 7)."""
+    known = [cutoffs.get(status) for status in REPLAYED]
+    oldest = purges.EARLIEST if None in known else min(at for at in known if at is not None)
+    return {status: min(cutoffs[status], oldest) for status in REPLAYED if status in cutoffs}
 
 
 #: A host with none of these marks: one with any is kept whatever its age.

@@ -15,6 +15,7 @@ from django.utils import timezone
 from django_federation_delivery import availability, retention, send
 from django_federation_delivery.dialect import quoted_table
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+from django_federation_delivery.replay import replay
 
 from .conftest import statements_run, wait_until
 from .keys import ALICE
@@ -192,6 +193,67 @@ def test_a_row_others_wait_on_is_purged_the_wait_cleared_a_pending_one_released(
     waiting.refresh_from_db()
     assert (waiting.status, waiting.after_id) == (Status.PENDING, None)
     assert waiting.due_at is not None and waiting.due_at <= timezone.now()
+
+
+@pytest.mark.parametrize("retraction", ["Delete", "Undo"])
+def test_a_retraction_is_kept_while_what_it_took_back_is_so_a_replay_never_sends_that_again(
+    settings: Any, retraction: str
+) -> None:
+    inbox = "https://a.example/inbox"
+    post = f"{ALICE}/notes/1"
+    now = timezone.now()
+    create = {**NOTE, "id": f"{ALICE}/activities/1", "actor": ALICE, "object": post}
+    created = send(ALICE, create, [inbox])
+    assert created is not None
+    took_back = {
+        "type": retraction,
+        "id": f"{ALICE}/activities/2",
+        "actor": ALICE,
+        "object": post if retraction == "Delete" else create,
+    }
+    retracted = send(ALICE, took_back, [inbox])
+    like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": f"{ALICE}/x"}
+    liked = send(ALICE, like, [inbox])
+    assert retracted is not None and liked is not None
+    # The Create tried while the host was down and given up, its retraction
+    # waiting on it then delivered; a Like delivered beside them.
+    for batch, status, days in (
+        (created, Status.FAILED, 10),
+        (retracted, Status.DELIVERED, 9),
+        (liked, Status.DELIVERED, 9),
+    ):
+        Batch.objects.filter(pk=batch.pk).update(created_at=now - dt.timedelta(days=days))
+        Delivery.objects.filter(batch=batch).update(
+            status=status, settled_at=now - dt.timedelta(days=days), due_at=None, attempts=1
+        )
+
+    dry = retention.purge_by_setting(dry_run=True)
+    purged = retention.purge_by_setting()
+
+    # Past the 7 days of what is delivered, the retraction is kept as long
+    # as the Create given up (30 days): the Like is not.
+    assert dry.deliveries == purged.deliveries
+    assert purged.deliveries[Status.DELIVERED] == 1
+    assert not Delivery.objects.filter(batch=liked).exists()
+    since = now - dt.timedelta(days=11)
+    again = replay(host="a.example", since=since)
+    assert [batch.tag for batch in again] == [f"replay of batch {retracted.pk}"]
+    Batch.objects.filter(pk__in=[b.pk for b in again]).delete()
+
+    # A retraction's delivery goes with the oldest retention of what a replay
+    # sends, and never while that is kept for ever.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETENTION": {"DELIVERED": DAY, "FAILED": None},
+    }
+    assert retention.purge_by_setting().deleted == 0
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETENTION": {"DELIVERED": DAY, "FAILED": 8.5 * DAY},
+    }
+    purged = retention.purge_by_setting()
+    assert purged.deliveries[Status.FAILED] == purged.deliveries[Status.DELIVERED] == 1
+    assert replay(host="a.example", since=since) == []
 
 
 def test_only_hosts_not_seen_since_and_neither_paused_nor_broken_are_deleted() -> None:

@@ -21,11 +21,21 @@ from django_federation_delivery.store import sql
 __all__ = ["delete_empty_batches", "delete_settled"]
 
 
-def delete_settled(status: Status, cutoff: dt.datetime, chunk: int, alias: str) -> Iterator[int]:
+def delete_settled(
+    status: Status,
+    cutoff: dt.datetime,
+    chunk: int,
+    alias: str,
+    *,
+    retractions_cutoff: dt.datetime | None = None,
+) -> Iterator[int]:
     """Delete, a chunk at a time, the deliveries of ``status`` settled before
-    ``cutoff``; yields each chunk's count, the last one short."""
+    ``cutoff``, those of a retraction's batch only if settled before
+    ``retractions_cutoff`` too (None: ``cutoff``); yields each chunk's
+    count, the last one short."""
     connection = connection_for(alias)
     cutoff_value = db_datetime(cutoff, connection)
+    retractions_value = db_datetime(retractions_cutoff or cutoff, connection)
     # The chunks walk the (status, settled_at) index from the oldest up,
     # each starting where the last ended, rather than from the start again
     # past the index entries of rows just deleted (PostgreSQL keeps them
@@ -37,7 +47,12 @@ def delete_settled(status: Status, cutoff: dt.datetime, chunk: int, alias: str) 
             # the write lock at once, waiting its turn under the busy timeout,
             # rather than read first and find the lock taken.
             rows = db.all(
-                "delete_settled", status=str(status), cutoff=cutoff_value, since=since, chunk=chunk
+                "delete_settled",
+                status=str(status),
+                cutoff=cutoff_value,
+                retractions_cutoff=retractions_value,
+                since=since,
+                chunk=chunk,
             )
             ids = sorted(row[0] for row in rows)
             # A delivery waiting on (or, settled, once waiting on) one of

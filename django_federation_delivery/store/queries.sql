@@ -917,8 +917,15 @@ DELETE FROM {delivery} WHERE id IN ({oldest_settled}) AND status = %(status)s
 RETURNING id, settled_at
 
 -- name: oldest_settled
+-- A retraction's delivery (its batch's retracts not blank) only once
+-- settled before %(retractions_cutoff)s too: a replay tells what it took
+-- back by it (replay.py), and must not send that again once it is gone.
+-- Its batch is read by primary key, a row at a time: as NOT EXISTS,
+-- PostgreSQL may hash every retraction's batch, a scan of the table.
 SELECT id FROM {delivery}
 WHERE status = %(status)s AND settled_at < %(cutoff)s AND settled_at >= %(since)s
+    AND (settled_at < %(retractions_cutoff)s
+        OR (SELECT b.retracts FROM {batch} b WHERE b.id = {delivery}.batch_id) = '')
 ORDER BY settled_at LIMIT %(chunk)s
 
 -- name: waiting_on [postgresql]
