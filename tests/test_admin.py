@@ -722,6 +722,28 @@ def test_the_host_filter_offers_paused_hosts_and_breakers_only_to_who_may_view_t
     assert offered == {name for name, model in expected.items() if model in seen}
 
 
+@pytest.mark.parametrize("model", ["delivery", "batch", "host", "breaker"])
+def test_each_page_of_a_model_links_only_to_pages_the_user_may_view(model: str) -> None:
+    # A user who may view one model alone: each of its pages (its list and a
+    # row's) links to no page that answers 403, such as a delivery's batch.
+    batch = queue()
+    delivery = batch.deliveries.order_by("id").first()
+    assert delivery is not None
+    settle(delivery, Status.FAILED, last_status=503)
+    open_breaker("a.example")
+    controls.pause_host("a.example")
+    row = {"delivery": delivery.pk, "batch": batch.pk, "host": "a.example", "breaker": "a.example"}
+    client = login("someone", (f"view_{model}",))
+    pages = [url(model), url(model, "change", row[model])]
+    links = {
+        link.replace("&amp;", "&")
+        for page in pages
+        for link in re.findall(r'href="(/admin/federation_delivery/[^"]*)"', html(client, page))
+    }
+    assert links
+    assert sorted(link for link in links if client.get(link).status_code != 200) == []
+
+
 # Filters and search.
 
 

@@ -211,6 +211,26 @@ def may_view(request: HttpRequest, site: admin.AdminSite, model: type[Model]) ->
     return model_admin is not None and model_admin.has_view_permission(request)
 
 
+def unlinked(
+    fieldsets: Any, request: HttpRequest, site: admin.AdminSite, links: dict[str, Any]
+) -> Any:
+    """``fieldsets`` with each field of ``links`` (a field's name: the model
+    it links to, and the field showing the same without a link) replaced by
+    its plain twin where the user may not view that model: a row's page
+    links to no page that answers 403."""
+    hidden = {
+        field: plain
+        for field, (model, plain) in links.items()
+        if not may_view(request, site, model)
+    }
+    if not hidden:
+        return fieldsets
+    return tuple(
+        (name, {**options, "fields": tuple(hidden.get(f, f) for f in options["fields"])})
+        for name, options in fieldsets
+    )
+
+
 def report(
     model_admin: admin.ModelAdmin[Any], request: HttpRequest, count: int, message: str
 ) -> None:

@@ -22,6 +22,7 @@ from django_federation_delivery.admin.base import (
     pending_count,
     pretty_json,
     report,
+    unlinked,
 )
 from django_federation_delivery.models import Batch, Delivery, Status
 
@@ -172,9 +173,9 @@ class BatchAdmin(OperatorAdmin[Batch]):
     )
 
     def get_fieldsets(self, request: HttpRequest, obj: Batch | None = None) -> Any:
-        if obj is not None and obj.event_type:
-            return self.webhook_fieldsets
-        return self.fieldsets
+        fieldsets = self.webhook_fieldsets if obj is not None and obj.event_type else self.fieldsets
+        links = {"deliveries": (Delivery, "delivery_count")}
+        return unlinked(fieldsets, request, self.admin_site, links)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Batch]:
         # The list shows no body; the change page fetches it when it shows it.
@@ -209,10 +210,13 @@ class BatchAdmin(OperatorAdmin[Batch]):
     @admin.display(description=_("deliveries"))
     def deliveries(self, obj: Batch) -> SafeString:
         url = changelist_url(Delivery, self.admin_site, batch__id__exact=obj.id)
-        shown = ngettext("%(count)d delivery", "%(count)d deliveries", obj.size) % {
+        return format_html('<a href="{}">{}</a>', url, self.delivery_count(obj))
+
+    @admin.display(description=_("deliveries"))
+    def delivery_count(self, obj: Batch) -> str:
+        return ngettext("%(count)d delivery", "%(count)d deliveries", obj.size) % {
             "count": obj.size
         }
-        return format_html('<a href="{}">{}</a>', url, shown)
 
     @admin.display(description=_("body"))
     def pretty_body(self, obj: Batch) -> SafeString:

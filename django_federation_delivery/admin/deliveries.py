@@ -29,11 +29,12 @@ from django_federation_delivery.admin.base import (
     pending_count,
     pretty_json,
     report,
+    unlinked,
 )
 from django_federation_delivery.admin.destinations import destinations_page, enable_destination
 from django_federation_delivery.admin.queues import queues_page
 from django_federation_delivery.hosts import paused_hosts
-from django_federation_delivery.models import Breaker, Delivery, Host, Kind, Status
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Kind, Status
 from django_federation_delivery.store.claims import BAD_GATEWAYS
 from django_federation_delivery.webhooks.destinations import configured, delivery_key
 
@@ -210,9 +211,9 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     )
 
     def get_fieldsets(self, request: HttpRequest, obj: Delivery | None = None) -> Any:
-        if obj is not None and obj.kind == Kind.WEBHOOK:
-            return self.webhook_fieldsets
-        return self.fieldsets
+        webhook = obj is not None and obj.kind == Kind.WEBHOOK
+        fieldsets = self.webhook_fieldsets if webhook else self.fieldsets
+        return unlinked(fieldsets, request, self.admin_site, {"batch_link": (Batch, "batch_name")})
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Delivery]:
         # A list shows no body: 100 rows need not fetch 100 of them.
@@ -316,6 +317,10 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
             current_app=self.admin_site.name,
         )
         return format_html('<a href="{}">{}</a>', url, obj.batch)
+
+    @admin.display(description=_("batch"))
+    def batch_name(self, obj: Delivery) -> str:
+        return str(obj.batch)
 
     @admin.display(description=_("body (the batch's, as sent)"))
     def body(self, obj: Delivery) -> SafeString:
