@@ -327,6 +327,28 @@ def test_deliver_all_brings_its_own_fake_when_given_none() -> None:
     assert deliver_all().delivered == 1
 
 
+@pytest.mark.django_db(transaction=False)
+def test_deliver_all_in_a_test_that_does_not_commit_is_refused_and_the_test_goes_on(
+    fake_inbox: FakeInbox,
+) -> None:
+    # The deliverer commits as it goes and closes its thread's connections:
+    # run in the test's transaction, it ended it, and the test's next query
+    # failed "Cannot operate on a closed database".
+    send(ALICE, NOTE, [INBOX])
+    with pytest.raises(RuntimeError, match=r"transaction=True.*TransactionTestCase"):
+        deliver_all(fake=fake_inbox)
+    assert fake_inbox.received == []
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.PENDING]
+
+
+def test_deliver_all_in_an_atomic_block_is_refused(fake_inbox: FakeInbox) -> None:
+    with transaction.atomic():
+        send(ALICE, NOTE, [INBOX])
+        with pytest.raises(RuntimeError, match="inside a transaction on the database 'default'"):
+            deliver_all(fake=fake_inbox)
+    assert deliver_all(fake=fake_inbox).delivered == 1
+
+
 class MixinTests(DeliveryTestMixin, TransactionTestCase):
     """A project on Django's runner."""
 

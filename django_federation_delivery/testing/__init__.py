@@ -279,10 +279,26 @@ def deliver_all(*, fake: Any = None, **options: Any) -> Any:
     Returns the deliverer's summary (delivered, retrying, refused, failed…).
 
     Retries are due later (their backoff): they stay queued, as they would.
-    ``options`` are the deliverer's (``concurrency``, ``per_host``…)."""
+    ``options`` are the deliverer's (``concurrency``, ``per_host``…).
+
+    The deliverer commits as it goes, and closes the connections of the
+    thread it runs in once done: called inside a transaction (a test that
+    is not transactional, a ``TestCase``, an ``atomic`` block), it is
+    refused with a ``RuntimeError`` saying so, before anything is sent."""
+    from django.db import connections
+
+    from django_federation_delivery.conf import database_alias
     from django_federation_delivery.deliverer import Deliverer
     from django_federation_delivery.testing.fake import FakeInbox
 
+    alias = database_alias(options.get("using"))
+    if connections[alias].in_atomic_block:
+        raise RuntimeError(
+            f"deliver_all() runs the deliverer, which commits as it goes, and was "
+            f"called inside a transaction on the database {alias!r}: run it in a "
+            "transactional test (@pytest.mark.django_db(transaction=True), a "
+            "TransactionTestCase), outside any atomic block"
+        )
     if fake is not None and fake.active:
         return Deliverer(**options).run(drain=True)
     with fake or FakeInbox():
