@@ -33,6 +33,8 @@ import datetime as dt
 import logging
 import threading
 import time
+from collections.abc import Sequence
+from functools import partial
 
 from django.db import transaction
 from django.db.models import F, Q
@@ -44,6 +46,7 @@ from django_federation_delivery.dialect import aware, orm_datetime
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
 from django_federation_delivery.store.locks import write_first
+from django_federation_delivery.store.queueing import CHUNK
 from django_federation_delivery.transport import Transport, TransportSettings
 
 __all__ = [
@@ -208,6 +211,56 @@ def seen(host: str, *, now: dt.datetime | None = None, using: str) -> tuple[bool
         forget_known()  # sends here skip it no longer, at once
         logger.warning("Host %s seen again: no longer unavailable", addresses.escaped(host))
     return unavailable is not None, since is not None
+
+
+def seen_all(names: Sequence[str], *, using: str) -> int:
+    """:func:`mark_seen` of each of ``names`` (the admin's "select all",
+    which may name tens of thousands of hosts): a :data:`CHUNK` of names
+    at a time, in a few statements, within the caller's transaction if it
+    has one. Only the hosts with a mark are written, and told as
+    :func:`seen` tells them. Returns how many were marked unavailable."""
+    now = aware(timezone.now())
+    at = orm_datetime(now)
+    unique = list(dict.fromkeys(names))
+    gone: list[str] = []
+    for start in range(0, len(unique), CHUNK):
+        chunk = unique[start : start + CHUNK]
+        with transaction.atomic(using=using):
+            write_first(using)  # on SQLite, the write lock before the read
+            marked = Host.objects.using(using).filter(
+                Q(unavailable_since__isnull=False) | Q(failing_since__isnull=False),
+                name__in=chunk,
+            )
+            rows = list(
+                marked.select_for_update().values_list(
+                    "name", "unavailable_since", "failing_since", "failing_told_at"
+                )
+            )
+            Host.objects.using(using).filter(name__in=[row[0] for row in rows]).update(
+                unavailable_since=None,
+                failing_since=None,
+                failing_told_at=None,
+                probed_at=None,
+                updated_at=at,
+            )
+            for name, unavailable, since, told in rows:
+                if unavailable is not None:
+                    gone.append(name)
+                if told is not None and since is not None:
+                    recovered = signals.HostRecovered(
+                        host=name, failing_since=aware(since), recovered_at=now
+                    )
+                    transaction.on_commit(partial(_tell_recovered, recovered), using=using)
+    if gone:
+        forget_known()
+        shown = ", ".join(addresses.escaped(name) for name in gone[:10])
+        logger.warning(
+            "%d host(s) seen again, no longer unavailable: %s%s",
+            len(gone),
+            shown,
+            ", …" if len(gone) > 10 else "",
+        )
+    return len(gone)
 
 
 def _tell_recovered(recovered: signals.HostRecovered) -> None:

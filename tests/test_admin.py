@@ -11,12 +11,19 @@ from typing import Any
 import pytest
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.db import connection
-from django.test import Client
+from django.test import Client, TestCase
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
-from django_federation_delivery import controls, history, send, send_batch, send_webhook
+from django_federation_delivery import (
+    controls,
+    history,
+    send,
+    send_batch,
+    send_webhook,
+    signals,
+)
 from django_federation_delivery.admin import next_due
 from django_federation_delivery.models import (
     Batch,
@@ -972,6 +979,7 @@ def parameters_a_statement() -> Iterator[int]:
         ("host", "resume"),
         ("host", "give_up"),
         ("host", "replay_day"),
+        ("host", "mark_seen"),
         ("breaker", "pause_hosts"),
         ("breaker", "resume_hosts"),
         ("breaker", "give_up_hosts"),
@@ -1000,17 +1008,34 @@ def test_an_action_on_every_host_selected_across_pages_acts_on_them_all(
     first = Delivery.objects.get(host=names[0])
     if action == "replay_day":
         settle(first, Status.DELIVERED)
+    if action == "mark_seen":
+        marked = timezone.now() - dt.timedelta(days=8)
+        Host.objects.update(unavailable_since=marked, failing_since=marked, failing_told_at=marked)
     selected = first.pk if model == "delivery" else names[0]
-    with CaptureQueriesContext(connection) as queries:
-        response = operator.post(
-            url(model),
-            {
-                "action": action,
-                "select_across": "1",
-                ACTION_CHECKBOX_NAME: [str(selected)],
-                "index": "0",
-            },
-        )
+    recovered: list[str] = []
+
+    def told(sender: Any, recovered: signals.HostRecovered, **kwargs: Any) -> None:
+        told.hosts.append(recovered.host)  # type: ignore[attr-defined]
+
+    told.hosts = recovered  # type: ignore[attr-defined]
+    signals.host_recovered.connect(told)
+    try:
+        # host_recovered is sent once the action's transaction commits.
+        with (
+            TestCase.captureOnCommitCallbacks(execute=True),
+            CaptureQueriesContext(connection) as queries,
+        ):
+            response = operator.post(
+                url(model),
+                {
+                    "action": action,
+                    "select_across": "1",
+                    ACTION_CHECKBOX_NAME: [str(selected)],
+                    "index": "0",
+                },
+            )
+    finally:
+        signals.host_recovered.disconnect(told)
     assert response.status_code == 302
     assert len(queries) < len(names) / 10, f"{len(queries)} queries for {len(names)} hosts"
     pending = Delivery.objects.filter(status=Status.PENDING)
@@ -1024,6 +1049,9 @@ def test_an_action_on_every_host_selected_across_pages_acts_on_them_all(
             assert Delivery.objects.filter(status=Status.FAILED).count() == len(names)
         case "replay_day":
             assert pending.exclude(batch=batch).count() == 1
+        case "mark_seen":
+            still = Host.objects.exclude(unavailable_since=None, failing_since=None)
+            assert (still.count(), len(recovered)) == (0, len(names))
 
 
 def test_the_pages_show_a_breaker_and_a_host_with_a_blank_name(operator: Client) -> None:

@@ -26,7 +26,7 @@ from django_federation_delivery.admin.base import (
     report,
     resume_and_report,
 )
-from django_federation_delivery.availability import mark_seen
+from django_federation_delivery.availability import seen_all
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
@@ -356,7 +356,7 @@ class HostAdmin(OperatorAdmin[Host]):
         using = controls.database_of(queryset)
         names = list(queryset.values_list("name", flat=True))
         with transaction.atomic(using=using):
-            count = sum(mark_seen(name, using=using) for name in names)
+            count = seen_all(names, using=using)
         report(
             self,
             request,
