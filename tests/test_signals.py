@@ -12,8 +12,12 @@ import django
 import pytest
 from django.db import IntegrityError, OperationalError, connection
 
-from django_federation_delivery import controls, send, signals
+from django_federation_delivery import controls, send, send_webhook, signals
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Batch, Delivery, Host, Status
+from django_federation_delivery.settling import Summary
+from django_federation_delivery.store import settlements
+from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 
 from .conftest import Inbox, RunningDeliverer, wait_until
 from .keys import ALICE
@@ -140,6 +144,54 @@ def test_an_operators_give_up_is_told_once_committed() -> None:
     assert [call["batch"].id for call in finished.calls] == [batch.id]
     assert failed.in_transaction == [False, False]
     assert finished.in_transaction == [False]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_removed_destinations_events_are_told_failed_once_by_two_deliverers_giving_them_up(
+    settings: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two deliverers start at once after a deploy removed a destination, and
+    # each gives up what is pending to it. delivery_failed (and the WARNING
+    # line) was sent for each row the second had read as pending, although
+    # the first failed them before the second wrote: told twice.
+    webhooks = {"gone": "slack+http://127.0.0.1:9/services/T1/B1/x1"}
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": webhooks}
+    send_webhook("gone", "alert.raised", {"n": 0})
+    send_webhook("gone", "alert.raised", {"n": 1})
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {}}
+    first, second = (
+        WebhookDeliveries.from_settings(Summary(), app_settings.transport_settings())
+        for _ in range(2)
+    )
+    write = settlements.give_up_rows
+    meanwhile: list[int] = []
+
+    def first_gives_up_first(*args: Any, **kwargs: Any) -> Any:
+        # The second has read its rows as pending; the first gives them all
+        # up before the second writes.
+        if not meanwhile:
+            with monkeypatch.context() as unpatched:
+                unpatched.setattr(settlements, "give_up_rows", write)
+                meanwhile.append(first.give_up_unusable())
+        return write(*args, **kwargs)
+
+    told: list[int] = []
+
+    def failed(sender: Any, failure: signals.Failure, **kwargs: Any) -> None:
+        told.append(failure.delivery_id)
+
+    signals.delivery_failed.connect(failed)
+    caplog.set_level(logging.WARNING, logger="django_federation_delivery")
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(settlements, "give_up_rows", first_gives_up_first)
+            assert second.give_up_unusable() == 0
+    finally:
+        signals.delivery_failed.disconnect(failed)
+    assert meanwhile == [2]
+    assert set(Delivery.objects.values_list("status", flat=True)) == {Status.FAILED}
+    assert sorted(told) == sorted(Delivery.objects.values_list("id", flat=True))
+    assert len([m for m in caplog.messages if "given up" in m]) == 2
 
 
 class Stop(BaseException):

@@ -12,6 +12,7 @@ when one is claimed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
 
@@ -247,7 +248,10 @@ class WebhookDeliveries:
 
     def give_up(self, hosts: Iterable[str]) -> int:
         """Fail every pending delivery to ``hosts`` for good, whoever holds
-        them, each with ``delivery_failed`` sent first. Returns how many."""
+        them. Returns how many. ``delivery_failed`` and the WARNING line are
+        for exactly the rows this call failed, once written: not for one
+        another process (another deliverer giving them up at its start too)
+        settled in the meantime."""
         failed = 0
         manager = Delivery.objects.using(self.using)
         for host in sorted(hosts):
@@ -257,23 +261,34 @@ class WebhookDeliveries:
                 .values_list("id", flat=True)
             )
             for start in range(0, len(ids), CHUNK):
-                rows = list(manager.filter(id__in=ids[start : start + CHUNK]))
-                batches = claims.batches({row.batch_id for row in rows}, using=self.using)
-                reason = removed_reason(rows[0].destination)
-                for row in rows:
-                    claimed, batch = _claimed(row), batches[row.batch_id]
-                    way = self.way_to(row.destination)
-                    way.policy.given_up(claimed, batch.event_type, reason)
-                    way.settler.abandoned(claimed, batch, row.last_status, reason)
+                rows = {row.id: row for row in manager.filter(id__in=ids[start : start + CHUNK])}
+                if not rows:
+                    continue
+                reason = removed_reason(next(iter(rows.values())).destination)
                 failed += len(
                     settlements.give_up_rows(
-                        [row.id for row in rows],
+                        list(rows),
                         reason,
+                        on_failing=functools.partial(self._tell_given_up, rows, reason),
                         on_finished=self.on_finished,
                         using=self.using,
                     )
                 )
         return failed
+
+    def _tell_given_up(
+        self, rows: dict[int, Delivery], reason: str, given_up: list[settlements.GivenUp]
+    ) -> None:
+        """The WARNING line and ``delivery_failed`` of each row given up."""
+        batches = claims.batches({row.batch_id for row in given_up}, using=self.using)
+        for each in given_up:
+            row, batch = rows[each.id], batches.get(each.batch_id)
+            if batch is None:
+                continue  # deleted since, with its deliveries: nobody to tell
+            claimed = _claimed(row)
+            way = self.way_to(row.destination)
+            way.policy.given_up(claimed, batch.event_type, reason)
+            way.settler.abandoned(claimed, batch, each.last_status, reason)
 
 
 def _claimed(row: Delivery) -> claims.Claimed:
