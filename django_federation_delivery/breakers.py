@@ -153,18 +153,22 @@ def breaker_rows(*, forget_after: float, using: str | None = None) -> list[Break
     if not any(_forgettable(row, stale) for row in rows):
         return rows
     manager.filter(open_until__isnull=True, updated_at__lt=stale).delete()
-    manager.filter(open_until__lt=stale, updated_at__lt=stale, probe_until__isnull=True).delete()
+    # A probe that never reported back (its deliverer killed, stopped, or
+    # its attempt no request) is one no more once its time is past.
+    no_probe = Q(probe_until__isnull=True) | Q(probe_until__lt=stale)
+    manager.filter(no_probe, open_until__lt=stale, updated_at__lt=stale).delete()
     return list(manager.all())
 
 
 def _forgettable(row: Breaker, stale: dt.datetime) -> bool:
     """What ``breaker_rows`` deletes: closed and untouched, or open long ago
-    with no probe under way, and untouched."""
+    with no probe under way (none, or one whose time lapsed long ago), and
+    untouched."""
     if row.updated_at >= stale:
         return False
     if row.open_until is None:
         return True
-    return row.open_until < stale and row.probe_until is None
+    return row.open_until < stale and (row.probe_until is None or row.probe_until < stale)
 
 
 def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:

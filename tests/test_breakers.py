@@ -13,7 +13,7 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
-from django_federation_delivery import breakers, send
+from django_federation_delivery import breakers, overview, send
 from django_federation_delivery.breakers import (
     Breakers,
     BreakerSettings,
@@ -147,6 +147,17 @@ class TestTheDatabaseSide:
         self.fail(self.breakers())
         Breaker.objects.update(updated_at=timezone.now() - dt.timedelta(hours=1))
         assert breakers.breaker_rows(forget_after=600) == []
+
+    def test_one_open_long_ago_whose_probe_never_reported_back_is_forgotten(self) -> None:
+        # Its probe was taken and never reported back (the deliverer killed,
+        # or the probe put back unsent as it stopped): the row counted as a
+        # probe under way for ever, open in the gauge and the admin.
+        hour, now = dt.timedelta(hours=1), timezone.now()
+        Breaker.objects.create(key="gone.example", failures=10, open_until=now - 2 * hour)
+        assert breakers.take_probe("gone.example", cool_off=60.0)
+        Breaker.objects.update(probe_until=now - hour, updated_at=now - 2 * hour)
+        assert breakers.breaker_rows(forget_after=600) == []
+        assert overview.open_breakers() == 0
 
     def test_reading_the_rows_writes_nothing_while_none_is_stale(
         self, django_assert_num_queries: Any
