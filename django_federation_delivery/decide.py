@@ -95,8 +95,13 @@ def decide(
         wait = policy.delay(attempts, rand)
     if wait is None:
         return Ruling(Outcome.FAILED, error=f"gave up after {attempts} attempts: {result.error}")
+    # A hold's time is the package's own (a breaker's cool-off, a probe's
+    # time): waited out whatever is said of a server's Retry-After.
     wait = wait_before_retry(
-        wait, result.retry_after, wait_as_asked=wait_as_asked, longest=retry_after_max
+        wait,
+        result.retry_after,
+        wait_as_asked=wait_as_asked or result.held,
+        longest=LONGEST_WAIT if result.held else retry_after_max,
     )
     due = now + dt.timedelta(seconds=wait)
     if deadline is not None and due >= deadline:

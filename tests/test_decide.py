@@ -166,6 +166,23 @@ CASES: list[tuple[str, AttemptResult, int, dict[str, Any], Ruling]] = [
         Ruling(Outcome.HELD, due_at=after(300), error="held: open"),
     ),
     (
+        # A breaker's cool-off is the package's own wait, not a server's
+        # Retry-After: without WAIT_AS_ASKED, a breaker's held deliveries
+        # came round at each retry wait, each a try, until given up.
+        "held by a breaker waits out its cool-off without WAIT_AS_ASKED",
+        held(JOB, "held: open", retry_after=300.0),
+        1,
+        {"wait_as_asked": False},
+        Ruling(Outcome.HELD, due_at=after(300), error="held: open"),
+    ),
+    (
+        "held by a breaker waits out a cool-off longer than RETRY_AFTER_MAX",
+        held(JOB, "held: open", retry_after=7200.0),
+        1,
+        {"retry_after_max": 3600.0},
+        Ruling(Outcome.HELD, due_at=after(7200), error="held: open"),
+    ),
+    (
         "held at the last attempt is given up (an inbox's hold spends a try)",
         held(JOB, "held: open", retry_after=5.0),
         12,
