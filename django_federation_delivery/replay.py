@@ -7,7 +7,8 @@ batch for each batch they came from, with its body, its sender, its event
 and what it is about as they were, so that a receiver de-duplicating by id
 sees the same ids, and a ``Delete`` or ``Undo`` sent later overtakes what
 of it was never tried as it would the original; what one sent before took
-back is not replayed. Each inbox receives them
+back is not replayed, and one replayed goes, as it would requeued, only
+after what it retracts still pending at the inbox. Each inbox receives them
 in their original order, one after the other (an ordering key of the
 replay's own; a destination's own sequence for a webhook destination), in
 the low lane for activities, so that a catch-up never delays what is sent
@@ -31,7 +32,7 @@ from django_federation_delivery.addresses import host_named, quoted, required_ho
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import orm_datetime
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Retracts, Status
-from django_federation_delivery.store import queueing, sequences
+from django_federation_delivery.store import queueing, retractions, sequences
 from django_federation_delivery.store.locks import write_first
 from django_federation_delivery.webhooks.destinations import delivery_key
 from django_federation_delivery.webhooks.sending import ORDERING_KEY as WEBHOOK_ORDERING_KEY
@@ -232,6 +233,14 @@ def _replay_step(
         )
         items.append(queueing.Enqueued(new, queued, kinds[batch_id]))
     replayed = queueing.enqueue_all(items, waits_on=first_waits, using=alias)
+    # A retraction's copy goes after what it retracts still pending at its
+    # inbox (a Create retrying there), as the retraction requeued would:
+    # due at once, it reached the inbox first. One waiting its turn among
+    # the replay's waits on that turn first, and on what it retracts once
+    # released (a release makes a retraction's wait again).
+    retractions.wait_on_retracted(
+        [new.pk for new in replayed if new.created and new.retracts], using=alias
+    )
     for new in replayed:
         # What is returned keeps no body: a replay of 100,000 batches holds
         # one step's bodies at a time. Read, it is loaded as a deferred field is.

@@ -19,10 +19,10 @@ from django.db.models.signals import post_save, pre_save
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from django_federation_delivery import controls, send, send_webhook, store
 from django_federation_delivery import replay as replaying
-from django_federation_delivery import send, send_webhook
 from django_federation_delivery.deliverer import Deliverer
-from django_federation_delivery.models import Batch, Delivery, Lane, Status
+from django_federation_delivery.models import Batch, Delivery, Lane, Retracts, Status
 from django_federation_delivery.replay import replay
 from django_federation_delivery.replay import replayed as replayed_message
 from django_federation_delivery.store import sequences
@@ -188,6 +188,48 @@ def test_what_a_retraction_sent_before_a_replay_took_back_is_not_replayed(
     expected = [kept.pk, undone.pk] + ([deleted.pk] if deleted_as == Status.DELIVERED else [])
     assert [b.tag for b in again] == [f"replay of batch {pk}" for pk in expected]
     assert counted == {"a.example": len(expected)}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("step")
+@pytest.mark.parametrize("behind", [False, True], ids=["first", "behind another"])
+def test_a_replayed_delete_waits_on_the_create_still_retrying_at_the_inbox(behind: bool) -> None:
+    # The Delete given up while its Create still retried, then replayed: its
+    # copy was due at once and reached the inbox before the Create, where
+    # the same Delete requeued waits on it. Behind another replayed batch,
+    # it waits its turn first, then on the Create.
+    inbox = "https://a.example/inbox"
+    post = f"{ALICE}/notes/1"
+    since = timezone.now() - dt.timedelta(hours=1)
+    if behind:
+        earlier = send(ALICE, note(0), [inbox])
+        assert earlier is not None
+        settle(earlier, Status.DELIVERED, timezone.now())
+    created = send(ALICE, {**note(1), "object": post}, [inbox])
+    retrying = Delivery.objects.filter(batch=created)
+    retrying.update(attempts=1, last_status=503, due_at=timezone.now() + dt.timedelta(hours=1))
+    deleted = send(ALICE, {**note(2), "type": "Delete", "object": post}, [inbox])
+    assert deleted is not None and deleted.superseded == 0
+    assert controls.give_up(Delivery.objects.filter(batch=deleted)) == 1
+
+    replayed = replay(host="a.example", since=since)
+
+    assert [b.tag for b in replayed][-1] == f"replay of batch {deleted.pk}"
+    copy = Delivery.objects.filter(batch=replayed[-1])
+    if behind:
+        # Its turn first: the batch replayed before it goes, then it waits.
+        assert copy.get().after_id == Delivery.objects.get(batch=replayed[0]).pk
+        (turn,) = store.claim(10, 60, per_host=10)
+        assert turn.batch_id == replayed[0].pk
+        done = store.Settlement(claimed=turn, status=Status.DELIVERED, attempts=1, ordered=True)
+        assert store.settle([done]) == {turn.id}
+    assert (copy.get().after_id, copy.get().due_at) == (retrying.get().pk, None)
+    assert store.claim(10, 60, per_host=10) == [], "the Delete goes before its Create"
+    # The Create delivered at its retry, the Delete goes.
+    retrying.update(due_at=timezone.now())
+    (retried,) = store.claim(10, 60, per_host=10)
+    assert store.settle([store.Settlement(claimed=retried, status=Status.DELIVERED, attempts=2)])
+    assert [c.batch_id for c in store.claim(10, 60, per_host=10)] == [replayed[-1].pk]
 
 
 @pytest.mark.django_db
@@ -502,13 +544,17 @@ def test_two_replays_at_once_both_finish_and_queue_once() -> None:
 
 def _delivered_to_host(batches: int, inboxes: int, now: dt.datetime) -> list[Batch]:
     """``batches`` one-inbox batches delivered to a.example within the last
-    hour, to ``inboxes`` inboxes there in turn, written in bulk."""
+    hour, to ``inboxes`` inboxes there in turn, written in bulk: one in ten
+    an ``Undo`` of a ``Like`` the host was never sent."""
     made = Batch.objects.bulk_create(
         [
             Batch(
                 sender=ALICE,
-                body=f'{{"type":"Create","id":"{ALICE}/activities/{n}"}}',
+                body=f'{{"type":"{"Undo" if n % 10 == 5 else "Create"}",'
+                f'"id":"{ALICE}/activities/{n}"}}',
                 activity_id=f"{ALICE}/activities/{n}",
+                object_id=f"{ALICE}/likes/{n}" if n % 10 == 5 else "",
+                retracts=Retracts.ACTIVITY if n % 10 == 5 else Retracts.NOTHING,
                 size=1,
                 remaining=0,
                 created_at=now - dt.timedelta(hours=1),
@@ -559,7 +605,7 @@ def test_thousands_of_one_inbox_batches_are_replayed_in_a_few_statements_a_step(
         pre_save.disconnect(pre, sender=Batch)
         post_save.disconnect(post, sender=Batch)
     # 6 steps of 500 batches: each its reads, its locks, a statement of
-    # batches, one of deliveries and its chain.
+    # batches, one of deliveries, its chain and its retractions' wait.
     assert len(queries) <= 80, f"{len(queries)} statements to replay 3,000 batches"
     assert [b.tag for b in replayed] == [f"replay of batch {b.pk}" for b in originals]
     assert all(b.created and (b.size, b.remaining) == (1, 1) for b in replayed)

@@ -454,6 +454,23 @@ UPDATE {delivery} SET after_id = {next_retracted}, due_at = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
     AND {next_retracted} IS NOT NULL
 
+-- name: wait_on_retracted [postgresql]
+-- The deliveries of the batches %(batches)s (retractions a replay just
+-- wrote) that wait on nothing, made to wait as wait_again makes a
+-- retraction's: on the last delivery still pending to their inbox of what
+-- they retract, if any. One waiting its turn in its sequence is left to
+-- wait: released, it waits again then (released_rows). One settling
+-- meanwhile, before this commits, may leave it waiting on a delivery that
+-- has left: the deliverer's sweep releases it (stranded).
+UPDATE {delivery} SET after_id = {next_retracted}, due_at = NULL
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL AND after_id IS NULL
+    AND {next_retracted} IS NOT NULL
+
+-- name: wait_on_retracted [sqlite]
+UPDATE {delivery} SET after_id = {next_retracted}, due_at = NULL
+WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
+    AND after_id IS NULL AND {next_retracted} IS NOT NULL
+
 -- name: next_retracted
 -- For the row being written, a retraction's delivery: the last delivery to
 -- its inbox still pending of its sender's earlier batches about what it

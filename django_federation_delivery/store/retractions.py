@@ -12,7 +12,9 @@ last of them, if several), with no due time until it leaves the queue
 being written). Released, it waits on the next of them still pending, if
 any: the retraction's batch is kept with what it retracts (``retracts``),
 every statement that releases a delivery says what its batch retracts
-(``released_rows``), and a retraction's waits again (``wait_again``).
+(``released_rows``), and a retraction's waits again (``wait_again``). A
+retraction queued again, not sent (a replay's copy), overtakes nothing; it
+waits as a requeued one does (:func:`wait_on_retracted`).
 
 The inboxes the retraction was given but left out, their host marked
 unavailable, are looked at first (:func:`pending_at`): where something it
@@ -179,6 +181,18 @@ def pending_at(
             inboxes=given if db.postgresql else json.dumps(given),
         )
     return {inbox for (inbox,) in rows}
+
+
+def wait_on_retracted(batch_ids: Sequence[int], *, using: str | None = None) -> int:
+    """In the caller's transaction, make the new deliveries of ``batch_ids``
+    (retractions queued again, not sent: a replay's copies, which overtake
+    nothing) that wait on nothing wait, as a requeued retraction's do, on
+    the last delivery still pending to their inbox of what they retract.
+    One statement however many. Returns how many now wait."""
+    if not batch_ids:
+        return 0
+    with sql.on(connection_for(using or database_alias())) as db:
+        return db.run("wait_on_retracted", batches=db.ids(batch_ids))
 
 
 def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:
