@@ -23,7 +23,7 @@ from django_federation_delivery import addresses, availability, portable, retrac
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted
 from django_federation_delivery.channels.events import colliding_key
 from django_federation_delivery.conf import app_settings, database_alias
-from django_federation_delivery.dialect import aware, aware_now
+from django_federation_delivery.dialect import aware, aware_now, naive_zone
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Kind, Lane, Retracts, SkippedInbox
 from django_federation_delivery.portable import PortableInbox
@@ -468,7 +468,10 @@ def _deadline(deadline: object) -> dt.datetime | None:
         # As Django takes every naive time with USE_TZ off: in TIME_ZONE.
         deadline = aware(deadline)
     try:
-        # Stored in UTC: a time zone ahead of it can push the year past 9999.
+        # Stored in UTC, and with USE_TZ off read back in TIME_ZONE: a zone
+        # ahead of either can push the year past 9999, which no database
+        # reads back (PostgreSQL wrote it, then failed every read of it).
+        deadline.astimezone(naive_zone())
         deadline = deadline.astimezone(dt.UTC)
     except OverflowError as exc:
         raise InvalidDelivery(f"deadline {deadline.isoformat()} is too far ahead") from exc

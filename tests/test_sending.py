@@ -348,6 +348,22 @@ def test_bad_input_is_refused_naming_the_value_and_nothing_is_written(
 
 
 @pytest.mark.django_db
+def test_a_deadline_past_the_calendar_where_it_is_stored_is_refused_naming_it(
+    settings: Any,
+) -> None:
+    # With USE_TZ off a deadline is stored and read in TIME_ZONE: one in the
+    # calendar in UTC but past it in Tokyo raised a bare OverflowError on
+    # SQLite, and on PostgreSQL was written, then failed every read of its
+    # batch, the deliverer's claims with it ("the database is unavailable").
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "Asia/Tokyo"
+    deadline = dt.datetime(9999, 12, 31, 20, 0, tzinfo=dt.UTC)
+    with pytest.raises(InvalidDelivery, match="deadline 9999-12-31T20:00:00"):
+        send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"deadline": deadline})
+    assert nothing_written()
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize(
     ("activity", "said"),
     [
