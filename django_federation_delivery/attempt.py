@@ -197,6 +197,14 @@ def lapsed(job: Job) -> AttemptResult:
     return dataclasses.replace(failed(job, error, permanent=False, requests=0), held=True)
 
 
+def overtaken(job: Job) -> AttemptResult:
+    """A delivery not sent because its batch's deadline passed while it
+    waited for a worker: no request, held back, for the retry policy to
+    give up as past its deadline."""
+    error = "not sent: a worker was free only after it"
+    return dataclasses.replace(failed(job, error, permanent=False, requests=0), held=True)
+
+
 def deadline_of(job: Job, timeout: float) -> float | None:
     """When an attempt at ``job`` begun now must be over, as
     ``time.monotonic()``: after ``timeout``, and before its lease ends.

@@ -295,11 +295,18 @@ class Deliverer:
 
         Before it, ``intake`` claimed the delivery and ``triage`` sorted it
         with the others of its claim: one past its batch's deadline, dropped
-        by ``SKIP_IF`` or to a paused host was settled there; this one has its
-        batch, its kind and its job. The loop drives this generator: it runs
+        by ``SKIP_IF`` or to a paused host was settled there (and is, if its
+        deadline passed or its host was paused while it waited for its
+        slot); this one has its batch, its kind and its job. The loop drives this generator: it runs
         to the attempt, pauses while a worker makes it through the kind's
         channel, and is resumed with the result.
         """
+        # What changed while it waited for its slot: its batch's deadline
+        # passed, or its host was paused.
+        settled = self.triage.waited(item)
+        if settled is not None:
+            self.outbox.add(settled)
+            return
         # Admit: the destination's breaker may hold it, without a request.
         result = self.triage.admit(item)
         if result is None:

@@ -6,8 +6,9 @@ paused host is put back to wait for the host, and a webhook to a destination
 no longer configured is given up; one that cannot be sent as it is stored
 (its kind or its gateways written by hand), or whose kind fails to make its
 job, is failed by itself; the rest are made ready to send. As each is handed
-to a worker, the destination's circuit breaker may hold it
-(:meth:`Triage.admit`).
+to a worker, its deadline and its host's pause are looked at again, as it
+may have waited for its slot (:meth:`Triage.waited`), and the
+destination's circuit breaker may hold it (:meth:`Triage.admit`).
 """
 
 from __future__ import annotations
@@ -82,8 +83,7 @@ class Triage:
                 self._fail_alone(row, batch, kind, row.problem)
                 continue
             if batch.deadline is not None and now >= batch.deadline:
-                error = "the batch's deadline passed before it was sent"
-                self.outbox.add(kind.settler(row).unsent(row, batch, error))
+                self.outbox.add(kind.settler(row).unsent(row, batch, DEADLINE_PASSED))
                 continue
             if kind.skipped(row, batch):
                 self.outbox.add(kind.settler(row).skipped(row, batch))
@@ -127,6 +127,20 @@ class Triage:
             )
         )
 
+    def waited(self, item: InFlight) -> settlements.Settlement | None:
+        """What a delivery sorted to be sent comes to as it gets its slot,
+        which it may have waited for (behind a slow host, a host's rest, a
+        full pool): settled unsent if its batch's deadline passed meanwhile,
+        put back to wait if its host was paused meanwhile (as read again
+        each second); None to go on. One handed to a worker waits in its
+        queue no more than CONCURRENCY deliveries, and is sent as it is."""
+        row, batch = item.claimed, item.batch
+        if batch.deadline is not None and aware_now() >= batch.deadline:
+            return item.kind.settler(row).unsent(row, batch, DEADLINE_PASSED)
+        if row.host in self.upkeep.paused:
+            return item.kind.settler(row).paused(row)
+        return None
+
     def admit(self, item: InFlight) -> AttemptResult | None:
         """Ask the destination's breaker whether the delivery goes now (as
         its probe, perhaps): None if it does, else what its hold comes to,
@@ -139,6 +153,10 @@ class Triage:
         if decision is not Decision.HOLD:
             return None
         return held(item.job, f"held: the circuit breaker for {item.breaker} is open", hold_for)
+
+
+#: Why a delivery its batch's deadline overtook before it was sent is failed.
+DEADLINE_PASSED = "the batch's deadline passed before it was sent"
 
 
 def _job_failed(exc: Exception) -> str:

@@ -12,6 +12,7 @@ pool has more threads than it needs.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import queue
 import threading
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import escaped
-from django_federation_delivery.attempt import AttemptResult, Job, crashed, readable
+from django_federation_delivery.attempt import AttemptResult, Job, crashed, overtaken, readable
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.transport import Connections, Transport, TransportSettings
@@ -178,7 +179,12 @@ class Workers:
         self, item: InFlight, transports: dict[TransportSettings, Transport]
     ) -> AttemptResult:
         """What came of ``item``'s attempt: always a result, whatever the
-        attempt did, so that the delivery is settled and its slot freed."""
+        attempt did, so that the delivery is settled and its slot freed.
+        None is made if its batch's deadline passed while it waited in the
+        queue (behind a slow attempt, say): it is not sent after it."""
+        deadline = item.batch.deadline
+        if deadline is not None and dt.datetime.now(dt.UTC) >= deadline:
+            return overtaken(item.job)
         try:
             settings = item.kind.transport_settings_for(item.job)
             transport = transports.get(settings)

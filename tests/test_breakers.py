@@ -241,6 +241,31 @@ def test_a_paused_host_is_held_not_failed_until_resumed(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_host_paused_while_its_delivery_waits_for_a_slot_is_not_sent_it(
+    inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    from django_federation_delivery.controls import pause_host
+
+    # The pause was looked at only at the claim: a delivery claimed with a
+    # slow host's, waiting for a slot, was sent once one was free, seconds
+    # after its host was paused.
+    slow, paused = inboxes("127.0.0.2", delay=1.5), inboxes("127.0.0.3")
+    send(ALICE, {"type": "Note"}, [slow.url(f"/{n}") for n in range(2)])
+    send(ALICE, {"type": "Note"}, [paused.url("/inbox")])
+    # One slot, and one more queued for the worker: the slow host's two take
+    # them, and the other's, claimed with them, waits ready.
+    runner = start_deliverer(concurrency=1, per_host=2, per_host_max=2)
+    wait_until(lambda: len(slow.received) == 1)
+    assert [d.host for d in runner.deliverer.in_hand().ready] == [paused.host]
+    pause_host(paused.host)
+    row = Delivery.objects.filter(host=paused.host)
+    wait_until(lambda: row.get().lease_token is None, timeout=10)
+    runner.stop()
+    assert paused.received == []
+    assert (row.get().status, row.get().attempts) == (Status.PENDING, 0)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_dead_port_named_on_a_host_opens_its_own_breaker_not_the_host_s(
     inboxes: Callable[..., Inbox],
     closed_port: Callable[[], int],

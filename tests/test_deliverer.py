@@ -304,6 +304,29 @@ def test_a_delivery_past_its_deadline_is_given_up_unsent(
     assert received_signals["failed"][0].deadline is True
 
 
+def test_a_delivery_waiting_for_a_worker_is_not_sent_after_its_batchs_deadline(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    received_signals: dict[str, list[Any]],
+    settings: Any,
+) -> None:
+    # Claimed before its deadline, it waited in the workers' queue behind a
+    # slow inbox's attempt (one worker) and was sent when one was free,
+    # after the deadline: the deadline was looked at only at the claim.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "SLOW_AFTER_SECONDS": 30}
+    slow, fast = inboxes("127.0.0.2", delay=2.0), inboxes("127.0.0.3")
+    options = BatchOptions(deadline=dt.timedelta(seconds=1.0))
+    batch = send_batch(ALICE, NOTE, [slow.url(), fast.url()], options)
+    runner = start_deliverer(concurrency=1)
+    wait_until(settled(batch), timeout=10)
+    runner.stop()
+    assert (len(slow.received), fast.received) == (1, [])
+    row = Delivery.objects.get(inbox=fast.url())
+    assert row.status == Status.FAILED
+    assert row.last_error.startswith("the batch's deadline passed: not sent")
+    assert [failure.deadline for failure in received_signals["failed"]] == [True]
+
+
 def test_a_delivery_whose_lease_would_lapse_before_it_could_be_sent_is_not_sent(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],
