@@ -524,6 +524,39 @@ def test_a_sequence_keeps_its_order_when_one_in_its_middle_leaves_unsent(leaves:
     assert row(last, A).due_at is not None
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("leave", ["superseded", "given up"])
+def test_a_sequence_keeps_its_order_when_two_in_a_row_in_its_middle_leave_unsent(
+    leave: str,
+) -> None:
+    # One ordering key: a note tried and retrying, the post's Create and its
+    # Update never tried, then another note. Before, the last took the place
+    # of the Update alone: it waited on the Create, left too, so was due at
+    # once, ahead of the note still retrying.
+    options = {"ordering_key": f"{ALICE}/timeline"}
+    first = send_batch(ALICE, create(f"{ALICE}/notes/0", 1), [A], options)
+    created = send_batch(ALICE, create(POST, 2), [A], options)
+    updated = send_batch(ALICE, update(3), [A], options)
+    last = send_batch(ALICE, create(f"{ALICE}/notes/4", 4), [A], options)
+    (tried,) = _held(first)
+    _settle(tried, Status.PENDING)
+    if leave == "superseded":
+        # The post is deleted: its Create and Update go unsent, in one statement.
+        retraction = send(ALICE, delete(), [A])
+        assert retraction is not None and retraction.superseded == 2
+    else:
+        # An operator cancels the two at once (a selection in the admin).
+        assert controls.give_up(Delivery.objects.filter(batch__in=[created, updated])) == 2
+    assert row(first, A).status == Status.PENDING
+    waits = row(last, A)
+    assert (waits.after_id, waits.due_at) == (row(first, A).id, None)
+    claimed = {claimed.batch_id for claimed in store.claim(10, 60, per_host=10)}
+    assert last is not None and last.pk not in claimed
+    # Once the first leaves, the last goes.
+    _retried_and_settled(first, Status.DELIVERED)
+    assert row(last, A).due_at is not None
+
+
 def _received(inboxes: list[Inbox]) -> list[tuple[str, str]]:
     return [(r.path, r.json()["type"]) for inbox in inboxes for r in inbox.received]
 

@@ -546,9 +546,19 @@ RETURNING {released_rows}
 -- itself waiting (superseded, or given up, unsent): what that one waited
 -- on, if it is still pending, which the row waits on in its stead, so that
 -- a sequence keeps its order when one in its middle leaves; NULL otherwise.
--- A delivery that was attempted waited on nothing, and releases at once.
-(SELECT q.id FROM {delivery} AS p, {delivery} AS q
-    WHERE p.id = {delivery}.after_id AND q.id = p.after_id AND q.settled_at IS NULL)
+-- Where what it waited on left too (two in a row superseded by one
+-- Delete, or given up together), the chain is followed back, a lookup by
+-- id a step, to the first one still pending: one step only would find it
+-- settled, and release the row ahead of those still pending before it.
+-- (UNION, not UNION ALL: a step seen before ends the walk.) A delivery
+-- that was attempted waited on nothing, and releases at once.
+(WITH RECURSIVE back(id) AS (
+    SELECT p.after_id FROM {delivery} AS p WHERE p.id = {delivery}.after_id
+    UNION
+    SELECT q.after_id FROM back, {delivery} AS q
+    WHERE q.id = back.id AND q.settled_at IS NOT NULL
+)
+SELECT q.id FROM back, {delivery} AS q WHERE q.id = back.id AND q.settled_at IS NULL LIMIT 1)
 
 -- name: chain_pairs [postgresql]
 -- Of the deliveries of the batches %(ids)s, each (but the first of its
