@@ -557,6 +557,49 @@ def test_a_sequence_keeps_its_order_when_two_in_a_row_in_its_middle_leave_unsent
     assert row(last, A).due_at is not None
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_delivery_requeued_in_the_middle_of_its_sequence_goes_before_the_one_after_it() -> None:
+    # Three of one ordering key: the first tried and retrying, the others
+    # waiting in turn. Given up, the middle one's place went to the last;
+    # requeued, it waited on the first again, but so did the last, still:
+    # before, the first's leaving released both at once, side by side.
+    options = {"ordering_key": f"{ALICE}/timeline"}
+    first = send_batch(ALICE, create(f"{ALICE}/notes/0", 1), [A], options)
+    middle = send_batch(ALICE, create(POST, 2), [A], options)
+    last = send_batch(ALICE, create(f"{ALICE}/notes/3", 3), [A], options)
+    (tried,) = _held(first)
+    _settle(tried, Status.PENDING)
+    assert controls.give_up(Delivery.objects.filter(batch=middle)) == 1
+    assert row(last, A).after_id == row(first, A).id
+    assert controls.requeue(Delivery.objects.filter(batch=middle)) == 1
+    assert row(middle, A).after_id == row(first, A).id
+    assert (row(last, A).after_id, row(last, A).due_at) == (row(middle, A).id, None)
+    # The first is delivered: the middle goes, and the last after it.
+    _retried_and_settled(first, Status.DELIVERED)
+    (sent,) = _held(middle)
+    _settle(sent, Status.DELIVERED)
+    _held(last)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_requeued_delivery_goes_before_the_next_of_its_sequence_not_yet_tried() -> None:
+    # The first of a sequence refused, the second released and not yet
+    # tried: the first requeued goes again before it, as it was queued.
+    # Before, it was due beside the second, and the two were sent side by side.
+    options = {"ordering_key": f"{ALICE}/timeline"}
+    first = send_batch(ALICE, create(f"{ALICE}/notes/0", 1), [A], options)
+    second = send_batch(ALICE, create(POST, 2), [A], options)
+    third = send_batch(ALICE, create(f"{ALICE}/notes/3", 3), [A], options)
+    (tried,) = _held(first)
+    _settle(tried, Status.REFUSED)
+    assert controls.requeue(Delivery.objects.filter(batch=first)) == 1
+    assert row(first, A).after_id is None
+    waits = row(second, A)
+    assert (waits.after_id, waits.due_at) == (row(first, A).id, None)
+    assert row(third, A).after_id == row(second, A).id
+    _held(first)
+
+
 def _received(inboxes: list[Inbox]) -> list[tuple[str, str]]:
     return [(r.path, r.json()["type"]) for inbox in inboxes for r in inbox.received]
 

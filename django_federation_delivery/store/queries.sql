@@ -756,6 +756,39 @@ UPDATE {delivery} SET after_id = {before_in_sequence}, due_at = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND NOT (sequence = '')
     AND {before_in_sequence} IS NOT NULL
 
+-- name: next_in_sequence [postgresql]
+-- Of the requeued deliveries %(ids)s (pending again), the next pending
+-- delivery of each one's sequence after it, locked: it is to wait on the
+-- requeued one (wait_in_sequence), which, leaving, handed it its place
+-- (inherited) or released it; requeued, it takes that place again, or the
+-- two would be released together, side by side. Only one that waits, or
+-- that waits on nothing and was never attempted nor is held by a claim:
+-- one attempted already is past ordering. Each looked up one step forward
+-- in the partial index on (sequence, id).
+SELECT id FROM {delivery}
+WHERE id = ANY(ARRAY(
+    SELECT (SELECT d.id FROM {delivery} AS d
+        WHERE d.sequence = r.sequence AND d.status = {pending} AND d.sequence <> ''
+            AND d.id > r.id
+        ORDER BY d.id LIMIT 1)
+    FROM {delivery} AS r WHERE r.id = ANY(%(ids)s::bigint[]) AND r.sequence <> ''
+))
+    AND settled_at IS NULL AND lease_token IS NULL AND (after_id IS NOT NULL OR attempts = 0)
+ORDER BY id FOR UPDATE
+
+-- name: next_in_sequence [sqlite]
+SELECT n.id FROM {delivery} AS n
+WHERE n.id IN (
+    SELECT (SELECT d.id FROM {delivery} AS d
+        WHERE d.sequence = r.sequence AND d.status = {pending} AND NOT (d.sequence = '')
+            AND d.id > r.id
+        ORDER BY d.id LIMIT 1)
+    FROM {delivery} AS r
+    WHERE r.id IN (SELECT value FROM json_each(%(ids)s)) AND NOT (r.sequence = '')
+)
+    AND n.settled_at IS NULL AND n.lease_token IS NULL
+    AND (n.after_id IS NOT NULL OR n.attempts = 0)
+
 -- name: before_in_sequence [postgresql]
 -- For the row being written, the last pending delivery of its sequence
 -- queued before it; NULL if none.

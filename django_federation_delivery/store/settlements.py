@@ -323,7 +323,9 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     forgotten (it left, or is left to its fate), but one with an ordering
     key waits again on the last delivery of its sequence queued before it
     still pending (``wait_in_sequence``), and a retraction's on what it
-    retracts still pending there (``wait_again``)."""
+    retracts still pending there (``wait_again``). It takes its place
+    again: the next of its sequence, unless attempted already, waits on
+    it, no longer on the one before it (``next_in_sequence``)."""
     alias = using or database_alias()
     now = timezone.now()
     manager = Delivery.objects.using(alias)
@@ -341,7 +343,10 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
             connection = connection_for(alias)
             with sql.on(connection) as db:
                 db.run("requeue", ids=db.ids(requeued), now=db_datetime(now, connection))
-                db.run("wait_in_sequence", ids=db.ids(requeued))
+                # The next of each one's sequence, which took its place when it
+                # left, waits on it again, or on one requeued with it after it.
+                after = [id for (id,) in db.all("next_in_sequence", ids=db.ids(requeued))]
+                db.run("wait_in_sequence", ids=db.ids([*requeued, *after]))
                 db.run("wait_again", ids=db.ids(requeued))
         count_up(Counter(batch_id for _, batch_id in rows), alias)
     transaction.on_commit(wakes.notify_local, using=alias)
