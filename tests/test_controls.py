@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import time
 from collections.abc import Callable, Iterator
@@ -12,7 +13,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import controls, send, send_batch, signals
+from django_federation_delivery import controls, send, send_batch, send_webhook, signals
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.store import settlements
 
@@ -253,3 +254,31 @@ def test_a_delivery_given_up_in_flight_then_requeued_is_never_sent_twice_at_once
     assert overlap.most == 1, f"{len(slow.received)} requests, {overlap.most} at once"
     # The first attempt's outcome, fenced out, left the requeued row as it was.
     assert Delivery.objects.get(batch=batch).status == Status.PENDING
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_webhook_event_given_up_in_flight_holds_the_next_until_its_attempt_ends(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    overlap = Overlap(200, 3.0)
+    receiver = inboxes(respond=overlap)
+    secret = "whsec_" + base64.b64encode(b"k" * 32).decode()
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": f"http://127.0.0.1:{receiver.port}/hook?secret={secret}"},
+    }
+    first = send_webhook("ops", "alert.raised", {"n": 0})
+    assert send_webhook("ops", "alert.raised", {"n": 1}) is not None
+    runner = start_deliverer()
+    wait_until(lambda: len(receiver.received) == 1, timeout=20)
+    # The operator cancels the first event while the receiver is still
+    # answering it. The next was made due at once, and sent beside it: two
+    # at once to a destination that takes its events one at a time.
+    assert controls.give_up(Delivery.objects.filter(batch=first)) == 1
+    started = time.monotonic()
+    while time.monotonic() - started < 2.5 and len(receiver.received) < 2:
+        time.sleep(0.05)
+    runner.stop()
+    assert overlap.most == 1, f"{len(receiver.received)} events, {overlap.most} at once"

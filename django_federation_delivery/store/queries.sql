@@ -408,17 +408,29 @@ LIMIT %(limit)s
 -- Returning each released row's id and what its batch retracts
 -- (released_rows).
 WITH r AS (
-    UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+    UPDATE {delivery} SET due_at = {released_due}, after_id = NULL
     WHERE id = ANY(%(ids)s::bigint[]) AND status = {pending} AND after_id IS NOT NULL
     RETURNING id, batch_id, after_id
 )
 {released_rows}
 
 -- name: release [sqlite]
-UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+UPDATE {delivery} SET due_at = {released_due}, after_id = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
     AND after_id IS NOT NULL
 RETURNING {released_rows}
+
+-- name: released_due [postgresql]
+-- When the row being written, released, is due: now, but no sooner than
+-- the due_at the one it waited on left the queue with, which only give_up
+-- leaves (the end of the lease of an attempt of it still in flight): that
+-- attempt may be answered until then, and the row is to go after it, as
+-- one at a time in its sequence, or a Delete after its Create.
+GREATEST(%(now)s, (SELECT p.due_at FROM {delivery} AS p WHERE p.id = {delivery}.after_id))
+
+-- name: released_due [sqlite]
+max(%(now)s, COALESCE(
+    (SELECT p.due_at FROM {delivery} AS p WHERE p.id = {delivery}.after_id), %(now)s))
 
 -- name: released_rows [postgresql]
 -- What a release returns of each row it wrote (r: its id, batch and what
@@ -529,7 +541,7 @@ SELECT s.value, (
 -- (released_rows).
 WITH r AS (
     UPDATE {delivery} SET after_id = {inherited},
-        due_at = CASE WHEN {inherited} IS NULL THEN %(now)s ELSE NULL END
+        due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END
     WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
     RETURNING id, batch_id, after_id
 )
@@ -537,7 +549,7 @@ WITH r AS (
 
 -- name: release_next [sqlite]
 UPDATE {delivery} SET after_id = {inherited},
-    due_at = CASE WHEN {inherited} IS NULL THEN %(now)s ELSE NULL END
+    due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END
 WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
 RETURNING {released_rows}
 

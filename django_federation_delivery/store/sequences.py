@@ -79,7 +79,9 @@ def last_of_sequences(
 def release_next(settled: Sequence[int], now: dt.datetime, using: str | None) -> None:
     """Make due the deliveries that waited on ``settled`` ones: one read of
     the index on after_id, however long the sequences (``release_next``); a
-    retraction's waits again if what it retracts is still pending there."""
+    retraction's waits again if what it retracts is still pending there.
+    Due ``now``, but no sooner than the end of the lease of one given up
+    while its attempt was in flight (``released_due``)."""
     if not settled:
         return
     connection = connection_for(using)
