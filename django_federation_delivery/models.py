@@ -257,6 +257,11 @@ class Delivery(models.Model):
         related_name="+",
         db_index=False,
     )
+    # While it waits: the time it was due when it was made to wait, no
+    # sooner than which it is due once released. Later than then only
+    # while the lease of an attempt of it (or of the one it waited on)
+    # still runs, which may be answered until its end.
+    not_before = models.DateTimeField(verbose_name=_("not before"), null=True, blank=True)
 
     class Meta:
         verbose_name = _("delivery")

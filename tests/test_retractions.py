@@ -481,6 +481,29 @@ def test_a_requeued_delivery_in_flight_is_not_released_again_by_what_it_waited_o
 
 
 @pytest.mark.django_db(transaction=True)
+def test_one_given_up_in_flight_requeued_to_wait_in_its_sequence_waits_for_its_lease() -> None:
+    # One ordering key: the first given up by its policy, so the second went.
+    options = {"ordering_key": f"{ALICE}/timeline"}
+    first = send_batch(ALICE, create(f"{ALICE}/notes/1", 1), [A], options)
+    second = send_batch(ALICE, create(f"{ALICE}/notes/2", 2), [A], options)
+    (tried,) = _held(first)
+    _settle(tried, Status.FAILED)
+    _held(second)
+    # The operator cancels the second while its attempt is in flight, then
+    # requeues both: the second waits on the first again.
+    assert controls.give_up(Delivery.objects.filter(batch=second)) == 1
+    assert controls.requeue(Delivery.objects.filter(batch__in=[first, second])) == 2
+    assert row(second, A).after_id == row(first, A).id
+    # The first is delivered at once. Releasing the second made it due then,
+    # inside the lease of its attempt still in flight: it was sent twice at once.
+    (again,) = _held(first)
+    _settle(again, Status.DELIVERED)
+    assert store.claim(10, 60, per_host=10) == [], "claimed, and sent, twice at once"
+    due_at = row(second, A).due_at
+    assert due_at is not None and due_at > timezone.now() + dt.timedelta(seconds=30)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_what_a_later_retraction_took_back_is_not_requeued() -> None:
     created = send(ALICE, create(), [A, B])
     Delivery.objects.filter(batch=created).update(attempts=1, last_status=503)

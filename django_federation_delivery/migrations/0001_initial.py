@@ -462,6 +462,10 @@ class Migration(migrations.Migration):
                     ),
                 ),
                 (
+                    "not_before",
+                    models.DateTimeField(blank=True, null=True, verbose_name="not before"),
+                ),
+                (
                     "batch",
                     models.ForeignKey(
                         db_index=False,

@@ -408,28 +408,31 @@ LIMIT %(limit)s
 -- Returning each released row's id and what its batch retracts
 -- (released_rows).
 WITH r AS (
-    UPDATE {delivery} SET due_at = {released_due}, after_id = NULL
+    UPDATE {delivery} SET due_at = {released_due}, not_before = NULL, after_id = NULL
     WHERE id = ANY(%(ids)s::bigint[]) AND status = {pending} AND after_id IS NOT NULL
     RETURNING id, batch_id, after_id
 )
 {released_rows}
 
 -- name: release [sqlite]
-UPDATE {delivery} SET due_at = {released_due}, after_id = NULL
+UPDATE {delivery} SET due_at = {released_due}, not_before = NULL, after_id = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
     AND after_id IS NOT NULL
 RETURNING {released_rows}
 
 -- name: released_due [postgresql]
 -- When the row being written, released, is due: now, but no sooner than
--- the due_at the one it waited on left the queue with, which only give_up
--- leaves (the end of the lease of an attempt of it still in flight): that
--- attempt may be answered until then, and the row is to go after it, as
--- one at a time in its sequence, or a Delete after its Create.
-GREATEST(%(now)s, (SELECT p.due_at FROM {delivery} AS p WHERE p.id = {delivery}.after_id))
+-- the end of a lease that may still run. Its own: made to wait while an
+-- attempt of it was in flight (given up, then requeued), it kept the time
+-- it was due (not_before). Or that of the one it waited on: the due_at it
+-- left the queue with, which only give_up leaves (the end of the lease of
+-- an attempt of it still in flight), after which the row is to go, as one
+-- at a time in its sequence, or a Delete after its Create.
+GREATEST(%(now)s, {delivery}.not_before,
+    (SELECT p.due_at FROM {delivery} AS p WHERE p.id = {delivery}.after_id))
 
 -- name: released_due [sqlite]
-max(%(now)s, COALESCE(
+max(%(now)s, COALESCE({delivery}.not_before, %(now)s), COALESCE(
     (SELECT p.due_at FROM {delivery} AS p WHERE p.id = {delivery}.after_id), %(now)s))
 
 -- name: released_rows [postgresql]
@@ -457,12 +460,14 @@ ORDER BY r.id
 -- last delivery still pending to their inbox of what they retract, if any
 -- (next_retracted). A retraction waits on one delivery at a time, the last
 -- attempted there when it was queued; one attempted before it may still be
--- retrying when that one leaves, and is waited on then.
-UPDATE {delivery} SET after_id = {next_retracted}, due_at = NULL
+-- retrying when that one leaves, and is waited on then. The time it was
+-- just made due is kept (not_before): released again, it is due no sooner
+-- (released_due).
+UPDATE {delivery} SET after_id = {next_retracted}, not_before = due_at, due_at = NULL
 WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND {next_retracted} IS NOT NULL
 
 -- name: wait_again [sqlite]
-UPDATE {delivery} SET after_id = {next_retracted}, due_at = NULL
+UPDATE {delivery} SET after_id = {next_retracted}, not_before = due_at, due_at = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
     AND {next_retracted} IS NOT NULL
 
@@ -541,7 +546,8 @@ SELECT s.value, (
 -- (released_rows).
 WITH r AS (
     UPDATE {delivery} SET after_id = {inherited},
-        due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END
+        due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
+        not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
     WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
     RETURNING id, batch_id, after_id
 )
@@ -549,7 +555,8 @@ WITH r AS (
 
 -- name: release_next [sqlite]
 UPDATE {delivery} SET after_id = {inherited},
-    due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END
+    due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
+    not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
 WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
 RETURNING {released_rows}
 
@@ -650,7 +657,8 @@ SELECT ARRAY(SELECT id FROM s), ARRAY(SELECT id FROM b WHERE remaining = 0 ORDER
 -- its statistics: a table emptied and filled since it was last analyzed
 -- is "one row" to it, and a join through all of it at every settle then
 -- costs ten times the rest. Each CTE names the one before, so that they
--- run, and lock, in this order.
+-- run, and lock, in this order. What r releases is due no sooner than
+-- its not_before, as released_due says.
 WITH v AS ({settled_values}),
 s AS (
     UPDATE {delivery} SET {settled_set} FROM v
@@ -659,7 +667,8 @@ s AS (
     RETURNING {delivery}.id, {delivery}.batch_id, v.settled_at, v.minute, v.counted
 ),
 r AS (
-    UPDATE {delivery} SET due_at = %(now)s, after_id = NULL
+    UPDATE {delivery} SET due_at = GREATEST(%(now)s, not_before), not_before = NULL,
+        after_id = NULL
     WHERE after_id = ANY(%(final)s::bigint[]) AND settled_at IS NULL
         AND after_id IN (SELECT id FROM s WHERE settled_at IS NOT NULL)
     RETURNING id, batch_id
@@ -759,12 +768,14 @@ WHERE id IN (SELECT value FROM json_each(%(ids)s))
 -- one step back in the partial index on (sequence, id), as
 -- last_of_sequences does. One settling meanwhile, before this commits, may
 -- leave it waiting on a delivery that has left: the deliverer's sweep
--- releases it (stranded).
-UPDATE {delivery} SET after_id = {before_in_sequence}, due_at = NULL
+-- releases it (stranded). The time it was due is kept (not_before): one
+-- given up in flight, due when that attempt's lease ends (requeue), is
+-- released no sooner (released_due), or it would be sent twice at once.
+UPDATE {delivery} SET after_id = {before_in_sequence}, not_before = due_at, due_at = NULL
 WHERE id = ANY(%(ids)s::bigint[]) AND sequence <> '' AND {before_in_sequence} IS NOT NULL
 
 -- name: wait_in_sequence [sqlite]
-UPDATE {delivery} SET after_id = {before_in_sequence}, due_at = NULL
+UPDATE {delivery} SET after_id = {before_in_sequence}, not_before = due_at, due_at = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND NOT (sequence = '')
     AND {before_in_sequence} IS NOT NULL
 
@@ -816,7 +827,7 @@ WHERE n.id IN (
     ORDER BY d.id DESC LIMIT 1)
 
 -- name: requeued
-status = {pending}, lease_token = NULL, settled_at = NULL, after_id = NULL,
+status = {pending}, lease_token = NULL, settled_at = NULL, after_id = NULL, not_before = NULL,
 due_at = CASE WHEN {delivery}.due_at > %(now)s THEN {delivery}.due_at ELSE %(now)s END
 
 

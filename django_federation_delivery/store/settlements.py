@@ -323,7 +323,8 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     forgotten (it left, or is left to its fate), but one with an ordering
     key waits again on the last delivery of its sequence queued before it
     still pending (``wait_in_sequence``), and a retraction's on what it
-    retracts still pending there (``wait_again``). It takes its place
+    retracts still pending there (``wait_again``), keeping the time it was
+    due to be released no sooner (``not_before``). It takes its place
     again: the next of its sequence, unless attempted already, waits on
     it, no longer on the one before it (``next_in_sequence``)."""
     alias = using or database_alias()
