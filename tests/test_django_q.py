@@ -250,9 +250,13 @@ postgresql_only = pytest.mark.skipif(
 
 
 def lock_holders() -> list[int]:
-    """The sessions that hold an advisory lock."""
+    """The sessions that hold an advisory lock on this test's database: not
+    another xdist worker's, whose tests take theirs at the same time."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted")
+        cursor.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
         return [pid for (pid,) in cursor.fetchall()]
 
 
