@@ -13,21 +13,24 @@ package, for the default.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 from collections.abc import Iterable
 from typing import Any
 
 from django.db import router
 from django.db.models import QuerySet
+from django.utils import timezone
 
 from django_federation_delivery import breakers, hosts, signals
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted, required_host
 from django_federation_delivery.availability import mark_host_seen
 from django_federation_delivery.conf import app_settings, database_alias
+from django_federation_delivery.dialect import orm_datetime
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.sending import checked_text
-from django_federation_delivery.settling import failure
+from django_federation_delivery.settling import DEADLINE_PASSED, failure
 from django_federation_delivery.store import settlements
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "database_of",
     "give_up",
     "give_up_host",
+    "give_up_overdue",
     "mark_host_seen",
     "pause_host",
     "requeue",
@@ -123,7 +127,39 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
     writes to (:func:`database_of`).
     """
     reason = checked_text("reason", reason, app_settings.ERROR_LENGTH)
-    alias = database_of(deliveries)
+    return _give_up(deliveries, reason, database_of(deliveries))
+
+
+def give_up_overdue(
+    *, since: dt.datetime, now: dt.datetime | None = None, using: str | None = None
+) -> int:
+    """Fail for good the pending deliveries that wait, with no due time,
+    past their batch's deadline, of the batches whose deadline passed after
+    ``since`` (and by ``now``): waiting on the one before them in their
+    sequence, on what a retraction retracts, or for their paused host. No
+    claim takes them, so no claim gives them up; the deliverer calls this
+    every few seconds, each time from a little before where it last looked
+    (:class:`~.upkeep.Upkeep`). ``delivery_failed`` is told with
+    ``deadline`` true. Returns how many. One index read of the batches
+    whose deadline passed in that span, and one of their pending rows."""
+    alias = database_alias(using)
+    batches = Batch.objects.using(alias).filter(
+        deadline__gt=orm_datetime(since),
+        deadline__lte=orm_datetime(now or timezone.now()),
+        finished_at__isnull=True,
+    )
+    ids = list(batches.values_list("id", flat=True))
+    if not ids:
+        return 0
+    overdue = Delivery.objects.using(alias).filter(
+        batch_id__in=ids, status=Status.PENDING, due_at__isnull=True, lease_token__isnull=True
+    )
+    return _give_up(overdue, DEADLINE_PASSED, alias, deadline=True)
+
+
+def _give_up(
+    deliveries: QuerySet[Delivery], reason: str, alias: str, *, deadline: bool = False
+) -> int:
     pending = deliveries.using(alias).filter(status=Status.PENDING)
     ids = list(pending.values_list("id", flat=True))
     failed = 0
@@ -132,7 +168,7 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
             settlements.give_up_rows(
                 ids[start : start + CHUNK],
                 reason,
-                on_failing=lambda rows: _tell_failed(rows, reason, alias),
+                on_failing=lambda rows: _tell_failed(rows, reason, alias, deadline=deadline),
                 on_finished=functools.partial(signals.send_batches_finished, using=alias),
                 using=alias,
             )
@@ -140,7 +176,9 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
     return failed
 
 
-def _tell_failed(rows: list[settlements.GivenUp], reason: str, using: str) -> None:
+def _tell_failed(
+    rows: list[settlements.GivenUp], reason: str, using: str, *, deadline: bool = False
+) -> None:
     batches = {
         id: (sender, tag, event_type)
         for id, sender, tag, event_type in Batch.objects.using(using)
@@ -158,6 +196,7 @@ def _tell_failed(rows: list[settlements.GivenUp], reason: str, using: str) -> No
                 event_type=event_type,
                 status=row.last_status,
                 error=reason,
+                deadline=deadline,
             ),
         )
 

@@ -169,6 +169,14 @@ class Batch(models.Model):
             models.Index(
                 fields=["activity_id"], condition=Q(activity_id__gt=""), name="fd_batch_activity"
             ),
+            # The batches whose deadline passed lately, which may still fail
+            # a delivery waiting its turn (controls.give_up_overdue), among
+            # the few that have one. Not of the unfinished alone: a column in
+            # a condition written by every settle that finishes a batch
+            # would make each such write touch every index of the table.
+            models.Index(
+                fields=["deadline"], condition=Q(deadline__isnull=False), name="fd_batch_deadline"
+            ),
         ]
         constraints = [
             # Partial: a send without a key adds nothing to it.

@@ -91,6 +91,10 @@ class Summary:
         }
 
 
+#: Why a delivery its batch's deadline overtook before it was sent is failed.
+DEADLINE_PASSED = "the batch's deadline passed before it was sent"
+
+
 def ask(setting: str, function: Callable[..., Any], *args: Any) -> Any:
     """Call one of the host project's callables; one that raises is logged and
     taken as no answer, never a reason to stop."""

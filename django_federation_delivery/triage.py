@@ -27,6 +27,7 @@ from django_federation_delivery.kinds import DeliveryKind, Kinds, unknown_kind
 from django_federation_delivery.models import Status
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.outbox import Outbox
+from django_federation_delivery.settling import DEADLINE_PASSED
 from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.workers import InFlight
@@ -153,10 +154,6 @@ class Triage:
         if decision is not Decision.HOLD:
             return None
         return held(item.job, f"held: the circuit breaker for {item.breaker} is open", hold_for)
-
-
-#: Why a delivery its batch's deadline overtook before it was sent is failed.
-DEADLINE_PASSED = "the batch's deadline passed before it was sent"
 
 
 def _job_failed(exc: Exception) -> str:

@@ -8,6 +8,7 @@ paused hosts: each costs a query, so none is done every round.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import threading
 import time
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterable
 from django.db import close_old_connections, connections
 from django.utils import timezone
 
-from django_federation_delivery import availability, metrics
+from django_federation_delivery import availability, controls, metrics
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import paused_hosts
@@ -40,6 +41,15 @@ VIEW_EVERY = 1.0
 #: How often deliveries left waiting on one that has settled are released
 #: (see ``store/retractions.release_stranded``): rare, and never urgent.
 STRANDED_EVERY = 30.0
+#: How often what waits past its batch's deadline is given up
+#: (``controls.give_up_overdue``): one index read of the batches whose
+#: deadline passed since the last look, less OVERDUE_OVERLAP (a send's
+#: transaction may commit after its deadline); a run's first looks back
+#: OVERDUE_FIRST. What waits past an older deadline goes when it is
+#: released, given up by the claim that takes it.
+OVERDUE_EVERY = 5.0
+OVERDUE_OVERLAP = 60.0
+OVERDUE_FIRST = 86400.0
 #: How often hosts failing for HOST_UNAVAILABLE_AFTER are marked unavailable,
 #: and the unavailable ones due a probe are probed (see availability.py).
 HOSTS_EVERY = 3600.0
@@ -79,6 +89,9 @@ class Upkeep:
     _view_read: float = dataclasses.field(default=-1.0, init=False)
     _gauges_read: float = dataclasses.field(default=-1.0, init=False)
     _stranded_read: float = dataclasses.field(default_factory=time.monotonic, init=False)
+    _overdue_read: float = dataclasses.field(default=-OVERDUE_EVERY, init=False)
+    #: Where the next look for what waits past its deadline starts.
+    _overdue_since: dt.datetime | None = dataclasses.field(default=None, init=False)
     _hosts_read: float = dataclasses.field(default=-HOSTS_EVERY, init=False)
     _prober: threading.Thread | None = dataclasses.field(default=None, init=False)
     #: When the probe under way is out of time (monotonic).
@@ -144,11 +157,15 @@ class Upkeep:
         """Re-read the breakers and the paused hosts, about once a second;
         record the heartbeat and read the queue's gauges when due (:meth:`beat`);
         release what was left waiting on a settled delivery every
-        STRANDED_EVERY; look after the hosts gone for good every HOSTS_EVERY."""
+        STRANDED_EVERY; give up what waits past its batch's deadline every
+        OVERDUE_EVERY; look after the hosts gone for good every HOSTS_EVERY."""
         self.beat()
         if time.monotonic() - self._stranded_read >= STRANDED_EVERY:
             self._stranded_read = time.monotonic()
             self.db(release_stranded, now=timezone.now(), using=self.using)
+        if time.monotonic() - self._overdue_read >= OVERDUE_EVERY:
+            self._overdue_read = time.monotonic()
+            self.give_up_overdue()
         if self.hoststats is not None and self.hoststats.due():
             self.db(self.hoststats.write, now=timezone.now(), using=self.using)
         if time.monotonic() - self._hosts_read >= HOSTS_EVERY:
@@ -160,6 +177,14 @@ class Upkeep:
         if self.breakers is not None:
             self.db(self.breakers.refresh)
         self._read_paused()
+
+    def give_up_overdue(self) -> None:
+        """Give up what waits past its batch's deadline, of the batches whose
+        deadline passed since the last look (see OVERDUE_EVERY)."""
+        now = timezone.now()
+        since = self._overdue_since or now - dt.timedelta(seconds=OVERDUE_FIRST)
+        if self.db(controls.give_up_overdue, since=since, now=now, using=self.using) is not None:
+            self._overdue_since = now - dt.timedelta(seconds=OVERDUE_OVERLAP)
 
     def look_after_hosts(self) -> None:
         """Mark the hosts failing for HOST_UNAVAILABLE_AFTER unavailable, and

@@ -327,6 +327,43 @@ def test_a_delivery_waiting_for_a_worker_is_not_sent_after_its_batchs_deadline(
     assert [failure.deadline for failure in received_signals["failed"]] == [True]
 
 
+def test_what_waits_its_turn_or_for_its_paused_host_is_given_up_at_its_deadline(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    received_signals: dict[str, list[Any]],
+    zone: str,
+) -> None:
+    from django_federation_delivery.controls import pause_host
+
+    # An Update waiting behind its ordering key on a Create that retries, or
+    # held for its paused host, has no due time: no claim took it, so
+    # nothing gave it up at its batch's deadline; it stayed pending, its
+    # batch unfinished, until the Create left the queue (hours, by the
+    # policy) or the host was resumed.
+    create = send_batch(ALICE, NOTE, [inbox.url()], {"ordering_key": "post-1"})
+    assert create is not None
+    Delivery.objects.filter(batch=create).update(
+        attempts=1, last_status=503, due_at=timezone.now() + dt.timedelta(hours=1)
+    )
+    options = {"ordering_key": "post-1", "deadline": dt.timedelta(seconds=30)}
+    update = send_batch(ALICE, NOTE, [inbox.url()], options)
+    pause_host("paused.example")
+    held = send_batch(ALICE, NOTE, ["https://paused.example/inbox"], options)
+    assert update is not None and held is not None
+    assert not Delivery.objects.filter(batch__in=[update, held]).exclude(due_at=None).exists()
+    Batch.objects.filter(id__in=[update.id, held.id]).update(
+        deadline=timezone.now() - dt.timedelta(seconds=1)
+    )
+    runner = start_deliverer()
+    wait_until(lambda: settled(update)() and settled(held)(), timeout=10)
+    runner.stop()
+    assert inbox.received == []
+    assert status_of(update) == status_of(held) == [Status.FAILED]
+    assert status_of(create) == [Status.PENDING]
+    assert {failure.deadline for failure in received_signals["failed"]} == {True}
+    assert sorted(received_signals["finished"]) == sorted([update.id, held.id])
+
+
 def test_a_delivery_whose_lease_would_lapse_before_it_could_be_sent_is_not_sent(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],

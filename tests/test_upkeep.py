@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import threading
 import time
@@ -10,18 +11,22 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from django_federation_delivery import metrics
+from django_federation_delivery import metrics, send_batch
 from django_federation_delivery.availability import probe_due
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.hosts import pause_host, resume_host
+from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.outages import Database
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.upkeep import GAUGES_EVERY, Upkeep
 
 from .conftest import Inbox, wait_until
-from .operators import unavailable_and_due_a_probe
+from .keys import ALICE
+from .operators import NOTE, unavailable_and_due_a_probe
+
+DAY = dt.timedelta(days=1)
 
 pytestmark = pytest.mark.django_db
 
@@ -43,10 +48,38 @@ def test_the_paused_hosts_are_read_at_most_about_once_a_second(
 ) -> None:
     chores = upkeep()
     pause_host("a.example")
-    with django_assert_num_queries(1):
+    # The first refresh also looks for what waits past its deadline (one
+    # query, every OVERDUE_EVERY); the second reads nothing.
+    with django_assert_num_queries(2):
         chores.refresh()
         chores.refresh()
     assert chores.paused == {"a.example"}
+
+
+def test_each_look_for_what_waits_past_its_deadline_reads_only_the_deadlines_passed_since(
+    django_assert_num_queries: Any,
+) -> None:
+    # Waiting behind its ordering key (no due time), past its deadline.
+    now = timezone.now()
+    first = send_batch(ALICE, NOTE, ["https://a.example/i"], {"ordering_key": "k"})
+    waiting = send_batch(
+        ALICE, NOTE, ["https://a.example/i"], {"ordering_key": "k", "deadline": now + DAY}
+    )
+    assert first is not None and waiting is not None
+    Batch.objects.filter(pk=waiting.pk).update(deadline=now - dt.timedelta(days=2))
+    chores = upkeep()
+    # A run's first look goes back a day: a deadline older than that is left
+    # to the claim that takes the row once it is released.
+    chores.give_up_overdue()
+    assert Delivery.objects.get(batch=waiting).status == Status.PENDING
+    Batch.objects.filter(pk=waiting.pk).update(deadline=now - dt.timedelta(seconds=1))
+    # The next looks from a little before the last: still in reach.
+    chores.give_up_overdue()
+    assert Delivery.objects.get(batch=waiting).status == Status.FAILED
+    assert Delivery.objects.get(batch=first).status == Status.PENDING
+    # With nothing passed since, a look is one query.
+    with django_assert_num_queries(1):
+        chores.give_up_overdue()
 
 
 def test_claimed_hosts_are_looked_up_again_only_when_one_seemed_paused(

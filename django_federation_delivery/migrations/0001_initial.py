@@ -225,6 +225,11 @@ class Migration(migrations.Migration):
                         fields=["activity_id"],
                         name="fd_batch_activity",
                     ),
+                    models.Index(
+                        condition=models.Q(("deadline__isnull", False)),
+                        fields=["deadline"],
+                        name="fd_batch_deadline",
+                    ),
                 ],
                 "constraints": [
                     models.UniqueConstraint(
