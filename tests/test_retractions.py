@@ -466,6 +466,31 @@ def test_a_delete_cancelled_and_requeued_waits_again_for_the_create_retrying() -
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_delete_requeued_in_its_sequence_waits_its_turn_before_what_it_retracts() -> None:
+    # One timeline (an ordering key): the post's Create, tried and retrying,
+    # a Like after it, then the post's Delete. The Delete, cancelled then
+    # requeued, waited on the Like (its turn), then had that wait replaced
+    # by one on the Create: once the Create left, the Like and the Delete
+    # were released together, side by side.
+    later = timezone.now() + dt.timedelta(hours=1)
+    timeline = {"ordering_key": "timeline"}
+    created = send_batch(ALICE, create(), [A], timeline)
+    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503, due_at=later)
+    like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": f"{ALICE}/x"}
+    liked = send_batch(ALICE, like, [A], timeline)
+    retraction = send_batch(ALICE, delete(), [A], timeline)
+    assert controls.give_up(Delivery.objects.filter(batch=retraction)) == 1
+    assert controls.requeue(Delivery.objects.filter(batch=retraction)) == 1
+    assert row(retraction, A).after_id == row(liked, A).id
+    # The Like, once its turn comes and it is delivered, releases the
+    # Delete to wait on the Create still retrying.
+    Delivery.objects.filter(batch=liked).update(after_id=None, due_at=timezone.now())
+    (like_held,) = _held(liked)
+    _settle(like_held, Status.DELIVERED)
+    assert row(retraction, A).after_id == row(created, A).id
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_requeued_delivery_in_flight_is_not_released_again_by_what_it_waited_on() -> None:
     created = send(ALICE, create(), [A])
     Delivery.objects.filter(batch=created).update(attempts=1, last_status=503)

@@ -462,13 +462,16 @@ ORDER BY r.id
 -- attempted there when it was queued; one attempted before it may still be
 -- retrying when that one leaves, and is waited on then. The time it was
 -- just made due is kept (not_before): released again, it is due no sooner
--- (released_due).
+-- (released_due). One that waits already (a requeued one, its turn in its
+-- sequence) keeps that wait, and waits on what it retracts once released:
+-- a row waits on one thing at a time, and its turn comes first.
 UPDATE {delivery} SET after_id = {next_retracted}, not_before = due_at, due_at = NULL
-WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND {next_retracted} IS NOT NULL
+WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND after_id IS NULL
+    AND {next_retracted} IS NOT NULL
 
 -- name: wait_again [sqlite]
 UPDATE {delivery} SET after_id = {next_retracted}, not_before = due_at, due_at = NULL
-WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
+WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL AND after_id IS NULL
     AND {next_retracted} IS NOT NULL
 
 -- name: wait_on_retracted [postgresql]
