@@ -69,7 +69,6 @@ PREPARED_ENV = SLOW_ENV
 POSTGRES_ENVS = ("py311-django42-lowest", SLOW_ENV)
 NO_TESTS_COLLECTED = 5
 SLOW_WORKERS = 3
-POSTGRES_WORKERS = 2
 RUN_TIMEOUT = float(os.environ.get("FD_TEST_RUN_TIMEOUT", 1200))
 #: How long the processes of a run that hung are given to write their stacks.
 STACKS_GRACE = 5.0
@@ -224,14 +223,10 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     postgres_envs = [env for env in envs if env in POSTGRES_ENVS] or envs
     for database, environ in databases.items():
         marks = f"not slow and {ONLY[database]}" if database in ONLY else "not slow"
-        # PostgreSQL's runs wait on its server most of their time (51 s of
-        # CPU in 363 s, the longest runs, where SQLite's took 56 s in 292 s):
-        # two workers each, so that their waits overlap.
-        run_args = ["-n", str(POSTGRES_WORKERS), *args] if database == "PostgreSQL" else args
         for env in postgres_envs if database == "PostgreSQL" else envs:
             label, run_environ = prepared(env, database, environ)
             runs.append(
-                Run(env, label, marks, interpreter(env), run_environ, run_args, NOT_SLOW_NICENESS)
+                Run(env, label, marks, interpreter(env), run_environ, args, NOT_SLOW_NICENESS)
             )
     return runs
 
