@@ -192,6 +192,19 @@ def test_a_batch_shows_its_progress_from_one_query_for_the_page(operator: Client
     assert len(many) == len(few), "one query for the page's progress, not one a batch"
 
 
+def test_a_batch_partly_purged_shows_what_was_purged(operator: Client) -> None:
+    # Drawn from the deliveries kept alone, a batch whose delivered rows a
+    # purge deleted showed as all failed.
+    batch = queue(per_host=2)
+    rows = list(batch.deliveries.order_by("id"))
+    for row in rows[:3]:
+        settle(row, Status.DELIVERED, last_status=202)
+    settle(rows[3], Status.FAILED, last_status=500)
+    Delivery.objects.filter(id__in=[row.id for row in rows[:3]]).delete()
+    assert "1 failed · 3 purged" in html(operator, url("batch", "change", batch.pk))
+    assert "1 failed · 3 purged" in html(operator, url("batch"))
+
+
 # The queues page.
 
 

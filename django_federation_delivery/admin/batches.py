@@ -191,7 +191,7 @@ class BatchAdmin(OperatorAdmin[Batch]):
         counts: dict[str, int] = (
             getattr(obj, "_fd_progress", None) or batch_progress([obj.id])[obj.id]
         )
-        return progress_bar(counts)
+        return progress_bar(counts, obj.size)
 
     # What the host project gave, shown with nothing that reads as something else.
     shown_tag = kept_text(Batch, "tag")
@@ -265,10 +265,18 @@ def batch_count(count: int) -> str:
     return ngettext("%(count)d batch", "%(count)d batches", count) % {"count": count}
 
 
-def progress_bar(counts: dict[str, int]) -> SafeString:
-    """A batch's deliveries by status, drawn as a bar with its counts beneath."""
-    total = sum(counts.values()) or 1
+#: The colour of what a purge deleted of a batch's deliveries.
+PURGED_COLOUR = "#e6e6e6"
+
+
+def progress_bar(counts: dict[str, int], size: int = 0) -> SafeString:
+    """A batch's deliveries by status, drawn as a bar with its counts beneath;
+    of its ``size``, those a purge deleted (settled past their retention)
+    as purged, so that a batch partly purged is not drawn as what is left."""
+    purged = max(0, size - sum(counts.values()))
+    total = sum(counts.values()) + purged or 1
     parts = [(Status(status).label, colour, counts.get(status, 0)) for status, colour in PROGRESS]
+    parts.append((gettext("purged"), PURGED_COLOUR, purged))
     bar = format_html_join(
         "",
         '<span style="width:{}%;background:{}" title="{} {}"></span>',
