@@ -275,7 +275,9 @@ def progress_bar(counts: dict[str, int], size: int = 0) -> SafeString:
     as purged, so that a batch partly purged is not drawn as what is left."""
     purged = max(0, size - sum(counts.values()))
     total = sum(counts.values()) + purged or 1
-    parts = [(Status(status).label, colour, counts.get(status, 0)) for status, colour in PROGRESS]
+    parts: list[tuple[StrOrPromise, str, int]] = [
+        (Status(status).label, colour, counts.get(status, 0)) for status, colour in PROGRESS
+    ]
     parts.append((gettext("purged"), PURGED_COLOUR, purged))
     bar = format_html_join(
         "",
