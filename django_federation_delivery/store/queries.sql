@@ -456,7 +456,8 @@ ORDER BY r.id
     (SELECT rb.retracts FROM {batch} AS rb WHERE rb.id = {delivery}.batch_id)
 
 -- name: wait_again [postgresql]
--- A retraction's deliveries %(ids)s, just released, made to wait on the
+-- A retraction's deliveries %(ids)s, just released (or, a replay's
+-- copies, just written: they overtake nothing), made to wait on the
 -- last delivery still pending to their inbox of what they retract, if any
 -- (next_retracted). A retraction waits on one delivery at a time, the last
 -- attempted there when it was queued; one attempted before it may still be
@@ -473,23 +474,6 @@ WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND after_id IS NULL
 UPDATE {delivery} SET after_id = {next_retracted}, not_before = due_at, due_at = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL AND after_id IS NULL
     AND {next_retracted} IS NOT NULL
-
--- name: wait_on_retracted [postgresql]
--- The deliveries of the batches %(batches)s (retractions a replay just
--- wrote) that wait on nothing, made to wait as wait_again makes a
--- retraction's: on the last delivery still pending to their inbox of what
--- they retract, if any. One waiting its turn in its sequence is left to
--- wait: released, it waits again then (released_rows). One settling
--- meanwhile, before this commits, may leave it waiting on a delivery that
--- has left: the deliverer's sweep releases it (stranded).
-UPDATE {delivery} SET after_id = {next_retracted}, due_at = NULL
-WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL AND after_id IS NULL
-    AND {next_retracted} IS NOT NULL
-
--- name: wait_on_retracted [sqlite]
-UPDATE {delivery} SET after_id = {next_retracted}, due_at = NULL
-WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
-    AND after_id IS NULL AND {next_retracted} IS NOT NULL
 
 -- name: next_retracted
 -- For the row being written, a retraction's delivery: the last delivery to

@@ -38,7 +38,7 @@ from django.db import transaction
 
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for, db_datetime
-from django_federation_delivery.models import Status
+from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.store import sql
 from django_federation_delivery.store.countdowns import count_down
 from django_federation_delivery.store.sequences import release_next
@@ -187,12 +187,21 @@ def wait_on_retracted(batch_ids: Sequence[int], *, using: str | None = None) -> 
     """In the caller's transaction, make the new deliveries of ``batch_ids``
     (retractions queued again, not sent: a replay's copies, which overtake
     nothing) that wait on nothing wait, as a requeued retraction's do, on
-    the last delivery still pending to their inbox of what they retract.
-    One statement however many. Returns how many now wait."""
+    the last delivery still pending to their inbox of what they retract
+    (``wait_again``, as a release makes a retraction's wait). Two
+    statements however many. Returns how many now wait."""
     if not batch_ids:
         return 0
-    with sql.on(connection_for(using or database_alias())) as db:
-        return db.run("wait_on_retracted", batches=db.ids(batch_ids))
+    alias = using or database_alias()
+    ids = list(
+        Delivery.objects.using(alias)
+        .filter(batch_id__in=batch_ids, status=Status.PENDING, after__isnull=True)
+        .values_list("id", flat=True)
+    )
+    if not ids:
+        return 0
+    with sql.on(connection_for(alias)) as db:
+        return db.run("wait_again", ids=db.ids(ids))
 
 
 def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:
