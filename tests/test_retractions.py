@@ -550,10 +550,7 @@ def test_what_a_later_retraction_took_back_is_not_requeued() -> None:
 def test_a_sequence_keeps_its_order_when_one_in_its_middle_leaves_unsent(leaves: str) -> None:
     # One ordering key: a note about something else, the post's Create, a
     # third; the first was tried and waits for its retry.
-    options = {"ordering_key": f"{ALICE}/timeline"}
-    first = send_batch(ALICE, create(f"{ALICE}/notes/0", 1), [A], options)
-    middle = send_batch(ALICE, create(POST, 2), [A], options)
-    last = send_batch(ALICE, create(f"{ALICE}/notes/3", 3), [A], options)
+    first, middle, last = _timeline()
     later = timezone.now() + dt.timedelta(hours=1)
     Delivery.objects.filter(batch=first).update(attempts=1, last_status=503, due_at=later)
     if leaves == "superseded":
@@ -605,6 +602,18 @@ def test_a_sequence_keeps_its_order_when_two_in_a_row_in_its_middle_leave_unsent
     assert row(last, A).due_at is not None
 
 
+def _timeline() -> tuple[Batch, Batch, Batch]:
+    """Three sends to A of one ordering key, each waiting on the one before."""
+    options = {"ordering_key": f"{ALICE}/timeline"}
+    sent = [
+        send_batch(ALICE, create(obj, n), [A], options)
+        for n, obj in ((1, f"{ALICE}/notes/0"), (2, POST), (3, f"{ALICE}/notes/3"))
+    ]
+    first, second, third = sent
+    assert first is not None and second is not None and third is not None
+    return first, second, third
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_delivery_requeued_in_the_middle_of_its_sequence_goes_before_the_one_after_it() -> None:
     # Three of one ordering key: the first tried and retrying, the others
@@ -634,10 +643,7 @@ def test_a_requeued_delivery_goes_before_the_next_of_its_sequence_not_yet_tried(
     # The first of a sequence refused, the second released and not yet
     # tried: the first requeued goes again before it, as it was queued.
     # Before, it was due beside the second, and the two were sent side by side.
-    options = {"ordering_key": f"{ALICE}/timeline"}
-    first = send_batch(ALICE, create(f"{ALICE}/notes/0", 1), [A], options)
-    second = send_batch(ALICE, create(POST, 2), [A], options)
-    third = send_batch(ALICE, create(f"{ALICE}/notes/3", 3), [A], options)
+    first, second, third = _timeline()
     (tried,) = _held(first)
     _settle(tried, Status.REFUSED)
     assert controls.requeue(Delivery.objects.filter(batch=first)) == 1
