@@ -505,8 +505,11 @@ def test_a_requeued_delivery_in_flight_is_not_released_again_by_what_it_waited_o
     assert store.claim(10, 60, per_host=10) == [], "claimed, and sent, twice"
 
 
+@pytest.mark.parametrize("given_up_again", [False, True], ids=["once", "again_as_it_waits"])
 @pytest.mark.django_db(transaction=True)
-def test_one_given_up_in_flight_requeued_to_wait_in_its_sequence_waits_for_its_lease() -> None:
+def test_one_given_up_in_flight_requeued_to_wait_in_its_sequence_waits_for_its_lease(
+    given_up_again: bool,
+) -> None:
     # One ordering key: the first given up by its policy, so the second went.
     options = {"ordering_key": f"{ALICE}/timeline"}
     first = send_batch(ALICE, create(f"{ALICE}/notes/1", 1), [A], options)
@@ -519,6 +522,11 @@ def test_one_given_up_in_flight_requeued_to_wait_in_its_sequence_waits_for_its_l
     assert controls.give_up(Delivery.objects.filter(batch=second)) == 1
     assert controls.requeue(Delivery.objects.filter(batch__in=[first, second])) == 2
     assert row(second, A).after_id == row(first, A).id
+    if given_up_again:
+        # Given up again as it waits, and requeued once more: it holds no
+        # lease now, but its first attempt may still be answered.
+        assert controls.give_up(Delivery.objects.filter(batch=second)) == 1
+        assert controls.requeue(Delivery.objects.filter(batch=second)) == 1
     # The first is delivered at once. Releasing the second made it due then,
     # inside the lease of its attempt still in flight: it was sent twice at once.
     (again,) = _held(first)

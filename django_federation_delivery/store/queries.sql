@@ -719,21 +719,25 @@ WHERE {delivery}.id = v.id AND {delivery}.lease_token = v.token
 -- still be answered until then, and a requeue makes the row due no sooner.
 -- Any other row given up keeps no due time.
 UPDATE {delivery} SET status = %(failed)s, due_at = {lease_running}, lease_token = NULL,
-    settled_at = %(now)s, last_error = %(reason)s
+    settled_at = %(now)s, last_error = %(reason)s, not_before = NULL
 WHERE status = {pending} AND id = ANY(%(ids)s::bigint[])
 RETURNING id, batch_id, inbox, last_status, destination
 
 -- name: give_up [sqlite]
 UPDATE {delivery} SET status = %(failed)s, due_at = {lease_running}, lease_token = NULL,
-    settled_at = %(now)s, last_error = %(reason)s
+    settled_at = %(now)s, last_error = %(reason)s, not_before = NULL
 WHERE status = {pending} AND id IN (SELECT value FROM json_each(%(ids)s))
 RETURNING id, batch_id, inbox, last_status, destination
 
 -- name: lease_running
 -- The end of the row's lease if a claim holds it still (an attempt may be in
--- flight until then), else NULL.
+-- flight until then), else NULL. A row that waits holds none, but may keep
+-- the end of the lease of an attempt given up before (not_before): that
+-- attempt may be answered until then still, given up twice over.
 CASE WHEN {delivery}.lease_token IS NOT NULL AND {delivery}.due_at > %(now)s
-    THEN {delivery}.due_at END
+    THEN {delivery}.due_at
+    WHEN {delivery}.due_at IS NULL AND {delivery}.not_before > %(now)s
+    THEN {delivery}.not_before END
 
 -- name: requeue [postgresql]
 -- Settled deliveries %(ids)s (read and locked first) back in the queue,
