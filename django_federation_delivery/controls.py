@@ -203,7 +203,9 @@ def _tell_failed(
 
 def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
     """Put failed, refused, skipped or superseded deliveries back in the queue, due now;
-    their attempts so far are kept. Others are left alone. Returns how many.
+    their attempts so far are kept. Others are left alone, and so is one
+    whose batch's deadline has passed (:func:`~.store.settlements.requeue_rows`
+    says what else). Returns how many.
 
     Each is requeued in the database it came from: a queryset's as it writes
     (:func:`database_of`); a row's as its ``save()`` would write it."""

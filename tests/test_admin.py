@@ -445,7 +445,7 @@ def test_requeue_puts_failed_refused_and_skipped_back_due_now_keeping_attempts(
     messages = act(operator, "delivery", "requeue", [row.pk for row in rows])
     assert messages == [
         "Requeued 2 deliveries, due now or after what they wait on; "
-        "pending or delivered ones are left alone."
+        "pending or delivered ones, and those past their batch's deadline, are left alone."
     ]
     requeued = Delivery.objects.filter(pk__in=[rows[0].pk, rows[1].pk]).order_by("id")
     assert [(row.status, row.attempts) for row in requeued] == [

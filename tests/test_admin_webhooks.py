@@ -317,7 +317,7 @@ def test_a_failed_webhook_delivery_requeued_is_pending_then_delivered(
     messages = act(operator, "delivery", "requeue", [failed.pk])
     assert messages == [
         "Requeued 1 delivery, due now or after what it waits on; "
-        "pending or delivered ones are left alone."
+        "pending or delivered ones, and those past their batch's deadline, are left alone."
     ]
     failed.refresh_from_db()
     assert failed.status == Status.PENDING

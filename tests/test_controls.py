@@ -224,6 +224,19 @@ def test_giving_up_and_requeueing_many_rows_runs_a_bounded_number_of_statements(
     assert Batch.objects.filter(remaining=1, finished_at=None).count() == 600
 
 
+def test_requeue_leaves_alone_what_its_batch_deadline_ended() -> None:
+    hour = {"deadline": dt.timedelta(hours=1)}
+    late = send_batch(ALICE, NOTE, ["https://a.example/inbox"], hour)
+    send_batch(ALICE, NOTE, ["https://b.example/inbox"], hour)
+    assert controls.give_up(Delivery.objects.all()) == 2
+    Batch.objects.filter(pk=late.pk).update(deadline=timezone.now() - dt.timedelta(minutes=1))
+    # Requeued, it was failed again at its claim, unsent, and told as failed
+    # at its deadline once more.
+    assert controls.requeue(Delivery.objects.all()) == 1
+    assert kept("default") == [("a.example", Status.FAILED), ("b.example", Status.PENDING)]
+    assert Batch.objects.get(pk=late.pk).finished_at is not None
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_delivery_given_up_in_flight_then_requeued_is_never_sent_twice_at_once(
     inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer]

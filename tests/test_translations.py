@@ -164,11 +164,11 @@ def test_an_action_message_is_translated_with_the_plural_form_ngettext_chose(
 
     assert requeue([rows[0].pk]) == [
         "«[one] Requeued 1 delivery, due now or after what it waits on; pending or delivered "
-        "ones are left alone.»"
+        "ones, and those past their batch's deadline, are left alone.»"
     ]
     assert requeue([rows[1].pk, rows[2].pk]) == [
         "«[many] Requeued 2 deliveries, due now or after what they wait on; pending or "
-        "delivered ones are left alone.»"
+        "delivered ones, and those past their batch's deadline, are left alone.»"
     ]
 
 

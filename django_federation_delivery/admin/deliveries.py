@@ -342,9 +342,9 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
             count,
             ngettext(
                 "Requeued %(count)d delivery, due now or after what it waits on; pending or "
-                "delivered ones are left alone.",
+                "delivered ones, and those past their batch's deadline, are left alone.",
                 "Requeued %(count)d deliveries, due now or after what they wait on; pending or "
-                "delivered ones are left alone.",
+                "delivered ones, and those past their batch's deadline, are left alone.",
                 count,
             )
             % {"count": count},

@@ -17,8 +17,8 @@ from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
 from django_federation_delivery.conf import database_alias
-from django_federation_delivery.dialect import connection_for, db_datetime
-from django_federation_delivery.models import Delivery, Retracts, Status
+from django_federation_delivery.dialect import connection_for, db_datetime, orm_datetime
+from django_federation_delivery.models import Batch, Delivery, Retracts, Status
 from django_federation_delivery.store import history, sql, wakes
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down, count_up
@@ -326,7 +326,10 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     retracts still pending there (``wait_again``), keeping the time it was
     due to be released no sooner (``not_before``). It takes its place
     again: the next of its sequence, unless attempted already, waits on
-    it, no longer on the one before it (``next_in_sequence``)."""
+    it, no longer on the one before it (``next_in_sequence``).
+
+    One whose batch's deadline has passed is left as it is too: requeued,
+    it would be failed again at once, unsent."""
     alias = using or database_alias()
     now = timezone.now()
     manager = Delivery.objects.using(alias)
@@ -337,6 +340,7 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
             .filter(id__in=list(ids), status__in=list(FINAL - {Status.DELIVERED}))
             .exclude(Exists(_retracting(Retracts.OBJECT, "object_id")))
             .exclude(Exists(_retracting(Retracts.ACTIVITY, "activity_id")))
+            .exclude(Exists(_overdue(now)))
             .values_list("id", "batch_id")
         )
         requeued = [id for id, _ in rows]
@@ -352,6 +356,11 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
         count_up(Counter(batch_id for _, batch_id in rows), alias)
     transaction.on_commit(wakes.notify_local, using=alias)
     return len(rows)
+
+
+def _overdue(now: dt.datetime) -> QuerySet[Batch]:
+    """The outer delivery's batch, if its deadline has passed by ``now``."""
+    return Batch.objects.filter(pk=OuterRef("batch_id"), deadline__lte=orm_datetime(now))
 
 
 def _retracting(retracts: Retracts, about: str) -> QuerySet[Delivery]:
