@@ -143,15 +143,18 @@ class Handoff:
     def release_ready(self) -> None:
         """Stopping: put back what was claimed and not sent, due now, for
         another deliverer to take without waiting out the lease: what is
-        ready, and what waits in the workers' queue for one to be free."""
-        for item in self.slots.release(self.workers.take_queued()):
+        ready, what waits in the workers' queue for one to be free, and
+        what the intake holds unsorted (its batches not read yet)."""
+        released = self.slots.release(self.workers.take_queued())
+        for item in released:
             if item.path is not None:
                 item.path.close()
+        for claimed in [*(item.claimed for item in released), *self.intake.take_unsorted()]:
             self.outbox.add(
                 settlements.Settlement(
-                    claimed=item.claimed,
+                    claimed=claimed,
                     status=Status.PENDING,
-                    attempts=item.claimed.attempts,
+                    attempts=claimed.attempts,
                     due_at=timezone.now(),
                 )
             )

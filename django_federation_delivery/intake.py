@@ -67,6 +67,9 @@ class Intake:
     #: PostgreSQL's listener, while :meth:`listen` has one: paused while
     #: claims come back full, as the loop claims again then unwoken.
     _listener: PostgresListener | None = dataclasses.field(default=None, init=False)
+    #: Claimed, and not sorted yet: their batches could not be read (the
+    #: database away). Held under their lease, sorted before the next claim.
+    _unsorted: list[claims.Claimed] = dataclasses.field(default_factory=list, init=False)
 
     def listen(self) -> bool:
         """Be woken by sends from other processes (PostgreSQL's LISTEN), where
@@ -95,6 +98,8 @@ class Intake:
     def claim_more(self) -> None:
         """Keep a few claimed deliveries ready for the next free slots,
         claimed many at a time rather than one round trip a delivery."""
+        if self._unsorted and not self._sort(self._unsorted):
+            return
         # Only what can go as soon as a slot is free counts as ready: a claimed
         # delivery waiting for a host already at PER_HOST (a silent one, say)
         # must not keep the others from being claimed.
@@ -149,8 +154,27 @@ class Intake:
         if self._listener is not None:
             self._listener.pause(len(claimed) >= limit)
         if claimed:
-            for item in self.triage.sort(claimed, holding=self.slots.holding()):
-                self.slots.add(item)
+            self._sort(claimed)
+
+    def _sort(self, claimed: list[claims.Claimed]) -> bool:
+        """Hand ``claimed`` to the slots, sorted; whether it could be. If not
+        (the database away as their batches were read), they are kept under
+        their lease to be sorted at the next turn, and a drain goes on: a
+        lease that lapses meanwhile makes no attempt (``attempt.deadline_of``)."""
+        ready = self.triage.sort(claimed, holding=self.slots.holding())
+        if ready is None:
+            self._unsorted = claimed
+            self.caught_up = False
+            return False
+        self._unsorted = []
+        for item in ready:
+            self.slots.add(item)
+        return True
+
+    def take_unsorted(self) -> list[claims.Claimed]:
+        """Stopping: what is claimed and not sorted, no longer held here."""
+        unsorted, self._unsorted = self._unsorted, []
+        return unsorted
 
     def drained(self) -> bool:
         """Whether a drain is over: the last claim found nothing, and nothing

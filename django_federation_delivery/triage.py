@@ -51,12 +51,14 @@ class Triage:
     outbox: Outbox
     breakers: Breakers | None
 
-    def sort(self, claimed: list[claims.Claimed], *, holding: set[int]) -> list[InFlight]:
+    def sort(self, claimed: list[claims.Claimed], *, holding: set[int]) -> list[InFlight] | None:
         """Those of ``claimed`` to send (none already ``holding``), each with
-        its job; what comes of the others is in the outbox."""
+        its job; what comes of the others is in the outbox. None, with
+        nothing done, when their batches could not be read (the database
+        away): they are still held, to be sorted again."""
         known = self.batches.read(claimed)
         if known is None:
-            return []  # the claim's lease lapses and they come due again
+            return None
         claimed = known
         hosts = {row.host for row in claimed}
         self.schemes.read(hosts)

@@ -944,6 +944,54 @@ def test_a_drain_does_not_end_while_the_database_is_away(
     assert lines[-1] == "The database is back"
 
 
+def test_what_was_claimed_as_the_database_went_away_is_sent_when_it_is_back(
+    inbox: Inbox,
+) -> None:
+    # The claim is written, then the read of its batches meets the database
+    # away: the rows were dropped from hand, leased for five minutes, and a
+    # drain ended at once with them unsent.
+    from django.db import connection
+
+    batch = send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(3)])
+    failed: list[str] = []
+
+    def away_once(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if not failed and "id, sender, body, body_sha256" in sql:
+            failed.append(sql)
+            raise OperationalError("server closed the connection unexpectedly")
+        return execute(sql, *args)
+
+    with connection.execute_wrapper(away_once):
+        summary = Deliverer().run(drain=True, stop_after=10)
+    assert failed, "the database went away after the claim"
+    assert summary.delivered == 3
+    assert sorted(inbox.paths()) == ["/0", "/1", "/2"]
+    assert status_of(batch) == [Status.DELIVERED] * 3
+
+
+@pytest.mark.parametrize("sorted_first", [False, True], ids=["unsorted", "sorted"])
+def test_what_is_claimed_and_unsorted_as_a_deliverer_stops_is_put_back_due_now(
+    monkeypatch: pytest.MonkeyPatch, sorted_first: bool
+) -> None:
+    # Stopping while the database is away after a claim: what it could not
+    # sort goes back to the queue, due now, as what is ready does.
+    batch = send(ALICE, NOTE, ["https://a.example/inbox", "https://b.example/inbox"])
+    deliverer = Deliverer()
+    real_read = deliverer.triage.batches.read
+    monkeypatch.setattr(
+        deliverer.triage.batches,
+        "read",
+        lambda claimed: real_read(claimed) if sorted_first else None,
+    )
+    deliverer.intake.claim_more()
+    assert Delivery.objects.filter(lease_token__isnull=False).count() == 2
+    deliverer.handoff.release_ready()
+    deliverer.outbox.flush()
+    rows = Delivery.objects.filter(batch=batch)
+    assert [(row.status, row.lease_token) for row in rows] == [(Status.PENDING, None)] * 2
+    assert all(row.due_at is not None and row.due_at <= timezone.now() for row in rows)
+
+
 def test_a_drain_does_not_end_while_another_process_holds_what_is_due_for_a_moment(
     inbox: Inbox,
 ) -> None:
