@@ -18,7 +18,7 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from django.db import router
+from django.db import router, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -115,7 +115,8 @@ def give_up_host(
 def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operator") -> int:
     """Fail the pending ones of ``deliveries`` for good, telling
     ``delivery_failed`` receivers once it is committed (inside a transaction
-    of the caller's, once this call's part is written). Returns how many.
+    of the caller's, once that commits: rolled back, nothing is told).
+    Returns how many.
 
     Only what this call changed is told about: a delivery another process
     settled in the meantime keeps its outcome and sends no signal here.
@@ -169,7 +170,7 @@ def _give_up(
                 ids[start : start + CHUNK],
                 reason,
                 on_failing=lambda rows: _tell_failed(rows, reason, alias, deadline=deadline),
-                on_finished=functools.partial(signals.send_batches_finished, using=alias),
+                on_finished=functools.partial(signals.batches_finished_on_commit, using=alias),
                 using=alias,
             )
         )
@@ -179,17 +180,18 @@ def _give_up(
 def _tell_failed(
     rows: list[settlements.GivenUp], reason: str, using: str, *, deadline: bool = False
 ) -> None:
+    """``delivery_failed`` of each of ``rows``, read now and told on commit."""
     batches = {
         id: (sender, tag, event_type)
         for id, sender, tag, event_type in Batch.objects.using(using)
         .filter(id__in={row.batch_id for row in rows})
         .values_list("id", "sender", "tag", "event_type")
     }
+    failures = []
     for row in rows:
         sender, tag, event_type = batches.get(row.batch_id, ("", "", ""))
-        signals.send_safely(
-            signals.delivery_failed,
-            failure=failure(
+        failures.append(
+            failure(
                 row,
                 sender=sender,
                 tag=tag,
@@ -197,8 +199,14 @@ def _tell_failed(
                 status=row.last_status,
                 error=reason,
                 deadline=deadline,
-            ),
+            )
         )
+
+    def tell() -> None:
+        for each in failures:
+            signals.send_safely(signals.delivery_failed, failure=each)
+
+    transaction.on_commit(tell, using=using)
 
 
 def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:

@@ -129,9 +129,7 @@ def overtake(
     if overtaken.superseded and signals.listened(signals.delivery_settled):
         transaction.on_commit(lambda: _tell(sender, overtaken), using=using)
     if overtaken.finished:
-        transaction.on_commit(
-            lambda: signals.send_batches_finished(overtaken.finished, using=using), using=using
-        )
+        signals.batches_finished_on_commit(overtaken.finished, using=using)
     return len(overtaken.superseded)
 
 

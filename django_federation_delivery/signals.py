@@ -54,6 +54,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from asgiref.sync import async_to_sync
+from django.db import transaction
 from django.dispatch import Signal
 
 # Receivers compare an ``outcome`` with it, by this name.
@@ -279,9 +280,28 @@ def send_batches_finished(ids: Sequence[int], *, using: str | None = None) -> No
     connected: a stream of one-inbox sends finishes a batch with every
     delivery, and nobody listening is the usual case.
     """
+    _batches_told(ids, using)()
+
+
+def batches_finished_on_commit(ids: Sequence[int], *, using: str | None = None) -> None:
+    """Inside the transaction that finishes the batches of ``ids``: read them
+    now, and tell ``batch_finished`` of each once it commits. A read that
+    fails fails the transaction, before anything is written; after the
+    commit, a database away can no longer lose the signal."""
+    tell = _batches_told(ids, using)
+    transaction.on_commit(tell, using=using)
+
+
+def _batches_told(ids: Sequence[int], using: str | None) -> Callable[[], None]:
+    """The batches of ``ids`` read now, and what tells each of them."""
     from django_federation_delivery.store.countdowns import finished_batches
 
     if not ids or not listened(batch_finished):
-        return
-    for batch in finished_batches(ids, using=using):
-        send_safely(batch_finished, batch=batch)
+        return lambda: None
+    batches = finished_batches(ids, using=using)
+
+    def tell() -> None:
+        for batch in batches:
+            send_safely(batch_finished, batch=batch)
+
+    return tell

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import OperationalError, connection, connections
 from django.db.backends.signals import connection_created
 from django.dispatch import receiver
 
@@ -678,3 +678,20 @@ def statements_run() -> Iterator[list[tuple[str, Any]]]:
 
     with connection.execute_wrapper(capture):
         yield executed
+
+
+@contextlib.contextmanager
+def away_at(fragment: str) -> Iterator[list[str]]:
+    """The database away for a moment, as a connection lost: the first
+    statement run inside whose text holds ``fragment`` raises
+    ``OperationalError`` before it runs. Yields the statements it failed."""
+    failed: list[str] = []
+
+    def blink(execute: Any, sql: str, *args: Any) -> Any:
+        if not failed and fragment in sql:
+            failed.append(sql)
+            raise OperationalError("server closed the connection unexpectedly")
+        return execute(sql, *args)
+
+    with connection.execute_wrapper(blink):
+        yield failed

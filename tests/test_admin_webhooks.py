@@ -247,7 +247,7 @@ def test_deliveries_filter_by_kind_and_by_destination(operator: Client, settings
 
 @pytest.mark.django_db
 def test_giving_up_a_webhook_delivery_tells_its_destination_and_event_and_frees_the_next(
-    operator: Client, settings: Any
+    operator: Client, settings: Any, django_capture_on_commit_callbacks: Any
 ) -> None:
     configure(settings, {"ops": SLACK})
     send_webhook("ops", "alert.raised", {}, event_id="e0")
@@ -261,7 +261,8 @@ def test_giving_up_a_webhook_delivery_tells_its_destination_and_event_and_frees_
 
     signals.delivery_failed.connect(receive, weak=False)
     try:
-        messages = act(operator, "delivery", "give_up", [first.pk])
+        with django_capture_on_commit_callbacks(execute=True):
+            messages = act(operator, "delivery", "give_up", [first.pk])
     finally:
         signals.delivery_failed.disconnect(receive)
     assert messages == ["Gave up 1 pending delivery; settled ones are left alone."]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -17,12 +17,13 @@ from django_federation_delivery import controls, send, send_batch, send_webhook,
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.store import settlements
 
-from .conftest import Inbox, Overlap, RunningDeliverer, Unprintable, wait_until
+from .conftest import Inbox, Overlap, RunningDeliverer, Unprintable, away_at, wait_until
 from .keys import ALICE
 
 pytestmark = pytest.mark.django_db
 
 NOTE = {"type": "Note"}
+HOUR = dt.timedelta(hours=1)
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def failures() -> Iterator[list[Any]]:
 
 
 def test_give_up_tells_only_of_what_it_changed_not_of_what_was_settled_meanwhile(
-    monkeypatch: pytest.MonkeyPatch, failures: list[Any]
+    monkeypatch: pytest.MonkeyPatch, failures: list[Any], django_capture_on_commit_callbacks: Any
 ) -> None:
     batch = send(ALICE, NOTE, [f"https://a.example/u{n}" for n in range(3)])
     assert batch is not None
@@ -54,14 +55,18 @@ def test_give_up_tells_only_of_what_it_changed_not_of_what_was_settled_meanwhile
         return give_up_rows(ids, *args, **kwargs)
 
     monkeypatch.setattr(settlements, "give_up_rows", delivered_meanwhile)
-    assert controls.give_up(Delivery.objects.filter(batch=batch)) == 2
+    with django_capture_on_commit_callbacks(execute=True):
+        assert controls.give_up(Delivery.objects.filter(batch=batch)) == 2
+        assert failures == [], "told once committed"
     assert sorted(f.delivery_id for f in failures) == [row.pk for row in others]
     assert {(f.sender, f.error) for f in failures} == {(ALICE, "given up by an operator")}
     first.refresh_from_db()
     assert first.status == Status.DELIVERED and first.last_error == ""
 
 
-def test_a_host_is_read_in_any_form_as_a_send_reads_an_inboxs(failures: list[Any]) -> None:
+def test_a_host_is_read_in_any_form_as_a_send_reads_an_inboxs(
+    failures: list[Any], django_capture_on_commit_callbacks: Any
+) -> None:
     send(ALICE, NOTE, ["https://bücher.example/inbox", "https://b.example/inbox"])
     assert controls.pause_host("Bücher.Example.") == 1
     # A URL on a host pauses the host, and its query (a token) is not kept.
@@ -71,7 +76,8 @@ def test_a_host_is_read_in_any_form_as_a_send_reads_an_inboxs(failures: list[Any
         "b.example",
     }
     assert controls.resume_host("https://BÜCHER.example/") == 1
-    assert controls.give_up_host("b.example.") == 1
+    with django_capture_on_commit_callbacks(execute=True):
+        assert controls.give_up_host("b.example.") == 1
     assert [failure.inbox for failure in failures] == ["https://b.example/inbox"]
 
 
@@ -161,11 +167,12 @@ def kept(using: str) -> list[tuple[str, str]]:
 
 @pytest.mark.django_db(databases=["default", "queue"])
 def test_giving_up_deliveries_of_another_database_leaves_the_default_ones_alone(
-    failures: list[Any],
+    failures: list[Any], django_capture_on_commit_callbacks: Any
 ) -> None:
     send_batch(ALICE, NOTE, ["https://a.example/inbox"], using="queue")
     send(BOB, NOTE, ["https://b.example/inbox"])
-    assert controls.give_up(Delivery.objects.using("queue").all()) == 1
+    with django_capture_on_commit_callbacks(using="queue", execute=True):
+        assert controls.give_up(Delivery.objects.using("queue").all()) == 1
     assert kept("queue") == [("a.example", Status.FAILED)]
     assert kept("default") == [("b.example", Status.PENDING)]
     # Told with what its own batch says, not a batch of "default"'s.
@@ -225,9 +232,8 @@ def test_giving_up_and_requeueing_many_rows_runs_a_bounded_number_of_statements(
 
 
 def test_requeue_leaves_alone_what_its_batch_deadline_ended() -> None:
-    hour = {"deadline": dt.timedelta(hours=1)}
-    late = send_batch(ALICE, NOTE, ["https://a.example/inbox"], hour)
-    send_batch(ALICE, NOTE, ["https://b.example/inbox"], hour)
+    late = send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"deadline": HOUR})
+    send_batch(ALICE, NOTE, ["https://b.example/inbox"], {"deadline": HOUR})
     assert controls.give_up(Delivery.objects.all()) == 2
     Batch.objects.filter(pk=late.pk).update(deadline=timezone.now() - dt.timedelta(minutes=1))
     # Requeued, it was failed again at its claim, unsent, and told as failed
@@ -235,6 +241,40 @@ def test_requeue_leaves_alone_what_its_batch_deadline_ended() -> None:
     assert controls.requeue(Delivery.objects.all()) == 1
     assert kept("default") == [("a.example", Status.FAILED), ("b.example", Status.PENDING)]
     assert Batch.objects.get(pk=late.pk).finished_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_waits_past_its_deadline_is_told_once_though_the_database_went_away(
+    failures: list[Any],
+) -> None:
+    # An Update waits behind its Create past its batch's deadline. The
+    # give-up committed, then read its batches to tell it: that read
+    # failing lost delivery_failed and batch_finished for good, as the next
+    # look found nothing pending.
+    finished: list[int] = []
+
+    def done(batch: Batch, **kwargs: Any) -> None:
+        finished.append(batch.pk)
+
+    key = {"ordering_key": f"{ALICE}/timeline"}
+    send_batch(ALICE, NOTE, ["https://a.example/inbox"], key)
+    update = send_batch(ALICE, NOTE, ["https://a.example/inbox"], {**key, "deadline": HOUR})
+    now = timezone.now()
+    Batch.objects.filter(pk=update.pk).update(deadline=now - dt.timedelta(seconds=1))
+    since = now - dt.timedelta(minutes=1)
+    signals.batch_finished.connect(done, weak=False)
+    try:
+        with away_at('"event_type" FROM') as failed, pytest.raises(OperationalError):
+            controls.give_up_overdue(since=since, now=now)
+        assert failed, "the database went away as the give-up was told"
+        assert (failures, finished) == ([], [])
+        assert controls.give_up_overdue(since=since, now=now) == 1
+    finally:
+        signals.batch_finished.disconnect(done)
+    waiting = Delivery.objects.get(batch=update)
+    assert waiting.status == Status.FAILED
+    assert [(f.delivery_id, f.deadline) for f in failures] == [(waiting.pk, True)]
+    assert finished == [update.pk]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import connection, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
 from django.utils import timezone
 
 from django_federation_delivery import availability, controls, send, send_batch, signals, store
@@ -25,7 +25,7 @@ from django_federation_delivery.retractions import about, retraction_of
 from django_federation_delivery.sending import UNAVAILABLE
 from django_federation_delivery.store.retractions import release_stranded
 
-from .conftest import Inbox
+from .conftest import Inbox, away_at
 from .keys import ALICE, EDNA
 
 BOB = "https://b.example/users/bob"
@@ -246,6 +246,39 @@ def test_a_batch_all_superseded_is_finished_and_told() -> None:
     assert first is not None
     assert finished == [first.pk]
     assert Batch.objects.get(pk=first.pk).finished_at is not None
+
+
+#: The read of whole batches that ``batch_finished`` carries.
+FINISHED_BATCHES_READ = '"federation_delivery_batch"."body_sha256"'
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_meeting_the_database_away_writes_nothing_and_tells_once_sent_again() -> None:
+    # The batch it finished was read once the send had committed: that read
+    # failing raised out of send(), which had queued the Delete, and its
+    # batch_finished was never told.
+    finished: list[int] = []
+
+    def done(batch: Batch, **kwargs: Any) -> None:
+        finished.append(batch.pk)
+
+    first = send(ALICE, create(), [A])
+    assert first is not None
+    signals.batch_finished.connect(done, weak=False)
+    try:
+        with away_at(FINISHED_BATCHES_READ) as failed, pytest.raises(OperationalError):
+            send(ALICE, delete(), [A])
+        assert failed, "the database went away as the finished batch was read"
+        assert list(Delivery.objects.values_list("batch_id", "status")) == [
+            (first.pk, Status.PENDING)
+        ]
+        assert finished == []
+        again = send(ALICE, delete(), [A])
+    finally:
+        signals.batch_finished.disconnect(done)
+    assert again is not None
+    assert finished == [first.pk]
+    assert row(first, A).status == Status.SUPERSEDED
 
 
 @pytest.mark.django_db(transaction=True)

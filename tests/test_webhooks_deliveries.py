@@ -27,7 +27,7 @@ from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.webhooks import sending as webhook_sending
 
-from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .conftest import Inbox, Received, RunningDeliverer, away_at, wait_until
 from .keys import ALICE
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -451,11 +451,13 @@ def test_after_nine_tries_an_event_is_given_up_and_the_next_goes(
     assert failure.error == failed.last_error and not failure.refused
 
 
+@pytest.mark.parametrize("away", [False, True], ids=["", "the-database-away-as-it-tells"])
 def test_a_removed_destinations_events_are_given_up_in_writing_when_the_loop_starts(
     inboxes: Callable[..., Inbox],
     settings: Any,
     caught: list[tuple[str, Any]],
     caplog: pytest.LogCaptureFixture,
+    away: bool,
 ) -> None:
     receiver = inboxes("127.0.0.1")
     kept = f"slack+http://127.0.0.1:{receiver.port}/services/T1/B1/x1"
@@ -464,7 +466,11 @@ def test_a_removed_destinations_events_are_given_up_in_writing_when_the_loop_sta
         send_webhook(["gone", "kept"], "alert.raised", {"n": n})
     configure(settings, {"kept": kept})
     caplog.set_level(logging.WARNING, logger="django_federation_delivery")
-    Deliverer().run(drain=True)
+    # Away, as the batches of what it gave up were read to tell it, once the
+    # give-up had committed: nothing was told, nor the batches finished.
+    with away_at("id, sender, body, body_sha256" if away else "nothing runs this") as failed:
+        Deliverer().run(drain=True)
+    assert bool(failed) == away
     gone = deliveries("<gone>")
     assert {d.status for d in gone} == {Status.FAILED}
     # One WARNING each, as for any give-up.
@@ -482,6 +488,8 @@ def test_a_removed_destinations_events_are_given_up_in_writing_when_the_loop_sta
         ("gone", "no destination named `gone` is configured any more")
     }
     assert Batch.objects.filter(finished_at__isnull=True).count() == 0
+    finished = sorted(batch.pk for name, batch in caught if name == "batch_finished")
+    assert finished == sorted(Batch.objects.values_list("pk", flat=True))
 
 
 def test_a_destination_removed_while_its_event_waits_to_be_retried_is_given_up_when_it_comes_due(

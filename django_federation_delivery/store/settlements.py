@@ -276,11 +276,12 @@ def give_up_rows(
     outcome is fenced out, as its token is gone. Returns the ids failed.
 
     ``on_failing`` is called with exactly the rows this changed, and
-    ``on_finished`` with the batches this finished, once the transaction has
-    committed (never inside it, where a receiver's database error would undo
-    the write): a row another process settled in the meantime is not among
-    them. Called inside a transaction of the caller's, they are called as
-    this call's part of it is written, before the caller commits.
+    ``on_finished`` with the batches this finished, inside the transaction
+    once they are written: a row another process settled in the meantime is
+    not among them. Each reads there what it tells, and tells it once the
+    transaction commits (``transaction.on_commit``): never inside it, where
+    a receiver's database error would undo the write; and a read that meets
+    the database away fails the give-up, not the telling of what it wrote.
     """
     if not ids:
         return []
@@ -304,11 +305,10 @@ def give_up_rows(
         release_next(failed, now, alias)
         finished = count_down(Counter(row.batch_id for row in rows), now, alias)
         history.record({now: {"failed": len(rows)}}, using=alias)
-    # Committed: what is told now cannot undo it.
-    if rows and on_failing is not None:
-        on_failing(rows)
-    if finished and on_finished is not None:
-        on_finished(finished)
+        if rows and on_failing is not None:
+            on_failing(rows)
+        if finished and on_finished is not None:
+            on_finished(finished)
     return failed
 
 

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 
 from django_federation_delivery.addresses import escaped
 from django_federation_delivery.attempt import AttemptResult, failed
@@ -270,7 +271,7 @@ class WebhookDeliveries:
                         list(rows),
                         reason,
                         on_failing=functools.partial(self._tell_given_up, rows, reason),
-                        on_finished=self.on_finished,
+                        on_finished=self._finished_on_commit,
                         using=self.using,
                     )
                 )
@@ -279,16 +280,27 @@ class WebhookDeliveries:
     def _tell_given_up(
         self, rows: dict[int, Delivery], reason: str, given_up: list[settlements.GivenUp]
     ) -> None:
-        """The WARNING line and ``delivery_failed`` of each row given up."""
+        """The WARNING line and ``delivery_failed`` of each row given up: its
+        batch read in the give-up's transaction, told once it commits."""
         batches = claims.batches({row.batch_id for row in given_up}, using=self.using)
-        for each in given_up:
-            row, batch = rows[each.id], batches.get(each.batch_id)
-            if batch is None:
-                continue  # deleted since, with its deliveries: nobody to tell
-            claimed = _claimed(row)
-            way = self.way_to(row.destination)
-            way.policy.given_up(claimed, batch.event_type, reason)
-            way.settler.abandoned(claimed, batch, each.last_status, reason)
+
+        def tell() -> None:
+            for each in given_up:
+                row, batch = rows[each.id], batches.get(each.batch_id)
+                if batch is None:
+                    continue  # deleted since, with its deliveries: nobody to tell
+                claimed = _claimed(row)
+                way = self.way_to(row.destination)
+                way.policy.given_up(claimed, batch.event_type, reason)
+                way.settler.abandoned(claimed, batch, each.last_status, reason)
+
+        transaction.on_commit(tell, using=self.using)
+
+    def _finished_on_commit(self, ids: list[int]) -> None:
+        """The batches a give-up finished, handed on once it commits."""
+        if self.on_finished is not None:
+            on_finished = self.on_finished
+            transaction.on_commit(lambda: on_finished(ids), using=self.using)
 
 
 def _claimed(row: Delivery) -> claims.Claimed:
