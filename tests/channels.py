@@ -115,6 +115,20 @@ class Fragile(Pager):
         raise RuntimeError(f"cannot parse {url}")
 
 
+class Quoting(Pager):
+    """A kind whose ``UnusableURL`` quotes what it does not take of the URL's
+    query: a host project's mistake, where a token may be pasted."""
+
+    name = "quoting"
+    label = "Quoting"
+    schemes = ("quoting",)
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        for key, value in self.query_pairs(self.split(self.over(url, scheme)).query):
+            raise UnusableURL(f"a quoting URL takes no {key!r} (given {value!r})")
+        return super().parse(url, scheme)
+
+
 class Configured(Pager):
     """A kind that takes its API base when made: ``CHANNELS`` makes each
     kind with no arguments."""

@@ -73,6 +73,21 @@ def test_a_scheme_that_is_no_scheme_is_not_shown() -> None:
     assert "SECRET" not in str(raised.value) and "(not shown)" in str(raised.value)
 
 
+def test_what_a_kind_quotes_of_a_query_is_shown_only_if_it_is_a_word(settings: Any) -> None:
+    with_pager(settings, CHANNELS=["tests.channels.Quoting"])
+    with pytest.raises(ImproperlyConfigured) as raised:
+        parse_destination("ops", f"quoting://{KEY}@pager.example/x?tk_TOKEN9secret&level=tokenTWO7")
+    message = str(raised.value)
+    assert message == (
+        "Webhook destination 'ops': a quoting URL takes no '(not shown)' (given '')."
+    ), message
+    with pytest.raises(ImproperlyConfigured) as raised:
+        parse_destination("ops", f"quoting://{KEY}@pager.example/x?level=high")
+    assert str(raised.value) == (
+        "Webhook destination 'ops': a quoting URL takes no 'level' (given 'high')."
+    )
+
+
 def test_the_check_names_the_variable_of_a_url_with_an_unknown_scheme(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,

@@ -128,6 +128,10 @@ BAD = [
     ("telegram://123:XXXXXXXXXXXXSECRET@", "chat"),
     ("telegram://123:XXXXXXXXXXXXSECRET@general", "chat"),
     ("telegram://123:XXXXXXXXXXXXSECRET@-100?thread=5", "'thread'"),
+    # A token pasted into the query, where a parameter's name goes.
+    ("telegram://123:XXXXXXXXXXXXSECRET@-100?XXXXXXXXXXXXSECRET", "(not shown)"),
+    ("ntfy://ntfy.sh/alerts?tk_9sQwErTyXSECRET", "(not shown)"),
+    ("ntfy://ntfy.sh/alerts?prority=3", "'prority'"),
     ("telegram://123:XXXXXXXXXXXXSECRET@-100?api=ftp://127.0.0.1", "api"),
     ("https://audit.example/hooks/XXXXXXXXXXXXSECRET", "needs a secret"),
     ("https://audit.example/hooks?secret=XXXXXXXXXXXXSECRET", "whsec_"),

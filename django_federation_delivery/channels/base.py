@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatchcase
@@ -60,7 +61,9 @@ __all__ = [
     "URLParts",
     "UnusableURL",
     "Verdict",
+    "is_word",
     "safe_text",
+    "word_shown",
 ]
 
 logger = logging.getLogger("django_federation_delivery.channels")
@@ -98,7 +101,25 @@ class URLParts(NamedTuple):
 
 class UnusableURL(ValueError):
     """A destination URL a kind cannot use. Its message says why in words that
-    never quote the URL: it reaches ``manage.py check`` and the admin."""
+    never quote the URL: it reaches ``manage.py check`` and the admin. A part
+    it does not take is named by :func:`word_shown`."""
+
+
+#: A part of a URL a message may name: a typo's letters ("slak", "prority").
+_WORD = re.compile(r"[a-z][a-z_+.-]{0,15}")
+
+
+def is_word(part: str) -> bool:
+    """Whether ``part`` of a destination's URL is a short lowercase word, as
+    a typo is: what has a digit in it or is long may be a token."""
+    return bool(_WORD.fullmatch(part))
+
+
+def word_shown(part: str) -> str:
+    """``part`` of a destination's URL (a scheme, a parameter's name) as a
+    message may name it: quoted if it :func:`is_word`; "(not shown)" if
+    not, as it may be a token written where the word goes."""
+    return repr(part) if is_word(part) else _("(not shown)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from django_federation_delivery.channels.base import (
     Parsed,
     Request,
     UnusableURL,
+    word_shown,
 )
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.text import cut_bytes, render_text
@@ -60,9 +61,9 @@ class Ntfy(Channel):
                 raise UnusableURL(
                     _(
                         "an ntfy URL takes tags=<tag>,<tag> and priority=1…5 (or min, low, "
-                        "default, high, max), not %(key)r"
+                        "default, high, max), not %(key)s"
                     )
-                    % {"key": key}
+                    % {"key": word_shown(key)}
                 )
         return Parsed(
             url=f"{parts.origin}/{topic}",

@@ -13,8 +13,19 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 from django.utils.translation import gettext as _
 
-from django_federation_delivery.addresses import is_destination_name, quoted
-from django_federation_delivery.channels.base import Channel, Destination, UnusableURL
+from django_federation_delivery.addresses import (
+    credentials,
+    is_destination_name,
+    quoted,
+    replace_secrets,
+)
+from django_federation_delivery.channels.base import (
+    Channel,
+    Destination,
+    UnusableURL,
+    is_word,
+    word_shown,
+)
 from django_federation_delivery.channels.discord import Discord
 from django_federation_delivery.channels.markdown import Markdown
 from django_federation_delivery.channels.matrix import Matrix
@@ -36,10 +47,6 @@ BUILT_IN: tuple[type[Channel], ...] = (
 )
 
 _KIND_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
-# What may be shown of a scheme nobody knows: a typo's letters, never more.
-#: A typo of a scheme is shown ("slak"); what has a digit in it or is long
-#: may be a token written where the scheme goes, and is not.
-_SCHEME = re.compile(r"[a-z][a-z+.-]{0,15}")
 #: A scheme a kind may take: RFC 3986's, lowercase, as a URL's is looked up.
 _URL_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
 
@@ -142,7 +149,7 @@ class Registry:
             raise UnusableURL(
                 _("its scheme %(scheme)s is not one of those known: %(known)s")
                 % {
-                    "scheme": repr(scheme) if _SCHEME.fullmatch(scheme) else _("(not shown)"),
+                    "scheme": word_shown(scheme),
                     "known": ", ".join(self.schemes),
                 }
             )
@@ -160,8 +167,11 @@ def _destination(
     type: its message may quote the URL, the credential."""
     try:
         return Destination.of(name, channel, channel.parse(url, scheme), events)
-    except UnusableURL:
-        raise
+    except UnusableURL as exc:
+        # A host project's kind may name what it does not take: never what
+        # of its userinfo or query may be a token pasted in the wrong place.
+        tokens = [part for part in credentials(url) if not is_word(part)]
+        raise UnusableURL(replace_secrets(str(exc), tokens, _("(not shown)"))) from None
     except Exception as exc:
         raise UnusableURL(
             _("its kind %(kind)s could not parse its URL: %(error)s")

@@ -13,6 +13,7 @@ from django_federation_delivery.channels.base import (
     Parsed,
     Request,
     UnusableURL,
+    word_shown,
 )
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.text import cut, escape_entities, render_text
@@ -59,7 +60,8 @@ class Telegram(Channel):
         for key, value in self.query_pairs(query):
             if key != "api":
                 raise UnusableURL(
-                    _("a Telegram URL takes only the parameter 'api', not %(key)r") % {"key": key}
+                    _("a Telegram URL takes only the parameter 'api', not %(key)s")
+                    % {"key": word_shown(key)}
                 )
             api = value.rstrip("/")
             try:
