@@ -479,6 +479,31 @@ def test_a_database_away_at_the_start_is_left_to_the_loop_to_wait_out(
     assert unapplied_migrations("default") == []
 
 
+def test_a_drain_begun_while_the_database_is_away_waits_it_out_and_sends(inbox: Inbox) -> None:
+    # A cron job's drain during a failover: the drain's total, and on SQLite
+    # its journal mode, were read before the loop, and failed with a traceback.
+    from django.db import OperationalError
+
+    batch = send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(3)])
+    assert batch is not None
+    away_until = time.monotonic() + 1.5
+    refused: list[str] = []
+
+    def away(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if time.monotonic() < away_until:
+            refused.append(sql)
+            raise OperationalError("terminating connection due to administrator command")
+        return execute(sql, *args)
+
+    out = io.StringIO()
+    with connection.execute_wrapper(away):
+        call_command("run_deliverer", "--drain", stdout=out, stderr=out)
+    assert refused, "the database was away as the drain began"
+    assert sorted(inbox.paths()) == ["/0", "/1", "/2"]
+    assert [row.status for row in batch.deliveries.all()] == [Status.DELIVERED] * 3
+    assert "Done: delivered 3," in out.getvalue(), out.getvalue()
+
+
 @pytest.mark.slow
 def test_two_deliverer_processes_share_a_breaker_and_one_probe_at_a_time(
     inboxes: Callable[..., Inbox], processes: Callable[..., subprocess.Popen[str]]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
-from django.db import connections
+from django.db import OperationalError, connections
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
@@ -259,8 +260,13 @@ class Command(TranslatedCommand):
             self._say(
                 _("Metrics at %(url)s") % {"url": f"http://{shown}:{server.server_port}/metrics"}
             )
-        # A child of --processes shares what is due with the others: no total of its own.
-        due = store.count_due(using=using) if drain and self.child is None else None
+        # A child of --processes shares what is due with the others: no total
+        # of its own. Nor a drain begun while the database is away, which
+        # the loop waits out.
+        due = None
+        if drain and self.child is None:
+            with contextlib.suppress(OperationalError):
+                due = store.count_due(using=using)
         try:
             deliverer = Deliverer(
                 concurrency=concurrency,
