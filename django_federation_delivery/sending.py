@@ -456,28 +456,34 @@ def _deadline(deadline: object) -> dt.datetime | None:
     if isinstance(deadline, dt.timedelta):
         if deadline <= dt.timedelta(0):
             raise InvalidDelivery(f"deadline {quoted(deadline)} must be a positive timedelta")
+        named = quoted(deadline)
         try:
-            return now + deadline
+            deadline = now + deadline
         except OverflowError as exc:
-            raise InvalidDelivery(f"deadline {quoted(deadline)} is too far ahead") from exc
-    if not isinstance(deadline, dt.datetime):
+            raise InvalidDelivery(f"deadline {named} is too far ahead") from exc
+    elif not isinstance(deadline, dt.datetime):
         raise InvalidDelivery(f"deadline must be a datetime or timedelta, not {quoted(deadline)}")
-    if timezone.is_naive(deadline):
-        if settings.USE_TZ:
-            raise InvalidDelivery(f"deadline {quoted(deadline)} must be timezone-aware")
-        # As Django takes every naive time with USE_TZ off: in TIME_ZONE.
-        deadline = aware(deadline)
-    try:
-        # Stored in UTC, and with USE_TZ off read back in TIME_ZONE: a zone
-        # ahead of either can push the year past 9999, which no database
-        # reads back (PostgreSQL wrote it, then failed every read of it).
-        deadline.astimezone(naive_zone())
-        deadline = deadline.astimezone(dt.UTC)
-    except OverflowError as exc:
-        raise InvalidDelivery(f"deadline {deadline.isoformat()} is too far ahead") from exc
+    else:
+        if timezone.is_naive(deadline):
+            if settings.USE_TZ:
+                raise InvalidDelivery(f"deadline {quoted(deadline)} must be timezone-aware")
+            # As Django takes every naive time with USE_TZ off: in TIME_ZONE.
+            deadline = aware(deadline)
+        named = deadline.isoformat()
+    # Compared as they are (no conversion, which may overflow): one before
+    # the calendar in some zone is past, not "too far ahead".
     if deadline <= now:
-        raise InvalidDelivery(f"deadline {deadline.isoformat()} is already past")
-    return deadline
+        raise InvalidDelivery(f"deadline {named} is already past")
+    try:
+        # Stored in UTC and read back in the naive zone (TIME_ZONE with
+        # USE_TZ off), and shown in TIME_ZONE: a zone ahead of either can
+        # push the year past 9999, which no database reads back (PostgreSQL
+        # wrote it, then failed every read of it) and the admin cannot show.
+        deadline.astimezone(naive_zone())
+        deadline.astimezone(timezone.get_default_timezone())
+        return deadline.astimezone(dt.UTC)
+    except OverflowError as exc:
+        raise InvalidDelivery(f"deadline {named} is too far ahead") from exc
 
 
 def _max_attempts(max_attempts: object) -> int | None:

@@ -364,6 +364,41 @@ def test_a_deadline_past_the_calendar_where_it_is_stored_is_refused_naming_it(
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("given", ["never", "a timedelta"])
+def test_a_deadline_past_the_calendar_where_it_is_shown_is_refused_naming_it(
+    settings: Any, given: str
+) -> None:
+    # With USE_TZ the admin shows a deadline in TIME_ZONE: datetime.max in
+    # UTC, the usual "never", was queued, and from then on the admin's batch
+    # list and the batch's page failed (OverflowError) for every operator.
+    settings.TIME_ZONE = "Europe/Paris"
+    never = dt.datetime.max.replace(tzinfo=dt.UTC)
+    deadline: dt.datetime | dt.timedelta = never
+    named = "9999-12-31T23:59:59.999999+00:00"
+    if given == "a timedelta":
+        deadline = never - timezone.now() - dt.timedelta(minutes=1)
+        named = f"days={deadline.days}"
+    with pytest.raises(InvalidDelivery) as raised:
+        send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"deadline": deadline})
+    assert named in str(raised.value) and "too far ahead" in str(raised.value)
+    assert nothing_written()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("use_tz", [True, False])
+def test_a_deadline_before_the_calendar_is_refused_as_past(settings: Any, use_tz: bool) -> None:
+    # It overflowed as it was converted to UTC (or to TIME_ZONE, where it
+    # is kept with USE_TZ off), and was said to be "too far ahead".
+    settings.USE_TZ = use_tz
+    settings.TIME_ZONE = "America/New_York"
+    early = dt.datetime(1, 1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=5 if use_tz else 0)))
+    with pytest.raises(InvalidDelivery) as raised:
+        send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"deadline": early})
+    assert f"deadline {early.isoformat()} is already past" in str(raised.value)
+    assert nothing_written()
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize(
     ("activity", "said"),
     [
