@@ -311,7 +311,10 @@ class AppSettings:
     host_unavailable_after = Typed(_optional_float)
     channels = Typed(_paths, paths=True)
 
-    def _user(self) -> dict[str, Any]:
+    def user_settings(self) -> dict[str, Any]:
+        """The setting as the project wrote it; ``ImproperlyConfigured`` when
+        it is no dict, naming its type alone: its value may hold a webhook's
+        URL, the credential."""
         value = getattr(settings, SETTING, {})
         if not isinstance(value, dict):
             raise ImproperlyConfigured(
@@ -326,7 +329,7 @@ class AppSettings:
         if name not in DEFAULTS:
             raise AttributeError(f"{SETTING} has no setting {name!r}")
         default = DEFAULTS[name]
-        value = self._user().get(name, default)
+        value = self.user_settings().get(name, default)
         if isinstance(default, dict) and isinstance(value, dict):
             return {**default, **value}
         return value
@@ -339,12 +342,12 @@ class AppSettings:
     def written(self, name: str) -> Any:
         """A setting as the project wrote it, not merged with its default
         (``BREAKER = {}`` means off, not "the defaults")."""
-        return self._user().get(name, DEFAULTS[name])
+        return self.user_settings().get(name, DEFAULTS[name])
 
     def unknown_keys(self) -> list[object]:
         """The keys of the setting that name no setting, in a stable order
         whatever their types (``{1: 2, "Zzz": 3}`` has two)."""
-        return sorted(set(self._user()) - set(DEFAULTS), key=repr)
+        return sorted(set(self.user_settings()) - set(DEFAULTS), key=repr)
 
     def callable_setting(self, name: str) -> Callable[..., Any] | None:
         """The callable a setting names (a dotted path, or the callable itself)."""

@@ -498,8 +498,18 @@ def test_a_setting_that_is_not_a_dict_is_an_error(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = ["SENDER_KEYS"]
     (message,) = check_settings()
     assert message.id == "federation_delivery.E001"
-    assert "['SENDER_KEYS']" in message.msg
+    assert message.msg == "FEDERATION_DELIVERY must be a dict, not list."
     assert message.hint == "Write FEDERATION_DELIVERY = {...}."
+
+
+def test_a_setting_that_is_not_a_dict_is_named_by_its_type_alone(settings: Any) -> None:
+    # A trailing comma makes a tuple of the dict: its value was repeated, a
+    # webhook URL's secret path with it, in a check every command runs.
+    hook = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+    settings.FEDERATION_DELIVERY = ({"WEBHOOKS": {"ops": hook}},)
+    (message,) = check_settings()
+    assert message.msg == "FEDERATION_DELIVERY must be a dict, not tuple."
+    assert "hooks" not in f"{message.msg} {message.hint}"
 
 
 @pytest.mark.django_db(transaction=True)

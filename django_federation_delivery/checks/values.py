@@ -40,12 +40,12 @@ from django_federation_delivery.transport.networks import opens_local
 @register()
 def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
     errors: list[CheckMessage] = []
-    value = getattr(settings, SETTING, {})
-    if not isinstance(value, dict):
+    try:
+        value = app_settings.user_settings()
+    except ImproperlyConfigured as exc:
         return [
             Error(
-                _("%(setting)s must be a dict, not %(value)s.")
-                % {"setting": SETTING, "value": shown(value)},
+                str(exc),
                 hint=_("Write %(setting)s = {...}.") % {"setting": SETTING},
                 id=f"{PREFIX}.E001",
             )
