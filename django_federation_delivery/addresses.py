@@ -37,6 +37,7 @@ import idna
 from django_federation_delivery.exceptions import InvalidDelivery
 
 __all__ = [
+    "BINARY",
     "MAX_HOST_KEY_LENGTH",
     "MAX_HOST_LENGTH",
     "MAX_LABEL_LENGTH",
@@ -551,6 +552,10 @@ def escaped(value: object) -> str:
 
 #: The most of a name an error repeats.
 MOST_SHOWN = 80
+
+#: Binary data, which iterates as its bytes' numbers: given where a list of
+#: URLs or of names goes, it is one of them taken for the list, and refused.
+BINARY = bytes | bytearray | memoryview
 
 
 def quoted(value: object, *, path: bool = False) -> str:

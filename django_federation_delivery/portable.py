@@ -136,7 +136,7 @@ class PortableInbox:
         gateways = self.gateways
         if isinstance(gateways, str):
             gateways = (gateways,)
-        elif isinstance(gateways, bytes | bytearray) or not isinstance(gateways, Iterable):
+        elif isinstance(gateways, addresses.BINARY) or not isinstance(gateways, Iterable):
             raise InvalidDelivery(
                 "gateways must be a list of gateway URLs (or one as a string), "
                 f"not {quoted(gateways)}"

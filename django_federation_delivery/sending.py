@@ -356,7 +356,7 @@ def _body(activity: object) -> tuple[str, bytes]:
 
 
 def _inboxes(inboxes: Iterable[str]) -> tuple[list[queueing.Queued], list[SkippedInbox]]:
-    if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
+    if isinstance(inboxes, str | addresses.BINARY) or not isinstance(inboxes, Iterable):
         raise InvalidDelivery(f"inboxes must be an iterable of URLs, not {quoted(inboxes)}")
     # Remote actors choose their inboxes: one that cannot be sent to is left
     # out, never allowed to stop the send (and roll back the caller's post).
@@ -375,7 +375,7 @@ def _inboxes(inboxes: Iterable[str]) -> tuple[list[queueing.Queued], list[Skippe
 def _portable_inboxes(
     inboxes: Iterable[PortableInbox],
 ) -> tuple[list[queueing.Queued], list[SkippedInbox]]:
-    if isinstance(inboxes, str | bytes) or not isinstance(inboxes, Iterable):
+    if isinstance(inboxes, str | addresses.BINARY) or not isinstance(inboxes, Iterable):
         raise InvalidDelivery(
             f"inboxes must be an iterable of PortableInbox, not {quoted(inboxes)}"
         )

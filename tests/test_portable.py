@@ -295,7 +295,15 @@ def test_an_inbox_holding_text_that_is_not_unicode_is_refused_by_name(uri: str, 
 
 @pytest.mark.parametrize(
     ("gateways", "named"),
-    [(None, "None"), (5, "5"), (b"https://gw.example", "<bytes>"), (object(), "<object object")],
+    [
+        (None, "None"),
+        (5, "5"),
+        (b"https://gw.example", "<bytes>"),
+        (bytearray(b"https://gw.example"), "<bytearray>"),
+        # Once iterated as numbers, each left out: an inbox with no gateway.
+        (memoryview(b"https://gw.example"), "<memory at"),
+        (object(), "<object object"),
+    ],
 )
 def test_gateways_that_are_no_list_of_urls_are_refused_naming_them(
     gateways: object, named: str

@@ -527,6 +527,24 @@ def test_send_portable_takes_an_iterable_of_portable_inboxes_only() -> None:
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("binary", [bytes, bytearray, memoryview])
+def test_one_inbox_given_as_binary_for_a_list_is_refused_naming_it(
+    portable: bool, binary: type[bytes | bytearray | memoryview]
+) -> None:
+    # A bytearray or a memoryview (what a socket or a file read gives) was
+    # iterated as numbers: every "inbox" skipped, None returned, nothing
+    # queued, and only a WARNING line said so.
+    from django_federation_delivery import send_portable
+
+    given = binary(b"https://a.example/inbox")
+    with pytest.raises(InvalidDelivery, match="inboxes must be an iterable of") as raised:
+        (send_portable if portable else send_batch)(ALICE, NOTE, given)  # type: ignore[operator]
+    assert ("<memory at" if binary is memoryview else f"<{binary.__name__}>") in str(raised.value)
+    assert nothing_written()
+
+
+@pytest.mark.django_db
 def test_send_portable_skips_what_is_not_a_portable_inbox_or_has_no_usable_gateway() -> None:
     from django_federation_delivery import PortableInbox, send_portable
 

@@ -145,10 +145,14 @@ def test_an_event_over_webhook_max_bytes_is_refused_naming_its_size_and_the_limi
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("destination", [None, 3, b"ops", [3]])
+@pytest.mark.parametrize(
+    "destination", [None, 3, b"ops", bytearray(b"ops"), memoryview(b"ops"), [3]]
+)
 def test_a_destination_that_is_not_a_name_is_refused(destination: Any) -> None:
-    with pytest.raises(InvalidDelivery, match="destination"):
+    with pytest.raises(InvalidDelivery, match="destination") as raised:
         send_webhook(destination, "alert.raised", {})
+    # Binary data was taken for a list: refused as its first byte, 111, not a name.
+    assert "111" not in str(raised.value)
     assert nothing_written()
 
 

@@ -27,7 +27,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
 from django_federation_delivery import tracing
-from django_federation_delivery.addresses import quoted
+from django_federation_delivery.addresses import BINARY, quoted
 from django_federation_delivery.channels import Event, Policy
 from django_federation_delivery.channels.policy import LANES
 from django_federation_delivery.conf import SETTING, app_settings, database_alias
@@ -184,7 +184,7 @@ def _destinations(destination: object) -> list[tuple[str, Destination]]:
         given: list[object] = list(found.names)
     elif isinstance(destination, str):
         given = [destination]
-    elif isinstance(destination, bytes) or not isinstance(destination, Iterable):
+    elif isinstance(destination, BINARY) or not isinstance(destination, Iterable):
         raise InvalidDelivery(
             "destination must be a destination's name or a list of names, "
             f"not {quoted(destination)}"
