@@ -153,7 +153,11 @@ class InboxDeliveries:
         except Exception as exc:
             # The key store is the host project's; it being away for a
             # moment does not make the delivery wrong.
-            logger.warning("Looking up the key of %s failed: %s", batch.sender, type(exc).__name__)
+            logger.warning(
+                "Looking up the key of %s failed: %s",
+                addresses.redact(batch.sender),
+                type(exc).__name__,
+            )
             key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
         extra = (
             synchronization_headers(self.synchronization, batch.sender, row.inbox)

@@ -10,7 +10,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
-import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -51,7 +51,10 @@ IDEMPOTENCY_KEY_LENGTH = Batch._meta.get_field("idempotency_key").max_length or 
 URL_LENGTH = 2048
 #: The most ``max_attempts`` can be: what the column holds on every database.
 MAX_ATTEMPTS = 2**31 - 1
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: What a sender must not hold: control characters (C0, DEL, C1), format
+#: characters (a bidi override, a zero-width joiner) and the line and
+#: paragraph separators, which a terminal showing a log may act on.
+_CONTROL_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp"))
 #: The activity as it is stored and sent: compact, UTF-8 as it is. One
 #: encoder for every send, rather than one built by ``json.dumps`` at each.
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -314,7 +317,10 @@ def _sender(sender: object) -> str:
             f"sender is longer than {URL_LENGTH} characters: {quoted(sender, path=True)}"
         )
     sender = _storable("sender", sender.strip())
-    if _CONTROL.search(sender):
+    # Printable text (nearly every sender) holds none of them.
+    if not sender.isprintable() and any(
+        unicodedata.category(char) in _CONTROL_CATEGORIES for char in sender
+    ):
         raise InvalidDelivery(
             f"sender must not contain control characters: {quoted(sender, path=True)}"
         )

@@ -421,6 +421,31 @@ def test_a_key_store_that_fails_is_retried_not_refused(
     assert "away" not in row.last_error, "the key store's own message is not stored"
 
 
+def test_a_key_store_that_fails_is_logged_with_the_sender_redacted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Written raw, a control character in a sender stored before send()
+    # refused it was acted on by the terminal that showed the log.
+    from .test_workers import in_flight, inboxes
+
+    kind = inboxes()
+    flight = in_flight(1, kind)
+    sender = "https://social.example/users/al\x9bice?token=s3cret"
+    batch = flight.batch._replace(sender=sender)
+
+    def away(sender: str) -> None:
+        raise ConnectionError("the key store is away")
+
+    kind.keys.get = away  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="django_federation_delivery.deliverer"):
+        job = kind.job(flight.claimed, batch)
+    assert job.key is None and "could not be looked up: ConnectionError" in job.key_error
+    (logged,) = [r.getMessage() for r in caplog.records if "Looking up the key" in r.getMessage()]
+    assert logged == (
+        "Looking up the key of https://social.example/users/al\\x9bice failed: ConnectionError"
+    )
+
+
 def test_a_receiver_that_raises_is_logged_and_the_loop_goes_on(
     inbox: Inbox,
     start_deliverer: Callable[..., RunningDeliverer],

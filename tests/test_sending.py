@@ -319,6 +319,12 @@ def test_a_send_on_a_kept_connection_the_server_dropped_reconnects(
         (ALICE, NOTE, ["https://a.example/inbox"], {"tag": "\ud800"}, "'\\ud800'"),
         (ALICE + "\x00", NOTE, ["https://a.example/inbox"], None, "NUL"),
         (ALICE + "\r\nX: y", NOTE, ["https://a.example/inbox"], None, "alice\\r\\nX: y'"),
+        # C1 controls (8-bit terminals act on CSI), a line separator, a bidi mark.
+        (ALICE + "\x85x", NOTE, ["https://a.example/inbox"], None, "control characters"),
+        (ALICE + "\x9b2J", NOTE, ["https://a.example/inbox"], None, "alice\\x9b2J'"),
+        (ALICE + "\u2028x", NOTE, ["https://a.example/inbox"], None, "alice\\u2028x'"),
+        (ALICE + "\u2029x", NOTE, ["https://a.example/inbox"], None, "control characters"),
+        (ALICE + "\u202e", NOTE, ["https://a.example/inbox"], None, "alice\\u202e'"),
         (ALICE, {"content": "a\ud800b"}, ["https://a.example/inbox"], None, '"a\\ud800b"'),
         (ALICE, {"deep": DEEP}, ["https://a.example/inbox"], None, "nested too deeply"),
         (
