@@ -323,7 +323,7 @@ def test_an_event_sent_long_ago_is_signed_when_it_is_sent_and_verifies(
     receiver = inboxes("127.0.0.1", respond=verify)
     configure(settings, {"audit": signed(receiver)})
     six_minutes_ago = timezone.now() - datetime.timedelta(minutes=6)
-    with mock.patch.object(webhook_sending, "_now", return_value=six_minutes_ago):
+    with mock.patch.object(webhook_sending, "event_time", return_value=six_minutes_ago):
         send_webhook("audit", "user.created", {"name": "Zoë"}, event_id="evt_6")
     Deliverer().run(drain=True)
 

@@ -413,6 +413,25 @@ def test_send_test_webhook_pings_now_and_prints_the_answer(
     assert not Delivery.objects.exists(), "nothing is queued"
 
 
+def test_send_test_webhook_pings_with_use_tz_off_stamped_in_utc(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    # With USE_TZ off timezone.now() is naive: the command died before any
+    # request, "InvalidDelivery: An event's timestamp must be an aware datetime".
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "Asia/Tokyo"
+    receiver = inboxes("127.0.0.1")
+    configure(settings, {"ops": signed(receiver)})
+    out = StringIO()
+    call_command("send_test_webhook", "ops", stdout=out)
+    (request,) = receiver.received
+    ping = json.loads(request.body)
+    assert ping["type"] == "ping" and ping["timestamp"].endswith("Z")
+    sent = dt.datetime.fromisoformat(ping["timestamp"])
+    assert abs(sent - dt.datetime.now(dt.UTC)) < dt.timedelta(minutes=1)
+    assert out.getvalue().rstrip().endswith("delivered.")
+
+
 def test_send_test_webhook_names_an_unknown_destination(settings: Any) -> None:
     configure(settings, {})
     with pytest.raises(CommandError, match="no webhook destination named 'ops'"):

@@ -39,7 +39,7 @@ from django_federation_delivery.store import queueing
 from django_federation_delivery.webhooks.destinations import Destination, configured, delivery_key
 from django_federation_delivery.webhooks.policy import settings_policy
 
-__all__ = ["EVERY_DESTINATION", "ORDERING_KEY", "asend_webhook", "send_webhook"]
+__all__ = ["EVERY_DESTINATION", "ORDERING_KEY", "asend_webhook", "event_time", "send_webhook"]
 
 #: ``send_webhook(EVERY_DESTINATION, …)``: each configured destination
 #: subscribed to the event's type.
@@ -81,7 +81,7 @@ def send_webhook(
     # None alone is "a new one": "" or 0 is a bad id, refused as Event.of refuses it.
     if event_id is None:
         event_id = str(uuid.uuid4())
-    event = Event.of(event_type, event_id, _now(), data)
+    event = Event.of(event_type, event_id, event_time(), data)
     found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
     if not found:
         # A retry to destinations no longer subscribed still returns the
@@ -156,10 +156,10 @@ async def asend_webhook(
     )
 
 
-def _now() -> datetime.datetime:
-    """An event's time: aware and in UTC whatever USE_TZ says. With it off,
-    ``timezone.now()`` is naive, which ``Event.of`` refuses, and an event's
-    time is UTC on the wire."""
+def event_time() -> datetime.datetime:
+    """An event's time, now: aware and in UTC whatever USE_TZ says (a sent
+    event's, a test ping's). With it off, ``timezone.now()`` is naive, which
+    ``Event.of`` refuses, and an event's time is UTC on the wire."""
     return datetime.datetime.now(datetime.UTC)
 
 

@@ -7,7 +7,6 @@ import uuid
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
@@ -19,6 +18,7 @@ from django_federation_delivery.transport import Connections, Transport, status_
 from django_federation_delivery.webhooks.deliveries import webhook_transport_settings
 from django_federation_delivery.webhooks.destinations import configured
 from django_federation_delivery.webhooks.policy import WebhookPolicy
+from django_federation_delivery.webhooks.sending import event_time
 
 #: The exit status when the destination did not take the ping.
 NOT_DELIVERED = 1
@@ -55,7 +55,7 @@ class Command(TranslatedCommand):
                 % {"kind": destination.channel.name, "problem": exc}
             ) from None
         settings = webhook_transport_settings(app_settings.transport_settings(), policy.policy)
-        event = Event.of("ping", uuid.uuid4(), timezone.now(), {"test": True})
+        event = Event.of("ping", uuid.uuid4(), event_time(), {"test": True})
         connections = Connections(settings)
         transport = Transport(settings, connections)
         try:
