@@ -44,6 +44,7 @@ __all__ = [
     "MAX_URL_LENGTH",
     "Parts",
     "UnusableURL",
+    "control_or_space",
     "credentials",
     "delivery_key",
     "escaped",
@@ -276,10 +277,9 @@ def _split(url: str, userinfo: bool) -> Parts:
         return parts
     # Before parsing: urlsplit and requests strip some of them silently, so that
     # "/in\r\nX: 1" would be queued as another URL.
-    plain = url.isascii() and url.isprintable() and " " not in url
-    for char in "" if plain else url:
-        if _is_control_or_space(char):
-            raise UnusableURL(url, f"has a control or whitespace character (U+{ord(char):04X})")
+    char = control_or_space(url)
+    if char is not None:
+        raise UnusableURL(url, f"has a control or whitespace character (U+{ord(char):04X})")
     scheme_match = _SCHEME.match(url)
     rest = url[scheme_match.end() :] if scheme_match else ""
     if scheme_match is None or not rest.startswith("//"):
@@ -387,9 +387,16 @@ def encode_query(text: str) -> str:
     return encode(text, _QUERY_SAFE)
 
 
-def _is_control_or_space(char: str) -> bool:
-    # C0, DEL, C1 (Cc), lone surrogates (Cs), and every kind of whitespace.
-    return char.isspace() or unicodedata.category(char) in ("Cc", "Cs", "Zs", "Zl", "Zp")
+def control_or_space(text: str) -> str | None:
+    """The first character of ``text`` no URL may hold as it is: C0, DEL,
+    C1, a lone surrogate, or any kind of whitespace; None if there is none
+    (plain ASCII is read as such at once)."""
+    if text.isascii() and text.isprintable() and " " not in text:
+        return None
+    for char in text:
+        if char.isspace() or unicodedata.category(char) in ("Cc", "Cs", "Zs", "Zl", "Zp"):
+            return char
+    return None
 
 
 def _host_and_port(url: str, authority: str, scheme: str) -> tuple[str, int | None]:

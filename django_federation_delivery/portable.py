@@ -33,8 +33,6 @@ _GATEWAY_PATH = "/.well-known/apgateway/"
 # did:<method>:<id>, with the DID Core characters but no percent-encoding: did:key and most
 # methods never need it, and refusing it keeps one DID from having two spellings.
 _DID = re.compile(r"did:[a-z0-9]+:[A-Za-z0-9._-]+(?::[A-Za-z0-9._-]+)*")
-# urlsplit silently drops tabs and newlines, so a URI carrying them would pass for another.
-_CONTROL_OR_SPACE = re.compile(r"[\x00-\x20\x7f]")
 
 
 def parse_ap_uri(uri: str) -> tuple[str, str, str]:
@@ -45,7 +43,9 @@ def parse_ap_uri(uri: str) -> tuple[str, str, str]:
     with what a URL cannot carry percent-encoded. The fragment is dropped: it names a part of the
     object, not another one.
     """
-    if not isinstance(uri, str) or _CONTROL_OR_SPACE.search(uri):
+    # urlsplit silently drops tabs and newlines, so a URI carrying them would
+    # pass for another; and no URL holds any other control or space as it is.
+    if not isinstance(uri, str) or addresses.control_or_space(uri) is not None:
         raise InvalidDelivery(f"not an ap:// URI: {quoted(uri, path=True)}")
     try:
         uri.encode()

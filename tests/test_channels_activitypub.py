@@ -191,6 +191,9 @@ def test_no_key_is_refused_and_a_key_store_failure_is_retried(
         True,
         "no key for sender https://social.example/users/alice",
     )
+    # A sender written before a send refused control characters in it.
+    odd = attempt(job(key=None, sender="https://social.example/\x1b[2Jalice"), transport)
+    assert odd.error == "no key for sender https://social.example/\\x1b[2Jalice"
     away = attempt(job(key_error="the sender's key could not be looked up: OSError"), transport)
     assert (away.permanent, away.delivered) == (False, False)
     assert len(mocked.calls) == 0, "nothing is sent unsigned"

@@ -161,7 +161,10 @@ class ActivityPub(Channel):
         if job.key_error:
             return failed(job, job.key_error, permanent=False, requests=0)
         if job.key is None:
-            return failed(job, f"no key for sender {job.sender}", permanent=True, requests=0)
+            # Escaped as an answer is: a row written before senders were
+            # checked as they are now may hold a control character.
+            error = f"no key for sender {addresses.escaped(job.sender)}"
+            return failed(job, error, permanent=True, requests=0)
         last: AttemptResult | None = None
         requests = 0
         # Whether a gateway said "not now" (a 5xx, a 429, no answer): it may
