@@ -209,7 +209,11 @@ def _replay_step(
         first_waits[ordering_key] = sequences.last_of_sequences(ordering_key, None, inboxes, alias)
     items = []
     for batch_id, queued in by_batch.items():
-        original = batches[batch_id]
+        original = batches.get(batch_id)
+        if original is None:
+            # Purged since its deliveries were read, with them: nothing is
+            # left of it to send again.
+            continue
         webhook = kinds[batch_id] == Kind.WEBHOOK
         new = Batch(
             sender=original.sender,

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
-from django.db import Error, connections
+from django.db import Error, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for
 from django_federation_delivery.store import sql
 
-__all__ = ["SessionLock", "session_lock", "write_first"]
+__all__ = ["SessionLock", "again_on_deadlock", "session_lock", "write_first"]
+
+T = TypeVar("T")
+
+#: PostgreSQL's SQLSTATE for a transaction it ended to undo a deadlock.
+DEADLOCK = "40P01"
+#: How many times a write ended so is made.
+DEADLOCK_TRIES = 3
 
 
 def write_first(using: str | None = None) -> None:
@@ -23,6 +31,24 @@ def write_first(using: str | None = None) -> None:
     transaction was begun ``IMMEDIATE``."""
     with sql.on(connection_for(using or database_alias())) as db:
         db.lock_for_writing()
+
+
+def again_on_deadlock(using: str, write: Callable[[], T]) -> T:
+    """``write()``, a transaction of its own, made again when PostgreSQL ended
+    it to undo a deadlock with another writer (an operator's action and a
+    purge, or a deliverer's settle, each locking rows the other holds): the
+    database chooses which of the two ends, and the other goes on. Inside
+    a transaction of the caller's, ended with it, it is raised."""
+    outer = connection_for(using).in_atomic_block
+    tried = 1
+    while True:
+        try:
+            return write()
+        except OperationalError as exc:
+            code = getattr(exc.__cause__, "sqlstate", None)
+            if outer or code != DEADLOCK or tried >= DEADLOCK_TRIES:
+                raise
+            tried += 1
 
 
 class SessionLock:

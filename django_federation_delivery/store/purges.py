@@ -8,6 +8,7 @@ SQLite's write lock waits no longer than one chunk.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from django.utils import timezone
 from django_federation_delivery.dialect import connection_for, db_datetime
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.store import sql
+from django_federation_delivery.store.locks import again_on_deadlock
 
 __all__ = ["delete_empty_batches", "delete_settled"]
 
@@ -42,35 +44,42 @@ def delete_settled(
     # until vacuum).
     since: Any = db_datetime(EARLIEST, connection)
     while True:
-        with transaction.atomic(using=alias), sql.on(connection) as db:
-            # The DELETE comes first in the transaction: on SQLite it takes
-            # the write lock at once, waiting its turn under the busy timeout,
-            # rather than read first and find the lock taken.
-            rows = db.all(
-                "delete_settled",
-                status=str(status),
-                cutoff=cutoff_value,
-                retractions_cutoff=retractions_value,
-                since=since,
-                chunk=chunk,
-            )
-            ids = sorted(row[0] for row in rows)
-            # A delivery waiting on (or, settled, once waiting on) one of
-            # these would point at nothing: the foreign key is checked at
-            # commit, by then cleared. One still pending is released first,
-            # as the deliverer's sweep would have released it.
-            if ids:
-                span = {"first": ids[0], "last": ids[-1], "ids": db.ids(ids)}
-                waiting = [id for (id,) in db.all("waiting_on", **span)]
-                if waiting:
-                    now = db_datetime(timezone.now(), connection)
-                    db.released(db.all("release", ids=db.ids(waiting), now=now))
-                db.run("forget_deleted", **span)
+        params = {
+            "status": str(status),
+            "cutoff": cutoff_value,
+            "retractions_cutoff": retractions_value,
+            "since": since,
+            "chunk": chunk,
+        }
+        rows = again_on_deadlock(alias, functools.partial(_delete_chunk, params, alias))
         if rows:
             since = max(row[1] for row in rows)
         yield len(rows)
         if len(rows) < chunk:
             return
+
+
+def _delete_chunk(params: dict[str, Any], alias: str) -> list[Any]:
+    """One chunk of :func:`delete_settled`, a transaction: the rows deleted."""
+    connection = connection_for(alias)
+    with transaction.atomic(using=alias), sql.on(connection) as db:
+        # The DELETE comes first in the transaction: on SQLite it takes
+        # the write lock at once, waiting its turn under the busy timeout,
+        # rather than read first and find the lock taken.
+        rows: list[Any] = db.all("delete_settled", **params)
+        ids = sorted(row[0] for row in rows)
+        # A delivery waiting on (or, settled, once waiting on) one of
+        # these would point at nothing: the foreign key is checked at
+        # commit, by then cleared. One still pending is released first,
+        # as the deliverer's sweep would have released it.
+        if ids:
+            span = {"first": ids[0], "last": ids[-1], "ids": db.ids(ids)}
+            waiting = [id for (id,) in db.all("waiting_on", **span)]
+            if waiting:
+                now = db_datetime(timezone.now(), connection)
+                db.released(db.all("release", ids=db.ids(waiting), now=now))
+            db.run("forget_deleted", **span)
+    return rows
 
 
 #: Before any settle: where the first chunk of a purge starts.

@@ -53,6 +53,11 @@ class Queued(NamedTuple):
     ordered: bool = True
 
 
+#: How many times a send inserts its batch when the batch kept under its
+#: idempotency key is purged each time between the insert and its read.
+KEPT_TRIES = 3
+
+
 def enqueue(
     batch: Batch,
     inboxes: Sequence[Queued],
@@ -93,35 +98,41 @@ def enqueue(
         # and then sees what it queued.
         lock_sequences(batch.ordering_key, _ordered(inboxes), alias)
     with sql.on(connection, driver=True) as db:
-        if db.postgresql and inboxes:
-            # The batch, its first deliveries and the wake-up of every
-            # listening process in one round trip.
-            first = inboxes[:per_statement]
-            one = len(first) == 1
-            batch.id = db.value(
-                "insert_batch_and_delivery" if one else "insert_batch_and_deliveries",
-                batch=batch_values,
-                **_delivery_params(
-                    connection,
-                    batch,
-                    first,
-                    _waits(batch, None, first, waits_on, alias),
-                    due,
-                    kind,
-                    one_row=one,
-                ),
-            )
-            done = len(first)
-        else:
-            # Written first: on SQLite the write lock is taken before anything is read.
-            batch.id = db.value("insert_batch", batch=batch_values)
-            done = 0
-        if batch.id is None:
+        # A batch kept under its idempotency key that a purge deletes between
+        # the insert that met it and the read of it frees the key: inserted
+        # again, it is written (or meets a newer one, sent meanwhile).
+        for _ in range(KEPT_TRIES):
+            if db.postgresql and inboxes:
+                # The batch, its first deliveries and the wake-up of every
+                # listening process in one round trip.
+                first = inboxes[:per_statement]
+                one = len(first) == 1
+                batch.id = db.value(
+                    "insert_batch_and_delivery" if one else "insert_batch_and_deliveries",
+                    batch=batch_values,
+                    **_delivery_params(
+                        connection,
+                        batch,
+                        first,
+                        _waits(batch, None, first, waits_on, alias),
+                        due,
+                        kind,
+                        one_row=one,
+                    ),
+                )
+                done = len(first)
+            else:
+                # Written first: on SQLite the write lock is taken before anything is read.
+                batch.id = db.value("insert_batch", batch=batch_values)
+                done = 0
+            if batch.id is not None:
+                break
             # Sent before with this idempotency key, and kept: nothing is queued.
             kept = _kept(batch.idempotency_key, alias)
-            if kept is None:  # purged between the insert and this read
-                raise Batch.DoesNotExist("the batch kept under this idempotency key is gone")
-            return kept
+            if kept is not None:
+                return kept
+        else:
+            raise Batch.DoesNotExist("the batch kept under this idempotency key is gone")
         _written(batch, alias)
         # A statement at a time, each a bounded chunk: 100,000 rows' values at
         # once is memory a fan-out does not need.

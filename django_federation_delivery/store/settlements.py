@@ -22,7 +22,7 @@ from django_federation_delivery.models import Batch, Delivery, Retracts, Status
 from django_federation_delivery.store import history, sql, wakes
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down, count_up
-from django_federation_delivery.store.locks import write_first
+from django_federation_delivery.store.locks import again_on_deadlock, write_first
 from django_federation_delivery.store.sequences import release_next
 
 logger = logging.getLogger(__name__)
@@ -182,6 +182,9 @@ def _settle(
     count: bool,
 ) -> sql.Settled:
     connection = connection_for(using)
+    # In id order, the order every other writer of many rows (a give-up, a
+    # requeue) locks them in: the outbox's order is the order answers came.
+    settlements = sorted(settlements, key=lambda item: item.claimed.id)
     settled_at = db_datetime(now, connection)
     rows: list[list[Any]] = []
     for item, (minute, name) in zip(settlements, _counted_rows(settlements, now), strict=True):
@@ -286,6 +289,18 @@ def give_up_rows(
     if not ids:
         return []
     alias = using or database_alias()
+    return again_on_deadlock(
+        alias, lambda: _give_up_rows(ids, reason, on_failing, on_finished, alias)
+    )
+
+
+def _give_up_rows(
+    ids: Sequence[int],
+    reason: str,
+    on_failing: Callable[[list[GivenUp]], None] | None,
+    on_finished: Callable[[list[int]], None] | None,
+    alias: str,
+) -> list[int]:
     connection = connection_for(alias)
     now = timezone.now()
     with transaction.atomic(using=alias):
@@ -331,6 +346,10 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     One whose batch's deadline has passed is left as it is too: requeued,
     it would be failed again at once, unsent."""
     alias = using or database_alias()
+    return again_on_deadlock(alias, lambda: _requeue_rows(ids, alias))
+
+
+def _requeue_rows(ids: Sequence[int], alias: str) -> int:
     now = timezone.now()
     manager = Delivery.objects.using(alias)
     with transaction.atomic(using=alias):
@@ -341,6 +360,8 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
             .exclude(Exists(_retracting(Retracts.OBJECT, "object_id")))
             .exclude(Exists(_retracting(Retracts.ACTIVITY, "activity_id")))
             .exclude(Exists(_overdue(now)))
+            # Locked lowest first, as every other writer of many rows locks them.
+            .order_by("id")
             .values_list("id", "batch_id")
         )
         requeued = [id for id, _ in rows]

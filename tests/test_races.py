@@ -1,0 +1,265 @@
+"""Races between processes acting on the same rows at once, on PostgreSQL:
+SQLite has one writer, and there these statements never overlap."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import close_old_connections, connection, connections
+from django.utils import timezone
+
+from django_federation_delivery import controls, retention, send
+from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.replay import replay
+
+from .keys import ALICE
+
+DAY = dt.timedelta(days=1)
+
+
+def postgresql_only() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite has one writer: these statements never overlap there")
+
+
+def note(n: int) -> dict[str, Any]:
+    return {"type": "Create", "id": f"{ALICE}/activities/{n}", "actor": ALICE}
+
+
+def in_other_thread(work: Callable[[], Any], timeout: float = 20) -> list[Any]:
+    """Run ``work`` to its end on a connection of its own; its result or error."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(work())
+        except BaseException as exc:
+            out.append(exc)
+        finally:
+            close_old_connections()
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "the other side is stuck"
+    return out
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replay_meeting_a_purge_of_what_it_read_replays_the_rest_without_a_keyerror() -> None:
+    """A replay reads the deliveries it replays, then their batches (their
+    bodies). A purge (``run_deliverer --purge``, a periodic task) deleting
+    one of those batches, old and emptied, in between made the whole replay
+    fail with a bare ``KeyError: <batch id>`` and queue nothing. It replays
+    what is still there."""
+    postgresql_only()
+    now = timezone.now()
+    old = send(ALICE, note(1), ["https://a.example/inbox"])
+    recent = send(ALICE, note(2), ["https://a.example/inbox"])
+    assert old is not None and recent is not None
+    Batch.objects.filter(pk=old.pk).update(created_at=now - 10 * DAY)
+    Delivery.objects.filter(batch=old).update(
+        status=Status.DELIVERED, settled_at=now - 10 * DAY, due_at=None
+    )
+    Delivery.objects.filter(batch=recent).update(
+        status=Status.DELIVERED, settled_at=now - DAY, due_at=None
+    )
+    purged: list[Any] = []
+    seen_rows = []
+
+    def purge_meanwhile(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        # Once the replay has read its rows, and before it reads their batches.
+        if (
+            seen_rows
+            and not purged
+            and sql.lstrip().startswith("SELECT")
+            and ('FROM "federation_delivery_batch"' in sql)
+        ):
+            purged.extend(
+                in_other_thread(lambda: retention.purge({Status.DELIVERED: now - 7 * DAY}))
+            )
+        if '"federation_delivery_delivery"."via"' in sql:
+            seen_rows.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(purge_meanwhile):
+        replayed = replay(host="a.example", since=now - 30 * DAY)
+    assert purged and purged[0].deleted == 1 and purged[0].batches == 1, purged
+    assert [b.body for b in replayed if b.created] == [recent.body]
+
+
+def waiting_on_locks() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10) -> None:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, "never came"
+        time.sleep(0.02)
+
+
+class Side(threading.Thread):
+    """One process's work, on a connection of its own: its result or error."""
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.work = work
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.work()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            connections.close_all()
+
+
+def hold_row(id: int, holding: threading.Event, release: threading.Event) -> Side:
+    from django.db import transaction
+
+    def work() -> None:
+        with transaction.atomic():
+            list(Delivery.objects.select_for_update().filter(id=id).values_list("id"))
+            holding.set()
+            release.wait(20)
+
+    side = Side(work)
+    side.start()
+    assert holding.wait(10)
+    return side
+
+
+def crossed(held: int, first: Callable[[], Any], second: Callable[[], Any]) -> None:
+    """``first``, then ``second``, each on a connection of its own, while a
+    third holds the row ``held``: let go once both wait, past PostgreSQL's
+    deadlock_timeout (1 s), so that a cycle between them is found. Neither
+    may fail."""
+    holding, release = threading.Event(), threading.Event()
+    blocker = hold_row(held, holding, release)
+    sides = [Side(first), Side(second)]
+    for waiting, side in enumerate(sides, 1):
+        side.start()
+        wait_for(lambda waiting=waiting: waiting_on_locks() == waiting)
+    time.sleep(1.2)
+    release.set()
+    for side in (blocker, *sides):
+        side.join(20)
+    errors = [side.error for side in sides]
+    assert errors == [None, None], errors
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_operators_give_up_while_a_deliverer_settles_the_same_rows_never_deadlocks() -> None:
+    """An operator cancels a batch ("give up") while a deliverer writes the
+    outcomes of its attempts at the same rows. The give-up locks the rows in
+    id order; the settle in the order its outcomes came back (the outbox's
+    JSON list drove its UPDATE). Two orders, one cycle: PostgreSQL aborted
+    one with ``deadlock detected`` (40P01): the operator's give-up raised
+    ``OperationalError`` (a 500 in the admin), or the deliverer logged "The
+    database is unavailable (deadlock detected ...)" and waited it out. The
+    settle now locks in id order too, and each waits for the other."""
+    postgresql_only()
+    from django_federation_delivery import store
+
+    batch = send(ALICE, note(1), [f"https://a.example/u{n}/inbox" for n in range(3)])
+    r1, r2, r3 = sorted(store.claim(10, lease=300), key=lambda r: r.id)
+    # Another statement holds r2 a moment (a claim, a pause): the give-up
+    # has locked r1 and waits for it. Then the deliverer's outcomes, r3's
+    # answer first: it locks r3, and waits for r1.
+    crossed(
+        r2.id,
+        lambda: controls.give_up(Delivery.objects.filter(batch=batch), "cancelled"),
+        lambda: store.settle(
+            [store.Settlement(claimed=r, status=Status.DELIVERED, attempts=1) for r in (r3, r1)]
+        ),
+    )
+    # Whichever went first, every row is out of the queue, the batch finished once.
+    assert not Delivery.objects.filter(batch=batch, status=Status.PENDING).exists()
+    assert Batch.objects.get(pk=batch.pk).remaining == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_send_retried_while_a_purge_deletes_its_kept_batch_queues_it_again() -> None:
+    """README: a send with an idempotency key returns the batch kept under
+    it, and "once the batch is purged, the key sends again". A retried send
+    whose INSERT meets the kept batch just before a purge deletes it
+    (``run_deliverer --purge`` deletes old batches left with no delivery)
+    raised ``Batch.DoesNotExist: the batch kept under this idempotency key
+    is gone`` and queued nothing: the view's retry failed with a 500. It
+    writes the batch anew (the key is free again), as a send a moment later
+    would."""
+    postgresql_only()
+    now = timezone.now()
+    inbox = "https://a.example/inbox"
+    first = send(ALICE, note(1), [inbox], idempotency_key="post-1")
+    assert first is not None
+    Batch.objects.filter(pk=first.pk).update(created_at=now - 10 * DAY)
+    Delivery.objects.filter(batch=first).update(
+        status=Status.DELIVERED, settled_at=now - 10 * DAY, due_at=None
+    )
+    purged: list[Any] = []
+
+    def purge_meanwhile(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        answer = execute(sql, params, many, context)
+        if not purged and "ON CONFLICT" in sql:
+            # The INSERT met the kept batch; the purge deletes it now.
+            purged.extend(
+                in_other_thread(lambda: retention.purge({Status.DELIVERED: now - 7 * DAY}))
+            )
+        return answer
+
+    with connection.execute_wrapper(purge_meanwhile):
+        again = send(ALICE, note(1), [inbox], idempotency_key="post-1")
+    assert purged and purged[0].batches == 1, purged
+    assert again is not None and again.created
+    assert Delivery.objects.filter(batch=again, status=Status.PENDING).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_requeue_while_a_purge_deletes_some_of_its_rows_never_deadlocks() -> None:
+    """An operator requeues failed deliveries ("select all", "Requeue")
+    while a purge (``run_deliverer --purge``) deletes the oldest of them. The
+    requeue locks its rows (``select_for_update``, in id order); the purge
+    deletes its chunk, then clears ``after_id`` on every row that once
+    waited on one deleted (``forget_deleted``): among them a failed row the
+    requeue holds, while the requeue waits for a row the purge deleted.
+    PostgreSQL aborts one with ``deadlock detected``: the operator's requeue
+    raised ``OperationalError`` (or the purge failed: "The purge failed").
+    The one aborted is done again: the requeued row is kept, the other
+    purged."""
+    postgresql_only()
+    now = timezone.now()
+    batch = send(ALICE, note(1), [f"https://a.example/u{n}/inbox" for n in range(3)])
+    assert batch is not None
+    # d and x failed 40 days ago (past FAILED's 30 days); y, failed a day
+    # ago, had waited on d (its sequence's turn) when it was given up.
+    d, y, x = Delivery.objects.filter(batch=batch).order_by("id")
+    Delivery.objects.filter(batch=batch).update(
+        status=Status.FAILED, settled_at=now - 40 * DAY, due_at=None
+    )
+    Delivery.objects.filter(pk=y.pk).update(settled_at=now - DAY, after_id=d.pk)
+    Delivery.objects.filter(pk=x.pk).update(last_error="gone")
+    Batch.objects.filter(pk=batch.pk).update(remaining=0, finished_at=now - DAY)
+    # Something holds y a moment (a statement of the admin's, another
+    # requeue), while the requeue waits for it and the purge comes.
+    crossed(
+        y.pk,
+        lambda: controls.requeue(Delivery.objects.filter(id__in=[y.pk, x.pk])),
+        lambda: retention.purge({Status.FAILED: now - 30 * DAY}),
+    )
+    # y is never the purge's (failed a day ago): requeued whichever went first.
+    assert Delivery.objects.get(pk=y.pk).status == Status.PENDING
