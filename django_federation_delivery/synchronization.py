@@ -11,7 +11,7 @@ import hashlib
 import re
 from collections.abc import Iterable
 
-from .addresses import origin, quoted
+from .addresses import BINARY, origin, quoted
 from .exceptions import InvalidDelivery
 
 __all__ = [
@@ -40,7 +40,7 @@ def _each(follower_uris: Iterable[str]) -> dict[str, None]:
     ``values()``) is refused by name: left out, it would make a digest of
     fewer followers, which the receiver takes as follows to drop; a dict,
     which cannot be counted once, would raise a bare ``TypeError``."""
-    if isinstance(follower_uris, str):
+    if isinstance(follower_uris, str | BINARY):
         raise InvalidDelivery(
             f"expected follower URIs, got one string: {quoted(follower_uris, path=True)}"
         )

@@ -99,11 +99,13 @@ def test_the_digest_is_lowercase_hex() -> None:
     int(digest, 16)
 
 
-def test_a_single_string_is_refused_rather_than_read_as_its_characters() -> None:
-    with pytest.raises(InvalidDelivery, match="alice"):
-        followers_digest(ALICE)
-    with pytest.raises(InvalidDelivery, match="alice"):
-        followers_on_origin(ALICE, "https://remote.example/inbox")
+@pytest.mark.parametrize("kind", [str, bytes, bytearray, memoryview])
+def test_a_single_string_is_refused_rather_than_read_as_its_characters(kind: type) -> None:
+    one = ALICE if kind is str else kind(ALICE.encode())
+    with pytest.raises(InvalidDelivery, match="got one string"):
+        followers_digest(one)
+    with pytest.raises(InvalidDelivery, match="got one string"):
+        followers_on_origin(one, "https://remote.example/inbox")
 
 
 def test_a_follower_uri_that_is_not_a_string_is_refused_by_name() -> None:
