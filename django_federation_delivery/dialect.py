@@ -67,15 +67,25 @@ def aware(value: dt.datetime) -> dt.datetime:
 
 def aware_now() -> dt.datetime:
     """The time now, aware whatever ``USE_TZ`` says, to compare with the
-    times the package reads (:func:`read_datetime`) and keeps."""
-    return aware(timezone.now())
+    times the package reads (:func:`read_datetime`) and keeps: in UTC, where
+    adding 30 s is 30 s and two times compare as instants, as they do not
+    in a zone whose clock goes back an hour once a year (``TIME_ZONE`` with
+    ``USE_TZ = False``, which ``timezone.now()`` is in then)."""
+    return aware(timezone.now()).astimezone(dt.UTC)
 
 
-def orm_datetime(value: dt.datetime) -> dt.datetime:
-    """``value`` as the ORM takes it: with ``USE_TZ = False``, naive in
-    ``TIME_ZONE`` (its backend for SQLite refuses an aware one); as it is
-    otherwise. The package's own times are aware whatever ``USE_TZ`` says."""
-    if not settings.USE_TZ and timezone.is_aware(value):
+def orm_datetime(value: dt.datetime, using: str | None = None) -> dt.datetime:
+    """``value`` as the ORM takes it for the database ``using``: on SQLite
+    with ``USE_TZ = False``, naive in ``TIME_ZONE`` (its backend refuses an
+    aware one); as it is otherwise. The package's own times are aware
+    whatever ``USE_TZ`` says, and PostgreSQL takes one as the instant it is,
+    where a naive time in the hour a clock goes back through twice is read
+    as the later of the two."""
+    if (
+        not settings.USE_TZ
+        and timezone.is_aware(value)
+        and connection_for(using).vendor != "postgresql"
+    ):
         return timezone.make_naive(value, timezone.get_default_timezone())
     return value
 

@@ -88,7 +88,7 @@ def to_replay(keys: list[str], *, since: dt.datetime, using: str | None = None) 
             manager.filter(
                 host__in=keys[start : start + queueing.CHUNK],
                 status__in=REPLAYED,
-                settled_at__gte=orm_datetime(since),
+                settled_at__gte=orm_datetime(since, using),
             )
         )
         counts.update(matching.values_list("host").annotate(count=Count("id")).order_by())
@@ -110,7 +110,7 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
     alias = database_alias(using)
     matching = _replayable(
         Delivery.objects.using(alias).filter(
-            host=key, status__in=REPLAYED, settled_at__gte=orm_datetime(since)
+            host=key, status__in=REPLAYED, settled_at__gte=orm_datetime(since, alias)
         )
     )
     replayed: list[Batch] = []

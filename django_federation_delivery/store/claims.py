@@ -20,10 +20,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from django.db import OperationalError, transaction
-from django.utils import timezone
 
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, database_alias
-from django_federation_delivery.dialect import connection_for, db_datetime, read_datetime
+from django_federation_delivery.dialect import (
+    aware_now,
+    connection_for,
+    db_datetime,
+    read_datetime,
+)
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 from django_federation_delivery.store import sql
 
@@ -91,7 +95,7 @@ def claim(
     only = sorted(set(only_hosts) - set(excluded))[:MOST_HOSTS]
     if only_hosts and not only:
         return []
-    now = timezone.now()
+    now = aware_now()
     token = uuid.uuid4().hex
     wanted = _Wanted(
         limit=limit,
@@ -365,7 +369,7 @@ def next_due(*, using: str | None = None) -> dt.datetime | None:
 def count_due(*, using: str | None = None) -> int:
     """How many pending deliveries are due now (the partial index, lane by lane)."""
     manager = Delivery.objects.using(using or database_alias())
-    now = timezone.now()
+    now = aware_now()
     return sum(
         manager.filter(status=Status.PENDING, lane=lane, due_at__lte=now).count()
         for lane in CLAIM_ORDER
@@ -383,7 +387,7 @@ def has_due(*, since: dt.datetime | None = None, using: str | None = None) -> bo
             db.value(
                 "has_due",
                 **LANES,
-                now=db_datetime(timezone.now(), connection),
+                now=db_datetime(aware_now(), connection),
                 since=db_datetime(since or EARLIEST, connection),
             )
         )

@@ -13,11 +13,11 @@ from typing import Any, NamedTuple
 
 from django.db import models, transaction
 from django.db.models.signals import post_save, pre_save
-from django.utils import timezone
 
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import (
+    aware_now,
     connection_for,
     db_datetime,
     is_postgresql,
@@ -86,7 +86,7 @@ def enqueue(
     """
     alias = using or database_alias()
     connection = connection_for(alias)
-    now = timezone.now()
+    now = aware_now()
     _prepare(batch, inboxes, now, alias)
     batch_values = _batch_values(batch, connection)
     due = db_datetime(now, connection)
@@ -186,7 +186,7 @@ def enqueue_all(
         raise ValueError("enqueue_all needs an idempotency key of its own for each batch")
     alias = using or database_alias()
     connection = connection_for(alias)
-    now = timezone.now()
+    now = aware_now()
     for item in items:
         _prepare(item.batch, item.inboxes, now, alias)
     ids: dict[str, int] = {}

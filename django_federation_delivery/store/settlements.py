@@ -14,10 +14,14 @@ from typing import Any, NamedTuple
 
 from django.db import DatabaseError, OperationalError, transaction
 from django.db.models import Exists, OuterRef, QuerySet
-from django.utils import timezone
 
 from django_federation_delivery.conf import database_alias
-from django_federation_delivery.dialect import connection_for, db_datetime, orm_datetime
+from django_federation_delivery.dialect import (
+    aware_now,
+    connection_for,
+    db_datetime,
+    orm_datetime,
+)
 from django_federation_delivery.models import Batch, Delivery, Retracts, Status
 from django_federation_delivery.store import history, sql, wakes
 from django_federation_delivery.store.claims import Claimed
@@ -92,7 +96,7 @@ def settle(
     """
     if not settlements:
         return set()
-    now = timezone.now()
+    now = aware_now()
     try:
         settled = _written(settlements, now, using)
     except DatabaseError as exc:
@@ -302,7 +306,7 @@ def _give_up_rows(
     alias: str,
 ) -> list[int]:
     connection = connection_for(alias)
-    now = timezone.now()
+    now = aware_now()
     with transaction.atomic(using=alias):
         with sql.on(connection) as db:
             # One statement that both picks and changes the rows: what it
@@ -350,7 +354,7 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
 
 
 def _requeue_rows(ids: Sequence[int], alias: str) -> int:
-    now = timezone.now()
+    now = aware_now()
     manager = Delivery.objects.using(alias)
     with transaction.atomic(using=alias):
         write_first(alias)  # SQLite locks no row a read selects for update

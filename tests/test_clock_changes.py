@@ -1,0 +1,226 @@
+"""Times across a clock change, with ``USE_TZ = False`` in a zone whose clock
+goes forward and back (New York): a retry, a lease, a deadline and a
+replay's window are spans of real time, not of the wall clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import os
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from django_federation_delivery import send, send_batch, store
+from django_federation_delivery.attempt import failed
+from django_federation_delivery.channels.activitypub import InboxJob
+from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.retry import RetryPolicy
+from django_federation_delivery.settling import Settler, Summary
+from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.store.claims import batches
+
+from .keys import ALICE
+
+NOTE = {"type": "Note"}
+ON_POSTGRESQL = os.environ.get("DATABASE_URL", "").startswith("postgres")
+#: SQLite keeps a naive time as text: what PostgreSQL reads as a moment there compares as text.
+sqlite_only = pytest.mark.skipif(ON_POSTGRESQL, reason="SQLite's text times")
+#: PostgreSQL reads a naive parameter of the repeated hour as standard time.
+postgresql_only = pytest.mark.skipif(
+    not ON_POSTGRESQL, reason="PostgreSQL's reading of a naive time"
+)
+NEW_YORK = "America/New_York"
+UTC = dt.UTC
+
+
+def freeze(monkeypatch: pytest.MonkeyPatch, local: dt.datetime) -> None:
+    """``timezone.now()`` as Django gives it with ``USE_TZ = False``: the
+    naive wall-clock time in ``TIME_ZONE`` (its ``fold`` telling the repeated
+    hour's second pass, as ``datetime.now()`` does)."""
+    monkeypatch.setattr(timezone, "now", lambda: local)
+
+
+def job(delivery_id: int) -> InboxJob:
+    return InboxJob(
+        delivery_id=delivery_id,
+        targets=("https://social.example/inbox",),
+        body=b"{}",
+        body_sha256="",
+        key=None,
+        sender=ALICE,
+        scheme=Scheme.CAVAGE,
+    )
+
+
+def eastern(*args: int, fold: int = 0) -> dt.datetime:
+    """A New York wall-clock time, naive, as Django keeps it with USE_TZ off."""
+    return dt.datetime(*args, fold=fold)  # type: ignore[misc]
+
+
+def in_utc(*args: int) -> dt.datetime:
+    return dt.datetime(*args, tzinfo=UTC)  # type: ignore[misc]
+
+
+def new_york_without_use_tz(settings: Any) -> None:
+    settings.USE_TZ = False
+    settings.TIME_ZONE = NEW_YORK
+
+
+def settle_a_503(row: store.Claimed) -> Any:
+    """What the settler makes of an inbox's 503 for ``row``, at the clock's time."""
+    settler = Settler(policy=RetryPolicy(base=30.0, jitter=0.0), summary=Summary())
+    result = dataclasses.replace(
+        failed(job(row.id), "the inbox answered 503", permanent=False), status=503
+    )
+    return settler.attempted(row, batches([row.batch_id])[row.batch_id], result)
+
+
+@pytest.mark.django_db
+def test_a_30_second_retry_across_the_fall_back_is_due_30_seconds_later(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, ``USE_TZ = False``, 2024-11-03 01:59:50 EDT: an inbox answers
+    503 and the policy waits 30 s. The retry is due at 01:00:20 EST, 30 s
+    later; it is written due at 02:00:20 EST, an hour and 30 s later, since
+    the settler's ``now`` (``dialect.aware_now()``) is aware in ``TIME_ZONE``
+    and Python adds a timedelta to it on the wall clock."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 59, 50))  # EDT, the first 01:59:50
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    (row,) = store.claim(1, lease=300)
+    settlement = settle_a_503(row)
+    assert settlement.due_at is not None
+    assert settlement.due_at.astimezone(UTC) == in_utc(2024, 11, 3, 6, 0, 20)
+    store.settle([settlement])
+    # As Django reads it with USE_TZ off: the wall-clock time in New York.
+    assert Delivery.objects.get().due_at == eastern(2024, 11, 3, 1, 0, 20)
+
+
+@sqlite_only
+@pytest.mark.django_db
+def test_a_claims_lease_across_the_spring_forward_holds_for_its_length(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, ``USE_TZ = False``, 2024-03-10 01:58 EST: a claim takes a
+    delivery for a 300 s lease, until 03:03 EDT. Three minutes later (03:01
+    EDT) another claim takes the same delivery again, while the first
+    holder may be sending it: the lease was written as the naive 02:03 (the
+    naive ``timezone.now()`` plus 300 s on the wall clock, a time that does
+    not exist), before 03:01 on SQLite's text. It is sent twice."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 3, 10, 1, 58))  # EST
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    (first,) = store.claim(1, lease=300)
+    freeze(monkeypatch, eastern(2024, 3, 10, 3, 1))  # EDT: 3 minutes later
+    again = [row.id for row in store.claim(1, lease=300)]
+    assert first.id not in again, "taken again while the first claim's lease holds"
+
+
+@pytest.mark.django_db
+def test_a_claims_lease_across_the_fall_back_lapses_after_its_length(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, ``USE_TZ = False``, 2024-11-03 01:58 EDT: a claim takes a
+    delivery for 300 s, until 01:03 EST. Its holder dies; at 01:04 EST the
+    delivery is not due again: its lease was written as 02:03 (wall-clock
+    arithmetic on the naive ``timezone.now()``), and it waits 65 minutes
+    instead of 5."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 58))  # EDT
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    (first,) = store.claim(1, lease=300)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 4, fold=1))  # EST: 6 minutes later
+    again = store.claim(1, lease=300)
+    assert [row.id for row in again] == [first.id], "the first claim's lease lapsed"
+
+
+@postgresql_only
+@pytest.mark.django_db
+def test_a_retry_due_in_25_minutes_is_not_claimed_in_the_repeated_hour(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL, New York, ``USE_TZ = False``, 2024-11-03 at 01:30 EDT: a
+    retry is due at 01:55 EDT (an inbox asked for 25 minutes). The claim
+    takes it at once: its ``now`` is the naive 01:30, which PostgreSQL reads
+    in the repeated hour as 01:30 EST, an hour later. The inbox is sent it
+    25 minutes before it asked."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 0))  # EDT
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    (row,) = store.claim(1, lease=300)
+    due = in_utc(2024, 11, 3, 5, 55)  # 01:55 EDT
+    store.settle([store.Settlement(claimed=row, status=Status.PENDING, attempts=1, due_at=due)])
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 30))  # EDT, 25 minutes before it is due
+    assert store.claim(1, lease=300) == []
+
+
+@pytest.mark.django_db
+def test_a_retry_past_the_batchs_deadline_in_the_repeated_hour_is_given_up(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, ``USE_TZ = False``: a batch's deadline is 01:50 EDT on
+    2024-11-03 (05:50 UTC). At 01:10 EST (06:10 UTC, 20 minutes past it) an
+    attempt fails: the delivery should be given up, its deadline passed.
+    It is retried instead, and sent after its deadline: ``decide`` compares
+    ``now`` (aware in New York) with the deadline (read in New York too) as
+    wall-clock times, 01:10:30 before 01:50."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 0, 59))  # EDT
+    send_batch(
+        ALICE, NOTE, ["https://social.example/inbox"], {"deadline": in_utc(2024, 11, 3, 5, 50)}
+    )
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 10, fold=1))  # EST
+    (row,) = store.claim(1, lease=300)
+    settlement = settle_a_503(row)
+    assert settlement.status == Status.FAILED
+    assert settlement.last_error.startswith("the batch's deadline passed")
+
+
+@pytest.mark.django_db
+def test_replay_since_2h_on_the_spring_forward_reaches_two_hours_back(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, ``USE_TZ = False``, 2024-03-10 at 03:30 EDT (07:30 UTC):
+    ``delivery_replay --since 2h`` should send again what was delivered
+    since 05:30 UTC, such as a delivery at 01:15 EST (06:15 UTC). It says
+    "Queued again: 0 deliveries": the span was taken off the wall clock
+    (03:30 - 2h = 01:30 EST, one hour back), and the restored host never
+    gets what it lost."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 3, 10, 1, 14))  # EST
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    (row,) = store.claim(1, lease=300)
+    freeze(monkeypatch, eastern(2024, 3, 10, 1, 15))  # EST, 06:15 UTC
+    store.settle(
+        [store.Settlement(claimed=row, status=Status.DELIVERED, attempts=1, last_status=202)]
+    )
+    freeze(monkeypatch, eastern(2024, 3, 10, 3, 30))  # EDT, 07:30 UTC
+    out = StringIO()
+    call_command("delivery_replay", "--host=social.example", "--since=2h", stdout=out)
+    assert "1 delivery, in 1 new batch" in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_replay_since_a_local_moment_of_the_repeated_hour_already_past_is_taken(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, ``USE_TZ = False``, 2024-11-03 at 01:10 EST (06:10 UTC):
+    ``--since 2024-11-03T01:40`` (read in TIME_ZONE: 01:40 EDT, 05:40 UTC,
+    half an hour ago) is refused "is not in the past": the command compares
+    it with ``aware_now()``, both in New York, as wall-clock times."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 44))  # EDT
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    (row,) = store.claim(1, lease=300)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 45))  # EDT, 05:45 UTC
+    store.settle(
+        [store.Settlement(claimed=row, status=Status.DELIVERED, attempts=1, last_status=202)]
+    )
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 10, fold=1))  # EST, 06:10 UTC
+    out = StringIO()
+    call_command("delivery_replay", "--host=social.example", "--since=2024-11-03T01:40", stdout=out)
+    assert "1 delivery, in 1 new batch" in out.getvalue()
