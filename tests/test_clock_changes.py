@@ -180,6 +180,23 @@ def test_a_retry_past_the_batchs_deadline_in_the_repeated_hour_is_given_up(
     assert settlement.last_error.startswith("the batch's deadline passed")
 
 
+def delivered_at(monkeypatch: pytest.MonkeyPatch, local: dt.datetime) -> None:
+    """One delivery to social.example, sent and delivered at ``local``."""
+    freeze(monkeypatch, local)
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    (row,) = store.claim(1, lease=300)
+    store.settle(
+        [store.Settlement(claimed=row, status=Status.DELIVERED, attempts=1, last_status=202)]
+    )
+
+
+def replayed_since(since: str) -> str:
+    """What ``delivery_replay --since`` says it queued again."""
+    out = StringIO()
+    call_command("delivery_replay", "--host=social.example", f"--since={since}", stdout=out)
+    return out.getvalue().rpartition("Queued again: ")[2].strip().rstrip(".")
+
+
 @pytest.mark.django_db
 def test_replay_since_2h_on_the_spring_forward_reaches_two_hours_back(
     settings: Any, monkeypatch: pytest.MonkeyPatch
@@ -191,17 +208,9 @@ def test_replay_since_2h_on_the_spring_forward_reaches_two_hours_back(
     (03:30 - 2h = 01:30 EST, one hour back), and the restored host never
     gets what it lost."""
     new_york_without_use_tz(settings)
-    freeze(monkeypatch, eastern(2024, 3, 10, 1, 14))  # EST
-    send(ALICE, NOTE, ["https://social.example/inbox"])
-    (row,) = store.claim(1, lease=300)
-    freeze(monkeypatch, eastern(2024, 3, 10, 1, 15))  # EST, 06:15 UTC
-    store.settle(
-        [store.Settlement(claimed=row, status=Status.DELIVERED, attempts=1, last_status=202)]
-    )
+    delivered_at(monkeypatch, eastern(2024, 3, 10, 1, 15))  # EST, 06:15 UTC
     freeze(monkeypatch, eastern(2024, 3, 10, 3, 30))  # EDT, 07:30 UTC
-    out = StringIO()
-    call_command("delivery_replay", "--host=social.example", "--since=2h", stdout=out)
-    assert "1 delivery, in 1 new batch" in out.getvalue()
+    assert replayed_since("2h") == "1 delivery, in 1 new batch"
 
 
 @pytest.mark.django_db
@@ -213,14 +222,6 @@ def test_replay_since_a_local_moment_of_the_repeated_hour_already_past_is_taken(
     half an hour ago) is refused "is not in the past": the command compares
     it with ``aware_now()``, both in New York, as wall-clock times."""
     new_york_without_use_tz(settings)
-    freeze(monkeypatch, eastern(2024, 11, 3, 1, 44))  # EDT
-    send(ALICE, NOTE, ["https://social.example/inbox"])
-    (row,) = store.claim(1, lease=300)
-    freeze(monkeypatch, eastern(2024, 11, 3, 1, 45))  # EDT, 05:45 UTC
-    store.settle(
-        [store.Settlement(claimed=row, status=Status.DELIVERED, attempts=1, last_status=202)]
-    )
+    delivered_at(monkeypatch, eastern(2024, 11, 3, 1, 45))  # EDT, 05:45 UTC
     freeze(monkeypatch, eastern(2024, 11, 3, 1, 10, fold=1))  # EST, 06:10 UTC
-    out = StringIO()
-    call_command("delivery_replay", "--host=social.example", "--since=2024-11-03T01:40", stdout=out)
-    assert "1 delivery, in 1 new batch" in out.getvalue()
+    assert replayed_since("2024-11-03T01:40") == "1 delivery, in 1 new batch"
