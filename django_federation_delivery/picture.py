@@ -19,11 +19,10 @@ import datetime as dt
 from typing import Any
 
 from django.db.models import Case, Count, Q, Value, When
-from django.utils import timezone
 
 from django_federation_delivery.addresses import host_named
 from django_federation_delivery.conf import database_alias
-from django_federation_delivery.dialect import aware
+from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 
 __all__ = [
@@ -100,7 +99,7 @@ def milliseconds(value: float | None) -> str:
 def resting_until(host: Host, now: dt.datetime) -> dt.datetime | None:
     """Until when ``host`` rests, if that is after ``now``: a rest over is none."""
     until = host.resting_until
-    return until if until is not None and until > now else None
+    return until if until is not None and aware(until) > aware(now) else None
 
 
 def host_picture(
@@ -125,7 +124,8 @@ def kept_host_picture(
     if "\x00" in name:
         return None  # no row holds it (PostgreSQL's text cannot): never asked
     alias = using or database_alias()
-    now = now or timezone.now()
+    # In UTC: the last day is 24 hours on the day a clock changes too.
+    now = now or aware_now()
     host = Host.objects.using(alias).filter(name=name).annotate(trouble=TROUBLE).first()
     deliveries = Delivery.objects.using(alias).filter(host=name)
     pending = deliveries.filter(status=Status.PENDING).aggregate(
@@ -134,7 +134,8 @@ def kept_host_picture(
     last_day = {
         status: count
         for status, count in deliveries.filter(
-            status__in=[s for s in Status if s != Status.PENDING], settled_at__gte=now - DAY
+            status__in=[s for s in Status if s != Status.PENDING],
+            settled_at__gte=orm_datetime(now - DAY, alias),
         )
         .values_list("status")
         .annotate(n=Count("id"))

@@ -18,6 +18,7 @@ from django_federation_delivery import send, send_batch, store
 from django_federation_delivery.attempt import failed
 from django_federation_delivery.channels.activitypub import InboxJob
 from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.picture import host_picture
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.signatures import Scheme
@@ -225,3 +226,18 @@ def test_replay_since_a_local_moment_of_the_repeated_hour_already_past_is_taken(
     delivered_at(monkeypatch, eastern(2024, 11, 3, 1, 45))  # EDT, 05:45 UTC
     freeze(monkeypatch, eastern(2024, 11, 3, 1, 10, fold=1))  # EST, 06:10 UTC
     assert replayed_since("2024-11-03T01:40") == "1 delivery, in 1 new batch"
+
+
+@pytest.mark.django_db
+def test_a_hosts_last_24_hours_on_a_23_hour_day_are_24_hours(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, ``USE_TZ = False``, 2024-03-10 at 12:00 EDT (16:00 UTC): a
+    delivery at 11:30 EST the day before (16:30 UTC) is within the last 24
+    hours. The wall clock's day before began at 12:00 EST, an hour later:
+    the host's picture counted nothing (on PostgreSQL, it had none)."""
+    new_york_without_use_tz(settings)
+    delivered_at(monkeypatch, eastern(2024, 3, 9, 11, 30))  # EST, 16:30 UTC
+    freeze(monkeypatch, eastern(2024, 3, 10, 12, 0))  # EDT, 16:00 UTC
+    picture = host_picture("social.example")
+    assert picture is not None and picture.last_day["delivered"] == 1
