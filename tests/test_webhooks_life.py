@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from django_federation_delivery import hosts, send_webhook, signals
 from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
@@ -95,7 +96,8 @@ def test_a_410_disables_the_destination_holds_its_events_in_order_until_enabled(
 
     out = StringIO()
     call_command("enable_webhook", "ops", stdout=out)
-    assert "ops enabled again" in out.getvalue()
+    # Every event waiting goes again, in order: the first now, not it alone.
+    assert out.getvalue().strip() == "ops enabled again: 3 events are due now, in order."
     wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists())
     runner.stop()
     assert numbers(receiver) == [0, 0, 1, 2]
@@ -121,6 +123,20 @@ def test_failing_without_a_success_for_webhook_disable_after_disables_it(
     # Tried while it failed, then held: nothing given up, nothing sent since.
     assert 2 <= sent < 9 and len(receiver.received) == sent
     assert list(Delivery.objects.values_list("status", flat=True)) == [Status.PENDING] * 2
+
+
+def test_a_destination_gone_from_the_settings_fails_no_more(settings: Any) -> None:
+    # It failed for a week with an event waiting, then was taken out of the
+    # settings, and a deliverer gave the event up. Added back, the week
+    # still counted: its first failure disabled it.
+    configure(settings, {"ops": "slack+http://127.0.0.1:9/services/T1/B1/x1"})
+    send_webhook("ops", "alert.raised", {"n": 0})
+    week_ago = timezone.now() - dt.timedelta(days=7)
+    Host.objects.create(name=delivery_key("ops"), failing_since=week_ago)
+    configure(settings, {})
+    Deliverer().run(drain=True, stop_after=10)
+    assert Delivery.objects.get().status == Status.FAILED
+    assert Host.objects.get(name=delivery_key("ops")).failing_since is None
 
 
 def failing_since() -> dt.datetime | None:

@@ -24,7 +24,7 @@ from django_federation_delivery.attempt import AttemptResult, failed
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Call, Channel, Event, Policy
 from django_federation_delivery.conf import app_settings, database_alias
-from django_federation_delivery.models import Delivery, Kind, Status
+from django_federation_delivery.models import Delivery, Host, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.transport import Transport, TransportSettings
@@ -252,9 +252,14 @@ class WebhookDeliveries:
         them. Returns how many. ``delivery_failed`` and the WARNING line are
         for exactly the rows this call failed, once written: not for one
         another process (another deliverer giving them up at its start too)
-        settled in the meantime."""
+        settled in the meantime. A destination gone from the settings fails
+        no more: added back, it is failing from its next failure, not since
+        before it went (and disabled by the first)."""
         failed = 0
         manager = Delivery.objects.using(self.using)
+        Host.objects.using(self.using).filter(
+            name__in=sorted(hosts), failing_since__isnull=False
+        ).update(failing_since=None)
         for host in sorted(hosts):
             ids = list(
                 manager.filter(host=host, status=Status.PENDING)

@@ -82,8 +82,8 @@ def _tell(disabled: signals.DestinationDisabled) -> None:
 
 def enable(name: str, *, using: str | None = None) -> int | None:
     """Enable the destination ``name`` again (or resume it, paused): its held
-    events are due now, the first in line first. Returns how many were
-    released; None, with nothing changed, if it is neither disabled nor
+    events are due now, the first in line first. Returns how many wait to
+    go, in order; None, with nothing changed, if it is neither disabled nor
     paused (enabled since the page asking was loaded): its failing clock and
     its first event's retry are the deliverer's, not to be reset."""
     alias = using or database_alias()
@@ -98,15 +98,16 @@ def enable(name: str, *, using: str | None = None) -> int | None:
         paused = Host.objects.using(alias).filter(name=key, paused_at__isnull=False)
         if not paused.update(failing_since=None, unavailable_since=None, probed_at=None):
             return None
-        released = hosts.resume_host(key, using=alias)
+        hosts.resume_host(key, using=alias)
+        pending = Delivery.objects.using(alias).filter(host=key, status=Status.PENDING)
         # The first in line may have a retry of its own to wait for (it was
         # in flight when the destination was disabled): due now too.
-        return released + int(
-            Delivery.objects.using(alias)
-            .filter(host=key, status=Status.PENDING, after__isnull=True, lease_token__isnull=True)
-            .filter(due_at__gt=timezone.now())
-            .update(due_at=timezone.now())
-        )
+        pending.filter(after__isnull=True, lease_token__isnull=True).filter(
+            due_at__gt=timezone.now()
+        ).update(due_at=timezone.now())
+        # The first goes now, and each of the others once the one before it
+        # is delivered: every one of them goes again, not the first alone.
+        return pending.count()
 
 
 def enabled(name: str, released: int | None) -> str:
