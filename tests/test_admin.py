@@ -15,6 +15,7 @@ from django.test import Client, TestCase
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.html import escape
 
 from django_federation_delivery import (
     controls,
@@ -1100,6 +1101,23 @@ def test_a_filter_or_search_holding_a_nul_goes_back_to_the_list(
     assert response["Location"] == f"/admin/federation_delivery/{path}?e=1"
 
 
+@pytest.mark.parametrize(
+    "body",
+    ['{"content": "\\ud83d"}', "[" * 900 + "]" * 900],
+    ids=["half-a-surrogate-pair", "nested-900-deep"],
+)
+def test_a_body_that_cannot_be_shown_pretty_is_shown_as_stored(operator: Client, body: str) -> None:
+    # Nested deeper than json.loads reads again (a send takes what its
+    # encoder writes: 900 deep), or escaping half a surrogate pair (a row
+    # written by hand): a 500 on the batch's and the delivery's page.
+    batch = queue()
+    Batch.objects.filter(pk=batch.pk).update(body=body)
+    for model, pk in (("batch", batch.pk), ("delivery", batch.deliveries.first().pk)):
+        response = operator.get(url(model, "change", pk))
+        assert response.status_code == 200, (model, response.status_code)
+        assert escape(body[:40]) in response.content.decode()
+
+
 @pytest.mark.parametrize("model", ["delivery", "batch", "host", "breaker"])
 def test_a_search_of_a_thousand_words_looks_for_the_first_few(operator: Client, model: str) -> None:
     # Each word is a condition on every search field: 1,200 of them made a
@@ -1126,17 +1144,21 @@ def test_a_search_of_a_thousand_words_looks_for_the_first_few(operator: Client, 
         ("batch", "requeue_failed", [f"-{PAST_BIGINT}"]),
     ],
 )
+@pytest.mark.parametrize("forms", [1, 2], ids=["one-action-field", "actions-above-and-below"])
 def test_an_action_on_a_selection_no_row_can_have_changes_nothing_and_says_so(
-    operator: Client, model: str, action: str, selected: list[str]
+    operator: Client, model: str, action: str, selected: list[str], forms: int
 ) -> None:
     # PostgreSQL's text holds no NUL: a selection with one must not reach it,
     # on either database; nor a number past 64 bits, which SQLite's driver
     # cannot bind (a 500). It is refused as an action with nothing selected is.
+    # A list with its actions above and below posts two action fields, the
+    # unused one empty: read alone, that one let the selection through.
     queue()
     open_breaker("a.example")
     before = list(Delivery.objects.values_list("pk", "status", "due_at"))
+    posted = [action, ""][:forms]
     response = operator.post(
-        url(model), {"action": action, ACTION_CHECKBOX_NAME: selected, "index": "0"}, follow=True
+        url(model), {"action": posted, ACTION_CHECKBOX_NAME: selected, "index": "0"}, follow=True
     )
     assert response.redirect_chain == [(url(model), 302)]
     [message] = list(response.context["messages"])

@@ -96,7 +96,7 @@ class OperatorAdmin(_ModelAdmin[_M]):
     ) -> HttpResponse:
         # An action this user may not run is refused outright, rather than
         # ignored as the admin does when it offers none at all.
-        action = request.POST.get("action", "") if request.method == "POST" else ""
+        action = posted_action(request) if request.method == "POST" else ""
         if action and action not in self.get_actions(request):
             raise PermissionDenied
         if action and not self.selectable(request.POST.getlist(ACTION_CHECKBOX_NAME)):
@@ -255,10 +255,29 @@ def report(
 
 
 def pretty_json(text: str) -> SafeString:
-    # A body that is not JSON is shown as it is stored.
-    with contextlib.suppress(ValueError):
-        text = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+    # A body that is not JSON is shown as it is stored; so is one nested too
+    # deep to read again (a send takes what its encoder can write), or one
+    # escaping half a surrogate pair, which no page can hold unescaped.
+    with contextlib.suppress(ValueError, RecursionError):
+        pretty = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        pretty.encode()
+        text = pretty
     return format_html('<pre class="fd-body">{}</pre>', text)
+
+
+def posted_action(request: HttpRequest) -> str:
+    """The action a list's form posted, chosen as the admin chooses it: a
+    form with actions above and below the list posts two, and ``index``
+    says which was used (the last, read alone, is the unused one's "")."""
+    posted = request.POST.getlist("action") or [""]
+    try:
+        index = int(request.POST.get("index", 0))
+    except ValueError:
+        index = 0
+    try:
+        return posted[index]
+    except IndexError:
+        return posted[-1]  # the admin then validates the last
 
 
 def changelist_url(model: type[Model], site: admin.AdminSite, **params: Any) -> str:
