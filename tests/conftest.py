@@ -695,3 +695,13 @@ def away_at(fragment: str) -> Iterator[list[str]]:
 
     with connection.execute_wrapper(blink):
         yield failed
+
+
+def waiting_on_locks() -> int:
+    """How many sessions of this database wait on a lock (PostgreSQL)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return int(cursor.fetchone()[0])

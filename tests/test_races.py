@@ -10,13 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import close_old_connections, connection, connections
+from django.db import connection, connections
 from django.utils import timezone
 
 from django_federation_delivery import controls, retention, send
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.replay import replay
 
+from .conftest import wait_until, waiting_on_locks
 from .keys import ALICE
 
 DAY = dt.timedelta(days=1)
@@ -31,24 +32,31 @@ def note(n: int) -> dict[str, Any]:
     return {"type": "Create", "id": f"{ALICE}/activities/{n}", "actor": ALICE}
 
 
-def in_other_thread(work: Callable[[], Any], timeout: float = 20) -> list[Any]:
-    """Run ``work`` to its end on a connection of its own; its result or error."""
-    out: list[Any] = []
+class Side(threading.Thread):
+    """One process's work, on a connection of its own: its result or error."""
 
-    def run() -> None:
+    def __init__(self, work: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.work = work
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
         try:
-            out.append(work())
+            self.result = self.work()
         except BaseException as exc:
-            out.append(exc)
+            self.error = exc
         finally:
-            close_old_connections()
             connections.close_all()
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), "the other side is stuck"
-    return out
+
+def in_other_thread(work: Callable[[], Any], timeout: float = 20) -> list[Any]:
+    """Run ``work`` to its end on a connection of its own; its result or error."""
+    side = Side(work)
+    side.start()
+    side.join(timeout)
+    assert not side.is_alive(), "the other side is stuck"
+    return [side.result if side.error is None else side.error]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -94,40 +102,6 @@ def test_a_replay_meeting_a_purge_of_what_it_read_replays_the_rest_without_a_key
     assert [b.body for b in replayed if b.created] == [recent.body]
 
 
-def waiting_on_locks() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )
-        return int(cursor.fetchone()[0])
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10) -> None:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, "never came"
-        time.sleep(0.02)
-
-
-class Side(threading.Thread):
-    """One process's work, on a connection of its own: its result or error."""
-
-    def __init__(self, work: Callable[[], Any]) -> None:
-        super().__init__(daemon=True)
-        self.work = work
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.work()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            connections.close_all()
-
-
 def hold_row(id: int, holding: threading.Event, release: threading.Event) -> Side:
     from django.db import transaction
 
@@ -153,7 +127,7 @@ def crossed(held: int, first: Callable[[], Any], second: Callable[[], Any]) -> N
     sides = [Side(first), Side(second)]
     for waiting, side in enumerate(sides, 1):
         side.start()
-        wait_for(lambda waiting=waiting: waiting_on_locks() == waiting)
+        wait_until(lambda waiting=waiting: waiting_on_locks() == waiting, timeout=10)
     time.sleep(1.2)
     release.set()
     for side in (blocker, *sides):

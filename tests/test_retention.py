@@ -17,7 +17,7 @@ from django_federation_delivery.dialect import quoted_table
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.replay import replay
 
-from .conftest import statements_run, wait_until
+from .conftest import statements_run, wait_until, waiting_on_locks
 from .keys import ALICE
 from .operators import NOTE
 
@@ -384,16 +384,8 @@ def test_a_delivery_requeued_while_a_purge_waits_for_its_row_is_kept() -> None:
     assert updated.wait(10)
     threads[1].start()
 
-    def purge_waits_for_the_row() -> bool:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            )
-            return bool(cursor.fetchone()[0])
-
     try:
-        wait_until(purge_waits_for_the_row, timeout=10)
+        wait_until(lambda: waiting_on_locks() > 0, timeout=10)
     finally:
         release.set()
         for thread in threads:
