@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from django_federation_delivery import addresses, availability, portable, retractions, tracing
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted
-from django_federation_delivery.channels.events import colliding_key
+from django_federation_delivery.channels.events import MAX_DEPTH, colliding_key, nested_deeper
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.dialect import aware, aware_now, naive_zone
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -338,7 +338,7 @@ def _body(activity: object) -> tuple[str, bytes]:
     except RecursionError as exc:
         # The encoder recurses once a level: past the interpreter's limit,
         # what is nested that deep is no activity anyone reads.
-        raise InvalidDelivery("activity is nested too deeply to be written as JSON") from exc
+        raise _too_deep() from exc
     try:
         encoded = text.encode()
     except UnicodeEncodeError as exc:
@@ -352,6 +352,12 @@ def _body(activity: object) -> tuple[str, bytes]:
             f"activity is {len(encoded)} bytes as JSON, more than MAX_BODY_BYTES ({limit})"
         )
     # Once written, so that what is walked is neither circular nor too deep.
+    # As deep as an event's data may be, and for the same reason: what the
+    # encoder writes, the admin and the loop must read again (json.loads
+    # recurses once a level too). Only an activity with that many brackets,
+    # counted in C, can be that deep, so most are not walked for it.
+    if text.count("{") + text.count("[") > MAX_DEPTH and nested_deeper(activity, MAX_DEPTH):
+        raise _too_deep()
     collision = colliding_key(activity)
     if collision is not None:
         key, path = collision
@@ -359,6 +365,13 @@ def _body(activity: object) -> tuple[str, bytes]:
             f"activity has two keys that are both {quoted(key)} in JSON at {path}"
         )
     return text, encoded
+
+
+def _too_deep() -> InvalidDelivery:
+    return InvalidDelivery(
+        f"activity is nested too deeply: more than {MAX_DEPTH} levels of arrays and "
+        "objects one inside another"
+    )
 
 
 def _inboxes(inboxes: Iterable[str]) -> tuple[list[queueing.Queued], list[SkippedInbox]]:

@@ -1106,9 +1106,9 @@ def test_a_filter_or_search_holding_a_nul_goes_back_to_the_list(
     ids=["half-a-surrogate-pair", "nested-900-deep"],
 )
 def test_a_body_that_cannot_be_shown_pretty_is_shown_as_stored(operator: Client, body: str) -> None:
-    # Nested deeper than json.loads reads again (a send takes what its
-    # encoder writes: 900 deep), or escaping half a surrogate pair (a row
-    # written by hand): a 500 on the batch's and the delivery's page.
+    # Nested deeper than json.loads reads again, or escaping half a
+    # surrogate pair (each a row written by hand; a send refuses both): a
+    # 500 on the batch's and the delivery's page.
     batch = queue()
     Batch.objects.filter(pk=batch.pk).update(body=body)
     for model, pk in (("batch", batch.pk), ("delivery", batch.deliveries.first().pk)):

@@ -327,6 +327,8 @@ def test_a_send_on_a_kept_connection_the_server_dropped_reconnects(
         (ALICE + "\u202e", NOTE, ["https://a.example/inbox"], None, "alice\\u202e'"),
         (ALICE, {"content": "a\ud800b"}, ["https://a.example/inbox"], None, '"a\\ud800b"'),
         (ALICE, {"deep": DEEP}, ["https://a.example/inbox"], None, "nested too deeply"),
+        # 101 deep: past what an event's data may be, read again by every part.
+        (ALICE, {"deep": nested(99)}, ["https://a.example/inbox"], None, "more than 100 levels"),
         (
             ALICE,
             NOTE,
@@ -351,6 +353,15 @@ def test_bad_input_is_refused_naming_the_value_and_nothing_is_written(
     assert named in str(raised.value)
     assert len(str(raised.value)) < 300, "the value is named, shortened"
     assert nothing_written()
+
+
+@pytest.mark.django_db
+def test_an_activity_nested_a_hundred_deep_is_queued_and_read_back_as_written() -> None:
+    # The bound is the one an event's data has; up to it, what is stored is
+    # what the loop, the admin and SKIP_IF read again.
+    activity = {"type": "Create", "actor": ALICE, "deep": nested(98)}
+    batch = send_batch(ALICE, activity, ["https://a.example/inbox"])
+    assert json.loads(Batch.objects.get(pk=batch.pk).body) == activity
 
 
 @pytest.mark.django_db

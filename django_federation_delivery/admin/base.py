@@ -256,8 +256,8 @@ def report(
 
 def pretty_json(text: str) -> SafeString:
     # A body that is not JSON is shown as it is stored; so is one nested too
-    # deep to read again (a send takes what its encoder can write), or one
-    # escaping half a surrogate pair, which no page can hold unescaped.
+    # deep to read again, or one escaping half a surrogate pair, which no
+    # page can hold unescaped (each a row written by hand: a send refuses it).
     with contextlib.suppress(ValueError, RecursionError):
         pretty = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
         pretty.encode()
