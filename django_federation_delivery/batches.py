@@ -30,6 +30,10 @@ class KnownBatches:
     def __getitem__(self, id: int) -> BatchInfo:
         return self._known[id]
 
+    def known(self, id: int) -> BatchInfo | None:
+        """The batch ``id`` if it is known, else None: nothing is read."""
+        return self._known.get(id)
+
     def read(self, claimed: list[claims.Claimed]) -> list[claims.Claimed] | None:
         """Know the batch of each of ``claimed``. Returns those whose batch
         still exists, or None when the database was away: then the claim's

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.utils import timezone
 
 from django_federation_delivery import signals, tracing, wakeup, writelock
@@ -44,9 +44,9 @@ from django_federation_delivery.kinds import Kinds
 from django_federation_delivery.limits import HostLimits
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
-from django_federation_delivery.settling import Summary
+from django_federation_delivery.settling import Summary, tell_failed
 from django_federation_delivery.slots import InHand, Slots
-from django_federation_delivery.store import settlements
+from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.triage import Triage
 from django_federation_delivery.upkeep import Upkeep
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
@@ -454,9 +454,36 @@ class Deliverer:
     def _settle(self, outcomes: list[settlements.Settlement]) -> bool:
         """The outbox's write: whether the database took it."""
         written = self._db(
-            settlements.settle, outcomes, on_finished=self._batches_finished, using=self.using
+            settlements.settle,
+            outcomes,
+            on_finished=self._batches_finished,
+            on_failed_instead=self._failed_instead,
+            using=self.using,
         )
         return written is not None
+
+    def _failed_instead(self, failed: settlements.Settlement) -> None:
+        """``delivery_failed`` of a delivery written failed, committed, because
+        the database refused to store what came of its attempt (a value it
+        cannot hold): its receivers would otherwise never hear of it. Its
+        batch is read if it is no longer known; a database error there is
+        logged, never raised into the write that has committed."""
+        row = failed.claimed
+        batch = self._batches.known(row.batch_id)
+        if batch is None:
+            try:
+                batch = claims.batches({row.batch_id}, using=self.using).get(row.batch_id)
+            except DatabaseError as exc:
+                logger.warning(
+                    "delivery_failed was not sent for delivery %d: its batch could not be "
+                    "read (%s)",
+                    row.id,
+                    type(exc).__name__,
+                )
+                return
+        if batch is None:
+            return  # deleted meanwhile, and the delivery with it
+        tell_failed(row, batch, None, failed.last_error)
 
     def _write(self) -> None:
         waiting = bool(self.outbox)

@@ -156,6 +156,31 @@ def failure(
     )
 
 
+def tell_failed(
+    row: Row,
+    batch: BatchInfo,
+    status: int | None,
+    error: str,
+    *,
+    deadline: bool = False,
+    refused: bool = False,
+) -> None:
+    """Send ``delivery_failed`` for ``row`` of ``batch``."""
+    signals.send_safely(
+        signals.delivery_failed,
+        failure=failure(
+            row,
+            sender=batch.sender,
+            tag=batch.tag,
+            event_type=batch.event_type,
+            status=status,
+            error=error,
+            deadline=deadline,
+            refused=refused,
+        ),
+    )
+
+
 def settled(
     row: Row,
     *,
@@ -343,18 +368,8 @@ class Settler:
         deadline: bool,
         refused: bool,
     ) -> None:
-        signals.send_safely(
-            signals.delivery_failed,
-            failure=failure(
-                row,
-                sender=batch.sender,
-                tag=batch.tag,
-                event_type=batch.event_type,
-                status=status,
-                error=error[: self.error_length],
-                deadline=deadline,
-                refused=refused,
-            ),
+        tell_failed(
+            row, batch, status, error[: self.error_length], deadline=deadline, refused=refused
         )
 
     def skipped(self, row: claims.Claimed, batch: BatchInfo) -> settlements.Settlement:

@@ -939,6 +939,56 @@ def test_one_settlement_the_database_refuses_holds_back_none_written_with_it(
         assert "the result's status (int) is not an HTTP status" in event.last_error
 
 
+@pytest.mark.parametrize("forgotten", [False, True], ids=["batch-known", "batch-forgotten"])
+def test_a_delivered_outcome_the_database_refuses_is_failed_and_told_failed_once(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+    forgotten: bool,
+) -> None:
+    # The refused outcome is written failed; its receivers heard only
+    # delivery_settled (delivered), never that it failed.
+    from django.db import DataError
+
+    inbox = inboxes()
+    batch = send_batch(ALICE, NOTE, [inbox.url("/a"), inbox.url("/b")], {"tag": "note"})
+    assert batch is not None
+    refused = Delivery.objects.get(inbox=inbox.url("/b")).pk
+    written = settlements._written
+
+    def refuse(items: Any, *args: Any) -> Any:
+        if any(i.claimed.id == refused and i.status == Status.DELIVERED for i in items):
+            raise DataError("value out of range")
+        return written(items, *args)
+
+    monkeypatch.setattr(settlements, "_written", refuse)
+    if forgotten:
+        from django_federation_delivery.batches import KnownBatches
+
+        monkeypatch.setattr(KnownBatches, "known", lambda self, id: None)
+    told: list[signals.Failure] = []
+
+    def failed(sender: Any, failure: signals.Failure, **kwargs: Any) -> None:
+        told.append(failure)
+
+    signals.delivery_failed.connect(failed)
+    try:
+        runner = start_deliverer()
+        try:
+            wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists())
+            wait_until(lambda: bool(told), timeout=5)
+        finally:
+            runner.stop()
+    finally:
+        signals.delivery_failed.disconnect(failed)
+    assert status_of(batch) == [Status.DELIVERED, Status.FAILED]
+    assert [(f.delivery_id, f.batch_id, f.sender, f.tag, f.status) for f in told] == [
+        (refused, batch.pk, ALICE, "note", None)
+    ]
+    assert told[0].error.startswith("the database refused its outcome (DataError")
+    assert not told[0].refused and not told[0].deadline
+
+
 def test_a_drain_does_not_end_while_the_database_is_away(
     inbox: Inbox, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -697,6 +697,7 @@ def test_a_settlement_the_database_refuses_is_failed_alone_the_others_written(
     a, b, c = sorted(store.claim(10, lease=300), key=lambda row: row.id)
     now = timezone.now()
     finished: list[list[int]] = []
+    instead: list[store.Settlement] = []
     with caplog.at_level(logging.WARNING, logger="django_federation_delivery"):
         written = store.settle(
             [
@@ -713,8 +714,13 @@ def test_a_settlement_the_database_refuses_is_failed_alone_the_others_written(
                 store.Settlement(c, Status.DELIVERED, 1, last_status=202, attempted_at=now),
             ],
             on_finished=finished.append,
+            on_failed_instead=instead.append,
         )
     assert written == {a.id, b.id, c.id}
+    # A retry written failed: to be told delivery_failed, as written.
+    assert [(i.claimed.id, i.status, i.last_error) for i in instead] == [
+        (b.id, Status.FAILED, Delivery.objects.get(id=b.id).last_error)
+    ]
     rows = {row.id: row for row in Delivery.objects.all()}
     assert [rows[row.id].status for row in (a, b, c)] == [
         Status.DELIVERED,
@@ -735,6 +741,22 @@ def test_a_settlement_the_database_refuses_is_failed_alone_the_others_written(
     assert (minute.delivered, minute.retried, minute.failed) == (2, 0, 1)
     assert f"Delivery {b.id} could not be settled (" in caplog.text
     assert "failed instead" in caplog.text
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("status", [Status.FAILED, Status.REFUSED])
+def test_a_failure_the_database_refuses_is_failed_and_not_told_again(status: Status) -> None:
+    # Its delivery_failed was told before the write.
+    send(ALICE, NOTE, inboxes(1))
+    (row,) = store.claim(10, lease=300)
+    instead: list[store.Settlement] = []
+    written = store.settle(
+        [store.Settlement(row, status, 1, last_status=-1, attempted_at=timezone.now())],
+        on_failed_instead=instead.append,
+    )
+    assert written == {row.id}
+    assert Delivery.objects.get(id=row.id).status == Status.FAILED
+    assert instead == []
 
 
 @pytest.mark.django_db

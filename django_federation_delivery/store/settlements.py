@@ -37,6 +37,10 @@ FINAL = frozenset(
 )
 
 
+#: The statuses whose ``delivery_failed`` the loop tells before it writes.
+TOLD_FAILED = frozenset({Status.REFUSED, Status.FAILED})
+
+
 @dataclasses.dataclass(frozen=True)
 class Settlement:
     """What to write for a claimed delivery once an attempt is over.
@@ -64,6 +68,7 @@ def settle(
     settlements: Sequence[Settlement],
     *,
     on_finished: Callable[[list[int]], None] | None = None,
+    on_failed_instead: Callable[[Settlement], None] | None = None,
     using: str | None = None,
 ) -> set[int]:
     """Write the outcome of each settlement whose claim still is held, in one
@@ -92,7 +97,10 @@ def settle(
     the database away, which is raised) holds back none of those written
     with it: they are then written one by one, and the one refused is
     written failed, with an error that names the refusal, not the value;
-    refused again, it is logged and left to its lease.
+    refused again, it is logged and left to its lease. Once that failure is
+    committed, ``on_failed_instead`` is given it (the settlement as
+    written), unless what was refused was a failure already: its
+    ``delivery_failed`` was told before the write.
     """
     if not settlements:
         return set()
@@ -103,7 +111,9 @@ def settle(
         if isinstance(exc, OperationalError):
             raise
         if len(settlements) == 1:
-            settled = _refused(settlements[0], exc, now, using)
+            settled, instead = _refused(settlements[0], exc, now, using)
+            if instead is not None and on_failed_instead is not None:
+                on_failed_instead(instead)
         else:
             logger.warning(
                 "Settling %d deliveries together was refused (%s); settling them one by one",
@@ -112,7 +122,12 @@ def settle(
             )
             written: set[int] = set()
             for item in settlements:
-                written |= settle([item], on_finished=on_finished, using=using)
+                written |= settle(
+                    [item],
+                    on_finished=on_finished,
+                    on_failed_instead=on_failed_instead,
+                    using=using,
+                )
             return written
     # Committed: what is told now cannot undo it.
     if settled.finished and on_finished is not None:
@@ -135,10 +150,12 @@ def _written(settlements: Sequence[Settlement], now: dt.datetime, using: str | N
 
 def _refused(
     item: Settlement, error: DatabaseError, now: dt.datetime, using: str | None
-) -> sql.Settled:
+) -> tuple[sql.Settled, Settlement | None]:
     """Write failed the settlement the database refused to store: its
     attempts kept, its error and status told no more (the value refused
-    may be either). Not written if that is refused too: left to its lease."""
+    may be either). Not written if that is refused too: left to its lease.
+    Returns what was written, and the failure written instead of an outcome
+    that was no failure (None if there is none to tell)."""
     failed = dataclasses.replace(
         item,
         status=Status.FAILED,
@@ -158,12 +175,13 @@ def _refused(
             _named(error),
             _named(again),
         )
-        return sql.Settled(set(), [], False)
-    if item.claimed.id in settled.written:
-        logger.error(
-            "Delivery %d could not be settled (%s): failed instead", item.claimed.id, _named(error)
-        )
-    return settled
+        return sql.Settled(set(), [], False), None
+    if item.claimed.id not in settled.written:
+        return settled, None
+    logger.error(
+        "Delivery %d could not be settled (%s): failed instead", item.claimed.id, _named(error)
+    )
+    return settled, None if item.status in TOLD_FAILED else failed
 
 
 def _named(error: BaseException | None) -> str:
