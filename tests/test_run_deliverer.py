@@ -142,6 +142,23 @@ def test_drain_sends_what_is_due_with_progress_and_a_summary(inbox: Inbox) -> No
     assert statuses() == {Status.DELIVERED: 30}
 
 
+def test_a_ctrl_c_before_the_loop_takes_it_exits_130_with_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # While the migrations were looked at: a KeyboardInterrupt's traceback.
+    from django_federation_delivery.management.commands import run_deliverer
+
+    def interrupted(using: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_deliverer, "require_migrations", interrupted)
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as exited:
+        call_command("run_deliverer", "--drain", stderr=err)
+    assert exited.value.code == 130
+    assert err.getvalue() == "Interrupted.\n"
+
+
 def test_the_drain_bar_counts_deliveries_that_left_the_queue_never_past_what_was_due() -> None:
     from django_federation_delivery.management.running import drain_progress
     from django_federation_delivery.settling import Summary

@@ -167,6 +167,17 @@ class Command(TranslatedCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            self._run(**options)
+        except KeyboardInterrupt:
+            # A Ctrl-C that came before the loop (or the supervisor) took
+            # SIGINT as a stop, while the checks ran or the migrations were
+            # looked at, or after it gave it back: the shell's status for
+            # it, and one line rather than a traceback.
+            self.stderr.write(_("Interrupted."))
+            sys.exit(130)
+
+    def _run(self, **options: Any) -> None:
         processes = positive(options["processes"], MOST_PROCESSES)
         # Held to what the settings may say (checks.WHOLE_NUMBERS): a thread a slot.
         concurrency = (
