@@ -239,6 +239,16 @@ def test_telegram_gets_the_chat_escaped_html_and_parse_mode(
     }
 
 
+def test_telegram_text_makes_no_mention_nor_link_of_an_events_data() -> None:
+    # Telegram mentions an @username in any text, notifying that member of
+    # the group, and links (and previews) a URL.
+    destination = parse_destination("tg", TELEGRAM)
+    request = build(destination, event({"by": "@admin", "see": "https://x.example www.y.example"}))
+    text = json.loads(request.body)["text"]
+    assert f"by: @{WJ}admin" in text
+    assert f"see: https:{WJ}//x.example www{WJ}.y.example" in text
+
+
 def test_signed_json_is_the_event_with_its_headers(mocked: responses.RequestsMock) -> None:
     destination = parse_destination("audit", SIGNED)
     when = datetime.datetime.now(datetime.UTC).replace(microsecond=250000)

@@ -16,7 +16,12 @@ from django_federation_delivery.channels.base import (
     word_shown,
 )
 from django_federation_delivery.channels.events import Event
-from django_federation_delivery.channels.text import cut, escape_entities, render_text
+from django_federation_delivery.channels.text import (
+    cut,
+    escape_entities,
+    no_mentions_or_links,
+    render_text,
+)
 
 __all__ = ["TELEGRAM_API", "TELEGRAM_LIMIT", "Telegram"]
 
@@ -32,7 +37,13 @@ _CHAT = re.compile(r"-?[0-9]+|@[A-Za-z][A-Za-z0-9_]{3,}")
 class Telegram(Channel):
     """POST ``<api>/bot<token>/sendMessage`` with the chat, the text in
     Telegram's HTML (``& < >`` escaped, cut to 4,096 characters) and
-    ``parse_mode: "HTML"``. The bot token is secret; the chat is not."""
+    ``parse_mode: "HTML"``. The bot token is secret; the chat is not.
+
+    Telegram makes a mention of an ``@username`` in any text, which notifies
+    that member of a group, and a link (with its preview, fetched by
+    Telegram) of a URL: a word joiner after each ``@`` before a name and
+    inside each ``://`` and ``www.`` keeps an event's data from either, as
+    for a Markdown hook."""
 
     name = "telegram"
     label = "Telegram"
@@ -79,7 +90,7 @@ class Telegram(Channel):
         )
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
-        text = render_text(destination, event)
+        text = no_mentions_or_links(render_text(destination, event))
         document = {
             "chat_id": destination.options["chat_id"],
             # Cut before escaping: Telegram counts the text its entities stand for.

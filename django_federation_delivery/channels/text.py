@@ -31,6 +31,7 @@ __all__ = [
     "cut_json",
     "escape_entities",
     "escape_markdown",
+    "no_mentions_or_links",
     "render_text",
 ]
 
@@ -120,6 +121,12 @@ def escape_markdown(text: str) -> str:
     text = MARKDOWN_MARKUP.sub(r"\\\1", text)
     text = LINE_MARKUP.sub(_escape_line_start, text)
     text = INDENTATION.sub(_no_break, text)
+    return no_mentions_or_links(text)
+
+
+def no_mentions_or_links(text: str) -> str:
+    """``text`` with a word joiner after each ``@`` before a name and inside
+    each ``://`` and ``www.``: neither a mention nor a link is made of it."""
     return break_links(MENTION.sub("@" + WORD_JOINER, text))
 
 
