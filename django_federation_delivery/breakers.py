@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -193,8 +193,7 @@ def take_probe(key: str, *, cool_off: float, using: str | None = None) -> str | 
         .update(
             probe_token=token,
             probe_until=now + dt.timedelta(seconds=cool_off),
-            # Entering recovery starts the count of failures again.
-            failures=0,
+            # The count goes on: a failed probe is one more failure in a row.
             updated_at=now,
         )
     )
@@ -212,6 +211,7 @@ def record_probe(
         return
     now = timezone.now()
     manager.update(
+        failures=F("failures") + 1,
         open_until=now + dt.timedelta(seconds=cool_off),
         probe_token="",
         probe_until=None,
@@ -271,7 +271,9 @@ class Breakers:
         token = take_probe(key, cool_off=cool_off, using=self.using)
         state = self.view.get(key)
         until = now + dt.timedelta(seconds=cool_off)
-        self.view.set(key, State(0, state.open_until if state else now, until))
+        self.view.set(
+            key, State(state.failures if state else 0, state.open_until if state else now, until)
+        )
         if token is None:
             return Decision.HOLD, "", cool_off
         return Decision.PROBE, token, 0.0
@@ -281,7 +283,8 @@ class Breakers:
         state = self.view.get(key)
         if probe:
             self._probes.append((key, probe, failed))
-            reopened = State(0, now + dt.timedelta(seconds=self.settings.cool_off), None)
+            failures = (state.failures if state else 0) + 1
+            reopened = State(failures, now + dt.timedelta(seconds=self.settings.cool_off), None)
             self.view.set(key, reopened if failed else None)
         elif failed:
             self._failures[key] += 1
@@ -290,8 +293,13 @@ class Breakers:
             if open_until is None and failures >= self.settings.threshold:
                 open_until = now + dt.timedelta(seconds=self.settings.cool_off)
             self.view.set(key, State(failures, open_until, state.probe_until if state else None))
-        elif state is not None and state.open_until is None:
+        elif (state is None and key in self._failures) or (
+            state is not None and state.open_until is None
+        ):
             # The healthy path writes only when there was a count to forget.
+            # Failures noted before it, not written yet, are forgotten with
+            # it; those after it are counted anew once it is written (flush).
+            del self._failures[key]
             self._successes.add(key)
             self.view.set(key, None)
 
@@ -301,6 +309,12 @@ class Breakers:
         if not written:
             return 0
         settings = self.settings
+        # The successes first: a failure noted after one (the only kind
+        # still noted with it) counts from nought, not on top of the count
+        # it ended; written after, it could open the breaker, which the
+        # success would then leave open.
+        record_successes(self._successes, using=self.using)
+        self._successes = set()
         standing = count_failures(
             self._failures,
             threshold=settings.threshold,
@@ -314,8 +328,6 @@ class Breakers:
             state = self.view.get(key)
             probe_until = state.probe_until if state else None
             self.view.set(key, State(failures, open_until, probe_until))
-        record_successes(self._successes, using=self.using)
-        self._successes = set()
         while self._probes:
             key, token, failed = self._probes[0]
             record_probe(key, token, failed=failed, cool_off=settings.cool_off, using=self.using)

@@ -73,8 +73,8 @@ class HostStats:
 
     def learn(self, host: str, result: AttemptResult, now: dt.datetime) -> None:
         """What an attempt at ``host`` came to."""
-        if result.held or not result.requests:
-            return  # no request: nothing seen
+        if not result.requests:
+            return  # no request (held by a breaker, say): nothing seen
         seen = self._hosts.get(host)
         if seen is None:
             if len(self._hosts) >= MOST_HOSTS:
@@ -106,9 +106,10 @@ class HostStats:
         written = record_hosts(rows, now=now, using=using)
         for _, seen in fresh:
             seen.fresh = False
-        # What is kept of hosts not seen lately: nothing, once written.
+        # What is kept of hosts not seen since the last write: nothing, once
+        # written. Those just written stay, with their answer times.
         if len(self._hosts) > MOST_HOSTS // 2:
-            self._hosts = {host: seen for host, seen in self._hosts.items() if seen.fresh}
+            self._hosts = dict(fresh)
         return written
 
     def _row(self, host: str, seen: _Seen, now: dt.datetime) -> SeenHost:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import time
 from collections.abc import Callable
 from io import StringIO
 from typing import Any
@@ -17,7 +18,8 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import send, send_webhook
+from django_federation_delivery import hoststats, send, send_webhook
+from django_federation_delivery.breakers import Breakers, BreakerSettings, Decision
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.hoststats import SAMPLES, HostStats
 from django_federation_delivery.limits import REST, HostLimits
@@ -330,3 +332,99 @@ def test_a_host_page_pictures_its_row_by_the_name_it_keeps(kept: str) -> None:
     page = html(client, url("host", "change", quote(kept)))
     assert shown_field(page, "breaker") == "closed (0)"
     assert "delivered 0" in shown_field(page, "last_day")
+
+
+# A breaker's failures in a row, as the picture shows them.
+
+
+@pytest.mark.django_db
+def test_failures_in_a_row_start_again_at_a_success_seen_between_two_writes() -> None:
+    # A host failed 9 times (written). Then, before the breakers' next write,
+    # it accepted one delivery and failed two: 2 failures in a row.
+    Host.objects.create(name="flaky.example")
+    breakers = Breakers(BreakerSettings(threshold=10, cool_off=60.0))
+    now = timezone.now()
+    for _ in range(9):
+        breakers.record("flaky.example", failed=True, probe="", now=now)
+    breakers.flush()
+    breakers.record("flaky.example", failed=False, probe="", now=now)
+    breakers.record("flaky.example", failed=True, probe="", now=now)
+    breakers.record("flaky.example", failed=True, probe="", now=now)
+    breakers.flush()
+    picture = host_picture("flaky.example")
+    assert picture is not None
+    assert (picture.breaker, picture.failures_in_a_row) == ("closed", 2), (
+        f"after 9 failures, a success, then 2 failures the picture shows "
+        f"breaker {picture.breaker!r} with {picture.failures_in_a_row} failures in a row"
+    )
+
+
+@pytest.mark.django_db
+def test_failures_in_a_row_after_a_failed_probe_are_not_shown_as_none() -> None:
+    # Two failures open the breaker; its probe, the next attempt, fails too:
+    # three attempts in a row failed.
+    Host.objects.create(name="down.example")
+    breakers = Breakers(BreakerSettings(threshold=2, cool_off=0.2))
+    now = timezone.now()
+    for _ in range(2):
+        breakers.record("down.example", failed=True, probe="", now=now)
+    breakers.flush()
+    assert host_picture("down.example").failures_in_a_row == 2  # type: ignore[union-attr]
+    time.sleep(0.3)
+    decision, token, _held = breakers.admit("down.example", timezone.now())
+    assert decision is Decision.PROBE and token
+    breakers.record("down.example", failed=True, probe=token, now=timezone.now())
+    breakers.flush()
+    picture = host_picture("down.example")
+    assert picture is not None and picture.breaker == "open"
+    assert picture.failures_in_a_row >= 3, (
+        f"3 failed attempts in a row (2, then the probe): the picture shows "
+        f"{picture.failures_in_a_row} failures in a row"
+    )
+
+
+@pytest.mark.django_db
+def test_answer_times_of_a_host_survive_a_write_when_the_deliverer_knows_many_hosts() -> None:
+    # A deliverer that has sent to more than MOST_HOSTS // 2 hosts: a host
+    # answered 100 times in 10 ms, is written, then answers once in 1000 ms.
+    # Its median of its last answers (at most 200) is 10 ms.
+    stats = HostStats(HostLimits(2, 8))
+    now = timezone.now()
+    for n in range(hoststats.MOST_HOSTS // 2):
+        stats.learn(f"h{n}.example", answered(seconds=0.05), now)
+    for _ in range(100):
+        stats.learn("steady.example", answered(seconds=0.010), now)
+    stats.write(now=now)
+    assert Host.objects.get(name="steady.example").answer_p50_ms == pytest.approx(10, abs=0.01)
+    stats.learn("steady.example", answered(seconds=1.0), now)
+    stats.write(now=now)
+    host = Host.objects.get(name="steady.example")
+    assert host.answer_p50_ms == pytest.approx(10, abs=0.01), (
+        f"median of 100 answers of 10 ms and one of 1000 ms shown as {host.answer_p50_ms} ms"
+    )
+    assert host.answer_p95_ms == pytest.approx(10, abs=0.01), host.answer_p95_ms
+
+
+SLACK_TOKEN = "Tok3nS3cretValue42"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_destination_gone_shows_its_410_as_its_last_error(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    box = inboxes("127.0.0.6", respond=lambda request: (410, {}, b"this hook was removed"))
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": f"slack+http://{box.host}/services/T0/B0/{SLACK_TOKEN}"},
+    }
+    send_webhook("ops", "alert.raised", {"host": "db1"})
+    Deliverer().run(drain=True)
+    assert len(box.received) == 1
+    picture = host_picture("<ops>")
+    assert picture is not None and picture.trouble == "paused"
+    assert "410" in picture.last_error, (
+        f"the destination answered 410 Gone; its picture's last error is {picture.last_error!r}, "
+        f"first seen {picture.first_seen_at}, answer p50 {picture.answer_p50_ms}"
+    )
+    assert picture.first_seen_at is not None
+    assert SLACK_TOKEN not in picture.last_error
