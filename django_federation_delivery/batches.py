@@ -66,3 +66,13 @@ class KnownBatches:
     def forget(self, id: int) -> None:
         """A finished batch: none of its deliveries is in hand any more."""
         self._known.pop(id, None)
+
+    def keep_only(self, ids: set[int]) -> list[int]:
+        """Forget every batch but ``ids`` (those with a delivery in hand):
+        one whose deliveries wait for a retry, or were settled by another
+        deliverer, need not be kept, body and all, until it finishes.
+        Returns the ids forgotten."""
+        gone = [id for id in self._known if id not in ids]
+        for id in gone:
+            del self._known[id]
+        return gone

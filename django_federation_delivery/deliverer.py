@@ -488,6 +488,7 @@ class Deliverer:
     def _write(self) -> None:
         waiting = bool(self.outbox)
         if self.outbox.flush():
+            self._forget_out_of_hand()
             if self._leave_at is not None:
                 self._leave_at = None
                 self._db.end_waits_by(None)
@@ -499,6 +500,18 @@ class Deliverer:
             # each try waited for, until the grace ends (_wound_down).
             self._leave_at = time.monotonic() + STOPPING_GRACE
             self._db.end_waits_by(self._leave_at)
+
+    def _forget_out_of_hand(self) -> None:
+        """Let go of what was read of the batches none of whose deliveries
+        is in hand now, once what came of them is written: one waiting for
+        its retry, or held, is read again when it is claimed again, rather
+        than kept, body and all, until its batch finishes."""
+        slots = self.slots
+        held = {item.claimed.batch_id for item in slots.ready}
+        held.update(item.claimed.batch_id for item in slots.in_flight.values())
+        gone = self._batches.keep_only(held)
+        if gone:
+            self.kinds.forget(gone)
 
     def _batches_finished(self, ids: list[int]) -> None:
         """Batches a write finished, once it has committed: told by the loop
@@ -516,4 +529,5 @@ class Deliverer:
         self._untold = []
         for id in ids:
             self._batches.forget(id)
+        self.kinds.forget(ids)
         return True

@@ -134,6 +134,12 @@ class InboxDeliveries:
                 self._activities[batch.id] = UNREADABLE
         return self._activities[batch.id]
 
+    def forget(self, batch_ids: Iterable[int]) -> None:
+        """The activities parsed for SKIP_IF of ``batch_ids``, none of whose
+        deliveries is in hand."""
+        for id in batch_ids:
+            self._activities.pop(id, None)
+
     def unusable(self, claimed: Iterable[claims.Claimed]) -> set[str]:
         """An inbox is always one to try."""
         return set()

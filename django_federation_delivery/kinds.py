@@ -68,6 +68,11 @@ class DeliveryKind(Protocol):
         """One attempt at ``job``, in a worker thread."""
         ...
 
+    def forget(self, batch_ids: Iterable[int]) -> None:
+        """Let go of what was read of the batches ``batch_ids`` (a parsed
+        body): none of their deliveries is in hand any more."""
+        ...
+
 
 class Kinds:
     """The kinds of one deliverer, by the ``kind`` a delivery is written with."""
@@ -93,6 +98,12 @@ class Kinds:
 
     def __iter__(self) -> Iterator[DeliveryKind]:
         return iter(self._by_kind.values())
+
+    def forget(self, batch_ids: Iterable[int]) -> None:
+        """:meth:`DeliveryKind.forget` of each kind."""
+        ids = list(batch_ids)
+        for kind in self:
+            kind.forget(ids)
 
     @property
     def longest(self) -> float:

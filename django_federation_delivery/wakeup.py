@@ -68,6 +68,12 @@ class PostgresListener:
         self._stop_reader, self._stop_writer = socket.socketpair()
         # What pause() writes to, to have the thread look at once.
         self._turn_reader, self._turn_writer = socket.socketpair()
+        # Written to without waiting: the thread reads them only while it is
+        # connected, and a byte unread already has it look at what is asked
+        # now. Blocking, the loop's 278th change of mind while the thread
+        # could not connect would wait on it for good.
+        self._stop_writer.setblocking(False)
+        self._turn_writer.setblocking(False)
 
     @staticmethod
     def available(using: str | None = None) -> bool:
@@ -90,7 +96,7 @@ class PostgresListener:
         if paused == self._paused:
             return
         self._paused = paused
-        with contextlib.suppress(OSError):  # closed: stopped
+        with contextlib.suppress(OSError):  # closed: stopped; full: a byte is unread
             self._turn_writer.send(b"\0")
 
     def stop(self) -> None:

@@ -162,6 +162,9 @@ class Workers:
                     break
                 item.started = time.monotonic()
                 self.results.put((item, self._attempt(item, transports)))
+                # Not kept while this thread waits for the next: its body,
+                # job and signing key are the loop's until it settles.
+                item = None
                 if self.jobs.qsize() < self.wake_below or self.results.qsize() >= self.wake_at:
                     self.wake.set()
                 if self._surplus():

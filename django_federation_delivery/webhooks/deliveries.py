@@ -230,6 +230,11 @@ class WebhookDeliveries:
                 self._events[batch.id] = None
         return self._events[batch.id]
 
+    def forget(self, batch_ids: Iterable[int]) -> None:
+        """The events read of ``batch_ids``, none of whose deliveries is in hand."""
+        for id in batch_ids:
+            self._events.pop(id, None)
+
     def unusable(self, claimed: Iterable[claims.Claimed]) -> set[str]:
         """The hosts among ``claimed`` whose destination is no longer configured."""
         return {
