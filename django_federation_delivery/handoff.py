@@ -12,9 +12,8 @@ import queue
 import traceback
 from collections.abc import Callable, Generator
 
-from django.utils import timezone
-
 from django_federation_delivery.attempt import AttemptResult, crashed
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.models import Status
 from django_federation_delivery.outages import Database
@@ -155,6 +154,6 @@ class Handoff:
                     claimed=claimed,
                     status=Status.PENDING,
                     attempts=claimed.attempts,
-                    due_at=timezone.now(),
+                    due_at=aware_now(),
                 )
             )

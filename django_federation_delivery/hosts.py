@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from django_federation_delivery import wakeup
 from django_federation_delivery.conf import database_alias
-from django_federation_delivery.dialect import aware, orm_datetime
+from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.signatures import Scheme
@@ -116,6 +116,8 @@ def resume_hosts(names: Iterable[str], *, using: str | None = None) -> int:
     for start in range(0, len(names), CHUNK):
         chunk = names[start : start + CHUNK]
         now = timezone.now()
+        # Due at this instant, as the claims read it, whatever USE_TZ says.
+        due = orm_datetime(aware_now(), alias)
         with transaction.atomic(using=alias):
             Host.objects.using(alias).filter(name__in=chunk).update(
                 paused_at=None, disabled_reason="", updated_at=now
@@ -125,7 +127,7 @@ def resume_hosts(names: Iterable[str], *, using: str | None = None) -> int:
                 .filter(
                     host__in=chunk, status=Status.PENDING, due_at__isnull=True, after__isnull=True
                 )
-                .update(due_at=now)
+                .update(due_at=due)
             )
     transaction.on_commit(wakeup.notify_local, using=alias)
     return int(released)

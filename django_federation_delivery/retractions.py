@@ -12,7 +12,10 @@ attempted there with it (``wait_again`` in ``store/queries.sql``). To an
 inbox it leaves out, its host marked unavailable, it is not sent (a host
 gone for good costs nothing more), but the ``Create``'s delivery never
 attempted there is superseded all the same: otherwise it would go once the
-host is seen again, and the ``Delete`` never.
+host is seen again, and the ``Delete`` never. Where something it retracts
+is still pending there, attempted or not, it is queued there after all
+(:func:`pending_at`): what was attempted would otherwise be delivered by
+its retries once the host answers, unretracted.
 
 What a batch is about is kept when it is sent (:func:`about`): the
 activity's ``id``, and its object's (``object`` as a string, or an object
@@ -28,10 +31,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.db import transaction
-from django.utils import timezone
 
 from django_federation_delivery import signals
 from django_federation_delivery.decide import Outcome
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.models import Batch, Retracts
 from django_federation_delivery.settling import settled
 from django_federation_delivery.store import retractions
@@ -123,7 +126,7 @@ def overtake(
         activity_id=retraction.activity_id,
         left_out=left_out,
         reason=retraction.reason,
-        now=timezone.now(),
+        now=aware_now(),
         using=using,
     )
     if overtaken.superseded and signals.listened(signals.delivery_settled):

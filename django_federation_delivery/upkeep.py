@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from django_federation_delivery import availability, controls, metrics
 from django_federation_delivery.breakers import Breakers
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.hoststats import HostStats
@@ -162,7 +163,7 @@ class Upkeep:
         self.beat()
         if time.monotonic() - self._stranded_read >= STRANDED_EVERY:
             self._stranded_read = time.monotonic()
-            self.db(release_stranded, now=timezone.now(), using=self.using)
+            self.db(release_stranded, now=aware_now(), using=self.using)
         if time.monotonic() - self._overdue_read >= OVERDUE_EVERY:
             self._overdue_read = time.monotonic()
             self.give_up_overdue()

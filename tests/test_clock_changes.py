@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.db import connection
 from django.utils import timezone
 
 from django_federation_delivery import send, send_batch, store
 from django_federation_delivery.attempt import failed
 from django_federation_delivery.channels.activitypub import InboxJob
+from django_federation_delivery.controls import pause_host, resume_host
 from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.picture import host_picture
 from django_federation_delivery.retry import RetryPolicy
@@ -241,3 +243,76 @@ def test_a_hosts_last_24_hours_on_a_23_hour_day_are_24_hours(
     freeze(monkeypatch, eastern(2024, 3, 10, 12, 0))  # EDT, 16:00 UTC
     picture = host_picture("social.example")
     assert picture is not None and picture.last_day["delivered"] == 1
+
+
+POST = f"{ALICE}/notes/1"
+A = "https://a.example/inbox"
+
+
+def create(obj: Any = POST, n: int = 1) -> dict[str, Any]:
+    return {"type": "Create", "id": f"{ALICE}/activities/{n}", "actor": ALICE, "object": obj}
+
+
+def delete(obj: Any = POST) -> dict[str, Any]:
+    return {"type": "Delete", "id": f"{ALICE}/activities/d", "actor": ALICE, "object": obj}
+
+
+def due_in_utc(delivery_id: int) -> dt.datetime:
+    """A delivery's due time as the instant PostgreSQL keeps."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT extract(epoch FROM due_at) FROM federation_delivery_delivery WHERE id = %s",
+            [delivery_id],
+        )
+        (epoch,) = cursor.fetchone()
+    return dt.datetime.fromtimestamp(float(epoch), UTC)
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_in_the_repeated_hour_leaves_a_create_being_attempted_to_its_claim(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2024-11-03 01:30 EDT: the Create to A is claimed for 300 s (until
+    05:35 UTC); at 01:31 EDT the Delete is sent. Its naive 01:31 was read
+    by PostgreSQL as 01:31 EST (06:31 UTC): the lease looked lapsed, the
+    Create being sent was superseded and the Delete went at once, beside it."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 30))
+    first = send(ALICE, create(), [A])
+    (held,) = store.claim(10, 300)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 31))
+    retraction = send(ALICE, delete(), [A])
+    assert first is not None and retraction is not None
+    assert Delivery.objects.get(batch=first).status == Status.PENDING, "superseded while held"
+    assert retraction.superseded == 0
+    assert Delivery.objects.get(batch=retraction).after_id == held.id
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_what_waited_on_a_superseded_create_in_the_repeated_hour_is_due_at_once(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 2024-11-03 01:31 EDT (05:31 UTC): made due at 06:31 UTC, an hour late.
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 31))
+    send_batch(ALICE, create(), [A], {"ordering_key": "timeline"})
+    after = send_batch(ALICE, create(f"{ALICE}/notes/9", n=9), [A], {"ordering_key": "timeline"})
+    send(ALICE, delete(), [A])
+    assert after is not None
+    assert due_in_utc(Delivery.objects.get(batch=after).pk) == in_utc(2024, 11, 3, 5, 31)
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_a_host_resumed_in_the_repeated_hour_is_due_at_once(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 2024-11-03 01:31 EDT (05:31 UTC): resumed due at 06:31 UTC, an hour late.
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 31))
+    send(ALICE, NOTE, [A])
+    pause_host("a.example")
+    assert resume_host("a.example") == 1
+    assert due_in_utc(Delivery.objects.get().pk) == in_utc(2024, 11, 3, 5, 31)

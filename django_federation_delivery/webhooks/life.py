@@ -27,7 +27,7 @@ from django.utils.translation import gettext, ngettext
 from django_federation_delivery import hosts, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.conf import database_alias
-from django_federation_delivery.dialect import aware, orm_datetime
+from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
 from django_federation_delivery.webhooks.destinations import delivery_key
@@ -102,9 +102,10 @@ def enable(name: str, *, using: str | None = None) -> int | None:
         pending = Delivery.objects.using(alias).filter(host=key, status=Status.PENDING)
         # The first in line may have a retry of its own to wait for (it was
         # in flight when the destination was disabled): due now too.
-        pending.filter(after__isnull=True, lease_token__isnull=True).filter(
-            due_at__gt=timezone.now()
-        ).update(due_at=timezone.now())
+        now = orm_datetime(aware_now(), alias)
+        pending.filter(after__isnull=True, lease_token__isnull=True).filter(due_at__gt=now).update(
+            due_at=now
+        )
         # The first goes now, and each of the others once the one before it
         # is delivered: every one of them goes again, not the first alone.
         return pending.count()
