@@ -30,6 +30,12 @@ logger = logging.getLogger("django_federation_delivery.deliverer")
 #: once nothing of theirs was due: what is sent to them meanwhile waits that
 #: long at most to be held.
 HOLD_PASS_SECONDS = 1.0
+#: How often a loop with enough in hand to keep its slots busy (a fan-out's
+#: deliveries) looks for what came due in the urgent lanes meanwhile (a
+#: webhook event, a direct message): one index read, and a claim of those
+#: lanes alone only when it finds some. Sends from other processes do not
+#: wake it then (its LISTEN is paused while claims come back full).
+URGENT_LOOK_SECONDS = 0.1
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -64,6 +70,8 @@ class Intake:
     _found_nothing_at: dt.datetime | None = dataclasses.field(default=None, init=False)
     #: Whether the last claim found nothing at all.
     _found_nothing: bool = dataclasses.field(default=False, init=False)
+    #: When the urgent lanes were last looked at (:meth:`_claim_urgent`).
+    _urgent_looked_at: float = dataclasses.field(default=0.0, init=False)
     #: PostgreSQL's listener, while :meth:`listen` has one: paused while
     #: claims come back full, as the loop claims again then unwoken.
     _listener: PostgresListener | None = dataclasses.field(default=None, init=False)
@@ -104,6 +112,7 @@ class Intake:
         # delivery waiting for a host already at PER_HOST (a silent one, say)
         # must not keep the others from being claimed.
         if self.slots.sendable(max(1, self.concurrency // 2)):
+            self._claim_urgent()
             return
         if (
             self.caught_up
@@ -182,6 +191,30 @@ class Intake:
         claim is taking at that moment: they are due until it commits, and
         may come back (a claim locks more rows than it takes)."""
         return self.caught_up and self.db(claims.has_due, using=self.using) is False
+
+    def _claim_urgent(self) -> None:
+        """With enough in hand, still take what is due in the urgent lanes,
+        which goes before what is ready (``Slots.add``), every
+        URGENT_LOOK_SECONDS at most: a direct message or an alert never
+        waits for a fan-out's claimed deliveries to be sent first."""
+        now = time.monotonic()
+        if now - self._urgent_looked_at < URGENT_LOOK_SECONDS:
+            return
+        self._urgent_looked_at = now
+        if not self.db(claims.has_due, lanes=claims.URGENT, using=self.using):
+            return
+        saturated = self.slots.saturated_hosts()
+        claimed = self.db(
+            claims.claim,
+            self.claim_size,
+            self.lease,
+            per_host=self.per_host,
+            exclude_hosts=[*saturated, *self.upkeep.held_hosts()],
+            lanes=claims.URGENT,
+            using=self.using,
+        )
+        if claimed:
+            self._sort(claimed)
 
     def _claim_held(
         self, claimed: list[claims.Claimed], held: list[str], room: int

@@ -85,7 +85,16 @@ class Slots:
         return set(self.in_flight) | {item.claimed.id for item in self.ready}
 
     def add(self, item: InFlight) -> None:
-        self.ready.append(item)
+        """Ready ``item``: after what is ready of its lane and the lanes
+        before it, before the rest (a direct message claimed while a
+        fan-out's deliveries wait for slots goes first)."""
+        ready = self.ready
+        rank = item.rank
+        if ready and ready[-1].rank > rank:
+            index = next(n for n, other in enumerate(ready) if other.rank > rank)
+            ready.insert(index, item)
+        else:
+            ready.append(item)
         self._ready_hosts[item.claimed.host] += 1
 
     def sendable(self, enough: int) -> bool:

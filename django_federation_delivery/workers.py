@@ -1,7 +1,10 @@
 """The worker threads: each makes one attempt at a time, and never touches the database.
 
 The coordinator puts :class:`InFlight` deliveries on the pool's job queue and
-takes ``(delivery, result)`` pairs off its result queue. A worker asks each
+takes ``(delivery, result)`` pairs off its result queue. An urgent one (a
+webhook event's, a direct message's: ``store.claims.URGENT``) waits in a
+queue of its own, which a free worker looks in first: it never waits behind
+the fan-out's deliveries queued before it. A worker asks each
 delivery's kind for the attempt, with a transport of its own for that kind
 over keep-alive connections the pool's threads share (a host's next delivery
 reuses the connection its last one left, whichever worker sends it), closes
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import enum
 import logging
 import queue
 import threading
@@ -24,7 +28,7 @@ from django_federation_delivery import tracing
 from django_federation_delivery.addresses import escaped
 from django_federation_delivery.attempt import AttemptResult, Job, crashed, overtaken, readable
 from django_federation_delivery.batches import BatchInfo
-from django_federation_delivery.store.claims import Claimed
+from django_federation_delivery.store.claims import RANK, URGENT, Claimed
 from django_federation_delivery.transport import Connections, Transport, TransportSettings
 
 if TYPE_CHECKING:
@@ -54,6 +58,22 @@ class InFlight:
     #: Its attempt's span, with the ``otel`` extra: begun by the worker,
     #: ended by ``perform()`` (``tracing.py``).
     span: Begun | None = None
+
+    @property
+    def rank(self) -> int:
+        """Its lane's place in the claim's order: the lower, the sooner."""
+        return RANK.get(self.batch.lane, len(RANK))
+
+    @property
+    def urgent(self) -> bool:
+        """Whether it goes before the rest wherever it waits."""
+        return self.batch.lane in URGENT
+
+
+class _Nudge(enum.Enum):
+    #: Put on the job queue with an urgent job: a worker waiting there looks
+    #: in the urgent queue.
+    URGENT = "urgent"
 
 
 class Workers:
@@ -87,7 +107,9 @@ class Workers:
         #: The fewest threads ever needed: ``needed()`` is never less.
         self.floor = concurrency
         self.wake_at = max(1, concurrency // 4)
-        self.jobs: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[InFlight | _Nudge | None] = queue.SimpleQueue()
+        #: The urgent jobs, which a free worker takes before any in ``jobs``.
+        self.urgent: queue.SimpleQueue[InFlight] = queue.SimpleQueue()
         self.results: queue.SimpleQueue[tuple[InFlight, AttemptResult]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -109,18 +131,36 @@ class Workers:
                 self._threads.append(worker)
 
     def put(self, item: InFlight) -> None:
-        self.jobs.put(item)
+        if item.urgent:
+            self.urgent.put(item)
+            self.jobs.put(_Nudge.URGENT)
+        else:
+            self.jobs.put(item)
 
     def take_queued(self) -> list[InFlight]:
-        """What waits in the job queue for a free worker, taken back."""
+        """What waits in the job queues for a free worker, taken back."""
         taken: list[InFlight] = []
+        for waiting in (self.urgent, self.jobs):
+            while True:
+                try:
+                    item = waiting.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, InFlight):
+                    taken.append(item)
+        return taken
+
+    def _next(self) -> InFlight | None:
+        """The next job, an urgent one first, waiting for one at most the
+        idle timeout (``queue.Empty``); None to end."""
         while True:
             try:
-                item = self.jobs.get_nowait()
+                return self.urgent.get_nowait()
             except queue.Empty:
-                return taken
-            if item is not None:
-                taken.append(item)
+                pass
+            item = self.jobs.get(timeout=self.transport_settings.idle_timeout)
+            if item is not _Nudge.URGENT:
+                return item
 
     def stop(self) -> None:
         """End every thread once it has finished its attempt."""
@@ -152,7 +192,7 @@ class Workers:
         try:
             while True:
                 try:
-                    item = self.jobs.get(timeout=self.transport_settings.idle_timeout)
+                    item = self._next()
                 except queue.Empty:
                     # Idle: let go of connections nobody has used for a while.
                     for transport in transports.values():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
 
-from django_federation_delivery import PortableInbox, send, send_batch, send_portable
+from django_federation_delivery import PortableInbox, send, send_batch, send_portable, send_webhook
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Delivery, Host, Status
 
@@ -18,6 +19,7 @@ from .keys import ALICE, rsa_key
 pytestmark = pytest.mark.django_db(transaction=True)
 
 NOTE = {"type": "Create", "actor": ALICE}
+SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
 
 
 class _Keys(HTTPSignatureKeyResolver):
@@ -240,6 +242,47 @@ def test_a_direct_message_is_not_queued_behind_a_fan_out(
     waiting = 400 - len(crowd.received)
     runner.stop()
     assert waiting > 300, "sent while the fan-out was still draining"
+
+
+@pytest.mark.parametrize("urgent", ["direct-message", "direct-message-low-fan-out", "webhook"])
+def test_an_urgent_send_goes_before_a_fan_out_to_many_slow_hosts_already_claimed(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    urgent: str,
+) -> None:
+    # A fan-out to 100 hosts, each answering in 0.5 s: one claim keeps the 16
+    # slots busy for rounds, and none of its hosts is at PER_HOST, so the
+    # loop claimed nothing more while it had enough ready. A direct message
+    # or an alert sent then was claimed only once that ran low, and waited
+    # behind all of it, ready and queued for the workers: 80 deliveries.
+    target = inboxes("127.0.0.3")
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PRIORITY_MAX_INBOXES": 5,
+        "WEBHOOKS": {"ops": f"http://{target.address}:{target.port}/hook?secret={SECRET}"},
+    }
+    crowd = [inboxes(f"127.0.0.{10 + n % 50}", delay=0.5) for n in range(100)]
+    low = urgent == "direct-message-low-fan-out"
+    fan_out = [crowd[n % 100].url(f"/u{n}") for n in range(300)]
+    send_batch(ALICE, NOTE, fan_out, {"low_priority": low})
+
+    def received() -> int:
+        return sum(len(inbox.received) for inbox in crowd)
+
+    runner = start_deliverer(concurrency=16)
+    wait_until(lambda: received() >= 40)
+    before = received()
+    if urgent == "webhook":
+        send_webhook("ops", "alert.raised", {"n": 1})
+    else:
+        send(ALICE, {"type": "Create", "to": "friend"}, [target.url()])
+    wait_until(lambda: len(target.received) == 1, timeout=15)
+    behind = received() - before
+    runner.stop()
+    # What was in flight as it was sent may go first, and a little more on
+    # a busy machine; not what waited to be sent after it.
+    assert behind < 40, f"{behind} deliveries of the fan-out went before it"
 
 
 DID = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"

@@ -6,12 +6,14 @@ import time
 
 import pytest
 
+from django_federation_delivery.models import Lane
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.store import Claimed
+from django_federation_delivery.store.claims import BatchInfo
 from django_federation_delivery.workers import InFlight
 
 
-def item(number: int, host: str) -> InFlight:
+def item(number: int, host: str, lane: str = Lane.NORMAL) -> InFlight:
     claimed = Claimed(
         id=number,
         batch_id=1,
@@ -22,7 +24,8 @@ def item(number: int, host: str) -> InFlight:
         token="t",
         leased_until=time.time() + 300,
     )
-    return InFlight(claimed=claimed, batch=None, kind=None, job=None)  # type: ignore[arg-type]
+    batch = BatchInfo(1, "", b"{}", "", "", None, None, False, False, lane=lane)
+    return InFlight(claimed=claimed, batch=batch, kind=None, job=None)  # type: ignore[arg-type]
 
 
 def slots(concurrency: int = 4, per_host: int = 2) -> Slots:
@@ -142,3 +145,14 @@ def test_a_resting_host_gets_no_slot_and_is_left_out_of_claims_holding_nothing()
     assert sorted(place.saturated_hosts()) == ["a", "c"], "each at its one, and none rests"
     assert place.until_rested() is None
     assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["a"]
+
+
+def test_a_more_urgent_lane_is_ready_before_the_rest_and_each_keeps_its_order() -> None:
+    # A direct message claimed while a fan-out's deliveries wait for slots
+    # goes first: it was put behind them.
+    held = slots(concurrency=1)
+    for number, lane in enumerate(
+        [Lane.NORMAL, Lane.LOW, Lane.NORMAL, Lane.PRIORITY, Lane.WEBHOOK, Lane.PRIORITY, Lane.LOW]
+    ):
+        held.add(item(number, f"h{number}.example", lane))
+    assert [ready.claimed.id for ready in held.ready] == [4, 3, 5, 0, 2, 1, 6]

@@ -23,6 +23,7 @@ from django_federation_delivery.channels.activitypub import ActivityPub, InboxJo
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.kinds import DeliveryKind
+from django_federation_delivery.models import Lane
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
 from django_federation_delivery.store import Claimed
@@ -442,6 +443,24 @@ def test_what_waits_for_a_free_worker_can_be_taken_back(pool: Callable[..., Work
 
     assert [item.claimed.id for item in workers.take_queued()] == [1, 2, 3]
     assert workers.take_queued() == []
+
+
+@pytest.mark.usefixtures("mocked")
+def test_an_urgent_delivery_is_taken_by_the_next_free_worker_before_those_queued(
+    pool: Callable[..., Workers],
+) -> None:
+    # A webhook event or a direct message handed out while a fan-out's
+    # deliveries waited in the workers' queue waited behind them.
+    workers = pool(needed=1)
+    for number in range(1, 4):
+        workers.put(in_flight(number))
+    urgent = in_flight(4)
+    urgent.batch = urgent.batch._replace(lane=Lane.PRIORITY)
+    workers.put(urgent)
+    workers.grow_to(1)
+    assert [item.claimed.id for item, _ in results(workers, 4)] == [4, 1, 2, 3]
+    workers.put(urgent)
+    assert [item.claimed.id for item in workers.take_queued()] == [4], "taken back too"
 
 
 # Keep-alive inboxes on many ports, in a process of their own so that only the

@@ -78,11 +78,13 @@ def claim(
     per_host: int | None = None,
     exclude_hosts: Iterable[str] = (),
     only_hosts: Iterable[str] = (),
+    lanes: Iterable[str] | None = None,
     using: str | None = None,
 ) -> list[Claimed]:
-    """Take up to ``limit`` due deliveries for ``lease`` seconds, lane by lane,
-    in one transaction, and at most ``per_host`` to any one host; none to
-    ``exclude_hosts``, and, if ``only_hosts`` names any, to those alone.
+    """Take up to ``limit`` due deliveries for ``lease`` seconds, lane by lane
+    (those of ``lanes`` alone, if given), in one transaction, and at most
+    ``per_host`` to any one host; none to ``exclude_hosts``, and, if
+    ``only_hosts`` names any, to those alone.
 
     The claim pushes each row's due time forward by the lease and stamps it
     with a fresh token: only the holder of the token may settle it, and a row
@@ -105,6 +107,7 @@ def claim(
         token=token,
         excluded=excluded,
         only=only,
+        lanes=_lanes(lanes),
     )
     with sql.on(connection) as db:
         if db.postgresql:
@@ -140,7 +143,22 @@ def claim(
 
 #: Each lane's parameter of the statements that read every lane (``claim``,
 #: ``next_due``, ``has_due``), in the claim's order.
-LANES = {f"lane{rank}": lane for rank, lane in enumerate(CLAIM_ORDER)}
+LANES: dict[str, str] = {f"lane{rank}": lane for rank, lane in enumerate(CLAIM_ORDER)}
+#: What must never wait behind a fan-out: the lanes a busy deliverer looks
+#: in for what came due while it had enough in hand (``Intake``).
+URGENT = (Lane.WEBHOOK, Lane.PRIORITY)
+#: Each lane's place in the claim's order, the first first.
+RANK: dict[str, int] = {lane: rank for rank, lane in enumerate(CLAIM_ORDER)}
+#: A lane's parameter for a lane left out: no row has it.
+_NO_LANE = ""
+
+
+def _lanes(only: Iterable[str] | None) -> dict[str, str]:
+    """The lanes' parameters, with those not in ``only`` (if given) left out."""
+    if only is None:
+        return LANES
+    kept = set(only)
+    return {name: lane if lane in kept else _NO_LANE for name, lane in LANES.items()}
 
 
 class _Wanted(NamedTuple):
@@ -155,6 +173,8 @@ class _Wanted(NamedTuple):
     token: str
     excluded: list[str]
     only: list[str]
+    #: The lanes' parameters (``LANES``, or some left out: ``_lanes``).
+    lanes: dict[str, str]
 
 
 def _take_postgresql(db: sql.Statements, wanted: _Wanted) -> list[Any]:
@@ -166,7 +186,7 @@ def _take_postgresql(db: sql.Statements, wanted: _Wanted) -> list[Any]:
     trip, where a statement a lane in a transaction made five."""
     rows = db.all(
         "claim",
-        **LANES,
+        **wanted.lanes,
         now=wanted.now,
         excluded=wanted.excluded,
         only=wanted.only or None,
@@ -176,9 +196,8 @@ def _take_postgresql(db: sql.Statements, wanted: _Wanted) -> list[Any]:
         cap=wanted.cap,
         limit=wanted.limit,
     )
-    order = {lane: rank for rank, lane in enumerate(CLAIM_ORDER)}
     # RETURNING gives no order: the lanes' and, within each, the queue's.
-    return [row[:-1] for row in sorted(rows, key=lambda row: (order[row[-1]], row[0]))]
+    return [row[:-1] for row in sorted(rows, key=lambda row: (RANK[row[-1]], row[0]))]
 
 
 def _take_sqlite(db: sql.Statements, wanted: _Wanted) -> list[Any]:
@@ -196,7 +215,9 @@ def _take_sqlite(db: sql.Statements, wanted: _Wanted) -> list[Any]:
     picked: list[int] = []
     # PER_HOST holds across the lanes of one claim, as on PostgreSQL.
     taken: collections.Counter[str] = collections.Counter()
-    for lane in CLAIM_ORDER:
+    for lane in wanted.lanes.values():
+        if lane == _NO_LANE:
+            continue
         if len(picked) >= wanted.limit:
             break
         room = wanted.limit - len(picked)
@@ -376,17 +397,22 @@ def count_due(*, using: str | None = None) -> int:
     )
 
 
-def has_due(*, since: dt.datetime | None = None, using: str | None = None) -> bool:
-    """Whether anything is due now (that came due after ``since``, if given):
-    the cheap check for work queued elsewhere, an index look a lane in one
-    statement, asked every NEW_WORK_POLL_SECONDS by an idle deliverer that
-    has no LISTEN."""
+def has_due(
+    *,
+    since: dt.datetime | None = None,
+    lanes: Iterable[str] | None = None,
+    using: str | None = None,
+) -> bool:
+    """Whether anything is due now (that came due after ``since``, if given;
+    in ``lanes``, if given): the cheap check for work queued elsewhere, an
+    index look a lane in one statement, asked every NEW_WORK_POLL_SECONDS by
+    an idle deliverer that has no LISTEN."""
     connection = connection_for(using)
     with sql.on(connection) as db:
         return bool(
             db.value(
                 "has_due",
-                **LANES,
+                **_lanes(lanes),
                 now=db_datetime(aware_now(), connection),
                 since=db_datetime(since or EARLIEST, connection),
             )
