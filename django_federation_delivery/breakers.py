@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
@@ -33,6 +34,7 @@ from django_federation_delivery import addresses
 from django_federation_delivery.conf import SETTING, app_settings, database_alias
 from django_federation_delivery.models import Breaker
 from django_federation_delivery.store.breakers import count_failures
+from django_federation_delivery.store.queueing import CHUNK
 
 
 class Scope(enum.StrEnum):
@@ -226,7 +228,21 @@ def inbox_key(inbox: str) -> str:
 
 
 def reset_breaker(key: str, *, using: str | None = None) -> int:
-    return int(Breaker.objects.using(using or database_alias()).filter(key=key).delete()[0])
+    return reset_breakers([key], using=using)
+
+
+def reset_breakers(keys: Iterable[str], *, using: str | None = None) -> int:
+    """Forget the breakers ``keys`` (closed, their count at nought), a
+    :data:`CHUNK` of keys a statement, in one transaction: the admin's
+    "select all" may name tens of thousands. Returns how many were."""
+    alias = using or database_alias()
+    keys = list(keys)
+    manager = Breaker.objects.using(alias)
+    with transaction.atomic(using=alias):
+        return sum(
+            int(manager.filter(key__in=keys[start : start + CHUNK]).delete()[0])
+            for start in range(0, len(keys), CHUNK)
+        )
 
 
 class Breakers:

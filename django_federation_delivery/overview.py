@@ -13,7 +13,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from django.db.models import Count, F, Max, Min, Q
+from django.db.models import Case, Count, Max, Min, Q, When
 from django.utils import timezone
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
@@ -23,7 +23,7 @@ from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware
 from django_federation_delivery.heartbeats import SeenDeliverer
 from django_federation_delivery.hosts import paused_hosts
-from django_federation_delivery.models import Breaker, Delivery, Lane, Status
+from django_federation_delivery.models import Breaker, Delivery, Host, Lane, Status
 
 __all__ = [
     "BREAKER_STATES",
@@ -109,7 +109,10 @@ class Overview:
     open_breakers: tuple[OpenBreaker, ...]
     #: How many breakers are open, when there are more than are listed.
     open_breaker_count: int
+    #: The first paused hosts by name, and how many are paused in all (an
+    #: operator may pause tens of thousands with "select all").
     paused_hosts: tuple[str, ...]
+    paused_host_count: int = 0
     #: The deliverers alive (see heartbeats.py), and when any last beat.
     deliverers: tuple[SeenDeliverer, ...] = ()
     deliverer_last_seen: dt.datetime | None = None
@@ -146,6 +149,7 @@ class Overview:
             "open_breakers": [_jsonable(breaker) for breaker in self.open_breakers],
             "open_breaker_count": self.open_breaker_count,
             "paused_hosts": list(self.paused_hosts),
+            "paused_host_count": self.paused_host_count,
             "deliverers": [_jsonable(deliverer) for deliverer in self.deliverers],
             "deliverer_last_seen": _iso(self.deliverer_last_seen),
             "stalled": self.stalled,
@@ -209,24 +213,28 @@ def overview(
     *,
     hosts: int = 10,
     breakers: int = 50,
+    paused: int = 50,
     now: dt.datetime | None = None,
     using: str | None = None,
 ) -> Overview:
-    """The queues as of ``now``, with the ``hosts`` failing most and up to
-    ``breakers`` open breakers, and the live deliverers. A fixed number of
-    queries, each bounded."""
+    """The queues as of ``now``, with the ``hosts`` failing most, up to
+    ``breakers`` open breakers and ``paused`` paused hosts (with how many of
+    each there are), and the live deliverers. A fixed number of queries,
+    each bounded."""
     now = now or timezone.now()
     alias = using or database_alias()
-    paused = tuple(sorted(paused_hosts(using=alias)))
+    all_paused = Host.objects.using(alias).filter(paused_at__isnull=False)
+    paused_list = tuple(all_paused.order_by("name").values_list("name", flat=True)[:paused])
     open_list, open_count = _open_breakers(now, breakers, alias)
     seen = heartbeats.seen(now=now, using=alias)
     return Overview(
         at=now,
         lanes=_lanes(now, alias),
-        failing_hosts=_failing_hosts(now, hosts, set(paused), alias),
+        failing_hosts=_failing_hosts(now, hosts, alias),
         open_breakers=open_list,
         open_breaker_count=open_count,
-        paused_hosts=paused,
+        paused_hosts=paused_list,
+        paused_host_count=(all_paused.count() if len(paused_list) >= paused else len(paused_list)),
         deliverers=seen.live,
         deliverer_last_seen=seen.last_seen,
     )
@@ -333,9 +341,11 @@ def _open_breakers(now: dt.datetime, limit: int, alias: str) -> tuple[tuple[Open
     )
 
 
-def _failing_hosts(
-    now: dt.datetime, limit: int, paused: set[str], alias: str
-) -> tuple[FailingHost, ...]:
+def _failing_hosts(now: dt.datetime, limit: int, alias: str) -> tuple[FailingHost, ...]:
+    """The ``limit`` hosts failing most, as they are shown: those whose
+    breaker is open first, then the most retrying, then the most failures.
+    Its candidates are the first ``limit`` by each part of that order, so
+    that the first ``limit`` of them are the first of all."""
     if limit < 1:
         return ()
     deliveries = Delivery.objects.using(alias).filter(status=Status.PENDING, attempts__gt=0)
@@ -344,18 +354,24 @@ def _failing_hosts(
         .annotate(retrying=Count("id"), last_status=Max("last_status"))
         .order_by("-retrying", "host")
     )
-    # The hosts whose breakers count the most failures, open ones first. A
-    # key with "://" is an inbox (SCOPE "inbox"), not a host.
+    # A key with "://" is an inbox (SCOPE "inbox"), not a host.
+    host_breakers = Breaker.objects.using(alias).exclude(key__contains="://")
+    open_keys = host_breakers.filter(open_until__isnull=False).values("key")
+    # The hosts whose breakers count the most failures, open ones first.
     worst_breakers = (
-        Breaker.objects.using(alias)
-        .exclude(key__contains="://")
-        .order_by(F("open_until").asc(nulls_last=True), "-failures", "key")
+        host_breakers.annotate(closed=Case(When(open_until__isnull=True, then=1), default=0))
+        .order_by("closed", "-failures", "key")
         .values("key")[:limit]
     )
-    # Three queries whatever the data: the hosts with the most retrying
-    # deliveries (pending rows, LIMITed); the breakers of those and of the
-    # worst; the retrying deliveries of the worst breakers' hosts.
+    # Four queries whatever the data: the hosts with the most retrying
+    # deliveries (pending rows, LIMITed), and those of them whose breaker is
+    # open; the breakers of those and of the worst; the retrying deliveries
+    # of the worst breakers' hosts.
     retrying = {row["host"]: (row["retrying"], row["last_status"]) for row in by_retrying[:limit]}
+    retrying.update(
+        (row["host"], (row["retrying"], row["last_status"]))
+        for row in by_retrying.filter(host__in=open_keys)[:limit]
+    )
     by_host = {
         row.key: row
         for row in Breaker.objects.using(alias).filter(
@@ -366,6 +382,7 @@ def _failing_hosts(
         (row["host"], (row["retrying"], row["last_status"]))
         for row in by_retrying.filter(host__in=worst_breakers).order_by()
     )
+    paused = paused_hosts(set(retrying) | set(by_host), using=alias)
     found = []
     for host in set(retrying) | set(by_host):
         count, last_status = retrying.get(host, (0, None))

@@ -166,6 +166,7 @@ def test_delivery_status_json_is_for_scripts(busy: dict[str, int]) -> None:
         "open_breakers",
         "open_breaker_count",
         "paused_hosts",
+        "paused_host_count",
         "deliverers",
         "deliverer_last_seen",
         "stalled",

@@ -99,8 +99,7 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
     def reset(self, request: HttpRequest, queryset: QuerySet[Breaker]) -> None:
         # Each by its key as kept, whatever it holds.
         using = controls.database_of(queryset)
-        keys = queryset.values_list("key", flat=True)
-        count = sum(breakers.reset_breaker(key, using=using) for key in keys)
+        count = breakers.reset_breakers(queryset.values_list("key", flat=True), using=using)
         report(
             self,
             request,

@@ -106,6 +106,12 @@ def queues_page(model_admin: admin.ModelAdmin[Delivery], request: HttpRequest) -
             (name, deliveries(host=name, status__exact=Status.PENDING))
             for name in (status.paused_hosts if see_hosts else ())
         ],
+        # Every paused host, on the hosts' list, when more are than are shown.
+        "all_paused_url": (
+            changelist_url(Host, site, paused="yes")
+            if see_hosts and status.paused_host_count > len(status.paused_hosts)
+            else ""
+        ),
     }
     return TemplateResponse(request, "admin/federation_delivery/queues.html", context)
 

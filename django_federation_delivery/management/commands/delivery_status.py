@@ -261,6 +261,9 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
             )
         )
     paused = ", ".join(escaped(host) for host in status.paused_hosts)
+    more = status.paused_host_count - len(status.paused_hosts)
+    if more > 0:
+        paused += _(", and %(count)d more") % {"count": more}
     parts += ["", _("Paused hosts: %(hosts)s") % {"hosts": paused or _("none")}]
     if destinations:
         parts += ["", _("Webhook destinations")]
