@@ -124,7 +124,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def _free_port(addresses: Sequence[str]) -> int:
+def free_port(addresses: Sequence[str]) -> int:
     """A port that is free on every address (nginx is told to bind them all)."""
     for _ in range(50):
         with socket.socket() as probe:
@@ -261,7 +261,7 @@ http {{
         for directory in (self.dir, self.dir.parent):
             directory.chmod(0o755)
         for _ in range(5):
-            self.port = _free_port(self.every_address)
+            self.port = free_port(self.every_address)
             conf = self.dir / "nginx.conf"
             conf.write_text(self.config())
             with open(self.dir / "stderr.log", "ab") as stderr:
@@ -377,7 +377,7 @@ class RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         log = self.dir / "redis.log"
         for _ in range(5):
-            self.port = _free_port(["127.0.0.1"])
+            self.port = free_port(["127.0.0.1"])
             self.process = subprocess.Popen(
                 [
                     *(self.binary, "--bind", "127.0.0.1", "--port", str(self.port)),

@@ -17,6 +17,12 @@ Each round runs two phases, in turn first:
 * **with the lane**: ``PRIORITY_MAX_INBOXES=5``: the message is claimed
   before the rest of the fan-out; the phase ends when it has arrived.
 
+With ``--answer-ms MS`` the fan-out's hosts answer each request after MS
+milliseconds (Python servers in a process of their own instead of nginx):
+servers that are each a little slow, where one claim of the fan-out keeps
+every slot busy for rounds, which is where a message could wait behind what
+the deliverer had already claimed.
+
 With ``--webhook`` the message of the phases with the lane is a webhook
 event instead, sent with ``send_webhook()`` to a signed JSON destination at
 the same recipient: webhooks have a lane of their own, whatever
@@ -28,7 +34,7 @@ fan-out's rate. It asserts nothing.
 
     python benchmarks/latency.py [--fan-out 30000] [--hosts 100] [--rounds 3]
         [--head-start 1000] [--concurrency 16] [--per-host 2] [--priority-max 5]
-        [--webhook] [--database-url postgres://…]
+        [--answer-ms 0] [--webhook] [--database-url postgres://…]
 
 See benchmarks/README.rst.
 """
@@ -54,10 +60,12 @@ if not __package__:  # run as a script: benchmarks/ is on the path, the reposito
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (
+    FIRST_HOST,
     DelivererThread,
     Sink,
     clear_all,
     environment_lines,
+    free_port,
     keepalive_check,
     load_average,
     make_activity,
@@ -131,6 +139,68 @@ class Recipient:
                     return None
                 self._arrived.wait(min(left, 0.5))
             return self.arrivals[path]
+
+
+# --- Slow hosts (--answer-ms) ------------------------------------------------------------------
+
+
+def serve_slowly(addresses: Sequence[str], port: int, ms: float, ready: Any) -> None:
+    """Answer 202 to every POST after ``ms`` milliseconds, on each of
+    ``addresses`` at ``port``: a server a thread, in a process of its own."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            time.sleep(ms / 1000)
+            self.send_response(202)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 256
+
+    servers = [Server((address, port), Handler) for address in addresses]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    ready.put(True)
+    threading.Event().wait()
+
+
+class SlowSink:
+    """The fan-out's hosts, each answering after ``ms`` milliseconds: as
+    :class:`~benchmarks.common.Sink`'s addresses and URLs, not nginx."""
+
+    def __init__(self, hosts: int, ms: float) -> None:
+        self.addresses = [f"127.0.0.{FIRST_HOST + n}" for n in range(hosts)]
+        self.ms = ms
+        self.port = 0
+        self.process: Any = None
+
+    def start(self) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        ready = context.Queue()
+        self.port = free_port(self.addresses)
+        self.process = context.Process(
+            target=serve_slowly, args=(self.addresses, self.port, self.ms, ready), daemon=True
+        )
+        self.process.start()
+        ready.get(timeout=60)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.join(5)
+
+    def url(self, n: int, path: str) -> str:
+        return f"http://{self.addresses[n % len(self.addresses)]}:{self.port}{path}"
 
 
 # --- One phase ----------------------------------------------------------------------------------
@@ -304,6 +374,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="PRIORITY_MAX_INBOXES in the phases with the lane (5)",
     )
     parser.add_argument(
+        "--answer-ms",
+        type=float,
+        default=0.0,
+        help="the fan-out's hosts answer after this many ms (Python servers; 0: nginx at once)",
+    )
+    parser.add_argument(
         "--webhook",
         action="store_true",
         help="with the lane, the message is a webhook event (its own lane), not a direct message",
@@ -338,7 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, sigterm_interrupts)
     workdir = Path(tempfile.mkdtemp(prefix="fd-latency-", dir=args.tmpdir))
-    sink = Sink(args.hosts, workdir / "nginx", workers=args.nginx_workers)
+    sink: Sink | SlowSink = (
+        SlowSink(args.hosts, args.answer_ms)
+        if args.answer_ms > 0
+        else Sink(args.hosts, workdir / "nginx", workers=args.nginx_workers)
+    )
     recipient: Recipient | None = None
     try:
         sink.start()
@@ -355,7 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def benchmark(args: argparse.Namespace, workdir: Path, sink: Sink, recipient: Recipient) -> int:
+def benchmark(
+    args: argparse.Namespace, workdir: Path, sink: Sink | SlowSink, recipient: Recipient
+) -> int:
     database = setup_django(workdir, database_url=args.database_url)
 
     from django_federation_delivery.deliverer import Deliverer
@@ -366,7 +448,6 @@ def benchmark(args: argparse.Namespace, workdir: Path, sink: Sink, recipient: Re
     message = {**make_activity(ALICE), "id": f"{ALICE}/statuses/1/direct", "to": []}
     fan_out = [sink.url(i, f"/users/u{i}/inbox") for i in range(args.fan_out)]
     probe = Deliverer(concurrency=args.concurrency, per_host=args.per_host)
-    ok, sockets, accepted = keepalive_check(sink, b"{}")
 
     what = "a webhook event" if args.webhook else "a direct message"
     print(f"django-federation-delivery latency: {what} behind a fan-out")
@@ -386,11 +467,18 @@ def benchmark(args: argparse.Namespace, workdir: Path, sink: Sink, recipient: Re
     for line in environment_lines():
         print(f"  {line}")
     print(f"  database: {database}")
-    print(
-        f"  sink: nginx {sink.version()}, worker_processes {sink.workers}, "
-        f"{sink.addresses[0]}…{sink.addresses[-1]} port {sink.port}; keep-alive check "
-        f"{ok}/50 on {sockets} socket(s), {accepted} accepted"
-    )
+    if isinstance(sink, Sink):
+        ok, sockets, accepted = keepalive_check(sink, b"{}")
+        print(
+            f"  sink: nginx {sink.version()}, worker_processes {sink.workers}, "
+            f"{sink.addresses[0]}…{sink.addresses[-1]} port {sink.port}; keep-alive check "
+            f"{ok}/50 on {sockets} socket(s), {accepted} accepted"
+        )
+    else:
+        print(
+            f"  sink: Python servers answering after {sink.ms:g} ms, "
+            f"{sink.addresses[0]}…{sink.addresses[-1]} port {sink.port}"
+        )
     print(f"  the message's recipient: {recipient.url('/…')} (in this process)")
     print(f"  a phase stops after {args.timeout:.0f} s at most", flush=True)
     print()
