@@ -79,20 +79,27 @@ def run(env: dict[str, str], code: str) -> Any:
     return json.loads(manage(env, "shell", "-c", code).strip().splitlines()[-1])
 
 
-def refused(tmp_path: Path, variables: dict[str, str], *args: str) -> str:
-    """``manage.py args`` in the example project with ``variables`` set, which
-    its settings must refuse: the command must fail; what it printed on stderr."""
-    env = {
+def example_variables(tmp_path: Path, variables: dict[str, str]) -> dict[str, str]:
+    """An environment with none of the caller's example project variables but
+    ``variables``, on a SQLite file in ``tmp_path`` unless they say otherwise."""
+    return {
         **{
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("WEBHOOK_", "FEDERATION_DELIVERY_"))
+            if not k.startswith(("WEBHOOK_", "FEDERATION_DELIVERY_", "Q_CLUSTER_"))
+            and k not in ("DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "SILENCED_SYSTEM_CHECKS")
         },
         "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
         "DJANGO_SETTINGS_MODULE": "exampleproject.settings",
         "PYTHONPATH": str(ROOT),
         **variables,
     }
+
+
+def refused(tmp_path: Path, variables: dict[str, str], *args: str) -> str:
+    """``manage.py args`` in the example project with ``variables`` set, which
+    its settings must refuse: the command must fail; what it printed on stderr."""
+    env = example_variables(tmp_path, variables)
     done = subprocess.run(
         [*EXAMPLE_MANAGE, *args], env=env, capture_output=True, text=True, timeout=60
     )
@@ -130,6 +137,126 @@ def test_the_deliverer_does_not_start_with_a_bad_variable_and_names_it(tmp_path:
         "django.core.exceptions.ImproperlyConfigured: FEDERATION_DELIVERY_RETENTION_DAYS "
         "must be a positive number of days, not 'abc'."
     ), stderr
+
+
+# Imports the settings module afresh for each case (a name and its
+# variables), as manage.py would, in one process for them all: what it read,
+# or the traceback manage.py would show; and all it printed or warned.
+READ_SETTINGS = """
+import contextlib, io, json, os, sys, traceback, warnings
+base = dict(os.environ)
+found = {}
+for case, variables in json.loads(sys.argv[1]).items():
+    os.environ.clear()
+    os.environ.update(base, **variables)
+    sys.modules.pop("exampleproject.settings", None)
+    printed = io.StringIO()
+    with (
+        warnings.catch_warnings(record=True) as warned,
+        contextlib.redirect_stdout(printed),
+        contextlib.redirect_stderr(printed),
+    ):
+        warnings.simplefilter("always")
+        try:
+            import exampleproject.settings as s
+        except Exception:
+            found[case] = {"error": traceback.format_exc()}
+        else:
+            found[case] = {"read": {
+                "DEBUG": s.DEBUG,
+                "ALLOWED_HOSTS": s.ALLOWED_HOSTS,
+                "SILENCED_SYSTEM_CHECKS": s.SILENCED_SYSTEM_CHECKS,
+                "DATABASE": {k: s.DATABASES["default"].get(k) for k in ("NAME", "HOST", "PORT")},
+                "WORKERS": getattr(s, "Q_CLUSTER", {}).get("workers"),
+                **{k: s.FEDERATION_DELIVERY.get(k) for k in (
+                    "ALLOWED_NETWORKS", "WEBHOOK_ALLOWED_NETWORKS", "WEBHOOK_RETRY")},
+            }}
+    found[case]["printed"] = printed.getvalue() + "".join(str(w.message) for w in warned)
+print(json.dumps(found, default=str))
+"""
+
+PASSWORD = "s3cretpw"
+
+# Each refused: a variable, and values that must not start the project.
+REFUSED = {
+    "DATABASE_URL": [
+        f"//app:{PASSWORD}@db.internal/app",  # no scheme
+        f"postgres//app:{PASSWORD}@db.internal/app",  # no colon after it
+        f"postgres://app:{PASSWORD}@db.internal:54e2/app",  # a port no number
+        # One slash: read as a local database "app:s3cretpw@db.internal/app".
+        f"postgres:/app:{PASSWORD}@db.internal/app",
+        # Two slashes: db.sqlite3 wherever the process runs, its "host" left out.
+        f"sqlite://app:{PASSWORD}@var/db.sqlite3",
+    ],
+}
+
+# Each accepted: variables, and what the settings must read from them.
+ACCEPTED: list[tuple[dict[str, str], dict[str, Any]]] = [
+    ({}, {"DEBUG": True, "ALLOWED_HOSTS": ["localhost", "127.0.0.1", "[::1]"]}),
+    (
+        {"DATABASE_URL": f"postgres://app:{PASSWORD}@db.internal:6432/app"},
+        {"DATABASE": {"NAME": "app", "HOST": "db.internal", "PORT": 6432}},
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def settings_read(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What the settings made of each case of REFUSED and ACCEPTED, by name."""
+    cases = {
+        **{
+            f"{variable}={value}": {variable: value}
+            for variable, values in REFUSED.items()
+            for value in values
+        },
+        **{f"accepted {n}": variables for n, (variables, _) in enumerate(ACCEPTED)},
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", READ_SETTINGS, json.dumps(cases)],
+        env={
+            **example_variables(tmp_path_factory.mktemp("settings"), {}),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "example_project")]),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    found: dict[str, Any] = json.loads(done.stdout)
+    return found
+
+
+@pytest.mark.any_database
+def test_the_settings_refuse_a_malformed_variable_by_name_never_showing_a_password(
+    settings_read: dict[str, Any],
+) -> None:
+    wrong = {}
+    for variable, values in REFUSED.items():
+        for value in values:
+            found = settings_read[f"{variable}={value}"]
+            last = found.get("error", "").strip().splitlines()[-1:]
+            if not (
+                last
+                and last[0].startswith("django.core.exceptions.ImproperlyConfigured: ")
+                and variable in last[0]
+            ):
+                wrong[f"{variable}={value!r}"] = last or found["read"]
+            if PASSWORD in found.get("error", "") + found["printed"]:
+                wrong[f"{variable}={value!r}"] = "its password shown"
+    assert not wrong, wrong
+
+
+@pytest.mark.any_database
+def test_the_settings_read_each_accepted_form_of_a_variable(
+    settings_read: dict[str, Any],
+) -> None:
+    wrong = {}
+    for n, (variables, expected) in enumerate(ACCEPTED):
+        found = settings_read[f"accepted {n}"]
+        read = {k: found.get("read", {}).get(k) for k in expected}
+        if read != expected or found["printed"]:
+            wrong[str(variables)] = found.get("error") or (read, found["printed"])
+    assert not wrong, wrong
 
 
 SIGNALS = """

@@ -6,6 +6,7 @@ see example_project/README.rst for the variables.
 
 from __future__ import annotations
 
+import warnings
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,33 @@ VAR_DIR = BASE_DIR / "var"  # the SQLite database
 VAR_DIR.mkdir(exist_ok=True)
 
 env = environ.Env()
+
+
+def _database(variable: str, default: str) -> dict[str, Any]:
+    """``variable``, a database URL, as a DATABASES entry. A malformed one is
+    refused by name with the form it should have, never shown: it may hold a
+    password, and so may django-environ's warnings, which print what it read."""
+    url = env.str(variable, default=default)
+    scheme, slashes, rest = url.partition("://")
+    if not slashes or scheme.lower() not in env.DB_SCHEMES:
+        # "//…", "postgres//…", and "postgres:/…", which django-environ reads
+        # as a local database named after the rest, password and all.
+        problem = "its scheme is missing, unknown or not followed by ://"
+    elif scheme.lower() == "sqlite" and rest.partition("/")[0] not in ("", ":memory:"):
+        # sqlite://var/db.sqlite3 would be db.sqlite3 wherever the process runs.
+        problem = "a SQLite URL has no host: sqlite:////absolute/path"
+    else:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return env.db_url_config(url)
+        except ValueError:  # a port that is not a number from 0 to 65535
+            problem = "its port, or another part, could not be read"
+    raise ImproperlyConfigured(
+        f"{variable} must be a database URL such as postgres://user:password@host:5432/name "
+        f"or sqlite:////path/to/db.sqlite3 ({problem}; the value is not shown)."
+    )
+
 
 # The default is for development only: set SECRET_KEY for anything else.
 SECRET_KEY = env.str("SECRET_KEY", default="django-insecure-example-project-dev-only")
@@ -88,7 +116,7 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}")}
+DATABASES = {"default": _database("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}")}
 
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A web process and run_deliverer write to the same file at once. Without
