@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,7 @@ print(json.dumps(found, default=str))
 """
 
 PASSWORD = "s3cretpw"
+WORKERS_READ = find_spec("django_q") is not None  # Q_CLUSTER_WORKERS, else unread
 
 # Each refused: a variable, and values that must not start the project.
 REFUSED = {
@@ -188,6 +190,7 @@ REFUSED = {
         # Two slashes: db.sqlite3 wherever the process runs, its "host" left out.
         f"sqlite://app:{PASSWORD}@var/db.sqlite3",
     ],
+    **({"Q_CLUSTER_WORKERS": ["two", "2.5", "-1", "0"]} if WORKERS_READ else {}),
 }
 
 # Each accepted: variables, and what the settings must read from them.
@@ -197,6 +200,7 @@ ACCEPTED: list[tuple[dict[str, str], dict[str, Any]]] = [
         {"DATABASE_URL": f"postgres://app:{PASSWORD}@db.internal:6432/app"},
         {"DATABASE": {"NAME": "app", "HOST": "db.internal", "PORT": 6432}},
     ),
+    *([({"Q_CLUSTER_WORKERS": " 3 "}, {"WORKERS": 3})] if WORKERS_READ else []),
 ]
 
 

@@ -7,6 +7,7 @@ see example_project/README.rst for the variables.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,23 @@ def _database(variable: str, default: str) -> dict[str, Any]:
     )
 
 
+def _positive(variable: str, default: float, kind: Callable[[str], float], what: str) -> float:
+    """``variable``, a positive number read by ``kind``; else refused as not ``what``."""
+    text = env.str(variable, default=str(default))
+    try:
+        number: float = kind(text)
+    except ValueError:
+        number = float("nan")
+    if not 0 < number < float("inf"):
+        raise ImproperlyConfigured(f"{variable} must be {what}, not {text!r}.")
+    return number
+
+
+def _days(variable: str, default: float) -> float:
+    """``variable``, a number of days, in seconds (RETENTION's unit)."""
+    return _positive(variable, default, float, "a positive number of days") * 86400
+
+
 # The default is for development only: set SECRET_KEY for anything else.
 SECRET_KEY = env.str("SECRET_KEY", default="django-insecure-example-project-dev-only")
 DEBUG = env.bool("DEBUG", default=True)
@@ -77,7 +95,7 @@ if find_spec("django_q") is not None:
     Q_CLUSTER = {
         "name": "example-project",
         "orm": "default",
-        "workers": env.int("Q_CLUSTER_WORKERS", default=2),
+        "workers": _positive("Q_CLUSTER_WORKERS", 2, int, "a whole number of workers, 1 or more"),
         # A round must end within both: contrib.django_q's rounds fit their
         # bound to them (here 90 s, less 35 s to finish what is in flight).
         "timeout": 90,
@@ -141,18 +159,6 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
-
-
-def _days(variable: str, default: float) -> float:
-    """``variable``, a number of days, in seconds (RETENTION's unit)."""
-    text = env.str(variable, default=str(default))
-    try:
-        days = float(text)
-    except ValueError:
-        days = float("nan")
-    if not 0 < days < float("inf"):
-        raise ImproperlyConfigured(f"{variable} must be a positive number of days, not {text!r}.")
-    return days * 86400
 
 
 FEDERATION_DELIVERY = {
