@@ -200,6 +200,22 @@ ACCEPTED: list[tuple[dict[str, str], dict[str, Any]]] = [
         {"DATABASE_URL": f"postgres://app:{PASSWORD}@db.internal:6432/app"},
         {"DATABASE": {"NAME": "app", "HOST": "db.internal", "PORT": 6432}},
     ),
+    # A comma list: each item stripped, empty ones left out.
+    (
+        {
+            "ALLOWED_HOSTS": " localhost, app.example ,",
+            "SILENCED_SYSTEM_CHECKS": "federation_delivery.W001, federation_delivery.W003",
+            "FEDERATION_DELIVERY_ALLOWED_NETWORKS": "127.0.0.0/8, ::1/128",
+            "FEDERATION_DELIVERY_WEBHOOK_ALLOWED_NETWORKS": "10.0.0.0/8,, 192.168.0.0/16",
+        },
+        {
+            "ALLOWED_HOSTS": ["localhost", "app.example"],
+            "SILENCED_SYSTEM_CHECKS": ["federation_delivery.W001", "federation_delivery.W003"],
+            "ALLOWED_NETWORKS": ["127.0.0.0/8", "::1/128"],
+            "WEBHOOK_ALLOWED_NETWORKS": ["10.0.0.0/8", "192.168.0.0/16"],
+        },
+    ),
+    ({"FEDERATION_DELIVERY_WEBHOOK_RETRY": "0.5, 1,"}, {"WEBHOOK_RETRY": [0.5, 1.0]}),
     *([({"Q_CLUSTER_WORKERS": " 3 "}, {"WORKERS": 3})] if WORKERS_READ else []),
 ]
 

@@ -51,6 +51,12 @@ def _database(variable: str, default: str) -> dict[str, Any]:
     )
 
 
+def _list(variable: str, default: tuple[str, ...] = ()) -> list[str]:
+    """``variable``, a comma list: each item stripped, empty ones left out."""
+    text = env.str(variable, default=",".join(default))
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def _positive(variable: str, default: float, kind: Callable[[str], float], what: str) -> float:
     """``variable``, a positive number read by ``kind``; else refused as not ``what``."""
     text = env.str(variable, default=str(default))
@@ -73,8 +79,8 @@ SECRET_KEY = env.str("SECRET_KEY", default="django-insecure-example-project-dev-
 DEBUG = env.bool("DEBUG", default=True)
 # A comma list of system check ids not to show (scripts/demo silences the
 # warning its loopback inboxes would raise, federation_delivery.W003).
-SILENCED_SYSTEM_CHECKS = env.list("SILENCED_SYSTEM_CHECKS", default=[])
-ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+SILENCED_SYSTEM_CHECKS = _list("SILENCED_SYSTEM_CHECKS")
+ALLOWED_HOSTS = _list("ALLOWED_HOSTS", default=("localhost", "127.0.0.1", "[::1]"))
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -166,10 +172,8 @@ FEDERATION_DELIVERY = {
     # Deliveries go to public addresses only, unless networks are listed here
     # (a comma list, e.g. "127.0.0.0/8": scripts/demo sets both for its run):
     # for inboxes, and apart for webhook destinations.
-    "ALLOWED_NETWORKS": env.list("FEDERATION_DELIVERY_ALLOWED_NETWORKS", default=[]),
-    "WEBHOOK_ALLOWED_NETWORKS": env.list(
-        "FEDERATION_DELIVERY_WEBHOOK_ALLOWED_NETWORKS", default=[]
-    ),
+    "ALLOWED_NETWORKS": _list("FEDERATION_DELIVERY_ALLOWED_NETWORKS"),
+    "WEBHOOK_ALLOWED_NETWORKS": _list("FEDERATION_DELIVERY_WEBHOOK_ALLOWED_NETWORKS"),
     # Webhook destinations, one WEBHOOK_<NAME> variable each (none by default),
     # e.g. WEBHOOK_OPS=slack://hooks.slack.com/services/… ; the URL is a secret.
     "WEBHOOKS": webhooks_from_env(env),
@@ -186,14 +190,14 @@ FEDERATION_DELIVERY = {
 
 # The waits between a webhook's tries, a comma list of seconds (scripts/demo
 # sets short ones); unset, the package's nine tries across a day.
-_webhook_retry = env.str("FEDERATION_DELIVERY_WEBHOOK_RETRY", default="")
-if _webhook_retry.strip():
+_webhook_retry = _list("FEDERATION_DELIVERY_WEBHOOK_RETRY")
+if _webhook_retry:
     try:
-        FEDERATION_DELIVERY["WEBHOOK_RETRY"] = [float(wait) for wait in _webhook_retry.split(",")]
+        FEDERATION_DELIVERY["WEBHOOK_RETRY"] = [float(wait) for wait in _webhook_retry]
     except ValueError:
         raise ImproperlyConfigured(
             "FEDERATION_DELIVERY_WEBHOOK_RETRY must be a comma list of seconds, such as "
-            f"30,120,600, not {_webhook_retry!r}."
+            f"30,120,600, not {','.join(_webhook_retry)!r}."
         ) from None
 
 LOGGING = {
