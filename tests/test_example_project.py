@@ -190,12 +190,15 @@ REFUSED = {
         # Two slashes: db.sqlite3 wherever the process runs, its "host" left out.
         f"sqlite://app:{PASSWORD}@var/db.sqlite3",
     ],
+    "DEBUG": ["ture", "enabled", ""],
     **({"Q_CLUSTER_WORKERS": ["two", "2.5", "-1", "0"]} if WORKERS_READ else {}),
 }
 
 # Each accepted: variables, and what the settings must read from them.
 ACCEPTED: list[tuple[dict[str, str], dict[str, Any]]] = [
     ({}, {"DEBUG": True, "ALLOWED_HOSTS": ["localhost", "127.0.0.1", "[::1]"]}),
+    *(({"DEBUG": word}, {"DEBUG": True}) for word in ("TRUE", "yes", "On", "1")),
+    *(({"DEBUG": word}, {"DEBUG": False}) for word in ("false", "No", " off ", "0")),
     (
         {"DATABASE_URL": f"postgres://app:{PASSWORD}@db.internal:6432/app"},
         {"DATABASE": {"NAME": "app", "HOST": "db.internal", "PORT": 6432}},

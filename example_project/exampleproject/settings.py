@@ -51,6 +51,19 @@ def _database(variable: str, default: str) -> dict[str, Any]:
     )
 
 
+def _bool(variable: str, default: bool) -> bool:
+    """``variable``, true or false: django-environ's words for true and their
+    opposites, in any case; anything else is refused (not read as false)."""
+    text = env.str(variable, default=str(default))
+    if text.strip().lower() in env.BOOLEAN_TRUE_STRINGS:
+        return True
+    if text.strip().lower() in ("false", "off", "n", "no", "0"):
+        return False
+    raise ImproperlyConfigured(
+        f"{variable} must be true or false (yes or no, on or off, 1 or 0), not {text!r}."
+    )
+
+
 def _list(variable: str, default: tuple[str, ...] = ()) -> list[str]:
     """``variable``, a comma list: each item stripped, empty ones left out."""
     text = env.str(variable, default=",".join(default))
@@ -76,7 +89,7 @@ def _days(variable: str, default: float) -> float:
 
 # The default is for development only: set SECRET_KEY for anything else.
 SECRET_KEY = env.str("SECRET_KEY", default="django-insecure-example-project-dev-only")
-DEBUG = env.bool("DEBUG", default=True)
+DEBUG = _bool("DEBUG", default=True)
 # A comma list of system check ids not to show (scripts/demo silences the
 # warning its loopback inboxes would raise, federation_delivery.W003).
 SILENCED_SYSTEM_CHECKS = _list("SILENCED_SYSTEM_CHECKS")
