@@ -225,16 +225,24 @@ def overview(
     alias = using or database_alias()
     all_paused = Host.objects.using(alias).filter(paused_at__isnull=False)
     paused_list = tuple(all_paused.order_by("name").values_list("name", flat=True)[:paused])
+    paused_count = all_paused.count() if len(paused_list) >= paused else len(paused_list)
     open_list, open_count = _open_breakers(now, breakers, alias)
     seen = heartbeats.seen(now=now, using=alias)
     return Overview(
         at=now,
         lanes=_lanes(now, alias),
-        failing_hosts=_failing_hosts(now, hosts, alias),
+        failing_hosts=_failing_hosts(
+            now,
+            hosts,
+            alias,
+            any_open=open_count > 0,
+            # Every paused host when all are listed: none to look up again.
+            paused=set(paused_list) if paused_count == len(paused_list) else None,
+        ),
         open_breakers=open_list,
         open_breaker_count=open_count,
         paused_hosts=paused_list,
-        paused_host_count=(all_paused.count() if len(paused_list) >= paused else len(paused_list)),
+        paused_host_count=paused_count,
         deliverers=seen.live,
         deliverer_last_seen=seen.last_seen,
     )
@@ -341,11 +349,20 @@ def _open_breakers(now: dt.datetime, limit: int, alias: str) -> tuple[tuple[Open
     )
 
 
-def _failing_hosts(now: dt.datetime, limit: int, alias: str) -> tuple[FailingHost, ...]:
+def _failing_hosts(
+    now: dt.datetime,
+    limit: int,
+    alias: str,
+    *,
+    any_open: bool = True,
+    paused: set[str] | None = None,
+) -> tuple[FailingHost, ...]:
     """The ``limit`` hosts failing most, as they are shown: those whose
     breaker is open first, then the most retrying, then the most failures.
     Its candidates are the first ``limit`` by each part of that order, so
-    that the first ``limit`` of them are the first of all."""
+    that the first ``limit`` of them are the first of all. ``any_open``:
+    whether any breaker is open; ``paused``: every paused host, when known
+    (else the candidates are looked up)."""
     if limit < 1:
         return ()
     deliveries = Delivery.objects.using(alias).filter(status=Status.PENDING, attempts__gt=0)
@@ -363,15 +380,17 @@ def _failing_hosts(now: dt.datetime, limit: int, alias: str) -> tuple[FailingHos
         .order_by("closed", "-failures", "key")
         .values("key")[:limit]
     )
-    # Four queries whatever the data: the hosts with the most retrying
-    # deliveries (pending rows, LIMITed), and those of them whose breaker is
-    # open; the breakers of those and of the worst; the retrying deliveries
-    # of the worst breakers' hosts.
+    # Three to five queries whatever the data: the hosts with the most
+    # retrying deliveries (pending rows, LIMITed), and, if any breaker is
+    # open, those whose breaker is; the breakers of those and of the worst;
+    # the retrying deliveries of the worst breakers' hosts; which of them
+    # are paused, unless every paused host is known.
     retrying = {row["host"]: (row["retrying"], row["last_status"]) for row in by_retrying[:limit]}
-    retrying.update(
-        (row["host"], (row["retrying"], row["last_status"]))
-        for row in by_retrying.filter(host__in=open_keys)[:limit]
-    )
+    if any_open:
+        retrying.update(
+            (row["host"], (row["retrying"], row["last_status"]))
+            for row in by_retrying.filter(host__in=open_keys)[:limit]
+        )
     by_host = {
         row.key: row
         for row in Breaker.objects.using(alias).filter(
@@ -382,7 +401,8 @@ def _failing_hosts(now: dt.datetime, limit: int, alias: str) -> tuple[FailingHos
         (row["host"], (row["retrying"], row["last_status"]))
         for row in by_retrying.filter(host__in=worst_breakers).order_by()
     )
-    paused = paused_hosts(set(retrying) | set(by_host), using=alias)
+    if paused is None:
+        paused = paused_hosts(set(retrying) | set(by_host), using=alias)
     found = []
     for host in set(retrying) | set(by_host):
         count, last_status = retrying.get(host, (0, None))
