@@ -589,6 +589,11 @@ def test_ipv6_loopback_refused_by_default_allowed_when_allowed(
         ("240.0.0.1", False),
         ("255.255.255.255", False),
         ("192.0.2.1", False),
+        # Global to Python 3.11 and 3.12, not to 3.13: refused on all.
+        ("192.0.0.8", False),
+        ("192.0.0.9", False),
+        # IPv6 documentation (RFC 9637), global to every Python here.
+        ("3fff::1", False),
         ("::ffff:127.0.0.1", False),
         ("::ffff:10.0.0.1", False),
         ("::ffff:93.184.215.14", True),

@@ -10,6 +10,15 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 #: The local-use NAT64 prefix (RFC 8215): a network's own translators, never a public host.
 _NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+#: Blocks no host of anyone else's is in, which some Pythons' ``is_global``
+#: still calls global (the special-purpose registries they were released
+#: with): IETF protocol assignments (192.0.0.0/24; global from 3.11 to 3.12
+#: but for its first addresses) and IPv6 documentation (3fff::/20, RFC 9637).
+#: Never public, so that an address is judged alike on every Python.
+_NEVER_PUBLIC: tuple[IPNetwork, ...] = (
+    ipaddress.IPv4Network("192.0.0.0/24"),
+    ipaddress.IPv6Network("3fff::/20"),
+)
 
 
 def parse_ip(address: str) -> IPAddress | None:
@@ -48,6 +57,8 @@ def _is_public(ip: IPAddress) -> bool:
         # Inside ::/8, "reserved"; but on an IPv6-only server it is how every IPv4-only
         # host is reached, so it is judged by the IPv4 address it carries, as above.
         return embedded is not None
+    if any(ip in block for block in _NEVER_PUBLIC):
+        return False
     return ip.is_global and not (
         ip.is_multicast
         or ip.is_private
