@@ -72,6 +72,11 @@ class Intake:
     _found_nothing: bool = dataclasses.field(default=False, init=False)
     #: When the urgent lanes were last looked at (:meth:`_claim_urgent`).
     _urgent_looked_at: float = dataclasses.field(default=0.0, init=False)
+    #: When the last urgent claim that took nothing began (the database's
+    #: clock, and this process's): until HOLD_PASS_SECONDS later, only what
+    #: came due since is looked for.
+    _urgent_nothing_at: dt.datetime | None = dataclasses.field(default=None, init=False)
+    _urgent_nothing_seen: float = dataclasses.field(default=0.0, init=False)
     #: PostgreSQL's listener, while :meth:`listen` has one: paused while
     #: claims come back full, as the loop claims again then unwoken.
     _listener: PostgresListener | None = dataclasses.field(default=None, init=False)
@@ -201,20 +206,36 @@ class Intake:
         if now - self._urgent_looked_at < URGENT_LOOK_SECONDS:
             return
         self._urgent_looked_at = now
-        if not self.db(claims.has_due, lanes=claims.URGENT, using=self.using):
+        # No more ahead of the slots than a claim's worth, however many are due.
+        room = self.claim_size - self.slots.urgent_ready()
+        if room < 1:
+            return
+        # What is due to a host the claim leaves out (at its limit, resting,
+        # held by its breaker) is taken by no claim: once one took nothing,
+        # only what came due since is looked for, and all again a pass later.
+        since = self._urgent_nothing_at
+        if since is not None and now - self._urgent_nothing_seen >= HOLD_PASS_SECONDS:
+            since = None
+        if not self.db(claims.has_due, since=since, lanes=claims.URGENT, using=self.using):
             return
         saturated = self.slots.saturated_hosts()
+        claiming_at = timezone.now()
         claimed = self.db(
             claims.claim,
-            self.claim_size,
+            room,
             self.lease,
             per_host=self.per_host,
             exclude_hosts=[*saturated, *self.upkeep.held_hosts()],
             lanes=claims.URGENT,
             using=self.using,
         )
-        if claimed:
-            self._sort(claimed)
+        if claimed is None:
+            return
+        if not claimed:
+            self._urgent_nothing_at, self._urgent_nothing_seen = claiming_at, now
+            return
+        self._urgent_nothing_at = None
+        self._sort(claimed)
 
     def _claim_held(
         self, claimed: list[claims.Claimed], held: list[str], room: int

@@ -13,7 +13,8 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from django.db.models import Case, Count, Max, Min, Q, When
+from django.db.models import Case, Count, Max, Min, OuterRef, Q, Subquery, When
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
@@ -366,13 +367,20 @@ def _failing_hosts(
     if limit < 1:
         return ()
     deliveries = Delivery.objects.using(alias).filter(status=Status.PENDING, attempts__gt=0)
-    by_retrying = (
-        deliveries.values("host")
-        .annotate(retrying=Count("id"), last_status=Max("last_status"))
-        .order_by("-retrying", "host")
-    )
     # A key with "://" is an inbox (SCOPE "inbox"), not a host.
     host_breakers = Breaker.objects.using(alias).exclude(key__contains="://")
+    by_retrying = (
+        deliveries.values("host")
+        .annotate(
+            retrying=Count("id"),
+            last_status=Max("last_status"),
+            # Ties broken as the list is: by the failures its breaker counts.
+            failures=Coalesce(
+                Subquery(host_breakers.filter(key=OuterRef("host")).values("failures")[:1]), 0
+            ),
+        )
+        .order_by("-retrying", "-failures", "host")
+    )
     open_keys = host_breakers.filter(open_until__isnull=False).values("key")
     # The hosts whose breakers count the most failures, open ones first.
     worst_breakers = (

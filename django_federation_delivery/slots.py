@@ -84,6 +84,15 @@ class Slots:
         """The ids of every delivery ready or in flight."""
         return set(self.in_flight) | {item.claimed.id for item in self.ready}
 
+    def urgent_ready(self) -> int:
+        """How many urgent deliveries are ready: those at its head."""
+        count = 0
+        for item in self.ready:
+            if not item.urgent:
+                break
+            count += 1
+        return count
+
     def add(self, item: InFlight) -> None:
         """Ready ``item``: after what is ready of its lane and the lanes
         before it, before the rest (a direct message claimed while a

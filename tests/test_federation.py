@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import base64
+import datetime as dt
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from django.utils import timezone
 from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
 
 from django_federation_delivery import PortableInbox, send, send_batch, send_portable, send_webhook
 from django_federation_delivery.deliverer import Deliverer
-from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.models import Breaker, Delivery, Host, Status
+from django_federation_delivery.store import claims
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE, rsa_key
@@ -283,6 +287,100 @@ def test_an_urgent_send_goes_before_a_fan_out_to_many_slow_hosts_already_claimed
     # What was in flight as it was sent may go first, and a little more on
     # a busy machine; not what waited to be sent after it.
     assert behind < 40, f"{behind} deliveries of the fan-out went before it"
+
+
+def counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, Any, int]]:
+    """Every claim the loop makes: (when, its lanes, how many it took)."""
+    made: list[tuple[float, Any, int]] = []
+    claim = claims.claim
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        rows = claim(*args, **kwargs)
+        made.append((time.monotonic(), kwargs.get("lanes"), len(rows)))
+        return rows
+
+    monkeypatch.setattr(claims, "claim", counted)
+    return made
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("why", ["breaker-open", "host-saturated"])
+def test_an_urgent_row_whose_host_is_left_out_is_not_claimed_for_again_and_again(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    why: str,
+) -> None:
+    # A fan-out to slow hosts keeps the loop with enough ready; a direct
+    # message is due to a host the claim leaves out (its breaker open, or
+    # at PER_HOST with the fan-out's deliveries). has_due(URGENT) says yes
+    # at every look, and the urgent claim, a write transaction (on SQLite
+    # the write lock a web process's send waits for), finds nothing: again
+    # every URGENT_LOOK_SECONDS for as long as the host stays left out.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 5}
+    crowd = [inboxes(f"127.0.0.{10 + n}", delay=3) for n in range(8)]
+    send_batch(ALICE, NOTE, [crowd[n % 8].url(f"/u{n}") for n in range(64)], {})
+    if why == "breaker-open":
+        target = inboxes("127.0.0.3")
+        Breaker.objects.create(
+            key=f"127.0.0.3:{target.port}",
+            failures=10,
+            open_until=timezone.now() + dt.timedelta(minutes=5),
+        )
+    else:
+        target = crowd[0]
+    made = counting_claims(monkeypatch)
+    runner = start_deliverer(concurrency=4)
+    wait_until(lambda: sum(len(inbox.received) for inbox in crowd) >= 4)
+    send(ALICE, {"type": "Create", "to": "friend"}, [target.url("/dm")])
+    if why == "breaker-open":
+        assert Delivery.objects.get(inbox=target.url("/dm")).host == f"127.0.0.3:{target.port}"
+    time.sleep(0.3)
+    started = time.monotonic()
+    time.sleep(1.5)
+    ended = time.monotonic()
+    runner.stop()
+    assert Delivery.objects.get(inbox=target.url("/dm")).attempts == 0, "still left out"
+    urgent = [n for at, lanes, n in made if lanes is not None and started <= at <= ended]
+    assert len(urgent) <= 3, (
+        f"{len(urgent)} urgent claims in 1.5 s, taking {sum(urgent)} rows: the direct "
+        f"message's host is left out ({why})"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_busy_deliverer_claims_no_more_than_claim_size_ahead_of_its_slots(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # 40 direct messages (priority lane) to 40 slow hosts, two deliverers
+    # with CLAIM_SIZE 8. The first one's urgent look claims CLAIM_SIZE more
+    # every 0.1 s, however many it has ready already: it holds them all,
+    # leased, and sends them two at a time while the second has nothing.
+    # (The same 40 as one fan-out, normal lane: the first holds 12 at most,
+    # the second takes the rest.)
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 5}
+    crowd = [inboxes(f"127.0.0.{20 + n}", delay=2) for n in range(40)]
+    for inbox in crowd:
+        send(ALICE, {"type": "Create", "to": "friend"}, [inbox.url("/dm")])
+    assert set(Delivery.objects.values_list("lane", flat=True)) == {"priority"}
+    first = start_deliverer(concurrency=2, claim_size=8)
+    wait_until(lambda: sum(len(inbox.received) for inbox in crowd) >= 2)
+    time.sleep(1.0)
+    second = start_deliverer(concurrency=2, claim_size=8)
+    time.sleep(1.0)
+    held = [
+        len(runner.deliverer.slots.ready) + len(runner.deliverer.slots.in_flight)
+        for runner in (first, second)
+    ]
+    second.stop()
+    first.stop()
+    assert held[0] <= 8 + 2 * 2 and held[1] > 0, (
+        f"with CLAIM_SIZE 8 and CONCURRENCY 2, the first deliverer holds {held[0]} of the 40 "
+        f"direct messages, the second {held[1]}"
+    )
 
 
 DID = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"

@@ -298,6 +298,48 @@ def test_the_hosts_failing_most_include_the_open_breaker_failing_most(
     )
 
 
+def test_the_hosts_failing_most_are_the_first_of_all_in_the_order_shown() -> None:
+    # Shown: open breakers first, then the most retrying, then the most
+    # failures. Eleven open hosts have 5 retrying deliveries each; z.example
+    # has the most failures of them (3, the others 1), so it is the first of
+    # the eleven. Its candidates were taken by retrying, ties by name (a0 to
+    # a9), and by failures among every breaker (x0 to x9, 100 failures, none
+    # retrying): z.example was none of them, and a9.example is shown instead.
+    now = timezone.now()
+    batch = Batch.objects.create(sender="https://social.example/users/alice", body="{}", size=1)
+    retrying = {f"a{n}.example": 5 for n in range(10)} | {"z.example": 5}
+    Delivery.objects.bulk_create(
+        [
+            Delivery(
+                batch=batch,
+                inbox=f"https://{host}/users/u{n}/inbox",
+                host=host,
+                attempts=3,
+                last_status=503,
+                due_at=now + dt.timedelta(minutes=5),
+            )
+            for host, count in retrying.items()
+            for n in range(count)
+        ]
+    )
+    until = now + dt.timedelta(minutes=1)
+    Breaker.objects.bulk_create(
+        [Breaker(key=f"a{n}.example", failures=1, open_until=until) for n in range(10)]
+        + [Breaker(key="z.example", failures=3, open_until=until)]
+        + [Breaker(key=f"x{n}.example", failures=100, open_until=until) for n in range(10)]
+    )
+    out = io.StringIO()
+    call_command("delivery_status", "--json", stdout=out)
+    shown = [
+        (host["host"], host["retrying"], host["failures"])
+        for host in json.loads(out.getvalue())["failing_hosts"]
+    ]
+    assert ("z.example", 5, 3) in shown, (
+        f"the hosts failing most leave out z.example (open, 5 retrying, 3 failures) and show "
+        f"{shown}"
+    )
+
+
 def test_resetting_every_breaker_takes_a_few_statements_a_chunk(
     operator: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
