@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -205,6 +207,39 @@ def test_a_kind_that_cannot_be_registered_is_a_check_error_and_crashes_nothing(
         registry()
     Deliverer().run(drain=True, stop_after=10)
     assert "t0kenS3CRET" not in str(checked.value), "a kind's error named by its type alone"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [
+        ("import os\nTOKEN = os.environ['PAGER_T0KEN_S3CRET']\n", "KeyError"),
+        ("def broken(:\n", "SyntaxError"),
+    ],
+    ids=["an error as it runs", "no Python"],
+)
+def test_a_kind_whose_module_fails_as_it_is_imported_is_a_check_error_never_a_traceback(
+    settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, error: str
+) -> None:
+    # Only an ImportError was caught: a module that raised anything else as
+    # it ran (a variable it reads missing) crashed manage.py check, every
+    # send and the deliverer with a traceback.
+    module = f"pagerkind_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with_pager(
+        settings,
+        CHANNELS=[f"{module}.Pager"],
+        WEBHOOKS={"chat": "slack+http://127.0.0.1:9/services/T/B/C"},
+    )
+    (message,) = check_webhooks()
+    assert message.id == "federation_delivery.E035"
+    assert f"'{module}.Pager', which cannot be imported: {error}" in message.msg
+    assert "S3CRET" not in message.msg, "the error is named by its type alone"
+    with pytest.raises(SystemCheckError, match=r"federation_delivery\.E035"):
+        call_command("check")
+    with pytest.raises(ImproperlyConfigured, match=module):
+        send_webhook("chat", "alert.raised", {})
 
 
 #: A webhook's URL written where its destination's name goes.

@@ -240,10 +240,15 @@ def _imported(path: str) -> type[Channel]:
 
     try:
         found = import_string(path)
-    except ImportError as exc:
+    except Exception as exc:  # SyntaxError, and what a module raises as it runs, included
         # What is no dotted path is shown by its type alone, and its error,
-        # which repeats it, not at all: it may be a secret pasted there.
-        error = str(exc) if is_dotted_path(path) else ""
+        # which repeats it, not at all: it may be a secret pasted there. An
+        # error its module raised running (a KeyError for a variable it
+        # reads, say) is named by its type alone: its message may be a secret.
+        if isinstance(exc, ImportError):
+            error = str(exc) if is_dotted_path(path) else ""
+        else:
+            error = type(exc).__name__
         raise ImproperlyConfigured(
             _("%(setting)s['CHANNELS'] has %(path)s, which cannot be imported: %(error)s")
             % {"setting": SETTING, "path": shown_path(path), "error": error}
