@@ -174,6 +174,30 @@ class Unsettled(Pager):
         raise ImproperlyConfigured("PAGER_TOKEN t0kenS3CRET is revoked")
 
 
+class Misvalued(Pager):
+    """A kind whose policy fails with a ValueError of its own code, its
+    message holding a secret: the error Policy's own checks raise too."""
+
+    name = "misvalued"
+    label = "Misvalued"
+    schemes = ("misvalued",)
+
+    def policy(self) -> Policy:
+        raise ValueError("PAGER_TOKEN t0kenS3CRET is revoked")
+
+
+class Forgetful(Pager):
+    """A kind whose policy() forgets its ``return``: it gives None."""
+
+    name = "forgetful"
+    label = "Forgetful"
+    schemes = ("forgetful", "forgetful+http")
+
+    def policy(self) -> Policy:
+        dataclasses.replace(super().policy(), schedule=(30.0, 90.0))
+        return None  # type: ignore[return-value]
+
+
 class HeaderPager(Pager):
     """A pager whose judge passes the receiver's ``Retry-After`` on as it
     reads it: the header's text, not seconds, as many a hand-written one does."""

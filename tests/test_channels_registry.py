@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
-from django.core.management.base import SystemCheckError
+from django.core.management.base import CommandError, SystemCheckError
 
 from django_federation_delivery import send, send_webhook, signals
 from django_federation_delivery.channels import Policy, parse_destination, registry
@@ -413,6 +413,55 @@ def test_a_policy_the_queue_cannot_follow_is_a_check_error_naming_the_value(
     with pytest.raises(ValueError, match=r"its schedule .* not \(0\.0,\)"):
         Policy(schedule=(0.0,))
     assert Policy(schedule=()).retry.max_attempts == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("Unsettled", " could not be had: ImproperlyConfigured."),
+        ("Misvalued", " could not be had: ValueError."),
+        ("Forgetful", ": its policy() returned NoneType, not a Policy."),
+    ],
+)
+def test_a_policy_that_cannot_be_had_is_a_check_error_naming_the_kind_never_its_message(
+    settings: Any, kind: str, says: str
+) -> None:
+    # A ValueError of the kind's own was quoted, and a policy() that
+    # returned None passed the check.
+    name = kind.lower()
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": [f"tests.channels.{kind}"],
+        "WEBHOOKS": {"oncall": f"{name}://{KEY}@pager.example/page"},
+    }
+    (message,) = check_webhooks()
+    assert message.id == "federation_delivery.E036"
+    assert message.msg == f"The policy of the {name!r} kind of webhook destination{says}"
+    assert "t0kenS3CRET" not in message.msg
+    with pytest.raises(CommandError) as raised:
+        call_command("send_test_webhook", "oncall")
+    assert str(raised.value) == message.msg
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kind_whose_policy_returns_none_stops_no_other_delivery(
+    settings: Any, inbox: Inbox
+) -> None:
+    # The deliverer asked it for its policy as it was made, and raised
+    # AttributeError: no delivery was sent, an activity's neither.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Forgetful"],
+        "WEBHOOKS": {
+            "oncall": f"forgetful+http://{KEY}@127.0.0.1:{inbox.port}/page",
+            "chat": f"slack+http://127.0.0.1:{inbox.port}/services/T/B/C",
+        },
+    }
+    send_webhook("chat", "alert.raised", {})
+    send(ALICE, NOTE, [inbox.url("/a")])
+    Deliverer().run(drain=True, stop_after=10)
+    assert set(Delivery.objects.values_list("status", flat=True)) == {Status.DELIVERED}
+    assert sorted(inbox.paths()) == ["/a", "/services/T/B/C"]
 
 
 @pytest.mark.django_db(transaction=True)

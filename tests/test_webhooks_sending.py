@@ -220,19 +220,29 @@ def test_send_webhook_under_a_bad_webhook_setting_raises_its_error_naming_it(
 
 
 @pytest.mark.django_db
-def test_a_kind_whose_policy_fails_is_named_with_its_error_s_type_alone(settings: Any) -> None:
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [
+        ("Unsettled", " could not be had: ImproperlyConfigured."),
+        ("Misvalued", " could not be had: ValueError."),
+        ("Forgetful", ": its policy() returned NoneType, not a Policy."),
+    ],
+)
+def test_a_kind_whose_policy_fails_is_named_with_its_error_s_type_alone(
+    settings: Any, kind: str, error: str
+) -> None:
     # Its message is the project's code's, and may hold a secret, whatever
-    # the error: even an ImproperlyConfigured is not repeated.
+    # the error: even an ImproperlyConfigured is not repeated. A policy()
+    # that returned None raised AttributeError from deep in the send.
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
-        "CHANNELS": ["tests.channels.Unsettled"],
-        "WEBHOOKS": {"pager": "unsettled://routingKEY4b7c9@pager.example/x"},
+        "CHANNELS": [f"tests.channels.{kind}"],
+        "WEBHOOKS": {"pager": f"{kind.lower()}://routingKEY4b7c9@pager.example/x"},
     }
     with pytest.raises(ImproperlyConfigured) as raised:
         send_webhook("pager", "alert.raised", {"x": 1})
     assert str(raised.value) == (
-        "the policy of the 'unsettled' kind of webhook destination could not be had: "
-        "ImproperlyConfigured"
+        f"The policy of the {kind.lower()!r} kind of webhook destination{error}"
     )
     assert nothing_written()
 

@@ -24,6 +24,7 @@ from django_federation_delivery.channels.base import (
     Verdict,
 )
 from django_federation_delivery.channels.events import Event
+from django_federation_delivery.channels.policy import PolicyError
 from django_federation_delivery.channels.registry import parse_destination, registry
 from django_federation_delivery.channels.text import render_text
 
@@ -35,6 +36,7 @@ __all__ = [
     "Event",
     "Parsed",
     "Policy",
+    "PolicyError",
     "Request",
     "UnusableURL",
     "Verdict",

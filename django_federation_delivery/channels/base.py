@@ -23,6 +23,7 @@ from http import HTTPStatus
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import unquote, urlsplit
 
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.addresses import replace_secrets, secret_forms
@@ -37,7 +38,7 @@ from django_federation_delivery.attempt import (
     lapsed,
 )
 from django_federation_delivery.channels.events import Event, compact_json
-from django_federation_delivery.channels.policy import Policy
+from django_federation_delivery.channels.policy import Policy, PolicyError
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.transport import (
     Answer,
@@ -62,6 +63,7 @@ __all__ = [
     "UnusableURL",
     "Verdict",
     "is_word",
+    "policy_of",
     "safe_text",
     "word_shown",
 ]
@@ -414,6 +416,33 @@ class Channel:
             key, _sign, value = pair.partition("=")
             pairs.append((unquote(key), unquote(value)))
         return pairs
+
+
+def policy_of(channel: Channel) -> Policy:
+    """``channel``'s :meth:`~Channel.policy`, as the checks, ``send_webhook``
+    and the loop ask for it: ``ImproperlyConfigured`` naming the kind when it
+    cannot be had (it raises) or followed (it is no :class:`Policy`: a
+    ``policy()`` that forgot its ``return`` gives None). A
+    :class:`PolicyError`, the package's own words, is quoted; any other
+    error is named by its type alone, as a kind's own code may put anything
+    in its message, a secret it read included."""
+    try:
+        policy = channel.policy()
+        if not isinstance(policy, Policy):
+            raise PolicyError(
+                _("its policy() returned %(type)s, not a Policy") % {"type": type(policy).__name__}
+            )
+    except PolicyError as exc:
+        raise ImproperlyConfigured(
+            _("The policy of the %(kind)r kind of webhook destination: %(problem)s.")
+            % {"kind": channel.name, "problem": exc}
+        ) from None
+    except Exception as exc:
+        raise ImproperlyConfigured(
+            _("The policy of the %(kind)r kind of webhook destination could not be had: %(error)s.")
+            % {"kind": channel.name, "error": type(exc).__name__}
+        ) from None
+    return policy
 
 
 def waited_in_body(body: bytes, path: tuple[str, ...], unit: float) -> float | None:

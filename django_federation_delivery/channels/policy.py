@@ -17,10 +17,16 @@ from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPo
 if TYPE_CHECKING:
     from django_federation_delivery.transport.networks import IPNetwork
 
-__all__ = ["LANES", "Policy", "is_wait"]
+__all__ = ["LANES", "Policy", "PolicyError", "is_wait"]
 
 #: The lanes a policy may name, claimed in this order (``models.Lane``).
 LANES: Final = ("webhook", "priority", "normal", "low")
+
+
+class PolicyError(ValueError):
+    """A policy the queue cannot follow, said in the package's own words,
+    which name the bad value: what ``manage.py check`` shows (E036). Any
+    other error a kind's ``policy()`` raises is named by its type alone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,30 +60,30 @@ class Policy:
         """A policy the queue cannot follow is refused as it is made, naming
         the bad value (``manage.py check`` reports it, E036)."""
         if self.lane not in LANES:
-            raise ValueError(f"its lane is one of {', '.join(LANES)}, not {self.lane!r}")
+            raise PolicyError(f"its lane is one of {', '.join(LANES)}, not {self.lane!r}")
         if not isinstance(self.schedule, tuple) or not all(map(is_wait, self.schedule)):
-            raise ValueError(
+            raise PolicyError(
                 f"its schedule is a tuple of waits in seconds, each above 0 and at most "
                 f"{LONGEST_WAIT:g}, not {self.schedule!r}"
             )
         if not (is_wait(self.jitter) or self.jitter == 0) or self.jitter >= 1:
-            raise ValueError(f"its jitter is a fraction from 0 to below 1, not {self.jitter!r}")
+            raise PolicyError(f"its jitter is a fraction from 0 to below 1, not {self.jitter!r}")
         if not is_wait(self.timeout):
-            raise ValueError(
+            raise PolicyError(
                 f"its timeout is a number of seconds above 0 and at most {LONGEST_WAIT:g}, "
                 f"not {self.timeout!r}"
             )
         # Any longer is taken as the longest: no wait is ever longer (retry.py).
         if not _number(self.retry_after_max) or not self.retry_after_max > 0:
-            raise ValueError(
+            raise PolicyError(
                 f"its retry_after_max is a number of seconds above 0, not {self.retry_after_max!r}"
             )
         if not isinstance(self.ordered, bool):
-            raise ValueError(f"its ordered is True or False, not {self.ordered!r}")
+            raise PolicyError(f"its ordered is True or False, not {self.ordered!r}")
         if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool):
-            raise ValueError(f"its max_bytes is a whole number, not {self.max_bytes!r}")
+            raise PolicyError(f"its max_bytes is a whole number, not {self.max_bytes!r}")
         if self.max_bytes < 1:
-            raise ValueError(f"its max_bytes is at least 1, not {self.max_bytes!r}")
+            raise PolicyError(f"its max_bytes is at least 1, not {self.max_bytes!r}")
 
     @property
     def retry(self) -> RetryPolicy:

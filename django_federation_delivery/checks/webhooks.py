@@ -85,6 +85,7 @@ def check_webhooks(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
 def _policy_errors(destinations: Iterable[Destination]) -> list[CheckMessage]:
     """An error for each kind in use whose policy cannot be had (E036), once
     a kind; only when the settings it starts from are good."""
+    from django_federation_delivery.channels.base import policy_of
     from django_federation_delivery.webhooks.policy import settings_policy
 
     try:
@@ -100,15 +101,11 @@ def _policy_errors(destinations: Iterable[Destination]) -> list[CheckMessage]:
             continue
         seen.add(channel.name)
         try:
-            channel.policy()
-        except Exception as exc:
+            policy_of(channel)
+        except ImproperlyConfigured as exc:
             errors.append(
                 Error(
-                    _("The policy of the %(kind)r kind of webhook destination: %(problem)s.")
-                    % {
-                        "kind": channel.name,
-                        "problem": str(exc) if isinstance(exc, ValueError) else type(exc).__name__,
-                    },
+                    str(exc),
                     hint=_(
                         "A kind's policy() returns a Policy (django_federation_delivery.channels): "
                         "the WEBHOOK_* settings' by default, changed with dataclasses.replace()."

@@ -23,6 +23,7 @@ from django_federation_delivery.addresses import escaped
 from django_federation_delivery.attempt import AttemptResult, failed
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Call, Channel, Event, Policy
+from django_federation_delivery.channels.base import policy_of
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.models import Delivery, Host, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
@@ -120,27 +121,29 @@ class WebhookDeliveries:
         if found is not None:
             return found
         try:
-            policy = WebhookPolicy.of(channel.policy())
+            found = self._way_of(WebhookPolicy.of(policy_of(channel)))
         except Exception as exc:
-            # The host project's kind: one whose policy fails is sent all the
-            # same, as the settings say.
+            # The host project's kind: one whose policy cannot be had or
+            # followed (E036, which run_deliverer refuses to start on) is
+            # sent all the same, as the settings say, and the deliverer with
+            # every other delivery goes on.
             logger.warning(
-                "The policy of the %s kind could not be had (%s); the WEBHOOK_* settings apply",
-                channel.name,
-                type(exc).__name__,
+                "%s; the WEBHOOK_* settings apply",
+                exc if isinstance(exc, ImproperlyConfigured) else type(exc).__name__,
             )
-            policy = self.policy
-        if policy == self.policy:
             found = self.default
-        else:
-            default = self.default.settler
-            found = Way(
-                policy,
-                policy.settler(default.summary, default.watch),
-                webhook_transport_settings(self.transport_base, policy.policy),
-            )
         self._ways[channel.name] = found
         return found
+
+    def _way_of(self, policy: WebhookPolicy) -> Way:
+        if policy == self.policy:
+            return self.default
+        default = self.default.settler
+        return Way(
+            policy,
+            policy.settler(default.summary, default.watch),
+            webhook_transport_settings(self.transport_base, policy.policy),
+        )
 
     def way_to(self, name: str) -> Way:
         """How deliveries to the destination ``name`` are tried."""

@@ -28,7 +28,8 @@ from django.db import transaction
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import BINARY, quoted
-from django_federation_delivery.channels import Event, Policy
+from django_federation_delivery.channels import Event
+from django_federation_delivery.channels.base import policy_of
 from django_federation_delivery.channels.policy import LANES
 from django_federation_delivery.conf import SETTING, app_settings, database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -91,7 +92,7 @@ def send_webhook(
     # The settings every kind's policy starts from: a bad one raises the
     # package's own error, naming it, before any kind's policy is asked.
     settings_policy()
-    policies = {name: _policy(d) for name, d in found}
+    policies = {name: policy_of(d.channel) for name, d in found}
     encoded = event.as_json()
     for name, found_at in found:
         limit = policies[name].max_bytes
@@ -161,19 +162,6 @@ def event_time() -> datetime.datetime:
     event's, a test ping's). With it off, ``timezone.now()`` is naive, which
     ``Event.of`` refuses, and an event's time is UTC on the wire."""
     return datetime.datetime.now(datetime.UTC)
-
-
-def _policy(destination: Destination) -> Policy:
-    """The policy of ``destination``'s kind; ``ImproperlyConfigured`` naming
-    the kind if it cannot be had, and the error by its type alone: a kind's
-    own code may put anything in its message, a secret it read included."""
-    try:
-        return destination.channel.policy()
-    except Exception as exc:
-        raise ImproperlyConfigured(
-            f"the policy of the {destination.channel.name!r} kind of webhook destination "
-            f"could not be had: {type(exc).__name__}"
-        ) from None
 
 
 def _destinations(destination: object) -> list[tuple[str, Destination]]:

@@ -6,12 +6,14 @@ import sys
 import uuid
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery.addresses import escaped, quoted
 from django_federation_delivery.channels import Call, Event
+from django_federation_delivery.channels.base import policy_of
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.management.base import TranslatedCommand
 from django_federation_delivery.transport import Connections, Transport, status_text
@@ -48,12 +50,9 @@ class Command(TranslatedCommand):
             raise CommandError(destination)  # what is wrong, never the URL
         WebhookPolicy.from_settings()  # the settings it starts from, checked
         try:
-            policy = WebhookPolicy.of(destination.channel.policy())
-        except ValueError as exc:
-            raise CommandError(
-                _("The policy of the %(kind)r kind: %(problem)s")
-                % {"kind": destination.channel.name, "problem": exc}
-            ) from None
+            policy = WebhookPolicy.of(policy_of(destination.channel))
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from None
         settings = webhook_transport_settings(app_settings.transport_settings(), policy.policy)
         event = Event.of("ping", uuid.uuid4(), event_time(), {"test": True})
         connections = Connections(settings)
