@@ -380,6 +380,8 @@ class AppSettings:
     def allowed_networks(self, name: str = "ALLOWED_NETWORKS") -> tuple[Network, ...]:
         """The non-public networks ``name`` opens: ``ALLOWED_NETWORKS`` to
         inboxes, ``WEBHOOK_ALLOWED_NETWORKS`` to webhook destinations."""
+        from django_federation_delivery.transport.networks import network
+
         networks = []
         values = self.get(name)
         if not isinstance(values, list | tuple):
@@ -389,12 +391,7 @@ class AppSettings:
             )
         for value in values:
             try:
-                # Text, or a network already made: ip_network() takes an int
-                # (True among them) or packed bytes as an address, and would
-                # open 0.0.0.1/32 for [True] or [1].
-                if not isinstance(value, str | ipaddress.IPv4Network | ipaddress.IPv6Network):
-                    raise TypeError(type(value).__name__)
-                networks.append(ipaddress.ip_network(value, strict=False))
+                networks.append(network(value))
             except (TypeError, ValueError) as exc:
                 raise ImproperlyConfigured(
                     _(

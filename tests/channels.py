@@ -198,6 +198,18 @@ class Forgetful(Pager):
         return None  # type: ignore[return-value]
 
 
+class LocalPager(Pager):
+    """A pager on the local network, opened by its policy as
+    ``WEBHOOK_ALLOWED_NETWORKS`` writes a network: as text."""
+
+    name = "localpager"
+    label = "Local pager"
+    schemes = ("localpager", "localpager+http")
+
+    def policy(self) -> Policy:
+        return dataclasses.replace(super().policy(), allowed_networks=("127.0.0.0/8",))
+
+
 class HeaderPager(Pager):
     """A pager whose judge passes the receiver's ``Retry-After`` on as it
     reads it: the header's text, not seconds, as many a hand-written one does."""

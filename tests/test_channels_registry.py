@@ -3,7 +3,9 @@ package with ``CHANNELS`` (``tests/channels.py`` is such a project's code)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 import threading
 import time
 import uuid
@@ -18,7 +20,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError, SystemCheckError
 
 from django_federation_delivery import send, send_webhook, signals
-from django_federation_delivery.channels import Policy, parse_destination, registry
+from django_federation_delivery.channels import Policy, PolicyError, parse_destination, registry
 from django_federation_delivery.checks import check_webhooks
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -441,6 +443,30 @@ def test_a_policy_that_cannot_be_had_is_a_check_error_naming_the_kind_never_its_
     with pytest.raises(CommandError) as raised:
         call_command("send_test_webhook", "oncall")
     assert str(raised.value) == message.msg
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_policy_opening_networks_as_text_is_followed(settings: Any, inbox: Inbox) -> None:
+    # Every attempt crashed (TypeError, no request), the check silent.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.LocalPager"],
+        "WEBHOOKS": {"oncall": f"localpager+http://{KEY}@127.0.0.1:{inbox.port}/page"},
+        # Opened by the kind alone.
+        "WEBHOOK_ALLOWED_NETWORKS": [],
+        "WEBHOOK_RETRY": [0.05],
+    }
+    assert check_webhooks() == []
+    send_webhook("oncall", "alert.raised", {})
+    Deliverer().run(drain=True, stop_after=10)
+    assert list(Delivery.objects.values_list("status", "attempts")) == [(Status.DELIVERED, 1)]
+    assert inbox.paths() == ["/page"]
+    network = ipaddress.ip_network("10.0.0.0/8")
+    opened = Policy(allowed_networks=("127.0.0.1/8", network)).allowed_networks
+    assert opened == (ipaddress.ip_network("127.0.0.0/8"), network)
+    for bad, shown in [("127.0.0.0/8", "'127.0.0.0/8'"), (("localhost",), "('localhost',)")]:
+        with pytest.raises(PolicyError, match=rf"its allowed_networks .* not {re.escape(shown)}"):
+            Policy(allowed_networks=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.django_db(transaction=True)

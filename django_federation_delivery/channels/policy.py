@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from django_federation_delivery.retry import DAY_SCHEDULE, LONGEST_WAIT, RetryPolicy
-
-if TYPE_CHECKING:
-    from django_federation_delivery.transport.networks import IPNetwork
+from django_federation_delivery.transport.networks import IPNetwork, network
 
 __all__ = ["LANES", "Policy", "PolicyError", "is_wait"]
 
@@ -43,7 +41,9 @@ class Policy:
     retry_after_max: float = 3600.0
     #: One request, from connecting to the end of the answer.
     timeout: float = 10.0
-    #: The non-public networks its destinations may be on.
+    #: The non-public networks its destinations may be on: each as text
+    #: (``"127.0.0.0/8"``), as ``WEBHOOK_ALLOWED_NETWORKS`` takes them, or an
+    #: ``ipaddress`` network; kept as networks.
     allowed_networks: tuple[IPNetwork, ...] = ()
     #: The largest event it is sent, as JSON; a larger one is refused by
     #: ``send_webhook`` with nothing written.
@@ -78,6 +78,18 @@ class Policy:
             raise PolicyError(
                 f"its retry_after_max is a number of seconds above 0, not {self.retry_after_max!r}"
             )
+        # Written as WEBHOOK_ALLOWED_NETWORKS writes them, text, or as
+        # networks: kept as networks, read by the transport.
+        networks: Any = self.allowed_networks
+        try:
+            if not isinstance(networks, tuple | list):
+                raise TypeError(type(networks).__name__)
+            object.__setattr__(self, "allowed_networks", tuple(map(network, networks)))
+        except (TypeError, ValueError):
+            raise PolicyError(
+                f"its allowed_networks is a tuple of networks such as '127.0.0.0/8', "
+                f"not {networks!r}"
+            ) from None
         if not isinstance(self.ordered, bool):
             raise PolicyError(f"its ordered is True or False, not {self.ordered!r}")
         if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool):

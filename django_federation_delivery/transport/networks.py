@@ -21,6 +21,18 @@ _NEVER_PUBLIC: tuple[IPNetwork, ...] = (
 )
 
 
+def network(value: object) -> IPNetwork:
+    """``value``, a network opened as ``ALLOWED_NETWORKS`` and a kind's
+    ``Policy`` take one: text (``"127.0.0.0/8"``, host bits allowed) or a
+    network already made. TypeError naming its type for anything else:
+    ``ip_network()`` takes an int (True among them) or packed bytes as an
+    address, and would open 0.0.0.1/32 for ``[True]`` or ``[1]``;
+    ValueError for text that is no network."""
+    if not isinstance(value, str | ipaddress.IPv4Network | ipaddress.IPv6Network):
+        raise TypeError(type(value).__name__)
+    return ipaddress.ip_network(value, strict=False)
+
+
 def parse_ip(address: str) -> IPAddress | None:
     try:
         # getaddrinfo and getpeername may add an IPv6 zone ("fe80::1%eth0").
