@@ -701,18 +701,18 @@ def credentials(url: str) -> list[str]:
     return secret_forms(found)
 
 
-def secret_forms(secrets: Iterable[str], shortest: int = 1) -> list[str]:
-    """Each of ``secrets`` as a text may hold it, of ``shortest`` characters
-    or more: as written, decoded (``+`` read as a space too, as a form's
-    parser reads it), percent-encoded whole, and with its ``/`` escaped as
-    JSON may write it; longest first, so that replacing them in turn leaves
-    no piece of a longer one (a whole path goes before the token in it). A
-    server that repeats a URL it was sent repeats it in any of these."""
+def secret_forms(secrets: Iterable[str]) -> list[str]:
+    """Each of ``secrets`` as a text may hold it (none empty): as written,
+    decoded (``+`` read as a space too, as a form's parser reads it),
+    percent-encoded whole, and with its ``/`` escaped as JSON may write it;
+    longest first, so that replacing them in turn leaves no piece of a
+    longer one (a whole path goes before the token in it). A server that
+    repeats a URL it was sent repeats it in any of these."""
     found = {
         form
         for secret in secrets
         for text in (secret, unquote(secret), unquote_plus(secret))
         for form in (text, quote(text, safe=""), text.replace("/", "\\/"))
-        if len(form) >= shortest
+        if form
     }
     return sorted(found, key=lambda secret: (-len(secret), secret))

@@ -210,6 +210,33 @@ class LocalPager(Pager):
         return dataclasses.replace(super().policy(), allowed_networks=("127.0.0.0/8",))
 
 
+class Unlisted(Pager):
+    """A pager whose one secret is declared as a string, not a tuple of one."""
+
+    name = "unlisted"
+    label = "Unlisted"
+    schemes = ("unlisted", "unlisted+http")
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        parsed = super().parse(url, scheme)
+        return dataclasses.replace(parsed, secrets=parsed.options["key"])
+
+
+class PinPager(Pager):
+    """A pager whose key is a PIN of five characters, declared secret: as
+    the pager's, but for the pager's own length."""
+
+    name = "pinpager"
+    label = "PIN pager"
+    schemes = ("pinpager", "pinpager+http")
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        pin, _at, rest = url.partition("@")
+        parsed = super().parse(f"{pin}{'0' * 8}@{rest}", scheme)
+        key = self.split(self.over(url, scheme)).userinfo
+        return dataclasses.replace(parsed, secrets=(key,), options={"key": key})
+
+
 class HeaderPager(Pager):
     """A pager whose judge passes the receiver's ``Retry-After`` on as it
     reads it: the header's text, not seconds, as many a hand-written one does."""

@@ -20,7 +20,14 @@ from django.core.management import call_command
 from django.core.management.base import CommandError, SystemCheckError
 
 from django_federation_delivery import send, send_webhook, signals
-from django_federation_delivery.channels import Policy, PolicyError, parse_destination, registry
+from django_federation_delivery.channels import (
+    Parsed,
+    Policy,
+    PolicyError,
+    UnusableURL,
+    parse_destination,
+    registry,
+)
 from django_federation_delivery.checks import check_webhooks
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -242,6 +249,78 @@ def test_a_kind_whose_module_fails_as_it_is_imported_is_a_check_error_never_a_tr
         call_command("check")
     with pytest.raises(ImproperlyConfigured, match=module):
         send_webhook("chat", "alert.raised", {})
+
+
+@pytest.mark.parametrize(
+    ("secrets", "says"),
+    [
+        ("k3Y9zSECRET", "its kind declares its secrets as str, not a tuple of strings"),
+        ((b"k3Y9zSECRET",), "its kind declares a secret that is bytes, not a string"),
+    ],
+)
+def test_secrets_a_kind_declares_as_no_list_of_strings_are_refused_never_shown(
+    secrets: object, says: str
+) -> None:
+    # A string was taken letter by letter, each letter too short to redact:
+    # nothing was.
+    with pytest.raises(UnusableURL, match=says) as raised:
+        Parsed(url="https://pager.example/page", secrets=secrets)  # type: ignore[arg-type]
+    assert "k3Y9z" not in str(raised.value)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kind_declaring_its_secrets_as_a_string_is_its_destinations_problem_alone(
+    settings: Any,
+) -> None:
+    with_pager(
+        settings,
+        CHANNELS=["tests.channels.Unlisted"],
+        WEBHOOKS={
+            "oncall": f"unlisted://{KEY}@pager.example/page",
+            "chat": "slack+http://127.0.0.1:9/services/T/B/C",
+        },
+    )
+    says = (
+        "Webhook destination 'oncall': its kind declares its secrets as str, "
+        "not a tuple of strings."
+    )
+    (message,) = check_webhooks()
+    assert (message.id, message.msg) == ("federation_delivery.E031", says)
+    with pytest.raises(ImproperlyConfigured, match=re.escape(says)):
+        send_webhook("oncall", "alert.raised", {})
+    assert send_webhook("chat", "alert.raised", {}) is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_declared_secret_shorter_than_most_is_redacted_all_the_same(
+    settings: Any, inboxes: Callable[..., Inbox], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Below six characters, a declared secret no longer one holds was
+    # never redacted: a receiver that repeated it had it shown.
+    pin = "k3Y9z"
+
+    def echo(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return 500, {}, f"bad key {request.json()['routing_key']}".encode()
+
+    server = inboxes("127.0.0.1", respond=echo)
+    with_pager(
+        settings,
+        CHANNELS=["tests.channels.PinPager"],
+        WEBHOOKS={"oncall": f"pinpager+http://{pin}@127.0.0.1:{server.port}/page"},
+        WEBHOOK_RETRY=[0.05],
+    )
+    send_webhook("oncall", "alert.raised", {})
+    deadline = time.monotonic() + 15
+    while Delivery.objects.filter(status=Status.PENDING).exists() and time.monotonic() < deadline:
+        Deliverer().run(drain=True)
+        threading.Event().wait(0.05)
+    (error,) = Delivery.objects.values_list("last_error", flat=True)
+    assert error.endswith("the receiver answered 500 Internal Server Error: bad key [redacted]")
+    assert pin not in caplog.text
+    # Where a longer one holds it (a hook's segment, in its path), it is
+    # that one that is taken out, not each "T" of a text.
+    slack = parse_destination("chat", "slack://hooks.slack.com/services/T/B/C0ffeeT0ken")
+    assert slack.redact("Try /services/T/B/C0ffeeT0ken") == "Try [redacted]"
 
 
 #: A webhook's URL written where its destination's name goes.

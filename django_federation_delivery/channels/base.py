@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from http import HTTPStatus
 from typing import Any, ClassVar, NamedTuple
@@ -76,8 +76,10 @@ REDACTED = "[redacted]"
 MESSAGE_ROOM = 100
 #: What a destination is asked to answer in: anything, it is only read for an error.
 ACCEPT = "application/json, */*;q=0.5"
-# A secret part shorter than this is too common a text to take out of a message
-# ("T01", "ops"): a kind declares parts that are long enough to mean something.
+# A secret part shorter than this is too common a text to take out of a
+# message ("T01", "ops") where a longer one holds it (a hook's segment, in its
+# path): that one is taken out. One no longer part holds is taken out all the
+# same, however short: it is declared, and the only way it is known.
 MIN_REDACTED = 6
 #: The longest wait a rate-limited answer's body is taken to ask, in seconds:
 #: past a day it is a receiver's mistake, and the retry policy's wait stands.
@@ -136,6 +138,25 @@ class Parsed:
     #: What else the kind needs to build a request (a chat id, signing keys),
     #: read by the kind alone.
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        """Secrets that are no list of texts are refused, named by their type
+        alone: a string would be taken letter by letter, each letter too
+        short to redact, and the whole never redacted."""
+        secrets: Any = self.secrets
+        if isinstance(secrets, str | bytes | bytearray) or not isinstance(secrets, Iterable):
+            raise UnusableURL(
+                _("its kind declares its secrets as %(type)s, not a tuple of strings")
+                % {"type": type(secrets).__name__}
+            )
+        secrets = tuple(secrets)
+        for secret in secrets:
+            if not isinstance(secret, str):
+                raise UnusableURL(
+                    _("its kind declares a secret that is %(type)s, not a string")
+                    % {"type": type(secret).__name__}
+                )
+        object.__setattr__(self, "secrets", secrets)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -470,8 +491,15 @@ def _is_number(value: object) -> bool:
 
 def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
     """Each declared secret in every form a text may hold it (see
-    :func:`~django_federation_delivery.addresses.secret_forms`)."""
-    return tuple(secret_forms(secrets, MIN_REDACTED))
+    :func:`~django_federation_delivery.addresses.secret_forms`): one shorter
+    than :data:`MIN_REDACTED` only where no longer one holds it."""
+    forms = secret_forms(secrets)
+    long = [form for form in forms if len(form) >= MIN_REDACTED]
+    return tuple(
+        form
+        for form in forms
+        if len(form) >= MIN_REDACTED or not any(form in other for other in long)
+    )
 
 
 def safe_text(destination: Destination, url: str, text: str) -> str:
