@@ -26,7 +26,8 @@ class Verdict:
     #: Seconds the receiver asked to be left alone, if it said.
     retry_after: float | None = None
     #: What went wrong, in the receiver's words (redacted and cut by the
-    #: caller): the start of a refusal's body, or what a 200 body said.
+    #: caller): the start of a refusal's body, or what a 200 body said. Bytes
+    #: are decoded (:func:`readable_detail`).
     detail: str = ""
 
 
@@ -151,6 +152,20 @@ def readable(job: Job, result: AttemptResult) -> tuple[AttemptResult, str]:
         neutral = {name: value for name, _text, value in wrong}
         return dataclasses.replace(result, **neutral), fault
     return crashed(job, f"internal error: the result's {fault}"), fault
+
+
+def readable_detail(verdict: Verdict) -> tuple[str, str]:
+    """``verdict``'s ``detail`` as text, and what was wrong with it ("" when
+    nothing was), as :func:`readable` reads a result: bytes (an answer's
+    body handed on as it was read) decoded, for the caller to redact and
+    escape as an answer's text is; anything else but a str left out, named
+    by its type alone, never its value."""
+    detail: Any = verdict.detail
+    if isinstance(detail, str):
+        return detail, ""
+    if isinstance(detail, bytes | bytearray):
+        return bytes(detail).decode("utf-8", "replace"), ""
+    return "", f"detail ({type(detail).__name__}) is not a str"
 
 
 def judged(

@@ -237,6 +237,17 @@ class PinPager(Pager):
         return dataclasses.replace(parsed, secrets=(key,), options={"key": key})
 
 
+class RawPager(Pager):
+    """A pager whose judge hands the answer's body on as it read it: bytes."""
+
+    name = "rawpager"
+    label = "Raw pager"
+    schemes = ("rawpager", "rawpager+http")
+
+    def judge(self, answer: Answer) -> Verdict:
+        return Verdict(200 <= answer.status < 300, detail=answer.body)  # type: ignore[arg-type]
+
+
 class HeaderPager(Pager):
     """A pager whose judge passes the receiver's ``Retry-After`` on as it
     reads it: the header's text, not seconds, as many a hand-written one does."""

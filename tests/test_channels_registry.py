@@ -20,11 +20,13 @@ from django.core.management import call_command
 from django.core.management.base import CommandError, SystemCheckError
 
 from django_federation_delivery import send, send_webhook, signals
+from django_federation_delivery.attempt import readable_detail
 from django_federation_delivery.channels import (
     Parsed,
     Policy,
     PolicyError,
     UnusableURL,
+    Verdict,
     parse_destination,
     registry,
 )
@@ -601,6 +603,40 @@ def test_a_kind_that_is_not_ordered_lets_an_event_pass_one_that_failed(
     received = [r.json()["dedup_key"] for r in server.received]
     assert sorted(received) == ["e0", "e0", "e1"] and received[-1] == "e0", received
     assert set(Delivery.objects.values_list("status", flat=True)) == {Status.DELIVERED}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_verdict_whose_detail_is_bytes_is_read_and_a_delivered_one_not_sent_again(
+    inboxes: Callable[..., Inbox], settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its detail was redacted as text before anything else was read of it:
+    # every attempt crashed, one the judge said was delivered too, and the
+    # event was sent again at every try.
+    answers = [(500, b"bad \x1b[2J key"), (200, b'{"status": "success"}')]
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        status, body = answers.pop(0)
+        return status, {}, body
+
+    server = inboxes("127.0.0.1", respond=respond)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.RawPager"],
+        "WEBHOOKS": {"oncall": f"rawpager+http://{KEY}@127.0.0.1:{server.port}/page"},
+        "WEBHOOK_RETRY": [0.05] * 3,
+    }
+    send_webhook("oncall", "alert.raised", {})
+    deadline = time.monotonic() + 15
+    while Delivery.objects.filter(status=Status.PENDING).exists() and time.monotonic() < deadline:
+        Deliverer().run(drain=True)
+        threading.Event().wait(0.05)
+    assert len(server.received) == 2 and not answers
+    assert list(Delivery.objects.values_list("status", "attempts")) == [(Status.DELIVERED, 2)]
+    # The refusal's body, decoded and escaped as an answer's text is.
+    assert "Internal Server Error: bad \\x1b[2J key; tried again" in caplog.text
+    assert "internal error" not in caplog.text
+    # Anything else is left out, named by its type alone.
+    assert readable_detail(Verdict(False, detail=7)) == ("", "detail (int) is not a str")  # type: ignore[arg-type]
 
 
 @pytest.mark.django_db(transaction=True)

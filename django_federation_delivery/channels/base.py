@@ -36,6 +36,7 @@ from django_federation_delivery.attempt import (
     is_refusal,
     judged,
     lapsed,
+    readable_detail,
 )
 from django_federation_delivery.channels.events import Event, compact_json
 from django_federation_delivery.channels.policy import Policy, PolicyError
@@ -374,9 +375,17 @@ class Channel:
 
     def _judged(self, job: Call, answer: Answer, destination: Destination) -> AttemptResult:
         verdict = self.judge(answer)
+        detail, fault = readable_detail(verdict)
+        if fault:
+            logger.error(
+                "The judge() of the %s kind gave a verdict the loop cannot read (%s): "
+                "its detail is left out",
+                self.name,
+                fault,
+            )
         # The whole of what was read is redacted before any of it is cut: a cut
         # secret would no longer be recognised.
-        text = answer_text(destination.redact(verdict.detail))
+        text = answer_text(destination.redact(detail))
         error = f"the receiver answered {status_text(answer.status)}"
         if text:
             error = f"{error}: {text[: job.body_length].rstrip()}"
