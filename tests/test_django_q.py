@@ -477,6 +477,30 @@ def test_a_round_under_bad_settings_says_what_to_write_and_sends_nothing(
     assert inbox.received == []
 
 
+def test_a_round_refuses_what_run_deliverer_refuses_and_spends_no_try(
+    inbox: Inbox, settings: Any
+) -> None:
+    # A round checked the settings alone: with the kind of a destination
+    # taken out of CHANNELS while its events waited, run_deliverer refused
+    # to start (E031), but a round ran and spent every try, with no request.
+    cluster(settings, timeout=90, retry=120)
+    url = f"pager+http://routingKEY4b7c9@127.0.0.1:{inbox.port}/page"
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager"],
+        "WEBHOOKS": {"oncall": url},
+    }
+    send_webhook("oncall", "alert.raised", {})
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "CHANNELS": []}
+    with pytest.raises(CommandError, match=r"federation_delivery\.E031: .*'oncall'") as refused:
+        call_command("run_deliverer", "--drain")
+    with pytest.raises(ImproperlyConfigured) as raised:
+        deliver_round(2)
+    assert str(raised.value) == str(refused.value), "the same checks, saying the same"
+    row = Delivery.objects.get()
+    assert (row.status, row.attempts, inbox.received) == (Status.PENDING, 0, [])
+
+
 # The purge.
 
 

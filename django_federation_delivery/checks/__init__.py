@@ -23,6 +23,7 @@ from django_federation_delivery.checks.values import check_inbox_networks, check
 from django_federation_delivery.checks.webhooks import check_removed_destinations, check_webhooks
 
 __all__ = [
+    "DELIVERER_CHECKS",
     "LONGEST_RETENTION",
     "PREFIX",
     "SECONDS",
@@ -33,6 +34,25 @@ __all__ = [
     "check_settings",
     "check_sqlite",
     "check_webhooks",
+    "deliverer_problems",
     "sqlite_problems",
     "unapplied_migrations",
 ]
+
+
+#: What a deliverer is checked for before it sends, run by the commands or
+#: a task queue's round (called directly, or run with ``--skip-checks``, the
+#: system checks have not run): a bad setting, an inbox network, a kind of
+#: destination that does not load or a webhook destination that does not
+#: parse, each of which would fail every delivery it touches.
+DELIVERER_CHECKS = (check_settings, check_inbox_networks, check_webhooks)
+
+
+def deliverer_problems() -> str:
+    """What :data:`DELIVERER_CHECKS` find serious, one a line, each with its
+    id and hint ("" when nothing): what ``run_deliverer`` and a round refuse
+    to start on, saying what to write."""
+    problems = [
+        message for check in DELIVERER_CHECKS for message in check() if message.is_serious()
+    ]
+    return "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)

@@ -37,7 +37,7 @@ from django.utils import translation
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.addresses import quoted
-from django_federation_delivery.checks import check_settings
+from django_federation_delivery.checks import deliverer_problems
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.deliverer import Deliverer, longest_attempt
 from django_federation_delivery.heartbeats import Heartbeat
@@ -95,13 +95,12 @@ def finish_seconds() -> float:
 
 
 def refuse_bad_settings() -> None:
-    """What ``manage.py check`` finds serious in the settings, raised: a
-    round sends nothing under settings ``run_deliverer`` would refuse."""
-    problems = [message for message in check_settings() if message.is_serious()]
+    """What ``run_deliverer`` refuses to start on, raised: a round sends
+    nothing under settings it would refuse (a kind of destination removed
+    from ``CHANNELS`` while its events wait, say)."""
+    problems = deliverer_problems()
     if problems:
-        raise ImproperlyConfigured(
-            "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
-        )
+        raise ImproperlyConfigured(problems)
 
 
 @contextlib.contextmanager

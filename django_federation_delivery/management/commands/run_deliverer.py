@@ -15,9 +15,7 @@ from django.utils.translation import gettext_noop
 from django_federation_delivery import metrics, store, supervisor
 from django_federation_delivery.checks import (
     WHOLE_NUMBERS,
-    check_inbox_networks,
-    check_settings,
-    check_webhooks,
+    deliverer_problems,
     sqlite_problems,
 )
 from django_federation_delivery.deliverer import Deliverer
@@ -207,16 +205,9 @@ class Command(TranslatedCommand):
         # webhook that does not parse is still an error that says what to
         # write, not a traceback from deep in the loop (or every event to
         # that destination failed).
-        problems = [
-            message
-            for check in (check_settings, check_inbox_networks, check_webhooks)
-            for message in check()
-            if message.is_serious()
-        ]
+        problems = deliverer_problems()
         if problems:
-            raise CommandError(
-                "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)
-            )
+            raise CommandError(problems)
         if self.child is None:
             # Without them, every claim would fail, and be waited out as an outage.
             require_migrations(using)
