@@ -10,6 +10,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from io import StringIO
 from typing import Any
@@ -702,3 +703,33 @@ def test_a_slow_receivers_attempt_ends_with_its_lease_however_long_the_webhook_t
     assert (row.status, row.attempts) == (Status.PENDING, 1), "settled while its lease held"
     assert re.search(r"no complete answer within 1\.[0-5]s$", row.last_error), row.last_error
     assert len(sink.received) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_event_to_a_destination_that_no_longer_parses_waits_spending_no_try(
+    settings: Any, inbox: Inbox
+) -> None:
+    # Its kind taken out of CHANNELS while it waited: each try was a failed
+    # attempt without a request, until the event was given up.
+    url = f"pager+http://routingKEY4b7c9@127.0.0.1:{inbox.port}/page"
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager"],
+        "WEBHOOKS": {"oncall": url},
+        "WEBHOOK_RETRY": [0.05],
+    }
+    send_webhook("oncall", "alert.raised", {})
+    kept = settings.FEDERATION_DELIVERY
+    settings.FEDERATION_DELIVERY = {**kept, "CHANNELS": []}
+    for _ in range(3):
+        Deliverer().run(drain=True, stop_after=1)
+    row = Delivery.objects.get()
+    assert (row.status, row.attempts, inbox.received) == (Status.PENDING, 0, [])
+    assert "its scheme 'pager+http' is not one of those known" in row.last_error
+    # Put back, the next try sends it.
+    settings.FEDERATION_DELIVERY = kept
+    deadline = time.monotonic() + 10
+    while Delivery.objects.filter(status=Status.PENDING).exists() and time.monotonic() < deadline:
+        Deliverer().run(drain=True, stop_after=1)
+    row.refresh_from_db()
+    assert (row.status, row.attempts, len(inbox.received)) == (Status.DELIVERED, 1, 1)

@@ -245,7 +245,8 @@ class Call(Job):
     """An attempt at a configured destination, as a worker is given it: the
     destination as configured now and the event as queued, or why it cannot
     be sent as it is (a destination that does not parse, an event that cannot
-    be read back) and whether that can pass."""
+    be read back) and whether that can pass: one that can (a destination
+    that parses again once its settings are fixed) holds it, spending no try."""
 
     destination: Destination | None
     event: Event | None

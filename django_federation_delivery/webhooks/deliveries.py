@@ -20,7 +20,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
 from django_federation_delivery.addresses import escaped
-from django_federation_delivery.attempt import AttemptResult, failed
+from django_federation_delivery.attempt import AttemptResult, failed, held
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Call, Channel, Event, Policy
 from django_federation_delivery.channels.base import policy_of
@@ -174,6 +174,10 @@ class WebhookDeliveries:
     def attempt(self, job: Call, transport: Transport) -> AttemptResult:
         """The attempt the destination's kind makes; none for a job that
         cannot be sent as it is."""
+        if job.problem and not job.permanent:
+            # Fixed in the settings, the next try sends: till then it waits,
+            # in order, spending no try, as a paused destination's do.
+            return held(job, job.problem, retry_after=0.0)
         if job.problem or job.destination is None or job.event is None:
             return failed(job, job.problem, permanent=job.permanent, requests=0)
         return job.destination.channel.attempt(job, transport)
@@ -186,8 +190,8 @@ class WebhookDeliveries:
 
     def lookup(self, name: str) -> Destination | str | None:
         """The destination ``name``: None when it is not configured (any more),
-        text saying what is wrong when it does not parse (retried: fixed, the
-        next try sends)."""
+        text saying what is wrong when it does not parse (held, spending no
+        try: fixed, the next try sends)."""
         try:
             return configured().lookup(name)
         except ImproperlyConfigured as exc:
