@@ -23,6 +23,24 @@ from django_federation_delivery.channels import (
 from django_federation_delivery.transport import Answer, Transport
 
 
+def queued_then_kind_removed(settings: Any, port: int, **options: Any) -> dict[str, Any]:
+    """An event queued to "oncall", a destination of the Pager kind on
+    127.0.0.1 at ``port``, then the kind taken out of ``CHANNELS``: its URL
+    no longer parses. Returns the settings as they were when it was queued."""
+    from django_federation_delivery import send_webhook
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager"],
+        "WEBHOOKS": {"oncall": f"pager+http://routingKEY4b7c9@127.0.0.1:{port}/page"},
+        **options,
+    }
+    send_webhook("oncall", "alert.raised", {})
+    kept: dict[str, Any] = settings.FEDERATION_DELIVERY
+    settings.FEDERATION_DELIVERY = {**kept, "CHANNELS": []}
+    return kept
+
+
 class Pager(Channel):
     """An on-call pager: ``pager://<routing key>@host/<path>`` POSTs
     ``{"routing_key", "summary", "dedup_key"}``; it answers 200 with

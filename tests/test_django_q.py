@@ -48,6 +48,7 @@ from django_federation_delivery.contrib.django_q import (
 )
 from django_federation_delivery.models import DelivererHeartbeat, Delivery, Host, Status
 
+from .channels import queued_then_kind_removed
 from .conftest import MANAGE, Inbox, assert_each_reached_once_but, subprocess_env, wait_until
 from .keys import ALICE
 from .operators import unavailable_and_due_a_probe
@@ -484,14 +485,7 @@ def test_a_round_refuses_what_run_deliverer_refuses_and_spends_no_try(
     # taken out of CHANNELS while its events waited, run_deliverer refused
     # to start (E031), but a round ran and spent every try, with no request.
     cluster(settings, timeout=90, retry=120)
-    url = f"pager+http://routingKEY4b7c9@127.0.0.1:{inbox.port}/page"
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "CHANNELS": ["tests.channels.Pager"],
-        "WEBHOOKS": {"oncall": url},
-    }
-    send_webhook("oncall", "alert.raised", {})
-    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "CHANNELS": []}
+    queued_then_kind_removed(settings, inbox.port)
     with pytest.raises(CommandError, match=r"federation_delivery\.E031: .*'oncall'") as refused:
         call_command("run_deliverer", "--drain")
     with pytest.raises(ImproperlyConfigured) as raised:

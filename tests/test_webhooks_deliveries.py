@@ -28,6 +28,7 @@ from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.webhooks import sending as webhook_sending
 
+from .channels import queued_then_kind_removed
 from .conftest import Inbox, Received, RunningDeliverer, away_at, wait_until
 from .keys import ALICE
 
@@ -711,16 +712,7 @@ def test_an_event_to_a_destination_that_no_longer_parses_waits_spending_no_try(
 ) -> None:
     # Its kind taken out of CHANNELS while it waited: each try was a failed
     # attempt without a request, until the event was given up.
-    url = f"pager+http://routingKEY4b7c9@127.0.0.1:{inbox.port}/page"
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "CHANNELS": ["tests.channels.Pager"],
-        "WEBHOOKS": {"oncall": url},
-        "WEBHOOK_RETRY": [0.05],
-    }
-    send_webhook("oncall", "alert.raised", {})
-    kept = settings.FEDERATION_DELIVERY
-    settings.FEDERATION_DELIVERY = {**kept, "CHANNELS": []}
+    kept = queued_then_kind_removed(settings, inbox.port, WEBHOOK_RETRY=[0.05])
     for _ in range(3):
         Deliverer().run(drain=True, stop_after=1)
     row = Delivery.objects.get()

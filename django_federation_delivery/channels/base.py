@@ -78,10 +78,11 @@ MESSAGE_ROOM = 100
 #: What a destination is asked to answer in: anything, it is only read for an error.
 ACCEPT = "application/json, */*;q=0.5"
 # A secret part shorter than this is too common a text to take out of a
-# message ("T01", "ops") where a longer one holds it (a hook's segment, in its
-# path): that one is taken out. One no longer part holds is taken out all the
-# same, however short: it is declared, and the only way it is known.
+# message wherever it is ("T01", "ops"): it is taken out only where it stands
+# alone, unless a longer declared part holds it (a hook's segment, in its
+# path), which is taken out; one shorter than MIN_SHORT is not at all.
 MIN_REDACTED = 6
+MIN_SHORT = 3
 #: The longest wait a rate-limited answer's body is taken to ask, in seconds:
 #: past a day it is a receiver's mistake, and the retry policy's wait stands.
 MOST_WAITED = 86_400
@@ -174,12 +175,15 @@ class Destination:
     #: The event types it is subscribed to, each a name or a pattern with "*"
     #: ("alert.*"); none: every event.
     events: tuple[str, ...] = ()
+    #: Its short secret parts' forms, taken out only where each stands alone.
+    _short: re.Pattern[str] | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def of(
         cls, name: str, channel: Channel, parsed: Parsed, events: tuple[str, ...] = ()
     ) -> Destination:
-        return cls(name, channel, parsed.url, parsed.options, _forms(parsed.secrets), events)
+        long, short = _forms(parsed.secrets)
+        return cls(name, channel, parsed.url, parsed.options, long, events, _alone(short))
 
     def receives(self, event_type: str) -> bool:
         """Whether it is subscribed to events of ``event_type``."""
@@ -207,8 +211,10 @@ class Destination:
 
     def redact(self, text: str) -> str:
         """``text`` with every secret part its kind declared replaced by
-        [redacted], and the start of one that ends it (a text cut short)."""
-        return replace_secrets(text, self._redacted, REDACTED)
+        [redacted], and the start of one that ends it (a text cut short); a
+        short one only where it stands alone, not within a word or a number."""
+        text = replace_secrets(text, self._redacted, REDACTED)
+        return text if self._short is None else self._short.sub(REDACTED, text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,17 +505,46 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _forms(secrets: tuple[str, ...]) -> tuple[str, ...]:
+def _forms(secrets: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Each declared secret in every form a text may hold it (see
-    :func:`~django_federation_delivery.addresses.secret_forms`): one shorter
-    than :data:`MIN_REDACTED` only where no longer one holds it."""
-    forms = secret_forms(secrets)
-    long = [form for form in forms if len(form) >= MIN_REDACTED]
-    return tuple(
-        form
-        for form in forms
-        if len(form) >= MIN_REDACTED or not any(form in other for other in long)
+    :func:`~django_federation_delivery.addresses.secret_forms`): those of
+    :data:`MIN_REDACTED` characters or more, and the shorter ones, to be
+    taken out only where they stand alone (:func:`_alone`). A short one is
+    left out where another declared part holds it (a hook's segment, in its
+    path, which is taken out), or where it is too short or too plain to be
+    told from ordinary text: fewer than :data:`MIN_SHORT` characters, or no
+    letter or digit (the path ``/`` of a hook at the root)."""
+    by_secret = {secret: secret_forms([secret]) for secret in dict.fromkeys(secrets)}
+    long = sorted(
+        {form for forms in by_secret.values() for form in forms if len(form) >= MIN_REDACTED},
+        key=lambda form: (-len(form), form),
     )
+    short: set[str] = set()
+    for secret, forms in by_secret.items():
+        others = [
+            form
+            for other, their in by_secret.items()
+            if other != secret
+            for form in their
+            if len(form) >= MIN_REDACTED
+        ]
+        short.update(
+            form
+            for form in forms
+            if MIN_SHORT <= len(form) < MIN_REDACTED
+            and any(char.isalnum() for char in form)
+            and not any(form in other for other in others)
+        )
+    return tuple(long), tuple(sorted(short, key=lambda form: (-len(form), form)))
+
+
+def _alone(forms: tuple[str, ...]) -> re.Pattern[str] | None:
+    """What finds each of ``forms`` where it stands alone: with no letter or
+    digit just before or after it ("ops" in "ops down", not in "Oops")."""
+    if not forms:
+        return None
+    either = "|".join(map(re.escape, forms))
+    return re.compile(rf"(?<![^\W_])(?:{either})(?![^\W_])")
 
 
 def safe_text(destination: Destination, url: str, text: str) -> str:

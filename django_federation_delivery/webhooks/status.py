@@ -72,6 +72,8 @@ class DestinationStatus:
     #: Disabled by the deliverer (a 410, or failing too long) or paused by an
     #: operator: its events wait until it is enabled again.
     paused_at: dt.datetime | None = None
+    #: Configured with a URL that does not parse: its events are held.
+    misconfigured: bool = False
     #: Why the deliverer disabled it; "" when an operator paused it, or it is not.
     disabled_reason: str = ""
     #: Since when it has failed without a success, if it has.
@@ -93,6 +95,9 @@ class DestinationStatus:
                     "reason": self.disabled_reason,
                 }
             return gettext("paused by an operator %(ago)s ago") % {"ago": ago}
+        if self.misconfigured:
+            # Its events are held, none sent, until its URL parses again.
+            return gettext("held: its URL does not parse (see manage.py check)")
         if self.failing_since is not None:
             failing = max((now - self.failing_since).total_seconds(), 0.0)
             return gettext("failing for %(time)s") % {"time": format_duration(failing)}
@@ -181,6 +186,7 @@ def destination_status(
                 paused_at=host.get("paused_at"),
                 disabled_reason=host.get("disabled_reason", ""),
                 failing_since=host.get("failing_since"),
+                misconfigured=name in configured and destination is None,
             )
         )
     return tuple(found)
