@@ -60,15 +60,19 @@ class Handoff:
         most = self.concurrency + self.slow_concurrency
         slow = self.slots.slow_count()
         # A thread for each slow delivery beyond CONCURRENCY, for what is
-        # queued behind them.
-        self.workers.grow_to(min(most, self.concurrency + slow))
+        # queued behind them, and one for each urgent one, which holds a
+        # slot of its own.
+        self.workers.grow_to(min(most, self.concurrency + slow + self.slots.urgent_in_flight))
         if not self.slots.ready:
             return
         # As many again as there are slots wait in the workers' queue, so
         # that a worker that is done takes the next at once rather than
         # when this thread next gets to run.
+        urgent = self.slots.urgent_in_flight
         for item in self.slots.hand_out(self._start, slow=slow, queued=self.concurrency, most=most):
             self.workers.put(item)
+        if self.slots.urgent_in_flight > urgent:
+            self.workers.grow_to(min(most, self.concurrency + slow + self.slots.urgent_in_flight))
 
     def collect(self) -> None:
         """Take in what came of the attempts that finished since the last look."""

@@ -64,6 +64,9 @@ class Slots:
         #: Handed to the workers: queued for one, or being sent.
         self.in_flight: dict[int, InFlight] = {}
         self._host_busy: collections.Counter[str] = collections.Counter()
+        #: How many of those are urgent (a webhook event's, a direct
+        #: message's), which hold no slot of the others'.
+        self.urgent_in_flight = 0
 
     def in_hand(self) -> InHand:
         """What it holds now, copied: safe to read from another thread."""
@@ -142,11 +145,17 @@ class Slots:
         """Take ready deliveries into flight while there are free slots, and
         ``queued`` more to wait in the workers' queue, never more than ``most``
         threads' worth: those ``admit`` lets through. ``slow`` deliveries in
-        flight hold no slot."""
+        flight hold no slot. Urgent ones (at the head of what is ready) have
+        slots of their own, ``concurrency`` of them, beside the others': a
+        webhook event or a direct message never waits for an attempt of a
+        fan-out's to end."""
         out: list[InFlight] = []
         skipped: list[InFlight] = []
-        while self.ready and len(self.in_flight) - slow < self.concurrency + queued:
-            if len(self.in_flight) >= most + queued:
+        while self.ready and len(self.in_flight) < most + queued:
+            if self.ready[0].urgent:
+                if self.urgent_in_flight >= self.concurrency:
+                    break
+            elif len(self.in_flight) - slow - self.urgent_in_flight >= self.concurrency + queued:
                 break
             item = self.ready.popleft()
             host = item.claimed.host
@@ -160,6 +169,7 @@ class Slots:
                 continue
             self._host_busy[host] += 1
             self.in_flight[item.claimed.id] = item
+            self.urgent_in_flight += item.urgent
             out.append(item)
         self.ready.extendleft(reversed(skipped))
         return out
@@ -167,6 +177,7 @@ class Slots:
     def take_back(self, item: InFlight) -> None:
         """The delivery no longer holds a slot, nor one of its host's."""
         del self.in_flight[item.claimed.id]
+        self.urgent_in_flight -= item.urgent
         host = item.claimed.host
         self._host_busy[host] -= 1
         if self._host_busy[host] <= 0:

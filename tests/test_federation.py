@@ -289,6 +289,36 @@ def test_an_urgent_send_goes_before_a_fan_out_to_many_slow_hosts_already_claimed
     assert behind < 40, f"{behind} deliveries of the fan-out went before it"
 
 
+def test_a_direct_message_does_not_wait_for_an_attempt_of_a_fan_out_to_end(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # Every slot held by a fan-out's attempts to hosts that take 3 s to
+    # answer: a direct message went in the first slot that freed, once one
+    # of them had ended. Urgent deliveries have slots of their own.
+    target = inboxes("127.0.0.3")
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PRIORITY_MAX_INBOXES": 5,
+    }
+    answered: list[str] = []
+
+    def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
+        answered.append(request.path)  # once its 3 s are over
+        return 202, {}, b""
+
+    crowd = [inboxes(f"127.0.0.{10 + n}", delay=3.0, respond=answer) for n in range(8)]
+    send_batch(ALICE, NOTE, [crowd[n % 8].url(f"/u{n}") for n in range(32)], {})
+    runner = start_deliverer(concurrency=4)
+    wait_until(lambda: sum(len(inbox.received) for inbox in crowd) >= 4)
+    send(ALICE, {"type": "Create", "to": "friend"}, [target.url()])
+    wait_until(lambda: len(target.received) == 1, timeout=15)
+    ended = list(answered)
+    runner.stop()
+    assert ended == [], f"sent once {len(ended)} attempts of the fan-out had ended"
+
+
 def counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, Any, int]]:
     """Every claim the loop makes: (when, its lanes, how many it took)."""
     made: list[tuple[float, Any, int]] = []

@@ -81,6 +81,31 @@ def test_concurrency_and_the_workers_queue_bound_what_is_handed_out() -> None:
     assert len(place.in_flight) == 4
 
 
+def test_urgent_deliveries_have_as_many_slots_again_of_their_own_within_the_threads() -> None:
+    # With every slot held by a fan-out's attempts, a direct message waited
+    # for one of them to end.
+    place = slots(concurrency=2, per_host=10)
+    for number in range(4):
+        place.add(item(number, "a"))
+    assert len(place.hand_out(admit_all, slow=0, queued=0, most=6)) == 2
+    for number in range(4, 8):
+        place.add(item(number, f"u{number}", Lane.PRIORITY))
+    out = place.hand_out(admit_all, slow=0, queued=0, most=6)
+    assert [handed.claimed.id for handed in out] == [4, 5], "two urgent ones, no more"
+    assert place.urgent_in_flight == 2
+    assert place.hand_out(admit_all, slow=0, queued=0, most=6) == []
+    # One ended: its slot is taken by the next urgent one, not by a normal one.
+    place.take_back(out[0])
+    assert [
+        handed.claimed.id for handed in place.hand_out(admit_all, slow=0, queued=0, most=6)
+    ] == [6]
+    # Never past the threads: four in flight, a fifth at most with most=5.
+    place.take_back(place.in_flight[6])
+    place.take_back(place.in_flight[5])
+    assert len(place.hand_out(admit_all, slow=0, queued=0, most=3)) == 1
+    assert len(place.in_flight) == 3
+
+
 def test_a_slow_delivery_gives_up_its_slot_but_not_past_the_most_threads() -> None:
     place = slots(concurrency=2, per_host=10)
     for number in range(10):
