@@ -148,7 +148,7 @@ class Deliverer:
         self.workers = Workers(
             self.transport_settings,
             wake=self._wake,
-            needed=lambda: self.concurrency + self.slots.slow_count() + self.slots.urgent_in_flight,
+            needed=lambda: self.slots.threads_wanted(),
             longest=self.kinds.longest,
             concurrency=self.concurrency,
         )

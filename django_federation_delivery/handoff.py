@@ -62,7 +62,7 @@ class Handoff:
         # A thread for each slow delivery beyond CONCURRENCY, for what is
         # queued behind them, and one for each urgent one, which holds a
         # slot of its own.
-        self.workers.grow_to(min(most, self.concurrency + slow + self.slots.urgent_in_flight))
+        self.workers.grow_to(min(most, self.slots.threads_wanted()))
         if not self.slots.ready:
             return
         # As many again as there are slots wait in the workers' queue, so
@@ -72,7 +72,7 @@ class Handoff:
         for item in self.slots.hand_out(self._start, slow=slow, queued=self.concurrency, most=most):
             self.workers.put(item)
         if self.slots.urgent_in_flight > urgent:
-            self.workers.grow_to(min(most, self.concurrency + slow + self.slots.urgent_in_flight))
+            self.workers.grow_to(min(most, self.slots.threads_wanted()))
 
     def collect(self) -> None:
         """Take in what came of the attempts that finished since the last look."""

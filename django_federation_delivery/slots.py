@@ -151,11 +151,18 @@ class Slots:
         fan-out's to end."""
         out: list[InFlight] = []
         skipped: list[InFlight] = []
+        # Slow ones hold no slot, of either kind.
+        slow_urgent = self.slow_count(urgent=True)
+        urgent_slots = self.concurrency + slow_urgent
+        other_slots = self.concurrency + queued + slow - slow_urgent
         while self.ready and len(self.in_flight) < most + queued:
             if self.ready[0].urgent:
-                if self.urgent_in_flight >= self.concurrency:
-                    break
-            elif len(self.in_flight) - slow - self.urgent_in_flight >= self.concurrency + queued:
+                if self.urgent_in_flight >= urgent_slots:
+                    # Its slots are taken: it stays ready, in its place,
+                    # and the others' slots are filled all the same.
+                    skipped.append(self.ready.popleft())
+                    continue
+            elif len(self.in_flight) - self.urgent_in_flight >= other_slots:
                 break
             item = self.ready.popleft()
             host = item.claimed.host
@@ -194,11 +201,27 @@ class Slots:
         self._ready_hosts.clear()
         return released
 
-    def slow_count(self) -> int:
+    def slow_count(self, *, urgent: bool | None = None) -> int:
+        """How many in flight have been so longer than ``slow_after`` (of
+        the urgent ones, or the others, if ``urgent`` says)."""
         cutoff = time.monotonic() - self.slow_after
         # A copy taken at once: workers ask too, while the coordinator changes it.
         items = list(self.in_flight.values())
-        return sum(1 for item in items if 0 < item.started <= cutoff)
+        return sum(
+            1
+            for item in items
+            if 0 < item.started <= cutoff and (urgent is None or item.urgent is urgent)
+        )
+
+    def threads_wanted(self) -> int:
+        """The worker threads its slots may keep busy now: ``concurrency``,
+        one for each slow delivery, and one for each urgent one that is not."""
+        return (
+            self.concurrency
+            + self.slow_count()
+            + self.urgent_in_flight
+            - self.slow_count(urgent=True)
+        )
 
     def until_next_slow(self) -> float:
         """Seconds until the next delivery in flight turns slow (at most 1)."""

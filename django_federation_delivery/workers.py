@@ -194,9 +194,14 @@ class Workers:
                 try:
                     item = self._next()
                 except queue.Empty:
-                    # Idle: let go of connections nobody has used for a while.
+                    # Idle: let go of connections nobody has used for a while,
+                    # and of this thread if it is one more than needed now
+                    # (asked after its last attempt, it was needed then: the
+                    # loop had not taken that attempt back yet).
                     for transport in transports.values():
                         transport.close_idle()
+                    if self._surplus():
+                        break
                     continue
                 if item is None:
                     break
