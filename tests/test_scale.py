@@ -259,14 +259,11 @@ def test_pausing_the_hosts_of_all_selected_deliveries_reads_each_host_once(
     )
 
 
-def test_the_hosts_failing_most_include_the_open_breaker_failing_most(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def retry(retrying: dict[str, int]) -> None:
+    """As many deliveries as ``retrying`` says to each of its hosts, each
+    tried three times and due again in five minutes."""
     now = timezone.now()
     batch = Batch.objects.create(sender="https://social.example/users/alice", body="{}", size=1)
-    retrying: dict[str, int] = {"worst.example": 300}
-    retrying.update({f"busy{n}.example": 400 for n in range(10)})
-    retrying.update({f"q{n}.example": 1 for n in range(10)})
     Delivery.objects.bulk_create(
         [
             Delivery(
@@ -282,6 +279,21 @@ def test_the_hosts_failing_most_include_the_open_breaker_failing_most(
         ],
         batch_size=5000,
     )
+
+
+def failing_most() -> list[dict[str, Any]]:
+    """The hosts failing most, as ``delivery_status --json`` lists them."""
+    out = io.StringIO()
+    call_command("delivery_status", "--json", stdout=out)
+    return list(json.loads(out.getvalue())["failing_hosts"])
+
+
+def test_the_hosts_failing_most_include_the_open_breaker_failing_most() -> None:
+    now = timezone.now()
+    retrying: dict[str, int] = {"worst.example": 300}
+    retrying.update({f"busy{n}.example": 400 for n in range(10)})
+    retrying.update({f"q{n}.example": 1 for n in range(10)})
+    retry(retrying)
     # Many breakers open, as on a server sending to tens of thousands of hosts:
     # ten opened a little earlier, with 5 failures; the worst one just now, with 500.
     Breaker.objects.bulk_create(
@@ -291,11 +303,9 @@ def test_the_hosts_failing_most_include_the_open_breaker_failing_most(
         ]
         + [Breaker(key="worst.example", failures=500, open_until=now + dt.timedelta(seconds=50))]
     )
-    out = io.StringIO()
-    call_command("delivery_status", "--json", stdout=out)
     shown = [
         (host["host"], host["breaker"], host["failures"], host["retrying"])
-        for host in json.loads(out.getvalue())["failing_hosts"]
+        for host in failing_most()
     ]
     assert ("worst.example", "open", 500, 300) in shown, (
         "the hosts failing most leave out worst.example (breaker open, 500 failures in a "
@@ -311,34 +321,14 @@ def test_the_hosts_failing_most_are_the_first_of_all_in_the_order_shown() -> Non
     # a9), and by failures among every breaker (x0 to x9, 100 failures, none
     # retrying): z.example was none of them, and a9.example is shown instead.
     now = timezone.now()
-    batch = Batch.objects.create(sender="https://social.example/users/alice", body="{}", size=1)
-    retrying = {f"a{n}.example": 5 for n in range(10)} | {"z.example": 5}
-    Delivery.objects.bulk_create(
-        [
-            Delivery(
-                batch=batch,
-                inbox=f"https://{host}/users/u{n}/inbox",
-                host=host,
-                attempts=3,
-                last_status=503,
-                due_at=now + dt.timedelta(minutes=5),
-            )
-            for host, count in retrying.items()
-            for n in range(count)
-        ]
-    )
+    retry({f"a{n}.example": 5 for n in range(10)} | {"z.example": 5})
     until = now + dt.timedelta(minutes=1)
     Breaker.objects.bulk_create(
         [Breaker(key=f"a{n}.example", failures=1, open_until=until) for n in range(10)]
         + [Breaker(key="z.example", failures=3, open_until=until)]
         + [Breaker(key=f"x{n}.example", failures=100, open_until=until) for n in range(10)]
     )
-    out = io.StringIO()
-    call_command("delivery_status", "--json", stdout=out)
-    shown = [
-        (host["host"], host["retrying"], host["failures"])
-        for host in json.loads(out.getvalue())["failing_hosts"]
-    ]
+    shown = [(host["host"], host["retrying"], host["failures"]) for host in failing_most()]
     assert ("z.example", 5, 3) in shown, (
         f"the hosts failing most leave out z.example (open, 5 retrying, 3 failures) and show "
         f"{shown}"
