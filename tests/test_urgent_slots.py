@@ -70,28 +70,40 @@ def test_a_slow_urgent_delivery_gives_its_slot_up_to_the_next_urgent_one() -> No
     )
 
 
+DIRECT = {"type": "Create", "to": "friend"}
+
+
+def small_sends_first(settings: Any, **options: Any) -> None:
+    """A send to five inboxes or fewer goes in the priority lane, urgent."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PRIORITY_MAX_INBOXES": 5,
+        **options,
+    }
+
+
+def direct_messages(recipients: list[Inbox]) -> None:
+    """One direct message to each of ``recipients``, each received."""
+    for inbox in recipients:
+        send(ALICE, DIRECT, [inbox.url()])
+    wait_until(lambda: all(len(inbox.received) == 1 for inbox in recipients))
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_direct_message_is_not_held_by_silent_recipients_of_others(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
     settings: Any,
 ) -> None:
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "PRIORITY_MAX_INBOXES": 5,
-        "SLOW_AFTER_SECONDS": 0.2,
-        "SLOW_CONCURRENCY": 4,
-    }
+    small_sends_first(settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=4)
     answer = threading.Event()
     silent = [inboxes(f"127.0.0.{10 + n}") for n in range(2)]
     for inbox in silent:
         inbox.respond = lambda request: (answer.wait(20), (202, {}, b""))[1]
     fast = inboxes("127.0.0.3")
     runner = start_deliverer(concurrency=2)
-    for inbox in silent:
-        send(ALICE, {"type": "Create", "to": "friend"}, [inbox.url()])
-    wait_until(lambda: all(len(inbox.received) == 1 for inbox in silent))
-    send(ALICE, {"type": "Create", "to": "friend"}, [fast.url()])
+    direct_messages(silent)
+    send(ALICE, DIRECT, [fast.url()])
     try:
         # Sent while both silent attempts are in flight: they end only once
         # ``answer`` is set, after this.
@@ -110,16 +122,10 @@ def test_the_pool_shrinks_back_to_concurrency_after_an_urgent_burst(
     # A worker asks whether it is one too many after each attempt, and after
     # each IDLE_CONNECTION_SECONDS idle: asked after its attempt, before the
     # loop took it back, each was needed still, and stayed.
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "PRIORITY_MAX_INBOXES": 5,
-        "IDLE_CONNECTION_SECONDS": 0.5,
-    }
+    small_sends_first(settings, IDLE_CONNECTION_SECONDS=0.5)
     targets = [inboxes(f"127.0.0.{10 + n}", delay=0.3) for n in range(6)]
     runner = start_deliverer(concurrency=2)
-    for target in targets:
-        send(ALICE, {"type": "Create", "to": "friend"}, [target.url()])
-    wait_until(lambda: all(len(target.received) == 1 for target in targets))
+    direct_messages(targets)
     deliverer = runner.deliverer
     wait_until(lambda: not deliverer.slots.in_flight)
     peak = deliverer.workers._started
