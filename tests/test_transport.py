@@ -27,7 +27,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from email.message import Message
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from django_federation_delivery.transport import (
     parse_retry_after,
 )
 from django_federation_delivery.transport import networks as ip_networks
+from tests.conftest import LoopbackServer
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 USER_AGENT = "django-federation-delivery/test (+https://sender.example/)"
@@ -101,7 +102,7 @@ class Inbox:
         self.stopping = threading.Event()
         self._changed = threading.Condition()
         handler = type("Handler", (_Handler,), {"inbox": self})
-        server_class = _IPv6Server if ":" in host else ThreadingHTTPServer
+        server_class = _IPv6Server if ":" in host else LoopbackServer
         self.server = server_class((host, 0), handler)
         self.host = f"[{host}]" if ":" in host else host
         if tls is not None:
@@ -135,7 +136,7 @@ class Inbox:
         self._thread.join(5)
 
 
-class _IPv6Server(ThreadingHTTPServer):
+class _IPv6Server(LoopbackServer):
     address_family = socket.AF_INET6
 
 
