@@ -18,8 +18,10 @@ left out: they ran on SQLite, and would run the same. In PREPARED_ENV, the
 PostgreSQL runs have psycopg prepare every statement. At most N runs go at
 once (FD_TEST_JOBS; by default all of them): they share nothing (each has a
 database of its own: see tests/settings.py), and each mostly waits on
-sockets, subprocesses and timers, so that only all of them at once keep two
-cores busy (CI on two cores: 337 s all at once, 387 s four at a time).
+sockets, subprocesses and timers (a "not slow" run alone on a quiet machine:
+62 s of CPU in 204 s), so that only all of them at once keep two cores busy.
+All at once, the two cores are the bound: 480 s for 622 s of CPU besides
+the server's; with each "not slow" run in two processes, 438 s for 694 s.
 
 Each run's output is printed whole when it ends, under its name, then a
 table of every run. Exits 0 only if every run passed; a run that selects no
