@@ -14,7 +14,10 @@ replay's own; a destination's own sequence for a webhook destination), in
 the low lane for activities, so that a catch-up never delays what is sent
 live. Replayed again for the same host and moment while the new batches
 are kept, it queues nothing more (their idempotency keys), delivered or
-not: what a replay wrote is never itself replayed.
+not: what a replay wrote is never itself replayed, nor what was settled
+after the first run. A copy keeps its batch's deadline and most attempts;
+a batch past its deadline, and an event to a destination no longer
+configured, are not replayed.
 """
 
 from __future__ import annotations
@@ -22,19 +25,20 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
-from django.db.models import Count, Exists, Min, OuterRef, QuerySet
+from django.db.models import Count, Exists, Min, OuterRef, Q, QuerySet
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import host_named, quoted, required_host
 from django_federation_delivery.conf import database_alias
-from django_federation_delivery.dialect import orm_datetime
+from django_federation_delivery.dialect import aware_now, orm_datetime
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Retracts, Status
 from django_federation_delivery.store import queueing, retractions, sequences
 from django_federation_delivery.store.locks import write_first
-from django_federation_delivery.webhooks.destinations import delivery_key
+from django_federation_delivery.webhooks.destinations import configured, delivery_key
 from django_federation_delivery.webhooks.sending import ORDERING_KEY as WEBHOOK_ORDERING_KEY
 
 __all__ = ["REPLAYED", "ever_sent", "replay", "replayed"]
@@ -63,13 +67,20 @@ def replay(
     form, or a URL on it) or ``destination`` (a webhook destination's name),
     or given up on it, since ``since``; returns the new batches, oldest
     first. ``ValueError`` unless exactly one of ``host`` and ``destination``
-    is given, for a ``host`` or ``destination`` that names none, or for a
-    ``since`` that is no aware datetime."""
+    is given, for a ``host`` or ``destination`` that names none (or a
+    destination no longer configured), or for a ``since`` that is no aware
+    datetime, or off the calendar."""
     if bool(host) == bool(destination):
         raise ValueError("replay needs a host or a destination, and not both")
     if destination and not (isinstance(destination, str) and destination.isprintable()):
         # No destination's name holds a control character, nor is anything but text.
         raise ValueError(f"replay needs a webhook destination's name, not {quoted(destination)}")
+    if destination and destination not in _sendable_destinations():
+        # Queued, its copies would each be given up at once, unattempted.
+        raise ValueError(
+            f"no webhook destination named {quoted(destination)} is configured: "
+            "nothing would send its events again"
+        )
     key = required_host(host, "replay") if host else delivery_key(destination)
     return replay_host(key, since=since, using=using)
 
@@ -108,10 +119,13 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
     except OverflowError:
         raise ValueError(f"since {since.isoformat()} falls outside the calendar in UTC") from None
     alias = database_alias(using)
+    try:
+        # On SQLite with USE_TZ off, in TIME_ZONE: a day off UTC's.
+        after = orm_datetime(since, alias)
+    except OverflowError:
+        raise ValueError(f"since {since.isoformat()} falls outside the calendar") from None
     matching = _replayable(
-        Delivery.objects.using(alias).filter(
-            host=key, status__in=REPLAYED, settled_at__gte=orm_datetime(since, alias)
-        )
+        Delivery.objects.using(alias).filter(host=key, status__in=REPLAYED, settled_at__gte=after)
     )
     replayed: list[Batch] = []
     with transaction.atomic(using=alias):
@@ -120,17 +134,54 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
         # sending, another replay) made its first write fail at once,
         # "database is locked", instead of waiting its turn.
         write_first(alias)
-        # The batches in the order their first delivery here was sent in.
-        batch_ids = list(
-            matching.values("batch_id")
-            .annotate(first=Min("id"))
-            .order_by("first")
-            .values_list("batch_id", flat=True)
-        )
+        batch_ids = _in_order(matching)
+        first_run = _first_run(key, since, batch_ids, alias)
+        if first_run is not None:
+            # Run again: what the first run replayed, no more. What was
+            # settled since was sent live to a host already restored.
+            matching = matching.filter(settled_at__lt=first_run)
+            batch_ids = _in_order(matching)
         for start in range(0, len(batch_ids), STEP):
             step = batch_ids[start : start + STEP]
             replayed += _replay_step(key, since, matching.filter(batch_id__in=step), alias)
     return replayed
+
+
+def _in_order(deliveries: QuerySet[Delivery]) -> list[int]:
+    """The batches of ``deliveries``, in the order their first delivery was sent in."""
+    return list(
+        deliveries.values("batch_id")
+        .annotate(first=Min("id"))
+        .order_by("first")
+        .values_list("batch_id", flat=True)
+    )
+
+
+def _first_run(
+    key: str, since: dt.datetime, batch_ids: list[int], alias: str
+) -> dt.datetime | None:
+    """When an earlier replay of ``key`` since ``since`` wrote the batches it
+    still keeps of ``batch_ids``' (by their idempotency keys), if one did.
+    A step of keys at a time, from the oldest: one query as a rule."""
+    kept = Batch.objects.using(alias)
+    for start in range(0, len(batch_ids), queueing.CHUNK):
+        keys = [
+            _replay_key(f"{batch_id}\n{key}", since)
+            for batch_id in batch_ids[start : start + queueing.CHUNK]
+        ]
+        first = kept.filter(idempotency_key__in=keys).aggregate(first=Min("created_at"))["first"]
+        if first is not None:
+            return first  # type: ignore[no-any-return]
+    return None
+
+
+def _sendable_destinations() -> set[str]:
+    """The names of the webhook destinations configured now; none if
+    ``WEBHOOKS`` itself is malformed (the system checks say so)."""
+    try:
+        return set(configured().names)
+    except ImproperlyConfigured:
+        return set()
 
 
 def _replayable(deliveries: QuerySet[Delivery]) -> QuerySet[Delivery]:
@@ -166,7 +217,16 @@ def _replayable(deliveries: QuerySet[Delivery]) -> QuerySet[Delivery]:
     )
     deleted = later.filter(retracts=Retracts.OBJECT, object_id=OuterRef("batch__object_id"))
     undone = later.filter(retracts=Retracts.ACTIVITY, object_id=OuterRef("batch__activity_id"))
-    return mine.exclude(Exists(deleted)).exclude(Exists(undone))
+    # Nor what no deliverer would send: a batch past its deadline (its
+    # requeue is refused too), an event to a destination no longer configured.
+    now = orm_datetime(aware_now(), deliveries.db)
+    gone = Q(kind=Kind.WEBHOOK) & ~Q(destination__in=_sendable_destinations())
+    return (
+        mine.exclude(Exists(deleted))
+        .exclude(Exists(undone))
+        .exclude(batch__deadline__lte=now)
+        .exclude(gone)
+    )
 
 
 def _replay_step(
@@ -232,6 +292,10 @@ def _replay_step(
             object_id=original.object_id,
             retracts=original.retracts,
             idempotency_key=_replay_key(f"{original.pk}\n{key}", since),
+            # Given up as its original would be: the same deadline (not
+            # passed: see _replayable) and the same most attempts.
+            deadline=original.deadline,
+            max_attempts=original.max_attempts,
             # Its attempts' spans are children of the replay's.
             trace_context=tracing.carried(),
         )

@@ -266,3 +266,23 @@ def test_an_operator_finds_a_batch_by_its_key() -> None:
     assert "1 result" in found
     batch = Batch.objects.get(idempotency_key="post-42")
     assert "post-42" in html(operator, url("batch", "change", batch.pk))
+
+
+@pytest.mark.django_db
+def test_a_webhook_event_retried_after_its_destination_left_the_settings_returns_its_batch(
+    settings: Any,
+) -> None:
+    # README: "Whatever the retry is given ... returns the kept batch too, not
+    # None or an error", as a send's retry with more than MAX_INBOXES does.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": SLACK, "old": SLACK},
+    }
+    first = send_webhook("old", "deploy.done", {"n": 1}, idempotency_key="deploy-7")
+    assert first is not None
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": SLACK}}
+    try:
+        again = send_webhook("old", "deploy.done", {"n": 1}, idempotency_key="deploy-7")
+    except Exception as exc:
+        pytest.fail(f"the retry raised {type(exc).__name__}: {exc}; batch {first.pk} is kept")
+    assert again is not None and (again.pk, again.created) == (first.pk, False)

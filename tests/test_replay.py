@@ -19,7 +19,7 @@ from django.db.models.signals import post_save, pre_save
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import controls, send, send_webhook, store
+from django_federation_delivery import BatchOptions, controls, send, send_batch, send_webhook, store
 from django_federation_delivery import replay as replaying
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Lane, Retracts, Status
@@ -29,6 +29,8 @@ from django_federation_delivery.store import sequences
 
 from .conftest import Inbox
 from .keys import ALICE
+
+SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
 
 
 def settle(batch: Batch, status: Status, at: dt.datetime) -> None:
@@ -128,12 +130,15 @@ def test_a_replay_whose_batches_were_delivered_is_not_itself_replayed_again() ->
     assert Delivery.objects.count() == 2
     # And the admin counts what it would replay so.
     assert replaying.to_replay(["a.example"], since=since) == {"a.example": 1}
-    # A send whose own key begins as a replay's is still replayed.
+    # A send whose own key begins as a replay's is still replayed (by a
+    # replay of another moment: run again, one replays what it did at first).
     mine = send(ALICE, note(2), ["https://a.example/inbox"], idempotency_key="replay-mine")
     assert mine is not None
     settle(mine, Status.DELIVERED, timezone.now())
-    assert [b.tag for b in replay(host="a.example", since=since) if b.created] == [
-        f"replay of batch {mine.pk}"
+    earlier = since - dt.timedelta(seconds=1)
+    assert [b.tag for b in replay(host="a.example", since=earlier) if b.created] == [
+        f"replay of batch {batch.pk}",
+        f"replay of batch {mine.pk}",
     ]
 
 
@@ -362,7 +367,7 @@ def test_a_restored_inbox_receives_what_it_missed_again(inboxes: Callable[..., I
             "^no host named 'https://nowhere.example/…' has been sent to$",
         ),
         (["--destination=o\x1bps", "--since=1h"], r"'o\\x1bps' holds a character no name"),
-        (["--destination=nope", "--since=1h"], "no webhook destination named 'nope' has been"),
+        (["--destination=nope", "--since=1h"], "no webhook destination named 'nope' is configured"),
         (["--host=a.example", "--since=²h"], "--since '²h' is neither"),
         (["--host=a.example", f"--since={'1' * 10_000}h"], "'1{80}…' reaches back before"),
         (["--host=a.example", f"--since={'1' * 10_000}"], "'1{80}…' is neither"),
@@ -625,3 +630,107 @@ def test_thousands_of_one_inbox_batches_are_replayed_in_a_few_statements_a_step(
     assert [b.pk for b in again] == [b.pk for b in replayed]
     assert not any(b.created for b in again)
     assert Delivery.objects.filter(status=Status.PENDING).count() == 3000
+
+
+@pytest.mark.django_db
+def test_a_replay_run_again_for_the_same_moment_queues_nothing_more() -> None:
+    # The host restored at 08:00; the operator replays since then, and the
+    # host, back, is delivered live what is sent meanwhile. Run again for the
+    # same host and moment (README: "it queues nothing more"), the replay
+    # sends the host again what it got live after the first run.
+    since = (timezone.now() - dt.timedelta(hours=2)).replace(microsecond=0)
+    missed = send(ALICE, note(1), ["https://a.example/inbox"])
+    assert missed is not None
+    settle(missed, Status.DELIVERED, since + dt.timedelta(minutes=10))
+    first = replay(host="a.example", since=since)
+    assert [b.created for b in first] == [True]
+    settle(first[0], Status.DELIVERED, timezone.now())
+    # Sent live after the replay, and delivered: the host has it.
+    live = send(ALICE, note(2), ["https://a.example/inbox"])
+    assert live is not None
+    settle(live, Status.DELIVERED, timezone.now())
+
+    again = replay(host="a.example", since=since)
+
+    new = [b.tag for b in again if b.created]
+    assert new == [], f"the same replay run again queued {new}: sent live after the first run"
+
+
+@pytest.mark.django_db
+def test_a_replay_to_a_destination_no_longer_configured_is_refused(settings: Any) -> None:
+    # Queued, each copy was given up unattempted by the deliverer ("no
+    # destination named `old` is configured any more"), its failure signalled.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": SLACK, "old": SLACK},
+    }
+    event = send_webhook("old", "deploy.done", {"n": 1}, event_id="evt-1")
+    assert event is not None
+    settle(event, Status.DELIVERED, timezone.now())
+    # Never sent to: a name that has not been, refused as such.
+    with pytest.raises(CommandError, match=r"^no webhook destination named 'ops' has been sent"):
+        call_command("delivery_replay", "--destination=ops", "--since=1h")
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": SLACK}}
+
+    with pytest.raises(CommandError, match=r"^no webhook destination named 'old' is configured"):
+        call_command("delivery_replay", "--destination=old", "--since=1h")
+    # Nor is it replayed as the host it was (the admin's action on its row).
+    assert replaying.to_replay(["<old>"], since=timezone.now() - dt.timedelta(hours=1)) == {}
+    assert replaying.replay_host("<old>", since=timezone.now() - dt.timedelta(hours=1)) == []
+    assert Batch.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_moment_off_the_calendar_in_time_zone_is_refused_with_use_tz_off(settings: Any) -> None:
+    if connection.vendor == "postgresql":
+        pytest.skip("PostgreSQL takes an aware moment with USE_TZ off")
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/Los_Angeles"
+    batch = send(ALICE, note(1), ["https://a.example/inbox"])
+    assert batch is not None
+    settle(batch, Status.DELIVERED, timezone.now())
+    with pytest.raises(CommandError, match="falls outside the calendar"):
+        call_command("delivery_replay", "--host=a.example", "--since=0001-01-01T05:00Z")
+
+
+@pytest.mark.django_db
+def test_a_replayed_batch_keeps_its_deadline_and_max_attempts() -> None:
+    # "A batch that must finish: tagged, given up on at its deadline."
+    deadline = dt.timedelta(hours=6)
+    moved = send_batch(
+        ALICE,
+        note(1),
+        ["https://a.example/inbox"],
+        BatchOptions(tag="move", deadline=deadline, max_attempts=2),
+    )
+    assert moved is not None and moved.deadline is not None
+    settle(moved, Status.DELIVERED, timezone.now())
+
+    (again,) = replay(host="a.example", since=timezone.now() - dt.timedelta(hours=1))
+
+    again.refresh_from_db()
+    assert (again.deadline, again.max_attempts) == (moved.deadline, 2), (
+        f"the replayed copy has deadline {again.deadline} and max_attempts "
+        f"{again.max_attempts}; the batch it copies, {moved.deadline} and 2"
+    )
+
+
+@pytest.mark.django_db
+def test_a_batch_whose_deadline_passed_is_not_sent_again_by_a_replay() -> None:
+    # Requeued, such a delivery is left as it is (README); replayed, it was
+    # queued again with no deadline at all, and sent late.
+    expired = send_batch(
+        ALICE, note(1), ["https://a.example/inbox"], BatchOptions(deadline=dt.timedelta(minutes=5))
+    )
+    assert expired is not None
+    Batch.objects.filter(pk=expired.pk).update(deadline=timezone.now() - dt.timedelta(minutes=1))
+    settle(expired, Status.FAILED, timezone.now() - dt.timedelta(minutes=1))
+
+    replay(host="a.example", since=timezone.now() - dt.timedelta(hours=1))
+
+    due = list(
+        Delivery.objects.filter(status=Status.PENDING, due_at__isnull=False).values_list(
+            "batch__tag", "batch__deadline"
+        )
+    )
+    assert due == [], f"past its deadline, the batch is queued to be sent again: {due}"

@@ -83,7 +83,11 @@ def send_webhook(
     if event_id is None:
         event_id = str(uuid.uuid4())
     event = Event.of(event_type, event_id, event_time(), data)
-    found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
+    try:
+        found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
+    except InvalidDelivery as refusal:
+        # A retry to a destination taken out of the settings since.
+        return _kept_or(refusal, idempotency_key, alias)
     if not found:
         # A retry to destinations no longer subscribed still returns the
         # batch kept under its key, as send()'s does.
@@ -102,9 +106,11 @@ def send_webhook(
                 if limit == app_settings.webhook_max_bytes
                 else f"the {limit} bytes the {found_at.channel.name} kind of {name!r} takes"
             )
-            raise InvalidDelivery(
+            too_big = InvalidDelivery(
                 f"the event {event.type!r} is {len(encoded)} bytes as JSON, more than {taken}"
             )
+            # A retry after the limit was lowered: its batch, if kept.
+            return _kept_or(too_big, idempotency_key, alias)
     # The most urgent lane any of its destinations' kinds asks for.
     lane = min((policy.lane for policy in policies.values()), key=LANES.index)
     body = encoded.decode()
@@ -162,6 +168,15 @@ def event_time() -> datetime.datetime:
     event's, a test ping's). With it off, ``timezone.now()`` is naive, which
     ``Event.of`` refuses, and an event's time is UTC on the wire."""
     return datetime.datetime.now(datetime.UTC)
+
+
+def _kept_or(refusal: InvalidDelivery, idempotency_key: str, alias: str) -> Batch:
+    """The batch kept under ``idempotency_key``, for a retry that would be
+    refused as it is given now; ``refusal`` raised if none is kept."""
+    kept = queueing.kept_batch(idempotency_key, kind=Kind.WEBHOOK, using=alias)
+    if kept is None:
+        raise refusal
+    return kept
 
 
 def _destinations(destination: object) -> list[tuple[str, Destination]]:

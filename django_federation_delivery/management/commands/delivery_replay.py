@@ -12,7 +12,7 @@ from django.utils.dateparse import parse_datetime
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.addresses import quoted
+from django_federation_delivery.addresses import host_named, quoted
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.management.base import (
     TranslatedCommand,
@@ -60,18 +60,15 @@ class Command(TranslatedCommand):
                     % {"option": option, "value": quoted(value)}
                 )
         since = moment(options["since"])
-        try:
-            batches = replay(
-                host=options["host"] or "",
-                destination=options["destination"] or "",
-                since=since,
-                using=using,
-            )
-        except ValueError:  # a host that names none: "http://"
-            raise CommandError(
-                _("--host %(value)s names no host") % {"value": quoted(options["host"])}
-            ) from None
         host, destination = options["host"] or "", options["destination"] or ""
+        if host and not host_named(host):  # "http://"
+            raise CommandError(_("--host %(value)s names no host") % {"value": quoted(host)})
+        try:
+            batches = replay(host=host, destination=destination, since=since, using=using)
+        except ValueError as error:
+            # A destination no longer configured; a moment off the calendar
+            # in TIME_ZONE (SQLite with USE_TZ off).
+            raise CommandError(str(error)) from None
         if not batches and not ever_sent(host=host, destination=destination, using=using):
             # A mistyped name, not a host with nothing to send again.
             raise CommandError(
