@@ -446,3 +446,81 @@ def test_the_pytest_plugin_starts_each_test_with_nothing_an_earlier_one_left_in_
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "2 passed" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://Gone.Example/users/carol/inbox", "https://bücher.example/users/carol/inbox"],
+    ids=["capitals", "idn"],
+)
+def test_a_fake_rule_for_an_inbox_url_applies_to_the_inbox_sent_to_with_that_url(
+    fake_inbox: FakeInbox, url: str
+) -> None:
+    # The URL a test hands both send() and answer() (a follower's inbox as the
+    # project keeps it): send() queues and POSTs its canonical form, the fake
+    # compares the string as given, and the 410 rule is never applied.
+    fake_inbox.answer(410, url=url)
+    send(ALICE, NOTE, [url])
+    deliver_all(fake=fake_inbox)
+    assert Delivery.objects.get().status == Status.REFUSED, "answer(410, url=...) was ignored"
+    assert len(fake_inbox.to(url)) == 1, "fake.to(url) finds nothing sent to it"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://Hooks.Example/in", "https://bücher.example/in"],
+    ids=["capitals", "idn"],
+)
+def test_a_signed_json_webhook_to_a_url_not_spelt_canonically_verifies(
+    fake_inbox: FakeInbox, settings: Any, url: str
+) -> None:
+    # The fake finds the destination's secret by comparing its configured URL
+    # with the request's, which requests has made canonical: a signature a
+    # real receiver accepts is answered 401, and the event is not delivered.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"audit": f"{url}?secret=whsec_{KEY}"},
+    }
+    send_webhook("audit", "user.created", {"name": "Zoë"})
+    deliver_all(fake=fake_inbox)
+    ((request),) = fake_inbox.received
+    assert (request.scheme, request.problem, request.status) == ("standard-webhooks", "", 202)
+    assert Delivery.objects.get().status == Status.DELIVERED
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "at_least"),
+    [(90.5, 90), (1_000_000, 3500)],
+    ids=["fraction", "a-million-seconds"],
+)
+def test_the_fakes_retry_after_is_one_the_deliverer_reads(
+    fake_inbox: FakeInbox, retry_after: float, at_least: float
+) -> None:
+    # answer(429, retry_after=...) writes the header with "%g": "90.5",
+    # "1e+06", which no Retry-After is and the deliverer ignores: the
+    # delivery comes back after the policy's backoff (about 30 s) instead
+    # of the wait asked (capped at RETRY_AFTER_MAX, an hour).
+    fake_inbox.answer(429, retry_after=retry_after)
+    send(ALICE, NOTE, [INBOX])
+    before = timezone.now()
+    deliver_all(fake=fake_inbox)
+    row = Delivery.objects.get()
+    assert row.status == Status.PENDING and row.due_at is not None
+    waited = (row.due_at - before).total_seconds()
+    assert waited >= at_least, f"due again after {waited:.0f} s, not the Retry-After asked"
+
+
+def test_the_outbox_added_to_a_list_leaves_out_what_a_rollback_undid(
+    delivery_outbox: list[Outgoing],
+) -> None:
+    with contextlib.suppress(Failed), transaction.atomic():
+        send(ALICE, NOTE, [INBOX])
+        raise Failed
+    # "Every way of reading it reads what is left": len(), iteration,
+    # indexing and == did; +, * and > read the undone send as queued.
+    nothing: list[Outgoing] = []
+    assert delivery_outbox + nothing == []
+    assert nothing + delivery_outbox == []
+    assert delivery_outbox * 2 == []
+    assert not delivery_outbox > nothing
+    assert len(delivery_outbox) == 0

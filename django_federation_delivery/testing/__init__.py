@@ -200,6 +200,37 @@ class Outbox(list[Outgoing]):
         self._forget_undone()
         return super().copy()
 
+    def __add__(self, other: list[Outgoing]) -> list[Outgoing]:  # type: ignore[override]
+        self._forget_undone()
+        return super().__add__(other)
+
+    def __radd__(self, other: list[Outgoing]) -> list[Outgoing]:
+        # Taken before list's own + as the right operand: a subclass's.
+        self._forget_undone()
+        return [*other, *super().__iter__()]
+
+    def __mul__(self, times: SupportsIndex) -> list[Outgoing]:
+        self._forget_undone()
+        return super().__mul__(times)
+
+    __rmul__ = __mul__
+
+    def __lt__(self, other: list[Outgoing]) -> bool:
+        self._forget_undone()
+        return super().__lt__(other)
+
+    def __le__(self, other: list[Outgoing]) -> bool:
+        self._forget_undone()
+        return super().__le__(other)
+
+    def __gt__(self, other: list[Outgoing]) -> bool:
+        self._forget_undone()
+        return super().__gt__(other)
+
+    def __ge__(self, other: list[Outgoing]) -> bool:
+        self._forget_undone()
+        return super().__ge__(other)
+
 
 #: What the sends of the test under way queued, in order, but for those a
 #: rollback undid; emptied by :func:`capture`, which the fixtures and the

@@ -24,6 +24,7 @@ import base64
 import dataclasses
 import email.utils
 import hashlib
+import math
 import re
 import threading
 import time
@@ -33,6 +34,9 @@ from urllib.parse import urlsplit
 
 import requests
 import responses
+
+from django_federation_delivery.addresses import normalize_inbox
+from django_federation_delivery.exceptions import InvalidDelivery
 
 __all__ = ["FakeInbox", "Received"]
 
@@ -119,8 +123,12 @@ class FakeInbox:
         """From now on, answer ``status`` (to ``url`` only, if given; to
         requests signed in ``scheme`` only, "draft-cavage" or "rfc9421", if
         given), ``times`` times or for ever; with a ``Retry-After`` of
-        ``retry_after`` seconds. The latest rule that matches wins."""
-        self._rules.append(_Rule(status, url, scheme, retry_after, times))
+        ``retry_after`` seconds (whole, rounded up, as the header has them).
+        The latest rule that matches wins. A ``url`` matches however it is
+        written: its canonical form, as a send keeps it and POSTs to."""
+        self._rules.append(
+            _Rule(status, None if url is None else _canonical(url), scheme, retry_after, times)
+        )
 
     def refuse_scheme(self, scheme: str) -> None:
         """Answer 401 to requests signed in ``scheme``, as a server that
@@ -128,8 +136,9 @@ class FakeInbox:
         self.answer(401, scheme=scheme)
 
     def to(self, url: str) -> list[Received]:
-        """What was received at ``url``."""
-        return [request for request in self.received if request.url == url]
+        """What was received at ``url`` (however it is written)."""
+        url = _canonical(url)
+        return [request for request in self.received if _canonical(request.url) == url]
 
     def _answer(self, request: requests.PreparedRequest) -> tuple[int, dict[str, str], bytes]:
         body = request.body or b""
@@ -140,7 +149,7 @@ class FakeInbox:
         scheme, problem = _verify(request.method or "POST", url, headers, body)
         status, answer_headers = 202, {}
         for rule in reversed(self._rules):
-            if rule.url is not None and rule.url != url:
+            if rule.url is not None and rule.url != _canonical(url):
                 continue
             if rule.scheme is not None and rule.scheme != scheme:
                 continue
@@ -150,7 +159,8 @@ class FakeInbox:
                 rule.times -= 1
             status = rule.status
             if rule.retry_after is not None:
-                answer_headers["Retry-After"] = f"{rule.retry_after:g}"
+                # Delay-seconds is a whole number: "90.5" or "1e+06" is none.
+                answer_headers["Retry-After"] = str(math.ceil(rule.retry_after))
             break
         if problem and status < 300:
             status = 401
@@ -158,6 +168,16 @@ class FakeInbox:
             Received(request.method or "", url, headers, body, scheme, problem, status)
         )
         return status, answer_headers, problem.encode()
+
+
+def _canonical(url: str) -> str:
+    """``url`` as a send keeps it (``https://Hooks.Example/in`` and the
+    ``https://hooks.example/in`` requests sends to are one); as it is, if
+    it is no URL a send would take."""
+    try:
+        return normalize_inbox(url)
+    except InvalidDelivery:
+        return url
 
 
 def _verify(method: str, url: str, headers: Mapping[str, str], body: bytes) -> tuple[str, str]:
@@ -281,8 +301,9 @@ def _standard_problem(url: str, headers: Mapping[str, str], body: bytes) -> str:
 
     from django_federation_delivery.webhooks.destinations import configured_destinations
 
+    url = _canonical(url)
     for destination in configured_destinations().values():
-        if destination.url != url:
+        if _canonical(destination.url) != url:
             continue
         for key in destination.options.get("keys", ()):
             try:
