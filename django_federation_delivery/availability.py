@@ -208,8 +208,9 @@ def seen(host: str, *, now: dt.datetime | None = None, using: str) -> tuple[bool
             )
             transaction.on_commit(lambda: _tell_recovered(recovered), using=using)
     if unavailable is not None:
-        forget_known()  # sends here skip it no longer, at once
-        logger.warning("Host %s seen again: no longer unavailable", addresses.escaped(host))
+        # Sends here skip it no longer, at once: once committed, when a
+        # caller's transaction holds it (read before, the mark is read again).
+        transaction.on_commit(partial(_seen_again, [host]), using=using)
     return unavailable is not None, since is not None
 
 
@@ -252,15 +253,24 @@ def seen_all(names: Sequence[str], *, using: str) -> int:
                     )
                     transaction.on_commit(partial(_tell_recovered, recovered), using=using)
     if gone:
-        forget_known()
-        shown = ", ".join(addresses.escaped(name) for name in gone[:10])
-        logger.warning(
-            "%d host(s) seen again, no longer unavailable: %s%s",
-            len(gone),
-            shown,
-            ", …" if len(gone) > 10 else "",
-        )
+        transaction.on_commit(partial(_seen_again, gone), using=using)
     return len(gone)
+
+
+def _seen_again(names: list[str]) -> None:
+    """Once their marks' clearing is committed: sends read the unavailable
+    hosts again, and the log says which are seen."""
+    forget_known()
+    if len(names) == 1:
+        logger.warning("Host %s seen again: no longer unavailable", addresses.escaped(names[0]))
+        return
+    shown = ", ".join(addresses.escaped(name) for name in names[:10])
+    logger.warning(
+        "%d host(s) seen again, no longer unavailable: %s%s",
+        len(names),
+        shown,
+        ", …" if len(names) > 10 else "",
+    )
 
 
 def _tell_recovered(recovered: signals.HostRecovered) -> None:
@@ -330,7 +340,17 @@ def _probe_url(host: str, alias: str) -> str:
     try:
         return addresses.origin(inbox) + PROBE_PATH
     except addresses.UnusableURL:  # none kept, or a portable inbox's name
-        return f"https://{host}{PROBE_PATH}"
+        return _guessed_origin(host) + PROBE_PATH
+
+
+def _guessed_origin(key: str) -> str:
+    """The origin of the host keyed ``key`` (``addresses.host_key``), with no
+    inbox of it kept to say: http on port 80, https on any other."""
+    if key.endswith(":80"):
+        return f"http://{key.removesuffix(':80')}"
+    if ":" in key and not key.startswith("["):
+        return f"https://[{key}]"  # an IPv6 address on 443, keyed without brackets
+    return f"https://{key}"
 
 
 def probe(url: str, settings: TransportSettings) -> bool:

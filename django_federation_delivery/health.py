@@ -30,7 +30,7 @@ import datetime as dt
 import logging
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet
 
 from django_federation_delivery import availability, signals
 from django_federation_delivery.attempt import AttemptResult
@@ -119,18 +119,31 @@ class HostWatch:
             claimed = (
                 self._hosts(host)
                 .filter(failing_since__lte=old_enough, failing_told_at__isnull=True)
+                # Nor one another deliverer has delivered to since (see below).
+                .exclude(last_delivered_at__gt=F("failing_since"))
                 .update(failing_told_at=orm_datetime(now))
             )
-            found = self._hosts(host).values_list("failing_since", "failing_told_at").first()
+            found = (
+                self._hosts(host)
+                .values_list("failing_since", "failing_told_at", "last_delivered_at")
+                .first()
+            )
             if claimed and found is not None and found[0] is not None:
-                since = aware(found[0])
-                failing = signals.HostFailing(host=host, failing_since=since, error=error)
+                began = aware(found[0])
+                failing = signals.HostFailing(host=host, failing_since=began, error=error)
                 transaction.on_commit(lambda: _tell_failing(failing), using=self.using)
-                return since, True
-        if found is None or found[0] is None:
+                return began, True
+        since, told, delivered = found if found is not None else (None, None, None)
+        if since is not None and delivered is not None and delivered > since:
+            # Delivered to since it began failing, by a deliverer whose view
+            # (read_every) did not have it failing, so that its success
+            # cleared nothing: up then, and this failure its first.
+            availability.seen(host, now=aware(delivered), using=self.using)
+            return failing_since(host, now, using=self.using), False
+        if since is None:
             # Seen again since it was read: this failure is its first.
             return failing_since(host, now, using=self.using), False
-        return aware(found[0]), found[1] is not None
+        return aware(since), told is not None
 
     def _recovered(self, host: str, now: dt.datetime) -> None:
         # Up, as mark_host_seen has it: failing no more and, if it was marked

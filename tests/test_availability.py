@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.db import connections, transaction
 from django.utils import timezone
 
 from django_federation_delivery import availability, mark_host_seen, send, signals, upkeep
-from django_federation_delivery.addresses import quoted
+from django_federation_delivery.addresses import host_of, quoted, split
 from django_federation_delivery.availability import (
     PROBE_ROUND,
     PROBES_LEAST,
@@ -279,3 +281,61 @@ def test_the_hosts_list_filters_the_unavailable_ones() -> None:
 def test_none_turns_marking_off_in_the_checks(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "HOST_UNAVAILABLE_AFTER": None}
     call_command("check")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_seen_in_a_transaction_is_sent_to_once_it_commits() -> None:
+    # mark_host_seen in the host project's transaction (ATOMIC_REQUESTS, an
+    # inbox view): a send in another thread of the same process meanwhile
+    # reads the still committed mark; once the seeing commits, sends in this
+    # process must no longer skip the host ("one cleared here, at once").
+    failing("gone.example", 8, unavailable_since=timezone.now())
+    marked, commit = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def view() -> None:
+        try:
+            with transaction.atomic():
+                assert mark_host_seen("gone.example") is True
+                marked.set()
+                commit.wait(10)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            marked.set()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=view)
+    thread.start()
+    assert marked.wait(10)
+    # Another request's send while the view's transaction is open.
+    assert send(ALICE, NOTE, ["https://gone.example/inbox"]) is None
+    commit.set()
+    thread.join(10)
+    assert not errors, errors
+    assert Host.objects.get(name="gone.example").unavailable_since is None, "seen, committed"
+    batch = send(ALICE, NOTE, ["https://gone.example/users/bob/inbox"])
+    assert batch is not None, (
+        "seen and committed in this process, yet sends still skip it: "
+        f"unavailable_hosts() = {set(availability.unavailable_hosts())}"
+    )
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "inbox",
+    ["http://plain.example/inbox", "https://[2001:db8::1]/inbox"],
+)
+def test_a_host_with_no_delivery_kept_is_probed_where_its_inboxes_were(inbox: str) -> None:
+    # Unavailable for weeks, its deliveries purged (RETENTION; the Host row is
+    # kept while marked): the probe's URL is made from the host's key alone,
+    # "https://" + key. An http inbox's key ends in ":80", and an IPv6 host's
+    # key on 443 has no brackets: the URL is never the host's, never answers
+    # (https on port 80; "https://2001:db8::1/..." is no URL at all), and the
+    # host is never seen again by its daily probe.
+    name = host_of(inbox)
+    failing(name, 8, unavailable_since=timezone.now())
+    ((probed, url),) = availability.probe_due()
+    assert probed == name
+    expected = split(inbox).origin + availability.PROBE_PATH
+    assert url == expected, f"host {name!r} probed at {url!r}"

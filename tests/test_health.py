@@ -18,6 +18,8 @@ from django_federation_delivery.availability import mark_unavailable
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.health import HostWatch
+from django_federation_delivery.hoststats import HostStats
+from django_federation_delivery.limits import HostLimits
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
 
@@ -348,3 +350,31 @@ def test_an_operator_sees_since_when_a_host_fails() -> None:
     listing = html(login("operator"), url("host"))
     assert '<td class="field-failing_since nowrap">Dec. 4, 2026, 8 a.m.</td>' in listing
     assert '<td class="field-failing_since nowrap">-</td>' in listing
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_delivered_to_by_another_deliverer_after_its_one_failure_is_not_told_failing(
+    told: list[Any],
+) -> None:
+    # run_deliverer --processes 2. The second read the failing hosts (at an
+    # attempt elsewhere) a moment before the first met one 503 at HOST; 20 s
+    # later the second delivers there, and writes it (last delivered), but its
+    # view (a minute old at most) does not have HOST failing, so nothing is
+    # cleared. Two hours on, the next attempt there meets a 503: one failure
+    # after a success, yet host_failing says "failing since" the first 503.
+    first, second = HostWatch(3600.0), HostWatch(3600.0)
+    other = claims.Claimed(2, 2, "https://other.example/inbox", "other.example", 0, (), "t", 0.0)
+    second(other, answered(202), T0 - dt.timedelta(seconds=10))
+    first(ROW, answered(503), T0)
+    delivered = T0 + dt.timedelta(seconds=20)
+    second(ROW, answered(202), delivered)
+    stats = HostStats(HostLimits(2, 8))  # the second's picture of the hosts
+    stats.learn(HOST, answered(202), delivered)
+    stats.write(now=delivered + dt.timedelta(seconds=5))
+    host = Host.objects.get(name=HOST)
+    assert host.last_delivered_at is not None and host.last_delivered_at > host.failing_since
+    first(ROW, answered(503), T0 + dt.timedelta(hours=2))
+    assert told == [], (
+        f"told failing since {told[0].failing_since:%H:%M:%S} though delivered to at "
+        f"{delivered:%H:%M:%S}, and failing only since now"
+    )
