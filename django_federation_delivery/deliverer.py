@@ -112,6 +112,10 @@ class Deliverer:
         #: Stopping, when a write the database did not take is waited for no
         #: longer (``STOPPING_GRACE`` after the first); None while they are taken.
         self._leave_at: float | None = None
+        #: Stopping, when any other wait on a database that is away ends:
+        #: ``STOPPING_GRACE`` after the stop (the upkeep's statements, with
+        #: nothing to write, were each waited out whole, up to 5 s each).
+        self._stop_waits_end: float | None = None
         self.idle_poll = app_settings.idle_poll_seconds
         self.new_work_poll = app_settings.new_work_poll_seconds
         self.schemes = KnownSchemes(app_settings.first_scheme, self._db, using=using)
@@ -258,7 +262,11 @@ class Deliverer:
             for kind in self.kinds:
                 self._db(kind.give_up_unusable)
             next_progress = time.monotonic() + self.progress_interval
+            self._stop_waits_end = None
             while True:
+                if self.stopping and self._stop_waits_end is None:
+                    self._stop_waits_end = time.monotonic() + STOPPING_GRACE
+                    self._db.end_waits_by(self._stop_waits_end)
                 self.upkeep.recycle_connections()
                 self.upkeep.refresh()
                 self.handoff.collect()
@@ -491,7 +499,7 @@ class Deliverer:
             self._forget_out_of_hand()
             if self._leave_at is not None:
                 self._leave_at = None
-                self._db.end_waits_by(None)
+                self._db.end_waits_by(self._stop_waits_end)
             if self.breakers is not None:
                 self._db(self.breakers.flush)
             self.schemes.write()

@@ -22,7 +22,7 @@ import os
 import socket
 import time
 
-from django.db.models import QuerySet
+from django.db.models import Max, QuerySet
 from django.utils import timezone
 
 from django_federation_delivery import __version__
@@ -167,28 +167,37 @@ class Seen:
     """The live deliverers, and when any deliverer (dead or stopped ones
     too) last beat."""
 
+    #: The first :data:`MOST_LISTED` of them, by host and pid.
     live: tuple[SeenDeliverer, ...]
     #: None: none in the last day.
     last_seen: dt.datetime | None
+    #: How many are alive, listed or not.
+    alive: int = 0
 
 
 def seen(
     *, now: dt.datetime | None = None, host: str | None = None, using: str | None = None
 ) -> Seen:
-    """The deliverers alive as of ``now`` (on ``host`` only, if given): one query."""
+    """The deliverers alive as of ``now`` (on ``host`` only, if given), and
+    how many: two queries, the second of the rows beating lately only (those
+    of the processes alive, and of any that died within their last beats'
+    span), however many a day of restarts left."""
     now = now or timezone.now()
     rows = DelivererHeartbeat.objects.using(using or database_alias()).filter(
         last_seen__gte=now - FORGET_AFTER
     )
     if host is not None:
         rows = rows.filter(host=host)
-    found = list(rows.order_by("-last_seen", "host", "pid")[:MOST_LISTED])
+    latest = rows.aggregate(last=Max("last_seen"), longest=Max("interval"))
+    if latest["last"] is None:
+        return Seen(live=(), last_seen=None)
+    lately = now - dt.timedelta(seconds=DEAD_AFTER * max(latest["longest"] or 0.0, 0.0))
     live = [
         row
-        for row in found
-        if row.interval > STOPPED
-        and (now - row.last_seen).total_seconds() <= DEAD_AFTER * row.interval
+        for row in rows.filter(last_seen__gte=lately, interval__gt=STOPPED)
+        if (now - row.last_seen).total_seconds() <= DEAD_AFTER * row.interval
     ]
+    listed = sorted(live, key=lambda row: (row.host, row.pid))[:MOST_LISTED]
     return Seen(
         live=tuple(
             SeenDeliverer(
@@ -200,7 +209,8 @@ def seen(
                 in_flight=row.in_flight,
                 rate=row.rate,
             )
-            for row in sorted(live, key=lambda row: (row.host, row.pid))
+            for row in listed
         ),
-        last_seen=found[0].last_seen if found else None,
+        last_seen=latest["last"],
+        alive=len(live),
     )

@@ -270,7 +270,7 @@ def read_queue(*, now: dt.datetime | None = None, using: str | None = None) -> Q
     return QueueReading(
         lane_lags=lane_lags,
         open_breakers=overview.open_breakers(using=alias),
-        deliverers_alive=len(heartbeats.seen(now=now, using=alias).live),
+        deliverers_alive=heartbeats.seen(now=now, using=alias).alive,
         hosts_failing=hosts["failing"],
         hosts_told_failing=hosts["told"],
         hosts_unavailable=hosts["unavailable"],

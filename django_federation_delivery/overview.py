@@ -114,14 +114,18 @@ class Overview:
     #: operator may pause tens of thousands with "select all").
     paused_hosts: tuple[str, ...]
     paused_host_count: int = 0
-    #: The deliverers alive (see heartbeats.py), and when any last beat.
+    #: The deliverers alive (see heartbeats.py: the first 100), how many
+    #: are, and when any last beat.
     deliverers: tuple[SeenDeliverer, ...] = ()
     deliverer_last_seen: dt.datetime | None = None
+    deliverer_count: int = 0
 
     @property
     def stalled(self) -> str:
         """Why nothing is being delivered although work is due ("" when it is)."""
-        seen = heartbeats.Seen(live=self.deliverers, last_seen=self.deliverer_last_seen)
+        seen = heartbeats.Seen(
+            live=self.deliverers, last_seen=self.deliverer_last_seen, alive=self.deliverer_count
+        )
         return stalled(seen, self.total.due, self.at)
 
     @property
@@ -153,6 +157,7 @@ class Overview:
             "paused_host_count": self.paused_host_count,
             "deliverers": [_jsonable(deliverer) for deliverer in self.deliverers],
             "deliverer_last_seen": _iso(self.deliverer_last_seen),
+            "deliverer_count": self.deliverer_count,
             "stalled": self.stalled,
         }
 
@@ -246,6 +251,7 @@ def overview(
         paused_host_count=paused_count,
         deliverers=seen.live,
         deliverer_last_seen=seen.last_seen,
+        deliverer_count=seen.alive,
     )
 
 

@@ -339,7 +339,7 @@ def test_the_queues_page_lists_the_live_deliverers(operator: Client) -> None:
     heartbeat(240, pid=3333)  # killed four minutes ago
     page = html(operator, url("delivery", "queues"))
     table = page.split('id="fd-deliverers"')[1].split("</table>")[0]
-    assert "<caption>Deliverers</caption>" in table
+    assert "<caption>Deliverers (2)</caption>" in table
     first = table.split('data-pid="1111">')[1].split("</tr>")[0]
     cells = re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", first)
     assert cells[:3] == ["worker-1", "1111", "1.2.3"]

@@ -13,6 +13,7 @@ from typing import Any
 import httpsig
 import pytest
 from django.db import OperationalError, connection, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
 from django.utils import timezone
 
@@ -876,6 +877,42 @@ def test_a_stop_while_the_database_is_away_ends_after_a_grace_without_spinning(
             "Stopping with 1 outcomes unwritten and 0 attempts in flight: the database "
             "took no write for 3 s"
         ) in caplog.text
+
+
+@pytest.mark.slow
+def test_a_stop_while_the_whole_database_is_away_ends_within_the_grace(
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+    settings: Any,
+) -> None:
+    # Holding nothing to write, every statement of its thread failing for
+    # 10 s: each of the upkeep's statements (the heartbeat, the paused
+    # hosts, the breakers) was waited out whole once stopping, up to 5 s
+    # each, and the stop took 11-15 s where a write's grace is 3 s.
+    away = threading.Event()
+    main = threading.main_thread()
+    real = BaseDatabaseWrapper.ensure_connection
+
+    def ensure_connection(self: Any) -> None:
+        if away.is_set() and threading.current_thread() is not main:
+            raise OperationalError("unable to open database file")
+        real(self)
+
+    monkeypatch.setattr(BaseDatabaseWrapper, "ensure_connection", ensure_connection)
+    # A beat each second: the idle loop meets the outage at once, on
+    # PostgreSQL too, where LISTEN wakes it.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "HEARTBEAT_SECONDS": 1.0}
+    runner = start_deliverer(heartbeat=True)
+    time.sleep(1.0)
+    away.set()
+    time.sleep(10.0)  # long enough for the waits between tries to grow past 2 s
+    asked = time.monotonic()
+    try:
+        runner.stop(timeout=60)
+    finally:
+        away.clear()
+    took = time.monotonic() - asked
+    assert took < STOPPING_GRACE + 2, f"stopped {took:.1f} s after it was asked, holding nothing"
 
 
 WEBHOOK_KEY = "routingKEY4b7c9"

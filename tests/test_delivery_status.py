@@ -7,6 +7,7 @@ import datetime as dt
 import io
 import json
 import re
+import socket
 from typing import Any
 
 import pytest
@@ -169,6 +170,7 @@ def test_delivery_status_json_is_for_scripts(busy: dict[str, int]) -> None:
         "paused_host_count",
         "deliverers",
         "deliverer_last_seen",
+        "deliverer_count",
         "stalled",
         "webhook_destinations",
     }
@@ -531,3 +533,21 @@ def test_with_use_tz_off_the_times_shown_are_in_utc_as_the_header_says(settings:
     at = dt.datetime.fromisoformat(json.loads(out.getvalue())["at"])
     assert at.utcoffset() is not None
     assert abs((at - dt.datetime.now(dt.UTC)).total_seconds()) < 120
+
+
+def test_every_live_deliverer_is_counted_and_those_not_listed_said() -> None:
+    # run_deliverer --processes takes up to 256 on one machine: past 100,
+    # "--check --this-host" said "OK: 100 deliverer(s) alive".
+    here = socket.gethostname()
+    for pid in range(150):
+        heartbeat(1, pid=1000 + pid, host=here)
+    heartbeat(3600, pid=9999, host=here)  # long dead
+    code, line = check("--this-host")
+    assert (code, line.partition(",")[0]) == (0, f"OK: 150 deliverer(s) alive on {here}")
+    status = io.StringIO()
+    call_command("delivery_status", "--json", stdout=status)
+    data = json.loads(status.getvalue())
+    assert (len(data["deliverers"]), data["deliverer_count"]) == (100, 150)
+    status = io.StringIO()
+    call_command("delivery_status", stdout=status)
+    assert "  and 50 more" in status.getvalue()

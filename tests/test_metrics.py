@@ -290,8 +290,9 @@ def test_a_destination_taken_out_of_the_settings_loses_its_series(settings: Any)
 def test_the_gauges_cost_the_same_few_queries_whatever_the_queue(
     settings: Any, django_assert_num_queries: Any
 ) -> None:
-    # One a lane, the breakers, the heartbeats, the hosts; the destinations'
-    # rows when some are configured.
+    # One a lane, the breakers, the heartbeats (and their live rows, when
+    # any beat in the last day), the hosts; the destinations' rows when some
+    # are configured.
     with django_assert_num_queries(7):
         metrics.read_queue()
     configure(settings, WEBHOOKS)
@@ -300,7 +301,7 @@ def test_the_gauges_cost_the_same_few_queries_whatever_the_queue(
         Host(name=f"h{n}.example", failing_since=timezone.now()) for n in range(50)
     )
     heartbeat(seen_ago=1)
-    with django_assert_num_queries(8):
+    with django_assert_num_queries(9):
         reading = metrics.read_queue()
     assert reading.hosts_failing == 50
     assert reading.destinations_disabled == {"audit": False, "chat": False, "ops": False}

@@ -198,6 +198,38 @@ def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
         call_command("run_deliverer", "--drain", f"{option}={value}")
 
 
+@pytest.mark.parametrize(
+    ("command", "options"),
+    [
+        ("run_deliverer", {"drain": True, "concurrency": 4, "per_host": 2}),
+        ("run_deliverer", {"drain": True, "log_interval": 5, "purge_interval": 60}),
+        ("delivery_status", {"hosts": 3}),
+    ],
+)
+def test_a_number_given_to_call_command_as_an_int_is_taken(
+    command: str, options: dict[str, Any]
+) -> None:
+    # call_command passes keyword options as they are given, unparsed: an
+    # int was "object of type 'int' has no len()".
+    call_command(command, stdout=io.StringIO(), stderr=io.StringIO(), **options)
+
+
+def test_a_number_given_to_call_command_as_anything_else_is_refused_naming_it() -> None:
+    with pytest.raises(CommandError, match="not True"):
+        call_command("run_deliverer", drain=True, concurrency=True)
+    with pytest.raises(CommandError, match="not 127"):
+        call_command("run_deliverer", drain=True, metrics_port=9100, metrics_addr=127)
+
+
+def test_per_host_max_below_per_host_lowers_the_start_or_is_refused() -> None:
+    # --per-host-max 1, PER_HOST 2: "2 per host at first, up to 2".
+    out = io.StringIO()
+    call_command("run_deliverer", "--drain", "--per-host-max=1", stdout=out)
+    assert "1 per host at first, up to 1." in out.getvalue()
+    with pytest.raises(CommandError, match=r"^--per-host 5 is more than --per-host-max 3$"):
+        call_command("run_deliverer", "--drain", "--per-host=5", "--per-host-max=3")
+
+
 def test_a_long_bad_number_is_named_cut() -> None:
     with pytest.raises(CommandError) as refused:
         call_command("run_deliverer", "--drain", "--concurrency=" + "9" * 5000)

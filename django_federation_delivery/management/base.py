@@ -34,13 +34,16 @@ class TranslatedCommand(BaseCommand):
         return _(self.help)
 
 
-def whole(value: str, least: int, most: int, message: str) -> int:
+def whole(value: str | int, least: int, most: int, message: str) -> int:
     """``value`` as a whole number from ``least`` to ``most``; a CommandError
     with ``message`` (which says ``%(value)s``, and may say ``%(least)d`` and
-    ``%(most)d``) naming anything else, a long value cut."""
+    ``%(most)d``) naming anything else, a long value cut. An int is taken as
+    its digits are: ``call_command`` passes its keyword options as given."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
     try:
         # Past 20 digits, past any bound here: not worth converting.
-        number = int(value) if len(value) <= 20 else least - 1
+        number = int(value) if isinstance(value, str) and len(value) <= 20 else least - 1
     except ValueError:
         number = least - 1
     if not least <= number <= most:
@@ -58,6 +61,8 @@ def positive(value: str, most: int = 10**9) -> int:
 def ip_address(value: str) -> str:
     """``value`` as an IP address (``[::1]`` too); a CommandError naming anything else."""
     try:
+        if not isinstance(value, str):  # call_command's keyword options are as given
+            raise ValueError(value)
         return str(ipaddress.ip_address(value.strip().strip("[]")))
     except ValueError:
         raise CommandError(

@@ -202,6 +202,9 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
                 numeric=5,
             )
         )
+        more = status.deliverer_count - len(status.deliverers)
+        if more > 0:
+            parts.append("  " + _("and %(count)d more") % {"count": more})
     else:
         last = status.deliverer_last_seen
         parts.append(
@@ -509,7 +512,7 @@ def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, s
     # monitoring reads them.
     if stalled_because:
         return False, f"CRITICAL: {stalled_because}"
-    alive = _("%(count)d deliverer(s) alive%(where)s") % {"count": len(seen.live), "where": where}
+    alive = _("%(count)d deliverer(s) alive%(where)s") % {"count": seen.alive, "where": where}
     waited = lag(now=now, using=using)
     if max_lag and waited > max_lag:
         late = _(

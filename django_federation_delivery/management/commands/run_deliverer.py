@@ -18,6 +18,7 @@ from django_federation_delivery.checks import (
     deliverer_problems,
     sqlite_problems,
 )
+from django_federation_delivery.conf import app_settings
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.management.base import (
     TranslatedCommand,
@@ -193,6 +194,14 @@ class Command(TranslatedCommand):
             if options["per_host_max"] is not None
             else None
         )
+        if per_host_max is not None:
+            if per_host is not None and per_host > per_host_max:
+                raise CommandError(
+                    _("--per-host %(start)d is more than --per-host-max %(most)d")
+                    % {"start": per_host, "most": per_host_max}
+                )
+            # The most asked for holds whatever PER_HOST says: a start below it.
+            per_host = min(per_host or app_settings.per_host, per_host_max)
         using = database_named(options["database"])
         if connections[using].vendor == "sqlite" and self.child is None:
             for problem in sqlite_problems(using, connections[using]):
