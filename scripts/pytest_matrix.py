@@ -21,7 +21,8 @@ database of its own: see tests/settings.py), and each mostly waits on
 sockets, subprocesses and timers (a "not slow" run alone on a quiet machine:
 62 s of CPU in 204 s), so that only all of them at once keep two cores busy.
 All at once, the two cores are the bound: 480 s for 622 s of CPU besides
-the server's; with each "not slow" run in two processes, 438 s for 694 s.
+the server's; with each "not slow" run in two processes, 438 s for 694 s
+(see POSTGRES_WORKERS).
 
 Each run's output is printed whole when it ends, under its name, then a
 table of every run. Exits 0 only if every run passed; a run that selects no
@@ -71,6 +72,12 @@ PREPARED_ENV = SLOW_ENV
 POSTGRES_ENVS = ("py311-django42-lowest", SLOW_ENV)
 NO_TESTS_COLLECTED = 5
 SLOW_WORKERS = 3
+#: The "not slow" runs on PostgreSQL, in two processes each: the longest
+#: runs and the last to end (with all runs at once on two cores, 440 s in
+#: one process, 383 s in two, for about 12 s more CPU each). Not those on
+#: SQLite: two processes each made all runs 72 s of CPU more for 42 s less
+#: in all, the two cores being the bound.
+POSTGRES_WORKERS = 2
 RUN_TIMEOUT = float(os.environ.get("FD_TEST_RUN_TIMEOUT", 1200))
 #: How long the processes of a run that hung are given to write their stacks.
 STACKS_GRACE = 5.0
@@ -225,10 +232,11 @@ def plan(envs: list[str], args: list[str]) -> list[Run]:
     postgres_envs = [env for env in envs if env in POSTGRES_ENVS] or envs
     for database, environ in databases.items():
         marks = f"not slow and {ONLY[database]}" if database in ONLY else "not slow"
+        run_args = ["-n", str(POSTGRES_WORKERS), *args] if database == "PostgreSQL" else args
         for env in postgres_envs if database == "PostgreSQL" else envs:
             label, run_environ = prepared(env, database, environ)
             runs.append(
-                Run(env, label, marks, interpreter(env), run_environ, args, NOT_SLOW_NICENESS)
+                Run(env, label, marks, interpreter(env), run_environ, run_args, NOT_SLOW_NICENESS)
             )
     return runs
 
