@@ -219,7 +219,7 @@ def test_a_markdown_hook_gets_the_text_with_its_fields(mocked: responses.Request
 def test_discord_gets_content_and_pings_nobody(mocked: responses.RequestsMock) -> None:
     destination = parse_destination("discord", DISCORD)
     request = build(destination, event({"who": "@everyone"}))
-    received = sent(mocked, "https://discord.com/api/webhooks/1234/token-token-token", request)
+    received = sent(mocked, "https://discord.com/api/v10/webhooks/1234/token-token-token", request)
     assert json.loads(received.body) == {
         "content": f"alert.raised\nwho: @{WJ}everyone",
         "allowed_mentions": {"parse": []},
@@ -234,19 +234,24 @@ def test_telegram_gets_the_chat_escaped_html_and_parse_mode(
     received = sent(mocked, "http://127.0.0.1:8081/bot123456:ABC-token/sendMessage", request)
     assert json.loads(received.body) == {
         "chat_id": -1001234567890,
-        "text": "alert.raised\nhost: &lt;b&gt;db&lt;/b&gt; &amp; co",
+        "text": f"alert.{WJ}raised\nhost: &lt;b&gt;db&lt;/b&gt; &amp; co",
         "parse_mode": "HTML",
+        "link_preview_options": {"is_disabled": True},
     }
 
 
 def test_telegram_text_makes_no_mention_nor_link_of_an_events_data() -> None:
     # Telegram mentions an @username in any text, notifying that member of
-    # the group, and links (and previews) a URL.
+    # the group, and links (and previews) a URL, and a bare domain with a
+    # top-level domain it knows ("evil.com/login", "root@evil.com").
     destination = parse_destination("tg", TELEGRAM)
-    request = build(destination, event({"by": "@admin", "see": "https://x.example www.y.example"}))
+    data = {"by": "@admin", "see": "https://x.example www.y.example", "or": "root@evil.com/a"}
+    request = build(destination, event(data))
     text = json.loads(request.body)["text"]
     assert f"by: @{WJ}admin" in text
-    assert f"see: https:{WJ}//x.example www{WJ}.y.example" in text
+    assert f"see: https:{WJ}//x.{WJ}example www{WJ}.y.{WJ}example" in text
+    assert f"or: root@{WJ}evil.{WJ}com/a" in text
+    assert json.loads(request.body)["link_preview_options"] == {"is_disabled": True}
 
 
 def test_signed_json_is_the_event_with_its_headers(mocked: responses.RequestsMock) -> None:
@@ -645,3 +650,15 @@ def test_matrix_declares_its_token_secret_and_not_its_room() -> None:
 def test_a_bad_matrix_url_says_what_is_wrong(url: str, says: str) -> None:
     with pytest.raises(ImproperlyConfigured, match=says):
         parse_destination("room", url)
+
+
+def test_discord_is_sent_on_a_versioned_path_where_a_429_counts_seconds() -> None:
+    # The URL Discord's "Copy Webhook URL" gives has no version: Discord then
+    # answers as API v6, whose 429 says Retry-After in milliseconds, and
+    # 6457 (6.5 s) was waited as 6,457 s, an hour once capped.
+    destination = parse_destination("chat", DISCORD)
+    request = build(destination, event({"host": "db1"}))
+    assert request.url == "https://discord.com/api/v10/webhooks/1234/token-token-token"
+    # Whole, the path sent to is as secret as the one given.
+    said = destination.redact(f"no hook at {request.url}")
+    assert said == "no hook at https://discord.com[redacted]"

@@ -49,12 +49,13 @@ TELEGRAM = "telegram://123456:ABC-telegram_token@-1001234567890"
         (
             DISCORD,
             "discord",
-            "https://discord.com/api/webhooks/123456789012345678/DiscordTokenDiscordToken",
+            # On a versioned path: unversioned, a 429's wait is in milliseconds.
+            "https://discord.com/api/v10/webhooks/123456789012345678/DiscordTokenDiscordToken",
         ),
         (
             "discord+http://127.0.0.1/api/webhooks/1/t",
             "discord",
-            "http://127.0.0.1/api/webhooks/1/t",
+            "http://127.0.0.1/api/v10/webhooks/1/t",
         ),
         (MARKDOWN, "markdown", "https://chat.example/hooks/mattermostkey123456789"),
         ("MARKDOWN+HTTP://chat.example/hooks/k", "markdown", "http://chat.example/hooks/k"),

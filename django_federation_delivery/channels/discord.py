@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from django_federation_delivery.channels.base import Destination, Request
+import dataclasses
+from urllib.parse import urlsplit, urlunsplit
+
+from django_federation_delivery.channels.base import Destination, Parsed, Request
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.hooks import HookChannel
 from django_federation_delivery.channels.text import cut, escape_markdown, render_text
 
-__all__ = ["DISCORD_LIMIT", "Discord"]
+__all__ = ["DISCORD_LIMIT", "Discord", "versioned"]
 
 #: The longest ``content`` Discord takes.
 DISCORD_LIMIT = 2000
@@ -29,3 +32,28 @@ class Discord(HookChannel):
             "allowed_mentions": {"parse": []},
         }
         return self.json_request(destination, document)
+
+    def parse(self, url: str, scheme: str) -> Parsed:
+        parsed = super().parse(url, scheme)
+        target = versioned(parsed.url)
+        if target == parsed.url:
+            return parsed
+        # Sent there: its path is a credential, whole, as the given one is.
+        secrets = (urlsplit(target).path, *parsed.secrets)
+        return dataclasses.replace(parsed, url=target, secrets=secrets)
+
+
+#: Where an unversioned webhook URL's path begins (Discord's "Copy Webhook
+#: URL" gives one), and a version that counts a 429's wait in seconds.
+UNVERSIONED = "/api/webhooks/"
+VERSIONED = "/api/v10/webhooks/"
+
+
+def versioned(url: str) -> str:
+    """``url`` on a versioned path. Unversioned, Discord answers as its API v6,
+    whose 429 says ``Retry-After`` in milliseconds: 6457 (6.5 s) was read as
+    6,457 s, an hour once capped, every later event to the channel waiting."""
+    parts = urlsplit(url)
+    if not parts.path.startswith(UNVERSIONED):
+        return url
+    return urlunsplit(parts._replace(path=VERSIONED + parts.path.removeprefix(UNVERSIONED)))

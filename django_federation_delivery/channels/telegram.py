@@ -17,6 +17,7 @@ from django_federation_delivery.channels.base import (
 )
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.text import (
+    WORD_JOINER,
     cut,
     escape_entities,
     no_mentions_or_links,
@@ -26,6 +27,8 @@ from django_federation_delivery.channels.text import (
 __all__ = ["TELEGRAM_API", "TELEGRAM_LIMIT", "Telegram"]
 
 TELEGRAM_API = "https://api.telegram.org"
+#: A dot between two characters of a word: a domain's, which Telegram links.
+DOMAIN_DOT = re.compile(r"(?<=\w)\.(?=\w)")
 #: The longest ``text`` Telegram takes once its entities are parsed.
 TELEGRAM_LIMIT = 4096
 
@@ -90,11 +93,16 @@ class Telegram(Channel):
         )
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
+        # Telegram links a bare domain too ("evil.com/login"): a word joiner
+        # after each dot inside a word, as inside "://" and "www.".
         text = no_mentions_or_links(render_text(destination, event))
+        text = DOMAIN_DOT.sub("." + WORD_JOINER, text)
         document = {
             "chat_id": destination.options["chat_id"],
             # Cut before escaping: Telegram counts the text its entities stand for.
             "text": escape_entities(cut(text, TELEGRAM_LIMIT)),
             "parse_mode": "HTML",
+            # Nor is a page fetched to preview what a link it makes anyway shows.
+            "link_preview_options": {"is_disabled": True},
         }
         return self.json_request(destination, document)
