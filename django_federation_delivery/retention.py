@@ -209,17 +209,26 @@ def purge(
 
 
 def _retractions_cutoff(cutoffs: Mapping[Status, dt.datetime]) -> dict[Status, dt.datetime]:
-    """When a retraction's deliveries of each status a replay sends again
-    (``replay.REPLAYED``) are purged: once what they took back is, whatever
-    its status, so at the oldest of those statuses' cutoffs, and never while
-    one of them is kept for ever. A replay leaves out what a retraction sent
+    """When a retraction's deliveries of each status are purged: once what
+    they took back is, which a replay would send again (its statuses,
+    ``replay.REPLAYED``), so at the oldest of those statuses' cutoffs, and
+    never while one of them is kept for ever. A replay leaves out what a retraction sent
     to the host took back by that retraction's delivery there: gone first, a
     replay would send a deleted post's ``Create`` again, with no ``Delete``
     after it (a ``Create`` given up is kept 30 days by default, the
     ``Delete`` delivered after it 7)."""
     known = [cutoffs.get(status) for status in REPLAYED]
-    oldest = purges.EARLIEST if None in known else min(at for at in known if at is not None)
-    return {status: min(cutoffs[status], oldest) for status in REPLAYED if status in cutoffs}
+    if None in known:
+        # As the cutoffs are: naive ones with USE_TZ off, and a naive time
+        # compared with an aware one raises.
+        sample = next(iter(cutoffs.values()))
+        aware_cutoffs = timezone.is_aware(sample)
+        oldest = purges.EARLIEST if aware_cutoffs else purges.EARLIEST.replace(tzinfo=None)
+    else:
+        oldest = min(at for at in known if at is not None)
+    # Of every status: a Delete refused or skipped at the host (kept 7 days
+    # by default) took back what it was about there as well as one delivered.
+    return {status: min(cutoff, oldest) for status, cutoff in cutoffs.items()}
 
 
 #: A host with none of these marks: one with any is kept whatever its age.

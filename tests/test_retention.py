@@ -12,7 +12,7 @@ from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import availability, retention, send
+from django_federation_delivery import availability, controls, retention, send
 from django_federation_delivery.dialect import quoted_table
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.replay import replay
@@ -394,3 +394,138 @@ def test_a_delivery_requeued_while_a_purge_waits_for_its_row_is_kept() -> None:
     # by then it was pending again, and is kept.
     assert purged and purged[0].deliveries == {Status.DELIVERED.value: len(others)}
     assert list(Delivery.objects.values_list("id", "status")) == [(requeued.id, Status.PENDING)]
+
+
+def old_batch(days: float, status: Status = Status.DELIVERED, count: int = 2) -> Batch:
+    now = timezone.now()
+    batch = Batch.objects.create(sender="https://a.example/u", body="{}")
+    Batch.objects.filter(id=batch.id).update(created_at=now - dt.timedelta(days=days, hours=1))
+    Delivery.objects.bulk_create(
+        [
+            Delivery(
+                batch=batch,
+                inbox=f"https://a.example/{n}",
+                host="a.example",
+                status=status,
+                settled_at=now - dt.timedelta(days=days),
+            )
+            for n in range(count)
+        ]
+    )
+    return batch
+
+
+def test_use_tz_off_with_a_replayed_status_kept_for_ever_purges(settings: Any) -> None:
+    """USE_TZ = False (the README documents it as supported) and FAILED kept
+    for ever, DELIVERED 7 days: the purge should delete the old delivered rows."""
+    settings.USE_TZ = False
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETENTION": {"FAILED": None},
+    }
+    old_batch(10)
+    purged = retention.purge_by_setting()
+    assert purged.deliveries[Status.DELIVERED] == 2
+
+
+def test_a_refused_retraction_is_kept_as_long_as_the_create_it_took_back(settings: Any) -> None:
+    """A Create given up at a.example (FAILED, kept 30 days), its Delete then
+    refused there (REFUSED, kept 7 days by this project's RETENTION). A replay
+    leaves the Create out while the Delete is kept; once the purge deleted the
+    Delete but kept the Create, the replay sends the deleted post's Create
+    again, with no Delete after it."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETENTION": {"REFUSED": 7 * DAY},
+    }
+    inbox = "https://a.example/inbox"
+    post = f"{ALICE}/notes/1"
+    now = timezone.now()
+    create = {**NOTE, "id": f"{ALICE}/activities/1", "actor": ALICE, "object": post}
+    created = send(ALICE, create, [inbox])
+    deleted = send(
+        ALICE,
+        {"type": "Delete", "id": f"{ALICE}/activities/2", "actor": ALICE, "object": post},
+        [inbox],
+    )
+    assert created is not None and deleted is not None
+    for batch, status, days in ((created, Status.FAILED, 10), (deleted, Status.REFUSED, 9)):
+        Batch.objects.filter(pk=batch.pk).update(created_at=now - dt.timedelta(days=days))
+        Delivery.objects.filter(batch=batch).update(
+            status=status, settled_at=now - dt.timedelta(days=days), due_at=None, attempts=1
+        )
+    since = now - dt.timedelta(days=11)
+    # Before any purge: the Create is not replayed (the Delete took it back).
+    assert replay(host="a.example", since=since) == []
+
+    retention.purge_by_setting()
+
+    assert Delivery.objects.filter(batch=created).exists()  # FAILED: 30 days
+    again = replay(host="a.example", since=since)
+    assert [b.tag for b in again] == [], (
+        f"after the purge a replay re-sends the deleted post's Create: {[b.tag for b in again]}"
+    )
+
+
+def test_a_delivery_requeued_and_given_up_again_while_a_chunk_runs_is_kept() -> None:
+    """PostgreSQL. A chunk's DELETE read its ids (two FAILED rows 40 days old)
+    and is held at the first by another transaction's lock. Meanwhile the
+    second is requeued by an operator and given up again (FAILED, settled
+    now): a delivery settled a moment ago, within its 30 days. The DELETE
+    checks only ``status`` again on the changed row, and deletes it."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite has one writer")
+    now = timezone.now()
+    batch = Batch.objects.create(sender="https://a.example/u", body="{}")
+    Batch.objects.filter(id=batch.id).update(created_at=now - dt.timedelta(days=41))
+    first, second = Delivery.objects.bulk_create(
+        [
+            Delivery(
+                batch=batch,
+                inbox=f"https://a.example/{n}",
+                host="a.example",
+                status=Status.FAILED,
+                settled_at=now - dt.timedelta(days=40),
+                attempts=1,
+            )
+            for n in range(2)
+        ]
+    )
+    held, release = threading.Event(), threading.Event()
+    purged: list[retention.Purged] = []
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                list(Delivery.objects.select_for_update().filter(id=first.id))
+                held.set()
+                release.wait(30)
+        finally:
+            connections.close_all()
+
+    def purge() -> None:
+        try:
+            purged.append(retention.purge({Status.FAILED: now - dt.timedelta(days=30)}))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=hold), threading.Thread(target=purge)]
+    threads[0].start()
+    assert held.wait(10)
+    threads[1].start()
+    try:
+        wait_until(lambda: waiting_on_locks() > 0, timeout=10)
+        # The operator's requeue, then a give-up: each committed on its own.
+        assert controls.requeue(Delivery.objects.filter(id=second.id)) == 1
+        assert controls.give_up(Delivery.objects.filter(id=second.id)) == 1
+        settled_again = Delivery.objects.get(id=second.id).settled_at
+        assert settled_again is not None and settled_again > now - dt.timedelta(minutes=1)
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(30)
+    assert purged
+    assert Delivery.objects.filter(id=second.id).exists(), (
+        f"a delivery settled {settled_again} (seconds ago) was purged as 40 days old: "
+        f"{purged[0].deliveries}"
+    )

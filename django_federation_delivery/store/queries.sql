@@ -978,16 +978,19 @@ RETURNING {breaker}.failures, {breaker}.open_until
 
 -- name: delete_settled [postgresql]
 -- The oldest chunk settled in %(status)s before %(cutoff)s, from
--- %(since)s on. The status is named in the DELETE itself, not only where
--- the ids are found: PostgreSQL checks the DELETE's own conditions again
--- on a row changed since the statement began (requeued, say), not its
--- subquery's. The ids are looked up by primary key, the subquery run
--- once: as a join, it may be hashed against a scan of the table.
+-- %(since)s on. The status and the age are named in the DELETE itself, not
+-- only where the ids are found: PostgreSQL checks the DELETE's own
+-- conditions again on a row changed since the statement began (requeued,
+-- and settled again a moment ago, say), not its subquery's. The ids are
+-- looked up by primary key, the subquery run once: as a join, it may be
+-- hashed against a scan of the table.
 DELETE FROM {delivery} WHERE id = ANY(ARRAY({oldest_settled})) AND status = %(status)s
+    AND settled_at < %(cutoff)s
 RETURNING id, settled_at
 
 -- name: delete_settled [sqlite]
 DELETE FROM {delivery} WHERE id IN ({oldest_settled}) AND status = %(status)s
+    AND settled_at < %(cutoff)s
 RETURNING id, settled_at
 
 -- name: oldest_settled
