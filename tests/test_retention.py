@@ -20,6 +20,7 @@ from django_federation_delivery.replay import replay
 from .conftest import statements_run, wait_until, waiting_on_locks
 from .keys import ALICE
 from .operators import NOTE
+from .test_purge_deliveries import settled
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -396,25 +397,6 @@ def test_a_delivery_requeued_while_a_purge_waits_for_its_row_is_kept() -> None:
     assert list(Delivery.objects.values_list("id", "status")) == [(requeued.id, Status.PENDING)]
 
 
-def old_batch(days: float, status: Status = Status.DELIVERED, count: int = 2) -> Batch:
-    now = timezone.now()
-    batch = Batch.objects.create(sender="https://a.example/u", body="{}")
-    Batch.objects.filter(id=batch.id).update(created_at=now - dt.timedelta(days=days, hours=1))
-    Delivery.objects.bulk_create(
-        [
-            Delivery(
-                batch=batch,
-                inbox=f"https://a.example/{n}",
-                host="a.example",
-                status=status,
-                settled_at=now - dt.timedelta(days=days),
-            )
-            for n in range(count)
-        ]
-    )
-    return batch
-
-
 def test_use_tz_off_with_a_replayed_status_kept_for_ever_purges(settings: Any) -> None:
     """USE_TZ = False (the README documents it as supported) and FAILED kept
     for ever, DELIVERED 7 days: the purge should delete the old delivered rows."""
@@ -423,7 +405,7 @@ def test_use_tz_off_with_a_replayed_status_kept_for_ever_purges(settings: Any) -
         **settings.FEDERATION_DELIVERY,
         "RETENTION": {"FAILED": None},
     }
-    old_batch(10)
+    settled(10, count=2)
     purged = retention.purge_by_setting()
     assert purged.deliveries[Status.DELIVERED] == 2
 
