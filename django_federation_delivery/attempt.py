@@ -234,10 +234,10 @@ def deadline_of(job: Job, timeout: float) -> float | None:
     return min(at + timeout, lease)
 
 
-def crashed(job: Job, error: str) -> AttemptResult:
-    """An attempt that raised (a bug, not the inbox's doing): a passing
-    failure, tried again by the retry policy."""
-    return failed(job, error, permanent=False)
+def crashed(job: Job, error: str, *, duration: float = 0.0) -> AttemptResult:
+    """An attempt that raised (a bug, not the inbox's doing) after
+    ``duration`` seconds: a passing failure, tried again by the retry policy."""
+    return dataclasses.replace(failed(job, error, permanent=False), duration=duration)
 
 
 def failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> AttemptResult:

@@ -18,17 +18,17 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import socket
+import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.decide import Outcome
-
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
 
 try:
     import prometheus_client
@@ -312,8 +312,53 @@ def start_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
     """
     if prometheus_client is None:
         raise ImproperlyConfigured(NEEDS_CLIENT)
-    server, _thread = prometheus_client.start_http_server(port, addr=addr)
+    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("_MetricsServer", (_MetricsServer,), {"address_family": family})
+    server: WSGIServer = make_server(
+        addr, port, prometheus_client.make_wsgi_app(), server_class, _MetricsHandler
+    )
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
+
+
+#: How long a scraper may take to send its request, and how many may be
+#: answered at once: anyone who reaches the port (``--metrics-addr 0.0.0.0``)
+#: could otherwise hold a thread of the deliverer's for each connection
+#: that sends half a request, for as long as it likes.
+CLIENT_TIMEOUT = 10.0
+MOST_CLIENTS = 16
+
+
+class _MetricsHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(CLIENT_TIMEOUT)  # read now: a test may shorten it
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._clients = threading.BoundedSemaphore(MOST_CLIENTS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._clients.acquire(blocking=False):
+            self.shutdown_request(request)  # past MOST_CLIENTS: closed at once
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._clients.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client gone or timed out: nothing to print on the deliverer's stderr
 
 
 def check_address(addr: str) -> None:

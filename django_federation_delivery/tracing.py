@@ -24,6 +24,7 @@ nothing; without a tracer provider, the API's spans record nothing.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -155,8 +156,26 @@ def attempted(item: Traced, result: AttemptResult, settlement: Settlement) -> No
         if result.status is not None:
             span.set_attribute("http.response.status_code", result.status)
         if outcome in FAILURES:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, settlement.last_error))
+            span.set_status(trace.Status(trace.StatusCode.ERROR, no_urls(settlement.last_error)))
     span.end(end_time=ended)
+
+
+#: A URL in an error's text: the transport names the one it sent to.
+URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s]*", re.IGNORECASE)
+
+
+def no_urls(error: str) -> str:
+    """``error`` with each URL in it taken out: a span names none, neither an
+    inbox's path nor anything of a webhook's (its host and port included),
+    whatever the transport's message said ("http://host/path: no complete
+    answer within 0.5s")."""
+    return URL.sub(_unnamed, error)
+
+
+def _unnamed(match: re.Match[str]) -> str:
+    url = match.group()
+    named = url.rstrip(":;,.)")
+    return "[url]" + url[len(named) :]  # what followed it ("…: no answer") kept
 
 
 def outcome_of(settlement: Settlement) -> Outcome:

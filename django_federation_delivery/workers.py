@@ -249,7 +249,10 @@ class Workers:
             # Only the type: a webhook's message and traceback may hold its
             # URL, a credential.
             logger.error("An attempt at delivery %s raised %s", item.claimed.id, type(exc).__name__)
-            return crashed(item.job, f"internal error: {type(exc).__name__}")
+            # Timed as long as it ran: at nought, its time would drag the
+            # attempts' median and mean down.
+            took = time.monotonic() - item.started
+            return crashed(item.job, f"internal error: {type(exc).__name__}", duration=took)
         if not isinstance(result, AttemptResult):
             # A host project's channel that returned something else: told by
             # the kind and the type alone, nothing of the job (its URL, its
@@ -260,11 +263,16 @@ class Workers:
                 type(item.kind).__name__,
                 type(result).__name__,
             )
-            return crashed(item.job, f"internal error: {type(result).__name__} returned")
+            took = time.monotonic() - item.started
+            return crashed(
+                item.job, f"internal error: {type(result).__name__} returned", duration=took
+            )
         # One the loop could not read (a Retry-After header's text, None for
         # no error) would raise in the loop's own thread as it decides and
         # writes what came of it: told by the field and its type alone.
         read, fault = readable(item.job, result)
+        if fault and not read.delivered:
+            read = dataclasses.replace(read, duration=time.monotonic() - item.started)
         if fault:
             logger.error(
                 "An attempt at delivery %s by %s returned a result the loop cannot read (%s): %s",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -15,10 +17,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
-from django_federation_delivery import metrics
+from django_federation_delivery import metrics, send
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import DelivererHeartbeat, Delivery, Host, Lane
 
-from .conftest import ROOT
+from .conftest import ROOT, Inbox, wait_until
+from .keys import ALICE
 from .operators import open_breaker, queue
 from .test_webhooks_status import WEBHOOKS, configure
 
@@ -141,6 +145,35 @@ def test_the_endpoint_serves_the_metrics(endpoint: str) -> None:
     assert "# TYPE federation_delivery_attempt_duration_seconds histogram" in text
     assert "federation_delivery_lag_seconds " in text
     assert "federation_delivery_open_breakers 1.0" in text
+
+
+def test_clients_that_send_half_a_request_hold_a_bounded_few_threads_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With --metrics-addr 0.0.0.0, anyone who reaches the port held a thread
+    # of the deliverer's for each connection that sent half a request, for
+    # as long as it liked: 50 connections, 50 threads, all there 15 s on.
+    monkeypatch.setattr(metrics, "CLIENT_TIMEOUT", 1.0)
+    server = metrics.start_server(0, addr="127.0.0.1")
+    before = threading.active_count()
+    held = []
+    try:
+        for _ in range(50):
+            client = socket.create_connection(("127.0.0.1", server.server_port), timeout=5)
+            client.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            held.append(client)
+        time.sleep(0.5)
+        assert threading.active_count() - before <= metrics.MOST_CLIENTS
+        # Each let go once it has sent nothing more for CLIENT_TIMEOUT.
+        wait_until(lambda: threading.active_count() - before <= 0, timeout=10)
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200
+    finally:
+        for client in held:
+            client.close()
+        server.shutdown()
+        server.server_close()
 
 
 def test_the_endpoint_listens_on_this_machine_only_by_default() -> None:
@@ -305,3 +338,30 @@ def test_the_gauges_cost_the_same_few_queries_whatever_the_queue(
         reading = metrics.read_queue()
     assert reading.hosts_failing == 50
     assert reading.destinations_disabled == {"audit": False, "chat": False, "ops": False}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_attempt_that_crashed_is_not_timed_at_nought(
+    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The dashboard's "Attempt duration" (median, p95, mean) is of attempts
+    # that made a request: one whose code raised is timed at 0 s, whatever
+    # it took, and drags every figure down.
+    from django_federation_delivery.inboxes import InboxDeliveries
+
+    def raising(self: Any, job: Any, transport: Any) -> Any:
+        time.sleep(0.3)  # it took a while, then raised
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(InboxDeliveries, "attempt", raising)
+    timed = sample("federation_delivery_attempt_duration_seconds_count")
+    fast = sample("federation_delivery_attempt_duration_seconds_bucket", le="0.05")
+    retrying = sample("federation_delivery_attempts_total", outcome="retrying")
+    send(ALICE, {"type": "Create", "actor": ALICE}, [inbox.url()])
+    Deliverer().run(drain=True)
+    assert sample("federation_delivery_attempts_total", outcome="retrying") == retrying + 1
+    observed = sample("federation_delivery_attempt_duration_seconds_count") - timed
+    at_nought = sample("federation_delivery_attempt_duration_seconds_bucket", le="0.05") - fast
+    assert not (observed == 1 and at_nought == 1), (
+        "an attempt that raised after 0.3 s was timed in the 0.05 s bucket"
+    )

@@ -291,3 +291,33 @@ def test_without_opentelemetry_nothing_is_carried_or_traced() -> None:
         check=True,
     )
     assert result.stdout.strip() == "untraced"
+
+
+@in_the_queue
+@pytest.mark.parametrize("kind", ["inbox", "webhook"])
+def test_the_error_of_an_attempt_that_timed_out_names_no_url_in_its_span(
+    inboxes: Callable[..., Inbox], traces: Traces, settings: Any, kind: str
+) -> None:
+    # The transport names the URL it sent to in a timeout's error, which
+    # became the span's status: an inbox's path, a webhook's scheme, host
+    # and port ("http://127.0.0.1:45769: no complete answer within 0.5s").
+    receiver = inboxes("127.0.0.1", delay=1.5)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "ATTEMPT_TIMEOUT": 0.5,
+        "WEBHOOK_TIMEOUT": 0.5,
+        "WEBHOOKS": {"ops": f"http://127.0.0.1:{receiver.port}/hooks/{TOKEN}?secret={SECRET}"},
+    }
+    if kind == "inbox":
+        send(ALICE, NOTE, [receiver.url(f"/users/alice/inbox?token={TOKEN}")])
+    else:
+        send_webhook("ops", "user.created", {"name": "Zoë"})
+    Deliverer().run(drain=True)
+    (span,) = traces.attempts()
+    assert attributes(span)["federation_delivery.outcome"] == "retrying"
+    told = everything_told(span)
+    assert "[url]: no complete answer within 0.5s" in told, told
+    # An inbox's host is its span's, as its attributes say; a webhook's never.
+    named = [TOKEN, "/users/alice/inbox"] + ([f"{receiver.port}"] if kind == "webhook" else [])
+    for secret in named:
+        assert secret not in told, f"{secret!r} in {told}"
