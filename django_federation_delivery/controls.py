@@ -22,7 +22,7 @@ from django.db import router, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from django_federation_delivery import breakers, hosts, signals
+from django_federation_delivery import breakers, hosts, portable, signals
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted, required_host
 from django_federation_delivery.availability import mark_host_seen
 from django_federation_delivery.conf import app_settings, database_alias
@@ -86,6 +86,15 @@ def reset_breaker(key: str, *, using: str | None = None) -> int:
     it, or a URL in any spelling: an inbox's, for a breaker kept per inbox
     (``BREAKER = {"SCOPE": "inbox"}``), else any URL on the host, for its
     host's. ``ValueError`` naming it if it is neither, with nothing changed."""
+    if isinstance(key, str) and key[:5].lower() == "ap://":
+        # A portable inbox's own breaker (kept per inbox): keyed by its name.
+        try:
+            name = portable.canonical(key)
+        except InvalidDelivery:
+            raise ValueError(
+                f"reset_breaker needs a host name or an inbox's URL, not {quoted(key)}"
+            ) from None
+        return breakers.reset_breaker(breakers.inbox_key(name), using=database_alias(using))
     if isinstance(key, str) and "://" in key:
         try:
             url = normalize_inbox(key)

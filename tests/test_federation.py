@@ -12,7 +12,14 @@ import pytest
 from django.utils import timezone
 from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
 
-from django_federation_delivery import PortableInbox, send, send_batch, send_portable, send_webhook
+from django_federation_delivery import (
+    PortableInbox,
+    controls,
+    send,
+    send_batch,
+    send_portable,
+    send_webhook,
+)
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.store import claims
@@ -458,3 +465,28 @@ def verifies_at(request: Received) -> bool:
 def test_a_portable_send_with_no_usable_gateway_queues_nothing() -> None:
     assert send_portable(ALICE, NOTE, [PortableInbox(f"ap://{DID}/inbox", ["https://x/y"])]) is None
     assert not Delivery.objects.exists()
+
+
+def test_a_portable_inbox_s_own_breaker_can_be_reset_by_its_inbox(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 1, "COOL_OFF": 60.0, "SCOPE": "inbox"},
+        "RETRY": {"BASE": 60, "CAP": 60, "ATTEMPTS": 5, "JITTER": 0},
+    }
+    down = inboxes("127.0.0.2", respond=lambda request: (503, {}, b""))
+    inbox = f"ap://{DID}/actor/inbox"
+    batch = send_portable(ALICE, NOTE, [PortableInbox(inbox, [down.url("")])])
+    assert batch is not None
+    runner = start_deliverer()
+    wait_until(lambda: Breaker.objects.filter(failures__gt=0).exists())
+    runner.stop()
+    assert list(Breaker.objects.values_list("key", flat=True)) == [inbox]
+    # README: reset_breaker takes "an inbox's URL in any spelling for a breaker kept
+    # per inbox"; the portable inbox's breaker is keyed by its ap:// inbox.
+    # It raised ValueError: only http(s) URLs were read.
+    assert controls.reset_breaker(inbox.replace("ap://", "AP://")) == 1
+    assert not Breaker.objects.exists()
