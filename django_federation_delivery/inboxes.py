@@ -167,7 +167,9 @@ class InboxDeliveries:
             key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
         extra = (
             synchronization_headers(self.synchronization, batch.sender, row.inbox)
-            if batch.synchronize_collection and key is not None
+            # Not for a portable inbox: its ap:// name is no URL on a host,
+            # and one header would go to every gateway's host.
+            if batch.synchronize_collection and key is not None and not row.via
             else {}
         )
         return InboxJob(

@@ -18,7 +18,8 @@ import logging
 
 from django.utils import timezone
 
-from django_federation_delivery.attempt import AttemptResult, held
+from django_federation_delivery.addresses import host_of
+from django_federation_delivery.attempt import AttemptResult, Job, held
 from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers, Decision
 from django_federation_delivery.dialect import aware_now
@@ -62,7 +63,9 @@ class Triage:
         claimed = known
         hosts = {row.host for row in claimed}
         self.schemes.read(hosts)
-        paused = self.upkeep.paused_among(hosts)
+        # A portable inbox's later gateways' hosts too: none paused is POSTed.
+        gateways = {host_of(gateway) for row in claimed for gateway in row.via[1:]}
+        paused = self.upkeep.paused_among(hosts | gateways)
         # What can never be sent (a webhook to a destination no longer
         # configured) is given up, with every other pending delivery there.
         unusable: set[str] = set()
@@ -102,6 +105,8 @@ class Triage:
                 # error about a webhook may hold its URL, the credential.
                 self._fail_alone(row, batch, kind, _job_failed(exc))
                 continue
+            if len(row.via) > 1:
+                job = _without_paused_gateways(job, paused)
             item = InFlight(claimed=row, batch=batch, kind=kind, job=job)
             if self.breakers is not None:
                 item.breaker = self.breakers.settings.key(row.host, row.inbox)
@@ -156,6 +161,17 @@ class Triage:
         if decision is not Decision.HOLD:
             return None
         return held(item.job, f"held: the circuit breaker for {item.breaker} is open", hold_for)
+
+
+def _without_paused_gateways(job: Job, paused: frozenset[str]) -> Job:
+    """``job`` (a portable inbox's) without its later gateways whose host an
+    operator paused: the first stands for the inbox's host, paused or not as
+    the row is; a later one was POSTed as if no pause were its host's."""
+    targets = getattr(job, "targets", None)
+    if not isinstance(targets, tuple) or len(targets) < 2:
+        return job
+    kept = targets[:1] + tuple(target for target in targets[1:] if host_of(target) not in paused)
+    return job if kept == targets else dataclasses.replace(job, targets=kept)  # type: ignore[call-arg]
 
 
 def _job_failed(exc: Exception) -> str:

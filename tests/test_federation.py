@@ -490,3 +490,51 @@ def test_a_portable_inbox_s_own_breaker_can_be_reset_by_its_inbox(
     # It raised ValueError: only http(s) URLs were read.
     assert controls.reset_breaker(inbox.replace("ap://", "AP://")) == 1
     assert not Breaker.objects.exists()
+
+
+def test_a_paused_host_gets_no_request_as_a_portable_inbox_s_later_gateway(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+) -> None:
+    first = inboxes("127.0.0.2", respond=lambda request: (503, {}, b""))
+    paused = inboxes("127.0.0.3")
+    controls.pause_host(paused.host)
+    batch = send_portable(
+        ALICE, NOTE, [PortableInbox(f"ap://{DID}/actor/inbox", [first.url(""), paused.url("")])]
+    )
+    assert batch is not None
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).exists())
+    runner.stop()
+    assert first.received, "the first gateway was tried"
+    assert paused.paths() == [], (
+        f"host {paused.host} is paused, yet it was POSTed {paused.paths()} "
+        "as a portable inbox's later gateway"
+    )
+
+
+asked_to_synchronize: list[tuple[str, str]] = []
+
+
+def recording_synchronization(sender: str, inbox: str) -> None:
+    asked_to_synchronize.append((sender, inbox))
+
+
+def test_a_portable_inbox_is_sent_no_synchronization_header_and_none_is_asked(
+    inboxes: Callable[..., Inbox], settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Asked for its ap:// name, the README's recipe raised at every delivery
+    # (an ERROR line each), and a header one returned went to every gateway.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "COLLECTION_SYNCHRONIZATION": f"{__name__}.recording_synchronization",
+    }
+    asked_to_synchronize.clear()
+    gateway = inboxes("127.0.0.2")
+    inbox = PortableInbox(f"ap://{DID}/actor/inbox", [gateway.url("")])
+    send_portable(ALICE, NOTE, [inbox], {"synchronize_collection": True})
+    send_batch(ALICE, NOTE, [gateway.url("/users/bob/inbox")], {"synchronize_collection": True})
+    Deliverer().run(drain=True)
+    assert asked_to_synchronize == [(ALICE, gateway.url("/users/bob/inbox"))]
+    assert len(gateway.received) == 2
+    assert "ERROR" not in caplog.text
