@@ -38,6 +38,7 @@ from django.utils.translation import ngettext
 from django_federation_delivery import history
 from django_federation_delivery.addresses import host_of
 from django_federation_delivery.conf import app_settings, database_alias
+from django_federation_delivery.dialect import aware_now, orm_datetime
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Retracts, Status
 from django_federation_delivery.replay import REPLAYED
 from django_federation_delivery.store import purges
@@ -72,7 +73,9 @@ def retention_seconds(setting: Any = ...) -> dict[Status, float]:
 def cutoffs_for(
     retention: Mapping[Status, float], now: dt.datetime | None = None
 ) -> dict[Status, dt.datetime]:
-    now = now or timezone.now()
+    # In UTC: a span of real time, across a clock change too (with USE_TZ
+    # off, timezone.now() is TIME_ZONE's wall clock).
+    now = now or aware_now()
     return {status: now - dt.timedelta(seconds=seconds) for status, seconds in retention.items()}
 
 
@@ -166,8 +169,8 @@ def purge(
         manager = Delivery.objects.using(alias)
         purgeable = Q()
         for status, cutoff in cutoffs.items():
-            gone = Q(status=status, settled_at__lt=cutoff) & (
-                Q(settled_at__lt=retractions.get(status, cutoff))
+            gone = Q(status=status, settled_at__lt=orm_datetime(cutoff, alias)) & (
+                Q(settled_at__lt=orm_datetime(retractions.get(status, cutoff), alias))
                 | Q(batch__retracts=Retracts.NOTHING)
             )
             purged.deliveries[status.value] = manager.filter(gone).count()
@@ -175,7 +178,7 @@ def purge(
         kept = manager.filter(batch=OuterRef("pk")).exclude(purgeable)
         purged.batches = (
             Batch.objects.using(alias)
-            .filter(created_at__lt=batch_cutoff)
+            .filter(created_at__lt=orm_datetime(batch_cutoff, alias))
             .exclude(Exists(kept))
             .count()
         )
@@ -249,7 +252,7 @@ def _forgotten_hosts(cutoff: dt.datetime, deliveries: Any, alias: str) -> list[s
     breaker's doing, not history."""
     candidates = list(
         Host.objects.using(alias)
-        .filter(_UNMARKED, updated_at__lt=cutoff)
+        .filter(_UNMARKED, updated_at__lt=orm_datetime(cutoff, alias))
         .exclude(Exists(deliveries))
         .values_list("name", flat=True)
     )
@@ -271,7 +274,7 @@ def _delete_hosts(names: list[str], cutoff: dt.datetime, alias: str) -> int:
     deliveries = Delivery.objects.using(alias).filter(host=OuterRef("name"))
     return int(
         Host.objects.using(alias)
-        .filter(_UNMARKED, name__in=names, updated_at__lt=cutoff)
+        .filter(_UNMARKED, name__in=names, updated_at__lt=orm_datetime(cutoff, alias))
         .exclude(Exists(deliveries))
         .delete()[0]
     )

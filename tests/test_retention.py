@@ -511,3 +511,28 @@ def test_a_delivery_requeued_and_given_up_again_while_a_chunk_runs_is_kept() -> 
         f"a delivery settled {settled_again} (seconds ago) was purged as 40 days old: "
         f"{purged[0].deliveries}"
     )
+
+
+def test_use_tz_off_a_retention_is_a_span_of_real_time_across_a_clock_change(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, USE_TZ = False, now 2024-03-15 12:00 EDT (16:00 UTC). A
+    delivery settled 2024-03-08 11:30 EST (16:30 UTC) is 6 days 23.5 hours
+    old: within the 7 days of DELIVERED, it must be kept."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/New_York"
+    now_local = dt.datetime(2024, 3, 15, 12, 0)
+    batch = Batch.objects.create(sender="https://a.example/u", body="{}")
+    Batch.objects.filter(id=batch.id).update(created_at=dt.datetime(2024, 3, 8, 11, 0))
+    Delivery.objects.create(
+        batch=batch,
+        inbox="https://a.example/1",
+        host="a.example",
+        status=Status.DELIVERED,
+        settled_at=dt.datetime(2024, 3, 8, 11, 30),
+    )
+    monkeypatch.setattr(timezone, "now", lambda: now_local)
+    purged = retention.purge_by_setting()
+    assert purged.deliveries[Status.DELIVERED] == 0, (
+        "a delivery 6 d 23.5 h old was purged under a 7-day retention"
+    )

@@ -15,7 +15,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from django_federation_delivery.dialect import connection_for, db_datetime
+from django_federation_delivery.dialect import connection_for, db_datetime, orm_datetime
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.store import sql
 from django_federation_delivery.store.locks import again_on_deadlock
@@ -97,7 +97,7 @@ def delete_empty_batches(
     while not should_stop():
         ids = list(
             Batch.objects.using(alias)
-            .filter(id__gt=last, created_at__lt=cutoff)
+            .filter(id__gt=last, created_at__lt=orm_datetime(cutoff, alias))
             .order_by("id")
             .values_list("id", flat=True)[:chunk]
         )
