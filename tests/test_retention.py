@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -359,42 +361,56 @@ def test_a_delivery_requeued_while_a_purge_waits_for_its_row_is_kept() -> None:
     (batch,) = batches(1, now)
     old = now - dt.timedelta(days=40)
     requeued, *others = pending(batch, 3, status=Status.DELIVERED, settled_at=old)
-    updated, release = threading.Event(), threading.Event()
+    # An operator's requeue, committed only once the purge waits for its row.
+    requeue = Delivery.objects.filter(id=requeued.id)
+    with purge_waiting_on(
+        lambda: requeue.update(status=Status.PENDING, settled_at=None),
+        {Status.DELIVERED: now - dt.timedelta(days=7)},
+    ) as purged:
+        pass
+    # The purge found the row delivered and 40 days old, and waited for it;
+    # by then it was pending again, and is kept.
+    assert purged and purged[0].deliveries == {Status.DELIVERED.value: len(others)}
+    assert list(Delivery.objects.values_list("id", "status")) == [(requeued.id, Status.PENDING)]
+
+
+@contextlib.contextmanager
+def purge_waiting_on(
+    holding: Callable[[], object], cutoffs: dict[Status, dt.datetime]
+) -> Iterator[list[retention.Purged]]:
+    """A purge of ``cutoffs``, in a thread of its own, waiting for a row that
+    another transaction holds: ``holding`` runs in that transaction, whose
+    locks are kept until the block ends. Yields, once the purge waits, what
+    it returns (there once the block has ended)."""
+    held, release = threading.Event(), threading.Event()
     purged: list[retention.Purged] = []
 
-    def requeue() -> None:
-        # An operator's requeue, committed only once the purge waits for its row.
+    def hold() -> None:
         try:
             with transaction.atomic():
-                Delivery.objects.filter(id=requeued.id).update(
-                    status=Status.PENDING, settled_at=None
-                )
-                updated.set()
+                holding()
+                held.set()
                 release.wait(30)
         finally:
             connections.close_all()
 
     def purge() -> None:
         try:
-            purged.append(retention.purge({Status.DELIVERED: now - dt.timedelta(days=7)}))
+            purged.append(retention.purge(cutoffs))
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=requeue), threading.Thread(target=purge)]
+    threads = [threading.Thread(target=hold), threading.Thread(target=purge)]
     threads[0].start()
-    assert updated.wait(10)
+    assert held.wait(10)
     threads[1].start()
-
     try:
         wait_until(lambda: waiting_on_locks() > 0, timeout=10)
+        yield purged
     finally:
         release.set()
         for thread in threads:
             thread.join(30)
-    # The purge found the row delivered and 40 days old, and waited for it;
-    # by then it was pending again, and is kept.
-    assert purged and purged[0].deliveries == {Status.DELIVERED.value: len(others)}
-    assert list(Delivery.objects.values_list("id", "status")) == [(requeued.id, Status.PENDING)]
 
 
 def test_use_tz_off_with_a_replayed_status_kept_for_ever_purges(settings: Any) -> None:
@@ -454,58 +470,22 @@ def test_a_delivery_requeued_and_given_up_again_while_a_chunk_runs_is_kept() -> 
     and is held at the first by another transaction's lock. Meanwhile the
     second is requeued by an operator and given up again (FAILED, settled
     now): a delivery settled a moment ago, within its 30 days. The DELETE
-    checks only ``status`` again on the changed row, and deletes it."""
+    checked only ``status`` again on the changed row, and deleted it."""
     if connection.vendor != "postgresql":
         pytest.skip("SQLite has one writer")
     now = timezone.now()
-    batch = Batch.objects.create(sender="https://a.example/u", body="{}")
-    Batch.objects.filter(id=batch.id).update(created_at=now - dt.timedelta(days=41))
-    first, second = Delivery.objects.bulk_create(
-        [
-            Delivery(
-                batch=batch,
-                inbox=f"https://a.example/{n}",
-                host="a.example",
-                status=Status.FAILED,
-                settled_at=now - dt.timedelta(days=40),
-                attempts=1,
-            )
-            for n in range(2)
-        ]
-    )
-    held, release = threading.Event(), threading.Event()
-    purged: list[retention.Purged] = []
-
-    def hold() -> None:
-        try:
-            with transaction.atomic():
-                list(Delivery.objects.select_for_update().filter(id=first.id))
-                held.set()
-                release.wait(30)
-        finally:
-            connections.close_all()
-
-    def purge() -> None:
-        try:
-            purged.append(retention.purge({Status.FAILED: now - dt.timedelta(days=30)}))
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=hold), threading.Thread(target=purge)]
-    threads[0].start()
-    assert held.wait(10)
-    threads[1].start()
-    try:
-        wait_until(lambda: waiting_on_locks() > 0, timeout=10)
+    (batch,) = batches(1, now)
+    old = now - dt.timedelta(days=40)
+    first, second = pending(batch, 2, status=Status.FAILED, settled_at=old, attempts=1)
+    with purge_waiting_on(
+        lambda: list(Delivery.objects.select_for_update().filter(id=first.id)),
+        {Status.FAILED: now - dt.timedelta(days=30)},
+    ) as purged:
         # The operator's requeue, then a give-up: each committed on its own.
         assert controls.requeue(Delivery.objects.filter(id=second.id)) == 1
         assert controls.give_up(Delivery.objects.filter(id=second.id)) == 1
         settled_again = Delivery.objects.get(id=second.id).settled_at
         assert settled_again is not None and settled_again > now - dt.timedelta(minutes=1)
-    finally:
-        release.set()
-        for thread in threads:
-            thread.join(30)
     assert purged
     assert Delivery.objects.filter(id=second.id).exists(), (
         f"a delivery settled {settled_again} (seconds ago) was purged as 40 days old: "

@@ -17,25 +17,18 @@ from django.db import connection
 from django.db.backends.utils import CursorWrapper
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
-from django.urls import reverse
 from django.utils import timezone
 
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Lane, Status
 
-from . import operators
+from .test_admin import act_on_all, login, url
 
 pytestmark = pytest.mark.django_db
 
 
-def url(model: str, view: str = "changelist", *args: Any) -> str:
-    return reverse(f"admin:federation_delivery_{model}_{view}", args=args)
-
-
 @pytest.fixture
 def operator() -> Client:
-    client = Client()
-    client.force_login(operators.user("operator", ("view", "change")))
-    return client
+    return login("operator")
 
 
 class Fetched:
@@ -236,20 +229,10 @@ def _selects_hosts_of_deliveries(sql: str) -> bool:
 def test_pausing_the_hosts_of_all_selected_deliveries_reads_each_host_once(
     operator: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
-
     fill(5, 5_000)
     first = Delivery.objects.order_by("id").values_list("id", flat=True).first()
     with fetched(monkeypatch) as seen:
-        response = operator.post(
-            url("delivery"),
-            {
-                "action": "pause_hosts",
-                "select_across": "1",
-                "index": "0",
-                ACTION_CHECKBOX_NAME: [str(first)],
-            },
-        )
+        response = act_on_all(operator, "delivery", "pause_hosts", first)
     assert response.status_code == 302
     assert Host.objects.filter(paused_at__isnull=False).count() == 5
     read = max(n for sql, n in seen.rows.items() if _selects_hosts_of_deliveries(sql))
@@ -340,8 +323,6 @@ def test_resetting_every_breaker_takes_a_few_statements_a_chunk(
 ) -> None:
     import time
 
-    from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
-
     now = timezone.now()
     Breaker.objects.bulk_create(
         [
@@ -352,15 +333,7 @@ def test_resetting_every_breaker_takes_a_few_statements_a_chunk(
     )
     started = time.perf_counter()
     with fetched(monkeypatch) as seen:
-        response = operator.post(
-            url("breaker"),
-            {
-                "action": "reset",
-                "select_across": "1",
-                "index": "0",
-                ACTION_CHECKBOX_NAME: ["h000000.example"],
-            },
-        )
+        response = act_on_all(operator, "breaker", "reset", "h000000.example")
     took = time.perf_counter() - started
     assert response.status_code == 302
     assert not Breaker.objects.exists()
