@@ -31,14 +31,14 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.db.models import Exists, OuterRef, Q
-from django.utils import timezone, translation
+from django.utils import translation
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import history
 from django_federation_delivery.addresses import host_of
 from django_federation_delivery.conf import app_settings, database_alias
-from django_federation_delivery.dialect import aware_now, orm_datetime
+from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Retracts, Status
 from django_federation_delivery.replay import REPLAYED
 from django_federation_delivery.store import purges
@@ -157,7 +157,9 @@ def purge(
     if not cutoffs:
         purged.seconds = time.monotonic() - started
         return purged
-    cutoffs = {Status(status): cutoff for status, cutoff in cutoffs.items()}
+    # Aware, as cutoffs_for makes them: a caller's naive ones (timezone.now()
+    # with USE_TZ off) are in TIME_ZONE.
+    cutoffs = {Status(status): aware(cutoff) for status, cutoff in cutoffs.items()}
     if Status.PENDING in cutoffs:
         raise ValueError("pending deliveries are never purged")
     # A batch created after the newest cutoff, or a host written to after
@@ -215,20 +217,13 @@ def _retractions_cutoff(cutoffs: Mapping[Status, dt.datetime]) -> dict[Status, d
     """When a retraction's deliveries of each status are purged: once what
     they took back is, which a replay would send again (its statuses,
     ``replay.REPLAYED``), so at the oldest of those statuses' cutoffs, and
-    never while one of them is kept for ever. A replay leaves out what a retraction sent
-    to the host took back by that retraction's delivery there: gone first, a
-    replay would send a deleted post's ``Create`` again, with no ``Delete``
-    after it (a ``Create`` given up is kept 30 days by default, the
-    ``Delete`` delivered after it 7)."""
+    never while one of them is kept for ever. A replay leaves out what a
+    retraction sent to the host took back by that retraction's delivery
+    there: gone first, a replay would send a deleted post's ``Create`` again,
+    with no ``Delete`` after it (a ``Create`` given up is kept 30 days by
+    default, the ``Delete`` delivered after it 7)."""
     known = [cutoffs.get(status) for status in REPLAYED]
-    if None in known:
-        # As the cutoffs are: naive ones with USE_TZ off, and a naive time
-        # compared with an aware one raises.
-        sample = next(iter(cutoffs.values()))
-        aware_cutoffs = timezone.is_aware(sample)
-        oldest = purges.EARLIEST if aware_cutoffs else purges.EARLIEST.replace(tzinfo=None)
-    else:
-        oldest = min(at for at in known if at is not None)
+    oldest = purges.EARLIEST if None in known else min(at for at in known if at is not None)
     # Of every status: a Delete refused or skipped at the host (kept 7 days
     # by default) took back what it was about there as well as one delivered.
     return {status: min(cutoff, oldest) for status, cutoff in cutoffs.items()}

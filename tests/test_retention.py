@@ -424,6 +424,10 @@ def test_use_tz_off_with_a_replayed_status_kept_for_ever_purges(settings: Any) -
     settled(10, count=2)
     purged = retention.purge_by_setting()
     assert purged.deliveries[Status.DELIVERED] == 2
+    # Given naive cutoffs by a caller, as timezone.now() is with USE_TZ off.
+    settled(10, count=2)
+    naive = {Status.DELIVERED: timezone.now() - dt.timedelta(days=7)}
+    assert retention.purge(naive).deliveries[Status.DELIVERED] == 2
 
 
 def test_a_refused_retraction_is_kept_as_long_as_the_create_it_took_back(settings: Any) -> None:
