@@ -312,7 +312,7 @@ def start_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
     """
     if prometheus_client is None:
         raise ImproperlyConfigured(NEEDS_CLIENT)
-    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    family, _address = _listening(addr, port)
     server_class = type("_MetricsServer", (_MetricsServer,), {"address_family": family})
     server: WSGIServer = make_server(
         addr, port, prometheus_client.make_wsgi_app(), server_class, _MetricsHandler
@@ -367,8 +367,15 @@ def check_address(addr: str) -> None:
     port there for a moment, as :func:`start_server` would bind it.
     ``run_deliverer --processes`` asks before starting any child: each would
     die of it, and be started again and again."""
-    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
-        addr, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
+    family, sockaddr = _listening(addr, 0)
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.bind(sockaddr)
+
+
+def _listening(addr: str, port: int) -> tuple[socket.AddressFamily, Any]:
+    """The family and socket address a server listening on ``addr`` binds
+    (IPv4 or IPv6, as the address is)."""
+    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
+        addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    return family, sockaddr
