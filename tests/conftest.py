@@ -697,6 +697,13 @@ def statements_run() -> Iterator[list[tuple[str, Any]]]:
         yield executed
 
 
+def reads_by_primary_key(plan: str, table: str) -> bool:
+    """Whether a PostgreSQL plan reads ``table`` through its primary key: an
+    index scan or a bitmap of it, whichever the planner's estimate picks;
+    either reads only the rows asked for."""
+    return f"Index Scan using {table}_pkey" in plan or f"Bitmap Index Scan on {table}_pkey" in plan
+
+
 @contextlib.contextmanager
 def away_at(fragment: str) -> Iterator[list[str]]:
     """The database away for a moment, as a connection lost: the first
