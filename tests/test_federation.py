@@ -237,6 +237,36 @@ def only_404_is_final(status: int) -> bool:
     return status == 404
 
 
+#: What a project keeps of the statuses it treats as final, and why.
+FINAL = {404: "no such actor", 410: "actor gone"}
+
+
+def final_reason(status: int) -> str | None:
+    return FINAL.get(status)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_permanent_status_callable_may_answer_any_truthy_value(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], settings: Any
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PERMANENT_STATUS": "tests.test_federation.final_reason",
+        "RETRY": {"BASE": 60},
+    }
+    inbox.respond = lambda request: (410, {}, b"gone")
+    send(ALICE, NOTE, [inbox.url()])
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).exists())
+    runner.stop()
+    row = Delivery.objects.get()
+    assert (row.status, row.last_status, row.last_error) == (
+        Status.REFUSED,
+        410,
+        "the inbox answered 410 Gone: gone",
+    )
+
+
 def test_a_direct_message_is_not_queued_behind_a_fan_out(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],

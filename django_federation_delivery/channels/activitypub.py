@@ -135,7 +135,8 @@ class ActivityPub(Channel):
         delivered = 200 <= answer.status < 300
         return Verdict(
             delivered=delivered,
-            refused=self.is_permanent(answer.status),
+            # A project's PERMANENT_STATUS may answer any truthy value.
+            refused=bool(self.is_permanent(answer.status)),
             retry_after=None if delivered else parse_retry_after(answer.headers.get("Retry-After")),
         )
 
