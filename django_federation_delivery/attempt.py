@@ -37,6 +37,13 @@ def is_refusal(status: int) -> bool:
     return 400 <= status < 500 and status not in (408, 429)
 
 
+def is_host_failure(status: int | None) -> bool:
+    """Whether an answer (``None``: none came) counts against its host's
+    breaker: a 5xx, 408, 429 or no answer. A redirect or another 4xx came
+    from a server that is up, whatever becomes of the delivery."""
+    return status is None or status >= 500 or status in (408, 429)
+
+
 #: The default judgement of an answer: every 4xx but 408 (timeout) and 429
 #: (too many requests) says the same request will be refused again; the same
 #: rule as every kind of webhook's.

@@ -30,7 +30,7 @@ from django.utils import timezone
 
 from django_federation_delivery import signals, tracing, wakeup, writelock
 from django_federation_delivery.addresses import quoted
-from django_federation_delivery.attempt import AttemptResult
+from django_federation_delivery.attempt import AttemptResult, is_host_failure
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.conf import app_settings, database_alias
@@ -336,7 +336,11 @@ class Deliverer:
             ):
                 self.breakers.record(
                     item.breaker,
-                    failed=not result.delivered and not result.permanent,
+                    failed=(
+                        not result.delivered
+                        and not result.permanent
+                        and is_host_failure(result.status)
+                    ),
                     probe=item.probe,
                     now=timezone.now(),
                 )

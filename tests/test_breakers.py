@@ -28,7 +28,7 @@ from django_federation_delivery.store import CLAIM_ORDER
 
 from .conftest import Inbox, Overlap, Received, RunningDeliverer, wait_until
 from .keys import ALICE
-from .operators import quick_breaker
+from .operators import NOTE, quick_breaker
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 SECOND = dt.timedelta(seconds=1)
@@ -490,3 +490,26 @@ def test_two_deliverers_count_failures_together_and_probe_one_at_a_time(
     assert 1 <= probes <= 3 / 0.5 + 1, f"{probes} probes in six cool-offs"
     held = first.deliverer.summary.held + second.deliverer.summary.held
     assert held > 20, "the rest were held by both, without a request"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("status", [302, 404])
+def test_answers_from_a_server_that_is_up_open_no_breaker(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], settings: Any, status: int
+) -> None:
+    # Only a 5xx, 408, 429 or no answer counts against a host: a redirect, or
+    # a 4xx PERMANENT_STATUS has made worth retrying, came from a server up.
+    quick_breaker(
+        settings, NEW_WORK_POLL_SECONDS=0.05, PERMANENT_STATUS="tests.test_breakers.never_final"
+    )
+    inbox.respond = lambda request: (status, {"Location": "http://127.0.0.1/elsewhere"}, b"")
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(4)])
+    runner = start_deliverer(concurrency=1, per_host=1)
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).count() == 4)
+    runner.stop()
+    assert not Breaker.objects.filter(open_until__isnull=False).exists()
+    assert len(inbox.received) == 4
+
+
+def never_final(status: int) -> bool:
+    return False
