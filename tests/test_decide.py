@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from django_federation_delivery.attempt import AttemptResult, failed, held
-from django_federation_delivery.channels.activitypub import InboxJob
+from django_federation_delivery.attempt import AttemptResult, failed, held, judged
+from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
 from django_federation_delivery.decide import Outcome, Ruling, decide
 from django_federation_delivery.retry import DAY_SCHEDULE, RetryPolicy
 from django_federation_delivery.signatures import Scheme
+from django_federation_delivery.transport import Answer
 
 NOW = dt.datetime(2025, 1, 1, 12, 0, tzinfo=dt.UTC)
 JOB = InboxJob(
@@ -241,3 +242,23 @@ def test_a_fixed_schedule_retries_by_it_and_gives_up_after_its_nine_tries() -> N
     policy = RetryPolicy(schedule=DAY_SCHEDULE, jitter=0.0)
     assert decide(answer(503), 8, policy, now=NOW).due_at == after(DAY_SCHEDULE[7])
     assert decide(answer(503), 9, policy, now=NOW).outcome is Outcome.FAILED
+
+
+def waited_after_503(retry_after: str) -> float:
+    """Seconds before the retry of a 503 answered with ``retry_after``, as
+    an inbox's answer is judged, without jitter, RETRY_AFTER_MAX an hour."""
+    answer = Answer(status=503, headers={"Retry-After": retry_after}, body=b"", elapsed=0.1)
+    result = judged(JOB, 503, ActivityPub().judge(answer), "the inbox answered 503")
+    ruling = decide(result, 1, RetryPolicy(jitter=0.0), now=NOW, retry_after_max=3600.0)
+    assert ruling.outcome is Outcome.RETRYING and ruling.due_at is not None
+    return (ruling.due_at - NOW).total_seconds()
+
+
+@pytest.mark.parametrize(
+    "retry_after",
+    ["999999999999", "10000000000000", "9" * 400, "Fri, 31 Dec 9999 23:59:59 GMT"],
+)
+def test_a_retry_after_longer_than_the_longest_wait_waits_the_longest(retry_after: str) -> None:
+    # However it is written, the server that asks to be left alone longest
+    # is never knocked on sooner than one asking less.
+    assert waited_after_503(retry_after) == 3600.0

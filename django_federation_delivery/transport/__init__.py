@@ -157,6 +157,11 @@ def status_text(status: int) -> str:
         return str(status)
 
 
+#: The seconds a ``Retry-After`` of more than a dozen digits is read as
+#: asking for: some 31,700 years, past any wait a policy keeps.
+LONGEST_ASKED = 999_999_999_999.0
+
+
 def parse_retry_after(
     value: str | None, *, now: float | None = None, dates: bool = True
 ) -> float | None:
@@ -164,7 +169,9 @@ def parse_retry_after(
 
     Takes delay-seconds (``"120"``) or, unless ``dates`` is False, an
     HTTP-date (a date in the past means 0). ``None`` when the header is absent
-    or not understood, including a negative number of seconds. ``now`` is the
+    or not understood, including a negative number of seconds. A number of
+    more digits than ``LONGEST_ASKED`` has asks for that long: longer than any
+    wait, it is cut to the caller's longest like any other. ``now`` is the
     Unix time to count from.
     """
     if value is None:
@@ -173,10 +180,10 @@ def parse_retry_after(
     if not value:
         return None
     if value.isdigit() and value.isascii():
-        # A number of more than a dozen digits is nobody's wait; past 4,300
-        # of them int() itself refuses it, and past 308 float() overflows.
+        # Past 4,300 digits int() itself refuses a number, and past 308
+        # float() overflows: what a dozen digits cannot say is as long.
         digits = value.lstrip("0")
-        return float(int(digits or "0")) if len(digits) <= 12 else None
+        return float(int(digits or "0")) if len(digits) <= 12 else LONGEST_ASKED
     if not dates:
         return None
     try:
