@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from django_federation_delivery import addresses
@@ -166,10 +166,10 @@ class InboxDeliveries:
             )
             key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
         extra = (
-            synchronization_headers(self.synchronization, batch.sender, row.inbox)
-            # Not for a portable inbox: its ap:// name is no URL on a host,
-            # and one header would go to every gateway's host.
-            if batch.synchronize_collection and key is not None and not row.via
+            synchronization_headers(
+                self.synchronization, batch.sender, row.inbox, via=row.via or ()
+            )
+            if batch.synchronize_collection and key is not None
             else {}
         )
         return InboxJob(
@@ -198,7 +198,11 @@ class InboxDeliveries:
 
 
 def synchronization_headers(
-    synchronization: Callable[..., Any] | None, sender: str, inbox: str
+    synchronization: Callable[..., Any] | None,
+    sender: str,
+    inbox: str,
+    *,
+    via: Sequence[str] = (),
 ) -> dict[str, str]:
     """The ``Collection-Synchronization`` header of a delivery of ``sender``'s
     to ``inbox``, in a batch sent with ``synchronize_collection``, as
@@ -206,8 +210,11 @@ def synchronization_headers(
     delivery is made; none when it writes none, raises, or writes what
     cannot be signed or sent (logged), so that the activity is delivered
     without it either way. A job and a test's ``Outgoing.headers()`` both
-    take it from here, so that a test sees the header an attempt sends."""
-    if synchronization is None:
+    take it from here, so that a test sees the header an attempt sends.
+
+    None for a portable inbox (``via`` its gateways): its ap:// name is no
+    URL on a host, and one header would go to every gateway's host."""
+    if synchronization is None or via:
         return {}
     header = ask("COLLECTION_SYNCHRONIZATION", synchronization, sender, inbox)
     if header is None or header == "":

@@ -12,7 +12,9 @@ import secrets
 import subprocess
 import sys
 import textwrap
+import time
 import unittest
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,12 @@ from django_federation_delivery import (
     send_webhook,
     signals,
 )
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.testing import DeliveryTestMixin, Outgoing, deliver_all
 from django_federation_delivery.testing.fake import FakeInbox
 
+from .conftest import Inbox
 from .keys import ALICE, EDNA, rsa_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -43,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
 INBOX = "https://mastodon.example/users/bob/inbox"
 GONE = "https://gone.example/users/carol/inbox"
+DID = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
 KEY = base64.b64encode(secrets.token_bytes(32)).decode()
 SLACK = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
 
@@ -208,6 +213,30 @@ def test_outgoing_headers_are_the_headers_an_attempt_sends_synchronization_inclu
         assert sent[synchronized.body][name] == headers[name]
 
 
+def test_outgoing_headers_of_a_portable_inbox_are_those_its_attempt_sends(
+    inboxes: Callable[..., Inbox], settings: Any, delivery_outbox: list[Outgoing]
+) -> None:
+    # An attempt at a portable inbox sends no Collection-Synchronization
+    # header, nor asks for one about its ap:// name: headers() neither.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "COLLECTION_SYNCHRONIZATION": f"{__name__}.synchronization",
+    }
+    gateway = inboxes("127.0.0.2")
+    send_portable(
+        ALICE,
+        NOTE,
+        [PortableInbox(f"ap://{DID}/actor/inbox", [gateway.url("")])],
+        {"synchronize_collection": True},
+    )
+    ((outgoing),) = delivery_outbox
+    shown = {name.lower() for name in outgoing.headers()}
+    Deliverer().run(drain=True)
+    ((request),) = gateway.received
+    assert "collection-synchronization" not in {name.lower() for name in request.headers}
+    assert "collection-synchronization" not in shown
+
+
 def test_outgoing_headers_of_an_ed25519_sender_are_signed_in_rfc9421_as_an_attempt_signs_them(
     delivery_outbox: list[Outgoing], fake_inbox: FakeInbox
 ) -> None:
@@ -302,6 +331,49 @@ def test_a_signature_made_with_another_key_does_not_verify(scheme: str) -> None:
     ((received),) = fake.received
     assert (received.scheme, received.status, received.verified) == (scheme, 401, False)
     assert "does not verify" in received.problem
+
+
+@pytest.mark.parametrize("scheme", ["draft-cavage", "rfc9421"])
+@pytest.mark.parametrize(
+    ("made", "status"),
+    [(0, 202), (-3600, 202), (-7200, 401), (3000, 202), (7200, 401)],
+)
+def test_the_fake_takes_a_signature_only_in_mastodons_window(
+    scheme: str, made: int, status: int
+) -> None:
+    # Mastodon: with no "expires", a signature expires 5 minutes after its
+    # Date (or "created"), and an hour's clock skew is allowed either side.
+    from django_federation_delivery.signatures import Scheme, body_sha256, sign_request
+
+    body = b'{"type":"Create"}'
+    key = SenderKey(f"{ALICE}#main-key", rsa_key())
+    headers = sign_request(
+        Scheme(scheme), url=INBOX, body_sha256=body_sha256(body), key=key, now=time.time() + made
+    )
+    with FakeInbox() as fake:
+        requests.post(INBOX, data=body, headers=headers, timeout=5)
+    ((received),) = fake.received
+    assert (received.scheme, received.status) == (scheme, status), received.problem
+
+
+def test_the_fake_verifies_destinations_at_one_url_each_with_its_own_secret(
+    fake_inbox: FakeInbox, settings: Any
+) -> None:
+    first, second = secrets.token_bytes(32), secrets.token_bytes(32)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {
+            "billing": f"https://hooks.example/in?secret=whsec_{base64.b64encode(first).decode()}",
+            "audit": f"https://hooks.example/in?secret=whsec_{base64.b64encode(second).decode()}",
+        },
+    }
+    send_webhook("billing", "invoice.paid", {"id": 1})
+    send_webhook("audit", "user.created", {"name": "Zoë"})
+    deliver_all(fake=fake_inbox)
+    assert sorted((r.json()["type"], r.status, r.verified) for r in fake_inbox.received) == [
+        ("invoice.paid", 202, True),
+        ("user.created", 202, True),
+    ]
 
 
 def test_a_signed_json_webhook_is_verified_with_its_destinations_secret(

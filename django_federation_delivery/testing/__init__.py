@@ -397,7 +397,9 @@ def _inbox_headers(outgoing: Outgoing, scheme: str | None) -> dict[str, str]:
         sender=outgoing.sender,
         scheme=Scheme(scheme) if scheme else app_settings.first_scheme,
         extra_headers=(
-            synchronization_headers(synchronization, outgoing.sender, outgoing.inbox)
+            synchronization_headers(
+                synchronization, outgoing.sender, outgoing.inbox, via=outgoing.via
+            )
             if outgoing.synchronize_collection
             else {}
         ),
