@@ -53,8 +53,11 @@ class BreakerSettings:
     def key(self, host: str, inbox: str) -> str:
         """The breaker of ``inbox`` on ``host``: the host's, or the inbox's
         without its userinfo and query, which may be credentials (the key is
-        shown, and in the admin's URLs)."""
-        return host if self.scope is Scope.HOST else inbox_key(inbox)
+        shown, and in the admin's URLs). A webhook destination's is its host
+        (``<ops>``) either way: it is one inbox, named as its host is."""
+        if self.scope is Scope.HOST or host.startswith("<"):
+            return host
+        return inbox_key(inbox)
 
     @classmethod
     def from_settings(cls) -> BreakerSettings | None:

@@ -16,7 +16,7 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from django_federation_delivery import breakers, controls
-from django_federation_delivery.addresses import host_of, redact
+from django_federation_delivery.addresses import host_named, redact
 from django_federation_delivery.admin.base import (
     OperatorAdmin,
     give_up_and_report,
@@ -129,13 +129,27 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
         give_up_and_report(self, request, hosts_of(queryset), using=controls.database_of(queryset))
 
 
-def host_of_key(key: str) -> str:
-    """The host a breaker is about: its key, or the host of an inbox key."""
-    return host_of(key) if "://" in key else key
-
-
-def hosts_of(breakers: QuerySet[Breaker]) -> list[str]:
-    return sorted({host_of_key(key) for key in breakers.values_list("key", flat=True)} - {""})
+def hosts_of(selected: QuerySet[Breaker]) -> list[str]:
+    """The hosts the selected breakers are about. A breaker kept per host
+    names its host (a destination's ``<ops>`` too); one kept per inbox, the
+    inbox's host, or for a portable inbox (``ap://``, on no host of its own)
+    the hosts its pending deliveries go to, its gateways'. A key no host can
+    have (too long, a control character: a row written by hand) names none."""
+    found: set[str] = set()
+    portable: list[str] = []
+    for key in selected.values_list("key", flat=True):
+        if key.startswith("ap://"):
+            portable.append(key)
+        else:
+            found.add(host_named(key))
+    deliveries = Delivery.objects.using(selected.db).filter(status=Status.PENDING)
+    for start in range(0, len(portable), controls.CHUNK):
+        found.update(
+            deliveries.filter(inbox__in=portable[start : start + controls.CHUNK])
+            .values_list("host", flat=True)
+            .distinct()
+        )
+    return sorted(found - {""})
 
 
 def pictured(obj: Host) -> HostPicture | None:
