@@ -37,6 +37,7 @@ from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware_now, orm_datetime
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Retracts, Status
 from django_federation_delivery.store import queueing, retractions, sequences
+from django_federation_delivery.store.claims import stored_gateways
 from django_federation_delivery.store.locks import write_first
 from django_federation_delivery.webhooks.destinations import configured, delivery_key
 from django_federation_delivery.webhooks.sending import ORDERING_KEY as WEBHOOK_ORDERING_KEY
@@ -241,8 +242,13 @@ def _replay_step(
     by_batch: dict[int, list[queueing.Queued]] = {}
     kinds: dict[int, str] = {}
     for batch_id, inbox, row_host, via, row_destination, kind in rows:
+        gateways = stored_gateways(via)
+        if gateways is None:
+            # Gateways written by hand as no list of URLs: no attempt could
+            # use them, as the loop that failed the row found.
+            continue
         by_batch.setdefault(batch_id, []).append(
-            queueing.Queued(inbox, row_host, tuple(via or ()), row_destination)
+            queueing.Queued(inbox, row_host, gateways, row_destination)
         )
         kinds[batch_id] = kind
     batches = Batch.objects.using(alias).in_bulk(list(by_batch))

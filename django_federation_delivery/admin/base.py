@@ -260,6 +260,14 @@ def pretty_json(text: str) -> SafeString:
     # page can hold unescaped (each a row written by hand: a send refuses it).
     with contextlib.suppress(ValueError, RecursionError):
         pretty = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        if not pretty.isprintable():
+            # What JSON leaves as it is but a page would act on (a bidi
+            # override, a line separator) as its JSON escape: still the same
+            # JSON, shown as every other kept text is.
+            pretty = "".join(
+                char if char.isprintable() or char == "\n" else json.dumps(char)[1:-1]
+                for char in pretty
+            )
         pretty.encode()
         text = pretty
     return format_html('<pre class="fd-body">{}</pre>', text)

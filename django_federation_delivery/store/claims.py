@@ -122,7 +122,7 @@ def claim(
     for row in rows:
         # Its gateways as their JSON text: PostgreSQL's as Django reads it,
         # SQLite's a text inside the claim's one JSON value (claimed_rows).
-        via = _gateways(row[5])
+        via = stored_gateways(row[5])
         claimed.append(
             Claimed(
                 row[0],
@@ -251,7 +251,7 @@ def _take_sqlite(db: sql.Statements, wanted: _Wanted) -> list[Any]:
 BAD_GATEWAYS = "its stored gateways (via) are not a list of URLs"
 
 
-def _gateways(value: Any) -> tuple[str, ...] | None:
+def stored_gateways(value: Any) -> tuple[str, ...] | None:
     """A row's gateways (``via``): a list of URLs, stored as JSON and read as
     text to parse. None when it is anything else (no JSON, a number, an
     object, a list of anything but text: written by hand), which no attempt
