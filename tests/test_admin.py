@@ -29,6 +29,7 @@ from django_federation_delivery import (
     send_webhook,
     signals,
 )
+from django_federation_delivery.admin import hosts as hosts_admin
 from django_federation_delivery.admin import next_due
 from django_federation_delivery.breakers import BreakerSettings, Scope
 from django_federation_delivery.models import (
@@ -1340,3 +1341,22 @@ def test_pausing_the_hosts_of_breakers_leaves_out_a_key_no_host_can_have(
     assert list(Host.objects.filter(paused_at__isnull=False).values_list("name", flat=True)) == [
         "a.example"
     ]
+
+
+def test_sending_a_host_again_twice_in_a_minute_queues_once(
+    operator: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A page posted twice (a double click, a reload): the same moment.
+    batch = queue(hosts=["a.example"], per_host=2)
+    for row in batch.deliveries.all():
+        settle(row, Status.DELIVERED, last_status=202)
+    Host.objects.create(name="a.example")
+    start = timezone.now().replace(second=5, microsecond=0)
+    for clicked in (start, start + dt.timedelta(seconds=50)):
+        monkeypatch.setattr(hosts_admin, "aware_now", lambda clicked=clicked: clicked)
+        said = act(operator, "host", "replay_day", ["a.example"])
+    assert said == [
+        "Queued again: 0 deliveries, in 0 new batches. "
+        "1 batch was queued by an earlier replay of the same moment."
+    ]
+    assert Delivery.objects.exclude(batch=batch).count() == 2

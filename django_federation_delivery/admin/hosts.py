@@ -387,8 +387,10 @@ class HostAdmin(OperatorAdmin[Host]):
         description=_("Send again what the selected hosts were sent in the last 24 hours"),
     )
     def replay_day(self, request: HttpRequest, queryset: QuerySet[Host]) -> None:
-        # Aware whatever USE_TZ says, as replay() takes it.
-        since = aware_now() - dt.timedelta(days=1)
+        # Aware whatever USE_TZ says, as replay() takes it; from the minute's
+        # start, so that a second click in that minute (a page sent twice)
+        # names the same moment, whose replay is queued once.
+        since = (aware_now() - dt.timedelta(days=1)).replace(second=0, microsecond=0)
         using = controls.database_of(queryset)
         names = list(queryset.values_list("name", flat=True))
         counts = to_replay(names, since=since, using=using)
