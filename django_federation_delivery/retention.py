@@ -40,8 +40,7 @@ from django_federation_delivery.addresses import host_of
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Retracts, Status
-from django_federation_delivery.replay import REPLAYED
-from django_federation_delivery.store import purges
+from django_federation_delivery.store import purges, settlements
 from django_federation_delivery.store.queueing import CHUNK
 
 logger = logging.getLogger(__name__)
@@ -215,14 +214,15 @@ def purge(
 
 def _retractions_cutoff(cutoffs: Mapping[Status, dt.datetime]) -> dict[Status, dt.datetime]:
     """When a retraction's deliveries of each status are purged: once what
-    they took back is, which a replay would send again (its statuses,
-    ``replay.REPLAYED``), so at the oldest of those statuses' cutoffs, and
-    never while one of them is kept for ever. A replay leaves out what a
-    retraction sent to the host took back by that retraction's delivery
-    there: gone first, a replay would send a deleted post's ``Create`` again,
-    with no ``Delete`` after it (a ``Create`` given up is kept 30 days by
-    default, the ``Delete`` delivered after it 7)."""
-    known = [cutoffs.get(status) for status in REPLAYED]
+    they took back is, which a replay or a requeue would send again (any
+    settled status, superseded too: ``replay.REPLAYED`` and
+    ``controls.REQUEUED_FROM``), so at the oldest cutoff, and never while a
+    status is kept for ever. A replay and a requeue leave out what a retraction
+    sent to the host took back by that retraction's delivery there: gone
+    first, they would send a deleted post's ``Create`` again, with no
+    ``Delete`` after it (a ``Create`` given up is kept 30 days by default, the
+    ``Delete`` delivered after it 7)."""
+    known = [cutoffs.get(status) for status in settlements.FINAL]
     oldest = purges.EARLIEST if None in known else min(at for at in known if at is not None)
     # Of every status: a Delete refused or skipped at the host (kept 7 days
     # by default) took back what it was about there as well as one delivered.

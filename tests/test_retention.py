@@ -243,8 +243,9 @@ def test_a_retraction_is_kept_while_what_it_took_back_is_so_a_replay_never_sends
     assert [batch.tag for batch in again] == [f"replay of batch {retracted.pk}"]
     Batch.objects.filter(pk__in=[b.pk for b in again]).delete()
 
-    # A retraction's delivery goes with the oldest retention of what a replay
-    # sends, and never while that is kept for ever.
+    # A retraction's delivery goes with the longest retention of what a
+    # replay or a requeue sends again (any settled status), and never while
+    # one is kept for ever.
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
         "RETENTION": {"DELIVERED": DAY, "FAILED": None},
@@ -252,7 +253,7 @@ def test_a_retraction_is_kept_while_what_it_took_back_is_so_a_replay_never_sends
     assert retention.purge_by_setting().deleted == 0
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
-        "RETENTION": {"DELIVERED": DAY, "FAILED": 8.5 * DAY},
+        "RETENTION": {"DELIVERED": DAY, "FAILED": 8.5 * DAY, "REFUSED": 8.5 * DAY},
     }
     purged = retention.purge_by_setting()
     assert purged.deliveries[Status.FAILED] == purged.deliveries[Status.DELIVERED] == 1
@@ -467,6 +468,38 @@ def test_a_refused_retraction_is_kept_as_long_as_the_create_it_took_back(setting
     assert [b.tag for b in again] == [], (
         f"after the purge a replay re-sends the deleted post's Create: {[b.tag for b in again]}"
     )
+
+
+def test_a_superseded_create_kept_longer_than_its_delete_is_never_requeued(
+    settings: Any,
+) -> None:
+    # Superseded deliveries kept for ever (an audit trail): the Delete that
+    # took the Create back is kept as long, or a requeue would send the
+    # deleted post's Create with no Delete after it.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETENTION": {"SUPERSEDED": None},
+    }
+    inbox, post = "https://a.example/inbox", f"{ALICE}/notes/1"
+    created = send(ALICE, {**NOTE, "id": f"{ALICE}/activities/1", "object": post}, [inbox])
+    deleted = send(
+        ALICE,
+        {"type": "Delete", "id": f"{ALICE}/activities/2", "actor": ALICE, "object": post},
+        [inbox],
+    )
+    assert created is not None and deleted is not None
+    then = timezone.now() - dt.timedelta(days=40)
+    Batch.objects.filter(pk__in=[created.pk, deleted.pk]).update(created_at=then)
+    Delivery.objects.filter(batch=created).update(settled_at=then)
+    Delivery.objects.filter(batch=deleted).update(
+        status=Status.DELIVERED, settled_at=then, due_at=None, attempts=1
+    )
+    assert Delivery.objects.get(batch=created).status == Status.SUPERSEDED
+
+    retention.purge_by_setting()
+
+    assert Delivery.objects.filter(batch=deleted).exists()
+    assert controls.requeue(Delivery.objects.filter(batch=created)) == 0
 
 
 def test_a_delivery_requeued_and_given_up_again_while_a_chunk_runs_is_kept() -> None:
