@@ -129,7 +129,7 @@ def resume_hosts(names: Iterable[str], *, using: str | None = None) -> int:
                 )
                 .update(due_at=due)
             )
-    transaction.on_commit(wakeup.notify_local, using=alias)
+    wakeup.wake_all(alias)
     return int(released)
 
 

@@ -21,9 +21,16 @@ from django.db import connections
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.store import sql
 from django_federation_delivery.store.sql import NOTIFY_CHANNEL
-from django_federation_delivery.store.wakes import notify_local, register, unregister
+from django_federation_delivery.store.wakes import notify_local, register, unregister, wake_all
 
-__all__ = ["NOTIFY_CHANNEL", "PostgresListener", "notify_local", "register", "unregister"]
+__all__ = [
+    "NOTIFY_CHANNEL",
+    "PostgresListener",
+    "notify_local",
+    "register",
+    "unregister",
+    "wake_all",
+]
 
 logger = logging.getLogger(__name__)
 

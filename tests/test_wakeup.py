@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from django.db import OperationalError, connection
 
-from django_federation_delivery import wakeup
+from django_federation_delivery import controls, send, store, wakeup
+from django_federation_delivery.dialect import aware_now
+from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.store import settlements
+from django_federation_delivery.store.settlements import Settlement
 from django_federation_delivery.wakeup import NOTIFY_CHANNEL
 
 from .conftest import wait_until
+from .keys import ALICE
+from .operators import NOTE
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -138,5 +146,38 @@ def test_a_listener_that_loses_its_connection_wakes_the_deliverer_to_look_itself
             assert cursor.fetchall() == [(True,)], "its connection found"
         assert listener.event.wait(AT_ONCE), "not woken when it stopped listening"
         assert not listener.listening
+    finally:
+        listener.stop()
+
+
+def test_a_requeue_a_resume_and_a_hand_back_wake_other_processes(
+    listener: wakeup.PostgresListener,
+) -> None:
+    # Each makes deliveries due now outside a send: a deliverer of another
+    # process, idle on its listener, is woken as by a send, not 30 s on.
+    def woken_by(act: Callable[[], object]) -> bool:
+        listener.event.clear()
+        act()
+        found = listener.event.wait(AT_ONCE)
+        listener.event.clear()
+        return found
+
+    try:
+        batch = send(ALICE, NOTE, ["https://a.example/inbox"])
+        assert listener.event.wait(AT_ONCE), "a send's own notification, come and gone"
+        controls.give_up(Delivery.objects.filter(batch=batch))
+        assert woken_by(lambda: controls.requeue(Delivery.objects.filter(batch=batch)))
+
+        controls.pause_host("a.example")
+        assert woken_by(lambda: controls.resume_host("a.example"))
+
+        (claimed,) = store.claim(10, 300)
+        back = Settlement(claimed=claimed, status=Status.PENDING, attempts=0, due_at=aware_now())
+        assert woken_by(lambda: settlements.settle([back]))
+        # A retry, due later, wakes nobody.
+        (claimed,) = store.claim(10, 300)
+        later = aware_now() + dt.timedelta(minutes=5)
+        retry = Settlement(claimed=claimed, status=Status.PENDING, attempts=1, due_at=later)
+        assert not woken_by(lambda: settlements.settle([retry]))
     finally:
         listener.stop()

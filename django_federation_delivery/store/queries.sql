@@ -1063,6 +1063,11 @@ LISTEN {channel}
 -- name: unlisten [postgresql]
 UNLISTEN {channel}
 
+-- name: notify [postgresql]
+-- Every listening process woken, as a send wakes them: for what a write
+-- made due now outside a send (a requeue, a resume, a hand-back).
+SELECT pg_notify('{channel}', '')
+
 -- name: journal_mode [sqlite]
 PRAGMA journal_mode
 

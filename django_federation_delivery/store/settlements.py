@@ -132,7 +132,15 @@ def settle(
     # Committed: what is told now cannot undo it.
     if settled.finished and on_finished is not None:
         on_finished(settled.finished)
+    if any(_due_again(item, now) for item in settlements if item.claimed.id in settled.written):
+        # Put back due now (a stopping deliverer's hand-back): for any
+        # deliverer to take, each woken as by a send.
+        wakes.wake_all(using or database_alias())
     return settled.written
+
+
+def _due_again(item: Settlement, now: dt.datetime) -> bool:
+    return item.status == Status.PENDING and item.due_at is not None and item.due_at <= now
 
 
 def _written(settlements: Sequence[Settlement], now: dt.datetime, using: str | None) -> sql.Settled:
@@ -397,7 +405,7 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
                 db.run("wait_in_sequence", ids=db.ids([*requeued, *after]))
                 db.run("wait_again", ids=db.ids(requeued))
         count_up(Counter(batch_id for _, batch_id in rows), alias)
-    transaction.on_commit(wakes.notify_local, using=alias)
+    wakes.wake_all(alias)
     return len(rows)
 
 
