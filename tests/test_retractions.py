@@ -437,6 +437,34 @@ def test_one_left_waiting_on_a_settled_delivery_is_released_by_the_sweep() -> No
 
 
 @pytest.mark.django_db(transaction=True)
+def test_one_stranded_behind_a_superseded_delivery_keeps_its_turn_in_its_sequence() -> None:
+    # In one ordering key to A: a Follow retrying in an hour, a Create waiting
+    # on it, superseded by a Delete, and an Announce a requeue made wait on
+    # the Create as the Delete's commit settled it (as on PostgreSQL, where
+    # the two overlap). The sweep finds the Announce waiting on a settled
+    # row: it waits on the Follow in the Create's stead, as a settle would
+    # have released it.
+    options = {"ordering_key": "timeline"}
+    follow = {"type": "Follow", "id": f"{ALICE}/follows/1", "actor": ALICE, "object": BOB}
+    boost = {"type": "Announce", "id": f"{ALICE}/boosts/1", "actor": ALICE, "object": BOB}
+    first = send_batch(ALICE, follow, [A], options)
+    Delivery.objects.filter(batch=first).update(
+        attempts=1, last_status=503, due_at=timezone.now() + dt.timedelta(hours=1)
+    )
+    created = send_batch(ALICE, create(), [A], options)
+    boosted = send_batch(ALICE, boost, [A], options)
+    assert controls.give_up(Delivery.objects.filter(batch=boosted)) == 1
+    send(ALICE, delete(), [A])
+    assert row(created, A).status == Status.SUPERSEDED
+    Delivery.objects.filter(batch=boosted).update(
+        status=Status.PENDING, settled_at=None, after=row(created, A), due_at=None
+    )
+    assert release_stranded(now=timezone.now()) == 0
+    stranded = row(boosted, A)
+    assert (stranded.after_id, stranded.due_at) == (row(first, A).id, None)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_no_claim_takes_a_retraction_the_sweep_releases_before_it_waits_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

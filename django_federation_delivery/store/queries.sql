@@ -405,17 +405,23 @@ WHERE w.after_id IS NOT NULL AND w.settled_at IS NULL
 LIMIT %(limit)s
 
 -- name: release [postgresql]
--- Returning each released row's id and what its batch retracts
--- (released_rows).
+-- Those of %(ids)s made due, as release_next makes the next of a sequence:
+-- one whose predecessor left while itself waiting waits in its stead on
+-- what that one waited on, still pending (inherited). Returning each one's
+-- id and what its batch retracts (released_rows).
 WITH r AS (
-    UPDATE {delivery} SET due_at = {released_due}, not_before = NULL, after_id = NULL
+    UPDATE {delivery} SET after_id = {inherited},
+        due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
+        not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
     WHERE id = ANY(%(ids)s::bigint[]) AND status = {pending} AND after_id IS NOT NULL
     RETURNING id, batch_id, after_id
 )
 {released_rows}
 
 -- name: release [sqlite]
-UPDATE {delivery} SET due_at = {released_due}, not_before = NULL, after_id = NULL
+UPDATE {delivery} SET after_id = {inherited},
+    due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
+    not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
     AND after_id IS NOT NULL
 RETURNING {released_rows}
