@@ -97,6 +97,13 @@ def enqueue(
         # Whoever else queues in these sequences waits until this commits,
         # and then sees what it queued.
         lock_sequences(batch.ordering_key, _ordered(inboxes), alias)
+        if is_postgresql(connection):
+            # Each looked up before any delivery of this send is written:
+            # looked up a chunk at a time after the chunks before it, a
+            # planner whose statistics call the table small walks the send's
+            # own rows, every chunk (minutes for 50,000 inboxes). (SQLite's
+            # are looked up once the batch's write has taken the lock.)
+            waits_on = _last_of(batch, inboxes, alias)
     with sql.on(connection, driver=True) as db:
         # A batch kept under its idempotency key that a purge deletes between
         # the insert that met it and the read of it frees the key: inserted
@@ -114,7 +121,7 @@ def enqueue(
                         connection,
                         batch,
                         first,
-                        _waits(batch, None, first, waits_on, alias),
+                        waits_on or {},
                         due,
                         kind,
                         one_row=one,
@@ -134,15 +141,16 @@ def enqueue(
         else:
             raise Batch.DoesNotExist("the batch kept under this idempotency key is gone")
         _written(batch, alias)
+        if waits_on is None:
+            waits_on = _last_of(batch, inboxes, alias)
         # A statement at a time, each a bounded chunk: 100,000 rows' values at
         # once is memory a fan-out does not need.
         for start in range(done, len(inboxes), per_statement):
             chunk = inboxes[start : start + per_statement]
-            waiting = _waits(batch, batch.id, chunk, waits_on, alias)
             db.run(
                 "insert_deliveries",
                 batch_id=batch.id,
-                **_delivery_params(connection, batch, chunk, waiting, due, kind),
+                **_delivery_params(connection, batch, chunk, waits_on, due, kind),
             )
     _saved(batch, alias)
     transaction.on_commit(wakes.notify_local, using=alias)
@@ -418,18 +426,10 @@ def _batch_values(batch: Batch, connection: Any) -> list[Any]:
     return values
 
 
-def _waits(
-    batch: Batch,
-    batch_id: int | None,
-    chunk: Sequence[Queued],
-    given: Mapping[str, int] | None,
-    alias: str,
-) -> Mapping[str, int]:
-    """What each delivery of ``chunk`` waits on: as ``given``, or else the
-    last pending one of its sequence (not of ``batch_id``), looked up."""
-    if given is not None:
-        return given
-    return last_of_sequences(batch.ordering_key, batch_id, _ordered(chunk), alias)
+def _last_of(batch: Batch, inboxes: Sequence[Queued], alias: str) -> dict[str, int]:
+    """What each of ``inboxes`` that waits its turn waits on: the last
+    delivery pending in its sequence, none of this send's own."""
+    return last_of_sequences(batch.ordering_key, batch.id, _ordered(inboxes), alias)
 
 
 def _ordered(chunk: Sequence[Queued]) -> list[str]:
