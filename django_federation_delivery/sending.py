@@ -21,7 +21,12 @@ from django.utils import timezone
 
 from django_federation_delivery import addresses, availability, portable, retractions, tracing
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted
-from django_federation_delivery.channels.events import MAX_DEPTH, colliding_key, nested_deeper
+from django_federation_delivery.channels.events import (
+    MAX_DEPTH,
+    colliding_key,
+    nested_deeper,
+    not_json,
+)
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.dialect import aware, aware_now, naive_zone
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -331,10 +336,14 @@ def _body(activity: object) -> tuple[str, bytes]:
     """The activity as it is stored and as it is sent, within MAX_BODY_BYTES."""
     if not isinstance(activity, Mapping):
         raise InvalidDelivery(f"activity must be a JSON object (a dict), not {quoted(activity)}")
+    if not isinstance(activity, dict):
+        activity = dict(activity)  # a mapping of another type: JSON writes only a dict
     try:
         text = _JSON.encode(activity)
     except (TypeError, ValueError) as exc:
-        raise InvalidDelivery(f"activity cannot be written as JSON: {exc}") from exc
+        raise InvalidDelivery(
+            f"activity cannot be written as JSON: {not_json(activity, exc)}"
+        ) from exc
     except RecursionError as exc:
         # The encoder recurses once a level: past the interpreter's limit,
         # what is nested that deep is no activity anyone reads.

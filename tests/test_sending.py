@@ -740,3 +740,22 @@ def test_with_a_router_putting_the_app_in_another_database_send_writes_there(
         ("a.example", Status.PENDING),
         ("b.example", Status.FAILED),
     ]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_number_json_has_none_for_is_refused_naming_it_and_where(value: float) -> None:
+    activity = {**NOTE, "object": {"type": "Note", "tag": [{"score": value}]}}
+    with pytest.raises(InvalidDelivery) as refused:
+        send(ALICE, activity, ["https://a.example/inbox"])
+    assert f"{value!r} at $.object.tag[0].score, which JSON has no number for" in str(refused.value)
+    assert not Batch.objects.exists()
+
+
+@pytest.mark.django_db
+def test_an_activity_given_as_any_mapping_is_sent_as_a_dict_would_be() -> None:
+    import types
+
+    batch = send(ALICE, types.MappingProxyType(NOTE), ["https://a.example/inbox"])
+    assert batch is not None
+    assert json.loads(batch.body) == NOTE

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -17,7 +18,14 @@ from typing import Any
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.exceptions import InvalidDelivery
 
-__all__ = ["MAX_DEPTH", "Event", "colliding_key", "compact_json", "nested_deeper"]
+__all__ = [
+    "MAX_DEPTH",
+    "Event",
+    "colliding_key",
+    "compact_json",
+    "nested_deeper",
+    "not_json",
+]
 
 # An event type names a template, so it is a plain dotted name: "alert.raised".
 _EVENT_TYPE = re.compile(r"[A-Za-z0-9_]+(?:[.-][A-Za-z0-9_]+)*")
@@ -75,7 +83,7 @@ class Event:
         # ValueError: NaN or infinity, a circular reference, a lone surrogate.
         except (TypeError, ValueError) as exc:
             raise InvalidDelivery(
-                f"The data of event {event_type!r} cannot be written as JSON: {exc}"
+                f"The data of event {event_type!r} cannot be written as JSON: {not_json(data, exc)}"
             ) from None
         # Once written, so that what is walked is neither circular nor endless.
         if nested_deeper(data, MAX_DEPTH):
@@ -195,6 +203,27 @@ def nested_deeper(value: Any, limit: int) -> bool:
             if type(member) not in leaves:
                 append((member, depth + 1))
     return False
+
+
+def not_json(value: Any, error: Exception) -> str:
+    """Why the encoder refused ``value``, as ``error`` says; for a NaN or an
+    infinity, which JSON has no number for, which one and where it is
+    (``nan at $.object.score``): the encoder says neither."""
+    todo: list[tuple[Any, str]] = [(value, "$")]
+    seen: set[int] = set()  # the encoder refuses a circular value too
+    while todo and isinstance(error, ValueError):
+        item, path = todo.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                shown = path if len(path) <= _PATH_SHOWN else f"{path[:_PATH_SHOWN]}…"
+                return f"{item!r} at {shown}, which JSON has no number for"
+        elif isinstance(item, dict | list | tuple) and id(item) not in seen:
+            seen.add(id(item))
+            if isinstance(item, dict):
+                todo += [(member, path + _step(key)) for key, member in reversed(item.items())]
+            else:
+                todo += [(member, f"{path}[{n}]") for n, member in reversed(list(enumerate(item)))]
+    return str(error)
 
 
 def _json_key(key: Any) -> str:
