@@ -30,6 +30,7 @@ known here within a minute; one cleared here, at once.
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 import logging
 import threading
 import time
@@ -346,11 +347,15 @@ def _probe_url(host: str, alias: str) -> str:
 def _guessed_origin(key: str) -> str:
     """The origin of the host keyed ``key`` (``addresses.host_key``), with no
     inbox of it kept to say: http on port 80, https on any other."""
+    try:
+        ipaddress.IPv6Address(key)
+    except ValueError:
+        pass
+    else:
+        return f"https://[{key}]"  # an IPv6 address on 443, keyed without brackets
     if key.endswith(":80"):
         return f"http://{key.removesuffix(':80')}"
-    if ":" in key and not key.startswith("["):
-        return f"https://[{key}]"  # an IPv6 address on 443, keyed without brackets
-    return f"https://{key}"
+    return f"https://{key}"  # on 443, or on the port it is keyed with
 
 
 def probe(url: str, settings: TransportSettings) -> bool:

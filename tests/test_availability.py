@@ -324,7 +324,15 @@ def test_a_host_seen_in_a_transaction_is_sent_to_once_it_commits() -> None:
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "inbox",
-    ["http://plain.example/inbox", "https://[2001:db8::1]/inbox"],
+    [
+        "http://plain.example/inbox",
+        "https://[2001:db8::1]/inbox",
+        "https://[2001:db8::80]/inbox",
+        "http://[2001:db8::1]/inbox",
+        "https://social.example:8443/inbox",
+        "https://192.0.2.7:8443/inbox",
+        "https://[2001:db8::1]:8443/inbox",
+    ],
 )
 def test_a_host_with_no_delivery_kept_is_probed_where_its_inboxes_were(inbox: str) -> None:
     # Unavailable for weeks, its deliveries purged (RETENTION; the Host row is
