@@ -551,3 +551,13 @@ def test_every_live_deliverer_is_counted_and_those_not_listed_said() -> None:
     status = io.StringIO()
     call_command("delivery_status", stdout=status)
     assert "  and 50 more" in status.getvalue()
+
+
+@pytest.mark.django_db
+def test_a_host_s_last_day_names_only_the_outcomes_its_deliveries_came_to() -> None:
+    batch = queue(hosts=["a.example"], per_host=5)
+    rows = list(batch.deliveries.order_by("id"))
+    assert "last 24 hours          —" in run("--host", "a.example")
+    for row, status in zip(rows, [Status.DELIVERED] * 3 + [Status.FAILED] * 2, strict=True):
+        settle(row, status)
+    assert "last 24 hours          delivered 3, failed 2\n" in run("--host", "a.example")

@@ -1,4 +1,4 @@
-"""Webhook destinations at a glance: what the admin shows of each, in two queries.
+"""Webhook destinations at a glance: what the admin shows of each, in three queries.
 
 A destination is not a row but a name and a URL in the settings, and the URL
 is the credential: what is shown here is the name and the kind, never the

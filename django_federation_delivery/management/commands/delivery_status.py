@@ -132,7 +132,9 @@ def render_host(picture: HostPicture) -> str:
         (_("pending (held)"), f"{picture.pending} ({picture.held})"),
         (
             _("last 24 hours"),
-            ", ".join(f"{status} {count}" for status, count in picture.last_day.items()),
+            # What came of them, not the outcomes that none came to.
+            ", ".join(f"{status} {count}" for status, count in picture.last_day.items() if count)
+            or "—",
         ),
         (_("last error"), f"{_when(picture.last_error_at)} {picture.last_error}".strip()),
     ]
