@@ -20,6 +20,7 @@ one delivery's way through it is :meth:`~Deliverer.perform`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -320,6 +321,8 @@ class Deliverer:
         if result is None:
             # Attempt, in a worker thread, through its kind (workers.py).
             result = yield
+            if item.elsewhere:
+                result = dataclasses.replace(result, elsewhere=True)
             # What the answer taught: the signature scheme the host accepts,
             # how many it takes at once, and a success or a failure for its
             # breaker; nothing, when another host answered (a portable

@@ -14,6 +14,7 @@ destination's circuit breaker may hold it (:meth:`Triage.admit`).
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 
 from django.utils import timezone
@@ -21,7 +22,8 @@ from django.utils import timezone
 from django_federation_delivery.addresses import host_of
 from django_federation_delivery.attempt import AttemptResult, Job, held
 from django_federation_delivery.batches import BatchInfo, KnownBatches
-from django_federation_delivery.breakers import Breakers, Decision
+from django_federation_delivery.breakers import Breakers, Decision, Scope
+from django_federation_delivery.breakers import admit as breaker_admits
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.kinds import DeliveryKind, Kinds, unknown_kind
@@ -152,23 +154,58 @@ class Triage:
     def admit(self, item: InFlight) -> AttemptResult | None:
         """Ask the destination's breaker whether the delivery goes now (as
         its probe, perhaps): None if it does, else what its hold comes to,
-        an attempt made without a request."""
+        an attempt made without a request.
+
+        A portable inbox's later gateways on hosts whose own breaker holds
+        everything (open, or its probe under way) are left out of the
+        attempt; and when its first gateway's breaker holds the delivery, it
+        goes to the later gateways left, as their answers would not count
+        for the first's host (:attr:`InFlight.elsewhere`)."""
         if self.breakers is None or not item.breaker:
             return None
         now = timezone.now()
+        if self.breakers.settings.scope is Scope.HOST:
+            item.job = _without_held_gateways(item.job, self.breakers, now)
         admitted = self.db(self.breakers.admit, item.breaker, now)
         decision, item.probe, hold_for = admitted or (Decision.HOLD, "", 5.0)
         if decision is not Decision.HOLD:
             return None
+        later = _targets(item.job)[1:]
+        if later:
+            item.job = dataclasses.replace(item.job, targets=later)  # type: ignore[call-arg]
+            item.breaker, item.elsewhere = "", True
+            return None
         return held(item.job, f"held: the circuit breaker for {item.breaker} is open", hold_for)
+
+
+def _targets(job: Job) -> tuple[str, ...]:
+    """Where ``job`` is POSTed, in order: a portable inbox's gateways; ()
+    for a kind whose job names no targets."""
+    targets = getattr(job, "targets", None)
+    return targets if isinstance(targets, tuple) else ()
+
+
+def _without_held_gateways(job: Job, breakers: Breakers, now: dt.datetime) -> Job:
+    """``job`` (a portable inbox's) without its later gateways whose host's
+    breaker holds everything at ``now``, as last read: looked at, never
+    asked, so that no probe is taken that this attempt would not report."""
+    targets = _targets(job)
+    if len(targets) < 2:
+        return job
+    kept = targets[:1] + tuple(
+        target
+        for target in targets[1:]
+        if breaker_admits(breakers.view.get(host_of(target)), now)[0] is not Decision.HOLD
+    )
+    return job if kept == targets else dataclasses.replace(job, targets=kept)  # type: ignore[call-arg]
 
 
 def _without_paused_gateways(job: Job, paused: frozenset[str]) -> Job:
     """``job`` (a portable inbox's) without its later gateways whose host an
     operator paused: the first stands for the inbox's host, paused or not as
     the row is; a later one was POSTed as if no pause were its host's."""
-    targets = getattr(job, "targets", None)
-    if not isinstance(targets, tuple) or len(targets) < 2:
+    targets = _targets(job)
+    if len(targets) < 2:
         return job
     kept = targets[:1] + tuple(target for target in targets[1:] if host_of(target) not in paused)
     return job if kept == targets else dataclasses.replace(job, targets=kept)  # type: ignore[call-arg]

@@ -50,6 +50,9 @@ class InFlight:
     #: The destination's breaker, and the probe this delivery holds, if any.
     breaker: str = ""
     probe: str = ""
+    #: Sent to a portable inbox's later gateways alone, its first gateway's
+    #: breaker holding it: what comes back is not its host's to learn from.
+    elsewhere: bool = False
     #: When a worker took it (``time.monotonic()``); 0 until then.
     started: float = 0.0
     #: Its way through the loop once it has a slot: the deliverer's

@@ -19,7 +19,13 @@ from django_federation_delivery.channels.activitypub import ActivityPub, InboxJo
 from django_federation_delivery.conf import DEFAULTS, app_settings
 from django_federation_delivery.health import is_failure
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
-from django_federation_delivery.transport import Answer, Transport, TransportSettings, status_text
+from django_federation_delivery.transport import (
+    LONGEST_ASKED,
+    Answer,
+    Transport,
+    TransportSettings,
+    status_text,
+)
 
 from .conftest import HOSTILE_ANSWER, HOSTILE_ANSWER_ESCAPED, Inbox
 from .keys import ed25519_key, rsa_key
@@ -116,14 +122,16 @@ def test_retry_after_is_read_from_the_answer(
 
 
 @pytest.mark.parametrize("status", [202, 503])
-def test_a_retry_after_of_thousands_of_digits_is_not_understood_and_no_error(
+def test_a_retry_after_of_thousands_of_digits_is_the_longest_ask_and_no_error(
     mocked: responses.RequestsMock, transport: Transport, status: int
 ) -> None:
     # Past 4,300 digits int() raises: an accepted answer read as a crash
-    # would be sent again.
+    # would be sent again. Not understood, the longest ask would be retried
+    # soonest: it asks as long as can be said, cut to the policy's longest.
     mocked.post(INBOX, status=status, headers={"Retry-After": "9" * 5000})
     result = attempt(job(), transport)
-    assert (result.delivered, result.retry_after) == (status == 202, None)
+    asked = None if status == 202 else LONGEST_ASKED
+    assert (result.delivered, result.retry_after) == (status == 202, asked)
 
 
 def test_an_inboxs_escape_sequences_are_kept_escaped_never_raw(

@@ -26,6 +26,7 @@ from django_federation_delivery.store import claims
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE, rsa_key
+from .operators import quick_breaker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -541,6 +542,52 @@ def test_a_paused_host_gets_no_request_as_a_portable_inbox_s_later_gateway(
         f"host {paused.host} is paused, yet it was POSTed {paused.paths()} "
         "as a portable inbox's later gateway"
     )
+
+
+def test_a_portable_inbox_goes_to_its_later_gateway_while_its_first_one_s_breaker_is_open(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    quick_breaker(settings)
+    first, later = inboxes("127.0.0.2"), inboxes("127.0.0.3")
+    opened = timezone.now() + dt.timedelta(hours=1)
+    Breaker.objects.create(key=first.host, failures=10, open_until=opened)
+    batch = send_portable(
+        ALICE, NOTE, [PortableInbox(f"ap://{DID}/actor/inbox", [first.url(""), later.url("")])]
+    )
+    assert batch is not None
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).exists())
+    runner.stop()
+    assert first.paths() == [] and len(later.paths()) == 1
+    # Not the first's host's answer: its breaker stays as it was, and the
+    # later gateway's host, which anyone may list, is charged nothing.
+    assert list(Breaker.objects.values_list("key", "failures", "open_until")) == [
+        (first.host, 10, opened)
+    ]
+    assert verifies_at(later.received[0])
+
+
+def test_a_portable_inbox_s_later_gateway_whose_breaker_is_open_gets_no_request(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    quick_breaker(settings)
+    first = inboxes("127.0.0.2", respond=lambda request: (503, {}, b""))
+    broken = inboxes("127.0.0.3")
+    Breaker.objects.create(
+        key=broken.host, failures=10, open_until=timezone.now() + dt.timedelta(hours=1)
+    )
+    batch = send_portable(
+        ALICE, NOTE, [PortableInbox(f"ap://{DID}/actor/inbox", [first.url(""), broken.url("")])]
+    )
+    assert batch is not None
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).exists())
+    runner.stop()
+    assert len(first.paths()) == 1 and broken.paths() == []
 
 
 asked_to_synchronize: list[tuple[str, str]] = []

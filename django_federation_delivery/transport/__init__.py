@@ -64,6 +64,7 @@ from django_federation_delivery.transport.networks import IPNetwork, is_public_a
 
 __all__ = [
     "DEFAULT_ACCEPT",
+    "LONGEST_ASKED",
     "Answer",
     "Connections",
     "Transport",
