@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import types
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from django_federation_delivery.breakers import BreakerSettings, Scope
 from django_federation_delivery.checks import (
     check_inbox_networks,
     check_settings,
+    check_sqlite,
     check_webhooks,
     sqlite_problems,
 )
@@ -21,6 +23,8 @@ from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.keys import KeyCache
 from django_federation_delivery.transport.networks import allowed
+
+from .conftest import QueueRouter
 
 
 # Since Django 6.1, run_checks() runs the model checks against every
@@ -510,6 +514,33 @@ def test_a_setting_that_is_not_a_dict_is_named_by_its_type_alone(settings: Any) 
     (message,) = check_settings()
     assert message.msg == "FEDERATION_DELIVERY must be a dict, not tuple."
     assert "hooks" not in f"{message.msg} {message.hint}"
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "queue"])
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite only")
+@pytest.mark.parametrize("routed", [False, True])
+def test_only_the_queue_s_sqlite_databases_are_held_to_its_needs(
+    monkeypatch: pytest.MonkeyPatch, settings: Any, routed: bool
+) -> None:
+    # Debian 11's SQLite 3.34, too old for the queue's claims, and no busy
+    # timeout: said of the database the queue is in, never of the project's
+    # own, whose migrate it would stop.
+    monkeypatch.setattr(
+        "django_federation_delivery.checks.database.sqlite3",
+        types.SimpleNamespace(sqlite_version_info=(3, 34, 1), sqlite_version="3.34.1"),
+    )
+    if routed:
+        settings.DATABASE_ROUTERS = [QueueRouter()]
+    queue_s = "queue" if routed else "default"
+    for alias in ("default", "queue"):
+        monkeypatch.setitem(connections[alias].settings_dict, "OPTIONS", {})
+    found = {
+        alias: {m.id for m in check_sqlite(databases=[alias])} for alias in ("default", "queue")
+    }
+    assert found == {
+        queue_s: {"federation_delivery.E020", "federation_delivery.W001"},
+        ("default" if routed else "queue"): set(),
+    }
 
 
 @pytest.mark.django_db(transaction=True)

@@ -62,6 +62,23 @@ def test_the_batch_table_leaves_half_of_each_page_free_on_postgresql() -> None:
     assert options == ["fillfactor=50"]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_sqlmigrate_prints_the_batch_table_s_fillfactor_on_postgresql_alone() -> None:
+    # What a DBA applies by hand (where the app's user may not ALTER) makes
+    # the tables migrate makes; SQLite has no such setting.
+    out = io.StringIO()
+    call_command("sqlmigrate", APP, "0001", stdout=out)
+    sql = out.getvalue()
+    assert "CANNOT BE WRITTEN AS SQL" not in sql
+    table = connection.ops.quote_name(Batch._meta.db_table)
+    altered = f"ALTER TABLE {table} SET (fillfactor = 50);"
+    assert (altered in sql) is (connection.vendor == "postgresql"), sql[-500:]
+    out = io.StringIO()
+    call_command("sqlmigrate", APP, "0001", backwards=True, stdout=out)
+    reset = f"ALTER TABLE {table} RESET (fillfactor);"
+    assert (reset in out.getvalue()) is (connection.vendor == "postgresql")
+
+
 @pytest.fixture
 def unmigrated() -> Iterator[None]:
     """The app's tables dropped by undoing its migration; made again after."""

@@ -17,15 +17,24 @@ from django_federation_delivery.store.sql import journal_mode
 @register(Tags.database)
 def check_sqlite(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
     """SQLite needs WAL and a busy timeout for a web process and the deliverer
-    to write at once without "database is locked"."""
-    from django.db import connections
+    to write at once without "database is locked": asked of the queue's
+    databases alone, the app's (:func:`~conf.database_alias`) and any its
+    routers let its tables into. Another SQLite database, the project's own,
+    is none of the queue's business (``migrate`` of it would stop on E020)."""
+    from django.conf import settings
+    from django.db import connections, router
+
+    from django_federation_delivery.conf import database_alias
+    from django_federation_delivery.models import Delivery
 
     messages: list[CheckMessage] = []
     for alias in kwargs.get("databases") or []:
         connection = connections[alias]
         if connection.vendor != "sqlite":
             continue
-        messages += sqlite_problems(alias, connection)
+        routed = bool(settings.DATABASE_ROUTERS) and router.allow_migrate_model(alias, Delivery)
+        if alias == database_alias() or routed:
+            messages += sqlite_problems(alias, connection)
     return messages
 
 

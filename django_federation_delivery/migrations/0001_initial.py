@@ -22,18 +22,46 @@ from django.db import migrations, models
 FILLFACTOR = 50
 
 
-def set_fillfactor(apps, schema_editor):  # type: ignore[no-untyped-def]
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    table = schema_editor.quote_name(apps.get_model("federation_delivery", "Batch")._meta.db_table)
-    schema_editor.execute(f"ALTER TABLE {table} SET (fillfactor = {FILLFACTOR})")
+class SetFillfactor(migrations.operations.base.Operation):
+    """A table's fillfactor on PostgreSQL (nothing elsewhere), written with
+    the schema editor, so that ``sqlmigrate`` prints it as ``migrate`` runs
+    it; reset when migrated back."""
 
+    reversible = True
+    reduces_to_sql = True
 
-def reset_fillfactor(apps, schema_editor):  # type: ignore[no-untyped-def]
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    table = schema_editor.quote_name(apps.get_model("federation_delivery", "Batch")._meta.db_table)
-    schema_editor.execute(f"ALTER TABLE {table} RESET (fillfactor)")
+    def __init__(self, model_name, fillfactor):  # type: ignore[no-untyped-def]
+        self.model_name = model_name
+        self.fillfactor = fillfactor
+
+    def deconstruct(self):  # type: ignore[no-untyped-def]
+        return (
+            self.__class__.__qualname__,
+            [],
+            {"model_name": self.model_name, "fillfactor": self.fillfactor},
+        )
+
+    def state_forwards(self, app_label, state):  # type: ignore[no-untyped-def]
+        pass
+
+    def _alter(self, app_label, schema_editor, state, storage):  # type: ignore[no-untyped-def]
+        model = state.apps.get_model(app_label, self.model_name)
+        alias = schema_editor.connection.alias
+        if schema_editor.connection.vendor != "postgresql" or not self.allow_migrate_model(
+            alias, model
+        ):
+            return
+        table = schema_editor.quote_name(model._meta.db_table)
+        schema_editor.execute(f"ALTER TABLE {table} {storage}")
+
+    def database_forwards(self, app_label, schema_editor, from_state, to_state):  # type: ignore[no-untyped-def]
+        self._alter(app_label, schema_editor, to_state, f"SET (fillfactor = {self.fillfactor})")
+
+    def database_backwards(self, app_label, schema_editor, from_state, to_state):  # type: ignore[no-untyped-def]
+        self._alter(app_label, schema_editor, from_state, "RESET (fillfactor)")
+
+    def describe(self):  # type: ignore[no-untyped-def]
+        return f"Set the fillfactor of {self.model_name} to {self.fillfactor} on PostgreSQL"
 
 
 class Migration(migrations.Migration):
@@ -522,5 +550,5 @@ class Migration(migrations.Migration):
                 ],
             },
         ),
-        migrations.RunPython(set_fillfactor, reset_fillfactor, elidable=False),
+        SetFillfactor(model_name="batch", fillfactor=FILLFACTOR),
     ]
