@@ -401,8 +401,9 @@ class Settler:
         self.summary.count(Outcome.FAILED)
 
     def unsent(self, row: claims.Claimed, batch: BatchInfo, error: str) -> settlements.Settlement:
-        """Given up before it was sent: the batch's deadline passed."""
-        self._failed_signal(row, batch, None, error, deadline=True, refused=False)
+        """Given up before it was sent: the batch's deadline passed. What
+        its last attempt was answered with, if any, is told and kept."""
+        self._failed_signal(row, batch, row.last_status, error, deadline=True, refused=False)
         self.summary.count(Outcome.FAILED)
         return settlements.Settlement(
             claimed=row,

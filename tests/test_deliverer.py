@@ -17,7 +17,15 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
 from django.utils import timezone
 
-from django_federation_delivery import BatchOptions, send, send_batch, send_webhook, signals, wakeup
+from django_federation_delivery import (
+    BatchOptions,
+    controls,
+    send,
+    send_batch,
+    send_webhook,
+    signals,
+    wakeup,
+)
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import STOPPING_GRACE, Deliverer
@@ -1642,3 +1650,111 @@ def test_a_portable_inbox_s_later_gateway_is_not_charged_to_the_first_one_s_host
     assert not Breaker.objects.filter(key=server.host, failures__gt=0).exists()
     assert Host.objects.get(name=server.host).failing_since is None
     assert server.host not in told, "never told failing for the stranger's answers"
+
+
+# A write made without an attempt keeps what the last attempt met.
+LAST_ANSWERED = {**NOTE, "id": f"{ALICE}/activities/1", "object": f"{ALICE}/notes/1"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deadline_seen_at_the_claim_keeps_the_last_answer_and_tells_it(
+    inbox: Inbox,
+    settings: Any,
+    start_deliverer: Callable[..., RunningDeliverer],
+) -> None:
+    failures: list[Any] = []
+
+    def failed(sender: Any, failure: Any, **kwargs: Any) -> None:
+        failures.append(failure)
+
+    signals.delivery_failed.connect(failed, weak=False)
+    try:
+        batch = send_batch(
+            ALICE, LAST_ANSWERED, [inbox.url("/a")], {"deadline": dt.timedelta(hours=1)}
+        )
+        assert batch is not None
+        # It was tried once and answered 503; its retry comes due after the
+        # batch's deadline has passed.
+        Delivery.objects.filter(batch=batch).update(
+            attempts=1, last_status=503, last_error="HTTP 503", due_at=timezone.now()
+        )
+        Batch.objects.filter(pk=batch.pk).update(deadline=timezone.now() - dt.timedelta(seconds=1))
+        runner = start_deliverer()
+        wait_until(lambda: Batch.objects.filter(pk=batch.pk, finished_at__isnull=False).exists())
+        wait_until(lambda: len(failures) == 1, timeout=5)
+        runner.stop()
+    finally:
+        signals.delivery_failed.disconnect(failed)
+    delivery = Delivery.objects.get(batch=batch)
+    assert delivery.status == Status.FAILED
+    assert inbox.received == []
+    assert (failures[0].deadline, failures[0].status) == (True, 503), (
+        "delivery_failed tells the status the inbox last answered with"
+    )
+    assert delivery.last_status == 503, "the last answer is kept on the row"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_paused_hosts_requeued_delivery_keeps_its_last_answer(
+    inbox: Inbox,
+    settings: Any,
+    start_deliverer: Callable[..., RunningDeliverer],
+) -> None:
+    batch = send(ALICE, LAST_ANSWERED, [inbox.url("/a")])
+    assert batch is not None
+    Delivery.objects.filter(batch=batch).update(
+        status=Status.FAILED,
+        attempts=3,
+        last_status=503,
+        last_error="gave up after 3 attempts: HTTP 503",
+        settled_at=timezone.now(),
+        due_at=None,
+    )
+    # An operator pauses the flaky host and requeues what failed there, to
+    # go once the host is resumed.
+    controls.pause_host(inbox.host)
+    assert controls.requeue(Delivery.objects.filter(batch=batch)) == 1
+    runner = start_deliverer()
+    wait_until(
+        lambda: (
+            Delivery.objects.filter(batch=batch, lease_token__isnull=True)
+            .exclude(due_at=None)
+            .filter(due_at__gt=timezone.now() + dt.timedelta(seconds=2))
+            .exists()
+        ),
+        state=lambda: list(Delivery.objects.values("due_at", "lease_token", "last_error")),
+    )
+    runner.stop()
+    delivery = Delivery.objects.get(batch=batch)
+    assert inbox.received == []
+    assert (delivery.last_status, delivery.last_error) == (
+        503,
+        "gave up after 3 attempts: HTTP 503",
+    ), "holding it for its paused host keeps what it last met"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stopping_deliverers_hand_back_keeps_the_last_answer(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+) -> None:
+    slow = inboxes("127.0.0.1", delay=1.5)
+    other = inboxes("127.0.0.2")
+    batch = send(ALICE, LAST_ANSWERED, [slow.url("/first"), other.url("/second")])
+    assert batch is not None
+    second = Delivery.objects.get(batch=batch, inbox=other.url("/second"))
+    # The second was tried before, and is due again.
+    Delivery.objects.filter(pk=second.pk).update(
+        attempts=1, last_status=503, last_error="HTTP 503 Service Unavailable"
+    )
+    runner = start_deliverer(concurrency=1)
+    # Both claimed; one in flight, the other waiting for the one slot.
+    wait_until(lambda: len(slow.received) == 1)
+    assert Delivery.objects.filter(batch=batch, lease_token__isnull=False).count() == 2
+    runner.stop()
+    second.refresh_from_db()
+    assert second.status == Status.PENDING and second.attempts == 1
+    assert other.received == []
+    assert (second.last_status, second.last_error) == (503, "HTTP 503 Service Unavailable"), (
+        "handed back unsent, it keeps what its last attempt met"
+    )

@@ -61,6 +61,9 @@ class Claimed:
     #: URLs: a row written by hand), in words that quote none of its URLs;
     #: "" for one to send. Such a row is failed by itself (``triage.py``).
     problem: str = ""
+    #: The status its last attempt was answered with, if any: what a failure
+    #: without an attempt (its batch's deadline passed) tells.
+    last_status: int | None = None
 
 
 def lease_deadline(row: Claimed) -> float:
@@ -136,6 +139,7 @@ def claim(
                 row[6],
                 row[7],
                 "" if via is not None else BAD_GATEWAYS,
+                row[8],
             )
         )
     return claimed

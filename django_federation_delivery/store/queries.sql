@@ -86,7 +86,7 @@ WHERE id = ANY(ARRAY(
     ) AS ranked
     WHERE turn <= %(cap)s ORDER BY rank, due_at, id LIMIT %(limit)s
 ))
-RETURNING id, batch_id, inbox, host, attempts, via, destination, kind, lane
+RETURNING id, batch_id, inbox, host, attempts, via, destination, kind, last_status, lane
 
 -- name: claimable_host [postgresql]
 -- None to the hosts left out, and, when %(only)s names any, to those alone.
@@ -119,7 +119,8 @@ SELECT json_group_array(json_array(
     attempts,
     CASE WHEN via IS NULL OR typeof(via) = 'text' THEN via ELSE '?' END,
     CASE WHEN typeof(destination) = 'text' THEN destination ELSE '' END,
-    CASE WHEN typeof(kind) = 'text' THEN kind ELSE '' END
+    CASE WHEN typeof(kind) = 'text' THEN kind ELSE '' END,
+    CASE WHEN typeof(last_status) = 'integer' THEN last_status END
 ))
 FROM {delivery} WHERE id IN (SELECT value FROM json_each(%(ids)s))
 
@@ -700,8 +701,14 @@ SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS token,
 FROM json_each(%(rows)s)
 
 -- name: settled_set
+-- What a write made without an attempt (no attempted_at: a deadline seen at
+-- the claim, a pause, a hand-back, SKIP_IF) keeps of the last attempt: its
+-- status and its error, unless the write gives its own.
 status = v.status, attempts = v.attempts, due_at = v.due_at, lease_token = NULL,
-last_status = v.last_status, last_error = v.last_error,
+last_status = CASE WHEN v.attempted_at IS NULL AND v.last_status IS NULL
+    THEN {delivery}.last_status ELSE v.last_status END,
+last_error = CASE WHEN v.attempted_at IS NULL AND v.last_error = '' THEN {delivery}.last_error
+    ELSE v.last_error END,
 last_attempt_at = COALESCE(v.attempted_at, last_attempt_at), settled_at = v.settled_at
 
 -- name: settle_written [sqlite]
