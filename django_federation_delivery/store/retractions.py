@@ -168,6 +168,10 @@ def pending_at(
     not: where a retraction left out of them still has something to retract."""
     connection = connection_for(using or database_alias())
     with sql.on(connection) as db:
+        # Read in the caller's transaction, which then writes the retraction:
+        # on SQLite, it takes the write lock first (a read before it would
+        # let a web process's write in between, and its own write fail).
+        db.lock_for_writing()
         if object_id:
             found = db.all("batches_about", about=object_id, sender=sender, batch=0)
         else:
@@ -216,6 +220,7 @@ def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:
     released = 0
     while True:
         with transaction.atomic(using=alias), sql.on(connection) as db:
+            db.lock_for_writing()  # on SQLite, before its read: see pending_at
             ids = [id for (id,) in db.all("stranded", limit=STRANDED_CHUNK)]
             if ids:
                 rows = db.all("release", ids=db.ids(ids), now=db_datetime(now, connection))
