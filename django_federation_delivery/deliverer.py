@@ -61,6 +61,9 @@ RESULTS_WITHIN = 0.02
 #: How long, in seconds, a stop waits for a database that takes none of
 #: what it writes: it then ends, leaving what it holds to the leases.
 STOPPING_GRACE = 3.0
+#: How long, in seconds, a stopped loop's last writes (its hosts' figures,
+#: its heartbeat's removal) wait for SQLite's write lock, all told.
+FINAL_WRITES_WAIT = 1.0
 
 
 def longest_attempt() -> float:
@@ -267,7 +270,7 @@ class Deliverer:
             while True:
                 if self.stopping and self._stop_waits_end is None:
                     self._stop_waits_end = time.monotonic() + STOPPING_GRACE
-                    self._db.end_waits_by(self._stop_waits_end)
+                    self._end_waits_by(self._stop_waits_end)
                 self.upkeep.recycle_connections()
                 self.upkeep.refresh()
                 self.handoff.collect()
@@ -384,9 +387,11 @@ class Deliverer:
         try:
             yield
         finally:
-            # What is written from here on is tried once: nothing comes after
-            # to be waited for.
+            # What is written from here on is tried once, and on SQLite waits
+            # a second at most for the write lock: nothing comes after to be
+            # waited for.
             self._db.end_waits_by(time.monotonic())
+            writelock.bound_waits(self.using, time.monotonic() + FINAL_WRITES_WAIT)
             if timer is not None:
                 timer.cancel()
             self.summary.stopped = time.monotonic()
@@ -403,7 +408,14 @@ class Deliverer:
             # This thread owned the ORM's connections: close them.
             connections.close_all()
             remove_prompt_lock()
-            self._db.end_waits_by(None)
+            self._end_waits_by(None)
+
+    def _end_waits_by(self, at: float | None) -> None:
+        """Stopping: wait for the database no later than ``at`` (a
+        ``time.monotonic()``), between tries and, on SQLite, for the write
+        lock itself, whatever the connection's busy timeout; None: as before."""
+        self._db.end_waits_by(at)
+        writelock.bound_waits(self.using, at)
 
     def _wound_down(self) -> bool:
         """Stopping: what was not sent is put back; whether all that was in
@@ -506,7 +518,7 @@ class Deliverer:
             self._forget_out_of_hand()
             if self._leave_at is not None:
                 self._leave_at = None
-                self._db.end_waits_by(self._stop_waits_end)
+                self._end_waits_by(self._stop_waits_end)
             if self.breakers is not None:
                 self._db(self.breakers.flush)
             self.schemes.write()
@@ -514,7 +526,7 @@ class Deliverer:
             # Stopping, the database took none of it: it is tried again,
             # each try waited for, until the grace ends (_wound_down).
             self._leave_at = time.monotonic() + STOPPING_GRACE
-            self._db.end_waits_by(self._leave_at)
+            self._end_waits_by(self._leave_at)
 
     def _forget_out_of_hand(self) -> None:
         """Let go of what was read of the batches none of whose deliveries

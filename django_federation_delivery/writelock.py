@@ -34,7 +34,7 @@ from django.db import OperationalError, connections
 
 from django_federation_delivery.store import sql as statements
 
-__all__ = ["PromptWriteLock", "install"]
+__all__ = ["PromptWriteLock", "bound_waits", "install"]
 
 #: The busy timeout of a BEGIN's first try, in milliseconds: SQLite looks at
 #: the lock at once and after 1 ms, and the next try looks again at once.
@@ -75,27 +75,57 @@ def is_busy(exc: BaseException) -> bool:
     return isinstance(code, int) and code & 0xFF == sqlite3.SQLITE_BUSY
 
 
+def bound_waits(using: str, until: float | None) -> None:
+    """Have this thread's connection to ``using`` wait for the write lock no
+    later than ``until``, a ``time.monotonic()``, whatever its own busy
+    timeout (a stopping deliverer's, which has a grace to keep); with None,
+    its own again. Nothing where :func:`install` installed nothing."""
+    connection = connections[using]
+    for wrapper in connection.execute_wrappers:
+        if isinstance(wrapper, PromptWriteLock):
+            wrapper.bound(until)
+
+
 class PromptWriteLock:
     """An execute wrapper of one SQLite connection: its locking BEGINs wait
-    for the lock in short busy timeouts, tried again, instead of one long one."""
+    for the lock in short busy timeouts, tried again, instead of one long one;
+    and, while :meth:`bound`, every statement waits no later than its bound."""
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
         #: The raw connection last seen, and its busy timeout in milliseconds.
         self._raw: sqlite3.Connection | None = None
         self._timeout_ms = 0
+        #: No wait for the lock past this ``time.monotonic()``; None: none.
+        self.until: float | None = None
+
+    def bound(self, until: float | None) -> None:
+        self.until = until
+        raw = self.connection.connection
+        if raw is not None:
+            statements.set_busy_timeout(raw, self._bounded(self._busy_timeout(raw)))
 
     def __call__(
         self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
     ) -> Any:
-        if many or params or " ".join(str(sql).split()).upper() not in LOCKING_BEGINS:
+        locking = not (many or params) and " ".join(str(sql).split()).upper() in LOCKING_BEGINS
+        if not locking and self.until is None:
             return execute(sql, params, many, context)
         raw = self.connection.connection
-        timeout_ms = self._busy_timeout(raw)
+        timeout_ms = self._bounded(self._busy_timeout(raw))
+        if not locking:
+            # Bounded: a deferred transaction's write waits in the busy handler.
+            statements.set_busy_timeout(raw, timeout_ms)
+            return execute(sql, params, many, context)
         try:
             return self._begin(raw, lambda: execute(sql, params, many, context), timeout_ms)
         finally:
             statements.set_busy_timeout(raw, timeout_ms)
+
+    def _bounded(self, timeout_ms: int) -> int:
+        if self.until is None:
+            return timeout_ms
+        return max(0, min(timeout_ms, math.ceil((self.until - time.monotonic()) * 1000)))
 
     def _busy_timeout(self, raw: sqlite3.Connection) -> int:
         # Read once a connection: what OPTIONS['timeout'] (or an init_command)

@@ -7,6 +7,7 @@ its own, as a web process sending would hold it.
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import sqlite3
 import threading
@@ -17,16 +18,19 @@ from typing import Any
 
 import django
 import pytest
-from django.db import OperationalError, connection, connections
+from django.db import OperationalError, connection, connections, transaction
 from django.utils import timezone
 
-from django_federation_delivery import send, writelock
+from django_federation_delivery import availability, send, send_batch, writelock
 from django_federation_delivery.controls import requeue
+from django_federation_delivery.deliverer import FINAL_WRITES_WAIT, STOPPING_GRACE
 from django_federation_delivery.hosts import failing_since, pause_host
 from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.store import claims
+from django_federation_delivery.store.retractions import release_stranded
 from django_federation_delivery.writelock import PromptWriteLock, is_busy
 
+from .conftest import Inbox, wait_until
 from .keys import ALICE
 from .lockholder import Holder
 
@@ -270,3 +274,101 @@ def test_what_reads_a_row_before_writing_it_takes_the_lock_first_while_others_wr
         writer.join(10)
     assert writer.committed > 1, "the other connection wrote meanwhile"
     assert not errors, f"{len(errors)} of 15: {errors[0]}"
+
+
+class Interleaver:
+    """An execute wrapper: right after each read a transaction of this
+    connection makes before it holds the write lock, another connection (a
+    web process sending) commits a write: what a busy sender does at some
+    moment, here at the worst one, every time."""
+
+    def __init__(self, path: str) -> None:
+        # A busy timeout of 0: while this transaction holds the lock, the
+        # other's write gives up at once, and nothing comes in between.
+        self.raw = sqlite3.connect(path, timeout=0, isolation_level=None, check_same_thread=False)
+        self.raw.execute("CREATE TABLE IF NOT EXISTS interleaved_writes (n INTEGER)")
+        self.between: list[str] = []
+
+    def __call__(
+        self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        result = execute(sql, params, many, context)
+        wrapper = context["connection"]
+        read = str(sql).lstrip().upper().startswith(("SELECT", "WITH"))
+        if read and wrapper.in_atomic_block and wrapper.connection.in_transaction:
+            try:
+                self.raw.execute("INSERT INTO interleaved_writes VALUES (1)")
+            except sqlite3.OperationalError:
+                pass  # this transaction holds the write lock
+            else:
+                self.between.append(str(sql)[:70])
+        return result
+
+
+@pytest.fixture
+def interleaved() -> Iterator[Interleaver]:
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's lock only")
+    connection.ensure_connection()
+    interleaver = Interleaver(str(connection.settings_dict["NAME"]))
+    try:
+        with connection.execute_wrapper(interleaver):
+            yield interleaver
+    finally:
+        interleaver.raw.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sweep_of_stranded_deliveries_takes_the_lock_before_it_reads(
+    interleaved: Interleaver,
+) -> None:
+    url = "https://a.example/inbox"
+    first = send_batch(ALICE, {"type": "Note"}, [url], {"ordering_key": "k"})
+    second = send_batch(ALICE, {"type": "Note", "n": 2}, [url], {"ordering_key": "k"})
+    assert first is not None and second is not None
+    # What it waits on settled without releasing it: for the sweep.
+    Delivery.objects.filter(batch=first).update(status=Status.DELIVERED, settled_at=timezone.now())
+    assert release_stranded(now=timezone.now()) == 1, interleaved.between
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_retraction_sent_in_the_caller_s_transaction_takes_the_lock_before_it_reads(
+    interleaved: Interleaver,
+) -> None:
+    post = f"{ALICE}/notes/1"
+    gone, here = "https://gone.example/inbox", "https://here.example/inbox"
+    send(ALICE, {"type": "Create", "id": f"{ALICE}/c/1", "object": post}, [gone, here])
+    failing_since("gone.example", timezone.now() - dt.timedelta(days=8))
+    assert availability.mark_unavailable(60) == ["gone.example"]
+    # Read within the minute the hosts marked unavailable are kept for.
+    send(ALICE, {"type": "Note"}, [here])
+    with transaction.atomic():
+        batch = send(ALICE, {"type": "Delete", "id": f"{ALICE}/d/1", "object": post}, [gone, here])
+    assert batch is not None and batch.size == 2
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("mode", [None, "IMMEDIATE"])
+def test_a_stop_while_a_view_holds_the_write_lock_waits_the_grace_not_each_timeout(
+    mode: str | None,
+    inbox: Inbox,
+    start_deliverer: Callable[..., Any],
+    holder: Callable[..., Holder],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each of the stopped loop's last writes waited the connection's whole
+    # busy timeout for a lock a view held: 5 s each here, 20 s each with the
+    # README's settings, past a container's 10 s to stop.
+    if mode and django.VERSION < (5, 1):
+        pytest.skip("Django 4.2 has no transaction_mode")
+    options = connections.settings["default"]["OPTIONS"]
+    monkeypatch.setitem(options, "timeout", 5)
+    if mode:
+        monkeypatch.setitem(options, "transaction_mode", mode)
+    send(ALICE, {"type": "Note"}, [inbox.url("/1")])
+    runner = start_deliverer(heartbeat=True)
+    wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).exists())
+    holder(lambda: 50.0)
+    started = time.monotonic()
+    runner.stop(timeout=50)
+    assert time.monotonic() - started < STOPPING_GRACE + FINAL_WRITES_WAIT + 2.5
