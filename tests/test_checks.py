@@ -522,9 +522,9 @@ def test_a_setting_that_is_not_a_dict_is_named_by_its_type_alone(settings: Any) 
 def test_only_the_queue_s_sqlite_databases_are_held_to_its_needs(
     monkeypatch: pytest.MonkeyPatch, settings: Any, routed: bool
 ) -> None:
-    # Debian 11's SQLite 3.34, too old for the queue's claims, and no busy
-    # timeout: said of the database the queue is in, never of the project's
-    # own, whose migrate it would stop.
+    # Debian 11's SQLite 3.34, too old for the queue's claims: said of the
+    # database the queue is in, never of the project's own, whose migrate it
+    # would stop.
     monkeypatch.setattr(
         "django_federation_delivery.checks.database.sqlite3",
         types.SimpleNamespace(sqlite_version_info=(3, 34, 1), sqlite_version="3.34.1"),
@@ -532,13 +532,11 @@ def test_only_the_queue_s_sqlite_databases_are_held_to_its_needs(
     if routed:
         settings.DATABASE_ROUTERS = [QueueRouter()]
     queue_s = "queue" if routed else "default"
-    for alias in ("default", "queue"):
-        monkeypatch.setitem(connections[alias].settings_dict, "OPTIONS", {})
     found = {
         alias: {m.id for m in check_sqlite(databases=[alias])} for alias in ("default", "queue")
     }
     assert found == {
-        queue_s: {"federation_delivery.E020", "federation_delivery.W001"},
+        queue_s: {"federation_delivery.E020"},
         ("default" if routed else "queue"): set(),
     }
 
@@ -549,17 +547,36 @@ def test_sqlite_without_wal_or_a_busy_timeout_is_warned_about(settings: Any) -> 
     conn = connections["default"]
     assert sqlite_problems("default", conn) == [], "the tests run as a deployment should"
     conn.settings_dict["OPTIONS"] = {}
+    conn.close()  # the busy timeout is the connection's own, set as it opens
     try:
         with conn.cursor() as cursor:
             cursor.execute("PRAGMA journal_mode=DELETE")
         found = {m.id: m for m in sqlite_problems("default", conn)}
     finally:
         conn.settings_dict["OPTIONS"] = {"timeout": 20}
+        conn.close()
         with conn.cursor() as cursor:
             cursor.execute("PRAGMA journal_mode=WAL")
     assert set(found) == {"federation_delivery.W001", "federation_delivery.W002"}
     assert "timeout" in (found["federation_delivery.W001"].hint or "")
     assert "journal_mode=WAL" in (found["federation_delivery.W002"].hint or "")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite only")
+@pytest.mark.parametrize(("pragma", "warned"), [(30000, False), (2000, True)])
+def test_the_busy_timeout_warned_about_is_the_one_the_connection_has(
+    pragma: int, warned: bool
+) -> None:
+    from django.db.backends.sqlite3.base import DatabaseWrapper
+
+    options = {"init_command": f"PRAGMA journal_mode=WAL; PRAGMA busy_timeout={pragma}"}
+    wrapper = DatabaseWrapper({**connection.settings_dict, "OPTIONS": options}, alias="busy")
+    try:
+        said = [m.msg for m in sqlite_problems("busy", wrapper) if m.id.endswith("W001")]
+    finally:
+        wrapper.close()
+    assert said == (["The SQLite database 'busy' has a busy timeout of 2 s."] if warned else [])
 
 
 @pytest.mark.django_db

@@ -11,7 +11,7 @@ from django.db import OperationalError
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.checks.bounds import PREFIX
-from django_federation_delivery.store.sql import journal_mode
+from django_federation_delivery.store.sql import busy_timeout, journal_mode
 
 
 @register(Tags.database)
@@ -49,12 +49,12 @@ def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:
                 id=f"{PREFIX}.E020",
             )
         )
-    timeout = connection.settings_dict.get("OPTIONS", {}).get("timeout")
-    if not isinstance(timeout, int | float) or timeout < 10:
+    timeout = _busy_timeout(connection)
+    if timeout < 10:
         messages.append(
             Warning(
                 _("The SQLite database %(alias)r has a busy timeout of %(timeout)s s.")
-                % {"alias": alias, "timeout": timeout or 5},
+                % {"alias": alias, "timeout": f"{timeout:g}"},
                 hint=_(
                     "Set DATABASES[...]['OPTIONS']['timeout'] = 20 (seconds) or more, so that "
                     "the deliverer and web processes wait for each other's writes instead of "
@@ -83,6 +83,19 @@ def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:
             )
         )
     return messages
+
+
+def _busy_timeout(connection: Any) -> float:
+    """The seconds ``connection`` waits for SQLite's write lock: as it has it
+    (``OPTIONS['timeout']``, or a ``PRAGMA busy_timeout`` its
+    ``init_command`` ran), or as its settings say when it cannot be opened
+    now (sqlite3's own 5 s when they say nothing)."""
+    try:
+        connection.ensure_connection()
+        return busy_timeout(connection.connection) / 1000
+    except OperationalError:
+        timeout = connection.settings_dict.get("OPTIONS", {}).get("timeout")
+        return float(timeout) if isinstance(timeout, int | float) else 5.0
 
 
 def unapplied_migrations(alias: str) -> list[str]:
