@@ -347,6 +347,7 @@ def test_a_retraction_sent_in_the_caller_s_transaction_takes_the_lock_before_it_
     assert batch is not None and batch.size == 2
 
 
+@sqlite_only
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("mode", [None, "IMMEDIATE"])
 def test_a_stop_while_a_view_holds_the_write_lock_waits_the_grace_not_each_timeout(
