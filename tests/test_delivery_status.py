@@ -561,3 +561,34 @@ def test_a_host_s_last_day_names_only_the_outcomes_its_deliveries_came_to() -> N
     for row, status in zip(rows, [Status.DELIVERED] * 3 + [Status.FAILED] * 2, strict=True):
         settle(row, status)
     assert "last 24 hours          delivered 3, failed 2\n" in run("--host", "a.example")
+
+
+@pytest.mark.django_db
+def test_with_use_tz_off_the_check_says_its_line(settings: Any) -> None:
+    # It handed the ORM an aware time, which SQLite refuses with USE_TZ off:
+    # a traceback instead of the probe's line.
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/New_York"
+    queue(hosts=["a.example"], per_host=2)
+    assert check() == (
+        2,
+        "CRITICAL: No deliverer has been seen in the last day while 2 deliveries are due\n",
+    )
+
+
+@pytest.mark.django_db
+def test_with_use_tz_off_a_destination_s_times_carry_their_offset(settings: Any) -> None:
+    from django_federation_delivery import send_webhook
+    from django_federation_delivery.webhooks.destinations import delivery_key
+
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/New_York"
+    hook = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": hook}}
+    send_webhook("ops", "thing.happened", {})
+    hosts.pause_host(delivery_key("ops"))
+    hosts.failing_since(delivery_key("ops"), timezone.now())
+    data = json.loads(run("--json"))
+    [ops] = data["webhook_destinations"]
+    for name in ("paused_at", "failing_since"):
+        assert dt.datetime.fromisoformat(ops[name]).utcoffset() is not None, ops[name]

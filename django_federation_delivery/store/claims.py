@@ -26,6 +26,7 @@ from django_federation_delivery.dialect import (
     aware_now,
     connection_for,
     db_datetime,
+    orm_datetime,
     read_datetime,
 )
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
@@ -393,8 +394,9 @@ def next_due(*, using: str | None = None) -> dt.datetime | None:
 
 def count_due(*, using: str | None = None) -> int:
     """How many pending deliveries are due now (the partial index, lane by lane)."""
-    manager = Delivery.objects.using(using or database_alias())
-    now = aware_now()
+    alias = using or database_alias()
+    manager = Delivery.objects.using(alias)
+    now = orm_datetime(aware_now(), alias)  # as the ORM takes it, USE_TZ off too
     return sum(
         manager.filter(status=Status.PENDING, lane=lane, due_at__lte=now).count()
         for lane in CLAIM_ORDER

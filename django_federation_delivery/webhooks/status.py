@@ -24,6 +24,7 @@ from django.utils import timezone
 from django.utils.translation import gettext, gettext_noop
 
 from django_federation_delivery.conf import database_alias
+from django_federation_delivery.dialect import aware
 from django_federation_delivery.models import Delivery, Host, Kind, Status
 from django_federation_delivery.overview import format_duration
 from django_federation_delivery.webhooks.destinations import (
@@ -112,8 +113,11 @@ class DestinationStatus:
             "pending": self.pending,
             "disabled": self.disabled,
             "disabled_reason": self.disabled_reason,
-            "paused_at": self.paused_at.isoformat() if self.paused_at else None,
-            "failing_since": self.failing_since.isoformat() if self.failing_since else None,
+            # With their zone, as every time of the document, USE_TZ off too.
+            "paused_at": aware(self.paused_at).isoformat() if self.paused_at else None,
+            "failing_since": (
+                aware(self.failing_since).isoformat() if self.failing_since else None
+            ),
         }
 
 
