@@ -369,6 +369,7 @@ class Deliverer:
         heartbeat, the workers, the stop timer and the write lock; each let go
         of however the run ends."""
         wakeup.register(self._wake)
+        self.upkeep.start()
         if listen:
             self.intake.listen()
         self.summary.started = time.monotonic()
@@ -396,7 +397,7 @@ class Deliverer:
                 timer.cancel()
             self.summary.stopped = time.monotonic()
             self.workers.stop()
-            # Probes under way: once stopping, until the one under way is done.
+            # The probe under way, until it is done; none after it.
             self.upkeep.finish(self.transport_settings.attempt_timeout + 1)
             self._db(self.hoststats.write, now=timezone.now(), using=self.using)
             self.intake.stop_listening()

@@ -324,7 +324,7 @@ class Intake:
                 step = min(step, beat)
             if self.wake.wait(step):
                 break
-            self.upkeep.beat()
+            self.upkeep.refresh()
             if looking and self._anything_due() is True:
                 break
         self.wake.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -91,6 +92,10 @@ class Upkeep:
     _gauges_read: float = dataclasses.field(default=-1.0, init=False)
     _stranded_read: float = dataclasses.field(default_factory=time.monotonic, init=False)
     _overdue_read: float = dataclasses.field(default=-OVERDUE_EVERY, init=False)
+    #: Set once the run has ended: no probe follows the one under way.
+    _ended: threading.Event = dataclasses.field(default_factory=threading.Event, init=False)
+    #: When the run's end waits for its probes no longer (monotonic).
+    _finish_by: float = dataclasses.field(default=math.inf, init=False)
     #: Where the next look for what waits past its deadline starts.
     _overdue_since: dt.datetime | None = dataclasses.field(default=None, init=False)
     _hosts_read: float = dataclasses.field(default=-HOSTS_EVERY, init=False)
@@ -140,12 +145,18 @@ class Upkeep:
             self.db(metrics.observe_queue, using=self.using)
 
     def until_beat(self) -> float | None:
-        """Seconds until :meth:`beat` has something to do (None: never). An
-        idle loop woken only by sends (LISTEN) wakes by then: its heartbeat
-        and idle poll may be minutes apart, and its gauges, unread as long,
-        would have an alert take a live deliverer for a dead one; a round,
-        idle, would not notice it lost its lock."""
-        times: list[float] = []
+        """Seconds until :meth:`beat`, or the sweeps of :meth:`refresh`, have
+        something to do (None: never). An idle loop woken only by sends
+        (LISTEN) wakes by then: its heartbeat and idle poll may be minutes
+        apart, and its gauges, unread as long, would have an alert take a
+        live deliverer for a dead one; a round, idle, would not notice it
+        lost its lock; and what waits past its deadline (held for a paused
+        host, or its turn) is failed within OVERDUE_EVERY of it, idle too."""
+        now = time.monotonic()
+        times: list[float] = [
+            max(0.0, self._overdue_read + OVERDUE_EVERY - now),
+            max(0.0, self._stranded_read + STRANDED_EVERY - now),
+        ]
         if self.heartbeat is not None:
             times.append(self.heartbeat.until_due())
         if self.holding is not None and not self.stopping.is_set():
@@ -217,9 +228,13 @@ class Upkeep:
             for probed in range(1, share + 1):
                 if availability.probe(url, settings):
                     availability.mark_seen(host, using=self.using)
-                # None started once stopping: it would outlast the time the
-                # loop has to finish (a round's, fitted to its task queue's).
-                if probed == share or self.stopping.is_set():
+                # None started once stopping, nor one that would end after
+                # the run (a drain) has waited for its probes: it would
+                # outlast the time the loop has to finish (a round's, fitted
+                # to its task queue's), or the process itself.
+                if probed == share or self.stopping.is_set() or self._ended.is_set():
+                    return
+                if time.monotonic() + settings.attempt_timeout > self._finish_by:
                     return
                 due = availability.probe_due(most=1, using=self.using)
                 if not due:
@@ -238,14 +253,21 @@ class Upkeep:
         return time.monotonic() + settings.attempt_timeout + PROBE_WRITE
 
     def finish(self, timeout: float) -> None:
-        """Wait for probes under way, at most ``timeout`` seconds; once
+        """The run has ended: wait for the probes under way, at most
+        ``timeout`` seconds, none started that would end later; once
         stopping, only until the one under way is out of time, as none
-        follows it."""
-        if self._prober is None:
-            return
-        if self.stopping.is_set():
-            timeout = min(timeout, max(0.0, self._probe_until - time.monotonic()))
-        self._prober.join(timeout)
+        follows it. None is started once this returns."""
+        self._finish_by = time.monotonic() + timeout
+        if self._prober is not None:
+            if self.stopping.is_set():
+                timeout = min(timeout, max(0.0, self._probe_until - time.monotonic()))
+            self._prober.join(timeout)
+        self._ended.set()
+
+    def start(self) -> None:
+        """A run begins: probes may follow one another again."""
+        self._ended.clear()
+        self._finish_by = math.inf
 
     def held_hosts(self) -> list[str]:
         """The hosts whose circuit breaker holds every delivery now."""

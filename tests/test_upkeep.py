@@ -135,7 +135,7 @@ def test_an_idle_deliverer_woken_only_by_sends_reads_its_gauges_on_time(
         beat()
 
     monkeypatch.setattr(deliverer.upkeep, "beat", counted)
-    deliverer.upkeep.beat()  # its first, as the loop's first turn makes it
+    deliverer.upkeep.refresh()  # its first, as the loop's first turn makes it
     stopper = threading.Timer(0.5, deliverer.stop)
     stopper.start()
     deliverer.intake.idle(listening=True)
@@ -190,3 +190,41 @@ def test_a_stopping_loop_starts_no_probe_and_leaves_the_hosts_it_did_not_reach_d
     assert sum(len(server.received) for server in silent) == 1
     # Those not reached are due still, for the next loop: not taken unprobed.
     assert len(probe_due()) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_deliverer_fails_what_waits_for_a_paused_host_past_its_deadline(
+    inbox: Inbox, start_deliverer: Callable[..., Any]
+) -> None:
+    # Nothing else due: an idle loop slept to its idle poll (30 s), and the
+    # deadline sweep, which it alone runs, with it.
+    pause_host(inbox.host)
+    deadline = timezone.now() + dt.timedelta(seconds=1)
+    batch = send_batch(ALICE, NOTE, [inbox.url()], {"deadline": deadline})
+    runner = start_deliverer()
+    try:
+        wait_until(lambda: Delivery.objects.get(batch=batch).status == Status.FAILED, timeout=15)
+    finally:
+        runner.stop()
+    assert inbox.received == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_drained_run_starts_no_probe_once_it_has_returned(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    # A drain ends without a stop: its prober went on taking hosts after the
+    # run returned, as the process exits, each left unprobed for a day.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "ATTEMPT_TIMEOUT": 1.0}
+    silent = [inboxes(f"127.0.0.{n}", delay=2.0) for n in (2, 3, 4)]
+    now = timezone.now()
+    for box in silent:
+        unavailable_and_due_a_probe(box.url(), box.host, now)
+
+    def probes() -> int:
+        return sum(len(box.received) for box in silent)
+
+    Deliverer().run(drain=True)
+    at_return = probes()
+    time.sleep(2.5)
+    assert probes() == at_return < len(silent)
