@@ -120,6 +120,8 @@ class Deliverer:
         #: ``STOPPING_GRACE`` after the stop (the upkeep's statements, with
         #: nothing to write, were each waited out whole, up to 5 s each).
         self._stop_waits_end: float | None = None
+        #: When a stop asked for by :meth:`stop` ends its waits (monotonic).
+        self._stop_by: float | None = None
         self.idle_poll = app_settings.idle_poll_seconds
         self.new_work_poll = app_settings.new_work_poll_seconds
         self.schemes = KnownSchemes(app_settings.first_scheme, self._db, using=using)
@@ -228,6 +230,11 @@ class Deliverer:
 
     def stop(self) -> None:
         """Stop claiming, finish what is in flight, then return from :meth:`run`."""
+        # From the stop on, a wait for the database away ends within the
+        # grace, even one the loop is in the middle of (an idle sweep's).
+        if self._stop_by is None:
+            self._stop_by = time.monotonic() + STOPPING_GRACE
+        self._db.end_waits_by(self._stop_by)
         self._stopping.set()
         self._wake.set()
 
@@ -269,7 +276,7 @@ class Deliverer:
             self._stop_waits_end = None
             while True:
                 if self.stopping and self._stop_waits_end is None:
-                    self._stop_waits_end = time.monotonic() + STOPPING_GRACE
+                    self._stop_waits_end = self._stop_by or time.monotonic() + STOPPING_GRACE
                     self._end_waits_by(self._stop_waits_end)
                 self.upkeep.recycle_connections()
                 self.upkeep.refresh()
