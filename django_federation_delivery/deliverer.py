@@ -277,7 +277,10 @@ class Deliverer:
             while True:
                 if self.stopping and self._stop_waits_end is None:
                     self._stop_waits_end = self._stop_by or time.monotonic() + STOPPING_GRACE
-                    self._end_waits_by(self._stop_waits_end)
+                    # Never sooner than a grace for writes begun already (a
+                    # write failed as the stop came): its tries would then
+                    # have no wait between them until that grace ends.
+                    self._end_waits_by(max(self._stop_waits_end, self._leave_at or 0.0))
                 self.upkeep.recycle_connections()
                 self.upkeep.refresh()
                 self.handoff.collect()

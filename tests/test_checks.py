@@ -568,7 +568,11 @@ def test_sqlite_without_wal_or_a_busy_timeout_is_warned_about(settings: Any) -> 
 def test_the_busy_timeout_warned_about_is_the_one_the_connection_has(
     pragma: int, warned: bool
 ) -> None:
+    import django
     from django.db.backends.sqlite3.base import DatabaseWrapper
+
+    if django.VERSION < (5, 1):
+        pytest.skip("OPTIONS' init_command is Django 5.1's on SQLite")
 
     options = {"init_command": f"PRAGMA journal_mode=WAL; PRAGMA busy_timeout={pragma}"}
     wrapper = DatabaseWrapper({**connection.settings_dict, "OPTIONS": options}, alias="busy")
