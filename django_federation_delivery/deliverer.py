@@ -188,6 +188,7 @@ class Deliverer:
             probe_settings=inboxes.transport_settings,
             stopping=self._stopping,
             holding=holding,
+            kinds=self.kinds,
         )
         self.triage = Triage(
             db=self._db,

@@ -150,6 +150,9 @@ class InboxDeliveries:
     def give_up_unusable(self) -> int:
         return 0
 
+    def release_stuck(self) -> int:
+        return 0  # an inbox's held deliveries are its host's pause's
+
     def job(self, row: claims.Claimed, batch: BatchInfo) -> InboxJob:
         """The job for ``row``, a claimed delivery of ``batch``."""
         key_error = ""

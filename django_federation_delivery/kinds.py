@@ -51,6 +51,11 @@ class DeliveryKind(Protocol):
         starts; how many."""
         ...
 
+    def release_stuck(self) -> int:
+        """Make due what nothing else ever would (a sweep of the upkeep's,
+        every 30 s); how many."""
+        ...
+
     def job(self, row: claims.Claimed, batch: BatchInfo) -> Any:
         """What a worker needs for an attempt at ``row``."""
         ...

@@ -14,6 +14,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from django.db import close_old_connections, connections
 from django.utils import timezone
@@ -28,6 +29,7 @@ from django_federation_delivery.outages import Runner
 from django_federation_delivery.settling import Summary
 from django_federation_delivery.slots import Slots
 from django_federation_delivery.store.retractions import release_stranded
+from django_federation_delivery.store.wakes import wake_all
 from django_federation_delivery.transport import TransportSettings
 
 logger = logging.getLogger("django_federation_delivery.deliverer")
@@ -86,6 +88,9 @@ class Upkeep:
     #: Whether the run still holds a lock (a round's), asked every LOCK_EVERY:
     #: once not, the loop is stopped. None: it holds none.
     holding: Callable[[], bool] | None = None
+    #: The kinds of delivery, each asked every STRANDED_EVERY to make due
+    #: what nothing else would (``release_stuck``).
+    kinds: Iterable[Any] = ()
     #: The hosts an operator paused, as last read.
     paused: frozenset[str] = dataclasses.field(default=frozenset(), init=False)
     _view_read: float = dataclasses.field(default=-1.0, init=False)
@@ -174,7 +179,12 @@ class Upkeep:
         self.beat()
         if time.monotonic() - self._stranded_read >= STRANDED_EVERY:
             self._stranded_read = time.monotonic()
-            self.db(release_stranded, now=aware_now(), using=self.using)
+            released = self.db(release_stranded, now=aware_now(), using=self.using) or 0
+            for kind in self.kinds:
+                released += self.db(kind.release_stuck) or 0
+            if released:
+                # Due now: this loop may be idle, and so may others.
+                self.db(wake_all, self.using)
         if time.monotonic() - self._overdue_read >= OVERDUE_EVERY:
             self._overdue_read = time.monotonic()
             self.give_up_overdue()

@@ -105,6 +105,44 @@ def test_a_410_disables_the_destination_holds_its_events_in_order_until_enabled(
     assert check()[0] == 0
 
 
+def test_a_destination_enabled_before_its_hold_is_written_sends_its_events(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Enabled while the attempt its 410 disabled it in was still in hand (a
+    # receiver of the signal, an operator at that moment): the enable made
+    # due only what no lease held, and the first event's hold, written after,
+    # left it due at no time, for ever, and every event behind it.
+    monkeypatch.setattr("django_federation_delivery.upkeep.STRANDED_EVERY", 0.2)
+
+    def gone_once(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return (410, {}, b"hook deleted") if len(receiver.received) == 1 else (204, {}, b"")
+
+    def enable_at_once(sender: Any, disabled: signals.DestinationDisabled, **kwargs: Any) -> None:
+        life.enable(disabled.destination)
+
+    receiver = inboxes("127.0.0.1", respond=gone_once)
+    configure(settings, {"ops": signed(receiver)})
+    for n in range(2):
+        send_webhook("ops", "alert.raised", {"n": n})
+    signals.webhook_destination_disabled.connect(enable_at_once, weak=False)
+    try:
+        runner = start_deliverer()
+        wait_until(
+            lambda: not Delivery.objects.filter(status=Status.PENDING).exists(),
+            state=lambda: (
+                list(Delivery.objects.values("id", "status", "due_at", "after_id", "lease_token")),
+                list(Host.objects.values("name", "paused_at")),
+            ),
+        )
+        runner.stop()
+    finally:
+        signals.webhook_destination_disabled.disconnect(enable_at_once)
+    assert numbers(receiver) == [0, 0, 1]
+
+
 def test_failing_without_a_success_for_webhook_disable_after_disables_it(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],

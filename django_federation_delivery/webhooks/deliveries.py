@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
+from django.db.models import Exists, OuterRef
 
 from django_federation_delivery.addresses import escaped
 from django_federation_delivery.attempt import AttemptResult, failed, held
@@ -25,6 +26,7 @@ from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Call, Channel, Event, Policy
 from django_federation_delivery.channels.base import policy_of
 from django_federation_delivery.conf import app_settings, database_alias
+from django_federation_delivery.dialect import aware_now, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.store import claims, settlements
@@ -258,6 +260,48 @@ class WebhookDeliveries:
             .distinct()
         )
         return self.give_up({delivery_key(name) for name in pending if self.lookup(name) is None})
+
+    def release_stuck(self) -> int:
+        """Make due the first pending event of each configured destination
+        that is not paused, when it waits on nothing, is due at no time and
+        no lease holds it: one held as its destination was disabled, its
+        hold written after an enable that came while its attempt was in
+        flight (the enable makes due only the events not then leased).
+        Nothing else would ever make it, nor the events behind it, due. One
+        index look a destination; returns how many were made due."""
+        manager = Delivery.objects.using(self.using)
+        now = orm_datetime(aware_now(), self.using)
+        paused = Host.objects.using(self.using).filter(
+            name=OuterRef("host"), paused_at__isnull=False
+        )
+        released = 0
+        for name in self._configured():
+            head = (
+                manager.filter(destination=name, status=Status.PENDING, kind=Kind.WEBHOOK)
+                .order_by("id")
+                .values("id", "due_at", "after_id", "lease_token")
+                .first()
+            )
+            if head is None or head["due_at"] or head["after_id"] or head["lease_token"]:
+                continue
+            released += (
+                manager.filter(
+                    id=head["id"],
+                    status=Status.PENDING,
+                    due_at__isnull=True,
+                    after__isnull=True,
+                    lease_token__isnull=True,
+                )
+                .exclude(Exists(paused))
+                .update(due_at=now)
+            )
+        if released:
+            logger.warning(
+                "%d webhook event(s) held with no due time for a destination no longer "
+                "disabled made due",
+                released,
+            )
+        return released
 
     def give_up(self, hosts: Iterable[str]) -> int:
         """Fail every pending delivery to ``hosts`` for good, whoever holds
