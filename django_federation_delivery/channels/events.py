@@ -12,6 +12,7 @@ import json
 import math
 import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,20 +210,10 @@ def not_json(value: Any, error: Exception) -> str:
     """Why the encoder refused ``value``, as ``error`` says; for a NaN or an
     infinity, which JSON has no number for, which one and where it is
     (``nan at $.object.score``): the encoder says neither."""
-    todo: list[tuple[Any, str]] = [(value, "$")]
-    seen: set[int] = set()  # the encoder refuses a circular value too
-    while todo and isinstance(error, ValueError):
-        item, path = todo.pop()
-        if isinstance(item, float):
-            if not math.isfinite(item):
-                shown = path if len(path) <= _PATH_SHOWN else f"{path[:_PATH_SHOWN]}…"
-                return f"{item!r} at {shown}, which JSON has no number for"
-        elif isinstance(item, dict | list | tuple) and id(item) not in seen:
-            seen.add(id(item))
-            if isinstance(item, dict):
-                todo += [(member, path + _step(key)) for key, member in reversed(item.items())]
-            else:
-                todo += [(member, f"{path}[{n}]") for n, member in reversed(list(enumerate(item)))]
+    if isinstance(error, ValueError):
+        for item, path in _paths(value):
+            if isinstance(item, float) and not math.isfinite(item):
+                return f"{item!r} at {_shown(path)}, which JSON has no number for"
     return str(error)
 
 
@@ -257,17 +248,33 @@ def _where(value: Any, found: dict[Any, Any]) -> tuple[str, str]:
     """The key ``found`` (an object in ``value``) has twice as JSON, and its
     path from ``value``: looked for again, this time with the paths, as it
     is only asked once a send is refused."""
+    for item, path in _paths(value):
+        if item is found:
+            return _duplicated(found) or "", _shown(path)
+    raise AssertionError("the object whose keys collide is in the value it was found in")
+
+
+def _paths(value: Any) -> Iterator[tuple[Any, str]]:
+    """Each member of ``value``, ``value`` first, with its path from it
+    (``$.object.tag[0]``), in the order JSON writes them; walked without
+    recursion, each array and object once (a value the encoder refused may
+    be circular). Only asked once a send is refused: it builds every path."""
     todo: list[tuple[Any, str]] = [(value, "$")]
+    seen: set[int] = set()
     while todo:
         item, path = todo.pop()
-        if item is found:
-            shown = path if len(path) <= _PATH_SHOWN else f"{path[:_PATH_SHOWN]}…"
-            return _duplicated(found) or "", shown
+        yield item, path
+        if not isinstance(item, dict | list | tuple) or id(item) in seen:
+            continue
+        seen.add(id(item))
         if isinstance(item, dict):
             todo += [(member, path + _step(key)) for key, member in reversed(item.items())]
-        elif isinstance(item, _ARRAYS):
+        else:
             todo += [(member, f"{path}[{n}]") for n, member in reversed(list(enumerate(item)))]
-    raise AssertionError("the object whose keys collide is in the value it was found in")
+
+
+def _shown(path: str) -> str:
+    return path if len(path) <= _PATH_SHOWN else f"{path[:_PATH_SHOWN]}…"
 
 
 def _step(key: Any) -> str:
