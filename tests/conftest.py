@@ -689,6 +689,23 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 MANAGE = [sys.executable, "-m", "django"]
 
 
+@pytest.fixture
+def failures() -> Iterator[list[Any]]:
+    """Every ``delivery_failed`` payload told while the test runs, from any thread."""
+    from django_federation_delivery import signals
+
+    seen: list[Any] = []
+    lock = threading.Lock()
+
+    def receiver(sender: Any, failure: Any, **kwargs: Any) -> None:
+        with lock:
+            seen.append(failure)
+
+    signals.delivery_failed.connect(receiver, weak=False)
+    yield seen
+    signals.delivery_failed.disconnect(receiver)
+
+
 @contextlib.contextmanager
 def statements_run() -> Iterator[list[tuple[str, Any]]]:
     """The statements run inside, with their parameters, as they run; the

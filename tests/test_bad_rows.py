@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import base64
 import logging
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -28,21 +27,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 NOTE = {"@context": "https://www.w3.org/ns/activitystreams", "type": "Create", "actor": ALICE}
 BAD_GATEWAYS = "its stored gateways (via) are not a list of URLs"
 SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
-
-
-@pytest.fixture
-def failures() -> Iterator[list[signals.Failure]]:
-    """Every ``delivery_failed`` payload."""
-    seen: list[signals.Failure] = []
-    lock = threading.Lock()
-
-    def receiver(sender: Any, failure: signals.Failure, **kwargs: Any) -> None:
-        with lock:
-            seen.append(failure)
-
-    signals.delivery_failed.connect(receiver, weak=False)
-    yield seen
-    signals.delivery_failed.disconnect(receiver)
 
 
 def row(batch: Batch) -> Delivery:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,18 +24,6 @@ pytestmark = pytest.mark.django_db
 
 NOTE = {"type": "Note"}
 HOUR = dt.timedelta(hours=1)
-
-
-@pytest.fixture
-def failures() -> Iterator[list[Any]]:
-    seen: list[Any] = []
-
-    def failed(sender: Any, failure: Any, **kwargs: Any) -> None:
-        seen.append(failure)
-
-    signals.delivery_failed.connect(failed, weak=False)
-    yield seen
-    signals.delivery_failed.disconnect(failed)
 
 
 def test_give_up_tells_only_of_what_it_changed_not_of_what_was_settled_meanwhile(
