@@ -219,8 +219,9 @@ def _tell_failed(
 
 
 def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
-    """Put failed, refused, skipped or superseded deliveries back in the queue, due now;
-    their attempts so far are kept. Others are left alone, and so is one
+    """Put failed, refused, skipped or superseded deliveries back in the queue, due now
+    (held, if their host is paused, until it is resumed); their attempts so
+    far are kept. Others are left alone, and so is one
     whose batch's deadline has passed (:func:`~.store.settlements.requeue_rows`
     says what else). Returns how many.
 

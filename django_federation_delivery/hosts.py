@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 
 from django.db import transaction
+from django.db.models import Case, F, Value, When
 from django.utils import timezone
 
 from django_federation_delivery import wakeup
@@ -127,7 +128,12 @@ def resume_hosts(names: Iterable[str], *, using: str | None = None) -> int:
                 .filter(
                     host__in=chunk, status=Status.PENDING, due_at__isnull=True, after__isnull=True
                 )
-                .update(due_at=due)
+                # No sooner than the lease of an attempt still in flight when
+                # it was given up, then requeued while the host was paused.
+                .update(
+                    due_at=Case(When(not_before__gt=due, then=F("not_before")), default=Value(due)),
+                    not_before=None,
+                )
             )
     wakeup.wake_all(alias)
     return int(released)

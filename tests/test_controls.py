@@ -297,6 +297,60 @@ def test_a_delivery_given_up_in_flight_then_requeued_is_never_sent_twice_at_once
     assert Delivery.objects.get(batch=batch).status == Status.PENDING
 
 
+def test_what_is_requeued_to_a_paused_host_is_held_until_it_is_resumed() -> None:
+    batch = send(ALICE, NOTE, ["https://a.example/inbox", "https://b.example/inbox"])
+    assert batch is not None
+    assert controls.give_up(Delivery.objects.filter(batch=batch)) == 2
+    controls.pause_host("a.example")
+    # The operator requeues what failed while the host is paused: to go once
+    # it is resumed, not claimed and put back every few seconds meanwhile.
+    assert controls.requeue(Delivery.objects.filter(batch=batch)) == 2
+    rows = dict(Delivery.objects.values_list("host", "due_at"))
+    assert rows["a.example"] is None, "held: no due time"
+    assert rows["b.example"] is not None, "the other host's is due"
+    before = timezone.now()
+    assert controls.resume_host("a.example") == 1
+    due = Delivery.objects.get(host="a.example").due_at
+    assert due is not None and before <= due <= timezone.now()
+
+
+def test_one_given_up_in_flight_requeued_while_paused_is_due_no_sooner_than_its_lease() -> None:
+    batch = send(ALICE, NOTE, ["https://a.example/inbox"])
+    assert batch is not None
+    # Claimed, its attempt in flight for a few minutes more, and given up.
+    lease_end = timezone.now() + dt.timedelta(minutes=5)
+    Delivery.objects.update(lease_token="t", due_at=lease_end, attempts=1)
+    assert controls.give_up(Delivery.objects.all()) == 1
+    controls.pause_host("a.example")
+    assert controls.requeue(Delivery.objects.all()) == 1
+    assert Delivery.objects.get().due_at is None, "held for its paused host"
+    # Resumed while that attempt may still be answered: not sent beside it.
+    assert controls.resume_host("a.example") == 1
+    row = Delivery.objects.get()
+    assert row.due_at == lease_end
+    assert row.not_before is None
+
+
+def test_one_requeued_while_paused_waiting_in_its_sequence_keeps_its_lease_end() -> None:
+    first = send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"ordering_key": "k"})
+    second = send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"ordering_key": "k"})
+    assert first is not None and second is not None
+    lease_end = timezone.now() + dt.timedelta(minutes=5)
+    # The first was retried meanwhile (requeued, say) while the second was
+    # in flight; the second is given up in flight.
+    Delivery.objects.filter(batch=second).update(
+        after=None, lease_token="t", due_at=lease_end, attempts=1
+    )
+    assert controls.give_up(Delivery.objects.filter(batch=second)) == 1
+    controls.pause_host("a.example")
+    assert controls.requeue(Delivery.objects.filter(batch=second)) == 1
+    row = Delivery.objects.get(batch=second)
+    # It waits its turn behind the first, still pending, and keeps the time
+    # its attempt in flight may still be answered until.
+    assert row.after_id == Delivery.objects.get(batch=first).id
+    assert (row.due_at, row.not_before) == (None, lease_end)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_webhook_event_given_up_in_flight_holds_the_next_until_its_attempt_ends(
     inboxes: Callable[..., Inbox],

@@ -469,16 +469,19 @@ ORDER BY r.id
 -- (next_retracted). A retraction waits on one delivery at a time, the last
 -- attempted there when it was queued; one attempted before it may still be
 -- retrying when that one leaves, and is waited on then. The time it was
--- just made due is kept (not_before): released again, it is due no sooner
+-- just made due is kept (not_before), or, held for its paused host, the
+-- time kept already (requeued): released again, it is due no sooner
 -- (released_due). One that waits already (a requeued one, its turn in its
 -- sequence) keeps that wait, and waits on what it retracts once released:
 -- a row waits on one thing at a time, and its turn comes first.
-UPDATE {delivery} SET after_id = {next_retracted}, not_before = due_at, due_at = NULL
+UPDATE {delivery} SET after_id = {next_retracted}, not_before = COALESCE(due_at, not_before),
+    due_at = NULL
 WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND after_id IS NULL
     AND {next_retracted} IS NOT NULL
 
 -- name: wait_again [sqlite]
-UPDATE {delivery} SET after_id = {next_retracted}, not_before = due_at, due_at = NULL
+UPDATE {delivery} SET after_id = {next_retracted}, not_before = COALESCE(due_at, not_before),
+    due_at = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL AND after_id IS NULL
     AND {next_retracted} IS NOT NULL
 
@@ -772,14 +775,17 @@ WHERE id IN (SELECT value FROM json_each(%(ids)s))
 -- one step back in the partial index on (sequence, id), as
 -- last_of_sequences does. One settling meanwhile, before this commits, may
 -- leave it waiting on a delivery that has left: the deliverer's sweep
--- releases it (stranded). The time it was due is kept (not_before): one
--- given up in flight, due when that attempt's lease ends (requeue), is
--- released no sooner (released_due), or it would be sent twice at once.
-UPDATE {delivery} SET after_id = {before_in_sequence}, not_before = due_at, due_at = NULL
+-- releases it (stranded). The time it was due is kept (not_before; held
+-- for its paused host, the time kept already): one given up in flight, due
+-- when that attempt's lease ends (requeue), is released no sooner
+-- (released_due), or it would be sent twice at once.
+UPDATE {delivery} SET after_id = {before_in_sequence}, not_before = COALESCE(due_at, not_before),
+    due_at = NULL
 WHERE id = ANY(%(ids)s::bigint[]) AND sequence <> '' AND {before_in_sequence} IS NOT NULL
 
 -- name: wait_in_sequence [sqlite]
-UPDATE {delivery} SET after_id = {before_in_sequence}, not_before = due_at, due_at = NULL
+UPDATE {delivery} SET after_id = {before_in_sequence}, not_before = COALESCE(due_at, not_before),
+    due_at = NULL
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND NOT (sequence = '')
     AND {before_in_sequence} IS NOT NULL
 
@@ -831,8 +837,17 @@ WHERE n.id IN (
     ORDER BY d.id DESC LIMIT 1)
 
 -- name: requeued
-status = {pending}, lease_token = NULL, settled_at = NULL, after_id = NULL, not_before = NULL,
-due_at = CASE WHEN {delivery}.due_at > %(now)s THEN {delivery}.due_at ELSE %(now)s END
+-- Due now, but one given up while in flight no sooner than the end of that
+-- attempt's lease (give_up); to a paused host, held as a send to it is
+-- (queued_values), that time kept (not_before) for the resume.
+status = {pending}, lease_token = NULL, settled_at = NULL, after_id = NULL,
+not_before = CASE WHEN {host_paused} AND {delivery}.due_at > %(now)s THEN {delivery}.due_at END,
+due_at = CASE WHEN {host_paused} THEN NULL
+    WHEN {delivery}.due_at > %(now)s THEN {delivery}.due_at ELSE %(now)s END
+
+-- name: host_paused
+-- Whether the host of the row being written is paused (hosts.pause_host).
+EXISTS (SELECT 1 FROM {host} AS h WHERE h.name = {delivery}.host AND h.paused_at IS NOT NULL)
 
 
 -- Counting batches down ---------------------------------------------------

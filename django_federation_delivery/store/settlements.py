@@ -361,6 +361,8 @@ def requeue_rows(ids: Sequence[int], *, using: str | None = None) -> int:
     """Put settled deliveries back in the queue, due now; their attempts so far
     are kept. Returns how many. One given up while an attempt was in flight
     is due no sooner than that attempt's lease ends: never sent twice at once.
+    One to a paused host is held, as a send to it is, until the host is
+    resumed (and then, no sooner than that lease ends either).
 
     What a later retraction of its sender, queued to the same inbox, took
     back is left as it is: sent again, a deleted post's ``Create`` would
