@@ -60,6 +60,13 @@ class Job:
     #: ``time.monotonic()``: the attempt is over by then, or not made. None: no lease.
     lease_deadline: float | None = dataclasses.field(default=None, kw_only=True)
 
+    @property
+    def makes_no_request(self) -> bool:
+        """Whether the attempt is known, before it is made, to fail without
+        a request (an inbox's sender with no key): no breaker's probe is
+        spent on it."""
+        return False
+
 
 @dataclasses.dataclass(frozen=True)
 class AttemptResult:

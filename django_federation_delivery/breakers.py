@@ -206,11 +206,16 @@ def take_probe(key: str, *, cool_off: float, using: str | None = None) -> str | 
 
 
 def record_probe(
-    key: str, token: str, *, failed: bool, cool_off: float, using: str | None = None
+    key: str, token: str, *, failed: bool | None, cool_off: float, using: str | None = None
 ) -> None:
     """A probe's outcome: success closes the breaker, failure opens it for
-    another cool-off. A probe that lost its turn changes nothing."""
+    another cool-off; ``None``, no answer of its host's (no request made),
+    gives the probe back for another delivery to take. A probe that lost
+    its turn changes nothing."""
     manager = Breaker.objects.using(using or database_alias()).filter(key=key, probe_token=token)
+    if failed is None:
+        manager.update(probe_token="", probe_until=None)
+        return
     if not failed:
         manager.delete()
         return
@@ -321,6 +326,19 @@ class Breakers:
             del self._failures[key]
             self._successes.add(key)
             self.view.set(key, None)
+
+    def give_back(self, key: str, probe: str) -> None:
+        """The probe ``probe`` taught nothing of its host: no request was
+        made (the sender has no key, say), or another host answered. Given
+        back, the next delivery there probes at once, rather than after
+        another cool-off with the breaker held open for nothing. Written at
+        once, as the probe was taken: a delivery admitted before the next
+        flush would find it still taken."""
+        cool_off = self.settings.cool_off
+        record_probe(key, probe, failed=None, cool_off=cool_off, using=self.using)
+        state = self.view.get(key)
+        if state is not None:
+            self.view.set(key, State(state.failures, state.open_until, None))
 
     def flush(self) -> int:
         """Write what was noted; kept for the next flush if this one fails."""

@@ -361,6 +361,8 @@ class Deliverer:
                     probe=item.probe,
                     now=timezone.now(),
                 )
+            elif self.breakers is not None and item.probe:
+                self.triage.db(self.breakers.give_back, item.breaker, item.probe)
         self.conclude(item, result)
 
     def conclude(self, item: InFlight, result: AttemptResult) -> None:

@@ -18,7 +18,7 @@ from django_federation_delivery.conf import app_settings
 from django_federation_delivery.exceptions import SigningError
 from django_federation_delivery.health import HostWatch
 from django_federation_delivery.hosts import KnownSchemes
-from django_federation_delivery.keys import KeyCache
+from django_federation_delivery.keys import KeyCache, LookupFailedLately, failure_reason
 from django_federation_delivery.settling import Settler, Summary, ask
 from django_federation_delivery.signatures.request import check_header_value
 from django_federation_delivery.store import claims
@@ -161,13 +161,14 @@ class InboxDeliveries:
             key = self.keys.get(batch.sender)
         except Exception as exc:
             # The key store is the host project's; it being away for a
-            # moment does not make the delivery wrong.
-            logger.warning(
-                "Looking up the key of %s failed: %s",
-                addresses.redact(batch.sender),
-                type(exc).__name__,
-            )
-            key_error = f"the sender's key could not be looked up: {type(exc).__name__}"
+            # moment does not make the delivery wrong. Logged as it fails,
+            # not again for each delivery it fails meanwhile.
+            reason = failure_reason(exc)
+            if not isinstance(exc, LookupFailedLately):
+                logger.warning(
+                    "Looking up the key of %s failed: %s", addresses.redact(batch.sender), reason
+                )
+            key_error = f"the sender's key could not be looked up: {reason}"
         extra = (
             synchronization_headers(
                 self.synchronization, batch.sender, row.inbox, via=row.via or ()

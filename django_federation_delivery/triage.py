@@ -163,6 +163,10 @@ class Triage:
         for the first's host (:attr:`InFlight.elsewhere`)."""
         if self.breakers is None or not item.breaker:
             return None
+        if getattr(item.job, "makes_no_request", False):
+            # Failed without a request (attempt): nothing to learn of the
+            # host, and a probe taken would hold its other deliveries.
+            return None
         now = timezone.now()
         if self.breakers.settings.scope is Scope.HOST:
             item.job = _without_held_gateways(item.job, self.breakers, now)

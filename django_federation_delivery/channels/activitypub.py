@@ -69,6 +69,10 @@ class InboxJob(Job):
     #: Set when the key could not be had for a reason that may pass.
     key_error: str = ""
 
+    @property
+    def makes_no_request(self) -> bool:
+        return self.key is None or bool(self.key_error)
+
 
 class ActivityPub(Channel):
     """An ActivityPub inbox: an activity signed by its sender, POSTed, and

@@ -85,6 +85,9 @@ def check_method(method: str) -> str:
 def check_key_id(key: SenderKey) -> None:
     """Refuse a key id that cannot be put between the quotes of either scheme."""
     key_id = key.key_id
+    if not isinstance(key_id, str):
+        # A SenderKey built by hand with an actor's pk, or bytes.
+        raise SigningError(f"key id is a {type(key_id).__name__}: it must be text")
     if (
         not key_id
         or not key_id.isascii()
