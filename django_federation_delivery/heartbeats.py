@@ -132,12 +132,14 @@ class Heartbeat:
             rows.filter(last_seen__lt=now - FORGET_AFTER).delete()
 
     def remove(self) -> None:
-        """This deliverer stopped: it is no longer alive (unless ``kept``),
-        and was last seen now."""
-        if not self.kept:
-            self._row(DelivererHeartbeat.objects.using(self.using)).update(
-                last_seen=timezone.now(), interval=STOPPED, in_flight=0, rate=0.0
-            )
+        """This deliverer stopped: it is no longer alive (unless ``kept``:
+        a round's, alive until the next), and was last seen now, with
+        nothing in flight."""
+        rows = self._row(DelivererHeartbeat.objects.using(self.using))
+        if self.kept:
+            rows.update(last_seen=timezone.now(), in_flight=0, rate=0.0)
+        else:
+            rows.update(last_seen=timezone.now(), interval=STOPPED, in_flight=0, rate=0.0)
 
     def _row(self, rows: QuerySet[DelivererHeartbeat]) -> QuerySet[DelivererHeartbeat]:
         """This deliverer's row: by its id, or, until an insert has said it,

@@ -95,7 +95,9 @@ class Upkeep:
     paused: frozenset[str] = dataclasses.field(default=frozenset(), init=False)
     _view_read: float = dataclasses.field(default=-1.0, init=False)
     _gauges_read: float = dataclasses.field(default=-1.0, init=False)
-    _stranded_read: float = dataclasses.field(default_factory=time.monotonic, init=False)
+    # At once, then every STRANDED_EVERY: a round of django-q2's or Django's
+    # tasks (contrib/rounds.py), often shorter, makes an Upkeep of its own.
+    _stranded_read: float = dataclasses.field(default=-STRANDED_EVERY, init=False)
     _overdue_read: float = dataclasses.field(default=-OVERDUE_EVERY, init=False)
     #: Set once the run has ended: no probe follows the one under way.
     _ended: threading.Event = dataclasses.field(default_factory=threading.Event, init=False)

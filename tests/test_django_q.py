@@ -52,6 +52,7 @@ from .channels import queued_then_kind_removed
 from .conftest import MANAGE, Inbox, assert_each_reached_once_but, subprocess_env, wait_until
 from .keys import ALICE
 from .operators import unavailable_and_due_a_probe
+from .test_webhooks_deliveries import configure, signed
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -64,6 +65,76 @@ def cluster(settings: Any, **conf: Any) -> None:
 
 def statuses() -> collections.Counter[str]:
     return collections.Counter(Delivery.objects.values_list("status", flat=True))
+
+
+# The sweeps every STRANDED_EVERY (30 s) count from each Deliverer's start:
+# a round is a new Deliverer, and one shorter than 30 s (25 s under
+# django-q2's default retry of 60, the 5 s rounds of scripts/demo) never
+# runs them, however many rounds come.
+
+
+def test_rounds_release_a_delivery_left_waiting_on_a_settled_one(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    cluster(settings, timeout=90, retry=120)
+    first_inbox, waiting_inbox = inboxes(), inboxes()
+    first = send(ALICE, NOTE, [first_inbox.url()])
+    waiting = send(ALICE, {"type": "Note", "actor": ALICE}, [waiting_inbox.url()])
+    assert first is not None and waiting is not None
+    # What a retraction leaves when the one it waits on settled at that
+    # very moment (the state test_retractions' sweep test makes).
+    settled = Delivery.objects.get(batch=first)
+    Delivery.objects.filter(pk=settled.pk).update(
+        status=Status.DELIVERED, settled_at=timezone.now(), due_at=None
+    )
+    Delivery.objects.filter(batch=waiting).update(after=settled, due_at=None)
+    for _ in range(3):
+        deliver_round(2)
+    row = Delivery.objects.get(batch=waiting)
+    assert (row.status, len(waiting_inbox.received)) == (Status.DELIVERED, 1), (
+        f"after 3 rounds still {row.status}, after_id={row.after_id}, due_at={row.due_at}: "
+        "no round ever runs the sweep of stranded deliveries"
+    )
+
+
+def test_rounds_release_a_webhook_event_left_due_at_no_time(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    cluster(settings, timeout=90, retry=120)
+    receiver = inboxes()
+    configure(settings, {"ops": signed(receiver)})
+    for n in range(2):
+        send_webhook("ops", "alert.raised", {"n": n})
+    # The first event's hold written after an enable that came while its
+    # attempt was in hand (test_webhooks_life's race): due at no time, no
+    # lease, waiting on nothing. Only release_stuck makes it due again.
+    head = Delivery.objects.order_by("id").first()
+    assert head is not None
+    Delivery.objects.filter(pk=head.pk).update(due_at=None, after=None, lease_token=None)
+    for _ in range(3):
+        deliver_round(2)
+    assert statuses() == {Status.DELIVERED: 2}, (
+        f"after 3 rounds: {dict(statuses())}, {len(receiver.received)} received: "
+        "no round ever runs release_stuck"
+    )
+
+
+def test_between_rounds_the_heartbeat_shows_nothing_in_flight(
+    inboxes: Callable[..., Inbox], settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster(settings, timeout=90, retry=120)
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "HEARTBEAT_SECONDS": 1.0}
+    monkeypatch.setattr(django_q, "_heartbeats", {})
+    slow = inboxes(delay=2.5)
+    send(ALICE, NOTE, [slow.url()])
+    result = deliver_round(1)
+    assert result["delivered"] == 1
+    # The round is over: nothing of this process is in flight any more, but
+    # delivery_status and the admin show its row alive for three minutes.
+    (live,) = heartbeats.seen().live
+    assert live.in_flight == 0, (
+        f"the round ended, and its heartbeat still says {live.in_flight} in flight"
+    )
 
 
 # The cluster's limits, and the bound of a round.
