@@ -70,3 +70,18 @@ def test_the_architecture_map_places_every_module(module: str) -> None:
     # By its own name: "hosts.py" is not named by "store/hosts.py".
     named = re.escape(module if module.endswith(".py") else f"{module}/")
     assert re.search(rf"(?<![\w/.]){named}", ARCHITECTURE.read_text(encoding="utf-8"))
+
+
+def test_the_testing_sections_pytest_example_runs_as_a_module_when_pasted() -> None:
+    # Pasted into a fresh test module, the example is imported as it stands:
+    # each name its decorators and defaults use must be imported by it.
+    text = section("Testing your project")
+    block = text[text.index("passes or fails whatever ran before it::") :]
+    code = []
+    for line in block.splitlines()[2:]:
+        if line and not line.startswith("    "):
+            break
+        code.append(line[4:])
+    namespace: dict[str, object] = {"__name__": "test_host_project"}
+    exec(compile("\n".join(code), "test_host_project.py", "exec"), namespace)
+    assert callable(namespace["test_posting_sends_a_signed_create"])

@@ -164,6 +164,7 @@ for case, variables in json.loads(sys.argv[1]).items():
             found[case] = {"error": traceback.format_exc()}
         else:
             found[case] = {"read": {
+                "SECRET_KEY": s.SECRET_KEY,
                 "DEBUG": s.DEBUG,
                 "ALLOWED_HOSTS": s.ALLOWED_HOSTS,
                 "SILENCED_SYSTEM_CHECKS": s.SILENCED_SYSTEM_CHECKS,
@@ -191,6 +192,10 @@ REFUSED = {
         f"sqlite://app:{PASSWORD}@var/db.sqlite3",
     ],
     "DEBUG": ["ture", "enabled", ""],
+    "FEDERATION_DELIVERY_WEBHOOK_RETRY": ["-1", "nan", "30,inf", "0"],
+    # A finite number of days whose seconds are not.
+    "FEDERATION_DELIVERY_RETENTION_DAYS": ["1e305", "36501"],
+    "FEDERATION_DELIVERY_RETENTION_FAILED_DAYS": ["1e305"],
     **({"Q_CLUSTER_WORKERS": ["two", "2.5", "-1", "0"]} if WORKERS_READ else {}),
 }
 
@@ -219,6 +224,9 @@ ACCEPTED: list[tuple[dict[str, str], dict[str, Any]]] = [
         },
     ),
     ({"FEDERATION_DELIVERY_WEBHOOK_RETRY": "0.5, 1,"}, {"WEBHOOK_RETRY": [0.5, 1.0]}),
+    # One of Django's random keys in fifty starts with "$", which
+    # django-environ reads as the name of another variable.
+    ({"SECRET_KEY": "$k9#x-7q!not-a-variable"}, {"SECRET_KEY": "$k9#x-7q!not-a-variable"}),
     *([({"Q_CLUSTER_WORKERS": " 3 "}, {"WORKERS": 3})] if WORKERS_READ else []),
 ]
 

@@ -70,25 +70,38 @@ def _list(variable: str, default: tuple[str, ...] = ()) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def _positive(variable: str, default: float, kind: Callable[[str], float], what: str) -> float:
-    """``variable``, a positive number read by ``kind``; else refused as not ``what``."""
+def _positive(
+    variable: str,
+    default: float,
+    kind: Callable[[str], float],
+    what: str,
+    most: float = float("inf"),
+) -> float:
+    """``variable``, a positive number read by ``kind``, finite and at most
+    ``most``; else refused as not ``what``."""
     text = env.str(variable, default=str(default))
     try:
         number: float = kind(text)
     except ValueError:
         number = float("nan")
-    if not 0 < number < float("inf"):
+    if not (0 < number <= most and number < float("inf")):
         raise ImproperlyConfigured(f"{variable} must be {what}, not {text!r}.")
     return number
 
 
 def _days(variable: str, default: float) -> float:
-    """``variable``, a number of days, in seconds (RETENTION's unit)."""
-    return _positive(variable, default, float, "a positive number of days") * 86400
+    """``variable``, a number of days, in seconds (RETENTION's unit), at
+    most the package's longest retention (36,500 days)."""
+    what = "a positive number of days, at most 36500"
+    return _positive(variable, default, float, what, most=36500) * 86400
 
 
 # The default is for development only: set SECRET_KEY for anything else.
-SECRET_KEY = env.str("SECRET_KEY", default="django-insecure-example-project-dev-only")
+# Read as it is: django-environ would take a value starting with "$", as
+# one in fifty of Django's random keys does, for the name of another
+# variable, and, that one unset, fall back to the default here, which is
+# public.
+SECRET_KEY = env.ENVIRON.get("SECRET_KEY", "django-insecure-example-project-dev-only")
 DEBUG = _bool("DEBUG", default=True)
 # A comma list of system check ids not to show (scripts/demo silences the
 # warning its loopback inboxes would raise, federation_delivery.W003).
@@ -206,12 +219,17 @@ FEDERATION_DELIVERY = {
 _webhook_retry = _list("FEDERATION_DELIVERY_WEBHOOK_RETRY")
 if _webhook_retry:
     try:
-        FEDERATION_DELIVERY["WEBHOOK_RETRY"] = [float(wait) for wait in _webhook_retry]
+        _waits = [float(wait) for wait in _webhook_retry]
     except ValueError:
+        _waits = []
+    # Each above 0 and at most 30 days, as the package takes them.
+    if not _waits or not all(0 < wait <= 30 * 86400 for wait in _waits):
         raise ImproperlyConfigured(
-            "FEDERATION_DELIVERY_WEBHOOK_RETRY must be a comma list of seconds, such as "
-            f"30,120,600, not {','.join(_webhook_retry)!r}."
-        ) from None
+            "FEDERATION_DELIVERY_WEBHOOK_RETRY must be a comma list of seconds, each above 0 "
+            f"and at most 2592000 (30 days), such as 30,120,600, not "
+            f"{','.join(_webhook_retry)!r}."
+        )
+    FEDERATION_DELIVERY["WEBHOOK_RETRY"] = _waits
 
 LOGGING = {
     "version": 1,
