@@ -14,11 +14,13 @@ from django.db import connection, connections
 from django_federation_delivery.breakers import BreakerSettings, Scope
 from django_federation_delivery.checks import (
     check_inbox_networks,
+    check_isolation,
     check_settings,
     check_sqlite,
     check_webhooks,
     sqlite_problems,
 )
+from django_federation_delivery.checks.database import isolation_problems
 from django_federation_delivery.conf import DEFAULTS, LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.keys import KeyCache
@@ -610,3 +612,33 @@ def test_a_bad_breaker_used_anyway_is_improperly_configured_naming_it(
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": breaker}
     with pytest.raises(ImproperlyConfigured, match=re.escape(repr(next(iter(breaker.values()))))):
         BreakerSettings.from_settings()
+
+
+POSTGRESQL = {"ENGINE": "django.db.backends.postgresql", "NAME": "app"}
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE_READ", "SERIALIZABLE"])
+def test_a_postgresql_queue_above_read_committed_is_refused(level: str) -> None:
+    # Under it, two sends with one ordering key at once both wait on the
+    # same earlier delivery: each transaction's snapshot is older than the
+    # commit the other waited for.
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+    database = {**POSTGRESQL, "OPTIONS": {"isolation_level": IsolationLevel[level]}}
+    (message,) = isolation_problems("default", database)
+    assert message.id == "federation_delivery.E021"
+    assert level.replace("_", " ") in message.msg and "'default'" in message.msg
+
+
+def test_read_committed_and_other_databases_are_left_alone() -> None:
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+    for level in (IsolationLevel.READ_COMMITTED, IsolationLevel.READ_UNCOMMITTED):
+        assert (
+            isolation_problems("default", {**POSTGRESQL, "OPTIONS": {"isolation_level": level}})
+            == []
+        )
+    assert isolation_problems("default", POSTGRESQL) == []
+    sqlite = {"ENGINE": "django.db.backends.sqlite3", "OPTIONS": {"isolation_level": 3}}
+    assert isolation_problems("default", sqlite) == []
+    assert check_isolation() == [], "the tests' own database"

@@ -14,6 +14,7 @@ from django_federation_delivery.checks.bounds import (
     WHOLE_NUMBERS,
 )
 from django_federation_delivery.checks.database import (
+    check_isolation,
     check_sqlite,
     sqlite_problems,
     unapplied_migrations,
@@ -29,6 +30,7 @@ __all__ = [
     "SECONDS",
     "WHOLE_NUMBERS",
     "check_inbox_networks",
+    "check_isolation",
     "check_removed_destinations",
     "check_retention",
     "check_settings",

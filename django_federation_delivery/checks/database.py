@@ -38,6 +38,56 @@ def check_sqlite(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
     return messages
 
 
+@register()
+def check_isolation(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """A send with an ordering key waits for the sends before it in its
+    sequence to commit, then reads the last of them: under PostgreSQL's
+    REPEATABLE READ or SERIALIZABLE, its transaction's snapshot is older
+    than that commit, so two sends in one sequence at once would both wait
+    on the same earlier delivery and go side by side. Read from the
+    settings (``OPTIONS['isolation_level']``), as Django sets it: no query."""
+    from django.conf import settings
+
+    from django_federation_delivery.conf import database_alias
+
+    alias = database_alias()
+    return isolation_problems(alias, settings.DATABASES.get(alias, {}))
+
+
+def isolation_problems(alias: str, database: dict[str, Any]) -> list[CheckMessage]:
+    """:func:`check_isolation` of the database ``alias``, as ``DATABASES``
+    sets it (``database``)."""
+    if "postgresql" not in database.get("ENGINE", ""):
+        return []
+    level = database.get("OPTIONS", {}).get("isolation_level")
+    if level is None:
+        return []
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+    try:
+        named = IsolationLevel(level)
+    except ValueError:
+        return []  # Django's own error, at connection
+    # PostgreSQL runs READ UNCOMMITTED as READ COMMITTED.
+    if named in (IsolationLevel.READ_UNCOMMITTED, IsolationLevel.READ_COMMITTED):
+        return []
+    return [
+        Error(
+            _(
+                "The queue's database %(alias)r runs its transactions at %(level)s: sends "
+                "with one ordering key at once would not wait on each other."
+            )
+            % {"alias": alias, "level": named.name.replace("_", " ")},
+            hint=_(
+                "Use READ COMMITTED, PostgreSQL's default, for the database the queue is in "
+                "(leave out OPTIONS['isolation_level']), or route the app's models to a "
+                "database of its own that does (DATABASE_ROUTERS)."
+            ),
+            id=f"{PREFIX}.E021",
+        )
+    ]
+
+
 def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:
     messages: list[CheckMessage] = []
     if sqlite3.sqlite_version_info < (3, 35, 0):
