@@ -95,8 +95,9 @@ def unavailable_hosts(*, using: str | None = None) -> frozenset[str]:
     """The hosts marked unavailable, as this process last read them (at most
     ``KNOWN_FOR`` seconds ago): one small query a minute, not one a send."""
     alias = using or database_alias()
+    own = _marks_cleared_uncommitted(alias)
     known = _known.get(alias)
-    if known is not None and time.monotonic() - known[0] < KNOWN_FOR:
+    if not own and known is not None and time.monotonic() - known[0] < KNOWN_FOR:
         return known[1]
     # Read in the send's transaction, if the caller holds one open.
     write_first(alias)
@@ -105,9 +106,23 @@ def unavailable_hosts(*, using: str | None = None) -> frozenset[str]:
         .filter(unavailable_since__isnull=False)
         .values_list("name", flat=True)
     )
-    with _known_lock:
-        _known[alias] = (time.monotonic(), names)
+    if not own:
+        with _known_lock:
+            _known[alias] = (time.monotonic(), names)
     return names
+
+
+def _marks_cleared_uncommitted(alias: str) -> bool:
+    """Whether the caller's open transaction on ``alias`` has cleared a
+    host's mark (:func:`seen`), not committed yet: what it reads of the
+    marks is its own, kept for no other send (rolled back, the host would be
+    sent to for ``KNOWN_FOR`` seconds while still marked). Told by the
+    clearing's own callback, still waiting for the commit: a rollback, of
+    the transaction or of the savepoint that cleared it, drops it."""
+    connection = transaction.get_connection(alias)
+    return connection.in_atomic_block and any(
+        getattr(hook[1], "func", None) is _seen_again for hook in connection.run_on_commit
+    )
 
 
 def forget_known() -> None:

@@ -321,6 +321,37 @@ def test_a_host_seen_in_a_transaction_is_sent_to_once_it_commits() -> None:
     )
 
 
+class Rollback(Exception):
+    pass
+
+
+def seen_and_sent_to_then_undone(*, savepoint: bool) -> None:
+    with transaction.atomic(savepoint=savepoint):
+        assert mark_host_seen("gone.example") is True
+        # A send in the same transaction reads the mark it cleared.
+        assert send(ALICE, NOTE, ["https://gone.example/users/bob/inbox"]) is not None
+        raise Rollback
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("undone", ["transaction", "savepoint"])
+def test_a_host_seen_in_a_transaction_rolled_back_is_still_skipped(undone: str) -> None:
+    failing("gone.example", 8, unavailable_since=timezone.now())
+    availability.forget_known()
+    with transaction.atomic():
+        with pytest.raises(Rollback):
+            seen_and_sent_to_then_undone(savepoint=undone == "savepoint")
+        if undone == "transaction":
+            transaction.set_rollback(True)
+    assert Host.objects.get(name="gone.example").unavailable_since is not None
+    assert not Delivery.objects.exists()
+    # What the rolled back transaction read is no other send's.
+    assert send(ALICE, {**NOTE, "id": "x"}, ["https://gone.example/inbox"]) is None, (
+        "still marked unavailable, yet the send queued to it: "
+        f"unavailable_hosts() = {set(availability.unavailable_hosts())}"
+    )
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "inbox",
