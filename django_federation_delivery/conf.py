@@ -181,6 +181,32 @@ def is_dotted_path(value: object) -> bool:
     )
 
 
+def shown(value: Any, limit: int = 80) -> str:
+    """``value`` as an error may show it: its repr, cut at ``limit``; one
+    Python will not write out (an int of more digits than it writes, or a
+    list holding one) by its type."""
+    try:
+        text = repr(value)
+    except ValueError:
+        if isinstance(value, int):
+            # An int with more digits than Python writes out (sys.int_info).
+            text = f"<int of {value.bit_length()} bits>"
+        else:
+            text = f"<{type(value).__name__} not shown>"
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+def import_error(path: object, exc: Exception) -> str:
+    """What an error importing ``path`` may say of ``exc``: an ImportError's
+    own message when ``path`` is a dotted path (else none: it repeats the
+    value, which may be a secret pasted there), or the type of what the
+    module raised as it ran (a KeyError for a variable it reads, say),
+    whose message may be a secret."""
+    if isinstance(exc, ImportError):
+        return str(exc) if is_dotted_path(path) else ""
+    return type(exc).__name__
+
+
 def shown_path(value: object) -> str:
     """A value given where a dotted path goes, as an error may show it: the
     path quoted, or anything else by its type alone. What a project writes
@@ -222,8 +248,9 @@ class Typed(Generic[T]):
         value = instance.get(self.name)
         try:
             return self.convert(value)
-        # OverflowError: an int too large for a float (10**400 seconds).
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        # OverflowError: an int too large for a float (10**400 seconds);
+        # AttributeError: a policy read from what is no mapping ("often").
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
             if self.paths and not is_dotted_path(value):
                 raise ImproperlyConfigured(
                     _(
@@ -234,10 +261,10 @@ class Typed(Generic[T]):
                 ) from None
             raise ImproperlyConfigured(
                 _(
-                    "%(setting)s[%(name)r] = %(value).200r cannot be used: %(error)s. "
+                    "%(setting)s[%(name)r] = %(value)s cannot be used: %(error)s. "
                     "Run manage.py check for what to write instead."
                 )
-                % {"setting": SETTING, "name": self.name, "value": value, "error": exc}
+                % {"setting": SETTING, "name": self.name, "value": shown(value, 200), "error": exc}
             ) from exc
 
 
@@ -360,14 +387,19 @@ class AppSettings:
             raise _not_a_path(name, value)
         try:
             found = import_string(value)
-        except ImportError as exc:
+        except Exception as exc:  # SyntaxError, and what a module raises as it runs
             if not is_dotted_path(value):
                 # Its error repeats it: neither is shown.
                 raise _not_a_path(name, value) from None
             raise ImproperlyConfigured(
                 _("%(setting)s[%(name)r] = %(value)r cannot be imported: %(error)s")
-                % {"setting": SETTING, "name": name, "value": value, "error": exc}
-            ) from exc
+                % {
+                    "setting": SETTING,
+                    "name": name,
+                    "value": value,
+                    "error": import_error(value, exc),
+                }
+            ) from None
         if not callable(found):
             if not is_dotted_path(value):
                 raise _not_a_path(name, value)
@@ -386,8 +418,8 @@ class AppSettings:
         values = self.get(name)
         if not isinstance(values, list | tuple):
             raise ImproperlyConfigured(
-                _("%(setting)s[%(name)r] must be a list of networks, not %(value).200r.")
-                % {"setting": SETTING, "name": name, "value": values}
+                _("%(setting)s[%(name)r] must be a list of networks, not %(value)s.")
+                % {"setting": SETTING, "name": name, "value": shown(values, 200)}
             )
         for value in values:
             try:
@@ -395,10 +427,10 @@ class AppSettings:
             except (TypeError, ValueError) as exc:
                 raise ImproperlyConfigured(
                     _(
-                        "%(setting)s[%(name)r] has %(value)r, which is not a network "
+                        "%(setting)s[%(name)r] has %(value)s, which is not a network "
                         "such as '127.0.0.0/8'."
                     )
-                    % {"setting": SETTING, "name": name, "value": value}
+                    % {"setting": SETTING, "name": name, "value": shown(value, 200)}
                 ) from exc
         return tuple(networks)
 

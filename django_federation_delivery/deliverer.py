@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
 from django.utils import timezone
 
@@ -34,6 +35,7 @@ from django_federation_delivery.addresses import quoted
 from django_federation_delivery.attempt import AttemptResult, is_host_failure
 from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
+from django_federation_delivery.checks import check_settings, deliverer_problems
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
@@ -94,6 +96,11 @@ class Deliverer:
         heartbeat: bool | Heartbeat = False,
         holding: Callable[[], bool] | None = None,
     ) -> None:
+        # Built from code, without the commands' checks: a setting they refuse
+        # would fail the loop, or every delivery, once running. (A webhook
+        # destination that does not parse fails its own events alone.)
+        if problems := deliverer_problems(check_settings):
+            raise ImproperlyConfigured(problems)
         self.concurrency = max(1, concurrency or app_settings.concurrency)
         self.per_host = max(1, per_host or app_settings.per_host)
         #: Each host's limit at once: from ``per_host``, up to ``PER_HOST_MAX``

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import io
 import ipaddress
 import re
+import sys
+import textwrap
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -642,3 +646,148 @@ def test_read_committed_and_other_databases_are_left_alone() -> None:
     sqlite = {"ENGINE": "django.db.backends.sqlite3", "OPTIONS": {"isolation_level": 3}}
     assert isolation_problems("default", sqlite) == []
     assert check_isolation() == [], "the tests' own database"
+
+
+# A project's settings module that fails, and values no check expected.
+
+#: A module of the project's that fails as it is imported: an environment
+#: variable it reads is missing (KeyError), or it has a syntax error.
+BROKEN_MODULES = {
+    "keyerror": "import os\nTOKEN = os.environ['R42_MISSING_VARIABLE']\n"
+    "def function(a, b=None):\n    return None\n",
+    "syntaxerror": "def function(a, b=None):\n    return (\n",
+}
+
+
+def _broken_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> str:
+    name = f"broken_settings_{abs(hash(body))}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop(name, None)
+    return f"{name}.function"
+
+
+@pytest.mark.parametrize("setting", ["SENDER_KEYS", "SKIP_IF", "PERMANENT_STATUS"])
+@pytest.mark.parametrize("broken", sorted(BROKEN_MODULES))
+def test_a_callable_setting_whose_module_fails_to_import_is_e004_not_a_traceback(
+    settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, broken: str
+) -> None:
+    # CHANNELS handles exactly this (registry._imported: "SyntaxError, and
+    # what a module raises as it runs, included"); the callable settings do
+    # not: manage.py check dies with the module's own traceback.
+    path = _broken_module(tmp_path, monkeypatch, BROKEN_MODULES[broken])
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, setting: path}
+    messages = check_settings()
+    found = [m for m in messages if m.id == "federation_delivery.E004"]
+    assert found and setting in found[0].msg, [(m.id, m.msg) for m in messages]
+
+
+@pytest.mark.django_db
+def test_run_deliverer_with_a_callable_setting_whose_module_fails_refuses_with_a_command_error(
+    settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _broken_module(tmp_path, monkeypatch, BROKEN_MODULES["keyerror"])
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "SENDER_KEYS": path}
+    with pytest.raises(CommandError, match=r"SENDER_KEYS.*cannot be imported: KeyError"):
+        call_command("run_deliverer", "--drain")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "telegram://123:ABCs3cret@-100123?api=http://127.0.0.1:99999",
+        "telegram://123:ABCs3cret@-100123?api=http://127.0.0.1:abc",
+        "telegram://123:ABCs3cret@-100123?api=http://127.0.0.1:0",
+        "slack://hooks.slack.com:0/services/T0AAAA1/B0BBBB2/s3cret",
+        "discord://discord.com:0/api/webhooks/123/s3cret",
+    ],
+)
+def test_a_webhook_url_with_a_port_the_transport_refuses_is_reported_by_the_checks(
+    settings: Any, url: str
+) -> None:
+    # The destination's own URL with port 99999 or "abc" is E031 ("its URL
+    # is not a valid URL"); port 0 there, or any bad port in Telegram's
+    # ?api=, passes every check, and each event then fails "not a usable
+    # URL: ... has port 0, not from 1 to 65535" (send_test_webhook shows it).
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": url}}
+    messages = check_webhooks()
+    assert [m.id for m in messages] == ["federation_delivery.E031"], [m.msg for m in messages]
+    assert "s3cret" not in messages[0].msg
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("RETRY", "often"),  # AttributeError: retry
+        ("RETRY", ["BASE", 30]),  # AttributeError: retry
+        ("HOST_FAILING_AFTER", float("nan")),  # ValueError: cannot convert float NaN to integer
+        ("WEBHOOK_DISABLE_AFTER", float("inf")),  # OverflowError
+        ("BREAKER", {"COOL_OFF": 10**400}),  # OverflowError: int too large to convert to float
+        ("LEASE_SECONDS", float("inf")),  # built; run() dies with OverflowError
+        ("IDLE_CONNECTION_SECONDS", float("nan")),  # built; run(drain=True) never delivers
+        ("LEASE_SECONDS", -1),  # built; nothing is ever sent, "its lease ran out"
+    ],
+    ids=lambda value: str(value)[:20],
+)
+def test_a_deliverer_built_from_code_with_a_value_the_checks_refuse_is_improperly_configured(
+    settings: Any, name: str, value: Any
+) -> None:
+    # README, Settings: "Code that reads a bad value anyway (a Deliverer built
+    # without the checks) raises ImproperlyConfigured naming it."
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, name: value}
+    assert any(m.id.startswith("federation_delivery.E") for m in check_settings())
+    with pytest.raises(ImproperlyConfigured, match=name):
+        Deliverer()
+
+
+TOO_MANY_DIGITS = 10**5000  # past sys.get_int_max_str_digits(): repr() raises ValueError
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ({"RETRY": {"SCHEDULE": [30, TOO_MANY_DIGITS]}}, "E007"),
+        ({"PERMANENT_IF_SENDER_GONE": [TOO_MANY_DIGITS]}, "E010"),
+        ({"ALLOWED_NETWORKS": [TOO_MANY_DIGITS]}, "E008"),
+        ({"CONCURRENCY": [TOO_MANY_DIGITS]}, "E005"),
+    ],
+    ids=["RETRY", "PERMANENT_IF_SENDER_GONE", "ALLOWED_NETWORKS", "CONCURRENCY"],
+)
+def test_a_huge_int_inside_a_list_is_an_error_not_a_traceback(
+    settings: Any, setting: dict[str, Any], expected: str
+) -> None:
+    # checks.bounds.shown() handles 10**5000 alone ("<int of N bits>"), and
+    # the webhook settings handle it in a list; every other setting's check
+    # dies with "ValueError: Exceeds the limit (4300 digits) for integer
+    # string conversion".
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **setting}
+    messages = check_settings()
+    assert f"federation_delivery.{expected}" in [m.id for m in messages]
+
+
+def test_a_retry_schedule_too_long_says_how_long_it_may_be(settings: Any) -> None:
+    # 10,000 waits of 30 s each: every wait is within what the message asks
+    # for, and the list is not empty; what is wrong (at most 9,999 waits,
+    # bounds.MOST_ATTEMPTS) is not said.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETRY": {"SCHEDULE": [30] * 10_000},
+    }
+    (message,) = check_settings()
+    assert message.id == "federation_delivery.E007"
+    assert re.search(r"9,?999|10,?000", message.msg), message.msg
+
+
+@pytest.mark.django_db
+def test_run_deliverer_does_not_refuse_an_error_the_project_silenced(settings: Any) -> None:
+    # A key the package does not know (one a newer version reads, kept through
+    # a rollback) with E002 silenced: manage.py check finds no issue, as
+    # Django's SILENCED_SYSTEM_CHECKS says, yet run_deliverer (and a task
+    # queue's round: contrib/rounds.py) refuses to start on that very E002.
+    settings.SILENCED_SYSTEM_CHECKS = [
+        *settings.SILENCED_SYSTEM_CHECKS,
+        "federation_delivery.E002",
+    ]
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "FROM_A_NEWER_VERSION": 1}
+    call_command("check")  # passes: the error is silenced
+    call_command("run_deliverer", "--drain", stdout=io.StringIO())

@@ -436,7 +436,10 @@ class Channel:
         no host or a bad port."""
         try:
             parts = urlsplit(url)
-            parts.port  # noqa: B018 - raises ValueError for a bad port
+            # ValueError for a port that is no number, or above 65535; 0 is
+            # read as one, but no request can go to it (the transport's rule).
+            if parts.port == 0:
+                raise ValueError("port 0")
         except ValueError:
             raise UnusableURL(_("its URL is not a valid URL")) from None
         if not parts.hostname:

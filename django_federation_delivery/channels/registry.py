@@ -236,22 +236,15 @@ def _registry(paths: tuple[str, ...]) -> Registry:
 
 
 def _imported(path: str) -> type[Channel]:
-    from django_federation_delivery.conf import SETTING, is_dotted_path, shown_path
+    from django_federation_delivery.conf import SETTING, import_error, shown_path
 
     try:
         found = import_string(path)
     except Exception as exc:  # SyntaxError, and what a module raises as it runs, included
-        # What is no dotted path is shown by its type alone, and its error,
-        # which repeats it, not at all: it may be a secret pasted there. An
-        # error its module raised running (a KeyError for a variable it
-        # reads, say) is named by its type alone: its message may be a secret.
-        if isinstance(exc, ImportError):
-            error = str(exc) if is_dotted_path(path) else ""
-        else:
-            error = type(exc).__name__
+        # What is no dotted path is shown by its type alone (shown_path).
         raise ImproperlyConfigured(
             _("%(setting)s['CHANNELS'] has %(path)s, which cannot be imported: %(error)s")
-            % {"setting": SETTING, "path": shown_path(path), "error": error}
+            % {"setting": SETTING, "path": shown_path(path), "error": import_error(path, exc)}
         ) from None
     if not (isinstance(found, type) and issubclass(found, Channel)):
         raise ImproperlyConfigured(

@@ -80,6 +80,8 @@ class Telegram(Channel):
             api = value.rstrip("/")
             try:
                 parts = urlsplit(api)
+                if parts.port == 0:  # ValueError too for one no number, or above 65535
+                    raise ValueError("port 0")
             except ValueError:
                 raise UnusableURL(_("its api parameter is not a valid URL")) from None
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:

@@ -7,6 +7,10 @@ when a project imports it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from django.core.checks import CheckMessage
+
 from django_federation_delivery.checks.bounds import (
     LONGEST_RETENTION,
     PREFIX,
@@ -50,11 +54,16 @@ __all__ = [
 DELIVERER_CHECKS = (check_settings, check_inbox_networks, check_webhooks)
 
 
-def deliverer_problems() -> str:
-    """What :data:`DELIVERER_CHECKS` find serious, one a line, each with its
-    id and hint ("" when nothing): what ``run_deliverer`` and a round refuse
-    to start on, saying what to write."""
+def deliverer_problems(*checks: Callable[[], list[CheckMessage]]) -> str:
+    """What ``checks`` (by default :data:`DELIVERER_CHECKS`) find serious and
+    the project did not silence, one a line, each with its id and hint (""
+    when nothing): what ``run_deliverer`` and a round refuse to start on,
+    saying what to write."""
     problems = [
-        message for check in DELIVERER_CHECKS for message in check() if message.is_serious()
+        message
+        for check in checks or DELIVERER_CHECKS
+        for message in check()
+        # As manage.py check: what the project silenced is not told.
+        if message.is_serious() and not message.is_silenced()
     ]
     return "\n".join(f"{m.id}: {m.msg} {m.hint or ''}".rstrip() for m in problems)

@@ -91,17 +91,6 @@ def is_seconds(value: object, longest: float) -> TypeGuard[float]:
     )
 
 
-def shown(value: Any, limit: int = 80) -> str:
-    try:
-        text = repr(value)
-    except ValueError:
-        if not isinstance(value, int):
-            raise
-        # An int with more digits than Python writes out (sys.int_info).
-        text = f"<int of {value.bit_length()} bits>"
-    return text if len(text) <= limit else f"{text[:limit]}…"
-
-
 def unknown_keys(unknown: list[Any]) -> str:
     return ngettext("unknown key %(keys)s", "unknown keys %(keys)s", len(unknown)) % {
         "keys": ", ".join(map(repr, unknown))

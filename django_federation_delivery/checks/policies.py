@@ -16,10 +16,9 @@ from django_federation_delivery.checks.bounds import (
     PREFIX,
     is_seconds,
     is_whole,
-    shown,
     unknown_keys,
 )
-from django_federation_delivery.conf import DEFAULTS, SETTING
+from django_federation_delivery.conf import DEFAULTS, SETTING, shown
 from django_federation_delivery.retry import LONGEST_WAIT
 
 
@@ -43,10 +42,10 @@ def check_retry(retry: Any) -> list[CheckMessage]:
     ):
         problems.append(
             _(
-                "SCHEDULE must be None or a non-empty list of waits in seconds, each above 0 "
-                "and at most %(longest).0f, not %(value)s"
+                "SCHEDULE must be None or a non-empty list of at most %(most)d waits in "
+                "seconds, each above 0 and at most %(longest).0f, not %(value)s"
             )
-            % {"longest": LONGEST_WAIT, "value": shown(schedule)}
+            % {"most": MOST_ATTEMPTS - 1, "longest": LONGEST_WAIT, "value": shown(schedule)}
         )
     attempts = retry.get("ATTEMPTS")
     if not is_whole(attempts, 1, MOST_ATTEMPTS):

@@ -23,7 +23,6 @@ from django_federation_delivery.checks.bounds import (
     default_hint,
     is_seconds,
     is_whole,
-    shown,
 )
 from django_federation_delivery.checks.policies import check_breaker, check_retention, check_retry
 from django_federation_delivery.conf import (
@@ -31,6 +30,7 @@ from django_federation_delivery.conf import (
     LEASE_MARGIN_SECONDS,
     SETTING,
     app_settings,
+    shown,
     shown_path,
 )
 from django_federation_delivery.signatures import Scheme
