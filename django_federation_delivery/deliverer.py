@@ -352,25 +352,28 @@ class Deliverer:
                 self.schemes.learn(item.claimed.host, result.accepted_scheme)
                 self.limits.learn(item.claimed.host, result)
                 self.hoststats.learn(item.claimed.host, result, timezone.now())
-            if (
-                self.breakers is not None
-                and item.breaker
-                and result.requests
-                and not result.elsewhere
-            ):
-                self.breakers.record(
-                    item.breaker,
-                    failed=(
-                        not result.delivered
-                        and not result.permanent
-                        and is_host_failure(result.status)
-                    ),
-                    probe=item.probe,
-                    now=timezone.now(),
-                )
-            elif self.breakers is not None and item.probe:
-                self.triage.db(self.breakers.give_back, item.breaker, item.probe)
+            if self.breakers is not None and item.breaker:
+                self.learn_breaker(item, result)
         self.conclude(item, result)
+
+    def learn_breaker(self, item: InFlight, result: AttemptResult) -> None:
+        """What ``item``'s attempt tells its destination's breaker."""
+        assert self.breakers is not None
+        if result.requests and not result.elsewhere:
+            failed = not result.delivered and not result.permanent
+            self.breakers.record(
+                item.breaker,
+                failed=failed and is_host_failure(result.status),
+                probe=item.probe,
+                now=timezone.now(),
+            )
+        elif result.requests and item.probe:
+            # Answered by a portable inbox's later gateway: the first, whose
+            # breaker it probed, did not accept it.
+            self.breakers.record(item.breaker, failed=True, probe=item.probe, now=timezone.now())
+        elif item.probe:
+            # No request made: nothing learned, the probe given back at once.
+            self.triage.db(self.breakers.give_back, item.breaker, item.probe)
 
     def conclude(self, item: InFlight, result: AttemptResult) -> None:
         """What came of ``item``'s attempt, decided, told and put to be

@@ -21,7 +21,7 @@ from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.signatures import Scheme
-from django_federation_delivery.store.locks import write_first
+from django_federation_delivery.store.locks import lock_hosts, write_first
 from django_federation_delivery.store.queueing import CHUNK
 
 #: How long a host's remembered scheme is trusted before it is read again,
@@ -87,6 +87,14 @@ def pause_hosts(names: Iterable[str], *, using: str | None = None) -> int:
     return held
 
 
+def no_sooner_than_kept(due: dt.datetime) -> Case:
+    """``due``, or the row's ``not_before`` if later: the end of the lease
+    of an attempt of it still in flight when it was given up, then
+    requeued (``requeued`` in ``store/queries.sql``), so that it is never
+    sent beside that attempt."""
+    return Case(When(not_before__gt=due, then=F("not_before")), default=Value(due))
+
+
 def hold(*hosts: str, using: str | None = None) -> int:
     """Take the due time of the pending deliveries to paused ``hosts`` that
     no deliverer holds: the claim no longer sees them. Returns how many."""
@@ -120,6 +128,8 @@ def resume_hosts(names: Iterable[str], *, using: str | None = None) -> int:
         # Due at this instant, as the claims read it, whatever USE_TZ says.
         due = orm_datetime(aware_now(), alias)
         with transaction.atomic(using=alias):
+            # Its rows locked first: a requeue to one of them waits, or is waited for.
+            lock_hosts(chunk, alias)
             Host.objects.using(alias).filter(name__in=chunk).update(
                 paused_at=None, disabled_reason="", updated_at=now
             )
@@ -128,12 +138,7 @@ def resume_hosts(names: Iterable[str], *, using: str | None = None) -> int:
                 .filter(
                     host__in=chunk, status=Status.PENDING, due_at__isnull=True, after__isnull=True
                 )
-                # No sooner than the lease of an attempt still in flight when
-                # it was given up, then requeued while the host was paused.
-                .update(
-                    due_at=Case(When(not_before__gt=due, then=F("not_before")), default=Value(due)),
-                    not_before=None,
-                )
+                .update(due_at=no_sooner_than_kept(due), not_before=None)
             )
     wakeup.wake_all(alias)
     return int(released)

@@ -76,9 +76,9 @@ class KeyCache:
                     f"SENDER_KEYS returned {type(key).__name__}; it must return a SenderKey or None"
                 )
         except Exception as exc:
-            self._keep(
-                sender, now + min(ttl, FAILURE_SECONDS), LookupFailedLately(failure_reason(exc))
-            )
+            # From its end: a lookup that fails slowly is not made again at once.
+            until = self._clock() + min(ttl, FAILURE_SECONDS)
+            self._keep(sender, until, LookupFailedLately(failure_reason(exc)))
             raise
         self._keep(sender, now + ttl, key)
         return key

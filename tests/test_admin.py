@@ -466,8 +466,9 @@ def test_requeue_puts_failed_refused_and_skipped_back_due_now_keeping_attempts(
     before = timezone.now()
     messages = act(operator, "delivery", "requeue", [row.pk for row in rows])
     assert messages == [
-        "Requeued 2 deliveries, due now or after what they wait on; "
-        "pending or delivered ones, and those past their batch's deadline, are left alone."
+        "Requeued 2 deliveries, due now, after what they wait on, or once their paused host "
+        "is resumed; pending or delivered ones, and those past their batch's deadline, are "
+        "left alone."
     ]
     requeued = Delivery.objects.filter(pk__in=[rows[0].pk, rows[1].pk]).order_by("id")
     assert [(row.status, row.attempts) for row in requeued] == [
@@ -508,7 +509,8 @@ def test_a_batch_requeues_its_failed_deliveries_and_cancels_what_is_pending(
     settle(rows[1], Status.REFUSED, last_status=410)
     messages = act(operator, "batch", "requeue_failed", [batch.pk])
     assert messages == [
-        "Requeued 1 failed delivery of 1 batch, due now or after what they wait on."
+        "Requeued 1 failed delivery of 1 batch, due now, after what they wait on, or once "
+        "their paused host is resumed."
     ]
     assert Delivery.objects.get(pk=rows[0].pk).status == Status.PENDING
     assert Delivery.objects.get(pk=rows[1].pk).status == Status.REFUSED, "refused is final"
@@ -1360,3 +1362,16 @@ def test_sending_a_host_again_twice_in_a_minute_queues_once(
         "1 batch was queued by an earlier replay of the same moment."
     ]
     assert Delivery.objects.exclude(batch=batch).count() == 2
+
+
+@pytest.mark.django_db
+def test_the_admin_says_what_it_requeued_to_a_paused_host_is_held_not_due_now() -> None:
+    batch = send(ALICE, NOTE, ["https://a.example/inbox"])
+    assert batch is not None
+    assert controls.give_up(Delivery.objects.all()) == 1
+    controls.pause_host("a.example")
+    (message,) = act(login("operator"), "delivery", "requeue", [Delivery.objects.get().pk])
+    assert Delivery.objects.get().due_at is None, "held until the host is resumed"
+    assert "due now" not in message or "paused" in message, (
+        f"the operator is told {message!r} of a delivery held for its paused host"
+    )

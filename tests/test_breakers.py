@@ -13,7 +13,7 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
-from django_federation_delivery import breakers, overview, send
+from django_federation_delivery import PortableInbox, breakers, overview, send, send_portable
 from django_federation_delivery.breakers import (
     Breakers,
     BreakerSettings,
@@ -29,6 +29,7 @@ from django_federation_delivery.store import CLAIM_ORDER
 from .conftest import Inbox, Overlap, Received, RunningDeliverer, wait_until
 from .keys import ALICE
 from .operators import NOTE, quick_breaker
+from .test_federation import DID
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 SECOND = dt.timedelta(seconds=1)
@@ -513,3 +514,31 @@ def test_answers_from_a_server_that_is_up_open_no_breaker(
 
 def never_final(status: int) -> bool:
     return False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_half_open_breaker_s_probe_failed_at_a_portable_inbox_s_first_gateway_holds_its_host(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    quick_breaker(settings)
+    down = inboxes("127.0.0.2", respond=lambda request: (503, {}, b""))
+    later = inboxes("127.0.0.3")
+    # The host's breaker opened a while ago; its cool-off is over: the next
+    # delivery there is its probe.
+    Breaker.objects.create(
+        key=down.host, failures=10, open_until=timezone.now() - dt.timedelta(seconds=1)
+    )
+    # Four activities sent one after the other, each to a portable inbox
+    # whose first gateway is on that host.
+    for n in range(4):
+        inbox = PortableInbox(f"ap://{DID}/actor{n}/inbox", [down.url(""), later.url("")])
+        assert send_portable(ALICE, NOTE, [inbox]) is not None
+        Deliverer().run(drain=True)
+    assert len(later.received) == 4, "each delivered through the later gateway"
+    # The probe went to the host and was answered 503: the host is still
+    # down, and its breaker holds it for another cool-off.
+    assert len(down.received) == 1, (
+        f"the host whose breaker is open was POSTed {len(down.received)} times in a row: "
+        "each probe that failed there was given back, as if no request had been made; "
+        f"breaker now {list(Breaker.objects.values('failures', 'open_until', 'probe_token'))}"
+    )

@@ -629,7 +629,7 @@ def test_a_postgresql_queue_above_read_committed_is_refused(level: str) -> None:
     from django.db.backends.postgresql.psycopg_any import IsolationLevel
 
     database = {**POSTGRESQL, "OPTIONS": {"isolation_level": IsolationLevel[level]}}
-    (message,) = isolation_problems("default", database)
+    (message,) = isolation_problems("default", database, "postgresql")
     assert message.id == "federation_delivery.E021"
     assert level.replace("_", " ") in message.msg and "'default'" in message.msg
 
@@ -639,12 +639,14 @@ def test_read_committed_and_other_databases_are_left_alone() -> None:
 
     for level in (IsolationLevel.READ_COMMITTED, IsolationLevel.READ_UNCOMMITTED):
         assert (
-            isolation_problems("default", {**POSTGRESQL, "OPTIONS": {"isolation_level": level}})
+            isolation_problems(
+                "default", {**POSTGRESQL, "OPTIONS": {"isolation_level": level}}, "postgresql"
+            )
             == []
         )
-    assert isolation_problems("default", POSTGRESQL) == []
+    assert isolation_problems("default", POSTGRESQL, "postgresql") == []
     sqlite = {"ENGINE": "django.db.backends.sqlite3", "OPTIONS": {"isolation_level": 3}}
-    assert isolation_problems("default", sqlite) == []
+    assert isolation_problems("default", sqlite, "sqlite") == []
     assert check_isolation() == [], "the tests' own database"
 
 
@@ -791,3 +793,21 @@ def test_run_deliverer_does_not_refuse_an_error_the_project_silenced(settings: A
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "FROM_A_NEWER_VERSION": 1}
     call_command("check")  # passes: the error is silenced
     call_command("run_deliverer", "--drain", stdout=io.StringIO())
+
+
+def test_e021_names_a_postgis_queue_above_read_committed() -> None:
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+    database = {"OPTIONS": {"isolation_level": IsolationLevel.SERIALIZABLE}}
+    plain = isolation_problems(
+        "default", {**database, "ENGINE": "django.db.backends.postgresql"}, "postgresql"
+    )
+    assert [error.id for error in plain] == ["federation_delivery.E021"]
+    # The same PostgreSQL server, through GeoDjango's backend (vendor
+    # "postgresql"): sends in one sequence go side by side all the same.
+    gis = isolation_problems(
+        "default", {**database, "ENGINE": "django.contrib.gis.db.backends.postgis"}, "postgresql"
+    )
+    assert [error.id for error in gis] == ["federation_delivery.E021"], (
+        "a PostGIS queue at SERIALIZABLE passes manage.py check"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -297,6 +298,16 @@ def test_a_delivery_given_up_in_flight_then_requeued_is_never_sent_twice_at_once
     assert Delivery.objects.get(batch=batch).status == Status.PENDING
 
 
+def given_up_in_flight() -> dt.datetime:
+    """A delivery sent, claimed, and given up while its attempt is in flight
+    for five minutes more: the end of that attempt's lease."""
+    assert send(ALICE, NOTE, ["https://a.example/inbox"]) is not None
+    lease_end = timezone.now() + dt.timedelta(minutes=5)
+    Delivery.objects.update(lease_token="t", due_at=lease_end, attempts=1)
+    assert controls.give_up(Delivery.objects.all()) == 1
+    return lease_end
+
+
 def test_what_is_requeued_to_a_paused_host_is_held_until_it_is_resumed() -> None:
     batch = send(ALICE, NOTE, ["https://a.example/inbox", "https://b.example/inbox"])
     assert batch is not None
@@ -315,12 +326,8 @@ def test_what_is_requeued_to_a_paused_host_is_held_until_it_is_resumed() -> None
 
 
 def test_one_given_up_in_flight_requeued_while_paused_is_due_no_sooner_than_its_lease() -> None:
-    batch = send(ALICE, NOTE, ["https://a.example/inbox"])
-    assert batch is not None
     # Claimed, its attempt in flight for a few minutes more, and given up.
-    lease_end = timezone.now() + dt.timedelta(minutes=5)
-    Delivery.objects.update(lease_token="t", due_at=lease_end, attempts=1)
-    assert controls.give_up(Delivery.objects.all()) == 1
+    lease_end = given_up_in_flight()
     controls.pause_host("a.example")
     assert controls.requeue(Delivery.objects.all()) == 1
     assert Delivery.objects.get().due_at is None, "held for its paused host"
@@ -377,3 +384,62 @@ def test_a_webhook_event_given_up_in_flight_holds_the_next_until_its_attempt_end
         time.sleep(0.05)
     runner.stop()
     assert overlap.most == 1, f"{len(receiver.received)} events, {overlap.most} at once"
+
+
+def test_one_given_up_in_flight_requeued_then_paused_is_due_no_sooner_than_its_lease() -> None:
+    # Claimed, its attempt in flight for a few minutes more, given up and
+    # requeued: due when that lease ends, as requeue promises.
+    lease_end = given_up_in_flight()
+    assert controls.requeue(Delivery.objects.all()) == 1
+    assert Delivery.objects.get().due_at == lease_end
+    # The operator then pauses the host, and resumes it a minute later,
+    # while that attempt may still be answered.
+    controls.pause_host("a.example")
+    assert controls.resume_host("a.example") == 1
+    due = Delivery.objects.get().due_at
+    assert due is not None and due >= lease_end, (
+        f"due at {due}, {lease_end - due} before the end of the lease of the attempt "
+        "still in flight: sent beside it"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_resumed_while_a_requeue_to_it_commits_leaves_nothing_held_for_ever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite's write lock puts the resume after the requeue's commit")
+    batch = send(ALICE, NOTE, ["https://a.example/inbox"])
+    assert batch is not None
+    assert controls.give_up(Delivery.objects.all()) == 1
+    controls.pause_host("a.example")
+    resumed: list[int] = []
+    count_up = settlements.count_up
+
+    def resume() -> None:
+        try:
+            resumed.append(controls.resume_host("a.example"))
+        finally:
+            connection.close()  # this thread's own
+
+    thread = threading.Thread(target=resume)
+
+    def operator_resumes_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        # Another operator resumes the host while the requeue's transaction,
+        # its rows written held, is still to commit (given a moment: it may
+        # wait for that commit instead).
+        thread.start()
+        thread.join(1.5)
+        return count_up(*args, **kwargs)
+
+    monkeypatch.setattr(settlements, "count_up", operator_resumes_meanwhile)
+    assert controls.requeue(Delivery.objects.all()) == 1
+    thread.join(10)
+    assert len(resumed) == 1
+    assert not Host.objects.filter(paused_at__isnull=False).exists(), "the host is resumed"
+    row = Delivery.objects.get()
+    assert row.status == Status.PENDING
+    assert row.due_at is not None, (
+        "pending to a host that is not paused, with no due time and waiting on nothing: "
+        "no claim, resume or sweep will ever make it due"
+    )

@@ -267,3 +267,27 @@ def test_a_probe_that_made_no_request_is_given_back(
     alice = Delivery.objects.get(inbox=inbox.url("/alice"))
     assert alice.status == Status.DELIVERED, alice.last_error
     assert not Breaker.objects.filter(key=inbox.host).exists(), "closed by the probe that answered"
+
+
+def test_a_lookup_that_fails_slowly_is_not_made_again_for_each_delivery(settings: Any) -> None:
+    # A key store that times out after 10 s (a vault across the network).
+    now = [0.0]
+    asked: list[str] = []
+
+    def times_out(sender: str) -> None:
+        asked.append(sender)
+        now[0] += 10.0
+        raise TimeoutError
+
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "SENDER_KEYS": times_out}
+    cache = KeyCache(clock=lambda: now[0])
+    with pytest.raises(TimeoutError):
+        cache.get(ALICE)
+    # The next of the sender's deliveries in the claim, a moment later.
+    now[0] += 0.01
+    with pytest.raises((LookupFailedLately, TimeoutError)):
+        cache.get(ALICE)
+    assert asked == [ALICE], (
+        f"asked {len(asked)} times: the failure was remembered from before the lookup began, "
+        "and had expired by the time it was kept (10 s on the loop thread for each delivery)"
+    )

@@ -163,12 +163,14 @@ def test_an_action_message_is_translated_with_the_plural_form_ngettext_chose(
         return [str(message) for message in response.context["messages"]]
 
     assert requeue([rows[0].pk]) == [
-        "«[one] Requeued 1 delivery, due now or after what it waits on; pending or delivered "
-        "ones, and those past their batch's deadline, are left alone.»"
+        "«[one] Requeued 1 delivery, due now, after what it waits on, or once its paused host "
+        "is resumed; pending or delivered ones, and those past their batch's deadline, are "
+        "left alone.»"
     ]
     assert requeue([rows[1].pk, rows[2].pk]) == [
-        "«[many] Requeued 2 deliveries, due now or after what they wait on; pending or "
-        "delivered ones, and those past their batch's deadline, are left alone.»"
+        "«[many] Requeued 2 deliveries, due now, after what they wait on, or once their paused "
+        "host is resumed; pending or delivered ones, and those past their batch's deadline, "
+        "are left alone.»"
     ]
 
 

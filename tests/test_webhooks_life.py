@@ -19,7 +19,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_federation_delivery import hosts, send_webhook, signals
+from django_federation_delivery import controls, hosts, send_webhook, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import aware_now
@@ -503,3 +503,29 @@ def test_a_destination_disabled_with_nothing_waiting_is_critical_and_says_none_w
     code, line = check()
     assert code == 2
     assert "held until enabled again: ops (0 waiting): the receiver answered 410 Gone" in line
+
+
+@pytest.mark.django_db
+def test_an_event_given_up_in_flight_requeued_while_disabled_waits_its_lease_once_enabled(
+    settings: Any,
+) -> None:
+    configure(settings, {"ops": f"https://hooks.example/hook?secret={SECRET}"})
+    batch = send_webhook("ops", "alert.raised", {"n": 0})
+    assert batch is not None
+    # Claimed, its attempt in flight for a few minutes more; the destination
+    # is disabled meanwhile, the operator gives the event up and requeues it.
+    lease_end = timezone.now() + dt.timedelta(minutes=5)
+    Delivery.objects.update(lease_token="t", due_at=lease_end, attempts=1)
+    assert life.disable("ops", "the receiver answered 410 Gone")
+    assert controls.give_up(Delivery.objects.all()) == 1
+    assert controls.requeue(Delivery.objects.all()) == 1
+    row = Delivery.objects.get()
+    assert (row.due_at, row.not_before) == (None, lease_end), "held, its lease end kept"
+    # Enabled while that attempt may still be answered: as resume_host does,
+    # not sent beside it.
+    assert life.enable("ops") == 1
+    row = Delivery.objects.get()
+    assert row.due_at is not None and row.due_at >= lease_end, (
+        f"enabled: due at {row.due_at}, {lease_end - row.due_at} before the end of the "
+        "lease of the attempt still in flight"
+    )

@@ -234,7 +234,10 @@ class BatchAdmin(OperatorAdmin[Batch]):
             self,
             request,
             count,
-            gettext("Requeued %(deliveries)s of %(batches)s, due now or after what they wait on.")
+            gettext(
+                "Requeued %(deliveries)s of %(batches)s, due now, after what they wait on, or "
+                "once their paused host is resumed."
+            )
             % {
                 "deliveries": ngettext(
                     "%(count)d failed delivery", "%(count)d failed deliveries", count

@@ -334,7 +334,8 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
     @admin.action(
         permissions=["change"],
         description=_(
-            "Requeue the selected failed, refused, skipped or superseded deliveries (due now)"
+            "Requeue the selected failed, refused, skipped or superseded deliveries (due now, "
+            "or once a paused host is resumed)"
         ),
     )
     def requeue(self, request: HttpRequest, queryset: QuerySet[Delivery]) -> None:
@@ -346,9 +347,11 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
             request,
             count,
             ngettext(
-                "Requeued %(count)d delivery, due now or after what it waits on; pending or "
+                "Requeued %(count)d delivery, due now, after what it waits on, or once its paused "
+                "host is resumed; pending or "
                 "delivered ones, and those past their batch's deadline, are left alone.",
-                "Requeued %(count)d deliveries, due now or after what they wait on; pending or "
+                "Requeued %(count)d deliveries, due now, after what they wait on, or once their "
+                "paused host is resumed; pending or "
                 "delivered ones, and those past their batch's deadline, are left alone.",
                 count,
             )

@@ -47,17 +47,21 @@ def check_isolation(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> 
     on the same earlier delivery and go side by side. Read from the
     settings (``OPTIONS['isolation_level']``), as Django sets it: no query."""
     from django.conf import settings
+    from django.db import connections
 
     from django_federation_delivery.conf import database_alias
 
     alias = database_alias()
-    return isolation_problems(alias, settings.DATABASES.get(alias, {}))
+    # The vendor, not the ENGINE's name: PostGIS's is PostgreSQL's. Asking
+    # it opens no connection.
+    vendor = connections[alias].vendor
+    return isolation_problems(alias, settings.DATABASES.get(alias, {}), vendor)
 
 
-def isolation_problems(alias: str, database: dict[str, Any]) -> list[CheckMessage]:
+def isolation_problems(alias: str, database: dict[str, Any], vendor: str) -> list[CheckMessage]:
     """:func:`check_isolation` of the database ``alias``, as ``DATABASES``
-    sets it (``database``)."""
-    if "postgresql" not in database.get("ENGINE", ""):
+    sets it (``database``), of ``vendor``."""
+    if vendor != "postgresql":
         return []
     level = database.get("OPTIONS", {}).get("isolation_level")
     if level is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from django.db import Error, OperationalError, connections
@@ -11,9 +11,10 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for
+from django_federation_delivery.models import Host
 from django_federation_delivery.store import sql
 
-__all__ = ["SessionLock", "again_on_deadlock", "session_lock", "write_first"]
+__all__ = ["SessionLock", "again_on_deadlock", "lock_hosts", "session_lock", "write_first"]
 
 T = TypeVar("T")
 
@@ -31,6 +32,17 @@ def write_first(using: str | None = None) -> None:
     transaction was begun ``IMMEDIATE``."""
     with sql.on(connection_for(using or database_alias())) as db:
         db.lock_for_writing()
+
+
+def lock_hosts(names: Iterable[str], using: str, *, paused: bool = False) -> None:
+    """Lock the rows of the hosts ``names`` (those paused alone, if
+    ``paused``) until the transaction ends, in name order: a resume locks
+    the hosts it resumes, a requeue the paused hosts of what it requeues,
+    and neither deadlocks the other. On SQLite, the write lock held does."""
+    rows = Host.objects.using(using).select_for_update(no_key=True).filter(name__in=list(names))
+    if paused:
+        rows = rows.filter(paused_at__isnull=False)
+    list(rows.order_by("name").values_list("name", flat=True))
 
 
 def again_on_deadlock(using: str, write: Callable[[], T]) -> T:

@@ -838,10 +838,11 @@ WHERE n.id IN (
 
 -- name: requeued
 -- Due now, but one given up while in flight no sooner than the end of that
--- attempt's lease (give_up); to a paused host, held as a send to it is
--- (queued_values), that time kept (not_before) for the resume.
+-- attempt's lease (give_up), a time kept (not_before) for whatever holds it
+-- after: its host paused now, as a send to one is held (queued_values), or
+-- later (hosts.hold), then resumed.
 status = {pending}, lease_token = NULL, settled_at = NULL, after_id = NULL,
-not_before = CASE WHEN {host_paused} AND {delivery}.due_at > %(now)s THEN {delivery}.due_at END,
+not_before = CASE WHEN {delivery}.due_at > %(now)s THEN {delivery}.due_at END,
 due_at = CASE WHEN {host_paused} THEN NULL
     WHEN {delivery}.due_at > %(now)s THEN {delivery}.due_at ELSE %(now)s END
 

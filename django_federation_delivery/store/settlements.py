@@ -26,7 +26,7 @@ from django_federation_delivery.models import Batch, Delivery, Retracts, Status
 from django_federation_delivery.store import history, sql, wakes
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down, count_up
-from django_federation_delivery.store.locks import again_on_deadlock, write_first
+from django_federation_delivery.store.locks import again_on_deadlock, lock_hosts, write_first
 from django_federation_delivery.store.sequences import release_next
 
 logger = logging.getLogger(__name__)
@@ -394,10 +394,14 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
             .exclude(Exists(_overdue(now)))
             # Locked lowest first, as every other writer of many rows locks them.
             .order_by("id")
-            .values_list("id", "batch_id")
+            .values_list("id", "batch_id", "host")
         )
-        requeued = [id for id, _ in rows]
+        requeued = [id for id, _, _ in rows]
         if requeued:
+            # Their paused hosts locked, as a resume locks them: one resuming
+            # meanwhile is waited for, and seen resumed (requeued reads the
+            # pause); one resuming after waits, then releases what is held.
+            lock_hosts({host for _, _, host in rows}, alias, paused=True)
             connection = connection_for(alias)
             with sql.on(connection) as db:
                 db.run("requeue", ids=db.ids(requeued), now=db_datetime(now, connection))
@@ -406,7 +410,7 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
                 after = [id for (id,) in db.all("next_in_sequence", ids=db.ids(requeued))]
                 db.run("wait_in_sequence", ids=db.ids([*requeued, *after]))
                 db.run("wait_again", ids=db.ids(requeued))
-        count_up(Counter(batch_id for _, batch_id in rows), alias)
+        count_up(Counter(batch_id for _, batch_id, _ in rows), alias)
     wakes.wake_all(alias)
     return len(rows)
 

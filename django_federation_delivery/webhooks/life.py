@@ -98,14 +98,16 @@ def enable(name: str, *, using: str | None = None) -> int | None:
         paused = Host.objects.using(alias).filter(name=key, paused_at__isnull=False)
         if not paused.update(failing_since=None, unavailable_since=None, probed_at=None):
             return None
-        hosts.resume_host(key, using=alias)
         pending = Delivery.objects.using(alias).filter(host=key, status=Status.PENDING)
         # The first in line may have a retry of its own to wait for (it was
-        # in flight when the destination was disabled): due now too.
+        # in flight when the destination was disabled): due now too, but no
+        # sooner than the lease of an attempt still in flight when it was
+        # given up, then requeued; before the resume, which forgets that.
         now = orm_datetime(aware_now(), alias)
         pending.filter(after__isnull=True, lease_token__isnull=True).filter(due_at__gt=now).update(
-            due_at=now
+            due_at=hosts.no_sooner_than_kept(now)
         )
+        hosts.resume_host(key, using=alias)
         # The first goes now, and each of the others once the one before it
         # is delivered: every one of them goes again, not the first alone.
         return pending.count()
