@@ -79,15 +79,28 @@ class _Watchdog:
             if self._wakes_at is None or exchange.deadline < self._wakes_at:
                 self._cond.notify()
 
-    def register(self, exchange: Exchange, sock: socket.socket) -> bool:
-        """Watch ``sock`` for ``exchange``; ``False`` if the exchange is already late."""
+    def register(self, exchange: Exchange, sock: socket.socket) -> socket.socket | None:
+        """Watch ``sock`` for ``exchange``: the duplicate watched, or None if
+        the exchange is already late."""
         with self._cond:
             if exchange.expired or exchange not in self._active:
+                return None
+            dup = socket.socket(sock.family, sock.type, sock.proto, os.dup(sock.fileno()))
+            exchange.sockets.append(dup)
+            return dup
+
+    def release(self, exchange: Exchange, dup: socket.socket) -> bool:
+        """Watch no more the socket ``dup`` stands for: its connection goes
+        back to the pool, for another exchange to take. ``False`` if the
+        exchange ran late first: the socket may be shut down."""
+        with self._cond:
+            if exchange.expired:
                 return False
-            exchange.sockets.append(
-                socket.socket(sock.family, sock.type, sock.proto, os.dup(sock.fileno()))
-            )
-            return True
+            if dup not in exchange.sockets:
+                return True  # finish() took it, and closes it
+            exchange.sockets.remove(dup)
+        dup.close()
+        return True
 
     def finish(self, exchange: Exchange) -> None:
         with self._cond:
@@ -182,6 +195,12 @@ class _BoundedHTTPResponse(http.client.HTTPResponse):
     protocols, which is never asked for here: it stays the answer, and is
     not a delivery)."""
 
+    def begin(self) -> None:
+        super().begin()
+        if self.status == 101:
+            # The connection speaks another protocol now: never pooled again.
+            self.will_close = True
+
     def _read_status(self) -> tuple[str, int, str]:
         # begin() loops on 100 only; past this, it sees the final status.
         for _skipped in range(MAX_INTERIM_ANSWERS + 1):
@@ -204,8 +223,10 @@ class GuardedHTTPConnection(HTTPConnection):
 
     response_class = _BoundedHTTPResponse
 
-    # The exchange this connection's socket is registered with, if any.
+    # The exchange this connection's socket is registered with, if any, and
+    # the duplicate of it the watchdog holds.
     _watched_by: Exchange | None = None
+    _watched_dup: socket.socket | None = None
 
     def _new_conn(self) -> socket.socket:
         exchange = current_exchange()
@@ -242,7 +263,8 @@ class GuardedHTTPConnection(HTTPConnection):
                     raise RefusedAddress(
                         f"refused to connect to {host} ({peer}): not a public address"
                     )
-                if not WATCHDOG.register(exchange, sock):
+                dup = WATCHDOG.register(exchange, sock)
+                if dup is None:
                     raise AttemptTimeout(f"timed out connecting to {where}")
             except OSError as exc:
                 sock.close()
@@ -251,7 +273,7 @@ class GuardedHTTPConnection(HTTPConnection):
             except BaseException:
                 sock.close()
                 raise
-            self._watched_by = exchange
+            self._watched_by, self._watched_dup = exchange, dup
             sys.audit("http.client.connect", self, self.host, self.port)
             return sock
 
@@ -287,17 +309,26 @@ class GuardedHTTPConnection(HTTPConnection):
                     f"refused to connect to {self._dns_host.strip('[]')} ({peer}): "
                     "not a public address"
                 )
-            elif not WATCHDOG.register(exchange, self.sock):
+            elif (dup := WATCHDOG.register(exchange, self.sock)) is None:
                 raise AttemptTimeout("timed out before sending")
             else:
-                self._watched_by = exchange
+                self._watched_by, self._watched_dup = exchange, dup
         super().putrequest(
             method, url, skip_host=skip_host, skip_accept_encoding=skip_accept_encoding
         )
 
+    def unwatch(self) -> bool:
+        """Stop its exchange's watch of this connection, put back in the pool
+        for another exchange to take: a late exchange's watchdog must not
+        shut down a socket another delivery is using. ``False`` if that
+        exchange ran late first (its socket may be shut down)."""
+        exchange, dup = self._watched_by, self._watched_dup
+        self._watched_by = self._watched_dup = None
+        return exchange is None or dup is None or WATCHDOG.release(exchange, dup)
+
     def close(self) -> None:
         IDLE.taken(self)
-        self._watched_by = None
+        self._watched_by = self._watched_dup = None
         super().close()
 
 
@@ -329,6 +360,8 @@ class GuardedHTTPConnectionPool(HTTPConnectionPool):
         return conn
 
     def _put_conn(self, conn: BaseHTTPConnection | None) -> None:
+        if isinstance(conn, GuardedHTTPConnection) and not conn.unwatch():
+            conn.close()  # shut down, perhaps, by its late exchange's watchdog
         with IDLE.lock:
             if conn is not None and self.pool is not None and self.pool.full():
                 # More were in use at once than are kept idle (threads sharing the
