@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
-from django.db import connection, connections
+from django.db import connection, connections, transaction
+from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 from django_q.models import Schedule, Task
 from django_q.tasks import async_task
@@ -834,3 +835,23 @@ def test_a_cluster_killed_mid_round_loses_nothing_and_repeats_only_what_was_in_f
     # In flight at the kill: sent or being sent, queued for the next free
     # worker, or sent with the outcome not yet written. Nothing else twice.
     assert_each_reached_once_but(sinks, urls, twice=3 * concurrency)
+
+
+def test_a_round_in_the_callers_transaction_is_refused_and_leaves_it_alone(inbox: Inbox) -> None:
+    # Run there (a task backend that runs it at once, in a view's atomic()),
+    # the loop would close the thread's connection: the caller's writes,
+    # its send among them, rolled back with no error told.
+    with transaction.atomic():
+        batch = send(ALICE, NOTE, [inbox.url("/a")])
+        with pytest.raises(TransactionManagementError, match="on_commit"):
+            deliver_round(1)
+    assert Delivery.objects.filter(batch=batch).exists(), "the send committed with the rest"
+    assert inbox.received == []
+
+
+def test_rounds_of_another_period_keep_the_process_s_one_heartbeat() -> None:
+    kept: dict[str, heartbeats.Heartbeat] = {}
+    first = rounds.kept_heartbeat(kept, "default", period=60)
+    again = rounds.kept_heartbeat(kept, "default", period=300)
+    assert again is first, "one row for the process, not one more for each period"
+    assert first.alive_for == 300

@@ -19,12 +19,12 @@ from typing import Any
 
 import django
 from django.core.checks.registry import registry
-from django.db import connections
+from django.db import connections, transaction
 from django.tasks import TaskResultStatus, task_backends
 from django.tasks.backends.immediate import ImmediateBackend
 from django.utils import timezone
 
-from django_federation_delivery import contrib, send
+from django_federation_delivery import contrib, heartbeats, send
 from django_federation_delivery.contrib import django_q, rounds, tasks
 from django_federation_delivery.contrib.rounds import ANOTHER_ROUND
 from django_federation_delivery.deliverer import Deliverer
@@ -332,3 +332,45 @@ def test_the_dummy_backend_is_warned_of_as_it_never_runs_a_task() -> None:
     assert warning.id == "federation_delivery.W005"
     assert "never runs a task" in warning.msg
     assert "keep DummyBackend to tests" in (warning.hint or "")
+
+
+@db
+def test_a_round_run_inside_the_callers_transaction_never_silently_undoes_it(
+    inbox: Inbox,
+) -> None:
+    # Django's default TASKS backend is the ImmediateBackend (and it is what
+    # Django recommends for tests): deliver_round.enqueue() inside a
+    # transaction (ATOMIC_REQUESTS, a view's atomic(), a test's) runs the
+    # round there, on the caller's connection. It should refuse, saying to
+    # enqueue it with transaction.on_commit (which works), or leave the
+    # caller's transaction alone; instead it delivers, then closes the
+    # connection in the middle of the caller's transaction: the caller's
+    # writes, its send included, are rolled back, and no error reaches it.
+    with transaction.atomic():
+        send(ALICE, NOTE, [inbox.url()])
+        result = tasks.deliver_round.using(backend="default").enqueue(1)
+    kept = Delivery.objects.count()
+    assert kept == 1, (
+        f"the caller's transaction was silently rolled back (its send gone: {kept} rows), "
+        f"while the inbox received {inbox.paths()}; the round {result.status}: "
+        f"{result.errors[0].traceback.strip().splitlines()[-1] if result.errors else ''}"
+    )
+
+
+@db
+def test_one_process_whose_rounds_change_period_is_one_live_deliverer_not_several(
+    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "each process's rounds keep one heartbeat": one process runs these
+    # rounds, one at a time, told their period as the README says
+    # (deliver_round.enqueue(period=300)), by two schedules, or the project
+    # going from a round every minute to one every five.
+    monkeypatch.setattr(tasks, "_heartbeats", {})
+    for period in (60, 300, 60, 300, 60):
+        tasks.deliver_round.using(backend="default").enqueue(0.3, period=period)
+    live = heartbeats.seen().live
+    assert len(live) == 1, (
+        f"one process, one round at a time, and {len(live)} live deliverers shown "
+        f"({DelivererHeartbeat.objects.count()} heartbeat rows): "
+        f"{[(d.pid, d.started_at.time().isoformat()) for d in live]}"
+    )

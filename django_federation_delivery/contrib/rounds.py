@@ -33,6 +33,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import Error, connections
+from django.db.transaction import TransactionManagementError
 from django.utils import translation
 from django.utils.translation import gettext as _
 
@@ -215,19 +216,37 @@ def kept_heartbeat(kept: dict[str, Heartbeat], using: str, *, period: float) -> 
     HEARTBEAT_SECONDS while a round runs, and left in place between rounds,
     alive for three of ``period``, the time between two rounds, after the last."""
     heartbeat = kept.get(using)
-    alive_for = max(app_settings.heartbeat_seconds, period)
-    if heartbeat is None or heartbeat.pid != os.getpid() or heartbeat.alive_for != alive_for:
+    if heartbeat is None or heartbeat.pid != os.getpid():
         heartbeat = Heartbeat(
             app_settings.heartbeat_seconds, using=using, alive_for=period, kept=True
         )
         kept[using] = heartbeat
+    else:
+        # Another period (two schedules, or one changed): the same row, which
+        # its next beat writes alive for the new one. A new one would leave
+        # the old row alive, one more deliverer shown.
+        heartbeat.alive_for = max(heartbeat.interval, period)
     return heartbeat
 
 
 def run_round(bound: float, *, using: str, heartbeat: Heartbeat) -> dict[str, Any]:
     """Claim and send for ``bound`` seconds, then finish what is in flight,
     holding the round's lock; what was done, as a task's result keeps it.
-    Returns at once, saying so, when another round holds the lock."""
+    Returns at once, saying so, when another round holds the lock.
+
+    ``TransactionManagementError`` in a transaction of the caller's (a round
+    a task backend runs at once, as Django's ImmediateBackend does, enqueued
+    in a view's ``atomic()``): the loop writes in transactions of its own,
+    and closes its thread's connections, which would roll the caller's back,
+    its send included, with no error told."""
+    if any(connection.in_atomic_block for connection in connections.all(initialized_only=True)):
+        raise TransactionManagementError(
+            _(
+                "A round cannot run inside a transaction: it would roll it back. Enqueue it "
+                "once the transaction commits: "
+                "transaction.on_commit(lambda: deliver_round.enqueue())."
+            )
+        )
     with _held_lock(using) as kept:
         if kept is None:
             logger.info("A round was not started: %s", ANOTHER_ROUND)
