@@ -136,7 +136,7 @@ def test_the_deliverer_does_not_start_with_a_bad_variable_and_names_it(tmp_path:
     last = stderr.strip().splitlines()[-1]
     assert last == (
         "django.core.exceptions.ImproperlyConfigured: FEDERATION_DELIVERY_RETENTION_DAYS "
-        "must be a positive number of days, not 'abc'."
+        "must be a positive number of days, at most 36500, not 'abc'."
     ), stderr
 
 
