@@ -20,6 +20,7 @@ from django_federation_delivery.store import settlements
 
 from .conftest import Inbox, Overlap, RunningDeliverer, Unprintable, away_at, wait_until
 from .keys import ALICE
+from .lockholder import Holder
 
 pytestmark = pytest.mark.django_db
 
@@ -443,3 +444,31 @@ def test_a_host_resumed_while_a_requeue_to_it_commits_leaves_nothing_held_for_ev
         "pending to a host that is not paused, with no due time and waiting on nothing: "
         "no claim, resume or sweep will ever make it due"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's one write lock")
+def test_a_resume_while_another_process_writes_waits_its_turn() -> None:
+    controls.pause_host("a.example")
+    send(ALICE, NOTE, ["https://a.example/inbox"])
+    holder = Holder(connection.settings_dict["NAME"], hold=lambda: 0.3, gap=lambda: 0.05)
+
+    def between(execute: Any, sql: str, *args: Any) -> Any:
+        result = execute(sql, *args)
+        if not holder.is_alive() and not sql.startswith(("BEGIN", "SAVEPOINT")):
+            # A web process's send takes the write lock right after the
+            # resume's first statement, for a moment.
+            holder.start()
+            holder.holding.wait(0.5)
+        return result
+
+    try:
+        with connection.execute_wrapper(between):
+            # Read first, the resume's own write would then fail at once with
+            # "database is locked", not wait its turn.
+            assert controls.resume_host("a.example") == 1
+    finally:
+        holder.stopping.set()
+        holder.join(5)
+    assert holder.committed >= 1 and holder.error is None
+    assert Delivery.objects.get().due_at is not None

@@ -38,7 +38,13 @@ def lock_hosts(names: Iterable[str], using: str, *, paused: bool = False) -> Non
     """Lock the rows of the hosts ``names`` (those paused alone, if
     ``paused``) until the transaction ends, in name order: a resume locks
     the hosts it resumes, a requeue the paused hosts of what it requeues,
-    and neither deadlocks the other. On SQLite, the write lock held does."""
+    and neither deadlocks the other. On SQLite the write lock does, taken
+    here (write_first): a read first would let another connection's write
+    in between, and this transaction's own write fail with "database is
+    locked"."""
+    if connections[using].vendor == "sqlite":
+        write_first(using)
+        return
     rows = Host.objects.using(using).select_for_update(no_key=True).filter(name__in=list(names))
     if paused:
         rows = rows.filter(paused_at__isnull=False)
