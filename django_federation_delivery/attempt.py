@@ -90,6 +90,9 @@ class AttemptResult:
     #: inbox's later one, which anyone may list): what its answer says of a
     #: host is not learned as the delivery's host's.
     elsewhere: bool = False
+    #: Not sent: its batch's deadline passed while it waited for a worker.
+    #: Settled unsent, as one whose deadline passed at its slot: no attempt.
+    overtaken: bool = False
 
 
 def _flag(value: Any) -> bool:
@@ -137,6 +140,7 @@ _FIELDS: tuple[tuple[str, Callable[[Any], bool], str, Any], ...] = (
     ("requests", _count, "a count (not negative)", 1),
     ("held", _flag, "True or False", False),
     ("elsewhere", _flag, "True or False", False),
+    ("overtaken", _flag, "True or False", False),
 )
 
 
@@ -228,10 +232,11 @@ def lapsed(job: Job) -> AttemptResult:
 
 def overtaken(job: Job) -> AttemptResult:
     """A delivery not sent because its batch's deadline passed while it
-    waited for a worker: no request, held back, for the retry policy to
-    give up as past its deadline."""
+    waited for a worker: no request, held back, settled unsent as past its
+    deadline (``overtaken``)."""
     error = "not sent: a worker was free only after it"
-    return dataclasses.replace(failed(job, error, permanent=False, requests=0), held=True)
+    result = failed(job, error, permanent=False, requests=0)
+    return dataclasses.replace(result, held=True, overtaken=True)
 
 
 def deadline_of(job: Job, timeout: float) -> float | None:

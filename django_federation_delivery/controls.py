@@ -143,26 +143,29 @@ def give_up(deliveries: QuerySet[Delivery], reason: str = "given up by an operat
 def give_up_overdue(
     *, since: dt.datetime, now: dt.datetime | None = None, using: str | None = None
 ) -> int:
-    """Fail for good the pending deliveries that wait, with no due time,
-    past their batch's deadline, of the batches whose deadline passed after
-    ``since`` (and by ``now``): waiting on the one before them in their
-    sequence, on what a retraction retracts, or for their paused host. No
-    claim takes them, so no claim gives them up; the deliverer calls this
-    every few seconds, each time from a little before where it last looked
-    (:class:`~.upkeep.Upkeep`). ``delivery_failed`` is told with
-    ``deadline`` true. Returns how many. One index read of the batches
-    whose deadline passed in that span, and one of their pending rows."""
+    """Fail for good the pending deliveries no deliverer holds, of the
+    batches whose deadline passed after ``since`` (and by ``now``): those
+    that wait with no due time (on the one before them in their sequence, on
+    what a retraction retracts, or for their paused host), which no claim
+    takes, and those due that no claim took in time (a low-priority lane
+    behind a busy one, a host whose breaker holds them): a claim would give
+    them up, but it may not come. The deliverer calls this every few
+    seconds, each time from a little before where it last looked
+    (:class:`~.upkeep.Upkeep`); one in hand then is given up by whoever
+    settles it. ``delivery_failed`` is told with ``deadline`` true. Returns
+    how many. One index read of the batches whose deadline passed in that
+    span, and one of their pending rows."""
     alias = database_alias(using)
     batches = Batch.objects.using(alias).filter(
-        deadline__gt=orm_datetime(since),
-        deadline__lte=orm_datetime(now or timezone.now()),
+        deadline__gt=orm_datetime(since, alias),
+        deadline__lte=orm_datetime(now or timezone.now(), alias),
         finished_at__isnull=True,
     )
     ids = list(batches.values_list("id", flat=True))
     if not ids:
         return 0
     overdue = Delivery.objects.using(alias).filter(
-        batch_id__in=ids, status=Status.PENDING, due_at__isnull=True, lease_token__isnull=True
+        batch_id__in=ids, status=Status.PENDING, lease_token__isnull=True
     )
     return _give_up(overdue, DEADLINE_PASSED, alias, deadline=True)
 

@@ -342,6 +342,13 @@ class Deliverer:
         if result is None:
             # Attempt, in a worker thread, through its kind (workers.py).
             result = yield
+            if result.overtaken and (settled := self.triage.waited(item)) is not None:
+                # Its deadline passed while it waited for a worker: unsent, as
+                # at its slot, no attempt counted nor told; a probe given back.
+                if self.breakers is not None and item.breaker:
+                    self.learn_breaker(item, result)
+                self.outbox.add(settled)
+                return
             if item.elsewhere:
                 result = dataclasses.replace(result, elsewhere=True)
             # What the answer taught: the signature scheme the host accepts,

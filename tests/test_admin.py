@@ -1375,3 +1375,19 @@ def test_the_admin_says_what_it_requeued_to_a_paused_host_is_held_not_due_now() 
     assert "due now" not in message or "paused" in message, (
         f"the operator is told {message!r} of a delivery held for its paused host"
     )
+
+
+@pytest.mark.django_db
+def test_the_tag_filter_offers_a_tag_behind_many_untagged_sends() -> None:
+    tagged = send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"tag": "move"})
+    assert tagged is not None
+    # An instance's every post, reply and like: sends without a tag.
+    for n in range(500):
+        send(ALICE, NOTE, [f"https://b.example/users/u{n}/inbox"])
+    page = login("operator").get(reverse("admin:federation_delivery_batch_changelist"))
+    assert page.status_code == 200
+    specs = [
+        f for f in page.context["cl"].filter_specs if getattr(f, "parameter_name", "") == "tag"
+    ]
+    offered = [value for spec in specs for value, _label in spec.lookup_choices]
+    assert "move" in offered, f"the batches' tag filter offers {offered}"
