@@ -377,64 +377,42 @@ def test_what_waits_its_turn_or_for_its_paused_host_is_given_up_at_its_deadline(
     assert sorted(received_signals["finished"]) == sorted([update.id, held.id])
 
 
-def test_a_low_priority_batchs_deadline_fails_it_while_other_lanes_keep_the_loop_busy(
+@pytest.mark.parametrize("unreached", ["low priority", "open breaker"])
+def test_a_deadline_fails_what_no_claim_reaches_while_a_fan_out_keeps_the_loop_busy(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
     failures: list[Any],
+    unreached: str,
 ) -> None:
-    # A steady fan-out in the normal lane: always something due there, so the
-    # low lane is not claimed (as documented). The low batch's deadline
-    # passes meanwhile: its delivery is due, not waiting on anything.
+    # A steady fan-out in the normal lane: always something due there, so no
+    # claim reaches the low lane (as documented), nor comes back short to
+    # take what a host's open breaker holds. The batch's deadline passes
+    # meanwhile: its delivery is due, not waiting on anything.
     crowd = [inboxes(f"127.0.0.{10 + n}", delay=0.4) for n in range(10)]
-    fan_out = [crowd[n % 10].url(f"/u{n}") for n in range(80)]
-    normal = send_batch(ALICE, NOTE, fan_out)
+    normal = send_batch(ALICE, NOTE, [crowd[n % 10].url(f"/u{n}") for n in range(80)])
     quiet = inboxes("127.0.0.2")
-    low = send_batch(
-        ALICE, NOTE, [quiet.url()], {"low_priority": True, "deadline": dt.timedelta(seconds=1)}
-    )
-    assert normal is not None and low is not None
+    options: dict[str, Any] = {"deadline": dt.timedelta(seconds=1)}
+    if unreached == "low priority":
+        options["low_priority"] = True
+    else:
+        open_breaker(quiet.host, seconds=600)
+    late = send_batch(ALICE, NOTE, [quiet.url()], options)
+    assert normal is not None and late is not None
     runner = start_deliverer(concurrency=2, claim_size=2, per_host=1, per_host_max=1)
     started = time.monotonic()
     # Given up within 5 s of its deadline, as what waits its turn is.
-    wait_until(lambda: settled(low)() or time.monotonic() - started > 8, timeout=12)
+    wait_until(lambda: settled(late)() or time.monotonic() - started > 8, timeout=12)
     took = time.monotonic() - started
-    row = Delivery.objects.get(batch=low)
-    fan_out_running = Batch.objects.get(id=normal.id).finished_at is None
-    runner.stop()
-    assert fan_out_running, "the fan-out kept the normal lane busy all along"
-    assert row.status == Status.FAILED, (
-        f"{took:.1f} s after the start, {took - 1:.0f} s past its deadline, the "
-        f"low-priority delivery is still {row.status}, its batch unfinished"
-    )
-    assert quiet.received == []
-    assert [f.deadline for f in failures if f.batch_id == low.id] == [True]
-
-
-def test_a_deadline_fails_what_an_open_breaker_holds_while_a_fan_out_keeps_the_loop_busy(
-    inboxes: Callable[..., Inbox],
-    start_deliverer: Callable[..., RunningDeliverer],
-    failures: list[Any],
-) -> None:
-    crowd = [inboxes(f"127.0.0.{10 + n}", delay=0.4) for n in range(10)]
-    normal = send_batch(ALICE, NOTE, [crowd[n % 10].url(f"/u{n}") for n in range(80)])
-    down = inboxes("127.0.0.2")
-    open_breaker(down.host, seconds=600)
-    held = send_batch(ALICE, NOTE, [down.url()], {"deadline": dt.timedelta(seconds=1)})
-    assert normal is not None and held is not None
-    runner = start_deliverer(concurrency=2, claim_size=2, per_host=1, per_host_max=1)
-    started = time.monotonic()
-    wait_until(lambda: settled(held)() or time.monotonic() - started > 8, timeout=12)
-    took = time.monotonic() - started
-    row = Delivery.objects.get(batch=held)
+    row = Delivery.objects.get(batch=late)
     fan_out_running = Batch.objects.get(id=normal.id).finished_at is None
     runner.stop()
     assert fan_out_running, "the fan-out kept the loop busy all along"
     assert row.status == Status.FAILED, (
-        f"{took:.1f} s after the start, {took - 1:.0f} s past its deadline, the delivery "
-        f"its host's open breaker holds is still {row.status}, its batch unfinished"
+        f"{took:.1f} s after the start, {took - 1:.0f} s past its deadline, the "
+        f"delivery ({unreached}) is still {row.status}, its batch unfinished"
     )
-    assert down.received == []
-    assert [f.deadline for f in failures if f.batch_id == held.id] == [True]
+    assert quiet.received == []
+    assert [f.deadline for f in failures if f.batch_id == late.id] == [True]
 
 
 def test_a_delivery_whose_lease_would_lapse_before_it_could_be_sent_is_not_sent(
