@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import escaped
@@ -236,58 +236,72 @@ class Workers:
         deadline = item.batch.deadline
         if deadline is not None and dt.datetime.now(dt.UTC) >= deadline:
             return overtaken(item.job)
-        try:
+
+        def attempt() -> Any:
             settings = item.kind.transport_settings_for(item.job)
             transport = transports.get(settings)
             if transport is None:
                 transport = transports[settings] = Transport(settings, self.connections)
             with tracing.attempting(item):
-                result = item.kind.attempt(item.job, transport)
-        # A bug must not take a worker down, whatever it raises. A SystemExit
-        # (a channel calling sys.exit()) would end this thread silently. And
-        # a KeyboardInterrupt here is not an operator's Ctrl-C, which Python
-        # raises in the main thread only (the loop's, which stops on it): one
-        # in a worker was raised by the attempt's own code, and is its crash.
-        except BaseException as exc:
-            # Only the type: a webhook's message and traceback may hold its
-            # URL, a credential.
-            logger.error("An attempt at delivery %s raised %s", item.claimed.id, type(exc).__name__)
-            # Timed as long as it ran: at nought, its time would drag the
-            # attempts' median and mean down.
-            took = time.monotonic() - item.started
-            return crashed(item.job, f"internal error: {type(exc).__name__}", duration=took)
-        if not isinstance(result, AttemptResult):
-            # A host project's channel that returned something else: told by
-            # the kind and the type alone, nothing of the job (its URL, its
-            # key) or of what came back.
-            logger.error(
-                "An attempt at delivery %s by %s returned %s, not an AttemptResult",
-                item.claimed.id,
-                type(item.kind).__name__,
-                type(result).__name__,
-            )
-            took = time.monotonic() - item.started
-            return crashed(
-                item.job, f"internal error: {type(result).__name__} returned", duration=took
-            )
-        # One the loop could not read (a Retry-After header's text, None for
-        # no error) would raise in the loop's own thread as it decides and
-        # writes what came of it: told by the field and its type alone.
-        read, fault = readable(item.job, result)
-        if fault and not read.delivered:
-            read = dataclasses.replace(read, duration=time.monotonic() - item.started)
-        if fault:
-            logger.error(
-                "An attempt at delivery %s by %s returned a result the loop cannot read (%s): %s",
-                item.claimed.id,
-                type(item.kind).__name__,
-                fault,
-                "kept as delivered" if read.delivered else "a failed attempt",
-            )
-        if not read.error.isprintable():
-            # A host project's kind may tell what it met as it met it (a
-            # binary answer, decoded): kept, told and logged escaped, as an
-            # answer's text is: PostgreSQL's text holds no NUL, and a
-            # terminal acts on an escape sequence.
-            read = dataclasses.replace(read, error=escaped(read.error))
-        return read
+                return item.kind.attempt(item.job, transport)
+
+        what, by = f"delivery {item.claimed.id}", type(item.kind).__name__
+        return guarded(item.job, attempt, started=item.started, what=what, by=by)
+
+
+def guarded(
+    job: Job, attempt: Callable[[], Any], *, started: float, what: str, by: str
+) -> AttemptResult:
+    """What ``attempt()``, an attempt at ``job`` by code the package may not
+    hold (a host project's kind), came to: always a result the loop can
+    read, whatever it did, so that the delivery is settled and its slot
+    freed. ``what`` and ``by`` name the attempt and its kind in the log;
+    ``started`` is when it began (``time.monotonic()``)."""
+    try:
+        result = attempt()
+    # A bug must not take a worker down, whatever it raises. A SystemExit
+    # (a channel calling sys.exit()) would end this thread silently. And
+    # a KeyboardInterrupt here is not an operator's Ctrl-C, which Python
+    # raises in the main thread only (the loop's, which stops on it): one
+    # in a worker was raised by the attempt's own code, and is its crash.
+    except BaseException as exc:
+        # Only the type: a webhook's message and traceback may hold its
+        # URL, a credential.
+        logger.error("An attempt at %s raised %s", what, type(exc).__name__)
+        # Timed as long as it ran: at nought, its time would drag the
+        # attempts' median and mean down.
+        took = time.monotonic() - started
+        return crashed(job, f"internal error: {type(exc).__name__}", duration=took)
+    if not isinstance(result, AttemptResult):
+        # A host project's channel that returned something else: told by
+        # the kind and the type alone, nothing of the job (its URL, its
+        # key) or of what came back.
+        logger.error(
+            "An attempt at %s by %s returned %s, not an AttemptResult",
+            what,
+            by,
+            type(result).__name__,
+        )
+        took = time.monotonic() - started
+        return crashed(job, f"internal error: {type(result).__name__} returned", duration=took)
+    # One the loop could not read (a Retry-After header's text, None for
+    # no error) would raise in the loop's own thread as it decides and
+    # writes what came of it: told by the field and its type alone.
+    read, fault = readable(job, result)
+    if fault and not read.delivered:
+        read = dataclasses.replace(read, duration=time.monotonic() - started)
+    if fault:
+        logger.error(
+            "An attempt at %s by %s returned a result the loop cannot read (%s): %s",
+            what,
+            by,
+            fault,
+            "kept as delivered" if read.delivered else "a failed attempt",
+        )
+    if not read.error.isprintable():
+        # A host project's kind may tell what it met as it met it (a
+        # binary answer, decoded): kept, told and logged escaped, as an
+        # answer's text is: PostgreSQL's text holds no NUL, and a
+        # terminal acts on an escape sequence.
+        read = dataclasses.replace(read, error=escaped(read.error))
+    return read

@@ -7,10 +7,11 @@ import ipaddress
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError, connections
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
-from django_federation_delivery.addresses import quoted
+from django_federation_delivery.addresses import escaped, quoted
 from django_federation_delivery.checks import unapplied_migrations
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
@@ -93,6 +94,23 @@ def database_named(using: str | None) -> str:
         raise CommandError(
             _("no database named %(alias)r in DATABASES") % {"alias": using}
         ) from None
+
+
+def require_database(using: str) -> None:
+    """For a command that reads or writes the queue once: a CommandError
+    saying the database ``using`` cannot be reached (the first line of its
+    error, escaped), or lacks a migration (:func:`require_migrations`).
+    ``run_deliverer`` waits an outage out instead."""
+    try:
+        connections[using].ensure_connection()
+    except DatabaseError as exc:
+        text = str(exc).strip()
+        error = escaped(text.splitlines()[0])[:200] if text else type(exc).__name__
+        raise CommandError(
+            _("The database %(alias)r cannot be reached (%(error)s).")
+            % {"alias": using, "error": error}
+        ) from None
+    require_migrations(using)
 
 
 def require_migrations(using: str) -> None:

@@ -13,12 +13,13 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery.addresses import host_named, quoted
+from django_federation_delivery.conf import shown as conf_shown
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     add_database_option,
     database_named,
-    require_migrations,
+    require_database,
 )
 from django_federation_delivery.replay import ever_sent, replay, replayed
 
@@ -47,7 +48,7 @@ class Command(TranslatedCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         using = database_named(options["database"])
-        require_migrations(using)
+        require_database(using)
         for option in ("host", "destination"):
             value = options[option]
             if value is not None and not value.strip():
@@ -90,10 +91,18 @@ UNITS = {"m": 60, "h": 3600, "d": 86400}
 MOST_MOMENT = 40
 
 
-def moment(value: str) -> dt.datetime:
+def moment(value: str | dt.datetime) -> dt.datetime:
     """``value`` as an aware datetime before now: ISO 8601, or a span back
-    from now ("6h"); ``CommandError`` naming it otherwise (a moment not in
-    the past would replay nothing, and say so as if it had looked)."""
+    from now ("6h"), or a datetime given to ``call_command``;
+    ``CommandError`` naming it otherwise (a moment not in the past would
+    replay nothing, and say so as if it had looked)."""
+    if isinstance(value, dt.datetime):
+        return _in_the_past(value, quoted(value.isoformat()))
+    if not isinstance(value, str):
+        raise CommandError(
+            _("--since %(value)s is neither a date and time (2026-12-01T08:00) nor a span (6h)")
+            % {"value": conf_shown(value)}
+        )
     text = value.strip()
     shown = quoted(value)
     number = text[:-1]
@@ -120,6 +129,11 @@ def moment(value: str) -> dt.datetime:
             _("--since %(value)s is neither a date and time (2026-12-01T08:00) nor a span (6h)")
             % {"value": shown}
         )
+    return _in_the_past(parsed, shown)
+
+
+def _in_the_past(parsed: dt.datetime, shown: str) -> dt.datetime:
+    """``parsed``, aware, if it falls on the calendar in UTC and before now."""
     try:
         if timezone.is_naive(parsed):
             parsed = timezone.make_aware(parsed)

@@ -12,6 +12,7 @@ from django.db import DatabaseError
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop, ngettext
 
+from django_federation_delivery.conf import shown
 from django_federation_delivery.management.base import TranslatedCommand
 
 
@@ -62,8 +63,8 @@ class Command(TranslatedCommand):
         if options["round_seconds"] is not None:
             value = options["round_seconds"]
             try:
-                seconds = float(value)
-            except ValueError:
+                seconds = float(value)  # text, or a number given to call_command
+            except (TypeError, ValueError, OverflowError):
                 seconds = 0.0
             # Under a second, a round would end before its deliverer had
             # claimed; past a day, the rounds refuse it (MOST_SECONDS).
@@ -71,9 +72,9 @@ class Command(TranslatedCommand):
                 raise CommandError(
                     _(
                         "--round-seconds expects a number of seconds, from 1 to %(most)g, "
-                        "not %(value)r"
+                        "not %(value)s"
                     )
-                    % {"value": value[:80], "most": django_q.MOST_SECONDS}
+                    % {"value": shown(value), "most": django_q.MOST_SECONDS}
                 )
         with _schedules_readable():
             try:

@@ -23,7 +23,7 @@ from django_federation_delivery.management.base import (
     TranslatedCommand,
     add_database_option,
     database_named,
-    require_migrations,
+    require_database,
     whole,
 )
 from django_federation_delivery.overview import (
@@ -327,11 +327,20 @@ class Command(TranslatedCommand):
             "--check",
             action="store_true",
             help=_(
-                "Print one line and exit 0 when healthy, %(status)d when work is due and "
-                "no deliverer has been seen for %(seconds)g s, or the oldest due delivery "
-                "has waited longer than --max-lag."
+                "Print one line and exit 0 when healthy; %(critical)d (CRITICAL) when work is "
+                "due and no deliverer has been seen for %(seconds)g s, the oldest due "
+                "delivery has waited longer than --max-lag, a webhook destination is "
+                "disabled, or the queue cannot be read; %(warning)d (WARNING) when events "
+                "wait for a webhook destination no longer configured; %(unknown)d (UNKNOWN) "
+                "when the check cannot be made as asked, or the settings fail the system "
+                "checks."
             )
-            % {"status": UNHEALTHY, "seconds": heartbeats.NO_DELIVERER_AFTER},
+            % {
+                "critical": UNHEALTHY,
+                "warning": WARNED,
+                "unknown": UNKNOWN,
+                "seconds": heartbeats.NO_DELIVERER_AFTER,
+            },
         )
         parser.add_argument(
             "--max-lag",
@@ -477,7 +486,7 @@ class Command(TranslatedCommand):
                 self.stdout.flush()
                 sys.exit(code)
             return
-        require_migrations(using)
+        require_database(using)
         if options["host"] is not None:
             picture = host_picture(options["host"], using=using)
             if picture is None:

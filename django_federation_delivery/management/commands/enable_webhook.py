@@ -13,7 +13,7 @@ from django_federation_delivery.management.base import (
     TranslatedCommand,
     add_database_option,
     database_named,
-    require_migrations,
+    require_database,
 )
 from django_federation_delivery.webhooks import life
 from django_federation_delivery.webhooks.status import destination_status
@@ -32,7 +32,7 @@ class Command(TranslatedCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         name, using = options["name"], database_named(options["database"])
-        require_migrations(using)
+        require_database(using)
         found = {status.name for status in destination_status(using=using)}
         if name not in found:
             raise CommandError(

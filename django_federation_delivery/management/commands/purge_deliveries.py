@@ -13,11 +13,12 @@ from django.utils.translation import gettext_noop, ngettext
 
 from django_federation_delivery import retention
 from django_federation_delivery.checks import LONGEST_RETENTION
+from django_federation_delivery.conf import shown
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     add_database_option,
     database_named,
-    require_migrations,
+    require_database,
 )
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -28,15 +29,16 @@ PROGRESS_EVERY = 1.0
 def parse_age(value: str) -> float:
     """``7d``, ``12h``, ``90m`` or ``3600s`` as seconds; a CommandError naming
     anything else."""
-    found = re.fullmatch(r"\s*(\d{1,12})\s*([smhd])\s*", value)
+    # Text, even given to call_command: a bare number would say no unit.
+    found = re.fullmatch(r"\s*(\d{1,12})\s*([smhd])\s*", value) if isinstance(value, str) else None
     seconds = int(found[1]) * UNITS[found[2]] if found else 0
     if not 0 < seconds <= LONGEST_RETENTION:
         raise CommandError(
             _(
                 "--older-than expects an age such as 7d, 12h, 90m or 3600s "
-                "(above 0, at most %(days).0fd), not %(value)r"
+                "(above 0, at most %(days).0fd), not %(value)s"
             )
-            % {"days": LONGEST_RETENTION / 86400, "value": value}
+            % {"days": LONGEST_RETENTION / 86400, "value": shown(value)}
         )
     return float(seconds)
 
@@ -65,7 +67,7 @@ class Command(TranslatedCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         using = database_named(options["database"])
-        require_migrations(using)
+        require_database(using)
         if options["older_than"] is not None:
             age = parse_age(options["older_than"])
             seconds = dict.fromkeys(retention.SETTLED, age)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -21,6 +22,7 @@ from django_federation_delivery.webhooks.deliveries import webhook_transport_set
 from django_federation_delivery.webhooks.destinations import configured
 from django_federation_delivery.webhooks.policy import WebhookPolicy
 from django_federation_delivery.webhooks.sending import event_time
+from django_federation_delivery.workers import guarded
 
 #: The exit status when the destination did not take the ping.
 NOT_DELIVERED = 1
@@ -39,18 +41,19 @@ class Command(TranslatedCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         name = options["name"]
-        found = configured()
-        destination = found.lookup(name)
-        if destination is None:
-            raise CommandError(
-                _("no webhook destination named %(name)s is configured (configured: %(known)s)")
-                % {"name": quoted(name), "known": escaped(", ".join(found.names)) or _("none")}
-            )
-        if isinstance(destination, str):
-            raise CommandError(destination)  # what is wrong, never the URL
-        WebhookPolicy.from_settings()  # the settings it starts from, checked
         try:
+            found = configured()
+            destination = found.lookup(name)
+            if destination is None:
+                raise CommandError(
+                    _("no webhook destination named %(name)s is configured (configured: %(known)s)")
+                    % {"name": quoted(name), "known": escaped(", ".join(found.names)) or _("none")}
+                )
+            if isinstance(destination, str):
+                raise CommandError(destination)  # what is wrong, never the URL
+            WebhookPolicy.from_settings()  # the settings it starts from, checked
             policy = WebhookPolicy.of(policy_of(destination.channel))
+        # As manage.py check would have said, had it run (--skip-checks).
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from None
         settings = webhook_transport_settings(app_settings.transport_settings(), policy.policy)
@@ -64,7 +67,16 @@ class Command(TranslatedCommand):
                 event=event,
                 body_length=policy.body_length,
             )
-            result = destination.channel.attempt(call, transport)
+            # As a worker makes it: whatever the kind's code raises or
+            # returns, a result, its error named by type, escaped.
+            channel = destination.channel
+            result = guarded(
+                call,
+                lambda: channel.attempt(call, transport),
+                started=time.monotonic(),
+                what="a test ping",
+                by=type(channel).__name__,
+            )
         finally:
             transport.close()
             connections.close()
