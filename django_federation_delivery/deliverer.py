@@ -77,6 +77,16 @@ def longest_attempt() -> float:
     return max(app_settings.attempt_timeout, webhooks.timeout)
 
 
+def transaction_open() -> str | None:
+    """The database this thread is in a transaction on, if any: a run in
+    this thread would roll it back, unsaid, as it closes the thread's
+    connections (rounds refuse to start then, and so does ``deliver_all``)."""
+    for connection in connections.all(initialized_only=True):
+        if connection.in_atomic_block:
+            return str(connection.alias)
+    return None
+
+
 class Deliverer:
     """Claims due deliveries and sends them until stopped (or, with
     ``drain``, until nothing is due)."""

@@ -596,3 +596,43 @@ def test_the_outbox_added_to_a_list_leaves_out_what_a_rollback_undid(
     assert delivery_outbox * 2 == []
     assert not delivery_outbox > nothing
     assert len(delivery_outbox) == 0
+
+
+# A queue kept in a database of its own.
+
+BOTH = pytest.mark.django_db(transaction=True, databases=["default", "queue"])
+
+
+@BOTH
+def test_the_fake_finds_who_signed_in_the_database_deliver_all_delivers_from(
+    settings: Any,
+) -> None:
+    # A key id that does not name its actor is told by the batches queued
+    # with the body: looked for in "default", it was found nowhere, and the
+    # fake refused a good signature twice.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SENDER_KEYS": f"{__name__}.key_beside_the_actor",
+    }
+    send_batch(ALICE, NOTE, ["https://a.example/inbox"], using="queue")
+    with FakeInbox() as fake:
+        summary = deliver_all(fake=fake, using="queue")
+    answers = [(r.status, r.problem) for r in fake.received]
+    assert summary.delivered == 1, f"the fake refused a good signature: {answers}"
+
+
+@BOTH
+@pytest.mark.usefixtures("queue_router")
+def test_deliver_all_in_a_transaction_on_another_database_is_refused() -> None:
+    # The app routed to "queue", the project's own write in "default": run,
+    # the deliverer would close "default"'s connection too, the caller's
+    # transaction lost with no error told.
+    from django_q.models import Schedule
+
+    send(ALICE, NOTE, ["https://a.example/inbox"])
+    with FakeInbox(), transaction.atomic():
+        Schedule.objects.create(name="the project's", func="math.floor")
+        with pytest.raises(RuntimeError, match="'default'"):
+            deliver_all()
+        assert Schedule.objects.count() == 1, "the caller's transaction goes on"
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.PENDING]

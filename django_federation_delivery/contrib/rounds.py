@@ -40,7 +40,7 @@ from django.utils.translation import gettext as _
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.checks import deliverer_problems
 from django_federation_delivery.conf import app_settings, database_alias
-from django_federation_delivery.deliverer import Deliverer, longest_attempt
+from django_federation_delivery.deliverer import Deliverer, longest_attempt, transaction_open
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.retention import purge_by_setting
 from django_federation_delivery.store import locks
@@ -239,7 +239,7 @@ def run_round(bound: float, *, using: str, heartbeat: Heartbeat) -> dict[str, An
     in a view's ``atomic()``): the loop writes in transactions of its own,
     and closes its thread's connections, which would roll the caller's back,
     its send included, with no error told."""
-    if any(connection.in_atomic_block for connection in connections.all(initialized_only=True)):
+    if transaction_open() is not None:
         raise TransactionManagementError(
             _(
                 "A round cannot run inside a transaction: it would roll it back. Enqueue it "

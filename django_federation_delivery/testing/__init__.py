@@ -316,23 +316,25 @@ def deliver_all(*, fake: Any = None, **options: Any) -> Any:
     thread it runs in once done: called inside a transaction (a test that
     is not transactional, a ``TestCase``, an ``atomic`` block), it is
     refused with a ``RuntimeError`` saying so, before anything is sent."""
-    from django.db import connections
-
     from django_federation_delivery.conf import database_alias
-    from django_federation_delivery.deliverer import Deliverer
+    from django_federation_delivery.deliverer import Deliverer, transaction_open
     from django_federation_delivery.testing.fake import FakeInbox
 
     alias = database_alias(options.get("using"))
-    if connections[alias].in_atomic_block:
+    # Any of the thread's: the deliverer closes them all once done.
+    if (atomic := transaction_open()) is not None:
         raise RuntimeError(
-            f"deliver_all() runs the deliverer, which commits as it goes, and was "
-            f"called inside a transaction on the database {alias!r}: run it in a "
-            "transactional test (@pytest.mark.django_db(transaction=True), a "
-            "TransactionTestCase), outside any atomic block"
+            f"deliver_all() runs the deliverer, which commits as it goes and closes "
+            f"its thread's connections, and was called inside a transaction on the "
+            f"database {atomic!r}: run it in a transactional test "
+            "(@pytest.mark.django_db(transaction=True), a TransactionTestCase), outside "
+            "any atomic block"
         )
-    if fake is not None and fake.active:
+    fake = fake or FakeInbox()
+    fake.using = alias
+    if fake.active:
         return Deliverer(**options).run(drain=True)
-    with fake or FakeInbox():
+    with fake:
         return Deliverer(**options).run(drain=True)
 
 

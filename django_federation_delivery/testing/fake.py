@@ -88,6 +88,9 @@ class FakeInbox:
 
     def __init__(self) -> None:
         self.received: list[Received] = []
+        #: The database whose batches tell who signed (a key id that does
+        #: not name its actor): ``deliver_all``'s, None for the app's.
+        self.using: str | None = None
         self._rules: list[_Rule] = []
         self._mock: responses.RequestsMock | None = None
 
@@ -150,7 +153,7 @@ class FakeInbox:
             body = body.encode()
         headers = dict(request.headers)
         url = request.url or ""
-        scheme, problem = _verify(request.method or "POST", url, headers, body)
+        scheme, problem = _verify(request.method or "POST", url, headers, body, self.using)
         status, answer_headers = 202, {}
         for rule in reversed(self._rules):
             if rule.url is not None and rule.url != _canonical(url):
@@ -184,19 +187,21 @@ def _canonical(url: str) -> str:
         return url
 
 
-def _verify(method: str, url: str, headers: Mapping[str, str], body: bytes) -> tuple[str, str]:
+def _verify(
+    method: str, url: str, headers: Mapping[str, str], body: bytes, using: str | None
+) -> tuple[str, str]:
     """The scheme a request is signed in, and what is wrong with it ("" if nothing)."""
     lower = {name.lower(): value for name, value in headers.items()}
     if "signature-input" in lower:
-        return "rfc9421", _rfc9421_problem(method, url, headers, body)
+        return "rfc9421", _rfc9421_problem(method, url, headers, body, using)
     if "signature" in lower:
-        return "draft-cavage", _cavage_problem(method, url, lower, body)
+        return "draft-cavage", _cavage_problem(method, url, lower, body, using)
     if "webhook-signature" in lower:
         return "standard-webhooks", _standard_problem(url, headers, body)
     return "", ""
 
 
-def _public_key(key_id: str, body: bytes) -> Any:
+def _public_key(key_id: str, body: bytes, using: str | None) -> Any:
     """The public key whose id is ``key_id``, as a receiver fetches it.
     ``SENDER_KEYS`` is asked by sender, not by key id: the senders who may
     hold it are asked in turn, and one of their keys must have this very id."""
@@ -206,7 +211,7 @@ def _public_key(key_id: str, body: bytes) -> Any:
 
     keys = KeyCache()
     try:
-        for sender in _senders(key_id, body):
+        for sender in _senders(key_id, body, using):
             key = keys.get(sender)
             if key is not None and key.key_id == key_id:
                 return key.private_key.public_key()
@@ -219,12 +224,12 @@ def _public_key(key_id: str, body: bytes) -> Any:
     raise LookupError(f"no key {key_id!r} in SENDER_KEYS")
 
 
-def _senders(key_id: str, body: bytes) -> Iterator[str]:
+def _senders(key_id: str, body: bytes, using: str | None) -> Iterator[str]:
     """Who may hold ``key_id``: first the sender it names less its fragment
     (``<actor>#main-key``; a request a test signs by hand), asked with no
     query; then the senders of the batches queued with this ``body``, one of
     which the deliverer signed for, whatever its key's id looks like
-    (``<actor>/main-key``, the instance's key)."""
+    (``<actor>/main-key``, the instance's key), in the database ``using``."""
     from django_federation_delivery.conf import database_alias
     from django_federation_delivery.models import Batch
 
@@ -235,7 +240,7 @@ def _senders(key_id: str, body: bytes) -> Iterator[str]:
     except UnicodeDecodeError:
         return
     queued = (
-        Batch.objects.using(database_alias())
+        Batch.objects.using(database_alias(using))
         .filter(body=text)
         .exclude(sender__in=("", named))
         .order_by()
@@ -245,7 +250,9 @@ def _senders(key_id: str, body: bytes) -> Iterator[str]:
     yield from queued
 
 
-def _cavage_problem(method: str, url: str, lower: Mapping[str, str], body: bytes) -> str:
+def _cavage_problem(
+    method: str, url: str, lower: Mapping[str, str], body: bytes, using: str | None
+) -> str:
     import httpsig
     from cryptography.hazmat.primitives import serialization
 
@@ -257,7 +264,7 @@ def _cavage_problem(method: str, url: str, lower: Mapping[str, str], body: bytes
         return problem
     fields = dict(re.findall(r'(\w+)="([^"]*)"', lower["signature"]))
     try:
-        public = _public_key(fields.get("keyId", ""), body)
+        public = _public_key(fields.get("keyId", ""), body, using)
     except LookupError as exc:
         return str(exc)
     pem = public.public_bytes(
@@ -290,12 +297,14 @@ def _time_problem(name: str, made: float) -> str:
     return ""
 
 
-def _rfc9421_problem(method: str, url: str, headers: Mapping[str, str], body: bytes) -> str:
+def _rfc9421_problem(
+    method: str, url: str, headers: Mapping[str, str], body: bytes, using: str | None
+) -> str:
     from http_message_signatures import HTTPMessageVerifier, HTTPSignatureKeyResolver, algorithms
 
     class Keys(HTTPSignatureKeyResolver):
         def resolve_public_key(self, key_id: str) -> Any:
-            return _public_key(key_id, body)
+            return _public_key(key_id, body, using)
 
     lower = {name.lower(): value for name, value in headers.items()}
     digest = "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode() + ":"
