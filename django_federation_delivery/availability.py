@@ -141,7 +141,7 @@ def mark_unavailable(
         return []
     alias = using or database_alias()
     # As the ORM takes it: naive with USE_TZ off, however it was given.
-    now = orm_datetime(now or timezone.now())
+    now = orm_datetime(now or timezone.now(), alias)
     due = Q(failing_since__lte=now - dt.timedelta(seconds=after), unavailable_since__isnull=True)
     # Nor one delivered to since, by any deliverer (last_delivered_at,
     # hoststats.py): a deliverer reads the failing hosts only every so often
@@ -197,7 +197,7 @@ def seen(host: str, *, now: dt.datetime | None = None, using: str) -> tuple[bool
     delivery it accepted: ``health.py``), both marks go together: a host up
     is never left skipped by sends until its next probe, a day on."""
     now = aware(now or timezone.now())  # the loop's is aware, USE_TZ or not
-    at = orm_datetime(now)
+    at = orm_datetime(now, using)
     hosts = Host.objects.using(using).filter(name=host)
     with transaction.atomic(using=using):
         # A write first: the row is locked (and on SQLite, the database)
@@ -237,7 +237,7 @@ def seen_all(names: Sequence[str], *, using: str) -> int:
     has one. Only the hosts with a mark are written, and told as
     :func:`seen` tells them. Returns how many were marked unavailable."""
     now = aware(timezone.now())
-    at = orm_datetime(now)
+    at = orm_datetime(now, using)
     unique = list(dict.fromkeys(names))
     gone: list[str] = []
     for start in range(0, len(unique), CHUNK):
@@ -322,7 +322,7 @@ def probe_due(
     with the URL each is probed at (its origin, as its latest delivery's
     inbox has it). Those never probed first, then the longest unprobed."""
     alias = using or database_alias()
-    now = orm_datetime(now or timezone.now())
+    now = orm_datetime(now or timezone.now(), alias)
     due = (
         Q(unavailable_since__isnull=False)
         & (Q(probed_at__isnull=True) | Q(probed_at__lte=now - PROBE_EVERY))

@@ -114,14 +114,14 @@ class HostWatch:
         What the row says of it then: since when it fails, and whether it
         was told. This deliverer's view may be a while old (``read_every``):
         the host may have been seen again since, or have failed again later."""
-        old_enough = orm_datetime(now - self.failing_after)  # naive, with USE_TZ off
+        old_enough = orm_datetime(now - self.failing_after, self.using)  # naive, with USE_TZ off
         with transaction.atomic(using=self.using):
             claimed = (
                 self._hosts(host)
                 .filter(failing_since__lte=old_enough, failing_told_at__isnull=True)
                 # Nor one another deliverer has delivered to since (see below).
                 .exclude(last_delivered_at__gt=F("failing_since"))
-                .update(failing_told_at=orm_datetime(now))
+                .update(failing_told_at=orm_datetime(now, self.using))
             )
             found = (
                 self._hosts(host)

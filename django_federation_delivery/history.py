@@ -60,12 +60,16 @@ def recent(
     """The last ``MINUTES`` minutes, and the last ``HOURS`` hours, up to and
     including ``now``'s, oldest first, a bucket each whether or not anything
     happened in it. One query, of at most ``HOURS`` × 60 rows."""
+    alias = using or database_alias()
     now = now or timezone.now()
     this_minute = minute_of(now)
     first_hour = hour_of(now) - dt.timedelta(hours=HOURS - 1)
     rows = (
-        DeliveryHistory.objects.using(using or database_alias())
-        .filter(minute__gte=orm_datetime(first_hour), minute__lte=orm_datetime(this_minute))
+        DeliveryHistory.objects.using(alias)
+        .filter(
+            minute__gte=orm_datetime(first_hour, alias),
+            minute__lte=orm_datetime(this_minute, alias),
+        )
         .values_list("minute", *COUNTS)
     )
     first_minute = this_minute - dt.timedelta(minutes=MINUTES - 1)
@@ -91,9 +95,8 @@ def purge(
 ) -> int:
     """Delete (or, dry, count) the minutes older than ``KEPT``: how many."""
     cutoff = (now or timezone.now()) - KEPT
-    old = DeliveryHistory.objects.using(using or database_alias()).filter(
-        minute__lt=orm_datetime(cutoff)
-    )
+    alias = using or database_alias()
+    old = DeliveryHistory.objects.using(alias).filter(minute__lt=orm_datetime(cutoff, alias))
     if dry_run:
         return old.count()
     return int(old.delete()[0])

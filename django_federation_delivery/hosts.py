@@ -151,7 +151,7 @@ def failing_since(host: str, now: dt.datetime, *, using: str | None = None) -> d
     alias = using or database_alias()
     # The ORM takes a naive time with USE_TZ off (SQLite's backend refuses
     # an aware one), and gives one back (PostgreSQL's too).
-    at = orm_datetime(now)
+    at = orm_datetime(now, alias)
     with transaction.atomic(using=alias):
         write_first(alias)  # on SQLite, before get_or_create reads the row
         found, _created = Host.objects.using(alias).get_or_create(

@@ -7,19 +7,21 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import os
+import threading
+from collections.abc import Iterator
 from io import StringIO
 from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, connections
 from django.utils import timezone
 
-from django_federation_delivery import send, send_batch, store
+from django_federation_delivery import controls, send, send_batch, send_webhook, signals, store
 from django_federation_delivery.attempt import failed
 from django_federation_delivery.channels.activitypub import InboxJob
 from django_federation_delivery.controls import pause_host, resume_host
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.picture import host_picture
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.settling import Settler, Summary
@@ -316,3 +318,108 @@ def test_a_host_resumed_in_the_repeated_hour_is_due_at_once(
     pause_host("a.example")
     assert resume_host("a.example") == 1
     assert due_in_utc(Delivery.objects.get().pk) == in_utc(2024, 11, 3, 5, 31)
+
+
+# A queue kept in SQLite beside a PostgreSQL "default", with USE_TZ off: each
+# time the package hands the ORM is naive or aware as the queue's database
+# takes it, not as the routers' takes it.
+
+
+@pytest.fixture
+def sqlite_queue(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A queue kept in an SQLite file beside a PostgreSQL "default": a
+    database alias made for the test, migrated, and forgotten after."""
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("a PostgreSQL 'default' (DATABASE_URL) beside an SQLite queue")
+    from django.db.backends.base.base import BaseDatabaseWrapper
+
+    alias = "sqlite_queue"
+    connections.settings[alias] = {
+        **connections.settings["queue"],
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(tmp_path / "queue.sqlite3"),
+        "OPTIONS": {"timeout": 20},
+        "HOST": "",
+        "PORT": "",
+        "USER": "",
+        "PASSWORD": "",
+        "TEST": {},
+    }
+    # The test case lets no connection be made, in any thread, to an alias
+    # it was not given: this one, made during the test, is let through.
+    guarded = BaseDatabaseWrapper.ensure_connection
+
+    def ensure_connection(self: Any) -> None:
+        if self.alias != alias:
+            return guarded(self)  # type: ignore[no-any-return]
+        if self.connection is None:
+            with self.wrap_database_errors:
+                self.connect()
+        return None
+
+    monkeypatch.setattr(BaseDatabaseWrapper, "ensure_connection", ensure_connection)
+    try:
+        call_command("migrate", "federation_delivery", database=alias, verbosity=0)
+        yield alias
+    finally:
+        connections[alias].close()
+        del connections[alias]
+        del connections.settings[alias]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_mark_host_seen_on_an_sqlite_queue_beside_postgresql_with_use_tz_off(
+    sqlite_queue: str, settings: Any
+) -> None:
+    # The package keeps its own times aware and hands them to the ORM
+    # through dialect.orm_datetime(value, using), naive for SQLite with
+    # USE_TZ off; availability.seen asks it of no database, so of the
+    # routers' ("default", PostgreSQL), and gives SQLite an aware one.
+    settings.USE_TZ = False
+    Host.objects.using(sqlite_queue).create(name="a.example", failing_since=timezone.now())
+    try:
+        seen = controls.mark_host_seen("a.example", using=sqlite_queue)
+    except ValueError as exc:
+        pytest.fail(f"mark_host_seen(using={sqlite_queue!r}) raised {exc!r}")
+    assert seen is True
+    assert Host.objects.using(sqlite_queue).get().failing_since is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deliverer_on_an_sqlite_queue_beside_postgresql_with_use_tz_off_disables_a_410(
+    sqlite_queue: str, settings: Any, inboxes: Any
+) -> None:
+    # The same slip in webhooks/life.disable (and health's failing watch,
+    # hosts.failing_since, controls.give_up_overdue, availability's marks):
+    # a destination answering 410 Gone is never disabled, its event retried
+    # for ever; each attempt logs "the watch of hosts and destinations
+    # raised" with SQLite's ValueError.
+    from django_federation_delivery.deliverer import Deliverer
+
+    from .test_webhooks_deliveries import SECRET
+
+    settings.USE_TZ = False
+    hook = inboxes("127.0.0.5", respond=lambda request: (410, {}, b"hook gone"))
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": f"http://127.0.0.5:{hook.port}/hook?secret={SECRET}"},
+        "WEBHOOK_RETRY": [0.1] * 8,
+    }
+    disabled: list[Any] = []
+    lock = threading.Lock()
+
+    def told(sender: Any, **kwargs: Any) -> None:
+        with lock:
+            disabled.append(kwargs["disabled"])
+
+    signals.webhook_destination_disabled.connect(told, weak=False, dispatch_uid="sqlite-queue")
+    try:
+        send_webhook("ops", "alert.raised", {"n": 1}, using=sqlite_queue)
+        Deliverer(using=sqlite_queue).run(stop_after=1.5)
+    finally:
+        signals.webhook_destination_disabled.disconnect(dispatch_uid="sqlite-queue")
+    row = Host.objects.using(sqlite_queue).filter(name="<ops>").first()
+    assert [d.destination for d in disabled] == ["ops"], (
+        f"a 410 did not disable the destination ({len(hook.received)} attempts made); "
+        f"its row: {None if row is None else (row.paused_at, row.disabled_reason)}"
+    )

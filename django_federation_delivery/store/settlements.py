@@ -391,7 +391,7 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
             .filter(id__in=list(ids), status__in=list(FINAL - {Status.DELIVERED}))
             .exclude(Exists(_retracting(Retracts.OBJECT, "object_id")))
             .exclude(Exists(_retracting(Retracts.ACTIVITY, "activity_id")))
-            .exclude(Exists(_overdue(now)))
+            .exclude(Exists(_overdue(now, alias)))
             # Locked lowest first, as every other writer of many rows locks them.
             .order_by("id")
             .values_list("id", "batch_id", "host")
@@ -415,9 +415,9 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
     return len(rows)
 
 
-def _overdue(now: dt.datetime) -> QuerySet[Batch]:
+def _overdue(now: dt.datetime, alias: str) -> QuerySet[Batch]:
     """The outer delivery's batch, if its deadline has passed by ``now``."""
-    return Batch.objects.filter(pk=OuterRef("batch_id"), deadline__lte=orm_datetime(now))
+    return Batch.objects.filter(pk=OuterRef("batch_id"), deadline__lte=orm_datetime(now, alias))
 
 
 def _retracting(retracts: Retracts, about: str) -> QuerySet[Delivery]:

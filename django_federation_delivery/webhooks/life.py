@@ -51,7 +51,7 @@ def disable(
     # Aware, as the loop's time is, whatever USE_TZ says; naive in TIME_ZONE
     # for the ORM with USE_TZ off (SQLite's backend refuses an aware one).
     now = aware(now or timezone.now())
-    at = orm_datetime(now)
+    at = orm_datetime(now, alias)
     manager = Host.objects.using(alias)
     with transaction.atomic(using=alias):
         changed = manager.filter(name=key, paused_at__isnull=True).update(
@@ -204,7 +204,9 @@ class Watch:
     def _last_success_since(self, key: str, since: dt.datetime) -> dt.datetime:
         last: dt.datetime | None = (
             Delivery.objects.using(self.using)
-            .filter(host=key, status=Status.DELIVERED, settled_at__gt=orm_datetime(since))
+            .filter(
+                host=key, status=Status.DELIVERED, settled_at__gt=orm_datetime(since, self.using)
+            )
             .aggregate(last=Max("settled_at"))["last"]
         )
         if last is None:
