@@ -167,11 +167,17 @@ def give_up_overdue(
     overdue = Delivery.objects.using(alias).filter(
         batch_id__in=ids, status=Status.PENDING, lease_token__isnull=True
     )
-    return _give_up(overdue, DEADLINE_PASSED, alias, deadline=True)
+    # Those claimed since this read are their claimers' to settle, and tell.
+    return _give_up(overdue, DEADLINE_PASSED, alias, deadline=True, unheld=True)
 
 
 def _give_up(
-    deliveries: QuerySet[Delivery], reason: str, alias: str, *, deadline: bool = False
+    deliveries: QuerySet[Delivery],
+    reason: str,
+    alias: str,
+    *,
+    deadline: bool = False,
+    unheld: bool = False,
 ) -> int:
     pending = deliveries.using(alias).filter(status=Status.PENDING)
     ids = list(pending.values_list("id", flat=True))
@@ -184,6 +190,7 @@ def _give_up(
                 on_failing=lambda rows: _tell_failed(rows, reason, alias, deadline=deadline),
                 on_finished=functools.partial(signals.batches_finished_on_commit, using=alias),
                 using=alias,
+                unheld=unheld,
             )
         )
     return failed

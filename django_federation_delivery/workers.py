@@ -265,6 +265,9 @@ def guarded(
     # raises in the main thread only (the loop's, which stops on it): one
     # in a worker was raised by the attempt's own code, and is its crash.
     except BaseException as exc:
+        main = threading.current_thread() is threading.main_thread()
+        if isinstance(exc, KeyboardInterrupt) and main:
+            raise  # an operator's Ctrl-C: a command's attempt runs in the main thread
         # Only the type: a webhook's message and traceback may hold its
         # URL, a credential.
         logger.error("An attempt at %s raised %s", what, type(exc).__name__)

@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import re
+import signal
 import subprocess
+import threading
+from collections.abc import Callable
 from io import StringIO
 from typing import Any
 
@@ -162,3 +165,36 @@ def test_the_check_option_help_gives_every_exit_status_the_readme_does() -> None
     parser = command.create_parser("manage.py", "delivery_status")
     (said,) = [action.help for action in parser._actions if action.dest == "check"]
     assert re.search(r"\b1\b", said) and re.search(r"\b3\b", said) and "disabled" in said, said
+
+
+def test_send_test_webhook_stops_on_an_operators_ctrl_c_not_a_kinds_internal_error(
+    settings: Any, inboxes: Callable[..., Inbox], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The attempt is made as a worker makes it (workers.guarded), where any
+    # exception is the kind's crash; but the command's runs in the main
+    # thread, where a KeyboardInterrupt is the operator's Ctrl-C: it stops
+    # the command, and is not told as the destination's kind crashing.
+    slow = inboxes("127.0.0.1", delay=3)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": f"slack+http://127.0.0.1:{slow.port}/services/T0/B0/xyzzy42"},
+        "WEBHOOK_TIMEOUT": 10,
+    }
+    main = threading.get_ident()
+    timer = threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGINT))
+    out = StringIO()
+    code: Any = None
+    interrupted = False
+    timer.start()
+    try:
+        call_command("send_test_webhook", "ops", stdout=out)
+    except SystemExit as exit:
+        code = exit.code
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        timer.cancel()
+    assert interrupted, (
+        f"Ctrl-C did not stop the command: it exited {code} printing {out.getvalue()!r}, "
+        f"and logged {[r.getMessage() for r in caplog.records if r.levelname == 'ERROR']}"
+    )

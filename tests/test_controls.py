@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from django_federation_delivery import controls, send, send_batch, send_webhook, signals
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.store import settlements
 
 from .conftest import Inbox, Overlap, RunningDeliverer, Unprintable, away_at, wait_until
@@ -472,3 +473,60 @@ def test_a_resume_while_another_process_writes_waits_its_turn() -> None:
         holder.join(5)
     assert holder.committed >= 1 and holder.error is None
     assert Delivery.objects.get().due_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_deadline_sweep_leaves_a_row_claimed_after_its_read_to_its_claimer(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    failures: list[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two deliverers (run_deliverer --processes 2, or a round beside one).
+    # A's sweep (Upkeep.give_up_overdue, every 5 s) reads the pending rows
+    # no one holds of the batches whose deadline passed; B's claim takes one
+    # of them (a retry that came due after the deadline) right after that
+    # read. A's write must leave it to B, which fails it unsent and tells
+    # it: once, not by both.
+    batch = send_batch(ALICE, NOTE, [inbox.url()], {"deadline": dt.timedelta(seconds=1)})
+    assert batch is not None
+    # A retry due a moment after the batch's deadline.
+    Delivery.objects.update(due_at=timezone.now() + dt.timedelta(seconds=1.6))
+    gate = threading.Event()
+    flush = Outbox.flush
+
+    def held_flush(self: Outbox) -> bool:
+        # B writes what came of its claim once A's write is done (B's outbox
+        # is written at most 0.1 s after: the race is A's write landing first).
+        gate.wait(5)
+        return flush(self)
+
+    monkeypatch.setattr(Outbox, "flush", held_flush)
+    runner = start_deliverer()  # B: its first sweep finds no deadline passed yet
+    time.sleep(1.2)  # the deadline has passed; the row is not due yet
+    give_up_rows = settlements.give_up_rows
+
+    def racing(ids: Any, reason: str, **options: Any) -> Any:
+        # Between A's read and A's write: B claims the row as it comes due.
+        wait_until(lambda: Delivery.objects.filter(lease_token__isnull=False).exists(), timeout=8)
+        try:
+            return give_up_rows(ids, reason, **options)
+        finally:
+            gate.set()
+
+    monkeypatch.setattr(settlements, "give_up_rows", racing)
+    try:
+        swept = controls.give_up_overdue(since=timezone.now() - dt.timedelta(hours=1))
+    finally:
+        gate.set()
+    wait_until(lambda: Delivery.objects.get().status != Status.PENDING, timeout=8)
+    time.sleep(0.5)
+    runner.stop()
+    row = Delivery.objects.get()
+    told = [f.deadline for f in failures if f.delivery_id == row.id]
+    assert inbox.received == []
+    assert (swept, told) == (0, [True]), (
+        f"the sweep failed {swept} row(s) another deliverer had claimed after its read: "
+        f"delivery_failed told {len(told)} times for one delivery ({told}), row "
+        f"{row.status} {row.last_error!r}"
+    )

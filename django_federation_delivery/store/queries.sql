@@ -733,16 +733,20 @@ WHERE {delivery}.id = v.id AND {delivery}.lease_token = v.token
 -- goes, which fences out the late outcome of an attempt in flight, but a
 -- row whose lease still runs keeps its end as its due_at: that attempt may
 -- still be answered until then, and a requeue makes the row due no sooner.
--- Any other row given up keeps no due time.
+-- Any other row given up keeps no due time. With %(unheld)s true (the
+-- deadline sweep), only rows no claim holds: one claimed since they were
+-- read is its claimer's to settle.
 UPDATE {delivery} SET status = %(failed)s, due_at = {lease_running}, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s, not_before = NULL
 WHERE status = {pending} AND id = ANY(%(ids)s::bigint[])
+    AND (lease_token IS NULL OR NOT %(unheld)s)
 RETURNING id, batch_id, inbox, last_status, destination
 
 -- name: give_up [sqlite]
 UPDATE {delivery} SET status = %(failed)s, due_at = {lease_running}, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s, not_before = NULL
 WHERE status = {pending} AND id IN (SELECT value FROM json_each(%(ids)s))
+    AND (lease_token IS NULL OR NOT %(unheld)s)
 RETURNING id, batch_id, inbox, last_status, destination
 
 -- name: lease_running

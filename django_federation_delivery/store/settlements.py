@@ -304,9 +304,11 @@ def give_up_rows(
     on_failing: Callable[[list[GivenUp]], None] | None = None,
     on_finished: Callable[[list[int]], None] | None = None,
     using: str | None = None,
+    unheld: bool = False,
 ) -> list[int]:
     """Fail pending deliveries for good, whoever holds them: a holder's late
-    outcome is fenced out, as its token is gone. Returns the ids failed.
+    outcome is fenced out, as its token is gone (``unheld``: those no claim
+    holds as this writes, alone). Returns the ids failed.
 
     ``on_failing`` is called with exactly the rows this changed, and
     ``on_finished`` with the batches this finished, inside the transaction
@@ -320,7 +322,7 @@ def give_up_rows(
         return []
     alias = using or database_alias()
     return again_on_deadlock(
-        alias, lambda: _give_up_rows(ids, reason, on_failing, on_finished, alias)
+        alias, lambda: _give_up_rows(ids, reason, on_failing, on_finished, alias, unheld)
     )
 
 
@@ -330,6 +332,7 @@ def _give_up_rows(
     on_failing: Callable[[list[GivenUp]], None] | None,
     on_finished: Callable[[list[int]], None] | None,
     alias: str,
+    unheld: bool,
 ) -> list[int]:
     connection = connection_for(alias)
     now = aware_now()
@@ -344,6 +347,7 @@ def _give_up_rows(
                 now=db_datetime(now, connection),
                 reason=reason,
                 ids=db.ids(ids),
+                unheld=unheld,
             )
             rows = sorted(GivenUp(*row) for row in given_up)
         failed = [row.id for row in rows]
