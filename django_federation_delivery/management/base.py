@@ -34,6 +34,21 @@ class TranslatedCommand(BaseCommand):
         """``help`` in the active language (with its values, if it has any)."""
         return _(self.help)
 
+    def waits_for_the_database(self) -> bool:
+        """Whether a database the system checks cannot reach is the
+        command's to wait out (``run_deliverer``), or to report (a probe),
+        rather than refused in one line."""
+        return False
+
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        # Since Django 6.1 the model checks ask each database (whether it
+        # has JSON): one that cannot be reached raised from deep inside them.
+        try:
+            super().check(*args, **kwargs)
+        except DatabaseError as exc:
+            if not self.waits_for_the_database():
+                raise unreachable(database_alias(), exc) from None
+
 
 def whole(value: str | int, least: int, most: int, message: str) -> int:
     """``value`` as a whole number from ``least`` to ``most``; a CommandError
@@ -104,13 +119,19 @@ def require_database(using: str) -> None:
     try:
         connections[using].ensure_connection()
     except DatabaseError as exc:
-        text = str(exc).strip()
-        error = escaped(text.splitlines()[0])[:200] if text else type(exc).__name__
-        raise CommandError(
-            _("The database %(alias)r cannot be reached (%(error)s).")
-            % {"alias": using, "error": error}
-        ) from None
+        raise unreachable(using, exc) from None
     require_migrations(using)
+
+
+def unreachable(using: str, exc: DatabaseError) -> CommandError:
+    """The error of a command whose database ``using`` cannot be reached:
+    the first line of what it met, escaped."""
+    text = str(exc).strip()
+    error = escaped(text.splitlines()[0])[:200] if text else type(exc).__name__
+    return CommandError(
+        _("The database %(alias)r cannot be reached (%(error)s).")
+        % {"alias": using, "error": error}
+    )
 
 
 def require_migrations(using: str) -> None:

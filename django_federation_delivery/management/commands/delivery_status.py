@@ -387,6 +387,9 @@ class Command(TranslatedCommand):
         self.probing = bool(options.get("check"))
         return super().execute(*args, **options)
 
+    def waits_for_the_database(self) -> bool:
+        return self.probing  # the probe's line says the queue cannot be read
+
     def check(
         self,
         app_configs: Sequence[AppConfig] | None = None,

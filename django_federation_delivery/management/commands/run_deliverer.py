@@ -91,6 +91,9 @@ class Command(TranslatedCommand):
     #: Set in a process started by ``--processes``.
     child: Child | None = None
 
+    def waits_for_the_database(self) -> bool:
+        return True  # the loop waits an outage out, however long
+
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--drain",
