@@ -349,7 +349,10 @@ def test_each_chunk_of_a_purge_finds_its_rows_by_primary_key_not_by_a_scan() -> 
             plan = "\n".join(str(row[-1]) for row in cursor.fetchall())
             if connection.vendor == "postgresql":
                 assert reads_by_primary_key(plan, Delivery._meta.db_table), plan
-                assert "Seq Scan" not in plan and "Join" not in plan, plan
+                # The few batches a chunk's retractions are looked up in may
+                # be scanned, the table being small here; its deliveries never.
+                assert f"Seq Scan on {Delivery._meta.db_table}" not in plan, plan
+                assert "Join" not in plan, plan
             else:
                 assert "USING INTEGER PRIMARY KEY" in plan, plan
                 assert "SCAN federation_delivery_delivery" not in plan, plan
