@@ -13,7 +13,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery.addresses import host_named, quoted
-from django_federation_delivery.conf import shown as conf_shown
+from django_federation_delivery.conf import shown
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.management.base import (
     TranslatedCommand,
@@ -99,16 +99,13 @@ def moment(value: str | dt.datetime) -> dt.datetime:
     if isinstance(value, dt.datetime):
         return _in_the_past(value, quoted(value.isoformat()))
     if not isinstance(value, str):
-        raise CommandError(
-            _("--since %(value)s is neither a date and time (2026-12-01T08:00) nor a span (6h)")
-            % {"value": conf_shown(value)}
-        )
+        raise _neither(shown(value))
     text = value.strip()
-    shown = quoted(value)
+    named = quoted(value)
     number = text[:-1]
     if number.isascii() and number.isdigit() and text[-1:] in UNITS:
         if not number.strip("0"):
-            raise _not_past(shown)
+            raise _not_past(named)
         try:
             # Past 10**12 units, before the year 1 whatever the unit.
             if len(number) > 12:
@@ -116,7 +113,7 @@ def moment(value: str | dt.datetime) -> dt.datetime:
             return aware_now() - dt.timedelta(seconds=int(number) * UNITS[text[-1]])
         except OverflowError:
             raise CommandError(
-                _("--since %(value)s reaches back before the year 1") % {"value": shown}
+                _("--since %(value)s reaches back before the year 1") % {"value": named}
             ) from None
     parsed = None
     if len(text) <= MOST_MOMENT:
@@ -125,14 +122,18 @@ def moment(value: str | dt.datetime) -> dt.datetime:
         except ValueError:
             parsed = None
     if parsed is None:
-        raise CommandError(
-            _("--since %(value)s is neither a date and time (2026-12-01T08:00) nor a span (6h)")
-            % {"value": shown}
-        )
-    return _in_the_past(parsed, shown)
+        raise _neither(named)
+    return _in_the_past(parsed, named)
 
 
-def _in_the_past(parsed: dt.datetime, shown: str) -> dt.datetime:
+def _neither(named: str) -> CommandError:
+    return CommandError(
+        _("--since %(value)s is neither a date and time (2026-12-01T08:00) nor a span (6h)")
+        % {"value": named}
+    )
+
+
+def _in_the_past(parsed: dt.datetime, named: str) -> dt.datetime:
     """``parsed``, aware, if it falls on the calendar in UTC and before now."""
     try:
         if timezone.is_naive(parsed):
@@ -142,10 +143,10 @@ def _in_the_past(parsed: dt.datetime, shown: str) -> dt.datetime:
         parsed.astimezone(dt.UTC)
     except (ValueError, OverflowError):
         raise CommandError(
-            _("--since %(value)s falls outside the calendar in UTC") % {"value": shown}
+            _("--since %(value)s falls outside the calendar in UTC") % {"value": named}
         ) from None
     if parsed >= aware_now():
-        raise _not_past(shown)
+        raise _not_past(named)
     return parsed
 
 
