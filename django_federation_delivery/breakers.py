@@ -329,7 +329,7 @@ class Breakers:
 
     def give_back(self, key: str, probe: str) -> None:
         """The probe ``probe`` taught nothing of its host: no request was
-        made (the sender has no key, say), or another host answered. Given
+        made (a key id that cannot be signed, say). Given
         back, the next delivery there probes at once, rather than after
         another cool-off with the breaker held open for nothing. Written at
         once, as the probe was taken: a delivery admitted before the next

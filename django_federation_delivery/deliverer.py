@@ -355,8 +355,7 @@ class Deliverer:
             if result.overtaken and (settled := self.triage.waited(item)) is not None:
                 # Its deadline passed while it waited for a worker: unsent, as
                 # at its slot, no attempt counted nor told; a probe given back.
-                if self.breakers is not None and item.breaker:
-                    self.learn_breaker(item, result)
+                self.learn_breaker(item, result)
                 self.outbox.add(settled)
                 return
             if item.elsewhere:
@@ -369,13 +368,14 @@ class Deliverer:
                 self.schemes.learn(item.claimed.host, result.accepted_scheme)
                 self.limits.learn(item.claimed.host, result)
                 self.hoststats.learn(item.claimed.host, result, timezone.now())
-            if self.breakers is not None and item.breaker:
-                self.learn_breaker(item, result)
+            self.learn_breaker(item, result)
         self.conclude(item, result)
 
     def learn_breaker(self, item: InFlight, result: AttemptResult) -> None:
-        """What ``item``'s attempt tells its destination's breaker."""
-        assert self.breakers is not None
+        """What ``item``'s attempt tells its destination's breaker, if it
+        asked one."""
+        if self.breakers is None or not item.breaker:
+            return
         if result.requests and not result.elsewhere:
             failed = not result.delivered and not result.permanent
             self.breakers.record(
