@@ -308,7 +308,10 @@ class Settler:
             due_at=ruling.due_at,
             last_status=result.status,
             last_error=ruling.error[: self.error_length],
-            attempted_at=now,
+            # Only a request is an attempt a receiver may have seen: what made
+            # none (held back, unsigned) is still never attempted, which a
+            # retraction supersedes.
+            attempted_at=now if result.requests else None,
             retried=outcome is Outcome.RETRYING,
         )
 

@@ -180,7 +180,9 @@ def test_what_a_retraction_sent_before_a_replay_took_back_is_not_replayed(
     settle(undone, Status.DELIVERED, timezone.now())
     if deleted_as == Status.PENDING:
         # Tried while the host was down, and waiting for its retry.
-        Delivery.objects.filter(batch=deleted).update(attempts=1, last_status=503)
+        Delivery.objects.filter(batch=deleted).update(
+            attempts=1, last_status=503, last_attempt_at=timezone.now()
+        )
     else:
         settle(deleted, Status.DELIVERED, timezone.now())
     since = timezone.now() - dt.timedelta(hours=1)
@@ -212,7 +214,12 @@ def test_a_replayed_delete_waits_on_the_create_still_retrying_at_the_inbox(behin
         settle(earlier, Status.DELIVERED, timezone.now())
     created = send(ALICE, {**note(1), "object": post}, [inbox])
     retrying = Delivery.objects.filter(batch=created)
-    retrying.update(attempts=1, last_status=503, due_at=timezone.now() + dt.timedelta(hours=1))
+    retrying.update(
+        attempts=1,
+        last_status=503,
+        last_attempt_at=timezone.now(),
+        due_at=timezone.now() + dt.timedelta(hours=1),
+    )
     deleted = send(ALICE, {**note(2), "type": "Delete", "object": post}, [inbox])
     assert deleted is not None and deleted.superseded == 0
     assert controls.give_up(Delivery.objects.filter(batch=deleted)) == 1

@@ -19,13 +19,13 @@ from django.utils import timezone
 from django_federation_delivery import availability, controls, send, send_batch, signals, store
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import id_array
-from django_federation_delivery.models import Batch, Delivery, Host, Status
+from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import overview
 from django_federation_delivery.retractions import about, retraction_of
 from django_federation_delivery.sending import UNAVAILABLE
 from django_federation_delivery.store.retractions import release_stranded
 
-from .conftest import Inbox, away_at
+from .conftest import Inbox, RunningDeliverer, away_at, wait_until
 from .keys import ALICE, EDNA
 
 BOB = "https://b.example/users/bob"
@@ -111,7 +111,9 @@ def test_a_delete_supersedes_what_was_never_tried_and_waits_on_what_was(
 ) -> None:
     first = send(ALICE, create(), [A, B, C])
     # B's was tried once and waits for its retry.
-    Delivery.objects.filter(batch=first, inbox=B).update(attempts=1, last_status=503)
+    Delivery.objects.filter(batch=first, inbox=B).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
 
     retraction = send(ALICE, delete(), [A, B, D])
 
@@ -137,6 +139,36 @@ def test_a_delete_supersedes_what_was_never_tried_and_waits_on_what_was(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_create_held_by_its_hosts_open_breaker_made_no_request_and_is_superseded(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    # Held back by the breaker, each try is spent (its attempts counted) but
+    # no request is made: never attempted, it is superseded. It was not: the
+    # Delete waited on it, and the Create reached the inbox once the breaker
+    # closed, before the Delete.
+    urls = [inbox.url(f"/{n}") for n in range(3)]
+    first = send(ALICE, create(), urls)
+    host = Delivery.objects.values_list("host", flat=True).first()
+    assert host is not None
+    Breaker.objects.create(
+        key=host, failures=10, open_until=timezone.now() + dt.timedelta(minutes=5)
+    )
+    runner = start_deliverer(concurrency=2)
+    wait_until(lambda: runner.deliverer.summary.held >= len(urls))
+    runner.stop()
+    assert inbox.received == []
+    assert set(Delivery.objects.values_list("attempts", flat=True)) == {1}
+
+    retraction = send(ALICE, delete(), urls)
+
+    assert retraction is not None and retraction.superseded == len(urls)
+    assert {row(first, url).status for url in urls} == {Status.SUPERSEDED}
+    Breaker.objects.all().delete()
+    Deliverer(concurrency=2).run(drain=True)
+    assert [r.json()["type"] for r in inbox.received] == ["Delete"] * len(urls)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_delete_goes_to_a_host_marked_unavailable_where_what_it_deletes_is_pending(
     settled: list[signals.Settled],
 ) -> None:
@@ -144,7 +176,9 @@ def test_a_delete_goes_to_a_host_marked_unavailable_where_what_it_deletes_is_pen
     # tried there is still retried, and went once the host answered, with no
     # Delete after it: the Delete is queued there too, to wait on it.
     first = send(ALICE, create(), [A, H, H2])
-    Delivery.objects.filter(batch=first, inbox=H2).update(attempts=1, last_status=503)
+    Delivery.objects.filter(batch=first, inbox=H2).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
     mark_unavailable("h.example")
 
     retraction = send(ALICE, delete(), [A, H, H2])
@@ -195,7 +229,9 @@ def test_a_delete_whose_inboxes_are_all_left_out_supersedes_there_and_follows_th
         finished.append(batch.pk)
 
     first = send(ALICE, create(), [H, H2])
-    Delivery.objects.filter(batch=first, inbox=H2).update(attempts=1, last_status=503)
+    Delivery.objects.filter(batch=first, inbox=H2).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
     mark_unavailable("h.example")
     signals.batch_finished.connect(done, weak=False)
     try:
@@ -335,7 +371,9 @@ def _held(*batches: Batch | None) -> list[store.Claimed]:
 
 def _settle(claimed: store.Claimed, status: Status) -> None:
     later = timezone.now() + dt.timedelta(hours=1) if status == Status.PENDING else None
-    settlement = store.Settlement(claimed=claimed, status=status, attempts=2, due_at=later)
+    settlement = store.Settlement(
+        claimed=claimed, status=status, attempts=2, due_at=later, attempted_at=timezone.now()
+    )
     assert store.settle([settlement]) == {claimed.id}
 
 
@@ -352,7 +390,9 @@ def test_a_delete_waits_on_every_delivery_about_the_object_that_was_tried(first_
     # Delete goes once neither is left, whichever of them leaves first.
     created = send(ALICE, create(), [A])
     updated = send(ALICE, update(), [A])
-    Delivery.objects.filter(inbox=A).update(attempts=1, last_status=503)
+    Delivery.objects.filter(inbox=A).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
     retraction = send(ALICE, delete(), [A])
     assert retraction is not None and retraction.superseded == 0
     first, then = (updated, created) if first_out == "update" else (created, updated)
@@ -373,7 +413,9 @@ def test_a_delete_waits_on_every_delivery_about_the_object_that_was_tried(first_
 @pytest.mark.django_db(transaction=True)
 def test_a_delete_released_by_its_own_sequence_waits_on_the_create_that_was_tried() -> None:
     created = send(ALICE, create(), [A])
-    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503)
+    Delivery.objects.filter(batch=created).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
     # Another activity of the Delete's ordering key, queued before it.
     shared = {"type": "Announce", "id": f"{ALICE}/a/9", "actor": ALICE, "object": BOB}
     before = send_batch(ALICE, shared, [A], {"ordering_key": "timeline"})
@@ -395,7 +437,9 @@ def test_an_undo_waits_on_every_delivery_of_the_activity_that_was_tried() -> Non
     like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": POST}
     liked = send(ALICE, like, [A])
     again = send(ALICE, like, [A])
-    Delivery.objects.filter(inbox=A).update(attempts=1, last_status=503)
+    Delivery.objects.filter(inbox=A).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
     undo = send(ALICE, {"type": "Undo", "actor": ALICE, "object": like}, [A])
     out, retrying = _held(again, liked)
     _settle(out, Status.DELIVERED)
@@ -411,7 +455,9 @@ def test_a_delivery_released_that_retracts_nothing_does_not_wait_again() -> None
     # with another Update of the post still retrying: only a retraction waits.
     options = {"ordering_key": POST}
     other = send(ALICE, update(3), [A])
-    Delivery.objects.filter(batch=other).update(attempts=1, last_status=503)
+    Delivery.objects.filter(batch=other).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
     created = send_batch(ALICE, create(), [A], options)
     updated = send_batch(ALICE, update(), [A], options)
     retrying, done = _held(other, created)
@@ -449,7 +495,10 @@ def test_one_stranded_behind_a_superseded_delivery_keeps_its_turn_in_its_sequenc
     boost = {"type": "Announce", "id": f"{ALICE}/boosts/1", "actor": ALICE, "object": BOB}
     first = send_batch(ALICE, follow, [A], options)
     Delivery.objects.filter(batch=first).update(
-        attempts=1, last_status=503, due_at=timezone.now() + dt.timedelta(hours=1)
+        attempts=1,
+        last_status=503,
+        last_attempt_at=timezone.now(),
+        due_at=timezone.now() + dt.timedelta(hours=1),
     )
     created = send_batch(ALICE, create(), [A], options)
     boosted = send_batch(ALICE, boost, [A], options)
@@ -474,7 +523,9 @@ def test_no_claim_takes_a_retraction_the_sweep_releases_before_it_waits_again(
     later = timezone.now() + dt.timedelta(hours=1)
     created = send(ALICE, create(), [A])
     updated = send(ALICE, update(), [A])
-    Delivery.objects.filter(inbox=A).update(attempts=1, last_status=503, due_at=later)
+    Delivery.objects.filter(inbox=A).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now(), due_at=later
+    )
     retraction = send(ALICE, delete(), [A])
     assert row(retraction, A).after_id == row(updated, A).id
     # The Update settled while the Delete was being made to wait on it.
@@ -512,7 +563,9 @@ def test_no_claim_takes_a_retraction_the_sweep_releases_before_it_waits_again(
 def test_a_delete_cancelled_and_requeued_waits_again_for_the_create_retrying() -> None:
     later = timezone.now() + dt.timedelta(hours=1)
     created = send(ALICE, create(), [A])
-    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503, due_at=later)
+    Delivery.objects.filter(batch=created).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now(), due_at=later
+    )
     retraction = send(ALICE, delete(), [A])
     # An operator cancels the Delete's batch, then thinks better of it.
     assert controls.give_up(Delivery.objects.filter(batch=retraction)) == 1
@@ -536,7 +589,9 @@ def test_a_delete_requeued_in_its_sequence_waits_its_turn_before_what_it_retract
     later = timezone.now() + dt.timedelta(hours=1)
     timeline = {"ordering_key": "timeline"}
     created = send_batch(ALICE, create(), [A], timeline)
-    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503, due_at=later)
+    Delivery.objects.filter(batch=created).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now(), due_at=later
+    )
     like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": f"{ALICE}/x"}
     liked = send_batch(ALICE, like, [A], timeline)
     retraction = send_batch(ALICE, delete(), [A], timeline)
@@ -554,7 +609,9 @@ def test_a_delete_requeued_in_its_sequence_waits_its_turn_before_what_it_retract
 @pytest.mark.django_db(transaction=True)
 def test_a_requeued_delivery_in_flight_is_not_released_again_by_what_it_waited_on() -> None:
     created = send(ALICE, create(), [A])
-    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503)
+    Delivery.objects.filter(batch=created).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
     retraction = send(ALICE, delete(), [A])
     assert controls.give_up(Delivery.objects.filter(batch=retraction)) == 1
     (retried,) = _held(created)
@@ -600,7 +657,9 @@ def test_one_given_up_in_flight_requeued_to_wait_in_its_sequence_waits_for_its_l
 @pytest.mark.django_db(transaction=True)
 def test_what_a_later_retraction_took_back_is_not_requeued() -> None:
     created = send(ALICE, create(), [A, B])
-    Delivery.objects.filter(batch=created).update(attempts=1, last_status=503)
+    Delivery.objects.filter(batch=created).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
     retraction = send(ALICE, delete(), [A])
     Delivery.objects.filter(batch=created).update(
         status=Status.FAILED, settled_at=timezone.now(), due_at=None
@@ -621,7 +680,9 @@ def test_a_sequence_keeps_its_order_when_one_in_its_middle_leaves_unsent(leaves:
     # third; the first was tried and waits for its retry.
     first, middle, last = _timeline()
     later = timezone.now() + dt.timedelta(hours=1)
-    Delivery.objects.filter(batch=first).update(attempts=1, last_status=503, due_at=later)
+    Delivery.objects.filter(batch=first).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now(), due_at=later
+    )
     if leaves == "superseded":
         retraction = send(ALICE, delete(), [A])
         assert retraction is not None and retraction.superseded == 1
@@ -738,7 +799,9 @@ def _overtake(
     first = send(sender, create(), urls)
     assert first is not None
     tried = urls[:: max(1, len(urls) // 5)]
-    Delivery.objects.filter(batch=first, inbox__in=tried).update(attempts=1, last_status=503)
+    Delivery.objects.filter(batch=first, inbox__in=tried).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
     time.sleep(1)
     retraction = send(sender, delete(), urls)
     assert retraction is not None
@@ -798,7 +861,9 @@ def test_a_retraction_finds_what_it_overtakes_with_no_join_whatever_the_statisti
     first = send(ALICE, create(), urls)
     assert first is not None
     untried = urls[::400]
-    Delivery.objects.filter(batch=first).exclude(inbox__in=untried).update(attempts=1)
+    Delivery.objects.filter(batch=first).exclude(inbox__in=untried).update(
+        attempts=1, last_attempt_at=timezone.now()
+    )
     retraction = send(ALICE, delete(), urls)
     assert retraction is not None and retraction.superseded == len(untried)
     waiting = dict(

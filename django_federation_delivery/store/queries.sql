@@ -324,15 +324,17 @@ SELECT n.id, n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
 
 -- name: supersede [postgresql]
 -- The deliveries of %(batches)s to the retraction's inboxes (%(inboxes)s,
--- read first) that were never attempted and are not held by a claim (a
--- lapsed one aside): settled superseded, unsent. What it returns is what it
--- changed. The inboxes are a list given, not a subquery: matched against a
+-- read first) that were never attempted (no request made: one held back
+-- by its breaker, or by its lease, made none, however many tries it spent)
+-- and are not held by a claim (a lapsed one aside): settled superseded,
+-- unsent. What it returns is what it changed. The inboxes are a list given, not a subquery: matched against a
 -- list, a row costs one lookup whatever the planner believes of the table,
 -- where a join planned from statistics taken while the table was small
 -- compared each of 10,000 rows with 10,000 (seconds to minutes).
 UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
-WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL AND attempts = 0
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
+    AND last_attempt_at IS NULL
     AND (lease_token IS NULL OR due_at <= %(now)s)
     AND inbox = ANY(%(inboxes)s::varchar[])
 RETURNING id, batch_id, inbox
@@ -341,7 +343,8 @@ RETURNING id, batch_id, inbox
 UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
 WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
-    AND attempts = 0 AND (lease_token IS NULL OR due_at <= %(now)s)
+    AND last_attempt_at IS NULL
+    AND (lease_token IS NULL OR due_at <= %(now)s)
     AND inbox IN ({retraction_inboxes})
 RETURNING id, batch_id, inbox
 
@@ -355,7 +358,8 @@ RETURNING id, batch_id, inbox
 UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
 WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
-    AND attempts = 0 AND (lease_token IS NULL OR due_at <= %(now)s)
+    AND last_attempt_at IS NULL
+    AND (lease_token IS NULL OR due_at <= %(now)s)
     AND inbox IN (SELECT value FROM json_each(%(inboxes)s))
 RETURNING id, batch_id, inbox
 
