@@ -515,7 +515,15 @@ def _without_dot_segments(path: str) -> str:
 
 # What a message may show of a URL, and what of it no message may hold.
 
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?(//)?[^/]*@")
+#: A URL's userinfo, after what a pasted link may begin with (spaces, "<", a
+#: quote) and its scheme: up to the last "@" before the path, or, where what
+#: comes before the first "/" is no host and port (a password holding an
+#: unencoded "/" makes "user:pass" of it), up to the last "@" of the
+#: segment of the first "@" after it.
+_USERINFO = re.compile(
+    r"^([\s<\"'(\[]*(?:[A-Za-z][A-Za-z0-9+.-]*:)?)(//)?"
+    r"(?:[^/]*@|(?!\[)[^/@]*:[^/@]*[^/@0-9][^/@]*/[^@]*@(?:[^/@]*@)*)"
+)
 _ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?[^/\\?#]*")
 _MESSAGE_URL_LENGTH = 200
 # A part of a query or userinfo shorter than this ("a=1") is not worth hiding on its own.

@@ -6,6 +6,9 @@ them and stay free of it.
 
 from __future__ import annotations
 
+import os
+import traceback
+
 
 class FederationDeliveryError(Exception):
     """The root of every error this app raises."""
@@ -55,3 +58,11 @@ class AttemptTimeout(TransportError):
 
 class ConnectionFailed(TransportError):
     """The connection could not be made, or broke before an answer came."""
+
+
+def raised_at(error: BaseException) -> str:
+    """Where ``error`` was raised, as `` at file.py:LINE`` (empty when it is
+    not known): what a log line says of an error besides its type, when its
+    message may quote a webhook's URL or an inbox's query."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""

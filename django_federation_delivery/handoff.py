@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
-import traceback
 from collections.abc import Callable, Generator
 
 from django_federation_delivery.attempt import AttemptResult, crashed
 from django_federation_delivery.dialect import aware_now
+from django_federation_delivery.exceptions import raised_at
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.models import Status
 from django_federation_delivery.outages import Database
@@ -121,13 +120,11 @@ class Handoff:
         again by the retry policy, with no request when it was not ``sent``;
         the loop goes on. Told by the error's type and where it was raised,
         never its message, which may quote a webhook's URL."""
-        frames = traceback.extract_tb(exc.__traceback__)
-        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
         logger.error(
             "Delivery %s raised %s%s in the loop: settled as a failed attempt",
             item.claimed.id,
             type(exc).__name__,
-            where,
+            raised_at(exc),
         )
         result = crashed(item.job, f"internal error: {type(exc).__name__}")
         if not sent:

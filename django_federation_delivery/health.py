@@ -79,8 +79,11 @@ class HostWatch:
         host = row.host
         known = self._known(now)
         if not failing:
-            if known.pop(host, None) is not None:
+            if host in known:
+                # Forgotten once written: a write the database missed is
+                # made again by the host's next success.
                 self._recovered(host, now)
+                known.pop(host, None)
             return False
         since, told = known.get(host) or (failing_since(host, now, using=self.using), False)
         if not told and now - since >= self.failing_after:

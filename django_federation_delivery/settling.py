@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from django.db import DatabaseError
 from django.utils.translation import gettext as _
 
 from django_federation_delivery import metrics, signals
@@ -25,6 +26,7 @@ from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels.policy import Policy
 from django_federation_delivery.decide import Outcome, Ruling, decide
 from django_federation_delivery.dialect import aware_now
+from django_federation_delivery.exceptions import raised_at
 from django_federation_delivery.models import Status
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.store import claims, settlements
@@ -97,11 +99,15 @@ DEADLINE_PASSED = "the batch's deadline passed before it was sent"
 
 def ask(setting: str, function: Callable[..., Any], *args: Any) -> Any:
     """Call one of the host project's callables; one that raises is logged and
-    taken as no answer, never a reason to stop."""
+    taken as no answer, never a reason to stop. Logged by the error's type
+    and where it was raised, never its message or traceback: given an inbox,
+    the callable's error may quote its query (a token)."""
     try:
         return function(*args)
-    except Exception:
-        logger.exception("%s raised; taken as no answer", setting)
+    except Exception as error:
+        logger.error(
+            "%s raised %s%s; taken as no answer", setting, type(error).__name__, raised_at(error)
+        )
         return None
 
 
@@ -227,6 +233,8 @@ class Settler:
     #: Told each ruling with the try it came of, to tell an operator as the
     #: kind sees fit (a webhook's retries and give-ups: ``webhooks/policy.py``).
     tell: Callable[[claims.Claimed, BatchInfo, Ruling, int, dt.datetime], None] | None = None
+    #: Whether the watch last met the database away (said once).
+    _watch_away: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     @classmethod
     def from_settings(cls, summary: Summary, policy: Policy) -> Settler:
@@ -259,10 +267,7 @@ class Settler:
         self.summary.attempts += tried
         if now is None:
             now = aware_now()
-        disabled = (
-            self.watch is not None
-            and ask("the watch of hosts and destinations", self.watch, row, result, now) is True
-        )
+        disabled = self.watch is not None and self._watched(row, result, now)
         ruling = decide(
             result,
             attempts,
@@ -314,6 +319,33 @@ class Settler:
             attempted_at=now if result.requests else None,
             retried=outcome is Outcome.RETRYING,
         )
+
+    def _watched(self, row: claims.Claimed, result: AttemptResult, now: dt.datetime) -> bool:
+        """Tell the watch what came of an attempt: whether it stopped the
+        destination taking deliveries. The database away there is said once
+        until the watch is told again, as a warning: what it would have
+        written is written at a later attempt."""
+        assert self.watch is not None
+        try:
+            disabled = self.watch(row, result, now) is True
+        except DatabaseError as error:
+            if not self._watch_away:
+                self._watch_away = True
+                logger.warning(
+                    "The database is unavailable to note what came of attempts at their "
+                    "hosts (%s): noted at a later attempt",
+                    type(error).__name__,
+                )
+            return False
+        except Exception as error:
+            logger.error(
+                "The watch of hosts and destinations raised %s%s; taken as no answer",
+                type(error).__name__,
+                raised_at(error),
+            )
+            return False
+        self._watch_away = False
+        return disabled
 
     def _gone(self, sender: str, status: int | None) -> bool:
         if status is None or status not in self.permanent_if_gone or self.sender_gone is None:

@@ -4,15 +4,24 @@ sent once each way, however many attempts and deliverers see it."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from django.db import OperationalError, connection
 from django.utils import timezone
 
-from django_federation_delivery import SenderKey, mark_host_seen, send, send_batch, signals
+from django_federation_delivery import (
+    SenderKey,
+    availability,
+    mark_host_seen,
+    send,
+    send_batch,
+    signals,
+)
 from django_federation_delivery.attempt import AttemptResult, Job, failed, held
 from django_federation_delivery.availability import mark_unavailable
 from django_federation_delivery.deliverer import Deliverer
@@ -20,7 +29,7 @@ from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.health import HostWatch
 from django_federation_delivery.hoststats import HostStats
 from django_federation_delivery.limits import HostLimits
-from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Status
 from django_federation_delivery.store import claims
 
 from . import keys
@@ -378,3 +387,95 @@ def test_a_host_delivered_to_by_another_deliverer_after_its_one_failure_is_not_t
         f"told failing since {told[0].failing_since:%H:%M:%S} though delivered to at "
         f"{delivered:%H:%M:%S}, and failing only since now"
     )
+
+
+def _statuses(batch: Batch | None) -> list[str]:
+    assert batch is not None
+    return list(
+        Delivery.objects.filter(batch=batch).order_by("id").values_list("status", flat=True)
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_recovery_the_database_missed_for_a_moment_is_written_by_the_next_success(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A host failing and told so answers again just as the database is
+    # away for a moment: its next success writes the recovery. It did not:
+    # the watch forgot the host before the write, so no later success wrote
+    # it, host_recovered was never sent, and in time the host was marked
+    # unavailable.
+    now = timezone.now()
+    Host.objects.create(
+        name=inbox.host,
+        failing_since=now - dt.timedelta(hours=3),
+        failing_told_at=now - dt.timedelta(hours=2),
+    )
+    real = availability.seen
+    blinked: list[str] = []
+
+    def seen(host: str, **kwargs: Any) -> Any:
+        if not blinked:
+            blinked.append(host)
+            raise OperationalError("server closed the connection unexpectedly")
+        return real(host, **kwargs)
+
+    monkeypatch.setattr(availability, "seen", seen)
+    heard: list[Any] = []
+
+    def recovered(sender: Any, recovered: signals.HostRecovered, **kwargs: Any) -> None:
+        heard.append(recovered.host)
+
+    signals.host_recovered.connect(recovered, weak=False)
+    try:
+        runner = start_deliverer()
+        first = send(ALICE, NOTE, [inbox.url("/1")])
+        wait_until(lambda: _statuses(first) == [Status.DELIVERED], timeout=15)
+        assert blinked == [inbox.host]
+        # The database is back: the next deliveries there succeed too.
+        for n in range(2, 5):
+            sent = send(ALICE, NOTE, [inbox.url(f"/{n}")])
+            wait_until(lambda: _statuses(sent) == [Status.DELIVERED], timeout=15)  # noqa: B023
+        runner.stop()
+    finally:
+        signals.host_recovered.disconnect(recovered)
+    host = Host.objects.get(name=inbox.host)
+    assert (host.failing_since, host.failing_told_at, heard) == (None, None, [inbox.host]), (
+        f"after 4 deliveries accepted, the host is still failing since {host.failing_since}, "
+        f"host_recovered told for {heard}"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_moment_s_outage_met_by_the_host_watch_is_one_warning_not_an_error_traceback(
+    inbox: Inbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The watch of a host's health reads and writes the database outside the
+    # loop's runner: an outage met there is a warning, as the loop's are. It
+    # was an ERROR with a traceback, as a bug in a host project's callable
+    # is, for each attempt that met it.
+    batch = send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(3)])
+    failed: list[str] = []
+
+    def away_once(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if not failed and "failing_told_at" in sql and "IS NOT NULL" in sql:
+            failed.append(sql)
+            raise OperationalError("server closed the connection unexpectedly")
+        return execute(sql, *args)
+
+    with (
+        connection.execute_wrapper(away_once),
+        caplog.at_level(logging.WARNING, logger="django_federation_delivery"),
+    ):
+        summary = Deliverer().run(drain=True, stop_after=20)
+    assert failed, "the database went away as the watch read the failing hosts"
+    assert summary.delivered == 3
+    assert _statuses(batch) == [Status.DELIVERED] * 3
+    errors = [
+        (record.levelname, record.getMessage(), bool(record.exc_info))
+        for record in caplog.records
+        if record.levelno >= logging.ERROR
+    ]
+    assert not errors, f"a moment's outage logged as {errors}"

@@ -5,11 +5,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, connections
 
+from django_federation_delivery import send, signals
+from django_federation_delivery.models import Delivery, Status
 from django_federation_delivery.outages import Database
+
+from .conftest import Inbox, RunningDeliverer, wait_until
+from .keys import ALICE
+
+NOTE = {"type": "Create", "id": f"{ALICE}/activities/outage", "actor": ALICE}
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -71,3 +80,73 @@ def test_stopping_each_wait_is_waited_whole_but_none_past_its_bound() -> None:
     database.end_waits_by(None)
     assert database(refused) is None
     assert len(slept) == 4 and slept[-1] >= 0.2
+
+
+def _end_other_sessions(exclude: int) -> int:
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                "AND pid <> %s AND backend_type = 'client backend'",
+                [exclude],
+            )
+            return int(cursor.fetchone()[0])
+    finally:
+        other.close()
+
+
+def test_a_settle_met_by_a_read_only_database_for_a_moment_is_written_when_it_is_back(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A failover: for a moment the deliverer's sessions reach a server that
+    # takes no writes (SQLSTATE 25006, an InternalError, not an
+    # OperationalError). The outcome is kept and written once it can be.
+    # It was taken for a value the database refused: failed instead, refused
+    # again, "left to its lease", and dropped from the outbox; once the lease
+    # lapsed, the delivery its inbox had accepted was sent and told again.
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL: a database that takes no writes for a moment")
+    inbox = inboxes(delay=1.0)
+    told: list[int] = []
+
+    def on_settled(sender: Any, settled: Any, **kwargs: Any) -> None:
+        told.append(settled.delivery_id)
+
+    name = connection.settings_dict["NAME"]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        mine = int(cursor.fetchone()[0])
+    signals.delivery_settled.connect(on_settled, weak=False)
+    caplog.set_level(logging.WARNING, logger="django_federation_delivery")
+    try:
+        send(ALICE, NOTE, [inbox.url("/a")])
+        runner = start_deliverer(lease=15)
+        wait_until(lambda: bool(inbox.received), timeout=10)
+        # While the inbox answers, the deliverer's sessions end, and its next
+        # ones reach a database that takes no writes...
+        with connection.cursor() as cursor:
+            cursor.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+        try:
+            _end_other_sessions(mine)
+            time.sleep(2.5)
+        finally:
+            # ...then the failover is over: a writable database again.
+            with connection.cursor() as cursor:
+                cursor.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+            _end_other_sessions(mine)
+        wait_until(
+            lambda: list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED],
+            timeout=30,
+        )
+        time.sleep(1.0)
+        runner.stop()
+    finally:
+        signals.delivery_settled.disconnect(on_settled)
+    refused = [r.getMessage() for r in caplog.records if "could not be settled" in r.getMessage()]
+    assert inbox.paths() == ["/a"] and len(told) == 1, (
+        f"the inbox got {inbox.paths()}, delivery_settled told {len(told)} times; logged: {refused}"
+    )

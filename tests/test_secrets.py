@@ -27,7 +27,7 @@ from django.db.models import CharField, JSONField, TextField
 from django.test import Client
 from django.urls import reverse
 
-from django_federation_delivery import send, signals
+from django_federation_delivery import send, send_batch, signals
 from django_federation_delivery.conf import app_settings
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.signatures import SenderKey, body_sha256
@@ -361,3 +361,77 @@ def test_a_setting_naming_a_callable_used_anyway_names_no_key_written_there(
     # Nor in the traceback, which would show the error of its import.
     shown = "".join(traceback.format_exception(refused.value))
     assert not shows_the_key(shown), shown
+
+
+def skip_if_raising(inbox: str, activity: Any) -> bool:
+    # As a project's SKIP_IF may fail: a lookup by the inbox it was given.
+    blocked: dict[str, bool] = {}
+    return blocked[inbox]
+
+
+def synchronization_raising(sender: str, inbox: str) -> str:
+    raise ValueError(f"no followers collection known for {inbox}")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("setting", "path", "synchronize"),
+    [
+        ("SKIP_IF", "skip_if_raising", False),
+        ("COLLECTION_SYNCHRONIZATION", "synchronization_raising", True),
+    ],
+)
+def test_an_inbox_query_is_not_logged_when_a_project_callable_given_it_raises(
+    settings: Any,
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    caplog: pytest.LogCaptureFixture,
+    setting: str,
+    path: str,
+    synchronize: bool,
+) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        setting: f"{__name__}.{path}",
+    }
+    # Logged by the error's type and where it was raised: the message and
+    # the traceback, which quoted the inbox's query, are the project's own.
+    target = inbox.url(f"/inbox{QUERY}")
+    with caplog.at_level(logging.DEBUG):
+        options = {"synchronize_collection": True} if synchronize else {}
+        send_batch(ALICE, {"type": "Create"}, [target], options)
+        runner = start_deliverer()
+        wait_until(lambda: not Delivery.objects.filter(status=Status.PENDING).exists())
+        runner.stop()
+    # Taken as no answer, and delivered: the callable's failure was logged.
+    assert Delivery.objects.get().status == Status.DELIVERED
+    assert any(setting in record.getMessage() for record in caplog.records)
+    for record in caplog.records:
+        shown = caplog.handler.format(record)
+        assert SECRET not in shown, shown
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "inbox",
+    [
+        # Pasted with a space, or between <> as Markdown and mail write a link.
+        " https://bot:S3CRETpw@remote.example/inbox",
+        "<https://bot:S3CRETpw@remote.example/inbox>",
+        # A password written unencoded with a "/" in it (base64 often has one).
+        "https://bot:ab/cdS3CRETpw@remote.example/inbox",
+    ],
+    ids=["leading space", "angle brackets", "slash in password"],
+)
+def test_the_password_of_an_inbox_skipped_is_not_shown_in_skipped_or_the_log(
+    caplog: pytest.LogCaptureFixture, inbox: str
+) -> None:
+    # An inbox skipped is listed in batch.skipped, and logged, without its
+    # password. It was shown whole when the text did not start with the
+    # scheme, or when the password held an unencoded "/".
+    with caplog.at_level(logging.DEBUG):
+        batch = send(ALICE, {"type": "Create"}, [inbox, "https://remote.example/inbox"])
+    assert batch is not None and len(batch.skipped) == 1
+    shown = [repr(batch.skipped), *(record.getMessage() for record in caplog.records)]
+    for text in shown:
+        assert "S3CRETpw" not in text, text

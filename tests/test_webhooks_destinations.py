@@ -11,6 +11,8 @@ from typing import Any
 import environ
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.test import RequestFactory
+from django.views.debug import ExceptionReporter, SafeExceptionReporterFilter
 
 from django_federation_delivery.checks import check_webhooks
 from django_federation_delivery.webhooks import (
@@ -393,3 +395,31 @@ def test_the_setting_is_parsed_once_until_it_changes(settings: Any) -> None:
         }
         assert configured().names == ["ops"]
         assert parse.call_count == 4
+
+
+SLACK_TOKEN = "xTOKENsecret1"
+BOT_TOKEN = "ABCsecretBotToken_x"
+REPORTED = {
+    "WEBHOOK_OPS": f"slack://hooks.slack.com/services/T0SECRETA/B0SECRETB/{SLACK_TOKEN}",
+    "WEBHOOK_TG": f"telegram://4815162342:{BOT_TOKEN}@-1001",
+}
+
+
+def test_django_error_reports_do_not_show_the_webhook_urls_in_the_settings(settings: Any) -> None:
+    # The README's way: "WEBHOOKS": webhooks_from_env(env). Django's error
+    # report (the DEBUG page, and the mail a 500 sends to ADMINS) lists the
+    # settings, hiding only those named like KEY, TOKEN, SECRET: the URLs,
+    # the credentials themselves, were shown whole.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": webhooks_from_env(REPORTED),
+    }
+    shown = repr(SafeExceptionReporterFilter().get_safe_settings()["FEDERATION_DELIVERY"])
+    try:
+        raise ValueError("any view's error")
+    except ValueError:
+        report = ExceptionReporter(RequestFactory().get("/"), *sys.exc_info())
+        text = report.get_traceback_text()
+    for place, found in (("safe settings", shown), ("error report", text)):
+        leaked = [token for token in (SLACK_TOKEN, BOT_TOKEN) if token in found]
+        assert not leaked, f"{leaked} in Django's {place}"

@@ -93,8 +93,8 @@ def settle(
     its history added in a savepoint of its own, whose failure is logged.
 
     A settlement the database refuses (a value it cannot store: any
-    :class:`~django.db.DatabaseError` but an :class:`OperationalError`,
-    the database away, which is raised) holds back none of those written
+    :class:`~django.db.DatabaseError` but one of a database that cannot
+    write now, :func:`cannot_write_now`, which is raised) holds back none of those written
     with it: they are then written one by one, and the one refused is
     written failed, with an error that names the refusal, not the value;
     refused again, it is logged and left to its lease. Once that failure is
@@ -108,7 +108,7 @@ def settle(
     try:
         settled = _written(settlements, now, using)
     except DatabaseError as exc:
-        if isinstance(exc, OperationalError):
+        if cannot_write_now(exc):
             raise
         if len(settlements) == 1:
             settled, instead = _refused(settlements[0], exc, now, using)
@@ -175,7 +175,7 @@ def _refused(
     try:
         settled = _written([failed], now, using)
     except DatabaseError as again:
-        if isinstance(again, OperationalError):
+        if cannot_write_now(again):
             raise
         logger.error(
             "Delivery %d could not be settled (%s), nor failed (%s): left to its lease",
@@ -192,6 +192,23 @@ def _refused(
     return settled, None if item.status in TOLD_FAILED else failed
 
 
+#: The SQLSTATE classes of a database that can write nothing now, whatever
+#: the values: its connection (08), its transaction's state (25: a server
+#: that takes no writes, as one does for a moment in a failover), a
+#: transaction rolled back (40), its resources (53), an operator (57), the
+#: system (58). Only some are OperationalErrors; 25006 is an InternalError.
+CANNOT_WRITE_NOW = frozenset({"08", "25", "40", "53", "57", "58"})
+
+
+def cannot_write_now(error: DatabaseError) -> bool:
+    """Whether ``error`` says the database cannot write now (to be written
+    again once it can), not that it refused a value."""
+    if isinstance(error, OperationalError):
+        return True
+    code = getattr(error.__cause__, "sqlstate", None)
+    return isinstance(code, str) and code[:2] in CANNOT_WRITE_NOW
+
+
 def _named(error: BaseException | None) -> str:
     """A database's error by its class and SQLSTATE, not its text: that may
     quote the statement, tokens and all, or the value refused."""
@@ -201,7 +218,7 @@ def _named(error: BaseException | None) -> str:
 
 class _NotWritten(Exception):
     """A settle's statement failed, and wrote nothing; not for want of a
-    database (an :class:`OperationalError`)."""
+    database (:func:`cannot_write_now`)."""
 
 
 def _settle(
@@ -242,7 +259,7 @@ def _settle(
                 settled = db.settle(rows, final=final, ordered=ordered, now=settled_at, count=count)
             except DatabaseError as exc:
                 # A database that is away is no reason to write it again.
-                if isinstance(exc, OperationalError) or not count:
+                if cannot_write_now(exc) or not count:
                     raise
                 if not sql.counts_while_settling(connection):
                     raise

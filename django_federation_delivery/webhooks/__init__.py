@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from django_federation_delivery.channels import Destination, Event, Request, parse_destination
 from django_federation_delivery.webhooks.destinations import (
+    WebhookURL,
     configured_destinations,
     webhooks_from_env,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "Destination",
     "Event",
     "Request",
+    "WebhookURL",
     "configured_destinations",
     "parse_destination",
     "webhooks_from_env",

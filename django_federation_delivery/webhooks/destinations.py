@@ -17,7 +17,7 @@ from django.utils.translation import gettext as _
 
 # Defined beside the inboxes' hosts, where the loop, which may not import
 # the webhooks' modules, finds it too.
-from django_federation_delivery.addresses import delivery_key
+from django_federation_delivery.addresses import delivery_key, quoted
 from django_federation_delivery.channels import Destination, parse_destination
 from django_federation_delivery.channels.registry import Registry, is_name, registry
 
@@ -36,6 +36,19 @@ class _HasEnviron(Protocol):
     ENVIRON: Mapping[str, str]
 
 
+class WebhookURL(str):
+    """A webhook destination's URL: itself wherever it is used, but for its
+    ``repr``, its scheme and host alone (``'slack://hooks.slack.com/…'``).
+    Django's error reports (the DEBUG page, and the mail a 500 sends to
+    ``ADMINS``) and ``diffsettings`` show the settings by their ``repr``,
+    and hide no setting named ``WEBHOOKS``: the URL is the credential."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return quoted(str(self))
+
+
 def webhooks_from_env(
     env: _HasEnviron | Mapping[str, str], prefix: str = "WEBHOOK_"
 ) -> dict[str, str]:
@@ -44,7 +57,8 @@ def webhooks_from_env(
 
     An empty variable is left out, as unset. The URLs are checked by the system
     checks (``manage.py check``), so a bad one is reported by its name, not here.
-    Two variables that give one name (``WEBHOOK_OPS`` and ``WEBHOOK_ops``) are
+    Each URL is a :class:`WebhookURL`, which an error report shows as its
+    scheme and host. Two variables that give one name (``WEBHOOK_OPS`` and ``WEBHOOK_ops``) are
     ``ImproperlyConfigured``, naming both: neither is the one meant.
 
     It reads no setting, and importing it reads none: a settings file calls
@@ -54,7 +68,7 @@ def webhooks_from_env(
     issues" in the half it kept) instead of stopping it.
     """
     environ: Mapping[str, str] = env if isinstance(env, Mapping) else env.ENVIRON
-    found = {}
+    found: dict[str, str] = {}
     read_from: dict[str, str] = {}
     for variable in sorted(environ):
         if not variable.startswith(prefix) or variable == prefix:
@@ -73,7 +87,7 @@ def webhooks_from_env(
                 f"destination {name!r}: keep one of them."
             )
         read_from[name] = variable
-        found[name] = value.strip()
+        found[name] = WebhookURL(value.strip())
     return found
 
 

@@ -151,9 +151,11 @@ class Watch:
             return False
         failing = self._known(now)
         if result.delivered:
-            if failing.pop(row.host, None) is not None:
-                # With any unavailable mark left from before (see enable()).
+            if row.host in failing:
+                # With any unavailable mark left from before (see enable());
+                # forgotten once written, as a host's recovery is (health.py).
                 self._hosts(row.host).update(failing_since=None, unavailable_since=None)
+                failing.pop(row.host, None)
             return False
         if result.status == GONE:
             failing.pop(row.host, None)
