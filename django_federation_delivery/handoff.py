@@ -60,8 +60,8 @@ class Handoff:
         slow = self.slots.slow_count()
         # A thread for each slow delivery beyond CONCURRENCY, for what is
         # queued behind them, and one for each urgent one, which holds a
-        # slot of its own.
-        self.workers.grow_to(min(most, self.slots.threads_wanted()))
+        # slot of its own, past the threads the others may take.
+        self.workers.grow_to(min(self.slots.threads_allowed(most), self.slots.threads_wanted()))
         if not self.slots.ready:
             return
         # As many again as there are slots wait in the workers' queue, so
@@ -71,7 +71,7 @@ class Handoff:
         for item in self.slots.hand_out(self._start, slow=slow, queued=self.concurrency, most=most):
             self.workers.put(item)
         if self.slots.urgent_in_flight > urgent:
-            self.workers.grow_to(min(most, self.slots.threads_wanted()))
+            self.workers.grow_to(min(self.slots.threads_allowed(most), self.slots.threads_wanted()))
 
     def collect(self) -> None:
         """Take in what came of the attempts that finished since the last look."""

@@ -146,23 +146,27 @@ class Slots:
         ``queued`` more to wait in the workers' queue, never more than ``most``
         threads' worth: those ``admit`` lets through. ``slow`` deliveries in
         flight hold no slot. Urgent ones (at the head of what is ready) have
-        slots of their own, ``concurrency`` of them, beside the others': a
-        webhook event or a direct message never waits for an attempt of a
-        fan-out's to end."""
+        slots of their own, ``concurrency`` of them, beside the others' and
+        past the ``most`` threads the others and every slow one share
+        (:meth:`threads_allowed`): a webhook event or a direct message never
+        waits for an attempt of a fan-out's to end, even when a fan-out's
+        silent servers hold every thread until their time limit."""
         out: list[InFlight] = []
         skipped: list[InFlight] = []
         # Slow ones hold no slot, of either kind.
         slow_urgent = self.slow_count(urgent=True)
         urgent_slots = self.concurrency + slow_urgent
         other_slots = self.concurrency + queued + slow - slow_urgent
-        while self.ready and len(self.in_flight) < most + queued:
+        while self.ready:
+            others = len(self.in_flight) - self.urgent_in_flight
             if self.ready[0].urgent:
-                if self.urgent_in_flight >= urgent_slots:
-                    # Its slots are taken: it stays ready, in its place,
-                    # and the others' slots are filled all the same.
+                if self.urgent_in_flight >= urgent_slots or slow_urgent >= most:
+                    # Its slots are taken (or its slow ones hold as many
+                    # threads as all may): it stays ready, in its place, and
+                    # the others' slots are filled all the same.
                     skipped.append(self.ready.popleft())
                     continue
-            elif len(self.in_flight) - self.urgent_in_flight >= other_slots:
+            elif others >= other_slots or others + slow_urgent >= most + queued:
                 break
             item = self.ready.popleft()
             host = item.claimed.host
@@ -222,6 +226,11 @@ class Slots:
             + self.urgent_in_flight
             - self.slow_count(urgent=True)
         )
+
+    def threads_allowed(self, most: int) -> int:
+        """The most worker threads now: ``most`` for the others and every
+        slow delivery, and one for each urgent one that is not slow."""
+        return most + self.urgent_in_flight - self.slow_count(urgent=True)
 
     def until_next_slow(self) -> float:
         """Seconds until the next delivery in flight turns slow (at most 1)."""

@@ -357,6 +357,48 @@ def test_a_direct_message_does_not_wait_for_an_attempt_of_a_fan_out_to_end(
     assert ended == [], f"sent once {len(ended)} attempts of the fan-out had ended"
 
 
+@pytest.mark.parametrize("urgent", ["direct-message", "webhook"])
+def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    urgent: str,
+) -> None:
+    # A fan-out's servers that take the connection and answer only at the
+    # time limit (as many of 10,000 do) hold every thread the pool may have,
+    # CONCURRENCY + SLOW_CONCURRENCY: a direct message or an alert waited
+    # for one of those attempts to end (13.9 s with the defaults and a 20 s
+    # limit). Its slots are its own, and so are their threads.
+    target = inboxes("127.0.0.3")
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PRIORITY_MAX_INBOXES": 5,
+        "SLOW_AFTER_SECONDS": 0.2,
+        "SLOW_CONCURRENCY": 2,
+        "BREAKER": None,
+        "WEBHOOKS": {"ops": f"http://{target.address}:{target.port}/hook?secret={SECRET}"},
+    }
+    answered: list[str] = []
+
+    def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
+        answered.append(request.path)  # once its 4 s are over
+        return 202, {}, b""
+
+    crowd = [inboxes(f"127.0.0.{10 + n}", delay=4.0, respond=answer) for n in range(8)]
+    send_batch(ALICE, NOTE, [crowd[n % 8].url(f"/u{n}") for n in range(16)], {})
+    runner = start_deliverer(concurrency=2)
+    slots = runner.deliverer.slots
+    wait_until(lambda: len(runner.deliverer.workers) >= 4 and slots.slow_count() >= 4)
+    if urgent == "webhook":
+        send_webhook("ops", "alert.raised", {"n": 1})
+    else:
+        send(ALICE, {"type": "Create", "to": "friend"}, [target.url()])
+    wait_until(lambda: len(target.received) == 1, timeout=15)
+    ended = list(answered)
+    runner.stop()
+    assert ended == [], f"sent once {len(ended)} attempts of the fan-out had ended"
+
+
 def counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, Any, int]]:
     """Every claim the loop makes: (when, its lanes, how many it took)."""
     made: list[tuple[float, Any, int]] = []
