@@ -286,6 +286,30 @@ def test_a_direct_message_is_not_queued_behind_a_fan_out(
     assert waiting > 300, "sent while the fan-out was still draining"
 
 
+def urgent_target(
+    inboxes: Callable[..., Inbox], settings: Any, **options: Any
+) -> Callable[[str], Inbox]:
+    """An inbox that takes a direct message and, as the destination "ops",
+    webhook events; with it, what sends one of them (``"webhook"``, or a
+    direct message)."""
+    target = inboxes("127.0.0.3")
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PRIORITY_MAX_INBOXES": 5,
+        "WEBHOOKS": {"ops": f"http://{target.address}:{target.port}/hook?secret={SECRET}"},
+        **options,
+    }
+
+    def send_urgent(urgent: str) -> Inbox:
+        if urgent == "webhook":
+            send_webhook("ops", "alert.raised", {"n": 1})
+        else:
+            send(ALICE, {"type": "Create", "to": "friend"}, [target.url()])
+        return target
+
+    return send_urgent
+
+
 @pytest.mark.parametrize("urgent", ["direct-message", "direct-message-low-fan-out", "webhook"])
 def test_an_urgent_send_goes_before_a_fan_out_to_many_slow_hosts_already_claimed(
     inboxes: Callable[..., Inbox],
@@ -298,12 +322,7 @@ def test_an_urgent_send_goes_before_a_fan_out_to_many_slow_hosts_already_claimed
     # loop claimed nothing more while it had enough ready. A direct message
     # or an alert sent then was claimed only once that ran low, and waited
     # behind all of it, ready and queued for the workers: 80 deliveries.
-    target = inboxes("127.0.0.3")
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "PRIORITY_MAX_INBOXES": 5,
-        "WEBHOOKS": {"ops": f"http://{target.address}:{target.port}/hook?secret={SECRET}"},
-    }
+    send_urgent = urgent_target(inboxes, settings)
     crowd = [inboxes(f"127.0.0.{10 + n % 50}", delay=0.5) for n in range(100)]
     low = urgent == "direct-message-low-fan-out"
     fan_out = [crowd[n % 100].url(f"/u{n}") for n in range(300)]
@@ -315,10 +334,7 @@ def test_an_urgent_send_goes_before_a_fan_out_to_many_slow_hosts_already_claimed
     runner = start_deliverer(concurrency=16)
     wait_until(lambda: received() >= 40)
     before = received()
-    if urgent == "webhook":
-        send_webhook("ops", "alert.raised", {"n": 1})
-    else:
-        send(ALICE, {"type": "Create", "to": "friend"}, [target.url()])
+    target = send_urgent(urgent)
     wait_until(lambda: len(target.received) == 1, timeout=15)
     behind = received() - before
     runner.stop()
@@ -369,15 +385,9 @@ def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     # CONCURRENCY + SLOW_CONCURRENCY: a direct message or an alert waited
     # for one of those attempts to end (13.9 s with the defaults and a 20 s
     # limit). Its slots are its own, and so are their threads.
-    target = inboxes("127.0.0.3")
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "PRIORITY_MAX_INBOXES": 5,
-        "SLOW_AFTER_SECONDS": 0.2,
-        "SLOW_CONCURRENCY": 2,
-        "BREAKER": None,
-        "WEBHOOKS": {"ops": f"http://{target.address}:{target.port}/hook?secret={SECRET}"},
-    }
+    send_urgent = urgent_target(
+        inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
+    )
     answered: list[str] = []
 
     def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
@@ -389,10 +399,7 @@ def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     runner = start_deliverer(concurrency=2)
     slots = runner.deliverer.slots
     wait_until(lambda: len(runner.deliverer.workers) >= 4 and slots.slow_count() >= 4)
-    if urgent == "webhook":
-        send_webhook("ops", "alert.raised", {"n": 1})
-    else:
-        send(ALICE, {"type": "Create", "to": "friend"}, [target.url()])
+    target = send_urgent(urgent)
     wait_until(lambda: len(target.received) == 1, timeout=15)
     ended = list(answered)
     runner.stop()
