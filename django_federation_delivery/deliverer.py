@@ -408,7 +408,7 @@ class Deliverer:
         """What a run holds while it runs: the wake-up, the listener, the
         heartbeat, the workers, the stop timer and the write lock; each let go
         of however the run ends."""
-        wakeup.register(self._wake)
+        wakeup.register(self.intake.sent)
         self.upkeep.start()
         if listen:
             self.intake.listen()
@@ -445,7 +445,7 @@ class Deliverer:
                 # Stopped cleanly (or on an error it could not wait out): no
                 # longer listed as alive.
                 self._db(self.heartbeat.remove)
-            wakeup.unregister(self._wake)
+            wakeup.unregister(self.intake.sent)
             # This thread owned the ORM's connections: close them.
             connections.close_all()
             remove_prompt_lock()

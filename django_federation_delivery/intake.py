@@ -38,6 +38,22 @@ HOLD_PASS_SECONDS = 1.0
 URGENT_LOOK_SECONDS = 0.1
 
 
+class SendWake(threading.Event):
+    """A loop's wake, as a send sets it (in this process, or by NOTIFY): set,
+    it sets the loop's ``wake`` too, and stays set until the next claim reads
+    it. What the send queued was written due before its transaction
+    committed, maybe before a claim that found nothing and after it: only
+    what came due since that claim is then no look at all."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        super().__init__()
+        self._wake = wake
+
+    def set(self) -> None:
+        super().set()
+        self._wake.set()
+
+
 @dataclasses.dataclass(kw_only=True, eq=False)
 class Intake:
     """One deliverer's claims and waits. ``caught_up`` says that the last
@@ -77,6 +93,9 @@ class Intake:
     #: came due since is looked for.
     _urgent_nothing_at: dt.datetime | None = dataclasses.field(default=None, init=False)
     _urgent_nothing_seen: float = dataclasses.field(default=0.0, init=False)
+    #: Set by a send: the next claim looks at all that is due, not only at
+    #: what came due since the last one that found nothing.
+    sent: SendWake = dataclasses.field(init=False)
     #: PostgreSQL's listener, while :meth:`listen` has one: paused while
     #: claims come back full, as the loop claims again then unwoken.
     _listener: PostgresListener | None = dataclasses.field(default=None, init=False)
@@ -84,12 +103,15 @@ class Intake:
     #: database away). Held under their lease, sorted before the next claim.
     _unsorted: list[claims.Claimed] = dataclasses.field(default_factory=list, init=False)
 
+    def __post_init__(self) -> None:
+        self.sent = SendWake(self.wake)
+
     def listen(self) -> bool:
         """Be woken by sends from other processes (PostgreSQL's LISTEN), where
         the database can; whether it does."""
         if not PostgresListener.available(self.using):
             return False
-        self._listener = PostgresListener(self.wake, using=self.using)
+        self._listener = PostgresListener(self.sent, using=self.using)
         self._listener.start()
         return True
 
@@ -116,6 +138,10 @@ class Intake:
         # Only what can go as soon as a slot is free counts as ready: a claimed
         # delivery waiting for a host already at PER_HOST (a silent one, say)
         # must not keep the others from being claimed.
+        if self.sent.is_set():
+            self.sent.clear()
+            self._found_nothing = False
+            self._urgent_nothing_at = None
         if self.slots.sendable(max(1, self.concurrency // 2)):
             self._claim_urgent()
             return

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpsig
 import pytest
-from django.db import OperationalError, connection, connections
+from django.db import OperationalError, connection, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
 from django.utils import timezone
@@ -38,7 +38,7 @@ from django_federation_delivery.upkeep import RECYCLE_EVERY
 from django_federation_delivery.writelock import PromptWriteLock
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
-from .keys import ALICE, BROKEN, rsa_key
+from .keys import ALICE, BROKEN, EDNA, rsa_key
 from .operators import open_breaker, quick_breaker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -1326,7 +1326,7 @@ def test_an_idle_deliverer_whose_listener_cannot_listen_still_looks_for_new_work
     wait_until(lambda: runner.deliverer.intake._listener is not None, timeout=5)
     time.sleep(1.0)  # idle by now
     # As a send from another process: this process's deliverers are not woken.
-    wakeup.unregister(runner.deliverer._wake)
+    wakeup.unregister(runner.deliverer.intake.sent)
     batch = send(ALICE, NOTE, [inbox.url("/from-elsewhere")])
     sent = time.monotonic()
     wait_until(lambda: bool(inbox.received), timeout=35)
@@ -1785,4 +1785,64 @@ def test_a_stopping_deliverers_hand_back_keeps_the_last_answer(
     assert other.received == []
     assert (second.last_status, second.last_error) == (503, "HTTP 503 Service Unavailable"), (
         "handed back unsent, it keeps what its last attempt met"
+    )
+
+
+def test_a_direct_message_committed_after_a_claim_is_not_left_for_a_hosts_rest(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # A web request's transaction (ATOMIC_REQUESTS) sends a direct message,
+    # whose due time is written as the send runs, and commits a moment
+    # later. Meanwhile the deliverer claims (woken by another send) and
+    # finds nothing but a resting host's deliveries. Its commit's wake has
+    # the next claim look at all that is due. It looked only for what came
+    # due after that claim began, until the rest ended: the message waited.
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite's write lock puts the claim after the send's commit")
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PRIORITY_MAX_INBOXES": 5,
+        "BREAKER": None,
+        "RETRY": {"BASE": 120, "CAP": 120, "ATTEMPTS": 5, "JITTER": 0},
+    }
+    answered: list[int] = []
+
+    def busy_after_one(request: Any) -> tuple[int, dict[str, str], bytes]:
+        answered.append(1)
+        return (202, {}, b"") if len(answered) == 1 else (429, {}, b"")
+
+    busy = inboxes("127.0.0.40", respond=busy_after_one)
+    friend = inboxes("127.0.0.9")
+    send(ALICE, NOTE, [busy.url(f"/u/{n}") for n in range(12)])
+    runner = start_deliverer()
+    limits = runner.deliverer.limits
+    # Refused at a limit of one again and again, it rests ever longer
+    # (0.1 s, 0.2 s, 0.4 s ...), each refused delivery waiting for its retry,
+    # those not tried yet due, and left out of the claims while it rests.
+    wait_until(
+        lambda: limits.rest_left(busy.host) > 3.0,
+        timeout=40,
+        state=lambda: (len(answered), limits.rest_left(busy.host)),
+    )
+
+    def another_send() -> None:
+        send(EDNA, NOTE, [busy.url("/other")])
+        connections.close_all()
+
+    with transaction.atomic():
+        send(ALICE, {"type": "Create", "to": "friend"}, [friend.url()])
+        other = threading.Thread(target=another_send)
+        other.start()
+        other.join()
+        time.sleep(0.3)  # the deliverer claims, and finds nothing it may take
+    started = time.monotonic()
+    rest = limits.rest_left(busy.host)
+    wait_until(lambda: bool(friend.received), timeout=10)
+    took = time.monotonic() - started
+    runner.stop()
+    assert took < 1.5, (
+        f"a direct message reached its inbox {took:.1f} s after its transaction "
+        f"committed, while another host rested ({rest:.1f} s of rest left then)"
     )
