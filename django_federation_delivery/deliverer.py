@@ -37,6 +37,7 @@ from django_federation_delivery.batches import KnownBatches
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.checks import check_settings, deliverer_problems
 from django_federation_delivery.conf import app_settings, database_alias
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
 from django_federation_delivery.hosts import KnownSchemes
@@ -51,7 +52,7 @@ from django_federation_delivery.settling import Summary, tell_failed
 from django_federation_delivery.slots import InHand, Slots
 from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.triage import Triage
-from django_federation_delivery.upkeep import Upkeep
+from django_federation_delivery.upkeep import OVERDUE_EVERY, Upkeep
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.workers import InFlight, Workers
 
@@ -172,6 +173,8 @@ class Deliverer:
             ),
         )
         self._wake = threading.Event()
+        #: When the ready deliveries are next looked at for a deadline passed.
+        self._overdue_ready_at = 0.0
         self.workers = Workers(
             self.transport_settings,
             wake=self._wake,
@@ -301,6 +304,7 @@ class Deliverer:
                     self._end_waits_by(max(self._stop_waits_end, self._leave_at or 0.0))
                 self.upkeep.recycle_connections()
                 self.upkeep.refresh()
+                self._fail_overdue_ready()
                 self.handoff.collect()
                 # Workers first, the database after: a free slot never waits on a write.
                 self.handoff.dispatch()
@@ -329,6 +333,19 @@ class Deliverer:
         if self.on_progress is not None:
             self.on_progress(self.summary)
         return self.summary
+
+    def _fail_overdue_ready(self) -> None:
+        """Every ``OVERDUE_EVERY``: what waits for a slot past its batch's
+        deadline is failed now, as the sweep fails what no claim holds
+        (``Upkeep.give_up_overdue``), not once its slot comes."""
+        now = time.monotonic()
+        if now < self._overdue_ready_at:
+            return
+        self._overdue_ready_at = now + OVERDUE_EVERY
+        for item in self.slots.take_overdue(aware_now()):
+            settled = self.triage.waited(item)
+            if settled is not None:
+                self.outbox.add(settled)
 
     def perform(self, item: InFlight) -> Generator[None, AttemptResult, None]:
         """One delivery's way once it has a slot, step by step.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime as dt
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -108,6 +109,29 @@ class Slots:
         else:
             ready.append(item)
         self._ready_hosts[item.claimed.host] += 1
+
+    def take_overdue(self, now: dt.datetime) -> list[InFlight]:
+        """The ready deliveries whose batch's deadline has passed by ``now``,
+        taken out. One waiting behind a fan-out's (a low lane's, taken by a
+        claim whose hosts were at their limit) would be failed only at its
+        slot, once the fan-out had gone."""
+        overdue = [
+            item
+            for item in self.ready
+            if item.batch.deadline is not None and now >= item.batch.deadline
+        ]
+        if not overdue:
+            return []
+        gone = {item.claimed.id for item in overdue}
+        kept = [item for item in self.ready if item.claimed.id not in gone]
+        self.ready.clear()
+        self.ready.extend(kept)
+        for item in overdue:
+            host = item.claimed.host
+            self._ready_hosts[host] -= 1
+            if self._ready_hosts[host] <= 0:
+                del self._ready_hosts[host]
+        return overdue
 
     def sendable(self, enough: int) -> bool:
         """Whether at least ``enough`` ready deliveries could go as soon as a

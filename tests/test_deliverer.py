@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import email.utils
 import logging
@@ -413,6 +414,46 @@ def test_a_deadline_fails_what_no_claim_reaches_while_a_fan_out_keeps_the_loop_b
     )
     assert quiet.received == []
     assert [f.deadline for f in failures if f.batch_id == late.id] == [True]
+
+
+def test_a_deadline_fails_what_waits_claimed_behind_a_fan_out_within_the_sweeps_time(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    failures: list[Any],
+) -> None:
+    # A claim that finds the normal lane's due rows all on hosts at their
+    # limit takes the low lane's: they wait in the deliverer's memory behind
+    # the fan-out, under their lease, which the sweep leaves to their holder.
+    # They were failed only at their slot, once the fan-out had gone.
+    if connection.vendor == "postgresql":
+        pytest.skip("PostgreSQL's claim takes no low-lane row while normal ones are due")
+    crowd = [inboxes(f"127.0.0.{70 + n}", delay=0.3) for n in range(10)]
+    normal = send(ALICE, NOTE, [host.url(f"/u/{n}") for n in range(40) for host in crowd])
+    later = inboxes("127.0.0.90")
+    low = send_batch(
+        ALICE,
+        NOTE,
+        [later.url(f"/l/{n}") for n in range(20)],
+        BatchOptions(low_priority=True, deadline=dt.timedelta(seconds=2)),
+    )
+    assert normal is not None and low is not None and low.deadline is not None
+    runner = start_deliverer(concurrency=4)
+    wait_until(
+        lambda: any(item.claimed.batch_id == low.id for item in runner.deliverer.slots.ready)
+    )
+    # Within the 5 s the README gives, with room for a busy machine.
+    wait_until(settled(low), timeout=(low.deadline - timezone.now()).total_seconds() + 8)
+    fan_out_running = Batch.objects.get(id=normal.id).finished_at is None
+    runner.stop()
+    assert fan_out_running, "the fan-out kept the loop busy all along"
+    # Some went while the fan-out's hosts were at their limit; none waits.
+    statuses = collections.Counter(
+        Delivery.objects.filter(batch=low).values_list("status", flat=True)
+    )
+    assert set(statuses) <= {Status.DELIVERED, Status.FAILED} and statuses[Status.FAILED]
+    assert len(later.received) == statuses[Status.DELIVERED]
+    told = [f.deadline for f in failures if f.batch_id == low.id]
+    assert told == [True] * statuses[Status.FAILED]
 
 
 def test_a_delivery_whose_lease_would_lapse_before_it_could_be_sent_is_not_sent(
