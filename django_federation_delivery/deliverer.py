@@ -175,6 +175,10 @@ class Deliverer:
         self._wake = threading.Event()
         #: When the ready deliveries are next looked at for a deadline passed.
         self._overdue_ready_at = 0.0
+        #: The writes that met the database unable to write, which may have
+        #: committed: what finished batches they wrote is told once written
+        #: again (``settlements.settle``'s ``tried``).
+        self._tried: settlements.Tried = {}
         self.workers = Workers(
             self.transport_settings,
             wake=self._wake,
@@ -544,7 +548,12 @@ class Deliverer:
             on_finished=self._batches_finished,
             on_failed_instead=self._failed_instead,
             using=self.using,
+            tried=self._tried,
         )
+        if written is not None:
+            # A write passes all that waits: what it left in ``tried`` was
+            # let go by the outbox, its lease run out.
+            self._tried.clear()
         return written is not None
 
     def _failed_instead(self, failed: settlements.Settlement) -> None:

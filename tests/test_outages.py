@@ -12,8 +12,9 @@ import pytest
 from django.db import OperationalError, connection, connections
 
 from django_federation_delivery import send, signals
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.outages import Database
+from django_federation_delivery.store import settlements
 
 from .conftest import Inbox, RunningDeliverer, wait_until
 from .keys import ALICE
@@ -150,3 +151,42 @@ def test_a_settle_met_by_a_read_only_database_for_a_moment_is_written_when_it_is
     assert inbox.paths() == ["/a"] and len(told) == 1, (
         f"the inbox got {inbox.paths()}, delivery_settled told {len(told)} times; logged: {refused}"
     )
+
+
+def test_a_settle_committed_whose_answer_was_lost_still_tells_batch_finished(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The connection drops as the COMMIT's answer comes back: the server has
+    # committed the settle (the batch finished), the deliverer sees the
+    # database away and writes it again, which finds the claim gone. The
+    # batches the first write finished are told then. They were never told.
+    real = settlements._written
+    lost: list[Any] = []
+
+    def written(items: Any, now: Any, using: Any) -> Any:
+        answer = real(items, now, using)
+        if not lost:
+            lost.append(answer)
+            raise OperationalError("server closed the connection unexpectedly")
+        return answer
+
+    monkeypatch.setattr(settlements, "_written", written)
+    told: list[int] = []
+
+    def finished(sender: Any, batch: Batch, **kwargs: Any) -> None:
+        told.append(batch.id)
+
+    signals.batch_finished.connect(finished, weak=False)
+    try:
+        batch = send(ALICE, NOTE, [inbox.url("/a")])
+        assert batch is not None
+        runner = start_deliverer()
+        wait_until(lambda: bool(lost) and told == [batch.id], timeout=15)
+        runner.stop()
+    finally:
+        signals.batch_finished.disconnect(finished)
+    assert inbox.paths() == ["/a"], "sent once"
+    assert Batch.objects.get(id=batch.id).finished_at is not None
+    assert runner.deliverer._tried == {}

@@ -17,6 +17,7 @@ from django.db.models import Exists, OuterRef, QuerySet
 
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import (
+    aware,
     aware_now,
     connection_for,
     db_datetime,
@@ -64,12 +65,19 @@ class Settlement:
     retried: bool = False
 
 
+#: For each delivery whose write met a database that could not write (an
+#: error :func:`cannot_write_now` knows), the times that write wrote: it may
+#: have committed, its answer lost with the connection.
+Tried = dict[int, list[dt.datetime]]
+
+
 def settle(
     settlements: Sequence[Settlement],
     *,
     on_finished: Callable[[list[int]], None] | None = None,
     on_failed_instead: Callable[[Settlement], None] | None = None,
     using: str | None = None,
+    tried: Tried | None = None,
 ) -> set[int]:
     """Write the outcome of each settlement whose claim still is held, in one
     transaction.
@@ -101,6 +109,13 @@ def settle(
     committed, ``on_failed_instead`` is given it (the settlement as
     written), unless what was refused was a failure already: its
     ``delivery_failed`` was told before the write.
+
+    A write that meets the database unable to write is raised, and, with
+    ``tried`` (the caller's, kept between its writes), noted there: it may
+    have committed, its answer lost. Written again, such a settlement finds
+    its claim gone; if it was the earlier write that committed (its rows
+    settled, their batch finished, at the time it wrote), the batches it
+    finished are given to ``on_finished`` then, which that write could not.
     """
     if not settlements:
         return set()
@@ -109,6 +124,9 @@ def settle(
         settled = _written(settlements, now, using)
     except DatabaseError as exc:
         if cannot_write_now(exc):
+            if tried is not None:
+                for item in settlements:
+                    tried.setdefault(item.claimed.id, []).append(now)
             raise
         if len(settlements) == 1:
             settled, instead = _refused(settlements[0], exc, now, using)
@@ -127,16 +145,50 @@ def settle(
                     on_finished=on_finished,
                     on_failed_instead=on_failed_instead,
                     using=using,
+                    tried=tried,
                 )
             return written
+    finished = settled.finished
+    if tried:
+        unanswered = {
+            item.claimed.id: tried.pop(item.claimed.id)
+            for item in settlements
+            if item.claimed.id in tried
+        }
+        for id in settled.written:
+            unanswered.pop(id, None)
+        if unanswered:
+            finished = [*finished, *_finished_unanswered(unanswered, using)]
     # Committed: what is told now cannot undo it.
-    if settled.finished and on_finished is not None:
-        on_finished(settled.finished)
+    if finished and on_finished is not None:
+        on_finished(finished)
     if any(_due_again(item, now) for item in settlements if item.claimed.id in settled.written):
         # Put back due now (a stopping deliverer's hand-back): for any
         # deliverer to take, each woken as by a send.
         wakes.wake_all(using or database_alias())
     return settled.written
+
+
+def _finished_unanswered(unanswered: Tried, using: str | None) -> list[int]:
+    """The batches an earlier write of the deliveries ``unanswered`` finished
+    and committed, its answer lost: their rows settled, and their batch
+    finished, at one of the times that write was tried."""
+    alias = using or database_alias()
+    rows = Delivery.objects.using(alias).filter(
+        id__in=list(unanswered), lease_token__isnull=True, settled_at__isnull=False
+    )
+    times: dict[int, set[dt.datetime]] = {}
+    for id, batch_id, settled_at in rows.values_list("id", "batch_id", "settled_at"):
+        if settled_at is not None and aware(settled_at) in unanswered[id]:
+            times.setdefault(batch_id, set()).add(aware(settled_at))
+    if not times:
+        return []
+    batches = Batch.objects.using(alias).filter(id__in=list(times), finished_at__isnull=False)
+    return sorted(
+        id
+        for id, finished_at in batches.values_list("id", "finished_at")
+        if finished_at is not None and aware(finished_at) in times[id]
+    )
 
 
 def _due_again(item: Settlement, now: dt.datetime) -> bool:
