@@ -27,11 +27,11 @@ from collections.abc import Iterable, Mapping
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.db.models import F, Q
-from django.utils import timezone
 from django.utils.translation import gettext as _
 
 from django_federation_delivery import addresses
 from django_federation_delivery.conf import SETTING, app_settings, database_alias
+from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Breaker
 from django_federation_delivery.store.breakers import count_failures
 from django_federation_delivery.store.queueing import CHUNK
@@ -121,8 +121,14 @@ class BreakerView:
         self._states: dict[str, State] = {}
 
     def refresh(self, breakers: Iterable[Breaker]) -> None:
+        # Aware, as every time the loop compares them with (USE_TZ off, the
+        # ORM reads them naive).
         self._states = {
-            breaker.key: State(breaker.failures, breaker.open_until, breaker.probe_until)
+            breaker.key: State(
+                breaker.failures,
+                None if breaker.open_until is None else aware(breaker.open_until),
+                None if breaker.probe_until is None else aware(breaker.probe_until),
+            )
             for breaker in breakers
         }
 
@@ -149,19 +155,21 @@ class BreakerView:
 def breaker_rows(*, forget_after: float, using: str | None = None) -> list[Breaker]:
     """Every breaker row, after forgetting closed ones nothing has touched for
     ``forget_after`` seconds. The table holds what is failing now: small."""
-    manager = Breaker.objects.using(using or database_alias())
-    stale = timezone.now() - dt.timedelta(seconds=forget_after)
+    alias = using or database_alias()
+    manager = Breaker.objects.using(alias)
+    stale = aware_now() - dt.timedelta(seconds=forget_after)
     rows = list(manager.all())
     # Read first, deleted only when something is stale: a delete is a write,
     # and on SQLite every write waits its turn for the lock behind the web
     # processes' sends, once a second for nothing when no host is failing.
     if not any(_forgettable(row, stale) for row in rows):
         return rows
-    manager.filter(open_until__isnull=True, updated_at__lt=stale).delete()
+    stale_in_orm = orm_datetime(stale, alias)
+    manager.filter(open_until__isnull=True, updated_at__lt=stale_in_orm).delete()
     # A probe that never reported back (its deliverer killed, stopped, or
     # its attempt no request) is one no more once its time is past.
-    no_probe = Q(probe_until__isnull=True) | Q(probe_until__lt=stale)
-    manager.filter(no_probe, open_until__lt=stale, updated_at__lt=stale).delete()
+    no_probe = Q(probe_until__isnull=True) | Q(probe_until__lt=stale_in_orm)
+    manager.filter(no_probe, open_until__lt=stale_in_orm, updated_at__lt=stale_in_orm).delete()
     return list(manager.all())
 
 
@@ -169,11 +177,13 @@ def _forgettable(row: Breaker, stale: dt.datetime) -> bool:
     """What ``breaker_rows`` deletes: closed and untouched, or open long ago
     with no probe under way (none, or one whose time lapsed long ago), and
     untouched."""
-    if row.updated_at >= stale:
+    if aware(row.updated_at) >= stale:
         return False
     if row.open_until is None:
         return True
-    return row.open_until < stale and (row.probe_until is None or row.probe_until < stale)
+    return aware(row.open_until) < stale and (
+        row.probe_until is None or aware(row.probe_until) < stale
+    )
 
 
 def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:
@@ -189,17 +199,19 @@ def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:
 def take_probe(key: str, *, cool_off: float, using: str | None = None) -> str | None:
     """Take the probe of a half-open breaker, in one atomic statement: the
     token when this caller has it, None when it is not to be had."""
-    now = timezone.now()
-    token = uuid.uuid4().hex
+    alias = using or database_alias()
+    # Aware, so that a cool-off across a clock change is as long as it says.
+    now = aware_now()
+    at = orm_datetime(now, alias)
     taken = (
-        Breaker.objects.using(using or database_alias())
-        .filter(key=key, open_until__lte=now)
-        .filter(Q(probe_until__isnull=True) | Q(probe_until__lte=now))
+        Breaker.objects.using(alias)
+        .filter(key=key, open_until__lte=at)
+        .filter(Q(probe_until__isnull=True) | Q(probe_until__lte=at))
         .update(
-            probe_token=token,
-            probe_until=now + dt.timedelta(seconds=cool_off),
+            probe_token=(token := uuid.uuid4().hex),
+            probe_until=orm_datetime(now + dt.timedelta(seconds=cool_off), alias),
             # The count goes on: a failed probe is one more failure in a row.
-            updated_at=now,
+            updated_at=at,
         )
     )
     return token if taken else None
@@ -212,20 +224,21 @@ def record_probe(
     another cool-off; ``None``, no answer of its host's (no request made),
     gives the probe back for another delivery to take. A probe that lost
     its turn changes nothing."""
-    manager = Breaker.objects.using(using or database_alias()).filter(key=key, probe_token=token)
+    alias = using or database_alias()
+    manager = Breaker.objects.using(alias).filter(key=key, probe_token=token)
     if failed is None:
         manager.update(probe_token="", probe_until=None)
         return
     if not failed:
         manager.delete()
         return
-    now = timezone.now()
+    now = aware_now()
     manager.update(
         failures=F("failures") + 1,
-        open_until=now + dt.timedelta(seconds=cool_off),
+        open_until=orm_datetime(now + dt.timedelta(seconds=cool_off), alias),
         probe_token="",
         probe_until=None,
-        updated_at=now,
+        updated_at=orm_datetime(now, alias),
     )
 
 

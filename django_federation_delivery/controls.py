@@ -20,13 +20,12 @@ from typing import Any
 
 from django.db import router, transaction
 from django.db.models import QuerySet
-from django.utils import timezone
 
 from django_federation_delivery import breakers, hosts, portable, signals
 from django_federation_delivery.addresses import host_of, normalize_inbox, quoted, required_host
 from django_federation_delivery.availability import mark_host_seen
 from django_federation_delivery.conf import app_settings, database_alias
-from django_federation_delivery.dialect import orm_datetime
+from django_federation_delivery.dialect import aware_now, orm_datetime
 from django_federation_delivery.exceptions import InvalidDelivery
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.sending import checked_text
@@ -158,7 +157,7 @@ def give_up_overdue(
     alias = database_alias(using)
     batches = Batch.objects.using(alias).filter(
         deadline__gt=orm_datetime(since, alias),
-        deadline__lte=orm_datetime(now or timezone.now(), alias),
+        deadline__lte=orm_datetime(now or aware_now(), alias),
         finished_at__isnull=True,
     )
     ids = list(batches.values_list("id", flat=True))

@@ -403,12 +403,12 @@ class Deliverer:
                 item.breaker,
                 failed=failed and is_host_failure(result.status),
                 probe=item.probe,
-                now=timezone.now(),
+                now=aware_now(),
             )
         elif result.requests and item.probe:
             # Answered by a portable inbox's later gateway: the first, whose
             # breaker it probed, did not accept it.
-            self.breakers.record(item.breaker, failed=True, probe=item.probe, now=timezone.now())
+            self.breakers.record(item.breaker, failed=True, probe=item.probe, now=aware_now())
         elif item.probe:
             # No request made: nothing learned, the probe given back at once.
             self.triage.db(self.breakers.give_back, item.breaker, item.probe)

@@ -17,8 +17,6 @@ import dataclasses
 import datetime as dt
 import logging
 
-from django.utils import timezone
-
 from django_federation_delivery.addresses import host_of
 from django_federation_delivery.attempt import AttemptResult, Job, held
 from django_federation_delivery.batches import BatchInfo, KnownBatches
@@ -167,7 +165,7 @@ class Triage:
             # Failed without a request (attempt): nothing to learn of the
             # host, and a probe taken would hold its other deliveries.
             return None
-        now = timezone.now()
+        now = aware_now()
         if self.breakers.settings.scope is Scope.HOST:
             item.job = _without_held_gateways(item.job, self.breakers, now)
         admitted = self.db(self.breakers.admit, item.breaker, now)

@@ -205,7 +205,7 @@ class Upkeep:
     def give_up_overdue(self) -> None:
         """Give up what waits past its batch's deadline, of the batches whose
         deadline passed since the last look (see OVERDUE_EVERY)."""
-        now = timezone.now()
+        now = aware_now()
         since = self._overdue_since or now - dt.timedelta(seconds=OVERDUE_FIRST)
         if self.db(controls.give_up_overdue, since=since, now=now, using=self.using) is not None:
             self._overdue_since = now - dt.timedelta(seconds=OVERDUE_OVERLAP)
@@ -285,7 +285,7 @@ class Upkeep:
         """The hosts whose circuit breaker holds every delivery now."""
         if self.breakers is None:
             return []
-        return self.breakers.holding_hosts(timezone.now())
+        return self.breakers.holding_hosts(aware_now())
 
     def paused_among(self, hosts: Iterable[str]) -> frozenset[str]:
         """Which of ``hosts`` are paused: read again when any seemed to be,

@@ -8,26 +8,40 @@ import dataclasses
 import datetime as dt
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from io import StringIO
 from typing import Any
 
 import pytest
+from django.contrib import admin as django_admin
+from django.contrib.admin.utils import display_for_value
 from django.core.management import call_command
 from django.db import connection, connections
 from django.utils import timezone
 
-from django_federation_delivery import controls, send, send_batch, send_webhook, signals, store
+from django_federation_delivery import (
+    controls,
+    retention,
+    send,
+    send_batch,
+    send_webhook,
+    signals,
+    store,
+)
+from django_federation_delivery.admin.hosts import BreakerAdmin
 from django_federation_delivery.attempt import failed
+from django_federation_delivery.breakers import Breakers, BreakerSettings, take_probe
 from django_federation_delivery.channels.activitypub import InboxJob
 from django_federation_delivery.controls import pause_host, resume_host
-from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.dialect import aware_now
+from django_federation_delivery.models import Breaker, Delivery, DeliveryHistory, Host, Status
 from django_federation_delivery.picture import host_picture
 from django_federation_delivery.retry import RetryPolicy
 from django_federation_delivery.settling import Settler, Summary
 from django_federation_delivery.signatures import Scheme
 from django_federation_delivery.store.claims import batches
 
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE
 
 NOTE = {"type": "Note"}
@@ -423,3 +437,166 @@ def test_a_deliverer_on_an_sqlite_queue_beside_postgresql_with_use_tz_off_disabl
         f"a 410 did not disable the destination ({len(hook.received)} attempts made); "
         f"its row: {None if row is None else (row.paused_at, row.disabled_reason)}"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deliverer_with_use_tz_off_survives_a_breaker_opening(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    """USE_TZ = False, a BREAKER set: a host answers 503 until its breaker
+    opens, then recovers. Every delivery arrives, the loop running: it died
+    of comparing a naive time with an aware one."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = NEW_YORK
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 0.5, "SCOPE": "host"},
+        "RETRY": {"BASE": 0.2, "CAP": 0.2, "ATTEMPTS": 50, "JITTER": 0},
+    }
+    healthy = {"now": False}
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return (202, {}, b"") if healthy["now"] else (503, {}, b"")
+
+    down = inboxes("127.0.0.2", respond=respond)
+    send(ALICE, NOTE, [down.url(f"/{n}") for n in range(6)])
+    runner = start_deliverer(concurrency=2, per_host=2)
+    wait_until(lambda: Breaker.objects.filter(open_until__isnull=False).exists())
+    healthy["now"] = True
+    try:
+        wait_until(
+            lambda: (
+                not runner.thread.is_alive()
+                or not Delivery.objects.filter(status=Status.PENDING).exists()
+            ),
+            timeout=20,
+        )
+    finally:
+        alive = runner.thread.is_alive()
+        error = runner.error
+        if alive:
+            runner.stop()
+        else:
+            runner.error = None
+    assert error is None, f"the deliverer died: {error!r}"
+    assert not Delivery.objects.filter(status=Status.PENDING).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_breaker_opened_with_use_tz_off_is_counted_in_the_history(settings: Any) -> None:
+    """USE_TZ = False (even TIME_ZONE = UTC): the history's breakers_opened
+    counts it. The time written was naive, the one read back aware: 0."""
+    settings.USE_TZ = False
+    breakers = Breakers(BreakerSettings(threshold=2, cool_off=60.0))
+    breakers.refresh()
+    for _ in range(2):
+        breakers.record("a.example", failed=True, probe="", now=aware_now())
+    breakers.flush()
+    assert Breaker.objects.get().open_until is not None
+    opened = sum(DeliveryHistory.objects.values_list("breakers_opened", flat=True))
+    assert opened == 1, f"breakers opened in the history: {opened}"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_60_second_cool_off_across_the_fall_back_lasts_60_seconds(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, USE_TZ = False, 2024-11-03 01:59:30 EDT: a breaker opens for
+    60 s (until 06:00:30 UTC). At 01:01 EST (06:01 UTC) its probe is due;
+    it was held an hour longer, the cool-off added to the wall clock."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = NEW_YORK
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 59, 30))
+    breakers = Breakers(BreakerSettings(threshold=2, cool_off=60.0))
+    breakers.refresh()
+    for _ in range(2):
+        breakers.record("a.example", failed=True, probe="", now=aware_now())
+    breakers.flush()
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 1, fold=1))  # EST, 90 s later
+    token = store_take_probe()
+    assert token is not None, "the breaker is still held open an hour longer"
+
+
+def store_take_probe() -> str | None:
+    return take_probe("a.example", cool_off=60.0)
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_the_deadline_sweep_in_the_repeated_hour_gives_up_nothing_before_its_deadline(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, USE_TZ = False, 2024-11-03 01:20 EDT (05:20 UTC): a batch
+    with a deadline 64.5 minutes ahead (06:24:30 UTC, 01:24:30 EST), held
+    (its host paused). At 01:25 EDT (05:25 UTC) the upkeep's sweep (its
+    ``since`` a minute back) gives up what is overdue: nothing is, the
+    deadline being an hour away. Its times were naive, which PostgreSQL
+    reads in the repeated hour as the later one: given up 59.5 minutes
+    early."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = NEW_YORK
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 20))
+    deadline = dt.timedelta(minutes=64, seconds=30)
+    send_batch(ALICE, NOTE, ["https://social.example/inbox"], {"deadline": deadline})
+    pause_all()
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 25))  # EDT, 59.5 minutes before the deadline
+    controls.give_up_overdue(since=aware_now() - dt.timedelta(seconds=60))
+    row = Delivery.objects.get()
+    assert row.status == Status.PENDING, f"given up 59.5 minutes early: {row.last_error!r}"
+
+
+def pause_all() -> None:
+    # Held with no due time, as a paused host's are: only the sweep gives it up.
+    controls.pause_host("social.example")
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_what_waited_on_a_purged_delivery_in_the_repeated_hour_is_due_at_once(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, USE_TZ = False, 2024-11-03 01:31 EDT (05:31 UTC): a purge
+    deletes a delivered row that a pending one still waits on; that one is
+    released, due now (05:31 UTC), as the sweep would release it."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = NEW_YORK
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 31))
+    first = send(ALICE, NOTE, ["https://social.example/a"])
+    second = send(ALICE, NOTE, ["https://social.example/b"])
+    assert first is not None and second is not None
+    done = Delivery.objects.get(batch=first)
+    Delivery.objects.filter(pk=done.pk).update(
+        status=Status.DELIVERED, settled_at=eastern(2024, 10, 1, 12, 0)
+    )
+    Delivery.objects.filter(batch=second).update(after=done, due_at=None)
+    purged = retention.purge({Status.DELIVERED: in_utc(2024, 10, 15)})
+    assert purged.deleted == 1
+    waiting = Delivery.objects.get(batch=second)
+    assert waiting.after_id is None
+    assert due_in_utc(waiting.pk) == in_utc(2024, 11, 3, 5, 31), "released due an hour late"
+
+
+@pytest.mark.django_db
+def test_the_admin_shows_a_probes_time_in_time_zone_as_its_other_times(settings: Any) -> None:
+    """USE_TZ = True, TIME_ZONE New York: the breakers' list shows "open
+    until" in New York (Django's way); its "probe" column says the probe is
+    waited for until a time that should be New York's too, not UTC's
+    unmarked."""
+    settings.TIME_ZONE = NEW_YORK
+    timezone.activate(NEW_YORK)
+    try:
+        now = timezone.now()
+        breaker = Breaker.objects.create(
+            key="a.example",
+            failures=10,
+            open_until=now - dt.timedelta(seconds=5),
+            probe_until=now + dt.timedelta(hours=1),
+        )
+        shown = BreakerAdmin(Breaker, django_admin.site).probe(breaker)
+        # As "open until" is shown: in TIME_ZONE. It was UTC's, unmarked.
+        assert str(display_for_value(breaker.probe_until, "")) in shown, shown
+        assert f"{breaker.probe_until:%H:%M:%S}" not in shown, shown
+    finally:
+        timezone.deactivate()

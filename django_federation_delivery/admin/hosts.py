@@ -92,7 +92,7 @@ class BreakerAdmin(OperatorAdmin[Breaker]):
         if obj.probe_until is None or obj.probe_until <= timezone.now():
             return "—"
         return gettext("under way, waited for until %(time)s") % {
-            "time": f"{obj.probe_until:%Y-%m-%d %H:%M:%S}"
+            "time": display_for_value(obj.probe_until, "—")
         }
 
     @admin.action(permissions=["change"], description=_("Reset the selected breakers (closed)"))

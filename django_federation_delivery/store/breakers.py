@@ -7,9 +7,8 @@ import datetime as dt
 from collections import Counter
 
 from django.db import transaction
-from django.utils import timezone
 
-from django_federation_delivery.dialect import connection_for, db_datetime, read_datetime
+from django_federation_delivery.dialect import aware_now, connection_for, db_datetime, read_datetime
 from django_federation_delivery.store import history, sql
 
 __all__ = ["count_failures"]
@@ -24,7 +23,9 @@ def count_failures(
     if not failures:
         return {}
     connection = connection_for(using)
-    now = timezone.now()
+    # Aware: what it reads back is (read_datetime), and a cool-off across a
+    # clock change is as long as it says.
+    now = aware_now()
     opens_at = now + dt.timedelta(seconds=cool_off)
     opens = db_datetime(opens_at, connection)
     standing: dict[str, tuple[int, dt.datetime | None]] = {}

@@ -13,9 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from django.db import transaction
-from django.utils import timezone
 
-from django_federation_delivery.dialect import connection_for, db_datetime, orm_datetime
+from django_federation_delivery.dialect import aware_now, connection_for, db_datetime, orm_datetime
 from django_federation_delivery.models import Batch, Status
 from django_federation_delivery.store import sql
 from django_federation_delivery.store.locks import again_on_deadlock
@@ -76,7 +75,7 @@ def _delete_chunk(params: dict[str, Any], alias: str) -> list[Any]:
             span = {"first": ids[0], "last": ids[-1], "ids": db.ids(ids)}
             waiting = [id for (id,) in db.all("waiting_on", **span)]
             if waiting:
-                now = db_datetime(timezone.now(), connection)
+                now = db_datetime(aware_now(), connection)
                 db.released(db.all("release", ids=db.ids(waiting), now=now))
             db.run("forget_deleted", **span)
     return rows
