@@ -33,6 +33,9 @@ from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import host_named, quoted, required_host
+from django_federation_delivery.channels import Destination
+from django_federation_delivery.channels.base import policy_of
+from django_federation_delivery.channels.policy import LANES, PolicyError
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware_now, orm_datetime
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Retracts, Status
@@ -241,16 +244,22 @@ def _replay_step(
     )
     by_batch: dict[int, list[queueing.Queued]] = {}
     kinds: dict[int, str] = {}
+    lanes: dict[int, Lane] = {}
+    policies = _WebhookPolicies()
     for batch_id, inbox, row_host, via, row_destination, kind in rows:
         gateways = stored_gateways(via)
         if gateways is None:
             # Gateways written by hand as no list of URLs: no attempt could
             # use them, as the loop that failed the row found.
             continue
+        # A webhook event goes as its destination's kind says now, as a send
+        # would: in its order or not, in its lane.
+        ordered, lane = policies.of(row_destination) if kind == Kind.WEBHOOK else (True, Lane.LOW)
         by_batch.setdefault(batch_id, []).append(
-            queueing.Queued(inbox, row_host, gateways, row_destination)
+            queueing.Queued(inbox, row_host, gateways, row_destination, ordered)
         )
         kinds[batch_id] = kind
+        lanes[batch_id] = min(lanes.get(batch_id, lane), lane, key=LANES.index)
     batches = Batch.objects.using(alias).in_bulk(list(by_batch))
     # A webhook event waits its turn in its destination's own sequence; an
     # activity in the replay's, in the low lane.
@@ -280,14 +289,13 @@ def _replay_step(
             # Purged since its deliveries were read, with them: nothing is
             # left of it to send again.
             continue
-        webhook = kinds[batch_id] == Kind.WEBHOOK
         new = Batch(
             sender=original.sender,
             body=original.body,
             body_sha256=original.body_sha256,
             tag=f"{TAG_PREFIX}{original.pk}",
             ordering_key=keys[batch_id],
-            lane=Lane.WEBHOOK if webhook else Lane.LOW,
+            lane=lanes[batch_id],
             synchronize_collection=original.synchronize_collection,
             event_type=original.event_type,
             event_id=original.event_id,
@@ -320,6 +328,32 @@ def _replay_step(
         # one step's bodies at a time. Read, it is loaded as a deferred field is.
         new.__dict__.pop("body", None)
     return replayed
+
+
+class _WebhookPolicies:
+    """What a webhook destination's kind asks of a replay of its events, as
+    of a send: whether they keep their order, and their lane; a destination
+    no longer configured, or whose kind's policy cannot be had, as a
+    built-in kind's (in order, in the webhook lane)."""
+
+    def __init__(self) -> None:
+        self._found: dict[str, tuple[bool, Lane]] = {}
+
+    def of(self, name: str) -> tuple[bool, Lane]:
+        if name not in self._found:
+            self._found[name] = self._read(name)
+        return self._found[name]
+
+    @staticmethod
+    def _read(name: str) -> tuple[bool, Lane]:
+        try:
+            destination = configured().lookup(name)
+            if not isinstance(destination, Destination):
+                return True, Lane.WEBHOOK
+            policy = policy_of(destination.channel)
+        except (ImproperlyConfigured, PolicyError):
+            return True, Lane.WEBHOOK
+        return policy.ordered, Lane(policy.lane)
 
 
 def ever_sent(*, host: str = "", destination: str = "", using: str | None = None) -> bool:

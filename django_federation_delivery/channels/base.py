@@ -216,6 +216,18 @@ class Destination:
         text = replace_secrets(text, self._redacted, REDACTED)
         return text if self._short is None else self._short.sub(REDACTED, text)
 
+    def attempted(self, job: Any, transport: Transport) -> Any:
+        """The attempt its kind makes at ``job`` (:meth:`Channel.attempt`),
+        its error redacted: a kind's own ``attempt`` may quote what the
+        receiver echoed, secret parts and all. What is no result is given
+        back as it is, for whoever called it to refuse."""
+        result = self.channel.attempt(job, transport)
+        if isinstance(result, AttemptResult) and isinstance(result.error, str):
+            error = self.redact(result.error)
+            if error != result.error:
+                result = dataclasses.replace(result, error=error)
+        return result
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:

@@ -411,9 +411,16 @@ def _inbox_headers(outgoing: Outgoing, scheme: str | None) -> dict[str, str]:
 
 
 def _webhook_headers(outgoing: Outgoing) -> dict[str, str]:
-    from django_federation_delivery.channels import Event
-    from django_federation_delivery.webhooks.destinations import configured_destinations
+    from django.core.exceptions import ImproperlyConfigured
 
-    destination = configured_destinations()[outgoing.destination]
+    from django_federation_delivery.channels import Destination, Event
+    from django_federation_delivery.webhooks.destinations import configured
+
+    # This destination's problem alone: another's that does not parse is not.
+    destination = configured().lookup(outgoing.destination)
+    if not isinstance(destination, Destination):
+        raise ImproperlyConfigured(
+            destination or f"no webhook destination {outgoing.destination!r} is configured"
+        )
     request = destination.request(Event.read(outgoing.body.decode()), now=time.time())
     return request.sent_headers

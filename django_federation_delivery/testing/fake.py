@@ -330,14 +330,15 @@ def _rfc9421_problem(
 def _standard_problem(url: str, headers: Mapping[str, str], body: bytes) -> str:
     from standardwebhooks import Webhook
 
-    from django_federation_delivery.webhooks.destinations import configured_destinations
+    from django_federation_delivery.webhooks.destinations import configured
 
     url = _canonical(url)
     # Destinations may share a URL, each with a secret of its own: any of
     # their keys verifying is the request's own.
     at_url = [
         destination
-        for destination in configured_destinations().values()
+        # Those that parse: another's that does not is its problem alone.
+        for destination in configured().destinations.values()
         if _canonical(destination.url) == url
     ]
     if not at_url:

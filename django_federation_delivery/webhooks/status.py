@@ -23,7 +23,8 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 from django.utils.translation import gettext, gettext_noop
 
-from django_federation_delivery.conf import database_alias
+from django_federation_delivery.channels.registry import is_name
+from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.dialect import aware
 from django_federation_delivery.models import Delivery, Host, Kind, Status
 from django_federation_delivery.overview import format_duration
@@ -201,7 +202,13 @@ def _configured() -> dict[str, Destination | None]:
     try:
         found = configured()
     except ImproperlyConfigured:
-        return {}
+        # CHANNELS cannot be loaded (E035): every destination written is
+        # still configured, and none usable until that is fixed; WEBHOOKS is
+        # no dict (E030): none is.
+        webhooks = app_settings.get("WEBHOOKS")
+        if not isinstance(webhooks, Mapping):
+            return {}
+        return {name: None for name in webhooks if is_name(name)}
     return {name: found.destinations.get(name) for name in found.names}
 
 

@@ -69,13 +69,12 @@ class Command(TranslatedCommand):
             )
             # As a worker makes it: whatever the kind's code raises or
             # returns, a result, its error named by type, escaped.
-            channel = destination.channel
             result = guarded(
                 call,
-                lambda: channel.attempt(call, transport),
+                lambda: destination.attempted(call, transport),
                 started=time.monotonic(),
                 what="a test ping",
-                by=type(channel).__name__,
+                by=type(destination.channel).__name__,
             )
         finally:
             transport.close()
