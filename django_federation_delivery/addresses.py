@@ -515,15 +515,46 @@ def _without_dot_segments(path: str) -> str:
 
 # What a message may show of a URL, and what of it no message may hold.
 
-#: A URL's userinfo, after what a pasted link may begin with (spaces, "<", a
-#: quote) and its scheme: up to the last "@" before the path, or, where what
-#: comes before the first "/" is no host and port (a password holding an
-#: unencoded "/" makes "user:pass" of it), up to the last "@" of the
-#: segment of the first "@" after it.
-_USERINFO = re.compile(
-    r"^([\s<\"'(\[]*(?:[A-Za-z][A-Za-z0-9+.-]*:)?)(//)?"
-    r"(?:[^/]*@|(?!\[)[^/@]*:[^/@]*[^/@0-9][^/@]*/[^@]*@(?:[^/@]*@)*)"
-)
+#: What a URL's userinfo comes after: what a pasted link may begin with
+#: (spaces, "<", a quote), its scheme, and "//".
+_BEFORE_USERINFO = re.compile(r"[\s<\"'(\[]*(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?")
+
+
+def _userinfo(text: str) -> tuple[int, int] | None:
+    """Where the userinfo of the URL ``text`` is, its "@" included: up to the
+    last "@" before the path; or, where what comes before the first "/" is
+    no host and port (a password holding an unencoded "/" makes "user:pass"
+    of it), up to the last "@" of the segment of the first "@" after it.
+    None when it has none. Read in one pass, whatever the text: a URL a
+    stranger chose may be built to make a pattern try every way to split it."""
+    before = _BEFORE_USERINFO.match(text)
+    start = before.end() if before else 0
+    slash = text.find("/", start)
+    authority_end = len(text) if slash == -1 else slash
+    at = text.rfind("@", start, authority_end)
+    if at != -1:
+        return start, at + 1
+    if slash == -1 or text.startswith("[", start):
+        return None
+    _, colon, port = text[start:slash].partition(":")
+    if not colon or not port or (port.isascii() and port.isdigit()):
+        return None  # a host, and its port if any
+    at = text.find("@", slash)
+    if at == -1:
+        return None
+    path = text.find("/", at)
+    return start, text.rfind("@", at, len(text) if path == -1 else path) + 1
+
+
+def _without_userinfo(text: str, instead: str = "") -> str:
+    """``text`` with its userinfo (and its "@") taken out, or put ``instead``."""
+    found = _userinfo(text)
+    if found is None:
+        return text
+    start, end = found
+    return f"{text[:start]}{instead}{text[end:]}"
+
+
 _ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?[^/\\?#]*")
 _MESSAGE_URL_LENGTH = 200
 # A part of a query or userinfo shorter than this ("a=1") is not worth hiding on its own.
@@ -537,7 +568,7 @@ def redact(url: str, *, whole_path: bool = False) -> str:
     text = str(url)
     # Up to the last "@" before the path, "//" or not ("http:user:pw@host"), even when
     # a "?" comes first: a password may hold one.
-    text = _USERINFO.sub(r"\1\2", text)
+    text = _without_userinfo(text)
     if whole_path:
         matched = _ORIGIN_ONLY.match(text)
         text = matched.group(0) if matched else ""
@@ -594,7 +625,7 @@ def quoted(value: object, *, path: bool = False) -> str:
     if "://" in value and path:
         shown = _with_path(value)
     elif "://" in value:
-        matched = _ORIGIN_ONLY.match(_USERINFO.sub(r"\1\2", value))
+        matched = _ORIGIN_ONLY.match(_without_userinfo(value))
         kept = matched.group(0) if matched else ""
         if kept != value:
             shown = f"{kept}…" if kept.endswith("/") else f"{kept}/…"
@@ -612,7 +643,7 @@ def _with_path(url: str, cut: str = "…") -> str:
     """A public URL as a message shows it: without userinfo, query or
     fragment, each marked ``cut`` where it was."""
     # A password taken out is marked where it was; a query or fragment cut.
-    shown = _USERINFO.sub(rf"\1\2{cut}@", url)
+    shown = _without_userinfo(url, f"{cut}@")
     kept = re.split(r"[?#]", shown, maxsplit=1)[0]
     return kept if kept == shown else f"{kept}{cut}"
 
@@ -694,12 +725,13 @@ def credentials(url: str) -> list[str]:
     first, so that replacing them in turn leaves no piece of a longer one."""
     text = str(url)
     found: set[str] = set()
-    matched = _USERINFO.match(text)
-    if matched:
-        userinfo = matched.group(0)[len(matched.group(1) or "") + len(matched.group(2) or "") : -1]
+    place = _userinfo(text)
+    if place:
+        start, end = place
+        userinfo = text[start : end - 1]
         found.add(userinfo)
         found.update(piece for piece in userinfo.split(":") if len(piece) >= _PART_LENGTH)
-        text = text[matched.end() :]
+        text = text[end:]
     query = text.partition("#")[0].partition("?")[2]
     if query:
         found.add(query)

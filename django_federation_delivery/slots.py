@@ -170,11 +170,12 @@ class Slots:
         ``queued`` more to wait in the workers' queue, never more than ``most``
         threads' worth: those ``admit`` lets through. ``slow`` deliveries in
         flight hold no slot. Urgent ones (at the head of what is ready) have
-        slots of their own, ``concurrency`` of them, beside the others' and
-        past the ``most`` threads the others and every slow one share
-        (:meth:`threads_allowed`): a webhook event or a direct message never
-        waits for an attempt of a fan-out's to end, even when a fan-out's
-        silent servers hold every thread until their time limit."""
+        slots of their own, ``concurrency`` of them, beside the others', and
+        a thread each past the ``most`` threads the others share, slow or
+        not (:meth:`threads_allowed`): a
+        webhook event or a direct message never waits for an attempt of a
+        fan-out's to end, even when a fan-out's silent servers hold every
+        thread until their time limit."""
         out: list[InFlight] = []
         skipped: list[InFlight] = []
         # Slow ones hold no slot, of either kind.
@@ -186,8 +187,8 @@ class Slots:
             if self.ready[0].urgent:
                 if self.urgent_in_flight >= urgent_slots or slow_urgent >= most:
                     # Its slots are taken (or its slow ones hold as many
-                    # threads as all may): it stays ready, in its place, and
-                    # the others' slots are filled all the same.
+                    # threads as the others may): it stays ready, in its
+                    # place, and the others' slots are filled all the same.
                     skipped.append(self.ready.popleft())
                     continue
             elif others >= other_slots or others + slow_urgent >= most + queued:
@@ -252,9 +253,11 @@ class Slots:
         )
 
     def threads_allowed(self, most: int) -> int:
-        """The most worker threads now: ``most`` for the others and every
-        slow delivery, and one for each urgent one that is not slow."""
-        return most + self.urgent_in_flight - self.slow_count(urgent=True)
+        """The most worker threads now: ``most`` for the others, and one for
+        each urgent delivery, slow or not (at most ``concurrency`` not slow,
+        and fewer than ``most`` slow: :meth:`hand_out`), whatever the
+        others' slow ones hold."""
+        return most + self.urgent_in_flight
 
     def until_next_slow(self) -> float:
         """Seconds until the next delivery in flight turns slow (at most 1)."""

@@ -664,3 +664,37 @@ def test_a_portable_inbox_is_sent_no_synchronization_header_and_none_is_asked(
     assert asked_to_synchronize == [(ALICE, gateway.url("/users/bob/inbox"))]
     assert len(gateway.received) == 2
     assert "ERROR" not in caplog.text
+
+
+def test_a_direct_message_goes_while_the_fan_out_and_an_earlier_slow_one_hold_every_thread(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # As above, but a first direct message went to a server that is silent
+    # too: it turned slow on a thread past CONCURRENCY + SLOW_CONCURRENCY. A
+    # second one still has a thread of its own. It waited for two attempts
+    # to end: the slow urgent one was counted among the threads the
+    # fan-out's slow ones already filled.
+    send_urgent = urgent_target(
+        inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
+    )
+    answered: list[str] = []
+
+    def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
+        answered.append(request.path)  # once its 5 s are over
+        return 202, {}, b""
+
+    crowd = [inboxes(f"127.0.0.{10 + n}", delay=5.0, respond=answer) for n in range(8)]
+    silent_friend = inboxes("127.0.0.4", delay=5.0, respond=answer)
+    send_batch(ALICE, NOTE, [crowd[n % 8].url(f"/u{n}") for n in range(16)], {})
+    runner = start_deliverer(concurrency=2)
+    slots = runner.deliverer.slots
+    wait_until(lambda: len(runner.deliverer.workers) >= 4 and slots.slow_count() >= 4)
+    send(ALICE, {"type": "Create", "to": "friend", "n": 1}, [silent_friend.url()])
+    wait_until(lambda: slots.slow_count(urgent=True) >= 1, timeout=4)
+    target = send_urgent("direct-message")
+    wait_until(lambda: len(target.received) == 1, timeout=15)
+    ended = list(answered)
+    runner.stop()
+    assert ended == [], f"sent once {len(ended)} attempts (the fan-out's, the first's) had ended"

@@ -916,3 +916,67 @@ def test_an_activity_whose_ids_hold_a_nul_is_sent_without_them() -> None:
     assert batch is not None
     batch.refresh_from_db()
     assert (batch.activity_id, batch.object_id, batch.size) == ("", "", 1)
+
+
+def _timeline_of_three() -> list[Any]:
+    options = {"ordering_key": f"{ALICE}/timeline"}
+    return [
+        send_batch(
+            ALICE,
+            {
+                "type": "Create",
+                "id": f"{ALICE}/activities/{n}",
+                "actor": ALICE,
+                "object": f"{ALICE}/notes/{n}",
+            },
+            [A],
+            options,
+        )
+        for n in (1, 2, 3)
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_requeued_delivery_goes_before_the_next_of_its_sequence_held_without_a_request() -> None:
+    # The first of a sequence refused; the second released, then held back
+    # by its host's breaker (a try counted, no request made: no
+    # last_attempt_at, "never attempted", as a retraction now reads it).
+    # The first requeued goes before it again, as it does before one not yet
+    # tried. The held one, never sent, was taken as attempted and left due
+    # beside it: the two went side by side, out of order.
+    first, second, _third = _timeline_of_three()
+    (tried,) = store.claim(10, 60, per_host=10)
+    assert tried.batch_id == first.pk
+    assert store.settle(
+        [
+            store.Settlement(
+                claimed=tried, status=Status.REFUSED, attempts=1, attempted_at=timezone.now()
+            )
+        ]
+    ) == {tried.id}
+    (held,) = store.claim(10, 60, per_host=10)
+    assert held.batch_id == second.pk
+    # What the Settler writes of a try its breaker held: attempts counted,
+    # attempted_at None (result.requests == 0).
+    assert store.settle(
+        [
+            store.Settlement(
+                claimed=held,
+                status=Status.PENDING,
+                attempts=1,
+                due_at=timezone.now() + dt.timedelta(seconds=30),
+                last_error="held: the breaker is open",
+            )
+        ]
+    ) == {held.id}
+    second_row = Delivery.objects.get(batch=second)
+    assert (second_row.attempts, second_row.last_attempt_at) == (1, None)
+
+    assert controls.requeue(Delivery.objects.filter(batch=first)) == 1
+
+    waits = Delivery.objects.get(batch=second)
+    first_id = Delivery.objects.get(batch=first).id
+    assert (waits.after_id, waits.due_at) == (first_id, None), (
+        "the second of the sequence, held back and never sent, is left due beside "
+        f"the requeued first: after_id={waits.after_id}, due_at={waits.due_at}"
+    )

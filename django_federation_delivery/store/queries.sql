@@ -803,8 +803,9 @@ WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND NOT (sequence = '')
 -- requeued one (wait_in_sequence), which, leaving, handed it its place
 -- (inherited) or released it; requeued, it takes that place again, or the
 -- two would be released together, side by side. Only one that waits, or
--- that waits on nothing and was never attempted nor is held by a claim:
--- one attempted already is past ordering. Each looked up one step forward
+-- that waits on nothing and was never attempted (no request made, as
+-- supersede reads it) nor is held by a claim: one attempted already is
+-- past ordering. Each looked up one step forward
 -- in the partial index on (sequence, id).
 SELECT id FROM {delivery}
 WHERE id = ANY(ARRAY(
@@ -814,7 +815,8 @@ WHERE id = ANY(ARRAY(
         ORDER BY d.id LIMIT 1)
     FROM {delivery} AS r WHERE r.id = ANY(%(ids)s::bigint[]) AND r.sequence <> ''
 ))
-    AND settled_at IS NULL AND lease_token IS NULL AND (after_id IS NOT NULL OR attempts = 0)
+    AND settled_at IS NULL AND lease_token IS NULL
+    AND (after_id IS NOT NULL OR last_attempt_at IS NULL)
 ORDER BY id FOR UPDATE
 
 -- name: next_in_sequence [sqlite]
@@ -828,7 +830,7 @@ WHERE n.id IN (
     WHERE r.id IN (SELECT value FROM json_each(%(ids)s)) AND NOT (r.sequence = '')
 )
     AND n.settled_at IS NULL AND n.lease_token IS NULL
-    AND (n.after_id IS NOT NULL OR n.attempts = 0)
+    AND (n.after_id IS NOT NULL OR n.last_attempt_at IS NULL)
 
 -- name: before_in_sequence [postgresql]
 -- For the row being written, the last pending delivery of its sequence
