@@ -23,6 +23,7 @@ configured, are not replayed.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 
 from django.core.exceptions import ImproperlyConfigured
@@ -245,7 +246,7 @@ def _replay_step(
     by_batch: dict[int, list[queueing.Queued]] = {}
     kinds: dict[int, str] = {}
     lanes: dict[int, Lane] = {}
-    policies = _WebhookPolicies()
+    way = functools.cache(_webhook_way)
     for batch_id, inbox, row_host, via, row_destination, kind in rows:
         gateways = stored_gateways(via)
         if gateways is None:
@@ -254,7 +255,7 @@ def _replay_step(
             continue
         # A webhook event goes as its destination's kind says now, as a send
         # would: in its order or not, in its lane.
-        ordered, lane = policies.of(row_destination) if kind == Kind.WEBHOOK else (True, Lane.LOW)
+        ordered, lane = way(row_destination) if kind == Kind.WEBHOOK else (True, Lane.LOW)
         by_batch.setdefault(batch_id, []).append(
             queueing.Queued(inbox, row_host, gateways, row_destination, ordered)
         )
@@ -330,30 +331,19 @@ def _replay_step(
     return replayed
 
 
-class _WebhookPolicies:
-    """What a webhook destination's kind asks of a replay of its events, as
-    of a send: whether they keep their order, and their lane; a destination
-    no longer configured, or whose kind's policy cannot be had, as a
-    built-in kind's (in order, in the webhook lane)."""
-
-    def __init__(self) -> None:
-        self._found: dict[str, tuple[bool, Lane]] = {}
-
-    def of(self, name: str) -> tuple[bool, Lane]:
-        if name not in self._found:
-            self._found[name] = self._read(name)
-        return self._found[name]
-
-    @staticmethod
-    def _read(name: str) -> tuple[bool, Lane]:
-        try:
-            destination = configured().lookup(name)
-            if not isinstance(destination, Destination):
-                return True, Lane.WEBHOOK
-            policy = policy_of(destination.channel)
-        except (ImproperlyConfigured, PolicyError):
+def _webhook_way(name: str) -> tuple[bool, Lane]:
+    """What the kind of the webhook destination ``name`` asks of a replay of
+    its events, as of a send: whether they keep their order, and their lane.
+    A destination no longer configured, or whose kind's policy cannot be
+    had, as a built-in kind's: in order, in the webhook lane."""
+    try:
+        destination = configured().lookup(name)
+        if not isinstance(destination, Destination):
             return True, Lane.WEBHOOK
-        return policy.ordered, Lane(policy.lane)
+        policy = policy_of(destination.channel)
+    except (ImproperlyConfigured, PolicyError):
+        return True, Lane.WEBHOOK
+    return policy.ordered, Lane(policy.lane)
 
 
 def ever_sent(*, host: str = "", destination: str = "", using: str | None = None) -> bool:

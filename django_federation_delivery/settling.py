@@ -105,10 +105,14 @@ def ask(setting: str, function: Callable[..., Any], *args: Any) -> Any:
     try:
         return function(*args)
     except Exception as error:
-        logger.error(
-            "%s raised %s%s; taken as no answer", setting, type(error).__name__, raised_at(error)
-        )
+        _raised(setting, error)
         return None
+
+
+def _raised(what: str, error: Exception) -> None:
+    """Log that ``what`` raised ``error``, taken as no answer: by its type and
+    where it was raised."""
+    logger.error("%s raised %s%s; taken as no answer", what, type(error).__name__, raised_at(error))
 
 
 #: The status an attempt's outcome writes.
@@ -338,11 +342,7 @@ class Settler:
                 )
             return False
         except Exception as error:
-            logger.error(
-                "The watch of hosts and destinations raised %s%s; taken as no answer",
-                type(error).__name__,
-                raised_at(error),
-            )
+            _raised("the watch of hosts and destinations", error)
             return False
         self._watch_away = False
         return disabled

@@ -191,7 +191,7 @@ class Slots:
                     # place, and the others' slots are filled all the same.
                     skipped.append(self.ready.popleft())
                     continue
-            elif others >= other_slots or others + slow_urgent >= most + queued:
+            elif others >= min(other_slots, most + queued):
                 break
             item = self.ready.popleft()
             host = item.claimed.host

@@ -373,6 +373,31 @@ def test_a_direct_message_does_not_wait_for_an_attempt_of_a_fan_out_to_end(
     assert ended == [], f"sent once {len(ended)} attempts of the fan-out had ended"
 
 
+def every_thread_held(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    delay: float,
+) -> tuple[RunningDeliverer, list[str], Callable[[Received], tuple[int, dict[str, str], bytes]]]:
+    """A fan-out of 16 to 8 servers that answer only after ``delay`` seconds,
+    sent by a deliverer of CONCURRENCY 2 (SLOW_CONCURRENCY 2, as the settings
+    given to :func:`urgent_target` say): once this returns, its slow
+    attempts hold every thread the others share. Also returned: the paths
+    answered so far (none until ``delay`` has passed), and the answer that
+    notes them, for another server as slow."""
+    answered: list[str] = []
+
+    def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
+        answered.append(request.path)  # once its delay is over
+        return 202, {}, b""
+
+    crowd = [inboxes(f"127.0.0.{10 + n}", delay=delay, respond=answer) for n in range(8)]
+    send_batch(ALICE, NOTE, [crowd[n % 8].url(f"/u{n}") for n in range(16)], {})
+    runner = start_deliverer(concurrency=2)
+    slots = runner.deliverer.slots
+    wait_until(lambda: len(runner.deliverer.workers) >= 4 and slots.slow_count() >= 4)
+    return runner, answered, answer
+
+
 @pytest.mark.parametrize("urgent", ["direct-message", "webhook"])
 def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     inboxes: Callable[..., Inbox],
@@ -388,22 +413,37 @@ def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     send_urgent = urgent_target(
         inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
     )
-    answered: list[str] = []
-
-    def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
-        answered.append(request.path)  # once its 4 s are over
-        return 202, {}, b""
-
-    crowd = [inboxes(f"127.0.0.{10 + n}", delay=4.0, respond=answer) for n in range(8)]
-    send_batch(ALICE, NOTE, [crowd[n % 8].url(f"/u{n}") for n in range(16)], {})
-    runner = start_deliverer(concurrency=2)
-    slots = runner.deliverer.slots
-    wait_until(lambda: len(runner.deliverer.workers) >= 4 and slots.slow_count() >= 4)
+    runner, answered, _ = every_thread_held(inboxes, start_deliverer, delay=4.0)
     target = send_urgent(urgent)
     wait_until(lambda: len(target.received) == 1, timeout=15)
     ended = list(answered)
     runner.stop()
     assert ended == [], f"sent once {len(ended)} attempts of the fan-out had ended"
+
+
+def test_a_direct_message_goes_while_the_fan_out_and_an_earlier_slow_one_hold_every_thread(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # As above, but a first direct message went to a server that is silent
+    # too: it turned slow on a thread past CONCURRENCY + SLOW_CONCURRENCY. A
+    # second one still has a thread of its own. It waited for two attempts
+    # to end: the slow urgent one was counted among the threads the
+    # fan-out's slow ones already filled.
+    send_urgent = urgent_target(
+        inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
+    )
+    runner, answered, answer = every_thread_held(inboxes, start_deliverer, delay=5.0)
+    silent_friend = inboxes("127.0.0.4", delay=5.0, respond=answer)
+    send(ALICE, {"type": "Create", "to": "friend", "n": 1}, [silent_friend.url()])
+    slots = runner.deliverer.slots
+    wait_until(lambda: slots.slow_count(urgent=True) >= 1, timeout=4)
+    target = send_urgent("direct-message")
+    wait_until(lambda: len(target.received) == 1, timeout=15)
+    ended = list(answered)
+    runner.stop()
+    assert ended == [], f"sent once {len(ended)} attempts (the fan-out's, the first's) had ended"
 
 
 def counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, Any, int]]:
@@ -664,37 +704,3 @@ def test_a_portable_inbox_is_sent_no_synchronization_header_and_none_is_asked(
     assert asked_to_synchronize == [(ALICE, gateway.url("/users/bob/inbox"))]
     assert len(gateway.received) == 2
     assert "ERROR" not in caplog.text
-
-
-def test_a_direct_message_goes_while_the_fan_out_and_an_earlier_slow_one_hold_every_thread(
-    inboxes: Callable[..., Inbox],
-    start_deliverer: Callable[..., RunningDeliverer],
-    settings: Any,
-) -> None:
-    # As above, but a first direct message went to a server that is silent
-    # too: it turned slow on a thread past CONCURRENCY + SLOW_CONCURRENCY. A
-    # second one still has a thread of its own. It waited for two attempts
-    # to end: the slow urgent one was counted among the threads the
-    # fan-out's slow ones already filled.
-    send_urgent = urgent_target(
-        inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
-    )
-    answered: list[str] = []
-
-    def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
-        answered.append(request.path)  # once its 5 s are over
-        return 202, {}, b""
-
-    crowd = [inboxes(f"127.0.0.{10 + n}", delay=5.0, respond=answer) for n in range(8)]
-    silent_friend = inboxes("127.0.0.4", delay=5.0, respond=answer)
-    send_batch(ALICE, NOTE, [crowd[n % 8].url(f"/u{n}") for n in range(16)], {})
-    runner = start_deliverer(concurrency=2)
-    slots = runner.deliverer.slots
-    wait_until(lambda: len(runner.deliverer.workers) >= 4 and slots.slow_count() >= 4)
-    send(ALICE, {"type": "Create", "to": "friend", "n": 1}, [silent_friend.url()])
-    wait_until(lambda: slots.slow_count(urgent=True) >= 1, timeout=4)
-    target = send_urgent("direct-message")
-    wait_until(lambda: len(target.received) == 1, timeout=15)
-    ended = list(answered)
-    runner.stop()
-    assert ended == [], f"sent once {len(ended)} attempts (the fan-out's, the first's) had ended"

@@ -216,7 +216,7 @@ class Destination:
         text = replace_secrets(text, self._redacted, REDACTED)
         return text if self._short is None else self._short.sub(REDACTED, text)
 
-    def attempted(self, job: Any, transport: Transport) -> Any:
+    def attempted(self, job: Any, transport: Transport) -> AttemptResult:
         """The attempt its kind makes at ``job`` (:meth:`Channel.attempt`),
         its error redacted: a kind's own ``attempt`` may quote what the
         receiver echoed, secret parts and all. What is no result is given

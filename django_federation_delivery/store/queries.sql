@@ -327,10 +327,11 @@ SELECT n.id, n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
 -- read first) that were never attempted (no request made: one held back
 -- by its breaker, or by its lease, made none, however many tries it spent)
 -- and are not held by a claim (a lapsed one aside): settled superseded,
--- unsent. What it returns is what it changed. The inboxes are a list given, not a subquery: matched against a
--- list, a row costs one lookup whatever the planner believes of the table,
--- where a join planned from statistics taken while the table was small
--- compared each of 10,000 rows with 10,000 (seconds to minutes).
+-- unsent. What it returns is what it changed. The inboxes are a list
+-- given, not a subquery: matched against a list, a row costs one lookup
+-- whatever the planner believes of the table, where a join planned from
+-- statistics taken while the table was small compared each of 10,000 rows
+-- with 10,000 (seconds to minutes).
 UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
 WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL

@@ -102,8 +102,8 @@ def settle(
 
     A settlement the database refuses (a value it cannot store: any
     :class:`~django.db.DatabaseError` but one of a database that cannot
-    write now, :func:`cannot_write_now`, which is raised) holds back none of those written
-    with it: they are then written one by one, and the one refused is
+    write now, :func:`cannot_write_now`, which is raised) holds back none
+    of those written with it: they are then written one by one, and the one refused is
     written failed, with an error that names the refusal, not the value;
     refused again, it is logged and left to its lease. Once that failure is
     committed, ``on_failed_instead`` is given it (the settlement as

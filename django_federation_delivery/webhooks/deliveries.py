@@ -182,7 +182,7 @@ class WebhookDeliveries:
             return held(job, job.problem, retry_after=0.0)
         if job.problem or job.destination is None or job.event is None:
             return failed(job, job.problem, permanent=job.permanent, requests=0)
-        return job.destination.attempted(job, transport)  # type: ignore[no-any-return]
+        return job.destination.attempted(job, transport)
 
     def _configured(self) -> dict[str, Destination]:
         try:

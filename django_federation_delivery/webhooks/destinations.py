@@ -58,8 +58,9 @@ def webhooks_from_env(
     An empty variable is left out, as unset. The URLs are checked by the system
     checks (``manage.py check``), so a bad one is reported by its name, not here.
     Each URL is a :class:`WebhookURL`, which an error report shows as its
-    scheme and host. Two variables that give one name (``WEBHOOK_OPS`` and ``WEBHOOK_ops``) are
-    ``ImproperlyConfigured``, naming both: neither is the one meant.
+    scheme and host. Two variables that give one name (``WEBHOOK_OPS`` and
+    ``WEBHOOK_ops``) are ``ImproperlyConfigured``, naming both: neither is
+    the one meant.
 
     It reads no setting, and importing it reads none: a settings file calls
     it while Django reads that very file, and a setting read then would load
