@@ -33,10 +33,11 @@ from django.utils import timezone
 from django_federation_delivery import signals, tracing, wakeup, writelock
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.attempt import AttemptResult, is_host_failure
-from django_federation_delivery.batches import KnownBatches
+from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.checks import check_settings, deliverer_problems
 from django_federation_delivery.conf import app_settings, database_alias
+from django_federation_delivery.decide import Outcome
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.handoff import Handoff
 from django_federation_delivery.heartbeats import Heartbeat
@@ -48,7 +49,7 @@ from django_federation_delivery.kinds import Kinds
 from django_federation_delivery.limits import HostLimits
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
-from django_federation_delivery.settling import Summary, tell_failed
+from django_federation_delivery.settling import Summary, tell_failed, tell_settled
 from django_federation_delivery.slots import InHand, Slots
 from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.triage import Triage
@@ -547,6 +548,7 @@ class Deliverer:
             outcomes,
             on_finished=self._batches_finished,
             on_failed_instead=self._failed_instead,
+            on_superseded=self._superseded,
             using=self.using,
             tried=self._tried,
         )
@@ -559,25 +561,44 @@ class Deliverer:
     def _failed_instead(self, failed: settlements.Settlement) -> None:
         """``delivery_failed`` of a delivery written failed, committed, because
         the database refused to store what came of its attempt (a value it
-        cannot hold): its receivers would otherwise never hear of it. Its
-        batch is read if it is no longer known; a database error there is
-        logged, never raised into the write that has committed."""
+        cannot hold): its receivers would otherwise never hear of it."""
         row = failed.claimed
+        batch = self._batch_to_tell(row, "delivery_failed")
+        if batch is not None:
+            tell_failed(row, batch, None, failed.last_error)
+
+    def _superseded(self, written: list[settlements.Settlement]) -> None:
+        """``delivery_settled`` of the deliveries held back without a request
+        that a write superseded, committed (a retraction sent while they
+        were claimed waited on them), and the summary's count of them."""
+        for item in written:
+            self.summary.held -= 1
+            self.summary.count(Outcome.SUPERSEDED)
+            row = item.claimed
+            if not signals.listened(signals.delivery_settled):
+                continue
+            batch = self._batch_to_tell(row, "delivery_settled")
+            if batch is not None:
+                tell_settled(row, batch, Outcome.SUPERSEDED, None)
+
+    def _batch_to_tell(self, row: claims.Claimed, signal: str) -> BatchInfo | None:
+        """The batch of ``row``, whose ``signal`` a committed write is to
+        send: read if it is no longer known. A database error there is
+        logged, never raised into the write that has committed; None then,
+        or if the batch was deleted meanwhile (and the delivery with it)."""
         batch = self._batches.known(row.batch_id)
-        if batch is None:
-            try:
-                batch = claims.batches({row.batch_id}, using=self.using).get(row.batch_id)
-            except DatabaseError as exc:
-                logger.warning(
-                    "delivery_failed was not sent for delivery %d: its batch could not be "
-                    "read (%s)",
-                    row.id,
-                    type(exc).__name__,
-                )
-                return
-        if batch is None:
-            return  # deleted meanwhile, and the delivery with it
-        tell_failed(row, batch, None, failed.last_error)
+        if batch is not None:
+            return batch
+        try:
+            return claims.batches({row.batch_id}, using=self.using).get(row.batch_id)
+        except DatabaseError as exc:
+            logger.warning(
+                "%s was not sent for delivery %d: its batch could not be read (%s)",
+                signal,
+                row.id,
+                type(exc).__name__,
+            )
+            return None
 
     def _write(self) -> None:
         waiting = bool(self.outbox)

@@ -78,9 +78,7 @@ class Retraction:
     @property
     def reason(self) -> str:
         """The superseded deliveries' last error, as the admin shows it."""
-        if self.object_id:
-            return "superseded: its object was deleted"
-        return "superseded: the activity was undone"
+        return retractions.REASONS[self.retracts]
 
 
 def retraction_of(activity: Mapping[str, Any], object_id: str) -> Retraction | None:

@@ -49,6 +49,9 @@ class Summary:
     skipped: int = 0
     #: Held back without a request: an open breaker, or a paused host.
     held: int = 0
+    #: Held back without a request, and then superseded by a retraction
+    #: sent meanwhile (counted held no more).
+    superseded: int = 0
     attempts: int = 0
     started: float = dataclasses.field(default_factory=time.monotonic)
     #: When the run ended, once it has.
@@ -63,7 +66,13 @@ class Summary:
     def done(self) -> int:
         """Deliveries dealt with: settled, or put back for later."""
         return (
-            self.delivered + self.retrying + self.refused + self.failed + self.skipped + self.held
+            self.delivered
+            + self.retrying
+            + self.refused
+            + self.failed
+            + self.skipped
+            + self.held
+            + self.superseded
         )
 
     @property
@@ -79,8 +88,8 @@ class Summary:
         """What was done, in the active language (English in a log line)."""
         return _(
             "delivered %(delivered)d, retrying %(retrying)d, refused %(refused)d, "
-            "failed %(failed)d, skipped %(skipped)d, held %(held)d in %(elapsed).1fs "
-            "(%(rate).1f/s)"
+            "failed %(failed)d, skipped %(skipped)d, held %(held)d, "
+            "superseded %(superseded)d in %(elapsed).1fs (%(rate).1f/s)"
         ) % {
             "delivered": self.delivered,
             "retrying": self.retrying,
@@ -88,6 +97,7 @@ class Summary:
             "failed": self.failed,
             "skipped": self.skipped,
             "held": self.held,
+            "superseded": self.superseded,
             "elapsed": self.elapsed,
             "rate": self.rate,
         }
@@ -163,6 +173,23 @@ def failure(
         refused=refused,
         destination=row.destination,
         event_type=event_type,
+    )
+
+
+def tell_settled(row: Row, batch: BatchInfo, outcome: Outcome, status: int | None) -> None:
+    """Send ``delivery_settled`` for ``row`` of ``batch``, if it is listened to."""
+    if not signals.listened(signals.delivery_settled):
+        return
+    signals.send_safely(
+        signals.delivery_settled,
+        settled=settled(
+            row,
+            sender=batch.sender,
+            tag=batch.tag,
+            event_type=batch.event_type,
+            outcome=outcome,
+            status=status,
+        ),
     )
 
 
@@ -379,19 +406,7 @@ class Settler:
     def _settled_signal(
         self, row: claims.Claimed, batch: BatchInfo, outcome: Outcome, status: int | None
     ) -> None:
-        if not signals.listened(signals.delivery_settled):
-            return
-        signals.send_safely(
-            signals.delivery_settled,
-            settled=settled(
-                row,
-                sender=batch.sender,
-                tag=batch.tag,
-                event_type=batch.event_type,
-                outcome=outcome,
-                status=status,
-            ),
-        )
+        tell_settled(row, batch, outcome, status)
 
     def _failed_signal(
         self,

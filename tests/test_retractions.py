@@ -348,6 +348,106 @@ def test_a_claimed_delivery_is_left_to_its_holder_and_the_delete_released_when_i
     assert row(first, A).status == Status.DELIVERED
 
 
+def _held_back(claimed: store.Claimed) -> store.Settlement:
+    """What a deliverer writes of ``claimed`` held back without a request."""
+    later = timezone.now() + dt.timedelta(minutes=5)
+    return store.Settlement(
+        claimed=claimed,
+        status=Status.PENDING,
+        attempts=claimed.attempts + 1,
+        due_at=later,
+        last_error="held: the circuit breaker for a.example is open",
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("retraction", ["delete", "undo"])
+def test_a_create_claimed_when_the_delete_came_and_held_back_unsent_is_superseded(
+    retraction: str,
+) -> None:
+    # The Delete left the claimed Create to its deliverer and waited on it;
+    # held back by an open breaker, without a request, it was put back
+    # pending, and went before the Delete once the host answered.
+    first = send(ALICE, create(), [A, B])
+    (claimed_a, _) = sorted(store.claim(10, 60, per_host=10), key=lambda c: c.inbox)
+    assert claimed_a.inbox == A
+    undo = {"type": "Undo", "id": f"{ALICE}/activities/u", "actor": ALICE}
+    undo["object"] = f"{ALICE}/activities/1"
+    later = send(ALICE, delete() if retraction == "delete" else undo, [A])
+    assert later is not None and later.superseded == 0
+    assert row(later, A).after_id == claimed_a.id
+    superseded: list[store.Settlement] = []
+
+    written = store.settle([_held_back(claimed_a)], on_superseded=superseded.extend)
+
+    assert written == {claimed_a.id}
+    create_a = row(first, A)
+    reason = "its object was deleted" if retraction == "delete" else "the activity was undone"
+    assert (create_a.status, create_a.last_error) == (Status.SUPERSEDED, f"superseded: {reason}")
+    assert create_a.settled_at is not None and create_a.due_at is None
+    assert [item.claimed.id for item in superseded] == [claimed_a.id]
+    assert superseded[0].status == Status.SUPERSEDED
+    released = row(later, A)
+    assert (released.after_id, released.status, released.due_at is not None) == (
+        None,
+        Status.PENDING,
+        True,
+    )
+    # B's delivery, claimed too and not retracted there, is its deliverer's still.
+    assert row(first, B).status == Status.PENDING
+    first.refresh_from_db()
+    assert first.remaining == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_create_held_back_unsent_after_an_attempt_is_not_superseded() -> None:
+    first = send(ALICE, create(), [A])
+    (tried,) = store.claim(10, 60)
+    _settle(tried, Status.PENDING)
+    Delivery.objects.filter(pk=tried.id).update(due_at=timezone.now())
+    (again,) = store.claim(10, 60)
+    later = send(ALICE, delete(), [A])
+    assert later is not None and later.superseded == 0
+
+    assert store.settle([_held_back(again)]) == {again.id}
+
+    # Attempted once, the receiver may have it: it goes, and the Delete after it.
+    assert row(first, A).status == Status.PENDING
+    assert row(later, A).after_id == again.id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_create_held_back_unsent_is_kept_when_another_senders_delete_came() -> None:
+    first = send(ALICE, create(), [A])
+    (claimed,) = store.claim(10, 60)
+    other = {"type": "Delete", "id": f"{EDNA}/activities/d", "actor": EDNA, "object": POST}
+    send(EDNA, other, [A])
+
+    assert store.settle([_held_back(claimed)]) == {claimed.id}
+
+    assert row(first, A).status == Status.PENDING
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_deliverer_tells_and_counts_a_held_back_create_a_delete_superseded(
+    settled: list[signals.Settled],
+) -> None:
+    first = send(ALICE, create(), [A])
+    deliverer = Deliverer(concurrency=2)
+    (claimed,) = store.claim(10, 60)
+    send(ALICE, delete(), [A])
+    deliverer.summary.held = 1  # as its settler counted the hold
+
+    assert deliverer._settle([_held_back(claimed)])
+
+    assert row(first, A).status == Status.SUPERSEDED
+    assert [(s.delivery_id, s.outcome, s.sender, s.inbox) for s in settled] == [
+        (claimed.id, "superseded", ALICE, A)
+    ]
+    assert (deliverer.summary.held, deliverer.summary.superseded) == (0, 1)
+    assert "held 0, superseded 1" in deliverer.summary.line()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_delete_in_the_creates_sequence_goes_on_when_the_create_is_superseded() -> None:
     options = {"ordering_key": POST}

@@ -266,6 +266,7 @@ def run_round(bound: float, *, using: str, heartbeat: Heartbeat) -> dict[str, An
         "failed": summary.failed,
         "skipped": summary.skipped,
         "held": summary.held,
+        "superseded": summary.superseded,
         "attempts": summary.attempts,
         "seconds": round(summary.elapsed, 1),
     }

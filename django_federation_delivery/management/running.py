@@ -57,7 +57,7 @@ def log_rates(interval: float) -> Callable[[Summary], None]:
 
 def drain_progress(due: int | None, say: Say) -> Callable[[Summary], None]:
     """A bar of what was ``due`` at the start and has left the queue since
-    (delivered, refused, failed or skipped): a retry or a hold is a step, not
+    (delivered, refused, failed, skipped or superseded): a retry or a hold is a step, not
     the end, and counting each would carry the count past what was due.
 
     ``due`` None: one of several deliverers draining the queue together
@@ -68,7 +68,13 @@ def drain_progress(due: int | None, say: Say) -> Callable[[Summary], None]:
         if due is None:
             say(f"  {summary.line()}")
             return
-        done = summary.delivered + summary.refused + summary.failed + summary.skipped
+        done = (
+            summary.delivered
+            + summary.refused
+            + summary.failed
+            + summary.skipped
+            + summary.superseded
+        )
         # What came due since the start (a retry's wait ending, a new send)
         # carries the count past what was due: the total follows it.
         total = max(due, done)

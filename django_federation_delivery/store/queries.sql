@@ -364,6 +364,33 @@ WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS N
     AND inbox IN (SELECT value FROM json_each(%(inboxes)s))
 RETURNING id, batch_id, inbox
 
+-- name: retracted_held_rows
+-- Of the deliveries held back without a request by a deliverer that had
+-- claimed them, those never attempted that a retraction sent since (a
+-- later batch of their sender's, about their batch's object or of its
+-- activity) waits to follow to their inbox, with what it retracts:
+-- claimed, they were left to their deliverer, which supersedes them now.
+-- Which deliveries, each dialect's statement says.
+SELECT d.id, rb.retracts FROM {delivery} AS d
+JOIN {batch} AS b ON b.id = d.batch_id
+JOIN {batch} AS rb ON rb.sender = b.sender AND rb.id > b.id AND rb.finished_at IS NULL
+    AND rb.object_id > '' AND (
+        (rb.retracts = 'object' AND rb.object_id = b.object_id AND b.object_id > '')
+        OR (rb.retracts = 'activity' AND rb.object_id = b.activity_id AND b.activity_id > ''))
+WHERE d.last_attempt_at IS NULL AND d.settled_at IS NULL
+    AND EXISTS (
+        SELECT 1 FROM {delivery} AS w
+        WHERE w.batch_id = rb.id AND w.inbox = d.inbox AND w.settled_at IS NULL)
+
+-- name: retracted_held [postgresql]
+-- Those of the deliveries %(ids)s.
+{retracted_held_rows}
+    AND d.id = ANY(%(ids)s::bigint[])
+
+-- name: retracted_held [sqlite]
+{retracted_held_rows}
+    AND d.id IN (SELECT value FROM json_each(%(ids)s))
+
 -- name: attempted_before [postgresql]
 -- For each inbox of the retraction (%(inboxes)s, as supersede takes them),
 -- the last delivery of %(batches)s to it still pending (attempted, or held

@@ -38,13 +38,20 @@ from django.db import transaction
 
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for, db_datetime
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.models import Delivery, Retracts, Status
 from django_federation_delivery.store import sql
 from django_federation_delivery.store.countdowns import count_down
 from django_federation_delivery.store.sequences import release_next
 
 #: Stranded deliveries released by one statement.
 STRANDED_CHUNK = 500
+
+#: What a delivery a retraction superseded says it was (its last error,
+#: as the admin shows it), by what the retraction takes back.
+REASONS = {
+    Retracts.OBJECT: "superseded: its object was deleted",
+    Retracts.ACTIVITY: "superseded: the activity was undone",
+}
 
 
 class SupersededRow(NamedTuple):
@@ -206,6 +213,23 @@ def wait_on_retracted(batch_ids: Sequence[int], *, using: str | None = None) -> 
         return 0
     with sql.on(connection_for(alias)) as db:
         return db.run("wait_again", ids=db.ids(ids))
+
+
+def retracted_held(db: sql.Statements, ids: Sequence[int]) -> dict[int, str]:
+    """Of the deliveries ``ids``, held back without a request by the
+    deliverer that claims them, those never attempted that a retraction
+    queued since waits to follow (see ``retracted_held`` in queries.sql),
+    each with the reason it is superseded for. A retraction leaves what a
+    deliverer has claimed to it: one the deliverer then sent would go
+    before the retraction, and one it held back, unsent, is superseded as
+    the retraction would have.
+
+    Read with ``db`` in the transaction that settles them, after the write
+    lock is taken on SQLite."""
+    if not ids:
+        return {}
+    rows = db.all("retracted_held", ids=db.ids(ids))
+    return {id: REASONS[Retracts(retracts)] for id, retracts in rows}
 
 
 def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:

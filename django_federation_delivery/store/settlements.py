@@ -24,7 +24,7 @@ from django_federation_delivery.dialect import (
     orm_datetime,
 )
 from django_federation_delivery.models import Batch, Delivery, Retracts, Status
-from django_federation_delivery.store import history, sql, wakes
+from django_federation_delivery.store import history, retractions, sql, wakes
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down, count_up
 from django_federation_delivery.store.locks import again_on_deadlock, lock_hosts, write_first
@@ -76,6 +76,7 @@ def settle(
     *,
     on_finished: Callable[[list[int]], None] | None = None,
     on_failed_instead: Callable[[Settlement], None] | None = None,
+    on_superseded: Callable[[list[Settlement]], None] | None = None,
     using: str | None = None,
     tried: Tried | None = None,
 ) -> set[int]:
@@ -116,12 +117,19 @@ def settle(
     its claim gone; if it was the earlier write that committed (its rows
     settled, their batch finished, at the time it wrote), the batches it
     finished are given to ``on_finished`` then, which that write could not.
+
+    A delivery held back without a request (pending again, its attempt
+    made none) that was never attempted and that a retraction sent since
+    waits to follow is written superseded instead (the retraction left it
+    to its claim: :func:`.retractions.retracted_held`); once committed,
+    ``on_superseded`` is given those, as written.
     """
     if not settlements:
         return set()
     now = aware_now()
+    superseded: list[Settlement] = []
     try:
-        settled = _written(settlements, now, using)
+        settled, superseded = _written(settlements, now, using)
     except DatabaseError as exc:
         if cannot_write_now(exc):
             if tried is not None:
@@ -144,6 +152,7 @@ def settle(
                     [item],
                     on_finished=on_finished,
                     on_failed_instead=on_failed_instead,
+                    on_superseded=on_superseded,
                     using=using,
                     tried=tried,
                 )
@@ -160,6 +169,9 @@ def settle(
         if unanswered:
             finished = [*finished, *_finished_unanswered(unanswered, using)]
     # Committed: what is told now cannot undo it.
+    superseded = [item for item in superseded if item.claimed.id in settled.written]
+    if superseded and on_superseded is not None:
+        on_superseded(superseded)
     if finished and on_finished is not None:
         on_finished(finished)
     if any(_due_again(item, now) for item in settlements if item.claimed.id in settled.written):
@@ -195,9 +207,12 @@ def _due_again(item: Settlement, now: dt.datetime) -> bool:
     return item.status == Status.PENDING and item.due_at is not None and item.due_at <= now
 
 
-def _written(settlements: Sequence[Settlement], now: dt.datetime, using: str | None) -> sql.Settled:
+def _written(
+    settlements: Sequence[Settlement], now: dt.datetime, using: str | None
+) -> tuple[sql.Settled, list[Settlement]]:
     """Write ``settlements``, adding to the history in the same statement
-    where the database can, and apart from it when that fails."""
+    where the database can, and apart from it when that fails. Returns
+    what was written, and the settlements written superseded instead."""
     try:
         return _settle(settlements, now, using, count=True)
     except _NotWritten as failed:
@@ -225,7 +240,7 @@ def _refused(
         retried=False,
     )
     try:
-        settled = _written([failed], now, using)
+        settled, _ = _written([failed], now, using)
     except DatabaseError as again:
         if cannot_write_now(again):
             raise
@@ -279,12 +294,66 @@ def _settle(
     using: str | None,
     *,
     count: bool,
-) -> sql.Settled:
+) -> tuple[sql.Settled, list[Settlement]]:
     connection = connection_for(using)
     # In id order, the order every other writer of many rows (a give-up, a
     # requeue) locks them in: the outbox's order is the order answers came.
     settlements = sorted(settlements, key=lambda item: item.claimed.id)
     settled_at = db_datetime(now, connection)
+    superseded: list[Settlement] = []
+    with transaction.atomic(using=using):
+        with sql.on(connection) as db:
+            try:
+                held = [item.claimed.id for item in settlements if _held_unsent(item)]
+                if held:
+                    db.lock_for_writing()  # on SQLite, before its read
+                    reasons = retractions.retracted_held(db, held)
+                    settlements = [_superseded(item, reasons) for item in settlements]
+                    superseded = [item for item in settlements if item.claimed.id in reasons]
+                final = {s.claimed.id: s.claimed.batch_id for s in settlements if s.status in FINAL}
+                ordered = sorted(
+                    s.claimed.id for s in settlements if s.ordered and s.status in FINAL
+                )
+                settled = db.settle(
+                    _rows(settlements, now, settled_at, connection),
+                    final=final,
+                    ordered=ordered,
+                    now=settled_at,
+                    count=count,
+                )
+            except DatabaseError as exc:
+                # A database that is away is no reason to write it again.
+                if cannot_write_now(exc) or not count:
+                    raise
+                if not sql.counts_while_settling(connection):
+                    raise
+                raise _NotWritten from exc
+        if not settled.counted:
+            history.record(_history_of(settlements, settled.written, now), using=using)
+    return settled, superseded
+
+
+def _held_unsent(item: Settlement) -> bool:
+    """Whether ``item`` is an inbox's delivery put back without a request."""
+    return (
+        item.status == Status.PENDING and item.attempted_at is None and not item.claimed.destination
+    )
+
+
+def _superseded(item: Settlement, reasons: dict[int, str]) -> Settlement:
+    """``item`` written superseded, if ``reasons`` gives it a reason to be."""
+    reason = reasons.get(item.claimed.id)
+    if reason is None:
+        return item
+    return dataclasses.replace(
+        item, status=Status.SUPERSEDED, due_at=None, last_error=reason, retried=False
+    )
+
+
+def _rows(
+    settlements: Sequence[Settlement], now: dt.datetime, settled_at: Any, connection: Any
+) -> list[list[Any]]:
+    """The values :meth:`.sql.Statements.settle` writes, a row a settlement."""
     rows: list[list[Any]] = []
     for item, (minute, name) in zip(settlements, _counted_rows(settlements, now), strict=True):
         leaves = item.status in FINAL
@@ -303,22 +372,7 @@ def _settle(
                 name,
             ]
         )
-    final = {s.claimed.id: s.claimed.batch_id for s in settlements if s.status in FINAL}
-    ordered = sorted(s.claimed.id for s in settlements if s.ordered and s.status in FINAL)
-    with transaction.atomic(using=using):
-        with sql.on(connection) as db:
-            try:
-                settled = db.settle(rows, final=final, ordered=ordered, now=settled_at, count=count)
-            except DatabaseError as exc:
-                # A database that is away is no reason to write it again.
-                if cannot_write_now(exc) or not count:
-                    raise
-                if not sql.counts_while_settling(connection):
-                    raise
-                raise _NotWritten from exc
-        if not settled.counted:
-            history.record(_history_of(settlements, settled.written, now), using=using)
-    return settled
+    return rows
 
 
 def _counted_rows(
