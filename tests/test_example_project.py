@@ -169,6 +169,8 @@ for case, variables in json.loads(sys.argv[1]).items():
                 "ALLOWED_HOSTS": s.ALLOWED_HOSTS,
                 "SILENCED_SYSTEM_CHECKS": s.SILENCED_SYSTEM_CHECKS,
                 "DATABASE": {k: s.DATABASES["default"].get(k) for k in ("NAME", "HOST", "PORT")},
+                "CONNECTION": {k: s.DATABASES["default"].get(k) for k in (
+                    "CONN_MAX_AGE", "CONN_HEALTH_CHECKS")},
                 "WORKERS": getattr(s, "Q_CLUSTER", {}).get("workers"),
                 **{k: s.FEDERATION_DELIVERY.get(k) for k in (
                     "ALLOWED_NETWORKS", "WEBHOOK_ALLOWED_NETWORKS", "WEBHOOK_RETRY")},
@@ -178,6 +180,7 @@ print(json.dumps(found, default=str))
 """
 
 PASSWORD = "s3cretpw"
+DID = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
 WORKERS_READ = find_spec("django_q") is not None  # Q_CLUSTER_WORKERS, else unread
 
 # Each refused: a variable, and values that must not start the project.
@@ -190,8 +193,14 @@ REFUSED = {
         f"postgres:/app:{PASSWORD}@db.internal/app",
         # Two slashes: db.sqlite3 wherever the process runs, its "host" left out.
         f"sqlite://app:{PASSWORD}@var/db.sqlite3",
+        # Passed on as text by django-environ: a TypeError at the first query,
+        # and "false" read as true.
+        f"postgres://app:{PASSWORD}@db.internal/app?conn_max_age=10m",
+        f"postgres://app:{PASSWORD}@db.internal/app?conn_max_age=-1",
+        f"postgres://app:{PASSWORD}@db.internal/app?conn_health_checks=maybe",
     ],
-    "DEBUG": ["ture", "enabled", ""],
+    # "false" with no SECRET_KEY: sessions signed with the key written here.
+    "DEBUG": ["ture", "enabled", "", "false"],
     "FEDERATION_DELIVERY_WEBHOOK_RETRY": ["-1", "nan", "30,inf", "0"],
     # A finite number of days whose seconds are not.
     "FEDERATION_DELIVERY_RETENTION_DAYS": ["1e305", "36501"],
@@ -203,10 +212,21 @@ REFUSED = {
 ACCEPTED: list[tuple[dict[str, str], dict[str, Any]]] = [
     ({}, {"DEBUG": True, "ALLOWED_HOSTS": ["localhost", "127.0.0.1", "[::1]"]}),
     *(({"DEBUG": word}, {"DEBUG": True}) for word in ("TRUE", "yes", "On", "1")),
-    *(({"DEBUG": word}, {"DEBUG": False}) for word in ("false", "No", " off ", "0")),
+    *(
+        ({"DEBUG": word, "SECRET_KEY": "k"}, {"DEBUG": False})
+        for word in ("false", "No", " off ", "0")
+    ),
     (
         {"DATABASE_URL": f"postgres://app:{PASSWORD}@db.internal:6432/app"},
         {"DATABASE": {"NAME": "app", "HOST": "db.internal", "PORT": 6432}},
+    ),
+    (
+        {"DATABASE_URL": "postgres://db.internal/app?conn_max_age=600&conn_health_checks=false"},
+        {"CONNECTION": {"CONN_MAX_AGE": 600, "CONN_HEALTH_CHECKS": False}},
+    ),
+    (
+        {"DATABASE_URL": "postgres://db.internal/app?conn_health_checks=On"},
+        {"CONNECTION": {"CONN_MAX_AGE": None, "CONN_HEALTH_CHECKS": True}},
     ),
     # A comma list: each item stripped, empty ones left out.
     (
@@ -391,6 +411,97 @@ print(json.dumps(rows()))
     )
     assert rows["busy.example"][:5] == [False, False, 0, None, 3]
     assert not [host for host in rows if "ops" in host]
+
+
+@pytest.mark.any_database
+def test_a_portable_inboxs_deliveries_count_against_its_gateways_host(
+    example_env: dict[str, str],
+) -> None:
+    # Its inbox, ap://did:…, names no host: counted against none, a 410
+    # from its gateway never marked that server gone.
+    found = run(
+        example_env,
+        f"""
+import json
+from django_federation_delivery import PortableInbox, send, send_portable
+from django_federation_delivery.testing import deliver_all
+from django_federation_delivery.testing.fake import FakeInbox
+from federation_demo.keys import ALICE
+from federation_demo.models import RemoteServer
+note = {{"type": "Create", "id": ALICE + "/notes/portable/activity", "actor": ALICE}}
+send(ALICE, note, ["https://gw.example/users/carol/inbox"])
+# Counted against the gateway's host, as Delivery.host names it.
+send_portable(ALICE, note, [PortableInbox("ap://{DID}/actor/inbox", ["https://gw.example"])])
+send_portable(ALICE, note, [PortableInbox("ap://{DID}/other/inbox", ["https://gw-gone.example"])])
+fake = FakeInbox()
+fake.answer(410, url="https://gw-gone.example/.well-known/apgateway/{DID}/other/inbox")
+deliver_all(fake=fake)
+print(json.dumps({{r.host: [r.delivered, r.failures, r.gone] for r in RemoteServer.objects.all()}}))
+""",
+    )
+    assert (found.get("gw.example"), found.get("gw-gone.example")) == ([2, 0, False], [0, 1, True])
+
+
+@pytest.mark.any_database
+def test_the_debug_page_under_runserver_shows_no_database_password_or_webhook_url(
+    tmp_path: Path,
+) -> None:
+    # runserver puts the process's environment in every request's META,
+    # which the DEBUG page (and the mail a 500 sends to ADMINS) lists.
+    hook = "s3cretHookToken9"
+    code = f"""
+import sys
+from django.core.servers.basehttp import ServerHandler
+from django.test import RequestFactory
+from django.views.debug import technical_500_response
+request = RequestFactory().get("/admin/", **ServerHandler.os_environ)
+try:
+    raise RuntimeError("a view's bug")
+except RuntimeError:
+    page = technical_500_response(request, *sys.exc_info()).content.decode()
+print("shown:", "{PASSWORD}" in page, "{hook}" in page, "DATABASE_URL" in page)
+"""
+    variables = {
+        "DATABASE_URL": f"postgres://app:{PASSWORD}@127.0.0.1:1/app",
+        "WEBHOOK_OPS": f"slack://hooks.slack.com/services/T1/B1/{hook}",
+    }
+    done = subprocess.run(
+        [*EXAMPLE_MANAGE, "shell", "-c", code],
+        env=example_variables(tmp_path, variables),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    # Listed, its value hidden.
+    assert done.stdout.strip().splitlines()[-1] == "shown: False False True"
+
+
+@pytest.mark.any_database
+@pytest.mark.parametrize("debug", ["true", "false"])
+def test_a_signal_receiver_that_raises_is_logged_whatever_debug_says(
+    tmp_path: Path, debug: str
+) -> None:
+    # The package logs it on django.dispatch, whose errors Django's defaults
+    # send to ADMINS alone with DEBUG off.
+    code = """
+from django_federation_delivery.signals import Settled, delivery_settled, send_safely
+def broken(sender, settled, **kwargs):
+    raise RuntimeError("the receiver broke")
+delivery_settled.connect(broken, dispatch_uid="broken")
+send_safely(delivery_settled, settled=Settled(
+    delivery_id=1, batch_id=1, inbox="https://a.example/inbox", sender="", tag="",
+    outcome="delivered", status=202))
+"""
+    done = subprocess.run(
+        [*EXAMPLE_MANAGE, "shell", "-c", code],
+        env=example_variables(tmp_path, {"DEBUG": debug, "SECRET_KEY": "k"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the receiver broke" in done.stderr
 
 
 @pytest.mark.any_database

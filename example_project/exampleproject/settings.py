@@ -42,23 +42,51 @@ def _database(variable: str, default: str) -> dict[str, Any]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return env.db_url_config(url)
+                config: dict[str, Any] = env.db_url_config(url)
         except ValueError:  # a port that is not a number from 0 to 65535
             problem = "its port, or another part, could not be read"
+        else:
+            problem = _connection_options(config)
+            if not problem:
+                return config
     raise ImproperlyConfigured(
         f"{variable} must be a database URL such as postgres://user:password@host:5432/name "
         f"or sqlite:////path/to/db.sqlite3 ({problem}; the value is not shown)."
     )
 
 
-def _bool(variable: str, default: bool) -> bool:
-    """``variable``, true or false: django-environ's words for true and their
-    opposites, in any case; anything else is refused (not read as false)."""
-    text = env.str(variable, default=str(default))
+def _connection_options(config: dict[str, Any]) -> str:
+    """What is wrong with the ``conn_max_age`` and ``conn_health_checks`` a
+    database URL's query gave (django-environ passes on, as text, what it
+    cannot read), "" if nothing; ``conn_health_checks`` read as a bool."""
+    age = config.get("CONN_MAX_AGE")
+    if isinstance(age, str) or (age is not None and not 0 <= age < float("inf")):
+        return "its conn_max_age is not a number of seconds, 0 or more, nor None"
+    if "CONN_HEALTH_CHECKS" in config:
+        checks = _truth(str(config["CONN_HEALTH_CHECKS"]))
+        if checks is None:
+            return "its conn_health_checks is not true or false"
+        config["CONN_HEALTH_CHECKS"] = checks
+    return ""
+
+
+def _truth(text: str) -> bool | None:
+    """``text`` as true or false: django-environ's words for true and their
+    opposites, in any case; None for anything else."""
     if text.strip().lower() in env.BOOLEAN_TRUE_STRINGS:
         return True
     if text.strip().lower() in ("false", "off", "n", "no", "0"):
         return False
+    return None
+
+
+def _bool(variable: str, default: bool) -> bool:
+    """``variable``, true or false (see :func:`_truth`); anything else is
+    refused (not read as false)."""
+    text = env.str(variable, default=str(default))
+    truth = _truth(text)
+    if truth is not None:
+        return truth
     raise ImproperlyConfigured(
         f"{variable} must be true or false (yes or no, on or off, 1 or 0), not {text!r}."
     )
@@ -96,13 +124,16 @@ def _days(variable: str, default: float) -> float:
     return _positive(variable, default, float, what, most=36500) * 86400
 
 
-# The default is for development only: set SECRET_KEY for anything else.
+DEBUG = _bool("DEBUG", default=True)
+# The default is for development only (DEBUG on): with DEBUG off, SECRET_KEY
+# must be set, or sessions would be signed with a key anyone can read here.
 # Read as it is: django-environ would take a value starting with "$", as
 # one in fifty of Django's random keys does, for the name of another
 # variable, and, that one unset, fall back to the default here, which is
 # public.
-SECRET_KEY = env.ENVIRON.get("SECRET_KEY", "django-insecure-example-project-dev-only")
-DEBUG = _bool("DEBUG", default=True)
+if not DEBUG and not env.ENVIRON.get("SECRET_KEY"):
+    raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is false.")
+SECRET_KEY = env.ENVIRON.get("SECRET_KEY") or "django-insecure-example-project-dev-only"
 # A comma list of system check ids not to show (scripts/demo silences the
 # warning its loopback inboxes would raise, federation_delivery.W003).
 SILENCED_SYSTEM_CHECKS = _list("SILENCED_SYSTEM_CHECKS")
@@ -231,9 +262,21 @@ if _webhook_retry:
         )
     FEDERATION_DELIVERY["WEBHOOK_RETRY"] = _waits
 
+# The package's warnings, and a signal receiver that raised (the package
+# logs it on django.dispatch), on the console whatever DEBUG says: Django's
+# own defaults send django.dispatch's errors to ADMINS alone with DEBUG off.
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"django_federation_delivery": {"handlers": ["console"], "level": "WARNING"}},
+    "loggers": {
+        "django_federation_delivery": {"handlers": ["console"], "level": "WARNING"},
+        "django.dispatch": {"handlers": ["console"], "level": "ERROR", "propagate": False},
+    },
 }
+
+# runserver puts the whole environment in each request's META, which the
+# DEBUG page and the mail a 500 sends to ADMINS list: DATABASE_URL and the
+# WEBHOOK_<NAME> variables are credentials, hidden there as Django hides
+# its own (exampleproject/reports.py).
+DEFAULT_EXCEPTION_REPORTER_FILTER = "exampleproject.reports.EnvironmentHidingFilter"

@@ -19,6 +19,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from django_federation_delivery.addresses import host_of
+from django_federation_delivery.models import Delivery
 from django_federation_delivery.signals import Failure, Settled
 from federation_demo.models import RemoteServer
 
@@ -29,7 +30,7 @@ def count_delivered(sender: Any, settled: Settled, **kwargs: Any) -> None:
     """``delivery_settled``: a delivery that got through counts as delivered."""
     if settled.destination or settled.outcome != "delivered":
         return
-    _update(host_of(settled.inbox), delivered=F("delivered") + 1)
+    _update(_host(settled.inbox, settled.delivery_id), delivered=F("delivered") + 1)
 
 
 def count_failure(sender: Any, failure: Failure, **kwargs: Any) -> None:
@@ -46,7 +47,18 @@ def count_failure(sender: Any, failure: Failure, **kwargs: Any) -> None:
     if failure.refused and failure.status == GONE:
         changes["gone"] = True
         changes["gone_at"] = Coalesce(F("gone_at"), Value(now))
-    _update(host_of(failure.inbox), **changes)
+    _update(_host(failure.inbox, failure.delivery_id), **changes)
+
+
+def _host(inbox: str, delivery_id: int) -> str:
+    """The host the package names the delivery's (``Delivery.host``): the
+    inbox's, or, for a portable inbox (``ap://``), its gateway's, read from
+    the delivery, still in the queue when its signal is sent ("" if gone)."""
+    host = host_of(inbox)
+    if host:
+        return host
+    found = Delivery.objects.filter(pk=delivery_id).values_list("host", flat=True).first()
+    return found or ""
 
 
 def _update(host: str, **changes: Any) -> None:
