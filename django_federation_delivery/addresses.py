@@ -517,7 +517,7 @@ def _without_dot_segments(path: str) -> str:
 
 #: What a URL's userinfo comes after: what a pasted link may begin with
 #: (spaces, "<", a quote), its scheme, and "//".
-_BEFORE_USERINFO = re.compile(r"[\s<\"'(\[]*(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?")
+_BEFORE_USERINFO = re.compile(r"[\s<\"'(\[]*(?:(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):)?(?://)?")
 
 
 def _userinfo(text: str) -> tuple[int, int] | None:
@@ -525,8 +525,10 @@ def _userinfo(text: str) -> tuple[int, int] | None:
     last "@" before the path; or, where what comes before the first "/" is
     no host and port (a password holding an unencoded "/" makes "user:pass"
     of it), up to the last "@" of the segment of the first "@" after it.
-    None when it has none. Read in one pass, whatever the text: a URL a
-    stranger chose may be built to make a pattern try every way to split it."""
+    None when it has none. A portable inbox (``ap://``), whose authority is a
+    DID, colons and all, is never read the second way. Read in one pass,
+    whatever the text: a URL a stranger chose may be built to make a pattern
+    try every way to split it."""
     before = _BEFORE_USERINFO.match(text)
     start = before.end() if before else 0
     slash = text.find("/", start)
@@ -536,7 +538,11 @@ def _userinfo(text: str) -> tuple[int, int] | None:
         return start, at + 1
     if slash == -1 or text.startswith("[", start):
         return None
+    if before is not None and (before.group("scheme") or "").lower() == "ap":
+        return None
     _, colon, port = text[start:slash].partition(":")
+    # A port ends where a query or a fragment begins ("host:8443?next=/@a").
+    port = re.split(r"[?#]", port, maxsplit=1)[0]
     if not colon or not port or (port.isascii() and port.isdigit()):
         return None  # a host, and its port if any
     at = text.find("@", slash)

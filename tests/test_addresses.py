@@ -41,6 +41,8 @@ from .conftest import Inbox, Received, Unprintable
 from .keys import ALICE, rsa_key
 from .test_signatures import cavage_verifies, prepared, rfc9421_verify
 
+DID = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+
 CANONICAL = [
     ("https://a.example/inbox", "https://a.example/inbox"),
     ("HTTPS://A.Example:443/inbox", "https://a.example/inbox"),
@@ -630,6 +632,10 @@ def test_a_corpus_of_hostile_activities_is_either_delivered_verified_or_refused_
         # A "?" in the password does not hide the "@" that ends it.
         ("https://user:SE?CRET@a.example/", "https://a.example/"),
         ("https://a.example/@alice/inbox", "https://a.example/@alice/inbox"),
+        # No userinfo: a port before a query, and a portable inbox's DID,
+        # colons and all, with an "@" in its path.
+        ("https://a.example:8443?next=/@alice", "https://a.example:8443"),
+        (f"ap://{DID}/users/@alice/inbox", f"ap://{DID}/users/@alice/inbox"),
         ("https://a.example/in\r\nX: 1", "https://a.example/in\\r\\nX: 1"),
         ("https://a.example/\u202e\x00\ud800", "https://a.example/\\u202e\\x00\\ud800"),
         ("https://a.example/" + "x" * 300, "https://a.example/" + "x" * 179 + "..."),

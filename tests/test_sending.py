@@ -562,6 +562,22 @@ def test_one_inbox_given_as_binary_for_a_list_is_refused_naming_it(
 
 
 @pytest.mark.django_db
+def test_a_portable_inbox_with_an_at_in_its_path_is_shown_with_its_did() -> None:
+    # Its DID's colons were read as a user and a password holding a "/":
+    # skipped, it was listed as "ap://bob/inbox"; queued, shown so.
+    from django_federation_delivery import PortableInbox, send_portable
+
+    did = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+    alice, bob = (f"ap://{did}/users/@{name}/inbox" for name in ("alice", "bob"))
+    batch = send_portable(
+        ALICE, NOTE, [PortableInbox(alice, ["https://gw.example"]), PortableInbox(bob, [])]
+    )
+    assert batch is not None
+    assert [item.inbox for item in batch.skipped] == [bob]
+    assert str(Delivery.objects.get(batch=batch)).startswith(alice)
+
+
+@pytest.mark.django_db
 def test_send_portable_skips_what_is_not_a_portable_inbox_or_has_no_usable_gateway() -> None:
     from django_federation_delivery import PortableInbox, send_portable
 
