@@ -190,3 +190,52 @@ def test_a_settle_committed_whose_answer_was_lost_still_tells_batch_finished(
     assert inbox.paths() == ["/a"], "sent once"
     assert Batch.objects.get(id=batch.id).finished_at is not None
     assert runner.deliverer._tried == {}
+
+
+def test_a_lost_commits_finished_batch_is_told_when_the_read_of_it_fails_once(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The write tried again reads what the lost one finished, and meets the
+    # database away: what it was to read was dropped before the read, and
+    # batch_finished never told.
+    real_written = settlements._written
+    real_read = settlements._finished_unanswered
+    lost: list[Any] = []
+    reads: list[str] = []
+
+    def written(items: Any, now: Any, using: Any) -> Any:
+        answer = real_written(items, now, using)
+        if not lost:
+            lost.append(answer)
+            raise OperationalError("server closed the connection unexpectedly")
+        return answer
+
+    def read(unanswered: Any, using: Any) -> list[int]:
+        reads.append("failed" if not reads else "read")
+        if reads == ["failed"]:
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_read(unanswered, using)
+
+    monkeypatch.setattr(settlements, "_written", written)
+    monkeypatch.setattr(settlements, "_finished_unanswered", read)
+    told: list[int] = []
+
+    def finished(sender: Any, batch: Batch, **kwargs: Any) -> None:
+        told.append(batch.id)
+
+    signals.batch_finished.connect(finished, weak=False)
+    try:
+        batch = send(ALICE, NOTE, [inbox.url("/a")])
+        assert batch is not None
+        runner = start_deliverer()
+        try:
+            wait_until(lambda: "read" in reads and bool(told), timeout=15)
+        finally:
+            runner.stop()
+    finally:
+        signals.batch_finished.disconnect(finished)
+    assert told == [batch.id] and reads[:2] == ["failed", "read"]
+    assert inbox.paths() == ["/a"], "sent once"
+    assert runner.deliverer._tried == {}

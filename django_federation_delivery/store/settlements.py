@@ -157,27 +157,32 @@ def settle(
                     tried=tried,
                 )
             return written
-    finished = settled.finished
-    if tried:
-        unanswered = {
-            item.claimed.id: tried.pop(item.claimed.id)
-            for item in settlements
-            if item.claimed.id in tried
-        }
-        for id in settled.written:
-            unanswered.pop(id, None)
-        if unanswered:
-            finished = [*finished, *_finished_unanswered(unanswered, using)]
     # Committed: what is told now cannot undo it.
     superseded = [item for item in superseded if item.claimed.id in settled.written]
     if superseded and on_superseded is not None:
         on_superseded(superseded)
-    if finished and on_finished is not None:
-        on_finished(finished)
+    if settled.finished and on_finished is not None:
+        on_finished(settled.finished)
     if any(_due_again(item, now) for item in settlements if item.claimed.id in settled.written):
         # Put back due now (a stopping deliverer's hand-back): for any
         # deliverer to take, each woken as by a send.
         wakes.wake_all(using or database_alias())
+    if tried:
+        for id in settled.written:
+            tried.pop(id, None)
+        unanswered = {
+            item.claimed.id: tried[item.claimed.id]
+            for item in settlements
+            if item.claimed.id in tried
+        }
+        if unanswered:
+            # A read the database may fail: raised, what it was to read is
+            # kept in ``tried`` for the write tried again to read.
+            found = _finished_unanswered(unanswered, using)
+            for id in unanswered:
+                tried.pop(id, None)
+            if found and on_finished is not None:
+                on_finished(found)
     return settled.written
 
 
