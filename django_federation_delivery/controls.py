@@ -235,7 +235,10 @@ def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
     says what else). Returns how many.
 
     Each is requeued in the database it came from: a queryset's as it writes
-    (:func:`database_of`); a row's as its ``save()`` would write it."""
+    (:func:`database_of`); a row's as its ``save()`` would write it. In id
+    order, whatever the order given, a chunk at a time: each of a sequence
+    waits on the one requeued before it, though that one is in the chunk
+    before (the admin lists the newest first)."""
     if isinstance(deliveries, QuerySet):
         alias = database_of(deliveries)
         found = {alias: list(deliveries.using(alias).values_list("id", flat=True))}
@@ -244,8 +247,9 @@ def requeue(deliveries: QuerySet[Delivery] | Iterable[Delivery]) -> int:
         for delivery in deliveries:
             written = router.db_for_write(Delivery, instance=delivery)
             found.setdefault(written, []).append(delivery.id)
+    ordered = {alias: sorted(set(ids)) for alias, ids in found.items()}
     return sum(
         settlements.requeue_rows(ids[start : start + CHUNK], using=alias)
-        for alias, ids in found.items()
+        for alias, ids in ordered.items()
         for start in range(0, len(ids), CHUNK)
     )

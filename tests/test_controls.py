@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection
+from django.db import OperationalError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import controls, send, send_batch, send_webhook, signals
+from django_federation_delivery import controls, send, send_batch, send_webhook, signals, store
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.store import settlements
@@ -530,3 +530,107 @@ def test_the_deadline_sweep_leaves_a_row_claimed_after_its_read_to_its_claimer(
         f"delivery_failed told {len(told)} times for one delivery ({told}), row "
         f"{row.status} {row.last_error!r}"
     )
+
+
+def test_a_whole_refused_sequence_requeued_newest_first_goes_again_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Requeued a chunk at a time in the order given (the admin lists the
+    # newest first), the lowest of the newest chunk found nothing pending
+    # before it and was made due, beside the first of the sequence.
+    monkeypatch.setattr(controls, "CHUNK", 3)
+    inbox = "https://a.example/inbox"
+    options = {"ordering_key": f"{ALICE}/timeline"}
+    for n in range(7):
+        send_batch(ALICE, {"type": "Create", "id": f"{ALICE}/activities/{n}"}, [inbox], options)
+    for _ in range(7):
+        (claimed,) = store.claim(10, 60, per_host=10)
+        refused = store.Settlement(
+            claimed=claimed,
+            status=Status.REFUSED,
+            attempts=1,
+            last_status=400,
+            attempted_at=timezone.now(),
+            ordered=True,
+        )
+        assert store.settle([refused]) == {claimed.id}
+
+    assert controls.requeue(Delivery.objects.order_by("-id")) == 7
+
+    rows = list(Delivery.objects.order_by("id").values_list("id", "after_id", "due_at"))
+    assert [row[0] for row in rows if row[2] is not None] == [rows[0][0]]
+    assert [after for _, after, _ in rows[1:]] == [id for id, _, _ in rows[:-1]]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("held_open", ["requeue", "send"])
+def test_a_send_committing_while_a_requeue_in_its_sequence_commits_waits_on_it(
+    held_open: str,
+) -> None:
+    # The first of a sequence refused, requeued by an operator while a web
+    # process sends the next of it, one of the two in a transaction still
+    # open as the other commits: the new one waited on nothing, and one
+    # claim took both.
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite writes one at a time")
+    inbox = "https://a.example/inbox"
+    options = {"ordering_key": f"{ALICE}/timeline"}
+    first = send_batch(ALICE, {"type": "Create", "id": f"{ALICE}/activities/1"}, [inbox], options)
+    (claimed,) = store.claim(10, 60, per_host=10)
+    refused = store.Settlement(
+        claimed=claimed,
+        status=Status.REFUSED,
+        attempts=1,
+        attempted_at=timezone.now(),
+        ordered=True,
+    )
+    assert store.settle([refused]) == {claimed.id}
+    opened, other_done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    sent: list[Batch | None] = []
+
+    def requeue() -> None:
+        assert controls.requeue(Delivery.objects.filter(batch=first)) == 1
+
+    def send_next() -> None:
+        activity = {"type": "Create", "id": f"{ALICE}/activities/2"}
+        sent.append(send_batch(ALICE, activity, [inbox], options))
+
+    def in_a_thread() -> None:
+        try:
+            other()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    held, other = (requeue, send_next) if held_open == "requeue" else (send_next, requeue)
+
+    def in_open_transaction() -> None:
+        try:
+            with transaction.atomic():
+                held()
+                opened.set()
+                other_done.wait(10)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            opened.set()
+            connections.close_all()
+
+    thread = threading.Thread(target=in_open_transaction)
+    thread.start()
+    opened.wait(10)
+    waiter = threading.Thread(target=in_a_thread)
+    waiter.start()
+    time.sleep(0.3)  # the other blocked on the sequence's lock, or done
+    other_done.set()
+    waiter.join(20)
+    thread.join(20)
+    assert not errors, errors
+    (second,) = sent
+    assert second is not None
+    one = Delivery.objects.get(batch=first)
+    two = Delivery.objects.get(batch=second)
+    assert one.status == Status.PENDING and one.due_at is not None
+    assert (two.after_id, two.due_at) == (one.id, None)

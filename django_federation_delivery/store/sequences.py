@@ -136,5 +136,26 @@ def lock_sequences(ordering_key: str, inboxes: Iterable[str], alias: str) -> Non
         db.run("lock_sequences", keys=db.ids(keys), shared=shared)
 
 
+def lock_sequences_of(ids: Iterable[int], alias: str) -> None:
+    """On PostgreSQL, the sequences of the deliveries ``ids`` (requeued)
+    locked as a send locks its own (:func:`lock_sequences`), each key in
+    turn, before any of their rows is: a send in one of them committing
+    meanwhile would otherwise not see them, nor they it, and go beside
+    them. (SQLite writes one at a time.)"""
+    if not is_postgresql(connection_for(alias)):
+        return
+    keyed = (
+        Delivery.objects.using(alias)
+        .filter(id__in=list(ids))
+        .exclude(sequence="")
+        .values_list("batch__ordering_key", "inbox")
+    )
+    inboxes: dict[str, set[str]] = {}
+    for key, inbox in keyed:
+        inboxes.setdefault(key, set()).add(inbox)
+    for key in sorted(inboxes):
+        lock_sequences(key, inboxes[key], alias)
+
+
 def _lock_key(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)

@@ -28,7 +28,7 @@ from django_federation_delivery.store import history, retractions, sql, wakes
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down, count_up
 from django_federation_delivery.store.locks import again_on_deadlock, lock_hosts, write_first
-from django_federation_delivery.store.sequences import release_next
+from django_federation_delivery.store.sequences import lock_sequences_of, release_next
 
 logger = logging.getLogger(__name__)
 
@@ -518,6 +518,8 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
     manager = Delivery.objects.using(alias)
     with transaction.atomic(using=alias):
         write_first(alias)  # SQLite locks no row a read selects for update
+        # Before the rows, as a send takes them before it writes its own.
+        lock_sequences_of(ids, alias)
         rows = list(
             manager.select_for_update()
             .filter(id__in=list(ids), status__in=list(FINAL - {Status.DELIVERED}))
