@@ -33,12 +33,17 @@ class TransportError(FederationDeliveryError):
 
     #: Whether trying again cannot help (a bad or refused address).
     permanent: bool = False
+    #: Whether a request may have reached the server: not when the URL or
+    #: the address was refused before any was made, which says nothing of
+    #: the server.
+    sent: bool = True
 
 
 class InvalidURL(TransportError):
     """The target is not an absolute http(s) URL with a host."""
 
     permanent = True
+    sent = False
 
 
 class RefusedAddress(TransportError):
@@ -46,10 +51,11 @@ class RefusedAddress(TransportError):
 
     Loopback, private, link-local and other non-public addresses are refused
     unless ``ALLOWED_NETWORKS`` names them; the check is made on the address
-    actually connected to, after DNS.
+    actually connected to, after DNS, before any byte of a request is sent.
     """
 
     permanent = True
+    sent = False
 
 
 class AttemptTimeout(TransportError):

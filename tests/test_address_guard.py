@@ -19,7 +19,7 @@ import pytest
 
 from django_federation_delivery import send, send_webhook
 from django_federation_delivery.exceptions import RefusedAddress, TransportError
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.transport import Transport, TransportSettings
 
 from .conftest import Inbox, RunningDeliverer, wait_until
@@ -302,6 +302,9 @@ def test_inboxes_a_stranger_names_on_private_addresses_are_refused_and_say_why(
         assert row.status == Status.REFUSED, (row.inbox, row.status, row.last_error)
         assert "not a public address" in row.last_error
         assert secret not in row.last_error
+        # Refused before a request: never attempted, and nothing of its host.
+        assert row.last_attempt_at is None
+    assert not Host.objects.filter(failing_since__isnull=False).exists()
     assert inbox.connections == 0
     assert connects == []
 

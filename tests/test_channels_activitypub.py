@@ -275,6 +275,17 @@ def test_an_inbox_not_sent_to_for_its_url_or_its_signature_says_nothing_of_its_h
     assert len(mocked.calls) == 0
 
 
+def test_an_inbox_refused_for_its_address_says_nothing_of_its_host(inbox: Inbox) -> None:
+    # The guard refused it before connecting: no request was made, though
+    # one was counted, and its host was counted failing.
+    with Transport(TransportSettings(user_agent="tests")) as transport:
+        result = attempt(job(targets=(inbox.url(),)), transport)
+    assert "not a public address" in result.error
+    assert (result.delivered, result.permanent, result.requests) == (False, True, 0)
+    assert is_failure(result) is None
+    assert inbox.connections == 0
+
+
 # --- One deadline for the whole attempt, within the lease: real servers on loopback ---
 
 

@@ -599,6 +599,12 @@ def test_ipv6_loopback_refused_by_default_allowed_when_allowed(
         ("::ffff:10.0.0.1", False),
         ("::ffff:93.184.215.14", True),
         ("2002:7f00:1::1", False),
+        # 6to4 and IETF protocol assignments in 2001::/23 whatever they carry:
+        # global to some Pythons and not to others.
+        ("2002:5db8:d822::1", False),
+        ("2001:1::1", False),
+        ("2001:4:112::1", False),
+        ("2001:20::1", False),
         ("64:ff9b::a00:1", False),
         # NAT64 (RFC 6052): 93.184.216.34 as DNS64 gives it to an IPv6-only server.
         ("64:ff9b::5db8:d822", True),

@@ -13,10 +13,16 @@ _NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 #: Blocks no host of anyone else's is in, which some Pythons' ``is_global``
 #: still calls global (the special-purpose registries they were released
 #: with): IETF protocol assignments (192.0.0.0/24; global from 3.11 to 3.12
-#: but for its first addresses) and IPv6 documentation (3fff::/20, RFC 9637).
-#: Never public, so that an address is judged alike on every Python.
+#: but for its first addresses, and 2001::/23, whose anycast and AS112
+#: blocks newer ones call global and older ones do not), 6to4 (2002::/16,
+#: global to Pythons before 3.13 and before the fixes of CVE-2024-4032, a
+#: relay's address carrying any IPv4 one) and IPv6 documentation
+#: (3fff::/20, RFC 9637). Never public, so that an address is judged alike
+#: on every Python.
 _NEVER_PUBLIC: tuple[IPNetwork, ...] = (
     ipaddress.IPv4Network("192.0.0.0/24"),
+    ipaddress.IPv6Network("2001::/23"),
+    ipaddress.IPv6Network("2002::/16"),
     ipaddress.IPv6Network("3fff::/20"),
 )
 
