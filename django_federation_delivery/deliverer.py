@@ -186,6 +186,9 @@ class Deliverer:
             needed=lambda: self.slots.threads_wanted(),
             longest=self.kinds.longest,
             concurrency=self.concurrency,
+            # The threads the others share (Handoff's most): past them, a
+            # thread made for an urgent delivery is kept for urgent ones.
+            others_at_once=self.concurrency + self.slow_concurrency,
         )
         self.slots = Slots(
             concurrency=self.concurrency,

@@ -90,6 +90,7 @@ class Workers:
         needed: Callable[[], int],
         longest: float,
         concurrency: int = 1,
+        others_at_once: int | None = None,
     ) -> None:
         self.transport_settings = transport_settings
         #: Keep-alive connections to inboxes and webhook destinations, shared by the threads.
@@ -112,7 +113,12 @@ class Workers:
         self.wake_at = max(1, concurrency // 4)
         self.jobs: queue.SimpleQueue[InFlight | _Nudge | None] = queue.SimpleQueue()
         #: The urgent jobs, which a free worker takes before any in ``jobs``.
-        self.urgent: queue.SimpleQueue[InFlight] = queue.SimpleQueue()
+        self.urgent: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()
+        #: The threads that may take the others' jobs (``others_at_once``,
+        #: the threads they share; None: every thread): one more, made for
+        #: an urgent delivery, takes urgent ones only, and is still free for
+        #: the next once the first is done, however long the others' take.
+        self._others = None if others_at_once is None else threading.Semaphore(others_at_once)
         self.results: queue.SimpleQueue[tuple[InFlight, AttemptResult]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -155,15 +161,35 @@ class Workers:
 
     def _next(self) -> InFlight | None:
         """The next job, an urgent one first, waiting for one at most the
-        idle timeout (``queue.Empty``); None to end."""
+        idle timeout (``queue.Empty``); None to end. Another's job only
+        while fewer than ``others_at_once`` threads take them: it holds
+        its place until its attempt is over (:meth:`_done`)."""
+        idle = self.transport_settings.idle_timeout
         while True:
             try:
                 return self.urgent.get_nowait()
             except queue.Empty:
                 pass
-            item = self.jobs.get(timeout=self.transport_settings.idle_timeout)
-            if item is not _Nudge.URGENT:
+            if self._others is not None and not self._others.acquire(blocking=False):
+                # As many take the others' jobs as may: this one waits for
+                # an urgent one (or the end).
+                return self.urgent.get(timeout=idle)
+            try:
+                item = self.jobs.get(timeout=idle)
+            except queue.Empty:
+                self._done(None)
+                raise
+            if isinstance(item, InFlight):
                 return item
+            self._done(None)
+            if item is None:
+                return None
+
+    def _done(self, item: InFlight | None) -> None:
+        """A place among those taking the others' jobs let go: after the
+        attempt of ``item``, not urgent, or with None, when no job was taken."""
+        if self._others is not None and (item is None or not item.urgent):
+            self._others.release()
 
     def stop(self) -> None:
         """End every thread once it has finished its attempt."""
@@ -171,6 +197,7 @@ class Workers:
             threads = list(self._threads)
         for _ in threads:
             self.jobs.put(None)
+            self.urgent.put(None)
         for thread in threads:
             thread.join(timeout=self.longest + 5)
         with self._lock:
@@ -209,7 +236,10 @@ class Workers:
                 if item is None:
                     break
                 item.started = time.monotonic()
-                self.results.put((item, self._attempt(item, transports)))
+                try:
+                    self.results.put((item, self._attempt(item, transports)))
+                finally:
+                    self._done(item)
                 # Not kept while this thread waits for the next: its body,
                 # job and signing key are the loop's until it settles.
                 item = None

@@ -421,6 +421,32 @@ def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     assert ended == [], f"sent once {len(ended)} attempts of the fan-out had ended"
 
 
+def test_a_second_direct_message_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # The thread made for the first outlived it and took a queued attempt
+    # of the fan-out's (five of them at once, for the four they share): the
+    # second direct message had no thread until the fan-out's ended.
+    send_urgent = urgent_target(
+        inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
+    )
+    runner, answered, _ = every_thread_held(inboxes, start_deliverer, delay=6.0)
+    slots = runner.deliverer.slots
+    target = send_urgent("direct-message")
+    wait_until(lambda: len(target.received) == 1, timeout=10)
+    wait_until(lambda: slots.urgent_in_flight == 0, timeout=5)
+    time.sleep(0.3)  # a queued attempt of the fan-out's, free for a thread to take
+    running = sum(1 for item in list(slots.in_flight.values()) if item.started)
+    send_urgent("direct-message")
+    wait_until(lambda: len(target.received) == 2, timeout=15)
+    ended = list(answered)
+    runner.stop()
+    assert ended == [], f"sent once {len(ended)} attempts of the fan-out had ended"
+    assert running == 4, f"{running} of the fan-out's attempts at once, for the 4 they share"
+
+
 def test_a_direct_message_goes_while_the_fan_out_and_an_earlier_slow_one_hold_every_thread(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
