@@ -398,6 +398,25 @@ def every_thread_held(
     return runner, answered, answer
 
 
+def every_thread_held_by_a_fan_out(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    delay: float,
+) -> tuple[
+    Callable[[str], Inbox],
+    RunningDeliverer,
+    list[str],
+    Callable[[Received], tuple[int, dict[str, str], bytes]],
+]:
+    """:func:`every_thread_held`, slow after 0.2 s, with SLOW_CONCURRENCY 2
+    and no breaker; first, what sends an urgent delivery (:func:`urgent_target`)."""
+    send_urgent = urgent_target(
+        inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
+    )
+    return (send_urgent, *every_thread_held(inboxes, start_deliverer, delay=delay))
+
+
 @pytest.mark.parametrize("urgent", ["direct-message", "webhook"])
 def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     inboxes: Callable[..., Inbox],
@@ -410,10 +429,9 @@ def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     # CONCURRENCY + SLOW_CONCURRENCY: a direct message or an alert waited
     # for one of those attempts to end (13.9 s with the defaults and a 20 s
     # limit). Its slots are its own, and so are their threads.
-    send_urgent = urgent_target(
-        inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
+    send_urgent, runner, answered, _ = every_thread_held_by_a_fan_out(
+        inboxes, start_deliverer, settings, delay=4.0
     )
-    runner, answered, _ = every_thread_held(inboxes, start_deliverer, delay=4.0)
     target = send_urgent(urgent)
     wait_until(lambda: len(target.received) == 1, timeout=15)
     ended = list(answered)
@@ -429,10 +447,9 @@ def test_a_second_direct_message_goes_while_a_fan_outs_slow_attempts_hold_every_
     # The thread made for the first outlived it and took a queued attempt
     # of the fan-out's (five of them at once, for the four they share): the
     # second direct message had no thread until the fan-out's ended.
-    send_urgent = urgent_target(
-        inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
+    send_urgent, runner, answered, _ = every_thread_held_by_a_fan_out(
+        inboxes, start_deliverer, settings, delay=6.0
     )
-    runner, answered, _ = every_thread_held(inboxes, start_deliverer, delay=6.0)
     slots = runner.deliverer.slots
     target = send_urgent("direct-message")
     wait_until(lambda: len(target.received) == 1, timeout=10)
@@ -457,10 +474,9 @@ def test_a_direct_message_goes_while_the_fan_out_and_an_earlier_slow_one_hold_ev
     # second one still has a thread of its own. It waited for two attempts
     # to end: the slow urgent one was counted among the threads the
     # fan-out's slow ones already filled.
-    send_urgent = urgent_target(
-        inboxes, settings, SLOW_AFTER_SECONDS=0.2, SLOW_CONCURRENCY=2, BREAKER=None
+    send_urgent, runner, answered, answer = every_thread_held_by_a_fan_out(
+        inboxes, start_deliverer, settings, delay=5.0
     )
-    runner, answered, answer = every_thread_held(inboxes, start_deliverer, delay=5.0)
     silent_friend = inboxes("127.0.0.4", delay=5.0, respond=answer)
     send(ALICE, {"type": "Create", "to": "friend", "n": 1}, [silent_friend.url()])
     slots = runner.deliverer.slots
