@@ -574,15 +574,27 @@ MATRIX = "matrix://syt_matrixAccessToken42@matrix.example/!RoomIdAbc:example.org
 ROOM_URL = "https://matrix.example/_matrix/client/v3/rooms/%21RoomIdAbc%3Aexample.org"
 
 
-def test_matrix_puts_a_text_message_with_the_event_id_as_the_transaction() -> None:
+def test_matrix_puts_a_text_message_with_the_event_id_in_the_transaction() -> None:
     destination = parse_destination("room", MATRIX)
     assert destination.display == "room (Matrix)"
     first = build(destination, event({"host": "db-1"}, event_id="evt/1"), now=1)
     retry = build(destination, event({"host": "db-1"}, event_id="evt/1"), now=600)
     assert first.method == "PUT"
-    assert first.url == f"{ROOM_URL}/send/m.room.message/evt%2F1"
+    assert re.fullmatch(
+        re.escape(f"{ROOM_URL}/send/m.room.message/evt%2F1.") + "[0-9a-f]{16}", first.url
+    )
     # A retry is the same transaction: the homeserver keeps one message.
     assert (retry.url, retry.body) == (first.url, first.body)
+    # Another destination's (another room, or another name), by the same
+    # bot, is another transaction: a homeserver keeps them per token, not
+    # per room, and took the second room's for the first's, posting nothing.
+    other_room = parse_destination("room", MATRIX.replace("RoomIdAbc", "RoomIdXyz"))
+    other_name = parse_destination("audit", MATRIX)
+    transactions = {
+        build(where, event({"host": "db-1"}, event_id="evt/1")).url.rsplit("/", 1)[1]
+        for where in (destination, other_room, other_name)
+    }
+    assert len(transactions) == 3
     assert json.loads(first.body) == {
         "msgtype": "m.text",
         "body": "alert.raised\nhost: db-1",
@@ -627,8 +639,8 @@ def test_a_matrix_room_of_version_12_is_sent_to_by_its_id() -> None:
     room = "!31hneApxJ_1o-63DmFrpeqnkFfWppnzWso1JvH3ogLM"
     destination = parse_destination("room", f"matrix://syt_token42@matrix.example/{room}")
     request = build(destination, event(event_id="evt-1"))
-    assert request.url == (
-        f"https://matrix.example/_matrix/client/v3/rooms/%21{room[1:]}/send/m.room.message/evt-1"
+    assert request.url.startswith(
+        f"https://matrix.example/_matrix/client/v3/rooms/%21{room[1:]}/send/m.room.message/evt-1."
     )
 
 

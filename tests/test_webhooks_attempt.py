@@ -220,9 +220,12 @@ def test_a_template_that_raises_is_retried_and_named_by_its_type_only(
 
 
 MATRIX = "matrix://syt_matrixAccessToken42@matrix.example/!RoomIdAbc:example.org"
-MATRIX_SENT_TO = (
-    "https://matrix.example/_matrix/client/v3/rooms/%21RoomIdAbc%3Aexample.org"
-    "/send/m.room.message/evt-1"
+MATRIX_SENT_TO = re.compile(
+    re.escape(
+        "https://matrix.example/_matrix/client/v3/rooms/%21RoomIdAbc%3Aexample.org"
+        "/send/m.room.message/evt-1."
+    )
+    + "[0-9a-f]{16}$"
 )
 
 
@@ -245,6 +248,28 @@ def test_a_homeserver_s_rate_limit_is_waited_as_its_body_asks(
     assert not result.delivered and not result.permanent
     assert result.retry_after == 2.5
     assert "syt_matrixAccessToken42" not in result.error
+
+
+DISCORD = "discord://discord.com/api/webhooks/1234/token-token-token"
+DISCORD_SENT_TO = "https://discord.com/api/v10/webhooks/1234/token-token-token"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"Retry-After": "45.5", "X-RateLimit-Reset-After": "45.5"}, {}],
+    ids=["decimal-retry-after", "no-retry-after"],
+)
+def test_discord_s_rate_limit_is_waited_as_its_body_asks(
+    mocked: responses.RequestsMock, transport: Transport, headers: dict[str, str]
+) -> None:
+    # Its wait is in its body, in seconds with decimals; a Retry-After with
+    # decimals, or none, was read as no wait, and the retry met a 429 again.
+    body = {"message": "You are being rate limited.", "retry_after": 45.5, "global": False}
+    mocked.post(DISCORD_SENT_TO, status=429, json=body, headers=headers)
+    result = attempt(job(DISCORD), transport)
+    assert not result.delivered and not result.permanent
+    assert result.retry_after == 45.5
+    assert "token-token" not in result.error
 
 
 TELEGRAM = "telegram://123456:ABCdefSECRETtok_en@-1001234567890"

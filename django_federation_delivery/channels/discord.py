@@ -25,6 +25,9 @@ class Discord(HookChannel):
     label = "Discord"
     schemes = ("discord", "discord+http")
     public_segments = frozenset({"api", "webhooks"})
+    # A 429 says its wait in its body, in seconds with decimals (a
+    # Retry-After with decimals, or none, is not read as one).
+    wait_in_body = (("retry_after",), 1.0)
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
         document = {

@@ -4,6 +4,7 @@ room version 12)."""
 
 from __future__ import annotations
 
+import hashlib
 from urllib.parse import quote, unquote
 
 from django.utils.translation import gettext as _
@@ -36,11 +37,13 @@ _MESSAGE: dict[str, object] = {"msgtype": "m.text", "body": "", "m.mentions": {}
 
 
 class Matrix(Channel):
-    """``PUT /_matrix/client/v3/rooms/<room>/send/m.room.message/<event id>``
+    """``PUT /_matrix/client/v3/rooms/<room>/send/m.room.message/<transaction id>``
     with ``{"msgtype": "m.text", "body": …, "m.mentions": {}}`` (the text cut to 32 KiB, and to
     what keeps the content within 60 KiB of JSON), the access token as a bearer
-    token. The event's id is the transaction id, so a homeserver that got an
-    attempt whose answer was lost takes the retry as the same message. The
+    token. The transaction id is the event's id and a digest of the
+    destination's name and room (:func:`transaction_id`), so a homeserver
+    that got an attempt whose answer was lost takes the retry as the same
+    message, and one event sent to two rooms by one bot is two messages. The
     token is secret; the room is not."""
 
     name = "matrix"
@@ -72,10 +75,8 @@ class Matrix(Channel):
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
         room = quote(destination.options["room"], safe="")
-        url = (
-            f"{destination.url}/_matrix/client/v3/rooms/{room}"
-            f"/send/m.room.message/{quote(event.id, safe='')}"
-        )
+        txn = quote(transaction_id(destination, event), safe="")
+        url = f"{destination.url}/_matrix/client/v3/rooms/{room}/send/m.room.message/{txn}"
         text = cut_bytes(render_text(destination, event), MATRIX_LIMIT)
         # Measured as it is sent: a text within MATRIX_LIMIT may be six times
         # as long in JSON.
@@ -87,3 +88,13 @@ class Matrix(Channel):
             url=url,
             headers={"Authorization": f"Bearer {destination.options['token']}"},
         )
+
+
+def transaction_id(destination: Destination, event: Event) -> str:
+    """The transaction id of ``event``'s message to ``destination``: its id,
+    and a digest of the destination's name and room. A homeserver keeps a
+    transaction id per access token and device, not per room (Conduit and
+    its forks), so the event's id alone sent to two rooms by one bot posted
+    in one of them only, and told both delivered."""
+    where = f"{destination.name}\n{destination.options['room']}"
+    return f"{event.id}.{hashlib.sha256(where.encode()).hexdigest()[:16]}"
