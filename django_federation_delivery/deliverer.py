@@ -571,11 +571,14 @@ class Deliverer:
             tell_failed(row, batch, None, failed.last_error)
 
     def _superseded(self, written: list[settlements.Settlement]) -> None:
-        """``delivery_settled`` of the deliveries held back without a request
-        that a write superseded, committed (a retraction sent while they
-        were claimed waited on them), and the summary's count of them."""
+        """``delivery_settled`` of the deliveries put back without a request
+        (held back, handed back, retried unsent) that a write superseded,
+        committed (a retraction sent while they were claimed waited on
+        them), and the summary's count of them, taken off what it counted
+        them as."""
         for item in written:
-            self.summary.held -= 1
+            if item.counted:
+                self.summary.count(Outcome(item.counted), by=-1)
             self.summary.count(Outcome.SUPERSEDED)
             row = item.claimed
             if not signals.listened(signals.delivery_settled):

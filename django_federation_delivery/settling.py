@@ -57,10 +57,10 @@ class Summary:
     #: When the run ended, once it has.
     stopped: float | None = None
 
-    def count(self, outcome: Outcome) -> None:
+    def count(self, outcome: Outcome, by: int = 1) -> None:
         """One more delivery that came to ``outcome`` (each has its field)."""
         # A StrEnum is its value: no look-up of ``.value`` a delivery.
-        setattr(self, outcome, getattr(self, outcome) + 1)
+        setattr(self, outcome, getattr(self, outcome) + by)
 
     @property
     def done(self) -> int:
@@ -349,6 +349,7 @@ class Settler:
             # retraction supersedes.
             attempted_at=now if result.requests else None,
             retried=outcome is Outcome.RETRYING,
+            counted=outcome,
         )
 
     def _watched(self, row: claims.Claimed, result: AttemptResult, now: dt.datetime) -> bool:
@@ -440,6 +441,7 @@ class Settler:
             status=Status.PENDING,
             attempts=row.attempts,
             due_at=aware_now() + dt.timedelta(seconds=PAUSED_RECHECK),
+            counted=Outcome.HELD,
         )
 
     def abandoned(

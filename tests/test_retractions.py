@@ -348,8 +348,9 @@ def test_a_claimed_delivery_is_left_to_its_holder_and_the_delete_released_when_i
     assert row(first, A).status == Status.DELIVERED
 
 
-def _held_back(claimed: store.Claimed) -> store.Settlement:
-    """What a deliverer writes of ``claimed`` held back without a request."""
+def _held_back(claimed: store.Claimed, counted: str = "held") -> store.Settlement:
+    """What a deliverer writes of ``claimed`` held back without a request
+    (or put back otherwise, as its summary ``counted`` it)."""
     later = timezone.now() + dt.timedelta(minutes=5)
     return store.Settlement(
         claimed=claimed,
@@ -357,6 +358,7 @@ def _held_back(claimed: store.Claimed) -> store.Settlement:
         attempts=claimed.attempts + 1,
         due_at=later,
         last_error="held: the circuit breaker for a.example is open",
+        counted=counted,
     )
 
 
@@ -400,6 +402,88 @@ def test_a_create_claimed_when_the_delete_came_and_held_back_unsent_is_supersede
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_create_held_back_while_the_delete_commits_is_superseded() -> None:
+    # The Delete is being sent (a web request's transaction still open) as
+    # the deliverer writes the claimed Create held back: the write's read of
+    # retractions did not see the Delete, and the Create went first.
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite writes one at a time")
+    first = send(ALICE, create(), [A])
+    (claimed,) = store.claim(10, 60)
+    opened, written = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    sent: list[Batch | None] = []
+
+    def retract() -> None:
+        try:
+            with transaction.atomic():
+                sent.append(send(ALICE, delete(), [A]))
+                opened.set()
+                written.wait(1)  # the hold's write waits for this commit
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            opened.set()
+            connections.close_all()
+
+    def hold() -> None:
+        try:
+            store.settle([_held_back(claimed)])
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            written.set()
+            connections.close_all()
+
+    retraction = threading.Thread(target=retract)
+    retraction.start()
+    assert opened.wait(10)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holder.join(20)
+    retraction.join(20)
+    assert not errors, errors
+    (later,) = sent
+    assert row(first, A).status == Status.SUPERSEDED
+    assert row(later, A).after_id is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_sent_while_a_hold_of_its_create_commits_supersedes_it() -> None:
+    # The other way round: the hold's write is committing as the Delete is
+    # sent, which left the Create, claimed, to its deliverer.
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite writes one at a time")
+    first = send(ALICE, create(), [A])
+    (claimed,) = store.claim(10, 60)
+    locked, sent = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                store.settle([_held_back(claimed)])
+                locked.set()
+                sent.wait(1)  # the Delete waits for this commit
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            locked.set()
+            connections.close_all()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert locked.wait(10)
+    later = send(ALICE, delete(), [A])
+    sent.set()
+    holder.join(20)
+    assert not errors, errors
+    assert later is not None and later.superseded == 1
+    assert row(first, A).status == Status.SUPERSEDED
+    assert row(later, A).after_id is None
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_create_held_back_unsent_after_an_attempt_is_not_superseded() -> None:
     first = send(ALICE, create(), [A])
     (tried,) = store.claim(10, 60)
@@ -429,23 +513,29 @@ def test_a_create_held_back_unsent_is_kept_when_another_senders_delete_came() ->
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("counted", ["held", "retrying", ""])
 def test_the_deliverer_tells_and_counts_a_held_back_create_a_delete_superseded(
-    settled: list[signals.Settled],
+    settled: list[signals.Settled], counted: str
 ) -> None:
+    # Put back unsent: held (a breaker), retrying (its key could not be
+    # read), or handed back by a stopping deliverer, counted as nothing.
+    # Each was taken off "held", which went below zero.
     first = send(ALICE, create(), [A])
     deliverer = Deliverer(concurrency=2)
     (claimed,) = store.claim(10, 60)
     send(ALICE, delete(), [A])
-    deliverer.summary.held = 1  # as its settler counted the hold
+    if counted:
+        setattr(deliverer.summary, counted, 1)  # as its settler counted it
 
-    assert deliverer._settle([_held_back(claimed)])
+    assert deliverer._settle([_held_back(claimed, counted)])
 
     assert row(first, A).status == Status.SUPERSEDED
     assert [(s.delivery_id, s.outcome, s.sender, s.inbox) for s in settled] == [
         (claimed.id, "superseded", ALICE, A)
     ]
-    assert (deliverer.summary.held, deliverer.summary.superseded) == (0, 1)
-    assert "held 0, superseded 1" in deliverer.summary.line()
+    summary = deliverer.summary
+    assert (summary.held, summary.retrying, summary.superseded) == (0, 0, 1)
+    assert "retrying 0, refused 0, failed 0, skipped 0, held 0, superseded 1" in summary.line()
 
 
 @pytest.mark.django_db(transaction=True)

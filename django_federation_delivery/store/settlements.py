@@ -63,6 +63,9 @@ class Settlement:
     #: A pending one's attempt failed and is to be tried again: counted as
     #: retried in the history (one held unsent by a breaker or a pause is not).
     retried: bool = False
+    #: What the deliverer's summary counted it as ("held", "retrying", …;
+    #: "" for none): what it is taken off if it is written otherwise.
+    counted: str = ""
 
 
 #: For each delivery whose write met a database that could not write (an
@@ -311,8 +314,8 @@ def _settle(
             try:
                 held = [item.claimed.id for item in settlements if _held_unsent(item)]
                 if held:
-                    db.lock_for_writing()  # on SQLite, before its read
-                    reasons = retractions.retracted_held(db, held)
+                    every = [item.claimed.id for item in settlements]
+                    reasons = retractions.retracted_held(db, held, every)
                     settlements = [_superseded(item, reasons) for item in settlements]
                     superseded = [item for item in settlements if item.claimed.id in reasons]
                 final = {s.claimed.id: s.claimed.batch_id for s in settlements if s.status in FINAL}
