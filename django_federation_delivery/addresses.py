@@ -540,9 +540,10 @@ def _userinfo(text: str) -> tuple[int, int] | None:
         return None
     if before is not None and (before.group("scheme") or "").lower() == "ap":
         return None
-    _, colon, port = text[start:slash].partition(":")
-    # A port ends where a query or a fragment begins ("host:8443?next=/@a").
-    port = re.split(r"[?#]", port, maxsplit=1)[0]
+    # What comes before a query or a fragment ("host:8443?next=/@a",
+    # "host?token=a:b/@c"): a password may hold a "?", a host never does.
+    head = re.split(r"[?#]", text[start:slash], maxsplit=1)[0]
+    _, colon, port = head.partition(":")
     if not colon or not port or (port.isascii() and port.isdigit()):
         return None  # a host, and its port if any
     at = text.find("@", slash)

@@ -635,6 +635,10 @@ def test_a_corpus_of_hostile_activities_is_either_delivered_verified_or_refused_
         # No userinfo: a port before a query, and a portable inbox's DID,
         # colons and all, with an "@" in its path.
         ("https://a.example:8443?next=/@alice", "https://a.example:8443"),
+        ("https://a.example?token=s3cret:x/@y", "https://a.example"),
+        ("https://a.example#s3cret:x/@y", "https://a.example"),
+        # A password holding a "?" and a "/".
+        ("https://user:SE?C/RET@a.example/", "https://a.example/"),
         (f"ap://{DID}/users/@alice/inbox", f"ap://{DID}/users/@alice/inbox"),
         ("https://a.example/in\r\nX: 1", "https://a.example/in\\r\\nX: 1"),
         ("https://a.example/\u202e\x00\ud800", "https://a.example/\\u202e\\x00\\ud800"),

@@ -197,6 +197,10 @@ REFUSED = {
         # and "false" read as true.
         f"postgres://app:{PASSWORD}@db.internal/app?conn_max_age=10m",
         f"postgres://app:{PASSWORD}@db.internal/app?conn_max_age=-1",
+        # Read as Python literals: a list, a complex number, a bool.
+        f"postgres://app:{PASSWORD}@db.internal/app?conn_max_age=%5B600%5D",
+        f"postgres://app:{PASSWORD}@db.internal/app?conn_max_age=1j",
+        f"postgres://app:{PASSWORD}@db.internal/app?conn_max_age=True",
         f"postgres://app:{PASSWORD}@db.internal/app?conn_health_checks=maybe",
     ],
     # "false" with no SECRET_KEY: sessions signed with the key written here.

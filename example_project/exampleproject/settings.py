@@ -60,7 +60,9 @@ def _connection_options(config: dict[str, Any]) -> str:
     database URL's query gave (django-environ passes on, as text, what it
     cannot read), "" if nothing; ``conn_health_checks`` read as a bool."""
     age = config.get("CONN_MAX_AGE")
-    if isinstance(age, str) or (age is not None and not 0 <= age < float("inf")):
+    # django-environ reads the value as a Python literal: "[600]" is a list.
+    number = isinstance(age, int | float) and not isinstance(age, bool)
+    if age is not None and not (number and 0 <= age < float("inf")):
         return "its conn_max_age is not a number of seconds, 0 or more, nor None"
     if "CONN_HEALTH_CHECKS" in config:
         checks = _truth(str(config["CONN_HEALTH_CHECKS"]))
