@@ -93,6 +93,10 @@ class AttemptResult:
     #: Not sent: its batch's deadline passed while it waited for a worker.
     #: Settled unsent, as one whose deadline passed at its slot: no attempt.
     overtaken: bool = False
+    #: Not sent: its URL, or the address it resolved to, was refused before
+    #: any request. Nothing of its host; but a webhook destination's URL is
+    #: its operator's, and counts against it (``webhooks/life.py``).
+    refused_address: bool = False
 
 
 def _flag(value: Any) -> bool:
@@ -141,6 +145,7 @@ _FIELDS: tuple[tuple[str, Callable[[Any], bool], str, Any], ...] = (
     ("held", _flag, "True or False", False),
     ("elsewhere", _flag, "True or False", False),
     ("overtaken", _flag, "True or False", False),
+    ("refused_address", _flag, "True or False", False),
 )
 
 
@@ -259,8 +264,11 @@ def crashed(job: Job, error: str, *, duration: float = 0.0) -> AttemptResult:
     return dataclasses.replace(failed(job, error, permanent=False), duration=duration)
 
 
-def failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> AttemptResult:
-    """An attempt that got no answer from the inbox."""
+def failed(
+    job: Job, error: str, *, permanent: bool, requests: int = 1, sent: bool = True
+) -> AttemptResult:
+    """An attempt that got no answer from the inbox; not ``sent``, none was
+    asked for: its URL or address was refused before any request."""
     return AttemptResult(
         job=job,
         delivered=False,
@@ -270,5 +278,6 @@ def failed(job: Job, error: str, *, permanent: bool, requests: int = 1) -> Attem
         retry_after=None,
         accepted_scheme=None,
         duration=0.0,
-        requests=requests,
+        requests=requests if sent else 0,
+        refused_address=not sent,
     )

@@ -726,3 +726,34 @@ def test_an_event_to_a_destination_that_no_longer_parses_waits_spending_no_try(
         Deliverer().run(drain=True, stop_after=1)
     row.refresh_from_db()
     assert (row.status, row.attempts, len(inbox.received)) == (Status.DELIVERED, 1, 1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_destination_on_a_refused_address_is_disabled_in_its_time(
+    start_deliverer: Callable[..., RunningDeliverer], settings: Any
+) -> None:
+    # Its URL names an address no network opened: refused before any
+    # request, it says nothing of a host, but the URL is its operator's.
+    # Counted as no request, it was never failing, never disabled.
+    told: list[Any] = []
+
+    def receiver(sender: Any, disabled: Any, **kwargs: Any) -> None:
+        told.append(disabled)
+
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    configure(
+        settings, {"ops": f"http://10.255.255.1:9/hook?secret={secret}"}, WEBHOOK_DISABLE_AFTER=0.5
+    )
+    signals.webhook_destination_disabled.connect(receiver, weak=False)
+    try:
+        send_webhook("ops", "alert.raised", {"n": 0})
+        send_webhook("ops", "alert.raised", {"n": 1})
+        runner = start_deliverer()
+        try:
+            wait_until(lambda: bool(told), timeout=20)
+        finally:
+            runner.stop()
+    finally:
+        signals.webhook_destination_disabled.disconnect(receiver)
+    assert [disabled.destination for disabled in told] == ["ops"]
+    assert Delivery.objects.filter(last_attempt_at__isnull=False).count() == 0

@@ -242,9 +242,7 @@ class ActivityPub(Channel):
         try:
             answer = transport.post(url, job.body, headers, deadline=deadline)
         except TransportError as exc:
-            return failed(
-                job, str(exc)[:length], permanent=exc.permanent, requests=1 if exc.sent else 0
-            )
+            return failed(job, str(exc)[:length], permanent=exc.permanent, sent=exc.sent)
         verdict = self.judge(answer)
         error = "" if verdict.delivered else describe(answer, length, target)
         return judged(job, answer.status, verdict, error, accepted_scheme=scheme)

@@ -387,7 +387,7 @@ class Channel:
                 )
         except TransportError as exc:
             error = safe_text(destination, request.url, str(exc))[: job.message_length]
-            result = failed(job, error, permanent=False, requests=1 if exc.sent else 0)
+            result = failed(job, error, permanent=False, sent=exc.sent)
         else:
             result = self._judged(job, answer, destination)
         return dataclasses.replace(result, duration=clock() - started)

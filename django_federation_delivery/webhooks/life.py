@@ -161,8 +161,10 @@ class Watch:
             failing.pop(row.host, None)
             disable(name, "the receiver answered 410 Gone", now=now, using=self.using)
             return True
-        if not result.requests or result.held:
-            return False  # no answer from the destination: it said nothing of itself
+        if result.held or not (result.requests or result.refused_address):
+            # No answer from the destination: it said nothing of itself. (Its
+            # address refused, it did: its URL is its operator's.)
+            return False
         since = failing.get(row.host) or hosts.failing_since(row.host, now, using=self.using)
         failing[row.host] = since
         if now - since < self.disable_after:
