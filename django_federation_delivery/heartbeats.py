@@ -22,19 +22,24 @@ import os
 import socket
 import time
 
-from django.db.models import Max, QuerySet
-from django.utils import timezone
+from django.db.models import Max, Q, QuerySet
 
 from django_federation_delivery import __version__
 from django_federation_delivery.conf import database_alias
+from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import DelivererHeartbeat
 
 __all__ = ["Heartbeat", "Seen", "SeenDeliverer", "seen"]
 
 #: Intervals without a beat after which a deliverer is taken for dead.
 DEAD_AFTER = 3
-#: A row not refreshed for this long is deleted.
+#: A row not refreshed for this long is deleted, unless its interval (a
+#: round's period) keeps it alive longer.
 FORGET_AFTER = dt.timedelta(days=1)
+#: The longest interval a row may have (a scheduled round's period, at most a
+#: day), and so the longest a row can be alive without a beat: one of an
+#: interval longer than a third of FORGET_AFTER is kept, and read, this long.
+LONGEST_ALIVE = dt.timedelta(days=1) * DEAD_AFTER
 #: How often a live deliverer deletes such rows.
 FORGET_EVERY = 3600.0
 #: Work due and no deliverer seen for this long: the warning (``overview.stalled``),
@@ -76,7 +81,7 @@ class Heartbeat:
         self.machine = socket.gethostname()[:255]
         #: Its row's id, once an insert has said it.
         self.pk: int | None = None
-        self.started_at = timezone.now()
+        self.started_at = orm_datetime(aware_now(), self.using)
         self.next_at = time.monotonic()
         self._delivered = 0
         self._counted_at = time.monotonic()
@@ -101,9 +106,9 @@ class Heartbeat:
         elapsed = clock - self._counted_at
         rate = (delivered - self._delivered) / elapsed if elapsed > 0 else 0.0
         self._delivered, self._counted_at = delivered, clock
-        now = timezone.now()
+        now = aware_now()
         fields = {
-            "last_seen": now,
+            "last_seen": orm_datetime(now, self.using),
             "in_flight": in_flight,
             "rate": round(rate, 3),
             # Alive again, should it have been marked stopped by an earlier run.
@@ -129,17 +134,18 @@ class Heartbeat:
             before.exclude(pk=self.pk).delete()
         if clock - self._forgot_at >= FORGET_EVERY:
             self._forgot_at = clock
-            rows.filter(last_seen__lt=now - FORGET_AFTER).delete()
+            rows.exclude(_kept(now, self.using)).delete()
 
     def remove(self) -> None:
         """This deliverer stopped: it is no longer alive (unless ``kept``:
         a round's, alive until the next), and was last seen now, with
         nothing in flight."""
         rows = self._row(DelivererHeartbeat.objects.using(self.using))
+        now = orm_datetime(aware_now(), self.using)
         if self.kept:
-            rows.update(last_seen=timezone.now(), in_flight=0, rate=0.0)
+            rows.update(last_seen=now, in_flight=0, rate=0.0)
         else:
-            rows.update(last_seen=timezone.now(), interval=STOPPED, in_flight=0, rate=0.0)
+            rows.update(last_seen=now, interval=STOPPED, in_flight=0, rate=0.0)
 
     def _row(self, rows: QuerySet[DelivererHeartbeat]) -> QuerySet[DelivererHeartbeat]:
         """This deliverer's row: by its id, or, until an insert has said it,
@@ -183,11 +189,12 @@ def seen(
     """The deliverers alive as of ``now`` (on ``host`` only, if given), and
     how many: two queries, the second of the rows beating lately only (those
     of the processes alive, and of any that died within their last beats'
-    span), however many a day of restarts left."""
-    now = now or timezone.now()
-    rows = DelivererHeartbeat.objects.using(using or database_alias()).filter(
-        last_seen__gte=now - FORGET_AFTER
-    )
+    span), however many a day of restarts left. Times are compared as
+    instants, whatever ``USE_TZ`` says (the hour a clock goes back through
+    twice included)."""
+    alias = using or database_alias()
+    now = aware_now() if now is None else aware(now)
+    rows = DelivererHeartbeat.objects.using(alias).filter(_kept(now, alias))
     if host is not None:
         rows = rows.filter(host=host)
     latest = rows.aggregate(last=Max("last_seen"), longest=Max("interval"))
@@ -196,8 +203,12 @@ def seen(
     lately = now - dt.timedelta(seconds=DEAD_AFTER * max(latest["longest"] or 0.0, 0.0))
     live = [
         row
-        for row in rows.filter(last_seen__gte=lately, interval__gt=STOPPED)
-        if (now - row.last_seen).total_seconds() <= DEAD_AFTER * row.interval
+        for row in rows.filter(last_seen__gte=orm_datetime(lately, alias), interval__gt=STOPPED)
+        # One seen later than now by more than an interval is of a clock
+        # that is wrong, not a deliverer that is alive.
+        if -row.interval
+        <= (now - aware(row.last_seen)).total_seconds()
+        <= DEAD_AFTER * row.interval
     ]
     listed = sorted(live, key=lambda row: (row.host, row.pid))[:MOST_LISTED]
     return Seen(
@@ -215,4 +226,14 @@ def seen(
         ),
         last_seen=latest["last"],
         alive=len(live),
+    )
+
+
+def _kept(now: dt.datetime, using: str) -> Q:
+    """The rows kept as of ``now``: refreshed within :data:`FORGET_AFTER`, or
+    of an interval long enough to be alive longer without a beat (a daily
+    round's process, alive for three days after its last)."""
+    long = FORGET_AFTER.total_seconds() / DEAD_AFTER
+    return Q(last_seen__gte=orm_datetime(now - FORGET_AFTER, using)) | Q(
+        interval__gt=long, last_seen__gte=orm_datetime(now - LONGEST_ALIVE, using)
     )

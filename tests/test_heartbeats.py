@@ -212,6 +212,32 @@ def test_a_killed_deliverer_ages_out_after_three_of_its_intervals() -> None:
     assert found.last_seen == alive.last_seen
 
 
+def test_a_daily_rounds_process_is_alive_for_three_of_its_periods_and_kept() -> None:
+    # contrib.tasks' promise for a period of up to a day: dead three periods
+    # after its last round. Its row was read, and deleted by any beat, once
+    # a day old: the next day's round ten minutes late was a dead deliverer.
+    daily = row(86400 + 600, interval=86400.0, pid=1)
+    row(86400 + 600, interval=5.0, pid=2)  # a run_deliverer's, forgotten
+    Heartbeat(5.0).beat(in_flight=0, delivered=0)
+    assert set(DelivererHeartbeat.objects.values_list("pid", flat=True)) == {1, os.getpid()}
+    assert {deliverer.pid for deliverer in heartbeats.seen().live} == {os.getpid(), daily.pid}
+
+
+def test_with_use_tz_off_a_deliverer_killed_before_the_clock_goes_back_is_dead(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # New York, 1 November 2026: 01:50 EDT is 05:50 UTC; 01:10 EST, the
+    # repeated hour's second pass, is 06:10 UTC, twenty minutes later. Its
+    # naive last beat, 01:50, was read as ahead of 01:10: alive, for an hour.
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/New_York"
+    monkeypatch.setattr(timezone, "now", lambda: dt.datetime(2026, 11, 1, 1, 50))
+    Heartbeat(5.0).beat(in_flight=0, delivered=0)
+    assert heartbeats.seen().alive == 1
+    monkeypatch.setattr(timezone, "now", lambda: dt.datetime(2026, 11, 1, 1, 10, fold=1))
+    assert heartbeats.seen().alive == 0
+
+
 def test_a_clean_stop_and_a_restart_within_a_minute_is_no_stall() -> None:
     from django_federation_delivery.overview import stalled
 
