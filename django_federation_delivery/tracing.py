@@ -27,6 +27,7 @@ import json
 import re
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from urllib.parse import urlsplit
 
 from django_federation_delivery import __version__, addresses
 from django_federation_delivery.channels.base import Call
@@ -156,7 +157,8 @@ def attempted(item: Traced, result: AttemptResult, settlement: Settlement) -> No
         if result.status is not None:
             span.set_attribute("http.response.status_code", result.status)
         if outcome in FAILURES:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, no_urls(settlement.last_error)))
+            told = _unplaced(item, no_urls(settlement.last_error))
+            span.set_status(trace.Status(trace.StatusCode.ERROR, told))
     span.end(end_time=ended)
 
 
@@ -170,6 +172,33 @@ def no_urls(error: str) -> str:
     whatever the transport's message said ("http://host/path: no complete
     answer within 0.5s")."""
     return URL.sub(_unnamed, error)
+
+
+def _unplaced(item: Traced, error: str) -> str:
+    """``error`` naming nothing of where ``item`` was sent, whatever the
+    transport said or an answer echoed: a webhook's host (and port), written
+    ``[host]``; an inbox's path (each gateway's, for a portable inbox),
+    ``[path]``."""
+    places: list[tuple[str, str]] = []
+    job = item.job
+    if item.claimed.destination:
+        if isinstance(job, Call) and job.destination is not None:
+            parts = urlsplit(job.destination.url)
+            hostport = parts.netloc.rpartition("@")[2]
+            places += [(hostport, "[host]"), (parts.hostname or "", "[host]")]
+    else:
+        for target in getattr(job, "targets", ()):
+            try:
+                path = addresses.split(target).path
+            except addresses.UnusableURL:
+                continue
+            if len(path) > 1:  # "/" alone names nothing
+                places.append((path, "[path]"))
+    # The longest first: a host and port before the host alone.
+    for place, instead in sorted(places, key=lambda found: -len(found[0])):
+        if place:
+            error = error.replace(place, instead)
+    return error
 
 
 def _unnamed(match: re.Match[str]) -> str:
@@ -211,13 +240,16 @@ def _begin(item: Traced) -> trace.Span:
         # server.address is the host alone, as OpenTelemetry has it.
         attributes[f"{PREFIX}.host"] = row.host
         attributes["server.address"] = row.host
-        try:
-            parts = addresses.split(row.inbox)
-        except addresses.UnusableURL:  # a portable inbox's name
-            pass
-        else:
+        # A portable inbox's name is no URL: its first gateway's is.
+        targets = getattr(item.job, "targets", ())
+        for url in (row.inbox, *targets[:1]):
+            try:
+                parts = addresses.split(url)
+            except addresses.UnusableURL:
+                continue
             attributes["server.address"] = parts.host
             attributes["server.port"] = parts.port or addresses.DEFAULT_PORTS[parts.scheme]
+            break
     return _tracer.start_span(
         f"deliver {row.kind}",
         context=_parent(item.batch.trace_context),

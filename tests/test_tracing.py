@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -26,7 +27,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from django_federation_delivery import asend, send, send_batch, send_webhook, tracing
+from django_federation_delivery import (
+    PortableInbox,
+    asend,
+    send,
+    send_batch,
+    send_portable,
+    send_webhook,
+    tracing,
+)
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 
@@ -184,7 +193,8 @@ def test_an_attempt_that_ends_a_delivery_unsent_is_an_error_with_its_kept_error(
     options: dict[str, Any],
     outcome: str,
 ) -> None:
-    # The inbox tells its own URL back: the kept error has it redacted.
+    # The inbox tells its own URL back: the kept error has it redacted, and
+    # the span's its path taken out too ("Cannot POST /users/alice/inbox").
     inbox = inboxes(
         "127.0.0.1", respond=lambda request: (status, {}, f"no: {request.path}".encode())
     )
@@ -197,8 +207,10 @@ def test_an_attempt_that_ends_a_delivery_unsent_is_an_error_with_its_kept_error(
     assert attributes(span)["federation_delivery.outcome"] == outcome
     assert attributes(span)["http.response.status_code"] == status
     assert span.status.status_code is StatusCode.ERROR
-    assert span.status.description == delivery.last_error
+    assert "/inbox" in delivery.last_error
+    assert span.status.description == delivery.last_error.replace("/inbox", "[path]")
     assert TOKEN not in everything_told(span)
+    assert "/inbox" not in everything_told(span)
 
 
 @in_the_queue
@@ -261,6 +273,37 @@ def test_a_webhook_span_names_its_destination_and_kind_never_its_url(
     assert first.status.status_code is StatusCode.ERROR
     assert "[redacted]" in (first.status.description or "")
     assert attributes(second)["federation_delivery.outcome"] == "delivered"
+
+
+@in_the_queue
+def test_a_webhook_span_names_not_its_host_when_its_connection_fails(
+    traces: Traces, settings: Any
+) -> None:
+    # "could not connect to 127.0.0.1:PORT" names no URL, and went in whole.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/hooks/{TOKEN}?secret={SECRET}"
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": url}}
+    send_webhook("ops", "user.created", {"name": "Zoë"})
+    Deliverer().run(drain=True)
+    (span,) = traces.attempts()
+    assert attributes(span)["federation_delivery.outcome"] == "retrying"
+    assert "[host]" in (span.status.description or "")
+    assert "127.0.0.1" not in everything_told(span) and str(port) not in everything_told(span)
+
+
+@in_the_queue
+def test_a_portable_inbox_span_has_its_gateways_host_and_port_apart(
+    inbox: Inbox, traces: Traces
+) -> None:
+    did = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+    send_portable(ALICE, NOTE, [PortableInbox(f"ap://{did}/actor/inbox", [inbox.url("")])])
+    Deliverer().run(drain=True)
+    (span,) = traces.attempts()
+    assert Delivery.objects.get().status == Status.DELIVERED
+    found = attributes(span)
+    assert (found["server.address"], found["server.port"]) == ("127.0.0.1", inbox.port)
 
 
 @pytest.mark.slow
