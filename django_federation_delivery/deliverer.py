@@ -174,6 +174,9 @@ class Deliverer:
             ),
         )
         self._wake = threading.Event()
+        #: When ``on_progress`` is next told, as ``time.monotonic()``: an
+        #: idle loop wakes for it.
+        self._next_progress = 0.0
         #: When the ready deliveries are next looked at for a deadline passed.
         self._overdue_ready_at = 0.0
         #: The writes that met the database unable to write, which may have
@@ -301,7 +304,7 @@ class Deliverer:
         with self._running(listen=not drain, stop_after=stop_after):
             for kind in self.kinds:
                 self._db(kind.give_up_unusable)
-            next_progress = time.monotonic() + self.progress_interval
+            self._next_progress = time.monotonic() + self.progress_interval
             self._stop_waits_end = None
             while True:
                 if self.stopping and self._stop_waits_end is None:
@@ -334,9 +337,9 @@ class Deliverer:
                     and self.intake.drained()
                 ):
                     break
-                if self.on_progress is not None and time.monotonic() >= next_progress:
+                if self.on_progress is not None and time.monotonic() >= self._next_progress:
                     self.on_progress(self.summary)
-                    next_progress = time.monotonic() + self.progress_interval
+                    self._next_progress = time.monotonic() + self.progress_interval
                 self._pause(caught_up=drain or self.intake.caught_up)
         if self.on_progress is not None:
             self.on_progress(self.summary)
@@ -461,7 +464,9 @@ class Deliverer:
             if timer is not None:
                 timer.cancel()
             self.summary.stopped = time.monotonic()
-            self.workers.stop()
+            # Stopping with the database away past the grace, what is in
+            # flight is left to its lease: its outcome would not be written.
+            self.workers.stop(wait=not (self.slots.in_flight and self._waited_enough()))
             # The probe under way, until it is done; none after it.
             self.upkeep.finish(self.transport_settings.attempt_timeout + 1)
             self._db(self.hoststats.write, now=timezone.now(), using=self.using)
@@ -540,7 +545,7 @@ class Deliverer:
                 )
             )
         else:
-            self.intake.idle()
+            self.intake.idle(by=self._next_progress if self.on_progress is not None else None)
 
     # The coordinator's writes.
 

@@ -308,7 +308,7 @@ class Intake:
             self.caught_up = False
         self.wake.clear()
 
-    def idle(self, *, listening: bool | None = None) -> None:
+    def idle(self, *, listening: bool | None = None, by: float | None = None) -> None:
         """Sleep until the next due time or the idle poll, whichever is
         sooner; a send wakes it, and without LISTEN so does a cheap look for
         new work every ``NEW_WORK_POLL_SECONDS``. ``listening`` (by default,
@@ -316,7 +316,9 @@ class Intake:
         at each look: one that cannot connect, or lost its connection, wakes
         nobody) says a send from another process wakes it too, so no look is
         needed, unless what is due is left out of the claims for now: the
-        next due time then says nothing of the others'."""
+        next due time then says nothing of the others'. It sleeps until
+        ``by`` at the latest (``time.monotonic()``: a progress line due), and
+        closes a connection lost, or past ``CONN_MAX_AGE``, before each look."""
         if self._listener is not None:
             self._listener.pause(False)
         due = self.db(claims.next_due, using=self.using)
@@ -335,6 +337,8 @@ class Intake:
                 sleep = max(0.0, self._left_out_until - time.monotonic())
                 look = True
         deadline = time.monotonic() + sleep
+        if by is not None:
+            deadline = min(deadline, by)
         if not self.wake.is_set():
             # Only when nothing has woken it already: what follows wakes it.
             logger.debug("Nothing to do: idle for up to %.1f s", sleep)
@@ -350,6 +354,9 @@ class Intake:
                 step = min(step, beat)
             if self.wake.wait(step):
                 break
+            # Replaced before anything is asked of it: a connection the server
+            # dropped while this one idled is no outage.
+            self.upkeep.recycle_connections()
             self.upkeep.refresh()
             if looking and self._anything_due() is True:
                 break

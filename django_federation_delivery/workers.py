@@ -191,14 +191,16 @@ class Workers:
         if self._others is not None and (item is None or not item.urgent):
             self._others.release()
 
-    def stop(self) -> None:
-        """End every thread once it has finished its attempt."""
+    def stop(self, *, wait: bool = True) -> None:
+        """End every thread once it has finished its attempt: waited for
+        (the longest an attempt takes), unless not to ``wait`` (what they
+        are sending is left to its lease, their outcomes unwritten)."""
         with self._lock:
             threads = list(self._threads)
         for _ in threads:
             self.jobs.put(None)
             self.urgent.put(None)
-        for thread in threads:
+        for thread in threads if wait else ():
             thread.join(timeout=self.longest + 5)
         with self._lock:
             self._threads.clear()

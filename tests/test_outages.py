@@ -239,3 +239,80 @@ def test_a_lost_commits_finished_batch_is_told_when_the_read_of_it_fails_once(
     assert told == [batch.id] and reads[:2] == ["failed", "read"]
     assert inbox.paths() == ["/a"], "sent once"
     assert runner.deliverer._tried == {}
+
+
+def test_a_stop_with_the_database_away_exits_after_the_grace_not_the_attempts_in_flight(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # It said it left the attempt in flight to its lease, then waited for
+    # that attempt to end (up to ATTEMPT_TIMEOUT + 5 s), its outcome then
+    # dropped all the same.
+    from django_federation_delivery.deliverer import STOPPING_GRACE
+
+    away = threading.Event()
+    away.set()
+    tried: list[float] = []
+    real = settlements.settle
+
+    def settle(*args: Any, **kwargs: Any) -> Any:
+        if away.is_set():
+            tried.append(time.monotonic())
+            raise OperationalError("server closed the connection unexpectedly")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(settlements, "settle", settle)
+    quick, slow = inboxes(), inboxes("127.0.0.2", delay=10.0)
+    send(ALICE, NOTE, [quick.url("/a"), slow.url("/b")])
+    runner = start_deliverer(lease=60)
+    wait_until(lambda: bool(tried) and len(slow.received) == 1, timeout=10)
+    asked = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="django_federation_delivery.deliverer"):
+        runner.deliverer.stop()
+        runner.thread.join(20)
+    took = time.monotonic() - asked
+    away.clear()
+    assert "outcomes unwritten and 1 attempts in flight" in caplog.text
+    assert took < STOPPING_GRACE + 2, f"returned {took:.1f} s after the stop"
+
+
+def test_a_connection_lost_while_the_deliverer_idles_is_replaced_not_an_outage(
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Idle, it beat with a connection the server had ended, and waited out
+    # an "outage": an idle loop never closed a connection found broken.
+    from django.db.backends.signals import connection_created
+
+    if connection.vendor != "postgresql":
+        pytest.skip("a server that drops a connection: PostgreSQL")
+    monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", 600)
+    monkeypatch.setitem(connection.settings_dict, "CONN_HEALTH_CHECKS", True)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "IDLE_POLL_SECONDS": 60,
+        "HEARTBEAT_SECONDS": 1,
+    }
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
+    opened: list[tuple[int, Any]] = []
+
+    def note(sender: Any, connection: Any, **kwargs: Any) -> None:
+        opened.append((threading.get_ident(), connection))
+
+    connection_created.connect(note, weak=False)
+    try:
+        runner = start_deliverer(heartbeat=True)
+        wait_until(lambda: any(m.startswith("Nothing to do") for m in caplog.messages), timeout=10)
+        time.sleep(0.5)
+    finally:
+        connection_created.disconnect(note)
+    (theirs, *_) = [wrapper for ident, wrapper in reversed(opened) if ident == runner.thread.ident]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [theirs.connection.info.backend_pid])
+    time.sleep(2.5)  # idle, beating each second
+    runner.stop()
+    assert not [m for m in caplog.messages if "database is unavailable" in m]

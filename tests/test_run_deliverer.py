@@ -35,6 +35,7 @@ from .conftest import (
     Inbox,
     Overlap,
     Received,
+    RunningDeliverer,
     assert_each_reached_once_but,
     near_miss,
     subprocess_env,
@@ -1181,3 +1182,23 @@ def test_two_deliverer_processes_show_as_two_live_deliverers(
     # One row each, marked stopped: none written twice, none deleted by the other.
     assert sorted(pid for pid, _, _ in rows) == sorted(pids), (rows, text)
     assert {interval for _, interval, _ in rows} == {heartbeats.STOPPED}, (rows, text)
+
+
+def test_an_idle_deliverer_logs_its_rate_line_every_log_interval(
+    start_deliverer: Callable[..., RunningDeliverer],
+) -> None:
+    # Idle, it slept until the idle poll (up to 30 s) and told no progress
+    # meanwhile: a line every 60 to 90 s for --log-interval 60.
+    from django_federation_delivery.management.running import log_rates
+
+    lines: list[float] = []
+    rates = log_rates(0.5)
+
+    def progress(summary: Any) -> None:
+        lines.append(time.monotonic())
+        rates(summary)
+
+    runner = start_deliverer(on_progress=progress, progress_interval=0.5, heartbeat=True)
+    time.sleep(3.0)
+    runner.stop()
+    assert len(lines) >= 5, f"{len(lines)} rate lines in 3 s, one due every 0.5 s"
