@@ -322,19 +322,6 @@ SELECT n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
 -- on PostgreSQL.
 SELECT n.id, n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
 
--- name: lock_claimed_retracted [postgresql]
--- The deliveries supersede leaves to the deliverers that claimed them
--- (never attempted, their claim holding), locked before it runs: one whose
--- deliverer is writing it held back without a request is then superseded
--- by supersede once that write commits, or, locked here first, that write
--- (lock_deliveries, then retracted_held) waits for the retraction, and
--- supersedes it itself.
-SELECT id FROM {delivery}
-WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
-    AND last_attempt_at IS NULL AND lease_token IS NOT NULL AND due_at > %(now)s
-    AND inbox = ANY(%(inboxes)s::varchar[])
-ORDER BY id FOR UPDATE
-
 -- name: supersede [postgresql]
 -- The deliveries of %(batches)s to the retraction's inboxes (%(inboxes)s,
 -- read first) that were never attempted (no request made: one held back
@@ -653,9 +640,7 @@ WHERE {delivery}.id = c.id AND c.before IS NOT NULL
 -- name: lock_deliveries [postgresql]
 -- Rows about to be settled that a send may be making a delivery wait on:
 -- locked first, in a statement of their own, so that the settling
--- statement begins once that send has committed, and sees its delivery
--- (and so that a retraction that locked one of them claimed, see
--- lock_claimed_retracted, is seen by retracted_held after it).
+-- statement begins once that send has committed, and sees its delivery.
 SELECT id FROM {delivery} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE
 
 

@@ -136,7 +136,6 @@ def overtake(
             if db.postgresql:
                 mine = {inbox: id for id, inbox in db.all("inboxes_of", batch=batch_id)}
                 inboxes = {"inboxes": list(mine)}
-                db.all("lock_claimed_retracted", batches=batches, now=when, **inboxes)
             found_rows += db.all("supersede", **superseding, **inboxes)
         rows = sorted(SupersededRow(*row) for row in found_rows)
         # Those queued after a superseded one in its sequence go on without
@@ -216,9 +215,7 @@ def wait_on_retracted(batch_ids: Sequence[int], *, using: str | None = None) -> 
         return db.run("wait_again", ids=db.ids(ids))
 
 
-def retracted_held(
-    db: sql.Statements, ids: Sequence[int], settling: Sequence[int]
-) -> dict[int, str]:
+def retracted_held(db: sql.Statements, ids: Sequence[int]) -> dict[int, str]:
     """Of the deliveries ``ids``, held back without a request by the
     deliverer that claims them, those never attempted that a retraction
     queued since waits to follow (see ``retracted_held`` in queries.sql),
@@ -227,17 +224,15 @@ def retracted_held(
     before the retraction, and one it held back, unsent, is superseded as
     the retraction would have.
 
-    Read with ``db`` in the transaction that settles them and the others
-    ``settling`` (their ids, ``ids`` among them): after the write lock is
-    taken on SQLite, and on PostgreSQL after every one of them is locked,
-    in id order as the settle locks them: a retraction that locked one
-    first (``lock_claimed_retracted``) has committed then, and is read."""
+    Read with ``db`` in the transaction that settles them, after the write
+    lock is taken on SQLite. On PostgreSQL, a retraction that commits while
+    this is read is not seen: the delivery it left to its claim then goes
+    before it. Locking one against the other was tried: a retraction that
+    waits for a settle's row lock while holding a key-share lock on a row
+    that settle locks next (its delivery waiting on it) deadlocks."""
     if not ids:
         return {}
-    if db.postgresql:
-        db.all("lock_deliveries", ids=db.ids(sorted(settling)))
-    else:
-        db.lock_for_writing()
+    db.lock_for_writing()
     rows = db.all("retracted_held", ids=db.ids(ids))
     return {id: REASONS[Retracts(retracts)] for id, retracts in rows}
 

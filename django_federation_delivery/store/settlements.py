@@ -314,8 +314,7 @@ def _settle(
             try:
                 held = [item.claimed.id for item in settlements if _held_unsent(item)]
                 if held:
-                    every = [item.claimed.id for item in settlements]
-                    reasons = retractions.retracted_held(db, held, every)
+                    reasons = retractions.retracted_held(db, held)
                     settlements = [_superseded(item, reasons) for item in settlements]
                     superseded = [item for item in settlements if item.claimed.id in reasons]
                 final = {s.claimed.id: s.claimed.batch_id for s in settlements if s.status in FINAL}
