@@ -193,7 +193,8 @@ def seen(
     instants, whatever ``USE_TZ`` says (the hour a clock goes back through
     twice included)."""
     alias = using or database_alias()
-    now = aware_now() if now is None else aware(now)
+    # In UTC: two times of one zone subtract as wall-clock times.
+    now = aware_now() if now is None else aware(now).astimezone(dt.UTC)
     rows = DelivererHeartbeat.objects.using(alias).filter(_kept(now, alias))
     if host is not None:
         rows = rows.filter(host=host)

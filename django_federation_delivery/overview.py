@@ -200,12 +200,19 @@ def stalled(deliverers: heartbeats.Seen, due: int, now: dt.datetime, *, where: s
     work = ngettext("%(count)d delivery is due", "%(count)d deliveries are due", due) % {
         "count": due
     }
-    if deliverers.last_seen is None:
+    # As instants, whatever USE_TZ says: with it off, a beat just before a
+    # clock went back reads as later than now.
+    quiet = None
+    if deliverers.last_seen is not None:
+        # In UTC: two times of one zone subtract as wall-clock times.
+        utc = (aware(now).astimezone(dt.UTC), aware(deliverers.last_seen).astimezone(dt.UTC))
+        quiet = (utc[0] - utc[1]).total_seconds()
+    if quiet is None or quiet < -heartbeats.NO_DELIVERER_AFTER:
+        # None seen, or only by a clock that ran ahead: no telling when.
         return gettext("No deliverer%(where)s has been seen in the last day while %(work)s") % {
             "where": where,
             "work": work,
         }
-    quiet = (now - deliverers.last_seen).total_seconds()
     if quiet < heartbeats.NO_DELIVERER_AFTER:
         return ""  # one restarting, most likely
     return gettext("No deliverer%(where)s seen for %(quiet)s while %(work)s") % {

@@ -27,7 +27,7 @@ import json
 import re
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from django_federation_delivery import __version__, addresses
 from django_federation_delivery.channels.base import Call
@@ -176,16 +176,24 @@ def no_urls(error: str) -> str:
 
 def _unplaced(item: Traced, error: str) -> str:
     """``error`` naming nothing of where ``item`` was sent, whatever the
-    transport said or an answer echoed: a webhook's host (and port), written
-    ``[host]``; an inbox's path (each gateway's, for a portable inbox),
-    ``[path]``."""
+    transport said or an answer echoed: a webhook's host (and port), as
+    written or as DNS was asked for it, written ``[host]``; an inbox's path
+    (each gateway's, for a portable inbox), encoded or not, ``[path]``,
+    where it stands alone (not the "/1" of "HTTP/1.1")."""
     places: list[tuple[str, str]] = []
     job = item.job
     if item.claimed.destination:
         if isinstance(job, Call) and job.destination is not None:
-            parts = urlsplit(job.destination.url)
+            url = job.destination.url
+            parts = urlsplit(url)
             hostport = parts.netloc.rpartition("@")[2]
             places += [(hostport, "[host]"), (parts.hostname or "", "[host]")]
+            try:
+                canonical = addresses.split(url, userinfo=True)
+            except addresses.UnusableURL:
+                pass
+            else:
+                places += [(canonical.hostport, "[host]"), (canonical.host, "[host]")]
     else:
         for target in getattr(job, "targets", ()):
             try:
@@ -193,11 +201,11 @@ def _unplaced(item: Traced, error: str) -> str:
             except addresses.UnusableURL:
                 continue
             if len(path) > 1:  # "/" alone names nothing
-                places.append((path, "[path]"))
+                places += [(path, "[path]"), (unquote(path), "[path]")]
     # The longest first: a host and port before the host alone.
-    for place, instead in sorted(places, key=lambda found: -len(found[0])):
+    for place, instead in sorted(set(places), key=lambda found: -len(found[0])):
         if place:
-            error = error.replace(place, instead)
+            error = re.sub(rf"(?<![\w/.%-]){re.escape(place)}(?![\w/%-])", instead, error)
     return error
 
 

@@ -18,6 +18,7 @@ from django.utils import timezone
 from django_federation_delivery import __version__, heartbeats, send
 from django_federation_delivery.heartbeats import Heartbeat, Seen
 from django_federation_delivery.models import DelivererHeartbeat, Delivery, Status
+from django_federation_delivery.overview import stalled
 
 from .conftest import Inbox, RunningDeliverer, wait_until
 from .keys import ALICE
@@ -235,7 +236,22 @@ def test_with_use_tz_off_a_deliverer_killed_before_the_clock_goes_back_is_dead(
     Heartbeat(5.0).beat(in_flight=0, delivered=0)
     assert heartbeats.seen().alive == 1
     monkeypatch.setattr(timezone, "now", lambda: dt.datetime(2026, 11, 1, 1, 10, fold=1))
-    assert heartbeats.seen().alive == 0
+    found = heartbeats.seen()
+    assert found.alive == 0
+    assert heartbeats.seen(now=timezone.now()).alive == 0
+    # Nor does the stall warning take it for one restarting.
+    told = stalled(found, 3, timezone.now())
+    assert told == "No deliverer seen for 20m 0s while 3 deliveries are due"
+
+
+def test_a_beat_from_a_clock_an_hour_ahead_is_no_deliverer_nor_silences_the_stall() -> None:
+    now = timezone.now()
+    row(-3600, pid=1)
+    found = heartbeats.seen(now=now)
+    assert found.alive == 0
+    assert stalled(found, 3, now) == (
+        "No deliverer has been seen in the last day while 3 deliveries are due"
+    )
 
 
 def test_a_clean_stop_and_a_restart_within_a_minute_is_no_stall() -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import unquote
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -291,6 +292,47 @@ def test_a_webhook_span_names_not_its_host_when_its_connection_fails(
     assert attributes(span)["federation_delivery.outcome"] == "retrying"
     assert "[host]" in (span.status.description or "")
     assert "127.0.0.1" not in everything_told(span) and str(port) not in everything_told(span)
+
+
+@in_the_queue
+def test_a_span_takes_out_an_inbox_path_echoed_decoded_and_no_text_that_contains_it(
+    inboxes: Callable[..., Inbox], traces: Traces
+) -> None:
+    # "/users/zo%C3%AB/inbox" echoed decoded was left in; an inbox at "/1"
+    # had the proxy's "HTTP/1.1" written "HTTP[path].1".
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        text = f"upstream sent no HTTP/1.1 answer; Cannot POST {unquote(request.path)}"
+        return 502, {}, text.encode()
+
+    inbox = inboxes("127.0.0.1", respond=respond)
+    send_batch(ALICE, NOTE, [inbox.url("/1"), inbox.url("/users/zoë/inbox")], {"max_attempts": 1})
+    Deliverer().run(drain=True)
+    told = sorted(span.status.description or "" for span in traces.attempts())
+    answer = "the inbox answered 502 Bad Gateway: upstream sent no HTTP/1.1 answer"
+    assert told == [f"gave up after 1 attempts: {answer}; Cannot POST [path]"] * 2
+
+
+@in_the_queue
+def test_a_webhook_span_names_not_its_host_when_the_host_is_an_idn(
+    traces: Traces, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The transport names the host as DNS was asked for it, in punycode.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        return real("127.0.0.1" if host == "xn--bcher-kva.invalid" else host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    url = f"http://bücher.invalid:{port}/hooks/{TOKEN}?secret={SECRET}"
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": {"ops": url}}
+    send_webhook("ops", "user.created", {"name": "Zoë"})
+    Deliverer().run(drain=True)
+    (span,) = traces.attempts()
+    told = span.status.description or ""
+    assert "[host]" in told and "bcher" not in told and str(port) not in told
 
 
 @in_the_queue
