@@ -589,3 +589,40 @@ def test_deliveries_to_one_host_reuse_one_connection_whichever_worker_sends_them
     assert statuses == [202] * 24
     assert len(left) == 1
     assert len(idle.IDLE) == 0, "closed with the workers"
+
+
+def test_a_keep_alive_connection_unused_for_the_idle_timeout_is_closed_while_its_host_is_used(
+    inboxes: Callable[..., Any],
+) -> None:
+    # A pool hands out its most recently used connection first: after a
+    # burst, the others lay under it, never taken, never closed, as long as
+    # the host was sent to one at a time.
+    from django_federation_delivery.transport import Connections, Transport
+
+    from .conftest import Overlap
+
+    inbox = inboxes(respond=Overlap(202, 0.0, together=4, wait=10))
+    settings = TransportSettings(
+        user_agent="t",
+        allowed_networks=(ipaddress.ip_network("127.0.0.0/8"),),
+        connections_per_host=4,
+        idle_timeout=0.5,
+    )
+    connections = Connections(settings)
+    transports = [Transport(settings, connections) for _ in range(4)]
+    try:
+        burst = [threading.Thread(target=t.post, args=(inbox.url(), b"{}", {})) for t in transports]
+        for thread in burst:
+            thread.start()
+        for thread in burst:
+            thread.join(20)
+        assert inbox.connections == 4
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:
+            transports[0].post(inbox.url(), b"{}", {})
+            time.sleep(0.1)
+        with idle.IDLE.lock:
+            left = sum(1 for conn in idle.IDLE._idle if conn.port == inbox.port)
+        assert left == 1, f"{left - 1} connections unused for 1.5 s still open"
+    finally:
+        connections.close()

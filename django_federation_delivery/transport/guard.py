@@ -445,7 +445,8 @@ class GuardedPoolManager(PoolManager):
             del self.pools[key]  # disposing of a pool closes it
 
     def drop_idle(self, idle_timeout: float, *, every: float = 0.0) -> None:
-        """Drop the pools unused for ``idle_timeout``; with ``every``, only if
+        """Drop the pools unused for ``idle_timeout``, and close the idle
+        connections unused that long in the others; with ``every``, only if
         the last look was at least that long ago (a look reads every pool)."""
         now = time.monotonic()
         with self._lock:
@@ -455,6 +456,8 @@ class GuardedPoolManager(PoolManager):
             cutoff = now - idle_timeout
             for key in [k for k, used in self.last_used.items() if used <= cutoff]:
                 self._drop(key)
+        # And the connections unused that long in the pools still used.
+        IDLE.close_unused(idle_timeout)
 
     def forget(self) -> None:
         """Every pool closed (``clear()``): none is left to drop."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 
 from urllib3.connection import HTTPConnection
@@ -34,8 +35,9 @@ class IdleConnections:
         #: Held while a pool hands out, takes back or closes connections. Reentrant:
         #: closing a connection forgets it, under the lock already held.
         self.lock = threading.RLock()
-        # Least recently used first; the values mean nothing.
-        self._idle: OrderedDict[HTTPConnection, None] = OrderedDict()
+        # Least recently used first, each with when it was put back
+        # (``time.monotonic()``).
+        self._idle: OrderedDict[HTTPConnection, float] = OrderedDict()
 
     def __len__(self) -> int:
         with self.lock:
@@ -45,10 +47,24 @@ class IdleConnections:
         """``connection`` lies open in its pool: note it, then close the least
         recently used idle ones past ``limit``."""
         with self.lock:
-            self._idle[connection] = None
+            self._idle[connection] = time.monotonic()
             self._idle.move_to_end(connection)
             while len(self._idle) > max(0, limit):
                 oldest, _ = self._idle.popitem(last=False)
+                oldest.close()
+
+    def close_unused(self, idle_timeout: float) -> None:
+        """Close the connections idle for ``idle_timeout``, whichever pool
+        holds them: a pool hands out its most recently used first, so while
+        its host is sent to, those below are never taken, and never closed
+        with the pool."""
+        cutoff = time.monotonic() - idle_timeout
+        with self.lock:
+            while self._idle:
+                oldest, since = next(iter(self._idle.items()))
+                if since > cutoff:
+                    return
+                self._idle.popitem(last=False)
                 oldest.close()
 
     def taken(self, connection: HTTPConnection) -> None:
