@@ -237,3 +237,81 @@ def test_a_requeue_while_a_purge_deletes_some_of_its_rows_never_deadlocks() -> N
     )
     # y is never the purge's (failed a day ago): requeued whichever went first.
     assert Delivery.objects.get(pk=y.pk).status == Status.PENDING
+
+
+def _emptied(compact: bool) -> None:
+    """The queue emptied, its table compacted, or left with the dead rows of
+    what was deleted, as a live table has them until vacuum: the layout
+    decides the order a statement that names none locks its rows in."""
+    Delivery.objects.all().delete()
+    Batch.objects.all().delete()
+    if compact:
+        with connection.cursor() as cursor:
+            cursor.execute(f"VACUUM FULL {Delivery._meta.db_table}")
+
+
+#: Whether the table was compacted, which rows were rewritten since they
+#: were queued (a claim, a hold: each moves its row in the table), and
+#: which one another statement holds a moment.
+LAYOUTS = [
+    (compact, moved, held) for compact in (True, False) for moved in ((0,), (1,)) for held in (0, 1)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_superseding_what_an_operator_gives_up_at_once_never_deadlocks() -> None:
+    """The Delete's ``supersede`` UPDATE locked its rows in the order its
+    plan read them, the give-up lowest id first: PostgreSQL ended one with
+    ``deadlock detected``, the send's when it lost (a 500, nothing queued).
+    The rows are locked in id order first."""
+    postgresql_only()
+    urls = [f"https://a{n}.example/inbox" for n in range(3)]
+    create = {"type": "Create", "id": f"{ALICE}/activities/1", "object": f"{ALICE}/notes/1"}
+    delete = {"type": "Delete", "id": f"{ALICE}/activities/d", "object": f"{ALICE}/notes/1"}
+    for compact, moved, held in LAYOUTS:
+        _emptied(compact)
+        first = send(ALICE, create, urls)
+        assert first is not None
+        rows = list(Delivery.objects.filter(batch=first).order_by("id"))
+        for n in moved:
+            Delivery.objects.filter(pk=rows[n].pk).update(due_at=timezone.now())
+        crossed(
+            rows[held].pk,
+            lambda: send(ALICE, delete, urls),
+            lambda first=first: controls.give_up(Delivery.objects.filter(batch=first)),
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_send_in_an_ordering_key_while_the_last_of_its_sequences_settle_never_deadlocks() -> None:
+    """A send in an ordering key locked the last pending delivery of each
+    of its sequences in no order, while a deliverer settled them, locked
+    lowest id first: one of the two was ended with ``deadlock detected``."""
+    postgresql_only()
+    from django_federation_delivery import send_batch, store
+
+    key = {"ordering_key": "timeline"}
+    urls = [f"https://a{n}.example/inbox" for n in range(2)]
+    for compact, moved, held in LAYOUTS:
+        for send_first in (True, False):
+            _emptied(compact)
+            send_batch(ALICE, note(1), urls, key)
+            rows = sorted(store.claim(10, lease=300), key=lambda r: r.id)
+            for n in moved:
+                Delivery.objects.filter(pk=rows[n].id).update(
+                    due_at=timezone.now() + dt.timedelta(seconds=299)
+                )
+            works = [
+                lambda: send_batch(ALICE, note(2), urls, key),
+                lambda rows=rows: store.settle(
+                    [
+                        store.Settlement(
+                            claimed=r, status=Status.DELIVERED, attempts=1, ordered=True
+                        )
+                        for r in rows
+                    ]
+                ),
+            ]
+            crossed(rows[held].id, *(works if send_first else reversed(works)))

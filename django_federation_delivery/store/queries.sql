@@ -322,6 +322,18 @@ SELECT n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
 -- on PostgreSQL.
 SELECT n.id, n.inbox FROM {delivery} AS n WHERE n.batch_id = %(batch)s
 
+-- name: lock_superseded [postgresql]
+-- What supersede (or supersede_left_out) is about to change, locked first
+-- lowest id first, as every writer of many rows locks them: its UPDATE
+-- locks them in the order its plan reads them, which deadlocked with an
+-- operator's give-up of the same rows.
+SELECT id FROM {delivery}
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
+    AND last_attempt_at IS NULL
+    AND (lease_token IS NULL OR due_at <= %(now)s)
+    AND inbox = ANY(%(inboxes)s::varchar[])
+ORDER BY id FOR UPDATE
+
 -- name: supersede [postgresql]
 -- The deliveries of %(batches)s to the retraction's inboxes (%(inboxes)s,
 -- read first) that were never attempted (no request made: one held back

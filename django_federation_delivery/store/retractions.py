@@ -122,6 +122,8 @@ def overtake(
         found_rows: list[tuple[int, int, str]] = []
         if left_out:
             given = list(left_out)
+            if db.postgresql:
+                db.all("lock_superseded", batches=batches, now=when, inboxes=given)
             found_rows += db.all(
                 "supersede_left_out",
                 inboxes=given if db.postgresql else json.dumps(given),
@@ -136,6 +138,7 @@ def overtake(
             if db.postgresql:
                 mine = {inbox: id for id, inbox in db.all("inboxes_of", batch=batch_id)}
                 inboxes = {"inboxes": list(mine)}
+                db.all("lock_superseded", batches=batches, now=when, **inboxes)
             found_rows += db.all("supersede", **superseding, **inboxes)
         rows = sorted(SupersededRow(*row) for row in found_rows)
         # Those queued after a superseded one in its sequence go on without

@@ -66,6 +66,10 @@ def last_of_sequences(
                         Delivery.objects.using(alias)
                         .select_for_update()
                         .filter(id__in=list(found.values()), status=Status.PENDING)
+                        # Lowest id first, as every writer of many rows locks
+                        # them (a settle's lock_deliveries): in the plan's
+                        # order, it deadlocked with a settle of the same rows.
+                        .order_by("id")
                         .values_list("id", flat=True)
                     )
                 for sequence, id in found.items():

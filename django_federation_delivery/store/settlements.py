@@ -468,6 +468,11 @@ def _give_up_rows(
     now = aware_now()
     with transaction.atomic(using=alias):
         with sql.on(connection) as db:
+            if db.postgresql:
+                # Lowest id first, as every writer of many rows locks them:
+                # its UPDATE locks them in its plan's order, and deadlocked
+                # with a Delete superseding the same rows.
+                db.all("lock_deliveries", ids=db.ids(sorted(ids)))
             # One statement that both picks and changes the rows: what it
             # returns is what it changed, whatever another process did a
             # moment before.
