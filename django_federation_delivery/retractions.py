@@ -134,6 +134,22 @@ def overtake(
     return len(overtaken.superseded)
 
 
+def lock_retracted(
+    sender: str, retraction: Retraction, inboxes: Sequence[str], *, using: str | None = None
+) -> None:
+    """In the caller's transaction, before ``retraction`` (``sender``'s) is
+    queued to ``inboxes``: lock what it will supersede there, lowest id
+    first (PostgreSQL; see ``store.retractions.lock_retracted``)."""
+    retractions.lock_retracted(
+        sender,
+        inboxes,
+        object_id=retraction.object_id,
+        activity_id=retraction.activity_id,
+        now=aware_now(),
+        using=using,
+    )
+
+
 def pending_at(
     sender: str, retraction: Retraction, inboxes: Sequence[str], *, using: str | None = None
 ) -> set[str]:

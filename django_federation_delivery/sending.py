@@ -256,6 +256,10 @@ def _queue(
     with queueing.writing(
         len(targets), ordering_key=ordering_key, alone=retraction is None, using=using
     ):
+        if retraction is not None:
+            retractions.lock_retracted(
+                sender, retraction, [queued.inbox for queued in targets], using=using
+            )
         batch = queueing.enqueue(
             Batch(
                 sender=sender,

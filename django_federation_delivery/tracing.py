@@ -204,8 +204,12 @@ def _unplaced(item: Traced, error: str) -> str:
                 places += [(path, "[path]"), (unquote(path), "[path]")]
     # The longest first: a host and port before the host alone.
     for place, instead in sorted(set(places), key=lambda found: -len(found[0])):
-        if place:
-            error = re.sub(rf"(?<![\w/.%-]){re.escape(place)}(?![\w/%-])", instead, error)
+        if place.count("/") > 1:
+            # A path of two segments or more is no word of another text.
+            error = error.replace(place, instead)
+        elif place:
+            # Standing alone: not the "/1" of "HTTP/1.1", nor a host in a name.
+            error = re.sub(rf"(?<![\w/.%-]){re.escape(place)}(?![\w%-])", instead, error)
     return error
 
 

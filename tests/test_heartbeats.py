@@ -315,3 +315,13 @@ def test_this_host_counts_only_its_own_deliverers() -> None:
     row(1, host="b.host", pid=2)
     assert [d.pid for d in heartbeats.seen(host="b.host").live] == [2]
     assert heartbeats.seen(host="c.host") == Seen(live=(), last_seen=None)
+
+
+def test_a_beat_from_a_clock_ahead_hides_not_when_the_others_were_last_seen() -> None:
+    # The latest beat of every row: a stopped one's from a clock an hour
+    # ahead said none was seen in the last day, where one was 10 minutes ago.
+    row(-3600, interval=heartbeats.STOPPED, pid=1)
+    row(600, interval=10.0, pid=2)
+    now = timezone.now()
+    told = stalled(heartbeats.seen(now=now), 5, now)
+    assert told == "No deliverer seen for 10m 0s while 5 deliveries are due"

@@ -13,9 +13,10 @@ import pytest
 from django.db import connection, connections
 from django.utils import timezone
 
-from django_federation_delivery import controls, retention, send
+from django_federation_delivery import controls, retention, send, send_batch
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.replay import replay
+from django_federation_delivery.store import settlements
 
 from .conftest import wait_until, waiting_on_locks
 from .keys import ALICE
@@ -315,3 +316,60 @@ def test_a_send_in_an_ordering_key_while_the_last_of_its_sequences_settle_never_
                 ),
             ]
             crossed(rows[held].id, *(works if send_first else reversed(works)))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_in_its_key_while_an_operator_gives_up_what_it_supersedes_never_deadlocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Delete sent with the object's ordering key locked the last delivery
+    of the sequence (the Update's, a high id), and only then what it
+    supersedes (the Create's, a lower id): an operator's give-up of the
+    Create (which locks it, then releases the Update) crossed it, and the
+    send was ended. It locks what it supersedes first."""
+    postgresql_only()
+    obj = f"{ALICE}/notes/1"
+    url = "https://a.example/inbox"
+    key = {"ordering_key": obj}
+    create = send_batch(ALICE, {"type": "Create", "id": f"{ALICE}/a/1", "object": obj}, [url], key)
+    update = send_batch(
+        ALICE,
+        {"type": "Update", "id": f"{ALICE}/a/2", "object": {"id": obj, "type": "Note"}},
+        [url],
+        key,
+    )
+    assert create is not None and update is not None
+    c = Delivery.objects.get(batch=create)
+    u = Delivery.objects.get(batch=update)
+    assert u.after_id == c.id and u.id > c.id
+
+    giver: dict[str, int] = {}
+    locked, go = threading.Event(), threading.Event()
+    real = settlements.release_next
+
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        # The give-up has locked and failed c; a moment before it releases u.
+        if threading.get_ident() == giver.get("ident") and not locked.is_set():
+            locked.set()
+            go.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(settlements, "release_next", paused)
+
+    def give_up() -> int:
+        giver["ident"] = threading.get_ident()
+        return controls.give_up(Delivery.objects.filter(pk=c.pk))
+
+    delete = {"type": "Delete", "id": f"{ALICE}/a/d", "object": obj}
+    operator = Side(give_up)
+    operator.start()
+    assert locked.wait(10)
+    sender = Side(lambda: send_batch(ALICE, delete, [url], key))
+    sender.start()
+    wait_until(lambda: waiting_on_locks() == 1, timeout=10)  # the Delete waits on c
+    time.sleep(0.3)
+    go.set()
+    operator.join(20)
+    sender.join(20)
+    assert sender.error is None, f"the Delete's send failed: {sender.error!r}"
+    assert operator.error is None, operator.error

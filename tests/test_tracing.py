@@ -313,6 +313,20 @@ def test_a_span_takes_out_an_inbox_path_echoed_decoded_and_no_text_that_contains
 
 
 @in_the_queue
+def test_a_span_takes_out_an_inbox_path_echoed_with_a_trailing_slash_or_after_its_host(
+    inboxes: Callable[..., Inbox], traces: Traces
+) -> None:
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return 404, {}, f"no route for {request.path}/; try 127.0.0.1{request.path}".encode()
+
+    inbox = inboxes("127.0.0.1", respond=respond)
+    send_batch(ALICE, NOTE, [inbox.url("/users/alice/inbox")], {"max_attempts": 1})
+    Deliverer().run(drain=True)
+    (span,) = traces.attempts()
+    assert (span.status.description or "").endswith("no route for [path]/; try 127.0.0.1[path]")
+
+
+@in_the_queue
 def test_a_webhook_span_names_not_its_host_when_the_host_is_an_idn(
     traces: Traces, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -165,6 +165,38 @@ def overtake(
     return Overtaken(rows, tags, waiting, finished)
 
 
+def lock_retracted(
+    sender: str,
+    inboxes: Sequence[str],
+    *,
+    object_id: str = "",
+    activity_id: str = "",
+    now: dt.datetime,
+    using: str | None = None,
+) -> None:
+    """On PostgreSQL, in the caller's transaction, before the retraction is
+    queued: lock, lowest id first, what :func:`overtake` will supersede at
+    ``inboxes``. Queued first, the retraction would lock the last delivery
+    of its sequence (an ``Update`` waiting on the ``Create``) before the
+    ``Create``, the opposite of an operator's give-up of that ``Create``,
+    which then releases the ``Update``: a deadlock, the send ended."""
+    connection = connection_for(using or database_alias())
+    with sql.on(connection) as db:
+        if not db.postgresql or not inboxes:
+            return
+        if object_id:
+            found = db.all("batches_about", about=object_id, sender=sender, batch=0)
+        else:
+            found = db.all("batches_of_activity", about=activity_id, sender=sender, batch=0)
+        if found:
+            db.all(
+                "lock_superseded",
+                batches=db.ids(id for id, _ in found),
+                now=db_datetime(now, connection),
+                inboxes=list(inboxes),
+            )
+
+
 def pending_at(
     sender: str,
     inboxes: Sequence[str],
