@@ -99,7 +99,8 @@ def milliseconds(value: float | None) -> str:
 def resting_until(host: Host, now: dt.datetime) -> dt.datetime | None:
     """Until when ``host`` rests, if that is after ``now``: a rest over is none."""
     until = host.resting_until
-    return until if until is not None and aware(until) > aware(now) else None
+    # In UTC: two times of one zone compare as wall-clock times.
+    return until if until is not None and aware(until) > aware(now).astimezone(dt.UTC) else None
 
 
 def host_picture(
