@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from django_federation_delivery.store import settlements
 
 from .conftest import Inbox, RunningDeliverer, wait_until
 from .keys import ALICE
+from .test_deliverer import wait_until_idle
 
 NOTE = {"type": "Create", "id": f"{ALICE}/activities/outage", "actor": ALICE}
 
@@ -153,15 +155,9 @@ def test_a_settle_met_by_a_read_only_database_for_a_moment_is_written_when_it_is
     )
 
 
-def test_a_settle_committed_whose_answer_was_lost_still_tells_batch_finished(
-    inbox: Inbox,
-    start_deliverer: Callable[..., RunningDeliverer],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The connection drops as the COMMIT's answer comes back: the server has
-    # committed the settle (the batch finished), the deliverer sees the
-    # database away and writes it again, which finds the claim gone. The
-    # batches the first write finished are told then. They were never told.
+def lose_the_first_commits_answer(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The first settle commits, and its answer is lost with the connection:
+    what it wrote, noted in the list returned once it has."""
     real = settlements._written
     lost: list[Any] = []
 
@@ -173,6 +169,12 @@ def test_a_settle_committed_whose_answer_was_lost_still_tells_batch_finished(
         return answer
 
     monkeypatch.setattr(settlements, "_written", written)
+    return lost
+
+
+@contextlib.contextmanager
+def finished_told() -> Iterator[list[int]]:
+    """The ids of the batches ``batch_finished`` tells of, while it lasts."""
     told: list[int] = []
 
     def finished(sender: Any, batch: Batch, **kwargs: Any) -> None:
@@ -180,13 +182,27 @@ def test_a_settle_committed_whose_answer_was_lost_still_tells_batch_finished(
 
     signals.batch_finished.connect(finished, weak=False)
     try:
+        yield told
+    finally:
+        signals.batch_finished.disconnect(finished)
+
+
+def test_a_settle_committed_whose_answer_was_lost_still_tells_batch_finished(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The connection drops as the COMMIT's answer comes back: the server has
+    # committed the settle (the batch finished), the deliverer sees the
+    # database away and writes it again, which finds the claim gone. The
+    # batches the first write finished are told then. They were never told.
+    lost = lose_the_first_commits_answer(monkeypatch)
+    with finished_told() as told:
         batch = send(ALICE, NOTE, [inbox.url("/a")])
         assert batch is not None
         runner = start_deliverer()
         wait_until(lambda: bool(lost) and told == [batch.id], timeout=15)
         runner.stop()
-    finally:
-        signals.batch_finished.disconnect(finished)
     assert inbox.paths() == ["/a"], "sent once"
     assert Batch.objects.get(id=batch.id).finished_at is not None
     assert runner.deliverer._tried == {}
@@ -200,17 +216,9 @@ def test_a_lost_commits_finished_batch_is_told_when_the_read_of_it_fails_once(
     # The write tried again reads what the lost one finished, and meets the
     # database away: what it was to read was dropped before the read, and
     # batch_finished never told.
-    real_written = settlements._written
+    lose_the_first_commits_answer(monkeypatch)
     real_read = settlements._finished_unanswered
-    lost: list[Any] = []
     reads: list[str] = []
-
-    def written(items: Any, now: Any, using: Any) -> Any:
-        answer = real_written(items, now, using)
-        if not lost:
-            lost.append(answer)
-            raise OperationalError("server closed the connection unexpectedly")
-        return answer
 
     def read(unanswered: Any, using: Any) -> list[int]:
         reads.append("failed" if not reads else "read")
@@ -218,15 +226,8 @@ def test_a_lost_commits_finished_batch_is_told_when_the_read_of_it_fails_once(
             raise OperationalError("server closed the connection unexpectedly")
         return real_read(unanswered, using)
 
-    monkeypatch.setattr(settlements, "_written", written)
     monkeypatch.setattr(settlements, "_finished_unanswered", read)
-    told: list[int] = []
-
-    def finished(sender: Any, batch: Batch, **kwargs: Any) -> None:
-        told.append(batch.id)
-
-    signals.batch_finished.connect(finished, weak=False)
-    try:
+    with finished_told() as told:
         batch = send(ALICE, NOTE, [inbox.url("/a")])
         assert batch is not None
         runner = start_deliverer()
@@ -234,8 +235,6 @@ def test_a_lost_commits_finished_batch_is_told_when_the_read_of_it_fails_once(
             wait_until(lambda: "read" in reads and bool(told), timeout=15)
         finally:
             runner.stop()
-    finally:
-        signals.batch_finished.disconnect(finished)
     assert told == [batch.id] and reads[:2] == ["failed", "read"]
     assert inbox.paths() == ["/a"], "sent once"
     assert runner.deliverer._tried == {}
@@ -306,7 +305,7 @@ def test_a_connection_lost_while_the_deliverer_idles_is_replaced_not_an_outage(
     connection_created.connect(note, weak=False)
     try:
         runner = start_deliverer(heartbeat=True)
-        wait_until(lambda: any(m.startswith("Nothing to do") for m in caplog.messages), timeout=10)
+        wait_until_idle(caplog)
         time.sleep(0.5)
     finally:
         connection_created.disconnect(note)
