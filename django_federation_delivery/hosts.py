@@ -21,7 +21,7 @@ from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.signatures import Scheme
-from django_federation_delivery.store.locks import lock_hosts, write_first
+from django_federation_delivery.store.locks import in_id_order, lock_hosts, write_first
 from django_federation_delivery.store.queueing import CHUNK
 
 #: How long a host's remembered scheme is trusted before it is read again,
@@ -97,13 +97,14 @@ def no_sooner_than_kept(due: dt.datetime) -> Case:
 
 def hold(*hosts: str, using: str | None = None) -> int:
     """Take the due time of the pending deliveries to paused ``hosts`` that
-    no deliverer holds: the claim no longer sees them. Returns how many."""
-    return int(
+    no deliverer holds: the claim no longer sees them. Returns how many. In
+    the caller's transaction."""
+    due = (
         Delivery.objects.using(using or database_alias())
         .filter(host__in=hosts, status=Status.PENDING, lease_token__isnull=True)
         .exclude(due_at__isnull=True)
-        .update(due_at=None)
     )
+    return int(in_id_order(due).update(due_at=None))
 
 
 def resume_host(host: str, *, using: str | None = None) -> int:
@@ -133,13 +134,10 @@ def resume_hosts(names: Iterable[str], *, using: str | None = None) -> int:
             Host.objects.using(alias).filter(name__in=chunk).update(
                 paused_at=None, disabled_reason="", updated_at=now
             )
-            released += (
-                Delivery.objects.using(alias)
-                .filter(
-                    host__in=chunk, status=Status.PENDING, due_at__isnull=True, after__isnull=True
-                )
-                .update(due_at=no_sooner_than_kept(due), not_before=None)
+            held = Delivery.objects.using(alias).filter(
+                host__in=chunk, status=Status.PENDING, due_at__isnull=True, after__isnull=True
             )
+            released += in_id_order(held).update(due_at=no_sooner_than_kept(due), not_before=None)
     wakeup.wake_all(alias)
     return int(released)
 

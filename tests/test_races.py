@@ -10,10 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import OperationalError, connection, connections, transaction
 from django.utils import timezone
 
-from django_federation_delivery import controls, retention, send, send_batch
+from django_federation_delivery import controls, hosts, retention, send, send_batch
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.replay import replay
 from django_federation_delivery.store import settlements
@@ -104,8 +104,6 @@ def test_a_replay_meeting_a_purge_of_what_it_read_replays_the_rest_without_a_key
 
 
 def hold_row(id: int, holding: threading.Event, release: threading.Event) -> Side:
-    from django.db import transaction
-
     def work() -> None:
         with transaction.atomic():
             list(Delivery.objects.select_for_update().filter(id=id).values_list("id"))
@@ -282,6 +280,72 @@ def test_a_delete_superseding_what_an_operator_gives_up_at_once_never_deadlocks(
             lambda: send(ALICE, delete, urls),
             lambda first=first: controls.give_up(Delivery.objects.filter(batch=first)),
         )
+
+
+def in_table_order(work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work``, its statements planned as scans of the table: what a
+    statement that names no order locks its rows in is then the table's,
+    where a row rewritten since comes last (an index's order may be that
+    too, or not: whichever the planner picks)."""
+
+    def planned() -> Any:
+        with connection.cursor() as cursor:
+            cursor.execute("SET enable_indexscan = off")
+            cursor.execute("SET enable_bitmapscan = off")
+        return work()
+
+    return planned
+
+
+def locked_now(ids: list[int]) -> list[int]:
+    """Which of the deliveries ``ids`` another transaction holds locked now."""
+
+    def probe() -> list[int]:
+        locked = []
+        for id in ids:
+            try:
+                with transaction.atomic():
+                    list(Delivery.objects.select_for_update(nowait=True).filter(id=id))
+            except OperationalError:
+                locked.append(id)
+        return locked
+
+    [found] = in_other_thread(probe)
+    return found  # type: ignore[no-any-return]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("action", ["pause", "resume"])
+def test_a_pause_or_resume_of_a_host_locks_its_rows_lowest_id_first(action: str) -> None:
+    """A pause takes the due time of a host's pending deliveries, a resume
+    gives it back, each in one UPDATE that locked its rows in the order its
+    plan read them: the table's, where a row rewritten since comes last.
+    Every other writer of many deliveries (a settle, an operator's give-up,
+    a Delete's supersede) locks them lowest id first; crossing one of them,
+    PostgreSQL ended one of the two with ``deadlock detected`` (a 500 in the
+    admin). Held up on the lowest, the pause now holds none of the others."""
+    postgresql_only()
+    if action == "resume":
+        hosts.pause_host("a.example")
+    batch = send(ALICE, note(1), [f"https://a.example/u{n}/inbox" for n in range(3)])
+    assert batch is not None
+    first, *others = Delivery.objects.filter(batch=batch).order_by("id")
+    # The first rewritten (a claim, a retry): last in the table.
+    Delivery.objects.filter(pk=first.pk).update(due_at=timezone.now())
+    if action == "resume":
+        Delivery.objects.filter(pk=first.pk).update(due_at=None)
+    change = hosts.pause_host if action == "pause" else hosts.resume_host
+    holding, release = threading.Event(), threading.Event()
+    blocker = hold_row(first.pk, holding, release)
+    side = Side(in_table_order(lambda: change("a.example")))
+    side.start()
+    wait_until(lambda: waiting_on_locks() == 1, timeout=10)
+    locked = locked_now([row.pk for row in others])
+    release.set()
+    for thread in (blocker, side):
+        thread.join(20)
+    assert locked == [], "it held later rows while it waited for the first"
+    assert side.error is None and side.result == 3, (side.result, side.error)
 
 
 @pytest.mark.slow

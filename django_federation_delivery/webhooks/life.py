@@ -30,6 +30,7 @@ from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.store import claims
+from django_federation_delivery.store.locks import in_id_order
 from django_federation_delivery.webhooks.destinations import delivery_key
 
 __all__ = ["GONE", "Watch", "disable", "enable", "enabled"]
@@ -104,9 +105,8 @@ def enable(name: str, *, using: str | None = None) -> int | None:
         # sooner than the lease of an attempt still in flight when it was
         # given up, then requeued; before the resume, which forgets that.
         now = orm_datetime(aware_now(), alias)
-        pending.filter(after__isnull=True, lease_token__isnull=True).filter(due_at__gt=now).update(
-            due_at=hosts.no_sooner_than_kept(now)
-        )
+        waiting = pending.filter(after__isnull=True, lease_token__isnull=True, due_at__gt=now)
+        in_id_order(waiting).update(due_at=hosts.no_sooner_than_kept(now))
         hosts.resume_host(key, using=alias)
         # The first goes now, and each of the others once the one before it
         # is delivered: every one of them goes again, not the first alone.
