@@ -42,7 +42,7 @@ from django_federation_delivery.dialect import aware_now, orm_datetime
 from django_federation_delivery.models import Batch, Delivery, Host, Kind, Lane, Retracts, Status
 from django_federation_delivery.store import queueing, retractions, sequences
 from django_federation_delivery.store.claims import stored_gateways
-from django_federation_delivery.store.locks import write_first
+from django_federation_delivery.store.locks import again_on_deadlock, write_first
 from django_federation_delivery.webhooks.destinations import configured, delivery_key
 from django_federation_delivery.webhooks.sending import ORDERING_KEY as WEBHOOK_ORDERING_KEY
 
@@ -132,24 +132,33 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
     matching = _replayable(
         Delivery.objects.using(alias).filter(host=key, status__in=REPLAYED, settled_at__gte=after)
     )
-    replayed: list[Batch] = []
-    with transaction.atomic(using=alias):
-        # On SQLite, its write lock before its reads: read first, another
-        # connection's write in between (a deliverer settling, a view
-        # sending, another replay) made its first write fail at once,
-        # "database is locked", instead of waiting its turn.
-        write_first(alias)
-        batch_ids = _in_order(matching)
-        first_run = _first_run(key, since, batch_ids, alias)
-        if first_run is not None:
-            # Run again: what the first run replayed, no more. What was
-            # settled since was sent live to a host already restored.
-            matching = matching.filter(settled_at__lt=first_run)
-            batch_ids = _in_order(matching)
-        for start in range(0, len(batch_ids), STEP):
-            step = batch_ids[start : start + STEP]
-            replayed += _replay_step(key, since, matching.filter(batch_id__in=step), alias)
-    return replayed
+
+    def write() -> list[Batch]:
+        replayed: list[Batch] = []
+        chosen = matching
+        with transaction.atomic(using=alias):
+            # On SQLite, its write lock before its reads: read first, another
+            # connection's write in between (a deliverer settling, a view
+            # sending, another replay) made its first write fail at once,
+            # "database is locked", instead of waiting its turn.
+            write_first(alias)
+            batch_ids = _in_order(chosen)
+            first_run = _first_run(key, since, batch_ids, alias)
+            if first_run is not None:
+                # Run again: what the first run replayed, no more. What was
+                # settled since was sent live to a host already restored.
+                chosen = chosen.filter(settled_at__lt=first_run)
+                batch_ids = _in_order(chosen)
+            for start in range(0, len(batch_ids), STEP):
+                step = batch_ids[start : start + STEP]
+                replayed += _replay_step(key, since, chosen.filter(batch_id__in=step), alias)
+        return replayed
+
+    # A step locks the last delivery of each sequence it adds to, and what
+    # a retraction it copies waits on, step after step: PostgreSQL may end
+    # it to undo a deadlock with a deliverer's settle or an operator's
+    # action, and it is then made again, from the start.
+    return again_on_deadlock(alias, write)
 
 
 def _in_order(deliveries: QuerySet[Delivery]) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import close_old_connections, connection
+from django.db import OperationalError, close_old_connections, connection
 from django.db.models.signals import post_save, pre_save
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -741,3 +741,44 @@ def test_a_batch_whose_deadline_passed_is_not_sent_again_by_a_replay() -> None:
         )
     )
     assert due == [], f"past its deadline, the batch is queued to be sent again: {due}"
+
+
+class Deadlocked(Exception):
+    """The driver's error for a transaction PostgreSQL ended to undo a deadlock."""
+
+    sqlstate = "40P01"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replay_the_database_ended_to_undo_a_deadlock_is_made_again_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replay locks the last delivery of each sequence it adds to, step
+    after step, not lowest id first over the whole replay; writers at once
+    (a deliverer settling, operators pausing and giving up) met it in a
+    deadlock, and when PostgreSQL ended the replay's side, its operator
+    got ``deadlock detected`` (a 500 in the admin, or ``delivery_replay``
+    failing), nothing queued. It is made again: each batch replayed once,
+    nothing of the ended try left. (The deadlock is told as the driver
+    tells it, here on either database.)"""
+    now = timezone.now()
+    sent = [send(ALICE, note(n), ["https://a.example/u1/inbox"]) for n in range(3)]
+    for batch in sent:
+        assert batch is not None
+        settle(batch, Status.DELIVERED, now - dt.timedelta(hours=1))
+    real = replaying.queueing.enqueue_all
+    ended: list[int] = []
+
+    def ended_once(items: Any, **kwargs: Any) -> Any:
+        written = real(items, **kwargs)
+        if not ended:
+            ended.append(len(written))
+            raise OperationalError("deadlock detected") from Deadlocked()
+        return written
+
+    monkeypatch.setattr(replaying.queueing, "enqueue_all", ended_once)
+    replayed = replay(host="a.example", since=now - dt.timedelta(days=1))
+    assert ended == [3]
+    assert [b.tag for b in replayed] == [f"replay of batch {b.pk}" for b in sent if b]
+    assert Batch.objects.filter(tag__startswith="replay of batch ").count() == 3
+    assert Delivery.objects.filter(batch__in=replayed, status=Status.PENDING).count() == 3
