@@ -674,3 +674,20 @@ def test_discord_is_sent_on_a_versioned_path_where_a_429_counts_seconds() -> Non
     # Whole, the path sent to is as secret as the one given.
     said = destination.redact(f"no hook at {request.url}")
     assert said == "no hook at https://discord.com[redacted]"
+
+
+@pytest.mark.parametrize(
+    "timestamp",
+    [
+        datetime.datetime.max.replace(tzinfo=datetime.timezone(datetime.timedelta(hours=-1))),
+        datetime.datetime.min.replace(tzinfo=datetime.timezone(datetime.timedelta(hours=1))),
+    ],
+    ids=["the last day at -01:00", "the first day at +01:00"],
+)
+def test_an_event_whose_timestamp_utc_cannot_hold_is_refused_naming_it(
+    timestamp: datetime.datetime,
+) -> None:
+    """``Event.of`` checks an event: an aware timestamp past what UTC holds
+    raised a bare ``OverflowError: date value out of range``."""
+    with pytest.raises(InvalidDelivery, match=re.escape(timestamp.isoformat())):
+        Event.of("alert.raised", "evt-1", timestamp, {"n": 1})

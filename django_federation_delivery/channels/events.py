@@ -78,6 +78,13 @@ class Event:
                 f"An event's timestamp must be an aware datetime, not {quoted(timestamp)}."
             )
         try:
+            in_utc = timestamp.astimezone(datetime.UTC)
+        except OverflowError:
+            # The year 1 at +01:00, or 9999-12-31 at -01:00.
+            raise InvalidDelivery(
+                f"An event's timestamp must be one UTC can hold, not {timestamp.isoformat()}."
+            ) from None
+        try:
             compact_json(data)
         except RecursionError:
             raise _too_deep(event_type) from None
@@ -96,7 +103,7 @@ class Event:
                 f"The data of event {event_type!r} has two keys that are both {quoted(key)} "
                 f"in JSON at {path}."
             )
-        return cls(event_type, event_id, timestamp.astimezone(datetime.UTC), data)
+        return cls(event_type, event_id, in_utc, data)
 
     @classmethod
     def read(cls, body: str | bytes) -> Event:
