@@ -198,3 +198,39 @@ def test_send_test_webhook_stops_on_an_operators_ctrl_c_not_a_kinds_internal_err
         f"Ctrl-C did not stop the command: it exited {code} printing {out.getvalue()!r}, "
         f"and logged {[r.getMessage() for r in caplog.records if r.levelname == 'ERROR']}"
     )
+
+
+#: A database URL given where an alias goes: its password a secret.
+PASSWORD = "hunter2pw"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("delivery_status",),
+        ("delivery_status", "--check"),
+        ("delivery_replay", "--host", "a.example", "--since", "1h"),
+        ("purge_deliveries", "--dry-run"),
+        ("enable_webhook", "ops"),
+        ("run_deliverer", "--drain"),
+    ],
+)
+def test_a_database_url_given_as_database_is_refused_without_its_password(
+    args: tuple[str, ...],
+) -> None:
+    """``--database postgres://fd:PASSWORD@db.example/fd`` was refused with
+    the password in the message (and, with ``--check``, in the probe's
+    UNKNOWN line, which monitoring mails on). It is shown as the public
+    API shows it, its host and no password."""
+    out, err = StringIO(), StringIO()
+    said = ""
+    url = f"postgres://fd:{PASSWORD}@db.example:5432/fd"
+    try:
+        call_command(*args, "--database", url, stdout=out, stderr=err)
+    except CommandError as refused:
+        said = str(refused)
+    except SystemExit:
+        pass
+    said += out.getvalue() + err.getvalue()
+    assert "db.example" in said, said
+    assert PASSWORD not in said, said

@@ -782,3 +782,22 @@ def test_a_replay_the_database_ended_to_undo_a_deadlock_is_made_again_once(
     assert [b.tag for b in replayed] == [f"replay of batch {b.pk}" for b in sent if b]
     assert Batch.objects.filter(tag__startswith="replay of batch ").count() == 3
     assert Delivery.objects.filter(batch__in=replayed, status=Status.PENDING).count() == 3
+
+
+@pytest.mark.django_db
+def test_a_replay_run_again_from_the_moment_its_line_printed_queues_nothing_more() -> None:
+    """``delivery_replay --since 6h`` prints the moment it replayed from, and
+    the README's way to run a replay twice is to give that moment. The
+    moment had microseconds the line left out: given again, it was another
+    replay, and the host was sent each activity a third time."""
+    inbox = "https://a.example/inbox"
+    batch = send(ALICE, note(1), [inbox])
+    assert batch is not None
+    settle(batch, Status.DELIVERED, timezone.now() - dt.timedelta(hours=1))
+    first = StringIO()
+    call_command("delivery_replay", "--host", "a.example", "--since", "6h", stdout=first)
+    assert "Queued again: 1 delivery" in first.getvalue(), first.getvalue()
+    (moment,) = re.findall(r"^Since (\S+)\. ", first.getvalue())
+    again = StringIO()
+    call_command("delivery_replay", "--host", "a.example", "--since", moment, stdout=again)
+    assert Delivery.objects.filter(inbox=inbox).count() == 2, again.getvalue()

@@ -203,7 +203,7 @@ def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
     ("command", "options"),
     [
         ("run_deliverer", {"drain": True, "concurrency": 4, "per_host": 2}),
-        ("run_deliverer", {"drain": True, "log_interval": 5, "purge_interval": 60}),
+        ("run_deliverer", {"drain": True, "log_interval": 5, "purge": True, "purge_interval": 60}),
         ("delivery_status", {"hosts": 3}),
     ],
 )
@@ -1128,6 +1128,13 @@ def test_under_processes_only_the_first_child_purges(monkeypatch: pytest.MonkeyP
 def test_a_bad_purge_interval_is_refused_naming_it(value: str) -> None:
     with pytest.raises(CommandError, match=repr(value)):
         call_command("run_deliverer", "--drain", "--purge", f"--purge-interval={value}")
+
+
+def test_a_purge_interval_without_purge_is_refused_rather_than_dropped() -> None:
+    """``--purge-interval 600`` alone was checked as a number, then dropped:
+    the deliverer ran and never purged, and said nothing of it."""
+    with pytest.raises(CommandError, match="--purge-interval '600' needs --purge"):
+        call_command("run_deliverer", "--drain", "--purge-interval=600")
 
 
 # Heartbeats: who is alive, as the queues page and delivery_status --check see it.

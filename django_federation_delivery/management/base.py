@@ -107,7 +107,9 @@ def database_named(using: str | None) -> str:
         return database_alias(using)
     except InvalidDelivery:
         raise CommandError(
-            _("no database named %(alias)r in DATABASES") % {"alias": using}
+            # Quoted as the public API quotes it: a database URL given in
+            # its place keeps its password out of the message.
+            _("no database named %(alias)s in DATABASES") % {"alias": quoted(using)}
         ) from None
 
 
@@ -129,8 +131,8 @@ def unreachable(using: str, exc: DatabaseError) -> CommandError:
     text = str(exc).strip()
     error = escaped(text.splitlines()[0])[:200] if text else type(exc).__name__
     return CommandError(
-        _("The database %(alias)r cannot be reached (%(error)s).")
-        % {"alias": using, "error": error}
+        _("The database %(alias)s cannot be reached (%(error)s).")
+        % {"alias": quoted(using), "error": error}
     )
 
 

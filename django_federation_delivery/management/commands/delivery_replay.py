@@ -79,9 +79,9 @@ class Command(TranslatedCommand):
                 % {"name": quoted(destination)}
             )
         self.stdout.write(
-            _("Since %(since)s.") % {"since": since.isoformat(timespec="seconds")}
-            + " "
-            + replayed(batches)
+            # Whole: a moment given with a fraction of a second is another
+            # replay than the same moment printed without it.
+            _("Since %(since)s.") % {"since": since.isoformat()} + " " + replayed(batches)
         )
 
 
@@ -110,7 +110,10 @@ def moment(value: str | dt.datetime) -> dt.datetime:
             # Past 10**12 units, before the year 1 whatever the unit.
             if len(number) > 12:
                 raise OverflowError
-            return aware_now() - dt.timedelta(seconds=int(number) * UNITS[text[-1]])
+            # In whole seconds, as its line prints it: that moment given
+            # again (--since) is this replay's, and queues nothing more.
+            back = aware_now() - dt.timedelta(seconds=int(number) * UNITS[text[-1]])
+            return back.replace(microsecond=0)
         except OverflowError:
             raise CommandError(
                 _("--since %(value)s reaches back before the year 1") % {"value": named}

@@ -13,6 +13,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
 from django_federation_delivery import metrics, store, supervisor
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.checks import (
     WHOLE_NUMBERS,
     deliverer_problems,
@@ -44,6 +45,8 @@ MOST_PROCESSES = 256
 #: ``--purge``: the first purge this long after the start (or after the
 #: interval, if shorter), the deliverer's own start done by then.
 FIRST_PURGE = 60.0
+#: ``--purge-interval`` when not given: seconds between purges.
+PURGE_EVERY = "3600"
 #: The options a child is started with (the rest are the supervisor's).
 CHILD_OPTIONS = (
     "drain",
@@ -73,7 +76,7 @@ def run_child(index: int, count: int, options: dict[str, Any]) -> None:
         options = {**options, "metrics_port": str(int(options["metrics_port"]) + index - 1)}
     if index != 1:
         # One purge is enough: the first child's (the supervisor owns no database).
-        options = {**options, "purge": False}
+        options = {**options, "purge": False, "purge_interval": None}
     try:
         command.handle(**options, processes="1")
     except CommandError as exc:
@@ -164,7 +167,7 @@ class Command(TranslatedCommand):
         parser.add_argument(
             "--purge-interval",
             type=str,
-            default="3600",
+            default=None,
             help=_("Seconds between purges with --purge (default 3600)."),
         )
 
@@ -211,7 +214,14 @@ class Command(TranslatedCommand):
                 self.stderr.write(self.style.WARNING(f"{problem.msg} {problem.hint}"))
         drain = bool(options["drain"])
         interval = float(positive(options["log_interval"], 86_400))
-        purge_every = float(positive(options["purge_interval"], 7 * 86_400))
+        every = options["purge_interval"]
+        if every is not None and not options["purge"]:
+            # Checked, then dropped, it would read as purges that never come.
+            raise CommandError(
+                _("--purge-interval %(seconds)s needs --purge: without it nothing is purged")
+                % {"seconds": quoted(every)}
+            )
+        purge_every = float(positive(every if every is not None else PURGE_EVERY, 7 * 86_400))
         # Run from call_command, or with --skip-checks, the system checks have
         # not run: a bad setting, a kind of destination that does not load or a
         # webhook that does not parse is still an error that says what to
