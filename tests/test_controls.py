@@ -405,6 +405,21 @@ def test_one_given_up_in_flight_requeued_then_paused_is_due_no_sooner_than_its_l
     )
 
 
+def test_one_given_up_in_flight_requeued_given_up_and_requeued_again_waits_for_its_lease() -> None:
+    """Given up while in flight, requeued (due when that lease ends), given
+    up again, requeued again: the second give-up forgot the lease's end (a
+    row no claim holds kept one only while it had no due time), and the
+    second requeue made it due at once, claimed and sent beside the
+    attempt still in flight."""
+    lease_end = given_up_in_flight()
+    assert controls.requeue(Delivery.objects.all()) == 1
+    assert controls.give_up(Delivery.objects.all()) == 1
+    assert controls.requeue(Delivery.objects.all()) == 1
+    due = Delivery.objects.get().due_at
+    assert due is not None and due >= lease_end, f"due at {due}, before {lease_end}"
+    assert store.claim(10, lease=300) == [], "claimed again beside the attempt in flight"
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_host_resumed_while_a_requeue_to_it_commits_leaves_nothing_held_for_ever(
     monkeypatch: pytest.MonkeyPatch,

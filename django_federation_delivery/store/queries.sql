@@ -795,12 +795,13 @@ RETURNING id, batch_id, inbox, last_status, destination
 
 -- name: lease_running
 -- The end of the row's lease if a claim holds it still (an attempt may be in
--- flight until then), else NULL. A row that waits holds none, but may keep
--- the end of the lease of an attempt given up before (not_before): that
--- attempt may be answered until then still, given up twice over.
+-- flight until then), else NULL. A row no claim holds may keep the end of
+-- the lease of an attempt given up before (not_before), whether it waits
+-- (no due time) or was requeued since (due then): that attempt may be
+-- answered until then still, given up twice over.
 CASE WHEN {delivery}.lease_token IS NOT NULL AND {delivery}.due_at > %(now)s
     THEN {delivery}.due_at
-    WHEN {delivery}.due_at IS NULL AND {delivery}.not_before > %(now)s
+    WHEN {delivery}.not_before > %(now)s
     THEN {delivery}.not_before END
 
 -- name: requeue [postgresql]
