@@ -249,9 +249,10 @@ def seen_all(names: Sequence[str], *, using: str) -> int:
                 name__in=chunk,
             )
             rows = list(
-                marked.select_for_update().values_list(
-                    "name", "unavailable_since", "failing_since", "failing_told_at"
-                )
+                # In name order, as every writer of many hosts locks them.
+                marked.select_for_update()
+                .order_by("name")
+                .values_list("name", "unavailable_since", "failing_since", "failing_told_at")
             )
             Host.objects.using(using).filter(name__in=[row[0] for row in rows]).update(
                 unavailable_since=None,

@@ -70,7 +70,11 @@ def pause_hosts(names: Iterable[str], *, using: str | None = None) -> int:
     of thousands of hosts (a transaction each took 75 s for 32,767 on
     SQLite). Returns how many deliveries were held now."""
     alias = using or database_alias()
-    unique = list(dict.fromkeys(names))  # one row a name: PostgreSQL's upsert needs it
+    # One row a name (PostgreSQL's upsert needs it), in name order: the
+    # order the upsert locks them in, as every writer of many hosts does
+    # (lock_hosts, a deliverer's record_hosts); the admin's hosts list
+    # gives them by trouble, and two orders crossing deadlock.
+    unique = sorted(set(names))
     held = 0
     for start in range(0, len(unique), CHUNK):
         chunk = unique[start : start + CHUNK]

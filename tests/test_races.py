@@ -13,10 +13,11 @@ import pytest
 from django.db import OperationalError, connection, connections, transaction
 from django.utils import timezone
 
-from django_federation_delivery import controls, hosts, retention, send, send_batch
-from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery import availability, controls, hosts, retention, send, send_batch
+from django_federation_delivery.models import Batch, Delivery, Host, Status
 from django_federation_delivery.replay import replay
 from django_federation_delivery.store import settlements
+from django_federation_delivery.store.hosts import SeenHost, record_hosts
 
 from .conftest import wait_until, waiting_on_locks
 from .keys import ALICE
@@ -346,6 +347,82 @@ def test_a_pause_or_resume_of_a_host_locks_its_rows_lowest_id_first(action: str)
         thread.join(20)
     assert locked == [], "it held later rows while it waited for the first"
     assert side.error is None and side.result == 3, (side.result, side.error)
+
+
+def hold_host(name: str, holding: threading.Event, release: threading.Event) -> Side:
+    def work() -> None:
+        with transaction.atomic():
+            list(Host.objects.select_for_update().filter(name=name).values_list("name"))
+            holding.set()
+            release.wait(20)
+
+    side = Side(work)
+    side.start()
+    assert holding.wait(10)
+    return side
+
+
+def crossed_on_host(held: str, first: Callable[[], Any], second: Callable[[], Any]) -> None:
+    """:func:`crossed`, a third holding the host row ``held``."""
+    holding, release = threading.Event(), threading.Event()
+    blocker = hold_host(held, holding, release)
+    sides = [Side(first), Side(second)]
+    for waiting, side in enumerate(sides, 1):
+        side.start()
+        wait_until(lambda waiting=waiting: waiting_on_locks() == waiting, timeout=10)
+    time.sleep(1.2)
+    release.set()
+    for side in (blocker, *sides):
+        side.join(20)
+    errors = [side.error for side in sides]
+    assert errors == [None, None], errors
+
+
+def seen_host(name: str) -> SeenHost:
+    now = timezone.now()
+    return SeenHost(name, now, now, "", None, 12.0, 30.0, None, None)
+
+
+def record(*names: str) -> None:
+    record_hosts([seen_host(name) for name in names], now=timezone.now())
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("other", ["a deliverer", "another operator"])
+def test_a_pause_of_hosts_in_the_hosts_lists_order_never_deadlocks(other: str) -> None:
+    """The hosts list's "Pause" gives its names by trouble (a failing
+    ``z.example`` before ``a.example``), and the pause upserted their rows
+    in that order; a deliverer writing what it saw of them (every few
+    seconds), and a pause from the deliveries list, lock them in name
+    order. PostgreSQL ended one with ``deadlock detected``: the
+    operator's pause (a 500) or the deliverer's write."""
+    postgresql_only()
+    record("a.example", "z.example")
+    crossed_on_host(
+        "z.example",
+        lambda: hosts.pause_hosts(["z.example", "a.example"]),
+        (lambda: record("a.example", "z.example"))
+        if other == "a deliverer"
+        else (lambda: hosts.pause_hosts(["a.example", "z.example"])),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_marking_hosts_seen_while_a_deliverer_writes_them_never_deadlocks() -> None:
+    """ "Mark the selected hosts as seen" locked the marked hosts in the
+    order its plan read them (a host rewritten since last), a deliverer's
+    write of what it saw of them in name order: PostgreSQL ended one."""
+    postgresql_only()
+    record("z.example")
+    record("a.example")
+    long_ago = timezone.now() - 3 * DAY
+    Host.objects.update(failing_since=long_ago, unavailable_since=long_ago)
+    Host.objects.filter(name="a.example").update(updated_at=timezone.now())  # last in the table
+    crossed_on_host(
+        "z.example",
+        in_table_order(lambda: availability.seen_all(["a.example", "z.example"], using="default")),
+        lambda: record("a.example", "z.example"),
+    )
 
 
 @pytest.mark.slow
