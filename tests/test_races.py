@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from django.db import OperationalError, connection, connections, transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from django_federation_delivery import availability, controls, hosts, retention, send, send_batch
@@ -104,10 +105,14 @@ def test_a_replay_meeting_a_purge_of_what_it_read_replays_the_rest_without_a_key
     assert [b.body for b in replayed if b.created] == [recent.body]
 
 
-def hold_row(id: int, holding: threading.Event, release: threading.Event) -> Side:
+def hold_row(held: int | QuerySet[Any], holding: threading.Event, release: threading.Event) -> Side:
+    """A transaction of its own holding the delivery ``held`` (an id), or
+    the rows of ``held`` (a query), until ``release``."""
+    rows = Delivery.objects.filter(id=held) if isinstance(held, int) else held
+
     def work() -> None:
         with transaction.atomic():
-            list(Delivery.objects.select_for_update().filter(id=id).values_list("id"))
+            list(rows.select_for_update().values_list("pk"))
             holding.set()
             release.wait(20)
 
@@ -117,11 +122,11 @@ def hold_row(id: int, holding: threading.Event, release: threading.Event) -> Sid
     return side
 
 
-def crossed(held: int, first: Callable[[], Any], second: Callable[[], Any]) -> None:
+def crossed(held: int | QuerySet[Any], first: Callable[[], Any], second: Callable[[], Any]) -> None:
     """``first``, then ``second``, each on a connection of its own, while a
-    third holds the row ``held``: let go once both wait, past PostgreSQL's
-    deadlock_timeout (1 s), so that a cycle between them is found. Neither
-    may fail."""
+    third holds the row ``held`` (a delivery's id, or a query's rows): let
+    go once both wait, past PostgreSQL's deadlock_timeout (1 s), so that a
+    cycle between them is found. Neither may fail."""
     holding, release = threading.Event(), threading.Event()
     blocker = hold_row(held, holding, release)
     sides = [Side(first), Side(second)]
@@ -349,35 +354,6 @@ def test_a_pause_or_resume_of_a_host_locks_its_rows_lowest_id_first(action: str)
     assert side.error is None and side.result == 3, (side.result, side.error)
 
 
-def hold_host(name: str, holding: threading.Event, release: threading.Event) -> Side:
-    def work() -> None:
-        with transaction.atomic():
-            list(Host.objects.select_for_update().filter(name=name).values_list("name"))
-            holding.set()
-            release.wait(20)
-
-    side = Side(work)
-    side.start()
-    assert holding.wait(10)
-    return side
-
-
-def crossed_on_host(held: str, first: Callable[[], Any], second: Callable[[], Any]) -> None:
-    """:func:`crossed`, a third holding the host row ``held``."""
-    holding, release = threading.Event(), threading.Event()
-    blocker = hold_host(held, holding, release)
-    sides = [Side(first), Side(second)]
-    for waiting, side in enumerate(sides, 1):
-        side.start()
-        wait_until(lambda waiting=waiting: waiting_on_locks() == waiting, timeout=10)
-    time.sleep(1.2)
-    release.set()
-    for side in (blocker, *sides):
-        side.join(20)
-    errors = [side.error for side in sides]
-    assert errors == [None, None], errors
-
-
 def seen_host(name: str) -> SeenHost:
     now = timezone.now()
     return SeenHost(name, now, now, "", None, 12.0, 30.0, None, None)
@@ -398,8 +374,8 @@ def test_a_pause_of_hosts_in_the_hosts_lists_order_never_deadlocks(other: str) -
     operator's pause (a 500) or the deliverer's write."""
     postgresql_only()
     record("a.example", "z.example")
-    crossed_on_host(
-        "z.example",
+    crossed(
+        Host.objects.filter(name="z.example"),
         lambda: hosts.pause_hosts(["z.example", "a.example"]),
         (lambda: record("a.example", "z.example"))
         if other == "a deliverer"
@@ -418,8 +394,8 @@ def test_marking_hosts_seen_while_a_deliverer_writes_them_never_deadlocks() -> N
     long_ago = timezone.now() - 3 * DAY
     Host.objects.update(failing_since=long_ago, unavailable_since=long_ago)
     Host.objects.filter(name="a.example").update(updated_at=timezone.now())  # last in the table
-    crossed_on_host(
-        "z.example",
+    crossed(
+        Host.objects.filter(name="z.example"),
         in_table_order(lambda: availability.seen_all(["a.example", "z.example"], using="default")),
         lambda: record("a.example", "z.example"),
     )
