@@ -568,10 +568,11 @@ _MESSAGE_URL_LENGTH = 200
 _PART_LENGTH = 4
 
 
-def redact(url: str, *, whole_path: bool = False) -> str:
+def redact(url: str, *, whole_path: bool = False, longest: int = _MESSAGE_URL_LENGTH) -> str:
     """The URL as a message may show it: no userinfo, query or fragment, one printable
-    line, short. With ``whole_path``, only ``scheme://host[:port]`` (for a URL whose
-    path is itself the credential). Never raises."""
+    line, at most ``longest`` characters. With ``whole_path``, only
+    ``scheme://host[:port]`` (for a URL whose path is itself the credential).
+    Never raises."""
     text = str(url)
     # Up to the last "@" before the path, "//" or not ("http:user:pw@host"), even when
     # a "?" comes first: a password may hold one.
@@ -581,11 +582,11 @@ def redact(url: str, *, whole_path: bool = False) -> str:
         text = matched.group(0) if matched else ""
     else:
         text = re.split(r"[?#]", text, maxsplit=1)[0]
-    text = text[: _MESSAGE_URL_LENGTH + 1]
+    text = text[: longest + 1]
     # Escaped as repr() escapes: one line, and nothing that prints as something else.
     text = repr(text)[1:-1]
-    if len(text) > _MESSAGE_URL_LENGTH:
-        text = text[: _MESSAGE_URL_LENGTH - 3] + "..."
+    if len(text) > longest:
+        text = text[: longest - 3] + "..."
     return text
 
 

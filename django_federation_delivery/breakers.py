@@ -36,6 +36,9 @@ from django_federation_delivery.models import Breaker
 from django_federation_delivery.store.breakers import count_failures
 from django_federation_delivery.store.queueing import CHUNK
 
+#: The longest key a breaker's row holds.
+KEY_LENGTH = Breaker._meta.get_field("key").max_length or 2048
+
 
 class Scope(enum.StrEnum):
     #: One breaker per host: a server that is down fails every inbox on it.
@@ -244,8 +247,11 @@ def record_probe(
 
 def inbox_key(inbox: str) -> str:
     """The key of a breaker kept per inbox: the canonical inbox without its
-    userinfo and query, which may be credentials (the key is shown)."""
-    return addresses.redact(inbox)
+    userinfo and query, which may be credentials (the key is shown), and
+    whole as the key's column holds it. Cut short as a message shows it,
+    a portable inbox's RSA ``did:key`` (about 400 characters) named no
+    delivery to find its gateways by, and two such inboxes shared one breaker."""
+    return addresses.redact(inbox, longest=KEY_LENGTH)
 
 
 def reset_breaker(key: str, *, using: str | None = None) -> int:
