@@ -277,8 +277,18 @@ def lane_lags(*, now: dt.datetime | None = None, using: str | None = None) -> di
     lags = {}
     for lane in Lane:
         oldest = due.filter(lane=lane).aggregate(at=Min("due_at"))["at"]
-        lags[lane.value] = max((now - oldest).total_seconds(), 0.0) if oldest else 0.0
+        lags[lane.value] = waited_since(oldest, now)
     return lags
+
+
+def waited_since(due: dt.datetime | None, now: dt.datetime) -> float:
+    """Seconds from ``due`` to ``now`` (0 if none or later), as instants: with
+    ``USE_TZ`` off both are the wall clock of ``TIME_ZONE``, and across the
+    hour it skips a delivery due a few minutes before had "waited" an hour."""
+    if due is None:
+        return 0.0
+    waited = aware(now).astimezone(dt.UTC) - aware(due).astimezone(dt.UTC)
+    return max(waited.total_seconds(), 0.0)
 
 
 def open_breakers(*, using: str | None = None) -> int:
@@ -334,7 +344,7 @@ def _lanes(now: dt.datetime, alias: str) -> tuple[LaneStats, ...]:
                 in_flight=counts.get("in_flight", 0),
                 held=counts.get("held", 0),
                 oldest_due_at=oldest,
-                lag=max((now - oldest).total_seconds(), 0.0) if oldest else 0.0,
+                lag=waited_since(oldest, now),
                 delivered_last_hour=done.get("delivered", 0),
                 failed_last_day=done.get("failed", 0),
                 superseded_last_day=done.get("superseded", 0),

@@ -21,6 +21,8 @@ from django.utils import timezone
 
 from django_federation_delivery import (
     controls,
+    metrics,
+    overview,
     retention,
     send,
     send_batch,
@@ -259,6 +261,23 @@ def test_a_hosts_last_24_hours_on_a_23_hour_day_are_24_hours(
     freeze(monkeypatch, eastern(2024, 3, 10, 12, 0))  # EDT, 16:00 UTC
     picture = host_picture("social.example")
     assert picture is not None and picture.last_day["delivered"] == 1
+
+
+@pytest.mark.django_db
+def test_the_lag_across_the_spring_forward_is_how_long_it_waited(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, ``USE_TZ = False``, 2024-03-10: a delivery due at 01:58 EST
+    still waits at 03:01 EDT, 3 minutes later. ``delivery_status --check``
+    (``--max-lag``), the queues page and the ``lag_seconds`` gauge said it
+    had waited 63 minutes, the wall clock's difference: CRITICAL for a queue
+    3 minutes behind."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 3, 10, 1, 58))  # EST: queued, due now
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    freeze(monkeypatch, eastern(2024, 3, 10, 3, 1))  # EDT, 3 minutes later
+    lags = (overview.lag(), overview.overview().total.lag, metrics.read_queue().lag)
+    assert all(abs(lag - 180) < 5 for lag in lags), lags
 
 
 POST = f"{ALICE}/notes/1"
