@@ -49,7 +49,7 @@ from django_federation_delivery.kinds import Kinds
 from django_federation_delivery.limits import HostLimits
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
-from django_federation_delivery.settling import Summary, tell_failed, tell_settled
+from django_federation_delivery.settling import Summary, ask, tell_failed, tell_settled
 from django_federation_delivery.slots import InHand, Slots
 from django_federation_delivery.store import claims, settlements
 from django_federation_delivery.triage import Triage
@@ -338,12 +338,20 @@ class Deliverer:
                 ):
                     break
                 if self.on_progress is not None and time.monotonic() >= self._next_progress:
-                    self.on_progress(self.summary)
+                    self._progress()
                     self._next_progress = time.monotonic() + self.progress_interval
                 self._pause(caught_up=drain or self.intake.caught_up)
         if self.on_progress is not None:
-            self.on_progress(self.summary)
+            self._progress()
         return self.summary
+
+    def _progress(self) -> None:
+        """Tell ``on_progress``; one that raises (its output's reader gone:
+        ``run_deliverer --drain | head``) is logged, never a reason to leave
+        the loop with answered attempts unwritten, sent again after their
+        lease."""
+        assert self.on_progress is not None
+        ask("on_progress", self.on_progress, self.summary)
 
     def _fail_overdue_ready(self) -> None:
         """Every ``OVERDUE_EVERY``: what waits for a slot past its batch's

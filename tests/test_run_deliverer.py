@@ -1209,3 +1209,119 @@ def test_an_idle_deliverer_logs_its_rate_line_every_log_interval(
     time.sleep(3.0)
     runner.stop()
     assert len(lines) >= 5, f"{len(lines)} rate lines in 3 s, one due every 0.5 s"
+
+
+# An output whose reader went away (a pipe to head or tee that ended).
+
+CREATE = {"@context": "https://www.w3.org/ns/activitystreams", "type": "Create", "actor": ALICE}
+
+
+def quick_retries(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "RETRY": {"BASE": 0.1, "CAP": 0.2, "ATTEMPTS": 3, "JITTER": 0},
+        "NEW_WORK_POLL_SECONDS": 0.05,
+    }
+
+
+class BrokenPipeStream:
+    """A command's stdout or stderr whose reader went away (a pipe to
+    ``head`` or ``tee`` that ended, a log collector that died): writes are
+    taken until ``broken`` is set, or ``lines`` have been written; each
+    later one raises ``BrokenPipeError``, as Python's own stream does."""
+
+    def __init__(self, lines: int | None = None) -> None:
+        self.lines = lines
+        self.broken = threading.Event()
+        self.written: list[str] = []
+
+    def _check(self) -> None:
+        if self.broken.is_set() or (self.lines is not None and len(self.written) >= self.lines):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def write(self, text: str) -> int:
+        self._check()
+        self.written.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.broken.is_set():
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_drain_whose_stdout_breaks_delivers_everything_once(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    """``run_deliverer --drain | head -1`` (or a log collector that dies):
+    the first progress line met a broken pipe, which tore the loop down,
+    and the deliveries it had sent and been answered for were left pending
+    under their lease, their outcomes never written: each was sent to its
+    inbox a second time once the lease lapsed. The drain goes on unheard."""
+    quick_retries(settings)
+    sink = inboxes(delay=0.4)
+    batch = send(ALICE, CREATE, [sink.url(f"/{i}") for i in range(16)])
+    out = BrokenPipeStream(lines=1)  # the "Delivering until nothing is due" line only
+    call_command(
+        "run_deliverer",
+        "--drain",
+        "--concurrency",
+        "2",
+        "--per-host",
+        "2",
+        "--per-host-max",
+        "2",
+        stdout=out,
+        stderr=BrokenPipeStream(),
+    )
+    statuses = collections.Counter(
+        Delivery.objects.filter(batch=batch).values_list("status", flat=True)
+    )
+    assert statuses == {Status.DELIVERED: 16}, statuses
+    assert sorted(int(request.path.strip("/")) for request in sink.received) == list(range(16))
+
+
+def test_a_sigterm_stops_run_deliverer_even_when_its_stderr_is_gone(
+    inboxes: Callable[..., Inbox], settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_deliverer 2>&1 | tee deliverer.log``: Ctrl-C (or a SIGTERM to
+    the pipeline) ends ``tee`` too, and the deliverer's "Stopping: finishing
+    what is in flight" line meets a broken pipe. The stop is then never
+    made: the deliverer goes on claiming and sending, and only a second
+    signal ends it, at once (``os._exit``), with what is in flight unwritten."""
+    from django_federation_delivery.management.commands import run_deliverer
+
+    quick_retries(settings)
+    sink = inboxes()
+    made: list[Deliverer] = []
+    install = run_deliverer.install_stop_signals
+
+    def recording(deliverer: Deliverer, *args: Any) -> Any:
+        made.append(deliverer)
+        return install(deliverer, *args)
+
+    monkeypatch.setattr(run_deliverer, "install_stop_signals", recording)
+    err = BrokenPipeStream()
+    signalled: list[float] = []
+
+    def operator() -> None:
+        wait_until(lambda: bool(made) and len(sink.received) >= 1)
+        err.broken.set()  # tee is gone
+        signalled.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+        # The test's own bound: stopped from here if the signal did not.
+        time.sleep(5)
+        made[0].stop()
+
+    send(ALICE, CREATE, [sink.url("/1")])
+    thread = threading.Thread(target=operator, daemon=True)
+    thread.start()
+    call_command("run_deliverer", stdout=BrokenPipeStream(), stderr=err)
+    returned = time.monotonic()
+    thread.join(10)
+    assert returned - signalled[0] < 4, (
+        f"SIGTERM did not stop the deliverer: it ran on for {returned - signalled[0]:.1f} s, "
+        "until the test stopped it"
+    )

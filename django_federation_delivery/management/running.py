@@ -175,11 +175,12 @@ def install_stop_signals(deliverer: Deliverer, child: Child | None, warn: Say) -
             if child is None:
                 exit_now(number)  # stopping already: as good as a second one
             return
+        # Stopped first: the line is said after, whatever becomes of it.
+        deliverer.stop()
         if child is None:
             warn(_("Stopping: finishing what is in flight (again to exit at once)."))
         else:
             warn(_("Stopping: finishing what is in flight."))
-        deliverer.stop()
 
     # Under a supervisor, a signal only ever stops: Ctrl-C in a terminal (or
     # systemd's stop) reaches this process and the supervisor both, and the

@@ -345,9 +345,15 @@ class Command(TranslatedCommand):
     def _say(self, line: str) -> None:
         # Flushed: an operator (or a supervisor reading a pipe) sees it now,
         # not when a buffer fills.
-        self.stdout.write(f"{self.child.prefix}{line}" if self.child else line)
-        self.stdout.flush()
+        self._write(self.stdout, line)
 
     def _warn(self, line: str) -> None:
-        self.stderr.write(f"{self.child.prefix}{line}" if self.child else line)
-        self.stderr.flush()
+        self._write(self.stderr, line)
+
+    def _write(self, stream: Any, line: str) -> None:
+        """``line`` written and flushed, or not at all: an output whose
+        reader went away (``| head``, a ``tee`` ended by the same Ctrl-C)
+        is no reason to stop delivering, nor to leave a stop unmade."""
+        with contextlib.suppress(OSError):
+            stream.write(f"{self.child.prefix}{line}" if self.child else line)
+            stream.flush()
