@@ -33,11 +33,13 @@ from typing import Any
 from django.db import transaction
 
 from django_federation_delivery import signals
+from django_federation_delivery.conf import database_alias
 from django_federation_delivery.decide import Outcome
 from django_federation_delivery.dialect import aware_now
-from django_federation_delivery.models import Batch, Retracts
+from django_federation_delivery.models import Batch, Delivery, Retracts, Status
 from django_federation_delivery.settling import settled
-from django_federation_delivery.store import retractions
+from django_federation_delivery.store import retractions, settlements
+from django_federation_delivery.store.queueing import CHUNK
 
 __all__ = ["Retraction", "about", "overtake", "retraction_of"]
 
@@ -131,7 +133,39 @@ def overtake(
         transaction.on_commit(lambda: _tell(sender, overtaken), using=using)
     if overtaken.finished:
         signals.batches_finished_on_commit(overtaken.finished, using=using)
+    if retraction.activity_id and batch is not None:
+        _restore_undone(sender, retraction.activity_id, batch, using=using)
     return len(overtaken.superseded)
+
+
+def _restore_undone(sender: str, undone: str, batch: Batch, *, using: str | None) -> int:
+    """An ``Undo`` (``batch``) of ``sender``'s ``Undo`` (``undone``): what
+    that ``Undo`` superseded at the inboxes ``batch`` goes to (a ``Like``
+    it took back before it was sent) is queued again, as the sender's state
+    has it once more: the inner ``Undo`` itself was just superseded where
+    it was never sent, and the receiver would never hear of the ``Like``
+    otherwise. One indexed query for any other ``Undo``. Returns how many."""
+    alias = using or database_alias()
+    taken_back = list(
+        Batch.objects.using(alias)
+        .filter(activity_id=undone, sender=sender, retracts=Retracts.ACTIVITY)
+        .exclude(object_id="")
+        .values_list("object_id", flat=True)
+    )
+    if not taken_back:
+        return 0
+    rows = Delivery.objects.using(alias).filter(
+        batch__sender=sender,
+        batch__activity_id__in=taken_back,
+        status=Status.SUPERSEDED,
+        last_error=retractions.REASONS[Retracts.ACTIVITY],
+        inbox__in=Delivery.objects.using(alias).filter(batch=batch).values("inbox"),
+    )
+    ids = sorted(rows.values_list("id", flat=True))
+    return sum(
+        settlements.requeue_rows(ids[start : start + CHUNK], using=alias)
+        for start in range(0, len(ids), CHUNK)
+    )
 
 
 def lock_retracted(

@@ -257,6 +257,35 @@ def test_an_undo_supersedes_the_activity_it_undoes() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_an_undo_of_an_undo_queues_again_what_the_first_took_back() -> None:
+    """A like, its unlike and the unlike taken back (an ``Undo`` of the
+    ``Undo``), none sent yet: the sender's post is liked. The first Undo
+    superseded the Like, the second the first, and only the second went:
+    the receiver never heard of the Like. The Like goes again where the
+    first Undo never went (at B, where it had gone, it stays as it was)."""
+    like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": POST}
+    unlike = {"type": "Undo", "id": f"{ALICE}/undos/1", "actor": ALICE, "object": like}
+    relike = {"type": "Undo", "id": f"{ALICE}/undos/2", "actor": ALICE, "object": unlike}
+    liked = send(ALICE, like, [A, B])
+    Delivery.objects.filter(batch=liked, inbox=B).update(
+        status=Status.DELIVERED, last_attempt_at=timezone.now(), due_at=None
+    )
+    undone = send(ALICE, unlike, [A, B])
+    Delivery.objects.filter(batch=undone, inbox=B).update(
+        status=Status.DELIVERED, last_attempt_at=timezone.now(), due_at=None
+    )
+    assert row(liked, A).status == Status.SUPERSEDED
+    remaining = Batch.objects.get(pk=liked.pk).remaining
+    again = send(ALICE, relike, [A, B])
+    assert again is not None and again.superseded == 1
+    assert row(undone, A).status == Status.SUPERSEDED
+    assert row(liked, A).status == Status.PENDING, "the like the sender has again"
+    assert Batch.objects.get(pk=liked.pk).remaining == remaining + 1
+    assert (row(liked, B).status, row(undone, B).status) == (Status.DELIVERED,) * 2
+    assert row(again, A).status == row(again, B).status == Status.PENDING
+
+
+@pytest.mark.django_db(transaction=True)
 def test_another_senders_activity_about_the_object_goes_as_queued() -> None:
     announce = send(BOB, {"type": "Announce", "id": f"{BOB}/a/1", "object": POST}, [A])
     update = send(ALICE, {"type": "Update", "object": {"id": POST, "content": "x"}}, [A])

@@ -564,7 +564,9 @@ def _overdue(now: dt.datetime, alias: str) -> QuerySet[Batch]:
 def _retracting(retracts: Retracts, about: str) -> QuerySet[Delivery]:
     """The deliveries, to the outer delivery's inbox, of a later retraction
     by its batch's sender of what the batch is ``about`` (its object, or
-    itself): found by the partial index on the retraction's ``object_id``."""
+    itself): found by the partial index on the retraction's ``object_id``.
+    Not one itself superseded there, never sent: undone (an ``Undo`` of
+    the ``Undo``), it takes nothing back."""
     return Delivery.objects.filter(
         inbox=OuterRef("inbox"),
         batch__retracts=retracts,
@@ -572,4 +574,4 @@ def _retracting(retracts: Retracts, about: str) -> QuerySet[Delivery]:
         batch__object_id__gt="",
         batch__sender=OuterRef("batch__sender"),
         batch_id__gt=OuterRef("batch_id"),
-    )
+    ).exclude(status=Status.SUPERSEDED)
