@@ -371,6 +371,15 @@ class Breakers:
         # success would then leave open.
         record_successes(self._successes, using=self.using)
         self._successes = set()
+        # The probes' outcomes before the failures: a failure noted after a
+        # probe's success (the breaker closed, and one sent) counts from
+        # nought; written before, it was counted on the open row, which the
+        # success then deleted, and the view it gave back had the closed
+        # breaker half-open, holding its host for a cool-off.
+        while self._probes:
+            key, token, failed = self._probes[0]
+            record_probe(key, token, failed=failed, cool_off=settings.cool_off, using=self.using)
+            self._probes.pop(0)
         standing = count_failures(
             self._failures,
             threshold=settings.threshold,
@@ -384,8 +393,4 @@ class Breakers:
             state = self.view.get(key)
             probe_until = state.probe_until if state else None
             self.view.set(key, State(failures, open_until, probe_until))
-        while self._probes:
-            key, token, failed = self._probes[0]
-            record_probe(key, token, failed=failed, cool_off=settings.cool_off, using=self.using)
-            self._probes.pop(0)
         return written

@@ -256,6 +256,7 @@ class Deliverer:
             concurrency=self.concurrency,
             slow_concurrency=self.slow_concurrency,
             write=self._write,
+            give_back=None if self.breakers is None else self.breakers.give_back,
         )
 
     # The public controls.

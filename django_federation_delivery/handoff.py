@@ -53,6 +53,8 @@ class Handoff:
     concurrency: int
     slow_concurrency: int
     write: Callable[[], None]
+    #: Gives back a probe of a breaker (its key, its token) that made no request.
+    give_back: Callable[[str, str], None] | None = None
 
     def dispatch(self) -> None:
         """Hand ready deliveries to the workers while there are free slots."""
@@ -149,6 +151,10 @@ class Handoff:
         for item in released:
             if item.path is not None:
                 item.path.close()
+            if item.probe and self.give_back is not None:
+                # Unsent, its probe taught nothing: given back, or every
+                # other deliverer would hold its host a whole cool-off.
+                self.db(self.give_back, item.breaker, item.probe)
         for claimed in [*(item.claimed for item in released), *self.intake.take_unsorted()]:
             self.outbox.add(
                 settlements.Settlement(

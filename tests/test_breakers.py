@@ -23,6 +23,7 @@ from django_federation_delivery.breakers import (
     admit,
 )
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.models import Breaker, Delivery, Status
 from django_federation_delivery.store import CLAIM_ORDER
 
@@ -542,3 +543,94 @@ def test_a_half_open_breaker_s_probe_failed_at_a_portable_inbox_s_first_gateway_
         "each probe that failed there was given back, as if no request had been made; "
         f"breaker now {list(Breaker.objects.values('failures', 'open_until', 'probe_token'))}"
     )
+
+
+FLAKY = "flaky.example"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failure_right_after_a_successful_probe_is_counted_and_holds_nothing() -> None:
+    """A host's probe succeeds (its breaker closes) and the next delivery
+    there, sent before the deliverer next writes its breakers, fails: that
+    failure was counted on the open row, which the probe's success then
+    deleted, and this deliverer, whose view the write left half-open, held
+    the host's next deliveries a whole cool-off each, without a request,
+    though the breaker was closed."""
+    breakers = Breakers(BreakerSettings(threshold=2, cool_off=60.0))
+    now = aware_now()
+    breakers.record(FLAKY, failed=True, probe="", now=now)
+    breakers.record(FLAKY, failed=True, probe="", now=now)
+    breakers.flush()
+    assert Breaker.objects.get(key=FLAKY).open_until is not None
+    # Its cool-off over: the next delivery probes.
+    Breaker.objects.filter(key=FLAKY).update(open_until=now - SECOND)
+    breakers.refresh()
+    decision, token, _ = breakers.admit(FLAKY, aware_now())
+    assert decision is Decision.PROBE
+    breakers.record(FLAKY, failed=False, probe=token, now=aware_now())  # closed
+    # Admitted once closed, the next one there fails, before the next write.
+    assert breakers.admit(FLAKY, aware_now())[0] is Decision.PASS
+    breakers.record(FLAKY, failed=True, probe="", now=aware_now())
+    breakers.flush()
+    rows = list(Breaker.objects.values_list("failures", "open_until"))
+    assert rows == [(1, None)], "closed, one failure in a row since the probe's success"
+    decision, _, held = breakers.admit(FLAKY, aware_now())
+    assert decision is Decision.PASS, f"held {held:.0f} s by a closed breaker"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_probe_put_back_unsent_as_the_deliverer_stops_is_given_back(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    """A half-open host's delivery takes the probe and waits in the
+    workers' queue behind a slow host's; the deliverer is stopped (a deploy)
+    and puts it back unsent. The probe stayed taken: every other deliverer
+    held the host, without a request, a try spent each time, for a whole
+    cool-off, though no probe was under way. It is given back, as one that
+    made no request is elsewhere."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 300.0, "SCOPE": "host"},
+        "SLOW_CONCURRENCY": 0,
+        "SLOW_AFTER_SECONDS": 60,
+    }
+    slow = inboxes("127.0.0.2", delay=3.0)
+    half_open = inboxes("127.0.0.3")
+    Breaker.objects.create(
+        key=half_open.host, failures=5, open_until=timezone.now() - SECOND, probe_token=""
+    )
+    send(ALICE, {"type": "Note"}, [slow.url("/inbox")])
+    send(ALICE, {"type": "Note"}, [half_open.url("/inbox")])
+    runner = start_deliverer(concurrency=1, per_host=1)
+    # The one worker sends the slow host's; the other waits in its queue.
+    wait_until(lambda: len(slow.received) == 1)
+    wait_until(lambda: len(runner.deliverer.in_hand().in_flight) == 2)
+    assert any(item.probe for item in runner.deliverer.in_hand().in_flight)
+    assert Breaker.objects.get(key=half_open.host).probe_token != ""
+    runner.stop()
+    assert half_open.received == [], "put back unsent"
+    row = Breaker.objects.get(key=half_open.host)
+    assert (row.probe_token, row.probe_until) == ("", None), "no probe is under way"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_backlog_of_more_than_200_held_hosts_keeps_no_other_host_waiting() -> None:
+    """A host whose breaker holds everything is left out of the claims, so
+    that its backlog never keeps the others waiting. With 250 hosts held,
+    only the first 200 (by name) were left out: the backlog of the other
+    50, due first, filled the claim, and a delivery to a healthy host
+    waited for it to be claimed and held again, a claim at a time."""
+    held = [f"down{n:03}.example" for n in range(250)]
+    until = timezone.now() + 60 * SECOND
+    Breaker.objects.bulk_create(Breaker(key=host, failures=10, open_until=until) for host in held)
+    send(ALICE, {"type": "Note"}, [f"https://{host}/{n}" for host in held for n in range(2)])
+    send(ALICE, {"type": "Note"}, ["https://up.example/inbox"])
+    # The claim's make-up, as tests/test_breakers.py looks at it.
+    deliverer = Deliverer(concurrency=4, per_host=2, claim_size=64)
+    deliverer.upkeep.refresh()
+    assert len(deliverer.upkeep.held_hosts()) == 250
+    deliverer.intake.claim_more()
+    hosts = collections.Counter(item.host for item in deliverer.in_hand().ready)
+    assert hosts["up.example"] == 1, f"claimed: {len(hosts)} held hosts, no other"

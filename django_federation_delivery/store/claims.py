@@ -37,8 +37,12 @@ CLAIM_ORDER = (Lane.WEBHOOK, Lane.PRIORITY, Lane.NORMAL, Lane.LOW)
 #: How many due rows a claim looks at for each it takes, so that a few hosts
 #: at the head of the queue do not leave it short.
 CANDIDATES = 4
-#: The most hosts a claim names, to leave out or to take alone.
+#: The most hosts a claim names to take alone.
 MOST_HOSTS = 200
+#: The most hosts a claim leaves out: every host whose breaker holds all of
+#: it, which on a large instance may be hundreds; past this many, the rest's
+#: due rows are claimed and held back again.
+MOST_EXCLUDED = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +101,7 @@ def claim(
     waiting out its lease in a single process, and leaves it to the others.
     """
     connection = connection_for(using)
-    excluded = sorted(set(exclude_hosts))[:MOST_HOSTS]
+    excluded = sorted(set(exclude_hosts))[:MOST_EXCLUDED]
     only = sorted(set(only_hosts) - set(excluded))[:MOST_HOSTS]
     if only_hosts and not only:
         return []
