@@ -23,12 +23,15 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from django_federation_delivery import send, send_webhook, signals
+from django_federation_delivery.channels import Verdict
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
-from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Status
+from django_federation_delivery.transport import Answer
 from django_federation_delivery.webhooks import sending as webhook_sending
+from django_federation_delivery.webhooks.destinations import delivery_key
 
-from .channels import queued_then_kind_removed
+from .channels import Pager, queued_then_kind_removed
 from .conftest import Inbox, Received, RunningDeliverer, away_at, wait_until
 from .keys import ALICE
 
@@ -757,3 +760,70 @@ def test_a_destination_on_a_refused_address_is_disabled_in_its_time(
         signals.webhook_destination_disabled.disconnect(receiver)
     assert [disabled.destination for disabled in told] == ["ops"]
     assert Delivery.objects.filter(last_attempt_at__isnull=False).count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_destination_removed_then_added_back_starts_fresh_not_disabled(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    """A destination disabled by a 410 (its hook deleted) is taken out of
+    WEBHOOKS, its events given up; set up again later with a new hook under
+    the same name, its new events were held for ever behind the old 410,
+    a disable no one could undo while it was gone."""
+    gone = inboxes("127.0.0.1", respond=lambda request: (410, {}, b"hook deleted"))
+    configure(settings, {"ops": signed(gone)})
+    send_webhook("ops", "alert.raised", {"n": 0})
+    Deliverer().run(drain=True, stop_after=10)
+    assert Host.objects.filter(name=delivery_key("ops"), paused_at__isnull=False).exists()
+
+    configure(settings, {})
+    Deliverer().run(drain=True, stop_after=10)
+    assert Delivery.objects.get().status == Status.FAILED
+
+    working = inboxes("127.0.0.1")
+    configure(settings, {"ops": signed(working)})
+    send_webhook("ops", "alert.raised", {"n": 1})
+    Deliverer().run(drain=True, stop_after=10)
+    assert len(working.received) == 1, "the destination added back sends its new event"
+
+
+class Ledger(Pager):
+    """A kind of the host project's whose service answers 410 Gone to an
+    event it has recorded already (a retry whose first answer was lost):
+    delivered, as its judge() says."""
+
+    name = "ledger"
+    label = "Ledger"
+    schemes = ("ledger+http",)
+
+    def judge(self, answer: Answer) -> Verdict:
+        if answer.status == 410:
+            return Verdict(delivered=True)
+        return super().judge(answer)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_410_its_kind_judges_delivered_stays_delivered(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    """A kind's judge() "that says the event was delivered stays delivered,
+    and is not sent again" (README). One that read a 410 as delivered had
+    its event kept pending with no try spent, sent again at every retry
+    wait for ever, and every later event to the destination behind it."""
+    receiver = inboxes("127.0.0.1", respond=lambda request: (410, {}, b"already recorded"))
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": [f"{__name__}.Ledger"],
+        "WEBHOOKS": {"ledger": f"ledger+http://routingKEY4b7c9@127.0.0.1:{receiver.port}/in"},
+        "WEBHOOK_RETRY": [0.1] * 8,
+    }
+    send_webhook("ledger", "alert.raised", {"n": 0})
+    send_webhook("ledger", "alert.raised", {"n": 1})
+    runner = start_deliverer()
+    time.sleep(2)
+    runner.stop()
+    statuses = list(Delivery.objects.order_by("id").values_list("status", flat=True))
+    assert statuses == [Status.DELIVERED, Status.DELIVERED], (statuses, len(receiver.received))
+    assert len(receiver.received) == 2

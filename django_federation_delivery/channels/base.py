@@ -409,10 +409,11 @@ class Channel:
         if text:
             error = f"{error}: {text[: job.body_length].rstrip()}"
         result = judged(job, answer.status, verdict, error)
-        if answer.status == HTTPStatus.GONE:
+        if answer.status == HTTPStatus.GONE and not result.delivered:
             # Not this event's refusal: the destination is gone, and disabled
             # for it (webhooks/life.py). The event waits with the others, its
-            # tries kept.
+            # tries kept. (A kind whose judge() reads a 410 as delivered,
+            # an event the service had already, is delivered.)
             result = dataclasses.replace(result, permanent=False, held=True, retry_after=None)
         return result
 

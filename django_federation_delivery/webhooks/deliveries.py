@@ -310,12 +310,16 @@ class WebhookDeliveries:
         another process (another deliverer giving them up at its start too)
         settled in the meantime. A destination gone from the settings fails
         no more: added back, it is failing from its next failure, not since
-        before it went (and disabled by the first)."""
+        before it went (and disabled by the first); nor is it disabled still
+        (a 410 of the hook it had then), which no one could undo while it was
+        gone. An operator's pause (no reason) is left to the operator."""
         failed = 0
         manager = Delivery.objects.using(self.using)
-        Host.objects.using(self.using).filter(
-            name__in=sorted(hosts), failing_since__isnull=False
-        ).update(failing_since=None)
+        rows = Host.objects.using(self.using).filter(name__in=sorted(hosts))
+        rows.filter(failing_since__isnull=False).update(failing_since=None)
+        rows.filter(paused_at__isnull=False).exclude(disabled_reason="").update(
+            paused_at=None, disabled_reason=""
+        )
         for host in sorted(hosts):
             ids = list(
                 manager.filter(host=host, status=Status.PENDING)
