@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import django
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 from django.db import connection, connections, transaction
+from django.db.migrations.recorder import MigrationRecorder
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 from django_q.models import Schedule, Task
@@ -50,7 +52,7 @@ from django_federation_delivery.contrib.django_q import (
 from django_federation_delivery.models import DelivererHeartbeat, Delivery, Host, Status
 
 from .channels import queued_then_kind_removed
-from .conftest import MANAGE, Inbox, assert_each_reached_once_but, subprocess_env, wait_until
+from .conftest import MANAGE, ROOT, Inbox, assert_each_reached_once_but, subprocess_env, wait_until
 from .keys import ALICE
 from .operators import unavailable_and_due_a_probe
 from .test_webhooks_deliveries import configure, signed
@@ -708,6 +710,70 @@ def test_without_django_q2_the_import_says_which_extra_to_install(
         importlib.import_module("django_federation_delivery.contrib.django_q")
     with pytest.raises(CommandError, match="django-q2"):
         call_command("delivery_schedule")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_on_a_database_that_lacks_the_packages_migration_is_refused(
+    inbox: Inbox, settings: Any
+) -> None:
+    """A project upgrades and restarts its qcluster before ``migrate``:
+    ``run_deliverer`` refuses to start ("lacks a migration ... run manage.py
+    migrate first"), but every round spent its whole bound waiting out "no
+    such table" as an outage and returned ``{"ran": True, "delivered": 0}``:
+    a successful task every minute, nothing ever sent."""
+    settings.Q_CLUSTER = {"orm": "default", "timeout": 90, "retry": 120}
+    send(ALICE, {"type": "Create", "actor": ALICE}, [inbox.url()])
+    table = Delivery._meta.db_table
+    recorder = MigrationRecorder(connection)
+    # As after an upgrade whose migration was not run: not recorded, and what
+    # it makes is not there.
+    recorder.record_unapplied("federation_delivery", "0001_initial")
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {table} RENAME TO fd_moved_away")
+    try:
+        started = time.monotonic()
+        try:
+            result: Any = deliver_round(2)
+        except Exception as exc:  # what a refusal would be
+            result = exc
+        took = time.monotonic() - started
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER TABLE fd_moved_away RENAME TO {table}")
+        recorder.record_applied("federation_delivery", "0001_initial")
+    assert isinstance(result, Exception) and "migrate" in str(result), (
+        f"the round ran {took:.1f} s on a database without the package's migration "
+        f"and said it succeeded: {result!r}"
+    )
+    assert not inbox.received
+
+
+@pytest.mark.skipif(django.VERSION >= (6, 0), reason="the ImportError is raised below Django 6.0")
+def test_below_django_6_importing_contrib_tasks_as_apps_load_raises_the_import_error() -> None:
+    """Imported on an older Django, ``contrib.tasks`` raises ImportError
+    saying which it needs (README). Guarded (``try: ... except
+    ImportError``) in a module Django imports as apps load (a
+    ``models.py``), it raised ``AppRegistryNotReady`` instead: its message
+    was translated at import, before translations can be."""
+    code = (
+        "import django\n"
+        "from django.conf import settings\n"
+        "settings.INSTALLED_APPS\n"  # configured, the apps not loaded yet
+        "try:\n"
+        "    import django_federation_delivery.contrib.tasks\n"
+        "except ImportError as exc:\n"
+        "    print('ImportError:', exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings", PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "needs Django 6.0 or later" in done.stdout, (
+        done.stderr.strip().splitlines()[-1:] or done.stdout
+    )
 
 
 # In a real cluster: ``manage.py qcluster`` with the ORM broker on the test database.

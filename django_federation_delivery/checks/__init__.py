@@ -20,6 +20,7 @@ from django_federation_delivery.checks.bounds import (
 from django_federation_delivery.checks.database import (
     check_isolation,
     check_sqlite,
+    lacking_migrations,
     sqlite_problems,
     unapplied_migrations,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "check_sqlite",
     "check_webhooks",
     "deliverer_problems",
+    "lacking_migrations",
     "sqlite_problems",
     "unapplied_migrations",
 ]

@@ -167,3 +167,21 @@ def unapplied_migrations(alias: str) -> list[str]:
     except DatabaseError:
         return []
     return [f"{migration.app_label}.{migration.name}" for migration, backwards in plan]
+
+
+def lacking_migrations(alias: str) -> str:
+    """What refuses to work on the database ``alias`` (``run_deliverer``, a
+    round): the package's migrations it lacks, named, and what to run; ""
+    when it lacks none."""
+    from django.utils.translation import ngettext
+
+    missing = unapplied_migrations(alias)
+    if not missing:
+        return ""
+    return ngettext(
+        "The database %(alias)r lacks a migration of the package's (%(names)s): "
+        "run manage.py migrate first.",
+        "The database %(alias)r lacks %(count)d migrations of the package's "
+        "(%(names)s): run manage.py migrate first.",
+        len(missing),
+    ) % {"alias": alias, "count": len(missing), "names": ", ".join(missing)}

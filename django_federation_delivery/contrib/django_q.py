@@ -29,15 +29,20 @@ import sys
 from typing import Any
 
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
+
+from django_federation_delivery.contrib import told
 
 try:
     import django_q  # noqa: F401
 except ImportError as exc:
-    # Imported by a task or a command, so once Django is set up: translated.
+    # Translated once the apps are ready (imported by a task or a command).
     raise ImportError(
-        _(
-            "django_federation_delivery.contrib.django_q needs django-q2: "
-            'pip install "django-federation-delivery[django-q]"'
+        told(
+            gettext_noop(
+                "django_federation_delivery.contrib.django_q needs django-q2: "
+                'pip install "django-federation-delivery[django-q]"'
+            )
         )
     ) from exc
 

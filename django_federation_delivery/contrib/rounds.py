@@ -38,7 +38,7 @@ from django.utils import translation
 from django.utils.translation import gettext as _
 
 from django_federation_delivery.addresses import quoted
-from django_federation_delivery.checks import deliverer_problems
+from django_federation_delivery.checks import deliverer_problems, lacking_migrations
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.deliverer import Deliverer, longest_attempt, transaction_open
 from django_federation_delivery.heartbeats import Heartbeat
@@ -247,6 +247,11 @@ def run_round(bound: float, *, using: str, heartbeat: Heartbeat) -> dict[str, An
                 "transaction.on_commit(lambda: deliver_round.enqueue())."
             )
         )
+    # As run_deliverer refuses to start: every claim would fail, each
+    # waited out as an outage for the whole bound, the round told a success.
+    lacking = lacking_migrations(using)
+    if lacking:
+        raise ImproperlyConfigured(lacking)
     with _held_lock(using) as kept:
         if kept is None:
             logger.info("A round was not started: %s", ANOTHER_ROUND)

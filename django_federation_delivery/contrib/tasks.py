@@ -27,13 +27,18 @@ from typing import Any
 
 import django
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_noop
+
+from django_federation_delivery.contrib import told
 
 if django.VERSION < (6, 0):
-    # Imported by a project's own code once Django is set up: translated.
+    # Translated once the apps are ready (imported by a task or a view).
     raise ImportError(
-        _(
-            "django_federation_delivery.contrib.tasks needs Django 6.0 or later, "
-            "whose django.tasks it declares its tasks with; this is Django %(version)s."
+        told(
+            gettext_noop(
+                "django_federation_delivery.contrib.tasks needs Django 6.0 or later, "
+                "whose django.tasks it declares its tasks with; this is Django %(version)s."
+            )
         )
         % {"version": django.get_version()}
     )

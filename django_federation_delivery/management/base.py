@@ -9,10 +9,9 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections
 from django.utils.translation import gettext as _
-from django.utils.translation import ngettext
 
 from django_federation_delivery.addresses import escaped, quoted
-from django_federation_delivery.checks import unapplied_migrations
+from django_federation_delivery.checks import lacking_migrations
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.exceptions import InvalidDelivery
 
@@ -139,15 +138,6 @@ def unreachable(using: str, exc: DatabaseError) -> CommandError:
 def require_migrations(using: str) -> None:
     """A CommandError naming the package's migrations the database lacks,
     if it lacks any: every statement on its tables would fail."""
-    missing = unapplied_migrations(using)
-    if missing:
-        raise CommandError(
-            ngettext(
-                "The database %(alias)r lacks a migration of the package's (%(names)s): "
-                "run manage.py migrate first.",
-                "The database %(alias)r lacks %(count)d migrations of the package's "
-                "(%(names)s): run manage.py migrate first.",
-                len(missing),
-            )
-            % {"alias": using, "count": len(missing), "names": ", ".join(missing)}
-        )
+    lacking = lacking_migrations(using)
+    if lacking:
+        raise CommandError(lacking)

@@ -315,9 +315,9 @@ class WebhookDeliveries:
         gone. An operator's pause (no reason) is left to the operator."""
         failed = 0
         manager = Delivery.objects.using(self.using)
-        rows = Host.objects.using(self.using).filter(name__in=sorted(hosts))
-        rows.filter(failing_since__isnull=False).update(failing_since=None)
-        rows.filter(paused_at__isnull=False).exclude(disabled_reason="").update(
+        named = Host.objects.using(self.using).filter(name__in=sorted(hosts))
+        named.filter(failing_since__isnull=False).update(failing_since=None)
+        named.filter(paused_at__isnull=False).exclude(disabled_reason="").update(
             paused_at=None, disabled_reason=""
         )
         for host in sorted(hosts):
