@@ -36,10 +36,9 @@ from django_federation_delivery import signals
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.decide import Outcome
 from django_federation_delivery.dialect import aware_now
-from django_federation_delivery.models import Batch, Delivery, Retracts, Status
+from django_federation_delivery.models import Batch, Delivery, Retracts
 from django_federation_delivery.settling import settled
 from django_federation_delivery.store import retractions, settlements
-from django_federation_delivery.store.queueing import CHUNK
 
 __all__ = ["Retraction", "about", "overtake", "retraction_of"]
 
@@ -143,8 +142,8 @@ def _restore_undone(sender: str, undone: str, batch: Batch, *, using: str | None
     that ``Undo`` superseded at the inboxes ``batch`` goes to (a ``Like``
     it took back before it was sent) is queued again, as the sender's state
     has it once more: the inner ``Undo`` itself was just superseded where
-    it was never sent, and the receiver would never hear of the ``Like``
-    otherwise. One indexed query for any other ``Undo``. Returns how many."""
+    it was never sent (or will be, claimed now and held back: the settle
+    does the same then). One indexed query for any other ``Undo``."""
     alias = using or database_alias()
     taken_back = list(
         Batch.objects.using(alias)
@@ -154,18 +153,8 @@ def _restore_undone(sender: str, undone: str, batch: Batch, *, using: str | None
     )
     if not taken_back:
         return 0
-    rows = Delivery.objects.using(alias).filter(
-        batch__sender=sender,
-        batch__activity_id__in=taken_back,
-        status=Status.SUPERSEDED,
-        last_error=retractions.REASONS[Retracts.ACTIVITY],
-        inbox__in=Delivery.objects.using(alias).filter(batch=batch).values("inbox"),
-    )
-    ids = sorted(rows.values_list("id", flat=True))
-    return sum(
-        settlements.requeue_rows(ids[start : start + CHUNK], using=alias)
-        for start in range(0, len(ids), CHUNK)
-    )
+    inboxes = Delivery.objects.using(alias).filter(batch=batch).values("inbox")
+    return settlements.requeue_undone(sender, taken_back, inboxes, using=alias)
 
 
 def lock_retracted(

@@ -286,6 +286,32 @@ def test_an_undo_of_an_undo_queues_again_what_the_first_took_back() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_an_undo_of_an_undo_claimed_then_held_back_unsent_queues_again_the_like() -> None:
+    """As above, but the first Undo had been claimed by a deliverer when the
+    second came (left to it), which then held it back without a request
+    (an open breaker): the settle superseded it, and nothing queued the
+    Like again."""
+    like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": POST}
+    unlike = {"type": "Undo", "id": f"{ALICE}/undos/1", "actor": ALICE, "object": like}
+    relike = {"type": "Undo", "id": f"{ALICE}/undos/2", "actor": ALICE, "object": unlike}
+    liked = send(ALICE, like, [A])
+    undone = send(ALICE, unlike, [A])
+    assert liked is not None and undone is not None
+    assert Delivery.objects.get(batch=liked).status == Status.SUPERSEDED
+    (claimed,) = store.claim(10, 60, per_host=10)
+    assert claimed.batch_id == undone.id
+    again = send(ALICE, relike, [A])
+    assert again is not None
+    store.settle([_held_back(claimed)])
+    assert Delivery.objects.get(batch=undone).status == Status.SUPERSEDED, "never sent"
+    like_at_a = Delivery.objects.get(batch=liked)
+    assert like_at_a.status == Status.PENDING, (
+        f"the Like stays {like_at_a.status} ({like_at_a.last_error}); only the Undo of the "
+        "Undo goes"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
 def test_another_senders_activity_about_the_object_goes_as_queued() -> None:
     announce = send(BOB, {"type": "Announce", "id": f"{BOB}/a/1", "object": POST}, [A])
     update = send(ALICE, {"type": "Update", "object": {"id": POST, "content": "x"}}, [A])

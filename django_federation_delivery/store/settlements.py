@@ -28,6 +28,7 @@ from django_federation_delivery.store import history, retractions, sql, wakes
 from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down, count_up
 from django_federation_delivery.store.locks import again_on_deadlock, lock_hosts, write_first
+from django_federation_delivery.store.queueing import CHUNK
 from django_federation_delivery.store.sequences import lock_sequences_of, release_next
 
 logger = logging.getLogger(__name__)
@@ -335,9 +336,52 @@ def _settle(
                 if not sql.counts_while_settling(connection):
                     raise
                 raise _NotWritten from exc
+            if superseded:
+                _undone_held(superseded, using)
         if not settled.counted:
             history.record(_history_of(settlements, settled.written, now), using=using)
     return settled, superseded
+
+
+def _undone_held(superseded: Sequence[Settlement], using: str | None) -> None:
+    """Of the held-back deliveries just superseded, the ``Undo``'s (an
+    ``Undo`` of it waits to follow): what each took back at its inbox is
+    queued again, as when that ``Undo`` is superseded as it is sent
+    (:func:`requeue_undone`). One query, none but when one was superseded."""
+    alias = using or database_alias()
+    undos = {
+        id: (sender, object_id)
+        for id, sender, object_id in Batch.objects.using(alias)
+        .filter(id__in={item.claimed.batch_id for item in superseded}, retracts=Retracts.ACTIVITY)
+        .values_list("id", "sender", "object_id")
+    }
+    for item in superseded:
+        if item.claimed.batch_id in undos:
+            sender, taken_back = undos[item.claimed.batch_id]
+            requeue_undone(sender, [taken_back], [item.claimed.inbox], using=alias)
+
+
+def requeue_undone(
+    sender: str, taken_back: Sequence[str], inboxes: Any, *, using: str | None = None
+) -> int:
+    """What ``sender``'s ``Undo`` of each of ``taken_back`` (activities' ids)
+    superseded at ``inboxes`` (a list, or a query of them), never sent,
+    queued again, in the caller's transaction: that ``Undo`` was itself
+    undone (an ``Undo`` of the ``Undo``) before it was sent, and the
+    receiver would otherwise never hear of what the sender has again (a
+    ``Like``). Returns how many."""
+    alias = using or database_alias()
+    rows = Delivery.objects.using(alias).filter(
+        batch__sender=sender,
+        batch__activity_id__in=list(taken_back),
+        status=Status.SUPERSEDED,
+        last_error=retractions.REASONS[Retracts.ACTIVITY],
+        inbox__in=inboxes,
+    )
+    ids = sorted(rows.values_list("id", flat=True))
+    return sum(
+        requeue_rows(ids[start : start + CHUNK], using=alias) for start in range(0, len(ids), CHUNK)
+    )
 
 
 def _held_unsent(item: Settlement) -> bool:
