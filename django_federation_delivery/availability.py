@@ -46,7 +46,7 @@ from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware, orm_datetime
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
-from django_federation_delivery.store.locks import write_first
+from django_federation_delivery.store.locks import in_name_order, write_first
 from django_federation_delivery.store.queueing import CHUNK
 from django_federation_delivery.transport import Transport, TransportSettings
 
@@ -238,7 +238,9 @@ def seen_all(names: Sequence[str], *, using: str) -> int:
     :func:`seen` tells them. Returns how many were marked unavailable."""
     now = aware(timezone.now())
     at = orm_datetime(now, using)
-    unique = list(dict.fromkeys(names))
+    # In name order over all the chunks, as every writer of many hosts
+    # locks them: the caller's transaction may hold them all (the admin's).
+    unique = sorted(set(names))
     gone: list[str] = []
     for start in range(0, len(unique), CHUNK):
         chunk = unique[start : start + CHUNK]
@@ -251,7 +253,7 @@ def seen_all(names: Sequence[str], *, using: str) -> int:
             rows = list(
                 # In name order, as every writer of many hosts locks them.
                 marked.select_for_update()
-                .order_by("name")
+                .order_by(in_name_order(using))
                 .values_list("name", "unavailable_since", "failing_since", "failing_told_at")
             )
             Host.objects.using(using).filter(name__in=[row[0] for row in rows]).update(

@@ -125,7 +125,8 @@ def resume_hosts(names: Iterable[str], *, using: str | None = None) -> int:
     transaction, as :func:`pause_hosts` pauses them. Returns how many
     deliveries are due now."""
     alias = using or database_alias()
-    names = list(names)
+    # In name order over all the chunks, as pause_hosts writes them.
+    names = sorted(set(names))
     released = 0
     for start in range(0, len(names), CHUNK):
         chunk = names[start : start + CHUNK]

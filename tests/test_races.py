@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -398,6 +398,102 @@ def test_marking_hosts_seen_while_a_deliverer_writes_them_never_deadlocks() -> N
         Host.objects.filter(name="z.example"),
         in_table_order(lambda: availability.seen_all(["a.example", "z.example"], using="default")),
         lambda: record("a.example", "z.example"),
+    )
+
+
+#: A host on a port of its own and its neighbour: Python's sorted() puts
+#: "a.example.net" first ("." before ":"), a database collated for people
+#: (en_US, the official Docker image's; ICU's en-US) puts the port first.
+PORTED, NEIGHBOUR = "a.example:8443", "a.example.net"
+
+
+@pytest.fixture
+def hosts_collated_en_us() -> Iterator[None]:
+    """The host table's names collated as a database made in an en_US
+    locale collates them (ICU's en-US here: the test server is made
+    without a locale, where ORDER BY is Python's order)."""
+    postgresql_only()
+    table = Host._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f'ALTER TABLE "{table}" ALTER COLUMN "name" TYPE varchar(255) COLLATE "en-US-x-icu"'
+        )
+        cursor.execute(
+            f'SELECT name FROM "{table}" WHERE false UNION ALL '
+            "SELECT name FROM (VALUES (%s), (%s)) AS v(name) ORDER BY 1",
+            [NEIGHBOUR, PORTED],
+        )
+        assert [row[0] for row in cursor.fetchall()] == [PORTED, NEIGHBOUR]
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f'ALTER TABLE "{table}" ALTER COLUMN "name" TYPE varchar(255) COLLATE "default"'
+            )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_marking_hosts_seen_while_a_deliverer_writes_them_never_deadlocks_in_en_us(
+    hosts_collated_en_us: None,
+) -> None:
+    """ "Mark seen" locked the hosts ``ORDER BY name``, in the database's
+    collation; a deliverer's record_hosts upserts them in Python's sorted()
+    order. On a database made in an en_US locale the two orders differ for
+    a host with a port beside its neighbour (``a.example:8443``,
+    ``a.example.net``), and PostgreSQL ended one side with ``deadlock
+    detected``. Every writer locks them by their code points."""
+    record(PORTED, NEIGHBOUR)
+    long_ago = timezone.now() - 3 * DAY
+    Host.objects.update(failing_since=long_ago, unavailable_since=long_ago)
+    crossed(
+        Host.objects.filter(name=PORTED),
+        lambda: availability.seen_all([NEIGHBOUR, PORTED], using="default"),
+        lambda: record(PORTED, NEIGHBOUR),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pause_of_hosts_while_they_are_resumed_never_deadlocks_in_en_us(
+    hosts_collated_en_us: None,
+) -> None:
+    """A pause upserts its hosts in Python's sorted() order; a resume of the
+    same hosts locked them ``ORDER BY name``, in the database's collation:
+    on a database made in an en_US locale, PostgreSQL ended one of the two
+    operators' actions with ``deadlock detected`` (a 500)."""
+    hosts.pause_hosts([PORTED, NEIGHBOUR])
+    crossed(
+        Host.objects.filter(name=NEIGHBOUR),
+        lambda: hosts.pause_hosts([PORTED, NEIGHBOUR]),
+        lambda: hosts.resume_hosts([PORTED, NEIGHBOUR]),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_marking_more_than_a_chunk_of_hosts_seen_while_they_are_written_never_deadlocks() -> None:
+    """ "Select all", then "Mark seen", on 501 hosts listed by trouble: the
+    action, one transaction, locked its names a chunk of 500 at a time in
+    the order given, each chunk in name order, so ``h000.example`` came
+    after ``h500.example``; a deliverer's record_hosts locks them in name
+    order over all: PostgreSQL ended one with ``deadlock detected``."""
+    from django_federation_delivery.store.queueing import CHUNK
+
+    postgresql_only()
+    names = [f"h{n:03}.example" for n in range(CHUNK + 1)]
+    long_ago = timezone.now() - 3 * DAY
+    Host.objects.bulk_create(
+        [Host(name=name, unavailable_since=long_ago, failing_since=long_ago) for name in names]
+    )
+    listed = names[1:] + names[:1]  # by trouble: h000.example last
+
+    def mark_seen() -> int:
+        with transaction.atomic():  # as the admin's action runs it
+            return availability.seen_all(listed, using="default")
+
+    crossed(
+        Host.objects.filter(name=names[-1]),
+        mark_seen,
+        lambda: record(names[0], names[-1]),
     )
 
 

@@ -22,7 +22,7 @@ from django.utils import timezone
 from django_federation_delivery import BatchOptions, controls, send, send_batch, send_webhook, store
 from django_federation_delivery import replay as replaying
 from django_federation_delivery.deliverer import Deliverer
-from django_federation_delivery.models import Batch, Delivery, Lane, Retracts, Status
+from django_federation_delivery.models import Batch, Delivery, Host, Lane, Retracts, Status
 from django_federation_delivery.replay import replay
 from django_federation_delivery.replay import replayed as replayed_message
 from django_federation_delivery.store import sequences
@@ -749,6 +749,34 @@ class Deadlocked(Exception):
     sqlstate = "40P01"
 
 
+def delivered_an_hour_ago(count: int) -> list[Batch]:
+    """``count`` batches to a.example, delivered an hour ago."""
+    sent = []
+    for n in range(count):
+        batch = send(ALICE, note(n), ["https://a.example/u1/inbox"])
+        assert batch is not None
+        settle(batch, Status.DELIVERED, timezone.now() - dt.timedelta(hours=1))
+        sent.append(batch)
+    return sent
+
+
+def ended_once_for_a_deadlock(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A replay's first write of its batches ended as PostgreSQL ends one to
+    undo a deadlock, once written: what that try wrote, as it is told."""
+    real = replaying.queueing.enqueue_all
+    ended: list[int] = []
+
+    def ended_once(items: Any, **kwargs: Any) -> Any:
+        written = real(items, **kwargs)
+        if not ended:
+            ended.append(len(written))
+            raise OperationalError("deadlock detected") from Deadlocked()
+        return written
+
+    monkeypatch.setattr(replaying.queueing, "enqueue_all", ended_once)
+    return ended
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_replay_the_database_ended_to_undo_a_deadlock_is_made_again_once(
     monkeypatch: pytest.MonkeyPatch,
@@ -762,24 +790,11 @@ def test_a_replay_the_database_ended_to_undo_a_deadlock_is_made_again_once(
     nothing of the ended try left. (The deadlock is told as the driver
     tells it, here on either database.)"""
     now = timezone.now()
-    sent = [send(ALICE, note(n), ["https://a.example/u1/inbox"]) for n in range(3)]
-    for batch in sent:
-        assert batch is not None
-        settle(batch, Status.DELIVERED, now - dt.timedelta(hours=1))
-    real = replaying.queueing.enqueue_all
-    ended: list[int] = []
-
-    def ended_once(items: Any, **kwargs: Any) -> Any:
-        written = real(items, **kwargs)
-        if not ended:
-            ended.append(len(written))
-            raise OperationalError("deadlock detected") from Deadlocked()
-        return written
-
-    monkeypatch.setattr(replaying.queueing, "enqueue_all", ended_once)
+    sent = delivered_an_hour_ago(3)
+    ended = ended_once_for_a_deadlock(monkeypatch)
     replayed = replay(host="a.example", since=now - dt.timedelta(days=1))
     assert ended == [3]
-    assert [b.tag for b in replayed] == [f"replay of batch {b.pk}" for b in sent if b]
+    assert [b.tag for b in replayed] == [f"replay of batch {b.pk}" for b in sent]
     assert Batch.objects.filter(tag__startswith="replay of batch ").count() == 3
     assert Delivery.objects.filter(batch__in=replayed, status=Status.PENDING).count() == 3
 
@@ -801,3 +816,30 @@ def test_a_replay_run_again_from_the_moment_its_line_printed_queues_nothing_more
     again = StringIO()
     call_command("delivery_replay", "--host", "a.example", "--since", moment, stdout=again)
     assert Delivery.objects.filter(inbox=inbox).count() == 2, again.getvalue()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_hosts_lists_replay_ended_to_undo_a_deadlock_is_made_again(
+    admin_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hosts list's "Send again ... the last 24 hours" runs every
+    host's replay in one transaction, where a replay ended for a deadlock
+    is raised, not made again: the operator got a 500, nothing queued.
+    The whole action is made again."""
+    from django.urls import reverse
+
+    delivered_an_hour_ago(3)
+    Host.objects.get_or_create(name="a.example")
+    ended = ended_once_for_a_deadlock(monkeypatch)
+    changelist = reverse("admin:federation_delivery_host_changelist")
+    try:
+        response = admin_client.post(
+            changelist,
+            {"action": "replay_day", "_selected_action": ["a.example"], "index": "0"},
+        )
+    except OperationalError as exc:
+        pytest.fail(f"the action raised (a 500): {exc!r}")
+    assert response.status_code == 302
+    assert ended == [3], "ended once, then made again"
+    assert Batch.objects.filter(tag__startswith="replay of batch ").count() == 3
+    assert Delivery.objects.filter(batch__tag__startswith="replay of batch ").count() == 3

@@ -8,7 +8,8 @@ from typing import TypeVar
 
 from django.db import Error, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Model, QuerySet
+from django.db.models import F, Model, QuerySet
+from django.db.models.functions import Collate
 
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import connection_for
@@ -19,6 +20,7 @@ __all__ = [
     "SessionLock",
     "again_on_deadlock",
     "in_id_order",
+    "in_name_order",
     "lock_hosts",
     "session_lock",
     "write_first",
@@ -57,7 +59,19 @@ def lock_hosts(names: Iterable[str], using: str, *, paused: bool = False) -> Non
     rows = Host.objects.using(using).select_for_update(no_key=True).filter(name__in=list(names))
     if paused:
         rows = rows.filter(paused_at__isnull=False)
-    list(rows.order_by("name").values_list("name", flat=True))
+    list(rows.order_by(in_name_order(using)).values_list("name", flat=True))
+
+
+def in_name_order(using: str) -> F | Collate:
+    """The order every writer of many hosts locks them in: the names'
+    code points, as Python's ``sorted()`` orders them (a deliverer's
+    ``record_hosts``, a pause's upsert), whatever the database's collation
+    (en_US puts ``a.example:8443`` before ``a.example.net``, where the code
+    points put it after: two orders, a deadlock). SQLite compares text by
+    its bytes, in that order already."""
+    if connections[using].vendor == "postgresql":
+        return Collate("name", "C")
+    return F("name")
 
 
 def in_id_order(rows: QuerySet[M]) -> QuerySet[M]:
