@@ -280,6 +280,33 @@ def test_the_lag_across_the_spring_forward_is_how_long_it_waited(
     assert all(abs(lag - 180) < 5 for lag in lags), lags
 
 
+@pytest.mark.django_db
+def test_a_webhook_destinations_age_and_pause_across_the_spring_forward_are_real_time(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New York, ``USE_TZ = False``, 2024-03-10: an event for "ops" queued
+    at 01:58 EST, and "ops" paused then; at 03:01 EDT, 3 minutes later, the
+    destinations page and ``delivery_status`` said its oldest event was
+    1h 3m old, "paused by an operator 1h 3m ago": the wall clock's
+    difference."""
+    from django_federation_delivery import send_webhook
+    from django_federation_delivery.webhooks.destinations import delivery_key
+    from django_federation_delivery.webhooks.status import destination_status
+
+    from .test_webhooks_status import WEBHOOKS, configure
+
+    new_york_without_use_tz(settings)
+    configure(settings, {"ops": WEBHOOKS["ops"]})
+    freeze(monkeypatch, eastern(2024, 3, 10, 1, 58))  # EST
+    send_webhook(["ops"], "alert.fired", {"n": 1}, event_id="e1")
+    pause_host(delivery_key("ops"))
+    freeze(monkeypatch, eastern(2024, 3, 10, 3, 1))  # EDT, 3 minutes later
+    now = timezone.now()
+    (ops,) = destination_status(now=now)
+    said = (ops.age, ops.state(now))
+    assert abs(ops.age - 180) < 5 and ops.state(now) == "paused by an operator 3m 0s ago", said
+
+
 POST = f"{ALICE}/notes/1"
 A = "https://a.example/inbox"
 

@@ -28,6 +28,7 @@ from django.utils.translation import ngettext
 from django_federation_delivery import controls, hosts
 from django_federation_delivery.addresses import escaped, host_named
 from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.overview import waited_since
 
 _M = TypeVar("_M", bound=Model)
 
@@ -375,6 +376,6 @@ def next_due(delivery: Delivery, now: dt.datetime) -> str:
                 "time": timeuntil(delivery.due_at, now)
             }
         return _("in %(time)s") % {"time": timeuntil(delivery.due_at, now)}
-    if now - delivery.due_at < dt.timedelta(minutes=1):
+    if waited_since(delivery.due_at, now) < 60:  # as instants, USE_TZ or not
         return _("due now")
     return _("due %(time)s ago") % {"time": timesince(delivery.due_at, now)}

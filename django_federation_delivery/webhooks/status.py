@@ -27,7 +27,7 @@ from django_federation_delivery.channels.registry import is_name
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.dialect import aware
 from django_federation_delivery.models import Delivery, Host, Kind, Status
-from django_federation_delivery.overview import format_duration
+from django_federation_delivery.overview import format_duration, waited_since
 from django_federation_delivery.webhooks.destinations import (
     Destination,
     configured,
@@ -90,7 +90,7 @@ class DestinationStatus:
         5m", "disabled 2m 4s ago: the receiver answered 410 Gone", or "paused
         by an operator 1h 2m ago"."""
         if self.paused_at is not None:
-            ago = format_duration(max((now - self.paused_at).total_seconds(), 0.0))
+            ago = format_duration(waited_since(self.paused_at, now))
             if self.disabled_reason:
                 return gettext("disabled %(ago)s ago: %(reason)s") % {
                     "ago": ago,
@@ -101,7 +101,7 @@ class DestinationStatus:
             # Its events are held, none sent, until its URL parses again.
             return gettext("held: its URL does not parse (see manage.py check)")
         if self.failing_since is not None:
-            failing = max((now - self.failing_since).total_seconds(), 0.0)
+            failing = waited_since(self.failing_since, now)
             return gettext("failing for %(time)s") % {"time": format_duration(failing)}
         return gettext("sending")
 
@@ -186,7 +186,7 @@ def destination_status(
                 configured=name in configured,
                 pending=group.get("count", 0),
                 oldest_queued_at=oldest,
-                age=max((now - oldest).total_seconds(), 0.0) if oldest else 0.0,
+                age=waited_since(oldest, now),
                 head=_head(head, destination, now) if head else None,
                 paused_at=host.get("paused_at"),
                 disabled_reason=host.get("disabled_reason", ""),
