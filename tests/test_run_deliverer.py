@@ -1325,3 +1325,46 @@ def test_a_sigterm_stops_run_deliverer_even_when_its_stderr_is_gone(
         f"SIGTERM did not stop the deliverer: it ran on for {returned - signalled[0]:.1f} s, "
         "until the test stopped it"
     )
+
+
+@pytest.mark.slow
+def test_run_deliverer_drain_piped_to_head_exits_0_without_a_broken_pipe_error(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    """``run_deliverer --drain | head -1`` in a script (``set -o pipefail``,
+    or cron reading the status): the drain goes on once head has gone, but
+    the lines it could not write stayed in the stdout buffer, which Python
+    flushed again at exit: "Exception ignored ... BrokenPipeError", status
+    120, a failure for a drain that delivered everything."""
+    slow = inboxes(delay=0.3)
+    send(ALICE, {"type": "Create", "actor": ALICE}, [slow.url(f"/{n}") for n in range(6)])
+    process = subprocess.Popen(
+        [
+            *MANAGE,
+            "run_deliverer",
+            "--drain",
+            "--concurrency=1",
+            "--per-host=1",
+            "--per-host-max=1",
+        ],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.readline()  # head -1
+        process.stdout.close()
+        code = process.wait(150)
+        errors = process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+    statuses = set(Delivery.objects.values_list("status", flat=True))
+    assert statuses == {Status.DELIVERED}, statuses
+    assert (code, "BrokenPipeError" in errors) == (0, False), (code, errors[-600:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Any
 
@@ -354,6 +355,19 @@ class Command(TranslatedCommand):
         """``line`` written and flushed, or not at all: an output whose
         reader went away (``| head``, a ``tee`` ended by the same Ctrl-C)
         is no reason to stop delivering, nor to leave a stop unmade."""
-        with contextlib.suppress(OSError):
+        try:
             stream.write(f"{self.child.prefix}{line}" if self.child else line)
             stream.flush()
+        except BrokenPipeError:
+            # Gone for good: what its buffer holds, and all said after, goes
+            # nowhere, rather than fail again as Python flushes it on the
+            # way out ("Exception ignored", status 120, for a drain that
+            # delivered everything).
+            with contextlib.suppress(Exception):
+                nowhere = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(nowhere, stream.fileno())
+                finally:
+                    os.close(nowhere)
+        except OSError:
+            pass
