@@ -592,3 +592,29 @@ def test_with_use_tz_off_a_destination_s_times_carry_their_offset(settings: Any)
     [ops] = data["webhook_destinations"]
     for name in ("paused_at", "failing_since"):
         assert dt.datetime.fromisoformat(ops[name]).utcoffset() is not None, ops[name]
+
+
+@pytest.mark.django_db
+def test_delivery_status_shows_a_long_inbox_breakers_key_as_the_admin_does(settings: Any) -> None:
+    """A breaker kept per inbox, for a portable inbox on an RSA ``did:key``:
+    its key is the whole inbox, which ``delivery_status`` printed whole in
+    its "Breakers open now" table, every row padded to it, where the
+    admin's list cuts it to 200 as a message does."""
+    from django_federation_delivery.addresses import redact
+    from django_federation_delivery.breakers import BreakerSettings, Scope
+
+    from .operators import open_breaker
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 60.0, "SCOPE": "inbox"},
+    }
+    did = "did:key:z4MXj1wBzi9jUstyP" + "Mq" * 190
+    key = BreakerSettings(scope=Scope.INBOX).key("", f"ap://{did}/actor/inbox")
+    open_breaker(key)
+    open_breaker("b.example")
+    out = io.StringIO()
+    call_command("delivery_status", stdout=out)
+    table = out.getvalue().partition("Breakers open now")[2].split("\n\n")[0]
+    widest = max(len(line) for line in table.splitlines())
+    assert redact(key) in table and widest < 300, (widest, table[:400])

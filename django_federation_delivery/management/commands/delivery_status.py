@@ -17,7 +17,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop, ngettext
 
 from django_federation_delivery import heartbeats, store
-from django_federation_delivery.addresses import escaped, quoted
+from django_federation_delivery.addresses import escaped, quoted, redact
 from django_federation_delivery.dialect import aware
 from django_federation_delivery.management.base import (
     TranslatedCommand,
@@ -254,7 +254,8 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
                 [_("destination"), _("state"), _("failures"), _("open until"), _("probe")],
                 [
                     [
-                        breaker.key,
+                        # Cut as the admin's list cuts it (the JSON has it whole).
+                        redact(breaker.key),
                         BREAKER_STATES.get(breaker.state, breaker.state),
                         breaker.failures,
                         _when(breaker.open_until),
