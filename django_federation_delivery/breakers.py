@@ -326,6 +326,11 @@ class Breakers:
         state = self.view.get(key)
         if probe:
             self._probes.append((key, probe, failed))
+            if not failed:
+                # As a success closed: failures noted before it, not written
+                # yet (the outage's attempts in flight), go with the count
+                # it ends; written after its probe (flush), they reopened it.
+                self._failures.pop(key, None)
             failures = (state.failures if state else 0) + 1
             reopened = State(failures, now + dt.timedelta(seconds=self.settings.cool_off), None)
             self.view.set(key, reopened if failed else None)

@@ -548,6 +548,22 @@ def test_a_half_open_breaker_s_probe_failed_at_a_portable_inbox_s_first_gateway_
 FLAKY = "flaky.example"
 
 
+def probing_after_an_outage() -> tuple[Breakers, str]:
+    """A breaker opened by two failures, its cool-off over: the probe it
+    lets through taken, and its token."""
+    breakers = Breakers(BreakerSettings(threshold=2, cool_off=60.0))
+    now = aware_now()
+    breakers.record(FLAKY, failed=True, probe="", now=now)
+    breakers.record(FLAKY, failed=True, probe="", now=now)
+    breakers.flush()
+    assert Breaker.objects.get(key=FLAKY).open_until is not None
+    Breaker.objects.filter(key=FLAKY).update(open_until=now - SECOND)
+    breakers.refresh()
+    decision, token, _ = breakers.admit(FLAKY, aware_now())
+    assert decision is Decision.PROBE
+    return breakers, token
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_failure_right_after_a_successful_probe_is_counted_and_holds_nothing() -> None:
     """A host's probe succeeds (its breaker closes) and the next delivery
@@ -556,17 +572,7 @@ def test_a_failure_right_after_a_successful_probe_is_counted_and_holds_nothing()
     deleted, and this deliverer, whose view the write left half-open, held
     the host's next deliveries a whole cool-off each, without a request,
     though the breaker was closed."""
-    breakers = Breakers(BreakerSettings(threshold=2, cool_off=60.0))
-    now = aware_now()
-    breakers.record(FLAKY, failed=True, probe="", now=now)
-    breakers.record(FLAKY, failed=True, probe="", now=now)
-    breakers.flush()
-    assert Breaker.objects.get(key=FLAKY).open_until is not None
-    # Its cool-off over: the next delivery probes.
-    Breaker.objects.filter(key=FLAKY).update(open_until=now - SECOND)
-    breakers.refresh()
-    decision, token, _ = breakers.admit(FLAKY, aware_now())
-    assert decision is Decision.PROBE
+    breakers, token = probing_after_an_outage()
     breakers.record(FLAKY, failed=False, probe=token, now=aware_now())  # closed
     # Admitted once closed, the next one there fails, before the next write.
     assert breakers.admit(FLAKY, aware_now())[0] is Decision.PASS
@@ -634,3 +640,25 @@ def test_the_backlog_of_more_than_200_held_hosts_keeps_no_other_host_waiting() -
     deliverer.intake.claim_more()
     hosts = collections.Counter(item.host for item in deliverer.in_hand().ready)
     assert hosts["up.example"] == 1, f"claimed: {len(hosts)} held hosts, no other"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_failures_noted_before_a_successful_probe_reopen_the_breaker_it_closed() -> None:
+    """Two deliveries in flight when the breaker opened time out, then,
+    before the next write, the probe succeeds: the host is back. Written
+    after the probe's success, those older failures opened a fresh row at
+    once, and the host that just answered was held another cool-off. They
+    go with the success, as an ordinary success forgets those before it."""
+    breakers, token = probing_after_an_outage()
+    # Two deliveries admitted before the breaker opened fail now (timed out)...
+    breakers.record(FLAKY, failed=True, probe="", now=aware_now())
+    breakers.record(FLAKY, failed=True, probe="", now=aware_now())
+    # ... and then the probe succeeds: the host is back.
+    breakers.record(FLAKY, failed=False, probe=token, now=aware_now())
+    breakers.flush()
+    rows = list(Breaker.objects.values_list("failures", "open_until"))
+    assert all(open_until is None for _, open_until in rows), (
+        f"the breaker its probe just closed is open again: {rows}"
+    )
+    decision, _, held = breakers.admit(FLAKY, aware_now())
+    assert decision is Decision.PASS, f"the host that answered is held {held:.0f} s"

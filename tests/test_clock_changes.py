@@ -307,6 +307,30 @@ def test_a_webhook_destinations_age_and_pause_across_the_spring_forward_are_real
     assert abs(ops.age - 180) < 5 and ops.state(now) == "paused by an operator 3m 0s ago", said
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("due", "now", "said"),
+    [
+        # Spring forward: due 01:58 EST, looked at 03:03 EDT, 5 minutes later.
+        (dt.datetime(2024, 3, 10, 1, 58), dt.datetime(2024, 3, 10, 3, 3), "due 5\xa0minutes ago"),
+        # The same clock, a retry due at 03:03 EDT seen at 01:58 EST.
+        (dt.datetime(2024, 3, 10, 3, 3), dt.datetime(2024, 3, 10, 1, 58), "in 5\xa0minutes"),
+    ],
+)
+def test_the_deliveries_list_says_when_across_the_spring_forward_in_real_time(
+    settings: Any, due: dt.datetime, now: dt.datetime, said: str
+) -> None:
+    """New York, ``USE_TZ = False``: the deliveries list's "next due" column
+    (and a webhook destination's next try) across the hour the clock skips
+    said "due 1 hour, 5 minutes ago" of a delivery due 5 minutes ago, and
+    "in 1 hour, 5 minutes" of a retry 5 minutes away."""
+    from django_federation_delivery.admin.base import next_due
+
+    new_york_without_use_tz(settings)
+    delivery = Delivery(status=Status.PENDING, due_at=due)
+    assert next_due(delivery, now) == said
+
+
 POST = f"{ALICE}/notes/1"
 A = "https://a.example/inbox"
 

@@ -285,30 +285,39 @@ def test_an_undo_of_an_undo_queues_again_what_the_first_took_back() -> None:
     assert row(again, A).status == row(again, B).status == Status.PENDING
 
 
+LIKE = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": POST}
+UNLIKE = {"type": "Undo", "id": f"{ALICE}/undos/1", "actor": ALICE, "object": LIKE}
+
+
 @pytest.mark.django_db(transaction=True)
-def test_an_undo_of_an_undo_claimed_then_held_back_unsent_queues_again_the_like() -> None:
+@pytest.mark.parametrize(
+    ("then", "like_after"),
+    [
+        # As above: the Like goes again.
+        ({"type": "Undo", "id": f"{ALICE}/undos/2", "object": UNLIKE}, Status.PENDING),
+        # A Delete of the Like itself: it stays taken back.
+        ({"type": "Delete", "id": f"{ALICE}/deletes/1", "object": LIKE["id"]}, Status.SUPERSEDED),
+    ],
+    ids=["an Undo of the Undo", "a Delete of the Like"],
+)
+def test_an_undo_claimed_then_held_back_and_superseded_queues_the_like_again_if_undone(
+    then: dict[str, Any], like_after: Status
+) -> None:
     """As above, but the first Undo had been claimed by a deliverer when the
     second came (left to it), which then held it back without a request
     (an open breaker): the settle superseded it, and nothing queued the
-    Like again."""
-    like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": POST}
-    unlike = {"type": "Undo", "id": f"{ALICE}/undos/1", "actor": ALICE, "object": like}
-    relike = {"type": "Undo", "id": f"{ALICE}/undos/2", "actor": ALICE, "object": unlike}
-    liked = send(ALICE, like, [A])
-    undone = send(ALICE, unlike, [A])
+    Like again. Superseded by a Delete of the Like, it queues nothing."""
+    liked = send(ALICE, LIKE, [A])
+    undone = send(ALICE, UNLIKE, [A])
     assert liked is not None and undone is not None
     assert Delivery.objects.get(batch=liked).status == Status.SUPERSEDED
     (claimed,) = store.claim(10, 60, per_host=10)
     assert claimed.batch_id == undone.id
-    again = send(ALICE, relike, [A])
-    assert again is not None
+    assert send(ALICE, {**then, "actor": ALICE}, [A]) is not None
     store.settle([_held_back(claimed)])
     assert Delivery.objects.get(batch=undone).status == Status.SUPERSEDED, "never sent"
     like_at_a = Delivery.objects.get(batch=liked)
-    assert like_at_a.status == Status.PENDING, (
-        f"the Like stays {like_at_a.status} ({like_at_a.last_error}); only the Undo of the "
-        "Undo goes"
-    )
+    assert like_at_a.status == like_after, like_at_a.last_error
 
 
 @pytest.mark.django_db(transaction=True)

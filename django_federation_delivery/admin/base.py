@@ -27,8 +27,8 @@ from django.utils.translation import ngettext
 
 from django_federation_delivery import controls, hosts
 from django_federation_delivery.addresses import escaped, host_named
+from django_federation_delivery.dialect import aware
 from django_federation_delivery.models import Delivery, Host, Status
-from django_federation_delivery.overview import waited_since
 
 _M = TypeVar("_M", bound=Model)
 
@@ -370,12 +370,13 @@ def next_due(delivery: Delivery, now: dt.datetime) -> str:
         if delivery.after_id is not None:
             return _("held: waits on #%(id)s") % {"id": delivery.after_id}
         return _("held: host paused")
-    if delivery.due_at > now:
+    # As instants, USE_TZ or not: with it off, two wall-clock times of
+    # TIME_ZONE are an hour apart too many across the hour a clock skips.
+    due, at = aware(delivery.due_at).astimezone(dt.UTC), aware(now).astimezone(dt.UTC)
+    if due > at:
         if delivery.lease_token:
-            return _("in flight (lease ends in %(time)s)") % {
-                "time": timeuntil(delivery.due_at, now)
-            }
-        return _("in %(time)s") % {"time": timeuntil(delivery.due_at, now)}
-    if waited_since(delivery.due_at, now) < 60:  # as instants, USE_TZ or not
+            return _("in flight (lease ends in %(time)s)") % {"time": timeuntil(due, at)}
+        return _("in %(time)s") % {"time": timeuntil(due, at)}
+    if at - due < dt.timedelta(minutes=1):
         return _("due now")
-    return _("due %(time)s ago") % {"time": timesince(delivery.due_at, now)}
+    return _("due %(time)s ago") % {"time": timesince(due, at)}

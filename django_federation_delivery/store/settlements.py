@@ -356,7 +356,10 @@ def _undone_held(superseded: Sequence[Settlement], using: str | None) -> None:
         .values_list("id", "sender", "object_id")
     }
     for item in superseded:
-        if item.claimed.batch_id in undos:
+        # Only an Undo undone (superseded by an Undo of it): one a Delete of
+        # what it undid superseded takes nothing back to send again.
+        undone = item.last_error == retractions.REASONS[Retracts.ACTIVITY]
+        if undone and item.claimed.batch_id in undos:
             sender, taken_back = undos[item.claimed.batch_id]
             requeue_undone(sender, [taken_back], [item.claimed.inbox], using=alias)
 
