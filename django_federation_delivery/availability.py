@@ -46,6 +46,7 @@ from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware, orm_datetime
 from django_federation_delivery.exceptions import TransportError
 from django_federation_delivery.models import Delivery, Host, Kind
+from django_federation_delivery.store.claims import stored_gateways
 from django_federation_delivery.store.locks import in_name_order, write_first
 from django_federation_delivery.store.queueing import CHUNK
 from django_federation_delivery.transport import Transport, TransportSettings
@@ -349,17 +350,26 @@ def probe_due(
 
 
 def _probe_url(host: str, alias: str) -> str:
-    inbox = (
+    """Where ``host`` is probed: the origin of its latest delivery's inbox,
+    or, a portable inbox's (an ``ap://`` name), of the gateway that stands
+    for the host, its first (a plain http one on a port of its own is
+    probed there, not guessed https); guessed when neither is kept."""
+    latest = (
         Delivery.objects.using(alias)
         .filter(host=host, kind=Kind.ACTIVITYPUB)
         .order_by("-id")
-        .values_list("inbox", flat=True)
+        .values_list("inbox", "via")
         .first()
     )
-    try:
-        return addresses.origin(inbox) + PROBE_PATH
-    except addresses.UnusableURL:  # none kept, or a portable inbox's name
-        return _guessed_origin(host) + PROBE_PATH
+    if latest is not None:
+        inbox, via = latest
+        gateways = stored_gateways(via) or ()
+        for url in (gateways[0], inbox) if gateways else (inbox,):
+            try:
+                return addresses.origin(url) + PROBE_PATH
+            except addresses.UnusableURL:
+                continue
+    return _guessed_origin(host) + PROBE_PATH
 
 
 def _guessed_origin(key: str) -> str:

@@ -147,6 +147,8 @@ class Triage:
             return item.kind.settler(row).unsent(row, batch, DEADLINE_PASSED)
         if row.host in self.upkeep.paused:
             return item.kind.settler(row).paused(row)
+        # Its later gateways paused meanwhile are left out too, as at its sort.
+        item.job = _without_paused_gateways(item.job, self.upkeep.paused)
         return None
 
     def admit(self, item: InFlight) -> AttemptResult | None:

@@ -14,7 +14,15 @@ from django.core.management import call_command
 from django.db import connections, transaction
 from django.utils import timezone
 
-from django_federation_delivery import availability, mark_host_seen, send, signals, upkeep
+from django_federation_delivery import (
+    PortableInbox,
+    availability,
+    mark_host_seen,
+    send,
+    send_portable,
+    signals,
+    upkeep,
+)
 from django_federation_delivery.addresses import host_of, quoted, split
 from django_federation_delivery.availability import (
     PROBE_ROUND,
@@ -34,6 +42,7 @@ from django_federation_delivery.store import claims
 
 from .conftest import Inbox
 from .keys import ALICE
+from .test_federation import DID
 from .test_health import answered
 
 WEEK = 7 * 86400.0
@@ -378,3 +387,32 @@ def test_a_host_with_no_delivery_kept_is_probed_where_its_inboxes_were(inbox: st
     assert probed == name
     expected = split(inbox).origin + availability.PROBE_PATH
     assert url == expected, f"host {name!r} probed at {url!r}"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_portable_inbox_s_gateway_host_marked_unavailable_is_probed_where_it_answers(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    """A portable inbox's gateway at ``http://host:port`` whose host was
+    marked unavailable was probed at ``https://host:port/...`` (guessed, as
+    if no delivery kept its origin), where it cannot answer: up all along,
+    it stayed unavailable, every send skipping its inboxes. It is probed at
+    its gateway's origin, as a plain inbox is at its own."""
+    gateway = inboxes("127.0.0.2", respond=lambda request: (404, {}, b""))
+    send_portable(
+        ALICE,
+        {"type": "Create", "actor": ALICE},
+        [
+            PortableInbox(
+                f"ap://{DID}/actor/inbox",
+                [gateway.url("")],
+            )
+        ],
+    )
+    Delivery.objects.update(status=Status.DELIVERED, settled_at=timezone.now(), due_at=None)
+    # No success there for 8 days: the deliverer marks it unavailable at its
+    # start (HOST_UNAVAILABLE_AFTER, 7 days), then probes it.
+    Host.objects.create(name=gateway.host, failing_since=timezone.now() - dt.timedelta(days=8))
+    Deliverer().run(drain=True)
+    assert [(r.method, r.path) for r in gateway.received] == [("GET", "/.well-known/nodeinfo")]
+    assert availability.unavailable_hosts() == set(), "the gateway answered its probe: it is up"

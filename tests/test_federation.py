@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -583,6 +584,7 @@ def test_a_busy_deliverer_claims_no_more_than_claim_size_ahead_of_its_slots(
 
 
 DID = "did:key:z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+CREATE = {"type": "Create", "actor": ALICE}
 
 
 def test_a_portable_inbox_is_delivered_through_its_first_gateway_that_accepts(
@@ -746,3 +748,54 @@ def test_a_portable_inbox_is_sent_no_synchronization_header_and_none_is_asked(
     assert asked_to_synchronize == [(ALICE, gateway.url("/users/bob/inbox"))]
     assert len(gateway.received) == 2
     assert "ERROR" not in caplog.text
+
+
+def test_a_later_gateway_paused_while_its_delivery_waits_for_a_slot_gets_no_request(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    """ "A later gateway on a host an operator paused is left out of each
+    attempt while the pause lasts" (README). A portable delivery claimed
+    before the pause, waiting for its slot behind a slow one (and one in the
+    worker's queue), was POSTed to the paused later gateway seconds after
+    the loop read the pause: its first gateway's host was checked again as
+    it got its slot, its later gateways' hosts were not."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CONCURRENCY": 1,
+        "SLOW_AFTER_SECONDS": 60,
+    }
+    release = threading.Event()
+
+    def slow(request: Any) -> Any:
+        release.wait(20)
+        return 202, {}, b""
+
+    busy = inboxes("127.0.0.4", respond=slow)
+    first = inboxes("127.0.0.2", respond=lambda request: (503, {}, b""))
+    later = inboxes("127.0.0.3")
+    filler = inboxes("127.0.0.5")
+    send_batch(ALICE, CREATE, [busy.url("/busy")], {"low_priority": True})
+    send_batch(ALICE, CREATE, [filler.url("/filler")], {"low_priority": True})
+    send_portable(
+        ALICE,
+        CREATE,
+        [PortableInbox(f"ap://{DID}/actor/inbox", [first.url(""), later.url("")])],
+        {"low_priority": True},
+    )
+    runner = start_deliverer()
+    wait_until(lambda: len(busy.received) == 1)
+    # All claimed: the filler waits in the worker's queue, the portable one
+    # for a slot, which the slow one holds.
+    assert not Delivery.objects.filter(lease_token__isnull=True).exists()
+    controls.pause_host(later.host)
+    time.sleep(2.5)  # the loop reads the paused hosts every second
+    release.set()
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).count() == 3)
+    runner.stop()
+    assert first.paths(), "the first gateway was tried"
+    assert later.paths() == [], (
+        f"host {later.host} was paused 2.5 s before, yet it was POSTed {later.paths()} "
+        "as a portable inbox's later gateway"
+    )
