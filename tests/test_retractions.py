@@ -605,6 +605,44 @@ def test_a_delete_released_by_its_own_sequence_waits_on_the_create_that_was_trie
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_delete_leaving_its_key_hands_its_place_to_the_next_not_its_retracted_create() -> None:
+    """A Create (no ordering key) retrying for hours, its Delete in the
+    timeline's key (waiting on the Create), the next post in that key
+    (waiting on the Delete). The Delete leaves unsent (given up; a deadline
+    passing or an Undo of it does the same): the post waits on the last of
+    its key before it still pending, none, so it goes; it was made to wait
+    on the retrying Create, of another sequence, until its retries ended."""
+    created = send_batch(ALICE, create(POST, 1), [A])
+    assert created is not None
+    (claimed,) = store.claim(10, 60, per_host=10)
+    now = timezone.now()
+    retry = store.Settlement(
+        claimed=claimed,
+        status=Status.PENDING,
+        attempts=1,
+        due_at=now + dt.timedelta(hours=1),
+        last_status=503,
+        attempted_at=now,
+        retried=True,
+    )
+    assert store.settle([retry]) == {claimed.id}
+    delete = {"type": "Delete", "id": f"{ALICE}/activities/d", "actor": ALICE, "object": POST}
+    deleted = send_batch(ALICE, delete, [A], {"ordering_key": f"{ALICE}/timeline"})
+    post = send_batch(
+        ALICE, create(f"{ALICE}/notes/2", 2), [A], {"ordering_key": f"{ALICE}/timeline"}
+    )
+    assert deleted is not None and post is not None
+    d = Delivery.objects.get(batch=deleted)
+    e = Delivery.objects.get(batch=post)
+    assert (d.after_id, e.after_id) == (claimed.id, d.id)
+
+    assert controls.give_up(Delivery.objects.filter(id=d.id)) == 1
+
+    e.refresh_from_db()
+    assert (e.after_id, e.due_at is not None) == (None, True), f"waits on {e.after_id}"
+
+
+@pytest.mark.django_db(transaction=True)
 def test_an_undo_waits_on_every_delivery_of_the_activity_that_was_tried() -> None:
     like = {"type": "Like", "id": f"{ALICE}/likes/1", "actor": ALICE, "object": POST}
     liked = send(ALICE, like, [A])

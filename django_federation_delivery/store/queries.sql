@@ -615,14 +615,20 @@ RETURNING {released_rows}
 -- id a step, to the first one still pending: one step only would find it
 -- settled, and release the row ahead of those still pending before it.
 -- (UNION, not UNION ALL: a step seen before ends the walk.) A delivery
--- that was attempted waited on nothing, and releases at once.
-(WITH RECURSIVE back(id) AS (
+-- that was attempted waited on nothing, and releases at once. A row in a
+-- sequence takes only one of its own sequence: a retraction that left
+-- waited on what it retracts, in another (a Create retrying for hours),
+-- and the next of its key would have waited there; it waits instead on
+-- the last of its own still pending before it (before_in_sequence), if any.
+COALESCE((WITH RECURSIVE back(id) AS (
     SELECT p.after_id FROM {delivery} AS p WHERE p.id = {delivery}.after_id
     UNION
     SELECT q.after_id FROM back, {delivery} AS q
     WHERE q.id = back.id AND q.settled_at IS NOT NULL
 )
-SELECT q.id FROM back, {delivery} AS q WHERE q.id = back.id AND q.settled_at IS NULL LIMIT 1)
+SELECT q.id FROM back, {delivery} AS q WHERE q.id = back.id AND q.settled_at IS NULL
+    AND ({delivery}.sequence = '' OR q.sequence = {delivery}.sequence) LIMIT 1),
+    {before_in_sequence})
 
 -- name: chain_pairs [postgresql]
 -- Of the deliveries of the batches %(ids)s, each (but the first of its
