@@ -642,8 +642,8 @@ def drains(args: argparse.Namespace, bench: Bench, sink: Sink) -> None:
     )
     print(
         f"median ratio qcluster/run_deliverer: rate {rate:.3f}; CPU a delivery {cpu:.2f}x "
-        f"({median('deliverer', lambda p: p.cpu_ms):.2f} / "
-        f"{median('qcluster', lambda p: p.cpu_ms):.2f} ms); load {load_average()}",
+        f"({median('qcluster', lambda p: p.cpu_ms):.2f} / "
+        f"{median('deliverer', lambda p: p.cpu_ms):.2f} ms); load {load_average()}",
         flush=True,
     )
     print()

@@ -237,8 +237,9 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
         (OWN, own_transaction(1), args.sends),
         (OPEN, open_transaction, args.sends),
         ("20 inboxes, 20 hosts", own_transaction(20), max(1, args.sends // 4)),
-        (f"{args.fan_out} inboxes, {args.fan_out} hosts", fan_out(False), 1),
-        (f"{args.fan_out} inboxes, 1 host", fan_out(True), 1),
+        # "one send of": never the same name as the case above, whatever --fan-out.
+        (f"one send of {args.fan_out} inboxes, {args.fan_out} hosts", fan_out(False), 1),
+        (f"one send of {args.fan_out} inboxes, 1 host", fan_out(True), 1),
     ]
     if connection.vendor == "sqlite":
         cases.append(("floor: bare sqlite3, 1 inbox", bare_sqlite(), args.sends))
@@ -282,7 +283,7 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
 
     print()
     print(
-        f"{'case':<32} {'sends':>6} {'median ms':>10} {'p90 ms':>10} {'cpu ms':>8} "
+        f"{'case':<40} {'sends':>6} {'median ms':>10} {'p90 ms':>10} {'cpu ms':>8} "
         f"{'statements':>11}"
     )
     for name, _, _ in cases:
@@ -290,7 +291,7 @@ def measure(args: argparse.Namespace, workdir: Path, broker: RedisServer | None)
         cpu = [timing.cpu for timing in timings[name]]
         counted = str(statements[name]) if statements[name] else "-"
         print(
-            f"{name:<32} {len(wall):>6} {statistics.median(wall) * 1000:>10.3f} "
+            f"{name:<40} {len(wall):>6} {statistics.median(wall) * 1000:>10.3f} "
             f"{percentile(wall, 0.9) * 1000:>10.3f} {statistics.median(cpu) * 1000:>8.3f} "
             f"{counted:>11}"
         )
