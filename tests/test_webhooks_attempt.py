@@ -395,3 +395,44 @@ def test_an_attempt_ends_when_its_lease_does_however_long_the_webhook_timeout() 
     given = re.search(r"no complete answer within ([0-9.]+)s$", result.error)
     assert given is not None, result.error
     assert 1.2 <= float(given.group(1)) <= 1.5
+
+
+PASSWORD = "hunter2Passw0rdXY"
+BASIC = base64.b64encode(f"alice:{PASSWORD}".encode()).decode()
+SIGNING_KEY = "whsec_" + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODk="
+
+
+@pytest.mark.parametrize(
+    ("url", "sent_to"),
+    [
+        (
+            f"https://alice:{PASSWORD}@receiver.example/hooks?secret={SIGNING_KEY}",
+            f"https://alice:{PASSWORD}@receiver.example/hooks",
+        ),
+        (
+            f"markdown://alice:{PASSWORD}@chat.example/hooks/abcdefkey123",
+            f"https://alice:{PASSWORD}@chat.example/hooks/abcdefkey123",
+        ),
+    ],
+)
+def test_a_password_in_a_destinations_url_is_sent_but_never_redacted(
+    mocked: responses.RequestsMock, transport: Transport, url: str, sent_to: str
+) -> None:
+    """A receiver behind HTTP basic auth, https://user:password@host/...: the
+    password is sent (``Authorization: Basic``), and when the receiver's
+    refusal echoed it, plain or in its Basic form, it was kept whole in the
+    delivery's last error, the WARNING line and ``delivery_failed``."""
+    mocked.post(
+        sent_to,
+        status=401,
+        body=f"bad credentials alice:{PASSWORD} (Authorization: Basic {BASIC})",
+    )
+    policy = WebhookPolicy()
+    deliveries = WebhookDeliveries(policy, policy.settler(Summary()), transport.settings)
+    destination = parse_destination("ops", url)
+    call = Call(delivery_id=1, destination=destination, event=EVENT)
+    result = deliveries.attempt(call, transport)
+    assert mocked.calls[0].request.headers["Authorization"] == f"Basic {BASIC}", "it is sent"
+    assert result.error.startswith("the receiver answered 401")
+    assert PASSWORD not in result.error, result.error
+    assert BASIC not in result.error, result.error

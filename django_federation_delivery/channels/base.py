@@ -12,6 +12,7 @@ a message or an echoing receiver writes them. Nothing is guessed.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -158,7 +159,25 @@ class Parsed:
                     _("its kind declares a secret that is %(type)s, not a string")
                     % {"type": type(secret).__name__}
                 )
-        object.__setattr__(self, "secrets", secrets)
+        object.__setattr__(self, "secrets", secrets + _credentials_of(self.url))
+
+
+def _credentials_of(url: str) -> tuple[str, ...]:
+    """The password a URL's userinfo holds (``https://user:pw@host``), as it is
+    written, decoded, with its user, and as ``requests`` sends it (``Basic``,
+    base64): secrets of any kind's URL, whether or not it declared them, for
+    a receiver that refuses it may echo them. The user alone is no secret."""
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError:
+        return ()
+    userinfo = netloc.rpartition("@")[0]
+    user, _colon, password = userinfo.partition(":")
+    if not password:
+        return ()
+    plain = f"{unquote(user)}:{unquote(password)}"
+    basic = base64.b64encode(plain.encode()).decode("ascii")
+    return tuple(dict.fromkeys((userinfo, plain, password, unquote(password), basic)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
