@@ -34,6 +34,7 @@ from django_federation_delivery.models import Batch, Kind, Lane, Retracts, Skipp
 from django_federation_delivery.portable import PortableInbox
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
+from django_federation_delivery.store.sequences import lock_sequences
 
 __all__ = [
     "BatchOptions",
@@ -257,6 +258,13 @@ def _queue(
         len(targets), ordering_key=ordering_key, alone=retraction is None, using=using
     ):
         if retraction is not None:
+            # Its sequences first, then the rows it supersedes, as every
+            # other writer in a key takes them (a send of the key, a
+            # requeue): rows first, a send in the key at that moment, holding
+            # the sequence and waiting on a row this held, deadlocked it.
+            lock_sequences(
+                ordering_key, [queued.inbox for queued in targets if queued.ordered], using
+            )
             retractions.lock_retracted(
                 sender, retraction, [queued.inbox for queued in targets], using=using
             )

@@ -532,6 +532,47 @@ def test_a_send_in_an_ordering_key_while_the_last_of_its_sequences_settle_never_
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_delete_and_another_send_in_its_key_at_once_never_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two views send at once in the object's ordering key: a Delete, and an
+    Update, while an earlier Create to the inbox is pending. The Delete
+    locked the Create's row (what it supersedes) before its sequence; the
+    Update took the sequence, then waited on that row (the check of what
+    it waits on): PostgreSQL ended one, its activity not queued (a 500).
+    The Delete takes its sequence first, as every writer in a key does."""
+    postgresql_only()
+    from django_federation_delivery import retractions
+
+    obj = f"{ALICE}/notes/1"
+    url = "https://a.example/inbox"
+    key = {"ordering_key": obj}
+    assert send_batch(ALICE, {"type": "Create", "id": f"{ALICE}/a/1", "object": obj}, [url], key)
+    locked, go = threading.Event(), threading.Event()
+    real = retractions.lock_retracted
+
+    def paused(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)  # what it supersedes locked
+        locked.set()
+        go.wait(10)
+
+    monkeypatch.setattr(retractions, "lock_retracted", paused)
+    delete = {"type": "Delete", "id": f"{ALICE}/a/d", "object": obj}
+    update = {"type": "Update", "id": f"{ALICE}/a/2", "object": {"id": obj, "type": "Note"}}
+    deleter = Side(lambda: send_batch(ALICE, delete, [url], key))
+    deleter.start()
+    assert locked.wait(10)
+    updater = Side(lambda: send_batch(ALICE, update, [url], key))
+    updater.start()
+    wait_until(lambda: waiting_on_locks() == 1, timeout=10)
+    time.sleep(0.3)
+    go.set()
+    for side in (deleter, updater):
+        side.join(20)
+    assert (deleter.error, updater.error) == (None, None)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_delete_in_its_key_while_an_operator_gives_up_what_it_supersedes_never_deadlocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
