@@ -619,7 +619,10 @@ RETURNING {released_rows}
 -- sequence takes only one of its own sequence: a retraction that left
 -- waited on what it retracts, in another (a Create retrying for hours),
 -- and the next of its key would have waited there; it waits instead on
--- the last of its own still pending before it (before_in_sequence), if any.
+-- the last of its own still pending before it (before_in_sequence), if any,
+-- when the one that left left waiting: never attempted, and not in flight
+-- (one given up in flight keeps its lease's end as its due time, which
+-- what it releases is due no sooner than: released_due).
 COALESCE((WITH RECURSIVE back(id) AS (
     SELECT p.after_id FROM {delivery} AS p WHERE p.id = {delivery}.after_id
     UNION
@@ -628,7 +631,9 @@ COALESCE((WITH RECURSIVE back(id) AS (
 )
 SELECT q.id FROM back, {delivery} AS q WHERE q.id = back.id AND q.settled_at IS NULL
     AND ({delivery}.sequence = '' OR q.sequence = {delivery}.sequence) LIMIT 1),
-    {before_in_sequence})
+    CASE WHEN EXISTS (SELECT 1 FROM {delivery} AS p WHERE p.id = {delivery}.after_id
+        AND p.last_attempt_at IS NULL AND p.due_at IS NULL)
+    THEN {before_in_sequence} END)
 
 -- name: chain_pairs [postgresql]
 -- Of the deliveries of the batches %(ids)s, each (but the first of its

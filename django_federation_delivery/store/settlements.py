@@ -514,6 +514,10 @@ def _give_up_rows(
     connection = connection_for(alias)
     now = aware_now()
     with transaction.atomic(using=alias):
+        # Their sequences before their rows, as a requeue and a send take
+        # them: a requeue of the one before at that moment otherwise chained
+        # the next to one this gave up, and left the next beside it.
+        lock_sequences_of(ids, alias)
         with sql.on(connection) as db:
             if db.postgresql:
                 # Lowest id first, as every writer of many rows locks them:

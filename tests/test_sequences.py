@@ -1,0 +1,179 @@
+"""Sequences (ordering keys) when one in their middle leaves: who waits on whom then."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from typing import Any
+
+import pytest
+from django.db import connection, connections, transaction
+from django.utils import timezone
+
+from django_federation_delivery import controls, send_batch, store
+from django_federation_delivery.models import Batch, Delivery, Status
+
+from .keys import ALICE
+
+A = "https://a.example/inbox"
+
+
+def settlement(claimed: Any, outcome: str) -> store.Settlement:
+    """A claimed delivery's attempt: "delivered" (202), else failed (400)."""
+    now = timezone.now()
+    if outcome == "delivered":
+        return store.Settlement(
+            claimed=claimed,
+            status=Status.DELIVERED,
+            attempts=claimed.attempts + 1,
+            last_status=202,
+            attempted_at=now,
+            ordered=True,
+        )
+    return store.Settlement(
+        claimed=claimed,
+        status=Status.FAILED,
+        attempts=claimed.attempts + 1,
+        last_status=400,
+        attempted_at=now,
+        ordered=True,
+    )
+
+
+KEY = {"ordering_key": f"{ALICE}/timeline"}
+
+
+def note(n: int) -> dict[str, Any]:
+    return {
+        "type": "Create",
+        "id": f"{ALICE}/act/{n}",
+        "actor": ALICE,
+        "object": f"{ALICE}/notes/{n}",
+    }
+
+
+def one(batch: Batch | None) -> Delivery:
+    assert batch is not None
+    return Delivery.objects.get(batch=batch)
+
+
+def claim_only(delivery: Delivery) -> Any:
+    claimed = store.claim(10, 60, per_host=10)
+    assert [c.id for c in claimed] == [delivery.id], [c.id for c in claimed]
+    return claimed[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_given_up_in_flight_its_next_still_waits_for_the_lease_to_end() -> None:
+    """Y, P, X queued in one ordering key to one inbox. Y fails; P is
+    claimed (its attempt in flight, lease 60 s); Y is requeued (P, in
+    flight, is past ordering, so Y is due beside it). The operator gives P
+    up while its attempt is in flight: X must not go before P's lease ends
+    (released_due: "after which the row is to go, as one at a time in its
+    sequence"). Made to wait on Y instead, X was due once Y was delivered,
+    while P's attempt might still be answered: two of one sequence in
+    flight together, X possibly ahead of P."""
+    y = one(send_batch(ALICE, note(1), [A], KEY))
+    (c,) = store.claim(10, 60, per_host=10)
+    assert store.settle([settlement(c, "failed")]) == {y.id}
+    p = one(send_batch(ALICE, note(2), [A], KEY))
+    x = one(send_batch(ALICE, note(3), [A], KEY))
+    assert x.after_id == p.id
+    claim_only(p)
+    assert controls.requeue(Delivery.objects.filter(id=y.id)) == 1
+    assert controls.give_up(Delivery.objects.filter(id=p.id)) == 1
+    p.refresh_from_db()
+    lease_end = p.due_at
+    assert lease_end is not None and lease_end > timezone.now()
+
+    cy = claim_only(y)
+    assert store.settle([settlement(cy, "delivered")]) == {y.id}
+
+    x.refresh_from_db()
+    assert x.after_id is None
+    assert x.due_at is not None and x.due_at >= lease_end, (
+        f"X due at {x.due_at}, before the end of P's lease {lease_end}"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_attempted_ones_next_is_released_alike_on_sqlite_and_postgresql() -> None:
+    """e1, e2, e3 in one ordering key. e1 fails, e2 goes and is in flight,
+    e3 waits on e2; e1 is requeued (e2, attempted, is past ordering) and
+    retries for an hour. e2 is then delivered: "a delivery that was
+    attempted waited on nothing, and releases at once" (inherited), so e3
+    is due, as it is on PostgreSQL (the settle's own release). On SQLite it
+    was made to wait on e1 instead, behind its retries for the hour."""
+    e1 = one(send_batch(ALICE, note(1), [A], KEY))
+    (c,) = store.claim(10, 60, per_host=10)
+    assert store.settle([settlement(c, "failed")]) == {e1.id}
+    e2 = one(send_batch(ALICE, note(2), [A], KEY))
+    c2 = claim_only(e2)
+    e3 = one(send_batch(ALICE, note(3), [A], KEY))
+    assert e3.after_id == e2.id
+    assert controls.requeue(Delivery.objects.filter(id=e1.id)) == 1
+    c1 = claim_only(e1)
+    now = timezone.now()
+    retry = store.Settlement(
+        claimed=c1,
+        status=Status.PENDING,
+        attempts=c1.attempts + 1,
+        due_at=now + dt.timedelta(hours=1),
+        last_status=503,
+        attempted_at=now,
+        retried=True,
+        ordered=True,
+    )
+    assert store.settle([retry]) == {e1.id}
+
+    assert store.settle([settlement(c2, "delivered")]) == {e2.id}
+
+    e3.refresh_from_db()
+    assert (e3.after_id, e3.due_at is not None) == (None, True), f"waits on {e3.after_id}"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_requeue_while_the_next_one_is_given_up_still_orders_the_sequence() -> None:
+    """Y failed; P (never attempted) and X queued after it in the same key,
+    X waiting on P. An operator gives P up while another requeues Y. Either
+    way round, one after the other, X ends up waiting on Y (give-up first:
+    X is released and the requeue's next_in_sequence takes X; requeue first:
+    P waits on Y, and X inherits that wait). Run at the same time on
+    PostgreSQL, the requeue picks P in its snapshot, waits for its lock, finds
+    P settled and re-chains nothing: X and Y are both due, and X can reach
+    the inbox before Y."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite has one writer")
+    y = one(send_batch(ALICE, note(1), [A], KEY))
+    (c,) = store.claim(10, 60, per_host=10)
+    assert store.settle([settlement(c, "failed")]) == {y.id}
+    p = one(send_batch(ALICE, note(2), [A], KEY))
+    x = one(send_batch(ALICE, note(3), [A], KEY))
+    assert (p.after_id, x.after_id) == (None, p.id)
+
+    errors: list[BaseException] = []
+
+    def requeue() -> None:
+        try:
+            controls.requeue(Delivery.objects.filter(id=y.id))
+        except BaseException as exc:  # pragma: no cover
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    side = threading.Thread(target=requeue, daemon=True)
+    with transaction.atomic():
+        assert controls.give_up(Delivery.objects.filter(id=p.id)) == 1
+        side.start()
+        # It blocks on P's row lock (next_in_sequence); pg_stat_activity
+        # cannot be watched from inside this transaction (a snapshot).
+        time.sleep(1.0)
+        assert side.is_alive(), "the requeue did not wait on the give-up"
+    side.join(20)
+    assert not side.is_alive() and not errors, errors
+
+    x.refresh_from_db()
+    y.refresh_from_db()
+    assert y.status == Status.PENDING
+    assert x.after_id == y.id, f"X waits on {x.after_id}, due {x.due_at}, beside Y"
