@@ -21,22 +21,13 @@ A = "https://a.example/inbox"
 
 def settlement(claimed: Any, outcome: str) -> store.Settlement:
     """A claimed delivery's attempt: "delivered" (202), else failed (400)."""
-    now = timezone.now()
-    if outcome == "delivered":
-        return store.Settlement(
-            claimed=claimed,
-            status=Status.DELIVERED,
-            attempts=claimed.attempts + 1,
-            last_status=202,
-            attempted_at=now,
-            ordered=True,
-        )
+    delivered = outcome == "delivered"
     return store.Settlement(
         claimed=claimed,
-        status=Status.FAILED,
+        status=Status.DELIVERED if delivered else Status.FAILED,
         attempts=claimed.attempts + 1,
-        last_status=400,
-        attempted_at=now,
+        last_status=202 if delivered else 400,
+        attempted_at=timezone.now(),
         ordered=True,
     )
 
