@@ -201,6 +201,11 @@ def send_safely(signal: Signal, **kwargs: Any) -> None:
             async_to_sync(_send_async)(signal, asynchronous, Delivery, kwargs)
         except KeyboardInterrupt:
             raise
+        except asyncio.CancelledError:
+            # The caller's, its receivers awaited to their end all the same
+            # (_send_async): no receiver's error. The caller's task is
+            # cancelled as it was asked to be.
+            pass
         except BaseException as error:  # called from an event loop's own thread, say
             _failed(signal, " and ".join(map(_name_of, asynchronous)), error)
 
@@ -226,7 +231,10 @@ async def _send_async(
     kwargs: dict[str, Any],
 ) -> None:
     """Await each async receiver, all at once as Django does; one that
-    raises is logged, the others awaited all the same."""
+    raises is logged, the others awaited all the same. A cancellation of
+    the caller's (an async view awaiting ``asend``, its client gone once
+    the send committed) reaches no receiver: each is awaited to its end,
+    then the cancellation is raised."""
 
     async def called(receiver: Callable[..., Any]) -> None:
         try:
@@ -236,7 +244,12 @@ async def _send_async(
         except BaseException as error:
             _failed(signal, _name_of(receiver), error)
 
-    await asyncio.gather(*(called(receiver) for receiver in receivers))
+    told = asyncio.gather(*(called(receiver) for receiver in receivers))
+    try:
+        await asyncio.shield(told)
+    except asyncio.CancelledError:
+        await told
+        raise
 
 
 def _failed(signal: Signal, receiver: str, error: BaseException) -> None:

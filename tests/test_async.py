@@ -3,6 +3,8 @@ async views under Django's ASGI test client."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -115,3 +117,44 @@ def test_the_views_run_under_the_asgi_handler() -> None:
     finally:
         request_started.disconnect(started)
     assert handlers == ["AsyncClientHandler"]
+
+
+def test_an_asend_cancelled_once_committed_lets_its_async_receivers_finish(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An async view awaiting ``asend`` of a Delete is cancelled once the
+    send has committed (its client went away): the async receivers of
+    ``delivery_settled`` the commit started were cancelled with it, midway,
+    and each logged as raising ``CancelledError``. They finish, and nothing
+    is logged. (The cancellation reached the receivers, through asgiref,
+    not the view's await, which returns the batch: it was sent.)"""
+    from django_federation_delivery import send, signals
+
+    finished: list[str] = []
+    started = asyncio.Event()
+
+    async def receiver(settled: signals.Settled, **kwargs: Any) -> None:
+        started.set()
+        await asyncio.sleep(0.3)
+        finished.append(settled.outcome)
+
+    post = f"{ALICE}/notes/1"
+    inbox = "https://a.example/inbox"
+    send(ALICE, {"type": "Create", "id": f"{ALICE}/a/1", "object": post}, [inbox])
+    signals.delivery_settled.connect(receiver, weak=False)
+
+    async def view() -> None:
+        delete = {"type": "Delete", "id": f"{ALICE}/a/d", "object": post}
+        task = asyncio.ensure_future(asend(ALICE, delete, [inbox]))
+        await started.wait()  # committed, its receiver under way
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)
+
+    try:
+        async_to_sync(view)()
+    finally:
+        signals.delivery_settled.disconnect(receiver)
+    assert finished == ["superseded"], caplog.text[-800:]
+    assert "CancelledError" not in caplog.text
