@@ -284,11 +284,19 @@ def lane_lags(*, now: dt.datetime | None = None, using: str | None = None) -> di
 def waited_since(due: dt.datetime | None, now: dt.datetime) -> float:
     """Seconds from ``due`` to ``now`` (0 if none or later), as instants: with
     ``USE_TZ`` off both are the wall clock of ``TIME_ZONE``, and across the
-    hour it skips a delivery due a few minutes before had "waited" an hour."""
+    hour it skips a delivery due a few minutes before had "waited" an hour.
+    A naive ``due`` of the hour the clock goes back through (SQLite keeps
+    no offset) is read as its second pass when that is past too: the
+    nearer of the two readings, not an hour too long a wait."""
     if due is None:
         return 0.0
-    waited = aware(now).astimezone(dt.UTC) - aware(due).astimezone(dt.UTC)
-    return max(waited.total_seconds(), 0.0)
+    at = aware(now).astimezone(dt.UTC)
+    then = aware(due).astimezone(dt.UTC)
+    if timezone.is_naive(due):
+        second = aware(due.replace(fold=1)).astimezone(dt.UTC)
+        if then < second <= at:
+            then = second
+    return max((at - then).total_seconds(), 0.0)
 
 
 def open_breakers(*, using: str | None = None) -> int:

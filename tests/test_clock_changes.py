@@ -331,6 +331,23 @@ def test_the_deliveries_list_says_when_across_the_spring_forward_in_real_time(
     assert next_due(delivery, now) == said
 
 
+@sqlite_only
+@pytest.mark.django_db
+def test_the_lag_in_the_repeated_hour_on_sqlite_is_how_long_it_waited(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite, New York, ``USE_TZ = False``, 2024-11-03: a delivery due at
+    the second 01:50 (EST) still waits at 01:55 EST, 5 minutes later. The
+    stored naive 01:50 was read as the first (EDT), and the lag said 1h 5m:
+    CRITICAL by ``delivery_status --check --max-lag``."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 50, fold=1))  # EST, the second 01:50
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 55, fold=1))  # EST, 5 minutes later
+    lags = (overview.lag(), overview.overview().total.lag)
+    assert all(abs(lag - 300) < 5 for lag in lags), lags
+
+
 POST = f"{ALICE}/notes/1"
 A = "https://a.example/inbox"
 
