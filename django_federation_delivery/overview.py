@@ -13,6 +13,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
+from django.db import connections
 from django.db.models import Case, Count, Max, Min, OuterRef, Q, Subquery, When
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -277,22 +278,23 @@ def lane_lags(*, now: dt.datetime | None = None, using: str | None = None) -> di
     lags = {}
     for lane in Lane:
         oldest = due.filter(lane=lane).aggregate(at=Min("due_at"))["at"]
-        lags[lane.value] = waited_since(oldest, now)
+        lags[lane.value] = waited_since(oldest, now, using=due.db)
     return lags
 
 
-def waited_since(due: dt.datetime | None, now: dt.datetime) -> float:
+def waited_since(due: dt.datetime | None, now: dt.datetime, *, using: str | None = None) -> float:
     """Seconds from ``due`` to ``now`` (0 if none or later), as instants: with
     ``USE_TZ`` off both are the wall clock of ``TIME_ZONE``, and across the
     hour it skips a delivery due a few minutes before had "waited" an hour.
-    A naive ``due`` of the hour the clock goes back through (SQLite keeps
-    no offset) is read as its second pass when that is past too: the
-    nearer of the two readings, not an hour too long a wait."""
+    A naive ``due`` read from SQLite (``using``), which keeps no offset, in
+    the hour the clock goes back through is read as its second pass when
+    that is past too: the nearer of the two readings, not an hour too long
+    a wait. (PostgreSQL's reads carry the pass they are of.)"""
     if due is None:
         return 0.0
     at = aware(now).astimezone(dt.UTC)
     then = aware(due).astimezone(dt.UTC)
-    if timezone.is_naive(due):
+    if timezone.is_naive(due) and using is not None and connections[using].vendor == "sqlite":
         second = aware(due.replace(fold=1)).astimezone(dt.UTC)
         if then < second <= at:
             then = second
@@ -352,7 +354,7 @@ def _lanes(now: dt.datetime, alias: str) -> tuple[LaneStats, ...]:
                 in_flight=counts.get("in_flight", 0),
                 held=counts.get("held", 0),
                 oldest_due_at=oldest,
-                lag=waited_since(oldest, now),
+                lag=waited_since(oldest, now, using=alias),
                 delivered_last_hour=done.get("delivered", 0),
                 failed_last_day=done.get("failed", 0),
                 superseded_last_day=done.get("superseded", 0),

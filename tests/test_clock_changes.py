@@ -348,6 +348,24 @@ def test_the_lag_in_the_repeated_hour_on_sqlite_is_how_long_it_waited(
     assert all(abs(lag - 300) < 5 for lag in lags), lags
 
 
+@postgresql_only
+@pytest.mark.django_db
+def test_a_first_pass_due_time_still_waiting_in_the_second_pass_lags_65_minutes(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL, New York, ``USE_TZ = False``, 2024-11-03: a delivery due
+    at the first 01:50 (EDT) still waits at the second 01:55 (EST), 65
+    minutes later: PostgreSQL's read carries its pass, and is not to be
+    re-read as the second one, as SQLite's text is (the lag said 5
+    minutes, and a queue stuck an hour passed ``--max-lag 3600``)."""
+    new_york_without_use_tz(settings)
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 50))  # EDT, the first 01:50
+    send(ALICE, NOTE, ["https://social.example/inbox"])
+    freeze(monkeypatch, eastern(2024, 11, 3, 1, 55, fold=1))  # EST, 65 minutes later
+    lags = (overview.lag(), overview.overview().total.lag)
+    assert all(abs(lag - 3900) < 5 for lag in lags), lags
+
+
 POST = f"{ALICE}/notes/1"
 A = "https://a.example/inbox"
 

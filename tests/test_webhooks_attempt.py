@@ -436,3 +436,56 @@ def test_a_password_in_a_destinations_url_is_sent_but_never_redacted(
     assert result.error.startswith("the receiver answered 401")
     assert PASSWORD not in result.error, result.error
     assert BASIC not in result.error, result.error
+
+
+def test_a_non_ascii_password_echoed_in_its_sent_basic_form_is_redacted(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    """A receiver behind basic auth whose password has an accented letter
+    (``https://alice:p%C3%A4sswort42@…``): requests sends it in Latin-1,
+    ``Authorization: Basic YWxpY2U6cORzc3dvcnQ0Mg==``, and a refusal echoing
+    that header is kept whole in the delivery's error (the redaction
+    encoded its Basic form in UTF-8, a text never sent)."""
+    url = "markdown://alice:p%C3%A4sswort42@receiver.example/hooks/abcdefkey123"
+    mocked.add_callback(
+        responses.POST,
+        "https://alice:p%C3%A4sswort42@receiver.example/hooks/abcdefkey123",
+        callback=lambda request: (
+            401,
+            {},
+            f"bad credentials (Authorization: {request.headers['Authorization']})",
+        ),
+    )
+    policy = WebhookPolicy()
+    deliveries = WebhookDeliveries(policy, policy.settler(Summary()), transport.settings)
+    destination = parse_destination("ops", url)
+    call = Call(delivery_id=1, destination=destination, event=EVENT)
+    result = deliveries.attempt(call, transport)
+    sent = mocked.calls[0].request.headers["Authorization"]
+    assert sent == "Basic " + base64.b64encode("alice:pässwort42".encode("latin-1")).decode()
+    assert result.error.startswith("the receiver answered 401")
+    assert sent.split()[1] not in result.error, result.error
+
+
+def test_a_short_password_echoed_alone_is_redacted(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    """A receiver behind basic auth with a short password (a PIN,
+    ``https://alice:4821@…``) that echoes it alone ("wrong password 4821")
+    had it kept whole in the delivery's error: a short secret is taken out
+    where it stands alone, but not one a longer declared form holds, and
+    ``alice:4821`` was declared too."""
+    url = "markdown://alice:4821@receiver.example/hooks/abcdefkey123"
+    mocked.add(
+        responses.POST,
+        "https://alice:4821@receiver.example/hooks/abcdefkey123",
+        status=401,
+        body="wrong password 4821 for this hook",
+    )
+    policy = WebhookPolicy()
+    deliveries = WebhookDeliveries(policy, policy.settler(Summary()), transport.settings)
+    destination = parse_destination("ops", url)
+    call = Call(delivery_id=1, destination=destination, event=EVENT)
+    result = deliveries.attempt(call, transport)
+    assert result.error.startswith("the receiver answered 401"), result.error
+    assert "4821" not in result.error, result.error

@@ -164,20 +164,27 @@ class Parsed:
 
 def _credentials_of(url: str) -> tuple[str, ...]:
     """The password a URL's userinfo holds (``https://user:pw@host``), as it is
-    written, decoded, with its user, and as ``requests`` sends it (``Basic``,
-    base64): secrets of any kind's URL, whether or not it declared them, for
-    a receiver that refuses it may echo them. The user alone is no secret."""
+    written, decoded, and as ``requests`` sends it with its user (``Basic``,
+    base64 of Latin-1, or of UTF-8 past it): secrets of any kind's URL,
+    whether or not it declared them, for a receiver that refuses it may echo
+    them. The user is no secret; nor is the password declared with it, which
+    would leave a short one (a PIN) to that form alone, never taken out
+    where it stands by itself."""
     try:
         netloc = urlsplit(url).netloc
     except ValueError:
         return ()
-    userinfo = netloc.rpartition("@")[0]
-    user, _colon, password = userinfo.partition(":")
+    user, _colon, password = netloc.rpartition("@")[0].partition(":")
     if not password:
         return ()
     plain = f"{unquote(user)}:{unquote(password)}"
-    basic = base64.b64encode(plain.encode()).decode("ascii")
-    return tuple(dict.fromkeys((userinfo, plain, password, unquote(password), basic)))
+    basic = []
+    for encoding in ("latin-1", "utf-8"):
+        try:
+            basic.append(base64.b64encode(plain.encode(encoding)).decode("ascii"))
+        except UnicodeEncodeError:
+            continue
+    return tuple(dict.fromkeys((password, unquote(password), *basic)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
