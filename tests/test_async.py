@@ -8,6 +8,7 @@ import contextlib
 import json
 from typing import Any
 
+import django
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import transaction
@@ -119,6 +120,7 @@ def test_the_views_run_under_the_asgi_handler() -> None:
     assert handlers == ["AsyncClientHandler"]
 
 
+@pytest.mark.skipif(django.VERSION < (5, 0), reason="Django calls async receivers from 5.0 on")
 def test_an_asend_cancelled_once_committed_lets_its_async_receivers_finish(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -146,7 +148,7 @@ def test_an_asend_cancelled_once_committed_lets_its_async_receivers_finish(
     async def view() -> None:
         delete = {"type": "Delete", "id": f"{ALICE}/a/d", "object": post}
         task = asyncio.ensure_future(asend(ALICE, delete, [inbox]))
-        await started.wait()  # committed, its receiver under way
+        await asyncio.wait_for(started.wait(), 10)  # committed, its receiver under way
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

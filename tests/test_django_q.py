@@ -898,9 +898,12 @@ def test_a_cluster_killed_mid_round_loses_nothing_and_repeats_only_what_was_in_f
     wait_until(
         lambda: statuses() == {Status.DELIVERED: len(urls)}, timeout=200, step=0.2, state=statuses
     )
-    # In flight at the kill: sent or being sent, queued for the next free
-    # worker, or sent with the outcome not yet written. Nothing else twice.
-    assert_each_reached_once_but(sinks, urls, twice=3 * concurrency)
+    # In flight at the kill: being sent (CONCURRENCY: no host here is slow,
+    # so no thread past those), queued for the next free worker (as many),
+    # or sent with the outcome not yet written (a write's worth, 4 ×
+    # CONCURRENCY: on a machine busy past its cores more than the 0.1 s'
+    # worth waits): README's "What a crash sends twice". Nothing else twice.
+    assert_each_reached_once_but(sinks, urls, twice=6 * concurrency)
 
 
 def test_a_round_in_the_callers_transaction_is_refused_and_leaves_it_alone(inbox: Inbox) -> None:
