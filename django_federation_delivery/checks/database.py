@@ -9,6 +9,7 @@ from typing import Any
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import OperationalError
 from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 
 from django_federation_delivery.checks.bounds import PREFIX
 from django_federation_delivery.store.sql import busy_timeout, journal_mode
@@ -173,8 +174,6 @@ def lacking_migrations(alias: str) -> str:
     """What refuses to work on the database ``alias`` (``run_deliverer``, a
     round): the package's migrations it lacks, named, and what to run; ""
     when it lacks none."""
-    from django.utils.translation import ngettext
-
     missing = unapplied_migrations(alias)
     if not missing:
         return ""
