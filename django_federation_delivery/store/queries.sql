@@ -510,22 +510,41 @@ ORDER BY r.id
 {delivery}.id, {delivery}.after_id,
     (SELECT rb.retracts FROM {batch} AS rb WHERE rb.id = {delivery}.batch_id)
 
+-- name: retractions_waiting [postgresql]
+-- Those of %(ids)s still pending that wait on nothing and are a
+-- retraction's, with their inbox and their batch: its id, sender, what it
+-- retracts and what about (what wait_again reads first on PostgreSQL).
+SELECT d.id, d.inbox, rb.id, rb.sender, rb.retracts, rb.object_id
+FROM {delivery} AS d JOIN {batch} AS rb ON rb.id = d.batch_id
+WHERE d.id = ANY(%(ids)s::bigint[]) AND d.settled_at IS NULL AND d.after_id IS NULL
+    AND rb.retracts <> ''
+ORDER BY d.id
+
 -- name: wait_again [postgresql]
 -- A retraction's deliveries %(ids)s, just released (or, a replay's
 -- copies, just written: they overtake nothing), made to wait on the
--- last delivery still pending to their inbox of what they retract, if any
--- (next_retracted). A retraction waits on one delivery at a time, the last
--- attempted there when it was queued; one attempted before it may still be
--- retrying when that one leaves, and is waited on then. The time it was
--- just made due is kept (not_before), or, held for its paused host, the
--- time kept already (requeued): released again, it is due no sooner
--- (released_due). One that waits already (a requeued one, its turn in its
--- sequence) keeps that wait, and waits on what it retracts once released:
--- a row waits on one thing at a time, and its turn comes first.
-UPDATE {delivery} SET after_id = {next_retracted}, not_before = COALESCE(due_at, not_before),
-    due_at = NULL
-WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND after_id IS NULL
-    AND {next_retracted} IS NOT NULL
+-- last delivery still pending to their inbox of what they retract
+-- (%(lasts)s, read first by retractions_waiting and attempted_before). A
+-- retraction waits on one delivery at a time, the last attempted there
+-- when it was queued; one attempted before it may still be retrying when
+-- that one leaves, and is waited on then. The time it was just made due is
+-- kept (not_before), or, held for its paused host, the time kept already
+-- (requeued): released again, it is due no sooner (released_due). One
+-- that waits already (a requeued one, its turn in its sequence) keeps that
+-- wait, and waits on what it retracts once released: a row waits on one
+-- thing at a time, and its turn comes first. Given as two lists, as
+-- wait_for_attempted's: looked up a row at a time (next_retracted), what
+-- each waited on was read through the index on (batch, status) whenever
+-- statistics counted a few rows a batch, as many small batches make them,
+-- and each row read the whole of a fan-out's batch. One whose last settled
+-- since it was read waits on it all the same: stranded, it is freed and
+-- made to wait again on the next (release_stranded); left due, it would go
+-- before an earlier one still retrying there.
+UPDATE {delivery} SET after_id = w.last,
+    not_before = COALESCE({delivery}.due_at, {delivery}.not_before), due_at = NULL
+FROM unnest(%(ids)s::bigint[], %(lasts)s::bigint[]) AS w(id, last)
+WHERE {delivery}.id = ANY(%(ids)s::bigint[]) AND {delivery}.id = w.id
+    AND {delivery}.settled_at IS NULL AND {delivery}.after_id IS NULL
 
 -- name: wait_again [sqlite]
 UPDATE {delivery} SET after_id = {next_retracted}, not_before = COALESCE(due_at, not_before),
@@ -536,7 +555,8 @@ WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL AND af
 -- name: next_retracted
 -- For the row being written, a retraction's delivery: the last delivery to
 -- its inbox still pending of its sender's earlier batches about what it
--- retracts (a Delete's object, an Undo's activity); NULL if none. Each is
+-- retracts (a Delete's object, an Undo's activity); NULL if none (SQLite's
+-- wait_again; PostgreSQL reads them first, as lists). Each is
 -- read by an index: the batch by its key, the earlier ones by object_id or
 -- activity_id (the partial indexes' own conditions written out), a
 -- delivery by its batch and inbox.

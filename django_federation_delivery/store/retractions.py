@@ -247,7 +247,7 @@ def wait_on_retracted(batch_ids: Sequence[int], *, using: str | None = None) -> 
     if not ids:
         return 0
     with sql.on(connection_for(alias)) as db:
-        return db.run("wait_again", ids=db.ids(ids))
+        return db.wait_again(ids)
 
 
 def retracted_held(db: sql.Statements, ids: Sequence[int]) -> dict[int, str]:

@@ -601,7 +601,7 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
                 # left, waits on it again, or on one requeued with it after it.
                 after = [id for (id,) in db.all("next_in_sequence", ids=db.ids(requeued))]
                 db.run("wait_in_sequence", ids=db.ids([*requeued, *after]))
-                db.run("wait_again", ids=db.ids(requeued))
+                db.wait_again(requeued)
         count_up(Counter(batch_id for _, batch_id, _ in rows), alias)
     wakes.wake_all(alias)
     return len(rows)

@@ -37,6 +37,7 @@ from django_federation_delivery.models import (
     Delivery,
     DeliveryHistory,
     Host,
+    Retracts,
     Status,
 )
 
@@ -444,8 +445,50 @@ class Statements:
         released = [(id, retracts) for id, after, retracts in rows if after is None]
         retracting = [id for id, retracts in released if retracts]
         if retracting:
-            self.run("wait_again", ids=self.ids(retracting))
+            self.wait_again(retracting)
         return [id for id, _ in released]
+
+    def wait_again(self, ids: Iterable[int]) -> int:
+        """Make those of ``ids`` that are a retraction's deliveries, still
+        pending and waiting on nothing, wait on the last delivery still
+        pending to their inbox of what their batch retracts, if any
+        (``wait_again``). Returns how many now wait.
+
+        SQLite looks each up in the statement (``next_retracted``).
+        PostgreSQL reads them first, as a retraction's first wait is read
+        (``attempted_before``): its sender's earlier batches about what it
+        retracts, then, given as lists, their last delivery still pending
+        to each inbox, by the index on (batch, inbox) whatever the
+        statistics say."""
+        if not self.postgresql:
+            return self.run("wait_again", ids=self.ids(ids))
+        waiting: dict[tuple[int, str, str, str], list[tuple[int, str]]] = {}
+        for id, inbox, batch, sender, retracts, about in self.all(
+            "retractions_waiting", ids=self.ids(ids)
+        ):
+            waiting.setdefault((batch, sender, retracts, about), []).append((id, inbox))
+        mine: list[int] = []
+        lasts: list[int] = []
+        for (batch, sender, retracts, about), rows in waiting.items():
+            name = "batches_about" if retracts == Retracts.OBJECT else "batches_of_activity"
+            earlier = [id for id, _ in self.all(name, about=about, sender=sender, batch=batch)]
+            earlier = [id for id in earlier if id < batch]
+            if not earlier:
+                continue
+            last = dict(
+                self.all(
+                    "attempted_before",
+                    batches=self.ids(earlier),
+                    inboxes=[inbox for _, inbox in rows],
+                )
+            )
+            for id, inbox in rows:
+                if inbox in last:
+                    mine.append(id)
+                    lasts.append(last[inbox])
+        if not mine:
+            return 0
+        return self.run("wait_again", ids=self.ids(mine), lasts=self.ids(lasts))
 
     def settle(
         self,
@@ -486,7 +529,7 @@ class Statements:
                 leaving=self.ids(sorted(set(final.values()))),
             )
             if retracting:
-                self.run("wait_again", ids=self.ids(retracting))
+                self.wait_again(retracting)
             return Settled(set(written), list(finished), count)
         self.lock_for_writing()
         written = set(self.json("settle_written", rows=given))
