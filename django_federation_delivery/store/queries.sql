@@ -305,12 +305,24 @@ WHERE activity_id = %(about)s AND activity_id > '' AND sender = %(sender)s
     AND finished_at IS NULL AND id <> %(batch)s
 ORDER BY id
 
+-- name: among_inboxes [postgresql]
+-- The row's inbox is one of %(inboxes)s (a retraction's: thousands), as
+-- a hashed subplan: the list hashed once a statement, a lookup a row read,
+-- however the statement is planned. "= ANY" of a prepared statement's
+-- array is hashed only in a plan made for the values bound: a generic
+-- plan compares each row with each inbox (a Delete to 10,000 inboxes:
+-- 2.3 s, 0.4 s planned each time). Written as NOT ... NOT IN, a sublink
+-- the planner keeps as a subplan: as "IN" it is made a join, and with
+-- statistics of many small batches, a batch's each row was compared with
+-- each inbox all the same. The inboxes are never NULL.
+NOT (inbox NOT IN (SELECT unnest(%(inboxes)s::varchar[])))
+
 -- name: retracted_pending_at [postgresql]
 -- Which of the inboxes %(inboxes)s a delivery of %(batches)s is still
 -- pending at, attempted or not.
 SELECT DISTINCT inbox FROM {delivery}
 WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
-    AND inbox = ANY(%(inboxes)s::varchar[])
+    AND {among_inboxes}
 
 -- name: retracted_pending_at [sqlite]
 SELECT DISTINCT inbox FROM {delivery}
@@ -335,7 +347,7 @@ SELECT id FROM {delivery}
 WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
     AND last_attempt_at IS NULL
     AND (lease_token IS NULL OR due_at <= %(now)s)
-    AND inbox = ANY(%(inboxes)s::varchar[])
+    AND {among_inboxes}
 ORDER BY id FOR UPDATE
 
 -- name: supersede [postgresql]
@@ -353,7 +365,7 @@ UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL
 WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
     AND last_attempt_at IS NULL
     AND (lease_token IS NULL OR due_at <= %(now)s)
-    AND inbox = ANY(%(inboxes)s::varchar[])
+    AND {among_inboxes}
 RETURNING id, batch_id, inbox
 
 -- name: supersede [sqlite]
@@ -413,7 +425,7 @@ WHERE d.last_attempt_at IS NULL AND d.settled_at IS NULL
 -- by a claim): what it waits on.
 SELECT inbox, max(id) AS last FROM {delivery}
 WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
-    AND inbox = ANY(%(inboxes)s::varchar[])
+    AND {among_inboxes}
 GROUP BY inbox
 
 -- name: attempted_before [sqlite]
