@@ -392,6 +392,37 @@ WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS N
     AND inbox IN (SELECT value FROM json_each(%(inboxes)s))
 RETURNING id, batch_id, inbox
 
+-- name: retractions_since [postgresql]
+-- For each of the batches %(batches)s, the later batches of its sender
+-- that take it back: a Delete of its object, an Undo of it (found by the
+-- partial index on object_id, its condition written out).
+{retractions_since_of}
+WHERE b.id = ANY(%(batches)s::bigint[])
+
+-- name: retractions_since [sqlite]
+{retractions_since_of}
+WHERE b.id IN (SELECT value FROM json_each(%(batches)s))
+
+-- name: retractions_since_of
+SELECT b.id, rb.id FROM {batch} AS b
+JOIN {batch} AS rb ON rb.sender = b.sender AND rb.id > b.id AND rb.object_id > '' AND (
+    (rb.retracts = 'object' AND rb.object_id = b.object_id AND b.object_id > '')
+    OR (rb.retracts = 'activity' AND rb.object_id = b.activity_id AND b.activity_id > ''))
+
+-- name: sent_at [postgresql]
+-- Which of the inboxes %(inboxes)s each of the batches %(batches)s has a
+-- delivery to that was not superseded: sent, or to be (one superseded
+-- was never sent, and takes nothing back).
+SELECT batch_id, inbox FROM {delivery}
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND {among_inboxes}
+    AND status <> %(superseded)s
+
+-- name: sent_at [sqlite]
+SELECT batch_id, inbox FROM {delivery}
+WHERE batch_id IN (SELECT value FROM json_each(%(batches)s))
+    AND inbox IN (SELECT value FROM json_each(%(inboxes)s))
+    AND status <> %(superseded)s
+
 -- name: retracted_held_rows
 -- Of the deliveries held back without a request by a deliverer that had
 -- claimed them, those never attempted that a retraction sent since (a

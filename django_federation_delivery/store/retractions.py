@@ -229,6 +229,40 @@ def pending_at(
     return {inbox for (inbox,) in rows}
 
 
+def retracted_since(rows: Sequence[tuple[int, int, str]], *, using: str | None = None) -> set[int]:
+    """Of ``rows`` (each a delivery's id, batch and inbox), those to whose
+    inbox a later retraction of their batch's sender was sent, or is to
+    be: a Delete of its object, an Undo of it, not itself superseded
+    there. Sent again, a deleted post's ``Create`` would land after its
+    ``Delete``. Read as lists, two statements however many rows: looked
+    up a row at a time, statistics of many small batches had each row
+    read the retraction's whole batch."""
+    if not rows:
+        return set()
+    connection = connection_for(using or database_alias())
+    with sql.on(connection) as db:
+        later: dict[int, list[int]] = {}
+        batches = sorted({batch for _, batch, _ in rows})
+        for batch, retraction in db.all("retractions_since", batches=db.ids(batches)):
+            later.setdefault(batch, []).append(retraction)
+        if not later:
+            return set()
+        inboxes = sorted({inbox for _, batch, inbox in rows if batch in later})
+        sent = set(
+            db.all(
+                "sent_at",
+                batches=db.ids(sorted({id for ids in later.values() for id in ids})),
+                inboxes=inboxes if db.postgresql else json.dumps(inboxes),
+                superseded=str(Status.SUPERSEDED),
+            )
+        )
+    return {
+        id
+        for id, batch, inbox in rows
+        if any((retraction, inbox) in sent for retraction in later.get(batch, ()))
+    }
+
+
 def wait_on_retracted(batch_ids: Sequence[int], *, using: str | None = None) -> int:
     """In the caller's transaction, make the new deliveries of ``batch_ids``
     (retractions queued again, not sent: a replay's copies, which overtake

@@ -578,16 +578,19 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
         write_first(alias)  # SQLite locks no row a read selects for update
         # Before the rows, as a send takes them before it writes its own.
         lock_sequences_of(ids, alias)
-        rows = list(
+        found = list(
             manager.select_for_update()
             .filter(id__in=list(ids), status__in=list(FINAL - {Status.DELIVERED}))
-            .exclude(Exists(_retracting(Retracts.OBJECT, "object_id")))
-            .exclude(Exists(_retracting(Retracts.ACTIVITY, "activity_id")))
             .exclude(Exists(_overdue(now, alias)))
             # Locked lowest first, as every other writer of many rows locks them.
             .order_by("id")
-            .values_list("id", "batch_id", "host")
+            .values_list("id", "batch_id", "host", "inbox")
         )
+        # Not one a later retraction of its sender was sent to its inbox.
+        retracted = retractions.retracted_since(
+            [(id, batch_id, inbox) for id, batch_id, _, inbox in found], using=alias
+        )
+        rows = [(id, batch_id, host) for id, batch_id, host, _ in found if id not in retracted]
         requeued = [id for id, _, _ in rows]
         if requeued:
             # Their paused hosts locked, as a resume locks them: one resuming
@@ -610,19 +613,3 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
 def _overdue(now: dt.datetime, alias: str) -> QuerySet[Batch]:
     """The outer delivery's batch, if its deadline has passed by ``now``."""
     return Batch.objects.filter(pk=OuterRef("batch_id"), deadline__lte=orm_datetime(now, alias))
-
-
-def _retracting(retracts: Retracts, about: str) -> QuerySet[Delivery]:
-    """The deliveries, to the outer delivery's inbox, of a later retraction
-    by its batch's sender of what the batch is ``about`` (its object, or
-    itself): found by the partial index on the retraction's ``object_id``.
-    Not one itself superseded there, never sent: undone (an ``Undo`` of
-    the ``Undo``), it takes nothing back."""
-    return Delivery.objects.filter(
-        inbox=OuterRef("inbox"),
-        batch__retracts=retracts,
-        batch__object_id=OuterRef(f"batch__{about}"),
-        batch__object_id__gt="",
-        batch__sender=OuterRef("batch__sender"),
-        batch_id__gt=OuterRef("batch_id"),
-    ).exclude(status=Status.SUPERSEDED)
