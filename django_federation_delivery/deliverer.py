@@ -462,8 +462,12 @@ class Deliverer:
             timer.start()
         # On SQLite, this thread's claims and settles take the write lock as it frees.
         remove_prompt_lock = writelock.install(self.using)
+        failed = False
         try:
             yield
+        except BaseException:
+            failed = True
+            raise
         finally:
             # What is written from here on is tried once, and on SQLite waits
             # a second at most for the write lock: nothing comes after to be
@@ -473,9 +477,13 @@ class Deliverer:
             if timer is not None:
                 timer.cancel()
             self.summary.stopped = time.monotonic()
+            if failed:
+                self._leave_on_error(self.handoff.release_ready)
             # Stopping with the database away past the grace, what is in
             # flight is left to its lease: its outcome would not be written.
             self.workers.stop(wait=not (self.slots.in_flight and self._waited_enough()))
+            if failed:
+                self._leave_on_error(self.handoff.collect, self._write)
             # The probe under way, until it is done; none after it.
             self.upkeep.finish(self.transport_settings.attempt_timeout + 1)
             self._db(self.hoststats.write, now=timezone.now(), using=self.using)
@@ -489,6 +497,18 @@ class Deliverer:
             connections.close_all()
             remove_prompt_lock()
             self._end_waits_by(None)
+
+    def _leave_on_error(self, *steps: Callable[[], None]) -> None:
+        """The loop left on an error of its own (a fault of no one delivery's
+        way): the stop's ``steps`` taken all the same, each tried once, so
+        that what was claimed and not sent is put back, and what was answered
+        written, not left to the lease (and then sent again). One that fails
+        too is logged: the loop's error is the one raised."""
+        for step in steps:
+            try:
+                step()
+            except Exception:
+                logger.exception("Leaving the loop on an error, %s failed too", step.__name__)
 
     def _end_waits_by(self, at: float | None) -> None:
         """Stopping: wait for the database no later than ``at`` (a

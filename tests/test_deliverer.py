@@ -696,6 +696,37 @@ def test_a_delivery_whose_way_through_the_loop_raises_is_a_passing_failure_the_l
     assert "SECRET" not in caplog.text, "the type, never the message"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_loop_that_fails_writes_what_was_answered_before_it_raises(
+    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fault of the loop itself, not of one delivery's way (a bug, an
+    # error no turn expects), ends run() with it. What was answered and
+    # waited in the outbox to be written was left to its lease, and sent
+    # again once the lease ran out.
+    deliverer = Deliverer(concurrency=1)
+    dispatch = deliverer.handoff.dispatch
+
+    def fault() -> None:
+        if deliverer.outbox:
+            raise RuntimeError("a fault of the loop")
+        dispatch()
+
+    monkeypatch.setattr(deliverer.handoff, "dispatch", fault)
+    batch = send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(4)])
+    with pytest.raises(RuntimeError, match="a fault of the loop"):
+        deliverer.run(drain=True)
+    # What was answered (in flight as it failed too), written; what was
+    # claimed and not sent, put back due now, not left to its lease.
+    received = inbox.paths()
+    assert received
+    for delivery in Delivery.objects.filter(batch=batch):
+        if delivery.inbox.removeprefix(inbox.url("")) in received:
+            assert delivery.status == Status.DELIVERED, delivery.inbox
+        else:
+            assert (delivery.status, delivery.lease_token) == (Status.PENDING, None)
+
+
 class InFlight:
     """A server's answer that counts the requests it is answering at once,
     and the most it ever was; ``wait`` is what answering takes."""
