@@ -17,13 +17,14 @@ reads those it finishes first on SQLite.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
 import sqlite3
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any, NamedTuple
 
@@ -64,7 +65,7 @@ VENDORS = ("postgresql", "sqlite")
 
 _BLOCK = re.compile(r"^-- name: (\w+)(?: \[(\w+)\])?\s*$")
 _FILLED = re.compile(r"\{(\w+)\}")
-_PARAMETER = re.compile(r"%\((\*{0,2}\w+)\)([sd])")
+_PARAMETER = re.compile(r"%\(((?:\*{1,2}|~)?\w+)\)([sd])")
 #: Where a statement's rows go, until their number is known.
 _ROWS = "\0rows\0"
 
@@ -88,6 +89,9 @@ class Statement:
     names: frozenset[str]
     #: The one that is rows of parameters, if any.
     rows: str | None = None
+    #: Whether it is planned for the values bound at each run, never
+    #: prepared (a ``%(~name)s`` parameter: a list of any length).
+    each_run: bool = False
     #: The text and SQLite's for a number and length of rows.
     _shaped: dict[tuple[int, int], tuple[str, str]] = dataclasses.field(
         default_factory=dict, compare=False, repr=False
@@ -212,6 +216,7 @@ def _compile(vendor: str) -> dict[str, Statement]:
         spread: set[str] = set()
         literal: list[str] = []
         rows: list[str] = []
+        each_run: list[str] = []
 
         def placeholder(found: re.Match[str]) -> str:
             parameter, kind = found[1], found[2]
@@ -224,7 +229,10 @@ def _compile(vendor: str) -> dict[str, Statement]:
                 spread.add(parameter)  # noqa: B023
                 order.append(parameter)  # noqa: B023
                 return _ROWS
-            if parameter.startswith("*"):
+            if parameter.startswith("~"):
+                parameter = parameter[1:]
+                each_run.append(parameter)  # noqa: B023
+            elif parameter.startswith("*"):
                 parameter = parameter[1:]
                 spread.add(parameter)  # noqa: B023
                 order.append(parameter)  # noqa: B023
@@ -246,6 +254,7 @@ def _compile(vendor: str) -> dict[str, Statement]:
             tuple(literal),
             frozenset(order) | frozenset(literal),
             rows[0] if rows else None,
+            bool(each_run),
         )
     return compiled
 
@@ -344,7 +353,13 @@ class Statements:
             if self.connection.needs_rollback:
                 self.connection.validate_no_broken_transaction()
             with self.connection.wrap_database_errors:
-                self._cursor.execute(text if self.postgresql else qmark, statement.bind(given))
+                if self.postgresql and statement.each_run:
+                    self._cursor.execute(text, statement.bind(given), prepare=False)
+                else:
+                    self._cursor.execute(text if self.postgresql else qmark, statement.bind(given))
+        elif self.postgresql and statement.each_run:
+            with _unprepared(self.connection):
+                self._cursor.execute(text, statement.bind(given))
         else:
             self._cursor.execute(text, statement.bind(given))
         return self._cursor
@@ -578,6 +593,23 @@ def _is_psycopg3(connection: Any) -> bool:
     from django.db.backends.postgresql import base
 
     return bool(getattr(base, "is_psycopg3", False))
+
+
+@contextlib.contextmanager
+def _unprepared(connection: Any) -> Iterator[None]:
+    """What Django's cursor runs inside is not prepared by psycopg 3, whatever
+    the connection's ``prepare_threshold``: planned each time for the values
+    bound. (psycopg 2 prepares nothing.)"""
+    raw = connection.connection
+    if getattr(raw, "prepare_threshold", None) is None:
+        yield
+        return
+    threshold = raw.prepare_threshold
+    raw.prepare_threshold = None
+    try:
+        yield
+    finally:
+        raw.prepare_threshold = threshold
 
 
 def _server_cursor(raw: Any) -> Any:
