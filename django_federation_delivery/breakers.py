@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
+from django.db import connections, transaction
 from django.db.models import F, Q
 from django.utils.translation import gettext as _
 
@@ -34,6 +34,7 @@ from django_federation_delivery.conf import SETTING, app_settings, database_alia
 from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Breaker
 from django_federation_delivery.store.breakers import count_failures
+from django_federation_delivery.store.locks import in_name_order
 from django_federation_delivery.store.queueing import CHUNK
 
 #: The longest key a breaker's row holds.
@@ -193,10 +194,17 @@ def record_successes(keys: Iterable[str], *, using: str | None = None) -> None:
     """A success while closed starts the count again; one sent before the
     breaker opened does not close it, as only a probe does."""
     keys = list(keys)
-    if keys:
-        Breaker.objects.using(using or database_alias()).filter(
-            key__in=keys, open_until__isnull=True
-        ).delete()
+    if not keys:
+        return
+    alias = using or database_alias()
+    closed = Breaker.objects.using(alias).filter(key__in=keys, open_until__isnull=True)
+    with transaction.atomic(using=alias):
+        if connections[alias].vendor == "postgresql":
+            # Locked in key order first, as count_failures upserts them: a
+            # DELETE alone locks them in the order its plan reads them, and
+            # two deliverers' flushes crossed (a deadlock, one ended).
+            list(closed.select_for_update().order_by(in_name_order(alias, "key")).values("key"))
+        closed.delete()
 
 
 def take_probe(key: str, *, cool_off: float, using: str | None = None) -> str | None:

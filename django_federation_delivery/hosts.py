@@ -209,9 +209,11 @@ def remember_schemes(schemes: dict[str, str], *, using: str | None = None) -> in
     if not schemes:
         return 0
     Host.objects.using(using or database_alias()).bulk_create(
+        # Upserted in name order, as every writer of many hosts locks them
+        # (store.locks.in_name_order): a deliverer's record_hosts, a pause.
         [
             Host(name=name, scheme=scheme, updated_at=timezone.now())
-            for name, scheme in schemes.items()
+            for name, scheme in sorted(schemes.items())
         ],
         update_conflicts=True,
         unique_fields=["name"],

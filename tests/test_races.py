@@ -4,12 +4,15 @@ SQLite has one writer, and there these statements never overlap."""
 from __future__ import annotations
 
 import datetime as dt
+import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.db import OperationalError, connection, connections, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -627,3 +630,157 @@ def test_a_delete_in_its_key_while_an_operator_gives_up_what_it_supersedes_never
     sender.join(20)
     assert sender.error is None, f"the Delete's send failed: {sender.error!r}"
     assert operator.error is None, operator.error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deliverer_remembering_schemes_while_another_writes_its_hosts_never_deadlocks() -> None:
+    """Two deliverers: one writes what it learnt of the schemes hosts accept
+    (``KnownSchemes.write``, after each outbox flush) in the order it learnt
+    them, the other what it saw of the same hosts (``record_hosts``, every
+    10 s) in name order. PostgreSQL ends one with ``deadlock detected``: the
+    deliverer logs "The database is unavailable" and drops its connection."""
+    postgresql_only()
+    record("a.example", "z.example")
+    crossed(
+        Host.objects.filter(name="z.example"),
+        lambda: hosts.remember_schemes(
+            {"z.example": "rfc9421", "a.example": "rfc9421"}, using="default"
+        ),
+        lambda: record("a.example", "z.example"),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deliverer_closing_breakers_while_another_counts_their_failures_never_deadlocks() -> None:
+    """Two deliverers flush their breakers at once: one saw the hosts answer
+    (``record_successes``: one DELETE, its rows locked in the order its plan
+    reads them, the table's for a small table), the other saw them fail
+    (``count_failures``: upserts in key order, in one transaction).
+    PostgreSQL ends one with ``deadlock detected``: that deliverer logs
+    "The database is unavailable" and waits."""
+    postgresql_only()
+    from django_federation_delivery.breakers import record_successes
+    from django_federation_delivery.models import Breaker
+    from django_federation_delivery.store.breakers import count_failures
+
+    for key in ("z.example", "m.example", "a.example"):  # in the table: z, m, a
+        Breaker.objects.create(key=key, failures=1)
+    crossed(
+        Breaker.objects.filter(key="m.example"),
+        lambda: count_failures(
+            Counter({"a.example": 1, "m.example": 1, "z.example": 1}),
+            threshold=100,
+            cool_off=60,
+            using="default",
+        ),
+        lambda: record_successes(["a.example", "m.example", "z.example"], using="default"),
+    )
+
+
+@pytest.fixture
+def en_us_database(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A second database, made as the official PostgreSQL image makes one
+    in an en_US locale (ICU's en-US here): its default collation orders a
+    host with a port before its neighbour (``a.example:8443`` before
+    ``a.example.net``), where Python's sorted() and ``COLLATE "C"`` put the
+    neighbour first. Its alias is yielded."""
+    postgresql_only()
+    name = f"fd_en_us_{os.getpid()}"
+    with connection.cursor() as cursor:
+        cursor.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        cursor.execute(
+            f'CREATE DATABASE "{name}" TEMPLATE template0 '
+            "LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C'"
+        )
+    alias = "en_us"
+    # Django's test case refuses a connection to an alias it was not given
+    # (this one is made here, after it started): its own ensure_connection.
+    from django.db.backends.base.base import BaseDatabaseWrapper
+
+    patched = BaseDatabaseWrapper.ensure_connection
+    cells = dict(zip(patched.__code__.co_freevars, patched.__closure__ or (), strict=False))
+    if "real_ensure_connection" in cells:
+        monkeypatch.setattr(
+            BaseDatabaseWrapper, "ensure_connection", cells["real_ensure_connection"].cell_contents
+        )
+    connections.settings[alias] = {
+        **connections.settings["default"],
+        "NAME": name,
+        "TEST": {**connections.settings["default"]["TEST"], "NAME": name},
+    }
+    try:
+        call_command("migrate", database=alias, verbosity=0)
+        connections[alias].close()
+        yield alias
+    finally:
+        connections[alias].close()
+        del connections.settings[alias]
+        with connection.cursor() as cursor:
+            cursor.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _waiting_on_locks(alias: str) -> int:
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deliverer_writing_hosts_while_an_operator_pauses_them_never_deadlocks_in_en_us(
+    en_us_database: str,
+) -> None:
+    """On a database made in an en_US locale (the official Docker image's),
+    a deliverer's ``record_hosts`` (every 10 s) upserts its hosts ``ORDER BY
+    value->>0``, in the database's collation: ``a.example:8443`` before
+    ``a.example.net``. An operator's pause of the same hosts upserts them
+    in Python's sorted() order, the other way round. PostgreSQL ends one
+    with ``deadlock detected``: the admin's pause is a 500, or the deliverer
+    logs "The database is unavailable"."""
+    alias = en_us_database
+    ported, neighbour = "a.example:8443", "a.example.net"
+    now = timezone.now()
+
+    def record() -> None:
+        record_hosts(
+            [
+                SeenHost(name, now, now, "", None, 12.0, 30.0, None, None)
+                for name in (ported, neighbour)
+            ],
+            now=now,
+            using=alias,
+        )
+        connections[alias].close()
+
+    def pause() -> None:
+        hosts.pause_hosts([ported, neighbour], using=alias)
+        connections[alias].close()
+
+    record()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with transaction.atomic(using=alias):
+            list(Host.objects.using(alias).select_for_update().filter(name=ported))
+            holding.set()
+            release.wait(20)
+        connections[alias].close()
+
+    blocker = Side(hold)
+    blocker.start()
+    assert holding.wait(10)
+    sides = [Side(record), Side(pause)]
+    try:
+        for waiting, side in enumerate(sides, 1):
+            side.start()
+            wait_until(lambda waiting=waiting: _waiting_on_locks(alias) == waiting, timeout=10)
+        time.sleep(1.2)  # past deadlock_timeout
+    finally:
+        release.set()
+        for side in (blocker, *sides):
+            side.join(20)
+        connections[alias].close()
+    errors = [side.error for side in sides]
+    assert errors == [None, None], errors

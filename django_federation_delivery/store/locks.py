@@ -62,16 +62,17 @@ def lock_hosts(names: Iterable[str], using: str, *, paused: bool = False) -> Non
     list(rows.order_by(in_name_order(using)).values_list("name", flat=True))
 
 
-def in_name_order(using: str) -> F | Collate:
-    """The order every writer of many hosts locks them in: the names'
-    code points, as Python's ``sorted()`` orders them (a deliverer's
-    ``record_hosts``, a pause's upsert), whatever the database's collation
+def in_name_order(using: str, field: str = "name") -> F | Collate:
+    """The order every writer of many hosts locks them in (or of many rows
+    keyed by text, ``field``: breakers): the names' code points, as
+    Python's ``sorted()`` orders them (a deliverer's ``record_hosts``, a
+    pause's upsert), whatever the database's collation
     (en_US puts ``a.example:8443`` before ``a.example.net``, where the code
     points put it after: two orders, a deadlock). SQLite compares text by
     its bytes, in that order already."""
     if connections[using].vendor == "postgresql":
-        return Collate("name", "C")
-    return F("name")
+        return Collate(field, "C")
+    return F(field)
 
 
 def in_id_order(rows: QuerySet[M]) -> QuerySet[M]:

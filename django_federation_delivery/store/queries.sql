@@ -1061,14 +1061,16 @@ breakers_opened = {history}.breakers_opened + excluded.breakers_opened
 -- later success, error or rest is never undone: each time is the later of
 -- the two (the first sighting, the earlier), and a value not seen is left
 -- as it was.
--- In name order: two deliverers writing the same hosts never deadlock.
+-- In name order, the names' code points (COLLATE "C"), as every writer of
+-- many hosts locks them: in the database's collation (en_US) a pause and a
+-- deliverer crossed, and one was ended (a deadlock).
 INSERT INTO {host} (name, scheme, disabled_reason, updated_at, first_seen_at,
     last_delivered_at, last_error, last_error_at, answer_p50_ms, answer_p95_ms,
     concurrency_limit, resting_until)
 SELECT value->>0, '', '', (value->>1)::timestamptz, (value->>9)::timestamptz,
     (value->>2)::timestamptz, COALESCE(value->>3, ''), (value->>4)::timestamptz,
     (value->>5)::float8, (value->>6)::float8, (value->>7)::integer, (value->>8)::timestamptz
-FROM jsonb_array_elements(%(rows)s::jsonb) ORDER BY value->>0
+FROM jsonb_array_elements(%(rows)s::jsonb) ORDER BY (value->>0) COLLATE "C"
 ON CONFLICT (name) DO UPDATE SET {hosts_recorded}
 
 -- name: record_hosts [sqlite]
