@@ -305,9 +305,14 @@ class Delivery(models.Model):
             ),
             # The last pending delivery of a sequence, which a new one waits on:
             # its highest id, read from the index however long the backlog.
+            # Pending as "settled_at IS NULL" says it, not the status: the
+            # statements that read it then cannot be planned through the due
+            # index instead, every pending row read and sorted, which
+            # statistics of a queue long settled (few pending rows) chose
+            # (an ordered fan-out of 10,000 behind another: 15 s).
             models.Index(
                 fields=["sequence", "id"],
-                condition=Q(status="pending") & ~Q(sequence=""),
+                condition=Q(settled_at__isnull=True) & ~Q(sequence=""),
                 name="fd_delivery_sequence",
             ),
             # A webhook destination's pending events (its queue, its status):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection, connections
+from django.db import OperationalError, connection, connections, transaction
 from django.db.backends.signals import connection_created
 from django.dispatch import receiver
 
@@ -719,6 +719,36 @@ def statements_run() -> Iterator[list[tuple[str, Any]]]:
 
     with connection.execute_wrapper(capture):
         yield executed
+
+
+class Undone(Exception):
+    """Raised to roll back what was run only to be looked at."""
+
+
+@contextlib.contextmanager
+def statements_of_undone() -> Iterator[list[tuple[str, Any]]]:
+    """The statements run inside, as :func:`statements_run` has them, and
+    all they did rolled back after."""
+    with contextlib.suppress(Undone), transaction.atomic(), statements_run() as executed:
+        yield executed
+        raise Undone
+
+
+def run_explained(executed: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """PostgreSQL: ``executed`` run again in turn, each read or write under
+    EXPLAIN ANALYZE (the plan it gets in the state the ones before it left,
+    and how often each of its nodes ran), then rolled back: each one's text
+    and plan."""
+    plans = []
+    with contextlib.suppress(Undone), transaction.atomic(), connection.cursor() as cursor:
+        for text, params in executed:
+            if text.lstrip().upper().startswith(("SELECT", "UPDATE", "WITH", "INSERT", "DELETE")):
+                cursor.execute("EXPLAIN ANALYZE " + text, params)
+                plans.append((text, "\n".join(line for (line,) in cursor.fetchall())))
+            else:
+                cursor.execute(text, params)
+        raise Undone
+    return plans
 
 
 def reads_by_primary_key(plan: str, table: str) -> bool:

@@ -4,7 +4,6 @@ is itself sent after any that were."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import re
 import threading
@@ -954,7 +953,7 @@ def test_a_requeue_finds_later_retractions_by_batch_and_inbox_whatever_the_stati
     # statistics of many small batches: each row read the Delete's whole
     # batch (2,000 rows requeued from a post to 10,000 inboxes: 2.0 s, 0.2 s
     # as lists).
-    from .conftest import statements_run
+    from .conftest import run_explained, statements_of_undone
 
     if connection.vendor != "postgresql":
         pytest.skip("PostgreSQL's planner")
@@ -965,21 +964,10 @@ def test_a_requeue_finds_later_retractions_by_batch_and_inbox_whatever_the_stati
     failed = Delivery.objects.filter(batch=first, inbox__in=urls[:2000])
     assert controls.give_up(failed) == 2000
     assert send(ALICE, delete(), urls[1000:]) is not None
-    with contextlib.suppress(Undone), transaction.atomic(), statements_run() as executed:
+    with statements_of_undone() as executed:
         assert controls.requeue(failed) == 1000
-        raise Undone
-    # Each statement run again in turn, its work counted: no read by a
-    # batch runs once a row.
-    plans = []
-    with contextlib.suppress(Undone), transaction.atomic(), connection.cursor() as cursor:
-        for text, params in executed:
-            if text.lstrip().upper().startswith(("SELECT", "UPDATE", "WITH")):
-                cursor.execute("EXPLAIN ANALYZE " + text, params)
-                plans.append("\n".join(line for (line,) in cursor.fetchall()))
-            else:
-                cursor.execute(text, params)
-        raise Undone
-    for plan in plans:
+    # No read by a batch runs once a row.
+    for _, plan in run_explained(executed):
         by_batch = [line for line in plan.splitlines() if "fd_delivery_batch_status" in line]
         assert all(re.search(r"loops=1\)", line) for line in by_batch), plan
     assert controls.requeue(failed) == 1000
@@ -1154,10 +1142,6 @@ def test_a_deleted_posts_create_to_ten_thousand_inboxes_reaches_none_untried(
         pytest.skip("10,000 inboxes run on PostgreSQL; 200 on either database")
     # Signed with Ed25519: 12,000 RSA signatures would take most of its time.
     _overtake(inboxes, servers=20, each=500, sender=EDNA)
-
-
-class Undone(Exception):
-    """Raised to roll a statement run for its plan back."""
 
 
 def statistics_of_a_server() -> None:

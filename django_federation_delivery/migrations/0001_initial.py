@@ -532,7 +532,8 @@ class Migration(migrations.Migration):
                     ),
                     models.Index(
                         condition=models.Q(
-                            ("status", "pending"), models.Q(("sequence", ""), _negated=True)
+                            ("settled_at__isnull", True),
+                            models.Q(("sequence", ""), _negated=True),
                         ),
                         fields=["sequence", "id"],
                         name="fd_delivery_sequence",

@@ -629,7 +629,7 @@ FROM unnest(%(keys)s::bigint[], %(shared)s::boolean[]) AS k(key, shared)
 -- of the sequence was read: 27 ms at 50,000 pending.)
 SELECT s.sequence, (
     SELECT d.id FROM {delivery} AS d
-    WHERE d.sequence = s.sequence AND d.status = {pending} AND d.sequence <> ''
+    WHERE d.sequence = s.sequence AND d.settled_at IS NULL AND d.sequence <> ''
         AND d.batch_id <> %(batch)s
     ORDER BY d.id DESC LIMIT 1
 ) FROM unnest(%(sequences)s::varchar[]) AS s(sequence)
@@ -639,7 +639,7 @@ SELECT s.sequence, (
 -- a partial index only for a query that says each of its terms.
 SELECT s.value, (
     SELECT d.id FROM {delivery} AS d
-    WHERE d.sequence = s.value AND d.status = {pending} AND NOT (d.sequence = '')
+    WHERE d.sequence = s.value AND d.settled_at IS NULL AND NOT (d.sequence = '')
         AND d.batch_id <> %(batch)s
     ORDER BY d.id DESC LIMIT 1
 ) FROM json_each(%(sequences)s) AS s
@@ -925,7 +925,7 @@ WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND NOT (sequence = '')
 SELECT id FROM {delivery}
 WHERE id = ANY(ARRAY(
     SELECT (SELECT d.id FROM {delivery} AS d
-        WHERE d.sequence = r.sequence AND d.status = {pending} AND d.sequence <> ''
+        WHERE d.sequence = r.sequence AND d.settled_at IS NULL AND d.sequence <> ''
             AND d.id > r.id
         ORDER BY d.id LIMIT 1)
     FROM {delivery} AS r WHERE r.id = ANY(%(ids)s::bigint[]) AND r.sequence <> ''
@@ -938,7 +938,7 @@ ORDER BY id FOR UPDATE
 SELECT n.id FROM {delivery} AS n
 WHERE n.id IN (
     SELECT (SELECT d.id FROM {delivery} AS d
-        WHERE d.sequence = r.sequence AND d.status = {pending} AND NOT (d.sequence = '')
+        WHERE d.sequence = r.sequence AND d.settled_at IS NULL AND NOT (d.sequence = '')
             AND d.id > r.id
         ORDER BY d.id LIMIT 1)
     FROM {delivery} AS r
@@ -951,13 +951,13 @@ WHERE n.id IN (
 -- For the row being written, the last pending delivery of its sequence
 -- queued before it; NULL if none.
 (SELECT d.id FROM {delivery} AS d
-    WHERE d.sequence = {delivery}.sequence AND d.status = {pending} AND d.sequence <> ''
+    WHERE d.sequence = {delivery}.sequence AND d.settled_at IS NULL AND d.sequence <> ''
         AND d.id < {delivery}.id
     ORDER BY d.id DESC LIMIT 1)
 
 -- name: before_in_sequence [sqlite]
 (SELECT d.id FROM {delivery} AS d
-    WHERE d.sequence = {delivery}.sequence AND d.status = {pending} AND NOT (d.sequence = '')
+    WHERE d.sequence = {delivery}.sequence AND d.settled_at IS NULL AND NOT (d.sequence = '')
         AND d.id < {delivery}.id
     ORDER BY d.id DESC LIMIT 1)
 
