@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F, Max, Q, Value
 from django.utils import timezone
 
 from django_federation_delivery import addresses, signals
@@ -354,13 +354,17 @@ def _probe_url(host: str, alias: str) -> str:
     or, a portable inbox's (an ``ap://`` name), of the gateway that stands
     for the host, its first (a plain http one on a port of its own is
     probed there, not guessed https); guessed when neither is kept."""
-    latest = (
-        Delivery.objects.using(alias)
-        .filter(host=host, kind=Kind.ACTIVITYPUB)
-        .order_by("-id")
-        .values_list("inbox", "via")
-        .first()
+    rows = Delivery.objects.using(alias)
+    # Its highest id read through the index on (host, status), a host's own
+    # rows: as "the first by id, descending", the primary key was walked back
+    # past every row sent since the host went away (0.12 s a probe at
+    # 200,000 of them, in the loop's thread). "+ 0" keeps the planner off it.
+    last = (
+        rows.filter(host=host, kind=Kind.ACTIVITYPUB)
+        .aggregate(last=Max(F("id") + Value(0)))
+        .get("last")
     )
+    latest = rows.filter(id=last).values_list("inbox", "via").first() if last else None
     if latest is not None:
         inbox, via = latest
         gateways = stored_gateways(via) or ()
