@@ -483,7 +483,7 @@ class Deliverer:
             # flight is left to its lease: its outcome would not be written.
             self.workers.stop(wait=not (self.slots.in_flight and self._waited_enough()))
             if failed:
-                self._leave_on_error(self.handoff.collect, self._write)
+                self._leave_on_error(self.handoff.collect, self._write, self._tell_untold)
             # The probe under way, until it is done; none after it.
             self.upkeep.finish(self.transport_settings.attempt_timeout + 1)
             self._db(self.hoststats.write, now=timezone.now(), using=self.using)
@@ -509,6 +509,11 @@ class Deliverer:
                 step()
             except Exception:
                 logger.exception("Leaving the loop on an error, %s failed too", step.__name__)
+
+    def _tell_untold(self) -> None:
+        """``batch_finished`` of the batches written finished and not yet told."""
+        if self._untold:
+            self._db(self._tell_finished)
 
     def _end_waits_by(self, at: float | None) -> None:
         """Stopping: wait for the database no later than ``at`` (a

@@ -78,10 +78,23 @@ class Outbox:
         settlements, self._waiting = self._waiting, []
         if not settlements:
             return False
-        if self._write(settlements):
+        try:
+            written = self._write(settlements)
+        except BaseException:
+            # Not the database away, which the write says by returning False,
+            # but an error of the loop's (an interrupt) as it wrote: kept, for
+            # the write the loop makes as it leaves (a settle whose claim no
+            # longer holds writes nothing, should this one have committed).
+            self._keep(settlements)
+            raise
+        if written:
             return True
+        self._keep(settlements)
+        return False
+
+    def _keep(self, settlements: list[Settlement]) -> None:
+        """Those of ``settlements`` whose lease still holds, waiting again."""
         now = self._wall_clock()
         for settlement in settlements:
             if settlement.claimed.leased_until > now:
                 self.add(settlement)
-        return False

@@ -696,15 +696,9 @@ def test_a_delivery_whose_way_through_the_loop_raises_is_a_passing_failure_the_l
     assert "SECRET" not in caplog.text, "the type, never the message"
 
 
-@pytest.mark.django_db(transaction=True)
-def test_a_loop_that_fails_writes_what_was_answered_before_it_raises(
-    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A fault of the loop itself, not of one delivery's way (a bug, an
-    # error no turn expects), ends run() with it. What was answered and
-    # waited in the outbox to be written was left to its lease, and sent
-    # again once the lease ran out.
-    deliverer = Deliverer(concurrency=1)
+def failing_once_answered(deliverer: Deliverer, monkeypatch: pytest.MonkeyPatch) -> Deliverer:
+    """``deliverer``, whose loop raises ``RuntimeError`` (a fault of its
+    own, of no one delivery's way) once an answer waits to be written."""
     dispatch = deliverer.handoff.dispatch
 
     def fault() -> None:
@@ -713,6 +707,18 @@ def test_a_loop_that_fails_writes_what_was_answered_before_it_raises(
         dispatch()
 
     monkeypatch.setattr(deliverer.handoff, "dispatch", fault)
+    return deliverer
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_loop_that_fails_writes_what_was_answered_before_it_raises(
+    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fault of the loop itself, not of one delivery's way (a bug, an
+    # error no turn expects), ends run() with it. What was answered and
+    # waited in the outbox to be written was left to its lease, and sent
+    # again once the lease ran out.
+    deliverer = failing_once_answered(Deliverer(concurrency=1), monkeypatch)
     batch = send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(4)])
     with pytest.raises(RuntimeError, match="a fault of the loop"):
         deliverer.run(drain=True)
@@ -725,6 +731,55 @@ def test_a_loop_that_fails_writes_what_was_answered_before_it_raises(
             assert delivery.status == Status.DELIVERED, delivery.inbox
         else:
             assert (delivery.status, delivery.lease_token) == (Status.PENDING, None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_loop_that_fails_tells_batch_finished_of_what_its_last_write_finished(
+    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its last write, as it left on its error, finished the batch: it was
+    # never told, and a receiver waiting for it never heard of it.
+    deliverer = failing_once_answered(Deliverer(concurrency=1), monkeypatch)
+    finished: list[int] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        finished.append(kwargs["batch"].id)
+
+    signals.batch_finished.connect(receiver, weak=False)
+    try:
+        batch = send(ALICE, NOTE, [inbox.url("/one")])
+        with pytest.raises(RuntimeError, match="a fault of the loop"):
+            deliverer.run(drain=True)
+    finally:
+        signals.batch_finished.disconnect(receiver)
+    assert status_of(batch) == [Status.DELIVERED]
+    assert batch is not None and finished == [batch.id]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_loop_interrupted_as_it_writes_writes_what_was_answered_before_it_raises(
+    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Interrupted in the outbox's write (Ctrl-C, an error of the loop's):
+    # the outbox had let go of what it was writing, and the write as the
+    # loop left found nothing; the answered delivery stayed claimed, and
+    # was sent again once its lease ran out.
+    real = settlements.settle
+    calls: list[int] = []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(settlements, "settle", interrupted)
+    batch = send(ALICE, NOTE, [inbox.url("/one")])
+    with pytest.raises(KeyboardInterrupt):
+        Deliverer(concurrency=1).run(drain=True)
+    assert inbox.paths() == ["/one"]
+    (delivery,) = Delivery.objects.filter(batch=batch)
+    assert (delivery.status, delivery.lease_token) == (Status.DELIVERED, None)
 
 
 class InFlight:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from io import StringIO
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -827,3 +828,40 @@ def test_a_410_its_kind_judges_delivered_stays_delivered(
     statuses = list(Delivery.objects.order_by("id").values_list("status", flat=True))
     assert statuses == [Status.DELIVERED, Status.DELIVERED], (statuses, len(receiver.received))
     assert len(receiver.received) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_readmes_third_retry_log_line_waits_what_the_default_schedule_waits(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The README's example of a webhook event's third failed try, as the
+    # deliverer logs it under the default WEBHOOK_RETRY (30 s, 2 min, 10 min,
+    # 30 min, ...): it once said 1800 s, the wait after the fourth.
+    text = (Path(__file__).resolve().parent.parent / "README.rst").read_text(encoding="utf-8")
+    documented = re.search(r"failed, attempt 3 of 9: (.*); tried again in ([\d.]+) s, at", text)
+    assert documented is not None
+    error, wait = documented.group(1), documented.group(2)
+
+    def down(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return 503, {}, b"upstream timeout"
+
+    receiver = inboxes("127.0.0.1", respond=down)
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": signed(receiver)},
+    }  # WEBHOOK_RETRY left at its default, as the README's example has it
+    caplog.set_level(logging.WARNING, logger="django_federation_delivery")
+    send_webhook("ops", "alert.raised", {"host": "db1"})
+    runner = start_deliverer()
+    for made in (1, 2, 3):
+        wait_until(lambda made=made: Delivery.objects.get().attempts >= made, timeout=30)
+        if made < 3:
+            # Bring the retry forward rather than wait the schedule out.
+            Delivery.objects.update(due_at=timezone.now())
+    wait_until(lambda: any("attempt 3 of 9" in r.getMessage() for r in caplog.records), timeout=10)
+    runner.stop()
+    (line,) = (r.getMessage() for r in caplog.records if "attempt 3 of 9" in r.getMessage())
+    assert f"attempt 3 of 9: {error}; tried again in {wait} s, at" in line, line
