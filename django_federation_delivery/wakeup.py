@@ -135,12 +135,19 @@ class PostgresListener:
 
     def _run(self) -> None:
         backoff = 0.5
+        # Said once when listening fails, once when it listens again: an
+        # outage's every try to reconnect is no line of its own (10 s apart
+        # at most: 360 an hour, burying the outage's one).
+        failing = False
         while not self._stop.is_set():
             conn = None
             try:
                 conn = self._connect()
                 self.listening = True
                 backoff = 0.5
+                if failing:
+                    failing = False
+                    logger.info("Listening for new deliveries again")
                 # Work queued while this was (re)connecting is not missed.
                 self.event.set()
                 logger.debug("Listening for new deliveries")
@@ -170,7 +177,15 @@ class PostgresListener:
                     # itself until this listens again.
                     self.listening = False
                     self.event.set()
-                logger.warning("Listening for new deliveries failed (%s); retrying", exc)
+                if failing:
+                    logger.debug("Listening for new deliveries failed again (%s)", exc)
+                else:
+                    failing = True
+                    logger.warning(
+                        "Listening for new deliveries failed (%s); looking for them without "
+                        "it, and trying to listen again",
+                        exc,
+                    )
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
             finally:

@@ -181,3 +181,34 @@ def test_a_requeue_a_resume_and_a_hand_back_wake_other_processes(
         assert not woken_by(lambda: settlements.settle([retry]))
     finally:
         listener.stop()
+
+
+def test_a_listener_that_cannot_connect_says_so_once_and_once_when_it_listens_again(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its every try to reconnect was a WARNING: an hour's outage, 360 lines
+    # burying the outage's one.
+    if not wakeup.PostgresListener.available():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's (with psycopg 3)")
+    real = wakeup.PostgresListener._connect
+    tries: list[int] = []
+
+    def away(self: wakeup.PostgresListener) -> object:
+        tries.append(1)
+        if len(tries) <= 3:
+            raise OperationalError("connection failed: the server is away")
+        return real(self)
+
+    monkeypatch.setattr(wakeup.PostgresListener, "_connect", away)
+    caplog.set_level(logging.DEBUG, logger="django_federation_delivery")
+    listener = wakeup.PostgresListener(threading.Event())
+    listener.start()
+    try:
+        wait_until(lambda: "Listening for new deliveries again" in caplog.messages, timeout=20)
+    finally:
+        listener.stop()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "Listening" in r.getMessage()]
+    warned = [message for level, message in said if level == "WARNING"]
+    assert len(tries) == 4 and len(warned) == 1, said
+    assert warned[0].startswith("Listening for new deliveries failed (connection failed:")
+    assert ("INFO", "Listening for new deliveries again") in said
