@@ -178,7 +178,9 @@ def _give_up(
     deadline: bool = False,
     unheld: bool = False,
 ) -> int:
-    pending = deliveries.using(alias).filter(status=Status.PENDING)
+    # Pending as settled_at says it: as the status, the rows were found
+    # through the due index, every pending row read (see queries.sql).
+    pending = deliveries.using(alias).filter(settled_at__isnull=True)
     ids = list(pending.values_list("id", flat=True))
     failed = 0
     for start in range(0, len(ids), CHUNK):

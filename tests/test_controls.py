@@ -649,3 +649,24 @@ def test_a_send_committing_while_a_requeue_in_its_sequence_commits_waits_on_it(
     two = Delivery.objects.get(batch=second)
     assert one.status == Status.PENDING and one.due_at is not None
     assert (two.after_id, two.due_at) == (one.id, None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_give_up_reads_its_rows_by_key_whatever_the_statistics() -> None:
+    # Pending said as the status, the rows given up were found through the
+    # due index under statistics of a queue long settled: every pending
+    # row read, twice. 10,000 of a backlog of 50,000 given up took 2.4 to
+    # 4.0 s (7 to 11 s prepared), 0.5 s by key.
+    from .conftest import run_explained, statements_of_undone
+    from .test_retractions import statistics_of_a_server
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's planner")
+    statistics_of_a_server()
+    urls = [f"https://h{n % 100}.example/u{n}/inbox" for n in range(20_000)]
+    batch = send(ALICE, {"type": "Note"}, urls)
+    first = Delivery.objects.filter(batch=batch).order_by("id").values_list("id", flat=True)[:10]
+    with statements_of_undone() as executed:
+        assert controls.give_up(Delivery.objects.filter(id__in=list(first))) == 10
+    for text, plan in run_explained(executed):
+        assert "fd_delivery_due" not in plan, f"{text}\n{plan}"

@@ -10,7 +10,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import controls, send_webhook
+from django_federation_delivery import controls, send, send_webhook
 from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.webhooks.status import MISCONFIGURED, destination_status
 
@@ -180,10 +180,12 @@ def test_three_queries_whatever_the_number_of_destinations(
         found = destination_status()
     assert len(found) == destinations
     assert all(d.pending == 3 and d.head is not None for d in found)
-    # Of deliveries, pending rows only: the live queue, never the whole table.
+    # Of deliveries, pending rows only (by their status, or settled_at as
+    # the statements say it): the live queue, never the whole table.
     for query in captured.captured_queries:
         if "federation_delivery_delivery" in query["sql"].partition(" WHERE ")[0]:
-            assert "'pending'" in query["sql"].partition(" WHERE ")[2], query["sql"]
+            where = query["sql"].partition(" WHERE ")[2]
+            assert "'pending'" in where or '"settled_at" IS NULL' in where, query["sql"]
 
 
 def test_as_many_queries_for_20_destinations_as_for_1(settings: Any) -> None:
@@ -204,3 +206,30 @@ def test_status_ignores_settled_events(settings: Any) -> None:
     Delivery.objects.update(status=Status.DELIVERED, due_at=None)
     ops = {d.name: d for d in destination_status()}["ops"]
     assert (ops.pending, ops.head, ops.oldest_queued_at) == (0, None, None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_destinations_head_event_is_read_by_key_whatever_the_statistics() -> None:
+    # Looked up by id with its status, a destination's head event was found
+    # through the due index under statistics of a queue long settled: every
+    # pending row of every host read at each look at the status page.
+    from django_federation_delivery.models import Kind
+
+    from .conftest import run_explained, statements_of_undone
+    from .keys import ALICE
+    from .test_retractions import statistics_of_a_server
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's planner")
+    statistics_of_a_server()
+    send(ALICE, {"type": "Note"}, [f"https://h{n % 100}.example/u{n}/inbox" for n in range(5000)])
+    held = Delivery.objects.order_by("-id").values_list("id", flat=True)[:100]
+    Delivery.objects.filter(id__in=list(held)).update(
+        host="hook.webhook", kind=Kind.WEBHOOK, destination="hook"
+    )
+    with statements_of_undone() as executed:
+        destination_status()
+    heads = [(text, plan) for text, plan in run_explained(executed) if '"lease_token"' in text]
+    assert heads, executed
+    for text, plan in heads:
+        assert "fd_delivery_due" not in plan, f"{text}\n{plan}"

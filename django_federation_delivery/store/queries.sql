@@ -501,7 +501,7 @@ WITH r AS (
     UPDATE {delivery} SET after_id = {inherited},
         due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
         not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
-    WHERE id = ANY(%(ids)s::bigint[]) AND status = {pending} AND after_id IS NOT NULL
+    WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND after_id IS NOT NULL
     RETURNING id, batch_id, after_id
 )
 {released_rows}
@@ -510,7 +510,7 @@ WITH r AS (
 UPDATE {delivery} SET after_id = {inherited},
     due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
     not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
-WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
+WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
     AND after_id IS NOT NULL
 RETURNING {released_rows}
 
@@ -856,14 +856,14 @@ WHERE {delivery}.id = v.id AND {delivery}.lease_token = v.token
 -- read is its claimer's to settle.
 UPDATE {delivery} SET status = %(failed)s, due_at = {lease_running}, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s, not_before = NULL
-WHERE status = {pending} AND id = ANY(%(ids)s::bigint[])
+WHERE settled_at IS NULL AND id = ANY(%(ids)s::bigint[])
     AND (lease_token IS NULL OR NOT %(unheld)s)
 RETURNING id, batch_id, inbox, last_status, destination
 
 -- name: give_up [sqlite]
 UPDATE {delivery} SET status = %(failed)s, due_at = {lease_running}, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s, not_before = NULL
-WHERE status = {pending} AND id IN (SELECT value FROM json_each(%(ids)s))
+WHERE settled_at IS NULL AND id IN (SELECT value FROM json_each(%(ids)s))
     AND (lease_token IS NULL OR NOT %(unheld)s)
 RETURNING id, batch_id, inbox, last_status, destination
 
@@ -1168,12 +1168,12 @@ ORDER BY settled_at LIMIT %(chunk)s
 -- left waiting on nothing with no due time: neither claimed nor swept.
 SELECT id FROM {delivery}
 WHERE after_id >= %(first)s AND after_id <= %(last)s AND after_id = ANY(%(ids)s::bigint[])
-    AND status = {pending}
+    AND settled_at IS NULL
 
 -- name: waiting_on [sqlite]
 SELECT id FROM {delivery}
 WHERE after_id >= %(first)s AND after_id <= %(last)s
-    AND after_id IN (SELECT value FROM json_each(%(ids)s)) AND status = {pending}
+    AND after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
 
 -- name: forget_deleted [postgresql]
 -- What waited on (or, settled, once waited on) %(ids)s, deleted, points at

@@ -28,7 +28,7 @@ from django_federation_delivery import hosts, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware, aware_now, orm_datetime
-from django_federation_delivery.models import Delivery, Host, Status
+from django_federation_delivery.models import Delivery, Host, Kind, Status
 from django_federation_delivery.store import claims
 from django_federation_delivery.store.locks import in_id_order
 from django_federation_delivery.webhooks.destinations import delivery_key
@@ -99,7 +99,11 @@ def enable(name: str, *, using: str | None = None) -> int | None:
         paused = Host.objects.using(alias).filter(name=key, paused_at__isnull=False)
         if not paused.update(failing_since=None, unavailable_since=None, probed_at=None):
             return None
-        pending = Delivery.objects.using(alias).filter(host=key, status=Status.PENDING)
+        # By the index on a destination's pending events (its condition
+        # said): by its host and status, every pending row was read.
+        pending = Delivery.objects.using(alias).filter(
+            destination=name, kind=Kind.WEBHOOK, status=Status.PENDING
+        )
         # The first in line may have a retry of its own to wait for (it was
         # in flight when the destination was disabled): due now too, but no
         # sooner than the lease of an attempt still in flight when it was

@@ -149,7 +149,7 @@ def destination_status(
         {
             row["destination"]: row
             for row in Delivery.objects.using(alias)
-            .filter(id__in=head_ids, status=Status.PENDING)
+            .filter(id__in=head_ids, settled_at__isnull=True)
             .values(
                 "id",
                 "destination",
