@@ -527,6 +527,24 @@ def test_from_pem_decrypts_with_the_password_and_fails_safely_without_it(
         assert not any(line in message for line in pem.decode().splitlines()[1:-1])
 
 
+def test_from_pem_takes_the_password_as_text_too(ed_key: SenderKey) -> None:
+    # As the environment gives it: the right password, refused and called
+    # perhaps wrong, sent its user after the wrong cause.
+    pem = pkcs8_pem(ed_key, password=b"hunter2")
+    loaded = SenderKey.from_pem(ED_KEY_ID, pem, password="hunter2")
+    assert loaded.public_key_pem() == ed_key.public_key_pem()
+
+
+def test_from_pem_given_a_password_for_a_key_not_encrypted_says_so(ed_key: SenderKey) -> None:
+    # One password given for every sender, some of whose keys are stored
+    # unencrypted: the error asked whether the password was right.
+    with pytest.raises(SigningError) as caught:
+        SenderKey.from_pem(ED_KEY_ID, pkcs8_pem(ed_key), password=b"hunter2")
+    message = str(caught.value)
+    assert "a password was given, but the key is not encrypted" in message, message
+    assert ED_KEY_ID in message and "hunter2" not in message
+
+
 def test_from_pem_with_garbage_names_the_key_id_and_not_the_pem() -> None:
     garbage = "-----BEGIN PRIVATE KEY-----\nTOPSECRETbutNotAKey==\n-----END PRIVATE KEY-----\n"
     with pytest.raises(SigningError) as caught:

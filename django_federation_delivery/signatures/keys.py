@@ -38,16 +38,27 @@ class SenderKey:
             )
 
     @classmethod
-    def from_pem(cls, key_id: str, pem: str | bytes, password: bytes | None = None) -> SenderKey:
-        """Load a PEM private key (PKCS#1 or PKCS#8, optionally encrypted).
+    def from_pem(
+        cls, key_id: str, pem: str | bytes, password: str | bytes | None = None
+    ) -> SenderKey:
+        """Load a PEM private key (PKCS#1 or PKCS#8, optionally encrypted with
+        ``password``: bytes, or text as the environment gives it, in UTF-8).
 
         Errors name the key id but never echo the PEM, which may be a real key.
         """
         data = pem.encode("utf-8") if isinstance(pem, str) else pem
+        secret = password.encode("utf-8") if isinstance(password, str) else password
         try:
-            loaded = serialization.load_pem_private_key(data, password=password)
+            loaded = serialization.load_pem_private_key(data, password=secret)
         except _CRYPTO_ERRORS as exc:
-            hint = "is it encrypted?" if password is None else "is the password right?"
+            if secret is None:
+                hint = "is it encrypted?"
+            elif isinstance(exc, TypeError):
+                # What cryptography raises for a password given to a key
+                # that is not encrypted; a wrong password is a ValueError.
+                hint = "a password was given, but the key is not encrypted"
+            else:
+                hint = "is the password right?"
             raise SigningError(
                 f"could not load the private key for {key_id!r}: "
                 f"not a usable PEM private key ({hint})"
