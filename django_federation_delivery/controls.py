@@ -163,8 +163,9 @@ def give_up_overdue(
     ids = list(batches.values_list("id", flat=True))
     if not ids:
         return 0
+    # Pending as settled_at says it: by the batches' rows, not the due index.
     overdue = Delivery.objects.using(alias).filter(
-        batch_id__in=ids, status=Status.PENDING, lease_token__isnull=True
+        batch_id__in=ids, settled_at__isnull=True, lease_token__isnull=True
     )
     # Those claimed since this read are their claimers' to settle, and tell.
     return _give_up(overdue, DEADLINE_PASSED, alias, deadline=True, unheld=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -670,3 +671,35 @@ def test_a_give_up_reads_its_rows_by_key_whatever_the_statistics() -> None:
         assert controls.give_up(Delivery.objects.filter(id__in=list(first))) == 10
     for text, plan in run_explained(executed):
         assert "fd_delivery_due" not in plan, f"{text}\n{plan}"
+
+
+@pytest.mark.parametrize("call", ["an ordered send", "the deadline sweep"])
+@pytest.mark.django_db(transaction=True)
+def test_what_finds_its_rows_by_id_or_batch_reads_no_other_pending_row(call: str) -> None:
+    # Said as the status, "pending" had these read through the due index
+    # under statistics of a queue long settled: every pending row of every
+    # host, at every ordered send (every webhook event) and every sweep.
+    from .conftest import run_explained, statements_of_undone
+    from .test_retractions import statistics_of_a_server
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's planner")
+    statistics_of_a_server()
+    backlog = 20_000
+    send(
+        ALICE, {"type": "Note"}, [f"https://h{n % 100}.example/u{n}/inbox" for n in range(backlog)]
+    )
+    inbox = ["https://target.example/inbox"]
+    send_batch(ALICE, {"type": "Note"}, inbox, {"ordering_key": "k"})
+    if call == "the deadline sweep":
+        Batch.objects.filter(ordering_key="k").update(
+            deadline=timezone.now() - dt.timedelta(seconds=1)
+        )
+    with statements_of_undone() as executed:
+        if call == "an ordered send":
+            send_batch(ALICE, {"type": "Note"}, inbox, {"ordering_key": "k"})
+        else:
+            assert controls.give_up_overdue(since=timezone.now() - dt.timedelta(minutes=1)) == 1
+    for text, plan in run_explained(executed):
+        removed = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
+        assert not any(n >= backlog for n in removed), f"{text}\n{plan}"

@@ -256,7 +256,8 @@ class BatchAdmin(OperatorAdmin[Batch]):
     )
     def cancel_pending(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
         deliveries = Delivery.objects.using(controls.database_of(queryset))
-        pending = deliveries.filter(batch__in=queryset.values("id"), status=Status.PENDING)
+        # Pending as settled_at says it: by the batches' rows, not the due index.
+        pending = deliveries.filter(batch__in=queryset.values("id"), settled_at__isnull=True)
         count = controls.give_up(pending, CANCELLED)
         report(
             self,

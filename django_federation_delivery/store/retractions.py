@@ -275,7 +275,7 @@ def wait_on_retracted(batch_ids: Sequence[int], *, using: str | None = None) -> 
     alias = using or database_alias()
     ids = list(
         Delivery.objects.using(alias)
-        .filter(batch_id__in=batch_ids, status=Status.PENDING, after__isnull=True)
+        .filter(batch_id__in=batch_ids, settled_at__isnull=True, after__isnull=True)
         .values_list("id", flat=True)
     )
     if not ids:

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable, Sequence
 
 from django_federation_delivery.dialect import connection_for, db_datetime, is_postgresql
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.models import Delivery
 from django_federation_delivery.store import sql
 
 #: Deliveries :func:`chain` makes wait in one statement on PostgreSQL.
@@ -65,7 +65,9 @@ def last_of_sequences(
                     held = set(
                         Delivery.objects.using(alias)
                         .select_for_update()
-                        .filter(id__in=list(found.values()), status=Status.PENDING)
+                        # Pending as settled_at says it (see queries.sql): as
+                        # the status, the due index was read, every pending row.
+                        .filter(id__in=list(found.values()), settled_at__isnull=True)
                         # Lowest id first, as every writer of many rows locks
                         # them (a settle's lock_deliveries): in the plan's
                         # order, it deadlocked with a settle of the same rows.
