@@ -696,6 +696,26 @@ def test_a_delivery_whose_way_through_the_loop_raises_is_a_passing_failure_the_l
     assert "SECRET" not in caplog.text, "the type, never the message"
 
 
+def sent_until(
+    deliverer: Deliverer, inbox: Inbox, error: type[BaseException]
+) -> tuple[Batch | None, list[int]]:
+    """A send to ``inbox``, then ``deliverer``'s drain, which is to raise
+    ``error``: the batch, and those ``batch_finished`` was told of."""
+    finished: list[int] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        finished.append(kwargs["batch"].id)
+
+    signals.batch_finished.connect(receiver, weak=False)
+    try:
+        batch = send(ALICE, NOTE, [inbox.url("/one")])
+        with pytest.raises(error):
+            deliverer.run(drain=True)
+    finally:
+        signals.batch_finished.disconnect(receiver)
+    return batch, finished
+
+
 def failing_once_answered(deliverer: Deliverer, monkeypatch: pytest.MonkeyPatch) -> Deliverer:
     """``deliverer``, whose loop raises ``RuntimeError`` (a fault of its
     own, of no one delivery's way) once an answer waits to be written."""
@@ -740,18 +760,7 @@ def test_a_loop_that_fails_tells_batch_finished_of_what_its_last_write_finished(
     # Its last write, as it left on its error, finished the batch: it was
     # never told, and a receiver waiting for it never heard of it.
     deliverer = failing_once_answered(Deliverer(concurrency=1), monkeypatch)
-    finished: list[int] = []
-
-    def receiver(sender: Any, **kwargs: Any) -> None:
-        finished.append(kwargs["batch"].id)
-
-    signals.batch_finished.connect(receiver, weak=False)
-    try:
-        batch = send(ALICE, NOTE, [inbox.url("/one")])
-        with pytest.raises(RuntimeError, match="a fault of the loop"):
-            deliverer.run(drain=True)
-    finally:
-        signals.batch_finished.disconnect(receiver)
+    batch, finished = sent_until(deliverer, inbox, RuntimeError)
     assert status_of(batch) == [Status.DELIVERED]
     assert batch is not None and finished == [batch.id]
 
@@ -780,6 +789,29 @@ def test_a_loop_interrupted_as_it_writes_writes_what_was_answered_before_it_rais
     assert inbox.paths() == ["/one"]
     (delivery,) = Delivery.objects.filter(batch=batch)
     assert (delivery.status, delivery.lease_token) == (Status.DELIVERED, None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_write_interrupted_once_committed_tells_batch_finished_as_the_loop_leaves(
+    inbox: Inbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The interrupt came as the settle returned from its commit: written
+    # again as the loop left, the settlement found its claim gone and wrote
+    # nothing, and the batch it had finished was never told.
+    real = settlements._written
+    calls: list[int] = []
+
+    def committed_then_interrupted(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(settlements, "_written", committed_then_interrupted)
+    batch, finished = sent_until(Deliverer(concurrency=1), inbox, KeyboardInterrupt)
+    assert status_of(batch) == [Status.DELIVERED]
+    assert batch is not None and finished == [batch.id]
 
 
 class InFlight:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
+import os
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -543,6 +544,31 @@ def test_from_pem_given_a_password_for_a_key_not_encrypted_says_so(ed_key: Sende
     message = str(caught.value)
     assert "a password was given, but the key is not encrypted" in message, message
     assert ED_KEY_ID in message and "hunter2" not in message
+
+
+def test_from_pem_takes_a_password_that_is_no_utf8_as_the_environment_gives_it(
+    ed_key: SenderKey,
+) -> None:
+    # os.environ gives bytes that are no UTF-8 as surrogates: encoded as
+    # UTF-8, the password raised a bare UnicodeEncodeError quoting it.
+    secret = "pässwörd".encode("latin-1")
+    pem = pkcs8_pem(ed_key, password=secret)
+    loaded = SenderKey.from_pem(ED_KEY_ID, pem, password=os.fsdecode(secret))
+    assert loaded.public_key_pem() == ed_key.public_key_pem()
+
+
+@pytest.mark.parametrize("password", ["", b"", 1234], ids=["empty text", "empty bytes", "int"])
+def test_from_pem_of_an_encrypted_key_never_says_it_is_not_encrypted(
+    ed_key: SenderKey, password: Any
+) -> None:
+    # cryptography raises the same TypeError for an empty password, one of
+    # another type, and one given to a key not encrypted.
+    with pytest.raises(SigningError) as caught:
+        SenderKey.from_pem(ED_KEY_ID, pkcs8_pem(ed_key, password=b"hunter2"), password=password)
+    message = str(caught.value)
+    assert "not encrypted" not in message and ED_KEY_ID in message, message
+    if isinstance(password, int):
+        assert "must be text or bytes, not int" in message, message
 
 
 def test_from_pem_with_garbage_names_the_key_id_and_not_the_pem() -> None:

@@ -47,18 +47,40 @@ class SenderKey:
         Errors name the key id but never echo the PEM, which may be a real key.
         """
         data = pem.encode("utf-8") if isinstance(pem, str) else pem
-        secret = password.encode("utf-8") if isinstance(password, str) else password
+        if password is not None and not isinstance(password, str | bytes):
+            raise SigningError(
+                f"could not load the private key for {key_id!r}: its password must be "
+                f"text or bytes, not {type(password).__name__}"
+            )
+        try:
+            # Text as the environment gives it: bytes that are no UTF-8
+            # come back as they were (surrogateescape, as os.fsencode does).
+            secret = (
+                password.encode("utf-8", "surrogateescape")
+                if isinstance(password, str)
+                else password
+            )
+        except UnicodeEncodeError:
+            raise SigningError(
+                f"could not load the private key for {key_id!r}: its password is text "
+                "that cannot be written as bytes"
+            ) from None
         try:
             loaded = serialization.load_pem_private_key(data, password=secret)
         except _CRYPTO_ERRORS as exc:
-            if secret is None:
-                hint = "is it encrypted?"
-            elif isinstance(exc, TypeError):
-                # What cryptography raises for a password given to a key
-                # that is not encrypted; a wrong password is a ValueError.
+            # Said by the PEM itself (its header: "ENCRYPTED PRIVATE KEY", or
+            # PKCS#1's "Proc-Type: 4,ENCRYPTED"), not by cryptography's error,
+            # which is a TypeError for a password given to a key not
+            # encrypted and for an empty one alike.
+            encrypted = b"ENCRYPTED" in data
+            if not encrypted and secret:
                 hint = "a password was given, but the key is not encrypted"
-            else:
+            elif encrypted and not secret:
+                hint = "it is encrypted, and no password was given"
+            elif encrypted:
                 hint = "is the password right?"
+            else:
+                hint = "is it encrypted?"
             raise SigningError(
                 f"could not load the private key for {key_id!r}: "
                 f"not a usable PEM private key ({hint})"

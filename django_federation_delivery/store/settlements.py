@@ -117,7 +117,8 @@ def settle(
 
     A write that meets the database unable to write is raised, and, with
     ``tried`` (the caller's, kept between its writes), noted there: it may
-    have committed, its answer lost. Written again, such a settlement finds
+    have committed, its answer lost; so is one interrupted (any other
+    exception, a ``KeyboardInterrupt``). Written again, such a settlement finds
     its claim gone; if it was the earlier write that committed (its rows
     settled, their batch finished, at the time it wrote), the batches it
     finished are given to ``on_finished`` then, which that write could not.
@@ -161,6 +162,13 @@ def settle(
                     tried=tried,
                 )
             return written
+    except BaseException:
+        # Interrupted (an error of the caller's, not the database's): it may
+        # have committed too, and is noted as a write whose answer was lost.
+        if tried is not None:
+            for item in settlements:
+                tried.setdefault(item.claimed.id, []).append(now)
+        raise
     # Committed: what is told now cannot undo it.
     superseded = [item for item in superseded if item.claimed.id in settled.written]
     if superseded and on_superseded is not None:
