@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
+import selectors
 import socket
 import threading
 from typing import Any
@@ -139,27 +139,34 @@ class PostgresListener:
         # outage's every try to reconnect is no line of its own (10 s apart
         # at most: 360 an hour, burying the outage's one).
         failing = False
+        selector: selectors.BaseSelector | None = None
         while not self._stop.is_set():
             conn = None
             try:
                 conn = self._connect()
                 self.listening = True
                 backoff = 0.5
-                if failing:
-                    failing = False
-                    logger.info("Listening for new deliveries again")
                 # Work queued while this was (re)connecting is not missed.
                 self.event.set()
                 logger.debug("Listening for new deliveries")
+                # A selector, not select(): a process holding more than 1,024
+                # files (many connections kept) has descriptors select()
+                # refuses, and it never listened.
+                selector = selectors.DefaultSelector()
+                selector.register(conn.fileno(), selectors.EVENT_READ, "notified")
+                selector.register(self._stop_reader, selectors.EVENT_READ, "stop")
+                selector.register(self._turn_reader, selectors.EVENT_READ, "turn")
                 while not self._stop.is_set():
                     if self.listening == self._paused:
                         self._turn(conn)
-                    readable, _, _ = select.select(
-                        [conn.fileno(), self._stop_reader, self._turn_reader], [], [], self.WAIT
-                    )
-                    if self._stop_reader in readable:
+                    readable = {key.data for key, _ in selector.select(self.WAIT)}
+                    if failing:
+                        # Back once it has waited as a listener does.
+                        failing = False
+                        logger.info("Listening for new deliveries again")
+                    if "stop" in readable:
                         break
-                    if self._turn_reader in readable:
+                    if "turn" in readable:
                         self._turn_reader.recv(64)
                         continue
                     if readable:
@@ -190,6 +197,9 @@ class PostgresListener:
                 backoff = min(backoff * 2, 10.0)
             finally:
                 self.listening = False
+                if selector is not None:
+                    selector.close()
+                    selector = None
                 if conn is not None:
                     conn.close()
 

@@ -212,3 +212,34 @@ def test_a_listener_that_cannot_connect_says_so_once_and_once_when_it_listens_ag
     assert len(tries) == 4 and len(warned) == 1, said
     assert warned[0].startswith("Listening for new deliveries failed (connection failed:")
     assert ("INFO", "Listening for new deliveries again") in said
+
+
+def test_a_listener_in_a_process_holding_over_a_thousand_files_still_wakes() -> None:
+    # select() refuses a descriptor past 1,023: a deliverer holding many
+    # connections (or in a task worker's process) never listened, and
+    # warned at each try, for ever.
+    import resource
+    import socket
+
+    if not wakeup.PostgresListener.available():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's (with psycopg 3)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} files at most")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [socket.socket() for _ in range(1100)]
+    woken = threading.Event()
+    listener = wakeup.PostgresListener(woken)
+    try:
+        listener.start()
+        wait_until(lambda: listener.listening, timeout=10)
+        wait_until(woken.is_set, timeout=5)  # what was queued as it connected
+        woken.clear()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
+        assert woken.wait(5), "not woken by the notification"
+    finally:
+        listener.stop()
+        for sock in held:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
