@@ -145,6 +145,12 @@ class Intake:
         if self.slots.sendable(max(1, self.concurrency // 2)):
             self._claim_urgent()
             return
+        if self.slots.busy:
+            # The claim below leaves out the hosts at their limit; the urgent
+            # lanes have a host's limit again of their own, and a direct
+            # message to a host a fan-out keeps at its limit is looked for
+            # all the same.
+            self._claim_urgent()
         if (
             self.caught_up
             and self.slots.busy
@@ -244,7 +250,7 @@ class Intake:
             since = None
         if not self.db(claims.has_due, since=since, lanes=claims.URGENT, using=self.using):
             return
-        saturated = self.slots.saturated_hosts()
+        saturated = self.slots.saturated_hosts(urgent=True)
         claiming_at = timezone.now()
         claimed = self.db(
             claims.claim,

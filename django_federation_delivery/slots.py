@@ -62,9 +62,14 @@ class Slots:
         #: Claimed and admitted, waiting for a slot (and a slot on its host).
         self.ready: collections.deque[InFlight] = collections.deque()
         self._ready_hosts: collections.Counter[str] = collections.Counter()
+        #: Of those, the urgent ones, which have a host's limit again of
+        #: their own: a direct message to a host a fan-out keeps at its
+        #: limit does not wait for one of the fan-out's attempts there.
+        self._ready_urgent: collections.Counter[str] = collections.Counter()
         #: Handed to the workers: queued for one, or being sent.
         self.in_flight: dict[int, InFlight] = {}
         self._host_busy: collections.Counter[str] = collections.Counter()
+        self._busy_urgent: collections.Counter[str] = collections.Counter()
         #: How many of those are urgent (a webhook event's, a direct
         #: message's), which hold no slot of the others'.
         self.urgent_in_flight = 0
@@ -108,7 +113,7 @@ class Slots:
             ready.insert(index, item)
         else:
             ready.append(item)
-        self._ready_hosts[item.claimed.host] += 1
+        self._count(self._ready_hosts, self._ready_urgent, item, 1)
 
     def take_overdue(self, now: dt.datetime) -> list[InFlight]:
         """The ready deliveries whose batch's deadline has passed by ``now``,
@@ -127,11 +132,31 @@ class Slots:
         self.ready.clear()
         self.ready.extend(kept)
         for item in overdue:
-            host = item.claimed.host
-            self._ready_hosts[host] -= 1
-            if self._ready_hosts[host] <= 0:
-                del self._ready_hosts[host]
+            self._count(self._ready_hosts, self._ready_urgent, item, -1)
         return overdue
+
+    @staticmethod
+    def _count(
+        every: collections.Counter[str],
+        urgent: collections.Counter[str],
+        item: InFlight,
+        by: int,
+    ) -> None:
+        """Count ``item`` in (or, ``by`` -1, out of) its host's ``every``,
+        and its ``urgent`` too if it is; a host counted down to none goes."""
+        host = item.claimed.host
+        for counts in (every, urgent) if item.urgent else (every,):
+            counts[host] += by
+            if counts[host] <= 0:
+                del counts[host]
+
+    def _room(self, item: InFlight) -> bool:
+        """Whether ``item``'s host may have one more in flight now: of the
+        urgent ones if it is one, of the others if not."""
+        host = item.claimed.host
+        urgent = self._busy_urgent[host]
+        busy = urgent if item.urgent else self._host_busy[host] - urgent
+        return busy < self.per_host(host)
 
     def sendable(self, enough: int) -> bool:
         """Whether at least ``enough`` ready deliveries could go as soon as a
@@ -139,17 +164,20 @@ class Slots:
         one, say) cannot."""
         count = 0
         for item in self.ready:
-            if self._host_busy[item.claimed.host] < self.per_host(item.claimed.host):
+            if self._room(item):
                 count += 1
                 if count >= enough:
                     return True
         return False
 
-    def saturated_hosts(self) -> list[str]:
+    def saturated_hosts(self, *, urgent: bool = False) -> list[str]:
         """Hosts with as many deliveries in flight or ready as they may have
-        at once, and those resting: no use claiming more."""
+        at once, and those resting: no use claiming more. With ``urgent``,
+        for a claim of the urgent lanes: counting the urgent ones alone,
+        which have a host's limit again of their own."""
         held = self._host_busy + self._ready_hosts
-        full = [host for host, count in held.items() if count >= self.per_host(host)]
+        counted = self._busy_urgent + self._ready_urgent if urgent else held
+        full = [host for host, count in counted.items() if count >= self.per_host(host)]
         return full + list(self._resting_empty_handed(held))
 
     def until_rested(self) -> float | None:
@@ -194,16 +222,13 @@ class Slots:
             elif others >= min(other_slots, most + queued):
                 break
             item = self.ready.popleft()
-            host = item.claimed.host
-            if self._host_busy[host] >= self.per_host(host):
+            if not self._room(item):
                 skipped.append(item)
                 continue
-            self._ready_hosts[host] -= 1
-            if self._ready_hosts[host] <= 0:
-                del self._ready_hosts[host]
+            self._count(self._ready_hosts, self._ready_urgent, item, -1)
             if not admit(item):
                 continue
-            self._host_busy[host] += 1
+            self._count(self._host_busy, self._busy_urgent, item, 1)
             self.in_flight[item.claimed.id] = item
             self.urgent_in_flight += item.urgent
             out.append(item)
@@ -214,10 +239,7 @@ class Slots:
         """The delivery no longer holds a slot, nor one of its host's."""
         del self.in_flight[item.claimed.id]
         self.urgent_in_flight -= item.urgent
-        host = item.claimed.host
-        self._host_busy[host] -= 1
-        if self._host_busy[host] <= 0:
-            del self._host_busy[host]
+        self._count(self._host_busy, self._busy_urgent, item, -1)
 
     def release(self, unsent: Iterable[InFlight]) -> list[InFlight]:
         """Stopping: everything not sent, ``unsent`` taken back from the
@@ -228,6 +250,7 @@ class Slots:
         released = list(self.ready)
         self.ready.clear()
         self._ready_hosts.clear()
+        self._ready_urgent.clear()
         return released
 
     def slow_count(self, *, urgent: bool | None = None) -> int:

@@ -504,7 +504,7 @@ def counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, Any, i
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("why", ["breaker-open", "host-saturated"])
+@pytest.mark.parametrize("why", ["breaker-open"])
 def test_an_urgent_row_whose_host_is_left_out_is_not_claimed_for_again_and_again(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -513,8 +513,9 @@ def test_an_urgent_row_whose_host_is_left_out_is_not_claimed_for_again_and_again
     why: str,
 ) -> None:
     # A fan-out to slow hosts keeps the loop with enough ready; a direct
-    # message is due to a host the claim leaves out (its breaker open, or
-    # at PER_HOST with the fan-out's deliveries). has_due(URGENT) says yes
+    # message is due to a host the claim leaves out (its breaker open; at
+    # PER_HOST with the fan-out's deliveries, it is not: see the next
+    # test). has_due(URGENT) says yes
     # at every look, and the urgent claim, a write transaction (on SQLite
     # the write lock a web process's send waits for), finds nothing: again
     # every URGENT_LOOK_SECONDS for as long as the host stays left out.
@@ -547,6 +548,38 @@ def test_an_urgent_row_whose_host_is_left_out_is_not_claimed_for_again_and_again
         f"{len(urgent)} urgent claims in 1.5 s, taking {sum(urgent)} rows: the direct "
         f"message's host is left out ({why})"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_direct_message_to_a_host_a_fan_out_keeps_at_its_limit_goes_at_once(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # A fan-out to one big host answering each request in 2 s, at its
+    # PER_HOST all the time: a direct message to a user there waited for
+    # one of the fan-out's attempts to end (1.5 s). The urgent lanes have
+    # a host's limit again of their own.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 5}
+    started_at: dict[str, float] = {}
+
+    def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
+        started_at.setdefault(request.path, time.monotonic())
+        time.sleep(0 if request.path == "/dm" else 2.0)
+        return 202, {}, b""
+
+    big = inboxes("127.0.0.20", respond=answer)
+    send_batch(ALICE, NOTE, [big.url(f"/u{n}") for n in range(40)], {})
+    runner = start_deliverer(concurrency=16)
+    wait_until(lambda: len(big.received) >= 2)
+    time.sleep(0.5)
+    sent = time.monotonic()
+    send(ALICE, {"type": "Create", "to": "friend"}, [big.url("/dm")])
+    wait_until(lambda: "/dm" in started_at, timeout=20)
+    runner.stop()
+    # An attempt of the fan-out's there takes 2 s; the look for urgent
+    # work is every 0.1 s.
+    assert started_at["/dm"] - sent < 1.0
 
 
 @pytest.mark.django_db(transaction=True)
