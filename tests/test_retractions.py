@@ -5,6 +5,7 @@ is itself sent after any that were."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 import threading
 import time
@@ -1206,6 +1207,7 @@ def test_a_retraction_finds_what_it_overtakes_with_no_join_whatever_the_statisti
         "reason": "superseded",
         "ids": id_array(mine[inbox] for inbox in tried),
         "lasts": id_array(tried.values()),
+        "waits": json.dumps({str(mine[inbox]): last for inbox, last in tried.items()}),
         "batch": retraction.id,
     }
     with connection.cursor() as cursor:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import random
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -32,7 +34,12 @@ M = TypeVar("M", bound=Model)
 #: PostgreSQL's SQLSTATE for a transaction it ended to undo a deadlock.
 DEADLOCK = "40P01"
 #: How many times a write ended so is made.
-DEADLOCK_TRIES = 3
+DEADLOCK_TRIES = 5
+#: The longest wait before the first try again, in seconds: each try waits
+#: up to as much again, at random, so that the writer the database let go
+#: on finishes first (made again at once, the write met it again, still
+#: holding the same rows, and was ended again).
+DEADLOCK_PAUSE = 0.05
 
 
 def write_first(using: str | None = None) -> None:
@@ -104,6 +111,7 @@ def again_on_deadlock(using: str, write: Callable[[], T]) -> T:
             code = getattr(exc.__cause__, "sqlstate", None)
             if outer or code != DEADLOCK or tried >= DEADLOCK_TRIES:
                 raise
+            time.sleep(random.uniform(0, DEADLOCK_PAUSE * tried))
             tried += 1
 
 

@@ -563,7 +563,7 @@ ORDER BY d.id
 -- A retraction's deliveries %(ids)s, just released (or, a replay's
 -- copies, just written: they overtake nothing), made to wait on the
 -- last delivery still pending to their inbox of what they retract
--- (%(lasts)s, read first by retractions_waiting and attempted_before). A
+-- (read first by retractions_waiting and attempted_before). A
 -- retraction waits on one delivery at a time, the last attempted there
 -- when it was queued; one attempted before it may still be retrying when
 -- that one leaves, and is waited on then. The time it was just made due is
@@ -571,19 +571,20 @@ ORDER BY d.id
 -- (requeued): released again, it is due no sooner (released_due). One
 -- that waits already (a requeued one, its turn in its sequence) keeps that
 -- wait, and waits on what it retracts once released: a row waits on one
--- thing at a time, and its turn comes first. Given as two lists, as
--- wait_for_attempted's: looked up a row at a time (next_retracted), what
--- each waited on was read through the index on (batch, status) whenever
--- statistics counted a few rows a batch, as many small batches make them,
--- and each row read the whole of a fan-out's batch. One whose last settled
--- since it was read waits on it all the same: stranded, it is freed and
--- made to wait again on the next (release_stranded); left due, it would go
--- before an earlier one still retrying there.
-UPDATE {delivery} SET after_id = w.last,
-    not_before = COALESCE({delivery}.due_at, {delivery}.not_before), due_at = NULL
-FROM unnest(%(ids)s::bigint[], %(lasts)s::bigint[]) AS w(id, last)
-WHERE {delivery}.id = ANY(%(ids)s::bigint[]) AND {delivery}.id = w.id
-    AND {delivery}.settled_at IS NULL AND {delivery}.after_id IS NULL
+-- thing at a time, and its turn comes first. Given read first, as a JSON
+-- object of ids (%(waits)s: each of %(ids)s's to its last): looked up a row
+-- at a time (next_retracted), what each waited on was read through the
+-- index on (batch, status) whenever statistics counted a few rows a batch,
+-- as many small batches make them, and each row read the whole of a
+-- fan-out's batch; and joined to the list as a table, the rows, "one" to
+-- statistics that count few pending, were each compared with each. Each
+-- row's is a key looked up in the object. One whose last settled since it
+-- was read waits on it all the same: stranded, it is freed and made to
+-- wait again on the next (release_stranded); left due, it would go before
+-- an earlier one still retrying there.
+UPDATE {delivery} SET after_id = (%(waits)s::jsonb ->> {delivery}.id::text)::bigint,
+    not_before = COALESCE(due_at, not_before), due_at = NULL
+WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND after_id IS NULL
 
 -- name: wait_again [sqlite]
 UPDATE {delivery} SET after_id = {next_retracted}, not_before = COALESCE(due_at, not_before),

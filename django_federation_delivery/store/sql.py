@@ -503,7 +503,8 @@ class Statements:
                     lasts.append(last[inbox])
         if not mine:
             return 0
-        return self.run("wait_again", ids=self.ids(mine), lasts=self.ids(lasts))
+        waits = json.dumps({str(id): last for id, last in zip(mine, lasts, strict=True)})
+        return self.run("wait_again", ids=self.ids(mine), waits=waits)
 
     def settle(
         self,
