@@ -28,6 +28,7 @@ from django_federation_delivery.channels import Verdict
 from django_federation_delivery.conf import LEASE_MARGIN_SECONDS
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Batch, Delivery, Host, Status
+from django_federation_delivery.store import wakes
 from django_federation_delivery.transport import Answer
 from django_federation_delivery.webhooks import sending as webhook_sending
 from django_federation_delivery.webhooks.destinations import delivery_key
@@ -859,8 +860,11 @@ def test_the_readmes_third_retry_log_line_waits_what_the_default_schedule_waits(
     for made in (1, 2, 3):
         wait_until(lambda made=made: Delivery.objects.get().attempts >= made, timeout=30)
         if made < 3:
-            # Bring the retry forward rather than wait the schedule out.
+            # Bring the retry forward rather than wait the schedule out, and
+            # wake the deliverer (on PostgreSQL idle on its listener until
+            # the retry it knows of).
             Delivery.objects.update(due_at=timezone.now())
+            wakes.wake_all("default")
     wait_until(lambda: any("attempt 3 of 9" in r.getMessage() for r in caplog.records), timeout=10)
     runner.stop()
     (line,) = (r.getMessage() for r in caplog.records if "attempt 3 of 9" in r.getMessage())
