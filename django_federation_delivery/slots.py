@@ -51,10 +51,15 @@ class Slots:
         per_host: Callable[[str], int],
         slow_after: float,
         resting: Callable[[], Mapping[str, float]] = dict,
+        start: int = 1,
     ) -> None:
         self.concurrency = concurrency
         #: How many a host may have in flight now (``limits.HostLimits.allowed``).
         self.per_host = per_host
+        #: What a host's limit starts at (``PER_HOST``): one lowered below it
+        #: (a host that refused as many at once) gives the urgent ones no
+        #: limit of their own, which would send it more than it asked for.
+        self.start = start
         #: The hosts that may have none in flight for now, whatever they hold,
         #: and for how many seconds more (``limits.HostLimits.resting``).
         self.resting = resting
@@ -150,10 +155,18 @@ class Slots:
             if counts[host] <= 0:
                 del counts[host]
 
+    def _own_limit(self, host: str) -> bool:
+        """Whether the urgent ones have ``host``'s limit again of their own:
+        unless it was lowered below where it starts."""
+        return self.per_host(host) >= self.start
+
     def _room(self, item: InFlight) -> bool:
         """Whether ``item``'s host may have one more in flight now: of the
-        urgent ones if it is one, of the others if not."""
+        urgent ones if it is one, of the others if not (of all of them, at
+        a host whose limit was lowered)."""
         host = item.claimed.host
+        if not self._own_limit(host):
+            return self._host_busy[host] < self.per_host(host)
         urgent = self._busy_urgent[host]
         busy = urgent if item.urgent else self._host_busy[host] - urgent
         return busy < self.per_host(host)
@@ -176,7 +189,15 @@ class Slots:
         for a claim of the urgent lanes: counting the urgent ones alone,
         which have a host's limit again of their own."""
         held = self._host_busy + self._ready_hosts
-        counted = self._busy_urgent + self._ready_urgent if urgent else held
+        counted = held
+        if urgent:
+            of_urgent = self._busy_urgent + self._ready_urgent
+            counted = collections.Counter(
+                {
+                    host: of_urgent[host] if self._own_limit(host) else count
+                    for host, count in held.items()
+                }
+            )
         full = [host for host, count in counted.items() if count >= self.per_host(host)]
         return full + list(self._resting_empty_handed(held))
 

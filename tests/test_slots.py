@@ -181,3 +181,20 @@ def test_a_more_urgent_lane_is_ready_before_the_rest_and_each_keeps_its_order() 
     ):
         held.add(item(number, f"h{number}.example", lane))
     assert [ready.claimed.id for ready in held.ready] == [4, 3, 5, 0, 2, 1, 6]
+
+
+def test_urgent_deliveries_have_a_hosts_limit_again_unless_it_was_lowered() -> None:
+    limits = {"a": 2, "slow": 1}
+    place = Slots(concurrency=10, per_host=limits.__getitem__, slow_after=2.0, start=2)
+    for number in range(3):
+        place.add(item(number, "a"))
+        place.add(item(10 + number, "slow"))
+    handed = place.hand_out(admit_all, slow=0, queued=0, most=10)
+    assert sorted(hosts(handed)) == ["a", "a", "slow"]
+    assert sorted(place.saturated_hosts(urgent=True)) == ["slow"]
+    # A direct message to each: to "a", at its limit with a fan-out's, it
+    # goes beside them; "slow" asked for one at a time, and has it.
+    place.add(item(20, "a", Lane.PRIORITY))
+    place.add(item(21, "slow", Lane.PRIORITY))
+    assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["a"]
+    assert place.ready[0].claimed.id == 21
