@@ -7,6 +7,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import re
 import signal
 import socket
 import socketserver
@@ -749,6 +750,41 @@ def run_explained(executed: list[tuple[str, Any]]) -> list[tuple[str, str]]:
                 cursor.execute(text, params)
         raise Undone
     return plans
+
+
+def statistics_of_a_server() -> None:
+    """PostgreSQL's statistics of a queue as a server has it (skipped on
+    another database): many small sends, settled long ago, analyzed. They
+    count a row or two a batch, and few pending rows: the planner's guesses
+    a long-settled queue leads it to."""
+    from django.utils import timezone
+
+    from django_federation_delivery import send
+    from django_federation_delivery.models import Delivery, Status
+
+    from .keys import ALICE
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's planner")
+    for n in range(400):
+        note = {
+            "type": "Create",
+            "id": f"{ALICE}/activities/1",
+            "actor": ALICE,
+            "object": f"{ALICE}/notes/old{n}",
+        }
+        send(ALICE, note, [f"https://o{n}.example/{k}/inbox" for k in range(3)])
+    Delivery.objects.update(status=Status.DELIVERED, settled_at=timezone.now())
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE federation_delivery_delivery, federation_delivery_batch")
+
+
+def reads_a_batch_once_a_row(plan: str) -> bool:
+    """Whether an EXPLAIN ANALYZE plan reads deliveries by their batch
+    (the index on (batch, status)) more than once: once a row of another
+    node, the whole of a batch each time."""
+    by_batch = [line for line in plan.splitlines() if "fd_delivery_batch_status" in line]
+    return not all(re.search(r"loops=1\)", line) for line in by_batch)
 
 
 def reads_by_primary_key(plan: str, table: str) -> bool:

@@ -658,11 +658,8 @@ def test_a_give_up_reads_its_rows_by_key_whatever_the_statistics() -> None:
     # due index under statistics of a queue long settled: every pending
     # row read, twice. 10,000 of a backlog of 50,000 given up took 2.4 to
     # 4.0 s (7 to 11 s prepared), 0.5 s by key.
-    from .conftest import run_explained, statements_of_undone
-    from .test_retractions import statistics_of_a_server
+    from .conftest import run_explained, statements_of_undone, statistics_of_a_server
 
-    if connection.vendor != "postgresql":
-        pytest.skip("PostgreSQL's planner")
     statistics_of_a_server()
     urls = [f"https://h{n % 100}.example/u{n}/inbox" for n in range(20_000)]
     batch = send(ALICE, {"type": "Note"}, urls)
@@ -679,11 +676,8 @@ def test_what_finds_its_rows_by_id_or_batch_reads_no_other_pending_row(call: str
     # Said as the status, "pending" had these read through the due index
     # under statistics of a queue long settled: every pending row of every
     # host, at every ordered send (every webhook event) and every sweep.
-    from .conftest import run_explained, statements_of_undone
-    from .test_retractions import statistics_of_a_server
+    from .conftest import run_explained, statements_of_undone, statistics_of_a_server
 
-    if connection.vendor != "postgresql":
-        pytest.skip("PostgreSQL's planner")
     statistics_of_a_server()
     backlog = 20_000
     send(

@@ -215,12 +215,9 @@ def test_a_destinations_head_event_is_read_by_key_whatever_the_statistics() -> N
     # pending row of every host read at each look at the status page.
     from django_federation_delivery.models import Kind
 
-    from .conftest import run_explained, statements_of_undone
+    from .conftest import run_explained, statements_of_undone, statistics_of_a_server
     from .keys import ALICE
-    from .test_retractions import statistics_of_a_server
 
-    if connection.vendor != "postgresql":
-        pytest.skip("PostgreSQL's planner")
     statistics_of_a_server()
     send(ALICE, {"type": "Note"}, [f"https://h{n % 100}.example/u{n}/inbox" for n in range(5000)])
     held = Delivery.objects.order_by("-id").values_list("id", flat=True)[:100]
