@@ -96,6 +96,12 @@ class Intake:
     #: Set by a send: the next claim looks at all that is due, not only at
     #: what came due since the last one that found nothing.
     sent: SendWake = dataclasses.field(init=False)
+    #: Set when the listener begins to listen (again): what was sent before
+    #: it woke nobody, and the next look reads whether anything at all is
+    #: due. A read, not a claim: nothing may have been sent meanwhile.
+    listened: SendWake = dataclasses.field(init=False)
+    #: Whether the next look reads all that is due (:attr:`listened`).
+    _look_at_all: bool = dataclasses.field(default=False, init=False)
     #: PostgreSQL's listener, while :meth:`listen` has one: paused while
     #: claims come back full, as the loop claims again then unwoken.
     _listener: PostgresListener | None = dataclasses.field(default=None, init=False)
@@ -105,13 +111,14 @@ class Intake:
 
     def __post_init__(self) -> None:
         self.sent = SendWake(self.wake)
+        self.listened = SendWake(self.wake)
 
     def listen(self) -> bool:
         """Be woken by sends from other processes (PostgreSQL's LISTEN), where
         the database can; whether it does."""
         if not PostgresListener.available(self.using):
             return False
-        self._listener = PostgresListener(self.sent, using=self.using)
+        self._listener = PostgresListener(self.sent, listened=self.listened, using=self.using)
         self._listener.start()
         return True
 
@@ -141,6 +148,10 @@ class Intake:
         if self.sent.is_set():
             self.sent.clear()
             self._found_nothing = False
+            self._urgent_nothing_at = None
+        if self.listened.is_set():
+            self.listened.clear()
+            self._look_at_all = True
             self._urgent_nothing_at = None
         if self.slots.sendable(max(1, self.concurrency // 2)):
             self._claim_urgent()
@@ -303,9 +314,15 @@ class Intake:
         of theirs is due says nothing: only what came due since the last
         claim that found nothing counts (else a loop whose only work is
         theirs would claim again at every turn, finding nothing each time)."""
-        waiting = self._found_nothing and time.monotonic() < self._left_out_until
+        waiting = (
+            self._found_nothing
+            and not self._look_at_all
+            and time.monotonic() < self._left_out_until
+        )
         since = self._found_nothing_at if waiting else None
         due: bool | None = self.db(claims.has_due, since=since, using=self.using)
+        if due is not None:
+            self._look_at_all = False
         return due
 
     def wait(self, timeout: float) -> None:

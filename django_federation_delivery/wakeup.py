@@ -61,8 +61,18 @@ class PostgresListener:
     #: How long :meth:`stop` waits for a listener still connecting.
     STOP_WAIT = 30.0
 
-    def __init__(self, event: threading.Event, *, using: str | None = None) -> None:
+    def __init__(
+        self,
+        event: threading.Event,
+        *,
+        listened: threading.Event | None = None,
+        using: str | None = None,
+    ) -> None:
+        #: Set by a notification: something was sent.
         self.event = event
+        #: Set when it begins to listen, at first, again after a failure or
+        #: a pause: what was sent before may have woken nobody.
+        self.listened = listened or event
         self.using = using or database_alias()
         self._stop = threading.Event()
         self._paused = False
@@ -147,7 +157,7 @@ class PostgresListener:
                 self.listening = True
                 backoff = 0.5
                 # Work queued while this was (re)connecting is not missed.
-                self.event.set()
+                self.listened.set()
                 logger.debug("Listening for new deliveries")
                 # A selector, not select(): a process holding more than 1,024
                 # files (many connections kept) has descriptors select()
@@ -210,4 +220,4 @@ class PostgresListener:
         self.listening = listen
         if listen:
             # What was sent while it did not listen is looked for.
-            self.event.set()
+            self.listened.set()

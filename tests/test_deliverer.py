@@ -1349,12 +1349,29 @@ def test_a_drain_does_not_end_while_another_process_holds_what_is_due_for_a_mome
     assert status_of(batch) == [Status.DELIVERED] * 3
 
 
-def test_an_idle_loop_looks_for_new_work_with_a_read_not_a_claim() -> None:
+@pytest.mark.parametrize("listens", ["at once", "after the first claim"])
+def test_an_idle_loop_looks_for_new_work_with_a_read_not_a_claim(
+    listens: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A claim is a write transaction (on SQLite it holds the write lock a web
     # process's send waits for); once one found nothing, the loop reads
-    # whether anything has come due instead, until something has.
+    # whether anything has come due instead, until something has. A listener
+    # that begins to listen after that claim (its connection slow to come)
+    # has the loop read whether anything was sent before, not claim again.
     from django.test.utils import CaptureQueriesContext
 
+    from django_federation_delivery import wakeup
+
+    if listens != "at once":
+        if connection.vendor != "postgresql":
+            pytest.skip("no listener without PostgreSQL")
+        connect = wakeup.PostgresListener._connect
+
+        def slow_to_connect(listener: wakeup.PostgresListener) -> Any:
+            time.sleep(0.4)
+            return connect(listener)
+
+        monkeypatch.setattr(wakeup.PostgresListener, "_connect", slow_to_connect)
     with CaptureQueriesContext(connection) as queries:
         Deliverer().run(stop_after=1.0)
     statements = [q["sql"] for q in queries.captured_queries]
