@@ -227,7 +227,8 @@ class Delivery(models.Model):
     # Where to POST, in order, when not the inbox itself: the gateways of a
     # portable inbox (FEP-ef61), tried one after the other within one attempt.
     via = models.JSONField(verbose_name=_("via"), default=list, blank=True)
-    # The batch's lane, kept here so that one index finds what is due.
+    # The batch's lane, kept here so that one index finds what is due; or a
+    # sooner one, that of a delivery waiting on it in its sequence.
     lane = models.CharField(
         verbose_name=_("lane"), max_length=16, choices=Lane.choices, default=Lane.NORMAL
     )

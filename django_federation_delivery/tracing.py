@@ -100,6 +100,9 @@ class Traced(Protocol):
     job: Job
     span: Begun | None
 
+    @property
+    def lane(self) -> str: ...
+
 
 class _Attempting:
     """The worker's side of an attempt's span: begun as the attempt starts,
@@ -233,7 +236,7 @@ def _begin(item: Traced) -> trace.Span:
     row = item.claimed
     attributes: dict[str, Any] = {
         f"{PREFIX}.kind": row.kind,
-        f"{PREFIX}.lane": item.batch.lane,
+        f"{PREFIX}.lane": item.lane,
         # The try this is, counted as the delivery's attempts are: a hold
         # that spends none is followed by one of the same number.
         f"{PREFIX}.attempt": row.attempts + 1,

@@ -65,12 +65,18 @@ class InFlight:
     @property
     def rank(self) -> int:
         """Its lane's place in the claim's order: the lower, the sooner."""
-        return RANK.get(self.batch.lane, len(RANK))
+        return RANK.get(self.lane, len(RANK))
 
     @property
     def urgent(self) -> bool:
         """Whether it goes before the rest wherever it waits."""
-        return self.batch.lane in URGENT
+        return self.lane in URGENT
+
+    @property
+    def lane(self) -> str:
+        """Its lane: its own as claimed (sooner than its batch's when a
+        direct message in its sequence waits on it), else its batch's."""
+        return self.claimed.lane or self.batch.lane
 
 
 class _Nudge(enum.Enum):

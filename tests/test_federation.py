@@ -489,6 +489,48 @@ def test_a_direct_message_goes_while_the_fan_out_and_an_earlier_slow_one_hold_ev
     assert ended == [], f"sent once {len(ended)} attempts (the fan-out's, the first's) had ended"
 
 
+def test_a_direct_message_in_the_key_of_a_fan_out_holding_every_thread_goes_after_its_turn(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # Sent in the fan-out's ordering key, the direct message waits for the
+    # fan-out's delivery to its inbox, as ordering says; that one, queued
+    # behind the fan-out's slow servers, waited in the fan-out's lane for
+    # one of their attempts to end. It goes as urgently as the message.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PRIORITY_MAX_INBOXES": 5,
+        "SLOW_AFTER_SECONDS": 0.2,
+        "SLOW_CONCURRENCY": 2,
+        "BREAKER": None,
+    }
+    answered: list[str] = []
+
+    def answer(request: Received) -> tuple[int, dict[str, str], bytes]:
+        answered.append(request.path)
+        return 202, {}, b""
+
+    friend = inboxes("127.0.0.3")
+    crowd = [inboxes(f"127.0.0.{10 + n}", delay=4.0, respond=answer) for n in range(16)]
+    key = {"ordering_key": f"{ALICE}/outbox"}
+    post = {"type": "Create", "id": f"{ALICE}/post"}
+    targets = [crowd[n % 16].url(f"/u{n}") for n in range(32)]
+    send_batch(ALICE, post, [*targets, friend.url()], key)
+    runner = start_deliverer(concurrency=2, claim_size=4)
+    slots = runner.deliverer.slots
+    wait_until(lambda: len(runner.deliverer.workers) >= 4 and slots.slow_count() >= 4)
+    # Its turn comes after the 16 hosts' first: not claimed yet.
+    assert Delivery.objects.get(inbox=friend.url()).lease_token is None
+    message = {"type": "Create", "id": f"{ALICE}/message", "to": "friend"}
+    send_batch(ALICE, message, [friend.url()], key)
+    wait_until(lambda: len(friend.received) == 2, timeout=15)
+    ended = list(answered)
+    runner.stop()
+    assert [received.json()["id"] for received in friend.received] == [post["id"], message["id"]]
+    assert ended == [], f"sent once {len(ended)} attempts of the fan-out had ended"
+
+
 def counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, Any, int]]:
     """Every claim the loop makes: (when, its lanes, how many it took)."""
     made: list[tuple[float, Any, int]] = []

@@ -168,3 +168,93 @@ def test_a_requeue_while_the_next_one_is_given_up_still_orders_the_sequence() ->
     y.refresh_from_db()
     assert y.status == Status.PENDING
     assert x.after_id == y.id, f"X waits on {x.after_id}, due {x.due_at}, beside Y"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_a_direct_message_waits_on_in_its_key_is_claimed_as_soon_as_it(settings: Any) -> None:
+    """A direct message sent in the key of a fan-out waits there on the
+    fan-out's delivery to its inbox, and that one on a low-priority one
+    before it: both are taken into the message's lane, and claimed with
+    the urgent lanes; the fan-out's other deliveries keep theirs."""
+    from django_federation_delivery.models import Lane
+    from django_federation_delivery.store import claims
+
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 1}
+    others = [f"https://b{n}.example/inbox" for n in range(5)]
+    low = one(send_batch(ALICE, note(0), [A], {**KEY, "low_priority": True}))
+    fan_out = send_batch(ALICE, note(1), [*others, A], KEY)
+    message = one(send_batch(ALICE, note(2), [A], KEY))
+    assert message.lane == Lane.PRIORITY
+    lanes = dict(Delivery.objects.filter(batch=fan_out).values_list("inbox", "lane"))
+    assert lanes == {**dict.fromkeys(others, Lane.NORMAL), A: Lane.PRIORITY}
+    low.refresh_from_db()
+    assert low.lane == Lane.PRIORITY
+    urgent = store.claim(10, 60, per_host=10, lanes=claims.URGENT)
+    assert [c.id for c in urgent] == [low.id]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_send_takes_into_its_lane_only_what_waits_later_and_is_pending(settings: Any) -> None:
+    """What a send waits on in its key is taken into its lane only from a
+    lane claimed after it: a settled delivery keeps its lane, and so does
+    one of a sooner lane (a fan-out never slows down a direct message)."""
+    from django_federation_delivery.models import Lane
+
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 1}
+    B = "https://b.example/inbox"
+    settled = one(send_batch(ALICE, note(0), [A], {**KEY, "low_priority": True}))
+    store.settle([settlement(claim_only(settled), "failed")])
+    low = one(send_batch(ALICE, note(1), [A], {**KEY, "low_priority": True}))
+    normal = send_batch(ALICE, note(2), [A, B], KEY)
+    assert normal is not None
+    direct = one(send_batch(ALICE, note(3), [A], KEY))
+    send_batch(ALICE, note(4), [A, B], KEY)
+    lanes = {row.id: row.lane for row in Delivery.objects.filter(inbox=A)}
+    normal_to_a = Delivery.objects.get(batch=normal, inbox=A)
+    assert lanes[settled.id] == Lane.LOW
+    assert lanes[low.id] == Lane.PRIORITY
+    assert lanes[normal_to_a.id] == Lane.PRIORITY
+    assert lanes[direct.id] == Lane.PRIORITY
+    assert Delivery.objects.get(batch=normal, inbox=B).lane == Lane.NORMAL
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_send_waits_for_no_lock_another_holds_on_what_it_would_take_into_its_lane(
+    settings: Any,
+) -> None:
+    """On PostgreSQL a send holds the last delivery of its sequence; what
+    that one waits on may be locked by a settle, which releases it next.
+    Waiting for that row to take it into its lane, the send would deadlock
+    with the settle: the row is passed, and the send goes on at once."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite has one writer")
+    from django_federation_delivery.models import Lane
+
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 1}
+    first = one(send_batch(ALICE, note(0), [A], {**KEY, "low_priority": True}))
+    second = send_batch(ALICE, note(1), [A, "https://b.example/inbox"], KEY)
+    locked, release = threading.Event(), threading.Event()
+    held_to_the_end: list[bool] = []
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                Delivery.objects.select_for_update().filter(id=first.id).exists()
+                locked.set()
+                held_to_the_end.append(not release.wait(10))
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert locked.wait(10)
+    try:
+        one(send_batch(ALICE, note(2), [A], KEY))
+    finally:
+        release.set()
+        holder.join(15)
+    assert held_to_the_end == [False], "the send waited for the row another held"
+    first.refresh_from_db()
+    # Taken into the normal lane by the second send, and passed by the third.
+    assert first.lane == Lane.NORMAL
+    assert Delivery.objects.get(batch=second, inbox=A).lane == Lane.PRIORITY

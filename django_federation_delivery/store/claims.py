@@ -69,6 +69,10 @@ class Claimed:
     #: The status its last attempt was answered with, if any: what a failure
     #: without an attempt (its batch's deadline passed) tells.
     last_status: int | None = None
+    #: Its lane (``models.Lane``): its batch's, or a sooner one that a
+    #: delivery waiting on it in its sequence took it into
+    #: (``sequences.promote``); "" for its batch's.
+    lane: str = ""
 
 
 def lease_deadline(row: Claimed) -> float:
@@ -145,6 +149,7 @@ def claim(
                 row[7],
                 "" if via is not None else BAD_GATEWAYS,
                 row[8],
+                row[9] if row[9] in RANK else "",
             )
         )
     return claimed
@@ -206,7 +211,7 @@ def _take_postgresql(db: sql.Statements, wanted: _Wanted) -> list[Any]:
         limit=wanted.limit,
     )
     # RETURNING gives no order: the lanes' and, within each, the queue's.
-    return [row[:-1] for row in sorted(rows, key=lambda row: (RANK[row[-1]], row[0]))]
+    return sorted(rows, key=lambda row: (RANK.get(row[-1], len(RANK)), row[0]))
 
 
 def _take_sqlite(db: sql.Statements, wanted: _Wanted) -> list[Any]:

@@ -132,7 +132,8 @@ SELECT json_group_array(json_array(
     CASE WHEN via IS NULL OR typeof(via) = 'text' THEN via ELSE '?' END,
     CASE WHEN typeof(destination) = 'text' THEN destination ELSE '' END,
     CASE WHEN typeof(kind) = 'text' THEN kind ELSE '' END,
-    CASE WHEN typeof(last_status) = 'integer' THEN last_status END
+    CASE WHEN typeof(last_status) = 'integer' THEN last_status END,
+    CASE WHEN typeof(lane) = 'text' THEN lane ELSE '' END
 ))
 FROM {delivery} WHERE id IN (SELECT value FROM json_each(%(ids)s))
 
@@ -723,6 +724,38 @@ FROM (
     WHERE batch_id IN (SELECT value FROM json_each(%(ids)s)) AND sequence <> ''
 ) AS c
 WHERE {delivery}.id = c.id AND c.before IS NOT NULL
+
+-- name: promote [postgresql]
+-- The deliveries %(ids)s (locked by the send that waits on them), and what
+-- each waits on in turn while pending, taken into the lane %(lane)s where
+-- theirs is one of %(lanes)s: a direct message in the key of a fan-out
+-- waits on the fan-out's delivery to its inbox, claimed then as soon as
+-- it. What another transaction holds (a settle, a claim) is passed, not
+-- waited for: this send holds the rows after it, which a settle's release
+-- of the rows after its own locks next.
+WITH RECURSIVE waited(id) AS (
+    SELECT unnest(%(ids)s::bigint[])
+    UNION
+    SELECT p.after_id FROM waited JOIN {delivery} AS p ON p.id = waited.id
+    WHERE p.after_id IS NOT NULL AND p.settled_at IS NULL
+), promoted AS (
+    SELECT d.id FROM {delivery} AS d
+    WHERE d.id IN (SELECT id FROM waited) AND d.settled_at IS NULL
+        AND d.lane = ANY(%(lanes)s::varchar[])
+    ORDER BY d.id FOR UPDATE SKIP LOCKED
+)
+UPDATE {delivery} SET lane = %(lane)s FROM promoted WHERE {delivery}.id = promoted.id
+
+-- name: promote [sqlite]
+WITH RECURSIVE waited(id) AS (
+    SELECT value FROM json_each(%(ids)s)
+    UNION
+    SELECT p.after_id FROM waited JOIN {delivery} AS p ON p.id = waited.id
+    WHERE p.after_id IS NOT NULL AND p.settled_at IS NULL
+)
+UPDATE {delivery} SET lane = %(lane)s
+WHERE id IN (SELECT id FROM waited) AND settled_at IS NULL
+    AND lane IN (SELECT value FROM json_each(%(lanes)s))
 
 -- name: lock_deliveries [postgresql]
 -- Rows about to be settled that a send may be making a delivery wait on:

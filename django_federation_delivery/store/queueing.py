@@ -30,7 +30,9 @@ from django_federation_delivery.store import sql, wakes
 from django_federation_delivery.store.sequences import (
     chain,
     last_of_sequences,
+    later_lanes,
     lock_sequences,
+    promote,
     sequence_of,
 )
 
@@ -93,6 +95,8 @@ def enqueue(
     per_statement = rows_per_statement(
         connection, most=CHUNK, per_row=len(_COLUMNS), constants=_CONSTANTS
     )
+    # The lanes of those it waits on, where they are read with them.
+    lanes: dict[int, str] = {}
     if waits_on is None:
         # Whoever else queues in these sequences waits until this commits,
         # and then sees what it queued.
@@ -103,7 +107,7 @@ def enqueue(
             # planner whose statistics call the table small walks the send's
             # own rows, every chunk (minutes for 50,000 inboxes). (SQLite's
             # are looked up once the batch's write has taken the lock.)
-            waits_on = _last_of(batch, inboxes, alias)
+            waits_on = _last_of(batch, inboxes, alias, lanes)
     with sql.on(connection, driver=True) as db:
         # A batch kept under its idempotency key that a purge deletes between
         # the insert that met it and the read of it frees the key: inserted
@@ -142,7 +146,7 @@ def enqueue(
             raise Batch.DoesNotExist("the batch kept under this idempotency key is gone")
         _written(batch, alias)
         if waits_on is None:
-            waits_on = _last_of(batch, inboxes, alias)
+            waits_on = _last_of(batch, inboxes, alias, lanes)
         # A statement at a time, each a bounded chunk: 100,000 rows' values at
         # once is memory a fan-out does not need.
         for start in range(done, len(inboxes), per_statement):
@@ -152,6 +156,12 @@ def enqueue(
                 batch_id=batch.id,
                 **_delivery_params(connection, batch, chunk, waits_on, due, kind),
             )
+    if waits_on and (not lanes or not set(lanes.values()).isdisjoint(later_lanes(batch.lane))):
+        # What it waits on is claimed as soon as it would be. (Where their
+        # lanes were read as they were locked, only if one of them is
+        # claimed later: what each waits on in turn was taken into its lane
+        # when it was queued.)
+        promote(waits_on.values(), batch.lane, alias)
     _saved(batch, alias)
     transaction.on_commit(wakes.notify_local, using=alias)
     return batch
@@ -426,10 +436,13 @@ def _batch_values(batch: Batch, connection: Any) -> list[Any]:
     return values
 
 
-def _last_of(batch: Batch, inboxes: Sequence[Queued], alias: str) -> dict[str, int]:
+def _last_of(
+    batch: Batch, inboxes: Sequence[Queued], alias: str, lanes: dict[int, str]
+) -> dict[str, int]:
     """What each of ``inboxes`` that waits its turn waits on: the last
-    delivery pending in its sequence, none of this send's own."""
-    return last_of_sequences(batch.ordering_key, batch.id, _ordered(inboxes), alias)
+    delivery pending in its sequence, none of this send's own (their lanes
+    in ``lanes``, where they are read: see ``last_of_sequences``)."""
+    return last_of_sequences(batch.ordering_key, batch.id, _ordered(inboxes), alias, lanes=lanes)
 
 
 def _ordered(chunk: Sequence[Queued]) -> list[str]:

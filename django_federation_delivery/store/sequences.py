@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from django_federation_delivery.dialect import connection_for, db_datetime, is_postgresql
 from django_federation_delivery.models import Delivery
 from django_federation_delivery.store import sql
+from django_federation_delivery.store.claims import CLAIM_ORDER
 
 #: Deliveries :func:`chain` makes wait in one statement on PostgreSQL.
 CHAIN_CHUNK = 500
@@ -30,10 +31,16 @@ def sequence_of(ordering_key: str, inbox: str) -> str:
 
 
 def last_of_sequences(
-    ordering_key: str, batch_id: int | None, inboxes: Iterable[str], alias: str
+    ordering_key: str,
+    batch_id: int | None,
+    inboxes: Iterable[str],
+    alias: str,
+    *,
+    lanes: dict[int, str] | None = None,
 ) -> dict[str, int]:
     """For each inbox, the last pending delivery queued before with the same
-    ordering key (not of batch ``batch_id``), which the new one is to wait on.
+    ordering key (not of batch ``batch_id``), which the new one is to wait on;
+    on PostgreSQL, each one's lane in ``lanes`` (if given), read as it is locked.
 
     Found by the highest pending id of each sequence, one indexed look however
     long its backlog (a webhook destination after an outage). On PostgreSQL
@@ -62,7 +69,7 @@ def last_of_sequences(
                 }
                 held = set(found.values())
                 if locks and found:
-                    held = set(
+                    locked = dict(
                         Delivery.objects.using(alias)
                         .select_for_update()
                         # Pending as settled_at says it (see queries.sql): as
@@ -72,8 +79,11 @@ def last_of_sequences(
                         # them (a settle's lock_deliveries): in the plan's
                         # order, it deadlocked with a settle of the same rows.
                         .order_by("id")
-                        .values_list("id", flat=True)
+                        .values_list("id", "lane")
                     )
+                    held = set(locked)
+                    if lanes is not None:
+                        lanes.update(locked)
                 for sequence, id in found.items():
                     if id in held:
                         last[by_sequence[sequence]] = id
@@ -93,6 +103,29 @@ def release_next(settled: Sequence[int], now: dt.datetime, using: str | None) ->
     connection = connection_for(using)
     with sql.on(connection) as db:
         db.release_next(settled, db_datetime(now, connection))
+
+
+def promote(waited_on: Iterable[int], lane: str, alias: str) -> int:
+    """Take the deliveries ``waited_on`` by a new one in ``lane``, and what
+    they wait on in turn while pending, into that lane where theirs is
+    claimed after it (:data:`~.claims.CLAIM_ORDER`): one claimed later would
+    hold the new one back as long, whatever its own lane. A direct message
+    sent in the key of a fan-out waits on the fan-out's delivery to its
+    inbox, which is then claimed as soon as the message would be. Returns
+    how many were taken."""
+    ids = sorted(set(waited_on))
+    lanes = later_lanes(lane)
+    if not ids or not lanes:
+        return 0
+    connection = connection_for(alias)
+    with sql.on(connection) as db:
+        given = lanes if db.postgresql else json.dumps(lanes)
+        return db.run("promote", ids=db.ids(ids), lane=str(lane), lanes=given)
+
+
+def later_lanes(lane: str) -> list[str]:
+    """The lanes claimed after ``lane``."""
+    return [str(later) for later in CLAIM_ORDER[CLAIM_ORDER.index(lane) + 1 :]]
 
 
 def chain(batch_ids: Sequence[int], alias: str) -> int:
