@@ -1324,3 +1324,37 @@ def test_a_requeued_delivery_goes_before_the_next_of_its_sequence_held_without_a
         "the second of the sequence, held back and never sent, is left due beside "
         f"the requeued first: after_id={waits.after_id}, due_at={waits.due_at}"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_write_interrupted_as_it_tells_a_supersession_still_tells_batch_finished() -> None:
+    """A Create claimed, then its Delete queued: the deliverer writes the
+    Create held back (its breaker open), which supersedes it and finishes
+    its batch. The operator's Ctrl-C lands in a delivery_settled receiver
+    told of it (send_safely lets a KeyboardInterrupt through), after the
+    write committed: written again as the loop leaves, the write finds its
+    claim gone. The batch it finished is still handed on to be told."""
+    first = send(ALICE, create(), [A])
+    assert first is not None
+    (claimed,) = store.claim(10, 60)
+    send(ALICE, delete(), [A])
+    held = store.Settlement(
+        claimed=claimed,
+        status=Status.PENDING,
+        attempts=claimed.attempts + 1,
+        due_at=timezone.now() + dt.timedelta(minutes=5),
+        last_error="held: the circuit breaker for a.example is open",
+        counted="held",
+    )
+    tried: store.settlements.Tried = {}
+    finished: list[int] = []
+
+    def interrupted(items: list[store.Settlement]) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        store.settle([held], on_finished=finished.extend, on_superseded=interrupted, tried=tried)
+    store.settle([held], on_finished=finished.extend, on_superseded=lambda items: None, tried=tried)
+    first.refresh_from_db()
+    assert first.finished_at is not None
+    assert finished == [first.pk]

@@ -171,10 +171,15 @@ def settle(
         raise
     # Committed: what is told now cannot undo it.
     superseded = [item for item in superseded if item.claimed.id in settled.written]
-    if superseded and on_superseded is not None:
-        on_superseded(superseded)
-    if settled.finished and on_finished is not None:
-        on_finished(settled.finished)
+    try:
+        if superseded and on_superseded is not None:
+            on_superseded(superseded)
+    finally:
+        # Even when what it tells is interrupted (a receiver let a
+        # KeyboardInterrupt through): written again, it would find its claim
+        # gone, and the batches it finished would never be told.
+        if settled.finished and on_finished is not None:
+            on_finished(settled.finished)
     if any(_due_again(item, now) for item in settlements if item.claimed.id in settled.written):
         # Put back due now (a stopping deliverer's hand-back): for any
         # deliverer to take, each woken as by a send.
