@@ -401,24 +401,38 @@ WHERE b.id = ANY(%(batches)s::bigint[])
 WHERE b.id IN (SELECT value FROM json_each(%(batches)s))
 
 -- name: retractions_since_of
+-- A retraction is taken back by an Undo of it alone: a later Delete of
+-- the object it deletes too takes nothing of it back.
 SELECT b.id, rb.id FROM {batch} AS b
 JOIN {batch} AS rb ON rb.sender = b.sender AND rb.id > b.id AND rb.object_id > '' AND (
-    (rb.retracts = 'object' AND rb.object_id = b.object_id AND b.object_id > '')
+    (rb.retracts = 'object' AND rb.object_id = b.object_id AND b.object_id > ''
+        AND b.retracts = '')
     OR (rb.retracts = 'activity' AND rb.object_id = b.activity_id AND b.activity_id > ''))
 
--- name: sent_at [postgresql]
+-- name: superseded_at [postgresql]
 -- Which of the inboxes %(inboxes)s each of the batches %(batches)s has a
--- delivery to that was not superseded: sent, or to be (one superseded
--- was never sent, and takes nothing back).
+-- delivery to that was superseded: a retraction never sent there, taken
+-- back itself (an Undo of it), which takes nothing back there.
 SELECT batch_id, inbox FROM {delivery}
 WHERE batch_id = ANY(%(batches)s::bigint[]) AND inbox = ANY(%(~inboxes)s::varchar[])
-    AND status <> %(superseded)s
+    AND status = %(superseded)s
 
--- name: sent_at [sqlite]
+-- name: superseded_at [sqlite]
 SELECT batch_id, inbox FROM {delivery}
 WHERE batch_id IN (SELECT value FROM json_each(%(batches)s))
     AND inbox IN (SELECT value FROM json_each(%(inboxes)s))
-    AND status <> %(superseded)s
+    AND status = %(superseded)s
+
+-- name: superseded_at_host [postgresql]
+-- Which of the batches %(batches)s have a delivery to the host %(host)s
+-- that was superseded (as superseded_at, for a host's inboxes).
+SELECT DISTINCT batch_id FROM {delivery}
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND host = %(host)s AND status = %(superseded)s
+
+-- name: superseded_at_host [sqlite]
+SELECT DISTINCT batch_id FROM {delivery}
+WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND host = %(host)s
+    AND status = %(superseded)s
 
 -- name: retracted_held_rows
 -- Of the deliveries held back without a request by a deliverer that had

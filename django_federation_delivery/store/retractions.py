@@ -31,7 +31,7 @@ import dataclasses
 import datetime as dt
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from django.db import transaction
@@ -230,27 +230,26 @@ def pending_at(
 
 
 def retracted_since(rows: Sequence[tuple[int, int, str]], *, using: str | None = None) -> set[int]:
-    """Of ``rows`` (each a delivery's id, batch and inbox), those to whose
-    inbox a later retraction of their batch's sender was sent, or is to
-    be: a Delete of its object, an Undo of it, not itself superseded
-    there. Sent again, a deleted post's ``Create`` would land after its
-    ``Delete``. Read as lists, two statements however many rows: looked
-    up a row at a time, statistics of many small batches had each row
-    read the retraction's whole batch."""
+    """Of ``rows`` (each a delivery's id, batch and inbox), those a later
+    retraction of their batch's sender took back: a Delete of its object,
+    an Undo of it, whether it went to their inbox or left it out (a host
+    unavailable then, an audience narrowed), unless it was superseded there
+    itself (undone before it went). Sent again, a deleted post's ``Create``
+    would land after its ``Delete``, or bring back a post its inbox never
+    had. Read as lists, two statements however many rows: looked up a row
+    at a time, statistics of many small batches had each row read the
+    retraction's whole batch."""
     if not rows:
         return set()
     connection = connection_for(using or database_alias())
     with sql.on(connection) as db:
-        later: dict[int, list[int]] = {}
-        batches = sorted({batch for _, batch, _ in rows})
-        for batch, retraction in db.all("retractions_since", batches=db.ids(batches)):
-            later.setdefault(batch, []).append(retraction)
+        later = _later_retractions(db, {batch for _, batch, _ in rows})
         if not later:
             return set()
         inboxes = sorted({inbox for _, batch, inbox in rows if batch in later})
-        sent = set(
+        superseded = set(
             db.all(
-                "sent_at",
+                "superseded_at",
                 batches=db.ids(sorted({id for ids in later.values() for id in ids})),
                 inboxes=inboxes if db.postgresql else json.dumps(inboxes),
                 superseded=str(Status.SUPERSEDED),
@@ -259,8 +258,40 @@ def retracted_since(rows: Sequence[tuple[int, int, str]], *, using: str | None =
     return {
         id
         for id, batch, inbox in rows
-        if any((retraction, inbox) in sent for retraction in later.get(batch, ()))
+        if any((retraction, inbox) not in superseded for retraction in later.get(batch, ()))
     }
+
+
+def retracted_at_host(batches: Iterable[int], host: str, *, using: str | None = None) -> set[int]:
+    """Of ``batches``, those a later retraction of their sender took back at
+    ``host`` (as :func:`retracted_since` says it of an inbox: sent there or
+    not, unless superseded there). Two statements however many."""
+    connection = connection_for(using or database_alias())
+    with sql.on(connection) as db:
+        later = _later_retractions(db, set(batches))
+        if not later:
+            return set()
+        retractions = sorted({id for ids in later.values() for id in ids})
+        superseded = {
+            id
+            for (id,) in db.all(
+                "superseded_at_host",
+                batches=db.ids(retractions),
+                host=host,
+                superseded=str(Status.SUPERSEDED),
+            )
+        }
+    return {batch for batch, ids in later.items() if any(id not in superseded for id in ids)}
+
+
+def _later_retractions(db: sql.Statements, batches: set[int]) -> dict[int, list[int]]:
+    """For each of ``batches`` that has any, the later batches of its
+    sender that take it back (``retractions_since``)."""
+    later: dict[int, list[int]] = {}
+    if batches:
+        for batch, retraction in db.all("retractions_since", batches=db.ids(sorted(batches))):
+            later.setdefault(batch, []).append(retraction)
+    return later
 
 
 def wait_on_retracted(batch_ids: Sequence[int], *, using: str | None = None) -> int:
