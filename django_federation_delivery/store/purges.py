@@ -76,7 +76,7 @@ def _delete_chunk(params: dict[str, Any], alias: str) -> list[Any]:
             waiting = [id for (id,) in db.all("waiting_on", **span)]
             if waiting:
                 now = db_datetime(aware_now(), connection)
-                db.released(db.all("release", ids=db.ids(waiting), now=now))
+                db.release("release", db.ids(waiting), now)
             db.run("forget_deleted", **span)
     return rows
 

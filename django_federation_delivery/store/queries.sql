@@ -521,6 +521,14 @@ WITH r AS (
 )
 {released_rows}
 
+-- name: jit_off [postgresql]
+-- No JIT compilation until the transaction ends, or jit_as puts back the
+-- setting this returns (Statements.release).
+SELECT current_setting('jit'), set_config('jit', 'off', true)
+
+-- name: jit_as [postgresql]
+SELECT set_config('jit', %(was)s, true)
+
 -- name: release [sqlite]
 UPDATE {delivery} SET after_id = {inherited},
     due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,

@@ -352,7 +352,6 @@ def release_stranded(*, now: dt.datetime, using: str | None = None) -> int:
             db.lock_for_writing()  # on SQLite, before its read: see pending_at
             ids = [id for (id,) in db.all("stranded", limit=STRANDED_CHUNK)]
             if ids:
-                rows = db.all("release", ids=db.ids(ids), now=db_datetime(now, connection))
-                released += len(db.released(rows))
+                released += len(db.release("release", db.ids(ids), db_datetime(now, connection)))
         if len(ids) < STRANDED_CHUNK:
             return released
