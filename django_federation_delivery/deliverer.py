@@ -198,7 +198,7 @@ class Deliverer:
             per_host=self.limits.allowed,
             slow_after=self.slow_after,
             resting=self.limits.resting,
-            start=self.limits.start,
+            lowered=self.limits.lowered,
         )
         #: Outcomes written together in one transaction, at most WRITE_WITHIN
         #: seconds late and four for each slot: what a crash would send again.

@@ -12,7 +12,7 @@ import time
 
 from django.utils import timezone
 
-from django_federation_delivery.dialect import aware_now
+from django_federation_delivery.dialect import aware_now, connection_for, is_postgresql
 from django_federation_delivery.outages import Runner
 from django_federation_delivery.retry import jitter
 from django_federation_delivery.slots import Slots
@@ -36,6 +36,13 @@ HOLD_PASS_SECONDS = 1.0
 #: lanes alone only when it finds some. Sends from other processes do not
 #: wake it then (its LISTEN is paused while claims come back full).
 URGENT_LOOK_SECONDS = 0.1
+#: How long before an urgent claim that found nothing what came due "since"
+#: it begins: a send's deliveries are written due before its transaction
+#: commits, and a direct message committed just after that claim (woken by
+#: nothing: the listener paused while claims come back full) is then looked
+#: for at the next look, not a pass later. A row due in that time that no
+#: claim may take (its host left out) is claimed for once or twice more.
+SEND_COMMIT_SECONDS = 0.25
 
 
 class SendWake(threading.Event):
@@ -102,6 +109,8 @@ class Intake:
     listened: SendWake = dataclasses.field(init=False)
     #: Whether the next look reads all that is due (:attr:`listened`).
     _look_at_all: bool = dataclasses.field(default=False, init=False)
+    #: Whether a claim passes the rows another transaction holds (PostgreSQL).
+    _passes_locked: bool = dataclasses.field(default=False, init=False)
     #: PostgreSQL's listener, while :meth:`listen` has one: paused while
     #: claims come back full, as the loop claims again then unwoken.
     _listener: PostgresListener | None = dataclasses.field(default=None, init=False)
@@ -112,6 +121,7 @@ class Intake:
     def __post_init__(self) -> None:
         self.sent = SendWake(self.wake)
         self.listened = SendWake(self.wake)
+        self._passes_locked = is_postgresql(connection_for(self.using))
 
     def listen(self) -> bool:
         """Be woken by sends from other processes (PostgreSQL's LISTEN), where
@@ -208,6 +218,15 @@ class Intake:
         if not claimed:
             self._found_nothing_at = claiming_at
             self._left_out_until = self._next_claimable(held)
+            if not self._left_out_until and not saturated and self._passes_locked:
+                # Nothing was left out, and yet what is due may not be
+                # claimable: rows another transaction holds (a Delete being
+                # written locks what it supersedes), which PostgreSQL's claim
+                # passes. Only what came due since is looked for until a
+                # pass later: claimed again at every turn, each a write
+                # transaction, for as long as that transaction stayed open.
+                # (SQLite's claim holds the write lock: it passes nothing.)
+                self._left_out_until = time.monotonic() + HOLD_PASS_SECONDS
         if self._listener is not None:
             self._listener.pause(len(claimed) >= limit)
         if claimed:
@@ -256,7 +275,7 @@ class Intake:
         # What is due to a host the claim leaves out (at its limit, resting,
         # held by its breaker) is taken by no claim: once one took nothing,
         # only what came due since is looked for, and all again a pass later.
-        since = self._urgent_nothing_at
+        since = _before_commits(self._urgent_nothing_at)
         if since is not None and now - self._urgent_nothing_seen >= HOLD_PASS_SECONDS:
             since = None
         if not self.db(claims.has_due, since=since, lanes=claims.URGENT, using=self.using):
@@ -385,3 +404,9 @@ class Intake:
                 break
         self.wake.clear()
         self.caught_up = False
+
+
+def _before_commits(at: dt.datetime | None) -> dt.datetime | None:
+    """What came due "since" an urgent claim that found nothing at ``at``:
+    from SEND_COMMIT_SECONDS before it."""
+    return None if at is None else at - dt.timedelta(seconds=SEND_COMMIT_SECONDS)

@@ -132,6 +132,17 @@ class HostLimits:
             return min(self.start, self.most)
         return int(found.limit)
 
+    def lowered(self, host: str) -> bool:
+        """Whether ``host`` refused as many at once as it was sent lately:
+        its limit below where it starts, or halved and not grown back to
+        where it was halved from. Its urgent deliveries then share its
+        limit with the others (``slots.Slots``), which would otherwise send
+        it as many as it refused."""
+        found = self._hosts.get(host)
+        if found is None:
+            return False
+        return int(found.limit) < self.start or found.ceiling is not None
+
     def allowed(self, host: str) -> int:
         """How many deliveries ``host`` may have in flight now: its limit,
         or none while it rests."""

@@ -52,14 +52,16 @@ class Slots:
         slow_after: float,
         resting: Callable[[], Mapping[str, float]] = dict,
         start: int = 1,
+        lowered: Callable[[str], bool] | None = None,
     ) -> None:
         self.concurrency = concurrency
         #: How many a host may have in flight now (``limits.HostLimits.allowed``).
         self.per_host = per_host
-        #: What a host's limit starts at (``PER_HOST``): one lowered below it
-        #: (a host that refused as many at once) gives the urgent ones no
-        #: limit of their own, which would send it more than it asked for.
-        self.start = start
+        #: Whether a host's limit was lowered (``limits.HostLimits.lowered``):
+        #: by default, below where it starts (``start``, ``PER_HOST``). A host
+        #: that refused as many at once gives the urgent ones no limit of
+        #: their own, which would send it more than it asked for.
+        self.lowered = lowered or (lambda host: per_host(host) < start)
         #: The hosts that may have none in flight for now, whatever they hold,
         #: and for how many seconds more (``limits.HostLimits.resting``).
         self.resting = resting
@@ -157,8 +159,8 @@ class Slots:
 
     def _own_limit(self, host: str) -> bool:
         """Whether the urgent ones have ``host``'s limit again of their own:
-        unless it was lowered below where it starts."""
-        return self.per_host(host) >= self.start
+        unless it was lowered (:attr:`lowered`)."""
+        return not self.lowered(host)
 
     def _room(self, item: InFlight) -> bool:
         """Whether ``item``'s host may have one more in flight now: of the
@@ -287,14 +289,21 @@ class Slots:
         )
 
     def threads_wanted(self) -> int:
-        """The worker threads its slots may keep busy now: ``concurrency``,
-        one for each slow delivery, and one for each urgent one that is not."""
-        return (
-            self.concurrency
-            + self.slow_count()
-            + self.urgent_in_flight
-            - self.slow_count(urgent=True)
-        )
+        """The worker threads its slots may keep busy now: ``concurrency``
+        and one for each slow delivery of the others' (or as many as are
+        taken by the others' attempts, if more: the threads made while some
+        were slow take queued ones as they end), and one for each urgent
+        one, slow or not: a thread free for it, whatever the others hold."""
+        cutoff = time.monotonic() - self.slow_after
+        slow = taken = 0
+        # A copy taken at once: workers ask too, while the coordinator changes it.
+        for item in list(self.in_flight.values()):
+            if item.urgent or not item.started:
+                continue
+            taken += 1
+            if item.started <= cutoff:
+                slow += 1
+        return max(self.concurrency + slow, taken) + self.urgent_in_flight
 
     def threads_allowed(self, most: int) -> int:
         """The most worker threads now: ``most`` for the others, and one for

@@ -198,3 +198,21 @@ def test_urgent_deliveries_have_a_hosts_limit_again_unless_it_was_lowered() -> N
     place.add(item(21, "slow", Lane.PRIORITY))
     assert hosts(place.hand_out(admit_all, slow=0, queued=0, most=10)) == ["a"]
     assert place.ready[0].claimed.id == 21
+
+
+def test_an_urgent_delivery_has_a_thread_free_when_the_others_take_more_than_their_share() -> None:
+    """Threads made while the others' attempts were slow take queued ones
+    as they end: once as many are busy with the others' as exist, an urgent
+    delivery handed out wants a thread more, not one of theirs to end."""
+    place = slots(concurrency=4, per_host=20)
+    for number in range(8):
+        place.add(item(number, f"h{number}"))
+    handed = place.hand_out(admit_all, slow=0, queued=4, most=8)
+    assert len(handed) == 8
+    for each in handed:
+        each.started = time.monotonic()  # taken by 8 threads, none slow yet
+    place.add(item(99, "friend", Lane.PRIORITY))
+    (urgent,) = place.hand_out(admit_all, slow=0, queued=4, most=8)
+    assert urgent.urgent
+    assert place.threads_wanted() == 9
+    assert place.threads_allowed(8) == 9

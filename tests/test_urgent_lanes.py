@@ -1,0 +1,213 @@
+"""The loop's looks for work while it is idle or busy, and the urgent lanes' share of a host."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+
+from django_federation_delivery import send
+from django_federation_delivery.deliverer import Deliverer
+
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .keys import ALICE
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+POST = f"{ALICE}/notes/1"
+
+
+def create(obj: Any = POST) -> dict[str, Any]:
+    return {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE, "object": obj}
+
+
+def delete(obj: Any = POST) -> dict[str, Any]:
+    return {"type": "Delete", "id": f"{ALICE}/activities/d", "actor": ALICE, "object": obj}
+
+
+def test_an_idle_deliverer_does_not_spin_claiming_rows_a_retraction_being_written_holds(
+    inbox: Inbox,
+) -> None:
+    """A web request deletes a post (its ``Delete`` sent in the request's
+    transaction, which runs on for a moment). An idle deliverer on PostgreSQL
+    claimed in a tight loop meanwhile: each claim, a write transaction,
+    passed the rows the retraction locked (SKIP LOCKED) and found nothing,
+    and the next read said they were still due, with no wait in between."""
+    from django.test.utils import CaptureQueriesContext
+
+    if connection.vendor != "postgresql":
+        pytest.skip("only PostgreSQL's claim passes locked rows (SKIP LOCKED)")
+    inboxes = [inbox.url(f"/{n}") for n in range(3)]
+    send(ALICE, create(), inboxes)
+    locked, release = threading.Event(), threading.Event()
+
+    def delete_in_a_long_request() -> None:
+        from django.db import connection as own
+
+        try:
+            with transaction.atomic():
+                send(ALICE, delete(), inboxes)  # supersedes the Create's rows, locked
+                locked.set()
+                release.wait(10)
+        finally:
+            own.close()
+
+    request = threading.Thread(target=delete_in_a_long_request)
+    request.start()
+    try:
+        assert locked.wait(10)
+        with CaptureQueriesContext(connection) as queries:
+            Deliverer().run(stop_after=1.0)
+    finally:
+        release.set()
+        request.join(10)
+    claims = [q["sql"] for q in queries.captured_queries if "SKIP LOCKED" in q["sql"]]
+    # An idle loop that found nothing claimable waits: for a result, a wake,
+    # or at least NEW_WORK_POLL_SECONDS (0.1 s) before it looks again.
+    assert len(claims) <= 12, f"{len(claims)} claims in 1 s"
+
+
+class TakesAtMost:
+    """A host that takes ``most`` requests at once: one more is answered 429
+    at once; each taken is answered 202 after ``delay``."""
+
+    def __init__(self, most: int, delay: float) -> None:
+        self.most = most
+        self.delay = delay
+        self.lock = threading.Lock()
+        self.now = 0
+        self.refused: list[tuple[float, str]] = []
+        #: The most at once since the first refusal.
+        self.most_after_refusal = 0
+
+    def __call__(self, request: Received) -> tuple[int, dict[str, str], bytes]:
+        with self.lock:
+            self.now += 1
+            if self.refused:
+                self.most_after_refusal = max(self.most_after_refusal, self.now)
+            if self.now > self.most:
+                self.refused.append((time.monotonic(), request.path))
+                self.now -= 1
+                return 429, {}, b""
+        time.sleep(self.delay)
+        with self.lock:
+            self.now -= 1
+        return 202, {}, b""
+
+
+@pytest.mark.parametrize(
+    ("per_host", "takes"),
+    [(1, 1), (2, 3)],
+    ids=["per-host-1-halved-to-1", "default-per-host-halved-to-2"],
+)
+def test_a_host_that_refused_is_not_sent_as_many_at_once_again_by_the_urgent_lanes(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    per_host: int,
+    takes: int,
+) -> None:
+    """A host takes ``takes`` requests at once. It answered well, its limit
+    grew, and it answered 429 to one past what it takes: its limit is halved
+    (to 1 from 2 with ``--per-host 1``; to 2 from 4 or 5 with the default
+    ``PER_HOST`` of 2), and it is sent no more than that until it has grown
+    back. The urgent lanes kept a limit of their own there, the halved limit
+    not being below ``PER_HOST``: direct messages went beside the fan-out,
+    the host was sent as many at once as it had just refused, and they met
+    429s."""
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 1}
+    host = TakesAtMost(takes, 0.3)
+    big = inboxes("127.0.0.31", respond=host)
+    runner = start_deliverer(concurrency=16, per_host=per_host, per_host_max=8)
+    # A fan-out there: the host answers well, its limit grows, until it
+    # refuses one past what it takes.
+    send(ALICE, create(), [big.url(f"/u{n}") for n in range(60)])
+    wait_until(lambda: bool(host.refused), timeout=20)
+    for n in range(6):
+        send(ALICE, {"type": "Create", "to": f"dm{n}"}, [big.url(f"/dm{n}")])
+    time.sleep(3.0)
+    runner.stop()
+    refused_dms = [path for _, path in host.refused if path.startswith("/dm")]
+    assert host.most_after_refusal <= takes, (host.most_after_refusal, host.refused)
+    assert not refused_dms, refused_dms
+
+
+def test_a_direct_message_from_another_process_is_not_left_for_a_second_by_a_busy_deliverer(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PostgreSQL. A deliverer busy with a fan-out (its LISTEN paused, as its
+    claims come back full) looks for urgent work every 0.1 s; a direct
+    message to a slow host is due but left out (that host at its limit), so
+    its urgent claims find nothing and it looks only for what came due since,
+    all of it again a pass later. A web process sends a direct message to
+    another host in its request's transaction, committed a moment after one
+    of those urgent claims: its due time is before that claim, and no wake
+    comes. It waited for the pass; it is claimed at the next look."""
+    if connection.vendor != "postgresql":
+        pytest.skip("on SQLite a claim waits for the send's write lock")
+    from django_federation_delivery.store import claims, wakes
+
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 1}
+    slow = inboxes("127.0.0.41", delay=8.0)
+    fast = inboxes("127.0.0.42")
+    fan = [inboxes(f"127.0.0.{50 + n}", delay=2.0) for n in range(10)]
+    for n in range(3):
+        send(ALICE, {"type": "Create", "to": f"s{n}"}, [slow.url(f"/s{n}")])
+    send(ALICE, create(), [sink.url(f"/u{n}") for sink in fan for n in range(8)])
+    empty_urgent: list[float] = []
+    dm_claimed: list[float] = []
+    real_claim = claims.claim
+
+    def claim(*args: Any, **kwargs: Any) -> Any:
+        got = real_claim(*args, **kwargs)
+        if kwargs.get("lanes") == claims.URGENT and got == []:
+            empty_urgent.append(time.monotonic())
+        if any(row.inbox.endswith("/dm") for row in got or []):
+            dm_claimed.append(time.monotonic())
+        return got
+
+    monkeypatch.setattr(claims, "claim", claim)
+    # A pass over what is left out three times as long: what waited for it
+    # waited seconds, not a look.
+    from django_federation_delivery import intake as intake_module
+
+    monkeypatch.setattr(intake_module, "HOLD_PASS_SECONDS", 3.0)
+    # The web process is another process: no wake in this one.
+    monkeypatch.setattr(wakes, "notify_local", lambda: None)
+    runner = start_deliverer(concurrency=4, claim_size=8)
+    intake = runner.deliverer.intake
+    wait_until(lambda: len(slow.received) == 2 and bool(empty_urgent), timeout=20)
+    wait_until(lambda: intake._listener is not None and not intake._listener.listening)
+    sent, release = threading.Event(), threading.Event()
+    committed: list[float] = []
+
+    def request() -> None:
+        from django.db import connection as own
+
+        try:
+            with transaction.atomic():
+                send(ALICE, {"type": "Create", "to": "friend"}, [fast.url("/dm")])
+                sent.set()
+                release.wait(10)
+            committed.append(time.monotonic())
+        finally:
+            own.close()
+
+    web = threading.Thread(target=request)
+    web.start()
+    assert sent.wait(10)
+    after = time.monotonic()
+    wait_until(lambda: any(at > after for at in empty_urgent), timeout=10)
+    release.set()
+    web.join(10)
+    wait_until(lambda: bool(dm_claimed), timeout=10)
+    took = dm_claimed[0] - committed[0]
+    runner.stop()
+    assert took < 1.5, f"the direct message was claimed {took:.2f} s after its commit"
