@@ -57,8 +57,8 @@ STEP = 500
 
 #: How a batch a replay wrote begins its idempotency key, and its tag: what
 #: tells it from a send's with no column of its own.
-KEY_PREFIX = "replay-"
-TAG_PREFIX = "replay of batch "
+KEY_PREFIX = retractions.REPLAY_KEY_PREFIX
+TAG_PREFIX = retractions.REPLAY_TAG_PREFIX
 
 
 def replay(
@@ -235,23 +235,34 @@ def _replayable(deliveries: QuerySet[Delivery], *, host: str = "") -> QuerySet[D
         return mine.exclude(batch_id__in=taken_back).exclude(batch__deadline__lte=now).exclude(gone)
     # Each by the partial index on what the retraction names (its condition
     # written out): a few rows for an object, whatever the table holds. A
-    # retraction superseded at this host (undone before it went) took
-    # nothing back there.
-    superseded_here = Delivery.objects.filter(
-        batch_id=OuterRef("pk"), host=OuterRef(OuterRef("host")), status=Status.SUPERSEDED
+    # retraction superseded at this host (undone before it went), or undone
+    # since and never sent here, took nothing back here; a replay's copy of
+    # one is none.
+    here = Delivery.objects.filter(batch_id=OuterRef("pk"), host=OuterRef(OuterRef("host")))
+    undone = Batch.objects.filter(
+        id__gt=OuterRef("pk"),
+        sender=OuterRef("sender"),
+        retracts=Retracts.ACTIVITY,
+        object_id=OuterRef("activity_id"),
+        object_id__gt="",
+    ).exclude(idempotency_key__startswith=KEY_PREFIX, tag__startswith=TAG_PREFIX)
+    later = (
+        Batch.objects.filter(
+            id__gt=OuterRef("batch_id"), sender=OuterRef("batch__sender"), object_id__gt=""
+        )
+        .exclude(idempotency_key__startswith=KEY_PREFIX, tag__startswith=TAG_PREFIX)
+        .exclude(Exists(here.filter(status=Status.SUPERSEDED)))
+        .exclude(~Exists(here) & Exists(undone))
     )
-    later = Batch.objects.filter(
-        id__gt=OuterRef("batch_id"), sender=OuterRef("batch__sender"), object_id__gt=""
-    ).exclude(Exists(superseded_here))
     deleted = later.filter(retracts=Retracts.OBJECT, object_id=OuterRef("batch__object_id"))
-    undone = later.filter(retracts=Retracts.ACTIVITY, object_id=OuterRef("batch__activity_id"))
+    undid = later.filter(retracts=Retracts.ACTIVITY, object_id=OuterRef("batch__activity_id"))
     # Nor what no deliverer would send: a batch past its deadline (its
     # requeue is refused too), an event to a destination no longer configured.
     # A retraction is taken back by an Undo of it alone, not by a later
     # Delete of the object it deletes too.
     return (
         mine.exclude(Q(batch__retracts=Retracts.NOTHING) & Exists(deleted))
-        .exclude(Exists(undone))
+        .exclude(Exists(undid))
         .exclude(batch__deadline__lte=now)
         .exclude(gone)
     )

@@ -402,37 +402,52 @@ WHERE b.id IN (SELECT value FROM json_each(%(batches)s))
 
 -- name: retractions_since_of
 -- A retraction is taken back by an Undo of it alone: a later Delete of
--- the object it deletes too takes nothing of it back.
+-- the object it deletes too takes nothing of it back. A replay's copy of
+-- a retraction is no retraction of its own: written after what followed
+-- the first, it would take back what that had restored.
 SELECT b.id, rb.id FROM {batch} AS b
 JOIN {batch} AS rb ON rb.sender = b.sender AND rb.id > b.id AND rb.object_id > '' AND (
     (rb.retracts = 'object' AND rb.object_id = b.object_id AND b.object_id > ''
         AND b.retracts = '')
     OR (rb.retracts = 'activity' AND rb.object_id = b.activity_id AND b.activity_id > ''))
+    AND NOT (rb.idempotency_key LIKE %(replay_key)s AND rb.tag LIKE %(replay_tag)s)
 
--- name: superseded_at [postgresql]
+-- name: undone_retractions [postgresql]
+-- Of the retractions %(ids)s, those a later Undo of their sender took back
+-- (not a replay's copy of one).
+{undone_retractions_of} WHERE r.id = ANY(%(ids)s::bigint[])
+
+-- name: undone_retractions [sqlite]
+{undone_retractions_of} WHERE r.id IN (SELECT value FROM json_each(%(ids)s))
+
+-- name: undone_retractions_of
+SELECT r.id FROM {batch} AS r
+JOIN {batch} AS u ON u.sender = r.sender AND u.id > r.id AND u.object_id > ''
+    AND u.retracts = 'activity' AND u.object_id = r.activity_id AND r.activity_id > ''
+    AND NOT (u.idempotency_key LIKE %(replay_key)s AND u.tag LIKE %(replay_tag)s)
+
+-- name: retraction_rows_at [postgresql]
 -- Which of the inboxes %(inboxes)s each of the batches %(batches)s has a
--- delivery to that was superseded: a retraction never sent there, taken
--- back itself (an Undo of it), which takes nothing back there.
-SELECT batch_id, inbox FROM {delivery}
+-- delivery to, and whether it was superseded there: a retraction never
+-- sent there, taken back itself (an Undo of it), takes nothing back there.
+SELECT batch_id, inbox, status = %(superseded)s FROM {delivery}
 WHERE batch_id = ANY(%(batches)s::bigint[]) AND inbox = ANY(%(~inboxes)s::varchar[])
-    AND status = %(superseded)s
 
--- name: superseded_at [sqlite]
-SELECT batch_id, inbox FROM {delivery}
+-- name: retraction_rows_at [sqlite]
+SELECT batch_id, inbox, status = %(superseded)s FROM {delivery}
 WHERE batch_id IN (SELECT value FROM json_each(%(batches)s))
     AND inbox IN (SELECT value FROM json_each(%(inboxes)s))
-    AND status = %(superseded)s
 
--- name: superseded_at_host [postgresql]
--- Which of the batches %(batches)s have a delivery to the host %(host)s
--- that was superseded (as superseded_at, for a host's inboxes).
-SELECT DISTINCT batch_id FROM {delivery}
-WHERE batch_id = ANY(%(batches)s::bigint[]) AND host = %(host)s AND status = %(superseded)s
+-- name: retraction_rows_at_host [postgresql]
+-- Which of the batches %(batches)s have a delivery to the host %(host)s,
+-- and whether each of them there was superseded (as retraction_rows_at).
+SELECT batch_id, MIN(CASE WHEN status = %(superseded)s THEN 1 ELSE 0 END) FROM {delivery}
+WHERE batch_id = ANY(%(batches)s::bigint[]) AND host = %(host)s GROUP BY batch_id
 
--- name: superseded_at_host [sqlite]
-SELECT DISTINCT batch_id FROM {delivery}
+-- name: retraction_rows_at_host [sqlite]
+SELECT batch_id, MIN(CASE WHEN status = %(superseded)s THEN 1 ELSE 0 END) FROM {delivery}
 WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND host = %(host)s
-    AND status = %(superseded)s
+GROUP BY batch_id
 
 -- name: retracted_held_rows
 -- Of the deliveries held back without a request by a deliverer that had

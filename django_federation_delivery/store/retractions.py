@@ -229,15 +229,22 @@ def pending_at(
     return {inbox for (inbox,) in rows}
 
 
+#: How a batch a replay wrote begins its idempotency key, and its tag: what
+#: tells it from a send's with no column of its own (``replay.py``).
+REPLAY_KEY_PREFIX = "replay-"
+REPLAY_TAG_PREFIX = "replay of batch "
+
+
 def retracted_since(rows: Sequence[tuple[int, int, str]], *, using: str | None = None) -> set[int]:
     """Of ``rows`` (each a delivery's id, batch and inbox), those a later
     retraction of their batch's sender took back: a Delete of its object,
     an Undo of it, whether it went to their inbox or left it out (a host
-    unavailable then, an audience narrowed), unless it was superseded there
-    itself (undone before it went). Sent again, a deleted post's ``Create``
-    would land after its ``Delete``, or bring back a post its inbox never
-    had. Read as lists, two statements however many rows: looked up a row
-    at a time, statistics of many small batches had each row read the
+    unavailable then, an audience narrowed), unless it was taken back
+    itself there: superseded there (undone before it went), or, leaving
+    it out, undone since. Sent again, a deleted post's ``Create`` would
+    land after its ``Delete``, or bring back a post its inbox never had.
+    Read as lists, a few statements however many rows: looked up a row at
+    a time, statistics of many small batches had each row read the
     retraction's whole batch."""
     if not rows:
         return set()
@@ -246,26 +253,33 @@ def retracted_since(rows: Sequence[tuple[int, int, str]], *, using: str | None =
         later = _later_retractions(db, {batch for _, batch, _ in rows})
         if not later:
             return set()
+        retractions = sorted({id for ids in later.values() for id in ids})
         inboxes = sorted({inbox for _, batch, inbox in rows if batch in later})
-        superseded = set(
-            db.all(
-                "superseded_at",
-                batches=db.ids(sorted({id for ids in later.values() for id in ids})),
+        superseded = {
+            (batch, inbox): bool(gone)
+            for batch, inbox, gone in db.all(
+                "retraction_rows_at",
+                batches=db.ids(retractions),
                 inboxes=inboxes if db.postgresql else json.dumps(inboxes),
                 superseded=str(Status.SUPERSEDED),
             )
-        )
+        }
+        undone = _undone(db, retractions)
     return {
         id
         for id, batch, inbox in rows
-        if any((retraction, inbox) not in superseded for retraction in later.get(batch, ()))
+        if any(
+            not superseded.get((retraction, inbox), retraction in undone)
+            for retraction in later.get(batch, ())
+        )
     }
 
 
 def retracted_at_host(batches: Iterable[int], host: str, *, using: str | None = None) -> set[int]:
     """Of ``batches``, those a later retraction of their sender took back at
     ``host`` (as :func:`retracted_since` says it of an inbox: sent there or
-    not, unless superseded there). Two statements however many."""
+    not, unless superseded at every inbox of the host it went to, or,
+    leaving the host out, undone since). A few statements however many."""
     connection = connection_for(using or database_alias())
     with sql.on(connection) as db:
         later = _later_retractions(db, set(batches))
@@ -273,15 +287,20 @@ def retracted_at_host(batches: Iterable[int], host: str, *, using: str | None = 
             return set()
         retractions = sorted({id for ids in later.values() for id in ids})
         superseded = {
-            id
-            for (id,) in db.all(
-                "superseded_at_host",
+            id: bool(gone)
+            for id, gone in db.all(
+                "retraction_rows_at_host",
                 batches=db.ids(retractions),
                 host=host,
                 superseded=str(Status.SUPERSEDED),
             )
         }
-    return {batch for batch, ids in later.items() if any(id not in superseded for id in ids)}
+        undone = _undone(db, retractions)
+    return {
+        batch
+        for batch, ids in later.items()
+        if any(not superseded.get(id, id in undone) for id in ids)
+    }
 
 
 def _later_retractions(db: sql.Statements, batches: set[int]) -> dict[int, list[int]]:
@@ -289,9 +308,20 @@ def _later_retractions(db: sql.Statements, batches: set[int]) -> dict[int, list[
     sender that take it back (``retractions_since``)."""
     later: dict[int, list[int]] = {}
     if batches:
-        for batch, retraction in db.all("retractions_since", batches=db.ids(sorted(batches))):
+        for batch, retraction in db.all(
+            "retractions_since", batches=db.ids(sorted(batches)), **_NOT_REPLAYS
+        ):
             later.setdefault(batch, []).append(retraction)
     return later
+
+
+def _undone(db: sql.Statements, retractions: list[int]) -> set[int]:
+    """Of ``retractions``, those a later Undo of their sender took back."""
+    return {id for (id,) in db.all("undone_retractions", ids=db.ids(retractions), **_NOT_REPLAYS)}
+
+
+#: What the statements that look for retractions leave out: a replay's copies.
+_NOT_REPLAYS = {"replay_key": f"{REPLAY_KEY_PREFIX}%", "replay_tag": f"{REPLAY_TAG_PREFIX}%"}
 
 
 def wait_on_retracted(batch_ids: Sequence[int], *, using: str | None = None) -> int:
