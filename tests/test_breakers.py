@@ -183,6 +183,7 @@ class TestTheDatabaseSide:
             assert breakers.breaker_rows(forget_after=600) == []
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_failing_host_is_held_after_the_threshold_and_probed_after_the_cool_off(
     inboxes: Callable[..., Inbox],
@@ -242,6 +243,7 @@ def test_a_paused_host_is_held_not_failed_until_resumed(
     runner.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_host_paused_while_its_delivery_waits_for_a_slot_is_not_sent_it(
     inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer]
@@ -329,6 +331,7 @@ def test_giving_up_a_host_fails_its_pending_deliveries_and_tells_receivers() -> 
         signals.batch_finished.disconnect(done)
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_host_down_for_a_while_gets_everything_once_it_is_back(
     inboxes: Callable[..., Inbox],
@@ -404,6 +407,7 @@ def test_a_held_hosts_backlog_keeps_no_other_host_waiting(
     assert not down.filter(last_status__isnull=False).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_an_idle_loop_without_listen_claims_no_more_for_a_held_hosts_due_delivery() -> None:
     from django.db import connection
@@ -442,6 +446,7 @@ def test_an_idle_loop_without_listen_claims_no_more_for_a_held_hosts_due_deliver
     assert rounds <= 6, len(claims)
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_two_deliverers_count_failures_together_and_probe_one_at_a_time(
     inboxes: Callable[..., Inbox],
@@ -584,6 +589,7 @@ def test_a_failure_right_after_a_successful_probe_is_counted_and_holds_nothing()
     assert decision is Decision.PASS, f"held {held:.0f} s by a closed breaker"
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_probe_put_back_unsent_as_the_deliverer_stops_is_given_back(
     inboxes: Callable[..., Inbox],

@@ -269,6 +269,7 @@ def test_what_waits_past_its_deadline_is_told_once_though_the_database_went_away
     assert finished == [update.pk]
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_delivery_given_up_in_flight_then_requeued_is_never_sent_twice_at_once(
     inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer]
@@ -361,6 +362,7 @@ def test_one_requeued_while_paused_waiting_in_its_sequence_keeps_its_lease_end()
     assert (row.due_at, row.not_before) == (None, lease_end)
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_webhook_event_given_up_in_flight_holds_the_next_until_its_attempt_ends(
     inboxes: Callable[..., Inbox],
@@ -491,6 +493,7 @@ def test_a_resume_while_another_process_writes_waits_its_turn() -> None:
     assert Delivery.objects.get().due_at is not None
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_the_deadline_sweep_leaves_a_row_claimed_after_its_read_to_its_claimer(
     inbox: Inbox,

@@ -314,6 +314,7 @@ def test_a_delivery_past_its_deadline_is_given_up_unsent(
     assert received_signals["failed"][0].deadline is True
 
 
+@pytest.mark.slow
 def test_a_delivery_waiting_for_a_worker_is_not_sent_after_its_batchs_deadline(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -378,6 +379,7 @@ def test_what_waits_its_turn_or_for_its_paused_host_is_given_up_at_its_deadline(
     assert sorted(received_signals["finished"]) == sorted([update.id, held.id])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unreached", ["low priority", "open breaker"])
 def test_a_deadline_fails_what_no_claim_reaches_while_a_fan_out_keeps_the_loop_busy(
     inboxes: Callable[..., Inbox],
@@ -416,6 +418,7 @@ def test_a_deadline_fails_what_no_claim_reaches_while_a_fan_out_keeps_the_loop_b
     assert [f.deadline for f in failures if f.batch_id == late.id] == [True]
 
 
+@pytest.mark.slow
 def test_a_deadline_fails_what_waits_claimed_behind_a_fan_out_within_the_sweeps_time(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -881,6 +884,7 @@ def test_no_more_than_per_host_go_to_one_host_at_once(
     assert slow_begun == 2, "the slow host holds two slots, not the loop"
 
 
+@pytest.mark.slow
 def test_a_host_that_refuses_even_one_at_a_time_rests_and_is_not_hammered(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -935,6 +939,7 @@ def test_a_host_that_refuses_even_one_at_a_time_rests_and_is_not_hammered(
     assert status_of(batch) == [Status.DELIVERED] * 20
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_retry_that_comes_due_while_the_only_other_work_rests_is_sent_at_once(
     inboxes: Callable[..., Inbox],
@@ -1040,6 +1045,7 @@ def test_a_database_that_is_away_for_a_moment_is_waited_out(
     assert len(inbox.received) == 1, "an outcome not written at first is written, not re-sent"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("back", [False, True], ids=["away", "back-within-the-grace"])
 def test_a_stop_while_the_database_is_away_ends_after_a_grace_without_spinning(
     inbox: Inbox,
@@ -1660,6 +1666,7 @@ def test_a_batch_deleted_between_claim_and_read_is_dropped_and_the_loop_goes_on(
     assert f"Batch(es) {doomed.pk} were deleted" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_run_with_stop_after_stops_claiming_then_and_finishes_what_is_in_flight(
     inboxes: Callable[..., Inbox],
 ) -> None:
@@ -1735,6 +1742,7 @@ def test_a_stop_after_past_what_a_timer_can_wait_is_refused_not_run_for_ever(
     assert "at most 9.22337e+09" in str(error) and f"not {quoted(value)}" in str(error)
 
 
+@pytest.mark.slow
 def test_a_run_that_loses_the_lock_it_holds_stops_claiming_and_finishes_what_is_in_flight(
     inboxes: Callable[..., Inbox],
 ) -> None:

@@ -94,6 +94,7 @@ def test_a_host_knocked_on_twice_is_remembered_across_a_restart(
     assert Delivery.objects.filter(status=Status.DELIVERED).count() == 3
 
 
+@pytest.mark.slow
 def test_a_delete_never_overtakes_its_create_while_the_create_is_retried(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -344,6 +345,7 @@ def test_an_urgent_send_goes_before_a_fan_out_to_many_slow_hosts_already_claimed
     assert behind < 40, f"{behind} deliveries of the fan-out went before it"
 
 
+@pytest.mark.slow
 def test_a_direct_message_does_not_wait_for_an_attempt_of_a_fan_out_to_end(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -418,6 +420,7 @@ def every_thread_held_by_a_fan_out(
     return (send_urgent, *every_thread_held(inboxes, start_deliverer, delay=delay))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("urgent", ["direct-message", "webhook"])
 def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     inboxes: Callable[..., Inbox],
@@ -440,6 +443,7 @@ def test_an_urgent_send_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     assert ended == [], f"sent once {len(ended)} attempts of the fan-out had ended"
 
 
+@pytest.mark.slow
 def test_a_second_direct_message_goes_while_a_fan_outs_slow_attempts_hold_every_thread(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -465,6 +469,7 @@ def test_a_second_direct_message_goes_while_a_fan_outs_slow_attempts_hold_every_
     assert running == 4, f"{running} of the fan-out's attempts at once, for the 4 they share"
 
 
+@pytest.mark.slow
 def test_a_direct_message_goes_while_the_fan_out_and_an_earlier_slow_one_hold_every_thread(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -489,6 +494,7 @@ def test_a_direct_message_goes_while_the_fan_out_and_an_earlier_slow_one_hold_ev
     assert ended == [], f"sent once {len(ended)} attempts (the fan-out's, the first's) had ended"
 
 
+@pytest.mark.slow
 def test_a_direct_message_in_the_key_of_a_fan_out_holding_every_thread_goes_after_its_turn(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -545,6 +551,7 @@ def counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, Any, i
     return made
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("why", ["breaker-open"])
 def test_an_urgent_row_whose_host_is_left_out_is_not_claimed_for_again_and_again(
@@ -592,6 +599,7 @@ def test_an_urgent_row_whose_host_is_left_out_is_not_claimed_for_again_and_again
     )
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_direct_message_to_a_host_a_fan_out_keeps_at_its_limit_goes_at_once(
     inboxes: Callable[..., Inbox],
@@ -624,6 +632,7 @@ def test_a_direct_message_to_a_host_a_fan_out_keeps_at_its_limit_goes_at_once(
     assert started_at["/dm"] - sent < 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_busy_deliverer_claims_no_more_than_claim_size_ahead_of_its_slots(
     inboxes: Callable[..., Inbox],
@@ -825,6 +834,7 @@ def test_a_portable_inbox_is_sent_no_synchronization_header_and_none_is_asked(
     assert "ERROR" not in caplog.text
 
 
+@pytest.mark.slow
 def test_a_later_gateway_paused_while_its_delivery_waits_for_a_slot_gets_no_request(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],

@@ -67,6 +67,7 @@ def row(
 # The writer.
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("every_second")
 def test_a_deliverer_beats_at_its_interval_idle_or_busy_and_marks_its_row_when_it_stops(
     inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer], beats: list[float]

@@ -147,6 +147,7 @@ def test_the_endpoint_serves_the_metrics(endpoint: str) -> None:
     assert "federation_delivery_open_breakers 1.0" in text
 
 
+@pytest.mark.slow
 def test_clients_that_send_half_a_request_hold_a_bounded_few_threads_for_a_while(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -240,6 +240,7 @@ def test_a_lost_commits_finished_batch_is_told_when_the_read_of_it_fails_once(
     assert runner.deliverer._tried == {}
 
 
+@pytest.mark.slow
 def test_a_stop_with_the_database_away_exits_after_the_grace_not_the_attempts_in_flight(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],

@@ -793,6 +793,7 @@ def test_one_stranded_behind_a_superseded_delivery_keeps_its_turn_in_its_sequenc
     assert (stranded.after_id, stranded.due_at) == (row(first, A).id, None)
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_no_claim_takes_a_retraction_the_sweep_releases_before_it_waits_again(
     monkeypatch: pytest.MonkeyPatch,

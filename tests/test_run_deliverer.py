@@ -1191,6 +1191,7 @@ def test_two_deliverer_processes_show_as_two_live_deliverers(
     assert {interval for _, interval, _ in rows} == {heartbeats.STOPPED}, (rows, text)
 
 
+@pytest.mark.slow
 def test_an_idle_deliverer_logs_its_rate_line_every_log_interval(
     start_deliverer: Callable[..., RunningDeliverer],
 ) -> None:
@@ -1252,6 +1253,7 @@ class BrokenPipeStream:
         return False
 
 
+@pytest.mark.slow
 def test_a_drain_whose_stdout_breaks_delivers_everything_once(
     inboxes: Callable[..., Inbox], settings: Any
 ) -> None:
@@ -1283,6 +1285,7 @@ def test_a_drain_whose_stdout_breaks_delivers_everything_once(
     assert sorted(int(request.path.strip("/")) for request in sink.received) == list(range(16))
 
 
+@pytest.mark.slow
 def test_a_sigterm_stops_run_deliverer_even_when_its_stderr_is_gone(
     inboxes: Callable[..., Inbox], settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -149,6 +149,7 @@ def test_an_idle_deliverer_woken_only_by_sends_reads_its_gauges_on_time(
         assert (read, beats) == ([], 1)
 
 
+@pytest.mark.slow
 def test_an_idle_round_asks_after_its_lock_and_stops_once_another_has_it(
     settings: Any,
 ) -> None:
@@ -195,6 +196,7 @@ def test_a_stopping_loop_starts_no_probe_and_leaves_the_hosts_it_did_not_reach_d
     assert len(probe_due()) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_an_idle_deliverer_fails_what_waits_for_a_paused_host_past_its_deadline(
     inbox: Inbox, start_deliverer: Callable[..., Any]
@@ -212,6 +214,7 @@ def test_an_idle_deliverer_fails_what_waits_for_a_paused_host_past_its_deadline(
     assert inbox.received == []
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_drained_run_starts_no_probe_once_it_has_returned(
     inboxes: Callable[..., Inbox], settings: Any

@@ -104,6 +104,7 @@ class TakesAtMost:
     [(1, 1), (2, 3)],
     ids=["per-host-1-halved-to-1", "default-per-host-halved-to-2"],
 )
+@pytest.mark.slow
 def test_a_host_that_refused_is_not_sent_as_many_at_once_again_by_the_urgent_lanes(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],

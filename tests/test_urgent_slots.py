@@ -113,6 +113,7 @@ def test_a_direct_message_is_not_held_by_silent_recipients_of_others(
     runner.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_the_pool_shrinks_back_to_concurrency_after_an_urgent_burst(
     inboxes: Callable[..., Inbox],

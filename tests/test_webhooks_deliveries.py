@@ -237,6 +237,7 @@ def test_each_allow_list_opens_loopback_to_its_own_kind_alone(
         assert "not a public address" in Delivery.objects.get(kind="webhook").last_error
 
 
+@pytest.mark.slow
 def test_a_breakers_hold_spends_no_try_so_nine_tries_are_nine_requests(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
@@ -804,6 +805,7 @@ class Ledger(Pager):
         return super().judge(answer)
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_410_its_kind_judges_delivered_stays_delivered(
     inboxes: Callable[..., Inbox],
