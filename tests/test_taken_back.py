@@ -26,6 +26,13 @@ def settle(batch: Batch, status: Status, at: dt.datetime, **more: Any) -> None:
     )
 
 
+def delivered(batch: Batch, inbox: str, at: dt.datetime) -> None:
+    """``batch`` delivered to ``inbox`` at ``at``, with its one attempt then."""
+    Delivery.objects.filter(batch=batch, inbox=inbox).update(
+        status=Status.DELIVERED, settled_at=at, last_attempt_at=at, due_at=None, attempts=1
+    )
+
+
 def mark_unavailable(name: str) -> None:
     now = timezone.now()
     Host.objects.update_or_create(
@@ -100,13 +107,7 @@ def test_replaying_another_host_does_not_take_a_restored_like_back_here() -> Non
     settle(liked, Status.FAILED, now - dt.timedelta(minutes=50), inbox=H)
     undone = send(ALICE, UNLIKE, [A, H])
     assert undone is not None
-    Delivery.objects.filter(batch=undone, inbox=A).update(
-        status=Status.DELIVERED,
-        settled_at=now - dt.timedelta(minutes=40),
-        last_attempt_at=now - dt.timedelta(minutes=40),
-        due_at=None,
-        attempts=1,
-    )
+    delivered(undone, A, now - dt.timedelta(minutes=40))
     (copy,) = replay(host="a.example", since=now - dt.timedelta(hours=1))
     assert copy.activity_id == UNLIKE["id"]
     again = send(ALICE, RELIKE, [A, H])
@@ -126,23 +127,11 @@ def test_an_undo_of_an_undo_queues_the_like_again_after_another_hosts_replay() -
     now = timezone.now()
     liked = send(ALICE, LIKE, [A, H])
     assert liked is not None
-    Delivery.objects.filter(batch=liked, inbox=A).update(
-        status=Status.DELIVERED,
-        settled_at=now - dt.timedelta(minutes=50),
-        last_attempt_at=now - dt.timedelta(minutes=50),
-        due_at=None,
-        attempts=1,
-    )
+    delivered(liked, A, now - dt.timedelta(minutes=50))
     undone = send(ALICE, UNLIKE, [A, H])
     assert undone is not None
     assert Delivery.objects.get(batch=liked, inbox=H).status == Status.SUPERSEDED
-    Delivery.objects.filter(batch=undone, inbox=A).update(
-        status=Status.DELIVERED,
-        settled_at=now - dt.timedelta(minutes=40),
-        last_attempt_at=now - dt.timedelta(minutes=40),
-        due_at=None,
-        attempts=1,
-    )
+    delivered(undone, A, now - dt.timedelta(minutes=40))
     (copy,) = replay(host="a.example", since=now - dt.timedelta(hours=1))
     assert copy.activity_id == UNLIKE["id"]
     again = send(ALICE, RELIKE, [A, H])

@@ -765,34 +765,51 @@ WHERE {delivery}.id = c.id AND c.before IS NOT NULL
 -- name: promote [postgresql]
 -- The deliveries %(ids)s (locked by the send that waits on them), and what
 -- each waits on in turn while pending, taken into the lane %(lane)s where
--- theirs is one of %(lanes)s: a direct message in the key of a fan-out
--- waits on the fan-out's delivery to its inbox, claimed then as soon as
--- it. What another transaction holds (a settle, a claim) is passed, not
+-- theirs is one of %(lanes)s, and one due already made due %(now)s, as
+-- what came due since the urgent look's last is looked for: a direct
+-- message in the key of a fan-out waits on the fan-out's delivery to its
+-- inbox, claimed then as soon as it. The walk goes no further than a row
+-- of a lane as soon: what that one waits on was taken into its lane when
+-- it was queued, so a send behind a backlog in one lane reads one row.
+-- What another transaction holds (a settle, a claim) is passed, not
 -- waited for: this send holds the rows after it, which a settle's release
 -- of the rows after its own locks next.
-WITH RECURSIVE waited(id) AS (
-    SELECT unnest(%(ids)s::bigint[])
-    UNION
-    SELECT p.after_id FROM waited JOIN {delivery} AS p ON p.id = waited.id
-    WHERE p.after_id IS NOT NULL AND p.settled_at IS NULL
-), promoted AS (
-    SELECT d.id FROM {delivery} AS d
-    WHERE d.id IN (SELECT id FROM waited) AND d.settled_at IS NULL
+WITH RECURSIVE waited(id, after_id) AS (
+    SELECT d.id, d.after_id FROM {delivery} AS d
+    WHERE d.id = ANY(%(ids)s::bigint[]) AND d.settled_at IS NULL
         AND d.lane = ANY(%(lanes)s::varchar[])
+    UNION
+    SELECT p.id, p.after_id FROM waited JOIN {delivery} AS p ON p.id = waited.after_id
+    WHERE p.settled_at IS NULL AND p.lane = ANY(%(lanes)s::varchar[])
+), promoted AS (
+    SELECT d.id FROM {delivery} AS d WHERE d.id IN (SELECT id FROM waited)
     ORDER BY d.id FOR UPDATE SKIP LOCKED
 )
-UPDATE {delivery} SET lane = %(lane)s FROM promoted WHERE {delivery}.id = promoted.id
+UPDATE {delivery} SET lane = %(lane)s,
+    due_at = CASE WHEN {delivery}.due_at <= %(now)s THEN %(now)s ELSE {delivery}.due_at END
+FROM promoted WHERE {delivery}.id = promoted.id
 
 -- name: promote [sqlite]
-WITH RECURSIVE waited(id) AS (
-    SELECT value FROM json_each(%(ids)s)
+WITH RECURSIVE waited(id, after_id) AS (
+    SELECT d.id, d.after_id FROM {delivery} AS d
+    WHERE d.id IN (SELECT value FROM json_each(%(ids)s)) AND d.settled_at IS NULL
+        AND d.lane IN (SELECT value FROM json_each(%(lanes)s))
     UNION
-    SELECT p.after_id FROM waited JOIN {delivery} AS p ON p.id = waited.id
-    WHERE p.after_id IS NOT NULL AND p.settled_at IS NULL
+    SELECT p.id, p.after_id FROM waited JOIN {delivery} AS p ON p.id = waited.after_id
+    WHERE p.settled_at IS NULL AND p.lane IN (SELECT value FROM json_each(%(lanes)s))
 )
-UPDATE {delivery} SET lane = %(lane)s
-WHERE id IN (SELECT id FROM waited) AND settled_at IS NULL
-    AND lane IN (SELECT value FROM json_each(%(lanes)s))
+UPDATE {delivery} SET lane = %(lane)s,
+    due_at = CASE WHEN due_at <= %(now)s THEN %(now)s ELSE due_at END
+WHERE id IN (SELECT id FROM waited)
+
+-- name: waiters_of [postgresql]
+-- The pending deliveries that wait on one of %(ids)s: which, and their lane.
+SELECT after_id, lane FROM {delivery}
+WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
+
+-- name: waiters_of [sqlite]
+SELECT after_id, lane FROM {delivery}
+WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
 
 -- name: lock_deliveries [postgresql]
 -- Rows about to be settled that a send may be making a delivery wait on:
@@ -1038,6 +1055,7 @@ WHERE n.id IN (
 -- after: its host paused now, as a send to one is held (queued_values), or
 -- later (hosts.hold), then resumed.
 status = {pending}, lease_token = NULL, settled_at = NULL, after_id = NULL,
+lane = (SELECT b.lane FROM {batch} AS b WHERE b.id = {delivery}.batch_id),
 not_before = CASE WHEN {delivery}.due_at > %(now)s THEN {delivery}.due_at END,
 due_at = CASE WHEN {host_paused} THEN NULL
     WHEN {delivery}.due_at > %(now)s THEN {delivery}.due_at ELSE %(now)s END

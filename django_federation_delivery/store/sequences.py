@@ -12,7 +12,12 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 
-from django_federation_delivery.dialect import connection_for, db_datetime, is_postgresql
+from django_federation_delivery.dialect import (
+    aware_now,
+    connection_for,
+    db_datetime,
+    is_postgresql,
+)
 from django_federation_delivery.models import Delivery
 from django_federation_delivery.store import sql
 from django_federation_delivery.store.claims import CLAIM_ORDER
@@ -120,7 +125,25 @@ def promote(waited_on: Iterable[int], lane: str, alias: str) -> int:
     connection = connection_for(alias)
     with sql.on(connection) as db:
         given = lanes if db.postgresql else json.dumps(lanes)
-        return db.run("promote", ids=db.ids(ids), lane=str(lane), lanes=given)
+        now = db_datetime(aware_now(), connection)
+        return db.run("promote", ids=db.ids(ids), lane=str(lane), lanes=given, now=now)
+
+
+def promote_waited_on(ids: Sequence[int], alias: str) -> None:
+    """Take each of ``ids`` (requeued, its lane its batch's again) into the
+    lane of the soonest pending delivery that now waits on it, if sooner
+    (:func:`promote`)."""
+    if not ids:
+        return
+    connection = connection_for(alias)
+    waited: dict[str, set[int]] = {}
+    with sql.on(connection) as db:
+        for id, lane in db.all("waiters_of", ids=db.ids(ids)):
+            waited.setdefault(lane, set()).add(id)
+    # The soonest first: a later lane's takes none of those back.
+    for lane in CLAIM_ORDER:
+        if lane in waited:
+            promote(waited[lane], lane, alias)
 
 
 def later_lanes(lane: str) -> list[str]:

@@ -29,7 +29,11 @@ from django_federation_delivery.store.claims import Claimed
 from django_federation_delivery.store.countdowns import count_down, count_up
 from django_federation_delivery.store.locks import again_on_deadlock, lock_hosts, write_first
 from django_federation_delivery.store.queueing import CHUNK
-from django_federation_delivery.store.sequences import lock_sequences_of, release_next
+from django_federation_delivery.store.sequences import (
+    lock_sequences_of,
+    promote_waited_on,
+    release_next,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -618,6 +622,9 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
                 after = [id for (id,) in db.all("next_in_sequence", ids=db.ids(requeued))]
                 db.run("wait_in_sequence", ids=db.ids([*requeued, *after]))
                 db.wait_again(requeued)
+            # Back in their batch's lane, but for one that a delivery of a
+            # sooner lane now waits on again (a direct message in its key).
+            promote_waited_on(requeued, alias)
         count_up(Counter(batch_id for _, batch_id, _ in rows), alias)
     wakes.wake_all(alias)
     return len(rows)
