@@ -84,7 +84,9 @@ class Handoff:
                 break
             self._finish(item, result)
             self.slots.take_back(item)
-            self.intake.look_again()  # a retry may have come due since the last claim
+            # A retry may have come due since the last claim, and a slot at
+            # its host is free.
+            self.intake.look_again(item.claimed.host)
             if self.outbox.full() and not self.db.failing:
                 # Never more unwritten than a write's worth: what a crash
                 # would send again is bounded by it.

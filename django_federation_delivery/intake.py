@@ -36,13 +36,6 @@ HOLD_PASS_SECONDS = 1.0
 #: lanes alone only when it finds some. Sends from other processes do not
 #: wake it then (its LISTEN is paused while claims come back full).
 URGENT_LOOK_SECONDS = 0.1
-#: How long before an urgent claim that found nothing what came due "since"
-#: it begins: a send's deliveries are written due before its transaction
-#: commits, and a direct message committed just after that claim (woken by
-#: nothing: the listener paused while claims come back full) is then looked
-#: for at the next look, not a pass later. A row due in that time that no
-#: claim may take (its host left out) is claimed for once or twice more.
-SEND_COMMIT_SECONDS = 0.25
 
 
 class SendWake(threading.Event):
@@ -95,11 +88,9 @@ class Intake:
     _found_nothing: bool = dataclasses.field(default=False, init=False)
     #: When the urgent lanes were last looked at (:meth:`_claim_urgent`).
     _urgent_looked_at: float = dataclasses.field(default=0.0, init=False)
-    #: When the last urgent claim that took nothing began (the database's
-    #: clock, and this process's): until HOLD_PASS_SECONDS later, only what
-    #: came due since is looked for.
-    _urgent_nothing_at: dt.datetime | None = dataclasses.field(default=None, init=False)
-    _urgent_nothing_seen: float = dataclasses.field(default=0.0, init=False)
+    #: Whether the last urgent claim took nothing: the urgent look then
+    #: leaves out the hosts the claim leaves out.
+    _urgent_left_out: bool = dataclasses.field(default=False, init=False)
     #: Set by a send: the next claim looks at all that is due, not only at
     #: what came due since the last one that found nothing.
     sent: SendWake = dataclasses.field(init=False)
@@ -111,6 +102,8 @@ class Intake:
     _look_at_all: bool = dataclasses.field(default=False, init=False)
     #: Whether a claim passes the rows another transaction holds (PostgreSQL).
     _passes_locked: bool = dataclasses.field(default=False, init=False)
+    #: The hosts at their limit that the last claim that found nothing left out.
+    _left_at_limit: set[str] = dataclasses.field(default_factory=set, init=False)
     #: PostgreSQL's listener, while :meth:`listen` has one: paused while
     #: claims come back full, as the loop claims again then unwoken.
     _listener: PostgresListener | None = dataclasses.field(default=None, init=False)
@@ -142,10 +135,15 @@ class Intake:
             self._listener.stop()
             self._listener = None
 
-    def look_again(self) -> None:
+    def look_again(self, host: str | None = None) -> None:
         """Something may have come due (a result's retry, a send): the next
-        claim looks, whatever the last one found."""
+        claim looks, whatever the last one found. With the ``host`` of a
+        result, whose slot it frees: one the last claim that found nothing
+        left out at its limit is claimed for again at once."""
         self.caught_up = False
+        if host is not None and host in self._left_at_limit:
+            self._left_at_limit.clear()
+            self._found_nothing = False
 
     def claim_more(self) -> None:
         """Keep a few claimed deliveries ready for the next free slots,
@@ -158,11 +156,9 @@ class Intake:
         if self.sent.is_set():
             self.sent.clear()
             self._found_nothing = False
-            self._urgent_nothing_at = None
         if self.listened.is_set():
             self.listened.clear()
             self._look_at_all = True
-            self._urgent_nothing_at = None
         if self.slots.sendable(max(1, self.concurrency // 2)):
             self._claim_urgent()
             return
@@ -218,13 +214,16 @@ class Intake:
         if not claimed:
             self._found_nothing_at = claiming_at
             self._left_out_until = self._next_claimable(held)
-            if not self._left_out_until and not saturated and self._passes_locked:
-                # Nothing was left out, and yet what is due may not be
-                # claimable: rows another transaction holds (a Delete being
-                # written locks what it supersedes), which PostgreSQL's claim
-                # passes. Only what came due since is looked for until a
-                # pass later: claimed again at every turn, each a write
-                # transaction, for as long as that transaction stayed open.
+            self._left_at_limit = set(saturated)
+            if not self._left_out_until and (saturated or self._passes_locked):
+                # What is due may not be claimable: the hosts at their limit
+                # have theirs (a result that frees a slot there has the next
+                # claim made at once: look_again), and, on PostgreSQL, rows
+                # another transaction holds (a Delete being written locks
+                # what it supersedes) are passed. Only what came due since is
+                # looked for until a pass later: claimed again at every look,
+                # each a write transaction finding nothing, for as long as the
+                # hosts stayed at their limit or that transaction open.
                 # (SQLite's claim holds the write lock: it passes nothing.)
                 self._left_out_until = time.monotonic() + HOLD_PASS_SECONDS
         if self._listener is not None:
@@ -272,32 +271,37 @@ class Intake:
         room = self.claim_size - self.slots.urgent_ready()
         if room < 1:
             return
-        # What is due to a host the claim leaves out (at its limit, resting,
-        # held by its breaker) is taken by no claim: once one took nothing,
-        # only what came due since is looked for, and all again a pass later.
-        since = _before_commits(self._urgent_nothing_at)
-        if since is not None and now - self._urgent_nothing_seen >= HOLD_PASS_SECONDS:
-            since = None
-        if not self.db(claims.has_due, since=since, lanes=claims.URGENT, using=self.using):
+        left_out = [*self.slots.saturated_hosts(urgent=True), *self.upkeep.held_hosts()]
+        if self._urgent_left_out:
+            # What is due to a host the claim leaves out (at its limit,
+            # resting, held by its breaker) is taken by no claim: once one
+            # took nothing, the look leaves those hosts out too. (Looking
+            # only at what came due since, it missed a send committed after
+            # that claim, written due before it, that no wake told of.)
+            due = self.db(
+                claims.has_claimable,
+                exclude_hosts=left_out,
+                lanes=claims.URGENT,
+                using=self.using,
+            )
+        else:
+            due = self.db(claims.has_due, lanes=claims.URGENT, using=self.using)
+        if not due:
             return
-        saturated = self.slots.saturated_hosts(urgent=True)
-        claiming_at = timezone.now()
         claimed = self.db(
             claims.claim,
             room,
             self.lease,
             per_host=self.per_host,
-            exclude_hosts=[*saturated, *self.upkeep.held_hosts()],
+            exclude_hosts=left_out,
             lanes=claims.URGENT,
             using=self.using,
         )
         if claimed is None:
             return
-        if not claimed:
-            self._urgent_nothing_at, self._urgent_nothing_seen = claiming_at, now
-            return
-        self._urgent_nothing_at = None
-        self._sort(claimed)
+        self._urgent_left_out = not claimed
+        if claimed:
+            self._sort(claimed)
 
     def _claim_held(
         self, claimed: list[claims.Claimed], held: list[str], room: int
@@ -404,9 +408,3 @@ class Intake:
                 break
         self.wake.clear()
         self.caught_up = False
-
-
-def _before_commits(at: dt.datetime | None) -> dt.datetime | None:
-    """What came due "since" an urgent claim that found nothing at ``at``:
-    from SEND_COMMIT_SECONDS before it."""
-    return None if at is None else at - dt.timedelta(seconds=SEND_COMMIT_SECONDS)

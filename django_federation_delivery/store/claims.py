@@ -434,5 +434,30 @@ def has_due(
         )
 
 
+def has_claimable(
+    *,
+    exclude_hosts: Iterable[str] = (),
+    lanes: Iterable[str] | None = None,
+    using: str | None = None,
+) -> bool:
+    """Whether anything is due now, in ``lanes`` if given, that a claim
+    leaving out ``exclude_hosts`` would take (a few hosts: those at their
+    limit, or held; the urgent lanes' rows are few): exact where
+    :func:`has_due` given a ``since`` misses what a transaction committed
+    late had written due before it."""
+    connection = connection_for(using)
+    excluded = sorted(set(exclude_hosts))[:MOST_EXCLUDED]
+    with sql.on(connection) as db:
+        return bool(
+            db.value(
+                "has_due_claimable",
+                **_lanes(lanes),
+                now=db_datetime(aware_now(), connection),
+                excluded=excluded if db.postgresql else json.dumps(excluded),
+                only=None,
+            )
+        )
+
+
 #: Before any due time: what ``has_due`` looks after when not told.
 EARLIEST = dt.datetime(1, 1, 2, tzinfo=dt.UTC)

@@ -177,6 +177,20 @@ SELECT
         AND due_at <= %(now)s AND due_at > %(since)s)
 
 
+-- name: has_due_claimable
+-- Whether any lane has a row due by %(now)s that a claim leaving out the
+-- hosts %(excluded)s would take: an index read a lane, each due row's host
+-- looked up in the hosts left out (a hashed subplan on PostgreSQL).
+SELECT
+    EXISTS (SELECT 1 FROM {delivery} WHERE status = {pending} AND lane = %(lane0)s
+        AND due_at <= %(now)s AND {claimable_host})
+    OR EXISTS (SELECT 1 FROM {delivery} WHERE status = {pending} AND lane = %(lane1)s
+        AND due_at <= %(now)s AND {claimable_host})
+    OR EXISTS (SELECT 1 FROM {delivery} WHERE status = {pending} AND lane = %(lane2)s
+        AND due_at <= %(now)s AND {claimable_host})
+    OR EXISTS (SELECT 1 FROM {delivery} WHERE status = {pending} AND lane = %(lane3)s
+        AND due_at <= %(now)s AND {claimable_host})
+
 -- A send ------------------------------------------------------------------
 
 -- name: insert_batch
