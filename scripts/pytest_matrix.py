@@ -6,7 +6,8 @@ Each ENV is a tox environment already built (``tox run --notest``; inside
 tox, the running one). In each, the suite runs on SQLite and, if
 FD_POSTGRES_URL is set, on PostgreSQL (in the oldest and the newest cell,
 POSTGRES_ENVS, or in the one asked for): ``-m "not slow"``, and in SLOW_ENV the
-slow tests (subprocesses, Chromium) too, as runs of their own, so that the
+slow tests (subprocesses, Chromium, those that wait seconds) too, as runs
+of their own, so that the
 longest runs start first and no run waits for another: three at once
 (pytest-xdist), the browser's apart, in one process with one Chromium.
 Each run starts once one environment of its Python has collected the suite,
