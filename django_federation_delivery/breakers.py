@@ -32,7 +32,7 @@ from django.utils.translation import gettext as _
 from django_federation_delivery import addresses
 from django_federation_delivery.conf import SETTING, app_settings, database_alias
 from django_federation_delivery.dialect import aware, aware_now, orm_datetime
-from django_federation_delivery.models import Breaker
+from django_federation_delivery.models import Breaker, Delivery, Status
 from django_federation_delivery.store.breakers import count_failures
 from django_federation_delivery.store.locks import in_name_order
 from django_federation_delivery.store.queueing import CHUNK
@@ -228,20 +228,39 @@ def take_probe(key: str, *, cool_off: float, using: str | None = None) -> str | 
     return token if taken else None
 
 
+#: What a delivery held back by its breaker is written with (``triage.py``).
+HELD_BY_BREAKER = "held: the circuit breaker for {key} is open"
+
+
 def record_probe(
     key: str, token: str, *, failed: bool | None, cool_off: float, using: str | None = None
 ) -> None:
     """A probe's outcome: success closes the breaker, failure opens it for
     another cool-off; ``None``, no answer of its host's (no request made),
     gives the probe back for another delivery to take. A probe that lost
-    its turn changes nothing."""
+    its turn changes nothing.
+
+    A success also makes due now what the breaker held back while the
+    probe was under way (held until the probe's time was up, a cool-off):
+    a host's backlog follows its probe, not a minute later. (Of a breaker
+    kept per inbox, whose key names no host, a held delivery waits its
+    time.)"""
     alias = using or database_alias()
     manager = Breaker.objects.using(alias).filter(key=key, probe_token=token)
     if failed is None:
         manager.update(probe_token="", probe_until=None)
         return
     if not failed:
-        manager.delete()
+        if manager.delete()[0]:
+            now = orm_datetime(aware_now(), alias)
+            Delivery.objects.using(alias).filter(
+                host=key,
+                status=Status.PENDING,
+                settled_at__isnull=True,
+                lease_token__isnull=True,
+                due_at__gt=now,
+                last_error=HELD_BY_BREAKER.format(key=key),
+            ).update(due_at=now)
         return
     now = aware_now()
     manager.update(

@@ -91,6 +91,13 @@ class Intake:
     #: Whether the last urgent claim took nothing: the urgent look then
     #: leaves out the hosts the claim leaves out.
     _urgent_left_out: bool = dataclasses.field(default=False, init=False)
+    #: Until when the urgent lanes are not looked at: what is due there is
+    #: held by another transaction.
+    _urgent_quiet_until: float = dataclasses.field(default=0.0, init=False)
+    #: Where the next pass over the held hosts begins, past MOST_HOSTS of them,
+    #: and how many of them the passes since the last that took any took none of.
+    _held_turn: int = dataclasses.field(default=0, init=False)
+    _held_none: int = dataclasses.field(default=0, init=False)
     #: Set by a send: the next claim looks at all that is due, not only at
     #: what came due since the last one that found nothing.
     sent: SendWake = dataclasses.field(init=False)
@@ -156,6 +163,7 @@ class Intake:
         if self.sent.is_set():
             self.sent.clear()
             self._found_nothing = False
+            self._urgent_quiet_until = 0.0
         if self.listened.is_set():
             self.listened.clear()
             self._look_at_all = True
@@ -271,6 +279,8 @@ class Intake:
         room = self.claim_size - self.slots.urgent_ready()
         if room < 1:
             return
+        if now < self._urgent_quiet_until:
+            return
         left_out = [*self.slots.saturated_hosts(urgent=True), *self.upkeep.held_hosts()]
         if self._urgent_left_out:
             # What is due to a host the claim leaves out (at its limit,
@@ -299,6 +309,13 @@ class Intake:
         )
         if claimed is None:
             return
+        if not claimed and self._urgent_left_out:
+            # The look said yes, leaving out the same hosts: what it saw,
+            # another transaction holds (a Delete being written locks what it
+            # supersedes), which PostgreSQL's claim passes. No look until a
+            # pass later, or a send's wake: else a claim every look, each a
+            # write transaction finding nothing, while that one stays open.
+            self._urgent_quiet_until = now + HOLD_PASS_SECONDS
         self._urgent_left_out = not claimed
         if claimed:
             self._sort(claimed)
@@ -312,13 +329,27 @@ class Intake:
         once none was due."""
         if time.monotonic() < self._held_pass_at:
             return claimed
-        more = self.db(claims.claim, room, self.lease, only_hosts=held, using=self.using)
+        # A claim names at most MOST_HOSTS hosts: past them, in turns, so
+        # that each held host's rows are held again (a drain ends) and none
+        # waits on the first ones by name.
+        hosts = sorted(held)
+        if len(hosts) > claims.MOST_HOSTS:
+            start = self._held_turn % len(hosts)
+            hosts = (hosts[start:] + hosts[:start])[: claims.MOST_HOSTS]
+            self._held_turn = start + claims.MOST_HOSTS
+        more = self.db(claims.claim, room, self.lease, only_hosts=hosts, using=self.using)
         if more is None:
             # The database went away meanwhile: what was claimed still goes
             # (its leases are taken); nothing claimed says nothing of what is due.
             return claimed or None
-        if not more:
-            self._held_pass_at = time.monotonic() + HOLD_PASS_SECONDS
+        if more:
+            self._held_none = 0
+        else:
+            self._held_none += len(hosts)
+            if self._held_none >= len(held):
+                # A turn over every one of them took nothing.
+                self._held_pass_at = time.monotonic() + HOLD_PASS_SECONDS
+                self._held_none = 0
         return [*claimed, *more]
 
     def _next_claimable(self, held: list[str]) -> float:
@@ -333,10 +364,11 @@ class Intake:
 
     def _anything_due(self) -> bool | None:
         """Whether anything is due (None: the database is away). While the
-        hosts the last claim left out (held, or resting) stay left out, what
-        of theirs is due says nothing: only what came due since the last
-        claim that found nothing counts (else a loop whose only work is
-        theirs would claim again at every turn, finding nothing each time)."""
+        hosts the last claim left out (held, resting, or at their limit) stay
+        left out, what of theirs is due says nothing: only what came due
+        since the last claim that found nothing counts (else a loop whose
+        only work is theirs would claim again at every turn, finding nothing
+        each time)."""
         waiting = (
             self._found_nothing
             and not self._look_at_all

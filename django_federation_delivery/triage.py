@@ -20,7 +20,7 @@ import logging
 from django_federation_delivery.addresses import host_of
 from django_federation_delivery.attempt import AttemptResult, Job, held
 from django_federation_delivery.batches import BatchInfo, KnownBatches
-from django_federation_delivery.breakers import Breakers, Decision, Scope
+from django_federation_delivery.breakers import HELD_BY_BREAKER, Breakers, Decision, Scope
 from django_federation_delivery.breakers import admit as breaker_admits
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.hosts import KnownSchemes
@@ -179,7 +179,7 @@ class Triage:
             item.job = dataclasses.replace(item.job, targets=later)  # type: ignore[call-arg]
             item.breaker, item.elsewhere = "", True
             return None
-        return held(item.job, f"held: the circuit breaker for {item.breaker} is open", hold_for)
+        return held(item.job, HELD_BY_BREAKER.format(key=item.breaker), hold_for)
 
 
 def _targets(job: Job) -> tuple[str, ...]:

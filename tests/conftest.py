@@ -819,3 +819,32 @@ def waiting_on_locks() -> int:
             "WHERE datname = current_database() AND wait_event_type = 'Lock'"
         )
         return int(cursor.fetchone()[0])
+
+
+@contextlib.contextmanager
+def sent_in_an_open_transaction(sender: str, activity: Any, inboxes: list[str]) -> Iterator[None]:
+    """``activity`` sent by ``sender`` in another connection's transaction (a
+    web request's), which stays open, its rows locked, until the block ends."""
+    from django.db import connection as own
+
+    from django_federation_delivery import send
+
+    locked, release = threading.Event(), threading.Event()
+
+    def request() -> None:
+        try:
+            with transaction.atomic():
+                send(sender, activity, inboxes)
+                locked.set()
+                release.wait(30)
+        finally:
+            own.close()
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    try:
+        assert locked.wait(10)
+        yield
+    finally:
+        release.set()
+        thread.join(30)

@@ -1,8 +1,10 @@
-"""Sends from another process reach ``run_deliverer`` promptly, and one with
-nothing it may claim stays cheap. Real processes, real local inboxes."""
+"""Sends from another process reach ``run_deliverer`` promptly, one with
+nothing it may claim stays cheap, and what a breaker or a lock held goes
+once free. Real processes, real local inboxes."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import statistics
 import subprocess
@@ -12,11 +14,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connection, connections, transaction
+from django.utils import timezone
 
 from django_federation_delivery import send
+from django_federation_delivery.models import Delivery
 
-from .conftest import MANAGE, Inbox, Received, subprocess_env, wait_until
+from .conftest import (
+    MANAGE,
+    Inbox,
+    Received,
+    sent_in_an_open_transaction,
+    subprocess_env,
+    wait_until,
+)
 from .keys import ALICE
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -231,3 +242,106 @@ def test_a_direct_message_committed_a_second_after_it_was_made_is_not_left_for_a
         wait_until(lambda key=key: key in fast.at, timeout=30)
         latencies.append(fast.at[key] - committed)
     assert max(latencies) < 0.5, f"commit → arrival: {spread(latencies)}"
+
+
+POST = f"{ALICE}/notes/1"
+
+
+def create() -> dict[str, Any]:
+    return {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE, "object": POST}
+
+
+def delete() -> dict[str, Any]:
+    return {"type": "Delete", "id": f"{ALICE}/activities/d", "actor": ALICE, "object": POST}
+
+
+def test_a_busy_deliverer_does_not_claim_ten_times_a_second_a_direct_message_a_retraction_locks(
+    inboxes: Callable[..., Inbox], deliverers: Callable[..., Deliverer], settings: Any
+) -> None:
+    """PostgreSQL. A deliverer busy with a fan-out (its claims full, only the
+    urgent lanes looked at) while a web request deletes a post in a long
+    transaction: its ``Delete`` locks the direct message's row it supersedes,
+    still due as the others see it. The urgent look said it was claimable,
+    the urgent claim passed it (SKIP LOCKED) and took nothing, every 0.1 s;
+    now the look waits a pass, or a send's wake."""
+    if connection.vendor != "postgresql":
+        pytest.skip("only PostgreSQL's claim passes locked rows (SKIP LOCKED)")
+    fan = [inboxes(respond=Arrivals(delay=0.5)) for _ in range(40)]
+    receiver = inboxes(respond=Arrivals())
+    ours = {"PRIORITY_MAX_INBOXES": 1, "CONCURRENCY": 2}
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **ours}
+    deliverer = deliverers(settings=ours)
+    started(deliverer)
+    send(ALICE, NOTE, [h.url(f"/f{n}") for n in range(5) for h in fan])
+    wait_until(lambda: sum(len(h.received) for h in fan) >= 4, timeout=60)
+    # The direct message, due in a moment (not claimed before the Delete is written).
+    with transaction.atomic():
+        batch = send(ALICE, create(), [receiver.url("/dm")])
+        Delivery.objects.filter(batch=batch).update(
+            due_at=timezone.now() + dt.timedelta(seconds=1.5)
+        )
+    # The Delete supersedes the message's row, locked until its request ends.
+    with sent_in_an_open_transaction(ALICE, delete(), [receiver.url("/dm")]):
+        time.sleep(2.0)  # the row is due now, and locked
+        at = time.time()
+        time.sleep(3.0)
+        end = time.time()
+    urgent_empty = [
+        line
+        for line in deliverer.claims_between(at, end)
+        if "lanes=(" in line and line.endswith("got=0")
+    ]
+    assert len(urgent_empty) <= 6, (
+        f"{len(urgent_empty)} empty urgent claims in {end - at:.1f} s while a "
+        f"transaction held a due direct message"
+    )
+
+
+def test_a_drain_ends_when_more_than_200_hosts_have_their_breaker_open() -> None:
+    """250 dead hosts, each with its breaker open for the next two minutes and
+    one delivery due. A drain holds each again (a try of its RETRY, due
+    again after the cool-off) and ends. The claim of held hosts names at
+    most MOST_HOSTS (200): it took the same first 200 by name every time,
+    and the drain never ended; it now takes them in turns."""
+    from django_federation_delivery.deliverer import Deliverer
+    from django_federation_delivery.models import Breaker
+
+    hosts = [f"h{n:03}.example" for n in range(250)]
+    until = timezone.now() + dt.timedelta(seconds=120)
+    Breaker.objects.bulk_create(
+        [Breaker(key=host, failures=10, open_until=until) for host in hosts]
+    )
+    send(ALICE, NOTE, [f"https://{host}/inbox" for host in hosts])
+    started = time.monotonic()
+    Deliverer().run(drain=True, stop_after=12)
+    took = time.monotonic() - started
+    due = Delivery.objects.filter(status="pending", due_at__lte=timezone.now())
+    never_held = sorted(due.values_list("host", flat=True))
+    assert took < 6 and not never_held, (
+        f"the drain took {took:.1f} s; {len(never_held)} deliveries never held, "
+        f"still due: {never_held[:3]}..."
+    )
+
+
+def test_a_backlog_goes_once_the_probe_has_closed_its_breaker(inbox: Inbox) -> None:
+    """A host's breaker opened a while ago and its cool-off is over; ten
+    deliveries wait for it. One goes as the probe, the host answers 202 in
+    0.3 s and the breaker closes. Those claimed while the probe was under
+    way were held for the probe's whole time, a cool-off (60 s); the
+    probe's success now makes them due, and they follow at once."""
+    from django_federation_delivery.deliverer import Deliverer
+    from django_federation_delivery.models import Breaker
+
+    inbox.delay = 0.3
+    host = f"{inbox.address}:{inbox.port}"
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(10)])
+    Breaker.objects.create(
+        key=host, failures=10, open_until=timezone.now() - dt.timedelta(seconds=1)
+    )
+    Deliverer().run(stop_after=4)
+    assert not Breaker.objects.filter(key=host, open_until__isnull=False).exists()
+    held = list(Delivery.objects.filter(status="pending").values_list("due_at", "last_error")[:2])
+    assert len(inbox.received) == 10, (
+        f"{len(inbox.received)} of 10 arrived in 4 s though the probe closed the "
+        f"breaker; still pending: {held}"
+    )

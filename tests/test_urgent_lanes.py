@@ -13,7 +13,7 @@ from django.db import connection, transaction
 from django_federation_delivery import send
 from django_federation_delivery.deliverer import Deliverer
 
-from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .conftest import Inbox, Received, RunningDeliverer, sent_in_an_open_transaction, wait_until
 from .keys import ALICE
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -43,28 +43,12 @@ def test_an_idle_deliverer_does_not_spin_claiming_rows_a_retraction_being_writte
         pytest.skip("only PostgreSQL's claim passes locked rows (SKIP LOCKED)")
     inboxes = [inbox.url(f"/{n}") for n in range(3)]
     send(ALICE, create(), inboxes)
-    locked, release = threading.Event(), threading.Event()
-
-    def delete_in_a_long_request() -> None:
-        from django.db import connection as own
-
-        try:
-            with transaction.atomic():
-                send(ALICE, delete(), inboxes)  # supersedes the Create's rows, locked
-                locked.set()
-                release.wait(10)
-        finally:
-            own.close()
-
-    request = threading.Thread(target=delete_in_a_long_request)
-    request.start()
-    try:
-        assert locked.wait(10)
-        with CaptureQueriesContext(connection) as queries:
-            Deliverer().run(stop_after=1.0)
-    finally:
-        release.set()
-        request.join(10)
+    # The Delete supersedes the Create's rows, locked until its request ends.
+    with (
+        sent_in_an_open_transaction(ALICE, delete(), inboxes),
+        CaptureQueriesContext(connection) as queries,
+    ):
+        Deliverer().run(stop_after=1.0)
     claims = [q["sql"] for q in queries.captured_queries if "SKIP LOCKED" in q["sql"]]
     # An idle loop that found nothing claimable waits: for a result, a wake,
     # or at least NEW_WORK_POLL_SECONDS (0.1 s) before it looks again.

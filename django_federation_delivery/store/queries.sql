@@ -779,10 +779,9 @@ WHERE {delivery}.id = c.id AND c.before IS NOT NULL
 -- name: promote [postgresql]
 -- The deliveries %(ids)s (locked by the send that waits on them), and what
 -- each waits on in turn while pending, taken into the lane %(lane)s where
--- theirs is one of %(lanes)s, and one due already made due %(now)s, as
--- what came due since the urgent look's last is looked for: a direct
--- message in the key of a fan-out waits on the fan-out's delivery to its
--- inbox, claimed then as soon as it. The walk goes no further than a row
+-- theirs is one of %(lanes)s, and one due already made due %(now)s, its
+-- place in the lane as of now: a direct message in the key of a fan-out
+-- waits on the fan-out's delivery to its inbox, claimed then as soon as it. The walk goes no further than a row
 -- of a lane as soon: what that one waits on was taken into its lane when
 -- it was queued, so a send behind a backlog in one lane reads one row.
 -- What another transaction holds (a settle, a claim) is passed, not
