@@ -91,9 +91,9 @@ class Intake:
     #: Whether the last urgent claim took nothing: the urgent look then
     #: leaves out the hosts the claim leaves out.
     _urgent_left_out: bool = dataclasses.field(default=False, init=False)
-    #: Until when the urgent lanes are not looked at: what is due there is
-    #: held by another transaction.
-    _urgent_quiet_until: float = dataclasses.field(default=0.0, init=False)
+    #: Hosts whose urgent rows due another transaction held at the last
+    #: look, left out of the urgent looks until when (``time.monotonic()``).
+    _urgent_passing: dict[str, float] = dataclasses.field(default_factory=dict, init=False)
     #: Where the next pass over the held hosts begins, past MOST_HOSTS of them,
     #: and how many of them the passes since the last that took any took none of.
     _held_turn: int = dataclasses.field(default=0, init=False)
@@ -163,7 +163,6 @@ class Intake:
         if self.sent.is_set():
             self.sent.clear()
             self._found_nothing = False
-            self._urgent_quiet_until = 0.0
         if self.listened.is_set():
             self.listened.clear()
             self._look_at_all = True
@@ -279,9 +278,14 @@ class Intake:
         room = self.claim_size - self.slots.urgent_ready()
         if room < 1:
             return
-        if now < self._urgent_quiet_until:
-            return
-        left_out = [*self.slots.saturated_hosts(urgent=True), *self.upkeep.held_hosts()]
+        passing = [host for host, until in self._urgent_passing.items() if until > now]
+        if len(passing) < len(self._urgent_passing):
+            self._urgent_passing = {host: self._urgent_passing[host] for host in passing}
+        left_out = [
+            *self.slots.saturated_hosts(urgent=True),
+            *self.upkeep.held_hosts(),
+            *passing,
+        ]
         if self._urgent_left_out:
             # What is due to a host the claim leaves out (at its limit,
             # resting, held by its breaker) is taken by no claim: once one
@@ -312,10 +316,18 @@ class Intake:
         if not claimed and self._urgent_left_out:
             # The look said yes, leaving out the same hosts: what it saw,
             # another transaction holds (a Delete being written locks what it
-            # supersedes), which PostgreSQL's claim passes. No look until a
-            # pass later, or a send's wake: else a claim every look, each a
-            # write transaction finding nothing, while that one stays open.
-            self._urgent_quiet_until = now + HOLD_PASS_SECONDS
+            # supersedes), which PostgreSQL's claim passes. Their hosts are
+            # left out of the looks for a pass, the others looked at as ever:
+            # else a claim every look, each a write transaction finding
+            # nothing, while that one stays open.
+            held_elsewhere = self.db(
+                claims.claimable_due_hosts,
+                exclude_hosts=left_out,
+                lanes=claims.URGENT,
+                using=self.using,
+            )
+            for host in held_elsewhere or ():
+                self._urgent_passing[host] = now + HOLD_PASS_SECONDS
         self._urgent_left_out = not claimed
         if claimed:
             self._sort(claimed)

@@ -345,3 +345,54 @@ def test_a_backlog_goes_once_the_probe_has_closed_its_breaker(inbox: Inbox) -> N
         f"{len(inbox.received)} of 10 arrived in 4 s though the probe closed the "
         f"breaker; still pending: {held}"
     )
+
+
+def test_a_direct_message_waits_no_quiet_second_beside_a_locked_one(
+    inboxes: Callable[..., Inbox], deliverers: Callable[..., Deliverer], settings: Any
+) -> None:
+    """PostgreSQL. A deliverer busy with a fan-out (its claims full, its LISTEN
+    paused); a web request deletes a post in a long transaction, its Delete
+    locking the direct message's row it supersedes. Other direct messages,
+    to another inbox, locked by nothing, arrive within a few urgent looks
+    of their commit: only the locked row's host is left out of the looks
+    for a pass (a quiet second of every look made them wait up to one)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("only PostgreSQL's claim passes locked rows (SKIP LOCKED)")
+    fan = [inboxes(respond=Arrivals(delay=0.5)) for _ in range(40)]
+    receiver = inboxes(respond=Arrivals())
+    fast = Arrivals()
+    other = inboxes(respond=fast)
+    ours = {"PRIORITY_MAX_INBOXES": 1, "CONCURRENCY": 2}
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **ours}
+    deliverer = deliverers(settings=ours)
+    started(deliverer)
+    send(
+        ALICE,
+        {"type": "Create", "actor": ALICE},
+        [h.url(f"/f{n}") for n in range(8) for h in fan],
+    )
+    wait_until(lambda: sum(len(h.received) for h in fan) >= 4, timeout=60)
+    with transaction.atomic():
+        batch = send(ALICE, create(), [receiver.url("/dm")])
+        Delivery.objects.filter(batch=batch).update(
+            due_at=timezone.now() + dt.timedelta(seconds=1.5)
+        )
+    latencies = []
+    with sent_in_an_open_transaction(ALICE, delete(), [receiver.url("/dm")]):
+        time.sleep(2.0)  # the row is due now, and locked
+        for n in range(8):
+            key = f"/o{n}"
+            send(
+                ALICE,
+                {"type": "Create", "actor": ALICE, "id": f"{ALICE}/o{n}"},
+                [other.url(key)],
+            )
+            committed = time.monotonic()
+            wait_until(lambda key=key: key in fast.at, timeout=30)
+            latencies.append(round(fast.at[key] - committed, 3))
+            time.sleep(0.37)
+    busy = sum(len(h.received) for h in fan)
+    assert busy < 320, "the fan-out was over: the deliverer was not busy"
+    assert max(latencies) < 0.5, (
+        f"commit → arrival of direct messages locked by nothing: {latencies}"
+    )

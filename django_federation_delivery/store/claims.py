@@ -459,5 +459,29 @@ def has_claimable(
         )
 
 
+def claimable_due_hosts(
+    *,
+    exclude_hosts: Iterable[str] = (),
+    lanes: Iterable[str] | None = None,
+    most: int = 100,
+    using: str | None = None,
+) -> list[str]:
+    """The hosts of up to ``most`` rows due now, in ``lanes`` if given, that
+    a claim leaving out ``exclude_hosts`` would take: asked after a claim
+    that took none of them, the hosts of the rows another transaction holds."""
+    connection = connection_for(using)
+    excluded = sorted(set(exclude_hosts))[:MOST_EXCLUDED]
+    with sql.on(connection) as db:
+        rows = db.all(
+            "claimable_due_hosts",
+            **_lanes(lanes),
+            now=db_datetime(aware_now(), connection),
+            excluded=excluded if db.postgresql else json.dumps(excluded),
+            only=None,
+            most=most,
+        )
+    return sorted(host for (host,) in rows)
+
+
 #: Before any due time: what ``has_due`` looks after when not told.
 EARLIEST = dt.datetime(1, 1, 2, tzinfo=dt.UTC)

@@ -191,6 +191,17 @@ SELECT
     OR EXISTS (SELECT 1 FROM {delivery} WHERE status = {pending} AND lane = %(lane3)s
         AND due_at <= %(now)s AND {claimable_host})
 
+-- name: claimable_due_hosts
+-- The hosts of up to %(most)s rows due by %(now)s, in the lanes given, that
+-- a claim leaving out the hosts %(excluded)s would take: after a claim
+-- that took none of them, those another transaction holds.
+SELECT DISTINCT host FROM (
+    SELECT host FROM {delivery} WHERE status = {pending}
+        AND lane IN (%(lane0)s, %(lane1)s, %(lane2)s, %(lane3)s)
+        AND due_at <= %(now)s AND {claimable_host}
+    LIMIT %(most)s
+) AS due
+
 -- A send ------------------------------------------------------------------
 
 -- name: insert_batch
