@@ -157,17 +157,12 @@ class Slots:
             if counts[host] <= 0:
                 del counts[host]
 
-    def _own_limit(self, host: str) -> bool:
-        """Whether the urgent ones have ``host``'s limit again of their own:
-        unless it was lowered (:attr:`lowered`)."""
-        return not self.lowered(host)
-
     def _room(self, item: InFlight) -> bool:
         """Whether ``item``'s host may have one more in flight now: of the
         urgent ones if it is one, of the others if not (of all of them, at
         a host whose limit was lowered)."""
         host = item.claimed.host
-        if not self._own_limit(host):
+        if self.lowered(host):
             return self._host_busy[host] < self.per_host(host)
         urgent = self._busy_urgent[host]
         busy = urgent if item.urgent else self._host_busy[host] - urgent
@@ -196,7 +191,7 @@ class Slots:
             of_urgent = self._busy_urgent + self._ready_urgent
             counted = collections.Counter(
                 {
-                    host: of_urgent[host] if self._own_limit(host) else count
+                    host: count if self.lowered(host) else of_urgent[host]
                     for host, count in held.items()
                 }
             )

@@ -250,10 +250,9 @@ def retracted_since(rows: Sequence[tuple[int, int, str]], *, using: str | None =
         return set()
     connection = connection_for(using or database_alias())
     with sql.on(connection) as db:
-        later = _later_retractions(db, {batch for _, batch, _ in rows})
+        later, retractions, undone = _later_retractions(db, {batch for _, batch, _ in rows})
         if not later:
             return set()
-        retractions = sorted({id for ids in later.values() for id in ids})
         inboxes = sorted({inbox for _, batch, inbox in rows if batch in later})
         superseded = {
             (batch, inbox): bool(gone)
@@ -264,7 +263,6 @@ def retracted_since(rows: Sequence[tuple[int, int, str]], *, using: str | None =
                 superseded=str(Status.SUPERSEDED),
             )
         }
-        undone = _undone(db, retractions)
     return {
         id
         for id, batch, inbox in rows
@@ -282,10 +280,9 @@ def retracted_at_host(batches: Iterable[int], host: str, *, using: str | None = 
     leaving the host out, undone since). A few statements however many."""
     connection = connection_for(using or database_alias())
     with sql.on(connection) as db:
-        later = _later_retractions(db, set(batches))
+        later, retractions, undone = _later_retractions(db, set(batches))
         if not later:
             return set()
-        retractions = sorted({id for ids in later.values() for id in ids})
         superseded = {
             id: bool(gone)
             for id, gone in db.all(
@@ -295,7 +292,6 @@ def retracted_at_host(batches: Iterable[int], host: str, *, using: str | None = 
                 superseded=str(Status.SUPERSEDED),
             )
         }
-        undone = _undone(db, retractions)
     return {
         batch
         for batch, ids in later.items()
@@ -303,21 +299,23 @@ def retracted_at_host(batches: Iterable[int], host: str, *, using: str | None = 
     }
 
 
-def _later_retractions(db: sql.Statements, batches: set[int]) -> dict[int, list[int]]:
+def _later_retractions(
+    db: sql.Statements, batches: set[int]
+) -> tuple[dict[int, list[int]], list[int], set[int]]:
     """For each of ``batches`` that has any, the later batches of its
-    sender that take it back (``retractions_since``)."""
+    sender that take it back (``retractions_since``); all of those, in id
+    order; and those of them a later Undo of their sender took back."""
     later: dict[int, list[int]] = {}
     if batches:
         for batch, retraction in db.all(
             "retractions_since", batches=db.ids(sorted(batches)), **_NOT_REPLAYS
         ):
             later.setdefault(batch, []).append(retraction)
-    return later
-
-
-def _undone(db: sql.Statements, retractions: list[int]) -> set[int]:
-    """Of ``retractions``, those a later Undo of their sender took back."""
-    return {id for (id,) in db.all("undone_retractions", ids=db.ids(retractions), **_NOT_REPLAYS)}
+    if not later:
+        return later, [], set()
+    retractions = sorted({id for ids in later.values() for id in ids})
+    undone = {id for (id,) in db.all("undone_retractions", ids=db.ids(retractions), **_NOT_REPLAYS)}
+    return later, retractions, undone
 
 
 #: What the statements that look for retractions leave out: a replay's copies.
