@@ -152,8 +152,10 @@ def test_an_event_over_webhook_max_bytes_is_refused_naming_its_size_and_the_limi
 def test_a_destination_that_is_not_a_name_is_refused(destination: Any) -> None:
     with pytest.raises(InvalidDelivery, match="destination") as raised:
         send_webhook(destination, "alert.raised", {})
-    # Binary data was taken for a list: refused as its first byte, 111, not a name.
-    assert "111" not in str(raised.value)
+    # Binary data was once taken for a list and refused as its first byte, 111:
+    # the value named is the one given.
+    named = destination[0] if isinstance(destination, list) else destination
+    assert str(raised.value).endswith(f"not {named!r}")
     assert nothing_written()
 
 
