@@ -787,6 +787,26 @@ def reads_a_batch_once_a_row(plan: str) -> bool:
     return not all(re.search(r"loops=1\)", line) for line in by_batch)
 
 
+def sqlite_steps(action: Callable[[], Any], every: int) -> int:
+    """How many times ``every`` SQLite virtual-machine steps ``action`` runs
+    on the default connection: a statement's cost counted whatever the
+    machine's speed."""
+    connection.ensure_connection()
+    raw = connection.connection
+    steps = [0]
+
+    def count() -> int:
+        steps[0] += 1
+        return 0
+
+    raw.set_progress_handler(count, every)
+    try:
+        action()
+    finally:
+        raw.set_progress_handler(None, every)
+    return steps[0]
+
+
 def reads_by_primary_key(plan: str, table: str) -> bool:
     """Whether a PostgreSQL plan reads ``table`` through its primary key: an
     index scan or a bitmap of it, whichever the planner's estimate picks;

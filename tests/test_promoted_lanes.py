@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from django_federation_delivery import controls, send_batch, store
-from django_federation_delivery.models import Batch, Delivery, Lane
+from django_federation_delivery.models import Batch, Delivery, Lane, Status
 from django_federation_delivery.store import claims
 
+from .conftest import sqlite_steps
 from .keys import ALICE
 from .test_sequences import KEY, A, note, settlement
 
@@ -79,22 +80,7 @@ def _backlog(size: int) -> None:
 
 def _steps_of_one_send(n: int) -> int:
     """SQLite virtual-machine steps (in hundreds) that one ordered send runs."""
-    from django.db import connection
-
-    connection.ensure_connection()
-    raw = connection.connection
-    steps = [0]
-
-    def count() -> int:
-        steps[0] += 1
-        return 0
-
-    raw.set_progress_handler(count, 100)
-    try:
-        send_batch(ALICE, note(n), [A], KEY)
-    finally:
-        raw.set_progress_handler(None, 100)
-    return steps[0]
+    return sqlite_steps(lambda: send_batch(ALICE, note(n), [A], KEY), 100)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -199,3 +185,26 @@ def test_what_a_direct_message_waits_on_is_claimed_at_the_next_urgent_look(
     took = claimed_at[0] - sent
     runner.stop()
     assert took < 1.0, f"claimed {took:.2f} s after the direct message that waits on it"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_requeued_direct_message_takes_what_it_waits_on_again_into_its_lane(
+    priority_of_one: None,
+) -> None:
+    """A fan-out's delivery to A and a direct message to A after it, in one
+    ordering key, both failed. Requeued one after the other (the fan-out's
+    failed deliveries, then the message), the message waits on the fan-out's
+    delivery again, which is taken into the message's lane, as a send of the
+    message would take it: not left behind the fan-out's backlog."""
+    fan_out = send_batch(ALICE, note(1), [A, B], KEY)
+    rows = {c.inbox: c for c in store.claim(10, 60, per_host=10)}
+    store.settle([settlement(rows[A], "failed"), settlement(rows[B], "delivered")])
+    message = one(send_batch(ALICE, note(2), [A], KEY))
+    assert message.lane == Lane.PRIORITY and message.after_id is None
+    (claimed,) = store.claim(10, 60, per_host=10)
+    store.settle([settlement(claimed, "failed")])
+    assert controls.requeue(Delivery.objects.filter(batch=fan_out, status=Status.FAILED)) == 1
+    assert one(fan_out).lane == Lane.NORMAL
+    assert controls.requeue(Delivery.objects.filter(id=message.id)) == 1
+    assert one(Batch.objects.get(id=message.batch_id)).after_id == one(fan_out).id
+    assert one(fan_out).lane == Lane.PRIORITY

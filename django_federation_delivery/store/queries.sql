@@ -418,23 +418,35 @@ RETURNING id, batch_id, inbox
 -- For each of the batches %(batches)s, the later batches of its sender
 -- that take it back: a Delete of its object, an Undo of it (found by the
 -- partial index on object_id, its condition written out).
-{retractions_since_of}
-WHERE b.id = ANY(%(batches)s::bigint[])
+{deletes_since_of} AND b.id = ANY(%(batches)s::bigint[])
+UNION ALL
+{undos_since_of} AND b.id = ANY(%(batches)s::bigint[])
 
 -- name: retractions_since [sqlite]
-{retractions_since_of}
-WHERE b.id IN (SELECT value FROM json_each(%(batches)s))
+{deletes_since_of} AND b.id IN (SELECT value FROM json_each(%(batches)s))
+UNION ALL
+{undos_since_of} AND b.id IN (SELECT value FROM json_each(%(batches)s))
 
--- name: retractions_since_of
+-- name: deletes_since_of
 -- A retraction is taken back by an Undo of it alone: a later Delete of
 -- the object it deletes too takes nothing of it back. A replay's copy of
 -- a retraction is no retraction of its own: written after what followed
--- the first, it would take back what that had restored.
-SELECT b.id, rb.id FROM {batch} AS b
-JOIN {batch} AS rb ON rb.sender = b.sender AND rb.id > b.id AND rb.object_id > '' AND (
-    (rb.retracts = 'object' AND rb.object_id = b.object_id AND b.object_id > ''
-        AND b.retracts = '')
-    OR (rb.retracts = 'activity' AND rb.object_id = b.activity_id AND b.activity_id > ''))
+-- the first, it would take back what that had restored. The batches given
+-- are read first, each one's retractions then looked up by an equal
+-- object id, in two statements joined: SQLite, told one join with either
+-- object id, read every batch about anything (CROSS JOIN keeps the order
+-- written; PostgreSQL plans it as any join).
+SELECT b.id, rb.id FROM {batch} AS b CROSS JOIN {batch} AS rb
+WHERE rb.object_id = b.object_id AND b.object_id > '' AND rb.object_id > ''
+    AND rb.retracts = 'object' AND b.retracts = ''
+    AND rb.sender = b.sender AND rb.id > b.id
+    AND NOT (rb.idempotency_key LIKE %(replay_key)s AND rb.tag LIKE %(replay_tag)s)
+
+-- name: undos_since_of
+SELECT b.id, rb.id FROM {batch} AS b CROSS JOIN {batch} AS rb
+WHERE rb.object_id = b.activity_id AND b.activity_id > '' AND rb.object_id > ''
+    AND rb.retracts = 'activity'
+    AND rb.sender = b.sender AND rb.id > b.id
     AND NOT (rb.idempotency_key LIKE %(replay_key)s AND rb.tag LIKE %(replay_tag)s)
 
 -- name: undone_retractions [postgresql]
@@ -614,9 +626,10 @@ ORDER BY r.id
 
 -- name: retractions_waiting [postgresql]
 -- Those of %(ids)s still pending that wait on nothing and are a
--- retraction's, with their inbox and their batch: its id, sender, what it
--- retracts and what about (what wait_again reads first on PostgreSQL).
-SELECT d.id, d.inbox, rb.id, rb.sender, rb.retracts, rb.object_id
+-- retraction's, with their inbox and their batch: its id, the id it was
+-- sent as, sender, what it retracts and what about (what wait_again reads
+-- first on PostgreSQL).
+SELECT d.id, d.inbox, rb.id, {sent_as}, rb.sender, rb.retracts, rb.object_id
 FROM {delivery} AS d JOIN {batch} AS rb ON rb.id = d.batch_id
 WHERE d.id = ANY(%(ids)s::bigint[]) AND d.settled_at IS NULL AND d.after_id IS NULL
     AND rb.retracts <> ''
@@ -667,14 +680,23 @@ COALESCE(
     (SELECT max(d.id) FROM {batch} AS rb, {batch} AS b, {delivery} AS d
     WHERE rb.id = {delivery}.batch_id AND rb.retracts = 'object'
         AND b.object_id = rb.object_id AND b.object_id > '' AND b.sender = rb.sender
-        AND b.id < rb.id AND b.finished_at IS NULL
+        AND b.id < {sent_as} AND b.finished_at IS NULL
         AND d.batch_id = b.id AND d.inbox = {delivery}.inbox AND d.settled_at IS NULL),
     (SELECT max(d.id) FROM {batch} AS rb, {batch} AS b, {delivery} AS d
     WHERE rb.id = {delivery}.batch_id AND rb.retracts = 'activity'
         AND b.activity_id = rb.object_id AND b.activity_id > '' AND b.sender = rb.sender
-        AND b.id < rb.id AND b.finished_at IS NULL
+        AND b.id < {sent_as} AND b.finished_at IS NULL
         AND d.batch_id = b.id AND d.inbox = {delivery}.inbox AND d.settled_at IS NULL)
 )
+
+-- name: sent_as
+-- The id of the batch rb as its retraction was sent, what it retracts
+-- being its sender's batches before that: a replay's copy's is its
+-- original's, named in its tag, for the copy, written after everything,
+-- retracts what the original did, not what the sender sent since (an
+-- Update of an actor after its Delete).
+CASE WHEN rb.idempotency_key LIKE %(replay_key)s AND rb.tag LIKE %(replay_tag)s
+    THEN CAST(substr(rb.tag, CAST(%(replay_tag_start)s AS integer)) AS bigint) ELSE rb.id END
 
 
 -- Ordered deliveries ------------------------------------------------------
@@ -834,6 +856,16 @@ WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
 -- name: waiters_of [sqlite]
 SELECT after_id, lane FROM {delivery}
 WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
+
+-- name: waited_on_by [postgresql]
+-- What each pending delivery of %(ids)s waits on, and the delivery's lane.
+SELECT after_id, lane FROM {delivery}
+WHERE id = ANY(%(ids)s::bigint[]) AND after_id IS NOT NULL AND settled_at IS NULL
+
+-- name: waited_on_by [sqlite]
+SELECT after_id, lane FROM {delivery}
+WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND after_id IS NOT NULL
+    AND settled_at IS NULL
 
 -- name: lock_deliveries [postgresql]
 -- Rows about to be settled that a send may be making a delivery wait on:

@@ -229,10 +229,8 @@ def pending_at(
     return {inbox for (inbox,) in rows}
 
 
-#: How a batch a replay wrote begins its idempotency key, and its tag: what
-#: tells it from a send's with no column of its own (``replay.py``).
-REPLAY_KEY_PREFIX = "replay-"
-REPLAY_TAG_PREFIX = "replay of batch "
+REPLAY_KEY_PREFIX = sql.REPLAY_KEY_PREFIX
+REPLAY_TAG_PREFIX = sql.REPLAY_TAG_PREFIX
 
 
 def retracted_since(rows: Sequence[tuple[int, int, str]], *, using: str | None = None) -> set[int]:

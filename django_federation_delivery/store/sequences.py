@@ -129,21 +129,25 @@ def promote(waited_on: Iterable[int], lane: str, alias: str) -> int:
         return db.run("promote", ids=db.ids(ids), lane=str(lane), lanes=given, now=now)
 
 
-def promote_waited_on(ids: Sequence[int], alias: str) -> None:
+def promote_requeued(ids: Sequence[int], alias: str) -> None:
     """Take each of ``ids`` (requeued, its lane its batch's again) into the
-    lane of the soonest pending delivery that now waits on it, if sooner
-    (:func:`promote`)."""
+    lane of the soonest pending delivery that now waits on it, if sooner,
+    and what each now waits on into its own lane, as a send takes it
+    (:func:`promote`): a direct message requeued after the fan-out it waits
+    on goes as soon as it would sent again."""
     if not ids:
         return
     connection = connection_for(alias)
-    waited: dict[str, set[int]] = {}
+    taken: dict[str, set[int]] = {}
     with sql.on(connection) as db:
         for id, lane in db.all("waiters_of", ids=db.ids(ids)):
-            waited.setdefault(lane, set()).add(id)
+            taken.setdefault(lane, set()).add(id)
+        for after_id, lane in db.all("waited_on_by", ids=db.ids(ids)):
+            taken.setdefault(lane, set()).add(after_id)
     # The soonest first: a later lane's takes none of those back.
     for lane in CLAIM_ORDER:
-        if lane in waited:
-            promote(waited[lane], lane, alias)
+        if lane in taken:
+            promote(taken[lane], lane, alias)
 
 
 def later_lanes(lane: str) -> list[str]:

@@ -31,7 +31,7 @@ from django_federation_delivery.store.locks import again_on_deadlock, lock_hosts
 from django_federation_delivery.store.queueing import CHUNK
 from django_federation_delivery.store.sequences import (
     lock_sequences_of,
-    promote_waited_on,
+    promote_requeued,
     release_next,
 )
 
@@ -623,8 +623,9 @@ def _requeue_rows(ids: Sequence[int], alias: str) -> int:
                 db.run("wait_in_sequence", ids=db.ids([*requeued, *after]))
                 db.wait_again(requeued)
             # Back in their batch's lane, but for one that a delivery of a
-            # sooner lane now waits on again (a direct message in its key).
-            promote_waited_on(requeued, alias)
+            # sooner lane now waits on again (a direct message in its key);
+            # and what one of a sooner lane waits on again taken into it.
+            promote_requeued(requeued, alias)
         count_up(Counter(batch_id for _, batch_id, _ in rows), alias)
     wakes.wake_all(alias)
     return len(rows)

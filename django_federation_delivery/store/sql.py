@@ -63,6 +63,19 @@ NOTIFY_CHANNEL = "federation_delivery"
 #: The databases a block may be written for.
 VENDORS = ("postgresql", "sqlite")
 
+#: How a batch a replay wrote begins its idempotency key, and its tag (the
+#: original's id follows): what tells it from a send's with no column of
+#: its own (``replay.py``).
+REPLAY_KEY_PREFIX = "replay-"
+REPLAY_TAG_PREFIX = "replay of batch "
+#: What a statement that reads the batch a retraction was sent as
+#: (``sent_as`` in queries.sql) is given: a replay's copy's is its original.
+_SENT_AS = {
+    "replay_key": f"{REPLAY_KEY_PREFIX}%",
+    "replay_tag": f"{REPLAY_TAG_PREFIX}%",
+    "replay_tag_start": len(REPLAY_TAG_PREFIX) + 1,
+}
+
 _BLOCK = re.compile(r"^-- name: (\w+)(?: \[(\w+)\])?\s*$")
 _FILLED = re.compile(r"\{(\w+)\}")
 _PARAMETER = re.compile(r"%\(((?:\*{1,2}|~)?\w+)\)([sd])")
@@ -491,18 +504,20 @@ class Statements:
         to each inbox, by the index on (batch, inbox) whatever the
         statistics say."""
         if not self.postgresql:
-            return self.run("wait_again", ids=self.ids(ids))
-        waiting: dict[tuple[int, str, str, str], list[tuple[int, str]]] = {}
-        for id, inbox, batch, sender, retracts, about in self.all(
-            "retractions_waiting", ids=self.ids(ids)
+            return self.run("wait_again", ids=self.ids(ids), **_SENT_AS)
+        waiting: dict[tuple[int, int, str, str, str], list[tuple[int, str]]] = {}
+        for id, inbox, batch, sent_as, sender, retracts, about in self.all(
+            "retractions_waiting", ids=self.ids(ids), **_SENT_AS
         ):
-            waiting.setdefault((batch, sender, retracts, about), []).append((id, inbox))
+            waiting.setdefault((batch, sent_as, sender, retracts, about), []).append((id, inbox))
         mine: list[int] = []
         lasts: list[int] = []
-        for (batch, sender, retracts, about), rows in waiting.items():
+        for (batch, sent_as, sender, retracts, about), rows in waiting.items():
             name = "batches_about" if retracts == Retracts.OBJECT else "batches_of_activity"
             earlier = [id for id, _ in self.all(name, about=about, sender=sender, batch=batch)]
-            earlier = [id for id in earlier if id < batch]
+            # Sent before it: a replay's copy, written after all, retracts
+            # what its original did, not what the sender sent since.
+            earlier = [id for id in earlier if id < sent_as]
             if not earlier:
                 continue
             last = dict(
