@@ -22,7 +22,7 @@ import enum
 import math
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
@@ -252,15 +252,7 @@ def record_probe(
         return
     if not failed:
         if manager.delete()[0]:
-            now = orm_datetime(aware_now(), alias)
-            Delivery.objects.using(alias).filter(
-                host=key,
-                status=Status.PENDING,
-                settled_at__isnull=True,
-                lease_token__isnull=True,
-                due_at__gt=now,
-                last_error=HELD_BY_BREAKER.format(key=key),
-            ).update(due_at=now)
+            _release_held([key], alias)
         return
     now = aware_now()
     manager.update(
@@ -270,6 +262,35 @@ def record_probe(
         probe_until=None,
         updated_at=orm_datetime(now, alias),
     )
+
+
+def _release_held(keys: Sequence[str], alias: str) -> None:
+    """Make due now what the breakers ``keys``, closed, held back while
+    they were open (a host's: of a breaker kept per inbox, whose key names
+    no host, a held delivery waits its time). Not what a deliverer has in
+    hand: it is written as it was sent, or held again."""
+    now = orm_datetime(aware_now(), alias)
+    Delivery.objects.using(alias).filter(
+        host__in=keys,
+        status=Status.PENDING,
+        settled_at__isnull=True,
+        lease_token__isnull=True,
+        due_at__gt=now,
+        last_error__in=[HELD_BY_BREAKER.format(key=key) for key in keys],
+    ).update(due_at=now)
+
+
+def _release_closed(keys: Sequence[str], alias: str) -> None:
+    """:func:`_release_held` of those of the breakers ``keys`` (a host's)
+    that no longer are: closed since they held what was just written."""
+    for start in range(0, len(keys), CHUNK // 2):
+        chunk = keys[start : start + CHUNK // 2]
+        standing = set(
+            Breaker.objects.using(alias).filter(key__in=chunk).values_list("key", flat=True)
+        )
+        closed = [key for key in chunk if key not in standing]
+        if closed:
+            _release_held(closed, alias)
 
 
 def inbox_key(inbox: str) -> str:
@@ -286,17 +307,21 @@ def reset_breaker(key: str, *, using: str | None = None) -> int:
 
 
 def reset_breakers(keys: Iterable[str], *, using: str | None = None) -> int:
-    """Forget the breakers ``keys`` (closed, their count at nought), a
+    """Forget the breakers ``keys`` (closed, their count at nought), and
+    make due now what they held back, as a probe's success does: a
     :data:`CHUNK` of keys a statement, in one transaction: the admin's
     "select all" may name tens of thousands. Returns how many were."""
     alias = using or database_alias()
     keys = list(keys)
     manager = Breaker.objects.using(alias)
+    forgotten = 0
     with transaction.atomic(using=alias):
-        return sum(
-            int(manager.filter(key__in=keys[start : start + CHUNK]).delete()[0])
-            for start in range(0, len(keys), CHUNK)
-        )
+        for start in range(0, len(keys), CHUNK):
+            forgotten += int(manager.filter(key__in=keys[start : start + CHUNK]).delete()[0])
+        # Two lists of keys a statement: half a chunk each.
+        for start in range(0, len(keys), CHUNK // 2):
+            _release_held(keys[start : start + CHUNK // 2], alias)
+    return forgotten
 
 
 class Breakers:
@@ -315,6 +340,8 @@ class Breakers:
         self._failures: Counter[str] = Counter()
         self._successes: set[str] = set()
         self._probes: list[tuple[str, str, bool]] = []
+        #: The hosts whose breaker held a delivery since the last flush.
+        self._held: set[str] = set()
 
     @classmethod
     def from_settings(cls, *, using: str | None = None) -> Breakers | None:
@@ -378,6 +405,12 @@ class Breakers:
             self._successes.add(key)
             self.view.set(key, None)
 
+    def note_held(self, key: str) -> None:
+        """A delivery was held back by the breaker ``key``, to be written
+        held: looked at again once written (:meth:`flush`)."""
+        if self.settings.scope is Scope.HOST:
+            self._held.add(key)
+
     def give_back(self, key: str, probe: str) -> None:
         """The probe ``probe`` taught nothing of its host: no request was
         made (a key id that cannot be signed, say). Given
@@ -392,7 +425,18 @@ class Breakers:
             self.view.set(key, State(state.failures, state.open_until, None))
 
     def flush(self) -> int:
-        """Write what was noted; kept for the next flush if this one fails."""
+        """Write what was noted; kept for the next flush if this one fails.
+        Called once what came of the attempts is written: what this process
+        wrote held for a breaker another closed meanwhile (its probe's
+        success, an operator's reset, as this one read it open) is made due
+        now, as the closing would have made it had it been written then."""
+        if self._held:
+            held, self._held = self._held, set()
+            try:
+                _release_closed(sorted(held), self.using or database_alias())
+            except BaseException:
+                self._held |= held
+                raise
         written = len(self._failures) + len(self._successes) + len(self._probes)
         if not written:
             return 0

@@ -155,7 +155,7 @@ class Intake:
     def claim_more(self) -> None:
         """Keep a few claimed deliveries ready for the next free slots,
         claimed many at a time rather than one round trip a delivery."""
-        if self._unsorted and not self._sort(self._unsorted):
+        if self._unsorted and not self._sort([]):
             return
         # Only what can go as soon as a slot is free counts as ready: a claimed
         # delivery waiting for a host already at PER_HOST (a silent one, say)
@@ -239,10 +239,13 @@ class Intake:
             self._sort(claimed)
 
     def _sort(self, claimed: list[claims.Claimed]) -> bool:
-        """Hand ``claimed`` to the slots, sorted; whether it could be. If not
-        (the database away as their batches were read), they are kept under
-        their lease to be sorted at the next turn, and a drain goes on: a
-        lease that lapses meanwhile makes no attempt (``attempt.deadline_of``)."""
+        """Hand ``claimed``, and what is kept unsorted, to the slots, sorted;
+        whether it could be. If not (the database away as their batches were
+        read), they are kept under their lease to be sorted at the next turn,
+        and a drain goes on: a lease that lapses meanwhile makes no attempt
+        (``attempt.deadline_of``). What an urgent look kept is sorted with
+        the claim that follows it in the same turn, not dropped by it."""
+        claimed = [*self._unsorted, *claimed]
         ready = self.triage.sort(claimed, holding=self.slots.holding())
         if ready is None:
             self._unsorted = claimed

@@ -179,6 +179,7 @@ class Triage:
             item.job = dataclasses.replace(item.job, targets=later)  # type: ignore[call-arg]
             item.breaker, item.elsewhere = "", True
             return None
+        self.breakers.note_held(item.breaker)
         return held(item.job, HELD_BY_BREAKER.format(key=item.breaker), hold_for)
 
 

@@ -21,6 +21,7 @@ from django_federation_delivery.breakers import (
     Scope,
     State,
     admit,
+    record_probe,
 )
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import aware_now
@@ -668,3 +669,67 @@ def test_failures_noted_before_a_successful_probe_reopen_the_breaker_it_closed()
     )
     decision, _, held = breakers.admit(FLAKY, aware_now())
     assert decision is Decision.PASS, f"the host that answered is held {held:.0f} s"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_backlog_held_in_hand_goes_once_another_deliverers_probe_closed_the_breaker(
+    inbox: Inbox,
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two deliverers: the other holds a host's probe, under way; ten
+    deliveries wait for the host. This one claims them to hold them (a
+    cool-off, 60 s), and the other's probe is answered 202 just then: its
+    success closes the breaker and makes due what was held, but these were
+    in this one's hands. Written held, they are made due at once, not left
+    for the minute with the host healthy and its breaker closed."""
+    from django_federation_delivery.store import claims
+
+    host = inbox.host
+    now = timezone.now()
+    Breaker.objects.create(
+        key=host,
+        failures=10,
+        open_until=now - SECOND,
+        probe_token="the-other-deliverers",
+        probe_until=now + dt.timedelta(seconds=60),
+    )
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(10)])
+    real = claims.claim
+    closed = threading.Event()
+
+    def claim(*args: Any, **kwargs: Any) -> Any:
+        got = real(*args, **kwargs)
+        if got and kwargs.get("only_hosts") and not closed.is_set():
+            # The other deliverer's probe answered 202, written this moment.
+            record_probe(host, "the-other-deliverers", failed=False, cool_off=60)
+            closed.set()
+        return got
+
+    monkeypatch.setattr(claims, "claim", claim)
+    runner = start_deliverer()
+    try:
+        wait_until(closed.is_set, timeout=10)
+        assert not Breaker.objects.filter(key=host).exists()
+        wait_until(lambda: len(inbox.received) == 10, timeout=6)
+    finally:
+        runner.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_backlog_held_by_a_breaker_goes_once_an_operator_has_reset_it(inbox: Inbox) -> None:
+    """A host's breaker is open, its deliveries held (due after the
+    cool-off, or a longer RETRY wait). The host is back and the operator
+    resets its breaker (``reset_breaker``, the admin's action): its backlog
+    is due at once, as a probe's success would have made it."""
+    from django_federation_delivery import controls
+
+    host = inbox.host
+    Breaker.objects.create(key=host, failures=10, open_until=timezone.now() + 60 * SECOND)
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(5)])
+    Deliverer().run(drain=True, stop_after=5)
+    held = Delivery.objects.filter(status="pending", last_error__startswith="held:")
+    assert held.count() == 5 and not inbox.received
+    assert controls.reset_breaker(host) == 1
+    Deliverer().run(drain=True, stop_after=10)
+    assert len(inbox.received) == 5

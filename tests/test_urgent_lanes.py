@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
+from django.utils import timezone
 
 from django_federation_delivery import send
 from django_federation_delivery.deliverer import Deliverer
+from django_federation_delivery.models import Delivery
+from django_federation_delivery.store import claims
 
 from .conftest import Inbox, Received, RunningDeliverer, sent_in_an_open_transaction, wait_until
 from .keys import ALICE
@@ -19,6 +23,7 @@ from .keys import ALICE
 pytestmark = pytest.mark.django_db(transaction=True)
 
 POST = f"{ALICE}/notes/1"
+NOTE_OF_ALICE = {"type": "Create", "actor": ALICE}
 
 
 def create(obj: Any = POST) -> dict[str, Any]:
@@ -196,3 +201,64 @@ def test_a_direct_message_from_another_process_is_not_left_for_a_second_by_a_bus
     took = dm_claimed[0] - committed[0]
     runner.stop()
     assert took < 1.5, f"the direct message was claimed {took:.2f} s after its commit"
+
+
+@pytest.mark.slow
+def test_a_direct_message_whose_batch_read_failed_once_goes_with_the_next_claim(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A busy deliverer's urgent look claims a direct message; reading its
+    batch meets the database away for a moment, and it is kept to be
+    sorted at the next turn. The ordinary claim of the same turn takes a
+    fan-out's deliveries and sorts them with it: the message is sent, not
+    forgotten under its lease (300 s) for minutes."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PRIORITY_MAX_INBOXES": 1,
+        "CONCURRENCY": 2,
+    }
+    slow = inboxes(delay=6.0)
+    fan = inboxes("127.0.0.2")
+    # The direct message goes to the host the fan-out keeps at its limit:
+    # the urgent look alone may claim it (the urgent lanes' limit of their own).
+    dm = slow
+    real = claims.batches
+    dm_batch: list[int] = []
+    failed = threading.Event()
+
+    def batches(ids: Any, **kwargs: Any) -> Any:
+        if dm_batch and dm_batch[0] in set(ids) and not failed.is_set():
+            failed.set()
+            raise OperationalError("the database went away for a moment")
+        return real(ids, **kwargs)
+
+    monkeypatch.setattr(claims, "batches", batches)
+    runner = start_deliverer()
+    # Two to a slow host keep the deliverer busy (in flight, nothing ready).
+    send(ALICE, NOTE_OF_ALICE, [slow.url("/s1"), slow.url("/s2")])
+    wait_until(lambda: len(slow.received) == 2, timeout=20)
+    with transaction.atomic():
+        batch = send(ALICE, NOTE_OF_ALICE, [dm.url("/dm")])
+        dm_batch.append(batch.id)
+        fanned = send(ALICE, NOTE_OF_ALICE, [fan.url(f"/f{n}") for n in range(4)])
+        # The message due in a moment, the fan-out's a little after it.
+        at = timezone.now() + dt.timedelta(seconds=0.6)
+        Delivery.objects.filter(batch=batch).update(due_at=at)
+        Delivery.objects.filter(batch=fanned).update(due_at=at + dt.timedelta(seconds=0.15))
+    try:
+        wait_until(lambda: failed.is_set(), timeout=10)
+        wait_until(lambda: len(fan.received) == 4, timeout=20)
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and "/dm" not in dm.paths():
+            time.sleep(0.05)
+        row = Delivery.objects.get(batch_id=batch.id)
+        assert "/dm" in dm.paths(), (
+            f"the direct message was not sent within 8 s of the database's "
+            f"moment away; its row: status={row.status}, due in "
+            f"{(row.due_at - timezone.now()).total_seconds():.0f} s (its lease)"
+        )
+    finally:
+        runner.stop()
