@@ -634,6 +634,25 @@ def test_a_postgresql_queue_above_read_committed_is_refused(level: str) -> None:
     assert level.replace("_", " ") in message.msg and "'default'" in message.msg
 
 
+@pytest.mark.parametrize(
+    ("options", "level"),
+    [
+        (r"-c default_transaction_isolation=repeatable\ read", "REPEATABLE READ"),
+        ("-c search_path=site -c default_transaction_isolation=serializable", "SERIALIZABLE"),
+        (r"--default_transaction_isolation=repeatable\ read", "REPEATABLE READ"),
+    ],
+)
+def test_a_postgresql_queue_above_read_committed_by_libpq_options_is_refused(
+    options: str, level: str
+) -> None:
+    # Set in the connection's options rather than isolation_level, it is
+    # each transaction's default all the same.
+    database = {**POSTGRESQL, "OPTIONS": {"options": options}}
+    (message,) = isolation_problems("default", database, "postgresql")
+    assert message.id == "federation_delivery.E021"
+    assert level in message.msg
+
+
 def test_read_committed_and_other_databases_are_left_alone() -> None:
     from django.db.backends.postgresql.psycopg_any import IsolationLevel
 
@@ -645,6 +664,9 @@ def test_read_committed_and_other_databases_are_left_alone() -> None:
             == []
         )
     assert isolation_problems("default", POSTGRESQL, "postgresql") == []
+    for options in (r"-c default_transaction_isolation=read\ committed", "-c search_path=a"):
+        database = {**POSTGRESQL, "OPTIONS": {"options": options}}
+        assert isolation_problems("default", database, "postgresql") == []
     sqlite = {"ENGINE": "django.db.backends.sqlite3", "OPTIONS": {"isolation_level": 3}}
     assert isolation_problems("default", sqlite, "sqlite") == []
     assert check_isolation() == [], "the tests' own database"

@@ -258,3 +258,29 @@ def test_a_send_waits_for_no_lock_another_holds_on_what_it_would_take_into_its_l
     # Taken into the normal lane by the second send, and passed by the third.
     assert first.lane == Lane.NORMAL
     assert Delivery.objects.get(batch=second, inbox=A).lane == Lane.PRIORITY
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("level", ["repeatable read", "serializable"])
+def test_a_send_in_a_sequence_at_repeatable_read_set_outside_the_settings_is_refused(
+    level: str,
+) -> None:
+    """The queue's database runs REPEATABLE READ by a default the check
+    cannot see (``ALTER DATABASE … SET``, a role's, the session's): a send
+    with an ordering key there would not wait on another at once, and be
+    sent beside it. It is refused, naming the level, and nothing written."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite writes one at a time")
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET default_transaction_isolation = '{level}'")
+    try:
+        with pytest.raises(ImproperlyConfigured, match=level.upper()), transaction.atomic():
+            send_batch(ALICE, note(1), [A], KEY)
+        # Without an ordering key a send waits on nothing: it goes.
+        assert send_batch(ALICE, note(2), [A]) is not None
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET default_transaction_isolation")
+    assert Batch.objects.count() == 1 and Delivery.objects.count() == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import Sequence
 from typing import Any
@@ -46,7 +47,10 @@ def check_isolation(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> 
     REPEATABLE READ or SERIALIZABLE, its transaction's snapshot is older
     than that commit, so two sends in one sequence at once would both wait
     on the same earlier delivery and go side by side. Read from the
-    settings (``OPTIONS['isolation_level']``), as Django sets it: no query."""
+    settings (``OPTIONS['isolation_level']``, as Django sets it, or
+    ``default_transaction_isolation`` in ``OPTIONS['options']``): no query.
+    Set another way (``ALTER DATABASE … SET``), a send in a sequence
+    refuses it (``sequences.lock_sequences``)."""
     from django.conf import settings
     from django.db import connections
 
@@ -64,17 +68,12 @@ def isolation_problems(alias: str, database: dict[str, Any], vendor: str) -> lis
     sets it (``database``), of ``vendor``."""
     if vendor != "postgresql":
         return []
-    level = database.get("OPTIONS", {}).get("isolation_level")
+    options = database.get("OPTIONS", {})
+    level = _level_of(options.get("isolation_level"))
     if level is None:
-        return []
-    from django.db.backends.postgresql.psycopg_any import IsolationLevel
-
-    try:
-        named = IsolationLevel(level)
-    except ValueError:
-        return []  # Django's own error, at connection
+        level = _level_in(options.get("options"))
     # PostgreSQL runs READ UNCOMMITTED as READ COMMITTED.
-    if named in (IsolationLevel.READ_UNCOMMITTED, IsolationLevel.READ_COMMITTED):
+    if level is None or level in ("read committed", "read uncommitted"):
         return []
     return [
         Error(
@@ -82,15 +81,49 @@ def isolation_problems(alias: str, database: dict[str, Any], vendor: str) -> lis
                 "The queue's database %(alias)r runs its transactions at %(level)s: sends "
                 "with one ordering key at once would not wait on each other."
             )
-            % {"alias": alias, "level": named.name.replace("_", " ")},
+            % {"alias": alias, "level": level.upper()},
             hint=_(
                 "Use READ COMMITTED, PostgreSQL's default, for the database the queue is in "
-                "(leave out OPTIONS['isolation_level']), or route the app's models to a "
-                "database of its own that does (DATABASE_ROUTERS)."
+                "(leave out OPTIONS['isolation_level'] and default_transaction_isolation), "
+                "or route the app's models to a database of its own that does "
+                "(DATABASE_ROUTERS)."
             ),
             id=f"{PREFIX}.E021",
         )
     ]
+
+
+def _level_of(level: Any) -> str | None:
+    """The isolation level ``OPTIONS['isolation_level']`` names, in
+    PostgreSQL's words; None if it names none Django knows (Django's own
+    error, at connection)."""
+    if level is None:
+        return None
+    from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+    try:
+        return IsolationLevel(level).name.replace("_", " ").lower()
+    except ValueError:
+        return None
+
+
+#: ``default_transaction_isolation`` set in libpq's ``options`` (``-c`` or
+#: ``--``, a space in the value escaped with a backslash).
+_DEFAULT_ISOLATION = re.compile(
+    r"(?:-c\s*|--)default_transaction_isolation\s*=\s*((?:\\.|[^\s\\])+)", re.IGNORECASE
+)
+
+
+def _level_in(options: Any) -> str | None:
+    """The isolation level libpq's ``options`` string sets for each
+    transaction by default, if it sets one (the last, as the server reads
+    them)."""
+    if not isinstance(options, str):
+        return None
+    found = _DEFAULT_ISOLATION.findall(options)
+    if not found:
+        return None
+    return re.sub(r"\\(.)", r"\1", found[-1]).strip("'\"").lower()
 
 
 def sqlite_problems(alias: str, connection: Any) -> list[CheckMessage]:

@@ -703,9 +703,11 @@ CASE WHEN rb.idempotency_key LIKE %(replay_key)s AND rb.tag LIKE %(replay_tag)s
 
 -- name: lock_sequences [postgresql]
 -- Each of %(keys)s, in the order given, shared where %(shared)s says so and
--- exclusive otherwise; held until the transaction ends.
-SELECT count(CASE WHEN shared THEN pg_advisory_xact_lock_shared(key)
-    ELSE pg_advisory_xact_lock(key) END)
+-- exclusive otherwise; held until the transaction ends. And the
+-- transaction's isolation, read before the locks are waited for: a
+-- snapshot taken then sees no send that commits meanwhile.
+SELECT current_setting('transaction_isolation'), count(CASE WHEN shared
+    THEN pg_advisory_xact_lock_shared(key) ELSE pg_advisory_xact_lock(key) END)
 FROM unnest(%(keys)s::bigint[], %(shared)s::boolean[]) AS k(key, shared)
 
 -- name: last_of_sequences [postgresql]

@@ -12,6 +12,8 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 
+from django.core.exceptions import ImproperlyConfigured
+
 from django_federation_delivery.dialect import (
     aware_now,
     connection_for,
@@ -199,7 +201,15 @@ def lock_sequences(ordering_key: str, inboxes: Iterable[str], alias: str) -> Non
         each = sorted({_lock_key(sequence_of(ordering_key, inbox)) for inbox in inboxes})
         keys, shared = [whole, *each], [True] + [False] * len(each)
     with sql.on(connection) as db:
-        db.run("lock_sequences", keys=db.ids(keys), shared=shared)
+        ((isolation, _),) = db.all("lock_sequences", keys=db.ids(keys), shared=shared)
+    if isolation not in ("read committed", "read uncommitted"):
+        # Set where the check (E021) does not look: ALTER DATABASE … SET,
+        # a role's default, SET in the caller's session.
+        raise ImproperlyConfigured(
+            f"a send with an ordering key needs READ COMMITTED; the queue's database "
+            f"{alias!r} runs this transaction at {isolation.upper()}, and sends in one "
+            f"sequence at once would not wait on each other"
+        )
 
 
 def lock_sequences_of(ids: Iterable[int], alias: str) -> None:
