@@ -284,3 +284,49 @@ def test_a_send_in_a_sequence_at_repeatable_read_set_outside_the_settings_is_ref
         with connection.cursor() as cursor:
             cursor.execute("RESET default_transaction_isolation")
     assert Batch.objects.count() == 1 and Delivery.objects.count() == 1
+
+
+@pytest.fixture
+def queue_in_another_schema() -> Any:
+    """The alias "queue" pointed at the test database, in a schema of its
+    own with a delivery table: a second site's queue beside the first."""
+    if connection.vendor != "postgresql":
+        pytest.skip("advisory locks are PostgreSQL's")
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE SCHEMA other_site")
+        cursor.execute("CREATE TABLE other_site.federation_delivery_delivery (id bigint)")
+    other = connections.settings["queue"]
+    kept = {"NAME": other["NAME"], "OPTIONS": dict(other.get("OPTIONS", {}))}
+    connections["queue"].close()
+    other["NAME"] = connection.settings_dict["NAME"]
+    other["OPTIONS"] = {**kept["OPTIONS"], "options": "-c search_path=other_site"}
+    try:
+        yield
+    finally:
+        connections["queue"].close()
+        other.update(kept)
+        with connection.cursor() as cursor:
+            cursor.execute("DROP SCHEMA other_site CASCADE")
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "queue"])
+def test_two_queues_in_two_schemas_of_one_database_hold_their_locks_apart(
+    queue_in_another_schema: None,
+) -> None:
+    """Two sites keep their queues in two schemas of one database (each its
+    search_path). An advisory lock is the database's: one site's round held
+    the other's off ("another round is running"), and its sends in a key
+    waited on the other's in the same key and inbox. Each queue's are its own."""
+    from django_federation_delivery.contrib.rounds import round_lock
+    from django_federation_delivery.store.sequences import lock_sequences
+
+    with round_lock("default") as first, round_lock("queue") as second:
+        assert first and second
+    with round_lock("default") as first, round_lock("default") as again:
+        assert first and not again
+    with transaction.atomic():
+        lock_sequences("key", [A], "default")
+        with transaction.atomic(using="queue"):
+            with connections["queue"].cursor() as cursor:
+                cursor.execute("SET LOCAL lock_timeout = '2s'")
+            lock_sequences("key", [A], "queue")

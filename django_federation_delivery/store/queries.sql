@@ -707,7 +707,8 @@ CASE WHEN rb.idempotency_key LIKE %(replay_key)s AND rb.tag LIKE %(replay_tag)s
 -- transaction's isolation, read before the locks are waited for: a
 -- snapshot taken then sees no send that commits meanwhile.
 SELECT current_setting('transaction_isolation'), count(CASE WHEN shared
-    THEN pg_advisory_xact_lock_shared(key) ELSE pg_advisory_xact_lock(key) END)
+    THEN pg_advisory_xact_lock_shared(key # {this_queue})
+    ELSE pg_advisory_xact_lock(key # {this_queue}) END)
 FROM unnest(%(keys)s::bigint[], %(shared)s::boolean[]) AS k(key, shared)
 
 -- name: last_of_sequences [postgresql]
@@ -1344,11 +1345,19 @@ DELETE FROM {batch} WHERE id > %(after)s AND id <= %(last)s AND created_at < %(c
 
 -- Locks, listening and the connection ------------------------------------
 
+-- name: this_queue
+-- What tells this queue's advisory locks from another's in the same
+-- database (a site of its own in another schema, by its search_path): an
+-- advisory lock is the database's, whatever the schema, and one site's
+-- round or sequence would otherwise wait on the other's. Its delivery
+-- table's oid, mixed into each key (#, exclusive or).
+'{delivery}'::regclass::oid::bigint
+
 -- name: try_advisory_lock [postgresql]
-SELECT pg_try_advisory_lock(%(key)s)
+SELECT pg_try_advisory_lock(%(key)s::bigint # {this_queue})
 
 -- name: advisory_unlock [postgresql]
-SELECT pg_advisory_unlock(%(key)s)
+SELECT pg_advisory_unlock(%(key)s::bigint # {this_queue})
 
 -- name: holds_advisory_lock [postgresql]
 -- Whether this session holds the advisory lock: pg_locks shows a bigint key
@@ -1356,8 +1365,8 @@ SELECT pg_advisory_unlock(%(key)s)
 SELECT EXISTS (
     SELECT 1 FROM pg_locks
     WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted AND objsubid = 1
-        AND classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
-        AND objid = (%(key)s::bigint & 4294967295)::oid
+        AND classid = (((%(key)s::bigint # {this_queue}) >> 32) & 4294967295)::oid
+        AND objid = ((%(key)s::bigint # {this_queue}) & 4294967295)::oid
 )
 
 -- name: listen [postgresql]
