@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -33,6 +34,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def _shut(watched: socket.socket) -> None:
+    """Shut the connection ``watched`` (a duplicate of its descriptor) down
+    both ways: what waits on it returns at once, failed."""
+    with contextlib.suppress(OSError):  # closed meanwhile: it answered
+        watched.shutdown(socket.SHUT_RDWR)
 
 
 class PostgresListener:
@@ -60,6 +68,9 @@ class PostgresListener:
     GATHER = 0.01
     #: How long :meth:`stop` waits for a listener still connecting.
     STOP_WAIT = 30.0
+    #: How long the question asked after a quiet wait may take before the
+    #: connection is taken for gone, and replaced.
+    PING_TIMEOUT = 3.0
 
     def __init__(
         self,
@@ -179,6 +190,9 @@ class PostgresListener:
                     if "turn" in readable:
                         self._turn_reader.recv(64)
                         continue
+                    if not readable:
+                        self._ping(conn)
+                        continue
                     if readable:
                         # What came: read without waiting (a part of a message
                         # waits for the next turn).
@@ -212,6 +226,32 @@ class PostgresListener:
                     selector = None
                 if conn is not None:
                     conn.close()
+
+    def _ping(self, conn: Any) -> None:
+        """After a quiet wait, ask the connection something: one gone
+        without a word (a NAT or a firewall that forgot it, an address a
+        failover moved) would be listened on for good, and sends from other
+        processes wait for the idle poll. One that does not answer within
+        PING_TIMEOUT is shut down, which fails the question, and the
+        listener connects again. A few bytes every WAIT seconds."""
+        watched = socket.socket(fileno=os.dup(conn.fileno()))
+        # Shut down, not closed: the descriptor stays the connection's.
+        timer = threading.Timer(self.PING_TIMEOUT, _shut, args=(watched,))
+        timer.daemon = True
+
+        def notified(notify: Any) -> None:
+            # A send's notification read with the answer is handed to the
+            # handlers alone (psycopg): lost, it woke nobody.
+            self.event.set()
+
+        conn.add_notify_handler(notified)
+        timer.start()
+        try:
+            sql.ping(conn)
+        finally:
+            timer.cancel()
+            watched.close()
+            conn.remove_notify_handler(notified)
 
     def _turn(self, conn: Any) -> None:
         """Listen, or stop, as :meth:`pause` last asked."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -243,3 +245,145 @@ def test_a_listener_in_a_process_holding_over_a_thousand_files_still_wakes() -> 
         for sock in held:
             sock.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class Blackhole:
+    """A TCP proxy to the database that, once ``cut`` is set, forwards
+    nothing more either way and closes nothing: a connection gone without
+    a word, as a NAT or a firewall forgets an idle one, or a failover moves
+    its address."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.cut = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.server]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                return
+            upstream.settimeout(None)
+            self.sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+                if not data:
+                    return
+                if not self.cut.is_set():
+                    sink.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        for each in self.sockets:
+            with contextlib.suppress(OSError):
+                each.close()
+
+
+def listening_after_quiet_waits_of(
+    wait: float, monkeypatch: pytest.MonkeyPatch
+) -> wakeup.PostgresListener:
+    """A listener started whose waits last ``wait`` seconds, once it listens."""
+    monkeypatch.setattr(wakeup.PostgresListener, "WAIT", wait)
+    listener = wakeup.PostgresListener(threading.Event())
+    listener.start()
+    wait_until(lambda: listener.listening, timeout=10)
+    return listener
+
+
+@pytest.mark.slow
+def test_a_listener_whose_connection_went_silent_connects_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The listener's connection is gone without a word (no reset: a NAT
+    that forgot it). Waiting on its socket, the listener would listen on it
+    for good, and an idle deliverer count on it for the sends of other
+    processes, which then waited for its idle poll. After a quiet wait it
+    asks the connection something; unanswered, it stops counting itself as
+    listening (the deliverer woken to look itself) and connects again."""
+    import psycopg
+    from django.db import connections
+
+    from django_federation_delivery.store import sql
+
+    if not wakeup.PostgresListener.available():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's (with psycopg 3)")
+    params = connections["default"].get_connection_params()
+    proxy = Blackhole(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
+    connected: list[float] = []
+
+    def through_the_proxy(self: wakeup.PostgresListener) -> object:
+        given = connections[self.using].get_connection_params()
+        given.pop("cursor_factory", None)
+        given.pop("context", None)
+        given.update(host="127.0.0.1", port=proxy.port, connect_timeout=2)
+        conn = psycopg.connect(**given, autocommit=True)
+        sql.listen(conn, True)
+        connected.append(time.monotonic())
+        return conn
+
+    monkeypatch.setattr(wakeup.PostgresListener, "_connect", through_the_proxy)
+    monkeypatch.setattr(wakeup.PostgresListener, "PING_TIMEOUT", 1.0)
+    listener = listening_after_quiet_waits_of(0.5, monkeypatch)
+    woken = listener.event
+    try:
+        time.sleep(1.2)  # quiet waits, each asked after: it answers
+        assert listener.listening and len(connected) == 1
+        woken.clear()
+        proxy.cut.set()
+        assert woken.wait(AT_ONCE), "still counted as listening on a silent connection"
+        assert not listener.listening
+        proxy.cut.clear()
+        wait_until(lambda: listener.listening, timeout=10)
+        assert len(connected) == 2
+    finally:
+        listener.stop()
+        proxy.close()
+        # The server's end of the silent connection, which heard nothing.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+
+
+def test_a_notification_that_comes_while_the_connection_is_asked_after_wakes_all_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a quiet wait the listener asks its connection something; a
+    send's notification that arrives meanwhile is read with the answer, and
+    wakes the deliverer as any other does."""
+    from django_federation_delivery.store import sql
+
+    if not wakeup.PostgresListener.available():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's (with psycopg 3)")
+    asked = threading.Event()
+
+    def slow_ping(conn: object) -> None:
+        if not asked.is_set():
+            asked.set()
+            # A send commits while the question is on its way.
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
+            connection.close()  # the listener's thread's
+            conn.execute("SELECT pg_sleep(0.3)")  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(sql, "ping", slow_ping)
+    listener = listening_after_quiet_waits_of(0.2, monkeypatch)
+    woken = listener.event
+    try:
+        woken.clear()
+        assert asked.wait(AT_ONCE)
+        assert woken.wait(AT_ONCE), "the notification read with the answer woke nobody"
+    finally:
+        listener.stop()

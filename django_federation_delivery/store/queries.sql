@@ -1375,6 +1375,11 @@ LISTEN {channel}
 -- name: unlisten [postgresql]
 UNLISTEN {channel}
 
+-- name: ping [postgresql]
+-- Asked of a listening connection after a quiet wait: one gone without a
+-- word answers nothing.
+SELECT 1
+
 -- name: notify [postgresql]
 -- Every listening process woken, as a send wakes them: for what a write
 -- made due now outside a send (a requeue, a resume, a hand-back).

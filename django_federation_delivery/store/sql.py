@@ -671,6 +671,12 @@ def listen(conn: Any, listening: bool) -> None:
     conn.execute(statements_of("postgresql")["listen" if listening else "unlisten"].text)
 
 
+def ping(conn: Any) -> None:
+    """PostgreSQL: ask ``conn``, a psycopg connection of its own, a question
+    that takes a round trip."""
+    conn.execute(statements_of("postgresql")["ping"].text)
+
+
 def busy_timeout(raw: sqlite3.Connection) -> int:
     """SQLite: the busy timeout of ``raw``, a driver's connection, in milliseconds."""
     return int(raw.execute(statements_of("sqlite")["busy_timeout"].text).fetchone()[0])
