@@ -34,6 +34,7 @@ from django_federation_delivery.models import Batch, Kind, Lane, Retracts, Skipp
 from django_federation_delivery.portable import PortableInbox
 from django_federation_delivery.signatures import body_sha256
 from django_federation_delivery.store import queueing
+from django_federation_delivery.store.retractions import REPLAY_TAG_PREFIX
 from django_federation_delivery.store.sequences import lock_sequences
 
 __all__ = [
@@ -216,7 +217,7 @@ def _queue(
     targets, skipped = _portable_inboxes(inboxes) if portable else _inboxes(inboxes)
     deadline = _deadline(opts.deadline)
     max_attempts = _max_attempts(opts.max_attempts)
-    tag = checked_text("tag", opts.tag, TAG_LENGTH)
+    tag = checked_tag(opts.tag)
     ordering_key = checked_text("ordering_key", opts.ordering_key, ORDERING_KEY_LENGTH)
     low_priority = _flag("low_priority", opts.low_priority)
     synchronize = _flag("synchronize_collection", opts.synchronize_collection)
@@ -539,6 +540,19 @@ def _max_attempts(max_attempts: object) -> int | None:
             f"not {quoted(max_attempts)}"
         )
     return max_attempts
+
+
+def checked_tag(value: object) -> str:
+    """``value`` as a batch's tag: as :func:`checked_text`, and not one that
+    begins as a replay's (``replay of batch N``): a batch tagged so, and
+    keyed as a replay's, is taken for a replay's copy of batch N."""
+    tag = checked_text("tag", value, TAG_LENGTH)
+    if tag.startswith(REPLAY_TAG_PREFIX):
+        raise InvalidDelivery(
+            f"tag must not begin with {REPLAY_TAG_PREFIX!r}, which marks what a replay "
+            f"queued: {quoted(tag)}"
+        )
+    return tag
 
 
 def checked_idempotency_key(value: object) -> str:

@@ -311,6 +311,8 @@ def test_a_send_on_a_kept_connection_the_server_dropped_reconnects(
             "already past",
         ),
         (ALICE, NOTE, ["https://a.example/inbox"], {"tag": "x" * 201}, "longer than 200"),
+        # What marks a replay's copy (with its key), its original's id read from it.
+        (ALICE, NOTE, ["https://a.example/inbox"], {"tag": "replay of batch x"}, "marks what"),
         (ALICE, NOTE, ["https://a.example/inbox"], {"low_priority": "yes"}, "'yes'"),
         (ALICE, NOTE, ["https://a.example/inbox"], ["tag"], "['tag']"),
         (ALICE, NOTE, ["https://a.example/inbox"], {"max_attempts": 10**30}, "1000000000000"),
