@@ -139,14 +139,15 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
             # "database is locked", instead of waiting its turn.
             write_first(alias)
             # Read in the transaction: a retraction sent since is seen.
-            chosen = _replayable(
-                Delivery.objects.using(alias).filter(
-                    host=key, status__in=REPLAYED, settled_at__gte=after
-                ),
-                host=key,
+            settled = Delivery.objects.using(alias).filter(
+                host=key, status__in=REPLAYED, settled_at__gte=after
             )
+            chosen = _replayable(settled, host=key)
             batch_ids = _in_order(chosen)
-            first_run = _first_run(key, since, batch_ids, alias)
+            # An earlier run is looked for by all it may have replayed: what
+            # it did is left out now (a retraction took it back since, its
+            # deadline passed), and what went live since was replayed as new.
+            first_run = _first_run(key, since, _in_order(settled), alias)
             if first_run is not None:
                 # Run again: what the first run replayed, no more. What was
                 # settled since was sent live to a host already restored.

@@ -498,6 +498,9 @@ def run_from_command_line(*args: str) -> tuple[int, str, str]:
         (["--check", "--max-lag", "-1h"], "argument --max-lag: expected one argument"),
         (["--max-lag", "600", "--chec", "--this-hots"], "unrecognized arguments: --this-hots"),
         (["--check", "--hosts"], "argument --hosts: expected one argument"),
+        # A flag given a value: a probe all the same.
+        (["--check=true"], "argument --check: ignored explicit argument 'true'"),
+        (["--che=1"], "argument --check: ignored explicit argument '1'"),
     ],
 )
 def test_a_probe_whose_arguments_argparse_refuses_is_unknown_not_critical(

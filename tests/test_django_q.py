@@ -680,6 +680,13 @@ def test_the_command_refuses_a_bad_round_naming_it(value: str) -> None:
     assert not Schedule.objects.exists()
 
 
+def test_the_command_names_a_webhook_url_given_as_the_round_by_its_host_alone() -> None:
+    secret = "https://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+    with pytest.raises(CommandError, match=r"hooks\.slack\.com") as refused:
+        call_command("delivery_schedule", f"--round-seconds={secret}")
+    assert "s3cret" not in str(refused.value)
+
+
 @pytest.mark.parametrize("other", ["--round-seconds=nan", "--no-purge"])
 def test_the_command_refuses_to_remove_with_another_option(other: str) -> None:
     call_command("delivery_schedule", stdout=io.StringIO())

@@ -99,6 +99,13 @@ def test_a_bad_age_is_refused_naming_it_before_anything_is_deleted(value: str) -
     assert Delivery.objects.count() == 3
 
 
+def test_a_webhook_url_pasted_as_the_age_is_named_by_its_host_alone() -> None:
+    secret = "https://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+    with pytest.raises(CommandError, match=r"hooks\.slack\.com") as refused:
+        purge(f"--older-than={secret}")
+    assert "s3cret" not in str(refused.value) and "services" not in str(refused.value)
+
+
 def test_a_bad_retention_is_refused_naming_it(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "RETENTION": {"FAILED": -5}}
     settled(400, Status.FAILED)

@@ -936,3 +936,28 @@ def test_a_hosts_replay_reads_the_retractions_sent_there_once_not_once_a_row() -
         assert len(replay(host="restored.example", since=since)) == 5
     for text, plan in run_explained(executed):
         assert not reads_a_batch_once_a_row(plan), f"{text}\n{plan}"
+
+
+@pytest.mark.django_db
+def test_a_replay_run_again_once_what_it_replayed_was_taken_back_queues_nothing() -> None:
+    """A host replayed since a moment; what it was then sent live was
+    delivered, and the post the replay sent again was deleted since (the
+    Delete delivered live). Run again for the same moment, the replay finds
+    the first run all the same: it queues nothing more, not what went live
+    since (which it sent again as if missed)."""
+    since = (timezone.now() - dt.timedelta(hours=2)).replace(microsecond=0)
+    post = f"{ALICE}/notes/1"
+    missed = send(ALICE, {**note(1), "object": post}, ["https://a.example/inbox"])
+    assert missed is not None
+    settle(missed, Status.DELIVERED, since + dt.timedelta(minutes=10))
+    (first,) = replay(host="a.example", since=since)
+    assert first.created
+    settle(first, Status.DELIVERED, timezone.now())
+    live = send(ALICE, note(2), ["https://a.example/inbox"])
+    assert live is not None
+    settle(live, Status.DELIVERED, timezone.now())
+    deleted = {**note(3), "type": "Delete", "object": post}
+    delete = send(ALICE, deleted, ["https://a.example/inbox"])
+    assert delete is not None
+    settle(delete, Status.DELIVERED, timezone.now())
+    assert [b for b in replay(host="a.example", since=since) if b.created] == []

@@ -12,7 +12,7 @@ from django.db import DatabaseError
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop, ngettext
 
-from django_federation_delivery.conf import shown
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.management.base import TranslatedCommand
 
 
@@ -74,7 +74,7 @@ class Command(TranslatedCommand):
                         "--round-seconds expects a number of seconds, from 1 to %(most)g, "
                         "not %(value)s"
                     )
-                    % {"value": shown(value), "most": django_q.MOST_SECONDS}
+                    % {"value": quoted(value), "most": django_q.MOST_SECONDS}
                 )
         with _schedules_readable():
             try:

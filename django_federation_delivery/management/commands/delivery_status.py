@@ -369,8 +369,12 @@ class Command(TranslatedCommand):
     def run_from_argv(self, argv: list[str]) -> None:
         # Arguments argparse refuses from a command line end the process with
         # its status 2, CRITICAL to a probe: with --check (or an abbreviation
-        # argparse takes for it), they are the probe's UNKNOWN line instead.
-        self.probing = any(len(arg) > 2 and "--check".startswith(arg) for arg in argv[2:])
+        # argparse takes for it, or either given a value with "="), they are
+        # the probe's UNKNOWN line instead.
+        self.probing = any(
+            len(name) > 2 and "--check".startswith(name)
+            for name in (arg.split("=", 1)[0] for arg in argv[2:])
+        )
         super().run_from_argv(argv)
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:

@@ -12,8 +12,8 @@ from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop, ngettext
 
 from django_federation_delivery import retention
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.checks import LONGEST_RETENTION
-from django_federation_delivery.conf import shown
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     add_database_option,
@@ -38,7 +38,7 @@ def parse_age(value: str) -> float:
                 "--older-than expects an age such as 7d, 12h, 90m or 3600s "
                 "(above 0, at most %(days).0fd), not %(value)s"
             )
-            % {"days": LONGEST_RETENTION / 86400, "value": shown(value)}
+            % {"days": LONGEST_RETENTION / 86400, "value": quoted(value)}
         )
     return float(seconds)
 
