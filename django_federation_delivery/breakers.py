@@ -430,13 +430,20 @@ class Breakers:
         wrote held for a breaker another closed meanwhile (its probe's
         success, an operator's reset, as this one read it open) is made due
         now, as the closing would have made it had it been written then."""
+        written = self._write()
         if self._held:
+            # After the failures: a breaker this process has just opened
+            # has its row by now, and is not taken for closed.
             held, self._held = self._held, set()
             try:
                 _release_closed(sorted(held), self.using or database_alias())
             except BaseException:
                 self._held |= held
                 raise
+        return written
+
+    def _write(self) -> int:
+        """:meth:`flush`'s writes of the outcomes noted."""
         written = len(self._failures) + len(self._successes) + len(self._probes)
         if not written:
             return 0

@@ -547,7 +547,8 @@ def checked_tag(value: object) -> str:
     begins as a replay's (``replay of batch N``): a batch tagged so, and
     keyed as a replay's, is taken for a replay's copy of batch N."""
     tag = checked_text("tag", value, TAG_LENGTH)
-    if tag.startswith(REPLAY_TAG_PREFIX):
+    # In any case: SQLite's LIKE, which tells a replay's copy, ignores it.
+    if tag[: len(REPLAY_TAG_PREFIX)].lower() == REPLAY_TAG_PREFIX:
         raise InvalidDelivery(
             f"tag must not begin with {REPLAY_TAG_PREFIX!r}, which marks what a replay "
             f"queued: {quoted(tag)}"

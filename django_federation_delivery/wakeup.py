@@ -15,6 +15,7 @@ import os
 import selectors
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from django.db import connections
@@ -34,6 +35,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: How long the listener's connection may take to be made, in seconds,
+#: unless the database's OPTIONS set ``connect_timeout``.
+CONNECT_TIMEOUT = 10
 
 
 def _shut(watched: socket.socket) -> None:
@@ -146,9 +151,13 @@ class PostgresListener:
         params = connections[self.using].get_connection_params()
         params.pop("cursor_factory", None)
         params.pop("context", None)
+        # A server that cannot be reached answers nothing: not waited on for
+        # good (a stop would wait STOP_WAIT for it), unless the project says.
+        params.setdefault("connect_timeout", CONNECT_TIMEOUT)
         conn = psycopg.connect(**params, autocommit=True)
         try:
-            sql.listen(conn, True)
+            with self._answered(conn):
+                sql.listen(conn, True)
         except BaseException:
             conn.close()
             raise
@@ -231,23 +240,28 @@ class PostgresListener:
         """After a quiet wait, ask the connection something: one gone
         without a word (a NAT or a firewall that forgot it, an address a
         failover moved) would be listened on for good, and sends from other
-        processes wait for the idle poll. One that does not answer within
-        PING_TIMEOUT is shut down, which fails the question, and the
-        listener connects again. A few bytes every WAIT seconds."""
+        processes wait for the idle poll. A few bytes every WAIT seconds."""
+        with self._answered(conn):
+            sql.ping(conn)
+
+    @contextlib.contextmanager
+    def _answered(self, conn: Any) -> Iterator[None]:
+        """What is asked of ``conn`` within: answered in PING_TIMEOUT, or the
+        connection is shut down, which fails the question, and the listener
+        connects again. A send's notification read with the answer is
+        handed to the handlers alone (psycopg): it wakes as any other."""
         watched = socket.socket(fileno=os.dup(conn.fileno()))
         # Shut down, not closed: the descriptor stays the connection's.
         timer = threading.Timer(self.PING_TIMEOUT, _shut, args=(watched,))
         timer.daemon = True
 
         def notified(notify: Any) -> None:
-            # A send's notification read with the answer is handed to the
-            # handlers alone (psycopg): lost, it woke nobody.
             self.event.set()
 
         conn.add_notify_handler(notified)
         timer.start()
         try:
-            sql.ping(conn)
+            yield
         finally:
             timer.cancel()
             watched.close()
@@ -256,7 +270,8 @@ class PostgresListener:
     def _turn(self, conn: Any) -> None:
         """Listen, or stop, as :meth:`pause` last asked."""
         listen = not self._paused
-        sql.listen(conn, listen)
+        with self._answered(conn):
+            sql.listen(conn, listen)
         self.listening = listen
         if listen:
             # What was sent while it did not listen is looked for.

@@ -733,3 +733,35 @@ def test_a_backlog_held_by_a_breaker_goes_once_an_operator_has_reset_it(inbox: I
     assert controls.reset_breaker(host) == 1
     Deliverer().run(drain=True, stop_after=10)
     assert len(inbox.received) == 5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_a_breaker_just_opened_by_this_deliverer_held_stays_held() -> None:
+    """A host fails twice (THRESHOLD 2): this deliverer's view opens its
+    breaker at once, and the next delivery it claims there is written held
+    for the cool-off. The flush that follows writes the failures that open
+    the breaker before it looks at what was held: the row stays held, not
+    made due for any deliverer to send to the failing host."""
+    from django_federation_delivery.breakers import HELD_BY_BREAKER
+
+    from .test_retractions import A, create, row
+
+    host = "a.example"
+    breakers = Breakers(BreakerSettings(threshold=2, cool_off=60.0))
+    now = aware_now()
+    breakers.record(host, failed=True, probe="", now=now)
+    breakers.record(host, failed=True, probe="", now=now)
+    decision, _, held_for = breakers.admit(host, now)
+    assert decision.name == "HOLD" and held_for > 0
+    # The triage holds the claimed row, which the outbox writes held.
+    breakers.note_held(host)
+    batch = send(ALICE, create(), [A])
+    later = timezone.now() + dt.timedelta(seconds=held_for)
+    Delivery.objects.filter(batch=batch).update(
+        due_at=later, last_error=HELD_BY_BREAKER.format(key=host)
+    )
+    breakers.flush()
+    assert Breaker.objects.filter(key=host).exists()
+    assert row(batch, A).due_at > timezone.now() + dt.timedelta(seconds=30), (
+        "held by an open breaker, made due at once"
+    )

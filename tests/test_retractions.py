@@ -1418,3 +1418,43 @@ def test_giving_up_what_a_delete_waits_on_compiles_nothing_and_leaves_jit_as_it_
     assert controls.give_up(Delivery.objects.filter(batch=updated)) == 2500
     waits = Delivery.objects.filter(batch=retraction, inbox__in=urls[:2500])
     assert set(waits.values_list("after__batch", flat=True)) == {created.pk}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tag_beginning_as_a_replays_in_any_case_is_refused() -> None:
+    """A Delete tagged "Replay of batch 7" and keyed "replay-7" would be
+    taken for a replay's copy on SQLite (its LIKE ignores case), and take
+    nothing back: refused as the lower-case prefix is, nothing written."""
+    from django_federation_delivery import InvalidDelivery
+
+    with pytest.raises(InvalidDelivery, match="marks what a replay queued"):
+        send_batch(
+            ALICE, delete(), [A], {"tag": "Replay of batch 7", "idempotency_key": "replay-7"}
+        )
+    assert not Batch.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_queued_with_a_replay_like_tag_before_the_upgrade_does_not_stop_settles(
+    inbox: object,
+) -> None:
+    """A Delete queued when send() took any tag: keyed "replay-…" and
+    tagged "replay of batch imports" by a project's own re-sends. Once the
+    Create it waits on is delivered, its settle releases the Delete, read
+    as a replay's copy: its tag, no id, is not read as one (cast, it failed
+    the whole write on PostgreSQL), and both are delivered."""
+    url = inbox.url()  # type: ignore[attr-defined]
+    created = send(ALICE, create(), [url])
+    Delivery.objects.filter(batch=created).update(
+        attempts=1, last_status=503, last_attempt_at=timezone.now()
+    )
+    retraction = send(ALICE, delete(), [url])
+    assert retraction is not None
+    # As the earlier version let send_batch write it.
+    Batch.objects.filter(pk=retraction.pk).update(
+        tag="replay of batch imports", idempotency_key="replay-imports-1"
+    )
+    assert row(retraction, url).after_id == row(created, url).id
+    Deliverer().run(drain=True, stop_after=10)
+    assert row(created, url).status == Status.DELIVERED
+    assert row(retraction, url).status == Status.DELIVERED

@@ -8,7 +8,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pytest
 from django.db import OperationalError, connection
@@ -301,16 +302,18 @@ def listening_after_quiet_waits_of(
     return listener
 
 
-@pytest.mark.slow
-def test_a_listener_whose_connection_went_silent_connects_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The listener's connection is gone without a word (no reset: a NAT
-    that forgot it). Waiting on its socket, the listener would listen on it
-    for good, and an idle deliverer count on it for the sends of other
-    processes, which then waited for its idle poll. After a quiet wait it
-    asks the connection something; unanswered, it stops counting itself as
-    listening (the deliverer woken to look itself) and connects again."""
+@dataclass
+class Silenced:
+    """What the listener connects through, and when each connection was made."""
+
+    proxy: Blackhole
+    connected: list[float]
+
+
+@pytest.fixture
+def silenced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Silenced]:
+    """The listener connecting through a :class:`Blackhole`, its questions
+    given a second."""
     import psycopg
     from django.db import connections
 
@@ -320,7 +323,7 @@ def test_a_listener_whose_connection_went_silent_connects_again(
         pytest.skip("LISTEN/NOTIFY is PostgreSQL's (with psycopg 3)")
     params = connections["default"].get_connection_params()
     proxy = Blackhole(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
-    connected: list[float] = []
+    through = Silenced(proxy, [])
 
     def through_the_proxy(self: wakeup.PostgresListener) -> object:
         given = connections[self.using].get_connection_params()
@@ -329,32 +332,48 @@ def test_a_listener_whose_connection_went_silent_connects_again(
         given.update(host="127.0.0.1", port=proxy.port, connect_timeout=2)
         conn = psycopg.connect(**given, autocommit=True)
         sql.listen(conn, True)
-        connected.append(time.monotonic())
+        through.connected.append(time.monotonic())
         return conn
 
     monkeypatch.setattr(wakeup.PostgresListener, "_connect", through_the_proxy)
     monkeypatch.setattr(wakeup.PostgresListener, "PING_TIMEOUT", 1.0)
-    listener = listening_after_quiet_waits_of(0.5, monkeypatch)
-    woken = listener.event
     try:
-        time.sleep(1.2)  # quiet waits, each asked after: it answers
-        assert listener.listening and len(connected) == 1
-        woken.clear()
-        proxy.cut.set()
-        assert woken.wait(AT_ONCE), "still counted as listening on a silent connection"
-        assert not listener.listening
-        proxy.cut.clear()
-        wait_until(lambda: listener.listening, timeout=10)
-        assert len(connected) == 2
+        yield through
     finally:
-        listener.stop()
+        proxy.cut.clear()
         proxy.close()
-        # The server's end of the silent connection, which heard nothing.
+        # The server's end of a silent connection, which heard nothing.
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                 " WHERE datname = current_database() AND pid <> pg_backend_pid()"
             )
+
+
+@pytest.mark.slow
+def test_a_listener_whose_connection_went_silent_connects_again(
+    silenced: Silenced, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listener's connection is gone without a word (no reset: a NAT
+    that forgot it). Waiting on its socket, the listener would listen on it
+    for good, and an idle deliverer count on it for the sends of other
+    processes, which then waited for its idle poll. After a quiet wait it
+    asks the connection something; unanswered, it stops counting itself as
+    listening (the deliverer woken to look itself) and connects again."""
+    listener = listening_after_quiet_waits_of(0.5, monkeypatch)
+    woken = listener.event
+    try:
+        time.sleep(1.2)  # quiet waits, each asked after: it answers
+        assert listener.listening and len(silenced.connected) == 1
+        woken.clear()
+        silenced.proxy.cut.set()
+        assert woken.wait(AT_ONCE), "still counted as listening on a silent connection"
+        assert not listener.listening
+        silenced.proxy.cut.clear()
+        wait_until(lambda: listener.listening, timeout=10)
+        assert len(silenced.connected) == 2
+    finally:
+        listener.stop()
 
 
 def test_a_notification_that_comes_while_the_connection_is_asked_after_wakes_all_the_same(
@@ -385,5 +404,33 @@ def test_a_notification_that_comes_while_the_connection_is_asked_after_wakes_all
         woken.clear()
         assert asked.wait(AT_ONCE)
         assert woken.wait(AT_ONCE), "the notification read with the answer woke nobody"
+    finally:
+        listener.stop()
+
+
+@pytest.mark.slow
+def test_a_listener_told_to_pause_on_a_silent_connection_is_not_stuck_listening(
+    silenced: Silenced, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listener's connection is gone without a word (a NAT forgot it)
+    and the deliverer, claiming a full batch, pauses it, then lets it
+    listen again. The UNLISTEN asked of the silent connection is given no
+    more time than a ping: the listener stops counting itself as listening
+    (the deliverer woken to look itself) and connects again, where it
+    waited for an answer for good, and a stop waited STOP_WAIT."""
+    monkeypatch.setattr(wakeup.PostgresListener, "STOP_WAIT", 3.0)
+    listener = listening_after_quiet_waits_of(0.5, monkeypatch)
+    woken = listener.event
+    try:
+        woken.clear()
+        silenced.proxy.cut.set()
+        listener.pause(True)  # a full claim: UNLISTEN on the silent connection
+        time.sleep(0.3)
+        listener.pause(False)  # caught up: listen again
+        # A quiet wait (0.5 s) and an unanswered question (1 s) at most.
+        assert woken.wait(AT_ONCE), "still counted as listening on a silent connection"
+        assert not listener.listening
+        silenced.proxy.cut.clear()
+        wait_until(lambda: len(silenced.connected) == 2 and listener.listening, timeout=10)
     finally:
         listener.stop()
