@@ -199,6 +199,7 @@ class Deliverer:
             slow_after=self.slow_after,
             resting=self.limits.resting,
             lowered=self.limits.lowered,
+            urgent_most=self.limits.start,
         )
         #: Outcomes written together in one transaction, at most WRITE_WITHIN
         #: seconds late and four for each slot: what a crash would send again.
@@ -404,7 +405,10 @@ class Deliverer:
             # inbox's later gateway, which a stranger may name).
             if not result.elsewhere:
                 self.schemes.learn(item.claimed.host, result.accepted_scheme)
-                self.limits.learn(item.claimed.host, result)
+                host = item.claimed.host
+                # Those in flight beside it: answers to requests sent before
+                # a fall of its limit say nothing of the lower limit.
+                self.limits.learn(host, result, beside=self.slots.in_flight_to(host) - 1)
                 self.hoststats.learn(item.claimed.host, result, timezone.now())
             self.learn_breaker(item, result)
         self.conclude(item, result)

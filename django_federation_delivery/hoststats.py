@@ -34,7 +34,9 @@ __all__ = ["HostStats"]
 SAMPLES = 200
 #: How often what was seen is written.
 WRITE_EVERY = 10.0
-#: Hosts kept between two writes; past it, the rest wait for the next.
+#: Hosts kept, their answer times with them: past it, the one seen least
+#: lately is forgotten, once written (a host new since the last write
+#: waits for the next, when all are new).
 MOST_HOSTS = 20_000
 #: The longest error kept.
 ERROR_LENGTH = 400
@@ -75,14 +77,16 @@ class HostStats:
         """What an attempt at ``host`` came to."""
         if not result.requests:
             return  # no request (held by a breaker, say): nothing seen
-        seen = self._hosts.get(host)
+        # Kept in the order last seen: the first is the one seen least lately.
+        seen = self._hosts.pop(host, None)
         if seen is None:
-            if len(self._hosts) >= MOST_HOSTS:
+            if len(self._hosts) >= MOST_HOSTS and not self._forget_one():
                 return
             # Seen when its first request went out: ``now`` is when the
             # attempt came back, up to its time limit later.
             began = now - dt.timedelta(seconds=max(0.0, result.duration))
-            seen = self._hosts[host] = _Seen(first_at=began)
+            seen = _Seen(first_at=began)
+        self._hosts[host] = seen
         seen.fresh = True
         if result.status is not None:
             seen.answered(result.duration)
@@ -91,6 +95,15 @@ class HostStats:
         elif result.error:
             seen.error = result.error[:ERROR_LENGTH]
             seen.error_at = now
+
+    def _forget_one(self) -> bool:
+        """Forget the host seen least lately, if it was written since:
+        whether one was."""
+        host, seen = next(iter(self._hosts.items()))
+        if seen.fresh:
+            return False
+        del self._hosts[host]
+        return True
 
     def due(self) -> bool:
         return time.monotonic() - self._written >= WRITE_EVERY
@@ -106,10 +119,6 @@ class HostStats:
         written = record_hosts(rows, now=now, using=using)
         for _, seen in fresh:
             seen.fresh = False
-        # What is kept of hosts not seen since the last write: nothing, once
-        # written. Those just written stay, with their answer times.
-        if len(self._hosts) > MOST_HOSTS // 2:
-            self._hosts = dict(fresh)
         return written
 
     def _row(self, host: str, seen: _Seen, now: dt.datetime) -> SeenHost:

@@ -167,8 +167,11 @@ class HostLimits:
             del self._resting[host]
         return {host: until - now for host, until in self._resting.items()}
 
-    def learn(self, host: str, result: AttemptResult) -> None:
-        """What an attempt at ``host`` says of its load."""
+    def learn(self, host: str, result: AttemptResult, *, beside: int | None = None) -> None:
+        """What an attempt at ``host`` says of its load. ``beside``: how many
+        other requests to it are in flight (as many as its limit, unknown):
+        when the limit falls, their answers are not taken for answers to
+        the lower limit."""
         if result.held or not result.requests:
             return  # no request: nothing said
         if self.most <= self.start:
@@ -198,7 +201,7 @@ class HostLimits:
                 again = found.halved_from is not None and int(found.limit) <= found.halved_from
                 found.wait = min(MOST_PROBE_AFTER, found.wait * 2) if again else PROBE_AFTER
                 found.probe_at = self.clock() + found.wait
-                found.recovering = int(found.limit)
+                found.recovering = int(found.limit) if beside is None else max(0, beside)
                 found.ceiling = found.halved_from = int(found.limit)
                 found.starting = False
                 if found.limit < 2 and result.status in OVERLOADED:

@@ -18,7 +18,7 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
-from django.db.models import Case, Count, Q, Value, When
+from django.db.models import Case, Count, Max, Q, Value, When
 
 from django_federation_delivery.addresses import host_named
 from django_federation_delivery.conf import database_alias
@@ -114,6 +114,26 @@ def host_picture(
     return kept_host_picture(name, now=now, using=using)
 
 
+def _breaker_of(name: str, alias: str) -> tuple[str, int]:
+    """The state of the host ``name``'s breaker and its failures in a row;
+    with breakers kept per inbox (``SCOPE`` "inbox"), the worst of its
+    inboxes' (open before half-open before closed) and the most failures."""
+    breakers = Breaker.objects.using(alias)
+    own = breakers.filter(key=name).first()
+    if own is not None:
+        return own.state, own.failures
+    now = orm_datetime(aware_now(), alias)
+    found = breakers.filter(
+        Q(key__startswith=f"https://{name}/") | Q(key__startswith=f"http://{name}/")
+    ).aggregate(
+        failures=Max("failures"),
+        open=Count("key", filter=Q(open_until__gt=now)),
+        half_open=Count("key", filter=Q(open_until__lte=now)),
+    )
+    state = "open" if found["open"] else "half-open" if found["half_open"] else "closed"
+    return state, found["failures"] or 0
+
+
 def kept_host_picture(
     name: str, *, now: dt.datetime | None = None, using: str | None = None
 ) -> HostPicture | None:
@@ -144,7 +164,7 @@ def kept_host_picture(
     }
     if host is None and not pending["pending"] and not last_day:
         return None
-    breaker = Breaker.objects.using(alias).filter(key=name).first()
+    state, failures = _breaker_of(name, alias)
     return HostPicture(
         name=name,
         trouble=TROUBLES[host.trouble] if host is not None else "ok",
@@ -154,8 +174,8 @@ def kept_host_picture(
         unavailable_since=host.unavailable_since if host else None,
         paused_at=host.paused_at if host else None,
         scheme=host.scheme if host else "",
-        breaker=breaker.state if breaker is not None else "closed",
-        failures_in_a_row=breaker.failures if breaker is not None else 0,
+        breaker=state,
+        failures_in_a_row=failures,
         answer_p50_ms=host.answer_p50_ms if host else None,
         answer_p95_ms=host.answer_p95_ms if host else None,
         concurrency_limit=host.concurrency_limit if host else None,

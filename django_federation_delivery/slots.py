@@ -53,10 +53,15 @@ class Slots:
         resting: Callable[[], Mapping[str, float]] = dict,
         start: int = 1,
         lowered: Callable[[str], bool] | None = None,
+        urgent_most: int | None = None,
     ) -> None:
         self.concurrency = concurrency
         #: How many a host may have in flight now (``limits.HostLimits.allowed``).
         self.per_host = per_host
+        #: The most urgent ones a host may have in flight beside the others
+        #: (``PER_HOST``): its limit again, but no more than where a limit
+        #: starts, for one grown under a fan-out (up to ``PER_HOST_MAX``).
+        self.urgent_most = urgent_most
         #: Whether a host's limit was lowered (``limits.HostLimits.lowered``):
         #: by default, below where it starts (``start``, ``PER_HOST``). A host
         #: that refused as many at once gives the urgent ones no limit of
@@ -165,8 +170,19 @@ class Slots:
         if self.lowered(host):
             return self._host_busy[host] < self.per_host(host)
         urgent = self._busy_urgent[host]
-        busy = urgent if item.urgent else self._host_busy[host] - urgent
-        return busy < self.per_host(host)
+        if item.urgent:
+            return urgent < self._urgent_limit(host)
+        return self._host_busy[host] - urgent < self.per_host(host)
+
+    def _urgent_limit(self, host: str) -> int:
+        """How many urgent ones ``host`` may have in flight beside the others."""
+        limit = self.per_host(host)
+        return limit if self.urgent_most is None else min(limit, self.urgent_most)
+
+    def in_flight_to(self, host: str) -> int:
+        """How many are in flight to ``host`` (an attempt that has just
+        answered, until it is taken back, among them)."""
+        return self._host_busy[host]
 
     def sendable(self, enough: int) -> bool:
         """Whether at least ``enough`` ready deliveries could go as soon as a
@@ -186,16 +202,19 @@ class Slots:
         for a claim of the urgent lanes: counting the urgent ones alone,
         which have a host's limit again of their own."""
         held = self._host_busy + self._ready_hosts
-        counted = held
         if urgent:
             of_urgent = self._busy_urgent + self._ready_urgent
-            counted = collections.Counter(
-                {
-                    host: count if self.lowered(host) else of_urgent[host]
-                    for host, count in held.items()
-                }
-            )
-        full = [host for host, count in counted.items() if count >= self.per_host(host)]
+            full = [
+                host
+                for host, count in held.items()
+                if (
+                    count >= self.per_host(host)
+                    if self.lowered(host)
+                    else of_urgent[host] >= self._urgent_limit(host)
+                )
+            ]
+        else:
+            full = [host for host, count in held.items() if count >= self.per_host(host)]
         return full + list(self._resting_empty_handed(held))
 
     def until_rested(self) -> float | None:

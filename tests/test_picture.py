@@ -18,7 +18,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import hoststats, send, send_webhook
+from django_federation_delivery import hoststats, send, send_batch, send_webhook
 from django_federation_delivery.breakers import Breakers, BreakerSettings, Decision
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.hoststats import SAMPLES, HostStats
@@ -428,3 +428,85 @@ def test_a_destination_gone_shows_its_410_as_its_last_error(
     )
     assert picture.first_seen_at is not None
     assert SLACK_TOKEN not in picture.last_error
+
+
+@pytest.mark.django_db
+def test_answer_times_of_a_host_idle_for_one_write_are_kept_among_many_hosts() -> None:
+    """A deliverer sending to more than 10,000 hosts: one that answered 100
+    times in 10 ms, then was not sent to for one 10-second write, then
+    answered once in 1000 ms, is shown the median of its last answers, 10
+    ms: its answer times were thrown away whenever it missed a write, and
+    it was shown 1000 ms. What is forgotten is the host seen least lately."""
+    stats = HostStats(HostLimits(2, 8))
+    now = timezone.now()
+    for _ in range(100):
+        stats.learn("steady.example", answered(seconds=0.010), now)
+    stats.write(now=now)
+    assert Host.objects.get(name="steady.example").answer_p50_ms == pytest.approx(10, abs=0.01)
+    # The next 10 seconds: the deliverer sends to many other hosts, not this one.
+    for n in range(hoststats.MOST_HOSTS // 2 + 1):
+        stats.learn(f"h{n}.example", answered(seconds=0.05), now)
+    stats.write(now=now)
+    # Then it answers once, slowly.
+    stats.learn("steady.example", answered(seconds=1.0), now)
+    stats.write(now=now)
+    host = Host.objects.get(name="steady.example")
+    assert host.answer_p50_ms == pytest.approx(10, abs=0.01), (
+        f"median of 100 answers of 10 ms and one of 1000 ms shown as {host.answer_p50_ms} ms"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_whose_inbox_breaker_is_open_is_shown_open(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    """With ``BREAKER["SCOPE"] = "inbox"`` (as Mastodon keeps them), a host
+    whose one inbox has failed again and again, its breaker open, shows so
+    on its page and in ``delivery_status --host``, its inboxes' worst, not
+    "closed (0 failures in a row)" for want of a breaker keyed by its name."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 60.0, "SCOPE": "inbox"},
+        "RETRY": {"BASE": 0.05, "CAP": 0.1, "ATTEMPTS": 4, "JITTER": 0.0},
+    }
+    down = inboxes("127.0.0.3", respond=lambda request: (503, {}, b"down"))
+    send_batch(ALICE, NOTE, [down.url("/inbox")], {"max_attempts": 4})
+    Deliverer().run(stop_after=1.5)
+    (breaker,) = Breaker.objects.all()
+    assert breaker.state in ("open", "half-open") and breaker.failures >= 2
+    picture = host_picture(down.host)
+    assert picture is not None
+    assert (picture.breaker, picture.failures_in_a_row) != ("closed", 0), (
+        f"its inbox's breaker is {breaker.state} after {breaker.failures} failures in a row"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_refusals_to_requests_sent_one_at_a_time_each_halve_the_limit(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    """A host grown to 8 answers 503 to four requests in a row, each sent
+    alone after the answer to the one before: none was in flight when the
+    limit fell, so each halves it, down to 1 (shown so on its page). Taken
+    for answers to requests in flight at the fall, three of them left it at
+    4, and the next fan-out was sent 4 at once."""
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": {}}
+    status = [202]
+    inbox = inboxes("127.0.0.2", respond=lambda request: (status[0], {}, b""))
+    deliverer = Deliverer(per_host=2, per_host_max=8)
+    for n in range(6):
+        send_batch(ALICE, {**NOTE, "id": f"{NOTE['id']}/ok{n}"}, [inbox.url(f"/{n}")], {})
+        deliverer.run(drain=True)
+    assert deliverer.limits.limit(inbox.host) == 8
+    status[0] = 503
+    for n in range(4):
+        note = {**NOTE, "id": f"{NOTE['id']}/busy{n}"}
+        send_batch(ALICE, note, [inbox.url(f"/busy/{n}")], {"max_attempts": 1})
+        deliverer.run(drain=True)
+    assert len(inbox.received) == 10
+    picture = host_picture(inbox.host)
+    assert picture is not None
+    assert picture.concurrency_limit == 1, (
+        f"four 503s in a row, each to a request sent alone: sent {picture.concurrency_limit} "
+        "at once next"
+    )

@@ -216,3 +216,18 @@ def test_an_urgent_delivery_has_a_thread_free_when_the_others_take_more_than_the
     assert urgent.urgent
     assert place.threads_wanted() == 9
     assert place.threads_allowed(8) == 9
+
+
+def test_urgent_deliveries_to_a_host_grown_past_per_host_have_per_host_again() -> None:
+    """A host answering well grew to 8 at once under a fan-out (PER_HOST 2,
+    PER_HOST_MAX 8). Direct messages to it go beside the fan-out's, PER_HOST
+    of them at once: 8 + 2 in flight, not twice its grown limit."""
+    place = Slots(concurrency=40, per_host=lambda host: 8, slow_after=2.0, start=2, urgent_most=2)
+    for number in range(8):
+        place.add(item(number, "big"))
+    assert len(place.hand_out(admit_all, slow=0, queued=0, most=40)) == 8
+    for number in range(10, 16):
+        place.add(item(number, "big", Lane.PRIORITY))
+    assert len(place.hand_out(admit_all, slow=0, queued=0, most=40)) == 2
+    assert place.saturated_hosts(urgent=True) == ["big"]
+    assert place.in_flight_to("big") == 10
