@@ -16,7 +16,14 @@ from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_federation_delivery import BatchOptions, InvalidDelivery, send, send_batch, wakeup
+from django_federation_delivery import (
+    BatchOptions,
+    InvalidDelivery,
+    send,
+    send_batch,
+    send_webhook,
+    wakeup,
+)
 from django_federation_delivery.models import Batch, Delivery, Lane, Status
 from django_federation_delivery.sending import UNAVAILABLE
 
@@ -364,6 +371,35 @@ def test_an_activity_nested_a_hundred_deep_is_queued_and_read_back_as_written() 
     activity = {"type": "Create", "actor": ALICE, "deep": nested(98)}
     batch = send_batch(ALICE, activity, ["https://a.example/inbox"])
     assert json.loads(Batch.objects.get(pk=batch.pk).body) == activity
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("how", ["send_batch", "send_webhook"])
+def test_with_use_tz_off_the_batch_a_send_returns_has_the_times_django_reads(
+    settings: Any, how: str
+) -> None:
+    """With ``USE_TZ`` off, the batch a send returns (and hands to
+    ``post_save``) has its times as the same row read back: naive in
+    ``TIME_ZONE``, where they were aware in UTC (``timezone.now() -
+    batch.created_at`` raised ``TypeError``, and ``batch.save()`` on
+    SQLite refused them)."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "Europe/Paris"
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": "slack://hooks.slack.com/services/T0/B0/s3cretT0ken"},
+    }
+    if how == "send_batch":
+        options = BatchOptions(deadline=dt.timedelta(hours=1), tag="post-1")
+        batch = send_batch(ALICE, NOTE, ["https://a.example/inbox"], options)
+    else:
+        batch = send_webhook("ops", "alert.raised", {"host": "db1"})
+    assert batch is not None
+    stored = Batch.objects.get(pk=batch.pk)
+    assert timezone.is_naive(stored.created_at)
+    assert (batch.created_at, batch.deadline) == (stored.created_at, stored.deadline)
+    assert timezone.now() - batch.created_at < dt.timedelta(minutes=1)
+    batch.save()
 
 
 @pytest.mark.django_db

@@ -11,8 +11,10 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from django.conf import settings
 from django.db import models, transaction
 from django.db.models.signals import post_save, pre_save
+from django.utils import timezone
 
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.conf import database_alias
@@ -283,6 +285,14 @@ def _prepare(batch: Batch, inboxes: Sequence[Queued], now: Any, alias: str) -> N
     pre_save.send(sender=Batch, instance=batch, raw=False, using=alias, update_fields=None)
 
 
+#: A batch's date and time fields, by their attribute names.
+_DATETIME_FIELDS = [
+    field.attname
+    for field in Batch._meta.concrete_fields
+    if isinstance(field, models.DateTimeField)
+]
+
+
 def _written(batch: Batch, alias: str) -> None:
     """``batch``, its row written, known as saved to ``alias``."""
     batch._state.adding = False
@@ -290,7 +300,16 @@ def _written(batch: Batch, alias: str) -> None:
 
 
 def _saved(batch: Batch, alias: str) -> None:
-    """``post_save`` for ``batch``, once it and its deliveries are written."""
+    """``post_save`` for ``batch``, once it and its deliveries are written,
+    its times as the ORM reads them back: with ``USE_TZ`` off, naive in
+    ``TIME_ZONE`` (written by hand, they were the package's, aware in UTC,
+    which a project's ``timezone.now() - batch.created_at`` cannot take)."""
+    if not settings.USE_TZ:
+        zone = timezone.get_default_timezone()
+        for field in _DATETIME_FIELDS:
+            value = getattr(batch, field)
+            if value is not None and timezone.is_aware(value):
+                setattr(batch, field, timezone.make_naive(value, zone))
     post_save.send(
         sender=Batch, instance=batch, created=True, update_fields=None, raw=False, using=alias
     )
