@@ -251,8 +251,12 @@ def record_probe(
         manager.update(probe_token="", probe_until=None)
         return
     if not failed:
-        if manager.delete()[0]:
-            _release_held([key], alias)
+        # Together: the row gone and what it held left held, a write that
+        # failed between them had the probe's success, flushed again, find
+        # no row and release nothing.
+        with transaction.atomic(using=alias):
+            if manager.delete()[0]:
+                _release_held([key], alias)
         return
     now = aware_now()
     manager.update(

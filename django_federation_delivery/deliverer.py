@@ -141,6 +141,8 @@ class Deliverer:
         self._stop_waits_end: float | None = None
         #: When a stop asked for by :meth:`stop` ends its waits (monotonic).
         self._stop_by: float | None = None
+        #: The loop's connection's write lock, on SQLite, while it runs.
+        self._prompt_lock: writelock.PromptWriteLock | None = None
         self.idle_poll = app_settings.idle_poll_seconds
         self.new_work_poll = app_settings.new_work_poll_seconds
         self.schemes = KnownSchemes(app_settings.first_scheme, self._db, using=using)
@@ -270,6 +272,9 @@ class Deliverer:
         if self._stop_by is None:
             self._stop_by = time.monotonic() + STOPPING_GRACE
         self._db.end_waits_by(self._stop_by)
+        # And on SQLite a wait for the write lock the loop is in.
+        if self._prompt_lock is not None:
+            self._prompt_lock.end_by(self._stop_by)
         self._stopping.set()
         self._wake.set()
 
@@ -467,6 +472,9 @@ class Deliverer:
             timer.start()
         # On SQLite, this thread's claims and settles take the write lock as it frees.
         remove_prompt_lock = writelock.install(self.using)
+        self._prompt_lock = writelock.installed(self.using)
+        if self._prompt_lock is not None and self._stop_by is not None:
+            self._prompt_lock.end_by(self._stop_by)
         failed = False
         try:
             yield
@@ -491,6 +499,7 @@ class Deliverer:
                 self._leave_on_error(self.handoff.collect, self._write, self._tell_untold)
             # The probe under way, until it is done; none after it.
             self.upkeep.finish(self.transport_settings.attempt_timeout + 1)
+            self.upkeep.write_answered()
             self._db(self.hoststats.write, now=timezone.now(), using=self.using)
             self.intake.stop_listening()
             if self.heartbeat is not None:
@@ -501,6 +510,7 @@ class Deliverer:
             # This thread owned the ORM's connections: close them.
             connections.close_all()
             remove_prompt_lock()
+            self._prompt_lock = None
             self._end_waits_by(None)
 
     def _leave_on_error(self, *steps: Callable[[], None]) -> None:
@@ -567,6 +577,9 @@ class Deliverer:
         (or when nothing else is to be done), else wait for what comes next."""
         if self._untold:
             return  # told again at once: a failure to tell has waited already (self._db)
+        if self._tried and not self.outbox:
+            self._tell_let_go()
+            return
         busy = self.slots.busy
         if self.outbox and (not busy or self.outbox.due()):
             if self.outbox.due() or caught_up:
@@ -599,11 +612,23 @@ class Deliverer:
             using=self.using,
             tried=self._tried,
         )
-        if written is not None:
+        if written is not None and self._tried:
             # A write passes all that waits: what it left in ``tried`` was
             # let go by the outbox, its lease run out.
-            self._tried.clear()
+            self._tell_let_go()
         return written is not None
+
+    def _tell_let_go(self) -> None:
+        """What the outbox let go after a write whose answer was lost (its
+        lease ran out while the database was away): the batches that write
+        finished, committed all the same, told; never written again, they
+        were never told. Left for the next turn while the database is away."""
+        found = self._db(settlements.finished_unanswered, dict(self._tried), using=self.using)
+        if found is None:
+            return
+        self._tried.clear()
+        if found:
+            self._batches_finished(found)
 
     def _failed_instead(self, failed: settlements.Settlement) -> None:
         """``delivery_failed`` of a delivery written failed, committed, because

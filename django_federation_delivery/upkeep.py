@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from django.db import close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 from django.utils import timezone
 
 from django_federation_delivery import availability, controls, metrics
@@ -107,6 +107,10 @@ class Upkeep:
     _overdue_since: dt.datetime | None = dataclasses.field(default=None, init=False)
     _hosts_read: float = dataclasses.field(default=-HOSTS_EVERY, init=False)
     _prober: threading.Thread | None = dataclasses.field(default=None, init=False)
+    #: Hosts whose probe was answered, not written (the database away then):
+    #: written by the loop at its next refresh, which waits the database out.
+    _answered: set[str] = dataclasses.field(default_factory=set, init=False)
+    _answered_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False)
     #: When the probe under way is out of time (monotonic).
     _probe_until: float = dataclasses.field(default=0.0, init=False)
     _lock_asked: float = dataclasses.field(default_factory=time.monotonic, init=False)
@@ -192,6 +196,7 @@ class Upkeep:
             self.give_up_overdue()
         if self.hoststats is not None and self.hoststats.due():
             self.db(self.hoststats.write, now=timezone.now(), using=self.using)
+        self.write_answered()
         if time.monotonic() - self._hosts_read >= HOSTS_EVERY:
             self._hosts_read = time.monotonic()
             self.look_after_hosts()
@@ -201,6 +206,19 @@ class Upkeep:
         if self.breakers is not None:
             self.db(self.breakers.refresh)
         self._read_paused()
+
+    def write_answered(self) -> None:
+        """Mark seen the hosts whose probe answered while the database was
+        away: taken for the day as they were probed, they were skipped by
+        sends for another whole day, though they answered."""
+        if not self._answered:
+            return
+        with self._answered_lock:
+            answered, self._answered = self._answered, set()
+        for host in sorted(answered):
+            if self.db(availability.mark_seen, host, using=self.using) is None:
+                with self._answered_lock:
+                    self._answered.add(host)
 
     def give_up_overdue(self) -> None:
         """Give up what waits past its batch's deadline, of the batches whose
@@ -239,7 +257,12 @@ class Upkeep:
             host, url = first
             for probed in range(1, share + 1):
                 if availability.probe(url, settings):
-                    availability.mark_seen(host, using=self.using)
+                    try:
+                        availability.mark_seen(host, using=self.using)
+                    except DatabaseError:
+                        with self._answered_lock:
+                            self._answered.add(host)
+                        raise
                 # None started once stopping, nor one that would end after
                 # the run (a drain) has waited for its probes: it would
                 # outlast the time the loop has to finish (a round's, fitted

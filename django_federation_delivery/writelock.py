@@ -67,6 +67,22 @@ def install(using: str) -> Callable[[], None]:
     return remove
 
 
+def _lock_for_writing() -> str:
+    """The package's statement that takes the write lock in a transaction
+    begun deferred and writes nothing: tried again as a locking BEGIN is,
+    in short waits a stop can bound, not one busy timeout long."""
+    return " ".join(statements.statements_of("sqlite")["lock_for_writing"].text.split())
+
+
+def installed(using: str) -> PromptWriteLock | None:
+    """The write lock :func:`install` installed on this thread's connection
+    to ``using``, if it did."""
+    for wrapper in connections[using].execute_wrappers:
+        if isinstance(wrapper, PromptWriteLock):
+            return wrapper
+    return None
+
+
 def is_busy(exc: BaseException) -> bool:
     """Whether ``exc`` (Django's error or sqlite3's) is SQLITE_BUSY, in any of
     its extended forms: "database is locked"."""
@@ -99,6 +115,13 @@ class PromptWriteLock:
         #: No wait for the lock past this ``time.monotonic()``; None: none.
         self.until: float | None = None
 
+    def end_by(self, until: float) -> None:
+        """From another thread (a stop): no wait for the lock past ``until``,
+        the one under way at its next try, within ``LONGEST_TRY_MS``. Nothing
+        is asked of the connection, which the waiting thread is using."""
+        if self.until is None or until < self.until:
+            self.until = until
+
     def bound(self, until: float | None) -> None:
         self.until = until
         raw = self.connection.connection
@@ -108,7 +131,10 @@ class PromptWriteLock:
     def __call__(
         self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
     ) -> Any:
-        locking = not (many or params) and " ".join(str(sql).split()).upper() in LOCKING_BEGINS
+        written = " ".join(str(sql).split())
+        locking = not (many or params) and (
+            written.upper() in LOCKING_BEGINS or written == _lock_for_writing()
+        )
         if not locking and self.until is None:
             return execute(sql, params, many, context)
         raw = self.connection.connection
@@ -140,7 +166,10 @@ class PromptWriteLock:
         try_ms = FIRST_TRY_MS
         set_ms = None
         while True:
-            # Never past the deadline (rounded up: the last try is made at it).
+            # Never past the deadline (rounded up: the last try is made at
+            # it), nor past a bound set since (a stop's, from another thread).
+            if self.until is not None:
+                deadline = min(deadline, self.until)
             left_ms = math.ceil((deadline - time.monotonic()) * 1000)
             this_ms = max(0, min(int(try_ms), left_ms))
             if this_ms != set_ms:  # the first few tries are of 1 ms each: set once

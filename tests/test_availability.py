@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 from django.utils import timezone
 
 from django_federation_delivery import (
@@ -446,3 +446,31 @@ def test_a_probe_finds_its_hosts_latest_inbox_without_reading_what_was_sent_sinc
     for _, plan in run_explained(executed):
         removed = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
         assert max(removed, default=0) < 1000, plan
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_probe_answered_while_the_database_blinks_marks_the_host_seen_once_it_is_back(
+    inboxes: Callable[..., Inbox], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unavailable host answers its daily probe, but the write that marks
+    it seen meets the database away for a moment. The loop writes it once
+    the database is back: taken as probed, it stayed marked unavailable,
+    its inboxes left out of sends another whole day, though it answered."""
+    up = inboxes("127.0.0.2", respond=lambda request: (404, {}, b""))
+    Host.objects.create(name=up.host, failing_since=timezone.now() - dt.timedelta(days=8))
+    send(ALICE, NOTE, [up.url("/inbox")])
+    Delivery.objects.update(status=Status.DELIVERED, settled_at=timezone.now(), due_at=None)
+    real = availability.mark_seen
+    blinked: list[str] = []
+
+    def mark_seen(host: str, **kwargs: Any) -> bool:
+        if not blinked:
+            blinked.append(host)
+            raise OperationalError("server closed the connection unexpectedly")
+        return real(host, **kwargs)
+
+    monkeypatch.setattr(availability, "mark_seen", mark_seen)
+    Deliverer().run(drain=True, stop_after=10)
+    assert blinked == [up.host] and len(up.received) == 1, "probed, its answer not written"
+    row = Host.objects.get(name=up.host)
+    assert row.unavailable_since is None and row.failing_since is None

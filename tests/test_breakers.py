@@ -10,11 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import OperationalError, connections
 from django.utils import timezone
 
 from django_federation_delivery import PortableInbox, breakers, overview, send, send_portable
 from django_federation_delivery.breakers import (
+    HELD_BY_BREAKER,
     Breakers,
     BreakerSettings,
     Decision,
@@ -765,3 +766,45 @@ def test_what_a_breaker_just_opened_by_this_deliverer_held_stays_held() -> None:
     assert row(batch, A).due_at > timezone.now() + dt.timedelta(seconds=30), (
         "held by an open breaker, made due at once"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_probe_s_success_written_as_the_database_blinks_still_releases_the_held_backlog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host's probe succeeds and its breaker closes; what the breaker held
+    meanwhile is to go at once. The flush that writes the success meets the
+    database away for a moment as it makes the held deliveries due: the
+    row's deletion goes with it, and the next flush does both (the row gone
+    alone, that one released nothing, and the backlog waited a cool-off)."""
+    host = "flaky.example"
+    cool_off = 60.0
+    keeper = Breakers(BreakerSettings(threshold=2, cool_off=cool_off))
+    now = aware_now()
+    Breaker.objects.create(key=host, failures=10, open_until=timezone.now() - SECOND)
+    keeper.refresh()
+    decision, token, _ = keeper.admit(host, now)
+    assert decision.name == "PROBE"
+    # What the breaker held while its probe was under way.
+    batch = send(ALICE, NOTE, [f"https://{host}/{n}" for n in range(3)])
+    Delivery.objects.filter(batch=batch).update(
+        due_at=timezone.now() + dt.timedelta(seconds=cool_off),
+        last_error=HELD_BY_BREAKER.format(key=host),
+    )
+    keeper.record(host, failed=False, probe=token, now=aware_now())
+    real = breakers._release_held
+    calls: list[int] = []
+
+    def release_held(keys: Any, alias: str) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        real(keys, alias)
+
+    monkeypatch.setattr(breakers, "_release_held", release_held)
+    with pytest.raises(OperationalError):
+        keeper.flush()
+    keeper.flush()  # the database back: the loop's next flush
+    assert not Breaker.objects.filter(key=host).exists(), "closed by its probe"
+    late = Delivery.objects.filter(batch=batch, due_at__gt=timezone.now() + 10 * SECOND)
+    assert late.count() == 0, f"{late.count()} held a cool-off longer, their breaker closed"

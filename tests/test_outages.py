@@ -217,7 +217,7 @@ def test_a_lost_commits_finished_batch_is_told_when_the_read_of_it_fails_once(
     # database away: what it was to read was dropped before the read, and
     # batch_finished never told.
     lose_the_first_commits_answer(monkeypatch)
-    real_read = settlements._finished_unanswered
+    real_read = settlements.finished_unanswered
     reads: list[str] = []
 
     def read(unanswered: Any, using: Any) -> list[int]:
@@ -226,7 +226,7 @@ def test_a_lost_commits_finished_batch_is_told_when_the_read_of_it_fails_once(
             raise OperationalError("server closed the connection unexpectedly")
         return real_read(unanswered, using)
 
-    monkeypatch.setattr(settlements, "_finished_unanswered", read)
+    monkeypatch.setattr(settlements, "finished_unanswered", read)
     with finished_told() as told:
         batch = send(ALICE, NOTE, [inbox.url("/a")])
         assert batch is not None
@@ -316,3 +316,50 @@ def test_a_connection_lost_while_the_deliverer_idles_is_replaced_not_an_outage(
     time.sleep(2.5)  # idle, beating each second
     runner.stop()
     assert not [m for m in caplog.messages if "database is unavailable" in m]
+
+
+@pytest.mark.slow
+def test_a_commit_whose_answer_was_lost_still_tells_batch_finished_after_an_outage_past_the_lease(
+    inbox: Inbox,
+    start_deliverer: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The settle of a one-inbox send commits and its answer is lost with the
+    connection; the database then stays away a little longer than the
+    claim's lease, and the outbox lets the settlement go. Once the database
+    is back, what that first write finished is read, and ``batch_finished``
+    told: it was never told."""
+    from django_federation_delivery import signals
+    from django_federation_delivery.models import Batch
+    from django_federation_delivery.store import settlements
+
+    real = settlements._written
+    lost: list[float] = []
+
+    def written(items: Any, now: Any, using: Any) -> Any:
+        if not lost:
+            real(items, now, using)
+            lost.append(max(item.claimed.leased_until for item in items))
+            raise OperationalError("server closed the connection unexpectedly")
+        if time.time() < lost[0] + 1.0:
+            raise OperationalError("could not connect to server")
+        return real(items, now, using)
+
+    monkeypatch.setattr(settlements, "_written", written)
+    told: list[int] = []
+
+    def finished(sender: Any, batch: Any, **kwargs: Any) -> None:
+        told.append(batch.id)
+
+    signals.batch_finished.connect(finished, weak=False)
+    try:
+        batch = send(ALICE, NOTE, [inbox.url("/a")])
+        runner = start_deliverer(lease=12)
+        wait_until(lambda: bool(lost), timeout=10)
+        wait_until(lambda: time.time() > lost[0] + 6.0, timeout=30)
+        runner.stop()
+    finally:
+        signals.batch_finished.disconnect(finished)
+    assert inbox.paths() == ["/a"], "sent once"
+    assert Batch.objects.get(id=batch.id).finished_at is not None, "finished by that write"
+    assert told == [batch.id], f"batch_finished told {told}"

@@ -33,6 +33,7 @@ from django_federation_delivery.writelock import PromptWriteLock, is_busy
 from .conftest import Inbox, wait_until
 from .keys import ALICE
 from .lockholder import Holder
+from .operators import NOTE
 
 sqlite_only = pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's lock only")
 
@@ -373,3 +374,41 @@ def test_a_stop_while_a_view_holds_the_write_lock_waits_the_grace_not_each_timeo
     started = time.monotonic()
     runner.stop(timeout=50)
     assert time.monotonic() - started < STOPPING_GRACE + FINAL_WRITES_WAIT + 2.5
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_locked_by_another_process_a_stop_returns_within_the_grace(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., Any],
+) -> None:
+    """Another process holds SQLite's write lock (a long migration, a backup)
+    while answers come back; the deliverer is asked to stop, in a claim's
+    wait for the lock. That wait ends at the stop's grace, and the writes'
+    tries at theirs (3 s each), not at the busy timeout (20 s here, 22.5 s
+    before)."""
+    import sqlite3
+
+    from django.db import connection
+
+    from django_federation_delivery.deliverer import FINAL_WRITES_WAIT, STOPPING_GRACE
+
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's write lock")
+    inbox = inboxes(delay=1.0)
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(4)])
+    runner = start_deliverer(lease=60)
+    wait_until(lambda: len(inbox.received) >= 2, timeout=10)
+    other = sqlite3.connect(connection.settings_dict["NAME"], timeout=5, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        time.sleep(1.5)  # the answers come back, their write waits for the lock
+        asked = time.monotonic()
+        runner.deliverer.stop()
+        runner.thread.join(25)
+        took = time.monotonic() - asked
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert not runner.thread.is_alive()
+    assert took < 2 * STOPPING_GRACE + FINAL_WRITES_WAIT + 2.5, f"stopped {took:.1f} s after"

@@ -199,7 +199,7 @@ def settle(
         if unanswered:
             # A read the database may fail: raised, what it was to read is
             # kept in ``tried`` for the write tried again to read.
-            found = _finished_unanswered(unanswered, using)
+            found = finished_unanswered(unanswered, using)
             for id in unanswered:
                 tried.pop(id, None)
             if found and on_finished is not None:
@@ -207,7 +207,7 @@ def settle(
     return settled.written
 
 
-def _finished_unanswered(unanswered: Tried, using: str | None) -> list[int]:
+def finished_unanswered(unanswered: Tried, using: str | None) -> list[int]:
     """The batches an earlier write of the deliveries ``unanswered`` finished
     and committed, its answer lost: their rows settled, and their batch
     finished, at one of the times that write was tried."""
