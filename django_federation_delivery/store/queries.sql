@@ -697,7 +697,7 @@ COALESCE(
 -- Update of an actor after its Delete). Only a tag that ends in an id is
 -- read as one: a send's could once begin as a replay's (cast, the rest of
 -- "replay of batch imports" failed every statement that read it).
-CASE WHEN {replay_copy} AND {replay_original} ~ '^[0-9]{1,18}$'
+CASE WHEN {replay_copy} AND {replay_original} ~ '^[0-9]+$' AND length({replay_original}) <= 18
     THEN CAST({replay_original} AS bigint) ELSE rb.id END
 
 -- name: sent_as [sqlite]
