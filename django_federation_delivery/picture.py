@@ -18,7 +18,7 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
-from django.db.models import Case, Count, Max, Q, Value, When
+from django.db.models import Case, Count, Q, Value, When
 
 from django_federation_delivery.addresses import host_named
 from django_federation_delivery.conf import database_alias
@@ -117,21 +117,32 @@ def host_picture(
 def _breaker_of(name: str, alias: str) -> tuple[str, int]:
     """The state of the host ``name``'s breaker and its failures in a row;
     with breakers kept per inbox (``SCOPE`` "inbox"), the worst of its
-    inboxes' (open before half-open before closed) and the most failures."""
+    inboxes' (open before half-open before closed) and the most failures:
+    those whose inbox's host is ``name``, port and all, read among the keys
+    that name its address (a few hundred at most)."""
     breakers = Breaker.objects.using(alias)
     own = breakers.filter(key=name).first()
     if own is not None:
         return own.state, own.failures
-    now = orm_datetime(aware_now(), alias)
-    found = breakers.filter(
-        Q(key__startswith=f"https://{name}/") | Q(key__startswith=f"http://{name}/")
-    ).aggregate(
-        failures=Max("failures"),
-        open=Count("key", filter=Q(open_until__gt=now)),
-        half_open=Count("key", filter=Q(open_until__lte=now)),
-    )
-    state = "open" if found["open"] else "half-open" if found["half_open"] else "closed"
-    return state, found["failures"] or 0
+    address = name[1:].partition("]")[0] if name.startswith("[") else name
+    if address.count(":") == 1:
+        address = address.partition(":")[0]  # a port: an IPv6 address has more colons
+    now = aware_now()
+    state, failures = "closed", 0
+    for key, open_until, count in breakers.filter(key__contains=address).values_list(
+        "key", "open_until", "failures"
+    )[:MOST_INBOX_BREAKERS]:
+        if not key.startswith(("https://", "http://")) or host_named(key) != name:
+            continue
+        failures = max(failures, count)
+        if open_until is not None:
+            is_open = aware(open_until) > now
+            state = "open" if is_open or state == "open" else "half-open"
+    return state, failures
+
+
+#: The inbox breakers of one host read for its picture, at most.
+MOST_INBOX_BREAKERS = 500
 
 
 def kept_host_picture(

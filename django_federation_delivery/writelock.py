@@ -74,6 +74,18 @@ def _lock_for_writing() -> str:
     return " ".join(statements.statements_of("sqlite")["lock_for_writing"].text.split())
 
 
+#: SQLITE_BUSY_SNAPSHOT: a transaction that has read asks for the write
+#: lock after another wrote; no wait lets it have it (its snapshot is stale).
+BUSY_SNAPSHOT = 517
+
+
+def _stale(exc: BaseException) -> bool:
+    """Whether ``exc`` is SQLITE_BUSY_SNAPSHOT, which no try again cures: the
+    transaction must begin again. (Tried again, it spun for the busy timeout.)"""
+    error = exc if isinstance(exc, sqlite3.Error) else exc.__cause__
+    return getattr(error, "sqlite_errorcode", None) == BUSY_SNAPSHOT
+
+
 def installed(using: str) -> PromptWriteLock | None:
     """The write lock :func:`install` installed on this thread's connection
     to ``using``, if it did."""
@@ -178,6 +190,6 @@ class PromptWriteLock:
             try:
                 return begin()
             except (OperationalError, sqlite3.OperationalError) as exc:
-                if not is_busy(exc) or time.monotonic() >= deadline:
+                if not is_busy(exc) or _stale(exc) or time.monotonic() >= deadline:
                     raise
             try_ms = min(LONGEST_TRY_MS, try_ms * GROWTH)

@@ -510,3 +510,42 @@ def test_refusals_to_requests_sent_one_at_a_time_each_halve_the_limit(
         f"four 503s in a row, each to a request sent alone: sent {picture.concurrency_limit} "
         "at once next"
     )
+
+
+def _open_breaker(key: str, failures: int = 12) -> None:
+    Breaker.objects.create(
+        key=key, failures=failures, open_until=timezone.now() + dt.timedelta(minutes=5)
+    )
+
+
+@pytest.mark.django_db
+def test_a_plain_http_hosts_open_inbox_breaker_is_shown_on_its_own_page() -> None:
+    """BREAKER SCOPE "inbox": the inbox http://plain.example/inbox (host key
+    ``plain.example:80``) has an open breaker. Its host's page says so; the
+    page of ``plain.example`` (the HTTPS server, another host) does not."""
+    Host.objects.create(name="plain.example:80")
+    Host.objects.create(name="plain.example")
+    _open_breaker("http://plain.example/inbox")
+    own = host_picture("plain.example:80")
+    other = host_picture("plain.example")
+    assert own is not None and other is not None
+    assert (own.breaker, own.failures_in_a_row) == ("open", 12), (
+        f"plain.example:80 shown {own.breaker}, {own.failures_in_a_row} failures"
+    )
+    assert (other.breaker, other.failures_in_a_row) == ("closed", 0), (
+        f"plain.example (HTTPS) shown {other.breaker} for another port's inbox"
+    )
+
+
+@pytest.mark.django_db
+def test_an_ipv6_hosts_open_inbox_breaker_is_shown_on_its_page() -> None:
+    """BREAKER SCOPE "inbox": the inbox https://[2001:db8::1]/inbox (host key
+    ``2001:db8::1``, unbracketed on 443) has an open breaker after 12
+    failures: its host's page, and ``delivery_status --host``, say so."""
+    Host.objects.create(name="2001:db8::1")
+    _open_breaker("https://[2001:db8::1]/inbox")
+    picture = host_picture("2001:db8::1")
+    assert picture is not None
+    assert (picture.breaker, picture.failures_in_a_row) == ("open", 12), (
+        f"shown {picture.breaker}, {picture.failures_in_a_row} failures"
+    )

@@ -412,3 +412,54 @@ def test_sqlite_locked_by_another_process_a_stop_returns_within_the_grace(
         other.close()
     assert not runner.thread.is_alive()
     assert took < 2 * STOPPING_GRACE + FINAL_WRITES_WAIT + 2.5, f"stopped {took:.1f} s after"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_write_lock_asked_for_on_a_stale_snapshot_fails_at_once_not_after_a_spin() -> None:
+    """On SQLite (WAL, deferred BEGIN: these settings), on the deliverer's loop
+    connection (its prompt write lock installed, as in ``run()``: a signal
+    receiver runs there), a transaction reads, another connection (a web
+    process) commits a write, then sends a ``Delete`` (whose retraction takes
+    the write lock first, ``lock_for_writing``; so do ``requeue`` and
+    ``pause_host``). SQLite answers SQLITE_BUSY_SNAPSHOT, which no wait can
+    cure: it fails at once ("database is locked"), not after a busy timeout
+    (20 s here) of tries again on the loop's thread."""
+    import sqlite3
+    import time
+
+    from django.db import OperationalError, connection, transaction
+
+    from django_federation_delivery import send, writelock
+    from django_federation_delivery.models import Delivery
+
+    from .keys import ALICE
+
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's write lock")
+    connection.ensure_connection()
+    other = sqlite3.connect(str(connection.settings_dict["NAME"]), timeout=5, isolation_level=None)
+    other.execute("CREATE TABLE IF NOT EXISTS r122_writes (n INTEGER)")
+    remove = writelock.install("default")
+    raised: list[BaseException] = []
+    try:
+        with transaction.atomic():
+            list(Delivery.objects.all()[:1])  # a read: the snapshot is taken
+            other.execute("INSERT INTO r122_writes VALUES (1)")  # committed
+            started, cpu = time.monotonic(), time.thread_time()
+            try:
+                send(
+                    ALICE,
+                    {"type": "Delete", "actor": ALICE, "object": f"{ALICE}/notes/1"},
+                    ["https://a.example/inbox"],
+                )
+            except OperationalError as exc:
+                raised.append(exc)
+            took, cpu = time.monotonic() - started, time.thread_time() - cpu
+    finally:
+        remove()
+        other.close()
+    assert raised, "SQLite refuses the write on a stale snapshot"
+    assert took < 1.0, (
+        f"the write lock asked for on a stale snapshot failed after {took:.1f} s of retries "
+        f"({cpu:.1f} s of CPU)"
+    )
