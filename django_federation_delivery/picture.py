@@ -18,7 +18,7 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
-from django.db.models import Case, Count, Q, Value, When
+from django.db.models import Case, Count, Max, Q, Value, When
 
 from django_federation_delivery.addresses import host_named
 from django_federation_delivery.conf import database_alias
@@ -117,32 +117,40 @@ def host_picture(
 def _breaker_of(name: str, alias: str) -> tuple[str, int]:
     """The state of the host ``name``'s breaker and its failures in a row;
     with breakers kept per inbox (``SCOPE`` "inbox"), the worst of its
-    inboxes' (open before half-open before closed) and the most failures:
-    those whose inbox's host is ``name``, port and all, read among the keys
-    that name its address (a few hundred at most)."""
+    inboxes' (open before half-open before closed) and the most failures,
+    each of them counted: those whose key (a canonical inbox) begins with a
+    URL on this host, port and all, which no other host's inbox does."""
     breakers = Breaker.objects.using(alias)
     own = breakers.filter(key=name).first()
     if own is not None:
         return own.state, own.failures
-    address = name[1:].partition("]")[0] if name.startswith("[") else name
-    if address.count(":") == 1:
-        address = address.partition(":")[0]  # a port: an IPv6 address has more colons
-    now = aware_now()
-    state, failures = "closed", 0
-    for key, open_until, count in breakers.filter(key__contains=address).values_list(
-        "key", "open_until", "failures"
-    )[:MOST_INBOX_BREAKERS]:
-        if not key.startswith(("https://", "http://")) or host_named(key) != name:
-            continue
-        failures = max(failures, count)
-        if open_until is not None:
-            is_open = aware(open_until) > now
-            state = "open" if is_open or state == "open" else "half-open"
-    return state, failures
+    now = orm_datetime(aware_now(), alias)
+    on_host = Q()
+    for prefix in _inbox_prefixes(name):
+        on_host |= Q(key__startswith=prefix)
+    found = breakers.filter(on_host).aggregate(
+        failures=Max("failures"),
+        open=Count("key", filter=Q(open_until__gt=now)),
+        half_open=Count("key", filter=Q(open_until__lte=now)),
+    )
+    state = "open" if found["open"] else "half-open" if found["half_open"] else "closed"
+    return state, found["failures"] or 0
 
 
-#: The inbox breakers of one host read for its picture, at most.
-MOST_INBOX_BREAKERS = 500
+def _inbox_prefixes(name: str) -> list[str]:
+    """How a canonical inbox on the host keyed ``name`` begins: a host key
+    leaves out port 443 alone (``x`` is https on 443, ``x:80`` http on 80),
+    and an IPv6 address is bracketed in a URL."""
+    address, colon, port = name.rpartition(":")
+    if not colon or (address.count(":") > 1 and not address.endswith("]")):
+        address, port = name, ""  # no port: an IPv6 address's colons are its own
+    if ":" in address and not address.startswith("["):
+        address = f"[{address}]"
+    if not port:
+        return [f"https://{address}/", f"http://{address}:443/"]
+    if port == "80":
+        return [f"http://{address}/", f"https://{address}:80/"]
+    return [f"https://{address}:{port}/", f"http://{address}:{port}/"]
 
 
 def kept_host_picture(

@@ -549,3 +549,21 @@ def test_an_ipv6_hosts_open_inbox_breaker_is_shown_on_its_page() -> None:
     assert (picture.breaker, picture.failures_in_a_row) == ("open", 12), (
         f"shown {picture.breaker}, {picture.failures_in_a_row} failures"
     )
+
+
+@pytest.mark.django_db
+def test_a_strangers_inbox_breakers_naming_a_host_leave_its_open_breaker_shown(
+    settings: Any,
+) -> None:
+    """BREAKER SCOPE "inbox". A stranger's server has 500 failing inboxes
+    whose paths spell another host's name (https://evil.example/victim.example/N).
+    victim.example's own inbox breaker is open after 12 failures: its
+    picture says so, not "closed (0)" for the stranger's keys read first."""
+    Breaker.objects.bulk_create(
+        Breaker(key=f"https://evil.example/victim.example/{n}", failures=1) for n in range(500)
+    )
+    _open_breaker("https://victim.example/inbox")
+    Host.objects.create(name="victim.example")
+    picture = host_picture("victim.example")
+    assert picture is not None
+    assert (picture.breaker, picture.failures_in_a_row) == ("open", 12)
