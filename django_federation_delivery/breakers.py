@@ -33,6 +33,7 @@ from django_federation_delivery import addresses
 from django_federation_delivery.conf import SETTING, app_settings, database_alias
 from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Breaker, Delivery, Status
+from django_federation_delivery.store import wakes
 from django_federation_delivery.store.breakers import count_failures
 from django_federation_delivery.store.locks import in_name_order
 from django_federation_delivery.store.queueing import CHUNK
@@ -272,16 +273,26 @@ def _release_held(keys: Sequence[str], alias: str) -> None:
     """Make due now what the breakers ``keys``, closed, held back while
     they were open (a host's: of a breaker kept per inbox, whose key names
     no host, a held delivery waits its time). Not what a deliverer has in
-    hand: it is written as it was sent, or held again."""
+    hand: it is written as it was sent, or held again. Those released are
+    woken for, as a send wakes the deliverers: an idle one listening would
+    otherwise wait for its idle poll."""
     now = orm_datetime(aware_now(), alias)
-    Delivery.objects.using(alias).filter(
-        host__in=keys,
-        status=Status.PENDING,
-        settled_at__isnull=True,
-        lease_token__isnull=True,
-        due_at__gt=now,
-        last_error__in=[HELD_BY_BREAKER.format(key=key) for key in keys],
-    ).update(due_at=now)
+    # As the row keeps it: cut at ERROR_LENGTH, as every error is.
+    longest = app_settings.error_length
+    released = (
+        Delivery.objects.using(alias)
+        .filter(
+            host__in=keys,
+            status=Status.PENDING,
+            settled_at__isnull=True,
+            lease_token__isnull=True,
+            due_at__gt=now,
+            last_error__in=[HELD_BY_BREAKER.format(key=key)[:longest] for key in keys],
+        )
+        .update(due_at=now)
+    )
+    if released:
+        transaction.on_commit(lambda: wakes.wake_all(alias), using=alias)
 
 
 def _release_closed(keys: Sequence[str], alias: str) -> None:
@@ -289,8 +300,11 @@ def _release_closed(keys: Sequence[str], alias: str) -> None:
     that no longer are: closed since they held what was just written."""
     for start in range(0, len(keys), CHUNK // 2):
         chunk = keys[start : start + CHUNK // 2]
+        # Open, or half-open: one closed that counts failures again holds nothing.
         standing = set(
-            Breaker.objects.using(alias).filter(key__in=chunk).values_list("key", flat=True)
+            Breaker.objects.using(alias)
+            .filter(key__in=chunk, open_until__isnull=False)
+            .values_list("key", flat=True)
         )
         closed = [key for key in chunk if key not in standing]
         if closed:
@@ -409,10 +423,15 @@ class Breakers:
             self._successes.add(key)
             self.view.set(key, None)
 
+    def unwritten(self) -> bool:
+        """Whether outcomes or held rows wait to be written or looked at."""
+        return bool(self._failures or self._successes or self._probes or self._held)
+
     def note_held(self, key: str) -> None:
         """A delivery was held back by the breaker ``key``, to be written
         held: looked at again once written (:meth:`flush`)."""
-        if self.settings.scope is Scope.HOST:
+        # A webhook destination's (``<ops>``) names its host in either scope.
+        if self.settings.scope is Scope.HOST or key.startswith("<"):
             self._held.add(key)
 
     def give_back(self, key: str, probe: str) -> None:

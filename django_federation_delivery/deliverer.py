@@ -580,6 +580,10 @@ class Deliverer:
         if self._tried and not self.outbox:
             self._tell_let_go()
             return
+        if self.breakers is not None and not self.outbox and self.breakers.unwritten():
+            # Left by a flush the database failed (a probe's success): with
+            # nothing else to write, no outbox write would come to flush it.
+            self._db(self.breakers.flush)
         busy = self.slots.busy
         if self.outbox and (not busy or self.outbox.due()):
             if self.outbox.due() or caught_up:

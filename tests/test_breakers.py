@@ -22,7 +22,6 @@ from django_federation_delivery.breakers import (
     Scope,
     State,
     admit,
-    record_probe,
 )
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import aware_now
@@ -33,6 +32,7 @@ from .conftest import Inbox, Overlap, Received, RunningDeliverer, wait_until
 from .keys import ALICE
 from .operators import NOTE, quick_breaker
 from .test_federation import DID
+from .test_held_released import release_fails_once
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 SECOND = dt.timedelta(seconds=1)
@@ -673,58 +673,22 @@ def test_failures_noted_before_a_successful_probe_reopen_the_breaker_it_closed()
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_backlog_held_in_hand_goes_once_another_deliverers_probe_closed_the_breaker(
-    inbox: Inbox,
-    start_deliverer: Callable[..., RunningDeliverer],
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("error_length", [None, 50])
+def test_a_backlog_held_by_a_breaker_goes_once_an_operator_has_reset_it(
+    inbox: Inbox, settings: Any, error_length: int | None
 ) -> None:
-    """Two deliverers: the other holds a host's probe, under way; ten
-    deliveries wait for the host. This one claims them to hold them (a
-    cool-off, 60 s), and the other's probe is answered 202 just then: its
-    success closes the breaker and makes due what was held, but these were
-    in this one's hands. Written held, they are made due at once, not left
-    for the minute with the host healthy and its breaker closed."""
-    from django_federation_delivery.store import claims
-
-    host = inbox.host
-    now = timezone.now()
-    Breaker.objects.create(
-        key=host,
-        failures=10,
-        open_until=now - SECOND,
-        probe_token="the-other-deliverers",
-        probe_until=now + dt.timedelta(seconds=60),
-    )
-    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(10)])
-    real = claims.claim
-    closed = threading.Event()
-
-    def claim(*args: Any, **kwargs: Any) -> Any:
-        got = real(*args, **kwargs)
-        if got and kwargs.get("only_hosts") and not closed.is_set():
-            # The other deliverer's probe answered 202, written this moment.
-            record_probe(host, "the-other-deliverers", failed=False, cool_off=60)
-            closed.set()
-        return got
-
-    monkeypatch.setattr(claims, "claim", claim)
-    runner = start_deliverer()
-    try:
-        wait_until(closed.is_set, timeout=10)
-        assert not Breaker.objects.filter(key=host).exists()
-        wait_until(lambda: len(inbox.received) == 10, timeout=6)
-    finally:
-        runner.stop()
-
-
-@pytest.mark.django_db(transaction=True)
-def test_a_backlog_held_by_a_breaker_goes_once_an_operator_has_reset_it(inbox: Inbox) -> None:
     """A host's breaker is open, its deliveries held (due after the
     cool-off, or a longer RETRY wait). The host is back and the operator
     resets its breaker (``reset_breaker``, the admin's action): its backlog
-    is due at once, as a probe's success would have made it."""
+    is due at once, as a probe's success would have made it; with errors
+    kept short (ERROR_LENGTH 50) too, found by their error as kept, cut."""
     from django_federation_delivery import controls
 
+    if error_length is not None:
+        settings.FEDERATION_DELIVERY = {
+            **settings.FEDERATION_DELIVERY,
+            "ERROR_LENGTH": error_length,
+        }
     host = inbox.host
     Breaker.objects.create(key=host, failures=10, open_until=timezone.now() + 60 * SECOND)
     send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(5)])
@@ -792,16 +756,7 @@ def test_a_probe_s_success_written_as_the_database_blinks_still_releases_the_hel
         last_error=HELD_BY_BREAKER.format(key=host),
     )
     keeper.record(host, failed=False, probe=token, now=aware_now())
-    real = breakers._release_held
-    calls: list[int] = []
-
-    def release_held(keys: Any, alias: str) -> None:
-        calls.append(1)
-        if len(calls) == 1:
-            raise OperationalError("server closed the connection unexpectedly")
-        real(keys, alias)
-
-    monkeypatch.setattr(breakers, "_release_held", release_held)
+    release_fails_once(monkeypatch)
     with pytest.raises(OperationalError):
         keeper.flush()
     keeper.flush()  # the database back: the loop's next flush
