@@ -142,8 +142,9 @@ def _inbox_prefixes(name: str) -> list[str]:
     leaves out port 443 alone (``x`` is https on 443, ``x:80`` http on 80),
     and an IPv6 address is bracketed in a URL."""
     address, colon, port = name.rpartition(":")
-    if not colon or (address.count(":") > 1 and not address.endswith("]")):
-        address, port = name, ""  # no port: an IPv6 address's colons are its own
+    if not colon or (":" in address and not address.endswith("]")):
+        # No port: a host name holds no colon, a bare IPv6 address's are its own.
+        address, port = name, ""
     if ":" in address and not address.startswith("["):
         address = f"[{address}]"
     if not port:

@@ -538,13 +538,14 @@ def test_a_plain_http_hosts_open_inbox_breaker_is_shown_on_its_own_page() -> Non
 
 
 @pytest.mark.django_db
-def test_an_ipv6_hosts_open_inbox_breaker_is_shown_on_its_page() -> None:
+@pytest.mark.parametrize("host", ["2001:db8::1", "2001::1", "::1"])
+def test_an_ipv6_hosts_open_inbox_breaker_is_shown_on_its_page(host: str) -> None:
     """BREAKER SCOPE "inbox": the inbox https://[2001:db8::1]/inbox (host key
     ``2001:db8::1``, unbracketed on 443) has an open breaker after 12
     failures: its host's page, and ``delivery_status --host``, say so."""
-    Host.objects.create(name="2001:db8::1")
-    _open_breaker("https://[2001:db8::1]/inbox")
-    picture = host_picture("2001:db8::1")
+    Host.objects.create(name=host)
+    _open_breaker(f"https://[{host}]/inbox")
+    picture = host_picture(host)
     assert picture is not None
     assert (picture.breaker, picture.failures_in_a_row) == ("open", 12), (
         f"shown {picture.breaker}, {picture.failures_in_a_row} failures"
