@@ -182,6 +182,24 @@ def host_key(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def url_prefixes(key: str) -> list[str]:
+    """How a canonical URL on the host keyed ``key`` begins, over HTTPS and
+    over HTTP: the inverse of :func:`host_key` (``x`` is https on 443,
+    ``x:80`` http on 80; an IPv6 address, bare in a key on 443, is
+    bracketed in a URL)."""
+    address, colon, port = key.rpartition(":")
+    if not colon or (":" in address and not address.endswith("]")):
+        # No port: a host name holds no colon, a bare IPv6 address's are its own.
+        address, port = key, ""
+    if ":" in address and not address.startswith("["):
+        address = f"[{address}]"
+    if not port:
+        return [f"https://{address}/", f"http://{address}:{KEYLESS_PORT}/"]
+    if port == "80":
+        return [f"http://{address}/", f"https://{address}:80/"]
+    return [f"https://{address}:{port}/", f"http://{address}:{port}/"]
+
+
 def host_of(url: str) -> str:
     """The host key of ``url`` (:attr:`Parts.host_key`: its canonical host,
     and its port but for 443), or "" for a URL that has none."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from django.db.models import Case, Count, Max, Q, Value, When
 
-from django_federation_delivery.addresses import host_named
+from django_federation_delivery.addresses import host_named, url_prefixes
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Breaker, Delivery, Host, Status
@@ -126,7 +126,7 @@ def _breaker_of(name: str, alias: str) -> tuple[str, int]:
         return own.state, own.failures
     now = orm_datetime(aware_now(), alias)
     on_host = Q()
-    for prefix in _inbox_prefixes(name):
+    for prefix in url_prefixes(name):
         on_host |= Q(key__startswith=prefix)
     found = breakers.filter(on_host).aggregate(
         failures=Max("failures"),
@@ -135,23 +135,6 @@ def _breaker_of(name: str, alias: str) -> tuple[str, int]:
     )
     state = "open" if found["open"] else "half-open" if found["half_open"] else "closed"
     return state, found["failures"] or 0
-
-
-def _inbox_prefixes(name: str) -> list[str]:
-    """How a canonical inbox on the host keyed ``name`` begins: a host key
-    leaves out port 443 alone (``x`` is https on 443, ``x:80`` http on 80),
-    and an IPv6 address is bracketed in a URL."""
-    address, colon, port = name.rpartition(":")
-    if not colon or (":" in address and not address.endswith("]")):
-        # No port: a host name holds no colon, a bare IPv6 address's are its own.
-        address, port = name, ""
-    if ":" in address and not address.startswith("["):
-        address = f"[{address}]"
-    if not port:
-        return [f"https://{address}/", f"http://{address}:443/"]
-    if port == "80":
-        return [f"http://{address}/", f"https://{address}:80/"]
-    return [f"https://{address}:{port}/", f"http://{address}:{port}/"]
 
 
 def kept_host_picture(

@@ -28,6 +28,7 @@ from django_federation_delivery.addresses import (
     origin,
     redact,
     replace_secrets,
+    url_prefixes,
     validate_inbox,
 )
 from django_federation_delivery.attempt import AttemptResult
@@ -775,3 +776,23 @@ def test_redacting_a_long_url_with_colons_is_linear() -> None:
     took = time.monotonic() - started
     assert shown.startswith("https://a:a:")
     assert took < 3.0, f"redacting 3 kB took {took:.1f} s"
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "x.example",
+        "x.example:80",
+        "x.example:8443",
+        "2001:db8::1",
+        "::1",
+        "[::1]:80",
+        "127.0.0.1:80",
+    ],
+)
+def test_the_urls_on_a_host_key_begin_with_its_prefixes_and_name_it_again(key: str) -> None:
+    # What finds a host's inbox breakers by their keys (canonical inboxes):
+    # each prefix, made a URL, is on that host and no other.
+    prefixes = url_prefixes(key)
+    assert len(prefixes) == 2
+    assert [host_of(f"{prefix}inbox") for prefix in prefixes] == [key, key]
