@@ -168,6 +168,24 @@ def started(deliverer: Deliverer) -> None:
         wait_until(lambda: deliverer.seen("Listening for new deliveries"), timeout=60)
 
 
+def busy_with_a_fan_out(
+    inboxes: Callable[..., Inbox],
+    deliverers: Callable[..., Deliverer],
+    settings: Any,
+    per_host: int,
+) -> list[Inbox]:
+    """A deliverer of two slots, direct messages urgent at one inbox,
+    started; ``per_host`` activities sent to each of 40 hosts answering in
+    0.5 s: its claims come back full (its LISTEN paused), and its two slots
+    kept busy for many seconds. Returns the 40 hosts' inboxes."""
+    fan = [inboxes(respond=Arrivals(delay=0.5)) for _ in range(40)]
+    ours = {"PRIORITY_MAX_INBOXES": 1, "CONCURRENCY": 2}
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **ours}
+    started(deliverers(settings=ours))
+    send(ALICE, NOTE, [h.url(f"/f{n}") for n in range(per_host) for h in fan])
+    return fan
+
+
 def spread(latencies: list[float]) -> str:
     ordered = sorted(latencies)
     return (
@@ -215,17 +233,11 @@ def test_a_direct_message_committed_a_second_after_it_was_made_is_not_left_for_a
         pytest.skip("the window is PostgreSQL's: SQLite's claim waits for the send's commit")
     from django.db import transaction
 
-    fan = [inboxes(respond=Arrivals(delay=0.5)) for _ in range(40)]
     stuck = inboxes(respond=Arrivals(delay=25.0))
     fast = Arrivals()
     receiver = inboxes(respond=fast)
-    ours = {"PRIORITY_MAX_INBOXES": 1, "CONCURRENCY": 2}
-    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **ours}
-    deliverer = deliverers(settings=ours)
-    started(deliverer)
-    # 200 to 40 hosts answering in 0.5 s: a claim of 64 comes back full, and
-    # two slots keep the claimed ones going for many seconds.
-    send(ALICE, NOTE, [h.url(f"/f{n}") for n in range(5) for h in fan])
+    # 200 to 40 hosts: a claim of 64 comes back full.
+    busy_with_a_fan_out(inboxes, deliverers, settings, per_host=5)
     # Three direct messages to a silent host: two in flight, the third due
     # and left out of every urgent claim (the host at its urgent limit).
     for n in range(3):
@@ -358,19 +370,10 @@ def test_a_direct_message_waits_no_quiet_second_beside_a_locked_one(
     for a pass (a quiet second of every look made them wait up to one)."""
     if connection.vendor != "postgresql":
         pytest.skip("only PostgreSQL's claim passes locked rows (SKIP LOCKED)")
-    fan = [inboxes(respond=Arrivals(delay=0.5)) for _ in range(40)]
     receiver = inboxes(respond=Arrivals())
     fast = Arrivals()
     other = inboxes(respond=fast)
-    ours = {"PRIORITY_MAX_INBOXES": 1, "CONCURRENCY": 2}
-    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, **ours}
-    deliverer = deliverers(settings=ours)
-    started(deliverer)
-    send(
-        ALICE,
-        {"type": "Create", "actor": ALICE},
-        [h.url(f"/f{n}") for n in range(8) for h in fan],
-    )
+    fan = busy_with_a_fan_out(inboxes, deliverers, settings, per_host=8)
     wait_until(lambda: sum(len(h.received) for h in fan) >= 4, timeout=60)
     with transaction.atomic():
         batch = send(ALICE, create(), [receiver.url("/dm")])
