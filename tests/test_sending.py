@@ -806,6 +806,46 @@ def test_a_number_json_has_none_for_is_refused_naming_it_and_where(value: float)
     assert not Batch.objects.exists()
 
 
+SENDS: dict[str, Any] = {
+    "send": lambda data: send(ALICE, data, ["https://a.example/inbox"]),
+    "send_webhook": lambda data: send_webhook("ops", "post.created", data),
+}
+
+
+@pytest.fixture
+def ops(settings: Any) -> None:
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": HOOK.replace("https://", "slack://")},
+    }
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("ops")
+@pytest.mark.parametrize("how", ["send", "send_webhook"])
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        # The encoder stops at the NaN; the tuple key after it is no JSON key.
+        ({"type": "Note", "score": float("nan"), (1, 2): "x"}, "nan at $.score"),
+        ({"type": "Note", "tag": {float("nan"): 1}}, "nan (a key) at $.tag"),
+        ({"type": "Note", 10**5000: "x"}, "an integer (a key) at $, longer than the"),
+        ({"type": "Note", "n": [10**5000]}, "an integer at $.n[0], longer than the"),
+    ],
+    ids=["nan-before-a-tuple-key", "nan-key", "long-integer-key", "long-integer"],
+)
+def test_a_key_or_number_json_cannot_write_is_refused_naming_it_and_where(
+    how: str, data: dict[Any, Any], said: str
+) -> None:
+    # Before, the tuple key and the long integer raised a TypeError or a
+    # ValueError from the walk that looks for what to name, not
+    # InvalidDelivery; the NaN key was refused naming neither it nor where.
+    with pytest.raises(InvalidDelivery) as refused:
+        SENDS[how](data)
+    assert said in str(refused.value)
+    assert not Batch.objects.exists() and not Delivery.objects.exists()
+
+
 @pytest.mark.django_db
 def test_an_activity_given_as_any_mapping_is_sent_as_a_dict_would_be() -> None:
     import types

@@ -11,6 +11,7 @@ import datetime
 import json
 import math
 import re
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -214,19 +215,39 @@ def nested_deeper(value: Any, limit: int) -> bool:
 
 
 def not_json(value: Any, error: Exception) -> str:
-    """Why the encoder refused ``value``, as ``error`` says; for a NaN or an
-    infinity, which JSON has no number for, which one and where it is
-    (``nan at $.object.score``): the encoder says neither."""
+    """Why the encoder refused ``value``, as ``error`` says; for a value or a
+    key JSON cannot write (a NaN or an infinity, which JSON has no number
+    for; an integer longer than the interpreter writes), which one and where
+    it is (``nan at $.object.score``, ``nan (a key) at $.tag``): the encoder
+    says neither."""
     if isinstance(error, ValueError):
         for item, path in _paths(value):
-            if isinstance(item, float) and not math.isfinite(item):
-                return f"{item!r} at {_shown(path)}, which JSON has no number for"
+            if (why := _unwritable(item)) is not None:
+                return f"{why[0]} at {_shown(path)}, {why[1]}"
+            if isinstance(item, dict):
+                for key in item:
+                    if (why := _unwritable(key)) is not None:
+                        return f"{why[0]} (a key) at {_shown(path)}, {why[1]}"
     return str(error)
+
+
+def _unwritable(item: Any) -> tuple[str, str] | None:
+    """The number ``item`` and why the encoder refuses it, if it does."""
+    if isinstance(item, float) and not math.isfinite(item):
+        return float.__repr__(item), "which JSON has no number for"
+    if isinstance(item, int) and not isinstance(item, bool):
+        try:
+            int.__repr__(item)
+        except ValueError:
+            most = sys.get_int_max_str_digits()
+            return "an integer", f"longer than the {most} digits Python writes"
+    return None
 
 
 def _json_key(key: Any) -> str:
     """``key`` as the encoder writes a key (``json`` ``encoder.py``): the
-    text of a float or an integer, true, false or null."""
+    text of a float or an integer, true, false or null; for a key it cannot
+    write (an integer too long, a tuple), what it is."""
     if isinstance(key, str):
         return str.__str__(key)  # its text, whatever a subclass makes of str()
     if isinstance(key, float):
@@ -237,7 +258,12 @@ def _json_key(key: Any) -> str:
         return "false"
     if key is None:
         return "null"
-    return int.__repr__(key)
+    if isinstance(key, int):
+        try:
+            return int.__repr__(key)
+        except ValueError:
+            return "<an integer too long to write>"
+    return f"<a {type(key).__name__}>"
 
 
 def _duplicated(item: dict[Any, Any]) -> str | None:
