@@ -534,8 +534,10 @@ def _without_dot_segments(path: str) -> str:
 # What a message may show of a URL, and what of it no message may hold.
 
 #: What a URL's userinfo comes after: what a pasted link may begin with
-#: (spaces, "<", a quote), its scheme, and "//".
-_BEFORE_USERINFO = re.compile(r"[\s<\"'(\[]*(?:(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):)?(?://)?")
+#: (spaces, "<", a quote), its scheme, and its slashes: any number of them,
+#: backslashes too, as a WHATWG parser (a browser's, Node's) reads an http(s)
+#: URL, where "https:/user:pass@host/" has the userinfo "user:pass".
+_BEFORE_USERINFO = re.compile(r"[\s<\"'(\[]*(?:(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):)?[/\\]*")
 
 
 def _userinfo(text: str) -> tuple[int, int] | None:

@@ -630,6 +630,9 @@ def test_a_corpus_of_hostile_activities_is_either_delivered_verified_or_refused_
         ("https://a.example/inbox?token=SECRET#frag", "https://a.example/inbox"),
         ("https://user:SECRET@a.example/inbox", "https://a.example/inbox"),
         ("http:user:SECRET@a.example/inbox", "http:a.example/inbox"),
+        # One slash, or three: a browser still reads a user and a password.
+        ("https:/user:SECRET@a.example/inbox", "https:/a.example/inbox"),
+        ("https:///user:SECRET@a.example/inbox", "https:///a.example/inbox"),
         # A "?" in the password does not hide the "@" that ends it.
         ("https://user:SE?CRET@a.example/", "https://a.example/"),
         ("https://a.example/@alice/inbox", "https://a.example/@alice/inbox"),
