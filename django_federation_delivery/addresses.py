@@ -216,28 +216,38 @@ def host_named(value: object) -> str:
     name that has no canonical form (a destination's ``<ops>``) as it is;
     "" for a blank value, a URL on no host, or text no name holds (a
     control character, or more than a host's 253 characters)."""
+    canonical, text = _host_named(value)
+    kept = text.isprintable() and len(text) <= MAX_HOST_LENGTH
+    return canonical or (text if kept else "")
+
+
+def _host_named(value: object) -> tuple[str, str]:
+    """The canonical host ``value`` names ("" if none), and its text if
+    it may be a name that has no canonical form ("" for a URL)."""
     text = value.strip() if isinstance(value, str) else ""
     if "://" in text:
-        return host_of(text)  # a control character in its host is refused there
+        return host_of(text), ""  # a control character in its host is refused there
     if not text:
-        return ""
-    # A name kept as it is must hold nothing no name holds (a NUL), and fit
-    # where a host is kept.
-    kept = text.isprintable() and len(text) <= MAX_HOST_LENGTH
+        return "", text
+    name = text
     if ":" in text and not text.startswith("["):
         # An IPv6 address, bare ("2001:DB8::1"), in the brackets a URL needs.
         with contextlib.suppress(ValueError):
-            text = f"[{ipaddress.IPv6Address(text)}]"
-    return host_of(f"https://{text}/") or (text if kept else "")
+            name = f"[{ipaddress.IPv6Address(text)}]"
+    return host_of(f"https://{name}/"), text
 
 
 def required_host(value: object, caller: str) -> str:
-    """:func:`host_named`'s canonical host, or a ``ValueError`` saying that
-    ``caller`` needs one, and naming ``value`` as :func:`quoted` shows it."""
-    named = host_named(value)
-    if not named:
-        raise ValueError(f"{caller} needs a host name or a URL on one, not {quoted(value)}")
-    return named
+    """:func:`host_named`'s canonical host, or a webhook destination's key
+    (``<ops>``); else a ``ValueError`` saying that ``caller`` needs one,
+    and naming ``value`` as :func:`quoted` shows it: a name no inbox's host
+    can have (``example.com:99999``, ``exa mple.com``) names nothing to act on."""
+    canonical, text = _host_named(value)
+    if canonical:
+        return canonical
+    if text.startswith("<") and text.endswith(">") and is_destination_name(text[1:-1]):
+        return text
+    raise ValueError(f"{caller} needs a host name or a URL on one, not {quoted(value)}")
 
 
 #: What may name a webhook destination: 1 to 64 lowercase letters, digits,

@@ -88,8 +88,14 @@ PROBE_PATH = "/.well-known/nodeinfo"
 #: could never be seen again.
 INBOX_HOSTS = ~Q(name__startswith="<")
 
+#: A host marked unavailable, or failing: one with a mark to clear.
+MARKED = Q(unavailable_since__isnull=False) | Q(failing_since__isnull=False)
+
 _known: dict[str, tuple[float, frozenset[str]]] = {}
 _known_lock = threading.Lock()
+#: How many times the set was forgotten: a read begun before the last time
+#: is not kept (a mark cleared since would be kept for ``KNOWN_FOR``).
+_forgotten = [0]
 
 
 def unavailable_hosts(*, using: str | None = None) -> frozenset[str]:
@@ -100,6 +106,7 @@ def unavailable_hosts(*, using: str | None = None) -> frozenset[str]:
     known = _known.get(alias)
     if not own and known is not None and time.monotonic() - known[0] < KNOWN_FOR:
         return known[1]
+    forgotten = _forgotten[0]
     # Read in the send's transaction, if the caller holds one open.
     write_first(alias)
     names = frozenset(
@@ -109,7 +116,10 @@ def unavailable_hosts(*, using: str | None = None) -> frozenset[str]:
     )
     if not own:
         with _known_lock:
-            _known[alias] = (time.monotonic(), names)
+            # Not if a mark was cleared here while it read (another thread's
+            # commit): what it read may be older than that.
+            if _forgotten[0] == forgotten:
+                _known[alias] = (time.monotonic(), names)
     return names
 
 
@@ -130,6 +140,7 @@ def forget_known() -> None:
     """Read the unavailable hosts again at the next send."""
     with _known_lock:
         _known.clear()
+        _forgotten[0] += 1
 
 
 def mark_unavailable(
@@ -175,7 +186,7 @@ def mark_host_seen(host: str, *, using: str | None = None) -> bool:
     URL on it, read as a delivery's inbox is: in its canonical form
     (``xn--bcher-kva.example``); a name that has none (a webhook
     destination's ``<ops>``) as it is. ``ValueError`` naming it if it is
-    blank, or a URL on no host."""
+    blank, a URL on no host, or a name no host has (``example.com:99999``)."""
     named = addresses.required_host(host, "mark_host_seen")
     return any(seen(named, using=database_alias(using)))
 
@@ -200,9 +211,15 @@ def seen(host: str, *, now: dt.datetime | None = None, using: str) -> tuple[bool
     now = aware(now or timezone.now())  # the loop's is aware, USE_TZ or not
     at = orm_datetime(now, using)
     hosts = Host.objects.using(using).filter(name=host)
+    # Read first, unlocked: a host with no mark (most of those a host project
+    # hears from) is not written, so that the caller's transaction, a view's
+    # that may last seconds, holds no lock on its row (on SQLite, none on the
+    # database) that the deliverer's write of the hosts would wait for.
+    if not hosts.filter(MARKED).exists():
+        return False, False
     with transaction.atomic(using=using):
         # A write first: the row is locked (and on SQLite, the database)
-        # before it is read, so that no other write comes in between.
+        # before it is read again, so that no other write comes in between.
         if not hosts.update(updated_at=at):
             return False, False
         found = hosts.values_list("unavailable_since", "failing_since", "failing_told_at").first()
@@ -247,10 +264,7 @@ def seen_all(names: Sequence[str], *, using: str) -> int:
         chunk = unique[start : start + CHUNK]
         with transaction.atomic(using=using):
             write_first(using)  # on SQLite, the write lock before the read
-            marked = Host.objects.using(using).filter(
-                Q(unavailable_since__isnull=False) | Q(failing_since__isnull=False),
-                name__in=chunk,
-            )
+            marked = Host.objects.using(using).filter(MARKED, name__in=chunk)
             rows = list(
                 # In name order, as every writer of many hosts locks them.
                 marked.select_for_update()

@@ -178,11 +178,104 @@ def test_a_host_is_seen_by_its_name_in_any_form_or_a_url_on_it(seen: str) -> Non
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("bad", ["", "  ", "https:///nothing", None, "a\x00b", "a\x1b[2Jb"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        *("", "  ", "https:///nothing", None, "a\x00b", "a\x1b[2Jb"),
+        # Names no inbox's host can have: taken as they were, they cleared
+        # nothing, and the call said "not marked" of a typing mistake.
+        *("exa mple.com", "example.com:99999", "example.com:https", "<not a destination>"),
+    ],
+)
 def test_a_host_seen_that_names_no_host_is_refused_naming_it(bad: Any) -> None:
     # A URL is named by its origin only: its path may be the credential.
     with pytest.raises(ValueError, match=re.escape(quoted(bad))):
         mark_host_seen(bad)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_seen_while_another_thread_reads_the_marks_is_sent_to_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread reads the unavailable hosts (its minute over) just as another
+    thread of the process marks one seen and commits: what the first read
+    before that is not kept, or every send here would skip the host for a
+    minute more, where a mark cleared in this process counts at once."""
+    failing("gone.example", 8, unavailable_since=timezone.now())
+    availability.forget_known()
+    real = frozenset
+    cleared = threading.Event()
+
+    def read(names: Any = ()) -> frozenset[Any]:
+        found = real(names)
+        if "gone.example" in found and not cleared.is_set():
+            # Between the read and its keeping: mark_host_seen elsewhere.
+            def other() -> None:
+                try:
+                    assert mark_host_seen("gone.example") is True
+                finally:
+                    connections.close_all()
+
+            cleared.set()
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join(10)
+        return found
+
+    monkeypatch.setattr(availability, "frozenset", read, raising=False)
+    try:
+        assert "gone.example" in unavailable_hosts()
+        monkeypatch.undo()
+        assert cleared.is_set()
+        batch = send(ALICE, NOTE, ["https://gone.example/inbox"])
+        assert batch is not None and not batch.skipped
+    finally:
+        availability.forget_known()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_with_no_mark_seen_in_a_views_transaction_holds_no_lock_for_it() -> None:
+    """``mark_host_seen`` is called for each activity a host project
+    receives, in its view's transaction too. For a host with no mark it
+    wrote the host's row all the same, locking it (on SQLite, the database)
+    until the view ended: the deliverer's write of the hosts it saw waited
+    for the view, and every delivery with it."""
+    from django_federation_delivery.store.hosts import SeenHost, record_hosts
+
+    Host.objects.create(name="fine.example")
+    in_view, done, wrote = threading.Event(), threading.Event(), threading.Event()
+
+    def view() -> None:
+        try:
+            with transaction.atomic():
+                assert mark_host_seen("https://fine.example/users/alice") is False
+                in_view.set()
+                done.wait(15)  # the rest of the view: fetching the actor, say
+        finally:
+            connections.close_all()
+
+    def deliverer() -> None:
+        try:
+            now = aware_now()
+            record_hosts(
+                [SeenHost("fine.example", now, now, "", None, 80.0, 90.0, 4, None)], now=now
+            )
+            wrote.set()
+        finally:
+            connections.close_all()
+
+    viewing = threading.Thread(target=view)
+    viewing.start()
+    writing = threading.Thread(target=deliverer)
+    try:
+        assert in_view.wait(10)
+        writing.start()
+        assert wrote.wait(3), "the deliverer's write waited for the view's transaction"
+    finally:
+        done.set()
+        viewing.join(20)
+        if writing.ident is not None:
+            writing.join(20)
 
 
 @pytest.mark.django_db(transaction=True)
