@@ -26,6 +26,7 @@ from django_federation_delivery.dialect import aware
 from django_federation_delivery.heartbeats import SeenDeliverer
 from django_federation_delivery.hosts import paused_hosts
 from django_federation_delivery.models import Breaker, Delivery, Host, Lane, Status
+from django_federation_delivery.store.queueing import CHUNK
 
 __all__ = [
     "BREAKER_STATES",
@@ -421,9 +422,10 @@ def _failing_hosts(
         .order_by("closed", "-failures", "key")
         .values("key")[:limit]
     )
-    # Three to five queries whatever the data: the hosts with the most
-    # retrying deliveries (pending rows, LIMITed), and, if any breaker is
-    # open, those whose breaker is; the breakers of those and of the worst;
+    # Three to six queries whatever the data, for a limit up to a CHUNK:
+    # the hosts with the most retrying deliveries (pending rows, LIMITed),
+    # and, if any breaker is open, those whose breaker is; the breakers of
+    # the worst, and of those;
     # the retrying deliveries of the worst breakers' hosts; which of them
     # are paused, unless every paused host is known.
     retrying = {row["host"]: (row["retrying"], row["last_status"]) for row in by_retrying[:limit]}
@@ -432,12 +434,16 @@ def _failing_hosts(
             (row["host"], (row["retrying"], row["last_status"]))
             for row in by_retrying.filter(host__in=open_keys)[:limit]
         )
-    by_host = {
-        row.key: row
-        for row in Breaker.objects.using(alias).filter(
-            Q(key__in=worst_breakers) | Q(key__in=sorted(retrying))
-        )
-    }
+    # The retrying hosts' a CHUNK at a time, the first with the worst: a
+    # ``limit`` may name more than a statement takes parameters.
+    candidates = sorted(retrying)
+    chunks = [
+        Q(key__in=candidates[start : start + CHUNK])
+        for start in range(CHUNK, len(candidates), CHUNK)
+    ]
+    by_host: dict[str, Breaker] = {}
+    for which in [Q(key__in=worst_breakers) | Q(key__in=candidates[:CHUNK]), *chunks]:
+        by_host.update((row.key, row) for row in Breaker.objects.using(alias).filter(which))
     retrying.update(
         (row["host"], (row["retrying"], row["last_status"]))
         for row in by_retrying.filter(host__in=worst_breakers).order_by()

@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import socketserver
+import sqlite3
 import sys
 import threading
 import time
@@ -166,6 +167,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for pattern in (f"test-{os.getpid()}.sqlite3*", f"test-{os.getpid()}-queue.sqlite3*"):
         for leftover in TEST_DB_DIR.glob(pattern):
             leftover.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def parameters_a_statement() -> Iterator[int]:
+    """SQLite taking 999 parameters a statement, as it was built by default
+    before 3.32 (32766 since; Debian's build takes 250000), which
+    ``dialect.rows_per_statement`` provides for; on PostgreSQL, as many,
+    for the queries a test counts."""
+    if connection.vendor != "sqlite":
+        yield 999
+        return
+    connection.ensure_connection()
+    raw = connection.connection
+    before = raw.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+    try:
+        yield raw.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    finally:
+        raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, before)
 
 
 @pytest.fixture

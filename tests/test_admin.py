@@ -5,8 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import sqlite3
-from collections.abc import Iterator
 from html import unescape
 from typing import Any
 
@@ -988,25 +986,6 @@ def test_every_host_action_acts_on_names_no_send_would_write(operator: Client, a
             assert Delivery.objects.get(pk=row.pk).status == Status.FAILED
         case "replay_day":
             assert pending.exclude(pk=row.pk).count() == 1
-
-
-@pytest.fixture
-def parameters_a_statement() -> Iterator[int]:
-    """SQLite taking 999 parameters a statement, as it was built by default
-    before 3.32 (32766 since; Debian's build takes 250000), which
-    ``dialect.rows_per_statement`` provides for; on PostgreSQL, as many,
-    for the queries a test counts."""
-    if connection.vendor != "sqlite":
-        yield 999
-        return
-    connection.ensure_connection()
-    raw = connection.connection
-    before = raw.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-    raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
-    try:
-        yield raw.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-    finally:
-        raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, before)
 
 
 @pytest.mark.parametrize(

@@ -621,3 +621,21 @@ def test_delivery_status_shows_a_long_inbox_breakers_key_as_the_admin_does(setti
     table = out.getvalue().partition("Breakers open now")[2].split("\n\n")[0]
     widest = max(len(line) for line in table.splitlines())
     assert redact(key) in table and widest < 300, (widest, table[:400])
+
+
+def test_hosts_lists_as_many_failing_hosts_as_asked_past_a_statements_parameters(
+    parameters_a_statement: int,
+) -> None:
+    # --hosts N (up to 100,000) with more hosts retrying than a statement
+    # takes parameters: the failing hosts' breakers were read with one
+    # "key IN (...)" of them all, and the command ended in a traceback.
+    names = [f"h{n}.example" for n in range(parameters_a_statement + 1)]
+    batch = queue(hosts=names[:1], per_host=1)
+    Delivery.objects.bulk_create(
+        Delivery(batch=batch, inbox=f"https://{name}/inbox", host=name) for name in names[1:]
+    )
+    Delivery.objects.update(attempts=1, last_status=503)
+    out = io.StringIO()
+    call_command("delivery_status", "--hosts", str(len(names)), stdout=out)
+    failing = out.getvalue().partition("Hosts failing most\n")[2].split("\n\n")[0]
+    assert len(failing.splitlines()) == len(names) + 1  # the header, then each host
