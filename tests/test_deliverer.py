@@ -233,6 +233,23 @@ def test_a_passing_failure_is_retried_waiting_as_long_as_asked_within_an_hour(
         assert Delivery.objects.get().attempts == 2
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_redirect_to_a_location_that_does_not_read_is_the_inbox_s_answer(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    # A Location that is not UTF-8 made the attempt crash: the row said
+    # "internal error: UnicodeDecodeError" and had no status, and the host
+    # was counted as giving no answer at all.
+    inbox.respond = lambda request: (302, {"Location": "/\xff"}, b"moved")
+    send(ALICE, NOTE, [inbox.url()])
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(attempts__gte=1).exists())
+    runner.stop()
+    row = Delivery.objects.get()
+    assert (row.status, row.last_status) == (Status.PENDING, 302)
+    assert row.last_error == "the inbox answered 302 Found: moved"
+
+
 def test_given_up_at_the_end_of_the_policy_and_at_max_attempts(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],

@@ -386,12 +386,18 @@ def test_a_body_its_content_encoding_does_not_fit_leaves_the_status_standing(
     assert transport.post(inbox.url(), b"{}", SIGNED).status == 202
 
 
+@pytest.mark.parametrize(
+    "status_line",
+    [b"400 Bad Request", b"302 Found\r\nLocation: /elsewhere", b"307 Moved\r\nLocation: /x"],
+    ids=["400", "302", "307"],
+)
 def test_a_compressed_body_is_read_decoded_and_inflated_only_up_to_the_cap(
-    inboxes: Callable[..., Inbox], transports: Callable[..., Transport]
+    inboxes: Callable[..., Inbox], transports: Callable[..., Transport], status_line: bytes
 ) -> None:
     # Sent compressed though identity was asked for, an answer is still
     # readable where an error shows it. 1 GiB of zeros, 1 MB compressed:
-    # only what the cap takes of it is inflated.
+    # only what the cap takes of it is inflated. A redirect's too: requests
+    # read its body whole, to prepare the redirect it never followed.
     zeros = bytes(1 << 20)
     packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # gzip
     start = packer.compress(zeros) + packer.flush(zlib.Z_FULL_FLUSH)
@@ -403,7 +409,7 @@ def test_a_compressed_body_is_read_decoded_and_inflated_only_up_to_the_cap(
 
     def bombed(handler: _Handler, seen: Seen) -> None:
         handler.close_connection = True
-        handler.wfile.write(b"HTTP/1.1 400 Bad Request\r\nContent-Encoding: gzip\r\n\r\n")
+        handler.wfile.write(b"HTTP/1.1 %s\r\nContent-Encoding: gzip\r\n\r\n" % status_line)
         with contextlib.suppress(OSError):  # the client hangs up
             handler.wfile.write(bomb)
 
@@ -416,8 +422,23 @@ def test_a_compressed_body_is_read_decoded_and_inflated_only_up_to_the_cap(
     finally:
         tracemalloc.stop()
 
-    assert (got.status, got.body) == (400, bytes(64 * 1024))
+    assert (got.status, got.body) == (int(status_line[:3]), bytes(64 * 1024))
     assert peak < 16 << 20, f"{peak} bytes at once"
+
+
+@pytest.mark.parametrize("location", [b"/\xff", b"http://[::1/"], ids=["not-utf-8", "no-url"])
+def test_a_redirect_to_a_location_that_does_not_read_is_an_answer(
+    inboxes: Callable[..., Inbox], transport: Transport, location: bytes
+) -> None:
+    # requests worked out where the redirect it never follows would go, and
+    # raised a UnicodeDecodeError or a ValueError: the attempt crashed as an
+    # internal error, its answer lost.
+    def moved(handler: _Handler, seen: Seen) -> None:
+        handler.wfile.write(
+            b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n\r\n" % location
+        )
+
+    assert transport.post(inboxes(moved).url(), b"{}", SIGNED).status == 302
 
 
 EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"

@@ -224,13 +224,25 @@ class Connections:
         self.adapter.poolmanager.forget()
 
 
+class _Unredirected(requests.Session):
+    """A session that never reads a redirect: a 3xx is an answer like any
+    other. Without ``allow_redirects``, ``requests`` still prepares the
+    request a redirect would make (``Response.next``), reading the answer's
+    body whole, past the size its reading is bound to (a gzip bomb on a
+    302), and parsing its ``Location``, raising on one that does not parse,
+    before the answer comes back."""
+
+    def get_redirect_target(self, resp: requests.Response) -> str | None:
+        return None
+
+
 class Transport:
     """One per thread: a requests.Session of its own, not thread-safe by design,
     over connections of its own or ``connections`` shared with other threads."""
 
     def __init__(self, settings: TransportSettings, connections: Connections | None = None) -> None:
         self.settings = settings
-        session = requests.Session()
+        session = _Unredirected()
         # No proxies, .netrc or CA bundle from the environment: what is sent where must
         # not depend on the worker's shell.
         session.trust_env = False
