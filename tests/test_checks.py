@@ -131,6 +131,12 @@ def takes_two_and_more(first: Any, second: Any = None, *rest: Any, **named: Any)
     """What any of them can be: called with one argument or two."""
 
 
+async def awaited(inbox: Any, activity: Any) -> bool:
+    """What none can be: called, it answers a coroutine, which reads as true
+    (it passed, and every delivery was skipped unsent)."""
+    return False
+
+
 INF = float("inf")
 NAN = float("nan")
 #: Whole, so finite, but past what a float holds: it is compared, not converted.
@@ -157,6 +163,7 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     "SKIP_IF": [
         ("tests.keys.no_such_thing", "E004", "no_such_thing"),
         (f"{__name__}.takes_nothing", "E004", "as SKIP_IF(inbox, activity): too many"),
+        (f"{__name__}.awaited", "E004", "as SKIP_IF(inbox, activity): it is an async function"),
     ],
     "COLLECTION_SYNCHRONIZATION": [
         (3.5, "E004", "not float"),
@@ -640,6 +647,9 @@ def test_a_postgresql_queue_above_read_committed_is_refused(level: str) -> None:
         (r"-c default_transaction_isolation=repeatable\ read", "REPEATABLE READ"),
         ("-c search_path=site -c default_transaction_isolation=serializable", "SERIALIZABLE"),
         (r"--default_transaction_isolation=repeatable\ read", "REPEATABLE READ"),
+        # PostgreSQL takes a setting's name with dashes too.
+        ("-c default-transaction-isolation=serializable", "SERIALIZABLE"),
+        (r"--default-transaction_isolation=repeatable\ read", "REPEATABLE READ"),
     ],
 )
 def test_a_postgresql_queue_above_read_committed_by_libpq_options_is_refused(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime as dt
 import io
 import json
 import logging
@@ -26,7 +27,7 @@ from django.utils import timezone
 
 from django_federation_delivery import send
 from django_federation_delivery.deliverer import Deliverer
-from django_federation_delivery.models import Delivery, Status
+from django_federation_delivery.models import Batch, Delivery, Status
 from django_federation_delivery.wakeup import NOTIFY_CHANNEL
 
 from .conftest import (
@@ -203,7 +204,7 @@ def test_a_bad_number_is_refused_naming_it(option: str, value: str) -> None:
     ("command", "options"),
     [
         ("run_deliverer", {"drain": True, "concurrency": 4, "per_host": 2}),
-        ("run_deliverer", {"drain": True, "log_interval": 5, "purge": True, "purge_interval": 60}),
+        ("run_deliverer", {"drain": True, "log_interval": 5, "purge": True}),
         ("delivery_status", {"hosts": 3}),
     ],
 )
@@ -213,6 +214,26 @@ def test_a_number_given_to_call_command_as_an_int_is_taken(
     # call_command passes keyword options as they are given, unparsed: an
     # int was "object of type 'int' has no len()".
     call_command(command, stdout=io.StringIO(), stderr=io.StringIO(), **options)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_drain_with_purge_purges_once_the_queue_is_drained(inbox: Inbox) -> None:
+    # A cron job's drain: its purge thread's first run, a minute after the
+    # start, came after the drain had ended, and nothing was ever purged.
+    old = send(ALICE, NOTE, [inbox.url("/old")])
+    long_ago = timezone.now() - dt.timedelta(days=400)
+    Delivery.objects.filter(batch=old).update(status=Status.DELIVERED, settled_at=long_ago)
+    Batch.objects.filter(id=old.id).update(created_at=long_ago)
+    fresh = send(ALICE, NOTE, [inbox.url("/fresh")])
+    out = io.StringIO()
+    call_command("run_deliverer", "--drain", "--purge", stdout=out)
+    assert "Purging what is past RETENTION once the queue is drained." in out.getvalue()
+    assert "Purged: " in out.getvalue()
+    assert Delivery.objects.get(batch=fresh).status == Status.DELIVERED
+    assert not Batch.objects.filter(id=old.id).exists()
+    # An interval, given as an int and taken, has nothing to say then.
+    with pytest.raises(CommandError, match=r"^--purge-interval 60 does not go with --drain"):
+        call_command("run_deliverer", drain=True, purge=True, purge_interval=60)
 
 
 def test_a_number_given_to_call_command_as_anything_else_is_refused_naming_it() -> None:

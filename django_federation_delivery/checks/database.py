@@ -110,7 +110,7 @@ def _level_of(level: Any) -> str | None:
 #: ``default_transaction_isolation`` set in libpq's ``options`` (``-c`` or
 #: ``--``, a space in the value escaped with a backslash).
 _DEFAULT_ISOLATION = re.compile(
-    r"(?:-c\s*|--)default_transaction_isolation\s*=\s*((?:\\.|[^\s\\])+)", re.IGNORECASE
+    r"(?:-c\s*|--)default[-_]transaction[-_]isolation\s*=\s*((?:\\.|[^\s\\])+)", re.IGNORECASE
 )
 
 

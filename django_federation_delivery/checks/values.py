@@ -294,7 +294,13 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
 def _refused_call(function: Callable[..., Any], arguments: tuple[str, ...]) -> str | None:
     """Why ``function`` cannot be called with ``arguments`` (as many
     positional ones), or None if it can, or if its signature cannot be had
-    (a builtin, a function written in C): taken at its word."""
+    (a builtin, a function written in C): taken at its word. An ``async``
+    one cannot: called, it answers a coroutine, never awaited, which reads
+    as true (every delivery skipped, every sender gone)."""
+    if inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
+        type(function).__call__
+    ):
+        return "it is an async function, and the package awaits nothing: write a plain one"
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):

@@ -39,7 +39,7 @@ from django_federation_delivery.management.running import (
     supervise,
     watch_supervisor,
 )
-from django_federation_delivery.retention import PeriodicPurge
+from django_federation_delivery.retention import PeriodicPurge, purge_by_setting
 
 #: ``--processes``: one a core is the point; past a few hundred, a mistake.
 MOST_PROCESSES = 256
@@ -162,7 +162,7 @@ class Command(TranslatedCommand):
             help=_(
                 "Also delete settled deliveries past RETENTION, as purge_deliveries does, "
                 "in a thread of its own: shortly after the start, then every --purge-interval "
-                "(with --processes, the first deliverer only)."
+                "(with --processes, the first deliverer only); with --drain, once, after it."
             ),
         )
         parser.add_argument(
@@ -223,6 +223,14 @@ class Command(TranslatedCommand):
                 % {"seconds": quoted(every)}
             )
         purge_every = float(positive(every if every is not None else PURGE_EVERY, 7 * 86_400))
+        if every is not None and drain:
+            raise CommandError(
+                _(
+                    "--purge-interval %(seconds)s does not go with --drain: a drain's "
+                    "--purge runs once, after the queue is drained"
+                )
+                % {"seconds": quoted(every)}
+            )
         # Run from call_command, or with --skip-checks, the system checks have
         # not run: a bad setting, a kind of destination that does not load or a
         # webhook that does not parse is still an error that says what to
@@ -327,7 +335,10 @@ class Command(TranslatedCommand):
             }
         )
         purging = None
-        if options["purge"]:
+        if options["purge"] and drain:
+            # Its periodic purge's first run would come after most drains end.
+            self._say(_("Purging what is past RETENTION once the queue is drained."))
+        elif options["purge"]:
             purging = PeriodicPurge(purge_every, first=min(FIRST_PURGE, purge_every), using=using)
             purging.start()
             self._say(
@@ -342,6 +353,9 @@ class Command(TranslatedCommand):
             # Called from code (call_command), the caller's handlers come back.
             signals.restore()
         self._say(self.style.SUCCESS(_("Done: %(summary)s.") % {"summary": summary.line()}))
+        if options["purge"] and drain and not deliverer.stopping:
+            purged = purge_by_setting(using=using)
+            self._say(_("Purged: %(purged)s.") % {"purged": purged.line()})
 
     def _say(self, line: str) -> None:
         # Flushed: an operator (or a supervisor reading a pipe) sees it now,
