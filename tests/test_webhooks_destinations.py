@@ -402,6 +402,13 @@ BOT_TOKEN = "ABCsecretBotToken_x"
 REPORTED = {
     "WEBHOOK_OPS": f"slack://hooks.slack.com/services/T0SECRETA/B0SECRETB/{SLACK_TOKEN}",
     "WEBHOOK_TG": f"telegram://4815162342:{BOT_TOKEN}@-1001",
+    # Pasted with a slash lost, or both, or the chat left out: where the
+    # host goes, a bot's token.
+    "WEBHOOK_OPS_SLASH": f"slack:/hooks.slack.com/services/T0SECRETA/B0SECRETB/{SLACK_TOKEN}",
+    "WEBHOOK_TG_SLASH": f"telegram:/4815162342:{BOT_TOKEN}@-1001",
+    "WEBHOOK_TG_NO_SLASH": f"telegram:4815162342:{BOT_TOKEN}@-1001",
+    "WEBHOOK_TG_NO_CHAT": f"telegram://4815162342:{BOT_TOKEN}",
+    "WEBHOOK_TG_CHAT_AS_PATH": f"telegram://4815162342:{BOT_TOKEN}/-1001",
 }
 
 

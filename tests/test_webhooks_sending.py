@@ -356,3 +356,25 @@ def test_a_destination_s_url_given_for_a_name_is_never_repeated(
     said = str(raised.value)
     assert "s3cretT0kenV4lue9" not in said and SECRET[6:] not in said, said
     assert nothing_written()
+
+
+@pytest.mark.django_db
+def test_an_event_to_every_destination_skips_one_whose_url_does_not_parse(
+    settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A typo in one destination's URL (one subscribed to deploy events
+    # alone, even) made every send_webhook("*") raise, queueing nothing: an
+    # alert to every good destination was lost, the caller's view a 500.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {
+            "ops": "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9",
+            "deploys": {"url": "slak://hooks.slack.com/services/T0/B0/x", "events": ["deploy.*"]},
+        },
+    }
+    batch = send_webhook("*", "alert.raised", {"host": "db1"})
+    assert batch is not None
+    assert list(Delivery.objects.values_list("destination", flat=True)) == ["ops"]
+    assert "'deploys'" in caplog.text and "services/T0" not in caplog.text
+    with pytest.raises(ImproperlyConfigured, match="'deploys'"):
+        send_webhook("deploys", "deploy.finished", {})

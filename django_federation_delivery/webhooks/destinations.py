@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -17,7 +18,7 @@ from django.utils.translation import gettext as _
 
 # Defined beside the inboxes' hosts, where the loop, which may not import
 # the webhooks' modules, finds it too.
-from django_federation_delivery.addresses import delivery_key, quoted
+from django_federation_delivery.addresses import delivery_key, host_of
 from django_federation_delivery.channels import Destination, parse_destination
 from django_federation_delivery.channels.registry import Registry, is_name, registry
 
@@ -38,15 +39,26 @@ class _HasEnviron(Protocol):
 
 class WebhookURL(str):
     """A webhook destination's URL: itself wherever it is used, but for its
-    ``repr``, its scheme and host alone (``'slack://hooks.slack.com/…'``).
-    Django's error reports (the DEBUG page, and the mail a 500 sends to
-    ``ADMINS``) and ``diffsettings`` show the settings by their ``repr``,
-    and hide no setting named ``WEBHOOKS``: the URL is the credential."""
+    ``repr``, its scheme and host alone (``'slack://hooks.slack.com/…'``),
+    or its scheme alone when what comes where the host goes is no host (a
+    bot's token, ``telegram://123:TOKEN``). Django's error reports (the
+    DEBUG page, and the mail a 500 sends to ``ADMINS``) and ``diffsettings``
+    show the settings by their ``repr``, and hide no setting named
+    ``WEBHOOKS``: the URL is the credential."""
 
     __slots__ = ()
 
     def __repr__(self) -> str:
-        return quoted(str(self))
+        scheme, colon, rest = str(self).partition(":")
+        if not colon or _SCHEME.fullmatch(scheme) is None:
+            return repr("…")
+        # Any slashes after the scheme, as a browser reads them; no userinfo.
+        authority = re.split(r"[/\\?#]", rest.lstrip("/\\"), maxsplit=1)[0].rpartition("@")[2]
+        host = host_of(f"https://{authority}/") if authority else ""
+        return repr(f"{scheme}://{host}/…" if host else f"{scheme}:…")
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 
 
 def webhooks_from_env(

@@ -18,6 +18,7 @@ ones to its destination, and nothing else.
 from __future__ import annotations
 
 import datetime
+import logging
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +42,8 @@ from django_federation_delivery.webhooks.destinations import Destination, config
 from django_federation_delivery.webhooks.policy import settings_policy
 
 __all__ = ["EVERY_DESTINATION", "ORDERING_KEY", "asend_webhook", "event_time", "send_webhook"]
+
+logger = logging.getLogger(__name__)
 
 #: ``send_webhook(EVERY_DESTINATION, …)``: each configured destination
 #: subscribed to the event's type.
@@ -181,9 +184,12 @@ def _kept_or(refusal: InvalidDelivery, idempotency_key: str, alias: str) -> Batc
 
 def _destinations(destination: object) -> list[tuple[str, Destination]]:
     """The destinations named, each once, each configured (its URL parsed, so
-    that a bad one is reported now by its name)."""
+    that a bad one is reported now by its name). Under ``"*"``, one whose URL
+    does not parse is left out, and logged: the caller named it not, and the
+    others are sent to as ever."""
     found = configured()
-    if destination == EVERY_DESTINATION:
+    every = destination == EVERY_DESTINATION
+    if every:
         given: list[object] = list(found.names)
     elif isinstance(destination, str):
         given = [destination]
@@ -204,6 +210,12 @@ def _destinations(destination: object) -> list[tuple[str, Destination]]:
                 f"no webhook destination named {quoted(name)} is configured in "
                 f"{SETTING}['WEBHOOKS'] (configured: {', '.join(found.names) or 'none'})"
             )
+        if isinstance(destination, str) and every:
+            # Its message names it as an error does (a URL pasted as a name cut).
+            logger.warning(
+                "%s An event sent to every destination is not queued for it.", destination
+            )
+            continue
         if isinstance(destination, str):
             raise ImproperlyConfigured(destination)
         destinations.setdefault(name, destination)
