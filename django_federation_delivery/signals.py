@@ -50,6 +50,8 @@ import dataclasses
 import datetime as dt
 import functools
 import logging
+import threading
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +61,7 @@ from django.dispatch import Signal
 
 # Receivers compare an ``outcome`` with it, by this name.
 from django_federation_delivery.decide import Outcome as Outcome
+from django_federation_delivery.exceptions import raised_at
 
 delivery_attempted = Signal()
 delivery_settled = Signal()
@@ -182,8 +185,10 @@ def send_safely(signal: Signal, **kwargs: Any) -> None:
     sent and left pending; nor after one with no ``__qualname__`` (a
     ``functools.partial``, an object with ``__call__``), the
     ``AttributeError`` of its log line let through. A ``KeyboardInterrupt``
-    is let through: in the loop's thread it is the operator's Ctrl-C, raised
-    wherever that thread was."""
+    in the main thread is let through: it is the operator's Ctrl-C, raised
+    wherever that thread was; in any other (a deliverer run in a thread of
+    its own, an async receiver's event loop), Python raises none, and one
+    is the receiver's own error."""
     from django_federation_delivery.models import Delivery
 
     if not signal.receivers:  # the usual case
@@ -192,22 +197,30 @@ def send_safely(signal: Signal, **kwargs: Any) -> None:
     for receiver in synchronous:
         try:
             receiver(signal=signal, sender=Delivery, **kwargs)
-        except KeyboardInterrupt:
-            raise
         except BaseException as error:
+            if _operators(error):
+                raise
             _failed(signal, _name_of(receiver), error)
     if asynchronous:
         try:
             async_to_sync(_send_async)(signal, asynchronous, Delivery, kwargs)
-        except KeyboardInterrupt:
-            raise
         except asyncio.CancelledError:
             # The caller's, its receivers awaited to their end all the same
             # (_send_async): no receiver's error. The caller's task is
             # cancelled as it was asked to be.
             pass
         except BaseException as error:  # called from an event loop's own thread, say
+            if _operators(error):
+                raise
             _failed(signal, " and ".join(map(_name_of, asynchronous)), error)
+
+
+def _operators(error: BaseException) -> bool:
+    """Whether ``error`` is an operator's Ctrl-C: a ``KeyboardInterrupt`` in
+    the main thread, the only one Python raises it in."""
+    return isinstance(error, KeyboardInterrupt) and (
+        threading.current_thread() is threading.main_thread()
+    )
 
 
 def _live_receivers(
@@ -237,10 +250,9 @@ async def _send_async(
     then the cancellation is raised."""
 
     async def called(receiver: Callable[..., Any]) -> None:
+        # In the event loop's thread, never the main one: no Ctrl-C reaches it.
         try:
             await receiver(signal=signal, sender=sender, **kwargs)
-        except KeyboardInterrupt:
-            raise
         except BaseException as error:
             _failed(signal, _name_of(receiver), error)
 
@@ -253,14 +265,17 @@ async def _send_async(
 
 
 def _failed(signal: Signal, receiver: str, error: BaseException) -> None:
-    """Log that ``receiver`` (named) of ``signal`` raised ``error``."""
+    """Log that ``receiver`` (named) of ``signal`` raised ``error``: its type,
+    where it was raised and the calls that led there, not its message, which
+    may quote what the receiver was given (an inbox's query, its token)."""
     _dispatch_logger.error(
-        "Error calling %s, a receiver of %s: %r",
+        "Error calling %s, a receiver of %s: %s raised%s\nTraceback (most recent call last):\n%s",
         receiver,
         # The name it has here: a Signal knows none.
         next((name for name, value in globals().items() if value is signal), "a signal"),
-        error,
-        exc_info=error,
+        type(error).__name__,
+        raised_at(error),
+        "".join(traceback.format_tb(error.__traceback__)).rstrip(),
     )
 
 
