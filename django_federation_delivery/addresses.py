@@ -592,7 +592,10 @@ def _without_userinfo(text: str, instead: str = "") -> str:
     return f"{text[:start]}{instead}{text[end:]}"
 
 
-_ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?[^/\\?#]*")
+_ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?[/\\]*[^/\\?#]*")
+#: A URL with its scheme, however many slashes follow it ("https:/a@b/",
+#: "https:\\\\a@b/"): read as one by a browser, its userinfo and all.
+_SCHEME_AND_SLASH = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[/\\]")
 _MESSAGE_URL_LENGTH = 200
 # A part of a query or userinfo shorter than this ("a=1") is not worth hiding on its own.
 _PART_LENGTH = 4
@@ -660,9 +663,10 @@ def quoted(value: object, *, path: bool = False) -> str:
         text = _SHORT.repr(value)
         return f"<{type(value).__name__}>" if "://" in text else text
     shown = value
-    if "://" in value and path:
+    url = "://" in value or _SCHEME_AND_SLASH.match(value.lstrip()) is not None
+    if url and path:
         shown = _with_path(value)
-    elif "://" in value:
+    elif url:
         matched = _ORIGIN_ONLY.match(_without_userinfo(value))
         kept = matched.group(0) if matched else ""
         if kept != value:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -113,10 +114,22 @@ def ask(setting: str, function: Callable[..., Any], *args: Any) -> Any:
     and where it was raised, never its message or traceback: given an inbox,
     the callable's error may quote its query (a token)."""
     try:
-        return function(*args)
+        answer = function(*args)
     except Exception as error:
         _raised(setting, error)
         return None
+    if inspect.isawaitable(answer):
+        # A plain function wrapping an async one (the checks refuse an async
+        # one itself): its coroutine, never awaited, would read as true.
+        if inspect.iscoroutine(answer):
+            answer.close()
+        logger.error(
+            "%s answered %s, which is awaited nowhere; taken as no answer",
+            setting,
+            type(answer).__name__,
+        )
+        return None
+    return answer
 
 
 def _raised(what: str, error: Exception) -> None:

@@ -698,6 +698,10 @@ def test_a_query_token_is_redacted_however_the_server_repeats_it(echo: str) -> N
         ({"url": "https://hooks.slack.com/services/T0/B0/s3cret"}, "<dict>"),
         ("https://hooks.slack.com/services/T0/B0/s3cret", "'https://hooks.slack.com/…'"),
         ("https://u:s3cret@a.example/x?token=s3cret", "'https://a.example/…'"),
+        # A slash lost, or backslashes: a URL still, its userinfo and all.
+        ("https:/u:s3cret@a.example:99999/inbox", "'https:/a.example:99999/…'"),
+        ("https:\\\\u:s3cret@a.example/inbox", "'https:\\\\\\\\a.example/…'"),
+        ("slack:/hooks.slack.com/services/T0/B0/s3cret", "'slack:/hooks.slack.com/…'"),
     ],
 )
 def test_an_error_names_a_value_short_and_without_its_credential(value: object, shown: str) -> None:

@@ -1797,6 +1797,32 @@ def skip_every_inbox(inbox: str, activity: dict[str, Any]) -> bool:
     return True
 
 
+async def _never_skip(inbox: str, activity: dict[str, Any]) -> bool:
+    return False
+
+
+def never_skip_wrapped(inbox: str, activity: dict[str, Any]) -> Any:
+    """A plain function around an async one, as a decorator makes it: what
+    the checks cannot see is async."""
+    return _never_skip(inbox, activity)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_callable_setting_answering_a_coroutine_is_taken_as_no_answer(
+    inbox: Inbox, settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its coroutine, never awaited, read as true: every delivery was
+    # settled skipped, unsent, with a RuntimeWarning for a trace.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "SKIP_IF": "tests.test_deliverer.never_skip_wrapped",
+    }
+    batch = send(ALICE, NOTE, [inbox.url("/a")])
+    Deliverer().run(drain=True)
+    assert status_of(batch) == [Status.DELIVERED]
+    assert "SKIP_IF answered coroutine, which is awaited nowhere" in caplog.text
+
+
 def test_outcomes_decided_with_nothing_in_flight_wait_to_be_written_together(
     settings: Any,
     monkeypatch: pytest.MonkeyPatch,

@@ -21,6 +21,7 @@ from django_federation_delivery.webhooks import (
     parse_destination,
     webhooks_from_env,
 )
+from django_federation_delivery.webhooks.destinations import WebhookURL
 
 from .conftest import ROOT
 
@@ -410,6 +411,21 @@ REPORTED = {
     "WEBHOOK_TG_NO_CHAT": f"telegram://4815162342:{BOT_TOKEN}",
     "WEBHOOK_TG_CHAT_AS_PATH": f"telegram://4815162342:{BOT_TOKEN}/-1001",
 }
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://[2001:db8::1]/hooks/s3cret", "'https://[2001:db8::1]/…'"),
+        ("http://hooks.example:443/s3cret", "'http://hooks.example:443/…'"),
+        ("slack:/hooks.slack.com/services/T0/B0/s3cret", "'slack://hooks.slack.com/…'"),
+        ("telegram://4815162342:s3cret", "'telegram:…'"),
+    ],
+)
+def test_a_webhook_urls_repr_is_its_scheme_and_host_as_written(url: str, shown: str) -> None:
+    # Its host key was shown: an IPv6 address unbracketed, port 443 of
+    # http:// dropped (port 80 then).
+    assert repr(WebhookURL(url)) == shown
 
 
 def test_django_error_reports_do_not_show_the_webhook_urls_in_the_settings(settings: Any) -> None:

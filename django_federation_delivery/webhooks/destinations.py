@@ -54,7 +54,8 @@ class WebhookURL(str):
             return repr("…")
         # Any slashes after the scheme, as a browser reads them; no userinfo.
         authority = re.split(r"[/\\?#]", rest.lstrip("/\\"), maxsplit=1)[0].rpartition("@")[2]
-        host = host_of(f"https://{authority}/") if authority else ""
+        # As written, if it is a host and a port: a bot's token is neither.
+        host = authority if authority and host_of(f"https://{authority}/") else ""
         return repr(f"{scheme}://{host}/…" if host else f"{scheme}:…")
 
 
