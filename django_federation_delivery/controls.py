@@ -181,8 +181,19 @@ def _give_up(
 ) -> int:
     # Pending as settled_at says it: as the status, the rows were found
     # through the due index, every pending row read (see queries.sql).
-    pending = deliveries.using(alias).filter(settled_at__isnull=True)
-    ids = list(pending.values_list("id", flat=True))
+    if deliveries.query.can_filter():
+        pending = deliveries.using(alias).filter(settled_at__isnull=True)
+        ids = list(pending.values_list("id", flat=True))
+    else:
+        # Sliced ("the first 100"), which takes no filter: its ids first.
+        given = list(deliveries.using(alias).values_list("id", flat=True))
+        ids = [
+            id
+            for start in range(0, len(given), CHUNK)
+            for id in Delivery.objects.using(alias)
+            .filter(id__in=given[start : start + CHUNK], settled_at__isnull=True)
+            .values_list("id", flat=True)
+        ]
     failed = 0
     for start in range(0, len(ids), CHUNK):
         failed += len(

@@ -56,6 +56,20 @@ def test_give_up_tells_only_of_what_it_changed_not_of_what_was_settled_meanwhile
     assert first.status == Status.DELIVERED and first.last_error == ""
 
 
+def test_give_up_of_a_sliced_queryset_gives_up_its_pending_rows() -> None:
+    # "The oldest two of a host", as requeue takes it: give_up raised
+    # Django's "Cannot filter a query once a slice has been taken."
+    batch = send(ALICE, NOTE, [f"https://a.example/u{n}" for n in range(4)])
+    assert batch is not None
+    rows = list(batch.deliveries.order_by("id"))
+    Delivery.objects.filter(pk=rows[0].pk).update(
+        status=Status.DELIVERED, due_at=None, settled_at=timezone.now()
+    )
+    assert controls.give_up(Delivery.objects.filter(batch=batch).order_by("id")[:3]) == 2
+    statuses = [Delivery.objects.get(pk=row.pk).status for row in rows]
+    assert statuses == [Status.DELIVERED, Status.FAILED, Status.FAILED, Status.PENDING]
+
+
 def test_a_host_is_read_in_any_form_as_a_send_reads_an_inboxs(
     failures: list[Any], django_capture_on_commit_callbacks: Any
 ) -> None:
