@@ -592,7 +592,7 @@ def _without_userinfo(text: str, instead: str = "") -> str:
     return f"{text[:start]}{instead}{text[end:]}"
 
 
-_ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?[/\\]*[^/\\?#]*")
+_ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://|[/\\]+)?[^/\\?#]*")
 #: A URL with its scheme, however many slashes follow it ("https:/a@b/",
 #: "https:\\\\a@b/"): read as one by a browser, its userinfo and all.
 _SCHEME_AND_SLASH = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[/\\]")
