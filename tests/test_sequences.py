@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from django.utils import timezone
 from django_federation_delivery import controls, send_batch, store
 from django_federation_delivery.models import Batch, Delivery, Status
 
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE
 
 A = "https://a.example/inbox"
@@ -86,6 +88,92 @@ def test_given_up_in_flight_its_next_still_waits_for_the_lease_to_end() -> None:
     assert x.due_at is not None and x.due_at >= lease_end, (
         f"X due at {x.due_at}, before the end of P's lease {lease_end}"
     )
+
+
+def lease_of(row: Delivery) -> dt.datetime:
+    """The end of the lease of ``row``, given up while its attempt was in
+    flight: kept as its due time."""
+    row.refresh_from_db()
+    assert row.due_at is not None and row.due_at > timezone.now()
+    return row.due_at
+
+
+def due_no_sooner(row: Delivery, lease_end: dt.datetime) -> None:
+    row.refresh_from_db()
+    assert row.after_id is not None or (row.due_at is not None and row.due_at >= lease_end), (
+        f"due at {row.due_at}, before the end of the lease {lease_end} of an attempt in flight"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("together", [True, False], ids=["together", "one-then-the-other"])
+def test_given_up_in_flight_with_its_next_the_third_waits_for_the_lease_to_end(
+    together: bool,
+) -> None:
+    """A, B, C in one ordering key. A's attempt is in flight; the operator
+    gives up A and B, together or one after the other. C went at once: one
+    step back from it (B) was no lease, and B, released to wait for A's
+    lease, kept that only as its due time, which its give-up dropped."""
+    a = one(send_batch(ALICE, note(1), [A], KEY))
+    b = one(send_batch(ALICE, note(2), [A], KEY))
+    c = one(send_batch(ALICE, note(3), [A], KEY))
+    claim_only(a)
+    if together:
+        assert controls.give_up(Delivery.objects.filter(id__in=[a.id, b.id])) == 2
+    else:
+        assert controls.give_up(Delivery.objects.filter(id=a.id)) == 1
+        due_no_sooner(b, lease_of(a))
+        assert controls.give_up(Delivery.objects.filter(id=b.id)) == 1
+    due_no_sooner(c, lease_of(a))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_released_to_wait_for_a_lease_its_time_outlasts_a_pause_and_resume() -> None:
+    # A pause holds B (no due time); the resume made it due now, beside
+    # A's attempt, which may still be answered.
+    a = one(send_batch(ALICE, note(1), [A], KEY))
+    b = one(send_batch(ALICE, note(2), [A], KEY))
+    claim_only(a)
+    assert controls.give_up(Delivery.objects.filter(id=a.id)) == 1
+    lease_end = lease_of(a)
+    controls.pause_host("a.example")
+    controls.resume_host("a.example")
+    due_no_sooner(b, lease_end)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_third_of_a_sequence_reaches_the_inbox_after_the_first_given_up_in_flight(
+    inbox: Inbox, start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    """A, B, C in one ordering key to a real inbox, which takes 3 s to
+    answer A. While it answers, the operator gives up A and B: C reached the
+    inbox before A's answer, against one at a time in the order queued."""
+    lock = threading.Lock()
+    events: list[str] = []
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        name = request.json()["id"].rsplit("/", 1)[1]
+        with lock:
+            events.append(f"start {name}")
+        if name == "1":
+            time.sleep(3)
+        with lock:
+            events.append(f"end {name}")
+        return 202, {}, b""
+
+    inbox.respond = respond
+    a, b, c = (one(send_batch(ALICE, note(n), [inbox.url()], KEY)) for n in (1, 2, 3))
+    # A 15 s lease: C goes once it ends, 10 s to write an outcome kept.
+    runner = start_deliverer(lease=15)
+    wait_until(lambda: "start 1" in events)
+    assert controls.give_up(Delivery.objects.filter(id__in=[a.id, b.id])) == 2
+    wait_until(lambda: Delivery.objects.get(id=c.id).status != Status.PENDING, timeout=40)
+    runner.stop()
+    with lock:
+        seen = list(events)
+    assert seen.index("end 1") < seen.index("start 3"), seen
+    assert "start 2" not in seen
 
 
 @pytest.mark.django_db(transaction=True)

@@ -567,7 +567,7 @@ LIMIT %(limit)s
 WITH r AS (
     UPDATE {delivery} SET after_id = {inherited},
         due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
-        not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
+        not_before = CASE WHEN {inherited} IS NULL THEN {released_not_before} ELSE not_before END
     WHERE id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL AND after_id IS NOT NULL
     RETURNING id, batch_id, after_id
 )
@@ -584,7 +584,7 @@ SELECT set_config('jit', %(was)s, true)
 -- name: release [sqlite]
 UPDATE {delivery} SET after_id = {inherited},
     due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
-    not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
+    not_before = CASE WHEN {inherited} IS NULL THEN {released_not_before} ELSE not_before END
 WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
     AND after_id IS NOT NULL
 RETURNING {released_rows}
@@ -593,16 +593,36 @@ RETURNING {released_rows}
 -- When the row being written, released, is due: now, but no sooner than
 -- the end of a lease that may still run. Its own: made to wait while an
 -- attempt of it was in flight (given up, then requeued), it kept the time
--- it was due (not_before). Or that of the one it waited on: the due_at it
+-- it was due (not_before). Or that of one it waited on: the due_at it
 -- left the queue with, which only give_up leaves (the end of the lease of
 -- an attempt of it still in flight), after which the row is to go, as one
--- at a time in its sequence, or a Delete after its Create.
-GREATEST(%(now)s, {delivery}.not_before,
-    (SELECT p.due_at FROM {delivery} AS p WHERE p.id = {delivery}.after_id))
+-- at a time in its sequence, or a Delete after its Create. Not only the
+-- one it waited on: those that one waited on, left too (given up with
+-- it, or since), back to the first still pending, a lookup by id a step
+-- as inherited walks them: the first given up in flight may be one back.
+GREATEST(%(now)s, {delivery}.not_before, {left_lease_end})
 
 -- name: released_due [sqlite]
-max(%(now)s, COALESCE({delivery}.not_before, %(now)s), COALESCE(
-    (SELECT p.due_at FROM {delivery} AS p WHERE p.id = {delivery}.after_id), %(now)s))
+max(%(now)s, COALESCE({delivery}.not_before, %(now)s), COALESCE({left_lease_end}, %(now)s))
+
+-- name: released_not_before
+-- The time a row released is due, kept (not_before) when it is later
+-- than now (released_due): the end of a lease that may still run, which a
+-- give-up of the row (lease_running), a pause and a resume of its host,
+-- keep; a give-up of the row, released, makes what follows it due no
+-- sooner (left_lease_end), as it waited. NULL when it is due now.
+NULLIF({released_due}, %(now)s)
+
+-- name: left_lease_end
+-- The latest due_at of the deliveries the row waited on that left the
+-- queue, one after another back from the one it waits on (released_due).
+(WITH RECURSIVE back(id) AS (
+    SELECT p.id FROM {delivery} AS p WHERE p.id = {delivery}.after_id
+    UNION
+    SELECT q.after_id FROM back, {delivery} AS q
+    WHERE q.id = back.id AND q.settled_at IS NOT NULL
+)
+SELECT max(q.due_at) FROM back, {delivery} AS q WHERE q.id = back.id AND q.settled_at IS NOT NULL)
 
 -- name: released_rows [postgresql]
 -- What a release returns of each row it wrote (r: its id, batch and what
@@ -753,7 +773,7 @@ SELECT s.value, (
 WITH r AS (
     UPDATE {delivery} SET after_id = {inherited},
         due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
-        not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
+        not_before = CASE WHEN {inherited} IS NULL THEN {released_not_before} ELSE not_before END
     WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
     RETURNING id, batch_id, after_id
 )
@@ -762,7 +782,7 @@ WITH r AS (
 -- name: release_next [sqlite]
 UPDATE {delivery} SET after_id = {inherited},
     due_at = CASE WHEN {inherited} IS NULL THEN {released_due} ELSE NULL END,
-    not_before = CASE WHEN {inherited} IS NULL THEN NULL ELSE not_before END
+    not_before = CASE WHEN {inherited} IS NULL THEN {released_not_before} ELSE not_before END
 WHERE after_id IN (SELECT value FROM json_each(%(ids)s)) AND settled_at IS NULL
 RETURNING {released_rows}
 
