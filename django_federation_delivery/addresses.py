@@ -596,6 +596,25 @@ _ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://|[/\\]+)?[^/\\?#]
 #: A URL with its scheme, however many slashes follow it ("https:/a@b/",
 #: "https:\\\\a@b/"): read as one by a browser, its userinfo and all.
 _SCHEME_AND_SLASH = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[/\\]")
+#: The schemes a browser reads as a URL's whatever follows their colon
+#: ("https:host/x" is https://host/x).
+_SPECIAL_SCHEMES = frozenset({"http", "https", "ws", "wss", "ftp", "file"})
+
+
+def _url_like(value: str) -> bool:
+    """Whether a message should take ``value`` for a URL: with "://", a
+    scheme and a slash, a scheme a browser reads as a URL's whatever
+    follows, or any scheme before a user and a password
+    ("telegram:bot:TOKEN@chat")."""
+    text = value.lstrip()
+    if "://" in text or _SCHEME_AND_SLASH.match(text):
+        return True
+    scheme, colon, _ = text.partition(":")
+    if not colon or re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) is None:
+        return False
+    return scheme.lower() in _SPECIAL_SCHEMES or _userinfo(text) is not None
+
+
 _MESSAGE_URL_LENGTH = 200
 # A part of a query or userinfo shorter than this ("a=1") is not worth hiding on its own.
 _PART_LENGTH = 4
@@ -663,7 +682,7 @@ def quoted(value: object, *, path: bool = False) -> str:
         text = _SHORT.repr(value)
         return f"<{type(value).__name__}>" if "://" in text else text
     shown = value
-    url = "://" in value or _SCHEME_AND_SLASH.match(value.lstrip()) is not None
+    url = _url_like(value)
     if url and path:
         shown = _with_path(value)
     elif url:

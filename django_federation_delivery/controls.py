@@ -181,11 +181,12 @@ def _give_up(
 ) -> int:
     # Pending as settled_at says it: as the status, the rows were found
     # through the due index, every pending row read (see queries.sql).
-    if deliveries.query.can_filter():
+    if deliveries.query.can_filter() and not deliveries.query.combinator:
         pending = deliveries.using(alias).filter(settled_at__isnull=True)
         ids = list(pending.values_list("id", flat=True))
     else:
-        # Sliced ("the first 100"), which takes no filter: its ids first.
+        # Sliced ("the first 100") or combined (a union), which takes no
+        # filter: its ids first.
         given = list(deliveries.using(alias).values_list("id", flat=True))
         ids = [
             id

@@ -702,10 +702,24 @@ def test_a_query_token_is_redacted_however_the_server_repeats_it(echo: str) -> N
         ("https:/u:s3cret@a.example:99999/inbox", "'https:/a.example:99999/…'"),
         ("https:\\\\u:s3cret@a.example/inbox", "'https:\\\\\\\\a.example/…'"),
         ("slack:/hooks.slack.com/services/T0/B0/s3cret", "'slack:/hooks.slack.com/…'"),
+        # No slash at all: https: is a URL's whatever follows, and any
+        # scheme before a user and a password.
+        ("https:u:s3cret@hooks.example/x", "'https:hooks.example/…'"),
+        ("https:hooks.example?token=s3cret", "'https:hooks.example/…'"),
+        ("telegram:4815:s3cret@-1001", "'telegram:-1001/…'"),
     ],
 )
 def test_an_error_names_a_value_short_and_without_its_credential(value: object, shown: str) -> None:
     assert addresses.quoted(value) == shown
+
+
+@pytest.mark.parametrize(
+    "value", ["https:u:s3cret@a.example/x", "https:/u:s3cret@a.example/x", "telegram:4:s3cret@-1"]
+)
+def test_a_public_url_quoted_with_its_path_shows_no_userinfo_however_few_slashes(
+    value: str,
+) -> None:
+    assert "s3cret" not in addresses.quoted(value, path=True)
 
 
 def test_a_value_whose_repr_raises_is_named_by_its_type() -> None:

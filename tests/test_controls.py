@@ -56,7 +56,7 @@ def test_give_up_tells_only_of_what_it_changed_not_of_what_was_settled_meanwhile
     assert first.status == Status.DELIVERED and first.last_error == ""
 
 
-def test_give_up_of_a_sliced_queryset_gives_up_its_pending_rows() -> None:
+def test_give_up_of_a_sliced_or_combined_queryset_gives_up_its_pending_rows() -> None:
     # "The oldest two of a host", as requeue takes it: give_up raised
     # Django's "Cannot filter a query once a slice has been taken."
     batch = send(ALICE, NOTE, [f"https://a.example/u{n}" for n in range(4)])
@@ -68,6 +68,10 @@ def test_give_up_of_a_sliced_queryset_gives_up_its_pending_rows() -> None:
     assert controls.give_up(Delivery.objects.filter(batch=batch).order_by("id")[:3]) == 2
     statuses = [Delivery.objects.get(pk=row.pk).status for row in rows]
     assert statuses == [Status.DELIVERED, Status.FAILED, Status.FAILED, Status.PENDING]
+    # A union takes no filter either.
+    last = Delivery.objects.filter(pk=rows[3].pk)
+    assert controls.give_up(last.union(Delivery.objects.filter(pk=rows[1].pk))) == 1
+    assert Delivery.objects.get(pk=rows[3].pk).status == Status.FAILED
 
 
 def test_a_host_is_read_in_any_form_as_a_send_reads_an_inboxs(

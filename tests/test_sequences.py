@@ -128,6 +128,23 @@ def test_given_up_in_flight_with_its_next_the_third_waits_for_the_lease_to_end(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_released_to_wait_for_a_lease_and_superseded_the_next_still_waits() -> None:
+    # A's attempt is in flight when it is given up; B, released to wait for
+    # A's lease, is superseded by a Delete of its note: C was due at once.
+    a = one(send_batch(ALICE, note(1), [A], KEY))
+    b = one(send_batch(ALICE, note(2), [A], KEY))
+    c = one(send_batch(ALICE, note(3), [A], KEY))
+    claim_only(a)
+    assert controls.give_up(Delivery.objects.filter(id=a.id)) == 1
+    lease_end = lease_of(a)
+    delete = {"type": "Delete", "id": f"{ALICE}/deletes/2", "actor": ALICE}
+    send_batch(ALICE, {**delete, "object": f"{ALICE}/notes/2"}, [A])
+    b.refresh_from_db()
+    assert b.status == Status.SUPERSEDED
+    due_no_sooner(c, lease_end)
+
+
+@pytest.mark.django_db(transaction=True)
 def test_released_to_wait_for_a_lease_its_time_outlasts_a_pause_and_resume() -> None:
     # A pause holds B (no due time); the resume made it due now, beside
     # A's attempt, which may still be answered.

@@ -381,8 +381,10 @@ ORDER BY id FOR UPDATE
 -- given, not a subquery: matched against a list, a row costs one lookup
 -- whatever the planner believes of the table, where a join planned from
 -- statistics taken while the table was small compared each of 10,000 rows
--- with 10,000 (seconds to minutes).
-UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
+-- with 10,000 (seconds to minutes). One released to wait for the lease of
+-- an attempt given up in flight keeps that time (lease_running), as a
+-- give-up does, for what waits behind it (released_due).
+UPDATE {delivery} SET status = %(superseded)s, due_at = {lease_running}, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
 WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
     AND last_attempt_at IS NULL
@@ -391,7 +393,7 @@ WHERE batch_id = ANY(%(batches)s::bigint[]) AND settled_at IS NULL
 RETURNING id, batch_id, inbox
 
 -- name: supersede [sqlite]
-UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
+UPDATE {delivery} SET status = %(superseded)s, due_at = {lease_running}, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
 WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
     AND last_attempt_at IS NULL
@@ -406,7 +408,7 @@ RETURNING id, batch_id, inbox
 {supersede}
 
 -- name: supersede_left_out [sqlite]
-UPDATE {delivery} SET status = %(superseded)s, due_at = NULL, lease_token = NULL,
+UPDATE {delivery} SET status = %(superseded)s, due_at = {lease_running}, lease_token = NULL,
     settled_at = %(now)s, last_error = %(reason)s
 WHERE batch_id IN (SELECT value FROM json_each(%(batches)s)) AND settled_at IS NULL
     AND last_attempt_at IS NULL
