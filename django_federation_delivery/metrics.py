@@ -15,6 +15,7 @@ destinations' names only, and hosts are counted, not named.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import socket
@@ -152,9 +153,9 @@ def record_attempt(
 ) -> None:
     """Count one attempt that came to ``outcome`` (one of :data:`OUTCOMES`)
     and, if it made a request, time it: ``duration`` seconds; one that did
-    not deliver (retrying, refused or failed) also by its reason
-    (:func:`failure_reason` of the ``status`` answered and the ``requests``
-    made)."""
+    not deliver (retrying, refused or failed, or held after its request)
+    also by its reason (:func:`failure_reason` of the ``status`` answered
+    and the ``requests`` made)."""
     if outcome not in OUTCOMES:
         # A label per typo would make a new time series each.
         raise ValueError(f"unknown outcome {outcome!r}; expected one of {', '.join(OUTCOMES)}")
@@ -165,7 +166,9 @@ def record_attempt(
         # One that made none (held by its breaker, its key missing) timed no
         # request: counted at nought, it would drag the median and mean down.
         _metrics.duration.observe(max(duration, 0.0))
-    if outcome in _FAILED:
+    if outcome in _FAILED or (outcome == Outcome.HELD and requests):
+        # Held after a request: the answer that disabled its destination (a
+        # 410, the last 5xx before WEBHOOK_DISABLE_AFTER), a failure too.
         _metrics.failures_by_reason[failure_reason(status, requests)].inc()
 
 
@@ -321,6 +324,12 @@ def start_server(port: int, addr: str = "127.0.0.1") -> WSGIServer:
     return server
 
 
+def stop_server(server: WSGIServer) -> None:
+    """Stop serving, and let the port go."""
+    server.shutdown()
+    server.server_close()
+
+
 #: How long a scraper may take to send its request, and how many may be
 #: answered at once: anyone who reaches the port (``--metrics-addr 0.0.0.0``)
 #: could otherwise hold a thread of the deliverer's for each connection
@@ -333,6 +342,19 @@ class _MetricsHandler(WSGIRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(CLIENT_TIMEOUT)  # read now: a test may shorten it
+        # For the whole request too: one sent a byte at a time, each within
+        # the timeout, would hold its thread for as long as it liked.
+        self._deadline = threading.Timer(CLIENT_TIMEOUT, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: object) -> None:
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import socket
 import subprocess
@@ -10,10 +11,12 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from io import StringIO
 from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
@@ -187,6 +190,75 @@ def test_clients_that_send_half_a_request_hold_a_bounded_few_threads_for_a_while
             client.close()
         server.shutdown()
         server.server_close()
+
+
+def test_clients_that_trickle_half_a_request_are_let_go_all_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A byte of a header every 0.3 s, each within CLIENT_TIMEOUT: the
+    # MOST_CLIENTS such connections were never let go, every scrape refused.
+    monkeypatch.setattr(metrics, "CLIENT_TIMEOUT", 2.0)
+    server = metrics.start_server(0, addr="127.0.0.1")
+    stop = threading.Event()
+    held: list[socket.socket] = []
+
+    def trickle() -> None:
+        while not stop.wait(0.3):
+            for client in list(held):
+                with contextlib.suppress(OSError):
+                    client.sendall(b"a")
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        for _ in range(metrics.MOST_CLIENTS):
+            client = socket.create_connection(("127.0.0.1", server.server_port), timeout=5)
+            client.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+            held.append(client)
+        time.sleep(3 * metrics.CLIENT_TIMEOUT)
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            assert response.status == 200
+    finally:
+        stop.set()
+        for client in held:
+            client.close()
+        metrics.stop_server(server)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_drain_serving_metrics_lets_its_port_go_when_it_returns() -> None:
+    # Run again in the process (a periodic job), a drain was refused its
+    # port: "Address already in use", the first still serving.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    for _ in range(2):
+        call_command("run_deliverer", "--drain", f"--metrics-port={port}", stdout=StringIO())
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, "still served"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_answer_that_disables_a_destination_is_counted_among_the_failures(
+    inboxes: Any, start_deliverer: Any, settings: Any
+) -> None:
+    # A 410 is held (the destination disabled) after its request: counted as
+    # an attempt and timed, but among the failures by reason it was not.
+    from django_federation_delivery import send_webhook
+
+    from .test_webhooks_deliveries import configure as configure_signed
+    from .test_webhooks_deliveries import signed
+
+    receiver = inboxes("127.0.0.1", respond=lambda request: (410, {}, b"hook deleted"))
+    configure_signed(settings, {"ops": signed(receiver)})
+    send_webhook("ops", "alert.raised", {"n": 1})
+    failed = sample("federation_delivery_failed_attempts_total", reason="status_4xx")
+    held = sample("federation_delivery_attempts_total", outcome="held")
+    runner = start_deliverer()
+    wait_until(lambda: Delivery.objects.filter(last_status=410).exists())
+    runner.stop()
+    assert sample("federation_delivery_attempts_total", outcome="held") == held + 1
+    assert sample("federation_delivery_failed_attempts_total", reason="status_4xx") == failed + 1
 
 
 def test_the_endpoint_listens_on_this_machine_only_by_default() -> None:

@@ -279,83 +279,90 @@ class Command(TranslatedCommand):
             )
             self._say(self.style.SUCCESS(ended))
             return
-        if port is not None:
+        # The metrics served until the command returns, however it does: a
+        # drain run again in this process (a periodic job) takes its port again.
+        with contextlib.ExitStack() as serving:
+            if port is not None:
+                try:
+                    server = metrics.start_server(number, addr=addr)
+                except ImproperlyConfigured as exc:
+                    raise CommandError(str(exc)) from exc
+                except OSError as exc:
+                    raise CommandError(
+                        _("cannot serve metrics on %(addr)s port %(port)d: %(error)s")
+                        % {"addr": addr, "port": number, "error": exc}
+                    ) from exc
+                serving.callback(metrics.stop_server, server)
+                shown = f"[{addr}]" if ":" in addr else addr
+                self._say(
+                    _("Metrics at %(url)s")
+                    % {"url": f"http://{shown}:{server.server_port}/metrics"}
+                )
+            # A child of --processes shares what is due with the others: no total
+            # of its own. Nor a drain begun while the database is away, which
+            # the loop waits out.
+            due = None
+            if drain and self.child is None:
+                with contextlib.suppress(OperationalError):
+                    due = store.count_due(using=using)
             try:
-                server = metrics.start_server(number, addr=addr)
+                deliverer = Deliverer(
+                    concurrency=concurrency,
+                    per_host=per_host,
+                    per_host_max=per_host_max,
+                    using=using,
+                    on_progress=drain_progress(due, self._say) if drain else log_rates(interval),
+                    progress_interval=1.0 if drain else interval,
+                    metrics=port is not None,
+                    heartbeat=True,
+                )
             except ImproperlyConfigured as exc:
                 raise CommandError(str(exc)) from exc
-            except OSError as exc:
-                raise CommandError(
-                    _("cannot serve metrics on %(addr)s port %(port)d: %(error)s")
-                    % {"addr": addr, "port": number, "error": exc}
-                ) from exc
-            shown = f"[{addr}]" if ":" in addr else addr
+            signals = install_stop_signals(deliverer, self.child, self._warn)
+            watch_supervisor(deliverer, self.child)
+            message = (
+                _(
+                    "Delivering until nothing is due: %(concurrency)d in flight, %(per_host)d per "
+                    "host at first, up to %(most)d."
+                )
+                if drain
+                else _(
+                    "Delivering until stopped: %(concurrency)d in flight, %(per_host)d per host at "
+                    "first, up to %(most)d."
+                )
+            )
             self._say(
-                _("Metrics at %(url)s") % {"url": f"http://{shown}:{server.server_port}/metrics"}
+                message
+                % {
+                    "concurrency": deliverer.concurrency,
+                    "per_host": deliverer.per_host,
+                    "most": deliverer.limits.most,
+                }
             )
-        # A child of --processes shares what is due with the others: no total
-        # of its own. Nor a drain begun while the database is away, which
-        # the loop waits out.
-        due = None
-        if drain and self.child is None:
-            with contextlib.suppress(OperationalError):
-                due = store.count_due(using=using)
-        try:
-            deliverer = Deliverer(
-                concurrency=concurrency,
-                per_host=per_host,
-                per_host_max=per_host_max,
-                using=using,
-                on_progress=drain_progress(due, self._say) if drain else log_rates(interval),
-                progress_interval=1.0 if drain else interval,
-                metrics=port is not None,
-                heartbeat=True,
-            )
-        except ImproperlyConfigured as exc:
-            raise CommandError(str(exc)) from exc
-        signals = install_stop_signals(deliverer, self.child, self._warn)
-        watch_supervisor(deliverer, self.child)
-        message = (
-            _(
-                "Delivering until nothing is due: %(concurrency)d in flight, %(per_host)d per "
-                "host at first, up to %(most)d."
-            )
-            if drain
-            else _(
-                "Delivering until stopped: %(concurrency)d in flight, %(per_host)d per host at "
-                "first, up to %(most)d."
-            )
-        )
-        self._say(
-            message
-            % {
-                "concurrency": deliverer.concurrency,
-                "per_host": deliverer.per_host,
-                "most": deliverer.limits.most,
-            }
-        )
-        purging = None
-        if options["purge"] and drain:
-            # Its periodic purge's first run would come after most drains end.
-            self._say(_("Purging what is past RETENTION once the queue is drained."))
-        elif options["purge"]:
-            purging = PeriodicPurge(purge_every, first=min(FIRST_PURGE, purge_every), using=using)
-            purging.start()
-            self._say(
-                _("Purging what is past RETENTION every %(seconds).0f s.")
-                % {"seconds": purge_every}
-            )
-        try:
-            summary = deliverer.run(drain=drain)
-        finally:
-            if purging is not None:
-                purging.stop()
-            # Called from code (call_command), the caller's handlers come back.
-            signals.restore()
-        self._say(self.style.SUCCESS(_("Done: %(summary)s.") % {"summary": summary.line()}))
-        if options["purge"] and drain and not deliverer.stopping:
-            purged = purge_by_setting(using=using)
-            self._say(_("Purged: %(purged)s.") % {"purged": purged.line()})
+            purging = None
+            if options["purge"] and drain:
+                # Its periodic purge's first run would come after most drains end.
+                self._say(_("Purging what is past RETENTION once the queue is drained."))
+            elif options["purge"]:
+                purging = PeriodicPurge(
+                    purge_every, first=min(FIRST_PURGE, purge_every), using=using
+                )
+                purging.start()
+                self._say(
+                    _("Purging what is past RETENTION every %(seconds).0f s.")
+                    % {"seconds": purge_every}
+                )
+            try:
+                summary = deliverer.run(drain=drain)
+            finally:
+                if purging is not None:
+                    purging.stop()
+                # Called from code (call_command), the caller's handlers come back.
+                signals.restore()
+            self._say(self.style.SUCCESS(_("Done: %(summary)s.") % {"summary": summary.line()}))
+            if options["purge"] and drain and not deliverer.stopping:
+                purged = purge_by_setting(using=using)
+                self._say(_("Purged: %(purged)s.") % {"purged": purged.line()})
 
     def _say(self, line: str) -> None:
         # Flushed: an operator (or a supervisor reading a pipe) sees it now,
