@@ -161,6 +161,35 @@ def test_a_claims_lease_across_the_fall_back_lapses_after_its_length(
 
 @postgresql_only
 @pytest.mark.django_db
+def test_a_purge_in_chunks_through_the_repeated_hour_deletes_all_it_counts(
+    settings: Any,
+) -> None:
+    """PostgreSQL, New York, ``USE_TZ = False``: five delivered rows, weeks
+    past their retention, settled around 2024-11-03 01:00-02:00. Each chunk
+    starts from the last one's latest time, read back naive: 01:20 EDT was
+    read as 01:20 EST, an hour on, and the purge deleted 3 of the 5 its
+    dry run counted."""
+    from django_federation_delivery import retention
+    from django_federation_delivery.models import Batch
+
+    new_york_without_use_tz(settings)
+    batch = Batch.objects.create(sender="https://a.example/u", body="{}")
+    Batch.objects.filter(id=batch.id).update(created_at=in_utc(2024, 11, 1))
+    # 01:10, 01:20 and 01:50 EDT, 01:10 EST, 02:00 EST.
+    for n, (hour, minute) in enumerate([(5, 10), (5, 20), (5, 50), (6, 10), (7, 0)]):
+        row = Delivery.objects.create(
+            batch=batch, inbox=f"https://a.example/{n}", host="a.example", status=Status.DELIVERED
+        )
+        Delivery.objects.filter(id=row.id).update(settled_at=in_utc(2024, 11, 3, hour, minute))
+    cutoffs = {Status.DELIVERED: in_utc(2024, 11, 10)}
+    dry = retention.purge(cutoffs, chunk=2, dry_run=True)
+    done = retention.purge(cutoffs, chunk=2)
+    assert dry.deliveries == done.deliveries == {Status.DELIVERED.value: 5}
+    assert not Delivery.objects.exists()
+
+
+@postgresql_only
+@pytest.mark.django_db
 def test_a_retry_due_in_25_minutes_is_not_claimed_in_the_repeated_hour(
     settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -53,6 +53,8 @@ def delete_settled(
         rows = again_on_deadlock(alias, functools.partial(_delete_chunk, params, alias))
         if rows:
             since = max(row[1] for row in rows)
+            if connection.vendor == "postgresql":
+                since = since.replace(tzinfo=dt.UTC)  # returned in UTC
         yield len(rows)
         if len(rows) < chunk:
             return

@@ -1322,10 +1322,14 @@ RETURNING {breaker}.failures, {breaker}.open_until
 -- conditions again on a row changed since the statement began (requeued,
 -- and settled again a moment ago, say), not its subquery's. The ids are
 -- looked up by primary key, the subquery run once: as a join, it may be
--- hashed against a scan of the table.
+-- hashed against a scan of the table. Each time deleted is returned in
+-- UTC, where the next chunk starts (%(since)s, made aware again): read in
+-- TIME_ZONE, as Django reads it with USE_TZ off, a time in the hour a
+-- clock goes back through twice is the later of the two, and the next
+-- chunk would start an hour on, past rows still to delete.
 DELETE FROM {delivery} WHERE id = ANY(ARRAY({oldest_settled})) AND status = %(status)s
     AND settled_at < %(cutoff)s
-RETURNING id, settled_at
+RETURNING id, settled_at AT TIME ZONE 'UTC'
 
 -- name: delete_settled [sqlite]
 DELETE FROM {delivery} WHERE id IN ({oldest_settled}) AND status = %(status)s
