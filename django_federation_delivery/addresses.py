@@ -604,15 +604,25 @@ _SPECIAL_SCHEMES = frozenset({"http", "https", "ws", "wss", "ftp", "file"})
 def _url_like(value: str) -> bool:
     """Whether a message should take ``value`` for a URL: with "://", a
     scheme and a slash, a scheme a browser reads as a URL's whatever
-    follows, or any scheme before a user and a password
-    ("telegram:bot:TOKEN@chat")."""
-    text = value.lstrip()
+    follows, or, in one word, any scheme before a user and a password
+    ("telegram:bot:TOKEN@chat", not "order:created@v1"); pasted after what
+    a link may begin with (spaces, "<", a quote, a bracket), as
+    ``_BEFORE_USERINFO`` reads it."""
+    text = _PASTED_BEFORE.sub("", value, count=1)
     if "://" in text or _SCHEME_AND_SLASH.match(text):
         return True
     scheme, colon, _ = text.partition(":")
     if not colon or re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) is None:
         return False
-    return scheme.lower() in _SPECIAL_SCHEMES or _userinfo(text) is not None
+    if scheme.lower() in _SPECIAL_SCHEMES:
+        return True
+    found = _userinfo(text)
+    return found is not None and ":" in text[found[0] : found[1]] and not _SPACE.search(text)
+
+
+#: What a pasted link may begin with, as ``_BEFORE_USERINFO`` skips it.
+_PASTED_BEFORE = re.compile(r"^[\s<\"'(\[]*")
+_SPACE = re.compile(r"\s")
 
 
 _MESSAGE_URL_LENGTH = 200

@@ -714,12 +714,30 @@ def test_an_error_names_a_value_short_and_without_its_credential(value: object, 
 
 
 @pytest.mark.parametrize(
-    "value", ["https:u:s3cret@a.example/x", "https:/u:s3cret@a.example/x", "telegram:4:s3cret@-1"]
+    "value",
+    [
+        "https:u:s3cret@a.example/x",
+        "https:/u:s3cret@a.example/x",
+        "telegram:4:s3cret@-1",
+        # Pasted with what a link may come in: brackets, quotes.
+        "<https:/u:s3cret@a.example/inbox>",
+        "<https:u:s3cret@a.example/x>",
+        '"https:u:s3cret@a.example/x"',
+        "(telegram:4815:s3cret@-1001)",
+        "[https:u:s3cret@a.example]",
+    ],
 )
-def test_a_public_url_quoted_with_its_path_shows_no_userinfo_however_few_slashes(
-    value: str,
+@pytest.mark.parametrize("path", [False, True])
+def test_a_url_quoted_shows_no_userinfo_however_few_slashes_or_pasted(
+    value: str, path: bool
 ) -> None:
-    assert "s3cret" not in addresses.quoted(value, path=True)
+    assert "s3cret" not in addresses.quoted(value, path=path)
+
+
+@pytest.mark.parametrize("value", ["order:created@v1", "note: see alice@example.com"])
+def test_a_word_with_a_colon_and_an_at_is_quoted_as_given(value: str) -> None:
+    # Taken for a URL with a user, it was named as another value.
+    assert addresses.quoted(value) == repr(value)
 
 
 def test_a_value_whose_repr_raises_is_named_by_its_type() -> None:
