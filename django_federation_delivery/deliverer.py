@@ -543,6 +543,16 @@ class Deliverer:
         none of it for ``STOPPING_GRACE``: what is left is then left to its
         lease."""
         self.handoff.release_ready()
+        if self._db.failing and self._leave_at is None:
+            # Away already, nothing waiting to be written: the grace starts
+            # now, not once an attempt in flight (up to ATTEMPT_TIMEOUT) comes
+            # back to a write the database cannot take.
+            self._leave_at = time.monotonic() + STOPPING_GRACE
+            self._end_waits_by(self._leave_at)
+        elif not self._db.failing and self._leave_at is not None and not self.outbox:
+            # Back, with nothing unwritten: what is in flight is waited for.
+            self._leave_at = None
+            self._end_waits_by(self._stop_waits_end)
         if not self._waited_enough():
             if self.slots.in_flight:
                 return False

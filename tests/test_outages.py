@@ -278,6 +278,40 @@ def test_a_stop_with_the_database_away_exits_after_the_grace_not_the_attempts_in
     assert took < STOPPING_GRACE + 2, f"returned {took:.1f} s after the stop"
 
 
+@pytest.mark.slow
+def test_a_stop_with_the_database_away_and_nothing_to_write_exits_after_the_grace(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Away while one slow attempt is in flight, nothing waiting to be
+    # written: the stop waited for the attempt (up to ATTEMPT_TIMEOUT), then
+    # the grace again for a write it could not make.
+    from django_federation_delivery.deliverer import STOPPING_GRACE
+
+    away = threading.Event()
+    real = Database.__call__
+
+    def call(self: Database, function: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if away.is_set():
+            return real(self, refused)
+        return real(self, function, *args, **kwargs)
+
+    monkeypatch.setattr(Database, "__call__", call)
+    slow = inboxes("127.0.0.2", delay=10.0)
+    send(ALICE, NOTE, [slow.url("/b")])
+    runner = start_deliverer(lease=60)
+    wait_until(lambda: len(slow.received) == 1, timeout=10)
+    away.set()
+    wait_until(lambda: runner.deliverer._db.failing, timeout=10)
+    asked = time.monotonic()
+    runner.deliverer.stop()
+    runner.thread.join(20)
+    took = time.monotonic() - asked
+    away.clear()
+    assert took < STOPPING_GRACE + 2, f"returned {took:.1f} s after the stop"
+
+
 def test_a_connection_lost_while_the_deliverer_idles_is_replaced_not_an_outage(
     start_deliverer: Callable[..., RunningDeliverer],
     settings: Any,
