@@ -10,6 +10,7 @@ asks again next round. A query whose failure its caller must tell apart
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +58,9 @@ class Database:
         self.logger = logger
         self._sleep = sleep
         self._failing_since: float | None = None
+        #: Whether the outage is a write lock another process holds (SQLite's
+        #: "database is locked"): reads go on meanwhile, and prove nothing.
+        self._locked = False
         self._waits_end: float | None = None
 
     @property
@@ -78,11 +82,12 @@ class Database:
             now = time.monotonic()
             if self._failing_since is None:
                 self._failing_since = now
+                self._locked = _locked(exc)
                 self.logger.warning("The database is unavailable (%s); waiting it out", exc)
             connections[self.using].close()
             self._wait(min(LONGEST_WAIT, 0.2 + (now - self._failing_since) / 4), now)
             return None
-        if self._failing_since is not None and reached.ran:
+        if self._failing_since is not None and (reached.wrote if self._locked else reached.ran):
             self.logger.warning("The database is back")
             self._failing_since = None
         return value
@@ -105,12 +110,25 @@ class Database:
             self.stopping.wait(seconds)
 
 
+def _locked(error: BaseException) -> bool:
+    """Whether ``error`` is SQLite's write lock held past the busy timeout."""
+    return "database is locked" in str(error) or "database table is locked" in str(error)
+
+
+#: A statement that writes, or takes the write lock first (writelock.py).
+_WRITES = re.compile(r"\s*BEGIN\s+IMMEDIATE\b|.*\b(?:INSERT|UPDATE|DELETE|REPLACE)\b", re.I | re.S)
+
+
 class _Reached:
-    """An execute wrapper that notes whether a statement ran through to its end."""
+    """An execute wrapper that notes whether a statement ran through to its
+    end, and whether one that writes did."""
 
     ran = False
+    wrote = False
 
-    def __call__(self, execute: Callable[..., Any], *args: Any) -> Any:
-        answer = execute(*args)
+    def __call__(self, execute: Callable[..., Any], sql: Any, *args: Any) -> Any:
+        answer = execute(sql, *args)
         self.ran = True
+        if not self.wrote and isinstance(sql, str) and _WRITES.match(sql):
+            self.wrote = True
         return answer

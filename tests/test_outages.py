@@ -312,6 +312,43 @@ def test_a_stop_with_the_database_away_and_nothing_to_write_exits_after_the_grac
     assert took < STOPPING_GRACE + 2, f"returned {took:.1f} s after the stop"
 
 
+@pytest.mark.slow
+def test_a_write_lock_held_past_the_busy_timeout_is_one_outage_in_the_log(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SQLite: another process (a backup, a migration) holds the write lock
+    for 4 s, past a busy timeout of 0.5 s. A read between two tries of the
+    write, which WAL lets through, ended the outage: "unavailable" and
+    "back" were logged again at every busy timeout, each "back" while the
+    lock was still held."""
+    import sqlite3
+
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's write lock")
+    monkeypatch.setitem(connection.settings_dict["OPTIONS"], "timeout", 0.5)
+    slow = inboxes(delay=1.0)
+    batch = send(ALICE, NOTE, [slow.url("/a")])
+    with caplog.at_level(logging.WARNING, logger="django_federation_delivery.deliverer"):
+        runner = start_deliverer()
+        wait_until(lambda: len(slow.received) == 1, timeout=10)
+        other = sqlite3.connect(connection.settings_dict["NAME"], isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # before the answer comes, and its write
+            time.sleep(4.0)
+            other.execute("COMMIT")
+        finally:
+            other.close()
+        wait_until(lambda: Batch.objects.get(id=batch.id).finished_at is not None, timeout=20)
+        runner.stop()
+    said = [record.getMessage() for record in caplog.records]
+    went = [line for line in said if line.startswith("The database is unavailable")]
+    back = [line for line in said if line == "The database is back"]
+    assert (len(went), len(back)) == (1, 1), said
+
+
 def test_a_connection_lost_while_the_deliverer_idles_is_replaced_not_an_outage(
     start_deliverer: Callable[..., RunningDeliverer],
     settings: Any,
