@@ -147,12 +147,13 @@ def replay_host(key: str, *, since: dt.datetime, using: str | None = None) -> li
             # An earlier run is looked for by all it may have replayed: what
             # it did is left out now (a retraction took it back since, its
             # deadline passed), and what went live since was replayed as new.
-            first_run = _first_run(key, since, _in_order(settled), alias)
-            if first_run is not None:
-                # Run again: what the first run replayed, no more. What was
-                # settled since was sent live to a host already restored.
-                chosen = chosen.filter(settled_at__lt=first_run)
-                batch_ids = _in_order(chosen)
+            earlier = _replayed_before(key, since, _in_order(settled), alias)
+            if earlier:
+                # Run again: what the first run replayed, no more, by its
+                # keys. What was settled since was sent live to a host
+                # already restored; by time, one settled as the first run
+                # wrote, or in the hour a clock goes back through, was not.
+                batch_ids = [batch_id for batch_id in batch_ids if batch_id in earlier]
             for start in range(0, len(batch_ids), STEP):
                 step = batch_ids[start : start + STEP]
                 replayed += _replay_step(key, since, chosen.filter(batch_id__in=step), alias)
@@ -175,22 +176,22 @@ def _in_order(deliveries: QuerySet[Delivery]) -> list[int]:
     )
 
 
-def _first_run(
-    key: str, since: dt.datetime, batch_ids: list[int], alias: str
-) -> dt.datetime | None:
-    """When an earlier replay of ``key`` since ``since`` wrote the batches it
-    still keeps of ``batch_ids``' (by their idempotency keys), if one did.
-    A step of keys at a time, from the oldest: one query as a rule."""
-    kept = Batch.objects.using(alias)
+def _replayed_before(key: str, since: dt.datetime, batch_ids: list[int], alias: str) -> set[int]:
+    """Those of ``batch_ids`` an earlier replay of ``key`` since ``since``
+    wrote a batch for that is still kept (found by its idempotency key): a
+    step of keys at a time."""
+    found: set[int] = set()
     for start in range(0, len(batch_ids), queueing.CHUNK):
-        keys = [
-            _replay_key(f"{batch_id}\n{key}", since)
+        keys = {
+            _replay_key(f"{batch_id}\n{key}", since): batch_id
             for batch_id in batch_ids[start : start + queueing.CHUNK]
-        ]
-        first = kept.filter(idempotency_key__in=keys).aggregate(first=Min("created_at"))["first"]
-        if first is not None:
-            return first  # type: ignore[no-any-return]
-    return None
+        }
+        kept = Batch.objects.using(alias).filter(idempotency_key__in=list(keys))
+        found.update(
+            keys[idempotency_key]
+            for idempotency_key in kept.values_list("idempotency_key", flat=True)
+        )
+    return found
 
 
 def _sendable_destinations() -> set[str]:

@@ -719,6 +719,30 @@ def test_a_replay_run_again_for_the_same_moment_queues_nothing_more() -> None:
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("before", [dt.timedelta(seconds=1), dt.timedelta(hours=1)])
+def test_a_replay_run_again_leaves_out_what_it_did_not_replay_whenever_it_settled(
+    before: dt.timedelta,
+) -> None:
+    # What the first run replayed was told by time: a delivery settled by a
+    # deliverer as the first run wrote (its time taken before its commit),
+    # or, read naive, in the hour a clock goes back through, fell before the
+    # first run's batches, and was queued again: the host got it twice.
+    since = (timezone.now() - dt.timedelta(hours=3)).replace(microsecond=0)
+    missed = send(ALICE, note(1), ["https://a.example/inbox"])
+    assert missed is not None
+    settle(missed, Status.DELIVERED, since + dt.timedelta(minutes=10))
+    live = send(ALICE, note(2), ["https://a.example/inbox"])
+    assert live is not None
+    first = replay(host="a.example", since=since)
+    assert [b.tag for b in first] == [f"replay of batch {missed.pk}"]
+    settle(live, Status.DELIVERED, first[0].created_at - before)
+
+    again = replay(host="a.example", since=since)
+
+    assert [(b.pk, b.created) for b in again] == [(first[0].pk, False)]
+
+
+@pytest.mark.django_db
 def test_a_replay_to_a_destination_no_longer_configured_is_refused(settings: Any) -> None:
     # Queued, each copy was given up unattempted by the deliverer ("no
     # destination named `old` is configured any more"), its failure signalled.
