@@ -120,6 +120,16 @@ def _status(value: Any) -> bool:
     return value is None or (_count(value) and 100 <= value <= 999)
 
 
+#: The longest an attempt is taken to have lasted: far past any timeout,
+#: and within what a time stamp, a timedelta and the answer times' float32
+#: samples hold (a kind's 1e39 s was infinity there, 1e11 s past timedelta).
+LONGEST_DURATION = 86_400.0
+
+
+def _duration(value: Any) -> bool:
+    return _seconds(value) and value <= LONGEST_DURATION
+
+
 #: What the loop reads of a result, field by field: whether a value will do,
 #: what it should have been, and what stands for it in a delivered result
 #: (what a delivered result of the package's own says there).
@@ -140,7 +150,7 @@ _FIELDS: tuple[tuple[str, Callable[[Any], bool], str, Any], ...] = (
         "a Scheme or None",
         None,
     ),
-    ("duration", _seconds, "seconds (finite, not negative)", 0.0),
+    ("duration", _duration, "seconds (not negative, at most a day)", 0.0),
     ("requests", _count, "a count (not negative)", 1),
     ("held", _flag, "True or False", False),
     ("elsewhere", _flag, "True or False", False),

@@ -6,7 +6,8 @@ overload, up by one for each answer that came back well (doubling a round);
 after that, up by one a round (one more for every *limit* answers); halved
 at a sign of overload: a ``429`` or ``503``, no answer at all (a timeout, a
 refused connection), or an answer far slower than the host's own fastest
-lately. A big instance that answers in 20 ms soon takes many at once; a
+delivery lately (a quick refusal, a 404 for an account gone, says nothing of
+its pace). A big instance that answers in 20 ms soon takes many at once; a
 small one that slows down or sheds load is sent fewer, without a setting
 changed. Halving happens at most once a round: the answers to requests
 already in flight when the limit fell do not halve it again.
@@ -90,7 +91,7 @@ MOST_REST = 30.0
 @dataclasses.dataclass(slots=True)
 class _Host:
     limit: float
-    #: Its fastest answer lately, in seconds; None until it answered.
+    #: Its fastest delivery lately, in seconds; None until one.
     fastest: float | None = None
     #: Answers to wait for before it may be halved again: those to requests
     #: that were in flight when it last was.
@@ -189,7 +190,9 @@ class HostLimits:
         seconds = result.duration
         answered = result.status is not None
         slow = answered and found.fastest is not None and seconds > SLOWER * found.fastest + NOISE
-        if answered and result.status not in OVERLOADED:
+        if result.delivered:
+            # Of the answers that did the work alone: a quick refusal (a 404
+            # for an account gone) would make every ordinary answer slow.
             found.fastest = (
                 seconds if found.fastest is None else min(seconds, found.fastest * (1 + FORGET))
             )

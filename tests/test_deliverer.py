@@ -871,6 +871,25 @@ def test_a_host_that_answers_well_is_sent_more_at_once_up_to_the_most(
     assert 2 < active.most <= 5, active
 
 
+def test_a_host_answering_quick_404s_too_is_still_sent_more_at_once(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    # One inbox in ten gone there, answered 404 at once: each 404 was taken
+    # for the host's fastest answer, every ordinary one then for one three
+    # times slower, and the host was sent one at a time (its limit 1).
+    active = InFlight(lambda: time.sleep(0.06))
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        return (404, {}, b"") if request.path.startswith("/gone") else active.respond(request)
+
+    host = inboxes("127.0.0.2", respond=respond)
+    urls = [host.url(f"/gone{n}" if n % 10 == 0 else f"/u{n}") for n in range(100)]
+    send(ALICE, NOTE, urls)
+    Deliverer(concurrency=16, per_host=2, per_host_max=8).run(drain=True)
+    limit = Host.objects.get(name=host.host).concurrency_limit
+    assert active.most >= 5 and limit is not None and limit >= 5, (active, limit)
+
+
 def test_no_more_than_per_host_go_to_one_host_at_once(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],

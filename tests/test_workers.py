@@ -212,7 +212,12 @@ UNREADABLE = [
     ("delivered", 1, "delivered (int) is not True or False"),
     ("permanent", "SECRET", "permanent (str) is not True or False"),
     ("accepted_scheme", "cavage", "accepted_scheme (str) is not a Scheme or None"),
-    ("duration", float("inf"), "duration (float) is not seconds (finite, not negative)"),
+    ("duration", float("inf"), "duration (float) is not seconds (not negative, at most a day)"),
+    # Finite, but past what a timedelta (1e11) or the answer times' float32
+    # samples (1e39) hold: the loop raised OverflowError, or wrote no host's
+    # picture while the sample was kept.
+    ("duration", 1e11, "duration (float) is not seconds (not negative, at most a day)"),
+    ("duration", 1e39, "duration (float) is not seconds (not negative, at most a day)"),
     ("requests", -1, "requests (int) is not a count (not negative)"),
     ("held", None, "held (NoneType) is not True or False"),
     ("elsewhere", "SECRET", "elsewhere (str) is not True or False"),
