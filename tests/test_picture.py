@@ -492,7 +492,10 @@ def test_refusals_to_requests_sent_one_at_a_time_each_halve_the_limit(
     4, and the next fan-out was sent 4 at once."""
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "BREAKER": {}}
     status = [202]
-    inbox = inboxes("127.0.0.2", respond=lambda request: (status[0], {}, b""))
+    # Each answer 0.1 s: one three times slower (a sign of overload) is then
+    # 0.3 s late, not the 2 ms of an answer at once, which a machine running
+    # every run of CI at once may well take, and halve the limit as it grows.
+    inbox = inboxes("127.0.0.2", respond=lambda request: (status[0], {}, b""), delay=0.1)
     deliverer = Deliverer(per_host=2, per_host_max=8)
     for n in range(6):
         send_batch(ALICE, {**NOTE, "id": f"{NOTE['id']}/ok{n}"}, [inbox.url(f"/{n}")], {})
