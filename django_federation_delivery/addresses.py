@@ -54,6 +54,7 @@ __all__ = [
     "quoted",
     "redact",
     "required_host",
+    "scheme_and_host",
     "split",
     "validate_inbox",
 ]
@@ -611,13 +612,28 @@ def _url_like(value: str) -> bool:
     text = _PASTED_BEFORE.sub("", value, count=1)
     if "://" in text or _SCHEME_AND_SLASH.match(text):
         return True
-    scheme, colon, _ = text.partition(":")
-    if not colon or re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) is None:
+    scheme = _SCHEME.match(text)
+    if scheme is None:
         return False
-    if scheme.lower() in _SPECIAL_SCHEMES:
+    if scheme[1].lower() in _SPECIAL_SCHEMES:
         return True
     found = _userinfo(text)
     return found is not None and ":" in text[found[0] : found[1]] and not _SPACE.search(text)
+
+
+def scheme_and_host(url: str) -> str:
+    """A secret's URL (a webhook's) as its ``repr`` shows it: its scheme and
+    its host as written (``'slack://hooks.slack.com/…'``), however many
+    slashes follow the scheme, without userinfo; its scheme alone when what
+    comes where the host goes is no host and port (a bot's token,
+    ``telegram://123:TOKEN``); "…" with no scheme."""
+    scheme = _SCHEME.match(url)
+    if scheme is None:
+        return "…"
+    rest = url[scheme.end() :].lstrip("/\\")
+    authority = re.split(r"[/\\?#]", rest, maxsplit=1)[0].rpartition("@")[2]
+    host = authority if authority and host_of(f"https://{authority}/") else ""
+    return f"{scheme[1]}://{host}/…" if host else f"{scheme[1]}:…"
 
 
 #: What a pasted link may begin with, as ``_BEFORE_USERINFO`` skips it.

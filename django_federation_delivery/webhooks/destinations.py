@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -18,7 +17,7 @@ from django.utils.translation import gettext as _
 
 # Defined beside the inboxes' hosts, where the loop, which may not import
 # the webhooks' modules, finds it too.
-from django_federation_delivery.addresses import delivery_key, host_of
+from django_federation_delivery.addresses import delivery_key, scheme_and_host
 from django_federation_delivery.channels import Destination, parse_destination
 from django_federation_delivery.channels.registry import Registry, is_name, registry
 
@@ -49,17 +48,7 @@ class WebhookURL(str):
     __slots__ = ()
 
     def __repr__(self) -> str:
-        scheme, colon, rest = str(self).partition(":")
-        if not colon or _SCHEME.fullmatch(scheme) is None:
-            return repr("…")
-        # Any slashes after the scheme, as a browser reads them; no userinfo.
-        authority = re.split(r"[/\\?#]", rest.lstrip("/\\"), maxsplit=1)[0].rpartition("@")[2]
-        # As written, if it is a host and a port: a bot's token is neither.
-        host = authority if authority and host_of(f"https://{authority}/") else ""
-        return repr(f"{scheme}://{host}/…" if host else f"{scheme}:…")
-
-
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+        return repr(scheme_and_host(str(self)))
 
 
 def webhooks_from_env(
