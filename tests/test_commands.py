@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from io import StringIO
 from typing import Any
@@ -174,14 +175,24 @@ def test_send_test_webhook_stops_on_an_operators_ctrl_c_not_a_kinds_internal_err
     # exception is the kind's crash; but the command's runs in the main
     # thread, where a KeyboardInterrupt is the operator's Ctrl-C: it stops
     # the command, and is not told as the destination's kind crashing.
-    slow = inboxes("127.0.0.1", delay=3)
+    # The request outlasts the Ctrl-C by far, so that a timer thread started
+    # late on a busy machine still interrupts it: 0.5 s when all is well.
+    slow = inboxes("127.0.0.1", delay=30)
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
         "WEBHOOKS": {"ops": f"slack+http://127.0.0.1:{slow.port}/services/T0/B0/xyzzy42"},
-        "WEBHOOK_TIMEOUT": 10,
+        "WEBHOOK_TIMEOUT": 30,
     }
     main = threading.get_ident()
-    timer = threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGINT))
+    handler = signal.getsignal(signal.SIGINT)
+    fired: list[float] = []
+    started = time.monotonic()
+
+    def interrupt() -> None:
+        fired.append(time.monotonic() - started)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    timer = threading.Timer(0.5, interrupt)
     out = StringIO()
     code: Any = None
     interrupted = False
@@ -196,7 +207,8 @@ def test_send_test_webhook_stops_on_an_operators_ctrl_c_not_a_kinds_internal_err
         timer.cancel()
     assert interrupted, (
         f"Ctrl-C did not stop the command: it exited {code} printing {out.getvalue()!r}, "
-        f"and logged {[r.getMessage() for r in caplog.records if r.levelname == 'ERROR']}"
+        f"and logged {[r.getMessage() for r in caplog.records if r.levelname == 'ERROR']}; "
+        f"SIGINT's handler was {handler!r}, sent at {fired} s"
     )
 
 
