@@ -581,6 +581,36 @@ def test_from_pem_with_garbage_names_the_key_id_and_not_the_pem() -> None:
     assert "BEGIN" not in message
 
 
+@pytest.mark.parametrize(
+    "pem",
+    [None, 42, "-----BEGIN PRIVATE KEY-----\n\udcff\n-----END PRIVATE KEY-----\n"],
+    ids=["none", "int", "undecodable-byte-from-the-environment"],
+)
+def test_from_pem_of_no_pem_or_an_undecodable_one_names_the_key_id(pem: object) -> None:
+    """An actor whose key column is empty gave a bare TypeError ("argument of
+    type 'NoneType' is not iterable"), and a PEM from the environment with a
+    byte that is no UTF-8 (a lone surrogate, as Python gives it) a
+    UnicodeEncodeError: neither named the key, and a delivery whose key
+    provider raised them was retried with only the error's type."""
+    with pytest.raises(SigningError) as caught:
+        SenderKey.from_pem(RSA_KEY_ID, pem)  # type: ignore[arg-type]
+    message = str(caught.value)
+    assert RSA_KEY_ID in message, message
+    if not isinstance(pem, str):
+        assert f"not {type(pem).__name__}" in message, message
+
+
+def test_from_pem_with_its_arguments_swapped_never_shows_the_key(rsa_key: SenderKey) -> None:
+    """``from_pem(actor.private_key_pem, key_id)``: the error quoted its
+    "key id", the whole private key, into whatever logs or reports it."""
+    pem = pkcs8_pem(rsa_key).decode()
+    with pytest.raises(SigningError) as caught:
+        SenderKey.from_pem(pem, RSA_KEY_ID)
+    message = str(caught.value)
+    assert "BEGIN" not in message and pem.splitlines()[1][:20] not in message, message
+    assert "swapped" in message, message
+
+
 def test_from_pem_refuses_an_unsupported_key_type_naming_the_key_id() -> None:
     pem = (
         ec.generate_private_key(ec.SECP256R1())

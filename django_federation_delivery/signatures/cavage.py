@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from django_federation_delivery.exceptions import SigningError
 
 from .digest import digest_header
-from .keys import SenderKey
+from .keys import SenderKey, shown
 from .request import prepare
 
 __all__ = ["CAVAGE_ALGORITHM", "CAVAGE_COVERED", "sign_cavage"]
@@ -40,7 +40,7 @@ def sign_cavage(
     """
     if key.algorithm != "rsa":
         raise SigningError(
-            f"key {key.key_id!r} is an Ed25519 key, which the draft-cavage scheme cannot use "
+            f"key {shown(key.key_id)} is an Ed25519 key, which the draft-cavage scheme cannot use "
             f"(only {CAVAGE_ALGORITHM} is accepted there); use rfc9421 or an RSA key"
         )
     request = prepare(

@@ -12,10 +12,24 @@ from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
 
 from django_federation_delivery.exceptions import SigningError
 
-__all__ = ["SenderKey"]
+__all__ = ["SenderKey", "shown"]
 
 # The errors cryptography raises for a key or input it cannot work with.
 _CRYPTO_ERRORS = (ValueError, TypeError, UnsupportedAlgorithm, InternalError)
+
+
+#: What a PEM holds, and no key id does: a key id holding it is a key.
+_PEM_MARK = "-----BEGIN"
+
+
+def shown(key_id: object) -> str:
+    """``key_id`` as an error names it: quoted, unless it is a PEM (a key
+    given where its id goes, the arguments swapped), which is never shown."""
+    if isinstance(key_id, str | bytes) and _PEM_MARK in (
+        key_id if isinstance(key_id, str) else key_id.decode("latin-1")
+    ):
+        return "a key id that is a PEM key (are the arguments swapped?)"
+    return repr(key_id)
 
 
 @dataclass(frozen=True, repr=False)
@@ -33,7 +47,7 @@ class SenderKey:
         # Checked here too, not only in from_pem, so a hand-built key fails early.
         if not isinstance(self.private_key, RSAPrivateKey | Ed25519PrivateKey):
             raise SigningError(
-                f"key {self.key_id!r} is a {type(self.private_key).__name__}; "
+                f"key {shown(self.key_id)} is a {type(self.private_key).__name__}; "
                 "only RSA and Ed25519 private keys can sign deliveries"
             )
 
@@ -44,12 +58,22 @@ class SenderKey:
         """Load a PEM private key (PKCS#1 or PKCS#8, optionally encrypted with
         ``password``: bytes, or text as the environment gives it, in UTF-8).
 
-        Errors name the key id but never echo the PEM, which may be a real key.
+        Errors name the key id but never echo the PEM, which may be a real key
+        (nor a key id that is one: the two arguments swapped).
         """
-        data = pem.encode("utf-8") if isinstance(pem, str) else pem
+        named = shown(key_id)
+        if not isinstance(pem, str | bytes | bytearray | memoryview):
+            # None from an actor whose key column is empty, say.
+            raise SigningError(
+                f"could not load the private key for {named}: the PEM must be text or "
+                f"bytes, not {type(pem).__name__}"
+            )
+        # Text as the environment gives it: bytes that are no UTF-8 come back
+        # as they were, and are then no PEM.
+        data = pem.encode("utf-8", "surrogateescape") if isinstance(pem, str) else bytes(pem)
         if password is not None and not isinstance(password, str | bytes):
             raise SigningError(
-                f"could not load the private key for {key_id!r}: its password must be "
+                f"could not load the private key for {named}: its password must be "
                 f"text or bytes, not {type(password).__name__}"
             )
         try:
@@ -62,7 +86,7 @@ class SenderKey:
             )
         except UnicodeEncodeError:
             raise SigningError(
-                f"could not load the private key for {key_id!r}: its password is text "
+                f"could not load the private key for {named}: its password is text "
                 "that cannot be written as bytes"
             ) from None
         try:
@@ -82,12 +106,11 @@ class SenderKey:
             else:
                 hint = "is it encrypted?"
             raise SigningError(
-                f"could not load the private key for {key_id!r}: "
-                f"not a usable PEM private key ({hint})"
+                f"could not load the private key for {named}: not a usable PEM private key ({hint})"
             ) from exc
         if not isinstance(loaded, RSAPrivateKey | Ed25519PrivateKey):
             raise SigningError(
-                f"key {key_id!r} is a {type(loaded).__name__}; "
+                f"key {named} is a {type(loaded).__name__}; "
                 "only RSA and Ed25519 private keys can sign deliveries"
             )
         return cls(key_id=key_id, private_key=loaded)
@@ -98,7 +121,7 @@ class SenderKey:
         return "rsa" if isinstance(self.private_key, RSAPrivateKey) else "ed25519"
 
     def __repr__(self) -> str:
-        return f"SenderKey(key_id={self.key_id!r}, algorithm={self.algorithm!r})"
+        return f"SenderKey(key_id={shown(self.key_id)}, algorithm={self.algorithm!r})"
 
     def public_key_pem(self) -> str:
         """The SubjectPublicKeyInfo PEM an actor document publishes as ``publicKeyPem``."""
@@ -123,5 +146,5 @@ class SenderKey:
             return self.private_key.sign(message)
         except _CRYPTO_ERRORS as exc:
             raise SigningError(
-                f"key {self.key_id!r} could not sign the request ({type(exc).__name__})"
+                f"key {shown(self.key_id)} could not sign the request ({type(exc).__name__})"
             ) from exc

@@ -17,7 +17,7 @@ from django_federation_delivery import addresses
 from django_federation_delivery.exceptions import SigningError
 
 from .digest import check_sha256_b64
-from .keys import SenderKey
+from .keys import SenderKey, shown
 
 __all__ = [
     "Prepared",
@@ -95,7 +95,9 @@ def check_key_id(key: SenderKey) -> None:
         or '"' in key_id
         or "\\" in key_id
     ):
-        raise SigningError(f"key id {key_id!r} must be non-empty printable ASCII without quotes")
+        raise SigningError(
+            f"key id {shown(key_id)} must be non-empty printable ASCII without quotes"
+        )
 
 
 def check_header_value(name: str, value: str) -> str:
