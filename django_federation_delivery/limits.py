@@ -196,6 +196,11 @@ class HostLimits:
             found.fastest = (
                 seconds if found.fastest is None else min(seconds, found.fastest * (1 + FORGET))
             )
+        elif answered and result.status not in OVERLOADED and found.fastest is not None:
+            # Forgotten with any other answer too: a host that now only
+            # refuses (a 410 for each account of an instance closing down),
+            # more slowly than it once delivered, is not judged by that for ever.
+            found.fastest *= 1 + FORGET
         if found.recovering:
             found.recovering -= 1
         if not answered or result.status in OVERLOADED or slow:

@@ -121,6 +121,20 @@ def test_a_host_slower_than_its_fastest_but_within_noise_is_not_overloaded() -> 
     assert limits.limit(HOST) == 6
 
 
+def test_a_host_that_now_only_refuses_more_slowly_is_not_judged_by_its_old_pace_for_ever() -> None:
+    # Delivered to once in 20 ms, then answering only refusals (a 410 for
+    # each account of an instance closing down) in 200 ms: each was taken
+    # for overload against that one delivery's time, for ever, and the
+    # host was sent one at a time however many answers came.
+    now = [0.0]
+    limits = HostLimits(4, 16, clock=lambda: now[0])
+    limits.learn(HOST, answered(202, 0.02))
+    for _ in range(2000):
+        now[0] += 0.2
+        limits.learn(HOST, answered(410, 0.2))
+    assert limits.limit(HOST) == 16
+
+
 def test_with_the_most_at_the_start_a_limit_is_fixed_never_grown_nor_halved() -> None:
     limits = HostLimits(2, 2)
     for _ in range(100):
