@@ -77,8 +77,9 @@ class InboxDeliveries:
     ) -> InboxDeliveries:
         """As the settings say: the inbox kind's policy (RETRY, ATTEMPT_TIMEOUT,
         ALLOWED_NETWORKS and the rest), PERMANENT_STATUS, SKIP_IF."""
+        given = app_settings.callable_setting("PERMANENT_STATUS")
         channel = ActivityPub(
-            is_permanent=app_settings.callable_setting("PERMANENT_STATUS") or permanent_status,
+            is_permanent=_asked(given) if given is not None else permanent_status,
             error_length=app_settings.error_length,
         )
         policy = channel.policy()
@@ -243,3 +244,15 @@ def synchronization_headers(
         wrote,
     )
     return {}
+
+
+def _asked(is_permanent: Callable[[int], Any]) -> Callable[[int], bool]:
+    """The project's ``PERMANENT_STATUS``, asked as its other callables are
+    (``settling.ask``): one that answers an awaitable (a plain function
+    wrapping an async one) is logged and taken as no answer, not as true:
+    the answer retried, not refused for good."""
+
+    def asked(status: int) -> bool:
+        return bool(ask("PERMANENT_STATUS", is_permanent, status))
+
+    return asked

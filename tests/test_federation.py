@@ -270,6 +270,37 @@ def test_a_permanent_status_callable_may_answer_any_truthy_value(
     )
 
 
+async def _never_final(status: int) -> bool:
+    return False
+
+
+def never_final_wrapped(status: int) -> Any:
+    """A plain function around an async one, as a decorator makes it: the
+    checks cannot see that it is async."""
+    return _never_final(status)
+
+
+@pytest.mark.filterwarnings("ignore:coroutine:RuntimeWarning")
+@pytest.mark.django_db(transaction=True)
+def test_a_permanent_status_answering_a_coroutine_is_taken_as_no_answer(
+    inbox: Inbox, settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its coroutine read as true: an inbox's passing 503 refused the
+    # delivery for good, with only a RuntimeWarning to say why.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "PERMANENT_STATUS": f"{__name__}.never_final_wrapped",
+    }
+    inbox.respond = lambda request: (503, {}, b"busy")
+    send(ALICE, NOTE, [inbox.url()])
+    Deliverer().run(drain=True)
+    row = Delivery.objects.get()
+    assert (row.status, row.last_status) == (Status.PENDING, 503), (row.status, row.last_error)
+    assert any("PERMANENT_STATUS answered coroutine" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
+
+
 def test_a_direct_message_is_not_queued_behind_a_fan_out(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
