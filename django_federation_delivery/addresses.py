@@ -593,7 +593,9 @@ def _without_userinfo(text: str, instead: str = "") -> str:
     return f"{text[:start]}{instead}{text[end:]}"
 
 
-_ORIGIN_ONLY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://|[/\\]+)?[^/\\?#]*")
+_ORIGIN_ONLY = re.compile(
+    r"^(?P<scheme>(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://|[/\\]+)?)(?P<authority>[^/\\?#]*)"
+)
 #: A URL with its scheme, however many slashes follow it ("https:/a@b/",
 #: "https:\\\\a@b/"): read as one by a browser, its userinfo and all.
 _SCHEME_AND_SLASH = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[/\\]")
@@ -609,7 +611,8 @@ def _url_like(value: str) -> bool:
     ("telegram:bot:TOKEN@chat", not "order:created@v1"); pasted after what
     a link may begin with (spaces, "<", a quote, a bracket), as
     ``_BEFORE_USERINFO`` reads it."""
-    text = _PASTED_BEFORE.sub("", value, count=1)
+    # A line's end copied with it (from a .env file) is no space within.
+    text = _PASTED_BEFORE.sub("", value, count=1).rstrip()
     if "://" in text or _SCHEME_AND_SLASH.match(text):
         return True
     scheme = _SCHEME.match(text)
@@ -632,8 +635,18 @@ def scheme_and_host(url: str) -> str:
         return "…"
     rest = url[scheme.end() :].lstrip("/\\")
     authority = re.split(r"[/\\?#]", rest, maxsplit=1)[0].rpartition("@")[2]
-    host = authority if authority and host_of(f"https://{authority}/") else ""
+    host = authority if authority and _is_host(authority) else ""
     return f"{scheme[1]}://{host}/…" if host else f"{scheme[1]}:…"
+
+
+def _is_host(authority: str) -> bool:
+    """Whether ``authority``, what a URL has between its scheme and its path
+    (its userinfo taken out), is a host and a port, the port perhaps out of
+    range (shown, to be seen wrong): not a bot's token."""
+    host, colon, port = authority.rpartition(":")
+    if colon and port.isdigit() and not host.endswith(":"):
+        authority = host
+    return bool(host_of(f"https://{authority}/"))
 
 
 #: What a pasted link may begin with, as ``_BEFORE_USERINFO`` skips it.
@@ -712,8 +725,12 @@ def quoted(value: object, *, path: bool = False) -> str:
     if url and path:
         shown = _with_path(value)
     elif url:
-        matched = _ORIGIN_ONLY.match(_without_userinfo(value))
+        matched = _ORIGIN_ONLY.match(_without_userinfo(_PASTED_BEFORE.sub("", value, count=1)))
         kept = matched.group(0) if matched else ""
+        if matched and matched["authority"] and not _is_host(matched["authority"]):
+            # What comes where the host goes is no host and port (a bot's
+            # token, "telegram://123:TOKEN"): the scheme alone.
+            kept = matched["scheme"]
         if kept != value:
             shown = f"{kept}…" if kept.endswith("/") else f"{kept}/…"
     elif not path:

@@ -378,3 +378,33 @@ def test_an_event_to_every_destination_skips_one_whose_url_does_not_parse(
     assert "'deploys'" in caplog.text and "services/T0" not in caplog.text
     with pytest.raises(ImproperlyConfigured, match="'deploys'"):
         send_webhook("deploys", "deploy.finished", {})
+
+
+BOT_TOKEN = "4815162342:ABCsecretBotToken_x"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "pasted",
+    [
+        # The chat left out, or written as a path.
+        f"telegram://{BOT_TOKEN}",
+        f"telegram://{BOT_TOKEN}/-1001",
+        # Copied with the line's end from a .env file, the slashes lost.
+        f"telegram:{BOT_TOKEN}@-1001\n",
+    ],
+)
+def test_a_telegram_url_given_for_a_name_never_repeats_the_bot_token(
+    settings: Any, pasted: str
+) -> None:
+    # The refusal ("no webhook destination named …") kept what came where
+    # the host goes, the token; and took a value with a line's end for a
+    # word, shown whole.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"tg": f"telegram://{BOT_TOKEN}@-1001"},
+    }
+    with pytest.raises(InvalidDelivery) as raised:
+        send_webhook(pasted, "alert.raised", {})
+    message = str(raised.value)
+    assert "ABCsecret" not in message and "telegram:" in message, message
