@@ -108,12 +108,12 @@ def _count(value: Any) -> bool:
 
 
 def _seconds(value: Any) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value >= 0
+    except OverflowError:
+        return False  # an int past any float (a hostile body's 400 digits)
 
 
 def _status(value: Any) -> bool:

@@ -328,7 +328,14 @@ def guarded(
     # One the loop could not read (a Retry-After header's text, None for
     # no error) would raise in the loop's own thread as it decides and
     # writes what came of it: told by the field and its type alone.
-    read, fault = readable(job, result)
+    try:
+        read, fault = readable(job, result)
+    except Exception as exc:
+        # Its fields read as a kind's code holds them (a number subclass's
+        # own comparisons): whatever that raises fails this attempt alone.
+        logger.error("Reading the result of an attempt at %s raised %s", what, type(exc).__name__)
+        took = time.monotonic() - started
+        return crashed(job, f"internal error: {type(exc).__name__}", duration=took)
     if fault and not read.delivered:
         read = dataclasses.replace(read, duration=time.monotonic() - started)
     if fault:

@@ -205,6 +205,10 @@ UNREADABLE = [
     ("retry_after", -1.0, "retry_after (float) is not seconds"),
     ("retry_after", float("nan"), "retry_after (float) is not seconds"),
     ("retry_after", True, "retry_after (bool) is not seconds"),
+    # An int past any float (read from a hostile body's digits): the check
+    # itself raised OverflowError, and the worker thread died with its slot.
+    ("retry_after", 10**400, "retry_after (int) is not seconds"),
+    ("duration", 10**400, "duration (int) is not seconds (not negative, at most a day)"),
     ("error", None, "error (NoneType) is not a str"),
     ("status", "503 SECRET", "status (str) is not an HTTP status (100 to 999) or None"),
     # Not a status the database keeps (its column is a small integer).
@@ -228,7 +232,7 @@ UNREADABLE = [
 @pytest.mark.parametrize(
     ("field", "value", "fault"),
     UNREADABLE,
-    ids=[f"{field}={value!r}" for field, value, _fault in UNREADABLE],
+    ids=[f"{field}={value!r:.20}" for field, value, _fault in UNREADABLE],
 )
 def test_a_result_the_loop_cannot_read_is_a_passing_failure_told_by_its_field_and_type(
     pool: Callable[..., Workers],
