@@ -38,6 +38,7 @@ from django_federation_delivery.models import Delivery, Host, Status
 from django_federation_delivery.testing import DeliveryTestMixin, Outgoing, deliver_all
 from django_federation_delivery.testing.fake import FakeInbox
 
+from . import channels
 from .conftest import Inbox
 from .keys import ALICE, EDNA, rsa_key
 
@@ -636,3 +637,54 @@ def test_deliver_all_in_a_transaction_on_another_database_is_refused() -> None:
             deliver_all()
         assert Schedule.objects.count() == 1, "the caller's transaction goes on"
     assert list(Delivery.objects.values_list("status", flat=True)) == [Status.PENDING]
+
+
+class PatchPager(channels.Pager):
+    """A pager whose service takes an alert as a PATCH of its incident."""
+
+    name = "patchpager"
+    schemes = ("patchpager", "patchpager+http")
+
+    def request(self, destination: Any, event: Any, *, now: float) -> Any:
+        return self.json_request(destination, {"dedup_key": event.id}, method="PATCH")
+
+
+PAGER_KEY = "routingKEY4b7c9"
+
+
+@pytest.mark.parametrize("kind", ["PatchPager", "Pager"])
+def test_the_fake_answers_a_kind_of_ones_own_whatever_its_method(
+    settings: Any, fake_inbox: FakeInbox, kind: str
+) -> None:
+    # A kind that PATCHes was never answered: responses refused the
+    # connection, and the event was left retrying, "connection failed".
+    path = f"{__name__}.{kind}" if kind == "PatchPager" else f"tests.channels.{kind}"
+    scheme = "patchpager" if kind == "PatchPager" else "pager"
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": [path],
+        "WEBHOOKS": {"oncall": f"{scheme}://{PAGER_KEY}@pager.example/v2/enqueue"},
+    }
+    send_webhook("oncall", "alert.raised", {"n": 1})
+    deliver_all(fake=fake_inbox)
+    method = "PATCH" if kind == "PatchPager" else "POST"
+    assert [request.method for request in fake_inbox.received] == [method]
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
+
+
+def test_deliver_all_without_fake_is_answered_by_the_fake_inbox_fixture(
+    settings: Any, fake_inbox: FakeInbox
+) -> None:
+    # It started a fake of its own over the fixture's, which answered 202:
+    # the fixture's answer(400) was ignored, and it received nothing.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager"],
+        "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
+    }
+    fake_inbox.answer(400)
+    send_webhook("oncall", "alert.raised", {"n": 1})
+    deliver_all()
+    assert [request.status for request in fake_inbox.received] == [400]
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.REFUSED]
+    assert FakeInbox.current() is fake_inbox

@@ -305,7 +305,8 @@ def stop_capturing() -> None:
 
 def deliver_all(*, fake: Any = None, **options: Any) -> Any:
     """Run the real deliverer until nothing is due, against ``fake`` (a
-    :class:`~.fake.FakeInbox`; a new one accepting everything if None): every
+    :class:`~.fake.FakeInbox`; if None, the one started already, such as
+    the ``fake_inbox`` fixture's, else a new one accepting everything): every
     request it makes is answered by the fake, which verifies its signature.
     Returns the deliverer's summary (delivered, retrying, refused, failed…).
 
@@ -330,7 +331,7 @@ def deliver_all(*, fake: Any = None, **options: Any) -> Any:
             "(@pytest.mark.django_db(transaction=True), a TransactionTestCase), outside "
             "any atomic block"
         )
-    fake = fake or FakeInbox()
+    fake = fake or FakeInbox.current() or FakeInbox()
     fake.using = alias
     if fake.active:
         return Deliverer(**options).run(drain=True)

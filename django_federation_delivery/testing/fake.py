@@ -47,6 +47,9 @@ __all__ = ["FakeInbox", "Received"]
 EXPIRES_AFTER = 5 * 60
 CLOCK_SKEW = 3600
 _ANY = re.compile(r"https?://.*")
+_METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS")
+#: The fakes started and not stopped, the last the one answering.
+_STARTED: list[FakeInbox] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +101,21 @@ class FakeInbox:
     def active(self) -> bool:
         return self._mock is not None
 
+    @classmethod
+    def current(cls) -> FakeInbox | None:
+        """The fake started last and not yet stopped, which answers every
+        request now (as ``responses`` patches the process): the
+        ``fake_inbox`` fixture's, say; None when none is."""
+        return _STARTED[-1] if _STARTED else None
+
     def start(self) -> FakeInbox:
         mock = responses.RequestsMock(assert_all_requests_are_fired=False)
-        for method in ("POST", "PUT", "GET"):
+        # Whatever a kind of the project's own sends (json_request takes any method).
+        for method in _METHODS:
             mock.add_callback(method, _ANY, callback=self._answer)
         mock.start()
         self._mock = mock
+        _STARTED.append(self)
         return self
 
     def stop(self) -> None:
@@ -111,6 +123,8 @@ class FakeInbox:
             self._mock.stop()
             self._mock.reset()
             self._mock = None
+            if self in _STARTED:
+                _STARTED.remove(self)
 
     def __enter__(self) -> FakeInbox:
         return self.start()
