@@ -65,6 +65,10 @@ RESULTS_WITHIN = 0.02
 #: How long, in seconds, a stop waits for a database that takes none of
 #: what it writes: it then ends, leaving what it holds to the leases.
 STOPPING_GRACE = 3.0
+#: How long, in seconds, a stop waits for an attempt past its time limit
+#: (a kind's own code that blocks before its request, where no time limit
+#: reaches): it then ends, leaving that delivery to its lease.
+OVERRUN_GRACE = 1.0
 #: How long, in seconds, a stopped loop's last writes (its hosts' figures,
 #: its heartbeat's removal) wait for SQLite's write lock, all told.
 FINAL_WRITES_WAIT = 1.0
@@ -135,6 +139,10 @@ class Deliverer:
         #: Stopping, when a write the database did not take is waited for no
         #: longer (``STOPPING_GRACE`` after the first); None while they are taken.
         self._leave_at: float | None = None
+        #: When the loop first saw it was stopping (``time.monotonic()``).
+        self._stopped_at: float | None = None
+        #: Stopping, whether what is in flight is left to its lease, unwaited.
+        self._left_in_flight = False
         #: Stopping, when any other wait on a database that is away ends:
         #: ``STOPPING_GRACE`` after the stop (the upkeep's statements, with
         #: nothing to write, were each waited out whole, up to 5 s each).
@@ -314,8 +322,10 @@ class Deliverer:
                 self._db(kind.give_up_unusable)
             self._next_progress = time.monotonic() + self.progress_interval
             self._stop_waits_end = None
+            self._stopped_at, self._left_in_flight = None, False
             while True:
                 if self.stopping and self._stop_waits_end is None:
+                    self._stopped_at = time.monotonic()
                     self._stop_waits_end = self._stop_by or time.monotonic() + STOPPING_GRACE
                     # Never sooner than a grace for writes begun already (a
                     # write failed as the stop came): its tries would then
@@ -494,7 +504,9 @@ class Deliverer:
                 self._leave_on_error(self.handoff.release_ready)
             # Stopping with the database away past the grace, what is in
             # flight is left to its lease: its outcome would not be written.
-            self.workers.stop(wait=not (self.slots.in_flight and self._waited_enough()))
+            self.workers.stop(
+                wait=not (self.slots.in_flight and (self._waited_enough() or self._left_in_flight))
+            )
             if failed:
                 self._leave_on_error(self.handoff.collect, self._write, self._tell_untold)
             # The probe under way, until it is done; none after it.
@@ -554,7 +566,7 @@ class Deliverer:
             self._leave_at = None
             self._end_waits_by(self._stop_waits_end)
         if not self._waited_enough():
-            if self.slots.in_flight:
+            if self.slots.in_flight and not self._overran():
                 return False
             self._write()
         if self._untold and self._db(self._tell_finished) is None:
@@ -566,7 +578,18 @@ class Deliverer:
             )
             self._untold = []
         if not self._waited_enough():
-            return not self.outbox
+            if self.outbox:
+                return False
+            if self.slots.in_flight:
+                self._left_in_flight = True
+                logger.warning(
+                    "Stopping with %d attempts in flight past their time limit (%g s): a "
+                    "kind's code that does not return. Their deliveries come due again "
+                    "once their lease runs out",
+                    len(self.slots.in_flight),
+                    self.kinds.longest,
+                )
+            return True
         if self.outbox or self.slots.in_flight:
             logger.warning(
                 "Stopping with %d outcomes unwritten and %d attempts in flight: the "
@@ -577,6 +600,16 @@ class Deliverer:
                 STOPPING_GRACE,
             )
         return True
+
+    def _overran(self) -> bool:
+        """Stopping, whether every attempt in flight has had its time limit
+        (the kinds' longest) and ``OVERRUN_GRACE`` since it began, or since
+        the stop for one not begun: what still runs is a kind's code that
+        no time limit reaches, and would hold the stop for as long as it
+        likes (a round past its task's time limit)."""
+        started = [item.started for item in self.slots.in_flight.values()]
+        since = max([self._stopped_at or time.monotonic(), *started])
+        return time.monotonic() >= since + self.kinds.longest + OVERRUN_GRACE
 
     def _waited_enough(self) -> bool:
         """Stopping, whether the database has taken no write for ``STOPPING_GRACE``."""

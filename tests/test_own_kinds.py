@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from io import StringIO
 from typing import Any
@@ -200,3 +201,50 @@ def test_testing_helpers_with_another_destination_unusable(
     received = [(r.status, r.problem) for r in fake_inbox.received]
     statuses = list(Delivery.objects.values_list("status", "last_error"))
     assert not problems and received == [(202, "")], (problems, received, statuses)
+
+
+#: Held by StuckPager's request() until the test lets it go.
+STUCK = threading.Event()
+
+
+class StuckPager(Pager):
+    """A pager that fetches a token as it builds each request, with no time
+    limit of its own; the token service hangs."""
+
+    name = "stuckpager"
+    schemes = ("stuckpager+http",)
+
+    def request(self, destination: Any, event: Any, *, now: float) -> Any:
+        STUCK.wait(20)
+        return super().request(destination, event, now=now)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_waits_for_a_kinds_code_no_longer_than_its_time_limit(
+    settings: Any, inbox: Inbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A round "finishes what is in flight (at most its longest attempt)":
+    # with a kind whose request() blocks past its 1 s limit, a run stopped
+    # after 1 s ran on until the kind returned, past a task queue's limit.
+    configure(
+        settings,
+        ["StuckPager"],
+        {"oncall": f"stuckpager+http://{KEY}@127.0.0.1:{inbox.port}/page"},
+        WEBHOOK_TIMEOUT=1.0,
+        ATTEMPT_TIMEOUT=1.0,
+    )
+    send_webhook("oncall", "alert.raised", {"n": 1})
+    STUCK.clear()
+    try:
+        deliverer = Deliverer()
+        started = time.monotonic()
+        deliverer.run(stop_after=1.0)
+        took = time.monotonic() - started
+    finally:
+        STUCK.set()
+    # Its bound: the stop, the longest attempt, and a grace.
+    assert took < 1.0 + deliverer.kinds.longest + 3.0, took
+    row = Delivery.objects.get()
+    assert (row.status, row.attempts) == (Status.PENDING, 0), "left to its lease"
+    assert inbox.received == []
+    assert any("past their time limit" in r.getMessage() for r in caplog.records)
