@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.test import RequestFactory
 from django.views.debug import ExceptionReporter, SafeExceptionReporterFilter
 
+from django_federation_delivery import send_webhook
 from django_federation_delivery.checks import check_webhooks
 from django_federation_delivery.webhooks import (
     Destination,
@@ -269,6 +271,30 @@ def test_a_destination_names_the_events_it_receives_in_its_url_or_as_a_dict(
     assert "'bad'" in found.problems["bad"] and "not an event type" in found.problems["bad"]
     assert "has 'url' and 'events', not 'event'" in found.problems["typo"]
     assert "SECRET" not in found.problems["badurl"]
+
+
+@pytest.mark.django_db
+def test_a_url_written_as_a_key_of_a_destinations_dict_is_shown_by_its_host_only(
+    settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # {"ops": {URL: [events]}}, or a stray key holding the URL beside "url":
+    # E031 quoted the key whole, the hook's secret path with it, in the
+    # check, in send_webhook's error and in send_webhook("*")'s warning.
+    hook = "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {
+            "ops": {hook: ["alert.*"]},
+            "audit": {"url": "http://127.0.0.1:9/hooks", "events": ["alert.*"], hook: True},
+        },
+    }
+    checked = [f"{m.msg} {m.hint}" for m in check_webhooks()]
+    with caplog.at_level(logging.WARNING):
+        send_webhook("*", "alert.raised", {"host": "db1"})
+    said = " ".join([*checked, caplog.text])
+    assert "E031" in " ".join(m.id or "" for m in check_webhooks())
+    assert "'slack://hooks.slack.com/…'" in said, said
+    assert "s3cret" not in said, said
 
 
 def test_redact_leaves_the_rest_of_a_text_alone() -> None:

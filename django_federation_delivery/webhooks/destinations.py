@@ -17,7 +17,7 @@ from django.utils.translation import gettext as _
 
 # Defined beside the inboxes' hosts, where the loop, which may not import
 # the webhooks' modules, finds it too.
-from django_federation_delivery.addresses import delivery_key, scheme_and_host
+from django_federation_delivery.addresses import delivery_key, quoted, scheme_and_host
 from django_federation_delivery.channels import Destination, parse_destination
 from django_federation_delivery.channels.registry import Registry, is_name, registry
 
@@ -169,7 +169,9 @@ def _parsed(webhooks: tuple[tuple[Any, Any], ...], kinds: Registry) -> Configure
                         "Webhook destination %(name)r: a destination written as a dict "
                         "has 'url' and 'events', not %(keys)s."
                     )
-                    % {"name": name, "keys": ", ".join(map(repr, value.unknown))}
+                    # Each as an error names a value: a URL written as a key
+                    # (the credential) as its scheme and host.
+                    % {"name": name, "keys": ", ".join(map(quoted, value.unknown))}
                 )
             if isinstance(value, _Form):
                 destinations[name] = kinds.parse(name, value.url, value.events)
