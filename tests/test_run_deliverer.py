@@ -467,6 +467,10 @@ def test_a_bad_metrics_port_is_refused_naming_it() -> None:
 def test_a_bad_metrics_address_is_refused_naming_it(port: list[str]) -> None:
     with pytest.raises(CommandError, match="'everywhere'"):
         call_command("run_deliverer", "--drain", *port, "--metrics-addr=everywhere")
+    # As any value is named: escaped, cut, a URL pasted by its host alone.
+    with pytest.raises(CommandError) as refused:
+        call_command("run_deliverer", "--drain", *port, "--metrics-addr=http://u:pw@h.example/x")
+    assert "pw" not in str(refused.value) and "h.example" in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -81,8 +81,8 @@ def ip_address(value: str) -> str:
         return str(ipaddress.ip_address(value.strip().strip("[]")))
     except ValueError:
         raise CommandError(
-            _("expected an IP address to serve metrics on, such as 127.0.0.1, not %(value)r")
-            % {"value": value}
+            _("expected an IP address to serve metrics on, such as 127.0.0.1, not %(value)s")
+            % {"value": quoted(value)}
         ) from None
 
 
