@@ -46,7 +46,7 @@ from django_federation_delivery.hoststats import HostStats
 from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.kinds import Kinds
-from django_federation_delivery.limits import HostLimits
+from django_federation_delivery.limits import OVERLOADED, HostLimits
 from django_federation_delivery.outages import Database
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.settling import Summary, ask, tell_failed, tell_settled
@@ -423,10 +423,23 @@ class Deliverer:
                 host = item.claimed.host
                 # Those in flight beside it: answers to requests sent before
                 # a fall of its limit say nothing of the lower limit.
-                self.limits.learn(host, result, beside=self.slots.in_flight_to(host) - 1)
+                self.limits.learn(
+                    host,
+                    result,
+                    beside=self.slots.in_flight_to(host) - 1,
+                    asked=self._asked(item, result),
+                )
                 self.hoststats.learn(item.claimed.host, result, timezone.now())
             self.learn_breaker(item, result)
         self.conclude(item, result)
+
+    @staticmethod
+    def _asked(item: InFlight, result: AttemptResult) -> float | None:
+        """The seconds a ``429`` or ``503`` asked its host to be left alone,
+        when the delivery's kind waits as asked (``WAIT_AS_ASKED``)."""
+        if result.retry_after is None or result.status not in OVERLOADED:
+            return None
+        return result.retry_after if item.kind.settler(item.claimed).wait_as_asked else None
 
     def learn_breaker(self, item: InFlight, result: AttemptResult) -> None:
         """What ``item``'s attempt tells its destination's breaker, if it

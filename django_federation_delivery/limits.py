@@ -19,7 +19,9 @@ is halved there (or below) once more, up to ``MOST_PROBE_AFTER``. Measured
 in time, not in answers, so that a small host that sheds load at some limit
 is asked it again as rarely however many deliveries are queued for it.
 
-A host that refuses at a limit of one (a ``429`` or ``503``: too many, not
+A host that answers a ``429`` or ``503`` with a ``Retry-After`` rests as
+long as it asks, up to ``MOST_REST``: it said so of itself, not of one
+delivery. A host that refuses at a limit of one (a ``429`` or ``503``: too many, not
 now), where halving cannot go, *rests*: it is sent nothing for ``REST``
 seconds, twice as long at each refusal in a row (up to ``MOST_REST``), half
 as long again after each answer that came back well; and it is not sent
@@ -168,11 +170,20 @@ class HostLimits:
             del self._resting[host]
         return {host: until - now for host, until in self._resting.items()}
 
-    def learn(self, host: str, result: AttemptResult, *, beside: int | None = None) -> None:
+    def learn(
+        self,
+        host: str,
+        result: AttemptResult,
+        *,
+        beside: int | None = None,
+        asked: float | None = None,
+    ) -> None:
         """What an attempt at ``host`` says of its load. ``beside``: how many
         other requests to it are in flight (as many as its limit, unknown):
         when the limit falls, their answers are not taken for answers to
-        the lower limit."""
+        the lower limit. ``asked``: the seconds a ``429`` or ``503`` asked
+        to be left alone (its ``Retry-After``, when its kind honours it):
+        the host rests that long, up to ``MOST_REST``."""
         if result.held or not result.requests:
             return  # no request: nothing said
         if self.most <= self.start:
@@ -233,6 +244,13 @@ class HostLimits:
                         found.rest = min(MOST_REST, found.rest * 2) if found.rest else REST
                         self._resting[host] = self.clock() + found.rest
                 found.limit = max(1.0, found.limit / 2)
+            if asked and result.status in OVERLOADED:
+                # Asked of the host, not of this delivery alone (which waits
+                # all it asked): nothing else is sent it meanwhile, but one
+                # request every MOST_REST at most, however long it asked.
+                until = self.clock() + min(asked, MOST_REST)
+                if until > self._resting.get(host, 0.0):
+                    self._resting[host] = until
             return
         if found.rest:
             found.rest = found.rest / 2 if found.rest >= 2 * REST else 0.0

@@ -228,6 +228,35 @@ def test_a_host_refused_at_one_rests_twice_as_long_at_each_refusal_in_a_row(
     assert rest == MOST_REST
 
 
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_host_that_asks_to_be_left_alone_rests_as_long_as_it_asks_up_to_the_most(
+    status: int,
+) -> None:
+    # A Retry-After held the one delivery it answered: the host's other
+    # deliveries went on, each refused in its turn, one at a time.
+    clock = Clock()
+    limits = known(HostLimits(2, 8, clock=clock), limit=4)
+    limits.learn(HOST, answered(status), asked=5.0)
+    assert limits.allowed(HOST) == 0 and limits.rest_left(HOST) == 5.0
+    assert limits.allowed("other.example") == 2, "each host its own"
+    clock.now += 5.0
+    assert limits.allowed(HOST) == 2, "halved once, from 4"
+    limits.learn(HOST, answered(status), asked=86_400.0)
+    assert limits.rest_left(HOST) == MOST_REST, "however long it asks"
+    # A shorter ask never cuts a longer rest short; and only an overload asks.
+    limits.learn(HOST, answered(status), asked=1.0)
+    assert limits.rest_left(HOST) == MOST_REST
+    clock.now += MOST_REST
+    limits.learn(HOST, answered(404), asked=60.0)
+    assert limits.allowed(HOST) >= 1
+
+
+def test_a_fixed_limit_rests_for_no_retry_after() -> None:
+    limits = HostLimits(4, 4)
+    limits.learn(HOST, answered(429), asked=60.0)
+    assert limits.allowed(HOST) == 4
+
+
 def test_the_rest_left_counts_down_to_none() -> None:
     clock = Clock()
     limits = known(HostLimits(1, 8, clock=clock))

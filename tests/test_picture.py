@@ -515,6 +515,23 @@ def test_refusals_to_requests_sent_one_at_a_time_each_halve_the_limit(
     )
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_host_that_asks_to_wait_is_sent_nothing_more_until_then(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    """A host answers 429 with ``Retry-After: 3`` to a fan-out of six of its
+    inboxes: the two sent at once wait, and so does the host, for its other
+    four. Its Retry-After held only the delivery it answered: the others
+    were sent one after the other, 0.1 s apart, each refused in its turn."""
+    inbox = inboxes("127.0.0.2", respond=lambda request: (429, {"Retry-After": "3"}, b""))
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(6)])
+    deliverer = Deliverer(per_host=2, per_host_max=8)
+    deliverer.run(stop_after=1.5)
+    assert len(inbox.received) == 2, [request.path for request in inbox.received]
+    assert sorted(Delivery.objects.values_list("attempts", flat=True)) == [0, 0, 0, 0, 1, 1]
+    assert deliverer.limits.rest_left(inbox.host) > 0
+
+
 def _open_breaker(key: str, failures: int = 12) -> None:
     Breaker.objects.create(
         key=key, failures=failures, open_until=timezone.now() + dt.timedelta(minutes=5)
