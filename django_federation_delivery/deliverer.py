@@ -47,7 +47,7 @@ from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.intake import Intake
 from django_federation_delivery.kinds import Kinds
 from django_federation_delivery.limits import OVERLOADED, HostLimits
-from django_federation_delivery.outages import Database
+from django_federation_delivery.outages import Database, Unblocker
 from django_federation_delivery.outbox import Outbox
 from django_federation_delivery.settling import Summary, ask, tell_failed, tell_settled
 from django_federation_delivery.slots import InHand, Slots
@@ -136,6 +136,7 @@ class Deliverer:
         self._stopping = threading.Event()
         #: Runs a query; None when the database was away (and waited out).
         self._db = Database(using, self._stopping, logger=logger)
+        self._unblocker = Unblocker(using, logger=logger)
         #: Stopping, when a write the database did not take is waited for no
         #: longer (``STOPPING_GRACE`` after the first); None while they are taken.
         self._leave_at: float | None = None
@@ -280,6 +281,8 @@ class Deliverer:
         if self._stop_by is None:
             self._stop_by = time.monotonic() + STOPPING_GRACE
         self._db.end_waits_by(self._stop_by)
+        # And on PostgreSQL a statement stuck past it, on a lock another holds.
+        self._unblocker.start(self._stop_by)
         # And on SQLite a wait for the write lock the loop is in.
         if self._prompt_lock is not None:
             self._prompt_lock.end_by(self._stop_by)
@@ -479,6 +482,7 @@ class Deliverer:
         heartbeat, the workers, the stop timer and the write lock; each let go
         of however the run ends."""
         wakeup.register(self.intake.sent)
+        self._unblocker.watch()
         self.upkeep.start()
         if listen:
             self.intake.listen()
@@ -532,6 +536,7 @@ class Deliverer:
                 # longer listed as alive.
                 self._db(self.heartbeat.remove)
             wakeup.unregister(self.intake.sent)
+            self._unblocker.done()
             # This thread owned the ORM's connections: close them.
             connections.close_all()
             remove_prompt_lock()

@@ -18,6 +18,8 @@ from typing import Any, ParamSpec, Protocol, TypeVar
 
 from django.db import DatabaseError, InterfaceError, connections
 
+from django_federation_delivery.store.locks import cancel_stuck
+
 __all__ = ["Database", "Runner"]
 
 P = ParamSpec("P")
@@ -132,3 +134,74 @@ class _Reached:
         if not self.wrote and isinstance(sql, str) and _WRITES.match(sql):
             self.wrote = True
         return answer
+
+
+#: How long a statement of a stopping loop past its grace may run before it
+#: is cancelled, and how often that is looked at, in seconds.
+STUCK_AFTER = 1.0
+STUCK_LOOK = 0.5
+
+
+class Unblocker:
+    """A stop past its grace, on PostgreSQL: a statement the loop's session
+    runs that long (waiting on a lock another session holds: a migration's
+    ``ACCESS EXCLUSIVE``, an operator's ``LOCK TABLE``) would hold the stop
+    for as long as that session likes, out of reach of any grace. From
+    another thread, it is cancelled (``pg_cancel_backend``), and each one
+    after it that runs as long, until the loop has left: the loop meets it
+    as the database away, and leaves what it holds to the leases.
+
+    :meth:`watch` takes the loop's connection, in the loop's thread;
+    :meth:`start` begins (once), at a stop; :meth:`done` ends it."""
+
+    def __init__(self, using: str, *, logger: logging.Logger) -> None:
+        self.using = using
+        self.logger = logger
+        self._loop: Any = None
+        self._left = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self) -> None:
+        """The calling thread's connection is the loop's, from now on."""
+        connection = connections[self.using]
+        self._loop = connection if connection.vendor == "postgresql" else None
+        self._left.clear()
+        self._thread = None
+
+    def start(self, by: float) -> None:
+        """At a stop: from ``by`` (a ``time.monotonic()``) on, cancel what
+        the loop is stuck in."""
+        if self._loop is None or self._thread is not None or self._left.is_set():
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(by,), name="federation-delivery-unblocker", daemon=True
+        )
+        self._thread.start()
+
+    def done(self) -> None:
+        """The loop has left: nothing more is cancelled."""
+        self._left.set()
+        self._loop = None
+
+    def _run(self, by: float) -> None:
+        try:
+            if self._left.wait(max(0.0, by - time.monotonic())):
+                return
+            while not self._left.is_set():
+                loop = self._loop
+                raw = None if loop is None else loop.connection
+                pid = getattr(getattr(raw, "info", None), "backend_pid", None)
+                if pid:
+                    try:
+                        cancelled = cancel_stuck(pid, STUCK_AFTER, self.using)
+                    except DatabaseError:
+                        cancelled = False
+                    if cancelled and not self._left.is_set():
+                        self.logger.warning(
+                            "Stopping: a statement of the loop's still ran %g s past the "
+                            "grace (waiting on a lock another session holds?): cancelled",
+                            STUCK_AFTER,
+                        )
+                self._left.wait(STUCK_LOOK)
+        finally:
+            connections.close_all()  # this thread's

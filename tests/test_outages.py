@@ -436,3 +436,54 @@ def test_a_commit_whose_answer_was_lost_still_tells_batch_finished_after_an_outa
     assert inbox.paths() == ["/a"], "sent once"
     assert Batch.objects.get(id=batch.id).finished_at is not None, "finished by that write"
     assert told == [batch.id], f"batch_finished told {told}"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_on_postgresql_waits_no_longer_than_its_grace_on_a_lock_another_holds(
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Another session (a migration, an operator's LOCK TABLE) holds the
+    # deliveries' table: the loop's next look waits on it, and a stop waited
+    # as long as that session liked, out of reach of the stop's grace.
+    from django_federation_delivery.deliverer import STOPPING_GRACE
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL: a statement waiting on another session's lock")
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "NEW_WORK_POLL_SECONDS": 0.05,
+        "IDLE_POLL_SECONDS": 0.2,
+    }
+    caplog.set_level(logging.WARNING, logger="django_federation_delivery")
+    runner = start_deliverer()
+    time.sleep(0.5)
+    holder = connections.create_connection("default")
+    table = connection.ops.quote_name(Delivery._meta.db_table)
+    try:
+        with holder.cursor() as cursor:
+            cursor.execute("BEGIN")
+            cursor.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+
+        def waiting() -> bool:
+            with holder.cursor() as cursor:
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()"
+                )
+                return int(cursor.fetchone()[0]) > 0
+
+        wait_until(waiting, timeout=10)
+        started = time.monotonic()
+        runner.deliverer.stop()
+        runner.thread.join(20)
+        took = time.monotonic() - started
+    finally:
+        with holder.cursor() as cursor:
+            cursor.execute("ROLLBACK")
+        holder.close()
+    runner.thread.join(20)
+    assert took < STOPPING_GRACE + 3.0, f"the stop took {took:.1f} s"
+    assert runner.error is None, runner.error
+    assert any("cancelled" in record.getMessage() for record in caplog.records)

@@ -21,6 +21,7 @@ from django_federation_delivery.store import sql
 __all__ = [
     "SessionLock",
     "again_on_deadlock",
+    "cancel_stuck",
     "in_id_order",
     "in_name_order",
     "lock_hosts",
@@ -183,3 +184,11 @@ def session_lock(using: str, key: int) -> Iterator[SessionLock | None]:
         yield lock
     finally:
         lock.release()
+
+
+def cancel_stuck(pid: int, seconds: float, using: str) -> bool:
+    """PostgreSQL: cancel the statement the session of the backend ``pid``
+    has been running for ``seconds`` or more (one waiting on a lock another
+    session holds, say), from this thread's own connection; whether one was."""
+    with sql.on(connection_for(using)) as db:
+        return bool(db.value("cancel_stuck", pid=pid, seconds=seconds))

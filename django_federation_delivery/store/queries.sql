@@ -1432,3 +1432,13 @@ PRAGMA busy_timeout
 
 -- name: set_busy_timeout [sqlite]
 PRAGMA busy_timeout = %(milliseconds)d
+
+-- name: cancel_stuck [postgresql]
+-- A deliverer stopping past its grace: the statement its loop's session
+-- (the backend %(pid)s) has been running for %(seconds)s or more, waiting on
+-- a lock another session holds say, cancelled. Whether one was.
+SELECT pg_cancel_backend(pid)
+FROM pg_stat_activity
+WHERE pid = %(pid)s
+  AND state = 'active'
+  AND query_start <= clock_timestamp() - make_interval(secs => %(seconds)s)
