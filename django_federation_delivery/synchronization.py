@@ -101,8 +101,13 @@ def header_value(collection_id: str, url: str, digest: str) -> str:
     """
     _quotable("collectionId", collection_id)
     _quotable("url", url)
-    origin(collection_id)
-    origin(url)
+    if origin(url) != origin(collection_id):
+        # FEP-8fcf: the partial collection is on the actor's own server, or
+        # a receiver (Mastodon) ignores the header.
+        raise InvalidDelivery(
+            f"url {quoted(url, path=True)} is not on the server of the collection "
+            f"{quoted(collection_id, path=True)}"
+        )
     if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest):
         raise InvalidDelivery(f"digest must be 64 hex characters: {_shown(digest)}")
     # Receivers compare the digest as a string with their own, which is lowercase.

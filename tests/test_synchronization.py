@@ -246,3 +246,15 @@ def test_the_header_for_one_inbox_digests_only_the_followers_on_its_origin() -> 
 def test_the_header_for_an_inbox_with_no_followers_there_has_a_zero_digest() -> None:
     value = collection_synchronization(COLLECTION, PARTIAL, [ALICE], "https://nobody.example/inbox")
     assert value.endswith(f'digest="{"0" * 64}"')
+
+
+def test_a_partial_collection_on_another_server_than_the_collection_is_refused() -> None:
+    # FEP-8fcf: the url is on the actor's own server, or Mastodon ignores
+    # the header. It was signed and sent with every delivery, doing nothing.
+    with pytest.raises(InvalidDelivery) as refused:
+        header_value(
+            "https://social.example/users/alice/followers",
+            "https://elsewhere.example/users/alice/followers_synchronization",
+            "0" * 64,
+        )
+    assert "elsewhere.example" in str(refused.value) and "social.example" in str(refused.value)
