@@ -422,6 +422,8 @@ def _portable_inboxes(
         )
     queued: dict[str, queueing.Queued] = {}
     skipped: list[SkippedInbox] = []
+    # Named with no usable gateway: skipped, unless listed again with one.
+    unusable: dict[str, None] = {}
     for inbox in inboxes:
         if not isinstance(inbox, PortableInbox):
             shown = addresses.redact(inbox) if isinstance(inbox, str) else ""
@@ -433,10 +435,15 @@ def _portable_inboxes(
             continue
         via = portable.targets(inbox)
         if not via:
-            skipped.append(SkippedInbox(addresses.redact(name), "has no usable gateway"))
+            unusable[name] = None
             continue
         # The first gateway stands for the host: per-host limits and breakers.
         queued[name] = queueing.Queued(name, host_of(via[0]), tuple(via))
+    skipped += [
+        SkippedInbox(addresses.redact(name), "has no usable gateway")
+        for name in unusable
+        if name not in queued
+    ]
     return list(queued.values()), skipped
 
 

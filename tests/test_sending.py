@@ -636,6 +636,26 @@ def test_send_portable_skips_what_is_not_a_portable_inbox_or_has_no_usable_gatew
 
 
 @pytest.mark.django_db
+def test_a_portable_inbox_listed_again_with_a_usable_gateway_is_queued_not_skipped() -> None:
+    # Listed twice (two recipients' actors), first with no usable gateway:
+    # it was queued, and listed as skipped too ("Skipped 1 ... queued 1").
+    from django_federation_delivery import PortableInbox, send_portable
+
+    inbox = "ap://did:key:z6Mk/actor/inbox"
+    batch = send_portable(
+        ALICE,
+        NOTE,
+        [
+            PortableInbox(inbox, ["https://gw.example/not/bare"]),
+            PortableInbox(inbox, ["https://gw.example"]),
+        ],
+    )
+    assert batch is not None
+    assert Delivery.objects.get().inbox == inbox
+    assert batch.skipped == []
+
+
+@pytest.mark.django_db
 def test_a_portable_inbox_goes_through_its_gateways_that_are_not_marked_unavailable() -> None:
     from django_federation_delivery import PortableInbox, availability, send_portable
     from django_federation_delivery.models import Host
