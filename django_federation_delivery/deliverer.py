@@ -674,6 +674,8 @@ class Deliverer:
             on_finished=self._batches_finished,
             on_failed_instead=self._failed_instead,
             on_superseded=self._superseded,
+            # Held by a send not yet committed: written at a later flush.
+            on_busy=self.outbox.keep,
             using=self.using,
             tried=self._tried,
         )

@@ -85,15 +85,16 @@ class Outbox:
             # but an error of the loop's (an interrupt) as it wrote: kept, for
             # the write the loop makes as it leaves (a settle whose claim no
             # longer holds writes nothing, should this one have committed).
-            self._keep(settlements)
+            self.keep(settlements)
             raise
         if written:
             return True
-        self._keep(settlements)
+        self.keep(settlements)
         return False
 
-    def _keep(self, settlements: list[Settlement]) -> None:
-        """Those of ``settlements`` whose lease still holds, waiting again."""
+    def keep(self, settlements: list[Settlement]) -> None:
+        """Those of ``settlements`` whose lease still holds, waiting again
+        (for the next flush: one that a write left for later, too)."""
         now = self._wall_clock()
         for settlement in settlements:
             if settlement.claimed.leased_until > now:

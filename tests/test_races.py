@@ -17,7 +17,15 @@ from django.db import OperationalError, connection, connections, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from django_federation_delivery import availability, controls, hosts, retention, send, send_batch
+from django_federation_delivery import (
+    availability,
+    controls,
+    hosts,
+    retention,
+    send,
+    send_batch,
+    store,
+)
 from django_federation_delivery.models import Batch, Delivery, Host, Status
 from django_federation_delivery.replay import replay
 from django_federation_delivery.store import settlements
@@ -128,14 +136,22 @@ def hold_row(held: int | QuerySet[Any], holding: threading.Event, release: threa
 def crossed(held: int | QuerySet[Any], first: Callable[[], Any], second: Callable[[], Any]) -> None:
     """``first``, then ``second``, each on a connection of its own, while a
     third holds the row ``held`` (a delivery's id, or a query's rows): let
-    go once both wait, past PostgreSQL's deadlock_timeout (1 s), so that a
-    cycle between them is found. Neither may fail."""
+    go once both wait (or one has ended without waiting: a settle leaves a
+    row another holds for later), past PostgreSQL's deadlock_timeout (1 s),
+    so that a cycle between them is found. Neither may fail."""
     holding, release = threading.Event(), threading.Event()
     blocker = hold_row(held, holding, release)
     sides = [Side(first), Side(second)]
-    for waiting, side in enumerate(sides, 1):
+    waiting = 0
+    for side in sides:
         side.start()
-        wait_until(lambda waiting=waiting: waiting_on_locks() == waiting, timeout=10)
+        wait_until(
+            lambda side=side, waiting=waiting: (
+                waiting_on_locks() == waiting + 1 or not side.is_alive()
+            ),
+            timeout=10,
+        )
+        waiting += side.is_alive()
     time.sleep(1.2)
     release.set()
     for side in (blocker, *sides):
@@ -784,3 +800,219 @@ def test_a_deliverer_writing_hosts_while_an_operator_pauses_them_never_deadlocks
         connections[alias].close()
     errors = [side.error for side in sides]
     assert errors == [None, None], errors
+
+
+# A deliverer's settle beside a send, each on a connection of its own.
+
+
+def side(results: dict[str, Any], name: str, work: Callable[[], Any]) -> threading.Thread:
+    """``work`` in a thread with a connection of its own; its result or error in ``results``."""
+
+    def run() -> None:
+        try:
+            results[name] = work()
+        except BaseException as exc:
+            results[name] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def delivered(rows: list[Any]) -> list[Any]:
+    """What a deliverer writes for ``rows`` (claimed, of ordered batches) once answered 202."""
+    return [
+        settlements.Settlement(
+            claimed=r,
+            status=Status.DELIVERED,
+            attempts=1,
+            ordered=True,
+            attempted_at=timezone.now(),
+        )
+        for r in rows
+    ]
+
+
+def settle_crossed_by(rows: list[Any], other: Callable[[], Any]) -> dict[str, Any]:
+    """A deliverer settles ``rows`` (delivered), held a moment once its first
+    statement (``lock_free_deliveries``) has locked them, as a busy server holds it;
+    meanwhile ``other`` runs until it waits on a lock (or ends). Then the settle
+    goes on. Returns each side's result or error."""
+    locked, go = threading.Event(), threading.Event()
+
+    def pause_after_lock(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        answer = execute(sql, params, many, context)
+        if "WHERE id = ANY(" in sql and "ORDER BY id FOR" in sql and not locked.is_set():
+            locked.set()
+            go.wait(10)
+        return answer
+
+    def settle() -> Any:
+        with connection.execute_wrapper(pause_after_lock):
+            return settlements.settle(delivered(rows))
+
+    results: dict[str, Any] = {}
+    deliverer = side(results, "settle", settle)
+    assert locked.wait(10)
+    sender = side(results, "send", other)
+    wait_until(lambda: waiting_on_locks() >= 1 or not sender.is_alive(), timeout=10)
+    time.sleep(0.2)
+    go.set()
+    deliverer.join(30)
+    sender.join(30)
+    assert not deliverer.is_alive() and not sender.is_alive(), "stuck"
+    return results
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_ordered_send_while_a_settle_releases_the_last_of_a_sequence_never_deadlocks() -> None:
+    """Posts in one ordering key (the object): a Create to inbox A, its Update
+    to A (waiting on it), a Create to inbox B; the deliverer has both Creates
+    in flight and settles them together, while another Update is sent to A
+    and B. The send locks the last pending delivery of each sequence lowest
+    id first: A's Update (a waiter), then B's Create, which the settle holds;
+    the settle, holding B's Create, goes on to release A's Update, which the
+    send holds. PostgreSQL ends the send: the Update is not queued and the
+    view raises ``OperationalError: deadlock detected``."""
+    postgresql_only()
+    key = {"ordering_key": f"{ALICE}/notes/1"}
+    a, b = "https://a.example/inbox", "https://b.example/inbox"
+    send_batch(ALICE, {"type": "Create", "id": f"{ALICE}/a/1"}, [a], key)
+    (a1,) = store.claim(10, lease=300)
+    send_batch(ALICE, {"type": "Update", "id": f"{ALICE}/a/2"}, [a], key)
+    send_batch(ALICE, {"type": "Create", "id": f"{ALICE}/a/3"}, [b], key)
+    (b1,) = store.claim(10, lease=300)
+    a2 = Delivery.objects.get(inbox=a, after_id=a1.id)
+    assert a1.id < a2.id < b1.id
+
+    results = settle_crossed_by(
+        [a1, b1],
+        lambda: send_batch(ALICE, {"type": "Update", "id": f"{ALICE}/a/4"}, [a, b], key),
+    )
+    errors = {name: error for name, error in results.items() if isinstance(error, BaseException)}
+    assert not errors, errors
+
+
+def create_in_flight_and_its_update() -> tuple[Any, str, dict[str, str], dict[str, Any]]:
+    """A post's Create claimed (in flight) to an inbox, its Update waiting on
+    it in the post's ordering key; the claimed row, the inbox, the key, and
+    the post's Delete, to be sent."""
+    obj = f"{ALICE}/notes/1"
+    inbox = "https://a.example/inbox"
+    key = {"ordering_key": obj}
+    create = {"type": "Create", "id": f"{ALICE}/a/1", "actor": ALICE, "object": {"id": obj}}
+    send_batch(ALICE, create, [inbox], key)
+    (c,) = store.claim(10, lease=300)
+    update = {"type": "Update", "id": f"{ALICE}/a/2", "actor": ALICE, "object": {"id": obj}}
+    send_batch(ALICE, update, [inbox], key)
+    delete = {"type": "Delete", "id": f"{ALICE}/a/3", "actor": ALICE, "object": obj}
+    return c, inbox, key, delete
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("delete_key", [f"{ALICE}/notes/1", ""], ids=["in_its_key", "no_key"])
+def test_a_delete_while_the_create_in_flight_settles_never_deadlocks(delete_key: str) -> None:
+    """The README's case for ordering keys: a post's Create to an inbox is in
+    flight, its Update waits on it, and the author deletes the post. The
+    Delete supersedes the Update (locking its row) and waits on the Create
+    (``after_id``), whose row it does not lock: PostgreSQL checks that
+    foreign key at COMMIT with a key-share lock on the Create's row. The
+    deliverer settling the Create meanwhile locked that row ``FOR UPDATE``
+    (``lock_deliveries``, as it was), then went to release the Update, which
+    the Delete holds. The Delete's COMMIT is ended: ``send()`` raises ``OperationalError:
+    deadlock detected`` and the Delete is never queued (and a view in
+    ATOMIC_REQUESTS rolls the deletion back)."""
+    postgresql_only()
+    c, inbox, _key, delete = create_in_flight_and_its_update()
+
+    results = settle_crossed_by(
+        [c], lambda: send_batch(ALICE, delete, [inbox], {"ordering_key": delete_key})
+    )
+    errors = {name: error for name, error in results.items() if isinstance(error, BaseException)}
+    assert not errors, errors
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_ordered_send_to_more_than_500_inboxes_while_a_settle_never_deadlocks() -> None:
+    """An Update sent in its object's key to 501 followers: the send locks the
+    last pending delivery of each sequence 500 at a time, each chunk lowest id
+    first, but not across chunks (the 501st inbox's row has the lowest id).
+    A deliverer settling two of those rows (the Create in flight to the 501st
+    inbox and to the 500th) locks them lowest id first: each holds what the
+    other waits for, and PostgreSQL ends one (here the settle, which the
+    deliverer logs as the database being unavailable; the send as likely)."""
+    postgresql_only()
+    key = {"ordering_key": f"{ALICE}/notes/1"}
+    x = "https://x.example/inbox"
+    many = [f"https://m{n}.example/inbox" for n in range(500)]
+    send_batch(ALICE, {"type": "Create", "id": f"{ALICE}/a/1"}, [x], key)
+    send_batch(ALICE, {"type": "Create", "id": f"{ALICE}/a/2"}, many, key)
+    low = Delivery.objects.get(inbox=x)
+    high = Delivery.objects.get(inbox=many[-1])
+    assert low.id < high.id
+    rows = store.claim(10, lease=300, only_hosts=["x.example", "m499.example"])
+    assert {r.id for r in rows} == {low.id, high.id}
+
+    first_chunk, go = threading.Event(), threading.Event()
+
+    def pause_after_first_chunk(execute: Any, sql: str, params: Any, many_: bool, ctx: Any) -> Any:
+        answer = execute(sql, params, many_, ctx)
+        if "FOR UPDATE" in sql and not first_chunk.is_set():
+            first_chunk.set()
+            go.wait(10)
+        return answer
+
+    def sending() -> Any:
+        with connection.execute_wrapper(pause_after_first_chunk):
+            return send_batch(ALICE, {"type": "Update", "id": f"{ALICE}/a/3"}, [*many, x], key)
+
+    results: dict[str, Any] = {}
+    sender = side(results, "send", sending)
+    assert first_chunk.wait(10)
+    deliverer = side(results, "settle", lambda: settlements.settle(delivered(rows)))
+    wait_until(lambda: waiting_on_locks() >= 1 or not deliverer.is_alive(), timeout=10)
+    go.set()
+    sender.join(30)
+    deliverer.join(30)
+    assert not deliverer.is_alive() and not sender.is_alive(), "stuck"
+    errors = {name: error for name, error in results.items() if isinstance(error, BaseException)}
+    assert not errors, errors
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delete_in_a_views_open_transaction_while_its_create_settles_never_deadlocks() -> None:
+    """The same with nothing held by the test but the view's own transaction
+    (ATOMIC_REQUESTS): the Delete is sent, the view goes on (deletes the
+    post), and meanwhile the deliverer answers the Create in flight and
+    settles it, which waits on the Update the Delete superseded. The view's
+    COMMIT then needs a key-share lock on the Create's row, which the settle
+    held ``FOR UPDATE``: PostgreSQL ended one of them. Here the settle (the
+    deliverer logs "The database is unavailable (deadlock detected ...)" and
+    writes it again); with the waits the other way round (the test above),
+    the view's COMMIT: the post is not deleted and the Delete not queued."""
+    postgresql_only()
+    from django.db import transaction
+
+    c, inbox, key, delete = create_in_flight_and_its_update()
+    sent, settling = threading.Event(), threading.Event()
+
+    def view() -> Any:
+        with transaction.atomic():
+            batch = send_batch(ALICE, delete, [inbox], key)
+            sent.set()
+            settling.wait(10)  # the rest of the view
+        return batch
+
+    results: dict[str, Any] = {}
+    request = side(results, "view", view)
+    assert sent.wait(10)
+    deliverer = side(results, "settle", lambda: settlements.settle(delivered([c])))
+    wait_until(lambda: waiting_on_locks() >= 1 or not deliverer.is_alive(), timeout=10)
+    settling.set()
+    request.join(30)
+    deliverer.join(30)
+    assert not deliverer.is_alive() and not request.is_alive(), "stuck"
+    errors = {name: error for name, error in results.items() if isinstance(error, BaseException)}
+    assert not errors, errors

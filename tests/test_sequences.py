@@ -435,3 +435,55 @@ def test_two_queues_in_two_schemas_of_one_database_hold_their_locks_apart(
             with connections["queue"].cursor() as cursor:
                 cursor.execute("SET LOCAL lock_timeout = '2s'")
             lock_sequences("key", [A], "queue")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_view_holding_its_transaction_after_an_ordered_send_stalls_no_other_delivery(
+    settings: Any, inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer]
+) -> None:
+    """A view sends a webhook event while the one before it to the same
+    destination is in flight, then keeps its transaction open. The settle of
+    the one in flight waited on the row the send locked, in the loop's own
+    thread: nothing else was claimed, sent or written, for any host, until
+    the view committed (an unrelated activity waited 13.6 s)."""
+    from django_federation_delivery import send, send_webhook
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite writes one transaction at a time")
+    hook = inboxes("127.0.0.2", delay=1.0)
+    inbox = inboxes("127.0.0.3")
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"ops": f"slack+http://127.0.0.2:{hook.port}/services/T1/B1/x1"},
+    }
+    start_deliverer()
+    send_webhook("ops", "order.created", {"n": 1})
+    wait_until(lambda: len(hook.received) == 1, timeout=10)  # in flight for 1 s
+    sent, release = threading.Event(), threading.Event()
+
+    def view() -> None:
+        try:
+            with transaction.atomic():
+                send_webhook("ops", "order.updated", {"n": 2})
+                sent.set()
+                release.wait(15)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=view)
+    thread.start()
+    try:
+        assert sent.wait(10)
+        time.sleep(1.5)  # the first event's answer has come back
+        started = time.monotonic()
+        send(ALICE, {"type": "Create", "id": f"{ALICE}/1", "actor": ALICE}, [inbox.url()])
+        wait_until(lambda: len(inbox.received) == 1, timeout=30)
+        took = time.monotonic() - started
+    finally:
+        release.set()
+        thread.join(30)
+    assert took < 5, f"an unrelated activity waited {took:.1f} s for the view's transaction"
+    # The first event is written once the view commits, and the second follows it.
+    wait_until(lambda: len(hook.received) == 2, timeout=20)
+    wait_until(lambda: not Delivery.objects.exclude(status=Status.DELIVERED).exists())
+    assert [request.path for request in hook.received] == ["/services/T1/B1/x1"] * 2

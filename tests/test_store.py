@@ -867,7 +867,9 @@ def test_a_requeued_delivery_waits_again_on_the_one_before_it_still_pending() ->
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_settle_that_waits_for_a_send_queuing_behind_it_releases_what_that_send_queued() -> None:
+def test_a_settle_leaves_a_row_a_send_holds_for_later_then_releases_what_the_send_queued() -> None:
+    # It waited for the send's transaction, a view's, open as long as the
+    # view liked, and every delivery of the deliverer's with it.
     if connection.vendor != "postgresql":
         pytest.skip("SQLite writes one at a time: a send and a settle never overlap")
     key = {"ordering_key": "note-1"}
@@ -896,10 +898,16 @@ def test_a_settle_that_waits_for_a_send_queuing_behind_it_releases_what_that_sen
     sender = threading.Thread(target=send_and_hold)
     sender.start()
     queued.wait(10)
+    busy: list[store.Settlement] = []
+    written = store.settle(
+        [store.Settlement(claimed, Status.DELIVERED, 1, ordered=True)], on_busy=busy.extend
+    )
     settling.set()
-    store.settle([store.Settlement(claimed, Status.DELIVERED, 1, ordered=True)])
     sender.join(10)
     assert not errors, errors
+    assert written == set() and [item.claimed.id for item in busy] == [claimed.id]
+    # Written again once the send has committed, as the deliverer's outbox does.
+    assert store.settle(busy) == {claimed.id}
     waiting = Delivery.objects.exclude(batch=first).get()
     assert waiting.after_id is None and waiting.due_at is not None, "released by the settle"
 

@@ -906,10 +906,35 @@ WHERE id IN (SELECT value FROM json_each(%(ids)s)) AND after_id IS NOT NULL
     AND settled_at IS NULL
 
 -- name: lock_deliveries [postgresql]
--- Rows about to be settled that a send may be making a delivery wait on:
--- locked first, in a statement of their own, so that the settling
+-- Rows about to be given up that a send may be making a delivery wait on:
+-- locked first, in a statement of their own, so that the writing
 -- statement begins once that send has committed, and sees its delivery.
 SELECT id FROM {delivery} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDATE
+
+-- name: lock_free_deliveries [postgresql]
+-- Rows about to be settled that a send may be making a delivery wait on,
+-- and the pending rows waiting on them, which the settle releases: those
+-- no other transaction holds, locked first, in a statement of their own,
+-- so that the settling statement sees any send that held one before, and
+-- waits on none of them. Returns the ids locked, and the rows about to be
+-- settled one of whose waiting rows another transaction holds (a send
+-- locking it as the last of its sequence, a Delete superseding it): those,
+-- and those held themselves, are left for a later settle, never waited
+-- for, as that transaction may be a view's, open as long as it likes. Not
+-- FOR UPDATE: a transaction that made a row wait on one of these takes a
+-- key-share lock on it as it commits (the foreign key), which this must
+-- not hold up.
+WITH waiting AS (
+    SELECT id, after_id FROM {delivery}
+    WHERE after_id = ANY(%(ids)s::bigint[]) AND settled_at IS NULL
+),
+locked AS MATERIALIZED (
+    SELECT id FROM {delivery}
+    WHERE id = ANY(%(ids)s::bigint[]) OR id = ANY(ARRAY(SELECT id FROM waiting))
+    ORDER BY id FOR NO KEY UPDATE SKIP LOCKED
+)
+SELECT ARRAY(SELECT id FROM locked),
+    ARRAY(SELECT after_id FROM waiting WHERE id NOT IN (SELECT id FROM locked))
 
 
 -- Settling ----------------------------------------------------------------

@@ -83,7 +83,7 @@ def last_of_sequences(
                         # the status, the due index was read, every pending row.
                         .filter(id__in=list(found.values()), settled_at__isnull=True)
                         # Lowest id first, as every writer of many rows locks
-                        # them (a settle's lock_deliveries): in the plan's
+                        # them (a settle's lock_free_deliveries): in the plan's
                         # order, it deadlocked with a settle of the same rows.
                         .order_by("id")
                         .values_list("id", "lane")

@@ -85,6 +85,7 @@ def settle(
     on_finished: Callable[[list[int]], None] | None = None,
     on_failed_instead: Callable[[Settlement], None] | None = None,
     on_superseded: Callable[[list[Settlement]], None] | None = None,
+    on_busy: Callable[[list[Settlement]], None] | None = None,
     using: str | None = None,
     tried: Tried | None = None,
 ) -> set[int]:
@@ -132,6 +133,11 @@ def settle(
     waits to follow is written superseded instead (the retraction left it
     to its claim: :func:`.retractions.retracted_held`); once committed,
     ``on_superseded`` is given those, as written.
+
+    On PostgreSQL, an ordered delivery that another transaction holds (a
+    send making its next wait on it, in a view's transaction still open) is
+    not written, nor waited for: ``on_busy`` is given those, to be written
+    again later, while their claim holds.
     """
     if not settlements:
         return set()
@@ -162,6 +168,7 @@ def settle(
                     on_finished=on_finished,
                     on_failed_instead=on_failed_instead,
                     on_superseded=on_superseded,
+                    on_busy=on_busy,
                     using=using,
                     tried=tried,
                 )
@@ -175,6 +182,8 @@ def settle(
         raise
     # Committed: what is told now cannot undo it.
     superseded = [item for item in superseded if item.claimed.id in settled.written]
+    if settled.busy and on_busy is not None:
+        on_busy([item for item in settlements if item.claimed.id in settled.busy])
     try:
         if superseded and on_superseded is not None:
             on_superseded(superseded)

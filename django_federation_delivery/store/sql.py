@@ -305,6 +305,10 @@ class Settled(NamedTuple):
     finished: list[int]
     #: Whether it added to the history itself (or left that to the caller).
     counted: bool
+    #: The ordered deliveries another transaction held locked (a send that
+    #: is making one wait on them, not yet committed): not written, to be
+    #: written again, while their claim holds.
+    busy: frozenset[int] = frozenset()
 
 
 class Statements:
@@ -557,15 +561,26 @@ class Statements:
         On PostgreSQL all of it is one statement (``settle``), which adds to
         the history too unless ``count`` is false (``settle_uncounted``);
         with ``ordered`` deliveries a statement before it locks them (see
-        ``lock_deliveries``: a send may be making one wait on them. A
+        ``lock_free_deliveries``: a send may be making one wait on them; one
+        a send holds is not written now, but returned as ``busy``. A
         retraction making one wait on a row being settled is not waited for:
         ``store/retractions.release_stranded`` frees what it left waiting).
         On SQLite each is a step, in the same order, the write lock held from
         the first; the history is left to the caller."""
-        given = json_parameter(rows)
         if self.postgresql:
+            busy: frozenset[int] = frozenset()
             if ordered:
-                self.run("lock_deliveries", ids=self.ids(sorted(ordered)))
+                # Those a send holds are left for a later write, never
+                # waited for: the send's transaction is its caller's, and
+                # may stay open as long as its view likes.
+                locked, held_up = self.one("lock_free_deliveries", ids=self.ids(ordered))
+                busy = frozenset(ordered) - set(locked) | set(held_up)
+            if busy:
+                rows = [row for row in rows if row[0] not in busy]
+                final = {id: batch for id, batch in final.items() if id not in busy}
+                if not rows:
+                    return Settled(set(), [], count, busy)
+            given = json_parameter(rows)
             written, finished, retracting = self.one(
                 "settle" if count else "settle_uncounted",
                 rows=given,
@@ -576,7 +591,8 @@ class Statements:
             )
             if retracting:
                 self.wait_again(retracting)
-            return Settled(set(written), list(finished), count)
+            return Settled(set(written), list(finished), count, busy)
+        given = json_parameter(rows)
         self.lock_for_writing()
         written = set(self.json("settle_written", rows=given))
         if written:
