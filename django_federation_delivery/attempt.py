@@ -90,6 +90,10 @@ class AttemptResult:
     #: inbox's later one, which anyone may list): what its answer says of a
     #: host is not learned as the delivery's host's.
     elsewhere: bool = False
+    #: Answered elsewhere: whether the delivery's own host (its first
+    #: gateway) failed as a host fails (:func:`is_host_failure`), or made no
+    #: request; a probe of its breaker is failed only then.
+    first_failed: bool = True
     #: Not sent: its batch's deadline passed while it waited for a worker.
     #: Settled unsent, as one whose deadline passed at its slot: no attempt.
     overtaken: bool = False
@@ -154,6 +158,7 @@ _FIELDS: tuple[tuple[str, Callable[[Any], bool], str, Any], ...] = (
     ("requests", _count, "a count (not negative)", 1),
     ("held", _flag, "True or False", False),
     ("elsewhere", _flag, "True or False", False),
+    ("first_failed", _flag, "True or False", True),
     ("overtaken", _flag, "True or False", False),
     ("refused_address", _flag, "True or False", False),
 )

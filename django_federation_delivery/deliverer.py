@@ -459,8 +459,11 @@ class Deliverer:
             )
         elif result.requests and item.probe:
             # Answered by a portable inbox's later gateway: the first, whose
-            # breaker it probed, did not accept it.
-            self.breakers.record(item.breaker, failed=True, probe=item.probe, now=aware_now())
+            # breaker it probed, did not accept it; failed the probe if its
+            # answer was a host's failure (a 404 came from a host up).
+            self.breakers.record(
+                item.breaker, failed=result.first_failed, probe=item.probe, now=aware_now()
+            )
         elif item.probe:
             # No request made: nothing learned, the probe given back at once.
             self.triage.db(self.breakers.give_back, item.breaker, item.probe)

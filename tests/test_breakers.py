@@ -763,3 +763,31 @@ def test_a_probe_s_success_written_as_the_database_blinks_still_releases_the_hel
     assert not Breaker.objects.filter(key=host).exists(), "closed by its probe"
     late = Delivery.objects.filter(batch=batch, due_at__gt=timezone.now() + 10 * SECOND)
     assert late.count() == 0, f"{late.count()} held a cool-off longer, their breaker closed"
+
+
+@pytest.mark.parametrize(("status", "opened"), [(404, False), (503, True)])
+@pytest.mark.django_db(transaction=True)
+def test_a_probe_a_later_gateway_answered_counts_the_first_gateways_own_answer(
+    inboxes: Callable[..., Inbox], settings: Any, status: int, opened: bool
+) -> None:
+    """A host's breaker is due its probe, and the probe is a portable inbox
+    that lists it as its first gateway. It answers 404 (up, but no gateway
+    for this DID: anyone may list it), and a later gateway accepts: the
+    breaker was opened again for another cool-off, holding every other
+    delivery to the host, where the same 404 with no later gateway closes
+    it. A 503 still fails the probe."""
+    quick_breaker(settings)
+    first = inboxes("127.0.0.2", respond=lambda request: (status, {}, b"no such actor"))
+    later = inboxes("127.0.0.3")
+    Breaker.objects.create(
+        key=first.host, failures=10, open_until=timezone.now() - dt.timedelta(seconds=1)
+    )
+    send_portable(
+        ALICE, NOTE, [PortableInbox(f"ap://{DID}/actor/inbox", [first.url(""), later.url("")])]
+    )
+    Deliverer().run(drain=True)
+    assert Delivery.objects.get().status == Status.DELIVERED
+    assert len(first.paths()) == 1, "the first gateway was the probe"
+    breaker = Breaker.objects.filter(key=first.host).first()
+    reopened = breaker is not None and breaker.open_until is not None
+    assert reopened is opened, (status, breaker and breaker.open_until)

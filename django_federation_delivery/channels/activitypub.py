@@ -24,6 +24,7 @@ from django_federation_delivery.attempt import (
     Verdict,
     deadline_of,
     failed,
+    is_host_failure,
     judged,
     lapsed,
     permanent_status,
@@ -175,19 +176,25 @@ class ActivityPub(Channel):
         # Whether a gateway said "not now" (a 5xx, a 429, no answer): it may
         # yet accept, whatever a later one (anyone may list one) refuses.
         put_off = False
-        for target in job.targets:
+        first_failed = True
+        for number, target in enumerate(job.targets):
             if last is not None and time.monotonic() >= deadline:
                 # Out of time with gateways untried: one of them may yet accept,
                 # whatever the last one said.
                 return dataclasses.replace(last, permanent=False)
             outcome, made = self._knock(job, job.key, target, transport, deadline)
             requests += made
+            if number == 0:
+                # What the first gateway's host said of itself, for its
+                # breaker, whoever answers last (a 404: up, if no gateway).
+                first_failed = not made or is_host_failure(outcome.status)
             last = dataclasses.replace(
                 outcome,
                 duration=clock() - started,
                 requests=requests,
-                elsewhere=target is not job.targets[0]
+                elsewhere=number > 0
                 and addresses.host_of(target) != addresses.host_of(job.targets[0]),
+                first_failed=first_failed,
             )
             if last.delivered:
                 return last
