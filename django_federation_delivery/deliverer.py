@@ -144,6 +144,8 @@ class Deliverer:
         self._stopped_at: float | None = None
         #: Stopping, whether what is in flight is left to its lease, unwaited.
         self._left_in_flight = False
+        #: Stopping, whether a write left outcomes another transaction held.
+        self._held_by_others = False
         #: Stopping, when any other wait on a database that is away ends:
         #: ``STOPPING_GRACE`` after the stop (the upkeep's statements, with
         #: nothing to write, were each waited out whole, up to 5 s each).
@@ -326,6 +328,7 @@ class Deliverer:
             self._next_progress = time.monotonic() + self.progress_interval
             self._stop_waits_end = None
             self._stopped_at, self._left_in_flight = None, False
+            self._held_by_others = False
             while True:
                 if self.stopping and self._stop_waits_end is None:
                     self._stopped_at = time.monotonic()
@@ -611,7 +614,16 @@ class Deliverer:
                     self.kinds.longest,
                 )
             return True
-        if self.outbox or self.slots.in_flight:
+        if self._held_by_others and self.outbox and not self._db.failing:
+            logger.warning(
+                "Stopping with %d outcomes unwritten: another transaction held their "
+                "rows for %g s (a send in their sequence, not yet committed). Their "
+                "deliveries come due again once their lease runs out, and some may be "
+                "sent again",
+                len(self.outbox),
+                STOPPING_GRACE,
+            )
+        elif self.outbox or self.slots.in_flight:
             logger.warning(
                 "Stopping with %d outcomes unwritten and %d attempts in flight: the "
                 "database took no write for %g s. Their deliveries come due again once "
@@ -749,7 +761,15 @@ class Deliverer:
         waiting = bool(self.outbox)
         if self.outbox.flush():
             self._forget_out_of_hand()
-            if self._leave_at is not None:
+            if self.stopping and self.outbox:
+                # What another transaction held (a view's, still open: busy)
+                # is tried again, until the grace ends once nothing is in
+                # flight (whose outcomes the database takes), and no longer.
+                self._held_by_others = True
+                if self._leave_at is None and not self.slots.in_flight:
+                    self._leave_at = time.monotonic() + STOPPING_GRACE
+                    self._end_waits_by(self._leave_at)
+            elif self._leave_at is not None:
                 self._leave_at = None
                 self._end_waits_by(self._stop_waits_end)
             if self.breakers is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -439,7 +440,10 @@ def test_two_queues_in_two_schemas_of_one_database_hold_their_locks_apart(
 
 @pytest.mark.django_db(transaction=True)
 def test_a_view_holding_its_transaction_after_an_ordered_send_stalls_no_other_delivery(
-    settings: Any, inboxes: Callable[..., Inbox], start_deliverer: Callable[..., RunningDeliverer]
+    settings: Any,
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A view sends a webhook event while the one before it to the same
     destination is in flight, then keeps its transaction open. The settle of
@@ -447,6 +451,7 @@ def test_a_view_holding_its_transaction_after_an_ordered_send_stalls_no_other_de
     thread: nothing else was claimed, sent or written, for any host, until
     the view committed (an unrelated activity waited 13.6 s)."""
     from django_federation_delivery import send, send_webhook
+    from django_federation_delivery.deliverer import STOPPING_GRACE
 
     if connection.vendor != "postgresql":
         pytest.skip("SQLite writes one transaction at a time")
@@ -456,7 +461,7 @@ def test_a_view_holding_its_transaction_after_an_ordered_send_stalls_no_other_de
         **settings.FEDERATION_DELIVERY,
         "WEBHOOKS": {"ops": f"slack+http://127.0.0.2:{hook.port}/services/T1/B1/x1"},
     }
-    start_deliverer()
+    runner = start_deliverer()
     send_webhook("ops", "order.created", {"n": 1})
     wait_until(lambda: len(hook.received) == 1, timeout=10)  # in flight for 1 s
     sent, release = threading.Event(), threading.Event()
@@ -479,11 +484,25 @@ def test_a_view_holding_its_transaction_after_an_ordered_send_stalls_no_other_de
         send(ALICE, {"type": "Create", "id": f"{ALICE}/1", "actor": ALICE}, [inbox.url()])
         wait_until(lambda: len(inbox.received) == 1, timeout=30)
         took = time.monotonic() - started
+        # A stop meanwhile waits for the view's transaction no longer than its grace.
+        stopping = time.monotonic()
+        runner.stop()
+        stop_took = time.monotonic() - stopping
     finally:
         release.set()
         thread.join(30)
     assert took < 5, f"an unrelated activity waited {took:.1f} s for the view's transaction"
-    # The first event is written once the view commits, and the second follows it.
-    wait_until(lambda: len(hook.received) == 2, timeout=20)
+    assert stop_took < STOPPING_GRACE + 2, f"the stop took {stop_took:.1f} s"
+    assert "another transaction held their rows" in caplog.text
+    # Left to its lease; the next deliverer (the lease cut short here) sends
+    # the first event again, then the second after it.
+    Delivery.objects.filter(status=Status.PENDING, after__isnull=True).update(due_at=timezone.now())
+    start_deliverer()
+    wait_until(lambda: len(hook.received) == 3, timeout=20)
     wait_until(lambda: not Delivery.objects.exclude(status=Status.DELIVERED).exists())
-    assert [request.path for request in hook.received] == ["/services/T1/B1/x1"] * 2
+    bodies = [json.loads(request.body)["text"] for request in hook.received]
+    assert [("order.created" in b, "order.updated" in b) for b in bodies] == [
+        (True, False),
+        (True, False),
+        (False, True),
+    ], bodies
