@@ -661,7 +661,7 @@ class Deliverer:
             # nothing else to write, no outbox write would come to flush it.
             self._db(self.breakers.flush)
         busy = self.slots.busy
-        if self.outbox and (not busy or self.outbox.due()):
+        if self.outbox and (not busy or self.outbox.due()) and not self.outbox.deferred():
             if self.outbox.due() or caught_up:
                 self._write()  # not at each lull; a failing database is waited out
             return
@@ -690,7 +690,7 @@ class Deliverer:
             on_failed_instead=self._failed_instead,
             on_superseded=self._superseded,
             # Held by a send not yet committed: written at a later flush.
-            on_busy=self.outbox.keep,
+            on_busy=self.outbox.keep_held,
             using=self.using,
             tried=self._tried,
         )

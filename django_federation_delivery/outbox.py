@@ -42,6 +42,9 @@ class Outbox:
         self._wall_clock = wall_clock
         self._waiting: list[Settlement] = []
         self._since = 0.0
+        #: Not written again before this (the clock's): what another
+        #: transaction held, tried again a moment later, not at every turn.
+        self._not_before = 0.0
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -57,16 +60,23 @@ class Outbox:
 
     def due(self) -> bool:
         """Whether to write now: a write's worth waits, or the first has
-        waited ``within`` seconds."""
-        if not self._waiting:
+        waited ``within`` seconds; never before what another transaction
+        held may be tried again (:meth:`deferred`)."""
+        if not self._waiting or self.deferred():
             return False
         return self.full() or self._clock() - self._since >= self.within
+
+    def deferred(self) -> bool:
+        """Whether what waits is not to be written yet, whatever else: a
+        write left some that another transaction held, a moment ago."""
+        return self._clock() < self._not_before
 
     def until_due(self) -> float:
         """Seconds until :meth:`due` turns true by time alone (1 with nothing waiting)."""
         if not self._waiting:
             return 1.0
-        return max(0.0, self._since + self.within - self._clock())
+        now = self._clock()
+        return max(0.0, self._since + self.within - now, self._not_before - now)
 
     def flush(self) -> bool:
         """Write everything waiting. Returns whether anything was written.
@@ -94,8 +104,21 @@ class Outbox:
 
     def keep(self, settlements: list[Settlement]) -> None:
         """Those of ``settlements`` whose lease still holds, waiting again
-        (for the next flush: one that a write left for later, too)."""
+        for the next flush."""
         now = self._wall_clock()
         for settlement in settlements:
             if settlement.claimed.leased_until > now:
                 self.add(settlement)
+
+    def keep_held(self, settlements: list[Settlement]) -> None:
+        """``settlements``, which a write left as another transaction holds
+        their rows (a send in their sequence, a view's, not yet committed),
+        waiting again, to be written ``within`` seconds from now at the
+        soonest; past their lease too: no claim takes a row while it is
+        held, and once it is let go the write finds its claim still there,
+        or, taken since, gone (written then by none)."""
+        if not settlements:
+            return
+        for settlement in settlements:
+            self.add(settlement)
+        self._not_before = self._clock() + self.within

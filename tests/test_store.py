@@ -1315,3 +1315,20 @@ def test_a_keyed_fan_out_looks_its_sequences_up_before_writing_them() -> None:
             cursor.execute("SET LOCAL statement_timeout = '300ms'")
         batch = send_batch(ALICE, NOTE, many, {"ordering_key": f"{ALICE}/notes/1"})
     assert batch is not None and batch.size == 10_000
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_settle_of_an_ordered_row_deleted_since_its_claim_leaves_nothing_for_later() -> None:
+    # Gone (its batch deleted by an operator) was taken for held by another
+    # transaction: kept, and tried again every moment, for ever.
+    batch = send_batch(
+        ALICE, {"type": "Create"}, ["https://a.example/inbox"], {"ordering_key": "k"}
+    )
+    assert batch is not None
+    (claimed,) = store.claim(1, lease=300)
+    Batch.objects.filter(pk=batch.pk).delete()
+    busy: list[store.Settlement] = []
+    written = store.settle(
+        [store.Settlement(claimed, Status.DELIVERED, 1, ordered=True)], on_busy=busy.extend
+    )
+    assert (written, busy) == (set(), [])

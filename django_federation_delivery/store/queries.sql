@@ -916,10 +916,11 @@ SELECT id FROM {delivery} WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR UPDA
 -- and the pending rows waiting on them, which the settle releases: those
 -- no other transaction holds, locked first, in a statement of their own,
 -- so that the settling statement sees any send that held one before, and
--- waits on none of them. Returns the ids locked, and the rows about to be
+-- waits on none of them. Returns the ids locked, the rows about to be
 -- settled one of whose waiting rows another transaction holds (a send
--- locking it as the last of its sequence, a Delete superseding it): those,
--- and those held themselves, are left for a later settle, never waited
+-- locking it as the last of its sequence, a Delete superseding it), and
+-- those of the rows that are still there: those held up, and those there
+-- that are held themselves, are left for a later settle, never waited
 -- for, as that transaction may be a view's, open as long as it likes. Not
 -- FOR UPDATE: a transaction that made a row wait on one of these takes a
 -- key-share lock on it as it commits (the foreign key), which this must
@@ -934,7 +935,8 @@ locked AS MATERIALIZED (
     ORDER BY id FOR NO KEY UPDATE SKIP LOCKED
 )
 SELECT ARRAY(SELECT id FROM locked),
-    ARRAY(SELECT after_id FROM waiting WHERE id NOT IN (SELECT id FROM locked))
+    ARRAY(SELECT after_id FROM waiting WHERE id NOT IN (SELECT id FROM locked)),
+    ARRAY(SELECT id FROM {delivery} WHERE id = ANY(%(ids)s::bigint[]))
 
 
 -- Settling ----------------------------------------------------------------

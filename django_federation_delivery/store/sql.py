@@ -573,8 +573,9 @@ class Statements:
                 # Those a send holds are left for a later write, never
                 # waited for: the send's transaction is its caller's, and
                 # may stay open as long as its view likes.
-                locked, held_up = self.one("lock_free_deliveries", ids=self.ids(ordered))
-                busy = frozenset(ordered) - set(locked) | set(held_up)
+                locked, held_up, there = self.one("lock_free_deliveries", ids=self.ids(ordered))
+                # One gone (its batch deleted) is no one's to wait for.
+                busy = frozenset(there) - set(locked) | set(held_up)
             if busy:
                 rows = [row for row in rows if row[0] not in busy]
                 final = {id: batch for id, batch in final.items() if id not in busy}
