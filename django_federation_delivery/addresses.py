@@ -621,7 +621,11 @@ def _url_like(value: str) -> bool:
     if scheme[1].lower() in _SPECIAL_SCHEMES:
         return True
     found = _userinfo(text)
-    return found is not None and ":" in text[found[0] : found[1]] and not _SPACE.search(text)
+    if found is None or _SPACE.search(text):
+        return False
+    # A user and a password; or a user alone (a token) before a host with a
+    # dot or a path ("ntfy:tk_TOKEN@ntfy.sh/alerts", not "order:created@v1").
+    return ":" in text[found[0] : found[1]] or bool(_HOST_LIKE.match(text, found[1]))
 
 
 def scheme_and_host(url: str) -> str:
@@ -649,6 +653,12 @@ def _is_host(authority: str) -> bool:
     return bool(host_of(f"https://{authority}/"))
 
 
+#: A host with a dot, or anything before a path: what follows a userinfo
+#: in a URL, not in a word.
+_HOST_LIKE = re.compile(r"[^\s/?#@]*[./]")
+#: A scheme, then what holds a token after a colon ("telegram:123:TOKEN"):
+#: no word of a name or an event type has that much after a second colon.
+_TOKEN_AFTER_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[^\s:@/]*:[^\s@/]{16}")
 #: What a pasted link may begin with, as ``_BEFORE_USERINFO`` skips it.
 _PASTED_BEFORE = re.compile(r"^[\s<\"'(\[]*")
 _SPACE = re.compile(r"\s")
@@ -733,12 +743,15 @@ def quoted(value: object, *, path: bool = False) -> str:
             kept = matched["scheme"]
         if kept != value:
             shown = f"{kept}…" if kept.endswith("/") else f"{kept}/…"
+    elif not path and _TOKEN_AFTER_SCHEME.match(value):
+        # A bot's token after its scheme, no chat nor slashes ("telegram:123:TOKEN").
+        shown = f"{value.partition(':')[0]}:…"
     elif not path:
         host, slash, _ = value.partition("/")
         if slash and "." in host:
             # "hooks.slack.com/services/…": no name or host has a dotted part
-            # before a slash but a URL without its scheme.
-            shown = f"{host}/…"
+            # before a slash but a URL without its scheme; its userinfo out.
+            shown = f"{_without_userinfo(host)}/…"
     # repr() escapes what a terminal would act on, as escaped() does.
     return repr(shown if len(shown) <= MOST_SHOWN else f"{shown[:MOST_SHOWN]}…")
 

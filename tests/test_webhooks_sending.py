@@ -392,6 +392,8 @@ BOT_TOKEN = "4815162342:ABCsecretBotToken_x"
         f"telegram://{BOT_TOKEN}/-1001",
         # Copied with the line's end from a .env file, the slashes lost.
         f"telegram:{BOT_TOKEN}@-1001\n",
+        # The slashes lost, and the chat left out.
+        f"telegram:{BOT_TOKEN}",
     ],
 )
 def test_a_telegram_url_given_for_a_name_never_repeats_the_bot_token(
@@ -408,3 +410,30 @@ def test_a_telegram_url_given_for_a_name_never_repeats_the_bot_token(
         send_webhook(pasted, "alert.raised", {})
     message = str(raised.value)
     assert "ABCsecret" not in message and "telegram:" in message, message
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("pasted", "secret", "shown"),
+    [
+        # matrix://<access token>@<homeserver>/<room>, its slashes lost.
+        (
+            "matrix:syt_SECRETaccessTOKEN@matrix.example/!room:matrix.example",
+            "SECRETaccess",
+            "'matrix:matrix.example/…'",
+        ),
+        # ntfy://<token>@ntfy.sh/<topic>, its slashes lost.
+        ("ntfy:tk_SECRETaccessTOKEN@ntfy.sh/alerts", "SECRETaccess", "'ntfy:ntfy.sh/…'"),
+        # Without its scheme: its host only.
+        ("hunter2SECRET@ntfy.example.com/alerts", "hunter2SECRET", "'ntfy.example.com/…'"),
+    ],
+)
+def test_a_token_before_a_host_given_for_a_name_is_never_repeated(
+    pasted: str, secret: str, shown: str
+) -> None:
+    # A user alone (a token) before its host was taken for a word, as
+    # "order:created@v1" is, and shown whole.
+    with pytest.raises(InvalidDelivery) as raised:
+        send_webhook(pasted, "alert.raised", {})
+    message = str(raised.value)
+    assert secret not in message and shown in message, message
