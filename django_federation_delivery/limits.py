@@ -77,6 +77,8 @@ NOISE = 0.025
 #: this fraction, so that a host whose usual pace changes is not judged by
 #: an old one for ever.
 FORGET = 0.02
+#: The least a host's fastest delivery is taken to be, in seconds.
+FASTEST_FLOOR = 0.001
 #: Seconds before a host is asked again the limit it was halved from;
 #: doubled each time it is halved at or below that again, up to MOST_PROBE_AFTER.
 PROBE_AFTER = 30.0
@@ -204,14 +206,18 @@ class HostLimits:
         if result.delivered:
             # Of the answers that did the work alone: a quick refusal (a 404
             # for an account gone) would make every ordinary answer slow.
+            # Never below a floor: at 0 s (a kind's own result that did not
+            # time itself), it would never grow again.
+            taken = max(seconds, FASTEST_FLOOR)
             found.fastest = (
-                seconds if found.fastest is None else min(seconds, found.fastest * (1 + FORGET))
+                taken if found.fastest is None else min(taken, found.fastest * (1 + FORGET))
             )
         elif answered and result.status not in OVERLOADED and found.fastest is not None:
-            # Forgotten with any other answer too: a host that now only
-            # refuses (a 410 for each account of an instance closing down),
-            # more slowly than it once delivered, is not judged by that for ever.
-            found.fastest *= 1 + FORGET
+            # Forgotten with any other answer too, toward its own time: a
+            # host that now only refuses (a 410 for each account of an
+            # instance closing down), more slowly than it once delivered, is
+            # not judged by that for ever; quicker refusals move nothing.
+            found.fastest = min(found.fastest * (1 + FORGET), max(found.fastest, seconds))
         if found.recovering:
             found.recovering -= 1
         if not answered or result.status in OVERLOADED or slow:

@@ -356,3 +356,35 @@ def test_a_host_refused_at_one_is_sent_two_at_once_again_a_probe_after_its_last(
     clock.now += PROBE_AFTER
     limits.learn(HOST, answered())
     assert limits.limit(HOST) == 2
+
+
+def test_a_zero_duration_delivery_does_not_pin_a_hosts_pace_for_ever() -> None:
+    """A host's first delivery timed at 0.0 s (a kind of the project's own
+    that leaves duration at its default, a coarse clock) made its fastest
+    delivery 0 for ever: every later answer over 25 ms was taken for
+    overload, and the host sent one at a time."""
+    now = [0.0]
+    limits = HostLimits(4, 16, clock=lambda: now[0])
+    limits.learn(HOST, answered(202, 0.0))
+    for _ in range(2000):
+        now[0] += 0.2
+        limits.learn(HOST, answered(202, 0.2))
+    assert limits.limit(HOST) == 16
+
+
+def test_quick_refusals_do_not_blind_a_host_to_its_deliveries_slowing_down() -> None:
+    """Every answer but a 429 or 503 grew a host's fastest delivery by 2 %,
+    even one far quicker: after 1,000 quick 410s (5 ms) a host delivered to
+    in 20 ms had a "fastest delivery" of some 8,000,000 s, and its
+    deliveries slowing a hundredfold (2 s) were no sign of overload."""
+    now = [0.0]
+    limits = HostLimits(4, 16, clock=lambda: now[0])
+    limits.learn(HOST, answered(202, 0.02))
+    for _ in range(1000):
+        now[0] += 0.01
+        limits.learn(HOST, answered(410, 0.005))
+    assert limits.limit(HOST) == 16
+    for _ in range(20):
+        now[0] += 2.0
+        limits.learn(HOST, answered(202, 2.0))
+    assert limits.limit(HOST) < 16, "deliveries 100 times slower than its pace: overload"
