@@ -192,6 +192,14 @@ def readable(job: Job, result: AttemptResult) -> tuple[AttemptResult, str]:
     return crashed(job, f"internal error: the result's {fault}"), fault
 
 
+def delivered_as_told(job: Job, *, duration: float) -> AttemptResult:
+    """A result that says it was delivered, and whose fields could not even
+    be read (their own comparisons raised): delivered, as :func:`readable`
+    keeps one, each other field as a delivered one says it."""
+    neutral = {name: value for name, _fits, _expected, value in _FIELDS}
+    return AttemptResult(job=job, **{**neutral, "duration": duration})
+
+
 def readable_detail(verdict: Verdict) -> tuple[str, str]:
     """``verdict``'s ``detail`` as text, and what was wrong with it ("" when
     nothing was), as :func:`readable` reads a result: bytes (an answer's

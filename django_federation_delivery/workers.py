@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from django_federation_delivery import tracing
 from django_federation_delivery.addresses import escaped
-from django_federation_delivery.attempt import AttemptResult, Job, crashed, overtaken, readable
+from django_federation_delivery.attempt import (
+    AttemptResult,
+    Job,
+    crashed,
+    delivered_as_told,
+    overtaken,
+    readable,
+)
 from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.store.claims import RANK, URGENT, Claimed
 from django_federation_delivery.transport import Connections, Transport, TransportSettings
@@ -332,9 +339,12 @@ def guarded(
         read, fault = readable(job, result)
     except Exception as exc:
         # Its fields read as a kind's code holds them (a number subclass's
-        # own comparisons): whatever that raises fails this attempt alone.
+        # own comparisons): whatever that raises is this attempt's alone;
+        # one that says it was delivered stays delivered, as readable() has it.
         logger.error("Reading the result of an attempt at %s raised %s", what, type(exc).__name__)
         took = time.monotonic() - started
+        if getattr(result, "delivered", None) is True:
+            return delivered_as_told(job, duration=took)
         return crashed(job, f"internal error: {type(exc).__name__}", duration=took)
     if fault and not read.delivered:
         read = dataclasses.replace(read, duration=time.monotonic() - started)

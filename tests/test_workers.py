@@ -30,7 +30,7 @@ from django_federation_delivery.store import Claimed
 from django_federation_delivery.transport import TransportSettings, idle
 from django_federation_delivery.webhooks.deliveries import WebhookDeliveries
 from django_federation_delivery.webhooks.policy import WebhookPolicy
-from django_federation_delivery.workers import InFlight, Workers
+from django_federation_delivery.workers import InFlight, Workers, guarded
 
 from .keys import rsa_key
 from .test_webhooks_attempt import job as webhook_job
@@ -635,3 +635,32 @@ def test_a_keep_alive_connection_unused_for_the_idle_timeout_is_closed_while_its
         assert left == 1, f"{left - 1} connections unused for 1.5 s still open"
     finally:
         connections.close()
+
+
+class _Touchy(float):
+    """A float subclass a kind's own code may hold (a unit type), whose
+    comparison with a plain number raises."""
+
+    def __ge__(self, other: object) -> bool:
+        raise TypeError("compare units, not numbers")
+
+    def __le__(self, other: object) -> bool:
+        raise TypeError("compare units, not numbers")
+
+
+def test_a_delivered_result_whose_duration_cannot_be_compared_stays_delivered() -> None:
+    """A delivered result whose duration's comparisons raise was made a
+    crashed attempt, a passing failure: retried, delivered twice."""
+    job = Job(delivery_id=1)
+    result = AttemptResult(
+        job=job,
+        delivered=True,
+        status=202,
+        error="",
+        permanent=False,
+        retry_after=None,
+        accepted_scheme=None,
+        duration=_Touchy(0.1),
+    )
+    read = guarded(job, lambda: result, started=time.monotonic(), what="delivery 1", by="Kind")
+    assert read.delivered is True and read.error == ""
