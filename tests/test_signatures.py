@@ -600,14 +600,18 @@ def test_from_pem_of_no_pem_or_an_undecodable_one_names_the_key_id(pem: object) 
         assert f"not {type(pem).__name__}" in message, message
 
 
-def test_from_pem_with_its_arguments_swapped_never_shows_the_key(rsa_key: SenderKey) -> None:
+@pytest.mark.parametrize("form", [str, bytes, bytearray, memoryview])
+def test_from_pem_with_its_arguments_swapped_never_shows_the_key(
+    rsa_key: SenderKey, form: type
+) -> None:
     """``from_pem(actor.private_key_pem, key_id)``: the error quoted its
     "key id", the whole private key, into whatever logs or reports it."""
-    pem = pkcs8_pem(rsa_key).decode()
+    pem = pkcs8_pem(rsa_key)
+    given = pem.decode() if form is str else form(pem)
     with pytest.raises(SigningError) as caught:
-        SenderKey.from_pem(pem, RSA_KEY_ID)
+        SenderKey.from_pem(given, RSA_KEY_ID)  # type: ignore[arg-type]
     message = str(caught.value)
-    assert "BEGIN" not in message and pem.splitlines()[1][:20] not in message, message
+    assert "BEGIN" not in message and pem.decode().splitlines()[1][:20] not in message, message
     assert "swapped" in message, message
 
 

@@ -25,9 +25,10 @@ _PEM_MARK = "-----BEGIN"
 def shown(key_id: object) -> str:
     """``key_id`` as an error names it: quoted, unless it is a PEM (a key
     given where its id goes, the arguments swapped), which is never shown."""
-    if isinstance(key_id, str | bytes) and _PEM_MARK in (
-        key_id if isinstance(key_id, str) else key_id.decode("latin-1")
-    ):
+    text = key_id
+    if isinstance(key_id, bytes | bytearray | memoryview):
+        text = bytes(key_id).decode("latin-1")  # every byte as it was
+    if isinstance(text, str) and _PEM_MARK in text:
         return "a key id that is a PEM key (are the arguments swapped?)"
     return repr(key_id)
 
