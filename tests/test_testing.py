@@ -32,6 +32,7 @@ from django_federation_delivery import (
     send_portable,
     send_webhook,
     signals,
+    testing,
 )
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Delivery, Host, Status
@@ -688,3 +689,51 @@ def test_deliver_all_without_fake_is_answered_by_the_fake_inbox_fixture(
     assert [request.status for request in fake_inbox.received] == [400]
     assert list(Delivery.objects.values_list("status", flat=True)) == [Status.REFUSED]
     assert FakeInbox.current() is fake_inbox
+
+
+class QueryPager(channels.Pager):
+    """A pager whose service takes an alert as an HTTP QUERY (or any method
+    of its own: json_request takes any)."""
+
+    name = "querypager"
+    schemes = ("querypager", "querypager+http")
+
+    def request(self, destination: Any, event: Any, *, now: float) -> Any:
+        return self.json_request(destination, {"dedup_key": event.id}, method="QUERY")
+
+
+def test_the_fake_answers_every_method_as_readme_says(settings: Any, fake_inbox: FakeInbox) -> None:
+    """A kind sending a method the fake did not list (QUERY, PROPFIND,
+    PURGE) was never answered: its event was left retrying, "connection
+    failed", and the fake received nothing."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": [f"{__name__}.QueryPager"],
+        "WEBHOOKS": {"oncall": f"querypager://{PAGER_KEY}@pager.example/v2/enqueue"},
+    }
+    send_webhook("oncall", "alert.raised", {"n": 1})
+    deliver_all(fake=fake_inbox)
+    assert [request.method for request in fake_inbox.received] == ["QUERY"]
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
+
+
+def test_a_fake_left_started_by_an_earlier_test_does_not_answer_the_next(settings: Any) -> None:
+    """A test that started a FakeInbox by hand, told it answer(400), and
+    failed before its stop(): every later test's deliver_all() was answered
+    by it (400, refused), not by a fresh fake (202)."""
+    leaked = FakeInbox().start()
+    try:
+        leaked.answer(400)
+        # "The earlier test" failed here; the plugin starts the next test:
+        testing.forget_kept()
+        settings.FEDERATION_DELIVERY = {
+            **settings.FEDERATION_DELIVERY,
+            "CHANNELS": ["tests.channels.Pager"],
+            "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
+        }
+        send_webhook("oncall", "alert.raised", {"n": 1})
+        deliver_all()
+        assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
+        assert leaked.received == [], "the earlier test's fake received the next test's request"
+    finally:
+        leaked.stop()

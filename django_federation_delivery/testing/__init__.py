@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, SupportsIndex, overload
@@ -289,7 +290,9 @@ def forget_kept() -> None:
     """Forget what this process keeps from one test to the next, so that a
     test passes or fails whatever ran before it: the hosts marked
     unavailable, which a send reads once a minute (``availability.py``),
-    read again from the test's own database at its first send. The helpers
+    read again from the test's own database at its first send; and the
+    fakes started before it, one a failed test left started among them,
+    which no :func:`deliver_all` of its uses. The helpers
     call it as each test starts (:func:`capture`, the mixin, the pytest
     plugin). The rest a process keeps is a deliverer's own (senders' keys,
     paused hosts, learned schemes), gone with it at the end of
@@ -297,6 +300,11 @@ def forget_kept() -> None:
     from django_federation_delivery import availability
 
     availability.forget_known()
+    # A fake an earlier test left started answers nothing of this one's (and
+    # only where the testing extra's fake was ever imported).
+    fake = sys.modules.get("django_federation_delivery.testing.fake")
+    if fake is not None:
+        fake.forget_started()
 
 
 def stop_capturing() -> None:
