@@ -623,9 +623,13 @@ def _url_like(value: str) -> bool:
     found = _userinfo(text)
     if found is None or _SPACE.search(text):
         return False
-    # A user and a password; or a user alone (a token) before a host with a
-    # dot or a path ("ntfy:tk_TOKEN@ntfy.sh/alerts", not "order:created@v1").
-    return ":" in text[found[0] : found[1]] or bool(_HOST_LIKE.match(text, found[1]))
+    # A user and a password; or a user alone (a token) before a host, a
+    # name with a dot ("ntfy:tk_TOKEN@ntfy.sh/alerts"; not "order:created@v1",
+    # nor "order:created@v1.2", which is no host).
+    if ":" in text[found[0] : found[1]]:
+        return True
+    authority = re.split(r"[/\\?#]", text[found[1] :], maxsplit=1)[0]
+    return "." in authority and _is_host(authority)
 
 
 def scheme_and_host(url: str) -> str:
@@ -653,12 +657,10 @@ def _is_host(authority: str) -> bool:
     return bool(host_of(f"https://{authority}/"))
 
 
-#: A host with a dot, or anything before a path: what follows a userinfo
-#: in a URL, not in a word.
-_HOST_LIKE = re.compile(r"[^\s/?#@]*[./]")
-#: A scheme, then what holds a token after a colon ("telegram:123:TOKEN"):
-#: no word of a name or an event type has that much after a second colon.
-_TOKEN_AFTER_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[^\s:@/]*:[^\s@/]{16}")
+#: A scheme, then a bot's token (digits, a colon, 16 or more of a token's
+#: characters: "telegram:123:TOKEN"), as no name, event type, time or IPv6
+#: address is.
+_TOKEN_AFTER_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[0-9]+:[A-Za-z0-9_-]{16}")
 #: What a pasted link may begin with, as ``_BEFORE_USERINFO`` skips it.
 _PASTED_BEFORE = re.compile(r"^[\s<\"'(\[]*")
 _SPACE = re.compile(r"\s")

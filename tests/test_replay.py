@@ -985,3 +985,13 @@ def test_a_replay_run_again_once_what_it_replayed_was_taken_back_queues_nothing(
     assert delete is not None
     settle(delete, Status.DELIVERED, timezone.now())
     assert [b for b in replay(host="a.example", since=since) if b.created] == []
+
+
+@pytest.mark.django_db
+def test_delivery_replay_names_an_ipv6_host_whole() -> None:
+    """``delivery_replay --host fd00::dead:beef:cafe:1`` for a host never sent
+    to says "no host named 'fd00:…' has been sent to": the IPv6 address
+    the operator typed is cut, as if it held a token."""
+    with pytest.raises(CommandError) as raised:
+        call_command("delivery_replay", "--host", "fd00::dead:beef:cafe:1", "--since", "2h")
+    assert "fd00::dead:beef:cafe:1" in str(raised.value)
