@@ -737,3 +737,22 @@ def test_a_fake_left_started_by_an_earlier_test_does_not_answer_the_next(setting
         assert leaked.received == [], "the earlier test's fake received the next test's request"
     finally:
         leaked.stop()
+
+
+def test_fake_inbox_then_delivery_outbox_fixture_still_answers(
+    settings: Any, fake_inbox: FakeInbox, delivery_outbox: list[Any]
+) -> None:
+    """A test asking for ``fake_inbox`` then ``delivery_outbox`` (both the
+    plugin's fixtures) told its fake answer(400); deliver_all() was answered
+    by a new fake accepting everything instead: the delivery DELIVERED, the
+    test's fake received nothing."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager"],
+        "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
+    }
+    fake_inbox.answer(400)
+    send_webhook("oncall", "alert.raised", {"n": 1})
+    deliver_all()
+    assert [request.status for request in fake_inbox.received] == [400]
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.REFUSED]
