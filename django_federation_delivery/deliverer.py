@@ -661,6 +661,11 @@ class Deliverer:
             # nothing else to write, no outbox write would come to flush it.
             self._db(self.breakers.flush)
         busy = self.slots.busy
+        if self.outbox and self.outbox.deferred() and not busy and self.intake.caught_up:
+            # What another transaction held, and what came back since, are
+            # written a moment from now: not after an idle poll.
+            self.intake.wait(min(self.outbox.until_due(), self.new_work_poll))
+            return
         if self.outbox and (not busy or self.outbox.due()) and not self.outbox.deferred():
             if self.outbox.due() or caught_up:
                 self._write()  # not at each lull; a failing database is waited out

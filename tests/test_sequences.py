@@ -556,3 +556,31 @@ def test_an_idle_deliverer_tries_a_row_a_view_holds_again_now_and_then_not_at_ea
         during = [at for at in calls if since <= at < since + 2]
     wait_until(lambda: Delivery.objects.filter(status=Status.DELIVERED).count() == 2)
     assert len(during) <= 40, f"{len(during)} settles in 2 s while the view held the row"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_fresh_outcome_is_written_soon_while_a_view_holds_another_row(
+    settings: Any,
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+) -> None:
+    """A view keeps open its transaction after sending a webhook event whose
+    predecessor was just answered (its outcome left held). An unrelated
+    activity sent meanwhile is answered 202 at once, yet its row stays
+    PENDING (claimed) for up to IDLE_POLL_SECONDS (30 s): the idle deliverer
+    sleeps its idle poll with the outbox deferred, never waking when it is
+    due again."""
+    from django_federation_delivery import send
+
+    if connection.vendor != "postgresql":
+        pytest.skip("rows left busy are PostgreSQL's")
+    inbox = inboxes("127.0.0.3")
+    with view_holding_the_next_event(settings, inboxes, start_deliverer):
+        send(ALICE, {"type": "Create", "id": f"{ALICE}/1", "actor": ALICE}, [inbox.url()])
+        wait_until(lambda: len(inbox.received) == 1, timeout=10)
+        answered = time.monotonic()
+        delivered = Delivery.objects.filter(inbox=inbox.url(), status=Status.DELIVERED)
+        while not delivered.exists() and time.monotonic() - answered < 8:
+            time.sleep(0.1)
+        took = time.monotonic() - answered
+    assert took < 5, f"the answered activity was written as delivered only after {took:.1f} s"
