@@ -673,9 +673,13 @@ def test_the_fake_answers_a_kind_of_ones_own_whatever_its_method(
     assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
 
 
+@pytest.mark.parametrize("outbox_after", [False, True], ids=["alone", "then delivery_outbox"])
 def test_deliver_all_without_fake_is_answered_by_the_fake_inbox_fixture(
-    settings: Any, fake_inbox: FakeInbox
+    settings: Any, fake_inbox: FakeInbox, request: pytest.FixtureRequest, outbox_after: bool
 ) -> None:
+    # Asked for after fake_inbox, delivery_outbox forgot the test's own fake.
+    if outbox_after:
+        request.getfixturevalue("delivery_outbox")
     # It started a fake of its own over the fixture's, which answered 202:
     # the fixture's answer(400) was ignored, and it received nothing.
     settings.FEDERATION_DELIVERY = {
@@ -737,22 +741,3 @@ def test_a_fake_left_started_by_an_earlier_test_does_not_answer_the_next(setting
         assert leaked.received == [], "the earlier test's fake received the next test's request"
     finally:
         leaked.stop()
-
-
-def test_fake_inbox_then_delivery_outbox_fixture_still_answers(
-    settings: Any, fake_inbox: FakeInbox, delivery_outbox: list[Any]
-) -> None:
-    """A test asking for ``fake_inbox`` then ``delivery_outbox`` (both the
-    plugin's fixtures) told its fake answer(400); deliver_all() was answered
-    by a new fake accepting everything instead: the delivery DELIVERED, the
-    test's fake received nothing."""
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "CHANNELS": ["tests.channels.Pager"],
-        "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
-    }
-    fake_inbox.answer(400)
-    send_webhook("oncall", "alert.raised", {"n": 1})
-    deliver_all()
-    assert [request.status for request in fake_inbox.received] == [400]
-    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.REFUSED]

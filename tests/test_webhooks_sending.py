@@ -440,30 +440,29 @@ def test_a_token_before_a_host_given_for_a_name_is_never_repeated(
 
 
 @pytest.mark.django_db
-def test_an_invalid_event_type_with_a_dotted_version_is_named_whole(settings: Any) -> None:
-    """send_webhook(..., "order:created@v1.2", ...) is refused (not a simple
-    name) with "The event type 'order:/…' is not a simple name": the user
-    cannot see which event type was wrong."""
+@pytest.mark.parametrize(
+    ("destination", "event_type", "named"),
+    [
+        # An event type with a dotted version, taken for a user before a host.
+        ("oncall", "order:created@v1.2", "'order:created@v1.2'"),
+        # A mistyped name with colons, taken for a bot's token.
+        (
+            "ops:alerts:production-europe-west1",
+            "alert.raised",
+            "'ops:alerts:production-europe-west1'",
+        ),
+    ],
+)
+def test_a_value_that_is_no_url_is_named_whole(
+    settings: Any, destination: str, event_type: str, named: str
+) -> None:
+    # Refused, it was named cut ("'order:/…'", "'ops:…'"): the user could
+    # not see which value was wrong.
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
         "CHANNELS": ["tests.channels.Pager"],
         "WEBHOOKS": {"oncall": "pager://routingKEY4b7c9@pager.example/v2/enqueue"},
     }
     with pytest.raises(InvalidDelivery) as raised:
-        send_webhook("oncall", "order:created@v1.2", {"n": 1})
-    assert "'order:created@v1.2'" in str(raised.value)
-
-
-@pytest.mark.django_db
-def test_a_mistyped_destination_name_with_colons_is_named_whole(settings: Any) -> None:
-    """send_webhook("ops:alerts:production-europe-west1", ...) with no such
-    destination says "no webhook destination named 'ops:…'": the name the
-    user mistyped is cut to its first word, as if it held a bot's token."""
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "CHANNELS": ["tests.channels.Pager"],
-        "WEBHOOKS": {"oncall": "pager://routingKEY4b7c9@pager.example/v2/enqueue"},
-    }
-    with pytest.raises(InvalidDelivery) as raised:
-        send_webhook("ops:alerts:production-europe-west1", "alert.raised", {"n": 1})
-    assert "'ops:alerts:production-europe-west1'" in str(raised.value)
+        send_webhook(destination, event_type, {"n": 1})
+    assert named in str(raised.value)
