@@ -623,13 +623,16 @@ def _url_like(value: str) -> bool:
     found = _userinfo(text)
     if found is None or _SPACE.search(text):
         return False
-    # A user and a password; or a user alone (a token) before a host, a
-    # name with a dot ("ntfy:tk_TOKEN@ntfy.sh/alerts"; not "order:created@v1",
-    # nor "order:created@v1.2", which is no host).
+    # A user and a password; or a user alone (a token) before a host with a
+    # dot, or any host before a path ("ntfy:tk_TOKEN@ntfy.sh",
+    # "ntfy:tk_TOKEN@localhost/alerts"; not "order:created@v1", nor
+    # "order:created@v1.2", which is no host).
     if ":" in text[found[0] : found[1]]:
         return True
-    authority = re.split(r"[/\\?#]", text[found[1] :], maxsplit=1)[0]
-    return "." in authority and _is_host(authority)
+    rest = text[found[1] :]
+    authority = re.split(r"[/\\?#]", rest, maxsplit=1)[0]
+    path = rest[len(authority) : len(authority) + 1] in ("/", "\\")
+    return ("." in authority or path) and _is_host(authority)
 
 
 def scheme_and_host(url: str) -> str:
@@ -657,10 +660,10 @@ def _is_host(authority: str) -> bool:
     return bool(host_of(f"https://{authority}/"))
 
 
-#: A scheme, then a bot's token (digits, a colon, 16 or more of a token's
-#: characters: "telegram:123:TOKEN"), as no name, event type, time or IPv6
-#: address is.
-_TOKEN_AFTER_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[0-9]+:[A-Za-z0-9_-]{16}")
+#: A scheme, then a bot's token (digits, "bot" before them or not, a colon,
+#: 16 or more of a token's characters: "telegram:123:TOKEN"), as no name,
+#: event type, time or IPv6 address is.
+_TOKEN_AFTER_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:(?:bot)?[0-9]+:[A-Za-z0-9_-]{16}")
 #: What a pasted link may begin with, as ``_BEFORE_USERINFO`` skips it.
 _PASTED_BEFORE = re.compile(r"^[\s<\"'(\[]*")
 _SPACE = re.compile(r"\s")
@@ -745,9 +748,9 @@ def quoted(value: object, *, path: bool = False) -> str:
             kept = matched["scheme"]
         if kept != value:
             shown = f"{kept}…" if kept.endswith("/") else f"{kept}/…"
-    elif not path and _TOKEN_AFTER_SCHEME.match(value):
+    elif not path and _TOKEN_AFTER_SCHEME.match(pasted := _PASTED_BEFORE.sub("", value, count=1)):
         # A bot's token after its scheme, no chat nor slashes ("telegram:123:TOKEN").
-        shown = f"{value.partition(':')[0]}:…"
+        shown = f"{pasted.partition(':')[0]}:…"
     elif not path:
         host, slash, _ = value.partition("/")
         if slash and "." in host:

@@ -392,8 +392,12 @@ BOT_TOKEN = "4815162342:ABCsecretBotToken_x"
         f"telegram://{BOT_TOKEN}/-1001",
         # Copied with the line's end from a .env file, the slashes lost.
         f"telegram:{BOT_TOKEN}@-1001\n",
-        # The slashes lost, and the chat left out.
+        # The slashes lost, and the chat left out; its API's "bot" form;
+        # pasted after a space, or in angle brackets.
         f"telegram:{BOT_TOKEN}",
+        f"telegram:bot{BOT_TOKEN}",
+        f" telegram:{BOT_TOKEN}",
+        f"<telegram:{BOT_TOKEN}>",
     ],
 )
 def test_a_telegram_url_given_for_a_name_never_repeats_the_bot_token(
@@ -422,8 +426,20 @@ def test_a_telegram_url_given_for_a_name_never_repeats_the_bot_token(
             "SECRETaccess",
             "'matrix:matrix.example/…'",
         ),
-        # ntfy://<token>@ntfy.sh/<topic>, its slashes lost.
+        # ntfy://<token>@ntfy.sh/<topic>, its slashes lost; a host with no
+        # dot (a compose service's name, localhost, an IP literal) too.
         ("ntfy:tk_SECRETaccessTOKEN@ntfy.sh/alerts", "SECRETaccess", "'ntfy:ntfy.sh/…'"),
+        ("ntfy:tk_SECRETaccessTOKEN@localhost/alerts", "SECRETaccess", "'ntfy:localhost/…'"),
+        (
+            "ntfy:tk_SECRETaccessTOKEN@[::1]:8080/alerts",
+            "SECRETaccess",
+            "'ntfy:[::1]:8080/…'",
+        ),
+        (
+            "matrix:syt_SECRETaccessTOKEN@synapse/!room:matrix.example",
+            "SECRETaccess",
+            "'matrix:synapse/…'",
+        ),
         # Without its scheme: its host only.
         ("hunter2SECRET@ntfy.example.com/alerts", "hunter2SECRET", "'ntfy.example.com/…'"),
     ],
