@@ -28,15 +28,28 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(autouse=True)
-def _delivery_state_forgotten() -> None:
+def _delivery_state_forgotten() -> Iterator[None]:
     """Every test of the project, whatever fixtures it asks for, starts with
     nothing a test before left in the process's memory (the hosts marked
-    unavailable: ``testing.forget_kept``). Where the package was never
-    imported, there is nothing to forget, and nothing is imported."""
+    unavailable: ``testing.forget_kept``), and ends with no fake receiver
+    it started left started (one it failed before stopping would answer
+    the next tests, and patch their requests; one a wider fixture started
+    before it is left). Where the package was never imported, there is
+    nothing to forget, and nothing is imported."""
     if "django_federation_delivery.availability" in sys.modules:
         from django_federation_delivery import testing
 
         testing.forget_kept()
+    fake = sys.modules.get(FAKE)
+    mark = fake.started_mark() if fake is not None else -1
+    yield
+    fake = sys.modules.get(FAKE)
+    if fake is not None:
+        fake.stop_started_since(mark)
+
+
+#: The fake receivers' module, imported only where the testing extra is used.
+FAKE = "django_federation_delivery.testing.fake"
 
 
 @pytest.fixture

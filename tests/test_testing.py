@@ -14,7 +14,7 @@ import sys
 import textwrap
 import time
 import unittest
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,6 @@ from django_federation_delivery import (
     send_portable,
     send_webhook,
     signals,
-    testing,
 )
 from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.models import Delivery, Host, Status
@@ -724,20 +723,44 @@ def test_the_fake_answers_every_method_as_readme_says(settings: Any, fake_inbox:
 def test_a_fake_left_started_by_an_earlier_test_does_not_answer_the_next(settings: Any) -> None:
     """A test that started a FakeInbox by hand, told it answer(400), and
     failed before its stop(): every later test's deliver_all() was answered
-    by it (400, refused), not by a fresh fake (202)."""
+    by it (400, refused), not by a fresh fake (202). The plugin now stops,
+    as a test ends, what the test left started."""
+    from django_federation_delivery.testing import fake
+
+    mark = fake.started_mark()
     leaked = FakeInbox().start()
-    try:
-        leaked.answer(400)
-        # "The earlier test" failed here; the plugin starts the next test:
-        testing.forget_kept()
-        settings.FEDERATION_DELIVERY = {
-            **settings.FEDERATION_DELIVERY,
-            "CHANNELS": ["tests.channels.Pager"],
-            "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
-        }
-        send_webhook("oncall", "alert.raised", {"n": 1})
-        deliver_all()
-        assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
-        assert leaked.received == [], "the earlier test's fake received the next test's request"
-    finally:
-        leaked.stop()
+    leaked.answer(400)
+    # "The earlier test" failed here; the plugin ends it.
+    assert fake.stop_started_since(mark) == [leaked] and not leaked.active
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager"],
+        "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
+    }
+    send_webhook("oncall", "alert.raised", {"n": 1})
+    deliver_all()
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
+    assert leaked.received == [], "the earlier test's fake received the next test's request"
+
+
+@pytest.fixture(scope="module")
+def module_fake() -> Iterator[FakeInbox]:
+    with FakeInbox() as started:
+        yield started
+
+
+def test_deliver_all_without_fake_is_answered_by_a_module_scoped_fake(
+    settings: Any, module_fake: FakeInbox
+) -> None:
+    """A fake a module's fixture started, told answer(400): it was forgotten
+    as each test began, and deliver_all() answered by a new fake (202)."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["tests.channels.Pager"],
+        "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
+    }
+    module_fake.answer(400)
+    send_webhook("oncall", "alert.raised", {"n": 1})
+    deliver_all()
+    assert [request.status for request in module_fake.received] == [400]
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.REFUSED]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, SupportsIndex, overload
@@ -279,23 +278,19 @@ _UID = "django_federation_delivery.testing.outbox"
 def capture() -> list[Outgoing]:
     """Empty :data:`outbox` and list in it what each send queues from now on.
     Returns the outbox. What the process kept from a test before is
-    forgotten too (:func:`forget_kept`), but the fakes started: the test's
-    own may be among them."""
-    forget_kept(fakes=False)
+    forgotten too (:func:`forget_kept`)."""
+    forget_kept()
     outbox.clear()
     post_save.connect(_captured, sender=Batch, dispatch_uid=_UID, weak=False)
     return outbox
 
 
-def forget_kept(*, fakes: bool = True) -> None:
+def forget_kept() -> None:
     """Forget what this process keeps from one test to the next, so that a
     test passes or fails whatever ran before it: the hosts marked
     unavailable, which a send reads once a minute (``availability.py``),
-    read again from the test's own database at its first send; and the
-    fakes started before it, one a failed test left started among them,
-    which no :func:`deliver_all` of its uses (unless ``fakes`` is false: as
-    :func:`capture` calls it, which may come after the test's own fake was
-    started, the ``delivery_outbox`` fixture after ``fake_inbox``). The helpers
+    read again from the test's own database at its first send (a fake a
+    test left started is stopped as it ends, by the pytest plugin). The helpers
     call it as each test starts (:func:`capture`, the mixin, the pytest
     plugin). The rest a process keeps is a deliverer's own (senders' keys,
     paused hosts, learned schemes), gone with it at the end of
@@ -303,11 +298,6 @@ def forget_kept(*, fakes: bool = True) -> None:
     from django_federation_delivery import availability
 
     availability.forget_known()
-    # A fake an earlier test left started answers nothing of this one's (and
-    # only where the testing extra's fake was ever imported).
-    fake = sys.modules.get("django_federation_delivery.testing.fake")
-    if fakes and fake is not None:
-        fake.forget_started()
 
 
 def stop_capturing() -> None:
@@ -362,8 +352,7 @@ class DeliveryTestMixin:
         from django_federation_delivery.testing.fake import FakeInbox
 
         super().setUp()  # type: ignore[misc]
-        # What an earlier test left in the process forgotten, its fakes too.
-        forget_kept()
+        # What an earlier test left in the process forgotten too (forget_kept).
         self.delivery_outbox = capture()
         self.addCleanup(stop_capturing)  # type: ignore[attr-defined]
         self.fake_inbox = FakeInbox()

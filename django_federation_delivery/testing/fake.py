@@ -26,6 +26,7 @@ import dataclasses
 import datetime as dt
 import email.utils
 import hashlib
+import itertools
 import math
 import re
 import threading
@@ -47,15 +48,26 @@ __all__ = ["FakeInbox", "Received"]
 EXPIRES_AFTER = 5 * 60
 CLOCK_SKEW = 3600
 _ANY = re.compile(r"https?://.*")
-#: The fakes started and not stopped in this test, the last the one answering.
+#: The fakes started and not stopped, the last the one answering; and how
+#: many were started in all, each numbered so.
 _STARTED: list[FakeInbox] = []
+_NUMBERED = itertools.count()
 
 
-def forget_started() -> None:
-    """Forget the fakes started before now, as a test begins: one an earlier
-    test left started (it failed before its ``stop()``) answers none of this
-    test's :func:`~django_federation_delivery.testing.deliver_all`."""
-    _STARTED.clear()
+def started_mark() -> int:
+    """A mark of the fakes started so far: see :func:`stop_started_since`."""
+    return next(_NUMBERED)
+
+
+def stop_started_since(mark: int) -> list[FakeInbox]:
+    """Stop the fakes started since ``mark`` and not stopped (by a test
+    that failed before its ``stop()``), as a test ends: none answers a
+    later test, nor patches its requests. Those a wider fixture started
+    before it are left. Returns those stopped."""
+    left = [fake for fake in _STARTED if fake._number > mark]
+    for fake in left:
+        fake.stop()
+    return left
 
 
 class _EveryMethod(responses.CallbackResponse):
@@ -112,6 +124,8 @@ class FakeInbox:
         self.using: str | None = None
         self._rules: list[_Rule] = []
         self._mock: responses.RequestsMock | None = None
+        #: Its place among the fakes started (:func:`stop_started_since`).
+        self._number = -1
 
     @property
     def active(self) -> bool:
@@ -130,6 +144,7 @@ class FakeInbox:
         mock.add(_EveryMethod("POST", _ANY, callback=self._answer))
         mock.start()
         self._mock = mock
+        self._number = next(_NUMBERED)
         _STARTED.append(self)
         return self
 
