@@ -652,46 +652,15 @@ class PatchPager(channels.Pager):
 PAGER_KEY = "routingKEY4b7c9"
 
 
-@pytest.mark.parametrize("kind", ["PatchPager", "Pager"])
-def test_the_fake_answers_a_kind_of_ones_own_whatever_its_method(
-    settings: Any, fake_inbox: FakeInbox, kind: str
-) -> None:
-    # A kind that PATCHes was never answered: responses refused the
-    # connection, and the event was left retrying, "connection failed".
-    path = f"{__name__}.{kind}" if kind == "PatchPager" else f"tests.channels.{kind}"
-    scheme = "patchpager" if kind == "PatchPager" else "pager"
+def send_to_pager(settings: Any, kind: str = "tests.channels.Pager", scheme: str = "pager") -> None:
+    """One event sent to a destination of ``kind`` (a class's dotted path),
+    its URL under ``scheme``."""
     settings.FEDERATION_DELIVERY = {
         **settings.FEDERATION_DELIVERY,
-        "CHANNELS": [path],
+        "CHANNELS": [kind],
         "WEBHOOKS": {"oncall": f"{scheme}://{PAGER_KEY}@pager.example/v2/enqueue"},
     }
     send_webhook("oncall", "alert.raised", {"n": 1})
-    deliver_all(fake=fake_inbox)
-    method = "PATCH" if kind == "PatchPager" else "POST"
-    assert [request.method for request in fake_inbox.received] == [method]
-    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
-
-
-@pytest.mark.parametrize("outbox_after", [False, True], ids=["alone", "then delivery_outbox"])
-def test_deliver_all_without_fake_is_answered_by_the_fake_inbox_fixture(
-    settings: Any, fake_inbox: FakeInbox, request: pytest.FixtureRequest, outbox_after: bool
-) -> None:
-    # Asked for after fake_inbox, delivery_outbox forgot the test's own fake.
-    if outbox_after:
-        request.getfixturevalue("delivery_outbox")
-    # It started a fake of its own over the fixture's, which answered 202:
-    # the fixture's answer(400) was ignored, and it received nothing.
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "CHANNELS": ["tests.channels.Pager"],
-        "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
-    }
-    fake_inbox.answer(400)
-    send_webhook("oncall", "alert.raised", {"n": 1})
-    deliver_all()
-    assert [request.status for request in fake_inbox.received] == [400]
-    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.REFUSED]
-    assert FakeInbox.current() is fake_inbox
 
 
 class QueryPager(channels.Pager):
@@ -705,18 +674,24 @@ class QueryPager(channels.Pager):
         return self.json_request(destination, {"dedup_key": event.id}, method="QUERY")
 
 
-def test_the_fake_answers_every_method_as_readme_says(settings: Any, fake_inbox: FakeInbox) -> None:
-    """A kind sending a method the fake did not list (QUERY, PROPFIND,
-    PURGE) was never answered: its event was left retrying, "connection
-    failed", and the fake received nothing."""
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "CHANNELS": [f"{__name__}.QueryPager"],
-        "WEBHOOKS": {"oncall": f"querypager://{PAGER_KEY}@pager.example/v2/enqueue"},
-    }
-    send_webhook("oncall", "alert.raised", {"n": 1})
+@pytest.mark.parametrize(
+    ("kind", "scheme", "method"),
+    [
+        ("tests.channels.Pager", "pager", "POST"),
+        (f"{__name__}.PatchPager", "patchpager", "PATCH"),
+        (f"{__name__}.QueryPager", "querypager", "QUERY"),
+    ],
+    ids=["POST", "PATCH", "QUERY"],
+)
+def test_the_fake_answers_a_kind_of_ones_own_whatever_its_method(
+    settings: Any, fake_inbox: FakeInbox, kind: str, scheme: str, method: str
+) -> None:
+    # A kind sending another method than the fake listed (PATCH, then QUERY,
+    # PROPFIND) was never answered: responses refused the connection, and
+    # the event was left retrying, "connection failed".
+    send_to_pager(settings, kind, scheme)
     deliver_all(fake=fake_inbox)
-    assert [request.method for request in fake_inbox.received] == ["QUERY"]
+    assert [request.method for request in fake_inbox.received] == [method]
     assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
 
 
@@ -732,12 +707,7 @@ def test_a_fake_left_started_by_an_earlier_test_does_not_answer_the_next(setting
     leaked.answer(400)
     # "The earlier test" failed here; the plugin ends it.
     assert fake.stop_started_since(mark) == [leaked] and not leaked.active
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "CHANNELS": ["tests.channels.Pager"],
-        "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
-    }
-    send_webhook("oncall", "alert.raised", {"n": 1})
+    send_to_pager(settings)
     deliver_all()
     assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
     assert leaked.received == [], "the earlier test's fake received the next test's request"
@@ -749,18 +719,24 @@ def module_fake() -> Iterator[FakeInbox]:
         yield started
 
 
-def test_deliver_all_without_fake_is_answered_by_a_module_scoped_fake(
-    settings: Any, module_fake: FakeInbox
+# Last in the module: its module's fake answers what it does not, until the module ends.
+@pytest.mark.parametrize(
+    "started_by", ["fake_inbox", "fake_inbox, then delivery_outbox", "a module's fixture"]
+)
+def test_deliver_all_without_fake_is_answered_by_the_fake_the_test_has(
+    settings: Any, request: pytest.FixtureRequest, started_by: str
 ) -> None:
-    """A fake a module's fixture started, told answer(400): it was forgotten
-    as each test began, and deliver_all() answered by a new fake (202)."""
-    settings.FEDERATION_DELIVERY = {
-        **settings.FEDERATION_DELIVERY,
-        "CHANNELS": ["tests.channels.Pager"],
-        "WEBHOOKS": {"oncall": f"pager://{PAGER_KEY}@pager.example/v2/enqueue"},
-    }
-    module_fake.answer(400)
-    send_webhook("oncall", "alert.raised", {"n": 1})
+    # deliver_all() started a fake of its own over the fixture's, which
+    # answered 202: the fixture's answer(400) was ignored, and it received
+    # nothing. Then delivery_outbox, asked for after fake_inbox, forgot the
+    # test's fake; then each test's start forgot a module fixture's.
+    name = "module_fake" if started_by == "a module's fixture" else "fake_inbox"
+    started: FakeInbox = request.getfixturevalue(name)
+    if started_by.endswith("delivery_outbox"):
+        request.getfixturevalue("delivery_outbox")
+    started.answer(400)
+    send_to_pager(settings)
     deliver_all()
-    assert [request.status for request in module_fake.received] == [400]
+    assert [answered.status for answered in started.received] == [400]
     assert list(Delivery.objects.values_list("status", flat=True)) == [Status.REFUSED]
+    assert FakeInbox.current() is started

@@ -33,6 +33,7 @@ from django_federation_delivery.webhooks.policy import WebhookPolicy
 from django_federation_delivery.workers import InFlight, Workers, guarded
 
 from .keys import rsa_key
+from .test_limits import answered
 from .test_webhooks_attempt import job as webhook_job
 
 INBOX = "https://remote.example/inbox"
@@ -651,16 +652,8 @@ class _Touchy(float):
 def test_a_delivered_result_whose_duration_cannot_be_compared_stays_delivered() -> None:
     """A delivered result whose duration's comparisons raise was made a
     crashed attempt, a passing failure: retried, delivered twice."""
-    job = Job(delivery_id=1)
-    result = AttemptResult(
-        job=job,
-        delivered=True,
-        status=202,
-        error="",
-        permanent=False,
-        retry_after=None,
-        accepted_scheme=None,
-        duration=_Touchy(0.1),
+    result = dataclasses.replace(answered(202), duration=_Touchy(0.1))
+    read = guarded(
+        result.job, lambda: result, started=time.monotonic(), what="delivery 1", by="Kind"
     )
-    read = guarded(job, lambda: result, started=time.monotonic(), what="delivery 1", by="Kind")
     assert read.delivered is True and read.error == ""
