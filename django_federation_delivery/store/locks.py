@@ -1,4 +1,5 @@
-"""Locks held in the database, for work that one process at a time may do."""
+"""Locks held in the database, for work that one process at a time may do;
+and a statement stuck on another session's lock, cancelled (a stop's)."""
 
 from __future__ import annotations
 
