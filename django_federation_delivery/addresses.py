@@ -620,19 +620,24 @@ def _url_like(value: str) -> bool:
         return False
     if scheme[1].lower() in _SPECIAL_SCHEMES:
         return True
-    found = _userinfo(text)
-    if found is None or _SPACE.search(text):
+    if _SPACE.search(text):
         return False
+    found = _userinfo(text)
+    if found is None:
+        # A host and a path, its slashes lost ("ntfy:ntfy/TOPIC",
+        # "ntfy+http:localhost:8080/TOPIC": the path is the secret).
+        authority = re.split(r"[/\\?#]", text[scheme.end() :], maxsplit=1)[0]
+        return text[scheme.end() + len(authority) :][:1] in ("/", "\\") and _is_host(authority)
     # A user and a password; or a user alone (a token) before a host with a
-    # dot, or any host before a path ("ntfy:tk_TOKEN@ntfy.sh",
-    # "ntfy:tk_TOKEN@localhost/alerts"; not "order:created@v1", nor
-    # "order:created@v1.2", which is no host).
+    # dot or a port, or any host before a path ("ntfy:tk_TOKEN@ntfy.sh",
+    # "ntfy:tk_TOKEN@localhost:8080", "ntfy:tk_TOKEN@localhost/alerts"; not
+    # "order:created@v1", nor "order:created@v1.2", which is no host).
     if ":" in text[found[0] : found[1]]:
         return True
     rest = text[found[1] :]
     authority = re.split(r"[/\\?#]", rest, maxsplit=1)[0]
     path = rest[len(authority) : len(authority) + 1] in ("/", "\\")
-    return ("." in authority or path) and _is_host(authority)
+    return ("." in authority or ":" in authority or path) and _is_host(authority)
 
 
 def scheme_and_host(url: str) -> str:
@@ -753,9 +758,10 @@ def quoted(value: object, *, path: bool = False) -> str:
         shown = f"{pasted.partition(':')[0]}:…"
     elif not path:
         host, slash, _ = value.partition("/")
-        if slash and "." in host:
-            # "hooks.slack.com/services/…": no name or host has a dotted part
-            # before a slash but a URL without its scheme; its userinfo out.
+        if slash and ("." in host or ("@" in host and _is_host(host.rpartition("@")[2]))):
+            # "hooks.slack.com/services/…", "tk_TOKEN@localhost:8080/alerts":
+            # no name or host has a dotted part, nor a user, before a slash
+            # but a URL without its scheme; its userinfo out.
             shown = f"{_without_userinfo(host)}/…"
     # repr() escapes what a terminal would act on, as escaped() does.
     return repr(shown if len(shown) <= MOST_SHOWN else f"{shown[:MOST_SHOWN]}…")

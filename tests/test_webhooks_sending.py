@@ -440,8 +440,15 @@ def test_a_telegram_url_given_for_a_name_never_repeats_the_bot_token(
             "SECRETaccess",
             "'matrix:synapse/…'",
         ),
-        # Without its scheme: its host only.
+        # Before a host and a port, no topic yet.
+        ("ntfy:tk_SECRETaccessTOKEN@localhost:8080", "SECRETaccess", "'ntfy:localhost:8080/…'"),
+        # A self-hosted ntfy's topic, no token, its slashes lost.
+        ("ntfy:ntfy/mySECRETtopic", "SECRETtopic", "'ntfy:ntfy/…'"),
+        ("ntfy+http:localhost:8080/mySECRETtopic", "SECRETtopic", "'ntfy+http:localhost:8080/…'"),
+        # Without its scheme: its host only, dotted or not.
         ("hunter2SECRET@ntfy.example.com/alerts", "hunter2SECRET", "'ntfy.example.com/…'"),
+        ("tk_SECRETaccessTOKEN@localhost:8080/alerts", "SECRETaccess", "'localhost:8080/…'"),
+        ("tk_SECRETaccessTOKEN@[::1]:8080/alerts", "SECRETaccess", "'[::1]:8080/…'"),
     ],
 )
 def test_a_token_before_a_host_given_for_a_name_is_never_repeated(
