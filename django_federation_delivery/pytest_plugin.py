@@ -16,6 +16,7 @@ models, and the ``testing`` extra's packages).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -40,16 +41,37 @@ def _delivery_state_forgotten() -> Iterator[None]:
         from django_federation_delivery import testing
 
         testing.forget_kept()
+    with _fakes_started_within("stop_started_since"):
+        yield
+
+
+#: The fake receivers' module, imported only where the testing extra is used.
+FAKE = "django_federation_delivery.testing.fake"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[object]) -> Iterator[None]:
+    """A fake receiver a fixture wider than a test starts (a module's, the
+    session's) is its own, left started as a test that asked for it ends,
+    even when that test set the fixture up (``request.getfixturevalue``)."""
+    if fixturedef.scope == "function":
+        yield
+        return
+    with _fakes_started_within("keep_started_since"):
+        yield
+
+
+@contextlib.contextmanager
+def _fakes_started_within(then: str) -> Iterator[None]:
+    """Call the fake module's ``then`` (``stop_started_since``,
+    ``keep_started_since``) on the fakes started within the block, if the
+    module was imported by its end."""
     fake = sys.modules.get(FAKE)
     mark = fake.started_mark() if fake is not None else -1
     yield
     fake = sys.modules.get(FAKE)
     if fake is not None:
-        fake.stop_started_since(mark)
-
-
-#: The fake receivers' module, imported only where the testing extra is used.
-FAKE = "django_federation_delivery.testing.fake"
+        getattr(fake, then)(mark)
 
 
 @pytest.fixture

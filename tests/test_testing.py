@@ -466,11 +466,16 @@ def test_the_mixin_starts_each_test_with_nothing_an_earlier_one_left_in_the_proc
 
 
 HOST_PROJECT_TESTS = """
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
     import pytest
+    import requests
     from django.utils import timezone
 
     from django_federation_delivery import send
     from django_federation_delivery.models import Host
+    from django_federation_delivery.testing.fake import FakeInbox
 
     ALICE = "https://social.example/users/alice"
     NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
@@ -490,11 +495,50 @@ HOST_PROJECT_TESTS = """
         Host.objects.create(name="gone.example", unavailable_since=timezone.now())
         batch = send(ALICE, NOTE, [INBOX, GONE])
         assert [skipped.inbox for skipped in batch.skipped] == [GONE]
+
+
+    def test_3_leaves_a_fake_of_its_own_over_the_fixtures(fake_inbox):
+        FakeInbox().start()  # never stopped, as in a test that failed first
+
+
+    def test_4_a_real_request_reaches_a_local_server():
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            answer = requests.get(f"http://127.0.0.1:{server.server_port}/", timeout=5)
+            assert answer.text == "ok"
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+    @pytest.fixture(scope="module")
+    def module_fake():
+        with FakeInbox() as fake:
+            yield fake
+
+
+    def test_5_asks_for_the_module_fake_as_it_runs(request):
+        assert request.getfixturevalue("module_fake").active
+
+
+    def test_6_is_handed_the_module_fake_still_started(request):
+        assert request.getfixturevalue("module_fake").active
+
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
 """
 
 
 @pytest.mark.slow
-def test_the_pytest_plugin_starts_each_test_with_nothing_an_earlier_one_left_in_the_process(
+def test_the_pytest_plugin_starts_and_ends_each_test_as_a_host_project_expects(
     tmp_path: Path,
 ) -> None:
     # A project's suite: the plugin, pytest-django, and none of this
@@ -517,8 +561,10 @@ def test_the_pytest_plugin_starts_each_test_with_nothing_an_earlier_one_left_in_
         text=True,
         timeout=180,
     )
+    # A module's fake that a test sets up is left to the module; a fake a
+    # test left started over the fixture's is stopped, and requests as it was.
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "2 passed" in done.stdout
+    assert "6 passed" in done.stdout
 
 
 @pytest.mark.parametrize(
@@ -711,6 +757,42 @@ def test_a_fake_left_started_by_an_earlier_test_does_not_answer_the_next(setting
     deliver_all()
     assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
     assert leaked.received == [], "the earlier test's fake received the next test's request"
+
+
+def test_fakes_stopped_in_any_order_leave_requests_as_it_was() -> None:
+    """The fake_inbox fixture's fake stopped as its test ends, then a fake
+    the test left started: the second stop put the first's patch back on
+    requests, and every later real request was refused by responses."""
+    unpatched = requests.adapters.HTTPAdapter.send
+    first = FakeInbox().start()
+    second = FakeInbox().start()
+    assert FakeInbox.current() is second
+    first.stop()
+    assert FakeInbox.current() is second and second.active
+    second.stop()
+    assert requests.adapters.HTTPAdapter.send is unpatched
+
+
+class LeavesAFakeStarted(DeliveryTestMixin, TransactionTestCase):
+    __test__ = False  # run by the test below
+    available_apps = ["django_federation_delivery"]
+
+    def test_starts_one_and_fails(self) -> None:
+        FakeInbox().start().answer(400)
+        raise AssertionError("failed before its stop()")
+
+
+def test_the_mixin_stops_a_fake_its_test_left_started() -> None:
+    # It answered every later request: a deliver_all() of a test after it
+    # without the mixin, a real request to a local server.
+    unpatched = requests.adapters.HTTPAdapter.send
+    said = io.StringIO()
+    result = unittest.TextTestRunner(stream=said).run(
+        LeavesAFakeStarted("test_starts_one_and_fails")
+    )
+    assert len(result.failures) == 1, said.getvalue()
+    assert FakeInbox.current() is None
+    assert requests.adapters.HTTPAdapter.send is unpatched
 
 
 @pytest.fixture(scope="module")

@@ -290,7 +290,8 @@ def forget_kept() -> None:
     test passes or fails whatever ran before it: the hosts marked
     unavailable, which a send reads once a minute (``availability.py``),
     read again from the test's own database at its first send (a fake a
-    test left started is stopped as it ends, by the pytest plugin). The helpers
+    test left started is stopped as it ends, by the pytest plugin and by
+    :class:`DeliveryTestMixin`; not by this). The helpers
     call it as each test starts (:func:`capture`, the mixin, the pytest
     plugin). The rest a process keeps is a deliverer's own (senders' keys,
     paused hosts, learned schemes), gone with it at the end of
@@ -349,13 +350,16 @@ class DeliveryTestMixin:
     delivery_outbox: list[Outgoing]
 
     def setUp(self) -> None:
-        from django_federation_delivery.testing.fake import FakeInbox
+        from django_federation_delivery.testing import fake
 
         super().setUp()  # type: ignore[misc]
         # What an earlier test left in the process forgotten too (forget_kept).
         self.delivery_outbox = capture()
         self.addCleanup(stop_capturing)  # type: ignore[attr-defined]
-        self.fake_inbox = FakeInbox()
+        # A fake the test leaves started (it failed before its stop()) is
+        # stopped as it ends; one setUpClass started is left to its class.
+        self.addCleanup(fake.stop_started_since, fake.started_mark())  # type: ignore[attr-defined]
+        self.fake_inbox = fake.FakeInbox()
         self.fake_inbox.start()
         self.addCleanup(self.fake_inbox.stop)  # type: ignore[attr-defined]
 

@@ -52,6 +52,10 @@ _ANY = re.compile(r"https?://.*")
 #: many were started in all, each numbered so.
 _STARTED: list[FakeInbox] = []
 _NUMBERED = itertools.count()
+#: The one patch of ``requests`` every started fake shares (a list of at
+#: most one), made as the first starts and undone as the last stops: fakes
+#: stopped in any order never leave a stopped one's patch in place.
+_PATCH: list[responses.RequestsMock] = []
 
 
 def started_mark() -> int:
@@ -63,11 +67,28 @@ def stop_started_since(mark: int) -> list[FakeInbox]:
     """Stop the fakes started since ``mark`` and not stopped (by a test
     that failed before its ``stop()``), as a test ends: none answers a
     later test, nor patches its requests. Those a wider fixture started
-    before it are left. Returns those stopped."""
-    left = [fake for fake in _STARTED if fake._number > mark]
-    for fake in left:
+    before it, or while it was being set up (:func:`keep_started_since`),
+    are left. Returns those stopped."""
+    left = [fake for fake in _STARTED if fake._number > mark and not fake._kept]
+    for fake in reversed(left):
         fake.stop()
     return left
+
+
+def keep_started_since(mark: int) -> None:
+    """Leave to their fixture the fakes started since ``mark``: those a
+    fixture wider than a test started as it was set up, even in a test that
+    asked for it (``request.getfixturevalue``); its teardown stops them."""
+    for fake in _STARTED:
+        if fake._number > mark:
+            fake._kept = True
+
+
+def _answer_as_current(request: requests.PreparedRequest) -> tuple[int, dict[str, str], bytes]:
+    current = FakeInbox.current()
+    if current is None:  # stopped as this request was made
+        raise requests.ConnectionError("no fake receiver is started")
+    return current._answer(request)
 
 
 class _EveryMethod(responses.CallbackResponse):
@@ -123,13 +144,14 @@ class FakeInbox:
         #: not name its actor): ``deliver_all``'s, None for the app's.
         self.using: str | None = None
         self._rules: list[_Rule] = []
-        self._mock: responses.RequestsMock | None = None
         #: Its place among the fakes started (:func:`stop_started_since`).
         self._number = -1
+        #: Whether a wider fixture started it (:func:`keep_started_since`).
+        self._kept = False
 
     @property
     def active(self) -> bool:
-        return self._mock is not None
+        return self in _STARTED
 
     @classmethod
     def current(cls) -> FakeInbox | None:
@@ -139,22 +161,27 @@ class FakeInbox:
         return _STARTED[-1] if _STARTED else None
 
     def start(self) -> FakeInbox:
-        mock = responses.RequestsMock(assert_all_requests_are_fired=False)
-        # Whatever a kind of the project's own sends (json_request takes any method).
-        mock.add(_EveryMethod("POST", _ANY, callback=self._answer))
-        mock.start()
-        self._mock = mock
+        if self.active:
+            return self
+        if not _PATCH:
+            patch = responses.RequestsMock(assert_all_requests_are_fired=False)
+            # Whatever a kind of the project's own sends (json_request takes any method).
+            patch.add(_EveryMethod("POST", _ANY, callback=_answer_as_current))
+            patch.start()
+            _PATCH.append(patch)
         self._number = next(_NUMBERED)
+        self._kept = False
         _STARTED.append(self)
         return self
 
     def stop(self) -> None:
-        if self._mock is not None:
-            self._mock.stop()
-            self._mock.reset()
-            self._mock = None
-            if self in _STARTED:
-                _STARTED.remove(self)
+        if not self.active:
+            return
+        _STARTED.remove(self)
+        if not _STARTED:
+            patch = _PATCH.pop()
+            patch.stop()
+            patch.reset()
 
     def __enter__(self) -> FakeInbox:
         return self.start()
