@@ -759,6 +759,22 @@ def test_a_fake_left_started_by_an_earlier_test_does_not_answer_the_next(setting
     assert leaked.received == [], "the earlier test's fake received the next test's request"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_telegram_bot_s_message_is_answered_as_the_bot_api_answers(
+    settings: Any, fake_inbox: FakeInbox
+) -> None:
+    # A 202 with no body is no message sent for a Telegram kind, which
+    # reads the Bot API's "ok": the event was left retrying.
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"tg": "telegram://123456:ABCdefSECRETtok_en@-1001234567890"},
+    }
+    send_webhook("tg", "alert.raised", {"n": 1})
+    deliver_all(fake=fake_inbox)
+    assert list(Delivery.objects.values_list("status", flat=True)) == [Status.DELIVERED]
+    assert [request.status for request in fake_inbox.received] == [202]
+
+
 def test_fakes_stopped_in_any_order_leave_requests_as_it_was() -> None:
     """The fake_inbox fixture's fake stopped as its test ends, then a fake
     the test left started: the second stop put the first's patch back on

@@ -294,6 +294,42 @@ def test_telegram_s_rate_limit_is_waited_as_its_body_asks(
 
 
 @pytest.mark.parametrize(
+    ("body", "refused", "retry_after"),
+    [
+        ({"ok": False, "error_code": 400, "description": "chat not found"}, True, None),
+        ({"ok": False, "error_code": 429, "parameters": {"retry_after": 7}}, False, 7.0),
+        ({"ok": False, "error_code": 502}, False, None),
+        ("<html>a proxy's page</html>", False, None),
+        ([{"ok": True}], False, None),
+    ],
+    ids=["chat not found", "rate limited", "bad gateway", "no json", "a list"],
+)
+def test_a_telegram_2xx_that_does_not_say_ok_is_not_delivered(
+    mocked: responses.RequestsMock,
+    transport: Transport,
+    body: object,
+    refused: bool,
+    retry_after: float | None,
+) -> None:
+    # The Bot API says whether it sent the message in its body's "ok": a Bot
+    # API server or a proxy (?api=) that answered 200 with "ok": false (the
+    # chat not found) had the event settled delivered, the alert lost unsaid.
+    text = body if isinstance(body, str) else json.dumps(body)
+    mocked.post(TELEGRAM_SENT_TO, status=200, body=text)
+    result = attempt(job(TELEGRAM), transport)
+    assert not result.delivered
+    assert result.permanent is refused and result.retry_after == retry_after
+    assert text[:20] in result.error and "SECRETtok_en" not in result.error
+
+
+def test_a_telegram_2xx_that_says_ok_is_delivered(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    mocked.post(TELEGRAM_SENT_TO, status=200, json={"ok": True, "result": {"message_id": 1}})
+    assert attempt(job(TELEGRAM), transport).delivered
+
+
+@pytest.mark.parametrize(
     "body",
     [
         {"parameters": {"retry_after": -5}},

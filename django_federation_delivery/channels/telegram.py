@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import re
 from urllib.parse import urlsplit
 
 from django.utils.translation import gettext as _
 
+from django_federation_delivery.attempt import Verdict, is_refusal
 from django_federation_delivery.channels.base import (
     Channel,
     Destination,
     Parsed,
     Request,
     UnusableURL,
+    waited_in_body,
     word_shown,
 )
 from django_federation_delivery.channels.events import Event
@@ -23,6 +26,7 @@ from django_federation_delivery.channels.text import (
     no_mentions_or_links,
     render_text,
 )
+from django_federation_delivery.transport import Answer
 
 __all__ = ["TELEGRAM_API", "TELEGRAM_LIMIT", "Telegram"]
 
@@ -46,7 +50,13 @@ class Telegram(Channel):
     that member of a group, and a link (with its preview, fetched by
     Telegram) of a URL: a word joiner after each ``@`` before a name and
     inside each ``://`` and ``www.`` keeps an event's data from either, as
-    for a Markdown hook."""
+    for a Markdown hook.
+
+    The Bot API says in its body whether it sent the message (``"ok":
+    true``): a 2xx that does not (a Bot API server or a proxy that answers
+    ``{"ok": false, "error_code": 400, ...}`` with a 200, or a page that is
+    no Bot API answer) is not delivered: refused for good for the 4xx its
+    ``error_code`` gives, tried again otherwise."""
 
     name = "telegram"
     label = "Telegram"
@@ -108,3 +118,23 @@ class Telegram(Channel):
             "link_preview_options": {"is_disabled": True},
         }
         return self.json_request(destination, document)
+
+    def judge(self, answer: Answer) -> Verdict:
+        verdict = super().judge(answer)
+        if not verdict.delivered:
+            return verdict
+        try:
+            said = json.loads(answer.body)
+        except (ValueError, RecursionError):
+            said = None
+        if isinstance(said, dict) and said.get("ok") is True:
+            return verdict
+        code = said.get("error_code") if isinstance(said, dict) else None
+        if not isinstance(code, int) or isinstance(code, bool):
+            code = None
+        return Verdict(
+            delivered=False,
+            refused=code is not None and is_refusal(code),
+            retry_after=waited_in_body(answer.body, *self.wait_in_body) if code == 429 else None,
+            detail=answer.body.decode("utf-8", "replace"),
+        )

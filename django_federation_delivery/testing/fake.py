@@ -13,7 +13,8 @@ deliverer makes, and verifies its signature as a real receiver does.
 - A signed JSON webhook's ``webhook-*`` headers are verified with the
   ``standardwebhooks`` library, with its configured destination's secret.
 
-What it is told to answer, it answers: 202 by default; 401 to one scheme
+What it is told to answer, it answers: 202 by default (with the Bot API's
+``"ok": true`` to a Telegram bot's message); 401 to one scheme
 (so that the deliverer knocks again in the other), 410, 429 with a
 ``Retry-After``, 503, for every URL or one. A request whose signature does
 not verify is answered 401, as a server would, and kept with the reason.
@@ -48,6 +49,8 @@ __all__ = ["FakeInbox", "Received"]
 EXPIRES_AFTER = 5 * 60
 CLOCK_SKEW = 3600
 _ANY = re.compile(r"https?://.*")
+#: A Telegram Bot API method a destination's request calls.
+_TELEGRAM_SENT = re.compile(r"/bot[0-9]+:[^/]+/sendMessage$")
 #: The fakes started and not stopped, the last the one answering; and how
 #: many were started in all, each numbered so.
 _STARTED: list[FakeInbox] = []
@@ -245,6 +248,9 @@ class FakeInbox:
         self.received.append(
             Received(request.method or "", url, headers, body, scheme, problem, status)
         )
+        if status < 300 and _TELEGRAM_SENT.search(urlsplit(url).path):
+            # The Bot API says in its body that it sent the message.
+            return status, {"Content-Type": "application/json"}, b'{"ok": true, "result": {}}'
         return status, answer_headers, problem.encode()
 
 
