@@ -12,6 +12,7 @@ import signal
 import socket
 import socketserver
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
@@ -688,6 +689,31 @@ def near_miss(took: float, bound: float) -> None:
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
     with open(REPORTS / "near-misses.txt", "a") as out:
         out.write(f"{took:5.1f} s of {bound:g} s  {test} ({where})\n")
+
+
+def piped_to_head(args: list[str], timeout: float) -> tuple[int, str]:
+    """``manage.py ARGS | head -1``: the command's status and what it wrote
+    on stderr, once its first line was read and its stdout closed."""
+    process = subprocess.Popen(
+        [*MANAGE, *args],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.readline()
+        process.stdout.close()
+        code = process.wait(timeout)
+        return code, process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

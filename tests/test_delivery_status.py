@@ -16,9 +16,11 @@ from django.core.management.base import SystemCheckError
 from django.db import connection
 from django.utils import timezone
 
-from django_federation_delivery import controls, hosts, overview
+from django_federation_delivery import controls, hosts, overview, send
 from django_federation_delivery.models import Breaker, DelivererHeartbeat, Delivery, Lane, Status
 
+from .conftest import piped_to_head
+from .keys import ALICE
 from .operators import open_breaker, queue, settle
 
 pytestmark = pytest.mark.django_db
@@ -639,3 +641,16 @@ def test_hosts_lists_as_many_failing_hosts_as_asked_past_a_statements_parameters
     call_command("delivery_status", "--hosts", str(len(names)), stdout=out)
     failing = out.getvalue().partition("Hosts failing most\n")[2].split("\n\n")[0]
     assert len(failing.splitlines()) == len(names) + 1  # the header, then each host
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_delivery_status_piped_to_head_exits_0_without_a_broken_pipe_traceback() -> None:
+    """``delivery_status --hosts 2000 --json | head -1`` (a script under
+    ``set -o pipefail``): once head had gone, the command ended in a
+    ``BrokenPipeError`` traceback and status 1."""
+    inboxes = [f"https://h{n}.example/inbox" for n in range(2000)]
+    send(ALICE, {"type": "Create", "id": f"{ALICE}/a/1", "actor": ALICE}, inboxes)
+    Delivery.objects.update(attempts=1, last_status=503)
+    code, errors = piped_to_head(["delivery_status", "--hosts=2000", "--json"], 60)
+    assert (code, "Traceback" in errors) == (0, False), (code, errors[-800:])

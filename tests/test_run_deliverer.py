@@ -39,6 +39,7 @@ from .conftest import (
     RunningDeliverer,
     assert_each_reached_once_but,
     near_miss,
+    piped_to_head,
     subprocess_env,
     wait_until,
 )
@@ -1366,33 +1367,9 @@ def test_run_deliverer_drain_piped_to_head_exits_0_without_a_broken_pipe_error(
     120, a failure for a drain that delivered everything."""
     slow = inboxes(delay=0.3)
     send(ALICE, {"type": "Create", "actor": ALICE}, [slow.url(f"/{n}") for n in range(6)])
-    process = subprocess.Popen(
-        [
-            *MANAGE,
-            "run_deliverer",
-            "--drain",
-            "--concurrency=1",
-            "--per-host=1",
-            "--per-host-max=1",
-        ],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    code, errors = piped_to_head(
+        ["run_deliverer", "--drain", "--concurrency=1", "--per-host=1", "--per-host-max=1"], 150
     )
-    try:
-        assert process.stdout is not None and process.stderr is not None
-        process.stdout.readline()  # head -1
-        process.stdout.close()
-        code = process.wait(150)
-        errors = process.stderr.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-        for stream in (process.stdout, process.stderr):
-            if stream is not None:
-                stream.close()
     statuses = set(Delivery.objects.values_list("status", flat=True))
     assert statuses == {Status.DELIVERED}, statuses
     assert (code, "BrokenPipeError" in errors) == (0, False), (code, errors[-600:])

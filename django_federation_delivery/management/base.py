@@ -3,7 +3,9 @@ name, and a database that can hold the queue."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import os
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -23,6 +25,14 @@ class TranslatedCommand(BaseCommand):
     argparse wants text, not a lazy string: so it is marked with
     ``gettext_noop`` and translated here, when the parser is made.
     """
+
+    def execute(self, *args: Any, **options: Any) -> str | None:
+        try:
+            return super().execute(*args, **options)
+        except BrokenPipeError:
+            # Its reader went away ("| head"): it has read what it wanted.
+            sent_nowhere(self.stdout)
+            return None
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
@@ -47,6 +57,19 @@ class TranslatedCommand(BaseCommand):
         except DatabaseError as exc:
             if not self.waits_for_the_database():
                 raise unreachable(database_alias(), exc) from None
+
+
+def sent_nowhere(stream: Any) -> None:
+    """Point ``stream``'s file, whose reader went away (``| head``, a
+    ``tee`` ended by the same Ctrl-C), at the null device: what its buffer
+    holds, and all said after, goes nowhere rather than fail again as
+    Python flushes it on the way out ("Exception ignored", status 120)."""
+    with contextlib.suppress(Exception):
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(nowhere, stream.fileno())
+        finally:
+            os.close(nowhere)
 
 
 def whole(value: str | int, least: int, most: int, message: str) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from typing import Any
 
@@ -29,6 +28,7 @@ from django_federation_delivery.management.base import (
     ip_address,
     positive,
     require_migrations,
+    sent_nowhere,
 )
 from django_federation_delivery.management.running import (
     Child,
@@ -380,15 +380,7 @@ class Command(TranslatedCommand):
             stream.write(f"{self.child.prefix}{line}" if self.child else line)
             stream.flush()
         except BrokenPipeError:
-            # Gone for good: what its buffer holds, and all said after, goes
-            # nowhere, rather than fail again as Python flushes it on the
-            # way out ("Exception ignored", status 120, for a drain that
-            # delivered everything).
-            with contextlib.suppress(Exception):
-                nowhere = os.open(os.devnull, os.O_WRONLY)
-                try:
-                    os.dup2(nowhere, stream.fileno())
-                finally:
-                    os.close(nowhere)
+            # Gone for good (not a failure of a drain that delivered everything).
+            sent_nowhere(stream)
         except OSError:
             pass
