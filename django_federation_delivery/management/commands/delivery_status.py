@@ -141,8 +141,11 @@ def render_host(picture: HostPicture) -> str:
     return f"{escaped(picture.name)}\n" + table(["", ""], rows, numeric=2).split("\n", 1)[1]
 
 
-def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> str:
-    """The overview as text tables, as the admin's queues page shows it."""
+def render(
+    status: Overview, destinations: Sequence[DestinationStatus] = (), *, failing: bool = True
+) -> str:
+    """The overview as text tables, as the admin's queues page shows it;
+    without the hosts failing most unless ``failing`` (``--hosts 0``)."""
     lanes = table(
         [
             _("lane"),
@@ -217,7 +220,8 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
                 else _("none running")
             )
         )
-    parts += ["", _("Hosts failing most")]
+    if failing:
+        parts += ["", _("Hosts failing most")]
     if status.failing_hosts:
         parts.append(
             table(
@@ -245,7 +249,7 @@ def render(status: Overview, destinations: Sequence[DestinationStatus] = ()) -> 
                 numeric=1,
             )
         )
-    else:
+    elif failing:
         parts.append("  " + _("none"))
     parts += ["", _("Breakers open now: %(count)d") % {"count": status.open_breaker_count}]
     if status.open_breakers:
@@ -513,7 +517,7 @@ class Command(TranslatedCommand):
             document["webhook_destinations"] = [d.as_json() for d in destinations]
             self.stdout.write(_json(document))
         else:
-            self.stdout.write(render(status, destinations))
+            self.stdout.write(render(status, destinations, failing=hosts > 0))
 
 
 def check(*, max_lag: int, host: str | None = None, using: str) -> tuple[bool, str]:
