@@ -11,7 +11,7 @@ from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from django_federation_delivery.management.commands.purge_deliveries import parse_age
-from django_federation_delivery.models import Batch, Delivery, Status
+from django_federation_delivery.models import Batch, Delivery, DeliveryHistory, Status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -79,8 +79,23 @@ def test_a_dry_run_counts_and_deletes_nothing() -> None:
 def test_a_retention_of_none_purges_nothing(settings: Any) -> None:
     settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "RETENTION": None}
     settled(400)
-    assert "nothing to purge" in purge()
+    assert "keeps every settled delivery: deleted 0 history minutes" in purge()
     assert Delivery.objects.count() == 3
+
+
+def test_a_dry_run_with_a_retention_of_none_says_what_it_would_delete(settings: Any) -> None:
+    # It said what the real purge says ("nothing to purge but 3 history
+    # minutes"): no one could tell whether the minutes were gone.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "RETENTION": None}
+    old = timezone.now() - dt.timedelta(days=30)
+    for n in range(3):
+        DeliveryHistory.objects.create(minute=old + dt.timedelta(minutes=n), delivered=1)
+    assert "Dry run: RETENTION keeps every settled delivery; would delete 3 history" in purge(
+        "--dry-run"
+    )
+    assert DeliveryHistory.objects.count() == 3
+    assert "deleted 3 history minutes" in purge()
+    assert DeliveryHistory.objects.count() == 0
 
 
 @pytest.mark.parametrize(

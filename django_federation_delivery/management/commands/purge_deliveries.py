@@ -78,17 +78,26 @@ class Command(TranslatedCommand):
                 raise CommandError(str(exc)) from exc
             if not seconds:
                 # The history has a retention of its own.
-                kept = retention.purge({}, dry_run=bool(options["dry_run"]), using=using)
-                self.stdout.write(
+                dry_run = bool(options["dry_run"])
+                kept = retention.purge({}, dry_run=dry_run, using=using)
+                said = (
                     ngettext(
-                        "RETENTION keeps every settled delivery: nothing to purge "
-                        "but %(minutes)d history minute.",
-                        "RETENTION keeps every settled delivery: nothing to purge "
-                        "but %(minutes)d history minutes.",
+                        "Dry run: RETENTION keeps every settled delivery; would delete "
+                        "%(minutes)d history minute.",
+                        "Dry run: RETENTION keeps every settled delivery; would delete "
+                        "%(minutes)d history minutes.",
                         kept.history,
                     )
-                    % {"minutes": kept.history}
+                    if dry_run
+                    else ngettext(
+                        "RETENTION keeps every settled delivery: deleted "
+                        "%(minutes)d history minute.",
+                        "RETENTION keeps every settled delivery: deleted "
+                        "%(minutes)d history minutes.",
+                        kept.history,
+                    )
                 )
+                self.stdout.write(said % {"minutes": kept.history})
                 return
         dry_run = bool(options["dry_run"])
         last = [time.monotonic()]
