@@ -1383,3 +1383,56 @@ def test_the_tag_filter_offers_a_tag_behind_many_untagged_sends() -> None:
     ]
     offered = [value for spec in specs for value, _label in spec.lookup_choices]
     assert "move" in offered, f"the batches' tag filter offers {offered}"
+
+
+def advisory_locks_held() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        )
+        return int(cursor.fetchone()[0])
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's advisory locks")
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("action", ["give_up", "requeue", "replay_day"])
+def test_an_action_under_atomic_requests_holds_no_chunk_s_locks_past_it(
+    monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    # With ATOMIC_REQUESTS, the request's transaction held every chunk's
+    # sequence locks (a replay every host's) to its end: "select all" on
+    # thousands of ordered deliveries, or a day's replay of thousands of
+    # hosts, filled the server's lock table, "out of shared memory", a 500
+    # and nothing done.
+    from django_federation_delivery import replay
+    from django_federation_delivery.store import settlements
+
+    for n in range(3):
+        inboxes = [f"https://h{n}.example/users/u{i}/inbox" for i in range(2)]
+        send_batch(ALICE, NOTE, inboxes, {"ordering_key": f"note-{n}"})
+    if action == "requeue":
+        Delivery.objects.update(status=Status.FAILED, due_at=None, settled_at=timezone.now())
+    if action == "replay_day":
+        Delivery.objects.update(status=Status.DELIVERED, due_at=None, settled_at=timezone.now())
+        Host.objects.bulk_create([Host(name=f"h{n}.example") for n in range(3)])
+    held: list[int] = []
+    if action == "replay_day":
+        wrapped, module, name = replay.replay_host, hosts_admin, "replay_host"
+    else:
+        # A chunk of two rows: three chunks.
+        monkeypatch.setattr(controls, "CHUNK", 2)
+        wrapped, module, name = settlements.lock_sequences_of, settlements, "lock_sequences_of"
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        held.append(advisory_locks_held())
+        return wrapped(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    client = Client()
+    client.force_login(operators.user("operator"))
+    model = "host" if action == "replay_day" else "delivery"
+    first = Host.objects.first() if action == "replay_day" else Delivery.objects.first()
+    assert first is not None
+    assert act_on_all(client, model, action, first.pk).status_code == 302
+    assert held == [0, 0, 0]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlencode
 
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.admin.options import IncorrectLookupParameters
@@ -17,7 +18,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Field, Model, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
-from django.urls import reverse
+from django.urls import URLPattern, reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import smart_split
@@ -55,6 +56,22 @@ MOST_SEARCH_WORDS = 20
 
 class OperatorAdmin(_ModelAdmin[_M]):
     """Read-only rows, acted on only through actions that call ``controls``."""
+
+    @property
+    def urls(self) -> list[URLPattern]:
+        """Its pages, none run in a request's transaction (``ATOMIC_REQUESTS``):
+        an action on thousands of rows works in chunks, a replay of many
+        hosts a host at a time, each its own transaction, whose locks one
+        request's transaction would hold to its end, past the server's lock
+        table ("out of shared memory", nothing done)."""
+        patterns = self.get_urls()
+        for pattern in patterns:
+            view = pattern.callback
+            view._non_atomic_requests = {  # type: ignore[attr-defined]
+                *getattr(view, "_non_atomic_requests", ()),
+                *settings.DATABASES,
+            }
+        return patterns
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str

@@ -28,7 +28,7 @@ from django_federation_delivery.admin.base import (
 )
 from django_federation_delivery.availability import seen_all
 from django_federation_delivery.dialect import aware_now
-from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Status
+from django_federation_delivery.models import Breaker, Delivery, Host, Status
 from django_federation_delivery.overview import BREAKER_STATES
 from django_federation_delivery.picture import (
     TROUBLE,
@@ -39,7 +39,6 @@ from django_federation_delivery.picture import (
     resting_until,
 )
 from django_federation_delivery.replay import replay_host, replayed, to_replay
-from django_federation_delivery.store.locks import again_on_deadlock
 
 if TYPE_CHECKING:
     from django_stubs_ext import StrOrPromise
@@ -410,21 +409,17 @@ class HostAdmin(OperatorAdmin[Host]):
             )
             return
 
-        def replay_all() -> list[Batch]:
-            with transaction.atomic(using=using):
-                # Only the hosts with something to replay: "select all" may
-                # name tens of thousands, each a transaction's worth of
-                # statements.
-                return [
-                    batch
-                    for name in names
-                    if name in counts
-                    for batch in replay_host(name, since=since, using=using)
-                ]
-
-        # All or none, made again when PostgreSQL ends it to undo a
-        # deadlock, as one host's replay is (replay.py).
-        batches = again_on_deadlock(using, replay_all)
+        # Only the hosts with something to replay ("select all" may name tens
+        # of thousands), each in a transaction of its own, as delivery_replay
+        # --host makes it (one transaction's locks for thousands of hosts
+        # fill PostgreSQL's lock table): a page sent again names the same
+        # moment, and queues only what was not.
+        batches = [
+            batch
+            for name in names
+            if name in counts
+            for batch in replay_host(name, since=since, using=using)
+        ]
         self.message_user(request, replayed(batches))
 
     @admin.action(
