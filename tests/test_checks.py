@@ -625,6 +625,44 @@ def test_a_bad_breaker_used_anyway_is_improperly_configured_naming_it(
         BreakerSettings.from_settings()
 
 
+class MistypedRouter(QueueRouter):
+    """Puts the app in "queu", a database DATABASES does not have."""
+
+    def db_for_read(self, model: type[Any], **hints: Any) -> str | None:
+        return "queu" if model._meta.app_label == "federation_delivery" else None
+
+    db_for_write = db_for_read
+
+
+class MigratesElsewhereRouter(QueueRouter):
+    """Writes the app's rows to "queue", but lets migrate make its tables in
+    "default" alone (an allow_migrate copied from another router)."""
+
+    def allow_migrate(self, db: str, app_label: str, **hints: Any) -> bool | None:
+        return db == "default" if app_label == "federation_delivery" else None
+
+
+@pytest.mark.parametrize(
+    ("router", "code", "said"),
+    [
+        (MistypedRouter(), "E037", "'queu', which is not in DATABASES"),
+        (MigratesElsewhereRouter(), "E038", "'queue', but their allow_migrate() keeps"),
+    ],
+    ids=["no such database", "no tables made there"],
+)
+def test_a_router_that_puts_the_queue_where_it_cannot_be_is_an_error(
+    settings: Any, router: QueueRouter, code: str, said: str
+) -> None:
+    # A mistyped alias crashed every command with ConnectionDoesNotExist,
+    # from the package's own check; a router whose allow_migrate() kept the
+    # tables out had migrate record them made, and the deliverer wait for
+    # ever on "no such table", taken for an outage.
+    settings.DATABASE_ROUTERS = [router]
+    ours = [m for m in run_checks() if (m.id or "").startswith("federation_delivery.E")]
+    assert [m.id for m in ours] == [f"federation_delivery.{code}"]
+    assert said in ours[0].msg
+
+
 POSTGRESQL = {"ENGINE": "django.db.backends.postgresql", "NAME": "app"}
 
 

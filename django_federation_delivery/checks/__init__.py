@@ -19,6 +19,7 @@ from django_federation_delivery.checks.bounds import (
 )
 from django_federation_delivery.checks.database import (
     check_isolation,
+    check_routing,
     check_sqlite,
     lacking_migrations,
     sqlite_problems,
@@ -38,6 +39,7 @@ __all__ = [
     "check_isolation",
     "check_removed_destinations",
     "check_retention",
+    "check_routing",
     "check_settings",
     "check_sqlite",
     "check_webhooks",

@@ -12,6 +12,7 @@ from django.db import OperationalError
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
+from django_federation_delivery.addresses import quoted
 from django_federation_delivery.checks.bounds import PREFIX
 from django_federation_delivery.store.sql import busy_timeout, journal_mode
 
@@ -41,6 +42,51 @@ def check_sqlite(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> lis
 
 
 @register()
+def check_routing(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """The database the routers write the app's rows to is one in
+    ``DATABASES``, and one they let ``migrate`` make its tables in: else a
+    send fails on a connection that does not exist, or on a table that
+    ``migrate`` recorded as made and never made, and the deliverer waits
+    that out as an outage, for ever. Asks the routers only: no query."""
+    from django.conf import settings
+    from django.db import router
+
+    from django_federation_delivery.conf import database_alias
+    from django_federation_delivery.models import Delivery
+
+    alias = database_alias()
+    if alias not in settings.DATABASES:
+        return [
+            Error(
+                _(
+                    "DATABASE_ROUTERS write the app's deliveries to the database %(alias)s, "
+                    "which is not in DATABASES."
+                )
+                % {"alias": quoted(alias)},
+                hint=_("Add it to DATABASES, or have the router name one that is."),
+                id=f"{PREFIX}.E037",
+            )
+        ]
+    if not router.allow_migrate_model(alias, Delivery):
+        return [
+            Error(
+                _(
+                    "DATABASE_ROUTERS write the app's deliveries to the database %(alias)s, "
+                    "but their allow_migrate() keeps its tables out of it: migrate makes "
+                    "none there."
+                )
+                % {"alias": quoted(alias)},
+                hint=_(
+                    "Have allow_migrate() return True for the app label "
+                    "federation_delivery on that database."
+                ),
+                id=f"{PREFIX}.E038",
+            )
+        ]
+    return []
+
+
+@register()
 def check_isolation(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
     """A send with an ordering key waits for the sends before it in its
     sequence to commit, then reads the last of them: under PostgreSQL's
@@ -57,6 +103,8 @@ def check_isolation(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> 
     from django_federation_delivery.conf import database_alias
 
     alias = database_alias()
+    if alias not in settings.DATABASES:
+        return []  # check_routing's to say
     # The vendor, not the ENGINE's name: PostGIS's is PostgreSQL's. Asking
     # it opens no connection.
     vendor = connections[alias].vendor
@@ -210,10 +258,13 @@ def lacking_migrations(alias: str) -> str:
     missing = unapplied_migrations(alias)
     if not missing:
         return ""
+    from django.db import DEFAULT_DB_ALIAS
+
+    migrate = "manage.py migrate" + ("" if alias == DEFAULT_DB_ALIAS else f" --database {alias}")
     return ngettext(
         "The database %(alias)r lacks a migration of the package's (%(names)s): "
-        "run manage.py migrate first.",
+        "run %(migrate)s first.",
         "The database %(alias)r lacks %(count)d migrations of the package's "
-        "(%(names)s): run manage.py migrate first.",
+        "(%(names)s): run %(migrate)s first.",
         len(missing),
-    ) % {"alias": alias, "count": len(missing), "names": ", ".join(missing)}
+    ) % {"alias": alias, "count": len(missing), "names": ", ".join(missing), "migrate": migrate}
