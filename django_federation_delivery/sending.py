@@ -215,13 +215,20 @@ def _queue(
     sender = _sender(sender)
     body, encoded = _body(activity)
     targets, skipped = _portable_inboxes(inboxes) if portable else _inboxes(inboxes)
-    deadline = _deadline(opts.deadline)
+    idempotency_key = checked_idempotency_key(opts.idempotency_key)
+    try:
+        deadline = _deadline(opts.deadline)
+    except _PastDeadline:
+        # A retry given the first's deadline, passed since, returns its batch.
+        kept = _kept(idempotency_key, skipped, using) if idempotency_key else None
+        if kept is None:
+            raise
+        return kept
     max_attempts = _max_attempts(opts.max_attempts)
     tag = checked_tag(opts.tag)
     ordering_key = checked_text("ordering_key", opts.ordering_key, ORDERING_KEY_LENGTH)
     low_priority = _flag("low_priority", opts.low_priority)
     synchronize = _flag("synchronize_collection", opts.synchronize_collection)
-    idempotency_key = checked_idempotency_key(opts.idempotency_key)
     activity_id, object_id = retractions.about(activity)
     retraction = retractions.retraction_of(activity, object_id)
     gone = availability.unavailable_hosts(using=using) if targets else frozenset()
@@ -497,6 +504,10 @@ def _log_skipped(skipped: list[SkippedInbox], *, queued: int) -> None:
         )
 
 
+class _PastDeadline(InvalidDelivery):
+    """A deadline that has passed: a retry's, given the first send's, too."""
+
+
 def _deadline(deadline: object) -> dt.datetime | None:
     if deadline is None:
         return None
@@ -521,7 +532,7 @@ def _deadline(deadline: object) -> dt.datetime | None:
     # Compared as they are (no conversion, which may overflow): one before
     # the calendar in some zone is past, not "too far ahead".
     if deadline <= now:
-        raise InvalidDelivery(f"deadline {named} is already past")
+        raise _PastDeadline(f"deadline {named} is already past")
     try:
         # Stored in UTC and read back in the naive zone (TIME_ZONE with
         # USE_TZ off), and shown in TIME_ZONE: a zone ahead of either can

@@ -4,6 +4,7 @@ with one key race."""
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import threading
 from typing import Any
@@ -81,6 +82,30 @@ def test_a_send_retried_with_nothing_left_to_queue_still_returns_the_first_batch
     else:
         assert send(ALICE, NOTE, inboxes, idempotency_key="post-43") is None
     assert Batch.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_send_retried_past_the_deadline_it_was_given_returns_the_first_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A view's client retried once the deadline the view gives (an absolute
+    # time) had passed: InvalidDelivery "deadline ... is already past", where
+    # the first batch was kept under the key.
+    from django_federation_delivery import sending
+
+    deadline = timezone.now() + dt.timedelta(minutes=5)
+    options = BatchOptions(idempotency_key="post-42", deadline=deadline)
+    first = send_batch(ALICE, NOTE, INBOXES, options)
+    later = deadline + dt.timedelta(seconds=1)
+    monkeypatch.setattr(sending, "aware_now", lambda: later)
+    again = send_batch(ALICE, NOTE, INBOXES, options)
+    assert first is not None and again is not None
+    assert (again.pk, again.created) == (first.pk, False)
+    assert Batch.objects.count() == 1
+    # Without a batch kept under the key, it is refused.
+    other = BatchOptions(idempotency_key="post-43", deadline=deadline)
+    with pytest.raises(InvalidDelivery, match="is already past"):
+        send_batch(ALICE, NOTE, INBOXES, other)
 
 
 @pytest.mark.django_db
