@@ -112,6 +112,8 @@ class _Host:
     halved_from: int | None = None
     #: Seconds of its last rest (0 when none is owed): see REST.
     rest: float = 0.0
+    #: Whether it has given an answer but 429 and 503 (up: busy, not down).
+    up: bool = False
 
 
 class HostLimits:
@@ -218,6 +220,8 @@ class HostLimits:
             # instance closing down), more slowly than it once delivered, is
             # not judged by that for ever; quicker refusals move nothing.
             found.fastest = min(found.fastest * (1 + FORGET), max(found.fastest, seconds))
+        if answered and result.status not in OVERLOADED:
+            found.up = True
         if found.recovering:
             found.recovering -= 1
         if not answered or result.status in OVERLOADED or slow:
@@ -230,7 +234,7 @@ class HostLimits:
                 found.ceiling = found.halved_from = int(found.limit)
                 found.starting = False
                 if found.limit < 2 and result.status in OVERLOADED:
-                    if found.fastest is None:
+                    if not found.up:
                         # Refused at one by a host that has answered nothing
                         # else: down, or busy with another deliverer. It is
                         # sent its next one no sooner than REST from now, as

@@ -43,7 +43,7 @@ def known(limits: HostLimits, *hosts: str, limit: int = 1) -> HostLimits:
     refusal, and it rests (one that never answered well is left to its
     breaker)."""
     for host in hosts or (HOST,):
-        limits._hosts[host] = _Host(float(limit), fastest=0.02, starting=False)
+        limits._hosts[host] = _Host(float(limit), fastest=0.02, starting=False, up=True)
     return limits
 
 
@@ -212,6 +212,21 @@ def test_a_host_refused_at_one_rests_twice_as_long_at_each_refusal_in_a_row(
         clock.now += rest * 0.002
         assert limits.allowed(HOST) == 1, rest
     assert rest == MOST_REST
+
+
+def test_a_host_that_answered_only_404s_rests_ever_longer_refusing_at_one() -> None:
+    # Up, but never delivered to (its accounts gone): it rested REST at each
+    # refusal, never longer, taken for a host that never answered.
+    clock = Clock()
+    limits = HostLimits(1, 8, clock=clock)
+    limits.learn(HOST, answered(404))
+    rests = []
+    for _ in range(12):
+        limits.learn(HOST, answered(503))
+        if rest := limits.rest_left(HOST):
+            rests.append(rest)
+        clock.now += rest + 0.001
+    assert rests[:4] == pytest.approx([REST, 2 * REST, 4 * REST, 8 * REST])
 
 
 @pytest.mark.parametrize("status", [429, 503])
