@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Sequence
 from functools import partial
+from typing import NamedTuple
 
 from django.db import transaction
 from django.db.models import F, Max, Q, Value
@@ -248,18 +249,27 @@ def seen(host: str, *, now: dt.datetime | None = None, using: str) -> tuple[bool
     return unavailable is not None, since is not None
 
 
-def seen_all(names: Sequence[str], *, using: str) -> int:
+class Seen(NamedTuple):
+    """What :func:`seen_all` cleared: how many hosts had a mark (failing,
+    unavailable or both), and how many of them were marked unavailable."""
+
+    marked: int
+    unavailable: int
+
+
+def seen_all(names: Sequence[str], *, using: str) -> Seen:
     """:func:`mark_seen` of each of ``names`` (the admin's "select all",
     which may name tens of thousands of hosts): a :data:`CHUNK` of names
     at a time, in a few statements, within the caller's transaction if it
     has one. Only the hosts with a mark are written, and told as
-    :func:`seen` tells them. Returns how many were marked unavailable."""
+    :func:`seen` tells them."""
     now = aware(timezone.now())
     at = orm_datetime(now, using)
     # In name order over all the chunks, as every writer of many hosts
     # locks them: the caller's transaction may hold them all (the admin's).
     unique = sorted(set(names))
     gone: list[str] = []
+    cleared = 0
     for start in range(0, len(unique), CHUNK):
         chunk = unique[start : start + CHUNK]
         with transaction.atomic(using=using):
@@ -271,6 +281,7 @@ def seen_all(names: Sequence[str], *, using: str) -> int:
                 .order_by(in_name_order(using))
                 .values_list("name", "unavailable_since", "failing_since", "failing_told_at")
             )
+            cleared += len(rows)
             Host.objects.using(using).filter(name__in=[row[0] for row in rows]).update(
                 unavailable_since=None,
                 failing_since=None,
@@ -288,7 +299,7 @@ def seen_all(names: Sequence[str], *, using: str) -> int:
                     transaction.on_commit(partial(_tell_recovered, recovered), using=using)
     if gone:
         transaction.on_commit(partial(_seen_again, gone), using=using)
-    return len(gone)
+    return Seen(cleared, len(gone))
 
 
 def _seen_again(names: list[str]) -> None:

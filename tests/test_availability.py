@@ -365,8 +365,19 @@ def test_an_operator_marks_a_host_as_seen_from_the_admin() -> None:
 
     failing("gone.example", 8, unavailable_since=timezone.now())
     said = act(login("operator"), "host", "mark_seen", ["gone.example"])
-    assert said == ["1 host is no longer unavailable."]
+    assert said == ["1 host marked seen, 1 of them no longer unavailable."]
     assert unavailable_hosts() == frozenset()
+
+
+@pytest.mark.django_db
+def test_marking_a_failing_host_seen_says_it_was() -> None:
+    # Failing for two hours, not yet unavailable: its mark was cleared, and
+    # the admin warned "0 hosts are no longer unavailable", as if nothing.
+    from .test_admin import act, login
+
+    failing("down.example", 2 / 24)
+    assert act(login("operator"), "host", "mark_seen", ["down.example"]) == ["1 host marked seen."]
+    assert Host.objects.get(name="down.example").failing_since is None
 
 
 @pytest.mark.django_db

@@ -369,18 +369,20 @@ class HostAdmin(OperatorAdmin[Host]):
         using = controls.database_of(queryset)
         names = list(queryset.values_list("name", flat=True))
         with transaction.atomic(using=using):
-            count = seen_all(names, using=using)
-        report(
-            self,
-            request,
-            count,
+            seen = seen_all(names, using=using)
+        # A host failing, not yet unavailable, is seen too: its mark cleared.
+        said = (
             ngettext(
-                "%(count)d host is no longer unavailable.",
-                "%(count)d hosts are no longer unavailable.",
-                count,
+                "%(count)d host marked seen, %(gone)d of them no longer unavailable.",
+                "%(count)d hosts marked seen, %(gone)d of them no longer unavailable.",
+                seen.marked,
             )
-            % {"count": count},
-        )
+            if seen.unavailable
+            else ngettext(
+                "%(count)d host marked seen.", "%(count)d hosts marked seen.", seen.marked
+            )
+        ) % {"count": seen.marked, "gone": seen.unavailable}
+        report(self, request, seen.marked, said)
 
     @admin.action(
         permissions=["change_delivery"],
