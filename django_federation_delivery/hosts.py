@@ -266,7 +266,9 @@ class KnownSchemes:
     def learn(self, host: str, accepted: Scheme | None) -> None:
         if accepted is not None and accepted != self.scheme_for(host):
             self._known[host] = (time.monotonic(), accepted)
-            self._learned[host] = accepted.value
+            # Back on the first: "" as for a host never told otherwise (the
+            # host's picture and the admin say "—", no scheme learned).
+            self._learned[host] = "" if accepted == self.first else accepted.value
 
     def write(self) -> None:
         if self._learned:

@@ -53,6 +53,21 @@ def test_what_one_deliverer_learns_another_reads() -> None:
 
 
 @pytest.mark.django_db
+def test_a_host_back_on_the_first_scheme_has_none_learned() -> None:
+    # It was written "draft-cavage", the first scheme, and shown learned for
+    # ever where a host that always took the first shows none.
+    one, other = known(), known()
+    one.learn("switch.example", Scheme.RFC9421)
+    one.write()
+    one.learn("switch.example", Scheme.CAVAGE)
+    one.write()
+    assert host_schemes(["switch.example"]) == {}
+    assert Host.objects.get(name="switch.example").scheme == ""
+    other.read({"switch.example"})
+    assert other.scheme_for("switch.example") is Scheme.CAVAGE
+
+
+@pytest.mark.django_db
 def test_the_scheme_a_host_is_known_to_accept_is_not_written_again() -> None:
     schemes = known()
     schemes.learn("plain.example", Scheme.CAVAGE)
