@@ -121,10 +121,25 @@ def _breaker_of(name: str, alias: str) -> tuple[str, int]:
     each of them counted: those whose key (a canonical inbox) begins with a
     URL on this host, port and all, which no other host's inbox does."""
     breakers = Breaker.objects.using(alias)
-    own = breakers.filter(key=name).first()
-    if own is not None:
-        return own.state, own.failures
+    # Compared in the database, as instants: with USE_TZ off, the times the
+    # ORM reads are wall-clock ones, and one in the hour a clock goes back
+    # through is read an hour off.
     now = orm_datetime(aware_now(), alias)
+    own = (
+        breakers.filter(key=name)
+        .values_list(
+            Case(
+                When(open_until__isnull=True, then=Value("closed")),
+                When(open_until__gt=now, then=Value("open")),
+                default=Value("half-open"),
+            ),
+            "failures",
+        )
+        .first()
+    )
+    if own is not None:
+        state, failures = own
+        return str(state), int(failures)
     on_host = Q()
     for prefix in url_prefixes(name):
         on_host |= Q(key__startswith=prefix)

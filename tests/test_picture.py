@@ -588,3 +588,33 @@ def test_a_strangers_inbox_breakers_naming_a_host_leave_its_open_breaker_shown(
     picture = host_picture("victim.example")
     assert picture is not None
     assert (picture.breaker, picture.failures_in_a_row) == ("open", 12)
+
+
+@pytest.mark.skipif(
+    connection.vendor != "postgresql",
+    reason="PostgreSQL keeps the instant; SQLite's naive text cannot tell the two 01:10s",
+)
+@pytest.mark.django_db
+def test_a_breaker_opened_in_the_hour_a_clock_goes_back_through_is_pictured_open(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # New York with USE_TZ off, 01:10 EDT the night the clocks go back: the
+    # breaker opens for an hour, until 01:10 EST. At 01:20 EDT the host's
+    # picture said "half-open": the wall-clock times the ORM reads were
+    # compared (01:20 < 01:10 is false), not the instants.
+    from django_federation_delivery.breakers import take_probe
+    from django_federation_delivery.dialect import aware_now
+
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/New_York"
+    monkeypatch.setattr(timezone, "now", lambda: dt.datetime(2024, 11, 3, 1, 10))
+    Host.objects.create(name="a.example")
+    breakers = Breakers(BreakerSettings(threshold=2, cool_off=3600.0))
+    breakers.refresh()
+    for _ in range(2):
+        breakers.record("a.example", failed=True, probe="", now=aware_now())
+    breakers.flush()
+    monkeypatch.setattr(timezone, "now", lambda: dt.datetime(2024, 11, 3, 1, 20))
+    assert take_probe("a.example", cool_off=3600.0) is None, "the breakers hold it"
+    picture = host_picture("a.example")
+    assert picture is not None and picture.breaker == "open"
