@@ -352,6 +352,9 @@ class Supervisor:
         # supervisor was stopping already of itself (giving up). Only a
         # second one kills.
         running = sum(child.running for child in self.children)
+        # Stopped before it is said: a line that cannot be written never
+        # leaves the stop unmade.
+        self.stop()
         self.say(
             ngettext(
                 "Stopping: %(count)d deliverer finishing what is in flight "
@@ -362,7 +365,6 @@ class Supervisor:
             )
             % {"count": running}
         )
-        self.stop()
 
     def _kill_and_exit(self, number: int) -> None:
         # A second signal: the operator means it.

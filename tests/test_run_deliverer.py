@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime as dt
+import functools
 import io
 import json
 import logging
@@ -73,16 +74,21 @@ def processes() -> Iterator[Callable[..., subprocess.Popen[str]]]:
         settings: dict[str, Any] | None = None,
         log_level: str = "WARNING",
         env: dict[str, str] | None = None,
+        closed: int | None = None,
     ) -> subprocess.Popen[str]:
+        """``closed``: 1 or 2, started with no stdout or no stderr (``>&-``),
+        the other still read."""
         environment = subprocess_env(
             FD_SETTINGS_JSON=json.dumps(settings or {}), FD_LOG_LEVEL=log_level, **(env or {})
         )
         process = subprocess.Popen(
             [*MANAGE, "run_deliverer", *args],
             env=environment,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=None if closed is None else functools.partial(os.close, closed),
         )
         started.append(process)
         return process
@@ -780,6 +786,37 @@ def test_sigterm_to_the_supervisor_stops_both_children_and_exits_0_losing_nothin
         (Status.PENDING, 0, None)
     }
     assert waiting.count() == 20 - len(sent)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_a_drain_started_with_no_stdout_delivers_and_exits_0(
+    inbox: Inbox, processes: Callable[..., subprocess.Popen[str]], count: str
+) -> None:
+    # "run_deliverer --drain >&-" (cron, a service started with no stdout):
+    # its first line raised AttributeError, in the supervisor before any
+    # child started, and nothing was delivered.
+    send(ALICE, NOTE, [inbox.url(f"/{n}") for n in range(3)])
+    process = processes("--drain", f"--processes={count}", closed=1)
+    output = Output(process)
+    assert process.wait(150) == 0, output.finish()
+    assert statuses() == {Status.DELIVERED: 3}, output.finish()
+
+
+@pytest.mark.slow
+@pytest.mark.any_database
+def test_sigterm_stops_a_supervisor_started_with_no_stderr(
+    processes: Callable[..., subprocess.Popen[str]],
+) -> None:
+    # "run_deliverer --processes 2 2>&-": the supervisor said it was stopping
+    # before it stopped, the line raised, and the stop was never made; only
+    # a second signal ended them, killing what was in flight.
+    process = processes("--processes=2", closed=2)
+    output = Output(process)
+    for n in (1, 2):
+        output.wait_for(rf"\[deliverer {n}/2 pid \d+\] Delivering until stopped")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0, output.finish()
 
 
 @pytest.mark.slow

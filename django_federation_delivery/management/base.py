@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -25,6 +26,15 @@ class TranslatedCommand(BaseCommand):
     argparse wants text, not a lazy string: so it is marked with
     ``gettext_noop`` and translated here, when the parser is made.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Started with no stdout or stderr (">&-", a service manager's), or a
+        # deliverer process of such a one, Python has none, and each write
+        # raised: the null device in their place.
+        for name in ("stdout", "stderr"):
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (kept open)
+        super().__init__(*args, **kwargs)
 
     def execute(self, *args: Any, **options: Any) -> str | None:
         try:
