@@ -535,14 +535,23 @@ def _deadline(deadline: object) -> dt.datetime | None:
         raise _PastDeadline(f"deadline {named} is already past")
     try:
         # Stored in UTC and read back in the naive zone (TIME_ZONE with
-        # USE_TZ off), and shown in TIME_ZONE: a zone ahead of either can
-        # push the year past 9999, which no database reads back (PostgreSQL
-        # wrote it, then failed every read of it) and the admin cannot show.
+        # USE_TZ off), and shown in the zone active for whoever looks (a
+        # user's, as high as UTC+14): a zone ahead of UTC can push the year
+        # past 9999, which no database reads back (PostgreSQL wrote it, then
+        # failed every read of it) and the admin cannot show. A day short of
+        # the calendar's end leaves room for every zone.
         deadline.astimezone(naive_zone())
-        deadline.astimezone(timezone.get_default_timezone())
-        return deadline.astimezone(dt.UTC)
+        in_utc = deadline.astimezone(dt.UTC)
     except OverflowError as exc:
         raise InvalidDelivery(f"deadline {named} is too far ahead") from exc
+    if in_utc > LATEST_DEADLINE:
+        raise InvalidDelivery(f"deadline {named} is too far ahead")
+    return in_utc
+
+
+#: The latest deadline a send takes: a day short of the calendar's end, so
+#: that it is a date in every time zone it may be shown in.
+LATEST_DEADLINE = dt.datetime.max.replace(tzinfo=dt.UTC) - dt.timedelta(days=1)
 
 
 def _max_attempts(max_attempts: object) -> int | None:

@@ -440,6 +440,20 @@ def test_a_deadline_past_the_calendar_where_it_is_shown_is_refused_naming_it(
 
 
 @pytest.mark.django_db
+def test_a_deadline_past_the_calendar_in_a_user_s_zone_is_refused() -> None:
+    # TIME_ZONE "UTC" took datetime.max; the admin then failed for every
+    # operator whose own zone (activated as Django's docs advise) is ahead.
+    never = dt.datetime.max.replace(tzinfo=dt.UTC)
+    with pytest.raises(InvalidDelivery, match="too far ahead"):
+        send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"deadline": never})
+    assert nothing_written()
+    latest = never - dt.timedelta(days=1)
+    batch = send_batch(ALICE, NOTE, ["https://a.example/inbox"], {"deadline": latest})
+    assert batch is not None and batch.deadline == latest
+    assert latest.astimezone(dt.timezone(dt.timedelta(hours=14))).year == 9999
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("use_tz", [True, False])
 def test_a_deadline_before_the_calendar_is_refused_as_past(settings: Any, use_tz: bool) -> None:
     # It overflowed as it was converted to UTC (or to TIME_ZONE, where it
