@@ -15,6 +15,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from django.utils.translation import gettext_lazy
 
 from django_federation_delivery import (
     BatchOptions,
@@ -865,8 +866,21 @@ def ops(settings: Any) -> None:
         ({"type": "Note", "tag": {float("nan"): 1}}, "nan (a key) at $.tag"),
         ({"type": "Note", 10**5000: "x"}, "an integer (a key) at $, longer than the"),
         ({"type": "Note", "n": [10**5000]}, "an integer at $.n[0], longer than the"),
+        # Named as "Object of type __proxy__ is not JSON serializable", and not where.
+        (
+            {"type": "Note", "object": {"summary": gettext_lazy("Hello")}},
+            "a lazy translation (str() it first) at $.object.summary, which JSON cannot write",
+        ),
+        ({"type": "Note", "at": [dt.datetime(2026, 1, 1)]}, "a datetime at $.at[0], which"),
     ],
-    ids=["nan-before-a-tuple-key", "nan-key", "long-integer-key", "long-integer"],
+    ids=[
+        "nan-before-a-tuple-key",
+        "nan-key",
+        "long-integer-key",
+        "long-integer",
+        "lazy-translation",
+        "datetime",
+    ],
 )
 def test_a_key_or_number_json_cannot_write_is_refused_naming_it_and_where(
     how: str, data: dict[Any, Any], said: str

@@ -94,7 +94,8 @@ def test_an_unknown_destination_is_named_and_nothing_written() -> None:
     [
         ("", {}, "An event type must be a non-empty string"),
         ("../etc/passwd", {}, "is not a simple name"),
-        ("alert.raised", {"when": {1, 2}}, "cannot be written as JSON: Object of type set"),
+        ("alert.raised", {"when": {1, 2}}, r"JSON: a set at \$\.when, which JSON cannot"),
+        ("alert.raised", {("a", 1): 1}, r"JSON: a tuple \(a key\) at \$, which JSON cannot"),
         ("alert.raised", float("nan"), r"cannot be written as JSON: nan at \$, which"),
         ("alert.raised", {"p95": [1.0, float("inf")]}, r"inf at \$\.p95\[1\], which JSON"),
     ],

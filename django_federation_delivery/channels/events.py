@@ -228,7 +228,32 @@ def not_json(value: Any, error: Exception) -> str:
                 for key in item:
                     if (why := _unwritable(key)) is not None:
                         return f"{why[0]} (a key) at {_shown(path)}, {why[1]}"
+    if isinstance(error, TypeError):
+        # A value of a type JSON has none for: a datetime, a Decimal, a lazy
+        # translation (whose type calls itself __proxy__), a model instance.
+        for item, path in _paths(value):
+            if not isinstance(item, _WRITTEN):
+                return f"{_kind(item)} at {_shown(path)}, which JSON cannot write"
+            if isinstance(item, dict):
+                for key in item:
+                    if not isinstance(key, _KEYS):
+                        return f"{_kind(key)} (a key) at {_shown(path)}, which JSON cannot write"
     return str(error)
+
+
+#: What the encoder writes as a value, and as a key.
+_WRITTEN = (dict, list, tuple, str, int, float, type(None))
+_KEYS = (str, int, float, type(None))
+
+
+def _kind(item: Any) -> str:
+    """What ``item`` is, by its type: never its value, which may be long."""
+    from django.utils.functional import Promise
+
+    if isinstance(item, Promise):
+        return "a lazy translation (str() it first)"
+    name = type(item).__qualname__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _unwritable(item: Any) -> tuple[str, str] | None:
