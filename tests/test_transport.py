@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import email.utils
 import errno
+import functools
 import gzip
 import ipaddress
 import logging
@@ -1350,12 +1351,26 @@ def formatted(caplog: pytest.LogCaptureFixture) -> str:
     return "\n".join(formatter.format(record) for record in caplog.records)
 
 
+@pytest.mark.parametrize("prefix", ["", "[deliverer 1/2 pid 123] "], ids=["alone", "processes"])
 def test_an_answer_s_malformed_header_lines_reach_no_log(
-    inboxes: Callable[..., Inbox], transport: Transport, caplog: pytest.LogCaptureFixture
+    inboxes: Callable[..., Inbox],
+    transport: Transport,
+    caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
+    prefix: str,
 ) -> None:
     # Past a line that is no header, urllib3 parses none, and warns with the
     # rest and a traceback: where an inbox echoes its target (a
     # Content-Location, a Link), and up to megabytes of a stranger's text.
+    # Under --processes, each line begun with its process's name was not
+    # taken for that warning, and went out with what the answer echoed.
+    from django_federation_delivery.management.running import prefix_log_records
+
+    request.addfinalizer(
+        functools.partial(logging.setLogRecordFactory, logging.getLogRecordFactory())
+    )
+    prefix_log_records(prefix)
+
     def echo(handler: _Handler, seen: Seen) -> None:
         handler.close_connection = True
         handler.wfile.write(
@@ -1377,7 +1392,7 @@ def test_an_answer_s_malformed_header_lines_reach_no_log(
     assert len(text) < 2000
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
     assert [record.getMessage() for record in warnings] == [
-        f"Failed to parse headers (url=http://127.0.0.1:{inbox.port}{path}): "
+        f"{prefix}Failed to parse headers (url=http://127.0.0.1:{inbox.port}{path}): "
         "malformed header lines in the answer"
         for path in ("/inbox", "/hooks/[redacted]")
     ]

@@ -70,9 +70,12 @@ class _SafeLines(logging.Filter):
         record.exc_info = None
         record.exc_text = None
         record.stack_info = None
-        if isinstance(record.msg, str) and record.msg.startswith(_UNPARSED_HEADERS):
+        if isinstance(record.msg, str) and _UNPARSED_HEADERS in record.msg:
+            # After what a deliverer process puts before each of its lines
+            # ("[deliverer 1/2 pid 123] "), kept.
+            before = record.msg[: record.msg.index(_UNPARSED_HEADERS)]
             url = record.args[0] if isinstance(record.args, tuple) and record.args else ""
-            record.msg, record.args = _UNPARSED_LINE, (url,)
+            record.msg, record.args = f"{before}{_UNPARSED_LINE}", (url,)
         redact: Redact | None = getattr(_this_thread, "redact", None)
         if isinstance(record.args, tuple):
             record.args = tuple(_safe(arg, redact) for arg in record.args)
