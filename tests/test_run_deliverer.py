@@ -432,6 +432,11 @@ def test_a_running_deliverer_logs_its_rates_and_counts(caplog: pytest.LogCapture
     (record,) = caplog.records
     assert "delivered 120, retrying 3" in record.getMessage()
     assert "delivered/s" in record.getMessage()
+    # Skipped, held or superseded, none was attempted: the line said each was.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="django_federation_delivery.deliverer"):
+        log(Summary(delivered=120, retrying=3, skipped=500, held=500, superseded=10))
+    assert " 0.0 delivered/s and 0.0 attempts/s" in caplog.records[0].getMessage()
 
 
 @pytest.mark.slow

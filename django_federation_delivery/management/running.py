@@ -34,7 +34,7 @@ Say = Callable[[str], None]
 
 def log_rates(interval: float) -> Callable[[Summary], None]:
     """A log line every ``interval`` seconds: what was done since the last one."""
-    last = {"done": 0, "delivered": 0, "at": time.monotonic()}
+    last = {"attempts": 0, "delivered": 0, "at": time.monotonic()}
 
     def log(summary: Summary) -> None:
         now = time.monotonic()
@@ -47,10 +47,11 @@ def log_rates(interval: float) -> Callable[[Summary], None]:
             "%s; %.1f delivered/s and %.1f attempts/s in the last %.0f s",
             line,
             rate,
-            (summary.done - last["done"]) / elapsed,
+            # Requests made: not the skipped, held or superseded, none made.
+            (summary.attempts - last["attempts"]) / elapsed,
             elapsed,
         )
-        last.update(done=summary.done, delivered=summary.delivered, at=now)
+        last.update(attempts=summary.attempts, delivered=summary.delivered, at=now)
 
     return log
 
