@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import requests
+import responses
 from django.db import transaction
 from django.test import TestCase, TransactionTestCase
 from django.utils import timezone
@@ -45,6 +46,8 @@ from .keys import ALICE, EDNA, rsa_key
 pytestmark = pytest.mark.django_db(transaction=True)
 
 ROOT = Path(__file__).resolve().parent.parent
+#: requests as no fake patches it.
+UNPATCHED = requests.adapters.HTTPAdapter.send
 NOTE = {"type": "Create", "id": f"{ALICE}/activities/1", "actor": ALICE}
 INBOX = "https://mastodon.example/users/bob/inbox"
 GONE = "https://gone.example/users/carol/inbox"
@@ -779,14 +782,45 @@ def test_fakes_stopped_in_any_order_leave_requests_as_it_was() -> None:
     """The fake_inbox fixture's fake stopped as its test ends, then a fake
     the test left started: the second stop put the first's patch back on
     requests, and every later real request was refused by responses."""
-    unpatched = requests.adapters.HTTPAdapter.send
     first = FakeInbox().start()
     second = FakeInbox().start()
     assert FakeInbox.current() is second
     first.stop()
     assert FakeInbox.current() is second and second.active
     second.stop()
-    assert requests.adapters.HTTPAdapter.send is unpatched
+    assert requests.adapters.HTTPAdapter.send is UNPATCHED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_deliver_all_is_answered_by_the_fake_it_is_given(settings: Any) -> None:
+    # Given an older fake while a newer one was started, the newer answered,
+    # and the one the test asserted on received nothing.
+    older = FakeInbox().start()
+    with FakeInbox() as newer:
+        send_to_pager(settings)
+        deliver_all(fake=older)
+    older.stop()
+    assert [request.status for request in older.received] == [202]
+    assert newer.received == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_fake_started_inside_a_project_s_own_responses_mock_answers(settings: Any) -> None:
+    # A fake started, then the project's own mock of its API, then a fake
+    # inside it: one patch shared by the fakes left the project's on top,
+    # which refused the delivery.
+    outer = FakeInbox().start()
+    try:
+        with responses.RequestsMock(assert_all_requests_are_fired=False) as own:
+            own.add(responses.GET, "https://api.project.example/x", json={})
+            with FakeInbox() as inner:
+                send_to_pager(settings)
+                assert deliver_all(fake=inner).delivered == 1
+                assert [request.status for request in inner.received] == [202]
+        assert outer.received == []
+    finally:
+        outer.stop()
+    assert requests.adapters.HTTPAdapter.send is UNPATCHED
 
 
 class LeavesAFakeStarted(DeliveryTestMixin, TransactionTestCase):
@@ -801,14 +835,13 @@ class LeavesAFakeStarted(DeliveryTestMixin, TransactionTestCase):
 def test_the_mixin_stops_a_fake_its_test_left_started() -> None:
     # It answered every later request: a deliver_all() of a test after it
     # without the mixin, a real request to a local server.
-    unpatched = requests.adapters.HTTPAdapter.send
     said = io.StringIO()
     result = unittest.TextTestRunner(stream=said).run(
         LeavesAFakeStarted("test_starts_one_and_fails")
     )
     assert len(result.failures) == 1, said.getvalue()
     assert FakeInbox.current() is None
-    assert requests.adapters.HTTPAdapter.send is unpatched
+    assert requests.adapters.HTTPAdapter.send is UNPATCHED
 
 
 @pytest.fixture(scope="module")

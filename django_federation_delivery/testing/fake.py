@@ -23,6 +23,7 @@ not verify is answered 401, as a server would, and kept with the reason.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import datetime as dt
 import email.utils
@@ -55,10 +56,12 @@ _TELEGRAM_SENT = re.compile(r"/bot[0-9]+:[^/]+/sendMessage$")
 #: many were started in all, each numbered so.
 _STARTED: list[FakeInbox] = []
 _NUMBERED = itertools.count()
-#: The one patch of ``requests`` every started fake shares (a list of at
-#: most one), made as the first starts and undone as the last stops: fakes
-#: stopped in any order never leave a stopped one's patch in place.
-_PATCH: list[responses.RequestsMock] = []
+#: The fake :func:`~django_federation_delivery.testing.deliver_all` was
+#: given, which answers while it runs whichever fake was started last.
+_ANSWERING: list[FakeInbox] = []
+#: Each fake's patch of ``requests``, in the order they were made: undone
+#: last first (see :meth:`FakeInbox.stop`).
+_PATCHES: list[tuple[responses.RequestsMock, FakeInbox]] = []
 
 
 def started_mark() -> int:
@@ -85,13 +88,6 @@ def keep_started_since(mark: int) -> None:
     for fake in _STARTED:
         if fake._number > mark:
             fake._kept = True
-
-
-def _answer_as_current(request: requests.PreparedRequest) -> tuple[int, dict[str, str], bytes]:
-    current = FakeInbox.current()
-    if current is None:  # stopped as this request was made
-        raise requests.ConnectionError("no fake receiver is started")
-    return current._answer(request)
 
 
 class _EveryMethod(responses.CallbackResponse):
@@ -166,25 +162,46 @@ class FakeInbox:
     def start(self) -> FakeInbox:
         if self.active:
             return self
-        if not _PATCH:
-            patch = responses.RequestsMock(assert_all_requests_are_fired=False)
-            # Whatever a kind of the project's own sends (json_request takes any method).
-            patch.add(_EveryMethod("POST", _ANY, callback=_answer_as_current))
-            patch.start()
-            _PATCH.append(patch)
+        # Its own patch of requests, over whatever patches it now (an
+        # earlier fake's, a project's own responses mock).
+        mock = responses.RequestsMock(assert_all_requests_are_fired=False)
+        # Whatever a kind of the project's own sends (json_request takes any method).
+        mock.add(_EveryMethod("POST", _ANY, callback=self._answer_as_told))
+        mock.start()
+        _PATCHES.append((mock, self))
         self._number = next(_NUMBERED)
         self._kept = False
         _STARTED.append(self)
         return self
 
     def stop(self) -> None:
+        """Stop it; its patch is undone once every patch made after it is
+        (patches are undone last first, or an earlier one's is put back
+        for good): one stopped under a later fake still started (a
+        fixture's, under a test's fake left started) is undone with it."""
         if not self.active:
             return
         _STARTED.remove(self)
-        if not _STARTED:
-            patch = _PATCH.pop()
-            patch.stop()
-            patch.reset()
+        while _PATCHES and not _PATCHES[-1][1].active:
+            mock, _ = _PATCHES.pop()
+            mock.stop()
+            mock.reset()
+
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[FakeInbox]:
+        """Within it, this fake answers every request, whichever fake was
+        started last (``deliver_all(fake=…)``)."""
+        _ANSWERING.append(self)
+        try:
+            yield self
+        finally:
+            _ANSWERING.remove(self)
+
+    def _answer_as_told(
+        self, request: requests.PreparedRequest
+    ) -> tuple[int, dict[str, str], bytes]:
+        answering = _ANSWERING[-1] if _ANSWERING else self
+        return answering._answer(request)
 
     def __enter__(self) -> FakeInbox:
         return self.start()
