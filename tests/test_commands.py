@@ -246,3 +246,29 @@ def test_a_database_url_given_as_database_is_refused_without_its_password(
     said += out.getvalue() + err.getvalue()
     assert "db.example" in said, said
     assert PASSWORD not in said, said
+
+
+@pytest.mark.django_db
+def test_a_broken_pipe_of_the_command_s_own_work_is_no_success() -> None:
+    # A project's post_save receiver of a Batch, whose broker's socket was
+    # closed, raised BrokenPipeError as delivery_replay queued the copies:
+    # the command took it for its reader gone, said nothing, and returned.
+    from django.db.models.signals import post_save
+
+    from django_federation_delivery import send
+    from django_federation_delivery.models import Batch, Delivery, Status
+
+    from .keys import ALICE
+
+    send(ALICE, {"type": "Create", "actor": ALICE}, ["https://a.example/inbox"])
+    Delivery.objects.update(status=Status.DELIVERED, settled_at=dt.datetime.now(dt.UTC))
+
+    def broker(sender: object, **kwargs: object) -> None:
+        raise BrokenPipeError(32, "Broken pipe (the broker's socket)")
+
+    post_save.connect(broker, sender=Batch, dispatch_uid="broker")
+    try:
+        with pytest.raises(BrokenPipeError, match="the broker's socket"):
+            call_command("delivery_replay", "--host=a.example", "--since=1h", stdout=StringIO())
+    finally:
+        post_save.disconnect(sender=Batch, dispatch_uid="broker")

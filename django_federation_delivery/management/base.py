@@ -7,9 +7,10 @@ import contextlib
 import ipaddress
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 from django.db import DatabaseError, connections
 from django.utils.translation import gettext as _
 
@@ -35,14 +36,18 @@ class TranslatedCommand(BaseCommand):
             if getattr(sys, name) is None:
                 setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (kept open)
         super().__init__(*args, **kwargs)
+        # OutputWrapper keeps the stream it writes to as _out.
+        self.stdout = _Output(self.stdout._out)  # type: ignore[arg-type]
+        stderr, self.stderr = self.stderr, _Output(self.stderr._out)  # type: ignore[arg-type]
+        self.stderr.style_func = stderr.style_func
 
     def execute(self, *args: Any, **options: Any) -> str | None:
         try:
             return super().execute(*args, **options)
-        except BrokenPipeError:
-            # Its reader went away ("| head"): it has read what it wanted.
-            sent_nowhere(self.stdout)
-            return None
+        finally:
+            # What is left in the buffer, written now rather than as Python
+            # exits, where a reader gone would fail it ("Exception ignored").
+            self.stdout.flush()
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
         parser = super().create_parser(prog_name, subcommand, **kwargs)
@@ -67,6 +72,29 @@ class TranslatedCommand(BaseCommand):
         except DatabaseError as exc:
             if not self.waits_for_the_database():
                 raise unreachable(database_alias(), exc) from None
+
+
+class _Output(OutputWrapper):
+    """A command's stdout or stderr whose reader may go away (``| head``):
+    it has read what it wanted, and the rest goes nowhere, rather than fail
+    the command. A broken pipe anywhere else is no business of this."""
+
+    def write(  # type: ignore[override]
+        self,
+        msg: str = "",
+        style_func: Callable[[str], str] | None = None,
+        ending: str | None = None,
+    ) -> None:
+        try:
+            super().write(msg, style_func, ending)
+        except BrokenPipeError:
+            sent_nowhere(self._out)
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except BrokenPipeError:
+            sent_nowhere(self._out)
 
 
 def sent_nowhere(stream: Any) -> None:
