@@ -322,6 +322,20 @@ def test_a_telegram_2xx_that_does_not_say_ok_is_not_delivered(
     assert text[:20] in result.error and "SECRETtok_en" not in result.error
 
 
+def test_a_telegram_ok_cut_to_the_answer_s_most_bytes_is_delivered(
+    mocked: responses.RequestsMock,
+) -> None:
+    # The Bot API's answer repeats the message sent: cut to MAX_ANSWER_BYTES
+    # it was no JSON, the message taken as not sent, and sent again and again.
+    answer = {"ok": True, "result": {"message_id": 1, "text": "y" * 3000}}
+    mocked.post(TELEGRAM_SENT_TO, status=200, json=answer)
+    transport = Transport(TransportSettings(user_agent="tests", max_answer_bytes=1024))
+    try:
+        assert attempt(job(TELEGRAM), transport).delivered
+    finally:
+        transport.close()
+
+
 def test_a_telegram_2xx_that_says_ok_is_delivered(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:

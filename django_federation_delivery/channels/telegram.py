@@ -37,6 +37,8 @@ DOMAIN_DOT = re.compile(r"(?<=\w)\.(?=\w)")
 TELEGRAM_LIMIT = 4096
 
 _BOT_TOKEN = re.compile(r"[0-9]+:[A-Za-z0-9_-]+")
+#: The start of a Bot API answer that says it sent the message.
+_OK_FIRST = re.compile(rb'\s*\{\s*"ok"\s*:\s*true\b')
 # A numeric chat id (negative for groups and channels) or a public @username.
 _CHAT = re.compile(r"-?[0-9]+|@[A-Za-z][A-Za-z0-9_]{3,}")
 
@@ -126,7 +128,9 @@ class Telegram(Channel):
         try:
             said = json.loads(answer.body)
         except (ValueError, RecursionError):
-            said = None
+            # Cut to MAX_ANSWER_BYTES (its answer repeats the whole message):
+            # the Bot API writes "ok" first.
+            said = {"ok": True} if _OK_FIRST.match(answer.body) else None
         if isinstance(said, dict) and said.get("ok") is True:
             return verdict
         code = said.get("error_code") if isinstance(said, dict) else None
