@@ -119,7 +119,8 @@ def _breaker_of(name: str, alias: str) -> tuple[str, int]:
     with breakers kept per inbox (``SCOPE`` "inbox"), the worst of its
     inboxes' (open before half-open before closed) and the most failures,
     each of them counted: those whose key (a canonical inbox) begins with a
-    URL on this host, port and all, which no other host's inbox does."""
+    URL on this host, port and all, which no other host's inbox does, and
+    those of the portable inboxes whose rows are kept under it."""
     breakers = Breaker.objects.using(alias)
     # Compared in the database, as instants: with USE_TZ off, the times the
     # ORM reads are wall-clock ones, and one in the hour a clock goes back
@@ -143,6 +144,13 @@ def _breaker_of(name: str, alias: str) -> tuple[str, int]:
     on_host = Q()
     for prefix in url_prefixes(name):
         on_host |= Q(key__startswith=prefix)
+    # And a portable inbox's, keyed by its ap:// name, where its rows are
+    # kept under this host (its first gateway's).
+    on_host |= Q(
+        key__in=Delivery.objects.using(alias)
+        .filter(host=name, inbox__startswith="ap://")
+        .values("inbox")
+    )
     found = breakers.filter(on_host).aggregate(
         failures=Max("failures"),
         open=Count("key", filter=Q(open_until__gt=now)),

@@ -61,7 +61,10 @@ def parse_ap_uri(uri: str) -> tuple[str, str, str]:
         raise InvalidDelivery(f"not an ap:// URI: {quoted(uri, path=True)}") from None
     if parts.scheme.lower() != "ap":
         raise InvalidDelivery(f"not an ap:// URI: {quoted(uri, path=True)}")
-    did = unquote(parts.netloc)
+    # Decoded only when written encoded whole: a "%3A" in a DID written with
+    # its colons (did:web's port) is part of the DID, and decoded it would
+    # name another (did:web:host:8443 is a path on host), so it is refused.
+    did = parts.netloc if ":" in parts.netloc else unquote(parts.netloc)
     if not _DID.fullmatch(did):
         raise InvalidDelivery(
             f"the authority of an ap:// URI must be a DID: {quoted(uri, path=True)}"

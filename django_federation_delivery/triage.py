@@ -174,7 +174,9 @@ class Triage:
         decision, item.probe, hold_for = admitted or (Decision.HOLD, "", 5.0)
         if decision is not Decision.HOLD:
             return None
-        later = _targets(item.job)[1:]
+        # Kept per host, the breaker is the first gateway's host's: the later
+        # gateways are tried instead. Kept per inbox, it is the whole inbox's.
+        later = _targets(item.job)[1:] if self.breakers.settings.scope is Scope.HOST else ()
         if later:
             item.job = dataclasses.replace(item.job, targets=later)  # type: ignore[call-arg]
             item.breaker, item.elsewhere = "", True

@@ -30,7 +30,7 @@ from django_federation_delivery.store import CLAIM_ORDER
 
 from .conftest import Inbox, Overlap, Received, RunningDeliverer, wait_until
 from .keys import ALICE
-from .operators import NOTE, quick_breaker
+from .operators import NOTE, open_breaker, quick_breaker
 from .test_federation import DID
 from .test_held_released import release_fails_once
 
@@ -550,6 +550,22 @@ def test_a_half_open_breaker_s_probe_failed_at_a_portable_inbox_s_first_gateway_
         "each probe that failed there was given back, as if no request had been made; "
         f"breaker now {list(Breaker.objects.values('failures', 'open_until', 'probe_token'))}"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_portable_inbox_s_own_open_breaker_holds_it_as_any_inbox_s(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    # Kept per inbox, the breaker of a portable inbox with two gateways held
+    # nothing: every attempt went to its second gateway, and its answers
+    # were recorded on no breaker.
+    quick_breaker(settings, BREAKER={"THRESHOLD": 2, "COOL_OFF": 60.0, "SCOPE": "inbox"})
+    first, second = inboxes("127.0.0.2"), inboxes("127.0.0.3")
+    inbox = f"ap://{DID}/actor/inbox"
+    open_breaker(inbox)
+    send_portable(ALICE, NOTE, [PortableInbox(inbox, [first.url(""), second.url("")])])
+    assert Deliverer().run(drain=True).held == 1
+    assert (first.received, second.received) == ([], [])
 
 
 FLAKY = "flaky.example"

@@ -618,3 +618,27 @@ def test_a_breaker_opened_in_the_hour_a_clock_goes_back_through_is_pictured_open
     assert take_probe("a.example", cool_off=3600.0) is None, "the breakers hold it"
     picture = host_picture("a.example")
     assert picture is not None and picture.breaker == "open"
+
+
+@pytest.mark.django_db
+def test_a_host_s_picture_counts_the_breaker_of_a_portable_inbox_kept_under_it(
+    settings: Any,
+) -> None:
+    # Kept per inbox, a portable inbox's breaker (keyed by its ap:// name)
+    # was left out of the host its rows are kept under: "closed", while it
+    # held what was pending there.
+    from django_federation_delivery import PortableInbox, send_portable
+
+    from .operators import open_breaker
+    from .test_federation import DID
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 1, "COOL_OFF": 60.0, "SCOPE": "inbox"},
+    }
+    inbox = f"ap://{DID}/actor/inbox"
+    send_portable(ALICE, NOTE, [PortableInbox(inbox, ["https://gw.example"])])
+    open_breaker(inbox, failures=7)
+    picture = host_picture("gw.example")
+    assert picture is not None and picture.pending == 1
+    assert (picture.breaker, picture.failures_in_a_row) == ("open", 7)

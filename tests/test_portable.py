@@ -66,6 +66,9 @@ def test_what_a_url_path_cannot_carry_is_percent_encoded_and_escapes_are_kept() 
         "ap://DID:key:z6MkABC/actor/inbox",
         "ap://did:KEY:z6MkABC/actor/inbox",
         "ap://did:key:z6Mk%2541/actor/inbox",
+        # did:web's port, its colon encoded: decoded, it named another DID
+        # (did:web:social.example:8443 is a path on social.example).
+        "ap://did:web:social.example%3A8443/actor/inbox",
         "ap://user@did:key:z6MkABC/actor/inbox",
         "ap://did:key:z6MkABC",
         "ap://did:key:z6MkABC/",
