@@ -60,9 +60,10 @@ class Database:
         self.logger = logger
         self._sleep = sleep
         self._failing_since: float | None = None
-        #: Whether the outage is a write lock another process holds (SQLite's
-        #: "database is locked"): reads go on meanwhile, and prove nothing.
-        self._locked = False
+        #: Whether the outage refuses writes alone (SQLite's write lock held
+        #: by another process, a database turned read-only or a full disk):
+        #: reads go on meanwhile, and prove nothing.
+        self._writes_refused = False
         self._waits_end: float | None = None
 
     @property
@@ -84,12 +85,14 @@ class Database:
             now = time.monotonic()
             if self._failing_since is None:
                 self._failing_since = now
-                self._locked = _locked(exc)
+                self._writes_refused = _writes_refused(exc)
                 self.logger.warning("The database is unavailable (%s); waiting it out", exc)
             connections[self.using].close()
             self._wait(min(LONGEST_WAIT, 0.2 + (now - self._failing_since) / 4), now)
             return None
-        if self._failing_since is not None and (reached.wrote if self._locked else reached.ran):
+        if self._failing_since is not None and (
+            reached.wrote if self._writes_refused else reached.ran
+        ):
             self.logger.warning("The database is back")
             self._failing_since = None
         return value
@@ -112,9 +115,28 @@ class Database:
             self.stopping.wait(seconds)
 
 
-def _locked(error: BaseException) -> bool:
-    """Whether ``error`` is SQLite's write lock held past the busy timeout."""
-    return "database is locked" in str(error) or "database table is locked" in str(error)
+def _writes_refused(error: BaseException) -> bool:
+    """Whether ``error`` refuses writes alone, reads going on: SQLite's
+    write lock held past the busy timeout, a database file or server that
+    has turned read-only (a failover's old primary, a file system remounted
+    so), a full disk."""
+    cause = error.__cause__
+    # psycopg 3's sqlstate, psycopg2's pgcode.
+    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if code in _WRITES_REFUSED_SQLSTATES:
+        return True
+    text = str(error)
+    return any(words in text for words in _WRITES_REFUSED_SQLITE)
+
+
+#: read_only_sql_transaction, disk_full.
+_WRITES_REFUSED_SQLSTATES = frozenset({"25006", "53100"})
+_WRITES_REFUSED_SQLITE = (
+    "database is locked",
+    "database table is locked",
+    "attempt to write a readonly database",
+    "database or disk is full",
+)
 
 
 #: A statement that writes, or takes the write lock first (writelock.py).

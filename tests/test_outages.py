@@ -313,6 +313,59 @@ def test_a_stop_with_the_database_away_and_nothing_to_write_exits_after_the_grac
 
 
 @pytest.mark.slow
+class ReadOnly(Exception):
+    """psycopg's error under Django's: a transaction that may not write."""
+
+    sqlstate = "25006"
+
+
+def refused_a_write(words: str, sqlstate: str | None) -> Callable[[], None]:
+    def write() -> None:
+        error = OperationalError(words)
+        if sqlstate is not None:
+            error.__cause__ = ReadOnly()
+            error.__cause__.sqlstate = sqlstate  # type: ignore[attr-defined]
+        raise error
+
+    return write
+
+
+@pytest.mark.parametrize(
+    ("words", "sqlstate"),
+    [
+        ("cannot execute UPDATE in a read-only transaction", "25006"),
+        ("could not extend file: No space left on device", "53100"),
+        ("attempt to write a readonly database", None),
+        ("database or disk is full", None),
+    ],
+    ids=["read-only server", "full disk", "read-only file", "full file"],
+)
+def test_an_outage_that_refuses_writes_alone_ends_with_a_write(
+    caplog: pytest.LogCaptureFixture, words: str, sqlstate: str | None
+) -> None:
+    # A failover's old primary, or a file system remounted read-only: the
+    # loop's reads went on, each ended the outage, and the next write began
+    # another: a pair of lines at each try, and no longer waits between them.
+    stopping = threading.Event()
+    stopping.set()
+    waits: list[float] = []
+    logger = logging.getLogger("tests.outages")
+    database = Database("default", stopping, logger=logger, sleep=waits.append)
+    with caplog.at_level(logging.WARNING, logger="tests.outages"):
+        for _ in range(3):
+            assert database(refused_a_write(words, sqlstate)) is None
+            assert database(select_one) == 1
+            assert database.failing, "a read proves nothing"
+        assert waits == sorted(waits) and waits[-1] > waits[0]
+        database(lambda: Batch.objects.filter(id=-1).update(tag="x"))
+        assert not database.failing
+    said = [record.getMessage() for record in caplog.records]
+    assert [line.split(" (")[0] for line in said] == [
+        "The database is unavailable",
+        "The database is back",
+    ]
+
+
 def test_a_write_lock_held_past_the_busy_timeout_is_one_outage_in_the_log(
     inboxes: Callable[..., Inbox],
     start_deliverer: Callable[..., RunningDeliverer],
