@@ -465,8 +465,8 @@ def test_requeue_puts_failed_refused_and_skipped_back_due_now_keeping_attempts(
     messages = act(operator, "delivery", "requeue", [row.pk for row in rows])
     assert messages == [
         "Requeued 2 deliveries, due now, after what they wait on, or once their paused host "
-        "is resumed; pending or delivered ones, and those past their batch's deadline, are "
-        "left alone."
+        "is resumed; pending or delivered ones, those past their batch's deadline, and "
+        "those a later Delete or Undo of their sender took back, are left alone."
     ]
     requeued = Delivery.objects.filter(pk__in=[rows[0].pk, rows[1].pk]).order_by("id")
     assert [(row.status, row.attempts) for row in requeued] == [

@@ -318,7 +318,8 @@ def test_a_failed_webhook_delivery_requeued_is_pending_then_delivered(
     messages = act(operator, "delivery", "requeue", [failed.pk])
     assert messages == [
         "Requeued 1 delivery, due now, after what it waits on, or once its paused host is "
-        "resumed; pending or delivered ones, and those past their batch's deadline, are left alone."
+        "resumed; pending or delivered ones, those past their batch's deadline, and those a "
+        "later Delete or Undo of their sender took back, are left alone."
     ]
     failed.refresh_from_db()
     assert failed.status == Status.PENDING

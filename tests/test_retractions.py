@@ -1458,3 +1458,19 @@ def test_a_delete_queued_with_a_replay_like_tag_before_the_upgrade_does_not_stop
     Deliverer().run(drain=True, stop_after=10)
     assert row(created, url).status == Status.DELIVERED
     assert row(retraction, url).status == Status.DELIVERED
+
+
+@pytest.mark.django_db
+def test_the_admin_says_a_requeue_leaves_what_a_later_delete_took_back() -> None:
+    # Requeued from the admin, a Create a Delete superseded is left alone,
+    # and the message named every kind of row left alone but this one.
+    from .test_admin import act, login
+
+    created = send(ALICE, create(), [A])
+    retraction = send(ALICE, delete(), [A])
+    assert retraction is not None and retraction.superseded == 1
+    row = Delivery.objects.get(batch=created)
+    (message,) = act(login("operator"), "delivery", "requeue", [row.pk])
+    assert Delivery.objects.get(pk=row.pk).status == Status.SUPERSEDED
+    assert "Requeued 0 deliveries" in message
+    assert "those a later Delete or Undo of their sender took back" in message

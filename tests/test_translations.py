@@ -164,13 +164,13 @@ def test_an_action_message_is_translated_with_the_plural_form_ngettext_chose(
 
     assert requeue([rows[0].pk]) == [
         "«[one] Requeued 1 delivery, due now, after what it waits on, or once its paused host "
-        "is resumed; pending or delivered ones, and those past their batch's deadline, are "
-        "left alone.»"
+        "is resumed; pending or delivered ones, those past their batch's deadline, and those "
+        "a later Delete or Undo of their sender took back, are left alone.»"
     ]
     assert requeue([rows[1].pk, rows[2].pk]) == [
         "«[many] Requeued 2 deliveries, due now, after what they wait on, or once their paused "
-        "host is resumed; pending or delivered ones, and those past their batch's deadline, "
-        "are left alone.»"
+        "host is resumed; pending or delivered ones, those past their batch's deadline, and "
+        "those a later Delete or Undo of their sender took back, are left alone.»"
     ]
 
 

@@ -349,10 +349,12 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
             ngettext(
                 "Requeued %(count)d delivery, due now, after what it waits on, or once its paused "
                 "host is resumed; pending or "
-                "delivered ones, and those past their batch's deadline, are left alone.",
+                "delivered ones, those past their batch's deadline, and those a later Delete or "
+                "Undo of their sender took back, are left alone.",
                 "Requeued %(count)d deliveries, due now, after what they wait on, or once their "
                 "paused host is resumed; pending or "
-                "delivered ones, and those past their batch's deadline, are left alone.",
+                "delivered ones, those past their batch's deadline, and those a later Delete or "
+                "Undo of their sender took back, are left alone.",
                 count,
             )
             % {"count": count},
