@@ -823,6 +823,62 @@ def test_a_fake_started_inside_a_project_s_own_responses_mock_answers(settings: 
     assert requests.adapters.HTTPAdapter.send is UNPATCHED
 
 
+def test_a_fake_left_started_inside_a_project_s_own_mock_leaves_requests_as_it_was() -> None:
+    # @responses.activate ended first (it ends with the test body), then the
+    # fake the test left started was stopped: its stop put the project's
+    # stopped mock back on requests, which refused every later request.
+    from django_federation_delivery.testing import fake
+
+    mark = fake.started_mark()
+
+    @responses.activate
+    def project_test() -> None:
+        FakeInbox().start()
+        raise AssertionError("failed before its stop()")
+
+    with pytest.raises(AssertionError):
+        project_test()
+    fake.stop_started_since(mark)  # as the plugin and the mixin end a test
+    assert requests.adapters.HTTPAdapter.send is UNPATCHED
+
+
+@pytest.mark.parametrize("order", ["in order", "the first first"])
+def test_fakes_around_a_project_s_own_mock_leave_requests_as_it_was(order: str) -> None:
+    first = FakeInbox().start()
+    own = responses.RequestsMock(assert_all_requests_are_fired=False)
+    own.start()
+    second = FakeInbox().start()
+    assert FakeInbox.current() is second
+    if order == "in order":
+        second.stop()
+        own.stop()
+        first.stop()
+    else:
+        first.stop()
+        second.stop()
+        own.stop()
+    assert FakeInbox.current() is None
+    # What is left of the fakes' hands each request on, and is taken off at
+    # the next start.
+    FakeInbox().start().stop()
+    assert requests.adapters.HTTPAdapter.send is UNPATCHED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_deliver_all_given_a_fake_inside_a_project_s_own_mock_is_answered_by_it(
+    settings: Any,
+) -> None:
+    # The fixture's fake, then the project's mock of its own API, and
+    # deliver_all(fake=...) within it: the project's mock refused the delivery.
+    own = responses.RequestsMock(assert_all_requests_are_fired=False)
+    with FakeInbox() as given, own:
+        own.add(responses.GET, "https://api.project.example/x", json={})
+        send_to_pager(settings)
+        assert deliver_all(fake=given).delivered == 1
+    assert [request.status for request in given.received] == [202]
+    assert requests.adapters.HTTPAdapter.send is UNPATCHED
+
+
 class LeavesAFakeStarted(DeliveryTestMixin, TransactionTestCase):
     __test__ = False  # run by the test below
     available_apps = ["django_federation_delivery"]

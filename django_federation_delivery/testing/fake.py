@@ -59,9 +59,66 @@ _NUMBERED = itertools.count()
 #: The fake :func:`~django_federation_delivery.testing.deliver_all` was
 #: given, which answers while it runs whichever fake was started last.
 _ANSWERING: list[FakeInbox] = []
-#: Each fake's patch of ``requests``, in the order they were made: undone
-#: last first (see :meth:`FakeInbox.stop`).
-_PATCHES: list[tuple[responses.RequestsMock, FakeInbox]] = []
+
+
+class _Layer:
+    """The fakes' send, put on ``requests`` over whatever sent there then
+    (its own, a project's ``responses`` mock, a layer below): it answers as
+    the fake answering now, or hands the request on to what it was put over
+    when none is. It is taken off once no fake needs it and it is on top:
+    never from under another's patch, whose own stop puts back what it was
+    put over (this, which then hands every request on)."""
+
+    def __init__(self) -> None:
+        self.original = requests.adapters.HTTPAdapter.send
+        #: The fakes started on it, and whether deliver_all put it on top.
+        self.members: list[FakeInbox] = []
+        self.answering = False
+
+        def send(adapter: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            fake = _answering_now()
+            if fake is None:
+                _take_off_layers()
+                return self.original(adapter, request, *args, **kwargs)
+            return fake._send(adapter, request, *args, **kwargs)
+
+        self.send = send
+        requests.adapters.HTTPAdapter.send = send  # type: ignore[method-assign, assignment]
+
+    @property
+    def on_top(self) -> bool:
+        return requests.adapters.HTTPAdapter.send is self.send
+
+    @property
+    def needed(self) -> bool:
+        return self.answering or any(fake.active for fake in self.members)
+
+
+#: The layers put on requests, oldest first.
+_LAYERS: list[_Layer] = []
+
+
+def _answering_now() -> FakeInbox | None:
+    if _ANSWERING:
+        return _ANSWERING[-1]
+    return _STARTED[-1] if _STARTED else None
+
+
+def _take_off_layers() -> None:
+    """Take off each layer on top that no fake needs, newest first."""
+    while _LAYERS and _LAYERS[-1].on_top and not _LAYERS[-1].needed:
+        layer = _LAYERS.pop()
+        requests.adapters.HTTPAdapter.send = layer.original  # type: ignore[method-assign]
+
+
+def _layer_on_top() -> _Layer:
+    """The fakes' layer on top of requests: the one there, or a new one over
+    what is (nothing of the fakes', or a project's own patch)."""
+    _take_off_layers()
+    if _LAYERS and _LAYERS[-1].on_top:
+        return _LAYERS[-1]
+    _LAYERS.append(_Layer())
+    return _LAYERS[-1]
 
 
 def started_mark() -> int:
@@ -162,46 +219,39 @@ class FakeInbox:
     def start(self) -> FakeInbox:
         if self.active:
             return self
-        # Its own patch of requests, over whatever patches it now (an
-        # earlier fake's, a project's own responses mock).
         mock = responses.RequestsMock(assert_all_requests_are_fired=False)
         # Whatever a kind of the project's own sends (json_request takes any method).
-        mock.add(_EveryMethod("POST", _ANY, callback=self._answer_as_told))
-        mock.start()
-        _PATCHES.append((mock, self))
+        mock.add(_EveryMethod("POST", _ANY, callback=self._answer))
+        self._send = mock.unbound_on_send()
         self._number = next(_NUMBERED)
         self._kept = False
         _STARTED.append(self)
+        _layer_on_top().members.append(self)
         return self
 
     def stop(self) -> None:
-        """Stop it; its patch is undone once every patch made after it is
-        (patches are undone last first, or an earlier one's is put back
-        for good): one stopped under a later fake still started (a
-        fixture's, under a test's fake left started) is undone with it."""
+        """Stop it: the fakes' patch of requests is taken off once no fake
+        started needs it, whatever order they are stopped in, and never
+        from under a project's own ``responses`` mock."""
         if not self.active:
             return
         _STARTED.remove(self)
-        while _PATCHES and not _PATCHES[-1][1].active:
-            mock, _ = _PATCHES.pop()
-            mock.stop()
-            mock.reset()
+        _take_off_layers()
 
     @contextlib.contextmanager
     def answering(self) -> Iterator[FakeInbox]:
         """Within it, this fake answers every request, whichever fake was
-        started last (``deliver_all(fake=…)``)."""
+        started last, even inside a project's own ``responses`` mock
+        (``deliver_all(fake=…)``)."""
+        layer = _layer_on_top()
+        layer.answering = True
         _ANSWERING.append(self)
         try:
             yield self
         finally:
             _ANSWERING.remove(self)
-
-    def _answer_as_told(
-        self, request: requests.PreparedRequest
-    ) -> tuple[int, dict[str, str], bytes]:
-        answering = _ANSWERING[-1] if _ANSWERING else self
-        return answering._answer(request)
+            layer.answering = False
+            _take_off_layers()
 
     def __enter__(self) -> FakeInbox:
         return self.start()
