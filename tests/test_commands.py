@@ -272,3 +272,18 @@ def test_a_broken_pipe_of_the_command_s_own_work_is_no_success() -> None:
             call_command("delivery_replay", "--host=a.example", "--since=1h", stdout=StringIO())
     finally:
         post_save.disconnect(sender=Batch, dispatch_uid="broker")
+
+
+@pytest.mark.django_db
+def test_a_command_called_with_a_pipe_whose_reader_went_away_returns() -> None:
+    # call_command("delivery_status", stdout=<a pipe>) read by a head that
+    # ended: a stream given is wrapped as Django wraps it, whose broken pipe
+    # escaped call_command, where manage.py ... | head ends quietly.
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w") as out:
+        call_command("delivery_status", stdout=out)
+        with contextlib.suppress(BrokenPipeError):
+            out.flush()

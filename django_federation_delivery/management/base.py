@@ -42,6 +42,11 @@ class TranslatedCommand(BaseCommand):
         self.stderr.style_func = stderr.style_func
 
     def execute(self, *args: Any, **options: Any) -> str | None:
+        # A stream given (call_command(stdout=...)) as Django would wrap it,
+        # a broken pipe to it taken as the reader gone too.
+        for name in ("stdout", "stderr"):
+            if given := options.pop(name, None):
+                setattr(self, name, _Output(given))
         try:
             return super().execute(*args, **options)
         finally:
