@@ -217,7 +217,7 @@ BAD: dict[str, list[tuple[Any, str, str]]] = {
     ],
     "CONNECT_TIMEOUT": [(INF, "E006", "inf")],
     "ATTEMPT_TIMEOUT": [(0, "E006", "0"), (295, "E015", "295"), (HUGE, "E006", "not 1000")],
-    "MAX_ANSWER_BYTES": [(0, "E005", "0")],
+    "MAX_ANSWER_BYTES": [(0, "E005", "0"), (1023, "E005", "1023")],
     "ERROR_LENGTH": [(10**9, "E005", "1000000000")],
     "CONNECTIONS_PER_HOST": [(0, "E005", "0")],
     "MAX_IDLE_CONNECTIONS": [(-1, "E005", "-1"), (1.5, "E005", "1.5")],

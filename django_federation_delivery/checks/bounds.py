@@ -22,7 +22,9 @@ WHOLE_NUMBERS: dict[str, tuple[int, int]] = {
     "PER_HOST": (1, 1_000),
     "PER_HOST_MAX": (1, 1_000),
     "SLOW_CONCURRENCY": (0, 10_000),
-    "MAX_ANSWER_BYTES": (1, 64 << 20),
+    # Enough of any answer to say whether it took the request (a Bot API
+    # answer cut before its "ok": true would be a message sent again).
+    "MAX_ANSWER_BYTES": (1024, 64 << 20),
     "ERROR_LENGTH": (1, 100_000),
     "CONNECTIONS_PER_HOST": (1, 1_000),
     # 0: no keep-alive at all.
