@@ -1196,12 +1196,18 @@ def test_every_page_shows_text_rows_keep_as_it_came_escaped(operator: Client) ->
         object_id=f"https://a.example/{bidi}2",
         ordering_key=f"key{bidi}",
         idempotency_key=f"idem{bidi}",
+        # And those the package writes only as hex or a scheme's name.
+        body_sha256=f"sha{bidi}",
     )
     delivery = batch.deliveries.get()
     Delivery.objects.filter(pk=delivery.pk).update(
-        host=f"h{bidi}.example", last_error=f"boom{bidi}", attempts=1, last_status=503
+        host=f"h{bidi}.example",
+        last_error=f"boom{bidi}",
+        attempts=1,
+        last_status=503,
+        sequence=f"seq{escape}",
     )
-    Host.objects.create(name=f"h{bidi}.example", last_error=f"boom{escape}")
+    Host.objects.create(name=f"h{bidi}.example", last_error=f"boom{escape}", scheme=f"rfc{bidi}")
     Host.objects.create(name=f"p{bidi}.example", paused_at=timezone.now())
     open_breaker(f"h{bidi}.example")
     now = timezone.now()

@@ -495,3 +495,19 @@ def test_a_destination_resumed_from_the_hosts_list_and_paused_again_reads_as_pau
     assert ops.state(timezone.now()).startswith("paused by an operator ")
     code, line = destinations_check(using="default")
     assert code == 2 and "ops (1 waiting): paused" in line and "410" not in line
+
+
+@pytest.mark.django_db
+def test_a_disabled_destination_s_reason_is_shown_escaped(settings: Any, operator: Client) -> None:
+    # The state cell ("disabled 2m ago: <reason>") showed a reason a row
+    # holds (one written by hand) with its bidi override and escape as they
+    # are; every other cell, and delivery_status, escape them.
+    from .test_admin import assert_shown_as_text
+
+    configure(settings, {"ops": SLACK})
+    send_webhook("ops", "alert.raised", {"n": 1})
+    Host.objects.update_or_create(
+        name="<ops>", defaults={"paused_at": timezone.now(), "disabled_reason": "gone\u202e\x1b[2J"}
+    )
+    for page in (url("delivery", "queues"), url("delivery", "destinations")):
+        assert_shown_as_text(html(operator, page))

@@ -152,7 +152,7 @@ class BatchAdmin(OperatorAdmin[Batch]):
                 "classes": ("collapse",),
             },
         ),
-        (_("Body"), {"fields": ("pretty_body", "body_sha256")}),
+        (_("Body"), {"fields": ("pretty_body", "shown_body_sha256")}),
     )
     # A webhook event's batch: its type and id, and no sender.
     webhook_fieldsets = (
@@ -172,7 +172,7 @@ class BatchAdmin(OperatorAdmin[Batch]):
         ),
         fieldsets[1],
         fieldsets[3],
-        (_("Event"), {"fields": ("pretty_body", "body_sha256")}),
+        (_("Event"), {"fields": ("pretty_body", "shown_body_sha256")}),
     )
 
     def get_fieldsets(self, request: HttpRequest, obj: Batch | None = None) -> Any:
@@ -205,6 +205,7 @@ class BatchAdmin(OperatorAdmin[Batch]):
     shown_idempotency_key = kept_text(Batch, "idempotency_key")
     shown_event_type = kept_text(Batch, "event_type")
     shown_event_id = kept_text(Batch, "event_id")
+    shown_body_sha256 = kept_text(Batch, "body_sha256")
 
     @admin.display(description=_("event"), ordering="event_type")
     def event(self, obj: Batch) -> str:

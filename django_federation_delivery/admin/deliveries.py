@@ -206,7 +206,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
                 )
             },
         ),
-        (_("Ordering"), {"fields": ("sequence", "after"), "classes": ("collapse",)}),
+        (_("Ordering"), {"fields": ("shown_sequence", "after"), "classes": ("collapse",)}),
         (_("Body"), {"fields": ("body",)}),
     )
     webhook_fieldsets = (
@@ -276,6 +276,7 @@ class DeliveryAdmin(OperatorAdmin[Delivery]):
 
     shown_host = kept_text(Delivery, "host")
     shown_last_error = kept_text(Delivery, "last_error")
+    shown_sequence = kept_text(Delivery, "sequence")
 
     # A webhook delivery names its destination, whose URL is never shown.
     @admin.display(description=_("webhook destination"))

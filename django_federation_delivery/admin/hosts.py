@@ -230,7 +230,7 @@ class HostAdmin(OperatorAdmin[Host]):
         "resting",
         "answer_p95",
         "last_delivered_at",
-        "scheme",
+        "shown_scheme",
     )
     list_filter = (PausedFilter, UnavailableFilter)
     search_fields = ("name",)
@@ -259,7 +259,7 @@ class HostAdmin(OperatorAdmin[Host]):
                     "unavailable_since",
                     "probed_at",
                     "paused_at",
-                    "scheme",
+                    "shown_scheme",
                 )
             },
         ),
@@ -285,6 +285,7 @@ class HostAdmin(OperatorAdmin[Host]):
     # A name as kept: an inbox's host, or whatever a row no send wrote holds.
     shown_name = kept_text(Host, "name", blank="—")
     shown_last_error = kept_text(Host, "last_error")
+    shown_scheme = kept_text(Host, "scheme")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Host]:
         # Annotated before it is ordered: the order is by trouble.
