@@ -669,6 +669,14 @@ def _is_host(authority: str) -> bool:
 #: 16 or more of a token's characters: "telegram:123:TOKEN"), as no name,
 #: event type, time or IPv6 address is.
 _TOKEN_AFTER_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:(?:bot)?[0-9]+:[A-Za-z0-9_-]{16}")
+#: A bot's token alone, at the start.
+_BOT_TOKEN = re.compile(r"(?:bot)?[0-9]+:[A-Za-z0-9_-]{16}")
+#: A token (16 or more of a token's characters, no dot, an underscore or a
+#: digit among them: "syt_…", "tk_…"; a mailbox's name rarely looks so)
+#: before a host, with no path.
+_TOKEN_BEFORE_HOST = re.compile(
+    r"(?=[A-Za-z-]*[0-9_])[A-Za-z0-9_-]{16,}@(?P<host>[A-Za-z0-9.-]+(?::[0-9]+)?)$"
+)
 #: What a pasted link may begin with, as ``_BEFORE_USERINFO`` skips it.
 _PASTED_BEFORE = re.compile(r"^[\s<\"'(\[]*")
 _SPACE = re.compile(r"\s")
@@ -756,6 +764,12 @@ def quoted(value: object, *, path: bool = False) -> str:
     elif not path and _TOKEN_AFTER_SCHEME.match(pasted := _PASTED_BEFORE.sub("", value, count=1)):
         # A bot's token after its scheme, no chat nor slashes ("telegram:123:TOKEN").
         shown = f"{pasted.partition(':')[0]}:…"
+    elif not path and _BOT_TOKEN.match(pasted):
+        # A bot's token as BotFather gives it, or before its chat ("123:TOKEN@-1001").
+        shown = "…"
+    elif not path and (userinfo := _TOKEN_BEFORE_HOST.match(pasted)):
+        # A token before its host, no path ("syt_TOKEN@matrix.example").
+        shown = f"{userinfo['host']}/…"
     elif not path:
         host, slash, _ = value.partition("/")
         if slash and ("." in host or ("@" in host and _is_host(host.rpartition("@")[2]))):

@@ -109,6 +109,27 @@ def test_a_send_retried_past_the_deadline_it_was_given_returns_the_first_batch(
 
 
 @pytest.mark.django_db
+def test_a_webhook_retried_once_its_destination_s_url_broke_returns_the_first_batch(
+    settings: Any,
+) -> None:
+    # A destination whose URL no longer parses raised ImproperlyConfigured
+    # (a 500) at the retry, where the first batch was kept under the key.
+    from django.core.exceptions import ImproperlyConfigured
+
+    hooks = {"tg": "telegram://4815162342:ABCsecretBotToken_x@-1001"}
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": hooks}
+    first = send_webhook("tg", "deploy.done", {"n": 1}, idempotency_key="deploy-7")
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "WEBHOOKS": {"tg": "telegram://not-a-token"},
+    }
+    again = send_webhook("tg", "deploy.done", {"n": 1}, idempotency_key="deploy-7")
+    assert first is not None and again is not None and again.pk == first.pk
+    with pytest.raises(ImproperlyConfigured):
+        send_webhook("tg", "deploy.done", {"n": 1}, idempotency_key="deploy-8")
+
+
+@pytest.mark.django_db
 def test_once_its_batch_is_purged_a_key_sends_again() -> None:
     first = send(ALICE, NOTE, INBOXES[:1], idempotency_key="post-42")
     assert first is not None

@@ -96,6 +96,8 @@ def test_an_unknown_destination_is_named_and_nothing_written() -> None:
         ("../etc/passwd", {}, "is not a simple name"),
         ("alert.raised", {"when": {1, 2}}, r"JSON: a set at \$\.when, which JSON cannot"),
         ("alert.raised", {("a", 1): 1}, r"JSON: a tuple \(a key\) at \$, which JSON cannot"),
+        # Named by the codec's place in the document alone.
+        ("alert.raised", {"files": ["ok", "bad\udcff"]}, r"a lone surrogate at \$\.files\[1\]"),
         ("alert.raised", float("nan"), r"cannot be written as JSON: nan at \$, which"),
         ("alert.raised", {"p95": [1.0, float("inf")]}, r"inf at \$\.p95\[1\], which JSON"),
     ],
@@ -450,6 +452,10 @@ def test_a_telegram_url_given_for_a_name_never_repeats_the_bot_token(
         ("hunter2SECRET@ntfy.example.com/alerts", "hunter2SECRET", "'ntfy.example.com/…'"),
         ("tk_SECRETaccessTOKEN@localhost:8080/alerts", "SECRETaccess", "'localhost:8080/…'"),
         ("tk_SECRETaccessTOKEN@[::1]:8080/alerts", "SECRETaccess", "'[::1]:8080/…'"),
+        # A token before its host, no path; a bot's token alone, or before its chat.
+        ("syt_SECRETaccessTOKEN@matrix.example", "SECRETaccess", "'matrix.example/…'"),
+        (BOT_TOKEN, "ABCsecret", "named '…'"),
+        (f"{BOT_TOKEN}@-1001", "ABCsecret", "named '…'"),
     ],
 )
 def test_a_token_before_a_host_given_for_a_name_is_never_repeated(

@@ -220,6 +220,18 @@ def not_json(value: Any, error: Exception) -> str:
     for; an integer longer than the interpreter writes), which one and where
     it is (``nan at $.object.score``, ``nan (a key) at $.tag``): the encoder
     says neither."""
+    if isinstance(error, UnicodeEncodeError):
+        # Text with a lone surrogate (a file name decoded with
+        # surrogateescape): the codec names a place in the document only.
+        for item, path in _paths(value):
+            if isinstance(item, str) and not _encodes(item):
+                return f"a lone surrogate at {_shown(path)}, which UTF-8 cannot write"
+            if isinstance(item, dict):
+                for key in item:
+                    if isinstance(key, str) and not _encodes(key):
+                        return (
+                            f"a lone surrogate (a key) at {_shown(path)}, which UTF-8 cannot write"
+                        )
     if isinstance(error, ValueError):
         for item, path in _paths(value):
             if (why := _unwritable(item)) is not None:
@@ -239,6 +251,14 @@ def not_json(value: Any, error: Exception) -> str:
                     if not isinstance(key, _KEYS):
                         return f"{_kind(key)} (a key) at {_shown(path)}, which JSON cannot write"
     return str(error)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 #: What the encoder writes as a value, and as a key.

@@ -88,8 +88,9 @@ def send_webhook(
     event = Event.of(event_type, event_id, event_time(), data)
     try:
         found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
-    except InvalidDelivery as refusal:
-        # A retry to a destination taken out of the settings since.
+    except (InvalidDelivery, ImproperlyConfigured) as refusal:
+        # A retry to a destination taken out of the settings since, or whose
+        # URL no longer parses.
         return _kept_or(refusal, idempotency_key, alias)
     if not found:
         # A retry to destinations no longer subscribed still returns the
@@ -173,7 +174,7 @@ def event_time() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
-def _kept_or(refusal: InvalidDelivery, idempotency_key: str, alias: str) -> Batch:
+def _kept_or(refusal: Exception, idempotency_key: str, alias: str) -> Batch:
     """The batch kept under ``idempotency_key``, for a retry that would be
     refused as it is given now; ``refusal`` raised if none is kept."""
     kept = queueing.kept_batch(idempotency_key, kind=Kind.WEBHOOK, using=alias)
