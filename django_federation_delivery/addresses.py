@@ -671,12 +671,39 @@ def _is_host(authority: str) -> bool:
 _TOKEN_AFTER_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:(?:bot)?[0-9]+:[A-Za-z0-9_-]{16}")
 #: A bot's token alone, at the start.
 _BOT_TOKEN = re.compile(r"(?:bot)?[0-9]+:[A-Za-z0-9_-]{16}")
-#: A token (16 or more of a token's characters, no dot, an underscore or a
-#: digit among them: "syt_…", "tk_…"; a mailbox's name rarely looks so)
-#: before a host, with no path.
+#: A token: 16 or more of a token's characters, no dot.
+_TOKEN = r"[A-Za-z0-9_-]{16,}"
+#: A token before a host (a name, an IPv4 or a bracketed IPv6 address, a
+#: port), with no path: "syt_…@matrix.example".
 _TOKEN_BEFORE_HOST = re.compile(
-    r"(?=[A-Za-z-]*[0-9_])[A-Za-z0-9_-]{16,}@(?P<host>[A-Za-z0-9.-]+(?::[0-9]+)?)$"
+    _TOKEN + r"@(?P<host>(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]+)?)"
 )
+#: What a pasted link may end with: a line's end, a closing quote or bracket.
+_PASTED_AFTER = " \t\r\n\"'>)"
+
+
+def quoted_name(value: object) -> str:
+    """A webhook destination's name someone gave, quoted as :func:`quoted`
+    quotes a value, but for what a service's credential pasted in its place
+    looks like and no name does: a bot's token (alone or before its chat),
+    a token before its host (its host alone shown), a token alone (digits
+    among 16 or more of a token's characters, and no name)."""
+    if isinstance(value, str):
+        pasted = _PASTED_BEFORE.sub("", value, count=1).rstrip(_PASTED_AFTER)
+        if pasted.endswith("]") and "@[" not in pasted:
+            pasted = pasted[:-1]
+        if _BOT_TOKEN.match(pasted) or (
+            # A digit among them: "Production-Alerts", mistyped, is named.
+            not is_destination_name(pasted)
+            and re.fullmatch(_TOKEN, pasted)
+            and any(char.isdigit() for char in pasted)
+        ):
+            return repr("…")
+        if (found := _TOKEN_BEFORE_HOST.fullmatch(pasted)) is not None:
+            return repr(f"{found['host']}/…")
+    return quoted(value)
+
+
 #: What a pasted link may begin with, as ``_BEFORE_USERINFO`` skips it.
 _PASTED_BEFORE = re.compile(r"^[\s<\"'(\[]*")
 _SPACE = re.compile(r"\s")
@@ -764,12 +791,6 @@ def quoted(value: object, *, path: bool = False) -> str:
     elif not path and _TOKEN_AFTER_SCHEME.match(pasted := _PASTED_BEFORE.sub("", value, count=1)):
         # A bot's token after its scheme, no chat nor slashes ("telegram:123:TOKEN").
         shown = f"{pasted.partition(':')[0]}:…"
-    elif not path and _BOT_TOKEN.match(pasted):
-        # A bot's token as BotFather gives it, or before its chat ("123:TOKEN@-1001").
-        shown = "…"
-    elif not path and (userinfo := _TOKEN_BEFORE_HOST.match(pasted)):
-        # A token before its host, no path ("syt_TOKEN@matrix.example").
-        shown = f"{userinfo['host']}/…"
     elif not path:
         host, slash, _ = value.partition("/")
         if slash and ("." in host or ("@" in host and _is_host(host.rpartition("@")[2]))):

@@ -33,7 +33,7 @@ from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from django_federation_delivery import tracing
-from django_federation_delivery.addresses import host_named, quoted, required_host
+from django_federation_delivery.addresses import host_named, quoted, quoted_name, required_host
 from django_federation_delivery.channels import Destination
 from django_federation_delivery.channels.base import policy_of
 from django_federation_delivery.channels.policy import LANES, PolicyError
@@ -79,11 +79,13 @@ def replay(
         raise ValueError("replay needs a host or a destination, and not both")
     if destination and not (isinstance(destination, str) and destination.isprintable()):
         # No destination's name holds a control character, nor is anything but text.
-        raise ValueError(f"replay needs a webhook destination's name, not {quoted(destination)}")
+        raise ValueError(
+            f"replay needs a webhook destination's name, not {quoted_name(destination)}"
+        )
     if destination and destination not in _sendable_destinations():
         # Queued, its copies would each be given up at once, unattempted.
         raise ValueError(
-            f"no webhook destination named {quoted(destination)} is configured: "
+            f"no webhook destination named {quoted_name(destination)} is configured: "
             "nothing would send its events again"
         )
     key = required_host(host, "replay") if host else delivery_key(destination)

@@ -130,6 +130,38 @@ def test_a_webhook_retried_once_its_destination_s_url_broke_returns_the_first_ba
 
 
 @pytest.mark.django_db
+def test_a_webhook_retried_once_the_kinds_broke_raises_the_settings_error(
+    settings: Any,
+) -> None:
+    # Only the destination's own URL is the retry's to forgive: CHANNELS
+    # broken for every destination was hidden behind the kept batch.
+    from django.core.exceptions import ImproperlyConfigured
+
+    hooks = {"ops": "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"}
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": hooks}
+    assert send_webhook("ops", "deploy.done", {"n": 1}, idempotency_key="deploy-7") is not None
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "CHANNELS": ["no_such_module.Kind"],
+    }
+    with pytest.raises(ImproperlyConfigured):
+        send_webhook("ops", "deploy.done", {"n": 1}, idempotency_key="deploy-7")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("key", ["2024:annual-report-2024", "welcome_mail_bob@example.com"])
+def test_a_key_held_by_the_other_kind_of_send_is_named_whole(settings: Any, key: str) -> None:
+    # Quoted as a destination's name is, for the tokens one may be taken for,
+    # the key was shown '…' or 'example.com/…': not which of them clashed.
+    hooks = {"ops": "slack://hooks.slack.com/services/T0AAAA1/B0BBBB2/s3cretT0kenV4lue9"}
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "WEBHOOKS": hooks}
+    assert send(ALICE, NOTE, INBOXES[:1], idempotency_key=key) is not None
+    with pytest.raises(InvalidDelivery) as refused:
+        send_webhook("ops", "report.published", {"n": 1}, idempotency_key=key)
+    assert str(refused.value).startswith(f"idempotency_key {key!r} is held by")
+
+
+@pytest.mark.django_db
 def test_once_its_batch_is_purged_a_key_sends_again() -> None:
     first = send(ALICE, NOTE, INBOXES[:1], idempotency_key="post-42")
     assert first is not None

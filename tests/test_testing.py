@@ -864,6 +864,27 @@ def test_fakes_around_a_project_s_own_mock_leave_requests_as_it_was(order: str) 
     assert requests.adapters.HTTPAdapter.send is UNPATCHED
 
 
+def test_a_fixture_s_fake_around_a_project_s_mock_with_a_fake_left_leaves_requests() -> None:
+    # The fixture's fake, then a test under @responses.activate that left
+    # a fake of its own: the layer the project's mock put back was never
+    # taken off, one made later and gone standing in its way.
+    from django_federation_delivery.testing import fake
+
+    fixture = FakeInbox().start()
+    mark = fake.started_mark()
+
+    @responses.activate
+    def project_test() -> None:
+        FakeInbox().start()
+        raise AssertionError("failed before its stop()")
+
+    with pytest.raises(AssertionError):
+        project_test()
+    fake.stop_started_since(mark)
+    fixture.stop()
+    assert requests.adapters.HTTPAdapter.send is UNPATCHED
+
+
 @pytest.mark.django_db(transaction=True)
 def test_deliver_all_given_a_fake_inside_a_project_s_own_mock_is_answered_by_it(
     settings: Any,

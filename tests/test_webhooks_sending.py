@@ -456,6 +456,13 @@ def test_a_telegram_url_given_for_a_name_never_repeats_the_bot_token(
         ("syt_SECRETaccessTOKEN@matrix.example", "SECRETaccess", "'matrix.example/…'"),
         (BOT_TOKEN, "ABCsecret", "named '…'"),
         (f"{BOT_TOKEN}@-1001", "ABCsecret", "named '…'"),
+        # Copied with a line's end or its quotes; before an IPv6 homeserver.
+        ("syt_SECRETaccessTOKEN@matrix.example ", "SECRETaccess", "'matrix.example/…'"),
+        ('"syt_SECRETaccessTOKEN@matrix.example"', "SECRETaccess", "'matrix.example/…'"),
+        ("syt_SECRETaccessTOKEN@[::1]:8008", "SECRETaccess", "'[::1]:8008/…'"),
+        # A service's token alone: an ntfy access token, a Discord webhook's.
+        ("tk_AgQdq7mVBoFD37zQVN29RhuMzNIz2", "AgQdq7mVBoFD37", "named '…'"),
+        ("Xq3J9vK2mP7wLr8TzYb4NcQe1HdFgUs6AoIiWjEkRxCvBnMlZpOa5ShGu0Dy-t_fVsR2", "vK2mP7", "'…'"),
     ],
 )
 def test_a_token_before_a_host_given_for_a_name_is_never_repeated(

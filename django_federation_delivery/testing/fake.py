@@ -105,8 +105,17 @@ def _answering_now() -> FakeInbox | None:
 
 
 def _take_off_layers() -> None:
-    """Take off each layer on top that no fake needs, newest first."""
-    while _LAYERS and _LAYERS[-1].on_top and not _LAYERS[-1].needed:
+    """Take off the layer on requests while no fake needs it, and again the
+    one under it. Those made after the one on requests are gone from it
+    (undone under a project's own patch, whose stop put back what it was
+    put over): forgotten."""
+    while True:
+        on = next((n for n in range(len(_LAYERS) - 1, -1, -1) if _LAYERS[n].on_top), None)
+        if on is None:
+            return  # none on requests: a project's own patch is on top
+        del _LAYERS[on + 1 :]
+        if _LAYERS[on].needed:
+            return
         layer = _LAYERS.pop()
         requests.adapters.HTTPAdapter.send = layer.original  # type: ignore[method-assign]
 

@@ -28,7 +28,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
 from django_federation_delivery import tracing
-from django_federation_delivery.addresses import BINARY, quoted
+from django_federation_delivery.addresses import BINARY, quoted, quoted_name
 from django_federation_delivery.channels import Event
 from django_federation_delivery.channels.base import policy_of
 from django_federation_delivery.channels.policy import LANES
@@ -88,9 +88,9 @@ def send_webhook(
     event = Event.of(event_type, event_id, event_time(), data)
     try:
         found = [(name, d) for name, d in _destinations(destination) if d.receives(event.type)]
-    except (InvalidDelivery, ImproperlyConfigured) as refusal:
+    except (InvalidDelivery, _Unusable) as refusal:
         # A retry to a destination taken out of the settings since, or whose
-        # URL no longer parses.
+        # URL no longer parses (not settings broken for every destination).
         return _kept_or(refusal, idempotency_key, alias)
     if not found:
         # A retry to destinations no longer subscribed still returns the
@@ -174,6 +174,10 @@ def event_time() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+class _Unusable(ImproperlyConfigured):
+    """A destination named whose URL its kind cannot use."""
+
+
 def _kept_or(refusal: Exception, idempotency_key: str, alias: str) -> Batch:
     """The batch kept under ``idempotency_key``, for a retry that would be
     refused as it is given now; ``refusal`` raised if none is kept."""
@@ -208,7 +212,7 @@ def _destinations(destination: object) -> list[tuple[str, Destination]]:
         destination = found.lookup(name)
         if destination is None:
             raise InvalidDelivery(
-                f"no webhook destination named {quoted(name)} is configured in "
+                f"no webhook destination named {quoted_name(name)} is configured in "
                 f"{SETTING}['WEBHOOKS'] (configured: {', '.join(found.names) or 'none'})"
             )
         if isinstance(destination, str) and every:
@@ -218,6 +222,6 @@ def _destinations(destination: object) -> list[tuple[str, Destination]]:
             )
             continue
         if isinstance(destination, str):
-            raise ImproperlyConfigured(destination)
+            raise _Unusable(destination)
         destinations.setdefault(name, destination)
     return list(destinations.items())

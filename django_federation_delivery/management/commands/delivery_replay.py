@@ -12,7 +12,7 @@ from django.utils.dateparse import parse_datetime
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.addresses import host_named, quoted
+from django_federation_delivery.addresses import host_named, quoted, quoted_name
 from django_federation_delivery.conf import shown
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.management.base import (
@@ -76,7 +76,7 @@ class Command(TranslatedCommand):
                 _("no host named %(name)s has been sent to") % {"name": quoted(host)}
                 if host
                 else _("no webhook destination named %(name)s has been sent to")
-                % {"name": quoted(destination)}
+                % {"name": quoted_name(destination)}
             )
         self.stdout.write(
             # Whole: a moment given with a fraction of a second is another

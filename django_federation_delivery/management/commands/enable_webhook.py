@@ -8,7 +8,7 @@ from django.core.management.base import CommandError, CommandParser
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.addresses import escaped, quoted
+from django_federation_delivery.addresses import escaped, quoted_name
 from django_federation_delivery.management.base import (
     TranslatedCommand,
     add_database_option,
@@ -37,6 +37,9 @@ class Command(TranslatedCommand):
         if name not in found:
             raise CommandError(
                 _("no webhook destination named %(name)s (known: %(known)s)")
-                % {"name": quoted(name), "known": escaped(", ".join(sorted(found))) or _("none")}
+                % {
+                    "name": quoted_name(name),
+                    "known": escaped(", ".join(sorted(found))) or _("none"),
+                }
             )
         self.stdout.write(life.enabled(name, life.enable(name, using=using)))

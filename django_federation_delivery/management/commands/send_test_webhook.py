@@ -12,7 +12,7 @@ from django.core.management.base import CommandError, CommandParser
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_noop
 
-from django_federation_delivery.addresses import escaped, quoted
+from django_federation_delivery.addresses import escaped, quoted_name
 from django_federation_delivery.channels import Call, Event
 from django_federation_delivery.channels.base import policy_of
 from django_federation_delivery.conf import app_settings
@@ -47,7 +47,10 @@ class Command(TranslatedCommand):
             if destination is None:
                 raise CommandError(
                     _("no webhook destination named %(name)s is configured (configured: %(known)s)")
-                    % {"name": quoted(name), "known": escaped(", ".join(found.names)) or _("none")}
+                    % {
+                        "name": quoted_name(name),
+                        "known": escaped(", ".join(found.names)) or _("none"),
+                    }
                 )
             if isinstance(destination, str):
                 raise CommandError(destination)  # what is wrong, never the URL
