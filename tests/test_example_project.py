@@ -202,6 +202,12 @@ REFUSED = {
         f"postgres://app:{PASSWORD}@db.internal/app?conn_max_age=1j",
         f"postgres://app:{PASSWORD}@db.internal/app?conn_max_age=True",
         f"postgres://app:{PASSWORD}@db.internal/app?conn_health_checks=maybe",
+        # Three slashes: var/db.sqlite3 from wherever each process runs, one
+        # database for migrate, another for the deliverer.
+        "sqlite:///var/db.sqlite3",
+        # A TypeError at the first connection, naming neither.
+        "sqlite:////tmp/db.sqlite3?timeout=abc",
+        "sqlite:////tmp/db.sqlite3?timeout=-1",
     ],
     # "false" with no SECRET_KEY: sessions signed with the key written here.
     "DEBUG": ["ture", "enabled", "", "false"],
@@ -613,3 +619,34 @@ def test_the_demo_sends_its_alerts_to_its_webhook_stand_ins_in_order(
     assert received.count("in order: yes; 4 of 4 events accepted") == 2
     assert "6 of 6 requests verified" in received
     assert "Webhook deliveries by status: delivered 8" in received
+
+
+@pytest.mark.any_database
+def test_the_demo_names_a_stand_in_by_its_address_never_its_password(
+    example_env: dict[str, str],
+) -> None:
+    # A signed-JSON destination behind basic auth on a port something else
+    # holds: "Cannot start the stand-in for audit (Signed JSON) on
+    # user:password@127.0.0.9:…", its password on the terminal.
+    import base64
+    import socket
+
+    key = "whsec_" + base64.b64encode(b"k" * 32).decode().replace("=", "%3D")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.9", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {
+            **example_env,
+            "SILENCED_SYSTEM_CHECKS": "federation_delivery.W003",
+            "WEBHOOK_AUDIT": f"http://user:{PASSWORD}@127.0.0.9:{port}/hooks/audit?secret={key}",
+        }
+        done = subprocess.run(
+            [*EXAMPLE_MANAGE, "demo", "--inboxes", "6"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert f"Cannot start the stand-in for audit (Signed JSON) on 127.0.0.9:{port}" in done.stderr
+    assert PASSWORD not in done.stdout + done.stderr

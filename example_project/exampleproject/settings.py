@@ -46,7 +46,7 @@ def _database(variable: str, default: str) -> dict[str, Any]:
         except ValueError:  # a port that is not a number from 0 to 65535
             problem = "its port, or another part, could not be read"
         else:
-            problem = _connection_options(config)
+            problem = _connection_options(config) or _sqlite_problem(config)
             if not problem:
                 return config
     raise ImproperlyConfigured(
@@ -69,6 +69,27 @@ def _connection_options(config: dict[str, Any]) -> str:
         if checks is None:
             return "its conn_health_checks is not true or false"
         config["CONN_HEALTH_CHECKS"] = checks
+    return ""
+
+
+def _sqlite_problem(config: dict[str, Any]) -> str:
+    """What is wrong with a SQLite database's path and its ``timeout``, ""
+    if nothing; the timeout read as seconds."""
+    if not config.get("ENGINE", "").endswith("sqlite3"):
+        return ""
+    name = str(config.get("NAME", ""))
+    if name not in ("", ":memory:") and not Path(name).is_absolute():
+        # sqlite:///var/db.sqlite3: var/db.sqlite3 from wherever the process runs.
+        return "a SQLite path must be absolute: sqlite:////absolute/path"
+    options = config.get("OPTIONS", {})
+    if "timeout" in options:
+        try:
+            seconds = float(options["timeout"])
+        except (TypeError, ValueError):
+            seconds = -1.0
+        if not 0 <= seconds < float("inf"):
+            return "its timeout is not a number of seconds, 0 or more"
+        options["timeout"] = seconds
     return ""
 
 

@@ -488,7 +488,8 @@ def _receivers(destinations: list[Destination]) -> Iterator[list[WebhookReceiver
                     down_for=SIGNED_JSON_DOWN_FOR if destination.kind == "json" else 0,
                 )
             except OSError as exc:
-                host = urlsplit(destination.url).netloc
+                # Its host and port: never a user and password it may hold.
+                host = urlsplit(destination.url).netloc.rpartition("@")[2]
                 raise CommandError(
                     f"Cannot start the stand-in for {destination.display} on {host}: "
                     f"{exc.strerror}."
