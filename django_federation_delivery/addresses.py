@@ -676,7 +676,7 @@ _TOKEN = r"[A-Za-z0-9_-]{16,}"
 #: A token before a host (a name, an IPv4 or a bracketed IPv6 address, a
 #: port), with no path: "syt_…@matrix.example".
 _TOKEN_BEFORE_HOST = re.compile(
-    _TOKEN + r"@(?P<host>(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]+)?)"
+    r"(?P<token>" + _TOKEN + r")@(?P<host>(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]+)?)"
 )
 #: What a pasted link may end with: a line's end, a closing quote or bracket.
 _PASTED_AFTER = " \t\r\n\"'>)"
@@ -687,21 +687,40 @@ def quoted_name(value: object) -> str:
     quotes a value, but for what a service's credential pasted in its place
     looks like and no name does: a bot's token (alone or before its chat),
     a token before its host (its host alone shown), a token alone (digits
-    among 16 or more of a token's characters, and no name)."""
+    among 16 or more of a token's characters, and no name), a hook's path."""
     if isinstance(value, str):
         pasted = _PASTED_BEFORE.sub("", value, count=1).rstrip(_PASTED_AFTER)
         if pasted.endswith("]") and "@[" not in pasted:
             pasted = pasted[:-1]
-        if _BOT_TOKEN.match(pasted) or (
-            # A digit among them: "Production-Alerts", mistyped, is named.
-            not is_destination_name(pasted)
-            and re.fullmatch(_TOKEN, pasted)
-            and any(char.isdigit() for char in pasted)
-        ):
+        if _BOT_TOKEN.match(pasted) or (_looks_like_a_token(pasted)):
             return repr("…")
-        if (found := _TOKEN_BEFORE_HOST.fullmatch(pasted)) is not None:
+        if (found := _TOKEN_BEFORE_HOST.fullmatch(pasted)) is not None and _looks_like_a_token(
+            found["token"]
+        ):
             return repr(f"{found['host']}/…")
+        head, slash, _ = pasted.partition("/")
+        if slash and not re.search(r"[.:@]", head):
+            # A hook's path alone ("T0…/B0…/token", "<id>/<token>"): no name
+            # has a slash, and no host or scheme comes before it.
+            return repr("…")
     return quoted(value)
+
+
+def _looks_like_a_token(text: str) -> bool:
+    """Whether ``text`` is a run of a token's characters, a digit or an
+    underscore among them, that no name is, whatever its case: each word
+    of "Prod_Alerts_EU_1" is cased as a word, a token's letters at random."""
+    if not re.fullmatch(_TOKEN, text) or not re.search(r"[0-9_]", text):
+        return False
+    # A name typed in capitals is named.
+    return not (
+        is_destination_name(text.lower())
+        and all(
+            word.islower() or word.isupper() or word.istitle() or word.isdigit()
+            for word in re.split(r"[_-]", text)
+            if word
+        )
+    )
 
 
 #: What a pasted link may begin with, as ``_BEFORE_USERINFO`` skips it.

@@ -463,6 +463,9 @@ def test_a_telegram_url_given_for_a_name_never_repeats_the_bot_token(
         # A service's token alone: an ntfy access token, a Discord webhook's.
         ("tk_AgQdq7mVBoFD37zQVN29RhuMzNIz2", "AgQdq7mVBoFD37", "named '…'"),
         ("Xq3J9vK2mP7wLr8TzYb4NcQe1HdFgUs6AoIiWjEkRxCvBnMlZpOa5ShGu0Dy-t_fVsR2", "vK2mP7", "'…'"),
+        # A Slack or Discord hook's path alone.
+        ("T0AAAA1/B0BBBB2/s3cretT0kenV4lue9", "s3cretT0ken", "named '…'"),
+        ("1234567890123456789/Xq3J9vK2mP7wLr8TzYb4NcQe1HdFgUs6AoIiWjEkRxCv", "vK2mP7", "'…'"),
     ],
 )
 def test_a_token_before_a_host_given_for_a_name_is_never_repeated(
@@ -488,6 +491,10 @@ def test_a_token_before_a_host_given_for_a_name_is_never_repeated(
             "alert.raised",
             "'ops:alerts:production-europe-west1'",
         ),
+        # Mistyped names a token's rules might take for a token: an "@", capitals.
+        ("production-alerts@ops", "alert.raised", "'production-alerts@ops'"),
+        ("Prod_Alerts_EU_West_1", "alert.raised", "'Prod_Alerts_EU_West_1'"),
+        ("Production-Alerts-2024", "alert.raised", "'Production-Alerts-2024'"),
     ],
 )
 def test_a_value_that_is_no_url_is_named_whole(
