@@ -114,6 +114,9 @@ class _Host:
     rest: float = 0.0
     #: Whether it has given an answer but 429 and 503 (up: busy, not down).
     up: bool = False
+    #: Whether its limit was last lowered by a refusal (429, 503), not by
+    #: answers slowing down or not coming: see HostLimits.lowered.
+    refused: bool = False
 
 
 class HostLimits:
@@ -140,13 +143,14 @@ class HostLimits:
         return int(found.limit)
 
     def lowered(self, host: str) -> bool:
-        """Whether ``host`` refused as many at once as it was sent lately:
-        its limit below where it starts, or halved and not grown back to
-        where it was halved from. Its urgent deliveries then share its
-        limit with the others (``slots.Slots``), which would otherwise send
-        it as many as it refused."""
+        """Whether ``host`` refused as many at once as it was sent lately
+        (429, 503): its limit below where it starts, or halved and not grown
+        back to where it was halved from, last for a refusal. Its urgent
+        deliveries then share its limit with the others (``slots.Slots``),
+        which would otherwise send it as many as it refused. Halved as its
+        answers slowed, it refused nothing: they keep their own."""
         found = self._hosts.get(host)
-        if found is None:
+        if found is None or not found.refused:
             return False
         return int(found.limit) < self.start or found.ceiling is not None
 
@@ -233,6 +237,7 @@ class HostLimits:
                 found.recovering = int(found.limit) if beside is None else max(0, beside)
                 found.ceiling = found.halved_from = int(found.limit)
                 found.starting = False
+                found.refused = answered and result.status in OVERLOADED
                 if found.limit < 2 and result.status in OVERLOADED:
                     if not found.up:
                         # Refused at one by a host that has answered nothing

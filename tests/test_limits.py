@@ -398,3 +398,20 @@ def test_quick_refusals_do_not_blind_a_host_to_its_deliveries_slowing_down() -> 
         clock.now += 2.0
         limits.learn(HOST, answered(202, 2.0))
     assert limits.limit(HOST) < 16, "deliveries 100 times slower than its pace: overload"
+
+
+@pytest.mark.parametrize(
+    ("overload", "lowered"),
+    [(answered(503), True), (answered(429), True), (answered(202, seconds=1.5), False)],
+    ids=["503", "429", "slower"],
+)
+def test_only_a_host_that_refused_has_its_urgent_deliveries_share_its_limit(
+    overload: AttemptResult, lowered: bool
+) -> None:
+    # Halved as its answers slowed under a fan-out, a host that refused
+    # nothing had a direct message wait for one of the fan-out's attempts
+    # there: README says it goes at once, beside them.
+    limits = known(HostLimits(4, 8), limit=4)
+    limits.learn(HOST, overload)
+    assert limits.limit(HOST) == 2
+    assert limits.lowered(HOST) is lowered

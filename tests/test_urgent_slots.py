@@ -13,7 +13,7 @@ import pytest
 from django_federation_delivery import send
 from django_federation_delivery.models import Lane
 
-from .conftest import Inbox, RunningDeliverer, wait_until
+from .conftest import Inbox, Received, RunningDeliverer, wait_until
 from .keys import ALICE
 from .test_slots import admit_all, item, slots
 
@@ -139,3 +139,40 @@ def test_the_pool_shrinks_back_to_concurrency_after_an_urgent_burst(
         f"{threads} worker threads left idle with CONCURRENCY 2 and nothing in "
         f"flight ({peak} started)"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_direct_message_to_a_host_a_fan_out_slowed_goes_beside_its_attempts(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    # A host that never refuses, answering in 1.5 s once the fan-out piled
+    # up: its limit halved for the slowness made the direct message wait for
+    # one of the fan-out's attempts there, 1.5 s on SQLite, 3 s on PostgreSQL.
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PRIORITY_MAX_INBOXES": 1}
+    lock = threading.Lock()
+    answered = [0]
+
+    def slows_down(request: Received) -> tuple[int, dict[str, str], bytes]:
+        if request.path == "/dm":
+            return 202, {}, b""
+        with lock:
+            answered[0] += 1
+            n = answered[0]
+        time.sleep(0.02 if n <= 12 else 1.5)  # never a 429 nor a 503
+        return 202, {}, b""
+
+    host = inboxes("127.0.0.45", respond=slows_down)
+    runner = start_deliverer(concurrency=16, per_host_max=8)
+    send(ALICE, NOTE, [host.url(f"/f{n}") for n in range(80)])
+    limits = runner.deliverer.limits
+    # Halved, for answering three times slower than its fastest.
+    wait_until(lambda: getattr(limits._hosts.get(host.host), "ceiling", None), timeout=10)
+    send(ALICE, {"type": "Create", "to": "friend"}, [host.url("/dm")])
+    start = time.monotonic()
+    wait_until(lambda: "/dm" in host.paths(), timeout=10)
+    took = time.monotonic() - start
+    runner.stop()
+    assert took < 0.5, f"the direct message waited {took:.2f} s behind the fan-out's attempts"
