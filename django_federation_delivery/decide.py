@@ -105,9 +105,19 @@ def decide(
     )
     due = now + dt.timedelta(seconds=wait)
     if deadline is not None and due >= deadline:
-        error = f"the batch's deadline passed: {result.error}"
-        return Ruling(Outcome.FAILED, error=error, deadline=True)
+        return _past_deadline(result, now, deadline)
     return Ruling(Outcome.HELD if result.held else Outcome.RETRYING, due_at=due, error=result.error)
+
+
+def _past_deadline(result: AttemptResult, now: dt.datetime, deadline: dt.datetime) -> Ruling:
+    """A delivery whose next try would come past its batch's deadline:
+    failed, but one held (an open breaker, a paused host) is held until the
+    deadline itself, and failed then, unless a reset, a probe's success or a
+    resume releases it first: it was never tried and refused."""
+    if result.held and now < deadline:
+        return Ruling(Outcome.HELD, due_at=deadline, error=result.error)
+    error = f"the batch's deadline passed: {result.error}"
+    return Ruling(Outcome.FAILED, error=error, deadline=True)
 
 
 def _held(
@@ -132,6 +142,5 @@ def _held(
     )
     due = now + dt.timedelta(seconds=wait)
     if deadline is not None and due >= deadline:
-        error = f"the batch's deadline passed: {result.error}"
-        return Ruling(Outcome.FAILED, error=error, deadline=True)
+        return _past_deadline(result, now, deadline)
     return Ruling(Outcome.HELD, due_at=due, error=result.error)

@@ -212,10 +212,26 @@ CASES: list[tuple[str, AttemptResult, int, dict[str, Any], Ruling]] = [
         Ruling(Outcome.HELD, due_at=after(120), error="held: open"),
     ),
     (
-        "a webhook's hold past the batch's deadline is given up",
+        # Failed at once, 299 s early: a reset or a probe's success could not
+        # release it, and delivery_failed said its deadline had passed.
+        "a webhook's hold past the batch's deadline is held until the deadline",
         held(JOB, "held: open", retry_after=300.0),
         1,
         {"deadline": after(299), "holds_spend_tries": False},
+        Ruling(Outcome.HELD, due_at=after(299), error="held: open"),
+    ),
+    (
+        "an inbox's hold past the batch's deadline is held until the deadline",
+        held(JOB, "held: open", retry_after=300.0),
+        1,
+        {"deadline": after(30)},
+        Ruling(Outcome.HELD, due_at=after(30), error="held: open"),
+    ),
+    (
+        "a hold once the batch's deadline has passed is given up",
+        held(JOB, "held: open", retry_after=300.0),
+        1,
+        {"deadline": after(0), "holds_spend_tries": False},
         Ruling(Outcome.FAILED, error="the batch's deadline passed: held: open", deadline=True),
     ),
 ]
