@@ -360,6 +360,10 @@ class Breakers:
         self._probes: list[tuple[str, str, bool]] = []
         #: The hosts whose breaker held a delivery since the last flush.
         self._held: set[str] = set()
+        #: How long a probe taken is its own, at the least: as long as its
+        #: attempt may take (the deliverer says), else another would be
+        #: taken beside it, one a cool-off, while it waits on a silent host.
+        self.probe_time = 0.0
 
     @classmethod
     def from_settings(cls, *, using: str | None = None) -> Breakers | None:
@@ -383,9 +387,10 @@ class Breakers:
         if decision is not Decision.PROBE:
             return decision, "", held
         cool_off = self.settings.cool_off
-        token = take_probe(key, cool_off=cool_off, using=self.using)
+        reserved = max(cool_off, self.probe_time)
+        token = take_probe(key, cool_off=reserved, using=self.using)
         state = self.view.get(key)
-        until = now + dt.timedelta(seconds=cool_off)
+        until = now + dt.timedelta(seconds=reserved)
         self.view.set(
             key, State(state.failures if state else 0, state.open_until if state else now, until)
         )

@@ -36,7 +36,7 @@ from django_federation_delivery.attempt import AttemptResult, is_host_failure
 from django_federation_delivery.batches import BatchInfo, KnownBatches
 from django_federation_delivery.breakers import Breakers
 from django_federation_delivery.checks import check_settings, deliverer_problems
-from django_federation_delivery.conf import app_settings, database_alias
+from django_federation_delivery.conf import LEASE_MARGIN_SECONDS, app_settings, database_alias
 from django_federation_delivery.decide import Outcome
 from django_federation_delivery.dialect import aware_now
 from django_federation_delivery.handoff import Handoff
@@ -186,6 +186,10 @@ class Deliverer:
                 on_finished=self._batches_finished,
             ),
         )
+        if self.breakers is not None:
+            # A probe is its own for as long as its attempt may take, and the
+            # time its outcome takes to be written.
+            self.breakers.probe_time = self.kinds.longest + LEASE_MARGIN_SECONDS
         self._wake = threading.Event()
         #: When ``on_progress`` is next told, as ``time.monotonic()``: an
         #: idle loop wakes for it.

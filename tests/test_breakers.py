@@ -807,3 +807,81 @@ def test_a_probe_a_later_gateway_answered_counts_the_first_gateways_own_answer(
     breaker = Breaker.objects.filter(key=first.host).first()
     reopened = breaker is not None and breaker.open_until is not None
     assert reopened is opened, (status, breaker and breaker.open_until)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_silent_host_gets_one_probe_at_a_time_whatever_the_cool_off(
+    inboxes: Callable[..., Inbox],
+    start_deliverer: Callable[..., RunningDeliverer],
+    settings: Any,
+) -> None:
+    """A host whose breaker is half-open answers nothing for 4 s (under
+    ATTEMPT_TIMEOUT). README: "then one delivery at a time goes through as a
+    probe". With a COOL_OFF shorter than the attempt's time limit, the probe's
+    turn lapses while it is still waiting for its answer, and the next held
+    delivery takes another: the silent host is sent several probes at once."""
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 1.0, "SCOPE": "host"},
+        "RETRY": {"BASE": 0.2, "CAP": 0.2, "ATTEMPTS": 100, "JITTER": 0},
+        "ATTEMPT_TIMEOUT": 8.0,
+    }
+    silent = Overlap(503, delay=4.0)
+    started = time.monotonic()
+    came: list[float] = []
+
+    def respond(request: Any) -> Any:
+        came.append(round(time.monotonic() - started, 1))
+        return silent(request)
+
+    down = inboxes("127.0.0.2", respond=respond)
+    Breaker.objects.create(
+        key=down.host, failures=5, open_until=timezone.now() - dt.timedelta(seconds=1)
+    )
+    send(ALICE, {"type": "Note"}, [down.url(f"/{n}") for n in range(10)])
+    runner = start_deliverer(concurrency=4, per_host=4)
+    wait_until(lambda: len(down.received) >= 1)
+    time.sleep(3.5)
+    runner.stop()
+    assert silent.most == 1, (
+        f"{silent.most} probes were waiting on the silent host at once (requests came at {came} s)"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_delivery_held_by_an_open_breaker_is_not_failed_before_its_deadline(
+    inbox: Inbox, settings: Any
+) -> None:
+    """A host's breaker is open (a minute's cool-off); a batch to it must
+    finish within 30 s. README: a delivery "held for a paused host or an open
+    breaker ... is failed within 5 s of the deadline". It is failed at once,
+    at its first hold, "the batch's deadline passed", 30 s before its
+    deadline; the operator who resets the breaker a moment later (the host is
+    back) finds it failed, never sent."""
+    from django_federation_delivery import BatchOptions, controls, send_batch
+    from django_federation_delivery.deliverer import Deliverer
+    from django_federation_delivery.models import Delivery, Status
+
+    settings.FEDERATION_DELIVERY = {
+        **settings.FEDERATION_DELIVERY,
+        "BREAKER": {"THRESHOLD": 2, "COOL_OFF": 60.0, "SCOPE": "host"},
+    }
+    Breaker.objects.create(
+        key=inbox.host, failures=5, open_until=timezone.now() + dt.timedelta(seconds=60)
+    )
+    batch = send_batch(
+        ALICE,
+        {"type": "Note"},
+        [inbox.url("/inbox")],
+        BatchOptions(deadline=dt.timedelta(seconds=30)),
+    )
+    assert batch is not None
+    Deliverer().run(drain=True, stop_after=5)
+    assert inbox.received == []
+    controls.reset_breaker(inbox.host)
+    Deliverer().run(drain=True, stop_after=5)
+    row = Delivery.objects.get(batch=batch)
+    assert (row.status, len(inbox.received)) == (Status.DELIVERED, 1), (
+        f"{row.status} 30 s before its deadline: {row.last_error!r}"
+    )
