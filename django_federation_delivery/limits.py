@@ -226,6 +226,9 @@ class HostLimits:
             found.fastest = min(found.fastest * (1 + FORGET), max(found.fastest, seconds))
         if answered and result.status not in OVERLOADED:
             found.up = True
+        elif answered:
+            # Refused: kept until its limit has grown back (HostLimits.lowered).
+            found.refused = True
         if found.recovering:
             found.recovering -= 1
         if not answered or result.status in OVERLOADED or slow:
@@ -237,7 +240,6 @@ class HostLimits:
                 found.recovering = int(found.limit) if beside is None else max(0, beside)
                 found.ceiling = found.halved_from = int(found.limit)
                 found.starting = False
-                found.refused = answered and result.status in OVERLOADED
                 if found.limit < 2 and result.status in OVERLOADED:
                     if not found.up:
                         # Refused at one by a host that has answered nothing
@@ -272,6 +274,8 @@ class HostLimits:
         if not found.recovering:
             if found.ceiling is not None and int(found.limit) >= found.ceiling:
                 found.ceiling = None  # reached again, and answering well
+            if found.ceiling is None and int(found.limit) >= self.start:
+                found.refused = False
             grown = min(
                 float(self.most), found.limit + (1.0 if found.starting else 1 / found.limit)
             )

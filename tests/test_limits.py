@@ -415,3 +415,27 @@ def test_only_a_host_that_refused_has_its_urgent_deliveries_share_its_limit(
     limits.learn(HOST, overload)
     assert limits.limit(HOST) == 2
     assert limits.lowered(HOST) is lowered
+
+
+@pytest.mark.parametrize("then", [answered(202, seconds=1.5), no_answer()], ids=["slow", "none"])
+def test_a_host_that_refused_then_slowed_still_shares_its_limit_with_urgent_ones(
+    then: AttemptResult,
+) -> None:
+    # Refused at 2, halved to 1; its next answer slow, or none: the refusal
+    # was forgotten at that halving, and a direct message sent beside the
+    # fan-out's attempt, two at once again, the number it just refused.
+    limits = known(HostLimits(2, 8), limit=2)
+    limits.learn(HOST, answered(503), beside=0)
+    assert (limits.limit(HOST), limits.lowered(HOST)) == (1, True)
+    limits.learn(HOST, then, beside=0)
+    assert (limits.limit(HOST), limits.lowered(HOST)) == (1, True)
+
+
+def test_a_refusal_while_a_slowed_host_recovers_shares_its_limit_with_urgent_ones() -> None:
+    # Halved for slowness, 4 to 2; a 503 from a request still in flight,
+    # which halves nothing, did not count as a refusal.
+    limits = known(HostLimits(4, 8), limit=4)
+    limits.learn(HOST, answered(202, seconds=1.5), beside=3)
+    assert (limits.limit(HOST), limits.lowered(HOST)) == (2, False)
+    limits.learn(HOST, answered(503), beside=2)
+    assert (limits.limit(HOST), limits.lowered(HOST)) == (2, True)
