@@ -361,9 +361,11 @@ class Breakers:
         #: The hosts whose breaker held a delivery since the last flush.
         self._held: set[str] = set()
         #: How long a probe taken is its own, at the least: as long as its
-        #: attempt may take (the deliverer says), else another would be
-        #: taken beside it, one a cool-off, while it waits on a silent host.
+        #: attempt may take (the deliverer says, for an inbox's host and for
+        #: a webhook destination, ``<name>``), else another would be taken
+        #: beside it, one a cool-off, while it waits on a silent host.
         self.probe_time = 0.0
+        self.webhook_probe_time = 0.0
 
     @classmethod
     def from_settings(cls, *, using: str | None = None) -> Breakers | None:
@@ -387,7 +389,9 @@ class Breakers:
         if decision is not Decision.PROBE:
             return decision, "", held
         cool_off = self.settings.cool_off
-        reserved = max(cool_off, self.probe_time)
+        reserved = max(
+            cool_off, self.webhook_probe_time if key.startswith("<") else self.probe_time
+        )
         token = take_probe(key, cool_off=reserved, using=self.using)
         state = self.view.get(key)
         until = now + dt.timedelta(seconds=reserved)

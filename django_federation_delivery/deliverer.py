@@ -45,7 +45,7 @@ from django_federation_delivery.hosts import KnownSchemes
 from django_federation_delivery.hoststats import HostStats
 from django_federation_delivery.inboxes import InboxDeliveries
 from django_federation_delivery.intake import Intake
-from django_federation_delivery.kinds import Kinds
+from django_federation_delivery.kinds import DeliveryKind, Kinds
 from django_federation_delivery.limits import OVERLOADED, HostLimits
 from django_federation_delivery.outages import Database, Unblocker
 from django_federation_delivery.outbox import Outbox
@@ -187,9 +187,14 @@ class Deliverer:
             ),
         )
         if self.breakers is not None:
-            # A probe is its own for as long as its attempt may take, and the
-            # time its outcome takes to be written.
-            self.breakers.probe_time = self.kinds.longest + LEASE_MARGIN_SECONDS
+            # A probe is its own for as long as its attempt may take and its
+            # outcome takes to be written, within its lease: an inbox's, or a
+            # webhook destination's (whose kind's own time limit may be longer).
+            def probe_time(kind: DeliveryKind) -> float:
+                return min(kind.timeout + LEASE_MARGIN_SECONDS, self.lease)
+
+            self.breakers.probe_time = probe_time(self.kinds.fallback)
+            self.breakers.webhook_probe_time = max(map(probe_time, self.kinds))
         self._wake = threading.Event()
         #: When ``on_progress`` is next told, as ``time.monotonic()``: an
         #: idle loop wakes for it.

@@ -885,3 +885,24 @@ def test_a_delivery_held_by_an_open_breaker_is_not_failed_before_its_deadline(
     assert (row.status, len(inbox.received)) == (Status.DELIVERED, 1), (
         f"{row.status} 30 s before its deadline: {row.last_error!r}"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_inbox_host_s_probe_is_reserved_for_an_inbox_s_attempt_not_a_webhook_s(
+    settings: Any,
+) -> None:
+    # WEBHOOK_TIMEOUT an hour: an inbox host's probe was reserved for an
+    # hour and 10 s, its deliveries all held that long if its deliverer died.
+    quick_breaker(settings, ATTEMPT_TIMEOUT=30.0, WEBHOOK_TIMEOUT=3600.0)
+    Breaker.objects.create(
+        key="down.example", failures=5, open_until=timezone.now() - dt.timedelta(seconds=1)
+    )
+    deliverer = Deliverer()
+    assert deliverer.breakers is not None
+    deliverer.breakers.refresh()
+    now = timezone.now()
+    decision, token, _ = deliverer.breakers.admit("down.example", now)
+    assert token, decision
+    probe_until = Breaker.objects.get(key="down.example").probe_until
+    assert probe_until is not None
+    assert (probe_until - now).total_seconds() <= 60 + 5  # its cool-off: 40 s is less
