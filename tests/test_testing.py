@@ -823,12 +823,18 @@ def test_a_fake_started_inside_a_project_s_own_responses_mock_answers(settings: 
     assert requests.adapters.HTTPAdapter.send is UNPATCHED
 
 
-def test_a_fake_left_started_inside_a_project_s_own_mock_leaves_requests_as_it_was() -> None:
+@pytest.mark.parametrize("fixture", [False, True], ids=["alone", "under a fixture's fake"])
+def test_a_fake_left_started_inside_a_project_s_own_mock_leaves_requests_as_it_was(
+    fixture: bool,
+) -> None:
     # @responses.activate ended first (it ends with the test body), then the
     # fake the test left started was stopped: its stop put the project's
-    # stopped mock back on requests, which refused every later request.
+    # stopped mock back on requests, which refused every later request. Under
+    # a fixture's fake, the layer the project's mock put back was never taken
+    # off, one made later and gone standing in its way.
     from django_federation_delivery.testing import fake
 
+    outer = FakeInbox().start() if fixture else None
     mark = fake.started_mark()
 
     @responses.activate
@@ -839,6 +845,8 @@ def test_a_fake_left_started_inside_a_project_s_own_mock_leaves_requests_as_it_w
     with pytest.raises(AssertionError):
         project_test()
     fake.stop_started_since(mark)  # as the plugin and the mixin end a test
+    if outer is not None:
+        outer.stop()  # the fixture's teardown
     assert requests.adapters.HTTPAdapter.send is UNPATCHED
 
 
@@ -861,27 +869,6 @@ def test_fakes_around_a_project_s_own_mock_leave_requests_as_it_was(order: str) 
     # What is left of the fakes' hands each request on, and is taken off at
     # the next start.
     FakeInbox().start().stop()
-    assert requests.adapters.HTTPAdapter.send is UNPATCHED
-
-
-def test_a_fixture_s_fake_around_a_project_s_mock_with_a_fake_left_leaves_requests() -> None:
-    # The fixture's fake, then a test under @responses.activate that left
-    # a fake of its own: the layer the project's mock put back was never
-    # taken off, one made later and gone standing in its way.
-    from django_federation_delivery.testing import fake
-
-    fixture = FakeInbox().start()
-    mark = fake.started_mark()
-
-    @responses.activate
-    def project_test() -> None:
-        FakeInbox().start()
-        raise AssertionError("failed before its stop()")
-
-    with pytest.raises(AssertionError):
-        project_test()
-    fake.stop_started_since(mark)
-    fixture.stop()
     assert requests.adapters.HTTPAdapter.send is UNPATCHED
 
 
