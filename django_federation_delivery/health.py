@@ -19,9 +19,12 @@ tenth of ``HOST_FAILING_AFTER`` (a minute at most:
 another deliverer saw fail is cleared by this one's next success, and one
 seen again (``mark_host_seen``, the daily probe, the admin) is failing
 again, told again, and can be marked unavailable again, from this one's
-next failure. Telling a host failing, it asks the table first: one that
-was cleared, or started failing again later, since it was read is not
-told from the old failure.
+next failure. One another deliverer delivered to while it had it failing
+(that one's view did not, so its success cleared nothing) is cleared as the
+table is read, and its next failure is its first: its clock is never
+counted from before a success by more than that while. Telling a host
+failing, it asks the table first: one that was cleared, or started failing
+again later, since it was read is not told from the old failure.
 """
 
 from __future__ import annotations
@@ -101,10 +104,16 @@ class HostWatch:
             or read_at is None
             or not read_at <= now < read_at + self.read_every
         ):
-            self._failing = {
-                name: (since, told is not None)
-                for name, (since, told) in failing_hosts(using=self.using).items()
-            }
+            self._failing = {}
+            for name, failing in failing_hosts(using=self.using).items():
+                if failing.up is None:
+                    self._failing[name] = (failing.since, failing.told is not None)
+                else:
+                    # Up since it began failing: its next failure is its
+                    # first, not one its failing clock had counted from
+                    # before (a host failing without a break would be told
+                    # only when found so, an hour late).
+                    availability.seen(name, now=failing.up, using=self.using)
             self._read_at = now
         return self._failing
 

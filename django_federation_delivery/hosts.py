@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from django.db import transaction
 from django.db.models import Case, F, Value, When
@@ -166,19 +167,34 @@ def failing_since(host: str, now: dt.datetime, *, using: str | None = None) -> d
         return aware(found.failing_since)
 
 
-def failing_hosts(
-    *, destinations: bool = False, using: str | None = None
-) -> dict[str, tuple[dt.datetime, dt.datetime | None]]:
-    """Each host failing, as every deliverer knows it: since when, and when
-    ``host_failing`` was sent for it, both aware whatever ``USE_TZ`` says.
-    With ``destinations``, the webhook destinations' keys alone (a name in
-    angle brackets: ``delivery_key``)."""
+class Failing(NamedTuple):
+    """A host's failing, as its row has it: aware, whatever ``USE_TZ`` says."""
+
+    #: Since when it fails.
+    since: dt.datetime
+    #: When ``host_failing`` was sent for it; None if not yet.
+    told: dt.datetime | None
+    #: When it was last delivered to, if it was since it began failing: by a
+    #: deliverer whose view (:func:`read_failing_every`) did not have it
+    #: failing, so that its success cleared nothing. It was up then.
+    up: dt.datetime | None
+
+
+def failing_hosts(*, destinations: bool = False, using: str | None = None) -> dict[str, Failing]:
+    """Each host failing, as every deliverer knows it. With ``destinations``,
+    the webhook destinations' keys alone (a name in angle brackets:
+    ``delivery_key``)."""
     hosts = Host.objects.using(using or database_alias()).filter(failing_since__isnull=False)
     if destinations:
         hosts = hosts.filter(name__startswith="<")
+    rows = hosts.values_list("name", "failing_since", "failing_told_at", "last_delivered_at")
     return {
-        name: (aware(since), aware(told) if told is not None else None)
-        for name, since, told in hosts.values_list("name", "failing_since", "failing_told_at")
+        name: Failing(
+            aware(since),
+            aware(told) if told is not None else None,
+            aware(delivered) if delivered is not None and delivered > since else None,
+        )
+        for name, since, told, delivered in rows
         if since is not None
     }
 

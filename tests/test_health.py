@@ -361,32 +361,73 @@ def test_an_operator_sees_since_when_a_host_fails() -> None:
     assert '<td class="field-failing_since nowrap">-</td>' in listing
 
 
+Watch = Callable[[claims.Claimed, AttemptResult, dt.datetime], object]
+OTHER = claims.Claimed(2, 2, "https://other.example/inbox", "other.example", 0, (), "t", 0.0)
+
+
+def delivered_by_another(
+    first: Watch,
+    second: Watch,
+    row: claims.Claimed,
+    failed_at: dt.datetime,
+    *,
+    view: claims.Claimed,
+) -> dt.datetime:
+    """run_deliverer --processes 2. The second reads what is failing (at an
+    attempt at ``view``) a moment before the first meets one 503 at
+    ``row``'s host; 20 s later the second delivers there, and writes it
+    (last delivered) with its picture of the hosts, but its view (a minute
+    old at most) does not have the host failing, so nothing is cleared.
+    When it delivered."""
+    second(view, answered(202), failed_at - dt.timedelta(seconds=10))
+    first(row, answered(503), failed_at)
+    delivered = failed_at + dt.timedelta(seconds=20)
+    second(row, answered(202), delivered)
+    stats = HostStats(HostLimits(2, 8))  # the second's picture of the hosts
+    stats.learn(row.host, answered(202), delivered)
+    stats.write(now=delivered + dt.timedelta(seconds=5))
+    host = Host.objects.get(name=row.host)
+    assert host.last_delivered_at is not None and host.last_delivered_at > host.failing_since
+    return delivered
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_host_delivered_to_by_another_deliverer_after_its_one_failure_is_not_told_failing(
     told: list[Any],
 ) -> None:
-    # run_deliverer --processes 2. The second read the failing hosts (at an
-    # attempt elsewhere) a moment before the first met one 503 at HOST; 20 s
-    # later the second delivers there, and writes it (last delivered), but its
-    # view (a minute old at most) does not have HOST failing, so nothing is
-    # cleared. Two hours on, the next attempt there meets a 503: one failure
-    # after a success, yet host_failing says "failing since" the first 503.
-    first, second = HostWatch(3600.0), HostWatch(3600.0)
-    other = claims.Claimed(2, 2, "https://other.example/inbox", "other.example", 0, (), "t", 0.0)
-    second(other, answered(202), T0 - dt.timedelta(seconds=10))
-    first(ROW, answered(503), T0)
-    delivered = T0 + dt.timedelta(seconds=20)
-    second(ROW, answered(202), delivered)
-    stats = HostStats(HostLimits(2, 8))  # the second's picture of the hosts
-    stats.learn(HOST, answered(202), delivered)
-    stats.write(now=delivered + dt.timedelta(seconds=5))
-    host = Host.objects.get(name=HOST)
-    assert host.last_delivered_at is not None and host.last_delivered_at > host.failing_since
+    # Two hours on, the next attempt there meets a 503: one failure after a
+    # success, yet host_failing said "failing since" the first 503.
+    first = HostWatch(3600.0)
+    delivered = delivered_by_another(first, HostWatch(3600.0), ROW, T0, view=OTHER)
     first(ROW, answered(503), T0 + dt.timedelta(hours=2))
     assert told == [], (
         f"told failing since {told[0].failing_since:%H:%M:%S} though delivered to at "
         f"{delivered:%H:%M:%S}, and failing only since now"
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_host_failing_without_a_break_after_another_deliverer_s_success_is_told_an_hour_on(
+    told: list[Any],
+) -> None:
+    # From 30 s on every attempt meets a 503, ten minutes apart, seen by the
+    # first deliverer and the second by turns. Its clock was restarted when
+    # found an hour old (09:00:30): told failing two hours in, "since" an
+    # hour after its failures began.
+    first, second = HostWatch(3600.0), HostWatch(3600.0)
+    delivered = delivered_by_another(first, second, ROW, T0, view=OTHER)
+    at = T0 + dt.timedelta(seconds=30)
+    while at < T0 + dt.timedelta(hours=1, minutes=40) and not told:
+        watch = first if (at - T0) % dt.timedelta(minutes=20) < dt.timedelta(minutes=10) else second
+        watch(ROW, answered(503), at)
+        at += dt.timedelta(minutes=10)
+    assert [type(signal) for signal in told] == [signals.HostFailing], (
+        f"not told failing after 1 h 10 min of 503s; failing since "
+        f"{Host.objects.get(name=HOST).failing_since}"
+    )
+    # Counted from the first failure after the success that either read of
+    # the table (a minute apart at most) saw: never from before it.
+    assert delivered < told[0].failing_since <= T0 + dt.timedelta(minutes=11)
 
 
 def _statuses(batch: Batch | None) -> list[str]:

@@ -30,6 +30,7 @@ from django_federation_delivery.webhooks.destinations import delivery_key
 from django_federation_delivery.webhooks.status import destination_status
 
 from .conftest import Inbox, Received, RunningDeliverer, wait_until
+from .test_health import delivered_by_another
 from .test_limits import answered
 from .test_webhooks_deliveries import SECRET, configure, signed
 
@@ -212,6 +213,22 @@ def test_a_success_anywhere_since_counts_before_a_destination_is_disabled(settin
     watch(row, failed, now)
     assert not Host.objects.filter(name=key, paused_at__isnull=False).exists()
     assert failing_since() == now - dt.timedelta(minutes=1)
+
+
+def test_a_quiet_destination_failing_once_after_another_deliverer_s_success_stays_enabled(
+    settings: Any, disabled: list[signals.DestinationDisabled]
+) -> None:
+    # One 503, then the next event delivered by another deliverer whose view
+    # did not have "ops" failing; no event for two hours, then one 503. It
+    # was disabled there, "no success for 3600 s", as if failing all along.
+    configure(settings, {"ops": f"https://receiver.example/ops?secret={SECRET}"})
+    row = claims.Claimed(1, 1, "ops", delivery_key("ops"), 0, (), "", 0.0, "ops")
+    now = timezone.now()
+    first = life.Watch(3600.0)
+    delivered_by_another(first, life.Watch(3600.0), row, now - dt.timedelta(hours=2), view=row)
+    assert first(row, answered(503), now) is False
+    assert disabled == []
+    assert failing_since() == now
 
 
 def test_a_success_clears_a_failing_since_another_deliverer_saw_begin(settings: Any) -> None:

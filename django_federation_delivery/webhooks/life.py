@@ -20,7 +20,7 @@ import logging
 from http import HTTPStatus
 
 from django.db import transaction
-from django.db.models import Max, QuerySet
+from django.db.models import F, Max, QuerySet
 from django.utils import timezone
 from django.utils.translation import gettext, ngettext
 
@@ -197,12 +197,16 @@ class Watch:
             or read_at is None
             or not read_at <= now < read_at + self.read_every
         ):
-            self._failing = {
-                name: since
-                for name, (since, _told) in hosts.failing_hosts(
-                    destinations=True, using=self.using
-                ).items()
-            }
+            self._failing = {}
+            for key, failing in hosts.failing_hosts(destinations=True, using=self.using).items():
+                if failing.up is None:
+                    self._failing[key] = failing.since
+                else:
+                    # Up since it began failing: its next failure is its
+                    # first (one after a quiet spell would disable it).
+                    self._hosts(key).filter(last_delivered_at__gt=F("failing_since")).update(
+                        failing_since=None, unavailable_since=None
+                    )
             self._read_at = now
         return self._failing
 
