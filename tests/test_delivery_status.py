@@ -505,9 +505,14 @@ def run_from_command_line(*args: str) -> tuple[int, str, str]:
         # A flag given a value: a probe all the same.
         (["--check=true"], "argument --check: ignored explicit argument 'true'"),
         (["--che=1"], "argument --check: ignored explicit argument '1'"),
+        # Refused by Django's own command, not argparse: it exited 1, WARNING.
+        (
+            ["--check", "--force-color", "--no-color"],
+            "The --no-color and --force-color options can't be used together.",
+        ),
     ],
 )
-def test_a_probe_whose_arguments_argparse_refuses_is_unknown_not_critical(
+def test_a_probe_whose_arguments_are_refused_is_unknown_not_a_state_of_the_queue(
     args: list[str], said: str
 ) -> None:
     # From a command line argparse exits 2 on them, which Nagios reads as

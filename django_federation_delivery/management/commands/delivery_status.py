@@ -394,7 +394,15 @@ class Command(TranslatedCommand):
 
     def execute(self, *args: Any, **options: Any) -> Any:
         self.probing = bool(options.get("check"))
-        return super().execute(*args, **options)
+        if not self.probing:
+            return super().execute(*args, **options)
+        try:
+            return super().execute(*args, **options)
+        except CommandError as exc:
+            # A probe reads the first word and the status: the option is
+            # wrong (here, or Django's own: --force-color with --no-color),
+            # which says nothing of the queue.
+            self._unknown_arguments(str(exc))
 
     def waits_for_the_database(self) -> bool:
         return self.probing  # the probe's line says the queue cannot be read
@@ -451,19 +459,6 @@ class Command(TranslatedCommand):
             sys.exit(UNKNOWN)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if not options["check"]:
-            self._handle(options)
-            return
-        try:
-            self._handle(options)
-        except CommandError as exc:
-            # A probe reads the first word and the status: the option is
-            # wrong, which says nothing of the queue.
-            self.stdout.write(f"UNKNOWN: {exc}")
-            self.stdout.flush()
-            sys.exit(UNKNOWN)
-
-    def _handle(self, options: dict[str, Any]) -> None:
         hosts = _count(options["hosts"])
         using = database_named(options["database"])
         if options["check"] and (options["host"] is not None or options["json"]):
