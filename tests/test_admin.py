@@ -13,7 +13,7 @@ from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.admin.utils import quote
 from django.db import connection
 from django.http import HttpResponse
-from django.test import Client, TestCase
+from django.test import Client, TestCase, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
@@ -367,6 +367,17 @@ def test_the_queues_page_lists_the_live_deliverers(operator: Client) -> None:
     assert 'data-pid="2222"' in table and "worker-2" in table
     assert ">3333<" not in table, "a dead deliverer is not listed"
     assert 'id="fd-stalled"' not in page
+
+
+@override_settings(USE_THOUSAND_SEPARATOR=True)
+def test_a_deliverer_s_pid_is_shown_as_a_process_id_whatever_the_number_format(
+    operator: Client,
+) -> None:
+    # It was "48,213", in its cell and its row's data-pid: no process's id.
+    heartbeat(2, pid=48213)
+    table = html(operator, url("delivery", "queues")).split('id="fd-deliverers"')[1]
+    row = table.split('data-pid="48213">')[1].split("</tr>")[0]
+    assert re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row)[1] == "48213"
 
 
 def test_the_queues_page_warns_in_words_when_work_is_due_and_no_deliverer_was_seen(
