@@ -200,11 +200,15 @@ def mark_seen(host: str, *, using: str | None = None) -> bool:
     return seen(host, using=using or database_alias())[0]
 
 
-def seen(host: str, *, now: dt.datetime | None = None, using: str) -> tuple[bool, bool]:
+def seen(
+    host: str, *, now: dt.datetime | None = None, using: str, marked: Q = MARKED
+) -> tuple[bool, bool]:
     """Clear the marks of ``host``, seen up at ``now`` (the time now if not
     given): unavailable, and failing since; ``host_recovered`` is sent on
     commit if it was told failing. Whether it was marked unavailable, and
-    failing.
+    failing. Only while its row matches ``marked``, as it is once locked: a
+    deliverer clearing what it read (``health.py``) clears nothing another
+    has written since.
 
     Whatever saw it up (:func:`mark_host_seen`, the admin, a probe, or a
     delivery it accepted: ``health.py``), both marks go together: a host up
@@ -216,14 +220,18 @@ def seen(host: str, *, now: dt.datetime | None = None, using: str) -> tuple[bool
     # hears from) is not written, so that the caller's transaction, a view's
     # that may last seconds, holds no lock on its row (on SQLite, none on the
     # database) that the deliverer's write of the hosts would wait for.
-    if not hosts.filter(MARKED).exists():
+    if not hosts.filter(marked).exists():
         return False, False
     with transaction.atomic(using=using):
         # A write first: the row is locked (and on SQLite, the database)
         # before it is read again, so that no other write comes in between.
         if not hosts.update(updated_at=at):
             return False, False
-        found = hosts.values_list("unavailable_since", "failing_since", "failing_told_at").first()
+        found = (
+            hosts.filter(marked)
+            .values_list("unavailable_since", "failing_since", "failing_told_at")
+            .first()
+        )
         if found is None:
             return False, False
         unavailable, since, told = found

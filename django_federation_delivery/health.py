@@ -33,13 +33,19 @@ import datetime as dt
 import logging
 
 from django.db import transaction
-from django.db.models import F, QuerySet
+from django.db.models import QuerySet
 
 from django_federation_delivery import availability, signals
 from django_federation_delivery.attempt import AttemptResult
 from django_federation_delivery.conf import database_alias
 from django_federation_delivery.dialect import aware, orm_datetime
-from django_federation_delivery.hosts import failing_hosts, failing_since, read_failing_every
+from django_federation_delivery.hosts import (
+    UP_AT,
+    UP_SINCE_FAILING,
+    failing_hosts,
+    failing_since,
+    read_failing_every,
+)
 from django_federation_delivery.models import Host
 from django_federation_delivery.store import claims
 
@@ -113,7 +119,9 @@ class HostWatch:
                     # first, not one its failing clock had counted from
                     # before (a host failing without a break would be told
                     # only when found so, an hour late).
-                    availability.seen(name, now=failing.up, using=self.using)
+                    availability.seen(
+                        name, now=failing.up, using=self.using, marked=UP_SINCE_FAILING
+                    )
             self._read_at = now
         return self._failing
 
@@ -132,25 +140,21 @@ class HostWatch:
                 self._hosts(host)
                 .filter(failing_since__lte=old_enough, failing_told_at__isnull=True)
                 # Nor one another deliverer has delivered to since (see below).
-                .exclude(last_delivered_at__gt=F("failing_since"))
+                .exclude(UP_SINCE_FAILING)
                 .update(failing_told_at=orm_datetime(now, self.using))
             )
-            found = (
-                self._hosts(host)
-                .values_list("failing_since", "failing_told_at", "last_delivered_at")
-                .first()
-            )
+            found = self._hosts(host).values_list("failing_since", "failing_told_at", UP_AT).first()
             if claimed and found is not None and found[0] is not None:
                 began = aware(found[0])
                 failing = signals.HostFailing(host=host, failing_since=began, error=error)
                 transaction.on_commit(lambda: _tell_failing(failing), using=self.using)
                 return began, True
         since, told, delivered = found if found is not None else (None, None, None)
-        if since is not None and delivered is not None and delivered > since:
+        if since is not None and delivered is not None:
             # Delivered to since it began failing, by a deliverer whose view
             # (read_every) did not have it failing, so that its success
             # cleared nothing: up then, and this failure its first.
-            availability.seen(host, now=aware(delivered), using=self.using)
+            availability.seen(host, now=aware(delivered), using=self.using, marked=UP_SINCE_FAILING)
             return failing_since(host, now, using=self.using), False
         if since is None:
             # Seen again since it was read: this failure is its first.

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from django.db import transaction
-from django.db.models import Case, F, Value, When
+from django.db.models import Case, F, Q, Value, When
 from django.utils import timezone
 
 from django_federation_delivery import wakeup
@@ -167,6 +167,14 @@ def failing_since(host: str, now: dt.datetime, *, using: str | None = None) -> d
         return aware(found.failing_since)
 
 
+#: A failing host delivered to since it began failing (:attr:`Failing.up`).
+UP_SINCE_FAILING = Q(last_delivered_at__gt=F("failing_since"))
+#: When such a host was last delivered to; None for any other. Compared in
+#: the database, as instants: with USE_TZ off, the times the ORM reads are
+#: wall-clock ones, an hour off in the hour a clock goes back through.
+UP_AT = Case(When(UP_SINCE_FAILING, then=F("last_delivered_at")), default=None)
+
+
 class Failing(NamedTuple):
     """A host's failing, as its row has it: aware, whatever ``USE_TZ`` says."""
 
@@ -187,12 +195,12 @@ def failing_hosts(*, destinations: bool = False, using: str | None = None) -> di
     hosts = Host.objects.using(using or database_alias()).filter(failing_since__isnull=False)
     if destinations:
         hosts = hosts.filter(name__startswith="<")
-    rows = hosts.values_list("name", "failing_since", "failing_told_at", "last_delivered_at")
+    rows = hosts.values_list("name", "failing_since", "failing_told_at", UP_AT)
     return {
         name: Failing(
             aware(since),
             aware(told) if told is not None else None,
-            aware(delivered) if delivered is not None and delivered > since else None,
+            aware(delivered) if delivered is not None else None,
         )
         for name, since, told, delivered in rows
         if since is not None

@@ -17,6 +17,7 @@ from django.utils import timezone
 from django_federation_delivery import (
     SenderKey,
     availability,
+    health,
     mark_host_seen,
     send,
     send_batch,
@@ -365,6 +366,14 @@ Watch = Callable[[claims.Claimed, AttemptResult, dt.datetime], object]
 OTHER = claims.Claimed(2, 2, "https://other.example/inbox", "other.example", 0, (), "t", 0.0)
 
 
+def delivered_at(host: str, when: dt.datetime) -> None:
+    """A deliverer's picture of the hosts, written: it delivered to ``host``
+    at ``when``."""
+    stats = HostStats(HostLimits(2, 8))
+    stats.learn(host, answered(202), when)
+    stats.write(now=when + dt.timedelta(seconds=5))
+
+
 def delivered_by_another(
     first: Watch,
     second: Watch,
@@ -383,9 +392,7 @@ def delivered_by_another(
     first(row, answered(503), failed_at)
     delivered = failed_at + dt.timedelta(seconds=20)
     second(row, answered(202), delivered)
-    stats = HostStats(HostLimits(2, 8))  # the second's picture of the hosts
-    stats.learn(row.host, answered(202), delivered)
-    stats.write(now=delivered + dt.timedelta(seconds=5))
+    delivered_at(row.host, delivered)
     host = Host.objects.get(name=row.host)
     assert host.last_delivered_at is not None and host.last_delivered_at > host.failing_since
     return delivered
@@ -428,6 +435,59 @@ def test_a_host_failing_without_a_break_after_another_deliverer_s_success_is_tol
     # Counted from the first failure after the success that either read of
     # the table (a minute apart at most) saw: never from before it.
     assert delivered < told[0].failing_since <= T0 + dt.timedelta(minutes=11)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_racing_another_deliverer_does_not_clear_a_failure_begun_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both read HOST as delivered to since it began failing; the second
+    # clears it, then meets a 503 there: failing from now. The first, clearing
+    # what it had read, wiped that new failure too.
+    first, second = HostWatch(3600.0), HostWatch(3600.0)
+    first(ROW, answered(503), T0)
+    delivered_at(HOST, T0 + dt.timedelta(seconds=20))
+    new_failure = T0 + dt.timedelta(minutes=5)
+    read = health.failing_hosts
+
+    def read_while_the_second_works(**kwargs: Any) -> Any:
+        rows = read(**kwargs)
+        monkeypatch.setattr(health, "failing_hosts", read)
+        second(ROW, answered(503), new_failure)  # reads, clears, fails again
+        return rows
+
+    monkeypatch.setattr(health, "failing_hosts", read_while_the_second_works)
+    first(OTHER, answered(202), new_failure + dt.timedelta(seconds=1))  # reads again
+    assert Host.objects.get(name=HOST).failing_since == new_failure
+
+
+@pytest.mark.skipif(
+    connection.vendor != "postgresql",
+    reason="PostgreSQL keeps the instant; SQLite's naive text cannot tell the two 01:50s",
+)
+@pytest.mark.django_db(transaction=True)
+def test_with_use_tz_off_a_host_failing_after_the_clocks_go_back_is_told_failing(
+    settings: Any, told: list[Any]
+) -> None:
+    # New York: delivered to at 01:50 EDT; the clocks go back; every attempt
+    # from 01:10 EST, 20 minutes on, meets a 503. Each read of the failing
+    # hosts compared the wall-clock times (01:50 > 01:10), found it up since,
+    # and cleared it: never told failing.
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "America/New_York"
+    connection.close()  # its time zone as the settings now say
+    began = dt.datetime(2026, 11, 1, 6, 10, tzinfo=dt.UTC)  # 01:10 EST
+    delivered_at(HOST, began - dt.timedelta(minutes=20))  # 01:50 EDT
+    watch = HostWatch(600.0)
+    at = began
+    while at < began + dt.timedelta(minutes=30) and not told:
+        watch(ROW, answered(503), at)
+        at += dt.timedelta(minutes=2)
+    # The instant (told in the time zone, 01:10 with fold, never equal to
+    # one in another zone: PEP 495).
+    assert [(type(event), event.failing_since.timestamp()) for event in told] == [
+        (signals.HostFailing, began.timestamp())
+    ]
 
 
 def _statuses(batch: Batch | None) -> list[str]:

@@ -20,7 +20,7 @@ import logging
 from http import HTTPStatus
 
 from django.db import transaction
-from django.db.models import F, Max, QuerySet
+from django.db.models import Max, QuerySet
 from django.utils import timezone
 from django.utils.translation import gettext, ngettext
 
@@ -204,7 +204,7 @@ class Watch:
                 else:
                     # Up since it began failing: its next failure is its
                     # first (one after a quiet spell would disable it).
-                    self._hosts(key).filter(last_delivered_at__gt=F("failing_since")).update(
+                    self._hosts(key).filter(hosts.UP_SINCE_FAILING).update(
                         failing_since=None, unavailable_since=None
                     )
             self._read_at = now
