@@ -471,6 +471,28 @@ def test_a_template_named_after_the_event_type_is_used(settings: Any, tmp_path: 
     assert json.loads(other.body)["text"].startswith("alert.resolved\nhost: db-1")
 
 
+def test_a_jinja2_template_writes_plain_text_each_kind_escapes_once(
+    settings: Any, tmp_path: Path
+) -> None:
+    # Django's Jinja2 backend escapes HTML by default: a title "Tom & Jerry
+    # <3" reached Matrix and ntfy as "Tom &amp; Jerry &lt;3", and Slack as
+    # "&amp;amp;". Rendered twice: the second time from what the first compiled.
+    folder = tmp_path / "django_federation_delivery" / "webhooks"
+    folder.mkdir(parents=True)
+    (folder / "alert.raised.txt").write_text("{{ data.host }} & {{ data.title }}\n")
+    settings.TEMPLATES = [
+        settings.TEMPLATES[0],
+        {"BACKEND": "django.template.backends.jinja2.Jinja2", "DIRS": [tmp_path]},
+    ]
+    title = 'Tom & Jerry <3 "quoted" it\'s'
+    raised = event({"host": "db-1", "title": title})
+    for _ in range(2):
+        ntfy = build(parse_destination("phone", "ntfy://ntfy.example/alerts"), raised)
+        assert ntfy.body.decode() == f"db-1 & {title}"
+    slack = build(parse_destination("ops", SLACK), raised)
+    assert json.loads(slack.body)["text"] == 'db-1 &amp; Tom &amp; Jerry &lt;3 "quoted" it\'s'
+
+
 def test_a_template_that_renders_nothing_sends_the_event_type(
     settings: Any, tmp_path: Path
 ) -> None:

@@ -11,6 +11,8 @@ data can neither break the message nor mention anyone.
 from __future__ import annotations
 
 import re
+import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from django.template import Context
@@ -56,9 +58,29 @@ def render_text(destination: Destination, event: Event) -> str:
     if isinstance(template, DjangoTemplate):
         # Plain text: Django's autoescaping would write "&amp;" into a chat message.
         text = template.template.render(Context(context, autoescape=False))
+    elif type(template).__module__ == JINJA2_BACKEND:
+        # Jinja2's too, on by default in Django's backend for it.
+        jinja2 = template.template
+        text = _plain(jinja2.environment).get_template(jinja2.name).render(context)
     else:
         text = template.render(context)
     return str(text).strip() or event.type
+
+
+#: Django's backend for Jinja2 templates (not imported: Jinja2 is optional).
+JINJA2_BACKEND = "django.template.backends.jinja2"
+_plain_environments: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_plain_lock = threading.Lock()
+
+
+def _plain(environment: Any) -> Any:
+    """``environment`` with autoescaping off, made once: its loader and
+    filters, and a cache of its own for what it compiles."""
+    with _plain_lock:
+        plain = _plain_environments.get(environment)
+        if plain is None:
+            plain = _plain_environments[environment] = environment.overlay(autoescape=False)
+        return plain
 
 
 def _fields(data: Any) -> list[tuple[str, str]]:
