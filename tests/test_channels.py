@@ -22,6 +22,7 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from django_federation_delivery.channels import Destination, Event, Request, parse_destination
 from django_federation_delivery.channels.discord import DISCORD_LIMIT
+from django_federation_delivery.channels.markdown import MARKDOWN_LIMIT
 from django_federation_delivery.channels.matrix import MATRIX_LIMIT
 from django_federation_delivery.channels.telegram import TELEGRAM_LIMIT
 from django_federation_delivery.channels.text import render_text
@@ -350,11 +351,21 @@ def test_data_that_is_not_an_object_is_shown_as_json() -> None:
     assert json.loads(request.body) == {"text": 'alert.raised\n["a",2]'}
 
 
-def test_discord_text_past_its_limit_is_cut_with_an_ellipsis() -> None:
-    destination = parse_destination("discord", DISCORD)
-    request = build(destination, event({"log": "x" * 5000}))
-    content = json.loads(request.body)["content"]
-    assert len(content) == DISCORD_LIMIT
+@pytest.mark.parametrize(
+    ("url", "field", "limit"),
+    [
+        (DISCORD, "content", DISCORD_LIMIT),
+        # It was sent whole: Rocket.Chat refuses more than 5,000 characters,
+        # and Mattermost splits a longer text into posts wherever they fall.
+        (MARKDOWN, "text", MARKDOWN_LIMIT),
+    ],
+)
+def test_markdown_text_past_its_limit_is_cut_with_an_ellipsis(
+    url: str, field: str, limit: int
+) -> None:
+    request = build(parse_destination("chat", url), event({"log": "x" * 20_000}))
+    content = json.loads(request.body)[field]
+    assert len(content) == limit
     assert content.endswith("x…")
 
 

@@ -11,14 +11,21 @@ from django.utils.translation.trans_null import gettext_noop
 from django_federation_delivery.channels.base import Destination, Request
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.hooks import HookChannel
-from django_federation_delivery.channels.text import escape_markdown, render_text
+from django_federation_delivery.channels.text import cut, escape_markdown, render_text
 
-__all__ = ["Markdown"]
+__all__ = ["MARKDOWN_LIMIT", "Markdown"]
+
+#: The text's most characters, escaped: Rocket.Chat refuses more than 5,000
+#: (``Message_MaxAllowedSize``, by default), and Mattermost splits a longer
+#: text into posts wherever they fall, so that an escaping backslash could
+#: end one and the "#" it escaped start the next.
+MARKDOWN_LIMIT = 4000
 
 
 class Markdown(HookChannel):
     """``{"text": …}``, the template's text shown as written: no markup, mention,
-    link or image is made of what an event's data says."""
+    link or image is made of what an event's data says; cut to
+    :data:`MARKDOWN_LIMIT` characters."""
 
     name = "markdown"
     label = gettext_noop("Markdown hook")
@@ -26,5 +33,5 @@ class Markdown(HookChannel):
     public_segments = frozenset({"hooks"})
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
-        text = escape_markdown(render_text(destination, event))
+        text = cut(escape_markdown(render_text(destination, event)), MARKDOWN_LIMIT)
         return self.json_request(destination, {"text": text})
