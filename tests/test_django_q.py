@@ -150,6 +150,22 @@ def test_the_limit_is_the_shorter_of_timeout_and_retry(settings: Any) -> None:
     assert cluster_limit() == 120
 
 
+def test_a_cluster_of_alt_clusters_is_limited_by_its_own_timeout_and_retry(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cluster started with Q_CLUSTER_NAME=deliveries takes its timeout and
+    # retry from ALT_CLUSTERS: a round sized for the main one's 90 s was
+    # killed at 12 s, every minute.
+    alternatives = {"deliveries": {"name": "other", "timeout": 12, "retry": 20}}
+    cluster(settings, name="main", timeout=90, retry=120, ALT_CLUSTERS=alternatives)
+    assert cluster_limit() == 90
+    monkeypatch.setenv("Q_CLUSTER_NAME", "deliveries")
+    assert cluster_limit() == 12
+    for name in ("main", "elsewhere"):  # the main one; one with no settings of its own
+        monkeypatch.setenv("Q_CLUSTER_NAME", name)
+        assert cluster_limit() == 90
+
+
 def test_without_a_timeout_the_limit_is_retry_or_its_default_of_60_s(settings: Any) -> None:
     cluster(settings, retry=200)
     assert cluster_limit() == 200

@@ -25,6 +25,7 @@ shared with ``contrib.tasks``; what is django-q2's is here.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -97,12 +98,13 @@ def cluster_limit() -> float | None:
     """The seconds a task may take under ``Q_CLUSTER``: its ``timeout``, and
     ``retry`` (django-q2's default 60 when unset), whichever is shorter.
     None: no limit (no timeout, and a retry of None: a broker that never
-    hands a task on, as Redis's)."""
+    hands a task on, as Redis's). In a cluster of ``ALT_CLUSTERS``, its own."""
     conf = getattr(settings, "Q_CLUSTER", None) or {}
     if not isinstance(conf, dict):
         raise ImproperlyConfigured(
             _("Q_CLUSTER must be a dict, not %(type)s.") % {"type": type(conf).__name__}
         )
+    conf = this_cluster(conf)
     limits = []
     for name, default in (("timeout", None), ("retry", DJANGO_Q_RETRY)):
         value = conf.get(name, default)
@@ -136,6 +138,25 @@ def cluster_limit() -> float | None:
             )
         limits.append(float(value))
     return min(limits) if limits else None
+
+
+def this_cluster(conf: dict[str, Any]) -> dict[str, Any]:
+    """``Q_CLUSTER`` as the cluster this process runs reads it: started with
+    ``Q_CLUSTER_NAME`` naming one of its ``ALT_CLUSTERS``, that one's
+    settings over the rest (django-q2's ``Conf``), its timeout and retry
+    among them."""
+    name = os.environ.get("Q_CLUSTER_NAME")
+    if not name or name in (conf.get("name"), conf.get("cluster_name")):
+        return conf
+    alternatives = conf.get("ALT_CLUSTERS")
+    own = alternatives.get(name) if isinstance(alternatives, dict) else None
+    if not isinstance(own, dict):
+        return conf
+    return {**conf, **{key: value for key, value in own.items() if key not in NAMES}}
+
+
+#: What a cluster of ALT_CLUSTERS does not take from its own settings.
+NAMES = frozenset({"name", "cluster_name"})
 
 
 def round_seconds(seconds: float | None = None) -> float:
