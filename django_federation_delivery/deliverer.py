@@ -28,7 +28,6 @@ from collections.abc import Callable, Generator, Iterator
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
-from django.utils import timezone
 
 from django_federation_delivery import signals, tracing, wakeup, writelock
 from django_federation_delivery.addresses import quoted
@@ -444,7 +443,7 @@ class Deliverer:
                     beside=self.slots.in_flight_to(host) - 1,
                     asked=self._asked(item, result),
                 )
-                self.hoststats.learn(item.claimed.host, result, timezone.now())
+                self.hoststats.learn(item.claimed.host, result, aware_now())
             self.learn_breaker(item, result)
         self.conclude(item, result)
 
@@ -544,7 +543,7 @@ class Deliverer:
             # The probe under way, until it is done; none after it.
             self.upkeep.finish(self.transport_settings.attempt_timeout + 1)
             self.upkeep.write_answered()
-            self._db(self.hoststats.write, now=timezone.now(), using=self.using)
+            self._db(self.hoststats.write, now=aware_now(), using=self.using)
             self.intake.stop_listening()
             if self.heartbeat is not None:
                 # Stopped cleanly (or on an error it could not wait out): no

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.db import DatabaseError, close_old_connections, connections
-from django.utils import timezone
 
 from django_federation_delivery import availability, controls, metrics
 from django_federation_delivery.breakers import Breakers
@@ -195,7 +194,7 @@ class Upkeep:
             self._overdue_read = time.monotonic()
             self.give_up_overdue()
         if self.hoststats is not None and self.hoststats.due():
-            self.db(self.hoststats.write, now=timezone.now(), using=self.using)
+            self.db(self.hoststats.write, now=aware_now(), using=self.using)
         self.write_answered()
         if time.monotonic() - self._hosts_read >= HOSTS_EVERY:
             self._hosts_read = time.monotonic()

@@ -35,7 +35,9 @@ from django_federation_delivery.attempt import failed
 from django_federation_delivery.breakers import Breakers, BreakerSettings, take_probe
 from django_federation_delivery.channels.activitypub import InboxJob
 from django_federation_delivery.controls import pause_host, resume_host
+from django_federation_delivery.deliverer import Deliverer
 from django_federation_delivery.dialect import aware_now
+from django_federation_delivery.hoststats import HostStats
 from django_federation_delivery.models import Breaker, Delivery, DeliveryHistory, Host, Status
 from django_federation_delivery.picture import host_picture
 from django_federation_delivery.retry import RetryPolicy
@@ -542,8 +544,6 @@ def test_a_deliverer_on_an_sqlite_queue_beside_postgresql_with_use_tz_off_disabl
     # a destination answering 410 Gone is never disabled, its event retried
     # for ever; each attempt logs "the watch of hosts and destinations
     # raised" with SQLite's ValueError.
-    from django_federation_delivery.deliverer import Deliverer
-
     from .test_webhooks_deliveries import SECRET
 
     settings.USE_TZ = False
@@ -616,6 +616,33 @@ def test_a_deliverer_with_use_tz_off_survives_a_breaker_opening(
             runner.error = None
     assert error is None, f"the deliverer died: {error!r}"
     assert not Delivery.objects.filter(status=Status.PENDING).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deliverer_with_use_tz_off_writes_what_it_saw_of_hosts_at_instants(
+    inbox: Inbox, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It gave its picture of the hosts the wall-clock time: on PostgreSQL a
+    # delivery at 01:20 EDT was written 06:20 UTC (read as EST), later than
+    # failures that followed it, and every read of the failing hosts took the
+    # host for up since (hosts.UP_SINCE_FAILING): never told failing.
+    new_york_without_use_tz(settings)
+    seen: list[dt.datetime] = []
+    learn, write = HostStats.learn, HostStats.write
+
+    def learned(stats: HostStats, host: str, result: Any, now: dt.datetime) -> None:
+        seen.append(now)
+        learn(stats, host, result, now)
+
+    def written(stats: HostStats, *, now: dt.datetime, using: str | None = None) -> int:
+        seen.append(now)
+        return write(stats, now=now, using=using)
+
+    monkeypatch.setattr(HostStats, "learn", learned)
+    monkeypatch.setattr(HostStats, "write", written)
+    send(ALICE, NOTE, [inbox.url()])
+    assert Deliverer().run(drain=True, stop_after=10).delivered == 1
+    assert seen and all(now.utcoffset() is not None for now in seen), seen
 
 
 @pytest.mark.django_db(transaction=True)
