@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import responses
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from django_federation_delivery.attempt import AttemptResult, permanent_status
 from django_federation_delivery.channels import Channel, Destination, UnusableURL
@@ -205,6 +206,52 @@ def test_no_key_is_refused_and_a_key_store_failure_is_retried(
     away = attempt(job(key_error="the sender's key could not be looked up: OSError"), transport)
     assert (away.permanent, away.delivered) == (False, False)
     assert len(mocked.calls) == 0, "nothing is sent unsigned"
+
+
+class ServiceKey(rsa.RSAPrivateKey):
+    """A key kept by a key service (a cloud KMS's, an HSM's), as its binding
+    gives one: its ``sign()`` calls the service, which may be away."""
+
+    def __init__(self) -> None:
+        self._key = rsa_key()
+
+    def sign(self, data: Any, padding: Any, algorithm: Any) -> bytes:
+        raise ConnectionError("kms.internal:443 unreachable, token=s3cr3t-kms-token")
+
+    def public_key(self) -> rsa.RSAPublicKey:
+        return self._key.public_key()
+
+    @property
+    def key_size(self) -> int:
+        return self._key.key_size
+
+    def decrypt(self, *args: Any) -> bytes:
+        raise NotImplementedError
+
+    def private_numbers(self) -> Any:
+        raise NotImplementedError
+
+    def private_bytes(self, *args: Any) -> bytes:
+        raise NotImplementedError
+
+    def __copy__(self) -> ServiceKey:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> ServiceKey:
+        return self
+
+
+def test_a_key_service_away_is_tried_again_and_says_nothing_of_the_inbox_s_host(
+    mocked: responses.RequestsMock, transport: Transport
+) -> None:
+    # It crashed the attempt, counted as the host's failure (no answer): its
+    # breaker opened, holding other senders' deliveries to a healthy host.
+    key = SenderKey("https://social.example/users/alice#main-key", ServiceKey())
+    result = attempt(job(key=key), transport)
+    assert (result.delivered, result.permanent, result.requests) == (False, False, 0)
+    assert result.error == "the sender's key could not sign: ConnectionError"
+    assert is_failure(result) is None
+    assert len(mocked.calls) == 0
 
 
 @pytest.mark.parametrize(

@@ -246,6 +246,12 @@ class ActivityPub(Channel):
             # Ours, not the inbox's: no request was made, so nothing is
             # learned of its host (its health, its limit, its breaker).
             return failed(job, str(exc)[:length], permanent=True, requests=0)
+        except Exception as exc:
+            # A key of the host project's own whose signing calls a service
+            # (a KMS's, an HSM's), away a moment: ours too, and maybe not for
+            # good. Named by its type alone: its message may hold anything.
+            error = f"the sender's key could not sign: {type(exc).__name__}"
+            return failed(job, error[:length], permanent=False, requests=0)
         try:
             answer = transport.post(url, job.body, headers, deadline=deadline)
         except TransportError as exc:
