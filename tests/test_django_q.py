@@ -636,6 +636,54 @@ def test_a_schedule_changed_by_hand_is_brought_back_keeping_its_next_run(setting
     )
 
 
+def test_a_schedule_given_a_due_time_keyword_or_a_hook_by_hand_is_brought_back() -> None:
+    # It stayed "unchanged": the scheduler called each round with a keyword
+    # it does not take, and every round failed (TypeError).
+    ensure_schedules()
+    Schedule.objects.update(intended_date_kwarg="scheduled_for", hook="myproject.hooks.done")
+    assert ensure_schedules() == {ROUND_SCHEDULE: "updated", PURGE_SCHEDULE: "updated"}
+    assert set(Schedule.objects.values_list("intended_date_kwarg", "hook")) == {(None, None)}
+
+
+def test_two_processes_writing_the_schedules_at_once_write_one_of_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both read none before either wrote (web workers' ready(), a deploy's
+    # migration beside the command), and each made its own: two rounds a
+    # minute, two purges an hour. Each now waits for the other's writes.
+    both_read = threading.Barrier(2, timeout=1)
+    create = Schedule.objects.create
+
+    def create_once_both_read(**fields: Any) -> Any:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_read.wait()
+        return create(**fields)
+
+    monkeypatch.setattr(Schedule.objects, "create", create_once_both_read)
+    said: list[dict[str, str] | BaseException] = []
+
+    def write() -> None:
+        try:
+            said.append(ensure_schedules())
+        except BaseException as exc:
+            said.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(Schedule.objects.values_list("name", flat=True)) == sorted(
+        [ROUND_SCHEDULE, PURGE_SCHEDULE]
+    ), said
+    assert sorted(said, key=str) == [  # type: ignore[type-var]
+        {ROUND_SCHEDULE: "created", PURGE_SCHEDULE: "created"},
+        {ROUND_SCHEDULE: "unchanged", PURGE_SCHEDULE: "unchanged"},
+    ]
+
+
 def test_no_purge_deletes_the_purge_schedule_it_made_and_no_other() -> None:
     # Run again, the command brings the schedules back to what it says: a
     # purge it made before would go on every hour.

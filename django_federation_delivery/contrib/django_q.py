@@ -50,6 +50,8 @@ except ImportError as exc:
 from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connections, router, transaction
+from django.db.models import F
 
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.conf import database_alias
@@ -265,31 +267,60 @@ def ensure_schedules(
     }
     if not purge:
         del wanted[PURGE_SCHEDULE]
+    # What the scheduler would call a round or a purge with otherwise, where
+    # this version of django-q2 has it: a keyword neither takes.
+    unset = {"args": "", "kwargs": "", "minutes": None, "repeats": -1}
+    unset.update(dict.fromkeys(HANDS_OFF & {field.name for field in model._meta.get_fields()}))
     done: dict[str, str] = {}
-    for name, fields in wanted.items():
-        fields = {"args": "", "kwargs": "", "minutes": None, "repeats": -1, **fields}
-        rows = list(model.objects.filter(name=name).order_by("pk"))
-        if not rows:
-            model.objects.create(name=name, **fields)
-            done[name] = "created"
-            continue
-        schedule, extra = rows[0], rows[1:]
-        for row in extra:
-            row.delete()
-        changed = [field for field, value in fields.items() if getattr(schedule, field) != value]
-        for field in changed:
-            setattr(schedule, field, fields[field])
-        if changed:
-            # The next run is kept: the schedule goes on where it was.
-            schedule.save(update_fields=changed)
-        done[name] = "updated" if changed or extra else "unchanged"
-    if not purge:
-        # Brought back to what is asked: a purge scheduled before would go
-        # on every hour.
-        gone, _kinds = model.objects.filter(name=PURGE_SCHEDULE).delete()
-        if gone:
-            done[PURGE_SCHEDULE] = "deleted"
+    alias = router.db_for_write(model)
+    with transaction.atomic(using=alias):
+        # Read and written as one: two processes writing them at once (web
+        # workers' ready(), a deploy's migration beside the command) would
+        # each find none and make one.
+        _lock_table(model, alias)
+        for name, fields in wanted.items():
+            fields = {**unset, **fields}
+            rows = list(model.objects.using(alias).filter(name=name).order_by("pk"))
+            if not rows:
+                model.objects.using(alias).create(name=name, **fields)
+                done[name] = "created"
+                continue
+            schedule, extra = rows[0], rows[1:]
+            for row in extra:
+                row.delete()
+            changed = [f for f, value in fields.items() if getattr(schedule, f) != value]
+            for field in changed:
+                setattr(schedule, field, fields[field])
+            if changed:
+                # The next run is kept: the schedule goes on where it was.
+                schedule.save(update_fields=changed)
+            done[name] = "updated" if changed or extra else "unchanged"
+        if not purge:
+            # Brought back to what is asked: a purge scheduled before would go
+            # on every hour.
+            gone, _kinds = model.objects.using(alias).filter(name=PURGE_SCHEDULE).delete()
+            if gone:
+                done[PURGE_SCHEDULE] = "deleted"
     return done
+
+
+#: Fields of a schedule, in some versions of django-q2, that make the
+#: scheduler call its task otherwise: a keyword given the time it was due
+#: (``intended_date_kwarg``), a hook. Left unset.
+HANDS_OFF = frozenset({"intended_date_kwarg", "hook"})
+
+
+def _lock_table(model: Any, alias: str) -> None:
+    """Hold the schedules' table against another writer until the
+    transaction ends (on SQLite, the database's write lock)."""
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        table = connection.ops.quote_name(model._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(f"LOCK TABLE {table} IN SHARE ROW EXCLUSIVE MODE")
+    elif connection.vendor == "sqlite":
+        # A write that changes nothing takes the lock, waiting as any does.
+        model.objects.using(alias).filter(pk__lt=0).update(name=F("name"))
 
 
 def remove_schedules(*, model: Any = None) -> int:
