@@ -73,6 +73,14 @@ OVERRUN_GRACE = 1.0
 FINAL_WRITES_WAIT = 1.0
 
 
+def host_limits(per_host: int | None = None, per_host_max: int | None = None) -> HostLimits:
+    """Each host's limit at once, as a deliverer starts them: from
+    ``per_host`` (``PER_HOST``) up to ``per_host_max`` (``PER_HOST_MAX``,
+    never below the start)."""
+    start = max(1, per_host or app_settings.per_host)
+    return HostLimits(start, max(start, per_host_max or app_settings.per_host_max))
+
+
 def longest_attempt() -> float:
     """The longest one attempt may take, of any kind, as a deliverer made
     now lets it (:attr:`Kinds.longest`): ``ATTEMPT_TIMEOUT`` for an inbox;
@@ -110,6 +118,7 @@ class Deliverer:
         metrics: bool = False,
         heartbeat: bool | Heartbeat = False,
         holding: Callable[[], bool] | None = None,
+        limits: HostLimits | None = None,
     ) -> None:
         # Built from code, without the commands' checks: a setting they refuse
         # would fail the loop, or every delivery, once running. (A webhook
@@ -119,10 +128,9 @@ class Deliverer:
         self.concurrency = max(1, concurrency or app_settings.concurrency)
         self.per_host = max(1, per_host or app_settings.per_host)
         #: Each host's limit at once: from ``per_host``, up to ``PER_HOST_MAX``
-        #: (never below ``per_host``), down to 1, as it answers.
-        self.limits = HostLimits(
-            self.per_host, max(self.per_host, per_host_max or app_settings.per_host_max)
-        )
+        #: (never below ``per_host``), down to 1, as it answers; and its rests.
+        #: Given, those an earlier loop learned (a round's: contrib.rounds).
+        self.limits = limits or host_limits(self.per_host, per_host_max)
         #: What it sees of each host, for the host's picture.
         self.hoststats = HostStats(self.limits)
         self.slow_after = app_settings.slow_after_seconds

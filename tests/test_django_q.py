@@ -52,7 +52,15 @@ from django_federation_delivery.contrib.django_q import (
 from django_federation_delivery.models import DelivererHeartbeat, Delivery, Host, Status
 
 from .channels import queued_then_kind_removed
-from .conftest import MANAGE, ROOT, Inbox, assert_each_reached_once_but, subprocess_env, wait_until
+from .conftest import (
+    MANAGE,
+    ROOT,
+    Inbox,
+    Received,
+    assert_each_reached_once_but,
+    subprocess_env,
+    wait_until,
+)
 from .keys import ALICE
 from .operators import unavailable_and_due_a_probe
 from .test_webhooks_deliveries import configure, signed
@@ -120,6 +128,27 @@ def test_rounds_release_a_webhook_event_left_due_at_no_time(
         f"after 3 rounds: {dict(statuses())}, {len(receiver.received)} received: "
         "no round ever runs release_stuck"
     )
+
+
+def test_a_host_resting_as_it_asked_is_left_alone_by_the_next_round(
+    inboxes: Callable[..., Inbox], settings: Any
+) -> None:
+    # Its rest was the round's memory alone: the next round, a moment later,
+    # sent its other deliveries at once, seconds after it asked for 30.
+    cluster(settings, timeout=90, retry=120)
+    settings.FEDERATION_DELIVERY = {**settings.FEDERATION_DELIVERY, "PER_HOST": 1}
+    answered = 0
+
+    def respond(request: Received) -> tuple[int, dict[str, str], bytes]:
+        nonlocal answered
+        answered += 1
+        return (429, {"Retry-After": "30"}, b"") if answered == 1 else (202, {}, b"")
+
+    busy = inboxes(respond=respond)
+    send(ALICE, NOTE, [busy.url(f"/u{n}") for n in range(3)])
+    deliver_round(1)
+    deliver_round(1)
+    assert answered == 1
 
 
 def test_between_rounds_the_heartbeat_shows_nothing_in_flight(

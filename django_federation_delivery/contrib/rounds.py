@@ -40,8 +40,14 @@ from django.utils.translation import gettext as _
 from django_federation_delivery.addresses import quoted
 from django_federation_delivery.checks import deliverer_problems, lacking_migrations
 from django_federation_delivery.conf import app_settings, database_alias
-from django_federation_delivery.deliverer import Deliverer, longest_attempt, transaction_open
+from django_federation_delivery.deliverer import (
+    Deliverer,
+    host_limits,
+    longest_attempt,
+    transaction_open,
+)
 from django_federation_delivery.heartbeats import Heartbeat
+from django_federation_delivery.limits import HostLimits
 from django_federation_delivery.retention import purge_by_setting
 from django_federation_delivery.store import locks
 
@@ -229,6 +235,27 @@ def kept_heartbeat(kept: dict[str, Heartbeat], using: str, *, period: float) -> 
     return heartbeat
 
 
+#: Each database's host limits in this process, kept from one round to the
+#: next, by pid: a rest a host asked for (a 429's or 503's Retry-After) and a
+#: limit it was halved to outlast the round that heard them, as they outlast
+#: an attempt in run_deliverer.
+_limits: dict[str, tuple[int, HostLimits]] = {}
+
+
+def kept_limits(using: str) -> HostLimits:
+    """This process's host limits for ``using``'s rounds: new in a forked
+    child, or once ``PER_HOST`` or ``PER_HOST_MAX`` say otherwise."""
+    kept = _limits.get(using)
+    wanted = host_limits()
+    if (
+        kept is None
+        or kept[0] != os.getpid()
+        or (kept[1].start, kept[1].most) != (wanted.start, wanted.most)
+    ):
+        kept = _limits[using] = (os.getpid(), wanted)
+    return kept[1]
+
+
 def run_round(bound: float, *, using: str, heartbeat: Heartbeat) -> dict[str, Any]:
     """Claim and send for ``bound`` seconds, then finish what is in flight,
     holding the round's lock; what was done, as a task's result keeps it.
@@ -258,7 +285,9 @@ def run_round(bound: float, *, using: str, heartbeat: Heartbeat) -> dict[str, An
             return {"ran": False, "reason": ANOTHER_ROUND}
         # The lock asked after as the loop goes: a round that lost it to
         # another stops claiming, so that two never claim at once.
-        deliverer = Deliverer(using=using, heartbeat=heartbeat, holding=kept)
+        deliverer = Deliverer(
+            using=using, heartbeat=heartbeat, holding=kept, limits=kept_limits(using)
+        )
         summary = deliverer.run(stop_after=bound)
     # Log lines stay English: operators grep them.
     with translation.override(None):
