@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import base64
 import datetime
+import gc
 import json
 import math
 import re
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,9 @@ import pytest
 import requests
 import responses
 from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+from jinja2 import BytecodeCache
+from jinja2.bccache import Bucket
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
@@ -482,18 +487,39 @@ def test_a_template_named_after_the_event_type_is_used(settings: Any, tmp_path: 
     assert json.loads(other.body)["text"].startswith("alert.resolved\nhost: db-1")
 
 
+class MemoryBytecodeCache(BytecodeCache):
+    """What Jinja2's FileSystemBytecodeCache does, kept in memory."""
+
+    def __init__(self) -> None:
+        self.stored: dict[str, bytes] = {}
+
+    def load_bytecode(self, bucket: Bucket) -> None:
+        if bucket.key in self.stored:
+            bucket.bytecode_from_string(self.stored[bucket.key])
+
+    def dump_bytecode(self, bucket: Bucket) -> None:
+        self.stored[bucket.key] = bucket.bytecode_to_string()
+
+
+@pytest.mark.parametrize("options", [{}, {"bytecode_cache": MemoryBytecodeCache()}])
 def test_a_jinja2_template_writes_plain_text_each_kind_escapes_once(
-    settings: Any, tmp_path: Path
+    settings: Any, tmp_path: Path, options: dict[str, Any]
 ) -> None:
     # Django's Jinja2 backend escapes HTML by default: a title "Tom & Jerry
     # <3" reached Matrix and ntfy as "Tom &amp; Jerry &lt;3", and Slack as
-    # "&amp;amp;". Rendered twice: the second time from what the first compiled.
+    # "&amp;amp;"; with a bytecode cache, which keys a template by its name
+    # alone, also once rendered without escaping (the code compiled first,
+    # escaping, was loaded). Rendered twice: the second time as compiled.
     folder = tmp_path / "django_federation_delivery" / "webhooks"
     folder.mkdir(parents=True)
     (folder / "alert.raised.txt").write_text("{{ data.host }} & {{ data.title }}\n")
     settings.TEMPLATES = [
         settings.TEMPLATES[0],
-        {"BACKEND": "django.template.backends.jinja2.Jinja2", "DIRS": [tmp_path]},
+        {
+            "BACKEND": "django.template.backends.jinja2.Jinja2",
+            "DIRS": [tmp_path],
+            "OPTIONS": options,
+        },
     ]
     title = 'Tom & Jerry <3 "quoted" it\'s'
     raised = event({"host": "db-1", "title": title})
@@ -502,6 +528,25 @@ def test_a_jinja2_template_writes_plain_text_each_kind_escapes_once(
         assert ntfy.body.decode() == f"db-1 & {title}"
     slack = build(parse_destination("ops", SLACK), raised)
     assert json.loads(slack.body)["text"] == 'db-1 &amp; Tom &amp; Jerry &lt;3 "quoted" it\'s'
+
+
+def test_a_jinja2_environment_rendered_with_goes_when_its_engine_does(
+    settings: Any, tmp_path: Path
+) -> None:
+    # Its plain twin was kept by the package, and kept it: every engine a
+    # project's tests made (one a TEMPLATES override) lived for the process.
+    folder = tmp_path / "django_federation_delivery" / "webhooks"
+    folder.mkdir(parents=True)
+    (folder / "alert.raised.txt").write_text("{{ data.host }}\n")
+    from django.template import engines
+
+    with override_settings(
+        TEMPLATES=[{"BACKEND": "django.template.backends.jinja2.Jinja2", "DIRS": [tmp_path]}]
+    ):
+        build(parse_destination("phone", "ntfy://ntfy.example/alerts"), event())
+        environment = weakref.ref(engines.all()[0].env)
+    gc.collect()
+    assert environment() is None
 
 
 def test_a_template_that_renders_nothing_sends_the_event_type(

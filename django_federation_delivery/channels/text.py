@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from django.template import Context
@@ -69,17 +68,21 @@ def render_text(destination: Destination, event: Event) -> str:
 
 #: Django's backend for Jinja2 templates (not imported: Jinja2 is optional).
 JINJA2_BACKEND = "django.template.backends.jinja2"
-_plain_environments: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+#: Where an environment keeps its plain twin: it goes when the environment does.
+_PLAIN = "_federation_delivery_plain"
 _plain_lock = threading.Lock()
 
 
 def _plain(environment: Any) -> Any:
     """``environment`` with autoescaping off, made once: its loader and
-    filters, and a cache of its own for what it compiles."""
+    filters, and a cache of its own for what it compiles. Not its bytecode
+    cache, which keys a template by its name alone: it would give back the
+    escaping code compiled first."""
     with _plain_lock:
-        plain = _plain_environments.get(environment)
+        plain = vars(environment).get(_PLAIN)
         if plain is None:
-            plain = _plain_environments[environment] = environment.overlay(autoescape=False)
+            plain = environment.overlay(autoescape=False, bytecode_cache=None)
+            setattr(environment, _PLAIN, plain)
         return plain
 
 
