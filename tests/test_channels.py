@@ -22,6 +22,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 from jinja2 import BytecodeCache
 from jinja2.bccache import Bucket
+from markdown_it import MarkdownIt
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
@@ -175,8 +176,6 @@ HOSTILE_MARKDOWN = [
 def _paragraphs(text: str) -> list[list[Any]]:
     """``text`` parsed as CommonMark with GFM's tables and strikethrough (what
     chat services add): the inline tokens of each paragraph, its only blocks."""
-    from markdown_it import MarkdownIt
-
     tokens = MarkdownIt("commonmark").enable(["table", "strikethrough"]).parse(text)
     blocks = {token.type for token in tokens} - {"paragraph_open", "paragraph_close", "inline"}
     assert not blocks, f"blocks made of data: {blocks} in {text!r}"
@@ -372,6 +371,14 @@ def test_markdown_text_past_its_limit_is_cut_with_an_ellipsis(
     content = json.loads(request.body)[field]
     assert len(content) == limit
     assert content.endswith("x…")
+    # Markup, each character escaped: never cut after the backslash, which
+    # a chat then showed before the ellipsis.
+    for log in ("#" * 20_000, "x" + "#" * 20_000):
+        request = build(parse_destination("chat", url), event({"log": log}))
+        content = json.loads(request.body)[field]
+        assert len(content) <= limit
+        shown = MarkdownIt("commonmark").render(content)
+        assert "\\" not in shown and shown.endswith("#…</p>\n"), shown[-20:]
 
 
 def test_telegram_text_is_cut_before_escaping_and_never_inside_an_entity() -> None:

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit, urlunsplit
 from django_federation_delivery.channels.base import Destination, Parsed, Request
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.hooks import HookChannel
-from django_federation_delivery.channels.text import cut, escape_markdown, render_text
+from django_federation_delivery.channels.text import cut_markdown, escape_markdown, render_text
 
 __all__ = ["DISCORD_LIMIT", "Discord", "versioned"]
 
@@ -31,7 +31,9 @@ class Discord(HookChannel):
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
         document = {
-            "content": cut(escape_markdown(render_text(destination, event)), DISCORD_LIMIT),
+            "content": cut_markdown(
+                escape_markdown(render_text(destination, event)), DISCORD_LIMIT
+            ),
             "allowed_mentions": {"parse": []},
         }
         return self.json_request(destination, document)

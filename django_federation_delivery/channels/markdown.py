@@ -11,7 +11,7 @@ from django.utils.translation.trans_null import gettext_noop
 from django_federation_delivery.channels.base import Destination, Request
 from django_federation_delivery.channels.events import Event
 from django_federation_delivery.channels.hooks import HookChannel
-from django_federation_delivery.channels.text import cut, escape_markdown, render_text
+from django_federation_delivery.channels.text import cut_markdown, escape_markdown, render_text
 
 __all__ = ["MARKDOWN_LIMIT", "Markdown"]
 
@@ -33,5 +33,5 @@ class Markdown(HookChannel):
     public_segments = frozenset({"hooks"})
 
     def request(self, destination: Destination, event: Event, *, now: float) -> Request:
-        text = cut(escape_markdown(render_text(destination, event)), MARKDOWN_LIMIT)
+        text = cut_markdown(escape_markdown(render_text(destination, event)), MARKDOWN_LIMIT)
         return self.json_request(destination, {"text": text})

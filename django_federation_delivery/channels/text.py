@@ -30,6 +30,7 @@ __all__ = [
     "cut",
     "cut_bytes",
     "cut_json",
+    "cut_markdown",
     "escape_entities",
     "escape_markdown",
     "no_mentions_or_links",
@@ -178,6 +179,19 @@ def cut(text: str, limit: int) -> str:
     Telegram count, never fewer than characters), cut between characters and
     ended with an ellipsis when too long."""
     return _cut(text, limit, _utf16_length)
+
+
+def cut_markdown(text: str, limit: int) -> str:
+    """:func:`cut` of what :func:`escape_markdown` wrote, never between a
+    backslash and the character it escapes: a chat would show the backslash
+    before the ellipsis, which the event never had."""
+    kept = cut(text, limit)
+    if kept == text:
+        return text
+    body = kept.removesuffix(ELLIPSIS)
+    if (len(body) - len(body.rstrip("\\"))) % 2:
+        body = body[:-1]
+    return body + ELLIPSIS
 
 
 def cut_bytes(text: str, limit: int) -> str:
