@@ -291,6 +291,28 @@ def test_a_second_knock_that_cannot_be_signed_leaves_the_first_answer_standing(
     assert schemes_used(mocked) == ["rfc9421"]
 
 
+def test_a_second_knock_its_key_cannot_sign_for_now_leaves_the_refusal_not_final(
+    mocked: responses.RequestsMock, transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Refused in RFC 9421, the draft-cavage knock that may be taken could not
+    # be signed for a moment: the delivery was failed for good on the 401.
+    from django_federation_delivery.channels import activitypub
+
+    signed = activitypub.signed_request
+
+    def key_service_away_for_cavage(
+        job: InboxJob, key: SenderKey, target: str, scheme: Scheme
+    ) -> Any:
+        if scheme is Scheme.CAVAGE:
+            raise ConnectionError("kms.internal:443 unreachable")
+        return signed(job, key, target, scheme)
+
+    monkeypatch.setattr(activitypub, "signed_request", key_service_away_for_cavage)
+    mocked.post(INBOX, status=401)
+    result = attempt(job(scheme=Scheme.RFC9421), transport)
+    assert (result.status, result.requests, result.permanent) == (401, 1, False)
+
+
 def test_a_connection_failure_is_worth_another_try(
     mocked: responses.RequestsMock, transport: Transport
 ) -> None:

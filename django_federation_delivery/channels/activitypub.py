@@ -225,6 +225,10 @@ class ActivityPub(Channel):
             if again.requests:
                 outcome = again
                 made += again.requests
+            elif not again.permanent:
+                # Not signed for now (its key's service away): the other
+                # scheme may yet be taken, so the refusal is not final.
+                outcome = dataclasses.replace(outcome, permanent=False)
         return outcome, made
 
     def _post(
