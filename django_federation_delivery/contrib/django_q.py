@@ -25,6 +25,7 @@ shared with ``contrib.tasks``; what is django-q2's is here.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from typing import Any
@@ -67,6 +68,7 @@ from django_federation_delivery.contrib.rounds import (
     round_lock,
 )
 from django_federation_delivery.heartbeats import Heartbeat
+from django_federation_delivery.store import locks
 
 __all__ = [
     "ADVISORY_KEY",
@@ -277,7 +279,7 @@ def ensure_schedules(
         # Read and written as one: two processes writing them at once (web
         # workers' ready(), a deploy's migration beside the command) would
         # each find none and make one.
-        _lock_table(model, alias)
+        _lock_schedules(model, alias)
         for name, fields in wanted.items():
             fields = {**unset, **fields}
             rows = list(model.objects.using(alias).filter(name=name).order_by("pk"))
@@ -310,15 +312,19 @@ def ensure_schedules(
 HANDS_OFF = frozenset({"intended_date_kwarg", "hook"})
 
 
-def _lock_table(model: Any, alias: str) -> None:
-    """Hold the schedules' table against another writer until the
-    transaction ends (on SQLite, the database's write lock)."""
-    connection = connections[alias]
-    if connection.vendor == "postgresql":
-        table = connection.ops.quote_name(model._meta.db_table)
-        with connection.cursor() as cursor:
-            cursor.execute(f"LOCK TABLE {table} IN SHARE ROW EXCLUSIVE MODE")
-    elif connection.vendor == "sqlite":
+#: The PostgreSQL advisory lock the schedules are written under.
+SCHEDULES_KEY = int.from_bytes(
+    hashlib.sha256(b"django_federation_delivery.contrib.django_q.schedules").digest()[:8],
+    "big",
+    signed=True,
+)
+
+
+def _lock_schedules(model: Any, alias: str) -> None:
+    """Hold off any other writer of the schedules until the transaction
+    ends: on PostgreSQL by an advisory lock, on SQLite by its write lock."""
+    locks.transaction_lock(alias, SCHEDULES_KEY)
+    if connections[alias].vendor == "sqlite":
         # A write that changes nothing takes the lock, waiting as any does.
         model.objects.using(alias).filter(pk__lt=0).update(name=F("name"))
 

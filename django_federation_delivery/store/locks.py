@@ -54,6 +54,17 @@ def write_first(using: str | None = None) -> None:
         db.lock_for_writing()
 
 
+def transaction_lock(using: str, key: int) -> None:
+    """On PostgreSQL, the advisory lock ``key``, waited for and held until
+    the transaction ends: the key alone, not mixed with this queue's table,
+    for a database that may hold none (django-q2's schedules, routed
+    elsewhere). Nothing elsewhere."""
+    connection = connections[using]
+    if connection.vendor == "postgresql":
+        with sql.on(connection) as db:
+            db.value("advisory_transaction_lock", key=key)
+
+
 def lock_hosts(names: Iterable[str], using: str, *, paused: bool = False) -> None:
     """Lock the rows of the hosts ``names`` (those paused alone, if
     ``paused``) until the transaction ends, in name order: a resume locks

@@ -1425,6 +1425,12 @@ SELECT pg_try_advisory_lock(%(key)s::bigint # {this_queue})
 -- name: advisory_unlock [postgresql]
 SELECT pg_advisory_unlock(%(key)s::bigint # {this_queue})
 
+-- name: advisory_transaction_lock [postgresql]
+-- The advisory lock %(key)s, waited for and held until the transaction ends:
+-- of a database that may hold no queue (django-q2's schedules, routed
+-- elsewhere), so not mixed with this queue's table.
+SELECT pg_advisory_xact_lock(%(key)s::bigint)
+
 -- name: holds_advisory_lock [postgresql]
 -- Whether this session holds the advisory lock: pg_locks shows a bigint key
 -- as its two 32-bit halves.
