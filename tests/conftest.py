@@ -27,7 +27,6 @@ from django.db import OperationalError, connection, connections, transaction
 from django.db.backends.signals import connection_created
 from django.dispatch import receiver
 
-from django_federation_delivery.contrib import rounds
 from django_federation_delivery.deliverer import Deliverer
 
 from .settings import TEST_DB_DIR
@@ -257,13 +256,6 @@ def default_refuses_the_app(queue_router: None) -> Iterator[None]:
     them in "default" fails."""
     with connections["default"].execute_wrapper(_refuse_the_apps_tables):
         yield
-
-
-@pytest.fixture(autouse=True)
-def _rounds_keep_no_limits_of_another_test(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A round keeps its process's host limits and rests for the next
-    (``contrib.rounds.kept_limits``): each test's rounds start with none."""
-    monkeypatch.setattr(rounds, "_limits", {})
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -468,6 +468,26 @@ def test_the_mixin_starts_each_test_with_nothing_an_earlier_one_left_in_the_proc
     assert result.wasSuccessful(), said.getvalue()
 
 
+def test_what_is_forgotten_between_tests_includes_the_rounds_host_rests(settings: Any) -> None:
+    # A process's rounds keep each host's rest for the next round: after a
+    # test whose fake answered 429 Retry-After: 30, a project's next test's
+    # round sent that host nothing, passing or failing by the order run.
+    from django_federation_delivery.contrib.django_q import deliver_round
+    from django_federation_delivery.testing import forget_kept
+
+    settings.Q_CLUSTER = {"orm": "default", "timeout": 90, "retry": 120}
+    with FakeInbox() as fake:
+        fake.answer(429, retry_after=30)
+        send(ALICE, NOTE, [INBOX])
+        deliver_round(1)
+        assert len(fake.received) == 1
+    forget_kept()  # as the plugin and the mixin do before each test
+    with FakeInbox() as fake:
+        send(ALICE, NOTE, ["https://mastodon.example/users/carol/inbox"])
+        deliver_round(1)
+        assert len(fake.received) == 1
+
+
 HOST_PROJECT_TESTS = """
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

@@ -256,6 +256,12 @@ def kept_limits(using: str) -> HostLimits:
     return kept[1]
 
 
+def forget_limits() -> None:
+    """Forget every kept host limit and rest: the next round starts anew
+    (``testing.forget_kept``, between a project's tests)."""
+    _limits.clear()
+
+
 def run_round(bound: float, *, using: str, heartbeat: Heartbeat) -> dict[str, Any]:
     """Claim and send for ``bound`` seconds, then finish what is in flight,
     holding the round's lock; what was done, as a task's result keeps it.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, SupportsIndex, overload
@@ -289,7 +290,9 @@ def forget_kept() -> None:
     """Forget what this process keeps from one test to the next, so that a
     test passes or fails whatever ran before it: the hosts marked
     unavailable, which a send reads once a minute (``availability.py``),
-    read again from the test's own database at its first send (a fake a
+    read again from the test's own database at its first send; and the host
+    limits and rests a task queue's rounds keep from one to the next
+    (``contrib.rounds``, if a round ran) (a fake a
     test left started is stopped as it ends, by the pytest plugin and by
     :class:`DeliveryTestMixin`; not by this). The helpers
     call it as each test starts (:func:`capture`, the mixin, the pytest
@@ -299,6 +302,10 @@ def forget_kept() -> None:
     from django_federation_delivery import availability
 
     availability.forget_known()
+    # Not imported here if no round was: only the commands import contrib.
+    rounds = sys.modules.get("django_federation_delivery.contrib.rounds")
+    if rounds is not None:
+        rounds.forget_limits()
 
 
 def stop_capturing() -> None:
