@@ -182,7 +182,14 @@ class WebhookDeliveries:
             return held(job, job.problem, retry_after=0.0)
         if job.problem or job.destination is None or job.event is None:
             return failed(job, job.problem, permanent=job.permanent, requests=0)
-        return job.destination.attempted(job, transport)
+        result = job.destination.attempted(job, transport)
+        if result.refused_address:
+            # An address the settings do not open (WEBHOOK_ALLOWED_NETWORKS):
+            # the operator's to fix, no request made. It waits, in order,
+            # spending no try; failing so for WEBHOOK_DISABLE_AFTER, its
+            # destination is disabled (webhooks/life.py), its events kept.
+            return dataclasses.replace(result, held=True, permanent=False)
+        return result
 
     def _configured(self) -> dict[str, Destination]:
         try:

@@ -165,7 +165,9 @@ class Watch:
             failing.pop(row.host, None)
             disable(name, "the receiver answered 410 Gone", now=now, using=self.using)
             return True
-        if result.held or not (result.requests or result.refused_address):
+        if (result.held and not result.refused_address) or not (
+            result.requests or result.refused_address
+        ):
             # No answer from the destination: it said nothing of itself. (Its
             # address refused, it did: its URL is its operator's.)
             return False
