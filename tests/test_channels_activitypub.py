@@ -355,6 +355,24 @@ def test_an_inbox_refused_for_its_address_says_nothing_of_its_host(inbox: Inbox)
     assert inbox.connections == 0
 
 
+def test_a_later_gateway_refused_for_its_address_leaves_the_first_one_s_failure_standing(
+    inboxes: Callable[..., Inbox],
+) -> None:
+    # The first gateway, which stands for the delivery's host, answered 503;
+    # a later one (anyone may list one) on a refused address made the attempt
+    # "answered elsewhere", its error the refusal: the host's 503 counted
+    # nowhere (its breaker, health, limit, rest).
+    first = inboxes("127.0.0.2", respond=lambda request: (503, {}, b"busy"))
+    refused = inboxes("127.0.0.3")
+    opened = (ipaddress.ip_network("127.0.0.2/32"),)
+    settings = TransportSettings(user_agent="tests", allowed_networks=opened)
+    with Transport(settings) as transport:
+        result = attempt(job(targets=(first.url(), refused.url())), transport)
+    assert (result.status, result.elsewhere, result.requests) == (503, False, 1)
+    assert is_failure(result) is True and not result.permanent
+    assert refused.connections == 0
+
+
 # --- One deadline for the whole attempt, within the lease: real servers on loopback ---
 
 

@@ -188,6 +188,12 @@ class ActivityPub(Channel):
                 # What the first gateway's host said of itself, for its
                 # breaker, whoever answers last (a 404: up, if no gateway).
                 first_failed = not made or is_host_failure(outcome.status)
+            elif not made:
+                # A later gateway not asked (its address refused, its URL
+                # unusable: anyone may list one) says nothing, and leaves
+                # what the one before said standing for its host.
+                put_off = put_off or not outcome.permanent
+                continue
             last = dataclasses.replace(
                 outcome,
                 duration=clock() - started,
