@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
+from django.db import connections, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import translation
 from django.utils.translation import gettext as _
@@ -40,7 +40,7 @@ from django_federation_delivery.addresses import host_of
 from django_federation_delivery.conf import app_settings, database_alias
 from django_federation_delivery.dialect import aware, aware_now, orm_datetime
 from django_federation_delivery.models import Batch, Breaker, Delivery, Host, Retracts, Status
-from django_federation_delivery.store import purges, settlements
+from django_federation_delivery.store import locks, purges, settlements
 from django_federation_delivery.store.queueing import CHUNK
 
 logger = logging.getLogger(__name__)
@@ -264,15 +264,31 @@ def _forgotten_hosts(cutoff: dt.datetime, deliveries: Any, alias: str) -> list[s
 
 
 def _delete_hosts(names: list[str], cutoff: dt.datetime, alias: str) -> int:
-    # The conditions again, in the DELETE: a host paused or marked, written
-    # to or sent to since they were read is kept.
+    # The conditions again: a host paused or marked, written to or sent to
+    # since they were read is kept.
     deliveries = Delivery.objects.using(alias).filter(host=OuterRef("name"))
-    return int(
+    forgotten = (
         Host.objects.using(alias)
         .filter(_UNMARKED, name__in=names, updated_at__lt=orm_datetime(cutoff, alias))
         .exclude(Exists(deliveries))
-        .delete()[0]
     )
+
+    def delete() -> int:
+        with transaction.atomic(using=alias):
+            if connections[alias].vendor == "sqlite":
+                locks.write_first(alias)
+                return int(forgotten.delete()[0])
+            # Locked in name order first, as every writer of many hosts
+            # locks them (an operator's pause of the same hosts): a DELETE
+            # locks them in the order its plan reads them.
+            locked = list(
+                forgotten.select_for_update()
+                .order_by(locks.in_name_order(alias))
+                .values_list("name", flat=True)
+            )
+            return int(forgotten.filter(name__in=locked).delete()[0]) if locked else 0
+
+    return locks.again_on_deadlock(alias, delete)
 
 
 def purge_by_setting(**options: Any) -> Purged:

@@ -403,6 +403,23 @@ def test_a_pause_of_hosts_in_the_hosts_lists_order_never_deadlocks(other: str) -
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_purge_forgetting_hosts_while_an_operator_pauses_them_never_deadlocks() -> None:
+    """The purge forgot old hosts in one DELETE, locking their rows in the
+    order its plan read them (the table's: z, b, a); a pause of them from
+    the hosts list locks them in name order. PostgreSQL ended one: the
+    purge ("The purge failed") or the operator's pause (a 500)."""
+    postgresql_only()
+    for name in ("z.example", "b.example", "a.example"):
+        Host.objects.create(name=name)
+    Host.objects.update(updated_at=timezone.now() - 90 * DAY)
+    crossed(
+        Host.objects.filter(name="b.example"),
+        lambda: retention.purge({Status.DELIVERED: timezone.now() - 7 * DAY}),
+        lambda: hosts.pause_hosts(["a.example", "b.example", "z.example"]),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
 def test_marking_hosts_seen_while_a_deliverer_writes_them_never_deadlocks() -> None:
     """ "Mark the selected hosts as seen" locked the marked hosts in the
     order its plan read them (a host rewritten since last), a deliverer's
