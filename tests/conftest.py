@@ -653,6 +653,27 @@ def assert_each_reached_once_but(
     assert len(repeated) <= twice, f"only those in flight repeat: {len(repeated)} > {twice}"
 
 
+def at_once(work: Callable[[], object], threads: int, timeout: float = 30.0) -> list[object]:
+    """``work`` in ``threads`` threads at once, each on connections of its
+    own (closed after): what each returned or raised, in the order done."""
+    done: list[object] = []
+
+    def run() -> None:
+        try:
+            done.append(work())
+        except BaseException as exc:
+            done.append(exc)
+        finally:
+            connections.close_all()
+
+    started = [threading.Thread(target=run) for _ in range(threads)]
+    for thread in started:
+        thread.start()
+    for thread in started:
+        thread.join(timeout)
+    return done
+
+
 def wait_until(
     condition: Callable[[], bool],
     timeout: float = 20.0,

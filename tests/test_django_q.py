@@ -58,6 +58,7 @@ from .conftest import (
     Inbox,
     Received,
     assert_each_reached_once_but,
+    at_once,
     subprocess_env,
     wait_until,
 )
@@ -689,21 +690,7 @@ def test_two_processes_writing_the_schedules_at_once_write_one_of_each(
         return create(**fields)
 
     monkeypatch.setattr(Schedule.objects, "create", create_once_both_read)
-    said: list[dict[str, str] | BaseException] = []
-
-    def write() -> None:
-        try:
-            said.append(ensure_schedules())
-        except BaseException as exc:
-            said.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=write) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    said = at_once(ensure_schedules, 2)
     assert sorted(Schedule.objects.values_list("name", flat=True)) == sorted(
         [ROUND_SCHEDULE, PURGE_SCHEDULE]
     ), said
