@@ -95,7 +95,10 @@ def transaction_open() -> str | None:
     this thread would roll it back, unsaid, as it closes the thread's
     connections (rounds refuse to start then, and so does ``deliver_all``)."""
     for connection in connections.all(initialized_only=True):
-        if connection.in_atomic_block:
+        # Or one begun by turning autocommit off (set_autocommit(False)).
+        if connection.in_atomic_block or (
+            connection.connection is not None and not connection.get_autocommit()
+        ):
             return str(connection.alias)
     return None
 

@@ -993,11 +993,21 @@ def test_a_cluster_killed_mid_round_loses_nothing_and_repeats_only_what_was_in_f
     assert_each_reached_once_but(sinks, urls, twice=6 * concurrency)
 
 
-def test_a_round_in_the_callers_transaction_is_refused_and_leaves_it_alone(inbox: Inbox) -> None:
+@pytest.mark.parametrize("opened", ["atomic()", "set_autocommit(False)"])
+def test_a_round_in_the_callers_transaction_is_refused_and_leaves_it_alone(
+    inbox: Inbox, opened: str
+) -> None:
     # Run there (a task backend that runs it at once, in a view's atomic()),
     # the loop would close the thread's connection: the caller's writes,
-    # its send among them, rolled back with no error told.
-    with transaction.atomic():
+    # its send among them, rolled back with no error told. With autocommit
+    # turned off, it was run: the uncommitted send delivered, then undone.
+    with contextlib.ExitStack() as caller:
+        if opened == "atomic()":
+            caller.enter_context(transaction.atomic())
+        else:
+            transaction.set_autocommit(False)
+            caller.callback(transaction.set_autocommit, True)
+            caller.callback(transaction.commit)
         batch = send(ALICE, NOTE, [inbox.url("/a")])
         with pytest.raises(TransactionManagementError, match="on_commit"):
             deliver_round(1)
