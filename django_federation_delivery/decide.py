@@ -57,6 +57,11 @@ class Ruling:
     deadline: bool = False
 
 
+#: How long a delivery held back waits, at the least, under a policy with
+#: no wait to give (one try, ``schedule=()``), its hold asking none.
+HELD_LEAST = 30.0
+
+
 def decide(
     result: AttemptResult,
     attempts: int,
@@ -134,8 +139,10 @@ def _held(
     It waits out the hold, and at least the policy's wait after the tries
     made so far, so that a long outage does not bring it round every second."""
     made = max(1, min(attempts, policy.max_attempts - 1))
+    policy_wait = policy.delay(made, rand)
     wait = wait_before_retry(
-        policy.delay(made, rand) or 0.0,
+        # A policy with no wait at all (one try) would bring it round at once.
+        HELD_LEAST if policy_wait is None else policy_wait,
         result.retry_after,
         wait_as_asked=True,
         longest=LONGEST_WAIT,

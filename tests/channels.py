@@ -325,3 +325,29 @@ class SlowPager(Pager):
 
     def policy(self) -> Policy:
         return dataclasses.replace(super().policy(), timeout=10.0)
+
+
+class Callback(Pager):
+    """A pager that posts each event to the callback URL the event carries
+    (``json_request(url=…)``), else to its destination's."""
+
+    name = "callback"
+    label = "Callback"
+    schemes = ("callback", "callback+http")
+
+    def request(self, destination: Destination, event: Event, *, now: float) -> Request:
+        data = event.data if isinstance(event.data, dict) else {}
+        url = data.get("callback") or destination.url
+        return self.json_request(destination, {"id": event.id}, url=url)
+
+
+class Once(Pager):
+    """A pager tried once, never again (``schedule=()``), on the public
+    internet alone."""
+
+    name = "once"
+    label = "Once"
+    schemes = ("once", "once+http")
+
+    def policy(self) -> Policy:
+        return dataclasses.replace(super().policy(), schedule=(), allowed_networks=())

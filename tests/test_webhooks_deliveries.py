@@ -247,6 +247,48 @@ def test_each_allow_list_opens_loopback_to_its_own_kind_alone(
         assert Host.objects.get(name=delivery_key("local")).failing_since is not None
 
 
+def test_an_event_whose_own_url_is_unusable_spends_its_tries(inbox: Inbox, settings: Any) -> None:
+    # Its kind made an ftp:// URL of it: held as an address the settings
+    # could open, it spent no try, never given up, and every later event
+    # to the destination waited behind it.
+    configure(
+        settings,
+        {"cb": f"callback+http://ROUTINGkey42@{inbox.address}:{inbox.port}/p"},
+        CHANNELS=["tests.channels.Callback"],
+        WEBHOOK_RETRY=[0.05],
+    )
+    send_webhook("cb", "alert.raised", {"callback": "ftp://127.0.0.1/nowhere"})
+    Deliverer().run(drain=True, stop_after=8)
+    (row,) = Delivery.objects.all()
+    assert row.attempts >= 1, row.last_error  # a try spent: WEBHOOK_RETRY gives it up
+
+
+def test_an_address_refused_to_a_kind_tried_once_is_held_not_tried_at_once_again(
+    inbox: Inbox, settings: Any
+) -> None:
+    # Its policy has no wait after its one try: held, it was attempted again
+    # at once, hundreds of times a second, each a row written and a signal.
+    configure(
+        settings,
+        {"ops": f"once+http://ROUTINGkey42@{inbox.address}:{inbox.port}/p"},
+        CHANNELS=["tests.channels.Once"],
+    )
+    attempted: list[Any] = []
+
+    def count(sender: Any, **kwargs: Any) -> None:
+        attempted.append(kwargs)
+
+    signals.delivery_attempted.connect(count, weak=False)
+    try:
+        send_webhook("ops", "alert.raised", {"n": 1})
+        Deliverer().run(stop_after=1.5)
+    finally:
+        signals.delivery_attempted.disconnect(count)
+    row = Delivery.objects.get()
+    assert (row.status, row.attempts, len(attempted)) == (Status.PENDING, 0, 1)
+    assert "not a public address" in row.last_error
+
+
 @pytest.mark.slow
 def test_a_breakers_hold_spends_no_try_so_nine_tries_are_nine_requests(
     inboxes: Callable[..., Inbox],

@@ -41,7 +41,7 @@ from django_federation_delivery.attempt import (
 )
 from django_federation_delivery.channels.events import Event, compact_json
 from django_federation_delivery.channels.policy import Policy, PolicyError
-from django_federation_delivery.exceptions import TransportError
+from django_federation_delivery.exceptions import RefusedAddress, TransportError
 from django_federation_delivery.transport import (
     Answer,
     Transport,
@@ -413,7 +413,12 @@ class Channel:
                 )
         except TransportError as exc:
             error = safe_text(destination, request.url, str(exc))[: job.message_length]
-            result = failed(job, error, permanent=False, sent=exc.sent)
+            if isinstance(exc, RefusedAddress) or exc.sent:
+                result = failed(job, error, permanent=False, sent=exc.sent)
+            else:
+                # Its URL unusable (a kind's own, made of the event): no
+                # request, and no address the settings could open.
+                result = failed(job, error, permanent=False, requests=0)
         else:
             result = self._judged(job, answer, destination)
         return dataclasses.replace(result, duration=clock() - started)
