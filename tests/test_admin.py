@@ -1106,6 +1106,26 @@ def test_a_filter_or_search_holding_a_nul_goes_back_to_the_list(
     assert response["Location"] == f"/admin/federation_delivery/{path}?e=1"
 
 
+@pytest.mark.parametrize("field", ["after", "batch"])
+def test_the_autocomplete_s_search_holding_a_nul_finds_nothing(
+    operator: Client, field: str
+) -> None:
+    # Django's autocomplete (through Delivery.after and Delivery.batch)
+    # searches with no list around it: PostgreSQL refused the text, a 500.
+    queue(tag="greeting")
+    response = operator.get(
+        reverse("admin:autocomplete"),
+        {
+            "app_label": "federation_delivery",
+            "model_name": "delivery",
+            "field_name": field,
+            "term": "a\x00b",
+        },
+    )
+    assert response.status_code == 200, response.status_code
+    assert response.json()["results"] == []
+
+
 @pytest.mark.parametrize(
     "body",
     ['{"content": "\\ud83d"}', "[" * 900 + "]" * 900],

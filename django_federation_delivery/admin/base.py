@@ -76,7 +76,11 @@ class OperatorAdmin(_ModelAdmin[_M]):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
-        """The admin's search, for the first :data:`MOST_SEARCH_WORDS` words."""
+        """The admin's search, for the first :data:`MOST_SEARCH_WORDS` words.
+        One holding a NUL finds nothing: no text column holds one (PostgreSQL's
+        cannot), and Django's autocomplete searches with no list around it."""
+        if "\x00" in search_term:
+            return queryset.none(), False
         words = list(smart_split(search_term))
         if len(words) > MOST_SEARCH_WORDS:
             search_term = " ".join(words[:MOST_SEARCH_WORDS])
