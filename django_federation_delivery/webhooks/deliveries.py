@@ -26,6 +26,7 @@ from django_federation_delivery.batches import BatchInfo
 from django_federation_delivery.channels import Call, Channel, Event, Policy
 from django_federation_delivery.channels.base import policy_of
 from django_federation_delivery.conf import app_settings, database_alias
+from django_federation_delivery.decide import HELD_LEAST
 from django_federation_delivery.dialect import aware_now, orm_datetime
 from django_federation_delivery.models import Delivery, Host, Kind, Status
 from django_federation_delivery.settling import Settler, Summary
@@ -188,7 +189,9 @@ class WebhookDeliveries:
             # the operator's to fix, no request made. It waits, in order,
             # spending no try; failing so for WEBHOOK_DISABLE_AFTER, its
             # destination is disabled (webhooks/life.py), its events kept.
-            return dataclasses.replace(result, held=True, permanent=False)
+            # Not brought round sooner than HELD_LEAST, whatever the
+            # schedule's first wait: the settings change at an operator's pace.
+            return dataclasses.replace(result, held=True, permanent=False, retry_after=HELD_LEAST)
         return result
 
     def _configured(self) -> dict[str, Destination]:
