@@ -480,11 +480,18 @@ def test_a_naive_timestamp_is_refused() -> None:
         event(timestamp=datetime.datetime(2025, 1, 1))
 
 
+def webhook_template(folder: Path, name: str, text: str) -> None:
+    """A project's webhook template ``name`` in templates folder ``folder``."""
+    webhooks = folder / "django_federation_delivery" / "webhooks"
+    webhooks.mkdir(parents=True, exist_ok=True)
+    (webhooks / name).write_text(text)
+
+
 def test_a_template_named_after_the_event_type_is_used(settings: Any, tmp_path: Path) -> None:
-    folder = tmp_path / "django_federation_delivery" / "webhooks"
-    folder.mkdir(parents=True)
-    (folder / "alert.raised.txt").write_text(
-        "{{ data.host }} is on fire for {{ destination.name }} <{{ event_id }}> & more\n"
+    webhook_template(
+        tmp_path,
+        "alert.raised.txt",
+        "{{ data.host }} is on fire for {{ destination.name }} <{{ event_id }}> & more\n",
     )
     settings.TEMPLATES = [{**settings.TEMPLATES[0], "DIRS": [tmp_path]}]
     slack = build(parse_destination("ops", SLACK), event())
@@ -517,9 +524,7 @@ def test_a_jinja2_template_writes_plain_text_each_kind_escapes_once(
     # "&amp;amp;"; with a bytecode cache, which keys a template by its name
     # alone, also once rendered without escaping (the code compiled first,
     # escaping, was loaded). Rendered twice: the second time as compiled.
-    folder = tmp_path / "django_federation_delivery" / "webhooks"
-    folder.mkdir(parents=True)
-    (folder / "alert.raised.txt").write_text("{{ data.host }} & {{ data.title }}\n")
+    webhook_template(tmp_path, "alert.raised.txt", "{{ data.host }} & {{ data.title }}\n")
     settings.TEMPLATES = [
         settings.TEMPLATES[0],
         {
@@ -542,9 +547,7 @@ def test_a_jinja2_environment_rendered_with_goes_when_its_engine_does(
 ) -> None:
     # Its plain twin was kept by the package, and kept it: every engine a
     # project's tests made (one a TEMPLATES override) lived for the process.
-    folder = tmp_path / "django_federation_delivery" / "webhooks"
-    folder.mkdir(parents=True)
-    (folder / "alert.raised.txt").write_text("{{ data.host }}\n")
+    webhook_template(tmp_path, "alert.raised.txt", "{{ data.host }}\n")
     from django.template import engines
 
     with override_settings(
@@ -559,9 +562,7 @@ def test_a_jinja2_environment_rendered_with_goes_when_its_engine_does(
 def test_a_template_that_renders_nothing_sends_the_event_type(
     settings: Any, tmp_path: Path
 ) -> None:
-    folder = tmp_path / "django_federation_delivery" / "webhooks"
-    folder.mkdir(parents=True)
-    (folder / "quiet.txt").write_text("{# nothing #}\n\n")
+    webhook_template(tmp_path, "quiet.txt", "{# nothing #}\n\n")
     settings.TEMPLATES = [{**settings.TEMPLATES[0], "DIRS": [tmp_path]}]
     request = build(parse_destination("tg", TELEGRAM), event(event_type="quiet"))
     assert json.loads(request.body)["text"] == "quiet"

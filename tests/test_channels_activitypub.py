@@ -18,6 +18,7 @@ from django_federation_delivery.attempt import AttemptResult, permanent_status
 from django_federation_delivery.channels import Channel, Destination, UnusableURL
 from django_federation_delivery.channels.activitypub import ActivityPub, InboxJob
 from django_federation_delivery.conf import DEFAULTS, app_settings
+from django_federation_delivery.exceptions import SigningError
 from django_federation_delivery.health import is_failure
 from django_federation_delivery.signatures import Scheme, SenderKey, body_sha256
 from django_federation_delivery.transport import (
@@ -271,46 +272,37 @@ def test_what_cannot_be_signed_is_refused_for_good_with_no_request_counted(
     assert len(mocked.calls) == 0
 
 
+@pytest.mark.parametrize(
+    ("raised", "final"),
+    [
+        (SigningError("cannot be signed in draft-cavage"), True),
+        # Its key's service away a moment: the draft-cavage knock may yet be
+        # taken, so the 401 is not final (the delivery was failed for good).
+        (ConnectionError("kms.internal:443 unreachable"), False),
+    ],
+    ids=["for good", "for now"],
+)
 def test_a_second_knock_that_cannot_be_signed_leaves_the_first_answer_standing(
-    mocked: responses.RequestsMock, transport: Transport, monkeypatch: pytest.MonkeyPatch
+    mocked: responses.RequestsMock,
+    transport: Transport,
+    monkeypatch: pytest.MonkeyPatch,
+    raised: Exception,
+    final: bool,
 ) -> None:
     from django_federation_delivery.channels import activitypub
-    from django_federation_delivery.exceptions import SigningError
 
     signed = activitypub.signed_request
 
     def rfc9421_only(job: InboxJob, key: SenderKey, target: str, scheme: Scheme) -> Any:
         if scheme is Scheme.CAVAGE:
-            raise SigningError("cannot be signed in draft-cavage")
+            raise raised
         return signed(job, key, target, scheme)
 
     monkeypatch.setattr(activitypub, "signed_request", rfc9421_only)
     mocked.post(INBOX, status=401)
     result = attempt(job(scheme=Scheme.RFC9421), transport)
-    assert (result.status, result.requests) == (401, 1)
+    assert (result.status, result.requests, result.permanent) == (401, 1, final)
     assert schemes_used(mocked) == ["rfc9421"]
-
-
-def test_a_second_knock_its_key_cannot_sign_for_now_leaves_the_refusal_not_final(
-    mocked: responses.RequestsMock, transport: Transport, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Refused in RFC 9421, the draft-cavage knock that may be taken could not
-    # be signed for a moment: the delivery was failed for good on the 401.
-    from django_federation_delivery.channels import activitypub
-
-    signed = activitypub.signed_request
-
-    def key_service_away_for_cavage(
-        job: InboxJob, key: SenderKey, target: str, scheme: Scheme
-    ) -> Any:
-        if scheme is Scheme.CAVAGE:
-            raise ConnectionError("kms.internal:443 unreachable")
-        return signed(job, key, target, scheme)
-
-    monkeypatch.setattr(activitypub, "signed_request", key_service_away_for_cavage)
-    mocked.post(INBOX, status=401)
-    result = attempt(job(scheme=Scheme.RFC9421), transport)
-    assert (result.status, result.requests, result.permanent) == (401, 1, False)
 
 
 def test_a_connection_failure_is_worth_another_try(
